@@ -1,0 +1,36 @@
+# Resolves MGPU_WITH_CUDA / MGPU_WITH_NCCL into MGPU_CUDA_ENABLED / MGPU_NCCL_ENABLED.
+# Never probes a GPU: only the compiler and the toolkit's files are looked for.
+set(MGPU_CUDA_ENABLED OFF)
+set(MGPU_NCCL_ENABLED OFF)
+
+if(NOT MGPU_WITH_CUDA STREQUAL "OFF")
+  if(NOT CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX} AND EXISTS /usr/local/cuda/bin/nvcc)
+    set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc CACHE FILEPATH "CUDA compiler")
+  endif()
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      # Ampere and Hopper SASS plus Hopper PTX for newer GPUs; consumers choose their own.
+      set(CMAKE_CUDA_ARCHITECTURES 80-real 90)
+    endif()
+    enable_language(CUDA)
+    find_package(CUDAToolkit REQUIRED)
+    set(MGPU_CUDA_ENABLED ON)
+  elseif(MGPU_WITH_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "MGPU_WITH_CUDA=ON but no CUDA compiler was found; set CMAKE_CUDA_COMPILER or CUDACXX")
+  endif()
+endif()
+
+if(MGPU_CUDA_ENABLED AND NOT MGPU_WITH_NCCL STREQUAL "OFF")
+  if(MGPU_WITH_NCCL STREQUAL "ON")
+    find_package(NCCL REQUIRED)
+  else()
+    find_package(NCCL)
+  endif()
+  set(MGPU_NCCL_ENABLED ${NCCL_FOUND})
+elseif(MGPU_WITH_NCCL STREQUAL "ON")
+  message(FATAL_ERROR "MGPU_WITH_NCCL=ON needs the CUDA backend (MGPU_WITH_CUDA is ${MGPU_WITH_CUDA} and no CUDA compiler is in use)")
+endif()
+
+message(STATUS "mgpu: CUDA backend ${MGPU_CUDA_ENABLED}, NCCL ${MGPU_NCCL_ENABLED}")

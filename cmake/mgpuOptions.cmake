@@ -1,0 +1,14 @@
+# Build options. Tests, examples and benchmarks are on only when mgpu is the top-level project.
+include(GNUInstallDirs)
+
+set(MGPU_WITH_CUDA AUTO CACHE STRING "Build the CUDA backend (AUTO: when a CUDA compiler is found)")
+set_property(CACHE MGPU_WITH_CUDA PROPERTY STRINGS AUTO ON OFF)
+set(MGPU_WITH_NCCL AUTO CACHE STRING "Use NCCL for GPU collectives (AUTO: when CUDA is on and NCCL is found)")
+set_property(CACHE MGPU_WITH_NCCL PROPERTY STRINGS AUTO ON OFF)
+
+option(MGPU_BUILD_TESTS "Build mgpu's tests" ${PROJECT_IS_TOP_LEVEL})
+option(MGPU_BUILD_EXAMPLES "Build mgpu's examples" ${PROJECT_IS_TOP_LEVEL})
+option(MGPU_BUILD_BENCH "Build mgpu's benchmarks" ${PROJECT_IS_TOP_LEVEL})
+option(MGPU_NATIVE "Compile examples and benchmarks with -march=native" ${PROJECT_IS_TOP_LEVEL})
+option(MGPU_WERROR "Treat warnings in the library itself as errors (CI)" OFF)
+option(MGPU_INSTALL "Generate mgpu's install rules" ON)

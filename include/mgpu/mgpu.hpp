@@ -1,0 +1,11 @@
+// mgpu: in-process multi-GPU training. Include this one header for the whole public API.
+#pragma once
+
+#include <mgpu/config.hpp>
+#include <mgpu/core/device.hpp>
+#include <mgpu/core/device_group.hpp>
+#include <mgpu/core/dtype.hpp>
+#include <mgpu/core/error.hpp>
+#include <mgpu/core/memory.hpp>
+#include <mgpu/core/stream.hpp>
+#include <mgpu/core/tensor.hpp>

@@ -1,0 +1,166 @@
+// The CUDA runtime calls behind cuda_backend.hpp.
+#include "core/cuda_backend.hpp"
+#include "core/cuda_device_scope.hpp"
+
+#include <cuda_runtime.h>
+#include <cublas_v2.h>
+
+#include <string>
+
+#include <mgpu/config.hpp>
+#include <mgpu/core/error.hpp>
+
+#if MGPU_NCCL_ENABLED
+#include <nccl.h>
+#endif
+
+namespace mgpu::detail::cuda {
+namespace {
+cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
+cudaEvent_t as_event(void* event) { return static_cast<cudaEvent_t>(event); }
+
+}  // namespace
+
+int device_count() noexcept {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();  // no driver or no GPU: clear the sticky status, report none
+    return 0;
+  }
+  return count;
+}
+
+DeviceProperties properties(int ordinal) {
+  cudaDeviceProp prop{};
+  MGPU_CUDA_CHECK(cudaGetDeviceProperties(&prop, ordinal));
+  int clock_khz = 0;
+  MGPU_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, ordinal));
+  DeviceProperties out;
+  out.name = prop.name;
+  out.memory_bytes = prop.totalGlobalMem;
+  out.compute_units = prop.multiProcessorCount;
+  // 128 float32 lanes per SM issuing one FMA (2 FLOP) per clock: the usual peak estimate.
+  out.throughput_gflops = 2.0 * 128.0 * prop.multiProcessorCount * (clock_khz * 1e-6);
+  return out;
+}
+
+bool can_access_peer(int ordinal, int peer) {
+  int can = 0;
+  MGPU_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, ordinal, peer));
+  return can != 0;
+}
+
+void set_device(int ordinal) { MGPU_CUDA_CHECK(cudaSetDevice(ordinal)); }
+
+void* stream_create(int ordinal) {
+  DeviceScope scope(ordinal);
+  cudaStream_t stream = nullptr;
+  MGPU_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  return stream;
+}
+
+void stream_destroy(void* stream) noexcept {
+  MGPU_CUDA_CHECK_NO_THROW(cudaStreamSynchronize(as_stream(stream)));
+  MGPU_CUDA_CHECK_NO_THROW(cudaStreamDestroy(as_stream(stream)));
+}
+
+void stream_synchronize(void* stream) { MGPU_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream))); }
+
+bool stream_query(void* stream) {
+  cudaError_t const status = cudaStreamQuery(as_stream(stream));
+  if (status == cudaErrorNotReady) return false;
+  MGPU_CUDA_CHECK(status);
+  return true;
+}
+
+void launch_host_func(void* stream, void (*fn)(void*), void* arg) {
+  MGPU_CUDA_CHECK(cudaLaunchHostFunc(as_stream(stream), fn, arg));
+}
+
+void* event_create(int ordinal) {
+  DeviceScope scope(ordinal);
+  cudaEvent_t event = nullptr;
+  MGPU_CUDA_CHECK(cudaEventCreate(&event));
+  return event;
+}
+
+void event_destroy(void* event) noexcept { MGPU_CUDA_CHECK_NO_THROW(cudaEventDestroy(as_event(event))); }
+void event_record(void* event, void* stream) { MGPU_CUDA_CHECK(cudaEventRecord(as_event(event), as_stream(stream))); }
+void stream_wait_event(void* stream, void* event) {
+  MGPU_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream), as_event(event), 0));
+}
+void event_synchronize(void* event) { MGPU_CUDA_CHECK(cudaEventSynchronize(as_event(event))); }
+
+bool event_query(void* event) {
+  cudaError_t const status = cudaEventQuery(as_event(event));
+  if (status == cudaErrorNotReady) return false;
+  MGPU_CUDA_CHECK(status);
+  return true;
+}
+
+float event_elapsed_ms(void* start, void* end) {
+  float ms = 0;
+  MGPU_CUDA_CHECK(cudaEventElapsedTime(&ms, as_event(start), as_event(end)));
+  return ms;
+}
+
+void* device_malloc(int ordinal, std::size_t bytes) {
+  DeviceScope scope(ordinal);
+  void* data = nullptr;
+  cudaError_t const status = cudaMalloc(&data, bytes);
+  if (status == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  MGPU_CUDA_CHECK(status);
+  return data;
+}
+
+void device_free(int ordinal, void* data) noexcept {
+  int previous = 0;
+  MGPU_CUDA_CHECK_NO_THROW(cudaGetDevice(&previous));
+  MGPU_CUDA_CHECK_NO_THROW(cudaSetDevice(ordinal));
+  MGPU_CUDA_CHECK_NO_THROW(cudaFree(data));
+  MGPU_CUDA_CHECK_NO_THROW(cudaSetDevice(previous));
+}
+
+void* pinned_malloc(std::size_t bytes) {
+  void* data = nullptr;
+  MGPU_CUDA_CHECK(cudaMallocHost(&data, bytes));
+  return data;
+}
+
+void pinned_free(void* data) noexcept { MGPU_CUDA_CHECK_NO_THROW(cudaFreeHost(data)); }
+
+void memory_info(int ordinal, std::size_t& free, std::size_t& total) {
+  DeviceScope scope(ordinal);
+  MGPU_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+}
+
+void memcpy_async(int ordinal, void* dst, void const* src, std::size_t bytes, void* stream) {
+  DeviceScope scope(ordinal);
+  MGPU_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, as_stream(stream)));
+}
+
+std::string error_string(int status) {
+  auto const error = static_cast<cudaError_t>(status);
+  return std::string(cudaGetErrorName(error)) + " (" + cudaGetErrorString(error) + ")";
+}
+
+std::string nccl_error_string(int status) {
+#if MGPU_NCCL_ENABLED
+  return std::string("NCCL status ") + std::to_string(status) + " (" +
+         ncclGetErrorString(static_cast<ncclResult_t>(status)) + ")";
+#else
+  return "NCCL status " + std::to_string(status);
+#endif
+}
+
+std::string cublas_error_string(int status) {
+  return std::string(cublasGetStatusName(static_cast<cublasStatus_t>(status))) + " (" +
+         cublasGetStatusString(static_cast<cublasStatus_t>(status)) + ")";
+}
+
+bool is_out_of_memory(int status) { return status == cudaErrorMemoryAllocation; }
+
+}  // namespace mgpu::detail::cuda

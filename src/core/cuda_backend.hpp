@@ -1,0 +1,54 @@
+// The CUDA runtime calls the core needs, behind plain C++ signatures. cuda_backend.cpp implements
+// them with CUDA; no_cuda_backend.cpp, for builds without CUDA, reports no GPU and throws.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <mgpu/core/device.hpp>
+#include <mgpu/core/dtype.hpp>
+
+namespace mgpu::detail::cuda {
+
+int device_count() noexcept;
+DeviceProperties properties(int ordinal);
+bool can_access_peer(int ordinal, int peer);
+void set_device(int ordinal);
+
+void* stream_create(int ordinal);
+void stream_destroy(void* stream) noexcept;
+void stream_synchronize(void* stream);
+bool stream_query(void* stream);
+// Runs fn(arg) in stream order on a CUDA-owned thread; fn must not call CUDA.
+void launch_host_func(void* stream, void (*fn)(void*), void* arg);
+
+void* event_create(int ordinal);
+void event_destroy(void* event) noexcept;
+void event_record(void* event, void* stream);
+void stream_wait_event(void* stream, void* event);
+void event_synchronize(void* event);
+bool event_query(void* event);
+float event_elapsed_ms(void* start, void* end);
+
+// nullptr when the device is out of memory.
+void* device_malloc(int ordinal, std::size_t bytes);
+void device_free(int ordinal, void* data) noexcept;
+void* pinned_malloc(std::size_t bytes);
+void pinned_free(void* data) noexcept;
+// Free and total bytes of the GPU.
+void memory_info(int ordinal, std::size_t& free, std::size_t& total);
+
+// Work on a stream of GPU `ordinal`; the calling thread's current device is left as it was.
+void memcpy_async(int ordinal, void* dst, void const* src, std::size_t bytes, void* stream);
+void convert_async(int ordinal, void* dst, DType dst_type, void const* src, DType src_type, std::int64_t count,
+                   void* stream);
+void fill_async(int ordinal, void* dst, DType type, float value, std::int64_t count, void* stream);
+
+std::string error_string(int status);
+std::string nccl_error_string(int status);
+std::string cublas_error_string(int status);
+// The runtime's code for "out of memory", to map it onto Errc::out_of_memory.
+bool is_out_of_memory(int status);
+
+}  // namespace mgpu::detail::cuda

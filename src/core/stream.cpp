@@ -1,0 +1,313 @@
+// Streams and events: a worker thread per host stream, CUDA streams and events on GPUs.
+#include <mgpu/core/stream.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include <mgpu/core/error.hpp>
+
+#include "core/cuda_backend.hpp"
+
+namespace mgpu {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Wraps whatever host work threw into an mgpu::Error naming the stream's device.
+std::exception_ptr as_error(Device device) {
+  try {
+    throw;
+  } catch (Error const&) {
+    return std::current_exception();
+  } catch (std::exception const& e) {
+    return std::make_exception_ptr(Error(Errc::device, "host work on " + device.to_string() + " threw: " + e.what()));
+  } catch (...) {
+    return std::make_exception_ptr(Error(Errc::device, "host work on " + device.to_string() + " threw a non-standard exception"));
+  }
+}
+
+// The state a host event shares with the streams that record and wait on it.
+struct HostEventState {
+  std::mutex mutex;
+  std::condition_variable reached_cv;
+  std::uint64_t recorded = 0;  // recordings enqueued
+  std::uint64_t reached = 0;   // recordings the stream has passed
+  bool failed = false;         // the last reached recording came after failed work
+  std::string failed_on;
+  Clock::time_point time{};
+
+  void wait_for(std::uint64_t target) {
+    std::unique_lock lock(mutex);
+    reached_cv.wait(lock, [&] { return reached >= target; });
+    if (failed)
+      throw Error(Errc::device, "waited on an event recorded after work on " + failed_on + " failed");
+  }
+};
+
+// Runs a heap-held std::function as a CUDA host callback, keeping its exception for synchronize().
+struct HostCallback {
+  std::function<void()> work;
+  Stream::Impl* stream;
+};
+
+}  // namespace
+
+struct Stream::Impl {
+  struct Task {
+    std::function<void()> work;
+    bool runs_after_failure;  // event recordings still complete after a failure
+  };
+
+  explicit Impl(Device d) : device(d) {
+    if (device.kind == DeviceKind::cuda) {
+      cuda_stream = detail::cuda::stream_create(device.index);
+    } else {
+      worker = std::thread([this] { run_worker(); });
+    }
+  }
+
+  ~Impl() {
+    if (device.kind == DeviceKind::cuda) {
+      detail::cuda::stream_destroy(cuda_stream);
+      return;
+    }
+    {
+      std::lock_guard lock(mutex);
+      stopping = true;
+    }
+    work_cv.notify_all();
+    worker.join();
+  }
+
+  Impl(Impl const&) = delete;
+  Impl& operator=(Impl const&) = delete;
+
+  void run_worker() {
+    std::unique_lock lock(mutex);
+    while (true) {
+      work_cv.wait(lock, [&] { return stopping || !tasks.empty(); });
+      if (tasks.empty()) return;  // stopping, queue drained
+      Task task = std::move(tasks.front());
+      tasks.pop_front();
+      bool const skip = error != nullptr && !task.runs_after_failure;
+      lock.unlock();
+      std::exception_ptr failure;
+      if (!skip) {
+        try {
+          task.work();
+        } catch (...) {
+          failure = as_error(device);
+        }
+      }
+      task.work = nullptr;  // release what the work captured before reporting completion
+      lock.lock();
+      if (failure && !error) error = failure;
+      ++completed;
+      done_cv.notify_all();
+    }
+  }
+
+  void push(std::function<void()> work, bool runs_after_failure) {
+    if (device.kind == DeviceKind::cuda) {
+      auto* callback = new HostCallback{std::move(work), this};
+      try {
+        detail::cuda::launch_host_func(cuda_stream, &Impl::run_callback, callback);
+      } catch (...) {
+        delete callback;
+        throw;
+      }
+      return;
+    }
+    {
+      std::lock_guard lock(mutex);
+      tasks.push_back({std::move(work), runs_after_failure});
+      ++submitted;
+    }
+    work_cv.notify_one();
+  }
+
+  static void run_callback(void* arg) {
+    auto* callback = static_cast<HostCallback*>(arg);
+    try {
+      callback->work();
+    } catch (...) {
+      std::exception_ptr const failure = as_error(callback->stream->device);
+      std::lock_guard lock(callback->stream->mutex);
+      if (!callback->stream->error) callback->stream->error = failure;
+    }
+    delete callback;
+  }
+
+  bool failed() {
+    std::lock_guard lock(mutex);
+    return error != nullptr;
+  }
+
+  void synchronize() {
+    if (device.kind == DeviceKind::cuda) detail::cuda::stream_synchronize(cuda_stream);
+    std::unique_lock lock(mutex);
+    done_cv.wait(lock, [&] { return completed == submitted; });
+    if (error) std::rethrow_exception(std::exchange(error, nullptr));
+  }
+
+  bool query() {
+    if (device.kind == DeviceKind::cuda) return detail::cuda::stream_query(cuda_stream);
+    std::lock_guard lock(mutex);
+    return completed == submitted;
+  }
+
+  Device device;
+  void* cuda_stream = nullptr;
+
+  std::mutex mutex;
+  std::condition_variable work_cv;
+  std::condition_variable done_cv;
+  std::deque<Task> tasks;
+  std::uint64_t submitted = 0;
+  std::uint64_t completed = 0;
+  bool stopping = false;
+  std::exception_ptr error;
+  std::thread worker;
+};
+
+Stream::Stream(Device device) : impl_(std::make_unique<Impl>(device)) {}
+Stream::Stream(Stream&&) noexcept = default;
+Stream& Stream::operator=(Stream&&) noexcept = default;
+Stream::~Stream() = default;
+
+Device Stream::device() const noexcept { return impl_->device; }
+void Stream::enqueue(std::function<void()> work) { impl_->push(std::move(work), false); }
+void Stream::synchronize() { impl_->synchronize(); }
+bool Stream::query() const { return impl_->query(); }
+void* Stream::native_handle() const noexcept { return impl_->cuda_stream; }
+
+struct Event::Impl {
+  ~Impl() {
+    if (cuda_event != nullptr) detail::cuda::event_destroy(cuda_event);
+  }
+
+  bool recorded_on_cuda() const { return cuda_event != nullptr && kind == DeviceKind::cuda; }
+
+  DeviceKind kind = DeviceKind::host;
+  std::shared_ptr<HostEventState> host = std::make_shared<HostEventState>();
+  void* cuda_event = nullptr;
+  int cuda_ordinal = -1;
+  bool ever_recorded = false;
+};
+
+Event::Event() : impl_(std::make_unique<Impl>()) {}
+Event::Event(Event&&) noexcept = default;
+Event& Event::operator=(Event&&) noexcept = default;
+Event::~Event() = default;
+
+void Event::record(Stream& stream) {
+  Stream::Impl& s = stream.impl();
+  Impl& e = *impl_;
+  if (s.device.kind == DeviceKind::cuda) {
+    if (e.cuda_event == nullptr || e.cuda_ordinal != s.device.index) {
+      void* fresh = detail::cuda::event_create(s.device.index);
+      if (e.cuda_event != nullptr) detail::cuda::event_destroy(e.cuda_event);
+      e.cuda_event = fresh;
+      e.cuda_ordinal = s.device.index;
+    }
+    detail::cuda::event_record(e.cuda_event, s.cuda_stream);
+    e.kind = DeviceKind::cuda;
+    e.ever_recorded = true;
+    return;
+  }
+  std::uint64_t generation = 0;
+  {
+    std::lock_guard lock(e.host->mutex);
+    generation = ++e.host->recorded;
+  }
+  e.kind = DeviceKind::host;
+  e.ever_recorded = true;
+  s.push(
+      [state = e.host, generation, &s] {
+        bool const failed = s.failed();
+        std::lock_guard lock(state->mutex);
+        if (generation > state->reached) {
+          state->reached = generation;
+          state->failed = failed;
+          state->failed_on = s.device.to_string();
+          state->time = Clock::now();
+        }
+        state->reached_cv.notify_all();
+      },
+      true);
+}
+
+void Event::wait(Stream& stream) const {
+  Impl const& e = *impl_;
+  if (!e.ever_recorded) return;
+  Stream::Impl& s = stream.impl();
+  if (e.recorded_on_cuda()) {
+    if (s.device.kind == DeviceKind::cuda) {
+      detail::cuda::stream_wait_event(s.cuda_stream, e.cuda_event);
+    } else {
+      s.push([event = e.cuda_event] { detail::cuda::event_synchronize(event); }, false);
+    }
+    return;
+  }
+  std::uint64_t target = 0;
+  {
+    std::lock_guard lock(e.host->mutex);
+    target = e.host->recorded;
+  }
+  s.push([state = e.host, target] { state->wait_for(target); }, false);
+}
+
+void Event::synchronize() const {
+  Impl const& e = *impl_;
+  if (!e.ever_recorded) return;
+  if (e.recorded_on_cuda()) {
+    detail::cuda::event_synchronize(e.cuda_event);
+    return;
+  }
+  std::uint64_t target = 0;
+  {
+    std::lock_guard lock(e.host->mutex);
+    target = e.host->recorded;
+  }
+  e.host->wait_for(target);
+}
+
+bool Event::query() const {
+  Impl const& e = *impl_;
+  if (!e.ever_recorded) return true;
+  if (e.recorded_on_cuda()) return detail::cuda::event_query(e.cuda_event);
+  std::lock_guard lock(e.host->mutex);
+  return e.host->reached >= e.host->recorded;
+}
+
+double Event::elapsed_ms(Event const& start, Event const& end) {
+  Impl const& a = *start.impl_;
+  Impl const& b = *end.impl_;
+  if (!a.ever_recorded || !b.ever_recorded)
+    throw Error(Errc::invalid_argument, "elapsed_ms needs two recorded events, got an event that was never recorded");
+  if (a.recorded_on_cuda() != b.recorded_on_cuda())
+    throw Error(Errc::invalid_argument, "elapsed_ms needs two events recorded on the same kind of device (host or cuda)");
+  if (a.recorded_on_cuda()) return detail::cuda::event_elapsed_ms(a.cuda_event, b.cuda_event);
+  if (!start.query() || !end.query())
+    throw Error(Errc::invalid_argument, "elapsed_ms called before both events were reached; synchronize them first");
+  Clock::time_point t0;
+  Clock::time_point t1;
+  {
+    std::lock_guard lock(a.host->mutex);
+    t0 = a.host->time;
+  }
+  {
+    std::lock_guard lock(b.host->mutex);
+    t1 = b.host->time;
+  }
+  return std::chrono::duration<double, std::milli>(t1 - t0).count();
+}
+
+}  // namespace mgpu

@@ -1,0 +1,206 @@
+// Tensor storage, views, and copies between host and device memory.
+#include <mgpu/core/tensor.hpp>
+
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include <mgpu/core/detail/elementwise.hpp>
+
+#include "core/cuda_backend.hpp"
+
+namespace mgpu {
+namespace {
+
+std::int64_t checked_numel(Shape const& shape) {
+  std::int64_t count = 1;
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] < 0)
+      throw Error(Errc::invalid_argument, "tensor shape " + to_string(shape) + " has extent " +
+                                              std::to_string(shape[i]) + " in dimension " + std::to_string(i) +
+                                              " (expected extents >= 0)");
+    if (shape[i] != 0 && count > std::numeric_limits<std::int64_t>::max() / 8 / shape[i])
+      throw Error(Errc::invalid_argument, "tensor shape " + to_string(shape) + " has too many elements");
+    count *= shape[i];
+  }
+  return count;
+}
+
+void check_same_layout(Tensor const& dst, Tensor const& src, char const* operation) {
+  if (!dst.defined() || !src.defined())
+    throw Error(Errc::invalid_argument, std::string(operation) + " got an undefined tensor (expected tensors made by Tensor::empty)");
+  if (dst.shape() != src.shape())
+    throw Error(Errc::invalid_argument, std::string(operation) + ": destination shape " + to_string(dst.shape()) +
+                                            " differs from source shape " + to_string(src.shape()) +
+                                            " (expected equal shapes)");
+}
+
+bool on_host(Tensor const& t) { return t.device().kind == DeviceKind::host; }
+
+// Releases what enqueued CUDA work used, once the stream reaches this point.
+void release_after(Stream& stream, std::shared_ptr<void const> a, std::shared_ptr<void const> b = nullptr) {
+  stream.enqueue([a = std::move(a), b = std::move(b)] {});
+}
+
+void staging_copy_to_device(Tensor const& dst, Tensor const& src, Stream& stream) {
+  static std::shared_ptr<Allocator> const staging_pool = Allocator::create(Device{DeviceKind::host, 0});
+  std::size_t const bytes = src.nbytes();
+  auto staging = std::make_shared<Buffer>(staging_pool->allocate_pinned(bytes));
+  stream.enqueue([staging, from = src.data(), keep = src.keep_alive(), bytes] { std::memcpy(staging->data(), from, bytes); });
+  detail::cuda::memcpy_async(stream.device().index, dst.data(), staging->data(), bytes, stream.native_handle());
+  release_after(stream, staging, dst.keep_alive());
+}
+
+void staging_copy_to_host(Tensor const& dst, Tensor const& src, Stream& stream) {
+  static std::shared_ptr<Allocator> const staging_pool = Allocator::create(Device{DeviceKind::host, 0});
+  std::size_t const bytes = src.nbytes();
+  auto staging = std::make_shared<Buffer>(staging_pool->allocate_pinned(bytes));
+  detail::cuda::memcpy_async(stream.device().index, staging->data(), src.data(), bytes, stream.native_handle());
+  stream.enqueue([staging, to = dst.data(), keep_dst = dst.keep_alive(), keep_src = src.keep_alive(), bytes] {
+    std::memcpy(to, staging->data(), bytes);
+  });
+}
+
+}  // namespace
+
+std::string to_string(Shape const& shape) {
+  std::string text = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+Tensor Tensor::empty(Shape shape, DType dtype, Allocator& allocator) {
+  Tensor t;
+  std::int64_t const count = checked_numel(shape);
+  t.storage_ = std::make_shared<Buffer>(allocator.allocate(static_cast<std::size_t>(count) * size_of(dtype)));
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  t.device_ = allocator.device();
+  return t;
+}
+
+Tensor Tensor::empty_pinned(Shape shape, DType dtype, Allocator& allocator) {
+  Tensor t;
+  std::int64_t const count = checked_numel(shape);
+  t.storage_ = std::make_shared<Buffer>(allocator.allocate_pinned(static_cast<std::size_t>(count) * size_of(dtype)));
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  t.device_ = Device{DeviceKind::host, 0};
+  return t;
+}
+
+std::int64_t Tensor::dim(std::int64_t d) const {
+  if (d < 0 || d >= rank())
+    throw Error(Errc::invalid_argument, "dimension " + std::to_string(d) + " of a tensor of shape " + to_string(shape_) +
+                                            " (expected a dimension in [0, " + std::to_string(rank()) + "))");
+  return shape_[static_cast<std::size_t>(d)];
+}
+
+std::int64_t Tensor::numel() const noexcept {
+  std::int64_t count = 1;
+  for (std::int64_t extent : shape_) count *= extent;
+  return count;
+}
+
+bool Tensor::pinned() const noexcept { return storage_ != nullptr && storage_->pinned(); }
+
+void* Tensor::data() const noexcept {
+  if (storage_ == nullptr || storage_->data() == nullptr) return nullptr;
+  return static_cast<char*>(storage_->data()) + offset_;
+}
+
+void Tensor::check_host_access(DType requested) const {
+  if (requested != dtype_)
+    throw Error(Errc::invalid_argument, "host_span<" + std::string(mgpu::to_string(requested)) + "> of a " +
+                                            std::string(mgpu::to_string(dtype_)) + " tensor (expected the tensor's own dtype)");
+  if (device_.kind != DeviceKind::host)
+    throw Error(Errc::invalid_argument, "host_span of a tensor on " + device_.to_string() +
+                                            " (expected a host tensor; copy it to host memory first)");
+}
+
+Tensor Tensor::slice(std::int64_t begin, std::int64_t end) const {
+  if (shape_.empty())
+    throw Error(Errc::invalid_argument, "slice of a 0-d tensor (expected a tensor with at least one dimension)");
+  if (begin < 0 || begin > end || end > shape_[0])
+    throw Error(Errc::invalid_argument, "slice [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                            ") of a tensor of shape " + to_string(shape_) + " (expected 0 <= begin <= end <= " +
+                                            std::to_string(shape_[0]) + ")");
+  Tensor view = *this;
+  std::size_t const row_bytes = shape_[0] == 0 ? 0 : nbytes() / static_cast<std::size_t>(shape_[0]);
+  view.offset_ += static_cast<std::size_t>(begin) * row_bytes;
+  view.shape_[0] = end - begin;
+  return view;
+}
+
+void copy_async(Tensor const& dst, Tensor const& src, Stream& stream) {
+  check_same_layout(dst, src, "copy_async");
+  if (dst.dtype() != src.dtype())
+    throw Error(Errc::invalid_argument, "copy_async from " + std::string(to_string(src.dtype())) + " to " +
+                                            std::string(to_string(dst.dtype())) +
+                                            " (expected equal dtypes; use convert_async to convert)");
+  std::size_t const bytes = src.nbytes();
+  if (on_host(dst) && on_host(src)) {
+    if (bytes == 0) return;
+    stream.enqueue([to = dst.data(), from = src.data(), bytes, keep_dst = dst.keep_alive(), keep_src = src.keep_alive()] {
+      std::memcpy(to, from, bytes);
+    });
+    return;
+  }
+  Device const s = stream.device();
+  bool const stream_fits = s.kind == DeviceKind::cuda && (s == dst.device() || s == src.device());
+  if (!stream_fits)
+    throw Error(Errc::invalid_argument, "copy_async from " + src.device().to_string() + " to " + dst.device().to_string() +
+                                            " on a stream of " + s.to_string() +
+                                            " (expected a CUDA stream of the source or destination GPU)");
+  if (bytes == 0) return;
+  if (on_host(src) && !src.pinned()) {
+    staging_copy_to_device(dst, src, stream);
+  } else if (on_host(dst) && !dst.pinned()) {
+    staging_copy_to_host(dst, src, stream);
+  } else {
+    detail::cuda::memcpy_async(s.index, dst.data(), src.data(), bytes, stream.native_handle());
+    release_after(stream, dst.keep_alive(), src.keep_alive());
+  }
+}
+
+void convert_async(Tensor const& dst, Tensor const& src, Stream& stream) {
+  if (!dst.defined() || !src.defined())
+    throw Error(Errc::invalid_argument, "convert_async got an undefined tensor (expected tensors made by Tensor::empty)");
+  if (dst.numel() != src.numel())
+    throw Error(Errc::invalid_argument, "convert_async from " + to_string(src.shape()) + " to " + to_string(dst.shape()) +
+                                            " (expected the same number of elements)");
+  Device const s = stream.device();
+  bool const same_device = s.kind == DeviceKind::host ? on_host(dst) && on_host(src) : dst.device() == s && src.device() == s;
+  if (!same_device)
+    throw Error(Errc::invalid_argument, "convert_async from " + src.device().to_string() + " to " + dst.device().to_string() +
+                                            " on a stream of " + s.to_string() + " (expected both tensors on the stream's device)");
+  detail::ConvertOp const op{dst.data(), dst.dtype(), src.data(), src.dtype()};
+  std::int64_t const count = src.numel();
+  if (count == 0) return;
+  if (s.kind == DeviceKind::host) {
+    stream.enqueue([op, count, keep_dst = dst.keep_alive(), keep_src = src.keep_alive()] { detail::for_each_index(count, op); });
+  } else {
+    detail::cuda::convert_async(s.index, op.dst, op.dst_type, op.src, op.src_type, count, stream.native_handle());
+    release_after(stream, dst.keep_alive(), src.keep_alive());
+  }
+}
+
+void fill_async(Tensor const& dst, float value, Stream& stream) {
+  if (!dst.defined()) throw Error(Errc::invalid_argument, "fill_async got an undefined tensor (expected a tensor made by Tensor::empty)");
+  Device const s = stream.device();
+  bool const same_device = s.kind == DeviceKind::host ? on_host(dst) : dst.device() == s;
+  if (!same_device)
+    throw Error(Errc::invalid_argument, "fill_async of a tensor on " + dst.device().to_string() + " on a stream of " +
+                                            s.to_string() + " (expected the tensor on the stream's device)");
+  std::int64_t const count = dst.numel();
+  if (count == 0) return;
+  detail::FillOp const op{dst.data(), dst.dtype(), value};
+  if (s.kind == DeviceKind::host) {
+    stream.enqueue([op, count, keep = dst.keep_alive()] { detail::for_each_index(count, op); });
+  } else {
+    detail::cuda::fill_async(s.index, op.dst, op.type, op.value, count, stream.native_handle());
+    release_after(stream, dst.keep_alive());
+  }
+}
+
+}  // namespace mgpu
