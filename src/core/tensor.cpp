@@ -174,13 +174,17 @@ void convert_async(Tensor const& dst, Tensor const& src, Stream& stream) {
   if (!same_device)
     throw Error(Errc::invalid_argument, "convert_async from " + src.device().to_string() + " to " + dst.device().to_string() +
                                             " on a stream of " + s.to_string() + " (expected both tensors on the stream's device)");
-  detail::ConvertOp const op{dst.data(), dst.dtype(), src.data(), src.dtype()};
   std::int64_t const count = src.numel();
   if (count == 0) return;
   if (s.kind == DeviceKind::host) {
-    stream.enqueue([op, count, keep_dst = dst.keep_alive(), keep_src = src.keep_alive()] { detail::for_each_index(count, op); });
+    detail::visit_dtype(dst.dtype(), [&]<class D>(std::type_identity<D>) {
+      detail::visit_dtype(src.dtype(), [&]<class S>(std::type_identity<S>) {
+        detail::ConvertOp<D, S> const op{static_cast<D*>(dst.data()), static_cast<S const*>(src.data())};
+        stream.enqueue([op, count, keep_dst = dst.keep_alive(), keep_src = src.keep_alive()] { detail::for_each_index(count, op); });
+      });
+    });
   } else {
-    detail::cuda::convert_async(s.index, op.dst, op.dst_type, op.src, op.src_type, count, stream.native_handle());
+    detail::cuda::convert_async(s.index, dst.data(), dst.dtype(), src.data(), src.dtype(), count, stream.native_handle());
     release_after(stream, dst.keep_alive(), src.keep_alive());
   }
 }
@@ -194,11 +198,13 @@ void fill_async(Tensor const& dst, float value, Stream& stream) {
                                             s.to_string() + " (expected the tensor on the stream's device)");
   std::int64_t const count = dst.numel();
   if (count == 0) return;
-  detail::FillOp const op{dst.data(), dst.dtype(), value};
   if (s.kind == DeviceKind::host) {
-    stream.enqueue([op, count, keep = dst.keep_alive()] { detail::for_each_index(count, op); });
+    detail::visit_dtype(dst.dtype(), [&]<class T>(std::type_identity<T>) {
+      detail::FillOp<T> const op{static_cast<T*>(dst.data()), T(value)};
+      stream.enqueue([op, count, keep = dst.keep_alive()] { detail::for_each_index(count, op); });
+    });
   } else {
-    detail::cuda::fill_async(s.index, op.dst, op.type, op.value, count, stream.native_handle());
+    detail::cuda::fill_async(s.index, dst.data(), dst.dtype(), value, count, stream.native_handle());
     release_after(stream, dst.keep_alive());
   }
 }
