@@ -1,0 +1,168 @@
+// bench_core: the core runtime's data movement against its baselines, measured in the same run.
+// Each "ours" benchmark also times its baseline (std::memcpy on the host, raw cudaMemcpyAsync on a
+// GPU) for the same bytes and reports `baseline_frac` = our bandwidth / the baseline's (medians).
+//
+//   bench_core --benchmark_format=json --benchmark_out=core.json
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <vector>
+
+#include <mgpu/mgpu.hpp>
+
+#if MGPU_CUDA_ENABLED
+#include <cuda_runtime.h>
+#endif
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+template <class Fn>
+double median_seconds(Fn&& fn, int repeats = 7) {
+  std::vector<double> times;
+  for (int i = 0; i < repeats; ++i) {
+    auto const t0 = Clock::now();
+    fn();
+    times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  std::nth_element(times.begin(), times.begin() + repeats / 2, times.end());
+  return times[static_cast<std::size_t>(repeats / 2)];
+}
+
+void record(benchmark::State& state, std::size_t bytes, std::vector<double>& ours, double baseline_s) {
+  std::nth_element(ours.begin(), ours.begin() + static_cast<std::ptrdiff_t>(ours.size() / 2), ours.end());
+  double const median = ours[ours.size() / 2];
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * static_cast<std::int64_t>(bytes));
+  state.counters["bytes"] = static_cast<double>(bytes);
+  state.counters["GBps"] = static_cast<double>(bytes) / median * 1e-9;
+  state.counters["baseline_GBps"] = static_cast<double>(bytes) / baseline_s * 1e-9;
+  state.counters["baseline_frac"] = baseline_s / median;
+}
+
+// copy_async between two host devices on a host stream, synchronized each time, vs std::memcpy.
+void BM_host_copy_async(benchmark::State& state) {
+  auto const bytes = static_cast<std::size_t>(state.range(0));
+  auto a0 = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  auto a1 = mgpu::Allocator::create({mgpu::DeviceKind::host, 1});
+  auto const n = static_cast<std::int64_t>(bytes / sizeof(float));
+  mgpu::Tensor src = mgpu::Tensor::empty({n}, mgpu::DType::float32, *a0);
+  mgpu::Tensor dst = mgpu::Tensor::empty({n}, mgpu::DType::float32, *a1);
+  std::fill(src.host_span<float>().begin(), src.host_span<float>().end(), 1.0f);
+  mgpu::Stream stream({mgpu::DeviceKind::host, 1});
+  double const baseline = median_seconds([&] {
+    std::memcpy(dst.data(), src.data(), bytes);
+    benchmark::ClobberMemory();
+  });
+  std::vector<double> ours;
+  for (auto _ : state) {
+    auto const t0 = Clock::now();
+    mgpu::copy_async(dst, src, stream);
+    stream.synchronize();
+    ours.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  record(state, bytes, ours, baseline);
+}
+BENCHMARK(BM_host_copy_async)->RangeMultiplier(16)->Range(4 << 10, 64 << 20)->UseRealTime();
+
+// float32 -> bfloat16 conversion on a host stream, vs std::memcpy of the same source bytes.
+void BM_host_convert_bf16(benchmark::State& state) {
+  auto const n = state.range(0);
+  auto alloc = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  mgpu::Tensor src = mgpu::Tensor::empty({n}, mgpu::DType::float32, *alloc);
+  mgpu::Tensor dst = mgpu::Tensor::empty({n}, mgpu::DType::bfloat16, *alloc);
+  mgpu::Tensor copy = mgpu::Tensor::empty({n}, mgpu::DType::float32, *alloc);
+  std::fill(src.host_span<float>().begin(), src.host_span<float>().end(), 1.5f);
+  mgpu::Stream stream({mgpu::DeviceKind::host, 0});
+  double const baseline = median_seconds([&] {
+    std::memcpy(copy.data(), src.data(), src.nbytes());
+    benchmark::ClobberMemory();
+  });
+  std::vector<double> ours;
+  for (auto _ : state) {
+    auto const t0 = Clock::now();
+    mgpu::convert_async(dst, src, stream);
+    stream.synchronize();
+    ours.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  record(state, src.nbytes(), ours, baseline);
+}
+BENCHMARK(BM_host_convert_bf16)->RangeMultiplier(16)->Range(1 << 10, 16 << 20)->UseRealTime();
+
+#if MGPU_CUDA_ENABLED
+// copy_async host (pinned) -> GPU and GPU -> GPU vs raw cudaMemcpyAsync on the same stream.
+void BM_cuda_copy_async(benchmark::State& state) {
+  auto const bytes = static_cast<std::size_t>(state.range(0));
+  bool const device_to_device = state.range(1) != 0;
+  mgpu::DeviceGroup group("cuda:0,0");
+  auto host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  auto const n = static_cast<std::int64_t>(bytes / sizeof(float));
+  mgpu::Tensor src = device_to_device ? mgpu::Tensor::empty({n}, mgpu::DType::float32, group.allocator(1))
+                                      : mgpu::Tensor::empty_pinned({n}, mgpu::DType::float32, *host);
+  mgpu::Tensor dst = mgpu::Tensor::empty({n}, mgpu::DType::float32, group.allocator(0));
+  auto& stream = group.stream(0);
+  auto* raw = static_cast<cudaStream_t>(stream.native_handle());
+  double const baseline = median_seconds([&] {
+    (void)cudaMemcpyAsync(dst.data(), src.data(), bytes, cudaMemcpyDefault, raw);
+    (void)cudaStreamSynchronize(raw);
+  });
+  std::vector<double> ours;
+  for (auto _ : state) {
+    auto const t0 = Clock::now();
+    mgpu::copy_async(dst, src, stream);
+    stream.synchronize();
+    ours.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  record(state, bytes, ours, baseline);
+}
+
+// float32 -> bfloat16 kernel vs a raw device-to-device copy of the same source bytes.
+void BM_cuda_convert_bf16(benchmark::State& state) {
+  auto const n = state.range(0);
+  mgpu::DeviceGroup group("cuda:0");
+  mgpu::Tensor src = mgpu::Tensor::empty({n}, mgpu::DType::float32, group.allocator(0));
+  mgpu::Tensor dst = mgpu::Tensor::empty({n}, mgpu::DType::bfloat16, group.allocator(0));
+  mgpu::Tensor copy = mgpu::Tensor::empty({n}, mgpu::DType::float32, group.allocator(0));
+  auto& stream = group.stream(0);
+  auto* raw = static_cast<cudaStream_t>(stream.native_handle());
+  mgpu::fill_async(src, 1.5f, stream);
+  double const baseline = median_seconds([&] {
+    (void)cudaMemcpyAsync(copy.data(), src.data(), src.nbytes(), cudaMemcpyDeviceToDevice, raw);
+    (void)cudaStreamSynchronize(raw);
+  });
+  std::vector<double> ours;
+  for (auto _ : state) {
+    auto const t0 = Clock::now();
+    mgpu::convert_async(dst, src, stream);
+    stream.synchronize();
+    ours.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  record(state, src.nbytes(), ours, baseline);
+}
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+#if MGPU_CUDA_ENABLED
+  if (mgpu::cuda_device_count() > 0) {
+    benchmark::RegisterBenchmark("BM_cuda_copy_async/h2d", BM_cuda_copy_async)
+        ->ArgsProduct({{1 << 20, 16 << 20, 256 << 20}, {0}})
+        ->UseRealTime();
+    benchmark::RegisterBenchmark("BM_cuda_copy_async/d2d", BM_cuda_copy_async)
+        ->ArgsProduct({{1 << 20, 16 << 20, 256 << 20}, {1}})
+        ->UseRealTime();
+    benchmark::RegisterBenchmark("BM_cuda_convert_bf16", BM_cuda_convert_bf16)
+        ->Arg(1 << 20)
+        ->Arg(64 << 20)
+        ->UseRealTime();
+  }
+#endif
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
