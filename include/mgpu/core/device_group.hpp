@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -60,6 +61,14 @@ class DeviceGroup {
   /// Error(invalid_argument).
   void run(std::function<void(int rank, Device device, Stream& stream)> const& fn);
 
+  /// Registers fn(rank, message), called on the failing rank's driver thread as soon as a rank's
+  /// run() callback or its default stream's work fails, before run() returns. Communicators use it
+  /// to abort, so that the other ranks stop waiting for the failed one. Returns an id for
+  /// remove_failure_listener(). fn must not call back into the group.
+  int add_failure_listener(std::function<void(int rank, std::string const& message)> fn);
+  /// Removes a listener; after it returns the listener is not running and will not be called.
+  void remove_failure_listener(int id) noexcept;
+
   /// Waits for every rank's default stream; throws the first error.
   void synchronize();
 
@@ -67,7 +76,8 @@ class DeviceGroup {
   /// still in batch's memory.
   [[nodiscard]] std::vector<Tensor> shard(Tensor const& batch, std::span<double const> weights = {}) const;
 
-  /// Copies of those shards in each rank's own memory, enqueued on each rank's default stream.
+  /// Copies of those shards in each rank's own memory, enqueued on each rank's default stream: read
+  /// them through that stream's later work, or after synchronize().
   [[nodiscard]] std::vector<Tensor> scatter(Tensor const& batch, std::span<double const> weights = {});
 
   struct Impl;
