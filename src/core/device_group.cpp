@@ -130,6 +130,7 @@ struct DeviceGroup::Impl {
           if (!failure) failure = std::current_exception();
         }
       }
+      if (failure) notify_failure(rank, failure);
       lock.lock();
       if (failure && !first_error) {
         first_error = failure;
@@ -137,6 +138,19 @@ struct DeviceGroup::Impl {
       }
       if (--remaining == 0) done_cv.notify_all();
     }
+  }
+
+  void notify_failure(int rank, std::exception_ptr failure) {
+    std::string message;
+    try {
+      std::rethrow_exception(failure);
+    } catch (std::exception const& e) {
+      message = e.what();
+    } catch (...) {
+      message = "a non-standard exception";
+    }
+    std::lock_guard lock(listeners_mutex);  // held while calling, so removal waits for running calls
+    for (auto const& [id, listener] : listeners) listener(rank, message);
   }
 
   [[noreturn]] void rethrow_with_rank(std::exception_ptr error, int rank) const {
@@ -175,6 +189,9 @@ struct DeviceGroup::Impl {
   std::exception_ptr first_error;
   int first_error_rank = -1;
   std::vector<std::thread> drivers;
+  std::mutex listeners_mutex;
+  std::vector<std::pair<int, std::function<void(int, std::string const&)>>> listeners;
+  int next_listener = 0;
 };
 
 DeviceGroup::DeviceGroup() : DeviceGroup(devices_from_env()) {}
@@ -206,6 +223,17 @@ void DeviceGroup::run(std::function<void(int rank, Device device, Stream& stream
   impl_->done_cv.wait(lock, [&] { return impl_->remaining == 0; });
   impl_->job = nullptr;
   if (impl_->first_error) impl_->rethrow_with_rank(std::exchange(impl_->first_error, nullptr), impl_->first_error_rank);
+}
+
+int DeviceGroup::add_failure_listener(std::function<void(int rank, std::string const& message)> fn) {
+  std::lock_guard lock(impl_->listeners_mutex);
+  impl_->listeners.emplace_back(impl_->next_listener, std::move(fn));
+  return impl_->next_listener++;
+}
+
+void DeviceGroup::remove_failure_listener(int id) noexcept {
+  std::lock_guard lock(impl_->listeners_mutex);
+  std::erase_if(impl_->listeners, [id](auto const& entry) { return entry.first == id; });
 }
 
 void DeviceGroup::synchronize() {

@@ -14,24 +14,12 @@
 #include <mgpu/core/error.hpp>
 
 #include "core/cuda_backend.hpp"
+#include "core/stream_impl.hpp"
 
 namespace mgpu {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// Wraps whatever host work threw into an mgpu::Error naming the stream's device.
-std::exception_ptr as_error(Device device) {
-  try {
-    throw;
-  } catch (Error const&) {
-    return std::current_exception();
-  } catch (std::exception const& e) {
-    return std::make_exception_ptr(Error(Errc::device, "host work on " + device.to_string() + " threw: " + e.what()));
-  } catch (...) {
-    return std::make_exception_ptr(Error(Errc::device, "host work on " + device.to_string() + " threw a non-standard exception"));
-  }
-}
 
 // The state a host event shares with the streams that record and wait on it.
 struct HostEventState {
@@ -51,131 +39,7 @@ struct HostEventState {
   }
 };
 
-// Runs a heap-held std::function as a CUDA host callback, keeping its exception for synchronize().
-struct HostCallback {
-  std::function<void()> work;
-  Stream::Impl* stream;
-};
-
 }  // namespace
-
-struct Stream::Impl {
-  struct Task {
-    std::function<void()> work;
-    bool runs_after_failure;  // event recordings still complete after a failure
-  };
-
-  explicit Impl(Device d) : device(d) {
-    if (device.kind == DeviceKind::cuda) {
-      cuda_stream = detail::cuda::stream_create(device.index);
-    } else {
-      worker = std::thread([this] { run_worker(); });
-    }
-  }
-
-  ~Impl() {
-    if (device.kind == DeviceKind::cuda) {
-      detail::cuda::stream_destroy(cuda_stream);
-      return;
-    }
-    {
-      std::lock_guard lock(mutex);
-      stopping = true;
-    }
-    work_cv.notify_all();
-    worker.join();
-  }
-
-  Impl(Impl const&) = delete;
-  Impl& operator=(Impl const&) = delete;
-
-  void run_worker() {
-    std::unique_lock lock(mutex);
-    while (true) {
-      work_cv.wait(lock, [&] { return stopping || !tasks.empty(); });
-      if (tasks.empty()) return;  // stopping, queue drained
-      Task task = std::move(tasks.front());
-      tasks.pop_front();
-      bool const skip = error != nullptr && !task.runs_after_failure;
-      lock.unlock();
-      std::exception_ptr failure;
-      if (!skip) {
-        try {
-          task.work();
-        } catch (...) {
-          failure = as_error(device);
-        }
-      }
-      task.work = nullptr;  // release what the work captured before reporting completion
-      lock.lock();
-      if (failure && !error) error = failure;
-      ++completed;
-      done_cv.notify_all();
-    }
-  }
-
-  void push(std::function<void()> work, bool runs_after_failure) {
-    if (device.kind == DeviceKind::cuda) {
-      auto* callback = new HostCallback{std::move(work), this};
-      try {
-        detail::cuda::launch_host_func(cuda_stream, &Impl::run_callback, callback);
-      } catch (...) {
-        delete callback;
-        throw;
-      }
-      return;
-    }
-    {
-      std::lock_guard lock(mutex);
-      tasks.push_back({std::move(work), runs_after_failure});
-      ++submitted;
-    }
-    work_cv.notify_one();
-  }
-
-  static void run_callback(void* arg) {
-    auto* callback = static_cast<HostCallback*>(arg);
-    try {
-      callback->work();
-    } catch (...) {
-      std::exception_ptr const failure = as_error(callback->stream->device);
-      std::lock_guard lock(callback->stream->mutex);
-      if (!callback->stream->error) callback->stream->error = failure;
-    }
-    delete callback;
-  }
-
-  bool failed() {
-    std::lock_guard lock(mutex);
-    return error != nullptr;
-  }
-
-  void synchronize() {
-    if (device.kind == DeviceKind::cuda) detail::cuda::stream_synchronize(cuda_stream);
-    std::unique_lock lock(mutex);
-    done_cv.wait(lock, [&] { return completed == submitted; });
-    if (error) std::rethrow_exception(std::exchange(error, nullptr));
-  }
-
-  bool query() {
-    if (device.kind == DeviceKind::cuda) return detail::cuda::stream_query(cuda_stream);
-    std::lock_guard lock(mutex);
-    return completed == submitted;
-  }
-
-  Device device;
-  void* cuda_stream = nullptr;
-
-  std::mutex mutex;
-  std::condition_variable work_cv;
-  std::condition_variable done_cv;
-  std::deque<Task> tasks;
-  std::uint64_t submitted = 0;
-  std::uint64_t completed = 0;
-  bool stopping = false;
-  std::exception_ptr error;
-  std::thread worker;
-};
 
 Stream::Stream(Device device) : impl_(std::make_unique<Impl>(device)) {}
 Stream::Stream(Stream&&) noexcept = default;

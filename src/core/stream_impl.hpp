@@ -1,0 +1,162 @@
+// Stream::Impl, shared by the core and the communicators: a host stream's queue and worker, or a
+// CUDA stream. Internal: not installed.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include <mgpu/core/error.hpp>
+#include <mgpu/core/stream.hpp>
+
+#include "core/cuda_backend.hpp"
+
+namespace mgpu {
+
+namespace detail {
+// Wraps whatever host work threw into an mgpu::Error naming the stream's device.
+inline std::exception_ptr as_error(Device device) {
+  try {
+    throw;
+  } catch (Error const&) {
+    return std::current_exception();
+  } catch (std::exception const& e) {
+    return std::make_exception_ptr(Error(Errc::device, "host work on " + device.to_string() + " threw: " + e.what()));
+  } catch (...) {
+    return std::make_exception_ptr(Error(Errc::device, "host work on " + device.to_string() + " threw a non-standard exception"));
+  }
+}
+
+}  // namespace detail
+
+struct Stream::Impl {
+  struct Task {
+    std::function<void()> work;
+    bool runs_after_failure;  // event recordings still complete after a failure
+  };
+
+  explicit Impl(Device d) : device(d) {
+    if (device.kind == DeviceKind::cuda) {
+      cuda_stream = detail::cuda::stream_create(device.index);
+    } else {
+      worker = std::thread([this] { run_worker(); });
+    }
+  }
+
+  ~Impl() {
+    if (device.kind == DeviceKind::cuda) {
+      detail::cuda::stream_destroy(cuda_stream);
+      return;
+    }
+    {
+      std::lock_guard lock(mutex);
+      stopping = true;
+    }
+    work_cv.notify_all();
+    worker.join();
+  }
+
+  Impl(Impl const&) = delete;
+  Impl& operator=(Impl const&) = delete;
+
+  void run_worker() {
+    std::unique_lock lock(mutex);
+    while (true) {
+      work_cv.wait(lock, [&] { return stopping || !tasks.empty(); });
+      if (tasks.empty()) return;  // stopping, queue drained
+      Task task = std::move(tasks.front());
+      tasks.pop_front();
+      bool const skip = error != nullptr && !task.runs_after_failure;
+      lock.unlock();
+      std::exception_ptr failure;
+      if (!skip) {
+        try {
+          task.work();
+        } catch (...) {
+          failure = detail::as_error(device);
+        }
+      }
+      task.work = nullptr;  // release what the work captured before reporting completion
+      lock.lock();
+      if (failure && !error) error = failure;
+      ++completed;
+      done_cv.notify_all();
+    }
+  }
+
+  void push(std::function<void()> work, bool runs_after_failure) {
+    if (device.kind == DeviceKind::cuda) {
+      auto* callback = new Callback{std::move(work), this};
+      try {
+        detail::cuda::launch_host_func(cuda_stream, &Impl::run_callback, callback);
+      } catch (...) {
+        delete callback;
+        throw;
+      }
+      return;
+    }
+    {
+      std::lock_guard lock(mutex);
+      tasks.push_back({std::move(work), runs_after_failure});
+      ++submitted;
+    }
+    work_cv.notify_one();
+  }
+
+  static void run_callback(void* arg) {
+    auto* callback = static_cast<Callback*>(arg);
+    try {
+      callback->work();
+    } catch (...) {
+      std::exception_ptr const failure = detail::as_error(callback->stream->device);
+      std::lock_guard lock(callback->stream->mutex);
+      if (!callback->stream->error) callback->stream->error = failure;
+    }
+    delete callback;
+  }
+
+  bool failed() {
+    std::lock_guard lock(mutex);
+    return error != nullptr;
+  }
+
+  void synchronize() {
+    if (device.kind == DeviceKind::cuda) detail::cuda::stream_synchronize(cuda_stream);
+    std::unique_lock lock(mutex);
+    done_cv.wait(lock, [&] { return completed == submitted; });
+    if (error) std::rethrow_exception(std::exchange(error, nullptr));
+  }
+
+  bool query() {
+    if (device.kind == DeviceKind::cuda) return detail::cuda::stream_query(cuda_stream);
+    std::lock_guard lock(mutex);
+    return completed == submitted;
+  }
+
+  // Runs a heap-held std::function as a CUDA host callback, keeping its exception for synchronize().
+  struct Callback {
+    std::function<void()> work;
+    Impl* stream;
+  };
+
+  Device device;
+  void* cuda_stream = nullptr;
+
+  std::mutex mutex;
+  std::condition_variable work_cv;
+  std::condition_variable done_cv;
+  std::deque<Task> tasks;
+  std::uint64_t submitted = 0;
+  std::uint64_t completed = 0;
+  bool stopping = false;
+  std::exception_ptr error;
+  std::thread worker;
+};
+
+}  // namespace mgpu
