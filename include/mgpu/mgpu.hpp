@@ -1,6 +1,7 @@
 // mgpu: in-process multi-GPU training. Include this one header for the whole public API.
 #pragma once
 
+#include <mgpu/comm/communicator.hpp>
 #include <mgpu/config.hpp>
 #include <mgpu/core/device.hpp>
 #include <mgpu/core/device_group.hpp>

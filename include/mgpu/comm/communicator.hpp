@@ -1,0 +1,110 @@
+// Collectives between the ranks of a DeviceGroup: all-reduce, reduce-scatter, all-gather,
+// broadcast, reduce, send/recv and barrier, on host devices (in-process), through NCCL, or through
+// CUDA peer copies and reduction kernels.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include <mgpu/comm/reduce_op.hpp>
+#include <mgpu/core/device_group.hpp>
+#include <mgpu/core/stream.hpp>
+#include <mgpu/core/tensor.hpp>
+
+namespace mgpu::comm {
+
+/// Which implementation a communicator uses.
+enum class Backend {
+  automatic,  ///< host for host devices; NCCL for distinct GPUs; CUDA peer for GPUs shared by ranks or without NCCL
+  host,       ///< in-process, one participant per host device
+  nccl,       ///< NCCL, all GPUs of the group in one process
+  cuda_peer,  ///< CUDA peer copies and reduction kernels (several logical devices on one GPU)
+};
+
+std::string_view to_string(ReduceOp op) noexcept;
+std::string_view to_string(Backend backend) noexcept;
+
+/// The environment variable that sets the default deadline, in seconds (e.g. "30" or "0.5").
+inline constexpr char const timeout_env_var[] = "MGPU_COMM_TIMEOUT";
+
+/// The default deadline: $MGPU_COMM_TIMEOUT seconds when set, else 300 s. Throws
+/// Error(invalid_argument) for a value that is not a positive number.
+std::chrono::milliseconds default_timeout();
+
+struct Options {
+  Backend backend = Backend::automatic;
+  /// How long a rank waits for the others in one operation before the communicator is aborted;
+  /// zero means default_timeout().
+  std::chrono::milliseconds timeout{0};
+};
+
+/// The backend Backend::automatic picks for `group`.
+Backend choose_backend(DeviceGroup const& group);
+
+/// A communicator over every rank of a DeviceGroup. Ranks call each operation from their own thread
+/// (typically inside DeviceGroup::run) with their own stream; like NCCL, the call checks its
+/// arguments, enqueues the work and returns, and the stream completes it. Operations are matched
+/// across ranks by call order (send/recv by order per pair of ranks), so every rank must issue the
+/// same collectives in the same order.
+///
+/// Faults: each operation has a deadline. If a rank fails (its run() callback throws, its stream
+/// fails, or it passes arguments that do not match the others') or does not arrive in time, every
+/// other rank's stream fails with Error(communication) or Error(timeout) naming the operation, the
+/// missing ranks and the time waited. The communicator is then aborted: later calls throw
+/// Error(communication) at once.
+///
+/// Host results are deterministic: the reduction order is fixed (rank 0 first), so every rank
+/// gets bitwise identical results, run after run.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  Communicator(Communicator const&) = delete;
+  Communicator& operator=(Communicator const&) = delete;
+
+  [[nodiscard]] virtual int size() const noexcept = 0;
+  [[nodiscard]] virtual Backend backend() const noexcept = 0;
+  [[nodiscard]] virtual std::chrono::milliseconds timeout() const noexcept = 0;
+
+  /// recv = op over ranks of send. send and recv have the same numel and dtype; recv may be send.
+  virtual void all_reduce(int rank, Tensor const& send, Tensor const& recv, ReduceOp op, Stream& stream) = 0;
+  /// recv (n elements) = op over ranks of send's rank-th block of n (send has size()*n elements).
+  virtual void reduce_scatter(int rank, Tensor const& send, Tensor const& recv, ReduceOp op, Stream& stream) = 0;
+  /// recv (size()*n elements) = every rank's send (n elements), in rank order.
+  virtual void all_gather(int rank, Tensor const& send, Tensor const& recv, Stream& stream) = 0;
+  /// buffer = root's buffer, on every rank.
+  virtual void broadcast(int rank, Tensor const& buffer, int root, Stream& stream) = 0;
+  /// root's recv = op over ranks of send; recv is only written on root (other ranks may pass send).
+  virtual void reduce(int rank, Tensor const& send, Tensor const& recv, ReduceOp op, int root, Stream& stream) = 0;
+  /// Sends `send` to rank `peer`, which must post a matching recv.
+  virtual void send(int rank, Tensor const& send, int peer, Stream& stream) = 0;
+  /// Receives into `recv` what rank `peer` sends.
+  virtual void recv(int rank, Tensor const& recv, int peer, Stream& stream) = 0;
+  /// Returns on each rank's stream only when every rank has reached it.
+  virtual void barrier(int rank, Stream& stream) = 0;
+
+  /// Between group_start(rank) and group_end(rank), the rank's operations are collected and launched
+  /// together at group_end (like ncclGroupStart/End): sends and receives in a group cannot deadlock
+  /// each other, e.g. every rank sending to its right neighbour and receiving from its left.
+  virtual void group_start(int rank) = 0;
+  virtual void group_end(int rank) = 0;
+
+  /// Aborts: operations waiting now and later fail with Error(communication). Never throws.
+  virtual void abort(std::string_view reason) noexcept = 0;
+  [[nodiscard]] virtual bool aborted() const noexcept = 0;
+  /// Waits for every enqueued operation to finish, then throws Error(communication) if the
+  /// communicator was aborted.
+  virtual void finalize() = 0;
+
+ protected:
+  Communicator() = default;
+};
+
+/// A communicator for every rank of `group`. The group must outlive it. Throws
+/// Error(invalid_argument) when the requested backend cannot serve the group's devices, and
+/// Error(device) when it is not built in.
+std::unique_ptr<Communicator> make_communicator(DeviceGroup& group, Options options = {});
+
+}  // namespace mgpu::comm

@@ -1,0 +1,126 @@
+// CommunicatorBase: what every backend shares — argument checks, call numbering, groups, the
+// aborted state, the deadline, and aborting when a rank of the group fails. Backends implement
+// launch(), which enqueues a rank's calls on its stream.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <functional>
+#include <vector>
+
+#include <mgpu/comm/communicator.hpp>
+
+namespace mgpu::comm::detail {
+
+enum class OpKind : std::uint8_t { all_reduce, reduce_scatter, all_gather, broadcast, reduce, send, recv, barrier };
+
+std::string_view to_string(OpKind kind) noexcept;
+
+/// One rank's call of one operation, checked and numbered.
+struct Call {
+  OpKind kind = OpKind::barrier;
+  std::uint64_t seq = 0;     // collectives: the rank's n-th collective; send/recv: n-th with that peer
+  Tensor send;               // input (all_reduce, reduce_scatter, all_gather, reduce, send, broadcast)
+  Tensor recv;               // output (all_reduce, reduce_scatter, all_gather, reduce, recv, broadcast)
+  ReduceOp op = ReduceOp::sum;
+  int root = 0;              // broadcast/reduce root, or send/recv peer
+  std::int64_t count = 0;    // elements per rank: all_reduce/reduce/broadcast/send/recv: all of them
+  DType dtype = DType::float32;
+
+  [[nodiscard]] std::string name(int rank) const;
+};
+
+/// The state shared by a communicator and the work it enqueued (which may outlive it).
+class SharedState {
+ public:
+  explicit SharedState(int size, std::chrono::milliseconds timeout) : size_(size), timeout_(timeout) {}
+
+  void abort(std::string_view reason) noexcept;
+  [[nodiscard]] bool aborted() const noexcept { return aborted_.load(std::memory_order_acquire); }
+  [[nodiscard]] std::string reason() const;
+  /// Throws Error(communication) naming `what` if aborted.
+  void throw_if_aborted(std::string_view what) const;
+  /// Registers a function called (once) on abort, to wake a backend's waiters.
+  void on_abort(std::function<void()> wake);
+
+  void begin_operation() noexcept;
+  void end_operation() noexcept;
+  /// Waits until no operation is in flight, or `limit` has passed; true if none is.
+  bool wait_idle(std::chrono::milliseconds limit);
+
+  [[nodiscard]] int size() const noexcept { return size_; }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return timeout_; }
+
+ private:
+  int size_;
+  std::chrono::milliseconds timeout_;
+  std::atomic<bool> aborted_{false};
+  mutable std::mutex mutex_;
+  std::condition_variable idle_cv_;
+  std::string reason_;
+  std::vector<std::function<void()>> wakers_;
+  std::int64_t in_flight_ = 0;
+};
+
+/// "5.0 s", "250 ms".
+std::string format_duration(std::chrono::nanoseconds duration);
+
+class CommunicatorBase : public Communicator {
+ public:
+  CommunicatorBase(DeviceGroup& group, Backend backend, std::chrono::milliseconds timeout);
+  ~CommunicatorBase() override;
+
+  [[nodiscard]] int size() const noexcept final { return state_->size(); }
+  [[nodiscard]] Backend backend() const noexcept final { return backend_; }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept final { return state_->timeout(); }
+
+  void all_reduce(int rank, Tensor const& send, Tensor const& recv, ReduceOp op, Stream& stream) final;
+  void reduce_scatter(int rank, Tensor const& send, Tensor const& recv, ReduceOp op, Stream& stream) final;
+  void all_gather(int rank, Tensor const& send, Tensor const& recv, Stream& stream) final;
+  void broadcast(int rank, Tensor const& buffer, int root, Stream& stream) final;
+  void reduce(int rank, Tensor const& send, Tensor const& recv, ReduceOp op, int root, Stream& stream) final;
+  void send(int rank, Tensor const& send, int peer, Stream& stream) final;
+  void recv(int rank, Tensor const& recv, int peer, Stream& stream) final;
+  void barrier(int rank, Stream& stream) final;
+  void group_start(int rank) final;
+  void group_end(int rank) final;
+  void abort(std::string_view reason) noexcept final { state_->abort(reason); }
+  [[nodiscard]] bool aborted() const noexcept final { return state_->aborted(); }
+  void finalize() final;
+
+ protected:
+  /// Enqueues a rank's calls (one, or a whole group) on its stream.
+  virtual void launch(int rank, std::vector<Call> calls, Stream& stream) = 0;
+  /// Checks that a tensor (or stream) of `rank` is somewhere this backend can use.
+  virtual void check_device(int rank, Device device, std::string_view what, Call const& call) const = 0;
+
+  [[nodiscard]] DeviceGroup& group() const noexcept { return *group_; }
+  [[nodiscard]] std::shared_ptr<SharedState> const& state() const noexcept { return state_; }
+
+ private:
+  struct RankState {
+    std::uint64_t collectives = 0;
+    std::vector<std::uint64_t> sent;      // per peer
+    std::vector<std::uint64_t> received;  // per peer
+    bool in_group = false;
+    std::vector<Call> grouped;
+    Stream* group_stream = nullptr;
+  };
+
+  void submit(int rank, Call call, Stream& stream);
+  [[noreturn]] void reject(Call const& call, int rank, std::string const& what);
+  void check_tensor(int rank, Tensor const& t, std::string_view role, Call const& call);
+
+  DeviceGroup* group_;
+  Backend backend_;
+  std::shared_ptr<SharedState> state_;
+  std::vector<RankState> ranks_;
+  int listener_ = -1;
+};
+
+}  // namespace mgpu::comm::detail

@@ -1,0 +1,367 @@
+// The host backend: one participant per host device, all in one process. Ranks meet at counting
+// barriers (spin briefly, then block, always with a deadline); each rank then reduces its 1/N slice
+// straight from every peer's buffer and writes it into every peer's output, so each input is read
+// once and each output written once.
+#include "comm/host_communicator.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include <mgpu/comm/detail/reduce_slice.hpp>
+#include <mgpu/core/detail/elementwise.hpp>
+#include <mgpu/core/error.hpp>
+
+#include "core/stream_impl.hpp"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace mgpu::comm::detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#endif
+}
+
+// A send waiting on a point-to-point channel for its receive.
+struct Message {
+  void const* data;
+  std::int64_t count;
+  DType dtype;
+  std::uint64_t seq;
+  bool taken = false;
+};
+
+struct Channel {
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::deque<Message*> queue;
+};
+
+}  // namespace
+
+// Everything the enqueued work of a host communicator shares.
+class HostState {
+ public:
+  HostState(int size, std::shared_ptr<SharedState> shared)
+      : n_(size),
+        shared_(std::move(shared)),
+        posted_(static_cast<std::size_t>(size)),
+        reached_(static_cast<std::size_t>(size)),
+        barriers_(static_cast<std::size_t>(size), 0),
+        channels_(static_cast<std::size_t>(size * size)),
+        spin_(static_cast<unsigned>(size) <= std::max(1u, std::thread::hardware_concurrency())) {
+    for (auto& r : reached_) r.store(0);
+  }
+
+  void wake_all() {
+    { std::lock_guard lock(mutex_); }
+    cv_.notify_all();
+    for (auto& c : channels_) {
+      { std::lock_guard lock(c.mutex); }
+      c.cv.notify_all();
+    }
+  }
+
+  // Runs one rank's calls: sends are posted first and awaited last, so a group's sends and
+  // receives cannot block each other.
+  void execute(int rank, std::vector<Call> const& calls) {
+    std::vector<std::pair<Message, Call const*>> sends;
+    sends.reserve(calls.size());
+    for (Call const& c : calls) {
+      if (c.kind == OpKind::send) sends.push_back({Message{c.send.data(), c.count, c.dtype, c.seq}, &c});
+    }
+    for (auto& [message, call] : sends) post(rank, call->root, message);
+    try {
+      for (Call const& c : calls) {
+        if (c.kind == OpKind::recv) {
+          receive(rank, c);
+        } else if (c.kind != OpKind::send) {
+          collective(rank, c);
+        }
+      }
+      for (auto& [message, call] : sends) await_taken(rank, *call, message);
+    } catch (...) {
+      for (auto& [message, call] : sends) withdraw(rank, call->root, message);
+      throw;
+    }
+  }
+
+ private:
+  struct Posted {
+    OpKind kind;
+    std::uint64_t seq;
+    std::int64_t count;
+    DType dtype;
+    ReduceOp op;
+    int root;
+    void const* send;
+    void* recv;
+  };
+
+  Channel& channel(int from, int to) { return channels_[static_cast<std::size_t>(from * n_ + to)]; }
+
+  // Waits until ready() holds or the deadline passes, spinning first when ranks have cores of
+  // their own. On timeout, aborts with a message naming what `missing()` reports.
+  template <class Ready, class Missing>
+  void wait(std::string const& what, Ready const& ready, Missing const& missing) {
+    auto const start = Clock::now();
+    if (spin_) {
+      for (int i = 0; Clock::now() - start < std::chrono::microseconds(50); ++i) {
+        for (int k = 0; k < 64; ++k) {
+          if (ready()) return;
+          cpu_relax();
+        }
+        shared_->throw_if_aborted(what);
+      }
+    } else {
+      for (int i = 0; i < 4; ++i) {
+        if (ready()) return;
+        std::this_thread::yield();
+      }
+    }
+    auto const deadline = start + shared_->timeout();
+    std::unique_lock lock(mutex_);
+    while (!ready()) {
+      shared_->throw_if_aborted(what);
+      if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && !ready()) {
+        std::string const message = what + " waited " + format_duration(Clock::now() - start) + " for " + missing();
+        lock.unlock();
+        shared_->abort(message);
+        throw Error(Errc::timeout, message + " (expected them within the " + format_duration(shared_->timeout()) +
+                                       " deadline; " + timeout_env_var + " sets it in seconds)");
+      }
+    }
+  }
+
+  void barrier(int rank, std::string const& what) {
+    std::uint64_t const index = ++barriers_[static_cast<std::size_t>(rank)];
+    reached_[static_cast<std::size_t>(rank)].store(index, std::memory_order_release);
+    std::uint64_t const target = index * static_cast<std::uint64_t>(n_);
+    if (arrivals_.fetch_add(1, std::memory_order_acq_rel) + 1 >= target) {
+      { std::lock_guard lock(mutex_); }
+      cv_.notify_all();
+      return;
+    }
+    wait(
+        what, [&] { return arrivals_.load(std::memory_order_acquire) >= target; },
+        [&] {
+          std::string ranks;
+          for (int p = 0; p < n_; ++p) {
+            if (reached_[static_cast<std::size_t>(p)].load() < index) ranks += (ranks.empty() ? "" : ", ") + std::to_string(p);
+          }
+          return "rank(s) " + ranks;
+        });
+  }
+
+  [[noreturn]] void mismatch(int rank, Call const& c, int other, std::string const& field, std::string const& mine,
+                             std::string const& theirs) {
+    std::string const message = c.name(rank) + ": rank " + std::to_string(other) + " passed " + field + " " + theirs +
+                                ", rank " + std::to_string(rank) + " passed " + mine +
+                                " (expected the same on every rank)";
+    shared_->abort(message);
+    throw Error(Errc::invalid_argument, message);
+  }
+
+  void check_match(int rank, Call const& c) {
+    Posted const& me = posted_[static_cast<std::size_t>(rank)];
+    for (int p = 0; p < n_; ++p) {
+      Posted const& other = posted_[static_cast<std::size_t>(p)];
+      if (other.kind != me.kind)
+        mismatch(rank, c, p, "operation", std::string(to_string(me.kind)), std::string(to_string(other.kind)));
+      if (other.count != me.count)
+        mismatch(rank, c, p, "element count", std::to_string(me.count), std::to_string(other.count));
+      if (other.dtype != me.dtype)
+        mismatch(rank, c, p, "dtype", std::string(mgpu::to_string(me.dtype)), std::string(mgpu::to_string(other.dtype)));
+      if (other.op != me.op) mismatch(rank, c, p, "reduce op", std::string(to_string(me.op)), std::string(to_string(other.op)));
+      if (other.root != me.root) mismatch(rank, c, p, "root", std::to_string(me.root), std::to_string(other.root));
+    }
+  }
+
+  template <Element T>
+  void compute(int rank, Posted const& me) {
+    auto const slice = [&](std::int64_t total) {
+      std::int64_t const base = total / n_;
+      std::int64_t const extra = total % n_;
+      std::int64_t const begin = rank * base + std::min<std::int64_t>(rank, extra);
+      return std::pair{begin, begin + base + (rank < extra ? 1 : 0)};
+    };
+    switch (me.kind) {
+      case OpKind::all_reduce:
+      case OpKind::reduce: {
+        auto const [begin, end] = slice(me.count);
+        visit_reduce_op(me.op, [&]<ReduceOp O>(std::integral_constant<ReduceOp, O>) {
+          ReduceSlice<T, O> r{};
+          r.inputs = n_;
+          for (int p = 0; p < n_; ++p) r.in[p] = static_cast<T const*>(posted_[static_cast<std::size_t>(p)].send);
+          if (me.kind == OpKind::reduce) {
+            r.outputs = 1;
+            r.out[0] = static_cast<T*>(posted_[static_cast<std::size_t>(me.root)].recv);
+          } else {
+            r.outputs = n_;
+            for (int p = 0; p < n_; ++p) r.out[p] = static_cast<T*>(posted_[static_cast<std::size_t>(p)].recv);
+          }
+          reduce_slice_host(r, begin, end);
+        });
+        break;
+      }
+      case OpKind::reduce_scatter: {
+        visit_reduce_op(me.op, [&]<ReduceOp O>(std::integral_constant<ReduceOp, O>) {
+          ReduceSlice<T, O> r{};
+          r.inputs = n_;
+          r.outputs = 1;
+          for (int p = 0; p < n_; ++p)
+            r.in[p] = static_cast<T const*>(posted_[static_cast<std::size_t>(p)].send) + rank * me.count;
+          r.out[0] = static_cast<T*>(me.recv);
+          reduce_slice_host(r, 0, me.count);
+        });
+        break;
+      }
+      case OpKind::all_gather:
+        for (int p = 0; p < n_; ++p) {
+          std::memcpy(static_cast<T*>(me.recv) + p * me.count, posted_[static_cast<std::size_t>(p)].send,
+                      static_cast<std::size_t>(me.count) * sizeof(T));
+        }
+        break;
+      case OpKind::broadcast:
+        if (rank != me.root)
+          std::memcpy(me.recv, posted_[static_cast<std::size_t>(me.root)].send, static_cast<std::size_t>(me.count) * sizeof(T));
+        break;
+      default:
+        break;
+    }
+  }
+
+  void collective(int rank, Call const& c) {
+    std::string const what = c.name(rank);
+    shared_->throw_if_aborted(what);
+    posted_[static_cast<std::size_t>(rank)] = {c.kind, c.seq, c.count, c.dtype, c.op, c.root, c.send.data(), c.recv.data()};
+    barrier(rank, what);  // everyone has posted
+    check_match(rank, c);
+    if (c.count > 0) {
+      mgpu::detail::visit_dtype(c.dtype, [&]<class T>(std::type_identity<T>) { compute<T>(rank, posted_[static_cast<std::size_t>(rank)]); });
+    }
+    barrier(rank, what);  // everyone is done with everyone's buffers
+  }
+
+  void post(int rank, int peer, Message& message) {
+    Channel& ch = channel(rank, peer);
+    {
+      std::lock_guard lock(ch.mutex);
+      ch.queue.push_back(&message);
+    }
+    ch.cv.notify_all();
+  }
+
+  void withdraw(int rank, int peer, Message& message) noexcept {
+    Channel& ch = channel(rank, peer);
+    std::lock_guard lock(ch.mutex);
+    std::erase(ch.queue, &message);
+  }
+
+  void await_taken(int rank, Call const& c, Message& message) {
+    Channel& ch = channel(rank, c.root);
+    std::string const what = c.name(rank);
+    auto const start = Clock::now();
+    std::unique_lock lock(ch.mutex);
+    while (!message.taken) {
+      shared_->throw_if_aborted(what);
+      if (ch.cv.wait_until(lock, start + shared_->timeout()) == std::cv_status::timeout && !message.taken) {
+        std::string const text = what + " waited " + format_duration(Clock::now() - start) + " for rank " +
+                                 std::to_string(c.root) + " to receive it";
+        lock.unlock();
+        shared_->abort(text);
+        throw Error(Errc::timeout, text + " (expected a matching recv within the " + format_duration(shared_->timeout()) + " deadline)");
+      }
+    }
+  }
+
+  void receive(int rank, Call const& c) {
+    Channel& ch = channel(c.root, rank);
+    std::string const what = c.name(rank);
+    auto const start = Clock::now();
+    std::unique_lock lock(ch.mutex);
+    while (ch.queue.empty()) {
+      shared_->throw_if_aborted(what);
+      if (ch.cv.wait_until(lock, start + shared_->timeout()) == std::cv_status::timeout && ch.queue.empty()) {
+        std::string const text = what + " waited " + format_duration(Clock::now() - start) + " for rank " +
+                                 std::to_string(c.root) + " to send";
+        lock.unlock();
+        shared_->abort(text);
+        throw Error(Errc::timeout, text + " (expected a matching send within the " + format_duration(shared_->timeout()) + " deadline)");
+      }
+    }
+    Message* m = ch.queue.front();
+    if (m->count != c.count || m->dtype != c.dtype) {
+      std::string const text = what + ": rank " + std::to_string(c.root) + " sent " + std::to_string(m->count) + " " +
+                               std::string(mgpu::to_string(m->dtype)) + " elements, the recv takes " + std::to_string(c.count) +
+                               " " + std::string(mgpu::to_string(c.dtype)) + " (expected matching count and dtype)";
+      lock.unlock();
+      shared_->abort(text);
+      throw Error(Errc::invalid_argument, text);
+    }
+    ch.queue.pop_front();
+    std::memcpy(c.recv.data(), m->data, static_cast<std::size_t>(c.count) * size_of(c.dtype));
+    m->taken = true;
+    lock.unlock();
+    ch.cv.notify_all();
+  }
+
+  int n_;
+  std::shared_ptr<SharedState> shared_;
+  std::vector<Posted> posted_;
+  std::vector<std::atomic<std::uint64_t>> reached_;
+  std::vector<std::uint64_t> barriers_;  // per rank, touched only by that rank's executing thread
+  std::atomic<std::uint64_t> arrivals_{0};
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::vector<Channel> channels_;
+  bool spin_;
+};
+
+HostCommunicator::HostCommunicator(DeviceGroup& group, std::chrono::milliseconds timeout)
+    : CommunicatorBase(group, Backend::host, timeout), host_(std::make_shared<HostState>(group.size(), state())) {
+  state()->on_abort([host = std::weak_ptr<HostState>(host_)] {
+    if (auto h = host.lock()) h->wake_all();
+  });
+}
+
+void HostCommunicator::check_device(int rank, Device device, std::string_view what, Call const& call) const {
+  if (device.kind != DeviceKind::host)
+    throw Error(Errc::invalid_argument, call.name(rank) + ": " + std::string(what) + " is on " + device.to_string() +
+                                            " (expected host memory and a host stream: this is a host communicator)");
+}
+
+void HostCommunicator::launch(int rank, std::vector<Call> calls, Stream& stream) {
+  state()->begin_operation();
+  auto work = [host = host_, shared = state(), rank, calls = std::move(calls), impl = &stream.impl()] {
+    struct Done {
+      SharedState& s;
+      ~Done() { s.end_operation(); }
+    } done{*shared};
+    if (impl->failed()) {  // this rank's earlier work failed: the others must not wait for it
+      shared->abort(calls.front().name(rank) + " was skipped because earlier work on the rank's stream failed");
+      return;
+    }
+    host->execute(rank, calls);
+  };
+  try {
+    stream.impl().push(std::move(work), true);
+  } catch (...) {
+    state()->end_operation();
+    throw;
+  }
+}
+
+}  // namespace mgpu::comm::detail

@@ -1,0 +1,24 @@
+// The host backend's communicator (see host_communicator.cpp).
+#pragma once
+
+#include <memory>
+
+#include "comm/base.hpp"
+
+namespace mgpu::comm::detail {
+
+class HostState;
+
+class HostCommunicator final : public CommunicatorBase {
+ public:
+  HostCommunicator(DeviceGroup& group, std::chrono::milliseconds timeout);
+
+ protected:
+  void launch(int rank, std::vector<Call> calls, Stream& stream) override;
+  void check_device(int rank, Device device, std::string_view what, Call const& call) const override;
+
+ private:
+  std::shared_ptr<HostState> host_;
+};
+
+}  // namespace mgpu::comm::detail

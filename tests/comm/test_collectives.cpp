@@ -1,0 +1,276 @@
+// Host collectives against a serial float64 reference: every op x dtype x size x group size 1-8.
+#include <mgpu/comm/communicator.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <algorithm>
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include <mgpu/core/detail/elementwise.hpp>
+
+#include "support/catch.hpp"
+#include "support/expect_error.hpp"
+
+using mgpu::DType;
+using mgpu::Tensor;
+using mgpu::comm::ReduceOp;
+
+namespace {
+
+float to_dtype(float v, DType t) {
+  if (t == DType::bfloat16) return static_cast<float>(mgpu::bfloat16(v));
+  if (t == DType::float16) return static_cast<float>(mgpu::float16(v));
+  return v;
+}
+
+float ulp(float v, DType t) {
+  int const mantissa = t == DType::float32 ? 23 : t == DType::bfloat16 ? 7 : 10;
+  return std::ldexp(1.0f, std::ilogb(std::max(std::fabs(v), 1e-4f)) - mantissa);
+}
+
+void fill(Tensor const& t, std::vector<float> const& values) {
+  mgpu::detail::visit_dtype(t.dtype(), [&]<class T>(std::type_identity<T>) {
+    auto s = t.host_span<T>();
+    for (std::size_t i = 0; i < values.size(); ++i) s[i] = T(values[i]);
+  });
+}
+
+std::vector<float> read(Tensor const& t) {
+  std::vector<float> out(static_cast<std::size_t>(t.numel()));
+  mgpu::detail::visit_dtype(t.dtype(), [&]<class T>(std::type_identity<T>) {
+    auto s = t.host_span<T>();
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<float>(s[i]);
+  });
+  return out;
+}
+
+double reference_combine(ReduceOp op, std::vector<std::vector<float>> const& in, std::size_t i, std::size_t offset = 0) {
+  double acc = in[0][offset + i];
+  for (std::size_t p = 1; p < in.size(); ++p) {
+    double const v = in[p][offset + i];
+    acc = op == ReduceOp::min ? std::min(acc, v) : op == ReduceOp::max ? std::max(acc, v) : acc + v;
+  }
+  return op == ReduceOp::avg ? acc / static_cast<double>(in.size()) : acc;
+}
+
+// |got - expected| within float32 accumulation error plus one unit of the output type.
+void require_close(float got, double expected, double magnitude, int ranks, DType t) {
+  double const tolerance = ranks * std::ldexp(1.0, -23) * magnitude + ulp(static_cast<float>(expected), t);
+  INFO("got " << got << ", expected " << expected << " (" << mgpu::to_string(t) << ", " << ranks << " ranks)");
+  REQUIRE(std::fabs(got - expected) <= tolerance);
+}
+
+std::vector<std::vector<float>> random_inputs(int ranks, std::int64_t count, DType t, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<std::vector<float>> in(static_cast<std::size_t>(ranks), std::vector<float>(static_cast<std::size_t>(count)));
+  for (auto& v : in) {
+    for (auto& x : v) x = to_dtype(normal(rng), t);
+  }
+  return in;
+}
+
+struct Fixture {
+  explicit Fixture(int n) : group("host:" + std::to_string(n)), comm(mgpu::comm::make_communicator(group)) {}
+  Tensor make(int rank, std::int64_t count, DType t) { return Tensor::empty({count}, t, group.allocator(rank)); }
+  mgpu::DeviceGroup group;
+  std::unique_ptr<mgpu::comm::Communicator> comm;
+};
+
+}  // namespace
+
+TEST_CASE("all_reduce: every op, dtype, size and group size against float64", "[comm][host]") {
+  for (int n = 1; n <= 8; ++n) {
+    Fixture f(n);
+    CHECK(f.comm->backend() == mgpu::comm::Backend::host);
+    for (DType t : {DType::float32, DType::bfloat16, DType::float16}) {
+      for (std::int64_t count : {0, 1, 7, 13, 1000 + n}) {
+        for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::min, ReduceOp::max}) {
+          INFO(n << " ranks, " << count << " " << mgpu::to_string(t) << ", " << mgpu::comm::to_string(op));
+          auto const in = random_inputs(n, count, t, static_cast<unsigned>(count * 31 + n));
+          std::vector<Tensor> send;
+          std::vector<Tensor> recv;
+          for (int r = 0; r < n; ++r) {
+            send.push_back(f.make(r, count, t));
+            fill(send.back(), in[static_cast<std::size_t>(r)]);
+            recv.push_back(count % 2 ? send.back() : f.make(r, count, t));  // odd counts run in place
+          }
+          f.group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+            f.comm->all_reduce(rank, send[static_cast<std::size_t>(rank)], recv[static_cast<std::size_t>(rank)], op, stream);
+          });
+          for (int r = 0; r < n; ++r) {
+            auto const out = read(recv[static_cast<std::size_t>(r)]);
+            for (std::size_t i = 0; i < out.size(); ++i) {
+              double magnitude = 0;
+              for (auto const& v : in) magnitude += std::fabs(v[i]);
+              require_close(out[i], reference_combine(op, in, i), magnitude, n, t);
+            }
+            if (r > 0) REQUIRE(std::memcmp(recv[0].data(), recv[static_cast<std::size_t>(r)].data(), recv[0].nbytes()) == 0);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("reduce_scatter, all_gather, broadcast and reduce against float64", "[comm][host]") {
+  for (int n = 1; n <= 8; ++n) {
+    Fixture f(n);
+    for (DType t : {DType::float32, DType::bfloat16, DType::float16}) {
+      for (std::int64_t count : {0, 1, 7, 13, 1000 + n}) {
+        INFO(n << " ranks, " << count << " " << mgpu::to_string(t));
+        auto const in = random_inputs(n, count * n, t, static_cast<unsigned>(count + 7 * n));
+        std::vector<Tensor> big;
+        std::vector<Tensor> small;
+        std::vector<Tensor> gathered;
+        std::vector<Tensor> reduced;
+        for (int r = 0; r < n; ++r) {
+          big.push_back(f.make(r, count * n, t));
+          fill(big.back(), in[static_cast<std::size_t>(r)]);
+          small.push_back(f.make(r, count, t));
+          gathered.push_back(f.make(r, count * n, t));
+          reduced.push_back(f.make(r, count * n, t));
+        }
+        int const root = n - 1;
+        f.group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+          auto const r = static_cast<std::size_t>(rank);
+          f.comm->reduce_scatter(rank, big[r], small[r], ReduceOp::max, stream);
+          f.comm->all_gather(rank, small[r], gathered[r], stream);
+          f.comm->reduce(rank, big[r], reduced[r], ReduceOp::sum, root, stream);
+          f.comm->broadcast(rank, big[r], root, stream);
+        });
+        for (int r = 0; r < n; ++r) {
+          auto const mine = read(small[static_cast<std::size_t>(r)]);
+          for (std::size_t i = 0; i < mine.size(); ++i)
+            REQUIRE(mine[i] == reference_combine(ReduceOp::max, in, i, static_cast<std::size_t>(r * count)));
+          auto const all = read(gathered[static_cast<std::size_t>(r)]);
+          for (std::size_t i = 0; i < all.size(); ++i) REQUIRE(all[i] == reference_combine(ReduceOp::max, in, i));
+          auto const copy = read(big[static_cast<std::size_t>(r)]);
+          REQUIRE(copy == in[static_cast<std::size_t>(root)]);
+        }
+        auto const sum = read(reduced[static_cast<std::size_t>(root)]);
+        for (std::size_t i = 0; i < sum.size(); ++i) {
+          double magnitude = 0;
+          for (auto const& v : in) magnitude += std::fabs(v[i]);
+          require_close(sum[i], reference_combine(ReduceOp::sum, in, i), magnitude, n, t);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("Collectives of 64 MiB per rank", "[comm][host][large]") {
+  constexpr std::int64_t count = (64 << 20) / 4;
+  for (int n : {2, 3, 8}) {
+    Fixture f(n);
+    std::vector<Tensor> buffers;
+    for (int r = 0; r < n; ++r) {
+      buffers.push_back(f.make(r, count, DType::float32));
+      auto s = buffers.back().host_span<float>();
+      for (std::int64_t i = 0; i < count; ++i) s[static_cast<std::size_t>(i)] = static_cast<float>((i * (r + 3)) % 1024) - 512.0f;
+    }
+    f.group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+      f.comm->all_reduce(rank, buffers[static_cast<std::size_t>(rank)], buffers[static_cast<std::size_t>(rank)], ReduceOp::sum, stream);
+    });
+    for (int r = 0; r < n; ++r) {
+      auto s = buffers[static_cast<std::size_t>(r)].host_span<float>();
+      for (std::int64_t i = 0; i < count; i += 4093) {
+        double expected = 0;
+        for (int p = 0; p < n; ++p) expected += static_cast<double>((i * (p + 3)) % 1024) - 512.0;
+        REQUIRE(s[static_cast<std::size_t>(i)] == expected);  // small integers: exact in float32
+      }
+    }
+  }
+  Fixture f(4);
+  std::vector<Tensor> send;
+  std::vector<Tensor> part;
+  std::vector<Tensor> back;
+  for (int r = 0; r < 4; ++r) {
+    send.push_back(f.make(r, count, DType::float32));
+    std::fill(send.back().host_span<float>().begin(), send.back().host_span<float>().end(), static_cast<float>(r + 1));
+    part.push_back(f.make(r, count / 4, DType::float32));
+    back.push_back(f.make(r, count, DType::float32));
+  }
+  f.group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+    auto const r = static_cast<std::size_t>(rank);
+    f.comm->reduce_scatter(rank, send[r], part[r], ReduceOp::sum, stream);
+    f.comm->all_gather(rank, part[r], back[r], stream);
+  });
+  for (auto const& t : back) {
+    auto s = t.host_span<float>();
+    REQUIRE(std::all_of(s.begin(), s.end(), [](float v) { return v == 10.0f; }));
+  }
+}
+
+TEST_CASE("Host all_reduce is bitwise deterministic across runs and ranks", "[comm][host]") {
+  Fixture f(5);
+  constexpr std::int64_t count = 100003;
+  auto const in = random_inputs(5, count, DType::float32, 11);
+  std::vector<float> first;
+  for (int run = 0; run < 3; ++run) {
+    std::vector<Tensor> t;
+    for (int r = 0; r < 5; ++r) {
+      t.push_back(f.make(r, count, DType::float32));
+      fill(t.back(), in[static_cast<std::size_t>(r)]);
+    }
+    f.group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+      f.comm->all_reduce(rank, t[static_cast<std::size_t>(rank)], t[static_cast<std::size_t>(rank)], ReduceOp::sum, stream);
+    });
+    for (auto const& x : t) {
+      auto const v = read(x);
+      if (first.empty()) first = v;
+      REQUIRE(std::memcmp(v.data(), first.data(), v.size() * sizeof(float)) == 0);
+    }
+  }
+}
+
+TEST_CASE("send/recv: a pipeline chain, and a ring exchange in a group", "[comm][host]") {
+  Fixture f(4);
+  std::vector<Tensor> a;
+  std::vector<Tensor> b;
+  for (int r = 0; r < 4; ++r) {
+    a.push_back(f.make(r, 5, DType::float32));
+    b.push_back(f.make(r, 5, DType::float32));
+    std::fill(a.back().host_span<float>().begin(), a.back().host_span<float>().end(), static_cast<float>(r));
+  }
+  // Chain: rank 0 -> 1 -> 2 -> 3, each adding its rank in stream order.
+  f.group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+    auto const r = static_cast<std::size_t>(rank);
+    if (rank > 0) {
+      f.comm->recv(rank, b[r], rank - 1, stream);
+      stream.enqueue([&, r] {
+        for (std::size_t i = 0; i < 5; ++i) a[r].host_span<float>()[i] += b[r].host_span<float>()[i];
+      });
+    }
+    if (rank < 3) f.comm->send(rank, a[r], rank + 1, stream);
+  });
+  CHECK(a[3].host_span<float>()[4] == 0.0f + 1 + 2 + 3);
+
+  // Ring: every rank sends right and receives from the left at the same time.
+  f.group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+    auto const r = static_cast<std::size_t>(rank);
+    f.comm->group_start(rank);
+    f.comm->send(rank, a[r], (rank + 1) % 4, stream);
+    f.comm->recv(rank, b[r], (rank + 3) % 4, stream);
+    f.comm->group_end(rank);
+  });
+  for (int r = 0; r < 4; ++r) CHECK(b[static_cast<std::size_t>(r)].host_span<float>()[0] == a[static_cast<std::size_t>((r + 3) % 4)].host_span<float>()[0]);
+}
+
+TEST_CASE("barrier: no rank passes before every rank's earlier work is done", "[comm][host]") {
+  Fixture f(6);
+  std::atomic<int> before{0};
+  std::vector<int> seen(6, -1);
+  f.group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+    stream.enqueue([&, rank] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(rank * 5));
+      ++before;
+    });
+    f.comm->barrier(rank, stream);
+    stream.enqueue([&, rank] { seen[static_cast<std::size_t>(rank)] = before.load(); });
+  });
+  CHECK(seen == std::vector<int>(6, 6));
+}
