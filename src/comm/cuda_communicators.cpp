@@ -1,7 +1,8 @@
 // The CUDA backends.
 //
-// cuda_peer: ranks meet on the host when they enqueue an operation (each rank calls from its own
-// thread, as in DeviceGroup::run). At that meeting they exchange buffer pointers and "inputs ready"
+// cuda_peer: ranks meet on the host when they enqueue a collective (each rank calls from its own
+// thread, as in DeviceGroup::run); send/recv meet only the pair, through a channel per direction. At
+// a collective's meeting they exchange buffer pointers and "inputs ready"
 // events; each rank's stream then waits for every rank's inputs, runs the reduction kernel over its
 // slice (reading every rank's input through same-GPU or peer pointers, writing every output) and
 // records "done"; a second meeting exchanges those, and each stream waits for all of them, so no
@@ -107,6 +108,7 @@ class CudaPeerCommunicator final : public CommunicatorBase {
   CudaPeerCommunicator(DeviceGroup& group, std::chrono::milliseconds timeout)
       : CommunicatorBase(group, Backend::cuda_peer, timeout),
         events_(static_cast<std::size_t>(group.size())),
+        channels_(static_cast<std::size_t>(group.size() * group.size())),
         meeting_(group.size(), *state()),
         done_meeting_(group.size(), *state()) {
     if (group.size() > max_reduce_ranks)
@@ -135,6 +137,10 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     state()->on_abort([this] {
       meeting_.wake();
       done_meeting_.wake();
+      for (auto& ch : channels_) {
+        { std::lock_guard lock(ch.mutex); }
+        ch.cv.notify_all();
+      }
     });
   }
 
@@ -157,7 +163,29 @@ class CudaPeerCommunicator final : public CommunicatorBase {
       ~Done() { s.end_operation(); }
     } done{*state()};
     mgpu::detail::cuda::DeviceScope scope(group().device(rank).index);
-    for (Call const& c : calls) run(rank, c, native(stream));
+    cudaStream_t const s = native(stream);
+    // Sends are posted first and awaited last, so a group's sends and receives cannot block each other.
+    std::vector<std::unique_ptr<PeerMessage>> sends;
+    for (Call const& c : calls) {
+      if (c.kind == OpKind::send) sends.push_back(post_send(rank, c, s));
+    }
+    try {
+      for (Call const& c : calls) {
+        if (c.kind == OpKind::recv) {
+          receive(rank, c, s);
+        } else if (c.kind != OpKind::send) {
+          collective(rank, c, s);
+        }
+      }
+      for (std::size_t i = 0, k = 0; i < calls.size(); ++i) {
+        if (calls[i].kind == OpKind::send) await_taken(rank, calls[i], *sends[k++], s);
+      }
+    } catch (...) {
+      for (std::size_t i = 0, k = 0; i < calls.size(); ++i) {
+        if (calls[i].kind == OpKind::send) withdraw(rank, calls[i].root, *sends[k++]);
+      }
+      throw;
+    }
   }
 
  private:
@@ -168,20 +196,110 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     DType dtype{};
     ReduceOp op{};
     int root = 0;
-    int peer = -1;  // send/recv: the other rank
     void const* send = nullptr;
     void* recv = nullptr;
   };
 
-  void run(int rank, Call const& c, cudaStream_t stream) {
+  // A send waiting for its receive; the receiver records `copied` once its copy is enqueued.
+  struct PeerMessage {
+    void const* data = nullptr;
+    std::int64_t count = 0;
+    DType dtype{};
+    cudaEvent_t ready = nullptr;
+    cudaEvent_t copied = nullptr;
+    bool taken = false;
+    ~PeerMessage() {
+      if (ready != nullptr) MGPU_CUDA_CHECK_NO_THROW(cudaEventDestroy(ready));
+      if (copied != nullptr) MGPU_CUDA_CHECK_NO_THROW(cudaEventDestroy(copied));
+    }
+  };
+
+  struct Channel {
+    std::mutex mutex;
+    std::condition_variable cv;
+    std::deque<PeerMessage*> queue;
+  };
+
+  Channel& channel(int from, int to) { return channels_[static_cast<std::size_t>(from * size() + to)]; }
+
+  std::unique_ptr<PeerMessage> post_send(int rank, Call const& c, cudaStream_t stream) {
+    state()->throw_if_aborted(c.name(rank));
+    auto message = std::make_unique<PeerMessage>();
+    message->data = c.send.data();
+    message->count = c.count;
+    message->dtype = c.dtype;
+    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&message->ready, cudaEventDisableTiming));
+    MGPU_CUDA_CHECK(cudaEventRecord(message->ready, stream));
+    Channel& ch = channel(rank, c.root);
+    {
+      std::lock_guard lock(ch.mutex);
+      ch.queue.push_back(message.get());
+    }
+    ch.cv.notify_all();
+    return message;
+  }
+
+  void withdraw(int rank, int peer, PeerMessage& message) noexcept {
+    Channel& ch = channel(rank, peer);
+    std::lock_guard lock(ch.mutex);
+    std::erase(ch.queue, &message);
+  }
+
+  // Waits on the host until `ready()`, with the deadline; `waiting_for` names the other side.
+  template <class Ready>
+  void wait(Channel& ch, std::unique_lock<std::mutex>& lock, std::string const& what, std::string const& waiting_for,
+            Ready const& ready) {
+    auto const start = Clock::now();
+    while (!ready()) {
+      state()->throw_if_aborted(what);
+      if (ch.cv.wait_until(lock, start + timeout()) == std::cv_status::timeout && !ready()) {
+        std::string const message = what + " waited " + format_duration(Clock::now() - start) + " for " + waiting_for;
+        lock.unlock();
+        state()->abort(message);
+        throw Error(Errc::timeout, message + " (expected it within the " + format_duration(timeout()) + " deadline)");
+      }
+    }
+  }
+
+  void await_taken(int rank, Call const& c, PeerMessage& message, cudaStream_t stream) {
+    Channel& ch = channel(rank, c.root);
+    std::unique_lock lock(ch.mutex);
+    wait(ch, lock, c.name(rank), "rank " + std::to_string(c.root) + " to receive it", [&] { return message.taken; });
+    MGPU_CUDA_CHECK(cudaStreamWaitEvent(stream, message.copied, 0));  // the buffer is free after the copy
+  }
+
+  void receive(int rank, Call const& c, cudaStream_t stream) {
+    std::string const what = c.name(rank);
+    Channel& ch = channel(c.root, rank);
+    std::unique_lock lock(ch.mutex);
+    wait(ch, lock, what, "rank " + std::to_string(c.root) + " to send", [&] { return !ch.queue.empty(); });
+    PeerMessage* m = ch.queue.front();
+    if (m->count != c.count || m->dtype != c.dtype) {
+      std::string const message = what + ": rank " + std::to_string(c.root) + " sent " + std::to_string(m->count) + " " +
+                                  std::string(mgpu::to_string(m->dtype)) + " elements, the recv takes " +
+                                  std::to_string(c.count) + " " + std::string(mgpu::to_string(c.dtype)) +
+                                  " (expected matching count and dtype)";
+      lock.unlock();
+      state()->abort(message);
+      throw Error(Errc::invalid_argument, message);
+    }
+    ch.queue.pop_front();
+    MGPU_CUDA_CHECK(cudaStreamWaitEvent(stream, m->ready, 0));
+    if (c.count > 0) MGPU_CUDA_CHECK(cudaMemcpyAsync(c.recv.data(), m->data, c.recv.nbytes(), cudaMemcpyDefault, stream));
+    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&m->copied, cudaEventDisableTiming));
+    MGPU_CUDA_CHECK(cudaEventRecord(m->copied, stream));
+    m->taken = true;
+    lock.unlock();
+    ch.cv.notify_all();
+  }
+
+  void collective(int rank, Call const& c, cudaStream_t stream) {
     std::string const what = c.name(rank);
     state()->throw_if_aborted(what);
     RankEvents& mine = events_[static_cast<std::size_t>(rank)];
     MGPU_CUDA_CHECK(cudaEventRecord(mine.ready, stream));
-    Post const post{c.kind, c.seq, c.count, c.dtype, c.op, c.root, c.kind == OpKind::send || c.kind == OpKind::recv ? c.root : -1,
+    Post const post{c.kind, c.seq, c.count, c.dtype, c.op, c.root,
                     c.send.defined() ? c.send.data() : nullptr, c.recv.defined() ? c.recv.data() : nullptr};
-    // Every operation meets all ranks, so point-to-point pairs must be issued at the same step on
-    // every rank (a rank with nothing to exchange at that step passes a barrier).
     std::vector<Post> const& posts = meeting_.exchange(rank, post, what);
     int const n = size();
     for (int p = 0; p < n; ++p) {
@@ -197,20 +315,6 @@ class CudaPeerCommunicator final : public CommunicatorBase {
 
   void compute(int rank, Call const& c, std::vector<Post> const& posts, cudaStream_t stream, std::string const& what) {
     int const n = size();
-    if (c.kind == OpKind::send || c.kind == OpKind::recv) {
-      Post const& other = posts[static_cast<std::size_t>(c.root)];
-      OpKind const expected = c.kind == OpKind::send ? OpKind::recv : OpKind::send;
-      if (other.kind != expected || other.peer != rank || other.count != c.count || other.dtype != c.dtype) {
-        std::string const message = what + ": rank " + std::to_string(c.root) + " did not post the matching " +
-                                    std::string(to_string(expected)) + " of " + std::to_string(c.count) + " " +
-                                    std::string(mgpu::to_string(c.dtype)) + " elements at this step (expected it)";
-        state()->abort(message);
-        throw Error(Errc::invalid_argument, message);
-      }
-      if (c.kind == OpKind::recv && c.count > 0)
-        MGPU_CUDA_CHECK(cudaMemcpyAsync(c.recv.data(), other.send, c.recv.nbytes(), cudaMemcpyDefault, stream));
-      return;
-    }
     for (int p = 0; p < n; ++p) {
       Post const& other = posts[static_cast<std::size_t>(p)];
       if (other.kind != c.kind || other.count != c.count || other.dtype != c.dtype || other.op != c.op || other.root != c.root) {
@@ -265,6 +369,7 @@ class CudaPeerCommunicator final : public CommunicatorBase {
   }
 
   std::vector<RankEvents> events_;
+  std::vector<Channel> channels_;
   Meeting<Post> meeting_;
   Meeting<int> done_meeting_;
 };

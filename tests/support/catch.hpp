@@ -3,6 +3,8 @@
 
 #if __has_include(<catch2/catch_all.hpp>)
 #include <catch2/catch_all.hpp>
+#define MGPU_TEST_CONTAINS(text) Catch::Matchers::ContainsSubstring(text)
 #else
 #include <catch2/catch.hpp>
+#define MGPU_TEST_CONTAINS(text) Catch::Matchers::Contains(text)
 #endif

@@ -17,7 +17,7 @@
       mgpu_thrown_ = true;                                                           \
       INFO("message: " << mgpu_error_.what());                                       \
       CHECK(mgpu_error_.category() == (errc));                                       \
-      CHECK_THAT(std::string(mgpu_error_.what()), Catch::Matchers::Contains(text));  \
+      CHECK_THAT(std::string(mgpu_error_.what()), MGPU_TEST_CONTAINS(text));          \
     }                                                                                \
     if (!mgpu_thrown_) FAIL("expected mgpu::Error from " #expression);               \
   } while (false)

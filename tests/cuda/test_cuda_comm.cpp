@@ -1,0 +1,119 @@
+// Collectives on CUDA devices: the cuda_peer backend on several logical devices sharing GPU 0, and
+// NCCL when at least two GPUs are visible, against a host float64 reference.
+#include <mgpu/comm/communicator.hpp>
+#include <mgpu/config.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "support/catch.hpp"
+#include "support/expect_error.hpp"
+
+using mgpu::DType;
+using mgpu::Tensor;
+using mgpu::comm::ReduceOp;
+
+namespace {
+
+std::vector<float> download(Tensor const& t) {
+  auto host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  Tensor out = Tensor::empty(t.shape(), DType::float32, *host);
+  Tensor staged = Tensor::empty(t.shape(), t.dtype(), *host);
+  mgpu::Stream stream(t.device());
+  mgpu::copy_async(staged, t, stream);
+  stream.synchronize();
+  mgpu::Stream host_stream({mgpu::DeviceKind::host, 0});
+  mgpu::convert_async(out, staged, host_stream);
+  host_stream.synchronize();
+  auto s = out.host_span<float>();
+  return {s.begin(), s.end()};
+}
+
+Tensor upload(std::vector<float> const& values, DType dtype, mgpu::Allocator& device, mgpu::Stream& stream) {
+  auto host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  auto const n = static_cast<std::int64_t>(values.size());
+  Tensor src = Tensor::empty({n}, DType::float32, *host);
+  std::copy(values.begin(), values.end(), src.host_span<float>().begin());
+  Tensor converted = Tensor::empty({n}, dtype, *host);
+  mgpu::Stream host_stream({mgpu::DeviceKind::host, 0});
+  mgpu::convert_async(converted, src, host_stream);
+  host_stream.synchronize();
+  Tensor out = Tensor::empty({n}, dtype, device);
+  mgpu::copy_async(out, converted, stream);
+  stream.synchronize();
+  return out;
+}
+
+void check_collectives(std::string const& spec, mgpu::comm::Backend expected) {
+  mgpu::DeviceGroup group(spec);
+  auto comm = mgpu::comm::make_communicator(group);
+  REQUIRE(comm->backend() == expected);
+  int const n = group.size();
+  for (DType t : {DType::float32, DType::bfloat16}) {
+    for (std::int64_t count : {1, 7, 1000003}) {
+      INFO(spec << ", " << count << " " << mgpu::to_string(t));
+      std::vector<std::vector<float>> in(static_cast<std::size_t>(n));
+      std::vector<Tensor> buffers;
+      std::vector<Tensor> gathered;
+      std::vector<Tensor> parts;
+      for (int r = 0; r < n; ++r) {
+        for (std::int64_t i = 0; i < count * n; ++i) in[static_cast<std::size_t>(r)].push_back(static_cast<float>((i * (r + 1)) % 64) - 32.0f);
+        buffers.push_back(upload(in[static_cast<std::size_t>(r)], t, group.allocator(r), group.stream(r)));
+        parts.push_back(Tensor::empty({count}, t, group.allocator(r)));
+        gathered.push_back(Tensor::empty({count * n}, t, group.allocator(r)));
+      }
+      group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+        auto const r = static_cast<std::size_t>(rank);
+        comm->reduce_scatter(rank, buffers[r], parts[r], ReduceOp::sum, stream);
+        comm->all_gather(rank, parts[r], gathered[r], stream);
+        comm->all_reduce(rank, buffers[r], buffers[r], ReduceOp::max, stream);
+        comm->group_start(rank);
+        comm->send(rank, parts[r], (rank + 1) % n, stream);
+        comm->recv(rank, parts[r], (rank + n - 1) % n, stream);
+        comm->group_end(rank);
+      });
+      for (int r = 0; r < n; ++r) {
+        auto const sums = download(gathered[static_cast<std::size_t>(r)]);
+        auto const maxima = download(buffers[static_cast<std::size_t>(r)]);
+        for (std::int64_t i = 0; i < count * n; i += std::max<std::int64_t>(1, count / 97)) {
+          double sum = 0;
+          float max = -1e30f;
+          for (auto const& v : in) {
+            sum += v[static_cast<std::size_t>(i)];
+            max = std::max(max, v[static_cast<std::size_t>(i)]);
+          }
+          REQUIRE(sums[static_cast<std::size_t>(i)] == sum);  // small integers: exact in both dtypes
+          REQUIRE(maxima[static_cast<std::size_t>(i)] == max);
+        }
+      }
+    }
+  }
+  comm->finalize();
+}
+
+}  // namespace
+
+TEST_CASE("cuda_peer collectives on logical devices sharing GPU 0", "[cuda][comm]") {
+  check_collectives("cuda:0,0", mgpu::comm::Backend::cuda_peer);
+  check_collectives("cuda:0,0,0,0", mgpu::comm::Backend::cuda_peer);
+}
+
+TEST_CASE("NCCL collectives across distinct GPUs", "[cuda][comm]") {
+  if (!mgpu::built_with_nccl || mgpu::cuda_device_count() < 2) {
+    WARN("skipped: needs NCCL and at least two GPUs");
+    return;
+  }
+  check_collectives("cuda", mgpu::comm::Backend::nccl);
+}
+
+TEST_CASE("A stalled rank on CUDA devices times out instead of hanging", "[cuda][comm]") {
+  mgpu::DeviceGroup group("cuda:0,0");
+  auto comm = mgpu::comm::make_communicator(group, {.timeout = std::chrono::milliseconds(300)});
+  Tensor a = Tensor::empty({16}, DType::float32, group.allocator(0));
+  REQUIRE_MGPU_ERROR(group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+    if (rank == 0) comm->all_reduce(rank, a, a, ReduceOp::sum, stream);
+  }),
+                     mgpu::Errc::timeout, "waited");
+  CHECK(comm->aborted());
+}
