@@ -91,6 +91,7 @@ if [ -x "$build/tests/mgpu_tests" ]; then
 fi
 
 if [ -n "$gpu_name" ]; then
+  export MGPU_BENCH_BASELINES=0  # the host baselines (MPI, Gloo) are measured on the CPU machines
   for bench in "$build"/bench/bench_*; do
     [ -x "$bench" ] || continue
     name=$(basename "$bench")
@@ -111,7 +112,10 @@ import json, sys
 for b in json.load(open(sys.argv[1]))["benchmarks"]:
     if b.get("run_type") == "aggregate":
         continue
-    print(f"  {b['name']:<44} {b.get('GBps', 0):9.1f} GB/s  baseline {b.get('baseline_GBps', 0):9.1f} GB/s  frac {b.get('baseline_frac', 0):.2f}")
+    if "busbw_GBps" in b:
+        print(f"  {b['name']:<52} busbw {b['busbw_GBps']:8.1f} GB/s  roofline {b.get('roofline_frac', 0):.2f}")
+    else:
+        print(f"  {b['name']:<52} {b.get('GBps', 0):9.1f} GB/s  baseline {b.get('baseline_GBps', 0):9.1f} GB/s  frac {b.get('baseline_frac', 0):.2f}")
 PY
 done
 exit "$failed"

@@ -117,19 +117,18 @@ class HostState {
   template <class Ready, class Missing>
   void wait(std::string const& what, Ready const& ready, Missing const& missing) {
     auto const start = Clock::now();
-    if (spin_) {
-      for (int i = 0; Clock::now() - start < std::chrono::microseconds(50); ++i) {
-        for (int k = 0; k < 64; ++k) {
-          if (ready()) return;
-          cpu_relax();
-        }
-        shared_->throw_if_aborted(what);
-      }
-    } else {
-      for (int i = 0; i < 4; ++i) {
+    // Spin for a moment before sleeping: with a core per rank the others are running; with more
+    // ranks than cores, yielding lets them run instead.
+    while (Clock::now() - start < std::chrono::microseconds(100)) {
+      for (int k = 0; k < 64; ++k) {
         if (ready()) return;
-        std::this_thread::yield();
+        if (spin_) {
+          cpu_relax();
+        } else {
+          std::this_thread::yield();
+        }
       }
+      shared_->throw_if_aborted(what);
     }
     auto const deadline = start + shared_->timeout();
     std::unique_lock lock(mutex_);
