@@ -3,7 +3,8 @@
 # Runs apt-get as root (directly, or through sudo). Safe to run again: it installs nothing twice.
 set -euo pipefail
 
-packages=(cmake ninja-build g++ libeigen3-dev catch2 libbenchmark-dev libcli11-dev)
+packages=(cmake ninja-build g++ libeigen3-dev catch2 libbenchmark-dev libcli11-dev
+  openmpi-bin libopenmpi-dev libgloo-dev)  # the last three: baselines for bench_collectives
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

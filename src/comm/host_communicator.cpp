@@ -311,7 +311,7 @@ class HostState {
       throw Error(Errc::invalid_argument, text);
     }
     ch.queue.pop_front();
-    std::memcpy(c.recv.data(), m->data, static_cast<std::size_t>(c.count) * size_of(c.dtype));
+    if (c.count > 0) std::memcpy(c.recv.data(), m->data, static_cast<std::size_t>(c.count) * size_of(c.dtype));
     m->taken = true;
     lock.unlock();
     ch.cv.notify_all();

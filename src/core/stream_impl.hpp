@@ -2,6 +2,8 @@
 // CUDA stream. Internal: not installed.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -68,6 +70,11 @@ struct Stream::Impl {
   void run_worker() {
     std::unique_lock lock(mutex);
     while (true) {
+      if (tasks.empty() && !stopping) {
+        lock.unlock();
+        spin_until([&] { return submitted.load(std::memory_order_acquire) != completed.load(std::memory_order_relaxed); });
+        lock.lock();
+      }
       work_cv.wait(lock, [&] { return stopping || !tasks.empty(); });
       if (tasks.empty()) return;  // stopping, queue drained
       Task task = std::move(tasks.front());
@@ -121,6 +128,19 @@ struct Stream::Impl {
     delete callback;
   }
 
+  // Waits briefly for `ready` before a caller blocks on a condition variable: a thread woken from
+  // sleep costs tens of microseconds, which small work items would otherwise pay each time.
+  template <class Ready>
+  static void spin_until(Ready const& ready) {
+    auto const start = std::chrono::steady_clock::now();
+    do {
+      for (int i = 0; i < 32; ++i) {
+        if (ready()) return;
+        std::this_thread::yield();
+      }
+    } while (std::chrono::steady_clock::now() - start < std::chrono::microseconds(50));
+  }
+
   bool failed() {
     std::lock_guard lock(mutex);
     return error != nullptr;
@@ -128,6 +148,7 @@ struct Stream::Impl {
 
   void synchronize() {
     if (device.kind == DeviceKind::cuda) detail::cuda::stream_synchronize(cuda_stream);
+    spin_until([&] { return completed.load(std::memory_order_acquire) == submitted.load(std::memory_order_acquire); });
     std::unique_lock lock(mutex);
     done_cv.wait(lock, [&] { return completed == submitted; });
     if (error) std::rethrow_exception(std::exchange(error, nullptr));
@@ -152,8 +173,9 @@ struct Stream::Impl {
   std::condition_variable work_cv;
   std::condition_variable done_cv;
   std::deque<Task> tasks;
-  std::uint64_t submitted = 0;
-  std::uint64_t completed = 0;
+  // Changed under `mutex` (for the condition variables), read without it while spinning.
+  std::atomic<std::uint64_t> submitted{0};
+  std::atomic<std::uint64_t> completed{0};
   bool stopping = false;
   std::exception_ptr error;
   std::thread worker;

@@ -62,7 +62,7 @@ TEST_CASE("A rank that stalls makes the others time out naming it", "[comm][faul
   std::vector<double> failed_after(4, -1.0);
   try {
     f.group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
-      if (rank == 3) std::this_thread::sleep_for(1500ms);
+      if (rank == 3) std::this_thread::sleep_for(3000ms);
       f.comm->all_reduce(rank, f.buffers[static_cast<std::size_t>(rank)], f.buffers[static_cast<std::size_t>(rank)], ReduceOp::sum, stream);
       try {
         stream.synchronize();
@@ -80,7 +80,7 @@ TEST_CASE("A rank that stalls makes the others time out naming it", "[comm][faul
   }
   for (int r = 0; r < 3; ++r) {
     CHECK(failed_after[static_cast<std::size_t>(r)] >= 0.25);
-    CHECK(failed_after[static_cast<std::size_t>(r)] < 1.4);  // at the deadline, not when rank 3 arrives
+    CHECK(failed_after[static_cast<std::size_t>(r)] < 2.5);  // at the deadline, not when rank 3 arrives
   }
 }
 
