@@ -74,7 +74,9 @@ TEST_CASE("A rank that stalls makes the others time out naming it", "[comm][faul
     FAIL("run() should have thrown");
   } catch (mgpu::Error const& e) {
     INFO(e.what());
-    CHECK(e.category() == Errc::timeout);
+    // The rank that timed out reports Errc::timeout; ranks woken by its abort report
+    // Errc::communication quoting it. Either may be the first error run() sees.
+    CHECK((e.category() == Errc::timeout || e.category() == Errc::communication));
     CHECK_THAT(std::string(e.what()), MGPU_TEST_CONTAINS("all_reduce #0 waited"));
     CHECK_THAT(std::string(e.what()), MGPU_TEST_CONTAINS("for rank(s) 3"));
   }
