@@ -10,3 +10,8 @@
 #include <mgpu/core/memory.hpp>
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
+#include <mgpu/sched/job_queue.hpp>
+#include <mgpu/sched/planning.hpp>
+#include <mgpu/sched/scheduler.hpp>
+#include <mgpu/sched/simulator.hpp>
+#include <mgpu/sched/types.hpp>

@@ -1,0 +1,244 @@
+// The scheduler framework and its plugins on constructed node states.
+#include <mgpu/sched/planning.hpp>
+#include <mgpu/sched/scheduler.hpp>
+
+#include <atomic>
+#include <functional>
+#include <limits>
+#include <random>
+#include <thread>
+
+#include "support/catch.hpp"
+#include "support/expect_error.hpp"
+
+using namespace mgpu::sched;
+using mgpu::Errc;
+
+namespace {
+NodeState node_of(int n, double memory = 80e9) {
+  NodeState node;
+  for (int i = 0; i < n; ++i) {
+    DeviceState d;
+    d.id = i;
+    d.type = "A100";
+    d.capacity_bytes = d.free_bytes = memory;
+    d.links.assign(static_cast<std::size_t>(n), 0.1);
+    node.devices.push_back(d);
+  }
+  return node;
+}
+
+Scheduler only(std::unique_ptr<ScorePlugin> score) {
+  Scheduler s;
+  s.add(memory_fit());
+  s.add(capability());
+  s.add(std::move(score), 1);
+  return s;
+}
+}  // namespace
+
+TEST_CASE("memory-fit and capability filters exclude devices", "[sched]") {
+  NodeState node = node_of(4);
+  node.devices[0].free_bytes = 10e9;
+  node.devices[1].free_bytes = 10e9;
+  node.devices[2].type = "V100";
+  Request r{.name = "big", .devices = 1, .memory_bytes = 20e9, .allowed_types = "A100|H100"};
+  auto const s = Scheduler::default_profile();
+  auto const p = s.place(r, node);
+  REQUIRE(p);
+  CHECK(p->devices == std::vector<int>{3});
+  r.devices = 2;
+  CHECK_FALSE(s.place(r, node));  // only one device passes both filters
+  r.allowed_types = "";
+  CHECK(s.place(r, node)->devices == std::vector<int>{2, 3});
+}
+
+TEST_CASE("least-loaded picks the idlest device, weighed by speed", "[sched]") {
+  NodeState node = node_of(4);
+  node.devices[0].queued_seconds = 30;
+  node.devices[1].queued_seconds = 5;
+  node.devices[2].queued_seconds = 20;
+  node.devices[3].queued_seconds = 12;
+  node.devices[3].speed = 4;  // 3 s at its speed: the least loaded
+  CHECK(only(least_loaded()).place({.name = "t"}, node)->devices == std::vector<int>{3});
+}
+
+TEST_CASE("locality picks the device that holds the data", "[sched]") {
+  NodeState node = node_of(4);
+  node.devices[2].data.insert("imagenet");
+  Request r{.name = "t", .data = "imagenet", .data_bytes = 100e9};
+  CHECK(only(locality()).place(r, node)->devices == std::vector<int>{2});
+  CHECK(Scheduler::default_profile().place(r, node)->devices == std::vector<int>{2});
+}
+
+TEST_CASE("topology picks linked pairs and sets", "[sched]") {
+  NodeState node = node_of(6);
+  auto const link = [&](int a, int b, double q) {
+    node.devices[static_cast<std::size_t>(a)].links[static_cast<std::size_t>(b)] = q;
+    node.devices[static_cast<std::size_t>(b)].links[static_cast<std::size_t>(a)] = q;
+  };
+  link(0, 1, 0.5);
+  link(3, 4, 1.0);
+  link(4, 5, 1.0);
+  link(3, 5, 1.0);
+  auto const s = only(topology());
+  CHECK(s.place({.name = "pair", .devices = 2}, node)->devices == std::vector<int>{3, 4});
+  CHECK(s.place({.name = "three", .devices = 3}, node)->devices == std::vector<int>{3, 4, 5});
+  CHECK(Scheduler::default_profile().place({.name = "pair", .devices = 2}, node)->devices == std::vector<int>{3, 4});
+}
+
+TEST_CASE("heterogeneity, energy and interference prefer what they say", "[sched]") {
+  NodeState node = node_of(3);
+  node.devices[1].speed = 2;
+  node.devices[2].speed = 1.5;
+  node.devices[0].max_watts = 300;
+  node.devices[1].max_watts = 700;
+  node.devices[2].max_watts = 350;
+  CHECK(only(heterogeneity()).place({.name = "t"}, node)->devices == std::vector<int>{1});
+  CHECK(only(energy()).place({.name = "t"}, node)->devices == std::vector<int>{2});  // 1.5/350 beats 2/700 and 1/300
+  node.devices[0].bandwidth_heavy = 1;
+  node.devices[1].bandwidth_heavy = 2;
+  CHECK(only(interference()).place({.name = "t", .bandwidth_heavy = true}, node)->devices == std::vector<int>{2});
+}
+
+TEST_CASE("A user's own plugin joins with a weight", "[sched]") {
+  struct PreferIdleMemory final : ScorePlugin {
+    std::string_view name() const override { return "prefer-idle-memory"; }
+    double score(Request const&, DeviceState const& d, NodeState const&) const override { return d.free_bytes / d.capacity_bytes; }
+  };
+  NodeState node = node_of(3);
+  node.devices[0].free_bytes = 10e9;
+  node.devices[2].free_bytes = 70e9;
+  node.devices[1].free_bytes = 40e9;
+  auto s = Scheduler::default_profile();
+  s.add(std::make_unique<PreferIdleMemory>(), 10);
+  CHECK(s.place({.name = "t"}, node)->devices == std::vector<int>{2});
+  s.set_weight("prefer-idle-memory", 0);
+  s.remove("heterogeneity");
+  CHECK(s.plugin_names().size() == 7);
+}
+
+TEST_CASE("Invalid requests and unknown plugins are rejected clearly", "[sched]") {
+  NodeState const node = node_of(4);
+  auto s = Scheduler::default_profile();
+  REQUIRE_MGPU_ERROR(s.place({.name = "zero", .devices = 0}, node), Errc::invalid_argument, "request 'zero': asks for 0.000000 devices");
+  REQUIRE_MGPU_ERROR(s.place({.name = "many", .devices = 5}, node), Errc::invalid_argument, "asks for 5 devices, the node has 4");
+  REQUIRE_MGPU_ERROR(s.place({.name = "odd", .devices = 1.5}, node), Errc::invalid_argument, "expected a whole number above 1");
+  REQUIRE_MGPU_ERROR(s.place({.name = "neg", .memory_bytes = -1}, node), Errc::invalid_argument, "expected >= 0");
+  REQUIRE_MGPU_ERROR(s.set_weight("no-such", 1), Errc::invalid_argument, "no plugin named 'no-such' (expected one of: memory-fit");
+  REQUIRE_MGPU_ERROR(s.remove("no-such"), Errc::invalid_argument, "no plugin named 'no-such'");
+  REQUIRE_MGPU_ERROR(s.add(least_loaded(), -1), Errc::invalid_argument, "expected a finite weight >= 0");
+}
+
+TEST_CASE("Memory is never over-committed under concurrent binds", "[sched]") {
+  Node node(node_of(4, 10e9));
+  auto const scheduler = Scheduler::default_profile();
+  std::atomic<bool> over{false};
+  std::atomic<int> placed{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(static_cast<unsigned>(t));
+      std::uniform_real_distribution<double> gb(1, 4);
+      std::vector<std::pair<Request, Placement>> held;
+      for (int i = 0; i < 400; ++i) {
+        Request r{.name = "r", .devices = 0.25, .memory_bytes = gb(rng) * 1e9, .work_seconds = 1};
+        if (auto p = node.schedule(r, scheduler)) {
+          held.emplace_back(r, *p);
+          ++placed;
+        }
+        for (auto const& d : node.snapshot().devices) {
+          if (d.free_bytes < 0 || d.free_share < -1e-9) over = true;
+        }
+        if (held.size() > 3 || (i % 5 == 0 && !held.empty())) {
+          node.release(held.front().first, held.front().second);
+          held.erase(held.begin());
+        }
+      }
+      for (auto const& [r, p] : held) node.release(r, p);
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK_FALSE(over);
+  CHECK(placed > 100);
+  for (auto const& d : node.snapshot().devices) {
+    CHECK(d.free_bytes == Approx(10e9));
+    CHECK(d.free_share == Approx(1.0));
+  }
+}
+
+TEST_CASE("Pipeline partition matches brute force; stages follow speed, links and memory", "[sched]") {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<double> cost(0.1, 2.0);
+  for (int trial = 0; trial < 200; ++trial) {
+    int const layers = 3 + trial % 6;
+    int const stages = 1 + trial % std::min(layers, 4);
+    NodeState node = node_of(4, 1e9 * (1 + trial % 3));
+    for (auto& d : node.devices) d.speed = 1 + static_cast<double>((d.id * 7 + trial) % 3);
+    std::vector<double> seconds;
+    std::vector<double> bytes;
+    for (int l = 0; l < layers; ++l) {
+      seconds.push_back(cost(rng));
+      bytes.push_back(0.4e9 * cost(rng));
+    }
+    std::vector<int> const order = pipeline_order(node, {0, 1, 2, 3});
+    // Brute force over every way to cut the layers into `stages` non-empty runs.
+    double best = std::numeric_limits<double>::infinity();
+    std::function<void(int, int, double)> search = [&](int stage, int from, double worst) {
+      if (stage == stages) {
+        if (from == layers) best = std::min(best, worst);
+        return;
+      }
+      DeviceState const& d = node.devices[static_cast<std::size_t>(order[static_cast<std::size_t>(stage)])];
+      double c = 0;
+      double b = 0;
+      for (int to = from + 1; to <= layers - (stages - stage - 1); ++to) {
+        c += seconds[static_cast<std::size_t>(to) - 1];
+        b += bytes[static_cast<std::size_t>(to) - 1];
+        if (b > d.free_bytes) break;
+        search(stage + 1, to, std::max(worst, c / d.speed));
+      }
+    };
+    search(0, 0, 0);
+    INFO("trial " << trial << ": " << layers << " layers, " << stages << " stages");
+    if (std::isinf(best)) {
+      REQUIRE_MGPU_ERROR(partition(seconds, bytes, node, {0, 1, 2, 3}, stages), Errc::out_of_memory, "fits");
+      continue;
+    }
+    StagePlan const plan = partition(seconds, bytes, node, {0, 1, 2, 3}, stages);
+    REQUIRE(plan.bottleneck_seconds == Approx(best));
+    REQUIRE(plan.first_layer.front() == 0);
+    REQUIRE(plan.first_layer.back() == layers);
+    REQUIRE(plan.device.front() == order.front());
+  }
+  REQUIRE_MGPU_ERROR(partition({1, 1}, {1, 1}, node_of(2), {0, 1}, 3), Errc::invalid_argument, "expected 1 <= stages <= layers");
+}
+
+TEST_CASE("Shard weights follow speed and backlog", "[sched]") {
+  NodeState node = node_of(3);
+  node.devices[1].speed = 2;
+  node.devices[2].queued_seconds = 1;  // a step's worth of backlog: half its share
+  auto const w = shard_weights(node, {0, 1, 2});
+  CHECK(w[0] == Approx(1.0));
+  CHECK(w[1] == Approx(2.0));
+  CHECK(w[2] == Approx(0.5));
+}
+
+TEST_CASE("The runtime predictor learns per task and device type and reports its error", "[sched]") {
+  RuntimePredictor p;
+  CHECK(p.predict("train", "A100", 100) == 100);  // no history: the nominal duration
+  for (int i = 1; i <= 40; ++i) {
+    double const size = 10.0 * (i % 7 + 1);
+    p.observe("train", "A100", size, 5 + 0.5 * size);  // a fixed start-up plus a per-size rate
+  }
+  CHECK(p.predict("train", "A100", 200) == Approx(105).epsilon(0.01));
+  CHECK(p.predict("train", "V100", 200) == 200);
+  auto const a = p.accuracy();
+  CHECK(a.samples == 40);
+  CHECK(a.mean_absolute_percentage_error < 20);  // early guesses are off; later ones exact
+  NodeState node = node_of(2);
+  node.devices[0].type = "A100";
+  node.devices[1].type = "V100";
+  auto s = only(predicted_finish(p));
+  CHECK(s.place({.name = "t", .work_seconds = 200, .task_type = "train"}, node)->devices == std::vector<int>{0});
+}
