@@ -139,6 +139,15 @@ std::vector<Job> synthetic_trace(TraceShape const& shape) {
   return jobs;
 }
 
+double interarrival_for_load(TraceShape const& shape, double load, int gpus) {
+  if (!(load > 0) || gpus < 1)
+    throw Error(Errc::invalid_argument, "load " + std::to_string(load) + " on " + std::to_string(gpus) + " GPUs (expected load > 0 and GPUs >= 1)");
+  double const f = shape.fractional_share;
+  double const mean_gpus = f * 0.375 + 0.70 * 1 + 0.10 * 2 + 0.12 * 4 + (0.08 - f) * 8;  // as synthetic_trace draws them
+  double const mean_duration = shape.median_duration_seconds * std::exp(shape.duration_sigma * shape.duration_sigma / 2);
+  return mean_duration * std::max(mean_gpus, 0.1) / (load * gpus);
+}
+
 std::vector<NodeState> make_servers(std::vector<ServerSpec> const& specs) {
   std::vector<NodeState> servers;
   for (ServerSpec const& spec : specs) {

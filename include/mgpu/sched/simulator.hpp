@@ -47,6 +47,9 @@ struct TraceShape {
   unsigned seed = 1;
 };
 std::vector<Job> synthetic_trace(TraceShape const& shape);
+/// The mean interarrival time that makes `shape`'s jobs ask for `load` (e.g. 0.8) of `gpus` GPUs
+/// on average, from the generator's distributions.
+double interarrival_for_load(TraceShape const& shape, double load, int gpus);
 
 /// One modelled server.
 struct ServerSpec {

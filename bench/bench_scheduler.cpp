@@ -1,0 +1,74 @@
+// bench_scheduler: placement decisions per second with the default profile (8 and 64 devices),
+// and the policy table on a synthetic trace.
+//
+//   bench_scheduler --benchmark_out=scheduler.json --benchmark_out_format=json
+#include <benchmark/benchmark.h>
+
+#include <cstdio>
+
+#include <mgpu/mgpu.hpp>
+
+namespace {
+
+mgpu::sched::NodeState node_of(int devices) {
+  mgpu::sched::NodeState node;
+  for (int i = 0; i < devices; ++i) {
+    mgpu::sched::DeviceState d;
+    d.id = i;
+    d.type = i % 2 ? "A100" : "H100";
+    d.capacity_bytes = 80e9;
+    d.free_bytes = 80e9 - 1e9 * (i % 7);
+    d.queued_seconds = (i * 13) % 11;
+    d.speed = 1.0 + (i % 3) * 0.5;
+    d.links.assign(static_cast<std::size_t>(devices), 0.2);
+    for (int j = i / 8 * 8; j < i / 8 * 8 + 8 && j < devices; ++j) d.links[static_cast<std::size_t>(j)] = 1.0;  // NVLink within 8
+    node.devices.push_back(d);
+  }
+  return node;
+}
+
+// One single-device placement decision per iteration.
+void BM_place(benchmark::State& state) {
+  auto const node = node_of(static_cast<int>(state.range(0)));
+  auto const scheduler = mgpu::sched::Scheduler::default_profile();
+  mgpu::sched::Request request{.name = "task", .devices = 1, .memory_bytes = 20e9, .allowed_types = "A100|H100", .work_seconds = 10};
+  for (auto _ : state) {
+    auto placement = scheduler.place(request, node);
+    benchmark::DoNotOptimize(placement);
+  }
+  state.counters["decisions_per_s"] = benchmark::Counter(static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+  state.counters["devices"] = static_cast<double>(state.range(0));
+}
+BENCHMARK(BM_place)->Arg(8)->Arg(64);
+
+// A 4-device gang placement, where topology rates every pair of the set.
+void BM_place_gang(benchmark::State& state) {
+  auto const node = node_of(static_cast<int>(state.range(0)));
+  auto const scheduler = mgpu::sched::Scheduler::default_profile();
+  mgpu::sched::Request request{.name = "job", .devices = 4, .memory_bytes = 20e9, .work_seconds = 10};
+  for (auto _ : state) {
+    auto placement = scheduler.place(request, node);
+    benchmark::DoNotOptimize(placement);
+  }
+  state.counters["decisions_per_s"] = benchmark::Counter(static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+  state.counters["devices"] = static_cast<double>(state.range(0));
+}
+BENCHMARK(BM_place_gang)->Arg(8)->Arg(64);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  mgpu::sched::TraceShape shape{.jobs = 400, .seed = 1};
+  shape.mean_interarrival_seconds = mgpu::sched::interarrival_for_load(shape, 0.9, 16);
+  auto const jobs = mgpu::sched::synthetic_trace(shape);
+  auto const servers = mgpu::sched::make_servers({{.gpus = 8}, {.gpus = 8, .type = "V100", .speed = 0.6}});
+  std::vector<mgpu::sched::SimulationResult> results;
+  for (auto const& policy : mgpu::sched::standard_policies()) results.push_back(mgpu::sched::simulate(jobs, servers, policy));
+  std::printf("\npolicies on a synthetic trace (400 jobs at 90%% load, servers of 8 A100 and 8 V100 at 0.6x):\n%s",
+              mgpu::sched::format_results(results).c_str());
+  benchmark::Shutdown();
+  return 0;
+}
