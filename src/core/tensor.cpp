@@ -132,6 +132,16 @@ Tensor Tensor::slice(std::int64_t begin, std::int64_t end) const {
   return view;
 }
 
+Tensor Tensor::reshape(Shape shape) const {
+  std::int64_t const count = checked_numel(shape);
+  if (count != numel())
+    throw Error(Errc::invalid_argument, "reshape of " + to_string(shape_) + " (" + std::to_string(numel()) + " elements) to " +
+                                            to_string(shape) + " (" + std::to_string(count) + ") (expected the same number of elements)");
+  Tensor view = *this;
+  view.shape_ = std::move(shape);
+  return view;
+}
+
 void copy_async(Tensor const& dst, Tensor const& src, Stream& stream) {
   check_same_layout(dst, src, "copy_async");
   if (dst.dtype() != src.dtype())

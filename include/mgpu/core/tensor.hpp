@@ -60,6 +60,10 @@ class Tensor {
   /// Throws Error(invalid_argument) for a 0-d tensor or a range outside [0, dim(0)].
   [[nodiscard]] Tensor slice(std::int64_t begin, std::int64_t end) const;
 
+  /// The same elements viewed with another shape of the same number of elements (no copy).
+  /// Throws Error(invalid_argument) when the element counts differ.
+  [[nodiscard]] Tensor reshape(Shape shape) const;
+
   /// True when both tensors view the same allocation.
   [[nodiscard]] bool shares_storage(Tensor const& other) const noexcept {
     return storage_ != nullptr && storage_ == other.storage_;

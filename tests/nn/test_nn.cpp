@@ -1,0 +1,267 @@
+// Ops, layers and optimizers against independent references: naive float64 math, central finite
+// differences in float64, hand-computed optimizer steps, and training to a set accuracy.
+#include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/optim.hpp>
+#include <mgpu/ops/ops.hpp>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "support/catch.hpp"
+#include "support/expect_error.hpp"
+
+using mgpu::DType;
+using mgpu::Tensor;
+
+namespace {
+
+struct Env {
+  std::shared_ptr<mgpu::Allocator> allocator = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  mgpu::Stream stream{mgpu::Device{mgpu::DeviceKind::host, 0}};
+  mgpu::nn::Context ctx{*allocator, stream};
+  Tensor make(mgpu::Shape shape, std::vector<float> const& values) {
+    Tensor t = Tensor::empty(std::move(shape), DType::float32, *allocator);
+    std::copy(values.begin(), values.end(), t.host_span<float>().begin());
+    return t;
+  }
+  Tensor random(mgpu::Shape shape, unsigned seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> n(0, 1);
+    Tensor t = Tensor::empty(std::move(shape), DType::float32, *allocator);
+    for (float& v : t.host_span<float>()) v = n(rng);
+    return t;
+  }
+};
+
+std::vector<double> as_double(Tensor const& t) {
+  auto s = t.host_span<float>();
+  return {s.begin(), s.end()};
+}
+
+// The model's loss in float64, from its flat parameters: Linear / activation layers in order.
+double reference_loss(std::vector<std::pair<std::int64_t, std::int64_t>> const& linear_shapes, std::string const& activation,
+                      std::vector<double> const& params, std::vector<double> x, std::int64_t batch, std::vector<double> const& target,
+                      bool cross_entropy) {
+  std::size_t offset = 0;
+  std::int64_t width = linear_shapes.front().first;
+  for (std::size_t l = 0; l < linear_shapes.size(); ++l) {
+    auto const [in, out] = linear_shapes[l];
+    std::vector<double> y(static_cast<std::size_t>(batch * out));
+    for (std::int64_t i = 0; i < batch; ++i) {
+      for (std::int64_t j = 0; j < out; ++j) {
+        double acc = params[offset + static_cast<std::size_t>(in * out + j)];
+        for (std::int64_t k = 0; k < in; ++k)
+          acc += x[static_cast<std::size_t>(i * in + k)] * params[offset + static_cast<std::size_t>(k * out + j)];
+        if (l + 1 < linear_shapes.size()) {
+          if (activation == "relu") {
+            acc = std::max(acc, 0.0);
+          } else {
+            acc = 0.5 * acc * (1 + std::tanh(std::sqrt(2 / 3.141592653589793) * (acc + 0.044715 * acc * acc * acc)));
+          }
+        }
+        y[static_cast<std::size_t>(i * out + j)] = acc;
+      }
+    }
+    offset += static_cast<std::size_t>(in * out + out);
+    x = y;
+    width = out;
+  }
+  double loss = 0;
+  if (cross_entropy) {
+    for (std::int64_t i = 0; i < batch; ++i) {
+      double top = -1e300;
+      for (std::int64_t j = 0; j < width; ++j) top = std::max(top, x[static_cast<std::size_t>(i * width + j)]);
+      double sum = 0;
+      for (std::int64_t j = 0; j < width; ++j) sum += std::exp(x[static_cast<std::size_t>(i * width + j)] - top);
+      loss += std::log(sum) + top - x[static_cast<std::size_t>(i * width + static_cast<std::int64_t>(target[static_cast<std::size_t>(i)]))];
+    }
+    return loss / static_cast<double>(batch);
+  }
+  for (std::size_t i = 0; i < x.size(); ++i) loss += (x[i] - target[i]) * (x[i] - target[i]);
+  return loss / static_cast<double>(x.size());
+}
+
+}  // namespace
+
+TEST_CASE("gemm with every transpose against float64", "[ops]") {
+  Env env;
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      Tensor a = env.random(ta ? mgpu::Shape{5, 3} : mgpu::Shape{3, 5}, 1);
+      Tensor b = env.random(tb ? mgpu::Shape{4, 5} : mgpu::Shape{5, 4}, 2);
+      Tensor c = env.random({3, 4}, 3);
+      auto const c0 = as_double(c);
+      mgpu::ops::gemm(a, ta, b, tb, c, 0.5f, 2.0f, env.stream);
+      env.stream.synchronize();
+      auto const A = as_double(a);
+      auto const B = as_double(b);
+      for (int i = 0; i < 3; ++i) {
+        for (int j = 0; j < 4; ++j) {
+          double acc = 0;
+          for (int k = 0; k < 5; ++k) acc += A[static_cast<std::size_t>(ta ? k * 3 + i : i * 5 + k)] * B[static_cast<std::size_t>(tb ? j * 5 + k : k * 4 + j)];
+          REQUIRE(c.host_span<float>()[static_cast<std::size_t>(i * 4 + j)] == Approx(0.5 * acc + 2.0 * c0[static_cast<std::size_t>(i * 4 + j)]).margin(1e-5));
+        }
+      }
+    }
+  }
+  Tensor bad = env.random({2, 2}, 4);
+  REQUIRE_MGPU_ERROR(mgpu::ops::gemm(bad, false, env.random({3, 2}, 5), false, bad, 1, 0, env.stream), mgpu::Errc::invalid_argument,
+                     "expected [m, k] x [k, n] -> [m, n]");
+}
+
+TEST_CASE("Layer gradients match float64 finite differences", "[nn]") {
+  for (std::string const activation : {"relu", "gelu"}) {
+    for (bool cross_entropy : {true, false}) {
+      INFO(activation << (cross_entropy ? " with softmax cross-entropy" : " with MSE"));
+      Env env;
+      std::int64_t const batch = 6;
+      auto model = mgpu::nn::Sequential::mlp({4, 7, 5, 3}, activation);
+      model.materialize(*env.allocator, 11);
+      Tensor x = env.random({batch, 4}, 21);
+      std::vector<float> labels = {0, 2, 1, 1, 0, 2};
+      Tensor target = cross_entropy ? env.make({batch}, labels) : env.random({batch, 3}, 31);
+      Tensor out = model.forward(x, env.ctx);
+      Tensor dout = Tensor::empty(out.shape(), DType::float32, *env.allocator);
+      float loss = 0;
+      if (cross_entropy) {
+        mgpu::ops::softmax_cross_entropy(out, target, dout, &loss, env.stream);
+      } else {
+        mgpu::ops::mse(out, target, dout, &loss, env.stream);
+      }
+      Tensor dx = model.backward(dout, env.ctx);
+      env.stream.synchronize();
+
+      std::vector<std::pair<std::int64_t, std::int64_t>> const shapes = {{4, 7}, {7, 5}, {5, 3}};
+      auto params = as_double(model.parameters());
+      auto inputs = as_double(x);
+      auto const tgt = as_double(target);
+      double const ref = reference_loss(shapes, activation, params, inputs, batch, tgt, cross_entropy);
+      REQUIRE(loss == Approx(ref).epsilon(1e-4));
+      auto const grads = as_double(model.gradients());
+      double const h = 1e-6;
+      for (std::size_t p = 0; p < params.size(); ++p) {
+        double const keep = params[p];
+        params[p] = keep + h;
+        double const up = reference_loss(shapes, activation, params, inputs, batch, tgt, cross_entropy);
+        params[p] = keep - h;
+        double const down = reference_loss(shapes, activation, params, inputs, batch, tgt, cross_entropy);
+        params[p] = keep;
+        INFO("parameter " << p);
+        REQUIRE(grads[p] == Approx((up - down) / (2 * h)).margin(2e-4).epsilon(2e-3));
+      }
+      auto const dinputs = as_double(dx);
+      for (std::size_t i = 0; i < inputs.size(); ++i) {
+        double const keep = inputs[i];
+        inputs[i] = keep + h;
+        double const up = reference_loss(shapes, activation, params, inputs, batch, tgt, cross_entropy);
+        inputs[i] = keep - h;
+        double const down = reference_loss(shapes, activation, params, inputs, batch, tgt, cross_entropy);
+        inputs[i] = keep;
+        REQUIRE(dinputs[i] == Approx((up - down) / (2 * h)).margin(2e-4).epsilon(2e-3));
+      }
+    }
+  }
+}
+
+TEST_CASE("Softmax cross-entropy is stable for huge logits and rejects bad labels", "[ops]") {
+  Env env;
+  Tensor logits = env.make({2, 3}, {1000, 0, -1000, 5e4f, 5e4f, 0});
+  Tensor labels = env.make({2}, {0, 1});
+  Tensor d = Tensor::empty({2, 3}, DType::float32, *env.allocator);
+  float loss = -1;
+  mgpu::ops::softmax_cross_entropy(logits, labels, d, &loss, env.stream);
+  env.stream.synchronize();
+  CHECK(loss == Approx(std::log(2.0) / 2).margin(1e-6));  // row 0: 0, row 1: log 2
+  CHECK(std::isfinite(d.host_span<float>()[2]));
+  Tensor bad = env.make({2}, {0, 3});
+  mgpu::ops::softmax_cross_entropy(logits, bad, d, &loss, env.stream);
+  REQUIRE_MGPU_ERROR(env.stream.synchronize(), mgpu::Errc::invalid_argument, "label 3.000000 in row 1 (expected a class id in [0, 3))");
+}
+
+TEST_CASE("Optimizer steps match hand-computed values", "[optim]") {
+  Env env;
+  {  // SGD momentum 0.9, weight decay 0.1, lr 0.5: two steps on p = 1, g = 2
+    Tensor p = env.make({1}, {1});
+    Tensor g = env.make({1}, {2});
+    mgpu::optim::SGD sgd({.lr = 0.5f, .momentum = 0.9f, .weight_decay = 0.1f});
+    sgd.step(p, g, *env.allocator, env.stream);  // g' = 2.1, v = 2.1, p = 1 - 1.05 = -0.05
+    env.stream.synchronize();
+    CHECK(p.host_span<float>()[0] == Approx(-0.05f));
+    sgd.step(p, g, *env.allocator, env.stream);  // g' = 1.995, v = 1.89 + 1.995 = 3.885, p = -0.05 - 1.9425
+    env.stream.synchronize();
+    CHECK(p.host_span<float>()[0] == Approx(-1.9925f));
+  }
+  {  // Nesterov: p -= lr (g + m v)
+    Tensor p = env.make({1}, {1});
+    Tensor g = env.make({1}, {2});
+    mgpu::optim::SGD sgd({.lr = 0.5f, .momentum = 0.9f, .nesterov = true});
+    sgd.step(p, g, *env.allocator, env.stream);  // v = 2, p = 1 - 0.5 (2 + 1.8) = -0.9
+    env.stream.synchronize();
+    CHECK(p.host_span<float>()[0] == Approx(-0.9f));
+  }
+  {  // AdamW step 1: m_hat = g, v_hat = g^2, so p -= lr (sign(g) + wd p)
+    Tensor p = env.make({2}, {1, -2});
+    Tensor g = env.make({2}, {0.5f, -3});
+    mgpu::optim::AdamW adam({.lr = 0.1f, .eps = 0.0f, .weight_decay = 0.5f});
+    adam.step(p, g, *env.allocator, env.stream);
+    env.stream.synchronize();
+    CHECK(p.host_span<float>()[0] == Approx(1 - 0.1 * (1 + 0.5)));
+    CHECK(p.host_span<float>()[1] == Approx(-2 - 0.1 * (-1 - 1.0)));
+  }
+}
+
+TEST_CASE("Schedules, the linear scaling rule and clipping", "[optim]") {
+  CHECK(mgpu::optim::step_lr(25, 10, 0.5f) == Approx(0.25f));
+  CHECK(mgpu::optim::cosine_lr(0, 100) == Approx(1.0f));
+  CHECK(mgpu::optim::cosine_lr(50, 100) == Approx(0.5f));
+  CHECK(mgpu::optim::cosine_lr(100, 100, 0.1f) == Approx(0.1f));
+  CHECK(mgpu::optim::warmup_lr(0, 4, 1.0f) == Approx(0.25f));
+  CHECK(mgpu::optim::warmup_lr(9, 4, 0.3f) == Approx(0.3f));
+  CHECK(mgpu::optim::linear_scaled_lr(0.1f, 256, 1024) == Approx(0.4f));
+  Env env;
+  Tensor g = env.make({2}, {3, 4});
+  CHECK(mgpu::optim::clip_grad_norm(g, 1.0f, env.stream) == Approx(5.0f));
+  env.stream.synchronize();
+  CHECK(g.host_span<float>()[0] == Approx(0.6f));
+  Tensor nan = env.make({1}, {std::nanf("")});
+  REQUIRE_MGPU_ERROR(mgpu::optim::clip_grad_norm(nan, 1.0f, env.stream), mgpu::Errc::invalid_argument, "NaN or Inf");
+}
+
+TEST_CASE("An MLP trained with SGD separates Gaussian clusters", "[nn][train]") {
+  Env env;
+  std::int64_t const n = 600;
+  std::mt19937 rng(4);
+  std::normal_distribution<float> noise(0, 0.6f);
+  Tensor x = Tensor::empty({n, 2}, DType::float32, *env.allocator);
+  Tensor y = Tensor::empty({n}, DType::float32, *env.allocator);
+  float const centers[3][2] = {{0, 2}, {2, -1}, {-2, -1}};
+  for (std::int64_t i = 0; i < n; ++i) {
+    int const c = static_cast<int>(i % 3);
+    x.host_span<float>()[static_cast<std::size_t>(2 * i)] = centers[c][0] + noise(rng);
+    x.host_span<float>()[static_cast<std::size_t>(2 * i + 1)] = centers[c][1] + noise(rng);
+    y.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(c);
+  }
+  auto model = mgpu::nn::Sequential::mlp({2, 32, 3});
+  model.materialize(*env.allocator, 1);
+  mgpu::optim::SGD sgd({.lr = 0.1f, .momentum = 0.9f});
+  for (int epoch = 0; epoch < 30; ++epoch) {
+    for (std::int64_t b = 0; b < n; b += 60) {
+      Tensor out = model.forward(x.slice(b, b + 60), env.ctx);
+      Tensor dout = Tensor::empty(out.shape(), DType::float32, *env.allocator);
+      float loss = 0;
+      mgpu::ops::softmax_cross_entropy(out, y.slice(b, b + 60), dout, &loss, env.stream);
+      model.backward(dout, env.ctx);
+      sgd.step(model.parameters(), model.gradients(), *env.allocator, env.stream);
+    }
+  }
+  Tensor out = model.forward(x, env.ctx);
+  env.stream.synchronize();
+  int correct = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    auto const row = out.host_span<float>().subspan(static_cast<std::size_t>(3 * i), 3);
+    auto const pred = std::max_element(row.begin(), row.end()) - row.begin();
+    correct += pred == static_cast<long>(y.host_span<float>()[static_cast<std::size_t>(i)]) ? 1 : 0;
+  }
+  CHECK(correct >= 0.95 * n);
+}
