@@ -104,6 +104,20 @@ void measure_baselines(std::filesystem::path const& folder) {
   }
 }
 
+// Runs `step` (per_iteration operations) once per benchmark iteration; the median seconds per operation.
+template <class Step>
+double median_seconds_per_op(benchmark::State& state, Step const& step, int per_iteration) {
+  std::vector<double> times;
+  for (auto _ : state) {
+    auto const start = Clock::now();
+    step();
+    double const seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    state.SetIterationTime(seconds);
+    times.push_back(seconds / per_iteration);
+  }
+  return median(times);
+}
+
 double busbw(int ranks, std::int64_t bytes, double seconds) {
   if (seconds <= 0) return 0;
   return static_cast<double>(bytes) / seconds * 2.0 * (ranks - 1) / ranks * 1e-9;
@@ -129,15 +143,7 @@ void BM_host_all_reduce(benchmark::State& state) {
     });
   };
   step();  // warm-up: touches every page
-  std::vector<double> times;
-  for (auto _ : state) {
-    auto const start = Clock::now();
-    step();
-    double const seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    state.SetIterationTime(seconds);  // an iteration is per_iteration operations
-    times.push_back(seconds / per_iteration);
-  }
-  double const t = median(times);
+  double const t = median_seconds_per_op(state, step, per_iteration);
   // The machine is shared: measure the streaming bandwidth right beside each result.
   double const stream = measure_streaming_GBps(3);
   our_seconds[{ranks, bytes}] = t;
@@ -195,15 +201,7 @@ void BM_cuda_peer_all_reduce(benchmark::State& state) {
     });
   };
   step();
-  std::vector<double> times;
-  for (auto _ : state) {
-    auto const start = Clock::now();
-    step();
-    double const seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    state.SetIterationTime(seconds);  // an iteration is per_iteration operations
-    times.push_back(seconds / per_iteration);
-  }
-  double const t = median(times);
+  double const t = median_seconds_per_op(state, step, per_iteration);
   state.counters["bytes"] = static_cast<double>(bytes);
   state.counters["ranks"] = ranks;
   state.counters["busbw_GBps"] = busbw(ranks, bytes, t);

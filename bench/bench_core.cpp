@@ -32,9 +32,17 @@ double median_seconds(Fn&& fn, int repeats = 7) {
   return times[static_cast<std::size_t>(repeats / 2)];
 }
 
-void record(benchmark::State& state, std::size_t bytes, std::vector<double>& ours, double baseline_s) {
-  std::nth_element(ours.begin(), ours.begin() + static_cast<std::ptrdiff_t>(ours.size() / 2), ours.end());
-  double const median = ours[ours.size() / 2];
+// Times `ours` once per benchmark iteration and reports its median bandwidth against the baseline's.
+template <class Ours>
+void measure(benchmark::State& state, std::size_t bytes, double baseline_s, Ours&& ours) {
+  std::vector<double> times;
+  for (auto _ : state) {
+    auto const t0 = Clock::now();
+    ours();
+    times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  std::nth_element(times.begin(), times.begin() + static_cast<std::ptrdiff_t>(times.size() / 2), times.end());
+  double const median = times[times.size() / 2];
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * static_cast<std::int64_t>(bytes));
   state.counters["bytes"] = static_cast<double>(bytes);
   state.counters["GBps"] = static_cast<double>(bytes) / median * 1e-9;
@@ -56,14 +64,10 @@ void BM_host_copy_async(benchmark::State& state) {
     std::memcpy(dst.data(), src.data(), bytes);
     benchmark::ClobberMemory();
   });
-  std::vector<double> ours;
-  for (auto _ : state) {
-    auto const t0 = Clock::now();
+  measure(state, bytes, baseline, [&] {
     mgpu::copy_async(dst, src, stream);
     stream.synchronize();
-    ours.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  record(state, bytes, ours, baseline);
+  });
 }
 BENCHMARK(BM_host_copy_async)->RangeMultiplier(16)->Range(4 << 10, 64 << 20)->UseRealTime();
 
@@ -80,14 +84,10 @@ void BM_host_convert_bf16(benchmark::State& state) {
     std::memcpy(copy.data(), src.data(), src.nbytes());
     benchmark::ClobberMemory();
   });
-  std::vector<double> ours;
-  for (auto _ : state) {
-    auto const t0 = Clock::now();
+  measure(state, src.nbytes(), baseline, [&] {
     mgpu::convert_async(dst, src, stream);
     stream.synchronize();
-    ours.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  record(state, src.nbytes(), ours, baseline);
+  });
 }
 BENCHMARK(BM_host_convert_bf16)->RangeMultiplier(16)->Range(1 << 10, 16 << 20)->UseRealTime();
 
@@ -108,14 +108,10 @@ void BM_cuda_copy_async(benchmark::State& state) {
     (void)cudaMemcpyAsync(dst.data(), src.data(), bytes, cudaMemcpyDefault, raw);
     (void)cudaStreamSynchronize(raw);
   });
-  std::vector<double> ours;
-  for (auto _ : state) {
-    auto const t0 = Clock::now();
+  measure(state, bytes, baseline, [&] {
     mgpu::copy_async(dst, src, stream);
     stream.synchronize();
-    ours.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  record(state, bytes, ours, baseline);
+  });
 }
 
 // float32 -> bfloat16 kernel vs a raw device-to-device copy of the same source bytes.
@@ -132,14 +128,10 @@ void BM_cuda_convert_bf16(benchmark::State& state) {
     (void)cudaMemcpyAsync(copy.data(), src.data(), src.nbytes(), cudaMemcpyDeviceToDevice, raw);
     (void)cudaStreamSynchronize(raw);
   });
-  std::vector<double> ours;
-  for (auto _ : state) {
-    auto const t0 = Clock::now();
+  measure(state, src.nbytes(), baseline, [&] {
     mgpu::convert_async(dst, src, stream);
     stream.synchronize();
-    ours.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  record(state, src.nbytes(), ours, baseline);
+  });
 }
 #endif
 

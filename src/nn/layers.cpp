@@ -48,31 +48,21 @@ Tensor Linear::backward(Tensor const& dy, Context& ctx) {
   return dx;
 }
 
-Tensor ReLU::forward(Tensor const& x, Context& ctx) {
+Tensor Activation::forward(Tensor const& x, Context& ctx) {
   x_ = x;
   Tensor y = Tensor::empty(x.shape(), DType::float32, ctx.allocator);
-  ops::relu(x, y, ctx.stream);
+  forward_(x, y, ctx.stream);
   return y;
 }
 
-Tensor ReLU::backward(Tensor const& dy, Context& ctx) {
+Tensor Activation::backward(Tensor const& dy, Context& ctx) {
   Tensor dx = Tensor::empty(dy.shape(), DType::float32, ctx.allocator);
-  ops::relu_backward(x_, dy, dx, ctx.stream);
+  backward_(x_, dy, dx, ctx.stream);
   return dx;
 }
 
-Tensor GELU::forward(Tensor const& x, Context& ctx) {
-  x_ = x;
-  Tensor y = Tensor::empty(x.shape(), DType::float32, ctx.allocator);
-  ops::gelu(x, y, ctx.stream);
-  return y;
-}
-
-Tensor GELU::backward(Tensor const& dy, Context& ctx) {
-  Tensor dx = Tensor::empty(dy.shape(), DType::float32, ctx.allocator);
-  ops::gelu_backward(x_, dy, dx, ctx.stream);
-  return dx;
-}
+ReLU::ReLU() : Activation(&ops::relu, &ops::relu_backward) {}
+GELU::GELU() : Activation(&ops::gelu, &ops::gelu_backward) {}
 
 Sequential Sequential::mlp(std::vector<std::int64_t> const& widths, std::string const& activation) {
   if (widths.size() < 2)

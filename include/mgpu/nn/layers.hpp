@@ -61,26 +61,36 @@ class Linear final : public Layer {
   Tensor w_, b_, dw_, db_, x_;
 };
 
-class ReLU final : public Layer {
+/// An element-wise activation given by an op and its backward (see ReLU and GELU).
+class Activation : public Layer {
  public:
-  std::string name() const override { return "ReLU"; }
+  using Forward = void (*)(Tensor const& x, Tensor const& y, Stream& stream);
+  using Backward = void (*)(Tensor const& x, Tensor const& dy, Tensor const& dx, Stream& stream);
   Tensor forward(Tensor const& x, Context& ctx) override;
   Tensor backward(Tensor const& dy, Context& ctx) override;
-  std::unique_ptr<Layer> clone() const override { return std::make_unique<ReLU>(); }
+
+ protected:
+  Activation(Forward forward, Backward backward) : forward_(forward), backward_(backward) {}
 
  private:
+  Forward forward_;
+  Backward backward_;
   Tensor x_;
 };
 
-class GELU final : public Layer {
+class ReLU final : public Activation {
  public:
-  std::string name() const override { return "GELU"; }
-  Tensor forward(Tensor const& x, Context& ctx) override;
-  Tensor backward(Tensor const& dy, Context& ctx) override;
-  std::unique_ptr<Layer> clone() const override { return std::make_unique<GELU>(); }
+  ReLU();
+  std::string name() const override { return "ReLU"; }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<ReLU>(); }
+};
 
- private:
-  Tensor x_;
+/// GELU, tanh approximation.
+class GELU final : public Activation {
+ public:
+  GELU();
+  std::string name() const override { return "GELU"; }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<GELU>(); }
 };
 
 /// Layers in order, with one flat parameter buffer and one flat gradient buffer.
