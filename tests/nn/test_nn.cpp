@@ -139,26 +139,24 @@ TEST_CASE("Layer gradients match float64 finite differences", "[nn]") {
       double const ref = reference_loss(shapes, activation, params, inputs, batch, tgt, cross_entropy);
       REQUIRE(loss == Approx(ref).epsilon(1e-4));
       auto const grads = as_double(model.gradients());
-      double const h = 1e-6;
-      for (std::size_t p = 0; p < params.size(); ++p) {
-        double const keep = params[p];
-        params[p] = keep + h;
+      // d loss / d values[i] by central differences of the float64 reference (values: params or inputs).
+      auto const numeric = [&](std::vector<double>& values, std::size_t i) {
+        double const h = 1e-6;
+        double const keep = values[i];
+        values[i] = keep + h;
         double const up = reference_loss(shapes, activation, params, inputs, batch, tgt, cross_entropy);
-        params[p] = keep - h;
+        values[i] = keep - h;
         double const down = reference_loss(shapes, activation, params, inputs, batch, tgt, cross_entropy);
-        params[p] = keep;
+        values[i] = keep;
+        return (up - down) / (2 * h);
+      };
+      for (std::size_t p = 0; p < params.size(); ++p) {
         INFO("parameter " << p);
-        REQUIRE(grads[p] == Approx((up - down) / (2 * h)).margin(2e-4).epsilon(2e-3));
+        REQUIRE(grads[p] == Approx(numeric(params, p)).margin(2e-4).epsilon(2e-3));
       }
       auto const dinputs = as_double(dx);
       for (std::size_t i = 0; i < inputs.size(); ++i) {
-        double const keep = inputs[i];
-        inputs[i] = keep + h;
-        double const up = reference_loss(shapes, activation, params, inputs, batch, tgt, cross_entropy);
-        inputs[i] = keep - h;
-        double const down = reference_loss(shapes, activation, params, inputs, batch, tgt, cross_entropy);
-        inputs[i] = keep;
-        REQUIRE(dinputs[i] == Approx((up - down) / (2 * h)).margin(2e-4).epsilon(2e-3));
+        REQUIRE(dinputs[i] == Approx(numeric(inputs, i)).margin(2e-4).epsilon(2e-3));
       }
     }
   }
