@@ -1,9 +1,10 @@
-// Linear, ReLU, GELU and Sequential.
+// Linear, ReLU, GELU, LayerNorm, Dropout and Sequential.
 #include <mgpu/nn/layers.hpp>
 
 #include <cmath>
 
 #include <mgpu/core/error.hpp>
+#include <mgpu/ops/detail/math.hpp>
 #include <mgpu/ops/ops.hpp>
 
 namespace mgpu::nn {
@@ -33,8 +34,11 @@ void Linear::initialize(std::mt19937_64& rng) {
 Tensor Linear::forward(Tensor const& x, Context& ctx) {
   if (x.rank() != 2 || x.dim(1) != in_)
     throw Error(Errc::invalid_argument, name() + ": input of shape " + to_string(x.shape()) + " (expected [batch, " + std::to_string(in_) + "])");
+  if (x.dtype() != w_.dtype())
+    throw Error(Errc::invalid_argument, name() + ": input is " + std::string(to_string(x.dtype())) + " (expected the model's compute type " +
+                                            std::string(to_string(w_.dtype())) + ")");
   x_ = x;
-  Tensor y = Tensor::empty({x.dim(0), out_}, DType::float32, ctx.allocator);
+  Tensor y = Tensor::empty({x.dim(0), out_}, x.dtype(), ctx.allocator);
   ops::gemm(x, false, w_, false, y, 1.0f, 0.0f, ctx.stream);
   ops::add_bias(y, b_, ctx.stream);
   return y;
@@ -43,26 +47,87 @@ Tensor Linear::forward(Tensor const& x, Context& ctx) {
 Tensor Linear::backward(Tensor const& dy, Context& ctx) {
   ops::gemm(x_, true, dy, false, dw_, 1.0f, 0.0f, ctx.stream);  // dW = x^T dy
   ops::bias_grad(dy, db_, ctx.stream);
-  Tensor dx = Tensor::empty(x_.shape(), DType::float32, ctx.allocator);
+  Tensor dx = Tensor::empty(x_.shape(), x_.dtype(), ctx.allocator);
   ops::gemm(dy, false, w_, true, dx, 1.0f, 0.0f, ctx.stream);  // dx = dy W^T
   return dx;
 }
 
 Tensor Activation::forward(Tensor const& x, Context& ctx) {
   x_ = x;
-  Tensor y = Tensor::empty(x.shape(), DType::float32, ctx.allocator);
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator);
   forward_(x, y, ctx.stream);
   return y;
 }
 
 Tensor Activation::backward(Tensor const& dy, Context& ctx) {
-  Tensor dx = Tensor::empty(dy.shape(), DType::float32, ctx.allocator);
+  Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator);
   backward_(x_, dy, dx, ctx.stream);
   return dx;
 }
 
 ReLU::ReLU() : Activation(&ops::relu, &ops::relu_backward) {}
 GELU::GELU() : Activation(&ops::gelu, &ops::gelu_backward) {}
+
+LayerNorm::LayerNorm(std::int64_t features, float eps) : features_(features), eps_(eps) {
+  if (features < 1 || !(eps > 0))
+    throw Error(Errc::invalid_argument, "LayerNorm(" + std::to_string(features) + ", eps " + std::to_string(eps) +
+                                            ") (expected features >= 1 and eps > 0)");
+}
+
+std::string LayerNorm::name() const { return "LayerNorm(" + std::to_string(features_) + ")"; }
+
+void LayerNorm::bind(Tensor const& params, Tensor const& grads) {
+  gamma_ = params.slice(0, features_);
+  beta_ = params.slice(features_, 2 * features_);
+  dgamma_ = grads.slice(0, features_);
+  dbeta_ = grads.slice(features_, 2 * features_);
+}
+
+void LayerNorm::initialize(std::mt19937_64&) {
+  for (float& g : gamma_.host_span<float>()) g = 1.0f;
+  for (float& b : beta_.host_span<float>()) b = 0.0f;
+}
+
+Tensor LayerNorm::forward(Tensor const& x, Context& ctx) {
+  if (x.rank() != 2 || x.dim(1) != features_)
+    throw Error(Errc::invalid_argument, name() + ": input of shape " + to_string(x.shape()) + " (expected [batch, " +
+                                            std::to_string(features_) + "])");
+  x_ = x;
+  stats_ = Tensor::empty({2, x.dim(0)}, DType::float32, ctx.allocator);
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator);
+  ops::layer_norm(x, gamma_, beta_, y, stats_, eps_, ctx.stream);
+  return y;
+}
+
+Tensor LayerNorm::backward(Tensor const& dy, Context& ctx) {
+  Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator);
+  ops::layer_norm_backward(x_, gamma_, stats_, dy, dx, dgamma_, dbeta_, ctx.stream);
+  return dx;
+}
+
+Dropout::Dropout(float p) : p_(p) {
+  if (!(p >= 0.0f && p < 1.0f)) throw Error(Errc::invalid_argument, "Dropout(" + std::to_string(p) + ") (expected 0 <= p < 1)");
+}
+
+std::string Dropout::name() const { return "Dropout(" + std::to_string(p_) + ")"; }
+
+Tensor Dropout::forward(Tensor const& x, Context& ctx) {
+  if (!training_ || p_ == 0.0f) {
+    mask_seed_ = 0;
+    return x;
+  }
+  mask_seed_ = ops::detail::mix64(seed_ + calls_++) | 1u;  // never 0: 0 marks "identity" for backward
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator);
+  ops::dropout(x, y, p_, mask_seed_, ctx.stream);
+  return y;
+}
+
+Tensor Dropout::backward(Tensor const& dy, Context& ctx) {
+  if (mask_seed_ == 0) return dy;
+  Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator);
+  ops::dropout_backward(dy, dx, p_, mask_seed_, ctx.stream);
+  return dx;
+}
 
 Sequential Sequential::mlp(std::vector<std::int64_t> const& widths, std::string const& activation) {
   if (widths.size() < 2)
@@ -92,24 +157,72 @@ std::int64_t Sequential::parameter_count() const {
   return total;
 }
 
-void Sequential::materialize(Allocator& allocator, std::uint64_t seed) {
+void Sequential::materialize(Context& ctx, std::uint64_t seed, DType compute) {
   std::int64_t const total = parameter_count();
-  params_ = Tensor::empty({total}, DType::float32, allocator);
-  grads_ = Tensor::empty({total}, DType::float32, allocator);
-  std::fill(grads_.host_span<float>().begin(), grads_.host_span<float>().end(), 0.0f);
+  // Initialise into float32 host memory, one RNG stream per layer (layers do not shift each other).
+  static std::shared_ptr<Allocator> const host = Allocator::create(Device{DeviceKind::host, 0});
+  Tensor init = Tensor::empty({total}, DType::float32, *host);
   std::int64_t offset = 0;
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     std::int64_t const count = layers_[i]->parameter_count();
-    layers_[i]->bind(params_.slice(offset, offset + count), grads_.slice(offset, offset + count));
-    std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + i);  // a stream per layer: layers do not shift each other
+    layers_[i]->bind(init.slice(offset, offset + count), init.slice(offset, offset + count));
+    std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + i);
     layers_[i]->initialize(rng);
     offset += count;
   }
+  master_params_ = Tensor::empty({total}, DType::float32, ctx.allocator);
+  copy_async(master_params_, init, ctx.stream);
+  master_grads_ = ops::zeros({total}, ctx.allocator, ctx.stream);
+  if (compute == DType::float32) {
+    params_ = master_params_;
+    grads_ = master_grads_;
+  } else {
+    params_ = Tensor::empty({total}, compute, ctx.allocator);
+    convert_async(params_, master_params_, ctx.stream);
+    grads_ = Tensor::empty({total}, compute, ctx.allocator);
+    fill_async(grads_, 0.0f, ctx.stream);
+  }
+  offset = 0;
+  for (auto& layer : layers_) {
+    std::int64_t const count = layer->parameter_count();
+    layer->bind(params_.slice(offset, offset + count), grads_.slice(offset, offset + count));
+    offset += count;
+  }
+  ctx.stream.synchronize();  // `init` is read by the copy above
+}
+
+void Sequential::unscale_gradients(float factor, Stream& stream) {
+  if (grads_.shares_storage(master_grads_)) {
+    if (factor != 1.0f) ops::scale(master_grads_, factor, stream);
+  } else {
+    ops::scale_convert(master_grads_, grads_, factor, stream);
+  }
+}
+
+void Sequential::sync_parameters(Stream& stream) {
+  if (!params_.shares_storage(master_params_)) convert_async(params_, master_params_, stream);
+}
+
+void Sequential::train(bool training) {
+  for (auto& l : layers_) l->set_training(training);
+}
+
+std::vector<std::uint64_t> Sequential::rng_state() const {
+  std::vector<std::uint64_t> state;
+  for (auto const& l : layers_) state.push_back(l->rng_counter());
+  return state;
+}
+
+void Sequential::set_rng_state(std::vector<std::uint64_t> const& state) {
+  if (state.size() != layers_.size())
+    throw Error(Errc::invalid_argument, "an RNG state of " + std::to_string(state.size()) + " layers (expected " +
+                                            std::to_string(layers_.size()) + ")");
+  for (std::size_t i = 0; i < layers_.size(); ++i) layers_[i]->set_rng_counter(state[i]);
 }
 
 Tensor Sequential::forward(Tensor const& x, Context& ctx) {
   if (!params_.defined() && parameter_count() > 0)
-    throw Error(Errc::invalid_argument, "forward before materialize (expected model.materialize(allocator, seed) first)");
+    throw Error(Errc::invalid_argument, "forward before materialize (expected model.materialize(ctx, seed) first)");
   Tensor h = x;
   for (auto& l : layers_) h = l->forward(h, ctx);
   return h;

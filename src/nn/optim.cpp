@@ -10,27 +10,62 @@
 #include <mgpu/ops/ops.hpp>
 
 namespace mgpu::optim {
-namespace {
-Tensor zeros_like(Tensor const& t, Allocator& allocator) {
-  Tensor z = Tensor::empty(t.shape(), t.dtype(), allocator);
-  std::fill(z.host_span<float>().begin(), z.host_span<float>().end(), 0.0f);
-  return z;
+std::vector<NamedTensor> SGD::prepare_state(Tensor const& params, Allocator& allocator, Stream& stream) {
+  if (!velocity_.defined()) velocity_ = ops::zeros(params.shape(), allocator, stream);
+  return state();
 }
-}  // namespace
+
+std::vector<NamedTensor> SGD::state() const {
+  if (!velocity_.defined()) return {};
+  return {{"velocity", velocity_}};
+}
 
 void SGD::step(Tensor const& params, Tensor const& grads, Allocator& allocator, Stream& stream, float lr_scale) {
-  if (!velocity_.defined()) velocity_ = zeros_like(params, allocator);
+  prepare_state(params, allocator, stream);
+  ++steps_;
   ops::sgd_update(params, grads, velocity_, options_.lr * lr_scale, options_.momentum, options_.weight_decay, options_.nesterov, stream);
 }
 
-void AdamW::step(Tensor const& params, Tensor const& grads, Allocator& allocator, Stream& stream, float lr_scale) {
+std::vector<NamedTensor> AdamW::prepare_state(Tensor const& params, Allocator& allocator, Stream& stream) {
   if (!m_.defined()) {
-    m_ = zeros_like(params, allocator);
-    v_ = zeros_like(params, allocator);
+    m_ = ops::zeros(params.shape(), allocator, stream);
+    v_ = ops::zeros(params.shape(), allocator, stream);
   }
-  ++step_;
+  return state();
+}
+
+std::vector<NamedTensor> AdamW::state() const {
+  if (!m_.defined()) return {};
+  return {{"m", m_}, {"v", v_}};
+}
+
+void AdamW::step(Tensor const& params, Tensor const& grads, Allocator& allocator, Stream& stream, float lr_scale) {
+  prepare_state(params, allocator, stream);
+  ++steps_;
   ops::adamw_update(params, grads, m_, v_, options_.lr * lr_scale, options_.beta1, options_.beta2, options_.eps,
-                    options_.weight_decay, step_, stream);
+                    options_.weight_decay, steps_, stream);
+}
+
+LossScaler::LossScaler(float initial, float growth, float backoff, std::int64_t growth_interval)
+    : scale_(initial), growth_(growth), backoff_(backoff), interval_(growth_interval) {
+  if (!(initial > 0) || !(growth >= 1) || !(backoff > 0 && backoff < 1) || growth_interval < 1)
+    throw Error(Errc::invalid_argument, "LossScaler(" + std::to_string(initial) + ", " + std::to_string(growth) + ", " +
+                                            std::to_string(backoff) + ", " + std::to_string(growth_interval) +
+                                            ") (expected initial > 0, growth >= 1, 0 < backoff < 1, interval >= 1)");
+}
+
+bool LossScaler::update(bool finite) {
+  if (!finite) {
+    scale_ = std::max(scale_ * backoff_, 1.0f / 65536.0f);
+    good_ = 0;
+    ++skipped_;
+    return false;
+  }
+  if (++good_ >= interval_) {
+    scale_ = std::min(scale_ * growth_, 1.0e30f);
+    good_ = 0;
+  }
+  return true;
 }
 
 float constant_lr(std::int64_t) { return 1.0f; }
@@ -58,12 +93,15 @@ float linear_scaled_lr(float base_lr, std::int64_t base_batch, std::int64_t batc
   return base_lr * static_cast<float>(batch) / static_cast<float>(base_batch);
 }
 
-float clip_grad_norm(Tensor const& grads, float max_norm, Stream& stream) {
-  float norm = 0;
-  bool finite = true;
-  ops::global_norm(grads, &norm, &finite, stream);
-  stream.synchronize();
-  if (!finite) throw Error(Errc::invalid_argument, "clip_grad_norm: the gradients hold NaN or Inf (expected finite gradients)");
+float global_norm(Tensor const& grads, Allocator& allocator, Stream& stream) {
+  Tensor out = Tensor::empty({1}, DType::float32, allocator);
+  ops::sum_squares(grads, out, stream);
+  return std::sqrt(ops::item(out, stream));
+}
+
+float clip_grad_norm(Tensor const& grads, float max_norm, Allocator& allocator, Stream& stream) {
+  float const norm = global_norm(grads, allocator, stream);
+  if (!std::isfinite(norm)) throw Error(Errc::invalid_argument, "clip_grad_norm: the gradients hold NaN or Inf (expected finite gradients)");
   if (norm > max_norm && norm > 0) {
     ops::scale(grads, max_norm / norm, stream);
   }

@@ -1,48 +1,141 @@
-// The training ops on host devices: Eigen maps over tensor storage (no copies), run on the stream.
-// CUDA tensors are rejected until the CUDA implementations land.
+// The training ops: argument checks, then the same functor run on the host stream's worker or
+// launched as a CUDA kernel (src/kernels/ops.cu). GEMM is Eigen on the host, cuBLAS on CUDA.
 #include <mgpu/ops/ops.hpp>
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include <mgpu/config.hpp>
+#include <mgpu/core/detail/elementwise.hpp>
 #include <mgpu/core/error.hpp>
 #include <mgpu/ops/detail/math.hpp>
+
+#include "ops/cuda_ops.hpp"
 
 namespace mgpu::ops {
 namespace {
 
 using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 using MatrixMap = Eigen::Map<Matrix>;
-using Array = Eigen::Map<Eigen::ArrayXf>;
 
+std::string str(DType t) { return std::string(to_string(t)); }
+
+// A defined tensor on the stream's device.
 void check(Tensor const& t, char const* op, char const* role, Stream const& stream) {
   if (!t.defined()) throw Error(Errc::invalid_argument, std::string(op) + ": " + role + " is undefined (expected a tensor)");
-  if (t.dtype() != DType::float32)
-    throw Error(Errc::invalid_argument, std::string(op) + ": " + role + " is " + std::string(to_string(t.dtype())) +
-                                            " (expected float32; convert_async converts)");
-  if (t.device().kind != DeviceKind::host || stream.device().kind != DeviceKind::host)
-    throw Error(Errc::device, std::string(op) + ": " + role + " on " + t.device().to_string() + " with a stream of " +
-                                  stream.device().to_string() + " (these ops run on host devices only so far)");
+  if (t.device() != stream.device())
+    throw Error(Errc::device, std::string(op) + ": " + role + " is on " + t.device().to_string() + " but the stream is on " +
+                                  stream.device().to_string() + " (expected the stream's device)");
+}
+
+void check_dtype(Tensor const& t, DType expected, char const* op, char const* role) {
+  if (t.dtype() != expected)
+    throw Error(Errc::invalid_argument, std::string(op) + ": " + role + " is " + str(t.dtype()) + " (expected " + str(expected) + ")");
 }
 
 void check_same(Tensor const& a, Tensor const& b, char const* op) {
   if (a.shape() != b.shape())
     throw Error(Errc::invalid_argument, std::string(op) + ": shapes " + to_string(a.shape()) + " and " + to_string(b.shape()) +
                                             " differ (expected equal shapes)");
+  if (a.dtype() != b.dtype())
+    throw Error(Errc::invalid_argument, std::string(op) + ": dtypes " + str(a.dtype()) + " and " + str(b.dtype()) +
+                                            " differ (expected one dtype)");
+}
+
+void check_scalar(Tensor const& out, char const* op, Stream const& stream) {
+  check(out, op, "output", stream);
+  check_dtype(out, DType::float32, op, "output");
+  if (out.numel() != 1)
+    throw Error(Errc::invalid_argument, std::string(op) + ": output has shape " + to_string(out.shape()) + " (expected one element)");
 }
 
 std::int64_t rows(Tensor const& t) { return t.rank() == 0 ? 1 : t.dim(0); }
 std::int64_t cols(Tensor const& t) { return t.rank() == 0 ? 1 : t.numel() / std::max<std::int64_t>(1, t.dim(0)); }
 
-MatrixMap matrix(Tensor const& t) { return {static_cast<float*>(t.data()), rows(t), cols(t)}; }
-Array array(Tensor const& t) { return {static_cast<float*>(t.data()), t.numel()}; }
+template <class T>
+T* ptr(Tensor const& t) {
+  return static_cast<T*>(t.data());
+}
 
-// Enqueues `work`, keeping the tensors alive until it has run.
-template <class Work>
-void enqueue(Stream& stream, std::vector<Tensor> keep, Work work) {
-  stream.enqueue([keep = std::move(keep), work = std::move(work)] { work(); });
+// Runs op(i) for i in [0, n) on the stream, keeping the tensors alive until it has run.
+template <class Op>
+void run_each(Stream& stream, std::int64_t n, Op const& op, std::vector<Tensor> keep) {
+  if (stream.device().kind == DeviceKind::host) {
+    stream.enqueue([n, op, keep = std::move(keep)] { mgpu::detail::for_each_index(n, op); });
+    return;
+  }
+#if MGPU_CUDA_ENABLED
+  cuda::each(stream.device().index, n, op, stream.native_handle());
+  stream.enqueue([keep = std::move(keep)] {});  // releases the tensors once the kernel has run
+#else
+  throw Error(Errc::device, "ops on " + stream.device().to_string() + " (this build has no CUDA backend)");
+#endif
+}
+
+// out[0] = scale * sum of op(i) for i in [0, n); float64 accumulation on the host.
+template <class Op>
+void run_reduce(Stream& stream, std::int64_t n, Op const& op, Tensor const& out, float scale, std::vector<Tensor> keep) {
+  keep.push_back(out);
+  float* result = ptr<float>(out);
+  if (stream.device().kind == DeviceKind::host) {
+    stream.enqueue([n, op, result, scale, keep = std::move(keep)] {
+      double total = 0;
+      for (std::int64_t i = 0; i < n; ++i) total += static_cast<double>(op(i));
+      *result = static_cast<float>(static_cast<double>(scale) * total);
+    });
+    return;
+  }
+#if MGPU_CUDA_ENABLED
+  cuda::reduce(stream.device().index, n, op, result, scale, stream.native_handle());
+  stream.enqueue([keep = std::move(keep)] {});
+#else
+  throw Error(Errc::device, "ops on " + stream.device().to_string() + " (this build has no CUDA backend)");
+#endif
+}
+
+// Calls fn(T{}) with T the element type of a float32, bfloat16 or float16 tensor.
+template <class Fn>
+void visit(DType dtype, Fn&& fn) {
+  mgpu::detail::visit_dtype(dtype, [&]<class T>(std::type_identity<T>) { fn(T{}); });
+}
+
+// Host GEMM in float32 over Eigen maps; 16-bit storage goes through float32 copies.
+void host_gemm(Tensor const& a, bool ta, Tensor const& b, bool tb, Tensor const& c, float alpha, float beta) {
+  auto run = [&](MatrixMap const& A, MatrixMap const& B, MatrixMap& C) {
+    if (beta == 0.0f) C.setZero();
+    else if (beta != 1.0f) C *= beta;
+    if (ta && tb) C.noalias() += alpha * A.transpose() * B.transpose();
+    else if (ta) C.noalias() += alpha * A.transpose() * B;
+    else if (tb) C.noalias() += alpha * A * B.transpose();
+    else C.noalias() += alpha * A * B;
+  };
+  if (a.dtype() == DType::float32) {
+    MatrixMap const A(ptr<float>(a), a.dim(0), a.dim(1));
+    MatrixMap const B(ptr<float>(b), b.dim(0), b.dim(1));
+    MatrixMap C(ptr<float>(c), c.dim(0), c.dim(1));
+    run(A, B, C);
+    return;
+  }
+  visit(a.dtype(), [&]<class T>(T) {
+    auto widen = [](Tensor const& t) {
+      Matrix m(t.dim(0), t.dim(1));
+      for (std::int64_t i = 0; i < t.numel(); ++i) m.data()[i] = detail::load(ptr<T>(t), i);
+      return m;
+    };
+    Matrix wa = widen(a);
+    Matrix wb = widen(b);
+    Matrix wc = beta == 0.0f ? Matrix::Zero(c.dim(0), c.dim(1)) : widen(c);
+    MatrixMap const A(wa.data(), wa.rows(), wa.cols());
+    MatrixMap const B(wb.data(), wb.rows(), wb.cols());
+    MatrixMap C(wc.data(), wc.rows(), wc.cols());
+    run(A, B, C);
+    for (std::int64_t i = 0; i < c.numel(); ++i) detail::store(ptr<T>(c), i, wc.data()[i]);
+  });
 }
 
 }  // namespace
@@ -51,7 +144,9 @@ void gemm(Tensor const& a, bool transpose_a, Tensor const& b, bool transpose_b, 
           Stream& stream) {
   for (auto const& [t, role] : {std::pair{&a, "A"}, std::pair{&b, "B"}, std::pair{&c, "C"}}) {
     check(*t, "gemm", role, stream);
-    if (t->rank() != 2) throw Error(Errc::invalid_argument, std::string("gemm: ") + role + " has shape " + to_string(t->shape()) + " (expected 2-D)");
+    check_dtype(*t, a.dtype(), "gemm", role);
+    if (t->rank() != 2)
+      throw Error(Errc::invalid_argument, std::string("gemm: ") + role + " has shape " + to_string(t->shape()) + " (expected 2-D)");
   }
   std::int64_t const m = transpose_a ? a.dim(1) : a.dim(0);
   std::int64_t const k = transpose_a ? a.dim(0) : a.dim(1);
@@ -61,170 +156,273 @@ void gemm(Tensor const& a, bool transpose_a, Tensor const& b, bool transpose_b, 
     throw Error(Errc::invalid_argument, "gemm: op(A) is [" + std::to_string(m) + ", " + std::to_string(k) + "], op(B) is [" +
                                             std::to_string(k2) + ", " + std::to_string(n) + "], C is " + to_string(c.shape()) +
                                             " (expected [m, k] x [k, n] -> [m, n])");
-  enqueue(stream, {a, b, c}, [=] {
-    MatrixMap const A = matrix(a);
-    MatrixMap const B = matrix(b);
-    MatrixMap C = matrix(c);
-    if (beta == 0.0f) C.setZero();
-    else if (beta != 1.0f) C *= beta;
-    if (transpose_a && transpose_b) C.noalias() += alpha * A.transpose() * B.transpose();
-    else if (transpose_a) C.noalias() += alpha * A.transpose() * B;
-    else if (transpose_b) C.noalias() += alpha * A * B.transpose();
-    else C.noalias() += alpha * A * B;
-  });
+  if (stream.device().kind == DeviceKind::host) {
+    stream.enqueue([=] { host_gemm(a, transpose_a, b, transpose_b, c, alpha, beta); });
+    return;
+  }
+#if MGPU_CUDA_ENABLED
+  cuda::gemm(stream.device().index, a.dtype(), transpose_a, transpose_b, m, n, k, alpha, a.data(), b.data(), beta, c.data(),
+             stream.native_handle());
+  stream.enqueue([keep = std::vector<Tensor>{a, b, c}] {});
+#endif
 }
 
 void add_bias(Tensor const& y, Tensor const& bias, Stream& stream) {
   check(y, "add_bias", "y", stream);
   check(bias, "add_bias", "bias", stream);
+  check_dtype(bias, y.dtype(), "add_bias", "bias");
   if (bias.numel() != cols(y))
     throw Error(Errc::invalid_argument, "add_bias: bias has " + std::to_string(bias.numel()) + " elements for y of shape " +
                                             to_string(y.shape()) + " (expected one per column)");
-  enqueue(stream, {y, bias}, [=] { matrix(y).rowwise() += Eigen::Map<Eigen::RowVectorXf>(static_cast<float*>(bias.data()), bias.numel()); });
+  visit(y.dtype(), [&]<class T>(T) { run_each(stream, y.numel(), detail::BiasAddOp<T>{ptr<T>(y), ptr<T>(bias), cols(y)}, {y, bias}); });
 }
 
 void bias_grad(Tensor const& dy, Tensor const& db, Stream& stream) {
   check(dy, "bias_grad", "dy", stream);
   check(db, "bias_grad", "db", stream);
+  check_dtype(db, dy.dtype(), "bias_grad", "db");
   if (db.numel() != cols(dy))
     throw Error(Errc::invalid_argument, "bias_grad: db has " + std::to_string(db.numel()) + " elements for dy of shape " +
                                             to_string(dy.shape()) + " (expected one per column)");
-  enqueue(stream, {dy, db}, [=] {
-    Eigen::Map<Eigen::RowVectorXf>(static_cast<float*>(db.data()), db.numel()) = matrix(dy).colwise().sum();
+  visit(dy.dtype(), [&]<class T>(T) {
+    run_each(stream, cols(dy), detail::BiasGradOp<T>{ptr<T>(dy), ptr<T>(db), rows(dy), cols(dy)}, {dy, db});
   });
 }
 
 namespace {
 template <class F>
-void unary(char const* op, Tensor const& x, Tensor const& y, Stream& stream, F f) {
+void activation(char const* op, Tensor const& x, Tensor const& y, Stream& stream) {
   check(x, op, "x", stream);
   check(y, op, "y", stream);
   check_same(x, y, op);
-  enqueue(stream, {x, y}, [=] {
-    float const* in = static_cast<float const*>(x.data());
-    float* out = static_cast<float*>(y.data());
-    for (std::int64_t i = 0; i < x.numel(); ++i) out[i] = f(in[i]);
-  });
+  visit(x.dtype(), [&]<class T>(T) { run_each(stream, x.numel(), detail::ActivationOp<T, F>{ptr<T>(x), ptr<T>(y)}, {x, y}); });
 }
 
 template <class F>
-void binary_grad(char const* op, Tensor const& x, Tensor const& dy, Tensor const& dx, Stream& stream, F f) {
+void activation_grad(char const* op, Tensor const& x, Tensor const& dy, Tensor const& dx, Stream& stream) {
   check(x, op, "x", stream);
   check(dy, op, "dy", stream);
   check(dx, op, "dx", stream);
   check_same(x, dy, op);
   check_same(x, dx, op);
-  enqueue(stream, {x, dy, dx}, [=] {
-    float const* in = static_cast<float const*>(x.data());
-    float const* g = static_cast<float const*>(dy.data());
-    float* out = static_cast<float*>(dx.data());
-    for (std::int64_t i = 0; i < x.numel(); ++i) out[i] = f(in[i], g[i]);
+  visit(x.dtype(), [&]<class T>(T) {
+    run_each(stream, x.numel(), detail::ActivationGradOp<T, F>{ptr<T>(x), ptr<T>(dy), ptr<T>(dx)}, {x, dy, dx});
   });
 }
 }  // namespace
 
-void relu(Tensor const& x, Tensor const& y, Stream& stream) { unary("relu", x, y, stream, [](float v) { return detail::relu(v); }); }
+void relu(Tensor const& x, Tensor const& y, Stream& stream) { activation<detail::Relu>("relu", x, y, stream); }
 void relu_backward(Tensor const& x, Tensor const& dy, Tensor const& dx, Stream& stream) {
-  binary_grad("relu_backward", x, dy, dx, stream, [](float v, float g) { return detail::relu_grad(v, g); });
+  activation_grad<detail::Relu>("relu_backward", x, dy, dx, stream);
 }
-void gelu(Tensor const& x, Tensor const& y, Stream& stream) { unary("gelu", x, y, stream, [](float v) { return detail::gelu(v); }); }
+void gelu(Tensor const& x, Tensor const& y, Stream& stream) { activation<detail::Gelu>("gelu", x, y, stream); }
 void gelu_backward(Tensor const& x, Tensor const& dy, Tensor const& dx, Stream& stream) {
-  binary_grad("gelu_backward", x, dy, dx, stream, [](float v, float g) { return detail::gelu_grad(v, g); });
+  activation_grad<detail::Gelu>("gelu_backward", x, dy, dx, stream);
 }
 
-void softmax_cross_entropy(Tensor const& logits, Tensor const& labels, Tensor const& dlogits, float* loss, Stream& stream) {
-  check(logits, "softmax_cross_entropy", "logits", stream);
-  check(labels, "softmax_cross_entropy", "labels", stream);
-  check(dlogits, "softmax_cross_entropy", "dlogits", stream);
-  check_same(logits, dlogits, "softmax_cross_entropy");
-  if (logits.rank() != 2 || labels.numel() != logits.dim(0))
-    throw Error(Errc::invalid_argument, "softmax_cross_entropy: logits " + to_string(logits.shape()) + ", labels " +
-                                            to_string(labels.shape()) + " (expected logits [N, C] and N labels)");
-  enqueue(stream, {logits, labels, dlogits}, [=] {
-    std::int64_t const n = logits.dim(0);
-    std::int64_t const c = logits.dim(1);
-    float const* z = static_cast<float const*>(logits.data());
-    float const* y = static_cast<float const*>(labels.data());
-    float* dz = static_cast<float*>(dlogits.data());
-    double total = 0;
-    for (std::int64_t i = 0; i < n; ++i) {
-      auto const label = static_cast<std::int64_t>(y[i]);
-      if (label < 0 || label >= c || static_cast<float>(label) != y[i])
-        throw Error(Errc::invalid_argument, "softmax_cross_entropy: label " + std::to_string(y[i]) + " in row " + std::to_string(i) +
-                                                " (expected a class id in [0, " + std::to_string(c) + "))");
-      float const* row = z + i * c;
-      float const top = *std::max_element(row, row + c);
-      double sum = 0;
-      for (std::int64_t j = 0; j < c; ++j) sum += std::exp(static_cast<double>(row[j] - top));
-      double const log_sum = std::log(sum);
-      total += log_sum - (row[label] - top);
-      for (std::int64_t j = 0; j < c; ++j) {
-        double const p = std::exp(static_cast<double>(row[j] - top) - log_sum);
-        dz[i * c + j] = static_cast<float>((p - (j == label ? 1.0 : 0.0)) / static_cast<double>(n));
-      }
-    }
-    *loss = n > 0 ? static_cast<float>(total / static_cast<double>(n)) : 0.0f;
+namespace {
+void check_layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& stats, char const* op, Stream const& stream) {
+  check(x, op, "x", stream);
+  check(gamma, op, "gamma", stream);
+  check(stats, op, "stats", stream);
+  check_dtype(gamma, x.dtype(), op, "gamma");
+  check_dtype(stats, DType::float32, op, "stats");
+  if (x.rank() != 2 || gamma.numel() != x.dim(1) || stats.numel() != 2 * x.dim(0))
+    throw Error(Errc::invalid_argument, std::string(op) + ": x " + to_string(x.shape()) + ", gamma " + to_string(gamma.shape()) +
+                                            ", stats " + to_string(stats.shape()) + " (expected x [N, D], gamma [D], stats [2, N])");
+}
+}  // namespace
+
+void layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& beta, Tensor const& y, Tensor const& stats, float eps,
+                Stream& stream) {
+  check_layer_norm(x, gamma, stats, "layer_norm", stream);
+  check(beta, "layer_norm", "beta", stream);
+  check(y, "layer_norm", "y", stream);
+  check_same(gamma, beta, "layer_norm");
+  check_same(x, y, "layer_norm");
+  if (!(eps > 0)) throw Error(Errc::invalid_argument, "layer_norm: eps " + std::to_string(eps) + " (expected > 0)");
+  std::int64_t const n = x.dim(0);
+  visit(x.dtype(), [&]<class T>(T) {
+    detail::LayerNormRow<T> const op{ptr<T>(x), ptr<T>(gamma), ptr<T>(beta), ptr<T>(y), ptr<float>(stats), ptr<float>(stats) + n, x.dim(1), eps};
+    run_each(stream, n, op, {x, gamma, beta, y, stats});
   });
 }
 
-void mse(Tensor const& pred, Tensor const& target, Tensor const& dpred, float* loss, Stream& stream) {
+void layer_norm_backward(Tensor const& x, Tensor const& gamma, Tensor const& stats, Tensor const& dy, Tensor const& dx,
+                         Tensor const& dgamma, Tensor const& dbeta, Stream& stream) {
+  check_layer_norm(x, gamma, stats, "layer_norm_backward", stream);
+  for (auto const& [t, role] : {std::pair{&dy, "dy"}, std::pair{&dx, "dx"}, std::pair{&dgamma, "dgamma"}, std::pair{&dbeta, "dbeta"}})
+    check(*t, "layer_norm_backward", role, stream);
+  check_same(x, dy, "layer_norm_backward");
+  check_same(x, dx, "layer_norm_backward");
+  check_same(gamma, dgamma, "layer_norm_backward");
+  check_same(gamma, dbeta, "layer_norm_backward");
+  std::int64_t const n = x.dim(0);
+  std::int64_t const d = x.dim(1);
+  float const* mean = ptr<float>(stats);
+  float const* rstd = mean + n;
+  visit(x.dtype(), [&]<class T>(T) {
+    run_each(stream, n, detail::LayerNormGradRow<T>{ptr<T>(x), ptr<T>(gamma), ptr<T>(dy), mean, rstd, ptr<T>(dx), d},
+             {x, gamma, stats, dy, dx});
+    run_each(stream, d, detail::LayerNormParamGradCol<T>{ptr<T>(x), ptr<T>(dy), mean, rstd, ptr<T>(dgamma), ptr<T>(dbeta), n, d},
+             {x, stats, dy, dgamma, dbeta});
+  });
+}
+
+namespace {
+void dropout_op(char const* op, Tensor const& x, Tensor const& y, float p, std::uint64_t seed, Stream& stream) {
+  check(x, op, "input", stream);
+  check(y, op, "output", stream);
+  check_same(x, y, op);
+  if (!(p >= 0.0f && p < 1.0f)) throw Error(Errc::invalid_argument, std::string(op) + ": p " + std::to_string(p) + " (expected 0 <= p < 1)");
+  visit(x.dtype(), [&]<class T>(T) { run_each(stream, x.numel(), detail::DropoutOp<T>{ptr<T>(x), ptr<T>(y), seed, 1.0f - p}, {x, y}); });
+}
+}  // namespace
+
+void dropout(Tensor const& x, Tensor const& y, float p, std::uint64_t seed, Stream& stream) { dropout_op("dropout", x, y, p, seed, stream); }
+void dropout_backward(Tensor const& dy, Tensor const& dx, float p, std::uint64_t seed, Stream& stream) {
+  dropout_op("dropout_backward", dy, dx, p, seed, stream);
+}
+
+void softmax_cross_entropy(Tensor const& logits, Tensor const& labels, Tensor const& dlogits, Tensor const& loss, Stream& stream,
+                           float grad_scale) {
+  char const* op = "softmax_cross_entropy";
+  check(logits, op, "logits", stream);
+  check(labels, op, "labels", stream);
+  check(dlogits, op, "dlogits", stream);
+  check_scalar(loss, op, stream);
+  check_same(logits, dlogits, op);
+  check_dtype(labels, DType::float32, op, "labels");
+  if (logits.rank() != 2 || labels.numel() != logits.dim(0) || logits.dim(1) < 1)
+    throw Error(Errc::invalid_argument, std::string(op) + ": logits " + to_string(logits.shape()) + ", labels " +
+                                            to_string(labels.shape()) + " (expected logits [N, C] with C >= 1 and N labels)");
+  std::int64_t const n = logits.dim(0);
+  std::int64_t const c = logits.dim(1);
+  if (stream.device().kind == DeviceKind::host) {
+    stream.enqueue([labels, n, c, op] {
+      float const* y = ptr<float>(labels);
+      for (std::int64_t i = 0; i < n; ++i) {
+        auto const label = static_cast<std::int64_t>(y[i]);
+        if (!(y[i] >= 0.0f) || label >= c || static_cast<float>(label) != y[i])
+          throw Error(Errc::invalid_argument, std::string(op) + ": label " + std::to_string(y[i]) + " in row " + std::to_string(i) +
+                                                  " (expected a class id in [0, " + std::to_string(c) + "))");
+      }
+    });
+  }
+  float const mean = n > 0 ? 1.0f / static_cast<float>(n) : 0.0f;
+  visit(logits.dtype(), [&]<class T>(T) {
+    detail::SoftmaxCrossEntropyRow<T> const row{ptr<T>(logits), ptr<float>(labels), ptr<T>(dlogits), c, grad_scale * mean};
+    run_reduce(stream, n, row, loss, mean, {logits, labels, dlogits});
+  });
+}
+
+void mse(Tensor const& pred, Tensor const& target, Tensor const& dpred, Tensor const& loss, Stream& stream, float grad_scale) {
   check(pred, "mse", "pred", stream);
   check(target, "mse", "target", stream);
   check(dpred, "mse", "dpred", stream);
+  check_scalar(loss, "mse", stream);
   check_same(pred, target, "mse");
   check_same(pred, dpred, "mse");
-  enqueue(stream, {pred, target, dpred}, [=] {
-    auto const n = static_cast<float>(std::max<std::int64_t>(1, pred.numel()));
-    Eigen::ArrayXf const diff = array(pred) - array(target);
-    array(dpred) = diff * (2.0f / n);
-    *loss = diff.square().sum() / n;
+  float const mean = 1.0f / static_cast<float>(std::max<std::int64_t>(1, pred.numel()));
+  visit(pred.dtype(), [&]<class T>(T) {
+    run_reduce(stream, pred.numel(), detail::SquaredErrorOp<T>{ptr<T>(pred), ptr<T>(target), ptr<T>(dpred), grad_scale * mean}, loss,
+               mean, {pred, target, dpred});
   });
 }
 
+void count_correct(Tensor const& logits, Tensor const& labels, Tensor const& out, Stream& stream) {
+  check(logits, "count_correct", "logits", stream);
+  check(labels, "count_correct", "labels", stream);
+  check_scalar(out, "count_correct", stream);
+  check_dtype(labels, DType::float32, "count_correct", "labels");
+  if (logits.rank() != 2 || labels.numel() != logits.dim(0))
+    throw Error(Errc::invalid_argument, "count_correct: logits " + to_string(logits.shape()) + ", labels " + to_string(labels.shape()) +
+                                            " (expected logits [N, C] and N labels)");
+  visit(logits.dtype(), [&]<class T>(T) {
+    run_reduce(stream, logits.dim(0), detail::CorrectRow<T>{ptr<T>(logits), ptr<float>(labels), logits.dim(1)}, out, 1.0f, {logits, labels});
+  });
+}
+
+namespace {
+template <template <class> class Op>
+void reduction(char const* op, Tensor const& t, Tensor const& out, Stream& stream) {
+  check(t, op, "input", stream);
+  check_scalar(out, op, stream);
+  visit(t.dtype(), [&]<class T>(T) { run_reduce(stream, t.numel(), Op<T>{ptr<T>(t)}, out, 1.0f, {t}); });
+}
+}  // namespace
+
+void sum(Tensor const& t, Tensor const& out, Stream& stream) { reduction<detail::ValueOp>("sum", t, out, stream); }
+void sum_squares(Tensor const& t, Tensor const& out, Stream& stream) { reduction<detail::SquareOp>("sum_squares", t, out, stream); }
+void count_nonfinite(Tensor const& t, Tensor const& out, Stream& stream) {
+  reduction<detail::NonFiniteOp>("count_nonfinite", t, out, stream);
+}
+
+namespace {
+void check_buffers(char const* op, std::initializer_list<Tensor const*> buffers, Stream const& stream) {
+  Tensor const& first = **buffers.begin();
+  for (Tensor const* t : buffers) {
+    check(*t, op, "buffer", stream);
+    check_dtype(*t, DType::float32, op, "buffer");
+    check_same(first, *t, op);
+  }
+}
+}  // namespace
+
 void sgd_update(Tensor const& params, Tensor const& grads, Tensor const& velocity, float lr, float momentum, float weight_decay,
                 bool nesterov, Stream& stream) {
-  for (auto const* t : {&params, &grads, &velocity}) check(*t, "sgd_update", "buffer", stream);
-  check_same(params, grads, "sgd_update");
-  check_same(params, velocity, "sgd_update");
-  enqueue(stream, {params, grads, velocity}, [=] {
-    float* p = static_cast<float*>(params.data());
-    float const* g = static_cast<float const*>(grads.data());
-    float* v = static_cast<float*>(velocity.data());
-    for (std::int64_t i = 0; i < params.numel(); ++i) detail::sgd_step(p[i], g[i], v[i], lr, momentum, weight_decay, nesterov);
-  });
+  check_buffers("sgd_update", {&params, &grads, &velocity}, stream);
+  detail::SgdOp const op{ptr<float>(params), ptr<float>(grads), ptr<float>(velocity), lr, momentum, weight_decay, nesterov};
+  run_each(stream, params.numel(), op, {params, grads, velocity});
 }
 
 void adamw_update(Tensor const& params, Tensor const& grads, Tensor const& m, Tensor const& v, float lr, float beta1, float beta2,
                   float eps, float weight_decay, std::int64_t step, Stream& stream) {
-  for (auto const* t : {&params, &grads, &m, &v}) check(*t, "adamw_update", "buffer", stream);
-  check_same(params, grads, "adamw_update");
-  check_same(params, m, "adamw_update");
-  check_same(params, v, "adamw_update");
+  check_buffers("adamw_update", {&params, &grads, &m, &v}, stream);
   if (step < 1) throw Error(Errc::invalid_argument, "adamw_update: step " + std::to_string(step) + " (expected >= 1)");
   float const bias1 = 1.0f - std::pow(beta1, static_cast<float>(step));
   float const bias2 = 1.0f - std::pow(beta2, static_cast<float>(step));
-  enqueue(stream, {params, grads, m, v}, [=] {
-    float* p = static_cast<float*>(params.data());
-    float const* g = static_cast<float const*>(grads.data());
-    float* mm = static_cast<float*>(m.data());
-    float* vv = static_cast<float*>(v.data());
-    for (std::int64_t i = 0; i < params.numel(); ++i)
-      detail::adamw_step(p[i], g[i], mm[i], vv[i], lr, beta1, beta2, eps, weight_decay, bias1, bias2);
-  });
+  detail::AdamWOp const op{ptr<float>(params), ptr<float>(grads), ptr<float>(m), ptr<float>(v), lr, beta1, beta2, eps, weight_decay, bias1, bias2};
+  run_each(stream, params.numel(), op, {params, grads, m, v});
 }
 
 void scale(Tensor const& t, float factor, Stream& stream) {
   check(t, "scale", "t", stream);
-  enqueue(stream, {t}, [=] { array(t) *= factor; });
+  visit(t.dtype(), [&]<class T>(T) { run_each(stream, t.numel(), detail::ScaleOp<T>{ptr<T>(t), factor}, {t}); });
 }
 
-void global_norm(Tensor const& t, float* norm, bool* finite, Stream& stream) {
-  check(t, "global_norm", "t", stream);
-  enqueue(stream, {t}, [=] {
-    Array const a = array(t);
-    *finite = a.isFinite().all();
-    *norm = static_cast<float>(std::sqrt(a.cast<double>().square().sum()));
+void scale_convert(Tensor const& dst, Tensor const& src, float factor, Stream& stream) {
+  check(dst, "scale_convert", "dst", stream);
+  check(src, "scale_convert", "src", stream);
+  if (dst.numel() != src.numel())
+    throw Error(Errc::invalid_argument, "scale_convert: dst " + to_string(dst.shape()) + " and src " + to_string(src.shape()) +
+                                            " (expected the same number of elements)");
+  visit(dst.dtype(), [&]<class D>(D) {
+    visit(src.dtype(), [&]<class S>(S) {
+      run_each(stream, dst.numel(), detail::ScaleConvertOp<D, S>{ptr<D>(dst), ptr<S>(src), factor}, {dst, src});
+    });
   });
+}
+
+float item(Tensor const& t, Stream& stream) {
+  if (!t.defined() || t.numel() != 1 || t.dtype() != DType::float32)
+    throw Error(Errc::invalid_argument, "item: tensor " + (t.defined() ? to_string(t.shape()) + " " + str(t.dtype()) : std::string("undefined")) +
+                                            " (expected one float32 element)");
+  if (t.device().kind == DeviceKind::host) {
+    stream.synchronize();
+    return *ptr<float>(t);
+  }
+  static std::shared_ptr<Allocator> const host = Allocator::create(Device{DeviceKind::host, 0});
+  Tensor h = Tensor::empty(t.shape(), DType::float32, *host);
+  copy_async(h, t, stream);
+  stream.synchronize();
+  return *ptr<float>(h);
+}
+
+Tensor zeros(Shape shape, Allocator& allocator, Stream& stream) {
+  Tensor z = Tensor::empty(std::move(shape), DType::float32, allocator);
+  fill_async(z, 0.0f, stream);
+  return z;
 }
 
 }  // namespace mgpu::ops

@@ -10,34 +10,14 @@
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
+#include "support/nn_env.hpp"
 
 using mgpu::DType;
 using mgpu::Tensor;
+using mgpu::test::as_double;
+using mgpu::test::Env;
 
 namespace {
-
-struct Env {
-  std::shared_ptr<mgpu::Allocator> allocator = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
-  mgpu::Stream stream{mgpu::Device{mgpu::DeviceKind::host, 0}};
-  mgpu::nn::Context ctx{*allocator, stream};
-  Tensor make(mgpu::Shape shape, std::vector<float> const& values) {
-    Tensor t = Tensor::empty(std::move(shape), DType::float32, *allocator);
-    std::copy(values.begin(), values.end(), t.host_span<float>().begin());
-    return t;
-  }
-  Tensor random(mgpu::Shape shape, unsigned seed) {
-    std::mt19937 rng(seed);
-    std::normal_distribution<float> n(0, 1);
-    Tensor t = Tensor::empty(std::move(shape), DType::float32, *allocator);
-    for (float& v : t.host_span<float>()) v = n(rng);
-    return t;
-  }
-};
-
-std::vector<double> as_double(Tensor const& t) {
-  auto s = t.host_span<float>();
-  return {s.begin(), s.end()};
-}
 
 // The model's loss in float64, from its flat parameters: Linear / activation layers in order.
 double reference_loss(std::vector<std::pair<std::int64_t, std::int64_t>> const& linear_shapes, std::string const& activation,
@@ -117,20 +97,20 @@ TEST_CASE("Layer gradients match float64 finite differences", "[nn]") {
       Env env;
       std::int64_t const batch = 6;
       auto model = mgpu::nn::Sequential::mlp({4, 7, 5, 3}, activation);
-      model.materialize(*env.allocator, 11);
+      model.materialize(env.ctx, 11);
       Tensor x = env.random({batch, 4}, 21);
       std::vector<float> labels = {0, 2, 1, 1, 0, 2};
       Tensor target = cross_entropy ? env.make({batch}, labels) : env.random({batch, 3}, 31);
       Tensor out = model.forward(x, env.ctx);
       Tensor dout = Tensor::empty(out.shape(), DType::float32, *env.allocator);
-      float loss = 0;
+      Tensor loss_t = env.scalar();
       if (cross_entropy) {
-        mgpu::ops::softmax_cross_entropy(out, target, dout, &loss, env.stream);
+        mgpu::ops::softmax_cross_entropy(out, target, dout, loss_t, env.stream);
       } else {
-        mgpu::ops::mse(out, target, dout, &loss, env.stream);
+        mgpu::ops::mse(out, target, dout, loss_t, env.stream);
       }
       Tensor dx = model.backward(dout, env.ctx);
-      env.stream.synchronize();
+      float const loss = mgpu::ops::item(loss_t, env.stream);
 
       std::vector<std::pair<std::int64_t, std::int64_t>> const shapes = {{4, 7}, {7, 5}, {5, 3}};
       auto params = as_double(model.parameters());
@@ -167,13 +147,13 @@ TEST_CASE("Softmax cross-entropy is stable for huge logits and rejects bad label
   Tensor logits = env.make({2, 3}, {1000, 0, -1000, 5e4f, 5e4f, 0});
   Tensor labels = env.make({2}, {0, 1});
   Tensor d = Tensor::empty({2, 3}, DType::float32, *env.allocator);
-  float loss = -1;
-  mgpu::ops::softmax_cross_entropy(logits, labels, d, &loss, env.stream);
-  env.stream.synchronize();
+  Tensor loss_t = env.scalar();
+  mgpu::ops::softmax_cross_entropy(logits, labels, d, loss_t, env.stream);
+  float const loss = mgpu::ops::item(loss_t, env.stream);
   CHECK(loss == Approx(std::log(2.0) / 2).margin(1e-6));  // row 0: 0, row 1: log 2
   CHECK(std::isfinite(d.host_span<float>()[2]));
   Tensor bad = env.make({2}, {0, 3});
-  mgpu::ops::softmax_cross_entropy(logits, bad, d, &loss, env.stream);
+  mgpu::ops::softmax_cross_entropy(logits, bad, d, loss_t, env.stream);
   REQUIRE_MGPU_ERROR(env.stream.synchronize(), mgpu::Errc::invalid_argument, "label 3.000000 in row 1 (expected a class id in [0, 3))");
 }
 
@@ -219,11 +199,11 @@ TEST_CASE("Schedules, the linear scaling rule and clipping", "[optim]") {
   CHECK(mgpu::optim::linear_scaled_lr(0.1f, 256, 1024) == Approx(0.4f));
   Env env;
   Tensor g = env.make({2}, {3, 4});
-  CHECK(mgpu::optim::clip_grad_norm(g, 1.0f, env.stream) == Approx(5.0f));
+  CHECK(mgpu::optim::clip_grad_norm(g, 1.0f, *env.allocator, env.stream) == Approx(5.0f));
   env.stream.synchronize();
   CHECK(g.host_span<float>()[0] == Approx(0.6f));
   Tensor nan = env.make({1}, {std::nanf("")});
-  REQUIRE_MGPU_ERROR(mgpu::optim::clip_grad_norm(nan, 1.0f, env.stream), mgpu::Errc::invalid_argument, "NaN or Inf");
+  REQUIRE_MGPU_ERROR(mgpu::optim::clip_grad_norm(nan, 1.0f, *env.allocator, env.stream), mgpu::Errc::invalid_argument, "NaN or Inf");
 }
 
 TEST_CASE("An MLP trained with SGD separates Gaussian clusters", "[nn][train]") {
@@ -241,21 +221,20 @@ TEST_CASE("An MLP trained with SGD separates Gaussian clusters", "[nn][train]") 
     y.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(c);
   }
   auto model = mgpu::nn::Sequential::mlp({2, 32, 3});
-  model.materialize(*env.allocator, 1);
+  model.materialize(env.ctx, 1);
   mgpu::optim::SGD sgd({.lr = 0.1f, .momentum = 0.9f});
-  float loss = 0;  // written by stream work: must outlive it
+  Tensor loss = env.scalar();
   for (int epoch = 0; epoch < 30; ++epoch) {
     for (std::int64_t b = 0; b < n; b += 60) {
       Tensor out = model.forward(x.slice(b, b + 60), env.ctx);
       Tensor dout = Tensor::empty(out.shape(), DType::float32, *env.allocator);
-      mgpu::ops::softmax_cross_entropy(out, y.slice(b, b + 60), dout, &loss, env.stream);
+      mgpu::ops::softmax_cross_entropy(out, y.slice(b, b + 60), dout, loss, env.stream);
       model.backward(dout, env.ctx);
       sgd.step(model.parameters(), model.gradients(), *env.allocator, env.stream);
     }
   }
   Tensor out = model.forward(x, env.ctx);
-  env.stream.synchronize();
-  CHECK(loss < 0.3f);
+  CHECK(mgpu::ops::item(loss, env.stream) < 0.3f);
   int correct = 0;
   for (std::int64_t i = 0; i < n; ++i) {
     auto const row = out.host_span<float>().subspan(static_cast<std::size_t>(3 * i), 3);

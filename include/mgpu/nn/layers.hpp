@@ -1,5 +1,7 @@
 // Layers with explicit forward and backward, and Sequential, whose parameters and gradients live in
 // one flat buffer each (a view per layer), so optimizers and gradient buckets see contiguous memory.
+// Mixed precision: a Sequential materialized with a bfloat16 or float16 compute type keeps float32
+// master parameters and gradients beside the compute-type buffers the layers use.
 #pragma once
 
 #include <cstdint>
@@ -32,8 +34,14 @@ class Layer {
   [[nodiscard]] virtual std::int64_t parameter_count() const { return 0; }
   /// Gives the layer its views of the flat parameter and gradient buffers (parameter_count() each).
   virtual void bind(Tensor const& /*params*/, Tensor const& /*grads*/) {}
-  /// Writes initial parameters (host memory) from `rng`.
+  /// Writes initial parameters from `rng` into the views last bound, which are float32 host memory
+  /// when Sequential::materialize calls it.
   virtual void initialize(std::mt19937_64& /*rng*/) {}
+  /// Training (the default) or evaluation mode; only layers such as Dropout behave differently.
+  virtual void set_training(bool /*training*/) {}
+  /// The layer's random-number position (Dropout: forward calls so far), saved in checkpoints.
+  [[nodiscard]] virtual std::uint64_t rng_counter() const { return 0; }
+  virtual void set_rng_counter(std::uint64_t /*counter*/) {}
   virtual Tensor forward(Tensor const& x, Context& ctx) = 0;
   virtual Tensor backward(Tensor const& dy, Context& ctx) = 0;
   /// A fresh layer of the same configuration (for replicas on other devices).
@@ -93,6 +101,47 @@ class GELU final : public Activation {
   std::unique_ptr<Layer> clone() const override { return std::make_unique<GELU>(); }
 };
 
+/// LayerNorm over the last dimension with learned gamma (initialised to 1) and beta (0).
+class LayerNorm final : public Layer {
+ public:
+  explicit LayerNorm(std::int64_t features, float eps = 1e-5f);
+  std::string name() const override;
+  std::int64_t parameter_count() const override { return 2 * features_; }
+  void bind(Tensor const& params, Tensor const& grads) override;
+  void initialize(std::mt19937_64& rng) override;
+  Tensor forward(Tensor const& x, Context& ctx) override;
+  Tensor backward(Tensor const& dy, Context& ctx) override;
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<LayerNorm>(features_, eps_); }
+
+ private:
+  std::int64_t features_;
+  float eps_;
+  Tensor gamma_, beta_, dgamma_, dbeta_, x_, stats_;
+};
+
+/// Inverted dropout with probability p while training, the identity in evaluation mode. Its masks
+/// come from a seed drawn at initialisation and a count of forward calls, so replicas built with one
+/// seed drop the same elements and a resumed run continues the same sequence.
+class Dropout final : public Layer {
+ public:
+  explicit Dropout(float p);
+  std::string name() const override;
+  void initialize(std::mt19937_64& rng) override { seed_ = rng(); }
+  void set_training(bool training) override { training_ = training; }
+  std::uint64_t rng_counter() const override { return calls_; }
+  void set_rng_counter(std::uint64_t counter) override { calls_ = counter; }
+  Tensor forward(Tensor const& x, Context& ctx) override;
+  Tensor backward(Tensor const& dy, Context& ctx) override;
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<Dropout>(p_); }
+
+ private:
+  float p_;
+  bool training_ = true;
+  std::uint64_t seed_ = 0;
+  std::uint64_t calls_ = 0;
+  std::uint64_t mask_seed_ = 0;
+};
+
 /// Layers in order, with one flat parameter buffer and one flat gradient buffer.
 class Sequential {
  public:
@@ -109,11 +158,28 @@ class Sequential {
   [[nodiscard]] Layer& layer(std::size_t i) { return *layers_.at(i); }
   [[nodiscard]] std::int64_t parameter_count() const;
 
-  /// Allocates the flat buffers in `allocator` (host memory) and initialises every layer from
-  /// `seed`, so every replica built with the same seed holds identical weights.
-  void materialize(Allocator& allocator, std::uint64_t seed);
+  /// Allocates the flat buffers on ctx's device and initialises every layer from `seed` (on the
+  /// host, then copied), so every replica built with the same seed holds identical weights.
+  /// `compute` is the type layers compute in: float32, or bfloat16/float16 with float32 masters.
+  void materialize(Context& ctx, std::uint64_t seed, DType compute = DType::float32);
+  [[nodiscard]] DType compute_type() const noexcept { return params_.dtype(); }
+  /// The compute-type buffers the layers read and write.
   [[nodiscard]] Tensor const& parameters() const noexcept { return params_; }
   [[nodiscard]] Tensor const& gradients() const noexcept { return grads_; }
+  /// The float32 buffers optimizers update (the same tensors as above for float32 compute).
+  [[nodiscard]] Tensor const& master_parameters() const noexcept { return master_params_; }
+  [[nodiscard]] Tensor const& master_gradients() const noexcept { return master_grads_; }
+  /// master gradients = gradients * factor (e.g. 1 / loss scale), converting from the compute type.
+  void unscale_gradients(float factor, Stream& stream);
+  /// parameters = master parameters rounded to the compute type (after an optimizer step); does
+  /// nothing for float32 compute.
+  void sync_parameters(Stream& stream);
+
+  /// Training or evaluation mode for every layer.
+  void train(bool training);
+  /// Every layer's rng_counter(), in order, and setting them back (checkpoints).
+  [[nodiscard]] std::vector<std::uint64_t> rng_state() const;
+  void set_rng_state(std::vector<std::uint64_t> const& state);
 
   Tensor forward(Tensor const& x, Context& ctx);
   Tensor backward(Tensor const& dy, Context& ctx);
@@ -122,8 +188,7 @@ class Sequential {
 
  private:
   std::vector<std::unique_ptr<Layer>> layers_;
-  Tensor params_;
-  Tensor grads_;
+  Tensor params_, grads_, master_params_, master_grads_;
 };
 
 }  // namespace mgpu::nn

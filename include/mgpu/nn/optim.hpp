@@ -3,6 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <mgpu/core/memory.hpp>
 #include <mgpu/core/stream.hpp>
@@ -17,13 +21,39 @@ struct SgdOptions {
   bool nesterov = false;
 };
 
+/// A named state tensor of an optimizer (checkpoints save and restore them).
+using NamedTensor = std::pair<std::string, Tensor>;
+
+/// An optimizer over a model's flat float32 master buffers. Its state buffers are allocated on the
+/// first step (or by load_state) in the given allocator, zeroed on the stream.
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  [[nodiscard]] virtual std::string name() const = 0;
+  /// One update of params from grads with the learning rate times `lr_scale`.
+  virtual void step(Tensor const& params, Tensor const& grads, Allocator& allocator, Stream& stream, float lr_scale = 1.0f) = 0;
+  /// Steps taken so far.
+  [[nodiscard]] std::int64_t steps() const noexcept { return steps_; }
+  /// The state buffers with their names (none before the first step or prepare_state).
+  [[nodiscard]] virtual std::vector<NamedTensor> state() const = 0;
+  /// Allocates the state for `params` (if not yet there) and returns it for filling, e.g. from a
+  /// checkpoint.
+  virtual std::vector<NamedTensor> prepare_state(Tensor const& params, Allocator& allocator, Stream& stream) = 0;
+  void set_steps(std::int64_t steps) noexcept { steps_ = steps; }
+
+ protected:
+  std::int64_t steps_ = 0;
+};
+
 /// SGD with momentum (PyTorch's formulation: v = m v + g + wd p; p -= lr (v, or g + m v with
 /// Nesterov)), one fused pass over the flat buffers.
-class SGD {
+class SGD final : public Optimizer {
  public:
   explicit SGD(SgdOptions options = {}) : options_(options) {}
-  /// Updates params from grads; the velocity buffer is allocated on first use in `allocator`.
-  void step(Tensor const& params, Tensor const& grads, Allocator& allocator, Stream& stream, float lr_scale = 1.0f);
+  std::string name() const override { return "sgd"; }
+  void step(Tensor const& params, Tensor const& grads, Allocator& allocator, Stream& stream, float lr_scale = 1.0f) override;
+  std::vector<NamedTensor> state() const override;
+  std::vector<NamedTensor> prepare_state(Tensor const& params, Allocator& allocator, Stream& stream) override;
   [[nodiscard]] SgdOptions const& options() const noexcept { return options_; }
   [[nodiscard]] Tensor const& velocity() const noexcept { return velocity_; }
 
@@ -41,16 +71,34 @@ struct AdamWOptions {
 };
 
 /// AdamW (decoupled weight decay), one fused pass.
-class AdamW {
+class AdamW final : public Optimizer {
  public:
   explicit AdamW(AdamWOptions options = {}) : options_(options) {}
-  void step(Tensor const& params, Tensor const& grads, Allocator& allocator, Stream& stream, float lr_scale = 1.0f);
-  [[nodiscard]] std::int64_t steps() const noexcept { return step_; }
+  std::string name() const override { return "adamw"; }
+  void step(Tensor const& params, Tensor const& grads, Allocator& allocator, Stream& stream, float lr_scale = 1.0f) override;
+  std::vector<NamedTensor> state() const override;
+  std::vector<NamedTensor> prepare_state(Tensor const& params, Allocator& allocator, Stream& stream) override;
 
  private:
   AdamWOptions options_;
   Tensor m_, v_;
-  std::int64_t step_ = 0;
+};
+
+/// Dynamic loss scaling for float16 training: the loss gradient is multiplied by scale(); after
+/// backward, update() is given whether the unscaled gradients were all finite. On overflow the step
+/// must be skipped and the scale is multiplied by `backoff`; after `growth_interval` finite steps in
+/// a row it is multiplied by `growth`.
+class LossScaler {
+ public:
+  explicit LossScaler(float initial = 65536.0f, float growth = 2.0f, float backoff = 0.5f, std::int64_t growth_interval = 2000);
+  [[nodiscard]] float scale() const noexcept { return scale_; }
+  /// Records one step's outcome; returns true when the optimizer step should be taken.
+  bool update(bool finite);
+  [[nodiscard]] std::int64_t skipped() const noexcept { return skipped_; }
+
+ private:
+  float scale_, growth_, backoff_;
+  std::int64_t interval_, good_ = 0, skipped_ = 0;
 };
 
 /// Learning-rate multipliers at a step.
@@ -65,8 +113,11 @@ float warmup_lr(std::int64_t step, std::int64_t warmup, float after);
 /// The linear scaling rule: the learning rate for `batch` given one tuned for `base_batch`.
 float linear_scaled_lr(float base_lr, std::int64_t base_batch, std::int64_t batch);
 
+/// The global L2 norm of `grads` (synchronizes the stream: the value is needed on the host).
+/// Returns NaN or Inf when an element is not finite.
+float global_norm(Tensor const& grads, Allocator& allocator, Stream& stream);
 /// Scales grads so their global norm is at most max_norm; returns the norm before clipping.
-/// Synchronizes the stream (the norm is needed on the host).
-float clip_grad_norm(Tensor const& grads, float max_norm, Stream& stream);
+/// Throws Error(invalid_argument) when the gradients hold NaN or Inf.
+float clip_grad_norm(Tensor const& grads, float max_norm, Allocator& allocator, Stream& stream);
 
 }  // namespace mgpu::optim

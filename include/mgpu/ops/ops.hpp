@@ -1,17 +1,21 @@
-// The math primitives training needs, on float32 tensors. Each op enqueues its work on a stream
-// (host devices: Eigen on the stream's worker, reading tensor storage in place through Eigen maps).
-// Shapes are checked at the call: a mismatch throws Error(invalid_argument) naming both shapes.
+// The math primitives training needs. Each op checks its arguments at the call (a mismatch throws
+// Error(invalid_argument) naming the shapes or types and what was expected) and enqueues its work
+// on a stream: on a host device the stream's worker runs Eigen (GEMM, through maps over tensor
+// storage, no copies) or the element functors of mgpu/ops/detail/math.hpp; on a CUDA device the
+// op launches cuBLAS (cublasGemmEx) or the same functors as kernels. Every tensor must live on the
+// stream's device. Activations may be float32, bfloat16 or float16 (math in float32); optimizer
+// buffers are float32. Results that are scalars (losses, norms) are written into tensors on the
+// device, so nothing waits: read one with item().
 #pragma once
 
 #include <cstdint>
-#include <vector>
 
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
 
 namespace mgpu::ops {
 
-/// C = alpha * op(A) * op(B) + beta * C for 2-D row-major tensors, op(X) = X or X^T.
+/// C = alpha * op(A) * op(B) + beta * C for 2-D row-major tensors of one dtype, op(X) = X or X^T.
 void gemm(Tensor const& a, bool transpose_a, Tensor const& b, bool transpose_b, Tensor const& c, float alpha, float beta,
           Stream& stream);
 /// y[i, j] += bias[j].
@@ -25,23 +29,53 @@ void relu_backward(Tensor const& x, Tensor const& dy, Tensor const& dx, Stream& 
 void gelu(Tensor const& x, Tensor const& y, Stream& stream);
 void gelu_backward(Tensor const& x, Tensor const& dy, Tensor const& dx, Stream& stream);
 
-/// Mean softmax cross-entropy of logits [N, C] against class labels [N] (class ids stored as
-/// float), computed stably in one pass per row; writes dlogits = (softmax - onehot) / N and the loss
-/// into *loss (read it after the stream is synchronized). Throws Error(invalid_argument) on the
-/// stream for a label outside [0, C).
-void softmax_cross_entropy(Tensor const& logits, Tensor const& labels, Tensor const& dlogits, float* loss, Stream& stream);
-/// Mean squared error over all elements, with dpred = 2 (pred - target) / numel.
-void mse(Tensor const& pred, Tensor const& target, Tensor const& dpred, float* loss, Stream& stream);
+/// LayerNorm over the last dimension of x [N, D] with gamma, beta [D]; writes y and the per-row
+/// statistics backward needs into stats [2, N] (float32: means, then 1/sqrt(var + eps)).
+void layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& beta, Tensor const& y, Tensor const& stats, float eps,
+                Stream& stream);
+/// The gradients of layer_norm: dx, and dgamma, dbeta (overwritten).
+void layer_norm_backward(Tensor const& x, Tensor const& gamma, Tensor const& stats, Tensor const& dy, Tensor const& dx,
+                         Tensor const& dgamma, Tensor const& dbeta, Stream& stream);
+/// Inverted dropout: y = x / (1 - p) or 0, chosen by a counter-based hash of (seed, index), so the
+/// same seed gives the same mask on every device and in dropout_backward (no mask is stored).
+/// p must be in [0, 1).
+void dropout(Tensor const& x, Tensor const& y, float p, std::uint64_t seed, Stream& stream);
+void dropout_backward(Tensor const& dy, Tensor const& dx, float p, std::uint64_t seed, Stream& stream);
 
-/// In-place SGD (momentum, Nesterov, decoupled-from-nothing L2 weight decay) over flat buffers.
+/// Mean softmax cross-entropy of logits [N, C] against class labels [N] (float32 class ids), one
+/// numerically stable pass per row; writes dlogits = (softmax - onehot) * grad_scale / N and the
+/// mean loss into `loss` (float32, one element). A label outside [0, C) throws
+/// Error(invalid_argument) naming the row on a host stream; on a CUDA stream it makes the loss NaN.
+void softmax_cross_entropy(Tensor const& logits, Tensor const& labels, Tensor const& dlogits, Tensor const& loss,
+                           Stream& stream, float grad_scale = 1.0f);
+/// Mean squared error over all elements into `loss`, with dpred = 2 (pred - target) * grad_scale / numel.
+void mse(Tensor const& pred, Tensor const& target, Tensor const& dpred, Tensor const& loss, Stream& stream,
+         float grad_scale = 1.0f);
+
+/// The number of rows of logits [N, C] whose largest logit is at the label's class, into `out`.
+void count_correct(Tensor const& logits, Tensor const& labels, Tensor const& out, Stream& stream);
+
+/// Reductions into `out` (float32, one element), accumulated in float64 on host devices.
+void sum(Tensor const& t, Tensor const& out, Stream& stream);
+void sum_squares(Tensor const& t, Tensor const& out, Stream& stream);
+/// The number of NaN and Inf elements (the overflow check of mixed precision).
+void count_nonfinite(Tensor const& t, Tensor const& out, Stream& stream);
+
+/// In-place fused SGD (momentum, Nesterov, L2 weight decay as in PyTorch) over flat buffers.
 void sgd_update(Tensor const& params, Tensor const& grads, Tensor const& velocity, float lr, float momentum,
                 float weight_decay, bool nesterov, Stream& stream);
-/// In-place AdamW over flat buffers; `step` counts from 1.
+/// In-place fused AdamW over flat buffers; `step` counts from 1.
 void adamw_update(Tensor const& params, Tensor const& grads, Tensor const& m, Tensor const& v, float lr, float beta1,
                   float beta2, float eps, float weight_decay, std::int64_t step, Stream& stream);
 /// t *= factor.
 void scale(Tensor const& t, float factor, Stream& stream);
-/// sqrt(sum of squares) of every element, and whether all are finite, into *norm and *finite.
-void global_norm(Tensor const& t, float* norm, bool* finite, Stream& stream);
+/// dst = src * factor in dst's dtype (same element count; e.g. fp16 gradients into fp32 master
+/// gradients, unscaled by the loss scale).
+void scale_convert(Tensor const& dst, Tensor const& src, float factor, Stream& stream);
+
+/// The value of a one-element tensor: copies it to the host and synchronizes `stream`.
+float item(Tensor const& t, Stream& stream);
+/// A float32 tensor of `shape` filled with zeros on the stream's device.
+Tensor zeros(Shape shape, Allocator& allocator, Stream& stream);
 
 }  // namespace mgpu::ops

@@ -1,11 +1,29 @@
-// Element math of the training ops, shared by the host loops and (later) the CUDA kernels.
+// Element math of the training ops as __host__ __device__ functors, written once: the host drives
+// them with a loop on a stream's worker, src/kernels/ops.cu with a CUDA grid. Two driver shapes:
+//   each:   op(i) for i in [0, n)                       (element, row and column operations);
+//   reduce: out = scale * sum over i of op(i)           (losses, norms, the non-finite count).
+// Storage may be float32, bfloat16 or float16; the math is float32.
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
+#include <mgpu/core/dtype.hpp>
 #include <mgpu/core/host_device.hpp>
 
 namespace mgpu::ops::detail {
+
+template <class T>
+MGPU_HD inline float load(T const* p, std::int64_t i) {
+  return static_cast<float>(p[i]);
+}
+template <class T>
+MGPU_HD inline void store(T* p, std::int64_t i, float v) {
+  p[i] = T(v);
+}
+
+/// False for NaN and ±Inf (v - v is NaN exactly then); needs no <cmath> on either side.
+MGPU_HD inline bool is_finite(float v) { return v - v == 0.0f; }
 
 MGPU_HD inline float relu(float x) { return x > 0 ? x : 0.0f; }
 MGPU_HD inline float relu_grad(float x, float dy) { return x > 0 ? dy : 0.0f; }
@@ -26,7 +44,157 @@ MGPU_HD inline float gelu_grad(float x, float dy) {
   return dy * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * d_inner);
 }
 
-/// SGD with momentum, weight decay and optional Nesterov, one element, in place.
+/// The activation functions, as types the functors below take.
+struct Relu {
+  MGPU_HD static float forward(float x) { return relu(x); }
+  MGPU_HD static float backward(float x, float dy) { return relu_grad(x, dy); }
+};
+struct Gelu {
+  MGPU_HD static float forward(float x) { return gelu(x); }
+  MGPU_HD static float backward(float x, float dy) { return gelu_grad(x, dy); }
+};
+
+/// y = F(x).
+template <class T, class F>
+struct ActivationOp {
+  T const* x;
+  T* y;
+  MGPU_HD void operator()(std::int64_t i) const { store(y, i, F::forward(load(x, i))); }
+};
+
+/// dx = F'(x) dy.
+template <class T, class F>
+struct ActivationGradOp {
+  T const* x;
+  T const* dy;
+  T* dx;
+  MGPU_HD void operator()(std::int64_t i) const { store(dx, i, F::backward(load(x, i), load(dy, i))); }
+};
+
+/// y[i, j] += bias[j].
+template <class T>
+struct BiasAddOp {
+  T* y;
+  T const* bias;
+  std::int64_t cols;
+  MGPU_HD void operator()(std::int64_t i) const { store(y, i, load(y, i) + load(bias, i % cols)); }
+};
+
+/// db[j] = sum over rows of dy[r, j]; one call per column.
+template <class T>
+struct BiasGradOp {
+  T const* dy;
+  T* db;
+  std::int64_t rows;
+  std::int64_t cols;
+  MGPU_HD void operator()(std::int64_t j) const {
+    float sum = 0;
+    for (std::int64_t r = 0; r < rows; ++r) sum += load(dy, r * cols + j);
+    store(db, j, sum);
+  }
+};
+
+/// t *= factor.
+template <class T>
+struct ScaleOp {
+  T* t;
+  float factor;
+  MGPU_HD void operator()(std::int64_t i) const { store(t, i, load(t, i) * factor); }
+};
+
+/// dst = src * factor, converting the element type (mixed precision: low-precision gradients into
+/// float32 master gradients, unscaled by the loss scale; master weights into compute weights).
+template <class Dst, class Src>
+struct ScaleConvertOp {
+  Dst* dst;
+  Src const* src;
+  float factor;
+  MGPU_HD void operator()(std::int64_t i) const { store(dst, i, load(src, i) * factor); }
+};
+
+/// One row of the fused softmax cross-entropy: returns the row's loss, -log softmax(z)[label], and
+/// writes dz = (softmax(z) - onehot(label)) * grad_scale. A label that is not a class id in [0, C)
+/// gives a NaN loss and NaN gradients (the host path rejects it with an Error before running).
+template <class T>
+struct SoftmaxCrossEntropyRow {
+  T const* logits;
+  float const* labels;
+  T* dlogits;
+  std::int64_t classes;
+  float grad_scale;
+  MGPU_HD float operator()(std::int64_t r) const {
+    T const* z = logits + r * classes;
+    T* dz = dlogits + r * classes;
+    float const y = labels[r];
+    auto const label = static_cast<std::int64_t>(y);
+    if (!(y >= 0.0f) || label >= classes || static_cast<float>(label) != y) {
+      for (std::int64_t j = 0; j < classes; ++j) store(dz, j, NAN);
+      return NAN;
+    }
+    float top = load(z, 0);
+    for (std::int64_t j = 1; j < classes; ++j) top = fmaxf(top, load(z, j));
+    float sum = 0;
+    for (std::int64_t j = 0; j < classes; ++j) sum += expf(load(z, j) - top);
+    float const log_sum = logf(sum);
+    for (std::int64_t j = 0; j < classes; ++j) {
+      float const p = expf(load(z, j) - top - log_sum);
+      store(dz, j, (p - (j == label ? 1.0f : 0.0f)) * grad_scale);
+    }
+    return log_sum - (load(z, label) - top);
+  }
+};
+
+/// One element of the mean squared error: returns (pred - target)^2 and writes
+/// dpred = 2 (pred - target) * grad_scale.
+template <class T>
+struct SquaredErrorOp {
+  T const* pred;
+  T const* target;
+  T* dpred;
+  float grad_scale;
+  MGPU_HD float operator()(std::int64_t i) const {
+    float const d = load(pred, i) - load(target, i);
+    store(dpred, i, 2.0f * d * grad_scale);
+    return d * d;
+  }
+};
+
+/// One row of accuracy: 1 when the largest logit (the first of ties) is at the label's class.
+template <class T>
+struct CorrectRow {
+  T const* logits;
+  float const* labels;
+  std::int64_t classes;
+  MGPU_HD float operator()(std::int64_t r) const {
+    std::int64_t best = 0;
+    for (std::int64_t j = 1; j < classes; ++j)
+      if (load(logits, r * classes + j) > load(logits, r * classes + best)) best = j;
+    return static_cast<float>(best) == labels[r] ? 1.0f : 0.0f;
+  }
+};
+
+/// Reductions: x, x^2, and 1 for each NaN or Inf.
+template <class T>
+struct ValueOp {
+  T const* t;
+  MGPU_HD float operator()(std::int64_t i) const { return load(t, i); }
+};
+template <class T>
+struct SquareOp {
+  T const* t;
+  MGPU_HD float operator()(std::int64_t i) const {
+    float const v = load(t, i);
+    return v * v;
+  }
+};
+template <class T>
+struct NonFiniteOp {
+  T const* t;
+  MGPU_HD float operator()(std::int64_t i) const { return is_finite(load(t, i)) ? 0.0f : 1.0f; }
+};
+
+/// SGD with momentum, weight decay and optional Nesterov, one element, in place (PyTorch's
+/// formulation).
 MGPU_HD inline void sgd_step(float& param, float grad, float& velocity, float lr, float momentum, float weight_decay,
                              bool nesterov) {
   float const g = grad + weight_decay * param;
@@ -34,7 +202,7 @@ MGPU_HD inline void sgd_step(float& param, float grad, float& velocity, float lr
   param -= lr * (nesterov ? g + momentum * velocity : velocity);
 }
 
-/// AdamW (decoupled weight decay), one element, in place; `step` counts from 1.
+/// AdamW (decoupled weight decay), one element, in place; bias1/bias2 = 1 - beta^step.
 MGPU_HD inline void adamw_step(float& param, float grad, float& m, float& v, float lr, float beta1, float beta2, float eps,
                                float weight_decay, float bias1, float bias2) {
   m = beta1 * m + (1.0f - beta1) * grad;
@@ -43,5 +211,132 @@ MGPU_HD inline void adamw_step(float& param, float grad, float& m, float& v, flo
   float const v_hat = v / bias2;
   param -= lr * (m_hat / (sqrtf(v_hat) + eps) + weight_decay * param);
 }
+
+struct SgdOp {
+  float* param;
+  float const* grad;
+  float* velocity;
+  float lr, momentum, weight_decay;
+  bool nesterov;
+  MGPU_HD void operator()(std::int64_t i) const { sgd_step(param[i], grad[i], velocity[i], lr, momentum, weight_decay, nesterov); }
+};
+
+struct AdamWOp {
+  float* param;
+  float const* grad;
+  float* m;
+  float* v;
+  float lr, beta1, beta2, eps, weight_decay, bias1, bias2;
+  MGPU_HD void operator()(std::int64_t i) const {
+    adamw_step(param[i], grad[i], m[i], v[i], lr, beta1, beta2, eps, weight_decay, bias1, bias2);
+  }
+};
+
+/// A counter-based uniform number in [0, 1) (splitmix64 finalizer over seed and counter): the
+/// same (seed, i) gives the same number on every device and in backward, so dropout keeps no mask.
+MGPU_HD inline std::uint64_t mix64(std::uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+MGPU_HD inline float uniform01(std::uint64_t seed, std::uint64_t counter) {
+  return static_cast<float>(mix64(seed ^ mix64(counter)) >> 40) * 5.9604644775390625e-8f;  // 24 bits * 2^-24
+}
+
+/// Inverted dropout: y = x / keep where uniform01(seed, i) < keep, else 0. Backward is the same op
+/// on dy with the same seed.
+template <class T>
+struct DropoutOp {
+  T const* x;
+  T* y;
+  std::uint64_t seed;
+  float keep;
+  MGPU_HD void operator()(std::int64_t i) const {
+    store(y, i, uniform01(seed, static_cast<std::uint64_t>(i)) < keep ? load(x, i) / keep : 0.0f);
+  }
+};
+
+/// LayerNorm over the last dimension, one row: y = (x - mean) * rstd * gamma + beta; saves mean and
+/// rstd = 1 / sqrt(var + eps) (population variance, two passes) for backward.
+template <class T>
+struct LayerNormRow {
+  T const* x;
+  T const* gamma;
+  T const* beta;
+  T* y;
+  float* mean;
+  float* rstd;
+  std::int64_t cols;
+  float eps;
+  MGPU_HD void operator()(std::int64_t r) const {
+    T const* xr = x + r * cols;
+    float sum = 0;
+    for (std::int64_t j = 0; j < cols; ++j) sum += load(xr, j);
+    float const mu = sum / static_cast<float>(cols);
+    float sq = 0;
+    for (std::int64_t j = 0; j < cols; ++j) {
+      float const d = load(xr, j) - mu;
+      sq += d * d;
+    }
+    float const rs = 1.0f / sqrtf(sq / static_cast<float>(cols) + eps);
+    for (std::int64_t j = 0; j < cols; ++j) store(y + r * cols, j, (load(xr, j) - mu) * rs * load(gamma, j) + load(beta, j));
+    mean[r] = mu;
+    rstd[r] = rs;
+  }
+};
+
+/// LayerNorm backward, one row: dx = rstd (g - mean(g) - xhat mean(g xhat)) with g = dy * gamma.
+template <class T>
+struct LayerNormGradRow {
+  T const* x;
+  T const* gamma;
+  T const* dy;
+  float const* mean;
+  float const* rstd;
+  T* dx;
+  std::int64_t cols;
+  MGPU_HD void operator()(std::int64_t r) const {
+    std::int64_t const base = r * cols;
+    float sum_g = 0;
+    float sum_gx = 0;
+    for (std::int64_t j = 0; j < cols; ++j) {
+      float const g = load(dy, base + j) * load(gamma, j);
+      float const xhat = (load(x, base + j) - mean[r]) * rstd[r];
+      sum_g += g;
+      sum_gx += g * xhat;
+    }
+    float const n = static_cast<float>(cols);
+    for (std::int64_t j = 0; j < cols; ++j) {
+      float const g = load(dy, base + j) * load(gamma, j);
+      float const xhat = (load(x, base + j) - mean[r]) * rstd[r];
+      store(dx, base + j, rstd[r] * (g - sum_g / n - xhat * sum_gx / n));
+    }
+  }
+};
+
+/// LayerNorm parameter gradients, one column: dgamma = sum over rows of dy xhat, dbeta = sum of dy.
+template <class T>
+struct LayerNormParamGradCol {
+  T const* x;
+  T const* dy;
+  float const* mean;
+  float const* rstd;
+  T* dgamma;
+  T* dbeta;
+  std::int64_t rows;
+  std::int64_t cols;
+  MGPU_HD void operator()(std::int64_t j) const {
+    float dg = 0;
+    float db = 0;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float const g = load(dy, r * cols + j);
+      dg += g * (load(x, r * cols + j) - mean[r]) * rstd[r];
+      db += g;
+    }
+    store(dgamma, j, dg);
+    store(dbeta, j, db);
+  }
+};
 
 }  // namespace mgpu::ops::detail

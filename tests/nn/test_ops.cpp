@@ -1,0 +1,296 @@
+// LayerNorm, dropout, reductions, 16-bit storage, loss scaling and mixed-precision training, against
+// float64 references, finite differences and the float32 path.
+#include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/optim.hpp>
+#include <mgpu/nn/train.hpp>
+#include <mgpu/ops/ops.hpp>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "support/catch.hpp"
+#include "support/expect_error.hpp"
+#include "support/nn_env.hpp"
+
+using mgpu::DType;
+using mgpu::Tensor;
+using mgpu::test::as_double;
+using mgpu::test::Env;
+
+namespace {
+
+// sum over elements of w * LayerNorm(x; gamma, beta), in float64: its gradient is backward(dy = w).
+double layer_norm_objective(std::vector<double> const& x, std::vector<double> const& gamma, std::vector<double> const& beta,
+                            std::vector<double> const& w, std::int64_t rows, std::int64_t cols, double eps) {
+  double total = 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    double mean = 0;
+    for (std::int64_t j = 0; j < cols; ++j) mean += x[static_cast<std::size_t>(r * cols + j)];
+    mean /= static_cast<double>(cols);
+    double var = 0;
+    for (std::int64_t j = 0; j < cols; ++j) var += std::pow(x[static_cast<std::size_t>(r * cols + j)] - mean, 2);
+    double const rstd = 1 / std::sqrt(var / static_cast<double>(cols) + eps);
+    for (std::int64_t j = 0; j < cols; ++j) {
+      auto const i = static_cast<std::size_t>(r * cols + j);
+      total += w[i] * ((x[i] - mean) * rstd * gamma[static_cast<std::size_t>(j)] + beta[static_cast<std::size_t>(j)]);
+    }
+  }
+  return total;
+}
+
+// Central difference of f with respect to values[i].
+template <class F>
+double numeric(std::vector<double>& values, std::size_t i, F const& f) {
+  double const h = 1e-6;
+  double const keep = values[i];
+  values[i] = keep + h;
+  double const up = f();
+  values[i] = keep - h;
+  double const down = f();
+  values[i] = keep;
+  return (up - down) / (2 * h);
+}
+
+// A float32 host tensor converted to `dtype` (and back, for references).
+Tensor to_dtype(Env& env, Tensor const& t, DType dtype) {
+  Tensor out = Tensor::empty(t.shape(), dtype, *env.allocator);
+  mgpu::convert_async(out, t, env.stream);
+  return out;
+}
+std::vector<double> widened(Env& env, Tensor const& t) {
+  Tensor f = to_dtype(env, t, DType::float32);
+  env.stream.synchronize();
+  return as_double(f);
+}
+
+// Three Gaussian clusters in 2-D, labels 0..2.
+std::pair<Tensor, Tensor> clusters(Env& env, std::int64_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> noise(0, 0.6f);
+  Tensor x = Tensor::empty({n, 2}, DType::float32, *env.allocator);
+  Tensor y = Tensor::empty({n}, DType::float32, *env.allocator);
+  float const centers[3][2] = {{0, 2}, {2, -1}, {-2, -1}};
+  for (std::int64_t i = 0; i < n; ++i) {
+    int const c = static_cast<int>(i % 3);
+    x.host_span<float>()[static_cast<std::size_t>(2 * i)] = centers[c][0] + noise(rng);
+    x.host_span<float>()[static_cast<std::size_t>(2 * i + 1)] = centers[c][1] + noise(rng);
+    y.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(c);
+  }
+  return {x, y};
+}
+
+}  // namespace
+
+TEST_CASE("LayerNorm forward and gradients match float64 finite differences", "[ops][nn]") {
+  Env env;
+  std::int64_t const rows = 4;
+  std::int64_t const cols = 6;
+  float const eps = 1e-5f;
+  Tensor x = env.random({rows, cols}, 1, 2.0f);
+  Tensor gamma = env.random({cols}, 2);
+  Tensor beta = env.random({cols}, 3);
+  Tensor w = env.random({rows, cols}, 4);
+  Tensor y = Tensor::empty({rows, cols}, DType::float32, *env.allocator);
+  Tensor stats = Tensor::empty({2, rows}, DType::float32, *env.allocator);
+  Tensor dx = Tensor::empty({rows, cols}, DType::float32, *env.allocator);
+  Tensor dgamma = Tensor::empty({cols}, DType::float32, *env.allocator);
+  Tensor dbeta = Tensor::empty({cols}, DType::float32, *env.allocator);
+  mgpu::ops::layer_norm(x, gamma, beta, y, stats, eps, env.stream);
+  mgpu::ops::layer_norm_backward(x, gamma, stats, w, dx, dgamma, dbeta, env.stream);
+  env.stream.synchronize();
+
+  auto xs = as_double(x);
+  auto gs = as_double(gamma);
+  auto bs = as_double(beta);
+  auto const ws = as_double(w);
+  auto const f = [&] { return layer_norm_objective(xs, gs, bs, ws, rows, cols, eps); };
+  double forward = 0;
+  for (std::size_t i = 0; i < ws.size(); ++i) forward += ws[i] * y.host_span<float>()[i];
+  REQUIRE(forward == Approx(f()).epsilon(1e-5));
+  auto const dxs = as_double(dx);
+  for (std::size_t i = 0; i < xs.size(); ++i) REQUIRE(dxs[i] == Approx(numeric(xs, i, f)).margin(1e-4).epsilon(1e-3));
+  auto const dgs = as_double(dgamma);
+  auto const dbs = as_double(dbeta);
+  for (std::size_t j = 0; j < gs.size(); ++j) {
+    REQUIRE(dgs[j] == Approx(numeric(gs, j, f)).margin(1e-4).epsilon(1e-3));
+    REQUIRE(dbs[j] == Approx(numeric(bs, j, f)).margin(1e-4).epsilon(1e-3));
+  }
+  REQUIRE_MGPU_ERROR(mgpu::ops::layer_norm(x, env.random({5}, 5), beta, y, stats, eps, env.stream), mgpu::Errc::invalid_argument,
+                     "expected x [N, D], gamma [D], stats [2, N]");
+}
+
+TEST_CASE("A LayerNorm layer inside an MLP trains (its gradients flow through Sequential)", "[nn]") {
+  Env env;
+  auto [x, y] = clusters(env, 300, 7);
+  mgpu::nn::Sequential model;
+  model.add(std::make_unique<mgpu::nn::Linear>(2, 16));
+  model.add(std::make_unique<mgpu::nn::LayerNorm>(16));
+  model.add(std::make_unique<mgpu::nn::GELU>());
+  model.add(std::make_unique<mgpu::nn::Dropout>(0.1f));
+  model.add(std::make_unique<mgpu::nn::Linear>(16, 3, mgpu::nn::Init::xavier));
+  model.materialize(env.ctx, 3);
+  mgpu::optim::AdamW adam({.lr = 0.02f});
+  for (int epoch = 0; epoch < 20; ++epoch)
+    for (std::int64_t b = 0; b < 300; b += 50) mgpu::nn::classification_step(model, adam, x.slice(b, b + 50), y.slice(b, b + 50), env.ctx);
+  CHECK(mgpu::nn::count_correct(model, x, y, env.ctx) >= 285);
+}
+
+TEST_CASE("Dropout keeps 1 - p of the elements, scales them, and backward uses the same mask", "[ops][nn]") {
+  Env env;
+  std::int64_t const n = 100000;
+  float const p = 0.3f;
+  Tensor x = env.random({n}, 8);
+  Tensor y = Tensor::empty({n}, DType::float32, *env.allocator);
+  Tensor y2 = Tensor::empty({n}, DType::float32, *env.allocator);
+  Tensor dx = Tensor::empty({n}, DType::float32, *env.allocator);
+  mgpu::ops::dropout(x, y, p, 42, env.stream);
+  mgpu::ops::dropout(x, y2, p, 43, env.stream);
+  mgpu::ops::dropout_backward(x, dx, p, 42, env.stream);  // dy = x: dx must equal y
+  env.stream.synchronize();
+  std::int64_t kept = 0;
+  std::int64_t differ = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    auto const k = static_cast<std::size_t>(i);
+    float const out = y.host_span<float>()[k];
+    if (out != 0.0f) {
+      ++kept;
+      REQUIRE(out == Approx(x.host_span<float>()[k] / (1 - p)));
+    }
+    REQUIRE(dx.host_span<float>()[k] == out);
+    differ += (out == 0.0f) != (y2.host_span<float>()[k] == 0.0f) ? 1 : 0;
+  }
+  CHECK(std::abs(static_cast<double>(kept) / n - (1 - p)) < 0.01);
+  CHECK(differ > n / 4);  // another seed, another mask
+
+  mgpu::nn::Dropout layer(p);
+  layer.set_training(false);
+  Tensor same = layer.forward(x, env.ctx);
+  CHECK(same.shares_storage(x));
+  REQUIRE_MGPU_ERROR(mgpu::nn::Dropout(1.0f), mgpu::Errc::invalid_argument, "expected 0 <= p < 1");
+}
+
+TEST_CASE("Reductions and the non-finite count against serial float64", "[ops]") {
+  Env env;
+  Tensor t = env.random({1001}, 9);
+  Tensor s = env.scalar();
+  Tensor sq = env.scalar();
+  mgpu::ops::sum(t, s, env.stream);
+  mgpu::ops::sum_squares(t, sq, env.stream);
+  double ref_sum = 0;
+  double ref_sq = 0;
+  for (double v : as_double(t)) {
+    ref_sum += v;
+    ref_sq += v * v;
+  }
+  CHECK(mgpu::ops::item(s, env.stream) == Approx(ref_sum).epsilon(1e-6));
+  CHECK(mgpu::ops::item(sq, env.stream) == Approx(ref_sq).epsilon(1e-6));
+  Tensor bad = env.make({5}, {1, std::numeric_limits<float>::infinity(), std::nanf(""), -std::numeric_limits<float>::infinity(), 0});
+  Tensor count = env.scalar();
+  mgpu::ops::count_nonfinite(bad, count, env.stream);
+  CHECK(mgpu::ops::item(count, env.stream) == 3.0f);
+  REQUIRE_MGPU_ERROR(mgpu::ops::sum(t, env.random({2}, 1), env.stream), mgpu::Errc::invalid_argument, "expected one element");
+}
+
+TEST_CASE("16-bit storage: element ops round the float32 result, GEMM and the loss stay close", "[ops]") {
+  for (DType dtype : {DType::bfloat16, DType::float16}) {
+    INFO(mgpu::to_string(dtype));
+    Env env;
+    Tensor x = to_dtype(env, env.random({8, 16}, 10), dtype);
+    Tensor y = Tensor::empty({8, 16}, dtype, *env.allocator);
+    mgpu::ops::gelu(x, y, env.stream);
+    auto const xs = widened(env, x);
+    // The reference: GELU in float32 of the same stored inputs, rounded to the storage type.
+    Tensor expected32 = Tensor::empty({8, 16}, DType::float32, *env.allocator);
+    for (std::size_t i = 0; i < xs.size(); ++i) {
+      auto const v = static_cast<float>(xs[i]);
+      expected32.host_span<float>()[i] = 0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+    }
+    auto const expected = widened(env, to_dtype(env, expected32, dtype));
+    auto const got = widened(env, y);
+    for (std::size_t i = 0; i < xs.size(); ++i) REQUIRE(got[i] == Approx(expected[i]).margin(1e-6));
+
+    Tensor w = to_dtype(env, env.random({16, 4}, 11), dtype);
+    Tensor c = Tensor::empty({8, 4}, dtype, *env.allocator);
+    mgpu::ops::gemm(x, false, w, false, c, 1.0f, 0.0f, env.stream);
+    auto const ws = widened(env, w);
+    auto const cs = widened(env, c);
+    for (int i = 0; i < 8; ++i) {
+      for (int j = 0; j < 4; ++j) {
+        double acc = 0;
+        for (int k = 0; k < 16; ++k) acc += xs[static_cast<std::size_t>(i * 16 + k)] * ws[static_cast<std::size_t>(k * 4 + j)];
+        REQUIRE(cs[static_cast<std::size_t>(i * 4 + j)] == Approx(acc).margin(0.05).epsilon(0.02));
+      }
+    }
+    Tensor labels = env.make({8}, {0, 1, 2, 3, 0, 1, 2, 3});
+    Tensor d16 = Tensor::empty({8, 4}, dtype, *env.allocator);
+    Tensor d32 = Tensor::empty({8, 4}, DType::float32, *env.allocator);
+    Tensor l16 = env.scalar();
+    Tensor l32 = env.scalar();
+    Tensor c32 = to_dtype(env, c, DType::float32);
+    mgpu::ops::softmax_cross_entropy(c, labels, d16, l16, env.stream);
+    mgpu::ops::softmax_cross_entropy(c32, labels, d32, l32, env.stream);
+    CHECK(mgpu::ops::item(l16, env.stream) == Approx(mgpu::ops::item(l32, env.stream)).epsilon(1e-5));
+    auto const g16 = widened(env, d16);
+    auto const g32 = as_double(d32);
+    for (std::size_t i = 0; i < g32.size(); ++i) REQUIRE(g16[i] == Approx(g32[i]).margin(2e-3));
+  }
+}
+
+TEST_CASE("scale_convert unscales 16-bit gradients into float32", "[ops]") {
+  Env env;
+  Tensor g = to_dtype(env, env.make({3}, {1024, -2048, 0.5f}), DType::float16);
+  Tensor master = Tensor::empty({3}, DType::float32, *env.allocator);
+  mgpu::ops::scale_convert(master, g, 1.0f / 1024, env.stream);
+  env.stream.synchronize();
+  CHECK(as_double(master) == std::vector<double>{1, -2, 0.5 / 1024});
+}
+
+TEST_CASE("The loss scaler backs off on overflow and grows after a run of finite steps", "[optim]") {
+  mgpu::optim::LossScaler scaler(1024, 2, 0.5f, 3);
+  CHECK_FALSE(scaler.update(false));
+  CHECK(scaler.scale() == 512);
+  CHECK(scaler.update(true));
+  CHECK(scaler.update(true));
+  CHECK(scaler.scale() == 512);
+  CHECK(scaler.update(true));
+  CHECK(scaler.scale() == 1024);
+  CHECK(scaler.skipped() == 1);
+  REQUIRE_MGPU_ERROR(mgpu::optim::LossScaler(0), mgpu::Errc::invalid_argument, "expected initial > 0");
+}
+
+TEST_CASE("Mixed precision: bfloat16 and float16 compute with float32 masters train like float32", "[nn][train]") {
+  for (DType compute : {DType::float32, DType::bfloat16, DType::float16}) {
+    INFO(mgpu::to_string(compute));
+    Env env;
+    auto [x, y] = clusters(env, 600, 4);
+    auto model = mgpu::nn::Sequential::mlp({2, 32, 3});
+    model.materialize(env.ctx, 1, compute);
+    CHECK(model.parameters().dtype() == compute);
+    CHECK(model.master_parameters().dtype() == DType::float32);
+    mgpu::optim::SGD sgd({.lr = 0.1f, .momentum = 0.9f});
+    mgpu::optim::LossScaler scaler(1e30f);  // far too large: the first float16 steps overflow
+    mgpu::nn::StepOptions const options{.scaler = compute == DType::float16 ? &scaler : nullptr};
+    std::int64_t skipped = 0;
+    for (int epoch = 0; epoch < 30; ++epoch) {
+      for (std::int64_t b = 0; b < 600; b += 60) {
+        Tensor const before = Tensor::empty({model.parameter_count()}, DType::float32, *env.allocator);
+        mgpu::copy_async(before, model.master_parameters(), env.stream);
+        auto const step = mgpu::nn::classification_step(model, sgd, x.slice(b, b + 60), y.slice(b, b + 60), env.ctx, options);
+        if (!step.applied) {
+          ++skipped;
+          env.stream.synchronize();
+          REQUIRE(as_double(before) == as_double(model.master_parameters()));  // a skipped step changes nothing
+        }
+      }
+    }
+    if (compute == DType::float16) {
+      CHECK(skipped > 0);
+      CHECK(scaler.scale() < 65536.0f);
+    } else {
+      CHECK(skipped == 0);
+    }
+    CHECK(mgpu::nn::count_correct(model, x, y, env.ctx, 128) >= 570);
+  }
+}
