@@ -156,6 +156,7 @@ class Sequential {
   void add(std::unique_ptr<Layer> layer);
   [[nodiscard]] std::size_t size() const noexcept { return layers_.size(); }
   [[nodiscard]] Layer& layer(std::size_t i) { return *layers_.at(i); }
+  [[nodiscard]] Layer const& layer(std::size_t i) const { return *layers_.at(i); }
   [[nodiscard]] std::int64_t parameter_count() const;
 
   /// Allocates the flat buffers on ctx's device and initialises every layer from `seed` (on the

@@ -1,0 +1,99 @@
+// Checkpoints: named, typed, shaped records in a versioned binary file, each with an xxHash64
+// checksum, plus one over the whole file. Writes are atomic (temporary file in the same folder,
+// fsync, rename, fsync of the folder); loads verify every byte before anything is handed out.
+//
+// Format (version 1, little-endian):
+//   "MGPUCKPT" u32 version u32 record-count
+//   per record: u32 name-length, name, u8 type, u8 rank, i64 extents[rank], u64 byte-count,
+//               u64 XXH64(payload), payload
+//   u64 XXH64(every byte above) "MGPU-END"
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <mgpu/core/memory.hpp>
+#include <mgpu/core/stream.hpp>
+#include <mgpu/core/tensor.hpp>
+
+namespace mgpu::nn {
+class Sequential;
+}
+namespace mgpu::optim {
+class Optimizer;
+}
+
+namespace mgpu::io {
+
+/// The element type of a record: tensor dtypes, plus integers and bytes for metadata.
+enum class RecordType : std::uint8_t { float32 = 0, bfloat16 = 1, float16 = 2, int64 = 16, uint64 = 17, bytes = 18 };
+
+struct Record {
+  std::string name;
+  RecordType type = RecordType::bytes;
+  Shape shape;
+  std::vector<std::byte> data;
+};
+
+/// The format version this build writes and reads.
+inline constexpr std::uint32_t checkpoint_version = 1;
+
+class Checkpoint {
+ public:
+  /// Adds (or replaces) a record: a tensor (copied to the host through `stream`, which is
+  /// synchronized), integers, or text.
+  void put(std::string const& name, Tensor const& tensor, Stream& stream);
+  void put(std::string const& name, std::vector<std::int64_t> const& values);
+  void put(std::string const& name, std::vector<std::uint64_t> const& values);
+  void put(std::string const& name, std::string const& text);
+
+  [[nodiscard]] bool contains(std::string const& name) const noexcept;
+  /// The record; throws Error(invalid_argument) naming a missing one.
+  [[nodiscard]] Record const& get(std::string const& name) const;
+  [[nodiscard]] std::vector<std::int64_t> get_int64(std::string const& name) const;
+  [[nodiscard]] std::vector<std::uint64_t> get_uint64(std::string const& name) const;
+  [[nodiscard]] std::string get_text(std::string const& name) const;
+  /// Throws Error(invalid_argument) unless record `name` fits `tensor` (same shape and dtype),
+  /// naming both; copy_to() checks the same, then copies the record into the tensor.
+  void check_fits(std::string const& name, Tensor const& tensor) const;
+  void copy_to(std::string const& name, Tensor const& tensor, Stream& stream) const;
+  [[nodiscard]] std::vector<Record> const& records() const noexcept { return records_; }
+
+  /// Writes the file atomically; throws Error(io) naming the path and the failing call.
+  void save(std::filesystem::path const& path) const;
+  /// Reads and verifies a file. Throws Error(io) when it cannot be read, Error(corrupt_data) naming the
+  /// path and what is wrong: not a checkpoint, an unknown version, truncated (with the byte
+  /// offset), a checksum mismatch (with the record).
+  static Checkpoint load(std::filesystem::path const& path);
+
+ private:
+  Record& slot(std::string const& name);
+  std::vector<Record> records_;
+  std::vector<std::shared_ptr<void const>> keep_;  // host copies' storage during put()
+};
+
+/// Where a training run stands besides the model and optimizer.
+struct TrainingState {
+  std::int64_t step = 0;
+  std::int64_t epoch = 0;
+  /// Batches of the current epoch already taken (resume continues from the next one).
+  std::int64_t batch = 0;
+  /// The data order's seed (the loader's shuffle is a function of seed and epoch).
+  std::uint64_t data_seed = 0;
+};
+
+/// Saves one logical model (its float32 master parameters; a data-parallel group saves one
+/// replica), the optimizer's state and step count, the model's RNG state and `state`.
+void save_training(std::filesystem::path const& path, nn::Sequential const& model, optim::Optimizer const& optimizer,
+                   TrainingState const& state, Stream& stream);
+
+/// Loads what save_training wrote into a materialized model (on any device, any compute type) and
+/// optimizer. Everything is verified first (file, architecture, shapes, optimizer kind); on any
+/// error the model and optimizer are left untouched and the Error names the mismatch.
+TrainingState load_training(std::filesystem::path const& path, nn::Sequential& model, optim::Optimizer& optimizer,
+                            Allocator& allocator, Stream& stream);
+
+}  // namespace mgpu::io

@@ -1,0 +1,389 @@
+// Checkpoint files: writing atomically, reading with full verification, and the training helpers.
+#include <mgpu/io/checkpoint.hpp>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include <mgpu/core/error.hpp>
+#include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/optim.hpp>
+
+namespace mgpu::io {
+namespace {
+
+constexpr char magic[8] = {'M', 'G', 'P', 'U', 'C', 'K', 'P', 'T'};
+constexpr char end_magic[8] = {'M', 'G', 'P', 'U', '-', 'E', 'N', 'D'};
+
+std::size_t type_size(RecordType type) {
+  switch (type) {
+    case RecordType::float32: return 4;
+    case RecordType::bfloat16:
+    case RecordType::float16: return 2;
+    case RecordType::int64:
+    case RecordType::uint64: return 8;
+    case RecordType::bytes: return 1;
+  }
+  return 0;
+}
+
+std::string type_name(RecordType type) {
+  switch (type) {
+    case RecordType::float32: return "float32";
+    case RecordType::bfloat16: return "bfloat16";
+    case RecordType::float16: return "float16";
+    case RecordType::int64: return "int64";
+    case RecordType::uint64: return "uint64";
+    case RecordType::bytes: return "bytes";
+  }
+  return "unknown type " + std::to_string(static_cast<int>(type));
+}
+
+RecordType record_type(DType dtype) {
+  switch (dtype) {
+    case DType::bfloat16: return RecordType::bfloat16;
+    case DType::float16: return RecordType::float16;
+    case DType::float32: break;
+  }
+  return RecordType::float32;
+}
+
+std::int64_t count(Shape const& shape) {
+  std::int64_t n = 1;
+  for (auto e : shape) n *= e;
+  return n;
+}
+
+template <class T>
+void append(std::vector<std::byte>& out, T const& value) {
+  auto const* p = reinterpret_cast<std::byte const*>(&value);
+  out.insert(out.end(), p, p + sizeof(T));
+}
+
+// Bounds-checked reading of a file image; errors name the file and the byte offset.
+class Reader {
+ public:
+  Reader(std::vector<std::byte> const& bytes, std::size_t end, std::string path) : bytes_(bytes), end_(end), path_(std::move(path)) {}
+  template <class T>
+  T read(char const* what) {
+    T value;
+    std::memcpy(&value, take(sizeof(T), what), sizeof(T));
+    return value;
+  }
+  std::byte const* take(std::size_t n, char const* what) {
+    if (n > end_ - at_)
+      throw Error(Errc::corrupt_data, path_ + ": truncated: " + what + " at byte " + std::to_string(at_) + " needs " + std::to_string(n) +
+                                          " bytes, " + std::to_string(end_ - at_) + " left (expected a complete checkpoint)");
+    std::byte const* p = bytes_.data() + at_;
+    at_ += n;
+    return p;
+  }
+  [[nodiscard]] std::size_t offset() const noexcept { return at_; }
+
+ private:
+  std::vector<std::byte> const& bytes_;
+  std::size_t end_;
+  std::size_t at_ = 0;
+  std::string path_;
+};
+
+[[noreturn]] void fail_io(std::string const& what, std::filesystem::path const& path) {
+  throw Error(Errc::io, what + " " + path.string() + ": " + std::strerror(errno));
+}
+
+void write_all(int fd, std::vector<std::byte> const& bytes, std::filesystem::path const& path) {
+  std::size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t const n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      fail_io("writing", path);
+    }
+    done += static_cast<std::size_t>(n);
+  }
+}
+
+}  // namespace
+
+Record& Checkpoint::slot(std::string const& name) {
+  if (name.empty() || name.size() > 4096)
+    throw Error(Errc::invalid_argument, "a checkpoint record named '" + name.substr(0, 64) + "' (expected 1 to 4096 characters)");
+  auto it = std::find_if(records_.begin(), records_.end(), [&](Record const& r) { return r.name == name; });
+  if (it != records_.end()) return *it;
+  records_.push_back(Record{name, RecordType::bytes, {}, {}});
+  return records_.back();
+}
+
+void Checkpoint::put(std::string const& name, Tensor const& tensor, Stream& stream) {
+  if (!tensor.defined()) throw Error(Errc::invalid_argument, "checkpoint record '" + name + "' is an undefined tensor (expected a tensor)");
+  Record& r = slot(name);
+  r.type = record_type(tensor.dtype());
+  r.shape = tensor.shape();
+  r.data.resize(tensor.nbytes());
+  if (tensor.device().kind == DeviceKind::host) {
+    stream.synchronize();  // work already enqueued may still write the tensor
+    std::memcpy(r.data.data(), tensor.data(), tensor.nbytes());
+    return;
+  }
+  static std::shared_ptr<Allocator> const host = Allocator::create(Device{DeviceKind::host, 0});
+  Tensor staging = Tensor::empty(tensor.shape(), tensor.dtype(), *host);
+  copy_async(staging, tensor, stream);
+  stream.synchronize();
+  std::memcpy(r.data.data(), staging.data(), tensor.nbytes());
+}
+
+void Checkpoint::put(std::string const& name, std::vector<std::int64_t> const& values) {
+  Record& r = slot(name);
+  r.type = RecordType::int64;
+  r.shape = {static_cast<std::int64_t>(values.size())};
+  r.data.resize(values.size() * 8);
+  std::memcpy(r.data.data(), values.data(), r.data.size());
+}
+
+void Checkpoint::put(std::string const& name, std::vector<std::uint64_t> const& values) {
+  Record& r = slot(name);
+  r.type = RecordType::uint64;
+  r.shape = {static_cast<std::int64_t>(values.size())};
+  r.data.resize(values.size() * 8);
+  std::memcpy(r.data.data(), values.data(), r.data.size());
+}
+
+void Checkpoint::put(std::string const& name, std::string const& text) {
+  Record& r = slot(name);
+  r.type = RecordType::bytes;
+  r.shape = {static_cast<std::int64_t>(text.size())};
+  r.data.resize(text.size());
+  std::memcpy(r.data.data(), text.data(), text.size());
+}
+
+bool Checkpoint::contains(std::string const& name) const noexcept {
+  return std::any_of(records_.begin(), records_.end(), [&](Record const& r) { return r.name == name; });
+}
+
+Record const& Checkpoint::get(std::string const& name) const {
+  auto it = std::find_if(records_.begin(), records_.end(), [&](Record const& r) { return r.name == name; });
+  if (it == records_.end()) throw Error(Errc::invalid_argument, "the checkpoint has no record '" + name + "'");
+  return *it;
+}
+
+namespace {
+template <class T>
+std::vector<T> values_of(Record const& r, RecordType expected) {
+  if (r.type != expected)
+    throw Error(Errc::invalid_argument, "checkpoint record '" + r.name + "' is " + type_name(r.type) + " (expected " + type_name(expected) + ")");
+  std::vector<T> out(r.data.size() / sizeof(T));
+  std::memcpy(out.data(), r.data.data(), out.size() * sizeof(T));
+  return out;
+}
+}  // namespace
+
+std::vector<std::int64_t> Checkpoint::get_int64(std::string const& name) const { return values_of<std::int64_t>(get(name), RecordType::int64); }
+std::vector<std::uint64_t> Checkpoint::get_uint64(std::string const& name) const {
+  return values_of<std::uint64_t>(get(name), RecordType::uint64);
+}
+std::string Checkpoint::get_text(std::string const& name) const {
+  auto const bytes = values_of<char>(get(name), RecordType::bytes);
+  return {bytes.begin(), bytes.end()};
+}
+
+void Checkpoint::check_fits(std::string const& name, Tensor const& tensor) const {
+  Record const& r = get(name);
+  if (r.type != record_type(tensor.dtype()) || r.shape != tensor.shape())
+    throw Error(Errc::invalid_argument, "checkpoint record '" + name + "' is " + type_name(r.type) + " " + to_string(r.shape) +
+                                            " (expected " + std::string(to_string(tensor.dtype())) + " " + to_string(tensor.shape()) + ")");
+}
+
+void Checkpoint::copy_to(std::string const& name, Tensor const& tensor, Stream& stream) const {
+  check_fits(name, tensor);
+  Record const& r = get(name);
+  static std::shared_ptr<Allocator> const host = Allocator::create(Device{DeviceKind::host, 0});
+  Tensor staging = Tensor::empty(tensor.shape(), tensor.dtype(), *host);
+  std::memcpy(staging.data(), r.data.data(), r.data.size());
+  copy_async(tensor, staging, stream);
+  stream.synchronize();
+}
+
+void Checkpoint::save(std::filesystem::path const& path) const {
+  std::vector<std::byte> out;
+  out.insert(out.end(), reinterpret_cast<std::byte const*>(magic), reinterpret_cast<std::byte const*>(magic) + 8);
+  append(out, checkpoint_version);
+  append(out, static_cast<std::uint32_t>(records_.size()));
+  for (Record const& r : records_) {
+    append(out, static_cast<std::uint32_t>(r.name.size()));
+    out.insert(out.end(), reinterpret_cast<std::byte const*>(r.name.data()), reinterpret_cast<std::byte const*>(r.name.data()) + r.name.size());
+    append(out, static_cast<std::uint8_t>(r.type));
+    append(out, static_cast<std::uint8_t>(r.shape.size()));
+    for (std::int64_t e : r.shape) append(out, e);
+    append(out, static_cast<std::uint64_t>(r.data.size()));
+    append(out, static_cast<std::uint64_t>(XXH64(r.data.data(), r.data.size(), 0)));
+    out.insert(out.end(), r.data.begin(), r.data.end());
+  }
+  append(out, static_cast<std::uint64_t>(XXH64(out.data(), out.size(), 0)));
+  out.insert(out.end(), reinterpret_cast<std::byte const*>(end_magic), reinterpret_cast<std::byte const*>(end_magic) + 8);
+
+  std::filesystem::path const dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
+  std::filesystem::path const temp = dir / ("." + path.filename().string() + ".tmp." + std::to_string(::getpid()));
+  int const fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fail_io("creating", temp);
+  try {
+    write_all(fd, out, temp);
+    if (::fsync(fd) != 0) fail_io("syncing", temp);
+  } catch (...) {
+    ::close(fd);
+    ::unlink(temp.c_str());
+    throw;
+  }
+  if (::close(fd) != 0) {
+    ::unlink(temp.c_str());
+    fail_io("closing", temp);
+  }
+  if (::rename(temp.c_str(), path.c_str()) != 0) {
+    int const saved = errno;
+    ::unlink(temp.c_str());
+    errno = saved;
+    fail_io("renaming into", path);
+  }
+  int const dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {  // makes the rename durable
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+Checkpoint Checkpoint::load(std::filesystem::path const& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail_io("opening", path);
+  std::vector<std::byte> bytes;
+  {
+    std::vector<char> chars((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (in.bad()) fail_io("reading", path);
+    bytes.resize(chars.size());
+    std::memcpy(bytes.data(), chars.data(), chars.size());
+  }
+  std::string const name = path.string();
+  if (bytes.size() < 8 || std::memcmp(bytes.data(), magic, 8) != 0)
+    throw Error(Errc::corrupt_data, name + ": not an mgpu checkpoint (expected the bytes \"MGPUCKPT\" at the start)");
+  Reader header(bytes, bytes.size(), name);
+  header.take(8, "magic");
+  auto const version = header.read<std::uint32_t>("the version");
+  if (version != checkpoint_version)
+    throw Error(Errc::corrupt_data, name + ": unknown checkpoint version " + std::to_string(version) + " (expected " +
+                                        std::to_string(checkpoint_version) + ")");
+  if (bytes.size() < 16 + 16 || std::memcmp(bytes.data() + bytes.size() - 8, end_magic, 8) != 0)
+    throw Error(Errc::corrupt_data, name + ": truncated: " + std::to_string(bytes.size()) +
+                                        " bytes without the end marker (expected a complete checkpoint ending in \"MGPU-END\")");
+  std::size_t const body = bytes.size() - 16;
+  std::uint64_t stored_sum = 0;
+  std::memcpy(&stored_sum, bytes.data() + body, 8);
+  if (XXH64(bytes.data(), body, 0) != stored_sum)
+    throw Error(Errc::corrupt_data, name + ": checksum mismatch over the file's " + std::to_string(body) + " bytes (the file is corrupted)");
+
+  Reader r(bytes, body, name);
+  r.take(12, "the header");
+  auto const records = r.read<std::uint32_t>("the record count");
+  Checkpoint checkpoint;
+  for (std::uint32_t i = 0; i < records; ++i) {
+    Record rec;
+    auto const name_length = r.read<std::uint32_t>("a record name's length");
+    auto const* chars = reinterpret_cast<char const*>(r.take(name_length, "a record name"));
+    rec.name.assign(chars, name_length);
+    std::size_t const at = r.offset();
+    rec.type = static_cast<RecordType>(r.read<std::uint8_t>("a record type"));
+    if (type_size(rec.type) == 0)
+      throw Error(Errc::corrupt_data, name + ": record '" + rec.name + "' has " + type_name(rec.type) + " at byte " + std::to_string(at));
+    auto const rank = r.read<std::uint8_t>("a record rank");
+    for (int d = 0; d < rank; ++d) {
+      rec.shape.push_back(r.read<std::int64_t>("a record extent"));
+      if (rec.shape.back() < 0) throw Error(Errc::corrupt_data, name + ": record '" + rec.name + "' has a negative extent");
+    }
+    auto const size = r.read<std::uint64_t>("a record size");
+    auto const sum = r.read<std::uint64_t>("a record checksum");
+    if (size != static_cast<std::uint64_t>(count(rec.shape)) * type_size(rec.type))
+      throw Error(Errc::corrupt_data, name + ": record '" + rec.name + "' holds " + std::to_string(size) + " bytes for " + type_name(rec.type) +
+                                          " " + to_string(rec.shape) + " (expected " +
+                                          std::to_string(count(rec.shape) * static_cast<std::int64_t>(type_size(rec.type))) + ")");
+    auto const* payload = r.take(size, "a record's data");
+    if (XXH64(payload, size, 0) != sum) throw Error(Errc::corrupt_data, name + ": checksum mismatch in record '" + rec.name + "'");
+    rec.data.assign(payload, payload + size);
+    checkpoint.records_.push_back(std::move(rec));
+  }
+  if (r.offset() != body)
+    throw Error(Errc::corrupt_data, name + ": " + std::to_string(body - r.offset()) + " unexpected bytes after the last record");
+  return checkpoint;
+}
+
+namespace {
+std::string architecture(nn::Sequential const& model) {
+  std::string out;
+  for (std::size_t i = 0; i < model.size(); ++i) {
+    if (i > 0) out += " | ";
+    out += model.layer(i).name();
+  }
+  return out;
+}
+}  // namespace
+
+void save_training(std::filesystem::path const& path, nn::Sequential const& model, optim::Optimizer const& optimizer,
+                   TrainingState const& state, Stream& stream) {
+  if (!model.master_parameters().defined()) throw Error(Errc::invalid_argument, "save_training before materialize (expected a materialized model)");
+  Checkpoint c;
+  c.put("model.architecture", architecture(model));
+  c.put("model.parameters", model.master_parameters(), stream);
+  c.put("model.rng", model.rng_state());
+  c.put("optimizer.name", optimizer.name());
+  c.put("optimizer.steps", std::vector<std::int64_t>{optimizer.steps()});
+  for (auto const& [name, tensor] : optimizer.state()) c.put("optimizer." + name, tensor, stream);
+  c.put("training", std::vector<std::int64_t>{state.step, state.epoch, state.batch});
+  c.put("training.data_seed", std::vector<std::uint64_t>{state.data_seed});
+  c.save(path);
+}
+
+TrainingState load_training(std::filesystem::path const& path, nn::Sequential& model, optim::Optimizer& optimizer, Allocator& allocator,
+                            Stream& stream) {
+  if (!model.master_parameters().defined()) throw Error(Errc::invalid_argument, "load_training before materialize (expected a materialized model)");
+  Checkpoint const c = Checkpoint::load(path);
+  std::string const file = path.string() + ": ";
+  // Verify everything before touching the model or the optimizer.
+  std::string const arch = c.get_text("model.architecture");
+  if (arch != architecture(model))
+    throw Error(Errc::invalid_argument, file + "the model differs: the checkpoint holds '" + arch + "' (expected '" + architecture(model) + "')");
+  c.check_fits("model.parameters", model.master_parameters());
+  auto const rng = c.get_uint64("model.rng");
+  if (rng.size() != model.size()) throw Error(Errc::corrupt_data, file + "model.rng has " + std::to_string(rng.size()) + " entries");
+  std::string const kind = c.get_text("optimizer.name");
+  if (kind != optimizer.name())
+    throw Error(Errc::invalid_argument, file + "the optimizer differs: the checkpoint holds " + kind + " state (expected " + optimizer.name() + ")");
+  auto const steps = c.get_int64("optimizer.steps");
+  auto const training = c.get_int64("training");
+  auto const seed = c.get_uint64("training.data_seed");
+  if (steps.size() != 1 || training.size() != 3 || seed.size() != 1)
+    throw Error(Errc::corrupt_data, file + "malformed optimizer.steps, training or training.data_seed record");
+  bool has_state = false;
+  for (Record const& r : c.records()) {
+    if (!r.name.starts_with("optimizer.") || r.type != RecordType::float32) continue;
+    has_state = true;
+    c.check_fits(r.name, model.master_parameters());  // optimizer state is per parameter
+  }
+  // Only now is anything changed: state buffers are allocated (zeroed) if missing, then filled.
+  if (has_state) {
+    auto const state = optimizer.prepare_state(model.master_parameters(), allocator, stream);
+    for (auto const& [name, tensor] : state) c.check_fits("optimizer." + name, tensor);
+    for (auto const& [name, tensor] : state) c.copy_to("optimizer." + name, tensor, stream);
+  }
+  c.copy_to("model.parameters", model.master_parameters(), stream);
+  model.sync_parameters(stream);
+  model.set_rng_state(rng);
+  optimizer.set_steps(steps[0]);
+  stream.synchronize();
+  return {training[0], training[1], training[2], seed[0]};
+}
+
+}  // namespace mgpu::io

@@ -1,0 +1,198 @@
+// The training ops on a GPU against the same ops on a host device (the host path is itself checked
+// against float64 references in tests/nn), and a short training run on the GPU.
+#include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/optim.hpp>
+#include <mgpu/nn/train.hpp>
+#include <mgpu/ops/ops.hpp>
+
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "support/catch.hpp"
+
+using mgpu::Device;
+using mgpu::DeviceKind;
+using mgpu::DType;
+using mgpu::Tensor;
+
+namespace {
+
+struct Side {
+  Device device;
+  std::shared_ptr<mgpu::Allocator> allocator = mgpu::Allocator::create(device);
+  mgpu::Stream stream{device};
+};
+
+struct Pair {
+  Side host{Device{DeviceKind::host, 0}};
+  Side gpu{Device{DeviceKind::cuda, 0}};
+  std::shared_ptr<mgpu::Allocator> staging = mgpu::Allocator::create(Device{DeviceKind::host, 0});
+
+  // The same random values (optionally as class ids below `classes`) on both sides, in `dtype`.
+  std::pair<Tensor, Tensor> random(mgpu::Shape const& shape, unsigned seed, DType dtype = DType::float32, int classes = 0) {
+    Tensor f = Tensor::empty(shape, DType::float32, *staging);
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> n(0, 1);
+    std::uniform_int_distribution<int> c(0, std::max(0, classes - 1));
+    for (float& v : f.host_span<float>()) v = classes > 0 ? static_cast<float>(c(rng)) : n(rng);
+    Tensor h = Tensor::empty(shape, dtype, *host.allocator);
+    Tensor g = Tensor::empty(shape, dtype, *gpu.allocator);
+    mgpu::convert_async(h, f, host.stream);
+    host.stream.synchronize();
+    mgpu::copy_async(g, h, gpu.stream);
+    gpu.stream.synchronize();
+    return {h, g};
+  }
+  std::pair<Tensor, Tensor> empty(mgpu::Shape const& shape, DType dtype = DType::float32) {
+    return {Tensor::empty(shape, dtype, *host.allocator), Tensor::empty(shape, dtype, *gpu.allocator)};
+  }
+  // Both results as float32 host values.
+  std::pair<std::vector<float>, std::vector<float>> fetch(std::pair<Tensor, Tensor> const& t) {
+    host.stream.synchronize();
+    Tensor g = Tensor::empty(t.second.shape(), t.second.dtype(), *host.allocator);
+    mgpu::copy_async(g, t.second, gpu.stream);
+    gpu.stream.synchronize();
+    auto widen = [&](Tensor const& x) {
+      Tensor f = Tensor::empty(x.shape(), DType::float32, *host.allocator);
+      mgpu::convert_async(f, x, host.stream);
+      host.stream.synchronize();
+      auto s = f.host_span<float>();
+      return std::vector<float>(s.begin(), s.end());
+    };
+    return {widen(t.first), widen(g)};
+  }
+  void require_close(std::pair<Tensor, Tensor> const& t, double tolerance) {
+    auto const [h, g] = fetch(t);
+    for (std::size_t i = 0; i < h.size(); ++i) {
+      INFO("element " << i);
+      REQUIRE(g[i] == Approx(h[i]).margin(tolerance).epsilon(tolerance));
+    }
+  }
+};
+
+}  // namespace
+
+TEST_CASE("CUDA ops match the host ops", "[cuda][ops]") {
+  for (DType dtype : {DType::float32, DType::bfloat16, DType::float16}) {
+    INFO(mgpu::to_string(dtype));
+    double const tol = dtype == DType::float32 ? 1e-4 : 2e-2;
+    Pair p;
+    auto a = p.random({64, 96}, 1, dtype);
+    auto b = p.random({96, 48}, 2, dtype);
+    auto bt = p.random({48, 96}, 3, dtype);
+    auto c = p.empty({64, 48}, dtype);
+    for (bool tb : {false, true}) {
+      mgpu::ops::gemm(a.first, false, tb ? bt.first : b.first, tb, c.first, 1.0f, 0.0f, p.host.stream);
+      mgpu::ops::gemm(a.second, false, tb ? bt.second : b.second, tb, c.second, 1.0f, 0.0f, p.gpu.stream);
+      p.require_close(c, dtype == DType::float32 ? 1e-3 : 5e-2);
+    }
+    auto at = p.empty({96, 48}, dtype);
+    mgpu::ops::gemm(a.first, true, c.first, false, at.first, 0.5f, 0.0f, p.host.stream);
+    mgpu::ops::gemm(a.second, true, c.second, false, at.second, 0.5f, 0.0f, p.gpu.stream);
+    p.require_close(at, dtype == DType::float32 ? 1e-3 : 1e-1);
+
+    auto bias = p.random({48}, 4, dtype);
+    mgpu::ops::add_bias(c.first, bias.first, p.host.stream);
+    mgpu::ops::add_bias(c.second, bias.second, p.gpu.stream);
+    p.require_close(c, tol);
+    auto db = p.empty({48}, dtype);
+    mgpu::ops::bias_grad(c.first, db.first, p.host.stream);
+    mgpu::ops::bias_grad(c.second, db.second, p.gpu.stream);
+    p.require_close(db, dtype == DType::float32 ? 1e-3 : 1e-1);
+
+    auto x = p.random({32, 40}, 5, dtype);
+    auto dy = p.random({32, 40}, 6, dtype);
+    auto y = p.empty({32, 40}, dtype);
+    auto dx = p.empty({32, 40}, dtype);
+    for (auto [fwd, bwd] : {std::pair{&mgpu::ops::relu, &mgpu::ops::relu_backward}, std::pair{&mgpu::ops::gelu, &mgpu::ops::gelu_backward}}) {
+      fwd(x.first, y.first, p.host.stream);
+      fwd(x.second, y.second, p.gpu.stream);
+      p.require_close(y, tol);
+      bwd(x.first, dy.first, dx.first, p.host.stream);
+      bwd(x.second, dy.second, dx.second, p.gpu.stream);
+      p.require_close(dx, tol);
+    }
+    mgpu::ops::dropout(x.first, y.first, 0.25f, 99, p.host.stream);
+    mgpu::ops::dropout(x.second, y.second, 0.25f, 99, p.gpu.stream);
+    p.require_close(y, tol);
+
+    auto gamma = p.random({40}, 7, dtype);
+    auto beta = p.random({40}, 8, dtype);
+    auto stats = p.empty({2, 32});
+    mgpu::ops::layer_norm(x.first, gamma.first, beta.first, y.first, stats.first, 1e-5f, p.host.stream);
+    mgpu::ops::layer_norm(x.second, gamma.second, beta.second, y.second, stats.second, 1e-5f, p.gpu.stream);
+    p.require_close(y, tol);
+    auto dgamma = p.empty({40}, dtype);
+    auto dbeta = p.empty({40}, dtype);
+    mgpu::ops::layer_norm_backward(x.first, gamma.first, stats.first, dy.first, dx.first, dgamma.first, dbeta.first, p.host.stream);
+    mgpu::ops::layer_norm_backward(x.second, gamma.second, stats.second, dy.second, dx.second, dgamma.second, dbeta.second, p.gpu.stream);
+    p.require_close(dx, tol);
+    p.require_close(dgamma, dtype == DType::float32 ? 1e-3 : 1e-1);
+
+    auto logits = p.random({50, 10}, 9, dtype);
+    auto labels = p.random({50}, 10, DType::float32, 10);
+    auto dlogits = p.empty({50, 10}, dtype);
+    auto loss = p.empty({1});
+    mgpu::ops::softmax_cross_entropy(logits.first, labels.first, dlogits.first, loss.first, p.host.stream);
+    mgpu::ops::softmax_cross_entropy(logits.second, labels.second, dlogits.second, loss.second, p.gpu.stream);
+    p.require_close(loss, 1e-4);
+    p.require_close(dlogits, tol);
+    mgpu::ops::count_correct(logits.first, labels.first, loss.first, p.host.stream);
+    mgpu::ops::count_correct(logits.second, labels.second, loss.second, p.gpu.stream);
+    p.require_close(loss, 0);
+    for (auto reduce : {&mgpu::ops::sum, &mgpu::ops::sum_squares, &mgpu::ops::count_nonfinite}) {
+      reduce(x.first, loss.first, p.host.stream);
+      reduce(x.second, loss.second, p.gpu.stream);
+      p.require_close(loss, 1e-3);
+    }
+  }
+}
+
+TEST_CASE("CUDA optimizer updates match the host", "[cuda][optim]") {
+  Pair p;
+  auto params = p.random({10000}, 1);
+  auto grads = p.random({10000}, 2);
+  auto m = p.random({10000}, 3);
+  auto v = p.random({10000}, 4);
+  mgpu::ops::sgd_update(params.first, grads.first, m.first, 0.1f, 0.9f, 1e-4f, true, p.host.stream);
+  mgpu::ops::sgd_update(params.second, grads.second, m.second, 0.1f, 0.9f, 1e-4f, true, p.gpu.stream);
+  p.require_close(params, 1e-5);
+  mgpu::ops::scale(v.first, -2.0f, p.host.stream);
+  mgpu::ops::scale(v.second, -2.0f, p.gpu.stream);
+  p.require_close(v, 0);
+  auto sq = p.empty({10000});  // AdamW's second moment starts at zero
+  mgpu::ops::scale_convert(sq.first, grads.first, 0.0f, p.host.stream);
+  mgpu::ops::scale_convert(sq.second, grads.second, 0.0f, p.gpu.stream);
+  mgpu::ops::adamw_update(params.first, grads.first, m.first, sq.first, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 1, p.host.stream);
+  mgpu::ops::adamw_update(params.second, grads.second, m.second, sq.second, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 1, p.gpu.stream);
+  p.require_close(params, 1e-5);
+}
+
+TEST_CASE("An MLP trains on the GPU in float32, bfloat16 and float16", "[cuda][train]") {
+  for (DType compute : {DType::float32, DType::bfloat16, DType::float16}) {
+    INFO(mgpu::to_string(compute));
+    Pair p;
+    auto x = p.random({512, 8}, 1);
+    auto labels = p.empty({512});
+    {
+      // Labels from a fixed linear rule, so the task is learnable.
+      auto [hx, gx] = p.fetch(x);
+      for (std::int64_t i = 0; i < 512; ++i) {
+        float const s = hx[static_cast<std::size_t>(i * 8)] + hx[static_cast<std::size_t>(i * 8 + 1)];
+        labels.first.host_span<float>()[static_cast<std::size_t>(i)] = s > 0.5f ? 2.0f : (s > -0.5f ? 1.0f : 0.0f);
+      }
+      mgpu::copy_async(labels.second, labels.first, p.gpu.stream);
+    }
+    mgpu::nn::Context ctx{*p.gpu.allocator, p.gpu.stream};
+    auto model = mgpu::nn::Sequential::mlp({8, 64, 3});
+    model.materialize(ctx, 5, compute);
+    mgpu::optim::AdamW adam({.lr = 0.01f});
+    mgpu::optim::LossScaler scaler;
+    mgpu::nn::StepOptions const options{.scaler = compute == DType::float16 ? &scaler : nullptr};
+    for (int epoch = 0; epoch < 40; ++epoch)
+      for (std::int64_t b = 0; b < 512; b += 64)
+        mgpu::nn::classification_step(model, adam, x.second.slice(b, b + 64), labels.second.slice(b, b + 64), ctx, options);
+    CHECK(mgpu::nn::count_correct(model, x.second, labels.second, ctx) >= 470);
+  }
+}
