@@ -47,6 +47,7 @@ Tensor Linear::forward(Tensor const& x, Context& ctx) {
 Tensor Linear::backward(Tensor const& dy, Context& ctx) {
   ops::gemm(x_, true, dy, false, dw_, 1.0f, 0.0f, ctx.stream);  // dW = x^T dy
   ops::bias_grad(dy, db_, ctx.stream);
+  if (!input_grad_) return {};
   Tensor dx = Tensor::empty(x_.shape(), x_.dtype(), ctx.allocator);
   ops::gemm(dy, false, w_, true, dx, 1.0f, 0.0f, ctx.stream);  // dx = dy W^T
   return dx;
@@ -228,7 +229,8 @@ Tensor Sequential::forward(Tensor const& x, Context& ctx) {
   return h;
 }
 
-Tensor Sequential::backward(Tensor const& dy, Context& ctx) {
+Tensor Sequential::backward(Tensor const& dy, Context& ctx, bool input_grad) {
+  if (!layers_.empty()) layers_.front()->set_input_grad(input_grad);
   Tensor g = dy;
   for (auto it = layers_.rbegin(); it != layers_.rend(); ++it) g = (*it)->backward(g, ctx);
   return g;

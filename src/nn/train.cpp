@@ -27,7 +27,7 @@ StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, T
   Tensor const dlogits = Tensor::empty(logits.shape(), logits.dtype(), ctx.allocator);
   StepResult result{Tensor::empty({1}, DType::float32, ctx.allocator), true};
   ops::softmax_cross_entropy(logits, labels, dlogits, result.loss, ctx.stream, loss_scale);
-  model.backward(dlogits, ctx);
+  model.backward(dlogits, ctx, false);
   model.unscale_gradients(1.0f / loss_scale, ctx.stream);
   Tensor const& grads = model.master_gradients();
   if (options.scaler != nullptr) {

@@ -75,7 +75,7 @@ TEST_CASE("CSV: header detection, label column, text labels", "[data]") {
 
 TEST_CASE("Malformed CSV files name the file and line", "[data]") {
   Files f;
-  REQUIRE_MGPU_ERROR(mgpu::data::load_csv(f.write("n.csv", "a,b,c\n1,2,0\n1,2\n")), Errc::corrupt_data, "n.csv:3: 2 fields (expected 3 as on line 1)");
+  REQUIRE_MGPU_ERROR(mgpu::data::load_csv(f.write("n.csv", "a,b,c\n1,2,0\n1,2\n")), Errc::corrupt_data, "n.csv:3: 2 fields (expected 3 as on line 2)");
   REQUIRE_MGPU_ERROR(mgpu::data::load_csv(f.write("t.csv", "1,2,0\n1,abc,1\n")), Errc::corrupt_data, "t.csv:2: column 2 holds 'abc' (expected a finite number)");
   REQUIRE_MGPU_ERROR(mgpu::data::load_csv(f.write("e.csv", "a,b\n")), Errc::corrupt_data, "no data rows");
   REQUIRE_MGPU_ERROR(mgpu::data::load_csv(f.write("l.csv", "1,2,0.5\n")), Errc::corrupt_data, "label '0.5' is not a class id");

@@ -44,6 +44,9 @@ class Layer {
   virtual void set_rng_counter(std::uint64_t /*counter*/) {}
   virtual Tensor forward(Tensor const& x, Context& ctx) = 0;
   virtual Tensor backward(Tensor const& dy, Context& ctx) = 0;
+  /// Whether backward() must return the input gradient. Sequential turns it off for its first
+  /// layer when nobody needs it (Linear then skips a GEMM and returns an undefined tensor).
+  virtual void set_input_grad(bool /*needed*/) {}
   /// A fresh layer of the same configuration (for replicas on other devices).
   [[nodiscard]] virtual std::unique_ptr<Layer> clone() const = 0;
 };
@@ -58,6 +61,7 @@ class Linear final : public Layer {
   void initialize(std::mt19937_64& rng) override;
   Tensor forward(Tensor const& x, Context& ctx) override;
   Tensor backward(Tensor const& dy, Context& ctx) override;
+  void set_input_grad(bool needed) override { input_grad_ = needed; }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Linear>(in_, out_, init_); }
   [[nodiscard]] Tensor const& weight() const noexcept { return w_; }
   [[nodiscard]] Tensor const& bias() const noexcept { return b_; }
@@ -66,6 +70,7 @@ class Linear final : public Layer {
   std::int64_t in_;
   std::int64_t out_;
   Init init_;
+  bool input_grad_ = true;
   Tensor w_, b_, dw_, db_, x_;
 };
 
@@ -183,7 +188,9 @@ class Sequential {
   void set_rng_state(std::vector<std::uint64_t> const& state);
 
   Tensor forward(Tensor const& x, Context& ctx);
-  Tensor backward(Tensor const& dy, Context& ctx);
+  /// Backward through every layer; returns the input gradient when `input_grad` (else an
+  /// undefined tensor, saving the first layer's input-gradient GEMM).
+  Tensor backward(Tensor const& dy, Context& ctx, bool input_grad = true);
   /// A copy of the architecture (not the weights) for another device.
   [[nodiscard]] Sequential clone() const;
 
