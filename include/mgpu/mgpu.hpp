@@ -18,6 +18,7 @@
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/sched/job_queue.hpp>
+#include <mgpu/sched/live.hpp>
 #include <mgpu/sched/planning.hpp>
 #include <mgpu/sched/scheduler.hpp>
 #include <mgpu/sched/simulator.hpp>

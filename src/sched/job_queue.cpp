@@ -11,14 +11,19 @@
 namespace mgpu::sched {
 namespace {
 
-double job_speed(NodeState const& server, Placement const& placement) {
+// The slowest device's speed (under its power limit), and the power all the devices draw.
+std::pair<double, double> job_speed_and_watts(NodeState const& server, Placement const& placement) {
   double speed = std::numeric_limits<double>::infinity();
-  for (int id : placement.devices) {
+  double watts = 0;
+  for (std::size_t i = 0; i < placement.devices.size(); ++i) {
     for (auto const& d : server.devices) {
-      if (d.id == id) speed = std::min(speed, d.speed);
+      if (d.id != placement.devices[i]) continue;
+      double const limit = i < placement.power_limits.size() && placement.power_limits[i] > 0 ? placement.power_limits[i] : d.max_watts;
+      speed = std::min(speed, speed_at_power(d, limit, server.power_exponent));
+      watts += limit * placement.share;
     }
   }
-  return std::isfinite(speed) ? speed : 1.0;
+  return {std::isfinite(speed) ? speed : 1.0, watts};
 }
 
 struct Fragmentation final : ScorePlugin {
@@ -48,7 +53,7 @@ std::unique_ptr<ScorePlugin> fragmentation(std::map<double, double> typical) {
 }
 
 std::vector<QueuePolicy> standard_policies() {
-  std::vector<QueuePolicy> p(6);
+  std::vector<QueuePolicy> p(7);
   p[0].name = "fifo";
   p[1].name = "priority+preempt";
   p[1].preemption = true;
@@ -60,12 +65,15 @@ std::vector<QueuePolicy> standard_policies() {
   p[4].reservation = true;
   p[5].name = "all";
   p[5].preemption = p[5].fair_share = p[5].reservation = p[5].fragmentation_aware = true;
+  p[6].name = "energy-aware";
+  p[6].energy_aware = true;
   return p;
 }
 
 JobQueue::JobQueue(std::vector<NodeState> servers, Scheduler scheduler, QueuePolicy policy, RuntimePredictor* predictor)
     : servers_(std::move(servers)), scheduler_(std::move(scheduler)), policy_(std::move(policy)), predictor_(predictor) {
   if (servers_.empty()) throw Error(Errc::invalid_argument, "a job queue needs at least one server (got none)");
+  if (policy_.energy_aware) scheduler_.add(energy(), 2.0);
   if (policy_.fragmentation_aware) {
     // Fractions as they typically come: mostly halves and quarters, some whole GPUs.
     scheduler_.add(fragmentation({{0.25, 0.3}, {0.5, 0.4}, {1.0, 0.3}}), 2.0);
@@ -144,25 +152,28 @@ std::optional<std::pair<int, Placement>> JobQueue::place(Job const& job, double 
     int room = 0;
     for (auto const& d : servers_[s].devices) room += d.free_share + 1e-12 >= share ? 1 : 0;
     if (room < std::max(1, static_cast<int>(job.gpus))) continue;
-    NodeState view = servers_[s];
+    NodeState const* view = &servers_[s];
+    NodeState restricted;  // a copy only where reserved GPUs must be hidden
     if (!reserved.empty() && static_cast<int>(s) == reserved.front()) {
       // Backfill: a job may use reserved GPUs only if it ends before the reservation starts.
       double const speed = 1.0;
       bool const ends_in_time = now + remaining / speed <= reserved_until;
       if (!ends_in_time) {
+        restricted = servers_[s];
         for (std::size_t k = 1; k < reserved.size(); ++k) {
-          for (auto& d : view.devices) {
+          for (auto& d : restricted.devices) {
             if (d.id == reserved[k]) d.free_share = 0;
           }
         }
+        view = &restricted;
       }
     }
     try {
-      validate(r, view);
+      validate(r, *view);
     } catch (Error const&) {
       continue;  // this server is too small for the job
     }
-    auto placement = scheduler_.place(r, view);
+    auto placement = scheduler_.place(r, *view);
     if (placement && (!best || placement->score > best->second.score)) best = std::pair{static_cast<int>(s), *placement};
   }
   return best;
@@ -173,8 +184,9 @@ void JobQueue::start(Job const& job, double remaining, int server, Placement con
   NodeState& node = servers_[static_cast<std::size_t>(server)];
   if (!reserve(node, request_for(job, remaining), placement))
     throw Error(Errc::device, "job " + std::to_string(job.id) + ": its placement no longer fits (expected a fresh decision)");
-  running_[job.id] = Running{job, server, placement, now, remaining, job_speed(node, placement)};
-  events.push_back({JobEvent::start, job.id, server, placement.devices, now});
+  auto const [speed, watts] = job_speed_and_watts(node, placement);
+  running_[job.id] = Running{job, server, placement, now, remaining, speed};
+  events.push_back({JobEvent::start, job.id, server, placement.devices, now, watts});
 }
 
 bool JobQueue::try_preempt(Job const& job, double remaining, double now, std::vector<JobEvent>& events) {

@@ -12,6 +12,7 @@ namespace {
 
 int whole_devices(Request const& r) { return r.devices < 1 ? 1 : static_cast<int>(r.devices); }
 double share_of(Request const& r) { return r.devices < 1 ? r.devices : 1.0; }
+double share_taken(Request const& r) { return r.exclusive ? share_of(r) : 0.0; }
 
 bool type_allowed(std::string_view allowed, std::string_view type) {
   if (allowed.empty()) return true;
@@ -35,7 +36,7 @@ double link(DeviceState const& a, DeviceState const& b) {
 struct MemoryFit final : FilterPlugin {
   std::string_view name() const override { return "memory-fit"; }
   bool admit(Request const& r, DeviceState const& d, NodeState const&) const override {
-    return d.free_bytes >= r.memory_bytes && d.free_share + 1e-12 >= share_of(r);
+    return d.free_bytes >= r.memory_bytes && d.free_share + 1e-12 >= share_taken(r);
   }
 };
 
@@ -94,15 +95,40 @@ struct Heterogeneity final : ScorePlugin {
 
 struct Energy final : ScorePlugin {
   std::string_view name() const override { return "energy"; }
-  double score(Request const&, DeviceState const& d, NodeState const&) const override {
-    return d.max_watts > 0 ? d.speed / d.max_watts : 0.0;
+  double score(Request const&, DeviceState const& d, NodeState const& node) const override {
+    double const watts = energy_optimal_power(d, node.power_exponent);
+    return watts > 0 ? speed_at_power(d, watts, node.power_exponent) / watts : 0.0;
+  }
+  void refine(Request const& r, NodeState const& node, Placement& placement) const override {
+    placement.power_limits.assign(placement.devices.size(), 0.0);
+    for (std::size_t i = 0; i < placement.devices.size(); ++i) {
+      DeviceState const* d = nullptr;
+      for (auto const& candidate : node.devices) d = candidate.id == placement.devices[i] ? &candidate : d;
+      if (d == nullptr || d->min_power_limit <= 0 || d->max_watts <= d->min_power_limit) continue;
+      double watts = energy_optimal_power(*d, node.power_exponent);
+      if (r.deadline_seconds > 0) {  // the lowest limit (1 W steps) that still meets the deadline
+        double const queue = d->queued_seconds / std::max(d->speed, 1e-9);
+        auto const finish = [&](double w) { return queue + r.work_seconds / std::max(speed_at_power(*d, w, node.power_exponent), 1e-9); };
+        while (watts < d->max_watts && finish(watts) > r.deadline_seconds) watts = std::min(d->max_watts, watts + 1.0);
+      }
+      placement.power_limits[i] = watts;
+    }
   }
 };
+
+int link_load(DeviceState const& a, DeviceState const& b) {
+  auto const j = static_cast<std::size_t>(b.id);
+  return j < a.link_heavy.size() ? a.link_heavy[j] : 0;
+}
 
 struct Interference final : ScorePlugin {
   std::string_view name() const override { return "interference"; }
   double score(Request const& r, DeviceState const& d, NodeState const&) const override {
     return r.bandwidth_heavy ? -static_cast<double>(d.bandwidth_heavy) : 0.0;
+  }
+  bool rates_pairs() const override { return true; }
+  double pair_score(Request const& r, DeviceState const& a, DeviceState const& b, NodeState const&) const override {
+    return r.bandwidth_heavy ? 1.0 / (1.0 + link_load(a, b)) : 1.0;
   }
 };
 
@@ -121,6 +147,19 @@ std::unique_ptr<ScorePlugin> locality() { return std::make_unique<Locality>(); }
 std::unique_ptr<ScorePlugin> heterogeneity() { return std::make_unique<Heterogeneity>(); }
 std::unique_ptr<ScorePlugin> energy() { return std::make_unique<Energy>(); }
 std::unique_ptr<ScorePlugin> interference() { return std::make_unique<Interference>(); }
+
+double speed_at_power(DeviceState const& d, double watts, double exponent) {
+  if (d.min_power_limit <= 0 || d.max_watts <= d.idle_watts || watts >= d.max_watts) return d.speed;
+  double const fraction = std::clamp((watts - d.idle_watts) / (d.max_watts - d.idle_watts), 0.0, 1.0);
+  return d.speed * std::pow(fraction, exponent);
+}
+
+double energy_optimal_power(DeviceState const& d, double exponent) {
+  if (d.min_power_limit <= 0 || d.max_watts <= 0) return d.max_watts;
+  // Energy per unit of work is P / speed(P) ~ P / (P - idle)^exponent: least at idle / (1 - exponent).
+  double const optimum = exponent < 1 ? d.idle_watts / (1.0 - exponent) : d.max_watts;
+  return std::clamp(optimum, d.min_power_limit, d.max_watts);
+}
 
 void validate(Request const& r, NodeState const& node) {
   if (!(r.devices > 0) || !std::isfinite(r.devices))
@@ -213,10 +252,7 @@ std::optional<Placement> Scheduler::place(Request const& request, NodeState cons
   double pair_weight = 0;
   for (auto const& s : scores_) {
     if (s.weight == 0) continue;
-    if (s.plugin->rates_pairs()) {
-      pair_weight += s.weight;
-      continue;
-    }
+    if (s.plugin->rates_pairs()) pair_weight += s.weight;
     double lo = INFINITY;
     double hi = -INFINITY;
     for (std::size_t c = 0; c < candidates.size(); ++c) {
@@ -234,47 +270,67 @@ std::optional<Placement> Scheduler::place(Request const& request, NodeState cons
     auto const top = static_cast<std::size_t>(std::max_element(combined.begin(), combined.end()) - combined.begin());
     best.devices = {node.devices[candidates[top]].id};
     best.score = combined[top];
-    return best;
+  } else {
+    best = best_set(request, node, candidates, combined, k, pair_weight);
   }
+  for (auto const& s : scores_) {
+    if (s.weight > 0) s.plugin->refine(request, node, best);
+  }
+  return best;
+}
 
-  // Several devices: grow a set greedily from every seed; a set scores the mean of its devices'
-  // scores plus, for pair plugins, 100 x weight x its summed pair scores over the most a set of
-  // k devices could have.
-  auto const pair_total = [&](std::size_t a, std::size_t b) {
-    double total = 0;
+// Several devices: grow a set greedily from every seed; a set scores the mean of its devices'
+// scores plus, for pair plugins, 100 x weight x its summed pair scores over the most a set of k
+// devices could have. Pair scores are computed once per candidate pair, and each candidate's sum
+// of pair scores with the growing set is kept up to date, so a seed costs O(k n).
+Placement Scheduler::best_set(Request const& request, NodeState const& node, std::vector<std::size_t> const& candidates,
+                              std::vector<double> const& combined, int k, double pair_weight) const {
+  std::size_t const n = candidates.size();
+  std::vector<double> pairs(pair_weight > 0 ? n * n : 0, 0.0);
+  if (pair_weight > 0) {
     for (auto const& s : scores_) {
-      if (s.weight > 0 && s.plugin->rates_pairs())
-        total += s.weight * s.plugin->pair_score(request, node.devices[candidates[a]], node.devices[candidates[b]], node);
+      if (s.weight <= 0 || !s.plugin->rates_pairs()) continue;
+      for (std::size_t a = 0; a < n; ++a) {
+        for (std::size_t b = a + 1; b < n; ++b) {
+          double const v = s.weight * s.plugin->pair_score(request, node.devices[candidates[a]], node.devices[candidates[b]], node);
+          pairs[a * n + b] += v;
+          pairs[b * n + a] += v;
+        }
+      }
     }
-    return total;
-  };
+  }
   double const max_pairs = k * (k - 1) / 2.0;
+  Placement best;
+  best.share = share_of(request);
   best.score = -INFINITY;
-  for (std::size_t seed = 0; seed < candidates.size(); ++seed) {
-    std::vector<std::size_t> set = {seed};
-    std::vector<bool> used(candidates.size(), false);
-    used[seed] = true;
+  std::vector<double> with_set(n);
+  std::vector<char> used(n);
+  std::vector<std::size_t> set;
+  for (std::size_t seed = 0; seed < n; ++seed) {
+    std::fill(used.begin(), used.end(), 0);
+    std::fill(with_set.begin(), with_set.end(), 0.0);
+    set.assign(1, seed);
+    used[seed] = 1;
     double device_sum = combined[seed];
     double pair_sum = 0;
+    std::size_t last = seed;
     while (static_cast<int>(set.size()) < k) {
-      std::size_t pick = candidates.size();
+      std::size_t pick = n;
       double pick_gain = -INFINITY;
-      double pick_pairs = 0;
-      for (std::size_t c = 0; c < candidates.size(); ++c) {
+      for (std::size_t c = 0; c < n; ++c) {
         if (used[c]) continue;
-        double pairs = 0;
-        for (std::size_t m : set) pairs += pair_total(c, m);
-        double const gain = combined[c] / k + 100.0 * pairs / max_pairs;
+        if (pair_weight > 0) with_set[c] += pairs[c * n + last];
+        double const gain = combined[c] / k + 100.0 * with_set[c] / max_pairs;
         if (gain > pick_gain) {
           pick_gain = gain;
           pick = c;
-          pick_pairs = pairs;
         }
       }
       set.push_back(pick);
-      used[pick] = true;
+      used[pick] = 1;
       device_sum += combined[pick];
-      pair_sum += pick_pairs;
+      pair_sum += with_set[pick];
+      last = pick;
     }
     double const score = device_sum / k + (pair_weight > 0 ? 100.0 * pair_sum / max_pairs : 0.0);
     if (score > best.score) {
@@ -312,8 +368,24 @@ DeviceState* find(NodeState& state, int id) {
 }
 }  // namespace
 
+namespace {
+// A bandwidth-heavy request on several devices loads every link between them.
+void add_link_load(NodeState& node, Request const& request, Placement const& placement, int delta) {
+  if (!request.bandwidth_heavy || placement.devices.size() < 2) return;
+  for (int a : placement.devices) {
+    DeviceState* d = find(node, a);
+    if (d == nullptr) continue;
+    for (int b : placement.devices) {
+      if (b == a || b < 0) continue;
+      if (d->link_heavy.size() <= static_cast<std::size_t>(b)) d->link_heavy.resize(static_cast<std::size_t>(b) + 1, 0);
+      d->link_heavy[static_cast<std::size_t>(b)] = std::max(0, d->link_heavy[static_cast<std::size_t>(b)] + delta);
+    }
+  }
+}
+}  // namespace
+
 bool reserve(NodeState& node, Request const& request, Placement const& placement) {
-  double const share = share_of(request);
+  double const share = share_taken(request);
   for (int id : placement.devices) {  // reserve only if every device still has room
     DeviceState const* d = find(node, id);
     if (d == nullptr || d->free_bytes < request.memory_bytes || d->free_share + 1e-12 < share) return false;
@@ -326,11 +398,12 @@ bool reserve(NodeState& node, Request const& request, Placement const& placement
     d.bandwidth_heavy += request.bandwidth_heavy ? 1 : 0;
     if (!request.data.empty()) d.data.insert(request.data);
   }
+  add_link_load(node, request, placement, 1);
   return true;
 }
 
 void unreserve(NodeState& node, Request const& request, Placement const& placement) {
-  double const share = share_of(request);
+  double const share = share_taken(request);
   for (int id : placement.devices) {
     DeviceState* d = find(node, id);
     if (d == nullptr) continue;
@@ -339,6 +412,7 @@ void unreserve(NodeState& node, Request const& request, Placement const& placeme
     d->queued_seconds = std::max(0.0, d->queued_seconds - request.work_seconds);
     d->bandwidth_heavy = std::max(0, d->bandwidth_heavy - (request.bandwidth_heavy ? 1 : 0));
   }
+  add_link_load(node, request, placement, -1);
 }
 
 bool Node::bind(Request const& request, Placement const& placement) {

@@ -159,8 +159,9 @@ std::vector<NodeState> make_servers(std::vector<ServerSpec> const& specs) {
       d.type = spec.type;
       d.capacity_bytes = d.free_bytes = spec.memory_bytes;
       d.speed = spec.speed;
-      d.max_watts = 400;
-      d.idle_watts = 60;
+      d.max_watts = spec.max_watts;
+      d.idle_watts = spec.idle_watts;
+      d.min_power_limit = spec.min_power_limit;
       d.links.assign(static_cast<std::size_t>(spec.gpus), spec.link);
       d.links[static_cast<std::size_t>(g)] = 0;
       node.devices.push_back(d);
@@ -182,6 +183,8 @@ SimulationResult simulate(std::vector<Job> const& jobs, std::vector<NodeState> c
   double busy_gpu_seconds = 0;
   std::map<int, double> started_at;
   std::map<int, double> gpus_of;
+  std::map<int, double> watts_of;
+  double joules = 0;
   std::size_t next = 0;
   double now = order.empty() ? 0 : order.front().submit;
   double const start_time = now;
@@ -196,6 +199,7 @@ SimulationResult simulate(std::vector<Job> const& jobs, std::vector<NodeState> c
         queue.finish(it->first, now);
         finished[it->first] = now;
         busy_gpu_seconds += gpus_of[it->first] * (now - started_at[it->first]);
+        joules += watts_of[it->first] * (now - started_at[it->first]);
         it = finish_at.erase(it);
       } else {
         ++it;
@@ -210,9 +214,11 @@ SimulationResult simulate(std::vector<Job> const& jobs, std::vector<NodeState> c
       if (e.kind == JobEvent::start) {
         first_start.try_emplace(e.job, now);
         started_at[e.job] = now;
+        watts_of[e.job] = e.watts;
         finish_at[e.job] = *queue.expected_finish(e.job);
       } else if (e.kind == JobEvent::preempt) {
         busy_gpu_seconds += gpus_of[e.job] * (now - started_at[e.job]);
+        joules += watts_of[e.job] * (now - started_at[e.job]);
         finish_at.erase(e.job);
       }
     }
@@ -223,6 +229,7 @@ SimulationResult simulate(std::vector<Job> const& jobs, std::vector<NodeState> c
   r.jobs = static_cast<int>(jobs.size());
   r.unfinished = static_cast<int>(jobs.size() - finished.size());
   r.preemptions = queue.preemptions();
+  r.energy_kwh = joules / 3.6e6;
   std::vector<double> jct;
   std::map<std::string, std::pair<double, int>> progress;  // tenant -> (sum of duration / JCT, count)
   double delay = 0;
@@ -263,12 +270,13 @@ SimulationResult simulate(std::vector<Job> const& jobs, std::vector<NodeState> c
 std::string format_results(std::vector<SimulationResult> const& results) {
   std::string out;
   char line[256];
-  std::snprintf(line, sizeof line, "%-18s %6s %11s %11s %11s %7s %11s %7s %7s\n", "policy", "jobs", "mean JCT", "p95 JCT",
-                "makespan", "util", "mean wait", "Jain", "preempt");
+  std::snprintf(line, sizeof line, "%-18s %6s %11s %11s %11s %7s %11s %7s %7s %9s\n", "policy", "jobs", "mean JCT", "p95 JCT",
+                "makespan", "util", "mean wait", "Jain", "preempt", "energy");
   out += line;
   for (auto const& r : results) {
-    std::snprintf(line, sizeof line, "%-18s %6d %9.0f s %9.0f s %9.0f s %6.1f%% %9.0f s %7.3f %7d%s\n", r.policy.c_str(), r.jobs,
-                  r.mean_jct, r.p95_jct, r.makespan, 100.0 * r.utilization, r.mean_queueing_delay, r.jain_fairness, r.preemptions,
+    std::snprintf(line, sizeof line, "%-18s %6d %9.0f s %9.0f s %9.0f s %6.1f%% %9.0f s %7.3f %7d %5.0f kWh%s\n", r.policy.c_str(),
+                  r.jobs, r.mean_jct, r.p95_jct, r.makespan, 100.0 * r.utilization, r.mean_queueing_delay, r.jain_fairness, r.preemptions,
+                  r.energy_kwh,
                   r.unfinished ? (" (" + std::to_string(r.unfinished) + " unfinished)").c_str() : "");
     out += line;
   }
@@ -277,10 +285,10 @@ std::string format_results(std::vector<SimulationResult> const& results) {
 
 std::string results_csv(std::vector<SimulationResult> const& results) {
   std::ostringstream out;
-  out << "policy,jobs,unfinished,mean_jct_s,p95_jct_s,makespan_s,utilization,mean_queueing_delay_s,jain_fairness,preemptions\n";
+  out << "policy,jobs,unfinished,mean_jct_s,p95_jct_s,makespan_s,utilization,mean_queueing_delay_s,jain_fairness,preemptions,energy_kwh\n";
   for (auto const& r : results)
     out << r.policy << ',' << r.jobs << ',' << r.unfinished << ',' << r.mean_jct << ',' << r.p95_jct << ',' << r.makespan << ','
-        << r.utilization << ',' << r.mean_queueing_delay << ',' << r.jain_fairness << ',' << r.preemptions << '\n';
+        << r.utilization << ',' << r.mean_queueing_delay << ',' << r.jain_fairness << ',' << r.preemptions << ',' << r.energy_kwh << '\n';
   return out.str();
 }
 

@@ -1,6 +1,7 @@
 // The core on CUDA devices: streams, events, memory, copies and kernels, including several logical
 // devices sharing one GPU. Runs only where a GPU is visible (see support/cuda_main.cpp).
 #include <mgpu/core/device_group.hpp>
+#include <mgpu/sched/live.hpp>
 
 #include <numeric>
 
@@ -107,4 +108,16 @@ TEST_CASE("CUDA events time work and run() binds each rank to its GPU", "[cuda]"
   copy_async(out, parts[3], group.stream(3));
   group.stream(3).synchronize();
   CHECK(out.host_span<float>()[12345] == 3.0f);
+}
+
+TEST_CASE("Scheduler node state from logical devices sharing one GPU", "[cuda][sched]") {
+  mgpu::DeviceGroup group("cuda:0,0");
+  auto const bw = mgpu::sched::measure_peer_bandwidth(group, std::size_t{64} << 20, 3);
+  CHECK(bw[0][1] > 50.0);  // GB/s within one GPU's memory
+  auto const node = mgpu::sched::node_state(group);
+  auto const total = static_cast<double>(mgpu::properties({DeviceKind::cuda, 0}).memory_bytes);
+  CHECK(node.devices[0].capacity_bytes == Approx(total / 2));
+  CHECK(node.devices[0].links[1] == 1.0);
+  CHECK(node.devices[0].type != "host");
+  CHECK_FALSE(node.devices[0].type.empty());
 }

@@ -170,3 +170,18 @@ TEST_CASE("The simulator compares policies on a synthetic trace", "[sched][sim]"
   CHECK_THAT(table, MGPU_TEST_CONTAINS("reserve+backfill"));
   CHECK_THAT(results_csv(results), MGPU_TEST_CONTAINS("policy,jobs,unfinished"));
 }
+
+TEST_CASE("The energy-aware policy trades completion time for energy", "[sched][sim]") {
+  auto const jobs = synthetic_trace({.jobs = 120, .mean_interarrival_seconds = 400, .seed = 4});
+  auto const servers = make_servers({{.gpus = 8}});
+  QueuePolicy fifo;
+  QueuePolicy energy_aware{.name = "energy-aware", .energy_aware = true};
+  auto const plain = simulate(jobs, servers, fifo);
+  auto const saving = simulate(jobs, servers, energy_aware);
+  CHECK(saving.unfinished == 0);
+  CHECK(saving.energy_kwh < 0.8 * plain.energy_kwh);
+  CHECK(saving.mean_jct > plain.mean_jct);
+  // Without settable limits the energy-aware policy runs at full power.
+  auto const fixed = simulate(jobs, make_servers({{.gpus = 8, .min_power_limit = 0}}), energy_aware);
+  CHECK(fixed.energy_kwh == Approx(plain.energy_kwh).epsilon(0.05));
+}

@@ -36,6 +36,7 @@ struct QueuePolicy {
   bool shortest_first = false;  ///< within a priority, the shortest predicted job first
   bool reservation = false;     ///< the blocked head job reserves GPUs; others backfill around it
   bool fragmentation_aware = false;  ///< fractional jobs go where they leave the least unusable share
+  bool energy_aware = false;  ///< the energy plugin places jobs and caps power (jobs run slower, on less energy)
   std::map<std::string, double> tenant_weights{};  ///< fair-share weights (default 1)
 };
 
@@ -49,6 +50,8 @@ struct JobEvent {
   int server;
   std::vector<int> devices{};
   double time;
+  /// For a start: the power the job's devices draw, in watts (their limits, else max_watts).
+  double watts = 0;
 };
 
 class JobQueue {

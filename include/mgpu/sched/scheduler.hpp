@@ -35,6 +35,8 @@ class ScorePlugin {
   [[nodiscard]] virtual double pair_score(Request const&, DeviceState const&, DeviceState const&, NodeState const&) const {
     return 0;
   }
+  /// Adds what the plugin decides along with the chosen placement (the energy plugin: power limits).
+  virtual void refine(Request const&, NodeState const&, Placement&) const {}
 };
 
 /// memory-fit: enough free memory (and, for a fractional request, enough free share).
@@ -51,9 +53,11 @@ std::unique_ptr<ScorePlugin> topology();
 std::unique_ptr<ScorePlugin> locality();
 /// heterogeneity: faster devices (DeviceState::speed).
 std::unique_ptr<ScorePlugin> heterogeneity();
-/// energy: performance per watt (speed / max_watts).
+/// energy: performance per watt; where a device's power limit can be set, at the energy-optimal
+/// limit, which it also writes into the placement (raised as far as the request's deadline needs).
 std::unique_ptr<ScorePlugin> energy();
-/// interference: keeps bandwidth-heavy requests off devices already running one.
+/// interference: keeps bandwidth-heavy requests off devices already running one, and sets of
+/// devices off links that bandwidth-heavy multi-device requests already use.
 std::unique_ptr<ScorePlugin> interference();
 
 /// A filter/score profile. Copy is disabled (plugins are owned); move it.
@@ -87,6 +91,8 @@ class Scheduler {
     std::unique_ptr<ScorePlugin> plugin;
     double weight;
   };
+  [[nodiscard]] Placement best_set(Request const& request, NodeState const& node, std::vector<std::size_t> const& candidates,
+                                   std::vector<double> const& combined, int k, double pair_weight) const;
   std::vector<std::unique_ptr<FilterPlugin>> filters_;
   std::vector<Weighted> scores_;
 };

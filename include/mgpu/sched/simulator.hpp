@@ -58,6 +58,9 @@ struct ServerSpec {
   double speed = 1.0;
   double memory_bytes = 80e9;
   double link = 1.0;  ///< link quality between its GPUs (1 = NVLink everywhere)
+  double max_watts = 400;
+  double idle_watts = 60;
+  double min_power_limit = 160;  ///< 0: the GPUs' power limit cannot be set
 };
 std::vector<NodeState> make_servers(std::vector<ServerSpec> const& specs);
 
@@ -72,6 +75,7 @@ struct SimulationResult {
   double mean_queueing_delay = 0;
   double jain_fairness = 1;  ///< over tenants' mean normalized progress (duration / JCT)
   int preemptions = 0;
+  double energy_kwh = 0;  ///< drawn by the GPUs while running jobs (at their power limits)
 };
 
 /// Replays `jobs` on `servers` under `policy` (with the default scheduling profile).

@@ -27,10 +27,16 @@ struct Request {
   std::string data{};
   double data_bytes = 0;
   bool preemptible = true;
+  /// Whether the request holds its devices (jobs: yes, taking their share) or queues work on them
+  /// beside others (tasks on a device's stream: no share is taken, queued work grows).
+  bool exclusive = true;
   /// Bandwidth-heavy requests are kept apart by the interference score.
   bool bandwidth_heavy = false;
   /// For the runtime predictor: requests of one type have similar durations.
   std::string task_type{};
+  /// Finish within this many seconds of being placed (0: no deadline). The energy plugin lowers a
+  /// device's power limit only as far as the deadline allows.
+  double deadline_seconds = 0;
 };
 
 /// One device as the scheduler sees it.
@@ -47,18 +53,25 @@ struct DeviceState {
   double speed = 1.0;
   double idle_watts = 0;
   double max_watts = 0;
+  /// The lowest power limit the device accepts, in watts; 0 when its limit cannot be set.
+  double min_power_limit = 0;
   /// Link quality to every other device, 0 (none) to 1 (the best link, e.g. NVLink), by id.
   std::vector<double> links{};
   /// Data sets this device already holds.
   std::set<std::string> data{};
   /// Bandwidth-heavy requests running on the device.
   int bandwidth_heavy = 0;
+  /// Bandwidth-heavy multi-device requests using the link to every other device, by id.
+  std::vector<int> link_heavy{};
 };
 
 /// The node: its devices, and how fast data reaches a device that does not hold it.
 struct NodeState {
   std::vector<DeviceState> devices{};
   double transfer_bytes_per_second = 16e9;
+  /// How speed follows a power limit P: speed(P) = speed * ((P - idle) / (max - idle))^exponent.
+  /// With dynamic power ~ f^3 and speed ~ f, exponent 1/3.
+  double power_exponent = 1.0 / 3.0;
 };
 
 /// Where a request goes.
@@ -67,6 +80,17 @@ struct Placement {
   /// The share of each device given (1 for whole devices).
   double share = 1.0;
   double score = 0;
+  /// A power limit in watts per device (same order as `devices`; 0: leave the device's limit),
+  /// set by the energy plugin for devices whose limit can be set.
+  std::vector<double> power_limits{};
 };
+
+/// A device's speed under power limit `watts` (the model of NodeState::power_exponent); its full
+/// speed without a settable limit or at max_watts.
+double speed_at_power(DeviceState const& device, double watts, double exponent);
+/// The power limit that minimizes energy per unit of work, P = idle / (1 - exponent) (static power
+/// makes running too slowly cost more), clamped to [min_power_limit, max_watts]; max_watts when
+/// the limit cannot be set.
+double energy_optimal_power(DeviceState const& device, double exponent);
 
 }  // namespace mgpu::sched
