@@ -1,6 +1,8 @@
 // The caching allocator and its buffers.
 #include <mgpu/core/memory.hpp>
 
+#include "core/host_staging.hpp"
+
 #include <bit>
 #include <cstdio>
 #include <cstdlib>
@@ -220,6 +222,11 @@ MemoryStats Allocator::stats() const {
 void Allocator::reset_peak() {
   std::lock_guard lock(mutex_);
   stats_.peak_allocated = stats_.allocated;
+}
+
+Allocator& detail::host_staging_allocator() {
+  static std::shared_ptr<Allocator> const pool = Allocator::create(Device{DeviceKind::host, 0});
+  return *pool;
 }
 
 }  // namespace mgpu

@@ -8,6 +8,7 @@
 #include <mgpu/core/detail/elementwise.hpp>
 
 #include "core/cuda_backend.hpp"
+#include "core/host_staging.hpp"
 
 namespace mgpu {
 namespace {
@@ -43,18 +44,16 @@ void release_after(Stream& stream, std::shared_ptr<void const> a, std::shared_pt
 }
 
 void staging_copy_to_device(Tensor const& dst, Tensor const& src, Stream& stream) {
-  static std::shared_ptr<Allocator> const staging_pool = Allocator::create(Device{DeviceKind::host, 0});
   std::size_t const bytes = src.nbytes();
-  auto staging = std::make_shared<Buffer>(staging_pool->allocate_pinned(bytes));
+  auto staging = std::make_shared<Buffer>(detail::host_staging_allocator().allocate_pinned(bytes));
   stream.enqueue([staging, from = src.data(), keep = src.keep_alive(), bytes] { std::memcpy(staging->data(), from, bytes); });
   detail::cuda::memcpy_async(stream.device().index, dst.data(), staging->data(), bytes, stream.native_handle());
   release_after(stream, staging, dst.keep_alive());
 }
 
 void staging_copy_to_host(Tensor const& dst, Tensor const& src, Stream& stream) {
-  static std::shared_ptr<Allocator> const staging_pool = Allocator::create(Device{DeviceKind::host, 0});
   std::size_t const bytes = src.nbytes();
-  auto staging = std::make_shared<Buffer>(staging_pool->allocate_pinned(bytes));
+  auto staging = std::make_shared<Buffer>(detail::host_staging_allocator().allocate_pinned(bytes));
   detail::cuda::memcpy_async(stream.device().index, staging->data(), src.data(), bytes, stream.native_handle());
   stream.enqueue([staging, to = dst.data(), keep_dst = dst.keep_alive(), keep_src = src.keep_alive(), bytes] {
     std::memcpy(to, staging->data(), bytes);

@@ -17,6 +17,8 @@
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/optim.hpp>
 
+#include "core/host_staging.hpp"
+
 namespace mgpu::io {
 namespace {
 
@@ -133,36 +135,29 @@ void Checkpoint::put(std::string const& name, Tensor const& tensor, Stream& stre
     std::memcpy(r.data.data(), tensor.data(), tensor.nbytes());
     return;
   }
-  static std::shared_ptr<Allocator> const host = Allocator::create(Device{DeviceKind::host, 0});
-  Tensor staging = Tensor::empty(tensor.shape(), tensor.dtype(), *host);
+  Tensor staging = Tensor::empty(tensor.shape(), tensor.dtype(), mgpu::detail::host_staging_allocator());
   copy_async(staging, tensor, stream);
   stream.synchronize();
   std::memcpy(r.data.data(), staging.data(), tensor.nbytes());
 }
 
-void Checkpoint::put(std::string const& name, std::vector<std::int64_t> const& values) {
+void Checkpoint::put_values(std::string const& name, RecordType type, void const* values, std::size_t count) {
   Record& r = slot(name);
-  r.type = RecordType::int64;
-  r.shape = {static_cast<std::int64_t>(values.size())};
-  r.data.resize(values.size() * 8);
-  std::memcpy(r.data.data(), values.data(), r.data.size());
+  r.type = type;
+  r.shape = {static_cast<std::int64_t>(count)};
+  r.data.resize(count * type_size(type));
+  if (!r.data.empty()) std::memcpy(r.data.data(), values, r.data.size());
+}
+
+void Checkpoint::put(std::string const& name, std::vector<std::int64_t> const& values) {
+  put_values(name, RecordType::int64, values.data(), values.size());
 }
 
 void Checkpoint::put(std::string const& name, std::vector<std::uint64_t> const& values) {
-  Record& r = slot(name);
-  r.type = RecordType::uint64;
-  r.shape = {static_cast<std::int64_t>(values.size())};
-  r.data.resize(values.size() * 8);
-  std::memcpy(r.data.data(), values.data(), r.data.size());
+  put_values(name, RecordType::uint64, values.data(), values.size());
 }
 
-void Checkpoint::put(std::string const& name, std::string const& text) {
-  Record& r = slot(name);
-  r.type = RecordType::bytes;
-  r.shape = {static_cast<std::int64_t>(text.size())};
-  r.data.resize(text.size());
-  std::memcpy(r.data.data(), text.data(), text.size());
-}
+void Checkpoint::put(std::string const& name, std::string const& text) { put_values(name, RecordType::bytes, text.data(), text.size()); }
 
 bool Checkpoint::contains(std::string const& name) const noexcept {
   return std::any_of(records_.begin(), records_.end(), [&](Record const& r) { return r.name == name; });
@@ -204,8 +199,7 @@ void Checkpoint::check_fits(std::string const& name, Tensor const& tensor) const
 void Checkpoint::copy_to(std::string const& name, Tensor const& tensor, Stream& stream) const {
   check_fits(name, tensor);
   Record const& r = get(name);
-  static std::shared_ptr<Allocator> const host = Allocator::create(Device{DeviceKind::host, 0});
-  Tensor staging = Tensor::empty(tensor.shape(), tensor.dtype(), *host);
+  Tensor staging = Tensor::empty(tensor.shape(), tensor.dtype(), mgpu::detail::host_staging_allocator());
   std::memcpy(staging.data(), r.data.data(), r.data.size());
   copy_async(tensor, staging, stream);
   stream.synchronize();

@@ -7,6 +7,8 @@
 #include <mgpu/ops/detail/math.hpp>
 #include <mgpu/ops/ops.hpp>
 
+#include "core/host_staging.hpp"
+
 namespace mgpu::nn {
 
 Linear::Linear(std::int64_t in, std::int64_t out, Init init) : in_(in), out_(out), init_(init) {
@@ -161,8 +163,7 @@ std::int64_t Sequential::parameter_count() const {
 void Sequential::materialize(Context& ctx, std::uint64_t seed, DType compute) {
   std::int64_t const total = parameter_count();
   // Initialise into float32 host memory, one RNG stream per layer (layers do not shift each other).
-  static std::shared_ptr<Allocator> const host = Allocator::create(Device{DeviceKind::host, 0});
-  Tensor init = Tensor::empty({total}, DType::float32, *host);
+  Tensor init = Tensor::empty({total}, DType::float32, mgpu::detail::host_staging_allocator());
   std::int64_t offset = 0;
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     std::int64_t const count = layers_[i]->parameter_count();

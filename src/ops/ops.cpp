@@ -15,6 +15,7 @@
 #include <mgpu/core/error.hpp>
 #include <mgpu/ops/detail/math.hpp>
 
+#include "core/host_staging.hpp"
 #include "ops/cuda_ops.hpp"
 
 namespace mgpu::ops {
@@ -486,8 +487,7 @@ float item(Tensor const& t, Stream& stream) {
     stream.synchronize();
     return *ptr<float>(t);
   }
-  static std::shared_ptr<Allocator> const host = Allocator::create(Device{DeviceKind::host, 0});
-  Tensor h = Tensor::empty(t.shape(), DType::float32, *host);
+  Tensor h = Tensor::empty(t.shape(), DType::float32, mgpu::detail::host_staging_allocator());
   copy_async(h, t, stream);
   stream.synchronize();
   return *ptr<float>(h);

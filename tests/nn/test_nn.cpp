@@ -209,17 +209,7 @@ TEST_CASE("Schedules, the linear scaling rule and clipping", "[optim]") {
 TEST_CASE("An MLP trained with SGD separates Gaussian clusters", "[nn][train]") {
   Env env;
   std::int64_t const n = 600;
-  std::mt19937 rng(4);
-  std::normal_distribution<float> noise(0, 0.6f);
-  Tensor x = Tensor::empty({n, 2}, DType::float32, *env.allocator);
-  Tensor y = Tensor::empty({n}, DType::float32, *env.allocator);
-  float const centers[3][2] = {{0, 2}, {2, -1}, {-2, -1}};
-  for (std::int64_t i = 0; i < n; ++i) {
-    int const c = static_cast<int>(i % 3);
-    x.host_span<float>()[static_cast<std::size_t>(2 * i)] = centers[c][0] + noise(rng);
-    x.host_span<float>()[static_cast<std::size_t>(2 * i + 1)] = centers[c][1] + noise(rng);
-    y.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(c);
-  }
+  auto const [x, y] = env.clusters(n, 4);
   auto model = mgpu::nn::Sequential::mlp({2, 32, 3});
   model.materialize(env.ctx, 1);
   mgpu::optim::SGD sgd({.lr = 0.1f, .momentum = 0.9f});

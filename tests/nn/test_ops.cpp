@@ -65,22 +65,6 @@ std::vector<double> widened(Env& env, Tensor const& t) {
   return as_double(f);
 }
 
-// Three Gaussian clusters in 2-D, labels 0..2.
-std::pair<Tensor, Tensor> clusters(Env& env, std::int64_t n, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> noise(0, 0.6f);
-  Tensor x = Tensor::empty({n, 2}, DType::float32, *env.allocator);
-  Tensor y = Tensor::empty({n}, DType::float32, *env.allocator);
-  float const centers[3][2] = {{0, 2}, {2, -1}, {-2, -1}};
-  for (std::int64_t i = 0; i < n; ++i) {
-    int const c = static_cast<int>(i % 3);
-    x.host_span<float>()[static_cast<std::size_t>(2 * i)] = centers[c][0] + noise(rng);
-    x.host_span<float>()[static_cast<std::size_t>(2 * i + 1)] = centers[c][1] + noise(rng);
-    y.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(c);
-  }
-  return {x, y};
-}
-
 }  // namespace
 
 TEST_CASE("LayerNorm forward and gradients match float64 finite differences", "[ops][nn]") {
@@ -123,7 +107,7 @@ TEST_CASE("LayerNorm forward and gradients match float64 finite differences", "[
 
 TEST_CASE("A LayerNorm layer inside an MLP trains (its gradients flow through Sequential)", "[nn]") {
   Env env;
-  auto [x, y] = clusters(env, 300, 7);
+  auto [x, y] = env.clusters(300, 7);
   mgpu::nn::Sequential model;
   model.add(std::make_unique<mgpu::nn::Linear>(2, 16));
   model.add(std::make_unique<mgpu::nn::LayerNorm>(16));
@@ -264,7 +248,7 @@ TEST_CASE("Mixed precision: bfloat16 and float16 compute with float32 masters tr
   for (DType compute : {DType::float32, DType::bfloat16, DType::float16}) {
     INFO(mgpu::to_string(compute));
     Env env;
-    auto [x, y] = clusters(env, 600, 4);
+    auto [x, y] = env.clusters(600, 4);
     auto model = mgpu::nn::Sequential::mlp({2, 32, 3});
     model.materialize(env.ctx, 1, compute);
     CHECK(model.parameters().dtype() == compute);

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <random>
+#include <utility>
 #include <vector>
 
 namespace mgpu::test {
@@ -29,6 +30,21 @@ struct Env {
     return t;
   }
   Tensor scalar() { return Tensor::empty({1}, mgpu::DType::float32, *allocator); }
+  // Three Gaussian clusters in 2-D (noise 0.6), labels 0..2 as float class ids.
+  std::pair<Tensor, Tensor> clusters(std::int64_t n, unsigned seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> noise(0, 0.6f);
+    Tensor x = Tensor::empty({n, 2}, mgpu::DType::float32, *allocator);
+    Tensor y = Tensor::empty({n}, mgpu::DType::float32, *allocator);
+    float const centers[3][2] = {{0, 2}, {2, -1}, {-2, -1}};
+    for (std::int64_t i = 0; i < n; ++i) {
+      int const c = static_cast<int>(i % 3);
+      x.host_span<float>()[static_cast<std::size_t>(2 * i)] = centers[c][0] + noise(rng);
+      x.host_span<float>()[static_cast<std::size_t>(2 * i + 1)] = centers[c][1] + noise(rng);
+      y.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(c);
+    }
+    return {x, y};
+  }
 };
 
 inline std::vector<double> as_double(Tensor const& t) {

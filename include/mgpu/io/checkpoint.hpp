@@ -71,8 +71,9 @@ class Checkpoint {
 
  private:
   Record& slot(std::string const& name);
+  // A one-dimensional record of `count` elements of `type` copied from `values`.
+  void put_values(std::string const& name, RecordType type, void const* values, std::size_t count);
   std::vector<Record> records_;
-  std::vector<std::shared_ptr<void const>> keep_;  // host copies' storage during put()
 };
 
 /// Where a training run stands besides the model and optimizer.
