@@ -96,6 +96,12 @@ void gemm(int ordinal, DType dtype, bool transpose_a, bool transpose_b, std::int
   template void each(int, std::int64_t, detail::ActivationOp<T, detail::Gelu> const&, void*);                   \
   template void each(int, std::int64_t, detail::ActivationGradOp<T, detail::Relu> const&, void*);               \
   template void each(int, std::int64_t, detail::ActivationGradOp<T, detail::Gelu> const&, void*);               \
+  template void each(int, std::int64_t, detail::BiasActivationOp<T, detail::Identity> const&, void*);           \
+  template void each(int, std::int64_t, detail::BiasActivationOp<T, detail::Relu> const&, void*);               \
+  template void each(int, std::int64_t, detail::BiasActivationOp<T, detail::Gelu> const&, void*);               \
+  template void each(int, std::int64_t, detail::ActivationBiasGradCol<T, detail::Identity> const&, void*);      \
+  template void each(int, std::int64_t, detail::ActivationBiasGradCol<T, detail::Relu> const&, void*);          \
+  template void each(int, std::int64_t, detail::ActivationBiasGradCol<T, detail::Gelu> const&, void*);          \
   template void each(int, std::int64_t, detail::BiasAddOp<T> const&, void*);                                    \
   template void each(int, std::int64_t, detail::BiasGradOp<T> const&, void*);                                   \
   template void each(int, std::int64_t, detail::ScaleOp<T> const&, void*);                                      \

@@ -33,43 +33,56 @@ void Linear::initialize(std::mt19937_64& rng) {
   for (float& b : b_.host_span<float>()) b = 0.0f;
 }
 
-Tensor Linear::forward(Tensor const& x, Context& ctx) {
+Tensor Linear::forward(Tensor const& x, Context& ctx, ops::ActivationKind act) {
   if (x.rank() != 2 || x.dim(1) != in_)
     throw Error(Errc::invalid_argument, name() + ": input of shape " + to_string(x.shape()) + " (expected [batch, " + std::to_string(in_) + "])");
   if (x.dtype() != w_.dtype())
     throw Error(Errc::invalid_argument, name() + ": input is " + std::string(to_string(x.dtype())) + " (expected the model's compute type " +
                                             std::string(to_string(w_.dtype())) + ")");
   x_ = x;
+  act_ = act;
   Tensor y = Tensor::empty({x.dim(0), out_}, x.dtype(), ctx.allocator);
-  ops::gemm(x, false, w_, false, y, 1.0f, 0.0f, ctx.stream);
-  ops::add_bias(y, b_, ctx.stream);
+  Tensor pre = act == ops::ActivationKind::gelu ? Tensor::empty(y.shape(), y.dtype(), ctx.allocator) : Tensor{};
+  ops::linear(x, w_, b_, y, act, pre, ctx.stream);
+  z_ = act == ops::ActivationKind::gelu ? pre : y;
   return y;
 }
 
 Tensor Linear::backward(Tensor const& dy, Context& ctx) {
-  ops::gemm(x_, true, dy, false, dw_, 1.0f, 0.0f, ctx.stream);  // dW = x^T dy
-  ops::bias_grad(dy, db_, ctx.stream);
+  Tensor dz = dy;  // the gradient of x W + b
+  if (act_ == ops::ActivationKind::identity) {
+    ops::bias_grad(dy, db_, ctx.stream);
+  } else {
+    dz = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator);
+    ops::activation_bias_grad(act_, z_, dy, dz, db_, ctx.stream);
+  }
+  ops::gemm(x_, true, dz, false, dw_, 1.0f, 0.0f, ctx.stream);  // dW = x^T dz
   if (!input_grad_) return {};
   Tensor dx = Tensor::empty(x_.shape(), x_.dtype(), ctx.allocator);
-  ops::gemm(dy, false, w_, true, dx, 1.0f, 0.0f, ctx.stream);  // dx = dy W^T
+  ops::gemm(dz, false, w_, true, dx, 1.0f, 0.0f, ctx.stream);  // dx = dz W^T
   return dx;
 }
 
 Tensor Activation::forward(Tensor const& x, Context& ctx) {
   x_ = x;
   Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator);
-  forward_(x, y, ctx.stream);
+  if (kind_ == ops::ActivationKind::relu) {
+    ops::relu(x, y, ctx.stream);
+  } else {
+    ops::gelu(x, y, ctx.stream);
+  }
   return y;
 }
 
 Tensor Activation::backward(Tensor const& dy, Context& ctx) {
   Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator);
-  backward_(x_, dy, dx, ctx.stream);
+  if (kind_ == ops::ActivationKind::relu) {
+    ops::relu_backward(x_, dy, dx, ctx.stream);
+  } else {
+    ops::gelu_backward(x_, dy, dx, ctx.stream);
+  }
   return dx;
 }
-
-ReLU::ReLU() : Activation(&ops::relu, &ops::relu_backward) {}
-GELU::GELU() : Activation(&ops::gelu, &ops::gelu_backward) {}
 
 LayerNorm::LayerNorm(std::int64_t features, float eps) : features_(features), eps_(eps) {
   if (features < 1 || !(eps > 0))
@@ -226,15 +239,34 @@ Tensor Sequential::forward(Tensor const& x, Context& ctx) {
   if (!params_.defined() && parameter_count() > 0)
     throw Error(Errc::invalid_argument, "forward before materialize (expected model.materialize(ctx, seed) first)");
   Tensor h = x;
-  for (auto& l : layers_) h = l->forward(h, ctx);
+  for (std::size_t i = 0; i < layers_.size(); ++i) {
+    if (Activation const* act = fused_activation(i)) {
+      h = static_cast<Linear&>(*layers_[i]).forward(h, ctx, act->kind());
+      ++i;  // the activation ran inside the Linear
+    } else {
+      h = layers_[i]->forward(h, ctx);
+    }
+  }
   return h;
 }
 
-Tensor Sequential::backward(Tensor const& dy, Context& ctx, bool input_grad) {
+Tensor Sequential::backward(Tensor const& dy, Context& ctx, bool input_grad, GradientsReady const& ready) {
   if (!layers_.empty()) layers_.front()->set_input_grad(input_grad);
   Tensor g = dy;
-  for (auto it = layers_.rbegin(); it != layers_.rend(); ++it) g = (*it)->backward(g, ctx);
+  std::int64_t end = parameter_count();
+  for (std::size_t i = layers_.size(); i-- > 0;) {
+    if (i > 0 && fused_activation(i - 1) != nullptr) --i;  // the Linear's backward covers the activation
+    g = layers_[i]->backward(g, ctx);
+    std::int64_t const count = layers_[i]->parameter_count();
+    if (count > 0 && ready) ready(end - count, end);
+    end -= count;
+  }
   return g;
+}
+
+Activation const* Sequential::fused_activation(std::size_t i) const {
+  if (i + 1 >= layers_.size() || dynamic_cast<Linear const*>(layers_[i].get()) == nullptr) return nullptr;
+  return dynamic_cast<Activation const*>(layers_[i + 1].get());
 }
 
 Sequential Sequential::clone() const {

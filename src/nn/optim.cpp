@@ -10,6 +10,31 @@
 #include <mgpu/ops/ops.hpp>
 
 namespace mgpu::optim {
+void Optimizer::step(Tensor const& params, Tensor const& grads, Allocator& allocator, Stream& stream, float lr_scale) {
+  begin_step(params, allocator, stream);
+  update(params, grads, 0, params.numel(), stream, lr_scale);
+}
+
+void Optimizer::begin_step(Tensor const& params, Allocator& allocator, Stream& stream) {
+  prepare_state(params, allocator, stream);
+  ++steps_;
+}
+
+void Optimizer::update(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
+                       float lr_scale) {
+  auto const buffers = state();
+  if (steps_ == 0 || buffers.empty() || buffers.front().second.numel() != params.numel())
+    throw Error(Errc::invalid_argument, name() + " update of " + std::to_string(params.numel()) +
+                                            " parameters without a step begun for them (expected begin_step(params, ...) first)");
+  if (grads.numel() != params.numel() || params.rank() != 1 || grads.rank() != 1)
+    throw Error(Errc::invalid_argument, name() + ": params " + to_string(params.shape()) + " and grads " + to_string(grads.shape()) +
+                                            " (expected two flat buffers of one size)");
+  if (begin < 0 || begin > end || end > params.numel())
+    throw Error(Errc::invalid_argument, name() + " update of [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                            ") (expected a range within [0, " + std::to_string(params.numel()) + "))");
+  update_slices(params, grads, begin, end, stream, lr_scale);
+}
+
 std::vector<NamedTensor> SGD::prepare_state(Tensor const& params, Allocator& allocator, Stream& stream) {
   if (!velocity_.defined()) velocity_ = ops::zeros(params.shape(), allocator, stream);
   return state();
@@ -20,10 +45,10 @@ std::vector<NamedTensor> SGD::state() const {
   return {{"velocity", velocity_}};
 }
 
-void SGD::step(Tensor const& params, Tensor const& grads, Allocator& allocator, Stream& stream, float lr_scale) {
-  prepare_state(params, allocator, stream);
-  ++steps_;
-  ops::sgd_update(params, grads, velocity_, options_.lr * lr_scale, options_.momentum, options_.weight_decay, options_.nesterov, stream);
+void SGD::update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
+                        float lr_scale) {
+  ops::sgd_update(params.slice(begin, end), grads.slice(begin, end), velocity_.slice(begin, end), options_.lr * lr_scale,
+                  options_.momentum, options_.weight_decay, options_.nesterov, stream);
 }
 
 std::vector<NamedTensor> AdamW::prepare_state(Tensor const& params, Allocator& allocator, Stream& stream) {
@@ -39,11 +64,10 @@ std::vector<NamedTensor> AdamW::state() const {
   return {{"m", m_}, {"v", v_}};
 }
 
-void AdamW::step(Tensor const& params, Tensor const& grads, Allocator& allocator, Stream& stream, float lr_scale) {
-  prepare_state(params, allocator, stream);
-  ++steps_;
-  ops::adamw_update(params, grads, m_, v_, options_.lr * lr_scale, options_.beta1, options_.beta2, options_.eps,
-                    options_.weight_decay, steps_, stream);
+void AdamW::update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
+                          float lr_scale) {
+  ops::adamw_update(params.slice(begin, end), grads.slice(begin, end), m_.slice(begin, end), v_.slice(begin, end),
+                    options_.lr * lr_scale, options_.beta1, options_.beta2, options_.eps, options_.weight_decay, steps(), stream);
 }
 
 LossScaler::LossScaler(float initial, float growth, float backoff, std::int64_t growth_interval)

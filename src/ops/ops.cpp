@@ -205,7 +205,57 @@ void host_gemm(Tensor const& a, bool ta, Tensor const& b, bool tb, Tensor const&
   });
 }
 
+// Enqueues C = alpha op(A) op(B) + beta C on the stream (arguments checked by the caller).
+void enqueue_gemm(Tensor const& a, bool transpose_a, Tensor const& b, bool transpose_b, Tensor const& c, float alpha, float beta,
+                  Stream& stream) {
+  if (stream.device().kind == DeviceKind::host) {
+    stream.enqueue([=] { host_gemm(a, transpose_a, b, transpose_b, c, alpha, beta); });
+    return;
+  }
+#if MGPU_CUDA_ENABLED
+  std::int64_t const k = transpose_a ? a.dim(0) : a.dim(1);
+  cuda::gemm(stream.device().index, a.dtype(), transpose_a, transpose_b, c.dim(0), c.dim(1), k, alpha, a.data(), b.data(), beta,
+             c.data(), stream.native_handle());
+  stream.enqueue([keep = std::vector<Tensor>{a, b, c}] {});
+#endif
+}
+
+// activation_bias_grad over float32 rows: contiguous, vectorized along the row, and db stays in
+// the L1 cache.
+template <class F>
+void activation_bias_grad_rows(float const* __restrict z, float const* __restrict dy, float* __restrict dz, float* __restrict db,
+                               std::int64_t rows, std::int64_t cols) {
+  std::fill_n(db, cols, 0.0f);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t j = 0; j < cols; ++j) {
+      float const d = F::backward(z[r * cols + j], dy[r * cols + j]);
+      dz[r * cols + j] = d;
+      db[j] += d;
+    }
+  }
+}
+
+// Calls fn(F{}) with F the functor type of an activation.
+template <class Fn>
+void visit_activation(ActivationKind act, Fn&& fn) {
+  switch (act) {
+    case ActivationKind::identity: fn(detail::Identity{}); return;
+    case ActivationKind::relu: fn(detail::Relu{}); return;
+    case ActivationKind::gelu: fn(detail::Gelu{}); return;
+  }
+  throw Error(Errc::invalid_argument, "activation " + std::to_string(static_cast<int>(act)) + " (expected identity, relu or gelu)");
+}
+
 }  // namespace
+
+char const* activation_name(ActivationKind kind) noexcept {
+  switch (kind) {
+    case ActivationKind::identity: return "identity";
+    case ActivationKind::relu: return "relu";
+    case ActivationKind::gelu: return "gelu";
+  }
+  return "unknown";
+}
 
 void gemm(Tensor const& a, bool transpose_a, Tensor const& b, bool transpose_b, Tensor const& c, float alpha, float beta,
           Stream& stream) {
@@ -223,15 +273,72 @@ void gemm(Tensor const& a, bool transpose_a, Tensor const& b, bool transpose_b, 
     throw Error(Errc::invalid_argument, "gemm: op(A) is [" + std::to_string(m) + ", " + std::to_string(k) + "], op(B) is [" +
                                             std::to_string(k2) + ", " + std::to_string(n) + "], C is " + to_string(c.shape()) +
                                             " (expected [m, k] x [k, n] -> [m, n])");
-  if (stream.device().kind == DeviceKind::host) {
-    stream.enqueue([=] { host_gemm(a, transpose_a, b, transpose_b, c, alpha, beta); });
+  enqueue_gemm(a, transpose_a, b, transpose_b, c, alpha, beta, stream);
+}
+
+void linear(Tensor const& x, Tensor const& w, Tensor const& bias, Tensor const& y, ActivationKind act, Tensor const& pre,
+            Stream& stream) {
+  for (auto const& [t, role] : {std::pair{&x, "x"}, std::pair{&w, "w"}, std::pair{&bias, "bias"}, std::pair{&y, "y"}}) {
+    check(*t, "linear", role, stream);
+    check_dtype(*t, x.dtype(), "linear", role);
+  }
+  if (x.rank() != 2 || w.rank() != 2 || y.rank() != 2 || w.dim(0) != x.dim(1) || bias.numel() != w.dim(1) ||
+      y.dim(0) != x.dim(0) || y.dim(1) != w.dim(1))
+    throw Error(Errc::invalid_argument, "linear: x " + to_string(x.shape()) + ", w " + to_string(w.shape()) + ", bias " +
+                                            to_string(bias.shape()) + ", y " + to_string(y.shape()) +
+                                            " (expected x [N, in], w [in, out], bias [out], y [N, out])");
+  if (act == ActivationKind::gelu) {
+    check(pre, "linear", "pre", stream);
+    check_same(pre, y, "linear");
+  } else if (pre.defined()) {
+    throw Error(Errc::invalid_argument, std::string("linear: a pre-activation tensor with ") + activation_name(act) +
+                                            " (expected an undefined tensor: only gelu keeps one)");
+  }
+  Tensor const& z = act == ActivationKind::gelu ? pre : y;  // the GEMM's output
+  if (host_float32(x, stream)) {
+    stream.enqueue([x, w, bias, y, z, act] {
+      matrix(z).rowwise() = Eigen::Map<Eigen::RowVectorXf>(ptr<float>(bias), bias.numel());
+      host_gemm(x, false, w, false, z, 1.0f, 1.0f);  // accumulates onto the bias
+      if (act == ActivationKind::relu) matrix(y) = matrix(y).cwiseMax(0.0f);
+      if (act == ActivationKind::gelu) mgpu::detail::for_each_index(y.numel(), detail::ActivationOp<float, detail::Gelu>{ptr<float>(z), ptr<float>(y)});
+    });
     return;
   }
-#if MGPU_CUDA_ENABLED
-  cuda::gemm(stream.device().index, a.dtype(), transpose_a, transpose_b, m, n, k, alpha, a.data(), b.data(), beta, c.data(),
-             stream.native_handle());
-  stream.enqueue([keep = std::vector<Tensor>{a, b, c}] {});
-#endif
+  enqueue_gemm(x, false, w, false, z, 1.0f, 0.0f, stream);
+  visit(x.dtype(), [&]<class T>(T) {
+    visit_activation(act, [&]<class F>(F) {
+      run_each(stream, y.numel(), detail::BiasActivationOp<T, F>{ptr<T>(z), ptr<T>(bias), ptr<T>(y), cols(y)}, {z, bias, y});
+    });
+  });
+}
+
+void activation_bias_grad(ActivationKind act, Tensor const& z, Tensor const& dy, Tensor const& dz, Tensor const& db,
+                          Stream& stream) {
+  check(dy, "activation_bias_grad", "dy", stream);
+  check(dz, "activation_bias_grad", "dz", stream);
+  check(db, "activation_bias_grad", "db", stream);
+  check_same(dy, dz, "activation_bias_grad");
+  check_dtype(db, dy.dtype(), "activation_bias_grad", "db");
+  if (act != ActivationKind::identity) {
+    check(z, "activation_bias_grad", "z", stream);
+    check_same(z, dy, "activation_bias_grad");
+  }
+  if (dy.rank() != 2 || db.numel() != dy.dim(1))
+    throw Error(Errc::invalid_argument, "activation_bias_grad: dy " + to_string(dy.shape()) + " and db " + to_string(db.shape()) +
+                                            " (expected dy [N, out] and db [out])");
+  Tensor const& input = act == ActivationKind::identity ? dy : z;  // identity reads no z
+  visit(dy.dtype(), [&]<class T>(T) {
+    visit_activation(act, [&]<class F>(F) {
+      if (host_float32(dy, stream)) {
+        stream.enqueue([input, dy, dz, db] {
+          activation_bias_grad_rows<F>(ptr<float>(input), ptr<float>(dy), ptr<float>(dz), ptr<float>(db), rows(dy), cols(dy));
+        });
+        return;
+      }
+      run_each(stream, cols(dy), detail::ActivationBiasGradCol<T, F>{ptr<T>(input), ptr<T>(dy), ptr<T>(dz), ptr<T>(db), rows(dy), cols(dy)},
+               {input, dy, dz, db});
+    });
+  });
 }
 
 void add_bias(Tensor const& y, Tensor const& bias, Stream& stream) {

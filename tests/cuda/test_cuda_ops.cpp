@@ -113,6 +113,29 @@ TEST_CASE("CUDA ops match the host ops", "[cuda][ops]") {
       bwd(x.second, dy.second, dx.second, p.gpu.stream);
       p.require_close(dx, tol);
     }
+    // The fused linear ops: y = act(x W + b), then dz = act'(z) dy with db in the same pass.
+    auto w = p.random({40, 24}, 9, dtype);
+    auto lb = p.random({24}, 10, dtype);
+    auto ly = p.empty({32, 24}, dtype);
+    auto pre = p.empty({32, 24}, dtype);
+    auto ldy = p.random({32, 24}, 11, dtype);
+    auto lz = p.random({32, 24}, 12, dtype);
+    auto ldz = p.empty({32, 24}, dtype);
+    auto ldb = p.empty({24}, dtype);
+    for (auto act : {mgpu::ops::ActivationKind::identity, mgpu::ops::ActivationKind::relu, mgpu::ops::ActivationKind::gelu}) {
+      INFO(mgpu::ops::activation_name(act));
+      bool const gelu = act == mgpu::ops::ActivationKind::gelu;
+      mgpu::ops::linear(x.first, w.first, lb.first, ly.first, act, gelu ? pre.first : Tensor{}, p.host.stream);
+      mgpu::ops::linear(x.second, w.second, lb.second, ly.second, act, gelu ? pre.second : Tensor{}, p.gpu.stream);
+      p.require_close(ly, dtype == DType::float32 ? 1e-3 : 5e-2);
+      if (gelu) p.require_close(pre, dtype == DType::float32 ? 1e-3 : 5e-2);
+      // The backward from one z on both sides (GEMM rounding could flip a ReLU near zero).
+      mgpu::ops::activation_bias_grad(act, lz.first, ldy.first, ldz.first, ldb.first, p.host.stream);
+      mgpu::ops::activation_bias_grad(act, lz.second, ldy.second, ldz.second, ldb.second, p.gpu.stream);
+      p.require_close(ldz, tol);
+      p.require_close(ldb, dtype == DType::float32 ? 1e-3 : 1e-1);
+    }
+
     mgpu::ops::dropout(x.first, y.first, 0.25f, 99, p.host.stream);
     mgpu::ops::dropout(x.second, y.second, 0.25f, 99, p.gpu.stream);
     p.require_close(y, tol);

@@ -2,9 +2,11 @@
 // differences in float64, hand-computed optimizer steps, and training to a set accuracy.
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/optim.hpp>
+#include <mgpu/nn/train.hpp>
 #include <mgpu/ops/ops.hpp>
 
 #include <cmath>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -142,6 +144,52 @@ TEST_CASE("Layer gradients match float64 finite differences", "[nn]") {
   }
 }
 
+TEST_CASE("Sequential fuses each Linear with its activation: same outputs and gradients as layer by layer", "[nn]") {
+  for (std::string const activation : {"relu", "gelu"}) {
+    INFO(activation);
+    Env env;
+    auto fused = mgpu::nn::Sequential::mlp({5, 8, 8, 3}, activation);
+    auto layered = fused.clone();
+    fused.materialize(env.ctx, 3);
+    layered.materialize(env.ctx, 3);
+    Tensor x = env.random({9, 5}, 1);
+    Tensor dy = env.random({9, 3}, 2);
+    Tensor const y1 = fused.forward(x, env.ctx);
+    Tensor const dx1 = fused.backward(dy, env.ctx);
+    // The reference: each layer's own forward and backward (a Linear alone, then the activation).
+    Tensor h = x;
+    for (std::size_t i = 0; i < layered.size(); ++i) h = layered.layer(i).forward(h, env.ctx);
+    Tensor g = dy;
+    for (std::size_t i = layered.size(); i-- > 0;) g = layered.layer(i).backward(g, env.ctx);
+    env.stream.synchronize();
+    auto const check_close = [](Tensor const& a, Tensor const& b) {
+      auto const va = as_double(a);
+      auto const vb = as_double(b);
+      REQUIRE(va.size() == vb.size());
+      for (std::size_t i = 0; i < va.size(); ++i) REQUIRE(va[i] == Approx(vb[i]).margin(1e-6).epsilon(1e-5));
+    };
+    check_close(y1, h);
+    check_close(dx1, g);
+    check_close(fused.gradients(), layered.gradients());
+  }
+}
+
+TEST_CASE("Backward reports each layer's gradient range as it is written, last layer first", "[nn]") {
+  Env env;
+  mgpu::nn::Sequential model;
+  model.add(std::make_unique<mgpu::nn::Linear>(4, 6));
+  model.add(std::make_unique<mgpu::nn::ReLU>());
+  model.add(std::make_unique<mgpu::nn::LayerNorm>(6));
+  model.add(std::make_unique<mgpu::nn::Linear>(6, 3));
+  model.materialize(env.ctx, 1);
+  Tensor out = model.forward(env.random({2, 4}, 1), env.ctx);
+  std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
+  model.backward(env.random({2, 3}, 2), env.ctx, false, [&](std::int64_t begin, std::int64_t end) { ranges.emplace_back(begin, end); });
+  std::vector<std::pair<std::int64_t, std::int64_t>> const expected = {{42, 63}, {30, 42}, {0, 30}};
+  CHECK(ranges == expected);
+  CHECK(model.parameter_count() == 63);
+}
+
 TEST_CASE("Softmax cross-entropy is stable for huge logits and rejects bad labels", "[ops]") {
   Env env;
   Tensor logits = env.make({2, 3}, {1000, 0, -1000, 5e4f, 5e4f, 0});
@@ -186,6 +234,65 @@ TEST_CASE("Optimizer steps match hand-computed values", "[optim]") {
     env.stream.synchronize();
     CHECK(p.host_span<float>()[0] == Approx(1 - 0.1 * (1 + 0.5)));
     CHECK(p.host_span<float>()[1] == Approx(-2 - 0.1 * (-1 - 1.0)));
+  }
+}
+
+TEST_CASE("Optimizer updates by range equal one whole step", "[optim]") {
+  Env env;
+  std::vector<std::unique_ptr<mgpu::optim::Optimizer>> whole;
+  std::vector<std::unique_ptr<mgpu::optim::Optimizer>> ranged;
+  for (int copy = 0; copy < 2; ++copy) {
+    auto& list = copy == 0 ? whole : ranged;
+    list.push_back(std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 0.1f, .momentum = 0.9f, .weight_decay = 0.01f, .nesterov = true}));
+    list.push_back(std::make_unique<mgpu::optim::AdamW>(mgpu::optim::AdamWOptions{.lr = 0.01f}));
+  }
+  for (std::size_t o = 0; o < whole.size(); ++o) {
+    INFO(whole[o]->name());
+    Tensor p1 = env.random({10}, 1);
+    Tensor p2 = env.random({10}, 1);
+    for (unsigned step = 0; step < 3; ++step) {
+      Tensor g = env.random({10}, 10 + step);
+      whole[o]->step(p1, g, *env.allocator, env.stream);
+      ranged[o]->begin_step(p2, *env.allocator, env.stream);
+      ranged[o]->update(p2, g, 6, 10, env.stream);  // in backward's order: the last layer first
+      ranged[o]->update(p2, g, 0, 6, env.stream);
+    }
+    env.stream.synchronize();
+    CHECK(as_double(p1) == as_double(p2));
+    CHECK(ranged[o]->steps() == 3);
+    for (std::size_t s = 0; s < whole[o]->state().size(); ++s) CHECK(as_double(whole[o]->state()[s].second) == as_double(ranged[o]->state()[s].second));
+  }
+  mgpu::optim::SGD fresh;
+  Tensor p = env.random({10}, 1);
+  REQUIRE_MGPU_ERROR(fresh.update(p, p, 0, 10, env.stream), mgpu::Errc::invalid_argument, "expected begin_step(params, ...) first");
+  fresh.begin_step(p, *env.allocator, env.stream);
+  REQUIRE_MGPU_ERROR(fresh.update(p, p, 5, 11, env.stream), mgpu::Errc::invalid_argument, "expected a range within [0, 10)");
+}
+
+TEST_CASE("classification_step's update inside backward equals the update after it", "[optim][train]") {
+  for (std::string const optimizer : {"sgd", "adamw"}) {
+    INFO(optimizer);
+    Env env;
+    auto [x, y] = env.clusters(96, 2);
+    auto a = mgpu::nn::Sequential::mlp({2, 16, 16, 3});
+    auto b = a.clone();
+    a.materialize(env.ctx, 5);
+    b.materialize(env.ctx, 5);
+    auto make = [&]() -> std::unique_ptr<mgpu::optim::Optimizer> {
+      if (optimizer == "sgd") return std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 0.1f, .momentum = 0.9f});
+      return std::make_unique<mgpu::optim::AdamW>();
+    };
+    auto opt_a = make();
+    auto opt_b = make();
+    for (std::int64_t batch = 0; batch < 96; batch += 32) {
+      // a takes the in-backward path; a clipping norm no gradient reaches sends b through the
+      // separate step after backward.
+      mgpu::nn::classification_step(a, *opt_a, x.slice(batch, batch + 32), y.slice(batch, batch + 32), env.ctx);
+      mgpu::nn::classification_step(b, *opt_b, x.slice(batch, batch + 32), y.slice(batch, batch + 32), env.ctx, {.clip_norm = 1e30f});
+    }
+    env.stream.synchronize();
+    CHECK(as_double(a.parameters()) == as_double(b.parameters()));
+    CHECK(opt_a->steps() == opt_b->steps());
   }
 }
 

@@ -278,3 +278,80 @@ TEST_CASE("Mixed precision: bfloat16 and float16 compute with float32 masters tr
     CHECK(mgpu::nn::count_correct(model, x, y, env.ctx, 128) >= 570);
   }
 }
+
+TEST_CASE("Fused linear ops match float64 references of gemm, bias and activation", "[ops]") {
+  using mgpu::ops::ActivationKind;
+  auto const act_ref = [](ActivationKind act, double v) {
+    if (act == ActivationKind::relu) return std::max(v, 0.0);
+    if (act == ActivationKind::gelu) return 0.5 * v * (1 + std::tanh(std::sqrt(2 / 3.141592653589793) * (v + 0.044715 * v * v * v)));
+    return v;
+  };
+  // act'(z) by a central difference of the float64 activation (ReLU away from its kink).
+  auto const grad_ref = [&](ActivationKind act, double z) { return (act_ref(act, z + 1e-6) - act_ref(act, z - 1e-6)) / 2e-6; };
+  for (DType dtype : {DType::float32, DType::bfloat16, DType::float16}) {
+    double const tol = dtype == DType::float32 ? 1e-5 : 2e-2;
+    for (ActivationKind act : {ActivationKind::identity, ActivationKind::relu, ActivationKind::gelu}) {
+      INFO(mgpu::to_string(dtype) << ' ' << mgpu::ops::activation_name(act));
+      Env env;
+      std::int64_t const n = 7;
+      std::int64_t const in = 5;
+      std::int64_t const out = 6;
+      Tensor x = to_dtype(env, env.random({n, in}, 1), dtype);
+      Tensor w = to_dtype(env, env.random({in, out}, 2), dtype);
+      Tensor b = to_dtype(env, env.random({out}, 3), dtype);
+      Tensor y = Tensor::empty({n, out}, dtype, *env.allocator);
+      bool const gelu = act == ActivationKind::gelu;
+      Tensor pre = gelu ? Tensor::empty({n, out}, dtype, *env.allocator) : Tensor{};
+      mgpu::ops::linear(x, w, b, y, act, pre, env.stream);
+      auto const xs = widened(env, x);
+      auto const ws = widened(env, w);
+      auto const bs = widened(env, b);
+      auto const ys = widened(env, y);
+      auto const pres = gelu ? widened(env, pre) : std::vector<double>{};
+      for (std::int64_t i = 0; i < n; ++i) {
+        for (std::int64_t j = 0; j < out; ++j) {
+          double v = bs[static_cast<std::size_t>(j)];
+          for (std::int64_t k = 0; k < in; ++k) v += xs[static_cast<std::size_t>(i * in + k)] * ws[static_cast<std::size_t>(k * out + j)];
+          auto const e = static_cast<std::size_t>(i * out + j);
+          REQUIRE(ys[e] == Approx(act_ref(act, v)).margin(tol).epsilon(tol));
+          if (gelu) REQUIRE(pres[e] == Approx(v).margin(tol).epsilon(tol));
+        }
+      }
+      // Backward epilogue, from a z kept away from ReLU's kink.
+      Tensor z32 = env.random({n, out}, 4);
+      for (float& v : z32.host_span<float>()) v += v >= 0 ? 0.1f : -0.1f;
+      Tensor z = to_dtype(env, z32, dtype);
+      Tensor dy = to_dtype(env, env.random({n, out}, 5), dtype);
+      Tensor dz = Tensor::empty({n, out}, dtype, *env.allocator);
+      Tensor db = Tensor::empty({out}, dtype, *env.allocator);
+      mgpu::ops::activation_bias_grad(act, z, dy, dz, db, env.stream);
+      auto const zs = widened(env, z);
+      auto const dys = widened(env, dy);
+      auto const dzs = widened(env, dz);
+      auto const dbs = widened(env, db);
+      for (std::int64_t j = 0; j < out; ++j) {
+        double sum = 0;
+        for (std::int64_t i = 0; i < n; ++i) {
+          auto const e = static_cast<std::size_t>(i * out + j);
+          double const d = grad_ref(act, zs[e]) * dys[e];
+          REQUIRE(dzs[e] == Approx(d).margin(tol).epsilon(tol));
+          sum += d;
+        }
+        REQUIRE(dbs[static_cast<std::size_t>(j)] == Approx(sum).margin(5 * tol).epsilon(5 * tol));
+      }
+    }
+  }
+  Env env;
+  Tensor x = env.random({4, 3}, 1);
+  Tensor w = env.random({3, 2}, 2);
+  Tensor b = env.random({2}, 3);
+  Tensor y = env.random({4, 2}, 4);
+  REQUIRE_MGPU_ERROR(mgpu::ops::linear(x, w, b, y, ActivationKind::gelu, {}, env.stream), mgpu::Errc::invalid_argument,
+                     "linear: pre is undefined (expected a tensor)");
+  REQUIRE_MGPU_ERROR(mgpu::ops::linear(x, w, b, y, ActivationKind::relu, env.random({4, 2}, 5), env.stream), mgpu::Errc::invalid_argument,
+                     "only gelu keeps one");
+  REQUIRE_MGPU_ERROR(mgpu::ops::linear(x, env.random({2, 2}, 6), b, y, ActivationKind::relu, {}, env.stream), mgpu::Errc::invalid_argument,
+                     "expected x [N, in], w [in, out], bias [out], y [N, out]");
+  REQUIRE_MGPU_ERROR(mgpu::ops::activation_bias_grad(ActivationKind::relu, y, y, env.random({4, 2}, 7), env.random({3}, 8), env.stream),
+                     mgpu::Errc::invalid_argument, "expected dy [N, out] and db [out]");
+}

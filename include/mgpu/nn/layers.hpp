@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -13,6 +14,7 @@
 #include <mgpu/core/memory.hpp>
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
+#include <mgpu/ops/ops.hpp>
 
 namespace mgpu::nn {
 
@@ -52,6 +54,10 @@ class Layer {
 };
 
 /// y = x W + b, with W [in, out] and b [out].
+///
+/// Sequential runs a Linear followed by a ReLU or GELU as one fused layer: forward(x, ctx, act)
+/// computes act(x W + b) with ops::linear (bias and activation in the GEMM's epilogue), and the
+/// next backward() starts with ops::activation_bias_grad (activation and bias gradients in one pass).
 class Linear final : public Layer {
  public:
   Linear(std::int64_t in, std::int64_t out, Init init = Init::kaiming);
@@ -59,7 +65,9 @@ class Linear final : public Layer {
   std::int64_t parameter_count() const override { return in_ * out_ + out_; }
   void bind(Tensor const& params, Tensor const& grads) override;
   void initialize(std::mt19937_64& rng) override;
-  Tensor forward(Tensor const& x, Context& ctx) override;
+  Tensor forward(Tensor const& x, Context& ctx) override { return forward(x, ctx, ops::ActivationKind::identity); }
+  /// act(x W + b); the following backward() takes the gradient of this output.
+  Tensor forward(Tensor const& x, Context& ctx, ops::ActivationKind act);
   Tensor backward(Tensor const& dy, Context& ctx) override;
   void set_input_grad(bool needed) override { input_grad_ = needed; }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Linear>(in_, out_, init_); }
@@ -71,29 +79,29 @@ class Linear final : public Layer {
   std::int64_t out_;
   Init init_;
   bool input_grad_ = true;
+  ops::ActivationKind act_ = ops::ActivationKind::identity;
   Tensor w_, b_, dw_, db_, x_;
+  Tensor z_;  // what the activation's backward reads: y for relu, the pre-activation for gelu
 };
 
-/// An element-wise activation given by an op and its backward (see ReLU and GELU).
+/// An element-wise activation (see ReLU and GELU).
 class Activation : public Layer {
  public:
-  using Forward = void (*)(Tensor const& x, Tensor const& y, Stream& stream);
-  using Backward = void (*)(Tensor const& x, Tensor const& dy, Tensor const& dx, Stream& stream);
+  [[nodiscard]] ops::ActivationKind kind() const noexcept { return kind_; }
   Tensor forward(Tensor const& x, Context& ctx) override;
   Tensor backward(Tensor const& dy, Context& ctx) override;
 
  protected:
-  Activation(Forward forward, Backward backward) : forward_(forward), backward_(backward) {}
+  explicit Activation(ops::ActivationKind kind) : kind_(kind) {}
 
  private:
-  Forward forward_;
-  Backward backward_;
+  ops::ActivationKind kind_;
   Tensor x_;
 };
 
 class ReLU final : public Activation {
  public:
-  ReLU();
+  ReLU() : Activation(ops::ActivationKind::relu) {}
   std::string name() const override { return "ReLU"; }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<ReLU>(); }
 };
@@ -101,7 +109,7 @@ class ReLU final : public Activation {
 /// GELU, tanh approximation.
 class GELU final : public Activation {
  public:
-  GELU();
+  GELU() : Activation(ops::ActivationKind::gelu) {}
   std::string name() const override { return "GELU"; }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<GELU>(); }
 };
@@ -187,14 +195,23 @@ class Sequential {
   [[nodiscard]] std::vector<std::uint64_t> rng_state() const;
   void set_rng_state(std::vector<std::uint64_t> const& state);
 
+  /// Forward through every layer; a Linear followed by a ReLU or GELU runs as one fused layer.
   Tensor forward(Tensor const& x, Context& ctx);
+  /// Called during backward for each layer with parameters, last layer first, once the work that
+  /// writes its gradients is enqueued: [begin, end) is its range in the flat buffers. Work the
+  /// callback enqueues on ctx.stream runs after those gradients are written (e.g. an optimizer
+  /// update of the layer, or a data-parallel bucket's all-reduce).
+  using GradientsReady = std::function<void(std::int64_t begin, std::int64_t end)>;
   /// Backward through every layer; returns the input gradient when `input_grad` (else an
   /// undefined tensor, saving the first layer's input-gradient GEMM).
-  Tensor backward(Tensor const& dy, Context& ctx, bool input_grad = true);
+  Tensor backward(Tensor const& dy, Context& ctx, bool input_grad = true, GradientsReady const& ready = {});
   /// A copy of the architecture (not the weights) for another device.
   [[nodiscard]] Sequential clone() const;
 
  private:
+  // The activation layer i + 1 fuses into the Linear layer i, if any.
+  [[nodiscard]] Activation const* fused_activation(std::size_t i) const;
+
   std::vector<std::unique_ptr<Layer>> layers_;
   Tensor params_, grads_, master_params_, master_grads_;
 };

@@ -30,8 +30,17 @@ class Optimizer {
  public:
   virtual ~Optimizer() = default;
   [[nodiscard]] virtual std::string name() const = 0;
-  /// One update of params from grads with the learning rate times `lr_scale`.
-  virtual void step(Tensor const& params, Tensor const& grads, Allocator& allocator, Stream& stream, float lr_scale = 1.0f) = 0;
+  /// One update of params from grads with the learning rate times `lr_scale`: begin_step(), then
+  /// update() over every element.
+  void step(Tensor const& params, Tensor const& grads, Allocator& allocator, Stream& stream, float lr_scale = 1.0f);
+  /// Starts a step: allocates the state for `params` on first use and counts the step.
+  void begin_step(Tensor const& params, Allocator& allocator, Stream& stream);
+  /// Applies the step begun last to elements [begin, end) of the flat buffers: the update is
+  /// element-wise, so a layer's parameters can be updated as soon as backward has written their
+  /// gradients (while those are still in cache). One step's ranges must not overlap and should
+  /// cover every parameter.
+  void update(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
+              float lr_scale = 1.0f);
   /// Steps taken so far.
   [[nodiscard]] std::int64_t steps() const noexcept { return steps_; }
   /// The state buffers with their names (none before the first step or prepare_state).
@@ -42,6 +51,11 @@ class Optimizer {
   void set_steps(std::int64_t steps) noexcept { steps_ = steps; }
 
  protected:
+  /// update() over its checked range: the slices of params, grads and each state buffer.
+  virtual void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
+                             float lr_scale) = 0;
+
+ private:
   std::int64_t steps_ = 0;
 };
 
@@ -51,13 +65,15 @@ class SGD final : public Optimizer {
  public:
   explicit SGD(SgdOptions options = {}) : options_(options) {}
   std::string name() const override { return "sgd"; }
-  void step(Tensor const& params, Tensor const& grads, Allocator& allocator, Stream& stream, float lr_scale = 1.0f) override;
   std::vector<NamedTensor> state() const override;
   std::vector<NamedTensor> prepare_state(Tensor const& params, Allocator& allocator, Stream& stream) override;
   [[nodiscard]] SgdOptions const& options() const noexcept { return options_; }
   [[nodiscard]] Tensor const& velocity() const noexcept { return velocity_; }
 
  private:
+  void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
+                     float lr_scale) override;
+
   SgdOptions options_;
   Tensor velocity_;
 };
@@ -75,11 +91,13 @@ class AdamW final : public Optimizer {
  public:
   explicit AdamW(AdamWOptions options = {}) : options_(options) {}
   std::string name() const override { return "adamw"; }
-  void step(Tensor const& params, Tensor const& grads, Allocator& allocator, Stream& stream, float lr_scale = 1.0f) override;
   std::vector<NamedTensor> state() const override;
   std::vector<NamedTensor> prepare_state(Tensor const& params, Allocator& allocator, Stream& stream) override;
 
  private:
+  void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
+                     float lr_scale) override;
+
   AdamWOptions options_;
   Tensor m_, v_;
 };

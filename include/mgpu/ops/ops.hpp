@@ -18,6 +18,20 @@ namespace mgpu::ops {
 /// C = alpha * op(A) * op(B) + beta * C for 2-D row-major tensors of one dtype, op(X) = X or X^T.
 void gemm(Tensor const& a, bool transpose_a, Tensor const& b, bool transpose_b, Tensor const& c, float alpha, float beta,
           Stream& stream);
+/// The activation a fused linear op applies.
+enum class ActivationKind { identity, relu, gelu };
+[[nodiscard]] char const* activation_name(ActivationKind kind) noexcept;
+
+/// A linear layer's forward in one op: y = act(x W + bias) for x [N, in], W [in, out], bias [out],
+/// y [N, out]. No pass of its own for the bias (on the host it is the GEMM's starting value), and
+/// the activation shares the epilogue's pass. For gelu, `pre` [N, out] receives x W + bias, which
+/// gelu's backward needs; identity and relu take an undefined `pre` (relu's backward reads y).
+void linear(Tensor const& x, Tensor const& w, Tensor const& bias, Tensor const& y, ActivationKind act, Tensor const& pre,
+            Stream& stream);
+/// The epilogue of a linear backward in one pass: dz = act'(z) * dy and db[j] = sum over i of
+/// dz[i, j], where z is what the forward kept (y for relu, `pre` for gelu; unused for identity).
+void activation_bias_grad(ActivationKind act, Tensor const& z, Tensor const& dy, Tensor const& dz, Tensor const& db,
+                          Stream& stream);
 /// y[i, j] += bias[j].
 void add_bias(Tensor const& y, Tensor const& bias, Stream& stream);
 /// db[j] = sum over i of dy[i, j].

@@ -45,6 +45,10 @@ MGPU_HD inline float gelu_grad(float x, float dy) {
 }
 
 /// The activation functions, as types the functors below take.
+struct Identity {
+  MGPU_HD static float forward(float x) { return x; }
+  MGPU_HD static float backward(float, float dy) { return dy; }
+};
 struct Relu {
   MGPU_HD static float forward(float x) { return relu(x); }
   MGPU_HD static float backward(float x, float dy) { return relu_grad(x, dy); }
@@ -78,6 +82,43 @@ struct BiasAddOp {
   T const* bias;
   std::int64_t cols;
   MGPU_HD void operator()(std::int64_t i) const { store(y, i, load(y, i) + load(bias, i % cols)); }
+};
+
+/// The epilogue of a linear forward, on the GEMM's output z = x W: v = z + bias[j], then y = F(v);
+/// v is written back into z when y is another tensor (it is the pre-activation backward reads).
+template <class T, class F>
+struct BiasActivationOp {
+  T* z;
+  T const* bias;
+  T* y;
+  std::int64_t cols;
+  MGPU_HD void operator()(std::int64_t i) const {
+    float const v = load(z, i) + load(bias, i % cols);
+    if (y != z) store(z, i, v);
+    store(y, i, F::forward(v));
+  }
+};
+
+/// The epilogue of a linear backward, one call per column j: dz[r, j] = F'(z[r, j]) dy[r, j] and
+/// db[j] = sum over rows of dz[r, j] (z: the pre-activation, or for ReLU its output).
+template <class T, class F>
+struct ActivationBiasGradCol {
+  T const* z;
+  T const* dy;
+  T* dz;
+  T* db;
+  std::int64_t rows;
+  std::int64_t cols;
+  MGPU_HD void operator()(std::int64_t j) const {
+    float sum = 0;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      std::int64_t const i = r * cols + j;
+      float const d = F::backward(load(z, i), load(dy, i));
+      store(dz, i, d);
+      sum += d;
+    }
+    store(db, j, sum);
+  }
 };
 
 /// db[j] = sum over rows of dy[r, j]; one call per column.
