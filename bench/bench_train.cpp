@@ -7,7 +7,10 @@
 //   gemm_roofline_frac  GEMM-only time / full step time (the median of adjacent pairs): everything
 //                       that is not a GEMM (bias, activations, loss, the update, the library's
 //                       overhead) costs 1 - this;
-//   gemm_gflops         the GEMM-only pass's rate, for reference.
+//   gemm_gflops         the GEMM-only pass's rate, for reference;
+//   eigen_step_gemm_frac  GEMM-only time / the bare Eigen step's time (EigenStep below): the same
+//                       fraction for hand-written Eigen code, i.e. this machine's floor right now;
+//   eigen_step_time_ratio the bare Eigen step's time / the library's step time (> 1: faster).
 // With a GPU, BM_train_step_cuda reports samples_per_s of the same step on cuda:0.
 //
 //   bench_train --benchmark_out=train.json --benchmark_out_format=json
@@ -17,6 +20,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <random>
 #include <vector>
 
@@ -62,6 +66,59 @@ struct GemmOnly {
   }
 };
 
+// The same training step written directly in Eigen, without the library: forward with bias and
+// ReLU, softmax cross-entropy, backward, then SGD-momentum over each weight and bias. It is the
+// reference for what a step costs beyond its GEMMs on this machine at the time of the run.
+struct EigenStep {
+  std::vector<Matrix> w, dw, vw, act, grad;
+  std::vector<Eigen::RowVectorXf> b, db, vb;
+  float const* x = nullptr;       // [rows, widths.front()]
+  float const* labels = nullptr;  // [rows]
+  EigenStep(float const* features, float const* classes) : x(features), labels(classes) {
+    act.emplace_back(batch, widths[0]);
+    for (std::size_t l = 0; l + 1 < widths.size(); ++l) {
+      w.emplace_back(Matrix::Random(widths[l], widths[l + 1]) * std::sqrt(6.0f / static_cast<float>(widths[l])));
+      dw.emplace_back(widths[l], widths[l + 1]);
+      vw.emplace_back(Matrix::Zero(widths[l], widths[l + 1]));
+      b.emplace_back(Eigen::RowVectorXf::Zero(widths[l + 1]));
+      db.emplace_back(widths[l + 1]);
+      vb.emplace_back(Eigen::RowVectorXf::Zero(widths[l + 1]));
+      act.emplace_back(batch, widths[l + 1]);
+      grad.emplace_back(batch, widths[l + 1]);
+    }
+  }
+  void run(std::int64_t first_row) {
+    act[0] = Eigen::Map<Matrix const>(x + first_row * widths[0], batch, widths[0]);
+    std::size_t const last = w.size() - 1;
+    for (std::size_t l = 0; l <= last; ++l) {
+      act[l + 1].noalias() = act[l] * w[l];
+      act[l + 1].rowwise() += b[l];
+      if (l < last) act[l + 1] = act[l + 1].cwiseMax(0.0f);
+    }
+    Matrix& logits = act.back();
+    for (std::int64_t r = 0; r < batch; ++r) {  // d loss / d logits = (softmax - onehot) / batch
+      auto row = logits.row(r);
+      Eigen::RowVectorXf const e = (row.array() - row.maxCoeff()).exp().matrix();
+      grad[last].row(r) = e / (e.sum() * static_cast<float>(batch));
+      grad[last](r, static_cast<Eigen::Index>(labels[first_row + r])) -= 1.0f / static_cast<float>(batch);
+    }
+    for (std::size_t l = last + 1; l-- > 0;) {
+      dw[l].noalias() = act[l].transpose() * grad[l];
+      db[l] = grad[l].colwise().sum();
+      if (l > 0) {
+        grad[l - 1].noalias() = grad[l] * w[l].transpose();
+        grad[l - 1] = (act[l].array() > 0.0f).select(grad[l - 1], 0.0f);
+      }
+    }
+    for (std::size_t l = 0; l <= last; ++l) {
+      vw[l] = 0.9f * vw[l] + dw[l];
+      w[l] -= 0.01f * vw[l];
+      vb[l] = 0.9f * vb[l] + db[l];
+      b[l] -= 0.01f * vb[l];
+    }
+  }
+};
+
 struct Trainer {
   mgpu::Device device;
   std::shared_ptr<mgpu::Allocator> allocator = mgpu::Allocator::create(device);
@@ -100,37 +157,51 @@ void BM_train_step_vs_gemm(benchmark::State& state) {
   GemmOnly gemm;
   trainer.step();  // warm the allocator's cache and the optimizer state
   gemm.run();
+  EigenStep eigen(trainer.x.host_span<float>().data(), trainer.y.host_span<float>().data());
   std::vector<double> step_s;
   std::vector<double> gemm_s;
   std::vector<double> ratios;
-  // A step, then a GEMM-only pass on the same host stream (so on the same worker thread), in
-  // alternation: both are timed warm (their working sets evict each other from the caches), and
-  // each pair sees the same machine speed, so the median of the per-pair ratios is robust to the
-  // noise of a shared machine.
-  auto const seconds = [](auto&& fn) {
+  std::vector<double> eigen_ratios;
+  std::vector<double> vs_eigen;
+  // Blocks of a few steps, of GEMM-only passes and of bare Eigen steps, in turn on the same host
+  // stream (so on the same worker thread): within a block each run follows one of its kind, as in
+  // a training loop, and each turn of three blocks sees one machine speed, so the medians of
+  // per-turn ratios are robust to the noise of a shared machine.
+  constexpr int block = 4;
+  auto const per_run = [](auto&& fn) {
     auto const t0 = Clock::now();
-    fn();
-    return std::chrono::duration<double>(Clock::now() - t0).count();
+    for (int i = 0; i < block; ++i) fn();
+    return std::chrono::duration<double>(Clock::now() - t0).count() / block;
   };
+  std::int64_t eigen_batch = 0;
   for (auto _ : state) {
-    step_s.push_back(seconds([&] { trainer.step(); }));
-    gemm_s.push_back(seconds([&] {
+    step_s.push_back(per_run([&] { trainer.step(); }));
+    gemm_s.push_back(per_run([&] {
       trainer.stream.enqueue([&] { gemm.run(); });
       trainer.stream.synchronize();
     }));
+    double const eigen_s = per_run([&] {
+      std::int64_t const first_row = (eigen_batch++ % Trainer::batches) * batch;
+      trainer.stream.enqueue([&] { eigen.run(first_row); });
+      trainer.stream.synchronize();
+    });
     ratios.push_back(gemm_s.back() / step_s.back());
+    eigen_ratios.push_back(gemm_s.back() / eigen_s);
+    vs_eigen.push_back(eigen_s / step_s.back());
     benchmark::DoNotOptimize(gemm.dw.front().data());
   }
   double const step = median(step_s);
   double const g = median(gemm_s);
   state.counters["samples_per_s"] = batch / step;
-  state.counters["steps_timed"] = static_cast<double>(step_s.size());
+  state.counters["steps_timed"] = static_cast<double>(block * step_s.size());
   state.counters["gemm_roofline_frac"] = median(ratios);
+  state.counters["eigen_step_gemm_frac"] = median(eigen_ratios);
+  state.counters["eigen_step_time_ratio"] = median(vs_eigen);
   state.counters["step_ms"] = step * 1e3;
   state.counters["gemm_ms"] = g * 1e3;
   state.counters["gemm_gflops"] = gemm.flops() / g * 1e-9;
 }
-BENCHMARK(BM_train_step_vs_gemm)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
+BENCHMARK(BM_train_step_vs_gemm)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(8.0);
 
 void BM_train_step_cuda(benchmark::State& state) {
   if (mgpu::cuda_device_count() == 0) {
