@@ -1,16 +1,16 @@
 // bench_train: one training step (forward, softmax cross-entropy, backward, fused SGD-momentum
 // update, which classification_step applies per layer during backward) of an MLP 784-1024-1024-10
 // at batch 256 in float32 on one host device (one worker thread), against the same step's GEMMs
-// alone through Eigen (same shapes and FLOPs) on the same thread, timed alternately in the same
-// run. Counters (medians):
-//   samples_per_s       training throughput;
-//   gemm_roofline_frac  GEMM-only time / full step time (the median of adjacent pairs): everything
-//                       that is not a GEMM (bias, activations, loss, the update, the library's
-//                       overhead) costs 1 - this;
-//   gemm_gflops         the GEMM-only pass's rate, for reference;
-//   eigen_step_gemm_frac  GEMM-only time / the bare Eigen step's time (EigenStep below): the same
-//                       fraction for hand-written Eigen code, i.e. this machine's floor right now;
-//   eigen_step_time_ratio the bare Eigen step's time / the library's step time (> 1: faster).
+// alone through Eigen (same shapes and FLOPs) and against the whole step written by hand in Eigen,
+// all on the same thread in the same run (blocks of four runs each, in turn). Counters (medians
+// over turns):
+//   samples_per_s          training throughput;
+//   gemm_roofline_frac     GEMM-only time / step time: everything that is not a GEMM (bias,
+//                          activations, loss, the update, the library's overhead) costs 1 - this;
+//   gemm_gflops            the GEMM-only pass's rate, for reference;
+//   eigen_step_gemm_frac   GEMM-only time / the bare Eigen step's time (EigenStep below): the same
+//                          fraction for hand-written Eigen code on this machine at this time;
+//   eigen_step_time_ratio  the bare Eigen step's time / the library's step time (> 1: faster).
 // With a GPU, BM_train_step_cuda reports samples_per_s of the same step on cuda:0.
 //
 //   bench_train --benchmark_out=train.json --benchmark_out_format=json
