@@ -93,7 +93,9 @@ struct Stream::Impl {
       lock.lock();
       if (failure && !error) error = failure;
       ++completed;
-      done_cv.notify_all();
+      // Only synchronize() waits here, for an empty queue: waking it after every task would cost
+      // a system call per task and wake a thread that goes straight back to sleep.
+      if (completed == submitted) done_cv.notify_all();
     }
   }
 
