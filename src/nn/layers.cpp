@@ -206,16 +206,20 @@ void Sequential::materialize(Context& ctx, std::uint64_t seed, DType compute) {
   ctx.stream.synchronize();  // `init` is read by the copy above
 }
 
-void Sequential::unscale_gradients(float factor, Stream& stream) {
+void Sequential::unscale_gradients(float factor, Stream& stream, std::int64_t begin, std::int64_t end) {
+  if (end < 0) end = master_grads_.numel();
+  Tensor const master = master_grads_.slice(begin, end);
   if (grads_.shares_storage(master_grads_)) {
-    if (factor != 1.0f) ops::scale(master_grads_, factor, stream);
+    if (factor != 1.0f) ops::scale(master, factor, stream);
   } else {
-    ops::scale_convert(master_grads_, grads_, factor, stream);
+    ops::scale_convert(master, grads_.slice(begin, end), factor, stream);
   }
 }
 
-void Sequential::sync_parameters(Stream& stream) {
-  if (!params_.shares_storage(master_params_)) convert_async(params_, master_params_, stream);
+void Sequential::sync_parameters(Stream& stream, std::int64_t begin, std::int64_t end) {
+  if (params_.shares_storage(master_params_)) return;
+  if (end < 0) end = master_params_.numel();
+  convert_async(params_.slice(begin, end), master_params_.slice(begin, end), stream);
 }
 
 void Sequential::train(bool training) {

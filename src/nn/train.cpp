@@ -27,12 +27,15 @@ StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, T
   Tensor const dlogits = Tensor::empty(logits.shape(), logits.dtype(), ctx.allocator);
   StepResult result{Tensor::empty({1}, DType::float32, ctx.allocator), true};
   ops::softmax_cross_entropy(logits, labels, dlogits, result.loss, ctx.stream, loss_scale);
-  if (options.scaler == nullptr && options.clip_norm <= 0 && model.compute_type() == DType::float32) {
-    // Nothing needs all gradients before the update: each layer is updated as soon as its
-    // gradients are written, while they are still in cache.
+  if (options.scaler == nullptr && options.clip_norm <= 0) {
+    // Nothing needs all gradients before the update: each layer is updated (and, for 16-bit
+    // compute, its gradients widened and its weights rounded) as soon as its gradients are
+    // written, while they are still in cache.
     optimizer.begin_step(model.master_parameters(), ctx.allocator, ctx.stream);
     model.backward(dlogits, ctx, false, [&](std::int64_t begin, std::int64_t end) {
+      model.unscale_gradients(1.0f, ctx.stream, begin, end);
       optimizer.update(model.master_parameters(), model.master_gradients(), begin, end, ctx.stream, options.lr_scale);
+      model.sync_parameters(ctx.stream, begin, end);
     });
     return result;
   }

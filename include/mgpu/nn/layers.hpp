@@ -183,11 +183,12 @@ class Sequential {
   /// The float32 buffers optimizers update (the same tensors as above for float32 compute).
   [[nodiscard]] Tensor const& master_parameters() const noexcept { return master_params_; }
   [[nodiscard]] Tensor const& master_gradients() const noexcept { return master_grads_; }
-  /// master gradients = gradients * factor (e.g. 1 / loss scale), converting from the compute type.
-  void unscale_gradients(float factor, Stream& stream);
-  /// parameters = master parameters rounded to the compute type (after an optimizer step); does
-  /// nothing for float32 compute.
-  void sync_parameters(Stream& stream);
+  /// master gradients = gradients * factor (e.g. 1 / loss scale), converting from the compute
+  /// type; over elements [begin, end) of the flat buffers, or all of them (end < 0).
+  void unscale_gradients(float factor, Stream& stream, std::int64_t begin = 0, std::int64_t end = -1);
+  /// parameters = master parameters rounded to the compute type (after an optimizer step), over
+  /// [begin, end) or all; does nothing for float32 compute.
+  void sync_parameters(Stream& stream, std::int64_t begin = 0, std::int64_t end = -1);
 
   /// Training or evaluation mode for every layer.
   void train(bool training);
