@@ -44,7 +44,7 @@ Tensor Linear::forward(Tensor const& x, Context& ctx, ops::ActivationKind act) {
   Tensor y = Tensor::empty({x.dim(0), out_}, x.dtype(), ctx.allocator);
   Tensor pre = act == ops::ActivationKind::gelu ? Tensor::empty(y.shape(), y.dtype(), ctx.allocator) : Tensor{};
   ops::linear(x, w_, b_, y, act, pre, ctx.stream);
-  z_ = act == ops::ActivationKind::gelu ? pre : y;
+  z_ = pre.defined() ? pre : y;
   return y;
 }
 

@@ -327,14 +327,14 @@ void activation_bias_grad(ActivationKind act, Tensor const& z, Tensor const& dy,
     throw Error(Errc::invalid_argument, "activation_bias_grad: dy " + to_string(dy.shape()) + " and db " + to_string(db.shape()) +
                                             " (expected dy [N, out] and db [out])");
   Tensor const& input = act == ActivationKind::identity ? dy : z;  // identity reads no z
-  visit(dy.dtype(), [&]<class T>(T) {
-    visit_activation(act, [&]<class F>(F) {
-      if (host_float32(dy, stream)) {
-        stream.enqueue([input, dy, dz, db] {
-          activation_bias_grad_rows<F>(ptr<float>(input), ptr<float>(dy), ptr<float>(dz), ptr<float>(db), rows(dy), cols(dy));
-        });
-        return;
-      }
+  visit_activation(act, [&]<class F>(F) {
+    if (host_float32(dy, stream)) {
+      stream.enqueue([input, dy, dz, db] {
+        activation_bias_grad_rows<F>(ptr<float>(input), ptr<float>(dy), ptr<float>(dz), ptr<float>(db), rows(dy), cols(dy));
+      });
+      return;
+    }
+    visit(dy.dtype(), [&]<class T>(T) {
       run_each(stream, cols(dy), detail::ActivationBiasGradCol<T, F>{ptr<T>(input), ptr<T>(dy), ptr<T>(dz), ptr<T>(db), rows(dy), cols(dy)},
                {input, dy, dz, db});
     });
