@@ -4,7 +4,8 @@
 set -euo pipefail
 
 packages=(cmake ninja-build g++ libeigen3-dev libxxhash-dev catch2 libbenchmark-dev libcli11-dev
-  openmpi-bin libopenmpi-dev libgloo-dev)  # the last three: baselines for bench_collectives
+  nlohmann-json3-dev
+  openmpi-bin libopenmpi-dev libgloo-dev)  # nlohmann-json: tests read trace JSON back; the last three: baselines for bench_collectives
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

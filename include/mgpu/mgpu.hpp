@@ -23,3 +23,4 @@
 #include <mgpu/sched/scheduler.hpp>
 #include <mgpu/sched/simulator.hpp>
 #include <mgpu/sched/types.hpp>
+#include <mgpu/trace/timeline.hpp>
