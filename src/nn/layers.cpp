@@ -133,15 +133,16 @@ Tensor Dropout::forward(Tensor const& x, Context& ctx) {
     return x;
   }
   mask_seed_ = ops::detail::mix64(seed_ + calls_++) | 1u;  // never 0: 0 marks "identity" for backward
+  mask_offset_ = x.rank() > 0 && x.dim(0) > 0 ? ctx.row_offset * (x.numel() / x.dim(0)) : 0;
   Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator);
-  ops::dropout(x, y, p_, mask_seed_, ctx.stream);
+  ops::dropout(x, y, p_, mask_seed_, ctx.stream, mask_offset_);
   return y;
 }
 
 Tensor Dropout::backward(Tensor const& dy, Context& ctx) {
   if (mask_seed_ == 0) return dy;
   Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator);
-  ops::dropout_backward(dy, dx, p_, mask_seed_, ctx.stream);
+  ops::dropout_backward(dy, dx, p_, mask_seed_, ctx.stream, mask_offset_);
   return dx;
 }
 

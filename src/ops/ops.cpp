@@ -452,18 +452,23 @@ void layer_norm_backward(Tensor const& x, Tensor const& gamma, Tensor const& sta
 }
 
 namespace {
-void dropout_op(char const* op, Tensor const& x, Tensor const& y, float p, std::uint64_t seed, Stream& stream) {
+void dropout_op(char const* op, Tensor const& x, Tensor const& y, float p, std::uint64_t seed, std::int64_t offset, Stream& stream) {
   check(x, op, "input", stream);
   check(y, op, "output", stream);
   check_same(x, y, op);
   if (!(p >= 0.0f && p < 1.0f)) throw Error(Errc::invalid_argument, std::string(op) + ": p " + std::to_string(p) + " (expected 0 <= p < 1)");
-  visit(x.dtype(), [&]<class T>(T) { run_each(stream, x.numel(), detail::DropoutOp<T>{ptr<T>(x), ptr<T>(y), seed, 1.0f - p}, {x, y}); });
+  if (offset < 0) throw Error(Errc::invalid_argument, std::string(op) + ": offset " + std::to_string(offset) + " (expected >= 0)");
+  visit(x.dtype(), [&]<class T>(T) {
+    run_each(stream, x.numel(), detail::DropoutOp<T>{ptr<T>(x), ptr<T>(y), seed, 1.0f - p, static_cast<std::uint64_t>(offset)}, {x, y});
+  });
 }
 }  // namespace
 
-void dropout(Tensor const& x, Tensor const& y, float p, std::uint64_t seed, Stream& stream) { dropout_op("dropout", x, y, p, seed, stream); }
-void dropout_backward(Tensor const& dy, Tensor const& dx, float p, std::uint64_t seed, Stream& stream) {
-  dropout_op("dropout_backward", dy, dx, p, seed, stream);
+void dropout(Tensor const& x, Tensor const& y, float p, std::uint64_t seed, Stream& stream, std::int64_t offset) {
+  dropout_op("dropout", x, y, p, seed, offset, stream);
+}
+void dropout_backward(Tensor const& dy, Tensor const& dx, float p, std::uint64_t seed, Stream& stream, std::int64_t offset) {
+  dropout_op("dropout_backward", dy, dx, p, seed, offset, stream);
 }
 
 void softmax_cross_entropy(Tensor const& logits, Tensor const& labels, Tensor const& dlogits, Tensor const& loss, Stream& stream,

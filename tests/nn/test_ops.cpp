@@ -155,6 +155,37 @@ TEST_CASE("Dropout keeps 1 - p of the elements, scales them, and backward uses t
   REQUIRE_MGPU_ERROR(mgpu::nn::Dropout(1.0f), mgpu::Errc::invalid_argument, "expected 0 <= p < 1");
 }
 
+TEST_CASE("Dropout of row shards with their global row offset equals dropout of the whole batch", "[ops][nn]") {
+  Env env;
+  std::int64_t const rows = 37;
+  std::int64_t const cols = 11;
+  Tensor x = env.random({rows, cols}, 9);
+  std::mt19937_64 rng(5);
+  mgpu::nn::Dropout whole(0.4f);
+  whole.initialize(rng);
+  Tensor const full = whole.forward(x, env.ctx);
+  Tensor const dfull = whole.backward(x, env.ctx);
+  env.stream.synchronize();
+  std::int64_t const cuts[] = {0, 10, 10, 29, rows};  // includes an empty shard
+  for (std::size_t s = 0; s + 1 < std::size(cuts); ++s) {
+    rng.seed(5);
+    mgpu::nn::Dropout part(0.4f);
+    part.initialize(rng);
+    mgpu::nn::Context ctx{*env.allocator, env.stream, cuts[s]};
+    Tensor const shard = x.slice(cuts[s], cuts[s + 1]);
+    Tensor const y = part.forward(shard, ctx);
+    Tensor const dx = part.backward(shard, ctx);
+    env.stream.synchronize();
+    for (std::int64_t i = 0; i < shard.numel(); ++i) {
+      auto const k = static_cast<std::size_t>(i);
+      auto const g = static_cast<std::size_t>(cuts[s] * cols + i);
+      REQUIRE(y.host_span<float>()[k] == full.host_span<float>()[g]);
+      REQUIRE(dx.host_span<float>()[k] == dfull.host_span<float>()[g]);
+    }
+  }
+  REQUIRE_MGPU_ERROR(mgpu::ops::dropout(x, full, 0.4f, 1, env.stream, -1), mgpu::Errc::invalid_argument, "expected >= 0");
+}
+
 TEST_CASE("Reductions and the non-finite count against serial float64", "[ops]") {
   Env env;
   Tensor t = env.random({1001}, 9);

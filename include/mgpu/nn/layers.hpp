@@ -18,10 +18,13 @@
 
 namespace mgpu::nn {
 
-/// Where a layer's work runs and where it gets scratch memory.
+/// Where a layer's work runs and where it gets scratch memory. `row_offset` is the index, in the
+/// global batch, of the first row this call sees (a data-parallel shard or a micro-batch), so that
+/// row-wise randomness such as Dropout's mask is the same however the batch is split.
 struct Context {
   Allocator& allocator;
   Stream& stream;
+  std::int64_t row_offset = 0;
 };
 
 /// Weight initialisation: Kaiming (He) uniform for ReLU networks, Xavier (Glorot) uniform otherwise.
@@ -133,8 +136,9 @@ class LayerNorm final : public Layer {
 };
 
 /// Inverted dropout with probability p while training, the identity in evaluation mode. Its masks
-/// come from a seed drawn at initialisation and a count of forward calls, so replicas built with one
-/// seed drop the same elements and a resumed run continues the same sequence.
+/// come from a seed drawn at initialisation, a count of forward calls and each element's global
+/// index (Context::row_offset), so replicas built with one seed drop, row for row, what one device
+/// would drop from the whole batch, and a resumed run continues the same sequence.
 class Dropout final : public Layer {
  public:
   explicit Dropout(float p);
@@ -153,6 +157,7 @@ class Dropout final : public Layer {
   std::uint64_t seed_ = 0;
   std::uint64_t calls_ = 0;
   std::uint64_t mask_seed_ = 0;
+  std::int64_t mask_offset_ = 0;
 };
 
 /// Layers in order, with one flat parameter buffer and one flat gradient buffer.

@@ -53,8 +53,10 @@ void layer_norm_backward(Tensor const& x, Tensor const& gamma, Tensor const& sta
 /// Inverted dropout: y = x / (1 - p) or 0, chosen by a counter-based hash of (seed, index), so the
 /// same seed gives the same mask on every device and in dropout_backward (no mask is stored).
 /// p must be in [0, 1).
-void dropout(Tensor const& x, Tensor const& y, float p, std::uint64_t seed, Stream& stream);
-void dropout_backward(Tensor const& dy, Tensor const& dx, float p, std::uint64_t seed, Stream& stream);
+/// `offset` is the global index of x's first element (e.g. a shard's first row times the row
+/// length), so every shard of a batch draws the mask the whole batch would.
+void dropout(Tensor const& x, Tensor const& y, float p, std::uint64_t seed, Stream& stream, std::int64_t offset = 0);
+void dropout_backward(Tensor const& dy, Tensor const& dx, float p, std::uint64_t seed, Stream& stream, std::int64_t offset = 0);
 
 /// Mean softmax cross-entropy of logits [N, C] against class labels [N] (float32 class ids), one
 /// numerically stable pass per row; writes dlogits = (softmax - onehot) * grad_scale / N and the

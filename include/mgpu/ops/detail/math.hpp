@@ -285,16 +285,18 @@ MGPU_HD inline float uniform01(std::uint64_t seed, std::uint64_t counter) {
   return static_cast<float>(mix64(seed ^ mix64(counter)) >> 40) * 5.9604644775390625e-8f;  // 24 bits * 2^-24
 }
 
-/// Inverted dropout: y = x / keep where uniform01(seed, i) < keep, else 0. Backward is the same op
-/// on dy with the same seed.
+/// Inverted dropout: y = x / keep where uniform01(seed, offset + i) < keep, else 0. Backward is the
+/// same op on dy with the same seed and offset. `offset` is the global index of element 0, so a
+/// shard of a batch draws the same mask as those rows of the whole batch.
 template <class T>
 struct DropoutOp {
   T const* x;
   T* y;
   std::uint64_t seed;
   float keep;
+  std::uint64_t offset;
   MGPU_HD void operator()(std::int64_t i) const {
-    store(y, i, uniform01(seed, static_cast<std::uint64_t>(i)) < keep ? load(x, i) / keep : 0.0f);
+    store(y, i, uniform01(seed, offset + static_cast<std::uint64_t>(i)) < keep ? load(x, i) / keep : 0.0f);
   }
 };
 
