@@ -18,7 +18,8 @@
 namespace mgpu {
 namespace {
 
-constexpr std::string_view spec_forms = "expected 'auto', 'host', 'host:N' (N >= 1), 'cuda' or 'cuda:I,J,...'";
+constexpr std::string_view spec_forms =
+    "expected 'auto', 'host', 'host:N' (N >= 1), 'host:N@speed=S1,...' (0 < S <= 1), 'cuda' or 'cuda:I,J,...'";
 
 [[noreturn]] void bad_spec(std::string_view spec, std::string_view what) {
   throw Error(Errc::invalid_argument,
@@ -38,6 +39,26 @@ std::string_view trim(std::string_view text) {
   while (!text.empty() && std::isspace(static_cast<unsigned char>(text.front()))) text.remove_prefix(1);
   while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.remove_suffix(1);
   return text;
+}
+
+// "speed=S1,S2,...": each 0 < S <= 1.
+std::vector<double> parse_speeds(std::string_view spec, std::string_view text) {
+  constexpr std::string_view key = "speed=";
+  if (text.substr(0, key.size()) != key) bad_spec(spec, "'" + std::string(text) + "' after '@' is not 'speed=S1,...'");
+  text.remove_prefix(key.size());
+  std::vector<double> speeds;
+  while (true) {
+    auto const comma = text.find(',');
+    std::string const item(trim(text.substr(0, comma)));
+    char* end = nullptr;
+    double const value = item.empty() ? 0.0 : std::strtod(item.c_str(), &end);
+    if (item.empty() || end != item.c_str() + item.size() || !(value > 0.0 && value <= 1.0))
+      bad_spec(spec, "speed '" + item + "' is not a number in (0, 1]");
+    speeds.push_back(value);
+    if (comma == std::string_view::npos) break;
+    text.remove_prefix(comma + 1);
+  }
+  return speeds;
 }
 
 std::vector<Device> host_devices(int count) {
@@ -103,9 +124,18 @@ std::vector<Device> parse_devices(std::string_view spec) {
   }
   if (kind == "host") {
     if (rest.empty()) return host_devices(1);
-    int const count = parse_count(spec, rest, "host device count");
+    auto const at = rest.find('@');
+    int const count = parse_count(spec, trim(rest.substr(0, at)), "host device count");
     if (count < 1) bad_spec(spec, "host device count is " + std::to_string(count) + ", expected at least 1");
-    return host_devices(count);
+    std::vector<Device> devices = host_devices(count);
+    if (at != std::string_view::npos) {
+      std::vector<double> const speeds = parse_speeds(spec, trim(rest.substr(at + 1)));
+      if (speeds.size() != 1 && speeds.size() != devices.size())
+        bad_spec(spec, std::to_string(speeds.size()) + " speeds for " + std::to_string(count) + " devices, expected 1 or " +
+                           std::to_string(count));
+      for (std::size_t i = 0; i < devices.size(); ++i) devices[i].speed = speeds[speeds.size() == 1 ? 0 : i];
+    }
+    return devices;
   }
   if (kind == "cuda") return cuda_devices(spec, rest);
   bad_spec(spec, "unknown device kind '" + std::string(kind) + "'");
@@ -133,7 +163,7 @@ DeviceProperties properties(Device device) {
   DeviceProperties out;
   out.name = "emulated device on " + cpu;
   out.memory_bytes = static_cast<std::size_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<std::size_t>(sysconf(_SC_PAGE_SIZE));
-  out.throughput_gflops = 32.0;  // nominal: one core's float32 FMA rate, for relative placement only
+  out.throughput_gflops = 32.0 * device.speed;  // nominal: one core's float32 FMA rate, for relative placement only
   out.compute_units = 1;
   return out;
 }

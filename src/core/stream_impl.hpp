@@ -83,11 +83,16 @@ struct Stream::Impl {
       lock.unlock();
       std::exception_ptr failure;
       if (!skip) {
+        auto const start = std::chrono::steady_clock::now();
         try {
           task.work();
         } catch (...) {
           failure = detail::as_error(device);
         }
+        // An emulated slower device: its compute takes 1/speed of the time. Event recordings and
+        // communicator work (runs_after_failure) are not stretched, so waiting for peers is not.
+        if (device.speed < 1.0 && !task.runs_after_failure)
+          std::this_thread::sleep_for((std::chrono::steady_clock::now() - start) * (1.0 / device.speed - 1.0));
       }
       task.work = nullptr;  // release what the work captured before reporting completion
       lock.lock();

@@ -112,6 +112,9 @@ void gemm(int ordinal, DType dtype, bool transpose_a, bool transpose_b, std::int
   template void each(int, std::int64_t, detail::ScaleConvertOp<T, float> const&, void*);                        \
   template void each(int, std::int64_t, detail::ScaleConvertOp<T, bfloat16> const&, void*);                     \
   template void each(int, std::int64_t, detail::ScaleConvertOp<T, float16> const&, void*);                      \
+  template void each(int, std::int64_t, detail::AddScaledOp<T, float> const&, void*);                          \
+  template void each(int, std::int64_t, detail::AddScaledOp<T, bfloat16> const&, void*);                       \
+  template void each(int, std::int64_t, detail::AddScaledOp<T, float16> const&, void*);                        \
   template void reduce(int, std::int64_t, detail::SoftmaxCrossEntropyRow<T> const&, float*, float, void*);      \
   template void reduce(int, std::int64_t, detail::SquaredErrorOp<T> const&, float*, float, void*);              \
   template void reduce(int, std::int64_t, detail::CorrectRow<T> const&, float*, float, void*);                  \

@@ -591,6 +591,19 @@ void scale_convert(Tensor const& dst, Tensor const& src, float factor, Stream& s
   });
 }
 
+void add_scaled(Tensor const& dst, Tensor const& src, float factor, Stream& stream) {
+  check(dst, "add_scaled", "dst", stream);
+  check(src, "add_scaled", "src", stream);
+  if (dst.numel() != src.numel())
+    throw Error(Errc::invalid_argument, "add_scaled: dst " + to_string(dst.shape()) + " and src " + to_string(src.shape()) +
+                                            " (expected the same number of elements)");
+  visit(dst.dtype(), [&]<class D>(D) {
+    visit(src.dtype(), [&]<class S>(S) {
+      run_each(stream, dst.numel(), detail::AddScaledOp<D, S>{ptr<D>(dst), ptr<S>(src), factor}, {dst, src});
+    });
+  });
+}
+
 float item(Tensor const& t, Stream& stream) {
   if (!t.defined() || t.numel() != 1 || t.dtype() != DType::float32)
     throw Error(Errc::invalid_argument, "item: tensor " + (t.defined() ? to_string(t.shape()) + " " + str(t.dtype()) : std::string("undefined")) +

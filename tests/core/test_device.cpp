@@ -1,6 +1,8 @@
 // Device specs, the environment variable, properties and peer access.
 #include <mgpu/core/device.hpp>
+#include <mgpu/core/stream.hpp>
 
+#include <chrono>
 #include <cstdlib>
 #include <string>
 #include <thread>
@@ -55,6 +57,28 @@ TEST_CASE("auto picks every GPU, else one host device per hardware thread", "[co
     CHECK(devices.size() == std::max(1u, std::thread::hardware_concurrency()));
     CHECK(devices[0].kind == DeviceKind::host);
   }
+}
+
+TEST_CASE("Emulated device speeds: parsed per device, scale the throughput hint, stretch stream work", "[core][device]") {
+  auto const two = mgpu::parse_devices("host:2@speed=1,0.5");
+  REQUIRE(two.size() == 2);
+  CHECK(two[0].speed == 1.0);
+  CHECK(two[1].speed == 0.5);
+  CHECK(two[1] == Device{DeviceKind::host, 1});  // speed is not identity
+  for (Device const d : mgpu::parse_devices("host:3@speed=0.25")) CHECK(d.speed == 0.25);
+  CHECK(mgpu::properties(two[1]).throughput_gflops == Approx(0.5 * mgpu::properties(two[0]).throughput_gflops));
+
+  using Clock = std::chrono::steady_clock;
+  mgpu::Stream slow(two[1]);
+  auto const start = Clock::now();
+  slow.enqueue([] { std::this_thread::sleep_for(std::chrono::milliseconds(20)); });
+  slow.synchronize();
+  CHECK(Clock::now() - start >= std::chrono::milliseconds(40));  // 20 ms of work at half speed
+
+  REQUIRE_MGPU_ERROR(mgpu::parse_devices("host:2@speed=1,0.5,1"), Errc::invalid_argument, "3 speeds for 2 devices, expected 1 or 2");
+  REQUIRE_MGPU_ERROR(mgpu::parse_devices("host:2@speed=0"), Errc::invalid_argument, "speed '0' is not a number in (0, 1]");
+  REQUIRE_MGPU_ERROR(mgpu::parse_devices("host:2@speed=1.5"), Errc::invalid_argument, "is not a number in (0, 1]");
+  REQUIRE_MGPU_ERROR(mgpu::parse_devices("host:2@fast"), Errc::invalid_argument, "'fast' after '@' is not 'speed=S1,...'");
 }
 
 TEST_CASE("Bad device specs give clear errors", "[core][device]") {

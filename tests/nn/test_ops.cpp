@@ -262,6 +262,17 @@ TEST_CASE("scale_convert unscales 16-bit gradients into float32", "[ops]") {
   CHECK(as_double(master) == std::vector<double>{1, -2, 0.5 / 1024});
 }
 
+TEST_CASE("add_scaled accumulates a scaled, widened tensor into float32", "[ops]") {
+  Env env;
+  Tensor g = to_dtype(env, env.make({3}, {1024, -2048, 0.5f}), DType::bfloat16);
+  Tensor acc = env.make({3}, {1, 2, 3});
+  mgpu::ops::add_scaled(acc, g, 0.25f, env.stream);
+  env.stream.synchronize();
+  CHECK(as_double(acc) == std::vector<double>{1 + 256, 2 - 512, 3 + 0.125});
+  REQUIRE_MGPU_ERROR(mgpu::ops::add_scaled(acc, env.make({2}, {1, 2}), 1.0f, env.stream), mgpu::Errc::invalid_argument,
+                     "expected the same number of elements");
+}
+
 TEST_CASE("The loss scaler backs off on overflow and grows after a run of finite steps", "[optim]") {
   mgpu::optim::LossScaler scaler(1024, 2, 0.5f, 3);
   CHECK_FALSE(scaler.update(false));

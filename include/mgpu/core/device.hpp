@@ -17,8 +17,15 @@ enum class DeviceKind { host, cuda };
 struct Device {
   DeviceKind kind = DeviceKind::host;
   int index = 0;
+  /// An emulated host device's speed relative to the host (0 < speed <= 1): its streams stretch
+  /// each task's compute to 1/speed of its time, so heterogeneous groups can be tested without
+  /// GPUs. Always 1 for CUDA devices. Not part of the device's identity (comparisons ignore it).
+  double speed = 1.0;
 
-  friend constexpr auto operator<=>(Device const&, Device const&) = default;
+  friend constexpr bool operator==(Device const& a, Device const& b) noexcept { return a.kind == b.kind && a.index == b.index; }
+  friend constexpr auto operator<=>(Device const& a, Device const& b) noexcept {
+    return a.kind != b.kind ? a.kind <=> b.kind : a.index <=> b.index;
+  }
   /// "host:2" or "cuda:0".
   [[nodiscard]] std::string to_string() const;
 };
@@ -36,6 +43,8 @@ inline constexpr char const devices_env_var[] = "MGPU_DEVICES";
 
 /// Parses a device spec:
 ///   "host:N"     N emulated host devices (N >= 1); "host" is one
+///   "host:N@speed=S1,...,SN"  the same, device i running at speed Si (0 < Si <= 1; one value
+///                applies to all), e.g. "host:2@speed=1,0.5" for a device at half speed
 ///   "cuda"       every visible GPU
 ///   "cuda:0,2"   the listed GPUs; a repeated index adds a logical device sharing that GPU
 ///   "auto"       every visible GPU, else one host device per hardware thread

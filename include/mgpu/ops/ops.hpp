@@ -89,6 +89,8 @@ void scale(Tensor const& t, float factor, Stream& stream);
 /// gradients, unscaled by the loss scale).
 void scale_convert(Tensor const& dst, Tensor const& src, float factor, Stream& stream);
 
+/// dst += src * factor in dst's dtype (same element count; gradient accumulation).
+void add_scaled(Tensor const& dst, Tensor const& src, float factor, Stream& stream);
 /// The value of a one-element tensor: copies it to the host and synchronizes `stream`.
 float item(Tensor const& t, Stream& stream);
 /// A float32 tensor of `shape` filled with zeros on the stream's device.

@@ -153,6 +153,15 @@ struct ScaleConvertOp {
   MGPU_HD void operator()(std::int64_t i) const { store(dst, i, load(src, i) * factor); }
 };
 
+/// dst += src * factor, converting the element type (gradient accumulation, error feedback).
+template <class Dst, class Src>
+struct AddScaledOp {
+  Dst* dst;
+  Src const* src;
+  float factor;
+  MGPU_HD void operator()(std::int64_t i) const { store(dst, i, load(dst, i) + load(src, i) * factor); }
+};
+
 /// One row of the fused softmax cross-entropy: returns the row's loss, -log softmax(z)[label], and
 /// writes dz = (softmax(z) - onehot(label)) * grad_scale. A label that is not a class id in [0, C)
 /// gives a NaN loss and NaN gradients (the host path rejects it with an Error before running).
