@@ -1,11 +1,15 @@
 // The classification step and evaluation.
 #include <mgpu/nn/train.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include <mgpu/core/error.hpp>
 #include <mgpu/ops/ops.hpp>
+#include <mgpu/trace/timeline.hpp>
 
 namespace mgpu::nn {
 namespace {
@@ -18,39 +22,145 @@ Tensor as_compute(Sequential const& model, Tensor const& x, Context& ctx) {
 }
 }  // namespace
 
+namespace {
+// Each layer with parameters as [begin, end) of the flat buffers, with its name, in layer order.
+struct LayerRange {
+  std::int64_t begin, end;
+  std::string name;
+};
+std::vector<LayerRange> layer_ranges(Sequential const& model) {
+  std::vector<LayerRange> ranges;
+  std::int64_t offset = 0;
+  for (std::size_t i = 0; i < model.size(); ++i) {
+    std::int64_t const count = model.layer(i).parameter_count();
+    if (count > 0) ranges.push_back({offset, offset + count, model.layer(i).name()});
+    offset += count;
+  }
+  return ranges;
+}
+}  // namespace
+
 StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, Tensor const& x, Tensor const& labels, Context& ctx,
                                StepOptions const& options) {
   if (!model.parameters().defined())
     throw Error(Errc::invalid_argument, "classification_step before materialize (expected model.materialize(ctx, seed) first)");
+  std::int64_t const rows = x.defined() && x.rank() >= 1 ? x.dim(0) : 0;
+  if (!labels.defined() || labels.numel() != rows)
+    throw Error(Errc::invalid_argument, "classification_step: " + std::to_string(rows) + " rows and " +
+                                            std::to_string(labels.defined() ? labels.numel() : 0) + " labels (expected one label per row)");
+  std::int64_t const global_rows = options.global_rows > 0 ? options.global_rows : rows;
+  if (rows > global_rows)
+    throw Error(Errc::invalid_argument, "classification_step: a shard of " + std::to_string(rows) + " rows of a " +
+                                            std::to_string(global_rows) + "-row batch (expected global_rows >= the shard's rows)");
+  Tensor const& masters = model.master_gradients();
+  if (options.accumulate_only && options.accumulator == nullptr)
+    throw Error(Errc::invalid_argument, "classification_step: accumulate_only without an accumulator (expected a float32 buffer)");
+  if (options.accumulator != nullptr &&
+      (options.accumulator->numel() != masters.numel() || options.accumulator->dtype() != DType::float32))
+    throw Error(Errc::invalid_argument, "classification_step: an accumulator of " + std::to_string(options.accumulator->numel()) + " " +
+                                            std::string(to_string(options.accumulator->dtype())) + " elements (expected " +
+                                            std::to_string(masters.numel()) + " float32, one per parameter)");
+  trace::Timeline* const timeline = options.timeline != nullptr && options.timeline->enabled() ? options.timeline : nullptr;
   float const loss_scale = options.scaler != nullptr ? options.scaler->scale() : 1.0f;
-  Tensor const logits = model.forward(as_compute(model, x, ctx), ctx);
-  Tensor const dlogits = Tensor::empty(logits.shape(), logits.dtype(), ctx.allocator);
-  StepResult result{Tensor::empty({1}, DType::float32, ctx.allocator), true};
-  ops::softmax_cross_entropy(logits, labels, dlogits, result.loss, ctx.stream, loss_scale);
-  if (options.scaler == nullptr && options.clip_norm <= 0) {
-    // Nothing needs all gradients before the update: each layer is updated (and, for 16-bit
-    // compute, its gradients widened and its weights rounded) as soon as its gradients are
-    // written, while they are still in cache.
-    optimizer.begin_step(model.master_parameters(), ctx.allocator, ctx.stream);
-    model.backward(dlogits, ctx, false, [&](std::int64_t begin, std::int64_t end) {
-      model.unscale_gradients(1.0f, ctx.stream, begin, end);
-      optimizer.update(model.master_parameters(), model.master_gradients(), begin, end, ctx.stream, options.lr_scale);
-      model.sync_parameters(ctx.stream, begin, end);
-    });
-    return result;
+  StepResult result{Tensor::empty({1}, DType::float32, ctx.allocator), !options.accumulate_only};
+  // Without a loss scaler or clipping nothing needs all gradients before the update: each layer
+  // (bucket) is updated as soon as its gradients are (reduced and) ready, while they are in cache.
+  bool const update_in_backward = !options.accumulate_only && options.scaler == nullptr && options.clip_norm <= 0;
+  if (update_in_backward) optimizer.begin_step(model.master_parameters(), ctx.allocator, ctx.stream);
+  GradientSync::Reduced reduced;
+  if (update_in_backward) {
+    reduced = [&](std::int64_t begin, std::int64_t end, Stream& stream) {
+      auto const update = [&] {
+        optimizer.update(model.master_parameters(), masters, begin, end, stream, options.lr_scale);
+        model.sync_parameters(stream, begin, end);
+      };
+      if (timeline == nullptr) {
+        update();
+      } else {
+        int const lane = &stream == &ctx.stream ? trace::Lane::compute : trace::Lane::communication;
+        timeline->stream_span(stream, "update [" + std::to_string(begin) + ", " + std::to_string(end) + ")", "update", options.rank, lane,
+                              update);
+      }
+    };
   }
-  model.backward(dlogits, ctx, false);
-  model.unscale_gradients(1.0f / loss_scale, ctx.stream);
-  Tensor const& grads = model.master_gradients();
+  GradientSync* const sync = options.accumulate_only ? nullptr : options.sync;
+  std::vector<LayerRange> const ranges = layer_ranges(model);
+  auto const last_mark = std::make_shared<std::int64_t>(0);  // where the next layer's backward span starts
+  auto const mark = [&](std::string name) {
+    ctx.stream.enqueue([timeline, last_mark, name = std::move(name), rank = options.rank] {
+      std::int64_t const now = timeline->now_ns();
+      if (!name.empty()) timeline->record({name, "backward", rank, trace::Lane::compute, *last_mark, now});
+      *last_mark = now;
+    });
+  };
+  // One layer's gradients are written: widen them into the float32 masters, accumulate, then
+  // reduce (data parallel) and update.
+  auto const on_gradients = [&](std::int64_t begin, std::int64_t end) {
+    if (timeline != nullptr) {
+      auto const layer = std::find_if(ranges.begin(), ranges.end(), [&](LayerRange const& r) { return r.begin == begin; });
+      mark("backward " + (layer != ranges.end() ? layer->name : std::string("layer")));
+    }
+    model.unscale_gradients(1.0f / loss_scale, ctx.stream, begin, end);
+    if (options.accumulator != nullptr) {
+      Tensor const acc = options.accumulator->slice(begin, end);
+      if (options.accumulate_only) {
+        ops::add_scaled(acc, masters.slice(begin, end), 1.0f, ctx.stream);
+        return;
+      }
+      ops::add_scaled(masters.slice(begin, end), acc, 1.0f, ctx.stream);
+      fill_async(acc, 0.0f, ctx.stream);
+    }
+    if (sync != nullptr) {
+      sync->ready(begin, end, ctx.stream, reduced);
+    } else if (reduced) {
+      reduced(begin, end, ctx.stream);
+    }
+  };
+
+  if (rows > 0) {
+    float const grad_scale = loss_scale * options.grad_scale * static_cast<float>(static_cast<double>(rows) / static_cast<double>(global_rows));
+    Tensor dlogits;
+    auto const forward = [&] {
+      Tensor const logits = model.forward(as_compute(model, x, ctx), ctx);
+      dlogits = Tensor::empty(logits.shape(), logits.dtype(), ctx.allocator);
+      ops::softmax_cross_entropy(logits, labels, dlogits, result.loss, ctx.stream, grad_scale);
+    };
+    if (timeline != nullptr) {
+      timeline->stream_span(ctx.stream, "forward", "forward", options.rank, trace::Lane::compute, forward);
+      mark("");
+    } else {
+      forward();
+    }
+    if (sync != nullptr) sync->begin(ctx.stream);
+    model.backward(dlogits, ctx, false, on_gradients);
+  } else {  // an empty shard contributes zero gradients, in the same ranges and order
+    fill_async(result.loss, 0.0f, ctx.stream);
+    fill_async(model.gradients(), 0.0f, ctx.stream);
+    if (timeline != nullptr) mark("");
+    if (sync != nullptr) sync->begin(ctx.stream);
+    for (auto r = ranges.rbegin(); r != ranges.rend(); ++r) on_gradients(r->begin, r->end);
+  }
+  if (sync != nullptr) sync->finish(ctx.stream, reduced);
+  if (options.accumulate_only || update_in_backward) return result;
+
+  // The loss scaler's overflow check and the clipping norm read every (reduced) gradient, so every
+  // data-parallel replica takes the same decision.
   if (options.scaler != nullptr) {
     Tensor bad = Tensor::empty({1}, DType::float32, ctx.allocator);
-    ops::count_nonfinite(grads, bad, ctx.stream);
+    ops::count_nonfinite(masters, bad, ctx.stream);
     result.applied = options.scaler->update(ops::item(bad, ctx.stream) == 0.0f);
     if (!result.applied) return result;
   }
-  if (options.clip_norm > 0) optim::clip_grad_norm(grads, options.clip_norm, ctx.allocator, ctx.stream);
-  optimizer.step(model.master_parameters(), grads, ctx.allocator, ctx.stream, options.lr_scale);
-  model.sync_parameters(ctx.stream);
+  if (options.clip_norm > 0) optim::clip_grad_norm(masters, options.clip_norm, ctx.allocator, ctx.stream);
+  auto const step = [&] {
+    optimizer.step(model.master_parameters(), masters, ctx.allocator, ctx.stream, options.lr_scale);
+    model.sync_parameters(ctx.stream);
+  };
+  if (timeline != nullptr) {
+    timeline->stream_span(ctx.stream, "optimizer step", "update", options.rank, trace::Lane::compute, step);
+  } else {
+    step();
+  }
   return result;
 }
 
