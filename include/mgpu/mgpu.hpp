@@ -17,6 +17,7 @@
 #include <mgpu/nn/optim.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/ops.hpp>
+#include <mgpu/parallel/data_parallel.hpp>
 #include <mgpu/sched/job_queue.hpp>
 #include <mgpu/sched/live.hpp>
 #include <mgpu/sched/planning.hpp>

@@ -116,7 +116,7 @@ void Event::wait(Stream& stream) const {
     if (s.device.kind == DeviceKind::cuda) {
       detail::cuda::stream_wait_event(s.cuda_stream, e.cuda_event);
     } else {
-      s.push([event = e.cuda_event] { detail::cuda::event_synchronize(event); }, false);
+      s.push([event = e.cuda_event] { detail::cuda::event_synchronize(event); }, false, false);
     }
     return;
   }
@@ -125,7 +125,7 @@ void Event::wait(Stream& stream) const {
     std::lock_guard lock(e.host->mutex);
     target = e.host->recorded;
   }
-  s.push([state = e.host, target] { state->wait_for(target); }, false);
+  s.push([state = e.host, target] { state->wait_for(target); }, false, false);
 }
 
 void Event::synchronize() const {

@@ -41,6 +41,7 @@ struct Stream::Impl {
   struct Task {
     std::function<void()> work;
     bool runs_after_failure;  // event recordings still complete after a failure
+    bool compute;             // stretched on an emulated slower device (not waits, events, collectives)
   };
 
   explicit Impl(Device d) : device(d) {
@@ -82,6 +83,12 @@ struct Stream::Impl {
       bool const skip = error != nullptr && !task.runs_after_failure;
       lock.unlock();
       std::exception_ptr failure;
+      if (!task.compute && stretch_owed > std::chrono::nanoseconds::zero()) {
+        // The stretched compute before an event or a collective ends only once its sleep is paid.
+        auto const now = std::chrono::steady_clock::now();
+        std::this_thread::sleep_for(stretch_owed);
+        stretch_owed -= std::chrono::steady_clock::now() - now;
+      }
       if (!skip) {
         auto const start = std::chrono::steady_clock::now();
         try {
@@ -90,9 +97,17 @@ struct Stream::Impl {
           failure = detail::as_error(device);
         }
         // An emulated slower device: its compute takes 1/speed of the time. Event recordings and
-        // communicator work (runs_after_failure) are not stretched, so waiting for peers is not.
-        if (device.speed < 1.0 && !task.runs_after_failure)
-          std::this_thread::sleep_for((std::chrono::steady_clock::now() - start) * (1.0 / device.speed - 1.0));
+        // waits and communicator work are not stretched, so waiting for peers is not.
+        // The stretch is owed and slept in pieces of at least 1 ms, each sleep's overshoot paid
+        // back from the next, so the total stays 1/speed however short the tasks.
+        if (device.speed < 1.0 && task.compute) {
+          auto const now = std::chrono::steady_clock::now();
+          stretch_owed += std::chrono::duration_cast<std::chrono::nanoseconds>((now - start) * (1.0 / device.speed - 1.0));
+          if (stretch_owed >= std::chrono::milliseconds(1)) {
+            std::this_thread::sleep_for(stretch_owed);
+            stretch_owed -= std::chrono::steady_clock::now() - now;
+          }
+        }
       }
       task.work = nullptr;  // release what the work captured before reporting completion
       lock.lock();
@@ -104,7 +119,9 @@ struct Stream::Impl {
     }
   }
 
-  void push(std::function<void()> work, bool runs_after_failure) {
+  // `compute`: whether an emulated slower device stretches the work (waits and collectives are not
+  // compute; work that runs after a failure never is).
+  void push(std::function<void()> work, bool runs_after_failure, bool compute = true) {
     if (device.kind == DeviceKind::cuda) {
       auto* callback = new Callback{std::move(work), this};
       try {
@@ -117,7 +134,7 @@ struct Stream::Impl {
     }
     {
       std::lock_guard lock(mutex);
-      tasks.push_back({std::move(work), runs_after_failure});
+      tasks.push_back({std::move(work), runs_after_failure, compute && !runs_after_failure});
       ++submitted;
     }
     work_cv.notify_one();
@@ -186,6 +203,7 @@ struct Stream::Impl {
   bool stopping = false;
   std::exception_ptr error;
   std::thread worker;
+  std::chrono::nanoseconds stretch_owed{0};  // emulated speed: sleep still owed (worker only)
 };
 
 }  // namespace mgpu

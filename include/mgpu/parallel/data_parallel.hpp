@@ -1,0 +1,174 @@
+// Data parallelism: one replica of a model per device, the global batch sharded across them, the
+// gradients all-reduced in buckets while backward goes on, and the same update on every replica.
+// With one device it is exactly nn::classification_step (the same code, one replica).
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <mgpu/comm/communicator.hpp>
+#include <mgpu/core/device_group.hpp>
+#include <mgpu/core/dtype.hpp>
+#include <mgpu/core/tensor.hpp>
+#include <mgpu/io/checkpoint.hpp>
+#include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/optim.hpp>
+#include <mgpu/sched/scheduler.hpp>
+#include <mgpu/sched/types.hpp>
+#include <mgpu/trace/timeline.hpp>
+
+namespace mgpu::parallel {
+
+/// How a bucket's float32 gradients are summed across ranks. The default is a sum all-reduce; a
+/// hook may compress, e.g. Bf16Compression. Called on each rank's thread, in bucket order, with the
+/// bucket's gradients on `stream` (the rank's communication stream); the hook enqueues its work
+/// there and leaves the summed gradients in `grads`. Each rank touches only its own state.
+class CommHook {
+ public:
+  virtual ~CommHook() = default;
+  [[nodiscard]] virtual std::string name() const = 0;
+  /// Called once, before any reduce, with the group size and the bucket sizes in elements.
+  virtual void attach(int ranks, std::vector<std::int64_t> const& bucket_elements) = 0;
+  virtual void reduce(comm::Communicator& comm, int rank, int bucket, Tensor const& grads, Allocator& allocator, Stream& stream) = 0;
+};
+
+/// bfloat16-compressed all-reduce with float32 error feedback: each rank adds its residual to the
+/// bucket, sends it rounded to bfloat16 (half the bytes), and keeps what the rounding lost as the
+/// next step's residual, so the error does not accumulate over steps.
+class Bf16Compression final : public CommHook {
+ public:
+  std::string name() const override { return "bf16-compression"; }
+  void attach(int ranks, std::vector<std::int64_t> const& bucket_elements) override;
+  void reduce(comm::Communicator& comm, int rank, int bucket, Tensor const& grads, Allocator& allocator, Stream& stream) override;
+  /// The residual a rank keeps for a bucket (undefined before its first reduce).
+  [[nodiscard]] Tensor const& residual(int rank, int bucket) const;
+
+ private:
+  struct Slot {
+    Tensor residual, wire;
+  };
+  std::vector<std::vector<Slot>> slots_;  // [rank][bucket]
+  std::vector<std::int64_t> elements_;
+};
+
+struct DataParallelOptions {
+  /// Cap of one gradient bucket, and of the first (last layers') bucket, which is smaller so its
+  /// reduce starts early. Buckets hold whole layers (a layer larger than the cap is a bucket alone).
+  std::size_t bucket_cap_bytes = std::size_t{25} << 20;
+  std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;
+  /// Reduce each bucket as soon as its gradients are written, on a communication stream, and
+  /// update it there while earlier layers are still in backward. Off: reduce after backward.
+  bool overlap = true;
+  /// Bitwise repeatable results whatever the bucket layout and thread timing: host devices reduce
+  /// in rank order already; other backends gather the bucket and sum it in rank order.
+  bool deterministic = false;
+  /// Gradient accumulation: step() accumulates k micro-batches locally (no reduce, no update) and
+  /// reduces and applies their mean gradient on every k-th call.
+  int accumulation_steps = 1;
+  /// How buckets are reduced (nullptr: a float32 sum all-reduce).
+  std::shared_ptr<CommHook> comm_hook{};
+  /// Shard weights per used rank (empty: the scheduler's, from device speeds and queued work).
+  std::vector<double> weights{};
+  /// Re-weight shards online from each rank's measured compute time per row (an exponentially
+  /// weighted mean with weight `rebalance_ewma`), so a slower device stops holding the others back.
+  bool rebalance = false;
+  double rebalance_ewma = 0.5;
+  /// Whether a batch may leave a used rank without rows (its gradients are then zero).
+  bool allow_empty_shards = true;
+  /// Which ranks to use: with a request (memory per replica in memory_bytes, devices wanted in
+  /// `devices`, 0 < devices <= group size), the scheduler picks them over node_state(group);
+  /// without one, every rank.
+  std::optional<sched::Request> request{};
+  /// The scheduler that places the request (default profile when empty).
+  std::shared_ptr<sched::Scheduler const> scheduler{};
+  /// Replicas are materialized from this seed on rank 0 and broadcast; `compute` is their type.
+  std::uint64_t seed = 1;
+  DType compute = DType::float32;
+  /// Dynamic loss scaling (float16): each replica keeps a copy, updated identically.
+  std::optional<optim::LossScaler> loss_scaler{};
+  /// Clip the reduced gradients to this global norm (0: off).
+  float clip_norm = 0.0f;
+  comm::Options comm{};
+  /// Where every rank's actions are recorded when enabled (nullptr: no timeline).
+  std::shared_ptr<trace::Timeline> timeline{};
+};
+
+/// What one step did.
+struct DataParallelResult {
+  /// The global batch's mean loss (the rows-weighted mean of the shards' losses).
+  float loss = 0;
+  /// True when the optimizer was applied (false while accumulating, or when the loss scaler
+  /// skipped an overflowing step).
+  bool applied = true;
+  /// Rows each used rank got.
+  std::vector<std::int64_t> rows;
+  /// Per used rank: milliseconds of forward and backward, and of waiting for reduces after
+  /// backward (host devices; 0 elsewhere).
+  std::vector<double> compute_ms;
+  std::vector<double> wait_ms;
+};
+
+/// Data-parallel training of a Sequential over a DeviceGroup. Construction materializes a replica
+/// per used rank (weights from rank 0 by broadcast), plans the buckets and makes the communicator.
+/// Methods are called from one thread at a time; the group must outlive the executor and must not
+/// be used by others during step().
+class DataParallel {
+ public:
+  /// `model` gives the architecture (and, when materialized, the starting weights); `optimizer`
+  /// is copied once per replica.
+  template <class Opt>
+    requires std::derived_from<Opt, optim::Optimizer>
+  DataParallel(nn::Sequential model, DeviceGroup& group, Opt const& optimizer, DataParallelOptions options = {})
+      : DataParallel(std::move(model), group, [optimizer] { return std::unique_ptr<optim::Optimizer>(new Opt(optimizer)); },
+                     std::move(options)) {}
+  DataParallel(nn::Sequential model, DeviceGroup& group, std::function<std::unique_ptr<optim::Optimizer>()> const& make_optimizer,
+               DataParallelOptions options);
+  DataParallel(DataParallel const&) = delete;
+  DataParallel& operator=(DataParallel const&) = delete;
+  ~DataParallel();
+
+  /// One training step on the global batch: x [N, features] (float32 or the compute type) and
+  /// labels [N] (float32 class ids), in any device's or host memory. Shards x by the current
+  /// weights, runs forward and backward on every used rank at once, all-reduces the gradients
+  /// in buckets and updates every replica. Throws mgpu::Error naming the rank that failed.
+  DataParallelResult step(Tensor const& x, Tensor const& labels, float lr_scale = 1.0f);
+
+  /// Rows of the test set whose predicted class is the label, evaluated on rank 0's replica.
+  std::int64_t count_correct(Tensor const& x, Tensor const& labels, std::int64_t batch = 1024);
+
+  /// Saves replica 0 (model, optimizer, RNG state) and `state`, atomically.
+  void save(std::filesystem::path const& path, io::TrainingState const& state);
+  /// Loads a checkpoint written by save() (on any number of devices) into every replica. Throws
+  /// Error(invalid_argument) naming the mismatch for another architecture, leaving replicas as they were.
+  io::TrainingState load(std::filesystem::path const& path);
+
+  /// Throws Error(invalid_argument) naming the first rank and layer whose architecture or master
+  /// parameters differ from rank 0's (a replica that diverged).
+  void verify_replicas();
+
+  /// The used ranks (indices into the group given), their current shard weights, the bucket
+  /// layout as [begin, end) element ranges of the flat buffers (last layers first).
+  [[nodiscard]] std::vector<int> const& ranks() const noexcept;
+  [[nodiscard]] std::vector<double> const& weights() const noexcept;
+  [[nodiscard]] std::vector<std::pair<std::int64_t, std::int64_t>> const& buckets() const noexcept;
+  /// A replica (index into ranks()) and its optimizer.
+  [[nodiscard]] nn::Sequential& replica(int index);
+  [[nodiscard]] optim::Optimizer& optimizer(int index);
+  /// The loss scaler of replica 0 (nullptr without loss scaling).
+  [[nodiscard]] optim::LossScaler const* loss_scaler() const;
+  /// The group the replicas run on (the one given, or the used ranks' own group).
+  [[nodiscard]] DeviceGroup& group() noexcept;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mgpu::parallel

@@ -1,0 +1,395 @@
+// DataParallel against an independent reference: the same model trained by classification_step on
+// one host device with the whole batch. Shard sizes, accumulation, 16-bit compute, clipping,
+// dropout, determinism, overlap on the timeline, rebalancing, placement, checkpoints and errors.
+#include <mgpu/parallel/data_parallel.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include <mgpu/nn/train.hpp>
+#include <mgpu/ops/ops.hpp>
+
+#include "support/catch.hpp"
+#include "support/expect_error.hpp"
+#include "support/nn_env.hpp"
+
+using mgpu::DType;
+using mgpu::Tensor;
+using mgpu::parallel::DataParallel;
+using mgpu::parallel::DataParallelOptions;
+using mgpu::test::Env;
+
+namespace {
+
+constexpr std::int64_t features = 6;
+constexpr std::int64_t classes = 4;
+
+mgpu::nn::Sequential small_mlp(bool dropout = false) {
+  if (!dropout) return mgpu::nn::Sequential::mlp({features, 16, 12, classes});
+  mgpu::nn::Sequential model;
+  model.add(std::make_unique<mgpu::nn::Linear>(features, 16));
+  model.add(std::make_unique<mgpu::nn::ReLU>());
+  model.add(std::make_unique<mgpu::nn::Dropout>(0.3f));
+  model.add(std::make_unique<mgpu::nn::Linear>(16, classes));
+  return model;
+}
+
+// Batches of random features and labels in host memory.
+struct Data {
+  Env env;
+  std::vector<Tensor> x, y;
+  Data(int batches, std::int64_t rows, unsigned seed) {
+    std::mt19937 rng(seed);
+    for (int b = 0; b < batches; ++b) {
+      x.push_back(env.random({rows, features}, seed * 100 + static_cast<unsigned>(b)));
+      Tensor labels = Tensor::empty({rows}, DType::float32, *env.allocator);
+      for (float& v : labels.host_span<float>()) v = static_cast<float>(rng() % classes);
+      y.push_back(labels);
+    }
+  }
+};
+
+std::vector<float> host_values(Tensor const& t, mgpu::Stream& stream) {
+  Env env;
+  Tensor copy = Tensor::empty(t.shape(), t.dtype(), *env.allocator);
+  mgpu::copy_async(copy, t, stream);
+  stream.synchronize();
+  auto s = copy.host_span<float>();
+  return {s.begin(), s.end()};
+}
+
+// The reference: one device, the whole batch, classification_step.
+struct Reference {
+  Env env;
+  mgpu::nn::Sequential model;
+  mgpu::optim::SGD sgd{{.lr = 0.1f, .momentum = 0.9f}};
+  std::optional<mgpu::optim::LossScaler> scaler;
+  Reference(mgpu::nn::Sequential m, DType compute = DType::float32) : model(std::move(m)) { model.materialize(env.ctx, 1, compute); }
+  float step(Tensor const& x, Tensor const& y, float clip = 0) {
+    mgpu::nn::StepOptions options;
+    options.clip_norm = clip;
+    options.scaler = scaler ? &*scaler : nullptr;
+    auto const r = mgpu::nn::classification_step(model, sgd, x, y, env.ctx, options);
+    return mgpu::ops::item(r.loss, env.stream);
+  }
+  std::vector<float> params() { return host_values(model.master_parameters(), env.stream); }
+};
+
+void require_close(std::vector<float> const& a, std::vector<float> const& b, double tolerance) {
+  REQUIRE(a.size() == b.size());
+  double worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(static_cast<double>(a[i]) - b[i]) / (1.0 + std::abs(b[i])));
+  INFO("largest relative difference " << worst);
+  REQUIRE(worst <= tolerance);
+}
+
+std::vector<float> dp_params(DataParallel& dp, int replica = 0) {
+  return host_values(dp.replica(replica).master_parameters(), dp.group().stream(replica));
+}
+
+}  // namespace
+
+TEST_CASE("Data parallel on 1..8 host devices equals one device on the global batch", "[parallel][dp]") {
+  Data data(3, 29, 1);  // 29 rows: uneven shards everywhere
+  Reference ref(small_mlp());
+  std::vector<float> losses;
+  for (int b = 0; b < 3; ++b) losses.push_back(ref.step(data.x[b], data.y[b]));
+  for (int n = 1; n <= 8; ++n) {
+    INFO(n << " devices");
+    mgpu::DeviceGroup group{"host:" + std::to_string(n)};
+    DataParallel dp(small_mlp(), group, mgpu::optim::SGD({.lr = 0.1f, .momentum = 0.9f}), {.first_bucket_cap_bytes = 64});
+    for (int b = 0; b < 3; ++b) {
+      auto const r = dp.step(data.x[b], data.y[b]);
+      CHECK(r.loss == Approx(losses[static_cast<std::size_t>(b)]).epsilon(1e-5));
+      std::int64_t total = 0;
+      for (auto rows : r.rows) total += rows;
+      CHECK(total == 29);
+    }
+    require_close(dp_params(dp), ref.params(), 2e-6);
+    require_close(dp_params(dp, n - 1), dp_params(dp), 0);  // replicas never diverge
+  }
+}
+
+TEST_CASE("Weighted and empty shards give the full-batch gradient", "[parallel][dp]") {
+  Data data(2, 3, 2);
+  Reference ref(small_mlp());
+  for (int b = 0; b < 2; ++b) ref.step(data.x[b], data.y[b]);
+  mgpu::DeviceGroup group{"host:5"};
+  DataParallelOptions options;
+  options.weights = {1, 0, 3, 2, 0.5};  // rank 1 never gets rows; with 3 rows others are empty too
+  DataParallel dp(small_mlp(), group, mgpu::optim::SGD({.lr = 0.1f, .momentum = 0.9f}), options);
+  for (int b = 0; b < 2; ++b) {
+    auto const r = dp.step(data.x[b], data.y[b]);
+    CHECK(r.rows[1] == 0);
+  }
+  require_close(dp_params(dp, 1), ref.params(), 2e-6);
+}
+
+TEST_CASE("Gradient accumulation over k micro-batches equals one step on their union", "[parallel][dp]") {
+  Data data(2, 12, 3);
+  Env env;
+  Tensor x = Tensor::empty({24, features}, DType::float32, *env.allocator);
+  Tensor y = Tensor::empty({24}, DType::float32, *env.allocator);
+  for (int b = 0; b < 2; ++b) {
+    mgpu::copy_async(x.slice(b * 12, (b + 1) * 12), data.x[b], env.stream);
+    mgpu::copy_async(y.slice(b * 12, (b + 1) * 12), data.y[b], env.stream);
+  }
+  env.stream.synchronize();
+  Reference ref(small_mlp());
+  ref.step(x, y);
+  ref.step(x, y);
+  for (int n : {1, 3}) {
+    mgpu::DeviceGroup group{"host:" + std::to_string(n)};
+    DataParallel dp(small_mlp(), group, mgpu::optim::SGD({.lr = 0.1f, .momentum = 0.9f}), {.accumulation_steps = 2});
+    for (int round = 0; round < 2; ++round) {
+      CHECK_FALSE(dp.step(data.x[0], data.y[0]).applied);
+      CHECK(dp.step(data.x[1], data.y[1]).applied);
+    }
+    require_close(dp_params(dp), ref.params(), 3e-6);
+  }
+}
+
+TEST_CASE("bfloat16 and float16 (loss scaling) data parallel match one device", "[parallel][dp]") {
+  Data data(3, 20, 4);
+  for (DType compute : {DType::bfloat16, DType::float16}) {
+    INFO(mgpu::to_string(compute));
+    Reference ref(small_mlp(), compute);
+    if (compute == DType::float16) ref.scaler.emplace(1024.0f);
+    for (int b = 0; b < 3; ++b) ref.step(data.x[b], data.y[b]);
+    mgpu::DeviceGroup group{"host:3"};
+    DataParallelOptions options;
+    options.compute = compute;
+    if (compute == DType::float16) options.loss_scaler.emplace(1024.0f);
+    DataParallel dp(small_mlp(), group, mgpu::optim::SGD({.lr = 0.1f, .momentum = 0.9f}), options);
+    for (int b = 0; b < 3; ++b) CHECK(dp.step(data.x[b], data.y[b]).applied);
+    // Shards round their own activations, so 16-bit results agree to 16-bit precision.
+    require_close(dp_params(dp), ref.params(), compute == DType::bfloat16 ? 2e-2 : 4e-3);
+    require_close(dp_params(dp, 2), dp_params(dp), 0);
+  }
+}
+
+TEST_CASE("float16 overflow skips the same step on every replica", "[parallel][dp]") {
+  Data data(1, 8, 5);
+  mgpu::DeviceGroup group{"host:2"};
+  DataParallelOptions options;
+  options.compute = DType::float16;
+  options.loss_scaler.emplace(1e30f);  // the scaled loss gradient overflows float16
+  DataParallel dp(small_mlp(), group, mgpu::optim::SGD({.lr = 0.1f}), options);
+  auto const before = dp_params(dp);
+  CHECK_FALSE(dp.step(data.x[0], data.y[0]).applied);
+  CHECK(dp_params(dp) == before);
+  CHECK(dp_params(dp, 1) == before);
+  CHECK(dp.loss_scaler()->skipped() == 1);
+}
+
+TEST_CASE("Clipping uses the global norm of the reduced gradients", "[parallel][dp]") {
+  Data data(3, 17, 6);
+  Reference ref(small_mlp());
+  for (int b = 0; b < 3; ++b) ref.step(data.x[b], data.y[b], 0.05f);
+  mgpu::DeviceGroup group{"host:4"};
+  DataParallel dp(small_mlp(), group, mgpu::optim::SGD({.lr = 0.1f, .momentum = 0.9f}), {.clip_norm = 0.05f});
+  for (int b = 0; b < 3; ++b) dp.step(data.x[b], data.y[b]);
+  require_close(dp_params(dp), ref.params(), 2e-6);
+}
+
+TEST_CASE("Dropout: N replicas drop what one device drops from the whole batch", "[parallel][dp]") {
+  Data data(3, 23, 7);
+  Reference ref(small_mlp(true));
+  for (int b = 0; b < 3; ++b) ref.step(data.x[b], data.y[b]);
+  mgpu::DeviceGroup group{"host:3"};
+  DataParallel dp(small_mlp(true), group, mgpu::optim::SGD({.lr = 0.1f, .momentum = 0.9f}));
+  for (int b = 0; b < 3; ++b) dp.step(data.x[b], data.y[b]);
+  require_close(dp_params(dp), ref.params(), 2e-6);
+}
+
+TEST_CASE("Deterministic mode: bitwise equal parameters whatever the buckets, overlap and timing", "[parallel][dp]") {
+  Data data(4, 31, 8);
+  std::vector<std::vector<float>> runs;
+  for (std::size_t cap : {std::size_t{64}, std::size_t{1} << 30}) {
+    for (bool overlap : {true, false}) {
+      mgpu::DeviceGroup group{"host:3"};
+      DataParallelOptions options;
+      options.deterministic = true;
+      options.overlap = overlap;
+      options.bucket_cap_bytes = cap;
+      options.first_bucket_cap_bytes = cap;
+      DataParallel dp(small_mlp(), group, mgpu::optim::AdamW({.lr = 0.01f}), options);
+      for (int b = 0; b < 4; ++b) dp.step(data.x[b], data.y[b]);
+      runs.push_back(dp_params(dp));
+    }
+  }
+  for (auto const& run : runs) REQUIRE(run == runs.front());
+}
+
+TEST_CASE("The timeline shows a bucket's all-reduce starting while earlier layers are in backward", "[parallel][dp][trace]") {
+  Env env;
+  Tensor x = env.random({64, 512}, 9);
+  Tensor y = Tensor::empty({64}, DType::float32, *env.allocator);
+  for (std::int64_t i = 0; i < 64; ++i) y.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(i % 10);
+  // Emulated at a tenth of the host's speed, compute is mostly sleep, so the communication
+  // workers get a core however loaded the machine is.
+  mgpu::DeviceGroup group{"host:2@speed=0.1"};
+  auto timeline = std::make_shared<mgpu::trace::Timeline>();
+  DataParallelOptions options;
+  options.timeline = timeline;
+  options.first_bucket_cap_bytes = 4096;  // the last layer's bucket alone
+  // The first layer's backward (a 512 x 1024 weight gradient) takes much longer than the reduce
+  // of the last layer's small bucket.
+  DataParallel dp(mgpu::nn::Sequential::mlp({512, 1024, 32, 10}), group, mgpu::optim::SGD({.lr = 0.01f}), options);
+  REQUIRE(dp.buckets().size() >= 2);
+  timeline->enable();
+  dp.step(x, y);
+  dp.step(x, y);
+  auto const spans = timeline->spans();
+  bool overlapped = false;
+  for (auto const& reduce : spans) {
+    if (reduce.name != "all-reduce bucket 0" || reduce.rank != 0) continue;
+    for (auto const& bwd : spans) {
+      // Bucket 0 holds the last layer only: its reduce must begin before an earlier layer's
+      // backward ends.
+      bool const earlier = bwd.name == "backward Linear(512, 1024)" || bwd.name == "backward Linear(1024, 32)";
+      if (bwd.rank == 0 && earlier && reduce.begin_ns < bwd.end_ns) overlapped = true;
+    }
+  }
+  if (!overlapped) {
+    for (auto const& s : spans) UNSCOPED_INFO(s.rank << " " << s.lane << " " << s.name << " " << s.begin_ns / 1000 << " " << s.end_ns / 1000);
+  }
+  CHECK(overlapped);
+  auto const json = nlohmann::json::parse(timeline->chrome_trace_json());
+  int reduces = 0, updates = 0, forwards = 0;
+  for (auto const& e : json.at("traceEvents")) {
+    if (e.at("ph") != "X") continue;
+    std::string const name = e.at("name");
+    reduces += name.rfind("all-reduce bucket", 0) == 0 ? 1 : 0;
+    updates += name.rfind("update", 0) == 0 && e.at("tid") == mgpu::trace::Lane::communication ? 1 : 0;
+    forwards += name == "forward" ? 1 : 0;
+  }
+  CHECK(forwards == 2 * 2);  // 2 ranks, 2 steps
+  CHECK(reduces == 2 * 2 * static_cast<int>(dp.buckets().size()));
+  CHECK(updates == reduces);  // each bucket is updated on the communication stream after its reduce
+}
+
+TEST_CASE("Rebalancing moves rows from a half-speed device until shards are about 2:1", "[parallel][dp]") {
+  Env env;
+  Tensor x = env.random({96, 256}, 10);
+  Tensor y = Tensor::empty({96}, DType::float32, *env.allocator);
+  for (std::int64_t i = 0; i < 96; ++i) y.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(i % 10);
+  mgpu::DeviceGroup group{"host:2@speed=1,0.5"};
+  DataParallelOptions options;
+  options.weights = {1, 1};
+  options.rebalance = true;
+  DataParallel dp(mgpu::nn::Sequential::mlp({256, 512, 10}), group, mgpu::optim::SGD({.lr = 0.01f}), options);
+  std::int64_t fast = 0, slow = 0;
+  for (int i = 0; i < 24; ++i) {
+    auto const r = dp.step(x, y);
+    if (i >= 16) {  // the last 8 steps, after convergence
+      fast += r.rows[0];
+      slow += r.rows[1];
+    }
+  }
+  double const ratio = static_cast<double>(fast) / static_cast<double>(slow);
+  INFO("rows " << fast << " : " << slow);
+  CHECK(ratio > 1.4);  // even shards were 1:1; the machine's load makes single steps noisy
+  CHECK(ratio < 3.0);
+}
+
+TEST_CASE("The scheduler picks the ranks and the shard weights follow device speed", "[parallel][dp][sched]") {
+  Data data(2, 20, 11);
+  Reference ref(small_mlp());
+  for (int b = 0; b < 2; ++b) ref.step(data.x[b], data.y[b]);
+  mgpu::DeviceGroup group{"host:4@speed=1,0.5,1,0.25"};
+  DataParallelOptions options;
+  options.request = mgpu::sched::Request{.devices = 2, .memory_bytes = 1 << 20};
+  DataParallel dp(small_mlp(), group, mgpu::optim::SGD({.lr = 0.1f, .momentum = 0.9f}), options);
+  REQUIRE(dp.ranks().size() == 2);
+  CHECK(dp.group().size() == 2);
+  std::vector<double> expected;
+  for (int r : dp.ranks()) expected.push_back(group.device(r).speed);
+  CHECK(dp.weights()[0] / dp.weights()[1] == Approx(expected[0] / expected[1]));
+  for (int b = 0; b < 2; ++b) dp.step(data.x[b], data.y[b]);
+  require_close(dp_params(dp), ref.params(), 2e-6);
+
+  options.request->memory_bytes = 1e18;
+  REQUIRE_MGPU_ERROR(DataParallel(small_mlp(), group, mgpu::optim::SGD{}, options), mgpu::Errc::out_of_memory, "can hold a replica");
+}
+
+TEST_CASE("Checkpoints: saved from rank 0, loaded on another device count, bit-identical continuation", "[parallel][dp][io]") {
+  auto const dir = std::filesystem::temp_directory_path() / "mgpu_dp_checkpoint_test";
+  std::filesystem::create_directories(dir);
+  Data data(4, 18, 12);
+  std::vector<float> straight;
+  {
+    mgpu::DeviceGroup group{"host:2"};
+    DataParallel dp(small_mlp(), group, mgpu::optim::SGD({.lr = 0.1f, .momentum = 0.9f}));
+    for (int b = 0; b < 4; ++b) dp.step(data.x[b], data.y[b]);
+    straight = dp_params(dp);
+  }
+  {
+    mgpu::DeviceGroup group{"host:2"};
+    DataParallel dp(small_mlp(), group, mgpu::optim::SGD({.lr = 0.1f, .momentum = 0.9f}));
+    for (int b = 0; b < 2; ++b) dp.step(data.x[b], data.y[b]);
+    dp.save(dir / "dp.ckpt", {.step = 2});
+  }
+  {
+    mgpu::DeviceGroup group{"host:2"};
+    DataParallel dp(small_mlp(), group, mgpu::optim::SGD({.lr = 0.1f, .momentum = 0.9f}), {.seed = 99});
+    CHECK(dp.load(dir / "dp.ckpt").step == 2);
+    for (int b = 2; b < 4; ++b) dp.step(data.x[b], data.y[b]);
+    CHECK(dp_params(dp) == straight);  // bitwise
+  }
+  {
+    mgpu::DeviceGroup group{"host:3"};
+    DataParallel dp(small_mlp(), group, mgpu::optim::SGD({.lr = 0.1f, .momentum = 0.9f}), {.seed = 99});
+    dp.load(dir / "dp.ckpt");
+    for (int b = 2; b < 4; ++b) dp.step(data.x[b], data.y[b]);
+    require_close(dp_params(dp), straight, 2e-6);
+    require_close(dp_params(dp, 2), dp_params(dp), 0);
+    DataParallel other(mgpu::nn::Sequential::mlp({features, 8, classes}), group, mgpu::optim::SGD{});
+    REQUIRE_MGPU_ERROR(other.load(dir / "dp.ckpt"), mgpu::Errc::invalid_argument, "expected");
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("bf16-compressed all-reduce with error feedback trains close to float32", "[parallel][dp]") {
+  Data data(4, 24, 13);
+  Reference ref(small_mlp());
+  for (int b = 0; b < 4; ++b) ref.step(data.x[b], data.y[b]);
+  mgpu::DeviceGroup group{"host:2"};
+  auto hook = std::make_shared<mgpu::parallel::Bf16Compression>();
+  DataParallelOptions options;
+  options.comm_hook = hook;
+  DataParallel dp(small_mlp(), group, mgpu::optim::SGD({.lr = 0.1f, .momentum = 0.9f}), options);
+  for (int b = 0; b < 4; ++b) dp.step(data.x[b], data.y[b]);
+  require_close(dp_params(dp), ref.params(), 2e-2);
+  require_close(dp_params(dp, 1), dp_params(dp), 0);
+  // The residual is what rounding to bfloat16 lost: at most half a bfloat16 ulp of the value.
+  auto const residual = host_values(hook->residual(0, 0), dp.group().stream(0));
+  double largest = 0;
+  for (float v : residual) largest = std::max(largest, static_cast<double>(std::abs(v)));
+  CHECK(largest > 0);
+  CHECK(largest < 1e-2);
+}
+
+TEST_CASE("DataParallel rejects bad input with clear errors", "[parallel][dp]") {
+  Data data(1, 3, 14);
+  mgpu::DeviceGroup group{"host:4"};
+  REQUIRE_MGPU_ERROR(DataParallel(small_mlp(), group, mgpu::optim::SGD{}, {.bucket_cap_bytes = 0}), mgpu::Errc::invalid_argument,
+                     "a bucket cap of 0 bytes");
+  REQUIRE_MGPU_ERROR(DataParallel(small_mlp(), group, mgpu::optim::SGD{}, {.weights = {1, 2}}), mgpu::Errc::invalid_argument,
+                     "2 shard weights (expected 4");
+  DataParallel strict(small_mlp(), group, mgpu::optim::SGD{}, {.allow_empty_shards = false});
+  REQUIRE_MGPU_ERROR(strict.step(data.x[0], data.y[0]), mgpu::Errc::invalid_argument, "expected at least 4 rows");
+  DataParallel dp(small_mlp(), group, mgpu::optim::SGD{});
+  Tensor bad = data.env.make({3}, {0, 1, 7});
+  REQUIRE_MGPU_ERROR(dp.step(data.x[0], bad), mgpu::Errc::invalid_argument, "label 7.000000 at row 2 (expected a class id in [0, 4))");
+  REQUIRE_MGPU_ERROR(dp.step(data.x[0], data.y[0].slice(0, 2)), mgpu::Errc::invalid_argument, "expected [3]");
+  // A replica whose weights were changed behind the executor's back is named.
+  dp.verify_replicas();
+  mgpu::fill_async(dp.replica(2).master_parameters().slice(0, 1), 5.0f, dp.group().stream(2));
+  REQUIRE_MGPU_ERROR(dp.verify_replicas(), mgpu::Errc::invalid_argument, "replica on rank 2 layer 0");
+}
