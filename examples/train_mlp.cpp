@@ -5,8 +5,10 @@
 //   train_mlp --data csv:iris.csv --layers 32,3 --epochs 50
 //   train_mlp --data idx:train-images-idx3-ubyte,train-labels-idx1-ubyte --layers 128,10 --optimizer adamw
 //   train_mlp --checkpoint run.ckpt --resume --json
+//   train_mlp --devices host:2@speed=1,0.5 --rebalance --verbose --trace step.json
 //
-// Until data parallelism lands it trains on the first device of --devices.
+// It trains data parallel (parallel::DataParallel) over every device of --devices: one replica
+// per device, each batch sharded across them, gradients all-reduced in buckets during backward.
 #include <CLI/CLI.hpp>
 
 #include <unistd.h>
@@ -42,7 +44,12 @@ struct Options {
   std::uint64_t seed = 1;
   std::string checkpoint;
   bool resume = false;
+  bool allow_fresh = false;
   bool json = false;
+  bool verbose = false;
+  bool rebalance = false;
+  std::string trace;
+  int trace_steps = 20;
 };
 
 mgpu::data::InMemoryDataset load(Options const& o) {
@@ -90,14 +97,6 @@ mgpu::DType precision(std::string const& p) {
   return mgpu::DType::float32;
 }
 
-// A tensor on `device` holding a host tensor's values (the host tensor itself on a host device).
-mgpu::Tensor to_device(mgpu::Tensor const& host, mgpu::Device device, mgpu::Allocator& allocator, mgpu::Stream& stream) {
-  if (device.kind == mgpu::DeviceKind::host) return host;
-  mgpu::Tensor t = mgpu::Tensor::empty(host.shape(), host.dtype(), allocator);
-  mgpu::copy_async(t, host, stream);
-  return t;
-}
-
 mgpu::Tensor host_tensor(std::span<float const> values, mgpu::Shape shape, mgpu::Allocator& allocator) {
   mgpu::Tensor t = mgpu::Tensor::empty(std::move(shape), mgpu::DType::float32, allocator);
   std::copy(values.begin(), values.end(), t.host_span<float>().begin());
@@ -115,108 +114,132 @@ void draw_progress(int epoch, int epochs, std::int64_t batch, std::int64_t batch
   std::fflush(stderr);
 }
 
+std::unique_ptr<mgpu::optim::Optimizer> make_optimizer(Options const& o) {
+  if (o.optimizer == "adamw") return std::make_unique<mgpu::optim::AdamW>(mgpu::optim::AdamWOptions{.lr = o.lr > 0 ? o.lr : 1e-3f});
+  return std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = o.lr > 0 ? o.lr : 0.05f, .momentum = 0.9f});
+}
+
 int train(Options const& o) {
   mgpu::DeviceGroup group = o.devices.empty() ? mgpu::DeviceGroup() : mgpu::DeviceGroup(o.devices);
-  mgpu::Device const device = group.device(0);
-  mgpu::nn::Context ctx{group.allocator(0), group.stream(0)};
   FILE* const log = o.json ? stderr : stdout;
   bool const terminal = ::isatty(STDERR_FILENO) != 0;
+  if (o.resume && !std::filesystem::exists(o.checkpoint) && !o.allow_fresh)
+    throw mgpu::Error(mgpu::Errc::io, "--resume: no checkpoint at '" + o.checkpoint +
+                                          "' (expected a file written by --checkpoint; add --allow-fresh to start fresh when it is missing)");
 
   auto const all = load(o);
   if (all.classes() < 2)
     throw mgpu::Error(mgpu::Errc::invalid_argument, "the data has " + std::to_string(all.classes()) + " classes (expected a classification set with >= 2)");
   auto const [train_set, test_set] = mgpu::data::split(all, o.test_fraction, o.seed);
-  auto model = mgpu::nn::Sequential::mlp(widths(o, all.features(), all.classes()), o.activation);
-  model.materialize(ctx, o.seed, precision(o.precision));
-  std::unique_ptr<mgpu::optim::Optimizer> optimizer;
-  if (o.optimizer == "adamw") {
-    optimizer = std::make_unique<mgpu::optim::AdamW>(mgpu::optim::AdamWOptions{.lr = o.lr > 0 ? o.lr : 1e-3f});
-  } else {
-    optimizer = std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = o.lr > 0 ? o.lr : 0.05f, .momentum = 0.9f});
-  }
-  mgpu::optim::LossScaler scaler;
-  mgpu::nn::StepOptions step_options{.scaler = o.precision == "fp16" ? &scaler : nullptr};
+  mgpu::parallel::DataParallelOptions dp_options;
+  dp_options.seed = o.seed;
+  dp_options.compute = precision(o.precision);
+  if (o.precision == "fp16") dp_options.loss_scaler.emplace();
+  dp_options.rebalance = o.rebalance;
+  auto const timeline = o.trace.empty() ? nullptr : std::make_shared<mgpu::trace::Timeline>();
+  dp_options.timeline = timeline;
+  mgpu::parallel::DataParallel dp(mgpu::nn::Sequential::mlp(widths(o, all.features(), all.classes()), o.activation), group,
+                                  [&] { return make_optimizer(o); }, dp_options);
+  mgpu::DeviceGroup& used = dp.group();
+  std::string trained_on;
+  for (int r = 0; r < used.size(); ++r) trained_on += (r ? "," : "") + used.device(r).to_string();
 
   mgpu::io::TrainingState state{.data_seed = o.seed};
-  if (o.resume && !o.checkpoint.empty() && std::filesystem::exists(o.checkpoint)) {
-    state = mgpu::io::load_training(o.checkpoint, model, *optimizer, ctx.allocator, ctx.stream);
+  if (o.resume && std::filesystem::exists(o.checkpoint)) {
+    state = dp.load(o.checkpoint);
     std::fprintf(log, "resumed from %s at epoch %lld, batch %lld (step %lld)\n", o.checkpoint.c_str(), static_cast<long long>(state.epoch + 1),
                  static_cast<long long>(state.batch), static_cast<long long>(state.step));
   }
 
-  std::fprintf(log, "mgpu %s: training %lld parameters on %s (%s), %lld train / %lld test examples, %lld features, %lld classes\n", mgpu::version,
-               static_cast<long long>(model.parameter_count()), device.to_string().c_str(), o.precision.c_str(),
+  std::fprintf(log, "mgpu %s: training %lld parameters data parallel on %s (%s), %lld train / %lld test examples, %lld features, %lld classes\n",
+               mgpu::version, static_cast<long long>(dp.replica(0).parameter_count()), trained_on.c_str(), o.precision.c_str(),
                static_cast<long long>(train_set.size()), static_cast<long long>(test_set.size()), static_cast<long long>(all.features()),
                static_cast<long long>(all.classes()));
   auto host = mgpu::Allocator::create(mgpu::Device{mgpu::DeviceKind::host, 0});
   auto const normalizer = o.data.starts_with("idx:") ? mgpu::data::Normalizer{} : mgpu::data::Normalizer::fit(train_set);
   mgpu::data::BatchLoader loader(train_set, {.batch = o.batch, .seed = state.data_seed, .normalizer = normalizer}, host,
-                                 device.kind == mgpu::DeviceKind::cuda);
+                                 used.device(0).kind == mgpu::DeviceKind::cuda);
 
-  // The test set, normalized with the training statistics, on the device.
+  // The test set, normalized with the training statistics (DataParallel evaluates on rank 0).
   std::vector<float> test_x(test_set.feature_data().begin(), test_set.feature_data().end());
   normalizer.apply(test_x);
-  mgpu::Tensor const test_features = to_device(host_tensor(test_x, {test_set.size(), all.features()}, *host), device, ctx.allocator, ctx.stream);
-  mgpu::Tensor const test_labels = to_device(host_tensor(test_set.labels(), {test_set.size()}, *host), device, ctx.allocator, ctx.stream);
+  mgpu::Tensor const test_features = host_tensor(test_x, {test_set.size(), all.features()}, *host);
+  mgpu::Tensor const test_labels = host_tensor(test_set.labels(), {test_set.size()}, *host);
 
   double train_seconds = 0;
   std::int64_t samples = 0;
   float epoch_loss = NAN;
   double accuracy = NAN;
+  std::int64_t traced = 0;
+  if (timeline) timeline->enable();
   int const last = o.until_epoch > 0 ? std::min(o.until_epoch, o.epochs) : o.epochs;
   for (auto epoch = static_cast<int>(state.epoch); epoch < last; ++epoch) {
     loader.start_epoch(epoch, state.batch);
-    std::vector<mgpu::Tensor> losses;
+    double loss_sum = 0;
+    std::int64_t steps = 0;
+    std::vector<double> rows(static_cast<std::size_t>(used.size()), 0.0), compute_ms(rows), wait_ms(rows);
     auto const start = Clock::now();
     auto last_draw = start;
     std::int64_t epoch_samples = 0;
     while (auto batch = loader.next()) {
-      mgpu::Tensor const x = to_device(batch->x, device, ctx.allocator, ctx.stream);
-      mgpu::Tensor const y = to_device(batch->y, device, ctx.allocator, ctx.stream);
-      step_options.lr_scale = mgpu::optim::cosine_lr(state.step, static_cast<std::int64_t>(o.epochs) * loader.batches_per_epoch(), 0.05f);
-      auto const result = mgpu::nn::classification_step(model, *optimizer, x, y, ctx, step_options);
-      losses.push_back(result.loss);
+      float const lr_scale = mgpu::optim::cosine_lr(state.step, static_cast<std::int64_t>(o.epochs) * loader.batches_per_epoch(), 0.05f);
+      auto const result = dp.step(batch->x, batch->y, lr_scale);
+      if (timeline && ++traced == o.trace_steps) timeline->enable(false);
+      loss_sum += result.loss;
+      ++steps;
+      for (std::size_t r = 0; r < rows.size(); ++r) {
+        rows[r] += static_cast<double>(result.rows[r]);
+        compute_ms[r] += result.compute_ms[r];
+        wait_ms[r] += result.wait_ms[r];
+      }
       epoch_samples += batch->x.dim(0);
       ++state.step;
       state.batch = batch->index + 1;
       if (terminal && Clock::now() - last_draw > std::chrono::milliseconds(100)) {
         last_draw = Clock::now();
         double const seconds = std::chrono::duration<double>(last_draw - start).count();
-        draw_progress(epoch, o.epochs, state.batch, loader.batches_per_epoch(), mgpu::ops::item(result.loss, ctx.stream),
-                      static_cast<double>(epoch_samples) / seconds);
+        draw_progress(epoch, o.epochs, state.batch, loader.batches_per_epoch(), result.loss, static_cast<double>(epoch_samples) / seconds);
       }
     }
-    ctx.stream.synchronize();
     double const seconds = std::chrono::duration<double>(Clock::now() - start).count();
     train_seconds += seconds;
     samples += epoch_samples;
-    double sum = 0;
-    for (auto const& l : losses) sum += mgpu::ops::item(l, ctx.stream);
-    epoch_loss = static_cast<float>(sum / static_cast<double>(std::max<std::size_t>(1, losses.size())));
-    accuracy = test_set.size() > 0
-                   ? static_cast<double>(mgpu::nn::count_correct(model, test_features, test_labels, ctx)) / static_cast<double>(test_set.size())
-                   : NAN;
+    epoch_loss = static_cast<float>(loss_sum / static_cast<double>(std::max<std::int64_t>(1, steps)));
+    accuracy = test_set.size() > 0 ? static_cast<double>(dp.count_correct(test_features, test_labels)) / static_cast<double>(test_set.size()) : NAN;
     if (terminal) std::fprintf(stderr, "\r%*s\r", 100, "");
-    std::fprintf(log, "epoch %d/%d  loss %.4f  test accuracy %.4f  %.0f samples/s\n", epoch + 1, o.epochs, epoch_loss, accuracy,
-                 static_cast<double>(epoch_samples) / seconds);
+    std::fprintf(log, "epoch %d/%d  loss %.4f  test accuracy %.4f  %.0f samples/s  %.2f ms/step\n", epoch + 1, o.epochs, epoch_loss, accuracy,
+                 static_cast<double>(epoch_samples) / seconds, 1e3 * seconds / static_cast<double>(std::max<std::int64_t>(1, steps)));
+    if (o.verbose && steps > 0) {
+      for (std::size_t r = 0; r < rows.size(); ++r) {
+        double const n = static_cast<double>(steps);
+        std::fprintf(log, "  rank %zu (%s): %.1f rows/step, compute %.2f ms/step, waiting for reduces %.2f ms/step, shard weight %.3f\n", r,
+                     used.device(static_cast<int>(r)).to_string().c_str(), rows[r] / n, compute_ms[r] / n, wait_ms[r] / n, dp.weights()[r]);
+      }
+    }
     std::fflush(log);
     state.epoch = epoch + 1;
     state.batch = 0;
-    if (!o.checkpoint.empty()) mgpu::io::save_training(o.checkpoint, model, *optimizer, state, ctx.stream);
+    if (!o.checkpoint.empty()) dp.save(o.checkpoint, state);
   }
   if (std::isnan(accuracy) && test_set.size() > 0)  // nothing left to train after a resume: still report
-    accuracy = static_cast<double>(mgpu::nn::count_correct(model, test_features, test_labels, ctx)) / static_cast<double>(test_set.size());
+    accuracy = static_cast<double>(dp.count_correct(test_features, test_labels)) / static_cast<double>(test_set.size());
+  if (timeline) {
+    timeline->write_chrome_trace(o.trace);
+    std::fprintf(log, "timeline of the first %lld steps written to %s (open it in ui.perfetto.dev or chrome://tracing)\n",
+                 static_cast<long long>(std::min<std::int64_t>(traced, o.trace_steps)), o.trace.c_str());
+  }
   double const samples_per_s = train_seconds > 0 ? static_cast<double>(samples) / train_seconds : 0.0;
+  auto const* scaler = dp.loss_scaler();
   if (o.json) {
     std::string devices;
     for (int r = 0; r < group.size(); ++r) devices += (r ? ", \"" : "\"") + group.device(r).to_string() + "\"";
     std::printf("{\"train_loss\": %.6g, \"test_accuracy\": %.6g, \"samples_per_s\": %.6g, \"devices\": [%s], \"trained_on\": \"%s\", "
                 "\"epochs\": %d, \"steps\": %lld, \"parameters\": %lld, \"precision\": \"%s\", \"skipped_steps\": %lld}\n",
                 std::isnan(epoch_loss) ? -1.0 : epoch_loss, std::isnan(accuracy) ? -1.0 : accuracy, samples_per_s, devices.c_str(),
-                device.to_string().c_str(), o.epochs, static_cast<long long>(state.step), static_cast<long long>(model.parameter_count()),
-                o.precision.c_str(), static_cast<long long>(scaler.skipped()));
+                trained_on.c_str(), o.epochs, static_cast<long long>(state.step), static_cast<long long>(dp.replica(0).parameter_count()),
+                o.precision.c_str(), static_cast<long long>(scaler != nullptr ? scaler->skipped() : 0));
   } else {
-    std::printf("final: train loss %.4f, test accuracy %.4f, %.0f samples/s on %s\n", epoch_loss, accuracy, samples_per_s, device.to_string().c_str());
+    std::printf("final: train loss %.4f, test accuracy %.4f, %.0f samples/s on %s\n", epoch_loss, accuracy, samples_per_s, trained_on.c_str());
   }
   return 0;
 }
@@ -226,7 +249,8 @@ int train(Options const& o) {
 int main(int argc, char** argv) {
   CLI::App app{"Train an MLP classifier with mgpu"};
   Options o;
-  app.add_option("--devices", o.devices, "device spec: auto, host:N, cuda, cuda:0,1 (default: $MGPU_DEVICES or auto); trains on the first");
+  app.add_option("--devices", o.devices,
+                 "device spec: auto, host:N, host:N@speed=1,0.5, cuda, cuda:0,1 (default: $MGPU_DEVICES or auto); trains data parallel on all");
   app.add_option("--data", o.data, "synthetic | csv:PATH | idx:IMAGES,LABELS")->capture_default_str();
   app.add_option("--label-col", o.label_col, "CSV label column, 0-based; negative counts from the end (default: last)");
   app.add_option("--test-fraction", o.test_fraction, "share of examples held out for testing")->check(CLI::Range(0.0, 0.99))->capture_default_str();
@@ -241,10 +265,15 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--seed", o.seed, "seed for the weights, the split and the data order")->capture_default_str();
   app.add_option("--checkpoint", o.checkpoint, "write a checkpoint here after every epoch");
-  app.add_flag("--resume", o.resume, "continue from --checkpoint when it exists");
+  app.add_flag("--resume", o.resume, "continue from --checkpoint (an error when it does not exist, unless --allow-fresh)");
+  app.add_flag("--allow-fresh", o.allow_fresh, "with --resume: start fresh when the checkpoint does not exist yet");
   app.add_option("--until-epoch", o.until_epoch, "stop after this epoch, as a time-sliced job would; --resume continues (the schedule still spans --epochs)")
       ->check(CLI::PositiveNumber);
   app.add_flag("--json", o.json, "print the final metrics as one JSON object on stdout (progress goes to stderr)");
+  app.add_flag("--verbose", o.verbose, "per epoch, each rank's rows, compute and reduce-wait time per step");
+  app.add_flag("--rebalance", o.rebalance, "re-weight shards from each device's measured compute time");
+  app.add_option("--trace", o.trace, "write a Chrome/Perfetto timeline of the first --trace-steps steps to this JSON file");
+  app.add_option("--trace-steps", o.trace_steps, "steps the timeline records")->check(CLI::PositiveNumber)->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (o.resume && o.checkpoint.empty()) {
     std::fprintf(stderr, "train_mlp: --resume needs --checkpoint PATH\n");
@@ -255,5 +284,8 @@ int main(int argc, char** argv) {
   } catch (mgpu::Error const& e) {
     std::fprintf(stderr, "\ntrain_mlp: %s\n", e.what());
     return 2;
+  } catch (std::exception const& e) {
+    std::fprintf(stderr, "\ntrain_mlp: unexpected error: %s\n", e.what());
+    return 1;
   }
 }
