@@ -276,6 +276,9 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
       im.comm->broadcast(rank, replica.master_parameters(), 0, stream);
       replica.sync_parameters(stream);
     });
+#ifndef NDEBUG
+    verify_replicas();  // debug builds check that every replica starts from rank 0's weights
+#endif
   }
 }
 
