@@ -6,6 +6,8 @@
 //   speedup_vs_1      N-device samples/s ÷ the same step on one host device, the block before;
 //   comm_wait_frac    time a rank waits for its reduces after backward ÷ its step time (mean
 //                     over ranks): what the overlap did not hide.
+// BM_timeline_record and BM_timeline_stream_span give the tracing cost per recorded span (a
+// host-side record, and the two marker tasks a stream span adds), on and off.
 // Host devices are one worker thread each: on a 2-core machine host:4 shares two cores between
 // four ranks, so its speedup is bounded by 2.
 //
@@ -106,6 +108,44 @@ BENCHMARK(BM_data_parallel)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime()
     ->MinTime(4.0);
+
+void BM_timeline_record(benchmark::State& state) {
+  mgpu::trace::Timeline timeline;
+  timeline.enable(state.range(0) != 0);
+  std::int64_t n = 0;
+  for (auto _ : state) {
+    timeline.record({"all-reduce bucket 3", "communication", 1, mgpu::trace::Lane::communication, n, n + 10});
+    ++n;
+    if (n % 65536 == 0) {  // keep memory bounded; not timed as part of a record on average
+      state.PauseTiming();
+      timeline.clear();
+      state.ResumeTiming();
+    }
+  }
+  state.counters["enabled"] = static_cast<double>(state.range(0));
+}
+BENCHMARK(BM_timeline_record)->ArgName("enabled")->Arg(0)->Arg(1);
+
+// A stream span around one empty task, synchronized every 64 spans: the difference between the
+// enabled and disabled rows is the span's cost on the enqueuing thread and the worker.
+void BM_timeline_stream_span(benchmark::State& state) {
+  mgpu::trace::Timeline timeline;
+  timeline.enable(state.range(0) != 0);
+  mgpu::Stream stream(mgpu::Device{});
+  std::int64_t n = 0;
+  for (auto _ : state) {
+    timeline.stream_span(stream, "update", "update", 0, mgpu::trace::Lane::compute, [&] { stream.enqueue([] {}); });
+    if (++n % 64 == 0) stream.synchronize();
+    if (n % 65536 == 0) {
+      state.PauseTiming();
+      timeline.clear();
+      state.ResumeTiming();
+    }
+  }
+  stream.synchronize();
+  state.counters["enabled"] = static_cast<double>(state.range(0));
+}
+BENCHMARK(BM_timeline_stream_span)->ArgName("enabled")->Arg(0)->Arg(1)->UseRealTime();
 
 }  // namespace
 
