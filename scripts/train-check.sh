@@ -49,3 +49,29 @@ else
   echo "FAIL resume: uninterrupted $(cat "$work/straight"), resumed $(cat "$work/resumed")" >&2
   exit 1
 fi
+
+# Data parallel: the same run on host:2 ends where host:1 ends (exact gradients for any sharding).
+bin="$build/examples/train_mlp"
+mnist=(--data "idx:$data/mnist-5k-images-idx3-ubyte,$data/mnist-5k-labels-idx1-ubyte" --layers 128,10 --epochs 3 --json)
+"$bin" --devices host:1 "${mnist[@]}" 2>/dev/null >"$work/dp1"
+"$bin" --devices host:2 "${mnist[@]}" 2>/dev/null >"$work/dp2"
+python3 - "$work/dp1" "$work/dp2" <<'PY'
+import json, sys
+one, two = (json.load(open(p)) for p in sys.argv[1:3])
+ok = abs(one["test_accuracy"] - two["test_accuracy"]) <= 0.005 and abs(one["train_loss"] - two["train_loss"]) <= 1e-3 * max(1, one["train_loss"])
+print(f"{'ok  ' if ok else 'FAIL'} data parallel host:2 vs host:1  test_accuracy {two['test_accuracy']:.4f} vs {one['test_accuracy']:.4f}, "
+      f"train_loss {two['train_loss']:.5f} vs {one['train_loss']:.5f}, {two['samples_per_s']:.0f} vs {one['samples_per_s']:.0f} samples/s")
+sys.exit(0 if ok else 1)
+PY
+
+# A checkpoint written on 2 devices resumes on 3.
+"$bin" --devices host:2 --epochs 4 --until-epoch 2 --checkpoint "$work/dp.ckpt" --json >/dev/null 2>&1
+"$bin" --devices host:3 --epochs 4 --checkpoint "$work/dp.ckpt" --resume --json 2>/dev/null >"$work/dp3"
+python3 -c 'import json,sys; m=json.load(open(sys.argv[1])); ok=m["test_accuracy"]>=0.95 and m["steps"]>0; print(("ok  " if ok else "FAIL")+" resume on host:3 from host:2      test_accuracy %.4f" % m["test_accuracy"]); sys.exit(0 if ok else 1)' "$work/dp3"
+
+# --resume with a missing checkpoint is an error, not a silent fresh start.
+if "$bin" --devices host:1 --resume --checkpoint "$work/missing.ckpt" >/dev/null 2>"$work/err"; then
+  echo "FAIL --resume with a missing checkpoint started fresh" >&2
+  exit 1
+fi
+grep -q "no checkpoint at" "$work/err" && echo "ok   --resume with a missing checkpoint fails: $(tail -1 "$work/err")"
