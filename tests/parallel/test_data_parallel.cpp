@@ -294,8 +294,10 @@ TEST_CASE("Rebalancing moves rows from a half-speed device until shards are abou
   }
   double const ratio = static_cast<double>(fast) / static_cast<double>(slow);
   INFO("rows " << fast << " : " << slow);
-  CHECK(ratio > 1.4);  // even shards were 1:1; the machine's load makes single steps noisy
-  CHECK(ratio < 3.0);
+  // Even shards were 1:1. The slow device's fixed per-step costs are stretched too, so the split
+  // that equalizes step times lies somewhat above 2:1 (more so under sanitizers).
+  CHECK(ratio > 1.5);
+  CHECK(ratio < 4.0);
 }
 
 TEST_CASE("The scheduler picks the ranks and the shard weights follow device speed", "[parallel][dp][sched]") {
