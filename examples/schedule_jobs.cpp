@@ -42,6 +42,8 @@ struct ClusterOptions {
   int synthetic_nodes = 0;
   int synthetic_pods = 0;
   double constrained_share = 0.33;
+  double interarrival = 350;
+  double speedup = 1;
   std::string experiment = "fill";
   std::vector<std::string> policies;
   std::vector<std::string> ties = {"random"};
@@ -74,9 +76,17 @@ int run_cluster(ClusterOptions const& o, unsigned seed, std::string const& csv) 
               });
   std::vector<s::NodeSpec> const nodes = o.nodes_file.empty() ? s::synthetic_cluster({.nodes = o.synthetic_nodes > 0 ? o.synthetic_nodes : 1213, .seed = seed})
                                                                : s::read_nodes_csv(o.nodes_file, node_columns);
-  std::vector<s::Pod> const pods = o.pods_file.empty()
-      ? s::synthetic_pods({.pods = o.synthetic_pods > 0 ? o.synthetic_pods : 8152, .constrained_share = o.constrained_share, .seed = seed})
+  std::vector<s::Pod> pods = o.pods_file.empty()
+      ? s::synthetic_pods({.pods = o.synthetic_pods > 0 ? o.synthetic_pods : 8152, .constrained_share = o.constrained_share,
+                             .mean_interarrival_seconds = o.interarrival, .seed = seed})
       : s::read_pods_csv(o.pods_file, pod_columns);
+  if (o.speedup != 1) {  // arrivals closer together, each pod running as long as before
+    for (s::Pod& p : pods) {
+      double const run = p.deletion - p.creation;
+      p.creation /= o.speedup;
+      p.deletion = p.creation + run;
+    }
+  }
   if (!o.write_nodes.empty()) s::write_nodes_csv(o.write_nodes, nodes);
   if (!o.write_pods.empty()) s::write_pods_csv(o.write_pods, pods);
   s::Cluster const cluster(nodes);
@@ -149,6 +159,10 @@ int main(int argc, char** argv) {
   app.add_option("--synthetic-pods", cluster.synthetic_pods, "cluster: synthetic pods when no --pods is given")->check(CLI::PositiveNumber);
   app.add_option("--constrained-share", cluster.constrained_share, "synthetic pods: share of GPU pods with a GPU model constraint")
       ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--pod-interarrival", cluster.interarrival, "synthetic pods: mean seconds between arrivals (the trace's: 350)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--arrival-speedup", cluster.speedup, "replay: divide creation times by this factor, keeping run times (a load test)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--experiment", cluster.experiment, "cluster: fill (Weng et al., ATC'23) or replay")->check(CLI::IsMember({"fill", "replay"}));
   app.add_option("--policy", cluster.policies, "cluster: placement policies (default all): random first-fit best-fit worst-fit dot-product gpu-packing fgd");
   app.add_option("--tie", cluster.ties, "cluster: tie rules to run each policy under: first, random, packed (default random)");
