@@ -66,7 +66,8 @@ void BM_fill(benchmark::State& state) {
   double decisions = 0;
   double seconds = 0;
   for (auto _ : state) {
-    auto const result = mgpu::sched::fill(nodes, pods, {.policy = policy, .tie = mgpu::sched::TieRule::random, .max_arrived = 1.3});
+    auto const result =
+        mgpu::sched::fill(nodes, pods, {.policy = policy, .tie = mgpu::sched::TieRule::random, .max_arrived = 1.3});
     decisions += result.decisions;
     seconds += result.seconds;
     benchmark::DoNotOptimize(result);
@@ -75,7 +76,8 @@ void BM_fill(benchmark::State& state) {
   state.counters["decisions"] = decisions / static_cast<double>(state.iterations());
   state.counters["nodes"] = static_cast<double>(nodes.size());
 }
-BENCHMARK(BM_fill)->DenseRange(0, 6)->Iterations(1)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_fill)->DenseRange(0, 6)->Iterations(1)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(
+    benchmark::kMillisecond);
 
 }  // namespace
 
@@ -94,7 +96,8 @@ int main(int argc, char** argv) {
   auto const nodes = mgpu::sched::synthetic_cluster({});
   auto const pods = mgpu::sched::synthetic_pods({});
   std::vector<mgpu::sched::FillResult> fills;
-  for (auto const policy : mgpu::sched::all_fit_policies()) fills.push_back(mgpu::sched::fill(nodes, pods, {.policy = policy}));
+  for (auto const policy : mgpu::sched::all_fit_policies())
+    fills.push_back(mgpu::sched::fill(nodes, pods, {.policy = policy}));
   std::printf("\nfill of the synthetic 1,213-node cluster with its 8,152 pods (tie rule random, seed 1):\n%s",
               mgpu::sched::format_fill(fills).c_str());
   benchmark::Shutdown();

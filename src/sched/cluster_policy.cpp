@@ -16,8 +16,9 @@
 namespace mgpu::sched {
 namespace {
 
-constexpr FitPolicy policies[] = {FitPolicy::random,      FitPolicy::first_fit,   FitPolicy::best_fit, FitPolicy::worst_fit,
-                                  FitPolicy::dot_product, FitPolicy::gpu_packing, FitPolicy::fgd};
+constexpr FitPolicy policies[] = {FitPolicy::random,    FitPolicy::first_fit,   FitPolicy::best_fit,
+                                  FitPolicy::worst_fit, FitPolicy::dot_product, FitPolicy::gpu_packing,
+                                  FitPolicy::fgd};
 constexpr TieRule rules[] = {TieRule::first, TieRule::random, TieRule::packed};
 
 bool model_allowed(Demand const& d, int model) { return model >= 0 && (d.models >> model & 1); }
@@ -32,22 +33,32 @@ int free_sum(std::span<int const> gpus) {
 
 std::string_view name_of(FitPolicy policy) noexcept {
   switch (policy) {
-    case FitPolicy::random: return "random";
-    case FitPolicy::first_fit: return "first-fit";
-    case FitPolicy::best_fit: return "best-fit";
-    case FitPolicy::worst_fit: return "worst-fit";
-    case FitPolicy::dot_product: return "dot-product";
-    case FitPolicy::gpu_packing: return "gpu-packing";
-    case FitPolicy::fgd: return "fgd";
+    case FitPolicy::random:
+      return "random";
+    case FitPolicy::first_fit:
+      return "first-fit";
+    case FitPolicy::best_fit:
+      return "best-fit";
+    case FitPolicy::worst_fit:
+      return "worst-fit";
+    case FitPolicy::dot_product:
+      return "dot-product";
+    case FitPolicy::gpu_packing:
+      return "gpu-packing";
+    case FitPolicy::fgd:
+      return "fgd";
   }
   return "?";
 }
 
 std::string_view name_of(TieRule rule) noexcept {
   switch (rule) {
-    case TieRule::first: return "first";
-    case TieRule::random: return "random";
-    case TieRule::packed: return "packed";
+    case TieRule::first:
+      return "first";
+    case TieRule::random:
+      return "random";
+    case TieRule::packed:
+      return "packed";
   }
   return "?";
 }
@@ -58,7 +69,8 @@ FitPolicy fit_policy_named(std::string_view name) {
     if (name_of(p) == name) return p;
     list += (list.empty() ? "" : ", ") + std::string(name_of(p));
   }
-  throw Error(Errc::invalid_argument, "no placement policy named '" + std::string(name) + "' (expected one of: " + list + ")");
+  throw Error(Errc::invalid_argument,
+              "no placement policy named '" + std::string(name) + "' (expected one of: " + list + ")");
 }
 
 TieRule tie_rule_named(std::string_view name) {
@@ -72,15 +84,18 @@ TieRule tie_rule_named(std::string_view name) {
 
 std::vector<FitPolicy> all_fit_policies() { return {std::begin(policies), std::end(policies)}; }
 
-std::vector<PodType> target_workload(Cluster const& cluster, std::vector<Pod> const& pods, TargetOptions const& options) {
+std::vector<PodType> target_workload(Cluster const& cluster, std::vector<Pod> const& pods,
+                                     TargetOptions const& options) {
   if (pods.empty()) throw Error(Errc::invalid_argument, "a target workload from no pods (expected at least one)");
   if (!(options.coverage > 0 && options.coverage <= 1))
-    throw Error(Errc::invalid_argument, "target coverage " + std::to_string(options.coverage) + " (expected a share in (0, 1])");
+    throw Error(Errc::invalid_argument,
+                "target coverage " + std::to_string(options.coverage) + " (expected a share in (0, 1])");
   using Key = std::tuple<int, int, int, int, std::uint64_t>;
   std::map<Key, int> counts;
   for (Pod const& p : pods) {
     Demand const d = cluster.demand_of(p);
-    ++counts[options.cpu_and_memory ? Key{d.cpu_milli, d.memory_mib, d.gpus, d.gpu_milli, d.models} : Key{0, 0, d.gpus, d.gpu_milli, d.models}];
+    ++counts[options.cpu_and_memory ? Key{d.cpu_milli, d.memory_mib, d.gpus, d.gpu_milli, d.models}
+                                    : Key{0, 0, d.gpus, d.gpu_milli, d.models}];
   }
   std::vector<std::pair<Key, int>> sorted(counts.begin(), counts.end());
   std::stable_sort(sorted.begin(), sorted.end(), [](auto const& a, auto const& b) { return a.second > b.second; });
@@ -96,7 +111,8 @@ std::vector<PodType> target_workload(Cluster const& cluster, std::vector<Pod> co
   return types;
 }
 
-double node_fragmentation(std::vector<PodType> const& target, int model, int free_cpu, int free_memory, std::span<int const> free_gpus) {
+double node_fragmentation(std::vector<PodType> const& target, int model, int free_cpu, int free_memory,
+                          std::span<int const> free_gpus) {
   double const all = free_sum(free_gpus);
   double total = 0;
   for (PodType const& t : target) {
@@ -106,8 +122,10 @@ double node_fragmentation(std::vector<PodType> const& target, int model, int fre
       int room = 0;
       double unusable = 0;
       for (int g : free_gpus) {
-        if (g >= d.gpu_milli) ++room;
-        else unusable += g;
+        if (g >= d.gpu_milli)
+          ++room;
+        else
+          unusable += g;
       }
       if (room >= d.gpus) f = unusable;
     }
@@ -132,13 +150,15 @@ void Placer::index_target(Cluster const& cluster) {
         view.unable_share += t.share;
         continue;
       }
-      auto it = std::find_if(view.groups.begin(), view.groups.end(), [&](Group const& g) { return g.gpus == d.gpus && g.gpu_milli == d.gpu_milli; });
+      auto it = std::find_if(view.groups.begin(), view.groups.end(),
+                             [&](Group const& g) { return g.gpus == d.gpus && g.gpu_milli == d.gpu_milli; });
       if (it == view.groups.end()) it = view.groups.insert(view.groups.end(), Group{d.gpus, d.gpu_milli, 0.0, {}});
       it->share += t.share;
       it->members.push_back({d.cpu_milli, d.memory_mib, t.share});
     }
     for (Group& g : view.groups)
-      std::sort(g.members.begin(), g.members.end(), [](Member const& a, Member const& b) { return a.cpu_milli < b.cpu_milli; });
+      std::sort(g.members.begin(), g.members.end(),
+                [](Member const& a, Member const& b) { return a.cpu_milli < b.cpu_milli; });
   }
   before_.assign(cluster.nodes().size(), 0.0);
   before_version_.assign(cluster.nodes().size(), 0);
@@ -155,8 +175,10 @@ double Placer::fragmentation(int model, int free_cpu, int free_memory, std::span
     int room = 0;
     double unusable = 0;
     for (int free : free_gpus) {
-      if (free >= g.gpu_milli) ++room;
-      else unusable += free;
+      if (free >= g.gpu_milli)
+        ++room;
+      else
+        unusable += free;
     }
     if (room < g.gpus) {
       total += g.share * all;
@@ -175,7 +197,8 @@ double Placer::fragmentation(int model, int free_cpu, int free_memory, std::span
 double Placer::fragmentation_before(Cluster const& cluster, int node) {
   auto const n = static_cast<std::size_t>(node);
   if (before_version_[n] != cluster.version(node) + 1) {
-    before_[n] = fragmentation(cluster.model_of(node), cluster.free_cpu(node), cluster.free_memory(node), cluster.free_gpus(node));
+    before_[n] = fragmentation(cluster.model_of(node), cluster.free_cpu(node), cluster.free_memory(node),
+                               cluster.free_gpus(node));
     before_version_[n] = cluster.version(node) + 1;
   }
   return before_[n];
@@ -244,25 +267,37 @@ Placer::Candidate Placer::rate(Cluster const& cluster, Demand const& d, int node
   double const gpu_free = free_sum(free);
   double const gpu_asked = static_cast<double>(d.gpus) * d.gpu_milli;
   switch (policy_) {
-    case FitPolicy::random: c.score = std::uniform_real_distribution<double>(0.0, 1.0)(rng_); break;
-    case FitPolicy::first_fit: c.score = node; break;
-    case FitPolicy::best_fit: c.score = cpu_left + memory_left + (gpu_free - gpu_asked) / gpu_capacity; break;
-    case FitPolicy::worst_fit: c.score = -(cpu_left + memory_left + (gpu_free - gpu_asked) / gpu_capacity); break;
+    case FitPolicy::random:
+      c.score = std::uniform_real_distribution<double>(0.0, 1.0)(rng_);
+      break;
+    case FitPolicy::first_fit:
+      c.score = node;
+      break;
+    case FitPolicy::best_fit:
+      c.score = cpu_left + memory_left + (gpu_free - gpu_asked) / gpu_capacity;
+      break;
+    case FitPolicy::worst_fit:
+      c.score = -(cpu_left + memory_left + (gpu_free - gpu_asked) / gpu_capacity);
+      break;
     case FitPolicy::dot_product:
-      c.score = -(static_cast<double>(d.cpu_milli) * cluster.free_cpu(node) / (static_cast<double>(spec.cpu_milli) * spec.cpu_milli) +
-                  static_cast<double>(d.memory_mib) * cluster.free_memory(node) / (static_cast<double>(spec.memory_mib) * spec.memory_mib) +
+      c.score = -(static_cast<double>(d.cpu_milli) * cluster.free_cpu(node) /
+                      (static_cast<double>(spec.cpu_milli) * spec.cpu_milli) +
+                  static_cast<double>(d.memory_mib) * cluster.free_memory(node) /
+                      (static_cast<double>(spec.memory_mib) * spec.memory_mib) +
                   gpu_asked * gpu_free / (gpu_capacity * gpu_capacity));
       break;
     case FitPolicy::gpu_packing: {
       bool const used = gpu_free < 1000.0 * spec.gpus || (spec.gpus == 0 && cluster.free_cpu(node) < spec.cpu_milli);
-      bool const shares_gpu = d.gpus == 1 && d.gpu_milli < 1000 && free[static_cast<std::size_t>(c.gpus.front())] < 1000;
+      bool const shares_gpu =
+          d.gpus == 1 && d.gpu_milli < 1000 && free[static_cast<std::size_t>(c.gpus.front())] < 1000;
       c.score = shares_gpu ? 0 : used ? 1 : 2;
       break;
     }
     case FitPolicy::fgd: {  // whole GPUs or CPU-only
       after_.assign(free.begin(), free.end());
       for (int g : c.gpus) after_[static_cast<std::size_t>(g)] -= d.gpu_milli;
-      c.score = fragmentation(cluster.model_of(node), cluster.free_cpu(node) - d.cpu_milli, cluster.free_memory(node) - d.memory_mib, after_) -
+      c.score = fragmentation(cluster.model_of(node), cluster.free_cpu(node) - d.cpu_milli,
+                              cluster.free_memory(node) - d.memory_mib, after_) -
                 fragmentation_before(cluster, node);
       break;
     }
@@ -286,9 +321,14 @@ std::optional<Allocation> Placer::choose(Cluster const& cluster, Demand const& d
     } else if (c.score <= best_candidate.score + eps) {
       ++ties;
       switch (tie_) {
-        case TieRule::first: break;
-        case TieRule::random: take = std::uniform_int_distribution<int>(0, ties - 1)(rng_) == 0; break;
-        case TieRule::packed: take = free_sum(cluster.free_gpus(n)) < free_sum(cluster.free_gpus(best)); break;
+        case TieRule::first:
+          break;
+        case TieRule::random:
+          take = std::uniform_int_distribution<int>(0, ties - 1)(rng_) == 0;
+          break;
+        case TieRule::packed:
+          take = free_sum(cluster.free_gpus(n)) < free_sum(cluster.free_gpus(best));
+          break;
       }
     }
     if (take) {
@@ -314,15 +354,18 @@ std::vector<Demand> demands_of(Cluster const& cluster, std::vector<Pod> const& p
 FillResult fill(std::vector<NodeSpec> const& nodes, std::vector<Pod> const& trace, FillOptions const& options) {
   if (trace.empty()) throw Error(Errc::invalid_argument, "fill with an empty pod list (expected pods to draw from)");
   if (!(options.step > 0) || !(options.max_arrived > 0) || !std::isfinite(options.max_arrived))
-    throw Error(Errc::invalid_argument, "fill step " + std::to_string(options.step) + ", up to " + std::to_string(options.max_arrived) +
-                                            " (expected both > 0)");
+    throw Error(Errc::invalid_argument, "fill step " + std::to_string(options.step) + ", up to " +
+                                            std::to_string(options.max_arrived) + " (expected both > 0)");
   Cluster cluster(nodes);
   std::vector<Demand> const demands = demands_of(cluster, trace);
   std::int64_t trace_gpu = 0;
   for (Pod const& p : trace) trace_gpu += p.gpu_demand_milli();
-  if (trace_gpu == 0) throw Error(Errc::invalid_argument, "fill with pods that ask for no GPU (expected some GPU demand to arrive)");
-  if (cluster.gpu_capacity_milli() == 0) throw Error(Errc::invalid_argument, "fill on a cluster without GPUs (expected some)");
-  Placer placer(options.policy, options.tie, target_workload(cluster, trace, options.target), options.seed * 2654435761u + 1);
+  if (trace_gpu == 0)
+    throw Error(Errc::invalid_argument, "fill with pods that ask for no GPU (expected some GPU demand to arrive)");
+  if (cluster.gpu_capacity_milli() == 0)
+    throw Error(Errc::invalid_argument, "fill on a cluster without GPUs (expected some)");
+  Placer placer(options.policy, options.tie, target_workload(cluster, trace, options.target),
+                options.seed * 2654435761u + 1);
   std::mt19937_64 draw(options.seed);
   std::uniform_int_distribution<std::size_t> pick(0, trace.size() - 1);
   double const capacity = static_cast<double>(cluster.gpu_capacity_milli());
@@ -350,13 +393,15 @@ FillResult fill(std::vector<NodeSpec> const& nodes, std::vector<Pod> const& trac
       ++failed;
       failed_gpu += trace[i].gpu_demand_milli();
     }
-    while (mark * options.step <= options.max_arrived + 1e-9 && static_cast<double>(arrived) >= mark * options.step * capacity - 1e-6) {
+    while (mark * options.step <= options.max_arrived + 1e-9 &&
+           static_cast<double>(arrived) >= mark * options.step * capacity - 1e-6) {
       FillPoint p;
       p.arrived = mark * options.step;
       p.allocated = static_cast<double>(cluster.gpu_allocated_milli()) / capacity;
       p.unallocated = 1.0 - p.allocated;
       p.fragmented = placer.cluster_fragmentation(cluster) / capacity;
-      p.cpu_allocated = static_cast<double>(cluster.cpu_allocated_milli()) / static_cast<double>(cluster.cpu_capacity_milli());
+      p.cpu_allocated =
+          static_cast<double>(cluster.cpu_allocated_milli()) / static_cast<double>(cluster.cpu_capacity_milli());
       p.pods = pods;
       p.failed = failed;
       p.failed_gpu = static_cast<double>(failed_gpu) / capacity;
@@ -376,7 +421,8 @@ ReplayResult replay(std::vector<NodeSpec> const& nodes, std::vector<Pod> const& 
   Placer placer(policy, tie, target_workload(cluster, pods, target), seed);
   std::vector<std::size_t> order(pods.size());
   for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return pods[a].creation < pods[b].creation; });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::size_t a, std::size_t b) { return pods[a].creation < pods[b].creation; });
   using Finish = std::pair<double, std::size_t>;
   std::priority_queue<Finish, std::vector<Finish>, std::greater<>> running;
   std::vector<Allocation> allocation(pods.size());
@@ -410,7 +456,8 @@ ReplayResult replay(std::vector<NodeSpec> const& nodes, std::vector<Pod> const& 
     std::erase_if(pending, [&](std::size_t i) {
       Demand const& d = demands[i];
       for (Demand const* f : failed_now) {
-        if (f->cpu_milli == d.cpu_milli && f->memory_mib == d.memory_mib && f->gpus == d.gpus && f->gpu_milli == d.gpu_milli && f->models == d.models)
+        if (f->cpu_milli == d.cpu_milli && f->memory_mib == d.memory_mib && f->gpus == d.gpus &&
+            f->gpu_milli == d.gpu_milli && f->models == d.models)
           return false;
       }
       std::optional<Allocation> a = placer.choose(cluster, d);
@@ -442,10 +489,13 @@ ReplayResult replay(std::vector<NodeSpec> const& nodes, std::vector<Pod> const& 
     r.mean_wait = sum / static_cast<double>(waits.size());
     r.mean_jct = jct / static_cast<double>(waits.size());
     std::sort(waits.begin(), waits.end());
-    r.p95_wait = waits[std::min(waits.size() - 1, static_cast<std::size_t>(std::ceil(0.95 * static_cast<double>(waits.size()))) - 1)];
+    r.p95_wait = waits[std::min(waits.size() - 1,
+                                static_cast<std::size_t>(std::ceil(0.95 * static_cast<double>(waits.size()))) - 1)];
   }
   r.makespan = end - first;
-  r.gpu_utilization = r.makespan > 0 && cluster.gpu_capacity_milli() > 0 ? busy / (static_cast<double>(cluster.gpu_capacity_milli()) * r.makespan) : 0;
+  r.gpu_utilization = r.makespan > 0 && cluster.gpu_capacity_milli() > 0
+                          ? busy / (static_cast<double>(cluster.gpu_capacity_milli()) * r.makespan)
+                          : 0;
   return r;
 }
 
@@ -466,7 +516,8 @@ std::string format_fill(std::vector<FillResult> const& results) {
   std::vector<double> columns;
   for (int tenth = 5; tenth <= 13; ++tenth) {
     double const x = tenth / 10.0;
-    bool const any = std::any_of(results.begin(), results.end(), [&](FillResult const& r) { return point_at(r, x) != nullptr; });
+    bool const any =
+        std::any_of(results.begin(), results.end(), [&](FillResult const& r) { return point_at(r, x) != nullptr; });
     if (any) columns.push_back(x);
   }
   std::snprintf(cell, sizeof cell, "%-12s %-7s", "policy", "tie");
@@ -484,13 +535,17 @@ std::string format_fill(std::vector<FillResult> const& results) {
     out += cell;
     for (double x : columns) {
       FillPoint const* p = point_at(r, x);
-      if (p) std::snprintf(cell, sizeof cell, " %7.1f%%", 100 * p->unallocated);
-      else std::snprintf(cell, sizeof cell, " %8s", "-");
+      if (p)
+        std::snprintf(cell, sizeof cell, " %7.1f%%", 100 * p->unallocated);
+      else
+        std::snprintf(cell, sizeof cell, " %8s", "-");
       out += cell;
     }
     FillPoint const* full = point_at(r, 1.0);
-    if (full) std::snprintf(cell, sizeof cell, "   %8.1f%%  %11d", 100 * full->fragmented, full->failed);
-    else std::snprintf(cell, sizeof cell, "   %9s  %11s", "-", "-");
+    if (full)
+      std::snprintf(cell, sizeof cell, "   %8.1f%%  %11d", 100 * full->fragmented, full->failed);
+    else
+      std::snprintf(cell, sizeof cell, "   %9s  %11s", "-", "-");
     out += cell;
     std::snprintf(cell, sizeof cell, "  %11.0f\n", r.seconds > 0 ? r.decisions / r.seconds : 0.0);
     out += cell;
@@ -503,8 +558,8 @@ std::string fill_csv(std::vector<FillResult> const& results) {
   out << "policy,tie,arrived,allocated,unallocated,fragmented,cpu_allocated,pods,failed,failed_gpu\n";
   for (FillResult const& r : results) {
     for (FillPoint const& p : r.points)
-      out << r.policy << ',' << r.tie << ',' << p.arrived << ',' << p.allocated << ',' << p.unallocated << ',' << p.fragmented << ','
-          << p.cpu_allocated << ',' << p.pods << ',' << p.failed << ',' << p.failed_gpu << '\n';
+      out << r.policy << ',' << r.tie << ',' << p.arrived << ',' << p.allocated << ',' << p.unallocated << ','
+          << p.fragmented << ',' << p.cpu_allocated << ',' << p.pods << ',' << p.failed << ',' << p.failed_gpu << '\n';
   }
   return out.str();
 }
@@ -512,12 +567,13 @@ std::string fill_csv(std::vector<FillResult> const& results) {
 std::string format_replay(std::vector<ReplayResult> const& results) {
   std::string out;
   char line[256];
-  std::snprintf(line, sizeof line, "%-12s %6s %9s %11s %11s %11s %12s %7s %8s\n", "policy", "pods", "unstarted", "mean wait", "p95 wait",
-                "mean JCT", "makespan", "GPU use", "pending");
+  std::snprintf(line, sizeof line, "%-12s %6s %9s %11s %11s %11s %12s %7s %8s\n", "policy", "pods", "unstarted",
+                "mean wait", "p95 wait", "mean JCT", "makespan", "GPU use", "pending");
   out += line;
   for (ReplayResult const& r : results) {
-    std::snprintf(line, sizeof line, "%-12s %6d %9d %9.0f s %9.0f s %9.0f s %10.0f s %6.1f%% %8d\n", r.policy.c_str(), r.pods, r.never_started,
-                  r.mean_wait, r.p95_wait, r.mean_jct, r.makespan, 100 * r.gpu_utilization, r.peak_pending);
+    std::snprintf(line, sizeof line, "%-12s %6d %9d %9.0f s %9.0f s %9.0f s %10.0f s %6.1f%% %8d\n", r.policy.c_str(),
+                  r.pods, r.never_started, r.mean_wait, r.p95_wait, r.mean_jct, r.makespan, 100 * r.gpu_utilization,
+                  r.peak_pending);
     out += line;
   }
   return out;
@@ -527,8 +583,8 @@ std::string replay_csv(std::vector<ReplayResult> const& results) {
   std::ostringstream out;
   out << "policy,pods,never_started,mean_wait_s,p95_wait_s,mean_jct_s,makespan_s,gpu_utilization,peak_pending\n";
   for (ReplayResult const& r : results)
-    out << r.policy << ',' << r.pods << ',' << r.never_started << ',' << r.mean_wait << ',' << r.p95_wait << ',' << r.mean_jct << ','
-        << r.makespan << ',' << r.gpu_utilization << ',' << r.peak_pending << '\n';
+    out << r.policy << ',' << r.pods << ',' << r.never_started << ',' << r.mean_wait << ',' << r.p95_wait << ','
+        << r.mean_jct << ',' << r.makespan << ',' << r.gpu_utilization << ',' << r.peak_pending << '\n';
   return out.str();
 }
 

@@ -38,14 +38,16 @@ double number(std::filesystem::path const& path, std::size_t line, std::string c
   return value;
 }
 
-CsvHeader::CsvHeader(std::filesystem::path path, std::string const& line) : path_(std::move(path)), names_(split_csv(line)) {}
+CsvHeader::CsvHeader(std::filesystem::path path, std::string const& line)
+    : path_(std::move(path)), names_(split_csv(line)) {}
 
 int CsvHeader::column(std::string const& name, bool required) const {
   if (name.empty()) return -1;
   for (std::size_t i = 0; i < names_.size(); ++i) {
     if (names_[i] == name) return static_cast<int>(i);
   }
-  if (required) corrupt(path_, 1, "no column named '" + name + "' in the header (expected it, or a mapping to another name)");
+  if (required)
+    corrupt(path_, 1, "no column named '" + name + "' in the header (expected it, or a mapping to another name)");
   return -1;
 }
 

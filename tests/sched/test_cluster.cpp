@@ -1,8 +1,5 @@
 // Cluster-scale scheduling: node and pod files, the synthetic generator, FGD's fragmentation
 // measure, the placement policies on hand-made clusters, and the fill and replay experiments.
-#include <mgpu/sched/cluster.hpp>
-#include <mgpu/sched/cluster_policy.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -10,6 +7,9 @@
 #include <map>
 #include <random>
 #include <set>
+
+#include <mgpu/sched/cluster.hpp>
+#include <mgpu/sched/cluster_policy.hpp>
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
@@ -37,7 +37,9 @@ std::vector<NodeSpec> one_gpu_nodes(int count) {
   return nodes;
 }
 
-Pod gpu_pod(int milli, int gpus = 1) { return {.name = "p", .cpu_milli = 100, .memory_mib = 100, .gpus = gpus, .gpu_milli = milli}; }
+Pod gpu_pod(int milli, int gpus = 1) {
+  return {.name = "p", .cpu_milli = 100, .memory_mib = 100, .gpus = gpus, .gpu_milli = milli};
+}
 
 // Places `pods` in order with one policy; returns the number that failed.
 int place_in_order(Cluster& cluster, std::vector<Pod> const& pods, FitPolicy policy, TieRule tie = TieRule::first) {
@@ -45,8 +47,10 @@ int place_in_order(Cluster& cluster, std::vector<Pod> const& pods, FitPolicy pol
   int failed = 0;
   for (Pod const& p : pods) {
     auto const a = placer.choose(cluster, cluster.demand_of(p));
-    if (a) cluster.allocate(*a);
-    else ++failed;
+    if (a)
+      cluster.allocate(*a);
+    else
+      ++failed;
   }
   return failed;
 }
@@ -55,7 +59,8 @@ int place_in_order(Cluster& cluster, std::vector<Pod> const& pods, FitPolicy pol
 
 TEST_CASE("Nodes and pods files: columns, round trip, errors naming file and line", "[sched][cluster]") {
   auto const dir = scratch("files");
-  write(dir / "nodes.csv", "sn,cpu_milli,memory_mib,gpu,model\nn0,32000,65536,2,V100\nn1,16000,32768,1,T4\nn2,8000,16384,0,\n");
+  write(dir / "nodes.csv",
+        "sn,cpu_milli,memory_mib,gpu,model\nn0,32000,65536,2,V100\nn1,16000,32768,1,T4\nn2,8000,16384,0,\n");
   auto const nodes = read_nodes_csv(dir / "nodes.csv", {.name = "sn", .gpus = "gpu"});
   REQUIRE(nodes.size() == 3);
   CHECK(nodes[0].name == "n0");
@@ -110,7 +115,8 @@ TEST_CASE("Nodes and pods files: columns, round trip, errors naming file and lin
   write(dir / "bad.csv", header + "a,1000,10,1,500,,LS,0,1\nb,abc,10,1,500,,LS,0,1\n");
   REQUIRE_MGPU_ERROR(read_pods_csv(dir / "bad.csv"), Errc::corrupt_data, "bad.csv:3: column 'cpu_milli' is 'abc'");
   write(dir / "bad.csv", header + "a,1000,10,2,500,,LS,0,1\n");
-  REQUIRE_MGPU_ERROR(read_pods_csv(dir / "bad.csv"), Errc::corrupt_data, "bad.csv:2: asks for 500 milli of each of 2 GPUs");
+  REQUIRE_MGPU_ERROR(read_pods_csv(dir / "bad.csv"), Errc::corrupt_data,
+                     "bad.csv:2: asks for 500 milli of each of 2 GPUs");
   write(dir / "bad.csv", header + "a,1000,10,0,300,,LS,0,1\n");
   REQUIRE_MGPU_ERROR(read_pods_csv(dir / "bad.csv"), Errc::corrupt_data, "expected 0 for a CPU-only pod");
   write(dir / "bad.csv", header + "a,1000,10,1,1200,,LS,0,1\n");
@@ -120,9 +126,11 @@ TEST_CASE("Nodes and pods files: columns, round trip, errors naming file and lin
   write(dir / "bad.csv", header + "a,1000,10\n");
   REQUIRE_MGPU_ERROR(read_pods_csv(dir / "bad.csv"), Errc::corrupt_data, "bad.csv:2: has 3 fields (expected 9)");
   write(dir / "bad_nodes.csv", "name,cpu_milli,memory_mib,gpus,model\na,1000,10,1,T4\na,1000,10,1,T4\n");
-  REQUIRE_MGPU_ERROR(read_nodes_csv(dir / "bad_nodes.csv"), Errc::corrupt_data, "bad_nodes.csv:3: node 'a' appears twice");
+  REQUIRE_MGPU_ERROR(read_nodes_csv(dir / "bad_nodes.csv"), Errc::corrupt_data,
+                     "bad_nodes.csv:3: node 'a' appears twice");
   write(dir / "bad_nodes.csv", "name,cpu_milli,memory_mib,gpus,model\na,1000,10,4,\n");
-  REQUIRE_MGPU_ERROR(read_nodes_csv(dir / "bad_nodes.csv"), Errc::corrupt_data, "bad_nodes.csv:2: node 'a' has 4 GPUs but no model");
+  REQUIRE_MGPU_ERROR(read_nodes_csv(dir / "bad_nodes.csv"), Errc::corrupt_data,
+                     "bad_nodes.csv:2: node 'a' has 4 GPUs but no model");
   write(dir / "bad_nodes.csv", "name,cpu_milli,memory_mib,gpus,model\na,0,10,4,T4\n");
   REQUIRE_MGPU_ERROR(read_nodes_csv(dir / "bad_nodes.csv"), Errc::corrupt_data, "column 'cpu_milli' is '0'");
 
@@ -131,10 +139,12 @@ TEST_CASE("Nodes and pods files: columns, round trip, errors naming file and lin
   write(dir / "models.csv", header + "ok,1000,10,1,500,T4,LS,0,1\nx,1000,10,1,500,T4|A100,LS,0,1\n");
   auto const unknown = read_pods_csv(dir / "models.csv");
   CHECK(cluster.demand_of(unknown[0]).models == std::uint64_t{2});  // T4 is the second model
-  REQUIRE_MGPU_ERROR(cluster.check(unknown), Errc::invalid_argument, "models.csv:3): GPU model 'A100' is not in the cluster (expected one of: V100, T4)");
+  REQUIRE_MGPU_ERROR(cluster.check(unknown), Errc::invalid_argument,
+                     "models.csv:3): GPU model 'A100' is not in the cluster (expected one of: V100, T4)");
   write(dir / "big.csv", header + "a,1000,10,2,1000,T4,LS,0,1\nb,64000,10,1,1000,,LS,0,1\n");
   auto const big = read_pods_csv(dir / "big.csv");
-  REQUIRE_MGPU_ERROR(cluster.demand_of(big[0]), Errc::invalid_argument, "big.csv:2): 1000 milli-CPU, 10 MiB and 2 GPUs of T4 fit no node");
+  REQUIRE_MGPU_ERROR(cluster.demand_of(big[0]), Errc::invalid_argument,
+                     "big.csv:2): 1000 milli-CPU, 10 MiB and 2 GPUs of T4 fit no node");
   REQUIRE_MGPU_ERROR(cluster.demand_of(big[1]), Errc::invalid_argument, "big.csv:3)");
 }
 
@@ -142,23 +152,26 @@ TEST_CASE("Cluster allocations are checked against GPU, CPU and memory capacity"
   Cluster cluster({{"a", 4000, 8000, 2, "T4"}});
   cluster.allocate({.node = 0, .gpus = {0}, .gpu_milli = 700, .cpu_milli = 1000, .memory_mib = 1000});
   CHECK(cluster.free_gpus(0) == std::vector<int>{300, 1000});
-  REQUIRE_MGPU_ERROR(cluster.allocate({.node = 0, .gpus = {0}, .gpu_milli = 400, .cpu_milli = 1, .memory_mib = 1}), Errc::invalid_argument,
-                     "asks for 400 milli of GPU 0, 300 are free");
-  REQUIRE_MGPU_ERROR(cluster.allocate({.node = 0, .gpus = {1}, .gpu_milli = 100, .cpu_milli = 3001, .memory_mib = 1}), Errc::invalid_argument,
-                     "3000 and 7000 are free");
-  REQUIRE_MGPU_ERROR(cluster.allocate({.node = 0, .gpus = {1, 1}, .gpu_milli = 1000}), Errc::invalid_argument, "distinct GPUs");
+  REQUIRE_MGPU_ERROR(cluster.allocate({.node = 0, .gpus = {0}, .gpu_milli = 400, .cpu_milli = 1, .memory_mib = 1}),
+                     Errc::invalid_argument, "asks for 400 milli of GPU 0, 300 are free");
+  REQUIRE_MGPU_ERROR(cluster.allocate({.node = 0, .gpus = {1}, .gpu_milli = 100, .cpu_milli = 3001, .memory_mib = 1}),
+                     Errc::invalid_argument, "3000 and 7000 are free");
+  REQUIRE_MGPU_ERROR(cluster.allocate({.node = 0, .gpus = {1, 1}, .gpu_milli = 1000}), Errc::invalid_argument,
+                     "distinct GPUs");
   REQUIRE_MGPU_ERROR(cluster.allocate({.node = 3, .gpus = {0}, .gpu_milli = 100}), Errc::invalid_argument, "node 3");
   CHECK(cluster.free_gpus(0) == std::vector<int>{300, 1000});  // the failed allocations changed nothing
   CHECK(cluster.free_cpu(0) == 3000);
   CHECK(cluster.gpu_allocated_milli() == 700);
   CHECK_FALSE(cluster.fits({.cpu_milli = 0, .memory_mib = 0, .gpus = 2, .gpu_milli = 1000}, 0));
   CHECK(cluster.fits({.cpu_milli = 3000, .memory_mib = 7000, .gpus = 1, .gpu_milli = 1000}, 0));
-  CHECK_FALSE(cluster.fits({.cpu_milli = 3000, .memory_mib = 7000, .gpus = 1, .gpu_milli = 1000, .models = 2}, 0));  // not model 1
+  CHECK_FALSE(cluster.fits({.cpu_milli = 3000, .memory_mib = 7000, .gpus = 1, .gpu_milli = 1000, .models = 2},
+                           0));  // not model 1
 }
 
 TEST_CASE("FGD's fragmentation measure matches hand-computed cases", "[sched][cluster][fgd]") {
   // Types: a 500-milli fraction (half the pods), one whole GPU (a quarter), CPU-only (a quarter).
-  std::vector<PodType> const target = {{{1000, 0, 1, 500, ~0ULL}, 0.5}, {{1000, 0, 1, 1000, ~0ULL}, 0.25}, {{1000, 0, 0, 0, ~0ULL}, 0.25}};
+  std::vector<PodType> const target = {
+      {{1000, 0, 1, 500, ~0ULL}, 0.5}, {{1000, 0, 1, 1000, ~0ULL}, 0.25}, {{1000, 0, 0, 0, ~0ULL}, 0.25}};
   std::vector<int> const gpus = {1000, 300, 0};
   // Both GPU types fit; each can use neither the 300 nor the 0; CPU-only pods can use none of 1300.
   CHECK(node_fragmentation(target, 0, 8000, 100, gpus) == Approx(0.5 * 300 + 0.25 * 300 + 0.25 * 1300));
@@ -184,7 +197,8 @@ TEST_CASE("FGD's fragmentation measure matches hand-computed cases", "[sched][cl
   }
   double reference = 0;
   for (int n = 0; n < static_cast<int>(nodes.size()); ++n)
-    reference += node_fragmentation(types, cluster.model_of(n), cluster.free_cpu(n), cluster.free_memory(n), cluster.free_gpus(n));
+    reference += node_fragmentation(types, cluster.model_of(n), cluster.free_cpu(n), cluster.free_memory(n),
+                                    cluster.free_gpus(n));
   REQUIRE(cluster.gpu_allocated_milli() > 0);
   CHECK(placer.cluster_fragmentation(cluster) == Approx(reference).epsilon(1e-9));
 }
@@ -206,15 +220,19 @@ TEST_CASE("Target workloads: shares, coverage and GPU-only types", "[sched][clus
   auto const gpu_only = target_workload(cluster, pods, {.cpu_and_memory = false});
   REQUIRE(gpu_only.size() == 3);
   CHECK(gpu_only[0].demand.cpu_milli == 0);
-  REQUIRE_MGPU_ERROR(target_workload(cluster, pods, {.coverage = 0}), Errc::invalid_argument, "expected a share in (0, 1]");
+  REQUIRE_MGPU_ERROR(target_workload(cluster, pods, {.coverage = 0}), Errc::invalid_argument,
+                     "expected a share in (0, 1]");
   REQUIRE_MGPU_ERROR(target_workload(cluster, {}), Errc::invalid_argument, "expected at least one");
 }
 
 TEST_CASE("Policies on hand-made clusters with a known optimum", "[sched][cluster]") {
   // Three 1-GPU nodes; 600, 600, 400, 400 and a whole GPU all fit only if each 400 joins a 600.
   std::vector<Pod> const pods = {gpu_pod(600), gpu_pod(600), gpu_pod(400), gpu_pod(400), gpu_pod(1000)};
-  std::map<FitPolicy, int> const expected_failures = {
-      {FitPolicy::first_fit, 0}, {FitPolicy::best_fit, 0}, {FitPolicy::gpu_packing, 0}, {FitPolicy::fgd, 0}, {FitPolicy::worst_fit, 1}};
+  std::map<FitPolicy, int> const expected_failures = {{FitPolicy::first_fit, 0},
+                                                      {FitPolicy::best_fit, 0},
+                                                      {FitPolicy::gpu_packing, 0},
+                                                      {FitPolicy::fgd, 0},
+                                                      {FitPolicy::worst_fit, 1}};
   for (auto const& [policy, failures] : expected_failures) {
     Cluster cluster(one_gpu_nodes(3));
     INFO(name_of(policy));
@@ -224,7 +242,8 @@ TEST_CASE("Policies on hand-made clusters with a known optimum", "[sched][cluste
   // Two 2-GPU nodes; two halves then a 2-GPU pod: the halves must share a node.
   std::vector<NodeSpec> const pairs = {{"a", 10000, 10000, 2, "X"}, {"b", 10000, 10000, 2, "X"}};
   std::vector<Pod> const gang = {gpu_pod(500), gpu_pod(500), gpu_pod(1000, 2)};
-  for (auto const& [policy, failures] : std::map<FitPolicy, int>{{FitPolicy::fgd, 0}, {FitPolicy::best_fit, 0}, {FitPolicy::worst_fit, 1}}) {
+  for (auto const& [policy, failures] :
+       std::map<FitPolicy, int>{{FitPolicy::fgd, 0}, {FitPolicy::best_fit, 0}, {FitPolicy::worst_fit, 1}}) {
     Cluster cluster(pairs);
     INFO(name_of(policy));
     CHECK(place_in_order(cluster, gang, policy) == failures);
@@ -249,7 +268,8 @@ TEST_CASE("Policies on hand-made clusters with a known optimum", "[sched][cluste
 TEST_CASE("Tie rules: first, packed and random", "[sched][cluster]") {
   // Only whole-GPU pods in the target: placing one on any node with a free GPU changes no node's
   // fragmentation, so every node ties under fgd.
-  std::vector<NodeSpec> const nodes = {{"a", 10000, 10000, 2, "X"}, {"b", 10000, 10000, 2, "X"}, {"c", 10000, 10000, 2, "X"}};
+  std::vector<NodeSpec> const nodes = {
+      {"a", 10000, 10000, 2, "X"}, {"b", 10000, 10000, 2, "X"}, {"c", 10000, 10000, 2, "X"}};
   Pod const whole = gpu_pod(1000);
   auto const pick = [&](TieRule rule, unsigned seed) {
     Cluster cluster(nodes);
@@ -286,7 +306,8 @@ TEST_CASE("Every policy keeps GPUs, CPU and memory within capacity and honours m
         NodeSpec const& node = nodes[static_cast<std::size_t>(a->node)];
         CHECK(static_cast<int>(a->gpus.size()) == p.gpus);
         CHECK(a->gpu_milli == (p.gpus > 0 ? p.gpu_milli : 0));
-        if (p.gpus > 0 && !p.models.empty()) CHECK(("|" + p.models + "|").find("|" + node.model + "|") != std::string::npos);
+        if (p.gpus > 0 && !p.models.empty())
+          CHECK(("|" + p.models + "|").find("|" + node.model + "|") != std::string::npos);
         cluster.allocate(*a);
         for (int g : a->gpus) gpu_used[{a->node, g}] += a->gpu_milli;
         cpu_used[static_cast<std::size_t>(a->node)] += p.cpu_milli;
@@ -310,7 +331,8 @@ TEST_CASE("Fill: accounting, determinism, and FGD ahead of best-fit on the synth
   std::map<FitPolicy, FillResult> results;
   for (FitPolicy policy : all_fit_policies()) {
     INFO(name_of(policy));
-    FillResult const r = fill(nodes, pods, {.policy = policy, .tie = TieRule::random, .max_arrived = 1.2, .step = 0.1, .seed = 4});
+    FillResult const r =
+        fill(nodes, pods, {.policy = policy, .tie = TieRule::random, .max_arrived = 1.2, .step = 0.1, .seed = 4});
     REQUIRE(r.points.size() == 12);
     for (std::size_t i = 0; i < r.points.size(); ++i) {
       FillPoint const& p = r.points[i];
@@ -330,8 +352,10 @@ TEST_CASE("Fill: accounting, determinism, and FGD ahead of best-fit on the synth
     CHECK(r.decisions == r.points.back().pods);
     results[policy] = r;
   }
-  FillResult const again = fill(nodes, pods, {.policy = FitPolicy::fgd, .tie = TieRule::random, .max_arrived = 1.2, .step = 0.1, .seed = 4});
-  for (std::size_t i = 0; i < again.points.size(); ++i) CHECK(again.points[i].allocated == results[FitPolicy::fgd].points[i].allocated);
+  FillResult const again =
+      fill(nodes, pods, {.policy = FitPolicy::fgd, .tie = TieRule::random, .max_arrived = 1.2, .step = 0.1, .seed = 4});
+  for (std::size_t i = 0; i < again.points.size(); ++i)
+    CHECK(again.points[i].allocated == results[FitPolicy::fgd].points[i].allocated);
   // Below saturation nothing fails under the packing policies; at and past it FGD leaves the least.
   CHECK(results[FitPolicy::fgd].points[4].failed == 0);
   double const fgd = results[FitPolicy::fgd].points[11].unallocated;

@@ -32,18 +32,16 @@ struct Pod {
   std::string name{};
   int cpu_milli = 0;
   int memory_mib = 0;
-  int gpus = 0;         ///< 0: a CPU-only pod
-  int gpu_milli = 0;    ///< per GPU: 1000 for whole GPUs, 1-999 for a fraction of one GPU (gpus == 1)
+  int gpus = 0;          ///< 0: a CPU-only pod
+  int gpu_milli = 0;     ///< per GPU: 1000 for whole GPUs, 1-999 for a fraction of one GPU (gpus == 1)
   std::string models{};  ///< allowed GPU models, '|'-separated; empty allows every model
   std::string qos{};
-  double creation = 0;  ///< seconds
-  double deletion = 0;  ///< seconds; deletion - creation is how long it runs
+  double creation = 0;   ///< seconds
+  double deletion = 0;   ///< seconds; deletion - creation is how long it runs
   std::string origin{};  ///< where the pod came from ("pods.csv:12"), for error messages
 
   /// The GPU share the pod asks for, in milli-GPUs (gpus x gpu_milli).
-  [[nodiscard]] std::int64_t gpu_demand_milli() const noexcept {
-    return static_cast<std::int64_t>(gpus) * gpu_milli;
-  }
+  [[nodiscard]] std::int64_t gpu_demand_milli() const noexcept { return static_cast<std::int64_t>(gpus) * gpu_milli; }
 };
 
 /// The header names of the nodes file's columns.

@@ -55,7 +55,8 @@ struct TargetOptions {
 /// The target workload of `pods` on `cluster`: their distinct demands and frequencies. Throws
 /// Error(invalid_argument) for an empty pod list or a coverage outside (0, 1], and whatever
 /// Cluster::demand_of throws.
-[[nodiscard]] std::vector<PodType> target_workload(Cluster const& cluster, std::vector<Pod> const& pods, TargetOptions const& options = {});
+[[nodiscard]] std::vector<PodType> target_workload(Cluster const& cluster, std::vector<Pod> const& pods,
+                                                   TargetOptions const& options = {});
 
 /// FGD's fragmentation of one node under a target workload, in milli-GPUs: for each pod type, the
 /// free GPU share the type cannot use, weighted by the type's share. A type that cannot run on the
@@ -133,9 +134,9 @@ struct FillPoint {
   double unallocated = 0;  ///< 1 - allocated
   double fragmented = 0;   ///< free GPU share the target workload cannot use (FGD's measure)
   double cpu_allocated = 0;
-  int pods = 0;            ///< pods drawn so far
-  int failed = 0;          ///< of those, pods no node could take
-  double failed_gpu = 0;   ///< their GPU demand, as a share of the capacity
+  int pods = 0;           ///< pods drawn so far
+  int failed = 0;         ///< of those, pods no node could take
+  double failed_gpu = 0;  ///< their GPU demand, as a share of the capacity
 };
 
 struct FillResult {
@@ -150,7 +151,8 @@ struct FillResult {
 /// until their GPU demand reaches options.max_arrived of the capacity; a point every options.step.
 /// The target workload comes from `trace`. Throws Error(invalid_argument) for an empty trace, a
 /// trace with no GPU demand, a step or max_arrived <= 0, and for pods the cluster cannot hold.
-[[nodiscard]] FillResult fill(std::vector<NodeSpec> const& nodes, std::vector<Pod> const& trace, FillOptions const& options);
+[[nodiscard]] FillResult fill(std::vector<NodeSpec> const& nodes, std::vector<Pod> const& trace,
+                              FillOptions const& options);
 
 /// The replay experiment's result: pods start in arrival order as soon as a node fits them (a pod
 /// that does not fit waits; later pods may start before it), and run deletion - creation seconds.
@@ -160,8 +162,8 @@ struct ReplayResult {
   int never_started = 0;
   double mean_wait = 0;  ///< seconds from creation to start
   double p95_wait = 0;
-  double mean_jct = 0;  ///< seconds from creation to finish
-  double makespan = 0;  ///< from the first creation to the last finish
+  double mean_jct = 0;         ///< seconds from creation to finish
+  double makespan = 0;         ///< from the first creation to the last finish
   double gpu_utilization = 0;  ///< allocated GPU share over the makespan
   int peak_pending = 0;
 };
