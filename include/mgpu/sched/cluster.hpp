@@ -8,7 +8,8 @@
 // creation_time, deletion_time (seconds). Column names are configurable (NodeColumns,
 // PodColumns); the defaults are those of the GPU-cluster trace Alibaba published with Weng et al.,
 // "Beware of Fragmentation" (USENIX ATC'23), except the node name ("sn" there) and GPU count
-// ("gpu" there).
+// ("gpu" there). The free functions touch only their arguments: they may run concurrently on
+// different arguments.
 #pragma once
 
 #include <cstdint>

@@ -2,7 +2,8 @@
 // GPU packing, and fragmentation gradient descent), the fragmentation measure FGD descends, and
 // two experiments: fill (Weng et al., "Beware of Fragmentation", USENIX ATC'23: pods drawn from a
 // trace are placed without departures until their GPU demand reaches a share of the cluster) and
-// replay (arrivals and departures at the trace's times).
+// replay (arrivals and departures at the trace's times). The free functions touch only their
+// arguments: they may run concurrently on different arguments.
 #pragma once
 
 #include <cstdint>
@@ -139,6 +140,7 @@ struct FillPoint {
   double failed_gpu = 0;  ///< their GPU demand, as a share of the capacity
 };
 
+/// One policy's fill: a point every step, and the time its placement decisions took.
 struct FillResult {
   std::string policy{};
   std::string tie{};
