@@ -96,7 +96,8 @@ int run_cluster(ClusterOptions const& o, unsigned seed, std::string const& csv) 
                                  ? s::synthetic_pods({.pods = o.synthetic_pods > 0 ? o.synthetic_pods : 8152,
                                                       .constrained_share = o.constrained_share,
                                                       .mean_interarrival_seconds = o.interarrival,
-                                                      .seed = seed})
+                                                      .seed = seed,
+                                                      .nodes = nodes})
                                  : s::read_pods_csv(o.pods_file, pod_columns);
   if (o.speedup != 1) {  // arrivals closer together, each pod running as long as before
     for (s::Pod& p : pods) {

@@ -1,6 +1,4 @@
 // Cluster nodes and pods: their files, the synthetic generator, and the allocation state.
-#include <mgpu/sched/cluster.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -11,6 +9,7 @@
 #include <set>
 
 #include <mgpu/core/error.hpp>
+#include <mgpu/sched/cluster.hpp>
 
 #include "csv.hpp"
 
@@ -282,14 +281,29 @@ std::vector<Pod> synthetic_pods(PodShape const& shape) {
   }
   std::vector<std::discrete_distribution<std::size_t>> pick_kind;
   for (auto const& w : weights) pick_kind.emplace_back(w.begin(), w.end());
-  // Per pod kind, the constraints some node kind could satisfy (an 8-GPU pod never asks for T4).
+  // Per pod kind, the constraints some node could satisfy (an 8-GPU pod never asks for T4): the
+  // given nodes, else the published cluster's node kinds.
+  std::vector<NodeSpec> servers = shape.nodes;
+  if (servers.empty()) {
+    for (NodeKind const& n : node_kinds) servers.push_back({"", n.cpu_milli, n.memory_mib, n.gpus, n.model});
+  }
+  // Each constraint names only the models the servers have.
+  std::vector<std::string> constraint_models;
+  for (Constraint const& c : constraints) {
+    std::string present;
+    for (std::string_view m : split_models(c.models)) {
+      bool const has = std::any_of(servers.begin(), servers.end(), [&](NodeSpec const& n) { return n.model == m; });
+      if (has) present += (present.empty() ? "" : "|") + std::string(m);
+    }
+    constraint_models.push_back(present);
+  }
   std::map<PodKind const*, std::discrete_distribution<std::size_t>> pick_constraint;
   for (PodKind const& k : pod_kinds) {
     std::vector<double> w;
     for (Constraint const& c : constraints) {
+      auto const listed_models = split_models(c.models);
       bool possible = false;
-      for (NodeKind const& n : node_kinds) {
-        auto const listed_models = split_models(c.models);
+      for (NodeSpec const& n : servers) {
         bool const listed =
             std::find(listed_models.begin(), listed_models.end(), std::string_view(n.model)) != listed_models.end();
         possible =
@@ -321,7 +335,7 @@ std::vector<Pod> synthetic_pods(PodShape const& shape) {
     p.gpu_milli = k.gpu_milli;
     if (p.gpus > 0 && u(rng) < shape.constrained_share) {
       auto const it = pick_constraint.find(&k);
-      if (it != pick_constraint.end()) p.models = constraints[it->second(rng)].models;
+      if (it != pick_constraint.end()) p.models = constraint_models[it->second(rng)];
     }
     double const q = u(rng);  // the trace's QoS classes: 57.0% LS, 41.7% BE, 1.2% Burstable, 0.1% Guaranteed
     p.qos = q < 0.570 ? "LS" : q < 0.987 ? "BE" : q < 0.999 ? "Burstable" : "Guaranteed";

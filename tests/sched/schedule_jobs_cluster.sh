@@ -23,6 +23,11 @@ done
 [ "$(wc -l < "$dir/replay.csv")" -eq 3 ] || fail "expected two replay rows"
 grep -q "^fgd" "$dir/replay.txt" || fail "no fgd row in the replay table"
 
+# A load test: arrivals 1000 times closer on a small cluster make pods wait.
+"$exe" --synthetic-nodes 20 --synthetic-pods 600 --seed 3 --experiment replay --policy fgd --arrival-speedup 1000 \
+  --csv "$dir/loaded.csv" > /dev/null
+awk -F, 'NR == 2 && !($4 > 0 && $9 > 0) { exit 1 }' "$dir/loaded.csv" || fail "expected waits under compressed arrivals"
+
 # The published trace's column names for nodes, through the mapping.
 sed '1s/.*/sn,cpu_milli,memory_mib,gpu,model/' "$dir/nodes.csv" > "$dir/nodes_mapped.csv"
 "$exe" --nodes "$dir/nodes_mapped.csv" --node-column name=sn --node-column gpus=gpu --pods "$dir/pods.csv" \

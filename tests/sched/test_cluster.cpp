@@ -446,6 +446,21 @@ TEST_CASE("Synthetic cluster and pods follow the published trace's statistics", 
     differs = differs || same[i].cpu_milli != other[i].cpu_milli || same[i].gpu_milli != other[i].gpu_milli;
   }
   CHECK(differs);
+  // On a small cluster the constraints name only models it has (and can hold the pod on).
+  std::vector<NodeSpec> const small = {{"t4", 104000, 524288, 2, "T4"}, {"p100", 16000, 122880, 2, "P100"}};
+  auto const on_small = synthetic_pods({.pods = 3000, .constrained_share = 1, .seed = 4, .nodes = small});
+  std::set<std::string> named;
+  for (Pod const& p : on_small) {
+    if (p.gpus > 0 && p.gpus <= 2) CHECK_FALSE(p.models.empty());
+    if (!p.models.empty()) named.insert(p.models);
+  }
+  CHECK(named.contains("T4"));
+  CHECK(named.contains("P100"));
+  CHECK_FALSE(named.contains("G2"));
+  std::vector<Pod> placeable;
+  std::copy_if(on_small.begin(), on_small.end(), std::back_inserter(placeable),
+               [](Pod const& p) { return p.gpus <= 2; });
+  Cluster(small).check(placeable);
   REQUIRE_MGPU_ERROR(synthetic_pods({.pods = 0}), Errc::invalid_argument, "expected >= 1 pod");
   REQUIRE_MGPU_ERROR(synthetic_cluster({.nodes = 0}), Errc::invalid_argument, "expected at least 1");
 }

@@ -100,6 +100,9 @@ struct PodShape {
   double constrained_share = 0.33;
   double mean_interarrival_seconds = 350;
   unsigned seed = 1;
+  /// A constraint is drawn only among those some node here could satisfy for the pod (default:
+  /// the published cluster's node kinds); unconstrained pods are drawn all the same.
+  std::vector<NodeSpec> nodes{};
 };
 std::vector<Pod> synthetic_pods(PodShape const& shape);
 
