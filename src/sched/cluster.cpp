@@ -1,4 +1,6 @@
 // Cluster nodes and pods: their files, the synthetic generator, and the allocation state.
+#include <mgpu/sched/cluster.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -9,7 +11,6 @@
 #include <set>
 
 #include <mgpu/core/error.hpp>
-#include <mgpu/sched/cluster.hpp>
 
 #include "csv.hpp"
 
