@@ -324,7 +324,7 @@ TEST_CASE("Every policy keeps GPUs, CPU and memory within capacity and honours m
 }
 
 TEST_CASE("Fill: accounting, determinism, and FGD ahead of best-fit on the synthetic trace", "[sched][cluster][fill]") {
-  auto const nodes = synthetic_cluster({.nodes = 300, .seed = 2});
+  auto const nodes = synthetic_cluster({.nodes = 150, .seed = 2});
   auto const pods = synthetic_pods({.pods = 2000, .constrained_share = 0, .seed = 2});
   double capacity = 0;
   for (NodeSpec const& n : nodes) capacity += 1000.0 * n.gpus;
