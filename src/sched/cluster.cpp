@@ -426,33 +426,40 @@ bool Cluster::fits(Demand const& d, int node) const {
   return room >= d.gpus;
 }
 
-void Cluster::allocate(Allocation const& a) {
+std::string Cluster::check_shape(Allocation const& a) const {
   if (a.node < 0 || a.node >= static_cast<int>(nodes_.size()))
     throw Error(Errc::invalid_argument, "allocation on node " + std::to_string(a.node) + " (expected 0 to " +
                                             std::to_string(nodes_.size() - 1) + ")");
   auto const n = static_cast<std::size_t>(a.node);
-  std::string const where = "allocation on node '" + nodes_[n].name + "'";
+  std::string where = "allocation on node '" + nodes_[n].name + "'";
   if (a.cpu_milli < 0 || a.memory_mib < 0 || a.gpu_milli < 0 || a.gpu_milli > 1000 ||
       (a.gpus.empty() != (a.gpu_milli == 0)))
     throw Error(Errc::invalid_argument,
                 where + ": negative CPU or memory, or a GPU share outside 1-1000 milli (expected a valid demand)");
+  std::size_t const gpus = free_gpu_[n].size();
+  for (std::size_t i = 0; i < a.gpus.size(); ++i) {
+    int const g = a.gpus[i];
+    auto const before = a.gpus.begin() + static_cast<std::ptrdiff_t>(i);
+    if (g < 0 || g >= static_cast<int>(gpus) || std::find(a.gpus.begin(), before, g) != before)
+      throw Error(Errc::invalid_argument, where + " names GPU " + std::to_string(g) +
+                                              " (expected distinct GPUs from 0 to " + std::to_string(gpus) + " - 1)");
+  }
+  return where;
+}
+
+void Cluster::allocate(Allocation const& a) {
+  std::string const where = check_shape(a);
+  auto const n = static_cast<std::size_t>(a.node);
   if (free_cpu_[n] < a.cpu_milli || free_memory_[n] < a.memory_mib)
     throw Error(Errc::invalid_argument, where + " asks for " + std::to_string(a.cpu_milli) + " milli-CPU and " +
                                             std::to_string(a.memory_mib) + " MiB, " + std::to_string(free_cpu_[n]) +
                                             " and " + std::to_string(free_memory_[n]) + " are free (expected no more)");
-  std::vector<int> const& free = free_gpu_[n];
-  for (std::size_t i = 0; i < a.gpus.size(); ++i) {
-    int const g = a.gpus[i];
-    if (g < 0 || g >= static_cast<int>(free.size()) ||
-        std::find(a.gpus.begin(), a.gpus.begin() + static_cast<std::ptrdiff_t>(i), g) !=
-            a.gpus.begin() + static_cast<std::ptrdiff_t>(i))
-      throw Error(Errc::invalid_argument, where + " names GPU " + std::to_string(g) +
-                                              " (expected distinct GPUs from 0 to " + std::to_string(free.size()) +
-                                              " - 1)");
-    if (free[static_cast<std::size_t>(g)] < a.gpu_milli)
-      throw Error(Errc::invalid_argument,
-                  where + " asks for " + std::to_string(a.gpu_milli) + " milli of GPU " + std::to_string(g) + ", " +
-                      std::to_string(free[static_cast<std::size_t>(g)]) + " are free (expected no more)");
+  for (int g : a.gpus) {
+    int const free = free_gpu_[n][static_cast<std::size_t>(g)];
+    if (free < a.gpu_milli)
+      throw Error(Errc::invalid_argument, where + " asks for " + std::to_string(a.gpu_milli) + " milli of GPU " +
+                                              std::to_string(g) + ", " + std::to_string(free) +
+                                              " are free (expected no more)");
   }
   free_cpu_[n] -= a.cpu_milli;
   free_memory_[n] -= a.memory_mib;
@@ -463,11 +470,17 @@ void Cluster::allocate(Allocation const& a) {
 }
 
 void Cluster::release(Allocation const& a) {
+  std::string const where = check_shape(a);
   auto const n = static_cast<std::size_t>(a.node);
-  free_cpu_[n] = std::min(nodes_[n].cpu_milli, free_cpu_[n] + a.cpu_milli);
-  free_memory_[n] = std::min(nodes_[n].memory_mib, free_memory_[n] + a.memory_mib);
-  for (int g : a.gpus)
-    free_gpu_[n][static_cast<std::size_t>(g)] = std::min(1000, free_gpu_[n][static_cast<std::size_t>(g)] + a.gpu_milli);
+  bool held = free_cpu_[n] + static_cast<std::int64_t>(a.cpu_milli) <= nodes_[n].cpu_milli &&
+              free_memory_[n] + static_cast<std::int64_t>(a.memory_mib) <= nodes_[n].memory_mib;
+  for (int g : a.gpus) held = held && free_gpu_[n][static_cast<std::size_t>(g)] + a.gpu_milli <= 1000;
+  if (!held)
+    throw Error(Errc::invalid_argument,
+                "release of an " + where + " that the node does not hold (expected an allocation made before)");
+  free_cpu_[n] += a.cpu_milli;
+  free_memory_[n] += a.memory_mib;
+  for (int g : a.gpus) free_gpu_[n][static_cast<std::size_t>(g)] += a.gpu_milli;
   gpu_allocated_ -= static_cast<std::int64_t>(a.gpus.size()) * a.gpu_milli;
   cpu_allocated_ -= a.cpu_milli;
   version_[n] = ++changes_;

@@ -162,6 +162,20 @@ TEST_CASE("Cluster allocations are checked against GPU, CPU and memory capacity"
   CHECK(cluster.free_gpus(0) == std::vector<int>{300, 1000});  // the failed allocations changed nothing
   CHECK(cluster.free_cpu(0) == 3000);
   CHECK(cluster.gpu_allocated_milli() == 700);
+  // Releasing what the node does not hold is refused; releasing what it holds restores it.
+  REQUIRE_MGPU_ERROR(cluster.release({.node = 0, .gpus = {1}, .gpu_milli = 100}), Errc::invalid_argument,
+                     "that the node does not hold");
+  REQUIRE_MGPU_ERROR(cluster.release({.node = 0, .gpus = {0}, .gpu_milli = 700, .cpu_milli = 1001}),
+                     Errc::invalid_argument, "that the node does not hold");
+  CHECK(cluster.free_gpus(0) == std::vector<int>{300, 1000});
+  Allocation const extra{.node = 0, .gpus = {1}, .gpu_milli = 1000, .cpu_milli = 500, .memory_mib = 7000};
+  cluster.allocate(extra);
+  CHECK(cluster.free_memory(0) == 0);
+  cluster.release(extra);
+  CHECK(cluster.free_gpus(0) == std::vector<int>{300, 1000});
+  CHECK(cluster.free_cpu(0) == 3000);
+  CHECK(cluster.free_memory(0) == 7000);
+  CHECK(cluster.gpu_allocated_milli() == 700);
   CHECK_FALSE(cluster.fits({.cpu_milli = 0, .memory_mib = 0, .gpus = 2, .gpu_milli = 1000}, 0));
   CHECK(cluster.fits({.cpu_milli = 3000, .memory_mib = 7000, .gpus = 1, .gpu_milli = 1000}, 0));
   CHECK_FALSE(cluster.fits({.cpu_milli = 3000, .memory_mib = 7000, .gpus = 1, .gpu_milli = 1000, .models = 2},
@@ -282,6 +296,8 @@ TEST_CASE("Tie rules: first, packed and random", "[sched][cluster]") {
   std::set<int> seen;
   for (unsigned seed = 0; seed < 64; ++seed) seen.insert(pick(TieRule::random, seed));
   CHECK(seen == std::set<int>{0, 1, 2});
+  REQUIRE_MGPU_ERROR(Placer(FitPolicy::fgd, TieRule::first, {}, 1), Errc::invalid_argument,
+                     "without a target workload");
   REQUIRE_MGPU_ERROR(tie_rule_named("last"), Errc::invalid_argument, "expected one of: first, random, packed");
   REQUIRE_MGPU_ERROR(fit_policy_named("tetris"), Errc::invalid_argument, "dot-product");
   for (FitPolicy p : all_fit_policies()) CHECK(fit_policy_named(name_of(p)) == p);

@@ -157,10 +157,13 @@ class Cluster {
   /// Takes an allocation's resources. Throws Error(invalid_argument) and changes nothing when it
   /// would exceed a GPU's 1000 milli, the node's CPU or memory, or names a GPU twice.
   void allocate(Allocation const& allocation);
-  /// Returns an allocation's resources.
+  /// Returns an allocation's resources. Throws Error(invalid_argument) and changes nothing when the
+  /// node does not hold them (more than its capacity would be free).
   void release(Allocation const& allocation);
 
  private:
+  // Throws for a node, GPU or share no allocation can have; returns "allocation on node 'name'".
+  std::string check_shape(Allocation const& allocation) const;
   std::vector<NodeSpec> nodes_;
   std::vector<std::string> models_;
   std::vector<int> model_;
