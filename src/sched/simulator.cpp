@@ -57,7 +57,11 @@ std::vector<Job> read_trace_csv(std::filesystem::path const& path, TraceColumns 
                           : number(path, number_of_line, columns.duration, at(duration));
     j.gpus = number(path, number_of_line, columns.gpus, at(gpus));
     if (j.duration < 0) corrupt(path, number_of_line, "the job ends before it is submitted (expected end >= submit)");
-    if (!(j.gpus > 0)) corrupt(path, number_of_line, "asks for " + at(gpus) + " GPUs (expected more than 0)");
+    if (!(j.gpus > 0))
+      corrupt(path, number_of_line,
+              "asks for " + at(gpus) +
+                  " GPUs (expected more than 0; pods with CPU-only, CPU and memory demands are read as a pods file: "
+                  "read_pods_csv, schedule_jobs --pods)");
     if (type >= 0) j.gpu_type = at(type);
     if (priority >= 0 && !at(priority).empty()) j.priority = static_cast<int>(number(path, number_of_line, columns.priority, at(priority)));
     if (tenant >= 0) j.tenant = at(tenant);
