@@ -30,6 +30,7 @@ enum class FitPolicy { random, first_fit, best_fit, worst_fit, dot_product, gpu_
 /// or the one with the least free GPU share (then the first).
 enum class TieRule { first, random, packed };
 
+/// The names reports and command-line options use ("first-fit", "packed").
 [[nodiscard]] std::string_view name_of(FitPolicy policy) noexcept;
 [[nodiscard]] std::string_view name_of(TieRule rule) noexcept;
 /// Throws Error(invalid_argument) listing the names there are.
@@ -71,7 +72,7 @@ struct TargetOptions {
 class Placer {
  public:
   /// `target` is used by fgd (and may be empty for the other policies); `seed` drives the random
-  /// policy and the random tie rule.
+  /// policy and the random tie rule. Throws Error(invalid_argument) for fgd without a target.
   Placer(FitPolicy policy, TieRule tie, std::vector<PodType> target, unsigned seed);
 
   /// The allocation the policy chooses for `demand` on `cluster` as it is now, or std::nullopt
