@@ -511,7 +511,7 @@ FillPoint const* point_at(FillResult const& r, double arrived) {
 }  // namespace
 
 std::string format_fill(std::vector<FillResult> const& results) {
-  std::string out;
+  std::string out = "unallocated GPU share when the arrived GPU demand reached each share of the capacity:\n";
   char cell[96];
   std::vector<double> columns;
   for (int tenth = 5; tenth <= 13; ++tenth) {
@@ -527,9 +527,6 @@ std::string format_fill(std::vector<FillResult> const& results) {
     out += cell;
   }
   out += "   frag@100%  failed@100%  decisions/s\n";
-  std::snprintf(cell, sizeof cell, "%-20s", "unallocated GPU at:");
-  out += cell;
-  out += std::string(9 * columns.size(), ' ') + "\n";
   for (FillResult const& r : results) {
     std::snprintf(cell, sizeof cell, "%-12s %-7s", r.policy.c_str(), r.tie.c_str());
     out += cell;
