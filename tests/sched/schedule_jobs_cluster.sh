@@ -23,6 +23,12 @@ done
 [ "$(wc -l < "$dir/replay.csv")" -eq 3 ] || fail "expected two replay rows"
 grep -q "^fgd" "$dir/replay.txt" || fail "no fgd row in the replay table"
 
+# The target workload and tie options reach the fill (a narrower target changes FGD's choices).
+"$exe" --nodes "$dir/nodes.csv" --pods "$dir/pods.csv" --seed 3 --policy fgd --tie packed --max-arrived 1.1 --step 0.1 \
+  --target-coverage 0.5 --target-gpu-only --csv "$dir/narrow.csv" > "$dir/narrow.txt"
+grep -q "pod types (by GPU demand and model only) covering 50% of the pods" "$dir/narrow.txt" || fail "target options not shown"
+grep -q "^fgd,packed," "$dir/narrow.csv" || fail "no fgd/packed rows"
+
 # A load test: arrivals 1000 times closer on a small cluster make pods wait.
 "$exe" --synthetic-nodes 20 --synthetic-pods 600 --seed 3 --experiment replay --policy fgd --arrival-speedup 1000 \
   --csv "$dir/loaded.csv" > /dev/null
