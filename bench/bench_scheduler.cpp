@@ -1,5 +1,7 @@
 // bench_scheduler: placement decisions per second with the default profile (8 and 64 devices),
-// and the policy table on a synthetic trace.
+// the fill experiment at cluster scale under every placement policy (a synthetic 1,213-node,
+// 6,212-GPU cluster and 8,152 pods after Alibaba's published trace, filled to 130% arrived GPU
+// demand), and the policy tables on synthetic traces.
 //
 //   bench_scheduler --benchmark_out=scheduler.json --benchmark_out_format=json
 #include <benchmark/benchmark.h>
@@ -55,6 +57,28 @@ void BM_place_gang(benchmark::State& state) {
 }
 BENCHMARK(BM_place_gang)->Arg(8)->Arg(64);
 
+// One fill experiment per iteration under one placement policy (range(0) indexes all_fit_policies()).
+void BM_fill(benchmark::State& state) {
+  auto const nodes = mgpu::sched::synthetic_cluster({});
+  auto const pods = mgpu::sched::synthetic_pods({});
+  auto const policy = mgpu::sched::all_fit_policies()[static_cast<std::size_t>(state.range(0))];
+  state.SetLabel(std::string(mgpu::sched::name_of(policy)));
+  double decisions = 0;
+  double seconds = 0;
+  for (auto _ : state) {
+    auto const result =
+        mgpu::sched::fill(nodes, pods, {.policy = policy, .tie = mgpu::sched::TieRule::random, .max_arrived = 1.3});
+    decisions += result.decisions;
+    seconds += result.seconds;
+    benchmark::DoNotOptimize(result);
+  }
+  state.counters["decisions_per_s"] = decisions / seconds;
+  state.counters["decisions"] = decisions / static_cast<double>(state.iterations());
+  state.counters["nodes"] = static_cast<double>(nodes.size());
+}
+BENCHMARK(BM_fill)->DenseRange(0, 6)->Iterations(1)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(
+    benchmark::kMillisecond);
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -69,6 +93,13 @@ int main(int argc, char** argv) {
   for (auto const& policy : mgpu::sched::standard_policies()) results.push_back(mgpu::sched::simulate(jobs, servers, policy));
   std::printf("\npolicies on a synthetic trace (400 jobs at 90%% load, servers of 8 A100 and 8 V100 at 0.6x):\n%s",
               mgpu::sched::format_results(results).c_str());
+  auto const nodes = mgpu::sched::synthetic_cluster({});
+  auto const pods = mgpu::sched::synthetic_pods({});
+  std::vector<mgpu::sched::FillResult> fills;
+  for (auto const policy : mgpu::sched::all_fit_policies())
+    fills.push_back(mgpu::sched::fill(nodes, pods, {.policy = policy}));
+  std::printf("\nfill of the synthetic 1,213-node cluster with its 8,152 pods (tie rule random, seed 1):\n%s",
+              mgpu::sched::format_fill(fills).c_str());
   benchmark::Shutdown();
   return 0;
 }

@@ -13,40 +13,12 @@
 
 #include <mgpu/core/error.hpp>
 
+#include "csv.hpp"
+
 namespace mgpu::sched {
-namespace {
-
-std::vector<std::string> split_csv(std::string const& line) {
-  std::vector<std::string> fields;
-  std::string field;
-  bool quoted = false;
-  for (char c : line) {
-    if (c == '"') {
-      quoted = !quoted;
-    } else if (c == ',' && !quoted) {
-      fields.push_back(field);
-      field.clear();
-    } else if (c != '\r') {
-      field += c;
-    }
-  }
-  fields.push_back(field);
-  return fields;
-}
-
-[[noreturn]] void corrupt(std::filesystem::path const& path, std::size_t line, std::string const& what) {
-  throw Error(Errc::corrupt_data, path.string() + ":" + std::to_string(line) + ": " + what);
-}
-
-double number(std::filesystem::path const& path, std::size_t line, std::string const& column, std::string const& text) {
-  char* end = nullptr;
-  double const value = std::strtod(text.c_str(), &end);
-  if (text.empty() || end != text.c_str() + text.size() || !std::isfinite(value))
-    corrupt(path, line, "column '" + column + "' is '" + text + "' (expected a number)");
-  return value;
-}
-
-}  // namespace
+using detail::corrupt;
+using detail::number;
+using detail::split_csv;
 
 std::vector<Job> read_trace_csv(std::filesystem::path const& path, TraceColumns const& columns) {
   std::ifstream in(path);
@@ -85,7 +57,11 @@ std::vector<Job> read_trace_csv(std::filesystem::path const& path, TraceColumns 
                           : number(path, number_of_line, columns.duration, at(duration));
     j.gpus = number(path, number_of_line, columns.gpus, at(gpus));
     if (j.duration < 0) corrupt(path, number_of_line, "the job ends before it is submitted (expected end >= submit)");
-    if (!(j.gpus > 0)) corrupt(path, number_of_line, "asks for " + at(gpus) + " GPUs (expected more than 0)");
+    if (!(j.gpus > 0))
+      corrupt(path, number_of_line,
+              "asks for " + at(gpus) +
+                  " GPUs (expected more than 0; pods with CPU-only, CPU and memory demands are read as a pods file: "
+                  "read_pods_csv, schedule_jobs --pods)");
     if (type >= 0) j.gpu_type = at(type);
     if (priority >= 0 && !at(priority).empty()) j.priority = static_cast<int>(number(path, number_of_line, columns.priority, at(priority)));
     if (tenant >= 0) j.tenant = at(tenant);

@@ -131,6 +131,12 @@ TEST_CASE("Traces: CSV with column mapping, malformed rows, synthetic shapes", "
   }
   REQUIRE_MGPU_ERROR(read_trace_csv(dir / "bad.csv"), Errc::corrupt_data, "bad.csv:3: column 'duration' is 'ten' (expected a number)");
   REQUIRE_MGPU_ERROR(read_trace_csv(dir / "missing.csv"), Errc::io, "cannot read trace");
+  {
+    std::ofstream out(dir / "cpu_only.csv");
+    out << "submit_time,duration,gpus\n0,10,1\n5,10,0\n";
+  }
+  REQUIRE_MGPU_ERROR(read_trace_csv(dir / "cpu_only.csv"), Errc::corrupt_data, "cpu_only.csv:3: asks for 0 GPUs");
+  REQUIRE_MGPU_ERROR(read_trace_csv(dir / "cpu_only.csv"), Errc::corrupt_data, "schedule_jobs --pods");
 
   auto const synthetic = synthetic_trace({.jobs = 2000, .seed = 3});
   write_trace_csv(dir / "synthetic.csv", synthetic);
