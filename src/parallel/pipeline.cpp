@@ -1,0 +1,339 @@
+// The pipeline executor, layer split, partitioning and layer profiling.
+#include <mgpu/parallel/pipeline.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <string>
+#include <utility>
+
+#include <mgpu/core/error.hpp>
+#include <mgpu/ops/ops.hpp>
+#include <mgpu/sched/planning.hpp>
+
+namespace mgpu::pipeline {
+
+Schedule layer_split(int devices) {
+  Schedule s = gpipe(devices, 1);
+  s.name = "layer-split";
+  return s;
+}
+
+Partition partition(nn::Sequential const& model, int chunks, std::vector<double> const& layer_seconds) {
+  if (layer_seconds.size() != model.size())
+    throw Error(Errc::invalid_argument, "partition with costs for " + std::to_string(layer_seconds.size()) + " layers (expected " +
+                                            std::to_string(model.size()) + ", one per layer)");
+  auto const cuts = model.cut_points();
+  int const units = static_cast<int>(cuts.size()) - 1;
+  if (chunks < 1 || chunks > units)
+    throw Error(Errc::invalid_argument, "partition into " + std::to_string(chunks) + " stages of a model of " + std::to_string(units) +
+                                            " units (expected 1 to " + std::to_string(units) +
+                                            " stages; a Linear and its fused activation are one unit)");
+  std::vector<double> unit_seconds(static_cast<std::size_t>(units), 0.0);
+  for (int u = 0; u < units; ++u) {
+    for (std::size_t l = cuts[static_cast<std::size_t>(u)]; l < cuts[static_cast<std::size_t>(u) + 1]; ++l)
+      unit_seconds[static_cast<std::size_t>(u)] += layer_seconds[l];
+  }
+  sched::NodeState node;
+  std::vector<int> ids;
+  for (int d = 0; d < chunks; ++d) {
+    sched::DeviceState device;
+    device.id = d;
+    device.capacity_bytes = device.free_bytes = 1e18;
+    device.links.assign(static_cast<std::size_t>(chunks), 1.0);
+    node.devices.push_back(device);
+    ids.push_back(d);
+  }
+  sched::StagePlan const plan = sched::partition(unit_seconds, std::vector<double>(unit_seconds.size(), 0.0), node, ids, chunks);
+  Partition result;
+  for (int const first : plan.first_layer) result.cuts.push_back(cuts[static_cast<std::size_t>(first)]);  // ends with the unit count
+  result.chunk_seconds = plan.stage_seconds;
+  return result;
+}
+
+std::vector<double> profile_layers(nn::Sequential const& model, DeviceGroup& group, Shape const& input, int repeats) {
+  if (repeats < 1) throw Error(Errc::invalid_argument, "profile_layers with " + std::to_string(repeats) + " repeats (expected >= 1)");
+  std::vector<double> seconds(model.size(), 0.0);
+  auto const cuts = model.cut_points();
+  group.run([&](int rank, Device, Stream& stream) {
+    if (rank != 0) return;
+    nn::Context ctx{group.allocator(0), stream};
+    Shape shape = input;
+    for (std::size_t u = 0; u + 1 < cuts.size(); ++u) {
+      nn::Sequential unit = model.stage(cuts[u], cuts[u + 1]);
+      unit.materialize(ctx, 0);
+      Tensor const x = ops::zeros(shape, ctx.allocator, stream);
+      Shape const out = unit.output_shape(shape);
+      Tensor const dy = ops::zeros(out, ctx.allocator, stream);
+      std::vector<double> runs;
+      for (int r = 0; r < repeats; ++r) {
+        stream.synchronize();
+        auto const start = std::chrono::steady_clock::now();
+        unit.forward(x, ctx);
+        unit.backward(dy, ctx, true);
+        stream.synchronize();
+        runs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      }
+      std::nth_element(runs.begin(), runs.begin() + repeats / 2, runs.end());
+      seconds[cuts[u]] = runs[static_cast<std::size_t>(repeats / 2)];
+      shape = out;
+    }
+  });
+  return seconds;
+}
+
+struct Executor::Impl {
+  DeviceGroup* group = nullptr;
+  Schedule schedule;
+  std::vector<std::size_t> cuts;
+  ExecutorOptions options;
+  std::unique_ptr<comm::Communicator> comm;
+  std::vector<nn::Sequential> chunks;
+  std::vector<std::unique_ptr<optim::Optimizer>> optimizers;
+  double last_seconds = 0;
+
+  // One device's actions for a step. Tensors move between actions through maps keyed by
+  // (chunk, micro-batch); each map is touched by this device's thread only.
+  struct Step {
+    Tensor const* x;
+    Tensor const* labels;
+    std::vector<std::int64_t> sizes, offsets;
+    std::vector<std::vector<Shape>> input_shapes;  // [chunk][micro-batch], and [chunks()] the logits
+    std::vector<Tensor> losses;                    // per micro-batch, on the last chunk's device
+  };
+  void run_device(int rank, Stream& stream, Step& step);
+};
+
+namespace {
+using Key = std::pair<int, int>;  // (chunk, micro-batch)
+
+Tensor take(std::map<Key, Tensor>& map, Key key, char const* what) {
+  auto const it = map.find(key);
+  if (it == map.end())
+    throw Error(Errc::invalid_argument, std::string("no ") + what + " for chunk " + std::to_string(key.first) + ", micro-batch " +
+                                            std::to_string(key.second) + " (expected the schedule to produce it first)");
+  Tensor t = std::move(it->second);
+  map.erase(it);
+  return t;
+}
+}  // namespace
+
+void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
+  Schedule const& s = schedule;
+  int const last = s.chunks() - 1;
+  Allocator& allocator = group->allocator(rank);
+  std::map<Key, Tensor> act_in, act_out, grad_in, grad_out;
+  std::map<int, std::vector<std::uint64_t>> rng_start, rng_after;
+  for (int c = rank; c < s.chunks(); c += s.devices) {
+    chunks[static_cast<std::size_t>(c)].zero_gradients(stream);
+    rng_start[c] = chunks[static_cast<std::size_t>(c)].rng_state();
+  }
+  trace::Timeline* const timeline = options.timeline.get();
+  auto const& list = s.actions[static_cast<std::size_t>(rank)];
+  auto const total = static_cast<double>(step.offsets.back() + step.sizes.back());
+  for (std::size_t i = 0; i < list.size();) {
+    Action const& a = list[i];
+    std::string where = "pipeline device " + std::to_string(rank) + ", chunk " + std::to_string(a.chunk) + ", action " +
+                        std::to_string(i) + " (" + to_string(a) + ")";
+    try {
+      if (is_transfer(a.kind)) {
+        std::size_t end = i;
+        std::string names;
+        while (end < list.size() && is_transfer(list[end].kind)) names += (names.empty() ? "" : ", ") + to_string(list[end++]);
+        auto transfers = [&] {
+          comm->group_start(rank);
+          for (std::size_t k = i; k < end; ++k) {
+            Action const& t = list[k];
+            where = "pipeline device " + std::to_string(rank) + ", chunk " + std::to_string(t.chunk) + ", action " + std::to_string(k) +
+                    " (" + to_string(t) + ")";
+            Key const key{t.chunk, t.micro_batch};
+            auto const mb = static_cast<std::size_t>(t.micro_batch);
+            switch (t.kind) {
+              case ActionKind::send_activation:
+                comm->send(rank, take(act_out, key, "activation"), s.device_of(t.chunk + 1), stream);
+                break;
+              case ActionKind::send_gradient:
+                comm->send(rank, take(grad_in, key, "input gradient"), s.device_of(t.chunk - 1), stream);
+                break;
+              case ActionKind::recv_activation: {
+                Tensor buffer = Tensor::empty(step.input_shapes[static_cast<std::size_t>(t.chunk)][mb], DType::float32, allocator);
+                comm->recv(rank, buffer, s.device_of(t.chunk - 1), stream);
+                act_in[key] = buffer;
+                break;
+              }
+              default: {
+                Tensor buffer = Tensor::empty(step.input_shapes[static_cast<std::size_t>(t.chunk) + 1][mb], DType::float32, allocator);
+                comm->recv(rank, buffer, s.device_of(t.chunk + 1), stream);
+                grad_out[key] = buffer;
+              }
+            }
+          }
+          comm->group_end(rank);
+        };
+        if (timeline != nullptr) {
+          timeline->stream_span(stream, names, "pipeline", rank, trace::communication, transfers);
+        } else {
+          transfers();
+        }
+        i = end;
+        continue;
+      }
+      nn::Sequential& chunk = chunks[static_cast<std::size_t>(a.chunk)];
+      auto const mb = static_cast<std::size_t>(a.micro_batch);
+      Key const key{a.chunk, a.micro_batch};
+      nn::Context ctx{allocator, stream, step.offsets[mb], a.micro_batch, true};
+      auto compute = [&] {
+        switch (a.kind) {
+          case ActionKind::forward: {
+            Tensor input;
+            if (a.chunk == 0) {
+              input = Tensor::empty(step.input_shapes[0][mb], DType::float32, allocator);
+              copy_async(input, step.x->slice(step.offsets[mb], step.offsets[mb] + step.sizes[mb]), stream);
+            } else if (s.device_of(a.chunk - 1) == rank) {
+              input = take(act_out, {a.chunk - 1, a.micro_batch}, "activation");
+            } else {
+              input = take(act_in, key, "received activation");
+            }
+            chunk.set_rng_state(rng_start[a.chunk]);
+            Tensor const y = chunk.forward(input, ctx);
+            rng_after[a.chunk] = chunk.rng_state();
+            if (a.chunk < last) {
+              act_out[key] = y;
+              break;
+            }
+            Tensor const labels = Tensor::empty({step.sizes[mb]}, DType::float32, allocator);
+            copy_async(labels, step.labels->slice(step.offsets[mb], step.offsets[mb] + step.sizes[mb]), stream);
+            Tensor const dlogits = Tensor::empty(y.shape(), y.dtype(), allocator);
+            step.losses[mb] = Tensor::empty({1}, DType::float32, allocator);
+            // Each micro-batch's mean loss weighted by its share: the gradients add up to the batch mean's.
+            ops::softmax_cross_entropy(y, labels, dlogits, step.losses[mb], stream, static_cast<float>(static_cast<double>(step.sizes[mb]) / total));
+            grad_out[key] = dlogits;
+            break;
+          }
+          case ActionKind::backward:
+          case ActionKind::backward_input: {
+            Tensor const dy = a.chunk < last && s.device_of(a.chunk + 1) == rank ? take(grad_in, {a.chunk + 1, a.micro_batch}, "input gradient")
+                                                                                 : take(grad_out, key, "output gradient");
+            Tensor dx = a.kind == ActionKind::backward ? chunk.backward(dy, ctx, a.chunk > 0) : chunk.backward_input(dy, ctx, a.chunk > 0);
+            if (a.chunk > 0) grad_in[key] = std::move(dx);
+            break;
+          }
+          default: chunk.backward_weight(ctx);
+        }
+      };
+      if (timeline != nullptr) {
+        timeline->stream_span(stream, to_string(a), "pipeline", rank, trace::compute, compute);
+      } else {
+        compute();
+      }
+      ++i;
+    } catch (Error const& e) {
+      throw Error(e.category(), where + ": " + std::string(e.message()));
+    }
+  }
+  for (auto& [c, state] : rng_after) chunks[static_cast<std::size_t>(c)].set_rng_state(state);
+}
+
+Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<std::size_t> cuts, Schedule schedule,
+                   OptimizerFactory make_optimizer, ExecutorOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  validate(schedule);
+  if (schedule.devices != group.size())
+    throw Error(Errc::invalid_argument, "a schedule for " + std::to_string(schedule.devices) + " devices on a group of " +
+                                            std::to_string(group.size()) + " (expected one device per schedule device)");
+  auto const units = model.cut_points().size() - 1;
+  auto const chunks = static_cast<std::size_t>(schedule.chunks());
+  if (chunks > units)
+    throw Error(Errc::invalid_argument, std::to_string(chunks) + " pipeline stages for a model of " + std::to_string(units) +
+                                            " units (expected at most one stage per unit; a Linear and its fused activation are one unit)");
+  if (cuts.size() != chunks + 1 || cuts.front() != 0 || cuts.back() != model.size())
+    throw Error(Errc::invalid_argument, std::to_string(cuts.size()) + " cut points (expected " + std::to_string(chunks + 1) +
+                                            ": 0, one between each two of the " + std::to_string(chunks) + " stages, and " +
+                                            std::to_string(model.size()) + ")");
+  for (std::size_t c = 0; c < chunks; ++c) {
+    if (cuts[c] >= cuts[c + 1])
+      throw Error(Errc::invalid_argument, "cut points out of order: " + std::to_string(cuts[c + 1]) + " after " + std::to_string(cuts[c]) +
+                                              " (expected strictly increasing layer indices)");
+  }
+  if (!make_optimizer) throw Error(Errc::invalid_argument, "a pipeline executor without an optimizer factory (expected one)");
+  Impl& m = *impl_;
+  m.group = &group;
+  m.schedule = std::move(schedule);
+  m.cuts = std::move(cuts);
+  m.options = std::move(options);
+  for (std::size_t c = 0; c < chunks; ++c) {
+    m.chunks.push_back(model.stage(m.cuts[c], m.cuts[c + 1]));
+    m.optimizers.push_back(make_optimizer());
+  }
+  group.run([&](int rank, Device, Stream& stream) {
+    nn::Context ctx{group.allocator(rank), stream};
+    for (std::size_t c = static_cast<std::size_t>(rank); c < chunks; c += static_cast<std::size_t>(m.schedule.devices))
+      m.chunks[c].materialize(ctx, m.options.seed);
+  });
+  m.comm = comm::make_communicator(group, {comm::Backend::automatic, m.options.timeout});
+}
+
+Executor::~Executor() = default;
+
+float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
+  Impl& m = *impl_;
+  int const mbs = m.schedule.micro_batches;
+  if (x.rank() != 2 || x.dtype() != DType::float32)
+    throw Error(Errc::invalid_argument, "a pipeline batch x of shape " + mgpu::to_string(x.shape()) + " and dtype " +
+                                            std::string(mgpu::to_string(x.dtype())) + " (expected float32 [rows, features])");
+  if (labels.numel() != x.dim(0) || labels.dtype() != DType::float32)
+    throw Error(Errc::invalid_argument, "pipeline labels of shape " + mgpu::to_string(labels.shape()) + " for " + std::to_string(x.dim(0)) +
+                                            " rows (expected one float32 class id per row)");
+  if (x.dim(0) < mbs)
+    throw Error(Errc::invalid_argument, "a batch of " + std::to_string(x.dim(0)) + " rows cannot be split into " + std::to_string(mbs) +
+                                            " micro-batches (expected at least one row per micro-batch)");
+  Impl::Step step{&x, &labels, shard_sizes(x.dim(0), mbs), {}, {}, std::vector<Tensor>(static_cast<std::size_t>(mbs))};
+  std::int64_t offset = 0;
+  for (std::int64_t n : step.sizes) {
+    step.offsets.push_back(offset);
+    offset += n;
+  }
+  step.input_shapes.resize(static_cast<std::size_t>(m.schedule.chunks()) + 1);
+  for (std::int64_t n : step.sizes) {
+    Shape shape{n, x.dim(1)};
+    for (std::size_t c = 0; c < m.chunks.size(); ++c) {
+      step.input_shapes[c].push_back(shape);
+      shape = m.chunks[c].output_shape(shape);
+    }
+    step.input_shapes.back().push_back(shape);
+  }
+  auto const start = std::chrono::steady_clock::now();
+  m.group->run([&](int rank, Device, Stream& stream) { m.run_device(rank, stream, step); });
+  m.last_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  int const last_rank = m.schedule.device_of(m.schedule.chunks() - 1);
+  double loss = 0;
+  for (std::size_t k = 0; k < step.losses.size(); ++k)
+    loss += ops::item(step.losses[k], m.group->stream(last_rank)) * static_cast<double>(step.sizes[k]) / static_cast<double>(x.dim(0));
+  return static_cast<float>(loss);
+}
+
+float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
+  float const loss = compute_gradients(x, labels);
+  Impl& m = *impl_;
+  m.group->run([&](int rank, Device, Stream& stream) {
+    for (std::size_t c = static_cast<std::size_t>(rank); c < m.chunks.size(); c += static_cast<std::size_t>(m.schedule.devices)) {
+      nn::Sequential& chunk = m.chunks[c];
+      chunk.unscale_gradients(1.0f, stream);
+      m.optimizers[c]->step(chunk.master_parameters(), chunk.master_gradients(), m.group->allocator(rank), stream, lr_scale);
+      chunk.sync_parameters(stream);
+    }
+  });
+  return loss;
+}
+
+Schedule const& Executor::schedule() const noexcept { return impl_->schedule; }
+std::vector<std::size_t> const& Executor::cuts() const noexcept { return impl_->cuts; }
+double Executor::last_step_seconds() const noexcept { return impl_->last_seconds; }
+
+nn::Sequential& Executor::chunk(int c) {
+  if (c < 0 || c >= impl_->schedule.chunks())
+    throw Error(Errc::invalid_argument, "chunk " + std::to_string(c) + " (expected [0, " + std::to_string(impl_->schedule.chunks()) + "))");
+  return impl_->chunks[static_cast<std::size_t>(c)];
+}
+
+}  // namespace mgpu::pipeline
