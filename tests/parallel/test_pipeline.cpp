@@ -198,7 +198,7 @@ TEST_CASE("the executor rejects bad input", "[parallel][pipeline]") {
   REQUIRE_MGPU_ERROR(pp::Executor(model, group, {0, 8, 3, 14}, pp::interleaved_one_f_one_b(2, 1, 4), sgd()),
                      mgpu::Errc::invalid_argument, "4 cut points (expected 3");
   REQUIRE_MGPU_ERROR(pp::Executor(model, group, {0, 8, 5, 14}, pp::interleaved_one_f_one_b(3, 1, 3), sgd()),
-                     mgpu::Errc::invalid_argument, "a schedule for 3 devices on a group of 2");
+                     mgpu::Errc::invalid_argument, "a schedule for 3 devices times 1 data-parallel replicas on a group of 2");
   mgpu::DeviceGroup three("host:3");
   REQUIRE_MGPU_ERROR(pp::Executor(model, three, {0, 8, 5, 14}, pp::one_f_one_b(3, 3), sgd()), mgpu::Errc::invalid_argument,
                      "cut points out of order: 5 after 8");
@@ -212,7 +212,41 @@ TEST_CASE("the executor rejects bad input", "[parallel][pipeline]") {
   pp::Executor ex(model, group, {0, 8, 14}, s, sgd());
   Batch const small = make_batch(env, 3, 1);
   REQUIRE_MGPU_ERROR(ex.compute_gradients(small.x, small.y), mgpu::Errc::invalid_argument,
-                     "a batch of 3 rows cannot be split into 4 micro-batches");
+                     "a batch of 3 rows cannot be split into 1 replica(s) x 4 micro-batches");
   Batch const b = make_batch(env, 8, 1);
   REQUIRE_MGPU_ERROR(ex.compute_gradients(b.x, small.y), mgpu::Errc::invalid_argument, "expected one float32 class id per row");
+}
+
+TEST_CASE("a 2 x 2 data x pipeline grid trains as one device does", "[parallel][pipeline]") {
+  Env env;
+  std::vector<Batch> batches;
+  for (unsigned k = 0; k < 3; ++k) batches.push_back(make_batch(env, 14, 40 + k));
+  // The reference: loss and gradients of the first batch, then parameters after every batch.
+  auto const [want_loss, want_grads] = reference(env, batches[0], 13);
+  nn::Sequential reference_model = make_model();
+  reference_model.materialize(env.ctx, 13);
+  mgpu::optim::SGD opt({.lr = 0.1f, .momentum = 0.9f});
+  for (Batch const& b : batches) nn::classification_step(reference_model, opt, b.x, b.y, env.ctx);
+  env.stream.synchronize();
+  auto const want = as_double(reference_model.parameters());
+
+  mgpu::DeviceGroup group("host:4");
+  for (std::string const name : {"1f1b", "zb"}) {
+    CAPTURE(name);
+    pp::Schedule const s = pp::make_schedule(name, 2, 3);
+    pp::Executor ex(make_model(), group, even_cuts(make_model(), 2), s, sgd(), {.seed = 13, .data_parallel = 2});
+    CHECK(ex.compute_gradients(batches[0].x, batches[0].y) == Approx(want_loss).epsilon(1e-5));
+    std::vector<double> replica1;
+    for (int c = 0; c < 2; ++c) {
+      auto const part = as_double(ex.chunk(c, 1).gradients());
+      replica1.insert(replica1.end(), part.begin(), part.end());
+    }
+    check_close(gathered(ex, true), want_grads);
+    CHECK(replica1 == gathered(ex, true));  // the all-reduce gives both replicas the same sum
+    pp::Executor trained(make_model(), group, even_cuts(make_model(), 2), s, sgd(), {.seed = 13, .data_parallel = 2});
+    for (Batch const& b : batches) trained.step(b.x, b.y);
+    check_close(gathered(trained, false), want);
+  }
+  REQUIRE_MGPU_ERROR(pp::Executor(make_model(), group, {0, 8, 14}, pp::one_f_one_b(2, 2), sgd(), {.data_parallel = 3}),
+                     mgpu::Errc::invalid_argument, "2 devices times 3 data-parallel replicas on a group of 4");
 }

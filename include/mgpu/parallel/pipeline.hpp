@@ -42,6 +42,11 @@ std::vector<double> profile_layers(nn::Sequential const& model, DeviceGroup& gro
 struct ExecutorOptions {
   /// Initialises the chunks as nn::Sequential::materialize(seed) initialises the whole model.
   std::uint64_t seed = 0;
+  /// Data-parallel replicas of the pipeline (a data x pipeline grid): replica r runs on ranks
+  /// [r * devices, (r + 1) * devices) on the r-th shard of each batch, and the same chunk across
+  /// replicas all-reduces its gradients over a communicator of those ranks. The group has
+  /// devices x data_parallel ranks.
+  int data_parallel = 1;
   /// The communicator's deadline (zero: comm::default_timeout()).
   std::chrono::milliseconds timeout{0};
   /// Where every action is recorded (rank = device, compute lane; transfers on the communication
@@ -52,7 +57,8 @@ struct ExecutorOptions {
 /// Makes one optimizer (each chunk gets its own, for its own parameters).
 using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>()>;
 
-/// Runs a schedule over a DeviceGroup: chunk c of the model on rank c % devices. Each step splits
+/// Runs a schedule over a DeviceGroup: chunk c of the model on rank c % devices (of each replica,
+/// see ExecutorOptions::data_parallel). Each step splits
 /// the batch into the schedule's micro-batches (sizes as shard_sizes), runs every device's actions
 /// (consecutive transfers grouped, so crossing sends and receives cannot deadlock), accumulates
 /// parameter gradients over micro-batches and, in step(), updates each chunk. Dropout draws as in
@@ -81,8 +87,9 @@ class Executor {
 
   [[nodiscard]] Schedule const& schedule() const noexcept;
   [[nodiscard]] std::vector<std::size_t> const& cuts() const noexcept;
-  /// Chunk c's layers, parameters and gradients (on rank c % devices); read them after a step.
-  [[nodiscard]] nn::Sequential& chunk(int c);
+  /// Chunk c's layers, parameters and gradients in `replica` (on rank replica * devices +
+  /// c % devices); read them after a step.
+  [[nodiscard]] nn::Sequential& chunk(int c, int replica = 0);
   /// Wall seconds of the last step's schedule run (from the first action to the last device done).
   [[nodiscard]] double last_step_seconds() const noexcept;
 
