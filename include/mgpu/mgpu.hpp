@@ -17,6 +17,8 @@
 #include <mgpu/nn/optim.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/ops.hpp>
+#include <mgpu/parallel/pipeline.hpp>
+#include <mgpu/parallel/schedule.hpp>
 #include <mgpu/sched/job_queue.hpp>
 #include <mgpu/sched/live.hpp>
 #include <mgpu/sched/planning.hpp>
