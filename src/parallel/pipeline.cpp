@@ -194,6 +194,10 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
       auto compute = [&] {
         switch (a.kind) {
           case ActionKind::forward: {
+            // Enqueue no further ahead than the stream runs: the tensors of micro-batches whose
+            // backward is done are then free before this forward allocates, so the allocator's
+            // peak is the schedule's activations in flight.
+            stream.synchronize();
             Tensor input;
             if (a.chunk == 0) {
               input = Tensor::empty(step.input_shapes[0][mb], DType::float32, allocator);

@@ -250,3 +250,33 @@ TEST_CASE("a 2 x 2 data x pipeline grid trains as one device does", "[parallel][
   REQUIRE_MGPU_ERROR(pp::Executor(make_model(), group, {0, 8, 14}, pp::one_f_one_b(2, 2), sgd(), {.data_parallel = 3}),
                      mgpu::Errc::invalid_argument, "2 devices times 3 data-parallel replicas on a group of 4");
 }
+
+TEST_CASE("stage 0's allocator peak: 1F1B holds at most P micro-batches, GPipe M", "[parallel][pipeline]") {
+  // A wide first stage, so its saved activations dominate what device 0 allocates in a step.
+  nn::Sequential model;
+  model.add(std::make_unique<nn::Linear>(6, 512));
+  model.add(std::make_unique<nn::ReLU>());
+  for (int l = 0; l < 3; ++l) model.add(std::make_unique<nn::Linear>(l == 0 ? 512 : 8, 8));
+  Env env;
+  Batch const b = make_batch(env, 64, 2);
+  int const p = 4, m = 8;
+  mgpu::DeviceGroup group("host:4");
+  auto peak = [&](pp::Schedule const& s, Batch const& batch) {
+    pp::Executor ex(model, group, {0, 2, 3, 4, 5}, s, sgd());
+    ex.compute_gradients(batch.x, batch.y);  // warm up
+    std::size_t const before = group.allocator(0).stats().allocated;
+    group.allocator(0).reset_peak();
+    ex.compute_gradients(batch.x, batch.y);
+    return static_cast<double>(group.allocator(0).stats().peak_allocated - before);
+  };
+  // One micro-batch alone: its [8, 512] activation, the buffer its gradient comes back in, and
+  // the backward's scratch.
+  double const single = peak(pp::gpipe(p, 1), make_batch(env, 8, 2));
+  double const activation = 8.0 * 512 * 4;
+  double const gpipe = peak(pp::gpipe(p, m), b);
+  double const ofob = peak(pp::one_f_one_b(p, m), b);
+  CAPTURE(single, gpipe, ofob);
+  CHECK(gpipe >= m * 2 * activation);  // every micro-batch's activation and gradient buffer at once
+  CHECK(ofob <= p * single);           // at most P micro-batches in flight
+  CHECK(gpipe >= 1.8 * ofob);          // about M / P = 2
+}
