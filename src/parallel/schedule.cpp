@@ -438,10 +438,11 @@ Schedule interleaved_one_f_one_b(int devices, int chunks_per_device, int micro_b
 
 Schedule zero_bubble_h1(int devices, int micro_batches) {
   check_sizes("zero_bubble_h1", devices, 1, micro_batches);
-  // List scheduling in unit time steps with equal costs: a free device runs the next
-  // backward_input if its gradient is there, else the next forward if its input is there and
-  // fewer than devices - d micro-batches wait for their backward_input (1F1B's limit), else a
-  // pending backward_weight.
+  // List scheduling in unit time steps with equal costs: a free device runs a pending
+  // backward_weight if `devices` of them are pending (bounding what they hold), else the next
+  // backward_input if its gradient is there, else the next forward if its input is there and fewer
+  // than devices - d micro-batches wait for their backward_input (1F1B's limit), else a pending
+  // backward_weight.
   auto const n = static_cast<std::size_t>(devices);
   auto const m = static_cast<std::size_t>(micro_batches);
   constexpr int never = std::numeric_limits<int>::max();
@@ -457,7 +458,11 @@ Schedule zero_bubble_h1(int devices, int micro_batches) {
                            (d == devices - 1 || b_done[u + 1][static_cast<std::size_t>(b)] <= t);
       bool const f_ready = f < micro_batches && (d == 0 || f_done[u - 1][static_cast<std::size_t>(f)] <= t) &&
                            f - b < devices - d;
-      if (b_ready) {
+      bool const w_ready = next_w[u] < b && b_done[u][static_cast<std::size_t>(next_w[u])] <= t;
+      if (w_ready && b - next_w[u] >= devices) {
+        compute[u].push_back({Kind::backward_weight, next_w[u], d});
+        ++next_w[u];
+      } else if (b_ready) {
         compute[u].push_back({Kind::backward_input, b, d});
         b_done[u][static_cast<std::size_t>(b)] = t + 1;
         ++next_b[u];

@@ -70,7 +70,7 @@ TEST_CASE("simulated bubbles match the closed forms with equal costs", "[paralle
   }
 }
 
-TEST_CASE("peak in-flight activations: 1F1B at most P - d on stage d, GPipe M", "[parallel][schedule]") {
+TEST_CASE("peak in-flight activations: 1F1B at most P - d on stage d, GPipe M, ZB-H1 bounded", "[parallel][schedule]") {
   for (int p = 1; p <= 4; ++p) {
     for (int m = 1; m <= 8; ++m) {
       CAPTURE(p, m);
@@ -78,6 +78,10 @@ TEST_CASE("peak in-flight activations: 1F1B at most P - d on stage d, GPipe M", 
       Simulation const ofob = simulate(one_f_one_b(p, m));
       CHECK(ofob.peak_in_flight[0] == std::min(p, m));
       for (int d = 0; d < p; ++d) CHECK(ofob.peak_in_flight[static_cast<std::size_t>(d)] <= p - d);
+      // ZB-H1: at most P - d waiting for backward_input plus fewer than P for backward_weight,
+      // however many micro-batches.
+      Simulation const zb = simulate(zero_bubble_h1(p, m));
+      for (int d = 0; d < p; ++d) CHECK(zb.peak_in_flight[static_cast<std::size_t>(d)] <= std::max(1, 2 * p - 1 - d));
     }
   }
 }

@@ -69,8 +69,9 @@ Schedule interleaved_one_f_one_b(int devices, int chunks_per_device, int micro_b
 /// ZB-H1 zero-bubble: backward split into input and weight halves; the input half goes first (the
 /// previous device waits for it) and weight halves fill what would be bubbles. Device d starts a
 /// forward only while fewer than devices - d micro-batches wait for their backward_input (1F1B's
-/// limit); what backward_weight reads stays longer, so peak_in_flight (counted until
-/// backward_weight) can exceed 1F1B's.
+/// limit) and runs a weight half first once `devices` of them are pending; what backward_weight
+/// reads stays longer, so peak_in_flight (counted until backward_weight) is up to
+/// 2 * devices - 1 - d, whatever the number of micro-batches.
 Schedule zero_bubble_h1(int devices, int micro_batches);
 /// The generator by name: "gpipe", "1f1b", "interleaved" (with chunks_per_device) or "zb".
 Schedule make_schedule(std::string const& name, int devices, int micro_batches, int chunks_per_device = 2);
