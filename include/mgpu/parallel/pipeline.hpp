@@ -67,7 +67,7 @@ using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>()>;
 /// schedule (1F1B holds at most devices - d micro-batches' activations on device d, GPipe all).
 /// If an action fails, the communicator aborts the other devices and the step throws an Error
 /// naming the failing device, chunk and action; the executor cannot be used after that.
-/// Not thread-safe: call from one thread.
+/// The group must outlive the executor. Not thread-safe: call from one thread.
 class Executor {
  public:
   /// Cuts `model` at `cuts` (schedule.chunks() + 1 increasing layer indices, from 0 to
