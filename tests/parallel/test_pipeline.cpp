@@ -280,3 +280,31 @@ TEST_CASE("stage 0's allocator peak: 1F1B holds at most P micro-batches, GPipe M
   CHECK(ofob <= p * single);           // at most P micro-batches in flight
   CHECK(gpipe >= 1.8 * ofob);          // about M / P = 2
 }
+
+TEST_CASE("every action of a step is on the timeline, in each device's schedule order", "[parallel][pipeline]") {
+  Env env;
+  Batch const b = make_batch(env, 12, 4);
+  mgpu::DeviceGroup group("host:3");
+  auto timeline = std::make_shared<mgpu::trace::Timeline>();
+  pp::Schedule const s = pp::zero_bubble_h1(3, 4);
+  pp::Executor ex(make_model(), group, even_cuts(make_model(), 3), s, sgd(), {.timeline = timeline});
+  timeline->enable();
+  ex.compute_gradients(b.x, b.y);
+  timeline->enable(false);
+  for (int d = 0; d < 3; ++d) {
+    CAPTURE(d);
+    std::vector<std::string> want, got;
+    for (pp::Action const& a : s.actions[static_cast<std::size_t>(d)])
+      if (!pp::is_transfer(a.kind)) want.push_back(pp::to_string(a));
+    std::size_t transfers = 0;
+    for (mgpu::trace::Span const& span : timeline->spans()) {
+      if (span.rank != d) continue;
+      CHECK(span.category == "pipeline");
+      CHECK(span.end_ns >= span.begin_ns);
+      if (span.lane == mgpu::trace::compute) got.push_back(span.name);
+      if (span.lane == mgpu::trace::communication) ++transfers;
+    }
+    CHECK(got == want);  // spans() is ordered by begin time: the stream ran them in schedule order
+    CHECK(transfers > 0);
+  }
+}
