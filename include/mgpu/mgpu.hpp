@@ -18,6 +18,8 @@
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
+#include <mgpu/parallel/pipeline.hpp>
+#include <mgpu/parallel/schedule.hpp>
 #include <mgpu/sched/cluster.hpp>
 #include <mgpu/sched/cluster_policy.hpp>
 #include <mgpu/sched/job_queue.hpp>

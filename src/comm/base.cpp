@@ -88,10 +88,13 @@ bool SharedState::wait_idle(std::chrono::milliseconds limit) {
 }
 
 CommunicatorBase::CommunicatorBase(DeviceGroup& group, Backend backend, std::chrono::milliseconds timeout)
+    : CommunicatorBase(group, group.size(), backend, timeout) {}
+
+CommunicatorBase::CommunicatorBase(DeviceGroup& group, int size, Backend backend, std::chrono::milliseconds timeout)
     : group_(&group),
       backend_(backend),
-      state_(std::make_shared<SharedState>(group.size(), timeout)),
-      ranks_(static_cast<std::size_t>(group.size())) {
+      state_(std::make_shared<SharedState>(size, timeout)),
+      ranks_(static_cast<std::size_t>(size)) {
   for (auto& r : ranks_) {
     r.sent.assign(ranks_.size(), 0);
     r.received.assign(ranks_.size(), 0);

@@ -73,6 +73,8 @@ std::string format_duration(std::chrono::nanoseconds duration);
 class CommunicatorBase : public Communicator {
  public:
   CommunicatorBase(DeviceGroup& group, Backend backend, std::chrono::milliseconds timeout);
+  /// Over `size` of the group's ranks (a subset communicator); any failing rank of the group aborts it.
+  CommunicatorBase(DeviceGroup& group, int size, Backend backend, std::chrono::milliseconds timeout);
   ~CommunicatorBase() override;
 
   [[nodiscard]] int size() const noexcept final { return state_->size(); }

@@ -330,7 +330,10 @@ class HostState {
 };
 
 HostCommunicator::HostCommunicator(DeviceGroup& group, std::chrono::milliseconds timeout)
-    : CommunicatorBase(group, Backend::host, timeout), host_(std::make_shared<HostState>(group.size(), state())) {
+    : HostCommunicator(group, group.size(), timeout) {}
+
+HostCommunicator::HostCommunicator(DeviceGroup& group, int size, std::chrono::milliseconds timeout)
+    : CommunicatorBase(group, size, Backend::host, timeout), host_(std::make_shared<HostState>(size, state())) {
   state()->on_abort([host = std::weak_ptr<HostState>(host_)] {
     if (auto h = host.lock()) h->wake_all();
   });

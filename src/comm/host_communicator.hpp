@@ -12,6 +12,8 @@ class HostState;
 class HostCommunicator final : public CommunicatorBase {
  public:
   HostCommunicator(DeviceGroup& group, std::chrono::milliseconds timeout);
+  /// Over `size` ranks of the group (a subset; the caller maps its ranks to the group's).
+  HostCommunicator(DeviceGroup& group, int size, std::chrono::milliseconds timeout);
 
  protected:
   void launch(int rank, std::vector<Call> calls, Stream& stream) override;

@@ -1,6 +1,7 @@
 // Linear, ReLU, GELU, LayerNorm, Dropout and Sequential.
 #include <mgpu/nn/layers.hpp>
 
+#include <algorithm>
 #include <cmath>
 
 #include <mgpu/core/error.hpp>
@@ -39,32 +40,63 @@ Tensor Linear::forward(Tensor const& x, Context& ctx, ops::ActivationKind act) {
   if (x.dtype() != w_.dtype())
     throw Error(Errc::invalid_argument, name() + ": input is " + std::string(to_string(x.dtype())) + " (expected the model's compute type " +
                                             std::string(to_string(w_.dtype())) + ")");
-  x_ = x;
-  act_ = act;
   Tensor y = Tensor::empty({x.dim(0), out_}, x.dtype(), ctx.allocator);
   Tensor pre = act == ops::ActivationKind::gelu ? Tensor::empty(y.shape(), y.dtype(), ctx.allocator) : Tensor{};
   ops::linear(x, w_, b_, y, act, pre, ctx.stream);
-  z_ = pre.defined() ? pre : y;
+  saved_[ctx.micro_batch] = Saved{x, pre.defined() ? pre : y, Tensor{}, act};
   return y;
 }
 
+Linear::Saved& Linear::saved(Context const& ctx, char const* call) {
+  auto const it = saved_.find(ctx.micro_batch);
+  if (it == saved_.end())
+    throw Error(Errc::invalid_argument, name() + "." + call + " for micro-batch " + std::to_string(ctx.micro_batch) +
+                                            " (expected a forward of that micro-batch whose backward has not run)");
+  return it->second;
+}
+
 Tensor Linear::backward(Tensor const& dy, Context& ctx) {
-  Tensor dz = dy;  // the gradient of x W + b
-  if (act_ == ops::ActivationKind::identity) {
-    ops::bias_grad(dy, db_, ctx.stream);
-  } else {
-    dz = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator);
-    ops::activation_bias_grad(act_, z_, dy, dz, db_, ctx.stream);
-  }
-  ops::gemm(x_, true, dz, false, dw_, 1.0f, 0.0f, ctx.stream);  // dW = x^T dz
-  if (!input_grad_) return {};
-  Tensor dx = Tensor::empty(x_.shape(), x_.dtype(), ctx.allocator);
-  ops::gemm(dz, false, w_, true, dx, 1.0f, 0.0f, ctx.stream);  // dx = dz W^T
+  Tensor dx = backward_input(dy, ctx);
+  backward_weight(ctx);
   return dx;
 }
 
+Tensor Linear::backward_input(Tensor const& dy, Context& ctx) {
+  Saved& s = saved(ctx, "backward_input");
+  if (s.dz.defined())
+    throw Error(Errc::invalid_argument, name() + ".backward_input twice for micro-batch " + std::to_string(ctx.micro_batch) +
+                                            " (expected backward_weight in between)");
+  s.dz = dy;  // the gradient of x W + b
+  if (s.act == ops::ActivationKind::identity) {
+    ops::bias_grad(dy, db_, ctx.stream, ctx.accumulate_gradients);
+  } else {
+    s.dz = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator);
+    ops::activation_bias_grad(s.act, s.z, dy, s.dz, db_, ctx.stream, ctx.accumulate_gradients);
+  }
+  s.z = Tensor{};
+  if (!input_grad_) return {};
+  Tensor dx = Tensor::empty(s.x.shape(), s.x.dtype(), ctx.allocator);
+  ops::gemm(s.dz, false, w_, true, dx, 1.0f, 0.0f, ctx.stream);  // dx = dz W^T
+  return dx;
+}
+
+void Linear::backward_weight(Context& ctx) {
+  Saved const& s = saved(ctx, "backward_weight");
+  if (!s.dz.defined())
+    throw Error(Errc::invalid_argument, name() + ".backward_weight for micro-batch " + std::to_string(ctx.micro_batch) +
+                                            " (expected backward_input first)");
+  ops::gemm(s.x, true, s.dz, false, dw_, 1.0f, ctx.accumulate_gradients ? 1.0f : 0.0f, ctx.stream);  // dW (+)= x^T dz
+  saved_.erase(ctx.micro_batch);
+}
+
+Shape Linear::output_shape(Shape const& input) const {
+  if (input.size() != 2 || input[1] != in_)
+    throw Error(Errc::invalid_argument, name() + ": input of shape " + to_string(input) + " (expected [batch, " + std::to_string(in_) + "])");
+  return {input[0], out_};
+}
+
 Tensor Activation::forward(Tensor const& x, Context& ctx) {
-  x_ = x;
+  x_[ctx.micro_batch] = x;
   Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator);
   if (kind_ == ops::ActivationKind::relu) {
     ops::relu(x, y, ctx.stream);
@@ -75,11 +107,17 @@ Tensor Activation::forward(Tensor const& x, Context& ctx) {
 }
 
 Tensor Activation::backward(Tensor const& dy, Context& ctx) {
+  auto const it = x_.find(ctx.micro_batch);
+  if (it == x_.end())
+    throw Error(Errc::invalid_argument, name() + ".backward for micro-batch " + std::to_string(ctx.micro_batch) +
+                                            " (expected a forward of that micro-batch whose backward has not run)");
+  Tensor const x = std::move(it->second);
+  x_.erase(it);
   Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator);
   if (kind_ == ops::ActivationKind::relu) {
-    ops::relu_backward(x_, dy, dx, ctx.stream);
+    ops::relu_backward(x, dy, dx, ctx.stream);
   } else {
-    ops::gelu_backward(x_, dy, dx, ctx.stream);
+    ops::gelu_backward(x, dy, dx, ctx.stream);
   }
   return dx;
 }
@@ -108,17 +146,30 @@ Tensor LayerNorm::forward(Tensor const& x, Context& ctx) {
   if (x.rank() != 2 || x.dim(1) != features_)
     throw Error(Errc::invalid_argument, name() + ": input of shape " + to_string(x.shape()) + " (expected [batch, " +
                                             std::to_string(features_) + "])");
-  x_ = x;
-  stats_ = Tensor::empty({2, x.dim(0)}, DType::float32, ctx.allocator);
+  Tensor stats = Tensor::empty({2, x.dim(0)}, DType::float32, ctx.allocator);
   Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator);
-  ops::layer_norm(x, gamma_, beta_, y, stats_, eps_, ctx.stream);
+  ops::layer_norm(x, gamma_, beta_, y, stats, eps_, ctx.stream);
+  saved_[ctx.micro_batch] = {x, stats};
   return y;
 }
 
 Tensor LayerNorm::backward(Tensor const& dy, Context& ctx) {
+  auto const it = saved_.find(ctx.micro_batch);
+  if (it == saved_.end())
+    throw Error(Errc::invalid_argument, name() + ".backward for micro-batch " + std::to_string(ctx.micro_batch) +
+                                            " (expected a forward of that micro-batch whose backward has not run)");
+  auto const [x, stats] = std::move(it->second);
+  saved_.erase(it);
   Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator);
-  ops::layer_norm_backward(x_, gamma_, stats_, dy, dx, dgamma_, dbeta_, ctx.stream);
+  ops::layer_norm_backward(x, gamma_, stats, dy, dx, dgamma_, dbeta_, ctx.stream, ctx.accumulate_gradients);
   return dx;
+}
+
+Shape LayerNorm::output_shape(Shape const& input) const {
+  if (input.size() != 2 || input[1] != features_)
+    throw Error(Errc::invalid_argument, name() + ": input of shape " + to_string(input) + " (expected [batch, " +
+                                            std::to_string(features_) + "])");
+  return input;
 }
 
 Dropout::Dropout(float p) : p_(p) {
@@ -129,20 +180,27 @@ std::string Dropout::name() const { return "Dropout(" + std::to_string(p_) + ")"
 
 Tensor Dropout::forward(Tensor const& x, Context& ctx) {
   if (!training_ || p_ == 0.0f) {
-    mask_seed_ = 0;
+    masks_[ctx.micro_batch] = {0, 0};
     return x;
   }
-  mask_seed_ = ops::detail::mix64(seed_ + calls_++) | 1u;  // never 0: 0 marks "identity" for backward
-  mask_offset_ = x.rank() > 0 && x.dim(0) > 0 ? ctx.row_offset * (x.numel() / x.dim(0)) : 0;
+  std::uint64_t const mask_seed = ops::detail::mix64(seed_ + calls_++) | 1u;  // never 0: 0 marks "identity" for backward
+  std::int64_t const offset = x.rank() > 0 && x.dim(0) > 0 ? ctx.row_offset * (x.numel() / x.dim(0)) : 0;
   Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator);
-  ops::dropout(x, y, p_, mask_seed_, ctx.stream, mask_offset_);
+  ops::dropout(x, y, p_, mask_seed, ctx.stream, offset);
+  masks_[ctx.micro_batch] = {mask_seed, offset};
   return y;
 }
 
 Tensor Dropout::backward(Tensor const& dy, Context& ctx) {
-  if (mask_seed_ == 0) return dy;
+  auto const it = masks_.find(ctx.micro_batch);
+  if (it == masks_.end())
+    throw Error(Errc::invalid_argument, name() + ".backward for micro-batch " + std::to_string(ctx.micro_batch) +
+                                            " (expected a forward of that micro-batch whose backward has not run)");
+  auto const [mask_seed, offset] = it->second;
+  masks_.erase(it);
+  if (mask_seed == 0) return dy;
   Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator);
-  ops::dropout_backward(dy, dx, p_, mask_seed_, ctx.stream, mask_offset_);
+  ops::dropout_backward(dy, dx, p_, mask_seed, ctx.stream, offset);
   return dx;
 }
 
@@ -182,7 +240,7 @@ void Sequential::materialize(Context& ctx, std::uint64_t seed, DType compute) {
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     std::int64_t const count = layers_[i]->parameter_count();
     layers_[i]->bind(init.slice(offset, offset + count), init.slice(offset, offset + count));
-    std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + i);
+    std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + first_layer_ + i);
     layers_[i]->initialize(rng);
     offset += count;
   }
@@ -240,9 +298,13 @@ void Sequential::set_rng_state(std::vector<std::uint64_t> const& state) {
   for (std::size_t i = 0; i < layers_.size(); ++i) layers_[i]->set_rng_counter(state[i]);
 }
 
-Tensor Sequential::forward(Tensor const& x, Context& ctx) {
+void Sequential::check_materialized(char const* call) const {
   if (!params_.defined() && parameter_count() > 0)
-    throw Error(Errc::invalid_argument, "forward before materialize (expected model.materialize(ctx, seed) first)");
+    throw Error(Errc::invalid_argument, std::string(call) + " before materialize (expected model.materialize(ctx, seed) first)");
+}
+
+Tensor Sequential::forward(Tensor const& x, Context& ctx) {
+  check_materialized("forward");
   Tensor h = x;
   for (std::size_t i = 0; i < layers_.size(); ++i) {
     if (Activation const* act = fused_activation(i)) {
@@ -269,6 +331,62 @@ Tensor Sequential::backward(Tensor const& dy, Context& ctx, bool input_grad, Gra
   return g;
 }
 
+Tensor Sequential::backward_input(Tensor const& dy, Context& ctx, bool input_grad) {
+  check_materialized("backward_input");
+  if (!layers_.empty()) layers_.front()->set_input_grad(input_grad);
+  Tensor g = dy;
+  for (std::size_t i = layers_.size(); i-- > 0;) {
+    if (i > 0 && fused_activation(i - 1) != nullptr) --i;
+    g = layers_[i]->backward_input(g, ctx);
+  }
+  return g;
+}
+
+void Sequential::backward_weight(Context& ctx) {
+  check_materialized("backward_weight");
+  for (std::size_t i = layers_.size(); i-- > 0;) {
+    if (i > 0 && fused_activation(i - 1) != nullptr) --i;
+    layers_[i]->backward_weight(ctx);
+  }
+}
+
+void Sequential::zero_gradients(Stream& stream) {
+  check_materialized("zero_gradients");
+  if (grads_.defined()) fill_async(grads_, 0.0f, stream);
+}
+
+Shape Sequential::output_shape(Shape const& input) const {
+  Shape shape = input;
+  for (auto const& l : layers_) shape = l->output_shape(shape);
+  return shape;
+}
+
+std::vector<std::size_t> Sequential::cut_points() const {
+  std::vector<std::size_t> cuts{0};
+  for (std::size_t i = 0; i < layers_.size(); ++i) {
+    if (fused_activation(i) != nullptr) ++i;
+    cuts.push_back(i + 1);
+  }
+  return cuts;
+}
+
+Sequential Sequential::stage(std::size_t begin, std::size_t end) const {
+  if (begin >= end || end > layers_.size())
+    throw Error(Errc::invalid_argument, "stage of layers [" + std::to_string(begin) + ", " + std::to_string(end) + ") of " +
+                                            std::to_string(layers_.size()) + " (expected 0 <= begin < end <= " +
+                                            std::to_string(layers_.size()) + ")");
+  auto const cuts = cut_points();
+  for (std::size_t const cut : {begin, end}) {
+    if (std::find(cuts.begin(), cuts.end(), cut) == cuts.end())
+      throw Error(Errc::invalid_argument, "a stage cut at layer " + std::to_string(cut) + ", between " + layers_[cut - 1]->name() +
+                                              " and the " + layers_[cut]->name() + " fused into it (expected a cut between units)");
+  }
+  Sequential part;
+  for (std::size_t i = begin; i < end; ++i) part.add(layers_[i]->clone());
+  part.first_layer_ = first_layer_ + begin;
+  return part;
+}
+
 Activation const* Sequential::fused_activation(std::size_t i) const {
   if (i + 1 >= layers_.size() || dynamic_cast<Linear const*>(layers_[i].get()) == nullptr) return nullptr;
   return dynamic_cast<Activation const*>(layers_[i + 1].get());
@@ -277,6 +395,7 @@ Activation const* Sequential::fused_activation(std::size_t i) const {
 Sequential Sequential::clone() const {
   Sequential copy;
   for (auto const& l : layers_) copy.add(l->clone());
+  copy.first_layer_ = first_layer_;
   return copy;
 }
 

@@ -224,8 +224,8 @@ void enqueue_gemm(Tensor const& a, bool transpose_a, Tensor const& b, bool trans
 // the L1 cache.
 template <class F>
 void activation_bias_grad_rows(float const* __restrict z, float const* __restrict dy, float* __restrict dz, float* __restrict db,
-                               std::int64_t rows, std::int64_t cols) {
-  std::fill_n(db, cols, 0.0f);
+                               std::int64_t rows, std::int64_t cols, bool accumulate) {
+  if (!accumulate) std::fill_n(db, cols, 0.0f);
   for (std::int64_t r = 0; r < rows; ++r) {
     for (std::int64_t j = 0; j < cols; ++j) {
       float const d = F::backward(z[r * cols + j], dy[r * cols + j]);
@@ -313,7 +313,7 @@ void linear(Tensor const& x, Tensor const& w, Tensor const& bias, Tensor const& 
 }
 
 void activation_bias_grad(ActivationKind act, Tensor const& z, Tensor const& dy, Tensor const& dz, Tensor const& db,
-                          Stream& stream) {
+                          Stream& stream, bool accumulate) {
   check(dy, "activation_bias_grad", "dy", stream);
   check(dz, "activation_bias_grad", "dz", stream);
   check(db, "activation_bias_grad", "db", stream);
@@ -329,13 +329,13 @@ void activation_bias_grad(ActivationKind act, Tensor const& z, Tensor const& dy,
   Tensor const& input = act == ActivationKind::identity ? dy : z;  // identity reads no z
   visit_activation(act, [&]<class F>(F) {
     if (host_float32(dy, stream)) {
-      stream.enqueue([input, dy, dz, db] {
-        activation_bias_grad_rows<F>(ptr<float>(input), ptr<float>(dy), ptr<float>(dz), ptr<float>(db), rows(dy), cols(dy));
+      stream.enqueue([input, dy, dz, db, accumulate] {
+        activation_bias_grad_rows<F>(ptr<float>(input), ptr<float>(dy), ptr<float>(dz), ptr<float>(db), rows(dy), cols(dy), accumulate);
       });
       return;
     }
     visit(dy.dtype(), [&]<class T>(T) {
-      run_each(stream, cols(dy), detail::ActivationBiasGradCol<T, F>{ptr<T>(input), ptr<T>(dy), ptr<T>(dz), ptr<T>(db), rows(dy), cols(dy)},
+      run_each(stream, cols(dy), detail::ActivationBiasGradCol<T, F>{ptr<T>(input), ptr<T>(dy), ptr<T>(dz), ptr<T>(db), rows(dy), cols(dy), accumulate},
                {input, dy, dz, db});
     });
   });
@@ -355,7 +355,7 @@ void add_bias(Tensor const& y, Tensor const& bias, Stream& stream) {
   visit(y.dtype(), [&]<class T>(T) { run_each(stream, y.numel(), detail::BiasAddOp<T>{ptr<T>(y), ptr<T>(bias), cols(y)}, {y, bias}); });
 }
 
-void bias_grad(Tensor const& dy, Tensor const& db, Stream& stream) {
+void bias_grad(Tensor const& dy, Tensor const& db, Stream& stream, bool accumulate) {
   check(dy, "bias_grad", "dy", stream);
   check(db, "bias_grad", "db", stream);
   check_dtype(db, dy.dtype(), "bias_grad", "db");
@@ -363,11 +363,18 @@ void bias_grad(Tensor const& dy, Tensor const& db, Stream& stream) {
     throw Error(Errc::invalid_argument, "bias_grad: db has " + std::to_string(db.numel()) + " elements for dy of shape " +
                                             to_string(dy.shape()) + " (expected one per column)");
   if (host_float32(dy, stream)) {  // column sums over contiguous rows
-    stream.enqueue([dy, db] { Eigen::Map<Eigen::RowVectorXf>(ptr<float>(db), db.numel()) = matrix(dy).colwise().sum(); });
+    stream.enqueue([dy, db, accumulate] {
+      Eigen::Map<Eigen::RowVectorXf> out(ptr<float>(db), db.numel());
+      if (accumulate) {
+        out += matrix(dy).colwise().sum();
+      } else {
+        out = matrix(dy).colwise().sum();
+      }
+    });
     return;
   }
   visit(dy.dtype(), [&]<class T>(T) {
-    run_each(stream, cols(dy), detail::BiasGradOp<T>{ptr<T>(dy), ptr<T>(db), rows(dy), cols(dy)}, {dy, db});
+    run_each(stream, cols(dy), detail::BiasGradOp<T>{ptr<T>(dy), ptr<T>(db), rows(dy), cols(dy), accumulate}, {dy, db});
   });
 }
 
@@ -431,7 +438,7 @@ void layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& beta, Tensor
 }
 
 void layer_norm_backward(Tensor const& x, Tensor const& gamma, Tensor const& stats, Tensor const& dy, Tensor const& dx,
-                         Tensor const& dgamma, Tensor const& dbeta, Stream& stream) {
+                         Tensor const& dgamma, Tensor const& dbeta, Stream& stream, bool accumulate) {
   check_layer_norm(x, gamma, stats, "layer_norm_backward", stream);
   for (auto const& [t, role] : {std::pair{&dy, "dy"}, std::pair{&dx, "dx"}, std::pair{&dgamma, "dgamma"}, std::pair{&dbeta, "dbeta"}})
     check(*t, "layer_norm_backward", role, stream);
@@ -446,7 +453,7 @@ void layer_norm_backward(Tensor const& x, Tensor const& gamma, Tensor const& sta
   visit(x.dtype(), [&]<class T>(T) {
     run_each(stream, n, detail::LayerNormGradRow<T>{ptr<T>(x), ptr<T>(gamma), ptr<T>(dy), mean, rstd, ptr<T>(dx), d},
              {x, gamma, stats, dy, dx});
-    run_each(stream, d, detail::LayerNormParamGradCol<T>{ptr<T>(x), ptr<T>(dy), mean, rstd, ptr<T>(dgamma), ptr<T>(dbeta), n, d},
+    run_each(stream, d, detail::LayerNormParamGradCol<T>{ptr<T>(x), ptr<T>(dy), mean, rstd, ptr<T>(dgamma), ptr<T>(dbeta), n, d, accumulate},
              {x, stats, dy, dgamma, dbeta});
   });
 }

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <mgpu/comm/reduce_op.hpp>
 #include <mgpu/core/device_group.hpp>
@@ -106,5 +107,12 @@ class Communicator {
 /// Error(invalid_argument) when the requested backend cannot serve the group's devices, and
 /// Error(device) when it is not built in.
 std::unique_ptr<Communicator> make_communicator(DeviceGroup& group, Options options = {});
+
+/// A communicator over some ranks of `group`: its rank i is the group's rank ranks[i] (callers pass
+/// i and that rank's stream), e.g. the same pipeline stage across data-parallel replicas. Several
+/// may be used at once over disjoint or overlapping subsets, each with its own call order. Host
+/// devices only for now. Throws Error(invalid_argument) for an empty list, a repeated or
+/// out-of-range rank, or CUDA devices.
+std::unique_ptr<Communicator> make_communicator(DeviceGroup& group, std::vector<int> const& ranks, Options options = {});
 
 }  // namespace mgpu::comm

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -21,17 +22,26 @@ namespace mgpu::nn {
 /// Where a layer's work runs and where it gets scratch memory. `row_offset` is the index, in the
 /// global batch, of the first row this call sees (a data-parallel shard or a micro-batch), so that
 /// row-wise randomness such as Dropout's mask is the same however the batch is split.
+/// `micro_batch` keys what forward saves for backward, so several micro-batches can be in flight
+/// (each backward must use the key of its forward). With `accumulate_gradients`, backward adds
+/// parameter gradients to the gradient buffer instead of overwriting it.
 struct Context {
   Allocator& allocator;
   Stream& stream;
   std::int64_t row_offset = 0;
+  std::int64_t micro_batch = 0;
+  bool accumulate_gradients = false;
 };
 
 /// Weight initialisation: Kaiming (He) uniform for ReLU networks, Xavier (Glorot) uniform otherwise.
 enum class Init { kaiming, xavier };
 
-/// A layer. forward() keeps what backward() needs; backward() writes the layer's parameter
-/// gradients (into its view of the gradient buffer) and returns the gradient of its input.
+/// A layer. forward() saves what backward() needs under ctx.micro_batch (a later forward with the
+/// same key replaces it); backward() writes the layer's parameter gradients (into its view of the
+/// gradient buffer, or adds to them with ctx.accumulate_gradients), returns the gradient of its
+/// input and frees what that micro-batch's forward saved. backward_input() then backward_weight()
+/// do the same in two parts (zero-bubble schedules run other work between them). A layer is used
+/// by one thread at a time.
 class Layer {
  public:
   virtual ~Layer() = default;
@@ -49,6 +59,15 @@ class Layer {
   virtual void set_rng_counter(std::uint64_t /*counter*/) {}
   virtual Tensor forward(Tensor const& x, Context& ctx) = 0;
   virtual Tensor backward(Tensor const& dy, Context& ctx) = 0;
+  /// The input gradient; what backward_weight() needs stays saved. By default all of backward().
+  virtual Tensor backward_input(Tensor const& dy, Context& ctx) { return backward(dy, ctx); }
+  /// The parameter gradients left by backward_input(); frees the micro-batch's saved tensors.
+  virtual void backward_weight(Context& /*ctx*/) {}
+  /// The shape forward() returns for an input of `input` (throws Error(invalid_argument) for an
+  /// input the layer cannot take).
+  [[nodiscard]] virtual Shape output_shape(Shape const& input) const { return input; }
+  /// The number of micro-batches whose forward saved tensors not yet freed by their backward.
+  [[nodiscard]] virtual std::size_t saved_micro_batches() const { return 0; }
   /// Whether backward() must return the input gradient. Sequential turns it off for its first
   /// layer when nobody needs it (Linear then skips a GEMM and returns an undefined tensor).
   virtual void set_input_grad(bool /*needed*/) {}
@@ -72,6 +91,12 @@ class Linear final : public Layer {
   /// act(x W + b); the following backward() takes the gradient of this output.
   Tensor forward(Tensor const& x, Context& ctx, ops::ActivationKind act);
   Tensor backward(Tensor const& dy, Context& ctx) override;
+  /// dz (through the activation), the bias gradient and dx = dz W^T; keeps x and dz for
+  /// backward_weight(), which computes dW = x^T dz.
+  Tensor backward_input(Tensor const& dy, Context& ctx) override;
+  void backward_weight(Context& ctx) override;
+  Shape output_shape(Shape const& input) const override;
+  std::size_t saved_micro_batches() const override { return saved_.size(); }
   void set_input_grad(bool needed) override { input_grad_ = needed; }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Linear>(in_, out_, init_); }
   [[nodiscard]] Tensor const& weight() const noexcept { return w_; }
@@ -82,9 +107,15 @@ class Linear final : public Layer {
   std::int64_t out_;
   Init init_;
   bool input_grad_ = true;
-  ops::ActivationKind act_ = ops::ActivationKind::identity;
-  Tensor w_, b_, dw_, db_, x_;
-  Tensor z_;  // what the activation's backward reads: y for relu, the pre-activation for gelu
+  struct Saved {
+    Tensor x;
+    Tensor z;  // what the activation's backward reads: y for relu, the pre-activation for gelu
+    Tensor dz;  // the gradient of x W + b, between backward_input and backward_weight
+    ops::ActivationKind act = ops::ActivationKind::identity;
+  };
+  Saved& saved(Context const& ctx, char const* call);
+  Tensor w_, b_, dw_, db_;
+  std::map<std::int64_t, Saved> saved_;
 };
 
 /// An element-wise activation (see ReLU and GELU).
@@ -93,13 +124,14 @@ class Activation : public Layer {
   [[nodiscard]] ops::ActivationKind kind() const noexcept { return kind_; }
   Tensor forward(Tensor const& x, Context& ctx) override;
   Tensor backward(Tensor const& dy, Context& ctx) override;
+  std::size_t saved_micro_batches() const override { return x_.size(); }
 
  protected:
   explicit Activation(ops::ActivationKind kind) : kind_(kind) {}
 
  private:
   ops::ActivationKind kind_;
-  Tensor x_;
+  std::map<std::int64_t, Tensor> x_;
 };
 
 class ReLU final : public Activation {
@@ -127,12 +159,15 @@ class LayerNorm final : public Layer {
   void initialize(std::mt19937_64& rng) override;
   Tensor forward(Tensor const& x, Context& ctx) override;
   Tensor backward(Tensor const& dy, Context& ctx) override;
+  Shape output_shape(Shape const& input) const override;
+  std::size_t saved_micro_batches() const override { return saved_.size(); }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<LayerNorm>(features_, eps_); }
 
  private:
   std::int64_t features_;
   float eps_;
-  Tensor gamma_, beta_, dgamma_, dbeta_, x_, stats_;
+  Tensor gamma_, beta_, dgamma_, dbeta_;
+  std::map<std::int64_t, std::pair<Tensor, Tensor>> saved_;  // x and stats
 };
 
 /// Inverted dropout with probability p while training, the identity in evaluation mode. Its masks
@@ -149,6 +184,7 @@ class Dropout final : public Layer {
   void set_rng_counter(std::uint64_t counter) override { calls_ = counter; }
   Tensor forward(Tensor const& x, Context& ctx) override;
   Tensor backward(Tensor const& dy, Context& ctx) override;
+  std::size_t saved_micro_batches() const override { return masks_.size(); }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Dropout>(p_); }
 
  private:
@@ -156,11 +192,12 @@ class Dropout final : public Layer {
   bool training_ = true;
   std::uint64_t seed_ = 0;
   std::uint64_t calls_ = 0;
-  std::uint64_t mask_seed_ = 0;
-  std::int64_t mask_offset_ = 0;
+  std::map<std::int64_t, std::pair<std::uint64_t, std::int64_t>> masks_;  // mask seed (0: identity), element offset
 };
 
-/// Layers in order, with one flat parameter buffer and one flat gradient buffer.
+/// Layers in order, with one flat parameter buffer and one flat gradient buffer. A Sequential may
+/// be a stage of a larger model (see stage()): its layers keep their indices in the whole model,
+/// which seed their initialisation. Used by one thread at a time.
 class Sequential {
  public:
   Sequential() = default;
@@ -177,8 +214,9 @@ class Sequential {
   [[nodiscard]] Layer const& layer(std::size_t i) const { return *layers_.at(i); }
   [[nodiscard]] std::int64_t parameter_count() const;
 
-  /// Allocates the flat buffers on ctx's device and initialises every layer from `seed` (on the
-  /// host, then copied), so every replica built with the same seed holds identical weights.
+  /// Allocates the flat buffers on ctx's device and initialises every layer from `seed` and its index
+  /// in the whole model (on the host, then copied), so every replica built with the same seed holds
+  /// identical weights, and a stage holds the weights of the same layers in the whole model.
   /// `compute` is the type layers compute in: float32, or bfloat16/float16 with float32 masters.
   void materialize(Context& ctx, std::uint64_t seed, DType compute = DType::float32);
   [[nodiscard]] DType compute_type() const noexcept { return params_.dtype(); }
@@ -211,14 +249,34 @@ class Sequential {
   /// Backward through every layer; returns the input gradient when `input_grad` (else an
   /// undefined tensor, saving the first layer's input-gradient GEMM).
   Tensor backward(Tensor const& dy, Context& ctx, bool input_grad = true, GradientsReady const& ready = {});
+  /// The input-gradient half of backward (every layer's backward_input, last first), and the
+  /// weight-gradient half (every layer's backward_weight), which must follow for the same
+  /// ctx.micro_batch before the gradients are read.
+  Tensor backward_input(Tensor const& dy, Context& ctx, bool input_grad = true);
+  void backward_weight(Context& ctx);
+  /// Sets the gradient buffer to zero (before accumulating micro-batches).
+  void zero_gradients(Stream& stream);
+  /// The shape forward() returns for an input of `input`.
+  [[nodiscard]] Shape output_shape(Shape const& input) const;
+  /// The layer indices where the model may be cut into stages: 0, every unit boundary (a Linear
+  /// and the activation fused into it are one unit) and size().
+  [[nodiscard]] std::vector<std::size_t> cut_points() const;
+  /// A new Sequential (architecture, not weights) of layers [begin, end), which materialize()
+  /// initialises exactly as those layers of this model. Throws Error(invalid_argument) for an
+  /// empty or out-of-range span, or a cut inside a fused Linear and activation.
+  [[nodiscard]] Sequential stage(std::size_t begin, std::size_t end) const;
+  /// The index of layer 0 in the whole model (0 unless made by stage()).
+  [[nodiscard]] std::size_t first_layer() const noexcept { return first_layer_; }
   /// A copy of the architecture (not the weights) for another device.
   [[nodiscard]] Sequential clone() const;
 
  private:
   // The activation layer i + 1 fuses into the Linear layer i, if any.
   [[nodiscard]] Activation const* fused_activation(std::size_t i) const;
+  void check_materialized(char const* call) const;
 
   std::vector<std::unique_ptr<Layer>> layers_;
+  std::size_t first_layer_ = 0;
   Tensor params_, grads_, master_params_, master_grads_;
 };
 

@@ -30,12 +30,13 @@ void linear(Tensor const& x, Tensor const& w, Tensor const& bias, Tensor const& 
             Stream& stream);
 /// The epilogue of a linear backward in one pass: dz = act'(z) * dy and db[j] = sum over i of
 /// dz[i, j], where z is what the forward kept (y for relu, `pre` for gelu; unused for identity).
+/// With `accumulate`, db += that sum (gradient accumulation over micro-batches).
 void activation_bias_grad(ActivationKind act, Tensor const& z, Tensor const& dy, Tensor const& dz, Tensor const& db,
-                          Stream& stream);
+                          Stream& stream, bool accumulate = false);
 /// y[i, j] += bias[j].
 void add_bias(Tensor const& y, Tensor const& bias, Stream& stream);
-/// db[j] = sum over i of dy[i, j].
-void bias_grad(Tensor const& dy, Tensor const& db, Stream& stream);
+/// db[j] = sum over i of dy[i, j]; with `accumulate`, db[j] += it.
+void bias_grad(Tensor const& dy, Tensor const& db, Stream& stream, bool accumulate = false);
 /// y = max(x, 0); dx = dy where x > 0.
 void relu(Tensor const& x, Tensor const& y, Stream& stream);
 void relu_backward(Tensor const& x, Tensor const& dy, Tensor const& dx, Stream& stream);
@@ -47,9 +48,9 @@ void gelu_backward(Tensor const& x, Tensor const& dy, Tensor const& dx, Stream& 
 /// statistics backward needs into stats [2, N] (float32: means, then 1/sqrt(var + eps)).
 void layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& beta, Tensor const& y, Tensor const& stats, float eps,
                 Stream& stream);
-/// The gradients of layer_norm: dx, and dgamma, dbeta (overwritten).
+/// The gradients of layer_norm: dx, and dgamma, dbeta (overwritten, or added to with `accumulate`).
 void layer_norm_backward(Tensor const& x, Tensor const& gamma, Tensor const& stats, Tensor const& dy, Tensor const& dx,
-                         Tensor const& dgamma, Tensor const& dbeta, Stream& stream);
+                         Tensor const& dgamma, Tensor const& dbeta, Stream& stream, bool accumulate = false);
 /// Inverted dropout: y = x / (1 - p) or 0, chosen by a counter-based hash of (seed, index), so the
 /// same seed gives the same mask on every device and in dropout_backward (no mask is stored).
 /// p must be in [0, 1).

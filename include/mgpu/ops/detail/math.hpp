@@ -100,7 +100,8 @@ struct BiasActivationOp {
 };
 
 /// The epilogue of a linear backward, one call per column j: dz[r, j] = F'(z[r, j]) dy[r, j] and
-/// db[j] = sum over rows of dz[r, j] (z: the pre-activation, or for ReLU its output).
+/// db[j] = sum over rows of dz[r, j] (z: the pre-activation, or for ReLU its output); with
+/// `accumulate`, the sum is added to db.
 template <class T, class F>
 struct ActivationBiasGradCol {
   T const* z;
@@ -109,8 +110,9 @@ struct ActivationBiasGradCol {
   T* db;
   std::int64_t rows;
   std::int64_t cols;
+  bool accumulate;
   MGPU_HD void operator()(std::int64_t j) const {
-    float sum = 0;
+    float sum = accumulate ? load(db, j) : 0.0f;
     for (std::int64_t r = 0; r < rows; ++r) {
       std::int64_t const i = r * cols + j;
       float const d = F::backward(load(z, i), load(dy, i));
@@ -121,15 +123,16 @@ struct ActivationBiasGradCol {
   }
 };
 
-/// db[j] = sum over rows of dy[r, j]; one call per column.
+/// db[j] = sum over rows of dy[r, j] (added to db with `accumulate`); one call per column.
 template <class T>
 struct BiasGradOp {
   T const* dy;
   T* db;
   std::int64_t rows;
   std::int64_t cols;
+  bool accumulate;
   MGPU_HD void operator()(std::int64_t j) const {
-    float sum = 0;
+    float sum = accumulate ? load(db, j) : 0.0f;
     for (std::int64_t r = 0; r < rows; ++r) sum += load(dy, r * cols + j);
     store(db, j, sum);
   }
@@ -367,7 +370,8 @@ struct LayerNormGradRow {
   }
 };
 
-/// LayerNorm parameter gradients, one column: dgamma = sum over rows of dy xhat, dbeta = sum of dy.
+/// LayerNorm parameter gradients, one column: dgamma = sum over rows of dy xhat, dbeta = sum of dy
+/// (added to dgamma and dbeta with `accumulate`).
 template <class T>
 struct LayerNormParamGradCol {
   T const* x;
@@ -378,9 +382,10 @@ struct LayerNormParamGradCol {
   T* dbeta;
   std::int64_t rows;
   std::int64_t cols;
+  bool accumulate;
   MGPU_HD void operator()(std::int64_t j) const {
-    float dg = 0;
-    float db = 0;
+    float dg = accumulate ? load(dgamma, j) : 0.0f;
+    float db = accumulate ? load(dbeta, j) : 0.0f;
     for (std::int64_t r = 0; r < rows; ++r) {
       float const g = load(dy, r * cols + j);
       dg += g * (load(x, r * cols + j) - mean[r]) * rstd[r];

@@ -1,0 +1,249 @@
+// train_pipeline: trains an MLP classifier split into pipeline stages over several devices, with
+// any schedule, optionally replicated data-parallel (a data x pipeline grid). Prints the partition,
+// the simulated and the measured bubble of a step, and the test accuracy; --trace writes the last
+// step's timeline (Chrome/Perfetto JSON).
+//
+//   train_pipeline --schedule 1f1b --stages 4 --micro-batches 8
+//   train_pipeline --schedule zb --stages 4 --micro-batches 8 --trace zb.json
+//   train_pipeline --schedule interleaved --chunks 2 --stages 2 --micro-batches 4 --dp 2
+//   train_pipeline --data csv:iris.csv --layers 32,32,3 --schedule gpipe --stages 2
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <mgpu/mgpu.hpp>
+
+namespace {
+
+namespace pp = mgpu::pipeline;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string devices;
+  std::string data = "synthetic";
+  std::int64_t label_col = -1;
+  double test_fraction = 0.2;
+  std::string layers;
+  std::string activation = "relu";
+  int epochs = 3;
+  std::int64_t batch = 256;
+  float lr = 0.05f;
+  std::uint64_t seed = 1;
+  std::string schedule = "1f1b";
+  int stages = 2;
+  int micro_batches = 4;
+  int chunks = 2;
+  int dp = 1;
+  bool auto_partition = false;
+  std::string trace;
+  bool json = false;
+};
+
+mgpu::data::InMemoryDataset load(Options const& o) {
+  if (o.data == "synthetic") return mgpu::data::make_clusters(8192, 32, 10, o.seed, 1.5f);
+  if (o.data.starts_with("csv:")) return mgpu::data::load_csv(o.data.substr(4), {.label_column = o.label_col});
+  if (o.data.starts_with("idx:")) {
+    std::string const paths = o.data.substr(4);
+    auto const comma = paths.find(',');
+    if (comma == std::string::npos) throw mgpu::Error(mgpu::Errc::invalid_argument, "--data " + o.data + " (expected idx:IMAGES,LABELS)");
+    return mgpu::data::load_idx(paths.substr(0, comma), paths.substr(comma + 1));
+  }
+  throw mgpu::Error(mgpu::Errc::invalid_argument, "--data " + o.data + " (expected synthetic, csv:PATH or idx:IMAGES,LABELS)");
+}
+
+std::vector<std::int64_t> widths(Options const& o, std::int64_t features, std::int64_t classes) {
+  std::vector<std::int64_t> w{features};
+  if (o.layers.empty()) {
+    w.insert(w.end(), {128, 128, 128, 128, 128, 128, 128, classes});
+    return w;
+  }
+  std::stringstream in(o.layers);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    try {
+      std::size_t used = 0;
+      long long const v = std::stoll(item, &used);
+      if (used != item.size() || v < 1) throw std::invalid_argument(item);
+      w.push_back(v);
+    } catch (std::exception const&) {
+      throw mgpu::Error(mgpu::Errc::invalid_argument, "--layers " + o.layers + ": '" + item + "' (expected positive whole numbers)");
+    }
+  }
+  if (w.back() != classes)
+    throw mgpu::Error(mgpu::Errc::invalid_argument, "--layers " + o.layers + " ends in " + std::to_string(w.back()) + " but the data has " +
+                                                        std::to_string(classes) + " classes (expected the last width to be the class count)");
+  return w;
+}
+
+pp::Schedule make_schedule(Options const& o) {
+  if (o.schedule == "layer-split") {
+    if (o.micro_batches != 1)
+      throw mgpu::Error(mgpu::Errc::invalid_argument, "--schedule layer-split with --micro-batches " + std::to_string(o.micro_batches) +
+                                                          " (expected 1: layer split runs the batch whole)");
+    return pp::layer_split(o.stages);
+  }
+  return pp::make_schedule(o.schedule, o.stages, o.micro_batches, o.chunks);
+}
+
+// The measured bubble of the spans recorded for one step: 1 - compute time / (ranks x makespan).
+double measured_bubble(mgpu::trace::Timeline const& timeline, int ranks) {
+  auto const spans = timeline.spans();
+  if (spans.empty()) return NAN;
+  std::int64_t begin = spans.front().begin_ns;
+  std::int64_t end = begin;
+  double busy = 0;
+  for (auto const& s : spans) {
+    begin = std::min(begin, s.begin_ns);
+    end = std::max(end, s.end_ns);
+    if (s.lane == mgpu::trace::compute) busy += static_cast<double>(s.end_ns - s.begin_ns);
+  }
+  return 1.0 - busy / (static_cast<double>(ranks) * static_cast<double>(end - begin));
+}
+
+int train(Options const& o) {
+  std::string const spec = o.devices.empty() ? "host:" + std::to_string(o.stages * o.dp) : o.devices;
+  mgpu::DeviceGroup group(spec);
+  pp::Schedule const schedule = make_schedule(o);
+  auto const all = load(o);
+  auto const [train_set, test_set] = mgpu::data::split(all, o.test_fraction, o.seed);
+  auto const model = mgpu::nn::Sequential::mlp(widths(o, all.features(), all.classes()), o.activation);
+  std::int64_t const micro_rows = std::max<std::int64_t>(1, o.batch / (o.micro_batches * o.dp));
+
+  // Per-layer costs: profiled (--auto-partition) or equal per unit; the partition and the
+  // simulator's per-chunk costs (a third forward, two thirds backward) come from them.
+  std::vector<double> seconds(model.size(), 0.0);
+  if (o.auto_partition) {
+    seconds = pp::profile_layers(model, group, {micro_rows, all.features()});
+  } else {
+    for (std::size_t const l : model.cut_points()) {
+      if (l < model.size()) seconds[l] = 1.0;
+    }
+  }
+  pp::Partition const plan = pp::partition(model, schedule.chunks(), seconds);
+  std::vector<pp::ActionCosts> costs;
+  for (double const s : plan.chunk_seconds) costs.push_back({s / 3, s / 3, s / 3, 0.0});
+  pp::Simulation const predicted = pp::simulate(schedule, costs);
+
+  auto timeline = std::make_shared<mgpu::trace::Timeline>();
+  std::unique_ptr<mgpu::optim::Optimizer> (*const sgd)() = [] {
+    return std::unique_ptr<mgpu::optim::Optimizer>(std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 1, .momentum = 0.9f}));
+  };
+  pp::Executor executor(model, group, plan.cuts, schedule, sgd, {.seed = o.seed, .data_parallel = o.dp, .timeline = timeline});
+
+  FILE* const log = o.json ? stderr : stdout;
+  std::fprintf(log, "mgpu %s: %s, %d stage(s) x %d chunk(s) x %d replica(s) on %s, %d micro-batches of ~%lld rows\n", mgpu::version,
+               schedule.name.c_str(), schedule.devices, schedule.chunks_per_device, o.dp, spec.c_str(), schedule.micro_batches,
+               static_cast<long long>(micro_rows));
+  for (int c = 0; c < schedule.chunks(); ++c) {
+    auto const& chunk = executor.chunk(c);
+    std::string names;
+    for (std::size_t l = 0; l < chunk.size(); ++l) names += (l ? ", " : "") + chunk.layer(l).name();
+    std::fprintf(log, "  chunk %d on device %d: layers [%zu, %zu) %s, predicted %.3g %s\n", c, schedule.device_of(c),
+                 plan.cuts[static_cast<std::size_t>(c)], plan.cuts[static_cast<std::size_t>(c) + 1], names.c_str(),
+                 plan.chunk_seconds[static_cast<std::size_t>(c)], o.auto_partition ? "s" : "units");
+  }
+
+  auto host = mgpu::Allocator::create(mgpu::Device{mgpu::DeviceKind::host, 0});
+  auto const normalizer = o.data.starts_with("idx:") ? mgpu::data::Normalizer{} : mgpu::data::Normalizer::fit(train_set);
+  mgpu::data::BatchLoader loader(train_set, {.batch = o.batch, .seed = o.seed, .drop_last = true, .normalizer = normalizer}, host);
+  double train_seconds = 0;
+  std::int64_t samples = 0;
+  std::int64_t step = 0;
+  double loss = NAN;
+  double bubble = NAN;
+  for (int epoch = 0; epoch < o.epochs; ++epoch) {
+    loader.start_epoch(epoch);
+    double sum = 0;
+    int count = 0;
+    auto const start = Clock::now();
+    while (auto batch = loader.next()) {
+      timeline->clear();
+      timeline->enable(epoch + 1 == o.epochs);  // record the last epoch, keep its last step
+      float const lr = o.lr * mgpu::optim::cosine_lr(step++, static_cast<std::int64_t>(o.epochs) * loader.batches_per_epoch(), 0.05f);
+      sum += executor.step(batch->x, batch->y, lr);
+      ++count;
+      samples += batch->x.dim(0);
+    }
+    timeline->enable(false);
+    train_seconds += std::chrono::duration<double>(Clock::now() - start).count();
+    loss = sum / std::max(1, count);
+    bubble = measured_bubble(*timeline, group.size());
+    std::fprintf(log, "epoch %d/%d  loss %.4f\n", epoch + 1, o.epochs, loss);
+  }
+
+  // Evaluate the unsplit model: the chunks' parameters, in order, are the whole model's.
+  mgpu::nn::Context ctx{group.allocator(0), group.stream(0)};
+  auto whole = model.clone();
+  whole.materialize(ctx, o.seed);
+  std::int64_t offset = 0;
+  for (int c = 0; c < schedule.chunks(); ++c) {
+    mgpu::Tensor const& p = executor.chunk(c).parameters();
+    mgpu::copy_async(whole.parameters().slice(offset, offset + p.numel()), p, ctx.stream);
+    offset += p.numel();
+  }
+  std::vector<float> test_x(test_set.feature_data().begin(), test_set.feature_data().end());
+  normalizer.apply(test_x);
+  mgpu::Tensor const tx = mgpu::Tensor::empty({test_set.size(), all.features()}, mgpu::DType::float32, *host);
+  std::copy(test_x.begin(), test_x.end(), tx.host_span<float>().begin());
+  mgpu::Tensor const ty = mgpu::Tensor::empty({test_set.size()}, mgpu::DType::float32, *host);
+  std::copy(test_set.labels().begin(), test_set.labels().end(), ty.host_span<float>().begin());
+  mgpu::Tensor const dx = mgpu::Tensor::empty(tx.shape(), tx.dtype(), ctx.allocator);
+  mgpu::Tensor const dy = mgpu::Tensor::empty(ty.shape(), ty.dtype(), ctx.allocator);
+  mgpu::copy_async(dx, tx, ctx.stream);
+  mgpu::copy_async(dy, ty, ctx.stream);
+  double const accuracy = test_set.size() > 0 ? static_cast<double>(mgpu::nn::count_correct(whole, dx, dy, ctx)) / static_cast<double>(test_set.size()) : NAN;
+  if (!o.trace.empty()) timeline->write_chrome_trace(o.trace);
+  double const samples_per_s = train_seconds > 0 ? static_cast<double>(samples) / train_seconds : 0.0;
+  if (o.json) {
+    std::printf("{\"schedule\": \"%s\", \"stages\": %d, \"micro_batches\": %d, \"dp\": %d, \"bubble_predicted\": %.6g, \"bubble_measured\": %.6g, "
+                "\"train_loss\": %.6g, \"test_accuracy\": %.6g, \"samples_per_s\": %.6g}\n",
+                schedule.name.c_str(), o.stages, o.micro_batches, o.dp, predicted.bubble_fraction, bubble, loss, accuracy, samples_per_s);
+  } else {
+    std::printf("bubble: simulated %.3f, measured %.3f (last step)\nfinal: train loss %.4f, test accuracy %.4f, %.0f samples/s\n",
+                predicted.bubble_fraction, bubble, loss, accuracy, samples_per_s);
+    if (!o.trace.empty()) std::printf("timeline of the last step: %s\n", o.trace.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Train an MLP classifier split into pipeline stages with mgpu"};
+  Options o;
+  app.add_option("--devices", o.devices, "device spec with stages x dp devices (default: host:stages*dp)");
+  app.add_option("--data", o.data, "synthetic | csv:PATH | idx:IMAGES,LABELS")->capture_default_str();
+  app.add_option("--label-col", o.label_col, "CSV label column, 0-based; negative counts from the end (default: last)");
+  app.add_option("--test-fraction", o.test_fraction, "share of examples held out for testing")->check(CLI::Range(0.0, 0.99))->capture_default_str();
+  app.add_option("--layers", o.layers, "hidden widths and the output width (= classes) (default: seven of 128, then classes)");
+  app.add_option("--activation", o.activation, "relu | gelu")->check(CLI::IsMember({"relu", "gelu"}))->capture_default_str();
+  app.add_option("--epochs", o.epochs, "passes over the training set")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--batch", o.batch, "examples per step (over all micro-batches and replicas)")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--lr", o.lr, "SGD learning rate (momentum 0.9), cosine-decayed")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--seed", o.seed, "seed for the weights, the split and the data order")->capture_default_str();
+  app.add_option("--schedule", o.schedule, "layer-split | gpipe | 1f1b | interleaved | zb")
+      ->check(CLI::IsMember({"layer-split", "gpipe", "1f1b", "interleaved", "zb"}))
+      ->capture_default_str();
+  app.add_option("--stages", o.stages, "pipeline devices P")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--micro-batches", o.micro_batches, "micro-batches M per step")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--chunks", o.chunks, "model chunks per device for --schedule interleaved")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--dp", o.dp, "data-parallel replicas of the pipeline")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_flag("--auto-partition", o.auto_partition, "cut the model from profiled layer times (default: equal units per stage)");
+  app.add_option("--trace", o.trace, "write the last step's timeline here (Chrome/Perfetto trace JSON)");
+  app.add_flag("--json", o.json, "print the final metrics as one JSON object on stdout");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return train(o);
+  } catch (mgpu::Error const& e) {
+    std::fprintf(stderr, "train_pipeline: %s\n", e.what());
+    return 2;
+  }
+}

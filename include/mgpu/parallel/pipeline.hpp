@@ -1,0 +1,103 @@
+// Model parallelism: a Sequential cut into chunks over the devices of a DeviceGroup, trained by
+// running any valid pipeline Schedule (layer split, GPipe, 1F1B, interleaved, ZB-H1) with the
+// communicator's send/recv, gradient accumulation over micro-batches and one optimizer per chunk.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include <mgpu/comm/communicator.hpp>
+#include <mgpu/core/device_group.hpp>
+#include <mgpu/core/tensor.hpp>
+#include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/optim.hpp>
+#include <mgpu/parallel/schedule.hpp>
+#include <mgpu/trace/timeline.hpp>
+
+namespace mgpu::pipeline {
+
+/// Layer split (plain model parallelism): one micro-batch through the devices in turn, forward
+/// then backward; the baseline pipelines beat.
+Schedule layer_split(int devices);
+
+/// Where a model is cut: chunk c runs layers [cuts[c], cuts[c + 1]), with the time predicted for it.
+struct Partition {
+  std::vector<std::size_t> cuts;
+  std::vector<double> chunk_seconds;
+};
+
+/// Cuts `model` into `chunks` contiguous chunks between its units (a Linear and its fused
+/// activation stay together), minimizing the slowest chunk's summed `layer_seconds` (one per
+/// layer) with the scheduler's partition planner. Throws Error(invalid_argument) when the model
+/// has fewer units than chunks or the costs do not match its layers.
+Partition partition(nn::Sequential const& model, int chunks, std::vector<double> const& layer_seconds);
+
+/// Each layer's forward + backward seconds on `group`'s rank 0 for a batch of `input` shape (the
+/// median of `repeats` runs): the costs partition() takes.
+std::vector<double> profile_layers(nn::Sequential const& model, DeviceGroup& group, Shape const& input, int repeats = 3);
+
+struct ExecutorOptions {
+  /// Initialises the chunks as nn::Sequential::materialize(seed) initialises the whole model.
+  std::uint64_t seed = 0;
+  /// Data-parallel replicas of the pipeline (a data x pipeline grid): replica r runs on ranks
+  /// [r * devices, (r + 1) * devices) on the r-th shard of each batch, and the same chunk across
+  /// replicas all-reduces its gradients over a communicator of those ranks. The group has
+  /// devices x data_parallel ranks.
+  int data_parallel = 1;
+  /// The communicator's deadline (zero: comm::default_timeout()).
+  std::chrono::milliseconds timeout{0};
+  /// Where every action is recorded (rank = device, compute lane; transfers on the communication
+  /// lane); nullptr for none.
+  std::shared_ptr<trace::Timeline> timeline{};
+};
+
+/// Makes one optimizer (each chunk gets its own, for its own parameters).
+using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>()>;
+
+/// Runs a schedule over a DeviceGroup: chunk c of the model on rank c % devices (of each replica,
+/// see ExecutorOptions::data_parallel). Each step splits
+/// the batch into the schedule's micro-batches (sizes as shard_sizes), runs every device's actions
+/// (consecutive transfers grouped, so crossing sends and receives cannot deadlock), accumulates
+/// parameter gradients over micro-batches and, in step(), updates each chunk. Dropout draws as in
+/// the unsplit model: every micro-batch's forward uses the step's draw and its global rows.
+/// Each device's thread waits for its stream before enqueuing a forward, so memory follows the
+/// schedule (1F1B holds at most devices - d micro-batches' activations on device d, GPipe all).
+/// If an action fails, the communicator aborts the other devices and the step throws an Error
+/// naming the failing device, chunk and action; the executor cannot be used after that.
+/// The group must outlive the executor. Not thread-safe: call from one thread.
+class Executor {
+ public:
+  /// Cuts `model` at `cuts` (schedule.chunks() + 1 increasing layer indices, from 0 to
+  /// model.size(), each a cut point of the model) and validates `schedule`, which must be for
+  /// group.size() devices. Throws Error(invalid_argument) naming what is wrong.
+  Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<std::size_t> cuts, Schedule schedule,
+           OptimizerFactory make_optimizer, ExecutorOptions options = {});
+  ~Executor();
+  Executor(Executor const&) = delete;
+  Executor& operator=(Executor const&) = delete;
+
+  /// Forward and backward of every micro-batch of (x [N, features], labels [N] float32 class ids),
+  /// leaving the batch's mean-loss gradients in each chunk's gradient buffer; returns the mean
+  /// softmax cross-entropy. x and labels may live on any device. Throws Error(invalid_argument)
+  /// when N is smaller than the number of micro-batches or the labels do not match x.
+  float compute_gradients(Tensor const& x, Tensor const& labels);
+  /// compute_gradients(), then each chunk's optimizer step (learning rate times lr_scale).
+  float step(Tensor const& x, Tensor const& labels, float lr_scale = 1.0f);
+
+  [[nodiscard]] Schedule const& schedule() const noexcept;
+  [[nodiscard]] std::vector<std::size_t> const& cuts() const noexcept;
+  /// Chunk c's layers, parameters and gradients in `replica` (on rank replica * devices +
+  /// c % devices); read them after a step.
+  [[nodiscard]] nn::Sequential& chunk(int c, int replica = 0);
+  /// Wall seconds of the last step's schedule run (from the first action to the last device done).
+  [[nodiscard]] double last_step_seconds() const noexcept;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mgpu::pipeline
