@@ -14,6 +14,7 @@
 #include <cstring>
 #include <list>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -69,6 +70,19 @@ struct Entry {
   dnnl::matmul primitive;
   std::unordered_map<int, memory> args;
 };
+
+// Creating engines and primitives reads and writes oneDNN's process-wide state (its primitive cache
+// and CPU dispatch), whose locks are set up inside oneDNN where ThreadSanitizer cannot see them; one
+// lock around creation (rare: on a cache miss) makes that order visible. Execution takes no lock.
+std::mutex& creation_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+dnnl::engine make_engine() {
+  std::lock_guard const lock(creation_mutex());
+  return dnnl::engine(dnnl::engine::kind::cpu, 0);
+}
 
 // The calling thread's engine, stream, scratchpad and primitive cache.
 class ThreadContext {
@@ -144,6 +158,7 @@ class ThreadContext {
     if (key.relu) post.append_eltwise(1.0f, dnnl::algorithm::eltwise_relu, 0.0f, 0.0f);
     attr.set_post_ops(post);
     Entry entry;
+    std::lock_guard const lock(creation_mutex());
     try {
       dnnl::matmul::primitive_desc const pd(key.bias ? dnnl::matmul::desc(a, b, bias, c) : dnnl::matmul::desc(a, b, c), attr, engine_);
       entry.primitive = dnnl::matmul(pd);
@@ -160,7 +175,7 @@ class ThreadContext {
     return entry;
   }
 
-  dnnl::engine engine_{dnnl::engine::kind::cpu, 0};
+  dnnl::engine engine_ = make_engine();
   dnnl::stream stream_{engine_};
   struct Free {
     void operator()(std::byte* p) const noexcept { std::free(p); }
