@@ -13,8 +13,8 @@
 //     step_gemm_vs_sgemm     step_gemm_gflops / sgemm_gflops, per turn;
 //     eigen_step_time_ratio  the same step written by hand in Eigen (EigenStep below): its time / the
 //                            library's step time (> 1: the library is faster).
-//   BM_train_step_bf16: samples_per_s of the bfloat16-compute step (float32 masters), and
-//     vs_float32, its speed over the float32 step's, per turn.
+//   BM_train_step_bf16: samples_per_s of the bfloat16-compute step (float32 masters), its
+//     step_gemm_share, and vs_float32, its speed over the float32 step's, per turn.
 // With a GPU, BM_train_step_cuda reports samples_per_s of the same step on cuda:0.
 //
 //   bench_train --benchmark_out=train.json --benchmark_out_format=json
@@ -274,13 +274,16 @@ void BM_train_step_bf16(benchmark::State& state) {
   Trainer bf16({mgpu::DeviceKind::host, 0}, mgpu::DType::bfloat16);
   f32.step();
   bf16.step();
-  std::vector<double> step_s, ratios;
+  std::vector<double> step_s, gemm_share, ratios;
   for (auto _ : state) {
+    mgpu::ops::HostGemmStats const before = bf16.gemm_stats();
     step_s.push_back(per_run([&] { bf16.step(); }));
+    gemm_share.push_back((bf16.gemm_stats().seconds - before.seconds) / block / step_s.back());
     ratios.push_back(per_run([&] { f32.step(); }) / step_s.back());
   }
   state.SetLabel(std::string("host GEMM: ") + mgpu::host_gemm_backend);
   state.counters["samples_per_s"] = batch / median(step_s);
+  state.counters["step_gemm_share"] = median(gemm_share);
   state.counters["vs_float32"] = median(ratios);
 }
 BENCHMARK(BM_train_step_bf16)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(6.0);

@@ -131,19 +131,22 @@ void enqueue_gemm(Tensor const& a, bool transpose_a, Tensor const& b, bool trans
 #endif
 }
 
-// activation_bias_grad over float32 rows: contiguous, vectorized along the row, and db stays in
-// the L1 cache.
-template <class F>
-void activation_bias_grad_rows(float const* __restrict z, float const* __restrict dy, float* __restrict dz, float* __restrict db,
-                               std::int64_t rows, std::int64_t cols) {
-  std::fill_n(db, cols, 0.0f);
+// activation_bias_grad over rows on a host stream: contiguous, vectorized along the row, with the
+// column sums in float32 in the L1 cache (rounded once into db for 16-bit storage).
+template <class T, class F>
+void activation_bias_grad_rows(T const* __restrict z, T const* __restrict dy, T* __restrict dz, T* __restrict db, std::int64_t rows,
+                               std::int64_t cols) {
+  thread_local std::vector<float> sums;
+  sums.assign(static_cast<std::size_t>(cols), 0.0f);
+  float* __restrict acc = sums.data();
   for (std::int64_t r = 0; r < rows; ++r) {
     for (std::int64_t j = 0; j < cols; ++j) {
-      float const d = F::backward(z[r * cols + j], dy[r * cols + j]);
-      dz[r * cols + j] = d;
-      db[j] += d;
+      float const d = F::backward(detail::load(z, r * cols + j), detail::load(dy, r * cols + j));
+      detail::store(dz, r * cols + j, d);
+      acc[j] += d;
     }
   }
+  for (std::int64_t j = 0; j < cols; ++j) detail::store(db, j, acc[j]);
 }
 
 // Calls fn(F{}) with F the functor type of an activation.
@@ -243,13 +246,13 @@ void activation_bias_grad(ActivationKind act, Tensor const& z, Tensor const& dy,
                                             " (expected dy [N, out] and db [out])");
   Tensor const& input = act == ActivationKind::identity ? dy : z;  // identity reads no z
   visit_activation(act, [&]<class F>(F) {
-    if (host_float32(dy, stream)) {
-      stream.enqueue([input, dy, dz, db] {
-        activation_bias_grad_rows<F>(ptr<float>(input), ptr<float>(dy), ptr<float>(dz), ptr<float>(db), rows(dy), cols(dy));
-      });
-      return;
-    }
     visit(dy.dtype(), [&]<class T>(T) {
+      if (stream.device().kind == DeviceKind::host) {
+        stream.enqueue([input, dy, dz, db] {
+          activation_bias_grad_rows<T, F>(ptr<T>(input), ptr<T>(dy), ptr<T>(dz), ptr<T>(db), rows(dy), cols(dy));
+        });
+        return;
+      }
       run_each(stream, cols(dy), detail::ActivationBiasGradCol<T, F>{ptr<T>(input), ptr<T>(dy), ptr<T>(dz), ptr<T>(db), rows(dy), cols(dy)},
                {input, dy, dz, db});
     });
