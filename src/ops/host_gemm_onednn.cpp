@@ -110,8 +110,12 @@ class ThreadContext {
       scratchpad_size_ = size;
     }
     scratch.set_data_handle(need > 0 ? scratchpad_.get() : nullptr);
-    entry.primitive.execute(stream_, entry.args);
-    stream_.wait();
+    try {
+      entry.primitive.execute(stream_, entry.args);
+      stream_.wait();
+    } catch (dnnl::error const& e) {
+      throw Error(Errc::device, std::string("host GEMM: oneDNN's matmul failed: ") + e.what());
+    }
     return true;
   }
 
