@@ -1,7 +1,8 @@
 // The host GEMM (oneDNN or Eigen, whichever the build uses; CI builds both) at shapes with tails in
 // every dimension, against float64 references: each transpose with alpha and beta, the fused linear
 // epilogues in float32 and bfloat16 (float32 accumulation), cached primitives reused with other
-// buffers, two worker threads at once, the calling thread as the only thread, and the counts.
+// buffers and evicted and recreated, two worker threads at once, the calling thread as the only
+// thread, and the counts.
 #include <mgpu/config.hpp>
 #include <mgpu/ops/ops.hpp>
 
@@ -215,4 +216,28 @@ TEST_CASE("Host GEMMs run on the stream's worker alone and are counted there", "
   CHECK(after.flops - before.flops == 9 * 2.0 * 256 * 512 * 512);
   CHECK(after.seconds > before.seconds);
   CHECK(mgpu::ops::host_gemm_stats().calls == 0);  // this thread ran none
+}
+
+TEST_CASE("Host GEMM over more shapes than its per-thread cache holds, twice: evicted primitives come back right", "[ops][gemm]") {
+  Env env;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (std::int64_t m = 1; m <= 80; ++m) {  // 80 shapes, beyond the 64 cached per thread
+      INFO("pass " << pass << " m " << m);
+      Tensor a = env.random({m, 9}, static_cast<unsigned>(m));
+      Tensor b = env.random({9, 5}, 100);
+      Tensor c = Tensor::empty({m, 5}, DType::float32, *env.allocator);
+      mgpu::ops::gemm(a, false, b, false, c, 1.0f, 0.0f, env.stream);
+      env.stream.synchronize();
+      auto const as = as_double(a);
+      auto const bs = as_double(b);
+      auto const cs = as_double(c);
+      for (std::int64_t i = 0; i < m; ++i) {
+        for (std::int64_t j = 0; j < 5; ++j) {
+          double acc = 0;
+          for (std::int64_t p = 0; p < 9; ++p) acc += as[static_cast<std::size_t>(i * 9 + p)] * bs[static_cast<std::size_t>(p * 5 + j)];
+          REQUIRE(cs[static_cast<std::size_t>(i * 5 + j)] == Approx(acc).margin(1e-5));
+        }
+      }
+    }
+  }
 }
