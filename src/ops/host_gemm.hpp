@@ -13,7 +13,8 @@ namespace mgpu::ops::host {
 
 /// One row-major GEMM, C = alpha op(A) op(B) + beta C with op(X) = X or X^T, all three in `dtype`
 /// (float32, or 16-bit storage with float32 accumulation), followed by an optional epilogue on
-/// every row of C: + bias (n elements of `dtype`; then beta must be 0), then ReLU.
+/// every row of C: + bias (n elements of `dtype`; then beta must be 0), then ReLU in place, or
+/// GELU (tanh approximation) into `gelu_out` [m, n], C keeping the pre-activation.
 struct GemmCall {
   DType dtype = DType::float32;
   bool transpose_a = false;
@@ -28,6 +29,7 @@ struct GemmCall {
   float beta = 0.0f;
   void const* bias = nullptr;
   bool relu = false;
+  void* gelu_out = nullptr;
 };
 
 /// Runs the call on the calling thread through the build's backend, and adds it to the thread's
@@ -38,8 +40,9 @@ void gemm(GemmCall const& call);
 void eigen_gemm(GemmCall const& call);
 
 /// The oneDNN backend: runs the call and returns true, or returns false (having written nothing)
-/// for a call that this CPU's oneDNN does not implement. Its primitives are cached per thread by
-/// (shape, transposes, dtype, alpha, beta, epilogue), and oneDNN runs single-threaded on the
+/// for a call that this CPU's oneDNN does not implement. Bias and ReLU are post-ops of the matmul;
+/// GELU is oneDNN's vectorized eltwise over C right after it. Its primitives are cached per thread
+/// by (shape, transposes, dtype, alpha, beta, epilogue), and oneDNN runs single-threaded on the
 /// calling thread. Defined only in oneDNN builds.
 bool onednn_gemm(GemmCall const& call);
 

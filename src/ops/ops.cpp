@@ -210,16 +210,11 @@ void linear(Tensor const& x, Tensor const& w, Tensor const& bias, Tensor const& 
   }
   Tensor const& z = act == ActivationKind::gelu ? pre : y;  // the GEMM's output
   if (stream.device().kind == DeviceKind::host) {
-    // One GEMM with the bias and ReLU in its epilogue; GELU's backward needs the pre-activation z,
-    // so GELU reads z in a pass of its own.
+    // One GEMM with the bias and the activation in its epilogue (GELU into y, z keeping x W + bias).
     host::GemmCall const call{.dtype = x.dtype(), .m = x.dim(0), .n = w.dim(1), .k = x.dim(1), .a = x.data(), .b = w.data(), .c = z.data(),
-                              .bias = bias.data(), .relu = act == ActivationKind::relu};
-    visit(x.dtype(), [&]<class T>(T) {
-      stream.enqueue([call, gelu = act == ActivationKind::gelu, y, z, keep = std::vector<Tensor>{x, w, bias}] {
-        host::gemm(call);
-        if (gelu) mgpu::detail::for_each_index(y.numel(), detail::ActivationOp<T, detail::Gelu>{ptr<T>(z), ptr<T>(y)});
-      });
-    });
+                              .bias = bias.data(), .relu = act == ActivationKind::relu,
+                              .gelu_out = act == ActivationKind::gelu ? y.data() : nullptr};
+    stream.enqueue([call, keep = std::vector<Tensor>{x, w, bias, y, z}] { host::gemm(call); });
     return;
   }
   enqueue_gemm(x, false, w, false, z, 1.0f, 0.0f, stream);
