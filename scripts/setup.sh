@@ -3,7 +3,7 @@
 # Runs apt-get as root (directly, or through sudo). Safe to run again: it installs nothing twice.
 set -euo pipefail
 
-packages=(cmake ninja-build g++ libeigen3-dev libxxhash-dev catch2 libbenchmark-dev libcli11-dev
+packages=(cmake ninja-build g++ libeigen3-dev libdnnl-dev libxxhash-dev catch2 libbenchmark-dev libcli11-dev
   nlohmann-json3-dev
   openmpi-bin libopenmpi-dev libgloo-dev)  # nlohmann-json: tests read trace JSON back; the last three: baselines for bench_collectives
 missing=()

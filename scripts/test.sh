@@ -8,7 +8,7 @@ scripts/setup.sh
 build=${MGPU_BUILD_DIR:-build/test}
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="${MGPU_BUILD_TYPE:-RelWithDebInfo}" \
   -DMGPU_WITH_CUDA="${MGPU_WITH_CUDA:-AUTO}" -DMGPU_WERROR=ON -DMGPU_NATIVE=OFF \
-  -DMGPU_BUILD_EXAMPLES=ON -DMGPU_BUILD_BENCH=ON >/dev/null
+  -DMGPU_BUILD_EXAMPLES=ON -DMGPU_BUILD_BENCH=ON ${MGPU_HOST_GEMM:+-DMGPU_HOST_GEMM=$MGPU_HOST_GEMM} >/dev/null
 cmake --build "$build"
 cd "$build"
 exec ctest --output-on-failure -j "$(nproc)" "$@"

@@ -14,7 +14,8 @@ vcpkg_cmake_configure(
     -DMGPU_BUILD_TESTS=OFF
     -DMGPU_BUILD_EXAMPLES=OFF
     -DMGPU_BUILD_BENCH=OFF
-    -DMGPU_NATIVE=OFF)
+    -DMGPU_NATIVE=OFF
+    -DMGPU_HOST_GEMM=eigen)  # a oneDNN found outside vcpkg would be an undeclared dependency
 vcpkg_cmake_install()
 vcpkg_cmake_config_fixup(CONFIG_PATH lib/cmake/mgpu)
 

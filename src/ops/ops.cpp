@@ -1,5 +1,6 @@
 // The training ops: argument checks, then the same functor run on the host stream's worker or
-// launched as a CUDA kernel (src/kernels/ops.cu). GEMM is Eigen on the host, cuBLAS on CUDA.
+// launched as a CUDA kernel (src/kernels/ops.cu). GEMMs go to the host GEMM (ops/host_gemm.hpp)
+// on host streams and to cuBLAS on CUDA streams.
 #include <mgpu/ops/ops.hpp>
 
 #include <Eigen/Core>
@@ -17,6 +18,7 @@
 
 #include "core/host_staging.hpp"
 #include "ops/cuda_ops.hpp"
+#include "ops/host_gemm.hpp"
 
 namespace mgpu::ops {
 namespace {
@@ -112,104 +114,13 @@ void visit(DType dtype, Fn&& fn) {
   mgpu::detail::visit_dtype(dtype, [&]<class T>(std::type_identity<T>) { fn(T{}); });
 }
 
-#if EIGEN_VERSION_AT_LEAST(3, 4, 0)
-// Eigen's product expressions allocate their packing buffers on every call, and on a worker
-// thread's malloc arena that costs page faults each time (about 10% of a training step). This
-// runs Eigen's own blocked kernel with the buffers kept per thread instead.
-class ReusedBlocking : public Eigen::internal::level3_blocking<float, float> {
- public:
-  ReusedBlocking(Eigen::Index rows, Eigen::Index cols, Eigen::Index depth) {
-    m_mc = rows;
-    m_nc = cols;
-    m_kc = depth;
-    Eigen::internal::computeProductBlockingSizes<float, float, 1>(m_kc, m_mc, m_nc, Eigen::Index{1});
-    thread_local std::vector<float, Eigen::aligned_allocator<float>> buffer;
-    std::size_t const a = static_cast<std::size_t>(m_mc * m_kc);
-    std::size_t const b = static_cast<std::size_t>(m_kc * m_nc);
-    std::size_t const padded_a = (a + 63) / 64 * 64;  // keeps block B 256-byte aligned
-    if (buffer.size() < padded_a + b) buffer.resize(padded_a + b);
-    m_blockA = buffer.data();
-    m_blockB = buffer.data() + padded_a;
-  }
-};
-
-// Column-major C^T [n, m] += alpha op(B)^T op(A)^T, which is row-major C += alpha op(A) op(B).
-template <int BOrder, int AOrder>
-void blocked_gemm(Eigen::Index m, Eigen::Index n, Eigen::Index k, float const* a, Eigen::Index lda, float const* b, Eigen::Index ldb,
-                  float* c, float alpha) {
-  ReusedBlocking blocking(n, m, k);
-  Eigen::internal::general_matrix_matrix_product<Eigen::Index, float, BOrder, false, float, AOrder, false, Eigen::ColMajor, 1>::run(
-      n, m, k, b, ldb, a, lda, c, 1, n, alpha, blocking, nullptr);
-}
-#endif
-
-// Host GEMM in float32 over Eigen maps; 16-bit storage goes through float32 copies.
-void host_gemm(Tensor const& a, bool ta, Tensor const& b, bool tb, Tensor const& c, float alpha, float beta) {
-#if EIGEN_VERSION_AT_LEAST(3, 4, 0)
-  if (a.dtype() == DType::float32) {
-    Eigen::Index const m = c.dim(0);
-    Eigen::Index const n = c.dim(1);
-    Eigen::Index const k = ta ? a.dim(0) : a.dim(1);
-    MatrixMap C = matrix(c);
-    if (beta == 0.0f) C.setZero();
-    else if (beta != 1.0f) C *= beta;
-    if (m == 0 || n == 0 || k == 0) return;
-    // Row-major B [k, n] read column-major is B^T; a transposed B [n, k] read row-major is B^T too.
-    float const* pa = ptr<float>(a);
-    float const* pb = ptr<float>(b);
-    float* pc = ptr<float>(c);
-    Eigen::Index const lda = a.dim(1);
-    Eigen::Index const ldb = b.dim(1);
-    if (!tb && !ta) blocked_gemm<Eigen::ColMajor, Eigen::ColMajor>(m, n, k, pa, lda, pb, ldb, pc, alpha);
-    else if (!tb && ta) blocked_gemm<Eigen::ColMajor, Eigen::RowMajor>(m, n, k, pa, lda, pb, ldb, pc, alpha);
-    else if (tb && !ta) blocked_gemm<Eigen::RowMajor, Eigen::ColMajor>(m, n, k, pa, lda, pb, ldb, pc, alpha);
-    else blocked_gemm<Eigen::RowMajor, Eigen::RowMajor>(m, n, k, pa, lda, pb, ldb, pc, alpha);
-    return;
-  }
-#endif
-  auto product = [&](MatrixMap& C, auto const& op_a, auto const& op_b) {
-    if (beta == 0.0f) {
-      C.noalias() = alpha * op_a * op_b;  // no pass over C before the product
-    } else {
-      if (beta != 1.0f) C *= beta;
-      C.noalias() += alpha * op_a * op_b;
-    }
-  };
-  auto run = [&](MatrixMap const& A, MatrixMap const& B, MatrixMap& C) {
-    if (ta && tb) product(C, A.transpose(), B.transpose());
-    else if (ta) product(C, A.transpose(), B);
-    else if (tb) product(C, A, B.transpose());
-    else product(C, A, B);
-  };
-  if (a.dtype() == DType::float32) {
-    MatrixMap const A(ptr<float>(a), a.dim(0), a.dim(1));
-    MatrixMap const B(ptr<float>(b), b.dim(0), b.dim(1));
-    MatrixMap C(ptr<float>(c), c.dim(0), c.dim(1));
-    run(A, B, C);
-    return;
-  }
-  visit(a.dtype(), [&]<class T>(T) {
-    auto widen = [](Tensor const& t) {
-      Matrix m(t.dim(0), t.dim(1));
-      for (std::int64_t i = 0; i < t.numel(); ++i) m.data()[i] = detail::load(ptr<T>(t), i);
-      return m;
-    };
-    Matrix wa = widen(a);
-    Matrix wb = widen(b);
-    Matrix wc = beta == 0.0f ? Matrix::Zero(c.dim(0), c.dim(1)) : widen(c);
-    MatrixMap const A(wa.data(), wa.rows(), wa.cols());
-    MatrixMap const B(wb.data(), wb.rows(), wb.cols());
-    MatrixMap C(wc.data(), wc.rows(), wc.cols());
-    run(A, B, C);
-    for (std::int64_t i = 0; i < c.numel(); ++i) detail::store(ptr<T>(c), i, wc.data()[i]);
-  });
-}
-
 // Enqueues C = alpha op(A) op(B) + beta C on the stream (arguments checked by the caller).
 void enqueue_gemm(Tensor const& a, bool transpose_a, Tensor const& b, bool transpose_b, Tensor const& c, float alpha, float beta,
                   Stream& stream) {
   if (stream.device().kind == DeviceKind::host) {
-    stream.enqueue([=] { host_gemm(a, transpose_a, b, transpose_b, c, alpha, beta); });
+    host::GemmCall const call{.dtype = a.dtype(), .transpose_a = transpose_a, .transpose_b = transpose_b, .m = c.dim(0), .n = c.dim(1),
+                              .k = transpose_a ? a.dim(0) : a.dim(1), .a = a.data(), .b = b.data(), .c = c.data(), .alpha = alpha, .beta = beta};
+    stream.enqueue([call, keep = std::vector<Tensor>{a, b, c}] { host::gemm(call); });
     return;
   }
 #if MGPU_CUDA_ENABLED
@@ -220,19 +131,22 @@ void enqueue_gemm(Tensor const& a, bool transpose_a, Tensor const& b, bool trans
 #endif
 }
 
-// activation_bias_grad over float32 rows: contiguous, vectorized along the row, and db stays in
-// the L1 cache.
-template <class F>
-void activation_bias_grad_rows(float const* __restrict z, float const* __restrict dy, float* __restrict dz, float* __restrict db,
-                               std::int64_t rows, std::int64_t cols, bool accumulate) {
-  if (!accumulate) std::fill_n(db, cols, 0.0f);
+// activation_bias_grad over rows on a host stream: contiguous, vectorized along the row, with the
+// column sums in float32 in the L1 cache (rounded once into db for 16-bit storage).
+template <class T, class F>
+void activation_bias_grad_rows(T const* __restrict z, T const* __restrict dy, T* __restrict dz, T* __restrict db, std::int64_t rows,
+                               std::int64_t cols, bool accumulate) {
+  thread_local std::vector<float> sums;
+  sums.assign(static_cast<std::size_t>(cols), 0.0f);
+  float* __restrict acc = sums.data();
   for (std::int64_t r = 0; r < rows; ++r) {
     for (std::int64_t j = 0; j < cols; ++j) {
-      float const d = F::backward(z[r * cols + j], dy[r * cols + j]);
-      dz[r * cols + j] = d;
-      db[j] += d;
+      float const d = F::backward(detail::load(z, r * cols + j), detail::load(dy, r * cols + j));
+      detail::store(dz, r * cols + j, d);
+      acc[j] += d;
     }
   }
+  for (std::int64_t j = 0; j < cols; ++j) detail::store(db, j, accumulate ? detail::load(db, j) + acc[j] : acc[j]);
 }
 
 // Calls fn(F{}) with F the functor type of an activation.
@@ -295,13 +209,12 @@ void linear(Tensor const& x, Tensor const& w, Tensor const& bias, Tensor const& 
                                             " (expected an undefined tensor: only gelu keeps one)");
   }
   Tensor const& z = act == ActivationKind::gelu ? pre : y;  // the GEMM's output
-  if (host_float32(x, stream)) {
-    stream.enqueue([x, w, bias, y, z, act] {
-      matrix(z).rowwise() = Eigen::Map<Eigen::RowVectorXf>(ptr<float>(bias), bias.numel());
-      host_gemm(x, false, w, false, z, 1.0f, 1.0f);  // accumulates onto the bias
-      if (act == ActivationKind::relu) matrix(y) = matrix(y).cwiseMax(0.0f);
-      if (act == ActivationKind::gelu) mgpu::detail::for_each_index(y.numel(), detail::ActivationOp<float, detail::Gelu>{ptr<float>(z), ptr<float>(y)});
-    });
+  if (stream.device().kind == DeviceKind::host) {
+    // One GEMM with the bias and the activation in its epilogue (GELU into y, z keeping x W + bias).
+    host::GemmCall const call{.dtype = x.dtype(), .m = x.dim(0), .n = w.dim(1), .k = x.dim(1), .a = x.data(), .b = w.data(), .c = z.data(),
+                              .bias = bias.data(), .relu = act == ActivationKind::relu,
+                              .gelu_out = act == ActivationKind::gelu ? y.data() : nullptr};
+    stream.enqueue([call, keep = std::vector<Tensor>{x, w, bias, y, z}] { host::gemm(call); });
     return;
   }
   enqueue_gemm(x, false, w, false, z, 1.0f, 0.0f, stream);
@@ -328,13 +241,13 @@ void activation_bias_grad(ActivationKind act, Tensor const& z, Tensor const& dy,
                                             " (expected dy [N, out] and db [out])");
   Tensor const& input = act == ActivationKind::identity ? dy : z;  // identity reads no z
   visit_activation(act, [&]<class F>(F) {
-    if (host_float32(dy, stream)) {
-      stream.enqueue([input, dy, dz, db, accumulate] {
-        activation_bias_grad_rows<F>(ptr<float>(input), ptr<float>(dy), ptr<float>(dz), ptr<float>(db), rows(dy), cols(dy), accumulate);
-      });
-      return;
-    }
     visit(dy.dtype(), [&]<class T>(T) {
+      if (stream.device().kind == DeviceKind::host) {
+        stream.enqueue([input, dy, dz, db, accumulate] {
+          activation_bias_grad_rows<T, F>(ptr<T>(input), ptr<T>(dy), ptr<T>(dz), ptr<T>(db), rows(dy), cols(dy), accumulate);
+        });
+        return;
+      }
       run_each(stream, cols(dy), detail::ActivationBiasGradCol<T, F>{ptr<T>(input), ptr<T>(dy), ptr<T>(dz), ptr<T>(db), rows(dy), cols(dy), accumulate},
                {input, dy, dz, db});
     });

@@ -276,14 +276,15 @@ TEST_CASE("The timeline shows a bucket's all-reduce starting while earlier layer
 
 TEST_CASE("Rebalancing moves rows from a half-speed device until shards are about 2:1", "[parallel][dp]") {
   Env env;
-  Tensor x = env.random({96, 256}, 10);
-  Tensor y = Tensor::empty({96}, DType::float32, *env.allocator);
-  for (std::int64_t i = 0; i < 96; ++i) y.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(i % 10);
+  // Enough rows and width that compute proportional to the rows outweighs fixed per-step costs.
+  Tensor x = env.random({512, 512}, 10);
+  Tensor y = Tensor::empty({512}, DType::float32, *env.allocator);
+  for (std::int64_t i = 0; i < 512; ++i) y.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(i % 10);
   mgpu::DeviceGroup group{"host:2@speed=1,0.5"};
   DataParallelOptions options;
   options.weights = {1, 1};
   options.rebalance = true;
-  DataParallel dp(mgpu::nn::Sequential::mlp({256, 512, 10}), group, mgpu::optim::SGD({.lr = 0.01f}), options);
+  DataParallel dp(mgpu::nn::Sequential::mlp({512, 1024, 10}), group, mgpu::optim::SGD({.lr = 0.01f}), options);
   std::int64_t fast = 0, slow = 0;
   for (int i = 0; i < 24; ++i) {
     auto const r = dp.step(x, y);

@@ -92,6 +92,17 @@ void scale_convert(Tensor const& dst, Tensor const& src, float factor, Stream& s
 
 /// dst += src * factor in dst's dtype (same element count; gradient accumulation).
 void add_scaled(Tensor const& dst, Tensor const& src, float factor, Stream& stream);
+/// What the host GEMMs (of gemm and linear) have done on one thread: calls, floating-point
+/// operations (2 m n k each) and seconds spent in them.
+struct HostGemmStats {
+  std::int64_t calls = 0;
+  double flops = 0;
+  double seconds = 0;
+};
+/// The calling thread's host GEMM totals since it started; a host stream's GEMMs run on its worker,
+/// so read them from work enqueued on that stream. Reading is cheap and changes nothing.
+[[nodiscard]] HostGemmStats host_gemm_stats() noexcept;
+
 /// The value of a one-element tensor: copies it to the host and synchronizes `stream`.
 float item(Tensor const& t, Stream& stream);
 /// A float32 tensor of `shape` filled with zeros on the stream's device.
