@@ -153,6 +153,7 @@ __global__ void softmax_cross_entropy_rows_kernel(ops::detail::SoftmaxCrossEntro
       if (threadIdx.x == 0) losses[r] = NAN;
       continue;
     }
+    float const picked = load(z, label);  // read before any thread writes dz (which may be z)
     float top = -INFINITY;
     for (std::int64_t j = threadIdx.x; j < op.classes; j += blockDim.x) top = fmaxf(top, load(z, j));
     top = block_max(top);
@@ -163,7 +164,7 @@ __global__ void softmax_cross_entropy_rows_kernel(ops::detail::SoftmaxCrossEntro
       float const p = expf(load(z, j) - top - log_sum);
       store(dz, j, (p - (j == label ? 1.0f : 0.0f)) * op.grad_scale);
     }
-    if (threadIdx.x == 0) losses[r] = log_sum - (load(z, label) - top);
+    if (threadIdx.x == 0) losses[r] = log_sum - (picked - top);
   }
 }
 
