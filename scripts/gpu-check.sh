@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # gpu-check: builds mgpu with CUDA, runs the whole test suite and the GPU benchmarks, and prints a
-# summary table last. Every stage has its own timeout, so the whole run stays well inside 8 minutes.
+# summary table last; on a GPU it also runs a short subset of the CUDA tests under compute-sanitizer
+# (memcheck, racecheck). Every stage has its own timeout, so the whole run fits a 15-minute GPU loan.
 #
 #   scripts/gpu-check.sh            build (unless a prepared build is there), test, benchmark
 #   scripts/gpu-check.sh prepare    only build, for a GPU of compute capability $MGPU_CUDA_ARCH
@@ -8,7 +9,7 @@
 #                                   so the build can be carried to a GPU machine that lacks them
 #
 # Without a GPU it says so, still builds and runs the tests (the CUDA tests skip), and skips the
-# benchmarks. Logs and benchmark JSON go to $OUT when set, else build/gpu-check/out.
+# sanitizer runs and the benchmarks. Logs and benchmark JSON go to $OUT when set, else build/gpu-check/out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-run}
@@ -60,8 +61,27 @@ build_mgpu() {
     # Google Benchmark and the CUDA runtime are small and may be missing there: bundle them.
     ldd "$build"/tests/mgpu_* "$build"/bench/bench_* 2>/dev/null |
     awk '$1 ~ /^lib(benchmark|cudart)/ && $3 ~ /^\// {print $3}' | sort -u | xargs -r cp -L -t "$build/lib/"
+  bundle_sanitizer
   touch "$build/.prepared"
 }
+
+# compute-sanitizer: the toolkit's, else the one the CUDA wheels ship (installed into the build, so
+# a prepared build carries it to a GPU machine that cannot reach a package index).
+find_sanitizer() {
+  for s in "$(command -v compute-sanitizer)" /usr/local/cuda/bin/compute-sanitizer "$build"/sanitizer/nvidia/cu*/bin/compute-sanitizer; do
+    [ -x "$s" ] && { echo "$s"; return 0; }
+  done
+  return 1
+}
+bundle_sanitizer() {
+  find_sanitizer >/dev/null && return 0
+  local major
+  major=$(/usr/local/cuda/bin/nvcc --version 2>/dev/null | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
+  python3 -m pip install --quiet --no-deps --target "$build/sanitizer" "nvidia-cuda-sanitizer-api==${major:-13}.*" ||
+    echo "gpu-check: could not install compute-sanitizer; the sanitizer stages will be skipped"
+  return 0
+}
+export -f find_sanitizer bundle_sanitizer
 export -f build_mgpu
 export build arch
 
@@ -88,6 +108,20 @@ if [ -x "$build/tests/mgpu_tests" ]; then
     [ -n "$gpu_name" ] && failed=1  # a GPU is there, yet the tests saw none
     summary[-1]="$(printf '%-10s %-18s %5ss' cuda_tests "skipped (no GPU)" 0)"
   fi
+fi
+
+# The CUDA tests tagged [sanitize] (short, kernel-heavy) once more under compute-sanitizer: memcheck
+# (out-of-bounds and misaligned accesses, leaks) and racecheck (shared-memory hazards in the block
+# reductions). Each tool multiplies run time, hence the subset and the short limits.
+sanitizer=$(find_sanitizer)
+if [ -n "$gpu_name" ] && [ -x "$build/tests/mgpu_cuda_tests" ] && [ -n "$sanitizer" ]; then
+  stage memcheck 120 "$sanitizer" --tool memcheck --leak-check full --error-exitcode 1 \
+    "$build/tests/mgpu_cuda_tests" "${MGPU_SANITIZE_FILTER:-[sanitize]}"
+  stage racecheck 90 "$sanitizer" --tool racecheck --racecheck-report hazard --error-exitcode 1 \
+    "$build/tests/mgpu_cuda_tests" "${MGPU_SANITIZE_FILTER:-[sanitize]}"
+elif [ -n "$gpu_name" ]; then
+  summary+=("$(printf '%-10s %-18s %5ss' sanitizer "skipped (no tool)" 0)")
+  failed=1
 fi
 
 if [ -n "$gpu_name" ]; then

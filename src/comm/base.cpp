@@ -254,6 +254,8 @@ void CommunicatorBase::group_end(int rank) {
 void CommunicatorBase::finalize() {
   if (!state_->wait_idle(state_->timeout() * 2)) {
     state_->abort("finalize waited " + format_duration(state_->timeout() * 2) + " for operations in flight");
+  } else if (!state_->aborted()) {
+    finish_device_work(state_->timeout() * 2);
   }
   state_->throw_if_aborted("finalize");
 }

@@ -98,6 +98,10 @@ class CommunicatorBase : public Communicator {
  protected:
   /// Enqueues a rank's calls (one, or a whole group) on its stream.
   virtual void launch(int rank, std::vector<Call> calls, Stream& stream) = 0;
+  /// Called by finalize() once no operation is being enqueued: waits, at most `limit`, for the
+  /// device work of every operation enqueued so far, and aborts the communicator when it does not
+  /// finish in time. Backends whose operations run on after launch() returns override it.
+  virtual void finish_device_work(std::chrono::milliseconds limit) { (void)limit; }
   /// Checks that a tensor (or stream) of `rank` is somewhere this backend can use.
   virtual void check_device(int rank, Device device, std::string_view what, Call const& call) const = 0;
 

@@ -17,9 +17,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -30,8 +32,10 @@
 #include <mgpu/core/error.hpp>
 
 #include "comm/base.hpp"
-#include "comm/cuda_kernels.hpp"
+#include "core/buffer_internals.hpp"
+#include "core/cuda_backend.hpp"
 #include "core/cuda_device_scope.hpp"
+#include "kernels/reduce.hpp"
 
 #if MGPU_NCCL_ENABLED
 #include <nccl.h>
@@ -101,6 +105,7 @@ class Meeting {
 struct RankEvents {
   cudaEvent_t ready = nullptr;
   cudaEvent_t done = nullptr;
+  cudaEvent_t last = nullptr;  // after the rank's latest operation, for finalize()
 };
 
 class CudaPeerCommunicator final : public CommunicatorBase {
@@ -115,11 +120,14 @@ class CudaPeerCommunicator final : public CommunicatorBase {
       throw Error(Errc::invalid_argument, "a cuda_peer communicator over " + std::to_string(group.size()) +
                                               " ranks (expected at most " + std::to_string(max_reduce_ranks) + ")");
     auto const peers = peer_access_matrix(group.devices());
+    for (Channel& ch : channels_) ch.word = mgpu::detail::cuda::host_word_create();
     for (int r = 0; r < group.size(); ++r) {
       int const gpu = group.device(r).index;
       mgpu::detail::cuda::DeviceScope scope(gpu);
-      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&events_[static_cast<std::size_t>(r)].ready, cudaEventDisableTiming));
-      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&events_[static_cast<std::size_t>(r)].done, cudaEventDisableTiming));
+      RankEvents& e = events_[static_cast<std::size_t>(r)];
+      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&e.ready, cudaEventDisableTiming));
+      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&e.done, cudaEventDisableTiming));
+      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&e.last, cudaEventDisableTiming));
       for (int p = 0; p < group.size(); ++p) {
         int const other = group.device(p).index;
         if (other == gpu) continue;
@@ -138,7 +146,12 @@ class CudaPeerCommunicator final : public CommunicatorBase {
       meeting_.wake();
       done_meeting_.wake();
       for (auto& ch : channels_) {
-        { std::lock_guard lock(ch.mutex); }
+        {
+          // Releases the senders' streams still waiting for a receive that will not come (their
+          // data is not delivered; the abort reports it).
+          std::lock_guard lock(ch.mutex);
+          std::atomic_ref(*ch.word).store(static_cast<std::uint32_t>(ch.posted + 1), std::memory_order_release);
+        }
         ch.cv.notify_all();
       }
     });
@@ -146,8 +159,12 @@ class CudaPeerCommunicator final : public CommunicatorBase {
 
   ~CudaPeerCommunicator() override {
     for (auto& e : events_) {
-      if (e.ready != nullptr) MGPU_CUDA_CHECK_NO_THROW(cudaEventDestroy(e.ready));
-      if (e.done != nullptr) MGPU_CUDA_CHECK_NO_THROW(cudaEventDestroy(e.done));
+      for (cudaEvent_t event : {e.ready, e.done, e.last}) {
+        if (event != nullptr) MGPU_CUDA_CHECK_NO_THROW(cudaEventDestroy(event));
+      }
+    }
+    for (Channel& ch : channels_) {
+      if (ch.word != nullptr) mgpu::detail::cuda::host_word_destroy(ch.word);
     }
   }
 
@@ -164,27 +181,65 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     } done{*state()};
     mgpu::detail::cuda::DeviceScope scope(group().device(rank).index);
     cudaStream_t const s = native(stream);
-    // Sends are posted first and awaited last, so a group's sends and receives cannot block each other.
-    std::vector<std::unique_ptr<PeerMessage>> sends;
-    for (Call const& c : calls) {
-      if (c.kind == OpKind::send) sends.push_back(post_send(rank, c, s));
-    }
+    // Sends are posted first and never block this thread (the stream waits for the receiver's
+    // copy), so a group's sends and receives cannot block each other.
+    bool posted = false;
     try {
       for (Call const& c : calls) {
-        if (c.kind == OpKind::recv) {
-          receive(rank, c, s);
-        } else if (c.kind != OpKind::send) {
-          collective(rank, c, s);
+        if (c.kind == OpKind::send) {
+          post_send(rank, c, stream);
+          posted = true;
         }
       }
-      for (std::size_t i = 0, k = 0; i < calls.size(); ++i) {
-        if (calls[i].kind == OpKind::send) await_taken(rank, calls[i], *sends[k++], s);
+      for (Call const& c : calls) {
+        if (c.kind == OpKind::recv) {
+          receive(rank, c, stream);
+        } else if (c.kind != OpKind::send) {
+          collective(rank, c, stream);
+        }
       }
-    } catch (...) {
-      for (std::size_t i = 0, k = 0; i < calls.size(); ++i) {
-        if (calls[i].kind == OpKind::send) withdraw(rank, calls[i].root, *sends[k++]);
-      }
+      MGPU_CUDA_CHECK(cudaEventRecord(events_[static_cast<std::size_t>(rank)].last, s));
+    } catch (Error const& e) {
+      // A receiver may still wait for the rest of the group, or a posted send for a receiver.
+      if (posted) state()->abort(calls.front().name(rank) + " failed after posting its sends: " + e.what());
       throw;
+    }
+  }
+
+  void finish_device_work(std::chrono::milliseconds limit) override {
+    auto const deadline = Clock::now() + limit;
+    // Every posted send must have been received: until then its sender's stream waits.
+    for (int from = 0; from < size(); ++from) {
+      for (int to = 0; to < size(); ++to) {
+        Channel& ch = channel(from, to);
+        std::unique_lock lock(ch.mutex);
+        if (!ch.cv.wait_until(lock, deadline, [&] { return ch.taken == ch.posted || state()->aborted(); })) {
+          std::string const message = "finalize waited " + format_duration(limit) + " for rank " + std::to_string(to) +
+                                      " to receive " + std::to_string(ch.posted - ch.taken) + " message(s) from rank " +
+                                      std::to_string(from);
+          lock.unlock();
+          state()->abort(message);
+          return;
+        }
+      }
+    }
+    // Then the GPUs: each rank's latest operation has finished.
+    for (int r = 0; r < size() && !state()->aborted(); ++r) {
+      mgpu::detail::cuda::DeviceScope scope(group().device(r).index);
+      while (true) {
+        cudaError_t const status = cudaEventQuery(events_[static_cast<std::size_t>(r)].last);
+        if (status == cudaSuccess) break;
+        if (status != cudaErrorNotReady) {
+          state()->abort("finalize: rank " + std::to_string(r) + "'s operations failed on the GPU: " + cudaGetErrorString(status));
+          return;
+        }
+        if (Clock::now() > deadline) {
+          state()->abort("finalize waited " + format_duration(limit) + " for rank " + std::to_string(r) +
+                         "'s operations to finish on the GPU");
+          return;
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
     }
   }
 
@@ -200,49 +255,56 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     void* recv = nullptr;
   };
 
-  // A send waiting for its receive; the receiver records `copied` once its copy is enqueued.
+  // A send waiting for its receive.
   struct PeerMessage {
     void const* data = nullptr;
     std::int64_t count = 0;
     DType dtype{};
+    std::uint64_t seq = 0;  // the sender's n-th send to this receiver
     cudaEvent_t ready = nullptr;
-    cudaEvent_t copied = nullptr;
-    bool taken = false;
+    PeerMessage() = default;
+    PeerMessage(PeerMessage const&) = delete;
+    PeerMessage& operator=(PeerMessage const&) = delete;
     ~PeerMessage() {
+      // Safe while a stream still waits on it: CUDA releases it once it has completed.
       if (ready != nullptr) MGPU_CUDA_CHECK_NO_THROW(cudaEventDestroy(ready));
-      if (copied != nullptr) MGPU_CUDA_CHECK_NO_THROW(cudaEventDestroy(copied));
     }
   };
 
+  // One direction between two ranks. The receiver's stream raises `word` to a message's seq + 1
+  // once its copy has run; the sender's stream waits for that, so neither host thread waits for
+  // the other side's GPU work.
   struct Channel {
     std::mutex mutex;
     std::condition_variable cv;
-    std::deque<PeerMessage*> queue;
+    std::deque<std::unique_ptr<PeerMessage>> queue;
+    std::uint32_t* word = nullptr;  // page-locked, readable and writable by the GPUs
+    std::uint64_t posted = 0;
+    std::uint64_t taken = 0;
   };
 
   Channel& channel(int from, int to) { return channels_[static_cast<std::size_t>(from * size() + to)]; }
 
-  std::unique_ptr<PeerMessage> post_send(int rank, Call const& c, cudaStream_t stream) {
+  void post_send(int rank, Call const& c, Stream& stream) {
     state()->throw_if_aborted(c.name(rank));
+    cudaStream_t const s = native(stream);
     auto message = std::make_unique<PeerMessage>();
     message->data = c.send.data();
     message->count = c.count;
     message->dtype = c.dtype;
+    message->seq = c.seq;
     MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&message->ready, cudaEventDisableTiming));
-    MGPU_CUDA_CHECK(cudaEventRecord(message->ready, stream));
+    MGPU_CUDA_CHECK(cudaEventRecord(message->ready, s));
     Channel& ch = channel(rank, c.root);
     {
       std::lock_guard lock(ch.mutex);
-      ch.queue.push_back(message.get());
+      ch.queue.push_back(std::move(message));
+      ++ch.posted;
     }
     ch.cv.notify_all();
-    return message;
-  }
-
-  void withdraw(int rank, int peer, PeerMessage& message) noexcept {
-    Channel& ch = channel(rank, peer);
-    std::lock_guard lock(ch.mutex);
-    std::erase(ch.queue, &message);
+    // The send buffer may be reused once the receiver's copy has run: the stream waits for that.
+    mgpu::detail::cuda::stream_wait_word(s, ch.word, static_cast<std::uint32_t>(c.seq + 1));
+    mgpu::detail::release_after(stream, c.send);
   }
 
   // Waits on the host until `ready()`, with the deadline; `waiting_for` names the other side.
@@ -261,56 +323,54 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     }
   }
 
-  void await_taken(int rank, Call const& c, PeerMessage& message, cudaStream_t stream) {
-    Channel& ch = channel(rank, c.root);
-    std::unique_lock lock(ch.mutex);
-    wait(ch, lock, c.name(rank), "rank " + std::to_string(c.root) + " to receive it", [&] { return message.taken; });
-    MGPU_CUDA_CHECK(cudaStreamWaitEvent(stream, message.copied, 0));  // the buffer is free after the copy
-  }
-
-  void receive(int rank, Call const& c, cudaStream_t stream) {
+  void receive(int rank, Call const& c, Stream& stream) {
     std::string const what = c.name(rank);
+    cudaStream_t const s = native(stream);
     Channel& ch = channel(c.root, rank);
     std::unique_lock lock(ch.mutex);
     wait(ch, lock, what, "rank " + std::to_string(c.root) + " to send", [&] { return !ch.queue.empty(); });
-    PeerMessage* m = ch.queue.front();
-    if (m->count != c.count || m->dtype != c.dtype) {
-      std::string const message = what + ": rank " + std::to_string(c.root) + " sent " + std::to_string(m->count) + " " +
-                                  std::string(mgpu::to_string(m->dtype)) + " elements, the recv takes " +
+    PeerMessage const& m = *ch.queue.front();
+    if (m.count != c.count || m.dtype != c.dtype) {
+      std::string const message = what + ": rank " + std::to_string(c.root) + " sent " + std::to_string(m.count) + " " +
+                                  std::string(mgpu::to_string(m.dtype)) + " elements, the recv takes " +
                                   std::to_string(c.count) + " " + std::string(mgpu::to_string(c.dtype)) +
                                   " (expected matching count and dtype)";
       lock.unlock();
       state()->abort(message);
       throw Error(Errc::invalid_argument, message);
     }
+    std::unique_ptr<PeerMessage> const taken = std::move(ch.queue.front());
     ch.queue.pop_front();
-    MGPU_CUDA_CHECK(cudaStreamWaitEvent(stream, m->ready, 0));
-    if (c.count > 0) MGPU_CUDA_CHECK(cudaMemcpyAsync(c.recv.data(), m->data, c.recv.nbytes(), cudaMemcpyDefault, stream));
-    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&m->copied, cudaEventDisableTiming));
-    MGPU_CUDA_CHECK(cudaEventRecord(m->copied, stream));
-    m->taken = true;
+    ++ch.taken;
+    MGPU_CUDA_CHECK(cudaStreamWaitEvent(s, taken->ready, 0));
+    if (c.count > 0) MGPU_CUDA_CHECK(cudaMemcpyAsync(c.recv.data(), taken->data, c.recv.nbytes(), cudaMemcpyDefault, s));
+    mgpu::detail::cuda::stream_write_word(s, ch.word, static_cast<std::uint32_t>(taken->seq + 1));
+    mgpu::detail::release_after(stream, c.recv);
     lock.unlock();
     ch.cv.notify_all();
   }
 
-  void collective(int rank, Call const& c, cudaStream_t stream) {
+  void collective(int rank, Call const& c, Stream& stream) {
     std::string const what = c.name(rank);
     state()->throw_if_aborted(what);
+    cudaStream_t const s = native(stream);
     RankEvents& mine = events_[static_cast<std::size_t>(rank)];
-    MGPU_CUDA_CHECK(cudaEventRecord(mine.ready, stream));
+    MGPU_CUDA_CHECK(cudaEventRecord(mine.ready, s));
     Post const post{c.kind, c.seq, c.count, c.dtype, c.op, c.root,
                     c.send.defined() ? c.send.data() : nullptr, c.recv.defined() ? c.recv.data() : nullptr};
     std::vector<Post> const& posts = meeting_.exchange(rank, post, what);
     int const n = size();
     for (int p = 0; p < n; ++p) {
-      if (p != rank) MGPU_CUDA_CHECK(cudaStreamWaitEvent(stream, events_[static_cast<std::size_t>(p)].ready, 0));
+      if (p != rank) MGPU_CUDA_CHECK(cudaStreamWaitEvent(s, events_[static_cast<std::size_t>(p)].ready, 0));
     }
-    compute(rank, c, posts, stream, what);
-    MGPU_CUDA_CHECK(cudaEventRecord(mine.done, stream));
+    compute(rank, c, posts, s, what);
+    MGPU_CUDA_CHECK(cudaEventRecord(mine.done, s));
     (void)done_meeting_.exchange(rank, 0, what);
     for (int p = 0; p < n; ++p) {
-      if (p != rank) MGPU_CUDA_CHECK(cudaStreamWaitEvent(stream, events_[static_cast<std::size_t>(p)].done, 0));
+      if (p != rank) MGPU_CUDA_CHECK(cudaStreamWaitEvent(s, events_[static_cast<std::size_t>(p)].done, 0));
     }
+    // The stream is now past every rank's reads and writes of this rank's buffers.
+    mgpu::detail::release_after(stream, c.send, c.recv);
   }
 
   void compute(int rank, Call const& c, std::vector<Post> const& posts, cudaStream_t stream, std::string const& what) {
@@ -339,16 +399,16 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     std::int64_t const end = begin + base + (rank < extra ? 1 : 0);
     switch (c.kind) {
       case OpKind::all_reduce:
-        launch_reduce_slice(c.dtype, c.op, inputs.data(), n, outputs.data(), n, begin, end, stream);
+        kernels::reduce_slice(c.dtype, c.op, inputs.data(), n, outputs.data(), n, begin, end, stream);
         break;
       case OpKind::reduce:
-        launch_reduce_slice(c.dtype, c.op, inputs.data(), n, &outputs[static_cast<std::size_t>(c.root)], 1, begin, end, stream);
+        kernels::reduce_slice(c.dtype, c.op, inputs.data(), n, &outputs[static_cast<std::size_t>(c.root)], 1, begin, end, stream);
         break;
       case OpKind::reduce_scatter: {
         for (int p = 0; p < n; ++p)
           inputs[static_cast<std::size_t>(p)] = static_cast<char const*>(inputs[static_cast<std::size_t>(p)]) + element * static_cast<std::size_t>(rank * c.count);
         void* out = c.recv.data();
-        launch_reduce_slice(c.dtype, c.op, inputs.data(), n, &out, 1, 0, c.count, stream);
+        kernels::reduce_slice(c.dtype, c.op, inputs.data(), n, &out, 1, 0, c.count, stream);
         break;
       }
       case OpKind::all_gather:
@@ -394,13 +454,61 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   return ncclSum;
 }
 
+// Polls a non-blocking communicator until its last call has finished: ncclSuccess, or throws
+// Error(communication) for a failure and Error(timeout) past `deadline`. `stop` ends the wait early
+// (the communicator is being aborted) with Error(communication).
+template <class Stop>
+void wait_for_nccl(ncclComm_t comm, std::string const& what, Clock::time_point deadline, Stop const& stop) {
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    ncclResult_t const status = ncclCommGetAsyncError(comm, &state);
+    if (status != ncclSuccess) state = status;
+    if (state == ncclSuccess) return;
+    if (state != ncclInProgress)
+      throw Error(Errc::communication, what + " failed: " + mgpu::detail::cuda::nccl_error_string(static_cast<int>(state)));
+    if (stop()) throw Error(Errc::communication, what + " was interrupted: the communicator is being aborted");
+    if (Clock::now() > deadline) throw Error(Errc::timeout, what + " did not finish within its deadline (a rank that never called it?)");
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+// Non-blocking NCCL communicators (config.blocking = 0): no NCCL call waits for the other ranks, so
+// a rank that never arrives becomes a deadline this code sees, and ncclCommAbort can end it.
+// Operations are checked by a watchdog thread (completion events, ncclCommGetAsyncError); on a
+// deadline or an error it aborts every rank's communicator, after any launch in progress has left
+// NCCL (launches poll with their own deadline and stop when an abort is requested).
 class NcclCommunicator final : public CommunicatorBase {
  public:
   NcclCommunicator(DeviceGroup& group, std::chrono::milliseconds timeout)
-      : CommunicatorBase(group, Backend::nccl, timeout), comms_(static_cast<std::size_t>(group.size())) {
-    std::vector<int> gpus;
-    for (Device const d : group.devices()) gpus.push_back(d.index);
-    MGPU_NCCL_CHECK(ncclCommInitAll(comms_.data(), group.size(), gpus.data()));
+      : CommunicatorBase(group, Backend::nccl, timeout), comms_(static_cast<std::size_t>(group.size()), nullptr) {
+    ncclUniqueId id{};
+    MGPU_NCCL_CHECK(ncclGetUniqueId(&id));
+    // Every local rank's init in one group, as NCCL requires when one thread creates them all.
+    MGPU_NCCL_CHECK(ncclGroupStart());
+    ncclResult_t failed = ncclSuccess;
+    for (int r = 0; r < group.size() && failed == ncclSuccess; ++r) {
+      mgpu::detail::cuda::DeviceScope scope(group.device(r).index);
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      config.blocking = 0;
+      ncclResult_t const status = ncclCommInitRankConfig(&comms_[static_cast<std::size_t>(r)], group.size(), id, r, &config);
+      if (status != ncclSuccess && status != ncclInProgress) failed = status;
+    }
+    ncclResult_t const ended = ncclGroupEnd();  // closes the group whatever happened inside it
+    if (failed == ncclSuccess && ended != ncclSuccess && ended != ncclInProgress) failed = ended;
+    try {
+      if (failed != ncclSuccess)
+        throw Error(Errc::communication, "creating the NCCL communicators failed: " +
+                                             mgpu::detail::cuda::nccl_error_string(static_cast<int>(failed)));
+      auto const deadline = Clock::now() + timeout;
+      for (int r = 0; r < group.size(); ++r)
+        wait_for_nccl(comms_[static_cast<std::size_t>(r)], "creating rank " + std::to_string(r) + "'s NCCL communicator", deadline,
+                      [] { return false; });
+    } catch (...) {
+      for (ncclComm_t comm : comms_) {
+        if (comm != nullptr) (void)ncclCommAbort(comm);
+      }
+      throw;
+    }
     state()->on_abort([this] {
       std::lock_guard lock(mutex_);
       abort_requested_ = true;
@@ -416,13 +524,25 @@ class NcclCommunicator final : public CommunicatorBase {
     }
     cv_.notify_all();
     watchdog_.join();
-    for (ncclComm_t comm : comms_) {
-      if (comm == nullptr) continue;
-      if (aborted()) {
-        (void)ncclCommAbort(comm);
-      } else if (ncclCommDestroy(comm) != ncclSuccess) {
-        (void)ncclCommAbort(comm);
+    if (comms_aborted_) return;
+    // ncclCommFinalize flushes each communicator's operations; being non-blocking, every rank's
+    // call returns at once, so one thread finalizes them all. A communicator that does not finalize
+    // in time is aborted instead of destroyed.
+    bool finalized = !aborted();
+    if (finalized) {
+      for (ncclComm_t comm : comms_) {
+        ncclResult_t const status = ncclCommFinalize(comm);
+        finalized = finalized && (status == ncclSuccess || status == ncclInProgress);
       }
+      auto const deadline = Clock::now() + timeout();
+      try {
+        for (ncclComm_t comm : comms_) wait_for_nccl(comm, "ncclCommFinalize", deadline, [] { return false; });
+      } catch (...) {
+        finalized = false;
+      }
+    }
+    for (ncclComm_t comm : comms_) {
+      if (!finalized || ncclCommDestroy(comm) != ncclSuccess) (void)ncclCommAbort(comm);
     }
   }
 
@@ -432,46 +552,58 @@ class NcclCommunicator final : public CommunicatorBase {
   }
 
   void launch(int rank, std::vector<Call> calls, Stream& stream) override {
+    std::string const what = calls.front().name(rank);
     cudaStream_t const s = native(stream);
-    ncclComm_t const comm = comms_[static_cast<std::size_t>(rank)];
+    ncclComm_t comm = nullptr;
+    {
+      // The watchdog aborts (and frees) the communicators only while no launch is inside NCCL.
+      std::lock_guard lock(mutex_);
+      if (abort_requested_ || comms_aborted_) {
+        state()->throw_if_aborted(what);
+        throw Error(Errc::communication, what + ": the communicator is being aborted");
+      }
+      comm = comms_[static_cast<std::size_t>(rank)];
+      ++launching_;
+    }
+    struct Leave {
+      NcclCommunicator& self;
+      ~Leave() {
+        {
+          std::lock_guard lock(self.mutex_);
+          --self.launching_;
+        }
+        self.cv_.notify_all();
+      }
+    } leave{*this};
     mgpu::detail::cuda::DeviceScope scope(group().device(rank).index);
+    void* const barrier = barrier_word(rank, calls);
     MGPU_NCCL_CHECK(ncclGroupStart());
+    ncclResult_t failed = ncclSuccess;
     for (Call const& c : calls) {
-      std::size_t const count = static_cast<std::size_t>(c.count);
-      switch (c.kind) {
-        case OpKind::all_reduce:
-          MGPU_NCCL_CHECK(ncclAllReduce(c.send.data(), c.recv.data(), count, nccl_type(c.dtype), nccl_op(c.op), comm, s));
-          break;
-        case OpKind::reduce_scatter:
-          MGPU_NCCL_CHECK(ncclReduceScatter(c.send.data(), c.recv.data(), count, nccl_type(c.dtype), nccl_op(c.op), comm, s));
-          break;
-        case OpKind::all_gather:
-          MGPU_NCCL_CHECK(ncclAllGather(c.send.data(), c.recv.data(), count, nccl_type(c.dtype), comm, s));
-          break;
-        case OpKind::broadcast:
-          MGPU_NCCL_CHECK(ncclBroadcast(c.send.data(), c.recv.data(), count, nccl_type(c.dtype), c.root, comm, s));
-          break;
-        case OpKind::reduce:
-          MGPU_NCCL_CHECK(ncclReduce(c.send.data(), rank == c.root ? c.recv.data() : nullptr, count, nccl_type(c.dtype),
-                                     nccl_op(c.op), c.root, comm, s));
-          break;
-        case OpKind::send:
-          MGPU_NCCL_CHECK(ncclSend(c.send.data(), count, nccl_type(c.dtype), c.root, comm, s));
-          break;
-        case OpKind::recv:
-          MGPU_NCCL_CHECK(ncclRecv(c.recv.data(), count, nccl_type(c.dtype), c.root, comm, s));
-          break;
-        case OpKind::barrier:
-          MGPU_NCCL_CHECK(ncclAllReduce(barrier_word(rank), barrier_word(rank), 1, ncclFloat32, ncclSum, comm, s));
-          break;
+      ncclResult_t const status = enqueue(rank, c, comm, s, barrier);
+      if (status != ncclSuccess && status != ncclInProgress) {
+        failed = status;
+        break;
       }
     }
-    MGPU_NCCL_CHECK(ncclGroupEnd());
+    ncclResult_t const ended = ncclGroupEnd();  // always closes the group, also after a failed call
+    if (failed == ncclSuccess && ended != ncclSuccess && ended != ncclInProgress) failed = ended;
+    try {
+      if (failed != ncclSuccess)
+        throw Error(Errc::communication, what + " failed: " + mgpu::detail::cuda::nccl_error_string(static_cast<int>(failed)));
+      // Non-blocking: the operations are on the stream once the communicator is no longer in progress.
+      wait_for_nccl(comm, what, Clock::now() + timeout(), [this] { return state()->aborted(); });
+    } catch (Error const& e) {
+      state()->abort(e.what());
+      throw;
+    }
     cudaEvent_t done = nullptr;
     MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     MGPU_CUDA_CHECK(cudaEventRecord(done, s));
+    // NCCL touches each rank's buffers only from that rank's stream: they are reused after it.
+    for (Call const& c : calls) mgpu::detail::release_after(stream, c.send, c.recv);
     std::lock_guard lock(mutex_);
-    pending_.push_back({done, rank, calls.front().name(rank), Clock::now() + timeout()});
+    pending_.push_back({done, rank, what, Clock::now() + timeout()});
     state()->begin_operation();
     cv_.notify_all();
   }
@@ -484,7 +616,33 @@ class NcclCommunicator final : public CommunicatorBase {
     Clock::time_point deadline;
   };
 
-  void* barrier_word(int rank) {
+  static ncclResult_t enqueue(int rank, Call const& c, ncclComm_t comm, cudaStream_t s, void* barrier) {
+    std::size_t const count = static_cast<std::size_t>(c.count);
+    switch (c.kind) {
+      case OpKind::all_reduce:
+        return ncclAllReduce(c.send.data(), c.recv.data(), count, nccl_type(c.dtype), nccl_op(c.op), comm, s);
+      case OpKind::reduce_scatter:
+        return ncclReduceScatter(c.send.data(), c.recv.data(), count, nccl_type(c.dtype), nccl_op(c.op), comm, s);
+      case OpKind::all_gather:
+        return ncclAllGather(c.send.data(), c.recv.data(), count, nccl_type(c.dtype), comm, s);
+      case OpKind::broadcast:
+        return ncclBroadcast(c.send.data(), c.recv.data(), count, nccl_type(c.dtype), c.root, comm, s);
+      case OpKind::reduce:
+        return ncclReduce(c.send.data(), rank == c.root ? c.recv.data() : nullptr, count, nccl_type(c.dtype), nccl_op(c.op),
+                          c.root, comm, s);
+      case OpKind::send:
+        return ncclSend(c.send.data(), count, nccl_type(c.dtype), c.root, comm, s);
+      case OpKind::recv:
+        return ncclRecv(c.recv.data(), count, nccl_type(c.dtype), c.root, comm, s);
+      case OpKind::barrier:
+        return ncclAllReduce(barrier, barrier, 1, ncclFloat32, ncclSum, comm, s);
+    }
+    return ncclInvalidArgument;
+  }
+
+  // The rank's one-word buffer for barriers (made on first use), or nullptr when `calls` has none.
+  void* barrier_word(int rank, std::vector<Call> const& calls) {
+    if (std::none_of(calls.begin(), calls.end(), [](Call const& c) { return c.kind == OpKind::barrier; })) return nullptr;
     std::lock_guard lock(mutex_);
     if (barrier_words_.empty()) barrier_words_.resize(comms_.size(), nullptr);
     void*& word = barrier_words_[static_cast<std::size_t>(rank)];
@@ -496,9 +654,8 @@ class NcclCommunicator final : public CommunicatorBase {
     std::unique_lock lock(mutex_);
     while (true) {
       cv_.wait_for(lock, std::chrono::milliseconds(10));
-      if (abort_requested_ && !comms_aborted_) {
+      if (abort_requested_ && !comms_aborted_ && launching_ == 0) {
         for (ncclComm_t comm : comms_) (void)ncclCommAbort(comm);
-        std::fill(comms_.begin(), comms_.end(), nullptr);
         comms_aborted_ = true;
       }
       for (auto it = pending_.begin(); it != pending_.end();) {
@@ -506,7 +663,7 @@ class NcclCommunicator final : public CommunicatorBase {
         ncclResult_t async = ncclSuccess;
         if (!comms_aborted_) (void)ncclCommGetAsyncError(comms_[static_cast<std::size_t>(it->rank)], &async);
         std::string failure;
-        if (async != ncclSuccess) {
+        if (async != ncclSuccess && async != ncclInProgress) {
           failure = it->name + " failed: " + ncclGetErrorString(async);
         } else if (status != cudaSuccess && status != cudaErrorNotReady) {
           failure = it->name + " failed: " + cudaGetErrorString(status);
@@ -526,18 +683,19 @@ class NcclCommunicator final : public CommunicatorBase {
           ++it;
         }
       }
-      if (stopping_ && pending_.empty()) break;
+      if (stopping_ && pending_.empty() && (launching_ == 0)) break;
     }
     for (void* word : barrier_words_) {
       if (word != nullptr) (void)cudaFree(word);
     }
   }
 
-  std::vector<ncclComm_t> comms_;
+  std::vector<ncclComm_t> comms_;  // freed by ncclCommAbort once comms_aborted_ is set
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<Pending> pending_;
   std::vector<void*> barrier_words_;
+  int launching_ = 0;  // launches between taking a communicator and leaving NCCL
   bool stopping_ = false;
   bool abort_requested_ = false;
   bool comms_aborted_ = false;

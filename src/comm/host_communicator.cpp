@@ -17,7 +17,7 @@
 #include <mgpu/core/detail/elementwise.hpp>
 #include <mgpu/core/error.hpp>
 
-#include "core/stream_impl.hpp"
+#include "core/stream_internals.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -347,19 +347,19 @@ void HostCommunicator::check_device(int rank, Device device, std::string_view wh
 
 void HostCommunicator::launch(int rank, std::vector<Call> calls, Stream& stream) {
   state()->begin_operation();
-  auto work = [host = host_, shared = state(), rank, calls = std::move(calls), impl = &stream.impl()] {
+  auto work = [host = host_, shared = state(), rank, calls = std::move(calls)](bool earlier_work_failed) {
     struct Done {
       SharedState& s;
       ~Done() { s.end_operation(); }
     } done{*shared};
-    if (impl->failed()) {  // this rank's earlier work failed: the others must not wait for it
+    if (earlier_work_failed) {  // this rank's earlier work failed: the others must not wait for it
       shared->abort(calls.front().name(rank) + " was skipped because earlier work on the rank's stream failed");
       return;
     }
     host->execute(rank, calls);
   };
   try {
-    stream.impl().push(std::move(work), true);
+    mgpu::detail::StreamInternals::enqueue_even_after_failure(stream, std::move(work));
   } catch (...) {
     state()->end_operation();
     throw;

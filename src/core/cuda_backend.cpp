@@ -2,10 +2,14 @@
 #include "core/cuda_backend.hpp"
 #include "core/cuda_device_scope.hpp"
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
 
+#include <atomic>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include <mgpu/config.hpp>
 #include <mgpu/core/error.hpp>
@@ -82,6 +86,87 @@ void* event_create(int ordinal) {
   cudaEvent_t event = nullptr;
   MGPU_CUDA_CHECK(cudaEventCreate(&event));
   return event;
+}
+
+void* event_create_untimed(int ordinal) {
+  DeviceScope scope(ordinal);
+  cudaEvent_t event = nullptr;
+  MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  return event;
+}
+
+namespace {
+// Released words are kept for reuse instead of freed: a word's last owner may go inside a CUDA
+// host callback, where no CUDA call is allowed.
+struct HostWordPool {
+  std::mutex mutex;
+  std::vector<std::uint32_t*> spare;
+};
+HostWordPool& host_words() {
+  static auto* const pool = new HostWordPool;  // never destroyed: callbacks may run at exit
+  return *pool;
+}
+}  // namespace
+
+std::uint32_t* host_word_create() {
+  std::uint32_t* word = nullptr;
+  {
+    std::lock_guard lock(host_words().mutex);
+    if (!host_words().spare.empty()) {
+      word = host_words().spare.back();
+      host_words().spare.pop_back();
+    }
+  }
+  if (word == nullptr) {
+    void* fresh = nullptr;
+    MGPU_CUDA_CHECK(cudaHostAlloc(&fresh, sizeof(std::uint32_t), cudaHostAllocMapped | cudaHostAllocPortable));
+    word = static_cast<std::uint32_t*>(fresh);
+  }
+  std::atomic_ref(*word).store(0, std::memory_order_release);
+  return word;
+}
+
+void host_word_destroy(std::uint32_t* word) noexcept {
+  try {
+    std::lock_guard lock(host_words().mutex);
+    host_words().spare.push_back(word);
+  } catch (...) {  // out of memory for the list: the word is lost, never freed in a callback
+  }
+}
+
+namespace {
+// The stream memory operations, cuStreamWaitValue32 and cuStreamWriteValue32, through the runtime's
+// driver entry points, so the library needs no link to the driver library.
+using StreamValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+StreamValue32 driver_function(char const* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  MGPU_CUDA_CHECK(cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found));
+  if (found != cudaDriverEntryPointSuccess || fn == nullptr)
+    throw Error(Errc::device, std::string("the CUDA driver lacks ") + name + " (expected a driver for CUDA 12 or newer)");
+  return reinterpret_cast<StreamValue32>(fn);
+}
+
+void stream_value32(StreamValue32 fn, char const* name, void* stream, std::uint32_t const* word, std::uint32_t value,
+                    unsigned flags) {
+  void* device_word = nullptr;
+  MGPU_CUDA_CHECK(cudaHostGetDevicePointer(&device_word, const_cast<std::uint32_t*>(word), 0));
+  CUresult const status = fn(as_stream(stream), reinterpret_cast<CUdeviceptr>(device_word), value, flags);
+  if (status != CUDA_SUCCESS)
+    throw Error(Errc::device, std::string(name) + " failed with driver status " + std::to_string(static_cast<int>(status)) +
+                                  " (expected a GPU that supports stream memory operations)");
+}
+}  // namespace
+
+void stream_wait_word(void* stream, std::uint32_t const* word, std::uint32_t value) {
+  static StreamValue32 const wait = driver_function("cuStreamWaitValue32");
+  stream_value32(wait, "cuStreamWaitValue32", stream, word, value, CU_STREAM_WAIT_VALUE_GEQ);
+}
+
+void stream_write_word(void* stream, std::uint32_t* word, std::uint32_t value) {
+  static StreamValue32 const write = driver_function("cuStreamWriteValue32");
+  stream_value32(write, "cuStreamWriteValue32", stream, word, value, CU_STREAM_WRITE_VALUE_DEFAULT);
 }
 
 void event_destroy(void* event) noexcept { MGPU_CUDA_CHECK_NO_THROW(cudaEventDestroy(as_event(event))); }

@@ -1,17 +1,19 @@
 // The caching allocator and its buffers.
 #include <mgpu/core/memory.hpp>
 
-#include "core/host_staging.hpp"
-
+#include <algorithm>
 #include <bit>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <string>
 #include <utility>
 
 #include <mgpu/core/error.hpp>
 
+#include "core/buffer_internals.hpp"
 #include "core/cuda_backend.hpp"
+#include "core/host_staging.hpp"
 
 namespace mgpu {
 namespace {
@@ -88,16 +90,23 @@ std::shared_ptr<Allocator> Allocator::create(Device device, std::optional<std::s
 Allocator::Allocator(Device device, std::optional<std::size_t> limit) : device_(device), limit_(limit) {}
 
 Allocator::~Allocator() {
-  std::lock_guard lock(mutex_);
-  release_cached_locked();
-  for (auto& [block, blocks] : pinned_cache_) {
-    for (void* data : blocks) {
+  std::vector<void*> blocks;
+  std::vector<PendingBlock> pending;
+  detach_cached_locked(blocks, pending);  // no other thread can hold a reference any more
+  pending.insert(pending.end(), std::make_move_iterator(pending_.begin()), std::make_move_iterator(pending_.end()));
+  pending_.clear();
+  free_detached(blocks, pending);
+  for (auto& [block, cached] : pinned_cache_) {
+    for (void* data : cached) {
       if (pinned_memory_available()) {
         detail::cuda::pinned_free(data);
       } else {
         std::free(data);
       }
     }
+  }
+  for (auto& [ordinal, events] : spare_events_) {
+    for (void* event : events) detail::cuda::event_destroy(event);
   }
 }
 
@@ -110,47 +119,64 @@ std::size_t Allocator::block_size(std::size_t bytes) noexcept {
 Buffer Allocator::allocate(std::size_t bytes) {
   if (bytes == 0) return {};
   std::size_t const block = block_size(bytes);
-  std::lock_guard lock(mutex_);
-  void* data = nullptr;
-  if (auto it = cache_.find(block); it != cache_.end() && !it->second.empty()) {
-    data = it->second.back();
-    it->second.pop_back();
-    stats_.cached -= block;
-    ++stats_.cache_hits;
-  } else {
-    auto const fits = [&] { return !limit_ || stats_.reserved + block <= *limit_; };
-    if (!fits()) release_cached_locked();
-    if (fits()) {
-      data = system_allocate(device_, block);
-      if (data == nullptr) {  // the device itself is full: give back the cache and try once more
-        release_cached_locked();
-        data = system_allocate(device_, block);
+  // At most two rounds: the second after the cache (and freed blocks awaiting their work) went back
+  // to the device. Memory goes back without the lock: cudaFree waits for the GPU, and host
+  // callbacks that drop tensors take the lock.
+  for (int round = 0; round < 2; ++round) {
+    std::vector<void*> to_free;
+    std::vector<PendingBlock> to_wait;
+    bool reserved = false;
+    {
+      std::lock_guard lock(mutex_);
+      reclaim_completed_locked();
+      if (auto it = cache_.find(block); it != cache_.end() && !it->second.empty()) {
+        void* data = it->second.back();
+        it->second.pop_back();
+        stats_.cached -= block;
+        ++stats_.cache_hits;
+        stats_.allocated += block;
+        stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
+        ++stats_.allocations;
+        return Buffer(shared_from_this(), data, bytes, block, device_, false);
+      }
+      if (!limit_ || stats_.reserved + block <= *limit_) {
+        stats_.reserved += block;  // held while the device allocates, outside the lock
+        reserved = true;
+      } else if (round == 0) {
+        detach_cached_locked(to_free, to_wait);
       }
     }
-    if (data == nullptr) {
-      std::string free_text;
-      if (limit_) {
-        free_text = "limit " + format_bytes(*limit_) + ", " + format_bytes(stats_.allocated) + " allocated, " +
-                    format_bytes(*limit_ - std::min(*limit_, stats_.reserved)) + " free";
-      } else if (device_.kind == DeviceKind::cuda) {
-        std::size_t free = 0;
-        std::size_t total = 0;
-        detail::cuda::memory_info(device_.index, free, total);
-        free_text = format_bytes(stats_.allocated) + " allocated by mgpu, " + format_bytes(free) + " of " +
-                    format_bytes(total) + " free on the GPU";
-      } else {
-        free_text = format_bytes(stats_.allocated) + " allocated, the host has no more memory";
+    if (reserved) {
+      void* const data = system_allocate(device_, block);
+      std::lock_guard lock(mutex_);
+      if (data != nullptr) {
+        stats_.allocated += block;
+        stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
+        ++stats_.allocations;
+        return Buffer(shared_from_this(), data, bytes, block, device_, false);
       }
-      throw Error(Errc::out_of_memory, "out of memory on " + device_.to_string() + ": requested " +
-                                           format_bytes(bytes) + " (block of " + format_bytes(block) + "); " +
-                                           free_text + " (expected a request that fits in the free memory)");
+      stats_.reserved -= block;
+      if (round == 0) detach_cached_locked(to_free, to_wait);  // the device itself is full
     }
-    stats_.reserved += block;
+    free_detached(to_free, to_wait);
   }
-  stats_.allocated += block;
-  stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
-  ++stats_.allocations;
-  return Buffer(shared_from_this(), data, bytes, block, device_, false);
+  std::lock_guard lock(mutex_);
+  std::string free_text;
+  if (limit_) {
+    free_text = "limit " + format_bytes(*limit_) + ", " + format_bytes(stats_.allocated) + " allocated, " +
+                format_bytes(*limit_ - std::min(*limit_, stats_.reserved)) + " free";
+  } else if (device_.kind == DeviceKind::cuda) {
+    std::size_t free = 0;
+    std::size_t total = 0;
+    detail::cuda::memory_info(device_.index, free, total);
+    free_text = format_bytes(stats_.allocated) + " allocated by mgpu, " + format_bytes(free) + " of " + format_bytes(total) +
+                " free on the GPU";
+  } else {
+    free_text = format_bytes(stats_.allocated) + " allocated, the host has no more memory";
+  }
+  throw Error(Errc::out_of_memory, "out of memory on " + device_.to_string() + ": requested " + format_bytes(bytes) +
+                                       " (block of " + format_bytes(block) + "); " + free_text +
+                                       " (expected a request that fits in the free memory)");
 }
 
 Buffer Allocator::allocate_pinned(std::size_t bytes) {
@@ -159,6 +185,7 @@ Buffer Allocator::allocate_pinned(std::size_t bytes) {
   bool const pinned = pinned_memory_available();
   {
     std::lock_guard lock(mutex_);
+    reclaim_completed_locked();
     if (auto it = pinned_cache_.find(block); it != pinned_cache_.end() && !it->second.empty()) {
       void* data = it->second.back();
       it->second.pop_back();
@@ -174,39 +201,126 @@ Buffer Allocator::allocate_pinned(std::size_t bytes) {
 
 void Allocator::release(void* data, std::size_t block, bool pinned) noexcept {
   std::lock_guard lock(mutex_);
-  if (pinned) {
-    pinned_cache_[block].push_back(data);
+  if (!pinned) {
+    stats_.allocated -= block;
+    stats_.cached += block;
+  }
+  if (auto it = uses_.find(data); it != uses_.end()) {
+    pending_.push_back({data, block, pinned, std::move(it->second)});
+    uses_.erase(it);
     return;
   }
-  stats_.allocated -= block;
-  stats_.cached += block;
-  cache_[block].push_back(data);
+  (pinned ? pinned_cache_ : cache_)[block].push_back(data);
 }
 
-void Allocator::release_cached_locked() noexcept {
-  for (auto& [block, blocks] : cache_) {
-    for (void* data : blocks) {
-      system_free(device_, data);
+void Allocator::record_use(void* data, void* stream, int ordinal) {
+  std::lock_guard lock(mutex_);
+  std::vector<StreamUse>& uses = uses_[data];
+  auto it = std::find_if(uses.begin(), uses.end(), [&](StreamUse const& u) { return u.stream == stream; });
+  if (it == uses.end()) {
+    void* event = nullptr;
+    if (auto& spare = spare_events_[ordinal]; !spare.empty()) {
+      event = spare.back();
+      spare.pop_back();
+    } else {
+      event = detail::cuda::event_create_untimed(ordinal);
+    }
+    it = uses.insert(uses.end(), StreamUse{stream, ordinal, event});
+  }
+  detail::cuda::event_record(it->event, stream);  // a later use on the same stream moves the marker
+}
+
+void Allocator::recycle_event(StreamUse const& use) noexcept {
+  try {
+    spare_events_[use.ordinal].push_back(use.event);
+  } catch (...) {
+    detail::cuda::event_destroy(use.event);
+  }
+}
+
+void Allocator::reclaim_completed_locked() noexcept {
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    bool done = true;
+    for (StreamUse const& use : it->uses) {
+      try {
+        done = done && detail::cuda::event_query(use.event);
+      } catch (...) {  // a failed GPU runs none of the work any more: the block is free
+      }
+    }
+    if (!done) {
+      ++it;
+      continue;
+    }
+    for (StreamUse const& use : it->uses) recycle_event(use);
+    (it->pinned ? pinned_cache_ : cache_)[it->block].push_back(it->data);
+    it = pending_.erase(it);
+  }
+}
+
+void Allocator::detach_cached_locked(std::vector<void*>& blocks, std::vector<PendingBlock>& pending) noexcept {
+  for (auto& [block, cached] : cache_) {
+    for (void* data : cached) {
+      blocks.push_back(data);
       stats_.reserved -= block;
       stats_.cached -= block;
     }
-    blocks.clear();
+    cached.clear();
+  }
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (it->pinned) {
+      ++it;
+      continue;
+    }
+    stats_.reserved -= it->block;
+    stats_.cached -= it->block;
+    pending.push_back(std::move(*it));
+    it = pending_.erase(it);
   }
 }
 
+void Allocator::free_detached(std::vector<void*> const& blocks, std::vector<PendingBlock>& pending) noexcept {
+  for (PendingBlock& p : pending) {
+    for (StreamUse const& use : p.uses) {
+      try {
+        detail::cuda::event_synchronize(use.event);
+      } catch (...) {  // as in reclaim_completed_locked: no work runs on a failed GPU
+      }
+      detail::cuda::event_destroy(use.event);
+    }
+    if (!p.pinned) {
+      system_free(device_, p.data);
+    } else if (pinned_memory_available()) {
+      detail::cuda::pinned_free(p.data);
+    } else {
+      std::free(p.data);
+    }
+  }
+  for (void* data : blocks) system_free(device_, data);
+}
+
 void Allocator::release_cached() {
-  std::lock_guard lock(mutex_);
-  release_cached_locked();
+  std::vector<void*> blocks;
+  std::vector<PendingBlock> pending;
+  {
+    std::lock_guard lock(mutex_);
+    detach_cached_locked(blocks, pending);
+  }
+  free_detached(blocks, pending);
 }
 
 void Allocator::set_limit(std::optional<std::size_t> bytes) {
-  std::lock_guard lock(mutex_);
-  if (bytes && stats_.allocated > *bytes)
-    throw Error(Errc::invalid_argument, "memory limit of " + format_bytes(*bytes) + " for " + device_.to_string() +
-                                            " is below the " + format_bytes(stats_.allocated) +
-                                            " already allocated (expected a limit of at least that)");
-  limit_ = bytes;
-  if (limit_ && stats_.reserved > *limit_) release_cached_locked();
+  std::vector<void*> blocks;
+  std::vector<PendingBlock> pending;
+  {
+    std::lock_guard lock(mutex_);
+    if (bytes && stats_.allocated > *bytes)
+      throw Error(Errc::invalid_argument, "memory limit of " + format_bytes(*bytes) + " for " + device_.to_string() +
+                                              " is below the " + format_bytes(stats_.allocated) +
+                                              " already allocated (expected a limit of at least that)");
+    limit_ = bytes;
+    if (limit_ && stats_.reserved > *limit_) detach_cached_locked(blocks, pending);
+  }
+  free_detached(blocks, pending);
 }
 
 std::optional<std::size_t> Allocator::limit() const {
@@ -227,6 +341,16 @@ void Allocator::reset_peak() {
 Allocator& detail::host_staging_allocator() {
   static std::shared_ptr<Allocator> const pool = Allocator::create(Device{DeviceKind::host, 0});
   return *pool;
+}
+
+void detail::BufferInternals::record_use(Stream& stream, Buffer const& buffer) {
+  Device const d = stream.device();
+  if (d.kind != DeviceKind::cuda || !buffer.owner_ || buffer.data_ == nullptr) return;
+  buffer.owner_->record_use(buffer.data_, stream.native_handle(), d.index);
+}
+
+void detail::BufferInternals::record_use(Stream& stream, Tensor const& tensor) {
+  if (tensor.storage_) record_use(stream, *tensor.storage_);
 }
 
 }  // namespace mgpu

@@ -54,6 +54,13 @@ struct Stream::Impl {
 
   ~Impl() {
     if (device.kind == DeviceKind::cuda) {
+      if (blas_handle != nullptr) {
+        try {
+          detail::cuda::stream_synchronize(cuda_stream);  // the handle's last GEMMs have run
+        } catch (...) {  // a failed stream still releases its handle
+        }
+        blas_destroy(blas_handle);
+      }
       detail::cuda::stream_destroy(cuda_stream);
       return;
     }
@@ -123,7 +130,7 @@ struct Stream::Impl {
   // compute; work that runs after a failure never is).
   void push(std::function<void()> work, bool runs_after_failure, bool compute = true) {
     if (device.kind == DeviceKind::cuda) {
-      auto* callback = new Callback{std::move(work), this};
+      auto* callback = new Callback{std::move(work), this, runs_after_failure};
       try {
         detail::cuda::launch_host_func(cuda_stream, &Impl::run_callback, callback);
       } catch (...) {
@@ -140,10 +147,11 @@ struct Stream::Impl {
     work_cv.notify_one();
   }
 
+  // Skips the work after a failure unless it must run anyway, as the host worker does.
   static void run_callback(void* arg) {
     auto* callback = static_cast<Callback*>(arg);
     try {
-      callback->work();
+      if (callback->runs_after_failure || !callback->stream->failed()) callback->work();
     } catch (...) {
       std::exception_ptr const failure = detail::as_error(callback->stream->device);
       std::lock_guard lock(callback->stream->mutex);
@@ -188,6 +196,7 @@ struct Stream::Impl {
   struct Callback {
     std::function<void()> work;
     Impl* stream;
+    bool runs_after_failure;
   };
 
   Device device;
@@ -204,6 +213,11 @@ struct Stream::Impl {
   std::exception_ptr error;
   std::thread worker;
   std::chrono::nanoseconds stretch_owed{0};  // emulated speed: sleep still owed (worker only)
+
+  // A CUDA stream's cuBLAS handle, made on first use (see StreamInternals::with_blas_handle).
+  std::mutex blas_mutex;
+  void* blas_handle = nullptr;
+  void (*blas_destroy)(void*) noexcept = nullptr;
 };
 
 }  // namespace mgpu

@@ -7,8 +7,10 @@
 
 #include <mgpu/core/detail/elementwise.hpp>
 
+#include "core/buffer_internals.hpp"
 #include "core/cuda_backend.hpp"
 #include "core/host_staging.hpp"
+#include "kernels/convert.hpp"
 
 namespace mgpu {
 namespace {
@@ -38,24 +40,20 @@ void check_same_layout(Tensor const& dst, Tensor const& src, char const* operati
 
 bool on_host(Tensor const& t) { return t.device().kind == DeviceKind::host; }
 
-// Releases what enqueued CUDA work used, once the stream reaches this point.
-void release_after(Stream& stream, std::shared_ptr<void const> a, std::shared_ptr<void const> b = nullptr) {
-  stream.enqueue([a = std::move(a), b = std::move(b)] {});
-}
-
 void staging_copy_to_device(Tensor const& dst, Tensor const& src, Stream& stream) {
   std::size_t const bytes = src.nbytes();
   auto staging = std::make_shared<Buffer>(detail::host_staging_allocator().allocate_pinned(bytes));
   stream.enqueue([staging, from = src.data(), keep = src.keep_alive(), bytes] { std::memcpy(staging->data(), from, bytes); });
   detail::cuda::memcpy_async(stream.device().index, dst.data(), staging->data(), bytes, stream.native_handle());
-  release_after(stream, staging, dst.keep_alive());
+  detail::release_after(stream, *staging, dst);
 }
 
 void staging_copy_to_host(Tensor const& dst, Tensor const& src, Stream& stream) {
   std::size_t const bytes = src.nbytes();
   auto staging = std::make_shared<Buffer>(detail::host_staging_allocator().allocate_pinned(bytes));
   detail::cuda::memcpy_async(stream.device().index, staging->data(), src.data(), bytes, stream.native_handle());
-  stream.enqueue([staging, to = dst.data(), keep_dst = dst.keep_alive(), keep_src = src.keep_alive(), bytes] {
+  detail::release_after(stream, src);
+  stream.enqueue([staging, to = dst.data(), keep_dst = dst.keep_alive(), bytes] {
     std::memcpy(to, staging->data(), bytes);
   });
 }
@@ -168,7 +166,7 @@ void copy_async(Tensor const& dst, Tensor const& src, Stream& stream) {
     staging_copy_to_host(dst, src, stream);
   } else {
     detail::cuda::memcpy_async(s.index, dst.data(), src.data(), bytes, stream.native_handle());
-    release_after(stream, dst.keep_alive(), src.keep_alive());
+    detail::release_after(stream, dst, src);
   }
 }
 
@@ -193,8 +191,8 @@ void convert_async(Tensor const& dst, Tensor const& src, Stream& stream) {
       });
     });
   } else {
-    detail::cuda::convert_async(s.index, dst.data(), dst.dtype(), src.data(), src.dtype(), count, stream.native_handle());
-    release_after(stream, dst.keep_alive(), src.keep_alive());
+    kernels::convert_async(s.index, dst.data(), dst.dtype(), src.data(), src.dtype(), count, stream.native_handle());
+    detail::release_after(stream, dst, src);
   }
 }
 
@@ -213,8 +211,8 @@ void fill_async(Tensor const& dst, float value, Stream& stream) {
       stream.enqueue([op, count, keep = dst.keep_alive()] { detail::for_each_index(count, op); });
     });
   } else {
-    detail::cuda::fill_async(s.index, dst.data(), dst.dtype(), value, count, stream.native_handle());
-    release_after(stream, dst.keep_alive());
+    kernels::fill_async(s.index, dst.data(), dst.dtype(), value, count, stream.native_handle());
+    detail::release_after(stream, dst);
   }
 }
 

@@ -1,9 +1,15 @@
-// The CUDA side of the training ops (src/ops/cuda_ops.hpp): the functors of mgpu/ops/detail/math.hpp
-// over a grid, reductions through block sums and one atomic add per block, and GEMM via cuBLAS.
+// The training ops' kernels (src/kernels/ops.hpp): element functors of mgpu/ops/detail/math.hpp
+// over a grid; LayerNorm and softmax rows as a block per row, bias and LayerNorm parameter
+// gradients as column tiles, both with block reductions over coalesced reads; reductions in a fixed
+// order (per-block tree sums, then one block sums the partials); the label check; GEMM via cuBLAS.
+#include "kernels/ops.hpp"
+
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
-#include <map>
+#include <climits>
+#include <cmath>
+#include <string>
 
 #include <mgpu/core/dtype.hpp>
 #include <mgpu/core/error.hpp>
@@ -11,39 +17,295 @@
 
 #include "core/cuda_device_scope.hpp"
 #include "kernels/elementwise.cuh"
-#include "ops/cuda_ops.hpp"
 
-namespace mgpu::ops::cuda {
+namespace mgpu::kernels {
 namespace {
 
 constexpr int reduce_threads = 256;
+constexpr int max_reduce_blocks = 1024;
 
-template <class Op>
-__global__ void reduce_kernel(std::int64_t n, Op op, float* out, float scale) {
+// Combines `value` over the block (blockDim.x * blockDim.y == reduce_threads) with a fixed tree,
+// the same order every run, and returns the result to every thread.
+template <class Combine>
+__device__ float block_reduce(float value, Combine combine) {
   __shared__ float partial[reduce_threads];
+  int const t = static_cast<int>(threadIdx.y * blockDim.x + threadIdx.x);
+  partial[t] = value;
+  __syncthreads();
+  for (int width = reduce_threads / 2; width > 0; width /= 2) {
+    if (t < width) partial[t] = combine(partial[t], partial[t + width]);
+    __syncthreads();
+  }
+  float const total = partial[0];
+  __syncthreads();  // every thread has its total before the next call reuses `partial`
+  return total;
+}
+
+__device__ float block_sum(float value) {
+  return block_reduce(value, [](float a, float b) { return a + b; });
+}
+__device__ float block_max(float value) {
+  return block_reduce(value, [](float a, float b) { return fmaxf(a, b); });
+}
+
+// Pass 1: block b sums op(i) over its grid-stride share into partials[b].
+template <class Op>
+__global__ void reduce_partials_kernel(std::int64_t n, Op op, float* partials) {
   float sum = 0;
   std::int64_t const stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) sum += op(i);
-  partial[threadIdx.x] = sum;
-  __syncthreads();
-  for (int width = reduce_threads / 2; width > 0; width /= 2) {
-    if (static_cast<int>(threadIdx.x) < width) partial[threadIdx.x] += partial[threadIdx.x + width];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) atomicAdd(out, scale * partial[0]);
+  float const total = block_sum(sum);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
-// One cuBLAS handle per thread and GPU: a handle is not safe to share between threads, and its
-// stream is set before every call.
-cublasHandle_t handle_for(int ordinal) {
-  thread_local std::map<int, cublasHandle_t> handles;
-  auto it = handles.find(ordinal);
-  if (it == handles.end()) {
-    cublasHandle_t handle = nullptr;
-    MGPU_CUBLAS_CHECK(cublasCreate(&handle));
-    it = handles.emplace(ordinal, handle).first;
+// Pass 2: one block sums the partials in a fixed order and writes scale * total.
+__global__ void reduce_final_kernel(float const* partials, int count, float* out, float scale) {
+  float sum = 0;
+  for (int i = static_cast<int>(threadIdx.x); i < count; i += blockDim.x) sum += partials[i];
+  float const total = block_sum(sum);
+  if (threadIdx.x == 0) *out = scale * total;
+}
+
+// *out = scale * sum of op(i), in an order fixed by n alone.
+template <class Op>
+void sum_terms(std::int64_t n, Op const& op, float* out, float scale, cudaStream_t s) {
+  if (n == 0) {
+    MGPU_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(float), s));
+    return;
   }
-  return it->second;
+  std::int64_t const wanted = (n + reduce_threads - 1) / reduce_threads;
+  int const blocks = static_cast<int>(wanted < max_reduce_blocks ? wanted : max_reduce_blocks);
+  // The partials live in the stream-ordered pool: freed in stream order after the final pass.
+  void* partials = nullptr;
+  MGPU_CUDA_CHECK(cudaMallocAsync(&partials, sizeof(float) * static_cast<std::size_t>(blocks), s));
+  reduce_partials_kernel<<<blocks, reduce_threads, 0, s>>>(n, op, static_cast<float*>(partials));
+  MGPU_CUDA_CHECK(cudaGetLastError());
+  reduce_final_kernel<<<1, reduce_threads, 0, s>>>(static_cast<float const*>(partials), blocks, out, scale);
+  MGPU_CUDA_CHECK(cudaGetLastError());
+  MGPU_CUDA_CHECK(cudaFreeAsync(partials, s));
+}
+
+int row_blocks(std::int64_t rows) { return static_cast<int>(rows < 65535 ? rows : 65535); }
+
+// Row kernels: a block per row (grid-stride over rows); the threads stride along the row, so
+// neighbours read neighbouring elements (coalesced), and the row's sums are block reductions.
+template <class T>
+__global__ void layer_norm_rows_kernel(ops::detail::LayerNormRow<T> op, std::int64_t rows) {
+  using ops::detail::load;
+  using ops::detail::store;
+  auto const n = static_cast<float>(op.cols);
+  for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    T const* xr = op.x + r * op.cols;
+    float sum = 0;
+    for (std::int64_t j = threadIdx.x; j < op.cols; j += blockDim.x) sum += load(xr, j);
+    float const mu = block_sum(sum) / n;
+    float sq = 0;
+    for (std::int64_t j = threadIdx.x; j < op.cols; j += blockDim.x) {
+      float const d = load(xr, j) - mu;
+      sq += d * d;
+    }
+    float const rs = 1.0f / sqrtf(block_sum(sq) / n + op.eps);
+    for (std::int64_t j = threadIdx.x; j < op.cols; j += blockDim.x)
+      store(op.y + r * op.cols, j, (load(xr, j) - mu) * rs * load(op.gamma, j) + load(op.beta, j));
+    if (threadIdx.x == 0) {
+      op.mean[r] = mu;
+      op.rstd[r] = rs;
+    }
+  }
+}
+
+template <class T>
+__global__ void layer_norm_grad_rows_kernel(ops::detail::LayerNormGradRow<T> op, std::int64_t rows) {
+  using ops::detail::load;
+  using ops::detail::store;
+  auto const n = static_cast<float>(op.cols);
+  for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    std::int64_t const base = r * op.cols;
+    float sum_g = 0;
+    float sum_gx = 0;
+    for (std::int64_t j = threadIdx.x; j < op.cols; j += blockDim.x) {
+      float const g = load(op.dy, base + j) * load(op.gamma, j);
+      sum_g += g;
+      sum_gx += g * (load(op.x, base + j) - op.mean[r]) * op.rstd[r];
+    }
+    float const mean_g = block_sum(sum_g) / n;
+    float const mean_gx = block_sum(sum_gx) / n;
+    for (std::int64_t j = threadIdx.x; j < op.cols; j += blockDim.x) {
+      float const g = load(op.dy, base + j) * load(op.gamma, j);
+      float const xhat = (load(op.x, base + j) - op.mean[r]) * op.rstd[r];
+      store(op.dx, base + j, op.rstd[r] * (g - mean_g - xhat * mean_gx));
+    }
+  }
+}
+
+// Softmax cross-entropy, a block per row: writes dlogits and the row's loss into losses[r].
+template <class T>
+__global__ void softmax_cross_entropy_rows_kernel(ops::detail::SoftmaxCrossEntropyRow<T> op, std::int64_t rows, float* losses) {
+  using ops::detail::load;
+  using ops::detail::store;
+  for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    T const* z = op.logits + r * op.classes;
+    T* dz = op.dlogits + r * op.classes;
+    float const y = op.labels[r];
+    auto const label = static_cast<std::int64_t>(y);
+    if (!(y >= 0.0f) || label >= op.classes || static_cast<float>(label) != y) {  // the same for the whole block
+      for (std::int64_t j = threadIdx.x; j < op.classes; j += blockDim.x) store(dz, j, NAN);
+      if (threadIdx.x == 0) losses[r] = NAN;
+      continue;
+    }
+    float const picked = load(z, label);  // read before any thread writes dz (which may be z)
+    float top = -INFINITY;
+    for (std::int64_t j = threadIdx.x; j < op.classes; j += blockDim.x) top = fmaxf(top, load(z, j));
+    top = block_max(top);
+    float sum = 0;
+    for (std::int64_t j = threadIdx.x; j < op.classes; j += blockDim.x) sum += expf(load(z, j) - top);
+    float const log_sum = logf(block_sum(sum));
+    for (std::int64_t j = threadIdx.x; j < op.classes; j += blockDim.x) {
+      float const p = expf(load(z, j) - top - log_sum);
+      store(dz, j, (p - (j == label ? 1.0f : 0.0f)) * op.grad_scale);
+    }
+    if (threadIdx.x == 0) losses[r] = log_sum - (picked - top);
+  }
+}
+
+struct LoadAt {
+  float const* values;
+  __device__ float operator()(std::int64_t i) const { return values[i]; }
+};
+
+// Column kernels: a block per tile of 32 columns (grid-stride over tiles), 8 row lanes. Threads
+// x = 0..31 read 32 neighbouring columns of a row (coalesced); each lane sums every 8th row, and
+// the 8 lanes are added in a fixed order. `Col` says what to add for (r, j) and what to store.
+constexpr int tile_columns = 32;
+constexpr int row_lanes = reduce_threads / tile_columns;
+
+template <class Col>
+__global__ void column_sums_kernel(Col col, std::int64_t rows, std::int64_t cols) {
+  __shared__ float partial[2][row_lanes][tile_columns + 1];
+  for (std::int64_t tile = blockIdx.x; tile * tile_columns < cols; tile += gridDim.x) {
+    std::int64_t const j = tile * tile_columns + threadIdx.x;
+    float acc[2] = {0, 0};
+    if (j < cols) {
+      for (std::int64_t r = threadIdx.y; r < rows; r += row_lanes) col.add(r, j, acc);
+    }
+    partial[0][threadIdx.y][threadIdx.x] = acc[0];
+    partial[1][threadIdx.y][threadIdx.x] = acc[1];
+    __syncthreads();
+    if (threadIdx.y == 0 && j < cols) {
+      float total[2] = {0, 0};
+      for (int lane = 0; lane < row_lanes; ++lane) {
+        total[0] += partial[0][lane][threadIdx.x];
+        total[1] += partial[1][lane][threadIdx.x];
+      }
+      col.finish(j, total);
+    }
+    __syncthreads();
+  }
+}
+
+template <class T>
+struct BiasGradColumns {
+  ops::detail::BiasGradOp<T> op;
+  __device__ void add(std::int64_t r, std::int64_t j, float (&acc)[2]) const { acc[0] += ops::detail::load(op.dy, r * op.cols + j); }
+  __device__ void finish(std::int64_t j, float const (&total)[2]) const { ops::detail::store(op.db, j, total[0]); }
+};
+
+template <class T, class F>
+struct ActivationBiasGradColumns {
+  ops::detail::ActivationBiasGradCol<T, F> op;
+  __device__ void add(std::int64_t r, std::int64_t j, float (&acc)[2]) const {
+    std::int64_t const i = r * op.cols + j;
+    float const d = F::backward(ops::detail::load(op.z, i), ops::detail::load(op.dy, i));
+    ops::detail::store(op.dz, i, d);
+    acc[0] += d;
+  }
+  __device__ void finish(std::int64_t j, float const (&total)[2]) const { ops::detail::store(op.db, j, total[0]); }
+};
+
+template <class T>
+struct LayerNormParamGradColumns {
+  ops::detail::LayerNormParamGradCol<T> op;
+  __device__ void add(std::int64_t r, std::int64_t j, float (&acc)[2]) const {
+    float const g = ops::detail::load(op.dy, r * op.cols + j);
+    acc[0] += g * (ops::detail::load(op.x, r * op.cols + j) - op.mean[r]) * op.rstd[r];
+    acc[1] += g;
+  }
+  __device__ void finish(std::int64_t j, float const (&total)[2]) const {
+    ops::detail::store(op.dgamma, j, total[0]);
+    ops::detail::store(op.dbeta, j, total[1]);
+  }
+};
+
+template <class Col>
+void launch_column_sums(Col const& col, std::int64_t rows, std::int64_t cols, cudaStream_t s) {
+  if (cols == 0) return;
+  std::int64_t const tiles = (cols + tile_columns - 1) / tile_columns;
+  int const blocks = static_cast<int>(tiles < 65535 ? tiles : 65535);
+  column_sums_kernel<<<blocks, dim3(tile_columns, row_lanes), 0, s>>>(col, rows, cols);
+  MGPU_CUDA_CHECK(cudaGetLastError());
+}
+
+// How each functor runs: element functors over a grid; row and column functors by the kernels
+// above (the most specialized overload wins). `n` is what the host loop would run over.
+template <class Op>
+void launch_each(std::int64_t n, Op const& op, cudaStream_t s) {
+  for_each_index(n, op, s);
+}
+template <class T>
+void launch_each(std::int64_t rows, ops::detail::LayerNormRow<T> const& op, cudaStream_t s) {
+  if (rows == 0) return;
+  layer_norm_rows_kernel<<<row_blocks(rows), reduce_threads, 0, s>>>(op, rows);
+  MGPU_CUDA_CHECK(cudaGetLastError());
+}
+template <class T>
+void launch_each(std::int64_t rows, ops::detail::LayerNormGradRow<T> const& op, cudaStream_t s) {
+  if (rows == 0) return;
+  layer_norm_grad_rows_kernel<<<row_blocks(rows), reduce_threads, 0, s>>>(op, rows);
+  MGPU_CUDA_CHECK(cudaGetLastError());
+}
+template <class T>
+void launch_each(std::int64_t cols, ops::detail::BiasGradOp<T> const& op, cudaStream_t s) {
+  launch_column_sums(BiasGradColumns<T>{op}, op.rows, cols, s);
+}
+template <class T, class F>
+void launch_each(std::int64_t cols, ops::detail::ActivationBiasGradCol<T, F> const& op, cudaStream_t s) {
+  launch_column_sums(ActivationBiasGradColumns<T, F>{op}, op.rows, cols, s);
+}
+template <class T>
+void launch_each(std::int64_t cols, ops::detail::LayerNormParamGradCol<T> const& op, cudaStream_t s) {
+  launch_column_sums(LayerNormParamGradColumns<T>{op}, op.rows, cols, s);
+}
+
+template <class Op>
+void launch_reduce(std::int64_t n, Op const& op, float* out, float scale, cudaStream_t s) {
+  sum_terms(n, op, out, scale, s);
+}
+template <class T>
+void launch_reduce(std::int64_t rows, ops::detail::SoftmaxCrossEntropyRow<T> const& op, float* out, float scale, cudaStream_t s) {
+  if (rows == 0) {
+    sum_terms(0, LoadAt{nullptr}, out, scale, s);
+    return;
+  }
+  void* losses = nullptr;
+  MGPU_CUDA_CHECK(cudaMallocAsync(&losses, sizeof(float) * static_cast<std::size_t>(rows), s));
+  softmax_cross_entropy_rows_kernel<<<row_blocks(rows), reduce_threads, 0, s>>>(op, rows, static_cast<float*>(losses));
+  MGPU_CUDA_CHECK(cudaGetLastError());
+  sum_terms(rows, LoadAt{static_cast<float const*>(losses)}, out, scale, s);
+  MGPU_CUDA_CHECK(cudaFreeAsync(losses, s));
+}
+
+// The smallest (row << 32 | label bits) over the rows whose label is not a class id.
+__global__ void find_bad_label_kernel(float const* labels, std::int64_t rows, std::int64_t classes,
+                                      unsigned long long* first) {
+  std::int64_t const stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; r < rows; r += stride) {
+    float const y = labels[r];
+    auto const label = static_cast<std::int64_t>(y);
+    if (!(y >= 0.0f) || label >= classes || static_cast<float>(label) != y) {
+      auto const code = (static_cast<unsigned long long>(r) << 32) | __float_as_uint(y);
+      atomicMin(first, code);  // the smallest row wins whatever the order: deterministic
+    }
+  }
 }
 
 cudaDataType_t cuda_type(DType dtype) {
@@ -55,77 +317,108 @@ cudaDataType_t cuda_type(DType dtype) {
   return CUDA_R_32F;
 }
 
+int blas_extent(std::int64_t value, char const* name) {
+  if (value < 0 || value > INT_MAX)
+    throw Error(Errc::invalid_argument, std::string("gemm on a GPU: ") + name + " = " + std::to_string(value) +
+                                            " (expected at most " + std::to_string(INT_MAX) + ", cuBLAS takes int extents)");
+  return static_cast<int>(value);
+}
+
 }  // namespace
 
 template <class Op>
 void each(int ordinal, std::int64_t n, Op const& op, void* stream) {
-  mgpu::detail::cuda::DeviceScope scope(ordinal);
-  kernels::for_each_index(n, op, static_cast<cudaStream_t>(stream));
+  detail::cuda::DeviceScope scope(ordinal);
+  launch_each(n, op, static_cast<cudaStream_t>(stream));
 }
 
 template <class Op>
 void reduce(int ordinal, std::int64_t n, Op const& op, float* out, float scale, void* stream) {
-  mgpu::detail::cuda::DeviceScope scope(ordinal);
-  auto const s = static_cast<cudaStream_t>(stream);
-  MGPU_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(float), s));
-  if (n == 0) return;
-  std::int64_t const wanted = (n + reduce_threads - 1) / reduce_threads;
-  int const blocks = static_cast<int>(wanted < 1024 ? wanted : 1024);
-  reduce_kernel<<<blocks, reduce_threads, 0, s>>>(n, op, out, scale);
-  MGPU_CUDA_CHECK(cudaGetLastError());
+  detail::cuda::DeviceScope scope(ordinal);
+  launch_reduce(n, op, out, scale, static_cast<cudaStream_t>(stream));
 }
 
-void gemm(int ordinal, DType dtype, bool transpose_a, bool transpose_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
-          void const* a, void const* b, float beta, void* c, void* stream) {
-  if (m == 0 || n == 0) return;
-  mgpu::detail::cuda::DeviceScope scope(ordinal);
-  cublasHandle_t const handle = handle_for(ordinal);
+void find_bad_label(int ordinal, float const* labels, std::int64_t rows, std::int64_t classes, std::uint64_t* host_result,
+                    void* stream) {
+  detail::cuda::DeviceScope scope(ordinal);
+  auto const s = static_cast<cudaStream_t>(stream);
+  void* first = nullptr;
+  MGPU_CUDA_CHECK(cudaMallocAsync(&first, sizeof(unsigned long long), s));
+  MGPU_CUDA_CHECK(cudaMemsetAsync(first, 0xff, sizeof(unsigned long long), s));
+  if (rows > 0) {
+    std::int64_t const wanted = (rows + reduce_threads - 1) / reduce_threads;
+    int const blocks = static_cast<int>(wanted < 65535 ? wanted : 65535);
+    find_bad_label_kernel<<<blocks, reduce_threads, 0, s>>>(labels, rows, classes, static_cast<unsigned long long*>(first));
+    MGPU_CUDA_CHECK(cudaGetLastError());
+  }
+  MGPU_CUDA_CHECK(cudaMemcpyAsync(host_result, first, sizeof(std::uint64_t), cudaMemcpyDeviceToHost, s));
+  MGPU_CUDA_CHECK(cudaFreeAsync(first, s));
+}
+
+void* create_blas_handle(int ordinal) {
+  detail::cuda::DeviceScope scope(ordinal);
+  cublasHandle_t handle = nullptr;
+  MGPU_CUBLAS_CHECK(cublasCreate(&handle));
+  return handle;
+}
+
+void destroy_blas_handle(void* handle) noexcept { (void)cublasDestroy(static_cast<cublasHandle_t>(handle)); }
+
+void gemm(void* blas_handle, int ordinal, DType dtype, bool transpose_a, bool transpose_b, std::int64_t m, std::int64_t n,
+          std::int64_t k, float alpha, void const* a, void const* b, float beta, void* c, void* stream, bool tf32) {
+  int const rows = blas_extent(m, "m");
+  int const cols = blas_extent(n, "n");
+  int const inner = blas_extent(k, "k");
+  if (rows == 0 || cols == 0) return;
+  detail::cuda::DeviceScope scope(ordinal);
+  auto const handle = static_cast<cublasHandle_t>(blas_handle);
   MGPU_CUBLAS_CHECK(cublasSetStream(handle, static_cast<cudaStream_t>(stream)));
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: the operands swap places.
-  auto const lda = static_cast<int>(transpose_a ? m : k);
-  auto const ldb = static_cast<int>(transpose_b ? k : n);
+  int const lda = transpose_a ? rows : inner;
+  int const ldb = transpose_b ? inner : cols;
   cudaDataType_t const type = cuda_type(dtype);
-  MGPU_CUBLAS_CHECK(cublasGemmEx(handle, transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N, transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                 static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha, b, type, ldb, a, type, lda,
-                                 &beta, c, type, static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  cublasComputeType_t const compute = tf32 && dtype == DType::float32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  MGPU_CUBLAS_CHECK(cublasGemmEx(handle, transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N, transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N, cols,
+                                 rows, inner, &alpha, b, type, ldb, a, type, lda, &beta, c, type, cols, compute,
+                                 CUBLAS_GEMM_DEFAULT));
 }
 
 // The instantiations src/ops/ops.cpp launches.
-#define MGPU_OPS_FOR_TYPE(T)                                                                                    \
-  template void each(int, std::int64_t, detail::ActivationOp<T, detail::Relu> const&, void*);                   \
-  template void each(int, std::int64_t, detail::ActivationOp<T, detail::Gelu> const&, void*);                   \
-  template void each(int, std::int64_t, detail::ActivationGradOp<T, detail::Relu> const&, void*);               \
-  template void each(int, std::int64_t, detail::ActivationGradOp<T, detail::Gelu> const&, void*);               \
-  template void each(int, std::int64_t, detail::BiasActivationOp<T, detail::Identity> const&, void*);           \
-  template void each(int, std::int64_t, detail::BiasActivationOp<T, detail::Relu> const&, void*);               \
-  template void each(int, std::int64_t, detail::BiasActivationOp<T, detail::Gelu> const&, void*);               \
-  template void each(int, std::int64_t, detail::ActivationBiasGradCol<T, detail::Identity> const&, void*);      \
-  template void each(int, std::int64_t, detail::ActivationBiasGradCol<T, detail::Relu> const&, void*);          \
-  template void each(int, std::int64_t, detail::ActivationBiasGradCol<T, detail::Gelu> const&, void*);          \
-  template void each(int, std::int64_t, detail::BiasAddOp<T> const&, void*);                                    \
-  template void each(int, std::int64_t, detail::BiasGradOp<T> const&, void*);                                   \
-  template void each(int, std::int64_t, detail::ScaleOp<T> const&, void*);                                      \
-  template void each(int, std::int64_t, detail::DropoutOp<T> const&, void*);                                    \
-  template void each(int, std::int64_t, detail::LayerNormRow<T> const&, void*);                                 \
-  template void each(int, std::int64_t, detail::LayerNormGradRow<T> const&, void*);                             \
-  template void each(int, std::int64_t, detail::LayerNormParamGradCol<T> const&, void*);                        \
-  template void each(int, std::int64_t, detail::ScaleConvertOp<T, float> const&, void*);                        \
-  template void each(int, std::int64_t, detail::ScaleConvertOp<T, bfloat16> const&, void*);                     \
-  template void each(int, std::int64_t, detail::ScaleConvertOp<T, float16> const&, void*);                      \
-  template void each(int, std::int64_t, detail::AddScaledOp<T, float> const&, void*);                          \
-  template void each(int, std::int64_t, detail::AddScaledOp<T, bfloat16> const&, void*);                       \
-  template void each(int, std::int64_t, detail::AddScaledOp<T, float16> const&, void*);                        \
-  template void reduce(int, std::int64_t, detail::SoftmaxCrossEntropyRow<T> const&, float*, float, void*);      \
-  template void reduce(int, std::int64_t, detail::SquaredErrorOp<T> const&, float*, float, void*);              \
-  template void reduce(int, std::int64_t, detail::CorrectRow<T> const&, float*, float, void*);                  \
-  template void reduce(int, std::int64_t, detail::ValueOp<T> const&, float*, float, void*);                     \
-  template void reduce(int, std::int64_t, detail::SquareOp<T> const&, float*, float, void*);                    \
-  template void reduce(int, std::int64_t, detail::NonFiniteOp<T> const&, float*, float, void*);
+#define MGPU_OPS_FOR_TYPE(T)                                                                                         \
+  template void each(int, std::int64_t, ops::detail::ActivationOp<T, ops::detail::Relu> const&, void*);              \
+  template void each(int, std::int64_t, ops::detail::ActivationOp<T, ops::detail::Gelu> const&, void*);              \
+  template void each(int, std::int64_t, ops::detail::ActivationGradOp<T, ops::detail::Relu> const&, void*);          \
+  template void each(int, std::int64_t, ops::detail::ActivationGradOp<T, ops::detail::Gelu> const&, void*);          \
+  template void each(int, std::int64_t, ops::detail::BiasActivationOp<T, ops::detail::Identity> const&, void*);      \
+  template void each(int, std::int64_t, ops::detail::BiasActivationOp<T, ops::detail::Relu> const&, void*);          \
+  template void each(int, std::int64_t, ops::detail::BiasActivationOp<T, ops::detail::Gelu> const&, void*);          \
+  template void each(int, std::int64_t, ops::detail::ActivationBiasGradCol<T, ops::detail::Identity> const&, void*); \
+  template void each(int, std::int64_t, ops::detail::ActivationBiasGradCol<T, ops::detail::Relu> const&, void*);     \
+  template void each(int, std::int64_t, ops::detail::ActivationBiasGradCol<T, ops::detail::Gelu> const&, void*);     \
+  template void each(int, std::int64_t, ops::detail::BiasAddOp<T> const&, void*);                                    \
+  template void each(int, std::int64_t, ops::detail::BiasGradOp<T> const&, void*);                                   \
+  template void each(int, std::int64_t, ops::detail::ScaleOp<T> const&, void*);                                      \
+  template void each(int, std::int64_t, ops::detail::DropoutOp<T> const&, void*);                                    \
+  template void each(int, std::int64_t, ops::detail::LayerNormRow<T> const&, void*);                                 \
+  template void each(int, std::int64_t, ops::detail::LayerNormGradRow<T> const&, void*);                             \
+  template void each(int, std::int64_t, ops::detail::LayerNormParamGradCol<T> const&, void*);                        \
+  template void each(int, std::int64_t, ops::detail::ScaleConvertOp<T, float> const&, void*);                        \
+  template void each(int, std::int64_t, ops::detail::ScaleConvertOp<T, bfloat16> const&, void*);                     \
+  template void each(int, std::int64_t, ops::detail::ScaleConvertOp<T, float16> const&, void*);                      \
+  template void each(int, std::int64_t, ops::detail::AddScaledOp<T, float> const&, void*);                          \
+  template void each(int, std::int64_t, ops::detail::AddScaledOp<T, bfloat16> const&, void*);                       \
+  template void each(int, std::int64_t, ops::detail::AddScaledOp<T, float16> const&, void*);                        \
+  template void reduce(int, std::int64_t, ops::detail::SoftmaxCrossEntropyRow<T> const&, float*, float, void*);      \
+  template void reduce(int, std::int64_t, ops::detail::SquaredErrorOp<T> const&, float*, float, void*);              \
+  template void reduce(int, std::int64_t, ops::detail::CorrectRow<T> const&, float*, float, void*);                  \
+  template void reduce(int, std::int64_t, ops::detail::ValueOp<T> const&, float*, float, void*);                     \
+  template void reduce(int, std::int64_t, ops::detail::SquareOp<T> const&, float*, float, void*);                    \
+  template void reduce(int, std::int64_t, ops::detail::NonFiniteOp<T> const&, float*, float, void*);
 MGPU_OPS_FOR_TYPE(float)
 MGPU_OPS_FOR_TYPE(bfloat16)
 MGPU_OPS_FOR_TYPE(float16)
 #undef MGPU_OPS_FOR_TYPE
-template void each(int, std::int64_t, detail::SgdOp const&, void*);
-template void each(int, std::int64_t, detail::AdamWOp const&, void*);
+template void each(int, std::int64_t, ops::detail::SgdOp const&, void*);
+template void each(int, std::int64_t, ops::detail::AdamWOp const&, void*);
 
-}  // namespace mgpu::ops::cuda
+}  // namespace mgpu::kernels

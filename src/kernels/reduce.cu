@@ -1,14 +1,19 @@
-// The reduction kernel of the CUDA peer backend: ReduceSlice (mgpu/comm/detail/reduce_slice.hpp)
-// over a grid, reading every rank's input through peer or same-GPU pointers.
+// The reduction kernel of the CUDA peer backend (src/kernels/reduce.hpp): ReduceSlice
+// (mgpu/comm/detail/reduce_slice.hpp) over a grid, reading every rank's input through peer or
+// same-GPU pointers.
+#include "kernels/reduce.hpp"
+
 #include <mgpu/comm/detail/reduce_slice.hpp>
 #include <mgpu/core/detail/elementwise.hpp>
 
-#include "comm/cuda_kernels.hpp"
 #include "kernels/elementwise.cuh"
 
-namespace mgpu::comm::detail {
+namespace mgpu::kernels {
 
 namespace {
+using comm::ReduceOp;
+using comm::detail::ReduceSlice;
+
 template <Element T, ReduceOp O>
 struct OffsetReduce {
   ReduceSlice<T, O> slice;
@@ -17,19 +22,19 @@ struct OffsetReduce {
 };
 }  // namespace
 
-void launch_reduce_slice(DType dtype, ReduceOp op, void const* const* inputs, int input_count, void* const* outputs,
-                         int output_count, std::int64_t begin, std::int64_t end, void* stream) {
+void reduce_slice(DType dtype, comm::ReduceOp op, void const* const* inputs, int input_count, void* const* outputs,
+                  int output_count, std::int64_t begin, std::int64_t end, void* stream) {
   mgpu::detail::visit_dtype(dtype, [&]<class T>(std::type_identity<T>) {
-    visit_reduce_op(op, [&]<ReduceOp O>(std::integral_constant<ReduceOp, O>) {
+    comm::visit_reduce_op(op, [&]<ReduceOp O>(std::integral_constant<ReduceOp, O>) {
       OffsetReduce<T, O> k{};
       k.slice.inputs = input_count;
       k.slice.outputs = output_count;
       for (int p = 0; p < input_count; ++p) k.slice.in[p] = static_cast<T const*>(inputs[p]);
       for (int q = 0; q < output_count; ++q) k.slice.out[q] = static_cast<T*>(outputs[q]);
       k.begin = begin;
-      kernels::for_each_index(end - begin, k, static_cast<cudaStream_t>(stream));
+      for_each_index(end - begin, k, static_cast<cudaStream_t>(stream));
     });
   });
 }
 
-}  // namespace mgpu::comm::detail
+}  // namespace mgpu::kernels

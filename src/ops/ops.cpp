@@ -6,7 +6,10 @@
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <atomic>
+#include <bit>
 #include <cmath>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -16,8 +19,10 @@
 #include <mgpu/core/error.hpp>
 #include <mgpu/ops/detail/math.hpp>
 
+#include "core/buffer_internals.hpp"
 #include "core/host_staging.hpp"
-#include "ops/cuda_ops.hpp"
+#include "core/stream_internals.hpp"
+#include "kernels/ops.hpp"
 #include "ops/host_gemm.hpp"
 
 namespace mgpu::ops {
@@ -80,8 +85,8 @@ void run_each(Stream& stream, std::int64_t n, Op const& op, std::vector<Tensor> 
     return;
   }
 #if MGPU_CUDA_ENABLED
-  cuda::each(stream.device().index, n, op, stream.native_handle());
-  stream.enqueue([keep = std::move(keep)] {});  // releases the tensors once the kernel has run
+  kernels::each(stream.device().index, n, op, stream.native_handle());
+  for (Tensor const& t : keep) mgpu::detail::BufferInternals::record_use(stream, t);  // reused after the kernel
 #else
   throw Error(Errc::device, "ops on " + stream.device().to_string() + " (this build has no CUDA backend)");
 #endif
@@ -101,8 +106,8 @@ void run_reduce(Stream& stream, std::int64_t n, Op const& op, Tensor const& out,
     return;
   }
 #if MGPU_CUDA_ENABLED
-  cuda::reduce(stream.device().index, n, op, result, scale, stream.native_handle());
-  stream.enqueue([keep = std::move(keep)] {});
+  kernels::reduce(stream.device().index, n, op, result, scale, stream.native_handle());
+  for (Tensor const& t : keep) mgpu::detail::BufferInternals::record_use(stream, t);
 #else
   throw Error(Errc::device, "ops on " + stream.device().to_string() + " (this build has no CUDA backend)");
 #endif
@@ -125,9 +130,15 @@ void enqueue_gemm(Tensor const& a, bool transpose_a, Tensor const& b, bool trans
   }
 #if MGPU_CUDA_ENABLED
   std::int64_t const k = transpose_a ? a.dim(0) : a.dim(1);
-  cuda::gemm(stream.device().index, a.dtype(), transpose_a, transpose_b, c.dim(0), c.dim(1), k, alpha, a.data(), b.data(), beta,
-             c.data(), stream.native_handle());
-  stream.enqueue([keep = std::vector<Tensor>{a, b, c}] {});
+  bool const tf32 = float32_matmul() == Float32Matmul::tf32;
+  int const ordinal = stream.device().index;
+  mgpu::detail::StreamInternals::with_blas_handle(stream, kernels::create_blas_handle, kernels::destroy_blas_handle, [&](void* handle) {
+    kernels::gemm(handle, ordinal, a.dtype(), transpose_a, transpose_b, c.dim(0), c.dim(1), k, alpha, a.data(), b.data(), beta,
+                  c.data(), stream.native_handle(), tf32);
+  });
+  mgpu::detail::release_after(stream, a, b, c);
+#else
+  throw Error(Errc::device, "gemm on " + stream.device().to_string() + " (this build has no CUDA backend)");
 #endif
 }
 
@@ -170,6 +181,13 @@ char const* activation_name(ActivationKind kind) noexcept {
   }
   return "unknown";
 }
+
+namespace {
+std::atomic<Float32Matmul> float32_matmul_mode{Float32Matmul::exact};
+}  // namespace
+
+void set_float32_matmul(Float32Matmul mode) noexcept { float32_matmul_mode.store(mode, std::memory_order_relaxed); }
+Float32Matmul float32_matmul() noexcept { return float32_matmul_mode.load(std::memory_order_relaxed); }
 
 void gemm(Tensor const& a, bool transpose_a, Tensor const& b, bool transpose_b, Tensor const& c, float alpha, float beta,
           Stream& stream) {
@@ -405,16 +423,32 @@ void softmax_cross_entropy(Tensor const& logits, Tensor const& labels, Tensor co
                                             to_string(labels.shape()) + " (expected logits [N, C] with C >= 1 and N labels)");
   std::int64_t const n = logits.dim(0);
   std::int64_t const c = logits.dim(1);
+  auto const bad_label = [op, c](float label, std::int64_t row) {
+    return Error(Errc::invalid_argument, std::string(op) + ": label " + std::to_string(label) + " in row " + std::to_string(row) +
+                                             " (expected a class id in [0, " + std::to_string(c) + "))");
+  };
   if (stream.device().kind == DeviceKind::host) {
-    stream.enqueue([labels, n, c, op] {
+    stream.enqueue([labels, n, c, bad_label] {
       float const* y = ptr<float>(labels);
       for (std::int64_t i = 0; i < n; ++i) {
         auto const label = static_cast<std::int64_t>(y[i]);
-        if (!(y[i] >= 0.0f) || label >= c || static_cast<float>(label) != y[i])
-          throw Error(Errc::invalid_argument, std::string(op) + ": label " + std::to_string(y[i]) + " in row " + std::to_string(i) +
-                                                  " (expected a class id in [0, " + std::to_string(c) + "))");
+        if (!(y[i] >= 0.0f) || label >= c || static_cast<float>(label) != y[i]) throw bad_label(y[i], i);
       }
     });
+  } else {
+#if MGPU_CUDA_ENABLED
+    // The GPU finds the first bad row; a host callback reads it back and fails the stream with the
+    // host's error (the loss itself is NaN then, as the row functor writes).
+    auto found = std::make_shared<Buffer>(mgpu::detail::host_staging_allocator().allocate_pinned(sizeof(std::uint64_t)));
+    kernels::find_bad_label(stream.device().index, ptr<float>(labels), n, c, static_cast<std::uint64_t*>(found->data()),
+                            stream.native_handle());
+    mgpu::detail::release_after(stream, labels);
+    stream.enqueue([found, bad_label] {
+      std::uint64_t const code = *static_cast<std::uint64_t const*>(found->data());
+      if (code == ~std::uint64_t{0}) return;
+      throw bad_label(std::bit_cast<float>(static_cast<std::uint32_t>(code)), static_cast<std::int64_t>(code >> 32));
+    });
+#endif
   }
   float const mean = n > 0 ? 1.0f / static_cast<float>(n) : 0.0f;
   visit(logits.dtype(), [&]<class T>(T) {

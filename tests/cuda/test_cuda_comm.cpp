@@ -1,10 +1,13 @@
 // Collectives on CUDA devices: the cuda_peer backend on several logical devices sharing GPU 0, and
-// NCCL when at least two GPUs are visible, against a host float64 reference.
+// NCCL (across every GPU, or a one-rank group on a one-GPU machine), against a host float64
+// reference; send/recv into separate buffers, checked; a send that does not wait for its receiver.
 #include <mgpu/comm/communicator.hpp>
 #include <mgpu/config.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <thread>
 #include <vector>
 
 #include "support/catch.hpp"
@@ -47,7 +50,7 @@ Tensor upload(std::vector<float> const& values, DType dtype, mgpu::Allocator& de
 
 void check_collectives(std::string const& spec, mgpu::comm::Backend expected) {
   mgpu::DeviceGroup group(spec);
-  auto comm = mgpu::comm::make_communicator(group);
+  auto comm = mgpu::comm::make_communicator(group, {.backend = expected});
   REQUIRE(comm->backend() == expected);
   int const n = group.size();
   for (DType t : {DType::float32, DType::bfloat16}) {
@@ -57,11 +60,13 @@ void check_collectives(std::string const& spec, mgpu::comm::Backend expected) {
       std::vector<Tensor> buffers;
       std::vector<Tensor> gathered;
       std::vector<Tensor> parts;
+      std::vector<Tensor> inbox;  // what the ring exchange delivers: never the sender's own buffer
       for (int r = 0; r < n; ++r) {
         for (std::int64_t i = 0; i < count * n; ++i) in[static_cast<std::size_t>(r)].push_back(static_cast<float>((i * (r + 1)) % 64) - 32.0f);
         buffers.push_back(upload(in[static_cast<std::size_t>(r)], t, group.allocator(r), group.stream(r)));
         parts.push_back(Tensor::empty({count}, t, group.allocator(r)));
         gathered.push_back(Tensor::empty({count * n}, t, group.allocator(r)));
+        inbox.push_back(Tensor::empty({count}, t, group.allocator(r)));
       }
       group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
         auto const r = static_cast<std::size_t>(rank);
@@ -70,12 +75,20 @@ void check_collectives(std::string const& spec, mgpu::comm::Backend expected) {
         comm->all_reduce(rank, buffers[r], buffers[r], ReduceOp::max, stream);
         comm->group_start(rank);
         comm->send(rank, parts[r], (rank + 1) % n, stream);
-        comm->recv(rank, parts[r], (rank + n - 1) % n, stream);
+        comm->recv(rank, inbox[r], (rank + n - 1) % n, stream);
         comm->group_end(rank);
       });
       for (int r = 0; r < n; ++r) {
         auto const sums = download(gathered[static_cast<std::size_t>(r)]);
         auto const maxima = download(buffers[static_cast<std::size_t>(r)]);
+        // Rank r received rank r-1's part: the sum over ranks of the inputs' slice r-1.
+        int const from = (r + n - 1) % n;
+        auto const received = download(inbox[static_cast<std::size_t>(r)]);
+        for (std::int64_t i = 0; i < count; i += std::max<std::int64_t>(1, count / 97)) {
+          double sum = 0;
+          for (auto const& v : in) sum += v[static_cast<std::size_t>(from * count + i)];
+          REQUIRE(received[static_cast<std::size_t>(i)] == sum);
+        }
         for (std::int64_t i = 0; i < count * n; i += std::max<std::int64_t>(1, count / 97)) {
           double sum = 0;
           float max = -1e30f;
@@ -99,12 +112,52 @@ TEST_CASE("cuda_peer collectives on logical devices sharing GPU 0", "[cuda][comm
   check_collectives("cuda:0,0,0,0", mgpu::comm::Backend::cuda_peer);
 }
 
-TEST_CASE("NCCL collectives across distinct GPUs", "[cuda][comm]") {
-  if (!mgpu::built_with_nccl || mgpu::cuda_device_count() < 2) {
-    WARN("skipped: needs NCCL and at least two GPUs");
+TEST_CASE("NCCL collectives across every GPU (one rank on a one-GPU machine)", "[cuda][comm]") {
+  if (!mgpu::built_with_nccl) {
+    WARN("skipped: built without NCCL");
     return;
   }
+  // One GPU still makes a one-rank NCCL group: non-blocking init, launches, the watchdog, and
+  // finalize/destroy all run.
   check_collectives("cuda", mgpu::comm::Backend::nccl);
+}
+
+TEST_CASE("A cuda_peer send does not wait for its receiver on the host", "[cuda][comm][sanitize]") {
+  mgpu::DeviceGroup group("cuda:0,0");
+  auto comm = mgpu::comm::make_communicator(group, {.backend = mgpu::comm::Backend::cuda_peer});
+  constexpr std::int64_t n = 4096;
+  std::vector<float> values(n);
+  for (std::int64_t i = 0; i < n; ++i) values[static_cast<std::size_t>(i)] = static_cast<float>(i % 251) - 100.0f;
+  Tensor const message = upload(values, DType::float32, group.allocator(0), group.stream(0));
+  Tensor const inbox = Tensor::empty({n}, DType::float32, group.allocator(1));
+  double send_seconds = -1;
+  group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+    if (rank == 0) {
+      auto const start = std::chrono::steady_clock::now();
+      comm->send(0, message, 1, stream);
+      send_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the receiver comes late
+      comm->recv(1, inbox, 0, stream);
+    }
+  });
+  REQUIRE(send_seconds != -1.0);  // rank 0 ran its send
+  CHECK(send_seconds < 0.15);  // a send that waited for the receiver would take the 300 ms
+  auto const received = download(inbox);
+  for (std::int64_t i = 0; i < n; ++i) REQUIRE(received[static_cast<std::size_t>(i)] == values[static_cast<std::size_t>(i)]);
+  comm->finalize();
+}
+
+TEST_CASE("cuda_peer finalize reports a send nobody receives instead of hanging", "[cuda][comm]") {
+  mgpu::DeviceGroup group("cuda:0,0");
+  auto comm = mgpu::comm::make_communicator(group, {.backend = mgpu::comm::Backend::cuda_peer,
+                                                    .timeout = std::chrono::milliseconds(300)});
+  Tensor const message = Tensor::empty({16}, DType::float32, group.allocator(0));
+  group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+    if (rank == 0) comm->send(0, message, 1, stream);
+  });
+  REQUIRE_MGPU_ERROR(comm->finalize(), mgpu::Errc::communication, "to receive 1 message(s) from rank 0");
+  group.synchronize();  // the abort released the sender's stream
 }
 
 TEST_CASE("A stalled rank on CUDA devices times out instead of hanging", "[cuda][comm]") {

@@ -3,7 +3,19 @@
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/sched/live.hpp>
 
+#include <mgpu/config.hpp>
+
+#include <atomic>
+#include <future>
 #include <numeric>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#if MGPU_CUDA_ENABLED
+#include <cuda.h>
+#include <cuda_runtime.h>
+#endif
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
@@ -88,26 +100,148 @@ TEST_CASE("GPU memory limit and out-of-memory report", "[cuda]") {
   REQUIRE_MGPU_ERROR(group.allocator(0).allocate(std::size_t{1} << 50), mgpu::Errc::out_of_memory, "free on the GPU");
 }
 
-TEST_CASE("CUDA events time work and run() binds each rank to its GPU", "[cuda]") {
-  mgpu::DeviceGroup group("cuda:0,0,0,0");
-  std::vector<Tensor> parts;
-  std::vector<double> elapsed(static_cast<std::size_t>(group.size()), -1.0);
-  for (int r = 0; r < group.size(); ++r) parts.push_back(Tensor::empty({1 << 22}, DType::float32, group.allocator(r)));
-  group.run([&](int rank, Device, mgpu::Stream& stream) {
-    mgpu::Event start;
-    mgpu::Event end;
-    start.record(stream);
-    fill_async(parts[static_cast<std::size_t>(rank)], static_cast<float>(rank), stream);
-    end.record(stream);
-    end.synchronize();
-    elapsed[static_cast<std::size_t>(rank)] = mgpu::Event::elapsed_ms(start, end);
+TEST_CASE("CUDA events time work: the parts add up to the whole", "[cuda]") {
+  mgpu::DeviceGroup group("cuda:0");
+  Tensor a = Tensor::empty({1 << 24}, DType::float32, group.allocator(0));
+  auto& stream = group.stream(0);
+  mgpu::Event start;
+  mgpu::Event middle;
+  mgpu::Event end;
+  start.record(stream);
+  fill_async(a, 1.0f, stream);
+  middle.record(stream);
+  fill_async(a, 2.0f, stream);
+  fill_async(a, 3.0f, stream);
+  end.record(stream);
+  end.synchronize();
+  double const first = mgpu::Event::elapsed_ms(start, middle);
+  double const rest = mgpu::Event::elapsed_ms(middle, end);
+  double const whole = mgpu::Event::elapsed_ms(start, end);
+  CHECK(first > 0.0);  // 64 MiB written: microseconds at least, never nothing
+  CHECK(rest > 0.0);
+  CHECK(whole == Approx(first + rest).margin(0.01));
+  CHECK(whole < 1000.0);
+}
+
+#if MGPU_CUDA_ENABLED
+namespace {
+// The calling thread's current CUDA context (nullptr when none is bound, or the query fails),
+// through the driver entry point so the test needs no link to the driver library. No Catch
+// assertions here: rank threads call it concurrently.
+void* current_context() {
+  using GetCurrent = CUresult (*)(CUcontext*);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess)
+    return nullptr;
+  CUcontext context = nullptr;
+  if (reinterpret_cast<GetCurrent>(fn)(&context) != CUDA_SUCCESS) return nullptr;
+  return context;
+}
+}  // namespace
+
+TEST_CASE("run() binds each rank's thread to its GPU before the rank's function runs", "[cuda]") {
+  // A thread that never selected a GPU has no current context, so even with every rank on GPU 0
+  // a missing binding shows as nullptr; with two GPUs the ranks alternate between them.
+  std::string const spec = mgpu::cuda_device_count() >= 2 ? "cuda:1,0,1,0" : "cuda:0,0,0,0";
+  mgpu::DeviceGroup group(spec);
+  auto const n = static_cast<std::size_t>(group.size());
+  std::vector<void*> contexts(n, nullptr);
+  std::vector<int> devices(n, -1);
+  group.run([&](int rank, Device, mgpu::Stream&) {
+    auto const r = static_cast<std::size_t>(rank);
+    contexts[r] = current_context();  // before any runtime call on this thread
+    if (cudaGetDevice(&devices[r]) != cudaSuccess) devices[r] = -2;
   });
-  for (double ms : elapsed) CHECK(ms >= 0.0);
-  auto host = mgpu::Allocator::create(Device{DeviceKind::host, 0});
-  Tensor out = Tensor::empty({1 << 22}, DType::float32, *host);
-  copy_async(out, parts[3], group.stream(3));
-  group.stream(3).synchronize();
-  CHECK(out.host_span<float>()[12345] == 3.0f);
+  for (int r = 0; r < group.size(); ++r) {
+    INFO("rank " << r << " on " << group.device(r).to_string());
+    void* expected = nullptr;
+    std::thread probe([&] {  // the primary context of the rank's GPU, seen from a fresh thread
+      if (cudaSetDevice(group.device(r).index) == cudaSuccess) expected = current_context();
+    });
+    probe.join();
+    CHECK(expected != nullptr);
+    CHECK(contexts[static_cast<std::size_t>(r)] == expected);
+    CHECK(devices[static_cast<std::size_t>(r)] == group.device(r).index);
+  }
+}
+#endif
+
+TEST_CASE("A freed GPU block is not reused before the work that uses it has run", "[cuda][sanitize]") {
+  mgpu::DeviceGroup group("cuda:0,0");  // two streams on one GPU
+  auto& allocator = group.allocator(0);
+  constexpr std::int64_t n = 1 << 20;
+  std::promise<void> gate;
+  std::shared_future<void> const opened = gate.get_future().share();
+  // Stream 0 is held by a host callback, so the fill below has surely not run when `a` goes.
+  group.stream(0).enqueue([opened] { opened.wait(); });
+  void* freed = nullptr;
+  {
+    Tensor a = Tensor::empty({n}, DType::float32, allocator);
+    freed = a.data();
+    fill_async(a, 7.0f, group.stream(0));
+  }
+  Tensor b = Tensor::empty({n}, DType::float32, allocator);  // same size class as `a`
+  CHECK(b.data() != freed);
+  CHECK(allocator.stats().cached >= mgpu::Allocator::block_size(n * 4));  // `a` waits in the cache
+  gate.set_value();
+  group.stream(0).synchronize();
+  Tensor c = Tensor::empty({n}, DType::float32, allocator);  // the fill has run: `a`'s block is free
+  CHECK(c.data() == freed);
+  // Releasing the cache while blocks wait for their work returns them without a deadlock.
+  allocator.release_cached();
+  CHECK(allocator.stats().cached == 0);
+}
+
+TEST_CASE("A CUDA stream waits on a host-recorded event without blocking CUDA's callback thread", "[cuda][sanitize]") {
+  mgpu::DeviceGroup group("cuda:0,0");
+  mgpu::Stream host_stream(Device{DeviceKind::host, 0});
+  std::promise<void> gate;
+  std::shared_future<void> const opened = gate.get_future().share();
+  host_stream.enqueue([opened] { opened.wait(); });
+  mgpu::Event host_done;
+  host_done.record(host_stream);
+  host_done.wait(group.stream(0));  // stream 0 waits for the host stream
+  std::atomic<bool> other_ran{false};
+  group.stream(0).enqueue([] {});
+  group.stream(1).enqueue([&] { other_ran = true; });
+  // Stream 1's callback runs while stream 0 still waits: the wait is on the GPU, not in a callback.
+  group.stream(1).synchronize();
+  CHECK(other_ran);
+  CHECK_FALSE(group.stream(0).query());
+  gate.set_value();
+  group.stream(0).synchronize();
+  host_stream.synchronize();
+}
+
+TEST_CASE("A CUDA stream skips host work after a failure and reports it once", "[cuda]") {
+  mgpu::DeviceGroup group("cuda:0");
+  auto& stream = group.stream(0);
+  bool ran_after = false;
+  stream.enqueue([] { throw std::runtime_error("broken"); });
+  stream.enqueue([&] { ran_after = true; });
+  REQUIRE_MGPU_ERROR(stream.synchronize(), mgpu::Errc::device, "broken");
+  CHECK_FALSE(ran_after);
+  stream.enqueue([&] { ran_after = true; });  // synchronize() cleared the failure
+  stream.synchronize();
+  CHECK(ran_after);
+}
+
+TEST_CASE("Re-recording a CUDA event on another GPU does not pull it from a host stream's wait", "[cuda]") {
+  mgpu::DeviceGroup group(mgpu::cuda_device_count() >= 2 ? "cuda:0,1" : "cuda:0,0");
+  mgpu::Stream host_stream(Device{DeviceKind::host, 0});
+  Tensor a = Tensor::empty({1 << 22}, DType::float32, group.allocator(0));
+  mgpu::Event event;
+  for (int i = 0; i < 50; ++i) {
+    fill_async(a, static_cast<float>(i), group.stream(0));
+    // Alternating GPUs (with two) replaces the event; the host stream's wait keeps the old one.
+    event.record(group.stream(i % 2));
+    event.wait(host_stream);
+  }
+  host_stream.synchronize();  // throws if a wait synchronized on a destroyed event
+  CHECK(event.query());
+  group.synchronize();
 }
 
 TEST_CASE("Scheduler node state from logical devices sharing one GPU", "[cuda][sched]") {

@@ -1,15 +1,20 @@
 // The training ops on a GPU against the same ops on a host device (the host path is itself checked
 // against float64 references in tests/nn), and a short training run on the GPU.
+#include <mgpu/core/device_group.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/optim.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/ops.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "support/catch.hpp"
+#include "support/expect_error.hpp"
 
 using mgpu::Device;
 using mgpu::DeviceKind;
@@ -73,7 +78,7 @@ struct Pair {
 
 }  // namespace
 
-TEST_CASE("CUDA ops match the host ops", "[cuda][ops]") {
+TEST_CASE("CUDA ops match the host ops", "[cuda][ops][sanitize]") {
   for (DType dtype : {DType::float32, DType::bfloat16, DType::float16}) {
     INFO(mgpu::to_string(dtype));
     double const tol = dtype == DType::float32 ? 1e-4 : 2e-2;
@@ -170,6 +175,88 @@ TEST_CASE("CUDA ops match the host ops", "[cuda][ops]") {
       p.require_close(loss, 1e-3);
     }
   }
+}
+
+TEST_CASE("GPU reductions give the same bits on every run", "[cuda][ops][sanitize]") {
+  Pair p;
+  auto x = p.random({1 << 20}, 21);  // many blocks: an atomic order would vary between runs
+  auto out = p.empty({1});
+  std::vector<float> first;
+  for (int run = 0; run < 5; ++run) {
+    mgpu::ops::sum_squares(x.second, out.second, p.gpu.stream);
+    auto const [h, g] = p.fetch(out);
+    if (run == 0) first = g;
+    REQUIRE(g[0] == first[0]);  // bitwise, not approximately
+  }
+  mgpu::ops::sum_squares(x.first, out.first, p.host.stream);
+  auto const [h, g] = p.fetch(out);
+  CHECK(g[0] == Approx(h[0]).epsilon(1e-5));
+}
+
+TEST_CASE("A bad label fails on the GPU with the host's error", "[cuda][ops][sanitize]") {
+  Pair p;
+  auto logits = p.random({6, 4}, 3);
+  auto labels = p.random({6}, 4, DType::float32, 4);
+  auto dlogits = p.empty({6, 4});
+  auto loss = p.empty({1});
+  // Row 2 gets class 4 of 4 (and row 5 a fraction: the first bad row is the one reported).
+  labels.first.host_span<float>()[2] = 4.0f;
+  labels.first.host_span<float>()[5] = 1.5f;
+  mgpu::copy_async(labels.second, labels.first, p.gpu.stream);
+  std::string host_message;
+  std::string gpu_message;
+  mgpu::ops::softmax_cross_entropy(logits.first, labels.first, dlogits.first, loss.first, p.host.stream);
+  try {
+    p.host.stream.synchronize();
+  } catch (mgpu::Error const& e) {
+    host_message = e.what();
+  }
+  mgpu::ops::softmax_cross_entropy(logits.second, labels.second, dlogits.second, loss.second, p.gpu.stream);
+  try {
+    p.gpu.stream.synchronize();
+  } catch (mgpu::Error const& e) {
+    CHECK(e.category() == mgpu::Errc::invalid_argument);
+    gpu_message = e.what();
+  }
+  CHECK_THAT(host_message, MGPU_TEST_CONTAINS("label 4.000000 in row 2"));
+  CHECK(gpu_message == host_message);
+}
+
+TEST_CASE("TF32 GEMM on the GPU: opt-in, close to float32, not exact", "[cuda][ops]") {
+  Pair p;
+  auto a = p.random({256, 512}, 31);
+  auto b = p.random({512, 128}, 32);
+  auto exact = p.empty({256, 128});
+  auto fast = p.empty({256, 128});
+  REQUIRE(mgpu::ops::float32_matmul() == mgpu::ops::Float32Matmul::exact);
+  mgpu::ops::gemm(a.first, false, b.first, false, exact.first, 1.0f, 0.0f, p.host.stream);
+  mgpu::ops::gemm(a.second, false, b.second, false, exact.second, 1.0f, 0.0f, p.gpu.stream);
+  mgpu::ops::set_float32_matmul(mgpu::ops::Float32Matmul::tf32);
+  mgpu::ops::gemm(a.second, false, b.second, false, fast.second, 1.0f, 0.0f, p.gpu.stream);
+  mgpu::ops::set_float32_matmul(mgpu::ops::Float32Matmul::exact);
+  auto const [reference, gpu_exact] = p.fetch(exact);
+  auto const [unused, gpu_tf32] = p.fetch(fast);
+  double exact_error = 0;
+  double tf32_error = 0;
+  for (std::size_t i = 0; i < reference.size(); ++i) {
+    exact_error = std::max(exact_error, std::abs(static_cast<double>(gpu_exact[i]) - reference[i]));
+    tf32_error = std::max(tf32_error, std::abs(static_cast<double>(gpu_tf32[i]) - reference[i]));
+  }
+  CHECK(exact_error < 1e-3);       // sums of 512 unit normals: float32 rounding only
+  CHECK(tf32_error < 0.5);         // 10-bit mantissa inputs
+  CHECK(tf32_error > exact_error);  // and TF32 was really used
+}
+
+TEST_CASE("GEMM extents beyond cuBLAS's int are rejected, not truncated", "[cuda][ops]") {
+  mgpu::DeviceGroup group("cuda:0");
+  // m = 2^31 with k = n = 0: tensors without memory, yet an m that an int cannot hold (the old
+  // narrowing made it negative).
+  std::int64_t const m = std::int64_t{1} << 31;
+  Tensor a = Tensor::empty({m, 0}, DType::float32, group.allocator(0));
+  Tensor b = Tensor::empty({0, 0}, DType::float32, group.allocator(0));
+  Tensor c = Tensor::empty({m, 0}, DType::float32, group.allocator(0));
+  REQUIRE_MGPU_ERROR(mgpu::ops::gemm(a, false, b, false, c, 1.0f, 0.0f, group.stream(0)), mgpu::Errc::invalid_argument,
+                     "m = 2147483648");
 }
 
 TEST_CASE("CUDA optimizer updates match the host", "[cuda][optim]") {

@@ -15,10 +15,14 @@
 namespace mgpu {
 
 class Allocator;
+namespace detail {
+struct BufferInternals;  // the library's stream-ordered release (src/core/buffer_internals.hpp)
+}
 
 /// A block of device memory (or pinned host memory), owned (move-only). Returns the block to its
-/// allocator's cache on destruction. The block must not be in use by enqueued work by then: keep
-/// it alive until the stream using it has been synchronized (Tensor copies do this for you).
+/// allocator's cache on destruction. Work that mgpu enqueues on CUDA streams (copies, ops,
+/// collectives) records its use of the block, and the allocator reuses the block only once that
+/// work has finished; work of one's own on a stream needs the Buffer kept alive until it has run.
 class Buffer {
  public:
   Buffer() = default;
@@ -37,6 +41,7 @@ class Buffer {
 
  private:
   friend class Allocator;
+  friend struct detail::BufferInternals;
   Buffer(std::shared_ptr<Allocator> owner, void* data, std::size_t size, std::size_t block,
          Device device, bool pinned) noexcept;
   std::shared_ptr<Allocator> owner_;
@@ -58,9 +63,12 @@ struct MemoryStats {
 };
 
 /// A caching allocator for one device. Block sizes are rounded up to size classes (at most 1/8
-/// waste above 4 KiB) and freed blocks are kept per class for reuse. With a limit, `reserved` never
-/// exceeds it: cached blocks are released first, then Error(out_of_memory) is thrown.
-/// Thread-safe. Create with Allocator::create(); buffers keep their allocator alive.
+/// waste above 4 KiB) and freed blocks are kept per class for reuse. A freed block that CUDA work
+/// still uses waits, with an event recorded after that work, until the event has completed (stream
+/// ordered, without host callbacks). With a limit, `reserved` never exceeds it: cached blocks are
+/// released first, then Error(out_of_memory) is thrown. Thread-safe; memory is returned to the
+/// device outside the allocator's lock. Create with Allocator::create(); buffers keep their
+/// allocator alive.
 class Allocator : public std::enable_shared_from_this<Allocator> {
  public:
   /// An allocator for `device`, limited to `limit` bytes when given.
@@ -97,8 +105,31 @@ class Allocator : public std::enable_shared_from_this<Allocator> {
  private:
   Allocator(Device device, std::optional<std::size_t> limit);
   friend class Buffer;
+  friend struct detail::BufferInternals;
+
+  // An event recorded on a CUDA stream after the last work there that uses a block.
+  struct StreamUse {
+    void* stream;
+    int ordinal;  // the stream's GPU (the event's)
+    void* event;
+  };
+  // A freed block waiting for the work that still uses it.
+  struct PendingBlock {
+    void* data;
+    std::size_t block;
+    bool pinned;
+    std::vector<StreamUse> uses;
+  };
+
   void release(void* data, std::size_t block, bool pinned) noexcept;
-  void release_cached_locked() noexcept;
+  void record_use(void* data, void* stream, int ordinal);
+  // Moves pending blocks whose work has finished into the caches.
+  void reclaim_completed_locked() noexcept;
+  // Takes every cached device block (and every pending one) out of the books, for freeing
+  // without the lock.
+  void detach_cached_locked(std::vector<void*>& blocks, std::vector<PendingBlock>& pending) noexcept;
+  void free_detached(std::vector<void*> const& blocks, std::vector<PendingBlock>& pending) noexcept;
+  void recycle_event(StreamUse const& use) noexcept;
 
   Device device_;
   mutable std::mutex mutex_;
@@ -106,6 +137,9 @@ class Allocator : public std::enable_shared_from_this<Allocator> {
   MemoryStats stats_;
   std::unordered_map<std::size_t, std::vector<void*>> cache_;  // block size -> free blocks
   std::unordered_map<std::size_t, std::vector<void*>> pinned_cache_;
+  std::unordered_map<void*, std::vector<StreamUse>> uses_;  // live block -> its CUDA uses
+  std::vector<PendingBlock> pending_;
+  std::unordered_map<int, std::vector<void*>> spare_events_;  // GPU -> events to record again
 };
 
 /// "1.5 MiB", "512 B": a byte count for messages.

@@ -9,6 +9,9 @@
 namespace mgpu {
 
 class Event;
+namespace detail {
+struct StreamInternals;  // the library's internal access to a stream (src/core/stream_internals.hpp)
+}
 
 /// An ordered queue of work on one device, owned (move-only). On a CUDA device it is a CUDA
 /// stream; on a host device a worker thread that runs the queue in order, so different streams
@@ -16,7 +19,8 @@ class Event;
 ///
 /// An exception thrown by host work is kept: later work on the stream is skipped (events still
 /// complete, marked failed, so other streams never hang), and synchronize() rethrows it as
-/// mgpu::Error on the caller's thread, which clears the stream for reuse.
+/// mgpu::Error on the caller's thread, which clears the stream for reuse. On a CUDA stream the
+/// skipped work is the host work (callbacks); kernels and copies already enqueued still run.
 class Stream {
  public:
   /// A new stream on `device`. Throws Error(device) if the device cannot make one.
@@ -43,11 +47,10 @@ class Stream {
   /// The cudaStream_t of a CUDA stream, nullptr for a host stream.
   [[nodiscard]] void* native_handle() const noexcept;
 
-  /// Implementation detail shared with Event.
-  struct Impl;
-  [[nodiscard]] Impl& impl() const noexcept { return *impl_; }
-
  private:
+  struct Impl;  // src/core/stream_impl.hpp
+  friend class Event;
+  friend struct detail::StreamInternals;
   std::unique_ptr<Impl> impl_;
 };
 

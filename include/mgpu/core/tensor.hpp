@@ -74,6 +74,7 @@ class Tensor {
 
  private:
   void check_host_access(DType requested) const;
+  friend struct detail::BufferInternals;
   std::shared_ptr<Buffer> storage_;
   std::size_t offset_ = 0;  // bytes from the start of storage_
   Device device_{};

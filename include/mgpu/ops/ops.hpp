@@ -15,7 +15,17 @@
 
 namespace mgpu::ops {
 
+/// How float32 GEMMs run on CUDA devices: exact float32 products (the default), or TF32 tensor-core
+/// products (inputs rounded to a 10-bit mantissa, float32 accumulation; several times faster on
+/// Ampere and newer GPUs). Host devices always compute in float32.
+enum class Float32Matmul : std::uint8_t { exact, tf32 };
+/// Sets the mode for GEMMs enqueued from now on, by any thread (process-wide; thread-safe).
+void set_float32_matmul(Float32Matmul mode) noexcept;
+/// The current mode (thread-safe).
+[[nodiscard]] Float32Matmul float32_matmul() noexcept;
+
 /// C = alpha * op(A) * op(B) + beta * C for 2-D row-major tensors of one dtype, op(X) = X or X^T.
+/// m, n and k up to 2^31 - 1 on CUDA devices (Error(invalid_argument) above).
 void gemm(Tensor const& a, bool transpose_a, Tensor const& b, bool transpose_b, Tensor const& c, float alpha, float beta,
           Stream& stream);
 /// The activation a fused linear op applies.

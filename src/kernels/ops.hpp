@@ -1,0 +1,38 @@
+// Host-callable launchers of the training ops' kernels (src/kernels/ops.cu), used by
+// src/ops/ops.cpp: the functors of mgpu/ops/detail/math.hpp over a grid, deterministic
+// reductions, row-wise block kernels, and GEMM through cuBLAS. Each leaves the calling thread's
+// current device as it was.
+#pragma once
+
+#include <cstdint>
+
+#include <mgpu/core/dtype.hpp>
+
+namespace mgpu::kernels {
+
+// op(i) for i in [0, n) on `stream` of GPU `ordinal`.
+template <class Op>
+void each(int ordinal, std::int64_t n, Op const& op, void* stream);
+
+// *out = scale * sum of op(i) for i in [0, n) (out is overwritten), summed in a fixed order that
+// depends only on n: the same inputs give the same bits on every run.
+template <class Op>
+void reduce(int ordinal, std::int64_t n, Op const& op, float* out, float scale, void* stream);
+
+// Copies to `host_result` (page-locked memory, read after the stream has passed this point) the
+// first row whose label is not a class id in [0, classes), as (row << 32) | the label's float bits,
+// or all ones when every label is good.
+void find_bad_label(int ordinal, float const* labels, std::int64_t rows, std::int64_t classes,
+                    std::uint64_t* host_result, void* stream);
+
+// A cuBLAS handle made on GPU `ordinal`, for one stream (see StreamInternals::with_blas_handle).
+void* create_blas_handle(int ordinal);
+void destroy_blas_handle(void* handle) noexcept;
+
+// Row-major C[m, n] = alpha op(A) op(B) + beta C, all of `dtype`, float32 accumulation (TF32
+// tensor-core products for float32 when `tf32`). Throws Error(invalid_argument) when m, n or k
+// exceed what cuBLAS takes (int).
+void gemm(void* blas_handle, int ordinal, DType dtype, bool transpose_a, bool transpose_b, std::int64_t m, std::int64_t n,
+          std::int64_t k, float alpha, void const* a, void const* b, float beta, void* c, void* stream, bool tf32);
+
+}  // namespace mgpu::kernels
