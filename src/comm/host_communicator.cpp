@@ -201,7 +201,9 @@ class HostState {
     switch (me.kind) {
       case OpKind::all_reduce:
       case OpKind::reduce: {
-        auto const [begin, end] = slice(me.count);
+        // Plain variables, not a structured binding: Clang before 16 cannot capture those.
+        std::int64_t const begin = slice(me.count).first;
+        std::int64_t const end = slice(me.count).second;
         visit_reduce_op(me.op, [&]<ReduceOp O>(std::integral_constant<ReduceOp, O>) {
           std::vector<T const*> in(static_cast<std::size_t>(n_));
           for (int p = 0; p < n_; ++p) in[static_cast<std::size_t>(p)] = static_cast<T const*>(posted_[static_cast<std::size_t>(p)].send);

@@ -45,15 +45,17 @@ struct HostReduceOperands {
 namespace host {
 // One fused pass for a fixed number of inputs and outputs: every input element is read once and
 // every output element written once. Outputs may be inputs (in place) but only at the same index,
-// so there is no loop-carried dependency (hence ivdep). Pointers are copied to locals so the
-// compiler does not reload them after each store.
+// so there is no loop-carried dependency (hence GCC's ivdep; Clang checks for overlap at run
+// time). Pointers are copied to locals so the compiler does not reload them after each store.
 template <Element T, ReduceOp O, int N, int M>
 void fused(HostReduceOperands<T> const& r, std::int64_t begin, std::int64_t end) {
   T const* in[N];
   T* out[M];
   for (int p = 0; p < N; ++p) in[p] = r.in[p];
   for (int q = 0; q < M; ++q) out[q] = r.out[q];
+#if !defined(__clang__)
 #pragma GCC ivdep
+#endif
   for (std::int64_t i = begin; i < end; ++i) {
     float acc = static_cast<float>(in[0][i]);
     for (int p = 1; p < N; ++p) acc = combine<O>(acc, static_cast<float>(in[p][i]));
