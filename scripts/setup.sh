@@ -4,7 +4,8 @@
 set -euo pipefail
 
 packages=(cmake ninja-build g++ libeigen3-dev libxxhash-dev catch2 libbenchmark-dev libcli11-dev
-  openmpi-bin libopenmpi-dev libgloo-dev)  # the last three: baselines for bench_collectives
+  openmpi-bin libopenmpi-dev libgloo-dev  # baselines for bench_collectives
+  clang-14 libclang-rt-14-dev)  # the second compiler in CI, and libFuzzer (scripts/fuzz.sh)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
