@@ -18,7 +18,9 @@
 namespace mgpu {
 namespace {
 
-constexpr std::string_view spec_forms = "expected 'auto', 'host', 'host:N' (N >= 1), 'cuda' or 'cuda:I,J,...'";
+// Each host device runs worker threads; a larger count is a typo, not a machine.
+constexpr int max_host_devices = 4096;
+constexpr std::string_view spec_forms = "expected 'auto', 'host', 'host:N' (1 <= N <= 4096), 'cuda' or 'cuda:I,J,...'";
 
 [[noreturn]] void bad_spec(std::string_view spec, std::string_view what) {
   throw Error(Errc::invalid_argument,
@@ -105,6 +107,8 @@ std::vector<Device> parse_devices(std::string_view spec) {
     if (rest.empty()) return host_devices(1);
     int const count = parse_count(spec, rest, "host device count");
     if (count < 1) bad_spec(spec, "host device count is " + std::to_string(count) + ", expected at least 1");
+    if (count > max_host_devices)
+      bad_spec(spec, "host device count is " + std::to_string(count) + ", expected at most " + std::to_string(max_host_devices));
     return host_devices(count);
   }
   if (kind == "cuda") return cuda_devices(spec, rest);
