@@ -1,15 +1,18 @@
-// bench_collectives: the host all-reduce against the machine's streaming bandwidth, OpenMPI's
-// MPI_Allreduce and Gloo's ring all-reduce, all measured in the same run.
+// bench_collectives: the host all-reduce against a bare in-process reduction of the same size,
+// OpenMPI's MPI_Allreduce and Gloo's ring all-reduce, all measured in the same run.
 //
 // Counters (nccl-tests definitions): algbw = S / t, busbw = algbw * 2(n-1)/n for n ranks of S
-// bytes each; roofline_frac = (2 n S / t) / streaming bandwidth, 2 n S being the bytes that must
-// move when each input is read once and each output written once. The streaming bandwidth is an
-// in-place a[i] += b[i] over two 256 MiB float arrays on all cores, counting 3 bytes per element
-// byte. Baselines run as helper processes (bench_mpi_allreduce under mpirun, bench_gloo_allreduce)
-// from this executable's folder; a missing one reports 0. MGPU_BENCH_BASELINES=0 skips them.
+// bytes each. bare_reduce_ratio = t_bare / t: the time of the same reduction written as bare
+// loops (n threads, thread r summing its slice of all n buffers and writing the sum back to all
+// n, with no library and no synchronisation between operations) over the library's time; 1.0
+// means the library adds nothing to the memory traffic every all-reduce must do. The MPI and Gloo
+// baselines run as separate processes (bench_mpi_allreduce under mpirun, bench_gloo_allreduce)
+// from this executable's folder, so their data crosses process boundaries; a missing one reports
+// 0. MGPU_BENCH_BASELINES=0 skips them.
 //
 // Where a GPU is visible it also measures the cuda_peer all-reduce on logical devices sharing GPU 0,
-// with roofline_frac against a device-to-device cudaMemcpy (2 bytes moved per byte copied).
+// with d2d_copy_ratio = (2 n S / t) over a device-to-device cudaMemcpy's bandwidth (2 bytes
+// moved per byte copied); buffers that fit the GPU's L2 can read above 1.
 //
 //   bench_collectives --benchmark_out=collectives.json --benchmark_out_format=json
 #include <benchmark/benchmark.h>
@@ -42,37 +45,49 @@ std::vector<int> const rank_counts = {2, 4};
 std::map<std::pair<int, std::int64_t>, double> mpi_seconds;   // (ranks, bytes) -> seconds per op
 std::map<std::pair<int, std::int64_t>, double> gloo_seconds;
 std::map<std::pair<int, std::int64_t>, double> our_seconds;
-std::map<std::pair<int, std::int64_t>, double> our_stream_GBps;
+std::map<std::pair<int, std::int64_t>, double> bare_seconds;
 
 double median(std::vector<double> v) {
   std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
   return v[v.size() / 2];
 }
 
-// a[i] += b[i] over two 256 MiB arrays, split over every hardware thread; median of `rounds`.
-double measure_streaming_GBps(int rounds = 5) {
-  std::size_t const n = (256u << 20) / sizeof(float);
-  std::vector<float> a(n, 1.0f);
-  std::vector<float> b(n, 2.0f);
-  unsigned const threads = std::max(1u, std::thread::hardware_concurrency());
+// The reduction an in-place all-reduce must do, as bare loops: `ranks` threads, thread r summing
+// its slice of every buffer (in blocks that stay in L1) and writing the sum back to every buffer,
+// `per_iteration` times. No thread reads another's slice, so none waits for another. Median
+// seconds per reduction over `rounds`.
+double measure_bare_reduce_seconds(int ranks, std::int64_t count, int per_iteration, int rounds) {
+  std::vector<std::vector<float>> buffers(static_cast<std::size_t>(ranks),
+                                          std::vector<float>(static_cast<std::size_t>(count), 1.0f / static_cast<float>(ranks)));
   std::vector<double> times;
   for (int round = 0; round < rounds; ++round) {
     auto const start = Clock::now();
     std::vector<std::thread> workers;
-    for (unsigned t = 0; t < threads; ++t) {
-      workers.emplace_back([&, t] {
-        std::size_t const begin = n * t / threads;
-        std::size_t const end = n * (t + 1) / threads;
-        float* __restrict x = a.data();
-        float const* __restrict y = b.data();
-        for (std::size_t i = begin; i < end; ++i) x[i] += y[i];
+    for (int r = 0; r < ranks; ++r) {
+      workers.emplace_back([&, r] {
+        constexpr std::int64_t block = 1024;
+        float acc[block];
+        std::int64_t const begin = count * r / ranks;
+        std::int64_t const end = count * (r + 1) / ranks;
+        for (int k = 0; k < per_iteration; ++k) {
+          for (std::int64_t b = begin; b < end; b += block) {
+            std::int64_t const len = std::min(block, end - b);
+            float const* first = buffers[0].data() + b;
+            for (std::int64_t j = 0; j < len; ++j) acc[j] = first[j];
+            for (std::size_t p = 1; p < buffers.size(); ++p) {
+              float const* src = buffers[p].data() + b;
+              for (std::int64_t j = 0; j < len; ++j) acc[j] += src[j];
+            }
+            for (auto& buffer : buffers) std::copy_n(acc, len, buffer.data() + b);
+          }
+        }
       });
     }
     for (auto& w : workers) w.join();
-    times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+    times.push_back(std::chrono::duration<double>(Clock::now() - start).count() / per_iteration);
   }
-  benchmark::DoNotOptimize(a.data());
-  return 3.0 * static_cast<double>(n * sizeof(float)) / median(times) * 1e-9;
+  for (auto const& buffer : buffers) benchmark::DoNotOptimize(buffer.data());
+  return median(times);
 }
 
 // Runs a baseline helper and reads its "bytes seconds" lines.
@@ -144,10 +159,10 @@ void BM_host_all_reduce(benchmark::State& state) {
   };
   step();  // warm-up: touches every page
   double const t = median_seconds_per_op(state, step, per_iteration);
-  // The machine is shared: measure the streaming bandwidth right beside each result.
-  double const stream = measure_streaming_GBps(3);
+  // The machine is shared: measure the bare reduction right beside each result.
+  double const bare = measure_bare_reduce_seconds(ranks, count, per_iteration, 5);
   our_seconds[{ranks, bytes}] = t;
-  our_stream_GBps[{ranks, bytes}] = stream;
+  bare_seconds[{ranks, bytes}] = bare;
   auto const key = std::pair{ranks, bytes};
   state.counters["ops_per_iteration"] = per_iteration;
   state.counters["bytes"] = static_cast<double>(bytes);
@@ -156,8 +171,8 @@ void BM_host_all_reduce(benchmark::State& state) {
   state.counters["busbw_GBps"] = busbw(ranks, bytes, t);
   state.counters["mpi_busbw_GBps"] = mpi_seconds.contains(key) ? busbw(ranks, bytes, mpi_seconds[key]) : 0.0;
   state.counters["gloo_busbw_GBps"] = gloo_seconds.contains(key) ? busbw(ranks, bytes, gloo_seconds[key]) : 0.0;
-  state.counters["stream_GBps"] = stream;
-  state.counters["roofline_frac"] = 2.0 * ranks * static_cast<double>(bytes) / t * 1e-9 / stream;
+  state.counters["bare_reduce_busbw_GBps"] = busbw(ranks, bytes, bare);
+  state.counters["bare_reduce_ratio"] = bare / t;
 }
 
 #if MGPU_CUDA_ENABLED
@@ -206,13 +221,13 @@ void BM_cuda_peer_all_reduce(benchmark::State& state) {
   state.counters["ranks"] = ranks;
   state.counters["busbw_GBps"] = busbw(ranks, bytes, t);
   state.counters["d2d_copy_GBps"] = device_copy_GBps;
-  state.counters["roofline_frac"] = device_copy_GBps > 0 ? 2.0 * ranks * static_cast<double>(bytes) / t * 1e-9 / device_copy_GBps : 0.0;
+  state.counters["d2d_copy_ratio"] = device_copy_GBps > 0 ? 2.0 * ranks * static_cast<double>(bytes) / t * 1e-9 / device_copy_GBps : 0.0;
 }
 #endif
 
 void print_table() {
-  std::printf("\n%10s %5s %12s %12s %12s %9s %9s %12s\n", "size", "ranks", "ours busbw", "MPI busbw", "Gloo busbw",
-              "vs MPI", "roofline", "streaming");
+  std::printf("\n%10s %5s %12s %12s %12s %9s %12s %9s\n", "size", "ranks", "ours busbw", "MPI busbw", "Gloo busbw",
+              "vs MPI", "bare busbw", "vs bare");
   for (int ranks : rank_counts) {
     for (auto bytes : sizes) {
       auto const key = std::pair{ranks, bytes};
@@ -220,14 +235,15 @@ void print_table() {
       double const ours = busbw(ranks, bytes, our_seconds[key]);
       double const mpi = mpi_seconds.contains(key) ? busbw(ranks, bytes, mpi_seconds[key]) : 0.0;
       double const gloo = gloo_seconds.contains(key) ? busbw(ranks, bytes, gloo_seconds[key]) : 0.0;
-      double const roofline = 2.0 * ranks * static_cast<double>(bytes) / our_seconds[key] * 1e-9 / our_stream_GBps[key];
-      std::printf("%10s %5d %7.2f GB/s %7.2f GB/s %7.2f GB/s %8.1fx %9.2f %7.1f GB/s\n",
+      double const bare = busbw(ranks, bytes, bare_seconds[key]);
+      std::printf("%10s %5d %7.2f GB/s %7.2f GB/s %7.2f GB/s %8.1fx %7.2f GB/s %9.2f\n",
                   mgpu::format_bytes(static_cast<std::size_t>(bytes)).c_str(), ranks, ours, mpi, gloo,
-                  mpi > 0 ? ours / mpi : 0.0, roofline, our_stream_GBps[key]);
+                  mpi > 0 ? ours / mpi : 0.0, bare, ours / bare);
     }
   }
-  std::printf("roofline = (2 x ranks x size / time) / streaming, the streaming bandwidth (a[i] += b[i] over 256 MiB\n"
-              "arrays on all cores, 3 bytes per element byte) measured beside each result; 1.0 is the memory's speed\n");
+  std::printf("vs bare = bare reduction time / our time, the bare reduction being the same sums as plain loops on as many\n"
+              "threads as ranks, measured beside each result. MPI and Gloo run as separate processes (oversubscribed when\n"
+              "ranks exceed the cores).\n");
 }
 
 }  // namespace

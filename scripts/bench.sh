@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Builds mgpu (Release) and runs its benchmarks, writing Google Benchmark JSON to
-# build/bench-results/ (or $OUT). Arguments name the benchmarks to run (default: all), e.g.
+# Builds mgpu's benchmarks (Release, -march=native) and runs them, writing Google Benchmark JSON
+# to build/bench-results/ (or $OUT). It reuses the build directory scripts/test.sh made (the same
+# options, so nothing is rebuilt); a fresh one gets no tests. Arguments name the benchmarks to run
+# (default: all), e.g.
 #   scripts/bench.sh bench_collectives
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,7 +10,9 @@ scripts/setup.sh
 build=${MGPU_BUILD_DIR:-build/release}
 out=${OUT:-build/bench-results}
 mkdir -p "$out"
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMGPU_BUILD_TESTS=OFF -DMGPU_BUILD_BENCH=ON >/dev/null
+fresh=()
+[ -f "$build/CMakeCache.txt" ] || fresh=(-DMGPU_BUILD_TESTS=OFF)
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMGPU_NATIVE=ON -DMGPU_BUILD_BENCH=ON "${fresh[@]}" >/dev/null
 cmake --build "$build"
 names=("$@")
 [ ${#names[@]} -eq 0 ] && names=(bench_core bench_collectives bench_scheduler bench_train bench_data_parallel bench_pipeline)

@@ -4,8 +4,9 @@
 set -euo pipefail
 
 packages=(cmake ninja-build g++ libeigen3-dev libdnnl-dev libxxhash-dev catch2 libbenchmark-dev libcli11-dev
-  nlohmann-json3-dev
-  openmpi-bin libopenmpi-dev libgloo-dev)  # nlohmann-json: tests read trace JSON back; the last three: baselines for bench_collectives
+  nlohmann-json3-dev  # tests read trace JSON back
+  openmpi-bin libopenmpi-dev libgloo-dev  # baselines for bench_collectives
+  clang-14 libclang-rt-14-dev)  # the second compiler in CI, and libFuzzer (scripts/fuzz.sh)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -11,7 +11,9 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <span>
 #include <thread>
+#include <vector>
 
 #include <mgpu/comm/detail/reduce_slice.hpp>
 #include <mgpu/core/detail/elementwise.hpp>
@@ -199,31 +201,29 @@ class HostState {
     switch (me.kind) {
       case OpKind::all_reduce:
       case OpKind::reduce: {
-        auto const [begin, end] = slice(me.count);
+        // Plain variables, not a structured binding: Clang before 16 cannot capture those.
+        std::int64_t const begin = slice(me.count).first;
+        std::int64_t const end = slice(me.count).second;
         visit_reduce_op(me.op, [&]<ReduceOp O>(std::integral_constant<ReduceOp, O>) {
-          ReduceSlice<T, O> r{};
-          r.inputs = n_;
-          for (int p = 0; p < n_; ++p) r.in[p] = static_cast<T const*>(posted_[static_cast<std::size_t>(p)].send);
+          std::vector<T const*> in(static_cast<std::size_t>(n_));
+          for (int p = 0; p < n_; ++p) in[static_cast<std::size_t>(p)] = static_cast<T const*>(posted_[static_cast<std::size_t>(p)].send);
+          std::vector<T*> out;
           if (me.kind == OpKind::reduce) {
-            r.outputs = 1;
-            r.out[0] = static_cast<T*>(posted_[static_cast<std::size_t>(me.root)].recv);
+            out.push_back(static_cast<T*>(posted_[static_cast<std::size_t>(me.root)].recv));
           } else {
-            r.outputs = n_;
-            for (int p = 0; p < n_; ++p) r.out[p] = static_cast<T*>(posted_[static_cast<std::size_t>(p)].recv);
+            for (int p = 0; p < n_; ++p) out.push_back(static_cast<T*>(posted_[static_cast<std::size_t>(p)].recv));
           }
-          reduce_slice_host(r, begin, end);
+          reduce_slice_host<T, O>({in, out}, begin, end);
         });
         break;
       }
       case OpKind::reduce_scatter: {
         visit_reduce_op(me.op, [&]<ReduceOp O>(std::integral_constant<ReduceOp, O>) {
-          ReduceSlice<T, O> r{};
-          r.inputs = n_;
-          r.outputs = 1;
+          std::vector<T const*> in(static_cast<std::size_t>(n_));
           for (int p = 0; p < n_; ++p)
-            r.in[p] = static_cast<T const*>(posted_[static_cast<std::size_t>(p)].send) + rank * me.count;
-          r.out[0] = static_cast<T*>(me.recv);
-          reduce_slice_host(r, 0, me.count);
+            in[static_cast<std::size_t>(p)] = static_cast<T const*>(posted_[static_cast<std::size_t>(p)].send) + rank * me.count;
+          T* const out = static_cast<T*>(me.recv);
+          reduce_slice_host<T, O>({in, std::span<T* const>(&out, 1)}, 0, me.count);
         });
         break;
       }

@@ -18,8 +18,10 @@
 namespace mgpu {
 namespace {
 
+// Each host device runs worker threads; a larger count is a typo, not a machine.
+constexpr int max_host_devices = 4096;
 constexpr std::string_view spec_forms =
-    "expected 'auto', 'host', 'host:N' (N >= 1), 'host:N@speed=S1,...' (0 < S <= 1), 'cuda' or 'cuda:I,J,...'";
+    "expected 'auto', 'host', 'host:N' (1 <= N <= 4096), 'host:N@speed=S1,...' (0 < S <= 1), 'cuda' or 'cuda:I,J,...'";
 
 [[noreturn]] void bad_spec(std::string_view spec, std::string_view what) {
   throw Error(Errc::invalid_argument,
@@ -127,6 +129,8 @@ std::vector<Device> parse_devices(std::string_view spec) {
     auto const at = rest.find('@');
     int const count = parse_count(spec, trim(rest.substr(0, at)), "host device count");
     if (count < 1) bad_spec(spec, "host device count is " + std::to_string(count) + ", expected at least 1");
+    if (count > max_host_devices)
+      bad_spec(spec, "host device count is " + std::to_string(count) + ", expected at most " + std::to_string(max_host_devices));
     std::vector<Device> devices = host_devices(count);
     if (at != std::string_view::npos) {
       std::vector<double> const speeds = parse_speeds(spec, trim(rest.substr(at + 1)));

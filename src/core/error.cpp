@@ -32,26 +32,26 @@ std::string_view Error::message() const noexcept {
 namespace detail {
 namespace {
 std::string call_report(char const* library, std::string const& status_text, char const* expression,
-                        std::source_location where) {
+                        SourceLocation where) {
   return std::string(library) + " call " + expression + " failed with " + status_text + " at " +
          where.file_name() + ":" + std::to_string(where.line()) + " (expected success)";
 }
 }  // namespace
 
-void throw_cuda_error(int status, char const* expression, std::source_location where) {
+void throw_cuda_error(int status, char const* expression, SourceLocation where) {
   throw Error(cuda::is_out_of_memory(status) ? Errc::out_of_memory : Errc::device,
               call_report("CUDA", cuda::error_string(status), expression, where));
 }
 
-void throw_nccl_error(int status, char const* expression, std::source_location where) {
+void throw_nccl_error(int status, char const* expression, SourceLocation where) {
   throw Error(Errc::communication, call_report("NCCL", cuda::nccl_error_string(status), expression, where));
 }
 
-void throw_cublas_error(int status, char const* expression, std::source_location where) {
+void throw_cublas_error(int status, char const* expression, SourceLocation where) {
   throw Error(Errc::device, call_report("cuBLAS", cuda::cublas_error_string(status), expression, where));
 }
 
-void report_cuda_error(int status, char const* expression, std::source_location where) noexcept {
+void report_cuda_error(int status, char const* expression, SourceLocation where) noexcept {
   try {
     std::fprintf(stderr, "mgpu: %s\n", call_report("CUDA", cuda::error_string(status), expression, where).c_str());
   } catch (...) {

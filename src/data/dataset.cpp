@@ -66,14 +66,18 @@ std::vector<std::int64_t> idx_extents(std::vector<unsigned char> const& b, std::
   if (b.size() < header)
     corrupt(path, "byte " + std::to_string(b.size()), "truncated header (expected " + std::to_string(header) + " bytes)");
   std::vector<std::int64_t> extents;
-  std::int64_t total = 1;
+  std::uint64_t total = 1;
+  bool overflow = false;
   for (unsigned d = 0; d < dims; ++d) {
     extents.push_back(big_endian(b, 4 + 4 * d));
-    total *= extents.back();
+    overflow = overflow || __builtin_mul_overflow(total, static_cast<std::uint64_t>(extents.back()), &total);
   }
-  if (b.size() - header != static_cast<std::size_t>(total))
+  if (overflow)
+    corrupt(path, "byte 4", "the header's extents multiply to more than 2^64 bytes (expected the size of the data that follows)");
+  if (extents[0] < 1) corrupt(path, "byte 4", std::string("no ") + kind + " (expected at least one)");
+  if (b.size() - header != total)
     corrupt(path, "byte " + std::to_string(header), "the header promises " + std::to_string(total) + " bytes of data, the file has " +
-                                                        std::to_string(b.size() - header) + (b.size() - header < static_cast<std::size_t>(total) ? " (truncated)" : ""));
+                                                        std::to_string(b.size() - header) + (b.size() - header < total ? " (truncated)" : ""));
   return extents;
 }
 

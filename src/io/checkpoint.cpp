@@ -58,12 +58,6 @@ RecordType record_type(DType dtype) {
   return RecordType::float32;
 }
 
-std::int64_t count(Shape const& shape) {
-  std::int64_t n = 1;
-  for (auto e : shape) n *= e;
-  return n;
-}
-
 template <class T>
 void append(std::vector<std::byte>& out, T const& value) {
   auto const* p = reinterpret_cast<std::byte const*>(&value);
@@ -260,7 +254,7 @@ Checkpoint Checkpoint::load(std::filesystem::path const& path) {
     std::vector<char> chars((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     if (in.bad()) fail_io("reading", path);
     bytes.resize(chars.size());
-    std::memcpy(bytes.data(), chars.data(), chars.size());
+    if (!chars.empty()) std::memcpy(bytes.data(), chars.data(), chars.size());  // an empty vector's data() may be null
   }
   std::string const name = path.string();
   if (bytes.size() < 8 || std::memcmp(bytes.data(), magic, 8) != 0)
@@ -300,10 +294,16 @@ Checkpoint Checkpoint::load(std::filesystem::path const& path) {
     }
     auto const size = r.read<std::uint64_t>("a record size");
     auto const sum = r.read<std::uint64_t>("a record checksum");
-    if (size != static_cast<std::uint64_t>(count(rec.shape)) * type_size(rec.type))
+    // The shape's byte count, checked for overflow: extents come from the file.
+    std::uint64_t expected = type_size(rec.type);
+    for (auto e : rec.shape) {
+      if (__builtin_mul_overflow(expected, static_cast<std::uint64_t>(e), &expected))
+        throw Error(Errc::corrupt_data, name + ": record '" + rec.name + "' has shape " + to_string(rec.shape) + " of " + type_name(rec.type) +
+                                            " (expected at most 2^64 bytes)");
+    }
+    if (size != expected)
       throw Error(Errc::corrupt_data, name + ": record '" + rec.name + "' holds " + std::to_string(size) + " bytes for " + type_name(rec.type) +
-                                          " " + to_string(rec.shape) + " (expected " +
-                                          std::to_string(count(rec.shape) * static_cast<std::int64_t>(type_size(rec.type))) + ")");
+                                          " " + to_string(rec.shape) + " (expected " + std::to_string(expected) + ")");
     auto const* payload = r.take(size, "a record's data");
     if (XXH64(payload, size, 0) != sum) throw Error(Errc::corrupt_data, name + ": checksum mismatch in record '" + rec.name + "'");
     rec.data.assign(payload, payload + size);

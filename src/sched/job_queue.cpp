@@ -275,7 +275,7 @@ std::vector<JobEvent> JobQueue::schedule(double now) {
     }
     done[pick] = true;
     auto const& [job, remaining] = queue[pick];
-    auto const charge = [&] {
+    auto const charge = [&, &job = job] {  // an init-capture: Clang before 16 cannot capture a structured binding
       if (!policy_.fair_share) return;
       auto const w = policy_.tenant_weights.find(job.tenant);
       service[job.tenant] += job.gpus / (w == policy_.tenant_weights.end() ? 1.0 : std::max(w->second, 1e-9));

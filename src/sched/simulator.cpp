@@ -63,7 +63,12 @@ std::vector<Job> read_trace_csv(std::filesystem::path const& path, TraceColumns 
                   " GPUs (expected more than 0; pods with CPU-only, CPU and memory demands are read as a pods file: "
                   "read_pods_csv, schedule_jobs --pods)");
     if (type >= 0) j.gpu_type = at(type);
-    if (priority >= 0 && !at(priority).empty()) j.priority = static_cast<int>(number(path, number_of_line, columns.priority, at(priority)));
+    if (priority >= 0 && !at(priority).empty()) {
+      double const p = number(path, number_of_line, columns.priority, at(priority));
+      if (p != std::floor(p) || p < std::numeric_limits<int>::min() || p > std::numeric_limits<int>::max())
+        corrupt(path, number_of_line, "column '" + columns.priority + "' is '" + at(priority) + "' (expected a whole number that fits an int)");
+      j.priority = static_cast<int>(p);
+    }
     if (tenant >= 0) j.tenant = at(tenant);
     if (memory >= 0 && !at(memory).empty()) j.memory_bytes = number(path, number_of_line, columns.memory_gb, at(memory)) * 1e9;
     jobs.push_back(j);

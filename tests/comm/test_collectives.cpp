@@ -163,6 +163,50 @@ TEST_CASE("reduce_scatter, all_gather, broadcast and reduce against float64", "[
   }
 }
 
+// More ranks than the CUDA kernel's pointer arrays hold (and than the fused host loops unroll):
+// the host path takes any count.
+TEST_CASE("all_reduce, reduce and reduce_scatter at 17 and 33 ranks against a serial sum", "[comm][host]") {
+  for (int n : {17, 33}) {
+    Fixture f(n);
+    for (DType t : {DType::float32, DType::bfloat16}) {
+      std::int64_t const count = 3 * n + 5;  // uneven slices
+      INFO(n << " ranks, " << mgpu::to_string(t));
+      auto const in = random_inputs(n, count * n, t, static_cast<unsigned>(n));
+      std::vector<Tensor> send;
+      std::vector<Tensor> summed;
+      std::vector<Tensor> reduced;
+      std::vector<Tensor> scattered;
+      for (int r = 0; r < n; ++r) {
+        send.push_back(f.make(r, count * n, t));
+        fill(send.back(), in[static_cast<std::size_t>(r)]);
+        summed.push_back(f.make(r, count * n, t));
+        reduced.push_back(f.make(r, count * n, t));
+        scattered.push_back(f.make(r, count, t));
+      }
+      int const root = n / 2;
+      f.group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+        auto const r = static_cast<std::size_t>(rank);
+        f.comm->all_reduce(rank, send[r], summed[r], ReduceOp::sum, stream);
+        f.comm->reduce(rank, send[r], reduced[r], ReduceOp::sum, root, stream);
+        f.comm->reduce_scatter(rank, send[r], scattered[r], ReduceOp::sum, stream);
+      });
+      auto const check = [&](std::vector<float> const& got, std::size_t offset) {
+        for (std::size_t i = 0; i < got.size(); ++i) {
+          double expected = 0;
+          double magnitude = 0;
+          for (auto const& v : in) expected += v[offset + i], magnitude += std::fabs(v[offset + i]);
+          require_close(got[i], expected, magnitude, n, t);
+        }
+      };
+      for (int r = 0; r < n; ++r) {
+        check(read(summed[static_cast<std::size_t>(r)]), 0);
+        check(read(scattered[static_cast<std::size_t>(r)]), static_cast<std::size_t>(r * count));
+      }
+      check(read(reduced[static_cast<std::size_t>(root)]), 0);
+    }
+  }
+}
+
 TEST_CASE("Collectives of 64 MiB per rank", "[comm][host][large]") {
   constexpr std::int64_t count = (64 << 20) / 4;
   for (int n : {2, 3, 8}) {

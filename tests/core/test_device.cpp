@@ -90,6 +90,10 @@ TEST_CASE("Bad device specs give clear errors", "[core][device]") {
   REQUIRE_MGPU_ERROR(mgpu::parse_devices(""), Errc::invalid_argument, "the spec is empty");
   REQUIRE_MGPU_ERROR(mgpu::parse_devices("   "), Errc::invalid_argument, "expected 'auto', 'host', 'host:N'");
   REQUIRE_MGPU_ERROR(mgpu::parse_devices("auto:3"), Errc::invalid_argument, "'auto' takes no list");
+  // A huge count is refused before anything is allocated for it.
+  CHECK(mgpu::parse_devices("host:4096").size() == 4096);
+  REQUIRE_MGPU_ERROR(mgpu::parse_devices("host:4097"), Errc::invalid_argument, "host device count is 4097, expected at most 4096");
+  REQUIRE_MGPU_ERROR(mgpu::parse_devices("host:2147483647"), Errc::invalid_argument, "expected at most 4096");
   int const gpus = mgpu::cuda_device_count();
   REQUIRE_MGPU_ERROR(mgpu::parse_devices("cuda:9"), Errc::invalid_argument, "no GPU cuda:9 (" + std::to_string(gpus) + " visible");
   REQUIRE_MGPU_ERROR(mgpu::parse_devices("cuda:0,,1"), Errc::invalid_argument, "is not a whole number");

@@ -99,6 +99,14 @@ TEST_CASE("IDX images and labels, and malformed IDX files", "[data]") {
                      "short:byte 16: the header promises 12 bytes of data, the file has 5 (truncated)");
   REQUIRE_MGPU_ERROR(mgpu::data::load_idx(images, f.write("two", idx({2}, {1, 2}))), Errc::corrupt_data, "holds 3 images but");
   REQUIRE_MGPU_ERROR(mgpu::data::load_idx(images, f.write("hdr", std::string("\0\0\x08\x01\0", 5))), Errc::corrupt_data, "truncated header");
+  // Headers claiming more than the file holds are checked against its length before anything is
+  // allocated; extents whose product overflows, and empty files, are errors (not undefined behaviour).
+  REQUIRE_MGPU_ERROR(mgpu::data::load_idx(f.write("huge", idx({0xffffffffu, 28, 28}, {1, 2, 3})), labels), Errc::corrupt_data,
+                     "huge:byte 16: the header promises 3367254359280 bytes of data, the file has 3 (truncated)");
+  REQUIRE_MGPU_ERROR(mgpu::data::load_idx(f.write("wrap", idx({0xffffffffu, 0xffffffffu, 0xffffffffu}, {1, 2, 3})), labels),
+                     Errc::corrupt_data, "wrap:byte 4: the header's extents multiply to more than 2^64 bytes");
+  REQUIRE_MGPU_ERROR(mgpu::data::load_idx(f.write("none", idx({0, 0x80000000u, 0x80000000u}, {})), f.write("nolab", idx({0}, {}))),
+                     Errc::corrupt_data, "none:byte 4: no images (expected at least one)");
 }
 
 TEST_CASE("Generators are deterministic per seed; split is a seeded partition", "[data]") {

@@ -12,6 +12,9 @@
 #include <iterator>
 #include <vector>
 
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
 #include "support/nn_env.hpp"
@@ -127,6 +130,8 @@ TEST_CASE("Bad checkpoints are rejected with the reason and leave the model unto
                      "truncated");
   REQUIRE_MGPU_ERROR(load(variant("text", {'h', 'e', 'l', 'l', 'o', '\n', '!', '!', '!', '!'})), mgpu::Errc::corrupt_data,
                      "not an mgpu checkpoint");
+  // An empty file (found by fuzz/fuzz_checkpoint: a null pointer passed to memcpy, which UBSan reports).
+  REQUIRE_MGPU_ERROR(load(variant("empty", {})), mgpu::Errc::corrupt_data, "not an mgpu checkpoint");
   std::vector<char> future = good;
   future[8] = 99;
   REQUIRE_MGPU_ERROR(load(variant("future", future)), mgpu::Errc::corrupt_data, "unknown checkpoint version 99 (expected 1)");
@@ -152,4 +157,32 @@ TEST_CASE("Bad checkpoints are rejected with the reason and leave the model unto
                      "checkpoint record 'model.parameters' is int64 [2] (expected float32 [50])");
   CHECK(values(b.model.parameters()) == before);
   REQUIRE_MGPU_ERROR(c.save(dir.path / "no-such-dir" / "x.ckpt"), mgpu::Errc::io, "creating");
+}
+
+TEST_CASE("A checkpoint record whose shape overflows is rejected before its size is used", "[io]") {
+  // A well-formed file (valid checksum) with one float32 record of shape [2^62, 8] and no data:
+  // 2^65 elements, whose byte count was an overflowing signed product.
+  std::vector<char> bytes;
+  auto const put = [&](auto value) {
+    char raw[sizeof(value)];
+    std::memcpy(raw, &value, sizeof(value));
+    bytes.insert(bytes.end(), raw, raw + sizeof(value));
+  };
+  for (char c : std::string("MGPUCKPT")) bytes.push_back(c);
+  put(mgpu::io::checkpoint_version);
+  put(std::uint32_t{1});
+  put(std::uint32_t{1});
+  bytes.push_back('w');
+  put(static_cast<std::uint8_t>(mgpu::io::RecordType::float32));
+  put(std::uint8_t{2});
+  put(std::int64_t{1} << 62);
+  put(std::int64_t{8});
+  put(std::uint64_t{0});
+  put(std::uint64_t{0});
+  put(static_cast<std::uint64_t>(XXH64(bytes.data(), bytes.size(), 0)));
+  for (char c : std::string("MGPU-END")) bytes.push_back(c);
+  TempDir dir;
+  write_file(dir.path / "huge.ckpt", bytes);
+  REQUIRE_MGPU_ERROR(mgpu::io::Checkpoint::load(dir.path / "huge.ckpt"), mgpu::Errc::corrupt_data,
+                     "record 'w' has shape [4611686018427387904, 8] of float32 (expected at most 2^64 bytes)");
 }

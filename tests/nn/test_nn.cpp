@@ -279,7 +279,7 @@ TEST_CASE("classification_step's update inside backward equals the update after 
     auto b = a.clone();
     a.materialize(env.ctx, 5, compute);
     b.materialize(env.ctx, 5, compute);
-    auto make = [&]() -> std::unique_ptr<mgpu::optim::Optimizer> {
+    auto make = [&, optimizer = optimizer]() -> std::unique_ptr<mgpu::optim::Optimizer> {  // Clang 14 cannot capture a binding
       if (std::string(optimizer) == "sgd") return std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 0.1f, .momentum = 0.9f});
       return std::make_unique<mgpu::optim::AdamW>();
     };

@@ -137,6 +137,18 @@ TEST_CASE("Traces: CSV with column mapping, malformed rows, synthetic shapes", "
   }
   REQUIRE_MGPU_ERROR(read_trace_csv(dir / "cpu_only.csv"), Errc::corrupt_data, "cpu_only.csv:3: asks for 0 GPUs");
   REQUIRE_MGPU_ERROR(read_trace_csv(dir / "cpu_only.csv"), Errc::corrupt_data, "schedule_jobs --pods");
+  // A priority beyond int was an undefined float-to-int conversion.
+  {
+    std::ofstream out(dir / "priority.csv");
+    out << "submit_time,duration,gpus,priority\n0,10,1,-7\n1,10,1,1e10\n";
+  }
+  REQUIRE_MGPU_ERROR(read_trace_csv(dir / "priority.csv"), Errc::corrupt_data,
+                     "priority.csv:3: column 'priority' is '1e10' (expected a whole number that fits an int)");
+  {
+    std::ofstream out(dir / "fraction.csv");
+    out << "submit_time,duration,gpus,priority\n0,10,1,2.5\n";
+  }
+  REQUIRE_MGPU_ERROR(read_trace_csv(dir / "fraction.csv"), Errc::corrupt_data, "fraction.csv:2: column 'priority' is '2.5'");
 
   auto const synthetic = synthetic_trace({.jobs = 2000, .seed = 3});
   write_trace_csv(dir / "synthetic.csv", synthetic);

@@ -1,7 +1,6 @@
 // mgpu's one exception type, its categories, and the checked wrappers for CUDA, NCCL and cuBLAS calls.
 #pragma once
 
-#include <source_location>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -38,13 +37,26 @@ class Error : public std::runtime_error {
 };
 
 namespace detail {
+// A call site's file and line. Not std::source_location, which Clang before 15 cannot provide with
+// libstdc++ (Debian 12's clang is 14): the compiler builtins it is made of work in GCC and Clang
+// alike, so the library and its users agree on this type whichever compiler each uses.
+struct SourceLocation {
+  static constexpr SourceLocation current(char const* file = __builtin_FILE(), unsigned line = __builtin_LINE()) noexcept {
+    return {file, line};
+  }
+  [[nodiscard]] constexpr char const* file_name() const noexcept { return file; }
+  [[nodiscard]] constexpr unsigned line() const noexcept { return line_number; }
+  char const* file;
+  unsigned line_number;
+};
+
 // Throw an Error for a failed call; `status` is the library's own status code, `expression` the
 // call as written. Compiled into the library, so this header needs no CUDA headers.
-[[noreturn]] void throw_cuda_error(int status, char const* expression, std::source_location where);
-[[noreturn]] void throw_nccl_error(int status, char const* expression, std::source_location where);
-[[noreturn]] void throw_cublas_error(int status, char const* expression, std::source_location where);
+[[noreturn]] void throw_cuda_error(int status, char const* expression, SourceLocation where);
+[[noreturn]] void throw_nccl_error(int status, char const* expression, SourceLocation where);
+[[noreturn]] void throw_cublas_error(int status, char const* expression, SourceLocation where);
 // The same report written to stderr, for destructors and other places that must not throw.
-void report_cuda_error(int status, char const* expression, std::source_location where) noexcept;
+void report_cuda_error(int status, char const* expression, SourceLocation where) noexcept;
 }  // namespace detail
 
 }  // namespace mgpu
@@ -55,7 +67,7 @@ void report_cuda_error(int status, char const* expression, std::source_location 
   do {                                                                                            \
     if (auto const mgpu_status_ = (expression); static_cast<int>(mgpu_status_) != 0)              \
       ::mgpu::detail::throw_cuda_error(static_cast<int>(mgpu_status_), #expression,               \
-                                       std::source_location::current());                          \
+                                       ::mgpu::detail::SourceLocation::current());                \
   } while (false)
 
 /// As MGPU_CUDA_CHECK, but reports to stderr instead of throwing (for destructors).
@@ -63,7 +75,7 @@ void report_cuda_error(int status, char const* expression, std::source_location 
   do {                                                                                            \
     if (auto const mgpu_status_ = (expression); static_cast<int>(mgpu_status_) != 0)              \
       ::mgpu::detail::report_cuda_error(static_cast<int>(mgpu_status_), #expression,              \
-                                        std::source_location::current());                         \
+                                        ::mgpu::detail::SourceLocation::current());               \
   } while (false)
 
 /// Evaluates an NCCL call and throws mgpu::Error (Errc::communication) unless it returned ncclSuccess.
@@ -71,7 +83,7 @@ void report_cuda_error(int status, char const* expression, std::source_location 
   do {                                                                                            \
     if (auto const mgpu_status_ = (expression); static_cast<int>(mgpu_status_) != 0)              \
       ::mgpu::detail::throw_nccl_error(static_cast<int>(mgpu_status_), #expression,               \
-                                       std::source_location::current());                          \
+                                       ::mgpu::detail::SourceLocation::current());                \
   } while (false)
 
 /// Evaluates a cuBLAS call and throws mgpu::Error unless it returned CUBLAS_STATUS_SUCCESS.
@@ -79,5 +91,5 @@ void report_cuda_error(int status, char const* expression, std::source_location 
   do {                                                                                            \
     if (auto const mgpu_status_ = (expression); static_cast<int>(mgpu_status_) != 0)              \
       ::mgpu::detail::throw_cublas_error(static_cast<int>(mgpu_status_), #expression,             \
-                                         std::source_location::current());                        \
+                                         ::mgpu::detail::SourceLocation::current());              \
   } while (false)

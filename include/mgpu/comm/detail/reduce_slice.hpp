@@ -1,11 +1,12 @@
 // The reduction at the heart of the shared-memory all-reduce: elements [begin, end) of every rank's
 // input, combined in rank order, written to every rank's output. Each input is read once and each
-// output written once. The CUDA kernel runs the per-element operator on a grid; the host runs the
-// same math in vectorized loops.
+// output written once. The CUDA kernel runs the per-element operator on a grid over a bounded
+// pointer array; the host runs the same math in vectorized loops over any number of ranks.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 
 #include <mgpu/comm/reduce_op.hpp>
 #include <mgpu/core/dtype.hpp>
@@ -13,7 +14,8 @@
 
 namespace mgpu::comm::detail {
 
-/// The most ranks one reduction reads (the size of the pointer arrays passed to a kernel).
+/// The most ranks one CUDA reduction kernel reads (the size of its pointer arrays); the host form
+/// has no such bound.
 inline constexpr int max_reduce_ranks = 16;
 
 /// Per-element form: out[q][i] = finish(in[0][i] (+) in[1][i] (+) ... ) for every output q.
@@ -32,18 +34,28 @@ struct ReduceSlice {
   }
 };
 
+/// Host form of a reduction's operands: one input pointer per rank and one output pointer per
+/// receiving rank, any number of each. Read-only while a reduction runs; not owned.
+template <Element T>
+struct HostReduceOperands {
+  std::span<T const* const> in;
+  std::span<T* const> out;
+};
+
 namespace host {
 // One fused pass for a fixed number of inputs and outputs: every input element is read once and
 // every output element written once. Outputs may be inputs (in place) but only at the same index,
-// so there is no loop-carried dependency (hence ivdep). Pointers are copied to locals so the
-// compiler does not reload them after each store.
+// so there is no loop-carried dependency (hence GCC's ivdep; Clang checks for overlap at run
+// time). Pointers are copied to locals so the compiler does not reload them after each store.
 template <Element T, ReduceOp O, int N, int M>
-void fused(ReduceSlice<T, O> const& r, std::int64_t begin, std::int64_t end) {
+void fused(HostReduceOperands<T> const& r, std::int64_t begin, std::int64_t end) {
   T const* in[N];
   T* out[M];
   for (int p = 0; p < N; ++p) in[p] = r.in[p];
   for (int q = 0; q < M; ++q) out[q] = r.out[q];
+#if !defined(__clang__)
 #pragma GCC ivdep
+#endif
   for (std::int64_t i = begin; i < end; ++i) {
     float acc = static_cast<float>(in[0][i]);
     for (int p = 1; p < N; ++p) acc = combine<O>(acc, static_cast<float>(in[p][i]));
@@ -53,11 +65,11 @@ void fused(ReduceSlice<T, O> const& r, std::int64_t begin, std::int64_t end) {
 }
 
 template <Element T, ReduceOp O, int N>
-bool try_fused(ReduceSlice<T, O> const& r, std::int64_t begin, std::int64_t end) {
-  if (r.inputs != N) return false;
-  if (r.outputs == N) {
+bool try_fused(HostReduceOperands<T> const& r, std::int64_t begin, std::int64_t end) {
+  if (r.in.size() != N) return false;
+  if (r.out.size() == N) {
     fused<T, O, N, N>(r, begin, end);
-  } else if (r.outputs == 1) {
+  } else if (r.out.size() == 1) {
     fused<T, O, N, 1>(r, begin, end);
   } else {
     return false;
@@ -67,34 +79,36 @@ bool try_fused(ReduceSlice<T, O> const& r, std::int64_t begin, std::int64_t end)
 
 // Any number of inputs and outputs, in blocks that stay in L1.
 template <Element T, ReduceOp O>
-void blocked(ReduceSlice<T, O> const& r, std::int64_t begin, std::int64_t end) {
+void blocked(HostReduceOperands<T> const& r, std::int64_t begin, std::int64_t end) {
   constexpr std::int64_t block = 2048;
+  int const inputs = static_cast<int>(r.in.size());
   float acc[block];
   for (std::int64_t b = begin; b < end; b += block) {
     std::int64_t const len = std::min(block, end - b);
     T const* first = r.in[0] + b;
     for (std::int64_t j = 0; j < len; ++j) acc[j] = static_cast<float>(first[j]);
-    for (int p = 1; p < r.inputs; ++p) {
+    for (int p = 1; p < inputs; ++p) {
       T const* src = r.in[p] + b;
       for (std::int64_t j = 0; j < len; ++j) acc[j] = combine<O>(acc[j], static_cast<float>(src[j]));
     }
-    for (int q = 0; q < r.outputs; ++q) {
-      T* dst = r.out[q] + b;
-      for (std::int64_t j = 0; j < len; ++j) dst[j] = T(finish<O>(acc[j], r.inputs));
+    for (T* const out : r.out) {
+      T* dst = out + b;
+      for (std::int64_t j = 0; j < len; ++j) dst[j] = T(finish<O>(acc[j], inputs));
     }
   }
 }
 }  // namespace host
 
-/// Host form of ReduceSlice over [begin, end): the same element math in the same order, so the
-/// same results, with loops the compiler vectorizes (fused for up to 8 ranks, blocked beyond).
+/// Host form of ReduceSlice over [begin, end) for any number of inputs (at least one) and outputs:
+/// the same element math in the same order, so the same results, with loops the compiler
+/// vectorizes (fused for up to 8 ranks, blocked beyond). Called by one thread per slice.
 template <Element T, ReduceOp O>
-void reduce_slice_host(ReduceSlice<T, O> const& r, std::int64_t begin, std::int64_t end) {
+void reduce_slice_host(HostReduceOperands<T> const& r, std::int64_t begin, std::int64_t end) {
   bool const done = host::try_fused<T, O, 1>(r, begin, end) || host::try_fused<T, O, 2>(r, begin, end) ||
                     host::try_fused<T, O, 3>(r, begin, end) || host::try_fused<T, O, 4>(r, begin, end) ||
                     host::try_fused<T, O, 5>(r, begin, end) || host::try_fused<T, O, 6>(r, begin, end) ||
                     host::try_fused<T, O, 7>(r, begin, end) || host::try_fused<T, O, 8>(r, begin, end);
-  if (!done) host::blocked(r, begin, end);
+  if (!done) host::blocked<T, O>(r, begin, end);
 }
 
 }  // namespace mgpu::comm::detail

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Builds mgpu's libFuzzer targets (fuzz/: CSV and IDX readers, checkpoint reader, trace reader,
+# device-spec parser) with Clang, AddressSanitizer and UndefinedBehaviorSanitizer, and runs each
+# for SECONDS (default 30) from its seed corpus (fuzz/corpus/NAME). New inputs go to
+# build/fuzz-corpus/NAME (the committed seeds stay as they are); a crash, a leak, a hang past
+# 10 s, more than 2 GiB of memory or an exception other than mgpu::Error stops the run with the
+# input saved in build/fuzz-findings/. Usage: scripts/fuzz.sh [SECONDS] [NAME...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+seconds=${1:-30}
+shift $(( $# > 0 ? 1 : 0 ))
+names=("$@")
+[ ${#names[@]} -eq 0 ] && names=(csv idx checkpoint trace devices)
+build=${MGPU_BUILD_DIR:-build/fuzz}
+CXX=${CXX:-clang++-14} cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMGPU_WITH_CUDA=OFF \
+  -DMGPU_NATIVE=OFF -DMGPU_WERROR=ON -DMGPU_BUILD_TESTS=OFF -DMGPU_BUILD_EXAMPLES=OFF -DMGPU_BUILD_BENCH=OFF \
+  -DMGPU_BUILD_FUZZERS=ON \
+  -DCMAKE_CXX_FLAGS="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" >/dev/null
+cmake --build "$build" --target "${names[@]/#/fuzz_}"
+mkdir -p build/fuzz-findings
+for name in "${names[@]}"; do
+  echo "== fuzz_$name for ${seconds}s"
+  mkdir -p "build/fuzz-corpus/$name"
+  log="build/fuzz-findings/$name.log"
+  rc=0
+  "$build/fuzz/fuzz_$name" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=2048 \
+    -max_len=4096 -print_final_stats=1 -artifact_prefix="build/fuzz-findings/$name-" \
+    "build/fuzz-corpus/$name" "fuzz/corpus/$name" >"$log" 2>&1 || rc=$?
+  grep -E "^#[0-9]+ +DONE|^stat::(number_of_executed_units|peak_rss_mb)" "$log" || true
+  if [ "$rc" -ne 0 ]; then
+    tail -n 40 "$log" >&2
+    echo "fuzz_$name failed (exit $rc): the input is in build/fuzz-findings/, the log in $log" >&2
+    exit 1
+  fi
+done
