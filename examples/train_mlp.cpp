@@ -18,11 +18,12 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include <mgpu/mgpu.hpp>
+
+#include "example_cli.hpp"
 
 namespace {
 
@@ -51,45 +52,6 @@ struct Options {
   std::string trace;
   int trace_steps = 20;
 };
-
-mgpu::data::InMemoryDataset load(Options const& o) {
-  if (o.data == "synthetic") return mgpu::data::make_clusters(20000, 32, 10, o.seed, 1.5f);
-  if (o.data.starts_with("csv:")) return mgpu::data::load_csv(o.data.substr(4), {.label_column = o.label_col});
-  if (o.data.starts_with("idx:")) {
-    std::string const paths = o.data.substr(4);
-    auto const comma = paths.find(',');
-    if (comma == std::string::npos)
-      throw mgpu::Error(mgpu::Errc::invalid_argument, "--data " + o.data + " (expected idx:IMAGES,LABELS)");
-    return mgpu::data::load_idx(paths.substr(0, comma), paths.substr(comma + 1));
-  }
-  throw mgpu::Error(mgpu::Errc::invalid_argument, "--data " + o.data + " (expected synthetic, csv:PATH or idx:IMAGES,LABELS)");
-}
-
-// Input width, then --layers (hidden widths and the output, which must be the class count).
-std::vector<std::int64_t> widths(Options const& o, std::int64_t features, std::int64_t classes) {
-  std::vector<std::int64_t> w{features};
-  if (o.layers.empty()) {
-    w.insert(w.end(), {128, 128, classes});
-    return w;
-  }
-  std::stringstream in(o.layers);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    try {
-      std::size_t used = 0;
-      long long const v = std::stoll(item, &used);
-      if (used != item.size() || v < 1) throw std::invalid_argument(item);
-      w.push_back(v);
-    } catch (std::exception const&) {
-      throw mgpu::Error(mgpu::Errc::invalid_argument, "--layers " + o.layers + ": '" + item + "' (expected positive whole numbers, e.g. 64,128,10)");
-    }
-  }
-  if (w.size() < 2 || w.back() != classes)
-    throw mgpu::Error(mgpu::Errc::invalid_argument, "--layers " + o.layers + " ends in " + std::to_string(w.back()) + " but the data has " +
-                                                        std::to_string(classes) + " classes (expected the last width to be " +
-                                                        std::to_string(classes) + ")");
-  return w;
-}
 
 mgpu::DType precision(std::string const& p) {
   if (p == "bf16") return mgpu::DType::bfloat16;
@@ -127,7 +89,7 @@ int train(Options const& o) {
     throw mgpu::Error(mgpu::Errc::io, "--resume: no checkpoint at '" + o.checkpoint +
                                           "' (expected a file written by --checkpoint; add --allow-fresh to start fresh when it is missing)");
 
-  auto const all = load(o);
+  auto const all = examples::load_data(o.data, o.label_col, o.seed, 20000);
   if (all.classes() < 2)
     throw mgpu::Error(mgpu::Errc::invalid_argument, "the data has " + std::to_string(all.classes()) + " classes (expected a classification set with >= 2)");
   auto const [train_set, test_set] = mgpu::data::split(all, o.test_fraction, o.seed);
@@ -138,7 +100,7 @@ int train(Options const& o) {
   dp_options.rebalance = o.rebalance;
   auto const timeline = o.trace.empty() ? nullptr : std::make_shared<mgpu::trace::Timeline>();
   dp_options.timeline = timeline;
-  mgpu::parallel::DataParallel dp(mgpu::nn::Sequential::mlp(widths(o, all.features(), all.classes()), o.activation), group,
+  mgpu::parallel::DataParallel dp(mgpu::nn::Sequential::mlp(examples::parse_widths(o.layers, all.features(), all.classes(), {128, 128}), o.activation), group,
                                   [&] { return make_optimizer(o); }, dp_options);
   mgpu::DeviceGroup& used = dp.group();
   std::string trained_on;

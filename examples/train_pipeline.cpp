@@ -15,11 +15,12 @@
 #include <cstdio>
 #include <map>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include <mgpu/mgpu.hpp>
+
+#include "example_cli.hpp"
 
 namespace {
 
@@ -46,42 +47,6 @@ struct Options {
   std::string trace;
   bool json = false;
 };
-
-mgpu::data::InMemoryDataset load(Options const& o) {
-  if (o.data == "synthetic") return mgpu::data::make_clusters(8192, 32, 10, o.seed, 1.5f);
-  if (o.data.starts_with("csv:")) return mgpu::data::load_csv(o.data.substr(4), {.label_column = o.label_col});
-  if (o.data.starts_with("idx:")) {
-    std::string const paths = o.data.substr(4);
-    auto const comma = paths.find(',');
-    if (comma == std::string::npos) throw mgpu::Error(mgpu::Errc::invalid_argument, "--data " + o.data + " (expected idx:IMAGES,LABELS)");
-    return mgpu::data::load_idx(paths.substr(0, comma), paths.substr(comma + 1));
-  }
-  throw mgpu::Error(mgpu::Errc::invalid_argument, "--data " + o.data + " (expected synthetic, csv:PATH or idx:IMAGES,LABELS)");
-}
-
-std::vector<std::int64_t> widths(Options const& o, std::int64_t features, std::int64_t classes) {
-  std::vector<std::int64_t> w{features};
-  if (o.layers.empty()) {
-    w.insert(w.end(), {128, 128, 128, 128, 128, 128, 128, classes});
-    return w;
-  }
-  std::stringstream in(o.layers);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    try {
-      std::size_t used = 0;
-      long long const v = std::stoll(item, &used);
-      if (used != item.size() || v < 1) throw std::invalid_argument(item);
-      w.push_back(v);
-    } catch (std::exception const&) {
-      throw mgpu::Error(mgpu::Errc::invalid_argument, "--layers " + o.layers + ": '" + item + "' (expected positive whole numbers)");
-    }
-  }
-  if (w.back() != classes)
-    throw mgpu::Error(mgpu::Errc::invalid_argument, "--layers " + o.layers + " ends in " + std::to_string(w.back()) + " but the data has " +
-                                                        std::to_string(classes) + " classes (expected the last width to be the class count)");
-  return w;
-}
 
 pp::Schedule make_schedule(Options const& o) {
   if (o.schedule == "layer-split") {
@@ -112,9 +77,9 @@ int train(Options const& o) {
   std::string const spec = o.devices.empty() ? "host:" + std::to_string(o.stages * o.dp) : o.devices;
   mgpu::DeviceGroup group(spec);
   pp::Schedule const schedule = make_schedule(o);
-  auto const all = load(o);
+  auto const all = examples::load_data(o.data, o.label_col, o.seed, 8192);
   auto const [train_set, test_set] = mgpu::data::split(all, o.test_fraction, o.seed);
-  auto const model = mgpu::nn::Sequential::mlp(widths(o, all.features(), all.classes()), o.activation);
+  auto const model = mgpu::nn::Sequential::mlp(examples::parse_widths(o.layers, all.features(), all.classes(), {128, 128, 128, 128, 128, 128, 128}), o.activation);
   std::int64_t const micro_rows = std::max<std::int64_t>(1, o.batch / (o.micro_batches * o.dp));
 
   // Per-layer costs: profiled (--auto-partition) or equal per unit; the partition and the

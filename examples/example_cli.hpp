@@ -1,0 +1,60 @@
+// What the training examples share: their --data and --layers flags.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <mgpu/core/error.hpp>
+#include <mgpu/data/dataset.hpp>
+
+namespace examples {
+
+/// --data: "synthetic" (clusters of `synthetic_rows` examples, 32 features, 10 classes), "csv:PATH"
+/// (label in `label_col`) or "idx:IMAGES,LABELS".
+inline mgpu::data::InMemoryDataset load_data(std::string const& data, std::int64_t label_col, std::uint64_t seed,
+                                             std::int64_t synthetic_rows) {
+  if (data == "synthetic") return mgpu::data::make_clusters(synthetic_rows, 32, 10, seed, 1.5f);
+  if (data.starts_with("csv:")) return mgpu::data::load_csv(data.substr(4), {.label_column = label_col});
+  if (data.starts_with("idx:")) {
+    std::string const paths = data.substr(4);
+    auto const comma = paths.find(',');
+    if (comma == std::string::npos) throw mgpu::Error(mgpu::Errc::invalid_argument, "--data " + data + " (expected idx:IMAGES,LABELS)");
+    return mgpu::data::load_idx(paths.substr(0, comma), paths.substr(comma + 1));
+  }
+  throw mgpu::Error(mgpu::Errc::invalid_argument, "--data " + data + " (expected synthetic, csv:PATH or idx:IMAGES,LABELS)");
+}
+
+/// --layers: the input width, then the listed hidden widths and the output, which must be the class
+/// count (`hidden` when the list is empty).
+inline std::vector<std::int64_t> parse_widths(std::string const& layers, std::int64_t features, std::int64_t classes,
+                                              std::vector<std::int64_t> const& hidden) {
+  std::vector<std::int64_t> w{features};
+  if (layers.empty()) {
+    w.insert(w.end(), hidden.begin(), hidden.end());
+    w.push_back(classes);
+    return w;
+  }
+  std::stringstream in(layers);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    try {
+      std::size_t used = 0;
+      long long const v = std::stoll(item, &used);
+      if (used != item.size() || v < 1) throw std::invalid_argument(item);
+      w.push_back(v);
+    } catch (std::exception const&) {
+      throw mgpu::Error(mgpu::Errc::invalid_argument, "--layers " + layers + ": '" + item + "' (expected positive whole numbers, e.g. 64,128,10)");
+    }
+  }
+  if (w.size() < 2 || w.back() != classes)
+    throw mgpu::Error(mgpu::Errc::invalid_argument, "--layers " + layers + " ends in " + std::to_string(w.back()) + " but the data has " +
+                                                        std::to_string(classes) + " classes (expected the last width to be " +
+                                                        std::to_string(classes) + ")");
+  return w;
+}
+
+}  // namespace examples
