@@ -88,6 +88,13 @@ void require_close(std::vector<float> const& a, std::vector<float> const& b, dou
   REQUIRE(worst <= tolerance);
 }
 
+// Labels 0, 1, ..., 9, 0, 1, ... for `rows` rows, in host memory.
+Tensor cycling_labels(Env& env, std::int64_t rows) {
+  Tensor y = Tensor::empty({rows}, DType::float32, *env.allocator);
+  for (std::int64_t i = 0; i < rows; ++i) y.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(i % 10);
+  return y;
+}
+
 std::vector<float> dp_params(DataParallel& dp, int replica = 0) {
   return host_values(dp.replica(replica).master_parameters(), dp.group().stream(replica));
 }
@@ -229,8 +236,7 @@ TEST_CASE("Deterministic mode: bitwise equal parameters whatever the buckets, ov
 TEST_CASE("The timeline shows a bucket's all-reduce starting while earlier layers are in backward", "[parallel][dp][trace]") {
   Env env;
   Tensor x = env.random({64, 512}, 9);
-  Tensor y = Tensor::empty({64}, DType::float32, *env.allocator);
-  for (std::int64_t i = 0; i < 64; ++i) y.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(i % 10);
+  Tensor y = cycling_labels(env, 64);
   // Emulated at a tenth of the host's speed, compute is mostly sleep, so the communication
   // workers get a core however loaded the machine is.
   mgpu::DeviceGroup group{"host:2@speed=0.1"};
@@ -278,8 +284,7 @@ TEST_CASE("Rebalancing moves rows from a half-speed device until shards are abou
   Env env;
   // Enough rows and width that compute proportional to the rows outweighs fixed per-step costs.
   Tensor x = env.random({512, 512}, 10);
-  Tensor y = Tensor::empty({512}, DType::float32, *env.allocator);
-  for (std::int64_t i = 0; i < 512; ++i) y.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(i % 10);
+  Tensor y = cycling_labels(env, 512);
   mgpu::DeviceGroup group{"host:2@speed=1,0.5"};
   DataParallelOptions options;
   options.weights = {1, 1};
