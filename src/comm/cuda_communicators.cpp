@@ -413,8 +413,9 @@ class CudaPeerCommunicator final : public CommunicatorBase {
       }
       case OpKind::all_gather:
         for (int p = 0; p < n; ++p) {
-          MGPU_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(c.recv.data()) + element * static_cast<std::size_t>(p * c.count),
-                                          inputs[static_cast<std::size_t>(p)], element * static_cast<std::size_t>(c.count),
+          void* const to = static_cast<char*>(c.recv.data()) + element * static_cast<std::size_t>(p * c.count);
+          if (to == inputs[static_cast<std::size_t>(p)]) continue;  // in place: already there
+          MGPU_CUDA_CHECK(cudaMemcpyAsync(to, inputs[static_cast<std::size_t>(p)], element * static_cast<std::size_t>(c.count),
                                           cudaMemcpyDefault, stream));
         }
         break;

@@ -229,8 +229,9 @@ class HostState {
       }
       case OpKind::all_gather:
         for (int p = 0; p < n_; ++p) {
-          std::memcpy(static_cast<T*>(me.recv) + p * me.count, posted_[static_cast<std::size_t>(p)].send,
-                      static_cast<std::size_t>(me.count) * sizeof(T));
+          T* const to = static_cast<T*>(me.recv) + p * me.count;
+          void const* const from = posted_[static_cast<std::size_t>(p)].send;
+          if (to != from) std::memcpy(to, from, static_cast<std::size_t>(me.count) * sizeof(T));  // in place: already there
         }
         break;
       case OpKind::broadcast:

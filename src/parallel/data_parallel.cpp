@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <chrono>
 #include <cstring>
@@ -107,6 +108,11 @@ struct DataParallel::Impl {
   std::int64_t micro_steps = 0;
 
   void launch(int rank, std::size_t bucket, Stream& compute, nn::GradientSync::Reduced const& reduced);
+  // Elements per rank of a bucket's sharded part with the sharded update (0: not sharded); the
+  // bucket's first block() * ranks elements are split in rank order, the rest are replicated.
+  [[nodiscard]] std::int64_t block(std::size_t bucket) const;
+  void gather_optimizer_state();
+  std::atomic<bool> state_scattered{false};  // some optimizer state is current only in its owner's blocks
 };
 
 // One rank's half of the bucketed all-reduce: counts the layers backward reports and launches a
@@ -146,14 +152,27 @@ struct DataParallel::Impl::Rank {
   std::shared_ptr<std::array<std::int64_t, 2>> wait_marks = std::make_shared<std::array<std::int64_t, 2>>();
 };
 
+std::int64_t DataParallel::Impl::block(std::size_t bucket) const {
+  if (!options.shard_update || comm->size() < 2) return 0;
+  return (buckets[bucket].second - buckets[bucket].first) / comm->size();
+}
+
 void DataParallel::Impl::launch(int rank, std::size_t bucket, Stream& compute, nn::GradientSync::Reduced const& reduced) {
   Rank& st = *state[static_cast<std::size_t>(rank)];
   auto const [begin, end] = buckets[bucket];
   st.bucket_events[bucket].record(compute);
   st.bucket_events[bucket].wait(st.comm_stream);
   Tensor const grads = st.model.master_gradients().slice(begin, end);
+  // Sharded update: reduce-scatter the first `body` elements so that this rank holds the sum of its
+  // block, all-reduce the few left over, update the block (and the leftovers), all-gather.
+  std::int64_t const block = reduced ? this->block(bucket) : 0;
+  std::int64_t const body = block * comm->size();
+  std::int64_t const mine = rank * block;
   auto const reduce = [&] {
-    if (options.comm_hook) {
+    if (block > 0 && !options.comm_hook && !(options.deterministic && comm->backend() != comm::Backend::host)) {
+      comm->reduce_scatter(rank, grads.slice(0, body), grads.slice(mine, mine + block), comm::ReduceOp::sum, st.comm_stream);
+      if (body < grads.numel()) comm->all_reduce(rank, grads.slice(body, grads.numel()), grads.slice(body, grads.numel()), comm::ReduceOp::sum, st.comm_stream);
+    } else if (options.comm_hook) {
       options.comm_hook->reduce(*comm, rank, static_cast<int>(bucket), grads, group->allocator(rank), st.comm_stream);
     } else if (options.deterministic && comm->backend() != comm::Backend::host && comm->size() > 1) {
       std::int64_t const n = grads.numel();
@@ -166,13 +185,52 @@ void DataParallel::Impl::launch(int rank, std::size_t bucket, Stream& compute, n
       comm->all_reduce(rank, grads, grads, comm::ReduceOp::sum, st.comm_stream);
     }
   };
-  if (options.timeline && options.timeline->enabled()) {
-    options.timeline->stream_span(st.comm_stream, "all-reduce bucket " + std::to_string(bucket), "communication", ranks[static_cast<std::size_t>(rank)],
-                                  trace::Lane::communication, reduce);
+  bool const traced = options.timeline && options.timeline->enabled();
+  int const who = ranks[static_cast<std::size_t>(rank)];
+  if (traced) {
+    options.timeline->stream_span(st.comm_stream, (block > 0 ? "reduce-scatter bucket " : "all-reduce bucket ") + std::to_string(bucket),
+                                  "communication", who, trace::Lane::communication, reduce);
   } else {
     reduce();
   }
-  if (reduced) reduced(begin, end, st.comm_stream);
+  if (!reduced) return;
+  if (block == 0) {
+    reduced(begin, end, st.comm_stream);
+    return;
+  }
+  reduced(begin + mine, begin + mine + block, st.comm_stream);
+  if (begin + body < end) reduced(begin + body, end, st.comm_stream);
+  state_scattered.store(true, std::memory_order_relaxed);
+  auto const gather = [&] {
+    Tensor const params = st.model.master_parameters().slice(begin, begin + body);
+    comm->all_gather(rank, params.slice(mine, mine + block), params, st.comm_stream);
+    st.model.sync_parameters(st.comm_stream, begin, begin + body);
+  };
+  if (traced) {
+    options.timeline->stream_span(st.comm_stream, "all-gather bucket " + std::to_string(bucket), "communication", who,
+                                  trace::Lane::communication, gather);
+  } else {
+    gather();
+  }
+}
+
+// Every rank's blocks of every optimizer state buffer to every rank (the sharded update leaves each
+// rank's state current in its own blocks only).
+void DataParallel::Impl::gather_optimizer_state() {
+  if (!state_scattered.load(std::memory_order_relaxed)) return;
+  group->run([&](int rank, Device, Stream& stream) {
+    Rank& st = *state[static_cast<std::size_t>(rank)];
+    for (auto const& [name, tensor] : st.optimizer->state()) {
+      for (std::size_t b = 0; b < buckets.size(); ++b) {
+        std::int64_t const block = this->block(b);
+        if (block == 0) continue;
+        Tensor const part = tensor.slice(buckets[b].first, buckets[b].first + block * comm->size());
+        comm->all_gather(rank, part.slice(rank * block, (rank + 1) * block), part, stream);
+      }
+    }
+  });
+  group->synchronize();
+  state_scattered.store(false, std::memory_order_relaxed);
 }
 
 void DataParallel::Impl::RankSync::finish(Stream& compute, Reduced const& reduced) {
@@ -304,6 +362,7 @@ nn::Sequential& DataParallel::replica(int index) {
 
 optim::Optimizer& DataParallel::optimizer(int index) {
   (void)replica(index);
+  impl_->gather_optimizer_state();
   return *impl_->state[static_cast<std::size_t>(index)]->optimizer;
 }
 
@@ -424,6 +483,7 @@ std::int64_t DataParallel::count_correct(Tensor const& x, Tensor const& labels, 
 void DataParallel::save(std::filesystem::path const& path, io::TrainingState const& state) {
   Impl& im = *impl_;
   im.group->synchronize();
+  im.gather_optimizer_state();
   io::save_training(path, im.state[0]->model, *im.state[0]->optimizer, state, im.group->stream(0));
 }
 
@@ -436,6 +496,7 @@ io::TrainingState DataParallel::load(std::filesystem::path const& path) {
     state = io::load_training(path, im.state[r]->model, *im.state[r]->optimizer, im.group->allocator(rank), im.group->stream(rank));
   }
   im.micro_steps = 0;
+  im.state_scattered.store(false, std::memory_order_relaxed);  // every rank loaded the whole state
   return state;
 }
 

@@ -163,6 +163,38 @@ TEST_CASE("reduce_scatter, all_gather, broadcast and reduce against float64", "[
   }
 }
 
+// ZeRO-style sharded updates run both in place: each rank's reduced block lands in its own slice of
+// the bucket, and the gathered blocks fill the bucket around it.
+TEST_CASE("reduce_scatter and all_gather in place against float64", "[comm][host]") {
+  for (int n = 1; n <= 5; ++n) {
+    Fixture f(n);
+    for (std::int64_t count : {1, 9, 1000 + n}) {
+      INFO(n << " ranks, " << count << " elements per rank");
+      auto const in = random_inputs(n, count * n, DType::float32, static_cast<unsigned>(count + 3 * n));
+      std::vector<Tensor> bucket;
+      for (int r = 0; r < n; ++r) {
+        bucket.push_back(f.make(r, count * n, DType::float32));
+        fill(bucket.back(), in[static_cast<std::size_t>(r)]);
+      }
+      f.group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+        Tensor const& b = bucket[static_cast<std::size_t>(rank)];
+        Tensor const mine = b.slice(rank * count, (rank + 1) * count);
+        f.comm->reduce_scatter(rank, b, mine, ReduceOp::sum, stream);
+        f.comm->all_gather(rank, mine, b, stream);
+      });
+      for (int r = 0; r < n; ++r) {
+        auto const out = read(bucket[static_cast<std::size_t>(r)]);
+        for (std::size_t i = 0; i < out.size(); ++i) {
+          double magnitude = 0;
+          for (auto const& v : in) magnitude += std::fabs(v[i]);
+          require_close(out[i], reference_combine(ReduceOp::sum, in, i), magnitude, n, DType::float32);
+        }
+        if (r > 0) REQUIRE(std::memcmp(bucket[0].data(), bucket[static_cast<std::size_t>(r)].data(), bucket[0].nbytes()) == 0);
+      }
+    }
+  }
+}
+
 // More ranks than the CUDA kernel's pointer arrays hold (and than the fused host loops unroll):
 // the host path takes any count.
 TEST_CASE("all_reduce, reduce and reduce_scatter at 17 and 33 ranks against a serial sum", "[comm][host]") {

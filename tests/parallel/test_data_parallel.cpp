@@ -233,6 +233,34 @@ TEST_CASE("Deterministic mode: bitwise equal parameters whatever the buckets, ov
   for (auto const& run : runs) REQUIRE(run == runs.front());
 }
 
+TEST_CASE("The sharded update gives bitwise the replicated update's parameters and optimizer state", "[parallel][dp]") {
+  Data data(3, 23, 14);
+  for (int n = 2; n <= 5; ++n) {
+    // Small buckets whose lengths do not divide by n: blocks plus replicated leftovers.
+    std::vector<std::vector<float>> params, state;
+    for (bool shard : {false, true}) {
+      INFO(n << " devices, shard_update " << shard);
+      mgpu::DeviceGroup group{"host:" + std::to_string(n)};
+      DataParallelOptions options;
+      options.shard_update = shard;
+      options.first_bucket_cap_bytes = 64;
+      options.bucket_cap_bytes = 300;
+      DataParallel dp(small_mlp(), group, mgpu::optim::AdamW({.lr = 0.01f, .weight_decay = 0.1f}), options);
+      for (int b = 0; b < 3; ++b) dp.step(data.x[b], data.y[b]);
+      params.push_back(dp_params(dp));
+      for (int r = 1; r < n; ++r) REQUIRE(dp_params(dp, r) == params.back());  // every rank gathered every block
+      std::vector<float> all;
+      for (auto const& [name, tensor] : dp.optimizer(n - 1).state()) {
+        auto const values = host_values(tensor, dp.group().stream(n - 1));
+        all.insert(all.end(), values.begin(), values.end());
+      }
+      state.push_back(all);
+    }
+    CHECK(params[1] == params[0]);
+    CHECK(state[1] == state[0]);  // the last rank's optimizer gathered the other ranks' blocks
+  }
+}
+
 TEST_CASE("The timeline shows a bucket's all-reduce starting while earlier layers are in backward", "[parallel][dp][trace]") {
   Env env;
   Tensor x = env.random({64, 512}, 9);
@@ -254,7 +282,7 @@ TEST_CASE("The timeline shows a bucket's all-reduce starting while earlier layer
   auto const spans = timeline->spans();
   bool overlapped = false;
   for (auto const& reduce : spans) {
-    if (reduce.name != "all-reduce bucket 0" || reduce.rank != 0) continue;
+    if (reduce.name != "reduce-scatter bucket 0" || reduce.rank != 0) continue;  // the sharded update's reduce
     for (auto const& bwd : spans) {
       // Bucket 0 holds the last layer only: its reduce must begin before an earlier layer's
       // backward ends.
@@ -267,17 +295,21 @@ TEST_CASE("The timeline shows a bucket's all-reduce starting while earlier layer
   }
   CHECK(overlapped);
   auto const json = nlohmann::json::parse(timeline->chrome_trace_json());
-  int reduces = 0, updates = 0, forwards = 0;
+  int reduces = 0, gathers = 0, updates = 0, forwards = 0;
   for (auto const& e : json.at("traceEvents")) {
     if (e.at("ph") != "X") continue;
     std::string const name = e.at("name");
-    reduces += name.rfind("all-reduce bucket", 0) == 0 ? 1 : 0;
+    reduces += name.rfind("reduce-scatter bucket", 0) == 0 ? 1 : 0;
+    gathers += name.rfind("all-gather bucket", 0) == 0 ? 1 : 0;
     updates += name.rfind("update", 0) == 0 && e.at("tid") == mgpu::trace::Lane::communication ? 1 : 0;
     forwards += name == "forward" ? 1 : 0;
   }
   CHECK(forwards == 2 * 2);  // 2 ranks, 2 steps
   CHECK(reduces == 2 * 2 * static_cast<int>(dp.buckets().size()));
-  CHECK(updates == reduces);  // each bucket is updated on the communication stream after its reduce
+  // Each rank updates its block of each bucket on the communication stream after the reduce (both
+  // buckets split evenly in two), then gathers the parameters.
+  CHECK(updates == reduces);
+  CHECK(gathers == reduces);
 }
 
 TEST_CASE("Rebalancing moves rows from a half-speed device until shards are about 2:1", "[parallel][dp]") {

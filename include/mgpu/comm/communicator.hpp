@@ -72,8 +72,10 @@ class Communicator {
   /// recv = op over ranks of send. send and recv have the same numel and dtype; recv may be send.
   virtual void all_reduce(int rank, Tensor const& send, Tensor const& recv, ReduceOp op, Stream& stream) = 0;
   /// recv (n elements) = op over ranks of send's rank-th block of n (send has size()*n elements).
+  /// recv may be that block of send (in place).
   virtual void reduce_scatter(int rank, Tensor const& send, Tensor const& recv, ReduceOp op, Stream& stream) = 0;
-  /// recv (size()*n elements) = every rank's send (n elements), in rank order.
+  /// recv (size()*n elements) = every rank's send (n elements), in rank order. send may be recv's
+  /// rank-th block (in place).
   virtual void all_gather(int rank, Tensor const& send, Tensor const& recv, Stream& stream) = 0;
   /// buffer = root's buffer, on every rank.
   virtual void broadcast(int rank, Tensor const& buffer, int root, Stream& stream) = 0;

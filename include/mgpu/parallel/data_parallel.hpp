@@ -65,6 +65,15 @@ struct DataParallelOptions {
   /// Reduce each bucket as soon as its gradients are written, on a communication stream, and
   /// update it there while earlier layers are still in backward. Off: reduce after backward.
   bool overlap = true;
+  /// Sharded update (ZeRO stage 1's split of the optimizer's work): each bucket is reduce-scattered
+  /// instead of all-reduced, each rank updates only its 1/N block of it, and the updated parameters
+  /// are all-gathered, so the pass over parameters, gradients and optimizer state is split across
+  /// ranks instead of repeated on every one; the results are bitwise those of the replicated
+  /// update. It applies while updates run per bucket, that is without a loss scaler and without
+  /// clipping (both need every reduced gradient before any update; buckets are then all-reduced).
+  /// A rank's optimizer state is then current in its own blocks only: save() and optimizer()
+  /// gather it first.
+  bool shard_update = true;
   /// Bitwise repeatable results whatever the bucket layout and thread timing: host devices reduce
   /// in rank order already; other backends gather the bucket and sum it in rank order.
   bool deterministic = false;
@@ -157,7 +166,8 @@ class DataParallel {
   [[nodiscard]] std::vector<int> const& ranks() const noexcept;
   [[nodiscard]] std::vector<double> const& weights() const noexcept;
   [[nodiscard]] std::vector<std::pair<std::int64_t, std::int64_t>> const& buckets() const noexcept;
-  /// A replica (index into ranks()) and its optimizer.
+  /// A replica (index into ranks()) and its optimizer (with shard_update, whose state is gathered
+  /// from every rank's blocks first).
   [[nodiscard]] nn::Sequential& replica(int index);
   [[nodiscard]] optim::Optimizer& optimizer(int index);
   /// The loss scaler of replica 0 (nullptr without loss scaling).
