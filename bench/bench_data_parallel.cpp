@@ -5,7 +5,12 @@
 //   samples_per_s     N-device training throughput;
 //   speedup_vs_1      N-device samples/s ÷ the same step on one host device, the block before;
 //   comm_wait_frac    time a rank waits for its reduces after backward ÷ its step time (mean
-//                     over ranks): what the overlap did not hide.
+//                     over ranks): what the overlap did not hide;
+//   independent_speedup_vs_1  N single-device trainers at once, each on its own thread and 1/N of
+//                     every batch, with no communication at all, ÷ the one-device step: what this
+//                     machine gives N ranks before any synchronization (the peer to compare with);
+//   speedup_vs_independent    data parallel's step rate ÷ those independent trainers'.
+// Rows run with the sharded update (shard:1, the default) and with every replica updating all.
 // BM_timeline_record and BM_timeline_stream_span give the tracing cost per recorded span (a
 // host-side record, and the two marker tasks a stream span adds), on and off.
 // Host devices are one worker thread each: on a 2-core machine host:4 shares two cores between
@@ -18,6 +23,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <mgpu/mgpu.hpp>
@@ -51,19 +57,21 @@ struct Trainer {
   mgpu::DeviceGroup group;
   mgpu::parallel::DataParallel dp;
   std::int64_t next = 0;
-  Trainer(std::string const& spec, bool overlap)
+  Trainer(std::string const& spec, bool overlap, bool shard)
       : group(spec), dp(mgpu::nn::Sequential::mlp(widths), group, mgpu::optim::SGD({.lr = 0.01f, .momentum = 0.9f}), [&] {
           mgpu::parallel::DataParallelOptions o;
           o.overlap = overlap;
+          o.shard_update = shard;
           return o;
         }()) {}
-  // Seconds per step over `steps` steps, and the mean fraction of a step the ranks waited.
-  std::pair<double, double> run(Data const& data, int steps) {
+  // Seconds per step over `steps` steps on rows [first, first + rows) of each batch, and the mean
+  // fraction of a step the ranks waited.
+  std::pair<double, double> run(Data const& data, int steps, std::int64_t first = 0, std::int64_t rows = batch) {
     double wait = 0;
     auto const t0 = Clock::now();
     for (int i = 0; i < steps; ++i) {
       std::int64_t const b = next++ % batches;
-      auto const r = dp.step(data.x.slice(b * batch, (b + 1) * batch), data.y.slice(b * batch, (b + 1) * batch));
+      auto const r = dp.step(data.x.slice(b * batch + first, b * batch + first + rows), data.y.slice(b * batch + first, b * batch + first + rows));
       double rank_wait = 0;
       for (double w : r.wait_ms) rank_wait += w;
       wait += rank_wait / static_cast<double>(r.wait_ms.size());
@@ -73,38 +81,65 @@ struct Trainer {
   }
 };
 
+// N single-device trainers, each on its own thread and its 1/N of every batch, with no
+// synchronization between them: everything data parallelism does except communicating.
+struct Independent {
+  std::vector<std::unique_ptr<Trainer>> trainers;
+  explicit Independent(int n) {
+    for (int i = 0; i < n; ++i) trainers.push_back(std::make_unique<Trainer>("host:1", true, false));
+  }
+  double run(Data const& data, int steps) {
+    auto const n = static_cast<std::int64_t>(trainers.size());
+    auto const t0 = Clock::now();
+    std::vector<std::thread> threads;
+    for (std::int64_t i = 0; i < n; ++i) threads.emplace_back([&, i] { trainers[static_cast<std::size_t>(i)]->run(data, steps, i * batch / n, batch / n); });
+    for (auto& t : threads) t.join();
+    return std::chrono::duration<double>(Clock::now() - t0).count() / steps;
+  }
+};
+
 void BM_data_parallel(benchmark::State& state) {
   int const devices = static_cast<int>(state.range(0));
   bool const overlap = state.range(1) != 0;
+  bool const shard = state.range(2) != 0;
   Data const data;
-  Trainer one("host:1", overlap);
-  Trainer many("host:" + std::to_string(devices), overlap);
+  Trainer one("host:1", overlap, shard);
+  Trainer many("host:" + std::to_string(devices), overlap, shard);
+  Independent independent(devices);
   one.run(data, 2);  // warm the allocators' caches and the optimizer state
   many.run(data, 2);
+  independent.run(data, 2);
   constexpr int block = 4;
-  std::vector<double> step_s, speedups, waits;
+  std::vector<double> step_s, speedups, waits, bound, of_bound;
   for (auto _ : state) {
     auto const [t1, w1] = one.run(data, block);
     auto const [tn, wn] = many.run(data, block);
+    double const ti = independent.run(data, block);
     (void)w1;
     step_s.push_back(tn);
     speedups.push_back(t1 / tn);
     waits.push_back(wn);
+    bound.push_back(t1 / ti);
+    of_bound.push_back(ti / tn);
   }
   state.counters["samples_per_s"] = batch / median(step_s);
   state.counters["speedup_vs_1"] = median(speedups);
   state.counters["comm_wait_frac"] = median(waits);
+  state.counters["independent_speedup_vs_1"] = median(bound);
+  state.counters["speedup_vs_independent"] = median(of_bound);
   state.counters["devices"] = devices;
   state.counters["overlap"] = overlap ? 1 : 0;
+  state.counters["shard_update"] = shard ? 1 : 0;
   state.counters["steps_timed"] = static_cast<double>(block * step_s.size());
 }
 BENCHMARK(BM_data_parallel)
-    ->ArgNames({"devices", "overlap"})
-    ->Args({1, 1})
-    ->Args({2, 1})
-    ->Args({4, 1})
-    ->Args({2, 0})
-    ->Args({4, 0})
+    ->ArgNames({"devices", "overlap", "shard"})
+    ->Args({1, 1, 1})
+    ->Args({2, 1, 1})
+    ->Args({4, 1, 1})
+    ->Args({2, 0, 1})
+    ->Args({2, 1, 0})
+    ->Args({4, 1, 0})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime()
     ->MinTime(4.0);

@@ -1,5 +1,5 @@
 // The host backend: one participant per host device, all in one process. Ranks meet at counting
-// barriers (spin briefly, then block, always with a deadline); each rank then reduces its 1/N slice
+// barriers (poll briefly, yielding the core, then block, always with a deadline); each rank then reduces its 1/N slice
 // straight from every peer's buffer and writes it into every peer's output, so each input is read
 // once and each output written once.
 #include "comm/host_communicator.hpp"
@@ -21,20 +21,10 @@
 
 #include "core/stream_internals.hpp"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
 namespace mgpu::comm::detail {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#endif
-}
 
 // A send waiting on a point-to-point channel for its receive.
 struct Message {
@@ -62,8 +52,7 @@ class HostState {
         posted_(static_cast<std::size_t>(size)),
         reached_(static_cast<std::size_t>(size)),
         barriers_(static_cast<std::size_t>(size), 0),
-        channels_(static_cast<std::size_t>(size * size)),
-        spin_(static_cast<unsigned>(size) <= std::max(1u, std::thread::hardware_concurrency())) {
+        channels_(static_cast<std::size_t>(size * size)) {
     for (auto& r : reached_) r.store(0);
   }
 
@@ -114,21 +103,17 @@ class HostState {
 
   Channel& channel(int from, int to) { return channels_[static_cast<std::size_t>(from * n_ + to)]; }
 
-  // Waits until ready() holds or the deadline passes, spinning first when ranks have cores of
-  // their own. On timeout, aborts with a message naming what `missing()` reports.
+  // Waits until ready() holds or the deadline passes, polling first. On timeout, aborts with a message naming what `missing()` reports.
   template <class Ready, class Missing>
   void wait(std::string const& what, Ready const& ready, Missing const& missing) {
     auto const start = Clock::now();
-    // Spin for a moment before sleeping: with a core per rank the others are running; with more
-    // ranks than cores, yielding lets them run instead.
+    // Poll for a moment before sleeping, yielding the core between polls: when it is free, this
+    // is a spin; when other threads want it (more ranks than cores, or the ranks' compute streams
+    // beside their communication streams), they run instead of a waiting rank burning it.
     while (Clock::now() - start < std::chrono::microseconds(100)) {
       for (int k = 0; k < 64; ++k) {
         if (ready()) return;
-        if (spin_) {
-          cpu_relax();
-        } else {
-          std::this_thread::yield();
-        }
+        std::this_thread::yield();
       }
       shared_->throw_if_aborted(what);
     }
@@ -327,7 +312,6 @@ class HostState {
   std::mutex mutex_;
   std::condition_variable cv_;
   std::vector<Channel> channels_;
-  bool spin_;
 };
 
 HostCommunicator::HostCommunicator(DeviceGroup& group, std::chrono::milliseconds timeout)

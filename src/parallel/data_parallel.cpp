@@ -107,10 +107,11 @@ struct DataParallel::Impl {
   std::vector<std::unique_ptr<Rank>> state;
   std::int64_t micro_steps = 0;
 
+  // The sharded update's blocks: per bucket, the elements each rank owns, rank r owning
+  // [r * block, (r + 1) * block) of the bucket; 0 where buckets are all-reduced.
+  std::vector<std::int64_t> blocks;
+  void plan_blocks();
   void launch(int rank, std::size_t bucket, Stream& compute, nn::GradientSync::Reduced const& reduced);
-  // Elements per rank of a bucket's sharded part with the sharded update (0: not sharded); the
-  // bucket's first block() * ranks elements are split in rank order, the rest are replicated.
-  [[nodiscard]] std::int64_t block(std::size_t bucket) const;
   void gather_optimizer_state();
   std::atomic<bool> state_scattered{false};  // some optimizer state is current only in its owner's blocks
 };
@@ -152,9 +153,11 @@ struct DataParallel::Impl::Rank {
   std::shared_ptr<std::array<std::int64_t, 2>> wait_marks = std::make_shared<std::array<std::int64_t, 2>>();
 };
 
-std::int64_t DataParallel::Impl::block(std::size_t bucket) const {
-  if (!options.shard_update || comm->size() < 2) return 0;
-  return (buckets[bucket].second - buckets[bucket].first) / comm->size();
+void DataParallel::Impl::plan_blocks() {
+  int const n = comm->size();
+  blocks.assign(buckets.size(), 0);
+  if (!options.shard_update || n < 2) return;
+  for (std::size_t b = 0; b < buckets.size(); ++b) blocks[b] = (buckets[b].second - buckets[b].first) / n;
 }
 
 void DataParallel::Impl::launch(int rank, std::size_t bucket, Stream& compute, nn::GradientSync::Reduced const& reduced) {
@@ -163,68 +166,74 @@ void DataParallel::Impl::launch(int rank, std::size_t bucket, Stream& compute, n
   st.bucket_events[bucket].record(compute);
   st.bucket_events[bucket].wait(st.comm_stream);
   Tensor const grads = st.model.master_gradients().slice(begin, end);
-  // Sharded update: reduce-scatter the first `body` elements so that this rank holds the sum of its
-  // block, all-reduce the few left over, update the block (and the leftovers), all-gather.
-  std::int64_t const block = reduced ? this->block(bucket) : 0;
-  std::int64_t const body = block * comm->size();
-  std::int64_t const mine = rank * block;
-  auto const reduce = [&] {
-    if (block > 0 && !options.comm_hook && !(options.deterministic && comm->backend() != comm::Backend::host)) {
-      comm->reduce_scatter(rank, grads.slice(0, body), grads.slice(mine, mine + block), comm::ReduceOp::sum, st.comm_stream);
-      if (body < grads.numel()) comm->all_reduce(rank, grads.slice(body, grads.numel()), grads.slice(body, grads.numel()), comm::ReduceOp::sum, st.comm_stream);
-    } else if (options.comm_hook) {
-      options.comm_hook->reduce(*comm, rank, static_cast<int>(bucket), grads, group->allocator(rank), st.comm_stream);
-    } else if (options.deterministic && comm->backend() != comm::Backend::host && comm->size() > 1) {
-      std::int64_t const n = grads.numel();
-      if (!st.gathered.defined() || st.gathered.numel() < n * comm->size())
-        st.gathered = Tensor::empty({n * comm->size()}, DType::float32, group->allocator(rank));
-      comm->all_gather(rank, grads, st.gathered.slice(0, n * comm->size()), st.comm_stream);
-      copy_async(grads, st.gathered.slice(0, n), st.comm_stream);
-      for (int r = 1; r < comm->size(); ++r) ops::add_scaled(grads, st.gathered.slice(r * n, (r + 1) * n), 1.0f, st.comm_stream);
-    } else {
-      comm->all_reduce(rank, grads, grads, comm::ReduceOp::sum, st.comm_stream);
-    }
-  };
+  Tensor const params = st.model.master_parameters().slice(begin, end);
   bool const traced = options.timeline && options.timeline->enabled();
   int const who = ranks[static_cast<std::size_t>(rank)];
-  if (traced) {
-    options.timeline->stream_span(st.comm_stream, (block > 0 ? "reduce-scatter bucket " : "all-reduce bucket ") + std::to_string(bucket),
-                                  "communication", who, trace::Lane::communication, reduce);
-  } else {
-    reduce();
+  auto const span = [&](std::string name, auto&& enqueue) {
+    if (traced) {
+      options.timeline->stream_span(st.comm_stream, std::move(name) + " bucket " + std::to_string(bucket), "communication", who,
+                                    trace::Lane::communication, enqueue);
+    } else {
+      enqueue();
+    }
+  };
+  // With the sharded update and a plain sum, the bucket is reduce-scattered.
+  std::int64_t const block = reduced ? blocks[bucket] : 0;
+  bool const scatter = block > 0 && !options.comm_hook && !(options.deterministic && comm->backend() != comm::Backend::host);
+  if (!scatter) {
+    span("all-reduce", [&] {
+      if (options.comm_hook) {
+        options.comm_hook->reduce(*comm, rank, static_cast<int>(bucket), grads, group->allocator(rank), st.comm_stream);
+      } else if (options.deterministic && comm->backend() != comm::Backend::host && comm->size() > 1) {
+        std::int64_t const n = grads.numel();
+        if (!st.gathered.defined() || st.gathered.numel() < n * comm->size())
+          st.gathered = Tensor::empty({n * comm->size()}, DType::float32, group->allocator(rank));
+        comm->all_gather(rank, grads, st.gathered.slice(0, n * comm->size()), st.comm_stream);
+        copy_async(grads, st.gathered.slice(0, n), st.comm_stream);
+        for (int r = 1; r < comm->size(); ++r) ops::add_scaled(grads, st.gathered.slice(r * n, (r + 1) * n), 1.0f, st.comm_stream);
+      } else {
+        comm->all_reduce(rank, grads, grads, comm::ReduceOp::sum, st.comm_stream);
+      }
+    });
   }
   if (!reduced) return;
   if (block == 0) {
     reduced(begin, end, st.comm_stream);
     return;
   }
-  reduced(begin + mine, begin + mine + block, st.comm_stream);
-  if (begin + body < end) reduced(begin + body, end, st.comm_stream);
-  state_scattered.store(true, std::memory_order_relaxed);
-  auto const gather = [&] {
-    Tensor const params = st.model.master_parameters().slice(begin, begin + body);
-    comm->all_gather(rank, params.slice(mine, mine + block), params, st.comm_stream);
-    st.model.sync_parameters(st.comm_stream, begin, begin + body);
-  };
-  if (traced) {
-    options.timeline->stream_span(st.comm_stream, "all-gather bucket " + std::to_string(bucket), "communication", who,
-                                  trace::Lane::communication, gather);
-  } else {
-    gather();
+  // Sharded update: this rank's block of the bucket is reduced and updated, then every rank's
+  // updated block is gathered. The few elements past the blocks (fewer than the ranks) are reduced
+  // and updated everywhere.
+  int const n = comm->size();
+  std::int64_t const mine = rank * block;
+  std::int64_t const body = block * n;
+  if (scatter) {
+    span("reduce-scatter", [&] {
+      comm->reduce_scatter(rank, grads.slice(0, body), grads.slice(mine, mine + block), comm::ReduceOp::sum, st.comm_stream);
+      if (body < grads.numel()) comm->all_reduce(rank, grads.slice(body, grads.numel()), grads.slice(body, grads.numel()), comm::ReduceOp::sum, st.comm_stream);
+    });
   }
+  reduced(begin + mine, begin + mine + block, st.comm_stream);
+  if (body < grads.numel()) reduced(begin + body, end, st.comm_stream);
+  span("all-gather", [&] {
+    comm->all_gather(rank, params.slice(mine, mine + block), params.slice(0, body), st.comm_stream);
+    st.model.sync_parameters(st.comm_stream, begin, begin + body);
+  });
+  state_scattered.store(true, std::memory_order_relaxed);
 }
 
 // Every rank's blocks of every optimizer state buffer to every rank (the sharded update leaves each
 // rank's state current in its own blocks only).
 void DataParallel::Impl::gather_optimizer_state() {
   if (!state_scattered.load(std::memory_order_relaxed)) return;
+  int const n = comm->size();
   group->run([&](int rank, Device, Stream& stream) {
     Rank& st = *state[static_cast<std::size_t>(rank)];
-    for (auto const& [name, tensor] : st.optimizer->state()) {
+    for (auto const& named : st.optimizer->state()) {
       for (std::size_t b = 0; b < buckets.size(); ++b) {
-        std::int64_t const block = this->block(b);
+        std::int64_t const block = blocks[b];
         if (block == 0) continue;
-        Tensor const part = tensor.slice(buckets[b].first, buckets[b].first + block * comm->size());
+        Tensor const part = named.second.slice(buckets[b].first, buckets[b].first + block * n);
         comm->all_gather(rank, part.slice(rank * block, (rank + 1) * block), part, stream);
       }
     }
@@ -302,6 +311,7 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
   im.buckets = plan_buckets(model, options.first_bucket_cap_bytes, options.bucket_cap_bytes);
   im.options = std::move(options);
   im.comm = comm::make_communicator(*im.group, im.options.comm);
+  im.plan_blocks();
   if (im.options.comm_hook) {
     std::vector<std::int64_t> sizes;
     for (auto const& [b, e] : im.buckets) sizes.push_back(e - b);

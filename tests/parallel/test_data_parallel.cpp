@@ -235,29 +235,33 @@ TEST_CASE("Deterministic mode: bitwise equal parameters whatever the buckets, ov
 
 TEST_CASE("The sharded update gives bitwise the replicated update's parameters and optimizer state", "[parallel][dp]") {
   Data data(3, 23, 14);
-  for (int n = 2; n <= 5; ++n) {
-    // Small buckets whose lengths do not divide by n: blocks plus replicated leftovers.
-    std::vector<std::vector<float>> params, state;
-    for (bool shard : {false, true}) {
-      INFO(n << " devices, shard_update " << shard);
-      mgpu::DeviceGroup group{"host:" + std::to_string(n)};
-      DataParallelOptions options;
-      options.shard_update = shard;
-      options.first_bucket_cap_bytes = 64;
-      options.bucket_cap_bytes = 300;
-      DataParallel dp(small_mlp(), group, mgpu::optim::AdamW({.lr = 0.01f, .weight_decay = 0.1f}), options);
-      for (int b = 0; b < 3; ++b) dp.step(data.x[b], data.y[b]);
-      params.push_back(dp_params(dp));
-      for (int r = 1; r < n; ++r) REQUIRE(dp_params(dp, r) == params.back());  // every rank gathered every block
-      std::vector<float> all;
-      for (auto const& [name, tensor] : dp.optimizer(n - 1).state()) {
-        auto const values = host_values(tensor, dp.group().stream(n - 1));
-        all.insert(all.end(), values.begin(), values.end());
+  // Buckets of one layer each, whose lengths do not divide by n (blocks plus replicated leftovers),
+  // small and large.
+  for (bool const wide : {false, true}) {
+    for (int n = 2; n <= 5; ++n) {
+      std::vector<std::vector<float>> params, state;
+      for (bool const shard : {false, true}) {
+        INFO(n << " devices, shard_update " << shard << (wide ? ", wide model" : ""));
+        mgpu::DeviceGroup group{"host:" + std::to_string(n)};
+        DataParallelOptions options;
+        options.shard_update = shard;
+        options.first_bucket_cap_bytes = 64;
+        options.bucket_cap_bytes = 300;
+        DataParallel dp(wide ? mgpu::nn::Sequential::mlp({features, 700, 400, classes}) : small_mlp(), group,
+                        mgpu::optim::AdamW({.lr = 0.01f, .weight_decay = 0.1f}), options);
+        for (int b = 0; b < 3; ++b) dp.step(data.x[b], data.y[b]);
+        params.push_back(dp_params(dp));
+        for (int r = 1; r < n; ++r) REQUIRE(dp_params(dp, r) == params.back());  // every rank gathered every block
+        std::vector<float> all;
+        for (auto const& [name, tensor] : dp.optimizer(n - 1).state()) {
+          auto const values = host_values(tensor, dp.group().stream(n - 1));
+          all.insert(all.end(), values.begin(), values.end());
+        }
+        state.push_back(all);
       }
-      state.push_back(all);
+      CHECK(params[1] == params[0]);
+      CHECK(state[1] == state[0]);  // the last rank's optimizer gathered the other ranks' blocks
     }
-    CHECK(params[1] == params[0]);
-    CHECK(state[1] == state[0]);  // the last rank's optimizer gathered the other ranks' blocks
   }
 }
 
@@ -305,9 +309,9 @@ TEST_CASE("The timeline shows a bucket's all-reduce starting while earlier layer
     forwards += name == "forward" ? 1 : 0;
   }
   CHECK(forwards == 2 * 2);  // 2 ranks, 2 steps
+  // Each bucket is reduce-scattered; each rank updates its block on the communication stream, then
+  // gathers the bucket (both buckets split evenly in two: no leftover elements).
   CHECK(reduces == 2 * 2 * static_cast<int>(dp.buckets().size()));
-  // Each rank updates its block of each bucket on the communication stream after the reduce (both
-  // buckets split evenly in two), then gathers the parameters.
   CHECK(updates == reduces);
   CHECK(gathers == reduces);
 }
