@@ -242,32 +242,40 @@ TEST_CASE("stage_devices reads speed and free memory off the group", "[parallel]
 }
 
 TEST_CASE("profiling on a speed-emulated rank 0 reports the fastest device's costs", "[parallel][partition]") {
-  nn::Sequential const model = sleepers(1, 1.0);  // 2 ms of sleep per forward + backward
+  nn::Sequential const model = sleepers(1, 2.0);  // 4 ms of sleep per forward + backward
+  std::vector<double> sleep_seconds;
   for (char const* spec : {"host:1", "host:2@speed=0.5,1"}) {
     CAPTURE(spec);
     mgpu::DeviceGroup group(spec);
-    pp::LayerProfile const profile = pp::profile_layers(model, group, {4, 8}, 3);
-    CHECK(profile.seconds[1] > 1.9e-3);
-    CHECK(profile.seconds[1] < 3.0e-3);  // rank 0 at half speed measures twice that, scaled back
+    pp::LayerProfile const profile = pp::profile_layers(model, group, {4, 8}, 5);
+    sleep_seconds.push_back(profile.seconds[1]);
+    CHECK(profile.seconds[1] > 3.5e-3);
     CHECK(profile.parameter_bytes == std::vector<double>{8 * 8 * 4 + 8 * 4, 0.0});
     CHECK(profile.activation_bytes[0] >= 4 * 8 * 4);  // at least the Linear's output
   }
+  // Rank 0 at half speed takes about twice as long; scaled back, the costs agree (a loaded machine
+  // stretches sleeps: the bounds tell 1 from 2 or 0.5).
+  CHECK(sleep_seconds[1] / sleep_seconds[0] > 0.7);
+  CHECK(sleep_seconds[1] / sleep_seconds[0] < 1.4);
 }
 
 TEST_CASE("on host:2@speed=1,0.5 the planned cuts give the faster device more layers, and a faster step", "[parallel][partition]") {
   mgpu::DeviceGroup group("host:2@speed=1,0.5");
-  nn::Sequential const model = sleepers(8, 0.5);  // 16 units: 8 Linears and 8 sleeps of 1 ms per micro-batch
-  pp::Schedule const schedule = pp::one_f_one_b(2, 4);
-  pp::LayerProfile const profile = pp::profile_layers(model, group, {4, 8}, 3);
+  // 16 units: 8 tiny Linears and 8 sleeps of 4 ms per micro-batch (long enough that a loaded
+  // machine's late wake-ups do not decide the plan).
+  nn::Sequential const model = sleepers(8, 2.0);
+  pp::Schedule const schedule = pp::one_f_one_b(2, 2);
+  pp::LayerProfile const profile = pp::profile_layers(model, group, {4, 8}, 5);
   pp::Partition const plan = pp::partition(model, schedule, profile, pp::stage_devices(group));
   INFO(pp::to_string(plan));
-  // Ideally 5 or 6 of the 8 sleeps on device 0 (5.33 balances 1 ms against 2 ms per sleep).
+  CHECK(plan.cuts[1] > 16 - plan.cuts[1]);  // device 0 gets more layers
+  // Ideally 5 or 6 of the 8 sleeps on device 0 (5.33 balances 4 ms against 8 ms per sleep).
   CHECK(plan.cuts[1] >= 10);
   CHECK(plan.cuts[1] <= 12);
-  // Device 1's chunk: its sleeps (the odd layers) at 1 ms each, twice as long at half speed.
+  // Device 1's chunk: its sleeps (the odd layers) at 4 ms each, twice as long at half speed.
   std::size_t sleeps = 0;
   for (std::size_t l = plan.cuts[1]; l < 16; ++l) sleeps += l % 2;
-  CHECK(plan.chunk_seconds[1] == Approx(2e-3 * static_cast<double>(sleeps)).epsilon(0.3));
+  CHECK(plan.chunk_seconds[1] == Approx(8e-3 * static_cast<double>(sleeps)).epsilon(0.2));
 
   auto const sgd = [] { return std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 0.1f}); };
   auto const host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
@@ -278,14 +286,19 @@ TEST_CASE("on host:2@speed=1,0.5 the planned cuts give the faster device more la
   auto const fastest_step = [&](std::vector<std::size_t> const& cuts) {
     pp::Executor executor(model, group, cuts, schedule, sgd, {.seed = 1});
     double best = inf;
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < 2; ++i) {
       executor.compute_gradients(x, y);
       best = std::min(best, executor.last_step_seconds());
     }
     return best;
   };
-  double const planned = fastest_step(plan.cuts);
-  double const even = fastest_step({0, 8, 16});
-  INFO("planned " << planned << " s, even " << even << " s");
-  CHECK(planned < 0.9 * even);  // about 30 ms against 40 ms
+  // Wall-clock on a shared machine: the best of three tries (a busy machine can stretch either run).
+  double ratio = inf;
+  for (int attempt = 0; attempt < 3 && ratio >= 0.9; ++attempt) {
+    double const planned = fastest_step(plan.cuts);
+    double const even = fastest_step({0, 8, 16});
+    UNSCOPED_INFO("planned " << planned << " s, even " << even << " s");
+    ratio = std::min(ratio, planned / even);
+  }
+  CHECK(ratio < 0.9);  // about 64 ms against 96 ms
 }
