@@ -162,7 +162,7 @@ void BM_partition(benchmark::State& state, std::string const& spec) {
   nn::Sequential model;
   for (double const c : costs_ms) model.add(std::make_unique<Sleep>(c / 3, c / 3, c / 3));
   mgpu::DeviceGroup group(spec);
-  auto const devices = pp::stage_devices(group);
+  auto const devices = pp::stage_devices(group, group.size());
   std::vector<double> speeds;
   for (auto const& d : devices) speeds.push_back(d.speed);
   double ratio = 0, even = 0;

@@ -77,23 +77,6 @@ double measured_bubble(mgpu::trace::Timeline const& timeline, int ranks) {
   return 1.0 - busy / (static_cast<double>(ranks) * static_cast<double>(end - begin));
 }
 
-// Each pipeline device as the partitioner sees it: with data-parallel replicas, the slowest speed
-// and least free memory among the ranks that run that device's chunks.
-std::vector<pp::StageDevice> stage_devices(mgpu::DeviceGroup const& group, int devices, int replicas) {
-  if (group.size() != devices * replicas)
-    throw mgpu::Error(mgpu::Errc::invalid_argument, "a group of " + std::to_string(group.size()) + " devices for " + std::to_string(devices) +
-                                                        " stage(s) x " + std::to_string(replicas) + " replica(s) (expected " +
-                                                        std::to_string(devices * replicas) + " devices)");
-  auto const ranks = pp::stage_devices(group);
-  std::vector<pp::StageDevice> out(static_cast<std::size_t>(devices), {INFINITY, INFINITY});
-  for (int r = 0; r < devices * replicas; ++r) {
-    auto& d = out[static_cast<std::size_t>(r % devices)];
-    d.speed = std::min(d.speed, ranks[static_cast<std::size_t>(r)].speed);
-    d.free_bytes = std::min(d.free_bytes, ranks[static_cast<std::size_t>(r)].free_bytes);
-  }
-  return out;
-}
-
 // The plan of --cuts: each chunk's profiled time on its device (memory not modelled).
 pp::Partition given(std::vector<std::size_t> const& cuts, pp::Schedule const& schedule, pp::LayerProfile const& profile,
                     std::vector<pp::StageDevice> const& devices) {
@@ -126,7 +109,10 @@ int train(Options const& o) {
   // Profiled layers; the plan for the devices (or the --cuts given, with their predicted times),
   // and the simulator's per-chunk costs (a third forward, two thirds backward) from it.
   pp::LayerProfile const profile = pp::profile_layers(model, group, {micro_rows, all.features()});
-  std::vector<pp::StageDevice> const devices = stage_devices(group, schedule.devices, o.dp);
+  if (group.size() != schedule.devices * o.dp)
+    throw mgpu::Error(mgpu::Errc::invalid_argument, "--devices " + spec + " has " + std::to_string(group.size()) + " devices (expected --stages x --dp = " +
+                                                        std::to_string(schedule.devices * o.dp) + ")");
+  std::vector<pp::StageDevice> const devices = pp::stage_devices(group, schedule.devices);
   pp::Partition const plan = o.cuts.empty() ? pp::partition(model, schedule, profile, devices) : given(o.cuts, schedule, profile, devices);
   std::vector<pp::ActionCosts> costs;
   for (double const s : plan.chunk_seconds) costs.push_back({s / 3, s / 3, s / 3, 0.0});

@@ -199,19 +199,24 @@ Partition partition(nn::Sequential const& model, Schedule const& schedule, Layer
   return plan;
 }
 
-std::vector<StageDevice> stage_devices(DeviceGroup const& group) {
+std::vector<StageDevice> stage_devices(DeviceGroup const& group, int devices) {
+  if (devices < 1 || group.size() % devices != 0)
+    throw Error(Errc::invalid_argument, "stage_devices for " + std::to_string(devices) + " pipeline devices of a group of " +
+                                            std::to_string(group.size()) + " (expected a divisor of the group's size)");
   sched::NodeState const node = sched::node_state(group);
-  std::vector<StageDevice> devices;
+  std::vector<StageDevice> out(at(devices), {unlimited, unlimited});
   for (int r = 0; r < group.size(); ++r) {
     sched::DeviceState const& d = node.devices[at(r)];
-    StageDevice device{d.speed, d.free_bytes};
+    double free = d.free_bytes;
     if (auto const limit = group.allocator(r).limit()) {
       double const allocated = static_cast<double>(group.allocator(r).stats().allocated);
-      device.free_bytes = std::min(device.free_bytes, std::max(0.0, static_cast<double>(*limit) - allocated));
+      free = std::min(free, std::max(0.0, static_cast<double>(*limit) - allocated));
     }
-    devices.push_back(device);
+    StageDevice& device = out[at(r % devices)];
+    device.speed = std::min(device.speed, d.speed);
+    device.free_bytes = std::min(device.free_bytes, free);
   }
-  return devices;
+  return out;
 }
 
 LayerProfile profile_layers(nn::Sequential const& model, DeviceGroup& group, Shape const& input, int repeats) {

@@ -233,12 +233,21 @@ TEST_CASE("an impossible partition names the chunk, device, bytes needed and fre
 TEST_CASE("stage_devices reads speed and free memory off the group", "[parallel][partition]") {
   mgpu::DeviceGroup group("host:2@speed=1,0.5");
   group.allocator(1).set_limit(std::size_t{1} << 20);
-  auto const devices = pp::stage_devices(group);
+  auto const devices = pp::stage_devices(group, 2);
   REQUIRE(devices.size() == 2);
   CHECK(devices[0].speed == 1.0);
   CHECK(devices[1].speed == 0.5);
   CHECK(devices[0].free_bytes > static_cast<double>(std::size_t{1} << 20));
   CHECK(devices[1].free_bytes == static_cast<double>((std::size_t{1} << 20) - group.allocator(1).stats().allocated));
+  // Two replicas of a 2-device pipeline: each pipeline device is its slowest, least free rank.
+  mgpu::DeviceGroup grid("host:4@speed=1,1,0.5,1");
+  grid.allocator(1).set_limit(std::size_t{1} << 20);
+  auto const stages = pp::stage_devices(grid, 2);
+  REQUIRE(stages.size() == 2);
+  CHECK(stages[0].speed == 0.5);  // ranks 0 and 2
+  CHECK(stages[1].speed == 1.0);  // ranks 1 and 3
+  CHECK(stages[1].free_bytes == static_cast<double>((std::size_t{1} << 20) - grid.allocator(1).stats().allocated));
+  REQUIRE_MGPU_ERROR(pp::stage_devices(grid, 3), mgpu::Errc::invalid_argument, "3 pipeline devices of a group of 4 (expected a divisor");
 }
 
 TEST_CASE("profiling on a speed-emulated rank 0 reports the fastest device's costs", "[parallel][partition]") {
@@ -266,7 +275,7 @@ TEST_CASE("on host:2@speed=1,0.5 the planned cuts give the faster device more la
   nn::Sequential const model = sleepers(8, 2.0);
   pp::Schedule const schedule = pp::one_f_one_b(2, 2);
   pp::LayerProfile const profile = pp::profile_layers(model, group, {4, 8}, 5);
-  pp::Partition const plan = pp::partition(model, schedule, profile, pp::stage_devices(group));
+  pp::Partition const plan = pp::partition(model, schedule, profile, pp::stage_devices(group, 2));
   INFO(pp::to_string(plan));
   CHECK(plan.cuts[1] > 16 - plan.cuts[1]);  // device 0 gets more layers
   // Ideally 5 or 6 of the 8 sleeps on device 0 (5.33 balances 4 ms against 8 ms per sleep).

@@ -57,11 +57,14 @@ struct StageDevice {
   double free_bytes = std::numeric_limits<double>::infinity();
 };
 
-/// Each rank of `group` as a StageDevice, from sched::node_state(group): speed relative to the
-/// group's fastest device (the device profile_layers() reports costs for); free bytes: the rank's
-/// share of its device's memory minus what its allocator holds, and at most the allocator's limit
-/// minus what it has allocated.
-std::vector<StageDevice> stage_devices(DeviceGroup const& group);
+/// The `devices` pipeline devices of `group` as StageDevices, from sched::node_state(group): with
+/// data-parallel replicas (group.size() a multiple of `devices`; rank r runs pipeline device
+/// r % devices, as in the Executor), each pipeline device is its slowest rank with its least free
+/// memory. Speed: relative to the group's fastest device (the device profile_layers() reports
+/// costs for); free bytes: the rank's share of its device's memory minus what its allocator holds,
+/// and at most the allocator's limit minus what it has allocated. Throws Error(invalid_argument)
+/// when group.size() is not a multiple of `devices`.
+std::vector<StageDevice> stage_devices(DeviceGroup const& group, int devices);
 
 /// Per-layer costs for partitioning, one entry per layer (a unit's cost sits on its first layer).
 struct LayerProfile {
