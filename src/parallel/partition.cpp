@@ -64,7 +64,7 @@ template <class Cost, class Allowed>
 std::vector<int> min_max_split(int units, int chunks, Cost const& cost, Allowed const& allowed) {
   std::vector<std::vector<double>> best(at(chunks) + 1, std::vector<double>(at(units) + 1, unlimited));
   std::vector<std::vector<int>> last_first(at(chunks) + 1, std::vector<int>(at(units) + 1, -1));
-  best[0][0] = 0;
+  best[0][0] = -unlimited;  // max's neutral element: no chunk yet
   for (int c = 1; c <= chunks; ++c) {
     for (int u = c; u <= units - (chunks - c); ++u) {
       for (int j = c - 1; j < u; ++j) {
@@ -163,12 +163,12 @@ Partition partition(nn::Sequential const& model, Schedule const& schedule, Layer
   auto const state = [&](int begin, int end) { return (parameters[at(end)] - parameters[at(begin)]) * copies; };
   auto const held = [&](int c, int begin, int end) { return in_flight[at(schedule.device_of(c))] * (activations[at(end)] - activations[at(begin)]); };
   auto const need = [&](int c, int begin, int end) { return state(begin, end) + held(c, begin, end); };
-  auto const free = [&](int c) { return device(c).free_bytes / schedule.chunks_per_device; };
+  auto const budget = [&](int c) { return device(c).free_bytes / schedule.chunks_per_device; };
   int const units = static_cast<int>(cuts.size()) - 1;
-  std::vector<int> const first = min_max_split(units, chunks, time, [&](int c, int begin, int end) { return need(c, begin, end) <= free(c); });
+  std::vector<int> const first = min_max_split(units, chunks, time, [&](int c, int begin, int end) { return need(c, begin, end) <= budget(c); });
   if (first.empty()) {
     // The split that overflows least, and its worst chunk.
-    auto const overflow = [&](int c, int begin, int end) { return need(c, begin, end) - free(c); };
+    auto const overflow = [&](int c, int begin, int end) { return need(c, begin, end) - budget(c); };
     std::vector<int> const closest = min_max_split(units, chunks, overflow, [](int, int, int) { return true; });
     int worst = 0;
     for (int c = 1; c < chunks; ++c) {
@@ -182,7 +182,7 @@ Partition partition(nn::Sequential const& model, Schedule const& schedule, Layer
                     std::to_string(cuts[at(end)]) + ")) on device " + std::to_string(schedule.device_of(worst)) + " needs " +
                     bytes(need(worst, begin, end)) + " (" + bytes(state(begin, end)) + " of parameters, gradients and optimizer state, " +
                     bytes(held(worst, begin, end)) + " for " + std::to_string(in_flight[at(schedule.device_of(worst))]) +
-                    " micro-batches in flight) but has " + bytes(free(worst)) +
+                    " micro-batches in flight) but has " + bytes(budget(worst)) +
                     " free (expected a need within the free memory: more devices, fewer micro-batches in flight or more memory)");
   }
   Partition plan;
@@ -193,7 +193,7 @@ Partition partition(nn::Sequential const& model, Schedule const& schedule, Layer
     plan.chunk_seconds.push_back(time(c, begin, end));
     plan.device.push_back(schedule.device_of(c));
     plan.chunk_bytes.push_back(need(c, begin, end));
-    plan.free_bytes.push_back(free(c));
+    plan.free_bytes.push_back(budget(c));
   }
   plan.cuts.push_back(model.size());
   return plan;
