@@ -14,8 +14,10 @@
 //   peak_activation_bytes    rank 0's allocator peak during the step (activations in flight);
 //   samples_per_s            rows per second of the step.
 // BM_partition: unbalanced sleeping layers (costs 1,1,1,6,1,1,3,1,2,1 ms) profiled, partitioned
-// into 4 stages by pipeline::partition; partition_vs_optimum is its slowest stage over the brute-
-// force optimum of the same profiled costs, and even_vs_optimum the same for equal-unit cuts.
+// into 4 stages for 1F1B on 4 host devices by pipeline::partition, on equal devices and on devices
+// of speeds 1, 0.5, 1, 0.5 (stage time: cost / speed); partition_vs_optimum is its slowest stage
+// over the brute-force optimum of the same profiled costs and speeds, and even_vs_optimum the same
+// for equal-unit cuts.
 //
 //   bench_pipeline --benchmark_out=pipeline.json --benchmark_out_format=json
 #include <benchmark/benchmark.h>
@@ -23,6 +25,7 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -143,36 +146,40 @@ void BM_schedule(benchmark::State& state, std::string const& name) {
   state.counters["sleep_overshoot_us"] = overshoot_ms * 1e3;
 }
 
-// The slowest stage of cutting per-unit costs at `cuts` (unit indices).
-double slowest(std::vector<double> const& unit, std::vector<int> const& cuts) {
+// The slowest stage of cutting per-unit costs at `cuts` (unit indices), stage s at speeds[s].
+double slowest(std::vector<double> const& unit, std::vector<double> const& speeds, std::vector<int> const& cuts) {
   double worst = 0;
   for (std::size_t s = 0; s + 1 < cuts.size(); ++s) {
     double sum = 0;
     for (int u = cuts[s]; u < cuts[s + 1]; ++u) sum += unit[static_cast<std::size_t>(u)];
-    worst = std::max(worst, sum);
+    worst = std::max(worst, sum / speeds[s]);
   }
   return worst;
 }
 
-void BM_partition(benchmark::State& state) {
+void BM_partition(benchmark::State& state, std::string const& spec) {
   std::vector<double> const costs_ms{1, 1, 1, 6, 1, 1, 3, 1, 2, 1};
   nn::Sequential model;
   for (double const c : costs_ms) model.add(std::make_unique<Sleep>(c / 3, c / 3, c / 3));
-  mgpu::DeviceGroup group("host:1");
+  mgpu::DeviceGroup group(spec);
+  auto const devices = pp::stage_devices(group, group.size());
+  std::vector<double> speeds;
+  for (auto const& d : devices) speeds.push_back(d.speed);
   double ratio = 0, even = 0;
   for (auto _ : state) {
-    auto const seconds = pp::profile_layers(model, group, {rows, width}, 3);
-    pp::Partition const plan = pp::partition(model, devices, seconds);
+    pp::LayerProfile const profile = pp::profile_layers(model, group, {rows, width}, 3);
+    std::vector<double> const& seconds = profile.seconds;
+    pp::Partition const plan = pp::partition(model, pp::one_f_one_b(group.size(), micro_batches), profile, devices);
     // Brute force over every 4-way split of the 10 units.
     int const n = static_cast<int>(seconds.size());
     double best = 1e300;
     for (int a = 1; a < n; ++a)
       for (int b = a + 1; b < n; ++b)
-        for (int c = b + 1; c < n; ++c) best = std::min(best, slowest(seconds, {0, a, b, c, n}));
+        for (int c = b + 1; c < n; ++c) best = std::min(best, slowest(seconds, speeds, {0, a, b, c, n}));
     std::vector<int> got;
     for (std::size_t const cut : plan.cuts) got.push_back(static_cast<int>(cut));
-    ratio = slowest(seconds, got) / best;
-    even = slowest(seconds, {0, 3, 5, 8, 10}) / best;
+    ratio = slowest(seconds, speeds, got) / best;
+    even = slowest(seconds, speeds, {0, 3, 5, 8, 10}) / best;
   }
   state.counters["partition_vs_optimum"] = ratio;
   state.counters["even_vs_optimum"] = even;
@@ -185,6 +192,7 @@ BENCHMARK_CAPTURE(BM_schedule, gpipe, std::string("gpipe"))->UseManualTime()->It
 BENCHMARK_CAPTURE(BM_schedule, one_f_one_b, std::string("1f1b"))->UseManualTime()->Iterations(5)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_schedule, interleaved, std::string("interleaved"))->UseManualTime()->Iterations(5)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_schedule, zero_bubble, std::string("zb"))->UseManualTime()->Iterations(5)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_partition)->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_partition, equal, std::string("host:4"))->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_partition, speeds_1_half_1_half, std::string("host:4@speed=1,0.5,1,0.5"))->Iterations(1)->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

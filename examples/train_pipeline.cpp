@@ -1,9 +1,13 @@
 // train_pipeline: trains an MLP classifier split into pipeline stages over several devices, with
-// any schedule, optionally replicated data-parallel (a data x pipeline grid). Prints the partition,
-// the simulated and the measured bubble of a step, and the test accuracy; --trace writes the last
-// step's timeline (Chrome/Perfetto JSON).
+// any schedule, optionally replicated data-parallel (a data x pipeline grid). Without --cuts, the
+// model is cut for the devices: layers profiled on rank 0, each stage's device speed and free
+// memory (heterogeneous groups get uneven stages). Prints the plan (layers, predicted time and
+// memory per chunk), the simulated and the measured bubble of a step, and the test accuracy;
+// --trace writes the last step's timeline (Chrome/Perfetto JSON).
 //
 //   train_pipeline --schedule 1f1b --stages 4 --micro-batches 8
+//   train_pipeline --schedule 1f1b --stages 2 --devices host:2@speed=1,0.5
+//   train_pipeline --schedule gpipe --stages 2 --cuts 0,6,16
 //   train_pipeline --schedule zb --stages 4 --micro-batches 8 --trace zb.json
 //   train_pipeline --schedule interleaved --chunks 2 --stages 2 --micro-batches 4 --dp 2
 //   train_pipeline --data csv:iris.csv --layers 32,32,3 --schedule gpipe --stages 2
@@ -43,7 +47,7 @@ struct Options {
   int micro_batches = 4;
   int chunks = 2;
   int dp = 1;
-  bool auto_partition = false;
+  std::vector<std::size_t> cuts;
   std::string trace;
   bool json = false;
 };
@@ -73,6 +77,26 @@ double measured_bubble(mgpu::trace::Timeline const& timeline, int ranks) {
   return 1.0 - busy / (static_cast<double>(ranks) * static_cast<double>(end - begin));
 }
 
+// The plan of --cuts: each chunk's profiled time on its device (memory not modelled).
+pp::Partition given(std::vector<std::size_t> const& cuts, pp::Schedule const& schedule, pp::LayerProfile const& profile,
+                    std::vector<pp::StageDevice> const& devices) {
+  if (cuts.size() != static_cast<std::size_t>(schedule.chunks()) + 1)
+    throw mgpu::Error(mgpu::Errc::invalid_argument, "--cuts with " + std::to_string(cuts.size()) + " values (expected " +
+                                                        std::to_string(schedule.chunks() + 1) + ": where each of the " +
+                                                        std::to_string(schedule.chunks()) + " chunks starts, then the layer count)");
+  pp::Partition plan{cuts, {}, {}, {}, {}};
+  for (int c = 0; c + 1 < static_cast<int>(cuts.size()); ++c) {
+    double seconds = 0;
+    for (std::size_t l = cuts[static_cast<std::size_t>(c)]; l < cuts[static_cast<std::size_t>(c) + 1] && l < profile.seconds.size(); ++l)
+      seconds += profile.seconds[l];
+    plan.device.push_back(schedule.device_of(c));
+    plan.chunk_seconds.push_back(seconds / devices[static_cast<std::size_t>(schedule.device_of(c))].speed);
+    plan.chunk_bytes.push_back(0.0);
+    plan.free_bytes.push_back(INFINITY);
+  }
+  return plan;
+}
+
 int train(Options const& o) {
   std::string const spec = o.devices.empty() ? "host:" + std::to_string(o.stages * o.dp) : o.devices;
   mgpu::DeviceGroup group(spec);
@@ -82,17 +106,14 @@ int train(Options const& o) {
   auto const model = mgpu::nn::Sequential::mlp(examples::parse_widths(o.layers, all.features(), all.classes(), {128, 128, 128, 128, 128, 128, 128}), o.activation);
   std::int64_t const micro_rows = std::max<std::int64_t>(1, o.batch / (o.micro_batches * o.dp));
 
-  // Per-layer costs: profiled (--auto-partition) or equal per unit; the partition and the
-  // simulator's per-chunk costs (a third forward, two thirds backward) come from them.
-  std::vector<double> seconds(model.size(), 0.0);
-  if (o.auto_partition) {
-    seconds = pp::profile_layers(model, group, {micro_rows, all.features()});
-  } else {
-    for (std::size_t const l : model.cut_points()) {
-      if (l < model.size()) seconds[l] = 1.0;
-    }
-  }
-  pp::Partition const plan = pp::partition(model, schedule.chunks(), seconds);
+  // Profiled layers; the plan for the devices (or the --cuts given, with their predicted times),
+  // and the simulator's per-chunk costs (a third forward, two thirds backward) from it.
+  pp::LayerProfile const profile = pp::profile_layers(model, group, {micro_rows, all.features()});
+  if (group.size() != schedule.devices * o.dp)
+    throw mgpu::Error(mgpu::Errc::invalid_argument, "--devices " + spec + " has " + std::to_string(group.size()) + " devices (expected --stages x --dp = " +
+                                                        std::to_string(schedule.devices * o.dp) + ")");
+  std::vector<pp::StageDevice> const devices = pp::stage_devices(group, schedule.devices);
+  pp::Partition const plan = o.cuts.empty() ? pp::partition(model, schedule, profile, devices) : given(o.cuts, schedule, profile, devices);
   std::vector<pp::ActionCosts> costs;
   for (double const s : plan.chunk_seconds) costs.push_back({s / 3, s / 3, s / 3, 0.0});
   pp::Simulation const predicted = pp::simulate(schedule, costs);
@@ -107,14 +128,11 @@ int train(Options const& o) {
   std::fprintf(log, "mgpu %s: %s, %d stage(s) x %d chunk(s) x %d replica(s) on %s, %d micro-batches of ~%lld rows\n", mgpu::version,
                schedule.name.c_str(), schedule.devices, schedule.chunks_per_device, o.dp, spec.c_str(), schedule.micro_batches,
                static_cast<long long>(micro_rows));
-  for (int c = 0; c < schedule.chunks(); ++c) {
-    auto const& chunk = executor.chunk(c);
-    std::string names;
-    for (std::size_t l = 0; l < chunk.size(); ++l) names += (l ? ", " : "") + chunk.layer(l).name();
-    std::fprintf(log, "  chunk %d on device %d: layers [%zu, %zu) %s, predicted %.3g %s\n", c, schedule.device_of(c),
-                 plan.cuts[static_cast<std::size_t>(c)], plan.cuts[static_cast<std::size_t>(c) + 1], names.c_str(),
-                 plan.chunk_seconds[static_cast<std::size_t>(c)], o.auto_partition ? "s" : "units");
-  }
+  std::fprintf(log, "plan (%s; one micro-batch's forward + backward per chunk, its peak memory):\n",
+               o.cuts.empty() ? "for the devices' speed and free memory" : "--cuts");
+  std::string const report = pp::to_string(plan);
+  for (std::size_t begin = 0, end; (end = report.find('\n', begin)) != std::string::npos; begin = end + 1)
+    std::fprintf(log, "  %s\n", report.substr(begin, end - begin).c_str());
 
   auto host = mgpu::Allocator::create(mgpu::Device{mgpu::DeviceKind::host, 0});
   auto const normalizer = o.data.starts_with("idx:") ? mgpu::data::Normalizer{} : mgpu::data::Normalizer::fit(train_set);
@@ -201,7 +219,8 @@ int main(int argc, char** argv) {
   app.add_option("--micro-batches", o.micro_batches, "micro-batches M per step")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--chunks", o.chunks, "model chunks per device for --schedule interleaved")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--dp", o.dp, "data-parallel replicas of the pipeline")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_flag("--auto-partition", o.auto_partition, "cut the model from profiled layer times (default: equal units per stage)");
+  app.add_option("--cuts", o.cuts, "layer indices where chunks start, then the layer count, e.g. 0,6,16 (default: planned for the devices)")
+      ->delimiter(',');
   app.add_option("--trace", o.trace, "write the last step's timeline here (Chrome/Perfetto trace JSON)");
   app.add_flag("--json", o.json, "print the final metrics as one JSON object on stdout");
   CLI11_PARSE(app, argc, argv);

@@ -31,7 +31,8 @@ PY
 
 check "layer-split, P=4" --schedule layer-split --stages 4 --micro-batches 1
 check "gpipe, P=4 M=8" --schedule gpipe --stages 4 --micro-batches 8
-check "1f1b, P=4 M=8" --schedule 1f1b --stages 4 --micro-batches 8 --auto-partition
+check "1f1b, P=4 M=8" --schedule 1f1b --stages 4 --micro-batches 8
+check "1f1b, speeds 1 and 0.5" --schedule 1f1b --stages 2 --micro-batches 4 --devices host:2@speed=1,0.5
 check "interleaved, P=2 v=2 M=4" --schedule interleaved --stages 2 --chunks 2 --micro-batches 4
 check "zb, P=4 M=8" --schedule zb --stages 4 --micro-batches 8
 check "1f1b, 2 x 2 grid" --schedule 1f1b --stages 2 --micro-batches 4 --dp 2

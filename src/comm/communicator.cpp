@@ -3,12 +3,14 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <numeric>
 #include <set>
 #include <string>
 
 #include <mgpu/config.hpp>
 #include <mgpu/core/error.hpp>
 
+#include "comm/backend_choice.hpp"
 #include "comm/cuda_communicators.hpp"
 #include "comm/host_communicator.hpp"
 
@@ -45,10 +47,12 @@ std::chrono::milliseconds default_timeout() {
   return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(seconds * 1000.0)));
 }
 
-Backend choose_backend(DeviceGroup const& group) {
+namespace detail {
+
+Backend natural_backend(std::vector<Device> const& devices) {
   bool any_host = false;
   std::set<int> gpus;
-  for (Device const d : group.devices()) {
+  for (Device const d : devices) {
     if (d.kind == DeviceKind::host) {
       any_host = true;
     } else {
@@ -58,23 +62,33 @@ Backend choose_backend(DeviceGroup const& group) {
   if (any_host && !gpus.empty())
     throw Error(Errc::invalid_argument, "a communicator over a group that mixes host and CUDA devices (expected one kind)");
   if (any_host) return Backend::host;
-  bool const shared_gpu = gpus.size() < group.devices().size();
+  bool const shared_gpu = gpus.size() < devices.size();
   return (built_with_nccl && !shared_gpu) ? Backend::nccl : Backend::cuda_peer;
 }
 
-std::unique_ptr<Communicator> make_communicator(DeviceGroup& group, Options options) {
-  std::chrono::milliseconds const timeout = options.timeout.count() > 0 ? options.timeout : default_timeout();
-  Backend const natural = choose_backend(group);
-  Backend const backend = options.backend == Backend::automatic ? natural : options.backend;
+Backend resolve_backend(std::vector<Device> const& devices, Backend requested) {
+  Backend const natural = natural_backend(devices);
+  Backend const backend = requested == Backend::automatic ? natural : requested;
   bool const host_group = natural == Backend::host;
   if ((backend == Backend::host) != host_group)
     throw Error(Errc::invalid_argument, "the " + std::string(to_string(backend)) + " backend for a group of " +
-                                            group.device(0).to_string() + "... (expected " +
+                                            devices.front().to_string() + "... (expected " +
                                             (host_group ? "the host backend for host devices" : "nccl or cuda_peer for CUDA devices") + ")");
-  switch (backend) {
+  return backend;
+}
+
+}  // namespace detail
+
+Backend choose_backend(DeviceGroup const& group) { return detail::natural_backend(group.devices()); }
+
+std::unique_ptr<Communicator> make_communicator(DeviceGroup& group, Options options) {
+  std::chrono::milliseconds const timeout = options.timeout.count() > 0 ? options.timeout : default_timeout();
+  std::vector<int> all(static_cast<std::size_t>(group.size()));
+  std::iota(all.begin(), all.end(), 0);
+  switch (detail::resolve_backend(group.devices(), options.backend)) {
     case Backend::host: return std::make_unique<detail::HostCommunicator>(group, timeout);
-    case Backend::nccl: return detail::make_nccl_communicator(group, timeout);
-    case Backend::cuda_peer: return detail::make_cuda_peer_communicator(group, timeout);
+    case Backend::nccl: return detail::make_nccl_communicator(group, all, timeout);
+    case Backend::cuda_peer: return detail::make_cuda_peer_communicator(group, all, timeout);
     case Backend::automatic: break;
   }
   throw Error(Errc::invalid_argument, "unknown communicator backend");

@@ -9,7 +9,11 @@
 // rank reuses a buffer another rank still reads. This also serves several logical devices sharing
 // one GPU, which NCCL cannot.
 //
-// nccl: one NCCL communicator per rank from ncclCommInitAll; operations run on the rank's stream.
+// Both serve a whole group or a subset of its ranks (make_communicator(group, ranks)): rank i of
+// the communicator runs on the i-th listed device.
+//
+// nccl: one NCCL communicator per rank, created together over the communicator's GPUs with a fresh
+// unique id (a subset gets its own, beside the group's); operations run on the rank's stream.
 // A watchdog thread polls each operation's completion event and ncclCommGetAsyncError, and aborts
 // every rank's communicator (ncclCommAbort) when an operation passes its deadline or fails.
 #include "comm/cuda_communicators.hpp"
@@ -25,6 +29,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <mgpu/comm/detail/reduce_slice.hpp>
@@ -48,10 +53,19 @@ using Clock = std::chrono::steady_clock;
 
 cudaStream_t native(Stream& stream) { return static_cast<cudaStream_t>(stream.native_handle()); }
 
-void check_cuda_device(DeviceGroup const& group, int rank, Device device, std::string_view what, Call const& call) {
-  if (device != group.device(rank))
+// The devices of the group's `ranks`, in order: communicator rank i runs on the i-th.
+std::vector<Device> devices_of(DeviceGroup const& group, std::vector<int> const& ranks) {
+  std::vector<Device> devices;
+  for (int const r : ranks) devices.push_back(group.device(r));
+  return devices;
+}
+
+// `devices[rank]` is the communicator rank's device (the group's rank it stands for).
+void check_cuda_device(std::vector<Device> const& devices, int rank, Device device, std::string_view what, Call const& call) {
+  Device const own = devices[static_cast<std::size_t>(rank)];
+  if (device != own)
     throw Error(Errc::invalid_argument, call.name(rank) + ": " + std::string(what) + " is on " + device.to_string() +
-                                            " (expected the rank's own device, " + group.device(rank).to_string() + ")");
+                                            " (expected the rank's own device, " + own.to_string() + ")");
 }
 
 // A host meeting point for the ranks' enqueuing threads: everyone posts, then everyone reads.
@@ -110,26 +124,28 @@ struct RankEvents {
 
 class CudaPeerCommunicator final : public CommunicatorBase {
  public:
-  CudaPeerCommunicator(DeviceGroup& group, std::chrono::milliseconds timeout)
-      : CommunicatorBase(group, Backend::cuda_peer, timeout),
-        events_(static_cast<std::size_t>(group.size())),
-        channels_(static_cast<std::size_t>(group.size() * group.size())),
-        meeting_(group.size(), *state()),
-        done_meeting_(group.size(), *state()) {
-    if (group.size() > max_reduce_ranks)
-      throw Error(Errc::invalid_argument, "a cuda_peer communicator over " + std::to_string(group.size()) +
+  // Rank i runs on devices[i] (the group's rank it stands for).
+  CudaPeerCommunicator(DeviceGroup& group, std::vector<Device> devices, std::chrono::milliseconds timeout)
+      : CommunicatorBase(group, static_cast<int>(devices.size()), Backend::cuda_peer, timeout),
+        devices_(std::move(devices)),
+        events_(devices_.size()),
+        channels_(devices_.size() * devices_.size()),
+        meeting_(size(), *state()),
+        done_meeting_(size(), *state()) {
+    if (size() > max_reduce_ranks)
+      throw Error(Errc::invalid_argument, "a cuda_peer communicator over " + std::to_string(size()) +
                                               " ranks (expected at most " + std::to_string(max_reduce_ranks) + ")");
-    auto const peers = peer_access_matrix(group.devices());
+    auto const peers = peer_access_matrix(devices_);
     for (Channel& ch : channels_) ch.word = mgpu::detail::cuda::host_word_create();
-    for (int r = 0; r < group.size(); ++r) {
-      int const gpu = group.device(r).index;
+    for (int r = 0; r < size(); ++r) {
+      int const gpu = devices_[static_cast<std::size_t>(r)].index;
       mgpu::detail::cuda::DeviceScope scope(gpu);
       RankEvents& e = events_[static_cast<std::size_t>(r)];
       MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&e.ready, cudaEventDisableTiming));
       MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&e.done, cudaEventDisableTiming));
       MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&e.last, cudaEventDisableTiming));
-      for (int p = 0; p < group.size(); ++p) {
-        int const other = group.device(p).index;
+      for (int p = 0; p < size(); ++p) {
+        int const other = devices_[static_cast<std::size_t>(p)].index;
         if (other == gpu) continue;
         if (!peers[static_cast<std::size_t>(r)][static_cast<std::size_t>(p)])
           throw Error(Errc::invalid_argument, "cuda_peer needs peer access from cuda:" + std::to_string(gpu) + " to cuda:" +
@@ -170,7 +186,7 @@ class CudaPeerCommunicator final : public CommunicatorBase {
 
  protected:
   void check_device(int rank, Device device, std::string_view what, Call const& call) const override {
-    check_cuda_device(group(), rank, device, what, call);
+    check_cuda_device(devices_, rank, device, what, call);
   }
 
   void launch(int rank, std::vector<Call> calls, Stream& stream) override {
@@ -179,7 +195,7 @@ class CudaPeerCommunicator final : public CommunicatorBase {
       SharedState& s;
       ~Done() { s.end_operation(); }
     } done{*state()};
-    mgpu::detail::cuda::DeviceScope scope(group().device(rank).index);
+    mgpu::detail::cuda::DeviceScope scope(devices_[static_cast<std::size_t>(rank)].index);
     cudaStream_t const s = native(stream);
     // Sends are posted first and never block this thread (the stream waits for the receiver's
     // copy), so a group's sends and receives cannot block each other.
@@ -225,7 +241,7 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     }
     // Then the GPUs: each rank's latest operation has finished.
     for (int r = 0; r < size() && !state()->aborted(); ++r) {
-      mgpu::detail::cuda::DeviceScope scope(group().device(r).index);
+      mgpu::detail::cuda::DeviceScope scope(devices_[static_cast<std::size_t>(r)].index);
       while (true) {
         cudaError_t const status = cudaEventQuery(events_[static_cast<std::size_t>(r)].last);
         if (status == cudaSuccess) break;
@@ -429,6 +445,7 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     }
   }
 
+  std::vector<Device> devices_;
   std::vector<RankEvents> events_;
   std::vector<Channel> channels_;
   Meeting<Post> meeting_;
@@ -480,18 +497,23 @@ void wait_for_nccl(ncclComm_t comm, std::string const& what, Clock::time_point d
 // NCCL (launches poll with their own deadline and stop when an abort is requested).
 class NcclCommunicator final : public CommunicatorBase {
  public:
-  NcclCommunicator(DeviceGroup& group, std::chrono::milliseconds timeout)
-      : CommunicatorBase(group, Backend::nccl, timeout), comms_(static_cast<std::size_t>(group.size()), nullptr) {
+  // Rank i runs on devices[i] (distinct GPUs): a new NCCL communicator over just these GPUs, with
+  // its own unique id, so subsets of a group's ranks (e.g. one pipeline stage across data-parallel
+  // replicas) get their own, beside the group's.
+  NcclCommunicator(DeviceGroup& group, std::vector<Device> devices, std::chrono::milliseconds timeout)
+      : CommunicatorBase(group, static_cast<int>(devices.size()), Backend::nccl, timeout),
+        devices_(std::move(devices)),
+        comms_(devices_.size(), nullptr) {
     ncclUniqueId id{};
     MGPU_NCCL_CHECK(ncclGetUniqueId(&id));
     // Every local rank's init in one group, as NCCL requires when one thread creates them all.
     MGPU_NCCL_CHECK(ncclGroupStart());
     ncclResult_t failed = ncclSuccess;
-    for (int r = 0; r < group.size() && failed == ncclSuccess; ++r) {
-      mgpu::detail::cuda::DeviceScope scope(group.device(r).index);
+    for (int r = 0; r < size() && failed == ncclSuccess; ++r) {
+      mgpu::detail::cuda::DeviceScope scope(devices_[static_cast<std::size_t>(r)].index);
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
       config.blocking = 0;
-      ncclResult_t const status = ncclCommInitRankConfig(&comms_[static_cast<std::size_t>(r)], group.size(), id, r, &config);
+      ncclResult_t const status = ncclCommInitRankConfig(&comms_[static_cast<std::size_t>(r)], size(), id, r, &config);
       if (status != ncclSuccess && status != ncclInProgress) failed = status;
     }
     ncclResult_t const ended = ncclGroupEnd();  // closes the group whatever happened inside it
@@ -501,7 +523,7 @@ class NcclCommunicator final : public CommunicatorBase {
         throw Error(Errc::communication, "creating the NCCL communicators failed: " +
                                              mgpu::detail::cuda::nccl_error_string(static_cast<int>(failed)));
       auto const deadline = Clock::now() + timeout;
-      for (int r = 0; r < group.size(); ++r)
+      for (int r = 0; r < size(); ++r)
         wait_for_nccl(comms_[static_cast<std::size_t>(r)], "creating rank " + std::to_string(r) + "'s NCCL communicator", deadline,
                       [] { return false; });
     } catch (...) {
@@ -549,7 +571,7 @@ class NcclCommunicator final : public CommunicatorBase {
 
  protected:
   void check_device(int rank, Device device, std::string_view what, Call const& call) const override {
-    check_cuda_device(group(), rank, device, what, call);
+    check_cuda_device(devices_, rank, device, what, call);
   }
 
   void launch(int rank, std::vector<Call> calls, Stream& stream) override {
@@ -576,7 +598,7 @@ class NcclCommunicator final : public CommunicatorBase {
         self.cv_.notify_all();
       }
     } leave{*this};
-    mgpu::detail::cuda::DeviceScope scope(group().device(rank).index);
+    mgpu::detail::cuda::DeviceScope scope(devices_[static_cast<std::size_t>(rank)].index);
     void* const barrier = barrier_word(rank, calls);
     MGPU_NCCL_CHECK(ncclGroupStart());
     ncclResult_t failed = ncclSuccess;
@@ -691,6 +713,7 @@ class NcclCommunicator final : public CommunicatorBase {
     }
   }
 
+  std::vector<Device> devices_;
   std::vector<ncclComm_t> comms_;  // freed by ncclCommAbort once comms_aborted_ is set
   std::mutex mutex_;
   std::condition_variable cv_;
@@ -706,24 +729,27 @@ class NcclCommunicator final : public CommunicatorBase {
 
 }  // namespace
 
-std::unique_ptr<Communicator> make_nccl_communicator(DeviceGroup& group, std::chrono::milliseconds timeout) {
+std::unique_ptr<Communicator> make_nccl_communicator(DeviceGroup& group, std::vector<int> const& ranks, std::chrono::milliseconds timeout) {
 #if MGPU_NCCL_ENABLED
+  std::vector<Device> const devices = devices_of(group, ranks);
   std::vector<int> gpus;
-  for (Device const d : group.devices()) gpus.push_back(d.index);
+  for (Device const d : devices) gpus.push_back(d.index);
   std::sort(gpus.begin(), gpus.end());
   if (std::adjacent_find(gpus.begin(), gpus.end()) != gpus.end())
     throw Error(Errc::invalid_argument, "the nccl backend for a group where ranks share a GPU (expected distinct GPUs; "
                                         "NCCL cannot have two ranks on one GPU, the cuda_peer backend can)");
-  return std::make_unique<NcclCommunicator>(group, timeout);
+  return std::make_unique<NcclCommunicator>(group, devices, timeout);
 #else
   (void)group;
+  (void)ranks;
   (void)timeout;
   throw Error(Errc::device, "the nccl backend: mgpu was built without NCCL (configure with MGPU_WITH_NCCL=ON)");
 #endif
 }
 
-std::unique_ptr<Communicator> make_cuda_peer_communicator(DeviceGroup& group, std::chrono::milliseconds timeout) {
-  return std::make_unique<CudaPeerCommunicator>(group, timeout);
+std::unique_ptr<Communicator> make_cuda_peer_communicator(DeviceGroup& group, std::vector<int> const& ranks,
+                                                          std::chrono::milliseconds timeout) {
+  return std::make_unique<CudaPeerCommunicator>(group, devices_of(group, ranks), timeout);
 }
 
 }  // namespace mgpu::comm::detail

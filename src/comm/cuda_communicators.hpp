@@ -4,12 +4,17 @@
 
 #include <chrono>
 #include <memory>
+#include <vector>
 
 #include <mgpu/comm/communicator.hpp>
 
 namespace mgpu::comm::detail {
 
-std::unique_ptr<Communicator> make_nccl_communicator(DeviceGroup& group, std::chrono::milliseconds timeout);
-std::unique_ptr<Communicator> make_cuda_peer_communicator(DeviceGroup& group, std::chrono::milliseconds timeout);
+/// A communicator whose rank i is the group's rank ranks[i] (every rank of the group, or a subset:
+/// distinct, in range, CUDA devices). The NCCL one needs distinct GPUs and gets its own NCCL
+/// communicator; the CUDA-peer one serves ranks sharing a GPU.
+std::unique_ptr<Communicator> make_nccl_communicator(DeviceGroup& group, std::vector<int> const& ranks, std::chrono::milliseconds timeout);
+std::unique_ptr<Communicator> make_cuda_peer_communicator(DeviceGroup& group, std::vector<int> const& ranks,
+                                                          std::chrono::milliseconds timeout);
 
 }  // namespace mgpu::comm::detail

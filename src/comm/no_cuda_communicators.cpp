@@ -5,11 +5,11 @@
 
 namespace mgpu::comm::detail {
 
-std::unique_ptr<Communicator> make_nccl_communicator(DeviceGroup&, std::chrono::milliseconds) {
+std::unique_ptr<Communicator> make_nccl_communicator(DeviceGroup&, std::vector<int> const&, std::chrono::milliseconds) {
   throw Error(Errc::device, "the nccl backend: mgpu was built without CUDA (configure with MGPU_WITH_CUDA=ON)");
 }
 
-std::unique_ptr<Communicator> make_cuda_peer_communicator(DeviceGroup&, std::chrono::milliseconds) {
+std::unique_ptr<Communicator> make_cuda_peer_communicator(DeviceGroup&, std::vector<int> const&, std::chrono::milliseconds) {
   throw Error(Errc::device, "the cuda_peer backend: mgpu was built without CUDA (configure with MGPU_WITH_CUDA=ON)");
 }
 

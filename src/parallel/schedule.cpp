@@ -47,11 +47,10 @@ Schedule with_transfers(std::string name, int devices, int chunks_per_device, in
 }
 
 // Adds transfers from a run of the compute orders in unit steps (a fused backward two, every other
-// action one, each as soon as its inputs are ready): at each step boundary, a device's group holds
-// the sends of what it has just produced for other devices and the receives of what others have
-// just produced for it (a device inside a fused backward takes them at its next boundary), so
-// transfers meet when their data is ready instead of when it is consumed. validate() checks the
-// result.
+// action one, each as soon as its inputs are ready): each transfer goes into both devices' lists at
+// one step boundary where neither is inside an action, the first from when its data is ready, so
+// that run, with free transfers, is what simulate() reproduces: no device waits for a peer to
+// finish an action before a transfer meets. validate() checks the result.
 Schedule with_boundary_transfers(std::string name, int devices, int chunks_per_device, int micro_batches,
                                  std::vector<std::vector<Action>> const& compute) {
   Schedule s{std::move(name), devices, chunks_per_device, micro_batches, {}};
@@ -96,18 +95,48 @@ Schedule with_boundary_transfers(std::string name, int devices, int chunks_per_d
     if (static_cast<std::size_t>(t) > 2 * total)
       throw Error(Errc::invalid_argument, "schedule generator: a compute order that cannot finish (an action before its inputs)");
   }
+  // mid[d][t]: device d is inside a compute action at step t (a fused backward's middle), where it
+  // cannot post a transfer; started[(kind, mb, chunk)]: the step an action starts.
+  int steps = 0;
+  for (int const f : free_at) steps = std::max(steps, f);
+  std::vector<std::vector<char>> mid(n, std::vector<char>(static_cast<std::size_t>(steps) + 1, 0));
+  std::map<std::tuple<Kind, int, int>, int> started;
+  for (std::size_t d = 0; d < n; ++d) {
+    for (auto const& [start, a] : timed[d]) {
+      started[{a.kind, a.micro_batch, a.chunk}] = start;
+      for (int t = start + 1; t < finish[{a.kind, a.micro_batch, a.chunk}]; ++t) mid[d][static_cast<std::size_t>(t)] = 1;
+    }
+  }
+  auto start_of_backward = [&](int mb, int c) {
+    auto const fused = started.find({Kind::backward, mb, c});
+    return fused != started.end() ? fused->second : started.at({Kind::backward_input, mb, c});
+  };
+  // A transfer meets at the first step from when its data is ready (`ready`) to when it is
+  // consumed (`needed`) at which neither device is inside an action: both post it there and
+  // neither waits. (With a fused backward of two steps, the step its data is ready may fall in the
+  // middle of the receiver's backward; posting there would stall the sender until it ends.)
+  auto meeting = [&](std::size_t from, std::size_t to, int ready, int needed) {
+    for (int t = ready; t <= needed; ++t) {
+      if (!mid[from][static_cast<std::size_t>(t)] && !mid[to][static_cast<std::size_t>(t)]) return t;
+    }
+    return ready;
+  };
   // Transfers at boundary t for device d, in a fixed order.
   std::vector<std::map<int, std::vector<Action>>> at_boundary(n);
   for (std::size_t d = 0; d < n; ++d) {
     for (auto const& [start, a] : timed[d]) {
-      int const t = start + (a.kind == Kind::backward ? 2 : 1);
+      int const ready = start + (a.kind == Kind::backward ? 2 : 1);
       if (a.kind == Kind::forward && a.chunk < last && s.device_of(a.chunk + 1) != static_cast<int>(d)) {
+        auto const to = static_cast<std::size_t>(s.device_of(a.chunk + 1));
+        int const t = meeting(d, to, ready, started.at({Kind::forward, a.micro_batch, a.chunk + 1}));
         at_boundary[d][t].push_back({Kind::send_activation, a.micro_batch, a.chunk});
-        at_boundary[static_cast<std::size_t>(s.device_of(a.chunk + 1))][t].push_back({Kind::recv_activation, a.micro_batch, a.chunk + 1});
+        at_boundary[to][t].push_back({Kind::recv_activation, a.micro_batch, a.chunk + 1});
       }
       if (is_backward(a.kind) && a.chunk > 0 && s.device_of(a.chunk - 1) != static_cast<int>(d)) {
+        auto const to = static_cast<std::size_t>(s.device_of(a.chunk - 1));
+        int const t = meeting(d, to, ready, start_of_backward(a.micro_batch, a.chunk - 1));
         at_boundary[d][t].push_back({Kind::send_gradient, a.micro_batch, a.chunk});
-        at_boundary[static_cast<std::size_t>(s.device_of(a.chunk - 1))][t].push_back({Kind::recv_gradient, a.micro_batch, a.chunk - 1});
+        at_boundary[to][t].push_back({Kind::recv_gradient, a.micro_batch, a.chunk - 1});
       }
     }
   }
@@ -428,7 +457,13 @@ Schedule interleaved_one_f_one_b(int devices, int chunks_per_device, int micro_b
     auto backward = [&](int k) {
       return Action{Kind::backward, mb(k), (chunks_per_device - 1 - (k % round) / devices) * devices + d};
     };
-    int const warm = std::min((devices - d - 1) * 2 + (chunks_per_device - 1) * devices, total);
+    // Megatron's warm-up forwards. On two devices, which send to each other in both directions, its
+    // count has the last device's forward outputs ready in the middle of the first device's fused
+    // backwards (and the first's outputs in the middle of the last's): no blocking transfer can
+    // meet there without one device waiting, every round. One more warm-up forward on the last
+    // device shifts its steady state by a forward, and every transfer meets at a boundary of both.
+    int const extra = devices == 2 && d == 1 ? 1 : 0;
+    int const warm = std::min((devices - d - 1) * 2 + (chunks_per_device - 1) * devices + extra, total);
     for (int k = 0; k < warm; ++k) out.push_back(forward(k));
     for (int i = 0; i + warm < total; ++i) {
       out.push_back(forward(warm + i));

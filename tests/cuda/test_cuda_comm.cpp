@@ -1,12 +1,16 @@
 // Collectives on CUDA devices: the cuda_peer backend on several logical devices sharing GPU 0, and
 // NCCL (across every GPU, or a one-rank group on a one-GPU machine), against a host float64
-// reference; send/recv into separate buffers, checked; a send that does not wait for its receiver.
+// reference; send/recv into separate buffers, checked; a send that does not wait for its receiver;
+// subset communicators (cuda_peer on logical devices of GPU 0, NCCL over distinct GPUs) beside a
+// whole-group one.
 #include <mgpu/comm/communicator.hpp>
 #include <mgpu/config.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -105,7 +109,85 @@ void check_collectives(std::string const& spec, mgpu::comm::Backend expected) {
   comm->finalize();
 }
 
+// Even and odd ranks of `spec` (the odd ones listed in reverse: a subset's rank order need not be
+// the group's) each sum-reduce over their own subset communicator while the whole group takes a
+// max, then pass their inputs around a ring in the subset's numbering (subsets of two or more);
+// checked against host sums.
+void check_subsets(std::string const& spec, mgpu::comm::Backend expected) {
+  mgpu::DeviceGroup group(spec);
+  int const n = group.size();
+  std::vector<std::vector<int>> subsets(n > 1 ? 2 : 1);
+  for (int r = 0; r < n; ++r) subsets[static_cast<std::size_t>(r % 2)].push_back(r);
+  if (n > 1) std::reverse(subsets[1].begin(), subsets[1].end());
+  std::vector<std::unique_ptr<mgpu::comm::Communicator>> comms;
+  std::vector<std::size_t> which(static_cast<std::size_t>(n));
+  std::vector<int> sub_rank(static_cast<std::size_t>(n));
+  for (std::size_t s = 0; s < subsets.size(); ++s) {
+    comms.push_back(mgpu::comm::make_communicator(group, subsets[s]));
+    REQUIRE(comms.back()->backend() == expected);
+    REQUIRE(comms.back()->size() == static_cast<int>(subsets[s].size()));
+    for (std::size_t i = 0; i < subsets[s].size(); ++i) {
+      which[static_cast<std::size_t>(subsets[s][i])] = s;
+      sub_rank[static_cast<std::size_t>(subsets[s][i])] = static_cast<int>(i);
+    }
+  }
+  auto whole = mgpu::comm::make_communicator(group);
+  constexpr std::int64_t count = 1000;
+  std::vector<std::vector<float>> in(static_cast<std::size_t>(n));
+  std::vector<Tensor> sums, maxima, mine, inbox;
+  for (int r = 0; r < n; ++r) {
+    for (std::int64_t i = 0; i < count; ++i) in[static_cast<std::size_t>(r)].push_back(static_cast<float>((r + 1) * (i % 13)));
+    sums.push_back(upload(in[static_cast<std::size_t>(r)], DType::float32, group.allocator(r), group.stream(r)));
+    maxima.push_back(upload(in[static_cast<std::size_t>(r)], DType::float32, group.allocator(r), group.stream(r)));
+    mine.push_back(upload(in[static_cast<std::size_t>(r)], DType::float32, group.allocator(r), group.stream(r)));
+    inbox.push_back(Tensor::empty({count}, DType::float32, group.allocator(r)));
+  }
+  group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+    auto const r = static_cast<std::size_t>(rank);
+    auto& comm = *comms[which[r]];
+    int const k = sub_rank[r];
+    int const m = comm.size();
+    comm.all_reduce(k, sums[r], sums[r], ReduceOp::sum, stream);
+    whole->all_reduce(rank, maxima[r], maxima[r], ReduceOp::max, stream);
+    if (m == 1) return;
+    comm.group_start(k);
+    comm.send(k, mine[r], (k + 1) % m, stream);
+    comm.recv(k, inbox[r], (k + m - 1) % m, stream);
+    comm.group_end(k);
+  });
+  for (int r = 0; r < n; ++r) {
+    auto const& members = subsets[which[static_cast<std::size_t>(r)]];
+    int const m = static_cast<int>(members.size());
+    int const from = members[static_cast<std::size_t>((sub_rank[static_cast<std::size_t>(r)] + m - 1) % m)];
+    auto const got_sums = download(sums[static_cast<std::size_t>(r)]);
+    auto const got_maxima = download(maxima[static_cast<std::size_t>(r)]);
+    auto const got_inbox = download(inbox[static_cast<std::size_t>(r)]);
+    for (std::int64_t i = 0; i < count; ++i) {
+      auto const at = static_cast<std::size_t>(i);
+      float sum = 0;
+      for (int const q : members) sum += in[static_cast<std::size_t>(q)][at];
+      REQUIRE(got_sums[at] == sum);  // small integers: exact
+      REQUIRE(got_maxima[at] == in[static_cast<std::size_t>(n - 1)][at]);
+      if (m > 1) REQUIRE(got_inbox[at] == in[static_cast<std::size_t>(from)][at]);
+    }
+  }
+  for (auto& comm : comms) comm->finalize();
+  whole->finalize();
+}
+
 }  // namespace
+
+TEST_CASE("cuda_peer subset communicators on logical devices sharing GPU 0", "[cuda][comm]") {
+  check_subsets("cuda:0,0,0,0", mgpu::comm::Backend::cuda_peer);
+}
+
+TEST_CASE("NCCL subset communicators over distinct GPUs (one rank each on a one-GPU machine)", "[cuda][comm]") {
+  if (!mgpu::built_with_nccl) {
+    WARN("skipped: built without NCCL");
+    return;
+  }
+  check_subsets("cuda", mgpu::comm::Backend::nccl);
+}
 
 TEST_CASE("cuda_peer collectives on logical devices sharing GPU 0", "[cuda][comm]") {
   check_collectives("cuda:0,0", mgpu::comm::Backend::cuda_peer);

@@ -59,12 +59,14 @@ TEST_CASE("simulated bubbles match the closed forms with equal costs", "[paralle
       for (int v = 2; v <= 3; ++v) {
         if (m % p != 0) continue;
         CAPTURE(v);
-        // v chunks per device, each a v-th of the work: the bubble's time divides by v. (Two
-        // devices exchange both directions over one pair, where a blocking transfer waits for
-        // the peer's fused backward to end: there the closed form does not hold.)
+        // v chunks per device, each a v-th of the work: the bubble's time divides by v. In
+        // Narayanan et al. 2021's terms, idle time over the ideal time m (t_f + t_b) per device is
+        // (p - 1) / (v m); over the makespan (the simulator's fraction), (p - 1) / (v m + p - 1).
         ActionCosts const chunk{1.0 / v, 1.0 / v, 1.0 / v, 0.0};
         Simulation const il = simulate(interleaved_one_f_one_b(p, v, m), {chunk});
-        if (p != 2) CHECK(bubble_time(il) == Approx(bubble_time(ofob) / v));
+        CHECK(bubble_time(il) == Approx(bubble_time(ofob) / v));
+        CHECK(bubble_time(il) / (p * m * 3.0) == Approx(static_cast<double>(p - 1) / (v * m)).margin(1e-12));
+        CHECK(il.bubble_fraction == Approx(static_cast<double>(p - 1) / (v * m + p - 1)).margin(1e-12));
       }
     }
   }

@@ -112,9 +112,11 @@ std::unique_ptr<Communicator> make_communicator(DeviceGroup& group, Options opti
 
 /// A communicator over some ranks of `group`: its rank i is the group's rank ranks[i] (callers pass
 /// i and that rank's stream), e.g. the same pipeline stage across data-parallel replicas. Several
-/// may be used at once over disjoint or overlapping subsets, each with its own call order. Host
-/// devices only for now. Throws Error(invalid_argument) for an empty list, a repeated or
-/// out-of-range rank, or CUDA devices.
+/// may be used at once over disjoint or overlapping subsets, each with its own call order. The
+/// backend follows the subset's devices as make_communicator(group) does for the whole group: on
+/// distinct GPUs NCCL (a new NCCL communicator over just those GPUs), on GPUs shared by the
+/// subset's ranks CUDA peer. Throws Error(invalid_argument) for an empty list, a repeated or
+/// out-of-range rank, or a backend that cannot serve the subset's devices.
 std::unique_ptr<Communicator> make_communicator(DeviceGroup& group, std::vector<int> const& ranks, Options options = {});
 
 }  // namespace mgpu::comm

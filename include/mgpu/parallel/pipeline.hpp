@@ -6,7 +6,9 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <mgpu/comm/communicator.hpp>
@@ -23,21 +25,84 @@ namespace mgpu::pipeline {
 /// then backward; the baseline pipelines beat.
 Schedule layer_split(int devices);
 
-/// Where a model is cut: chunk c runs layers [cuts[c], cuts[c + 1]), with the time predicted for it.
+/// Where a model is cut: chunk c runs layers [cuts[c], cuts[c + 1]) on device device[c], with the
+/// time and memory predicted for it.
 struct Partition {
   std::vector<std::size_t> cuts;
+  /// Per chunk: one micro-batch's forward + backward on its device (the costs' unit, seconds when
+  /// profiled).
   std::vector<double> chunk_seconds;
+  std::vector<int> device;
+  /// Per chunk: the bytes it holds at its peak (parameters, gradients, optimizer state and the
+  /// activations of the micro-batches in flight), and the free bytes it was fitted into (its
+  /// device's, divided among the device's chunks). 0 and infinity when memory is not modelled.
+  std::vector<double> chunk_bytes;
+  std::vector<double> free_bytes;
 };
+
+/// The plan as lines of text, one per chunk: its device, layers, predicted time and memory against
+/// free memory, e.g. "chunk 0 on device 0: layers [0, 6), 1.25 ms, 3.1 MiB of 16.0 GiB free".
+std::string to_string(Partition const& plan);
 
 /// Cuts `model` into `chunks` contiguous chunks between its units (a Linear and its fused
 /// activation stay together), minimizing the slowest chunk's summed `layer_seconds` (one per
-/// layer) with the scheduler's partition planner. Throws Error(invalid_argument) when the model
+/// layer), on equal devices without memory limits. Throws Error(invalid_argument) when the model
 /// has fewer units than chunks or the costs do not match its layers.
 Partition partition(nn::Sequential const& model, int chunks, std::vector<double> const& layer_seconds);
 
-/// Each layer's forward + backward seconds on `group`'s rank 0 for a batch of `input` shape (the
-/// median of `repeats` runs): the costs partition() takes.
-std::vector<double> profile_layers(nn::Sequential const& model, DeviceGroup& group, Shape const& input, int repeats = 3);
+/// A device as the partitioner sees it: its speed relative to the device the layer costs are for
+/// (1: as fast; 0.5: each layer takes twice as long), and the bytes a pipeline may use on it.
+struct StageDevice {
+  double speed = 1.0;
+  double free_bytes = std::numeric_limits<double>::infinity();
+};
+
+/// The `devices` pipeline devices of `group` as StageDevices, from sched::node_state(group): with
+/// data-parallel replicas (group.size() a multiple of `devices`; rank r runs pipeline device
+/// r % devices, as in the Executor), each pipeline device is its slowest rank with its least free
+/// memory. Speed: relative to the group's fastest device (the device profile_layers() reports
+/// costs for); free bytes: the rank's share of its device's memory minus what its allocator holds,
+/// and at most the allocator's limit minus what it has allocated. Throws Error(invalid_argument)
+/// when group.size() is not a multiple of `devices`.
+std::vector<StageDevice> stage_devices(DeviceGroup const& group, int devices);
+
+/// Per-layer costs for partitioning, one entry per layer (a unit's cost sits on its first layer).
+struct LayerProfile {
+  /// Forward + backward seconds of one micro-batch on a speed-1 device.
+  std::vector<double> seconds;
+  /// Bytes of the layer's float32 parameters.
+  std::vector<double> parameter_bytes;
+  /// Bytes one micro-batch's forward leaves allocated until its backward (saved tensors and output).
+  std::vector<double> activation_bytes;
+};
+
+/// Profiles each unit of `model` on `group`'s rank 0 for a micro-batch of `input` shape: the
+/// median of `repeats` forward + backward times, scaled by rank 0's speed relative to the group's
+/// fastest device (so a slow or speed-emulated rank 0 still reports the fastest device's costs,
+/// which stage_devices() speeds divide), and the bytes its forward leaves on rank 0's allocator.
+/// Runs on rank 0 only: the other devices are assumed to differ by their speed alone.
+LayerProfile profile_layers(nn::Sequential const& model, DeviceGroup& group, Shape const& input, int repeats = 3);
+
+struct PartitionOptions {
+  /// float32 copies of the parameters the optimizer keeps: 1 for SGD with momentum, 0 without, 2
+  /// for AdamW.
+  int optimizer_states = 1;
+};
+
+/// Cuts `model` into schedule.chunks() contiguous chunks between units for running `schedule` on
+/// `devices` (one per schedule device; chunk c runs on devices[c % devices.size()]), minimizing
+/// the slowest chunk's time: its layers' profile.seconds summed, divided by its device's speed.
+/// Each chunk must fit in memory: its parameters times (2 + optimizer_states) (parameters,
+/// gradients, optimizer state) plus its activation_bytes times the micro-batches its device holds
+/// in flight at the schedule's peak (simulate(schedule).peak_in_flight), within its device's
+/// free_bytes (with v chunks per device, a v-th of them each: enough for the device's sum).
+/// Exact: a dynamic program over unit boundaries finds a split whose slowest chunk is the smallest
+/// among all contiguous splits that fit. Throws Error(invalid_argument) when the sizes do not match
+/// (profile entries per layer, a device per schedule device, more chunks than units), and
+/// Error(out_of_memory) when no split fits, naming the chunk and device of the split that comes
+/// closest, the bytes it needs and the bytes free.
+Partition partition(nn::Sequential const& model, Schedule const& schedule, LayerProfile const& profile,
+                    std::vector<StageDevice> const& devices, PartitionOptions options = {});
 
 struct ExecutorOptions {
   /// Initialises the chunks as nn::Sequential::materialize(seed) initialises the whole model.

@@ -60,11 +60,12 @@ Schedule gpipe(int devices, int micro_batches);
 /// 1F1B (PipeDream-Flush): device d runs devices - d - 1 warm-up forwards, then alternates one
 /// forward and one backward, then drains; at most devices - d micro-batches in flight.
 Schedule one_f_one_b(int devices, int micro_batches);
-/// Interleaved 1F1B with `chunks_per_device` chunks per device (Megatron's order); micro_batches
-/// must be a multiple of devices when chunks_per_device > 1. With equal costs its bubble is 1F1B's
-/// divided by chunks_per_device for 1 or 3+ devices; on 2 devices, which send to each other in
-/// both directions, a blocking transfer waits for the peer's fused backward and the bubble is
-/// larger (simulate() shows how much).
+/// Interleaved 1F1B with `chunks_per_device` chunks per device (Megatron's order; on 2 devices the
+/// last one runs one more warm-up forward, so that transfers in both directions meet between
+/// actions); micro_batches must be a multiple of devices when chunks_per_device > 1. With equal
+/// costs per chunk (a v-th of a device's stage) each device idles (devices - 1) * (forward +
+/// backward) / v, 1F1B's bubble divided by v: Narayanan et al. 2021's (p - 1) / (v * m) of the
+/// ideal time.
 Schedule interleaved_one_f_one_b(int devices, int chunks_per_device, int micro_batches);
 /// ZB-H1 zero-bubble: backward split into input and weight halves; the input half goes first (the
 /// previous device waits for it) and weight halves fill what would be bubbles. Device d starts a
