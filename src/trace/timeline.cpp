@@ -67,6 +67,22 @@ void Timeline::record(Span span) {
   spans_.push_back(std::move(span));
 }
 
+Span* Timeline::open(Span span) {
+  std::lock_guard lock(mutex_);
+  if (free_slots_.empty()) return &slots_.emplace_back(std::move(span));
+  Span* const slot = free_slots_.back();
+  free_slots_.pop_back();
+  *slot = std::move(span);
+  return slot;
+}
+
+void Timeline::close(Span* span, bool keep) {
+  span->end_ns = now_ns();
+  std::lock_guard lock(mutex_);
+  if (keep && enabled()) spans_.push_back(std::move(*span));
+  free_slots_.push_back(span);
+}
+
 Timeline::Scope::Scope(Timeline* timeline, std::string name, std::string_view category, int rank, int lane)
     : timeline_(timeline != nullptr && timeline->enabled() ? timeline : nullptr) {
   if (timeline_ == nullptr) return;

@@ -5,6 +5,8 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <stdexcept>
+#include <string>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -36,6 +38,23 @@ TEST_CASE("Timeline: disabled records nothing, enabled records stream work in or
   CHECK(spans[1].lane == Lane::communication);
   CHECK(spans[0].end_ns - spans[0].begin_ns >= 5'000'000);
   CHECK(spans[1].begin_ns >= spans[0].end_ns);  // one stream runs its work in order
+}
+
+TEST_CASE("Timeline: a stream span whose work throws records nothing and frees its slot") {
+  mgpu::Stream stream(mgpu::Device{});
+  Timeline timeline;
+  timeline.enable();
+  for (int i = 0; i < 3; ++i) {
+    CHECK_THROWS_AS(timeline.stream_span(stream, "broken", "test", 0, Lane::compute, [] { throw std::runtime_error("bad op"); }),
+                    std::runtime_error);
+  }
+  for (int i = 0; i < 5; ++i) {
+    timeline.stream_span(stream, "ok " + std::to_string(i), "test", 0, Lane::compute, [&] { stream.enqueue([] {}); });
+  }
+  stream.synchronize();
+  auto const spans = timeline.spans();
+  REQUIRE(spans.size() == 5);  // none of the broken ones; slots reused in any order keep names apart
+  for (int i = 0; i < 5; ++i) CHECK(spans[static_cast<std::size_t>(i)].name == "ok " + std::to_string(i));
 }
 
 TEST_CASE("Timeline: Chrome trace JSON parses and carries every span") {

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -70,13 +71,17 @@ class Timeline {
       std::forward<Enqueue>(enqueue)();
       return;
     }
-    auto span = std::make_shared<Span>(Span{std::move(name), std::string(category), rank, lane, 0, 0});
+    // The markers capture two pointers, which std::function holds without allocating; the span
+    // waits in a slot of the timeline's pool until the second marker records it.
+    Span* const span = open(Span{std::move(name), std::string(category), rank, lane, 0, 0});
     stream.enqueue([this, span] { span->begin_ns = now_ns(); });
-    std::forward<Enqueue>(enqueue)();
-    stream.enqueue([this, span] {
-      span->end_ns = now_ns();
-      record(std::move(*span));
-    });
+    try {
+      std::forward<Enqueue>(enqueue)();
+    } catch (...) {
+      stream.enqueue([this, span] { close(span, false); });
+      throw;
+    }
+    stream.enqueue([this, span] { close(span, true); });
   }
 
   /// Every span recorded so far, ordered by begin time (then rank, lane).
@@ -91,10 +96,18 @@ class Timeline {
   void write_chrome_trace(std::string const& path) const;
 
  private:
+  // A pool slot for a stream span in flight, and its return (recording the span when `keep`). A
+  // span whose end marker never runs (its stream failed first) keeps its slot until the timeline
+  // goes.
+  Span* open(Span span);
+  void close(Span* span, bool keep);
+
   std::atomic<bool> enabled_{false};
   std::int64_t origin_ns_;
   mutable std::mutex mutex_;
   std::vector<Span> spans_;
+  std::deque<Span> slots_;        // stable addresses
+  std::vector<Span*> free_slots_;
 };
 
 /// The name Chrome trace JSON gives a lane ("compute", "communication", "host", or "lane N").
