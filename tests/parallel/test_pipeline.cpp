@@ -105,6 +105,19 @@ class Faulty final : public nn::Layer {
   Tensor backward(Tensor const& dy, nn::Context&) override { return dy; }
   std::unique_ptr<nn::Layer> clone() const override { return std::make_unique<Faulty>(); }
 };
+
+// Fails in its stream work (not while enqueuing) on one micro-batch.
+class FaultyOnStream final : public nn::Layer {
+ public:
+  std::string name() const override { return "FaultyOnStream"; }
+  Tensor forward(Tensor const& x, nn::Context& ctx) override {
+    if (ctx.micro_batch == 1)
+      ctx.stream.enqueue([] { throw mgpu::Error(mgpu::Errc::invalid_argument, "FaultyOnStream: micro-batch 1 failed on the stream"); });
+    return x;
+  }
+  Tensor backward(Tensor const& dy, nn::Context&) override { return dy; }
+  std::unique_ptr<nn::Layer> clone() const override { return std::make_unique<FaultyOnStream>(); }
+};
 }  // namespace
 
 TEST_CASE("every schedule's loss and gradients equal the unsplit model's", "[parallel][pipeline]") {
@@ -185,6 +198,23 @@ TEST_CASE("a failing stage stops every device with an error naming it", "[parall
   REQUIRE_MGPU_ERROR(ex.compute_gradients(b.x, b.y), mgpu::Errc::invalid_argument,
                      "pipeline device 1, chunk 1, action 10 (forward(mb 2, chunk 1)): Faulty: refuses micro-batch 2");
   // The others were stopped by the abort, not by the 20 s deadline.
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+}
+
+TEST_CASE("work that fails on a stage's stream stops every device with that error", "[parallel][pipeline]") {
+  Env env;
+  Batch const b = make_batch(env, 8, 5);
+  nn::Sequential model = make_model();
+  nn::Sequential faulty;
+  for (std::size_t l = 0; l < model.size(); ++l) {
+    faulty.add(model.layer(l).clone());
+    if (l == 5) faulty.add(std::make_unique<FaultyOnStream>());
+  }
+  mgpu::DeviceGroup group("host:3");
+  pp::Executor ex(faulty, group, {0, 3, 9, 15}, pp::one_f_one_b(3, 4), sgd(), {.seed = 1, .timeout = std::chrono::milliseconds(20000)});
+  auto const start = std::chrono::steady_clock::now();
+  // Device 1 learns of it when it next waits for its stream, before a later forward.
+  REQUIRE_MGPU_ERROR(ex.compute_gradients(b.x, b.y), mgpu::Errc::invalid_argument, "FaultyOnStream: micro-batch 1 failed on the stream");
   CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
 }
 

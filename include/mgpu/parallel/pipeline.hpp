@@ -63,8 +63,11 @@ using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>()>;
 /// (consecutive transfers grouped, so crossing sends and receives cannot deadlock), accumulates
 /// parameter gradients over micro-batches and, in step(), updates each chunk. Dropout draws as in
 /// the unsplit model: every micro-batch's forward uses the step's draw and its global rows.
-/// Each device's thread waits for its stream before enqueuing a forward, so memory follows the
-/// schedule (1F1B holds at most devices - d micro-batches' activations on device d, GPipe all).
+/// Before enqueuing a forward, each device's thread waits for its stream to finish the compute
+/// action before it (not the transfers in between, which may still wait for a peer), so memory
+/// follows the schedule (1F1B holds at most devices - d micro-batches' activations on device d,
+/// GPipe all) while the stream starts the forward as soon as its input arrives. Without a timeline
+/// (or with it disabled) a step builds no names and allocates no containers per action.
 /// If an action fails, the communicator aborts the other devices and the step throws an Error
 /// naming the failing device, chunk and action; the executor cannot be used after that.
 /// The group must outlive the executor. Not thread-safe: call from one thread.
