@@ -92,6 +92,7 @@ struct Executor::Impl {
   std::vector<std::vector<nn::Sequential>> chunks;               // [replica][chunk]
   std::vector<std::vector<std::unique_ptr<optim::Optimizer>>> optimizers;
   double last_seconds = 0;
+  bool last_applied = true;
 
   // One replica's batch for a step.
   struct Step {
@@ -101,6 +102,7 @@ struct Executor::Impl {
     std::vector<std::int64_t> sizes, offsets;  // global rows of each micro-batch
     std::vector<std::vector<Shape>> input_shapes;  // [chunk][micro-batch], and [chunks()] the logits
     std::vector<Tensor> losses;                    // per micro-batch, on the last chunk's device
+    float loss_scale;                              // multiplies the loss gradient
   };
   // Tensors moving between one device's actions, slot chunk * micro_batches + micro-batch; each is
   // touched by that device's thread only and kept across steps, so a step allocates no containers.
@@ -141,6 +143,7 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
   int const device = rank % s.devices;      // the device within its pipeline
   int const base = rank - device;           // the pipeline's first rank
   Allocator& allocator = group->allocator(rank);
+  DType const dtype = options.compute;  // of activations and their gradients
   DeviceState& st = devices[static_cast<std::size_t>(rank)];
   auto const slot = [mbs](int chunk, int mb) { return static_cast<std::size_t>(chunk * mbs + mb); };
   for (int c = device; c < s.chunks(); c += s.devices) {
@@ -175,13 +178,13 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
                 comm->send(rank, take(st.grad_in, t.chunk, t.micro_batch, mbs, "input gradient"), base + s.device_of(t.chunk - 1), stream);
                 break;
               case ActionKind::recv_activation: {
-                Tensor buffer = Tensor::empty(step.input_shapes[static_cast<std::size_t>(t.chunk)][mb], DType::float32, allocator);
+                Tensor buffer = Tensor::empty(step.input_shapes[static_cast<std::size_t>(t.chunk)][mb], dtype, allocator);
                 comm->recv(rank, buffer, base + s.device_of(t.chunk - 1), stream);
                 st.act_in[slot(t.chunk, t.micro_batch)] = std::move(buffer);
                 break;
               }
               default: {
-                Tensor buffer = Tensor::empty(step.input_shapes[static_cast<std::size_t>(t.chunk) + 1][mb], DType::float32, allocator);
+                Tensor buffer = Tensor::empty(step.input_shapes[static_cast<std::size_t>(t.chunk) + 1][mb], dtype, allocator);
                 comm->recv(rank, buffer, base + s.device_of(t.chunk + 1), stream);
                 st.grad_out[slot(t.chunk, t.micro_batch)] = std::move(buffer);
               }
@@ -223,6 +226,10 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
             if (a.chunk == 0) {
               input = Tensor::empty(step.input_shapes[0][mb], DType::float32, allocator);
               copy_async(input, step.x->slice(step.offsets[mb], step.offsets[mb] + step.sizes[mb]), stream);
+              if (dtype != DType::float32) {
+                Tensor const rows = std::exchange(input, Tensor::empty(step.input_shapes[0][mb], dtype, allocator));
+                convert_async(input, rows, stream);
+              }
             } else if (s.device_of(a.chunk - 1) == device) {
               input = take(st.act_out, a.chunk - 1, a.micro_batch, mbs, "activation");
             } else {
@@ -243,7 +250,8 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
             Tensor const dlogits = Tensor::empty(y.shape(), y.dtype(), allocator);
             step.losses[mb] = Tensor::empty({1}, DType::float32, allocator);
             // Each micro-batch's mean loss weighted by its share: the gradients add up to the batch mean's.
-            ops::softmax_cross_entropy(y, labels, dlogits, step.losses[mb], stream, static_cast<float>(static_cast<double>(step.sizes[mb]) / total));
+            ops::softmax_cross_entropy(y, labels, dlogits, step.losses[mb], stream,
+                                       step.loss_scale * static_cast<float>(static_cast<double>(step.sizes[mb]) / total));
             st.grad_out[slot(a.chunk, a.micro_batch)] = dlogits;
             break;
           }
@@ -337,7 +345,7 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   }
   group.run([&](int rank, Device, Stream& stream) {
     nn::Context ctx{group.allocator(rank), stream};
-    for (int c = rank % devices; c < m.schedule.chunks(); c += devices) m.chunk_of(rank, c).materialize(ctx, m.options.seed);
+    for (int c = rank % devices; c < m.schedule.chunks(); c += devices) m.chunk_of(rank, c).materialize(ctx, m.options.seed, m.options.compute);
   });
   m.comm = comm::make_communicator(group, {comm::Backend::automatic, m.options.timeout});
   if (m.replicas > 1) {
@@ -368,7 +376,14 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
   std::vector<Impl::Step> steps;
   std::int64_t offset = 0;
   for (std::int64_t const shard : shard_sizes(x.dim(0), m.replicas)) {
-    Impl::Step step{&x, &labels, x.dim(0), shard_sizes(shard, mbs), {}, {}, std::vector<Tensor>(static_cast<std::size_t>(mbs))};
+    Impl::Step step{&x,
+                    &labels,
+                    x.dim(0),
+                    shard_sizes(shard, mbs),
+                    {},
+                    {},
+                    std::vector<Tensor>(static_cast<std::size_t>(mbs)),
+                    m.options.loss_scaler ? m.options.loss_scaler->scale() : 1.0f};
     for (std::int64_t n : step.sizes) {
       step.offsets.push_back(offset);
       offset += n;
@@ -400,17 +415,40 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
 float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
   float const loss = compute_gradients(x, labels);
   Impl& m = *impl_;
+  int const devices = m.schedule.devices;
+  optim::LossScaler* const scaler = m.options.loss_scaler ? &*m.options.loss_scaler : nullptr;
+  float const unscale = scaler != nullptr ? 1.0f / scaler->scale() : 1.0f;
+  // Every chunk's float32 master gradients, and (with a scaler) how many of them are NaN or Inf:
+  // one decision over all chunks, so every chunk skips the same steps.
+  std::vector<double> nonfinite(static_cast<std::size_t>(m.group->size()), 0.0);
   m.group->run([&](int rank, Device, Stream& stream) {
-    int const devices = m.schedule.devices;
     for (int c = rank % devices; c < m.schedule.chunks(); c += devices) {
       nn::Sequential& chunk = m.chunk_of(rank, c);
-      chunk.unscale_gradients(1.0f, stream);
+      chunk.unscale_gradients(unscale, stream);
+      if (scaler == nullptr) continue;
+      Tensor const count = Tensor::empty({1}, DType::float32, m.group->allocator(rank));
+      ops::count_nonfinite(chunk.master_gradients(), count, stream);
+      nonfinite[static_cast<std::size_t>(rank)] += ops::item(count, stream);
+    }
+  });
+  double bad = 0;
+  for (double const n : nonfinite) bad += n;
+  m.last_applied = scaler == nullptr || scaler->update(bad == 0);
+  if (!m.last_applied) return loss;
+  m.group->run([&](int rank, Device, Stream& stream) {
+    for (int c = rank % devices; c < m.schedule.chunks(); c += devices) {
+      nn::Sequential& chunk = m.chunk_of(rank, c);
       m.optimizers[static_cast<std::size_t>(rank / devices)][static_cast<std::size_t>(c)]->step(
           chunk.master_parameters(), chunk.master_gradients(), m.group->allocator(rank), stream, lr_scale);
       chunk.sync_parameters(stream);
     }
   });
   return loss;
+}
+
+bool Executor::last_step_applied() const noexcept { return impl_->last_applied; }
+optim::LossScaler const* Executor::loss_scaler() const noexcept {
+  return impl_->options.loss_scaler ? &*impl_->options.loss_scaler : nullptr;
 }
 
 Schedule const& Executor::schedule() const noexcept { return impl_->schedule; }

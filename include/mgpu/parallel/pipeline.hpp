@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <mgpu/comm/communicator.hpp>
@@ -49,6 +50,12 @@ struct ExecutorOptions {
   int data_parallel = 1;
   /// The communicator's deadline (zero: comm::default_timeout()).
   std::chrono::milliseconds timeout{0};
+  /// The type the chunks compute in and send between devices: float32, or bfloat16/float16 with
+  /// float32 master parameters that the optimizers update (as nn::Sequential::materialize).
+  DType compute = DType::float32;
+  /// Dynamic loss scaling (for float16): the loss gradient is multiplied by the scale, and a step
+  /// in which any chunk's gradients (of any replica) hold NaN or Inf is skipped by every chunk.
+  std::optional<optim::LossScaler> loss_scaler{};
   /// Where every action is recorded (rank = device, compute lane; transfers on the communication
   /// lane); nullptr for none.
   std::shared_ptr<trace::Timeline> timeline{};
@@ -87,8 +94,14 @@ class Executor {
   /// softmax cross-entropy. x and labels may live on any device. Throws Error(invalid_argument)
   /// when N is smaller than the number of micro-batches or the labels do not match x.
   float compute_gradients(Tensor const& x, Tensor const& labels);
-  /// compute_gradients(), then each chunk's optimizer step (learning rate times lr_scale).
+  /// compute_gradients(), then each chunk's optimizer step (learning rate times lr_scale) on its
+  /// float32 masters, unless the loss scaler found NaN or Inf gradients in any chunk: then no chunk
+  /// updates (see last_step_applied()).
   float step(Tensor const& x, Tensor const& labels, float lr_scale = 1.0f);
+  /// Whether the last step() updated the parameters.
+  [[nodiscard]] bool last_step_applied() const noexcept;
+  /// The loss scaler (nullptr without one).
+  [[nodiscard]] optim::LossScaler const* loss_scaler() const noexcept;
 
   [[nodiscard]] Schedule const& schedule() const noexcept;
   [[nodiscard]] std::vector<std::size_t> const& cuts() const noexcept;
