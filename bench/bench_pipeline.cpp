@@ -1,8 +1,10 @@
 // bench_pipeline: one pipelined training step (compute_gradients) per schedule at P = 4 devices and
 // M = 8 micro-batches on host devices. Host devices on a small machine share its cores, so the
-// per-action costs are sleeps (each chunk: a small Linear plus a layer that sleeps 2 ms in forward,
-// 2 ms in backward_input and 2 ms in backward_weight; interleaved chunks sleep half as long): the
-// bubble then measures the schedule, not contention for cores. Each sleep records when it really
+// per-action costs are sleeps (each chunk: one layer that sleeps 2 ms in forward, 2 ms in
+// backward_input and 2 ms in backward_weight; interleaved chunks sleep half as long): the bubble
+// then measures the schedule, not contention for cores. The chunks have no other layers, whose
+// small ops' fixed costs (tens of microseconds for a 64-wide Linear's GEMMs here) would count as
+// executor overhead. Each sleep records when it really
 // began and ended (a sleep overshoots by 0.1-0.5 ms here, varying from one to the next), so the
 // counters compare the run with a replay of the same schedule in which every action takes exactly
 // the time its sleep took. The timeline is off, as by default. Counters (medians over iterations):
@@ -12,8 +14,10 @@
 //   overhead_us_per_action   (that step - the replay's makespan) / the compute actions on the
 //                            critical path (the makespan when each compute action takes 1 and a
 //                            transfer 0): the executor's time on the critical path that is neither
-//                            the sleeps nor a transfer's wait for its peer (the Linear's tiny GEMMs
-//                            and the 4 KiB copies are counted in it: an upper bound);
+//                            the sleeps, the loss nor a transfer's wait for its peer (the 2 KiB
+//                            copies are counted in it);
+//   loss_op_us               the last chunk's loss op per micro-batch, timed alone on its stream
+//                            (added to each of its forwards in the replay);
 //   sleep_overshoot_us       the median excess of a sleep over what was asked;
 //   thread_wake_us           the median time, on this machine at the time, from notifying a
 //                            condition variable to the waiting thread running (after 2 ms asleep,
@@ -117,6 +121,32 @@ double thread_wake_us(std::chrono::microseconds asleep, int samples) {
   return median(latency);
 }
 
+// The median time the last chunk's loss (softmax cross-entropy of [rows, width] logits, the
+// labels' copy before it) takes on `stream`, timed on the stream itself after a 2 ms wait.
+double loss_op_us(mgpu::Stream& stream, mgpu::Allocator& allocator, std::int64_t rows, int samples) {
+  mgpu::Tensor const logits = mgpu::Tensor::empty({rows, width}, mgpu::DType::float32, allocator);
+  mgpu::Tensor const labels = mgpu::Tensor::empty({rows}, mgpu::DType::float32, allocator);
+  mgpu::Tensor const source = mgpu::Tensor::empty({rows}, mgpu::DType::float32, allocator);
+  mgpu::fill_async(logits, 0.1f, stream);
+  mgpu::fill_async(source, 1.0f, stream);
+  std::vector<double> took;
+  for (int i = 0; i < samples; ++i) {
+    std::int64_t begin = 0, end = 0;
+    stream.enqueue([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      begin = now_ns();
+    });
+    mgpu::copy_async(labels, source, stream);
+    mgpu::Tensor const dlogits = mgpu::Tensor::empty(logits.shape(), logits.dtype(), allocator);
+    mgpu::Tensor const loss = mgpu::Tensor::empty({1}, mgpu::DType::float32, allocator);
+    mgpu::ops::softmax_cross_entropy(logits, labels, dlogits, loss, stream, 1.0f);
+    stream.enqueue([&] { end = now_ns(); });
+    stream.synchronize();
+    took.push_back(static_cast<double>(end - begin) / 1e3);
+  }
+  return median(took);
+}
+
 // Sleeps on the stream: a fixed cost that does not compete for cores. With a log, records each
 // sleep as chunk `chunk`'s action.
 class Sleep final : public nn::Layer {
@@ -161,12 +191,9 @@ void BM_schedule(benchmark::State& state, std::string const& name) {
   double const ms = 2.0 / v;
   auto const log = std::make_shared<SleepLog>();
   nn::Sequential model;
-  for (int c = 0; c < schedule.chunks(); ++c) {
-    model.add(std::make_unique<nn::Linear>(width, width));
-    model.add(std::make_unique<Sleep>(ms, ms, ms, c, log));
-  }
+  for (int c = 0; c < schedule.chunks(); ++c) model.add(std::make_unique<Sleep>(ms, ms, ms, c, log));
   std::vector<std::size_t> cuts;
-  for (int c = 0; c <= schedule.chunks(); ++c) cuts.push_back(static_cast<std::size_t>(2 * c));
+  for (int c = 0; c <= schedule.chunks(); ++c) cuts.push_back(static_cast<std::size_t>(c));
   mgpu::DeviceGroup group("host:" + std::to_string(devices));
   pp::Executor executor(model, group, cuts, schedule, sgd);
   auto const host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
@@ -182,6 +209,9 @@ void BM_schedule(benchmark::State& state, std::string const& name) {
   double const critical_actions = pp::simulate(schedule, unit).makespan;
   executor.compute_gradients(x, y);  // warm the allocators
   log->take();
+  // The loss is compute too: the replay adds it to each forward of the last chunk.
+  int const last = schedule.chunks() - 1;
+  double const loss_ms = loss_op_us(group.stream(schedule.device_of(last)), group.allocator(schedule.device_of(last)), rows / micro_batches, 20) / 1e3;
   std::vector<double> bubbles, overheads, overshoots, peaks, seconds;
   for (auto _ : state) {
     group.allocator(0).reset_peak();
@@ -207,7 +237,9 @@ void BM_schedule(benchmark::State& state, std::string const& name) {
     std::vector<std::vector<double>> durations(schedule.actions.size());
     for (std::size_t d = 0; d < durations.size(); ++d) {
       for (pp::Action const& a : schedule.actions[d])
-        durations[d].push_back(pp::is_transfer(a.kind) ? 0.0 : slept_ms.at({a.chunk, a.micro_batch, a.kind}));
+        durations[d].push_back(pp::is_transfer(a.kind) ? 0.0
+                                                       : slept_ms.at({a.chunk, a.micro_batch, a.kind}) +
+                                                             (a.chunk == last && a.kind == pp::ActionKind::forward ? loss_ms : 0.0));
     }
     double const makespan_ms = static_cast<double>(end - begin) / 1e6;
     double const replay_ms = pp::simulate(schedule, durations).makespan;
@@ -221,6 +253,7 @@ void BM_schedule(benchmark::State& state, std::string const& name) {
   state.counters["peak_activation_bytes"] = median(peaks);
   state.counters["samples_per_s"] = static_cast<double>(rows) / median(seconds);
   state.counters["sleep_overshoot_us"] = median(overshoots);
+  state.counters["loss_op_us"] = loss_ms * 1e3;
   state.counters["thread_wake_us"] = thread_wake_us(std::chrono::microseconds(2000), 40);
 }
 
