@@ -1,18 +1,30 @@
 // bench_pipeline: one pipelined training step (compute_gradients) per schedule at P = 4 devices and
 // M = 8 micro-batches on host devices. Host devices on a small machine share its cores, so the
-// per-action costs are sleeps (each chunk: a small Linear plus a layer that sleeps 2 ms in forward,
-// 2 ms in backward_input and 2 ms in backward_weight; interleaved chunks sleep half as long): the
-// bubble then measures the schedule, not contention for cores. Counters (medians over iterations):
-//   bubble_measured          1 - compute time / (devices x step time), from the executor's
-//                            timeline spans of each step;
-//   bubble_predicted         the simulator's bubble for the same schedule and costs;
-//   overhead_us_per_action   (measured step time - simulated makespan) / actions per device: the
-//                            executor's time on the critical path that is neither compute nor copy
-//                            (the simulation's costs include how much longer than asked a sleep
-//                            takes on this machine at the time, measured before each benchmark);
-//   sleep_overshoot_us       that excess per sleep;
+// per-action costs are sleeps (each chunk: one layer that sleeps 2 ms in forward, 2 ms in
+// backward_input and 2 ms in backward_weight; interleaved chunks sleep half as long): the bubble
+// then measures the schedule, not contention for cores. The chunks have no other layers, whose
+// small ops' fixed costs (tens of microseconds for a 64-wide Linear's GEMMs here) would count as
+// executor overhead. Each sleep records when it really
+// began and ended (a sleep overshoots by 0.1-0.5 ms here, varying from one to the next), so the
+// counters compare the run with a replay of the same schedule in which every action takes exactly
+// the time its sleep took. The timeline is off, as by default. Counters (medians over iterations):
+//   bubble_measured          1 - slept time / (devices x step), the step from the first sleep's
+//                            start to the last one's end;
+//   bubble_predicted         the simulator's bubble for the schedule with the nominal costs;
+//   overhead_us_per_action   (that step - the replay's makespan) / the compute actions on the
+//                            critical path (the makespan when each compute action takes 1 and a
+//                            transfer 0): the executor's time on the critical path that is neither
+//                            the sleeps, the loss nor a transfer's wait for its peer (the 2 KiB
+//                            copies are counted in it);
+//   loss_op_us               the last chunk's loss op per micro-batch, timed alone on its stream
+//                            (added to each of its forwards in the replay);
+//   sleep_overshoot_us       the median excess of a sleep over what was asked;
+//   thread_wake_us           the median time, on this machine at the time, from notifying a
+//                            condition variable to the waiting thread running (after 2 ms asleep,
+//                            as a stream worker waits for a peer): what a blocking handoff on the
+//                            critical path costs whatever the executor does;
 //   peak_activation_bytes    rank 0's allocator peak during the step (activations in flight);
-//   samples_per_s            rows per second of the step.
+//   samples_per_s            rows per second of the step (wall time of compute_gradients' run).
 // BM_partition: unbalanced sleeping layers (costs 1,1,1,6,1,1,3,1,2,1 ms) profiled, partitioned
 // into 4 stages for 1F1B on 4 host devices by pipeline::partition, on equal devices and on devices
 // of speeds 1, 0.5, 1, 0.5 (stage time: cost / speed); partition_vs_optimum is its slowest stage
@@ -24,9 +36,17 @@
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
+#include <condition_variable>
+#include <cstdint>
 #include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <mgpu/mgpu.hpp>
@@ -46,32 +66,125 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Sleeps on the stream: a fixed cost that does not compete for cores.
+// What each sleep really took: (chunk, micro-batch, action kind) -> begin and end, steady-clock ns.
+class SleepLog {
+ public:
+  struct Entry {
+    int chunk, micro_batch;
+    pp::ActionKind kind;
+    std::int64_t begin_ns, end_ns;
+  };
+  void add(Entry const& e) {
+    std::lock_guard lock(mutex_);
+    entries_.push_back(e);
+  }
+  std::vector<Entry> take() {
+    std::lock_guard lock(mutex_);
+    return std::exchange(entries_, {});
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<Entry> entries_;
+};
+
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// The median wake-up latency of a thread blocked on a condition variable for `asleep`.
+double thread_wake_us(std::chrono::microseconds asleep, int samples) {
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::chrono::steady_clock::time_point notified;
+  bool ready = false, done = false;
+  std::vector<double> latency;
+  std::thread waiter([&] {
+    std::unique_lock lock(mutex);
+    for (int i = 0; i < samples; ++i) {
+      cv.wait(lock, [&] { return ready; });
+      latency.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - notified).count());
+      ready = false;
+      done = true;
+      cv.notify_all();
+    }
+  });
+  for (int i = 0; i < samples; ++i) {
+    std::this_thread::sleep_for(asleep);
+    {
+      std::lock_guard lock(mutex);
+      ready = true;
+      done = false;
+      notified = std::chrono::steady_clock::now();
+    }
+    cv.notify_all();
+    std::unique_lock lock(mutex);
+    cv.wait(lock, [&] { return done; });
+  }
+  waiter.join();
+  return median(latency);
+}
+
+// The median time the last chunk's loss (softmax cross-entropy of [rows, width] logits, the
+// labels' copy before it) takes on `stream`, timed on the stream itself after a 2 ms wait.
+double loss_op_us(mgpu::Stream& stream, mgpu::Allocator& allocator, std::int64_t rows, int samples) {
+  mgpu::Tensor const logits = mgpu::Tensor::empty({rows, width}, mgpu::DType::float32, allocator);
+  mgpu::Tensor const labels = mgpu::Tensor::empty({rows}, mgpu::DType::float32, allocator);
+  mgpu::Tensor const source = mgpu::Tensor::empty({rows}, mgpu::DType::float32, allocator);
+  mgpu::fill_async(logits, 0.1f, stream);
+  mgpu::fill_async(source, 1.0f, stream);
+  std::vector<double> took;
+  for (int i = 0; i < samples; ++i) {
+    std::int64_t begin = 0, end = 0;
+    stream.enqueue([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      begin = now_ns();
+    });
+    mgpu::copy_async(labels, source, stream);
+    mgpu::Tensor const dlogits = mgpu::Tensor::empty(logits.shape(), logits.dtype(), allocator);
+    mgpu::Tensor const loss = mgpu::Tensor::empty({1}, mgpu::DType::float32, allocator);
+    mgpu::ops::softmax_cross_entropy(logits, labels, dlogits, loss, stream, 1.0f);
+    stream.enqueue([&] { end = now_ns(); });
+    stream.synchronize();
+    took.push_back(static_cast<double>(end - begin) / 1e3);
+  }
+  return median(took);
+}
+
+// Sleeps on the stream: a fixed cost that does not compete for cores. With a log, records each
+// sleep as chunk `chunk`'s action.
 class Sleep final : public nn::Layer {
  public:
-  Sleep(double forward_ms, double backward_input_ms, double backward_weight_ms)
-      : f_(forward_ms), bi_(backward_input_ms), bw_(backward_weight_ms) {}
+  Sleep(double forward_ms, double backward_input_ms, double backward_weight_ms, int chunk = 0, std::shared_ptr<SleepLog> log = {})
+      : f_(forward_ms), bi_(backward_input_ms), bw_(backward_weight_ms), chunk_(chunk), log_(std::move(log)) {}
   std::string name() const override { return "Sleep"; }
   mgpu::Tensor forward(mgpu::Tensor const& x, nn::Context& ctx) override {
-    sleep(ctx, f_);
+    sleep(ctx, f_, pp::ActionKind::forward);
     return x;
   }
   mgpu::Tensor backward(mgpu::Tensor const& dy, nn::Context& ctx) override {
-    sleep(ctx, bi_ + bw_);
+    sleep(ctx, bi_ + bw_, pp::ActionKind::backward);
     return dy;
   }
   mgpu::Tensor backward_input(mgpu::Tensor const& dy, nn::Context& ctx) override {
-    sleep(ctx, bi_);
+    sleep(ctx, bi_, pp::ActionKind::backward_input);
     return dy;
   }
-  void backward_weight(nn::Context& ctx) override { sleep(ctx, bw_); }
-  std::unique_ptr<nn::Layer> clone() const override { return std::make_unique<Sleep>(f_, bi_, bw_); }
+  void backward_weight(nn::Context& ctx) override { sleep(ctx, bw_, pp::ActionKind::backward_weight); }
+  std::unique_ptr<nn::Layer> clone() const override { return std::make_unique<Sleep>(f_, bi_, bw_, chunk_, log_); }
 
  private:
-  static void sleep(nn::Context& ctx, double ms) {
-    ctx.stream.enqueue([ms] { std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms)); });
+  void sleep(nn::Context& ctx, double ms, pp::ActionKind kind) const {
+    ctx.stream.enqueue([ms, log = log_, entry = SleepLog::Entry{chunk_, static_cast<int>(ctx.micro_batch), kind, 0, 0}]() mutable {
+      entry.begin_ns = now_ns();
+      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
+      entry.end_ns = now_ns();
+      if (log) log->add(entry);
+    });
   }
   double f_, bi_, bw_;
+  int chunk_;
+  std::shared_ptr<SleepLog> log_;
 };
 
 std::unique_ptr<mgpu::optim::Optimizer> sgd() { return std::make_unique<mgpu::optim::SGD>(); }
@@ -80,70 +193,72 @@ void BM_schedule(benchmark::State& state, std::string const& name) {
   pp::Schedule const schedule = name == "layer-split" ? pp::layer_split(devices) : pp::make_schedule(name, devices, micro_batches, 2);
   int const v = schedule.chunks_per_device;
   double const ms = 2.0 / v;
+  auto const log = std::make_shared<SleepLog>();
   nn::Sequential model;
-  for (int c = 0; c < schedule.chunks(); ++c) {
-    model.add(std::make_unique<nn::Linear>(width, width));
-    model.add(std::make_unique<Sleep>(ms, ms, ms));
-  }
+  for (int c = 0; c < schedule.chunks(); ++c) model.add(std::make_unique<Sleep>(ms, ms, ms, c, log));
   std::vector<std::size_t> cuts;
-  for (int c = 0; c <= schedule.chunks(); ++c) cuts.push_back(static_cast<std::size_t>(2 * c));
+  for (int c = 0; c <= schedule.chunks(); ++c) cuts.push_back(static_cast<std::size_t>(c));
   mgpu::DeviceGroup group("host:" + std::to_string(devices));
-  auto timeline = std::make_shared<mgpu::trace::Timeline>();
-  pp::Executor executor(model, group, cuts, schedule, sgd, {.timeline = timeline});
+  pp::Executor executor(model, group, cuts, schedule, sgd);
   auto const host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
   mgpu::Tensor const x = mgpu::Tensor::empty({rows, width}, mgpu::DType::float32, *host);
   mgpu::Tensor const y = mgpu::Tensor::empty({rows}, mgpu::DType::float32, *host);
   for (std::int64_t i = 0; i < rows * width; ++i) x.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(i % 7) * 0.1f;
   for (std::int64_t i = 0; i < rows; ++i) y.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(i % 10);
   double const predicted = pp::simulate(schedule, {pp::ActionCosts{ms, ms, ms, 0.0}}).bubble_fraction;
-  // A sleep lasts longer than asked (timer slack, waking up): measure by how much on this machine
-  // now, and give every sleeping action that much more in the makespan the overhead is measured
-  // against (a fused backward is one sleep, its halves one each).
-  double overshoot_ms = 0;
-  {
-    int const sleeps = 20;
-    mgpu::Stream& stream = group.stream(0);
-    auto const start = std::chrono::steady_clock::now();
-    for (int i = 0; i < sleeps; ++i) stream.enqueue([ms] { std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms)); });
-    stream.synchronize();
-    overshoot_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / sleeps - ms;
-  }
-  bool const split = schedule.name == "zb-h1";
-  double const half = split ? overshoot_ms : overshoot_ms / 2;
-  double const predicted_ms = pp::simulate(schedule, {pp::ActionCosts{ms + overshoot_ms, ms + half, ms + half, 0.0}}).makespan;
-  std::size_t actions = 0;
-  for (auto const& list : schedule.actions) actions = std::max(actions, list.size());
+  // The compute actions on the critical path: the makespan when each takes 1 and transfers 0.
+  std::vector<std::vector<double>> unit(schedule.actions.size());
+  for (std::size_t d = 0; d < unit.size(); ++d)
+    for (pp::Action const& a : schedule.actions[d]) unit[d].push_back(pp::is_transfer(a.kind) ? 0.0 : 1.0);
+  double const critical_actions = pp::simulate(schedule, unit).makespan;
   executor.compute_gradients(x, y);  // warm the allocators
-  std::vector<double> bubbles, overheads, peaks, seconds;
+  log->take();
+  // The loss is compute too: the replay adds it to each forward of the last chunk.
+  int const last = schedule.chunks() - 1;
+  double const loss_ms = loss_op_us(group.stream(schedule.device_of(last)), group.allocator(schedule.device_of(last)), rows / micro_batches, 20) / 1e3;
+  std::vector<double> bubbles, overheads, overshoots, peaks, seconds;
   for (auto _ : state) {
-    timeline->clear();
-    timeline->enable();
     group.allocator(0).reset_peak();
     std::size_t const before = group.allocator(0).stats().allocated;
     executor.compute_gradients(x, y);
-    timeline->enable(false);
     double const step = executor.last_step_seconds();
     state.SetIterationTime(step);
     seconds.push_back(step);
     peaks.push_back(static_cast<double>(group.allocator(0).stats().peak_allocated - before));
-    auto const spans = timeline->spans();
-    std::int64_t begin = spans.front().begin_ns, end = spans.front().end_ns;
-    double busy = 0;
-    for (auto const& s : spans) {
-      begin = std::min(begin, s.begin_ns);
-      end = std::max(end, s.end_ns);
-      if (s.lane == mgpu::trace::compute) busy += static_cast<double>(s.end_ns - s.begin_ns);
+    // Each compute action's real duration, the transfers' 0: the replay.
+    std::map<std::tuple<int, int, pp::ActionKind>, double> slept_ms;
+    std::int64_t begin = INT64_MAX, end = INT64_MIN;
+    double busy_ms = 0;
+    std::vector<double> excess;
+    for (SleepLog::Entry const& e : log->take()) {
+      double const took = static_cast<double>(e.end_ns - e.begin_ns) / 1e6;
+      slept_ms[{e.chunk, e.micro_batch, e.kind}] = took;
+      begin = std::min(begin, e.begin_ns);
+      end = std::max(end, e.end_ns);
+      busy_ms += took;
+      excess.push_back(took - (e.kind == pp::ActionKind::backward ? 2 * ms : ms));
     }
-    double const makespan_ns = static_cast<double>(end - begin);
-    bubbles.push_back(1.0 - busy / (devices * makespan_ns));
-    overheads.push_back((makespan_ns / 1e3 - predicted_ms * 1e3) / static_cast<double>(actions));
+    std::vector<std::vector<double>> durations(schedule.actions.size());
+    for (std::size_t d = 0; d < durations.size(); ++d) {
+      for (pp::Action const& a : schedule.actions[d])
+        durations[d].push_back(pp::is_transfer(a.kind) ? 0.0
+                                                       : slept_ms.at({a.chunk, a.micro_batch, a.kind}) +
+                                                             (a.chunk == last && a.kind == pp::ActionKind::forward ? loss_ms : 0.0));
+    }
+    double const makespan_ms = static_cast<double>(end - begin) / 1e6;
+    double const replay_ms = pp::simulate(schedule, durations).makespan;
+    bubbles.push_back(1.0 - busy_ms / (devices * makespan_ms));
+    overheads.push_back((makespan_ms - replay_ms) * 1e3 / critical_actions);
+    overshoots.push_back(median(excess) * 1e3);
   }
   state.counters["bubble_measured"] = median(bubbles);
   state.counters["bubble_predicted"] = predicted;
   state.counters["overhead_us_per_action"] = median(overheads);
   state.counters["peak_activation_bytes"] = median(peaks);
   state.counters["samples_per_s"] = static_cast<double>(rows) / median(seconds);
-  state.counters["sleep_overshoot_us"] = overshoot_ms * 1e3;
+  state.counters["sleep_overshoot_us"] = median(overshoots);
+  state.counters["loss_op_us"] = loss_ms * 1e3;
+  state.counters["thread_wake_us"] = thread_wake_us(std::chrono::microseconds(2000), 40);
 }
 
 // The slowest stage of cutting per-unit costs at `cuts` (unit indices), stage s at speeds[s].
@@ -187,11 +302,11 @@ void BM_partition(benchmark::State& state, std::string const& spec) {
 
 }  // namespace
 
-BENCHMARK_CAPTURE(BM_schedule, layer_split, std::string("layer-split"))->UseManualTime()->Iterations(5)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_schedule, gpipe, std::string("gpipe"))->UseManualTime()->Iterations(5)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_schedule, one_f_one_b, std::string("1f1b"))->UseManualTime()->Iterations(5)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_schedule, interleaved, std::string("interleaved"))->UseManualTime()->Iterations(5)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_schedule, zero_bubble, std::string("zb"))->UseManualTime()->Iterations(5)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_schedule, layer_split, std::string("layer-split"))->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_schedule, gpipe, std::string("gpipe"))->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_schedule, one_f_one_b, std::string("1f1b"))->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_schedule, interleaved, std::string("interleaved"))->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_schedule, zero_bubble, std::string("zb"))->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_partition, equal, std::string("host:4"))->Iterations(1)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_partition, speeds_1_half_1_half, std::string("host:4@speed=1,0.5,1,0.5"))->Iterations(1)->Unit(benchmark::kMillisecond);
 

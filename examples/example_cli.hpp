@@ -1,4 +1,4 @@
-// What the training examples share: their --data and --layers flags.
+// What the training examples share: their --data, --layers and --precision flags.
 #pragma once
 
 #include <cstdint>
@@ -8,10 +8,19 @@
 #include <string>
 #include <vector>
 
+#include <mgpu/core/dtype.hpp>
 #include <mgpu/core/error.hpp>
 #include <mgpu/data/dataset.hpp>
 
 namespace examples {
+
+/// --precision: "fp32", "bf16" or "fp16" (16-bit compute with float32 master weights; CLI11
+/// checks the spelling).
+inline mgpu::DType precision(std::string const& p) {
+  if (p == "bf16") return mgpu::DType::bfloat16;
+  if (p == "fp16") return mgpu::DType::float16;
+  return mgpu::DType::float32;
+}
 
 /// --data: "synthetic" (clusters of `synthetic_rows` examples, 32 features, 10 classes), "csv:PATH"
 /// (label in `label_col`) or "idx:IMAGES,LABELS".

@@ -53,12 +53,6 @@ struct Options {
   int trace_steps = 20;
 };
 
-mgpu::DType precision(std::string const& p) {
-  if (p == "bf16") return mgpu::DType::bfloat16;
-  if (p == "fp16") return mgpu::DType::float16;
-  return mgpu::DType::float32;
-}
-
 mgpu::Tensor host_tensor(std::span<float const> values, mgpu::Shape shape, mgpu::Allocator& allocator) {
   mgpu::Tensor t = mgpu::Tensor::empty(std::move(shape), mgpu::DType::float32, allocator);
   std::copy(values.begin(), values.end(), t.host_span<float>().begin());
@@ -95,7 +89,7 @@ int train(Options const& o) {
   auto const [train_set, test_set] = mgpu::data::split(all, o.test_fraction, o.seed);
   mgpu::parallel::DataParallelOptions dp_options;
   dp_options.seed = o.seed;
-  dp_options.compute = precision(o.precision);
+  dp_options.compute = examples::precision(o.precision);
   if (o.precision == "fp16") dp_options.loss_scaler.emplace();
   dp_options.rebalance = o.rebalance;
   auto const timeline = o.trace.empty() ? nullptr : std::make_shared<mgpu::trace::Timeline>();

@@ -9,6 +9,7 @@
 //   train_pipeline --schedule 1f1b --stages 2 --devices host:2@speed=1,0.5
 //   train_pipeline --schedule gpipe --stages 2 --cuts 0,6,16
 //   train_pipeline --schedule zb --stages 4 --micro-batches 8 --trace zb.json
+//   train_pipeline --schedule 1f1b --stages 4 --micro-batches 8 --precision bf16
 //   train_pipeline --schedule interleaved --chunks 2 --stages 2 --micro-batches 4 --dp 2
 //   train_pipeline --data csv:iris.csv --layers 32,32,3 --schedule gpipe --stages 2
 #include <CLI/CLI.hpp>
@@ -48,6 +49,7 @@ struct Options {
   int chunks = 2;
   int dp = 1;
   std::vector<std::size_t> cuts;
+  std::string precision = "fp32";
   std::string trace;
   bool json = false;
 };
@@ -122,12 +124,14 @@ int train(Options const& o) {
   std::unique_ptr<mgpu::optim::Optimizer> (*const sgd)() = [] {
     return std::unique_ptr<mgpu::optim::Optimizer>(std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 1, .momentum = 0.9f}));
   };
-  pp::Executor executor(model, group, plan.cuts, schedule, sgd, {.seed = o.seed, .data_parallel = o.dp, .timeline = timeline});
+  pp::ExecutorOptions options{.seed = o.seed, .data_parallel = o.dp, .compute = examples::precision(o.precision), .timeline = timeline};
+  if (o.precision == "fp16") options.loss_scaler.emplace();
+  pp::Executor executor(model, group, plan.cuts, schedule, sgd, std::move(options));
 
   FILE* const log = o.json ? stderr : stdout;
-  std::fprintf(log, "mgpu %s: %s, %d stage(s) x %d chunk(s) x %d replica(s) on %s, %d micro-batches of ~%lld rows\n", mgpu::version,
+  std::fprintf(log, "mgpu %s: %s, %d stage(s) x %d chunk(s) x %d replica(s) on %s, %d micro-batches of ~%lld rows, %s\n", mgpu::version,
                schedule.name.c_str(), schedule.devices, schedule.chunks_per_device, o.dp, spec.c_str(), schedule.micro_batches,
-               static_cast<long long>(micro_rows));
+               static_cast<long long>(micro_rows), o.precision.c_str());
   std::fprintf(log, "plan (%s; one micro-batch's forward + backward per chunk, its peak memory):\n",
                o.cuts.empty() ? "for the devices' speed and free memory" : "--cuts");
   std::string const report = pp::to_string(plan);
@@ -168,7 +172,7 @@ int train(Options const& o) {
   whole.materialize(ctx, o.seed);
   std::int64_t offset = 0;
   for (int c = 0; c < schedule.chunks(); ++c) {
-    mgpu::Tensor const& p = executor.chunk(c).parameters();
+    mgpu::Tensor const& p = executor.chunk(c).master_parameters();  // float32 in any precision
     mgpu::copy_async(whole.parameters().slice(offset, offset + p.numel()), p, ctx.stream);
     offset += p.numel();
   }
@@ -186,9 +190,11 @@ int train(Options const& o) {
   if (!o.trace.empty()) timeline->write_chrome_trace(o.trace);
   double const samples_per_s = train_seconds > 0 ? static_cast<double>(samples) / train_seconds : 0.0;
   if (o.json) {
+    auto const* scaler = executor.loss_scaler();
     std::printf("{\"schedule\": \"%s\", \"stages\": %d, \"micro_batches\": %d, \"dp\": %d, \"bubble_predicted\": %.6g, \"bubble_measured\": %.6g, "
-                "\"train_loss\": %.6g, \"test_accuracy\": %.6g, \"samples_per_s\": %.6g}\n",
-                schedule.name.c_str(), o.stages, o.micro_batches, o.dp, predicted.bubble_fraction, bubble, loss, accuracy, samples_per_s);
+                "\"train_loss\": %.6g, \"test_accuracy\": %.6g, \"samples_per_s\": %.6g, \"precision\": \"%s\", \"skipped_steps\": %lld}\n",
+                schedule.name.c_str(), o.stages, o.micro_batches, o.dp, predicted.bubble_fraction, bubble, loss, accuracy, samples_per_s,
+                o.precision.c_str(), static_cast<long long>(scaler != nullptr ? scaler->skipped() : 0));
   } else {
     std::printf("bubble: simulated %.3f, measured %.3f (last step)\nfinal: train loss %.4f, test accuracy %.4f, %.0f samples/s\n",
                 predicted.bubble_fraction, bubble, loss, accuracy, samples_per_s);
@@ -221,6 +227,9 @@ int main(int argc, char** argv) {
   app.add_option("--dp", o.dp, "data-parallel replicas of the pipeline")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--cuts", o.cuts, "layer indices where chunks start, then the layer count, e.g. 0,6,16 (default: planned for the devices)")
       ->delimiter(',');
+  app.add_option("--precision", o.precision, "fp32 | bf16 | fp16 (16-bit compute and transfers, float32 master weights)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+      ->capture_default_str();
   app.add_option("--trace", o.trace, "write the last step's timeline here (Chrome/Perfetto trace JSON)");
   app.add_flag("--json", o.json, "print the final metrics as one JSON object on stdout");
   CLI11_PARSE(app, argc, argv);

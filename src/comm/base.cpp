@@ -126,7 +126,7 @@ void CommunicatorBase::check_tensor(int rank, Tensor const& t, std::string_view 
 
 void CommunicatorBase::submit(int rank, Call call, Stream& stream) {
   check_device(rank, stream.device(), "the stream", call);
-  state_->throw_if_aborted(call.name(rank));
+  if (state_->aborted()) state_->throw_if_aborted(call.name(rank));  // names the call only when it must
   RankState& r = ranks_[static_cast<std::size_t>(rank)];
   if (r.in_group) {
     if (r.group_stream != nullptr && r.group_stream != &stream)

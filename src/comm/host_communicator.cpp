@@ -32,13 +32,14 @@ struct Message {
   std::int64_t count;
   DType dtype;
   std::uint64_t seq;
-  bool taken = false;
+  bool taken = false;  // set under the channel's mutex; read without it (atomic_ref) while spinning
 };
 
 struct Channel {
   std::mutex mutex;
   std::condition_variable cv;
   std::deque<Message*> queue;
+  std::atomic<std::size_t> queued{0};  // queue.size(), changed under `mutex`, read while spinning
 };
 
 }  // namespace
@@ -103,20 +104,30 @@ class HostState {
 
   Channel& channel(int from, int to) { return channels_[static_cast<std::size_t>(from * n_ + to)]; }
 
-  // Waits until ready() holds or the deadline passes, polling first. On timeout, aborts with a message naming what `missing()` reports.
+  // Polls for a moment until ready() holds, calling check() now and then; false if it did not. A
+  // thread woken from sleep costs tens of microseconds, which a short wait would otherwise pay each
+  // time. The core is yielded between polls: when it is free, this is a spin; when other threads
+  // want it (more ranks than cores, or the ranks' compute streams beside their communication
+  // streams), they run instead of a waiting rank burning it.
+  template <class Ready, class Check>
+  bool spin(Ready const& ready, Check const& check) const {
+    auto const start = Clock::now();
+    while (Clock::now() - start < std::chrono::microseconds(100)) {
+      for (int k = 0; k < 64; ++k) {
+        if (ready()) return true;
+        std::this_thread::yield();
+      }
+      check();
+    }
+    return false;
+  }
+
+  // Waits until ready() holds or the deadline passes, polling first. On timeout, aborts with a
+  // message naming what `missing()` reports.
   template <class Ready, class Missing>
   void wait(std::string const& what, Ready const& ready, Missing const& missing) {
     auto const start = Clock::now();
-    // Poll for a moment before sleeping, yielding the core between polls: when it is free, this
-    // is a spin; when other threads want it (more ranks than cores, or the ranks' compute streams
-    // beside their communication streams), they run instead of a waiting rank burning it.
-    while (Clock::now() - start < std::chrono::microseconds(100)) {
-      for (int k = 0; k < 64; ++k) {
-        if (ready()) return;
-        std::this_thread::yield();
-      }
-      shared_->throw_if_aborted(what);
-    }
+    if (spin(ready, [&] { shared_->throw_if_aborted(what); })) return;
     auto const deadline = start + shared_->timeout();
     std::unique_lock lock(mutex_);
     while (!ready()) {
@@ -228,6 +239,10 @@ class HostState {
     }
   }
 
+  void throw_if_aborted(int rank, Call const& c) const {
+    if (shared_->aborted()) shared_->throw_if_aborted(c.name(rank));
+  }
+
   void collective(int rank, Call const& c) {
     std::string const what = c.name(rank);
     shared_->throw_if_aborted(what);
@@ -245,6 +260,7 @@ class HostState {
     {
       std::lock_guard lock(ch.mutex);
       ch.queue.push_back(&message);
+      ch.queued.store(ch.queue.size(), std::memory_order_release);
     }
     ch.cv.notify_all();
   }
@@ -253,17 +269,21 @@ class HostState {
     Channel& ch = channel(rank, peer);
     std::lock_guard lock(ch.mutex);
     std::erase(ch.queue, &message);
+    ch.queued.store(ch.queue.size(), std::memory_order_release);
   }
 
+  // Point-to-point waits spin briefly first, as collectives do; the call's name (a string) is
+  // made only when it is needed for an error.
   void await_taken(int rank, Call const& c, Message& message) {
     Channel& ch = channel(rank, c.root);
-    std::string const what = c.name(rank);
     auto const start = Clock::now();
+    auto const taken = [&] { return std::atomic_ref(message.taken).load(std::memory_order_acquire); };
+    if (spin(taken, [&] { throw_if_aborted(rank, c); })) return;
     std::unique_lock lock(ch.mutex);
-    while (!message.taken) {
-      shared_->throw_if_aborted(what);
-      if (ch.cv.wait_until(lock, start + shared_->timeout()) == std::cv_status::timeout && !message.taken) {
-        std::string const text = what + " waited " + format_duration(Clock::now() - start) + " for rank " +
+    while (!taken()) {
+      throw_if_aborted(rank, c);
+      if (ch.cv.wait_until(lock, start + shared_->timeout()) == std::cv_status::timeout && !taken()) {
+        std::string const text = c.name(rank) + " waited " + format_duration(Clock::now() - start) + " for rank " +
                                  std::to_string(c.root) + " to receive it";
         lock.unlock();
         shared_->abort(text);
@@ -274,13 +294,13 @@ class HostState {
 
   void receive(int rank, Call const& c) {
     Channel& ch = channel(c.root, rank);
-    std::string const what = c.name(rank);
     auto const start = Clock::now();
+    spin([&] { return ch.queued.load(std::memory_order_acquire) > 0; }, [&] { throw_if_aborted(rank, c); });
     std::unique_lock lock(ch.mutex);
     while (ch.queue.empty()) {
-      shared_->throw_if_aborted(what);
+      throw_if_aborted(rank, c);
       if (ch.cv.wait_until(lock, start + shared_->timeout()) == std::cv_status::timeout && ch.queue.empty()) {
-        std::string const text = what + " waited " + format_duration(Clock::now() - start) + " for rank " +
+        std::string const text = c.name(rank) + " waited " + format_duration(Clock::now() - start) + " for rank " +
                                  std::to_string(c.root) + " to send";
         lock.unlock();
         shared_->abort(text);
@@ -289,7 +309,7 @@ class HostState {
     }
     Message* m = ch.queue.front();
     if (m->count != c.count || m->dtype != c.dtype) {
-      std::string const text = what + ": rank " + std::to_string(c.root) + " sent " + std::to_string(m->count) + " " +
+      std::string const text = c.name(rank) + ": rank " + std::to_string(c.root) + " sent " + std::to_string(m->count) + " " +
                                std::string(mgpu::to_string(m->dtype)) + " elements, the recv takes " + std::to_string(c.count) +
                                " " + std::string(mgpu::to_string(c.dtype)) + " (expected matching count and dtype)";
       lock.unlock();
@@ -297,8 +317,9 @@ class HostState {
       throw Error(Errc::invalid_argument, text);
     }
     ch.queue.pop_front();
+    ch.queued.store(ch.queue.size(), std::memory_order_release);
     if (c.count > 0) std::memcpy(c.recv.data(), m->data, static_cast<std::size_t>(c.count) * size_of(c.dtype));
-    m->taken = true;
+    std::atomic_ref(m->taken).store(true, std::memory_order_release);
     lock.unlock();
     ch.cv.notify_all();
   }

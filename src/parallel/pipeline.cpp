@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <map>
 #include <string>
 #include <utility>
 
@@ -29,9 +28,9 @@ struct Executor::Impl {
   std::vector<std::vector<nn::Sequential>> chunks;               // [replica][chunk]
   std::vector<std::vector<std::unique_ptr<optim::Optimizer>>> optimizers;
   double last_seconds = 0;
+  bool last_applied = true;
 
-  // One device's actions for a step. Tensors move between actions through maps keyed by
-  // (chunk, micro-batch); each map is touched by this device's thread only.
+  // One replica's batch for a step.
   struct Step {
     Tensor const* x;
     Tensor const* labels;
@@ -39,7 +38,17 @@ struct Executor::Impl {
     std::vector<std::int64_t> sizes, offsets;  // global rows of each micro-batch
     std::vector<std::vector<Shape>> input_shapes;  // [chunk][micro-batch], and [chunks()] the logits
     std::vector<Tensor> losses;                    // per micro-batch, on the last chunk's device
+    float loss_scale;                              // multiplies the loss gradient
   };
+  // Tensors moving between one device's actions, slot chunk * micro_batches + micro-batch; each is
+  // touched by that device's thread only and kept across steps, so a step allocates no containers.
+  struct DeviceState {
+    std::vector<Tensor> act_in, act_out, grad_in, grad_out;
+    std::vector<std::vector<std::uint64_t>> rng_start, rng_after;  // per chunk
+    std::vector<bool> ran_forward;                                 // per chunk, this step
+    Event compute_done;  // recorded after a compute action that a forward follows
+  };
+  std::vector<DeviceState> devices;  // per rank
   void run_device(int rank, Stream& stream, Step& step);
   // Chunk c of the replica that `rank` belongs to.
   nn::Sequential& chunk_of(int rank, int c) {
@@ -48,75 +57,81 @@ struct Executor::Impl {
 };
 
 namespace {
-using Key = std::pair<int, int>;  // (chunk, micro-batch)
+Tensor take(std::vector<Tensor>& slots, int chunk, int micro_batch, int micro_batches, char const* what) {
+  Tensor& slot = slots[static_cast<std::size_t>(chunk * micro_batches + micro_batch)];
+  if (!slot.defined())
+    throw Error(Errc::invalid_argument, std::string("no ") + what + " for chunk " + std::to_string(chunk) + ", micro-batch " +
+                                            std::to_string(micro_batch) + " (expected the schedule to produce it first)");
+  return std::exchange(slot, Tensor{});
+}
 
-Tensor take(std::map<Key, Tensor>& map, Key key, char const* what) {
-  auto const it = map.find(key);
-  if (it == map.end())
-    throw Error(Errc::invalid_argument, std::string("no ") + what + " for chunk " + std::to_string(key.first) + ", micro-batch " +
-                                            std::to_string(key.second) + " (expected the schedule to produce it first)");
-  Tensor t = std::move(it->second);
-  map.erase(it);
-  return t;
+// "pipeline device 1, chunk 2, action 7 (forward(mb 3, chunk 2))": where an error happened.
+std::string where(int rank, std::size_t index, Action const& a) {
+  return "pipeline device " + std::to_string(rank) + ", chunk " + std::to_string(a.chunk) + ", action " + std::to_string(index) + " (" +
+         to_string(a) + ")";
 }
 }  // namespace
 
 void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
   Schedule const& s = schedule;
   int const last = s.chunks() - 1;
+  int const mbs = s.micro_batches;
   int const device = rank % s.devices;      // the device within its pipeline
   int const base = rank - device;           // the pipeline's first rank
   Allocator& allocator = group->allocator(rank);
-  std::map<Key, Tensor> act_in, act_out, grad_in, grad_out;
-  std::map<int, std::vector<std::uint64_t>> rng_start, rng_after;
+  DType const dtype = options.compute;  // of activations and their gradients
+  DeviceState& st = devices[static_cast<std::size_t>(rank)];
+  auto const slot = [mbs](int chunk, int mb) { return static_cast<std::size_t>(chunk * mbs + mb); };
   for (int c = device; c < s.chunks(); c += s.devices) {
     chunk_of(rank, c).zero_gradients(stream);
-    rng_start[c] = chunk_of(rank, c).rng_state();
+    st.rng_start[static_cast<std::size_t>(c)] = chunk_of(rank, c).rng_state();
   }
+  std::fill(st.ran_forward.begin(), st.ran_forward.end(), false);
   trace::Timeline* const timeline = options.timeline.get();
   auto const& list = s.actions[static_cast<std::size_t>(device)];
   auto const total = static_cast<double>(step.total_rows);
-  for (std::size_t i = 0; i < list.size();) {
-    Action const& a = list[i];
-    std::string where = "pipeline device " + std::to_string(rank) + ", chunk " + std::to_string(a.chunk) + ", action " +
-                        std::to_string(i) + " (" + to_string(a) + ")";
-    try {
+  std::size_t current = 0;  // the action running, for the error message
+  try {
+    for (std::size_t i = 0; i < list.size();) {
+      Action const& a = list[i];
+      current = i;
+      // Timeline names are made only while the timeline records.
+      bool const tracing = timeline != nullptr && timeline->enabled();
       if (is_transfer(a.kind)) {
         std::size_t end = i;
-        std::string names;
-        while (end < list.size() && is_transfer(list[end].kind)) names += (names.empty() ? "" : ", ") + to_string(list[end++]);
+        while (end < list.size() && is_transfer(list[end].kind)) ++end;
         auto transfers = [&] {
           comm->group_start(rank);
           for (std::size_t k = i; k < end; ++k) {
             Action const& t = list[k];
-            where = "pipeline device " + std::to_string(rank) + ", chunk " + std::to_string(t.chunk) + ", action " + std::to_string(k) +
-                    " (" + to_string(t) + ")";
-            Key const key{t.chunk, t.micro_batch};
+            current = k;
             auto const mb = static_cast<std::size_t>(t.micro_batch);
             switch (t.kind) {
               case ActionKind::send_activation:
-                comm->send(rank, take(act_out, key, "activation"), base + s.device_of(t.chunk + 1), stream);
+                comm->send(rank, take(st.act_out, t.chunk, t.micro_batch, mbs, "activation"), base + s.device_of(t.chunk + 1), stream);
                 break;
               case ActionKind::send_gradient:
-                comm->send(rank, take(grad_in, key, "input gradient"), base + s.device_of(t.chunk - 1), stream);
+                comm->send(rank, take(st.grad_in, t.chunk, t.micro_batch, mbs, "input gradient"), base + s.device_of(t.chunk - 1), stream);
                 break;
               case ActionKind::recv_activation: {
-                Tensor buffer = Tensor::empty(step.input_shapes[static_cast<std::size_t>(t.chunk)][mb], DType::float32, allocator);
+                Tensor buffer = Tensor::empty(step.input_shapes[static_cast<std::size_t>(t.chunk)][mb], dtype, allocator);
                 comm->recv(rank, buffer, base + s.device_of(t.chunk - 1), stream);
-                act_in[key] = buffer;
+                st.act_in[slot(t.chunk, t.micro_batch)] = std::move(buffer);
                 break;
               }
               default: {
-                Tensor buffer = Tensor::empty(step.input_shapes[static_cast<std::size_t>(t.chunk) + 1][mb], DType::float32, allocator);
+                Tensor buffer = Tensor::empty(step.input_shapes[static_cast<std::size_t>(t.chunk) + 1][mb], dtype, allocator);
                 comm->recv(rank, buffer, base + s.device_of(t.chunk + 1), stream);
-                grad_out[key] = buffer;
+                st.grad_out[slot(t.chunk, t.micro_batch)] = std::move(buffer);
               }
             }
           }
           comm->group_end(rank);
         };
-        if (timeline != nullptr) {
-          timeline->stream_span(stream, names, "pipeline", rank, trace::communication, transfers);
+        if (tracing) {
+          std::string names;
+          for (std::size_t k = i; k < end; ++k) names += (names.empty() ? "" : ", ") + to_string(list[k]);
+          timeline->stream_span(stream, std::move(names), "pipeline", rank, trace::communication, transfers);
         } else {
           transfers();
         }
@@ -125,29 +140,45 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
       }
       nn::Sequential& chunk = chunk_of(rank, a.chunk);
       auto const mb = static_cast<std::size_t>(a.micro_batch);
-      Key const key{a.chunk, a.micro_batch};
+      auto const c = static_cast<std::size_t>(a.chunk);
       nn::Context ctx{allocator, stream, step.offsets[mb], a.micro_batch, true};
+      if (a.kind == ActionKind::forward) {
+        // Enqueue no further ahead than the stream runs: once the compute action before this one
+        // has run, the tensors of micro-batches whose backward is done are free before this
+        // forward allocates, so the allocator's peak is the schedule's activations in flight.
+        // Transfers enqueued since need not have run: the thread enqueues this forward while
+        // its stream waits for a peer, and the stream starts it as soon as the input arrives.
+        try {
+          st.compute_done.synchronize();
+        } catch (Error const&) {
+          stream.synchronize();  // rethrows what failed on the stream, rather than the event's report
+          throw;
+        }
+      }
       auto compute = [&] {
         switch (a.kind) {
           case ActionKind::forward: {
-            // Enqueue no further ahead than the stream runs: the tensors of micro-batches whose
-            // backward is done are then free before this forward allocates, so the allocator's
-            // peak is the schedule's activations in flight.
-            stream.synchronize();
             Tensor input;
             if (a.chunk == 0) {
               input = Tensor::empty(step.input_shapes[0][mb], DType::float32, allocator);
               copy_async(input, step.x->slice(step.offsets[mb], step.offsets[mb] + step.sizes[mb]), stream);
+              if (dtype != DType::float32) {
+                Tensor const rows = std::exchange(input, Tensor::empty(step.input_shapes[0][mb], dtype, allocator));
+                convert_async(input, rows, stream);
+              }
             } else if (s.device_of(a.chunk - 1) == device) {
-              input = take(act_out, {a.chunk - 1, a.micro_batch}, "activation");
+              input = take(st.act_out, a.chunk - 1, a.micro_batch, mbs, "activation");
             } else {
-              input = take(act_in, key, "received activation");
+              input = take(st.act_in, a.chunk, a.micro_batch, mbs, "received activation");
             }
-            chunk.set_rng_state(rng_start[a.chunk]);
+            chunk.set_rng_state(st.rng_start[c]);
             Tensor const y = chunk.forward(input, ctx);
-            rng_after[a.chunk] = chunk.rng_state();
+            if (!st.ran_forward[c]) {  // every micro-batch draws from the step's start; keep where one ends
+              st.rng_after[c] = chunk.rng_state();
+              st.ran_forward[c] = true;
+            }
             if (a.chunk < last) {
-              act_out[key] = y;
+              st.act_out[slot(a.chunk, a.micro_batch)] = y;
               break;
             }
             Tensor const labels = Tensor::empty({step.sizes[mb]}, DType::float32, allocator);
@@ -155,38 +186,45 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
             Tensor const dlogits = Tensor::empty(y.shape(), y.dtype(), allocator);
             step.losses[mb] = Tensor::empty({1}, DType::float32, allocator);
             // Each micro-batch's mean loss weighted by its share: the gradients add up to the batch mean's.
-            ops::softmax_cross_entropy(y, labels, dlogits, step.losses[mb], stream, static_cast<float>(static_cast<double>(step.sizes[mb]) / total));
-            grad_out[key] = dlogits;
+            ops::softmax_cross_entropy(y, labels, dlogits, step.losses[mb], stream,
+                                       step.loss_scale * static_cast<float>(static_cast<double>(step.sizes[mb]) / total));
+            st.grad_out[slot(a.chunk, a.micro_batch)] = dlogits;
             break;
           }
           case ActionKind::backward:
           case ActionKind::backward_input: {
-            Tensor const dy = a.chunk < last && s.device_of(a.chunk + 1) == device ? take(grad_in, {a.chunk + 1, a.micro_batch}, "input gradient")
-                                                                                 : take(grad_out, key, "output gradient");
+            Tensor const dy = a.chunk < last && s.device_of(a.chunk + 1) == device
+                                  ? take(st.grad_in, a.chunk + 1, a.micro_batch, mbs, "input gradient")
+                                  : take(st.grad_out, a.chunk, a.micro_batch, mbs, "output gradient");
             Tensor dx = a.kind == ActionKind::backward ? chunk.backward(dy, ctx, a.chunk > 0) : chunk.backward_input(dy, ctx, a.chunk > 0);
-            if (a.chunk > 0) grad_in[key] = std::move(dx);
+            if (a.chunk > 0) st.grad_in[slot(a.chunk, a.micro_batch)] = std::move(dx);
             break;
           }
           default: chunk.backward_weight(ctx);
         }
       };
-      if (timeline != nullptr) {
+      if (tracing) {
         timeline->stream_span(stream, to_string(a), "pipeline", rank, trace::compute, compute);
       } else {
         compute();
       }
       ++i;
-    } catch (Error const& e) {
-      throw Error(e.category(), where + ": " + std::string(e.message()));
+      std::size_t next = i;
+      while (next < list.size() && is_transfer(list[next].kind)) ++next;
+      if (next < list.size() && list[next].kind == ActionKind::forward) st.compute_done.record(stream);
     }
+  } catch (Error const& e) {
+    throw Error(e.category(), where(rank, current, list[current]) + ": " + std::string(e.message()));
   }
-  for (auto& [c, state] : rng_after) chunk_of(rank, c).set_rng_state(state);
+  for (int c = device; c < s.chunks(); c += s.devices) {
+    if (st.ran_forward[static_cast<std::size_t>(c)]) chunk_of(rank, c).set_rng_state(st.rng_after[static_cast<std::size_t>(c)]);
+  }
   if (replicas > 1) {  // the same chunk across replicas: sum of their batch-mean shares
     for (int c = device; c < s.chunks(); c += s.devices) {
       Tensor const& grads = chunk_of(rank, c).gradients();
       if (!grads.defined()) continue;
       auto reduce = [&] { stage_comms[static_cast<std::size_t>(device)]->all_reduce(rank / s.devices, grads, grads, comm::ReduceOp::sum, stream); };
-      if (timeline != nullptr) {
+      if (timeline != nullptr && timeline->enabled()) {
         timeline->stream_span(stream, "all_reduce(chunk " + std::to_string(c) + ")", "pipeline", rank, trace::communication, reduce);
       } else {
         reduce();
@@ -233,9 +271,17 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     }
   }
   int const devices = m.schedule.devices;
+  m.devices.resize(static_cast<std::size_t>(group.size()));
+  for (Impl::DeviceState& st : m.devices) {
+    auto const slots = chunks * static_cast<std::size_t>(m.schedule.micro_batches);
+    for (auto* v : {&st.act_in, &st.act_out, &st.grad_in, &st.grad_out}) v->resize(slots);
+    st.rng_start.resize(chunks);
+    st.rng_after.resize(chunks);
+    st.ran_forward.assign(chunks, false);
+  }
   group.run([&](int rank, Device, Stream& stream) {
     nn::Context ctx{group.allocator(rank), stream};
-    for (int c = rank % devices; c < m.schedule.chunks(); c += devices) m.chunk_of(rank, c).materialize(ctx, m.options.seed);
+    for (int c = rank % devices; c < m.schedule.chunks(); c += devices) m.chunk_of(rank, c).materialize(ctx, m.options.seed, m.options.compute);
   });
   m.comm = comm::make_communicator(group, {comm::Backend::automatic, m.options.timeout});
   if (m.replicas > 1) {
@@ -266,7 +312,14 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
   std::vector<Impl::Step> steps;
   std::int64_t offset = 0;
   for (std::int64_t const shard : shard_sizes(x.dim(0), m.replicas)) {
-    Impl::Step step{&x, &labels, x.dim(0), shard_sizes(shard, mbs), {}, {}, std::vector<Tensor>(static_cast<std::size_t>(mbs))};
+    Impl::Step step{&x,
+                    &labels,
+                    x.dim(0),
+                    shard_sizes(shard, mbs),
+                    {},
+                    {},
+                    std::vector<Tensor>(static_cast<std::size_t>(mbs)),
+                    m.options.loss_scaler ? m.options.loss_scaler->scale() : 1.0f};
     for (std::int64_t n : step.sizes) {
       step.offsets.push_back(offset);
       offset += n;
@@ -298,17 +351,40 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
 float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
   float const loss = compute_gradients(x, labels);
   Impl& m = *impl_;
+  int const devices = m.schedule.devices;
+  optim::LossScaler* const scaler = m.options.loss_scaler ? &*m.options.loss_scaler : nullptr;
+  float const unscale = scaler != nullptr ? 1.0f / scaler->scale() : 1.0f;
+  // Every chunk's float32 master gradients, and (with a scaler) how many of them are NaN or Inf:
+  // one decision over all chunks, so every chunk skips the same steps.
+  std::vector<double> nonfinite(static_cast<std::size_t>(m.group->size()), 0.0);
   m.group->run([&](int rank, Device, Stream& stream) {
-    int const devices = m.schedule.devices;
     for (int c = rank % devices; c < m.schedule.chunks(); c += devices) {
       nn::Sequential& chunk = m.chunk_of(rank, c);
-      chunk.unscale_gradients(1.0f, stream);
+      chunk.unscale_gradients(unscale, stream);
+      if (scaler == nullptr) continue;
+      Tensor const count = Tensor::empty({1}, DType::float32, m.group->allocator(rank));
+      ops::count_nonfinite(chunk.master_gradients(), count, stream);
+      nonfinite[static_cast<std::size_t>(rank)] += ops::item(count, stream);
+    }
+  });
+  double bad = 0;
+  for (double const n : nonfinite) bad += n;
+  m.last_applied = scaler == nullptr || scaler->update(bad == 0);
+  if (!m.last_applied) return loss;
+  m.group->run([&](int rank, Device, Stream& stream) {
+    for (int c = rank % devices; c < m.schedule.chunks(); c += devices) {
+      nn::Sequential& chunk = m.chunk_of(rank, c);
       m.optimizers[static_cast<std::size_t>(rank / devices)][static_cast<std::size_t>(c)]->step(
           chunk.master_parameters(), chunk.master_gradients(), m.group->allocator(rank), stream, lr_scale);
       chunk.sync_parameters(stream);
     }
   });
   return loss;
+}
+
+bool Executor::last_step_applied() const noexcept { return impl_->last_applied; }
+optim::LossScaler const* Executor::loss_scaler() const noexcept {
+  return impl_->options.loss_scaler ? &*impl_->options.loss_scaler : nullptr;
 }
 
 Schedule const& Executor::schedule() const noexcept { return impl_->schedule; }

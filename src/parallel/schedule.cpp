@@ -275,11 +275,10 @@ Action counterpart(Action const& a) {
 
 // Runs an order-checked schedule in simulated time (see simulate()); throws naming the first
 // blocked action when it deadlocks, or a transfer whose peer posts a different one.
-Simulation run(Schedule const& s, std::vector<ActionCosts> const& costs) {
-  if (costs.size() != 1 && costs.size() != static_cast<std::size_t>(s.chunks()))
-    throw Error(Errc::invalid_argument, "simulate with costs for " + std::to_string(costs.size()) + " chunks (expected 1 or " +
-                                            std::to_string(s.chunks()) + ")");
-  auto cost = [&](int chunk) -> ActionCosts const& { return costs.size() == 1 ? costs[0] : costs[static_cast<std::size_t>(chunk)]; };
+// `duration(d, i)`: how long action i of device d takes (a transfer: the pair, once both are
+// posted; asked of the sending side).
+template <class Duration>
+Simulation run(Schedule const& s, Duration const& duration) {
   auto const n = static_cast<std::size_t>(s.devices);
   Simulation sim;
   sim.busy.assign(n, 0.0);
@@ -312,7 +311,8 @@ Simulation run(Schedule const& s, std::vector<ActionCosts> const& costs) {
         fail(at(snd.device, snd.index, sa) + " is received by " + at(rcv.device, rcv.index, ra) +
              " (expected the two devices to post their transfers between each other in the same order)");
       double const t = std::max(sim.start[static_cast<std::size_t>(snd.device)][snd.index],
-                                sim.start[static_cast<std::size_t>(rcv.device)][rcv.index]) + cost(sa.chunk).transfer;
+                                sim.start[static_cast<std::size_t>(rcv.device)][rcv.index]) +
+                       duration(static_cast<std::size_t>(snd.device), snd.index);
       for (Posted const& p : {snd, rcv}) {
         sim.end[static_cast<std::size_t>(p.device)][p.index] = t;
         --pending[static_cast<std::size_t>(p.device)];
@@ -327,11 +327,7 @@ Simulation run(Schedule const& s, std::vector<ActionCosts> const& costs) {
       while (pc[d] < list.size()) {
         Action const& a = list[pc[d]];
         if (!is_transfer(a.kind)) {
-          ActionCosts const& c = cost(a.chunk);
-          double const len = a.kind == Kind::forward          ? c.forward
-                             : a.kind == Kind::backward       ? c.backward_input + c.backward_weight
-                             : a.kind == Kind::backward_input ? c.backward_input
-                                                              : c.backward_weight;
+          double const len = duration(d, pc[d]);
           sim.start[d][pc[d]] = clock[d];
           clock[d] += len;
           sim.end[d][pc[d]] = clock[d];
@@ -527,12 +523,39 @@ Schedule make_schedule(std::string const& name, int devices, int micro_batches, 
 
 void validate(Schedule const& schedule) {
   check_order(schedule);
-  static_cast<void>(run(schedule, {ActionCosts{}}));
+  static_cast<void>(run(schedule, [](std::size_t, std::size_t) { return 1.0; }));  // whether it ends does not depend on costs
 }
 
 Simulation simulate(Schedule const& schedule, std::vector<ActionCosts> const& costs) {
   check_order(schedule);
-  return run(schedule, costs);
+  if (costs.size() != 1 && costs.size() != static_cast<std::size_t>(schedule.chunks()))
+    throw Error(Errc::invalid_argument, "simulate with costs for " + std::to_string(costs.size()) + " chunks (expected 1 or " +
+                                            std::to_string(schedule.chunks()) + ")");
+  return run(schedule, [&](std::size_t d, std::size_t i) {
+    Action const& a = schedule.actions[d][i];
+    ActionCosts const& c = costs.size() == 1 ? costs[0] : costs[static_cast<std::size_t>(a.chunk)];
+    switch (a.kind) {
+      case Kind::forward: return c.forward;
+      case Kind::backward: return c.backward_input + c.backward_weight;
+      case Kind::backward_input: return c.backward_input;
+      case Kind::backward_weight: return c.backward_weight;
+      default: return c.transfer;
+    }
+  });
+}
+
+Simulation simulate(Schedule const& schedule, std::vector<std::vector<double>> const& durations) {
+  check_order(schedule);
+  bool matches = durations.size() == schedule.actions.size();
+  for (std::size_t d = 0; matches && d < durations.size(); ++d) matches = durations[d].size() == schedule.actions[d].size();
+  if (!matches) {
+    std::string want, got;
+    for (auto const& list : schedule.actions) want += (want.empty() ? "" : ", ") + std::to_string(list.size());
+    for (auto const& list : durations) got += (got.empty() ? "" : ", ") + std::to_string(list.size());
+    throw Error(Errc::invalid_argument, "simulate with durations for [" + got + "] actions per device (expected [" + want +
+                                            "], one per action of the schedule)");
+  }
+  return run(schedule, [&](std::size_t d, std::size_t i) { return durations[d][i]; });
 }
 
 }  // namespace mgpu::pipeline

@@ -105,6 +105,19 @@ class Faulty final : public nn::Layer {
   Tensor backward(Tensor const& dy, nn::Context&) override { return dy; }
   std::unique_ptr<nn::Layer> clone() const override { return std::make_unique<Faulty>(); }
 };
+
+// Fails in its stream work (not while enqueuing) on one micro-batch.
+class FaultyOnStream final : public nn::Layer {
+ public:
+  std::string name() const override { return "FaultyOnStream"; }
+  Tensor forward(Tensor const& x, nn::Context& ctx) override {
+    if (ctx.micro_batch == 1)
+      ctx.stream.enqueue([] { throw mgpu::Error(mgpu::Errc::invalid_argument, "FaultyOnStream: micro-batch 1 failed on the stream"); });
+    return x;
+  }
+  Tensor backward(Tensor const& dy, nn::Context&) override { return dy; }
+  std::unique_ptr<nn::Layer> clone() const override { return std::make_unique<FaultyOnStream>(); }
+};
 }  // namespace
 
 TEST_CASE("every schedule's loss and gradients equal the unsplit model's", "[parallel][pipeline]") {
@@ -168,6 +181,83 @@ TEST_CASE("the automatic partition balances profiled layer costs", "[parallel][p
   CHECK(profiled[1] == 0.0);  // the ReLU runs inside the Linear before it
 }
 
+namespace {
+std::vector<double> gathered_masters(pp::Executor& ex) {
+  std::vector<double> all;
+  for (int c = 0; c < ex.schedule().chunks(); ++c) {
+    auto const part = as_double(ex.chunk(c).master_parameters());
+    all.insert(all.end(), part.begin(), part.end());
+  }
+  return all;
+}
+
+void check_close_16(std::vector<double> const& got, std::vector<double> const& want) {
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got[i] == Approx(want[i]).margin(2e-3).epsilon(2e-2));
+  }
+}
+}  // namespace
+
+TEST_CASE("bfloat16 pipelined steps equal the unsplit model trained in bfloat16", "[parallel][pipeline]") {
+  Env env;
+  std::vector<Batch> batches;
+  for (unsigned k = 0; k < 3; ++k) batches.push_back(make_batch(env, 12, 30 + k));
+  nn::Sequential reference_model = make_model();
+  reference_model.materialize(env.ctx, 5, mgpu::DType::bfloat16);
+  mgpu::optim::SGD opt({.lr = 0.1f, .momentum = 0.9f});
+  std::vector<float> want_losses;
+  for (Batch const& b : batches)
+    want_losses.push_back(mgpu::ops::item(nn::classification_step(reference_model, opt, b.x, b.y, env.ctx).loss, env.stream));
+  env.stream.synchronize();
+  auto const want = as_double(reference_model.master_parameters());
+  mgpu::DeviceGroup group("host:2");
+  for (std::string const name : {"1f1b", "zb", "interleaved"}) {
+    CAPTURE(name);
+    pp::Schedule const s = pp::make_schedule(name, 2, 4, 2);
+    pp::Executor ex(make_model(), group, even_cuts(make_model(), s.chunks()), s, sgd(), {.seed = 5, .compute = mgpu::DType::bfloat16});
+    CHECK(ex.chunk(0).compute_type() == mgpu::DType::bfloat16);
+    for (std::size_t k = 0; k < batches.size(); ++k) CHECK(ex.step(batches[k].x, batches[k].y) == Approx(want_losses[k]).epsilon(2e-2));
+    check_close_16(gathered_masters(ex), want);
+  }
+}
+
+TEST_CASE("float16 with loss scaling: an overflow in any stage skips the step on every stage", "[parallel][pipeline]") {
+  Env env;
+  std::vector<Batch> batches;
+  for (unsigned k = 0; k < 3; ++k) batches.push_back(make_batch(env, 12, 50 + k));
+  // A first scale of 1e10 overflows float16's loss gradient (largest finite 65504); the backoff
+  // then brings it to 1e4. The unsplit model in float16 with the same scaler is the reference.
+  auto const scaler = [] { return mgpu::optim::LossScaler(1e10f, 2.0f, 1e-6f, 2000); };
+  nn::Sequential reference_model = make_model();
+  reference_model.materialize(env.ctx, 9, mgpu::DType::float16);
+  mgpu::optim::SGD opt({.lr = 0.1f, .momentum = 0.9f});
+  mgpu::optim::LossScaler reference_scaler = scaler();
+  std::vector<bool> want_applied;
+  for (Batch const& b : batches)
+    want_applied.push_back(nn::classification_step(reference_model, opt, b.x, b.y, env.ctx, {.scaler = &reference_scaler}).applied);
+  REQUIRE(want_applied == std::vector<bool>{false, true, true});
+  env.stream.synchronize();
+  auto const want = as_double(reference_model.master_parameters());
+
+  mgpu::DeviceGroup group("host:3");
+  pp::Schedule const s = pp::one_f_one_b(3, 3);
+  pp::Executor ex(make_model(), group, even_cuts(make_model(), 3), s, sgd(), {.seed = 9, .compute = mgpu::DType::float16, .loss_scaler = scaler()});
+  auto const initial = gathered_masters(ex);
+  ex.step(batches[0].x, batches[0].y);
+  CHECK_FALSE(ex.last_step_applied());
+  CHECK(gathered_masters(ex) == initial);  // no stage updated, not even those whose gradients were finite
+  REQUIRE(ex.loss_scaler() != nullptr);
+  CHECK(ex.loss_scaler()->skipped() == 1);
+  CHECK(ex.loss_scaler()->scale() == reference_scaler.scale());
+  for (std::size_t k = 1; k < batches.size(); ++k) {
+    ex.step(batches[k].x, batches[k].y);
+    CHECK(ex.last_step_applied());
+  }
+  check_close_16(gathered_masters(ex), want);
+}
+
 TEST_CASE("a failing stage stops every device with an error naming it", "[parallel][pipeline]") {
   Env env;
   Batch const b = make_batch(env, 8, 5);
@@ -186,6 +276,35 @@ TEST_CASE("a failing stage stops every device with an error naming it", "[parall
                      "pipeline device 1, chunk 1, action 10 (forward(mb 2, chunk 1)): Faulty: refuses micro-batch 2");
   // The others were stopped by the abort, not by the 20 s deadline.
   CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+}
+
+TEST_CASE("work that fails on a stage's stream stops every device with that error", "[parallel][pipeline]") {
+  Env env;
+  Batch const b = make_batch(env, 8, 5);
+  nn::Sequential model = make_model();
+  nn::Sequential faulty;
+  for (std::size_t l = 0; l < model.size(); ++l) {
+    faulty.add(model.layer(l).clone());
+    if (l == 5) faulty.add(std::make_unique<FaultyOnStream>());
+  }
+  mgpu::DeviceGroup group("host:3");
+  pp::Executor ex(faulty, group, {0, 3, 9, 15}, pp::one_f_one_b(3, 4), sgd(), {.seed = 1, .timeout = std::chrono::milliseconds(20000)});
+  auto const start = std::chrono::steady_clock::now();
+  // Device 1 learns of it when it next waits for its stream, before a later forward; device 2 may
+  // report first, with the abort that device 1's skipped send caused, which names device 1.
+  try {
+    ex.compute_gradients(b.x, b.y);
+    FAIL("expected an error");
+  } catch (mgpu::Error const& e) {
+    std::string const message = e.what();
+    CAPTURE(message);
+    bool const own = e.category() == mgpu::Errc::invalid_argument &&
+                     message.find("FaultyOnStream: micro-batch 1 failed on the stream") != std::string::npos;
+    bool const peer = e.category() == mgpu::Errc::communication && message.find("aborted: rank 1 ") != std::string::npos &&
+                      message.find("was skipped because earlier work on the rank's stream failed") != std::string::npos;
+    CHECK((own || peer));
+  }
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));  // the abort, not the 20 s deadline
 }
 
 TEST_CASE("the executor rejects bad input", "[parallel][pipeline]") {

@@ -72,6 +72,37 @@ TEST_CASE("simulated bubbles match the closed forms with equal costs", "[paralle
   }
 }
 
+TEST_CASE("simulating with each action's own duration replays a run", "[parallel][schedule]") {
+  // Two devices, one micro-batch: device 0 forward (2), its send and the gradient's receive in one
+  // group, backward (3); device 1 receive, forward (1), backward (4), send (0.25). The activation
+  // arrives at 2 + 0.5, device 1 runs until 7.5, the gradient arrives at 7.75, device 0 ends at 10.75.
+  Schedule const s = gpipe(2, 1);
+  REQUIRE(s.actions[0] == std::vector<Action>{{K::forward, 0, 0}, {K::send_activation, 0, 0}, {K::recv_gradient, 0, 0}, {K::backward, 0, 0}});
+  REQUIRE(s.actions[1] == std::vector<Action>{{K::recv_activation, 0, 1}, {K::forward, 0, 1}, {K::backward, 0, 1}, {K::send_gradient, 0, 1}});
+  Simulation const sim = simulate(s, std::vector<std::vector<double>>{{2, 0.5, 9, 3}, {9, 1, 4, 0.25}});
+  CHECK(sim.makespan == Approx(10.75));
+  CHECK(sim.busy == std::vector<double>{5, 5});
+  CHECK(sim.bubble_fraction == Approx(1.0 - 10.0 / 21.5));
+  // The same per-chunk costs given per action give the cost-based simulation.
+  Schedule const il = interleaved_one_f_one_b(4, 2, 8);
+  std::vector<ActionCosts> costs;
+  for (int c = 0; c < il.chunks(); ++c) costs.push_back({1.0 + c, 0.5 * c + 1, 2.0, 0.125});
+  std::vector<std::vector<double>> durations(il.actions.size());
+  for (std::size_t d = 0; d < il.actions.size(); ++d) {
+    for (Action const& a : il.actions[d]) {
+      ActionCosts const& c = costs[static_cast<std::size_t>(a.chunk)];
+      durations[d].push_back(a.kind == K::forward ? c.forward : a.kind == K::backward ? c.backward_input + c.backward_weight : c.transfer);
+    }
+  }
+  Simulation const by_chunk = simulate(il, costs);
+  Simulation const by_action = simulate(il, durations);
+  CHECK(by_action.makespan == by_chunk.makespan);
+  CHECK(by_action.busy == by_chunk.busy);
+  CHECK(by_action.end == by_chunk.end);
+  durations[3].pop_back();
+  REQUIRE_MGPU_ERROR(simulate(il, durations), mgpu::Errc::invalid_argument, "one per action of the schedule");
+}
+
 TEST_CASE("peak in-flight activations: 1F1B at most P - d on stage d, GPipe M, ZB-H1 bounded", "[parallel][schedule]") {
   for (int p = 1; p <= 4; ++p) {
     for (int m = 1; m <= 8; ++m) {

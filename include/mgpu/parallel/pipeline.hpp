@@ -8,6 +8,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -114,6 +115,12 @@ struct ExecutorOptions {
   int data_parallel = 1;
   /// The communicator's deadline (zero: comm::default_timeout()).
   std::chrono::milliseconds timeout{0};
+  /// The type the chunks compute in and send between devices: float32, or bfloat16/float16 with
+  /// float32 master parameters that the optimizers update (as nn::Sequential::materialize).
+  DType compute = DType::float32;
+  /// Dynamic loss scaling (for float16): the loss gradient is multiplied by the scale, and a step
+  /// in which any chunk's gradients (of any replica) hold NaN or Inf is skipped by every chunk.
+  std::optional<optim::LossScaler> loss_scaler{};
   /// Where every action is recorded (rank = device, compute lane; transfers on the communication
   /// lane); nullptr for none.
   std::shared_ptr<trace::Timeline> timeline{};
@@ -128,8 +135,11 @@ using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>()>;
 /// (consecutive transfers grouped, so crossing sends and receives cannot deadlock), accumulates
 /// parameter gradients over micro-batches and, in step(), updates each chunk. Dropout draws as in
 /// the unsplit model: every micro-batch's forward uses the step's draw and its global rows.
-/// Each device's thread waits for its stream before enqueuing a forward, so memory follows the
-/// schedule (1F1B holds at most devices - d micro-batches' activations on device d, GPipe all).
+/// Before enqueuing a forward, each device's thread waits for its stream to finish the compute
+/// action before it (not the transfers in between, which may still wait for a peer), so memory
+/// follows the schedule (1F1B holds at most devices - d micro-batches' activations on device d,
+/// GPipe all) while the stream starts the forward as soon as its input arrives. Without a timeline
+/// (or with it disabled) a step builds no names and allocates no containers per action.
 /// If an action fails, the communicator aborts the other devices and the step throws an Error
 /// naming the failing device, chunk and action; the executor cannot be used after that.
 /// The group must outlive the executor. Not thread-safe: call from one thread.
@@ -149,8 +159,14 @@ class Executor {
   /// softmax cross-entropy. x and labels may live on any device. Throws Error(invalid_argument)
   /// when N is smaller than the number of micro-batches or the labels do not match x.
   float compute_gradients(Tensor const& x, Tensor const& labels);
-  /// compute_gradients(), then each chunk's optimizer step (learning rate times lr_scale).
+  /// compute_gradients(), then each chunk's optimizer step (learning rate times lr_scale) on its
+  /// float32 masters, unless the loss scaler found NaN or Inf gradients in any chunk: then no chunk
+  /// updates (see last_step_applied()).
   float step(Tensor const& x, Tensor const& labels, float lr_scale = 1.0f);
+  /// Whether the last step() updated the parameters.
+  [[nodiscard]] bool last_step_applied() const noexcept;
+  /// The loss scaler (nullptr without one).
+  [[nodiscard]] optim::LossScaler const* loss_scaler() const noexcept;
 
   [[nodiscard]] Schedule const& schedule() const noexcept;
   [[nodiscard]] std::vector<std::size_t> const& cuts() const noexcept;

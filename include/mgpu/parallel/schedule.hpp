@@ -110,5 +110,9 @@ struct Simulation {
 /// soon as the device is free, a group of consecutive transfers when each has met its peer.
 /// `costs` holds one entry for every chunk, or one for all. Validates the schedule first.
 Simulation simulate(Schedule const& schedule, std::vector<ActionCosts> const& costs = {ActionCosts{}});
+/// simulate() with each action's own duration, durations[d][i] for schedule.actions[d][i] (for a
+/// transfer, the pair's time once both sides are posted; the sending side's entry counts): replays
+/// a measured run. Throws Error(invalid_argument) unless there is one duration per action.
+Simulation simulate(Schedule const& schedule, std::vector<std::vector<double>> const& durations);
 
 }  // namespace mgpu::pipeline
