@@ -77,20 +77,27 @@ std::pair<double, std::vector<double>> reference(Env& env, Batch const& b, std::
   return {l, as_double(model.gradients())};
 }
 
-std::vector<double> gathered(pp::Executor& ex, bool gradients) {
+enum class Buffer { parameters, gradients, masters };
+
+// A buffer of every chunk, in model order.
+std::vector<double> gathered(pp::Executor& ex, Buffer buffer) {
   std::vector<double> all;
   for (int c = 0; c < ex.schedule().chunks(); ++c) {
-    auto const part = as_double(gradients ? ex.chunk(c).gradients() : ex.chunk(c).parameters());
+    nn::Sequential& chunk = ex.chunk(c);
+    auto const part = as_double(buffer == Buffer::gradients ? chunk.gradients()
+                                : buffer == Buffer::masters ? chunk.master_parameters()
+                                                            : chunk.parameters());
     all.insert(all.end(), part.begin(), part.end());
   }
   return all;
 }
 
-void check_close(std::vector<double> const& got, std::vector<double> const& want) {
+// Within float32 rounding by default; 16-bit compute passes its own tolerances.
+void check_close(std::vector<double> const& got, std::vector<double> const& want, double margin = 1e-5, double epsilon = 1e-4) {
   REQUIRE(got.size() == want.size());
   for (std::size_t i = 0; i < got.size(); ++i) {
     CAPTURE(i);
-    CHECK(got[i] == Approx(want[i]).margin(1e-5).epsilon(1e-4));
+    CHECK(got[i] == Approx(want[i]).margin(margin).epsilon(epsilon));
   }
 }
 
@@ -136,7 +143,7 @@ TEST_CASE("every schedule's loss and gradients equal the unsplit model's", "[par
         pp::Executor ex(model, group, even_cuts(model, s.chunks()), s, sgd(), {.seed = 7});
         float const loss = ex.compute_gradients(b.x, b.y);
         CHECK(loss == Approx(want_loss).epsilon(1e-5));
-        check_close(gathered(ex, true), want_grads);
+        check_close(gathered(ex, Buffer::gradients), want_grads);
       }
     }
   }
@@ -158,7 +165,7 @@ TEST_CASE("k pipelined optimizer steps equal single-device training", "[parallel
     pp::Schedule const s = pp::make_schedule(name, 3, 6, 2);
     pp::Executor ex(make_model(), group, even_cuts(make_model(), s.chunks()), s, sgd(), {.seed = 11});
     for (Batch const& b : batches) ex.step(b.x, b.y);
-    check_close(gathered(ex, false), want);
+    check_close(gathered(ex, Buffer::parameters), want);
   }
 }
 
@@ -181,25 +188,6 @@ TEST_CASE("the automatic partition balances profiled layer costs", "[parallel][p
   CHECK(profiled[1] == 0.0);  // the ReLU runs inside the Linear before it
 }
 
-namespace {
-std::vector<double> gathered_masters(pp::Executor& ex) {
-  std::vector<double> all;
-  for (int c = 0; c < ex.schedule().chunks(); ++c) {
-    auto const part = as_double(ex.chunk(c).master_parameters());
-    all.insert(all.end(), part.begin(), part.end());
-  }
-  return all;
-}
-
-void check_close_16(std::vector<double> const& got, std::vector<double> const& want) {
-  REQUIRE(got.size() == want.size());
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    CAPTURE(i);
-    CHECK(got[i] == Approx(want[i]).margin(2e-3).epsilon(2e-2));
-  }
-}
-}  // namespace
-
 TEST_CASE("bfloat16 pipelined steps equal the unsplit model trained in bfloat16", "[parallel][pipeline]") {
   Env env;
   std::vector<Batch> batches;
@@ -219,7 +207,7 @@ TEST_CASE("bfloat16 pipelined steps equal the unsplit model trained in bfloat16"
     pp::Executor ex(make_model(), group, even_cuts(make_model(), s.chunks()), s, sgd(), {.seed = 5, .compute = mgpu::DType::bfloat16});
     CHECK(ex.chunk(0).compute_type() == mgpu::DType::bfloat16);
     for (std::size_t k = 0; k < batches.size(); ++k) CHECK(ex.step(batches[k].x, batches[k].y) == Approx(want_losses[k]).epsilon(2e-2));
-    check_close_16(gathered_masters(ex), want);
+    check_close(gathered(ex, Buffer::masters), want, 2e-3, 2e-2);
   }
 }
 
@@ -244,10 +232,10 @@ TEST_CASE("float16 with loss scaling: an overflow in any stage skips the step on
   mgpu::DeviceGroup group("host:3");
   pp::Schedule const s = pp::one_f_one_b(3, 3);
   pp::Executor ex(make_model(), group, even_cuts(make_model(), 3), s, sgd(), {.seed = 9, .compute = mgpu::DType::float16, .loss_scaler = scaler()});
-  auto const initial = gathered_masters(ex);
+  auto const initial = gathered(ex, Buffer::masters);
   ex.step(batches[0].x, batches[0].y);
   CHECK_FALSE(ex.last_step_applied());
-  CHECK(gathered_masters(ex) == initial);  // no stage updated, not even those whose gradients were finite
+  CHECK(gathered(ex, Buffer::masters) == initial);  // no stage updated, not even those whose gradients were finite
   REQUIRE(ex.loss_scaler() != nullptr);
   CHECK(ex.loss_scaler()->skipped() == 1);
   CHECK(ex.loss_scaler()->scale() == reference_scaler.scale());
@@ -255,7 +243,7 @@ TEST_CASE("float16 with loss scaling: an overflow in any stage skips the step on
     ex.step(batches[k].x, batches[k].y);
     CHECK(ex.last_step_applied());
   }
-  check_close_16(gathered_masters(ex), want);
+  check_close(gathered(ex, Buffer::masters), want, 2e-3, 2e-2);
 }
 
 TEST_CASE("a failing stage stops every device with an error naming it", "[parallel][pipeline]") {
@@ -360,11 +348,11 @@ TEST_CASE("a 2 x 2 data x pipeline grid trains as one device does", "[parallel][
       auto const part = as_double(ex.chunk(c, 1).gradients());
       replica1.insert(replica1.end(), part.begin(), part.end());
     }
-    check_close(gathered(ex, true), want_grads);
-    CHECK(replica1 == gathered(ex, true));  // the all-reduce gives both replicas the same sum
+    check_close(gathered(ex, Buffer::gradients), want_grads);
+    CHECK(replica1 == gathered(ex, Buffer::gradients));  // the all-reduce gives both replicas the same sum
     pp::Executor trained(make_model(), group, even_cuts(make_model(), 2), s, sgd(), {.seed = 13, .data_parallel = 2});
     for (Batch const& b : batches) trained.step(b.x, b.y);
-    check_close(gathered(trained, false), want);
+    check_close(gathered(trained, Buffer::parameters), want);
   }
   REQUIRE_MGPU_ERROR(pp::Executor(make_model(), group, {0, 8, 14}, pp::one_f_one_b(2, 2), sgd(), {.data_parallel = 3}),
                      mgpu::Errc::invalid_argument, "2 devices times 3 data-parallel replicas on a group of 4");
