@@ -162,7 +162,9 @@ void DataParallel::Impl::plan_blocks() {
 
 void DataParallel::Impl::launch(int rank, std::size_t bucket, Stream& compute, nn::GradientSync::Reduced const& reduced) {
   Rank& st = *state[static_cast<std::size_t>(rank)];
-  auto const [begin, end] = buckets[bucket];
+  // Plain variables, not a structured binding: Clang before 16 cannot capture those.
+  std::int64_t const begin = buckets[bucket].first;
+  std::int64_t const end = buckets[bucket].second;
   st.bucket_events[bucket].record(compute);
   st.bucket_events[bucket].wait(st.comm_stream);
   Tensor const grads = st.model.master_gradients().slice(begin, end);
