@@ -251,23 +251,24 @@ TEST_CASE("stage_devices reads speed and free memory off the group", "[parallel]
 }
 
 TEST_CASE("profiling on a speed-emulated rank 0 reports the fastest device's costs", "[parallel][partition]") {
-  nn::Sequential const model = sleepers(1, 2.0);  // 4 ms of sleep per forward + backward
-  std::vector<double> sleep_seconds;
+  constexpr double nominal = 10e-3;
+  nn::Sequential const model = sleepers(1, nominal / 2 * 1e3);  // 10 ms of sleep per forward + backward
   for (char const* spec : {"host:1", "host:2@speed=0.5,1"}) {
     CAPTURE(spec);
     mgpu::DeviceGroup group(spec);
     pp::LayerProfile const profile = pp::profile_layers(model, group, {4, 8}, 5);
     double fastest = profile.seconds[1];
     for (int again = 0; again < 2; ++again) fastest = std::min(fastest, pp::profile_layers(model, group, {4, 8}, 5).seconds[1]);
-    sleep_seconds.push_back(fastest);  // the least disturbed of three medians
-    CHECK(fastest > 3.5e-3);
+    // Rank 0 at half speed takes about twice as long; scaled back, its cost is the sleep's. The
+    // least disturbed of three medians is checked against the sleep itself (a loaded machine wakes
+    // sleepers late, and the emulation pays its own late wake-ups back while a full-speed device
+    // cannot, so comparing the two groups would measure the load): unscaled would be 2x, scaled
+    // twice 0.5x.
+    CHECK(fastest > 0.9 * nominal);
+    CHECK(fastest < 1.6 * nominal);
     CHECK(profile.parameter_bytes == std::vector<double>{8 * 8 * 4 + 8 * 4, 0.0});
     CHECK(profile.activation_bytes[0] >= 4 * 8 * 4);  // at least the Linear's output
   }
-  // Rank 0 at half speed takes about twice as long; scaled back, the costs agree (a loaded machine
-  // stretches sleeps: the bounds tell 1 from 2 or 0.5).
-  CHECK(sleep_seconds[1] / sleep_seconds[0] > 0.7);
-  CHECK(sleep_seconds[1] / sleep_seconds[0] < 1.4);
 }
 
 TEST_CASE("on host:2@speed=1,0.5 the planned cuts give the faster device more layers, and a faster step", "[parallel][partition]") {
