@@ -262,10 +262,11 @@ TEST_CASE("profiling on a speed-emulated rank 0 reports the fastest device's cos
     // Rank 0 at half speed takes about twice as long; scaled back, its cost is the sleep's. The
     // least disturbed of three medians is checked against the sleep itself (a loaded machine wakes
     // sleepers late, and the emulation pays its own late wake-ups back while a full-speed device
-    // cannot, so comparing the two groups would measure the load): unscaled would be 2x, scaled
-    // twice 0.5x.
+    // cannot, so comparing the two groups would measure the load): unscaled would be at least 2x
+    // (a sleep is never shorter), scaled twice 0.5x; late wake-ups add up to 0.6x on a machine
+    // loaded beyond its cores.
     CHECK(fastest > 0.9 * nominal);
-    CHECK(fastest < 1.6 * nominal);
+    CHECK(fastest < 1.9 * nominal);
     CHECK(profile.parameter_bytes == std::vector<double>{8 * 8 * 4 + 8 * 4, 0.0});
     CHECK(profile.activation_bytes[0] >= 4 * 8 * 4);  // at least the Linear's output
   }
