@@ -125,6 +125,17 @@ class FaultyOnStream final : public nn::Layer {
   Tensor backward(Tensor const& dy, nn::Context&) override { return dy; }
   std::unique_ptr<nn::Layer> clone() const override { return std::make_unique<FaultyOnStream>(); }
 };
+
+// make_model() with `fault` after its LayerNorm (layer 5): in chunk 1 of the cuts {0, 3, 9, 15}.
+nn::Sequential with_fault(std::unique_ptr<nn::Layer> fault) {
+  nn::Sequential const model = make_model();
+  nn::Sequential faulty;
+  for (std::size_t l = 0; l < model.size(); ++l) {
+    faulty.add(model.layer(l).clone());
+    if (l == 5) faulty.add(std::move(fault));
+  }
+  return faulty;
+}
 }  // namespace
 
 TEST_CASE("every schedule's loss and gradients equal the unsplit model's", "[parallel][pipeline]") {
@@ -249,12 +260,7 @@ TEST_CASE("float16 with loss scaling: an overflow in any stage skips the step on
 TEST_CASE("a failing stage stops every device with an error naming it", "[parallel][pipeline]") {
   Env env;
   Batch const b = make_batch(env, 8, 5);
-  nn::Sequential model = make_model();
-  nn::Sequential faulty;
-  for (std::size_t l = 0; l < model.size(); ++l) {
-    faulty.add(model.layer(l).clone());
-    if (l == 5) faulty.add(std::make_unique<Faulty>());  // after the LayerNorm: chunk 1 of 3
-  }
+  nn::Sequential const faulty = with_fault(std::make_unique<Faulty>());
   mgpu::DeviceGroup group("host:3");
   pp::Schedule const s = pp::one_f_one_b(3, 4);
   std::vector<std::size_t> const cuts{0, 3, 9, 15};
@@ -269,12 +275,7 @@ TEST_CASE("a failing stage stops every device with an error naming it", "[parall
 TEST_CASE("work that fails on a stage's stream stops every device with that error", "[parallel][pipeline]") {
   Env env;
   Batch const b = make_batch(env, 8, 5);
-  nn::Sequential model = make_model();
-  nn::Sequential faulty;
-  for (std::size_t l = 0; l < model.size(); ++l) {
-    faulty.add(model.layer(l).clone());
-    if (l == 5) faulty.add(std::make_unique<FaultyOnStream>());
-  }
+  nn::Sequential const faulty = with_fault(std::make_unique<FaultyOnStream>());
   mgpu::DeviceGroup group("host:3");
   pp::Executor ex(faulty, group, {0, 3, 9, 15}, pp::one_f_one_b(3, 4), sgd(), {.seed = 1, .timeout = std::chrono::milliseconds(20000)});
   auto const start = std::chrono::steady_clock::now();
