@@ -1,6 +1,7 @@
 // bench_core: the core runtime's data movement against its baselines, measured in the same run.
 // Each "ours" benchmark also times its baseline (std::memcpy on the host, raw cudaMemcpyAsync on a
 // GPU) for the same bytes and reports `baseline_frac` = our bandwidth / the baseline's (medians).
+// BM_host_stream_round_trip times one empty task's enqueue and synchronize, on the worker and inline.
 //
 //   bench_core --benchmark_format=json --benchmark_out=core.json
 #include <benchmark/benchmark.h>
@@ -8,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include <mgpu/mgpu.hpp>
@@ -72,6 +74,22 @@ void BM_host_copy_async(benchmark::State& state) {
 BENCHMARK(BM_host_copy_async)->RangeMultiplier(16)->Range(4 << 10, 64 << 20)->UseRealTime();
 
 // float32 -> bfloat16 conversion on a host stream, vs std::memcpy of the same source bytes.
+// One empty task enqueued and waited for on a host stream: the worker's handoff (wake the worker,
+// wake the waiter) against the same task under a Stream::InlineScope, which runs it on the
+// caller's thread (real time per round trip).
+void BM_host_stream_round_trip(benchmark::State& state) {
+  mgpu::Stream stream(mgpu::Device{mgpu::DeviceKind::host, 0});
+  std::optional<mgpu::Stream::InlineScope> scope;
+  if (state.range(0) != 0) scope.emplace(stream);
+  int ran = 0;
+  for (auto _ : state) {
+    stream.enqueue([&ran] { ++ran; });
+    stream.synchronize();
+  }
+  benchmark::DoNotOptimize(ran);
+}
+BENCHMARK(BM_host_stream_round_trip)->ArgName("inline")->Arg(0)->Arg(1)->UseRealTime();
+
 void BM_host_convert_bf16(benchmark::State& state) {
   auto const n = state.range(0);
   auto alloc = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});

@@ -78,6 +78,9 @@ void Stream::synchronize() { impl_->synchronize(); }
 bool Stream::query() const { return impl_->query(); }
 void* Stream::native_handle() const noexcept { return impl_->cuda_stream; }
 
+Stream::InlineScope::InlineScope(Stream& stream) noexcept : previous_(std::exchange(Impl::inline_caller, stream.impl_.get())) {}
+Stream::InlineScope::~InlineScope() { Impl::inline_caller = previous_; }
+
 struct Event::Impl {
   bool recorded_on_cuda() const { return cuda_event != nullptr && kind == DeviceKind::cuda; }
 

@@ -83,47 +83,60 @@ struct Stream::Impl {
         spin_until([&] { return submitted.load(std::memory_order_acquire) != completed.load(std::memory_order_relaxed); });
         lock.lock();
       }
-      work_cv.wait(lock, [&] { return stopping || !tasks.empty(); });
+      // Work enqueued while a task runs inline waits for it, so the queue keeps its order.
+      work_cv.wait(lock, [&] { return (stopping && tasks.empty()) || (!tasks.empty() && !inline_running); });
       if (tasks.empty()) return;  // stopping, queue drained
       Task task = std::move(tasks.front());
       tasks.pop_front();
       bool const skip = error != nullptr && !task.runs_after_failure;
       lock.unlock();
-      std::exception_ptr failure;
-      if (!task.compute && stretch_owed > std::chrono::nanoseconds::zero()) {
-        // The stretched compute before an event or a collective ends only once its sleep is paid.
-        auto const now = std::chrono::steady_clock::now();
-        std::this_thread::sleep_for(stretch_owed);
-        stretch_owed -= std::chrono::steady_clock::now() - now;
-      }
-      if (!skip) {
-        auto const start = std::chrono::steady_clock::now();
-        try {
-          task.work();
-        } catch (...) {
-          failure = detail::as_error(device);
-        }
-        // An emulated slower device: its compute takes 1/speed of the time. Event recordings and
-        // waits and communicator work are not stretched, so waiting for peers is not.
-        // The stretch is owed and slept in pieces of at least 1 ms, each sleep's overshoot paid
-        // back from the next, so the total stays 1/speed however short the tasks.
-        if (device.speed < 1.0 && task.compute) {
-          auto const now = std::chrono::steady_clock::now();
-          stretch_owed += std::chrono::duration_cast<std::chrono::nanoseconds>((now - start) * (1.0 / device.speed - 1.0));
-          if (stretch_owed >= std::chrono::milliseconds(1)) {
-            std::this_thread::sleep_for(stretch_owed);
-            stretch_owed -= std::chrono::steady_clock::now() - now;
-          }
-        }
-      }
-      task.work = nullptr;  // release what the work captured before reporting completion
+      std::exception_ptr failure = run(task, skip);
       lock.lock();
-      if (failure && !error) error = failure;
-      ++completed;
-      // Only synchronize() waits here, for an empty queue: waking it after every task would cost
-      // a system call per task and wake a thread that goes straight back to sleep.
-      if (completed == submitted) done_cv.notify_all();
+      finish(failure);
     }
+  }
+
+  // Runs one task on the calling thread (the worker, or an inline caller), without the lock;
+  // returns what it threw.
+  std::exception_ptr run(Task& task, bool skip) {
+    std::exception_ptr failure;
+    if (!task.compute && stretch_owed > std::chrono::nanoseconds::zero()) {
+      // The stretched compute before an event or a collective ends only once its sleep is paid.
+      auto const now = std::chrono::steady_clock::now();
+      std::this_thread::sleep_for(stretch_owed);
+      stretch_owed -= std::chrono::steady_clock::now() - now;
+    }
+    if (!skip) {
+      auto const start = std::chrono::steady_clock::now();
+      try {
+        task.work();
+      } catch (...) {
+        failure = detail::as_error(device);
+      }
+      // An emulated slower device: its compute takes 1/speed of the time. Event recordings and
+      // waits and communicator work are not stretched, so waiting for peers is not.
+      // The stretch is owed and slept in pieces of at least 1 ms, each sleep's overshoot paid
+      // back from the next, so the total stays 1/speed however short the tasks.
+      if (device.speed < 1.0 && task.compute) {
+        auto const now = std::chrono::steady_clock::now();
+        stretch_owed += std::chrono::duration_cast<std::chrono::nanoseconds>((now - start) * (1.0 / device.speed - 1.0));
+        if (stretch_owed >= std::chrono::milliseconds(1)) {
+          std::this_thread::sleep_for(stretch_owed);
+          stretch_owed -= std::chrono::steady_clock::now() - now;
+        }
+      }
+    }
+    task.work = nullptr;  // release what the work captured before reporting completion
+    return failure;
+  }
+
+  // Called with `mutex` held after a task ran.
+  void finish(std::exception_ptr const& failure) {
+    if (failure && !error) error = failure;
+    ++completed;
+    // Only synchronize() waits here, for an empty queue: waking it after every task would cost
+    // a system call per task and wake a thread that goes straight back to sleep.
+    if (completed == submitted) done_cv.notify_all();
   }
 
   // `compute`: whether an emulated slower device stretches the work (waits and collectives are not
@@ -139,11 +152,27 @@ struct Stream::Impl {
       }
       return;
     }
-    {
-      std::lock_guard lock(mutex);
-      tasks.push_back({std::move(work), runs_after_failure, compute && !runs_after_failure});
+    std::unique_lock lock(mutex);
+    if (inline_caller == this && completed == submitted) {
+      // The stream is idle and this thread runs it (Stream::InlineScope): the work runs here and now,
+      // which is when the worker would have run it, without waking the worker.
+      Task task{std::move(work), runs_after_failure, compute && !runs_after_failure};
+      bool const skip = error != nullptr && !runs_after_failure;
       ++submitted;
+      inline_running = true;
+      lock.unlock();
+      std::exception_ptr const failure = run(task, skip);
+      lock.lock();
+      inline_running = false;
+      finish(failure);
+      bool const queued = !tasks.empty();  // by other threads, or by the work itself, meanwhile
+      lock.unlock();
+      if (queued) work_cv.notify_one();
+      return;
     }
+    tasks.push_back({std::move(work), runs_after_failure, compute && !runs_after_failure});
+    ++submitted;
+    lock.unlock();
     work_cv.notify_one();
   }
 
@@ -209,7 +238,10 @@ struct Stream::Impl {
   // Changed under `mutex` (for the condition variables), read without it while spinning.
   std::atomic<std::uint64_t> submitted{0};
   std::atomic<std::uint64_t> completed{0};
+  // The stream whose idle-time work this thread runs itself (Stream::InlineScope).
+  static inline thread_local Impl* inline_caller = nullptr;
   bool stopping = false;
+  bool inline_running = false;  // a task runs on an InlineScope's thread; the worker waits
   std::exception_ptr error;
   std::thread worker;
   std::chrono::nanoseconds stretch_owed{0};  // emulated speed: sleep still owed (worker only)

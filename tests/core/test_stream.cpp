@@ -214,3 +214,83 @@ TEST_CASE("Work can be enqueued from many threads at once", "[core][stream]") {
   stream.synchronize();
   CHECK(sum == 2000);
 }
+
+TEST_CASE("An inline scope runs work on the calling thread while the stream is idle, keeping its order", "[core][stream]") {
+  mgpu::Stream stream(Device{DeviceKind::host, 0});
+  auto const caller = std::this_thread::get_id();
+  std::vector<char> order;  // appended by whichever thread runs the work, one at a time
+  std::thread::id ran_on;
+  {
+    mgpu::Stream::InlineScope const here(stream);
+    stream.enqueue([&] {
+      ran_on = std::this_thread::get_id();
+      order.push_back('a');
+    });
+    CHECK(order == std::vector<char>{'a'});  // ran before enqueue returned, without synchronize
+    CHECK(ran_on == caller);
+
+    // Busy with work from another thread: what this thread enqueues now is queued behind it.
+    Gate gate;
+    std::thread([&] { stream.enqueue([&] { gate.wait(); order.push_back('b'); }); }).join();
+    stream.enqueue([&] {
+      ran_on = std::this_thread::get_id();
+      order.push_back('c');
+    });
+    CHECK(order.size() == 1);
+    gate.open();
+    stream.synchronize();
+    CHECK(order == std::vector<char>{'a', 'b', 'c'});
+    CHECK(ran_on != caller);
+
+    // Work another thread enqueues while work runs here waits for it.
+    std::atomic<bool> running{false}, enqueued{false};
+    std::thread other([&] {
+      while (!running) std::this_thread::yield();
+      stream.enqueue([&] { order.push_back('e'); });
+      enqueued = true;
+    });
+    stream.enqueue([&] {
+      running = true;
+      while (!enqueued) std::this_thread::yield();
+      std::this_thread::sleep_for(20ms);  // time for a worker that did not wait to run 'e' first
+      order.push_back('d');
+    });
+    other.join();
+    stream.synchronize();
+    CHECK(order == std::vector<char>{'a', 'b', 'c', 'd', 'e'});
+
+    // A failure is kept for synchronize and skips later work, as on the worker.
+    bool later_ran = false;
+    CHECK_NOTHROW(stream.enqueue([] { throw std::runtime_error("boom"); }));
+    stream.enqueue([&] { later_ran = true; });
+    REQUIRE_MGPU_ERROR(stream.synchronize(), mgpu::Errc::device, "host work on host:0 threw: boom");
+    CHECK_FALSE(later_ran);
+    stream.enqueue([&] { later_ran = true; });
+    CHECK(later_ran);
+
+    {  // a nested scope on another stream replaces this one until it ends
+      mgpu::Stream second(Device{DeviceKind::host, 1});
+      mgpu::Stream::InlineScope const inner(second);
+      std::thread::id second_ran_on;
+      second.enqueue([&] { second_ran_on = std::this_thread::get_id(); });
+      CHECK(second_ran_on == caller);
+      stream.enqueue([&] { ran_on = std::this_thread::get_id(); });
+      stream.synchronize();
+      CHECK(ran_on != caller);
+    }
+    stream.enqueue([&] { ran_on = std::this_thread::get_id(); });
+    CHECK(ran_on == caller);
+  }
+  stream.enqueue([&] { ran_on = std::this_thread::get_id(); });  // the scope has ended
+  stream.synchronize();
+  CHECK(ran_on != caller);
+}
+
+TEST_CASE("Inline work on an emulated slower device is stretched as on the worker", "[core][stream]") {
+  mgpu::Stream slow(mgpu::parse_devices("host:1@speed=0.5")[0]);
+  mgpu::Stream::InlineScope const here(slow);
+  auto const start = std::chrono::steady_clock::now();
+  slow.enqueue([] { std::this_thread::sleep_for(20ms); });
+  slow.synchronize();
+  CHECK(std::chrono::steady_clock::now() - start >= 40ms);  // 20 ms of work at half speed
+}

@@ -47,11 +47,32 @@ class Stream {
   /// The cudaStream_t of a CUDA stream, nullptr for a host stream.
   [[nodiscard]] void* native_handle() const noexcept;
 
+  /// While alive, host work that this thread enqueues on `stream` runs at once on this thread
+  /// whenever the stream is idle, instead of on the stream's worker: for a thread that drives one
+  /// stream and mostly waits for it (a pipeline stage's actions, a device's sends and receives),
+  /// each piece of work saves a handoff between threads. Work enqueued while the stream is busy is
+  /// queued as always, and the worker waits while work runs here, so the stream keeps its order;
+  /// a failure is kept for synchronize() and skips later work, as on the worker. Work that other
+  /// threads enqueue still runs on the worker. No effect on a CUDA stream. One stream per thread
+  /// at a time: a nested scope replaces the outer one until it ends.
+  class InlineScope;
+
  private:
   struct Impl;  // src/core/stream_impl.hpp
   friend class Event;
   friend struct detail::StreamInternals;
   std::unique_ptr<Impl> impl_;
+};
+
+class Stream::InlineScope {
+ public:
+  explicit InlineScope(Stream& stream) noexcept;
+  ~InlineScope();
+  InlineScope(InlineScope const&) = delete;
+  InlineScope& operator=(InlineScope const&) = delete;
+
+ private:
+  Impl* previous_;
 };
 
 /// A marker in a stream (move-only). record() places it; wait() makes another stream (on any
