@@ -257,6 +257,17 @@ void CommunicatorBase::finalize() {
   } else if (!state_->aborted()) {
     finish_device_work(state_->timeout() * 2);
   }
+  if (!state_->aborted()) {  // an eager send completes without its recv: one that never came is lost data
+    for (std::size_t from = 0; from < ranks_.size(); ++from) {
+      for (std::size_t to = 0; to < ranks_.size(); ++to) {
+        std::uint64_t const sent = ranks_[from].sent[to];
+        std::uint64_t const received = ranks_[to].received[from];
+        if (sent > received)
+          state_->abort("rank " + std::to_string(from) + " sent " + std::to_string(sent - received) + " message(s) to rank " +
+                        std::to_string(to) + " that it never received (expected a matching recv for every send)");
+      }
+    }
+  }
   state_->throw_if_aborted("finalize");
 }
 

@@ -1,7 +1,8 @@
 // The host backend: one participant per host device, all in one process. Ranks meet at counting
 // barriers (poll briefly, yielding the core, then block, always with a deadline); each rank then reduces its 1/N slice
 // straight from every peer's buffer and writes it into every peer's output, so each input is read
-// once and each output written once.
+// once and each output written once. A small send is eager: it copies its data into the
+// channel and completes without waiting for the receive.
 #include "comm/host_communicator.hpp"
 
 #include <algorithm>
@@ -9,7 +10,9 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <cstddef>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <thread>
@@ -26,19 +29,38 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// A send waiting on a point-to-point channel for its receive.
+// A send on a point-to-point channel, waiting for its receive. An eager send owns a copy of its
+// data (`copy`), is freed by the receive, and its sender does not wait; otherwise the receive
+// copies from the sender's buffer and sets `taken`, which the sender waits for.
 struct Message {
   void const* data;
   std::int64_t count;
   DType dtype;
   std::uint64_t seq;
   bool taken = false;  // set under the channel's mutex; read without it (atomic_ref) while spinning
+  std::unique_ptr<std::byte[]> copy;
 };
 
+// Eager sends: a send of at most this many bytes copies its data and completes at once while its
+// channel holds no more than this many bytes of eager messages (as NCCL's default 4 MiB buffer
+// per peer), so a sender never waits for the receiver's turn on small messages; past that, the
+// sender waits for its receive (rendezvous), which bounds what a channel holds.
+constexpr std::size_t eager_bytes = std::size_t{4} << 20;
+
 struct Channel {
+  Channel() = default;
+  Channel(Channel const&) = delete;
+  Channel& operator=(Channel const&) = delete;
+  ~Channel() {
+    for (Message* m : queue) {
+      if (m->copy) delete m;  // an eager send nobody received (the communicator was aborted)
+    }
+  }
+
   std::mutex mutex;
   std::condition_variable cv;
   std::deque<Message*> queue;
+  std::size_t eager_held = 0;  // bytes of the eager messages in `queue`
   std::atomic<std::size_t> queued{0};  // queue.size(), changed under `mutex`, read while spinning
 };
 
@@ -69,10 +91,10 @@ class HostState {
   // Runs one rank's calls: sends are posted first and awaited last, so a group's sends and
   // receives cannot block each other.
   void execute(int rank, std::vector<Call> const& calls) {
-    std::vector<std::pair<Message, Call const*>> sends;
+    std::vector<std::pair<Message, Call const*>> sends;  // the rendezvous sends
     sends.reserve(calls.size());
     for (Call const& c : calls) {
-      if (c.kind == OpKind::send) sends.push_back({Message{c.send.data(), c.count, c.dtype, c.seq}, &c});
+      if (c.kind == OpKind::send && !post_eager(rank, c)) sends.push_back({Message{c.send.data(), c.count, c.dtype, c.seq, false, nullptr}, &c});
     }
     for (auto& [message, call] : sends) post(rank, call->root, message);
     try {
@@ -265,6 +287,23 @@ class HostState {
     ch.cv.notify_all();
   }
 
+  // Posts `c` as an eager send if it is small enough and its channel has room; false if not.
+  bool post_eager(int rank, Call const& c) {
+    auto const bytes = static_cast<std::size_t>(c.count) * size_of(c.dtype);
+    if (bytes > eager_bytes) return false;
+    Channel& ch = channel(rank, c.root);
+    {
+      std::lock_guard lock(ch.mutex);
+      if (ch.eager_held + bytes > eager_bytes) return false;
+      ch.eager_held += bytes;
+    }
+    auto message = std::make_unique<Message>(Message{nullptr, c.count, c.dtype, c.seq, false, std::make_unique_for_overwrite<std::byte[]>(bytes)});
+    if (bytes > 0) std::memcpy(message->copy.get(), c.send.data(), bytes);
+    message->data = message->copy.get();
+    post(rank, c.root, *message.release());
+    return true;
+  }
+
   void withdraw(int rank, int peer, Message& message) noexcept {
     Channel& ch = channel(rank, peer);
     std::lock_guard lock(ch.mutex);
@@ -318,7 +357,15 @@ class HostState {
     }
     ch.queue.pop_front();
     ch.queued.store(ch.queue.size(), std::memory_order_release);
-    if (c.count > 0) std::memcpy(c.recv.data(), m->data, static_cast<std::size_t>(c.count) * size_of(c.dtype));
+    auto const bytes = static_cast<std::size_t>(c.count) * size_of(c.dtype);
+    if (m->copy) {  // eager: nobody waits for it
+      ch.eager_held -= bytes;
+      lock.unlock();
+      if (bytes > 0) std::memcpy(c.recv.data(), m->data, bytes);
+      delete m;
+      return;
+    }
+    if (bytes > 0) std::memcpy(c.recv.data(), m->data, bytes);
     std::atomic_ref(m->taken).store(true, std::memory_order_release);
     lock.unlock();
     ch.cv.notify_all();

@@ -6,6 +6,7 @@
 #include <random>
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <thread>
 #include <vector>
 
@@ -335,6 +336,58 @@ TEST_CASE("send/recv: a pipeline chain, and a ring exchange in a group", "[comm]
     f.comm->group_end(rank);
   });
   for (int r = 0; r < 4; ++r) CHECK(b[static_cast<std::size_t>(r)].host_span<float>()[0] == a[static_cast<std::size_t>((r + 3) % 4)].host_span<float>()[0]);
+}
+
+// Waits (at most 10 s, so a broken protocol fails instead of hanging) until `flag` is set.
+bool wait_for(std::atomic<bool> const& flag) {
+  auto const deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!flag.load()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  return true;
+}
+
+TEST_CASE("send/recv: a small send completes before its recv is posted, a large one waits for it", "[comm][host]") {
+  Fixture f(2);
+  std::int64_t const small = 1000;
+  std::int64_t const large = (std::int64_t{3} << 20) / 4;  // 3 MiB of float32: eager alone, not beside another
+  std::vector<Tensor> sent;
+  for (std::int64_t n : {small, large, large, small}) {
+    sent.push_back(f.make(0, n, DType::float32));
+    auto s = sent.back().host_span<float>();
+    for (std::size_t i = 0; i < s.size(); ++i) s[i] = static_cast<float>(sent.size() * 100000 + i % 1000);
+  }
+  std::vector<Tensor> got;
+  for (Tensor const& t : sent) got.push_back(f.make(1, t.numel(), DType::float32));
+  std::atomic<bool> first_two_sent{false}, third_posted{false}, recv_posted_early{false};
+  f.group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+    if (rank == 0) {
+      // The small and the first large send complete with no recv posted: both are eager.
+      f.comm->send(0, sent[0], 1, stream);
+      f.comm->send(0, sent[1], 1, stream);
+      stream.synchronize();
+      first_two_sent = true;
+      // The channel holds 3 MiB still unreceived: the second large send waits for its recv.
+      f.comm->send(0, sent[2], 1, stream);
+      stream.synchronize();
+      recv_posted_early = third_posted.load();
+      f.comm->send(0, sent[3], 1, stream);
+    } else {
+      REQUIRE(wait_for(first_two_sent));
+      f.comm->recv(1, got[0], 0, stream);
+      f.comm->recv(1, got[1], 0, stream);
+      third_posted = true;
+      f.comm->recv(1, got[2], 0, stream);
+      f.comm->recv(1, got[3], 0, stream);
+    }
+  });
+  CHECK(recv_posted_early);
+  for (std::size_t k = 0; k < sent.size(); ++k) {
+    INFO("message " << k);
+    CHECK(std::memcmp(got[k].host_span<float>().data(), sent[k].host_span<float>().data(), got[k].host_span<float>().size_bytes()) == 0);
+  }
+  CHECK_NOTHROW(f.comm->finalize());
 }
 
 TEST_CASE("barrier: no rank passes before every rank's earlier work is done", "[comm][host]") {

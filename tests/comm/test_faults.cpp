@@ -157,12 +157,19 @@ TEST_CASE("Bad arguments are rejected at the call and abort the communicator", "
   REQUIRE_MGPU_ERROR(j.comm->group_end(0), Errc::invalid_argument, "without group_start");
 }
 
-TEST_CASE("An unmatched send times out instead of hanging", "[comm][faults]") {
+TEST_CASE("An unmatched send times out instead of hanging, or is reported by finalize if it was eager", "[comm][faults]") {
   Fixture f(2, 200ms);
+  Tensor const large = Tensor::empty({(std::int64_t{4} << 20) / 4 + 1}, DType::float32, f.group.allocator(0));  // past the eager limit
   REQUIRE_MGPU_ERROR(f.group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
-    if (rank == 0) f.comm->send(rank, f.buffers[0], 1, stream);
+    if (rank == 0) f.comm->send(rank, large, 1, stream);
   }),
                      Errc::timeout, "send #0 to rank 1 waited");
+
+  Fixture g(3, 200ms);  // a small send completes at once; finalize finds it was never received
+  g.group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+    if (rank == 2) g.comm->send(rank, g.buffers[2], 1, stream);
+  });
+  REQUIRE_MGPU_ERROR(g.comm->finalize(), Errc::communication, "rank 2 sent 1 message(s) to rank 1 that it never received");
 }
 
 TEST_CASE("Backend choice and the deadline's environment variable", "[comm]") {

@@ -81,7 +81,10 @@ class Communicator {
   virtual void broadcast(int rank, Tensor const& buffer, int root, Stream& stream) = 0;
   /// root's recv = op over ranks of send; recv is only written on root (other ranks may pass send).
   virtual void reduce(int rank, Tensor const& send, Tensor const& recv, ReduceOp op, int root, Stream& stream) = 0;
-  /// Sends `send` to rank `peer`, which must post a matching recv.
+  /// Sends `send` to rank `peer`, which must post a matching recv. On the host backend a send of
+  /// up to 4 MiB is eager, as NCCL's small sends are: it copies the data and completes without
+  /// waiting for the recv (while the pair's unreceived eager data stays within 4 MiB); a larger
+  /// one completes once the recv has taken it. finalize() reports sends that were never received.
   virtual void send(int rank, Tensor const& send, int peer, Stream& stream) = 0;
   /// Receives into `recv` what rank `peer` sends.
   virtual void recv(int rank, Tensor const& recv, int peer, Stream& stream) = 0;
