@@ -336,7 +336,12 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
     steps.push_back(std::move(step));
   }
   auto const start = std::chrono::steady_clock::now();
-  m.group->run([&](int rank, Device, Stream& stream) { m.run_device(rank, stream, steps[static_cast<std::size_t>(rank / m.schedule.devices)]); });
+  m.group->run([&](int rank, Device, Stream& stream) {
+    // A host device's actions run on its driver thread as it reaches them: a hop between devices
+    // is then one wake-up (the receiver's), not a chain of handoffs between driver and stream threads.
+    Stream::InlineScope const inline_work(stream);
+    m.run_device(rank, stream, steps[static_cast<std::size_t>(rank / m.schedule.devices)]);
+  });
   m.last_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   double loss = 0;
   for (int r = 0; r < m.replicas; ++r) {
