@@ -4,10 +4,11 @@
 // backward_input and 2 ms in backward_weight; interleaved chunks sleep half as long): the bubble
 // then measures the schedule, not contention for cores. The chunks have no other layers, whose
 // small ops' fixed costs (tens of microseconds for a 64-wide Linear's GEMMs here) would count as
-// executor overhead. Each sleep records when it really
-// began and ended (a sleep overshoots by 0.1-0.5 ms here, varying from one to the next), so the
-// counters compare the run with a replay of the same schedule in which every action takes exactly
-// the time its sleep took. The timeline is off, as by default. Counters (medians over iterations):
+// executor overhead. Each action records when it really began (the executor calling the layer)
+// and ended (its sleep returning; a sleep overshoots by 0.1-0.5 ms here, varying from one to the
+// next), so the counters compare the run with a replay of the same schedule in which every
+// action takes exactly the time it took. The timeline is off, as by default. Counters (medians
+// over iterations):
 //   bubble_measured          1 - slept time / (devices x step), the step from the first sleep's
 //                            start to the last one's end;
 //   bubble_predicted         the simulator's bubble for the schedule with the nominal costs;
@@ -25,6 +26,10 @@
 //                            critical path costs whatever the executor does;
 //   peak_activation_bytes    rank 0's allocator peak during the step (activations in flight);
 //   samples_per_s            rows per second of the step (wall time of compute_gradients' run).
+// Rows with cpus:0 run on every CPU the process may use; rows with cpus:1 confine the devices'
+// threads to one CPU, which the sleeps leave idle, so no hop waits for another CPU to wake (on a
+// virtual machine a halted virtual CPU takes tens of microseconds to resume): the executor's own
+// cost, with the caveat that hops due at the same instant queue for that CPU.
 // BM_partition: unbalanced sleeping layers (costs 1,1,1,6,1,1,3,1,2,1 ms) profiled, partitioned
 // into 4 stages for 1F1B on 4 host devices by pipeline::partition, on equal devices and on devices
 // of speeds 1, 0.5, 1, 0.5 (stage time: cost / speed); partition_vs_optimum is its slowest stage
@@ -33,6 +38,7 @@
 //
 //   bench_pipeline --benchmark_out=pipeline.json --benchmark_out_format=json
 #include <benchmark/benchmark.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <chrono>
@@ -74,16 +80,20 @@ class SleepLog {
     pp::ActionKind kind;
     std::int64_t begin_ns, end_ns;
   };
+  SleepLog() { entries_.reserve(capacity); }
   void add(Entry const& e) {
     std::lock_guard lock(mutex_);
     entries_.push_back(e);
   }
   std::vector<Entry> take() {
+    std::vector<Entry> fresh;
+    fresh.reserve(capacity);  // so that add() never allocates during a step
     std::lock_guard lock(mutex_);
-    return std::exchange(entries_, {});
+    return std::exchange(entries_, std::move(fresh));
   }
 
  private:
+  static constexpr std::size_t capacity = 1024;
   std::mutex mutex_;
   std::vector<Entry> entries_;
 };
@@ -174,12 +184,13 @@ class Sleep final : public nn::Layer {
   std::unique_ptr<nn::Layer> clone() const override { return std::make_unique<Sleep>(f_, bi_, bw_, chunk_, log_); }
 
  private:
+  // The action begins when the executor calls the layer (its enqueue is the layer's cost, as a
+  // real layer's kernel launches are) and ends when the sleep does.
   void sleep(nn::Context& ctx, double ms, pp::ActionKind kind) const {
-    ctx.stream.enqueue([ms, log = log_, entry = SleepLog::Entry{chunk_, static_cast<int>(ctx.micro_batch), kind, 0, 0}]() mutable {
-      entry.begin_ns = now_ns();
-      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
+    ctx.stream.enqueue([ms, log = log_.get(), entry = SleepLog::Entry{chunk_, static_cast<int>(ctx.micro_batch), kind, now_ns(), 0}]() mutable {
+      std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms) - std::chrono::nanoseconds(now_ns() - entry.begin_ns));
       entry.end_ns = now_ns();
-      if (log) log->add(entry);
+      if (log != nullptr) log->add(entry);
     });
   }
   double f_, bi_, bw_;
@@ -189,7 +200,35 @@ class Sleep final : public nn::Layer {
 
 std::unique_ptr<mgpu::optim::Optimizer> sgd() { return std::make_unique<mgpu::optim::SGD>(); }
 
+// Confines this thread, and the threads it starts, to its first allowed CPU while alive.
+class OneCpu {
+ public:
+  explicit OneCpu(bool on) : on_(on) {
+    if (!on_) return;
+    sched_getaffinity(0, sizeof(saved_), &saved_);
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &saved_)) {
+        CPU_SET(c, &one);
+        break;
+      }
+    }
+    sched_setaffinity(0, sizeof(one), &one);
+  }
+  ~OneCpu() {
+    if (on_) sched_setaffinity(0, sizeof(saved_), &saved_);
+  }
+  OneCpu(OneCpu const&) = delete;
+  OneCpu& operator=(OneCpu const&) = delete;
+
+ private:
+  bool on_;
+  cpu_set_t saved_{};
+};
+
 void BM_schedule(benchmark::State& state, std::string const& name) {
+  OneCpu const pinned(state.range(0) == 1);
   pp::Schedule const schedule = name == "layer-split" ? pp::layer_split(devices) : pp::make_schedule(name, devices, micro_batches, 2);
   int const v = schedule.chunks_per_device;
   double const ms = 2.0 / v;
@@ -302,11 +341,11 @@ void BM_partition(benchmark::State& state, std::string const& spec) {
 
 }  // namespace
 
-BENCHMARK_CAPTURE(BM_schedule, layer_split, std::string("layer-split"))->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_schedule, gpipe, std::string("gpipe"))->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_schedule, one_f_one_b, std::string("1f1b"))->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_schedule, interleaved, std::string("interleaved"))->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_schedule, zero_bubble, std::string("zb"))->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_schedule, layer_split, std::string("layer-split"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_schedule, gpipe, std::string("gpipe"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_schedule, one_f_one_b, std::string("1f1b"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_schedule, interleaved, std::string("interleaved"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_schedule, zero_bubble, std::string("zb"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_partition, equal, std::string("host:4"))->Iterations(1)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_partition, speeds_1_half_1_half, std::string("host:4@speed=1,0.5,1,0.5"))->Iterations(1)->Unit(benchmark::kMillisecond);
 
