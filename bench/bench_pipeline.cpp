@@ -168,26 +168,37 @@ class Sleep final : public nn::Layer {
   Sleep(double forward_ms, double backward_input_ms, double backward_weight_ms, int chunk = 0, std::shared_ptr<SleepLog> log = {})
       : f_(forward_ms), bi_(backward_input_ms), bw_(backward_weight_ms), chunk_(chunk), log_(std::move(log)) {}
   std::string name() const override { return "Sleep"; }
+  // Keeps its input until the micro-batch's backward (or weight half) is done, as a real layer
+  // keeps its activation, so the allocator's peak counts the micro-batches in flight.
   mgpu::Tensor forward(mgpu::Tensor const& x, nn::Context& ctx) override {
-    sleep(ctx, f_, pp::ActionKind::forward);
+    std::int64_t const begin = now_ns();
+    saved_[ctx.micro_batch] = x;
+    sleep(ctx, f_, pp::ActionKind::forward, begin);
     return x;
   }
   mgpu::Tensor backward(mgpu::Tensor const& dy, nn::Context& ctx) override {
-    sleep(ctx, bi_ + bw_, pp::ActionKind::backward);
+    std::int64_t const begin = now_ns();
+    saved_.erase(ctx.micro_batch);
+    sleep(ctx, bi_ + bw_, pp::ActionKind::backward, begin);
     return dy;
   }
   mgpu::Tensor backward_input(mgpu::Tensor const& dy, nn::Context& ctx) override {
-    sleep(ctx, bi_, pp::ActionKind::backward_input);
+    sleep(ctx, bi_, pp::ActionKind::backward_input, now_ns());
     return dy;
   }
-  void backward_weight(nn::Context& ctx) override { sleep(ctx, bw_, pp::ActionKind::backward_weight); }
+  void backward_weight(nn::Context& ctx) override {
+    std::int64_t const begin = now_ns();
+    saved_.erase(ctx.micro_batch);
+    sleep(ctx, bw_, pp::ActionKind::backward_weight, begin);
+  }
+  std::size_t saved_micro_batches() const override { return saved_.size(); }
   std::unique_ptr<nn::Layer> clone() const override { return std::make_unique<Sleep>(f_, bi_, bw_, chunk_, log_); }
 
  private:
-  // The action begins when the executor calls the layer (its enqueue is the layer's cost, as a
-  // real layer's kernel launches are) and ends when the sleep does.
-  void sleep(nn::Context& ctx, double ms, pp::ActionKind kind) const {
-    ctx.stream.enqueue([ms, log = log_.get(), entry = SleepLog::Entry{chunk_, static_cast<int>(ctx.micro_batch), kind, now_ns(), 0}]() mutable {
+  // The action begins when the executor calls the layer (`begin`: its bookkeeping and enqueue
+  // are the layer's cost, as a real layer's kernel launches are) and ends when the sleep does.
+  void sleep(nn::Context& ctx, double ms, pp::ActionKind kind, std::int64_t begin) const {
+    ctx.stream.enqueue([ms, log = log_.get(), entry = SleepLog::Entry{chunk_, static_cast<int>(ctx.micro_batch), kind, begin, 0}]() mutable {
       std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms) - std::chrono::nanoseconds(now_ns() - entry.begin_ns));
       entry.end_ns = now_ns();
       if (log != nullptr) log->add(entry);
@@ -196,6 +207,7 @@ class Sleep final : public nn::Layer {
   double f_, bi_, bw_;
   int chunk_;
   std::shared_ptr<SleepLog> log_;
+  std::map<std::int64_t, mgpu::Tensor> saved_;
 };
 
 std::unique_ptr<mgpu::optim::Optimizer> sgd() { return std::make_unique<mgpu::optim::SGD>(); }
