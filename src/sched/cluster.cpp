@@ -33,6 +33,26 @@ int whole(std::filesystem::path const& path, std::size_t line, std::string const
 constexpr int max_int = std::numeric_limits<int>::max();
 constexpr int max_gpus_per_node = 64;
 
+// Reads the CSV file of `what` ("nodes", "pods") at `path`: `columns` is called with its header
+// (to look up column indices), then `row` with each non-empty row's line number and fields, which
+// are checked to fill the header.
+template <class Columns, class Row>
+void read_csv(std::filesystem::path const& path, char const* what, Columns const& columns, Row const& row) {
+  std::ifstream in(path);
+  if (!in) throw Error(Errc::io, std::string("cannot read ") + what + " file " + path.string() + " (expected a readable CSV file)");
+  std::string line;
+  if (!std::getline(in, line)) corrupt(path, 1, "the file is empty (expected a header row)");
+  detail::CsvHeader const header(path, line);
+  columns(header);
+  for (std::size_t n = 2; std::getline(in, line); ++n) {
+    if (line.empty() || line == "\r") continue;
+    std::vector<std::string> const f = detail::split_csv(line);
+    if (f.size() < header.size())
+      corrupt(path, n, "has " + std::to_string(f.size()) + " fields (expected " + std::to_string(header.size()) + ")");
+    row(n, f);
+  }
+}
+
 std::vector<std::string_view> split_models(std::string_view models) {
   std::vector<std::string_view> out;
   while (!models.empty()) {
@@ -47,23 +67,17 @@ std::vector<std::string_view> split_models(std::string_view models) {
 }  // namespace
 
 std::vector<NodeSpec> read_nodes_csv(std::filesystem::path const& path, NodeColumns const& columns) {
-  std::ifstream in(path);
-  if (!in) throw Error(Errc::io, "cannot read nodes file " + path.string() + " (expected a readable CSV file)");
-  std::string line;
-  if (!std::getline(in, line)) corrupt(path, 1, "the file is empty (expected a header row)");
-  detail::CsvHeader const header(path, line);
-  int const name = header.column(columns.name, true);
-  int const cpu = header.column(columns.cpu_milli, true);
-  int const memory = header.column(columns.memory_mib, true);
-  int const gpus = header.column(columns.gpus, true);
-  int const model = header.column(columns.model, true);
+  int name = 0, cpu = 0, memory = 0, gpus = 0, model = 0;
   std::vector<NodeSpec> nodes;
   std::set<std::string> names;
-  for (std::size_t n = 2; std::getline(in, line); ++n) {
-    if (line.empty() || line == "\r") continue;
-    std::vector<std::string> const f = detail::split_csv(line);
-    if (f.size() < header.size())
-      corrupt(path, n, "has " + std::to_string(f.size()) + " fields (expected " + std::to_string(header.size()) + ")");
+  auto const find_columns = [&](detail::CsvHeader const& header) {
+    name = header.column(columns.name, true);
+    cpu = header.column(columns.cpu_milli, true);
+    memory = header.column(columns.memory_mib, true);
+    gpus = header.column(columns.gpus, true);
+    model = header.column(columns.model, true);
+  };
+  read_csv(path, "nodes", find_columns, [&](std::size_t n, std::vector<std::string> const& f) {
     auto const at = [&](int i) { return f[static_cast<std::size_t>(i)]; };
     NodeSpec node;
     node.name = at(name);
@@ -81,32 +95,26 @@ std::vector<NodeSpec> read_nodes_csv(std::filesystem::path const& path, NodeColu
     if (node.model.find('|') != std::string::npos)
       corrupt(path, n, "model '" + node.model + "' (expected one model, without '|')");
     nodes.push_back(std::move(node));
-  }
+  });
   if (nodes.empty()) corrupt(path, 2, "no nodes (expected at least one row)");
   return nodes;
 }
 
 std::vector<Pod> read_pods_csv(std::filesystem::path const& path, PodColumns const& columns) {
-  std::ifstream in(path);
-  if (!in) throw Error(Errc::io, "cannot read pods file " + path.string() + " (expected a readable CSV file)");
-  std::string line;
-  if (!std::getline(in, line)) corrupt(path, 1, "the file is empty (expected a header row)");
-  detail::CsvHeader const header(path, line);
-  int const name = header.column(columns.name, true);
-  int const cpu = header.column(columns.cpu_milli, true);
-  int const memory = header.column(columns.memory_mib, true);
-  int const gpus = header.column(columns.gpus, true);
-  int const milli = header.column(columns.gpu_milli, true);
-  int const models = header.column(columns.models, false);
-  int const qos = header.column(columns.qos, false);
-  int const creation = header.column(columns.creation, false);
-  int const deletion = header.column(columns.deletion, false);
+  int name = 0, cpu = 0, memory = 0, gpus = 0, milli = 0, models = -1, qos = -1, creation = -1, deletion = -1;
   std::vector<Pod> pods;
-  for (std::size_t n = 2; std::getline(in, line); ++n) {
-    if (line.empty() || line == "\r") continue;
-    std::vector<std::string> const f = detail::split_csv(line);
-    if (f.size() < header.size())
-      corrupt(path, n, "has " + std::to_string(f.size()) + " fields (expected " + std::to_string(header.size()) + ")");
+  auto const find_columns = [&](detail::CsvHeader const& header) {
+    name = header.column(columns.name, true);
+    cpu = header.column(columns.cpu_milli, true);
+    memory = header.column(columns.memory_mib, true);
+    gpus = header.column(columns.gpus, true);
+    milli = header.column(columns.gpu_milli, true);
+    models = header.column(columns.models, false);
+    qos = header.column(columns.qos, false);
+    creation = header.column(columns.creation, false);
+    deletion = header.column(columns.deletion, false);
+  };
+  read_csv(path, "pods", find_columns, [&](std::size_t n, std::vector<std::string> const& f) {
     auto const at = [&](int i) { return f[static_cast<std::size_t>(i)]; };
     Pod pod;
     pod.origin = path.string() + ":" + std::to_string(n);
@@ -139,7 +147,7 @@ std::vector<Pod> read_pods_csv(std::filesystem::path const& path, PodColumns con
               "is deleted at " + at(deletion) + " before its creation at " + at(creation) +
                   " (expected deletion >= creation)");
     pods.push_back(std::move(pod));
-  }
+  });
   return pods;
 }
 
