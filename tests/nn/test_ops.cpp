@@ -18,6 +18,8 @@ using mgpu::DType;
 using mgpu::Tensor;
 using mgpu::test::as_double;
 using mgpu::test::Env;
+using mgpu::test::to_dtype;
+using mgpu::test::widened;
 
 namespace {
 
@@ -53,17 +55,6 @@ double numeric(std::vector<double>& values, std::size_t i, F const& f) {
   return (up - down) / (2 * h);
 }
 
-// A float32 host tensor converted to `dtype` (and back, for references).
-Tensor to_dtype(Env& env, Tensor const& t, DType dtype) {
-  Tensor out = Tensor::empty(t.shape(), dtype, *env.allocator);
-  mgpu::convert_async(out, t, env.stream);
-  return out;
-}
-std::vector<double> widened(Env& env, Tensor const& t) {
-  Tensor f = to_dtype(env, t, DType::float32);
-  env.stream.synchronize();
-  return as_double(f);
-}
 
 }  // namespace
 

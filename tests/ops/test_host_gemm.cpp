@@ -20,20 +20,10 @@ using mgpu::Tensor;
 using mgpu::ops::ActivationKind;
 using mgpu::test::as_double;
 using mgpu::test::Env;
+using mgpu::test::to_dtype;
+using mgpu::test::widened;
 
 namespace {
-
-Tensor to_dtype(Env& env, Tensor const& t, DType dtype) {
-  Tensor out = Tensor::empty(t.shape(), dtype, *env.allocator);
-  mgpu::convert_async(out, t, env.stream);
-  return out;
-}
-
-std::vector<double> widened(Env& env, Tensor const& t) {
-  Tensor f = to_dtype(env, t, DType::float32);
-  env.stream.synchronize();
-  return as_double(f);
-}
 
 // Element (i, j) of op(X) for a row-major X of `cols` columns.
 double at(std::vector<double> const& x, std::int64_t cols, bool transposed, std::int64_t i, std::int64_t j) {

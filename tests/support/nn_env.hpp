@@ -52,4 +52,18 @@ inline std::vector<double> as_double(Tensor const& t) {
   return {s.begin(), s.end()};
 }
 
+// A float32 host tensor converted to `dtype` (and back, for references), on env's stream.
+inline Tensor to_dtype(Env& env, Tensor const& t, mgpu::DType dtype) {
+  Tensor out = Tensor::empty(t.shape(), dtype, *env.allocator);
+  mgpu::convert_async(out, t, env.stream);
+  return out;
+}
+
+// A tensor of any float dtype as float64 values, once its conversion has run.
+inline std::vector<double> widened(Env& env, Tensor const& t) {
+  Tensor f = to_dtype(env, t, mgpu::DType::float32);
+  env.stream.synchronize();
+  return as_double(f);
+}
+
 }  // namespace mgpu::test
