@@ -1,5 +1,7 @@
-// What the training examples share: their --data, --layers and --precision flags.
+// What the training examples share: their data and model flags, and --precision.
 #pragma once
+
+#include <CLI/CLI.hpp>
 
 #include <cstdint>
 #include <exception>
@@ -13,6 +15,25 @@
 #include <mgpu/data/dataset.hpp>
 
 namespace examples {
+
+/// The data and model flags of the training examples: --data, --label-col, --test-fraction,
+/// --layers and --activation.
+struct CommonFlags {
+  std::string data = "synthetic";
+  std::int64_t label_col = -1;
+  double test_fraction = 0.2;
+  std::string layers;
+  std::string activation = "relu";
+
+  /// Registers the flags on `app`; `default_layers` says what an empty --layers means.
+  void add_to(CLI::App& app, std::string const& default_layers) {
+    app.add_option("--data", data, "synthetic | csv:PATH | idx:IMAGES,LABELS")->capture_default_str();
+    app.add_option("--label-col", label_col, "CSV label column, 0-based; negative counts from the end (default: last)");
+    app.add_option("--test-fraction", test_fraction, "share of examples held out for testing")->check(CLI::Range(0.0, 0.99))->capture_default_str();
+    app.add_option("--layers", layers, "hidden widths and the output width (= classes), e.g. 64,128,10 (default: " + default_layers + ")");
+    app.add_option("--activation", activation, "relu | gelu")->check(CLI::IsMember({"relu", "gelu"}))->capture_default_str();
+  }
+};
 
 /// --precision: "fp32", "bf16" or "fp16" (16-bit compute with float32 master weights; CLI11
 /// checks the spelling).

@@ -31,11 +31,7 @@ using Clock = std::chrono::steady_clock;
 
 struct Options {
   std::string devices;
-  std::string data = "synthetic";
-  std::int64_t label_col = -1;
-  double test_fraction = 0.2;
-  std::string layers;
-  std::string activation = "relu";
+  examples::CommonFlags common;
   int epochs = 10;
   int until_epoch = 0;  // 0: run to --epochs
   std::int64_t batch = 64;
@@ -83,10 +79,10 @@ int train(Options const& o) {
     throw mgpu::Error(mgpu::Errc::io, "--resume: no checkpoint at '" + o.checkpoint +
                                           "' (expected a file written by --checkpoint; add --allow-fresh to start fresh when it is missing)");
 
-  auto const all = examples::load_data(o.data, o.label_col, o.seed, 20000);
+  auto const all = examples::load_data(o.common.data, o.common.label_col, o.seed, 20000);
   if (all.classes() < 2)
     throw mgpu::Error(mgpu::Errc::invalid_argument, "the data has " + std::to_string(all.classes()) + " classes (expected a classification set with >= 2)");
-  auto const [train_set, test_set] = mgpu::data::split(all, o.test_fraction, o.seed);
+  auto const [train_set, test_set] = mgpu::data::split(all, o.common.test_fraction, o.seed);
   mgpu::parallel::DataParallelOptions dp_options;
   dp_options.seed = o.seed;
   dp_options.compute = examples::precision(o.precision);
@@ -94,7 +90,7 @@ int train(Options const& o) {
   dp_options.rebalance = o.rebalance;
   auto const timeline = o.trace.empty() ? nullptr : std::make_shared<mgpu::trace::Timeline>();
   dp_options.timeline = timeline;
-  mgpu::parallel::DataParallel dp(mgpu::nn::Sequential::mlp(examples::parse_widths(o.layers, all.features(), all.classes(), {128, 128}), o.activation), group,
+  mgpu::parallel::DataParallel dp(mgpu::nn::Sequential::mlp(examples::parse_widths(o.common.layers, all.features(), all.classes(), {128, 128}), o.common.activation), group,
                                   [&] { return make_optimizer(o); }, dp_options);
   mgpu::DeviceGroup& used = dp.group();
   std::string trained_on;
@@ -112,7 +108,7 @@ int train(Options const& o) {
                static_cast<long long>(train_set.size()), static_cast<long long>(test_set.size()), static_cast<long long>(all.features()),
                static_cast<long long>(all.classes()));
   auto host = mgpu::Allocator::create(mgpu::Device{mgpu::DeviceKind::host, 0});
-  auto const normalizer = o.data.starts_with("idx:") ? mgpu::data::Normalizer{} : mgpu::data::Normalizer::fit(train_set);
+  auto const normalizer = o.common.data.starts_with("idx:") ? mgpu::data::Normalizer{} : mgpu::data::Normalizer::fit(train_set);
   mgpu::data::BatchLoader loader(train_set, {.batch = o.batch, .seed = state.data_seed, .normalizer = normalizer}, host,
                                  used.device(0).kind == mgpu::DeviceKind::cuda);
 
@@ -207,11 +203,7 @@ int main(int argc, char** argv) {
   Options o;
   app.add_option("--devices", o.devices,
                  "device spec: auto, host:N, host:N@speed=1,0.5, cuda, cuda:0,1 (default: $MGPU_DEVICES or auto); trains data parallel on all");
-  app.add_option("--data", o.data, "synthetic | csv:PATH | idx:IMAGES,LABELS")->capture_default_str();
-  app.add_option("--label-col", o.label_col, "CSV label column, 0-based; negative counts from the end (default: last)");
-  app.add_option("--test-fraction", o.test_fraction, "share of examples held out for testing")->check(CLI::Range(0.0, 0.99))->capture_default_str();
-  app.add_option("--layers", o.layers, "hidden widths and the output width (= classes), e.g. 64,128,10 (default: 128,128,classes)");
-  app.add_option("--activation", o.activation, "relu | gelu")->check(CLI::IsMember({"relu", "gelu"}))->capture_default_str();
+  o.common.add_to(app, "128,128,classes");
   app.add_option("--epochs", o.epochs, "passes over the training set")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--batch", o.batch, "examples per step")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--lr", o.lr, "learning rate (default: 0.05 for sgd, 0.001 for adamw), cosine-decayed")->check(CLI::PositiveNumber);

@@ -34,11 +34,7 @@ using Clock = std::chrono::steady_clock;
 
 struct Options {
   std::string devices;
-  std::string data = "synthetic";
-  std::int64_t label_col = -1;
-  double test_fraction = 0.2;
-  std::string layers;
-  std::string activation = "relu";
+  examples::CommonFlags common;
   int epochs = 3;
   std::int64_t batch = 256;
   float lr = 0.05f;
@@ -103,9 +99,9 @@ int train(Options const& o) {
   std::string const spec = o.devices.empty() ? "host:" + std::to_string(o.stages * o.dp) : o.devices;
   mgpu::DeviceGroup group(spec);
   pp::Schedule const schedule = make_schedule(o);
-  auto const all = examples::load_data(o.data, o.label_col, o.seed, 8192);
-  auto const [train_set, test_set] = mgpu::data::split(all, o.test_fraction, o.seed);
-  auto const model = mgpu::nn::Sequential::mlp(examples::parse_widths(o.layers, all.features(), all.classes(), {128, 128, 128, 128, 128, 128, 128}), o.activation);
+  auto const all = examples::load_data(o.common.data, o.common.label_col, o.seed, 8192);
+  auto const [train_set, test_set] = mgpu::data::split(all, o.common.test_fraction, o.seed);
+  auto const model = mgpu::nn::Sequential::mlp(examples::parse_widths(o.common.layers, all.features(), all.classes(), {128, 128, 128, 128, 128, 128, 128}), o.common.activation);
   std::int64_t const micro_rows = std::max<std::int64_t>(1, o.batch / (o.micro_batches * o.dp));
 
   // Profiled layers; the plan for the devices (or the --cuts given, with their predicted times),
@@ -139,7 +135,7 @@ int train(Options const& o) {
     std::fprintf(log, "  %s\n", report.substr(begin, end - begin).c_str());
 
   auto host = mgpu::Allocator::create(mgpu::Device{mgpu::DeviceKind::host, 0});
-  auto const normalizer = o.data.starts_with("idx:") ? mgpu::data::Normalizer{} : mgpu::data::Normalizer::fit(train_set);
+  auto const normalizer = o.common.data.starts_with("idx:") ? mgpu::data::Normalizer{} : mgpu::data::Normalizer::fit(train_set);
   mgpu::data::BatchLoader loader(train_set, {.batch = o.batch, .seed = o.seed, .drop_last = true, .normalizer = normalizer}, host);
   double train_seconds = 0;
   std::int64_t samples = 0;
@@ -209,11 +205,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Train an MLP classifier split into pipeline stages with mgpu"};
   Options o;
   app.add_option("--devices", o.devices, "device spec with stages x dp devices (default: host:stages*dp)");
-  app.add_option("--data", o.data, "synthetic | csv:PATH | idx:IMAGES,LABELS")->capture_default_str();
-  app.add_option("--label-col", o.label_col, "CSV label column, 0-based; negative counts from the end (default: last)");
-  app.add_option("--test-fraction", o.test_fraction, "share of examples held out for testing")->check(CLI::Range(0.0, 0.99))->capture_default_str();
-  app.add_option("--layers", o.layers, "hidden widths and the output width (= classes) (default: seven of 128, then classes)");
-  app.add_option("--activation", o.activation, "relu | gelu")->check(CLI::IsMember({"relu", "gelu"}))->capture_default_str();
+  o.common.add_to(app, "seven of 128, then classes");
   app.add_option("--epochs", o.epochs, "passes over the training set")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--batch", o.batch, "examples per step (over all micro-batches and replicas)")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--lr", o.lr, "SGD learning rate (momentum 0.9), cosine-decayed")->check(CLI::PositiveNumber)->capture_default_str();
