@@ -244,7 +244,7 @@ struct Stream::Impl {
   bool inline_running = false;  // a task runs on an InlineScope's thread; the worker waits
   std::exception_ptr error;
   std::thread worker;
-  std::chrono::nanoseconds stretch_owed{0};  // emulated speed: sleep still owed (worker only)
+  std::chrono::nanoseconds stretch_owed{0};  // emulated speed: sleep still owed (by the thread running a task)
 
   // A CUDA stream's cuBLAS handle, made on first use (see StreamInternals::with_blas_handle).
   std::mutex blas_mutex;
