@@ -297,10 +297,17 @@ class HostState {
       if (ch.eager_held + bytes > eager_bytes) return false;
       ch.eager_held += bytes;
     }
-    auto message = std::make_unique<Message>(Message{nullptr, c.count, c.dtype, c.seq, false, std::make_unique_for_overwrite<std::byte[]>(bytes)});
+    std::unique_ptr<Message> message;
+    try {
+      message = std::make_unique<Message>(Message{nullptr, c.count, c.dtype, c.seq, false, std::make_unique_for_overwrite<std::byte[]>(bytes)});
+    } catch (...) {
+      std::lock_guard lock(ch.mutex);
+      ch.eager_held -= bytes;
+      throw;
+    }
     if (bytes > 0) std::memcpy(message->copy.get(), c.send.data(), bytes);
     message->data = message->copy.get();
-    post(rank, c.root, *message.release());
+    post(rank, c.root, *message.release());  // the receive frees it
     return true;
   }
 

@@ -278,7 +278,13 @@ TEST_CASE("on host:2@speed=1,0.5 the planned cuts give the faster device more la
   // machine's late wake-ups do not decide the plan).
   nn::Sequential const model = sleepers(8, 2.0);
   pp::Schedule const schedule = pp::one_f_one_b(2, 2);
-  pp::LayerProfile const profile = pp::profile_layers(model, group, {4, 8}, 5);
+  // Each unit's least disturbed of three profiles: a loaded machine only ever adds to a sleep
+  // (one CI run under TSan profiled the last sleep at 2.5x while another test held both cores).
+  pp::LayerProfile profile = pp::profile_layers(model, group, {4, 8}, 5);
+  for (int again = 0; again < 2; ++again) {
+    pp::LayerProfile const next = pp::profile_layers(model, group, {4, 8}, 5);
+    for (std::size_t l = 0; l < profile.seconds.size(); ++l) profile.seconds[l] = std::min(profile.seconds[l], next.seconds[l]);
+  }
   pp::Partition const plan = pp::partition(model, schedule, profile, pp::stage_devices(group, 2));
   INFO(pp::to_string(plan));
   CHECK(plan.cuts[1] > 16 - plan.cuts[1]);  // device 0 gets more layers
