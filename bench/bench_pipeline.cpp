@@ -30,6 +30,15 @@
 // threads to one CPU, which the sleeps leave idle, so no hop waits for another CPU to wake (on a
 // virtual machine a halted virtual CPU takes tens of microseconds to resume): the executor's own
 // cost, with the caveat that hops due at the same instant queue for that CPU.
+// BM_executor: the same schedules with chunks that do nothing (each returns its input), so a step
+// is the executor's own work: dispatching every action, the 2 KiB transfers between devices and
+// their wake-ups, the per-step set-up, and the last chunk's loss op per micro-batch. Counters:
+//   step_us                  the median step (wall time of compute_gradients' run);
+//   us_per_compute_action    (step_us - micro-batches x loss_op_us) / the compute actions of all
+//                            devices: the executor's time per action, its transfers included;
+//   us_per_critical_action   the same over the compute actions on the critical path (as
+//                            BM_schedule's overhead_us_per_action counts them);
+//   compute_actions, transfer_actions   what a step runs.
 // BM_partition: unbalanced sleeping layers (costs 1,1,1,6,1,1,3,1,2,1 ms) profiled, partitioned
 // into 4 stages for 1F1B on 4 host devices by pipeline::partition, on equal devices and on devices
 // of speeds 1, 0.5, 1, 0.5 (stage time: cost / speed); partition_vs_optimum is its slowest stage
@@ -312,6 +321,58 @@ void BM_schedule(benchmark::State& state, std::string const& name) {
   state.counters["thread_wake_us"] = thread_wake_us(std::chrono::microseconds(2000), 40);
 }
 
+// A layer that does nothing: BM_executor's chunks, so that a step is the executor's own work.
+class Pass final : public nn::Layer {
+ public:
+  std::string name() const override { return "Pass"; }
+  mgpu::Tensor forward(mgpu::Tensor const& x, nn::Context&) override { return x; }
+  mgpu::Tensor backward(mgpu::Tensor const& dy, nn::Context&) override { return dy; }
+  std::unique_ptr<nn::Layer> clone() const override { return std::make_unique<Pass>(); }
+};
+
+void BM_executor(benchmark::State& state, std::string const& name) {
+  OneCpu const pinned(state.range(0) == 1);
+  pp::Schedule const schedule = pp::make_schedule(name, devices, micro_batches, 2);
+  nn::Sequential model;
+  std::vector<std::size_t> cuts{0};
+  for (int c = 0; c < schedule.chunks(); ++c) {
+    model.add(std::make_unique<Pass>());
+    cuts.push_back(static_cast<std::size_t>(c + 1));
+  }
+  mgpu::DeviceGroup group("host:" + std::to_string(devices));
+  pp::Executor executor(model, group, cuts, schedule, sgd);
+  auto const host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  mgpu::Tensor const x = mgpu::Tensor::empty({rows, width}, mgpu::DType::float32, *host);
+  mgpu::Tensor const y = mgpu::Tensor::empty({rows}, mgpu::DType::float32, *host);
+  mgpu::fill_async(x, 0.1f, group.stream(0));
+  mgpu::fill_async(y, 1.0f, group.stream(0));
+  group.stream(0).synchronize();
+  std::size_t compute = 0, transfers = 0;
+  for (auto const& list : schedule.actions)
+    for (pp::Action const& a : list) ++(pp::is_transfer(a.kind) ? transfers : compute);
+  int const last = schedule.device_of(schedule.chunks() - 1);
+  double const loss_us = loss_op_us(group.stream(last), group.allocator(last), rows / micro_batches, 20);
+  for (int i = 0; i < 5; ++i) executor.compute_gradients(x, y);  // warm the allocators and caches
+  std::vector<double> seconds;
+  for (auto _ : state) {
+    executor.compute_gradients(x, y);
+    seconds.push_back(executor.last_step_seconds());
+    state.SetIterationTime(seconds.back());
+  }
+  double const step_us = median(seconds) * 1e6;
+  state.counters["step_us"] = step_us;
+  state.counters["loss_op_us"] = loss_us;
+  // The compute actions on the critical path, as in BM_schedule.
+  std::vector<std::vector<double>> unit(schedule.actions.size());
+  for (std::size_t d = 0; d < unit.size(); ++d)
+    for (pp::Action const& a : schedule.actions[d]) unit[d].push_back(pp::is_transfer(a.kind) ? 0.0 : 1.0);
+  double const critical = pp::simulate(schedule, unit).makespan;
+  state.counters["us_per_compute_action"] = (step_us - micro_batches * loss_us) / static_cast<double>(compute);
+  state.counters["us_per_critical_action"] = (step_us - micro_batches * loss_us) / critical;
+  state.counters["compute_actions"] = static_cast<double>(compute);
+  state.counters["transfer_actions"] = static_cast<double>(transfers);
+}
+
 // The slowest stage of cutting per-unit costs at `cuts` (unit indices), stage s at speeds[s].
 double slowest(std::vector<double> const& unit, std::vector<double> const& speeds, std::vector<int> const& cuts) {
   double worst = 0;
@@ -358,6 +419,10 @@ BENCHMARK_CAPTURE(BM_schedule, gpipe, std::string("gpipe"))->ArgName("cpus")->Ar
 BENCHMARK_CAPTURE(BM_schedule, one_f_one_b, std::string("1f1b"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_schedule, interleaved, std::string("interleaved"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_schedule, zero_bubble, std::string("zb"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_executor, gpipe, std::string("gpipe"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_executor, one_f_one_b, std::string("1f1b"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_executor, interleaved, std::string("interleaved"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_executor, zero_bubble, std::string("zb"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
 BENCHMARK_CAPTURE(BM_partition, equal, std::string("host:4"))->Iterations(1)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_partition, speeds_1_half_1_half, std::string("host:4@speed=1,0.5,1,0.5"))->Iterations(1)->Unit(benchmark::kMillisecond);
 
