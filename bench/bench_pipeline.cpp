@@ -221,6 +221,38 @@ class Sleep final : public nn::Layer {
 
 std::unique_ptr<mgpu::optim::Optimizer> sgd() { return std::make_unique<mgpu::optim::SGD>(); }
 
+// Cut points that make each layer of the model a chunk of the schedule.
+std::vector<std::size_t> layer_per_chunk(pp::Schedule const& schedule) {
+  std::vector<std::size_t> cuts;
+  for (int c = 0; c <= schedule.chunks(); ++c) cuts.push_back(static_cast<std::size_t>(c));
+  return cuts;
+}
+
+// The compute actions on the schedule's critical path: its makespan when each takes 1 and a
+// transfer 0.
+double critical_actions(pp::Schedule const& schedule) {
+  std::vector<std::vector<double>> unit(schedule.actions.size());
+  for (std::size_t d = 0; d < unit.size(); ++d)
+    for (pp::Action const& a : schedule.actions[d]) unit[d].push_back(pp::is_transfer(a.kind) ? 0.0 : 1.0);
+  return pp::simulate(schedule, unit).makespan;
+}
+
+// A model of one layer per chunk run by `schedule` on host devices, and the batch it trains on.
+struct Run {
+  Run(nn::Sequential const& model, pp::Schedule const& schedule) : executor(model, group, layer_per_chunk(schedule), schedule, sgd) {
+    for (std::int64_t i = 0; i < rows * width; ++i) x.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(i % 7) * 0.1f;
+    for (std::int64_t i = 0; i < rows; ++i) y.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(i % 10);
+    int const last = schedule.device_of(schedule.chunks() - 1);
+    loss_us = loss_op_us(group.stream(last), group.allocator(last), rows / micro_batches, 20);
+  }
+  mgpu::DeviceGroup group{"host:" + std::to_string(devices)};
+  pp::Executor executor;
+  std::shared_ptr<mgpu::Allocator> host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  mgpu::Tensor x = mgpu::Tensor::empty({rows, width}, mgpu::DType::float32, *host);
+  mgpu::Tensor y = mgpu::Tensor::empty({rows}, mgpu::DType::float32, *host);
+  double loss_us = 0;  // the last chunk's loss op per micro-batch, on its device (loss_op_us)
+};
+
 // Confines this thread, and the threads it starts, to its first allowed CPU while alive.
 class OneCpu {
  public:
@@ -256,26 +288,18 @@ void BM_schedule(benchmark::State& state, std::string const& name) {
   auto const log = std::make_shared<SleepLog>();
   nn::Sequential model;
   for (int c = 0; c < schedule.chunks(); ++c) model.add(std::make_unique<Sleep>(ms, ms, ms, c, log));
-  std::vector<std::size_t> cuts;
-  for (int c = 0; c <= schedule.chunks(); ++c) cuts.push_back(static_cast<std::size_t>(c));
-  mgpu::DeviceGroup group("host:" + std::to_string(devices));
-  pp::Executor executor(model, group, cuts, schedule, sgd);
-  auto const host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
-  mgpu::Tensor const x = mgpu::Tensor::empty({rows, width}, mgpu::DType::float32, *host);
-  mgpu::Tensor const y = mgpu::Tensor::empty({rows}, mgpu::DType::float32, *host);
-  for (std::int64_t i = 0; i < rows * width; ++i) x.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(i % 7) * 0.1f;
-  for (std::int64_t i = 0; i < rows; ++i) y.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(i % 10);
+  Run run(model, schedule);
+  mgpu::DeviceGroup& group = run.group;
+  pp::Executor& executor = run.executor;
+  mgpu::Tensor const& x = run.x;
+  mgpu::Tensor const& y = run.y;
   double const predicted = pp::simulate(schedule, {pp::ActionCosts{ms, ms, ms, 0.0}}).bubble_fraction;
-  // The compute actions on the critical path: the makespan when each takes 1 and transfers 0.
-  std::vector<std::vector<double>> unit(schedule.actions.size());
-  for (std::size_t d = 0; d < unit.size(); ++d)
-    for (pp::Action const& a : schedule.actions[d]) unit[d].push_back(pp::is_transfer(a.kind) ? 0.0 : 1.0);
-  double const critical_actions = pp::simulate(schedule, unit).makespan;
+  double const critical = critical_actions(schedule);
   executor.compute_gradients(x, y);  // warm the allocators
   log->take();
   // The loss is compute too: the replay adds it to each forward of the last chunk.
   int const last = schedule.chunks() - 1;
-  double const loss_ms = loss_op_us(group.stream(schedule.device_of(last)), group.allocator(schedule.device_of(last)), rows / micro_batches, 20) / 1e3;
+  double const loss_ms = run.loss_us / 1e3;
   std::vector<double> bubbles, overheads, overshoots, peaks, seconds;
   for (auto _ : state) {
     group.allocator(0).reset_peak();
@@ -308,7 +332,7 @@ void BM_schedule(benchmark::State& state, std::string const& name) {
     double const makespan_ms = static_cast<double>(end - begin) / 1e6;
     double const replay_ms = pp::simulate(schedule, durations).makespan;
     bubbles.push_back(1.0 - busy_ms / (devices * makespan_ms));
-    overheads.push_back((makespan_ms - replay_ms) * 1e3 / critical_actions);
+    overheads.push_back((makespan_ms - replay_ms) * 1e3 / critical);
     overshoots.push_back(median(excess) * 1e3);
   }
   state.counters["bubble_measured"] = median(bubbles);
@@ -334,41 +358,23 @@ void BM_executor(benchmark::State& state, std::string const& name) {
   OneCpu const pinned(state.range(0) == 1);
   pp::Schedule const schedule = pp::make_schedule(name, devices, micro_batches, 2);
   nn::Sequential model;
-  std::vector<std::size_t> cuts{0};
-  for (int c = 0; c < schedule.chunks(); ++c) {
-    model.add(std::make_unique<Pass>());
-    cuts.push_back(static_cast<std::size_t>(c + 1));
-  }
-  mgpu::DeviceGroup group("host:" + std::to_string(devices));
-  pp::Executor executor(model, group, cuts, schedule, sgd);
-  auto const host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
-  mgpu::Tensor const x = mgpu::Tensor::empty({rows, width}, mgpu::DType::float32, *host);
-  mgpu::Tensor const y = mgpu::Tensor::empty({rows}, mgpu::DType::float32, *host);
-  mgpu::fill_async(x, 0.1f, group.stream(0));
-  mgpu::fill_async(y, 1.0f, group.stream(0));
-  group.stream(0).synchronize();
+  for (int c = 0; c < schedule.chunks(); ++c) model.add(std::make_unique<Pass>());
+  Run run(model, schedule);
   std::size_t compute = 0, transfers = 0;
   for (auto const& list : schedule.actions)
     for (pp::Action const& a : list) ++(pp::is_transfer(a.kind) ? transfers : compute);
-  int const last = schedule.device_of(schedule.chunks() - 1);
-  double const loss_us = loss_op_us(group.stream(last), group.allocator(last), rows / micro_batches, 20);
-  for (int i = 0; i < 5; ++i) executor.compute_gradients(x, y);  // warm the allocators and caches
+  for (int i = 0; i < 5; ++i) run.executor.compute_gradients(run.x, run.y);  // warm the allocators and caches
   std::vector<double> seconds;
   for (auto _ : state) {
-    executor.compute_gradients(x, y);
-    seconds.push_back(executor.last_step_seconds());
+    run.executor.compute_gradients(run.x, run.y);
+    seconds.push_back(run.executor.last_step_seconds());
     state.SetIterationTime(seconds.back());
   }
   double const step_us = median(seconds) * 1e6;
   state.counters["step_us"] = step_us;
-  state.counters["loss_op_us"] = loss_us;
-  // The compute actions on the critical path, as in BM_schedule.
-  std::vector<std::vector<double>> unit(schedule.actions.size());
-  for (std::size_t d = 0; d < unit.size(); ++d)
-    for (pp::Action const& a : schedule.actions[d]) unit[d].push_back(pp::is_transfer(a.kind) ? 0.0 : 1.0);
-  double const critical = pp::simulate(schedule, unit).makespan;
-  state.counters["us_per_compute_action"] = (step_us - micro_batches * loss_us) / static_cast<double>(compute);
-  state.counters["us_per_critical_action"] = (step_us - micro_batches * loss_us) / critical;
+  state.counters["loss_op_us"] = run.loss_us;
+  state.counters["us_per_compute_action"] = (step_us - micro_batches * run.loss_us) / static_cast<double>(compute);
+  state.counters["us_per_critical_action"] = (step_us - micro_batches * run.loss_us) / critical_actions(schedule);
   state.counters["compute_actions"] = static_cast<double>(compute);
   state.counters["transfer_actions"] = static_cast<double>(transfers);
 }
