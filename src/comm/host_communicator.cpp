@@ -91,8 +91,7 @@ class HostState {
   // Runs one rank's calls: sends are posted first and awaited last, so a group's sends and
   // receives cannot block each other.
   void execute(int rank, std::vector<Call> const& calls) {
-    std::vector<std::pair<Message, Call const*>> sends;  // the rendezvous sends
-    sends.reserve(calls.size());
+    std::vector<std::pair<Message, Call const*>> sends;  // the rendezvous sends (none, usually: no allocation)
     for (Call const& c : calls) {
       if (c.kind == OpKind::send && !post_eager(rank, c)) sends.push_back({Message{c.send.data(), c.count, c.dtype, c.seq, false, nullptr}, &c});
     }

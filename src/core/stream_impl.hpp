@@ -152,11 +152,11 @@ struct Stream::Impl {
       }
       return;
     }
+    Task task{std::move(work), runs_after_failure, compute && !runs_after_failure};
     std::unique_lock lock(mutex);
     if (inline_caller == this && completed == submitted) {
       // The stream is idle and this thread runs it (Stream::InlineScope): the work runs here and now,
       // which is when the worker would have run it, without waking the worker.
-      Task task{std::move(work), runs_after_failure, compute && !runs_after_failure};
       bool const skip = error != nullptr && !runs_after_failure;
       ++submitted;
       inline_running = true;
@@ -170,7 +170,7 @@ struct Stream::Impl {
       if (queued) work_cv.notify_one();
       return;
     }
-    tasks.push_back({std::move(work), runs_after_failure, compute && !runs_after_failure});
+    tasks.push_back(std::move(task));
     ++submitted;
     lock.unlock();
     work_cv.notify_one();
