@@ -11,6 +11,10 @@
 //                     machine gives N ranks before any synchronization (the peer to compare with);
 //   speedup_vs_independent    data parallel's step rate ÷ those independent trainers'.
 // Rows run with the sharded update (shard:1, the default) and with every replica updating all.
+// BM_rebalance trains with `rebalance` on host:2@speed=1,0.5 (the second device's work stretched
+// to twice its time) from even weights, on the measured compute times: rows_fast_to_slow is the
+// first rank's rows ÷ the second's over the last 8 of 24 steps (about 2, somewhat more where fixed
+// per-step costs are stretched too), rows_fast_to_slow_first_step the 1:1 it started from.
 // BM_timeline_record and BM_timeline_stream_span give the tracing cost per recorded span (a
 // host-side record, and the two marker tasks a stream span adds), on and off.
 // Host devices are one worker thread each: on a 2-core machine host:4 shares two cores between
@@ -143,6 +147,32 @@ BENCHMARK(BM_data_parallel)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime()
     ->MinTime(4.0);
+
+void BM_rebalance(benchmark::State& state) {
+  Data const data;
+  std::vector<double> ratios, first;
+  for (auto _ : state) {
+    mgpu::DeviceGroup group{"host:2@speed=1,0.5"};
+    mgpu::parallel::DataParallelOptions options;
+    options.weights = {1, 1};
+    options.rebalance = true;
+    mgpu::parallel::DataParallel dp(mgpu::nn::Sequential::mlp(widths), group, mgpu::optim::SGD({.lr = 0.01f}), options);
+    std::int64_t fast = 0, slow = 0;
+    for (int i = 0; i < 24; ++i) {
+      std::int64_t const b = i % batches;
+      auto const r = dp.step(data.x.slice(b * batch, (b + 1) * batch), data.y.slice(b * batch, (b + 1) * batch));
+      if (i == 0) first.push_back(static_cast<double>(r.rows[0]) / static_cast<double>(r.rows[1]));
+      if (i >= 16) {
+        fast += r.rows[0];
+        slow += r.rows[1];
+      }
+    }
+    ratios.push_back(static_cast<double>(fast) / static_cast<double>(slow));
+  }
+  state.counters["rows_fast_to_slow"] = median(ratios);
+  state.counters["rows_fast_to_slow_first_step"] = median(first);
+}
+BENCHMARK(BM_rebalance)->Iterations(3)->Unit(benchmark::kMillisecond);
 
 void BM_timeline_record(benchmark::State& state) {
   mgpu::trace::Timeline timeline;

@@ -43,7 +43,8 @@
 // into 4 stages for 1F1B on 4 host devices by pipeline::partition, on equal devices and on devices
 // of speeds 1, 0.5, 1, 0.5 (stage time: cost / speed); partition_vs_optimum is its slowest stage
 // over the brute-force optimum of the same profiled costs and speeds, and even_vs_optimum the same
-// for equal-unit cuts.
+// for equal-unit cuts; planned_step_vs_even_step is the executor's measured step (median of 5) with
+// the planned cuts over the same with those equal-unit cuts.
 //
 //   bench_pipeline --benchmark_out=pipeline.json --benchmark_out_format=json
 #include <benchmark/benchmark.h>
@@ -398,11 +399,26 @@ void BM_partition(benchmark::State& state, std::string const& spec) {
   auto const devices = pp::stage_devices(group, group.size());
   std::vector<double> speeds;
   for (auto const& d : devices) speeds.push_back(d.speed);
-  double ratio = 0, even = 0;
+  pp::Schedule const schedule = pp::one_f_one_b(group.size(), micro_batches);
+  auto const host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  mgpu::Tensor const x = mgpu::Tensor::empty({rows, width}, mgpu::DType::float32, *host);
+  mgpu::Tensor const y = mgpu::Tensor::empty({rows}, mgpu::DType::float32, *host);
+  std::fill(x.host_span<float>().begin(), x.host_span<float>().end(), 0.5f);
+  std::fill(y.host_span<float>().begin(), y.host_span<float>().end(), 1.0f);
+  auto const step_seconds = [&](std::vector<std::size_t> const& cuts) {
+    pp::Executor executor(model, group, cuts, schedule, sgd);
+    std::vector<double> seconds;
+    for (int i = 0; i < 5; ++i) {
+      executor.compute_gradients(x, y);
+      seconds.push_back(executor.last_step_seconds());
+    }
+    return median(seconds);
+  };
+  double ratio = 0, even = 0, step_ratio = 0;
   for (auto _ : state) {
     pp::LayerProfile const profile = pp::profile_layers(model, group, {rows, width}, 3);
     std::vector<double> const& seconds = profile.seconds;
-    pp::Partition const plan = pp::partition(model, pp::one_f_one_b(group.size(), micro_batches), profile, devices);
+    pp::Partition const plan = pp::partition(model, schedule, profile, devices);
     // Brute force over every 4-way split of the 10 units.
     int const n = static_cast<int>(seconds.size());
     double best = 1e300;
@@ -413,9 +429,11 @@ void BM_partition(benchmark::State& state, std::string const& spec) {
     for (std::size_t const cut : plan.cuts) got.push_back(static_cast<int>(cut));
     ratio = slowest(seconds, speeds, got) / best;
     even = slowest(seconds, speeds, {0, 3, 5, 8, 10}) / best;
+    step_ratio = step_seconds(plan.cuts) / step_seconds({0, 3, 5, 8, 10});
   }
   state.counters["partition_vs_optimum"] = ratio;
   state.counters["even_vs_optimum"] = even;
+  state.counters["planned_step_vs_even_step"] = step_ratio;
 }
 
 }  // namespace

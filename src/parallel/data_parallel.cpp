@@ -456,8 +456,10 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
     for (int r = 0; r < n; ++r) {
       auto const i = static_cast<std::size_t>(r);
       Impl::Rank& st = *im.state[i];
-      if (sizes[i] == 0 || !(result.compute_ms[i] > 0)) continue;
-      double const per_row = result.compute_ms[i] / static_cast<double>(sizes[i]);
+      double const ms = im.options.rebalance_time ? im.options.rebalance_time(r, sizes[i], result.compute_ms[i])
+                                                  : result.compute_ms[i];
+      if (sizes[i] == 0 || !(ms > 0)) continue;
+      double const per_row = ms / static_cast<double>(sizes[i]);
       st.ms_per_row = st.ms_per_row == 0 ? per_row : a * per_row + (1 - a) * st.ms_per_row;
     }
     std::vector<double> speed(static_cast<std::size_t>(n), 0.0);

@@ -316,31 +316,41 @@ TEST_CASE("The timeline shows a bucket's all-reduce starting while earlier layer
   CHECK(gathers == reduces);
 }
 
-TEST_CASE("Rebalancing moves rows from a half-speed device until shards are about 2:1", "[parallel][dp]") {
+TEST_CASE("Rebalancing weights shards by each rank's time per row, an exponentially weighted mean", "[parallel][dp]") {
+  // A cost model in place of the clock (rebalance_time), so the test does not depend on how busy
+  // the machine is: rank 0 takes 0.01 ms a row; rank 1 too for the first 4 steps, then 0.02 ms.
+  // The measured-time path is the same code; bench_data_parallel's BM_rebalance runs it on an
+  // emulated half-speed device.
   Env env;
-  // Enough rows and width that compute proportional to the rows outweighs fixed per-step costs.
-  Tensor x = env.random({512, 512}, 10);
-  Tensor y = cycling_labels(env, 512);
-  mgpu::DeviceGroup group{"host:2@speed=1,0.5"};
+  std::int64_t const rows = 600;
+  Tensor x = env.random({rows, 8}, 10);
+  Tensor y = cycling_labels(env, rows);
+  mgpu::DeviceGroup group{"host:2"};
   DataParallelOptions options;
   options.weights = {1, 1};
   options.rebalance = true;
-  DataParallel dp(mgpu::nn::Sequential::mlp({512, 1024, 10}), group, mgpu::optim::SGD({.lr = 0.01f}), options);
-  std::int64_t fast = 0, slow = 0;
-  for (int i = 0; i < 24; ++i) {
+  options.rebalance_ewma = 0.5;
+  int step = 0;
+  std::vector<std::int64_t> seen(2, -1);
+  options.rebalance_time = [&](int rank, std::int64_t rank_rows, double measured_ms) {
+    CHECK(measured_ms > 0);
+    seen[static_cast<std::size_t>(rank)] = rank_rows;
+    return static_cast<double>(rank_rows) * (rank == 1 && step >= 4 ? 0.02 : 0.01);
+  };
+  DataParallel dp(mgpu::nn::Sequential::mlp({8, 16, 10}), group, mgpu::optim::SGD({.lr = 0.01f}), options);
+  double slow_ms_per_row = 0.01;  // the reference: rank 1's weighted mean, by the definition
+  for (step = 0; step < 12; ++step) {
+    auto const weights = dp.weights();
     auto const r = dp.step(x, y);
-    if (i >= 16) {  // the last 8 steps, after convergence
-      fast += r.rows[0];
-      slow += r.rows[1];
-    }
+    INFO("step " << step << ": rows " << r.rows[0] << " : " << r.rows[1]);
+    // Each step's shards follow the weights it started with, and rebalancing saw those rows.
+    CHECK(std::abs(static_cast<double>(r.rows[0]) - static_cast<double>(rows) * weights[0] / (weights[0] + weights[1])) <= 1.0);
+    CHECK(seen == std::vector<std::int64_t>{r.rows[0], r.rows[1]});
+    slow_ms_per_row = step == 0 ? 0.01 : 0.5 * (step >= 4 ? 0.02 : 0.01) + 0.5 * slow_ms_per_row;
+    CHECK(dp.weights()[0] / dp.weights()[1] == Approx(slow_ms_per_row / 0.01).epsilon(1e-12));
+    CHECK(dp.weights()[0] + dp.weights()[1] == Approx(2.0));  // ranks keep their total weight
   }
-  double const ratio = static_cast<double>(fast) / static_cast<double>(slow);
-  INFO("rows " << fast << " : " << slow);
-  // Even shards were 1:1. The slow device's fixed per-step costs are stretched too, so the split
-  // that equalizes step times lies somewhat above 2:1, more so under sanitizers and when other work
-  // loads the machine's cores (measured 2.0-2.4 on an idle 2-core machine, up to 4.3 under load).
-  CHECK(ratio > 1.5);
-  CHECK(ratio < 5.0);
+  CHECK(dp.weights()[0] / dp.weights()[1] == Approx(2.0).epsilon(0.01));  // converged to 2:1
 }
 
 TEST_CASE("The scheduler picks the ranks and the shard weights follow device speed", "[parallel][dp][sched]") {

@@ -1,8 +1,7 @@
 // Heterogeneous pipeline partitioning: the planner against brute force over every contiguous split
 // (speeds such as 1 and 0.5, tight memory, 1F1B's closed-form P - d micro-batches in flight), its
 // errors, the plan's report, the devices read off a group, profiling on a speed-emulated rank 0,
-// and end to end on host:2@speed=1,0.5: the faster device gets more layers and the planned step
-// is faster than the even split's.
+// and end to end on host:2@speed=1,0.5: the faster device gets more layers.
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/optim.hpp>
 #include <mgpu/parallel/pipeline.hpp>
@@ -272,7 +271,7 @@ TEST_CASE("profiling on a speed-emulated rank 0 reports the fastest device's cos
   }
 }
 
-TEST_CASE("on host:2@speed=1,0.5 the planned cuts give the faster device more layers, and a faster step", "[parallel][partition]") {
+TEST_CASE("on host:2@speed=1,0.5 the planned cuts give the faster device more layers", "[parallel][partition]") {
   mgpu::DeviceGroup group("host:2@speed=1,0.5");
   // 16 units: 8 tiny Linears and 8 sleeps of 4 ms per micro-batch (long enough that a loaded
   // machine's late wake-ups do not decide the plan).
@@ -291,29 +290,6 @@ TEST_CASE("on host:2@speed=1,0.5 the planned cuts give the faster device more la
   // Ideally 5 or 6 of the 8 sleeps on device 0 (5.33 balances 4 ms against 8 ms per sleep).
   CHECK(plan.cuts[1] >= 10);
   CHECK(plan.cuts[1] <= 12);
-
-  auto const sgd = [] { return std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 0.1f}); };
-  auto const host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
-  Tensor const x = Tensor::empty({16, 8}, mgpu::DType::float32, *host);
-  Tensor const y = Tensor::empty({16}, mgpu::DType::float32, *host);
-  std::fill(x.host_span<float>().begin(), x.host_span<float>().end(), 0.5f);
-  std::fill(y.host_span<float>().begin(), y.host_span<float>().end(), 1.0f);
-  auto const fastest_step = [&](std::vector<std::size_t> const& cuts) {
-    pp::Executor executor(model, group, cuts, schedule, sgd, {.seed = 1});
-    double best = inf;
-    for (int i = 0; i < 2; ++i) {
-      executor.compute_gradients(x, y);
-      best = std::min(best, executor.last_step_seconds());
-    }
-    return best;
-  };
-  // Wall-clock on a shared machine: the best of three tries (a busy machine can stretch either run).
-  double ratio = inf;
-  for (int attempt = 0; attempt < 3 && ratio >= 0.9; ++attempt) {
-    double const planned = fastest_step(plan.cuts);
-    double const even = fastest_step({0, 8, 16});
-    UNSCOPED_INFO("planned " << planned << " s, even " << even << " s");
-    ratio = std::min(ratio, planned / even);
-  }
-  CHECK(ratio < 0.9);  // about 64 ms against 96 ms
+  // That the planned step is faster than the even split's is a wall-clock measure, so it lives in
+  // bench_pipeline (BM_partition's planned_step_vs_even_step), not in a test.
 }

@@ -88,6 +88,10 @@ struct DataParallelOptions {
   /// weighted mean with weight `rebalance_ewma`), so a slower device stops holding the others back.
   bool rebalance = false;
   double rebalance_ewma = 0.5;
+  /// The compute time (milliseconds) rebalancing counts for a rank's step, given the rank, its rows
+  /// and the measured time (empty: the measured time). For a cost model of your own, or a test that
+  /// must not depend on how fast the machine happens to be.
+  std::function<double(int rank, std::int64_t rows, double measured_ms)> rebalance_time{};
   /// Whether a batch may leave a used rank without rows (its gradients are then zero).
   bool allow_empty_shards = true;
   /// Which ranks to use: with a request (memory per replica in memory_bytes, devices wanted in
