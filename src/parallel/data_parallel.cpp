@@ -98,9 +98,10 @@ std::int64_t check_batch(nn::Sequential const& model, DType compute, Tensor cons
   if (!x.defined() || x.rank() != 2)
     throw Error(Errc::invalid_argument, what + ": x of shape " + (x.defined() ? to_string(x.shape()) : std::string("undefined")) +
                                             " (expected [rows, features])");
-  if (x.dtype() != DType::float32 && x.dtype() != compute)
-    throw Error(Errc::invalid_argument, what + ": x of dtype " + std::string(to_string(x.dtype())) + " (expected float32" +
-                                            (compute != DType::float32 ? " or " + std::string(to_string(compute)) + ", the compute type" : std::string()) + ")");
+  if (x.dtype() != DType::float32 && x.dtype() != compute) {
+    std::string const also = compute != DType::float32 ? " or " + std::string(to_string(compute)) + ", the compute type" : "";
+    throw Error(Errc::invalid_argument, what + ": x of dtype " + std::string(to_string(x.dtype())) + " (expected float32" + also + ")");
+  }
   Shape logits;
   try {
     logits = model.output_shape(x.shape());
@@ -322,8 +323,10 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
     throw Error(Errc::invalid_argument, "DataParallel: rebalance_ewma " + std::to_string(options.rebalance_ewma) + " (expected in (0, 1])");
   if (model.parameter_count() == 0) throw Error(Errc::invalid_argument, "DataParallel: a model without parameters (expected at least one layer with parameters)");
   if (!(options.clip_norm == 0 || (options.clip_norm > 0 && std::isfinite(options.clip_norm))))
-    throw Error(Errc::invalid_argument, "DataParallel: clip_norm " + std::to_string(options.clip_norm) + " (expected 0 for no clipping, or a finite norm > 0)");
-  if (!make_optimizer) throw Error(Errc::invalid_argument, "DataParallel without an optimizer factory (expected a function that makes an optimizer)");
+    throw Error(Errc::invalid_argument,
+                "DataParallel: clip_norm " + std::to_string(options.clip_norm) + " (expected 0 for no clipping, or a finite norm > 0)");
+  if (!make_optimizer)
+    throw Error(Errc::invalid_argument, "DataParallel without an optimizer factory (expected a function that makes an optimizer)");
 
   // Which ranks: the scheduler's choice for the request, else all of them.
   sched::NodeState const node = sched::node_state(group);
@@ -632,7 +635,8 @@ void DataParallel::Impl::save_state(io::Checkpoint& checkpoint) {
   Allocator& host = mgpu::detail::host_staging_allocator();
   if (position > 0) {  // each rank's share of the accumulated gradients
     Tensor const rows = Tensor::empty({n * count}, DType::float32, host);
-    for (std::int64_t r = 0; r < n; ++r) copy_async(rows.slice(r * count, (r + 1) * count), state[static_cast<std::size_t>(r)]->accumulator, group->stream(static_cast<int>(r)));
+    for (std::int64_t r = 0; r < n; ++r)
+      copy_async(rows.slice(r * count, (r + 1) * count), state[static_cast<std::size_t>(r)]->accumulator, group->stream(static_cast<int>(r)));
     group->synchronize();
     checkpoint.put(accumulator_record, rows.reshape({n, count}), group->stream(0));
   }
@@ -741,8 +745,10 @@ void DataParallel::Impl::restore_state(Saved const& saved) {
     if (st.scaler && saved.scaler) st.scaler->set_state(*saved.scaler);
     if (CommHook* hook = options.comm_hook.get()) {
       Tensor const values = saved.hook_state.defined() ? share(saved.hook_state, r) : zeros;
-      for (std::size_t b = 0; b < buckets.size(); ++b)
-        hook->set_state(static_cast<int>(r), static_cast<int>(b), values.slice(buckets[b].first, buckets[b].second), group->allocator(static_cast<int>(r)), st.comm_stream);
+      for (std::size_t b = 0; b < buckets.size(); ++b) {
+        hook->set_state(static_cast<int>(r), static_cast<int>(b), values.slice(buckets[b].first, buckets[b].second),
+                        group->allocator(static_cast<int>(r)), st.comm_stream);
+      }
     }
   }
   for (auto& st : state) st->comm_stream.synchronize();
@@ -770,7 +776,8 @@ io::TrainingState DataParallel::load(std::filesystem::path const& path) {
   io::TrainingState state;
   for (std::size_t r = 0; r < im.state.size(); ++r) {
     int const rank = static_cast<int>(r);
-    state = io::load_training(checkpoint, path.string(), im.state[r]->model, *im.state[r]->optimizer, im.group->allocator(rank), im.group->stream(rank));
+    state = io::load_training(checkpoint, path.string(), im.state[r]->model, *im.state[r]->optimizer, im.group->allocator(rank),
+                              im.group->stream(rank));
   }
   im.restore_state(saved);
   im.broken.clear();

@@ -186,8 +186,9 @@ class DataParallel {
   /// Loads a checkpoint written by save() (on any number of devices) into every replica, leaving the
   /// executor exactly as a new one that loaded it: gradients accumulated before are dropped, the
   /// loss scaler and comm hook state are the file's (or, where the file has none, as configured /
-  /// zero). On the device count that saved it the run continues bitwise as it would have; on
-  /// another, rank 0 takes the sum of the saved ranks' accumulated gradients and hook residuals.
+  /// zero; an executor without a scaler or with another kind of hook ignores those records). On
+  /// the device count that saved it the run continues bitwise as it would have; on another, rank 0
+  /// takes the sum of the saved ranks' accumulated gradients and hook residuals.
   /// A file from save_training or from before these records loads as saved at a cycle's start.
   /// Throws, leaving the executor as it was, Error(invalid_argument) naming the mismatch for
   /// another architecture, or for a checkpoint saved mid-cycle with another accumulation_steps.
