@@ -556,16 +556,19 @@ TEST_CASE("A run resumed from a checkpoint equals the uninterrupted run, mid-cyc
     char const* name;
     DataParallelOptions options;
     int save_after;          // steps before the checkpoint
-    double other_tolerance;  // resumed on another device count against the uninterrupted run
+    // Resumed on another device count against the uninterrupted run: measured 4e-8 (float32),
+    // 1.3e-4 (bfloat16), 6e-5 (float16), 4e-4 (bf16 compression); 5e-2 and more before
+    // checkpoints held the executor's state.
+    double other_tolerance;
   };
   std::vector<Case> cases;
   cases.push_back({"float32, 2 accumulated micro-batches, saved mid-cycle", {.accumulation_steps = 2}, 3, 2e-6});
-  cases.push_back({"bfloat16, 2 accumulated micro-batches, saved mid-cycle", {.accumulation_steps = 2, .compute = DType::bfloat16}, 3, 2e-2});
+  cases.push_back({"bfloat16, 2 accumulated micro-batches, saved mid-cycle", {.accumulation_steps = 2, .compute = DType::bfloat16}, 3, 5e-3});
   DataParallelOptions fp16;
   fp16.compute = DType::float16;
   fp16.loss_scaler.emplace(1e9f, 2.0f, 0.01f, 2);  // overflows first, backs off, then grows every 2 finite steps
-  cases.push_back({"float16 with a loss scaler that backed off", fp16, 3, 4e-3});
-  cases.push_back({"float32 with bf16 compression", {.comm_hook = std::make_shared<mgpu::parallel::Bf16Compression>()}, 3, 2e-2});
+  cases.push_back({"float16 with a loss scaler that backed off", fp16, 3, 2e-3});
+  cases.push_back({"float32 with bf16 compression", {.comm_hook = std::make_shared<mgpu::parallel::Bf16Compression>()}, 3, 1e-2});
   for (Case const& c : cases) {
     INFO(c.name);
     auto const sgd = mgpu::optim::SGD({.lr = 0.1f, .momentum = 0.9f});
