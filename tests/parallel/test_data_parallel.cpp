@@ -696,7 +696,15 @@ TEST_CASE("A bad batch is refused before any collective and leaves the executor 
   REQUIRE_MGPU_ERROR(dp.step(half, data.y[0]), mgpu::Errc::invalid_argument, "x of dtype bfloat16 (expected float32");
   Tensor const labels_2d = data.y[0].reshape({12, 1});
   REQUIRE_MGPU_ERROR(dp.step(data.x[0], labels_2d), mgpu::Errc::invalid_argument, "labels of shape [12, 1]");
-  run_steps(dp, data, 0, 3);
+  // A batch in another group's device memory is fine: the scatter copies it.
+  mgpu::DeviceGroup elsewhere{"host:2"};
+  Tensor const x = Tensor::empty(data.x[0].shape(), DType::float32, elsewhere.allocator(1));
+  Tensor const y = Tensor::empty(data.y[0].shape(), DType::float32, elsewhere.allocator(1));
+  mgpu::copy_async(x, data.x[0], elsewhere.stream(1));
+  mgpu::copy_async(y, data.y[0], elsewhere.stream(1));
+  elsewhere.stream(1).synchronize();
+  dp.step(x, y);
+  run_steps(dp, data, 1, 3);
   CHECK(dp_params(dp) == dp_params(straight));
 }
 
