@@ -200,8 +200,10 @@ void Checkpoint::copy_to(std::string const& name, Tensor const& tensor, Stream& 
 }
 
 void Checkpoint::save(std::filesystem::path const& path) const {
-  std::vector<std::byte> out;
-  out.insert(out.end(), reinterpret_cast<std::byte const*>(magic), reinterpret_cast<std::byte const*>(magic) + 8);
+  std::size_t bytes = 8 + 4 + 4 + 8 + 8;
+  for (Record const& r : records_) bytes += 4 + r.name.size() + 2 + 8 * r.shape.size() + 16 + r.data.size();
+  std::vector<std::byte> out(reinterpret_cast<std::byte const*>(magic), reinterpret_cast<std::byte const*>(magic) + 8);
+  out.reserve(bytes);  // one allocation for the whole image
   append(out, checkpoint_version);
   append(out, static_cast<std::uint32_t>(records_.size()));
   for (Record const& r : records_) {
@@ -325,8 +327,7 @@ std::string architecture(nn::Sequential const& model) {
 }
 }  // namespace
 
-void save_training(std::filesystem::path const& path, nn::Sequential const& model, optim::Optimizer const& optimizer,
-                   TrainingState const& state, Stream& stream) {
+Checkpoint training_checkpoint(nn::Sequential const& model, optim::Optimizer const& optimizer, TrainingState const& state, Stream& stream) {
   if (!model.master_parameters().defined()) throw Error(Errc::invalid_argument, "save_training before materialize (expected a materialized model)");
   Checkpoint c;
   c.put("model.architecture", architecture(model));
@@ -337,14 +338,24 @@ void save_training(std::filesystem::path const& path, nn::Sequential const& mode
   for (auto const& [name, tensor] : optimizer.state()) c.put("optimizer." + name, tensor, stream);
   c.put("training", std::vector<std::int64_t>{state.step, state.epoch, state.batch});
   c.put("training.data_seed", std::vector<std::uint64_t>{state.data_seed});
-  c.save(path);
+  return c;
+}
+
+void save_training(std::filesystem::path const& path, nn::Sequential const& model, optim::Optimizer const& optimizer,
+                   TrainingState const& state, Stream& stream) {
+  training_checkpoint(model, optimizer, state, stream).save(path);
 }
 
 TrainingState load_training(std::filesystem::path const& path, nn::Sequential& model, optim::Optimizer& optimizer, Allocator& allocator,
                             Stream& stream) {
   if (!model.master_parameters().defined()) throw Error(Errc::invalid_argument, "load_training before materialize (expected a materialized model)");
-  Checkpoint const c = Checkpoint::load(path);
-  std::string const file = path.string() + ": ";
+  return load_training(Checkpoint::load(path), path.string(), model, optimizer, allocator, stream);
+}
+
+TrainingState load_training(Checkpoint const& c, std::string const& source, nn::Sequential& model, optim::Optimizer& optimizer,
+                            Allocator& allocator, Stream& stream) {
+  if (!model.master_parameters().defined()) throw Error(Errc::invalid_argument, "load_training before materialize (expected a materialized model)");
+  std::string const file = source + ": ";
   // Verify everything before touching the model or the optimizer.
   std::string const arch = c.get_text("model.architecture");
   if (arch != architecture(model))
@@ -371,6 +382,8 @@ TrainingState load_training(std::filesystem::path const& path, nn::Sequential& m
     auto const state = optimizer.prepare_state(model.master_parameters(), allocator, stream);
     for (auto const& [name, tensor] : state) c.check_fits("optimizer." + name, tensor);
     for (auto const& [name, tensor] : state) c.copy_to("optimizer." + name, tensor, stream);
+  } else {
+    for (auto const& [name, tensor] : optimizer.state()) fill_async(tensor, 0.0f, stream);
   }
   c.copy_to("model.parameters", model.master_parameters(), stream);
   model.sync_parameters(stream);

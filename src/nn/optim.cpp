@@ -78,6 +78,16 @@ LossScaler::LossScaler(float initial, float growth, float backoff, std::int64_t 
                                             ") (expected initial > 0, growth >= 1, 0 < backoff < 1, interval >= 1)");
 }
 
+void LossScaler::set_state(State const& state) {
+  if (!(state.scale > 0 && std::isfinite(state.scale)) || state.good_steps < 0 || state.good_steps >= interval_ || state.skipped < 0)
+    throw Error(Errc::invalid_argument, "LossScaler state: scale " + std::to_string(state.scale) + ", " + std::to_string(state.good_steps) +
+                                            " good steps, " + std::to_string(state.skipped) + " skipped (expected a finite scale > 0, 0 <= good steps < " +
+                                            std::to_string(interval_) + ", skipped >= 0)");
+  scale_ = state.scale;
+  good_ = state.good_steps;
+  skipped_ = state.skipped;
+}
+
 bool LossScaler::update(bool finite) {
   if (!finite) {
     scale_ = std::max(scale_ * backoff_, 1.0f / 65536.0f);

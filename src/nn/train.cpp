@@ -52,6 +52,11 @@ StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, T
   if (rows > global_rows)
     throw Error(Errc::invalid_argument, "classification_step: a shard of " + std::to_string(rows) + " rows of a " +
                                             std::to_string(global_rows) + "-row batch (expected global_rows >= the shard's rows)");
+  if (!(options.lr_scale >= 0 && std::isfinite(options.lr_scale)))
+    throw Error(Errc::invalid_argument, "classification_step: lr_scale " + std::to_string(options.lr_scale) + " (expected a finite lr_scale >= 0)");
+  if (!(options.clip_norm == 0 || (options.clip_norm > 0 && std::isfinite(options.clip_norm))))
+    throw Error(Errc::invalid_argument, "classification_step: clip_norm " + std::to_string(options.clip_norm) +
+                                            " (expected 0 for no clipping, or a finite norm > 0)");
   Tensor const& masters = model.master_gradients();
   if (options.accumulate_only && options.accumulator == nullptr)
     throw Error(Errc::invalid_argument, "classification_step: accumulate_only without an accumulator (expected a float32 buffer)");

@@ -409,20 +409,9 @@ void dropout_backward(Tensor const& dy, Tensor const& dx, float p, std::uint64_t
   dropout_op("dropout_backward", dy, dx, p, seed, offset, stream);
 }
 
-void softmax_cross_entropy(Tensor const& logits, Tensor const& labels, Tensor const& dlogits, Tensor const& loss, Stream& stream,
-                           float grad_scale) {
-  char const* op = "softmax_cross_entropy";
-  check(logits, op, "logits", stream);
-  check(labels, op, "labels", stream);
-  check(dlogits, op, "dlogits", stream);
-  check_scalar(loss, op, stream);
-  check_same(logits, dlogits, op);
-  check_dtype(labels, DType::float32, op, "labels");
-  if (logits.rank() != 2 || labels.numel() != logits.dim(0) || logits.dim(1) < 1)
-    throw Error(Errc::invalid_argument, std::string(op) + ": logits " + to_string(logits.shape()) + ", labels " +
-                                            to_string(labels.shape()) + " (expected logits [N, C] with C >= 1 and N labels)");
-  std::int64_t const n = logits.dim(0);
-  std::int64_t const c = logits.dim(1);
+namespace {
+// Fails the stream, with the first bad row, unless every label is a class id in [0, c).
+void fail_on_bad_label(char const* op, Tensor const& labels, std::int64_t n, std::int64_t c, Stream& stream) {
   auto const bad_label = [op, c](float label, std::int64_t row) {
     return Error(Errc::invalid_argument, std::string(op) + ": label " + std::to_string(label) + " in row " + std::to_string(row) +
                                              " (expected a class id in [0, " + std::to_string(c) + "))");
@@ -438,7 +427,7 @@ void softmax_cross_entropy(Tensor const& logits, Tensor const& labels, Tensor co
   } else {
 #if MGPU_CUDA_ENABLED
     // The GPU finds the first bad row; a host callback reads it back and fails the stream with the
-    // host's error (the loss itself is NaN then, as the row functor writes).
+    // host's error.
     auto found = std::make_shared<Buffer>(mgpu::detail::host_staging_allocator().allocate_pinned(sizeof(std::uint64_t)));
     kernels::find_bad_label(stream.device().index, ptr<float>(labels), n, c, static_cast<std::uint64_t*>(found->data()),
                             stream.native_handle());
@@ -450,12 +439,31 @@ void softmax_cross_entropy(Tensor const& logits, Tensor const& labels, Tensor co
     });
 #endif
   }
+}
+}  // namespace
+
+void softmax_cross_entropy(Tensor const& logits, Tensor const& labels, Tensor const& dlogits, Tensor const& loss, Stream& stream,
+                           float grad_scale) {
+  char const* op = "softmax_cross_entropy";
+  check(logits, op, "logits", stream);
+  check(labels, op, "labels", stream);
+  check(dlogits, op, "dlogits", stream);
+  check_scalar(loss, op, stream);
+  check_same(logits, dlogits, op);
+  check_dtype(labels, DType::float32, op, "labels");
+  if (logits.rank() != 2 || labels.numel() != logits.dim(0) || logits.dim(1) < 1)
+    throw Error(Errc::invalid_argument, std::string(op) + ": logits " + to_string(logits.shape()) + ", labels " +
+                                            to_string(labels.shape()) + " (expected logits [N, C] with C >= 1 and N labels)");
+  std::int64_t const n = logits.dim(0);
+  std::int64_t const c = logits.dim(1);
+  fail_on_bad_label(op, labels, n, c, stream);
   float const mean = n > 0 ? 1.0f / static_cast<float>(n) : 0.0f;
   visit(logits.dtype(), [&]<class T>(T) {
     detail::SoftmaxCrossEntropyRow<T> const row{ptr<T>(logits), ptr<float>(labels), ptr<T>(dlogits), c, grad_scale * mean};
     run_reduce(stream, n, row, loss, mean, {logits, labels, dlogits});
   });
 }
+
 
 void mse(Tensor const& pred, Tensor const& target, Tensor const& dpred, Tensor const& loss, Stream& stream, float grad_scale) {
   check(pred, "mse", "pred", stream);
@@ -479,6 +487,7 @@ void count_correct(Tensor const& logits, Tensor const& labels, Tensor const& out
   if (logits.rank() != 2 || labels.numel() != logits.dim(0))
     throw Error(Errc::invalid_argument, "count_correct: logits " + to_string(logits.shape()) + ", labels " + to_string(labels.shape()) +
                                             " (expected logits [N, C] and N labels)");
+  fail_on_bad_label("count_correct", labels, logits.dim(0), logits.dim(1), stream);
   visit(logits.dtype(), [&]<class T>(T) {
     run_reduce(stream, logits.dim(0), detail::CorrectRow<T>{ptr<T>(logits), ptr<float>(labels), logits.dim(1)}, out, 1.0f, {logits, labels});
   });

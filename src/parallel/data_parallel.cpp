@@ -5,10 +5,14 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <chrono>
 #include <cstring>
+#include <exception>
+#include <limits>
 #include <numeric>
+#include <string>
 
 #include <mgpu/core/error.hpp>
 #include <mgpu/nn/train.hpp>
@@ -17,6 +21,7 @@
 #include <mgpu/sched/planning.hpp>
 
 #include "core/host_staging.hpp"
+#include "parallel/class_ids.hpp"
 
 namespace mgpu::parallel {
 
@@ -32,12 +37,26 @@ void Bf16Compression::reduce(comm::Communicator& comm, int rank, int bucket, Ten
     slot.residual = ops::zeros({grads.numel()}, allocator, stream);
     slot.wire = Tensor::empty({grads.numel()}, DType::bfloat16, allocator);
   }
-  ops::add_scaled(grads, slot.residual, 1.0f, stream);     // compensate: g + what was lost before
-  convert_async(slot.wire, grads, stream);                 // round to bfloat16
-  copy_async(slot.residual, grads, stream);                // residual = compensated - rounded
-  ops::add_scaled(slot.residual, slot.wire, -1.0f, stream);
+  ops::add_scaled(grads, slot.residual, 1.0f, stream);  // compensate: g + what was lost before
+  convert_async(slot.wire, grads, stream);              // round to bfloat16
+  ops::add_scaled(grads, slot.wire, -1.0f, stream);     // what rounding lost: compensated - rounded
   comm.all_reduce(rank, slot.wire, slot.wire, comm::ReduceOp::sum, stream);
+  copy_async(slot.residual, grads, stream);  // after the reduce: a failed one skips this, keeping the residual
   convert_async(grads, slot.wire, stream);
+}
+
+void Bf16Compression::set_state(int rank, int bucket, Tensor const& values, Allocator& allocator, Stream& stream) {
+  Slot& slot = slots_.at(static_cast<std::size_t>(rank)).at(static_cast<std::size_t>(bucket));
+  std::int64_t const elements = elements_.at(static_cast<std::size_t>(bucket));
+  if (values.dtype() != DType::float32 || values.numel() != elements)
+    throw Error(Errc::invalid_argument, "Bf16Compression: a residual of " + std::to_string(values.numel()) + " " +
+                                            std::string(to_string(values.dtype())) + " values for bucket " + std::to_string(bucket) +
+                                            " (expected " + std::to_string(elements) + " float32)");
+  if (!slot.residual.defined()) {
+    slot.residual = Tensor::empty({elements}, DType::float32, allocator);
+    slot.wire = Tensor::empty({elements}, DType::bfloat16, allocator);
+  }
+  copy_async(slot.residual, values, stream);
 }
 
 Tensor const& Bf16Compression::residual(int rank, int bucket) const {
@@ -73,22 +92,28 @@ std::vector<std::pair<std::int64_t, std::int64_t>> plan_buckets(nn::Sequential c
   return buckets;
 }
 
-// Labels in host memory are checked before any rank starts, so a bad one is reported as itself
-// rather than as the aborted collectives it would cause on the other ranks.
-void check_labels(nn::Sequential const& model, Tensor const& labels) {
-  if (labels.device().kind != DeviceKind::host || labels.dtype() != DType::float32) return;
-  std::int64_t classes = 0;
-  for (std::size_t i = model.size(); i-- > 0 && classes == 0;) {
-    if (auto const* linear = dynamic_cast<nn::Linear const*>(&model.layer(i))) classes = linear->weight().dim(1);
+// x and labels are checked before any rank starts, so a bad batch is reported as itself rather
+// than as the aborted collectives it would cause on the other ranks; returns the logits' width.
+std::int64_t check_batch(nn::Sequential const& model, DType compute, Tensor const& x, Tensor const& labels, std::string const& what) {
+  if (!x.defined() || x.rank() != 2)
+    throw Error(Errc::invalid_argument, what + ": x of shape " + (x.defined() ? to_string(x.shape()) : std::string("undefined")) +
+                                            " (expected [rows, features])");
+  if (x.dtype() != DType::float32 && x.dtype() != compute) {
+    std::string const also = compute != DType::float32 ? " or " + std::string(to_string(compute)) + ", the compute type" : "";
+    throw Error(Errc::invalid_argument, what + ": x of dtype " + std::string(to_string(x.dtype())) + " (expected float32" + also + ")");
   }
-  if (classes == 0) return;
-  auto const values = labels.host_span<float>();
-  for (std::size_t row = 0; row < values.size(); ++row) {
-    float const v = values[row];
-    if (!(v >= 0 && v < static_cast<float>(classes)) || v != std::floor(v))
-      throw Error(Errc::invalid_argument, "DataParallel::step: label " + std::to_string(v) + " at row " + std::to_string(row) +
-                                              " (expected a class id in [0, " + std::to_string(classes) + "))");
+  Shape logits;
+  try {
+    logits = model.output_shape(x.shape());
+  } catch (Error const& e) {
+    throw Error(Errc::invalid_argument, what + ": x of shape " + to_string(x.shape()) + ": " + std::string(e.message()));
   }
+  std::int64_t const rows = x.dim(0);
+  if (!labels.defined() || labels.rank() != 1 || labels.numel() != rows)
+    throw Error(Errc::invalid_argument, what + ": labels of shape " + (labels.defined() ? to_string(labels.shape()) : std::string("undefined")) +
+                                            " for " + std::to_string(rows) + " rows (expected [" + std::to_string(rows) + "])");
+  if (logits.size() == 2) detail::check_class_ids(labels, logits[1], what);
+  return logits.size() == 2 ? logits[1] : 0;
 }
 
 }  // namespace
@@ -106,6 +131,23 @@ struct DataParallel::Impl {
   std::unique_ptr<comm::Communicator> comm;
   std::vector<std::unique_ptr<Rank>> state;
   std::int64_t micro_steps = 0;
+  // Why the executor cannot be used (a step failed once updates had begun), or empty.
+  std::string broken;
+  void check_usable(std::string const& what) const;
+
+  // What a step changes before its first collective completes, put back when it fails before then.
+  struct Before {
+    std::vector<std::uint64_t> rng;
+    std::int64_t optimizer_steps = 0;
+    std::optional<optim::LossScaler::State> scaler;
+  };
+  [[noreturn]] void recover(std::exception_ptr failure, Before const& before, bool unobserved_updates);
+
+  // Checkpoints: the executor's own records beside those of save_training.
+  void save_state(io::Checkpoint& checkpoint);
+  struct Saved;
+  Saved verify_state(io::Checkpoint const& checkpoint, std::string const& source) const;
+  void restore_state(Saved const& saved);
 
   // The sharded update's blocks: per bucket, the elements each rank owns, rank r owning
   // [r * block, (r + 1) * block) of the bucket; 0 where buckets are all-reduced.
@@ -139,6 +181,9 @@ class DataParallel::Impl::RankSync final : public nn::GradientSync {
 struct DataParallel::Impl::Rank {
   Rank(Impl& impl, int index, nn::Sequential replica, Stream comm, std::unique_ptr<optim::Optimizer> opt)
       : model(std::move(replica)), optimizer(std::move(opt)), comm_stream(std::move(comm)), sync(impl, index) {}
+  // Set on the communication stream once a reduce of the current step has completed there (before
+  // comm_stream, whose destruction runs what is left of its work).
+  std::atomic<bool> reduced{false};
   nn::Sequential model;
   std::unique_ptr<optim::Optimizer> optimizer;
   std::optional<optim::LossScaler> scaler;
@@ -179,6 +224,7 @@ void DataParallel::Impl::launch(int rank, std::size_t bucket, Stream& compute, n
       enqueue();
     }
   };
+  auto const mark_reduced = [&st] { st.comm_stream.enqueue([&st] { st.reduced.store(true, std::memory_order_relaxed); }); };
   // With the sharded update and a plain sum, the bucket is reduce-scattered.
   std::int64_t const block = reduced ? blocks[bucket] : 0;
   bool const scatter = block > 0 && !options.comm_hook && !(options.deterministic && comm->backend() != comm::Backend::host);
@@ -197,6 +243,7 @@ void DataParallel::Impl::launch(int rank, std::size_t bucket, Stream& compute, n
         comm->all_reduce(rank, grads, grads, comm::ReduceOp::sum, st.comm_stream);
       }
     });
+    mark_reduced();
   }
   if (!reduced) return;
   if (block == 0) {
@@ -214,6 +261,7 @@ void DataParallel::Impl::launch(int rank, std::size_t bucket, Stream& compute, n
       comm->reduce_scatter(rank, grads.slice(0, body), grads.slice(mine, mine + block), comm::ReduceOp::sum, st.comm_stream);
       if (body < grads.numel()) comm->all_reduce(rank, grads.slice(body, grads.numel()), grads.slice(body, grads.numel()), comm::ReduceOp::sum, st.comm_stream);
     });
+    mark_reduced();
   }
   reduced(begin + mine, begin + mine + block, st.comm_stream);
   if (body < grads.numel()) reduced(begin + body, end, st.comm_stream);
@@ -274,6 +322,11 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
   if (!(options.rebalance_ewma > 0 && options.rebalance_ewma <= 1))
     throw Error(Errc::invalid_argument, "DataParallel: rebalance_ewma " + std::to_string(options.rebalance_ewma) + " (expected in (0, 1])");
   if (model.parameter_count() == 0) throw Error(Errc::invalid_argument, "DataParallel: a model without parameters (expected at least one layer with parameters)");
+  if (!(options.clip_norm == 0 || (options.clip_norm > 0 && std::isfinite(options.clip_norm))))
+    throw Error(Errc::invalid_argument,
+                "DataParallel: clip_norm " + std::to_string(options.clip_norm) + " (expected 0 for no clipping, or a finite norm > 0)");
+  if (!make_optimizer)
+    throw Error(Errc::invalid_argument, "DataParallel without an optimizer factory (expected a function that makes an optimizer)");
 
   // Which ranks: the scheduler's choice for the request, else all of them.
   sched::NodeState const node = sched::node_state(group);
@@ -331,7 +384,11 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
       replica.sync_parameters(ctx.stream);
       replica.set_rng_state(model.rng_state());
     }
-    im.state.push_back(std::make_unique<Impl::Rank>(im, r, std::move(replica), im.group->make_stream(r), make_optimizer()));
+    std::unique_ptr<optim::Optimizer> optimizer = make_optimizer();
+    if (!optimizer)
+      throw Error(Errc::invalid_argument, "DataParallel: the optimizer factory returned no optimizer for replica " + std::to_string(r) +
+                                              " (expected a new optimizer from every call)");
+    im.state.push_back(std::make_unique<Impl::Rank>(im, r, std::move(replica), im.group->make_stream(r), std::move(optimizer)));
     Impl::Rank& st = *im.state.back();
     st.bucket_events.resize(im.buckets.size());
     st.scaler = im.options.loss_scaler;
@@ -385,15 +442,12 @@ optim::LossScaler const* DataParallel::loss_scaler() const {
 
 DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, float lr_scale) {
   Impl& im = *impl_;
-  if (!x.defined() || x.rank() != 2)
-    throw Error(Errc::invalid_argument, "DataParallel::step: x of shape " + (x.defined() ? to_string(x.shape()) : std::string("undefined")) +
-                                            " (expected [rows, features])");
+  im.check_usable("DataParallel::step");
+  check_batch(im.state[0]->model, im.options.compute, x, labels, "DataParallel::step");
   std::int64_t const rows = x.dim(0);
-  if (!labels.defined() || labels.rank() != 1 || labels.numel() != rows)
-    throw Error(Errc::invalid_argument, "DataParallel::step: labels of shape " + (labels.defined() ? to_string(labels.shape()) : std::string("undefined")) +
-                                            " for " + std::to_string(rows) + " rows (expected [" + std::to_string(rows) + "])");
   if (rows < 1) throw Error(Errc::invalid_argument, "DataParallel::step: an empty batch (expected at least one row)");
-  check_labels(im.state[0]->model, labels);
+  if (!(lr_scale >= 0 && std::isfinite(lr_scale)))
+    throw Error(Errc::invalid_argument, "DataParallel::step: lr_scale " + std::to_string(lr_scale) + " (expected a finite lr_scale >= 0)");
   int const n = static_cast<int>(im.ranks.size());
   std::vector<std::int64_t> const sizes = shard_sizes(rows, n, im.weights);
   if (!im.options.allow_empty_shards && std::find(sizes.begin(), sizes.end(), 0) != sizes.end())
@@ -412,25 +466,43 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
     ys = im.group->scatter(labels, im.weights);
   }
   std::vector<nn::StepResult> results(static_cast<std::size_t>(n));
-  im.group->run([&](int rank, Device, Stream& stream) {
-    auto const r = static_cast<std::size_t>(rank);
-    Impl::Rank& st = *im.state[r];
-    nn::Context ctx{im.group->allocator(rank), stream, offsets[r]};
-    nn::StepOptions options;
-    options.lr_scale = lr_scale;
-    options.clip_norm = im.options.clip_norm;
-    options.scaler = st.scaler ? &*st.scaler : nullptr;
-    options.global_rows = rows;
-    options.grad_scale = 1.0f / static_cast<float>(k);
-    options.accumulator = k > 1 ? &st.accumulator : nullptr;
-    options.accumulate_only = accumulate_only;
-    options.sync = n > 1 || im.options.comm_hook ? &st.sync : nullptr;
-    options.timeline = timeline.get();
-    options.rank = im.ranks[r];
-    st.start.record(stream);
-    results[r] = nn::classification_step(st.model, *st.optimizer, xs[r], ys[r], ctx, options);
-    if (options.sync == nullptr || accumulate_only) st.stop.record(stream);
-  });
+  Impl::Before before{im.state[0]->model.rng_state(), im.state[0]->optimizer->steps(), {}};
+  if (im.state[0]->scaler) before.scaler = im.state[0]->scaler->state();
+  for (auto const& st : im.state) st->reduced.store(false, std::memory_order_relaxed);
+  // With one device and no hook the update runs inside backward where no reduce marks it.
+  bool const unobserved_updates = !accumulate_only && n == 1 && !im.options.comm_hook;
+  try {
+    im.group->run([&](int rank, Device, Stream& stream) {
+      auto const r = static_cast<std::size_t>(rank);
+      Impl::Rank& st = *im.state[r];
+      nn::Context ctx{im.group->allocator(rank), stream, offsets[r]};
+      nn::StepOptions options;
+      options.lr_scale = lr_scale;
+      options.clip_norm = im.options.clip_norm;
+      options.scaler = st.scaler ? &*st.scaler : nullptr;
+      options.global_rows = rows;
+      options.grad_scale = 1.0f / static_cast<float>(k);
+      options.accumulator = k > 1 ? &st.accumulator : nullptr;
+      options.accumulate_only = accumulate_only;
+      options.sync = n > 1 || im.options.comm_hook ? &st.sync : nullptr;
+      options.timeline = timeline.get();
+      options.rank = im.ranks[r];
+      st.start.record(stream);
+      try {
+        results[r] = nn::classification_step(st.model, *st.optimizer, xs[r], ys[r], ctx, options);
+        if (options.sync == nullptr || accumulate_only) st.stop.record(stream);
+        stream.synchronize();
+      } catch (Error const& e) {
+        // A compute stream that waited for a failed reduce knows only that it did (a device error);
+        // the reduce's own error says what happened: a timeout with its deadline, or the abort
+        // naming the rank that failed.
+        if (e.category() == Errc::device) st.comm_stream.synchronize();
+        throw;
+      }
+    });
+  } catch (...) {
+    im.recover(std::current_exception(), before, unobserved_updates);
+  }
   ++im.micro_steps;
 
   DataParallelResult result;
@@ -482,6 +554,7 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
 
 std::int64_t DataParallel::count_correct(Tensor const& x, Tensor const& labels, std::int64_t batch) {
   Impl& im = *impl_;
+  check_batch(im.state[0]->model, im.options.compute, x, labels, "DataParallel::count_correct");
   Stream& stream = im.group->stream(0);
   Allocator& allocator = im.group->allocator(0);
   auto const local = [&](Tensor const& t) {
@@ -494,22 +567,222 @@ std::int64_t DataParallel::count_correct(Tensor const& x, Tensor const& labels, 
   return nn::count_correct(im.state[0]->model, local(x), local(labels), ctx, batch);
 }
 
+void DataParallel::Impl::check_usable(std::string const& what) const {
+  if (!broken.empty()) throw Error(Errc::invalid_argument, what + ": " + broken);
+}
+
+void DataParallel::Impl::recover(std::exception_ptr failure, Before const& before, bool unobserved_updates) {
+  bool changed = unobserved_updates;
+  try {
+    for (std::size_t r = 0; r < state.size(); ++r) {
+      Rank& st = *state[r];
+      for (Stream* stream : {&st.comm_stream, &group->stream(static_cast<int>(r))}) {
+        try {
+          stream->synchronize();
+        } catch (Error const&) {  // the failure's own consequences, reported by it
+        }
+      }
+      changed = changed || st.reduced.load(std::memory_order_relaxed);
+    }
+    comm = comm::make_communicator(*group, options.comm);  // the failure aborted the old one
+    if (!changed) {
+      for (std::size_t r = 0; r < state.size(); ++r) {
+        Rank& st = *state[r];
+        st.model.set_rng_state(before.rng);
+        st.optimizer->set_steps(before.optimizer_steps);
+        if (st.scaler) st.scaler->set_state(*before.scaler);
+        if (st.accumulator.defined()) fill_async(st.accumulator, 0.0f, group->stream(static_cast<int>(r)));
+      }
+      group->synchronize();
+    }
+  } catch (Error const&) {
+    changed = true;  // an executor that cannot be put back is as unusable as a partly updated one
+  }
+  micro_steps = 0;
+  if (changed) {
+    std::string cause = "an unknown error";
+    try {
+      std::rethrow_exception(failure);
+    } catch (std::exception const& e) {
+      cause = e.what();
+    } catch (...) {  // only the message is wanted here; the failure itself is rethrown below
+    }
+    broken = "the executor cannot be used after a step failed once updates had begun, leaving the replicas partly updated "
+             "(expected load() of a checkpoint first); the step failed with " + cause;
+  }
+  std::rethrow_exception(failure);
+}
+
+namespace {
+constexpr char const* accumulation_record = "data_parallel.accumulation";
+constexpr char const* accumulator_record = "data_parallel.accumulator";
+constexpr char const* scaler_record = "data_parallel.loss_scaler";
+constexpr char const* hook_record = "data_parallel.comm_hook";
+constexpr char const* hook_state_record = "data_parallel.comm_hook.state";
+
+// A float32 [ranks, parameters] record as one flat host tensor.
+Tensor host_copy(io::Record const& record) {
+  Tensor t = Tensor::empty({static_cast<std::int64_t>(record.data.size() / sizeof(float))}, DType::float32, mgpu::detail::host_staging_allocator());
+  if (!record.data.empty()) std::memcpy(t.data(), record.data.data(), record.data.size());
+  return t;
+}
+}  // namespace
+
+void DataParallel::Impl::save_state(io::Checkpoint& checkpoint) {
+  int const k = options.accumulation_steps;
+  std::int64_t const position = micro_steps % k;
+  checkpoint.put(accumulation_record, std::vector<std::int64_t>{k, position});
+  auto const n = static_cast<std::int64_t>(state.size());
+  std::int64_t const count = state[0]->model.parameter_count();
+  Allocator& host = mgpu::detail::host_staging_allocator();
+  if (position > 0) {  // each rank's share of the accumulated gradients
+    Tensor const rows = Tensor::empty({n * count}, DType::float32, host);
+    for (std::int64_t r = 0; r < n; ++r)
+      copy_async(rows.slice(r * count, (r + 1) * count), state[static_cast<std::size_t>(r)]->accumulator, group->stream(static_cast<int>(r)));
+    group->synchronize();
+    checkpoint.put(accumulator_record, rows.reshape({n, count}), group->stream(0));
+  }
+  if (auto const& scaler = state[0]->scaler) {
+    auto const s = scaler->state();
+    checkpoint.put(scaler_record, std::vector<std::int64_t>{std::bit_cast<std::int32_t>(s.scale), s.good_steps, s.skipped});
+  }
+  if (CommHook* hook = options.comm_hook.get()) {
+    Tensor const rows = Tensor::empty({n * count}, DType::float32, host);
+    std::fill(rows.host_span<float>().begin(), rows.host_span<float>().end(), 0.0f);
+    bool any = false;
+    for (std::int64_t r = 0; r < n; ++r) {
+      for (std::size_t b = 0; b < buckets.size(); ++b) {
+        Tensor const values = hook->state(static_cast<int>(r), static_cast<int>(b));
+        if (!values.defined()) continue;
+        any = true;
+        copy_async(rows.slice(r * count + buckets[b].first, r * count + buckets[b].second), values, group->stream(static_cast<int>(r)));
+      }
+    }
+    if (any) {
+      group->synchronize();
+      checkpoint.put(hook_record, hook->name());
+      checkpoint.put(hook_state_record, rows.reshape({n, count}), group->stream(0));
+    }
+  }
+}
+
+// The executor's records of a checkpoint, verified against this executor.
+struct DataParallel::Impl::Saved {
+  std::int64_t position = 0;
+  Tensor accumulator;  // flat [saved ranks x parameters], when position > 0
+  std::optional<optim::LossScaler::State> scaler;
+  Tensor hook_state;  // flat [saved ranks x parameters], for this executor's kind of hook
+};
+
+DataParallel::Impl::Saved DataParallel::Impl::verify_state(io::Checkpoint const& c, std::string const& source) const {
+  Saved saved;
+  std::string const file = source + ": ";
+  int const k = options.accumulation_steps;
+  if (c.contains(accumulation_record)) {
+    auto const cycle = c.get_int64(accumulation_record);
+    if (cycle.size() != 2 || cycle[0] < 1 || cycle[1] < 0 || cycle[1] >= cycle[0])
+      throw Error(Errc::corrupt_data, file + "malformed " + accumulation_record + " record (expected the cycle's length and position in it)");
+    saved.position = cycle[1];
+    if (saved.position > 0 && cycle[0] != k)
+      throw Error(Errc::invalid_argument, file + "saved after " + std::to_string(saved.position) + " of " + std::to_string(cycle[0]) +
+                                              " accumulated micro-batches (expected accumulation_steps = " + std::to_string(cycle[0]) +
+                                              " to resume it, not " + std::to_string(k) + ", or a checkpoint saved at the end of a cycle)");
+  }
+  // Records sized by the model are checked only when its parameters fit: otherwise load_training
+  // refuses the file and names the architecture.
+  std::int64_t const count = state[0]->model.parameter_count();
+  if (!c.contains("model.parameters") || c.get("model.parameters").shape != Shape{count}) return saved;
+  auto const rows = [&](char const* name) {
+    io::Record const& r = c.get(name);
+    if (r.type != io::RecordType::float32 || r.shape.size() != 2 || r.shape[0] < 1 || r.shape[1] != count)
+      throw Error(Errc::corrupt_data, file + "record '" + name + "' of shape " + to_string(r.shape) + " (expected float32 [ranks, " +
+                                          std::to_string(count) + "], a row of the model's parameters per rank that saved it)");
+    return host_copy(r);
+  };
+  if (saved.position > 0) saved.accumulator = rows(accumulator_record);
+  if (state[0]->scaler && c.contains(scaler_record)) {
+    auto const values = c.get_int64(scaler_record);
+    if (values.size() != 3 || values[0] < std::numeric_limits<std::int32_t>::min() || values[0] > std::numeric_limits<std::int32_t>::max())
+      throw Error(Errc::corrupt_data, file + "malformed " + scaler_record + " record (expected the scale's bits, good steps and skipped steps)");
+    saved.scaler = optim::LossScaler::State{std::bit_cast<float>(static_cast<std::int32_t>(values[0])), values[1], values[2]};
+    optim::LossScaler probe = *state[0]->scaler;
+    try {
+      probe.set_state(*saved.scaler);
+    } catch (Error const& e) {
+      throw Error(Errc::corrupt_data, file + std::string(e.message()));
+    }
+  }
+  if (options.comm_hook && c.contains(hook_state_record) && c.get_text(hook_record) == options.comm_hook->name())
+    saved.hook_state = rows(hook_state_record);
+  return saved;
+}
+
+void DataParallel::Impl::restore_state(Saved const& saved) {
+  auto const n = static_cast<std::int64_t>(state.size());
+  std::int64_t const count = state[0]->model.parameter_count();
+  Allocator& host = mgpu::detail::host_staging_allocator();
+  Tensor const zeros = Tensor::empty({count}, DType::float32, host);
+  std::fill(zeros.host_span<float>().begin(), zeros.host_span<float>().end(), 0.0f);
+  // Rank r's row of what `ranks` ranks saved: its own on as many ranks; on another count, rank 0
+  // takes the sum of the rows (what every rank would have added) and the others none.
+  auto const share = [&](Tensor const& all, std::int64_t r) {
+    std::int64_t const ranks = all.numel() / count;
+    if (ranks == n) return all.slice(r * count, (r + 1) * count);
+    if (r > 0) return zeros;
+    Tensor const sum = Tensor::empty({count}, DType::float32, host);
+    auto const in = all.host_span<float>();
+    auto const out = sum.host_span<float>();
+    for (std::int64_t i = 0; i < count; ++i) {
+      float total = 0;
+      for (std::int64_t row = 0; row < ranks; ++row) total += in[static_cast<std::size_t>(row * count + i)];
+      out[static_cast<std::size_t>(i)] = total;
+    }
+    return sum;
+  };
+  for (std::int64_t r = 0; r < n; ++r) {
+    Rank& st = *state[static_cast<std::size_t>(r)];
+    Stream& stream = group->stream(static_cast<int>(r));
+    if (st.accumulator.defined()) copy_async(st.accumulator, saved.position > 0 ? share(saved.accumulator, r) : zeros, stream);
+    st.scaler = options.loss_scaler;
+    if (st.scaler && saved.scaler) st.scaler->set_state(*saved.scaler);
+    if (CommHook* hook = options.comm_hook.get()) {
+      Tensor const values = saved.hook_state.defined() ? share(saved.hook_state, r) : zeros;
+      for (std::size_t b = 0; b < buckets.size(); ++b) {
+        hook->set_state(static_cast<int>(r), static_cast<int>(b), values.slice(buckets[b].first, buckets[b].second),
+                        group->allocator(static_cast<int>(r)), st.comm_stream);
+      }
+    }
+  }
+  for (auto& st : state) st->comm_stream.synchronize();
+  group->synchronize();
+  micro_steps = saved.position;
+}
+
 void DataParallel::save(std::filesystem::path const& path, io::TrainingState const& state) {
   Impl& im = *impl_;
+  im.check_usable("DataParallel::save");
+  for (auto& st : im.state) st->comm_stream.synchronize();
   im.group->synchronize();
   im.gather_optimizer_state();
-  io::save_training(path, im.state[0]->model, *im.state[0]->optimizer, state, im.group->stream(0));
+  io::Checkpoint checkpoint = io::training_checkpoint(im.state[0]->model, *im.state[0]->optimizer, state, im.group->stream(0));
+  im.save_state(checkpoint);
+  checkpoint.save(path);
 }
 
 io::TrainingState DataParallel::load(std::filesystem::path const& path) {
   Impl& im = *impl_;
+  for (auto& st : im.state) st->comm_stream.synchronize();
   im.group->synchronize();
+  io::Checkpoint const checkpoint = io::Checkpoint::load(path);
+  Impl::Saved const saved = im.verify_state(checkpoint, path.string());
   io::TrainingState state;
   for (std::size_t r = 0; r < im.state.size(); ++r) {
     int const rank = static_cast<int>(r);
-    state = io::load_training(path, im.state[r]->model, *im.state[r]->optimizer, im.group->allocator(rank), im.group->stream(rank));
+    state = io::load_training(checkpoint, path.string(), im.state[r]->model, *im.state[r]->optimizer, im.group->allocator(rank),
+                              im.group->stream(rank));
   }
-  im.micro_steps = 0;
+  im.restore_state(saved);
+  im.broken.clear();
   im.state_scattered.store(false, std::memory_order_relaxed);  // every rank loaded the whole state
   return state;
 }

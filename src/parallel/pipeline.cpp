@@ -3,11 +3,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <string>
 #include <utility>
 
 #include <mgpu/core/error.hpp>
 #include <mgpu/ops/ops.hpp>
+
+#include "parallel/class_ids.hpp"
 
 namespace mgpu::pipeline {
 
@@ -267,7 +270,11 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   for (int r = 0; r < m.replicas; ++r) {
     for (std::size_t c = 0; c < chunks; ++c) {
       m.chunks[static_cast<std::size_t>(r)].push_back(model.stage(m.cuts[c], m.cuts[c + 1]));
-      m.optimizers[static_cast<std::size_t>(r)].push_back(make_optimizer());
+      std::unique_ptr<optim::Optimizer> optimizer = make_optimizer();
+      if (!optimizer)
+        throw Error(Errc::invalid_argument, "the pipeline's optimizer factory returned no optimizer for chunk " + std::to_string(c) +
+                                                " of replica " + std::to_string(r) + " (expected a new optimizer from every call)");
+      m.optimizers[static_cast<std::size_t>(r)].push_back(std::move(optimizer));
     }
   }
   int const devices = m.schedule.devices;
@@ -301,9 +308,18 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
   if (x.rank() != 2 || x.dtype() != DType::float32)
     throw Error(Errc::invalid_argument, "a pipeline batch x of shape " + mgpu::to_string(x.shape()) + " and dtype " +
                                             std::string(mgpu::to_string(x.dtype())) + " (expected float32 [rows, features])");
-  if (labels.numel() != x.dim(0) || labels.dtype() != DType::float32)
+  if (labels.rank() != 1 || labels.numel() != x.dim(0) || labels.dtype() != DType::float32)
     throw Error(Errc::invalid_argument, "pipeline labels of shape " + mgpu::to_string(labels.shape()) + " for " + std::to_string(x.dim(0)) +
-                                            " rows (expected one float32 class id per row)");
+                                            " rows (expected one float32 class id per row, [" + std::to_string(x.dim(0)) + "])");
+  // The model's shapes and the labels are checked before any action: a bad batch found inside one
+  // would abort the communicator, and the executor with it.
+  Shape logits{x.dim(0), x.dim(1)};
+  try {
+    for (nn::Sequential const& chunk : m.chunks[0]) logits = chunk.output_shape(logits);
+  } catch (Error const& e) {
+    throw Error(Errc::invalid_argument, "a pipeline batch x of shape " + mgpu::to_string(x.shape()) + ": " + std::string(e.message()));
+  }
+  if (logits.size() == 2) parallel::detail::check_class_ids(labels, logits[1], "pipeline labels");
   if (x.dim(0) < static_cast<std::int64_t>(mbs) * m.replicas)
     throw Error(Errc::invalid_argument, "a batch of " + std::to_string(x.dim(0)) + " rows cannot be split into " + std::to_string(m.replicas) +
                                             " replica(s) x " + std::to_string(mbs) +
@@ -354,6 +370,8 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
 }
 
 float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
+  if (!(lr_scale >= 0 && std::isfinite(lr_scale)))
+    throw Error(Errc::invalid_argument, "pipeline step: lr_scale " + std::to_string(lr_scale) + " (expected a finite lr_scale >= 0)");
   float const loss = compute_gradients(x, labels);
   Impl& m = *impl_;
   int const devices = m.schedule.devices;

@@ -347,3 +347,41 @@ TEST_CASE("An MLP trained with SGD separates Gaussian clusters", "[nn][train]") 
   }
   CHECK(correct >= 0.95 * n);
 }
+
+TEST_CASE("classification_step and count_correct refuse bad numbers and labels", "[optim][train]") {
+  Env env;
+  auto [x, y] = env.clusters(12, 3);
+  auto model = mgpu::nn::Sequential::mlp({2, 8, 3});
+  model.materialize(env.ctx, 1);
+  mgpu::optim::SGD sgd({.lr = 0.1f});
+  env.stream.synchronize();
+  auto const before = as_double(model.master_parameters());
+  for (float lr_scale : {std::nanf(""), INFINITY, -0.5f}) {
+    REQUIRE_MGPU_ERROR(mgpu::nn::classification_step(model, sgd, x, y, env.ctx, {.lr_scale = lr_scale}), mgpu::Errc::invalid_argument,
+                       "(expected a finite lr_scale >= 0)");
+  }
+  for (float clip : {-1.0f, std::nanf(""), INFINITY}) {
+    REQUIRE_MGPU_ERROR(mgpu::nn::classification_step(model, sgd, x, y, env.ctx, {.clip_norm = clip}), mgpu::Errc::invalid_argument,
+                       "(expected 0 for no clipping, or a finite norm > 0)");
+  }
+  env.stream.synchronize();
+  CHECK(as_double(model.master_parameters()) == before);
+  CHECK(sgd.steps() == 0);
+  y.host_span<float>()[7] = 3.0f;
+  REQUIRE_MGPU_ERROR(mgpu::nn::count_correct(model, x, y, env.ctx), mgpu::Errc::invalid_argument,
+                     "count_correct: label 3.000000 in row 7 (expected a class id in [0, 3))");
+}
+
+TEST_CASE("A loss scaler's state round-trips, and a bad one is refused", "[optim]") {
+  mgpu::optim::LossScaler scaler(1024.0f, 2.0f, 0.5f, 3);
+  scaler.update(false);
+  scaler.update(true);
+  mgpu::optim::LossScaler::State const state = scaler.state();
+  CHECK(state == mgpu::optim::LossScaler::State{512.0f, 1, 1});
+  mgpu::optim::LossScaler restored(1024.0f, 2.0f, 0.5f, 3);
+  restored.set_state(state);
+  for (bool finite : {true, true, false, true}) CHECK(restored.update(finite) == scaler.update(finite));
+  CHECK(restored.state() == scaler.state());
+  REQUIRE_MGPU_ERROR(restored.set_state({0.0f, 0, 0}), mgpu::Errc::invalid_argument, "expected a finite scale > 0");
+  REQUIRE_MGPU_ERROR(restored.set_state({1.0f, 3, 0}), mgpu::Errc::invalid_argument, "0 <= good steps < 3");
+}

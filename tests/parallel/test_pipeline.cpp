@@ -7,7 +7,10 @@
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/parallel/pipeline.hpp>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -416,4 +419,34 @@ TEST_CASE("every action of a step is on the timeline, in each device's schedule 
     CHECK(got == want);  // spans() is ordered by begin time: the stream ran them in schedule order
     CHECK(transfers > 0);
   }
+}
+
+TEST_CASE("bad labels are refused before any action, and the executor goes on", "[parallel][pipeline]") {
+  Env env;
+  mgpu::DeviceGroup group("host:2");
+  pp::Schedule const s = pp::one_f_one_b(2, 4);
+  pp::Executor ex(make_model(), group, {0, 8, 14}, s, sgd(), {.seed = 3});
+  Batch const b = make_batch(env, 8, 7);
+  for (float bad : {3.0f, -1.0f, 1.5f, std::nanf("")}) {
+    INFO("label " << bad);
+    Tensor y = Tensor::empty({8}, mgpu::DType::float32, *env.allocator);
+    std::copy(b.y.host_span<float>().begin(), b.y.host_span<float>().end(), y.host_span<float>().begin());
+    y.host_span<float>()[5] = bad;
+    REQUIRE_MGPU_ERROR(ex.step(b.x, y), mgpu::Errc::invalid_argument, "pipeline labels: label " + std::to_string(bad) + " at row 5 (expected a class id in [0, 3))");
+  }
+  REQUIRE_MGPU_ERROR(ex.step(b.x, b.y.reshape({8, 1})), mgpu::Errc::invalid_argument, "pipeline labels of shape [8, 1] for 8 rows");
+  Tensor const narrow = env.random({8, 5}, 4);
+  REQUIRE_MGPU_ERROR(ex.step(narrow, b.y), mgpu::Errc::invalid_argument, "a pipeline batch x of shape [8, 5]: Linear(6, 12)");
+  REQUIRE_MGPU_ERROR(ex.step(b.x, b.y, std::nanf("")), mgpu::Errc::invalid_argument, "lr_scale nan (expected a finite lr_scale >= 0)");
+  ex.step(b.x, b.y);
+  mgpu::DeviceGroup other("host:2");
+  pp::Executor fresh(make_model(), other, {0, 8, 14}, s, sgd(), {.seed = 3});
+  fresh.step(b.x, b.y);
+  CHECK(gathered(ex, Buffer::masters) == gathered(fresh, Buffer::masters));
+}
+
+TEST_CASE("an optimizer factory that makes no optimizer is refused", "[parallel][pipeline]") {
+  mgpu::DeviceGroup group("host:2");
+  REQUIRE_MGPU_ERROR(pp::Executor(make_model(), group, {0, 8, 14}, pp::one_f_one_b(2, 4), [] { return std::unique_ptr<mgpu::optim::Optimizer>(); }),
+                     mgpu::Errc::invalid_argument, "returned no optimizer for chunk 0 of replica 0");
 }

@@ -7,6 +7,8 @@
 //   per record: u32 name-length, name, u8 type, u8 rank, i64 extents[rank], u64 byte-count,
 //               u64 XXH64(payload), payload
 //   u64 XXH64(every byte above) "MGPU-END"
+// save_training's records are named model.*, optimizer.* and training*; DataParallel::save adds
+// its own state as data_parallel.* records (files without them still load).
 #pragma once
 
 #include <cstddef>
@@ -86,6 +88,10 @@ struct TrainingState {
   std::uint64_t data_seed = 0;
 };
 
+/// The records save_training writes, for a caller that adds its own (an executor's state) before
+/// saving them in one file.
+Checkpoint training_checkpoint(nn::Sequential const& model, optim::Optimizer const& optimizer, TrainingState const& state, Stream& stream);
+
 /// Saves one logical model (its float32 master parameters; a data-parallel group saves one
 /// replica), the optimizer's state and step count, the model's RNG state and `state`.
 void save_training(std::filesystem::path const& path, nn::Sequential const& model, optim::Optimizer const& optimizer,
@@ -93,8 +99,12 @@ void save_training(std::filesystem::path const& path, nn::Sequential const& mode
 
 /// Loads what save_training wrote into a materialized model (on any device, any compute type) and
 /// optimizer. Everything is verified first (file, architecture, shapes, optimizer kind); on any
-/// error the model and optimizer are left untouched and the Error names the mismatch.
+/// error the model and optimizer are left untouched and the Error names the mismatch. An optimizer
+/// whose checkpoint holds no state (saved before its first step) has its state zeroed, as a new one.
 TrainingState load_training(std::filesystem::path const& path, nn::Sequential& model, optim::Optimizer& optimizer,
+                            Allocator& allocator, Stream& stream);
+/// The same from a checkpoint already read (`source` names it in errors).
+TrainingState load_training(Checkpoint const& checkpoint, std::string const& source, nn::Sequential& model, optim::Optimizer& optimizer,
                             Allocator& allocator, Stream& stream);
 
 }  // namespace mgpu::io

@@ -114,6 +114,20 @@ class LossScaler {
   bool update(bool finite);
   [[nodiscard]] std::int64_t skipped() const noexcept { return skipped_; }
 
+  /// What changes from step to step (checkpoints save it): the scale, the finite steps since the
+  /// last change of scale, and the steps skipped so far.
+  struct State {
+    float scale = 0;
+    std::int64_t good_steps = 0;
+    std::int64_t skipped = 0;
+    bool operator==(State const&) const = default;
+  };
+  [[nodiscard]] State state() const noexcept { return {scale_, good_, skipped_}; }
+  /// Restores a state() (the configuration, growth, backoff and interval, stays). Throws
+  /// Error(invalid_argument) for a scale that is not finite and > 0, or negative counts, or
+  /// good_steps not below the growth interval.
+  void set_state(State const& state);
+
  private:
   float scale_, growth_, backoff_;
   std::int64_t interval_, good_ = 0, skipped_ = 0;

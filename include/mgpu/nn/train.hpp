@@ -36,9 +36,9 @@ class GradientSync {
 };
 
 struct StepOptions {
-  /// Multiplies the optimizer's learning rate (schedules, warm-up).
+  /// Multiplies the optimizer's learning rate (schedules, warm-up): finite and >= 0.
   float lr_scale = 1.0f;
-  /// Clip gradients to this global norm; 0 turns clipping off.
+  /// Clip gradients to this global norm, finite and > 0; 0 turns clipping off.
   float clip_norm = 0.0f;
   /// Dynamic loss scaling (float16 training); nullptr for none.
   optim::LossScaler* scaler = nullptr;

@@ -80,6 +80,7 @@ void mse(Tensor const& pred, Tensor const& target, Tensor const& dpred, Tensor c
          float grad_scale = 1.0f);
 
 /// The number of rows of logits [N, C] whose largest logit is at the label's class, into `out`.
+/// A label that is not a class id in [0, C) fails the stream with Error(invalid_argument) naming it.
 void count_correct(Tensor const& logits, Tensor const& labels, Tensor const& out, Stream& stream);
 
 /// Reductions into `out` (float32, one element), accumulated in float64 on host devices.

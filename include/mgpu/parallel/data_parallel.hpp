@@ -36,11 +36,20 @@ class CommHook {
   /// Called once, before any reduce, with the group size and the bucket sizes in elements.
   virtual void attach(int ranks, std::vector<std::int64_t> const& bucket_elements) = 0;
   virtual void reduce(comm::Communicator& comm, int rank, int bucket, Tensor const& grads, Allocator& allocator, Stream& stream) = 0;
+  /// What the hook carries from one step to the next for a rank's bucket, which checkpoints save:
+  /// float32, one value per element of the bucket, added to the bucket's gradients by the next
+  /// reduce. Undefined when there is none (the default, and before the first reduce): zeros.
+  [[nodiscard]] virtual Tensor state(int /*rank*/, int /*bucket*/) const { return {}; }
+  /// Replaces that state with `values` (float32, the bucket's elements), enqueued on `stream`;
+  /// DataParallel::load() calls it for every rank and bucket after attach(). The default ignores
+  /// it (a hook without state).
+  virtual void set_state(int /*rank*/, int /*bucket*/, Tensor const& /*values*/, Allocator& /*allocator*/, Stream& /*stream*/) {}
 };
 
 /// bfloat16-compressed all-reduce with float32 error feedback: each rank adds its residual to the
 /// bucket, sends it rounded to bfloat16 (half the bytes), and keeps what the rounding lost as the
-/// next step's residual, so the error does not accumulate over steps.
+/// next step's residual, so the error does not accumulate over steps. The residual changes only
+/// once the bucket's all-reduce has succeeded, and checkpoints save it (state()).
 class Bf16Compression final : public CommHook {
  public:
   std::string name() const override { return "bf16-compression"; }
@@ -48,6 +57,8 @@ class Bf16Compression final : public CommHook {
   void reduce(comm::Communicator& comm, int rank, int bucket, Tensor const& grads, Allocator& allocator, Stream& stream) override;
   /// The residual a rank keeps for a bucket (undefined before its first reduce).
   [[nodiscard]] Tensor const& residual(int rank, int bucket) const;
+  Tensor state(int rank, int bucket) const override { return residual(rank, bucket); }
+  void set_state(int rank, int bucket, Tensor const& values, Allocator& allocator, Stream& stream) override;
 
  private:
   struct Slot {
@@ -105,7 +116,7 @@ struct DataParallelOptions {
   DType compute = DType::float32;
   /// Dynamic loss scaling (float16): each replica keeps a copy, updated identically.
   std::optional<optim::LossScaler> loss_scaler{};
-  /// Clip the reduced gradients to this global norm (0: off).
+  /// Clip the reduced gradients to this global norm, finite and > 0 (0: off).
   float clip_norm = 0.0f;
   comm::Options comm{};
   /// Where every rank's actions are recorded when enabled (nullptr: no timeline).
@@ -131,6 +142,17 @@ struct DataParallelResult {
 /// per used rank (weights from rank 0 by broadcast), plans the buckets and makes the communicator.
 /// Methods are called from one thread at a time; the group must outlive the executor and must not
 /// be used by others during step().
+///
+/// After a failed step: a bad batch (x or host labels that do not fit) is refused before any rank
+/// starts, changing nothing. A failure inside a step (a rank's error, a timeout) aborts the
+/// communicator; step() then waits for every stream, makes a new communicator, zeroes the
+/// accumulated gradients (the micro-batches of the current accumulation cycle are dropped and the
+/// next step starts a cycle) and, when no reduce of the step had completed anywhere (so no replica
+/// was updated), puts back what the step changed (RNG, optimizer step count, loss scaler): the
+/// executor goes on as if the step had not been called. When a reduce had completed (the update
+/// may have begun on some ranks), and for any failure of an applying step with one device and no
+/// comm hook (whose update runs unobserved inside backward), the executor cannot be used: step()
+/// and save() throw Error(invalid_argument) saying so with the step's error, until load().
 class DataParallel {
  public:
   /// `model` gives the architecture (and, when materialized, the starting weights); `optimizer`
@@ -149,16 +171,32 @@ class DataParallel {
   /// One training step on the global batch: x [N, features] (float32 or the compute type) and
   /// labels [N] (float32 class ids), in any device's or host memory. Shards x by the current
   /// weights, runs forward and backward on every used rank at once, all-reduces the gradients
-  /// in buckets and updates every replica. Throws mgpu::Error naming the rank that failed.
+  /// in buckets and updates every replica. Throws mgpu::Error naming the rank that failed (see the
+  /// class comment for what a failure leaves), and Error(invalid_argument) before any work for x
+  /// that does not fit the model or is neither float32 nor the compute type, labels in host
+  /// memory that are not class ids of the model's output, or an lr_scale that is not finite and >= 0.
   DataParallelResult step(Tensor const& x, Tensor const& labels, float lr_scale = 1.0f);
 
   /// Rows of the test set whose predicted class is the label, evaluated on rank 0's replica.
+  /// Throws Error(invalid_argument) for a label that is not a class id.
   std::int64_t count_correct(Tensor const& x, Tensor const& labels, std::int64_t batch = 1024);
 
-  /// Saves replica 0 (model, optimizer, RNG state) and `state`, atomically.
+  /// Saves, atomically and checksummed, what makes a resumed run equal the uninterrupted one:
+  /// replica 0 (model, optimizer with its step count, RNG state), `state`, and the executor's own
+  /// state: the accumulation cycle's length and position, each rank's accumulated gradients when
+  /// saved mid-cycle, the loss scaler (scale, finite steps towards growth, skipped steps), and the
+  /// comm hook's state (Bf16Compression's residuals) per rank.
   void save(std::filesystem::path const& path, io::TrainingState const& state);
-  /// Loads a checkpoint written by save() (on any number of devices) into every replica. Throws
-  /// Error(invalid_argument) naming the mismatch for another architecture, leaving replicas as they were.
+  /// Loads a checkpoint written by save() (on any number of devices) into every replica, leaving the
+  /// executor exactly as a new one that loaded it: gradients accumulated before are dropped, the
+  /// loss scaler and comm hook state are the file's (or, where the file has none, as configured /
+  /// zero; an executor without a scaler or with another kind of hook ignores those records). On
+  /// the device count that saved it the run continues bitwise as it would have; on another, rank 0
+  /// takes the sum of the saved ranks' accumulated gradients and hook residuals.
+  /// A file from save_training or from before these records loads as saved at a cycle's start.
+  /// Throws, leaving the executor as it was, Error(invalid_argument) naming the mismatch for
+  /// another architecture, or for a checkpoint saved mid-cycle with another accumulation_steps.
+  /// Makes an executor that a failed step left unusable usable again.
   io::TrainingState load(std::filesystem::path const& path);
 
   /// Throws Error(invalid_argument) naming the first rank and layer whose architecture or master

@@ -120,6 +120,8 @@ struct ExecutorOptions {
   DType compute = DType::float32;
   /// Dynamic loss scaling (for float16): the loss gradient is multiplied by the scale, and a step
   /// in which any chunk's gradients (of any replica) hold NaN or Inf is skipped by every chunk.
+  /// The executor has no checkpoint of its own: a run continued by a new executor passes a scaler
+  /// given the old one's state (Executor::loss_scaler()->state(), LossScaler::set_state()).
   std::optional<optim::LossScaler> loss_scaler{};
   /// Where every action is recorded (rank = device, compute lane; transfers on the communication
   /// lane); nullptr for none.
@@ -147,7 +149,8 @@ class Executor {
  public:
   /// Cuts `model` at `cuts` (schedule.chunks() + 1 increasing layer indices, from 0 to
   /// model.size(), each a cut point of the model) and validates `schedule`, which must be for
-  /// group.size() devices. Throws Error(invalid_argument) naming what is wrong.
+  /// group.size() devices. Throws Error(invalid_argument) naming what is wrong, also for an empty
+  /// `make_optimizer` or one that returns no optimizer.
   Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<std::size_t> cuts, Schedule schedule,
            OptimizerFactory make_optimizer, ExecutorOptions options = {});
   ~Executor();
@@ -156,12 +159,15 @@ class Executor {
 
   /// Forward and backward of every micro-batch of (x [N, features], labels [N] float32 class ids),
   /// leaving the batch's mean-loss gradients in each chunk's gradient buffer; returns the mean
-  /// softmax cross-entropy. x and labels may live on any device. Throws Error(invalid_argument)
-  /// when N is smaller than the number of micro-batches or the labels do not match x.
+  /// softmax cross-entropy. x and labels may live on any device. Throws Error(invalid_argument),
+  /// before any action runs (the executor stays usable), when N is smaller than the number of
+  /// micro-batches, x does not fit the model, or the labels are not [N] float32, or (in host
+  /// memory) not class ids of the model's output.
   float compute_gradients(Tensor const& x, Tensor const& labels);
   /// compute_gradients(), then each chunk's optimizer step (learning rate times lr_scale) on its
   /// float32 masters, unless the loss scaler found NaN or Inf gradients in any chunk: then no chunk
-  /// updates (see last_step_applied()).
+  /// updates (see last_step_applied()). Throws Error(invalid_argument) for an lr_scale that is not
+  /// finite and >= 0.
   float step(Tensor const& x, Tensor const& labels, float lr_scale = 1.0f);
   /// Whether the last step() updated the parameters.
   [[nodiscard]] bool last_step_applied() const noexcept;
