@@ -537,6 +537,10 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 // (the communicator is being aborted) with Error(communication).
 template <class Stop>
 void wait_for_nccl(ncclComm_t comm, std::string const& what, Clock::time_point deadline, Stop const& stop) {
+  // A launch is usually on the stream within microseconds: the first 200 us only yield the CPU,
+  // then sleeps double from 10 us up to 1 ms (a longer wait is a slow peer or a deadline).
+  auto const start = Clock::now();
+  auto pause = std::chrono::microseconds(10);
   while (true) {
     ncclResult_t state = ncclSuccess;
     ncclResult_t const status = ncclCommGetAsyncError(comm, &state);
@@ -545,8 +549,14 @@ void wait_for_nccl(ncclComm_t comm, std::string const& what, Clock::time_point d
     if (state != ncclInProgress)
       throw Error(Errc::communication, what + " failed: " + mgpu::detail::cuda::nccl_error_string(static_cast<int>(state)));
     if (stop()) throw Error(Errc::communication, what + " was interrupted: the communicator is being aborted");
-    if (Clock::now() > deadline) throw Error(Errc::timeout, what + " did not finish within its deadline (a rank that never called it?)");
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
+    auto const now = Clock::now();
+    if (now > deadline) throw Error(Errc::timeout, what + " did not finish within its deadline (a rank that never called it?)");
+    if (now - start < std::chrono::microseconds(200)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    }
   }
 }
 
@@ -579,7 +589,8 @@ class NcclCommunicator final : public CommunicatorBase {
   NcclCommunicator(DeviceGroup& group, std::vector<Device> devices, std::chrono::milliseconds timeout)
       : CommunicatorBase(group, static_cast<int>(devices.size()), Backend::nccl, timeout),
         devices_(std::move(devices)),
-        comms_(devices_.size(), nullptr) {
+        comms_(devices_.size(), nullptr),
+        spare_events_(devices_.size()) {
     ncclUniqueId id{};
     MGPU_NCCL_CHECK(ncclGetUniqueId(&id));
     // Every local rank's init in one group, as NCCL requires when one thread creates them all.
@@ -705,12 +716,23 @@ class NcclCommunicator final : public CommunicatorBase {
       }
       throw;
     }
-    cudaEvent_t done = nullptr;
-    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-    MGPU_CUDA_CHECK(cudaEventRecord(done, s));
     // NCCL touches each rank's buffers only from that rank's stream: they are reused after it.
     for (Call const& c : calls) mgpu::detail::release_after(stream, c.send, c.recv);
+    cudaEvent_t done = nullptr;
+    {
+      std::lock_guard lock(mutex_);
+      if (auto& spare = spare_events_[static_cast<std::size_t>(rank)]; !spare.empty()) {
+        done = spare.back();
+        spare.pop_back();
+      }
+    }
+    if (done == nullptr) MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    cudaError_t const recorded = cudaEventRecord(done, s);
     std::lock_guard lock(mutex_);
+    if (recorded != cudaSuccess) {
+      spare_events_[static_cast<std::size_t>(rank)].push_back(done);
+      MGPU_CUDA_CHECK(recorded);
+    }
     pending_.push_back({done, rank, what, Clock::now() + timeout()});
     state()->begin_operation();
     cv_.notify_all();
@@ -779,7 +801,9 @@ class NcclCommunicator final : public CommunicatorBase {
           failure = it->name + " did not finish within the " + format_duration(timeout()) + " deadline";
         }
         if (status == cudaSuccess || !failure.empty() || comms_aborted_) {
-          (void)cudaEventDestroy(it->done);
+          // Kept for the rank's next launch (recording it again is fine even if work before it
+          // never finishes: only the watchdog queries it).
+          spare_events_[static_cast<std::size_t>(it->rank)].push_back(it->done);
           it = pending_.erase(it);
           state()->end_operation();
           if (!failure.empty()) {
@@ -796,6 +820,9 @@ class NcclCommunicator final : public CommunicatorBase {
     for (void* word : barrier_words_) {
       if (word != nullptr) (void)cudaFree(word);
     }
+    for (auto const& events : spare_events_) {
+      for (cudaEvent_t event : events) (void)cudaEventDestroy(event);
+    }
   }
 
   std::vector<Device> devices_;
@@ -803,6 +830,7 @@ class NcclCommunicator final : public CommunicatorBase {
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<Pending> pending_;
+  std::vector<std::vector<cudaEvent_t>> spare_events_;  // per rank: completion events to record again
   std::vector<void*> barrier_words_;
   int launching_ = 0;  // launches between taking a communicator and leaving NCCL
   bool stopping_ = false;
