@@ -385,4 +385,8 @@ void detail::BufferInternals::record_use(Stream& stream, Tensor const& tensor) {
   if (tensor.storage_) record_use(stream, *tensor.storage_);
 }
 
+void detail::BufferInternals::record_use(Stream& stream, std::vector<Tensor> const& tensors) {
+  for (Tensor const& t : tensors) record_use(stream, t);
+}
+
 }  // namespace mgpu
