@@ -168,26 +168,50 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     state()->on_abort([this] {
       meeting_.wake();
       done_meeting_.wake();
-      for (auto& ch : channels_) {
-        {
-          // Releases the senders' streams still waiting for a receive that will not come (their
-          // data is not delivered; the abort reports it).
-          std::lock_guard lock(ch.mutex);
-          std::atomic_ref(*ch.word).store(static_cast<std::uint32_t>(ch.posted + 1), std::memory_order_release);
-        }
-        ch.cv.notify_all();
-      }
+      raise_words();
     });
+  }
+
+  // Releases the senders' streams still waiting for a receive that will not come (their data is
+  // not delivered; the abort reports it), and wakes the receivers waiting on the host.
+  void raise_words() noexcept {
+    for (auto& ch : channels_) {
+      {
+        std::lock_guard lock(ch.mutex);
+        std::atomic_ref(*ch.word).store(static_cast<std::uint32_t>(ch.posted + 1), std::memory_order_release);
+      }
+      ch.cv.notify_all();
+    }
+  }
+
+  // After an abort: a receive's copy queued before it may write its channel's word later, lowering
+  // what the abort raised. Until every stream the ranks used is past their operations (at most the
+  // deadline), the words are raised again.
+  void drain_after_abort() noexcept {
+    auto const deadline = Clock::now() + timeout();
+    std::lock_guard marks_lock(marks_mutex_);
+    while (Clock::now() < deadline) {
+      raise_words();
+      bool const drained = std::all_of(marks_.begin(), marks_.end(), [](std::vector<StreamMark> const& marks) {
+        return std::all_of(marks.begin(), marks.end(), [](StreamMark const& m) { return cudaEventQuery(m.last) != cudaErrorNotReady; });
+      });
+      if (drained) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
   }
 
   ~CudaPeerCommunicator() override {
     // Waits (with the deadline) for the device work, or aborts, which raises every channel word:
     // after this no stream waits on a word for a copy that will not come.
     shut_down();
+    if (aborted()) drain_after_abort();
     for (auto& e : events_) {
       for (cudaEvent_t event : {e.ready, e.done}) {
         if (event != nullptr) MGPU_CUDA_CHECK_NO_THROW(cudaEventDestroy(event));
       }
+    }
+    for (Channel& ch : channels_) {
+      if (ch.written != nullptr) MGPU_CUDA_CHECK_NO_THROW(cudaEventDestroy(ch.written));
     }
     // The words go back to the pool only once the streams that wait on them or write them are past
     // this communicator's operations: a recycled word is reset for its next owner.
@@ -327,6 +351,10 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     std::condition_variable cv;
     std::deque<std::unique_ptr<PeerMessage>> queue;
     std::uint32_t* word = nullptr;  // page-locked, readable and writable by the GPUs
+    // After the latest receive's write of `word`, on the receiver's GPU (made by the first receive).
+    // The next receive's write waits for it, so the word only grows even when the receiver uses
+    // several streams: a later copy that finished first must not announce an earlier one.
+    cudaEvent_t written = nullptr;
     std::uint64_t posted = 0;
     std::uint64_t taken = 0;
   };
@@ -418,7 +446,13 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     MGPU_CUDA_CHECK(cudaStreamWaitEvent(s, taken->ready, 0));
     if (c.count > 0) MGPU_CUDA_CHECK(cudaMemcpyAsync(c.recv.data(), taken->data, c.recv.nbytes(), cudaMemcpyDefault, s));
     mgpu::detail::release_after(stream, c.recv);  // before anything else can fail
+    if (ch.written == nullptr) {
+      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&ch.written, cudaEventDisableTiming));
+    } else {
+      MGPU_CUDA_CHECK(cudaStreamWaitEvent(s, ch.written, 0));
+    }
     mgpu::detail::cuda::stream_write_word(s, ch.word, static_cast<std::uint32_t>(taken->seq + 1));
+    MGPU_CUDA_CHECK(cudaEventRecord(ch.written, s));
     lock.unlock();
     ch.cv.notify_all();
   }

@@ -379,6 +379,44 @@ TEST_CASE("cuda_peer finalize waits for every stream a rank used, not only its l
   CHECK(finishes_within(side1, std::chrono::seconds(10)));
 }
 
+TEST_CASE("cuda_peer receives of one sender on two streams release its buffers only after their own copies", "[cuda][comm]") {
+  // Rank 0 sends two messages in one group; rank 1 receives the first on a stream held by a gate and
+  // the second on a free one. The second copy runs first, but the sender's stream must still wait
+  // for the first: its buffer is read until then.
+  mgpu::DeviceGroup group("cuda:0,0");
+  auto comm = mgpu::comm::make_communicator(group, {.backend = mgpu::comm::Backend::cuda_peer,
+                                                    .timeout = std::chrono::milliseconds(5000)});
+  constexpr std::int64_t n = 4096;
+  std::vector<float> first(n);
+  std::vector<float> second(n);
+  for (std::int64_t i = 0; i < n; ++i) {
+    first[static_cast<std::size_t>(i)] = static_cast<float>(i % 97);
+    second[static_cast<std::size_t>(i)] = -static_cast<float>(i % 89);
+  }
+  Tensor const m0 = upload(first, DType::float32, group.allocator(0), group.stream(0));
+  Tensor const m1 = upload(second, DType::float32, group.allocator(0), group.stream(0));
+  Tensor const in0 = Tensor::empty({n}, DType::float32, group.allocator(1));
+  Tensor const in1 = Tensor::empty({n}, DType::float32, group.allocator(1));
+  mgpu::Stream gated(group.device(1));
+  mgpu::Stream free_stream(group.device(1));
+  std::promise<void> gate;
+  std::shared_future<void> const opened = gate.get_future().share();
+  gated.enqueue([opened] { opened.wait(); });
+  comm->group_start(0);
+  comm->send(0, m0, 1, group.stream(0));
+  comm->send(0, m1, 1, group.stream(0));
+  comm->group_end(0);
+  comm->recv(1, in0, 0, gated);
+  comm->recv(1, in1, 0, free_stream);
+  CHECK_FALSE(finishes_within(group.stream(0), std::chrono::milliseconds(300)));  // the first copy has not run
+  gate.set_value();
+  CHECK(finishes_within(group.stream(0), std::chrono::seconds(10)));
+  CHECK(finishes_within(free_stream, std::chrono::seconds(10)));
+  comm->finalize();
+  REQUIRE(download(in0) == first);
+  REQUIRE(download(in1) == second);
+}
+
 TEST_CASE("A cuda_peer communicator destroyed while a send waits releases the sender's stream", "[cuda][comm]") {
   // The communicator's channel words go back to a pool; one recycled (reset) while a stream still
   // waited on it would hold that stream forever, and the next communicator would share the word.
