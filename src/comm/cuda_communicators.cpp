@@ -1,7 +1,8 @@
 // The CUDA backends.
 //
 // cuda_peer: ranks meet on the host when they enqueue a collective (each rank calls from its own
-// thread, as in DeviceGroup::run); send/recv meet only the pair, through a channel per direction. At
+// thread, as in DeviceGroup::run); send/recv meet only the pair, through a channel per direction
+// (a watchdog thread aborts when a send waits for its receive past the deadline). At
 // a collective's meeting they exchange buffer pointers and "inputs ready"
 // events; each rank's stream then waits for every rank's inputs, runs the reduction kernel over its
 // slice (reading every rank's input through same-GPU or peer pointers, writing every output) and
@@ -170,6 +171,40 @@ class CudaPeerCommunicator final : public CommunicatorBase {
       done_meeting_.wake();
       raise_words();
     });
+    watchdog_ = std::thread([this] { watch(); });
+  }
+
+  // A sender's stream waits for its receiver's copy without a host thread: a receiver that never
+  // calls recv would hold it, and whatever waits for that stream, for good. The watchdog aborts the
+  // communicator (which releases the stream) when a send has waited past the deadline for its
+  // receive, naming both ranks.
+  void watch() {
+    auto const period = std::clamp(timeout() / 4, std::chrono::milliseconds(1), std::chrono::milliseconds(50));
+    std::unique_lock lock(watch_mutex_);
+    while (!watch_cv_.wait_for(lock, period, [this] { return stopping_; })) {
+      if (state()->aborted()) continue;
+      lock.unlock();
+      if (std::string const late = unreceived(); !late.empty()) state()->abort(late);
+      lock.lock();
+    }
+  }
+
+  // The first channel whose oldest message has waited past the deadline for its receive,
+  // described; empty when none has.
+  std::string unreceived() {
+    auto const now = Clock::now();
+    for (int from = 0; from < size(); ++from) {
+      for (int to = 0; to < size(); ++to) {
+        Channel& ch = channel(from, to);
+        std::lock_guard lock(ch.mutex);
+        if (ch.queue.empty() || now - ch.queue.front()->posted_at <= timeout()) continue;
+        return "rank " + std::to_string(from) + "'s send waited " + format_duration(now - ch.queue.front()->posted_at) +
+               " for rank " + std::to_string(to) + " to receive " + std::to_string(ch.posted - ch.taken) +
+               " message(s) from rank " + std::to_string(from) + " (expected a matching recv within the " +
+               format_duration(timeout()) + " deadline)";
+      }
+    }
+    return {};
   }
 
   // Releases the senders' streams still waiting for a receive that will not come (their data is
@@ -204,6 +239,12 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     // Waits (with the deadline) for the device work, or aborts, which raises every channel word:
     // after this no stream waits on a word for a copy that will not come.
     shut_down();
+    {
+      std::lock_guard lock(watch_mutex_);
+      stopping_ = true;
+    }
+    watch_cv_.notify_all();
+    watchdog_.join();
     if (aborted()) drain_after_abort();
     for (auto& e : events_) {
       for (cudaEvent_t event : {e.ready, e.done}) {
@@ -333,6 +374,7 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     std::int64_t count = 0;
     DType dtype{};
     std::uint64_t seq = 0;  // the sender's n-th send to this receiver
+    Clock::time_point posted_at{};
     cudaEvent_t ready = nullptr;
     PeerMessage() = default;
     PeerMessage(PeerMessage const&) = delete;
@@ -369,6 +411,7 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     message->count = c.count;
     message->dtype = c.dtype;
     message->seq = c.seq;
+    message->posted_at = Clock::now();
     MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&message->ready, cudaEventDisableTiming));
     MGPU_CUDA_CHECK(cudaEventRecord(message->ready, s));
     Channel& ch = channel(rank, c.root);
@@ -544,6 +587,10 @@ class CudaPeerCommunicator final : public CommunicatorBase {
   std::vector<Channel> channels_;
   Meeting<Post> meeting_;
   Meeting<int> done_meeting_;
+  std::mutex watch_mutex_;
+  std::condition_variable watch_cv_;
+  bool stopping_ = false;
+  std::thread watchdog_;  // started last, stopped first
 };
 
 #if MGPU_NCCL_ENABLED
