@@ -2,6 +2,8 @@
 // Each "ours" benchmark also times its baseline (std::memcpy on the host, raw cudaMemcpyAsync on a
 // GPU) for the same bytes and reports `baseline_frac` = our bandwidth / the baseline's (medians).
 // BM_host_stream_round_trip times one empty task's enqueue and synchronize, on the worker and inline.
+// BM_cuda_gemm times mgpu::ops::gemm on square matrices against raw cublasGemmEx with the same
+// types on the same GPU: `TFLOPs`, `cublas_TFLOPs` and `cublas_frac` = ours / cuBLAS.
 //
 //   bench_core --benchmark_format=json --benchmark_out=core.json
 #include <benchmark/benchmark.h>
@@ -15,6 +17,7 @@
 #include <mgpu/mgpu.hpp>
 
 #if MGPU_CUDA_ENABLED
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 #endif
 
@@ -151,6 +154,61 @@ void BM_cuda_convert_bf16(benchmark::State& state) {
     stream.synchronize();
   });
 }
+
+// C = A B for n x n row-major matrices (state.range(0) = n, state.range(1) = 1 for bfloat16, 0 for
+// float32), 8 GEMMs per timed batch: mgpu::ops::gemm against raw cublasGemmEx on its own handle.
+void BM_cuda_gemm(benchmark::State& state) {
+  auto const n = state.range(0);
+  bool const bf16 = state.range(1) != 0;
+  mgpu::DType const dtype = bf16 ? mgpu::DType::bfloat16 : mgpu::DType::float32;
+  constexpr int batch = 8;
+  mgpu::DeviceGroup group("cuda:0");
+  auto& stream = group.stream(0);
+  mgpu::Tensor a = mgpu::Tensor::empty({n, n}, dtype, group.allocator(0));
+  mgpu::Tensor b = mgpu::Tensor::empty({n, n}, dtype, group.allocator(0));
+  mgpu::Tensor c = mgpu::Tensor::empty({n, n}, dtype, group.allocator(0));
+  mgpu::fill_async(a, 0.5f, stream);
+  mgpu::fill_async(b, 0.25f, stream);
+  stream.synchronize();
+  auto* raw = static_cast<cudaStream_t>(stream.native_handle());
+  cublasHandle_t handle = nullptr;
+  if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) {
+    state.SkipWithError("cublasCreate failed");
+    return;
+  }
+  (void)cublasSetStream(handle, raw);
+  cudaDataType_t const type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  float const one = 1.0f;
+  float const zero = 0.0f;
+  auto const dim = static_cast<int>(n);
+  // Row-major C = A B is column-major C^T = B^T A^T.
+  auto raw_batch = [&] {
+    for (int i = 0; i < batch; ++i)
+      (void)cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, dim, dim, dim, &one, b.data(), type, dim, a.data(), type, dim, &zero,
+                         c.data(), type, dim, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    (void)cudaStreamSynchronize(raw);
+  };
+  raw_batch();  // warm-up: cuBLAS picks its kernel
+  double const baseline = median_seconds(raw_batch);
+  (void)cublasDestroy(handle);
+  auto ours_batch = [&] {
+    for (int i = 0; i < batch; ++i) mgpu::ops::gemm(a, false, b, false, c, 1.0f, 0.0f, stream);
+    stream.synchronize();
+  };
+  ours_batch();
+  std::vector<double> times;
+  for (auto _ : state) {
+    auto const t0 = Clock::now();
+    ours_batch();
+    times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  std::nth_element(times.begin(), times.begin() + static_cast<std::ptrdiff_t>(times.size() / 2), times.end());
+  double const median = times[times.size() / 2];
+  double const flop = 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n) * batch;
+  state.counters["TFLOPs"] = flop / median * 1e-12;
+  state.counters["cublas_TFLOPs"] = flop / baseline * 1e-12;
+  state.counters["cublas_frac"] = baseline / median;
+}
 #endif
 
 }  // namespace
@@ -168,6 +226,11 @@ int main(int argc, char** argv) {
         ->Arg(1 << 20)
         ->Arg(64 << 20)
         ->UseRealTime();
+    benchmark::RegisterBenchmark("BM_cuda_gemm", BM_cuda_gemm)
+        ->ArgNames({"n", "bf16"})
+        ->ArgsProduct({{1024, 4096, 8192}, {0, 1}})
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
   }
 #endif
   benchmark::Initialize(&argc, argv);

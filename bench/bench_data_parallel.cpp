@@ -15,6 +15,9 @@
 // to twice its time) from even weights, on the measured compute times: rows_fast_to_slow is the
 // first rank's rows ÷ the second's over the last 8 of 24 steps (about 2, somewhat more where fixed
 // per-step costs are stretched too), rows_fast_to_slow_first_step the 1:1 it started from.
+// With a GPU, BM_cuda_data_parallel times the same steps on cuda:0 and on 2 and 4 logical devices
+// sharing it (the cuda_peer all-reduce between them): samples_per_s, speedup_vs_1 (at most 1 on
+// one GPU: what splitting the batch and the all-reduce cost) and comm_wait_frac.
 // BM_timeline_record and BM_timeline_stream_span give the tracing cost per recorded span (a
 // host-side record, and the two marker tasks a stream span adds), on and off.
 // Host devices are one worker thread each: on a 2-core machine host:4 shares two cores between
@@ -174,6 +177,31 @@ void BM_rebalance(benchmark::State& state) {
 }
 BENCHMARK(BM_rebalance)->Iterations(3)->Unit(benchmark::kMillisecond);
 
+void BM_cuda_data_parallel(benchmark::State& state) {
+  int const devices = static_cast<int>(state.range(0));
+  std::string spec = "cuda:0";
+  for (int i = 1; i < devices; ++i) spec += ",0";
+  Data const data;
+  Trainer one("cuda:0", true, true);
+  Trainer many(spec, true, true);
+  one.run(data, 2);  // warm the allocators' caches, cuBLAS and the optimizer state
+  many.run(data, 2);
+  constexpr int block = 8;
+  std::vector<double> step_s, speedups, waits;
+  for (auto _ : state) {
+    double const t1 = one.run(data, block).first;
+    auto const [tn, wn] = many.run(data, block);
+    step_s.push_back(tn);
+    speedups.push_back(t1 / tn);
+    waits.push_back(wn);
+  }
+  state.counters["samples_per_s"] = batch / median(step_s);
+  state.counters["speedup_vs_1"] = median(speedups);
+  state.counters["comm_wait_frac"] = median(waits);
+  state.counters["devices"] = devices;
+  state.counters["steps_timed"] = static_cast<double>(block * step_s.size());
+}
+
 void BM_timeline_record(benchmark::State& state) {
   mgpu::trace::Timeline timeline;
   timeline.enable(state.range(0) != 0);
@@ -214,4 +242,18 @@ BENCHMARK(BM_timeline_stream_span)->ArgName("enabled")->Arg(0)->Arg(1)->UseRealT
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  if (mgpu::cuda_device_count() > 0)
+    benchmark::RegisterBenchmark("BM_cuda_data_parallel", BM_cuda_data_parallel)
+        ->ArgName("devices")
+        ->Arg(2)
+        ->Arg(4)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime()
+        ->MinTime(2.0);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

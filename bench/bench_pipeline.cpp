@@ -1,5 +1,5 @@
 // bench_pipeline: one pipelined training step (compute_gradients) per schedule at P = 4 devices and
-// M = 8 micro-batches on host devices. Host devices on a small machine share its cores, so the
+// M = 8 micro-batches on host devices (and, with a GPU, BM_cuda_pipeline: see there). Host devices on a small machine share its cores, so the
 // per-action costs are sleeps (each chunk: one layer that sleeps 2 ms in forward, 2 ms in
 // backward_input and 2 ms in backward_weight; interleaved chunks sleep half as long): the bubble
 // then measures the schedule, not contention for cores. The chunks have no other layers, whose
@@ -436,6 +436,40 @@ void BM_partition(benchmark::State& state, std::string const& spec) {
   state.counters["planned_step_vs_even_step"] = step_ratio;
 }
 
+// With a GPU: one step of an MLP of width 1024 (9 Linear layers with ReLUs between, cut evenly into
+// the schedule's chunks) on 4 logical devices sharing cuda:0, a batch of 512 rows in 8
+// micro-batches. The transfers go through the cuda_peer communicator; the stages share one GPU, so
+// this is the executor's and the transfers' cost on a GPU, not a speedup. Counters: step_ms (the
+// median step) and samples_per_s.
+void BM_cuda_pipeline(benchmark::State& state, std::string const& name) {
+  constexpr std::int64_t gpu_rows = 512;
+  constexpr std::int64_t gpu_width = 1024;
+  pp::Schedule const schedule = pp::make_schedule(name, devices, micro_batches, 2);
+  std::vector<std::int64_t> widths(9, gpu_width);
+  widths.push_back(10);
+  nn::Sequential const model = nn::Sequential::mlp(widths);
+  auto const chunks = static_cast<std::size_t>(schedule.chunks());
+  std::vector<std::size_t> cuts;
+  for (std::size_t c = 0; c <= chunks; ++c) cuts.push_back(model.size() * c / chunks);
+  mgpu::DeviceGroup group("cuda:0,0,0,0");
+  pp::Executor executor(model, group, cuts, schedule, sgd);
+  auto host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  mgpu::Tensor x = mgpu::Tensor::empty({gpu_rows, gpu_width}, mgpu::DType::float32, *host);
+  mgpu::Tensor y = mgpu::Tensor::empty({gpu_rows}, mgpu::DType::float32, *host);
+  for (std::int64_t i = 0; i < gpu_rows * gpu_width; ++i) x.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(i % 7) * 0.1f;
+  for (std::int64_t i = 0; i < gpu_rows; ++i) y.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(i % 10);
+  executor.compute_gradients(x, y);  // warm the allocators and cuBLAS
+  std::vector<double> seconds;
+  for (auto _ : state) {
+    executor.compute_gradients(x, y);
+    double const step = executor.last_step_seconds();
+    state.SetIterationTime(step);
+    seconds.push_back(step);
+  }
+  state.counters["step_ms"] = median(seconds) * 1e3;
+  state.counters["samples_per_s"] = static_cast<double>(gpu_rows) / median(seconds);
+}
+
 }  // namespace
 
 BENCHMARK_CAPTURE(BM_schedule, layer_split, std::string("layer-split"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
@@ -450,4 +484,17 @@ BENCHMARK_CAPTURE(BM_executor, zero_bubble, std::string("zb"))->ArgName("cpus")-
 BENCHMARK_CAPTURE(BM_partition, equal, std::string("host:4"))->Iterations(1)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_partition, speeds_1_half_1_half, std::string("host:4@speed=1,0.5,1,0.5"))->Iterations(1)->Unit(benchmark::kMillisecond);
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  if (mgpu::cuda_device_count() > 0) {
+    for (char const* name : {"gpipe", "1f1b", "interleaved", "zb"})
+      benchmark::RegisterBenchmark((std::string("BM_cuda_pipeline/") + name).c_str(), BM_cuda_pipeline, std::string(name))
+          ->UseManualTime()
+          ->Iterations(20)
+          ->Unit(benchmark::kMillisecond);
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

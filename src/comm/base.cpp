@@ -3,6 +3,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <string>
 #include <utility>
 
@@ -43,20 +44,23 @@ std::string format_duration(std::chrono::nanoseconds duration) {
 }
 
 void SharedState::abort(std::string_view reason) noexcept {
-  std::vector<std::function<void()>> wakers;
   try {
     std::lock_guard lock(mutex_);
     if (aborted_.load(std::memory_order_relaxed)) return;
     reason_ = std::string(reason);
     aborted_.store(true, std::memory_order_release);
-    wakers = wakers_;
   } catch (...) {
-    aborted_.store(true, std::memory_order_release);  // the reason could not be kept; the state still changes
+    if (aborted_.exchange(true, std::memory_order_acq_rel)) return;  // the reason could not be kept; the state still changes
   }
-  for (auto const& wake : wakers) wake();
+  {
+    // Held while they run, so clear_wakers() returns only after any running waker has finished. A
+    // waker that aborts again returns above, before this lock.
+    std::lock_guard wake_lock(wake_mutex_);
+    for (auto const& wake : wakers_) wake();
+  }
+  std::lock_guard lock(mutex_);
   idle_cv_.notify_all();
 }
-
 std::string SharedState::reason() const {
   std::lock_guard lock(mutex_);
   return reason_;
@@ -68,8 +72,13 @@ void SharedState::throw_if_aborted(std::string_view what) const {
 }
 
 void SharedState::on_abort(std::function<void()> wake) {
-  std::lock_guard lock(mutex_);
+  std::lock_guard lock(wake_mutex_);
   wakers_.push_back(std::move(wake));
+}
+
+void SharedState::clear_wakers() noexcept {
+  std::lock_guard lock(wake_mutex_);
+  wakers_.clear();
 }
 
 void SharedState::begin_operation() noexcept {
@@ -104,10 +113,25 @@ CommunicatorBase::CommunicatorBase(DeviceGroup& group, int size, Backend backend
   });
 }
 
-CommunicatorBase::~CommunicatorBase() {
+CommunicatorBase::~CommunicatorBase() { shut_down(); }
+
+void CommunicatorBase::shut_down() noexcept {
+  if (shut_down_) return;
+  shut_down_ = true;
   group_->remove_failure_listener(listener_);
   // Let enqueued work finish; if it cannot within the deadline, abort so that it ends.
-  if (!state_->wait_idle(state_->timeout())) state_->abort("the communicator was destroyed with operations in flight");
+  try {
+    if (!state_->wait_idle(state_->timeout())) {
+      state_->abort("the communicator was destroyed with operations in flight");
+    } else if (!state_->aborted()) {
+      finish_device_work(state_->timeout());
+    }
+  } catch (std::exception const& e) {
+    state_->abort(std::string("destroying the communicator failed: ") + e.what());
+  }
+  // Work that outlives the communicator may still abort the shared state: it must not reach the
+  // backend's wakers, which point into the backend.
+  state_->clear_wakers();
 }
 
 void CommunicatorBase::reject(Call const& call, int rank, std::string const& what) {

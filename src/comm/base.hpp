@@ -47,6 +47,8 @@ class SharedState {
   void throw_if_aborted(std::string_view what) const;
   /// Registers a function called (once) on abort, to wake a backend's waiters.
   void on_abort(std::function<void()> wake);
+  /// Forgets every on_abort function; returns once none of them runs any more.
+  void clear_wakers() noexcept;
 
   void begin_operation() noexcept;
   void end_operation() noexcept;
@@ -63,6 +65,7 @@ class SharedState {
   mutable std::mutex mutex_;
   std::condition_variable idle_cv_;
   std::string reason_;
+  std::mutex wake_mutex_;  // guards wakers_, held while they run
   std::vector<std::function<void()>> wakers_;
   std::int64_t in_flight_ = 0;
 };
@@ -102,6 +105,13 @@ class CommunicatorBase : public Communicator {
   /// device work of every operation enqueued so far, and aborts the communicator when it does not
   /// finish in time. Backends whose operations run on after launch() returns override it.
   virtual void finish_device_work(std::chrono::milliseconds limit) { (void)limit; }
+  /// Ends the communicator while its backend is still whole: stops listening to the group's
+  /// failures, waits (with the deadline) for operations being enqueued and then, unless aborted,
+  /// for their device work (finish_device_work), aborting when either does not finish, and drops
+  /// the backend's on_abort functions, which the shared state may outlive. Backends that register
+  /// on_abort functions or whose device work outlives launch() call it first in their destructor;
+  /// the base destructor calls it too. Only the first call acts.
+  void shut_down() noexcept;
   /// Checks that a tensor (or stream) of `rank` is somewhere this backend can use.
   virtual void check_device(int rank, Device device, std::string_view what, Call const& call) const = 0;
 
@@ -127,6 +137,7 @@ class CommunicatorBase : public Communicator {
   std::shared_ptr<SharedState> state_;
   std::vector<RankState> ranks_;
   int listener_ = -1;
+  bool shut_down_ = false;
 };
 
 }  // namespace mgpu::comm::detail

@@ -1,7 +1,8 @@
 // The CUDA backends.
 //
 // cuda_peer: ranks meet on the host when they enqueue a collective (each rank calls from its own
-// thread, as in DeviceGroup::run); send/recv meet only the pair, through a channel per direction. At
+// thread, as in DeviceGroup::run); send/recv meet only the pair, through a channel per direction
+// (a watchdog thread aborts when a send waits for its receive past the deadline). At
 // a collective's meeting they exchange buffer pointers and "inputs ready"
 // events; each rank's stream then waits for every rank's inputs, runs the reduction kernel over its
 // slice (reading every rank's input through same-GPU or peer pointers, writing every output) and
@@ -24,7 +25,9 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <deque>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -119,7 +122,12 @@ class Meeting {
 struct RankEvents {
   cudaEvent_t ready = nullptr;
   cudaEvent_t done = nullptr;
-  cudaEvent_t last = nullptr;  // after the rank's latest operation, for finalize()
+};
+
+// An event after the latest operation a rank enqueued on one of its streams, for finalize().
+struct StreamMark {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t last = nullptr;
 };
 
 class CudaPeerCommunicator final : public CommunicatorBase {
@@ -129,6 +137,7 @@ class CudaPeerCommunicator final : public CommunicatorBase {
       : CommunicatorBase(group, static_cast<int>(devices.size()), Backend::cuda_peer, timeout),
         devices_(std::move(devices)),
         events_(devices_.size()),
+        marks_(devices_.size()),
         channels_(devices_.size() * devices_.size()),
         meeting_(size(), *state()),
         done_meeting_(size(), *state()) {
@@ -143,7 +152,6 @@ class CudaPeerCommunicator final : public CommunicatorBase {
       RankEvents& e = events_[static_cast<std::size_t>(r)];
       MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&e.ready, cudaEventDisableTiming));
       MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&e.done, cudaEventDisableTiming));
-      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&e.last, cudaEventDisableTiming));
       for (int p = 0; p < size(); ++p) {
         int const other = devices_[static_cast<std::size_t>(p)].index;
         if (other == gpu) continue;
@@ -161,27 +169,102 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     state()->on_abort([this] {
       meeting_.wake();
       done_meeting_.wake();
-      for (auto& ch : channels_) {
-        {
-          // Releases the senders' streams still waiting for a receive that will not come (their
-          // data is not delivered; the abort reports it).
-          std::lock_guard lock(ch.mutex);
-          std::atomic_ref(*ch.word).store(static_cast<std::uint32_t>(ch.posted + 1), std::memory_order_release);
-        }
-        ch.cv.notify_all();
-      }
+      raise_words();
     });
+    watchdog_ = std::thread([this] { watch(); });
+  }
+
+  // A sender's stream waits for its receiver's copy without a host thread: a receiver that never
+  // calls recv would hold it, and whatever waits for that stream, for good. The watchdog aborts the
+  // communicator (which releases the stream) when a send has waited past the deadline for its
+  // receive, naming both ranks.
+  void watch() {
+    auto const period = std::clamp(timeout() / 4, std::chrono::milliseconds(1), std::chrono::milliseconds(50));
+    std::unique_lock lock(watch_mutex_);
+    while (!watch_cv_.wait_for(lock, period, [this] { return stopping_; })) {
+      if (state()->aborted()) continue;
+      lock.unlock();
+      if (std::string const late = unreceived(); !late.empty()) state()->abort(late);
+      lock.lock();
+    }
+  }
+
+  // The first channel whose oldest message has waited past the deadline for its receive,
+  // described; empty when none has.
+  std::string unreceived() {
+    auto const now = Clock::now();
+    for (int from = 0; from < size(); ++from) {
+      for (int to = 0; to < size(); ++to) {
+        Channel& ch = channel(from, to);
+        std::lock_guard lock(ch.mutex);
+        if (ch.queue.empty() || now - ch.queue.front()->posted_at <= timeout()) continue;
+        return "rank " + std::to_string(from) + "'s send waited " + format_duration(now - ch.queue.front()->posted_at) +
+               " for rank " + std::to_string(to) + " to receive " + std::to_string(ch.posted - ch.taken) +
+               " message(s) from rank " + std::to_string(from) + " (expected a matching recv within the " +
+               format_duration(timeout()) + " deadline)";
+      }
+    }
+    return {};
+  }
+
+  // Releases the senders' streams still waiting for a receive that will not come (their data is
+  // not delivered; the abort reports it), and wakes the receivers waiting on the host.
+  void raise_words() noexcept {
+    for (auto& ch : channels_) {
+      {
+        std::lock_guard lock(ch.mutex);
+        std::atomic_ref(*ch.word).store(static_cast<std::uint32_t>(ch.posted + 1), std::memory_order_release);
+      }
+      ch.cv.notify_all();
+    }
+  }
+
+  // After an abort: a receive's copy queued before it may write its channel's word later, lowering
+  // what the abort raised. Until every stream the ranks used is past their operations (at most the
+  // deadline), the words are raised again.
+  void drain_after_abort() noexcept {
+    auto const deadline = Clock::now() + timeout();
+    std::lock_guard marks_lock(marks_mutex_);
+    while (Clock::now() < deadline) {
+      raise_words();
+      bool const drained = std::all_of(marks_.begin(), marks_.end(), [](std::vector<StreamMark> const& marks) {
+        return std::all_of(marks.begin(), marks.end(), [](StreamMark const& m) { return cudaEventQuery(m.last) != cudaErrorNotReady; });
+      });
+      if (drained) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
   }
 
   ~CudaPeerCommunicator() override {
+    // Waits (with the deadline) for the device work, or aborts, which raises every channel word:
+    // after this no stream waits on a word for a copy that will not come.
+    shut_down();
+    {
+      std::lock_guard lock(watch_mutex_);
+      stopping_ = true;
+    }
+    watch_cv_.notify_all();
+    watchdog_.join();
+    if (aborted()) drain_after_abort();
     for (auto& e : events_) {
-      for (cudaEvent_t event : {e.ready, e.done, e.last}) {
+      for (cudaEvent_t event : {e.ready, e.done}) {
         if (event != nullptr) MGPU_CUDA_CHECK_NO_THROW(cudaEventDestroy(event));
       }
     }
     for (Channel& ch : channels_) {
-      if (ch.word != nullptr) mgpu::detail::cuda::host_word_destroy(ch.word);
+      if (ch.written != nullptr) MGPU_CUDA_CHECK_NO_THROW(cudaEventDestroy(ch.written));
     }
+    // The words go back to the pool only once the streams that wait on them or write them are past
+    // this communicator's operations: a recycled word is reset for its next owner.
+    std::vector<std::uint32_t*> words;
+    for (Channel& ch : channels_) {
+      if (ch.word != nullptr) words.push_back(ch.word);
+    }
+    std::vector<void*> after;
+    for (auto& marks : marks_) {
+      for (StreamMark const& m : marks) after.push_back(m.last);
+    }
+    mgpu::detail::cuda::host_words_destroy_after(std::move(words), std::move(after));
   }
 
  protected:
@@ -196,15 +279,16 @@ class CudaPeerCommunicator final : public CommunicatorBase {
       ~Done() { s.end_operation(); }
     } done{*state()};
     mgpu::detail::cuda::DeviceScope scope(devices_[static_cast<std::size_t>(rank)].index);
-    cudaStream_t const s = native(stream);
-    // Sends are posted first and never block this thread (the stream waits for the receiver's
-    // copy), so a group's sends and receives cannot block each other.
-    bool posted = false;
+    // Sends are posted first and never block this thread, so the receivers of this group can find
+    // them. The stream waits for their receivers' copies only after this group's own receives and
+    // collectives: two ranks exchanging in one group would otherwise each wait for a copy queued
+    // behind the other's wait.
+    std::vector<Call const*> posted;
     try {
       for (Call const& c : calls) {
         if (c.kind == OpKind::send) {
           post_send(rank, c, stream);
-          posted = true;
+          posted.push_back(&c);
         }
       }
       for (Call const& c : calls) {
@@ -214,12 +298,19 @@ class CudaPeerCommunicator final : public CommunicatorBase {
           collective(rank, c, stream);
         }
       }
-      MGPU_CUDA_CHECK(cudaEventRecord(events_[static_cast<std::size_t>(rank)].last, s));
     } catch (Error const& e) {
-      // A receiver may still wait for the rest of the group, or a posted send for a receiver.
-      if (posted) state()->abort(calls.front().name(rank) + " failed after posting its sends: " + e.what());
+      // A receiver may still wait for the rest of the group, or a posted send for a receiver; the
+      // abort raises the words, so the send waits below end.
+      if (!posted.empty() || has_peer_call(calls)) state()->abort(calls.front().name(rank) + " failed: " + e.what());
+      try {
+        wait_for_receivers(rank, posted, stream);
+        mark_last(rank, stream);
+      } catch (Error const&) {  // the GPU fails too: the first error says more
+      }
       throw;
     }
+    wait_for_receivers(rank, posted, stream);
+    mark_last(rank, stream);
   }
 
   void finish_device_work(std::chrono::milliseconds limit) override {
@@ -239,22 +330,28 @@ class CudaPeerCommunicator final : public CommunicatorBase {
         }
       }
     }
-    // Then the GPUs: each rank's latest operation has finished.
+    // Then the GPUs: the latest operation on every stream each rank used has finished.
+    std::lock_guard marks_lock(marks_mutex_);
     for (int r = 0; r < size() && !state()->aborted(); ++r) {
       mgpu::detail::cuda::DeviceScope scope(devices_[static_cast<std::size_t>(r)].index);
-      while (true) {
-        cudaError_t const status = cudaEventQuery(events_[static_cast<std::size_t>(r)].last);
-        if (status == cudaSuccess) break;
-        if (status != cudaErrorNotReady) {
-          state()->abort("finalize: rank " + std::to_string(r) + "'s operations failed on the GPU: " + cudaGetErrorString(status));
-          return;
+      auto const& marks = marks_[static_cast<std::size_t>(r)];
+      for (std::size_t m = 0; m < marks.size() && !state()->aborted(); ++m) {
+        std::string const whose = "rank " + std::to_string(r) + "'s operations on its stream " + std::to_string(m + 1) +
+                                  " of " + std::to_string(marks.size());
+        while (true) {
+          cudaError_t const status = cudaEventQuery(marks[m].last);
+          if (status == cudaSuccess) break;
+          if (status != cudaErrorNotReady) {
+            state()->abort("finalize: " + whose + " failed on the GPU: " + cudaGetErrorString(status));
+            return;
+          }
+          if (Clock::now() > deadline) {
+            state()->abort("finalize waited " + format_duration(limit) + " for " + whose +
+                           " to finish on the GPU (a send to or a receive from another rank that never met its peer?)");
+            return;
+          }
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
         }
-        if (Clock::now() > deadline) {
-          state()->abort("finalize waited " + format_duration(limit) + " for rank " + std::to_string(r) +
-                         "'s operations to finish on the GPU");
-          return;
-        }
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
       }
     }
   }
@@ -277,6 +374,7 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     std::int64_t count = 0;
     DType dtype{};
     std::uint64_t seq = 0;  // the sender's n-th send to this receiver
+    Clock::time_point posted_at{};
     cudaEvent_t ready = nullptr;
     PeerMessage() = default;
     PeerMessage(PeerMessage const&) = delete;
@@ -295,6 +393,10 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     std::condition_variable cv;
     std::deque<std::unique_ptr<PeerMessage>> queue;
     std::uint32_t* word = nullptr;  // page-locked, readable and writable by the GPUs
+    // After the latest receive's write of `word`, on the receiver's GPU (made by the first receive).
+    // The next receive's write waits for it, so the word only grows even when the receiver uses
+    // several streams: a later copy that finished first must not announce an earlier one.
+    cudaEvent_t written = nullptr;
     std::uint64_t posted = 0;
     std::uint64_t taken = 0;
   };
@@ -309,6 +411,7 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     message->count = c.count;
     message->dtype = c.dtype;
     message->seq = c.seq;
+    message->posted_at = Clock::now();
     MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&message->ready, cudaEventDisableTiming));
     MGPU_CUDA_CHECK(cudaEventRecord(message->ready, s));
     Channel& ch = channel(rank, c.root);
@@ -318,9 +421,34 @@ class CudaPeerCommunicator final : public CommunicatorBase {
       ++ch.posted;
     }
     ch.cv.notify_all();
-    // The send buffer may be reused once the receiver's copy has run: the stream waits for that.
-    mgpu::detail::cuda::stream_wait_word(s, ch.word, static_cast<std::uint32_t>(c.seq + 1));
-    mgpu::detail::release_after(stream, c.send);
+  }
+
+  // The posted sends' buffers may be reused once their receivers' copies have run: the stream waits
+  // for that (without a host thread; an abort raises the words), and the buffers' use is recorded
+  // after the wait. Also on a failed group, whose receivers may already have queued their copies.
+  void wait_for_receivers(int rank, std::vector<Call const*> const& posted, Stream& stream) {
+    for (Call const* c : posted) {
+      mgpu::detail::cuda::stream_wait_word(native(stream), channel(rank, c->root).word, static_cast<std::uint32_t>(c->seq + 1));
+      mgpu::detail::release_after(stream, c->send);
+    }
+  }
+
+  static bool has_peer_call(std::vector<Call> const& calls) {
+    return std::any_of(calls.begin(), calls.end(), [](Call const& c) { return c.kind == OpKind::send || c.kind == OpKind::recv; });
+  }
+
+  // Records the end of the rank's latest operation on `stream`, for finalize().
+  void mark_last(int rank, Stream& stream) {
+    cudaStream_t const s = native(stream);
+    std::lock_guard lock(marks_mutex_);
+    auto& marks = marks_[static_cast<std::size_t>(rank)];
+    auto it = std::find_if(marks.begin(), marks.end(), [&](StreamMark const& m) { return m.stream == s; });
+    if (it == marks.end()) {
+      StreamMark mark{s, nullptr};
+      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&mark.last, cudaEventDisableTiming));
+      it = marks.insert(marks.end(), mark);
+    }
+    MGPU_CUDA_CHECK(cudaEventRecord(it->last, s));
   }
 
   // Waits on the host until `ready()`, with the deadline; `waiting_for` names the other side.
@@ -360,8 +488,14 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     ++ch.taken;
     MGPU_CUDA_CHECK(cudaStreamWaitEvent(s, taken->ready, 0));
     if (c.count > 0) MGPU_CUDA_CHECK(cudaMemcpyAsync(c.recv.data(), taken->data, c.recv.nbytes(), cudaMemcpyDefault, s));
+    mgpu::detail::release_after(stream, c.recv);  // before anything else can fail
+    if (ch.written == nullptr) {
+      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&ch.written, cudaEventDisableTiming));
+    } else {
+      MGPU_CUDA_CHECK(cudaStreamWaitEvent(s, ch.written, 0));
+    }
     mgpu::detail::cuda::stream_write_word(s, ch.word, static_cast<std::uint32_t>(taken->seq + 1));
-    mgpu::detail::release_after(stream, c.recv);
+    MGPU_CUDA_CHECK(cudaEventRecord(ch.written, s));
     lock.unlock();
     ch.cv.notify_all();
   }
@@ -380,6 +514,7 @@ class CudaPeerCommunicator final : public CommunicatorBase {
       if (p != rank) MGPU_CUDA_CHECK(cudaStreamWaitEvent(s, events_[static_cast<std::size_t>(p)].ready, 0));
     }
     compute(rank, c, posts, s, what);
+    mgpu::detail::release_after(stream, c.send, c.recv);  // this rank's kernel, also if the rest fails
     MGPU_CUDA_CHECK(cudaEventRecord(mine.done, s));
     (void)done_meeting_.exchange(rank, 0, what);
     for (int p = 0; p < n; ++p) {
@@ -447,9 +582,15 @@ class CudaPeerCommunicator final : public CommunicatorBase {
 
   std::vector<Device> devices_;
   std::vector<RankEvents> events_;
+  std::mutex marks_mutex_;
+  std::vector<std::vector<StreamMark>> marks_;  // per rank, one per stream it used
   std::vector<Channel> channels_;
   Meeting<Post> meeting_;
   Meeting<int> done_meeting_;
+  std::mutex watch_mutex_;
+  std::condition_variable watch_cv_;
+  bool stopping_ = false;
+  std::thread watchdog_;  // started last, stopped first
 };
 
 #if MGPU_NCCL_ENABLED
@@ -477,6 +618,10 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 // (the communicator is being aborted) with Error(communication).
 template <class Stop>
 void wait_for_nccl(ncclComm_t comm, std::string const& what, Clock::time_point deadline, Stop const& stop) {
+  // A launch is usually on the stream within microseconds: the first 200 us only yield the CPU,
+  // then sleeps double from 10 us up to 1 ms (a longer wait is a slow peer or a deadline).
+  auto const start = Clock::now();
+  auto pause = std::chrono::microseconds(10);
   while (true) {
     ncclResult_t state = ncclSuccess;
     ncclResult_t const status = ncclCommGetAsyncError(comm, &state);
@@ -485,9 +630,31 @@ void wait_for_nccl(ncclComm_t comm, std::string const& what, Clock::time_point d
     if (state != ncclInProgress)
       throw Error(Errc::communication, what + " failed: " + mgpu::detail::cuda::nccl_error_string(static_cast<int>(state)));
     if (stop()) throw Error(Errc::communication, what + " was interrupted: the communicator is being aborted");
-    if (Clock::now() > deadline) throw Error(Errc::timeout, what + " did not finish within its deadline (a rank that never called it?)");
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
+    auto const now = Clock::now();
+    if (now > deadline) throw Error(Errc::timeout, what + " did not finish within its deadline (a rank that never called it?)");
+    if (now - start < std::chrono::microseconds(200)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    }
   }
+}
+
+// Calls `fn` (ncclCommFinalize, ncclCommDestroy or ncclCommAbort) on every communicator in one
+// group, as NCCL asks of one thread that manages several; the first failure, else the group's
+// status. A communicator `fn` failed on is not used again by the caller.
+template <class Fn>
+ncclResult_t for_each_comm_in_group(std::vector<ncclComm_t> const& comms, Fn const& fn) noexcept {
+  ncclResult_t failed = ncclGroupStart();
+  if (failed != ncclSuccess) return failed;
+  for (ncclComm_t comm : comms) {
+    ncclResult_t const status = fn(comm);
+    if (failed == ncclSuccess && status != ncclSuccess && status != ncclInProgress) failed = status;
+  }
+  ncclResult_t const ended = ncclGroupEnd();  // always closes the group
+  if (failed == ncclSuccess && ended != ncclSuccess && ended != ncclInProgress) failed = ended;
+  return failed;
 }
 
 // Non-blocking NCCL communicators (config.blocking = 0): no NCCL call waits for the other ranks, so
@@ -503,7 +670,8 @@ class NcclCommunicator final : public CommunicatorBase {
   NcclCommunicator(DeviceGroup& group, std::vector<Device> devices, std::chrono::milliseconds timeout)
       : CommunicatorBase(group, static_cast<int>(devices.size()), Backend::nccl, timeout),
         devices_(std::move(devices)),
-        comms_(devices_.size(), nullptr) {
+        comms_(devices_.size(), nullptr),
+        spare_events_(devices_.size()) {
     ncclUniqueId id{};
     MGPU_NCCL_CHECK(ncclGetUniqueId(&id));
     // Every local rank's init in one group, as NCCL requires when one thread creates them all.
@@ -527,9 +695,9 @@ class NcclCommunicator final : public CommunicatorBase {
         wait_for_nccl(comms_[static_cast<std::size_t>(r)], "creating rank " + std::to_string(r) + "'s NCCL communicator", deadline,
                       [] { return false; });
     } catch (...) {
-      for (ncclComm_t comm : comms_) {
-        if (comm != nullptr) (void)ncclCommAbort(comm);
-      }
+      std::vector<ncclComm_t> created;
+      std::copy_if(comms_.begin(), comms_.end(), std::back_inserter(created), [](ncclComm_t comm) { return comm != nullptr; });
+      (void)for_each_comm_in_group(created, ncclCommAbort);
       throw;
     }
     state()->on_abort([this] {
@@ -541,6 +709,9 @@ class NcclCommunicator final : public CommunicatorBase {
   }
 
   ~NcclCommunicator() override {
+    // Operations in flight finish (or the communicators are aborted) while the wakers can still
+    // reach this object; after this no abort calls into it.
+    shut_down();
     {
       std::lock_guard lock(mutex_);
       stopping_ = true;
@@ -549,23 +720,23 @@ class NcclCommunicator final : public CommunicatorBase {
     watchdog_.join();
     if (comms_aborted_) return;
     // ncclCommFinalize flushes each communicator's operations; being non-blocking, every rank's
-    // call returns at once, so one thread finalizes them all. A communicator that does not finalize
-    // in time is aborted instead of destroyed.
-    bool finalized = !aborted();
+    // call returns at once, so one thread finalizes them all. Communicators that do not finalize in
+    // time are aborted instead of destroyed. A failed ncclCommDestroy may have freed its
+    // communicator: it is reported, never followed by an abort of the same communicator.
+    bool finalized = !aborted() && for_each_comm_in_group(comms_, ncclCommFinalize) == ncclSuccess;
     if (finalized) {
-      for (ncclComm_t comm : comms_) {
-        ncclResult_t const status = ncclCommFinalize(comm);
-        finalized = finalized && (status == ncclSuccess || status == ncclInProgress);
-      }
       auto const deadline = Clock::now() + timeout();
       try {
         for (ncclComm_t comm : comms_) wait_for_nccl(comm, "ncclCommFinalize", deadline, [] { return false; });
-      } catch (...) {
+      } catch (Error const&) {
         finalized = false;
       }
     }
-    for (ncclComm_t comm : comms_) {
-      if (!finalized || ncclCommDestroy(comm) != ncclSuccess) (void)ncclCommAbort(comm);
+    if (!finalized) {
+      (void)for_each_comm_in_group(comms_, ncclCommAbort);
+    } else if (ncclResult_t const status = for_each_comm_in_group(comms_, ncclCommDestroy); status != ncclSuccess) {
+      std::fprintf(stderr, "mgpu: destroying the NCCL communicators failed: %s\n",
+                   mgpu::detail::cuda::nccl_error_string(static_cast<int>(status)).c_str());
     }
   }
 
@@ -618,14 +789,31 @@ class NcclCommunicator final : public CommunicatorBase {
       wait_for_nccl(comm, what, Clock::now() + timeout(), [this] { return state()->aborted(); });
     } catch (Error const& e) {
       state()->abort(e.what());
+      try {
+        // NCCL may have put some of the operations on the stream: their buffers are reused only
+        // after them (the abort ends them).
+        for (Call const& c : calls) mgpu::detail::release_after(stream, c.send, c.recv);
+      } catch (Error const&) {  // the GPU fails too: the first error says more
+      }
       throw;
     }
-    cudaEvent_t done = nullptr;
-    MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-    MGPU_CUDA_CHECK(cudaEventRecord(done, s));
     // NCCL touches each rank's buffers only from that rank's stream: they are reused after it.
     for (Call const& c : calls) mgpu::detail::release_after(stream, c.send, c.recv);
+    cudaEvent_t done = nullptr;
+    {
+      std::lock_guard lock(mutex_);
+      if (auto& spare = spare_events_[static_cast<std::size_t>(rank)]; !spare.empty()) {
+        done = spare.back();
+        spare.pop_back();
+      }
+    }
+    if (done == nullptr) MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    cudaError_t const recorded = cudaEventRecord(done, s);
     std::lock_guard lock(mutex_);
+    if (recorded != cudaSuccess) {
+      spare_events_[static_cast<std::size_t>(rank)].push_back(done);
+      MGPU_CUDA_CHECK(recorded);
+    }
     pending_.push_back({done, rank, what, Clock::now() + timeout()});
     state()->begin_operation();
     cv_.notify_all();
@@ -678,7 +866,7 @@ class NcclCommunicator final : public CommunicatorBase {
     while (true) {
       cv_.wait_for(lock, std::chrono::milliseconds(10));
       if (abort_requested_ && !comms_aborted_ && launching_ == 0) {
-        for (ncclComm_t comm : comms_) (void)ncclCommAbort(comm);
+        (void)for_each_comm_in_group(comms_, ncclCommAbort);
         comms_aborted_ = true;
       }
       for (auto it = pending_.begin(); it != pending_.end();) {
@@ -694,7 +882,9 @@ class NcclCommunicator final : public CommunicatorBase {
           failure = it->name + " did not finish within the " + format_duration(timeout()) + " deadline";
         }
         if (status == cudaSuccess || !failure.empty() || comms_aborted_) {
-          (void)cudaEventDestroy(it->done);
+          // Kept for the rank's next launch (recording it again is fine even if work before it
+          // never finishes: only the watchdog queries it).
+          spare_events_[static_cast<std::size_t>(it->rank)].push_back(it->done);
           it = pending_.erase(it);
           state()->end_operation();
           if (!failure.empty()) {
@@ -711,6 +901,9 @@ class NcclCommunicator final : public CommunicatorBase {
     for (void* word : barrier_words_) {
       if (word != nullptr) (void)cudaFree(word);
     }
+    for (auto const& events : spare_events_) {
+      for (cudaEvent_t event : events) (void)cudaEventDestroy(event);
+    }
   }
 
   std::vector<Device> devices_;
@@ -718,6 +911,7 @@ class NcclCommunicator final : public CommunicatorBase {
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<Pending> pending_;
+  std::vector<std::vector<cudaEvent_t>> spare_events_;  // per rank: completion events to record again
   std::vector<void*> barrier_words_;
   int launching_ = 0;  // launches between taking a communicator and leaving NCCL
   bool stopping_ = false;

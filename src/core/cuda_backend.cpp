@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <string>
@@ -97,14 +98,43 @@ void* event_create_untimed(int ordinal) {
 
 namespace {
 // Released words are kept for reuse instead of freed: a word's last owner may go inside a CUDA
-// host callback, where no CUDA call is allowed.
+// host callback, where no CUDA call is allowed. Words released while streams may still use them
+// are held with events after that use, and become spare once the events have completed.
+struct HeldWords {
+  std::vector<std::uint32_t*> words;
+  std::vector<void*> after;
+};
 struct HostWordPool {
   std::mutex mutex;
   std::vector<std::uint32_t*> spare;
+  std::vector<HeldWords> held;
 };
 HostWordPool& host_words() {
   static auto* const pool = new HostWordPool;  // never destroyed: callbacks may run at exit
   return *pool;
+}
+
+// True once no stream work before the events can still touch the words (a failed GPU runs none).
+bool events_completed(std::vector<void*> const& events) noexcept {
+  return std::all_of(events.begin(), events.end(), [](void* event) {
+    cudaError_t const status = cudaEventQuery(as_event(event));
+    if (status == cudaErrorNotReady) return false;
+    if (status != cudaSuccess) (void)cudaGetLastError();
+    return true;
+  });
+}
+
+// Moves the held words whose streams are past them to the spare words; `pool.mutex` is held.
+void reclaim_held_words(HostWordPool& pool) {
+  for (auto it = pool.held.begin(); it != pool.held.end();) {
+    if (!events_completed(it->after)) {
+      ++it;
+      continue;
+    }
+    for (void* event : it->after) MGPU_CUDA_CHECK_NO_THROW(cudaEventDestroy(as_event(event)));
+    pool.spare.insert(pool.spare.end(), it->words.begin(), it->words.end());
+    it = pool.held.erase(it);
+  }
 }
 }  // namespace
 
@@ -112,6 +142,7 @@ std::uint32_t* host_word_create() {
   std::uint32_t* word = nullptr;
   {
     std::lock_guard lock(host_words().mutex);
+    if (host_words().spare.empty()) reclaim_held_words(host_words());
     if (!host_words().spare.empty()) {
       word = host_words().spare.back();
       host_words().spare.pop_back();
@@ -131,6 +162,14 @@ void host_word_destroy(std::uint32_t* word) noexcept {
     std::lock_guard lock(host_words().mutex);
     host_words().spare.push_back(word);
   } catch (...) {  // out of memory for the list: the word is lost, never freed in a callback
+  }
+}
+
+void host_words_destroy_after(std::vector<std::uint32_t*> words, std::vector<void*> after) noexcept {
+  try {
+    std::lock_guard lock(host_words().mutex);
+    host_words().held.push_back({std::move(words), std::move(after)});
+  } catch (...) {  // out of memory for the list: the words and events are lost, never reused early
   }
 }
 

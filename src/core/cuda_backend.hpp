@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <mgpu/core/device.hpp>
 #include <mgpu/core/dtype.hpp>
@@ -39,6 +40,10 @@ float event_elapsed_ms(void* start, void* end);
 // host_word_destroy makes no CUDA call (the word is kept for reuse), so it is safe in callbacks.
 std::uint32_t* host_word_create();
 void host_word_destroy(std::uint32_t* word) noexcept;
+// Returns `words` to the pool once every event in `after` (of any GPUs, recorded after the last
+// stream work that waits on or writes the words) has completed; takes the events and destroys
+// them then. Until then the words keep their values, so no stream wait on them can stall.
+void host_words_destroy_after(std::vector<std::uint32_t*> words, std::vector<void*> after) noexcept;
 // Makes later work on `stream` wait until (int32_t)(*word - value) >= 0 (wrap-around safe).
 void stream_wait_word(void* stream, std::uint32_t const* word, std::uint32_t value);
 // Sets *word = value once earlier work on `stream` has finished (a GPU-side write, in stream order).

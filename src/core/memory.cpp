@@ -3,20 +3,26 @@
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <iterator>
 #include <string>
+#include <thread>
 #include <utility>
 
+#include <mgpu/comm/communicator.hpp>
 #include <mgpu/core/error.hpp>
 
+#include "comm/base.hpp"
 #include "core/buffer_internals.hpp"
 #include "core/cuda_backend.hpp"
 #include "core/host_staging.hpp"
 
 namespace mgpu {
 namespace {
+
+using Clock = std::chrono::steady_clock;
 
 constexpr std::size_t alignment = 256;
 
@@ -119,13 +125,17 @@ std::size_t Allocator::block_size(std::size_t bytes) noexcept {
 Buffer Allocator::allocate(std::size_t bytes) {
   if (bytes == 0) return {};
   std::size_t const block = block_size(bytes);
-  // At most two rounds: the second after the cache (and freed blocks awaiting their work) went back
-  // to the device. Memory goes back without the lock: cudaFree waits for the GPU, and host
-  // callbacks that drop tensors take the lock.
-  for (int round = 0; round < 2; ++round) {
+  // When the block does not fit, cached blocks go back to the device (without the lock: cudaFree
+  // waits for the GPU, and host callbacks that drop tensors take the lock) and the request is tried
+  // again. Blocks freed while queued GPU work still uses them are never waited for with a blocking
+  // call: that work may wait for this very thread (a send whose receiver is this rank, on another
+  // logical device of the GPU). They are polled, at most for the communicators' deadline, and then
+  // the request fails.
+  std::optional<Clock::time_point> wait_until;
+  while (true) {
     std::vector<void*> to_free;
-    std::vector<PendingBlock> to_wait;
     bool reserved = false;
+    bool awaiting_work = false;
     {
       std::lock_guard lock(mutex_);
       reclaim_completed_locked();
@@ -142,8 +152,9 @@ Buffer Allocator::allocate(std::size_t bytes) {
       if (!limit_ || stats_.reserved + block <= *limit_) {
         stats_.reserved += block;  // held while the device allocates, outside the lock
         reserved = true;
-      } else if (round == 0) {
-        detach_cached_locked(to_free, to_wait);
+      } else {
+        detach_idle_locked(to_free);
+        awaiting_work = pending_device_bytes_locked() > 0;
       }
     }
     if (reserved) {
@@ -155,10 +166,18 @@ Buffer Allocator::allocate(std::size_t bytes) {
         ++stats_.allocations;
         return Buffer(shared_from_this(), data, bytes, block, device_, false);
       }
-      stats_.reserved -= block;
-      if (round == 0) detach_cached_locked(to_free, to_wait);  // the device itself is full
+      stats_.reserved -= block;  // the device itself is full
+      detach_idle_locked(to_free);
+      awaiting_work = pending_device_bytes_locked() > 0;
     }
-    free_detached(to_free, to_wait);
+    if (!to_free.empty()) {  // each round that frees a block makes progress: try again
+      for (void* data : to_free) system_free(device_, data);
+      continue;
+    }
+    if (!awaiting_work) break;
+    if (!wait_until) wait_until = Clock::now() + comm::default_timeout();
+    if (Clock::now() > *wait_until) break;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
   std::lock_guard lock(mutex_);
   std::string free_text;
@@ -174,6 +193,9 @@ Buffer Allocator::allocate(std::size_t bytes) {
   } else {
     free_text = format_bytes(stats_.allocated) + " allocated, the host has no more memory";
   }
+  if (std::size_t const awaiting = pending_device_bytes_locked(); awaiting > 0)
+    free_text += ", " + format_bytes(awaiting) + " freed but still used by queued GPU work" +
+                 (wait_until ? " after a wait of " + comm::detail::format_duration(comm::default_timeout()) : std::string());
   throw Error(Errc::out_of_memory, "out of memory on " + device_.to_string() + ": requested " + format_bytes(bytes) +
                                        " (block of " + format_bytes(block) + "); " + free_text +
                                        " (expected a request that fits in the free memory)");
@@ -257,7 +279,7 @@ void Allocator::reclaim_completed_locked() noexcept {
   }
 }
 
-void Allocator::detach_cached_locked(std::vector<void*>& blocks, std::vector<PendingBlock>& pending) noexcept {
+void Allocator::detach_idle_locked(std::vector<void*>& blocks) noexcept {
   for (auto& [block, cached] : cache_) {
     for (void* data : cached) {
       blocks.push_back(data);
@@ -266,6 +288,16 @@ void Allocator::detach_cached_locked(std::vector<void*>& blocks, std::vector<Pen
     }
     cached.clear();
   }
+}
+
+std::size_t Allocator::pending_device_bytes_locked() const noexcept {
+  std::size_t bytes = 0;
+  for (PendingBlock const& p : pending_) bytes += p.pinned ? 0 : p.block;
+  return bytes;
+}
+
+void Allocator::detach_cached_locked(std::vector<void*>& blocks, std::vector<PendingBlock>& pending) noexcept {
+  detach_idle_locked(blocks);
   for (auto it = pending_.begin(); it != pending_.end();) {
     if (it->pinned) {
       ++it;
@@ -351,6 +383,10 @@ void detail::BufferInternals::record_use(Stream& stream, Buffer const& buffer) {
 
 void detail::BufferInternals::record_use(Stream& stream, Tensor const& tensor) {
   if (tensor.storage_) record_use(stream, *tensor.storage_);
+}
+
+void detail::BufferInternals::record_use(Stream& stream, std::vector<Tensor> const& tensors) {
+  for (Tensor const& t : tensors) record_use(stream, t);
 }
 
 }  // namespace mgpu

@@ -28,6 +28,7 @@ void* event_create_untimed(int) { unavailable("create a CUDA event"); }
 void event_destroy(void*) noexcept {}
 std::uint32_t* host_word_create() { unavailable("allocate pinned memory"); }
 void host_word_destroy(std::uint32_t*) noexcept {}
+void host_words_destroy_after(std::vector<std::uint32_t*>, std::vector<void*>) noexcept {}
 void stream_wait_word(void*, std::uint32_t const*, std::uint32_t) { unavailable("wait on a CUDA stream"); }
 void stream_write_word(void*, std::uint32_t*, std::uint32_t) { unavailable("write from a CUDA stream"); }
 void event_record(void*, void*) { unavailable("record a CUDA event"); }

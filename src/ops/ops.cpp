@@ -85,8 +85,8 @@ void run_each(Stream& stream, std::int64_t n, Op const& op, std::vector<Tensor> 
     return;
   }
 #if MGPU_CUDA_ENABLED
+  mgpu::detail::ReleaseAfterOnExit const release(stream, keep);  // reused after the kernel
   kernels::each(stream.device().index, n, op, stream.native_handle());
-  for (Tensor const& t : keep) mgpu::detail::BufferInternals::record_use(stream, t);  // reused after the kernel
 #else
   throw Error(Errc::device, "ops on " + stream.device().to_string() + " (this build has no CUDA backend)");
 #endif
@@ -106,8 +106,8 @@ void run_reduce(Stream& stream, std::int64_t n, Op const& op, Tensor const& out,
     return;
   }
 #if MGPU_CUDA_ENABLED
+  mgpu::detail::ReleaseAfterOnExit const release(stream, keep);  // its kernels, also if the second fails to launch
   kernels::reduce(stream.device().index, n, op, result, scale, stream.native_handle());
-  for (Tensor const& t : keep) mgpu::detail::BufferInternals::record_use(stream, t);
 #else
   throw Error(Errc::device, "ops on " + stream.device().to_string() + " (this build has no CUDA backend)");
 #endif
@@ -429,9 +429,12 @@ void fail_on_bad_label(char const* op, Tensor const& labels, std::int64_t n, std
     // The GPU finds the first bad row; a host callback reads it back and fails the stream with the
     // host's error.
     auto found = std::make_shared<Buffer>(mgpu::detail::host_staging_allocator().allocate_pinned(sizeof(std::uint64_t)));
-    kernels::find_bad_label(stream.device().index, ptr<float>(labels), n, c, static_cast<std::uint64_t*>(found->data()),
-                            stream.native_handle());
-    mgpu::detail::release_after(stream, labels);
+    {
+      // Its kernel and its copy into `found`, also when a later step of the search fails.
+      mgpu::detail::ReleaseAfterOnExit const release(stream, labels, *found);
+      kernels::find_bad_label(stream.device().index, ptr<float>(labels), n, c, static_cast<std::uint64_t*>(found->data()),
+                              stream.native_handle());
+    }
     stream.enqueue([found, bad_label] {
       std::uint64_t const code = *static_cast<std::uint64_t const*>(found->data());
       if (code == ~std::uint64_t{0}) return;

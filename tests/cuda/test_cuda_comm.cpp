@@ -2,14 +2,20 @@
 // NCCL (across every GPU, or a one-rank group on a one-GPU machine), against a host float64
 // reference; send/recv into separate buffers, checked; a send that does not wait for its receiver;
 // subset communicators (cuda_peer on logical devices of GPU 0, NCCL over distinct GPUs) beside a
-// whole-group one.
+// whole-group one. The hang-prone paths (an exchange in one group, an allocation that would wait
+// for a receive this thread has yet to post, work on a rank's other streams, a communicator
+// destroyed while a stream waits on it) run under short deadlines, so a regression fails instead
+// of hanging.
 #include <mgpu/comm/communicator.hpp>
 #include <mgpu/config.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
+#include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,6 +28,38 @@ using mgpu::Tensor;
 using mgpu::comm::ReduceOp;
 
 namespace {
+
+// Sets an environment variable for a scope (the tests of one process run one at a time).
+class ScopedEnv {
+ public:
+  ScopedEnv(char const* name, char const* value) : name_(name) {
+    if (char const* old = std::getenv(name)) old_ = old;
+    ::setenv(name, value, 1);
+  }
+  ScopedEnv(ScopedEnv const&) = delete;
+  ScopedEnv& operator=(ScopedEnv const&) = delete;
+  ~ScopedEnv() {
+    if (old_) {
+      ::setenv(name_, old_->c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+
+ private:
+  char const* name_;
+  std::optional<std::string> old_;
+};
+
+// Waits, at most `limit`, for `stream` to finish its work; false if it does not.
+bool finishes_within(mgpu::Stream& stream, std::chrono::milliseconds limit) {
+  auto const deadline = std::chrono::steady_clock::now() + limit;
+  while (!stream.query()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
 
 std::vector<float> download(Tensor const& t) {
   auto host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
@@ -182,10 +220,7 @@ TEST_CASE("cuda_peer subset communicators on logical devices sharing GPU 0", "[c
 }
 
 TEST_CASE("NCCL subset communicators over distinct GPUs (one rank each on a one-GPU machine)", "[cuda][comm]") {
-  if (!mgpu::built_with_nccl) {
-    WARN("skipped: built without NCCL");
-    return;
-  }
+  if (!mgpu::built_with_nccl) MGPU_SKIP("built without NCCL");
   check_subsets("cuda", mgpu::comm::Backend::nccl);
 }
 
@@ -195,10 +230,7 @@ TEST_CASE("cuda_peer collectives on logical devices sharing GPU 0", "[cuda][comm
 }
 
 TEST_CASE("NCCL collectives across every GPU (one rank on a one-GPU machine)", "[cuda][comm]") {
-  if (!mgpu::built_with_nccl) {
-    WARN("skipped: built without NCCL");
-    return;
-  }
+  if (!mgpu::built_with_nccl) MGPU_SKIP("built without NCCL");
   // One GPU still makes a one-rank NCCL group: non-blocking init, launches, the watchdog, and
   // finalize/destroy all run.
   check_collectives("cuda", mgpu::comm::Backend::nccl);
@@ -230,7 +262,7 @@ TEST_CASE("A cuda_peer send does not wait for its receiver on the host", "[cuda]
   comm->finalize();
 }
 
-TEST_CASE("cuda_peer finalize reports a send nobody receives instead of hanging", "[cuda][comm]") {
+TEST_CASE("cuda_peer reports a send nobody receives instead of hanging", "[cuda][comm]") {
   mgpu::DeviceGroup group("cuda:0,0");
   auto comm = mgpu::comm::make_communicator(group, {.backend = mgpu::comm::Backend::cuda_peer,
                                                     .timeout = std::chrono::milliseconds(300)});
@@ -238,8 +270,10 @@ TEST_CASE("cuda_peer finalize reports a send nobody receives instead of hanging"
   group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
     if (rank == 0) comm->send(0, message, 1, stream);
   });
-  REQUIRE_MGPU_ERROR(comm->finalize(), mgpu::Errc::communication, "to receive 1 message(s) from rank 0");
-  group.synchronize();  // the abort released the sender's stream
+  // The watchdog aborts within the deadline, without finalize: the sender's stream is released.
+  CHECK(finishes_within(group.stream(0), std::chrono::seconds(10)));
+  CHECK(comm->aborted());
+  REQUIRE_MGPU_ERROR(comm->finalize(), mgpu::Errc::communication, "for rank 1 to receive 1 message(s) from rank 0");
 }
 
 TEST_CASE("A stalled rank on CUDA devices times out instead of hanging", "[cuda][comm]") {
@@ -251,4 +285,187 @@ TEST_CASE("A stalled rank on CUDA devices times out instead of hanging", "[cuda]
   }),
                      mgpu::Errc::timeout, "waited");
   CHECK(comm->aborted());
+}
+
+TEST_CASE("cuda_peer: two ranks exchanging a send and a receive in one group do not deadlock on the GPU", "[cuda][comm][sanitize]") {
+  // The 1F1B steady state: each step, rank 0 sends an activation and receives a gradient in one
+  // group, rank 1 the reverse. Finalize has a deadline: a GPU deadlock becomes an error naming the
+  // ranks (and the abort releases the streams) instead of a hang.
+  mgpu::DeviceGroup group("cuda:0,0");
+  auto comm = mgpu::comm::make_communicator(group, {.backend = mgpu::comm::Backend::cuda_peer,
+                                                    .timeout = std::chrono::milliseconds(2000)});
+  constexpr int steps = 3;
+  constexpr std::int64_t n = 1 << 16;
+  auto values = [](int rank, int step) {
+    std::vector<float> v(n);
+    for (std::int64_t i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = static_cast<float>((i * (rank + 2) + step) % 509) - 254.0f;
+    return v;
+  };
+  std::vector<std::vector<Tensor>> outbox(2);
+  std::vector<std::vector<Tensor>> inbox(2);
+  for (int r = 0; r < 2; ++r) {
+    for (int step = 0; step < steps; ++step) {
+      outbox[static_cast<std::size_t>(r)].push_back(upload(values(r, step), DType::float32, group.allocator(r), group.stream(r)));
+      inbox[static_cast<std::size_t>(r)].push_back(Tensor::empty({n}, DType::float32, group.allocator(r)));
+    }
+  }
+  group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+    auto const r = static_cast<std::size_t>(rank);
+    for (std::size_t step = 0; step < steps; ++step) {
+      comm->group_start(rank);
+      comm->send(rank, outbox[r][step], 1 - rank, stream);
+      comm->recv(rank, inbox[r][step], 1 - rank, stream);
+      comm->group_end(rank);
+    }
+  });
+  comm->finalize();
+  for (int r = 0; r < 2; ++r) {
+    for (int step = 0; step < steps; ++step) {
+      auto const expected = values(1 - r, step);  // computed on the host, not read back from the sender
+      REQUIRE(download(inbox[static_cast<std::size_t>(r)][static_cast<std::size_t>(step)]) == expected);
+    }
+  }
+}
+
+TEST_CASE("Out of GPU memory does not block on work that waits for this thread", "[cuda][comm]") {
+  // The freed send buffer's block is reusable only after rank 1's copy, which this thread posts
+  // after the allocation: a blocking wait for that work would never end. The allocator polls it
+  // for the deadline ($MGPU_COMM_TIMEOUT) and reports out of memory.
+  ScopedEnv const deadline("MGPU_COMM_TIMEOUT", "0.5");
+  mgpu::DeviceGroup group("cuda:0,0");
+  // The communicator's own deadline is longer: its watchdog must not end the send before the
+  // allocation has given up.
+  auto comm = mgpu::comm::make_communicator(group, {.backend = mgpu::comm::Backend::cuda_peer,
+                                                    .timeout = std::chrono::milliseconds(10000)});
+  constexpr std::int64_t n = 1 << 20;
+  auto& allocator = group.allocator(0);
+  Tensor const inbox = Tensor::empty({n}, DType::float32, group.allocator(1));
+  allocator.release_cached();
+  {
+    Tensor const message = Tensor::empty({n}, DType::float32, allocator);
+    mgpu::fill_async(message, 3.0f, group.stream(0));
+    comm->send(0, message, 1, group.stream(0));
+  }
+  allocator.set_limit(allocator.stats().reserved);  // only the freed block could serve a request
+  auto const start = std::chrono::steady_clock::now();
+  REQUIRE_MGPU_ERROR(Tensor::empty({n}, DType::float32, allocator), mgpu::Errc::out_of_memory, "still used by queued GPU work");
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
+  comm->recv(1, inbox, 0, group.stream(1));
+  group.synchronize();
+  CHECK(Tensor::empty({n}, DType::float32, allocator).defined());  // the copy has run: the block is free
+  allocator.set_limit(std::nullopt);
+  auto const received = download(inbox);
+  REQUIRE(std::all_of(received.begin(), received.end(), [](float v) { return v == 3.0f; }));
+  comm->finalize();
+}
+
+TEST_CASE("cuda_peer finalize waits for every stream a rank used, not only its last", "[cuda][comm]") {
+  mgpu::DeviceGroup group("cuda:0,0");
+  auto comm = mgpu::comm::make_communicator(group, {.backend = mgpu::comm::Backend::cuda_peer,
+                                                    .timeout = std::chrono::milliseconds(300)});
+  mgpu::Stream side0(group.device(0));
+  mgpu::Stream side1(group.device(1));
+  std::promise<void> gate;
+  std::shared_future<void> const opened = gate.get_future().share();
+  side0.enqueue([opened] { opened.wait(); });  // the send on side0 (and rank 1's copy) waits for the gate
+  Tensor const message = Tensor::empty({256}, DType::float32, group.allocator(0));
+  Tensor const inbox = Tensor::empty({256}, DType::float32, group.allocator(1));
+  group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+    if (rank == 0) {
+      comm->send(0, message, 1, side0);
+    } else {
+      comm->recv(1, inbox, 0, side1);
+    }
+    comm->barrier(rank, stream);  // each rank's last operation, on its own stream: done at once
+  });
+  REQUIRE_MGPU_ERROR(comm->finalize(), mgpu::Errc::communication, "rank 0's operations on its stream 1 of 2");
+  gate.set_value();
+  CHECK(finishes_within(side0, std::chrono::seconds(10)));
+  CHECK(finishes_within(side1, std::chrono::seconds(10)));
+}
+
+TEST_CASE("cuda_peer receives of one sender on two streams release its buffers only after their own copies", "[cuda][comm]") {
+  // Rank 0 sends two messages in one group; rank 1 receives the first on a stream held by a gate and
+  // the second on a free one. The second copy runs first, but the sender's stream must still wait
+  // for the first: its buffer is read until then.
+  mgpu::DeviceGroup group("cuda:0,0");
+  auto comm = mgpu::comm::make_communicator(group, {.backend = mgpu::comm::Backend::cuda_peer,
+                                                    .timeout = std::chrono::milliseconds(5000)});
+  constexpr std::int64_t n = 4096;
+  std::vector<float> first(n);
+  std::vector<float> second(n);
+  for (std::int64_t i = 0; i < n; ++i) {
+    first[static_cast<std::size_t>(i)] = static_cast<float>(i % 97);
+    second[static_cast<std::size_t>(i)] = -static_cast<float>(i % 89);
+  }
+  Tensor const m0 = upload(first, DType::float32, group.allocator(0), group.stream(0));
+  Tensor const m1 = upload(second, DType::float32, group.allocator(0), group.stream(0));
+  Tensor const in0 = Tensor::empty({n}, DType::float32, group.allocator(1));
+  Tensor const in1 = Tensor::empty({n}, DType::float32, group.allocator(1));
+  mgpu::Stream gated(group.device(1));
+  mgpu::Stream free_stream(group.device(1));
+  std::promise<void> gate;
+  std::shared_future<void> const opened = gate.get_future().share();
+  gated.enqueue([opened] { opened.wait(); });
+  comm->group_start(0);
+  comm->send(0, m0, 1, group.stream(0));
+  comm->send(0, m1, 1, group.stream(0));
+  comm->group_end(0);
+  comm->recv(1, in0, 0, gated);
+  comm->recv(1, in1, 0, free_stream);
+  CHECK_FALSE(finishes_within(group.stream(0), std::chrono::milliseconds(300)));  // the first copy has not run
+  gate.set_value();
+  CHECK(finishes_within(group.stream(0), std::chrono::seconds(10)));
+  CHECK(finishes_within(free_stream, std::chrono::seconds(10)));
+  comm->finalize();
+  REQUIRE(download(in0) == first);
+  REQUIRE(download(in1) == second);
+}
+
+TEST_CASE("A cuda_peer communicator destroyed while a send waits releases the sender's stream", "[cuda][comm]") {
+  // The communicator's channel words go back to a pool; one recycled (reset) while a stream still
+  // waited on it would hold that stream forever, and the next communicator would share the word.
+  mgpu::DeviceGroup group("cuda:0,0");
+  Tensor const message = Tensor::empty({256}, DType::float32, group.allocator(0));
+  auto comm = mgpu::comm::make_communicator(group, {.backend = mgpu::comm::Backend::cuda_peer,
+                                                    .timeout = std::chrono::milliseconds(300)});
+  comm->send(0, message, 1, group.stream(0));  // never received
+  auto const start = std::chrono::steady_clock::now();
+  comm.reset();
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
+  CHECK(finishes_within(group.stream(0), std::chrono::seconds(10)));
+  // A new communicator (on recycled words) exchanges correctly.
+  auto next = mgpu::comm::make_communicator(group, {.backend = mgpu::comm::Backend::cuda_peer,
+                                                    .timeout = std::chrono::milliseconds(2000)});
+  std::vector<float> values(256);
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(i) * 0.5f;
+  Tensor const sent = upload(values, DType::float32, group.allocator(0), group.stream(0));
+  Tensor const inbox = Tensor::empty({256}, DType::float32, group.allocator(1));
+  next->send(0, sent, 1, group.stream(0));
+  next->recv(1, inbox, 0, group.stream(1));
+  next->finalize();
+  REQUIRE(download(inbox) == values);
+}
+
+TEST_CASE("An aborted NCCL communicator with work in flight is destroyed within its deadline", "[cuda][comm]") {
+  if (!mgpu::built_with_nccl) MGPU_SKIP("built without NCCL");
+  // One rank per GPU (one on a one-GPU machine): the abort and destroy paths run grouped over
+  // every communicator; a later communicator still works.
+  mgpu::DeviceGroup group("cuda");
+  std::vector<Tensor> buffers;
+  for (int r = 0; r < group.size(); ++r) buffers.push_back(Tensor::empty({1 << 22}, DType::float32, group.allocator(r)));
+  {
+    auto comm = mgpu::comm::make_communicator(group, {.backend = mgpu::comm::Backend::nccl,
+                                                      .timeout = std::chrono::milliseconds(2000)});
+    group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+      auto const& b = buffers[static_cast<std::size_t>(rank)];
+      comm->all_reduce(rank, b, b, ReduceOp::sum, stream);
+    });
+    comm->abort("aborted by the test");
+    auto const start = std::chrono::steady_clock::now();
+    comm.reset();
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+  }
+  for (int r = 0; r < group.size(); ++r) CHECK(finishes_within(group.stream(r), std::chrono::seconds(10)));
+  check_collectives("cuda", mgpu::comm::Backend::nccl);
 }

@@ -69,9 +69,7 @@ TEST_CASE("a 2 x 2 data x pipeline grid on four logical devices of cuda:0 matche
 }
 
 TEST_CASE("a 2 x 2 data x pipeline grid on four GPUs (NCCL subsets) matches host devices", "[cuda][parallel][pipeline]") {
-  if (!mgpu::built_with_nccl || mgpu::cuda_device_count() < 4) {
-    WARN("skipped: needs NCCL and 4 GPUs (this machine has " << mgpu::cuda_device_count() << ")");
-    return;
-  }
+  if (!mgpu::built_with_nccl || mgpu::cuda_device_count() < 4)
+    MGPU_SKIP("needs NCCL and 4 GPUs (this machine has " << mgpu::cuda_device_count() << (mgpu::built_with_nccl ? ")" : ", and no NCCL)"));
   require_close(train_grid("cuda:0,1,2,3")[0], train_grid("host:4")[0]);
 }

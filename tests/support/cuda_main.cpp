@@ -14,5 +14,7 @@ int main(int argc, char* argv[]) {
                 mgpu::built_with_cuda ? "built with CUDA" : "built without CUDA");
     return 77;
   }
-  return Catch::Session().run(argc, argv);
+  int const failed = Catch::Session().run(argc, argv);
+  mgpu::test::print_skipped();
+  return failed;
 }

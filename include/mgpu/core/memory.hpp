@@ -66,7 +66,8 @@ struct MemoryStats {
 /// waste above 4 KiB) and freed blocks are kept per class for reuse. A freed block that CUDA work
 /// still uses waits, with an event recorded after that work, until the event has completed (stream
 /// ordered, without host callbacks). With a limit, `reserved` never exceeds it: cached blocks are
-/// released first, then Error(out_of_memory) is thrown. Thread-safe; memory is returned to the
+/// released first, blocks awaiting GPU work are polled (never waited for with a blocking call, for
+/// at most comm::default_timeout()), then Error(out_of_memory) is thrown. Thread-safe; memory is returned to the
 /// device outside the allocator's lock. Create with Allocator::create(); buffers keep their
 /// allocator alive.
 class Allocator : public std::enable_shared_from_this<Allocator> {
@@ -125,6 +126,11 @@ class Allocator : public std::enable_shared_from_this<Allocator> {
   void record_use(void* data, void* stream, int ordinal);
   // Moves pending blocks whose work has finished into the caches.
   void reclaim_completed_locked() noexcept;
+  // Takes every cached device block out of the books (not those awaiting work), for freeing
+  // without the lock.
+  void detach_idle_locked(std::vector<void*>& blocks) noexcept;
+  // Device bytes freed by their buffers whose GPU work has not finished yet.
+  [[nodiscard]] std::size_t pending_device_bytes_locked() const noexcept;
   // Takes every cached device block (and every pending one) out of the books, for freeing
   // without the lock.
   void detach_cached_locked(std::vector<void*>& blocks, std::vector<PendingBlock>& pending) noexcept;
