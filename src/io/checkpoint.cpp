@@ -27,7 +27,8 @@ constexpr char end_magic[8] = {'M', 'G', 'P', 'U', '-', 'E', 'N', 'D'};
 
 std::size_t type_size(RecordType type) {
   switch (type) {
-    case RecordType::float32: return 4;
+    case RecordType::float32:
+    case RecordType::int32: return 4;
     case RecordType::bfloat16:
     case RecordType::float16: return 2;
     case RecordType::int64:
@@ -42,6 +43,7 @@ std::string type_name(RecordType type) {
     case RecordType::float32: return "float32";
     case RecordType::bfloat16: return "bfloat16";
     case RecordType::float16: return "float16";
+    case RecordType::int32: return "int32";
     case RecordType::int64: return "int64";
     case RecordType::uint64: return "uint64";
     case RecordType::bytes: return "bytes";
@@ -53,6 +55,7 @@ RecordType record_type(DType dtype) {
   switch (dtype) {
     case DType::bfloat16: return RecordType::bfloat16;
     case DType::float16: return RecordType::float16;
+    case DType::int32: return RecordType::int32;
     case DType::float32: break;
   }
   return RecordType::float32;
