@@ -14,6 +14,7 @@
 #include <iterator>
 #include <map>
 #include <numeric>
+#include <thread>
 #include <vector>
 
 #include "support/catch.hpp"
@@ -243,6 +244,19 @@ TEST_CASE("ranks get disjoint parts that together are the global batch", "[data]
   REQUIRE_MGPU_ERROR(split.next(std::vector<std::int64_t>{9, -1}, *alloc), Errc::invalid_argument, "{9, -1}");
   REQUIRE_MGPU_ERROR(split.rows(0, 6, 3, *alloc), Errc::invalid_argument, "rows [6, 6 + 3) of a global batch of 8");
   CHECK(split.position() == 4);  // failed calls do not advance
+}
+
+TEST_CASE("ranks build their rows of one step at once from one loader", "[data][tokens]") {
+  auto alloc = host();
+  TokenLoader const loader(std::vector<std::vector<std::uint16_t>>{iota_tokens(400)}, 512, {.batch = 12, .block = 6, .seed = 5});
+  std::vector<std::vector<std::int32_t>> parts(4);
+  std::vector<std::thread> ranks;
+  for (std::int64_t rank = 0; rank < 4; ++rank)  // rows() is const: one shared loader, one allocator
+    ranks.emplace_back([&, rank] { parts[static_cast<std::size_t>(rank)] = values(loader.rows(9, rank * 3, 3, *alloc).x); });
+  for (auto& t : ranks) t.join();
+  std::vector<std::int32_t> joined;
+  for (auto const& p : parts) joined.insert(joined.end(), p.begin(), p.end());
+  CHECK(joined == values(loader.rows(9, 0, 12, *alloc).x));
 }
 
 TEST_CASE("the sequential walk equals a hand loop over consecutive windows", "[data][tokens]") {
