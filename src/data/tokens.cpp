@@ -126,7 +126,7 @@ TokenLoader::TokenLoader(std::vector<std::filesystem::path> const& shards, std::
     shards_.push_back(read_token_shard(path, vocab));
     names.push_back(path.string());
   }
-  check_shards(names, vocab);
+  check_shards(names);
 }
 
 TokenLoader::TokenLoader(std::vector<std::vector<std::uint16_t>> shards, std::int64_t vocab, TokenLoaderOptions options)
@@ -141,16 +141,16 @@ TokenLoader::TokenLoader(std::vector<std::vector<std::uint16_t>> shards, std::in
       throw Error(Errc::invalid_argument, names.back() + ": token " + std::to_string(*bad) + " at index " + std::to_string(bad - shards_[s].begin()) +
                                               " (expected below the vocab, " + std::to_string(vocab) + ")");
   }
-  check_shards(names, vocab);
+  check_shards(names);
 }
 
-void TokenLoader::check_shards(std::vector<std::string> const& names, std::int64_t vocab) {
+void TokenLoader::check_shards(std::vector<std::string> const& names) {
   std::int64_t const b = options_.batch;
   std::int64_t const t = options_.block;
   if (b < 1 || t < 1 || t > std::numeric_limits<std::int32_t>::max())
     throw Error(Errc::invalid_argument, "a token loader with batch " + std::to_string(b) + " and block " + std::to_string(t) +
                                             " (expected batch >= 1 and 1 <= block < 2^31)");
-  if (shards_.empty()) throw Error(Errc::invalid_argument, "a token loader over no shards (expected at least one, vocab " + std::to_string(vocab) + ")");
+  if (shards_.empty()) throw Error(Errc::invalid_argument, "a token loader over no shards (expected at least one)");
   for (std::size_t s = 0; s < shards_.size(); ++s) {
     auto const n = static_cast<std::int64_t>(shards_[s].size());
     if (n < t + 1)
@@ -214,7 +214,8 @@ std::vector<TokenBatch> TokenLoader::next(std::span<std::int64_t const> rows, Al
   if (!valid || std::accumulate(rows.begin(), rows.end(), std::int64_t{0}) != options_.batch) {
     std::string list;
     for (std::int64_t n : rows) list += (list.empty() ? "" : ", ") + std::to_string(n);
-    throw Error(Errc::invalid_argument, "rows per rank {" + list + "} (expected counts >= 0 adding up to the batch, " + std::to_string(options_.batch) + ")");
+    throw Error(Errc::invalid_argument,
+                "rows per rank {" + list + "} (expected counts >= 0 adding up to the batch, " + std::to_string(options_.batch) + ")");
   }
   if (position_ > max_step())
     throw Error(Errc::invalid_argument, "next() past step " + std::to_string(max_step()) + " (expected fewer steps)");

@@ -266,7 +266,8 @@ TEST_CASE("the sequential walk equals a hand loop over consecutive windows", "[d
   // The windows in walk order: every `block` tokens while block + 1 tokens remain, shard by shard.
   std::vector<std::vector<std::int32_t>> windows;
   for (auto const& tokens : shards)
-    for (std::size_t at = 0; at + block + 1 <= tokens.size(); at += block) windows.emplace_back(tokens.begin() + static_cast<std::ptrdiff_t>(at), tokens.begin() + static_cast<std::ptrdiff_t>(at + block + 1));
+    for (std::size_t at = 0; at + block + 1 <= tokens.size(); at += block)
+      windows.emplace_back(tokens.begin() + static_cast<std::ptrdiff_t>(at), tokens.begin() + static_cast<std::ptrdiff_t>(at + block + 1));
   REQUIRE(windows.size() == 5);
   TokenLoader loader(shards, 256, {.batch = 2, .block = block, .seed = 99, .sequential = true});
   CHECK(loader.windows() == 5);
@@ -289,7 +290,8 @@ TEST_CASE("token loaders reject what they cannot draw from", "[data][tokens]") {
   REQUIRE_MGPU_ERROR(TokenLoader(shards, 256, {.batch = 2, .block = 0}), Errc::invalid_argument, "block 0");
   REQUIRE_MGPU_ERROR(TokenLoader(shards, 256, {.batch = 2, .block = 10}), Errc::invalid_argument,
                      "shard 0 holds 10 tokens, too few for one window of block + 1 = 11");
-  REQUIRE_MGPU_ERROR(TokenLoader(shards, 5, {.batch = 2, .block = 4}), Errc::invalid_argument, "shard 0: token 5 at index 5 (expected below the vocab, 5)");
+  REQUIRE_MGPU_ERROR(TokenLoader(shards, 5, {.batch = 2, .block = 4}), Errc::invalid_argument,
+                     "shard 0: token 5 at index 5 (expected below the vocab, 5)");
   REQUIRE_MGPU_ERROR(TokenLoader(std::vector<std::vector<std::uint16_t>>{{}}, 256, {}), Errc::invalid_argument, "shard 0 holds no tokens");
   REQUIRE_MGPU_ERROR(TokenLoader(std::vector<std::vector<std::uint16_t>>{}, 256, {}), Errc::invalid_argument, "no shards");
   REQUIRE_MGPU_ERROR(TokenLoader(shards, 0, {}), Errc::invalid_argument, "vocab 0");

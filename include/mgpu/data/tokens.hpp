@@ -23,13 +23,14 @@ inline constexpr std::size_t token_shard_header_bytes = 256 * 4;
 
 /// Writes `tokens` as a shard at `path`, atomically (a temporary file renamed into place, so a
 /// reader never sees half a shard). Throws Error(invalid_argument) for no tokens or more than
-/// 2^31 - 1, Error(io) when the file cannot be written.
+/// 2^31 - 1, Error(io) when the file cannot be written. Threads may write different paths at once.
 void write_token_shard(std::filesystem::path const& path, std::span<std::uint16_t const> tokens);
 
 /// Reads and verifies the shard at `path`: every token must be below `vocab` (1 to 65536). Throws
 /// Error(invalid_argument) for a bad vocab, Error(io) when the file cannot be read, and
 /// Error(corrupt_data) naming the file and the byte offset for a bad magic or version, a truncated
 /// header or body, a count that disagrees with the file's size, no tokens, or a token >= vocab.
+/// Safe to call from any thread.
 std::vector<std::uint16_t> read_token_shard(std::filesystem::path const& path, std::int64_t vocab);
 
 /// Text to tokens and back, one token per byte (vocab 256): lossless for any bytes, UTF-8 or not.
@@ -61,7 +62,6 @@ struct TokenLoaderOptions {
 struct TokenWindow {
   std::int64_t shard = 0;
   std::int64_t offset = 0;
-  friend bool operator==(TokenWindow const&, TokenWindow const&) = default;
 };
 
 /// Rows [first_row, first_row + x.dim(0)) of a step's global batch: int32 token ids x [rows, T]
@@ -101,7 +101,8 @@ class TokenLoader {
 
   /// Rows [first_row, first_row + rows) of step `step`'s global batch as host int32 tensors from
   /// `allocator`. Throws Error(invalid_argument) for a range outside [0, batch).
-  [[nodiscard]] TokenBatch rows(std::int64_t step, std::int64_t first_row, std::int64_t rows, Allocator& allocator) const;
+  [[nodiscard]] TokenBatch rows(std::int64_t step, std::int64_t first_row, std::int64_t rows,
+                                Allocator& allocator) const;
 
   /// The next step's whole global batch; advances position() by one.
   TokenBatch next(Allocator& allocator);
@@ -117,7 +118,7 @@ class TokenLoader {
   void seek(std::int64_t step);
 
  private:
-  void check_shards(std::vector<std::string> const& names, std::int64_t vocab);
+  void check_shards(std::vector<std::string> const& names);
   TokenLoaderOptions options_;
   std::vector<std::vector<std::uint16_t>> shards_;
   std::vector<std::int64_t> first_window_;  // per shard: the index of its first window
