@@ -142,6 +142,7 @@ void CommunicatorBase::reject(Call const& call, int rank, std::string const& wha
 
 void CommunicatorBase::check_tensor(int rank, Tensor const& t, std::string_view role, Call const& call) {
   if (!t.defined()) reject(call, rank, std::string(role) + " is an undefined tensor (expected a tensor from Tensor::empty)");
+  if (t.dtype() == DType::int32) reject(call, rank, std::string(role) + " is int32 (expected float32, bfloat16 or float16)");
   if (t.dtype() != call.dtype)
     reject(call, rank, std::string(role) + " is " + std::string(mgpu::to_string(t.dtype())) + " (expected " +
                            std::string(mgpu::to_string(call.dtype)) + ", the send buffer's dtype)");

@@ -598,6 +598,7 @@ ncclDataType_t nccl_type(DType dtype) {
   switch (dtype) {
     case DType::bfloat16: return ncclBfloat16;
     case DType::float16: return ncclFloat16;
+    case DType::int32: return ncclInt32;
     case DType::float32: break;
   }
   return ncclFloat32;

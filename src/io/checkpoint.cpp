@@ -1,9 +1,6 @@
 // Checkpoint files: writing atomically, reading with full verification, and the training helpers.
 #include <mgpu/io/checkpoint.hpp>
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -18,6 +15,7 @@
 #include <mgpu/nn/optim.hpp>
 
 #include "core/host_staging.hpp"
+#include "io/atomic_file.hpp"
 
 namespace mgpu::io {
 namespace {
@@ -27,7 +25,8 @@ constexpr char end_magic[8] = {'M', 'G', 'P', 'U', '-', 'E', 'N', 'D'};
 
 std::size_t type_size(RecordType type) {
   switch (type) {
-    case RecordType::float32: return 4;
+    case RecordType::float32:
+    case RecordType::int32: return 4;
     case RecordType::bfloat16:
     case RecordType::float16: return 2;
     case RecordType::int64:
@@ -42,6 +41,7 @@ std::string type_name(RecordType type) {
     case RecordType::float32: return "float32";
     case RecordType::bfloat16: return "bfloat16";
     case RecordType::float16: return "float16";
+    case RecordType::int32: return "int32";
     case RecordType::int64: return "int64";
     case RecordType::uint64: return "uint64";
     case RecordType::bytes: return "bytes";
@@ -53,6 +53,7 @@ RecordType record_type(DType dtype) {
   switch (dtype) {
     case DType::bfloat16: return RecordType::bfloat16;
     case DType::float16: return RecordType::float16;
+    case DType::int32: return RecordType::int32;
     case DType::float32: break;
   }
   return RecordType::float32;
@@ -93,18 +94,6 @@ class Reader {
 
 [[noreturn]] void fail_io(std::string const& what, std::filesystem::path const& path) {
   throw Error(Errc::io, what + " " + path.string() + ": " + std::strerror(errno));
-}
-
-void write_all(int fd, std::vector<std::byte> const& bytes, std::filesystem::path const& path) {
-  std::size_t done = 0;
-  while (done < bytes.size()) {
-    ssize_t const n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      fail_io("writing", path);
-    }
-    done += static_cast<std::size_t>(n);
-  }
 }
 
 }  // namespace
@@ -219,33 +208,7 @@ void Checkpoint::save(std::filesystem::path const& path) const {
   append(out, static_cast<std::uint64_t>(XXH64(out.data(), out.size(), 0)));
   out.insert(out.end(), reinterpret_cast<std::byte const*>(end_magic), reinterpret_cast<std::byte const*>(end_magic) + 8);
 
-  std::filesystem::path const dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
-  std::filesystem::path const temp = dir / ("." + path.filename().string() + ".tmp." + std::to_string(::getpid()));
-  int const fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail_io("creating", temp);
-  try {
-    write_all(fd, out, temp);
-    if (::fsync(fd) != 0) fail_io("syncing", temp);
-  } catch (...) {
-    ::close(fd);
-    ::unlink(temp.c_str());
-    throw;
-  }
-  if (::close(fd) != 0) {
-    ::unlink(temp.c_str());
-    fail_io("closing", temp);
-  }
-  if (::rename(temp.c_str(), path.c_str()) != 0) {
-    int const saved = errno;
-    ::unlink(temp.c_str());
-    errno = saved;
-    fail_io("renaming into", path);
-  }
-  int const dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {  // makes the rename durable
-    ::fsync(dfd);
-    ::close(dfd);
-  }
+  mgpu::detail::write_file_atomically(path, out);
 }
 
 Checkpoint Checkpoint::load(std::filesystem::path const& path) {

@@ -312,6 +312,7 @@ cudaDataType_t cuda_type(DType dtype) {
   switch (dtype) {
     case DType::bfloat16: return CUDA_R_16BF;
     case DType::float16: return CUDA_R_16F;
+    case DType::int32: return CUDA_R_32I;
     case DType::float32: break;
   }
   return CUDA_R_32F;

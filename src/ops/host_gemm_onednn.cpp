@@ -60,6 +60,7 @@ memory::data_type onednn_type(DType dtype) {
   switch (dtype) {
     case DType::bfloat16: return memory::data_type::bf16;
     case DType::float16: return memory::data_type::f16;
+    case DType::int32: return memory::data_type::s32;
     case DType::float32: break;
   }
   return memory::data_type::f32;

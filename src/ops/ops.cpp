@@ -36,6 +36,8 @@ std::string str(DType t) { return std::string(to_string(t)); }
 // A defined tensor on the stream's device.
 void check(Tensor const& t, char const* op, char const* role, Stream const& stream) {
   if (!t.defined()) throw Error(Errc::invalid_argument, std::string(op) + ": " + role + " is undefined (expected a tensor)");
+  if (t.dtype() == DType::int32)
+    throw Error(Errc::invalid_argument, std::string(op) + ": " + role + " is int32 (expected float32, bfloat16 or float16)");
   if (t.device() != stream.device())
     throw Error(Errc::device, std::string(op) + ": " + role + " is on " + t.device().to_string() + " but the stream is on " +
                                   stream.device().to_string() + " (expected the stream's device)");

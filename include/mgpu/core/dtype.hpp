@@ -1,4 +1,5 @@
-// Element types: float32, bfloat16 and float16, with conversions shared by host and device code.
+// Element types: float32, bfloat16 and float16, with conversions shared by host and device code, and
+// int32 for token ids and targets.
 #pragma once
 
 #include <concepts>
@@ -14,18 +15,21 @@
 
 namespace mgpu {
 
-/// A tensor's element type. Host code computes in float32 whatever the storage type.
-enum class DType : std::uint8_t { float32, bfloat16, float16 };
+/// A tensor's element type. Host code computes in float32 whatever the floating-point storage type.
+/// int32 holds token ids and targets: such tensors are stored, copied, sliced and checkpointed, and
+/// arithmetic (ops, convert_async, fill_async, communicators) rejects them with Error(invalid_argument).
+enum class DType : std::uint8_t { float32, bfloat16, float16, int32 };
 
 /// Bytes per element.
-constexpr std::size_t size_of(DType dtype) noexcept { return dtype == DType::float32 ? 4 : 2; }
+constexpr std::size_t size_of(DType dtype) noexcept { return dtype == DType::float32 || dtype == DType::int32 ? 4 : 2; }
 
-/// The type's name: "float32", "bfloat16" or "float16".
+/// The type's name: "float32", "bfloat16", "float16" or "int32".
 constexpr std::string_view to_string(DType dtype) noexcept {
   switch (dtype) {
     case DType::float32: return "float32";
     case DType::bfloat16: return "bfloat16";
     case DType::float16: return "float16";
+    case DType::int32: return "int32";
   }
   return "unknown";
 }
@@ -114,16 +118,22 @@ struct float16 {
   MGPU_HD explicit operator float() const { return float16_bits_to_float(bits); }
 };
 
-/// The DType that stores elements of type T (float, bfloat16 or float16).
+/// The DType that stores elements of type T (float, bfloat16, float16 or std::int32_t).
 template <class T>
 inline constexpr DType dtype_of = DType::float32;
 template <>
 inline constexpr DType dtype_of<bfloat16> = DType::bfloat16;
 template <>
 inline constexpr DType dtype_of<float16> = DType::float16;
+template <>
+inline constexpr DType dtype_of<std::int32_t> = DType::int32;
 
-/// True for the element types a Tensor can hold.
+/// True for the floating-point element types, those that ops compute with.
 template <class T>
 concept Element = std::same_as<T, float> || std::same_as<T, bfloat16> || std::same_as<T, float16>;
+
+/// True for every element type a Tensor can hold: the floating-point ones and std::int32_t.
+template <class T>
+concept Storable = Element<T> || std::same_as<T, std::int32_t>;
 
 }  // namespace mgpu

@@ -50,7 +50,7 @@ class Tensor {
   [[nodiscard]] void* data() const noexcept;
 
   /// Host-side typed access: T must match dtype() and the device must be a host device.
-  template <Element T>
+  template <Storable T>
   [[nodiscard]] std::span<T> host_span() const {
     check_host_access(dtype_of<T>);
     return {static_cast<T*>(data()), static_cast<std::size_t>(numel())};

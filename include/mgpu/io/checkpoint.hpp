@@ -31,7 +31,7 @@ class Optimizer;
 namespace mgpu::io {
 
 /// The element type of a record: tensor dtypes, plus integers and bytes for metadata.
-enum class RecordType : std::uint8_t { float32 = 0, bfloat16 = 1, float16 = 2, int64 = 16, uint64 = 17, bytes = 18 };
+enum class RecordType : std::uint8_t { float32 = 0, bfloat16 = 1, float16 = 2, int32 = 3, int64 = 16, uint64 = 17, bytes = 18 };
 
 struct Record {
   std::string name;

@@ -5,16 +5,20 @@
 #include <type_traits>
 
 #include <mgpu/core/dtype.hpp>
+#include <mgpu/core/error.hpp>
 #include <mgpu/core/host_device.hpp>
 
 namespace mgpu::detail {
 
-// Calls fn(std::type_identity<T>{}) with T the element type stored as `type`.
+// Calls fn(std::type_identity<T>{}) with T the floating-point element type stored as `type`;
+// throws Error(invalid_argument) for int32, which holds token ids and takes no arithmetic.
 template <class Fn>
 decltype(auto) visit_dtype(DType type, Fn&& fn) {
   switch (type) {
     case DType::bfloat16: return fn(std::type_identity<bfloat16>{});
     case DType::float16: return fn(std::type_identity<float16>{});
+    case DType::int32:
+      throw Error(Errc::invalid_argument, "arithmetic on an int32 tensor (expected float32, bfloat16 or float16; int32 tensors hold token ids)");
     case DType::float32: break;
   }
   return fn(std::type_identity<float>{});
