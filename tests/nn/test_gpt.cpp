@@ -1,0 +1,251 @@
+// The GPT ops and layers against independent references: a naive float64 attention over the whole
+// [T, T] matrix, float64 cross-entropy and central finite differences.
+#include <mgpu/nn/transformer.hpp>
+#include <mgpu/ops/detail/math.hpp>
+#include <mgpu/ops/ops.hpp>
+#include <mgpu/ops/transformer.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "support/catch.hpp"
+#include "support/expect_error.hpp"
+#include "support/nn_env.hpp"
+
+using mgpu::DType;
+using mgpu::Errc;
+using mgpu::Tensor;
+using mgpu::test::as_double;
+using mgpu::test::Env;
+namespace nn = mgpu::nn;
+namespace ops = mgpu::ops;
+
+namespace {
+
+Tensor ids_tensor(Env& env, mgpu::Shape shape, std::vector<std::int32_t> const& values) {
+  Tensor t = Tensor::empty(std::move(shape), DType::int32, *env.allocator);
+  std::copy(values.begin(), values.end(), t.host_span<std::int32_t>().begin());
+  return t;
+}
+
+Tensor random_ids(Env& env, mgpu::Shape shape, std::int32_t vocab, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<std::int32_t> u(0, vocab - 1);
+  Tensor t = Tensor::empty(std::move(shape), DType::int32, *env.allocator);
+  for (auto& v : t.host_span<std::int32_t>()) v = u(rng);
+  return t;
+}
+
+// Attention over the whole [T, T] score matrix in float64: y [B, T, C] from qkv [B, T, 3C], with
+// the dropout mask ops::causal_attention documents when p > 0.
+std::vector<double> naive_attention(std::vector<double> const& qkv, std::int64_t b_count, std::int64_t t, std::int64_t c, std::int64_t heads,
+                                    ops::AttentionDropout const& dropout = {}) {
+  std::int64_t const d = c / heads;
+  std::vector<double> y(static_cast<std::size_t>(b_count * t * c), 0.0);
+  auto at = [&](std::int64_t b, std::int64_t i, std::int64_t part, std::int64_t h, std::int64_t e) {
+    return qkv[static_cast<std::size_t>((b * t + i) * 3 * c + part * c + h * d + e)];
+  };
+  for (std::int64_t b = 0; b < b_count; ++b) {
+    for (std::int64_t h = 0; h < heads; ++h) {
+      for (std::int64_t i = 0; i < t; ++i) {
+        std::vector<double> s(static_cast<std::size_t>(t), -INFINITY);  // the [T] row of the [T, T] matrix
+        double max = -INFINITY;
+        for (std::int64_t j = 0; j <= i; ++j) {
+          double dot = 0;
+          for (std::int64_t e = 0; e < d; ++e) dot += at(b, i, 0, h, e) * at(b, j, 1, h, e);
+          s[static_cast<std::size_t>(j)] = dot / std::sqrt(static_cast<double>(d));
+          max = std::max(max, s[static_cast<std::size_t>(j)]);
+        }
+        double sum = 0;
+        for (std::int64_t j = 0; j <= i; ++j) sum += std::exp(s[static_cast<std::size_t>(j)] - max);
+        for (std::int64_t j = 0; j <= i; ++j) {
+          double p = std::exp(s[static_cast<std::size_t>(j)] - max) / sum;
+          if (dropout.p > 0) {
+            auto const counter = static_cast<std::uint64_t>((((dropout.row_offset + b) * heads + h) * t + i) * t + j);
+            p = ops::detail::uniform01(dropout.seed, counter) < 1.0f - dropout.p ? p / (1.0 - dropout.p) : 0.0;
+          }
+          for (std::int64_t e = 0; e < d; ++e) y[static_cast<std::size_t>((b * t + i) * c + h * d + e)] += p * at(b, j, 2, h, e);
+        }
+      }
+    }
+  }
+  return y;
+}
+
+double dot(std::vector<double> const& a, std::vector<double> const& b) {
+  double s = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+
+void check_attention_against_naive(ops::AttentionDropout const& dropout) {
+  Env env;
+  std::int64_t const b = 2, t = 70, c = 8, heads = 2;  // 70 keys: two tiles of the online softmax
+  Tensor const qkv = env.random({b, t, 3 * c}, 1);
+  Tensor const r = env.random({b, t, c}, 2);
+  Tensor const y = Tensor::empty({b, t, c}, DType::float32, *env.allocator);
+  Tensor const lse = Tensor::empty({b, heads, t}, DType::float32, *env.allocator);
+  Tensor const dqkv = Tensor::empty(qkv.shape(), DType::float32, *env.allocator);
+  ops::causal_attention(qkv, y, lse, heads, env.stream, dropout);
+  ops::causal_attention_backward(qkv, y, lse, r, dqkv, heads, env.stream, dropout);
+  env.stream.synchronize();
+  std::vector<double> q = as_double(qkv);
+  std::vector<double> const rv = as_double(r);
+  std::vector<double> const ref = naive_attention(q, b, t, c, heads, dropout);
+  std::vector<double> const got = as_double(y);
+  for (std::size_t i = 0; i < ref.size(); ++i) REQUIRE(std::abs(got[i] - ref[i]) <= 2e-6 * (1 + std::abs(ref[i])));
+  // dL/dqkv for L = sum(y * r), by central differences of the float64 reference.
+  std::vector<double> const grad = as_double(dqkv);
+  double const h = 1e-6;
+  for (std::size_t k = 0; k < q.size(); ++k) {
+    double const keep = q[k];
+    q[k] = keep + h;
+    double const up = dot(naive_attention(q, b, t, c, heads, dropout), rv);
+    q[k] = keep - h;
+    double const down = dot(naive_attention(q, b, t, c, heads, dropout), rv);
+    q[k] = keep;
+    double const fd = (up - down) / (2 * h);
+    INFO("qkv element " << k);
+    REQUIRE(std::abs(grad[k] - fd) <= 2e-5 * (1 + std::abs(fd)));
+  }
+}
+
+// Central differences of L = sum(model(x) * r) (float32 model, L summed in float64) for sampled
+// parameters and, for a float32 input, input elements, against backward. The model is materialized
+// with parameters redrawn N(0, 0.3) so every path carries signal; the RNG state of its dropouts
+// is reset before each forward so every evaluation draws the same masks.
+void check_finite_differences(Env& env, nn::Sequential& model, Tensor const& x, double tolerance) {
+  model.materialize(env.ctx, 7);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> n(0.0f, 0.3f);
+  auto params = model.parameters().host_span<float>();
+  for (float& p : params) p = n(rng);
+  auto const rng_state = model.rng_state();
+  Tensor const y = model.forward(x, env.ctx);
+  Tensor const r = env.random(y.shape(), 5);
+  bool const float_input = x.dtype() == DType::float32;
+  Tensor const dx = model.backward(r, env.ctx, float_input);
+  env.stream.synchronize();
+  std::vector<double> const grads = as_double(model.gradients());
+  std::vector<double> const rv = as_double(r);
+  auto loss = [&] {
+    model.set_rng_state(rng_state);
+    Tensor const out = model.forward(x, env.ctx);
+    env.stream.synchronize();
+    return dot(as_double(out), rv);
+  };
+  float const h = 1e-2f;
+  auto const check = [&](float& value, double analytic, std::string const& what) {
+    float const keep = value;
+    value = keep + h;
+    double const up = loss();
+    value = keep - h;
+    double const down = loss();
+    value = keep;
+    double const fd = (up - down) / (2.0 * static_cast<double>(h));
+    INFO(what << ": backward " << analytic << ", finite difference " << fd);
+    CHECK(std::abs(analytic - fd) <= tolerance * (1 + std::abs(fd)));
+  };
+  std::size_t const stride = std::max<std::size_t>(1, params.size() / 150);
+  for (std::size_t k = 0; k < params.size(); k += stride) check(params[k], grads[k], "parameter " + std::to_string(k));
+  if (float_input) {
+    auto xs = x.host_span<float>();
+    std::vector<double> const dxv = as_double(dx);
+    for (std::size_t k = 0; k < xs.size(); k += 7) check(xs[k], dxv[k], "input " + std::to_string(k));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("causal_attention: the online softmax over key tiles equals the naive [T, T] attention, and its backward the float64 gradient",
+          "[nn][gpt]") {
+  SECTION("no dropout") { check_attention_against_naive({}); }
+  SECTION("attention dropout 0.3") { check_attention_against_naive({0.3f, 12345, 3}); }
+}
+
+TEST_CASE("token_cross_entropy: loss and dlogits against float64, with ignored rows and an explicit divisor", "[nn][gpt]") {
+  Env env;
+  std::int64_t const n = 6, v = 5;
+  Tensor const logits = env.random({2, 3, v}, 3, 2.0f);
+  Tensor const targets = ids_tensor(env, {2, 3}, {4, 0, -1, 2, 2, 1});
+  Tensor const dlogits = Tensor::empty(logits.shape(), DType::float32, *env.allocator);
+  Tensor const loss = env.scalar();
+  float const divisor = 8.0f;  // e.g. the counted tokens of a whole batch of which this is a shard
+  ops::token_cross_entropy(logits, targets, dlogits, loss, divisor, env.stream, -1, 2.0f);
+  env.stream.synchronize();
+  std::vector<double> const x = as_double(logits);
+  std::vector<double> const dx = as_double(dlogits);
+  auto const t = targets.host_span<std::int32_t>();
+  double total = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    double max = -INFINITY, sum = 0;
+    for (std::int64_t j = 0; j < v; ++j) max = std::max(max, x[static_cast<std::size_t>(i * v + j)]);
+    for (std::int64_t j = 0; j < v; ++j) sum += std::exp(x[static_cast<std::size_t>(i * v + j)] - max);
+    double const lse = max + std::log(sum);
+    bool const ignored = t[static_cast<std::size_t>(i)] == -1;
+    if (!ignored) total += lse - x[static_cast<std::size_t>(i * v + t[static_cast<std::size_t>(i)])];
+    for (std::int64_t j = 0; j < v; ++j) {
+      double const expected =
+          ignored ? 0.0 : (std::exp(x[static_cast<std::size_t>(i * v + j)] - lse) - (j == t[static_cast<std::size_t>(i)] ? 1 : 0)) * 2.0 / divisor;
+      CHECK(std::abs(dx[static_cast<std::size_t>(i * v + j)] - expected) <= 1e-6);
+    }
+  }
+  CHECK(std::abs(loss.host_span<float>()[0] - total / divisor) <= 1e-6 * total);
+}
+
+TEST_CASE("Embedding and TiedLMHead: finite differences of the tied weight sum both uses", "[nn][gpt]") {
+  Env env;
+  nn::Sequential model;
+  model.add(std::make_unique<nn::Embedding>(11, 6, 8));
+  model.add(std::make_unique<nn::TiedLMHead>(11, 8));
+  check_finite_differences(env, model, random_ids(env, {2, 5}, 11, 4), 2e-3);
+  REQUIRE(model.parameter_count() == (11 + 6) * 8);
+}
+
+TEST_CASE("Embedding backward is a deterministic scatter-add: repeated ids summed, untouched rows zero", "[nn][gpt]") {
+  Env env;
+  nn::Sequential model;
+  model.add(std::make_unique<nn::Embedding>(7, 4, 3));
+  model.materialize(env.ctx, 1);
+  Tensor const ids = ids_tensor(env, {2, 3}, {5, 1, 5, 5, 0, 1});
+  Tensor const dy = env.random({2, 3, 3}, 9);
+  (void)model.forward(ids, env.ctx);
+  (void)model.backward(dy, env.ctx, false);
+  env.stream.synchronize();
+  std::vector<double> const g = as_double(model.gradients());
+  std::vector<double> const d = as_double(dy);
+  auto const row = [&](std::size_t n, std::size_t e) { return d[n * 3 + e]; };
+  for (std::size_t e = 0; e < 3; ++e) {
+    CHECK(g[5 * 3 + e] == static_cast<double>(static_cast<float>(static_cast<float>(row(0, e)) + static_cast<float>(row(2, e))) +
+                                              static_cast<float>(row(3, e))));
+    CHECK(g[1 * 3 + e] == static_cast<double>(static_cast<float>(row(1, e)) + static_cast<float>(row(5, e))));
+    CHECK(g[0 * 3 + e] == row(4, e));
+    CHECK(g[3 * 3 + e] == 0.0);
+    CHECK(g[21 + 0 * 3 + e] == static_cast<double>(static_cast<float>(row(0, e)) + static_cast<float>(row(3, e))));  // wpe position 0
+    CHECK(g[21 + 3 * 3 + e] == 0.0);  // position 3: past T
+  }
+}
+
+TEST_CASE("CausalSelfAttention and TransformerBlock: finite differences of parameters and inputs", "[nn][gpt]") {
+  Env env;
+  SECTION("attention") {
+    nn::Sequential model;
+    model.add(std::make_unique<nn::CausalSelfAttention>(8, 2));
+    check_finite_differences(env, model, env.random({2, 5, 8}, 3), 2e-3);
+  }
+  SECTION("block") {
+    nn::Sequential model;
+    model.add(std::make_unique<nn::TransformerBlock>(8, 2));
+    check_finite_differences(env, model, env.random({2, 5, 8}, 3), 2e-3);
+  }
+  SECTION("block with dropout 0.25 (the same masks at every evaluation)") {
+    nn::Sequential model;
+    model.add(std::make_unique<nn::TransformerBlock>(8, 2, 0.25f));
+    check_finite_differences(env, model, env.random({2, 5, 8}, 3), 2e-3);
+  }
+}
+
