@@ -13,6 +13,7 @@
 #include <mgpu/data/dataset.hpp>
 #include <mgpu/data/loader.hpp>
 #include <mgpu/io/checkpoint.hpp>
+#include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/optim.hpp>
 #include <mgpu/nn/train.hpp>

@@ -1,5 +1,6 @@
 // The GPT ops and layers against independent references: a naive float64 attention over the whole
 // [T, T] matrix, float64 cross-entropy and central finite differences.
+#include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/detail/math.hpp>
 #include <mgpu/ops/ops.hpp>
@@ -246,6 +247,82 @@ TEST_CASE("CausalSelfAttention and TransformerBlock: finite differences of param
     nn::Sequential model;
     model.add(std::make_unique<nn::TransformerBlock>(8, 2, 0.25f));
     check_finite_differences(env, model, env.random({2, 5, 8}, 3), 2e-3);
+  }
+}
+
+TEST_CASE("gpt: finite differences through the whole model; the split backward equals backward", "[nn][gpt]") {
+  Env env;
+  nn::GptConfig const config{.vocab = 13, .block_size = 6, .n_layer = 2, .n_head = 2, .n_embd = 8, .dropout = 0.1f};
+  Tensor const ids = random_ids(env, {2, 6}, 13, 8);
+  SECTION("finite differences") {
+    nn::Sequential model = nn::gpt(config);
+    check_finite_differences(env, model, ids, 3e-3);
+  }
+  SECTION("backward_input then backward_weight, and accumulation") {
+    nn::Sequential a = nn::gpt(config);
+    nn::Sequential b = nn::gpt(config);
+    a.materialize(env.ctx, 3);
+    b.materialize(env.ctx, 3);
+    auto const start = b.rng_state();
+    Tensor const dy = env.random({2, 6, 13}, 4);
+    (void)a.forward(ids, env.ctx);
+    (void)a.backward(dy, env.ctx, false);
+    (void)b.forward(ids, env.ctx);
+    (void)b.backward_input(dy, env.ctx, false);
+    b.backward_weight(env.ctx);
+    env.stream.synchronize();
+    CHECK(as_double(a.gradients()) == as_double(b.gradients()));
+    env.ctx.accumulate_gradients = true;
+    b.set_rng_state(start);  // the same dropout masks again
+    (void)b.forward(ids, env.ctx);
+    (void)b.backward(dy, env.ctx, false);
+    env.stream.synchronize();
+    std::vector<double> const once = as_double(a.gradients());
+    std::vector<double> const twice = as_double(b.gradients());
+    for (std::size_t i = 0; i < once.size(); ++i) REQUIRE(std::abs(twice[i] - 2 * once[i]) <= 1e-6 * (1 + std::abs(once[i])));
+    env.ctx.accumulate_gradients = false;
+  }
+  SECTION("the parameter table covers the flat buffer") {
+    nn::Sequential model = nn::gpt(config);
+    auto const table = nn::gpt_parameters(config);
+    std::int64_t offset = 0;
+    for (auto const& p : table) {
+      CHECK(p.offset == offset);
+      offset += p.numel();
+    }
+    CHECK(offset == model.parameter_count());
+  }
+}
+
+TEST_CASE("gpt: hostile inputs and configurations throw mgpu::Error", "[nn][gpt]") {
+  nn::GptConfig const config{.vocab = 13, .block_size = 6, .n_layer = 1, .n_head = 2, .n_embd = 8};
+  SECTION("a token id >= vocab fails the stream") {
+    Env env;
+    nn::Sequential model = nn::gpt(config);
+    model.materialize(env.ctx, 1);
+    (void)model.forward(ids_tensor(env, {1, 3}, {1, 13, 2}), env.ctx);
+    REQUIRE_MGPU_ERROR(env.stream.synchronize(), Errc::invalid_argument, "token id 13 at position 1 (expected a token id in [0, 13)");
+  }
+  SECTION("a negative target fails the stream") {
+    Env env;
+    Tensor const logits = env.random({2, 4}, 1);
+    Tensor const dlogits = env.random({2, 4}, 1);
+    ops::token_cross_entropy(logits, ids_tensor(env, {2}, {0, -3}), dlogits, env.scalar(), 2.0f, env.stream);
+    REQUIRE_MGPU_ERROR(env.stream.synchronize(), Errc::invalid_argument, "target -3 at position 1");
+  }
+  SECTION("T > block_size, float ids, a head without its embedding, bad configs") {
+    Env env;
+    nn::Sequential model = nn::gpt(config);
+    model.materialize(env.ctx, 1);
+    REQUIRE_MGPU_ERROR(model.forward(random_ids(env, {1, 7}, 13, 1), env.ctx), Errc::invalid_argument,
+                       "sequences of 7 tokens (expected at most the block size 6)");
+    REQUIRE_MGPU_ERROR(model.forward(env.random({1, 3}, 1), env.ctx), Errc::invalid_argument, "(expected int32 token ids)");
+    nn::Sequential head;
+    head.add(std::make_unique<nn::TiedLMHead>(13, 8));
+    REQUIRE_MGPU_ERROR(head.materialize(env.ctx, 1), Errc::invalid_argument, "no Embedding(13, *, 8)");
+    REQUIRE_MGPU_ERROR(nn::gpt({.n_head = 3}), Errc::invalid_argument, "n_head dividing n_embd");
+    REQUIRE_MGPU_ERROR(nn::gpt({.bias = false}), Errc::invalid_argument, "expected bias true");
+    REQUIRE_MGPU_ERROR(nn::gpt({.dropout = 1.0f}), Errc::invalid_argument, "0 <= dropout < 1");
   }
 }
 
