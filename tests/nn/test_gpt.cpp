@@ -1,6 +1,15 @@
 // The GPT ops and layers against independent references: a naive float64 attention over the whole
-// [T, T] matrix, float64 cross-entropy and central finite differences.
+// [T, T] matrix, float64 cross-entropy, central finite differences, and PyTorch through the
+// committed parity fixture (tests/data/README.md).
+//
+// Fixture format (little-endian): char[8] "GPTFIX01"; int32[8] version, n_layer, n_head, n_embd,
+// block T, vocab V, batch B, steps S; int32 n_tensors; int32 inputs[B T]; int32 targets[B T];
+// float32 logits[B T V]; float32 loss; float32 losses[S] (the loss before each of S AdamW steps on
+// the same batch: lr 1e-3, betas 0.9 / 0.95, eps 1e-8, no weight decay); then per tensor, in
+// PyTorch's named_parameters order: int32 name length, the name, int32 ndim, int32 shape[ndim],
+// float32 values, float32 gradient.
 #include <mgpu/nn/gpt.hpp>
+#include <mgpu/nn/optim.hpp>
 #include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/detail/math.hpp>
 #include <mgpu/ops/ops.hpp>
@@ -8,6 +17,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <string>
@@ -326,3 +338,142 @@ TEST_CASE("gpt: hostile inputs and configurations throw mgpu::Error", "[nn][gpt]
   }
 }
 
+namespace {
+
+struct Fixture {
+  std::int32_t n_layer = 0, n_head = 0, n_embd = 0, block = 0, vocab = 0, batch = 0, steps = 0;
+  std::vector<std::int32_t> inputs, targets;
+  std::vector<float> logits;
+  float loss = 0;
+  std::vector<float> losses;
+  struct Record {
+    std::string name;
+    mgpu::Shape shape;
+    std::vector<float> value, grad;
+  };
+  std::vector<Record> tensors;
+};
+
+Fixture read_fixture(std::string const& path) {
+  std::ifstream in(path, std::ios::binary);
+  REQUIRE(in.good());
+  std::vector<char> const bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::size_t at = 0;
+  auto take = [&](void* dst, std::size_t n) {
+    REQUIRE(at + n <= bytes.size());
+    std::memcpy(dst, bytes.data() + at, n);
+    at += n;
+  };
+  auto i32 = [&] {
+    std::int32_t v = 0;
+    take(&v, 4);
+    return v;
+  };
+  auto floats = [&](std::size_t n) {
+    std::vector<float> v(n);
+    take(v.data(), 4 * n);
+    return v;
+  };
+  char magic[8];
+  take(magic, 8);
+  REQUIRE(std::string(magic, 8) == "GPTFIX01");
+  Fixture f;
+  REQUIRE(i32() == 1);
+  f.n_layer = i32(), f.n_head = i32(), f.n_embd = i32(), f.block = i32(), f.vocab = i32(), f.batch = i32(), f.steps = i32();
+  std::int32_t const n_tensors = i32();
+  auto const tokens = static_cast<std::size_t>(f.batch * f.block);
+  f.inputs.resize(tokens);
+  f.targets.resize(tokens);
+  take(f.inputs.data(), 4 * tokens);
+  take(f.targets.data(), 4 * tokens);
+  f.logits = floats(tokens * static_cast<std::size_t>(f.vocab));
+  f.loss = floats(1)[0];
+  f.losses = floats(static_cast<std::size_t>(f.steps));
+  for (std::int32_t k = 0; k < n_tensors; ++k) {
+    Fixture::Record r;
+    r.name.resize(static_cast<std::size_t>(i32()));
+    take(r.name.data(), r.name.size());
+    std::int32_t const ndim = i32();
+    std::size_t n = 1;
+    for (std::int32_t d = 0; d < ndim; ++d) {
+      r.shape.push_back(i32());
+      n *= static_cast<std::size_t>(r.shape.back());
+    }
+    r.value = floats(n);
+    r.grad = floats(n);
+    f.tensors.push_back(std::move(r));
+  }
+  REQUIRE(at == bytes.size());
+  return f;
+}
+
+// ||a - b||_2 / ||b||_2 over all elements (float64).
+double relative_error(std::vector<float> const& a, std::vector<float> const& b) {
+  double diff = 0, norm = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    norm += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+}
+
+}  // namespace
+
+TEST_CASE("gpt matches PyTorch on the parity fixture: logits, loss, every gradient and 5 AdamW steps (float32, host)", "[nn][gpt]") {
+  Fixture const f = read_fixture(MGPU_GPT_FIXTURE);
+  nn::GptConfig const config{.vocab = f.vocab, .block_size = f.block, .n_layer = f.n_layer, .n_head = f.n_head, .n_embd = f.n_embd};
+  Env env;
+  nn::Sequential model = nn::gpt(config);
+  model.materialize(env.ctx, 0);
+  auto const table = nn::gpt_parameters(config);
+  REQUIRE(table.size() == f.tensors.size());
+  auto flat = model.parameters().host_span<float>();
+  for (std::size_t k = 0; k < table.size(); ++k) {
+    REQUIRE(table[k].name == f.tensors[k].name);
+    REQUIRE(table[k].shape == f.tensors[k].shape);
+    nn::load_gpt_parameter(table[k], f.tensors[k].value, flat);
+  }
+  Tensor const inputs = ids_tensor(env, {f.batch, f.block}, f.inputs);
+  Tensor const targets = ids_tensor(env, {f.batch, f.block}, f.targets);
+  auto const divisor = static_cast<float>(f.batch * f.block);
+  auto step = [&](Tensor const& loss) {
+    Tensor const logits = model.forward(inputs, env.ctx);
+    Tensor const dlogits = Tensor::empty(logits.shape(), DType::float32, *env.allocator);
+    ops::token_cross_entropy(logits, targets, dlogits, loss, divisor, env.stream);
+    (void)model.backward(dlogits, env.ctx, false);
+    env.stream.synchronize();
+    return logits;
+  };
+  Tensor const loss = env.scalar();
+  Tensor const logits = step(loss);
+  auto const l = logits.host_span<float>();
+  double const logits_error = relative_error({l.begin(), l.end()}, f.logits);
+  double const loss_error = std::abs(loss.host_span<float>()[0] - f.loss) / f.loss;
+  INFO("logits relative L2 error " << logits_error << ", loss " << loss.host_span<float>()[0] << " vs " << f.loss);
+  CHECK(logits_error <= 1e-4);
+  CHECK(loss_error <= 1e-4);
+  double worst = 0;
+  auto const grads = model.gradients().host_span<float>();
+  for (std::size_t k = 0; k < table.size(); ++k) {
+    double const e = relative_error(nn::read_gpt_parameter(table[k], {grads.data(), grads.size()}), f.tensors[k].grad);
+    INFO(table[k].name << ": gradient relative L2 error " << e);
+    CHECK(e <= 1e-4);
+    worst = std::max(worst, e);
+  }
+
+  // 5 AdamW steps on the same batch: the loss before each step.
+  mgpu::optim::AdamW opt({.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.0f});
+  double worst_step = 0;
+  for (std::int32_t s = 0; s < f.steps; ++s) {
+    if (s > 0) (void)step(loss);
+    float const got = loss.host_span<float>()[0];
+    float const expected = f.losses[static_cast<std::size_t>(s)];
+    INFO("step " << s << ": loss " << got << " vs PyTorch " << expected);
+    CHECK(std::abs(got - expected) <= 1e-4 * expected);
+    worst_step = std::max(worst_step, static_cast<double>(std::abs(got - expected) / expected));
+    opt.step(model.master_parameters(), model.master_gradients(), *env.allocator, env.stream);
+  }
+  env.stream.synchronize();
+  WARN("parity with PyTorch (relative errors): logits " << logits_error << ", loss " << loss_error << ", worst gradient " << worst
+                                                         << ", worst AdamW-step loss " << worst_step);
+}
