@@ -4,8 +4,6 @@
 // Activation layout: [B, T, C] tensors between layers (B sequences of T tokens, C features); token
 // ids are int32 [B, T]. Linear and LayerNorm take any rank >= 2 and treat the leading dimensions as
 // rows, so inside a layer a [B, T, C] tensor is the same storage viewed as [B T, C].
-// Host devices only so far: on a CUDA device the ops these layers call throw Error(device) naming
-// the missing kernel.
 #pragma once
 
 #include <cstdint>

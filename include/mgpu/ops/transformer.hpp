@@ -5,8 +5,9 @@
 // checked by the enqueued work, which fails the stream with Error(invalid_argument) naming the id
 // and its position. Activations may be float32, bfloat16 or float16 (math in float32).
 //
-// Host devices only so far: on a CUDA stream every op here throws Error(device) naming the op
-// (its CUDA kernel is not written yet).
+// Host and CUDA run the same element code (mgpu/ops/detail/transformer_math.hpp): on a GPU one
+// thread per output element or attention row, each summing in a fixed order (simple kernels, not
+// tuned: no shared-memory tiling or tensor cores yet).
 #pragma once
 
 #include <cstdint>
