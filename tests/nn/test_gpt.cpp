@@ -8,6 +8,7 @@
 // the same batch: lr 1e-3, betas 0.9 / 0.95, eps 1e-8, no weight decay); then per tensor, in
 // PyTorch's named_parameters order: int32 name length, the name, int32 ndim, int32 shape[ndim],
 // float32 values, float32 gradient.
+#include <mgpu/io/checkpoint.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/optim.hpp>
 #include <mgpu/nn/transformer.hpp>
@@ -18,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <memory>
@@ -336,6 +338,39 @@ TEST_CASE("gpt in bfloat16 and float16 compute follows float32: loss within 0.1%
     }
     CHECK(std::sqrt(diff / norm) <= (compute == DType::bfloat16 ? 2e-2 : 4e-3));
   }
+}
+
+TEST_CASE("gpt with dropout resumes from a checkpoint: the same losses as the uninterrupted run", "[nn][gpt]") {
+  nn::GptConfig const config{.vocab = 20, .block_size = 8, .n_layer = 2, .n_head = 2, .n_embd = 8, .dropout = 0.2f};
+  Env env;
+  Tensor const ids = random_ids(env, {2, 8}, 20, 1);
+  Tensor const targets = random_ids(env, {2, 8}, 20, 2);
+  auto train_step = [&](nn::Sequential& model, mgpu::optim::AdamW& opt) {
+    Tensor const logits = model.forward(ids, env.ctx);
+    Tensor const dlogits = Tensor::empty(logits.shape(), DType::float32, *env.allocator);
+    Tensor const loss = env.scalar();
+    ops::token_cross_entropy(logits, targets, dlogits, loss, 16.0f, env.stream);
+    (void)model.backward(dlogits, env.ctx, false);
+    opt.step(model.master_parameters(), model.master_gradients(), *env.allocator, env.stream);
+    env.stream.synchronize();
+    return loss.host_span<float>()[0];
+  };
+  std::filesystem::path const file =
+      std::filesystem::temp_directory_path() / ("mgpu-gpt-" + std::to_string(std::random_device{}()) + ".ckpt");
+  nn::Sequential a = nn::gpt(config);
+  a.materialize(env.ctx, 1);
+  mgpu::optim::AdamW adam_a(mgpu::optim::AdamWOptions{});
+  for (int i = 0; i < 2; ++i) (void)train_step(a, adam_a);
+  mgpu::io::save_training(file, a, adam_a, {.step = 2}, env.stream);
+  std::vector<float> expected;
+  for (int i = 0; i < 2; ++i) expected.push_back(train_step(a, adam_a));
+  nn::Sequential b = nn::gpt(config);
+  b.materialize(env.ctx, 1);  // the same seed: dropout seeds come from it, as for Dropout
+  mgpu::fill_async(b.master_parameters(), 0.0f, env.stream);  // the checkpoint must bring the weights back
+  mgpu::optim::AdamW adam_b(mgpu::optim::AdamWOptions{});
+  CHECK(mgpu::io::load_training(file, b, adam_b, *env.allocator, env.stream).step == 2);
+  std::filesystem::remove(file);
+  for (float const loss : expected) CHECK(train_step(b, adam_b) == loss);
 }
 
 TEST_CASE("gpt: hostile inputs and configurations throw mgpu::Error", "[nn][gpt]") {
