@@ -16,6 +16,18 @@ namespace mgpu::ops::detail {
 /// Keys per tile of the attention forward: one rescale of the running sums per tile.
 inline constexpr std::int64_t attention_key_tile = 32;
 
+/// The dot product of a[0, n) and b[0, n) in float32 with eight partial sums combined in a fixed
+/// tree (independent chains the CPU overlaps; the same order on every device and run).
+template <class A, class B>
+MGPU_HD inline float dot(A const* a, B const* b, std::int64_t n) {
+  float s[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  std::int64_t e = 0;
+  for (; e + 8 <= n; e += 8)
+    for (int u = 0; u < 8; ++u) s[u] += static_cast<float>(a[e + u]) * static_cast<float>(b[e + u]);
+  for (; e < n; ++e) s[0] += static_cast<float>(a[e]) * static_cast<float>(b[e]);
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+}
+
 /// y[n, e] = wte[ids[n], e] + wpe[n mod t, e], over n * c + e; NaN for an id outside [0, vocab)
 /// (the op fails the stream for it; this only keeps the read in bounds).
 template <class T>
@@ -150,10 +162,7 @@ struct AttentionForwardRow {
       std::int64_t const j1 = i + 1 < j0 + attention_key_tile ? i + 1 : j0 + attention_key_tile;
       float tile_max = -INFINITY;
       for (std::int64_t j = j0; j < j1; ++j) {
-        T const* k = qkv + s.k(r, j);
-        float dot = 0.0f;
-        for (std::int64_t e = 0; e < d; ++e) dot += static_cast<float>(q[e]) * static_cast<float>(k[e]);
-        score[j - j0] = dot * scale;
+        score[j - j0] = dot(q, qkv + s.k(r, j), d) * scale;
         tile_max = fmaxf(tile_max, score[j - j0]);
       }
       float const m_new = fmaxf(m, tile_max);
@@ -184,9 +193,7 @@ struct AttentionRowDot {
   float* row_dot;
   AttentionShape s;
   MGPU_HD void operator()(std::int64_t r) const {
-    float sum = 0.0f;
-    for (std::int64_t e = 0; e < s.d(); ++e) sum += static_cast<float>(dy[s.out(r) + e]) * static_cast<float>(y[s.out(r) + e]);
-    row_dot[r] = sum;
+    row_dot[r] = dot(dy + s.out(r), y + s.out(r), s.d());
   }
 };
 
@@ -224,15 +231,9 @@ struct AttentionGradRow {
       T const* k = qkv + s.k(r, j);
       T const* v = qkv + s.v(r, j);
       T const* g = dy + s.out(qr);
-      float score = 0.0f;
-      float dp = 0.0f;
-      for (std::int64_t e = 0; e < d; ++e) {
-        score += static_cast<float>(q[e]) * static_cast<float>(k[e]);
-        dp += static_cast<float>(g[e]) * static_cast<float>(v[e]);
-      }
-      float const p = expf(score * scale - lse[qr]);
+      float const p = expf(dot(q, k, d) * scale - lse[qr]);
       float const z = mask.factor(b, h, i, j);
-      float const ds = p * (z * dp - row_dot[qr]) * scale;
+      float const ds = p * (z * dot(g, v, d) - row_dot[qr]) * scale;
       if (keys) {
         for (std::int64_t e = 0; e < d; ++e) {
           dq_or_dk[e] += ds * static_cast<float>(q[e]);
