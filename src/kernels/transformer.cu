@@ -1,8 +1,6 @@
 // The transformer ops' kernels (src/kernels/transformer.hpp): the functors of
 // mgpu/ops/detail/transformer_math.hpp over a grid (one thread per output element or row, each
 // summing in a fixed order), and the token-id check.
-#include "kernels/transformer.hpp"
-
 #include <cuda_runtime.h>
 
 #include <mgpu/core/detail/elementwise.hpp>
@@ -12,6 +10,7 @@
 
 #include "core/cuda_device_scope.hpp"
 #include "kernels/elementwise.cuh"
+#include "kernels/transformer.hpp"
 
 namespace mgpu::kernels {
 namespace {
@@ -62,21 +61,22 @@ void find_bad_token(int ordinal, std::int32_t const* ids, std::int64_t n, std::i
   if (n > 0) {
     std::int64_t const wanted = (n + check_threads - 1) / check_threads;
     int const blocks = static_cast<int>(wanted < 65535 ? wanted : 65535);
-    find_bad_token_kernel<<<blocks, check_threads, 0, s>>>(ids, n, vocab, ignore, static_cast<unsigned long long*>(first));
+    find_bad_token_kernel<<<blocks, check_threads, 0, s>>>(ids, n, vocab, ignore,
+                                                           static_cast<unsigned long long*>(first));
     MGPU_CUDA_CHECK(cudaGetLastError());
   }
   MGPU_CUDA_CHECK(cudaMemcpyAsync(host_result, first, sizeof(std::uint64_t), cudaMemcpyDeviceToHost, s));
   MGPU_CUDA_CHECK(cudaFreeAsync(first, s));
 }
 
-#define MGPU_TRANSFORMER_FOR_TYPE(T)                                                                      \
-  template void transformer_each(int, std::int64_t, ops::detail::EmbeddingOp<T> const&, void*);            \
-  template void transformer_each(int, std::int64_t, ops::detail::EmbeddingTokenGradOp<T> const&, void*);   \
+#define MGPU_TRANSFORMER_FOR_TYPE(T)                                                                        \
+  template void transformer_each(int, std::int64_t, ops::detail::EmbeddingOp<T> const&, void*);             \
+  template void transformer_each(int, std::int64_t, ops::detail::EmbeddingTokenGradOp<T> const&, void*);    \
   template void transformer_each(int, std::int64_t, ops::detail::EmbeddingPositionGradOp<T> const&, void*); \
-  template void transformer_each(int, std::int64_t, ops::detail::AttentionForwardRow<T> const&, void*);    \
-  template void transformer_each(int, std::int64_t, ops::detail::AttentionRowDot<T> const&, void*);        \
-  template void transformer_each(int, std::int64_t, ops::detail::AttentionGradRow<T> const&, void*);       \
-  template void transformer_each(int, std::int64_t, mgpu::detail::ConvertOp<T, float> const&, void*);      \
+  template void transformer_each(int, std::int64_t, ops::detail::AttentionForwardRow<T> const&, void*);     \
+  template void transformer_each(int, std::int64_t, ops::detail::AttentionRowDot<T> const&, void*);         \
+  template void transformer_each(int, std::int64_t, ops::detail::AttentionGradRow<T> const&, void*);        \
+  template void transformer_each(int, std::int64_t, mgpu::detail::ConvertOp<T, float> const&, void*);       \
   template void transformer_each(int, std::int64_t, ops::detail::TokenCrossEntropyRow<T> const&, void*);
 MGPU_TRANSFORMER_FOR_TYPE(float)
 MGPU_TRANSFORMER_FOR_TYPE(bfloat16)

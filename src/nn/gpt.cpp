@@ -1,25 +1,27 @@
 // nn::gpt and the PyTorch names of its parameters.
-#include <mgpu/nn/gpt.hpp>
-
 #include <cmath>
 #include <memory>
 #include <string>
 
 #include <mgpu/core/error.hpp>
+#include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/transformer.hpp>
 
 namespace mgpu::nn {
 namespace {
 
 void check_config(GptConfig const& c) {
-  std::string const text = "GptConfig{vocab " + std::to_string(c.vocab) + ", block_size " + std::to_string(c.block_size) + ", n_layer " +
-                           std::to_string(c.n_layer) + ", n_head " + std::to_string(c.n_head) + ", n_embd " + std::to_string(c.n_embd) +
-                           ", dropout " + std::to_string(c.dropout) + "}";
+  std::string const text = "GptConfig{vocab " + std::to_string(c.vocab) + ", block_size " +
+                           std::to_string(c.block_size) + ", n_layer " + std::to_string(c.n_layer) + ", n_head " +
+                           std::to_string(c.n_head) + ", n_embd " + std::to_string(c.n_embd) + ", dropout " +
+                           std::to_string(c.dropout) + "}";
   if (c.vocab < 1 || c.block_size < 1 || c.n_layer < 1 || c.n_head < 1 || c.n_embd < 1 || c.n_embd % c.n_head != 0)
     throw Error(Errc::invalid_argument, text + " (expected sizes >= 1 and n_head dividing n_embd)");
-  if (!(c.dropout >= 0.0f && c.dropout < 1.0f)) throw Error(Errc::invalid_argument, text + " (expected 0 <= dropout < 1)");
+  if (!(c.dropout >= 0.0f && c.dropout < 1.0f))
+    throw Error(Errc::invalid_argument, text + " (expected 0 <= dropout < 1)");
   if (!c.bias)
-    throw Error(Errc::invalid_argument, text + " with bias false (expected bias true: Linear and LayerNorm layers always have a bias)");
+    throw Error(Errc::invalid_argument,
+                text + " with bias false (expected bias true: Linear and LayerNorm layers always have a bias)");
 }
 
 }  // namespace
@@ -78,9 +80,9 @@ std::vector<GptParameter> gpt_parameters(GptConfig const& config) {
 void load_gpt_parameter(GptParameter const& p, std::span<float const> values, std::span<float> flat) {
   auto const n = static_cast<std::size_t>(p.numel());
   if (values.size() != n || flat.size() < static_cast<std::size_t>(p.offset) + n)
-    throw Error(Errc::invalid_argument, "load_gpt_parameter " + p.name + ": " + std::to_string(values.size()) + " values into a buffer of " +
-                                            std::to_string(flat.size()) + " (expected " + std::to_string(n) + " values at offset " +
-                                            std::to_string(p.offset) + ")");
+    throw Error(Errc::invalid_argument, "load_gpt_parameter " + p.name + ": " + std::to_string(values.size()) +
+                                            " values into a buffer of " + std::to_string(flat.size()) + " (expected " +
+                                            std::to_string(n) + " values at offset " + std::to_string(p.offset) + ")");
   float* dst = flat.data() + p.offset;
   if (!p.transposed) {
     std::copy(values.begin(), values.end(), dst);
@@ -94,7 +96,8 @@ void load_gpt_parameter(GptParameter const& p, std::span<float const> values, st
 std::vector<float> read_gpt_parameter(GptParameter const& p, std::span<float const> flat) {
   auto const n = static_cast<std::size_t>(p.numel());
   if (flat.size() < static_cast<std::size_t>(p.offset) + n)
-    throw Error(Errc::invalid_argument, "read_gpt_parameter " + p.name + ": a buffer of " + std::to_string(flat.size()) + " (expected at least " +
+    throw Error(Errc::invalid_argument, "read_gpt_parameter " + p.name + ": a buffer of " +
+                                            std::to_string(flat.size()) + " (expected at least " +
                                             std::to_string(static_cast<std::size_t>(p.offset) + n) + " elements)");
   float const* src = flat.data() + p.offset;
   std::vector<float> values(n);

@@ -1,10 +1,9 @@
 // Embedding, CausalSelfAttention, TransformerBlock and TiedLMHead.
-#include <mgpu/nn/transformer.hpp>
-
 #include <cmath>
 #include <string>
 
 #include <mgpu/core/error.hpp>
+#include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/detail/math.hpp>
 #include <mgpu/ops/ops.hpp>
 
@@ -19,7 +18,8 @@ std::string missing_forward(std::string const& layer, char const* call, std::int
 // A [B, T, features] activation (the layout between transformer layers).
 void check_activation(std::string const& layer, Shape const& shape, std::int64_t features) {
   if (shape.size() != 3 || shape[2] != features)
-    throw Error(Errc::invalid_argument, layer + ": input of shape " + to_string(shape) + " (expected [B, T, " + std::to_string(features) + "])");
+    throw Error(Errc::invalid_argument, layer + ": input of shape " + to_string(shape) + " (expected [B, T, " +
+                                            std::to_string(features) + "])");
 }
 
 // Normal(0, std) weights of a bound float32 host view.
@@ -37,12 +37,14 @@ void zero_fill(Tensor const& t) {
 Embedding::Embedding(std::int64_t vocab, std::int64_t block_size, std::int64_t features, float init_std)
     : vocab_(vocab), block_size_(block_size), features_(features), init_std_(init_std) {
   if (vocab < 1 || block_size < 1 || features < 1 || !(init_std >= 0))
-    throw Error(Errc::invalid_argument, "Embedding(vocab " + std::to_string(vocab) + ", block " + std::to_string(block_size) + ", features " +
-                                            std::to_string(features) + ") (expected sizes >= 1 and init_std >= 0)");
+    throw Error(Errc::invalid_argument, "Embedding(vocab " + std::to_string(vocab) + ", block " +
+                                            std::to_string(block_size) + ", features " + std::to_string(features) +
+                                            ") (expected sizes >= 1 and init_std >= 0)");
 }
 
 std::string Embedding::name() const {
-  return "Embedding(" + std::to_string(vocab_) + ", " + std::to_string(block_size_) + ", " + std::to_string(features_) + ")";
+  return "Embedding(" + std::to_string(vocab_) + ", " + std::to_string(block_size_) + ", " + std::to_string(features_) +
+         ")";
 }
 
 void Embedding::bind(Tensor const& params, Tensor const& grads) {
@@ -62,7 +64,8 @@ void Embedding::initialize(std::mt19937_64& rng) {
 Tensor Embedding::forward(Tensor const& ids, Context& ctx) {
   Shape const shape = output_shape(ids.shape());
   if (ids.dtype() != DType::int32)
-    throw Error(Errc::invalid_argument, name() + ": ids are " + std::string(to_string(ids.dtype())) + " (expected int32 token ids)");
+    throw Error(Errc::invalid_argument,
+                name() + ": ids are " + std::string(to_string(ids.dtype())) + " (expected int32 token ids)");
   Tensor y = Tensor::empty(shape, wte_.dtype(), ctx.allocator);
   ops::embedding(ids, wte_, wpe_, y, ctx.stream);
   saved_[ctx.micro_batch] = {ids, Tensor{}};
@@ -77,7 +80,8 @@ Tensor Embedding::backward(Tensor const& dy, Context& ctx) {
 
 Tensor Embedding::backward_input(Tensor const& dy, Context& ctx) {
   auto const it = saved_.find(ctx.micro_batch);
-  if (it == saved_.end()) throw Error(Errc::invalid_argument, missing_forward(name(), "backward_input", ctx.micro_batch));
+  if (it == saved_.end())
+    throw Error(Errc::invalid_argument, missing_forward(name(), "backward_input", ctx.micro_batch));
   it->second.second = dy;
   return {};
 }
@@ -89,15 +93,17 @@ void Embedding::backward_weight(Context& ctx) {
                                             " (expected backward_input of that micro-batch first)");
   auto const [ids, dy] = std::move(it->second);
   saved_.erase(it);
-  ops::embedding_backward(ids, dy, dwte_, dwpe_, tied_ || ctx.accumulate_gradients, ctx.accumulate_gradients, ctx.stream);
+  ops::embedding_backward(ids, dy, dwte_, dwpe_, tied_ || ctx.accumulate_gradients, ctx.accumulate_gradients,
+                          ctx.stream);
 }
 
 Shape Embedding::output_shape(Shape const& input) const {
   if (input.size() != 2)
     throw Error(Errc::invalid_argument, name() + ": ids of shape " + to_string(input) + " (expected [B, T])");
   if (input[1] > block_size_)
-    throw Error(Errc::invalid_argument, name() + ": sequences of " + std::to_string(input[1]) + " tokens (expected at most the block size " +
-                                            std::to_string(block_size_) + ")");
+    throw Error(Errc::invalid_argument, name() + ": sequences of " + std::to_string(input[1]) +
+                                            " tokens (expected at most the block size " + std::to_string(block_size_) +
+                                            ")");
   return {input[0], input[1], features_};
 }
 
@@ -109,10 +115,12 @@ CausalSelfAttention::CausalSelfAttention(std::int64_t features, std::int64_t hea
       qkv_(features, 3 * features),
       proj_(features, features) {
   if (heads < 1 || features % heads != 0)
-    throw Error(Errc::invalid_argument, "CausalSelfAttention(" + std::to_string(features) + " features, " + std::to_string(heads) +
+    throw Error(Errc::invalid_argument, "CausalSelfAttention(" + std::to_string(features) + " features, " +
+                                            std::to_string(heads) +
                                             " heads) (expected heads >= 1 dividing the features)");
   if (!(dropout >= 0.0f && dropout < 1.0f))
-    throw Error(Errc::invalid_argument, "CausalSelfAttention: dropout " + std::to_string(dropout) + " (expected 0 <= p < 1)");
+    throw Error(Errc::invalid_argument,
+                "CausalSelfAttention: dropout " + std::to_string(dropout) + " (expected 0 <= p < 1)");
 }
 
 std::string CausalSelfAttention::name() const {
@@ -158,7 +166,8 @@ Tensor CausalSelfAttention::backward(Tensor const& dy, Context& ctx) {
 
 Tensor CausalSelfAttention::backward_input(Tensor const& dy, Context& ctx) {
   auto const it = saved_.find(ctx.micro_batch);
-  if (it == saved_.end()) throw Error(Errc::invalid_argument, missing_forward(name(), "backward_input", ctx.micro_batch));
+  if (it == saved_.end())
+    throw Error(Errc::invalid_argument, missing_forward(name(), "backward_input", ctx.micro_batch));
   Saved const s = std::move(it->second);
   saved_.erase(it);
   Tensor const dy_heads = proj_.backward_input(dy, ctx);
@@ -195,7 +204,8 @@ std::string TransformerBlock::name() const {
 }
 
 std::int64_t TransformerBlock::parameter_count() const {
-  return ln1_.parameter_count() + attn_.parameter_count() + ln2_.parameter_count() + fc_.parameter_count() + proj_.parameter_count();
+  return ln1_.parameter_count() + attn_.parameter_count() + ln2_.parameter_count() + fc_.parameter_count() +
+         proj_.parameter_count();
 }
 
 void TransformerBlock::bind(Tensor const& params, Tensor const& grads) {
@@ -237,7 +247,8 @@ Tensor TransformerBlock::forward(Tensor const& x, Context& ctx) {
   // in place.
   Tensor const h = attn_drop_.forward(attn_.forward(ln1_.forward(x, ctx), ctx), ctx);
   ops::add_scaled(h, x, 1.0f, ctx.stream);
-  Tensor const m = mlp_drop_.forward(proj_.forward(fc_.forward(ln2_.forward(h, ctx), ctx, ops::ActivationKind::gelu), ctx), ctx);
+  Tensor const m =
+      mlp_drop_.forward(proj_.forward(fc_.forward(ln2_.forward(h, ctx), ctx, ops::ActivationKind::gelu), ctx), ctx);
   ops::add_scaled(m, h, 1.0f, ctx.stream);
   return m;
 }
@@ -266,10 +277,13 @@ void TransformerBlock::backward_weight(Context& ctx) {
 
 TiedLMHead::TiedLMHead(std::int64_t vocab, std::int64_t features) : vocab_(vocab), features_(features) {
   if (vocab < 1 || features < 1)
-    throw Error(Errc::invalid_argument, "TiedLMHead(" + std::to_string(vocab) + ", " + std::to_string(features) + ") (expected sizes >= 1)");
+    throw Error(Errc::invalid_argument,
+                "TiedLMHead(" + std::to_string(vocab) + ", " + std::to_string(features) + ") (expected sizes >= 1)");
 }
 
-std::string TiedLMHead::name() const { return "TiedLMHead(" + std::to_string(vocab_) + ", " + std::to_string(features_) + ")"; }
+std::string TiedLMHead::name() const {
+  return "TiedLMHead(" + std::to_string(vocab_) + ", " + std::to_string(features_) + ")";
+}
 
 void TiedLMHead::link(Sequential& model) {
   for (std::size_t i = 0; i < model.size(); ++i) {
@@ -281,14 +295,16 @@ void TiedLMHead::link(Sequential& model) {
       return;
     }
   }
-  throw Error(Errc::invalid_argument, name() + ": no Embedding(" + std::to_string(vocab_) + ", *, " + std::to_string(features_) +
-                                          ") in its Sequential (expected the token embedding it is tied to in the same model; a "
-                                          "pipeline stage holding the head alone is not supported yet)");
+  throw Error(Errc::invalid_argument,
+              name() + ": no Embedding(" + std::to_string(vocab_) + ", *, " + std::to_string(features_) +
+                  ") in its Sequential (expected the token embedding it is tied to in the same model; a "
+                  "pipeline stage holding the head alone is not supported yet)");
 }
 
 Tensor TiedLMHead::forward(Tensor const& h, Context& ctx) {
   Shape const shape = output_shape(h.shape());
-  if (!wte_.defined()) throw Error(Errc::invalid_argument, name() + ".forward before materialize (expected it linked to its Embedding)");
+  if (!wte_.defined())
+    throw Error(Errc::invalid_argument, name() + ".forward before materialize (expected it linked to its Embedding)");
   Tensor const h2 = h.reshape({h.numel() / features_, features_});
   Tensor logits = Tensor::empty({h2.dim(0), vocab_}, h.dtype(), ctx.allocator);
   ops::gemm(h2, false, wte_, true, logits, 1.0f, 0.0f, ctx.stream);  // h wteᵀ
@@ -304,7 +320,8 @@ Tensor TiedLMHead::backward(Tensor const& dy, Context& ctx) {
 
 Tensor TiedLMHead::backward_input(Tensor const& dy, Context& ctx) {
   auto const it = saved_.find(ctx.micro_batch);
-  if (it == saved_.end()) throw Error(Errc::invalid_argument, missing_forward(name(), "backward_input", ctx.micro_batch));
+  if (it == saved_.end())
+    throw Error(Errc::invalid_argument, missing_forward(name(), "backward_input", ctx.micro_batch));
   Tensor const& h2 = it->second.first;
   Tensor const dy2 = dy.reshape({h2.dim(0), vocab_});
   it->second.second = dy2;
@@ -327,7 +344,8 @@ void TiedLMHead::backward_weight(Context& ctx) {
 
 Shape TiedLMHead::output_shape(Shape const& input) const {
   if (input.size() < 2 || input.back() != features_)
-    throw Error(Errc::invalid_argument, name() + ": input of shape " + to_string(input) + " (expected [B, T, " + std::to_string(features_) + "])");
+    throw Error(Errc::invalid_argument, name() + ": input of shape " + to_string(input) + " (expected [B, T, " +
+                                            std::to_string(features_) + "])");
   Shape out = input;
   out.back() = vocab_;
   return out;

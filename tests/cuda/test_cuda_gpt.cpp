@@ -1,14 +1,14 @@
 // A GPT on a GPU against the same model on a host device (the host path is itself checked against
 // float64 references and PyTorch in tests/nn/test_gpt.cpp): logits, loss and every gradient of one
 // step, with attention dropout, and the token-id check.
-#include <mgpu/nn/gpt.hpp>
-#include <mgpu/ops/ops.hpp>
-#include <mgpu/ops/transformer.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
+
+#include <mgpu/nn/gpt.hpp>
+#include <mgpu/ops/ops.hpp>
+#include <mgpu/ops/transformer.hpp>
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
@@ -59,7 +59,8 @@ double relative_error(std::vector<float> const& a, std::vector<float> const& b) 
 }  // namespace
 
 TEST_CASE("a GPT step on a GPU matches the host: logits, loss, every gradient", "[cuda][gpt]") {
-  mgpu::nn::GptConfig const config{.vocab = 50, .block_size = 40, .n_layer = 2, .n_head = 2, .n_embd = 16, .dropout = 0.1f};
+  mgpu::nn::GptConfig const config{
+      .vocab = 50, .block_size = 40, .n_layer = 2, .n_head = 2, .n_embd = 16, .dropout = 0.1f};
   std::vector<std::int32_t> tokens(2 * 37);
   std::mt19937 rng(3);
   for (auto& t : tokens) t = static_cast<std::int32_t>(rng() % 50);

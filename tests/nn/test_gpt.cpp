@@ -8,14 +8,6 @@
 // the same batch: lr 1e-3, betas 0.9 / 0.95, eps 1e-8, no weight decay); then per tensor, in
 // PyTorch's named_parameters order: int32 name length, the name, int32 ndim, int32 shape[ndim],
 // float32 values, float32 gradient.
-#include <mgpu/io/checkpoint.hpp>
-#include <mgpu/nn/gpt.hpp>
-#include <mgpu/nn/optim.hpp>
-#include <mgpu/nn/transformer.hpp>
-#include <mgpu/ops/detail/math.hpp>
-#include <mgpu/ops/ops.hpp>
-#include <mgpu/ops/transformer.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -26,6 +18,14 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include <mgpu/io/checkpoint.hpp>
+#include <mgpu/nn/gpt.hpp>
+#include <mgpu/nn/optim.hpp>
+#include <mgpu/nn/transformer.hpp>
+#include <mgpu/ops/detail/math.hpp>
+#include <mgpu/ops/ops.hpp>
+#include <mgpu/ops/transformer.hpp>
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
@@ -57,8 +57,8 @@ Tensor random_ids(Env& env, mgpu::Shape shape, std::int32_t vocab, unsigned seed
 
 // Attention over the whole [T, T] score matrix in float64: y [B, T, C] from qkv [B, T, 3C], with
 // the dropout mask ops::causal_attention documents when p > 0.
-std::vector<double> naive_attention(std::vector<double> const& qkv, std::int64_t b_count, std::int64_t t, std::int64_t c, std::int64_t heads,
-                                    ops::AttentionDropout const& dropout = {}) {
+std::vector<double> naive_attention(std::vector<double> const& qkv, std::int64_t b_count, std::int64_t t,
+                                    std::int64_t c, std::int64_t heads, ops::AttentionDropout const& dropout = {}) {
   std::int64_t const d = c / heads;
   std::vector<double> y(static_cast<std::size_t>(b_count * t * c), 0.0);
   auto at = [&](std::int64_t b, std::int64_t i, std::int64_t part, std::int64_t h, std::int64_t e) {
@@ -83,7 +83,8 @@ std::vector<double> naive_attention(std::vector<double> const& qkv, std::int64_t
             auto const counter = static_cast<std::uint64_t>((((dropout.row_offset + b) * heads + h) * t + i) * t + j);
             p = ops::detail::uniform01(dropout.seed, counter) < 1.0f - dropout.p ? p / (1.0 - dropout.p) : 0.0;
           }
-          for (std::int64_t e = 0; e < d; ++e) y[static_cast<std::size_t>((b * t + i) * c + h * d + e)] += p * at(b, j, 2, h, e);
+          for (std::int64_t e = 0; e < d; ++e)
+            y[static_cast<std::size_t>((b * t + i) * c + h * d + e)] += p * at(b, j, 2, h, e);
         }
       }
     }
@@ -176,13 +177,16 @@ void check_finite_differences(Env& env, nn::Sequential& model, Tensor const& x, 
 
 }  // namespace
 
-TEST_CASE("causal_attention: the online softmax over key tiles equals the naive [T, T] attention, and its backward the float64 gradient",
-          "[nn][gpt]") {
+TEST_CASE(
+    "causal_attention: the online softmax over key tiles equals the naive [T, T] attention, and its backward the "
+    "float64 gradient",
+    "[nn][gpt]") {
   SECTION("no dropout") { check_attention_against_naive({}); }
   SECTION("attention dropout 0.3") { check_attention_against_naive({0.3f, 12345, 3}); }
 }
 
-TEST_CASE("token_cross_entropy: loss and dlogits against float64, with ignored rows and an explicit divisor", "[nn][gpt]") {
+TEST_CASE("token_cross_entropy: loss and dlogits against float64, with ignored rows and an explicit divisor",
+          "[nn][gpt]") {
   Env env;
   std::int64_t const n = 6, v = 5;
   Tensor const logits = env.random({2, 3, v}, 3, 2.0f);
@@ -204,8 +208,10 @@ TEST_CASE("token_cross_entropy: loss and dlogits against float64, with ignored r
     bool const ignored = t[static_cast<std::size_t>(i)] == -1;
     if (!ignored) total += lse - x[static_cast<std::size_t>(i * v + t[static_cast<std::size_t>(i)])];
     for (std::int64_t j = 0; j < v; ++j) {
-      double const expected =
-          ignored ? 0.0 : (std::exp(x[static_cast<std::size_t>(i * v + j)] - lse) - (j == t[static_cast<std::size_t>(i)] ? 1 : 0)) * 2.0 / divisor;
+      double const expected = ignored ? 0.0
+                                      : (std::exp(x[static_cast<std::size_t>(i * v + j)] - lse) -
+                                         (j == t[static_cast<std::size_t>(i)] ? 1 : 0)) *
+                                            2.0 / divisor;
       CHECK(std::abs(dx[static_cast<std::size_t>(i * v + j)] - expected) <= 1e-6);
     }
   }
@@ -235,13 +241,15 @@ TEST_CASE("Embedding backward is a deterministic scatter-add: repeated ids summe
   std::vector<double> const d = as_double(dy);
   auto const row = [&](std::size_t n, std::size_t e) { return d[n * 3 + e]; };
   for (std::size_t e = 0; e < 3; ++e) {
-    CHECK(g[5 * 3 + e] == static_cast<double>(static_cast<float>(static_cast<float>(row(0, e)) + static_cast<float>(row(2, e))) +
-                                              static_cast<float>(row(3, e))));
+    CHECK(g[5 * 3 + e] ==
+          static_cast<double>(static_cast<float>(static_cast<float>(row(0, e)) + static_cast<float>(row(2, e))) +
+                              static_cast<float>(row(3, e))));
     CHECK(g[1 * 3 + e] == static_cast<double>(static_cast<float>(row(1, e)) + static_cast<float>(row(5, e))));
     CHECK(g[0 * 3 + e] == row(4, e));
     CHECK(g[3 * 3 + e] == 0.0);
-    CHECK(g[21 + 0 * 3 + e] == static_cast<double>(static_cast<float>(row(0, e)) + static_cast<float>(row(3, e))));  // wpe position 0
-    CHECK(g[21 + 3 * 3 + e] == 0.0);  // position 3: past T
+    CHECK(g[21 + 0 * 3 + e] ==
+          static_cast<double>(static_cast<float>(row(0, e)) + static_cast<float>(row(3, e))));  // wpe position 0
+    CHECK(g[21 + 3 * 3 + e] == 0.0);                                                            // position 3: past T
   }
 }
 
@@ -293,7 +301,8 @@ TEST_CASE("gpt: finite differences through the whole model; the split backward e
     env.stream.synchronize();
     std::vector<double> const once = as_double(a.gradients());
     std::vector<double> const twice = as_double(b.gradients());
-    for (std::size_t i = 0; i < once.size(); ++i) REQUIRE(std::abs(twice[i] - 2 * once[i]) <= 1e-6 * (1 + std::abs(once[i])));
+    for (std::size_t i = 0; i < once.size(); ++i)
+      REQUIRE(std::abs(twice[i] - 2 * once[i]) <= 1e-6 * (1 + std::abs(once[i])));
     env.ctx.accumulate_gradients = false;
   }
   SECTION("the parameter table covers the flat buffer") {
@@ -308,7 +317,10 @@ TEST_CASE("gpt: finite differences through the whole model; the split backward e
   }
 }
 
-TEST_CASE("gpt in bfloat16 and float16 compute follows float32: loss within 0.1%, gradients within 2% (bf16) and 0.4% (fp16) relative L2", "[nn][gpt]") {
+TEST_CASE(
+    "gpt in bfloat16 and float16 compute follows float32: loss within 0.1%, gradients within 2% (bf16) and 0.4% (fp16) "
+    "relative L2",
+    "[nn][gpt]") {
   nn::GptConfig const config{.vocab = 40, .block_size = 12, .n_layer = 2, .n_head = 2, .n_embd = 16};
   Env env;
   Tensor const ids = random_ids(env, {2, 12}, 40, 6);
@@ -380,7 +392,8 @@ TEST_CASE("gpt: hostile inputs and configurations throw mgpu::Error", "[nn][gpt]
     nn::Sequential model = nn::gpt(config);
     model.materialize(env.ctx, 1);
     (void)model.forward(ids_tensor(env, {1, 3}, {1, 13, 2}), env.ctx);
-    REQUIRE_MGPU_ERROR(env.stream.synchronize(), Errc::invalid_argument, "token id 13 at position 1 (expected a token id in [0, 13)");
+    REQUIRE_MGPU_ERROR(env.stream.synchronize(), Errc::invalid_argument,
+                       "token id 13 at position 1 (expected a token id in [0, 13)");
   }
   SECTION("a negative target fails the stream") {
     Env env;
@@ -395,7 +408,8 @@ TEST_CASE("gpt: hostile inputs and configurations throw mgpu::Error", "[nn][gpt]
     model.materialize(env.ctx, 1);
     REQUIRE_MGPU_ERROR(model.forward(random_ids(env, {1, 7}, 13, 1), env.ctx), Errc::invalid_argument,
                        "sequences of 7 tokens (expected at most the block size 6)");
-    REQUIRE_MGPU_ERROR(model.forward(env.random({1, 3}, 1), env.ctx), Errc::invalid_argument, "(expected int32 token ids)");
+    REQUIRE_MGPU_ERROR(model.forward(env.random({1, 3}, 1), env.ctx), Errc::invalid_argument,
+                       "(expected int32 token ids)");
     nn::Sequential head;
     head.add(std::make_unique<nn::TiedLMHead>(13, 8));
     REQUIRE_MGPU_ERROR(head.materialize(env.ctx, 1), Errc::invalid_argument, "no Embedding(13, *, 8)");
@@ -446,7 +460,8 @@ Fixture read_fixture(std::string const& path) {
   REQUIRE(std::string(magic, 8) == "GPTFIX01");
   Fixture f;
   REQUIRE(i32() == 1);
-  f.n_layer = i32(), f.n_head = i32(), f.n_embd = i32(), f.block = i32(), f.vocab = i32(), f.batch = i32(), f.steps = i32();
+  f.n_layer = i32(), f.n_head = i32(), f.n_embd = i32(), f.block = i32(), f.vocab = i32(), f.batch = i32(),
+  f.steps = i32();
   std::int32_t const n_tensors = i32();
   auto const tokens = static_cast<std::size_t>(f.batch * f.block);
   f.inputs.resize(tokens);
@@ -486,9 +501,11 @@ double relative_error(std::vector<float> const& a, std::vector<float> const& b) 
 
 }  // namespace
 
-TEST_CASE("gpt matches PyTorch on the parity fixture: logits, loss, every gradient and 5 AdamW steps (float32, host)", "[nn][gpt]") {
+TEST_CASE("gpt matches PyTorch on the parity fixture: logits, loss, every gradient and 5 AdamW steps (float32, host)",
+          "[nn][gpt]") {
   Fixture const f = read_fixture(MGPU_GPT_FIXTURE);
-  nn::GptConfig const config{.vocab = f.vocab, .block_size = f.block, .n_layer = f.n_layer, .n_head = f.n_head, .n_embd = f.n_embd};
+  nn::GptConfig const config{
+      .vocab = f.vocab, .block_size = f.block, .n_layer = f.n_layer, .n_head = f.n_head, .n_embd = f.n_embd};
   Env env;
   nn::Sequential model = nn::gpt(config);
   model.materialize(env.ctx, 0);
@@ -541,6 +558,7 @@ TEST_CASE("gpt matches PyTorch on the parity fixture: logits, loss, every gradie
     opt.step(model.master_parameters(), model.master_gradients(), *env.allocator, env.stream);
   }
   env.stream.synchronize();
-  WARN("parity with PyTorch (relative errors): logits " << logits_error << ", loss " << loss_error << ", worst gradient " << worst
-                                                         << ", worst AdamW-step loss " << worst_step);
+  WARN("parity with PyTorch (relative errors): logits " << logits_error << ", loss " << loss_error
+                                                        << ", worst gradient " << worst << ", worst AdamW-step loss "
+                                                        << worst_step);
 }

@@ -37,7 +37,9 @@ class Embedding final : public Layer {
   void backward_weight(Context& ctx) override;
   Shape output_shape(Shape const& input) const override;
   std::size_t saved_micro_batches() const override { return saved_.size(); }
-  std::unique_ptr<Layer> clone() const override { return std::make_unique<Embedding>(vocab_, block_size_, features_, init_std_); }
+  std::unique_ptr<Layer> clone() const override {
+    return std::make_unique<Embedding>(vocab_, block_size_, features_, init_std_);
+  }
 
   [[nodiscard]] std::int64_t vocab() const noexcept { return vocab_; }
   [[nodiscard]] std::int64_t features() const noexcept { return features_; }

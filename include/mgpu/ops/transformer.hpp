@@ -26,11 +26,11 @@ void embedding(Tensor const& ids, Tensor const& wte, Tensor const& wpe, Tensor c
 /// row is summed in position order by one thread, with no atomics. With `accumulate_wte` (or
 /// `accumulate_wpe`) the sums are added to the buffer instead of overwriting it (a tied LM head has
 /// written its part of dwte first, or micro-batches accumulate).
-void embedding_backward(Tensor const& ids, Tensor const& dy, Tensor const& dwte, Tensor const& dwpe, bool accumulate_wte,
-                        bool accumulate_wpe, Stream& stream);
+void embedding_backward(Tensor const& ids, Tensor const& dy, Tensor const& dwte, Tensor const& dwpe,
+                        bool accumulate_wte, bool accumulate_wpe, Stream& stream);
 
 /// Dropout on attention probabilities: element (b, h, i, j) is kept when
-/// uniform01(seed, ((row_offset + b) * heads + h) * T + i) * T + j) < 1 - p and scaled by
+/// uniform01(seed, (((row_offset + b) * heads + h) * T + i) * T + j) < 1 - p and scaled by
 /// 1 / (1 - p); row_offset is the global index of the batch's first sequence, so shards of a batch
 /// drop what the whole batch would. p = 0 disables it.
 struct AttentionDropout {
@@ -48,15 +48,16 @@ void causal_attention(Tensor const& qkv, Tensor const& y, Tensor const& lse, std
                       AttentionDropout const& dropout = {});
 /// The gradient of causal_attention: dqkv [B, T, 3C] from qkv, the forward's y and lse, and dy
 /// [B, T, C], recomputing the probabilities from lse (same dropout as the forward).
-void causal_attention_backward(Tensor const& qkv, Tensor const& y, Tensor const& lse, Tensor const& dy, Tensor const& dqkv,
-                               std::int64_t heads, Stream& stream, AttentionDropout const& dropout = {});
+void causal_attention_backward(Tensor const& qkv, Tensor const& y, Tensor const& lse, Tensor const& dy,
+                               Tensor const& dqkv, std::int64_t heads, Stream& stream,
+                               AttentionDropout const& dropout = {});
 
 /// Per-token cross-entropy of logits [N, V] (or [B, T, V]) against int32 targets of N elements:
 /// loss = (sum over rows whose target is not `ignore_index` of -log softmax(row)[target]) / divisor,
 /// dlogits = (softmax - onehot(target)) * grad_scale / divisor on those rows and 0 on ignored rows.
 /// `divisor` (> 0) is explicit so a shard or a micro-batch can divide by the counted tokens of the
 /// whole batch. A target outside [0, V) that is not ignore_index fails the stream.
-void token_cross_entropy(Tensor const& logits, Tensor const& targets, Tensor const& dlogits, Tensor const& loss, float divisor,
-                         Stream& stream, std::int32_t ignore_index = -100, float grad_scale = 1.0f);
+void token_cross_entropy(Tensor const& logits, Tensor const& targets, Tensor const& dlogits, Tensor const& loss,
+                         float divisor, Stream& stream, std::int32_t ignore_index = -100, float grad_scale = 1.0f);
 
 }  // namespace mgpu::ops

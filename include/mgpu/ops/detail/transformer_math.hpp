@@ -40,7 +40,8 @@ struct EmbeddingOp {
   MGPU_HD void operator()(std::int64_t i) const {
     std::int64_t const n = i / c, e = i % c;
     std::int32_t const id = ids[n];
-    y[i] = id < 0 || id >= vocab ? T(NAN) : T(static_cast<float>(wte[id * c + e]) + static_cast<float>(wpe[(n % t) * c + e]));
+    y[i] = id < 0 || id >= vocab ? T(NAN)
+                                 : T(static_cast<float>(wte[id * c + e]) + static_cast<float>(wpe[(n % t) * c + e]));
   }
 };
 
@@ -130,7 +131,9 @@ struct AttentionShape {
   std::int64_t t, c, heads;
   MGPU_HD std::int64_t d() const { return c / heads; }
   MGPU_HD std::int64_t q(std::int64_t r) const { return token(r) * 3 * c + head(r) * d(); }  // offset in qkv
-  MGPU_HD std::int64_t k(std::int64_t r, std::int64_t j) const { return (sequence(r) * t + j) * 3 * c + c + head(r) * d(); }
+  MGPU_HD std::int64_t k(std::int64_t r, std::int64_t j) const {
+    return (sequence(r) * t + j) * 3 * c + c + head(r) * d();
+  }
   MGPU_HD std::int64_t v(std::int64_t r, std::int64_t j) const { return k(r, j) + c; }
   MGPU_HD std::int64_t out(std::int64_t r) const { return token(r) * c + head(r) * d(); }  // offset in y, dy
   MGPU_HD std::int64_t query(std::int64_t r) const { return r % t; }
@@ -192,9 +195,7 @@ struct AttentionRowDot {
   T const* dy;
   float* row_dot;
   AttentionShape s;
-  MGPU_HD void operator()(std::int64_t r) const {
-    row_dot[r] = dot(dy + s.out(r), y + s.out(r), s.d());
-  }
+  MGPU_HD void operator()(std::int64_t r) const { row_dot[r] = dot(dy + s.out(r), y + s.out(r), s.d()); }
 };
 
 /// The attention gradient, probabilities recomputed from lse. For `keys` false, row r is query i and
@@ -273,7 +274,8 @@ struct TokenCrossEntropyRow {
     for (std::int64_t j = 0; j < vocab; ++j) sum += expf(static_cast<float>(x[j]) - max);
     float const log_sum = max + logf(sum);
     row_loss[i] = log_sum - static_cast<float>(x[target]);
-    for (std::int64_t j = 0; j < vocab; ++j) dx[j] = T((expf(static_cast<float>(x[j]) - log_sum) - (j == target ? 1.0f : 0.0f)) * g);
+    for (std::int64_t j = 0; j < vocab; ++j)
+      dx[j] = T((expf(static_cast<float>(x[j]) - log_sum) - (j == target ? 1.0f : 0.0f)) * g);
   }
 };
 
