@@ -13,10 +13,13 @@
 #include <mgpu/data/dataset.hpp>
 #include <mgpu/data/loader.hpp>
 #include <mgpu/io/checkpoint.hpp>
+#include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/optim.hpp>
 #include <mgpu/nn/train.hpp>
+#include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/ops.hpp>
+#include <mgpu/ops/transformer.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
 #include <mgpu/parallel/pipeline.hpp>
 #include <mgpu/parallel/schedule.hpp>

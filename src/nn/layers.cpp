@@ -11,6 +11,18 @@
 #include "core/host_staging.hpp"
 
 namespace mgpu::nn {
+namespace {
+
+// t viewed as rows of `width` elements: [B, T, width] as [B T, width] (the same storage).
+Tensor as_rows(Tensor const& t, std::int64_t width) { return t.rank() == 2 ? t : t.reshape({t.numel() / width, width}); }
+
+// `input` with its last dimension replaced by `width`.
+Shape with_last(Shape input, std::int64_t width) {
+  input.back() = width;
+  return input;
+}
+
+}  // namespace
 
 Linear::Linear(std::int64_t in, std::int64_t out, Init init) : in_(in), out_(out), init_(init) {
   if (in < 1 || out < 1)
@@ -35,16 +47,16 @@ void Linear::initialize(std::mt19937_64& rng) {
 }
 
 Tensor Linear::forward(Tensor const& x, Context& ctx, ops::ActivationKind act) {
-  if (x.rank() != 2 || x.dim(1) != in_)
-    throw Error(Errc::invalid_argument, name() + ": input of shape " + to_string(x.shape()) + " (expected [batch, " + std::to_string(in_) + "])");
+  Shape const out_shape = output_shape(x.shape());
   if (x.dtype() != w_.dtype())
     throw Error(Errc::invalid_argument, name() + ": input is " + std::string(to_string(x.dtype())) + " (expected the model's compute type " +
                                             std::string(to_string(w_.dtype())) + ")");
-  Tensor y = Tensor::empty({x.dim(0), out_}, x.dtype(), ctx.allocator);
+  Tensor const x2 = as_rows(x, in_);
+  Tensor y = Tensor::empty({x2.dim(0), out_}, x.dtype(), ctx.allocator);
   Tensor pre = act == ops::ActivationKind::gelu ? Tensor::empty(y.shape(), y.dtype(), ctx.allocator) : Tensor{};
-  ops::linear(x, w_, b_, y, act, pre, ctx.stream);
+  ops::linear(x2, w_, b_, y, act, pre, ctx.stream);
   saved_[ctx.micro_batch] = Saved{x, pre.defined() ? pre : y, Tensor{}, act};
-  return y;
+  return y.reshape(out_shape);
 }
 
 Linear::Saved& Linear::saved(Context const& ctx, char const* call) {
@@ -66,17 +78,18 @@ Tensor Linear::backward_input(Tensor const& dy, Context& ctx) {
   if (s.dz.defined())
     throw Error(Errc::invalid_argument, name() + ".backward_input twice for micro-batch " + std::to_string(ctx.micro_batch) +
                                             " (expected backward_weight in between)");
-  s.dz = dy;  // the gradient of x W + b
+  Tensor const dy2 = as_rows(dy, out_);
+  s.dz = dy2;  // the gradient of x W + b
   if (s.act == ops::ActivationKind::identity) {
-    ops::bias_grad(dy, db_, ctx.stream, ctx.accumulate_gradients);
+    ops::bias_grad(dy2, db_, ctx.stream, ctx.accumulate_gradients);
   } else {
-    s.dz = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator);
-    ops::activation_bias_grad(s.act, s.z, dy, s.dz, db_, ctx.stream, ctx.accumulate_gradients);
+    s.dz = Tensor::empty(dy2.shape(), dy2.dtype(), ctx.allocator);
+    ops::activation_bias_grad(s.act, s.z, dy2, s.dz, db_, ctx.stream, ctx.accumulate_gradients);
   }
   s.z = Tensor{};
   if (!input_grad_) return {};
   Tensor dx = Tensor::empty(s.x.shape(), s.x.dtype(), ctx.allocator);
-  ops::gemm(s.dz, false, w_, true, dx, 1.0f, 0.0f, ctx.stream);  // dx = dz W^T
+  ops::gemm(s.dz, false, w_, true, as_rows(dx, in_), 1.0f, 0.0f, ctx.stream);  // dx = dz W^T
   return dx;
 }
 
@@ -85,14 +98,15 @@ void Linear::backward_weight(Context& ctx) {
   if (!s.dz.defined())
     throw Error(Errc::invalid_argument, name() + ".backward_weight for micro-batch " + std::to_string(ctx.micro_batch) +
                                             " (expected backward_input first)");
-  ops::gemm(s.x, true, s.dz, false, dw_, 1.0f, ctx.accumulate_gradients ? 1.0f : 0.0f, ctx.stream);  // dW (+)= x^T dz
+  ops::gemm(as_rows(s.x, in_), true, s.dz, false, dw_, 1.0f, ctx.accumulate_gradients ? 1.0f : 0.0f, ctx.stream);  // dW (+)= x^T dz
   saved_.erase(ctx.micro_batch);
 }
 
 Shape Linear::output_shape(Shape const& input) const {
-  if (input.size() != 2 || input[1] != in_)
-    throw Error(Errc::invalid_argument, name() + ": input of shape " + to_string(input) + " (expected [batch, " + std::to_string(in_) + "])");
-  return {input[0], out_};
+  if (input.size() < 2 || input.back() != in_)
+    throw Error(Errc::invalid_argument, name() + ": input of shape " + to_string(input) + " (expected [batch, " + std::to_string(in_) +
+                                            "])");
+  return with_last(input, out_);
 }
 
 Tensor Activation::forward(Tensor const& x, Context& ctx) {
@@ -143,13 +157,12 @@ void LayerNorm::initialize(std::mt19937_64&) {
 }
 
 Tensor LayerNorm::forward(Tensor const& x, Context& ctx) {
-  if (x.rank() != 2 || x.dim(1) != features_)
-    throw Error(Errc::invalid_argument, name() + ": input of shape " + to_string(x.shape()) + " (expected [batch, " +
-                                            std::to_string(features_) + "])");
-  Tensor stats = Tensor::empty({2, x.dim(0)}, DType::float32, ctx.allocator);
+  (void)output_shape(x.shape());
+  Tensor const x2 = as_rows(x, features_);
+  Tensor stats = Tensor::empty({2, x2.dim(0)}, DType::float32, ctx.allocator);
   Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator);
-  ops::layer_norm(x, gamma_, beta_, y, stats, eps_, ctx.stream);
-  saved_[ctx.micro_batch] = {x, stats};
+  ops::layer_norm(x2, gamma_, beta_, as_rows(y, features_), stats, eps_, ctx.stream);
+  saved_[ctx.micro_batch] = {x2, stats};
   return y;
 }
 
@@ -161,12 +174,13 @@ Tensor LayerNorm::backward(Tensor const& dy, Context& ctx) {
   auto const [x, stats] = std::move(it->second);
   saved_.erase(it);
   Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator);
-  ops::layer_norm_backward(x, gamma_, stats, dy, dx, dgamma_, dbeta_, ctx.stream, ctx.accumulate_gradients);
+  ops::layer_norm_backward(x, gamma_, stats, as_rows(dy, features_), as_rows(dx, features_), dgamma_, dbeta_, ctx.stream,
+                           ctx.accumulate_gradients);
   return dx;
 }
 
 Shape LayerNorm::output_shape(Shape const& input) const {
-  if (input.size() != 2 || input[1] != features_)
+  if (input.size() < 2 || input.back() != features_)
     throw Error(Errc::invalid_argument, name() + ": input of shape " + to_string(input) + " (expected [batch, " +
                                             std::to_string(features_) + "])");
   return input;
@@ -262,6 +276,7 @@ void Sequential::materialize(Context& ctx, std::uint64_t seed, DType compute) {
     layer->bind(params_.slice(offset, offset + count), grads_.slice(offset, offset + count));
     offset += count;
   }
+  for (auto& layer : layers_) layer->link(*this);
   ctx.stream.synchronize();  // `init` is read by the copy above
 }
 

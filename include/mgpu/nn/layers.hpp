@@ -33,6 +33,8 @@ struct Context {
   bool accumulate_gradients = false;
 };
 
+class Sequential;
+
 /// Weight initialisation: Kaiming (He) uniform for ReLU networks, Xavier (Glorot) uniform otherwise.
 enum class Init { kaiming, xavier };
 
@@ -49,6 +51,10 @@ class Layer {
   [[nodiscard]] virtual std::int64_t parameter_count() const { return 0; }
   /// Gives the layer its views of the flat parameter and gradient buffers (parameter_count() each).
   virtual void bind(Tensor const& /*params*/, Tensor const& /*grads*/) {}
+  /// Called by Sequential::materialize once every layer of `model` is bound, for a layer that uses
+  /// another layer's parameters (an LM head tied to the token embedding); throws Error when the
+  /// layer it needs is missing.
+  virtual void link(Sequential& /*model*/) {}
   /// Writes initial parameters from `rng` into the views last bound, which are float32 host memory
   /// when Sequential::materialize calls it.
   virtual void initialize(std::mt19937_64& /*rng*/) {}
@@ -75,7 +81,8 @@ class Layer {
   [[nodiscard]] virtual std::unique_ptr<Layer> clone() const = 0;
 };
 
-/// y = x W + b, with W [in, out] and b [out].
+/// y = x W + b, with W [in, out] and b [out]; x [batch, in], or [..., in] with the leading
+/// dimensions taken as rows (a [B, T, in] activation gives [B, T, out]).
 ///
 /// Sequential runs a Linear followed by a ReLU or GELU as one fused layer: forward(x, ctx, act)
 /// computes act(x W + b) with ops::linear (bias and activation in the GEMM's epilogue), and the
@@ -149,7 +156,8 @@ class GELU final : public Activation {
   std::unique_ptr<Layer> clone() const override { return std::make_unique<GELU>(); }
 };
 
-/// LayerNorm over the last dimension with learned gamma (initialised to 1) and beta (0).
+/// LayerNorm over the last dimension with learned gamma (initialised to 1) and beta (0); any rank
+/// >= 2, leading dimensions taken as rows.
 class LayerNorm final : public Layer {
  public:
   explicit LayerNorm(std::int64_t features, float eps = 1e-5f);

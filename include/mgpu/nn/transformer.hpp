@@ -1,0 +1,163 @@
+// The layers of a decoder-only transformer (GPT-2 style): token + position Embedding,
+// CausalSelfAttention, the pre-LN TransformerBlock and an LM head tied to the token embedding.
+//
+// Activation layout: [B, T, C] tensors between layers (B sequences of T tokens, C features); token
+// ids are int32 [B, T]. Linear and LayerNorm take any rank >= 2 and treat the leading dimensions as
+// rows, so inside a layer a [B, T, C] tensor is the same storage viewed as [B T, C].
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+
+#include <mgpu/core/tensor.hpp>
+#include <mgpu/nn/layers.hpp>
+#include <mgpu/ops/transformer.hpp>
+
+namespace mgpu::nn {
+
+/// Token embedding wte [V, C] plus learned position embedding wpe [P, C] (P = block size): ids
+/// int32 [B, T] with T <= P -> [B, T, C]. Parameters wte then wpe, initialised N(0, init_std).
+/// Backward is a deterministic scatter-add (ops::embedding_backward); ids take no gradient, so
+/// backward returns an undefined tensor. When a TiedLMHead reads wte, the head's backward writes
+/// (or adds to) the wte gradient first and this layer adds its part to it.
+class Embedding final : public Layer {
+ public:
+  Embedding(std::int64_t vocab, std::int64_t block_size, std::int64_t features, float init_std = 0.02f);
+  std::string name() const override;
+  std::int64_t parameter_count() const override { return (vocab_ + block_size_) * features_; }
+  void bind(Tensor const& params, Tensor const& grads) override;
+  void initialize(std::mt19937_64& rng) override;
+  Tensor forward(Tensor const& ids, Context& ctx) override;
+  Tensor backward(Tensor const& dy, Context& ctx) override;
+  /// Keeps dy for backward_weight (ids have no gradient).
+  Tensor backward_input(Tensor const& dy, Context& ctx) override;
+  void backward_weight(Context& ctx) override;
+  Shape output_shape(Shape const& input) const override;
+  std::size_t saved_micro_batches() const override { return saved_.size(); }
+  std::unique_ptr<Layer> clone() const override {
+    return std::make_unique<Embedding>(vocab_, block_size_, features_, init_std_);
+  }
+
+  [[nodiscard]] std::int64_t vocab() const noexcept { return vocab_; }
+  [[nodiscard]] std::int64_t features() const noexcept { return features_; }
+  /// The bound token-embedding weight [V, C] and its gradient view.
+  [[nodiscard]] Tensor const& token_weight() const noexcept { return wte_; }
+  [[nodiscard]] Tensor const& token_gradient() const noexcept { return dwte_; }
+  /// Whether an LM head shares wte (its backward then always adds to the wte gradient).
+  void set_tied(bool tied) noexcept { tied_ = tied; }
+
+ private:
+  std::int64_t vocab_, block_size_, features_;
+  float init_std_;
+  bool tied_ = false;
+  Tensor wte_, wpe_, dwte_, dwpe_;
+  std::map<std::int64_t, std::pair<Tensor, Tensor>> saved_;  // ids, and dy once backward_input has run
+};
+
+/// Causal multi-head self-attention: one fused qkv Linear (C -> 3C; q, k, v side by side, heads
+/// contiguous inside each), softmax(q kᵀ / sqrt(C / heads)) v over keys at or before each query
+/// (ops::causal_attention: online softmax, O(B T C) memory), optional dropout on the attention
+/// probabilities, and an output Linear (C -> C). Input and output [B, T, C]. Parameters: the qkv
+/// Linear's then the projection's (W [in, out], then b); weights initialised N(0, 0.02) and
+/// N(0, proj_init_std), biases 0.
+class CausalSelfAttention final : public Layer {
+ public:
+  CausalSelfAttention(std::int64_t features, std::int64_t heads, float dropout = 0.0f, float proj_init_std = 0.02f);
+  std::string name() const override;
+  std::int64_t parameter_count() const override { return qkv_.parameter_count() + proj_.parameter_count(); }
+  void bind(Tensor const& params, Tensor const& grads) override;
+  void initialize(std::mt19937_64& rng) override;
+  void set_training(bool training) override { training_ = training; }
+  std::uint64_t rng_counter() const override { return calls_; }
+  void set_rng_counter(std::uint64_t counter) override { calls_ = counter; }
+  Tensor forward(Tensor const& x, Context& ctx) override;
+  Tensor backward(Tensor const& dy, Context& ctx) override;
+  Tensor backward_input(Tensor const& dy, Context& ctx) override;
+  void backward_weight(Context& ctx) override;
+  Shape output_shape(Shape const& input) const override;
+  std::size_t saved_micro_batches() const override { return qkv_.saved_micro_batches(); }
+  void set_input_grad(bool needed) override { qkv_.set_input_grad(needed); }
+  std::unique_ptr<Layer> clone() const override {
+    return std::make_unique<CausalSelfAttention>(features_, heads_, dropout_, proj_init_std_);
+  }
+
+ private:
+  struct Saved {
+    Tensor qkv, y, lse;
+    ops::AttentionDropout dropout;
+  };
+  std::int64_t features_, heads_;
+  float dropout_, proj_init_std_;
+  bool training_ = true;
+  std::uint64_t seed_ = 0;
+  std::uint64_t calls_ = 0;
+  Linear qkv_, proj_;
+  std::map<std::int64_t, Saved> saved_;
+};
+
+/// A pre-LN transformer block: h = x + Dropout(attn(LN1(x))), y = h + Dropout(MLP(LN2(h))) with
+/// MLP = Linear C -> 4C, GELU (tanh, fused into the Linear), Linear 4C -> C. Input and output
+/// [B, T, C]. Parameters in order: ln_1 (gamma, beta), attention (qkv, proj), ln_2, mlp_fc, mlp_proj.
+/// GPT-2 init: weights N(0, 0.02) except the residual projections (attention and MLP output)
+/// N(0, proj_init_std), biases 0, LayerNorm 1 and 0. The three dropouts share `dropout` and advance
+/// together, so rng_counter() is one count.
+class TransformerBlock final : public Layer {
+ public:
+  TransformerBlock(std::int64_t features, std::int64_t heads, float dropout = 0.0f, float proj_init_std = 0.02f);
+  std::string name() const override;
+  std::int64_t parameter_count() const override;
+  void bind(Tensor const& params, Tensor const& grads) override;
+  void initialize(std::mt19937_64& rng) override;
+  void set_training(bool training) override;
+  std::uint64_t rng_counter() const override { return attn_.rng_counter(); }
+  void set_rng_counter(std::uint64_t counter) override;
+  Tensor forward(Tensor const& x, Context& ctx) override;
+  Tensor backward(Tensor const& dy, Context& ctx) override;
+  Tensor backward_input(Tensor const& dy, Context& ctx) override;
+  void backward_weight(Context& ctx) override;
+  Shape output_shape(Shape const& input) const override { return attn_.output_shape(input); }
+  std::size_t saved_micro_batches() const override { return fc_.saved_micro_batches(); }
+  std::unique_ptr<Layer> clone() const override {
+    return std::make_unique<TransformerBlock>(features_, heads_, dropout_, proj_init_std_);
+  }
+
+ private:
+  std::int64_t features_, heads_;
+  float dropout_, proj_init_std_;
+  LayerNorm ln1_;
+  CausalSelfAttention attn_;
+  Dropout attn_drop_;
+  LayerNorm ln2_;
+  Linear fc_, proj_;
+  Dropout mlp_drop_;
+};
+
+/// The LM head tied to the token embedding: logits [B, T, V] = h [B, T, C] wteᵀ, with wte the
+/// weight of the Embedding of the same Sequential (found by link()). It holds no parameters: its
+/// backward writes (or, with ctx.accumulate_gradients, adds) dwte = dlogitsᵀ h into the
+/// embedding's gradient view, and the embedding's backward, which runs after it, adds its own part,
+/// so the one parameter gets the sum of both uses. A Sequential without a matching Embedding (e.g.
+/// a pipeline stage holding only the head) is refused by materialize.
+class TiedLMHead final : public Layer {
+ public:
+  TiedLMHead(std::int64_t vocab, std::int64_t features);
+  std::string name() const override;
+  void link(Sequential& model) override;
+  Tensor forward(Tensor const& h, Context& ctx) override;
+  Tensor backward(Tensor const& dy, Context& ctx) override;
+  Tensor backward_input(Tensor const& dy, Context& ctx) override;
+  void backward_weight(Context& ctx) override;
+  Shape output_shape(Shape const& input) const override;
+  std::size_t saved_micro_batches() const override { return saved_.size(); }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<TiedLMHead>(vocab_, features_); }
+
+ private:
+  std::int64_t vocab_, features_;
+  Tensor wte_, dwte_;
+  std::map<std::int64_t, std::pair<Tensor, Tensor>> saved_;  // h as [N, C], and dlogits as [N, V]
+};
+
+}  // namespace mgpu::nn

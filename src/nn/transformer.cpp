@@ -1,0 +1,354 @@
+// Embedding, CausalSelfAttention, TransformerBlock and TiedLMHead.
+#include <cmath>
+#include <string>
+
+#include <mgpu/core/error.hpp>
+#include <mgpu/nn/transformer.hpp>
+#include <mgpu/ops/detail/math.hpp>
+#include <mgpu/ops/ops.hpp>
+
+namespace mgpu::nn {
+namespace {
+
+std::string missing_forward(std::string const& layer, char const* call, std::int64_t micro_batch) {
+  return layer + "." + call + " for micro-batch " + std::to_string(micro_batch) +
+         " (expected a forward of that micro-batch whose backward has not run)";
+}
+
+// A [B, T, features] activation (the layout between transformer layers).
+void check_activation(std::string const& layer, Shape const& shape, std::int64_t features) {
+  if (shape.size() != 3 || shape[2] != features)
+    throw Error(Errc::invalid_argument, layer + ": input of shape " + to_string(shape) + " (expected [B, T, " +
+                                            std::to_string(features) + "])");
+}
+
+// Normal(0, std) weights of a bound float32 host view.
+void normal_fill(Tensor const& t, float std, std::mt19937_64& rng) {
+  std::normal_distribution<float> n(0.0f, std);
+  for (float& v : t.host_span<float>()) v = n(rng);
+}
+
+void zero_fill(Tensor const& t) {
+  for (float& v : t.host_span<float>()) v = 0.0f;
+}
+
+}  // namespace
+
+Embedding::Embedding(std::int64_t vocab, std::int64_t block_size, std::int64_t features, float init_std)
+    : vocab_(vocab), block_size_(block_size), features_(features), init_std_(init_std) {
+  if (vocab < 1 || block_size < 1 || features < 1 || !(init_std >= 0))
+    throw Error(Errc::invalid_argument, "Embedding(vocab " + std::to_string(vocab) + ", block " +
+                                            std::to_string(block_size) + ", features " + std::to_string(features) +
+                                            ") (expected sizes >= 1 and init_std >= 0)");
+}
+
+std::string Embedding::name() const {
+  return "Embedding(" + std::to_string(vocab_) + ", " + std::to_string(block_size_) + ", " + std::to_string(features_) +
+         ")";
+}
+
+void Embedding::bind(Tensor const& params, Tensor const& grads) {
+  std::int64_t const split = vocab_ * features_;
+  std::int64_t const end = parameter_count();
+  wte_ = params.slice(0, split).reshape({vocab_, features_});
+  wpe_ = params.slice(split, end).reshape({block_size_, features_});
+  dwte_ = grads.slice(0, split).reshape({vocab_, features_});
+  dwpe_ = grads.slice(split, end).reshape({block_size_, features_});
+}
+
+void Embedding::initialize(std::mt19937_64& rng) {
+  normal_fill(wte_, init_std_, rng);
+  normal_fill(wpe_, init_std_, rng);
+}
+
+Tensor Embedding::forward(Tensor const& ids, Context& ctx) {
+  Shape const shape = output_shape(ids.shape());
+  if (ids.dtype() != DType::int32)
+    throw Error(Errc::invalid_argument,
+                name() + ": ids are " + std::string(to_string(ids.dtype())) + " (expected int32 token ids)");
+  Tensor y = Tensor::empty(shape, wte_.dtype(), ctx.allocator);
+  ops::embedding(ids, wte_, wpe_, y, ctx.stream);
+  saved_[ctx.micro_batch] = {ids, Tensor{}};
+  return y;
+}
+
+Tensor Embedding::backward(Tensor const& dy, Context& ctx) {
+  backward_input(dy, ctx);
+  backward_weight(ctx);
+  return {};
+}
+
+Tensor Embedding::backward_input(Tensor const& dy, Context& ctx) {
+  auto const it = saved_.find(ctx.micro_batch);
+  if (it == saved_.end())
+    throw Error(Errc::invalid_argument, missing_forward(name(), "backward_input", ctx.micro_batch));
+  it->second.second = dy;
+  return {};
+}
+
+void Embedding::backward_weight(Context& ctx) {
+  auto const it = saved_.find(ctx.micro_batch);
+  if (it == saved_.end() || !it->second.second.defined())
+    throw Error(Errc::invalid_argument, name() + ".backward_weight for micro-batch " + std::to_string(ctx.micro_batch) +
+                                            " (expected backward_input of that micro-batch first)");
+  auto const [ids, dy] = std::move(it->second);
+  saved_.erase(it);
+  ops::embedding_backward(ids, dy, dwte_, dwpe_, tied_ || ctx.accumulate_gradients, ctx.accumulate_gradients,
+                          ctx.stream);
+}
+
+Shape Embedding::output_shape(Shape const& input) const {
+  if (input.size() != 2)
+    throw Error(Errc::invalid_argument, name() + ": ids of shape " + to_string(input) + " (expected [B, T])");
+  if (input[1] > block_size_)
+    throw Error(Errc::invalid_argument, name() + ": sequences of " + std::to_string(input[1]) +
+                                            " tokens (expected at most the block size " + std::to_string(block_size_) +
+                                            ")");
+  return {input[0], input[1], features_};
+}
+
+CausalSelfAttention::CausalSelfAttention(std::int64_t features, std::int64_t heads, float dropout, float proj_init_std)
+    : features_(features),
+      heads_(heads),
+      dropout_(dropout),
+      proj_init_std_(proj_init_std),
+      qkv_(features, 3 * features),
+      proj_(features, features) {
+  if (heads < 1 || features % heads != 0)
+    throw Error(Errc::invalid_argument, "CausalSelfAttention(" + std::to_string(features) + " features, " +
+                                            std::to_string(heads) +
+                                            " heads) (expected heads >= 1 dividing the features)");
+  if (!(dropout >= 0.0f && dropout < 1.0f))
+    throw Error(Errc::invalid_argument,
+                "CausalSelfAttention: dropout " + std::to_string(dropout) + " (expected 0 <= p < 1)");
+}
+
+std::string CausalSelfAttention::name() const {
+  return "CausalSelfAttention(" + std::to_string(features_) + ", heads " + std::to_string(heads_) + ")";
+}
+
+void CausalSelfAttention::bind(Tensor const& params, Tensor const& grads) {
+  std::int64_t const split = qkv_.parameter_count();
+  std::int64_t const end = parameter_count();
+  qkv_.bind(params.slice(0, split), grads.slice(0, split));
+  proj_.bind(params.slice(split, end), grads.slice(split, end));
+}
+
+void CausalSelfAttention::initialize(std::mt19937_64& rng) {
+  normal_fill(qkv_.weight(), 0.02f, rng);
+  zero_fill(qkv_.bias());
+  normal_fill(proj_.weight(), proj_init_std_, rng);
+  zero_fill(proj_.bias());
+  seed_ = rng();
+}
+
+Tensor CausalSelfAttention::forward(Tensor const& x, Context& ctx) {
+  check_activation(name(), x.shape(), features_);
+  std::int64_t const batch = x.dim(0), t = x.dim(1);
+  Tensor const qkv = qkv_.forward(x, ctx);  // [B, T, 3C]
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator);
+  Tensor lse = Tensor::empty({batch, heads_, t}, DType::float32, ctx.allocator);
+  ops::AttentionDropout dropout;
+  if (training_ && dropout_ > 0.0f) {
+    // As Dropout: never seed 0, one seed per call, rows at their index in the whole batch.
+    dropout = {dropout_, ops::detail::mix64(seed_ + calls_++) | 1u, ctx.row_offset};
+  }
+  ops::causal_attention(qkv, y, lse, heads_, ctx.stream, dropout);
+  saved_[ctx.micro_batch] = Saved{qkv, y, lse, dropout};
+  return proj_.forward(y, ctx);
+}
+
+Tensor CausalSelfAttention::backward(Tensor const& dy, Context& ctx) {
+  Tensor dx = backward_input(dy, ctx);
+  backward_weight(ctx);
+  return dx;
+}
+
+Tensor CausalSelfAttention::backward_input(Tensor const& dy, Context& ctx) {
+  auto const it = saved_.find(ctx.micro_batch);
+  if (it == saved_.end())
+    throw Error(Errc::invalid_argument, missing_forward(name(), "backward_input", ctx.micro_batch));
+  Saved const s = std::move(it->second);
+  saved_.erase(it);
+  Tensor const dy_heads = proj_.backward_input(dy, ctx);
+  Tensor dqkv = Tensor::empty(s.qkv.shape(), s.qkv.dtype(), ctx.allocator);
+  ops::causal_attention_backward(s.qkv, s.y, s.lse, dy_heads, dqkv, heads_, ctx.stream, s.dropout);
+  return qkv_.backward_input(dqkv, ctx);
+}
+
+void CausalSelfAttention::backward_weight(Context& ctx) {
+  proj_.backward_weight(ctx);
+  qkv_.backward_weight(ctx);
+}
+
+Shape CausalSelfAttention::output_shape(Shape const& input) const {
+  check_activation(name(), input, features_);
+  return input;
+}
+
+TransformerBlock::TransformerBlock(std::int64_t features, std::int64_t heads, float dropout, float proj_init_std)
+    : features_(features),
+      heads_(heads),
+      dropout_(dropout),
+      proj_init_std_(proj_init_std),
+      ln1_(features),
+      attn_(features, heads, dropout, proj_init_std),
+      attn_drop_(dropout),
+      ln2_(features),
+      fc_(features, 4 * features),
+      proj_(4 * features, features),
+      mlp_drop_(dropout) {}
+
+std::string TransformerBlock::name() const {
+  return "TransformerBlock(" + std::to_string(features_) + ", heads " + std::to_string(heads_) + ")";
+}
+
+std::int64_t TransformerBlock::parameter_count() const {
+  return ln1_.parameter_count() + attn_.parameter_count() + ln2_.parameter_count() + fc_.parameter_count() +
+         proj_.parameter_count();
+}
+
+void TransformerBlock::bind(Tensor const& params, Tensor const& grads) {
+  std::int64_t offset = 0;
+  for (Layer* layer : std::initializer_list<Layer*>{&ln1_, &attn_, &ln2_, &fc_, &proj_}) {
+    std::int64_t const end = offset + layer->parameter_count();
+    layer->bind(params.slice(offset, end), grads.slice(offset, end));
+    offset = end;
+  }
+}
+
+void TransformerBlock::initialize(std::mt19937_64& rng) {
+  ln1_.initialize(rng);
+  attn_.initialize(rng);
+  ln2_.initialize(rng);
+  normal_fill(fc_.weight(), 0.02f, rng);
+  zero_fill(fc_.bias());
+  normal_fill(proj_.weight(), proj_init_std_, rng);
+  zero_fill(proj_.bias());
+  attn_drop_.initialize(rng);
+  mlp_drop_.initialize(rng);
+}
+
+void TransformerBlock::set_training(bool training) {
+  attn_.set_training(training);
+  attn_drop_.set_training(training);
+  mlp_drop_.set_training(training);
+}
+
+void TransformerBlock::set_rng_counter(std::uint64_t counter) {
+  attn_.set_rng_counter(counter);
+  attn_drop_.set_rng_counter(counter);
+  mlp_drop_.set_rng_counter(counter);
+}
+
+Tensor TransformerBlock::forward(Tensor const& x, Context& ctx) {
+  check_activation(name(), x.shape(), features_);
+  // h = x + Dropout(attn(LN1(x))): the branch's output is a fresh tensor, so the residual is added
+  // in place.
+  Tensor const h = attn_drop_.forward(attn_.forward(ln1_.forward(x, ctx), ctx), ctx);
+  ops::add_scaled(h, x, 1.0f, ctx.stream);
+  Tensor const m =
+      mlp_drop_.forward(proj_.forward(fc_.forward(ln2_.forward(h, ctx), ctx, ops::ActivationKind::gelu), ctx), ctx);
+  ops::add_scaled(m, h, 1.0f, ctx.stream);
+  return m;
+}
+
+Tensor TransformerBlock::backward(Tensor const& dy, Context& ctx) {
+  Tensor dx = backward_input(dy, ctx);
+  backward_weight(ctx);
+  return dx;
+}
+
+Tensor TransformerBlock::backward_input(Tensor const& dy, Context& ctx) {
+  // dh = dy + the MLP branch's input gradient; dx = dh + the attention branch's. Each branch's
+  // gradient is a fresh tensor (LayerNorm's backward allocates it), so the sums go in place.
+  Tensor const dh = ln2_.backward(fc_.backward_input(proj_.backward_input(mlp_drop_.backward(dy, ctx), ctx), ctx), ctx);
+  ops::add_scaled(dh, dy, 1.0f, ctx.stream);
+  Tensor const dx = ln1_.backward(attn_.backward_input(attn_drop_.backward(dh, ctx), ctx), ctx);
+  ops::add_scaled(dx, dh, 1.0f, ctx.stream);
+  return dx;
+}
+
+void TransformerBlock::backward_weight(Context& ctx) {
+  proj_.backward_weight(ctx);
+  fc_.backward_weight(ctx);
+  attn_.backward_weight(ctx);
+}
+
+TiedLMHead::TiedLMHead(std::int64_t vocab, std::int64_t features) : vocab_(vocab), features_(features) {
+  if (vocab < 1 || features < 1)
+    throw Error(Errc::invalid_argument,
+                "TiedLMHead(" + std::to_string(vocab) + ", " + std::to_string(features) + ") (expected sizes >= 1)");
+}
+
+std::string TiedLMHead::name() const {
+  return "TiedLMHead(" + std::to_string(vocab_) + ", " + std::to_string(features_) + ")";
+}
+
+void TiedLMHead::link(Sequential& model) {
+  for (std::size_t i = 0; i < model.size(); ++i) {
+    if (auto* embedding = dynamic_cast<Embedding*>(&model.layer(i));
+        embedding != nullptr && embedding->vocab() == vocab_ && embedding->features() == features_) {
+      embedding->set_tied(true);
+      wte_ = embedding->token_weight();
+      dwte_ = embedding->token_gradient();
+      return;
+    }
+  }
+  throw Error(Errc::invalid_argument,
+              name() + ": no Embedding(" + std::to_string(vocab_) + ", *, " + std::to_string(features_) +
+                  ") in its Sequential (expected the token embedding it is tied to in the same model; a "
+                  "pipeline stage holding the head alone is not supported yet)");
+}
+
+Tensor TiedLMHead::forward(Tensor const& h, Context& ctx) {
+  Shape const shape = output_shape(h.shape());
+  if (!wte_.defined())
+    throw Error(Errc::invalid_argument, name() + ".forward before materialize (expected it linked to its Embedding)");
+  Tensor const h2 = h.reshape({h.numel() / features_, features_});
+  Tensor logits = Tensor::empty({h2.dim(0), vocab_}, h.dtype(), ctx.allocator);
+  ops::gemm(h2, false, wte_, true, logits, 1.0f, 0.0f, ctx.stream);  // h wteᵀ
+  saved_[ctx.micro_batch] = {h2, Tensor{}};
+  return logits.reshape(shape);
+}
+
+Tensor TiedLMHead::backward(Tensor const& dy, Context& ctx) {
+  Tensor dx = backward_input(dy, ctx);
+  backward_weight(ctx);
+  return dx;
+}
+
+Tensor TiedLMHead::backward_input(Tensor const& dy, Context& ctx) {
+  auto const it = saved_.find(ctx.micro_batch);
+  if (it == saved_.end())
+    throw Error(Errc::invalid_argument, missing_forward(name(), "backward_input", ctx.micro_batch));
+  Tensor const& h2 = it->second.first;
+  Tensor const dy2 = dy.reshape({h2.dim(0), vocab_});
+  it->second.second = dy2;
+  Shape shape = dy.shape();
+  shape.back() = features_;
+  Tensor dh = Tensor::empty(shape, dy.dtype(), ctx.allocator);
+  ops::gemm(dy2, false, wte_, false, dh.reshape(h2.shape()), 1.0f, 0.0f, ctx.stream);  // dlogits wte
+  return dh;
+}
+
+void TiedLMHead::backward_weight(Context& ctx) {
+  auto const it = saved_.find(ctx.micro_batch);
+  if (it == saved_.end() || !it->second.second.defined())
+    throw Error(Errc::invalid_argument, name() + ".backward_weight for micro-batch " + std::to_string(ctx.micro_batch) +
+                                            " (expected backward_input of that micro-batch first)");
+  auto const [h2, dy2] = std::move(it->second);
+  saved_.erase(it);
+  ops::gemm(dy2, true, h2, false, dwte_, 1.0f, ctx.accumulate_gradients ? 1.0f : 0.0f, ctx.stream);  // dlogitsᵀ h
+}
+
+Shape TiedLMHead::output_shape(Shape const& input) const {
+  if (input.size() < 2 || input.back() != features_)
+    throw Error(Errc::invalid_argument, name() + ": input of shape " + to_string(input) + " (expected [B, T, " +
+                                            std::to_string(features_) + "])");
+  Shape out = input;
+  out.back() = vocab_;
+  return out;
+}
+
+}  // namespace mgpu::nn

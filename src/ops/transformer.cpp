@@ -1,0 +1,296 @@
+// The transformer ops (mgpu/ops/transformer.hpp): argument checks at the call, then the functors of
+// mgpu/ops/detail/transformer_math.hpp, run in a loop by one piece of work on a host stream's
+// worker, or launched as kernels (src/kernels/transformer.cu) on a CUDA stream. Every output is
+// summed in a fixed order, so results are bitwise reproducible.
+#include "kernels/transformer.hpp"
+
+#include <climits>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <mgpu/config.hpp>
+#include <mgpu/core/detail/elementwise.hpp>
+#include <mgpu/core/error.hpp>
+#include <mgpu/ops/detail/transformer_math.hpp>
+#include <mgpu/ops/transformer.hpp>
+
+#include "core/buffer_internals.hpp"
+#include "core/host_staging.hpp"
+
+namespace mgpu::ops {
+namespace {
+
+std::string str(DType t) { return std::string(to_string(t)); }
+
+// A defined tensor on the stream's device.
+void check(Tensor const& t, char const* op, char const* role, Stream const& stream) {
+  if (!t.defined())
+    throw Error(Errc::invalid_argument, std::string(op) + ": " + role + " is undefined (expected a tensor)");
+  if (t.device() != stream.device())
+    throw Error(Errc::device, std::string(op) + ": " + role + " is on " + t.device().to_string() +
+                                  " but the stream is on " + stream.device().to_string() +
+                                  " (expected the stream's device)");
+}
+
+void check_dtype(Tensor const& t, DType expected, char const* op, char const* role) {
+  if (t.dtype() != expected)
+    throw Error(Errc::invalid_argument,
+                std::string(op) + ": " + role + " is " + str(t.dtype()) + " (expected " + str(expected) + ")");
+}
+
+void check_shape(Tensor const& t, Shape const& expected, char const* op, char const* role) {
+  if (t.shape() != expected)
+    throw Error(Errc::invalid_argument, std::string(op) + ": " + role + " has shape " + to_string(t.shape()) +
+                                            " (expected " + to_string(expected) + ")");
+}
+
+template <class T>
+T* ptr(Tensor const& t) {
+  return static_cast<T*>(t.data());
+}
+
+template <class Fn>
+void visit(DType dtype, Fn&& fn) {
+  mgpu::detail::visit_dtype(dtype, [&]<class T>(std::type_identity<T>) { fn(T{}); });
+}
+
+Error bad_id(char const* op, char const* what, std::int32_t id, std::int64_t position, std::int64_t vocab,
+             std::string const& extra = {}) {
+  return Error(Errc::invalid_argument, std::string(op) + ": " + what + " " + std::to_string(id) + " at position " +
+                                           std::to_string(position) + " (expected a token id in [0, " +
+                                           std::to_string(vocab) + ")" + extra + ")");
+}
+
+void check_attention(char const* op, Tensor const& qkv, Tensor const& y, Tensor const& lse, std::int64_t heads,
+                     Stream const& stream, AttentionDropout const& dropout) {
+  check(qkv, op, "qkv", stream);
+  check(y, op, "y", stream);
+  check(lse, op, "lse", stream);
+  if (qkv.rank() != 3 || qkv.dim(2) % 3 != 0)
+    throw Error(Errc::invalid_argument,
+                std::string(op) + ": qkv has shape " + to_string(qkv.shape()) + " (expected [B, T, 3C])");
+  std::int64_t const c = qkv.dim(2) / 3;
+  if (heads < 1 || c % heads != 0)
+    throw Error(Errc::invalid_argument, std::string(op) + ": " + std::to_string(heads) + " heads for " +
+                                            std::to_string(c) +
+                                            " features (expected heads >= 1 dividing the features)");
+  check_shape(y, {qkv.dim(0), qkv.dim(1), c}, op, "y");
+  check_dtype(y, qkv.dtype(), op, "y");
+  check_shape(lse, {qkv.dim(0), heads, qkv.dim(1)}, op, "lse");
+  check_dtype(lse, DType::float32, op, "lse");
+  if (!(dropout.p >= 0.0f && dropout.p < 1.0f))
+    throw Error(Errc::invalid_argument,
+                std::string(op) + ": dropout " + std::to_string(dropout.p) + " (expected 0 <= p < 1)");
+}
+
+// Runs body(each, scratch) with `scratch_words` 4-byte words of scratch memory, where each(n, op)
+// calls op(i) for i in [0, n): on a host stream inside one piece of enqueued work; on a CUDA stream
+// as kernels over stream-ordered device scratch. `keep` stays alive until the work has run.
+template <class Body>
+void run(Stream& stream, std::vector<Tensor> keep, std::size_t scratch_words, Body const& body) {
+  if (stream.device().kind == DeviceKind::host) {
+    stream.enqueue([keep = std::move(keep), scratch_words, body] {
+      std::vector<std::uint32_t> scratch(scratch_words);
+      body([](std::int64_t n, auto const& op) { mgpu::detail::for_each_index(n, op); },
+           static_cast<void*>(scratch.data()));
+    });
+    return;
+  }
+#if MGPU_CUDA_ENABLED
+  int const ordinal = stream.device().index;
+  void* const handle = stream.native_handle();
+  mgpu::detail::ReleaseAfterOnExit const release(stream, keep);
+  void* scratch = scratch_words > 0 ? kernels::scratch_allocate(ordinal, 4 * scratch_words, handle) : nullptr;
+  body([&](std::int64_t n, auto const& op) { kernels::transformer_each(ordinal, n, op, handle); }, scratch);
+  if (scratch != nullptr) kernels::scratch_free(ordinal, scratch, handle);
+#else
+  throw Error(Errc::device, "transformer ops on " + stream.device().to_string() + " (this build has no CUDA backend)");
+#endif
+}
+
+template <class T>
+T* words(void* scratch, std::size_t offset) {
+  return static_cast<T*>(static_cast<void*>(static_cast<std::uint32_t*>(scratch) + offset));
+}
+
+// Fails the stream with Error(invalid_argument) at the first of the n ids outside [0, vocab) that
+// is not `ignore` (an int64 outside int32's range ignores nothing), naming it and its position.
+void fail_on_bad_id(char const* op, char const* what, Tensor const& ids, std::int64_t n, std::int64_t vocab,
+                    std::int64_t ignore, Stream& stream) {
+  std::string const extra =
+      ignore >= INT32_MIN && ignore <= INT32_MAX ? " or the ignore index " + std::to_string(ignore) : "";
+  auto const bad = [op, what, vocab, extra](std::int32_t id, std::int64_t position) {
+    return bad_id(op, what, id, position, vocab, extra);
+  };
+  if (stream.device().kind == DeviceKind::host) {
+    stream.enqueue([ids, n, vocab, ignore, bad] {
+      std::int32_t const* id = ptr<std::int32_t>(ids);
+      for (std::int64_t i = 0; i < n; ++i)
+        if ((id[i] < 0 || id[i] >= vocab) && id[i] != ignore) throw bad(id[i], i);
+    });
+    return;
+  }
+#if MGPU_CUDA_ENABLED
+  // The GPU finds the first bad position; a host callback reads it back and fails the stream.
+  auto found = std::make_shared<Buffer>(mgpu::detail::host_staging_allocator().allocate_pinned(sizeof(std::uint64_t)));
+  {
+    mgpu::detail::ReleaseAfterOnExit const release(stream, ids, *found);
+    kernels::find_bad_token(stream.device().index, ptr<std::int32_t>(ids), n, vocab, ignore,
+                            static_cast<std::uint64_t*>(found->data()), stream.native_handle());
+  }
+  stream.enqueue([found, bad] {
+    std::uint64_t const code = *static_cast<std::uint64_t const*>(found->data());
+    if (code == ~std::uint64_t{0}) return;
+    throw bad(static_cast<std::int32_t>(static_cast<std::uint32_t>(code)), static_cast<std::int64_t>(code >> 32));
+  });
+#endif
+}
+
+constexpr std::int64_t no_ignore = std::int64_t{INT32_MIN} - 1;
+
+}  // namespace
+
+void embedding(Tensor const& ids, Tensor const& wte, Tensor const& wpe, Tensor const& y, Stream& stream) {
+  char const* op = "embedding";
+  for (auto const& [t, role] : {std::pair{&ids, "ids"}, {&wte, "wte"}, {&wpe, "wpe"}, {&y, "y"}})
+    check(*t, op, role, stream);
+  check_dtype(ids, DType::int32, op, "ids");
+  if (ids.rank() != 2)
+    throw Error(Errc::invalid_argument,
+                std::string(op) + ": ids have shape " + to_string(ids.shape()) + " (expected [B, T])");
+  if (wte.rank() != 2 || wpe.rank() != 2 || wpe.dim(1) != wte.dim(1))
+    throw Error(Errc::invalid_argument, std::string(op) + ": wte " + to_string(wte.shape()) + " and wpe " +
+                                            to_string(wpe.shape()) + " (expected [V, C] and [P, C])");
+  std::int64_t const batch = ids.dim(0), t = ids.dim(1), c = wte.dim(1), vocab = wte.dim(0);
+  if (t > wpe.dim(0))
+    throw Error(Errc::invalid_argument, std::string(op) + ": sequences of " + std::to_string(t) +
+                                            " tokens (expected at most the " + std::to_string(wpe.dim(0)) +
+                                            " positions of the block size)");
+  check_dtype(wpe, wte.dtype(), op, "wpe");
+  check_dtype(y, wte.dtype(), op, "y");
+  check_shape(y, {batch, t, c}, op, "y");
+  fail_on_bad_id(op, "token id", ids, batch * t, vocab, no_ignore, stream);
+  visit(wte.dtype(), [&]<class T>(T) {
+    detail::EmbeddingOp<T> const e{ptr<std::int32_t>(ids), ptr<T>(wte), ptr<T>(wpe), ptr<T>(y), t, c, vocab};
+    run(stream, {ids, wte, wpe, y}, 0, [e, n = batch * t * c](auto const& each, void*) { each(n, e); });
+  });
+}
+
+void embedding_backward(Tensor const& ids, Tensor const& dy, Tensor const& dwte, Tensor const& dwpe,
+                        bool accumulate_wte, bool accumulate_wpe, Stream& stream) {
+  char const* op = "embedding_backward";
+  for (auto const& [t, role] : {std::pair{&ids, "ids"}, {&dy, "dy"}, {&dwte, "dwte"}, {&dwpe, "dwpe"}})
+    check(*t, op, role, stream);
+  check_dtype(ids, DType::int32, op, "ids");
+  if (ids.rank() != 2 || dwte.rank() != 2 || dwpe.rank() != 2 || ids.dim(1) > dwpe.dim(0) || dwpe.dim(1) != dwte.dim(1))
+    throw Error(Errc::invalid_argument, std::string(op) + ": ids " + to_string(ids.shape()) + ", dwte " +
+                                            to_string(dwte.shape()) + ", dwpe " + to_string(dwpe.shape()) +
+                                            " (expected [B, T], [V, C] and [P, C] with T <= P)");
+  std::int64_t const batch = ids.dim(0), t = ids.dim(1), c = dwte.dim(1), vocab = dwte.dim(0),
+                     positions_count = dwpe.dim(0);
+  check_shape(dy, {batch, t, c}, op, "dy");
+  check_dtype(dwte, dy.dtype(), op, "dwte");
+  check_dtype(dwpe, dy.dtype(), op, "dwpe");
+  fail_on_bad_id(op, "token id", ids, batch * t, vocab, no_ignore, stream);
+  visit(dy.dtype(), [&]<class T>(T) {
+    std::int32_t const* id = ptr<std::int32_t>(ids);
+    detail::EmbeddingPositionGradOp<T> const position{ptr<T>(dy), ptr<T>(dwpe), batch, t, c, accumulate_wpe};
+    auto const words_needed = static_cast<std::size_t>(vocab + 1 + batch * t);
+    run(stream, {ids, dy, dwte, dwpe}, words_needed, [=](auto const& each, void* scratch) {
+      auto* offsets = words<std::int32_t>(scratch, 0);
+      auto* positions = words<std::int32_t>(scratch, static_cast<std::size_t>(vocab + 1));
+      each(vocab, detail::TokenCountOp{id, batch * t, offsets});
+      each(1, detail::TokenScanOp{offsets, vocab});
+      each(vocab, detail::TokenListOp{id, batch * t, offsets, positions});
+      each(vocab * c, detail::EmbeddingTokenGradOp<T>{offsets, positions, ptr<T>(dy), ptr<T>(dwte), c, accumulate_wte});
+      each(positions_count * c, position);
+    });
+  });
+}
+
+void causal_attention(Tensor const& qkv, Tensor const& y, Tensor const& lse, std::int64_t heads, Stream& stream,
+                      AttentionDropout const& dropout) {
+  check_attention("causal_attention", qkv, y, lse, heads, stream, dropout);
+  std::int64_t const batch = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
+  detail::AttentionShape const shape{t, c, heads};
+  detail::AttentionMask const mask{dropout.p, dropout.seed, dropout.row_offset, heads, t};
+  visit(qkv.dtype(), [&]<class T>(T) {
+    run(stream, {qkv, y, lse}, static_cast<std::size_t>(batch * t * c), [=](auto const& each, void* scratch) {
+      each(batch * heads * t, detail::AttentionForwardRow<T>{ptr<T>(qkv), ptr<T>(y), ptr<float>(lse),
+                                                             words<float>(scratch, 0), shape, mask});
+    });
+  });
+}
+
+void causal_attention_backward(Tensor const& qkv, Tensor const& y, Tensor const& lse, Tensor const& dy,
+                               Tensor const& dqkv, std::int64_t heads, Stream& stream,
+                               AttentionDropout const& dropout) {
+  char const* op = "causal_attention_backward";
+  check_attention(op, qkv, y, lse, heads, stream, dropout);
+  check(dy, op, "dy", stream);
+  check(dqkv, op, "dqkv", stream);
+  check_shape(dy, y.shape(), op, "dy");
+  check_dtype(dy, y.dtype(), op, "dy");
+  check_shape(dqkv, qkv.shape(), op, "dqkv");
+  check_dtype(dqkv, qkv.dtype(), op, "dqkv");
+  std::int64_t const batch = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
+  detail::AttentionShape const shape{t, c, heads};
+  detail::AttentionMask const mask{dropout.p, dropout.seed, dropout.row_offset, heads, t};
+  std::int64_t const rows = batch * heads * t;
+  visit(qkv.dtype(), [&]<class T>(T) {
+    auto const words_needed = static_cast<std::size_t>(rows + batch * t * 3 * c);
+    run(stream, {qkv, y, lse, dy, dqkv}, words_needed, [=](auto const& each, void* scratch) {
+      float* row_dot = words<float>(scratch, 0);
+      float* dacc = words<float>(scratch, static_cast<std::size_t>(rows));
+      each(rows, detail::AttentionRowDot<T>{ptr<T>(y), ptr<T>(dy), row_dot, shape});
+      detail::AttentionGradRow<T> grad{ptr<T>(qkv), ptr<T>(dy), ptr<float>(lse), row_dot, dacc, shape, mask, false};
+      each(rows, grad);
+      grad.keys = true;
+      each(rows, grad);
+      each(batch * t * 3 * c, mgpu::detail::ConvertOp<T, float>{ptr<T>(dqkv), dacc});
+    });
+  });
+}
+
+void token_cross_entropy(Tensor const& logits, Tensor const& targets, Tensor const& dlogits, Tensor const& loss,
+                         float divisor, Stream& stream, std::int32_t ignore_index, float grad_scale) {
+  char const* op = "token_cross_entropy";
+  for (auto const& [t, role] :
+       {std::pair{&logits, "logits"}, {&targets, "targets"}, {&dlogits, "dlogits"}, {&loss, "loss"}})
+    check(*t, op, role, stream);
+  check_dtype(targets, DType::int32, op, "targets");
+  check_dtype(loss, DType::float32, op, "loss");
+  if (logits.rank() < 2 || logits.dim(logits.rank() - 1) < 1)
+    throw Error(Errc::invalid_argument,
+                std::string(op) + ": logits have shape " + to_string(logits.shape()) + " (expected [N, V])");
+  std::int64_t const vocab = logits.dim(logits.rank() - 1);
+  std::int64_t const n = logits.numel() / vocab;
+  if (targets.numel() != n)
+    throw Error(Errc::invalid_argument, std::string(op) + ": " + std::to_string(targets.numel()) +
+                                            " targets for logits " + to_string(logits.shape()) + " (expected " +
+                                            std::to_string(n) + ", one per row)");
+  check_shape(dlogits, logits.shape(), op, "dlogits");
+  check_dtype(dlogits, logits.dtype(), op, "dlogits");
+  if (loss.numel() != 1)
+    throw Error(Errc::invalid_argument,
+                std::string(op) + ": loss has shape " + to_string(loss.shape()) + " (expected one element)");
+  if (!(divisor > 0.0f) || !std::isfinite(divisor))
+    throw Error(Errc::invalid_argument,
+                std::string(op) + ": divisor " + std::to_string(divisor) + " (expected a finite number > 0)");
+  fail_on_bad_id(op, "target", targets, n, vocab, ignore_index, stream);
+  visit(logits.dtype(), [&]<class T>(T) {
+    detail::TokenCrossEntropyRow<T> const row{
+        ptr<T>(logits), ptr<std::int32_t>(targets), ptr<T>(dlogits), nullptr, vocab,
+        ignore_index,   grad_scale / divisor};
+    run(stream, {logits, targets, dlogits, loss}, static_cast<std::size_t>(n), [=](auto const& each, void* scratch) {
+      auto with_rows = row;
+      with_rows.row_loss = words<float>(scratch, 0);
+      each(n, with_rows);
+      each(1, detail::RowLossSum{with_rows.row_loss, n, ptr<float>(loss), divisor});
+    });
+  });
+}
+
+}  // namespace mgpu::ops

@@ -1,0 +1,97 @@
+// A GPT on a GPU against the same model on a host device (the host path is itself checked against
+// float64 references and PyTorch in tests/nn/test_gpt.cpp): logits, loss and every gradient of one
+// step, with attention dropout, and the token-id check.
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include <mgpu/nn/gpt.hpp>
+#include <mgpu/ops/ops.hpp>
+#include <mgpu/ops/transformer.hpp>
+
+#include "support/catch.hpp"
+#include "support/expect_error.hpp"
+
+using mgpu::Device;
+using mgpu::DeviceKind;
+using mgpu::DType;
+using mgpu::Tensor;
+
+namespace {
+
+struct Side {
+  Device device;
+  std::shared_ptr<mgpu::Allocator> allocator = mgpu::Allocator::create(device);
+  mgpu::Stream stream{device};
+  mgpu::nn::Context ctx{*allocator, stream};
+};
+
+// The tensor's elements as float32 host values.
+std::vector<float> fetch(Side& side, Tensor const& t) {
+  auto host = mgpu::Allocator::create(Device{DeviceKind::host, 0});
+  Tensor f = Tensor::empty(t.shape(), t.dtype(), *host);
+  mgpu::copy_async(f, t, side.stream);
+  side.stream.synchronize();
+  auto s = f.host_span<float>();
+  return {s.begin(), s.end()};
+}
+
+Tensor ids_on(Side& side, mgpu::Shape const& shape, std::vector<std::int32_t> const& values) {
+  auto host = mgpu::Allocator::create(Device{DeviceKind::host, 0});
+  Tensor h = Tensor::empty(shape, DType::int32, *host);
+  std::copy(values.begin(), values.end(), h.host_span<std::int32_t>().begin());
+  Tensor t = Tensor::empty(shape, DType::int32, *side.allocator);
+  mgpu::copy_async(t, h, side.stream);
+  side.stream.synchronize();
+  return t;
+}
+
+double relative_error(std::vector<float> const& a, std::vector<float> const& b) {
+  double diff = 0, norm = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    norm += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+}
+
+}  // namespace
+
+TEST_CASE("a GPT step on a GPU matches the host: logits, loss, every gradient", "[cuda][gpt]") {
+  mgpu::nn::GptConfig const config{
+      .vocab = 50, .block_size = 40, .n_layer = 2, .n_head = 2, .n_embd = 16, .dropout = 0.1f};
+  std::vector<std::int32_t> tokens(2 * 37);
+  std::mt19937 rng(3);
+  for (auto& t : tokens) t = static_cast<std::int32_t>(rng() % 50);
+  std::vector<std::int32_t> targets(tokens.begin() + 1, tokens.end());
+  targets.push_back(-100);  // one ignored position
+  Side host{Device{DeviceKind::host, 0}};
+  Side gpu{Device{DeviceKind::cuda, 0}};
+  struct Result {
+    std::vector<float> logits, loss, grads;
+  };
+  auto step = [&](Side& side) {
+    mgpu::nn::Sequential model = mgpu::nn::gpt(config);
+    model.materialize(side.ctx, 5);
+    Tensor const logits = model.forward(ids_on(side, {2, 37}, tokens), side.ctx);
+    Tensor const dlogits = Tensor::empty(logits.shape(), DType::float32, *side.allocator);
+    Tensor const loss = Tensor::empty({1}, DType::float32, *side.allocator);
+    mgpu::ops::token_cross_entropy(logits, ids_on(side, {2, 37}, targets), dlogits, loss, 73.0f, side.stream);
+    (void)model.backward(dlogits, side.ctx, false);
+    return Result{fetch(side, logits), fetch(side, loss), fetch(side, model.gradients())};
+  };
+  Result const h = step(host);
+  Result const g = step(gpu);
+  CHECK(relative_error(g.logits, h.logits) <= 1e-5);
+  CHECK(std::abs(g.loss[0] - h.loss[0]) <= 1e-5 * h.loss[0]);
+  CHECK(relative_error(g.grads, h.grads) <= 1e-4);
+}
+
+TEST_CASE("a token id >= vocab fails the GPU stream with the host's error", "[cuda][gpt]") {
+  Side gpu{Device{DeviceKind::cuda, 0}};
+  mgpu::nn::Sequential model = mgpu::nn::gpt({.vocab = 13, .block_size = 6, .n_layer = 1, .n_head = 2, .n_embd = 8});
+  model.materialize(gpu.ctx, 1);
+  (void)model.forward(ids_on(gpu, {1, 3}, {1, 2, 13}), gpu.ctx);
+  REQUIRE_MGPU_ERROR(gpu.stream.synchronize(), mgpu::Errc::invalid_argument, "token id 13 at position 2");
+}
