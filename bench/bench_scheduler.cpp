@@ -59,15 +59,15 @@ BENCHMARK(BM_place_gang)->Arg(8)->Arg(64);
 
 // One fill experiment per iteration under one placement policy (range(0) indexes all_fit_policies()).
 void BM_fill(benchmark::State& state) {
-  auto const nodes = mgpu::sched::synthetic_cluster({});
-  auto const pods = mgpu::sched::synthetic_pods({});
-  auto const policy = mgpu::sched::all_fit_policies()[static_cast<std::size_t>(state.range(0))];
-  state.SetLabel(std::string(mgpu::sched::name_of(policy)));
+  auto const nodes = mgpu::cluster::synthetic_cluster({});
+  auto const pods = mgpu::cluster::synthetic_pods({});
+  auto const policy = mgpu::cluster::all_fit_policies()[static_cast<std::size_t>(state.range(0))];
+  state.SetLabel(std::string(mgpu::cluster::name_of(policy)));
   double decisions = 0;
   double seconds = 0;
   for (auto _ : state) {
     auto const result =
-        mgpu::sched::fill(nodes, pods, {.policy = policy, .tie = mgpu::sched::TieRule::random, .max_arrived = 1.3});
+        mgpu::cluster::fill(nodes, pods, {.policy = policy, .tie = mgpu::cluster::TieRule::random, .max_arrived = 1.3});
     decisions += result.decisions;
     seconds += result.seconds;
     benchmark::DoNotOptimize(result);
@@ -85,21 +85,21 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();
-  mgpu::sched::TraceShape shape{.jobs = 400, .seed = 1};
-  shape.mean_interarrival_seconds = mgpu::sched::interarrival_for_load(shape, 0.9, 16);
-  auto const jobs = mgpu::sched::synthetic_trace(shape);
-  auto const servers = mgpu::sched::make_servers({{.gpus = 8}, {.gpus = 8, .type = "V100", .speed = 0.6}});
-  std::vector<mgpu::sched::SimulationResult> results;
-  for (auto const& policy : mgpu::sched::standard_policies()) results.push_back(mgpu::sched::simulate(jobs, servers, policy));
+  mgpu::cluster::TraceShape shape{.jobs = 400, .seed = 1};
+  shape.mean_interarrival_seconds = mgpu::cluster::interarrival_for_load(shape, 0.9, 16);
+  auto const jobs = mgpu::cluster::synthetic_trace(shape);
+  auto const servers = mgpu::cluster::make_servers({{.gpus = 8}, {.gpus = 8, .type = "V100", .speed = 0.6}});
+  std::vector<mgpu::cluster::SimulationResult> results;
+  for (auto const& policy : mgpu::sched::standard_policies()) results.push_back(mgpu::cluster::simulate(jobs, servers, policy));
   std::printf("\npolicies on a synthetic trace (400 jobs at 90%% load, servers of 8 A100 and 8 V100 at 0.6x):\n%s",
-              mgpu::sched::format_results(results).c_str());
-  auto const nodes = mgpu::sched::synthetic_cluster({});
-  auto const pods = mgpu::sched::synthetic_pods({});
-  std::vector<mgpu::sched::FillResult> fills;
-  for (auto const policy : mgpu::sched::all_fit_policies())
-    fills.push_back(mgpu::sched::fill(nodes, pods, {.policy = policy}));
+              mgpu::cluster::format_results(results).c_str());
+  auto const nodes = mgpu::cluster::synthetic_cluster({});
+  auto const pods = mgpu::cluster::synthetic_pods({});
+  std::vector<mgpu::cluster::FillResult> fills;
+  for (auto const policy : mgpu::cluster::all_fit_policies())
+    fills.push_back(mgpu::cluster::fill(nodes, pods, {.policy = policy}));
   std::printf("\nfill of the synthetic 1,213-node cluster with its 8,152 pods (tie rule random, seed 1):\n%s",
-              mgpu::sched::format_fill(fills).c_str());
+              mgpu::cluster::format_fill(fills).c_str());
   benchmark::Shutdown();
   return 0;
 }

@@ -2,7 +2,7 @@
 // each queue policy, with the library's own scheduler, and prints a table comparing them. With a
 // cluster (--nodes, or --synthetic-nodes) it places pods (--pods, or --synthetic-pods) with CPU,
 // memory, fractional GPUs and GPU model constraints under each placement policy, in the replay or
-// the fill experiment (see mgpu/sched/cluster.hpp for the file formats).
+// the fill experiment (see mgpu/cluster/cluster.hpp for the file formats).
 //
 //   schedule_jobs --synthetic 500 --servers 2 --gpus 8
 //   schedule_jobs --trace jobs.csv --column submit=start_time --column end=end_time --csv out.csv
@@ -58,7 +58,7 @@ struct ClusterOptions {
 };
 
 int run_cluster(ClusterOptions const& o, unsigned seed, std::string const& csv) {
-  namespace s = mgpu::sched;
+  namespace s = mgpu::cluster;
   s::NodeColumns node_columns;
   map_columns(o.node_mappings, "--node-column", "name, cpu_milli, memory_mib, gpus, model",
               [&](std::string const& f, std::string const& n) {
@@ -162,7 +162,7 @@ int main(int argc, char** argv) {
   std::string csv;
   std::string write_trace;
   double load = 0.9;
-  app.add_option("--trace", trace, "trace CSV (see mgpu/sched/simulator.hpp for the columns)")->check(CLI::ExistingFile);
+  app.add_option("--trace", trace, "trace CSV (see mgpu/cluster/simulator.hpp for the columns)")->check(CLI::ExistingFile);
   app.add_option("--synthetic", synthetic, "jobs in a synthetic trace, when no --trace is given")->check(CLI::PositiveNumber);
   app.add_option("--seed", seed,
                  "seed of the synthetic trace, nodes and pods, and of the fill's draws and random choices");
@@ -224,7 +224,7 @@ int main(int argc, char** argv) {
     if (!cluster.nodes_file.empty() || !cluster.pods_file.empty() || cluster.synthetic_nodes > 0 ||
         cluster.synthetic_pods > 0)
       return run_cluster(cluster, seed, csv);
-    mgpu::sched::TraceColumns columns;
+    mgpu::cluster::TraceColumns columns;
     for (std::string const& m : mappings) {
       auto const eq = m.find('=');
       if (eq == std::string::npos) throw mgpu::Error(mgpu::Errc::invalid_argument, "--column " + m + " (expected FIELD=NAME)");
@@ -240,23 +240,23 @@ int main(int argc, char** argv) {
       else if (field == "memory_gb") columns.memory_gb = name;
       else throw mgpu::Error(mgpu::Errc::invalid_argument, "--column field '" + field + "' (expected submit, duration, end, gpus, gpu_type, priority, tenant or memory_gb)");
     }
-    mgpu::sched::TraceShape shape{.jobs = synthetic, .seed = seed};
-    shape.mean_interarrival_seconds = mgpu::sched::interarrival_for_load(shape, load, servers * gpus);
-    std::vector<mgpu::sched::Job> const jobs = trace.empty() ? mgpu::sched::synthetic_trace(shape) : mgpu::sched::read_trace_csv(trace, columns);
-    if (!write_trace.empty()) mgpu::sched::write_trace_csv(write_trace, jobs);
-    std::vector<mgpu::sched::ServerSpec> specs;
+    mgpu::cluster::TraceShape shape{.jobs = synthetic, .seed = seed};
+    shape.mean_interarrival_seconds = mgpu::cluster::interarrival_for_load(shape, load, servers * gpus);
+    std::vector<mgpu::sched::Job> const jobs = trace.empty() ? mgpu::cluster::synthetic_trace(shape) : mgpu::cluster::read_trace_csv(trace, columns);
+    if (!write_trace.empty()) mgpu::cluster::write_trace_csv(write_trace, jobs);
+    std::vector<mgpu::cluster::ServerSpec> specs;
     for (int s = 0; s < servers; ++s) {
       std::string const& type = types[static_cast<std::size_t>(s) % types.size()];
       specs.push_back({.gpus = gpus, .type = type, .speed = type == "V100" ? 0.6 : 1.0});
     }
-    auto const nodes = mgpu::sched::make_servers(specs);
+    auto const nodes = mgpu::cluster::make_servers(specs);
     std::printf("%zu jobs on %d server(s) of %d GPUs (%s)\n\n", jobs.size(), servers, gpus, trace.empty() ? "synthetic trace" : trace.c_str());
-    std::vector<mgpu::sched::SimulationResult> results;
-    for (auto const& policy : mgpu::sched::standard_policies()) results.push_back(mgpu::sched::simulate(jobs, nodes, policy));
-    std::printf("%s", mgpu::sched::format_results(results).c_str());
+    std::vector<mgpu::cluster::SimulationResult> results;
+    for (auto const& policy : mgpu::sched::standard_policies()) results.push_back(mgpu::cluster::simulate(jobs, nodes, policy));
+    std::printf("%s", mgpu::cluster::format_results(results).c_str());
     if (!csv.empty()) {
       std::ofstream out(csv);
-      out << mgpu::sched::results_csv(results);
+      out << mgpu::cluster::results_csv(results);
       if (!out) throw mgpu::Error(mgpu::Errc::io, "cannot write " + csv);
     }
     return 0;

@@ -23,12 +23,12 @@
 #include <mgpu/parallel/data_parallel.hpp>
 #include <mgpu/parallel/pipeline.hpp>
 #include <mgpu/parallel/schedule.hpp>
-#include <mgpu/sched/cluster.hpp>
-#include <mgpu/sched/cluster_policy.hpp>
+#include <mgpu/cluster/cluster.hpp>
+#include <mgpu/cluster/policy.hpp>
 #include <mgpu/sched/job_queue.hpp>
 #include <mgpu/sched/live.hpp>
 #include <mgpu/sched/planning.hpp>
 #include <mgpu/sched/scheduler.hpp>
-#include <mgpu/sched/simulator.hpp>
+#include <mgpu/cluster/simulator.hpp>
 #include <mgpu/sched/types.hpp>
 #include <mgpu/trace/timeline.hpp>

@@ -1,6 +1,6 @@
 // Pipeline partitioning: cutting a model into chunks from profiled per-layer costs (on equal
 // devices, or on devices of different speeds and free memory for a schedule), the plan's report,
-// and the profiling itself.
+// and the profiling itself. The min-max split is sched::min_max_split, shared with sched::partition.
 #include <mgpu/parallel/pipeline.hpp>
 
 #include <algorithm>
@@ -13,6 +13,7 @@
 #include <mgpu/core/memory.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/sched/live.hpp>
+#include <mgpu/sched/min_max_split.hpp>
 
 namespace mgpu::pipeline {
 namespace {
@@ -54,39 +55,6 @@ void check_per_layer(nn::Sequential const& model, std::vector<double> const& val
   }
 }
 
-// The split of units [0, units) into `chunks` contiguous non-empty chunks that minimizes the
-// largest cost(c, begin, end) among the splits where every chunk is allowed(c, begin, end): each
-// chunk's first unit, then `units`; empty when no split is allowed. Exact: best[c][u], the smallest
-// largest cost over the allowed splits of units [0, u) into chunks [0, c), is the minimum over the
-// last chunk's first unit j of max(best[c - 1][j], cost(c - 1, j, u)), since a split's largest
-// cost is its last chunk's or the largest of the split before it.
-template <class Cost, class Allowed>
-std::vector<int> min_max_split(int units, int chunks, Cost const& cost, Allowed const& allowed) {
-  std::vector<std::vector<double>> best(at(chunks) + 1, std::vector<double>(at(units) + 1, unlimited));
-  std::vector<std::vector<int>> last_first(at(chunks) + 1, std::vector<int>(at(units) + 1, -1));
-  best[0][0] = -unlimited;  // max's neutral element: no chunk yet
-  for (int c = 1; c <= chunks; ++c) {
-    for (int u = c; u <= units - (chunks - c); ++u) {
-      for (int j = c - 1; j < u; ++j) {
-        double const before = best[at(c) - 1][at(j)];
-        if (before == unlimited || !allowed(c - 1, j, u)) continue;
-        double const worst = std::max(before, cost(c - 1, j, u));
-        if (worst < best[at(c)][at(u)]) {
-          best[at(c)][at(u)] = worst;
-          last_first[at(c)][at(u)] = j;
-        }
-      }
-    }
-  }
-  if (best[at(chunks)][at(units)] == unlimited) return {};
-  std::vector<int> first(at(chunks) + 1, units);
-  for (int c = chunks, u = units; c > 0; --c) {
-    u = last_first[at(c)][at(u)];
-    first[at(c) - 1] = u;
-  }
-  return first;
-}
-
 std::string format_seconds(double seconds) {
   char text[32];
   if (seconds >= 1.0 || seconds == 0.0) {
@@ -119,7 +87,7 @@ Partition partition(nn::Sequential const& model, int chunks, std::vector<double>
   auto const cuts = units_for(model, chunks);
   std::vector<double> const seconds = unit_prefix(cuts, layer_seconds);
   auto const cost = [&](int, int begin, int end) { return seconds[at(end)] - seconds[at(begin)]; };
-  std::vector<int> const first = min_max_split(static_cast<int>(cuts.size()) - 1, chunks, cost, [](int, int, int) { return true; });
+  std::vector<int> const first = sched::min_max_split(static_cast<int>(cuts.size()) - 1, chunks, cost, [](int, int, int) { return true; });
   Partition plan;
   for (int c = 0; c < chunks; ++c) {
     plan.cuts.push_back(cuts[at(first[at(c)])]);
@@ -165,11 +133,11 @@ Partition partition(nn::Sequential const& model, Schedule const& schedule, Layer
   auto const need = [&](int c, int begin, int end) { return state(begin, end) + held(c, begin, end); };
   auto const budget = [&](int c) { return device(c).free_bytes / schedule.chunks_per_device; };
   int const units = static_cast<int>(cuts.size()) - 1;
-  std::vector<int> const first = min_max_split(units, chunks, time, [&](int c, int begin, int end) { return need(c, begin, end) <= budget(c); });
+  std::vector<int> const first = sched::min_max_split(units, chunks, time, [&](int c, int begin, int end) { return need(c, begin, end) <= budget(c); });
   if (first.empty()) {
     // The split that overflows least, and its worst chunk.
     auto const overflow = [&](int c, int begin, int end) { return need(c, begin, end) - budget(c); };
-    std::vector<int> const closest = min_max_split(units, chunks, overflow, [](int, int, int) { return true; });
+    std::vector<int> const closest = sched::min_max_split(units, chunks, overflow, [](int, int, int) { return true; });
     int worst = 0;
     for (int c = 1; c < chunks; ++c) {
       if (overflow(c, closest[at(c)], closest[at(c) + 1]) > overflow(worst, closest[at(worst)], closest[at(worst) + 1])) worst = c;

@@ -3,10 +3,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 
 #include <mgpu/core/error.hpp>
 #include <mgpu/core/memory.hpp>
+#include <mgpu/sched/min_max_split.hpp>
 
 namespace mgpu::sched {
 namespace {
@@ -67,47 +67,31 @@ StagePlan partition(std::vector<double> const& layer_seconds, std::vector<double
     cost_prefix[static_cast<std::size_t>(l) + 1] = cost_prefix[static_cast<std::size_t>(l)] + layer_seconds[static_cast<std::size_t>(l)];
     bytes_prefix[static_cast<std::size_t>(l) + 1] = bytes_prefix[static_cast<std::size_t>(l)] + layer_bytes[static_cast<std::size_t>(l)];
   }
-  double const inf = std::numeric_limits<double>::infinity();
-  // best[s][l]: the smallest bottleneck placing layers [0, l) on stages [0, s); cut[s][l] its last cut.
-  std::vector<std::vector<double>> best(static_cast<std::size_t>(stages) + 1, std::vector<double>(static_cast<std::size_t>(layers) + 1, inf));
-  std::vector<std::vector<int>> cut(static_cast<std::size_t>(stages) + 1, std::vector<int>(static_cast<std::size_t>(layers) + 1, -1));
-  best[0][0] = 0;
-  for (int s = 1; s <= stages; ++s) {
-    DeviceState const& d = device_by_id(node, order[static_cast<std::size_t>(s) - 1]);
-    for (int l = s; l <= layers - (stages - s); ++l) {
-      for (int j = s - 1; j < l; ++j) {
-        double const prev = best[static_cast<std::size_t>(s) - 1][static_cast<std::size_t>(j)];
-        if (prev == inf) continue;
-        double const bytes = bytes_prefix[static_cast<std::size_t>(l)] - bytes_prefix[static_cast<std::size_t>(j)];
-        if (bytes > d.free_bytes) continue;
-        double const seconds = (cost_prefix[static_cast<std::size_t>(l)] - cost_prefix[static_cast<std::size_t>(j)]) / std::max(d.speed, 1e-9);
-        double const bottleneck = std::max(prev, seconds);
-        if (bottleneck < best[static_cast<std::size_t>(s)][static_cast<std::size_t>(l)]) {
-          best[static_cast<std::size_t>(s)][static_cast<std::size_t>(l)] = bottleneck;
-          cut[static_cast<std::size_t>(s)][static_cast<std::size_t>(l)] = j;
-        }
-      }
-    }
-  }
-  if (best[static_cast<std::size_t>(stages)][static_cast<std::size_t>(layers)] == inf)
+  std::vector<DeviceState const*> stage_device;
+  for (int s = 0; s < stages; ++s) stage_device.push_back(&device_by_id(node, order[static_cast<std::size_t>(s)]));
+  auto const device = [&](int s) -> DeviceState const& { return *stage_device[static_cast<std::size_t>(s)]; };
+  auto const seconds = [&](int s, int begin, int end) {
+    return (cost_prefix[static_cast<std::size_t>(end)] - cost_prefix[static_cast<std::size_t>(begin)]) /
+           std::max(device(s).speed, 1e-9);
+  };
+  auto const fits = [&](int s, int begin, int end) {
+    return bytes_prefix[static_cast<std::size_t>(end)] - bytes_prefix[static_cast<std::size_t>(begin)] <=
+           device(s).free_bytes;
+  };
+  std::vector<int> const first = min_max_split(layers, stages, seconds, fits);
+  if (first.empty())
     throw Error(Errc::out_of_memory, "no split of " + std::to_string(layers) + " layers (" +
                                          format_bytes(static_cast<std::size_t>(bytes_prefix.back())) + ") into " +
-                                         std::to_string(stages) + " stages fits the devices' free memory (expected more memory or stages)");
+                                         std::to_string(stages) +
+                                         " stages fits the devices' free memory (expected more memory or stages)");
   StagePlan plan;
-  plan.first_layer.assign(static_cast<std::size_t>(stages) + 1, layers);
-  for (int s = stages, l = layers; s > 0; --s) {
-    int const j = cut[static_cast<std::size_t>(s)][static_cast<std::size_t>(l)];
-    plan.first_layer[static_cast<std::size_t>(s) - 1] = j;
-    l = j;
-  }
+  plan.first_layer = first;
   for (int s = 0; s < stages; ++s) {
-    DeviceState const& d = device_by_id(node, order[static_cast<std::size_t>(s)]);
-    plan.device.push_back(d.id);
-    double const c = cost_prefix[static_cast<std::size_t>(plan.first_layer[static_cast<std::size_t>(s) + 1])] -
-                     cost_prefix[static_cast<std::size_t>(plan.first_layer[static_cast<std::size_t>(s)])];
-    plan.stage_seconds.push_back(c / std::max(d.speed, 1e-9));
+    plan.device.push_back(device(s).id);
+    plan.stage_seconds.push_back(
+        seconds(s, first[static_cast<std::size_t>(s)], first[static_cast<std::size_t>(s) + 1]));
   }
-  plan.bottleneck_seconds = best[static_cast<std::size_t>(stages)][static_cast<std::size_t>(layers)];
+  plan.bottleneck_seconds = std::max(0.0, *std::max_element(plan.stage_seconds.begin(), plan.stage_seconds.end()));
   return plan;
 }
 

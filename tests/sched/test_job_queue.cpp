@@ -1,5 +1,5 @@
 // The job queue and the simulator: preemption, fair share, reservation, fractional packing, traces.
-#include <mgpu/sched/simulator.hpp>
+#include <mgpu/cluster/simulator.hpp>
 
 #include <cstdio>
 #include <filesystem>
@@ -8,6 +8,7 @@
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
 
+using namespace mgpu::cluster;
 using namespace mgpu::sched;
 using mgpu::Errc;
 

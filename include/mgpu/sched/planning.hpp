@@ -29,8 +29,8 @@ struct StagePlan {
 std::vector<int> pipeline_order(NodeState const& node, std::vector<int> device_ids);
 
 /// Splits layers (profiled cost in seconds on a speed-1 device, and memory in bytes) into
-/// `stages` contiguous stages on the first `stages` devices of pipeline_order(): the dynamic
-/// program minimizes the slowest stage's time (cost / device speed) while each stage fits its
+/// `stages` contiguous stages on the first `stages` devices of pipeline_order(): min_max_split
+/// (min_max_split.hpp) minimizes the slowest stage's time (cost / device speed) while each stage fits its
 /// device's free memory. Throws Error(invalid_argument) for bad sizes and
 /// Error(out_of_memory) when no split fits.
 StagePlan partition(std::vector<double> const& layer_seconds, std::vector<double> const& layer_bytes,

@@ -1,5 +1,5 @@
 // The trace simulator, trace files and synthetic traces.
-#include <mgpu/sched/simulator.hpp>
+#include <mgpu/cluster/simulator.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -15,10 +15,18 @@
 
 #include "csv.hpp"
 
-namespace mgpu::sched {
+namespace mgpu::cluster {
 using detail::corrupt;
 using detail::number;
 using detail::split_csv;
+using sched::DeviceState;
+using sched::Job;
+using sched::JobEvent;
+using sched::JobQueue;
+using sched::NodeState;
+using sched::QueuePolicy;
+using sched::RuntimePredictor;
+using sched::Scheduler;
 
 std::vector<Job> read_trace_csv(std::filesystem::path const& path, TraceColumns const& columns) {
   std::ifstream in(path);
@@ -273,4 +281,4 @@ std::string results_csv(std::vector<SimulationResult> const& results) {
   return out.str();
 }
 
-}  // namespace mgpu::sched
+}  // namespace mgpu::cluster

@@ -8,13 +8,13 @@
 #include <random>
 #include <set>
 
-#include <mgpu/sched/cluster.hpp>
-#include <mgpu/sched/cluster_policy.hpp>
+#include <mgpu/cluster/cluster.hpp>
+#include <mgpu/cluster/policy.hpp>
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
 
-using namespace mgpu::sched;
+using namespace mgpu::cluster;
 using mgpu::Errc;
 
 namespace {
@@ -57,7 +57,7 @@ int place_in_order(Cluster& cluster, std::vector<Pod> const& pods, FitPolicy pol
 
 }  // namespace
 
-TEST_CASE("Nodes and pods files: columns, round trip, errors naming file and line", "[sched][cluster]") {
+TEST_CASE("Nodes and pods files: columns, round trip, errors naming file and line", "[cluster]") {
   auto const dir = scratch("files");
   write(dir / "nodes.csv",
         "sn,cpu_milli,memory_mib,gpu,model\nn0,32000,65536,2,V100\nn1,16000,32768,1,T4\nn2,8000,16384,0,\n");
@@ -148,7 +148,7 @@ TEST_CASE("Nodes and pods files: columns, round trip, errors naming file and lin
   REQUIRE_MGPU_ERROR(cluster.demand_of(big[1]), Errc::invalid_argument, "big.csv:3)");
 }
 
-TEST_CASE("Cluster allocations are checked against GPU, CPU and memory capacity", "[sched][cluster]") {
+TEST_CASE("Cluster allocations are checked against GPU, CPU and memory capacity", "[cluster]") {
   Cluster cluster({{"a", 4000, 8000, 2, "T4"}});
   cluster.allocate({.node = 0, .gpus = {0}, .gpu_milli = 700, .cpu_milli = 1000, .memory_mib = 1000});
   CHECK(cluster.free_gpus(0) == std::vector<int>{300, 1000});
@@ -182,7 +182,7 @@ TEST_CASE("Cluster allocations are checked against GPU, CPU and memory capacity"
                            0));  // not model 1
 }
 
-TEST_CASE("FGD's fragmentation measure matches hand-computed cases", "[sched][cluster][fgd]") {
+TEST_CASE("FGD's fragmentation measure matches hand-computed cases", "[cluster][fgd]") {
   // Types: a 500-milli fraction (half the pods), one whole GPU (a quarter), CPU-only (a quarter).
   std::vector<PodType> const target = {
       {{1000, 0, 1, 500, ~0ULL}, 0.5}, {{1000, 0, 1, 1000, ~0ULL}, 0.25}, {{1000, 0, 0, 0, ~0ULL}, 0.25}};
@@ -217,7 +217,7 @@ TEST_CASE("FGD's fragmentation measure matches hand-computed cases", "[sched][cl
   CHECK(placer.cluster_fragmentation(cluster) == Approx(reference).epsilon(1e-9));
 }
 
-TEST_CASE("Target workloads: shares, coverage and GPU-only types", "[sched][cluster][fgd]") {
+TEST_CASE("Target workloads: shares, coverage and GPU-only types", "[cluster][fgd]") {
   Cluster const cluster(one_gpu_nodes(2));
   std::vector<Pod> pods = {gpu_pod(500), gpu_pod(500), gpu_pod(500), gpu_pod(1000), gpu_pod(1000), gpu_pod(250)};
   pods[5].cpu_milli = 7;
@@ -239,7 +239,7 @@ TEST_CASE("Target workloads: shares, coverage and GPU-only types", "[sched][clus
   REQUIRE_MGPU_ERROR(target_workload(cluster, {}), Errc::invalid_argument, "expected at least one");
 }
 
-TEST_CASE("Policies on hand-made clusters with a known optimum", "[sched][cluster]") {
+TEST_CASE("Policies on hand-made clusters with a known optimum", "[cluster]") {
   // Three 1-GPU nodes; 600, 600, 400, 400 and a whole GPU all fit only if each 400 joins a 600.
   std::vector<Pod> const pods = {gpu_pod(600), gpu_pod(600), gpu_pod(400), gpu_pod(400), gpu_pod(1000)};
   std::map<FitPolicy, int> const expected_failures = {{FitPolicy::first_fit, 0},
@@ -279,7 +279,7 @@ TEST_CASE("Policies on hand-made clusters with a known optimum", "[sched][cluste
   }
 }
 
-TEST_CASE("Tie rules: first, packed and random", "[sched][cluster]") {
+TEST_CASE("Tie rules: first, packed and random", "[cluster]") {
   // Only whole-GPU pods in the target: placing one on any node with a free GPU changes no node's
   // fragmentation, so every node ties under fgd.
   std::vector<NodeSpec> const nodes = {
@@ -303,7 +303,7 @@ TEST_CASE("Tie rules: first, packed and random", "[sched][cluster]") {
   for (FitPolicy p : all_fit_policies()) CHECK(fit_policy_named(name_of(p)) == p);
 }
 
-TEST_CASE("Every policy keeps GPUs, CPU and memory within capacity and honours model constraints", "[sched][cluster]") {
+TEST_CASE("Every policy keeps GPUs, CPU and memory within capacity and honours model constraints", "[cluster]") {
   auto const nodes = synthetic_cluster({.nodes = 40, .seed = 7});
   auto const pods = synthetic_pods({.pods = 900, .constrained_share = 0.5, .seed = 7});
   for (FitPolicy policy : all_fit_policies()) {
@@ -339,7 +339,7 @@ TEST_CASE("Every policy keeps GPUs, CPU and memory within capacity and honours m
   }
 }
 
-TEST_CASE("Fill: accounting, determinism, and FGD ahead of best-fit on the synthetic trace", "[sched][cluster][fill]") {
+TEST_CASE("Fill: accounting, determinism, and FGD ahead of best-fit on the synthetic trace", "[cluster][fill]") {
   auto const nodes = synthetic_cluster({.nodes = 150, .seed = 2});
   auto const pods = synthetic_pods({.pods = 2000, .constrained_share = 0, .seed = 2});
   double capacity = 0;
@@ -390,7 +390,7 @@ TEST_CASE("Fill: accounting, determinism, and FGD ahead of best-fit on the synth
   REQUIRE_MGPU_ERROR(fill(nodes, cpu_only, {}), Errc::invalid_argument, "ask for no GPU");
 }
 
-TEST_CASE("Replay: waits, completion times and utilisation on a hand-computed case", "[sched][cluster][replay]") {
+TEST_CASE("Replay: waits, completion times and utilisation on a hand-computed case", "[cluster][replay]") {
   // One node with one GPU. A holds it over [0, 10); B arrives at 5 and waits until 10, running 2 s;
   // C (CPU-only) runs over [6, 7) beside A; D runs over [20, 25).
   std::vector<Pod> const pods = {
@@ -415,7 +415,7 @@ TEST_CASE("Replay: waits, completion times and utilisation on a hand-computed ca
   CHECK_THAT(table, MGPU_TEST_CONTAINS("fgd"));
 }
 
-TEST_CASE("Synthetic cluster and pods follow the published trace's statistics", "[sched][cluster][synthetic]") {
+TEST_CASE("Synthetic cluster and pods follow the published trace's statistics", "[cluster][synthetic]") {
   auto const nodes = synthetic_cluster({});
   REQUIRE(nodes.size() == 1213);
   int gpus = 0;

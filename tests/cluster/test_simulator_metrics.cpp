@@ -1,9 +1,10 @@
 // The simulator's metrics (mean and p95 JCT, makespan, queueing delay, utilization, energy) against
 // small traces whose schedules are worked out by hand in the comments.
-#include <mgpu/sched/simulator.hpp>
+#include <mgpu/cluster/simulator.hpp>
 
 #include "support/catch.hpp"
 
+using namespace mgpu::cluster;
 using namespace mgpu::sched;
 
 namespace {
@@ -19,7 +20,7 @@ Job job(int id, double submit, double duration, double gpus) {
 
 }  // namespace
 
-TEST_CASE("Simulator metrics match a four-job trace computed by hand", "[sched][simulator]") {
+TEST_CASE("Simulator metrics match a four-job trace computed by hand", "[cluster][simulator]") {
   // One server of two speed-1 GPUs, FIFO:
   //   job 1: submitted at 0, 10 s on 2 GPUs  -> runs 0..10                JCT 10, waits 0
   //   job 2: submitted at 1,  4 s on 1 GPU   -> waits for job 1, 10..14   JCT 13, waits 9
@@ -42,7 +43,7 @@ TEST_CASE("Simulator metrics match a four-job trace computed by hand", "[sched][
   CHECK(r.energy_kwh == Approx(40.0 * 400.0 / 3.6e6));
 }
 
-TEST_CASE("Simulator p95 JCT is the nearest-rank percentile, not the maximum", "[sched][simulator]") {
+TEST_CASE("Simulator p95 JCT is the nearest-rank percentile, not the maximum", "[cluster][simulator]") {
   // Twenty 1-second jobs submitted together on one GPU run back to back: job k (0-based) waits k
   // seconds and finishes at k + 1. JCTs 1..20: mean 10.5, p95 = 19th value = 19 (the maximum is 20),
   // mean queueing delay (0 + ... + 19) / 20 = 9.5, makespan 20, the GPU busy all the time.
@@ -57,7 +58,7 @@ TEST_CASE("Simulator p95 JCT is the nearest-rank percentile, not the maximum", "
   CHECK(r.utilization == Approx(1.0));
 }
 
-TEST_CASE("Simulator metrics scale durations by the GPUs' speed", "[sched][simulator]") {
+TEST_CASE("Simulator metrics scale durations by the GPUs' speed", "[cluster][simulator]") {
   // Durations are seconds on a speed-1 GPU; on a speed-2 GPU:
   //   job 1: submitted at 0, 10 s of work -> runs 0..5   JCT 5, waits 0
   //   job 2: submitted at 1,  4 s of work -> runs 5..7   JCT 6, waits 4

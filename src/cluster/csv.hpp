@@ -1,11 +1,11 @@
-// Internal: the CSV reading the scheduler's trace, nodes and pods files share.
+// Internal: the CSV reading the cluster module's trace, nodes and pods files share.
 #pragma once
 
 #include <filesystem>
 #include <string>
 #include <vector>
 
-namespace mgpu::sched::detail {
+namespace mgpu::cluster::detail {
 
 /// Splits one CSV line into fields (double quotes group commas; carriage returns are dropped).
 std::vector<std::string> split_csv(std::string const& line);
@@ -27,4 +27,4 @@ class CsvHeader {
   std::vector<std::string> names_;
 };
 
-}  // namespace mgpu::sched::detail
+}  // namespace mgpu::cluster::detail

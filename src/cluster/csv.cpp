@@ -1,4 +1,4 @@
-// CSV reading shared by the scheduler's file formats.
+// CSV reading shared by the cluster module's file formats (job traces, nodes, pods).
 #include "csv.hpp"
 
 #include <cmath>
@@ -6,7 +6,7 @@
 
 #include <mgpu/core/error.hpp>
 
-namespace mgpu::sched::detail {
+namespace mgpu::cluster::detail {
 
 std::vector<std::string> split_csv(std::string const& line) {
   std::vector<std::string> fields;
@@ -51,4 +51,4 @@ int CsvHeader::column(std::string const& name, bool required) const {
   return -1;
 }
 
-}  // namespace mgpu::sched::detail
+}  // namespace mgpu::cluster::detail

@@ -1,5 +1,5 @@
 // Cluster nodes and pods: their files, the synthetic generator, and the allocation state.
-#include <mgpu/sched/cluster.hpp>
+#include <mgpu/cluster/cluster.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -14,7 +14,7 @@
 
 #include "csv.hpp"
 
-namespace mgpu::sched {
+namespace mgpu::cluster {
 namespace {
 
 using detail::corrupt;
@@ -494,4 +494,4 @@ void Cluster::release(Allocation const& a) {
   version_[n] = ++changes_;
 }
 
-}  // namespace mgpu::sched
+}  // namespace mgpu::cluster
