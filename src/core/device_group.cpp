@@ -253,18 +253,33 @@ void DeviceGroup::synchronize() {
 }
 
 std::vector<Tensor> DeviceGroup::shard(Tensor const& batch, std::span<double const> weights) const {
-  std::vector<std::int64_t> const sizes = shard_sizes(batch.dim(0), size(), weights);
+  return shard(batch, shard_sizes(batch.dim(0), size(), weights));
+}
+
+std::vector<Tensor> DeviceGroup::shard(Tensor const& batch, std::span<std::int64_t const> rows) const {
+  std::int64_t const total = batch.rank() > 0 ? batch.dim(0) : 0;
+  bool const counts_fit = rows.size() == static_cast<std::size_t>(size()) &&
+                          std::none_of(rows.begin(), rows.end(), [](std::int64_t r) { return r < 0; }) &&
+                          std::accumulate(rows.begin(), rows.end(), std::int64_t{0}) == total;
+  if (!counts_fit)
+    throw Error(Errc::invalid_argument, "DeviceGroup::shard of " + std::to_string(total) + " rows into " + std::to_string(rows.size()) +
+                                            " row counts (expected " + std::to_string(size()) + " counts >= 0, one per rank, summing to " +
+                                            std::to_string(total) + ")");
   std::vector<Tensor> shards;
   std::int64_t begin = 0;
-  for (std::int64_t rows : sizes) {
-    shards.push_back(batch.slice(begin, begin + rows));
-    begin += rows;
+  for (std::int64_t const count : rows) {
+    shards.push_back(batch.slice(begin, begin + count));
+    begin += count;
   }
   return shards;
 }
 
 std::vector<Tensor> DeviceGroup::scatter(Tensor const& batch, std::span<double const> weights) {
-  std::vector<Tensor> const views = shard(batch, weights);
+  return scatter(batch, shard_sizes(batch.dim(0), size(), weights));
+}
+
+std::vector<Tensor> DeviceGroup::scatter(Tensor const& batch, std::span<std::int64_t const> rows) {
+  std::vector<Tensor> const views = shard(batch, rows);
   std::vector<Tensor> copies;
   for (int rank = 0; rank < size(); ++rank) {
     Tensor const& view = views[static_cast<std::size_t>(rank)];

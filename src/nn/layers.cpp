@@ -246,17 +246,29 @@ std::int64_t Sequential::parameter_count() const {
   return total;
 }
 
+std::vector<ParameterRange> Sequential::parameter_ranges() const {
+  std::vector<ParameterRange> ranges;
+  std::int64_t offset = 0;
+  for (std::size_t i = 0; i < layers_.size(); ++i) {
+    std::int64_t const count = layers_[i]->parameter_count();
+    if (count > 0) ranges.push_back({i, offset, offset + count});
+    offset += count;
+  }
+  return ranges;
+}
+
+void Sequential::bind_layers(Tensor const& params, Tensor const& grads) {
+  for (ParameterRange const& r : parameter_ranges()) layers_[r.layer]->bind(params.slice(r.begin, r.end), grads.slice(r.begin, r.end));
+}
+
 void Sequential::materialize(Context& ctx, std::uint64_t seed, DType compute) {
   std::int64_t const total = parameter_count();
   // Initialise into float32 host memory, one RNG stream per layer (layers do not shift each other).
   Tensor init = Tensor::empty({total}, DType::float32, mgpu::detail::host_staging_allocator());
-  std::int64_t offset = 0;
+  bind_layers(init, init);
   for (std::size_t i = 0; i < layers_.size(); ++i) {
-    std::int64_t const count = layers_[i]->parameter_count();
-    layers_[i]->bind(init.slice(offset, offset + count), init.slice(offset, offset + count));
     std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + first_layer_ + i);
     layers_[i]->initialize(rng);
-    offset += count;
   }
   master_params_ = Tensor::empty({total}, DType::float32, ctx.allocator);
   copy_async(master_params_, init, ctx.stream);
@@ -270,12 +282,7 @@ void Sequential::materialize(Context& ctx, std::uint64_t seed, DType compute) {
     grads_ = Tensor::empty({total}, compute, ctx.allocator);
     fill_async(grads_, 0.0f, ctx.stream);
   }
-  offset = 0;
-  for (auto& layer : layers_) {
-    std::int64_t const count = layer->parameter_count();
-    layer->bind(params_.slice(offset, offset + count), grads_.slice(offset, offset + count));
-    offset += count;
-  }
+  bind_layers(params_, grads_);
   for (auto& layer : layers_) layer->link(*this);
   ctx.stream.synchronize();  // `init` is read by the copy above
 }
@@ -335,13 +342,15 @@ Tensor Sequential::forward(Tensor const& x, Context& ctx) {
 Tensor Sequential::backward(Tensor const& dy, Context& ctx, bool input_grad, GradientsReady const& ready) {
   if (!layers_.empty()) layers_.front()->set_input_grad(input_grad);
   Tensor g = dy;
-  std::int64_t end = parameter_count();
+  std::vector<ParameterRange> const ranges = parameter_ranges();
+  auto next = ranges.rbegin();  // the range of the next layer with parameters, going backwards
   for (std::size_t i = layers_.size(); i-- > 0;) {
     if (i > 0 && fused_activation(i - 1) != nullptr) --i;  // the Linear's backward covers the activation
     g = layers_[i]->backward(g, ctx);
-    std::int64_t const count = layers_[i]->parameter_count();
-    if (count > 0 && ready) ready(end - count, end);
-    end -= count;
+    if (next != ranges.rend() && next->layer == i) {
+      if (ready) ready(next->begin, next->end);
+      ++next;
+    }
   }
   return g;
 }

@@ -22,24 +22,6 @@ Tensor as_compute(Sequential const& model, Tensor const& x, Context& ctx) {
 }
 }  // namespace
 
-namespace {
-// Each layer with parameters as [begin, end) of the flat buffers, with its name, in layer order.
-struct LayerRange {
-  std::int64_t begin, end;
-  std::string name;
-};
-std::vector<LayerRange> layer_ranges(Sequential const& model) {
-  std::vector<LayerRange> ranges;
-  std::int64_t offset = 0;
-  for (std::size_t i = 0; i < model.size(); ++i) {
-    std::int64_t const count = model.layer(i).parameter_count();
-    if (count > 0) ranges.push_back({offset, offset + count, model.layer(i).name()});
-    offset += count;
-  }
-  return ranges;
-}
-}  // namespace
-
 StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, Tensor const& x, Tensor const& labels, Context& ctx,
                                StepOptions const& options) {
   if (!model.parameters().defined())
@@ -72,24 +54,23 @@ StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, T
   // (bucket) is updated as soon as its gradients are (reduced and) ready, while they are in cache.
   bool const update_in_backward = !options.accumulate_only && options.scaler == nullptr && options.clip_norm <= 0;
   if (update_in_backward) optimizer.begin_step(model.master_parameters(), ctx.allocator, ctx.stream);
-  GradientSync::Reduced reduced;
+  RangeUpdate update;
   if (update_in_backward) {
-    reduced = [&](std::int64_t begin, std::int64_t end, Stream& stream) {
-      auto const update = [&] {
+    update = [&](std::int64_t begin, std::int64_t end, Stream& stream) {
+      auto const apply = [&] {
         optimizer.update(model.master_parameters(), masters, begin, end, stream, options.lr_scale);
         model.sync_parameters(stream, begin, end);
       };
       if (timeline == nullptr) {
-        update();
+        apply();
       } else {
         int const lane = &stream == &ctx.stream ? trace::Lane::compute : trace::Lane::communication;
         timeline->stream_span(stream, "update [" + std::to_string(begin) + ", " + std::to_string(end) + ")", "update", options.rank, lane,
-                              update);
+                              apply);
       }
     };
   }
   GradientSync* const sync = options.accumulate_only ? nullptr : options.sync;
-  std::vector<LayerRange> const ranges = layer_ranges(model);
   auto const last_mark = std::make_shared<std::int64_t>(0);  // where the next layer's backward span starts
   auto const mark = [&](std::string name) {
     ctx.stream.enqueue([timeline, last_mark, name = std::move(name), rank = options.rank] {
@@ -100,11 +81,10 @@ StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, T
   };
   // One layer's gradients are written: widen them into the float32 masters, accumulate, then
   // reduce (data parallel) and update.
+  std::vector<ParameterRange> const ranges = model.parameter_ranges();
   auto const on_gradients = [&](std::int64_t begin, std::int64_t end) {
-    if (timeline != nullptr) {
-      auto const layer = std::find_if(ranges.begin(), ranges.end(), [&](LayerRange const& r) { return r.begin == begin; });
-      mark("backward " + (layer != ranges.end() ? layer->name : std::string("layer")));
-    }
+    ParameterRange const& range = *std::find_if(ranges.begin(), ranges.end(), [&](ParameterRange const& r) { return r.begin == begin; });
+    if (timeline != nullptr) mark("backward " + model.layer(range.layer).name());
     model.unscale_gradients(1.0f / loss_scale, ctx.stream, begin, end);
     if (options.accumulator != nullptr) {
       Tensor const acc = options.accumulator->slice(begin, end);
@@ -116,9 +96,9 @@ StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, T
       fill_async(acc, 0.0f, ctx.stream);
     }
     if (sync != nullptr) {
-      sync->ready(begin, end, ctx.stream, reduced);
-    } else if (reduced) {
-      reduced(begin, end, ctx.stream);
+      sync->ready(range, ctx.stream);
+    } else if (update) {
+      update(begin, end, ctx.stream);
     }
   };
 
@@ -136,16 +116,16 @@ StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, T
     } else {
       forward();
     }
-    if (sync != nullptr) sync->begin(ctx.stream);
+    if (sync != nullptr) sync->begin(ctx.stream, update);
     model.backward(dlogits, ctx, false, on_gradients);
   } else {  // an empty shard contributes zero gradients, in the same ranges and order
     fill_async(result.loss, 0.0f, ctx.stream);
     fill_async(model.gradients(), 0.0f, ctx.stream);
     if (timeline != nullptr) mark("");
-    if (sync != nullptr) sync->begin(ctx.stream);
+    if (sync != nullptr) sync->begin(ctx.stream, update);
     for (auto r = ranges.rbegin(); r != ranges.rend(); ++r) on_gradients(r->begin, r->end);
   }
-  if (sync != nullptr) sync->finish(ctx.stream, reduced);
+  if (sync != nullptr) sync->finish(ctx.stream);
   if (options.accumulate_only || update_in_backward) return result;
 
   // The loss scaler's overflow check and the clipping norm read every (reduced) gradient, so every

@@ -1,13 +1,11 @@
-// DataParallel: replicas, bucketed all-reduce overlapped with backward through a communication
-// stream per rank, shard weights from the scheduler and from measured compute time.
+// DataParallel's executor: replicas, one shard plan per step, shard weights from the scheduler and
+// from measured compute time, recovery from a failed step, and the executor's checkpoint records.
+// The gradient sync (buckets, their reduces and the sharded update) is gradient_sync.cpp.
 #include <mgpu/parallel/data_parallel.hpp>
 
 #include <algorithm>
-#include <array>
-#include <atomic>
 #include <bit>
 #include <cmath>
-#include <chrono>
 #include <cstring>
 #include <exception>
 #include <limits>
@@ -22,75 +20,11 @@
 
 #include "core/host_staging.hpp"
 #include "parallel/class_ids.hpp"
+#include "parallel/gradient_sync.hpp"
 
 namespace mgpu::parallel {
 
-void Bf16Compression::attach(int ranks, std::vector<std::int64_t> const& bucket_elements) {
-  elements_ = bucket_elements;
-  slots_.assign(static_cast<std::size_t>(ranks), std::vector<Slot>(bucket_elements.size()));
-}
-
-void Bf16Compression::reduce(comm::Communicator& comm, int rank, int bucket, Tensor const& grads, Allocator& allocator,
-                             Stream& stream) {
-  Slot& slot = slots_.at(static_cast<std::size_t>(rank)).at(static_cast<std::size_t>(bucket));
-  if (!slot.residual.defined()) {
-    slot.residual = ops::zeros({grads.numel()}, allocator, stream);
-    slot.wire = Tensor::empty({grads.numel()}, DType::bfloat16, allocator);
-  }
-  ops::add_scaled(grads, slot.residual, 1.0f, stream);  // compensate: g + what was lost before
-  convert_async(slot.wire, grads, stream);              // round to bfloat16
-  ops::add_scaled(grads, slot.wire, -1.0f, stream);     // what rounding lost: compensated - rounded
-  comm.all_reduce(rank, slot.wire, slot.wire, comm::ReduceOp::sum, stream);
-  copy_async(slot.residual, grads, stream);  // after the reduce: a failed one skips this, keeping the residual
-  convert_async(grads, slot.wire, stream);
-}
-
-void Bf16Compression::set_state(int rank, int bucket, Tensor const& values, Allocator& allocator, Stream& stream) {
-  Slot& slot = slots_.at(static_cast<std::size_t>(rank)).at(static_cast<std::size_t>(bucket));
-  std::int64_t const elements = elements_.at(static_cast<std::size_t>(bucket));
-  if (values.dtype() != DType::float32 || values.numel() != elements)
-    throw Error(Errc::invalid_argument, "Bf16Compression: a residual of " + std::to_string(values.numel()) + " " +
-                                            std::string(to_string(values.dtype())) + " values for bucket " + std::to_string(bucket) +
-                                            " (expected " + std::to_string(elements) + " float32)");
-  if (!slot.residual.defined()) {
-    slot.residual = Tensor::empty({elements}, DType::float32, allocator);
-    slot.wire = Tensor::empty({elements}, DType::bfloat16, allocator);
-  }
-  copy_async(slot.residual, values, stream);
-}
-
-Tensor const& Bf16Compression::residual(int rank, int bucket) const {
-  return slots_.at(static_cast<std::size_t>(rank)).at(static_cast<std::size_t>(bucket)).residual;
-}
-
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
-}
-
-// Buckets of whole layers, last layer first: the first up to first_cap bytes, the rest up to cap.
-std::vector<std::pair<std::int64_t, std::int64_t>> plan_buckets(nn::Sequential const& model, std::size_t first_cap, std::size_t cap) {
-  std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
-  std::int64_t offset = 0;
-  for (std::size_t i = 0; i < model.size(); ++i) {
-    std::int64_t const count = model.layer(i).parameter_count();
-    if (count > 0) ranges.emplace_back(offset, offset + count);
-    offset += count;
-  }
-  auto const bytes = [](std::int64_t begin, std::int64_t end) { return static_cast<std::size_t>(end - begin) * sizeof(float); };
-  std::vector<std::pair<std::int64_t, std::int64_t>> buckets;
-  for (auto r = ranges.rbegin(); r != ranges.rend(); ++r) {
-    if (!buckets.empty() && bytes(r->first, buckets.back().second) <= (buckets.size() == 1 ? first_cap : cap)) {
-      buckets.back().first = r->first;  // the layer joins the open bucket
-    } else {
-      buckets.emplace_back(r->first, r->second);
-    }
-  }
-  return buckets;
-}
 
 // x and labels are checked before any rank starts, so a bad batch is reported as itself rather
 // than as the aborted collectives it would cause on the other ranks; returns the logits' width.
@@ -119,17 +53,22 @@ std::int64_t check_batch(nn::Sequential const& model, DType compute, Tensor cons
 }  // namespace
 
 struct DataParallel::Impl {
-  class RankSync;
   struct Rank;
+  // One step's split of the global batch over the used ranks, made once from the shard weights the
+  // step starts with and passed down to the scatter, each rank's step, the loss and the rebalancing.
+  struct ShardPlan {
+    std::int64_t global_rows = 0;
+    std::vector<std::int64_t> rows;     // per used rank
+    std::vector<std::int64_t> offsets;  // each rank's first row in the global batch
+  };
 
   DeviceGroup* group = nullptr;
   std::unique_ptr<DeviceGroup> owned;
   std::vector<int> ranks;
   DataParallelOptions options;
   std::vector<double> weights;
-  std::vector<std::pair<std::int64_t, std::int64_t>> buckets;
-  std::unique_ptr<comm::Communicator> comm;
   std::vector<std::unique_ptr<Rank>> state;
+  std::unique_ptr<detail::GradientSync> sync;  // after state: destroyed first, draining its streams
   std::int64_t micro_steps = 0;
   // Why the executor cannot be used (a step failed once updates had begun), or empty.
   std::string broken;
@@ -143,172 +82,35 @@ struct DataParallel::Impl {
   };
   [[noreturn]] void recover(std::exception_ptr failure, Before const& before, bool unobserved_updates);
 
+  // The steps of step(), in order.
+  [[nodiscard]] ShardPlan plan_shards(std::int64_t rows) const;
+  std::vector<nn::StepResult> run_ranks(ShardPlan const& plan, std::vector<Tensor> const& xs, std::vector<Tensor> const& ys, float lr_scale,
+                                        bool accumulate_only);
+  void rebalance(ShardPlan const& plan, std::vector<double> const& compute_ms);
+  [[nodiscard]] std::vector<optim::Optimizer*> optimizers() const;
+
   // Checkpoints: the executor's own records beside those of save_training.
   void save_state(io::Checkpoint& checkpoint);
   struct Saved;
   Saved verify_state(io::Checkpoint const& checkpoint, std::string const& source) const;
   void restore_state(Saved const& saved);
-
-  // The sharded update's blocks: per bucket, the elements each rank owns, rank r owning
-  // [r * block, (r + 1) * block) of the bucket; 0 where buckets are all-reduced.
-  std::vector<std::int64_t> blocks;
-  void plan_blocks();
-  void launch(int rank, std::size_t bucket, Stream& compute, nn::GradientSync::Reduced const& reduced);
-  void gather_optimizer_state();
-  std::atomic<bool> state_scattered{false};  // some optimizer state is current only in its owner's blocks
 };
 
-// One rank's half of the bucketed all-reduce: counts the layers backward reports and launches a
-// bucket's reduce on the communication stream once its last (lowest) layer is written.
-class DataParallel::Impl::RankSync final : public nn::GradientSync {
- public:
-  RankSync(Impl& impl, int rank) : impl_(impl), rank_(rank) {}
-  void begin(Stream& /*compute*/) override { next_ = 0; }
-  void ready(std::int64_t begin, std::int64_t /*end*/, Stream& compute, Reduced const& reduced) override {
-    if (next_ < impl_.buckets.size() && begin == impl_.buckets[next_].first) {
-      if (impl_.options.overlap) impl_.launch(rank_, next_, compute, reduced);
-      ++next_;
-    }
-  }
-  void finish(Stream& compute, Reduced const& reduced) override;
-
- private:
-  Impl& impl_;
-  int rank_;
-  std::size_t next_ = 0;
-};
-
+// One replica and what its rank keeps between steps besides its gradient sync.
 struct DataParallel::Impl::Rank {
-  Rank(Impl& impl, int index, nn::Sequential replica, Stream comm, std::unique_ptr<optim::Optimizer> opt)
-      : model(std::move(replica)), optimizer(std::move(opt)), comm_stream(std::move(comm)), sync(impl, index) {}
-  // Set on the communication stream once a reduce of the current step has completed there (before
-  // comm_stream, whose destruction runs what is left of its work).
-  std::atomic<bool> reduced{false};
+  Rank(nn::Sequential replica, std::unique_ptr<optim::Optimizer> opt) : model(std::move(replica)), optimizer(std::move(opt)) {}
   nn::Sequential model;
   std::unique_ptr<optim::Optimizer> optimizer;
   std::optional<optim::LossScaler> scaler;
-  Stream comm_stream;
-  RankSync sync;
-  std::vector<Event> bucket_events;
-  Event done, start, stop;
+  Event start, stop;
   Tensor accumulator;
-  Tensor gathered;  // deterministic reduce on non-host backends
   double ms_per_row = 0;
-  // Host timestamps written by marker tasks on the compute stream (wait for the reduces).
-  std::shared_ptr<std::array<std::int64_t, 2>> wait_marks = std::make_shared<std::array<std::int64_t, 2>>();
 };
 
-void DataParallel::Impl::plan_blocks() {
-  int const n = comm->size();
-  blocks.assign(buckets.size(), 0);
-  if (!options.shard_update || n < 2) return;
-  for (std::size_t b = 0; b < buckets.size(); ++b) blocks[b] = (buckets[b].second - buckets[b].first) / n;
-}
-
-void DataParallel::Impl::launch(int rank, std::size_t bucket, Stream& compute, nn::GradientSync::Reduced const& reduced) {
-  Rank& st = *state[static_cast<std::size_t>(rank)];
-  // Plain variables, not a structured binding: Clang before 16 cannot capture those.
-  std::int64_t const begin = buckets[bucket].first;
-  std::int64_t const end = buckets[bucket].second;
-  st.bucket_events[bucket].record(compute);
-  st.bucket_events[bucket].wait(st.comm_stream);
-  Tensor const grads = st.model.master_gradients().slice(begin, end);
-  Tensor const params = st.model.master_parameters().slice(begin, end);
-  bool const traced = options.timeline && options.timeline->enabled();
-  int const who = ranks[static_cast<std::size_t>(rank)];
-  auto const span = [&](std::string name, auto&& enqueue) {
-    if (traced) {
-      options.timeline->stream_span(st.comm_stream, std::move(name) + " bucket " + std::to_string(bucket), "communication", who,
-                                    trace::Lane::communication, enqueue);
-    } else {
-      enqueue();
-    }
-  };
-  auto const mark_reduced = [&st] { st.comm_stream.enqueue([&st] { st.reduced.store(true, std::memory_order_relaxed); }); };
-  // With the sharded update and a plain sum, the bucket is reduce-scattered.
-  std::int64_t const block = reduced ? blocks[bucket] : 0;
-  bool const scatter = block > 0 && !options.comm_hook && !(options.deterministic && comm->backend() != comm::Backend::host);
-  if (!scatter) {
-    span("all-reduce", [&] {
-      if (options.comm_hook) {
-        options.comm_hook->reduce(*comm, rank, static_cast<int>(bucket), grads, group->allocator(rank), st.comm_stream);
-      } else if (options.deterministic && comm->backend() != comm::Backend::host && comm->size() > 1) {
-        std::int64_t const n = grads.numel();
-        if (!st.gathered.defined() || st.gathered.numel() < n * comm->size())
-          st.gathered = Tensor::empty({n * comm->size()}, DType::float32, group->allocator(rank));
-        comm->all_gather(rank, grads, st.gathered.slice(0, n * comm->size()), st.comm_stream);
-        copy_async(grads, st.gathered.slice(0, n), st.comm_stream);
-        for (int r = 1; r < comm->size(); ++r) ops::add_scaled(grads, st.gathered.slice(r * n, (r + 1) * n), 1.0f, st.comm_stream);
-      } else {
-        comm->all_reduce(rank, grads, grads, comm::ReduceOp::sum, st.comm_stream);
-      }
-    });
-    mark_reduced();
-  }
-  if (!reduced) return;
-  if (block == 0) {
-    reduced(begin, end, st.comm_stream);
-    return;
-  }
-  // Sharded update: this rank's block of the bucket is reduced and updated, then every rank's
-  // updated block is gathered. The few elements past the blocks (fewer than the ranks) are reduced
-  // and updated everywhere.
-  int const n = comm->size();
-  std::int64_t const mine = rank * block;
-  std::int64_t const body = block * n;
-  if (scatter) {
-    span("reduce-scatter", [&] {
-      comm->reduce_scatter(rank, grads.slice(0, body), grads.slice(mine, mine + block), comm::ReduceOp::sum, st.comm_stream);
-      if (body < grads.numel()) comm->all_reduce(rank, grads.slice(body, grads.numel()), grads.slice(body, grads.numel()), comm::ReduceOp::sum, st.comm_stream);
-    });
-    mark_reduced();
-  }
-  reduced(begin + mine, begin + mine + block, st.comm_stream);
-  if (body < grads.numel()) reduced(begin + body, end, st.comm_stream);
-  span("all-gather", [&] {
-    comm->all_gather(rank, params.slice(mine, mine + block), params.slice(0, body), st.comm_stream);
-    st.model.sync_parameters(st.comm_stream, begin, begin + body);
-  });
-  state_scattered.store(true, std::memory_order_relaxed);
-}
-
-// Every rank's blocks of every optimizer state buffer to every rank (the sharded update leaves each
-// rank's state current in its own blocks only).
-void DataParallel::Impl::gather_optimizer_state() {
-  if (!state_scattered.load(std::memory_order_relaxed)) return;
-  int const n = comm->size();
-  group->run([&](int rank, Device, Stream& stream) {
-    Rank& st = *state[static_cast<std::size_t>(rank)];
-    for (auto const& named : st.optimizer->state()) {
-      for (std::size_t b = 0; b < buckets.size(); ++b) {
-        std::int64_t const block = blocks[b];
-        if (block == 0) continue;
-        Tensor const part = named.second.slice(buckets[b].first, buckets[b].first + block * n);
-        comm->all_gather(rank, part.slice(rank * block, (rank + 1) * block), part, stream);
-      }
-    }
-  });
-  group->synchronize();
-  state_scattered.store(false, std::memory_order_relaxed);
-}
-
-void DataParallel::Impl::RankSync::finish(Stream& compute, Reduced const& reduced) {
-  if (!impl_.options.overlap) {
-    for (std::size_t b = 0; b < impl_.buckets.size(); ++b) impl_.launch(rank_, b, compute, reduced);
-  }
-  Rank& st = *impl_.state[static_cast<std::size_t>(rank_)];
-  st.stop.record(compute);
-  bool const host = compute.device().kind == DeviceKind::host;
-  if (host) compute.enqueue([marks = st.wait_marks] { (*marks)[0] = now_ns(); });
-  st.done.record(st.comm_stream);
-  auto const wait = [&] { st.done.wait(compute); };
-  if (impl_.options.timeline && impl_.options.timeline->enabled()) {
-    impl_.options.timeline->stream_span(compute, "wait for reduces", "communication", impl_.ranks[static_cast<std::size_t>(rank_)],
-                                        trace::Lane::compute, wait);
-  } else {
-    wait();
-  }
-  if (host) compute.enqueue([marks = st.wait_marks] { (*marks)[1] = now_ns(); });
+std::vector<optim::Optimizer*> DataParallel::Impl::optimizers() const {
+  std::vector<optim::Optimizer*> all;
+  for (auto const& st : state) all.push_back(st->optimizer.get());
+  return all;
 }
 
 DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::function<std::unique_ptr<optim::Optimizer>()> const& make_optimizer,
@@ -363,15 +165,9 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
     im.owned = std::make_unique<DeviceGroup>(std::move(devices));
     im.group = im.owned.get();
   }
-  im.buckets = plan_buckets(model, options.first_bucket_cap_bytes, options.bucket_cap_bytes);
+  std::vector<Bucket> buckets = detail::plan_buckets(model, options.first_bucket_cap_bytes, options.bucket_cap_bytes);
   im.options = std::move(options);
-  im.comm = comm::make_communicator(*im.group, im.options.comm);
-  im.plan_blocks();
-  if (im.options.comm_hook) {
-    std::vector<std::int64_t> sizes;
-    for (auto const& [b, e] : im.buckets) sizes.push_back(e - b);
-    im.options.comm_hook->attach(n, sizes);
-  }
+  im.sync = std::make_unique<detail::GradientSync>(*im.group, std::move(buckets), im.options, im.ranks);
 
   // Replicas: the same architecture on every rank; rank 0's weights (the given model's when it is
   // materialized) broadcast to the others.
@@ -388,9 +184,9 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
     if (!optimizer)
       throw Error(Errc::invalid_argument, "DataParallel: the optimizer factory returned no optimizer for replica " + std::to_string(r) +
                                               " (expected a new optimizer from every call)");
-    im.state.push_back(std::make_unique<Impl::Rank>(im, r, std::move(replica), im.group->make_stream(r), std::move(optimizer)));
+    im.state.push_back(std::make_unique<Impl::Rank>(std::move(replica), std::move(optimizer)));
     Impl::Rank& st = *im.state.back();
-    st.bucket_events.resize(im.buckets.size());
+    im.sync->add_rank(st.model);
     st.scaler = im.options.loss_scaler;
     if (im.options.accumulation_steps > 1) st.accumulator = ops::zeros({model.parameter_count()}, ctx.allocator, ctx.stream);
   }
@@ -400,7 +196,7 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
     for (auto& st : im.state) st->model.set_rng_state(rng);
     im.group->run([&](int rank, Device, Stream& stream) {
       nn::Sequential& replica = im.state[static_cast<std::size_t>(rank)]->model;
-      im.comm->broadcast(rank, replica.master_parameters(), 0, stream);
+      im.sync->communicator().broadcast(rank, replica.master_parameters(), 0, stream);
       replica.sync_parameters(stream);
     });
 #ifndef NDEBUG
@@ -419,7 +215,7 @@ DataParallel::~DataParallel() {
 
 std::vector<int> const& DataParallel::ranks() const noexcept { return impl_->ranks; }
 std::vector<double> const& DataParallel::weights() const noexcept { return impl_->weights; }
-std::vector<std::pair<std::int64_t, std::int64_t>> const& DataParallel::buckets() const noexcept { return impl_->buckets; }
+std::vector<Bucket> const& DataParallel::buckets() const noexcept { return impl_->sync->buckets(); }
 DeviceGroup& DataParallel::group() noexcept { return *impl_->group; }
 
 nn::Sequential& DataParallel::replica(int index) {
@@ -431,7 +227,7 @@ nn::Sequential& DataParallel::replica(int index) {
 
 optim::Optimizer& DataParallel::optimizer(int index) {
   (void)replica(index);
-  impl_->gather_optimizer_state();
+  impl_->sync->gather_optimizer_state(impl_->optimizers());
   return *impl_->state[static_cast<std::size_t>(index)]->optimizer;
 }
 
@@ -440,115 +236,131 @@ optim::LossScaler const* DataParallel::loss_scaler() const {
   return scaler ? &*scaler : nullptr;
 }
 
+DataParallel::Impl::ShardPlan DataParallel::Impl::plan_shards(std::int64_t rows) const {
+  int const n = static_cast<int>(ranks.size());
+  ShardPlan plan{rows, shard_sizes(rows, n, weights), std::vector<std::int64_t>(static_cast<std::size_t>(n), 0)};
+  if (!options.allow_empty_shards && std::find(plan.rows.begin(), plan.rows.end(), 0) != plan.rows.end())
+    throw Error(Errc::invalid_argument, "DataParallel::step: a batch of " + std::to_string(rows) + " rows leaves a rank without rows (expected at least " +
+                                            std::to_string(n) + " rows, one per used rank, since allow_empty_shards is off)");
+  for (std::size_t r = 1; r < plan.offsets.size(); ++r) plan.offsets[r] = plan.offsets[r - 1] + plan.rows[r - 1];
+  return plan;
+}
+
+// Every used rank's classification_step on its shard, at once; the gradient sync joins them when
+// there is more than one rank or a comm hook.
+std::vector<nn::StepResult> DataParallel::Impl::run_ranks(ShardPlan const& plan, std::vector<Tensor> const& xs, std::vector<Tensor> const& ys,
+                                                          float lr_scale, bool accumulate_only) {
+  int const k = options.accumulation_steps;
+  bool const synced = ranks.size() > 1 || options.comm_hook;
+  std::vector<nn::StepResult> results(ranks.size());
+  group->run([&](int rank, Device, Stream& stream) {
+    auto const r = static_cast<std::size_t>(rank);
+    Rank& st = *state[r];
+    detail::RankSync& rank_sync = sync->rank(rank);
+    nn::Context ctx{group->allocator(rank), stream, plan.offsets[r]};
+    nn::StepOptions step;
+    step.lr_scale = lr_scale;
+    step.clip_norm = options.clip_norm;
+    step.scaler = st.scaler ? &*st.scaler : nullptr;
+    step.global_rows = plan.global_rows;
+    step.grad_scale = 1.0f / static_cast<float>(k);
+    step.accumulator = k > 1 ? &st.accumulator : nullptr;
+    step.accumulate_only = accumulate_only;
+    step.sync = synced ? &rank_sync : nullptr;
+    step.timeline = options.timeline.get();
+    step.rank = ranks[r];
+    st.start.record(stream);
+    try {
+      results[r] = nn::classification_step(st.model, *st.optimizer, xs[r], ys[r], ctx, step);
+      if (!synced || accumulate_only) st.stop.record(stream);  // else the sync's backward_end()
+      stream.synchronize();
+    } catch (Error const& e) {
+      // A compute stream that waited for a failed reduce knows only that it did (a device error);
+      // the reduce's own error says what happened: a timeout with its deadline, or the abort
+      // naming the rank that failed.
+      if (e.category() == Errc::device) rank_sync.comm_stream().synchronize();
+      throw;
+    }
+  });
+  return results;
+}
+
+// Weights follow the measured speed (rows per millisecond) of every rank that had rows, scaled so
+// that those ranks keep their total weight (ranks without rows keep theirs).
+void DataParallel::Impl::rebalance(ShardPlan const& plan, std::vector<double> const& compute_ms) {
+  double const a = options.rebalance_ewma;
+  for (std::size_t i = 0; i < state.size(); ++i) {
+    Rank& st = *state[i];
+    std::int64_t const rows = plan.rows[i];
+    double const ms = options.rebalance_time ? options.rebalance_time(static_cast<int>(i), rows, compute_ms[i]) : compute_ms[i];
+    if (rows == 0 || !(ms > 0)) continue;
+    double const per_row = ms / static_cast<double>(rows);
+    st.ms_per_row = st.ms_per_row == 0 ? per_row : a * per_row + (1 - a) * st.ms_per_row;
+  }
+  double old_total = 0;
+  double new_total = 0;
+  std::vector<double> speed(state.size(), 0.0);
+  for (std::size_t i = 0; i < state.size(); ++i) {
+    if (state[i]->ms_per_row > 0) {
+      speed[i] = 1.0 / state[i]->ms_per_row;
+      old_total += weights[i];
+      new_total += speed[i];
+    }
+  }
+  if (new_total > 0) {
+    for (std::size_t i = 0; i < speed.size(); ++i) {
+      if (speed[i] > 0) weights[i] = speed[i] * old_total / new_total;
+    }
+  }
+}
+
 DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, float lr_scale) {
   Impl& im = *impl_;
   im.check_usable("DataParallel::step");
   check_batch(im.state[0]->model, im.options.compute, x, labels, "DataParallel::step");
-  std::int64_t const rows = x.dim(0);
-  if (rows < 1) throw Error(Errc::invalid_argument, "DataParallel::step: an empty batch (expected at least one row)");
+  if (x.dim(0) < 1) throw Error(Errc::invalid_argument, "DataParallel::step: an empty batch (expected at least one row)");
   if (!(lr_scale >= 0 && std::isfinite(lr_scale)))
     throw Error(Errc::invalid_argument, "DataParallel::step: lr_scale " + std::to_string(lr_scale) + " (expected a finite lr_scale >= 0)");
-  int const n = static_cast<int>(im.ranks.size());
-  std::vector<std::int64_t> const sizes = shard_sizes(rows, n, im.weights);
-  if (!im.options.allow_empty_shards && std::find(sizes.begin(), sizes.end(), 0) != sizes.end())
-    throw Error(Errc::invalid_argument, "DataParallel::step: a batch of " + std::to_string(rows) + " rows leaves a rank without rows (expected at least " +
-                                            std::to_string(n) + " rows, one per used rank, since allow_empty_shards is off)");
-  std::vector<std::int64_t> offsets(static_cast<std::size_t>(n), 0);
-  for (int r = 1; r < n; ++r) offsets[static_cast<std::size_t>(r)] = offsets[static_cast<std::size_t>(r - 1)] + sizes[static_cast<std::size_t>(r - 1)];
-
+  Impl::ShardPlan const plan = im.plan_shards(x.dim(0));
   int const k = im.options.accumulation_steps;
   bool const accumulate_only = k > 1 && (im.micro_steps + 1) % k != 0;
-  std::shared_ptr<trace::Timeline> const& timeline = im.options.timeline;
+
   std::vector<Tensor> xs, ys;
   {
-    trace::Timeline::Scope scope(timeline.get(), "scatter", "copy", 0, trace::Lane::host);
-    xs = im.group->scatter(x, im.weights);
-    ys = im.group->scatter(labels, im.weights);
+    trace::Timeline::Scope scope(im.options.timeline.get(), "scatter", "copy", 0, trace::Lane::host);
+    xs = im.group->scatter(x, plan.rows);
+    ys = im.group->scatter(labels, plan.rows);
   }
-  std::vector<nn::StepResult> results(static_cast<std::size_t>(n));
+
+  int const n = static_cast<int>(im.ranks.size());
   Impl::Before before{im.state[0]->model.rng_state(), im.state[0]->optimizer->steps(), {}};
   if (im.state[0]->scaler) before.scaler = im.state[0]->scaler->state();
-  for (auto const& st : im.state) st->reduced.store(false, std::memory_order_relaxed);
+  im.sync->start_step();
   // With one device and no hook the update runs inside backward where no reduce marks it.
   bool const unobserved_updates = !accumulate_only && n == 1 && !im.options.comm_hook;
+  std::vector<nn::StepResult> results;
   try {
-    im.group->run([&](int rank, Device, Stream& stream) {
-      auto const r = static_cast<std::size_t>(rank);
-      Impl::Rank& st = *im.state[r];
-      nn::Context ctx{im.group->allocator(rank), stream, offsets[r]};
-      nn::StepOptions options;
-      options.lr_scale = lr_scale;
-      options.clip_norm = im.options.clip_norm;
-      options.scaler = st.scaler ? &*st.scaler : nullptr;
-      options.global_rows = rows;
-      options.grad_scale = 1.0f / static_cast<float>(k);
-      options.accumulator = k > 1 ? &st.accumulator : nullptr;
-      options.accumulate_only = accumulate_only;
-      options.sync = n > 1 || im.options.comm_hook ? &st.sync : nullptr;
-      options.timeline = timeline.get();
-      options.rank = im.ranks[r];
-      st.start.record(stream);
-      try {
-        results[r] = nn::classification_step(st.model, *st.optimizer, xs[r], ys[r], ctx, options);
-        if (options.sync == nullptr || accumulate_only) st.stop.record(stream);
-        stream.synchronize();
-      } catch (Error const& e) {
-        // A compute stream that waited for a failed reduce knows only that it did (a device error);
-        // the reduce's own error says what happened: a timeout with its deadline, or the abort
-        // naming the rank that failed.
-        if (e.category() == Errc::device) st.comm_stream.synchronize();
-        throw;
-      }
-    });
+    results = im.run_ranks(plan, xs, ys, lr_scale, accumulate_only);
   } catch (...) {
     im.recover(std::current_exception(), before, unobserved_updates);
   }
   ++im.micro_steps;
 
   DataParallelResult result;
-  result.rows = sizes;
+  result.rows = plan.rows;
   result.applied = results[0].applied;
+  bool const synced = (n > 1 || im.options.comm_hook) && !accumulate_only;
   double loss = 0;
   for (int r = 0; r < n; ++r) {
     auto const i = static_cast<std::size_t>(r);
-    Impl::Rank const& st = *im.state[i];
-    loss += static_cast<double>(ops::item(results[i].loss, im.group->stream(r))) * static_cast<double>(sizes[i]);
-    result.compute_ms.push_back(Event::elapsed_ms(st.start, st.stop));
-    bool const waited = im.group->device(r).kind == DeviceKind::host && (n > 1 || im.options.comm_hook) && !accumulate_only;
-    result.wait_ms.push_back(waited ? static_cast<double>((*st.wait_marks)[1] - (*st.wait_marks)[0]) * 1e-6 : 0.0);
+    detail::RankSync const& rank_sync = im.sync->rank(r);
+    loss += static_cast<double>(ops::item(results[i].loss, im.group->stream(r))) * static_cast<double>(plan.rows[i]);
+    result.compute_ms.push_back(Event::elapsed_ms(im.state[i]->start, synced ? rank_sync.backward_end() : im.state[i]->stop));
+    bool const waited = synced && im.group->device(r).kind == DeviceKind::host;
+    result.wait_ms.push_back(waited ? rank_sync.wait_ms() : 0.0);
   }
-  result.loss = static_cast<float>(loss / static_cast<double>(rows));
-
-  if (im.options.rebalance && n > 1) {
-    // Weights follow the measured speed (rows per millisecond) of every rank that had rows, scaled
-    // so that those ranks keep their total weight (ranks without rows keep theirs).
-    double const a = im.options.rebalance_ewma;
-    double old_total = 0;
-    double new_total = 0;
-    for (int r = 0; r < n; ++r) {
-      auto const i = static_cast<std::size_t>(r);
-      Impl::Rank& st = *im.state[i];
-      double const ms = im.options.rebalance_time ? im.options.rebalance_time(r, sizes[i], result.compute_ms[i])
-                                                  : result.compute_ms[i];
-      if (sizes[i] == 0 || !(ms > 0)) continue;
-      double const per_row = ms / static_cast<double>(sizes[i]);
-      st.ms_per_row = st.ms_per_row == 0 ? per_row : a * per_row + (1 - a) * st.ms_per_row;
-    }
-    std::vector<double> speed(static_cast<std::size_t>(n), 0.0);
-    for (int r = 0; r < n; ++r) {
-      auto const i = static_cast<std::size_t>(r);
-      if (im.state[i]->ms_per_row > 0) {
-        speed[i] = 1.0 / im.state[i]->ms_per_row;
-        old_total += im.weights[i];
-        new_total += speed[i];
-      }
-    }
-    if (new_total > 0) {
-      for (std::size_t i = 0; i < speed.size(); ++i) {
-        if (speed[i] > 0) im.weights[i] = speed[i] * old_total / new_total;
-      }
-    }
-  }
+  result.loss = static_cast<float>(loss / static_cast<double>(plan.global_rows));
+  if (im.options.rebalance && n > 1) im.rebalance(plan, result.compute_ms);
   return result;
 }
 
@@ -574,17 +386,17 @@ void DataParallel::Impl::check_usable(std::string const& what) const {
 void DataParallel::Impl::recover(std::exception_ptr failure, Before const& before, bool unobserved_updates) {
   bool changed = unobserved_updates;
   try {
-    for (std::size_t r = 0; r < state.size(); ++r) {
-      Rank& st = *state[r];
-      for (Stream* stream : {&st.comm_stream, &group->stream(static_cast<int>(r))}) {
+    for (int r = 0; r < static_cast<int>(state.size()); ++r) {
+      detail::RankSync& rank_sync = sync->rank(r);
+      for (Stream* stream : {&rank_sync.comm_stream(), &group->stream(r)}) {
         try {
           stream->synchronize();
         } catch (Error const&) {  // the failure's own consequences, reported by it
         }
       }
-      changed = changed || st.reduced.load(std::memory_order_relaxed);
+      changed = changed || rank_sync.reduced();
     }
-    comm = comm::make_communicator(*group, options.comm);  // the failure aborted the old one
+    sync->renew_communicator();  // the failure aborted the old one
     if (!changed) {
       for (std::size_t r = 0; r < state.size(); ++r) {
         Rank& st = *state[r];
@@ -649,16 +461,7 @@ void DataParallel::Impl::save_state(io::Checkpoint& checkpoint) {
   if (CommHook* hook = options.comm_hook.get()) {
     Tensor const rows = Tensor::empty({n * count}, DType::float32, host);
     std::fill(rows.host_span<float>().begin(), rows.host_span<float>().end(), 0.0f);
-    bool any = false;
-    for (std::int64_t r = 0; r < n; ++r) {
-      for (std::size_t b = 0; b < buckets.size(); ++b) {
-        Tensor const values = hook->state(static_cast<int>(r), static_cast<int>(b));
-        if (!values.defined()) continue;
-        any = true;
-        copy_async(rows.slice(r * count + buckets[b].first, r * count + buckets[b].second), values, group->stream(static_cast<int>(r)));
-      }
-    }
-    if (any) {
+    if (sync->copy_hook_state(rows)) {
       group->synchronize();
       checkpoint.put(hook_record, hook->name());
       checkpoint.put(hook_state_record, rows.reshape({n, count}), group->stream(0));
@@ -745,15 +548,9 @@ void DataParallel::Impl::restore_state(Saved const& saved) {
     if (st.accumulator.defined()) copy_async(st.accumulator, saved.position > 0 ? share(saved.accumulator, r) : zeros, stream);
     st.scaler = options.loss_scaler;
     if (st.scaler && saved.scaler) st.scaler->set_state(*saved.scaler);
-    if (CommHook* hook = options.comm_hook.get()) {
-      Tensor const values = saved.hook_state.defined() ? share(saved.hook_state, r) : zeros;
-      for (std::size_t b = 0; b < buckets.size(); ++b) {
-        hook->set_state(static_cast<int>(r), static_cast<int>(b), values.slice(buckets[b].first, buckets[b].second),
-                        group->allocator(static_cast<int>(r)), st.comm_stream);
-      }
-    }
+    if (options.comm_hook) sync->set_hook_state(static_cast<int>(r), saved.hook_state.defined() ? share(saved.hook_state, r) : zeros);
   }
-  for (auto& st : state) st->comm_stream.synchronize();
+  sync->synchronize();
   group->synchronize();
   micro_steps = saved.position;
 }
@@ -761,9 +558,9 @@ void DataParallel::Impl::restore_state(Saved const& saved) {
 void DataParallel::save(std::filesystem::path const& path, io::TrainingState const& state) {
   Impl& im = *impl_;
   im.check_usable("DataParallel::save");
-  for (auto& st : im.state) st->comm_stream.synchronize();
+  im.sync->synchronize();
   im.group->synchronize();
-  im.gather_optimizer_state();
+  im.sync->gather_optimizer_state(im.optimizers());
   io::Checkpoint checkpoint = io::training_checkpoint(im.state[0]->model, *im.state[0]->optimizer, state, im.group->stream(0));
   im.save_state(checkpoint);
   checkpoint.save(path);
@@ -771,7 +568,7 @@ void DataParallel::save(std::filesystem::path const& path, io::TrainingState con
 
 io::TrainingState DataParallel::load(std::filesystem::path const& path) {
   Impl& im = *impl_;
-  for (auto& st : im.state) st->comm_stream.synchronize();
+  im.sync->synchronize();
   im.group->synchronize();
   io::Checkpoint const checkpoint = io::Checkpoint::load(path);
   Impl::Saved const saved = im.verify_state(checkpoint, path.string());
@@ -783,7 +580,7 @@ io::TrainingState DataParallel::load(std::filesystem::path const& path) {
   }
   im.restore_state(saved);
   im.broken.clear();
-  im.state_scattered.store(false, std::memory_order_relaxed);  // every rank loaded the whole state
+  im.sync->forget_scattered_state();  // every rank loaded the whole state
   return state;
 }
 
@@ -812,13 +609,11 @@ void DataParallel::verify_replicas() {
     Tensor const params = host_copy(r);
     auto const a = reference.host_span<float>();
     auto const b = params.host_span<float>();
-    std::int64_t offset = 0;
-    for (std::size_t l = 0; l < first.size(); ++l) {
-      auto const count = static_cast<std::size_t>(first.layer(l).parameter_count());
-      if (std::memcmp(a.data() + offset, b.data() + offset, count * sizeof(float)) != 0)
-        throw Error(Errc::invalid_argument, who + " layer " + std::to_string(l) + " (" + first.layer(l).name() +
+    for (nn::ParameterRange const& range : first.parameter_ranges()) {
+      auto const at = static_cast<std::size_t>(range.begin);
+      if (std::memcmp(a.data() + at, b.data() + at, static_cast<std::size_t>(range.size()) * sizeof(float)) != 0)
+        throw Error(Errc::invalid_argument, who + " layer " + std::to_string(range.layer) + " (" + first.layer(range.layer).name() +
                                                 ") holds other parameters (expected replicas bitwise equal to rank " + std::to_string(im.ranks[0]) + "'s)");
-      offset += static_cast<std::int64_t>(count);
     }
   }
 }

@@ -175,3 +175,22 @@ TEST_CASE("shard() gives views and scatter() copies each part to its rank", "[co
   CHECK(parts[2].host_span<float>().back() == 39.0f);
   CHECK(group.allocator(2).stats().allocated >= 5 * 4 * sizeof(float));
 }
+
+TEST_CASE("shard() and scatter() take row counts already split, and refuse counts that do not fit", "[core][group]") {
+  DeviceGroup group("host:3");
+  Tensor batch = Tensor::empty({10, 4}, DType::float32, group.allocator(0));
+  auto values = batch.host_span<float>();
+  std::iota(values.begin(), values.end(), 0.0f);
+  std::vector<std::int64_t> const rows = {2, 0, 8};
+  auto const views = group.shard(batch, rows);
+  REQUIRE(views.size() == 3);
+  CHECK(views[1].dim(0) == 0);
+  CHECK(views[2].host_span<float>()[0] == 8.0f);
+  auto const parts = group.scatter(batch, rows);
+  group.synchronize();
+  CHECK(parts[2].device() == group.device(2));
+  CHECK(parts[2].host_span<float>()[0] == 8.0f);
+  CHECK(parts[2].host_span<float>().back() == 39.0f);
+  for (std::vector<std::int64_t> const& bad : {std::vector<std::int64_t>{5, 5}, {5, 6, -1}, {5, 5, 1}})
+    REQUIRE_MGPU_ERROR((void)group.shard(batch, bad), Errc::invalid_argument, "expected 3 counts >= 0, one per rank, summing to 10");
+}

@@ -75,10 +75,14 @@ class DeviceGroup {
   /// Views of `batch`'s rows split by shard_sizes(batch.dim(0), size(), weights), one per rank,
   /// still in batch's memory.
   [[nodiscard]] std::vector<Tensor> shard(Tensor const& batch, std::span<double const> weights = {}) const;
+  /// The same for row counts already split, one per rank (>= 0), summing to batch.dim(0); throws
+  /// Error(invalid_argument) for others.
+  [[nodiscard]] std::vector<Tensor> shard(Tensor const& batch, std::span<std::int64_t const> rows) const;
 
   /// Copies of those shards in each rank's own memory, enqueued on each rank's default stream: read
   /// them through that stream's later work, or after synchronize().
   [[nodiscard]] std::vector<Tensor> scatter(Tensor const& batch, std::span<double const> weights = {});
+  [[nodiscard]] std::vector<Tensor> scatter(Tensor const& batch, std::span<std::int64_t const> rows);
 
   struct Impl;
 

@@ -4,6 +4,7 @@
 // master parameters and gradients beside the compute-type buffers the layers use.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -203,6 +204,18 @@ class Dropout final : public Layer {
   std::map<std::int64_t, std::pair<std::uint64_t, std::int64_t>> masks_;  // mask seed (0: identity), element offset
 };
 
+/// Where one layer's parameters lie in its Sequential's flat buffers: elements [begin, end) of
+/// parameters(), gradients() and their float32 masters belong to layer `layer` (an index into that
+/// Sequential; add first_layer() for its index in the whole model). Only layers with parameters
+/// have one; a Sequential's ranges, in layer order, tile [0, parameter_count()).
+struct ParameterRange {
+  std::size_t layer = 0;
+  std::int64_t begin = 0;
+  std::int64_t end = 0;
+  [[nodiscard]] std::int64_t size() const noexcept { return end - begin; }
+  bool operator==(ParameterRange const&) const = default;
+};
+
 /// Layers in order, with one flat parameter buffer and one flat gradient buffer. A Sequential may
 /// be a stage of a larger model (see stage()): its layers keep their indices in the whole model,
 /// which seed their initialisation. Used by one thread at a time.
@@ -221,6 +234,9 @@ class Sequential {
   [[nodiscard]] Layer& layer(std::size_t i) { return *layers_.at(i); }
   [[nodiscard]] Layer const& layer(std::size_t i) const { return *layers_.at(i); }
   [[nodiscard]] std::int64_t parameter_count() const;
+  /// Each layer with parameters and its range in the flat buffers, in layer order (the one walk
+  /// over parameter offsets: buckets, optimizer slices and checks use it).
+  [[nodiscard]] std::vector<ParameterRange> parameter_ranges() const;
 
   /// Allocates the flat buffers on ctx's device and initialises every layer from `seed` and its index
   /// in the whole model (on the host, then copied), so every replica built with the same seed holds
@@ -250,9 +266,9 @@ class Sequential {
   /// Forward through every layer; a Linear followed by a ReLU or GELU runs as one fused layer.
   Tensor forward(Tensor const& x, Context& ctx);
   /// Called during backward for each layer with parameters, last layer first, once the work that
-  /// writes its gradients is enqueued: [begin, end) is its range in the flat buffers. Work the
-  /// callback enqueues on ctx.stream runs after those gradients are written (e.g. an optimizer
-  /// update of the layer, or a data-parallel bucket's all-reduce).
+  /// writes its gradients is enqueued: [begin, end) is its range in the flat buffers (one of
+  /// parameter_ranges()). Work the callback enqueues on ctx.stream runs after those gradients are
+  /// written (e.g. an optimizer update of the layer, or a data-parallel bucket's all-reduce).
   using GradientsReady = std::function<void(std::int64_t begin, std::int64_t end)>;
   /// Backward through every layer; returns the input gradient when `input_grad` (else an
   /// undefined tensor, saving the first layer's input-gradient GEMM).
@@ -281,6 +297,8 @@ class Sequential {
  private:
   // The activation layer i + 1 fuses into the Linear layer i, if any.
   [[nodiscard]] Activation const* fused_activation(std::size_t i) const;
+  // Gives each layer with parameters its views of `params` and `grads`.
+  void bind_layers(Tensor const& params, Tensor const& grads);
   void check_materialized(char const* call) const;
 
   std::vector<std::unique_ptr<Layer>> layers_;

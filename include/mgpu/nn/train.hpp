@@ -17,22 +17,24 @@ class Timeline;
 
 namespace mgpu::nn {
 
-/// What happens to gradients between backward and the optimizer: the hook through which
-/// data-parallel training all-reduces them in buckets while backward goes on. The step calls
-/// begin() before backward, ready() for each layer's range of float32 master gradients (last layer
-/// first) once the work writing them is enqueued on `compute`, and finish() after backward.
-/// The sync calls `reduced(begin, end, stream)` for each range whose reduced gradients will be
-/// ready on `stream` (merged into buckets, and possibly later, e.g. from finish()); the step then
-/// enqueues that range's update there (null `reduced`: the update waits for all gradients).
-/// finish() must leave `compute` ordered after all of the sync's work. All calls come from the
-/// thread running the step.
+/// Applies the optimizer to master parameters [begin, end) on `stream`, where their reduced
+/// gradients are ready: what classification_step gives a GradientSync for the step.
+using RangeUpdate = std::function<void(std::int64_t begin, std::int64_t end, Stream& stream)>;
+
+/// What happens to gradients between backward and the optimizer: the seam through which
+/// data-parallel training reduces them in buckets of its own while backward goes on. The step
+/// calls begin() before backward, ready() for each layer's range of float32 master gradients (last
+/// layer first) once the work writing them is enqueued on `compute`, and finish() after backward.
+/// With a non-empty `update` the sync calls it once for each range of reduced gradients, on the
+/// stream where they are ready (the step then updates nothing itself); with an empty one the step
+/// updates every parameter after finish(). finish() must leave `compute` ordered after all of the
+/// sync's work. All calls come from the thread running the step.
 class GradientSync {
  public:
-  using Reduced = std::function<void(std::int64_t begin, std::int64_t end, Stream& stream)>;
   virtual ~GradientSync() = default;
-  virtual void begin(Stream& compute) = 0;
-  virtual void ready(std::int64_t begin, std::int64_t end, Stream& compute, Reduced const& reduced) = 0;
-  virtual void finish(Stream& compute, Reduced const& reduced) = 0;
+  virtual void begin(Stream& compute, RangeUpdate update) = 0;
+  virtual void ready(ParameterRange const& range, Stream& compute) = 0;
+  virtual void finish(Stream& compute) = 0;
 };
 
 struct StepOptions {

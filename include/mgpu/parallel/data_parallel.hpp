@@ -4,6 +4,7 @@
 #pragma once
 
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -66,6 +67,19 @@ class Bf16Compression final : public CommHook {
   };
   std::vector<std::vector<Slot>> slots_;  // [rank][bucket]
   std::vector<std::int64_t> elements_;
+};
+
+/// A gradient bucket: the parameters of the model's layers first_layer to last_layer (the first
+/// and last with parameters in it), elements [begin, end) of the flat buffers, reduced as one
+/// collective. Buckets hold whole layers and run last layers first.
+struct Bucket {
+  std::size_t first_layer = 0;
+  std::size_t last_layer = 0;
+  std::int64_t begin = 0;
+  std::int64_t end = 0;
+  /// Elements (float32 gradients) in the bucket.
+  [[nodiscard]] std::int64_t size() const noexcept { return end - begin; }
+  bool operator==(Bucket const&) const = default;
 };
 
 struct DataParallelOptions {
@@ -204,10 +218,10 @@ class DataParallel {
   void verify_replicas();
 
   /// The used ranks (indices into the group given), their current shard weights, the bucket
-  /// layout as [begin, end) element ranges of the flat buffers (last layers first).
+  /// layout (last layers first).
   [[nodiscard]] std::vector<int> const& ranks() const noexcept;
   [[nodiscard]] std::vector<double> const& weights() const noexcept;
-  [[nodiscard]] std::vector<std::pair<std::int64_t, std::int64_t>> const& buckets() const noexcept;
+  [[nodiscard]] std::vector<Bucket> const& buckets() const noexcept;
   /// A replica (index into ranks()) and its optimizer (with shard_update, whose state is gathered
   /// from every rank's blocks first).
   [[nodiscard]] nn::Sequential& replica(int index);

@@ -1,0 +1,259 @@
+// DataParallel's gradient sync: bucket planning, each rank's bucketed reduce overlapped with
+// backward through a communication stream, the sharded update's blocks, and the bfloat16 comm hook.
+#include "parallel/gradient_sync.hpp"
+
+#include <chrono>
+#include <string>
+#include <utility>
+
+#include <mgpu/core/error.hpp>
+#include <mgpu/ops/ops.hpp>
+#include <mgpu/trace/timeline.hpp>
+
+namespace mgpu::parallel {
+
+void Bf16Compression::attach(int ranks, std::vector<std::int64_t> const& bucket_elements) {
+  elements_ = bucket_elements;
+  slots_.assign(static_cast<std::size_t>(ranks), std::vector<Slot>(bucket_elements.size()));
+}
+
+void Bf16Compression::reduce(comm::Communicator& comm, int rank, int bucket, Tensor const& grads, Allocator& allocator,
+                             Stream& stream) {
+  Slot& slot = slots_.at(static_cast<std::size_t>(rank)).at(static_cast<std::size_t>(bucket));
+  if (!slot.residual.defined()) {
+    slot.residual = ops::zeros({grads.numel()}, allocator, stream);
+    slot.wire = Tensor::empty({grads.numel()}, DType::bfloat16, allocator);
+  }
+  ops::add_scaled(grads, slot.residual, 1.0f, stream);  // compensate: g + what was lost before
+  convert_async(slot.wire, grads, stream);              // round to bfloat16
+  ops::add_scaled(grads, slot.wire, -1.0f, stream);     // what rounding lost: compensated - rounded
+  comm.all_reduce(rank, slot.wire, slot.wire, comm::ReduceOp::sum, stream);
+  copy_async(slot.residual, grads, stream);  // after the reduce: a failed one skips this, keeping the residual
+  convert_async(grads, slot.wire, stream);
+}
+
+void Bf16Compression::set_state(int rank, int bucket, Tensor const& values, Allocator& allocator, Stream& stream) {
+  Slot& slot = slots_.at(static_cast<std::size_t>(rank)).at(static_cast<std::size_t>(bucket));
+  std::int64_t const elements = elements_.at(static_cast<std::size_t>(bucket));
+  if (values.dtype() != DType::float32 || values.numel() != elements)
+    throw Error(Errc::invalid_argument, "Bf16Compression: a residual of " + std::to_string(values.numel()) + " " +
+                                            std::string(to_string(values.dtype())) + " values for bucket " + std::to_string(bucket) +
+                                            " (expected " + std::to_string(elements) + " float32)");
+  if (!slot.residual.defined()) {
+    slot.residual = Tensor::empty({elements}, DType::float32, allocator);
+    slot.wire = Tensor::empty({elements}, DType::bfloat16, allocator);
+  }
+  copy_async(slot.residual, values, stream);
+}
+
+Tensor const& Bf16Compression::residual(int rank, int bucket) const {
+  return slots_.at(static_cast<std::size_t>(rank)).at(static_cast<std::size_t>(bucket)).residual;
+}
+
+}  // namespace mgpu::parallel
+
+namespace mgpu::parallel::detail {
+namespace {
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+std::vector<Bucket> plan_buckets(nn::Sequential const& model, std::size_t first_cap_bytes, std::size_t cap_bytes) {
+  std::vector<nn::ParameterRange> const ranges = model.parameter_ranges();
+  auto const bytes = [](std::int64_t begin, std::int64_t end) { return static_cast<std::size_t>(end - begin) * sizeof(float); };
+  std::vector<Bucket> buckets;
+  for (auto r = ranges.rbegin(); r != ranges.rend(); ++r) {
+    if (!buckets.empty() && bytes(r->begin, buckets.back().end) <= (buckets.size() == 1 ? first_cap_bytes : cap_bytes)) {
+      buckets.back().first_layer = r->layer;  // the layer joins the open bucket
+      buckets.back().begin = r->begin;
+    } else {
+      buckets.push_back({r->layer, r->layer, r->begin, r->end});
+    }
+  }
+  return buckets;
+}
+
+RankSync::RankSync(detail::GradientSync& sync, int rank, nn::Sequential& model, Stream comm_stream)
+    : sync_(sync), rank_(rank), model_(model), comm_stream_(std::move(comm_stream)), bucket_events_(sync.buckets_.size()) {}
+
+void RankSync::begin(Stream& /*compute*/, nn::RangeUpdate update) {
+  update_ = std::move(update);
+  next_ = 0;
+}
+
+void RankSync::ready(nn::ParameterRange const& range, Stream& compute) {
+  std::vector<Bucket> const& buckets = sync_.buckets_;
+  if (next_ < buckets.size() && range.layer == buckets[next_].first_layer) {
+    if (sync_.overlap_) launch(next_, compute);
+    ++next_;
+  }
+}
+
+void RankSync::finish(Stream& compute) {
+  if (!sync_.overlap_) {
+    for (std::size_t b = 0; b < sync_.buckets_.size(); ++b) launch(b, compute);
+  }
+  update_ = nullptr;  // the step's update is valid during the step only
+  backward_end_.record(compute);
+  bool const host = compute.device().kind == DeviceKind::host;
+  if (host) compute.enqueue([marks = wait_marks_] { (*marks)[0] = now_ns(); });
+  done_.record(comm_stream_);
+  auto const wait = [&] { done_.wait(compute); };
+  if (sync_.timeline_ && sync_.timeline_->enabled()) {
+    sync_.timeline_->stream_span(compute, "wait for reduces", "communication", sync_.trace_ranks_[static_cast<std::size_t>(rank_)],
+                                 trace::Lane::compute, wait);
+  } else {
+    wait();
+  }
+  if (host) compute.enqueue([marks = wait_marks_] { (*marks)[1] = now_ns(); });
+}
+
+double RankSync::wait_ms() const noexcept { return static_cast<double>((*wait_marks_)[1] - (*wait_marks_)[0]) * 1e-6; }
+
+void RankSync::launch(std::size_t bucket, Stream& compute) {
+  comm::Communicator& comm = *sync_.comm_;
+  // Plain variables, not a structured binding: Clang before 16 cannot capture those.
+  std::int64_t const begin = sync_.buckets_[bucket].begin;
+  std::int64_t const end = sync_.buckets_[bucket].end;
+  bucket_events_[bucket].record(compute);
+  bucket_events_[bucket].wait(comm_stream_);
+  Tensor const grads = model_.master_gradients().slice(begin, end);
+  Tensor const params = model_.master_parameters().slice(begin, end);
+  std::shared_ptr<trace::Timeline> const& timeline = sync_.timeline_;
+  bool const traced = timeline && timeline->enabled();
+  int const who = sync_.trace_ranks_[static_cast<std::size_t>(rank_)];
+  auto const span = [&](std::string name, auto&& enqueue) {
+    if (traced) {
+      timeline->stream_span(comm_stream_, std::move(name) + " bucket " + std::to_string(bucket), "communication", who,
+                            trace::Lane::communication, enqueue);
+    } else {
+      enqueue();
+    }
+  };
+  auto const mark_reduced = [this] { comm_stream_.enqueue([this] { reduced_.store(true, std::memory_order_relaxed); }); };
+  CommHook* const hook = sync_.hook_.get();
+  bool const gather_to_sum = sync_.deterministic_ && comm.backend() != comm::Backend::host;
+  // With the sharded update and a plain sum, the bucket is reduce-scattered.
+  std::int64_t const block = update_ ? sync_.blocks_[bucket] : 0;
+  bool const scatter = block > 0 && hook == nullptr && !gather_to_sum;
+  if (!scatter) {
+    span("all-reduce", [&] {
+      if (hook != nullptr) {
+        hook->reduce(comm, rank_, static_cast<int>(bucket), grads, sync_.group_.allocator(rank_), comm_stream_);
+      } else if (gather_to_sum && comm.size() > 1) {
+        std::int64_t const n = grads.numel();
+        if (!gathered_.defined() || gathered_.numel() < n * comm.size())
+          gathered_ = Tensor::empty({n * comm.size()}, DType::float32, sync_.group_.allocator(rank_));
+        comm.all_gather(rank_, grads, gathered_.slice(0, n * comm.size()), comm_stream_);
+        copy_async(grads, gathered_.slice(0, n), comm_stream_);
+        for (int r = 1; r < comm.size(); ++r) ops::add_scaled(grads, gathered_.slice(r * n, (r + 1) * n), 1.0f, comm_stream_);
+      } else {
+        comm.all_reduce(rank_, grads, grads, comm::ReduceOp::sum, comm_stream_);
+      }
+    });
+    mark_reduced();
+  }
+  if (!update_) return;
+  if (block == 0) {
+    update_(begin, end, comm_stream_);
+    return;
+  }
+  // Sharded update: this rank's block of the bucket is reduced and updated, then every rank's
+  // updated block is gathered. The few elements past the blocks (fewer than the ranks) are reduced
+  // and updated everywhere.
+  int const n = comm.size();
+  std::int64_t const mine = rank_ * block;
+  std::int64_t const body = block * n;
+  if (scatter) {
+    span("reduce-scatter", [&] {
+      comm.reduce_scatter(rank_, grads.slice(0, body), grads.slice(mine, mine + block), comm::ReduceOp::sum, comm_stream_);
+      if (body < grads.numel()) comm.all_reduce(rank_, grads.slice(body, grads.numel()), grads.slice(body, grads.numel()), comm::ReduceOp::sum, comm_stream_);
+    });
+    mark_reduced();
+  }
+  update_(begin + mine, begin + mine + block, comm_stream_);
+  if (body < grads.numel()) update_(begin + body, end, comm_stream_);
+  span("all-gather", [&] {
+    comm.all_gather(rank_, params.slice(mine, mine + block), params.slice(0, body), comm_stream_);
+    model_.sync_parameters(comm_stream_, begin, begin + body);
+  });
+  sync_.state_scattered_.store(true, std::memory_order_relaxed);
+}
+
+GradientSync::GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, DataParallelOptions const& options, std::vector<int> trace_ranks)
+    : group_(group),
+      buckets_(std::move(buckets)),
+      blocks_(buckets_.size(), 0),
+      overlap_(options.overlap),
+      deterministic_(options.deterministic),
+      hook_(options.comm_hook),
+      timeline_(options.timeline),
+      comm_options_(options.comm),
+      trace_ranks_(std::move(trace_ranks)),
+      comm_(comm::make_communicator(group, comm_options_)) {
+  int const n = comm_->size();
+  if (options.shard_update && n > 1) {
+    for (std::size_t b = 0; b < buckets_.size(); ++b) blocks_[b] = buckets_[b].size() / n;
+  }
+  if (hook_) {
+    std::vector<std::int64_t> sizes;
+    for (Bucket const& b : buckets_) sizes.push_back(b.size());
+    hook_->attach(n, sizes);
+  }
+}
+
+void GradientSync::add_rank(nn::Sequential& model) {
+  int const rank = static_cast<int>(ranks_.size());
+  ranks_.push_back(std::make_unique<RankSync>(*this, rank, model, group_.make_stream(rank)));
+}
+
+void GradientSync::renew_communicator() { comm_ = comm::make_communicator(group_, comm_options_); }
+
+void GradientSync::start_step() noexcept {
+  for (auto const& r : ranks_) r->reduced_.store(false, std::memory_order_relaxed);
+}
+
+void GradientSync::synchronize() {
+  for (auto const& r : ranks_) r->comm_stream_.synchronize();
+}
+
+void GradientSync::gather_optimizer_state(std::vector<optim::Optimizer*> const& optimizers) {
+  if (!state_scattered_.load(std::memory_order_relaxed)) return;
+  int const n = comm_->size();
+  group_.run([&](int rank, Device, Stream& stream) {
+    for (auto const& named : optimizers[static_cast<std::size_t>(rank)]->state()) {
+      for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        std::int64_t const block = blocks_[b];
+        if (block == 0) continue;
+        Tensor const part = named.second.slice(buckets_[b].begin, buckets_[b].begin + block * n);
+        comm_->all_gather(rank, part.slice(rank * block, (rank + 1) * block), part, stream);
+      }
+    }
+  });
+  group_.synchronize();
+  state_scattered_.store(false, std::memory_order_relaxed);
+}
+
+bool GradientSync::copy_hook_state(Tensor const& rows) {
+  std::int64_t const count = rows.numel() / static_cast<std::int64_t>(ranks_.size());
+  bool any = false;
+  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      Tensor const values = hook_->state(r, static_cast<int>(b));
+      if (!values.defined()) continue;
+      any = true;
+      copy_async(rows.slice(r * count + buckets_[b].begin, r * count + buckets_[b].end), values, group_.stream(r));
+    }
+  }
+  return any;
+}
+
+void GradientSync::set_hook_state(int rank, Tensor const& values) {
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    hook_->set_state(rank, static_cast<int>(b), values.slice(buckets_[b].begin, buckets_[b].end), group_.allocator(rank),
+                     this->rank(rank).comm_stream_);
+  }
+}
+
+}  // namespace mgpu::parallel::detail

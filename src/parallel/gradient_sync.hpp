@@ -1,0 +1,129 @@
+// DataParallel's gradient sync: buckets of whole layers planned from the model's parameter ranges,
+// and per rank the nn::GradientSync that classification_step notifies as backward writes each
+// layer's gradients. It reduces a bucket on the rank's communication stream as soon as backward has
+// written the bucket's last layer and, when the step hands it the update, updates the bucket there
+// (with the sharded update: reduce-scatter, update of the rank's block, all-gather).
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <mgpu/comm/communicator.hpp>
+#include <mgpu/core/device_group.hpp>
+#include <mgpu/core/stream.hpp>
+#include <mgpu/core/tensor.hpp>
+#include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/optim.hpp>
+#include <mgpu/nn/train.hpp>
+#include <mgpu/parallel/data_parallel.hpp>
+
+namespace mgpu::parallel::detail {
+
+/// Buckets of whole layers, last layer first: the first up to `first_cap_bytes` of float32
+/// gradients, the others up to `cap_bytes` (a layer larger than the cap is a bucket alone).
+std::vector<Bucket> plan_buckets(nn::Sequential const& model, std::size_t first_cap_bytes, std::size_t cap_bytes);
+
+class GradientSync;
+
+/// One rank's side of the sync, given to classification_step: counts the layers backward reports
+/// and launches a bucket on the rank's communication stream once its first (lowest) layer is
+/// written, or, without overlap, every bucket from finish(). Used from the rank's thread only.
+class RankSync final : public nn::GradientSync {
+ public:
+  RankSync(detail::GradientSync& sync, int rank, nn::Sequential& model, Stream comm_stream);
+  void begin(Stream& compute, nn::RangeUpdate update) override;
+  void ready(nn::ParameterRange const& range, Stream& compute) override;
+  void finish(Stream& compute) override;
+
+  /// The stream the buckets are reduced (and updated) on.
+  [[nodiscard]] Stream& comm_stream() noexcept { return comm_stream_; }
+  /// Recorded on the compute stream by finish() when backward's work ends, before the wait for the
+  /// reduces.
+  [[nodiscard]] Event const& backward_end() const noexcept { return backward_end_; }
+  /// Milliseconds the compute stream waited for the reduces in the last finish() (host devices).
+  [[nodiscard]] double wait_ms() const noexcept;
+  /// Whether a collective of this rank completed since GradientSync::start_step().
+  [[nodiscard]] bool reduced() const noexcept { return reduced_.load(std::memory_order_relaxed); }
+
+ private:
+  friend class detail::GradientSync;
+  void launch(std::size_t bucket, Stream& compute);
+
+  detail::GradientSync& sync_;
+  int rank_;
+  nn::Sequential& model_;
+  nn::RangeUpdate update_;
+  std::size_t next_ = 0;  // the next bucket to complete in this backward
+  // Set on the communication stream once a collective of the step has completed there (declared
+  // before comm_stream_, whose destruction runs what is left of its work).
+  std::atomic<bool> reduced_{false};
+  Stream comm_stream_;
+  std::vector<Event> bucket_events_;
+  Event done_, backward_end_;
+  Tensor gathered_;  // deterministic reduce on non-host backends
+  // Host timestamps written by marker tasks on the compute stream around the wait for the reduces.
+  std::shared_ptr<std::array<std::int64_t, 2>> wait_marks_ = std::make_shared<std::array<std::int64_t, 2>>();
+};
+
+/// The buckets and what every rank's sync shares: the communicator, the comm hook, the sharded
+/// update's blocks. Made before the replicas, which add_rank() then joins one by one. Methods are
+/// called from the executor's thread while no step runs.
+class GradientSync {
+ public:
+  /// `buckets` as plan_buckets makes them; `group` holds the used ranks, whose indices in the group
+  /// the executor was given are `trace_ranks` (their names on the timeline). Makes the communicator
+  /// and attaches the comm hook.
+  GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, DataParallelOptions const& options, std::vector<int> trace_ranks);
+  GradientSync(GradientSync const&) = delete;
+  GradientSync& operator=(GradientSync const&) = delete;
+
+  /// Adds the next rank's sync, reducing `model`'s gradients on a new communication stream.
+  void add_rank(nn::Sequential& model);
+  [[nodiscard]] RankSync& rank(int rank) { return *ranks_.at(static_cast<std::size_t>(rank)); }
+  [[nodiscard]] std::vector<Bucket> const& buckets() const noexcept { return buckets_; }
+  [[nodiscard]] comm::Communicator& communicator() noexcept { return *comm_; }
+  /// A new communicator in place of one that a failure aborted.
+  void renew_communicator();
+
+  /// Before a step: no rank has reduced yet (RankSync::reduced()).
+  void start_step() noexcept;
+  /// Waits for every communication stream; throws the first error.
+  void synchronize();
+
+  /// Gathers every rank's blocks of every optimizer state buffer (optimizers[rank]'s) to every
+  /// rank, where the sharded update left each rank's state current in its own blocks only.
+  void gather_optimizer_state(std::vector<optim::Optimizer*> const& optimizers);
+  /// Every rank's optimizer state is whole again (each loaded it entire).
+  void forget_scattered_state() noexcept { state_scattered_.store(false, std::memory_order_relaxed); }
+
+  /// With a comm hook: enqueues on each rank's default stream the copy of the hook's state for
+  /// every bucket into that rank's row of `rows` (float32 [ranks x parameters], flat), leaving the
+  /// elements of buckets without state as they are. Returns whether any bucket had state.
+  bool copy_hook_state(Tensor const& rows);
+  /// With a comm hook: sets the hook's state of every bucket of `rank` from `values` (float32, one
+  /// per parameter), enqueued on the rank's communication stream.
+  void set_hook_state(int rank, Tensor const& values);
+
+ private:
+  friend class RankSync;
+  DeviceGroup& group_;
+  std::vector<Bucket> buckets_;
+  // The sharded update's blocks: per bucket, the elements each rank owns, rank r owning
+  // [r * block, (r + 1) * block) of the bucket; 0 where buckets are all-reduced.
+  std::vector<std::int64_t> blocks_;
+  bool overlap_;
+  bool deterministic_;
+  std::shared_ptr<CommHook> hook_;
+  std::shared_ptr<trace::Timeline> timeline_;
+  comm::Options comm_options_;
+  std::vector<int> trace_ranks_;
+  std::unique_ptr<comm::Communicator> comm_;  // before ranks_, whose streams run collectives on it
+  std::vector<std::unique_ptr<RankSync>> ranks_;
+  std::atomic<bool> state_scattered_{false};  // some optimizer state is current only in its owner's blocks
+};
+
+}  // namespace mgpu::parallel::detail
