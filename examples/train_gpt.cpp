@@ -238,6 +238,7 @@ int run(Options o) {
   Splits const splits = load_splits(o);
 
   auto allocator = mgpu::Allocator::create(device);
+  auto host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
   mgpu::Stream stream(device);
   mgpu::nn::Context ctx{*allocator, stream};
   mgpu::nn::Sequential model = mgpu::nn::gpt(config);
@@ -296,7 +297,7 @@ int run(Options o) {
     std::int64_t const last = o.until_step > 0 ? std::min(o.until_step, o.iters) : o.iters;
     for (std::int64_t it = state.step; it < last; ++it) {
       auto const start = Clock::now();
-      mgpu::data::TokenBatch const batch = train_loader.next(*allocator);
+      mgpu::data::TokenBatch const batch = train_loader.next(*host);  // host ids, copied by train_step if needed
       mgpu::Tensor const loss = trainer.train_step(batch, lr_at(o, it) / o.lr);
       bool const report = (it + 1) % log_every == 0 || it + 1 == last;
       if (report || terminal) train_loss = mgpu::ops::item(loss, stream);  // reading synchronizes
@@ -340,7 +341,6 @@ int run(Options o) {
   }
   if (o.sample > 0) {
     // Generation runs on the host in float32: a model trained elsewhere or in 16 bits is copied.
-    auto host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
     mgpu::Stream host_stream(mgpu::Device{mgpu::DeviceKind::host, 0});
     mgpu::nn::Context host_ctx{*host, host_stream};
     std::optional<mgpu::nn::Sequential> copy;
@@ -356,7 +356,7 @@ int run(Options o) {
     std::vector<std::int32_t> const prompt(prompt16.begin(), prompt16.end());
     std::vector<std::int32_t> const ids = mgpu::nn::generate(
         *sampler, prompt, o.sample, {.temperature = o.temperature, .top_k = o.top_k, .seed = o.seed},
-        device.kind == mgpu::DeviceKind::host ? ctx : host_ctx);
+        copy ? host_ctx : ctx);
     std::fprintf(log, "---- %lld sampled tokens (temperature %.2f, top-k %lld) ----\n", static_cast<long long>(o.sample),
                  o.temperature, static_cast<long long>(o.top_k));
     if (config.vocab <= 256) {
