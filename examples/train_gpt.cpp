@@ -17,10 +17,6 @@
 // Training runs on one device for now through the nn-level API (forward, per-token
 // cross-entropy, backward, clipping, AdamW with weight decay on the 2-D weights only); the flags of
 // the parallel executors are accepted and values other than one device refused.
-#include <CLI/CLI.hpp>
-
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -28,11 +24,14 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
-#include <numbers>
 #include <memory>
+#include <numbers>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include <CLI/CLI.hpp>
+#include <unistd.h>
 
 #include <mgpu/data/tokens.hpp>
 #include <mgpu/mgpu.hpp>
@@ -119,7 +118,8 @@ std::int64_t count_tokens(std::vector<std::vector<std::uint16_t>> const& shards)
 // `iters` (as the PyTorch peer and nanoGPT).
 float lr_at(Options const& o, std::int64_t it) {
   if (it < o.warmup) return o.lr * static_cast<float>(it + 1) / static_cast<float>(o.warmup);
-  double const r = std::min(1.0, static_cast<double>(it - o.warmup) / static_cast<double>(std::max<std::int64_t>(1, o.iters - o.warmup)));
+  double const r = std::min(
+      1.0, static_cast<double>(it - o.warmup) / static_cast<double>(std::max<std::int64_t>(1, o.iters - o.warmup)));
   return o.min_lr + static_cast<float>(0.5 * (1.0 + std::cos(std::numbers::pi * r))) * (o.lr - o.min_lr);
 }
 
@@ -192,11 +192,11 @@ void set_parameters(mgpu::nn::Sequential& model, std::vector<float> const& value
 void refuse_parallel_flags(Options const& o, mgpu::DeviceGroup const& group) {
   auto const refuse = [&](std::string const& what) {
     throw mgpu::Error(mgpu::Errc::invalid_argument,
-                      what + " (expected one device for now: train_gpt trains through the one-device step until "
-                             "the data-parallel and pipeline executors take a per-token loss; use --devices host:1)");
+                      what +
+                          " (expected one device for now: train_gpt trains through the one-device step until "
+                          "the data-parallel and pipeline executors take a per-token loss; use --devices host:1)");
   };
-  if (group.size() != 1)
-    refuse("--devices " + o.devices + " names " + std::to_string(group.size()) + " devices");
+  if (group.size() != 1) refuse("--devices " + o.devices + " names " + std::to_string(group.size()) + " devices");
   if (!o.schedule.empty()) refuse("--schedule " + o.schedule);
   if (o.stages != 1) refuse("--stages " + std::to_string(o.stages));
   if (o.micro_batches != 1) refuse("--micro-batches " + std::to_string(o.micro_batches));
@@ -205,7 +205,8 @@ void refuse_parallel_flags(Options const& o, mgpu::DeviceGroup const& group) {
 
 std::string printable(std::string const& text) {
   std::string out;
-  for (unsigned char const c : text) out += (c == '\n' || c == '\t' || (c >= 32 && c < 127)) ? static_cast<char>(c) : '?';
+  for (unsigned char const c : text)
+    out += (c == '\n' || c == '\t' || (c >= 32 && c < 127)) ? static_cast<char>(c) : '?';
   return out;
 }
 
@@ -225,9 +226,9 @@ int run(Options o) {
     o.n_layer = init->config.n_layer, o.n_head = init->config.n_head, o.n_embd = init->config.n_embd;
     o.block_size = init->config.block_size;
     if (init->config.vocab < o.vocab)
-      throw mgpu::Error(mgpu::Errc::invalid_argument, "--init-from " + o.init_from + ": vocab " +
-                                                          std::to_string(init->config.vocab) + " (expected at least the data's " +
-                                                          std::to_string(o.vocab) + ")");
+      throw mgpu::Error(mgpu::Errc::invalid_argument,
+                        "--init-from " + o.init_from + ": vocab " + std::to_string(init->config.vocab) +
+                            " (expected at least the data's " + std::to_string(o.vocab) + ")");
   }
   mgpu::nn::GptConfig const config{.vocab = init ? init->config.vocab : o.vocab,
                                    .block_size = o.block_size,
@@ -288,7 +289,8 @@ int run(Options o) {
     auto const report_val = [&](std::int64_t step) {
       val_loss = evaluate();
       if (terminal) std::fprintf(stderr, "\r%*s\r", 100, "");
-      std::fprintf(log, "step %lld/%lld  val loss %.4f\n", static_cast<long long>(step), static_cast<long long>(o.iters), val_loss);
+      std::fprintf(log, "step %lld/%lld  val loss %.4f\n", static_cast<long long>(step),
+                   static_cast<long long>(o.iters), val_loss);
       std::fflush(log);
     };
     if (o.eval_every > 0 && state.step < o.iters) report_val(state.step);
@@ -300,8 +302,10 @@ int run(Options o) {
       mgpu::data::TokenBatch const batch = train_loader.next(*host);  // host ids, copied by train_step if needed
       mgpu::Tensor const loss = trainer.train_step(batch, lr_at(o, it) / o.lr);
       bool const report = (it + 1) % log_every == 0 || it + 1 == last;
-      if (report || terminal) train_loss = mgpu::ops::item(loss, stream);  // reading synchronizes
-      else stream.synchronize();
+      if (report || terminal)
+        train_loss = mgpu::ops::item(loss, stream);  // reading synchronizes
+      else
+        stream.synchronize();
       train_seconds += std::chrono::duration<double>(Clock::now() - start).count();
       ++trained_steps, ++window_steps;
       state.step = it + 1;
@@ -312,8 +316,8 @@ int run(Options o) {
         auto const filled = static_cast<int>(width * static_cast<double>(it + 1) / static_cast<double>(o.iters));
         std::string bar(static_cast<std::size_t>(filled), '#');
         bar.resize(width, '.');
-        std::fprintf(stderr, "\r[%s] step %lld/%lld  loss %.4f  %.0f tokens/s   ", bar.c_str(), static_cast<long long>(it + 1),
-                     static_cast<long long>(o.iters), train_loss, tokens_per_s);
+        std::fprintf(stderr, "\r[%s] step %lld/%lld  loss %.4f  %.0f tokens/s   ", bar.c_str(),
+                     static_cast<long long>(it + 1), static_cast<long long>(o.iters), train_loss, tokens_per_s);
         std::fflush(stderr);
       }
       if (report) {
@@ -354,14 +358,15 @@ int run(Options o) {
     stream.synchronize();
     std::vector<std::uint16_t> const prompt16 = mgpu::data::ByteTokenizer{}.encode(o.prompt);
     std::vector<std::int32_t> const prompt(prompt16.begin(), prompt16.end());
-    std::vector<std::int32_t> const ids = mgpu::nn::generate(
-        *sampler, prompt, o.sample, {.temperature = o.temperature, .top_k = o.top_k, .seed = o.seed},
-        copy ? host_ctx : ctx);
-    std::fprintf(log, "---- %lld sampled tokens (temperature %.2f, top-k %lld) ----\n", static_cast<long long>(o.sample),
-                 o.temperature, static_cast<long long>(o.top_k));
+    std::vector<std::int32_t> const ids =
+        mgpu::nn::generate(*sampler, prompt, o.sample, {.temperature = o.temperature, .top_k = o.top_k, .seed = o.seed},
+                           copy ? host_ctx : ctx);
+    std::fprintf(log, "---- %lld sampled tokens (temperature %.2f, top-k %lld) ----\n",
+                 static_cast<long long>(o.sample), o.temperature, static_cast<long long>(o.top_k));
     if (config.vocab <= 256) {
       std::vector<std::uint16_t> const bytes(ids.begin(), ids.end());
-      std::fprintf(log, "%s%s\n", printable(o.prompt).c_str(), printable(mgpu::data::ByteTokenizer{}.decode(bytes)).c_str());
+      std::fprintf(log, "%s%s\n", printable(o.prompt).c_str(),
+                   printable(mgpu::data::ByteTokenizer{}.decode(bytes)).c_str());
     } else {
       for (std::int32_t const id : ids) std::fprintf(log, "%d ", id);
       std::fprintf(log, "\n");
@@ -372,12 +377,12 @@ int run(Options o) {
   double const tokens_per_s =
       train_seconds > 0 ? static_cast<double>(trained_steps * o.batch_size * o.block_size) / train_seconds : 0.0;
   if (o.json) {
-    std::printf("{\"tokens_per_s\": %.6g, \"train_loss\": %.6g, \"val_loss\": %.6g, \"params\": %lld, \"devices\": [\"%s\"], "
-                "\"iters\": %lld, \"peak_bytes\": [%zu], \"precision\": \"%s\", \"eval_windows\": %lld}\n",
-                tokens_per_s, std::isnan(train_loss) ? -1.0 : train_loss, val_loss,
-                static_cast<long long>(model.parameter_count()), device.to_string().c_str(),
-                static_cast<long long>(state.step), allocator->stats().peak_allocated, o.precision.c_str(),
-                static_cast<long long>(eval_windows));
+    std::printf(
+        "{\"tokens_per_s\": %.6g, \"train_loss\": %.6g, \"val_loss\": %.6g, \"params\": %lld, \"devices\": [\"%s\"], "
+        "\"iters\": %lld, \"peak_bytes\": [%zu], \"precision\": \"%s\", \"eval_windows\": %lld}\n",
+        tokens_per_s, std::isnan(train_loss) ? -1.0 : train_loss, val_loss,
+        static_cast<long long>(model.parameter_count()), device.to_string().c_str(), static_cast<long long>(state.step),
+        allocator->stats().peak_allocated, o.precision.c_str(), static_cast<long long>(eval_windows));
   } else {
     std::printf("final: train loss %.4f, val loss %.4f, %.0f tokens/s on %s\n", train_loss, val_loss, tokens_per_s,
                 device.to_string().c_str());
@@ -402,16 +407,21 @@ int main(int argc, char** argv) {
   app.add_option("--block-size", o.block_size, "context length T")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--batch-size", o.batch_size, "sequences per step")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--iters", o.iters, "training steps")->check(CLI::NonNegativeNumber)->capture_default_str();
-  app.add_option("--until-step", o.until_step,
-                 "stop after this step, as a time-sliced job would; --resume continues (the schedule still spans --iters)")
+  app.add_option(
+         "--until-step", o.until_step,
+         "stop after this step, as a time-sliced job would; --resume continues (the schedule still spans --iters)")
       ->check(CLI::PositiveNumber);
   app.add_option("--lr", o.lr, "peak learning rate")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--min-lr", o.min_lr, "learning rate at the end of the cosine")->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--min-lr", o.min_lr, "learning rate at the end of the cosine")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--warmup", o.warmup, "linear warm-up steps")->check(CLI::NonNegativeNumber)->capture_default_str();
   app.add_option("--weight-decay", o.weight_decay, "AdamW decay of the 2-D weights (embeddings, Linear weights)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  app.add_option("--clip", o.clip, "clip gradients to this global norm (0: off)")->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--clip", o.clip, "clip gradients to this global norm (0: off)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   app.add_option("--dropout", o.dropout, "dropout probability")->check(CLI::Range(0.0, 0.99))->capture_default_str();
   app.add_option("--seed", o.seed, "seed of the weights and the sampled training windows")->capture_default_str();
   app.add_option("--eval-every", o.eval_every, "steps between validation losses (0: at the end only)")
@@ -420,24 +430,34 @@ int main(int argc, char** argv) {
   app.add_option("--eval-iters", o.eval_iters, "validation batches: K = eval-iters x batch-size windows")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--log-every", o.log_every, "steps between progress lines (default: iters / 20)")->check(CLI::NonNegativeNumber);
-  app.add_option("--devices", o.devices, "the device to train on (one for now), e.g. host:1 or cuda:0")->capture_default_str();
+  app.add_option("--log-every", o.log_every, "steps between progress lines (default: iters / 20)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--devices", o.devices, "the device to train on (one for now), e.g. host:1 or cuda:0")
+      ->capture_default_str();
   app.add_option("--schedule", o.schedule, "pipeline schedule (not yet for the GPT: refused)");
-  app.add_option("--stages", o.stages, "pipeline stages (1 for now)")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--micro-batches", o.micro_batches, "micro-batches per step (1 for now)")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--stages", o.stages, "pipeline stages (1 for now)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--micro-batches", o.micro_batches, "micro-batches per step (1 for now)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--dp", o.dp, "data-parallel replicas (1 for now)")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--precision", o.precision, "fp32 | bf16 | fp16 (16-bit compute, float32 master weights)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
       ->capture_default_str();
-  app.add_option("--checkpoint", o.checkpoint, "save model, optimizer and data position here at every evaluation and at the end");
+  app.add_option("--checkpoint", o.checkpoint,
+                 "save model, optimizer and data position here at every evaluation and at the end");
   app.add_flag("--resume", o.resume, "continue from --checkpoint when it exists (same data stream, same schedule)");
   app.add_option("--sample", o.sample, "generate this many tokens after training")->check(CLI::NonNegativeNumber);
-  app.add_option("--temperature", o.temperature, "sampling temperature (> 0)")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--temperature", o.temperature, "sampling temperature (> 0)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_option("--top-k", o.top_k, "sample among the k most likely tokens (0: all; 1: greedy)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--prompt", o.prompt, "the text generation continues (default: a newline)");
-  app.add_option("--init-from", o.init_from, "start from an llm.c model file (its architecture replaces the size flags)");
+  app.add_option("--init-from", o.init_from,
+                 "start from an llm.c model file (its architecture replaces the size flags)");
   app.add_option("--save-llmc", o.save_llmc, "write the trained model as an llm.c model file");
   app.add_flag("--eval-only", o.eval_only, "train nothing: report the validation loss");
   app.add_flag("--json", o.json, "print the final metrics as one JSON object on stdout (progress goes to stderr)");

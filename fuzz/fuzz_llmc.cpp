@@ -1,9 +1,9 @@
 // Fuzz target: read_llmc_model (src/io/llmc.cpp). The input is the model file; one that loads is
 // written back and read again, and must give the same configuration and parameters, bit for bit.
-#include <mgpu/io/llmc.hpp>
-
 #include <cstdlib>
 #include <cstring>
+
+#include <mgpu/io/llmc.hpp>
 
 #include "fuzz_support.hpp"
 

@@ -42,7 +42,8 @@ Decoder::Decoder(Sequential const& model, Context& ctx, std::int64_t batch) : ct
     blocks_.push_back(block);
   }
   final_norm_ = i < model.size() ? dynamic_cast<LayerNorm const*>(&model.layer(i)) : nullptr;
-  if (final_norm_ == nullptr) throw Error(Errc::invalid_argument, layout_error(model, i, "a TransformerBlock or LayerNorm"));
+  if (final_norm_ == nullptr)
+    throw Error(Errc::invalid_argument, layout_error(model, i, "a TransformerBlock or LayerNorm"));
   ++i;
   if (i >= model.size() || dynamic_cast<TiedLMHead const*>(&model.layer(i)) == nullptr || i + 1 != model.size())
     throw Error(Errc::invalid_argument, layout_error(model, i, "the TiedLMHead, last"));
@@ -128,7 +129,8 @@ std::int32_t sample_token(std::span<float const> logits, SampleOptions const& op
 std::vector<std::int32_t> generate(Sequential const& model, std::span<std::int32_t const> prompt,
                                    std::int64_t new_tokens, SampleOptions const& options, Context& ctx) {
   Decoder decoder(model, ctx);
-  if (prompt.empty()) throw Error(Errc::invalid_argument, "generate from an empty prompt (expected at least one token)");
+  if (prompt.empty())
+    throw Error(Errc::invalid_argument, "generate from an empty prompt (expected at least one token)");
   if (new_tokens < 0)
     throw Error(Errc::invalid_argument, "generate " + std::to_string(new_tokens) + " tokens (expected >= 0)");
   for (std::size_t i = 0; i < prompt.size(); ++i)

@@ -206,15 +206,14 @@ Tensor CausalSelfAttention::forward_cached(Tensor const& x, KvCache& cache, Cont
       x.device().kind != DeviceKind::host)
     throw Error(Errc::invalid_argument, name() + ".forward_cached with a " + std::string(to_string(w.dtype())) +
                                             " model on " + w.device().to_string() + " and a " +
-                                            std::string(to_string(x.dtype())) + " input on " +
-                                            x.device().to_string() +
+                                            std::string(to_string(x.dtype())) + " input on " + x.device().to_string() +
                                             " (expected float32 on a host device: cached inference runs host loops)");
   std::int64_t const batch = x.dim(0), t = x.dim(1), c = features_, d = c / heads_;
   bool const fits = cache.k.defined() && cache.k.rank() == 3 && cache.k.dim(0) == batch && cache.k.dim(2) == c &&
-                    cache.v.defined() && cache.v.shape() == cache.k.shape() &&
-                    cache.k.dtype() == DType::float32 && cache.v.dtype() == DType::float32 &&
-                    cache.k.device().kind == DeviceKind::host && cache.v.device().kind == DeviceKind::host &&
-                    cache.length >= 0 && cache.length + t <= cache.k.dim(1);
+                    cache.v.defined() && cache.v.shape() == cache.k.shape() && cache.k.dtype() == DType::float32 &&
+                    cache.v.dtype() == DType::float32 && cache.k.device().kind == DeviceKind::host &&
+                    cache.v.device().kind == DeviceKind::host && cache.length >= 0 &&
+                    cache.length + t <= cache.k.dim(1);
   if (!fits)
     throw Error(Errc::invalid_argument,
                 name() + ".forward_cached: a cache of " + (cache.k.defined() ? to_string(cache.k.shape()) : "nothing") +
@@ -343,9 +342,9 @@ Tensor TransformerBlock::forward_cached(Tensor const& x, KvCache& cache, Context
   Tensor const h =
       attn_.forward_cached(layer_norm_inference(ln1_, x2, ctx).reshape(x.shape()), cache, ctx).reshape(x2.shape());
   ops::add_scaled(h, x2, 1.0f, ctx.stream);
-  Tensor const m = linear_inference(
-      proj_, linear_inference(fc_, layer_norm_inference(ln2_, h, ctx), ops::ActivationKind::gelu, ctx),
-      ops::ActivationKind::identity, ctx);
+  Tensor const m =
+      linear_inference(proj_, linear_inference(fc_, layer_norm_inference(ln2_, h, ctx), ops::ActivationKind::gelu, ctx),
+                       ops::ActivationKind::identity, ctx);
   ops::add_scaled(m, h, 1.0f, ctx.stream);
   return m.reshape(x.shape());
 }

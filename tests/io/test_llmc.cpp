@@ -54,9 +54,9 @@ std::vector<char> llmc_bytes(mgpu::test::Fixture const& f, std::int32_t vp) {
   body.resize(static_cast<std::size_t>(vp * f.n_embd), 0.0f);
   auto const append = [&](std::vector<float> const& v) { body.insert(body.end(), v.begin(), v.end()); };
   append(value["wpe.weight"]);
-  for (char const* kind : {"ln_1.weight", "ln_1.bias", "attn_qkv.weight", "attn_qkv.bias", "attn_proj.weight",
-                           "attn_proj.bias", "ln_2.weight", "ln_2.bias", "mlp_fc.weight", "mlp_fc.bias",
-                           "mlp_proj.weight", "mlp_proj.bias"})
+  for (char const* kind :
+       {"ln_1.weight", "ln_1.bias", "attn_qkv.weight", "attn_qkv.bias", "attn_proj.weight", "attn_proj.bias",
+        "ln_2.weight", "ln_2.bias", "mlp_fc.weight", "mlp_fc.bias", "mlp_proj.weight", "mlp_proj.bias"})
     for (std::int32_t l = 0; l < f.n_layer; ++l) append(value["h." + std::to_string(l) + "." + kind]);
   append(value["ln_f.weight"]);
   append(value["ln_f.bias"]);
@@ -165,9 +165,9 @@ TEST_CASE("llm.c model file: damaged or mismatched files throw mgpu::Error namin
   REQUIRE_MGPU_ERROR(io::read_llmc_model(file), Errc::corrupt_data, "truncated: the header describes");
   damaged([&](auto& b) { set(b, 6, -2); });
   REQUIRE_MGPU_ERROR(io::read_llmc_model(file), Errc::corrupt_data, ":byte 24: C (n_embd) -2 (expected 1 to 16777216)");
-  REQUIRE_MGPU_ERROR(io::read_llmc_model(good, nn::GptConfig{.vocab = 7, .block_size = 4, .n_layer = 1, .n_head = 1,
-                                                             .n_embd = 2}),
-                     Errc::invalid_argument, good.string() + ":byte 8: maxT (block_size) 3 (expected 4, the model's)");
+  REQUIRE_MGPU_ERROR(
+      io::read_llmc_model(good, nn::GptConfig{.vocab = 7, .block_size = 4, .n_layer = 1, .n_head = 1, .n_embd = 2}),
+      Errc::invalid_argument, good.string() + ":byte 8: maxT (block_size) 3 (expected 4, the model's)");
   REQUIRE_MGPU_ERROR(io::read_llmc_model(temp_file("missing")), Errc::io, "cannot open");
   fs::remove(file);
   fs::remove(good);

@@ -76,7 +76,8 @@ TEST_CASE("Decoder: the cached logits at every position equal the full forward's
   for (std::int64_t const chunk : {5, 1, 1, 2, 1, 1, 1}) {  // a prompt, then single tokens: 12 in all
     std::vector<std::int32_t> part;
     for (std::int64_t b = 0; b < batch; ++b)
-      for (std::int64_t i = position; i < position + chunk; ++i) part.push_back(tokens[static_cast<std::size_t>(b * t + i)]);
+      for (std::int64_t i = position; i < position + chunk; ++i)
+        part.push_back(tokens[static_cast<std::size_t>(b * t + i)]);
     Tensor const logits = decoder.append(ids_tensor(env, batch, part));
     REQUIRE(logits.shape() == mgpu::Shape{batch, chunk, v});
     auto const got = logits.host_span<float>();
@@ -142,7 +143,8 @@ TEST_CASE("sample_token and generate: seeded, within the top k, temperature, hos
     std::mt19937_64 rng(1);
     std::vector<int> counts(4, 0);
     int const n = 20000;
-    for (int i = 0; i < n; ++i) ++counts[static_cast<std::size_t>(nn::sample_token(logits, {.temperature = 2.0f}, rng))];
+    for (int i = 0; i < n; ++i)
+      ++counts[static_cast<std::size_t>(nn::sample_token(logits, {.temperature = 2.0f}, rng))];
     double total = 0;
     for (float const x : logits) total += std::exp(x / 2.0);
     for (std::size_t i = 0; i < 4; ++i) {

@@ -57,7 +57,8 @@ TEST_CASE("gpt_decay_ranges cover exactly the 2-D parameters of gpt_parameters",
   auto const ranges = mgpu::nn::gpt_decay_ranges(config);
   for (auto const& p : mgpu::nn::gpt_parameters(config)) {
     std::int64_t inside = 0;
-    for (auto const& [b, e] : ranges) inside += std::max<std::int64_t>(0, std::min(e, p.offset + p.numel()) - std::max(b, p.offset));
+    for (auto const& [b, e] : ranges)
+      inside += std::max<std::int64_t>(0, std::min(e, p.offset + p.numel()) - std::max(b, p.offset));
     INFO(p.name);
     CHECK(inside == (p.shape.size() == 2 ? p.numel() : 0));
   }

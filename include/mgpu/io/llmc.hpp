@@ -47,7 +47,7 @@ LlmcModel read_llmc_model(std::filesystem::path const& path, nn::GptConfig const
 /// Writes `parameters` (gpt(config)'s flat float32 layout, parameter_count elements) as an llm.c
 /// model file at `path`, atomically, with Vp = padded_vocab (0: V; otherwise >= V). Throws
 /// Error(invalid_argument) for a size mismatch or Vp < V, Error(io) when the file cannot be written.
-void write_llmc_model(std::filesystem::path const& path, nn::GptConfig const& config,
-                      std::span<float const> parameters, std::int64_t padded_vocab = 0);
+void write_llmc_model(std::filesystem::path const& path, nn::GptConfig const& config, std::span<float const> parameters,
+                      std::int64_t padded_vocab = 0);
 
 }  // namespace mgpu::io
