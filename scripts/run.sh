@@ -18,7 +18,7 @@ if [ "${1:-}" = mlp ]; then
   exec "$build/examples/train_mlp" "$@"
 fi
 cmake --build "$build" --target train_gpt
-scripts/example-data.sh >/dev/null
+scripts/example-data.sh  # prints the sha256 of the corpus it uses
 exec "$build/examples/train_gpt" --data build/data/shakespeare --n-layer 3 --n-head 4 --n-embd 96 --block-size 64 \
   --batch-size 12 --iters 600 --lr 2e-3 --min-lr 2e-4 --warmup 50 --eval-every 150 --eval-iters 20 \
   --sample 400 --temperature 0.8 --top-k 40 "$@"
