@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds mgpu's libFuzzer targets (fuzz/: CSV and IDX readers, checkpoint reader, trace reader,
-# device-spec parser, token-shard reader and loader) with Clang, AddressSanitizer and
-# UndefinedBehaviorSanitizer, and runs each for SECONDS (default 30) from its seed corpus
+# device-spec parser, token-shard reader and loader, llm.c model-file reader) with Clang,
+# AddressSanitizer and UndefinedBehaviorSanitizer, and runs each for SECONDS (default 30) from its seed corpus
 # (fuzz/corpus/NAME). New inputs go to build/fuzz-corpus/NAME (the committed seeds stay as they
 # are); a crash, a leak, a hang past 10 s, more than 2 GiB of memory or an exception other than
 # mgpu::Error stops the run with the input saved in build/fuzz-findings/.
@@ -12,7 +12,7 @@ scripts/setup.sh
 seconds=${1:-30}
 shift $(( $# > 0 ? 1 : 0 ))
 names=("$@")
-[ ${#names[@]} -eq 0 ] && names=(csv idx checkpoint trace devices tokens)
+[ ${#names[@]} -eq 0 ] && names=(csv idx checkpoint trace devices tokens llmc)
 build=${MGPU_BUILD_DIR:-build/fuzz}
 CXX=${CXX:-clang++-14} cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMGPU_WITH_CUDA=OFF \
   -DMGPU_NATIVE=OFF -DMGPU_WERROR=ON -DMGPU_BUILD_TESTS=OFF -DMGPU_BUILD_EXAMPLES=OFF -DMGPU_BUILD_BENCH=OFF \

@@ -13,8 +13,10 @@
 #include <mgpu/data/dataset.hpp>
 #include <mgpu/data/loader.hpp>
 #include <mgpu/io/checkpoint.hpp>
+#include <mgpu/io/llmc.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/lm.hpp>
 #include <mgpu/nn/optim.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/nn/transformer.hpp>

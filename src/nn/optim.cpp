@@ -5,6 +5,7 @@
 #include <cmath>
 #include <numbers>
 #include <string>
+#include <utility>
 
 #include <mgpu/core/error.hpp>
 #include <mgpu/ops/ops.hpp>
@@ -64,10 +65,37 @@ std::vector<NamedTensor> AdamW::state() const {
   return {{"m", m_}, {"v", v_}};
 }
 
+AdamW::AdamW(AdamWOptions options) : options_(std::move(options)) {
+  std::int64_t previous_end = 0;
+  for (auto const& [b, e] : options_.decay_ranges) {
+    if (b < previous_end || e <= b)
+      throw Error(Errc::invalid_argument, "AdamW decay range [" + std::to_string(b) + ", " + std::to_string(e) +
+                                              ") after one ending at " + std::to_string(previous_end) +
+                                              " (expected sorted, non-empty, non-overlapping ranges of elements >= 0)");
+    previous_end = e;
+  }
+}
+
 void AdamW::update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
                           float lr_scale) {
-  ops::adamw_update(params.slice(begin, end), grads.slice(begin, end), m_.slice(begin, end), v_.slice(begin, end),
-                    options_.lr * lr_scale, options_.beta1, options_.beta2, options_.eps, options_.weight_decay, steps(), stream);
+  auto const run = [&](std::int64_t b, std::int64_t e, float decay) {
+    if (b >= e) return;
+    ops::adamw_update(params.slice(b, e), grads.slice(b, e), m_.slice(b, e), v_.slice(b, e), options_.lr * lr_scale,
+                      options_.beta1, options_.beta2, options_.eps, decay, steps(), stream);
+  };
+  if (options_.decay_ranges.empty()) {
+    run(begin, end, options_.weight_decay);
+    return;
+  }
+  std::int64_t at = begin;  // [begin, at) is done
+  for (auto const& [b, e] : options_.decay_ranges) {
+    std::int64_t const lo = std::max(b, at), hi = std::min(e, end);
+    if (lo >= hi) continue;
+    run(at, lo, 0.0f);
+    run(lo, hi, options_.weight_decay);
+    at = hi;
+  }
+  run(at, end, 0.0f);
 }
 
 LossScaler::LossScaler(float initial, float growth, float backoff, std::int64_t growth_interval)

@@ -1,6 +1,8 @@
 // Embedding, CausalSelfAttention, TransformerBlock and TiedLMHead.
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include <mgpu/core/error.hpp>
 #include <mgpu/nn/transformer.hpp>
@@ -30,6 +32,22 @@ void normal_fill(Tensor const& t, float std, std::mt19937_64& rng) {
 
 void zero_fill(Tensor const& t) {
   for (float& v : t.host_span<float>()) v = 0.0f;
+}
+
+// Inference helpers (nothing saved for backward): act(x W + b) of a Linear and LayerNorm, on rows
+// x [N, features].
+Tensor linear_inference(Linear const& layer, Tensor const& x, ops::ActivationKind act, Context& ctx) {
+  Tensor y = Tensor::empty({x.dim(0), layer.weight().dim(1)}, x.dtype(), ctx.allocator);
+  Tensor const pre = act == ops::ActivationKind::gelu ? Tensor::empty(y.shape(), y.dtype(), ctx.allocator) : Tensor{};
+  ops::linear(x, layer.weight(), layer.bias(), y, act, pre, ctx.stream);
+  return y;
+}
+
+Tensor layer_norm_inference(LayerNorm const& layer, Tensor const& x, Context& ctx) {
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator);
+  Tensor const stats = Tensor::empty({2, x.dim(0)}, DType::float32, ctx.allocator);
+  ops::layer_norm(x, layer.gamma(), layer.beta(), y, stats, layer.eps(), ctx.stream);
+  return y;
 }
 
 }  // namespace
@@ -181,6 +199,71 @@ void CausalSelfAttention::backward_weight(Context& ctx) {
   qkv_.backward_weight(ctx);
 }
 
+Tensor CausalSelfAttention::forward_cached(Tensor const& x, KvCache& cache, Context& ctx) const {
+  check_activation(name(), x.shape(), features_);
+  Tensor const& w = qkv_.weight();
+  if (w.dtype() != DType::float32 || x.dtype() != DType::float32 || w.device().kind != DeviceKind::host ||
+      x.device().kind != DeviceKind::host)
+    throw Error(Errc::invalid_argument, name() + ".forward_cached with a " + std::string(to_string(w.dtype())) +
+                                            " model on " + w.device().to_string() + " and a " +
+                                            std::string(to_string(x.dtype())) + " input on " + x.device().to_string() +
+                                            " (expected float32 on a host device: cached inference runs host loops)");
+  std::int64_t const batch = x.dim(0), t = x.dim(1), c = features_, d = c / heads_;
+  bool const fits = cache.k.defined() && cache.k.rank() == 3 && cache.k.dim(0) == batch && cache.k.dim(2) == c &&
+                    cache.v.defined() && cache.v.shape() == cache.k.shape() && cache.k.dtype() == DType::float32 &&
+                    cache.v.dtype() == DType::float32 && cache.k.device().kind == DeviceKind::host &&
+                    cache.v.device().kind == DeviceKind::host && cache.length >= 0 &&
+                    cache.length + t <= cache.k.dim(1);
+  if (!fits)
+    throw Error(Errc::invalid_argument,
+                name() + ".forward_cached: a cache of " + (cache.k.defined() ? to_string(cache.k.shape()) : "nothing") +
+                    " holding " + std::to_string(cache.length) + " positions, for " + std::to_string(t) +
+                    " new positions of " + std::to_string(batch) + " sequences (expected float32 host k and v of [" +
+                    std::to_string(batch) + ", capacity, " + std::to_string(c) + "] with room for them)");
+  Tensor const qkv = linear_inference(qkv_, x.reshape({batch * t, c}), ops::ActivationKind::identity, ctx);
+  Tensor const y = Tensor::empty({batch * t, c}, DType::float32, ctx.allocator);
+  ctx.stream.synchronize();
+  auto const q = qkv.host_span<float>();
+  auto const k = cache.k.host_span<float>();
+  auto const v = cache.v.host_span<float>();
+  auto const out = y.host_span<float>();
+  std::int64_t const capacity = cache.k.dim(1), length = cache.length;
+  auto const at = [](std::int64_t i) { return static_cast<std::size_t>(i); };
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t i = 0; i < t; ++i) {
+      float const* row = q.data() + at((b * t + i) * 3 * c);
+      std::copy(row + c, row + 2 * c, k.data() + at((b * capacity + length + i) * c));
+      std::copy(row + 2 * c, row + 3 * c, v.data() + at((b * capacity + length + i) * c));
+    }
+  float const scale = 1.0f / std::sqrt(static_cast<float>(d));
+  std::vector<float> p(at(length + t));
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t h = 0; h < heads_; ++h)
+      for (std::int64_t i = 0; i < t; ++i) {
+        std::int64_t const last = length + i;  // the query's position: keys 0..last
+        float const* qh = q.data() + at((b * t + i) * 3 * c + h * d);
+        float max = -INFINITY;
+        for (std::int64_t j = 0; j <= last; ++j) {
+          float const* kh = k.data() + at((b * capacity + j) * c + h * d);
+          float s = 0.0f;
+          for (std::int64_t e = 0; e < d; ++e) s += qh[e] * kh[e];
+          p[at(j)] = s * scale;
+          max = std::max(max, p[at(j)]);
+        }
+        float sum = 0.0f;
+        for (std::int64_t j = 0; j <= last; ++j) sum += (p[at(j)] = std::exp(p[at(j)] - max));
+        float* yh = out.data() + at((b * t + i) * c + h * d);
+        std::fill(yh, yh + d, 0.0f);
+        for (std::int64_t j = 0; j <= last; ++j) {
+          float const* vh = v.data() + at((b * capacity + j) * c + h * d);
+          float const weight = p[at(j)] / sum;
+          for (std::int64_t e = 0; e < d; ++e) yh[e] += weight * vh[e];
+        }
+      }
+  cache.length += t;
+  return linear_inference(proj_, y, ops::ActivationKind::identity, ctx).reshape(x.shape());
+}
+
 Shape CausalSelfAttention::output_shape(Shape const& input) const {
   check_activation(name(), input, features_);
   return input;
@@ -251,6 +334,19 @@ Tensor TransformerBlock::forward(Tensor const& x, Context& ctx) {
       mlp_drop_.forward(proj_.forward(fc_.forward(ln2_.forward(h, ctx), ctx, ops::ActivationKind::gelu), ctx), ctx);
   ops::add_scaled(m, h, 1.0f, ctx.stream);
   return m;
+}
+
+Tensor TransformerBlock::forward_cached(Tensor const& x, KvCache& cache, Context& ctx) const {
+  check_activation(name(), x.shape(), features_);
+  Tensor const x2 = x.reshape({x.dim(0) * x.dim(1), features_});
+  Tensor const h =
+      attn_.forward_cached(layer_norm_inference(ln1_, x2, ctx).reshape(x.shape()), cache, ctx).reshape(x2.shape());
+  ops::add_scaled(h, x2, 1.0f, ctx.stream);
+  Tensor const m =
+      linear_inference(proj_, linear_inference(fc_, layer_norm_inference(ln2_, h, ctx), ops::ActivationKind::gelu, ctx),
+                       ops::ActivationKind::identity, ctx);
+  ops::add_scaled(m, h, 1.0f, ctx.stream);
+  return m.reshape(x.shape());
 }
 
 Tensor TransformerBlock::backward(Tensor const& dy, Context& ctx) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <mgpu/core/tensor.hpp>
@@ -48,6 +49,11 @@ struct GptParameter {
 /// h.l.mlp_fc.bias, h.l.mlp_proj.weight, h.l.mlp_proj.bias; then ln_f.weight, ln_f.bias. The tied
 /// LM head has no entry of its own (it is wte.weight).
 [[nodiscard]] std::vector<GptParameter> gpt_parameters(GptConfig const& config);
+
+/// The [begin, end) ranges of the flat buffer holding gpt(config)'s 2-D parameters (wte, wpe and the
+/// Linear weights), adjacent ones merged: AdamW's decay_ranges for weight decay on those only, as
+/// nanoGPT and the PyTorch peer do (biases and LayerNorm parameters get none; the embeddings do).
+[[nodiscard]] std::vector<std::pair<std::int64_t, std::int64_t>> gpt_decay_ranges(GptConfig const& config);
 
 /// Writes `values`, laid out as PyTorch holds the parameter, into its place in `flat` (a model's
 /// float32 host parameter or gradient buffer). Throws Error(invalid_argument) on a size mismatch.

@@ -171,6 +171,9 @@ class LayerNorm final : public Layer {
   Shape output_shape(Shape const& input) const override;
   std::size_t saved_micro_batches() const override { return saved_.size(); }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<LayerNorm>(features_, eps_); }
+  [[nodiscard]] Tensor const& gamma() const noexcept { return gamma_; }
+  [[nodiscard]] Tensor const& beta() const noexcept { return beta_; }
+  [[nodiscard]] float eps() const noexcept { return eps_; }
 
  private:
   std::int64_t features_;

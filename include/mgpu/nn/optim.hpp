@@ -84,12 +84,17 @@ struct AdamWOptions {
   float beta2 = 0.999f;
   float eps = 1e-8f;
   float weight_decay = 0.01f;
+  /// Parameter groups: when not empty, weight_decay applies only to the elements of these [begin,
+  /// end) ranges of the flat buffers (sorted, not overlapping), and the others get none (e.g. decay
+  /// on a GPT's 2-D weights only: nn::gpt_decay_ranges).
+  std::vector<std::pair<std::int64_t, std::int64_t>> decay_ranges = {};
 };
 
-/// AdamW (decoupled weight decay), one fused pass.
+/// AdamW (decoupled weight decay), one fused pass per range of equal decay. Throws
+/// Error(invalid_argument) for decay ranges that are empty, negative, unsorted or overlapping.
 class AdamW final : public Optimizer {
  public:
-  explicit AdamW(AdamWOptions options = {}) : options_(options) {}
+  explicit AdamW(AdamWOptions options = {});
   std::string name() const override { return "adamw"; }
   std::vector<NamedTensor> state() const override;
   std::vector<NamedTensor> prepare_state(Tensor const& params, Allocator& allocator, Stream& stream) override;

@@ -18,6 +18,14 @@
 
 namespace mgpu::nn {
 
+/// The keys and values a CausalSelfAttention has computed for the positions it has seen, for
+/// inference that appends tokens one step at a time (see Decoder in mgpu/nn/generate.hpp): k and v
+/// [B, capacity, C] float32 host tensors, of which positions [0, length) are filled.
+struct KvCache {
+  Tensor k, v;
+  std::int64_t length = 0;
+};
+
 /// Token embedding wte [V, C] plus learned position embedding wpe [P, C] (P = block size): ids
 /// int32 [B, T] with T <= P -> [B, T, C]. Parameters wte then wpe, initialised N(0, init_std).
 /// Backward is a deterministic scatter-add (ops::embedding_backward); ids take no gradient, so
@@ -43,8 +51,11 @@ class Embedding final : public Layer {
 
   [[nodiscard]] std::int64_t vocab() const noexcept { return vocab_; }
   [[nodiscard]] std::int64_t features() const noexcept { return features_; }
+  [[nodiscard]] std::int64_t block_size() const noexcept { return block_size_; }
   /// The bound token-embedding weight [V, C] and its gradient view.
   [[nodiscard]] Tensor const& token_weight() const noexcept { return wte_; }
+  /// The bound position-embedding weight [block_size, C].
+  [[nodiscard]] Tensor const& position_weight() const noexcept { return wpe_; }
   [[nodiscard]] Tensor const& token_gradient() const noexcept { return dwte_; }
   /// Whether an LM head shares wte (its backward then always adds to the wte gradient).
   void set_tied(bool tied) noexcept { tied_ = tied; }
@@ -83,6 +94,13 @@ class CausalSelfAttention final : public Layer {
   std::unique_ptr<Layer> clone() const override {
     return std::make_unique<CausalSelfAttention>(features_, heads_, dropout_, proj_init_std_);
   }
+  /// Inference on a float32 host model (no dropout, nothing saved for backward): x [B, t, C] holds
+  /// positions [cache.length, cache.length + t) of B sequences; their keys and values are appended
+  /// to `cache` and each query attends to every cached position at or before its own, so a step
+  /// of one token costs O(length) attention. Returns [B, t, C]. Synchronizes ctx's stream. Throws
+  /// Error(invalid_argument) for a cache of another batch or width, one without room for t more
+  /// positions, or a model that is not float32 on a host device.
+  Tensor forward_cached(Tensor const& x, KvCache& cache, Context& ctx) const;
 
  private:
   struct Saved {
@@ -123,6 +141,9 @@ class TransformerBlock final : public Layer {
   std::unique_ptr<Layer> clone() const override {
     return std::make_unique<TransformerBlock>(features_, heads_, dropout_, proj_init_std_);
   }
+  /// The block at inference with its attention's key/value cache (see
+  /// CausalSelfAttention::forward_cached): x [B, t, C] -> [B, t, C], dropout off.
+  Tensor forward_cached(Tensor const& x, KvCache& cache, Context& ctx) const;
 
  private:
   std::int64_t features_, heads_;

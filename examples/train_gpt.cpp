@@ -1,0 +1,474 @@
+// train_gpt: trains a GPT-2-style language model (nn::gpt) on a token stream, reports the
+// validation loss as it goes, and samples text from it with a key/value cache.
+//
+//   train_gpt --data build/data/shakespeare                 # a folder of llm.c token shards
+//   train_gpt --data notes.txt --iters 500                  # a text file, byte-tokenized, 90/10 split
+//   train_gpt --data build/data/shakespeare --eval-only --init-from gpt2_byte.bin
+//   train_gpt --checkpoint run.ckpt --resume --sample 300 --temperature 0.8 --top-k 40 --json
+//
+// Data: --data is a text file (tokenized with the byte-level tokenizer, vocab 256; the first 90%
+// of its bytes train, the last 10% validate) or a folder of token shards in llm.c's format, read
+// as they are: files whose name contains "val" validate, the others train (in name order).
+//
+// The validation loss is defined exactly (nn::evaluate_lm): the mean per-token cross-entropy over
+// the first K = --eval-iters x --batch-size consecutive, non-overlapping --block-size windows of the
+// validation stream, targets the next tokens.
+//
+// Training runs on one device for now through the nn-level API (forward, per-token
+// cross-entropy, backward, clipping, AdamW with weight decay on the 2-D weights only); the flags of
+// the parallel executors are accepted and values other than one device refused.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <numbers>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <unistd.h>
+
+#include <mgpu/data/tokens.hpp>
+#include <mgpu/mgpu.hpp>
+
+#include "example_cli.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string data = "build/data/shakespeare";
+  std::int64_t vocab = 256;
+  std::int64_t n_layer = 4, n_head = 4, n_embd = 128, block_size = 64, batch_size = 12;
+  std::int64_t iters = 2000;
+  std::int64_t until_step = 0;  // 0: run to --iters
+  float lr = 1e-3f, min_lr = 1e-4f;
+  std::int64_t warmup = 100;
+  float weight_decay = 0.1f, clip = 1.0f, dropout = 0.0f;
+  std::uint64_t seed = 1337;
+  std::int64_t eval_every = 500, eval_iters = 50, log_every = 0;
+  std::string devices = "host:1";
+  std::string schedule;
+  int stages = 1, micro_batches = 1, dp = 1;
+  std::string precision = "fp32";
+  std::string checkpoint;
+  bool resume = false;
+  std::int64_t sample = 0;
+  float temperature = 1.0f;
+  std::int64_t top_k = 0;
+  std::string prompt = "\n";
+  std::string init_from, save_llmc;
+  bool eval_only = false;
+  bool json = false;
+};
+
+// The train and validation streams as token shards in memory.
+struct Splits {
+  std::vector<std::vector<std::uint16_t>> train, val;
+  std::string description;
+};
+
+Splits load_splits(Options const& o) {
+  Splits s;
+  if (fs::is_directory(o.data)) {
+    std::vector<fs::path> files;
+    for (auto const& entry : fs::directory_iterator(o.data))
+      if (entry.is_regular_file() && entry.path().extension() == ".bin") files.push_back(entry.path());
+    std::sort(files.begin(), files.end());
+    for (auto const& f : files)
+      (f.filename().string().find("val") != std::string::npos ? s.val : s.train)
+          .push_back(mgpu::data::read_token_shard(f, o.vocab));
+    if (s.train.empty() || s.val.empty())
+      throw mgpu::Error(mgpu::Errc::invalid_argument,
+                        "--data " + o.data + ": " + std::to_string(s.train.size()) + " train and " +
+                            std::to_string(s.val.size()) +
+                            " validation shards (expected *.bin token shards, at least one whose name contains "
+                            "\"val\" and one that does not; scripts/example-data.sh writes such a folder)");
+    s.description = "token shards in " + o.data;
+    return s;
+  }
+  std::ifstream in(o.data, std::ios::binary);
+  if (!in)
+    throw mgpu::Error(mgpu::Errc::io, "--data " + o.data +
+                                          ": cannot open (expected a text file or a folder of token shards; "
+                                          "scripts/example-data.sh writes build/data/shakespeare)");
+  std::string const text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::uint16_t> const tokens = mgpu::data::ByteTokenizer{}.encode(text);
+  auto const split = static_cast<std::ptrdiff_t>(tokens.size() * 9 / 10);
+  s.train.emplace_back(tokens.begin(), tokens.begin() + split);
+  s.val.emplace_back(tokens.begin() + split, tokens.end());
+  s.description = o.data + " (" + std::to_string(text.size()) + " bytes, byte-level tokens, 90/10 split)";
+  return s;
+}
+
+std::int64_t count_tokens(std::vector<std::vector<std::uint16_t>> const& shards) {
+  std::int64_t n = 0;
+  for (auto const& s : shards) n += static_cast<std::int64_t>(s.size());
+  return n;
+}
+
+// The learning rate at step `it`: linear warm-up to lr over `warmup` steps, then cosine to min_lr at
+// `iters` (as the PyTorch peer and nanoGPT).
+float lr_at(Options const& o, std::int64_t it) {
+  if (it < o.warmup) return o.lr * static_cast<float>(it + 1) / static_cast<float>(o.warmup);
+  double const r = std::min(
+      1.0, static_cast<double>(it - o.warmup) / static_cast<double>(std::max<std::int64_t>(1, o.iters - o.warmup)));
+  return o.min_lr + static_cast<float>(0.5 * (1.0 + std::cos(std::numbers::pi * r))) * (o.lr - o.min_lr);
+}
+
+// One device's training state and its step. train_step is the one place a batch turns into an
+// update, so an executor (data parallel, pipelined) can take its place.
+struct Trainer {
+  mgpu::nn::Sequential& model;
+  mgpu::optim::Optimizer& optimizer;
+  mgpu::nn::Context& ctx;
+  mgpu::Device device;
+  float clip;
+  std::optional<mgpu::optim::LossScaler> scaler;
+
+  // ids and targets as host int32 tensors on this device.
+  mgpu::Tensor on_device(mgpu::Tensor const& host) {
+    if (device.kind == mgpu::DeviceKind::host) return host;
+    mgpu::Tensor t = mgpu::Tensor::empty(host.shape(), host.dtype(), ctx.allocator);
+    mgpu::copy_async(t, host, ctx.stream);
+    return t;
+  }
+
+  // Forward, per-token cross-entropy (mean over the batch's tokens), backward, unscale (fp16),
+  // clipping by global norm, AdamW at `lr_scale`, refresh of the compute-type weights. Returns the
+  // loss as a device scalar (reading it synchronizes).
+  mgpu::Tensor train_step(mgpu::data::TokenBatch const& batch, float lr_scale) {
+    mgpu::Tensor const x = on_device(batch.x), y = on_device(batch.y);
+    mgpu::Tensor const logits = model.forward(x, ctx);
+    mgpu::Tensor const dlogits = mgpu::Tensor::empty(logits.shape(), logits.dtype(), ctx.allocator);
+    mgpu::Tensor const loss = mgpu::Tensor::empty({1}, mgpu::DType::float32, ctx.allocator);
+    float const scale = scaler ? scaler->scale() : 1.0f;
+    mgpu::ops::token_cross_entropy(logits, y, dlogits, loss, static_cast<float>(y.numel()), ctx.stream, -100, scale);
+    (void)model.backward(dlogits, ctx, false);
+    model.unscale_gradients(1.0f / scale, ctx.stream);
+    if (scaler) {
+      float const norm = mgpu::optim::global_norm(model.master_gradients(), ctx.allocator, ctx.stream);
+      if (!scaler->update(std::isfinite(norm))) return loss;  // overflow: the step is skipped
+    }
+    if (clip > 0) (void)mgpu::optim::clip_grad_norm(model.master_gradients(), clip, ctx.allocator, ctx.stream);
+    optimizer.step(model.master_parameters(), model.master_gradients(), ctx.allocator, ctx.stream, lr_scale);
+    model.sync_parameters(ctx.stream);
+    return loss;
+  }
+};
+
+// The model's float32 master parameters on the host.
+std::vector<float> host_parameters(mgpu::nn::Sequential const& model, mgpu::Stream& stream) {
+  mgpu::Tensor const& p = model.master_parameters();
+  if (p.device().kind == mgpu::DeviceKind::host) {
+    stream.synchronize();
+    auto const s = p.host_span<float>();
+    return {s.begin(), s.end()};
+  }
+  auto host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  mgpu::Tensor const copy = mgpu::Tensor::empty(p.shape(), mgpu::DType::float32, *host);
+  mgpu::copy_async(copy, p, stream);
+  stream.synchronize();
+  auto const s = copy.host_span<float>();
+  return {s.begin(), s.end()};
+}
+
+void set_parameters(mgpu::nn::Sequential& model, std::vector<float> const& values, mgpu::Stream& stream) {
+  auto host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  mgpu::Tensor const src = mgpu::Tensor::empty({static_cast<std::int64_t>(values.size())}, mgpu::DType::float32, *host);
+  std::copy(values.begin(), values.end(), src.host_span<float>().begin());
+  mgpu::copy_async(model.master_parameters(), src, stream);
+  model.sync_parameters(stream);
+  stream.synchronize();
+}
+
+void refuse_parallel_flags(Options const& o, mgpu::DeviceGroup const& group) {
+  auto const refuse = [&](std::string const& what) {
+    throw mgpu::Error(mgpu::Errc::invalid_argument,
+                      what +
+                          " (expected one device for now: train_gpt trains through the one-device step until "
+                          "the data-parallel and pipeline executors take a per-token loss; use --devices host:1)");
+  };
+  if (group.size() != 1) refuse("--devices " + o.devices + " names " + std::to_string(group.size()) + " devices");
+  if (!o.schedule.empty()) refuse("--schedule " + o.schedule);
+  if (o.stages != 1) refuse("--stages " + std::to_string(o.stages));
+  if (o.micro_batches != 1) refuse("--micro-batches " + std::to_string(o.micro_batches));
+  if (o.dp != 1) refuse("--dp " + std::to_string(o.dp));
+}
+
+std::string printable(std::string const& text) {
+  std::string out;
+  for (unsigned char const c : text)
+    out += (c == '\n' || c == '\t' || (c >= 32 && c < 127)) ? static_cast<char>(c) : '?';
+  return out;
+}
+
+int run(Options o) {
+  FILE* const log = o.json ? stderr : stdout;
+  bool const terminal = ::isatty(STDERR_FILENO) != 0;
+  mgpu::DeviceGroup group(o.devices);
+  refuse_parallel_flags(o, group);
+  mgpu::Device const device = group.device(0);
+  if (o.resume && o.checkpoint.empty())
+    throw mgpu::Error(mgpu::Errc::invalid_argument, "--resume without --checkpoint (expected --checkpoint PATH)");
+
+  // The model: from the flags, or the architecture and weights of an llm.c model file.
+  std::optional<mgpu::io::LlmcModel> init;
+  if (!o.init_from.empty()) {
+    init = mgpu::io::read_llmc_model(o.init_from);
+    o.n_layer = init->config.n_layer, o.n_head = init->config.n_head, o.n_embd = init->config.n_embd;
+    o.block_size = init->config.block_size;
+    if (init->config.vocab < o.vocab)
+      throw mgpu::Error(mgpu::Errc::invalid_argument,
+                        "--init-from " + o.init_from + ": vocab " + std::to_string(init->config.vocab) +
+                            " (expected at least the data's " + std::to_string(o.vocab) + ")");
+  }
+  mgpu::nn::GptConfig const config{.vocab = init ? init->config.vocab : o.vocab,
+                                   .block_size = o.block_size,
+                                   .n_layer = o.n_layer,
+                                   .n_head = o.n_head,
+                                   .n_embd = o.n_embd,
+                                   .dropout = o.dropout};
+  Splits const splits = load_splits(o);
+
+  auto allocator = mgpu::Allocator::create(device);
+  auto host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  mgpu::Stream stream(device);
+  mgpu::nn::Context ctx{*allocator, stream};
+  mgpu::nn::Sequential model = mgpu::nn::gpt(config);
+  model.materialize(ctx, o.seed, examples::precision(o.precision));
+  if (init) set_parameters(model, init->parameters, stream);
+  mgpu::optim::AdamW optimizer({.lr = o.lr,
+                                .beta1 = 0.9f,
+                                .beta2 = 0.95f,
+                                .eps = 1e-8f,
+                                .weight_decay = o.weight_decay,
+                                .decay_ranges = mgpu::nn::gpt_decay_ranges(config)});
+  Trainer trainer{model, optimizer, ctx, device, o.clip, std::nullopt};
+  if (o.precision == "fp16") trainer.scaler.emplace();
+
+  mgpu::io::TrainingState state{.data_seed = o.seed};
+  if (o.resume && fs::exists(o.checkpoint)) {
+    state = mgpu::io::load_training(o.checkpoint, model, optimizer, *allocator, stream);
+    std::fprintf(log, "resumed from %s at step %lld\n", o.checkpoint.c_str(), static_cast<long long>(state.step));
+  }
+  mgpu::data::TokenLoader train_loader(splits.train, o.vocab,
+                                       {.batch = o.batch_size, .block = o.block_size, .seed = state.data_seed});
+  mgpu::data::TokenLoader const val_loader(splits.val, o.vocab,
+                                           {.batch = o.batch_size, .block = o.block_size, .sequential = true});
+  train_loader.seek(state.step);
+  std::int64_t const eval_windows = o.eval_iters * o.batch_size;
+  auto const evaluate = [&] { return mgpu::nn::evaluate_lm(model, val_loader, eval_windows, ctx); };
+
+  std::fprintf(log,
+               "mgpu %s: GPT of %lld parameters (n_layer %lld, n_head %lld, n_embd %lld, block %lld, vocab %lld) on %s "
+               "(%s); data %s: %lld train / %lld val tokens\n",
+               mgpu::version, static_cast<long long>(model.parameter_count()), static_cast<long long>(o.n_layer),
+               static_cast<long long>(o.n_head), static_cast<long long>(o.n_embd), static_cast<long long>(o.block_size),
+               static_cast<long long>(config.vocab), device.to_string().c_str(), o.precision.c_str(),
+               splits.description.c_str(), static_cast<long long>(count_tokens(splits.train)),
+               static_cast<long long>(count_tokens(splits.val)));
+
+  double val_loss = NAN;
+  float train_loss = NAN;
+  double train_seconds = 0;
+  std::int64_t trained_steps = 0;
+  if (o.eval_only) {
+    val_loss = evaluate();
+    std::fprintf(log, "val loss %.4f over the first %lld windows of %lld tokens\n", val_loss,
+                 static_cast<long long>(eval_windows), static_cast<long long>(o.block_size));
+  } else {
+    std::int64_t const log_every = o.log_every > 0 ? o.log_every : std::max<std::int64_t>(1, o.iters / 20);
+    auto const report_val = [&](std::int64_t step) {
+      val_loss = evaluate();
+      if (terminal) std::fprintf(stderr, "\r%*s\r", 100, "");
+      std::fprintf(log, "step %lld/%lld  val loss %.4f\n", static_cast<long long>(step),
+                   static_cast<long long>(o.iters), val_loss);
+      std::fflush(log);
+    };
+    if (o.eval_every > 0 && state.step < o.iters) report_val(state.step);
+    auto window_start = Clock::now();
+    std::int64_t window_steps = 0;
+    std::int64_t const last = o.until_step > 0 ? std::min(o.until_step, o.iters) : o.iters;
+    for (std::int64_t it = state.step; it < last; ++it) {
+      auto const start = Clock::now();
+      mgpu::data::TokenBatch const batch = train_loader.next(*host);  // host ids, copied by train_step if needed
+      mgpu::Tensor const loss = trainer.train_step(batch, lr_at(o, it) / o.lr);
+      bool const report = (it + 1) % log_every == 0 || it + 1 == last;
+      if (report || terminal)
+        train_loss = mgpu::ops::item(loss, stream);  // reading synchronizes
+      else
+        stream.synchronize();
+      train_seconds += std::chrono::duration<double>(Clock::now() - start).count();
+      ++trained_steps, ++window_steps;
+      state.step = it + 1;
+      double const window_s = std::chrono::duration<double>(Clock::now() - window_start).count();
+      double const tokens_per_s = static_cast<double>(window_steps * o.batch_size * o.block_size) / window_s;
+      if (terminal) {
+        int const width = 30;
+        auto const filled = static_cast<int>(width * static_cast<double>(it + 1) / static_cast<double>(o.iters));
+        std::string bar(static_cast<std::size_t>(filled), '#');
+        bar.resize(width, '.');
+        std::fprintf(stderr, "\r[%s] step %lld/%lld  loss %.4f  %.0f tokens/s   ", bar.c_str(),
+                     static_cast<long long>(it + 1), static_cast<long long>(o.iters), train_loss, tokens_per_s);
+        std::fflush(stderr);
+      }
+      if (report) {
+        if (terminal) std::fprintf(stderr, "\r%*s\r", 100, "");
+        std::fprintf(log, "step %lld/%lld  loss %.4f  lr %.2e  %.0f tokens/s\n", static_cast<long long>(it + 1),
+                     static_cast<long long>(o.iters), train_loss, lr_at(o, it), tokens_per_s);
+        std::fflush(log);
+        window_start = Clock::now();
+        window_steps = 0;
+      }
+      if (o.eval_every > 0 && ((it + 1) % o.eval_every == 0 || it + 1 == last)) {
+        report_val(it + 1);
+        if (!o.checkpoint.empty()) mgpu::io::save_training(o.checkpoint, model, optimizer, state, stream);
+        window_start = Clock::now();
+        window_steps = 0;
+      }
+    }
+    if (!o.checkpoint.empty()) mgpu::io::save_training(o.checkpoint, model, optimizer, state, stream);
+    if (std::isnan(val_loss)) val_loss = evaluate();
+  }
+
+  if (!o.save_llmc.empty()) {
+    mgpu::io::write_llmc_model(o.save_llmc, config, host_parameters(model, stream));
+    std::fprintf(log, "llm.c model file written to %s\n", o.save_llmc.c_str());
+  }
+  if (o.sample > 0) {
+    // Generation runs on the host in float32: a model trained elsewhere or in 16 bits is copied.
+    mgpu::Stream host_stream(mgpu::Device{mgpu::DeviceKind::host, 0});
+    mgpu::nn::Context host_ctx{*host, host_stream};
+    std::optional<mgpu::nn::Sequential> copy;
+    mgpu::nn::Sequential const* sampler = &model;
+    if (device.kind != mgpu::DeviceKind::host || model.compute_type() != mgpu::DType::float32) {
+      copy.emplace(mgpu::nn::gpt(config));
+      copy->materialize(host_ctx, o.seed);
+      set_parameters(*copy, host_parameters(model, stream), host_stream);
+      sampler = &*copy;
+    }
+    stream.synchronize();
+    std::vector<std::uint16_t> const prompt16 = mgpu::data::ByteTokenizer{}.encode(o.prompt);
+    std::vector<std::int32_t> const prompt(prompt16.begin(), prompt16.end());
+    std::vector<std::int32_t> const ids =
+        mgpu::nn::generate(*sampler, prompt, o.sample, {.temperature = o.temperature, .top_k = o.top_k, .seed = o.seed},
+                           copy ? host_ctx : ctx);
+    std::fprintf(log, "---- %lld sampled tokens (temperature %.2f, top-k %lld) ----\n",
+                 static_cast<long long>(o.sample), o.temperature, static_cast<long long>(o.top_k));
+    if (config.vocab <= 256) {
+      std::vector<std::uint16_t> const bytes(ids.begin(), ids.end());
+      std::fprintf(log, "%s%s\n", printable(o.prompt).c_str(),
+                   printable(mgpu::data::ByteTokenizer{}.decode(bytes)).c_str());
+    } else {
+      for (std::int32_t const id : ids) std::fprintf(log, "%d ", id);
+      std::fprintf(log, "\n");
+    }
+    std::fprintf(log, "----\n");
+  }
+
+  double const tokens_per_s =
+      train_seconds > 0 ? static_cast<double>(trained_steps * o.batch_size * o.block_size) / train_seconds : 0.0;
+  if (o.json) {
+    std::printf(
+        "{\"tokens_per_s\": %.6g, \"train_loss\": %.6g, \"val_loss\": %.6g, \"params\": %lld, \"devices\": [\"%s\"], "
+        "\"iters\": %lld, \"peak_bytes\": [%zu], \"precision\": \"%s\", \"eval_windows\": %lld}\n",
+        tokens_per_s, std::isnan(train_loss) ? -1.0 : train_loss, val_loss,
+        static_cast<long long>(model.parameter_count()), device.to_string().c_str(), static_cast<long long>(state.step),
+        allocator->stats().peak_allocated, o.precision.c_str(), static_cast<long long>(eval_windows));
+  } else {
+    std::printf("final: train loss %.4f, val loss %.4f, %.0f tokens/s on %s\n", train_loss, val_loss, tokens_per_s,
+                device.to_string().c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Train a GPT language model with mgpu"};
+  Options o;
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // a later flag wins (scripts/run.sh)
+  app.add_option("--data", o.data, "a text file (byte tokens, 90/10 split) or a folder of train/val token shards")
+      ->capture_default_str();
+  app.add_option("--vocab", o.vocab, "token ids of the shards are below this (256 for bytes)")
+      ->check(CLI::Range(1, 65536))
+      ->capture_default_str();
+  app.add_option("--n-layer", o.n_layer, "transformer blocks")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--n-head", o.n_head, "attention heads")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--n-embd", o.n_embd, "embedding width")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--block-size", o.block_size, "context length T")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--batch-size", o.batch_size, "sequences per step")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--iters", o.iters, "training steps")->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option(
+         "--until-step", o.until_step,
+         "stop after this step, as a time-sliced job would; --resume continues (the schedule still spans --iters)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--lr", o.lr, "peak learning rate")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--min-lr", o.min_lr, "learning rate at the end of the cosine")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--warmup", o.warmup, "linear warm-up steps")->check(CLI::NonNegativeNumber)->capture_default_str();
+  app.add_option("--weight-decay", o.weight_decay, "AdamW decay of the 2-D weights (embeddings, Linear weights)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--clip", o.clip, "clip gradients to this global norm (0: off)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--dropout", o.dropout, "dropout probability")->check(CLI::Range(0.0, 0.99))->capture_default_str();
+  app.add_option("--seed", o.seed, "seed of the weights and the sampled training windows")->capture_default_str();
+  app.add_option("--eval-every", o.eval_every, "steps between validation losses (0: at the end only)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--eval-iters", o.eval_iters, "validation batches: K = eval-iters x batch-size windows")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--log-every", o.log_every, "steps between progress lines (default: iters / 20)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--devices", o.devices, "the device to train on (one for now), e.g. host:1 or cuda:0")
+      ->capture_default_str();
+  app.add_option("--schedule", o.schedule, "pipeline schedule (not yet for the GPT: refused)");
+  app.add_option("--stages", o.stages, "pipeline stages (1 for now)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--micro-batches", o.micro_batches, "micro-batches per step (1 for now)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--dp", o.dp, "data-parallel replicas (1 for now)")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--precision", o.precision, "fp32 | bf16 | fp16 (16-bit compute, float32 master weights)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+      ->capture_default_str();
+  app.add_option("--checkpoint", o.checkpoint,
+                 "save model, optimizer and data position here at every evaluation and at the end");
+  app.add_flag("--resume", o.resume, "continue from --checkpoint when it exists (same data stream, same schedule)");
+  app.add_option("--sample", o.sample, "generate this many tokens after training")->check(CLI::NonNegativeNumber);
+  app.add_option("--temperature", o.temperature, "sampling temperature (> 0)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--top-k", o.top_k, "sample among the k most likely tokens (0: all; 1: greedy)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--prompt", o.prompt, "the text generation continues (default: a newline)");
+  app.add_option("--init-from", o.init_from,
+                 "start from an llm.c model file (its architecture replaces the size flags)");
+  app.add_option("--save-llmc", o.save_llmc, "write the trained model as an llm.c model file");
+  app.add_flag("--eval-only", o.eval_only, "train nothing: report the validation loss");
+  app.add_flag("--json", o.json, "print the final metrics as one JSON object on stdout (progress goes to stderr)");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return run(o);
+  } catch (mgpu::Error const& e) {
+    std::fprintf(stderr, "\ntrain_gpt: %s\n", e.what());
+    return 2;
+  } catch (std::exception const& e) {
+    std::fprintf(stderr, "\ntrain_gpt: unexpected error: %s\n", e.what());
+    return 1;
+  }
+}
