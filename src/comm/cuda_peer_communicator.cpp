@@ -30,8 +30,7 @@
 #include "comm/base.hpp"
 #include "comm/cuda_common.hpp"
 #include "comm/cuda_communicators.hpp"
-#include "core/buffer_internals.hpp"
-#include "core/cuda_backend.hpp"
+#include "core/backend.hpp"
 #include "core/cuda_device_scope.hpp"
 #include "kernels/reduce.hpp"
 

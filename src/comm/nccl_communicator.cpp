@@ -24,8 +24,7 @@
 #include "comm/base.hpp"
 #include "comm/cuda_common.hpp"
 #include "comm/cuda_communicators.hpp"
-#include "core/buffer_internals.hpp"
-#include "core/cuda_backend.hpp"
+#include "core/backend.hpp"
 #include "core/cuda_device_scope.hpp"
 
 #if MGPU_NCCL_ENABLED

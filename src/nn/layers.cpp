@@ -8,7 +8,7 @@
 #include <mgpu/ops/detail/math.hpp>
 #include <mgpu/ops/ops.hpp>
 
-#include "core/host_staging.hpp"
+#include "core/backend.hpp"
 
 namespace mgpu::nn {
 

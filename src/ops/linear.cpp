@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/stream_internals.hpp"
+#include "core/backend.hpp"
 #include "ops/host_gemm.hpp"
 #include "ops/op_support.hpp"
 

@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "core/host_staging.hpp"
+#include "core/backend.hpp"
 #include "ops/op_support.hpp"
 
 namespace mgpu::ops {

@@ -33,7 +33,7 @@
 #include <mgpu/ops/detail/math.hpp>
 #include <mgpu/ops/ops.hpp>
 
-#include "core/buffer_internals.hpp"
+#include "core/backend.hpp"
 #include "kernels/ops.hpp"
 
 namespace mgpu::ops {

@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "core/host_staging.hpp"
+#include "core/backend.hpp"
 #include "ops/op_support.hpp"
 
 namespace mgpu::ops {
