@@ -1,11 +1,11 @@
 // What every op file of src/ops shares: argument checks, and the two drivers that run an element
-// functor of mgpu/ops/detail/math.hpp on a stream (a loop on a host stream's worker, a kernel of
+// functor of mgpu/core/detail/training_math.hpp on a stream (a loop on a host stream's worker, a kernel of
 // src/kernels/ops.cu on a CUDA stream). Internal: not installed.
 //
 // Note [adding an op]
 // ~~~~~~~~~~~~~~~~~~~
 // An op is one family file in src/ops plus its element math:
-//   1. its element math, as a __host__ __device__ functor in mgpu/ops/detail/math.hpp (one
+//   1. its element math, as a __host__ __device__ functor in mgpu/core/detail/training_math.hpp (one
 //      definition that both the host loop and the CUDA kernel run, so the CPU tests cover it);
 //   2. its declaration, with a sentence on what it does, in mgpu/ops/ops.hpp;
 //   3. its definition in the family's file (linear.cpp, activation.cpp, layer_norm.cpp, loss.cpp,
@@ -30,7 +30,7 @@
 #include <mgpu/core/error.hpp>
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
-#include <mgpu/ops/detail/math.hpp>
+#include <mgpu/core/detail/training_math.hpp>
 #include <mgpu/ops/ops.hpp>
 
 #include "core/backend.hpp"
