@@ -10,7 +10,7 @@
 // of its bytes train, the last 10% validate) or a folder of token shards in llm.c's format, read
 // as they are: files whose name contains "val" validate, the others train (in name order).
 //
-// The validation loss is defined exactly (nn::evaluate_lm): the mean per-token cross-entropy over
+// The validation loss is defined exactly (data::evaluate_lm): the mean per-token cross-entropy over
 // the first K = --eval-iters x --batch-size consecutive, non-overlapping --block-size windows of the
 // validation stream, targets the next tokens.
 //
@@ -33,6 +33,7 @@
 #include <CLI/CLI.hpp>
 #include <unistd.h>
 
+#include <mgpu/data/evaluate.hpp>
 #include <mgpu/data/tokens.hpp>
 #include <mgpu/mgpu.hpp>
 
@@ -265,7 +266,7 @@ int run(Options o) {
                                            {.batch = o.batch_size, .block = o.block_size, .sequential = true});
   train_loader.seek(state.step);
   std::int64_t const eval_windows = o.eval_iters * o.batch_size;
-  auto const evaluate = [&] { return mgpu::nn::evaluate_lm(model, val_loader, eval_windows, ctx); };
+  auto const evaluate = [&] { return mgpu::data::evaluate_lm(model, val_loader, eval_windows, ctx); };
 
   std::fprintf(log,
                "mgpu %s: GPT of %lld parameters (n_layer %lld, n_head %lld, n_embd %lld, block %lld, vocab %lld) on %s "

@@ -32,7 +32,7 @@ LAYERS = {
     "trace": {"config", "core"},
     "nn": {"config", "core", "ops", "trace"},
     "io": {"config", "core", "nn"},
-    "data": {"config", "core", "io"},
+    "data": {"config", "core", "io", "nn", "ops"},
     "sched": {"config", "core"},
     "cluster": {"config", "core", "sched"},
     "parallel": {"config", "core", "comm", "ops", "nn", "io", "trace", "sched"},

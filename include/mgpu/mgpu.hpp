@@ -11,7 +11,9 @@
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
 #include <mgpu/data/dataset.hpp>
+#include <mgpu/data/evaluate.hpp>
 #include <mgpu/data/loader.hpp>
+#include <mgpu/data/tokens.hpp>
 #include <mgpu/io/checkpoint.hpp>
 #include <mgpu/io/llmc.hpp>
 #include <mgpu/nn/gpt.hpp>

@@ -4,6 +4,7 @@
 // once and each output written once. A small send is eager: it copies its data into the
 // channel and completes without waiting for the receive.
 #include "comm/host_communicator.hpp"
+#include "core/backend.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -22,7 +23,6 @@
 #include <mgpu/core/detail/elementwise.hpp>
 #include <mgpu/core/error.hpp>
 
-#include "core/stream_internals.hpp"
 
 namespace mgpu::comm::detail {
 namespace {

@@ -15,9 +15,8 @@
 #include <mgpu/core/error.hpp>
 
 #include "comm/base.hpp"
-#include "core/buffer_internals.hpp"
+#include "core/backend.hpp"
 #include "core/cuda_backend.hpp"
-#include "core/host_staging.hpp"
 
 namespace mgpu {
 namespace {

@@ -14,9 +14,9 @@
 
 #include <mgpu/core/error.hpp>
 
+#include "core/backend.hpp"
 #include "core/cuda_backend.hpp"
 #include "core/stream_impl.hpp"
-#include "core/stream_internals.hpp"
 
 namespace mgpu {
 namespace {

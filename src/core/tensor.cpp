@@ -7,9 +7,8 @@
 
 #include <mgpu/core/detail/elementwise.hpp>
 
-#include "core/buffer_internals.hpp"
+#include "core/backend.hpp"
 #include "core/cuda_backend.hpp"
-#include "core/host_staging.hpp"
 #include "kernels/convert.hpp"
 
 namespace mgpu {

@@ -14,7 +14,7 @@
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/optim.hpp>
 
-#include "core/host_staging.hpp"
+#include "core/backend.hpp"
 #include "io/atomic_file.hpp"
 
 namespace mgpu::io {

@@ -1,4 +1,4 @@
-// The training ops' kernels (src/kernels/ops.hpp): element functors of mgpu/ops/detail/math.hpp
+// The training ops' kernels (src/kernels/ops.hpp): element functors of mgpu/core/detail/training_math.hpp
 // over a grid; LayerNorm and softmax rows as a block per row, bias and LayerNorm parameter
 // gradients as column tiles, both with block reductions over coalesced reads; reductions in a fixed
 // order (per-block tree sums, then one block sums the partials); the label check; GEMM via cuBLAS.
@@ -13,7 +13,7 @@
 
 #include <mgpu/core/dtype.hpp>
 #include <mgpu/core/error.hpp>
-#include <mgpu/ops/detail/math.hpp>
+#include <mgpu/core/detail/training_math.hpp>
 
 #include "core/cuda_device_scope.hpp"
 #include "kernels/elementwise.cuh"
@@ -90,9 +90,9 @@ int row_blocks(std::int64_t rows) { return static_cast<int>(rows < 65535 ? rows 
 // Row kernels: a block per row (grid-stride over rows); the threads stride along the row, so
 // neighbours read neighbouring elements (coalesced), and the row's sums are block reductions.
 template <class T>
-__global__ void layer_norm_rows_kernel(ops::detail::LayerNormRow<T> op, std::int64_t rows) {
-  using ops::detail::load;
-  using ops::detail::store;
+__global__ void layer_norm_rows_kernel(mgpu::detail::LayerNormRow<T> op, std::int64_t rows) {
+  using mgpu::detail::load;
+  using mgpu::detail::store;
   auto const n = static_cast<float>(op.cols);
   for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     T const* xr = op.x + r * op.cols;
@@ -115,9 +115,9 @@ __global__ void layer_norm_rows_kernel(ops::detail::LayerNormRow<T> op, std::int
 }
 
 template <class T>
-__global__ void layer_norm_grad_rows_kernel(ops::detail::LayerNormGradRow<T> op, std::int64_t rows) {
-  using ops::detail::load;
-  using ops::detail::store;
+__global__ void layer_norm_grad_rows_kernel(mgpu::detail::LayerNormGradRow<T> op, std::int64_t rows) {
+  using mgpu::detail::load;
+  using mgpu::detail::store;
   auto const n = static_cast<float>(op.cols);
   for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     std::int64_t const base = r * op.cols;
@@ -140,9 +140,9 @@ __global__ void layer_norm_grad_rows_kernel(ops::detail::LayerNormGradRow<T> op,
 
 // Softmax cross-entropy, a block per row: writes dlogits and the row's loss into losses[r].
 template <class T>
-__global__ void softmax_cross_entropy_rows_kernel(ops::detail::SoftmaxCrossEntropyRow<T> op, std::int64_t rows, float* losses) {
-  using ops::detail::load;
-  using ops::detail::store;
+__global__ void softmax_cross_entropy_rows_kernel(mgpu::detail::SoftmaxCrossEntropyRow<T> op, std::int64_t rows, float* losses) {
+  using mgpu::detail::load;
+  using mgpu::detail::store;
   for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     T const* z = op.logits + r * op.classes;
     T* dz = op.dlogits + r * op.classes;
@@ -205,34 +205,34 @@ __global__ void column_sums_kernel(Col col, std::int64_t rows, std::int64_t cols
 
 template <class T>
 struct BiasGradColumns {
-  ops::detail::BiasGradOp<T> op;
-  __device__ void add(std::int64_t r, std::int64_t j, float (&acc)[2]) const { acc[0] += ops::detail::load(op.dy, r * op.cols + j); }
-  __device__ void finish(std::int64_t j, float const (&total)[2]) const { ops::detail::store(op.db, j, total[0]); }
+  mgpu::detail::BiasGradOp<T> op;
+  __device__ void add(std::int64_t r, std::int64_t j, float (&acc)[2]) const { acc[0] += mgpu::detail::load(op.dy, r * op.cols + j); }
+  __device__ void finish(std::int64_t j, float const (&total)[2]) const { mgpu::detail::store(op.db, j, total[0]); }
 };
 
 template <class T, class F>
 struct ActivationBiasGradColumns {
-  ops::detail::ActivationBiasGradCol<T, F> op;
+  mgpu::detail::ActivationBiasGradCol<T, F> op;
   __device__ void add(std::int64_t r, std::int64_t j, float (&acc)[2]) const {
     std::int64_t const i = r * op.cols + j;
-    float const d = F::backward(ops::detail::load(op.z, i), ops::detail::load(op.dy, i));
-    ops::detail::store(op.dz, i, d);
+    float const d = F::backward(mgpu::detail::load(op.z, i), mgpu::detail::load(op.dy, i));
+    mgpu::detail::store(op.dz, i, d);
     acc[0] += d;
   }
-  __device__ void finish(std::int64_t j, float const (&total)[2]) const { ops::detail::store(op.db, j, total[0]); }
+  __device__ void finish(std::int64_t j, float const (&total)[2]) const { mgpu::detail::store(op.db, j, total[0]); }
 };
 
 template <class T>
 struct LayerNormParamGradColumns {
-  ops::detail::LayerNormParamGradCol<T> op;
+  mgpu::detail::LayerNormParamGradCol<T> op;
   __device__ void add(std::int64_t r, std::int64_t j, float (&acc)[2]) const {
-    float const g = ops::detail::load(op.dy, r * op.cols + j);
-    acc[0] += g * (ops::detail::load(op.x, r * op.cols + j) - op.mean[r]) * op.rstd[r];
+    float const g = mgpu::detail::load(op.dy, r * op.cols + j);
+    acc[0] += g * (mgpu::detail::load(op.x, r * op.cols + j) - op.mean[r]) * op.rstd[r];
     acc[1] += g;
   }
   __device__ void finish(std::int64_t j, float const (&total)[2]) const {
-    ops::detail::store(op.dgamma, j, total[0]);
-    ops::detail::store(op.dbeta, j, total[1]);
+    mgpu::detail::store(op.dgamma, j, total[0]);
+    mgpu::detail::store(op.dbeta, j, total[1]);
   }
 };
 
@@ -252,27 +252,27 @@ void launch_each(std::int64_t n, Op const& op, cudaStream_t s) {
   for_each_index(n, op, s);
 }
 template <class T>
-void launch_each(std::int64_t rows, ops::detail::LayerNormRow<T> const& op, cudaStream_t s) {
+void launch_each(std::int64_t rows, mgpu::detail::LayerNormRow<T> const& op, cudaStream_t s) {
   if (rows == 0) return;
   layer_norm_rows_kernel<<<row_blocks(rows), reduce_threads, 0, s>>>(op, rows);
   MGPU_CUDA_CHECK(cudaGetLastError());
 }
 template <class T>
-void launch_each(std::int64_t rows, ops::detail::LayerNormGradRow<T> const& op, cudaStream_t s) {
+void launch_each(std::int64_t rows, mgpu::detail::LayerNormGradRow<T> const& op, cudaStream_t s) {
   if (rows == 0) return;
   layer_norm_grad_rows_kernel<<<row_blocks(rows), reduce_threads, 0, s>>>(op, rows);
   MGPU_CUDA_CHECK(cudaGetLastError());
 }
 template <class T>
-void launch_each(std::int64_t cols, ops::detail::BiasGradOp<T> const& op, cudaStream_t s) {
+void launch_each(std::int64_t cols, mgpu::detail::BiasGradOp<T> const& op, cudaStream_t s) {
   launch_column_sums(BiasGradColumns<T>{op}, op.rows, cols, s);
 }
 template <class T, class F>
-void launch_each(std::int64_t cols, ops::detail::ActivationBiasGradCol<T, F> const& op, cudaStream_t s) {
+void launch_each(std::int64_t cols, mgpu::detail::ActivationBiasGradCol<T, F> const& op, cudaStream_t s) {
   launch_column_sums(ActivationBiasGradColumns<T, F>{op}, op.rows, cols, s);
 }
 template <class T>
-void launch_each(std::int64_t cols, ops::detail::LayerNormParamGradCol<T> const& op, cudaStream_t s) {
+void launch_each(std::int64_t cols, mgpu::detail::LayerNormParamGradCol<T> const& op, cudaStream_t s) {
   launch_column_sums(LayerNormParamGradColumns<T>{op}, op.rows, cols, s);
 }
 
@@ -281,7 +281,7 @@ void launch_reduce(std::int64_t n, Op const& op, float* out, float scale, cudaSt
   sum_terms(n, op, out, scale, s);
 }
 template <class T>
-void launch_reduce(std::int64_t rows, ops::detail::SoftmaxCrossEntropyRow<T> const& op, float* out, float scale, cudaStream_t s) {
+void launch_reduce(std::int64_t rows, mgpu::detail::SoftmaxCrossEntropyRow<T> const& op, float* out, float scale, cudaStream_t s) {
   if (rows == 0) {
     sum_terms(0, LoadAt{nullptr}, out, scale, s);
     return;
@@ -384,42 +384,42 @@ void gemm(void* blas_handle, int ordinal, DType dtype, bool transpose_a, bool tr
                                  CUBLAS_GEMM_DEFAULT));
 }
 
-// The instantiations src/ops/ops.cpp launches.
+// The instantiations the op files of src/ops launch.
 #define MGPU_OPS_FOR_TYPE(T)                                                                                         \
-  template void each(int, std::int64_t, ops::detail::ActivationOp<T, ops::detail::Relu> const&, void*);              \
-  template void each(int, std::int64_t, ops::detail::ActivationOp<T, ops::detail::Gelu> const&, void*);              \
-  template void each(int, std::int64_t, ops::detail::ActivationGradOp<T, ops::detail::Relu> const&, void*);          \
-  template void each(int, std::int64_t, ops::detail::ActivationGradOp<T, ops::detail::Gelu> const&, void*);          \
-  template void each(int, std::int64_t, ops::detail::BiasActivationOp<T, ops::detail::Identity> const&, void*);      \
-  template void each(int, std::int64_t, ops::detail::BiasActivationOp<T, ops::detail::Relu> const&, void*);          \
-  template void each(int, std::int64_t, ops::detail::BiasActivationOp<T, ops::detail::Gelu> const&, void*);          \
-  template void each(int, std::int64_t, ops::detail::ActivationBiasGradCol<T, ops::detail::Identity> const&, void*); \
-  template void each(int, std::int64_t, ops::detail::ActivationBiasGradCol<T, ops::detail::Relu> const&, void*);     \
-  template void each(int, std::int64_t, ops::detail::ActivationBiasGradCol<T, ops::detail::Gelu> const&, void*);     \
-  template void each(int, std::int64_t, ops::detail::BiasAddOp<T> const&, void*);                                    \
-  template void each(int, std::int64_t, ops::detail::BiasGradOp<T> const&, void*);                                   \
-  template void each(int, std::int64_t, ops::detail::ScaleOp<T> const&, void*);                                      \
-  template void each(int, std::int64_t, ops::detail::DropoutOp<T> const&, void*);                                    \
-  template void each(int, std::int64_t, ops::detail::LayerNormRow<T> const&, void*);                                 \
-  template void each(int, std::int64_t, ops::detail::LayerNormGradRow<T> const&, void*);                             \
-  template void each(int, std::int64_t, ops::detail::LayerNormParamGradCol<T> const&, void*);                        \
-  template void each(int, std::int64_t, ops::detail::ScaleConvertOp<T, float> const&, void*);                        \
-  template void each(int, std::int64_t, ops::detail::ScaleConvertOp<T, bfloat16> const&, void*);                     \
-  template void each(int, std::int64_t, ops::detail::ScaleConvertOp<T, float16> const&, void*);                      \
-  template void each(int, std::int64_t, ops::detail::AddScaledOp<T, float> const&, void*);                          \
-  template void each(int, std::int64_t, ops::detail::AddScaledOp<T, bfloat16> const&, void*);                       \
-  template void each(int, std::int64_t, ops::detail::AddScaledOp<T, float16> const&, void*);                        \
-  template void reduce(int, std::int64_t, ops::detail::SoftmaxCrossEntropyRow<T> const&, float*, float, void*);      \
-  template void reduce(int, std::int64_t, ops::detail::SquaredErrorOp<T> const&, float*, float, void*);              \
-  template void reduce(int, std::int64_t, ops::detail::CorrectRow<T> const&, float*, float, void*);                  \
-  template void reduce(int, std::int64_t, ops::detail::ValueOp<T> const&, float*, float, void*);                     \
-  template void reduce(int, std::int64_t, ops::detail::SquareOp<T> const&, float*, float, void*);                    \
-  template void reduce(int, std::int64_t, ops::detail::NonFiniteOp<T> const&, float*, float, void*);
+  template void each(int, std::int64_t, mgpu::detail::ActivationOp<T, mgpu::detail::Relu> const&, void*);              \
+  template void each(int, std::int64_t, mgpu::detail::ActivationOp<T, mgpu::detail::Gelu> const&, void*);              \
+  template void each(int, std::int64_t, mgpu::detail::ActivationGradOp<T, mgpu::detail::Relu> const&, void*);          \
+  template void each(int, std::int64_t, mgpu::detail::ActivationGradOp<T, mgpu::detail::Gelu> const&, void*);          \
+  template void each(int, std::int64_t, mgpu::detail::BiasActivationOp<T, mgpu::detail::Identity> const&, void*);      \
+  template void each(int, std::int64_t, mgpu::detail::BiasActivationOp<T, mgpu::detail::Relu> const&, void*);          \
+  template void each(int, std::int64_t, mgpu::detail::BiasActivationOp<T, mgpu::detail::Gelu> const&, void*);          \
+  template void each(int, std::int64_t, mgpu::detail::ActivationBiasGradCol<T, mgpu::detail::Identity> const&, void*); \
+  template void each(int, std::int64_t, mgpu::detail::ActivationBiasGradCol<T, mgpu::detail::Relu> const&, void*);     \
+  template void each(int, std::int64_t, mgpu::detail::ActivationBiasGradCol<T, mgpu::detail::Gelu> const&, void*);     \
+  template void each(int, std::int64_t, mgpu::detail::BiasAddOp<T> const&, void*);                                    \
+  template void each(int, std::int64_t, mgpu::detail::BiasGradOp<T> const&, void*);                                   \
+  template void each(int, std::int64_t, mgpu::detail::ScaleOp<T> const&, void*);                                      \
+  template void each(int, std::int64_t, mgpu::detail::DropoutOp<T> const&, void*);                                    \
+  template void each(int, std::int64_t, mgpu::detail::LayerNormRow<T> const&, void*);                                 \
+  template void each(int, std::int64_t, mgpu::detail::LayerNormGradRow<T> const&, void*);                             \
+  template void each(int, std::int64_t, mgpu::detail::LayerNormParamGradCol<T> const&, void*);                        \
+  template void each(int, std::int64_t, mgpu::detail::ScaleConvertOp<T, float> const&, void*);                        \
+  template void each(int, std::int64_t, mgpu::detail::ScaleConvertOp<T, bfloat16> const&, void*);                     \
+  template void each(int, std::int64_t, mgpu::detail::ScaleConvertOp<T, float16> const&, void*);                      \
+  template void each(int, std::int64_t, mgpu::detail::AddScaledOp<T, float> const&, void*);                          \
+  template void each(int, std::int64_t, mgpu::detail::AddScaledOp<T, bfloat16> const&, void*);                       \
+  template void each(int, std::int64_t, mgpu::detail::AddScaledOp<T, float16> const&, void*);                        \
+  template void reduce(int, std::int64_t, mgpu::detail::SoftmaxCrossEntropyRow<T> const&, float*, float, void*);      \
+  template void reduce(int, std::int64_t, mgpu::detail::SquaredErrorOp<T> const&, float*, float, void*);              \
+  template void reduce(int, std::int64_t, mgpu::detail::CorrectRow<T> const&, float*, float, void*);                  \
+  template void reduce(int, std::int64_t, mgpu::detail::ValueOp<T> const&, float*, float, void*);                     \
+  template void reduce(int, std::int64_t, mgpu::detail::SquareOp<T> const&, float*, float, void*);                    \
+  template void reduce(int, std::int64_t, mgpu::detail::NonFiniteOp<T> const&, float*, float, void*);
 MGPU_OPS_FOR_TYPE(float)
 MGPU_OPS_FOR_TYPE(bfloat16)
 MGPU_OPS_FOR_TYPE(float16)
 #undef MGPU_OPS_FOR_TYPE
-template void each(int, std::int64_t, ops::detail::SgdOp const&, void*);
-template void each(int, std::int64_t, ops::detail::AdamWOp const&, void*);
+template void each(int, std::int64_t, mgpu::detail::SgdOp const&, void*);
+template void each(int, std::int64_t, mgpu::detail::AdamWOp const&, void*);
 
 }  // namespace mgpu::kernels

@@ -1,5 +1,5 @@
-// Host-callable launchers of the training ops' kernels (src/kernels/ops.cu), used by
-// src/ops/ops.cpp: the functors of mgpu/ops/detail/math.hpp over a grid, deterministic
+// Host-callable launchers of the training ops' kernels (src/kernels/ops.cu), used by the op files
+// of src/ops: the functors of mgpu/core/detail/training_math.hpp over a grid, deterministic
 // reductions, row-wise block kernels, and GEMM through cuBLAS. Each leaves the calling thread's
 // current device as it was.
 #pragma once

@@ -5,10 +5,10 @@
 #include <cmath>
 
 #include <mgpu/core/error.hpp>
-#include <mgpu/ops/detail/math.hpp>
+#include <mgpu/core/detail/training_math.hpp>
 #include <mgpu/ops/ops.hpp>
 
-#include "core/host_staging.hpp"
+#include "core/backend.hpp"
 
 namespace mgpu::nn {
 namespace {
@@ -197,7 +197,7 @@ Tensor Dropout::forward(Tensor const& x, Context& ctx) {
     masks_[ctx.micro_batch] = {0, 0};
     return x;
   }
-  std::uint64_t const mask_seed = ops::detail::mix64(seed_ + calls_++) | 1u;  // never 0: 0 marks "identity" for backward
+  std::uint64_t const mask_seed = mgpu::detail::mix64(seed_ + calls_++) | 1u;  // never 0: 0 marks "identity" for backward
   std::int64_t const offset = x.rank() > 0 && x.dim(0) > 0 ? ctx.row_offset * (x.numel() / x.dim(0)) : 0;
   Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator);
   ops::dropout(x, y, p_, mask_seed, ctx.stream, offset);

@@ -6,7 +6,7 @@
 
 #include <mgpu/core/error.hpp>
 #include <mgpu/nn/transformer.hpp>
-#include <mgpu/ops/detail/math.hpp>
+#include <mgpu/core/detail/training_math.hpp>
 #include <mgpu/ops/ops.hpp>
 
 namespace mgpu::nn {
@@ -169,7 +169,7 @@ Tensor CausalSelfAttention::forward(Tensor const& x, Context& ctx) {
   ops::AttentionDropout dropout;
   if (training_ && dropout_ > 0.0f) {
     // As Dropout: never seed 0, one seed per call, rows at their index in the whole batch.
-    dropout = {dropout_, ops::detail::mix64(seed_ + calls_++) | 1u, ctx.row_offset};
+    dropout = {dropout_, mgpu::detail::mix64(seed_ + calls_++) | 1u, ctx.row_offset};
   }
   ops::causal_attention(qkv, y, lse, heads_, ctx.stream, dropout);
   saved_[ctx.micro_batch] = Saved{qkv, y, lse, dropout};

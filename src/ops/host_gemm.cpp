@@ -10,7 +10,7 @@
 
 #include <mgpu/config.hpp>
 #include <mgpu/core/detail/elementwise.hpp>
-#include <mgpu/ops/detail/math.hpp>
+#include <mgpu/core/detail/training_math.hpp>
 #include <mgpu/ops/ops.hpp>
 
 namespace mgpu::ops {

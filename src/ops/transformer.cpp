@@ -16,8 +16,7 @@
 #include <mgpu/ops/detail/transformer_math.hpp>
 #include <mgpu/ops/transformer.hpp>
 
-#include "core/buffer_internals.hpp"
-#include "core/host_staging.hpp"
+#include "core/backend.hpp"
 
 namespace mgpu::ops {
 namespace {

@@ -18,7 +18,7 @@
 #include <mgpu/sched/live.hpp>
 #include <mgpu/sched/planning.hpp>
 
-#include "core/host_staging.hpp"
+#include "core/backend.hpp"
 #include "parallel/class_ids.hpp"
 #include "parallel/gradient_sync.hpp"
 

@@ -13,7 +13,7 @@
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/optim.hpp>
 #include <mgpu/nn/transformer.hpp>
-#include <mgpu/ops/detail/math.hpp>
+#include <mgpu/core/detail/training_math.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/ops/transformer.hpp>
 
@@ -74,7 +74,7 @@ std::vector<double> naive_attention(std::vector<double> const& qkv, std::int64_t
           double p = std::exp(s[static_cast<std::size_t>(j)] - max) / sum;
           if (dropout.p > 0) {
             auto const counter = static_cast<std::uint64_t>((((dropout.row_offset + b) * heads + h) * t + i) * t + j);
-            p = ops::detail::uniform01(dropout.seed, counter) < 1.0f - dropout.p ? p / (1.0 - dropout.p) : 0.0;
+            p = mgpu::detail::uniform01(dropout.seed, counter) < 1.0f - dropout.p ? p / (1.0 - dropout.p) : 0.0;
           }
           for (std::int64_t e = 0; e < d; ++e)
             y[static_cast<std::size_t>((b * t + i) * c + h * d + e)] += p * at(b, j, 2, h, e);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <mgpu/nn/gpt.hpp>
+#include <mgpu/data/evaluate.hpp>
 #include <mgpu/nn/lm.hpp>
 
 #include "support/catch.hpp"
@@ -182,7 +183,7 @@ TEST_CASE("evaluate_lm: the mean cross-entropy over the first K block windows, a
   for (auto& t : stream) t = static_cast<std::uint16_t>(rng() % 23);
   mgpu::data::TokenLoader const loader({stream}, 23, {.batch = 3, .block = block, .sequential = true});
   std::int64_t const windows = 7;  // not a multiple of the batch: the last forward holds one window
-  double const got = nn::evaluate_lm(model, loader, windows, env.ctx);
+  double const got = mgpu::data::evaluate_lm(model, loader, windows, env.ctx);
   double total = 0;
   for (std::int64_t w = 0; w < windows; ++w) {
     auto const first = stream.begin() + w * block;
@@ -198,9 +199,9 @@ TEST_CASE("evaluate_lm: the mean cross-entropy over the first K block windows, a
   }
   double const expected = total / static_cast<double>(windows * block);
   CHECK(std::abs(got - expected) <= 1e-5 * expected);
-  CHECK(nn::evaluate_lm(model, loader, 1, env.ctx) != got);
+  CHECK(mgpu::data::evaluate_lm(model, loader, 1, env.ctx) != got);
   mgpu::data::TokenLoader const sampled({stream}, 23, {.batch = 3, .block = block});
-  REQUIRE_MGPU_ERROR(nn::evaluate_lm(model, sampled, 2, env.ctx), Errc::invalid_argument, "expected a sequential one");
-  REQUIRE_MGPU_ERROR(nn::evaluate_lm(model, loader, 19, env.ctx), Errc::invalid_argument,
+  REQUIRE_MGPU_ERROR(mgpu::data::evaluate_lm(model, sampled, 2, env.ctx), Errc::invalid_argument, "expected a sequential one");
+  REQUIRE_MGPU_ERROR(mgpu::data::evaluate_lm(model, loader, 19, env.ctx), Errc::invalid_argument,
                      "over 19 windows (expected 1 to the 18 the data holds)");
 }

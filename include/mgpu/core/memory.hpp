@@ -16,7 +16,7 @@ namespace mgpu {
 
 class Allocator;
 namespace detail {
-struct BufferInternals;  // the library's stream-ordered release (src/core/buffer_internals.hpp)
+struct BufferInternals;  // the library's stream-ordered release (src/core/backend.hpp)
 }
 
 /// A block of device memory (or pinned host memory), owned (move-only). Returns the block to its

@@ -10,7 +10,7 @@ namespace mgpu {
 
 class Event;
 namespace detail {
-struct StreamInternals;  // the library's internal access to a stream (src/core/stream_internals.hpp)
+struct StreamInternals;  // the library's internal access to a stream (src/core/backend.hpp)
 }
 
 /// An ordered queue of work on one device, owned (move-only). On a CUDA device it is a CUDA

@@ -1,7 +1,7 @@
 // Language-model inference and evaluation for a GPT built by nn::gpt: a Decoder that appends
 // tokens with a key/value cache per layer (each new token costs O(T) attention, not a re-run of the
-// whole sequence), sampling with temperature and top-k, generate(), and the validation loss
-// evaluate_lm() defines exactly (the --eval-only figure of examples/train_gpt).
+// whole sequence), sampling with temperature and top-k, and generate(). The validation loss is
+// data::evaluate_lm (mgpu/data/evaluate.hpp).
 #pragma once
 
 #include <cstdint>
@@ -10,7 +10,6 @@
 #include <vector>
 
 #include <mgpu/core/tensor.hpp>
-#include <mgpu/data/tokens.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/transformer.hpp>
 
@@ -73,14 +72,5 @@ std::int32_t sample_token(std::span<float const> logits, SampleOptions const& op
 /// and its index in the prompt), new_tokens < 0, and the decoder's and sample_token's errors.
 std::vector<std::int32_t> generate(Sequential const& model, std::span<std::int32_t const> prompt,
                                    std::int64_t new_tokens, SampleOptions const& options, Context& ctx);
-
-/// The validation loss, defined exactly: the mean per-token cross-entropy over the first `windows`
-/// consecutive, non-overlapping block-sized windows of `loader`'s token stream (window i: ids =
-/// tokens [i T, i T + T), targets = the next tokens [i T + 1, i T + T + 1), T the loader's block),
-/// evaluated loader.options().batch windows per forward, in evaluation mode (the model is put
-/// back in training mode after). The loader's position is not used or changed. The sum is taken
-/// in float64. Throws Error(invalid_argument) unless the loader is sequential and 1 <= windows <=
-/// loader.windows(). Synchronizes ctx's stream.
-double evaluate_lm(Sequential& model, data::TokenLoader const& loader, std::int64_t windows, Context& ctx);
 
 }  // namespace mgpu::nn

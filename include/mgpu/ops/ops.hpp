@@ -1,11 +1,11 @@
 // The math primitives training needs. Each op checks its arguments at the call (a mismatch throws
 // Error(invalid_argument) naming the shapes or types and what was expected) and enqueues its work
 // on a stream: on a host device the stream's worker runs Eigen (GEMM, through maps over tensor
-// storage, no copies) or the element functors of mgpu/ops/detail/math.hpp; on a CUDA device the
-// op launches cuBLAS (cublasGemmEx) or the same functors as kernels. Every tensor must live on the
-// stream's device. Activations may be float32, bfloat16 or float16 (math in float32); optimizer
-// buffers are float32. Results that are scalars (losses, norms) are written into tensors on the
-// device, so nothing waits: read one with item().
+// storage, no copies) or the element functors of mgpu/core/detail/training_math.hpp; on a CUDA
+// device the op launches cuBLAS (cublasGemmEx) or the same functors as kernels. Every tensor must
+// live on the stream's device. Activations may be float32, bfloat16 or float16 (math in float32);
+// optimizer buffers are float32. Results that are scalars (losses, norms) are written into tensors
+// on the device, so nothing waits: read one with item().
 #pragma once
 
 #include <cstdint>

@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #include <mgpu/core/host_device.hpp>
-#include <mgpu/ops/detail/math.hpp>
+#include <mgpu/core/detail/training_math.hpp>
 
 namespace mgpu::ops::detail {
 
@@ -121,7 +121,7 @@ struct AttentionMask {
   MGPU_HD float factor(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const {
     if (p == 0.0f) return 1.0f;
     auto const counter = static_cast<std::uint64_t>((((row_offset + b) * heads + h) * t + i) * t + j);
-    return uniform01(seed, counter) < 1.0f - p ? 1.0f / (1.0f - p) : 0.0f;
+    return mgpu::detail::uniform01(seed, counter) < 1.0f - p ? 1.0f / (1.0f - p) : 0.0f;
   }
 };
 

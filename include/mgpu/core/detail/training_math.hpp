@@ -1,5 +1,6 @@
-// Element math of the training ops as __host__ __device__ functors, written once: the host drives
-// them with a loop on a stream's worker, src/kernels/ops.cu with a CUDA grid. Two driver shapes:
+// Element math of the training ops (mgpu::ops) as __host__ __device__ functors, written once: the
+// host drives them with a loop on a stream's worker, src/kernels/ops.cu with a CUDA grid. It sits
+// in core, below ops and src/kernels, which both use it. Two driver shapes:
 //   each:   op(i) for i in [0, n)                       (element, row and column operations);
 //   reduce: out = scale * sum over i of op(i)           (losses, norms, the non-finite count).
 // Storage may be float32, bfloat16 or float16; the math is float32.
@@ -11,7 +12,7 @@
 #include <mgpu/core/dtype.hpp>
 #include <mgpu/core/host_device.hpp>
 
-namespace mgpu::ops::detail {
+namespace mgpu::detail {
 
 template <class T>
 MGPU_HD inline float load(T const* p, std::int64_t i) {
@@ -396,4 +397,4 @@ struct LayerNormParamGradCol {
   }
 };
 
-}  // namespace mgpu::ops::detail
+}  // namespace mgpu::detail

@@ -1,0 +1,386 @@
+// The nccl backend: one NCCL communicator per rank, created together over the communicator's GPUs
+// with a fresh unique id (a subset gets its own, beside the group's); operations run on the rank's
+// stream. A watchdog thread polls each operation's completion event and ncclCommGetAsyncError,
+// and aborts every rank's communicator (ncclCommAbort) when an operation passes its deadline or
+// fails. Rank i of the communicator runs on the i-th listed device (a whole group or a subset).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <iterator>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <mgpu/config.hpp>
+#include <mgpu/core/error.hpp>
+
+#include "comm/base.hpp"
+#include "comm/cuda_common.hpp"
+#include "comm/cuda_communicators.hpp"
+#include "core/backend.hpp"
+#include "core/cuda_device_scope.hpp"
+
+#if MGPU_NCCL_ENABLED
+#include <nccl.h>
+#endif
+
+namespace mgpu::comm::detail {
+#if MGPU_NCCL_ENABLED
+namespace {
+
+ncclDataType_t nccl_type(DType dtype) {
+  switch (dtype) {
+    case DType::bfloat16: return ncclBfloat16;
+    case DType::float16: return ncclFloat16;
+    case DType::int32: return ncclInt32;
+    case DType::float32: break;
+  }
+  return ncclFloat32;
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::avg: return ncclAvg;
+    case ReduceOp::min: return ncclMin;
+    case ReduceOp::max: return ncclMax;
+    case ReduceOp::sum: break;
+  }
+  return ncclSum;
+}
+
+// Polls a non-blocking communicator until its last call has finished: ncclSuccess, or throws
+// Error(communication) for a failure and Error(timeout) past `deadline`. `stop` ends the wait early
+// (the communicator is being aborted) with Error(communication).
+template <class Stop>
+void wait_for_nccl(ncclComm_t comm, std::string const& what, Clock::time_point deadline, Stop const& stop) {
+  // A launch is usually on the stream within microseconds: the first 200 us only yield the CPU,
+  // then sleeps double from 10 us up to 1 ms (a longer wait is a slow peer or a deadline).
+  auto const start = Clock::now();
+  auto pause = std::chrono::microseconds(10);
+  while (true) {
+    ncclResult_t state = ncclSuccess;
+    ncclResult_t const status = ncclCommGetAsyncError(comm, &state);
+    if (status != ncclSuccess) state = status;
+    if (state == ncclSuccess) return;
+    if (state != ncclInProgress)
+      throw Error(Errc::communication, what + " failed: " + mgpu::detail::cuda::nccl_error_string(static_cast<int>(state)));
+    if (stop()) throw Error(Errc::communication, what + " was interrupted: the communicator is being aborted");
+    auto const now = Clock::now();
+    if (now > deadline) throw Error(Errc::timeout, what + " did not finish within its deadline (a rank that never called it?)");
+    if (now - start < std::chrono::microseconds(200)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    }
+  }
+}
+
+// Calls `fn` (ncclCommFinalize, ncclCommDestroy or ncclCommAbort) on every communicator in one
+// group, as NCCL asks of one thread that manages several; the first failure, else the group's
+// status. A communicator `fn` failed on is not used again by the caller.
+template <class Fn>
+ncclResult_t for_each_comm_in_group(std::vector<ncclComm_t> const& comms, Fn const& fn) noexcept {
+  ncclResult_t failed = ncclGroupStart();
+  if (failed != ncclSuccess) return failed;
+  for (ncclComm_t comm : comms) {
+    ncclResult_t const status = fn(comm);
+    if (failed == ncclSuccess && status != ncclSuccess && status != ncclInProgress) failed = status;
+  }
+  ncclResult_t const ended = ncclGroupEnd();  // always closes the group
+  if (failed == ncclSuccess && ended != ncclSuccess && ended != ncclInProgress) failed = ended;
+  return failed;
+}
+
+// Non-blocking NCCL communicators (config.blocking = 0): no NCCL call waits for the other ranks, so
+// a rank that never arrives becomes a deadline this code sees, and ncclCommAbort can end it.
+// Operations are checked by a watchdog thread (completion events, ncclCommGetAsyncError); on a
+// deadline or an error it aborts every rank's communicator, after any launch in progress has left
+// NCCL (launches poll with their own deadline and stop when an abort is requested).
+class NcclCommunicator final : public CommunicatorBase {
+ public:
+  // Rank i runs on devices[i] (distinct GPUs): a new NCCL communicator over just these GPUs, with
+  // its own unique id, so subsets of a group's ranks (e.g. one pipeline stage across data-parallel
+  // replicas) get their own, beside the group's.
+  NcclCommunicator(DeviceGroup& group, std::vector<Device> devices, std::chrono::milliseconds timeout)
+      : CommunicatorBase(group, static_cast<int>(devices.size()), Backend::nccl, timeout),
+        devices_(std::move(devices)),
+        comms_(devices_.size(), nullptr),
+        spare_events_(devices_.size()) {
+    ncclUniqueId id{};
+    MGPU_NCCL_CHECK(ncclGetUniqueId(&id));
+    // Every local rank's init in one group, as NCCL requires when one thread creates them all.
+    MGPU_NCCL_CHECK(ncclGroupStart());
+    ncclResult_t failed = ncclSuccess;
+    for (int r = 0; r < size() && failed == ncclSuccess; ++r) {
+      mgpu::detail::cuda::DeviceScope scope(devices_[static_cast<std::size_t>(r)].index);
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      config.blocking = 0;
+      ncclResult_t const status = ncclCommInitRankConfig(&comms_[static_cast<std::size_t>(r)], size(), id, r, &config);
+      if (status != ncclSuccess && status != ncclInProgress) failed = status;
+    }
+    ncclResult_t const ended = ncclGroupEnd();  // closes the group whatever happened inside it
+    if (failed == ncclSuccess && ended != ncclSuccess && ended != ncclInProgress) failed = ended;
+    try {
+      if (failed != ncclSuccess)
+        throw Error(Errc::communication, "creating the NCCL communicators failed: " +
+                                             mgpu::detail::cuda::nccl_error_string(static_cast<int>(failed)));
+      auto const deadline = Clock::now() + timeout;
+      for (int r = 0; r < size(); ++r)
+        wait_for_nccl(comms_[static_cast<std::size_t>(r)], "creating rank " + std::to_string(r) + "'s NCCL communicator", deadline,
+                      [] { return false; });
+    } catch (...) {
+      std::vector<ncclComm_t> created;
+      std::copy_if(comms_.begin(), comms_.end(), std::back_inserter(created), [](ncclComm_t comm) { return comm != nullptr; });
+      (void)for_each_comm_in_group(created, ncclCommAbort);
+      throw;
+    }
+    state()->on_abort([this] {
+      std::lock_guard lock(mutex_);
+      abort_requested_ = true;
+      cv_.notify_all();
+    });
+    watchdog_ = std::thread([this] { watch(); });
+  }
+
+  ~NcclCommunicator() override {
+    // Operations in flight finish (or the communicators are aborted) while the wakers can still
+    // reach this object; after this no abort calls into it.
+    shut_down();
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    watchdog_.join();
+    if (comms_aborted_) return;
+    // ncclCommFinalize flushes each communicator's operations; being non-blocking, every rank's
+    // call returns at once, so one thread finalizes them all. Communicators that do not finalize in
+    // time are aborted instead of destroyed. A failed ncclCommDestroy may have freed its
+    // communicator: it is reported, never followed by an abort of the same communicator.
+    bool finalized = !aborted() && for_each_comm_in_group(comms_, ncclCommFinalize) == ncclSuccess;
+    if (finalized) {
+      auto const deadline = Clock::now() + timeout();
+      try {
+        for (ncclComm_t comm : comms_) wait_for_nccl(comm, "ncclCommFinalize", deadline, [] { return false; });
+      } catch (Error const&) {
+        finalized = false;
+      }
+    }
+    if (!finalized) {
+      (void)for_each_comm_in_group(comms_, ncclCommAbort);
+    } else if (ncclResult_t const status = for_each_comm_in_group(comms_, ncclCommDestroy); status != ncclSuccess) {
+      std::fprintf(stderr, "mgpu: destroying the NCCL communicators failed: %s\n",
+                   mgpu::detail::cuda::nccl_error_string(static_cast<int>(status)).c_str());
+    }
+  }
+
+ protected:
+  void check_device(int rank, Device device, std::string_view what, Call const& call) const override {
+    check_cuda_device(devices_, rank, device, what, call);
+  }
+
+  void launch(int rank, std::vector<Call> calls, Stream& stream) override {
+    std::string const what = calls.front().name(rank);
+    cudaStream_t const s = native(stream);
+    ncclComm_t comm = nullptr;
+    {
+      // The watchdog aborts (and frees) the communicators only while no launch is inside NCCL.
+      std::lock_guard lock(mutex_);
+      if (abort_requested_ || comms_aborted_) {
+        state()->throw_if_aborted(what);
+        throw Error(Errc::communication, what + ": the communicator is being aborted");
+      }
+      comm = comms_[static_cast<std::size_t>(rank)];
+      ++launching_;
+    }
+    struct Leave {
+      NcclCommunicator& self;
+      ~Leave() {
+        {
+          std::lock_guard lock(self.mutex_);
+          --self.launching_;
+        }
+        self.cv_.notify_all();
+      }
+    } leave{*this};
+    mgpu::detail::cuda::DeviceScope scope(devices_[static_cast<std::size_t>(rank)].index);
+    void* const barrier = barrier_word(rank, calls);
+    MGPU_NCCL_CHECK(ncclGroupStart());
+    ncclResult_t failed = ncclSuccess;
+    for (Call const& c : calls) {
+      ncclResult_t const status = enqueue(rank, c, comm, s, barrier);
+      if (status != ncclSuccess && status != ncclInProgress) {
+        failed = status;
+        break;
+      }
+    }
+    ncclResult_t const ended = ncclGroupEnd();  // always closes the group, also after a failed call
+    if (failed == ncclSuccess && ended != ncclSuccess && ended != ncclInProgress) failed = ended;
+    try {
+      if (failed != ncclSuccess)
+        throw Error(Errc::communication, what + " failed: " + mgpu::detail::cuda::nccl_error_string(static_cast<int>(failed)));
+      // Non-blocking: the operations are on the stream once the communicator is no longer in progress.
+      wait_for_nccl(comm, what, Clock::now() + timeout(), [this] { return state()->aborted(); });
+    } catch (Error const& e) {
+      state()->abort(e.what());
+      try {
+        // NCCL may have put some of the operations on the stream: their buffers are reused only
+        // after them (the abort ends them).
+        for (Call const& c : calls) mgpu::detail::release_after(stream, c.send, c.recv);
+      } catch (Error const&) {  // the GPU fails too: the first error says more
+      }
+      throw;
+    }
+    // NCCL touches each rank's buffers only from that rank's stream: they are reused after it.
+    for (Call const& c : calls) mgpu::detail::release_after(stream, c.send, c.recv);
+    cudaEvent_t done = nullptr;
+    {
+      std::lock_guard lock(mutex_);
+      if (auto& spare = spare_events_[static_cast<std::size_t>(rank)]; !spare.empty()) {
+        done = spare.back();
+        spare.pop_back();
+      }
+    }
+    if (done == nullptr) MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    cudaError_t const recorded = cudaEventRecord(done, s);
+    std::lock_guard lock(mutex_);
+    if (recorded != cudaSuccess) {
+      spare_events_[static_cast<std::size_t>(rank)].push_back(done);
+      MGPU_CUDA_CHECK(recorded);
+    }
+    pending_.push_back({done, rank, what, Clock::now() + timeout()});
+    state()->begin_operation();
+    cv_.notify_all();
+  }
+
+ private:
+  struct Pending {
+    cudaEvent_t done;
+    int rank;
+    std::string name;
+    Clock::time_point deadline;
+  };
+
+  static ncclResult_t enqueue(int rank, Call const& c, ncclComm_t comm, cudaStream_t s, void* barrier) {
+    std::size_t const count = static_cast<std::size_t>(c.count);
+    switch (c.kind) {
+      case OpKind::all_reduce:
+        return ncclAllReduce(c.send.data(), c.recv.data(), count, nccl_type(c.dtype), nccl_op(c.op), comm, s);
+      case OpKind::reduce_scatter:
+        return ncclReduceScatter(c.send.data(), c.recv.data(), count, nccl_type(c.dtype), nccl_op(c.op), comm, s);
+      case OpKind::all_gather:
+        return ncclAllGather(c.send.data(), c.recv.data(), count, nccl_type(c.dtype), comm, s);
+      case OpKind::broadcast:
+        return ncclBroadcast(c.send.data(), c.recv.data(), count, nccl_type(c.dtype), c.root, comm, s);
+      case OpKind::reduce:
+        return ncclReduce(c.send.data(), rank == c.root ? c.recv.data() : nullptr, count, nccl_type(c.dtype), nccl_op(c.op),
+                          c.root, comm, s);
+      case OpKind::send:
+        return ncclSend(c.send.data(), count, nccl_type(c.dtype), c.root, comm, s);
+      case OpKind::recv:
+        return ncclRecv(c.recv.data(), count, nccl_type(c.dtype), c.root, comm, s);
+      case OpKind::barrier:
+        return ncclAllReduce(barrier, barrier, 1, ncclFloat32, ncclSum, comm, s);
+    }
+    return ncclInvalidArgument;
+  }
+
+  // The rank's one-word buffer for barriers (made on first use), or nullptr when `calls` has none.
+  void* barrier_word(int rank, std::vector<Call> const& calls) {
+    if (std::none_of(calls.begin(), calls.end(), [](Call const& c) { return c.kind == OpKind::barrier; })) return nullptr;
+    std::lock_guard lock(mutex_);
+    if (barrier_words_.empty()) barrier_words_.resize(comms_.size(), nullptr);
+    void*& word = barrier_words_[static_cast<std::size_t>(rank)];
+    if (word == nullptr) MGPU_CUDA_CHECK(cudaMalloc(&word, sizeof(float)));
+    return word;
+  }
+
+  void watch() {
+    std::unique_lock lock(mutex_);
+    while (true) {
+      cv_.wait_for(lock, std::chrono::milliseconds(10));
+      if (abort_requested_ && !comms_aborted_ && launching_ == 0) {
+        (void)for_each_comm_in_group(comms_, ncclCommAbort);
+        comms_aborted_ = true;
+      }
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        cudaError_t const status = cudaEventQuery(it->done);
+        ncclResult_t async = ncclSuccess;
+        if (!comms_aborted_) (void)ncclCommGetAsyncError(comms_[static_cast<std::size_t>(it->rank)], &async);
+        std::string failure;
+        if (async != ncclSuccess && async != ncclInProgress) {
+          failure = it->name + " failed: " + ncclGetErrorString(async);
+        } else if (status != cudaSuccess && status != cudaErrorNotReady) {
+          failure = it->name + " failed: " + cudaGetErrorString(status);
+        } else if (status == cudaErrorNotReady && Clock::now() > it->deadline) {
+          failure = it->name + " did not finish within the " + format_duration(timeout()) + " deadline";
+        }
+        if (status == cudaSuccess || !failure.empty() || comms_aborted_) {
+          // Kept for the rank's next launch (recording it again is fine even if work before it
+          // never finishes: only the watchdog queries it).
+          spare_events_[static_cast<std::size_t>(it->rank)].push_back(it->done);
+          it = pending_.erase(it);
+          state()->end_operation();
+          if (!failure.empty()) {
+            lock.unlock();
+            state()->abort(failure);
+            lock.lock();
+          }
+        } else {
+          ++it;
+        }
+      }
+      if (stopping_ && pending_.empty() && (launching_ == 0)) break;
+    }
+    for (void* word : barrier_words_) {
+      if (word != nullptr) (void)cudaFree(word);
+    }
+    for (auto const& events : spare_events_) {
+      for (cudaEvent_t event : events) (void)cudaEventDestroy(event);
+    }
+  }
+
+  std::vector<Device> devices_;
+  std::vector<ncclComm_t> comms_;  // freed by ncclCommAbort once comms_aborted_ is set
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Pending> pending_;
+  std::vector<std::vector<cudaEvent_t>> spare_events_;  // per rank: completion events to record again
+  std::vector<void*> barrier_words_;
+  int launching_ = 0;  // launches between taking a communicator and leaving NCCL
+  bool stopping_ = false;
+  bool abort_requested_ = false;
+  bool comms_aborted_ = false;
+  std::thread watchdog_;
+};
+
+}  // namespace
+#endif
+
+std::unique_ptr<Communicator> make_nccl_communicator(DeviceGroup& group, std::vector<int> const& ranks, std::chrono::milliseconds timeout) {
+#if MGPU_NCCL_ENABLED
+  std::vector<Device> const devices = devices_of(group, ranks);
+  std::vector<int> gpus;
+  for (Device const d : devices) gpus.push_back(d.index);
+  std::sort(gpus.begin(), gpus.end());
+  if (std::adjacent_find(gpus.begin(), gpus.end()) != gpus.end())
+    throw Error(Errc::invalid_argument, "the nccl backend for a group where ranks share a GPU (expected distinct GPUs; "
+                                        "NCCL cannot have two ranks on one GPU, the cuda_peer backend can)");
+  return std::make_unique<NcclCommunicator>(group, devices, timeout);
+#else
+  (void)group;
+  (void)ranks;
+  (void)timeout;
+  throw Error(Errc::device, "the nccl backend: mgpu was built without NCCL (configure with MGPU_WITH_NCCL=ON)");
+#endif
+}
+
+}  // namespace mgpu::comm::detail

@@ -1,0 +1,93 @@
+// The backend seam: the one internal interface through which the layers above core (comm, ops, nn,
+// parallel) reach below the public Stream, Buffer and Tensor API. Internal: not installed.
+//
+// Note [the backend seam]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// A backend (a communicator, an op's CUDA path) enqueues work on a rank's Stream. What it may ask
+// of the core beyond the public API is here and nowhere else:
+//   - StreamInternals: host work that runs even after earlier work failed (collectives must
+//     still take part), and the stream's cuBLAS handle;
+//   - release_after / ReleaseAfterOnExit (BufferInternals): after enqueuing CUDA work on tensors
+//     or buffers, record that work as a use, so that their blocks are reused only once it has
+//     finished (stream-ordered release, in place of host callbacks that hold the tensors);
+//   - host_staging_allocator(): the shared host allocator for staging copies and scalar reads;
+//   - mgpu::detail::cuda (core/cuda_backend.hpp, included here): the CUDA runtime calls behind
+//     plain C++ signatures (streams, events, host words, memory, error strings), which a build
+//     without CUDA answers with "no GPU". Code compiled only in CUDA builds may also use
+//     core/cuda_device_scope.hpp (it needs cuda_runtime.h) to make a GPU current for one call.
+// Kernels are not part of it: they live in src/kernels, one launcher header per layer.
+#pragma once
+
+#include <cstdio>
+#include <exception>
+#include <functional>
+#include <tuple>
+#include <vector>
+
+#include <mgpu/core/memory.hpp>
+#include <mgpu/core/stream.hpp>
+#include <mgpu/core/tensor.hpp>
+
+#include "core/cuda_backend.hpp"
+
+namespace mgpu::detail {
+
+struct StreamInternals {
+  // Enqueues host work that runs even after earlier work on the stream failed (collectives must
+  // still take part, or the other ranks wait); `work` is told whether earlier work failed. Same
+  // threading contract as Stream::enqueue.
+  static void enqueue_even_after_failure(Stream& stream, std::function<void(bool earlier_work_failed)> work);
+
+  // The stream's cuBLAS handle (CUDA streams only), made on first use by `create` (given the
+  // stream's GPU) and released by
+  // `destroy` when the stream is destroyed, after its work has finished. `use` runs under the
+  // stream's handle lock, so threads enqueuing on one stream never share the handle at once.
+  static void with_blas_handle(Stream& stream, void* (*create)(int ordinal), void (*destroy)(void*) noexcept,
+                               std::function<void(void*)> const& use);
+};
+
+struct BufferInternals {
+  // Records that the work enqueued so far on `stream` uses the buffer: once its last handle goes,
+  // its allocator reuses or frees the block only after that work has finished. Nothing to do on a
+  // host stream (host work holds what it uses). Thread-safe; call it after enqueuing the work.
+  static void record_use(Stream& stream, Buffer const& buffer);
+  // The same for a tensor's storage (an undefined tensor is ignored).
+  static void record_use(Stream& stream, Tensor const& tensor);
+  // The same for each of the tensors.
+  static void record_use(Stream& stream, std::vector<Tensor> const& tensors);
+};
+
+// Records the work enqueued so far on `stream` as a use of each tensor or buffer.
+template <class... Storage>
+void release_after(Stream& stream, Storage const&... storage) {
+  (BufferInternals::record_use(stream, storage), ...);
+}
+
+// Calls release_after(stream, storage...) when it goes out of scope: also when enqueuing throws
+// after part of the work is on the stream (the first of two kernels, a copy before a failed free),
+// so no block is reused under that work. For code that enqueues work on storage in several CUDA
+// calls; the storage must outlive it. Never throws: a use it cannot record is reported on stderr.
+template <class... Storage>
+class ReleaseAfterOnExit {
+ public:
+  explicit ReleaseAfterOnExit(Stream& stream, Storage const&... storage) : stream_(stream), storage_(storage...) {}
+  ReleaseAfterOnExit(ReleaseAfterOnExit const&) = delete;
+  ReleaseAfterOnExit& operator=(ReleaseAfterOnExit const&) = delete;
+  ~ReleaseAfterOnExit() {
+    try {
+      std::apply([this](Storage const&... s) { release_after(stream_, s...); }, storage_);
+    } catch (std::exception const& e) {
+      std::fprintf(stderr, "mgpu: recording the use of a buffer by GPU work failed: %s\n", e.what());
+    }
+  }
+
+ private:
+  Stream& stream_;
+  std::tuple<Storage const&...> storage_;
+};
+
+// The library's one host allocator for staging copies (to and from GPUs, checkpoints, scalar reads,
+// weight initialisation): created on first use, shared by every thread (Allocator is synchronized).
+Allocator& host_staging_allocator();
+
+}  // namespace mgpu::detail

@@ -1,0 +1,61 @@
+// LayerNorm over the last dimension, forward and backward.
+#include <mgpu/ops/ops.hpp>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "ops/op_support.hpp"
+
+namespace mgpu::ops {
+
+namespace {
+void check_layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& stats, char const* op, Stream const& stream) {
+  check(x, op, "x", stream);
+  check(gamma, op, "gamma", stream);
+  check(stats, op, "stats", stream);
+  check_dtype(gamma, x.dtype(), op, "gamma");
+  check_dtype(stats, DType::float32, op, "stats");
+  if (x.rank() != 2 || gamma.numel() != x.dim(1) || stats.numel() != 2 * x.dim(0))
+    throw Error(Errc::invalid_argument, std::string(op) + ": x " + to_string(x.shape()) + ", gamma " + to_string(gamma.shape()) +
+                                            ", stats " + to_string(stats.shape()) + " (expected x [N, D], gamma [D], stats [2, N])");
+}
+}  // namespace
+
+void layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& beta, Tensor const& y, Tensor const& stats, float eps,
+                Stream& stream) {
+  check_layer_norm(x, gamma, stats, "layer_norm", stream);
+  check(beta, "layer_norm", "beta", stream);
+  check(y, "layer_norm", "y", stream);
+  check_same(gamma, beta, "layer_norm");
+  check_same(x, y, "layer_norm");
+  if (!(eps > 0)) throw Error(Errc::invalid_argument, "layer_norm: eps " + std::to_string(eps) + " (expected > 0)");
+  std::int64_t const n = x.dim(0);
+  visit(x.dtype(), [&]<class T>(T) {
+    detail::LayerNormRow<T> const op{ptr<T>(x), ptr<T>(gamma), ptr<T>(beta), ptr<T>(y), ptr<float>(stats), ptr<float>(stats) + n, x.dim(1), eps};
+    run_each(stream, n, op, {x, gamma, beta, y, stats});
+  });
+}
+
+void layer_norm_backward(Tensor const& x, Tensor const& gamma, Tensor const& stats, Tensor const& dy, Tensor const& dx,
+                         Tensor const& dgamma, Tensor const& dbeta, Stream& stream, bool accumulate) {
+  check_layer_norm(x, gamma, stats, "layer_norm_backward", stream);
+  for (auto const& [t, role] : {std::pair{&dy, "dy"}, std::pair{&dx, "dx"}, std::pair{&dgamma, "dgamma"}, std::pair{&dbeta, "dbeta"}})
+    check(*t, "layer_norm_backward", role, stream);
+  check_same(x, dy, "layer_norm_backward");
+  check_same(x, dx, "layer_norm_backward");
+  check_same(gamma, dgamma, "layer_norm_backward");
+  check_same(gamma, dbeta, "layer_norm_backward");
+  std::int64_t const n = x.dim(0);
+  std::int64_t const d = x.dim(1);
+  float const* mean = ptr<float>(stats);
+  float const* rstd = mean + n;
+  visit(x.dtype(), [&]<class T>(T) {
+    run_each(stream, n, detail::LayerNormGradRow<T>{ptr<T>(x), ptr<T>(gamma), ptr<T>(dy), mean, rstd, ptr<T>(dx), d},
+             {x, gamma, stats, dy, dx});
+    run_each(stream, d, detail::LayerNormParamGradCol<T>{ptr<T>(x), ptr<T>(dy), mean, rstd, ptr<T>(dgamma), ptr<T>(dbeta), n, d, accumulate},
+             {x, stats, dy, dgamma, dbeta});
+  });
+}
+
+}  // namespace mgpu::ops
