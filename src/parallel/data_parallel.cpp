@@ -21,7 +21,6 @@
 #include <mgpu/sched/planning.hpp>
 
 #include "core/host_staging.hpp"
-#include "parallel/class_ids.hpp"
 
 namespace mgpu::parallel {
 
@@ -92,30 +91,27 @@ std::vector<std::pair<std::int64_t, std::int64_t>> plan_buckets(nn::Sequential c
   return buckets;
 }
 
-// x and labels are checked before any rank starts, so a bad batch is reported as itself rather
-// than as the aborted collectives it would cause on the other ranks; returns the logits' width.
-std::int64_t check_batch(nn::Sequential const& model, DType compute, Tensor const& x, Tensor const& labels, std::string const& what) {
-  if (!x.defined() || x.rank() != 2)
+// x and the targets are checked before any rank starts, so a bad batch is reported as itself
+// rather than as the aborted collectives it would cause on the other ranks.
+void check_batch(nn::Sequential const& model, DType compute, Tensor const& x, Tensor const& targets, nn::Loss const& loss,
+                 std::string const& what) {
+  if (!x.defined() || x.rank() < 1)
     throw Error(Errc::invalid_argument, what + ": x of shape " + (x.defined() ? to_string(x.shape()) : std::string("undefined")) +
-                                            " (expected [rows, features])");
-  if (x.dtype() != DType::float32 && x.dtype() != compute) {
-    std::string const also = compute != DType::float32 ? " or " + std::string(to_string(compute)) + ", the compute type" : "";
-    throw Error(Errc::invalid_argument, what + ": x of dtype " + std::string(to_string(x.dtype())) + " (expected float32" + also + ")");
+                                            " (expected [rows, ...])");
+  if (x.dtype() != DType::float32 && x.dtype() != compute && x.dtype() != DType::int32) {
+    std::string const also = compute != DType::float32 ? ", " + std::string(to_string(compute)) + " (the compute type)" : "";
+    throw Error(Errc::invalid_argument,
+                what + ": x of dtype " + std::string(to_string(x.dtype())) + " (expected float32" + also + " or int32 token ids)");
   }
-  Shape logits;
+  Shape output;
   try {
-    logits = model.output_shape(x.shape());
+    output = model.output_shape(x.shape());
   } catch (Error const& e) {
     throw Error(Errc::invalid_argument, what + ": x of shape " + to_string(x.shape()) + ": " + std::string(e.message()));
   }
-  std::int64_t const rows = x.dim(0);
-  if (!labels.defined() || labels.rank() != 1 || labels.numel() != rows)
-    throw Error(Errc::invalid_argument, what + ": labels of shape " + (labels.defined() ? to_string(labels.shape()) : std::string("undefined")) +
-                                            " for " + std::to_string(rows) + " rows (expected [" + std::to_string(rows) + "])");
-  if (logits.size() == 2) detail::check_class_ids(labels, logits[1], what);
-  return logits.size() == 2 ? logits[1] : 0;
+  loss.check(output, targets, what);
+  loss.check_values(output, targets, what);
 }
-
 }  // namespace
 
 struct DataParallel::Impl {
@@ -365,6 +361,7 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
   }
   im.buckets = plan_buckets(model, options.first_bucket_cap_bytes, options.bucket_cap_bytes);
   im.options = std::move(options);
+  if (!im.options.loss) im.options.loss = nn::default_loss();
   im.comm = comm::make_communicator(*im.group, im.options.comm);
   im.plan_blocks();
   if (im.options.comm_hook) {
@@ -443,7 +440,8 @@ optim::LossScaler const* DataParallel::loss_scaler() const {
 DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, float lr_scale) {
   Impl& im = *impl_;
   im.check_usable("DataParallel::step");
-  check_batch(im.state[0]->model, im.options.compute, x, labels, "DataParallel::step");
+  nn::Loss const& loss_fn = *im.options.loss;
+  check_batch(im.state[0]->model, im.options.compute, x, labels, loss_fn, "DataParallel::step");
   std::int64_t const rows = x.dim(0);
   if (rows < 1) throw Error(Errc::invalid_argument, "DataParallel::step: an empty batch (expected at least one row)");
   if (!(lr_scale >= 0 && std::isfinite(lr_scale)))
@@ -456,6 +454,8 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
   std::vector<std::int64_t> offsets(static_cast<std::size_t>(n), 0);
   for (int r = 1; r < n; ++r) offsets[static_cast<std::size_t>(r)] = offsets[static_cast<std::size_t>(r - 1)] + sizes[static_cast<std::size_t>(r - 1)];
 
+  // The loss's divisor: the counted units of the global batch (a shard's loss is its share of the mean).
+  std::int64_t const units = std::max<std::int64_t>(1, loss_fn.count(labels, im.group->stream(0)));
   int const k = im.options.accumulation_steps;
   bool const accumulate_only = k > 1 && (im.micro_steps + 1) % k != 0;
   std::shared_ptr<trace::Timeline> const& timeline = im.options.timeline;
@@ -480,7 +480,7 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
       options.lr_scale = lr_scale;
       options.clip_norm = im.options.clip_norm;
       options.scaler = st.scaler ? &*st.scaler : nullptr;
-      options.global_rows = rows;
+      options.global_units = units;
       options.grad_scale = 1.0f / static_cast<float>(k);
       options.accumulator = k > 1 ? &st.accumulator : nullptr;
       options.accumulate_only = accumulate_only;
@@ -489,7 +489,7 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
       options.rank = im.ranks[r];
       st.start.record(stream);
       try {
-        results[r] = nn::classification_step(st.model, *st.optimizer, xs[r], ys[r], ctx, options);
+        results[r] = nn::train_step(st.model, *st.optimizer, xs[r], ys[r], loss_fn, ctx, options);
         if (options.sync == nullptr || accumulate_only) st.stop.record(stream);
         stream.synchronize();
       } catch (Error const& e) {
@@ -512,12 +512,12 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
   for (int r = 0; r < n; ++r) {
     auto const i = static_cast<std::size_t>(r);
     Impl::Rank const& st = *im.state[i];
-    loss += static_cast<double>(ops::item(results[i].loss, im.group->stream(r))) * static_cast<double>(sizes[i]);
+    loss += static_cast<double>(ops::item(results[i].loss, im.group->stream(r)));
     result.compute_ms.push_back(Event::elapsed_ms(st.start, st.stop));
     bool const waited = im.group->device(r).kind == DeviceKind::host && (n > 1 || im.options.comm_hook) && !accumulate_only;
     result.wait_ms.push_back(waited ? static_cast<double>((*st.wait_marks)[1] - (*st.wait_marks)[0]) * 1e-6 : 0.0);
   }
-  result.loss = static_cast<float>(loss / static_cast<double>(rows));
+  result.loss = static_cast<float>(loss);
 
   if (im.options.rebalance && n > 1) {
     // Weights follow the measured speed (rows per millisecond) of every rank that had rows, scaled
@@ -554,7 +554,7 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
 
 std::int64_t DataParallel::count_correct(Tensor const& x, Tensor const& labels, std::int64_t batch) {
   Impl& im = *impl_;
-  check_batch(im.state[0]->model, im.options.compute, x, labels, "DataParallel::count_correct");
+  check_batch(im.state[0]->model, im.options.compute, x, labels, nn::SoftmaxCrossEntropy{}, "DataParallel::count_correct");
   Stream& stream = im.group->stream(0);
   Allocator& allocator = im.group->allocator(0);
   auto const local = [&](Tensor const& t) {
