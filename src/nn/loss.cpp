@@ -1,10 +1,9 @@
 // The losses every executor shares.
-#include <mgpu/nn/loss.hpp>
-
 #include <cmath>
 #include <string>
 
 #include <mgpu/core/error.hpp>
+#include <mgpu/nn/loss.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/ops/transformer.hpp>
 
@@ -34,8 +33,9 @@ void SoftmaxCrossEntropy::check(Shape const& output, Tensor const& targets, std:
                                             " (expected logits [rows, classes] for softmax cross-entropy)");
   std::int64_t const rows = output[0];
   if (!targets.defined() || targets.rank() != 1 || targets.numel() != rows)
-    throw Error(Errc::invalid_argument, what + ": labels of shape " + shape_of(targets) + " for " + std::to_string(rows) +
-                                            " rows (expected [" + std::to_string(rows) + "], one float32 class id per row)");
+    throw Error(Errc::invalid_argument, what + ": labels of shape " + shape_of(targets) + " for " +
+                                            std::to_string(rows) + " rows (expected [" + std::to_string(rows) +
+                                            "], one float32 class id per row)");
   if (targets.dtype() != DType::float32)
     throw Error(Errc::invalid_argument, what + ": labels of dtype " + std::string(to_string(targets.dtype())) +
                                             " (expected float32 class ids)");
@@ -56,8 +56,9 @@ std::int64_t SoftmaxCrossEntropy::count(Tensor const& targets, Stream& /*stream*
   return targets.rank() >= 1 ? targets.dim(0) : 0;
 }
 
-void SoftmaxCrossEntropy::compute(Tensor const& output, Tensor const& targets, Tensor const& doutput, Tensor const& loss,
-                                  std::int64_t divisor, float grad_scale, Allocator& /*allocator*/, Stream& stream) const {
+void SoftmaxCrossEntropy::compute(Tensor const& output, Tensor const& targets, Tensor const& doutput,
+                                  Tensor const& loss, std::int64_t divisor, float grad_scale, Allocator& /*allocator*/,
+                                  Stream& stream) const {
   check_divisor(divisor, name());
   std::int64_t const rows = output.rank() >= 1 ? output.dim(0) : 0;
   // The op writes the part's mean; its share of the whole batch's mean scales loss and gradient.
@@ -108,15 +109,17 @@ std::int64_t TokenCrossEntropy::count(Tensor const& targets, Stream& stream) con
 }
 
 void TokenCrossEntropy::compute(Tensor const& output, Tensor const& targets, Tensor const& doutput, Tensor const& loss,
-                                std::int64_t divisor, float grad_scale, Allocator& /*allocator*/, Stream& stream) const {
+                                std::int64_t divisor, float grad_scale, Allocator& /*allocator*/,
+                                Stream& stream) const {
   check_divisor(divisor, name());
-  ops::token_cross_entropy(output, targets, doutput, loss, static_cast<float>(divisor), stream, ignore_index_, grad_scale);
+  ops::token_cross_entropy(output, targets, doutput, loss, static_cast<float>(divisor), stream, ignore_index_,
+                           grad_scale);
 }
 
 void MeanSquaredError::check(Shape const& output, Tensor const& targets, std::string const& what) const {
   if (output.empty())
-    throw Error(Errc::invalid_argument,
-                what + ": a model output of shape " + to_string(output) + " (expected [rows, ...] for mean squared error)");
+    throw Error(Errc::invalid_argument, what + ": a model output of shape " + to_string(output) +
+                                            " (expected [rows, ...] for mean squared error)");
   if (!targets.defined() || targets.shape() != output || targets.dtype() != DType::float32)
     throw Error(Errc::invalid_argument, what + ": targets of shape " + shape_of(targets) + " and dtype " +
                                             (targets.defined() ? std::string(to_string(targets.dtype())) : "none") +

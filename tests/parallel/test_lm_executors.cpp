@@ -3,6 +3,14 @@
 // pipelined (1F1B and interleaved, the tied LM head in another stage than its embedding) and on a
 // data x pipeline grid; per-token cross-entropy with ignored targets and mean squared error give
 // the global batch's mean (against float64 references) however the batch is split.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
@@ -12,14 +20,6 @@
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
 #include <mgpu/parallel/pipeline.hpp>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <memory>
-#include <random>
-#include <string>
-#include <vector>
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
@@ -49,7 +49,8 @@ Batch make_batch(Env& env, unsigned draw, std::int32_t ignore_every = 0) {
   std::mt19937 rng(100 + draw);
   std::uniform_int_distribution<std::int32_t> start(0, static_cast<std::int32_t>(config.vocab) - 1);
   std::int64_t const t = config.block_size;
-  Batch b{Tensor::empty({batch, t}, DType::int32, *env.allocator), Tensor::empty({batch, t}, DType::int32, *env.allocator)};
+  Batch b{Tensor::empty({batch, t}, DType::int32, *env.allocator),
+          Tensor::empty({batch, t}, DType::int32, *env.allocator)};
   auto ids = b.ids.host_span<std::int32_t>();
   auto targets = b.targets.host_span<std::int32_t>();
   for (std::int64_t r = 0; r < batch; ++r) {
@@ -64,7 +65,8 @@ Batch make_batch(Env& env, unsigned draw, std::int32_t ignore_every = 0) {
   // Ignored targets, unevenly spread: every ignore_every-th token, and all of the last row's.
   if (ignore_every > 0) {
     for (std::size_t i = 0; i < targets.size(); ++i) {
-      if (i % static_cast<std::size_t>(ignore_every) == 0 || i >= static_cast<std::size_t>((batch - 1) * t)) targets[i] = -100;
+      if (i % static_cast<std::size_t>(ignore_every) == 0 || i >= static_cast<std::size_t>((batch - 1) * t))
+        targets[i] = -100;
     }
   }
   return b;
@@ -84,7 +86,8 @@ std::vector<double> one_device_curve(Env& env, std::vector<Batch> const& batches
   nn::TokenCrossEntropy const loss;
   std::vector<double> curve;
   for (Batch const& b : batches)
-    curve.push_back(mgpu::ops::item(nn::train_step(model, opt, b.ids, b.targets, loss, env.ctx, {.clip_norm = clip}).loss, env.stream));
+    curve.push_back(mgpu::ops::item(
+        nn::train_step(model, opt, b.ids, b.targets, loss, env.ctx, {.clip_norm = clip}).loss, env.stream));
   return curve;
 }
 
@@ -125,7 +128,8 @@ double token_ce_reference(Tensor const& logits, Tensor const& targets) {
 
 }  // namespace
 
-TEST_CASE("a GPT trains as on one device data parallel, pipelined and on a data x pipeline grid", "[parallel][gpt][loss]") {
+TEST_CASE("a GPT trains as on one device data parallel, pipelined and on a data x pipeline grid",
+          "[parallel][gpt][loss]") {
   Env env;
   std::vector<Batch> const batches = make_batches(env);
   std::vector<double> const want = one_device_curve(env, batches);
@@ -175,13 +179,15 @@ TEST_CASE("a GPT trains as on one device data parallel, pipelined and on a data 
     auto const elements = config.vocab * config.n_embd;
     for (int r = 0; r < run.data_parallel; ++r) {
       std::vector<double> const wte = as_double(ex.chunk(0, r).master_parameters().slice(0, elements));
-      std::vector<double> const copy = as_double(ex.chunk(last, r).master_parameters().slice(ex.chunk(last, r).parameter_count() - elements, ex.chunk(last, r).parameter_count()));
+      std::vector<double> const copy = as_double(ex.chunk(last, r).master_parameters().slice(
+          ex.chunk(last, r).parameter_count() - elements, ex.chunk(last, r).parameter_count()));
       CHECK(wte == copy);
     }
   }
 }
 
-TEST_CASE("per-token cross-entropy with ignored targets is the global mean over counted tokens on any split", "[parallel][gpt][loss]") {
+TEST_CASE("per-token cross-entropy with ignored targets is the global mean over counted tokens on any split",
+          "[parallel][gpt][loss]") {
   Env env;
   Batch const b = make_batch(env, 7, 3);  // a third of the tokens and the whole last row ignored
   nn::TokenCrossEntropy const loss;
@@ -194,7 +200,8 @@ TEST_CASE("per-token cross-entropy with ignored targets is the global mean over 
   env.stream.synchronize();
   double const reference = token_ce_reference(logits, b.targets);
   mgpu::optim::SGD sgd({.lr = 0.1f});
-  double const one = mgpu::ops::item(nn::train_step(model, sgd, b.ids, b.targets, loss, env.ctx, {.lr_scale = 0.0f}).loss, env.stream);
+  double const one =
+      mgpu::ops::item(nn::train_step(model, sgd, b.ids, b.targets, loss, env.ctx, {.lr_scale = 0.0f}).loss, env.stream);
   CHECK(one == Approx(reference).epsilon(1e-6));
   CHECK(mgpu::optim::global_norm(model.master_gradients(), *env.allocator, env.stream) > clip);
   std::vector<double> const want = as_double(model.master_gradients());
@@ -208,7 +215,8 @@ TEST_CASE("per-token cross-entropy with ignored targets is the global mean over 
   // Three uneven shards (3, 2, 2 rows; the last one's second row has no counted token).
   auto const shared = std::make_shared<nn::TokenCrossEntropy const>();
   mgpu::DeviceGroup three("host:3");
-  mgpu::parallel::DataParallel dp(nn::gpt(config), three, mgpu::optim::SGD({.lr = 0.1f}), {.shard_update = false, .seed = seed, .loss = shared});
+  mgpu::parallel::DataParallel dp(nn::gpt(config), three, mgpu::optim::SGD({.lr = 0.1f}),
+                                  {.shard_update = false, .seed = seed, .loss = shared});
   auto const result = dp.step(b.ids, b.targets, 0.0f);
   CHECK(result.rows == std::vector<std::int64_t>{3, 2, 2});
   CHECK(result.loss == Approx(reference).epsilon(1e-6));
@@ -218,7 +226,8 @@ TEST_CASE("per-token cross-entropy with ignored targets is the global mean over 
   // Micro-batches of 2, 2, 2 and 1 rows on a 2-stage pipeline.
   mgpu::DeviceGroup two("host:2");
   nn::Sequential const whole = nn::gpt(config);
-  pp::Executor ex(whole, two, {0, 3, 6}, pp::one_f_one_b(2, 4), [] { return std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 0.1f}); },
+  pp::Executor ex(whole, two, {0, 3, 6}, pp::one_f_one_b(2, 4),
+                  [] { return std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 0.1f}); },
                   {.seed = seed, .loss = shared});
   CHECK(ex.compute_gradients(b.ids, b.targets) == Approx(reference).epsilon(1e-6));
   two.synchronize();
@@ -232,11 +241,14 @@ TEST_CASE("per-token cross-entropy with ignored targets is the global mean over 
 
   // Targets the loss refuses, before any work.
   Tensor bad = Tensor::empty(b.targets.shape(), DType::int32, *env.allocator);
-  std::copy(b.targets.host_span<std::int32_t>().begin(), b.targets.host_span<std::int32_t>().end(), bad.host_span<std::int32_t>().begin());
+  std::copy(b.targets.host_span<std::int32_t>().begin(), b.targets.host_span<std::int32_t>().end(),
+            bad.host_span<std::int32_t>().begin());
   bad.host_span<std::int32_t>()[20] = 64;
-  REQUIRE_MGPU_ERROR(dp.step(b.ids, bad), mgpu::Errc::invalid_argument,
-                     "DataParallel::step: target 64 at token 20 (expected a token id in [0, 64) or the ignore index -100)");
-  REQUIRE_MGPU_ERROR(ex.step(b.ids, b.ids.slice(0, 3)), mgpu::Errc::invalid_argument, "pipeline labels: targets of shape [3, 16]");
+  REQUIRE_MGPU_ERROR(
+      dp.step(b.ids, bad), mgpu::Errc::invalid_argument,
+      "DataParallel::step: target 64 at token 20 (expected a token id in [0, 64) or the ignore index -100)");
+  REQUIRE_MGPU_ERROR(ex.step(b.ids, b.ids.slice(0, 3)), mgpu::Errc::invalid_argument,
+                     "pipeline labels: targets of shape [3, 16]");
   Tensor const float_targets = Tensor::empty({batch, config.block_size}, DType::float32, *env.allocator);
   REQUIRE_MGPU_ERROR(dp.step(b.ids, float_targets), mgpu::Errc::invalid_argument, "(expected int32 token ids [7, 16])");
 }
@@ -259,7 +271,8 @@ TEST_CASE("mean squared error is the global mean on one device, uneven shards an
 
   auto const mse = std::make_shared<nn::MeanSquaredError const>();
   mgpu::optim::SGD sgd({.lr = 0.1f});
-  CHECK(mgpu::ops::item(nn::train_step(model, sgd, x, target, *mse, env.ctx).loss, env.stream) == Approx(reference).epsilon(1e-6));
+  CHECK(mgpu::ops::item(nn::train_step(model, sgd, x, target, *mse, env.ctx).loss, env.stream) ==
+        Approx(reference).epsilon(1e-6));
   env.stream.synchronize();
   std::vector<double> const want = as_double(model.master_parameters());
 
@@ -272,7 +285,8 @@ TEST_CASE("mean squared error is the global mean on one device, uneven shards an
 
   mgpu::DeviceGroup two("host:2");
   nn::Sequential const whole = make();
-  pp::Executor ex(whole, two, {0, 2, 3}, pp::one_f_one_b(2, 3), [] { return std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 0.1f}); },
+  pp::Executor ex(whole, two, {0, 2, 3}, pp::one_f_one_b(2, 3),
+                  [] { return std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 0.1f}); },
                   {.seed = seed, .loss = mse});
   CHECK(ex.step(x, target) == Approx(reference).epsilon(1e-6));
   two.synchronize();
@@ -280,7 +294,8 @@ TEST_CASE("mean squared error is the global mean on one device, uneven shards an
   std::vector<double> const tail = as_double(ex.chunk(1).master_parameters());
   stages.insert(stages.end(), tail.begin(), tail.end());
   for (std::size_t i = 0; i < want.size(); ++i) CHECK(stages[i] == Approx(want[i]).margin(1e-6));
-  REQUIRE_MGPU_ERROR(dp.step(x, x), mgpu::Errc::invalid_argument, "targets of shape [7, 5] and dtype float32 (expected float32 [7, 3]");
+  REQUIRE_MGPU_ERROR(dp.step(x, x), mgpu::Errc::invalid_argument,
+                     "targets of shape [7, 5] and dtype float32 (expected float32 [7, 3]");
 }
 
 TEST_CASE("the pipeline clips by the global norm over every stage as one device does", "[parallel][pipeline][loss]") {
@@ -295,9 +310,10 @@ TEST_CASE("the pipeline clips by the global norm over every stage as one device 
   env.stream.synchronize();
   std::vector<double> const want = as_double(model.master_parameters());
   mgpu::DeviceGroup group("host:3");
-  pp::Executor ex(make(), group, {0, 2, 4, 5}, pp::one_f_one_b(3, 4),
-                  [] { return std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 0.1f, .momentum = 0.9f}); },
-                  {.seed = seed, .clip_norm = 0.05f});
+  pp::Executor ex(
+      make(), group, {0, 2, 4, 5}, pp::one_f_one_b(3, 4),
+      [] { return std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 0.1f, .momentum = 0.9f}); },
+      {.seed = seed, .clip_norm = 0.05f});
   for (int s = 0; s < 3; ++s) ex.step(wide, y);
   group.synchronize();
   std::vector<double> got;
@@ -306,7 +322,7 @@ TEST_CASE("the pipeline clips by the global norm over every stage as one device 
     got.insert(got.end(), part.begin(), part.end());
   }
   for (std::size_t i = 0; i < want.size(); ++i) CHECK(got[i] == Approx(want[i]).margin(1e-6));
-  REQUIRE_MGPU_ERROR(pp::Executor(make(), group, {0, 2, 4, 5}, pp::one_f_one_b(3, 4), [] { return std::make_unique<mgpu::optim::SGD>(); },
-                                  {.clip_norm = -1.0f}),
+  REQUIRE_MGPU_ERROR(pp::Executor(make(), group, {0, 2, 4, 5}, pp::one_f_one_b(3, 4),
+                                  [] { return std::make_unique<mgpu::optim::SGD>(); }, {.clip_norm = -1.0f}),
                      mgpu::Errc::invalid_argument, "(expected 0 for no clipping, or a finite norm > 0)");
 }

@@ -56,8 +56,8 @@ class SoftmaxCrossEntropy final : public Loss {
   void check(Shape const& output, Tensor const& targets, std::string const& what) const override;
   void check_values(Shape const& output, Tensor const& targets, std::string const& what) const override;
   std::int64_t count(Tensor const& targets, Stream& stream) const override;
-  void compute(Tensor const& output, Tensor const& targets, Tensor const& doutput, Tensor const& loss, std::int64_t divisor,
-               float grad_scale, Allocator& allocator, Stream& stream) const override;
+  void compute(Tensor const& output, Tensor const& targets, Tensor const& doutput, Tensor const& loss,
+               std::int64_t divisor, float grad_scale, Allocator& allocator, Stream& stream) const override;
 };
 
 /// Per-token cross-entropy of logits [B, T, V] (or [N, V]) against int32 targets [B, T] (or [N]),
@@ -71,8 +71,8 @@ class TokenCrossEntropy final : public Loss {
   void check(Shape const& output, Tensor const& targets, std::string const& what) const override;
   void check_values(Shape const& output, Tensor const& targets, std::string const& what) const override;
   std::int64_t count(Tensor const& targets, Stream& stream) const override;
-  void compute(Tensor const& output, Tensor const& targets, Tensor const& doutput, Tensor const& loss, std::int64_t divisor,
-               float grad_scale, Allocator& allocator, Stream& stream) const override;
+  void compute(Tensor const& output, Tensor const& targets, Tensor const& doutput, Tensor const& loss,
+               std::int64_t divisor, float grad_scale, Allocator& allocator, Stream& stream) const override;
 
  private:
   std::int32_t ignore_index_;
@@ -86,8 +86,8 @@ class MeanSquaredError final : public Loss {
   std::string name() const override { return "mse"; }
   void check(Shape const& output, Tensor const& targets, std::string const& what) const override;
   std::int64_t count(Tensor const& targets, Stream& stream) const override;
-  void compute(Tensor const& output, Tensor const& targets, Tensor const& doutput, Tensor const& loss, std::int64_t divisor,
-               float grad_scale, Allocator& allocator, Stream& stream) const override;
+  void compute(Tensor const& output, Tensor const& targets, Tensor const& doutput, Tensor const& loss,
+               std::int64_t divisor, float grad_scale, Allocator& allocator, Stream& stream) const override;
 };
 
 /// The loss executors use when none is given: a shared SoftmaxCrossEntropy.
