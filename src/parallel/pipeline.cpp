@@ -479,9 +479,8 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
   }
   optim::LossScaler* const scaler = m.options.loss_scaler ? &*m.options.loss_scaler : nullptr;
   m.last_applied = nn::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, true});
-  // The update is enqueued from this thread; the next step's actions, which its devices' threads
-  // run, start once it is done (measured: without this wait, later steps read stale parameters
-  // on host devices).
+  // step() returns with the chunks updated, as when each device's thread ran its update inline:
+  // the update enqueued from this thread runs on the streams' workers.
   m.group->synchronize();
   return loss;
 }

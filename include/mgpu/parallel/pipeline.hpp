@@ -180,7 +180,8 @@ class Executor {
   /// the loss scaler's overflow check over all chunks, clipping by the global norm over all
   /// chunks, each chunk's optimizer step with its learning rate times lr_scale): when the loss
   /// scaler found NaN or Inf gradients in any chunk, no chunk updates (see last_step_applied()).
-  /// Throws Error(invalid_argument) for an lr_scale that is not finite and >= 0.
+  /// Returns once every chunk is updated (it synchronizes the group's streams). Throws
+  /// Error(invalid_argument) for an lr_scale that is not finite and >= 0.
   float step(Tensor const& x, Tensor const& labels, float lr_scale = 1.0f);
   /// Whether the last step() updated the parameters.
   [[nodiscard]] bool last_step_applied() const noexcept;
