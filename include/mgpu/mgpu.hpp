@@ -19,6 +19,7 @@
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/lm.hpp>
+#include <mgpu/nn/loss.hpp>
 #include <mgpu/nn/optim.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/nn/transformer.hpp>

@@ -6,6 +6,7 @@
 
 #include <mgpu/core/error.hpp>
 #include <mgpu/core/detail/training_math.hpp>
+#include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/ops.hpp>
 
 #include "core/backend.hpp"
@@ -408,6 +409,16 @@ Sequential Sequential::stage(std::size_t begin, std::size_t end) const {
   Sequential part;
   for (std::size_t i = begin; i < end; ++i) part.add(layers_[i]->clone());
   part.first_layer_ = first_layer_ + begin;
+  // A tied LM head whose Embedding stays in another stage holds its own copy of wte.
+  for (auto& layer : part.layers_) {
+    auto* head = dynamic_cast<TiedLMHead*>(layer.get());
+    if (head == nullptr) continue;
+    bool const embedded = std::any_of(part.layers_.begin(), part.layers_.end(), [&](auto const& other) {
+      auto const* embedding = dynamic_cast<Embedding const*>(other.get());
+      return embedding != nullptr && embedding->vocab() == head->vocab() && embedding->features() == head->features();
+    });
+    if (!embedded) head->hold_weight();
+  }
   return part;
 }
 

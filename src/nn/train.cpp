@@ -1,4 +1,4 @@
-// The classification step and evaluation.
+// The training step, the update every executor applies, and evaluation.
 #include <mgpu/nn/train.hpp>
 
 #include <algorithm>
@@ -13,38 +13,40 @@
 
 namespace mgpu::nn {
 namespace {
-// x in the model's compute type (a converted copy when it is not).
+// x in the model's compute type (a converted copy when it is not); token ids stay as they are.
 Tensor as_compute(Sequential const& model, Tensor const& x, Context& ctx) {
-  if (x.dtype() == model.compute_type()) return x;
+  if (x.dtype() == model.compute_type() || x.dtype() == DType::int32) return x;
   Tensor converted = Tensor::empty(x.shape(), model.compute_type(), ctx.allocator);
   convert_async(converted, x, ctx.stream);
   return converted;
 }
 }  // namespace
 
-StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, Tensor const& x, Tensor const& labels, Context& ctx,
-                               StepOptions const& options) {
+StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor const& x, Tensor const& targets, Loss const& loss,
+                      Context& ctx, StepOptions const& options) {
   if (!model.parameters().defined())
-    throw Error(Errc::invalid_argument, "classification_step before materialize (expected model.materialize(ctx, seed) first)");
+    throw Error(Errc::invalid_argument, "train_step before materialize (expected model.materialize(ctx, seed) first)");
   std::int64_t const rows = x.defined() && x.rank() >= 1 ? x.dim(0) : 0;
-  if (!labels.defined() || labels.numel() != rows)
-    throw Error(Errc::invalid_argument, "classification_step: " + std::to_string(rows) + " rows and " +
-                                            std::to_string(labels.defined() ? labels.numel() : 0) + " labels (expected one label per row)");
-  std::int64_t const global_rows = options.global_rows > 0 ? options.global_rows : rows;
-  if (rows > global_rows)
-    throw Error(Errc::invalid_argument, "classification_step: a shard of " + std::to_string(rows) + " rows of a " +
-                                            std::to_string(global_rows) + "-row batch (expected global_rows >= the shard's rows)");
+  if (x.defined()) {
+    loss.check(model.output_shape(x.shape()), targets, "train_step");
+  } else if (targets.defined() && targets.numel() != 0) {
+    throw Error(Errc::invalid_argument, "train_step: no x and targets of shape " + to_string(targets.shape()) +
+                                            " (expected no targets for an empty shard)");
+  }
+  if (options.global_rows > 0 && rows > options.global_rows)
+    throw Error(Errc::invalid_argument, "train_step: a shard of " + std::to_string(rows) + " rows of a " +
+                                            std::to_string(options.global_rows) + "-row batch (expected global_rows >= the shard's rows)");
   if (!(options.lr_scale >= 0 && std::isfinite(options.lr_scale)))
-    throw Error(Errc::invalid_argument, "classification_step: lr_scale " + std::to_string(options.lr_scale) + " (expected a finite lr_scale >= 0)");
+    throw Error(Errc::invalid_argument, "train_step: lr_scale " + std::to_string(options.lr_scale) + " (expected a finite lr_scale >= 0)");
   if (!(options.clip_norm == 0 || (options.clip_norm > 0 && std::isfinite(options.clip_norm))))
-    throw Error(Errc::invalid_argument, "classification_step: clip_norm " + std::to_string(options.clip_norm) +
+    throw Error(Errc::invalid_argument, "train_step: clip_norm " + std::to_string(options.clip_norm) +
                                             " (expected 0 for no clipping, or a finite norm > 0)");
   Tensor const& masters = model.master_gradients();
   if (options.accumulate_only && options.accumulator == nullptr)
-    throw Error(Errc::invalid_argument, "classification_step: accumulate_only without an accumulator (expected a float32 buffer)");
+    throw Error(Errc::invalid_argument, "train_step: accumulate_only without an accumulator (expected a float32 buffer)");
   if (options.accumulator != nullptr &&
       (options.accumulator->numel() != masters.numel() || options.accumulator->dtype() != DType::float32))
-    throw Error(Errc::invalid_argument, "classification_step: an accumulator of " + std::to_string(options.accumulator->numel()) + " " +
+    throw Error(Errc::invalid_argument, "train_step: an accumulator of " + std::to_string(options.accumulator->numel()) + " " +
                                             std::string(to_string(options.accumulator->dtype())) + " elements (expected " +
                                             std::to_string(masters.numel()) + " float32, one per parameter)");
   trace::Timeline* const timeline = options.timeline != nullptr && options.timeline->enabled() ? options.timeline : nullptr;
@@ -71,6 +73,7 @@ StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, T
     };
   }
   GradientSync* const sync = options.accumulate_only ? nullptr : options.sync;
+  std::vector<ParameterRange> const ranges = model.parameter_ranges();
   auto const last_mark = std::make_shared<std::int64_t>(0);  // where the next layer's backward span starts
   auto const mark = [&](std::string name) {
     ctx.stream.enqueue([timeline, last_mark, name = std::move(name), rank = options.rank] {
@@ -81,7 +84,6 @@ StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, T
   };
   // One layer's gradients are written: widen them into the float32 masters, accumulate, then
   // reduce (data parallel) and update.
-  std::vector<ParameterRange> const ranges = model.parameter_ranges();
   auto const on_gradients = [&](std::int64_t begin, std::int64_t end) {
     ParameterRange const& range = *std::find_if(ranges.begin(), ranges.end(), [&](ParameterRange const& r) { return r.begin == begin; });
     if (timeline != nullptr) mark("backward " + model.layer(range.layer).name());
@@ -103,12 +105,16 @@ StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, T
   };
 
   if (rows > 0) {
-    float const grad_scale = loss_scale * options.grad_scale * static_cast<float>(static_cast<double>(rows) / static_cast<double>(global_rows));
-    Tensor dlogits;
+    // A batch without counted units (every token ignored) has loss 0 and zero gradients.
+    std::int64_t const units = options.global_units > 0  ? options.global_units
+                               : options.global_rows > 0 ? options.global_rows
+                                                         : loss.count(targets, ctx.stream);
+    float const grad_scale = loss_scale * options.grad_scale;
+    Tensor doutput;
     auto const forward = [&] {
-      Tensor const logits = model.forward(as_compute(model, x, ctx), ctx);
-      dlogits = Tensor::empty(logits.shape(), logits.dtype(), ctx.allocator);
-      ops::softmax_cross_entropy(logits, labels, dlogits, result.loss, ctx.stream, grad_scale);
+      Tensor const output = model.forward(as_compute(model, x, ctx), ctx);
+      doutput = Tensor::empty(output.shape(), output.dtype(), ctx.allocator);
+      loss.compute(output, targets, doutput, result.loss, std::max<std::int64_t>(units, 1), grad_scale, ctx.allocator, ctx.stream);
     };
     if (timeline != nullptr) {
       timeline->stream_span(ctx.stream, "forward", "forward", options.rank, trace::Lane::compute, forward);
@@ -117,7 +123,7 @@ StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, T
       forward();
     }
     if (sync != nullptr) sync->begin(ctx.stream, update);
-    model.backward(dlogits, ctx, false, on_gradients);
+    model.backward(doutput, ctx, false, on_gradients);
   } else {  // an empty shard contributes zero gradients, in the same ranges and order
     fill_async(result.loss, 0.0f, ctx.stream);
     fill_async(model.gradients(), 0.0f, ctx.stream);
@@ -130,23 +136,80 @@ StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, T
 
   // The loss scaler's overflow check and the clipping norm read every (reduced) gradient, so every
   // data-parallel replica takes the same decision.
-  if (options.scaler != nullptr) {
-    Tensor bad = Tensor::empty({1}, DType::float32, ctx.allocator);
-    ops::count_nonfinite(masters, bad, ctx.stream);
-    result.applied = options.scaler->update(ops::item(bad, ctx.stream) == 0.0f);
-    if (!result.applied) return result;
-  }
-  if (options.clip_norm > 0) optim::clip_grad_norm(masters, options.clip_norm, ctx.allocator, ctx.stream);
-  auto const step = [&] {
-    optimizer.step(model.master_parameters(), masters, ctx.allocator, ctx.stream, options.lr_scale);
-    model.sync_parameters(ctx.stream);
-  };
+  UpdatePart const part{&model, &optimizer, &ctx.allocator, &ctx.stream};
+  UpdateOptions const update_options{options.lr_scale, options.clip_norm, options.scaler, false};
+  auto const apply = [&] { result.applied = apply_update({&part, 1}, update_options); };
   if (timeline != nullptr) {
-    timeline->stream_span(ctx.stream, "optimizer step", "update", options.rank, trace::Lane::compute, step);
+    timeline->stream_span(ctx.stream, "optimizer step", "update", options.rank, trace::Lane::compute, apply);
   } else {
-    step();
+    apply();
   }
   return result;
+}
+
+StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, Tensor const& x, Tensor const& labels, Context& ctx,
+                               StepOptions const& options) {
+  return train_step(model, optimizer, x, labels, SoftmaxCrossEntropy{}, ctx, options);
+}
+
+bool apply_update(std::span<UpdatePart const> parts, UpdateOptions const& options) {
+  if (!(options.lr_scale >= 0 && std::isfinite(options.lr_scale)))
+    throw Error(Errc::invalid_argument, "apply_update: lr_scale " + std::to_string(options.lr_scale) + " (expected a finite lr_scale >= 0)");
+  if (!(options.clip_norm == 0 || (options.clip_norm > 0 && std::isfinite(options.clip_norm))))
+    throw Error(Errc::invalid_argument, "apply_update: clip_norm " + std::to_string(options.clip_norm) +
+                                            " (expected 0 for no clipping, or a finite norm > 0)");
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    UpdatePart const& p = parts[i];
+    if (p.model == nullptr || p.optimizer == nullptr || p.allocator == nullptr || p.stream == nullptr)
+      throw Error(Errc::invalid_argument, "apply_update: part " + std::to_string(i) + " without a model, optimizer, allocator or stream (expected all four)");
+    std::int64_t const n = p.model->master_gradients().numel();
+    if (p.shared_begin < 0 || p.shared_begin > p.shared_end || p.shared_end > n)
+      throw Error(Errc::invalid_argument, "apply_update: part " + std::to_string(i) + " shares elements [" + std::to_string(p.shared_begin) +
+                                              ", " + std::to_string(p.shared_end) + ") (expected a range within its " + std::to_string(n) + ")");
+  }
+  // The sum of the float32 scalars `enqueue` writes for each part on its stream, read once every
+  // part's work is enqueued (so the devices compute them at once).
+  auto const sum_over_parts = [&](auto&& enqueue) {
+    std::vector<std::vector<Tensor>> scalars(parts.size());
+    for (std::size_t i = 0; i < parts.size(); ++i) enqueue(parts[i], scalars[i]);
+    double sum = 0;
+    for (std::size_t i = 0; i < parts.size(); ++i)
+      for (Tensor const& s : scalars[i]) sum += ops::item(s, *parts[i].stream);
+    return sum;
+  };
+  if (options.unscale) {
+    float const factor = options.scaler != nullptr ? 1.0f / options.scaler->scale() : 1.0f;
+    for (UpdatePart const& p : parts) p.model->unscale_gradients(factor, *p.stream);
+  }
+  if (options.scaler != nullptr) {
+    double const bad = sum_over_parts([](UpdatePart const& p, std::vector<Tensor>& out) {
+      out.push_back(Tensor::empty({1}, DType::float32, *p.allocator));
+      ops::count_nonfinite(p.model->master_gradients(), out.back(), *p.stream);
+    });
+    if (!options.scaler->update(bad == 0)) return false;
+  }
+  if (options.clip_norm > 0) {
+    double const squares = sum_over_parts([](UpdatePart const& p, std::vector<Tensor>& out) {
+      Tensor const& grads = p.model->master_gradients();
+      std::vector<Tensor> pieces{grads};
+      if (p.shared_begin < p.shared_end) pieces = {grads.slice(0, p.shared_begin), grads.slice(p.shared_end, grads.numel())};
+      for (Tensor const& piece : pieces) {
+        out.push_back(Tensor::empty({1}, DType::float32, *p.allocator));
+        ops::sum_squares(piece, out.back(), *p.stream);
+      }
+    });
+    float const norm = std::sqrt(static_cast<float>(squares));
+    if (!std::isfinite(norm))
+      throw Error(Errc::invalid_argument, "apply_update: clipping gradients that hold NaN or Inf (expected finite gradients)");
+    if (norm > options.clip_norm && norm > 0) {
+      for (UpdatePart const& p : parts) ops::scale(p.model->master_gradients(), options.clip_norm / norm, *p.stream);
+    }
+  }
+  for (UpdatePart const& p : parts) {
+    p.optimizer->step(p.model->master_parameters(), p.model->master_gradients(), *p.allocator, *p.stream, options.lr_scale);
+    p.model->sync_parameters(*p.stream);
+  }
+  return true;
 }
 
 std::int64_t count_correct(Sequential& model, Tensor const& x, Tensor const& labels, Context& ctx, std::int64_t batch) {

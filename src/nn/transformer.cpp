@@ -381,7 +381,24 @@ std::string TiedLMHead::name() const {
   return "TiedLMHead(" + std::to_string(vocab_) + ", " + std::to_string(features_) + ")";
 }
 
+void TiedLMHead::bind(Tensor const& params, Tensor const& grads) {
+  if (!holds_weight_) return;
+  wte_ = params.reshape({vocab_, features_});
+  dwte_ = grads.reshape({vocab_, features_});
+}
+
+void TiedLMHead::initialize(std::mt19937_64& /*rng*/) {
+  if (holds_weight_) zero_fill(wte_);
+}
+
+std::unique_ptr<Layer> TiedLMHead::clone() const {
+  auto copy = std::make_unique<TiedLMHead>(vocab_, features_);
+  copy->holds_weight_ = holds_weight_;
+  return copy;
+}
+
 void TiedLMHead::link(Sequential& model) {
+  if (holds_weight_) return;
   for (std::size_t i = 0; i < model.size(); ++i) {
     if (auto* embedding = dynamic_cast<Embedding*>(&model.layer(i));
         embedding != nullptr && embedding->vocab() == vocab_ && embedding->features() == features_) {
@@ -393,8 +410,8 @@ void TiedLMHead::link(Sequential& model) {
   }
   throw Error(Errc::invalid_argument,
               name() + ": no Embedding(" + std::to_string(vocab_) + ", *, " + std::to_string(features_) +
-                  ") in its Sequential (expected the token embedding it is tied to in the same model; a "
-                  "pipeline stage holding the head alone is not supported yet)");
+                  ") in its Sequential (expected the token embedding it is tied to in the same model, or "
+                  "hold_weight() for a stage without it)");
 }
 
 Tensor TiedLMHead::forward(Tensor const& h, Context& ctx) {

@@ -19,35 +19,32 @@
 #include <mgpu/sched/planning.hpp>
 
 #include "core/backend.hpp"
-#include "parallel/class_ids.hpp"
 #include "parallel/gradient_sync.hpp"
 
 namespace mgpu::parallel {
 
 namespace {
 
-// x and labels are checked before any rank starts, so a bad batch is reported as itself rather
-// than as the aborted collectives it would cause on the other ranks; returns the logits' width.
-std::int64_t check_batch(nn::Sequential const& model, DType compute, Tensor const& x, Tensor const& labels, std::string const& what) {
-  if (!x.defined() || x.rank() != 2)
+// x and the targets are checked before any rank starts, so a bad batch is reported as itself
+// rather than as the aborted collectives it would cause on the other ranks.
+void check_batch(nn::Sequential const& model, DType compute, Tensor const& x, Tensor const& targets, nn::Loss const& loss,
+                 std::string const& what) {
+  if (!x.defined() || x.rank() < 1)
     throw Error(Errc::invalid_argument, what + ": x of shape " + (x.defined() ? to_string(x.shape()) : std::string("undefined")) +
-                                            " (expected [rows, features])");
-  if (x.dtype() != DType::float32 && x.dtype() != compute) {
-    std::string const also = compute != DType::float32 ? " or " + std::string(to_string(compute)) + ", the compute type" : "";
-    throw Error(Errc::invalid_argument, what + ": x of dtype " + std::string(to_string(x.dtype())) + " (expected float32" + also + ")");
+                                            " (expected [rows, ...])");
+  if (x.dtype() != DType::float32 && x.dtype() != compute && x.dtype() != DType::int32) {
+    std::string const also = compute != DType::float32 ? ", " + std::string(to_string(compute)) + " (the compute type)" : "";
+    throw Error(Errc::invalid_argument,
+                what + ": x of dtype " + std::string(to_string(x.dtype())) + " (expected float32" + also + " or int32 token ids)");
   }
-  Shape logits;
+  Shape output;
   try {
-    logits = model.output_shape(x.shape());
+    output = model.output_shape(x.shape());
   } catch (Error const& e) {
     throw Error(Errc::invalid_argument, what + ": x of shape " + to_string(x.shape()) + ": " + std::string(e.message()));
   }
-  std::int64_t const rows = x.dim(0);
-  if (!labels.defined() || labels.rank() != 1 || labels.numel() != rows)
-    throw Error(Errc::invalid_argument, what + ": labels of shape " + (labels.defined() ? to_string(labels.shape()) : std::string("undefined")) +
-                                            " for " + std::to_string(rows) + " rows (expected [" + std::to_string(rows) + "])");
-  if (logits.size() == 2) detail::check_class_ids(labels, logits[1], what);
-  return logits.size() == 2 ? logits[1] : 0;
+  loss.check(output, targets, what);
+  loss.check_values(output, targets, what);
 }
 
 }  // namespace
@@ -60,6 +57,7 @@ struct DataParallel::Impl {
     std::int64_t global_rows = 0;
     std::vector<std::int64_t> rows;     // per used rank
     std::vector<std::int64_t> offsets;  // each rank's first row in the global batch
+    std::int64_t global_units = 0;      // what the loss counts in the global batch: its divisor
   };
 
   DeviceGroup* group = nullptr;
@@ -167,6 +165,7 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
   }
   std::vector<Bucket> buckets = detail::plan_buckets(model, options.first_bucket_cap_bytes, options.bucket_cap_bytes);
   im.options = std::move(options);
+  if (!im.options.loss) im.options.loss = nn::default_loss();
   im.sync = std::make_unique<detail::GradientSync>(*im.group, std::move(buckets), im.options, im.ranks);
 
   // Replicas: the same architecture on every rank; rank 0's weights (the given model's when it is
@@ -246,7 +245,7 @@ DataParallel::Impl::ShardPlan DataParallel::Impl::plan_shards(std::int64_t rows)
   return plan;
 }
 
-// Every used rank's classification_step on its shard, at once; the gradient sync joins them when
+// Every used rank's train_step on its shard, at once; the gradient sync joins them when
 // there is more than one rank or a comm hook.
 std::vector<nn::StepResult> DataParallel::Impl::run_ranks(ShardPlan const& plan, std::vector<Tensor> const& xs, std::vector<Tensor> const& ys,
                                                           float lr_scale, bool accumulate_only) {
@@ -262,7 +261,7 @@ std::vector<nn::StepResult> DataParallel::Impl::run_ranks(ShardPlan const& plan,
     step.lr_scale = lr_scale;
     step.clip_norm = options.clip_norm;
     step.scaler = st.scaler ? &*st.scaler : nullptr;
-    step.global_rows = plan.global_rows;
+    step.global_units = plan.global_units;
     step.grad_scale = 1.0f / static_cast<float>(k);
     step.accumulator = k > 1 ? &st.accumulator : nullptr;
     step.accumulate_only = accumulate_only;
@@ -271,7 +270,7 @@ std::vector<nn::StepResult> DataParallel::Impl::run_ranks(ShardPlan const& plan,
     step.rank = ranks[r];
     st.start.record(stream);
     try {
-      results[r] = nn::classification_step(st.model, *st.optimizer, xs[r], ys[r], ctx, step);
+      results[r] = nn::train_step(st.model, *st.optimizer, xs[r], ys[r], *options.loss, ctx, step);
       if (!synced || accumulate_only) st.stop.record(stream);  // else the sync's backward_end()
       stream.synchronize();
     } catch (Error const& e) {
@@ -317,11 +316,14 @@ void DataParallel::Impl::rebalance(ShardPlan const& plan, std::vector<double> co
 DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, float lr_scale) {
   Impl& im = *impl_;
   im.check_usable("DataParallel::step");
-  check_batch(im.state[0]->model, im.options.compute, x, labels, "DataParallel::step");
+  nn::Loss const& loss_fn = *im.options.loss;
+  check_batch(im.state[0]->model, im.options.compute, x, labels, loss_fn, "DataParallel::step");
   if (x.dim(0) < 1) throw Error(Errc::invalid_argument, "DataParallel::step: an empty batch (expected at least one row)");
   if (!(lr_scale >= 0 && std::isfinite(lr_scale)))
     throw Error(Errc::invalid_argument, "DataParallel::step: lr_scale " + std::to_string(lr_scale) + " (expected a finite lr_scale >= 0)");
-  Impl::ShardPlan const plan = im.plan_shards(x.dim(0));
+  Impl::ShardPlan plan = im.plan_shards(x.dim(0));
+  // The loss's divisor: the counted units of the global batch (a shard's loss is its share of the mean).
+  plan.global_units = std::max<std::int64_t>(1, loss_fn.count(labels, im.group->stream(0)));
   int const k = im.options.accumulation_steps;
   bool const accumulate_only = k > 1 && (im.micro_steps + 1) % k != 0;
 
@@ -354,19 +356,19 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
   for (int r = 0; r < n; ++r) {
     auto const i = static_cast<std::size_t>(r);
     detail::RankSync const& rank_sync = im.sync->rank(r);
-    loss += static_cast<double>(ops::item(results[i].loss, im.group->stream(r))) * static_cast<double>(plan.rows[i]);
+    loss += static_cast<double>(ops::item(results[i].loss, im.group->stream(r)));
     result.compute_ms.push_back(Event::elapsed_ms(im.state[i]->start, synced ? rank_sync.backward_end() : im.state[i]->stop));
     bool const waited = synced && im.group->device(r).kind == DeviceKind::host;
     result.wait_ms.push_back(waited ? rank_sync.wait_ms() : 0.0);
   }
-  result.loss = static_cast<float>(loss / static_cast<double>(plan.global_rows));
+  result.loss = static_cast<float>(loss);
   if (im.options.rebalance && n > 1) im.rebalance(plan, result.compute_ms);
   return result;
 }
 
 std::int64_t DataParallel::count_correct(Tensor const& x, Tensor const& labels, std::int64_t batch) {
   Impl& im = *impl_;
-  check_batch(im.state[0]->model, im.options.compute, x, labels, "DataParallel::count_correct");
+  check_batch(im.state[0]->model, im.options.compute, x, labels, nn::SoftmaxCrossEntropy{}, "DataParallel::count_correct");
   Stream& stream = im.group->stream(0);
   Allocator& allocator = im.group->allocator(0);
   auto const local = [&](Tensor const& t) {

@@ -8,9 +8,9 @@
 #include <utility>
 
 #include <mgpu/core/error.hpp>
+#include <mgpu/nn/train.hpp>
+#include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/ops.hpp>
-
-#include "parallel/class_ids.hpp"
 
 namespace mgpu::pipeline {
 
@@ -32,12 +32,23 @@ struct Executor::Impl {
   std::vector<std::vector<std::unique_ptr<optim::Optimizer>>> optimizers;
   double last_seconds = 0;
   bool last_applied = true;
+  // A tied LM head in another chunk than its Embedding: wte is `elements` long at
+  // embedding_offset of chunk embedding_chunk, and its copy at head_offset of chunk head_chunk.
+  struct Tie {
+    int embedding_chunk = 0, head_chunk = 0;
+    std::int64_t embedding_offset = 0, head_offset = 0, elements = 0;
+  };
+  std::optional<Tie> tie;
+  std::vector<std::unique_ptr<comm::Communicator>> tie_comms;  // per replica, over its two devices (none when they are one)
+  // Sums wte and its copy (the master parameters, or the gradients) on the tie's devices of
+  // `rank`'s replica, leaving both equal; does nothing on other ranks.
+  void sum_tied(int rank, Stream& stream, bool parameters);
 
   // One replica's batch for a step.
   struct Step {
     Tensor const* x;
     Tensor const* labels;
-    std::int64_t total_rows;
+    std::int64_t units;  // the loss's divisor: the counted units of the whole batch
     std::vector<std::int64_t> sizes, offsets;  // global rows of each micro-batch
     std::vector<std::vector<Shape>> input_shapes;  // [chunk][micro-batch], and [chunks()] the logits
     std::vector<Tensor> losses;                    // per micro-batch, on the last chunk's device
@@ -92,7 +103,6 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
   std::fill(st.ran_forward.begin(), st.ran_forward.end(), false);
   trace::Timeline* const timeline = options.timeline.get();
   auto const& list = s.actions[static_cast<std::size_t>(device)];
-  auto const total = static_cast<double>(step.total_rows);
   std::size_t current = 0;  // the action running, for the error message
   try {
     for (std::size_t i = 0; i < list.size();) {
@@ -163,9 +173,9 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
           case ActionKind::forward: {
             Tensor input;
             if (a.chunk == 0) {
-              input = Tensor::empty(step.input_shapes[0][mb], DType::float32, allocator);
+              input = Tensor::empty(step.input_shapes[0][mb], step.x->dtype(), allocator);
               copy_async(input, step.x->slice(step.offsets[mb], step.offsets[mb] + step.sizes[mb]), stream);
-              if (dtype != DType::float32) {
+              if (input.dtype() == DType::float32 && dtype != DType::float32) {
                 Tensor const rows = std::exchange(input, Tensor::empty(step.input_shapes[0][mb], dtype, allocator));
                 convert_async(input, rows, stream);
               }
@@ -184,13 +194,14 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
               st.act_out[slot(a.chunk, a.micro_batch)] = y;
               break;
             }
-            Tensor const labels = Tensor::empty({step.sizes[mb]}, DType::float32, allocator);
-            copy_async(labels, step.labels->slice(step.offsets[mb], step.offsets[mb] + step.sizes[mb]), stream);
+            Shape target_shape = step.labels->shape();
+            target_shape[0] = step.sizes[mb];
+            Tensor const targets = Tensor::empty(target_shape, step.labels->dtype(), allocator);
+            copy_async(targets, step.labels->slice(step.offsets[mb], step.offsets[mb] + step.sizes[mb]), stream);
             Tensor const dlogits = Tensor::empty(y.shape(), y.dtype(), allocator);
             step.losses[mb] = Tensor::empty({1}, DType::float32, allocator);
-            // Each micro-batch's mean loss weighted by its share: the gradients add up to the batch mean's.
-            ops::softmax_cross_entropy(y, labels, dlogits, step.losses[mb], stream,
-                                       step.loss_scale * static_cast<float>(static_cast<double>(step.sizes[mb]) / total));
+            // Each micro-batch's share of the batch's mean: the losses and gradients add up to the batch mean's.
+            options.loss->compute(y, targets, dlogits, step.losses[mb], step.units, step.loss_scale, allocator, stream);
             st.grad_out[slot(a.chunk, a.micro_batch)] = dlogits;
             break;
           }
@@ -234,6 +245,33 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
       }
     }
   }
+  sum_tied(rank, stream, false);
+}
+
+void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
+  if (!tie) return;
+  int const device = rank % schedule.devices;
+  int const embedding_device = schedule.device_of(tie->embedding_chunk);
+  int const head_device = schedule.device_of(tie->head_chunk);
+  if (device != embedding_device && device != head_device) return;
+  auto const part = [&](int c, std::int64_t offset) {
+    nn::Sequential const& chunk = chunk_of(rank, c);
+    return (parameters ? chunk.master_parameters() : chunk.gradients()).slice(offset, offset + tie->elements);
+  };
+  Tensor const wte = part(tie->embedding_chunk, tie->embedding_offset);
+  Tensor const copy = part(tie->head_chunk, tie->head_offset);
+  if (embedding_device == head_device) {
+    ops::add_scaled(wte, copy, 1.0f, stream);
+    copy_async(copy, wte, stream);
+  } else {
+    Tensor const& mine = device == embedding_device ? wte : copy;
+    tie_comms[static_cast<std::size_t>(rank / schedule.devices)]->all_reduce(device == embedding_device ? 0 : 1, mine, mine,
+                                                                            comm::ReduceOp::sum, stream);
+  }
+  if (!parameters) return;
+  for (auto const& [c, offset] : {std::pair{tie->embedding_chunk, tie->embedding_offset}, std::pair{tie->head_chunk, tie->head_offset}}) {
+    if (schedule.device_of(c) == device) chunk_of(rank, c).sync_parameters(stream, offset, offset + tie->elements);
+  }
 }
 
 Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<std::size_t> cuts, Schedule schedule,
@@ -259,6 +297,9 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
                                               " (expected strictly increasing layer indices)");
   }
   if (!make_optimizer) throw Error(Errc::invalid_argument, "a pipeline executor without an optimizer factory (expected one)");
+  if (!(options.clip_norm == 0 || (options.clip_norm > 0 && std::isfinite(options.clip_norm))))
+    throw Error(Errc::invalid_argument, "a pipeline executor with clip_norm " + std::to_string(options.clip_norm) +
+                                            " (expected 0 for no clipping, or a finite norm > 0)");
   Impl& m = *impl_;
   m.group = &group;
   m.schedule = std::move(schedule);
@@ -275,6 +316,34 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
         throw Error(Errc::invalid_argument, "the pipeline's optimizer factory returned no optimizer for chunk " + std::to_string(c) +
                                                 " of replica " + std::to_string(r) + " (expected a new optimizer from every call)");
       m.optimizers[static_cast<std::size_t>(r)].push_back(std::move(optimizer));
+    }
+  }
+  // A tied LM head whose Embedding is in another chunk (Sequential::stage made it hold a copy of wte).
+  auto const layer_offset = [](nn::Sequential const& chunk, std::size_t layer) {
+    std::int64_t offset = 0;
+    for (std::size_t i = 0; i < layer; ++i) offset += chunk.layer(i).parameter_count();
+    return offset;
+  };
+  for (std::size_t h = 0; h < chunks; ++h) {
+    nn::Sequential const& chunk = m.chunks[0][h];
+    for (std::size_t i = 0; i < chunk.size(); ++i) {
+      auto const* head = dynamic_cast<nn::TiedLMHead const*>(&chunk.layer(i));
+      if (head == nullptr || !head->holds_weight()) continue;
+      if (m.tie)
+        throw Error(Errc::invalid_argument, "a pipeline with two LM heads holding a copy of wte (expected at most one tied head)");
+      for (std::size_t e = 0; e < chunks && !m.tie; ++e) {
+        nn::Sequential const& other = m.chunks[0][e];
+        for (std::size_t j = 0; j < other.size(); ++j) {
+          auto const* embedding = dynamic_cast<nn::Embedding const*>(&other.layer(j));
+          if (embedding == nullptr || embedding->vocab() != head->vocab() || embedding->features() != head->features()) continue;
+          m.tie = Impl::Tie{static_cast<int>(e), static_cast<int>(h), layer_offset(other, j), layer_offset(chunk, i), head->parameter_count()};
+          break;
+        }
+      }
+      if (!m.tie)
+        throw Error(Errc::invalid_argument, head->name() + " in pipeline chunk " + std::to_string(h) + " without an Embedding(" +
+                                                std::to_string(head->vocab()) + ", *, " + std::to_string(head->features()) +
+                                                ") in any chunk (expected the token embedding it is tied to)");
     }
   }
   int const devices = m.schedule.devices;
@@ -298,6 +367,19 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
       m.stage_comms.push_back(comm::make_communicator(group, ranks, {comm::Backend::automatic, m.options.timeout}));
     }
   }
+  if (!m.options.loss) m.options.loss = nn::default_loss();
+  if (m.tie) {
+    int const embedding_device = m.schedule.device_of(m.tie->embedding_chunk);
+    int const head_device = m.schedule.device_of(m.tie->head_chunk);
+    if (embedding_device != head_device) {
+      for (int r = 0; r < m.replicas; ++r)
+        m.tie_comms.push_back(comm::make_communicator(group, {r * devices + embedding_device, r * devices + head_device},
+                                                      {comm::Backend::automatic, m.options.timeout}));
+    }
+    // The copy starts at zero: the sum makes it the embedding's initial wte.
+    group.run([&](int rank, Device, Stream& stream) { m.sum_tied(rank, stream, true); });
+    group.synchronize();
+  }
 }
 
 Executor::~Executor() = default;
@@ -305,21 +387,22 @@ Executor::~Executor() = default;
 float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
   Impl& m = *impl_;
   int const mbs = m.schedule.micro_batches;
-  if (x.rank() != 2 || x.dtype() != DType::float32)
+  if (x.rank() < 1 || (x.dtype() != DType::float32 && x.dtype() != DType::int32))
     throw Error(Errc::invalid_argument, "a pipeline batch x of shape " + mgpu::to_string(x.shape()) + " and dtype " +
-                                            std::string(mgpu::to_string(x.dtype())) + " (expected float32 [rows, features])");
-  if (labels.rank() != 1 || labels.numel() != x.dim(0) || labels.dtype() != DType::float32)
-    throw Error(Errc::invalid_argument, "pipeline labels of shape " + mgpu::to_string(labels.shape()) + " for " + std::to_string(x.dim(0)) +
-                                            " rows (expected one float32 class id per row, [" + std::to_string(x.dim(0)) + "])");
+                                            std::string(mgpu::to_string(x.dtype())) +
+                                            " (expected float32 [rows, features] or int32 token ids [rows, T])");
   // The model's shapes and the labels are checked before any action: a bad batch found inside one
   // would abort the communicator, and the executor with it.
-  Shape logits{x.dim(0), x.dim(1)};
+  Shape output = x.shape();
   try {
-    for (nn::Sequential const& chunk : m.chunks[0]) logits = chunk.output_shape(logits);
+    for (nn::Sequential const& chunk : m.chunks[0]) output = chunk.output_shape(output);
   } catch (Error const& e) {
     throw Error(Errc::invalid_argument, "a pipeline batch x of shape " + mgpu::to_string(x.shape()) + ": " + std::string(e.message()));
   }
-  if (logits.size() == 2) parallel::detail::check_class_ids(labels, logits[1], "pipeline labels");
+  m.options.loss->check(output, labels, "pipeline labels");
+  m.options.loss->check_values(output, labels, "pipeline labels");
+  // The loss's divisor; a batch without counted units has loss 0 and zero gradients.
+  std::int64_t const units = std::max<std::int64_t>(1, m.options.loss->count(labels, m.group->stream(0)));
   if (x.dim(0) < static_cast<std::int64_t>(mbs) * m.replicas)
     throw Error(Errc::invalid_argument, "a batch of " + std::to_string(x.dim(0)) + " rows cannot be split into " + std::to_string(m.replicas) +
                                             " replica(s) x " + std::to_string(mbs) +
@@ -330,7 +413,7 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
   for (std::int64_t const shard : shard_sizes(x.dim(0), m.replicas)) {
     Impl::Step step{&x,
                     &labels,
-                    x.dim(0),
+                    units,
                     shard_sizes(shard, mbs),
                     {},
                     {},
@@ -342,7 +425,8 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
     }
     step.input_shapes.resize(static_cast<std::size_t>(m.schedule.chunks()) + 1);
     for (std::int64_t n : step.sizes) {
-      Shape shape{n, x.dim(1)};
+      Shape shape = x.shape();
+      shape[0] = n;
       for (std::size_t c = 0; c < m.chunks[0].size(); ++c) {
         step.input_shapes[c].push_back(shape);
         shape = m.chunks[0][c].output_shape(shape);
@@ -364,7 +448,7 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
     Impl::Step const& step = steps[static_cast<std::size_t>(r)];
     int const last_rank = r * m.schedule.devices + m.schedule.device_of(m.schedule.chunks() - 1);
     for (std::size_t k = 0; k < step.losses.size(); ++k)
-      loss += ops::item(step.losses[k], m.group->stream(last_rank)) * static_cast<double>(step.sizes[k]) / static_cast<double>(x.dim(0));
+      loss += ops::item(step.losses[k], m.group->stream(last_rank));
   }
   return static_cast<float>(loss);
 }
@@ -375,33 +459,29 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
   float const loss = compute_gradients(x, labels);
   Impl& m = *impl_;
   int const devices = m.schedule.devices;
+  // Every chunk of every replica. The replicas' reduced gradients are equal, so replica 0's alone
+  // count in the global norm, and the tied copy of wte counts once, in the embedding's chunk.
+  std::vector<nn::UpdatePart> parts;
+  for (int r = 0; r < m.replicas; ++r) {
+    for (int c = 0; c < m.schedule.chunks(); ++c) {
+      int const rank = r * devices + m.schedule.device_of(c);
+      nn::Sequential& chunk = m.chunk_of(rank, c);
+      nn::UpdatePart part{&chunk, m.optimizers[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)].get(), &m.group->allocator(rank),
+                          &m.group->stream(rank)};
+      if (r > 0) {
+        part.shared_end = chunk.master_gradients().numel();
+      } else if (m.tie && c == m.tie->head_chunk) {
+        part.shared_begin = m.tie->head_offset;
+        part.shared_end = m.tie->head_offset + m.tie->elements;
+      }
+      parts.push_back(part);
+    }
+  }
   optim::LossScaler* const scaler = m.options.loss_scaler ? &*m.options.loss_scaler : nullptr;
-  float const unscale = scaler != nullptr ? 1.0f / scaler->scale() : 1.0f;
-  // Every chunk's float32 master gradients, and (with a scaler) how many of them are NaN or Inf:
-  // one decision over all chunks, so every chunk skips the same steps.
-  std::vector<double> nonfinite(static_cast<std::size_t>(m.group->size()), 0.0);
-  m.group->run([&](int rank, Device, Stream& stream) {
-    for (int c = rank % devices; c < m.schedule.chunks(); c += devices) {
-      nn::Sequential& chunk = m.chunk_of(rank, c);
-      chunk.unscale_gradients(unscale, stream);
-      if (scaler == nullptr) continue;
-      Tensor const count = Tensor::empty({1}, DType::float32, m.group->allocator(rank));
-      ops::count_nonfinite(chunk.master_gradients(), count, stream);
-      nonfinite[static_cast<std::size_t>(rank)] += ops::item(count, stream);
-    }
-  });
-  double bad = 0;
-  for (double const n : nonfinite) bad += n;
-  m.last_applied = scaler == nullptr || scaler->update(bad == 0);
-  if (!m.last_applied) return loss;
-  m.group->run([&](int rank, Device, Stream& stream) {
-    for (int c = rank % devices; c < m.schedule.chunks(); c += devices) {
-      nn::Sequential& chunk = m.chunk_of(rank, c);
-      m.optimizers[static_cast<std::size_t>(rank / devices)][static_cast<std::size_t>(c)]->step(
-          chunk.master_parameters(), chunk.master_gradients(), m.group->allocator(rank), stream, lr_scale);
-      chunk.sync_parameters(stream);
-    }
-  });
+  m.last_applied = nn::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, true});
+  // step() returns with the chunks updated, as when each device's thread ran its update inline:
+  // the update enqueued from this thread runs on the streams' workers.
+  m.group->synchronize();
   return loss;
 }
 

@@ -289,8 +289,9 @@ class Sequential {
   /// and the activation fused into it are one unit) and size().
   [[nodiscard]] std::vector<std::size_t> cut_points() const;
   /// A new Sequential (architecture, not weights) of layers [begin, end), which materialize()
-  /// initialises exactly as those layers of this model. Throws Error(invalid_argument) for an
-  /// empty or out-of-range span, or a cut inside a fused Linear and activation.
+  /// initialises exactly as those layers of this model; a TiedLMHead whose Embedding is not in the
+  /// span holds its own copy of wte (TiedLMHead::hold_weight()). Throws Error(invalid_argument) for
+  /// an empty or out-of-range span, or a cut inside a fused Linear and activation.
   [[nodiscard]] Sequential stage(std::size_t begin, std::size_t end) const;
   /// The index of layer 0 in the whole model (0 unless made by stage()).
   [[nodiscard]] std::size_t first_layer() const noexcept { return first_layer_; }

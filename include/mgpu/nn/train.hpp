@@ -1,14 +1,17 @@
-// One supervised classification step and evaluation, with what a training loop needs around the
-// model: mixed-precision input conversion, dynamic loss scaling with overflow skipping, clipping by
-// global norm, the optimizer step and the refresh of compute-type weights.
+// One training step against any nn::Loss (classification_step: softmax cross-entropy), evaluation,
+// and what a training loop needs around the model: mixed-precision input conversion, and the one
+// update every executor applies (apply_update: unscaling, dynamic loss scaling with overflow
+// skipping, clipping by global norm, the optimizer step and the refresh of compute-type weights).
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <span>
 
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
 #include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/loss.hpp>
 #include <mgpu/nn/optim.hpp>
 
 namespace mgpu::trace {
@@ -44,9 +47,12 @@ struct StepOptions {
   float clip_norm = 0.0f;
   /// Dynamic loss scaling (float16 training); nullptr for none.
   optim::LossScaler* scaler = nullptr;
-  /// Rows of the global batch that x is a shard of (0: x is the whole batch). The loss gradient
-  /// is scaled by rows / global_rows, so summing the shards' gradients gives the gradient of the
-  /// global batch's mean loss, for any shard sizes (empty shards included).
+  /// The counted units (Loss: rows, or tokens not ignored) of the global batch that x is a shard
+  /// of (0: x is the whole batch, and the loss counts its units). The loss divides its summed
+  /// per-unit loss by it, so the shards' losses and gradients add up to the global batch's mean
+  /// and its gradient, for any shard sizes (empty shards included).
+  std::int64_t global_units = 0;
+  /// Deprecated: global_units for a loss that counts rows (used when global_units is 0).
   std::int64_t global_rows = 0;
   /// Multiplies the loss gradient (e.g. 1/k for k accumulated micro-batches).
   float grad_scale = 1.0f;
@@ -64,21 +70,64 @@ struct StepOptions {
 
 struct StepResult {
   /// The batch's mean loss, a one-element float32 tensor on the model's device (read it with
-  /// ops::item; reading synchronizes, so a loop reads it only when it reports). For a shard, the
-  /// shard's mean (0 for an empty shard).
+  /// ops::item; reading synchronizes, so a loop reads it only when it reports). For a shard, its
+  /// share of the global batch's mean: its summed loss over the global units (0 for an empty
+  /// shard), so the shards' losses add up to the global mean.
   Tensor loss;
   /// False when the loss scaler found NaN or Inf gradients and the update was skipped, or when
   /// the step only accumulated.
   bool applied = true;
 };
 
-/// Forward, softmax cross-entropy against `labels` (float32 class ids), backward, optimizer step.
-/// `x` is float32 or the model's compute type, on ctx's device; the model must be in training mode.
-/// x may have 0 rows (an empty data-parallel shard): its gradients are zero. Without a loss
-/// scaler and clipping, each layer is updated as soon as its (reduced) gradients are ready.
-/// The same function runs one device and every replica of parallel::DataParallel.
+/// Forward, `loss` against `targets`, backward, and the update (apply_update). `x` is float32 or
+/// the model's compute type, or int32 token ids (a model starting with an Embedding), on ctx's
+/// device; the model must be in training mode. x may have 0 rows (an empty data-parallel shard):
+/// its gradients are zero. Without a loss scaler and clipping, each layer is updated as soon as
+/// its (reduced) gradients are ready. The same function runs one device and every replica of
+/// parallel::DataParallel. Throws Error(invalid_argument) before any work for targets that do not
+/// fit the model's output (Loss::check), and for bad options.
+StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor const& x, Tensor const& targets, Loss const& loss,
+                      Context& ctx, StepOptions const& options = {});
+
+/// train_step with softmax cross-entropy against `labels` (float32 class ids).
 StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, Tensor const& x, Tensor const& labels, Context& ctx,
                                StepOptions const& options = {});
+
+/// A model, or a part of one (a pipeline chunk), that an update changes, with its optimizer, on
+/// the device of `stream`.
+struct UpdatePart {
+  Sequential* model = nullptr;
+  optim::Optimizer* optimizer = nullptr;
+  Allocator* allocator = nullptr;
+  Stream* stream = nullptr;
+  /// Elements [begin, end) of its flat buffers that another part holds too (the copy of a tied
+  /// embedding on the last pipeline stage, whose gradient equals the first stage's): left out of
+  /// the global norm, so they count once.
+  std::int64_t shared_begin = 0, shared_end = 0;
+};
+
+struct UpdateOptions {
+  /// Multiplies each optimizer's learning rate: finite and >= 0.
+  float lr_scale = 1.0f;
+  /// Clip to this global norm over all parts, finite and > 0; 0 turns clipping off.
+  float clip_norm = 0.0f;
+  /// Dynamic loss scaling; nullptr for none.
+  optim::LossScaler* scaler = nullptr;
+  /// First write the float32 master gradients from the compute-type ones times 1 / the scaler's
+  /// scale; false when the step has done so layer by layer during backward.
+  bool unscale = true;
+};
+
+/// The update every executor applies, to a model held in one or several parts: (1) unscale (see
+/// UpdateOptions), (2) with a scaler, count NaN and Inf over every part's master gradients and
+/// record the outcome in the scaler, skipping the update on overflow, (3) with clip_norm, scale
+/// every part's master gradients by clip_norm / the global L2 norm over all parts when the norm is
+/// larger, (4) each part's optimizer step, (5) refresh each part's compute-type parameters. Enqueues
+/// on each part's stream; reading the counts and the norm synchronizes them. Returns whether the
+/// optimizers stepped. Called from one thread, with no other work using the parts' streams. Throws
+/// Error(invalid_argument) for bad options, and when clipping meets NaN or Inf gradients without a
+/// scaler.
+bool apply_update(std::span<UpdatePart const> parts, UpdateOptions const& options);
 
 /// Rows of `x` whose predicted class equals the label, counted in evaluation mode over batches of
 /// `batch` rows (the model is put back in training mode after). Synchronizes ctx's stream.

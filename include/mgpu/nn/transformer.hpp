@@ -160,12 +160,22 @@ class TransformerBlock final : public Layer {
 /// weight of the Embedding of the same Sequential (found by link()). It holds no parameters: its
 /// backward writes (or, with ctx.accumulate_gradients, adds) dwte = dlogitsᵀ h into the
 /// embedding's gradient view, and the embedding's backward, which runs after it, adds its own part,
-/// so the one parameter gets the sum of both uses. A Sequential without a matching Embedding (e.g.
-/// a pipeline stage holding only the head) is refused by materialize.
+/// so the one parameter gets the sum of both uses.
+///
+/// A pipeline stage holding the head without its Embedding (Sequential::stage() calls
+/// hold_weight() for it) holds a copy of wte as its own parameters instead, as Megatron's last
+/// stage does: pipeline::Executor makes the copy equal to the first stage's wte at the start and
+/// sums the two stages' wte gradients before every update, so both apply the same update and stay
+/// equal.
 class TiedLMHead final : public Layer {
  public:
   TiedLMHead(std::int64_t vocab, std::int64_t features);
   std::string name() const override;
+  /// V C with its own copy of wte, else 0.
+  std::int64_t parameter_count() const override { return holds_weight_ ? vocab_ * features_ : 0; }
+  void bind(Tensor const& params, Tensor const& grads) override;
+  /// The copy of wte starts at zero (the pipeline executor adds the first stage's wte to it).
+  void initialize(std::mt19937_64& rng) override;
   void link(Sequential& model) override;
   Tensor forward(Tensor const& h, Context& ctx) override;
   Tensor backward(Tensor const& dy, Context& ctx) override;
@@ -173,10 +183,18 @@ class TiedLMHead final : public Layer {
   void backward_weight(Context& ctx) override;
   Shape output_shape(Shape const& input) const override;
   std::size_t saved_micro_batches() const override { return saved_.size(); }
-  std::unique_ptr<Layer> clone() const override { return std::make_unique<TiedLMHead>(vocab_, features_); }
+  std::unique_ptr<Layer> clone() const override;
+
+  /// Makes the head hold its own copy of wte ([V, C] parameters) instead of reading its
+  /// Embedding's; call before materialize.
+  void hold_weight() noexcept { holds_weight_ = true; }
+  [[nodiscard]] bool holds_weight() const noexcept { return holds_weight_; }
+  [[nodiscard]] std::int64_t vocab() const noexcept { return vocab_; }
+  [[nodiscard]] std::int64_t features() const noexcept { return features_; }
 
  private:
   std::int64_t vocab_, features_;
+  bool holds_weight_ = false;
   Tensor wte_, dwte_;
   std::map<std::int64_t, std::pair<Tensor, Tensor>> saved_;  // h as [N, C], and dlogits as [N, V]
 };

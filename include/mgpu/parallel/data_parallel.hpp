@@ -1,6 +1,6 @@
 // Data parallelism: one replica of a model per device, the global batch sharded across them, the
 // gradients all-reduced in buckets while backward goes on, and the same update on every replica.
-// With one device it is exactly nn::classification_step (the same code, one replica).
+// With one device it is exactly nn::train_step (the same code, one replica), with any nn::Loss.
 #pragma once
 
 #include <concepts>
@@ -19,6 +19,7 @@
 #include <mgpu/core/tensor.hpp>
 #include <mgpu/io/checkpoint.hpp>
 #include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/loss.hpp>
 #include <mgpu/nn/optim.hpp>
 #include <mgpu/sched/scheduler.hpp>
 #include <mgpu/sched/types.hpp>
@@ -132,6 +133,10 @@ struct DataParallelOptions {
   std::optional<optim::LossScaler> loss_scaler{};
   /// Clip the reduced gradients to this global norm, finite and > 0 (0: off).
   float clip_norm = 0.0f;
+  /// What step() minimizes (nullptr: nn::SoftmaxCrossEntropy, float32 class ids). Its divisor is
+  /// the counted units of the global batch, counted on the host before the ranks start, so the
+  /// loss and gradients are the global batch's mean whatever the shard sizes.
+  std::shared_ptr<nn::Loss const> loss{};
   comm::Options comm{};
   /// Where every rank's actions are recorded when enabled (nullptr: no timeline).
   std::shared_ptr<trace::Timeline> timeline{};
@@ -139,7 +144,7 @@ struct DataParallelOptions {
 
 /// What one step did.
 struct DataParallelResult {
-  /// The global batch's mean loss (the rows-weighted mean of the shards' losses).
+  /// The global batch's mean loss (the sum of the shards' shares of it).
   float loss = 0;
   /// True when the optimizer was applied (false while accumulating, or when the loss scaler
   /// skipped an overflowing step).
@@ -182,13 +187,15 @@ class DataParallel {
   DataParallel& operator=(DataParallel const&) = delete;
   ~DataParallel();
 
-  /// One training step on the global batch: x [N, features] (float32 or the compute type) and
-  /// labels [N] (float32 class ids), in any device's or host memory. Shards x by the current
-  /// weights, runs forward and backward on every used rank at once, all-reduces the gradients
-  /// in buckets and updates every replica. Throws mgpu::Error naming the rank that failed (see the
-  /// class comment for what a failure leaves), and Error(invalid_argument) before any work for x
-  /// that does not fit the model or is neither float32 nor the compute type, labels in host
-  /// memory that are not class ids of the model's output, or an lr_scale that is not finite and >= 0.
+  /// One training step on the global batch: x [N, ...] (float32 or the compute type, or int32 token
+  /// ids [N, T]) and labels, the targets of the options' loss (by default [N] float32 class ids;
+  /// int32 [N, T] for nn::TokenCrossEntropy), in any device's or host memory. Shards x and labels
+  /// by rows with the current weights, runs forward and backward on every used rank at once,
+  /// all-reduces the gradients in buckets and updates every replica. Throws mgpu::Error naming the
+  /// rank that failed (see the class comment for what a failure leaves), and
+  /// Error(invalid_argument) before any work for x that does not fit the model or is none of
+  /// those types, targets that the loss refuses (nn::Loss::check), or an lr_scale that is not
+  /// finite and >= 0.
   DataParallelResult step(Tensor const& x, Tensor const& labels, float lr_scale = 1.0f);
 
   /// Rows of the test set whose predicted class is the label, evaluated on rank 0's replica.

@@ -16,6 +16,7 @@
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/core/tensor.hpp>
 #include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/loss.hpp>
 #include <mgpu/nn/optim.hpp>
 #include <mgpu/parallel/schedule.hpp>
 #include <mgpu/trace/timeline.hpp>
@@ -123,6 +124,13 @@ struct ExecutorOptions {
   /// The executor has no checkpoint of its own: a run continued by a new executor passes a scaler
   /// given the old one's state (Executor::loss_scaler()->state(), LossScaler::set_state()).
   std::optional<optim::LossScaler> loss_scaler{};
+  /// Clip the gradients to this global norm over every chunk (a tied embedding counted once),
+  /// finite and > 0; 0 turns clipping off.
+  float clip_norm = 0.0f;
+  /// What the last stage computes from each micro-batch's output (nullptr: nn::SoftmaxCrossEntropy,
+  /// float32 class ids). Its divisor is the counted units of the whole batch, counted on the host
+  /// before any action runs, so the micro-batches' losses and gradients add up to the batch's mean.
+  std::shared_ptr<nn::Loss const> loss{};
   /// Where every action is recorded (rank = device, compute lane; transfers on the communication
   /// lane); nullptr for none.
   std::shared_ptr<trace::Timeline> timeline{};
@@ -132,7 +140,10 @@ struct ExecutorOptions {
 using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>()>;
 
 /// Runs a schedule over a DeviceGroup: chunk c of the model on rank c % devices (of each replica,
-/// see ExecutorOptions::data_parallel). Each step splits
+/// see ExecutorOptions::data_parallel). A GPT's LM head tied to its token embedding may sit in
+/// another chunk than the Embedding: that chunk holds a copy of wte (see nn::TiedLMHead), made
+/// equal to the embedding's at construction, and the two chunks' wte gradients are summed between
+/// their devices (after the data-parallel all-reduce) before every update. Each step splits
 /// the batch into the schedule's micro-batches (sizes as shard_sizes), runs every device's actions
 /// (consecutive transfers grouped, so crossing sends and receives cannot deadlock), accumulates
 /// parameter gradients over micro-batches and, in step(), updates each chunk. Dropout draws as in
@@ -157,17 +168,20 @@ class Executor {
   Executor(Executor const&) = delete;
   Executor& operator=(Executor const&) = delete;
 
-  /// Forward and backward of every micro-batch of (x [N, features], labels [N] float32 class ids),
-  /// leaving the batch's mean-loss gradients in each chunk's gradient buffer; returns the mean
-  /// softmax cross-entropy. x and labels may live on any device. Throws Error(invalid_argument),
-  /// before any action runs (the executor stays usable), when N is smaller than the number of
-  /// micro-batches, x does not fit the model, or the labels are not [N] float32, or (in host
-  /// memory) not class ids of the model's output.
+  /// Forward and backward of every micro-batch of x ([N, features] float32, or int32 token ids
+  /// [N, T]) and labels (the loss's targets: by default [N] float32 class ids; int32 [N, T] for
+  /// nn::TokenCrossEntropy), leaving the batch's mean-loss gradients in each chunk's gradient
+  /// buffer (the tied embedding's summed); returns the batch's mean loss. x and labels may live on
+  /// any device. Throws Error(invalid_argument), before any action runs (the executor stays
+  /// usable), when N is smaller than the number of micro-batches, x does not fit the model, or the
+  /// loss refuses the labels (nn::Loss::check).
   float compute_gradients(Tensor const& x, Tensor const& labels);
-  /// compute_gradients(), then each chunk's optimizer step (learning rate times lr_scale) on its
-  /// float32 masters, unless the loss scaler found NaN or Inf gradients in any chunk: then no chunk
-  /// updates (see last_step_applied()). Throws Error(invalid_argument) for an lr_scale that is not
-  /// finite and >= 0.
+  /// compute_gradients(), then the update of every chunk through nn::apply_update (unscaling,
+  /// the loss scaler's overflow check over all chunks, clipping by the global norm over all
+  /// chunks, each chunk's optimizer step with its learning rate times lr_scale): when the loss
+  /// scaler found NaN or Inf gradients in any chunk, no chunk updates (see last_step_applied()).
+  /// Returns once every chunk is updated (it synchronizes the group's streams). Throws
+  /// Error(invalid_argument) for an lr_scale that is not finite and >= 0.
   float step(Tensor const& x, Tensor const& labels, float lr_scale = 1.0f);
   /// Whether the last step() updated the parameters.
   [[nodiscard]] bool last_step_applied() const noexcept;
