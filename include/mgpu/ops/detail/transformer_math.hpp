@@ -268,14 +268,14 @@ struct TokenCrossEntropyRow {
       row_loss[i] = target == ignore_index ? 0.0f : NAN;
       return;
     }
-    float max = -INFINITY;
-    for (std::int64_t j = 0; j < vocab; ++j) max = fmaxf(max, static_cast<float>(x[j]));
+    float max = -INFINITY;  // a comparison, not fmaxf: the host loops vectorize (exp_vec too)
+    for (std::int64_t j = 0; j < vocab; ++j) max = static_cast<float>(x[j]) > max ? static_cast<float>(x[j]) : max;
     float sum = 0.0f;
-    for (std::int64_t j = 0; j < vocab; ++j) sum += expf(static_cast<float>(x[j]) - max);
+    for (std::int64_t j = 0; j < vocab; ++j) sum += exp_vec(static_cast<float>(x[j]) - max);
     float const log_sum = max + logf(sum);
     row_loss[i] = log_sum - static_cast<float>(x[target]);
     for (std::int64_t j = 0; j < vocab; ++j)
-      dx[j] = T((expf(static_cast<float>(x[j]) - log_sum) - (j == target ? 1.0f : 0.0f)) * g);
+      dx[j] = T((exp_vec(static_cast<float>(x[j]) - log_sum) - (j == target ? 1.0f : 0.0f)) * g);
   }
 };
 
