@@ -1,6 +1,7 @@
 // Element, row and column functors of the transformer ops (mgpu/ops/transformer.hpp), written once
 // as __host__ __device__ code: src/ops/transformer.cpp runs them with a loop on a host stream's
-// worker, src/kernels/transformer.cu over a CUDA grid. Each is called as op(i) for i in [0, n);
+// worker (except attention, which the host computes by tiles through GEMMs there),
+// src/kernels/transformer.cu over a CUDA grid. Each is called as op(i) for i in [0, n);
 // every output element is written by one call, which sums in a fixed order (no atomics), so results
 // are bitwise reproducible. Storage may be float32, bfloat16 or float16; the math is float32.
 #pragma once
