@@ -28,15 +28,15 @@ MGPU_HD inline bool is_finite(float v) { return v - v == 0.0f; }
 MGPU_HD inline float relu(float x) { return x > 0 ? x : 0.0f; }
 MGPU_HD inline float relu_grad(float x, float dy) { return x > 0 ? dy : 0.0f; }
 
-/// e^x for x <= 88 (0 below -87; NaN stays NaN only on a GPU). On a GPU expf; on the host a
-/// branch-free form the compiler vectorizes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two
-/// parts), a degree-6 polynomial for e^r (Cephes' expf coefficients) and 2^n built in the exponent
-/// bits; within 2 ulp of expf.
+/// e^x. On a GPU expf; on the host a branch-free form the compiler vectorizes: x = n ln2 + r with
+/// |r| <= ln2 / 2 (ln2 split in two parts), a degree-6 polynomial for e^r (Cephes' expf
+/// coefficients) and 2^n built in the exponent bits; within 2 ulp of expf on [-87, 88], 0 below,
+/// +inf above, NaN for NaN (so non-finite values still propagate, as loss scaling needs).
 MGPU_HD inline float exp_vec(float x) {
 #if defined(__CUDA_ARCH__)
   return expf(x);
 #else
-  float c = x > -87.0f ? x : -87.0f;  // comparisons, not fminf / fmaxf (library calls here)
+  float c = x > -87.0f ? x : -87.0f;  // comparisons, not fminf / fmaxf (library calls); NaN -> -87
   c = c < 88.0f ? c : 88.0f;
   // n = round(c log2 e): adding 1.5 * 2^23 rounds to an integer (floorf would not vectorize).
   float const n = fmaf(c, 1.44269504088896341f, 12582912.0f) - 12582912.0f;
@@ -50,7 +50,7 @@ MGPU_HD inline float exp_vec(float x) {
   p = fmaf(p, r, 5.0000001201e-1f);
   float const e = fmaf(p * r, r, r) + 1.0f;
   float const two_n = mgpu::detail::bits_float(static_cast<std::uint32_t>(static_cast<std::int32_t>(n) + 127) << 23);
-  return x < -87.0f ? 0.0f : e * two_n;
+  return x < -87.0f ? 0.0f : (x <= 88.0f ? e * two_n : x + INFINITY);  // NaN fails both tests
 #endif
 }
 
