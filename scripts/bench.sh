@@ -15,7 +15,7 @@ fresh=()
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMGPU_NATIVE=ON -DMGPU_BUILD_BENCH=ON "${fresh[@]}" >/dev/null
 cmake --build "$build"
 names=("$@")
-[ ${#names[@]} -eq 0 ] && names=(bench_core bench_collectives bench_scheduler bench_train bench_data_parallel bench_pipeline)
+[ ${#names[@]} -eq 0 ] && names=(bench_core bench_collectives bench_scheduler bench_train bench_data_parallel bench_pipeline bench_gpt)
 for name in "${names[@]}"; do
   echo "== $name"
   "$build/bench/$name" --benchmark_out="$out/$name.json" --benchmark_out_format=json

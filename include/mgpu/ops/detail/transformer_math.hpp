@@ -1,6 +1,7 @@
 // Element, row and column functors of the transformer ops (mgpu/ops/transformer.hpp), written once
 // as __host__ __device__ code: src/ops/transformer.cpp runs them with a loop on a host stream's
-// worker, src/kernels/transformer.cu over a CUDA grid. Each is called as op(i) for i in [0, n);
+// worker (except attention, which the host computes by tiles through GEMMs there),
+// src/kernels/transformer.cu over a CUDA grid. Each is called as op(i) for i in [0, n);
 // every output element is written by one call, which sums in a fixed order (no atomics), so results
 // are bitwise reproducible. Storage may be float32, bfloat16 or float16; the math is float32.
 #pragma once
@@ -268,14 +269,14 @@ struct TokenCrossEntropyRow {
       row_loss[i] = target == ignore_index ? 0.0f : NAN;
       return;
     }
-    float max = -INFINITY;
-    for (std::int64_t j = 0; j < vocab; ++j) max = fmaxf(max, static_cast<float>(x[j]));
+    float max = -INFINITY;  // a comparison, not fmaxf: the host loops vectorize (exp_vec too)
+    for (std::int64_t j = 0; j < vocab; ++j) max = static_cast<float>(x[j]) > max ? static_cast<float>(x[j]) : max;
     float sum = 0.0f;
-    for (std::int64_t j = 0; j < vocab; ++j) sum += expf(static_cast<float>(x[j]) - max);
+    for (std::int64_t j = 0; j < vocab; ++j) sum += exp_vec(static_cast<float>(x[j]) - max);
     float const log_sum = max + logf(sum);
     row_loss[i] = log_sum - static_cast<float>(x[target]);
     for (std::int64_t j = 0; j < vocab; ++j)
-      dx[j] = T((expf(static_cast<float>(x[j]) - log_sum) - (j == target ? 1.0f : 0.0f)) * g);
+      dx[j] = T((exp_vec(static_cast<float>(x[j]) - log_sum) - (j == target ? 1.0f : 0.0f)) * g);
   }
 };
 

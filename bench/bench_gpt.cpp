@@ -1,0 +1,255 @@
+// bench_gpt: one GPT training step on one host device (one worker thread): forward, per-token
+// cross-entropy, backward, clipping by global norm (1.0) and AdamW (the step of
+// scripts/gpt_peer.py, PyTorch's side of the comparison), for two shapes:
+//   nano   nanoGPT's CPU config: n_layer 4, n_head 4, n_embd 128, block 64, batch 12, vocab 256;
+//   gpt2s  GPT-2 small's shape: n_layer 12, n_head 12, n_embd 768, block 256, batch 4, vocab 256
+//          (85.4 M parameters; a few steps only, a step takes seconds).
+// Batches are random token windows (a fixed seed) cycled from a pool. Counters, medians over steps:
+//   BM_gpt_step/<shape>:
+//     tokens_per_s       batch * block / the median step time;
+//     step_ms            the median step time;
+//     peak_bytes_device  the device allocator's peak of live bytes over the timed steps
+//                        (parameters, gradients, AdamW state and the step's activations);
+//     params             the model's parameter count;
+//     step_gemm_share    the time in the library's host GEMM calls (ops::host_gemm_stats) / the
+//                        step's time, summed over the timed steps.
+//   BM_attention/<shape>: causal attention forward + backward alone on that shape's qkv:
+//     online_ms               ops::causal_attention + causal_attention_backward (tiled online
+//                             softmax, per-row log-sum-exp kept);
+//     naive_tt_ms             the same through the whole [B, H, T, T] probability matrix (Eigen
+//                             GEMMs per head, softmax over full rows), timed in turn;
+//     naive_tt_time_ratio     naive_tt_ms / online_ms per turn (> 1: the online path is faster);
+//     naive_tt_extra_bytes    the [B, H, T, T] float32 matrices the naive path holds (P and dP);
+//     online_extra_bytes      the per-row log-sum-exp the online path keeps instead;
+//     max_abs_diff_y          max |y_online - y_naive| (a check that both compute the same thing).
+//
+//   bench_gpt --benchmark_out=gpt.json --benchmark_out_format=json
+#include <benchmark/benchmark.h>
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <mgpu/mgpu.hpp>
+#include <mgpu/nn/gpt.hpp>
+#include <mgpu/ops/transformer.hpp>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using Stride = Eigen::OuterStride<>;
+using Map = Eigen::Map<Matrix, 0, Stride>;
+
+struct Shape {
+  char const* name;
+  mgpu::nn::GptConfig config;
+  std::int64_t batch;
+};
+Shape const shapes[] = {
+    {"nano", {.vocab = 256, .block_size = 64, .n_layer = 4, .n_head = 4, .n_embd = 128}, 12},
+    {"gpt2s", {.vocab = 256, .block_size = 256, .n_layer = 12, .n_head = 12, .n_embd = 768}, 4},
+};
+
+double median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+  return v[v.size() / 2];
+}
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+struct GptTrainer {
+  static constexpr std::int64_t pool = 8;  // batches of random windows, used in turn
+  mgpu::Device device{mgpu::DeviceKind::host, 0};
+  std::shared_ptr<mgpu::Allocator> allocator = mgpu::Allocator::create(device);
+  mgpu::Stream stream{device};
+  mgpu::nn::Context ctx{*allocator, stream};
+  Shape shape;
+  mgpu::nn::Sequential model;
+  mgpu::optim::AdamW adamw{{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f}};
+  mgpu::Tensor inputs, targets, loss;
+  std::int64_t next = 0;
+
+  explicit GptTrainer(Shape const& s) : shape(s), model(mgpu::nn::gpt(s.config)) {
+    model.materialize(ctx, 1);
+    std::int64_t const t = s.config.block_size;
+    inputs = mgpu::Tensor::empty({pool * s.batch, t}, mgpu::DType::int32, *allocator);
+    targets = mgpu::Tensor::empty({pool * s.batch, t}, mgpu::DType::int32, *allocator);
+    std::mt19937 rng(7);
+    std::uniform_int_distribution<std::int32_t> token(0, static_cast<std::int32_t>(s.config.vocab) - 1);
+    auto in = inputs.host_span<std::int32_t>();
+    auto out = targets.host_span<std::int32_t>();
+    for (std::int64_t w = 0; w < pool * s.batch; ++w) {  // a window of t + 1 tokens: inputs, then targets
+      std::int32_t previous = token(rng);
+      for (std::int64_t i = 0; i < t; ++i) {
+        std::int32_t const following = token(rng);
+        in[static_cast<std::size_t>(w * t + i)] = previous;
+        out[static_cast<std::size_t>(w * t + i)] = following;
+        previous = following;
+      }
+    }
+    loss = mgpu::Tensor::empty({1}, mgpu::DType::float32, *allocator);
+  }
+  [[nodiscard]] std::int64_t tokens() const { return shape.batch * shape.config.block_size; }
+  void step() {
+    std::int64_t const b = next++ % pool;
+    mgpu::Tensor const x = inputs.slice(b * shape.batch, (b + 1) * shape.batch);
+    mgpu::Tensor const y = targets.slice(b * shape.batch, (b + 1) * shape.batch);
+    mgpu::Tensor const logits = model.forward(x, ctx);
+    mgpu::Tensor const dlogits = mgpu::Tensor::empty(logits.shape(), logits.dtype(), *allocator);
+    mgpu::ops::token_cross_entropy(logits, y, dlogits, loss, static_cast<float>(tokens()), stream);
+    (void)model.backward(dlogits, ctx, false);
+    (void)mgpu::optim::clip_grad_norm(model.master_gradients(), 1.0f, *allocator, stream);
+    adamw.step(model.master_parameters(), model.master_gradients(), *allocator, stream);
+    stream.synchronize();
+  }
+  // The library's host GEMM totals on this trainer's worker thread.
+  mgpu::ops::HostGemmStats gemm_stats() {
+    mgpu::ops::HostGemmStats stats;
+    stream.enqueue([&stats] { stats = mgpu::ops::host_gemm_stats(); });
+    stream.synchronize();
+    return stats;
+  }
+};
+
+void BM_gpt_step(benchmark::State& state) {
+  Shape const& shape = shapes[state.range(0)];
+  GptTrainer trainer(shape);
+  trainer.step();  // the allocator's cache, AdamW's state, the GEMM primitives
+  trainer.allocator->reset_peak();
+  std::vector<double> step_s;
+  mgpu::ops::HostGemmStats const before = trainer.gemm_stats();
+  for (auto _ : state) {
+    auto const t0 = Clock::now();
+    trainer.step();
+    step_s.push_back(seconds_since(t0));
+  }
+  double const gemm_s = trainer.gemm_stats().seconds - before.seconds;
+  double total_s = 0;
+  for (double s : step_s) total_s += s;
+  double const step = median(step_s);
+  state.SetLabel(std::string(shape.name) + ", host GEMM: " + mgpu::host_gemm_backend);
+  state.counters["tokens_per_s"] = static_cast<double>(trainer.tokens()) / step;
+  state.counters["step_ms"] = step * 1e3;
+  state.counters["peak_bytes_device"] = static_cast<double>(trainer.allocator->stats().peak_allocated);
+  state.counters["params"] = static_cast<double>(trainer.model.parameter_count());
+  state.counters["step_gemm_share"] = gemm_s / total_s;
+}
+BENCHMARK(BM_gpt_step)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(8.0);
+BENCHMARK(BM_gpt_step)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
+
+// Causal attention through the whole [B, H, T, T] probability matrix: the path the online softmax
+// replaces. Forward S = q kᵀ / sqrt(d) masked, P = softmax(S), y = P v; backward dP = dy vᵀ,
+// dS = P (dP - rowsum(P dP)), dq = dS k / sqrt(d), dk = dSᵀ q / sqrt(d), dv = Pᵀ dy.
+struct NaiveAttention {
+  std::int64_t batch, t, c, heads;
+  std::vector<float> p, dp;  // [B, H, T, T]
+  NaiveAttention(std::int64_t b, std::int64_t t_, std::int64_t c_, std::int64_t h)
+      : batch(b), t(t_), c(c_), heads(h), p(static_cast<std::size_t>(b * h * t_ * t_)), dp(p.size()) {}
+  [[nodiscard]] std::int64_t d() const { return c / heads; }
+  Map part(float* base, std::int64_t b, std::int64_t h, std::int64_t which, std::int64_t width) const {
+    return {base + b * t * width + which * c + h * d(), t, d(), Stride(width)};
+  }
+  Map probs(std::vector<float>& m, std::int64_t b, std::int64_t h) const {
+    return {m.data() + (b * heads + h) * t * t, t, t, Stride(t)};
+  }
+  void forward(float* qkv, float* y) {
+    float const scale = 1.0f / std::sqrt(static_cast<float>(d()));
+    for (std::int64_t b = 0; b < batch; ++b)
+      for (std::int64_t h = 0; h < heads; ++h) {
+        Map s = probs(p, b, h);
+        s.noalias() = part(qkv, b, h, 0, 3 * c) * part(qkv, b, h, 1, 3 * c).transpose() * scale;
+        for (std::int64_t i = 0; i < t; ++i) {
+          float const max = s.row(i).head(i + 1).maxCoeff();
+          s.row(i).head(i + 1) = (s.row(i).head(i + 1).array() - max).exp();
+          s.row(i).head(i + 1) /= s.row(i).head(i + 1).sum();
+          s.row(i).tail(t - i - 1).setZero();
+        }
+        part(y, b, h, 0, c).noalias() = s * part(qkv, b, h, 2, 3 * c);
+      }
+  }
+  void backward(float* qkv, float* dy, float* dqkv) {
+    float const scale = 1.0f / std::sqrt(static_cast<float>(d()));
+    for (std::int64_t b = 0; b < batch; ++b)
+      for (std::int64_t h = 0; h < heads; ++h) {
+        Map const s = probs(p, b, h);
+        Map ds = probs(dp, b, h);
+        ds.noalias() = part(dy, b, h, 0, c) * part(qkv, b, h, 2, 3 * c).transpose();
+        for (std::int64_t i = 0; i < t; ++i) {
+          float const row = s.row(i).dot(ds.row(i));
+          ds.row(i) = s.row(i).array() * (ds.row(i).array() - row) * scale;
+        }
+        part(dqkv, b, h, 0, 3 * c).noalias() = ds * part(qkv, b, h, 1, 3 * c);
+        part(dqkv, b, h, 1, 3 * c).noalias() = ds.transpose() * part(qkv, b, h, 0, 3 * c);
+        part(dqkv, b, h, 2, 3 * c).noalias() = s.transpose() * part(dy, b, h, 0, c);
+      }
+  }
+};
+
+void BM_attention(benchmark::State& state) {
+  Shape const& shape = shapes[state.range(0)];
+  std::int64_t const batch = shape.batch, t = shape.config.block_size, c = shape.config.n_embd,
+                     heads = shape.config.n_head;
+  mgpu::Device const device{mgpu::DeviceKind::host, 0};
+  auto allocator = mgpu::Allocator::create(device);
+  mgpu::Stream stream{device};
+  auto tensor = [&](mgpu::Shape s, float stddev) {
+    mgpu::Tensor x = mgpu::Tensor::empty(std::move(s), mgpu::DType::float32, *allocator);
+    std::mt19937 rng(static_cast<unsigned>(x.numel()));
+    std::normal_distribution<float> n(0.0f, stddev);
+    for (float& v : x.host_span<float>()) v = n(rng);
+    return x;
+  };
+  mgpu::Tensor const qkv = tensor({batch, t, 3 * c}, 1.0f);
+  mgpu::Tensor const dy = tensor({batch, t, c}, 1.0f);
+  mgpu::Tensor const y = tensor({batch, t, c}, 0.0f);
+  mgpu::Tensor const dqkv = tensor({batch, t, 3 * c}, 0.0f);
+  mgpu::Tensor const lse = mgpu::Tensor::empty({batch, heads, t}, mgpu::DType::float32, *allocator);
+  NaiveAttention naive(batch, t, c, heads);
+  std::vector<float> naive_y(static_cast<std::size_t>(batch * t * c)), naive_dqkv(static_cast<std::size_t>(qkv.numel()));
+  auto online = [&] {
+    mgpu::ops::causal_attention(qkv, y, lse, heads, stream);
+    mgpu::ops::causal_attention_backward(qkv, y, lse, dy, dqkv, heads, stream);
+    stream.synchronize();
+  };
+  auto reference = [&] {  // on the stream's worker too, so both run on one thread in turn
+    stream.enqueue([&] {
+      naive.forward(qkv.host_span<float>().data(), naive_y.data());
+      naive.backward(qkv.host_span<float>().data(), dy.host_span<float>().data(), naive_dqkv.data());
+    });
+    stream.synchronize();
+  };
+  online();
+  reference();
+  std::vector<double> online_s, naive_s, ratio;
+  for (auto _ : state) {
+    auto t0 = Clock::now();
+    online();
+    online_s.push_back(seconds_since(t0));
+    t0 = Clock::now();
+    reference();
+    naive_s.push_back(seconds_since(t0));
+    ratio.push_back(naive_s.back() / online_s.back());
+  }
+  float max_diff = 0.0f;
+  auto const got = y.host_span<float>();
+  for (std::size_t i = 0; i < naive_y.size(); ++i) max_diff = std::max(max_diff, std::abs(got[i] - naive_y[i]));
+  state.SetLabel(shape.name);
+  state.counters["online_ms"] = median(online_s) * 1e3;
+  state.counters["naive_tt_ms"] = median(naive_s) * 1e3;
+  state.counters["naive_tt_time_ratio"] = median(ratio);
+  state.counters["naive_tt_extra_bytes"] = static_cast<double>(2 * naive.p.size() * sizeof(float));
+  state.counters["online_extra_bytes"] = static_cast<double>(lse.numel() * 4);
+  state.counters["max_abs_diff_y"] = max_diff;
+}
+BENCHMARK(BM_attention)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
+BENCHMARK(BM_attention)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
+
+}  // namespace
+
+BENCHMARK_MAIN();
