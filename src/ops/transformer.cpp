@@ -228,14 +228,14 @@ void forward(T const* qkv, T* y, float* lse, std::int64_t batch, detail::Attenti
             for (std::int64_t j = 0; j < n; ++j) tile_max = s[j] > tile_max ? s[j] : tile_max;
             float const m_new = std::max(w.m[ru], tile_max);
             if (n > 0 && m_new != w.m[ru]) {  // rescale what earlier tiles summed
-              float const correction = detail::exp_vec(w.m[ru] - m_new);  // 0 for the first tile
+              float const correction = mgpu::detail::exp_vec(w.m[ru] - m_new);  // 0 for the first tile
               w.l[ru] *= correction;
               for (std::int64_t e = 0; e < d; ++e) acc[e] *= correction;
               w.m[ru] = m_new;
             }
             float sum = 0.0f;
             for (std::int64_t j = 0; j < n; ++j) {
-              s[j] = detail::exp_vec(s[j] - m_new);
+              s[j] = mgpu::detail::exp_vec(s[j] - m_new);
               sum += s[j];
             }
             for (std::int64_t j = n; j < cols; ++j) s[j] = 0.0f;
@@ -294,13 +294,13 @@ void backward(T const* qkv, T const* y, float const* lse, T const* dy, T* dqkv, 
             float const l = row_lse[i], rd = w.row_dot[static_cast<std::size_t>(i)];
             if (mask.p != 0.0f) {
               for (std::int64_t j = 0; j < n; ++j) {  // p becomes P Z (for dv); ds = P (Z dP - row_dot)
-                float const prob = detail::exp_vec(p[j] - l), z = mask.factor(b, h, i, j0 + j);
+                float const prob = mgpu::detail::exp_vec(p[j] - l), z = mask.factor(b, h, i, j0 + j);
                 ds[j] = prob * (z * ds[j] - rd);
                 p[j] = prob * z;
               }
             } else {
               for (std::int64_t j = 0; j < n; ++j) {
-                p[j] = detail::exp_vec(p[j] - l);
+                p[j] = mgpu::detail::exp_vec(p[j] - l);
                 ds[j] = p[j] * (ds[j] - rd);
               }
             }

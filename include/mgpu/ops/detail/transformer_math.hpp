@@ -272,11 +272,11 @@ struct TokenCrossEntropyRow {
     float max = -INFINITY;  // a comparison, not fmaxf: the host loops vectorize (exp_vec too)
     for (std::int64_t j = 0; j < vocab; ++j) max = static_cast<float>(x[j]) > max ? static_cast<float>(x[j]) : max;
     float sum = 0.0f;
-    for (std::int64_t j = 0; j < vocab; ++j) sum += exp_vec(static_cast<float>(x[j]) - max);
+    for (std::int64_t j = 0; j < vocab; ++j) sum += mgpu::detail::exp_vec(static_cast<float>(x[j]) - max);
     float const log_sum = max + logf(sum);
     row_loss[i] = log_sum - static_cast<float>(x[target]);
     for (std::int64_t j = 0; j < vocab; ++j)
-      dx[j] = T((exp_vec(static_cast<float>(x[j]) - log_sum) - (j == target ? 1.0f : 0.0f)) * g);
+      dx[j] = T((mgpu::detail::exp_vec(static_cast<float>(x[j]) - log_sum) - (j == target ? 1.0f : 0.0f)) * g);
   }
 };
 
