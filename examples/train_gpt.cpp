@@ -14,9 +14,12 @@
 // the first K = --eval-iters x --batch-size consecutive, non-overlapping --block-size windows of the
 // validation stream, targets the next tokens.
 //
-// Training runs on one device for now through the nn-level API (forward, per-token
-// cross-entropy, backward, clipping, AdamW with weight decay on the 2-D weights only); the flags of
-// the parallel executors are accepted and values other than one device refused.
+// Training: per-token cross-entropy (nn::TokenCrossEntropy), clipping by global norm, AdamW with
+// weight decay on the 2-D weights only. One device runs nn::train_step; several (--devices host:2,
+// cuda:0,1) run parallel::DataParallel, whose replicas all-reduce their gradients in buckets while
+// backward goes on: the same losses as one device, within float32 rounding. Pipeline schedules
+// (--schedule, --stages, --micro-batches) are refused here for now: pipeline::Executor trains the
+// GPT (with its tied head on the first and last stage) through the library API.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -124,8 +127,16 @@ float lr_at(Options const& o, std::int64_t it) {
   return o.min_lr + static_cast<float>(0.5 * (1.0 + std::cos(std::numbers::pi * r))) * (o.lr - o.min_lr);
 }
 
-// One device's training state and its step. train_step is the one place a batch turns into an
-// update, so an executor (data parallel, pipelined) can take its place.
+// What a training step gives back: the loss as a device scalar (reading it synchronizes) on one
+// device, or as a number the data-parallel step has already read.
+struct StepLoss {
+  mgpu::Tensor device;
+  float value = NAN;
+  float read(mgpu::Stream& stream) const { return device.defined() ? mgpu::ops::item(device, stream) : value; }
+};
+
+// The training state and its step: train_step is the one place a batch turns into an update, on
+// one device (nn::train_step) or data parallel (DataParallel::step).
 struct Trainer {
   mgpu::nn::Sequential& model;
   mgpu::optim::Optimizer& optimizer;
@@ -133,6 +144,8 @@ struct Trainer {
   mgpu::Device device;
   float clip;
   std::optional<mgpu::optim::LossScaler> scaler;
+  mgpu::parallel::DataParallel* parallel = nullptr;
+  mgpu::nn::TokenCrossEntropy loss{};
 
   // ids and targets as host int32 tensors on this device.
   mgpu::Tensor on_device(mgpu::Tensor const& host) {
@@ -143,25 +156,11 @@ struct Trainer {
   }
 
   // Forward, per-token cross-entropy (mean over the batch's tokens), backward, unscale (fp16),
-  // clipping by global norm, AdamW at `lr_scale`, refresh of the compute-type weights. Returns the
-  // loss as a device scalar (reading it synchronizes).
-  mgpu::Tensor train_step(mgpu::data::TokenBatch const& batch, float lr_scale) {
-    mgpu::Tensor const x = on_device(batch.x), y = on_device(batch.y);
-    mgpu::Tensor const logits = model.forward(x, ctx);
-    mgpu::Tensor const dlogits = mgpu::Tensor::empty(logits.shape(), logits.dtype(), ctx.allocator);
-    mgpu::Tensor const loss = mgpu::Tensor::empty({1}, mgpu::DType::float32, ctx.allocator);
-    float const scale = scaler ? scaler->scale() : 1.0f;
-    mgpu::ops::token_cross_entropy(logits, y, dlogits, loss, static_cast<float>(y.numel()), ctx.stream, -100, scale);
-    (void)model.backward(dlogits, ctx, false);
-    model.unscale_gradients(1.0f / scale, ctx.stream);
-    if (scaler) {
-      float const norm = mgpu::optim::global_norm(model.master_gradients(), ctx.allocator, ctx.stream);
-      if (!scaler->update(std::isfinite(norm))) return loss;  // overflow: the step is skipped
-    }
-    if (clip > 0) (void)mgpu::optim::clip_grad_norm(model.master_gradients(), clip, ctx.allocator, ctx.stream);
-    optimizer.step(model.master_parameters(), model.master_gradients(), ctx.allocator, ctx.stream, lr_scale);
-    model.sync_parameters(ctx.stream);
-    return loss;
+  // clipping by global norm, AdamW at `lr_scale`, refresh of the compute-type weights.
+  StepLoss train_step(mgpu::data::TokenBatch const& batch, float lr_scale) {
+    if (parallel != nullptr) return {{}, parallel->step(batch.x, batch.y, lr_scale).loss};
+    mgpu::nn::StepOptions const options{.lr_scale = lr_scale, .clip_norm = clip, .scaler = scaler ? &*scaler : nullptr};
+    return {mgpu::nn::train_step(model, optimizer, on_device(batch.x), on_device(batch.y), loss, ctx, options).loss};
   }
 };
 
@@ -190,18 +189,19 @@ void set_parameters(mgpu::nn::Sequential& model, std::vector<float> const& value
   stream.synchronize();
 }
 
-void refuse_parallel_flags(Options const& o, mgpu::DeviceGroup const& group) {
+void refuse_pipeline_flags(Options const& o, mgpu::DeviceGroup const& group) {
   auto const refuse = [&](std::string const& what) {
     throw mgpu::Error(mgpu::Errc::invalid_argument,
-                      what +
-                          " (expected one device for now: train_gpt trains through the one-device step until "
-                          "the data-parallel and pipeline executors take a per-token loss; use --devices host:1)");
+                      what + " (expected data parallelism only: train_gpt trains on one device or data parallel over "
+                             "--devices; pipeline schedules for the GPT are in the library, pipeline::Executor)");
   };
-  if (group.size() != 1) refuse("--devices " + o.devices + " names " + std::to_string(group.size()) + " devices");
   if (!o.schedule.empty()) refuse("--schedule " + o.schedule);
   if (o.stages != 1) refuse("--stages " + std::to_string(o.stages));
   if (o.micro_batches != 1) refuse("--micro-batches " + std::to_string(o.micro_batches));
-  if (o.dp != 1) refuse("--dp " + std::to_string(o.dp));
+  if (o.dp != 1 && o.dp != static_cast<int>(group.size()))
+    throw mgpu::Error(mgpu::Errc::invalid_argument, "--dp " + std::to_string(o.dp) + " with --devices " + o.devices +
+                                                        " (expected the number of devices, " +
+                                                        std::to_string(group.size()) + ": one replica per device)");
 }
 
 std::string printable(std::string const& text) {
@@ -215,7 +215,7 @@ int run(Options o) {
   FILE* const log = o.json ? stderr : stdout;
   bool const terminal = ::isatty(STDERR_FILENO) != 0;
   mgpu::DeviceGroup group(o.devices);
-  refuse_parallel_flags(o, group);
+  refuse_pipeline_flags(o, group);
   mgpu::Device const device = group.device(0);
   if (o.resume && o.checkpoint.empty())
     throw mgpu::Error(mgpu::Errc::invalid_argument, "--resume without --checkpoint (expected --checkpoint PATH)");
@@ -252,12 +252,34 @@ int run(Options o) {
                                 .eps = 1e-8f,
                                 .weight_decay = o.weight_decay,
                                 .decay_ranges = mgpu::nn::gpt_decay_ranges(config)});
-  Trainer trainer{model, optimizer, ctx, device, o.clip, std::nullopt};
-  if (o.precision == "fp16") trainer.scaler.emplace();
+  // Several devices: replicas of `model` (weights broadcast from it), trained data parallel.
+  std::unique_ptr<mgpu::parallel::DataParallel> parallel;
+  if (group.size() > 1) {
+    mgpu::parallel::DataParallelOptions options;
+    options.seed = o.seed;
+    options.compute = examples::precision(o.precision);
+    options.clip_norm = o.clip;
+    if (o.precision == "fp16") options.loss_scaler.emplace();
+    options.loss = std::make_shared<mgpu::nn::TokenCrossEntropy>();
+    parallel = std::make_unique<mgpu::parallel::DataParallel>(std::move(model), group, optimizer, std::move(options));
+  }
+  // What evaluation, checkpoints and sampling read: the one model, or replica 0 on rank 0.
+  mgpu::nn::Sequential& net = parallel ? parallel->replica(0) : model;
+  mgpu::optim::Optimizer& net_optimizer = parallel ? parallel->optimizer(0) : optimizer;
+  mgpu::Stream& net_stream = parallel ? group.stream(0) : stream;
+  mgpu::nn::Context net_ctx{parallel ? group.allocator(0) : *allocator, net_stream};
+  Trainer trainer{net, net_optimizer, net_ctx, device, o.clip, std::nullopt, parallel.get()};
+  if (o.precision == "fp16" && !parallel) trainer.scaler.emplace();
+  auto const save = [&](mgpu::io::TrainingState const& at) {
+    if (parallel)
+      parallel->save(o.checkpoint, at);
+    else
+      mgpu::io::save_training(o.checkpoint, model, optimizer, at, stream);
+  };
 
   mgpu::io::TrainingState state{.data_seed = o.seed};
   if (o.resume && fs::exists(o.checkpoint)) {
-    state = mgpu::io::load_training(o.checkpoint, model, optimizer, *allocator, stream);
+    state = parallel ? parallel->load(o.checkpoint) : mgpu::io::load_training(o.checkpoint, model, optimizer, *allocator, stream);
     std::fprintf(log, "resumed from %s at step %lld\n", o.checkpoint.c_str(), static_cast<long long>(state.step));
   }
   mgpu::data::TokenLoader train_loader(splits.train, o.vocab,
@@ -266,14 +288,14 @@ int run(Options o) {
                                            {.batch = o.batch_size, .block = o.block_size, .sequential = true});
   train_loader.seek(state.step);
   std::int64_t const eval_windows = o.eval_iters * o.batch_size;
-  auto const evaluate = [&] { return mgpu::data::evaluate_lm(model, val_loader, eval_windows, ctx); };
+  auto const evaluate = [&] { return mgpu::data::evaluate_lm(net, val_loader, eval_windows, net_ctx); };
 
   std::fprintf(log,
                "mgpu %s: GPT of %lld parameters (n_layer %lld, n_head %lld, n_embd %lld, block %lld, vocab %lld) on %s "
                "(%s); data %s: %lld train / %lld val tokens\n",
-               mgpu::version, static_cast<long long>(model.parameter_count()), static_cast<long long>(o.n_layer),
+               mgpu::version, static_cast<long long>(net.parameter_count()), static_cast<long long>(o.n_layer),
                static_cast<long long>(o.n_head), static_cast<long long>(o.n_embd), static_cast<long long>(o.block_size),
-               static_cast<long long>(config.vocab), device.to_string().c_str(), o.precision.c_str(),
+               static_cast<long long>(config.vocab), o.devices.c_str(), o.precision.c_str(),
                splits.description.c_str(), static_cast<long long>(count_tokens(splits.train)),
                static_cast<long long>(count_tokens(splits.val)));
 
@@ -301,12 +323,12 @@ int run(Options o) {
     for (std::int64_t it = state.step; it < last; ++it) {
       auto const start = Clock::now();
       mgpu::data::TokenBatch const batch = train_loader.next(*host);  // host ids, copied by train_step if needed
-      mgpu::Tensor const loss = trainer.train_step(batch, lr_at(o, it) / o.lr);
+      StepLoss const loss = trainer.train_step(batch, lr_at(o, it) / o.lr);
       bool const report = (it + 1) % log_every == 0 || it + 1 == last;
       if (report || terminal)
-        train_loss = mgpu::ops::item(loss, stream);  // reading synchronizes
+        train_loss = loss.read(net_stream);  // reading synchronizes
       else
-        stream.synchronize();
+        net_stream.synchronize();
       train_seconds += std::chrono::duration<double>(Clock::now() - start).count();
       ++trained_steps, ++window_steps;
       state.step = it + 1;
@@ -331,17 +353,17 @@ int run(Options o) {
       }
       if (o.eval_every > 0 && ((it + 1) % o.eval_every == 0 || it + 1 == last)) {
         report_val(it + 1);
-        if (!o.checkpoint.empty()) mgpu::io::save_training(o.checkpoint, model, optimizer, state, stream);
+        if (!o.checkpoint.empty()) save(state);
         window_start = Clock::now();
         window_steps = 0;
       }
     }
-    if (!o.checkpoint.empty()) mgpu::io::save_training(o.checkpoint, model, optimizer, state, stream);
+    if (!o.checkpoint.empty()) save(state);
     if (std::isnan(val_loss)) val_loss = evaluate();
   }
 
   if (!o.save_llmc.empty()) {
-    mgpu::io::write_llmc_model(o.save_llmc, config, host_parameters(model, stream));
+    mgpu::io::write_llmc_model(o.save_llmc, config, host_parameters(net, net_stream));
     std::fprintf(log, "llm.c model file written to %s\n", o.save_llmc.c_str());
   }
   if (o.sample > 0) {
@@ -349,19 +371,19 @@ int run(Options o) {
     mgpu::Stream host_stream(mgpu::Device{mgpu::DeviceKind::host, 0});
     mgpu::nn::Context host_ctx{*host, host_stream};
     std::optional<mgpu::nn::Sequential> copy;
-    mgpu::nn::Sequential const* sampler = &model;
-    if (device.kind != mgpu::DeviceKind::host || model.compute_type() != mgpu::DType::float32) {
+    mgpu::nn::Sequential const* sampler = &net;
+    if (device.kind != mgpu::DeviceKind::host || net.compute_type() != mgpu::DType::float32) {
       copy.emplace(mgpu::nn::gpt(config));
       copy->materialize(host_ctx, o.seed);
-      set_parameters(*copy, host_parameters(model, stream), host_stream);
+      set_parameters(*copy, host_parameters(net, net_stream), host_stream);
       sampler = &*copy;
     }
-    stream.synchronize();
+    net_stream.synchronize();
     std::vector<std::uint16_t> const prompt16 = mgpu::data::ByteTokenizer{}.encode(o.prompt);
     std::vector<std::int32_t> const prompt(prompt16.begin(), prompt16.end());
     std::vector<std::int32_t> const ids =
         mgpu::nn::generate(*sampler, prompt, o.sample, {.temperature = o.temperature, .top_k = o.top_k, .seed = o.seed},
-                           copy ? host_ctx : ctx);
+                           copy ? host_ctx : net_ctx);
     std::fprintf(log, "---- %lld sampled tokens (temperature %.2f, top-k %lld) ----\n",
                  static_cast<long long>(o.sample), o.temperature, static_cast<long long>(o.top_k));
     if (config.vocab <= 256) {
@@ -377,16 +399,22 @@ int run(Options o) {
 
   double const tokens_per_s =
       train_seconds > 0 ? static_cast<double>(trained_steps * o.batch_size * o.block_size) / train_seconds : 0.0;
+  std::string devices, peaks;
+  for (int r = 0; r < (parallel ? static_cast<int>(group.size()) : 1); ++r) {
+    mgpu::Allocator const& a = parallel ? group.allocator(r) : *allocator;
+    devices += std::string(r ? ", " : "") + "\"" + (parallel ? group.device(r) : device).to_string() + "\"";
+    peaks += (r ? ", " : "") + std::to_string(a.stats().peak_allocated);
+  }
   if (o.json) {
     std::printf(
-        "{\"tokens_per_s\": %.6g, \"train_loss\": %.6g, \"val_loss\": %.6g, \"params\": %lld, \"devices\": [\"%s\"], "
-        "\"iters\": %lld, \"peak_bytes\": [%zu], \"precision\": \"%s\", \"eval_windows\": %lld}\n",
-        tokens_per_s, std::isnan(train_loss) ? -1.0 : train_loss, val_loss,
-        static_cast<long long>(model.parameter_count()), device.to_string().c_str(), static_cast<long long>(state.step),
-        allocator->stats().peak_allocated, o.precision.c_str(), static_cast<long long>(eval_windows));
+        "{\"tokens_per_s\": %.6g, \"train_loss\": %.6g, \"val_loss\": %.6g, \"params\": %lld, \"devices\": [%s], "
+        "\"iters\": %lld, \"peak_bytes\": [%s], \"precision\": \"%s\", \"eval_windows\": %lld}\n",
+        tokens_per_s, std::isnan(train_loss) ? -1.0 : train_loss, val_loss, static_cast<long long>(net.parameter_count()),
+        devices.c_str(), static_cast<long long>(state.step), peaks.c_str(), o.precision.c_str(),
+        static_cast<long long>(eval_windows));
   } else {
     std::printf("final: train loss %.4f, val loss %.4f, %.0f tokens/s on %s\n", train_loss, val_loss, tokens_per_s,
-                device.to_string().c_str());
+                o.devices.c_str());
   }
   return 0;
 }
@@ -433,16 +461,16 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--log-every", o.log_every, "steps between progress lines (default: iters / 20)")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--devices", o.devices, "the device to train on (one for now), e.g. host:1 or cuda:0")
+  app.add_option("--devices", o.devices, "the devices to train on: one, or several for data parallelism (host:2, cuda:0,1)")
       ->capture_default_str();
-  app.add_option("--schedule", o.schedule, "pipeline schedule (not yet for the GPT: refused)");
-  app.add_option("--stages", o.stages, "pipeline stages (1 for now)")
+  app.add_option("--schedule", o.schedule, "pipeline schedule (refused here: pipeline::Executor in the library)");
+  app.add_option("--stages", o.stages, "pipeline stages (1 here)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--micro-batches", o.micro_batches, "micro-batches per step (1 for now)")
+  app.add_option("--micro-batches", o.micro_batches, "micro-batches per step (1 here)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--dp", o.dp, "data-parallel replicas (1 for now)")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--dp", o.dp, "data-parallel replicas: the number of --devices (1 counts as that too)")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--precision", o.precision, "fp32 | bf16 | fp16 (16-bit compute, float32 master weights)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
       ->capture_default_str();

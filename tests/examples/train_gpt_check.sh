@@ -2,8 +2,9 @@
 # train_gpt end to end on a small text file (the repository's README.md, byte-tokenized, 90/10
 # split), a tiny model: the validation loss falls; a run resumed from its checkpoint ends with the
 # uninterrupted run's losses to the last printed digit; --save-llmc then --init-from --eval-only
-# gives the trained model's validation loss; --sample prints text; bad flags fail with exit code 2
-# and a message. Usage: train_gpt_check.sh TRAIN_GPT TEXT_FILE DIR
+# gives the trained model's validation loss; --sample prints text; data parallel over host:2 and
+# host:3 (uneven shards of the 4 sequences) follows the one-device run's losses, and resumes;
+# bad flags fail with exit code 2 and a message. Usage: train_gpt_check.sh TRAIN_GPT TEXT_FILE DIR
 set -euo pipefail
 exe=$1
 text=$2
@@ -38,7 +39,27 @@ done
 "$exe" "${common[@]}" --init-from "$dir/model.bin" --eval-only > "$dir/llmc.json" 2> /dev/null
 [ "$(field val_loss "$dir/llmc.json")" = "$end" ] || fail "val loss $(field val_loss "$dir/llmc.json") from --init-from (expected $end)"
 
-# Refused: more than one device (until the executors take the GPT), a damaged model file, T > data.
+# Data parallel: the one-device losses within float32 rounding (relative 1e-4 after 40 steps), and
+# a resumed data-parallel run ends as the uninterrupted one.
+close() { awk -v a="$1" -v b="$2" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= 1e-4 * (a < 0 ? -a : a)) }'; }
+for devices in host:2 host:3; do
+  "$exe" "${common[@]}" --iters 40 --devices $devices > "$dir/dp.json" 2> "$dir/dp.log"
+  for key in train_loss val_loss; do
+    close "$(field $key "$dir/dp.json")" "$(field $key "$dir/full.json")" ||
+      fail "$key $(field $key "$dir/dp.json") on $devices (expected $(field $key "$dir/full.json") as on one device)"
+  done
+done
+grep -q '"devices": \["host:0", "host:1", "host:2"\]' "$dir/dp.json" || fail "devices in the JSON line: $(cat "$dir/dp.json")"
+"$exe" "${common[@]}" --iters 40 --devices host:2 > "$dir/dp2.json" 2> /dev/null
+"$exe" "${common[@]}" --iters 40 --devices host:2 --until-step 25 --checkpoint "$dir/dp.ckpt" > /dev/null 2>&1
+"$exe" "${common[@]}" --iters 40 --devices host:2 --checkpoint "$dir/dp.ckpt" --resume > "$dir/dp-resumed.json" 2> /dev/null
+for key in train_loss val_loss; do
+  [ "$(field $key "$dir/dp-resumed.json")" = "$(field $key "$dir/dp2.json")" ] ||
+    fail "$key $(field $key "$dir/dp-resumed.json") after resuming on host:2 (expected $(field $key "$dir/dp2.json"))"
+done
+
+# Refused: pipeline flags (train_gpt trains data parallel), --dp other than the device count, a
+# damaged model file, more validation windows than the data holds.
 expect_error() {
   local message=$1
   shift
@@ -47,8 +68,8 @@ expect_error() {
   [ "$rc" -eq 2 ] || fail "exit code $rc for $* (expected 2)"
   grep -q -- "$message" "$dir/error.log" || fail "no '$message' in: $(cat "$dir/error.log")"
 }
-expect_error "names 2 devices (expected one device for now" "${common[@]}" --devices host:2
-expect_error "--stages 2 (expected one device for now" "${common[@]}" --stages 2
+expect_error "--stages 2 (expected data parallelism only" "${common[@]}" --stages 2
+expect_error "--dp 3 with --devices host:2 (expected the number of devices, 2" "${common[@]}" --devices host:2 --dp 3
 head -c 2000 "$dir/model.bin" > "$dir/short.bin"
 expect_error "short.bin:byte 2000: truncated" "${common[@]}" --init-from "$dir/short.bin"
 expect_error "over 39996 windows (expected 1 to the" "${common[@]}" --eval-only --eval-iters 9999
