@@ -20,14 +20,14 @@
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/lm.hpp>
 #include <mgpu/nn/loss.hpp>
-#include <mgpu/nn/optim.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/ops/transformer.hpp>
+#include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
-#include <mgpu/parallel/pipeline.hpp>
-#include <mgpu/parallel/schedule.hpp>
+#include <mgpu/pipeline/pipeline.hpp>
+#include <mgpu/pipeline/schedule.hpp>
 #include <mgpu/cluster/cluster.hpp>
 #include <mgpu/cluster/policy.hpp>
 #include <mgpu/sched/job_queue.hpp>

@@ -12,7 +12,7 @@
 
 #include <mgpu/core/error.hpp>
 #include <mgpu/nn/layers.hpp>
-#include <mgpu/nn/optim.hpp>
+#include <mgpu/optim/optim.hpp>
 
 #include "core/backend.hpp"
 #include "io/atomic_file.hpp"

@@ -17,8 +17,8 @@
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
 #include <mgpu/nn/layers.hpp>
-#include <mgpu/nn/optim.hpp>
 #include <mgpu/nn/train.hpp>
+#include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
 
 namespace mgpu::parallel::detail {

@@ -2,9 +2,9 @@
 // against float64 references in tests/nn), and a short training run on the GPU.
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/nn/layers.hpp>
-#include <mgpu/nn/optim.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/ops.hpp>
+#include <mgpu/optim/optim.hpp>
 
 #include <algorithm>
 #include <cmath>

@@ -6,8 +6,8 @@
 #include <mgpu/config.hpp>
 #include <mgpu/core/device.hpp>
 #include <mgpu/nn/layers.hpp>
-#include <mgpu/nn/optim.hpp>
-#include <mgpu/parallel/pipeline.hpp>
+#include <mgpu/optim/optim.hpp>
+#include <mgpu/pipeline/pipeline.hpp>
 
 #include <random>
 #include <string>

@@ -3,8 +3,8 @@
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/io/checkpoint.hpp>
 #include <mgpu/nn/layers.hpp>
-#include <mgpu/nn/optim.hpp>
 #include <mgpu/nn/train.hpp>
+#include <mgpu/optim/optim.hpp>
 
 #include <cstring>
 #include <filesystem>

@@ -11,8 +11,8 @@
 
 #include <mgpu/io/checkpoint.hpp>
 #include <mgpu/nn/gpt.hpp>
-#include <mgpu/nn/optim.hpp>
 #include <mgpu/nn/transformer.hpp>
+#include <mgpu/optim/optim.hpp>
 #include <mgpu/core/detail/training_math.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/ops/transformer.hpp>

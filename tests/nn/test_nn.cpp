@@ -1,9 +1,9 @@
 // Ops, layers and optimizers against independent references: naive float64 math, central finite
 // differences in float64, hand-computed optimizer steps, and training to a set accuracy.
 #include <mgpu/nn/layers.hpp>
-#include <mgpu/nn/optim.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/ops.hpp>
+#include <mgpu/optim/optim.hpp>
 
 #include <cmath>
 #include <memory>

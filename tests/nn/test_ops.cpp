@@ -1,9 +1,9 @@
 // LayerNorm, dropout, reductions, 16-bit storage, loss scaling and mixed-precision training, against
 // float64 references, finite differences and the float32 path.
 #include <mgpu/nn/layers.hpp>
-#include <mgpu/nn/optim.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/ops.hpp>
+#include <mgpu/optim/optim.hpp>
 
 #include <cmath>
 #include <limits>

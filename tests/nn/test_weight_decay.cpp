@@ -3,7 +3,7 @@
 #include <vector>
 
 #include <mgpu/nn/gpt.hpp>
-#include <mgpu/nn/optim.hpp>
+#include <mgpu/optim/optim.hpp>
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"

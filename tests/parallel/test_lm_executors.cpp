@@ -14,12 +14,12 @@
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
-#include <mgpu/nn/optim.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/ops.hpp>
+#include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
-#include <mgpu/parallel/pipeline.hpp>
+#include <mgpu/pipeline/pipeline.hpp>
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"

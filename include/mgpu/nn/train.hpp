@@ -12,7 +12,7 @@
 #include <mgpu/core/tensor.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
-#include <mgpu/nn/optim.hpp>
+#include <mgpu/optim/optim.hpp>
 
 namespace mgpu::trace {
 class Timeline;

@@ -20,7 +20,7 @@
 #include <mgpu/io/checkpoint.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
-#include <mgpu/nn/optim.hpp>
+#include <mgpu/optim/optim.hpp>
 #include <mgpu/sched/scheduler.hpp>
 #include <mgpu/sched/types.hpp>
 #include <mgpu/trace/timeline.hpp>

@@ -1,7 +1,7 @@
 // Pipeline schedules: the generators' output validates for every size, the simulator's bubbles
 // and peak in-flight activations match the closed forms, and the validator rejects broken
 // schedules naming the broken action.
-#include <mgpu/parallel/schedule.hpp>
+#include <mgpu/pipeline/schedule.hpp>
 
 #include <algorithm>
 #include <string>

@@ -1,5 +1,5 @@
 // Schedule generators, the validator and the simulator.
-#include <mgpu/parallel/schedule.hpp>
+#include <mgpu/pipeline/schedule.hpp>
 
 #include <algorithm>
 #include <deque>

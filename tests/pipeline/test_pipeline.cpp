@@ -2,10 +2,10 @@
 // loss and parameter gradients of a step, and the parameters after several optimizer steps; a
 // failing stage stops every device with an error naming it; bad input is rejected.
 #include <mgpu/nn/layers.hpp>
-#include <mgpu/nn/optim.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/ops.hpp>
-#include <mgpu/parallel/pipeline.hpp>
+#include <mgpu/optim/optim.hpp>
+#include <mgpu/pipeline/pipeline.hpp>
 
 #include <algorithm>
 #include <chrono>

@@ -1,5 +1,5 @@
 // Optimizers, schedules and clipping.
-#include <mgpu/nn/optim.hpp>
+#include <mgpu/optim/optim.hpp>
 
 #include <algorithm>
 #include <cmath>

@@ -1,5 +1,5 @@
 // The pipeline executor and layer split.
-#include <mgpu/parallel/pipeline.hpp>
+#include <mgpu/pipeline/pipeline.hpp>
 
 #include <algorithm>
 #include <chrono>

@@ -1,7 +1,7 @@
 // Pipeline partitioning: cutting a model into chunks from profiled per-layer costs (on equal
 // devices, or on devices of different speeds and free memory for a schedule), the plan's report,
 // and the profiling itself. The min-max split is sched::min_max_split, shared with sched::partition.
-#include <mgpu/parallel/pipeline.hpp>
+#include <mgpu/pipeline/pipeline.hpp>
 
 #include <algorithm>
 #include <chrono>

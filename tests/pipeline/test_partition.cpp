@@ -3,8 +3,8 @@
 // errors, the plan's report, the devices read off a group, profiling on a speed-emulated rank 0,
 // and end to end on host:2@speed=1,0.5: the faster device gets more layers.
 #include <mgpu/nn/layers.hpp>
-#include <mgpu/nn/optim.hpp>
-#include <mgpu/parallel/pipeline.hpp>
+#include <mgpu/optim/optim.hpp>
+#include <mgpu/pipeline/pipeline.hpp>
 
 #include <algorithm>
 #include <chrono>

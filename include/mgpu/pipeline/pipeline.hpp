@@ -1,0 +1,204 @@
+// Model parallelism: a Sequential cut into chunks over the devices of a DeviceGroup, trained by
+// running any valid pipeline Schedule (layer split, GPipe, 1F1B, interleaved, ZB-H1) with the
+// communicator's send/recv, gradient accumulation over micro-batches and one optimizer per chunk.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <mgpu/comm/communicator.hpp>
+#include <mgpu/core/device_group.hpp>
+#include <mgpu/core/tensor.hpp>
+#include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/loss.hpp>
+#include <mgpu/optim/optim.hpp>
+#include <mgpu/pipeline/schedule.hpp>
+#include <mgpu/trace/timeline.hpp>
+
+namespace mgpu::pipeline {
+
+/// Layer split (plain model parallelism): one micro-batch through the devices in turn, forward
+/// then backward; the baseline pipelines beat.
+Schedule layer_split(int devices);
+
+/// Where a model is cut: chunk c runs layers [cuts[c], cuts[c + 1]) on device device[c], with the
+/// time and memory predicted for it.
+struct Partition {
+  std::vector<std::size_t> cuts;
+  /// Per chunk: one micro-batch's forward + backward on its device (the costs' unit, seconds when
+  /// profiled).
+  std::vector<double> chunk_seconds;
+  std::vector<int> device;
+  /// Per chunk: the bytes it holds at its peak (parameters, gradients, optimizer state and the
+  /// activations of the micro-batches in flight), and the free bytes it was fitted into (its
+  /// device's, divided among the device's chunks). 0 and infinity when memory is not modelled.
+  std::vector<double> chunk_bytes;
+  std::vector<double> free_bytes;
+};
+
+/// The plan as lines of text, one per chunk: its device, layers, predicted time and memory against
+/// free memory, e.g. "chunk 0 on device 0: layers [0, 6), 1.25 ms, 3.1 MiB of 16.0 GiB free".
+std::string to_string(Partition const& plan);
+
+/// Cuts `model` into `chunks` contiguous chunks between its units (a Linear and its fused
+/// activation stay together), minimizing the slowest chunk's summed `layer_seconds` (one per
+/// layer), on equal devices without memory limits. Throws Error(invalid_argument) when the model
+/// has fewer units than chunks or the costs do not match its layers.
+Partition partition(nn::Sequential const& model, int chunks, std::vector<double> const& layer_seconds);
+
+/// A device as the partitioner sees it: its speed relative to the device the layer costs are for
+/// (1: as fast; 0.5: each layer takes twice as long), and the bytes a pipeline may use on it.
+struct StageDevice {
+  double speed = 1.0;
+  double free_bytes = std::numeric_limits<double>::infinity();
+};
+
+/// The `devices` pipeline devices of `group` as StageDevices, from sched::node_state(group): with
+/// data-parallel replicas (group.size() a multiple of `devices`; rank r runs pipeline device
+/// r % devices, as in the Executor), each pipeline device is its slowest rank with its least free
+/// memory. Speed: relative to the group's fastest device (the device profile_layers() reports
+/// costs for); free bytes: the rank's share of its device's memory minus what its allocator holds,
+/// and at most the allocator's limit minus what it has allocated. Throws Error(invalid_argument)
+/// when group.size() is not a multiple of `devices`.
+std::vector<StageDevice> stage_devices(DeviceGroup const& group, int devices);
+
+/// Per-layer costs for partitioning, one entry per layer (a unit's cost sits on its first layer).
+struct LayerProfile {
+  /// Forward + backward seconds of one micro-batch on a speed-1 device.
+  std::vector<double> seconds;
+  /// Bytes of the layer's float32 parameters.
+  std::vector<double> parameter_bytes;
+  /// Bytes one micro-batch's forward leaves allocated until its backward (saved tensors and output).
+  std::vector<double> activation_bytes;
+};
+
+/// Profiles each unit of `model` on `group`'s rank 0 for a micro-batch of `input` shape: the
+/// median of `repeats` forward + backward times, scaled by rank 0's speed relative to the group's
+/// fastest device (so a slow or speed-emulated rank 0 still reports the fastest device's costs,
+/// which stage_devices() speeds divide), and the bytes its forward leaves on rank 0's allocator.
+/// Runs on rank 0 only: the other devices are assumed to differ by their speed alone.
+LayerProfile profile_layers(nn::Sequential const& model, DeviceGroup& group, Shape const& input, int repeats = 3);
+
+struct PartitionOptions {
+  /// float32 copies of the parameters the optimizer keeps: 1 for SGD with momentum, 0 without, 2
+  /// for AdamW.
+  int optimizer_states = 1;
+};
+
+/// Cuts `model` into schedule.chunks() contiguous chunks between units for running `schedule` on
+/// `devices` (one per schedule device; chunk c runs on devices[c % devices.size()]), minimizing
+/// the slowest chunk's time: its layers' profile.seconds summed, divided by its device's speed.
+/// Each chunk must fit in memory: its parameters times (2 + optimizer_states) (parameters,
+/// gradients, optimizer state) plus its activation_bytes times the micro-batches its device holds
+/// in flight at the schedule's peak (simulate(schedule).peak_in_flight), within its device's
+/// free_bytes (with v chunks per device, a v-th of them each: enough for the device's sum).
+/// Exact: a dynamic program over unit boundaries finds a split whose slowest chunk is the smallest
+/// among all contiguous splits that fit. Throws Error(invalid_argument) when the sizes do not match
+/// (profile entries per layer, a device per schedule device, more chunks than units), and
+/// Error(out_of_memory) when no split fits, naming the chunk and device of the split that comes
+/// closest, the bytes it needs and the bytes free.
+Partition partition(nn::Sequential const& model, Schedule const& schedule, LayerProfile const& profile,
+                    std::vector<StageDevice> const& devices, PartitionOptions options = {});
+
+struct ExecutorOptions {
+  /// Initialises the chunks as nn::Sequential::materialize(seed) initialises the whole model.
+  std::uint64_t seed = 0;
+  /// Data-parallel replicas of the pipeline (a data x pipeline grid): replica r runs on ranks
+  /// [r * devices, (r + 1) * devices) on the r-th shard of each batch, and the same chunk across
+  /// replicas all-reduces its gradients over a communicator of those ranks. The group has
+  /// devices x data_parallel ranks.
+  int data_parallel = 1;
+  /// The communicator's deadline (zero: comm::default_timeout()).
+  std::chrono::milliseconds timeout{0};
+  /// The type the chunks compute in and send between devices: float32, or bfloat16/float16 with
+  /// float32 master parameters that the optimizers update (as nn::Sequential::materialize).
+  DType compute = DType::float32;
+  /// Dynamic loss scaling (for float16): the loss gradient is multiplied by the scale, and a step
+  /// in which any chunk's gradients (of any replica) hold NaN or Inf is skipped by every chunk.
+  /// The executor has no checkpoint of its own: a run continued by a new executor passes a scaler
+  /// given the old one's state (Executor::loss_scaler()->state(), LossScaler::set_state()).
+  std::optional<optim::LossScaler> loss_scaler{};
+  /// Clip the gradients to this global norm over every chunk (a tied embedding counted once),
+  /// finite and > 0; 0 turns clipping off.
+  float clip_norm = 0.0f;
+  /// What the last stage computes from each micro-batch's output (nullptr: nn::SoftmaxCrossEntropy,
+  /// float32 class ids). Its divisor is the counted units of the whole batch, counted on the host
+  /// before any action runs, so the micro-batches' losses and gradients add up to the batch's mean.
+  std::shared_ptr<nn::Loss const> loss{};
+  /// Where every action is recorded (rank = device, compute lane; transfers on the communication
+  /// lane); nullptr for none.
+  std::shared_ptr<trace::Timeline> timeline{};
+};
+
+/// Makes one optimizer (each chunk gets its own, for its own parameters).
+using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>()>;
+
+/// Runs a schedule over a DeviceGroup: chunk c of the model on rank c % devices (of each replica,
+/// see ExecutorOptions::data_parallel). A GPT's LM head tied to its token embedding may sit in
+/// another chunk than the Embedding: that chunk holds a copy of wte (see nn::TiedLMHead), made
+/// equal to the embedding's at construction, and the two chunks' wte gradients are summed between
+/// their devices (after the data-parallel all-reduce) before every update. Each step splits
+/// the batch into the schedule's micro-batches (sizes as shard_sizes), runs every device's actions
+/// (consecutive transfers grouped, so crossing sends and receives cannot deadlock), accumulates
+/// parameter gradients over micro-batches and, in step(), updates each chunk. Dropout draws as in
+/// the unsplit model: every micro-batch's forward uses the step's draw and its global rows.
+/// Before enqueuing a forward, each device's thread waits for its stream to finish the compute
+/// action before it (not the transfers in between, which may still wait for a peer), so memory
+/// follows the schedule (1F1B holds at most devices - d micro-batches' activations on device d,
+/// GPipe all) while the stream starts the forward as soon as its input arrives. Without a timeline
+/// (or with it disabled) a step builds no names and allocates no containers per action.
+/// If an action fails, the communicator aborts the other devices and the step throws an Error
+/// naming the failing device, chunk and action; the executor cannot be used after that.
+/// The group must outlive the executor. Not thread-safe: call from one thread.
+class Executor {
+ public:
+  /// Cuts `model` at `cuts` (schedule.chunks() + 1 increasing layer indices, from 0 to
+  /// model.size(), each a cut point of the model) and validates `schedule`, which must be for
+  /// group.size() devices. Throws Error(invalid_argument) naming what is wrong, also for an empty
+  /// `make_optimizer` or one that returns no optimizer.
+  Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<std::size_t> cuts, Schedule schedule,
+           OptimizerFactory make_optimizer, ExecutorOptions options = {});
+  ~Executor();
+  Executor(Executor const&) = delete;
+  Executor& operator=(Executor const&) = delete;
+
+  /// Forward and backward of every micro-batch of x ([N, features] float32, or int32 token ids
+  /// [N, T]) and labels (the loss's targets: by default [N] float32 class ids; int32 [N, T] for
+  /// nn::TokenCrossEntropy), leaving the batch's mean-loss gradients in each chunk's gradient
+  /// buffer (the tied embedding's summed); returns the batch's mean loss. x and labels may live on
+  /// any device. Throws Error(invalid_argument), before any action runs (the executor stays
+  /// usable), when N is smaller than the number of micro-batches, x does not fit the model, or the
+  /// loss refuses the labels (nn::Loss::check).
+  float compute_gradients(Tensor const& x, Tensor const& labels);
+  /// compute_gradients(), then the update of every chunk through nn::apply_update (unscaling,
+  /// the loss scaler's overflow check over all chunks, clipping by the global norm over all
+  /// chunks, each chunk's optimizer step with its learning rate times lr_scale): when the loss
+  /// scaler found NaN or Inf gradients in any chunk, no chunk updates (see last_step_applied()).
+  /// Returns once every chunk is updated (it synchronizes the group's streams). Throws
+  /// Error(invalid_argument) for an lr_scale that is not finite and >= 0.
+  float step(Tensor const& x, Tensor const& labels, float lr_scale = 1.0f);
+  /// Whether the last step() updated the parameters.
+  [[nodiscard]] bool last_step_applied() const noexcept;
+  /// The loss scaler (nullptr without one).
+  [[nodiscard]] optim::LossScaler const* loss_scaler() const noexcept;
+
+  [[nodiscard]] Schedule const& schedule() const noexcept;
+  [[nodiscard]] std::vector<std::size_t> const& cuts() const noexcept;
+  /// Chunk c's layers, parameters and gradients in `replica` (on rank replica * devices +
+  /// c % devices); read them after a step.
+  [[nodiscard]] nn::Sequential& chunk(int c, int replica = 0);
+  /// Wall seconds of the last step's schedule run (from the first action to the last device done).
+  [[nodiscard]] double last_step_seconds() const noexcept;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace mgpu::pipeline
