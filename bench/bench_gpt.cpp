@@ -72,7 +72,8 @@ struct GptTrainer {
   Shape shape;
   mgpu::nn::Sequential model;
   mgpu::optim::AdamW adamw{{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f}};
-  mgpu::Tensor inputs, targets, loss;
+  mgpu::nn::TokenCrossEntropy const loss_fn{};
+  mgpu::Tensor inputs, targets;
   std::int64_t next = 0;
 
   explicit GptTrainer(Shape const& s) : shape(s), model(mgpu::nn::gpt(s.config)) {
@@ -93,19 +94,13 @@ struct GptTrainer {
         previous = following;
       }
     }
-    loss = mgpu::Tensor::empty({1}, mgpu::DType::float32, *allocator);
   }
   [[nodiscard]] std::int64_t tokens() const { return shape.batch * shape.config.block_size; }
   void step() {
     std::int64_t const b = next++ % pool;
     mgpu::Tensor const x = inputs.slice(b * shape.batch, (b + 1) * shape.batch);
     mgpu::Tensor const y = targets.slice(b * shape.batch, (b + 1) * shape.batch);
-    mgpu::Tensor const logits = model.forward(x, ctx);
-    mgpu::Tensor const dlogits = mgpu::Tensor::empty(logits.shape(), logits.dtype(), *allocator);
-    mgpu::ops::token_cross_entropy(logits, y, dlogits, loss, static_cast<float>(tokens()), stream);
-    (void)model.backward(dlogits, ctx, false);
-    (void)mgpu::optim::clip_grad_norm(model.master_gradients(), 1.0f, *allocator, stream);
-    adamw.step(model.master_parameters(), model.master_gradients(), *allocator, stream);
+    (void)mgpu::nn::train_step(model, adamw, x, y, loss_fn, ctx, {.clip_norm = 1.0f});  // the trainers' own step
     stream.synchronize();
   }
   // The library's host GEMM totals on this trainer's worker thread.
