@@ -1,12 +1,12 @@
 // The transformer ops' kernels (src/kernels/transformer.hpp): the functors of
-// mgpu/ops/detail/transformer_math.hpp over a grid (one thread per output element or row, each
+// mgpu/core/detail/transformer_math.hpp over a grid (one thread per output element or row, each
 // summing in a fixed order), and the token-id check.
 #include <cuda_runtime.h>
 
 #include <mgpu/core/detail/elementwise.hpp>
+#include <mgpu/core/detail/transformer_math.hpp>
 #include <mgpu/core/dtype.hpp>
 #include <mgpu/core/error.hpp>
-#include <mgpu/ops/detail/transformer_math.hpp>
 
 #include "core/cuda_device_scope.hpp"
 #include "kernels/elementwise.cuh"
@@ -70,21 +70,21 @@ void find_bad_token(int ordinal, std::int32_t const* ids, std::int64_t n, std::i
 }
 
 #define MGPU_TRANSFORMER_FOR_TYPE(T)                                                                        \
-  template void transformer_each(int, std::int64_t, ops::detail::EmbeddingOp<T> const&, void*);             \
-  template void transformer_each(int, std::int64_t, ops::detail::EmbeddingTokenGradOp<T> const&, void*);    \
-  template void transformer_each(int, std::int64_t, ops::detail::EmbeddingPositionGradOp<T> const&, void*); \
-  template void transformer_each(int, std::int64_t, ops::detail::AttentionForwardRow<T> const&, void*);     \
-  template void transformer_each(int, std::int64_t, ops::detail::AttentionRowDot<T> const&, void*);         \
-  template void transformer_each(int, std::int64_t, ops::detail::AttentionGradRow<T> const&, void*);        \
+  template void transformer_each(int, std::int64_t, mgpu::detail::EmbeddingOp<T> const&, void*);             \
+  template void transformer_each(int, std::int64_t, mgpu::detail::EmbeddingTokenGradOp<T> const&, void*);    \
+  template void transformer_each(int, std::int64_t, mgpu::detail::EmbeddingPositionGradOp<T> const&, void*); \
+  template void transformer_each(int, std::int64_t, mgpu::detail::AttentionForwardRow<T> const&, void*);     \
+  template void transformer_each(int, std::int64_t, mgpu::detail::AttentionRowDot<T> const&, void*);         \
+  template void transformer_each(int, std::int64_t, mgpu::detail::AttentionGradRow<T> const&, void*);        \
   template void transformer_each(int, std::int64_t, mgpu::detail::ConvertOp<T, float> const&, void*);       \
-  template void transformer_each(int, std::int64_t, ops::detail::TokenCrossEntropyRow<T> const&, void*);
+  template void transformer_each(int, std::int64_t, mgpu::detail::TokenCrossEntropyRow<T> const&, void*);
 MGPU_TRANSFORMER_FOR_TYPE(float)
 MGPU_TRANSFORMER_FOR_TYPE(bfloat16)
 MGPU_TRANSFORMER_FOR_TYPE(float16)
 #undef MGPU_TRANSFORMER_FOR_TYPE
-template void transformer_each(int, std::int64_t, ops::detail::TokenCountOp const&, void*);
-template void transformer_each(int, std::int64_t, ops::detail::TokenScanOp const&, void*);
-template void transformer_each(int, std::int64_t, ops::detail::TokenListOp const&, void*);
-template void transformer_each(int, std::int64_t, ops::detail::RowLossSum const&, void*);
+template void transformer_each(int, std::int64_t, mgpu::detail::TokenCountOp const&, void*);
+template void transformer_each(int, std::int64_t, mgpu::detail::TokenScanOp const&, void*);
+template void transformer_each(int, std::int64_t, mgpu::detail::TokenListOp const&, void*);
+template void transformer_each(int, std::int64_t, mgpu::detail::RowLossSum const&, void*);
 
 }  // namespace mgpu::kernels

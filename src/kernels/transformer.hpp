@@ -1,5 +1,5 @@
 // Host-callable launchers of the transformer ops' kernels (src/kernels/transformer.cu), used by
-// src/ops/transformer.cpp: the functors of mgpu/ops/detail/transformer_math.hpp over a grid, the
+// src/ops/transformer.cpp: the functors of mgpu/core/detail/transformer_math.hpp over a grid, the
 // token-id check, and stream-ordered scratch memory. Each leaves the calling thread's current
 // device as it was.
 #pragma once

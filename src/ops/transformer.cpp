@@ -1,5 +1,5 @@
 // The transformer ops (mgpu/ops/transformer.hpp): argument checks at the call, then the functors of
-// mgpu/ops/detail/transformer_math.hpp, run in a loop by one piece of work on a host stream's
+// mgpu/core/detail/transformer_math.hpp, run in a loop by one piece of work on a host stream's
 // worker, or launched as kernels (src/kernels/transformer.cu) on a CUDA stream. Every output is
 // summed in a fixed order, so results are bitwise reproducible.
 #include "kernels/transformer.hpp"
@@ -15,8 +15,8 @@
 
 #include <mgpu/config.hpp>
 #include <mgpu/core/detail/elementwise.hpp>
+#include <mgpu/core/detail/transformer_math.hpp>
 #include <mgpu/core/error.hpp>
-#include <mgpu/ops/detail/transformer_math.hpp>
 #include <mgpu/ops/transformer.hpp>
 
 #include "core/backend.hpp"
