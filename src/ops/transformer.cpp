@@ -20,6 +20,7 @@
 #include <mgpu/ops/transformer.hpp>
 
 #include "core/backend.hpp"
+#include "kernels/ops.hpp"
 
 namespace mgpu::ops {
 namespace {
@@ -105,7 +106,7 @@ void run(Stream& stream, std::vector<Tensor> keep, std::size_t scratch_words, Bo
   void* const handle = stream.native_handle();
   mgpu::detail::ReleaseAfterOnExit const release(stream, keep);
   void* scratch = scratch_words > 0 ? kernels::scratch_allocate(ordinal, 4 * scratch_words, handle) : nullptr;
-  body([&](std::int64_t n, auto const& op) { kernels::transformer_each(ordinal, n, op, handle); }, scratch);
+  body([&](std::int64_t n, auto const& op) { kernels::each(ordinal, n, op, handle); }, scratch);
   if (scratch != nullptr) kernels::scratch_free(ordinal, scratch, handle);
 #else
   throw Error(Errc::device, "transformer ops on " + stream.device().to_string() + " (this build has no CUDA backend)");
