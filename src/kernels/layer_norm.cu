@@ -80,17 +80,13 @@ struct LayerNormParamGradColumns {
 template <class T>
 struct Launch<mgpu::detail::LayerNormRow<T>> {
   static void each(std::int64_t rows, mgpu::detail::LayerNormRow<T> const& op, cudaStream_t s) {
-    if (rows == 0) return;
-    layer_norm_rows_kernel<<<row_blocks(rows), reduce_threads, 0, s>>>(op, rows);
-    MGPU_CUDA_CHECK(cudaGetLastError());
+    launch_rows(layer_norm_rows_kernel<T>, op, rows, s);
   }
 };
 template <class T>
 struct Launch<mgpu::detail::LayerNormGradRow<T>> {
   static void each(std::int64_t rows, mgpu::detail::LayerNormGradRow<T> const& op, cudaStream_t s) {
-    if (rows == 0) return;
-    layer_norm_grad_rows_kernel<<<row_blocks(rows), reduce_threads, 0, s>>>(op, rows);
-    MGPU_CUDA_CHECK(cudaGetLastError());
+    launch_rows(layer_norm_grad_rows_kernel<T>, op, rows, s);
   }
 };
 template <class T>

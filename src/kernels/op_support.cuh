@@ -83,6 +83,14 @@ void sum_terms(std::int64_t n, Op const& op, float* out, float scale, cudaStream
 // Row kernels run a block per row (grid-stride over rows): at most this many blocks.
 inline int row_blocks(std::int64_t rows) { return static_cast<int>(rows < 65535 ? rows : 65535); }
 
+// Launches kernel(op, rows) with a block of reduce_threads per row.
+template <class Op>
+void launch_rows(void (*kernel)(Op, std::int64_t), Op const& op, std::int64_t rows, cudaStream_t s) {
+  if (rows == 0) return;
+  kernel<<<row_blocks(rows), reduce_threads, 0, s>>>(op, rows);
+  MGPU_CUDA_CHECK(cudaGetLastError());
+}
+
 // Column kernels: a block per tile of 32 columns (grid-stride over tiles), 8 row lanes. Threads
 // x = 0..31 read 32 neighbouring columns of a row (coalesced); each lane sums every 8th row, and
 // the 8 lanes are added in a fixed order. `Col` says what to add for (r, j) and what to store.
