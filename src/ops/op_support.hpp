@@ -9,7 +9,8 @@
 // layer_norm, loss, reductions, updates, transformer). Adding an op:
 //   1. its element math, as a __host__ __device__ functor in mgpu/core/detail/training_math.hpp (one
 //      definition that both the host loop and the CUDA kernel run, so the CPU tests cover it);
-//   2. its declaration, with a sentence on what it does, in mgpu/ops/ops.hpp;
+//   2. its declaration, with a sentence on what it does, in mgpu/ops/ops.hpp (the transformer
+//      family: mgpu/ops/transformer.hpp, with its math in mgpu/core/detail/transformer_math.hpp);
 //   3. its definition in src/ops/<family>.cpp: the argument checks below, then run_each or
 //      run_reduce with the functor, which pick the host loop or the CUDA kernel by the stream's
 //      device and keep the tensors alive until the work has run;
