@@ -39,6 +39,8 @@
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/ops/transformer.hpp>
 
+#include "bench_support.hpp"
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -56,10 +58,7 @@ Shape const shapes[] = {
     {"gpt2s", {.vocab = 256, .block_size = 256, .n_layer = 12, .n_head = 12, .n_embd = 768}, 4},
 };
 
-double median(std::vector<double> v) {
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-  return v[v.size() / 2];
-}
+using bench::median;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -103,13 +102,6 @@ struct GptTrainer {
     (void)mgpu::nn::train_step(model, adamw, x, y, loss_fn, ctx, {.clip_norm = 1.0f});  // the trainers' own step
     stream.synchronize();
   }
-  // The library's host GEMM totals on this trainer's worker thread.
-  mgpu::ops::HostGemmStats gemm_stats() {
-    mgpu::ops::HostGemmStats stats;
-    stream.enqueue([&stats] { stats = mgpu::ops::host_gemm_stats(); });
-    stream.synchronize();
-    return stats;
-  }
 };
 
 void BM_gpt_step(benchmark::State& state) {
@@ -118,13 +110,13 @@ void BM_gpt_step(benchmark::State& state) {
   trainer.step();  // the allocator's cache, AdamW's state, the GEMM primitives
   trainer.allocator->reset_peak();
   std::vector<double> step_s;
-  mgpu::ops::HostGemmStats const before = trainer.gemm_stats();
+  mgpu::ops::HostGemmStats const before = bench::host_gemm_stats(trainer.stream);
   for (auto _ : state) {
     auto const t0 = Clock::now();
     trainer.step();
     step_s.push_back(seconds_since(t0));
   }
-  double const gemm_s = trainer.gemm_stats().seconds - before.seconds;
+  double const gemm_s = bench::host_gemm_stats(trainer.stream).seconds - before.seconds;
   double total_s = 0;
   for (double s : step_s) total_s += s;
   double const step = median(step_s);
