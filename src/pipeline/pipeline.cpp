@@ -276,6 +276,13 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
 
 Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<std::size_t> cuts, Schedule schedule,
                    OptimizerFactory make_optimizer, ExecutorOptions options)
+    : Executor(model, group, std::move(cuts), std::move(schedule),
+               make_optimizer ? ChunkOptimizerFactory([make = std::move(make_optimizer)](nn::Sequential const&) { return make(); })
+                              : ChunkOptimizerFactory{},
+               std::move(options)) {}
+
+Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<std::size_t> cuts, Schedule schedule,
+                   ChunkOptimizerFactory make_optimizer, ExecutorOptions options)
     : impl_(std::make_unique<Impl>()) {
   validate(schedule);
   if (options.data_parallel < 1 || schedule.devices * options.data_parallel != group.size())
@@ -311,7 +318,7 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   for (int r = 0; r < m.replicas; ++r) {
     for (std::size_t c = 0; c < chunks; ++c) {
       m.chunks[static_cast<std::size_t>(r)].push_back(model.stage(m.cuts[c], m.cuts[c + 1]));
-      std::unique_ptr<optim::Optimizer> optimizer = make_optimizer();
+      std::unique_ptr<optim::Optimizer> optimizer = make_optimizer(m.chunks[static_cast<std::size_t>(r)].back());
       if (!optimizer)
         throw Error(Errc::invalid_argument, "the pipeline's optimizer factory returned no optimizer for chunk " + std::to_string(c) +
                                                 " of replica " + std::to_string(r) + " (expected a new optimizer from every call)");

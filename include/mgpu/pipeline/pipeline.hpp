@@ -138,6 +138,9 @@ struct ExecutorOptions {
 
 /// Makes one optimizer (each chunk gets its own, for its own parameters).
 using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>()>;
+/// Makes the optimizer of one chunk, given the chunk (its layers and flat buffers' layout, e.g.
+/// AdamW's decay_ranges = chunk.matrix_ranges() for weight decay on its weight matrices only).
+using ChunkOptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(nn::Sequential const& chunk)>;
 
 /// Runs a schedule over a DeviceGroup: chunk c of the model on rank c % devices (of each replica,
 /// see ExecutorOptions::data_parallel). A GPT's LM head tied to its token embedding may sit in
@@ -164,6 +167,9 @@ class Executor {
   /// `make_optimizer` or one that returns no optimizer.
   Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<std::size_t> cuts, Schedule schedule,
            OptimizerFactory make_optimizer, ExecutorOptions options = {});
+  /// As above, with an optimizer made for each chunk from the chunk.
+  Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<std::size_t> cuts, Schedule schedule,
+           ChunkOptimizerFactory make_optimizer, ExecutorOptions options = {});
   ~Executor();
   Executor(Executor const&) = delete;
   Executor& operator=(Executor const&) = delete;
