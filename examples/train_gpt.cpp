@@ -24,7 +24,8 @@
 //     [--dp N]                  M micro-batches per step, N pipeline replicas (a data x pipeline
 //                               grid over K x N devices); the tied LM head's stage holds a copy of
 //                               wte kept equal to the first stage's
-// Every layout gives the one-device losses within float32 rounding. --devices defaults to
+// Every layout gives the one-device losses within float32 rounding, and writes checkpoints in one
+// format, so a run may resume on another layout. --devices defaults to
 // host:(stages x dp). Evaluation, sampling and --save-llmc read a float32 copy of the whole model
 // (the stages' master weights, gathered before each use).
 #include <algorithm>
@@ -209,9 +210,6 @@ void check_layout(Options const& o, bool pipelined, mgpu::DeviceGroup const& gro
     if (size != o.stages * o.dp)
       refuse("--devices " + o.devices + " has " + std::to_string(size) + " devices (expected --stages x --dp = " +
              std::to_string(o.stages * o.dp) + ")");
-    if (!o.checkpoint.empty())
-      refuse("--checkpoint with --schedule " + o.schedule +
-             " (expected one device or data parallelism: the pipeline executor has no checkpoint of its own yet)");
     return;
   }
   if (o.micro_batches != 1)
@@ -397,16 +395,21 @@ int run(Options o) {
   auto const gather = [&] {
     if (pipeline) gather_chunks(*pipeline, model, stream);
   };
+  // One checkpoint format for every layout: a run may resume on another one.
   auto const save = [&](mgpu::io::TrainingState const& at) {
     if (parallel)
       parallel->save(o.checkpoint, at);
+    else if (pipeline)
+      pipeline->save(o.checkpoint, at);
     else
       mgpu::io::save_training(o.checkpoint, model, optimizer, at, stream);
   };
 
   mgpu::io::TrainingState state{.data_seed = o.seed};
   if (o.resume && fs::exists(o.checkpoint)) {
-    state = parallel ? parallel->load(o.checkpoint) : mgpu::io::load_training(o.checkpoint, model, optimizer, *allocator, stream);
+    state = parallel   ? parallel->load(o.checkpoint)
+            : pipeline ? pipeline->load(o.checkpoint)
+                       : mgpu::io::load_training(o.checkpoint, model, optimizer, *allocator, stream);
     std::fprintf(log, "resumed from %s at step %lld\n", o.checkpoint.c_str(), static_cast<long long>(state.step));
   }
   mgpu::data::TokenLoader train_loader(splits.train, o.vocab,
