@@ -13,6 +13,13 @@
 //     params             the model's parameter count;
 //     step_gemm_share    the time in the library's host GEMM calls (ops::host_gemm_stats) / the
 //                        step's time, summed over the timed steps.
+//   BM_gpt_step_dp/<shape>: the same step data parallel over host:2 (parallel::DataParallel: each
+//   device a worker thread with half of every batch, gradients all-reduced in buckets during
+//   backward), and the one-device step of BM_gpt_step timed in turn on the same batches:
+//     tokens_per_s            batch * block / the median data-parallel step time;
+//     one_device_tokens_per_s the one-device step's, from the turns in between;
+//     speedup_vs_one_device   median over turns of one-device step time / data-parallel step time;
+//     peak_bytes_device       the largest of the two devices' allocator peaks.
 //   BM_attention/<shape>: causal attention forward + backward alone on that shape's qkv:
 //     online_ms               ops::causal_attention + causal_attention_backward (tiled online
 //                             softmax, per-row log-sum-exp kept);
@@ -129,6 +136,48 @@ void BM_gpt_step(benchmark::State& state) {
 }
 BENCHMARK(BM_gpt_step)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(8.0);
 BENCHMARK(BM_gpt_step)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
+
+void BM_gpt_step_dp(benchmark::State& state) {
+  Shape const& shape = shapes[state.range(0)];
+  GptTrainer one(shape);  // its batches feed both
+  mgpu::DeviceGroup group("host:2");
+  mgpu::parallel::DataParallelOptions options;
+  options.seed = 1;
+  options.clip_norm = 1.0f;
+  options.loss = std::make_shared<mgpu::nn::TokenCrossEntropy>();
+  mgpu::parallel::DataParallel dp(mgpu::nn::gpt(shape.config), group, one.adamw, std::move(options));
+  std::int64_t next = 0;
+  auto const dp_step = [&] {
+    std::int64_t const b = next++ % GptTrainer::pool;
+    (void)dp.step(one.inputs.slice(b * shape.batch, (b + 1) * shape.batch),
+                  one.targets.slice(b * shape.batch, (b + 1) * shape.batch));
+  };
+  one.step();
+  dp_step();
+  for (int r = 0; r < group.size(); ++r) group.allocator(r).reset_peak();
+  std::vector<double> dp_s, one_s, speedup;
+  for (auto _ : state) {
+    auto t0 = Clock::now();
+    dp_step();
+    dp_s.push_back(seconds_since(t0));
+    state.PauseTiming();
+    t0 = Clock::now();
+    one.step();
+    one_s.push_back(seconds_since(t0));
+    speedup.push_back(one_s.back() / dp_s.back());
+    state.ResumeTiming();
+  }
+  double peak = 0;
+  for (int r = 0; r < group.size(); ++r)
+    peak = std::max(peak, static_cast<double>(group.allocator(r).stats().peak_allocated));
+  state.SetLabel(std::string(shape.name) + ", host:2 data parallel");
+  state.counters["tokens_per_s"] = static_cast<double>(one.tokens()) / median(dp_s);
+  state.counters["one_device_tokens_per_s"] = static_cast<double>(one.tokens()) / median(one_s);
+  state.counters["speedup_vs_one_device"] = median(speedup);
+  state.counters["peak_bytes_device"] = peak;
+}
+BENCHMARK(BM_gpt_step_dp)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(8.0);
+BENCHMARK(BM_gpt_step_dp)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
 
 // Causal attention through the whole [B, H, T, T] probability matrix: the path the online softmax
 // replaces. Forward S = q kᵀ / sqrt(d) masked, P = softmax(S), y = P v; backward dP = dy vᵀ,
