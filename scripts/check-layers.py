@@ -43,10 +43,6 @@ LAYERS = {
 # Known violations, allowed one by one until they are fixed: (module, included module) for a
 # whole module, or (file, included module) for one file; each with why it is still there.
 KNOWN = {
-    # The caching allocator polls its blocks still used by queued GPU work (a send on another
-    # logical device may wait for this very thread) for at most the communicators' deadline,
-    # comm::default_timeout() ($MGPU_COMM_TIMEOUT), and names it in the error.
-    ("src/core/memory.cpp", "comm"): "core's allocator waits at most comm's deadline",
     # Deprecated forwarding headers for one release (README, Changelog): the cluster module moved
     # out of sched.
     ("include/mgpu/sched/cluster.hpp", "cluster"): "deprecated forwarding header",

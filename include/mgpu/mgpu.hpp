@@ -3,6 +3,7 @@
 
 #include <mgpu/comm/communicator.hpp>
 #include <mgpu/config.hpp>
+#include <mgpu/core/deadline.hpp>
 #include <mgpu/core/device.hpp>
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/core/dtype.hpp>

@@ -1,7 +1,6 @@
 // CommunicatorBase and SharedState: argument checks, numbering, groups, abort and finalize.
 #include "comm/base.hpp"
 
-#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <string>
@@ -29,17 +28,6 @@ std::string Call::name(int rank) const {
   std::string text = "rank " + std::to_string(rank) + " " + std::string(to_string(kind)) + " #" + std::to_string(seq);
   if (kind == OpKind::send) text += " to rank " + std::to_string(root);
   if (kind == OpKind::recv) text += " from rank " + std::to_string(root);
-  return text;
-}
-
-std::string format_duration(std::chrono::nanoseconds duration) {
-  char text[32];
-  double const seconds = std::chrono::duration<double>(duration).count();
-  if (seconds >= 1.0) {
-    std::snprintf(text, sizeof text, "%.1f s", seconds);
-  } else {
-    std::snprintf(text, sizeof text, "%.0f ms", seconds * 1e3);
-  }
   return text;
 }
 

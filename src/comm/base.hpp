@@ -14,6 +14,7 @@
 #include <vector>
 
 #include <mgpu/comm/communicator.hpp>
+#include <mgpu/core/deadline.hpp>
 
 namespace mgpu::comm::detail {
 
@@ -70,8 +71,8 @@ class SharedState {
   std::int64_t in_flight_ = 0;
 };
 
-/// "5.0 s", "250 ms".
-std::string format_duration(std::chrono::nanoseconds duration);
+/// Durations in messages: core's format_duration (mgpu/core/deadline.hpp).
+using mgpu::format_duration;
 
 class CommunicatorBase : public Communicator {
  public:

@@ -1,8 +1,6 @@
 // make_communicator(): backend choice, the default deadline, names.
 #include <mgpu/comm/communicator.hpp>
 
-#include <cmath>
-#include <cstdlib>
 #include <numeric>
 #include <set>
 #include <string>
@@ -24,17 +22,6 @@ std::string_view to_string(Backend backend) noexcept {
     case Backend::cuda_peer: return "cuda_peer";
   }
   return "unknown";
-}
-
-std::chrono::milliseconds default_timeout() {
-  char const* text = std::getenv(timeout_env_var);
-  if (text == nullptr || *text == '\0') return std::chrono::seconds(300);
-  char* end = nullptr;
-  double const seconds = std::strtod(text, &end);
-  if (end == text || *end != '\0' || !std::isfinite(seconds) || seconds <= 0)
-    throw Error(Errc::invalid_argument, std::string(timeout_env_var) + "='" + text +
-                                            "' (expected a positive number of seconds, e.g. 30 or 0.5)");
-  return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(seconds * 1000.0)));
 }
 
 namespace detail {

@@ -11,10 +11,9 @@
 #include <thread>
 #include <utility>
 
-#include <mgpu/comm/communicator.hpp>
+#include <mgpu/core/deadline.hpp>
 #include <mgpu/core/error.hpp>
 
-#include "comm/base.hpp"
 #include "core/backend.hpp"
 #include "core/cuda_backend.hpp"
 
@@ -174,7 +173,7 @@ Buffer Allocator::allocate(std::size_t bytes) {
       continue;
     }
     if (!awaiting_work) break;
-    if (!wait_until) wait_until = Clock::now() + comm::default_timeout();
+    if (!wait_until) wait_until = Clock::now() + default_timeout();
     if (Clock::now() > *wait_until) break;
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
@@ -194,7 +193,7 @@ Buffer Allocator::allocate(std::size_t bytes) {
   }
   if (std::size_t const awaiting = pending_device_bytes_locked(); awaiting > 0)
     free_text += ", " + format_bytes(awaiting) + " freed but still used by queued GPU work" +
-                 (wait_until ? " after a wait of " + comm::detail::format_duration(comm::default_timeout()) : std::string());
+                 (wait_until ? " after a wait of " + format_duration(default_timeout()) : std::string());
   throw Error(Errc::out_of_memory, "out of memory on " + device_.to_string() + ": requested " + format_bytes(bytes) +
                                        " (block of " + format_bytes(block) + "); " + free_text +
                                        " (expected a request that fits in the free memory)");

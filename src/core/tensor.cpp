@@ -65,24 +65,17 @@ std::string to_string(Shape const& shape) {
   return text + "]";
 }
 
+Tensor::Tensor(Buffer storage, Shape shape, DType dtype, Device device)
+    : storage_(std::make_shared<Buffer>(std::move(storage))), device_(device), shape_(std::move(shape)), dtype_(dtype) {}
+
 Tensor Tensor::empty(Shape shape, DType dtype, Allocator& allocator) {
-  Tensor t;
-  std::int64_t const count = checked_numel(shape);
-  t.storage_ = std::make_shared<Buffer>(allocator.allocate(static_cast<std::size_t>(count) * size_of(dtype)));
-  t.shape_ = std::move(shape);
-  t.dtype_ = dtype;
-  t.device_ = allocator.device();
-  return t;
+  std::size_t const bytes = static_cast<std::size_t>(checked_numel(shape)) * size_of(dtype);
+  return Tensor(allocator.allocate(bytes), std::move(shape), dtype, allocator.device());
 }
 
 Tensor Tensor::empty_pinned(Shape shape, DType dtype, Allocator& allocator) {
-  Tensor t;
-  std::int64_t const count = checked_numel(shape);
-  t.storage_ = std::make_shared<Buffer>(allocator.allocate_pinned(static_cast<std::size_t>(count) * size_of(dtype)));
-  t.shape_ = std::move(shape);
-  t.dtype_ = dtype;
-  t.device_ = Device{DeviceKind::host, 0};
-  return t;
+  std::size_t const bytes = static_cast<std::size_t>(checked_numel(shape)) * size_of(dtype);
+  return Tensor(allocator.allocate_pinned(bytes), std::move(shape), dtype, Device{DeviceKind::host, 0});
 }
 
 std::int64_t Tensor::dim(std::int64_t d) const {

@@ -3,41 +3,18 @@
 #include <mgpu/core/stream.hpp>
 
 #include <chrono>
-#include <cstdlib>
 #include <string>
 #include <thread>
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
+#include "support/scoped_env.hpp"
 
 using mgpu::Device;
 using mgpu::DeviceKind;
 using mgpu::Errc;
 
-namespace {
-// Sets an environment variable for one scope.
-class ScopedEnv {
- public:
-  ScopedEnv(char const* name, char const* value) : name_(name) {
-    if (char const* old = std::getenv(name)) old_ = old, had_ = true;
-    ::setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) {
-      ::setenv(name_, old_.c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-  ScopedEnv(ScopedEnv const&) = delete;
-  ScopedEnv& operator=(ScopedEnv const&) = delete;
-
- private:
-  char const* name_;
-  std::string old_;
-  bool had_ = false;
-};
-}  // namespace
+using mgpu::test::ScopedEnv;
 
 TEST_CASE("Host device specs", "[core][device]") {
   auto const four = mgpu::parse_devices("host:4");

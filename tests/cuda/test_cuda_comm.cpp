@@ -12,44 +12,22 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdlib>
 #include <future>
 #include <memory>
-#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
+#include "support/scoped_env.hpp"
 
 using mgpu::DType;
 using mgpu::Tensor;
 using mgpu::comm::ReduceOp;
+using mgpu::test::ScopedEnv;
 
 namespace {
-
-// Sets an environment variable for a scope (the tests of one process run one at a time).
-class ScopedEnv {
- public:
-  ScopedEnv(char const* name, char const* value) : name_(name) {
-    if (char const* old = std::getenv(name)) old_ = old;
-    ::setenv(name, value, 1);
-  }
-  ScopedEnv(ScopedEnv const&) = delete;
-  ScopedEnv& operator=(ScopedEnv const&) = delete;
-  ~ScopedEnv() {
-    if (old_) {
-      ::setenv(name_, old_->c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-
- private:
-  char const* name_;
-  std::optional<std::string> old_;
-};
 
 // Waits, at most `limit`, for `stream` to finish its work; false if it does not.
 bool finishes_within(mgpu::Stream& stream, std::chrono::milliseconds limit) {

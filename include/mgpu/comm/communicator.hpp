@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <mgpu/comm/reduce_op.hpp>
+#include <mgpu/core/deadline.hpp>
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
@@ -27,12 +28,11 @@ enum class Backend {
 
 std::string_view to_string(Backend backend) noexcept;
 
-/// The environment variable that sets the default deadline, in seconds (e.g. "30" or "0.5").
-inline constexpr char const timeout_env_var[] = "MGPU_COMM_TIMEOUT";
-
-/// The default deadline: $MGPU_COMM_TIMEOUT seconds when set, else 300 s. Throws
-/// Error(invalid_argument) for a value that is not a positive number.
-std::chrono::milliseconds default_timeout();
+/// The default deadline and its environment variable ($MGPU_COMM_TIMEOUT seconds, else 300 s):
+/// core's mgpu::default_timeout and mgpu::timeout_env_var (mgpu/core/deadline.hpp), the same
+/// function and constant under their comm names.
+using mgpu::default_timeout;
+using mgpu::timeout_env_var;
 
 struct Options {
   Backend backend = Backend::automatic;

@@ -67,7 +67,7 @@ struct MemoryStats {
 /// still uses waits, with an event recorded after that work, until the event has completed (stream
 /// ordered, without host callbacks). With a limit, `reserved` never exceeds it: cached blocks are
 /// released first, blocks awaiting GPU work are polled (never waited for with a blocking call, for
-/// at most comm::default_timeout()), then Error(out_of_memory) is thrown. Thread-safe; memory is returned to the
+/// at most the library's deadline, default_timeout()), then Error(out_of_memory) is thrown. Thread-safe; memory is returned to the
 /// device outside the allocator's lock. Create with Allocator::create(); buffers keep their
 /// allocator alive.
 class Allocator : public std::enable_shared_from_this<Allocator> {

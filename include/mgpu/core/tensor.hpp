@@ -73,6 +73,8 @@ class Tensor {
   [[nodiscard]] std::shared_ptr<void const> keep_alive() const noexcept { return storage_; }
 
  private:
+  /// A tensor over all of `storage` (empty() and empty_pinned(): their shape is checked first).
+  Tensor(Buffer storage, Shape shape, DType dtype, Device device);
   void check_host_access(DType requested) const;
   friend struct detail::BufferInternals;
   std::shared_ptr<Buffer> storage_;
