@@ -244,7 +244,7 @@ void combine_parts(comm::ReduceOp op, float const* parts, int count, std::int64_
 }
 
 // What the MPI work of one communicator shares; it outlives the communicator while work runs.
-class Link {
+class Link : public std::enable_shared_from_this<Link> {
  public:
   Link(World const& world, std::shared_ptr<comm::detail::SharedState> state)
       : process_(world.process), processes_(world.processes), world_size_(world.size()), state_(std::move(state)) {
@@ -265,11 +265,12 @@ class Link {
     }
   }
 
-  // Duplicates MPI_COMM_WORLD three times (collective over the processes), within the deadline.
+  // Duplicates MPI_COMM_WORLD three times (collective over the processes), within the deadline. A
+  // duplication left pending keeps the link, which MPI will write into.
   void connect() {
     Requests requests;
     for (MPI_Comm* c : {&control, &data, &p2p}) {
-      requests.add(-1, Requests::Kind::collective, nullptr, "MPI_Comm_idup", [&](MPI_Request* r) { return MPI_Comm_idup(MPI_COMM_WORLD, c, r); });
+      requests.add(-1, Requests::Kind::collective, shared_from_this(), "MPI_Comm_idup", [&](MPI_Request* r) { return MPI_Comm_idup(MPI_COMM_WORLD, c, r); });
     }
     auto const start = Clock::now();
     if (!requests.wait(start + timeout(), [] { return false; })) {

@@ -8,6 +8,7 @@
 //   mpi_dist stall COUNTS PROCESS    one all_reduce, then PROCESS stalls while the others start a
 //                                    second one with a 2 s deadline: they must fail naming it.
 //   mpi_dist exit COUNTS PROCESS     the same, but PROCESS exits (status 3) instead.
+//   mpi_dist mismatch COUNTS PROCESS the same, but PROCESS passes 5 elements where the others pass 4.
 #include <mgpu/dist/dist.hpp>
 
 #include <chrono>
@@ -328,7 +329,7 @@ void test_world(mgpu::dist::World const& world, std::vector<int> const& counts, 
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: mpi_dist collectives|stall|exit COUNTS [PROCESS]\n");
+    std::fprintf(stderr, "usage: mpi_dist collectives|stall|exit|mismatch COUNTS [PROCESS]\n");
     return 2;
   }
   std::string const mode = argv[1];
@@ -374,12 +375,30 @@ int main(int argc, char** argv) {
       bool one_each = true;
       for (int c : counts) one_each = one_each && c == 1;
       if (one_each) test_matches_one_process(s, seed++);
+      // A rank of another process is refused here, before any communication.
+      int const remote = world.rank_of(0) == 0 ? world.size() - 1 : 0;
+      Tensor const t = Tensor::empty({4}, DType::float32, group.allocator(0));
+      try {
+        comm->all_reduce(remote, t, t, ReduceOp::sum, group.stream(0));
+        EXPECT(false, "all_reduce as rank " << remote << " of another process was accepted");
+      } catch (mgpu::Error const& e) {
+        EXPECT(e.category() == mgpu::Errc::invalid_argument && std::string(e.what()).find("belongs to process") != std::string::npos,
+               "all_reduce as another process's rank: " << e.what());
+      }
       comm->finalize();
       std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
       return failures == 0 ? 0 : 1;
     }
-    // A fault: one healthy all_reduce, then `faulty` stalls or exits before the second.
+    // A fault: one healthy all_reduce, then `faulty` stalls, exits, or passes another count.
     test_all_reduce(s, DType::float32, ReduceOp::sum, 1, false);
+    if (mode == "mismatch") {
+      auto buffers = make(s, process == faulty ? 5 : 4, DType::float32);
+      group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+        comm->all_reduce(s.rank(l), buffers[static_cast<std::size_t>(l)], buffers[static_cast<std::size_t>(l)], ReduceOp::sum, stream);
+      });
+      std::printf("process %d: the mismatched all_reduce succeeded\n", process);
+      return 0;
+    }
     if (process == faulty) {
       if (mode == "exit") std::_Exit(3);
       std::this_thread::sleep_for(60s);  // mpirun ends it once another process fails

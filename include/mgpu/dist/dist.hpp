@@ -120,10 +120,11 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout = s
 /// a single-process communicator. Collectives are hierarchical: the process's ranks combine through
 /// an in-process host communicator, one leader per process (its local rank 0) exchanges over MPI,
 /// and the result goes back inside the process. Reductions combine in float32 in process order,
-/// so every rank gets bitwise identical results, run after run; with one device per process they
-/// equal a single process's host communicator over as many devices. send/recv between processes
-/// go over MPI point-to-point (sends of any size complete once MPI has taken the data; finalize()
-/// checks only the pairs inside this process). A collective may not be part of a
+/// so every rank gets bitwise identical results, run after run; with one device per process an
+/// all-reduce equals a single process's host communicator over as many devices, bit for bit. send/recv between processes
+/// go over MPI point-to-point (a send completes once MPI is done with its data: a small one at once,
+/// as MPI sends it eagerly, a large one once the receive has matched it; finalize() checks for
+/// unreceived sends only between ranks of this process). A collective may not be part of a
 /// group_start()/group_end() group (sends and receives may).
 ///
 /// Deadlines: every MPI wait polls non-blocking calls against options.timeout (zero:
