@@ -49,10 +49,14 @@ int whole_number(char const* name, std::string const& text, long low, long high,
 
 std::string_view to_string(Launcher launcher) noexcept {
   switch (launcher) {
-    case Launcher::none: return "none";
-    case Launcher::openmpi: return "openmpi";
-    case Launcher::slurm: return "slurm";
-    case Launcher::torchrun: return "torchrun";
+    case Launcher::none:
+      return "none";
+    case Launcher::openmpi:
+      return "openmpi";
+    case Launcher::slurm:
+      return "slurm";
+    case Launcher::torchrun:
+      return "torchrun";
   }
   return "unknown";
 }
@@ -73,20 +77,28 @@ Place parse_environment(Environment const& environment) {
     auto const rank = lookup(environment, v.rank);
     auto const size = lookup(environment, v.size);
     if (!rank && !size) continue;
-    if (!rank) throw Error(Errc::invalid_argument, std::string(v.size) + " is set but " + v.rank + " is not (expected both, or neither)");
-    if (!size) throw Error(Errc::invalid_argument, std::string(v.rank) + " is set but " + v.size + " is not (expected both, or neither)");
+    if (!rank)
+      throw Error(Errc::invalid_argument,
+                  std::string(v.size) + " is set but " + v.rank + " is not (expected both, or neither)");
+    if (!size)
+      throw Error(Errc::invalid_argument,
+                  std::string(v.rank) + " is set but " + v.size + " is not (expected both, or neither)");
     int const limit = std::numeric_limits<int>::max();
     place.launcher = v.launcher;
     place.size = whole_number(v.size, *size, 1, limit, "a whole number of processes >= 1");
-    std::string const in_range = "a whole number in [0, " + std::to_string(place.size) + "), " + v.size + " being " + *size;
+    std::string const in_range =
+        "a whole number in [0, " + std::to_string(place.size) + "), " + v.size + " being " + *size;
     place.rank = whole_number(v.rank, *rank, 0, place.size - 1, in_range);
-    if (auto const local = lookup(environment, v.local_rank)) place.local_rank = whole_number(v.local_rank, *local, 0, place.size - 1, in_range);
+    if (auto const local = lookup(environment, v.local_rank))
+      place.local_rank = whole_number(v.local_rank, *local, 0, place.size - 1, in_range);
     if (v.launcher == Launcher::torchrun) {
       if (auto const address = lookup(environment, "MASTER_ADDR")) {
-        if (address->empty()) throw Error(Errc::invalid_argument, "MASTER_ADDR='' (expected the rendezvous host's name or address)");
+        if (address->empty())
+          throw Error(Errc::invalid_argument, "MASTER_ADDR='' (expected the rendezvous host's name or address)");
         place.master_addr = *address;
       }
-      if (auto const port = lookup(environment, "MASTER_PORT")) place.master_port = whole_number("MASTER_PORT", *port, 1, 65535, "a port in [1, 65535]");
+      if (auto const port = lookup(environment, "MASTER_PORT"))
+        place.master_port = whole_number("MASTER_PORT", *port, 1, 65535, "a port in [1, 65535]");
     }
     return place;
   }

@@ -1,21 +1,19 @@
 // The dist module over MPI: joining the job, the world's device list, and the communicator across
 // processes for host devices.
 //
-// Every MPI call is non-blocking and polled against a deadline (MPI_Test under one process-wide
+// Every MPI exchange is non-blocking and polled against a deadline (MPI_Test under one process-wide
 // lock, so MPI_THREAD_SERIALIZED suffices), so no MPI wait outlasts the communicator's deadline.
 // MPI never touches user tensors: data goes through staging buffers owned by the request set,
 // which a failure hands to a process-wide list kept until the process ends (MPI may still write
 // into them), and MPI_Finalize is then skipped.
 #define OMPI_SKIP_MPICXX 1
-#include <mpi.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <climits>
 #include <cmath>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -24,6 +22,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include <mpi.h>
 
 #include <mgpu/comm/reduce_op.hpp>
 #include <mgpu/core/detail/elementwise.hpp>
@@ -39,8 +39,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using comm::detail::Call;
-using comm::detail::OpKind;
 using comm::detail::format_duration;
+using comm::detail::OpKind;
 
 // The process's dist state.
 struct Global {
@@ -78,18 +78,24 @@ void check(int code, char const* call) {
 // An element or byte count as MPI's int; Error(invalid_argument) when it does not fit.
 int mpi_count(std::int64_t count, std::string const& what) {
   if (count < 0 || count > INT_MAX)
-    throw Error(Errc::invalid_argument, what + ": " + std::to_string(count) + " elements or bytes in one MPI exchange (expected at most " +
+    throw Error(Errc::invalid_argument, what + ": " + std::to_string(count) +
+                                            " elements or bytes in one MPI exchange (expected at most " +
                                             std::to_string(INT_MAX) + ")");
   return static_cast<int>(count);
 }
 
 std::string thread_level_name(int level) {
   switch (level) {
-    case MPI_THREAD_SINGLE: return "single";
-    case MPI_THREAD_FUNNELED: return "funneled";
-    case MPI_THREAD_SERIALIZED: return "serialized";
-    case MPI_THREAD_MULTIPLE: return "multiple";
-    default: return "level " + std::to_string(level);
+    case MPI_THREAD_SINGLE:
+      return "single";
+    case MPI_THREAD_FUNNELED:
+      return "funneled";
+    case MPI_THREAD_SERIALIZED:
+      return "serialized";
+    case MPI_THREAD_MULTIPLE:
+      return "multiple";
+    default:
+      return "level " + std::to_string(level);
   }
 }
 
@@ -233,7 +239,8 @@ void from_float(float const* in, Tensor const& t, std::int64_t begin, std::int64
 
 // out[i] = parts[0][i] (+) parts[1][i] (+) ... in process order, `stride` apart; avg divides by
 // the world's size (the processes' partials are sums).
-void combine_parts(comm::ReduceOp op, float const* parts, int count, std::int64_t stride, std::int64_t n, int world_size, float* out) {
+void combine_parts(comm::ReduceOp op, float const* parts, int count, std::int64_t stride, std::int64_t n,
+                   int world_size, float* out) {
   comm::visit_reduce_op(op, [&]<comm::ReduceOp O>(std::integral_constant<comm::ReduceOp, O>) {
     for (std::int64_t i = 0; i < n; ++i) {
       float acc = parts[i];
@@ -249,7 +256,8 @@ class Link : public std::enable_shared_from_this<Link> {
   Link(World const& world, std::shared_ptr<comm::detail::SharedState> state)
       : process_(world.process), processes_(world.processes), world_size_(world.size()), state_(std::move(state)) {
     for (int p = 0; p <= processes_; ++p) first_.push_back(p < processes_ ? world.first_rank(p) : world_size_);
-    for (int p = 0; p < processes_; ++p) hosts_.push_back(world.devices[static_cast<std::size_t>(first_[static_cast<std::size_t>(p)])].host);
+    for (int p = 0; p < processes_; ++p)
+      hosts_.push_back(world.devices[static_cast<std::size_t>(first_[static_cast<std::size_t>(p)])].host);
   }
   Link(Link const&) = delete;
   Link& operator=(Link const&) = delete;
@@ -270,14 +278,16 @@ class Link : public std::enable_shared_from_this<Link> {
   void connect() {
     Requests requests;
     for (MPI_Comm* c : {&control, &data, &p2p}) {
-      requests.add(-1, Requests::Kind::collective, shared_from_this(), "MPI_Comm_idup", [&](MPI_Request* r) { return MPI_Comm_idup(MPI_COMM_WORLD, c, r); });
+      requests.add(-1, Requests::Kind::collective, shared_from_this(), "MPI_Comm_idup",
+                   [&](MPI_Request* r) { return MPI_Comm_idup(MPI_COMM_WORLD, c, r); });
     }
     auto const start = Clock::now();
     if (!requests.wait(start + timeout(), [] { return false; })) {
       requests.abandon();
-      throw Error(Errc::timeout, "making a communicator across processes waited " + format_duration(Clock::now() - start) +
-                                     " for the other processes (expected every process to make it within the " +
-                                     format_duration(timeout()) + " deadline; " + comm::timeout_env_var + " sets it in seconds)");
+      throw Error(Errc::timeout,
+                  "making a communicator across processes waited " + format_duration(Clock::now() - start) +
+                      " for the other processes (expected every process to make it within the " +
+                      format_duration(timeout()) + " deadline; " + comm::timeout_env_var + " sets it in seconds)");
     }
     std::lock_guard lock(global().mpi_mutex);
     check(requests.error(), "MPI_Comm_idup");
@@ -363,21 +373,26 @@ class Link : public std::enable_shared_from_this<Link> {
       requests.add(p, Requests::Kind::receive, theirs, "MPI_Irecv", [&](MPI_Request* r) {
         return MPI_Irecv(&(*theirs)[static_cast<std::size_t>(p)], sizeof(Header), MPI_BYTE, p, 0, control, r);
       });
-      requests.add(p, Requests::Kind::send, mine, "MPI_Isend", [&](MPI_Request* r) { return MPI_Isend(mine.get(), sizeof(Header), MPI_BYTE, p, 0, control, r); });
+      requests.add(p, Requests::Kind::send, mine, "MPI_Isend",
+                   [&](MPI_Request* r) { return MPI_Isend(mine.get(), sizeof(Header), MPI_BYTE, p, 0, control, r); });
     }
-    wait(requests, what, start, [&](std::vector<int> const& pending) { return describe(pending) + ", not heard from"; });
+    wait(requests, what, start,
+         [&](std::vector<int> const& pending) { return describe(pending) + ", not heard from"; });
     for (int const p : others()) {
       Header const& h = (*theirs)[static_cast<std::size_t>(p)];
       auto const mismatch = [&](char const* field, std::string const& mine_text, std::string const& their_text) {
-        fail(Errc::invalid_argument, what + ": " + describe(p) + " passed " + field + " " + their_text + ", rank " + std::to_string(rank) +
-                                         " passed " + mine_text + " (expected the same on every rank)");
+        fail(Errc::invalid_argument, what + ": " + describe(p) + " passed " + field + " " + their_text + ", rank " +
+                                         std::to_string(rank) + " passed " + mine_text +
+                                         " (expected the same on every rank)");
       };
       if (h.kind != mine->kind)
         mismatch("operation", std::string(to_string(c.kind)), std::string(to_string(static_cast<OpKind>(h.kind))));
       if (h.count != mine->count) mismatch("element count", std::to_string(c.count), std::to_string(h.count));
       if (h.dtype != mine->dtype)
-        mismatch("dtype", std::string(mgpu::to_string(c.dtype)), std::string(mgpu::to_string(static_cast<DType>(h.dtype))));
-      if (h.op != mine->op) mismatch("reduce op", std::string(to_string(c.op)), std::string(to_string(static_cast<comm::ReduceOp>(h.op))));
+        mismatch("dtype", std::string(mgpu::to_string(c.dtype)),
+                 std::string(mgpu::to_string(static_cast<DType>(h.dtype))));
+      if (h.op != mine->op)
+        mismatch("reduce op", std::string(to_string(c.op)), std::string(to_string(static_cast<comm::ReduceOp>(h.op))));
       if (h.root != mine->root) mismatch("root", std::to_string(c.root), std::to_string(h.root));
       if (h.seq != mine->seq) mismatch("call number", std::to_string(c.seq), std::to_string(h.seq));
     }
@@ -385,7 +400,8 @@ class Link : public std::enable_shared_from_this<Link> {
 
   // Waits for a data exchange that every process has joined (their headers came).
   void wait_exchange(Requests& requests, std::string const& what, Clock::time_point start) const {
-    wait(requests, what, start, [&](std::vector<int> const&) { return describe(others()) + " to complete the exchange"; });
+    wait(requests, what, start,
+         [&](std::vector<int> const&) { return describe(others()) + " to complete the exchange"; });
   }
 
   MPI_Comm control = MPI_COMM_NULL;  // the leaders' headers
@@ -427,15 +443,18 @@ struct Leader {
         to_float(call.recv, 0, n, mine->data());
         int const count = mpi_count(n, what);
         mpi_count(n * P, what);
-        requests.add(-1, Requests::Kind::collective, std::make_shared<std::pair<decltype(mine), decltype(all)>>(mine, all), "MPI_Iallgather", [&](MPI_Request* r) {
-          return MPI_Iallgather(mine->data(), count, MPI_FLOAT, all->data(), count, MPI_FLOAT, l.data, r);
-        });
+        requests.add(-1, Requests::Kind::collective,
+                     std::make_shared<std::pair<decltype(mine), decltype(all)>>(mine, all), "MPI_Iallgather",
+                     [&](MPI_Request* r) {
+                       return MPI_Iallgather(mine->data(), count, MPI_FLOAT, all->data(), count, MPI_FLOAT, l.data, r);
+                     });
         l.wait_exchange(requests, what, start);
         combine_parts(call.op, all->data(), P, n, n, l.world_size(), mine->data());
         from_float(mine->data(), call.recv, 0, n);
         break;
       }
-      case OpKind::reduce_scatter: {  // call.send: the partial over the world (W*n); call.recv: this process's blocks (L*n)
+      case OpKind::reduce_scatter: {  // call.send: the partial over the world (W*n); call.recv: this process's blocks
+                                      // (L*n)
         auto mine = buffer<float>(static_cast<std::size_t>(l.world_size() * n));
         std::int64_t const block = l.local_size(p) * n;
         auto all = buffer<float>(static_cast<std::size_t>(block * P));
@@ -447,10 +466,12 @@ struct Leader {
           recv_counts.push_back(mpi_count(block, what));
           recv_offsets.push_back(mpi_count(q * block, what));
         }
-        requests.add(-1, Requests::Kind::collective, std::make_shared<std::pair<decltype(mine), decltype(all)>>(mine, all), "MPI_Ialltoallv", [&](MPI_Request* r) {
-          return MPI_Ialltoallv(mine->data(), send_counts.data(), send_offsets.data(), MPI_FLOAT, all->data(), recv_counts.data(),
-                                recv_offsets.data(), MPI_FLOAT, l.data, r);
-        });
+        requests.add(
+            -1, Requests::Kind::collective, std::make_shared<std::pair<decltype(mine), decltype(all)>>(mine, all),
+            "MPI_Ialltoallv", [&](MPI_Request* r) {
+              return MPI_Ialltoallv(mine->data(), send_counts.data(), send_offsets.data(), MPI_FLOAT, all->data(),
+                                    recv_counts.data(), recv_offsets.data(), MPI_FLOAT, l.data, r);
+            });
         l.wait_exchange(requests, what, start);
         combine_parts(call.op, all->data(), P, block, block, l.world_size(), mine->data());
         from_float(mine->data(), call.recv, 0, block);
@@ -460,16 +481,19 @@ struct Leader {
         std::int64_t const bytes = n * static_cast<std::int64_t>(element);
         auto mine = buffer<std::byte>(static_cast<std::size_t>(l.local_size(p) * bytes));
         auto all = buffer<std::byte>(static_cast<std::size_t>(l.world_size() * bytes));
-        if (!mine->empty()) std::memcpy(mine->data(), static_cast<std::byte const*>(call.recv.data()) + l.first(p) * bytes, mine->size());
+        if (!mine->empty())
+          std::memcpy(mine->data(), static_cast<std::byte const*>(call.recv.data()) + l.first(p) * bytes, mine->size());
         std::vector<int> counts, offsets;
         for (int q = 0; q < P; ++q) {
           counts.push_back(mpi_count(l.local_size(q) * bytes, what));
           offsets.push_back(mpi_count(l.first(q) * bytes, what));
         }
-        requests.add(-1, Requests::Kind::collective, std::make_shared<std::pair<decltype(mine), decltype(all)>>(mine, all), "MPI_Iallgatherv", [&](MPI_Request* r) {
-          return MPI_Iallgatherv(mine->data(), counts[static_cast<std::size_t>(p)], MPI_BYTE, all->data(), counts.data(), offsets.data(), MPI_BYTE,
-                                 l.data, r);
-        });
+        requests.add(-1, Requests::Kind::collective,
+                     std::make_shared<std::pair<decltype(mine), decltype(all)>>(mine, all), "MPI_Iallgatherv",
+                     [&](MPI_Request* r) {
+                       return MPI_Iallgatherv(mine->data(), counts[static_cast<std::size_t>(p)], MPI_BYTE, all->data(),
+                                              counts.data(), offsets.data(), MPI_BYTE, l.data, r);
+                     });
         l.wait_exchange(requests, what, start);
         if (!all->empty()) std::memcpy(call.recv.data(), all->data(), all->size());
         break;
@@ -478,7 +502,8 @@ struct Leader {
         auto data = buffer<std::byte>(static_cast<std::size_t>(n) * element);
         if (p == call.root && !data->empty()) std::memcpy(data->data(), call.recv.data(), data->size());
         int const bytes = mpi_count(static_cast<std::int64_t>(data->size()), what);
-        requests.add(-1, Requests::Kind::collective, data, "MPI_Ibcast", [&](MPI_Request* r) { return MPI_Ibcast(data->data(), bytes, MPI_BYTE, call.root, l.data, r); });
+        requests.add(-1, Requests::Kind::collective, data, "MPI_Ibcast",
+                     [&](MPI_Request* r) { return MPI_Ibcast(data->data(), bytes, MPI_BYTE, call.root, l.data, r); });
         l.wait_exchange(requests, what, start);
         if (p != call.root && !data->empty()) std::memcpy(call.recv.data(), data->data(), data->size());
         break;
@@ -489,9 +514,11 @@ struct Leader {
         to_float(call.recv, 0, n, mine->data());
         int const count = mpi_count(n, what);
         mpi_count(n * P, what);
-        requests.add(-1, Requests::Kind::collective, std::make_shared<std::pair<decltype(mine), decltype(all)>>(mine, all), "MPI_Igather", [&](MPI_Request* r) {
-          return MPI_Igather(mine->data(), count, MPI_FLOAT, all->data(), count, MPI_FLOAT, call.root, l.data, r);
-        });
+        requests.add(
+            -1, Requests::Kind::collective, std::make_shared<std::pair<decltype(mine), decltype(all)>>(mine, all),
+            "MPI_Igather", [&](MPI_Request* r) {
+              return MPI_Igather(mine->data(), count, MPI_FLOAT, all->data(), count, MPI_FLOAT, call.root, l.data, r);
+            });
         l.wait_exchange(requests, what, start);
         if (p == call.root) {
           combine_parts(call.op, all->data(), P, n, n, l.world_size(), mine->data());
@@ -522,13 +549,14 @@ class PointToPoint {
       std::memcpy(message->data(), &h, sizeof h);
       if (bytes > 0) std::memcpy(message->data() + sizeof h, c.send.data(), bytes);
       int const tag = rank_ * l.world_size() + c.root;
-      requests_.add(peer_process, Requests::Kind::send, message, "MPI_Isend",
-                    [&](MPI_Request* r) { return MPI_Isend(message->data(), size, MPI_BYTE, peer_process, tag, l.p2p, r); });
+      requests_.add(peer_process, Requests::Kind::send, message, "MPI_Isend", [&](MPI_Request* r) {
+        return MPI_Isend(message->data(), size, MPI_BYTE, peer_process, tag, l.p2p, r);
+      });
     } else {
       int const tag = c.root * l.world_size() + rank_;
-      std::size_t const index = requests_.add(peer_process, Requests::Kind::receive, message, "MPI_Irecv", [&](MPI_Request* r) {
-        return MPI_Irecv(message->data(), size, MPI_BYTE, peer_process, tag, l.p2p, r);
-      });
+      std::size_t const index = requests_.add(
+          peer_process, Requests::Kind::receive, message, "MPI_Irecv",
+          [&](MPI_Request* r) { return MPI_Irecv(message->data(), size, MPI_BYTE, peer_process, tag, l.p2p, r); });
       receives_.push_back({c, message, index});
     }
     calls_.push_back(c);
@@ -538,7 +566,8 @@ class PointToPoint {
   // received ones.
   void finish(Clock::time_point start) {
     Link const& l = *link_;
-    std::string const what = calls_.size() == 1 ? calls_.front().name(rank_) : "rank " + std::to_string(rank_) + "'s group of sends and receives";
+    std::string const what = calls_.size() == 1 ? calls_.front().name(rank_)
+                                                : "rank " + std::to_string(rank_) + "'s group of sends and receives";
     l.wait(requests_, what, start, [&](std::vector<int> const& pending) {
       std::string text;
       for (Call const& c : calls_) {
@@ -557,11 +586,13 @@ class PointToPoint {
       Header h{};
       if (received >= static_cast<int>(sizeof h)) std::memcpy(&h, r.message->data(), sizeof h);
       std::size_t const bytes = static_cast<std::size_t>(r.call.count) * size_of(r.call.dtype);
-      if (received != static_cast<int>(sizeof h + bytes) || h.count != r.call.count || h.dtype != static_cast<std::int32_t>(r.call.dtype))
-        l.fail(Errc::invalid_argument, r.call.name(rank_) + ": rank " + std::to_string(r.call.root) + " sent " + std::to_string(h.count) + " " +
-                                           std::string(mgpu::to_string(static_cast<DType>(h.dtype))) + " elements, the recv takes " +
-                                           std::to_string(r.call.count) + " " + std::string(mgpu::to_string(r.call.dtype)) +
-                                           " (expected matching count and dtype)");
+      if (received != static_cast<int>(sizeof h + bytes) || h.count != r.call.count ||
+          h.dtype != static_cast<std::int32_t>(r.call.dtype))
+        l.fail(Errc::invalid_argument,
+               r.call.name(rank_) + ": rank " + std::to_string(r.call.root) + " sent " + std::to_string(h.count) + " " +
+                   std::string(mgpu::to_string(static_cast<DType>(h.dtype))) + " elements, the recv takes " +
+                   std::to_string(r.call.count) + " " + std::string(mgpu::to_string(r.call.dtype)) +
+                   " (expected matching count and dtype)");
       if (bytes > 0) std::memcpy(r.call.recv.data(), r.message->data() + sizeof h, bytes);
     }
   }
@@ -589,12 +620,13 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
         link_(std::make_shared<Link>(world, state())),
         inner_(comm::make_communicator(group, comm::Options{comm::Backend::host, timeout * 2})) {
     link_->connect();
-    state()->on_abort([inner = std::weak_ptr<comm::Communicator>(inner_), state = std::weak_ptr<comm::detail::SharedState>(state())] {
-      global().failed.store(true);  // peers may be left waiting: finalize() must not wait for them
-      auto i = inner.lock();
-      auto s = state.lock();
-      if (i && s) i->abort(s->reason());
-    });
+    state()->on_abort(
+        [inner = std::weak_ptr<comm::Communicator>(inner_), state = std::weak_ptr<comm::detail::SharedState>(state())] {
+          global().failed.store(true);  // peers may be left waiting: finalize() must not wait for them
+          auto i = inner.lock();
+          auto s = state.lock();
+          if (i && s) i->abort(s->reason());
+        });
   }
   ~ProcessCommunicator() override { shut_down(); }
 
@@ -604,8 +636,9 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
   void check_device(int rank, Device device, std::string_view what, Call const& call) const override {
     if (!drives(rank))
       throw Error(Errc::invalid_argument, call.name(rank) + ": rank " + std::to_string(rank) + " belongs to " +
-                                              link_->describe(link_->process_of(rank)) + " (expected a rank this process drives, " +
-                                              std::to_string(first_) + " to " + std::to_string(first_ + local_ - 1) + ")");
+                                              link_->describe(link_->process_of(rank)) +
+                                              " (expected a rank this process drives, " + std::to_string(first_) +
+                                              " to " + std::to_string(first_ + local_ - 1) + ")");
     if (device.kind != DeviceKind::host)
       throw Error(Errc::invalid_argument, call.name(rank) + ": " + std::string(what) + " is on " + device.to_string() +
                                               " (expected host memory and a host stream: this is a host communicator)");
@@ -615,17 +648,20 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
     try {
       inner_->finalize();
     } catch (Error const& e) {
-      state()->abort(std::string("the ranks inside process ") + std::to_string(link_->process()) + " failed: " + std::string(e.message()));
+      state()->abort(std::string("the ranks inside process ") + std::to_string(link_->process()) +
+                     " failed: " + std::string(e.message()));
     }
   }
 
   void launch(int rank, std::vector<Call> calls, Stream& stream) override {
     int const l = rank - first_;
-    bool const p2p_only = std::all_of(calls.begin(), calls.end(), [](Call const& c) { return c.kind == OpKind::send || c.kind == OpKind::recv; });
+    bool const p2p_only = std::all_of(calls.begin(), calls.end(),
+                                      [](Call const& c) { return c.kind == OpKind::send || c.kind == OpKind::recv; });
     if (calls.size() > 1 && !p2p_only) {
-      std::string const message = calls.front().name(rank) +
-                                  ": a collective inside group_start/group_end on a communicator across processes (expected only sends "
-                                  "and receives in a group)";
+      std::string const message =
+          calls.front().name(rank) +
+          ": a collective inside group_start/group_end on a communicator across processes (expected only sends "
+          "and receives in a group)";
       state()->abort(message);
       throw Error(Errc::invalid_argument, message);
     }
@@ -659,7 +695,9 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
     }
   }
 
-  Tensor scratch(int l, std::int64_t count, DType dtype) const { return Tensor::empty({count}, dtype, group().allocator(l)); }
+  Tensor scratch(int l, std::int64_t count, DType dtype) const {
+    return Tensor::empty({count}, dtype, group().allocator(l));
+  }
 
   void collective(int rank, int l, Call c, Stream& stream) {
     comm::Communicator& inner = *inner_;
@@ -780,16 +818,19 @@ Place init() {
   Global& g = global();
   std::lock_guard lock(g.mutex);
   if (g.initialized) return g.place;
-  if (g.finalized) throw Error(Errc::invalid_argument, "dist::init() after dist::finalize() (expected one init per process: MPI cannot start again)");
+  if (g.finalized)
+    throw Error(Errc::invalid_argument,
+                "dist::init() after dist::finalize() (expected one init per process: MPI cannot start again)");
   Place place = parse_environment(detail::read_environment());
   place.host = detail::host_name();
   bool const launched = place.launcher == Launcher::openmpi || place.launcher == Launcher::slurm;
   int already = 0;
   MPI_Initialized(&already);
   if (!launched && !already && place.size > 1)
-    throw Error(Errc::invalid_argument, "a torchrun-style job of " + std::to_string(place.size) +
-                                            " processes (WORLD_SIZE): its TCP rendezvous is not built yet (expected mpirun, or srun with "
-                                            "OpenMPI's PMIx support)");
+    throw Error(Errc::invalid_argument,
+                "a torchrun-style job of " + std::to_string(place.size) +
+                    " processes (WORLD_SIZE): its TCP rendezvous is not built yet (expected mpirun, or srun with "
+                    "OpenMPI's PMIx support)");
   if (launched || already) {
     std::lock_guard mpi_lock(g.mpi_mutex);
     int provided = MPI_THREAD_SINGLE;
@@ -801,17 +842,19 @@ Place init() {
     }
     place.mpi_thread_level = thread_level_name(provided);
     if (provided < MPI_THREAD_SERIALIZED)
-      throw Error(Errc::communication, "MPI gave thread support '" + place.mpi_thread_level +
-                                           "' (expected 'serialized' or 'multiple': mgpu calls MPI from each device's thread)");
+      throw Error(Errc::communication,
+                  "MPI gave thread support '" + place.mpi_thread_level +
+                      "' (expected 'serialized' or 'multiple': mgpu calls MPI from each device's thread)");
     check(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     int rank = 0;
     int size = 1;
     check(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "MPI_Comm_rank");
     check(MPI_Comm_size(MPI_COMM_WORLD, &size), "MPI_Comm_size");
     if (launched && (rank != place.rank || size != place.size))
-      throw Error(Errc::invalid_argument, "MPI sees this process as rank " + std::to_string(rank) + " of " + std::to_string(size) +
-                                              ", the " + std::string(to_string(place.launcher)) + " environment says " +
-                                              std::to_string(place.rank) + " of " + std::to_string(place.size) +
+      throw Error(Errc::invalid_argument, "MPI sees this process as rank " + std::to_string(rank) + " of " +
+                                              std::to_string(size) + ", the " + std::string(to_string(place.launcher)) +
+                                              " environment says " + std::to_string(place.rank) + " of " +
+                                              std::to_string(place.size) +
                                               " (expected the same: launch with mpirun, or srun --mpi=pmix)");
     place.rank = rank;
     place.size = size;
@@ -835,12 +878,16 @@ void finalize() noexcept {
 World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout) {
   Global& g = global();
   Place place;
+  bool mpi = false;
   {
     std::lock_guard lock(g.mutex);
-    if (!g.initialized || g.finalized) throw Error(Errc::invalid_argument, "dist::make_world outside dist::init() and finalize() (expected init() first)");
+    if (!g.initialized || g.finalized)
+      throw Error(Errc::invalid_argument,
+                  "dist::make_world outside dist::init() and finalize() (expected init() first)");
     place = g.place;
+    mpi = g.mpi;
   }
-  if (!g.mpi) return detail::single_process_world(group, place.host);
+  if (!mpi) return detail::single_process_world(group, place.host);
   if (timeout.count() <= 0) timeout = comm::default_timeout();
   struct Entry {
     std::int32_t devices;
@@ -860,18 +907,22 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout) {
   auto const wait = [&](Requests& requests) {
     if (!requests.wait(start + timeout, [] { return false; })) {
       requests.abandon();
-      throw Error(Errc::timeout, "make_world waited " + format_duration(Clock::now() - start) +
-                                     " for the other processes' devices (expected every process to call it within the " + format_duration(timeout) +
-                                     " deadline; " + comm::timeout_env_var + " sets it in seconds)");
+      throw Error(Errc::timeout,
+                  "make_world waited " + format_duration(Clock::now() - start) +
+                      " for the other processes' devices (expected every process to call it within the " +
+                      format_duration(timeout) + " deadline; " + comm::timeout_env_var + " sets it in seconds)");
     }
     std::lock_guard lock(g.mpi_mutex);
     check(requests.error(), "make_world's MPI exchange");
   };
   {
     Requests requests;
-    requests.add(-1, Requests::Kind::collective, std::make_shared<std::pair<decltype(mine), decltype(entries)>>(mine, entries), "MPI_Iallgather", [&](MPI_Request* r) {
-      return MPI_Iallgather(mine.get(), sizeof(Entry), MPI_BYTE, entries->data(), sizeof(Entry), MPI_BYTE, MPI_COMM_WORLD, r);
-    });
+    requests.add(-1, Requests::Kind::collective,
+                 std::make_shared<std::pair<decltype(mine), decltype(entries)>>(mine, entries), "MPI_Iallgather",
+                 [&](MPI_Request* r) {
+                   return MPI_Iallgather(mine.get(), sizeof(Entry), MPI_BYTE, entries->data(), sizeof(Entry), MPI_BYTE,
+                                         MPI_COMM_WORLD, r);
+                 });
     wait(requests);
   }
   auto own = buffer<Record>(static_cast<std::size_t>(group.size()));
@@ -889,10 +940,12 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout) {
   auto records = buffer<Record>(static_cast<std::size_t>(total));
   {
     Requests requests;
-    requests.add(-1, Requests::Kind::collective, std::make_shared<std::pair<decltype(own), decltype(records)>>(own, records), "MPI_Iallgatherv", [&](MPI_Request* r) {
-      return MPI_Iallgatherv(own->data(), counts[static_cast<std::size_t>(place.rank)], MPI_BYTE, records->data(), counts.data(), offsets.data(),
-                             MPI_BYTE, MPI_COMM_WORLD, r);
-    });
+    requests.add(-1, Requests::Kind::collective,
+                 std::make_shared<std::pair<decltype(own), decltype(records)>>(own, records), "MPI_Iallgatherv",
+                 [&](MPI_Request* r) {
+                   return MPI_Iallgatherv(own->data(), counts[static_cast<std::size_t>(place.rank)], MPI_BYTE,
+                                          records->data(), counts.data(), offsets.data(), MPI_BYTE, MPI_COMM_WORLD, r);
+                 });
     wait(requests);
   }
   World world;
@@ -912,10 +965,19 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout) {
 std::unique_ptr<comm::Communicator> make_communicator(World const& world, DeviceGroup& group, comm::Options options) {
   detail::check_world(world, group);
   if (world.processes == 1) return comm::make_communicator(group, options);
-  if (!global().mpi) throw Error(Errc::invalid_argument, "a world of " + std::to_string(world.processes) + " processes, but MPI is not in use (expected dist::init() under mpirun or srun)");
+  bool mpi = false;
+  {
+    std::lock_guard lock(global().mutex);
+    mpi = global().mpi && !global().finalized;
+  }
+  if (!mpi)
+    throw Error(Errc::invalid_argument,
+                "a world of " + std::to_string(world.processes) +
+                    " processes, but MPI is not in use (expected dist::init() under mpirun or srun)");
   if (options.backend != comm::Backend::automatic && options.backend != comm::Backend::host)
     throw Error(Errc::invalid_argument, "the " + std::string(comm::to_string(options.backend)) +
-                                            " backend across processes (expected automatic or host: only host devices communicate across processes for now)");
+                                            " backend across processes (expected automatic or host: only host devices "
+                                            "communicate across processes for now)");
   std::chrono::milliseconds const timeout = options.timeout.count() > 0 ? options.timeout : comm::default_timeout();
   return std::make_unique<ProcessCommunicator>(world, group, timeout);
 }

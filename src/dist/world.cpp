@@ -44,16 +44,19 @@ void check_world(World const& world, DeviceGroup const& group) {
                                             std::to_string(world.processes) + " (expected a world from make_world)");
   for (WorldDevice const& d : world.devices) {
     if (world.processes > 1 && d.device.kind != DeviceKind::host)
-      throw Error(Errc::invalid_argument, "world rank " + std::to_string(d.rank) + " is " + d.device.to_string() + " on process " +
-                                              std::to_string(d.process) +
-                                              " (expected host devices: communicators across processes serve host devices for now)");
+      throw Error(Errc::invalid_argument,
+                  "world rank " + std::to_string(d.rank) + " is " + d.device.to_string() + " on process " +
+                      std::to_string(d.process) +
+                      " (expected host devices: communicators across processes serve host devices for now)");
   }
   int const local = world.local_size(world.process);
   bool same = local == group.size();
-  for (int l = 0; same && l < local; ++l) same = world.devices[static_cast<std::size_t>(world.rank_of(l))].device == group.device(l);
+  for (int l = 0; same && l < local; ++l)
+    same = world.devices[static_cast<std::size_t>(world.rank_of(l))].device == group.device(l);
   if (!same)
-    throw Error(Errc::invalid_argument, "the DeviceGroup has " + std::to_string(group.size()) + " device(s) starting with " +
-                                            group.device(0).to_string() + ", the world lists " + std::to_string(local) +
+    throw Error(Errc::invalid_argument, "the DeviceGroup has " + std::to_string(group.size()) +
+                                            " device(s) starting with " + group.device(0).to_string() +
+                                            ", the world lists " + std::to_string(local) +
                                             " for this process (expected the group the world was made from)");
 }
 

@@ -9,8 +9,6 @@
 //                                    second one with a 2 s deadline: they must fail naming it.
 //   mpi_dist exit COUNTS PROCESS     the same, but PROCESS exits (status 3) instead.
 //   mpi_dist mismatch COUNTS PROCESS the same, but PROCESS passes 5 elements where the others pass 4.
-#include <mgpu/dist/dist.hpp>
-
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -23,6 +21,8 @@
 #include <thread>
 #include <vector>
 
+#include <mgpu/dist/dist.hpp>
+
 using mgpu::DType;
 using mgpu::Tensor;
 using mgpu::comm::ReduceOp;
@@ -34,52 +34,68 @@ int failures = 0;
 int checks = 0;
 int process = 0;
 
-#define EXPECT(condition, what)                                                                     \
-  do {                                                                                              \
-    ++checks;                                                                                       \
-    if (!(condition)) {                                                                             \
-      ++failures;                                                                                   \
-      std::ostringstream text_;                                                                     \
-      text_ << what;                                                                                \
+#define EXPECT(condition, what)                                                                      \
+  do {                                                                                               \
+    ++checks;                                                                                        \
+    if (!(condition)) {                                                                              \
+      ++failures;                                                                                    \
+      std::ostringstream text_;                                                                      \
+      text_ << what;                                                                                 \
       std::fprintf(stderr, "process %d: FAILED %s: %s\n", process, #condition, text_.str().c_str()); \
-    }                                                                                               \
+    }                                                                                                \
   } while (false)
 
 // Rank r's i-th input of test `seed`, in [-1, 1), rounded to `dtype` as stored.
 double input(int seed, int rank, std::int64_t i, DType dtype) {
-  std::uint64_t x = static_cast<std::uint64_t>(seed) * 1000003u + static_cast<std::uint64_t>(rank) * 7919u + static_cast<std::uint64_t>(i) * 104729u;
+  std::uint64_t x = static_cast<std::uint64_t>(seed) * 1000003u + static_cast<std::uint64_t>(rank) * 7919u +
+                    static_cast<std::uint64_t>(i) * 104729u;
   x ^= x >> 13;
   x *= 0x9E3779B97F4A7C15ull;
   x ^= x >> 29;
   float const value = static_cast<float>(static_cast<double>(x % 2000001) / 1000000.0 - 1.0);
   switch (dtype) {
-    case DType::bfloat16: return static_cast<float>(mgpu::bfloat16(value));
-    case DType::float16: return static_cast<float>(mgpu::float16(value));
-    default: return value;
+    case DType::bfloat16:
+      return static_cast<float>(mgpu::bfloat16(value));
+    case DType::float16:
+      return static_cast<float>(mgpu::float16(value));
+    default:
+      return value;
   }
 }
 
 double epsilon(DType dtype) {
   switch (dtype) {
-    case DType::bfloat16: return std::ldexp(1.0, -8);
-    case DType::float16: return std::ldexp(1.0, -11);
-    default: return std::ldexp(1.0, -23);
+    case DType::bfloat16:
+      return std::ldexp(1.0, -8);
+    case DType::float16:
+      return std::ldexp(1.0, -11);
+    default:
+      return std::ldexp(1.0, -23);
   }
 }
 
 void store(Tensor const& t, std::int64_t i, double value) {
   switch (t.dtype()) {
-    case DType::bfloat16: t.host_span<mgpu::bfloat16>()[static_cast<std::size_t>(i)] = mgpu::bfloat16(static_cast<float>(value)); break;
-    case DType::float16: t.host_span<mgpu::float16>()[static_cast<std::size_t>(i)] = mgpu::float16(static_cast<float>(value)); break;
-    default: t.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(value); break;
+    case DType::bfloat16:
+      t.host_span<mgpu::bfloat16>()[static_cast<std::size_t>(i)] = mgpu::bfloat16(static_cast<float>(value));
+      break;
+    case DType::float16:
+      t.host_span<mgpu::float16>()[static_cast<std::size_t>(i)] = mgpu::float16(static_cast<float>(value));
+      break;
+    default:
+      t.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(value);
+      break;
   }
 }
 
 double load(Tensor const& t, std::int64_t i) {
   switch (t.dtype()) {
-    case DType::bfloat16: return static_cast<float>(t.host_span<mgpu::bfloat16>()[static_cast<std::size_t>(i)]);
-    case DType::float16: return static_cast<float>(t.host_span<mgpu::float16>()[static_cast<std::size_t>(i)]);
-    default: return t.host_span<float>()[static_cast<std::size_t>(i)];
+    case DType::bfloat16:
+      return static_cast<float>(t.host_span<mgpu::bfloat16>()[static_cast<std::size_t>(i)]);
+    case DType::float16:
+      return static_cast<float>(t.host_span<mgpu::float16>()[static_cast<std::size_t>(i)]);
+    default:
+      return t.host_span<float>()[static_cast<std::size_t>(i)];
   }
 }
 
@@ -94,9 +110,12 @@ Reference reference(ReduceOp op, int seed, int ranks, std::int64_t i, DType dtyp
   for (int r = 1; r < ranks; ++r) {
     double const x = input(seed, r, i, dtype);
     magnitude += std::abs(x);
-    if (op == ReduceOp::min) acc = std::min(acc, x);
-    else if (op == ReduceOp::max) acc = std::max(acc, x);
-    else acc += x;
+    if (op == ReduceOp::min)
+      acc = std::min(acc, x);
+    else if (op == ReduceOp::max)
+      acc = std::max(acc, x);
+    else
+      acc += x;
   }
   if (op == ReduceOp::avg) acc /= ranks;
   return {acc, magnitude};
@@ -124,7 +143,8 @@ std::vector<Tensor> make(Setup const& s, std::int64_t count, DType dtype) {
 
 void fill(Setup const& s, std::vector<Tensor> const& t, int seed, DType dtype) {
   for (int l = 0; l < s.local(); ++l) {
-    for (std::int64_t i = 0; i < t[static_cast<std::size_t>(l)].numel(); ++i) store(t[static_cast<std::size_t>(l)], i, input(seed, s.rank(l), i, dtype));
+    for (std::int64_t i = 0; i < t[static_cast<std::size_t>(l)].numel(); ++i)
+      store(t[static_cast<std::size_t>(l)], i, input(seed, s.rank(l), i, dtype));
   }
 }
 
@@ -133,13 +153,16 @@ void test_all_reduce(Setup const& s, DType dtype, ReduceOp op, int seed, bool in
   auto send = make(s, n, dtype);
   auto recv = in_place ? send : make(s, n, dtype);
   fill(s, send, seed, dtype);
-  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) { s.comm.all_reduce(s.rank(l), send[static_cast<std::size_t>(l)], recv[static_cast<std::size_t>(l)], op, stream); });
+  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+    s.comm.all_reduce(s.rank(l), send[static_cast<std::size_t>(l)], recv[static_cast<std::size_t>(l)], op, stream);
+  });
   for (int l = 0; l < s.local(); ++l) {
     for (std::int64_t i = 0; i < n; ++i) {
       Reference const ref = reference(op, seed, s.size(), i, dtype);
       double const got = load(recv[static_cast<std::size_t>(l)], i);
-      EXPECT(close(got, ref, dtype), "all_reduce " << mgpu::comm::to_string(op) << " " << mgpu::to_string(dtype) << (in_place ? " in place" : "") << " rank "
-                                                   << s.rank(l) << " [" << i << "] = " << got << ", reference " << ref.value);
+      EXPECT(close(got, ref, dtype), "all_reduce " << mgpu::comm::to_string(op) << " " << mgpu::to_string(dtype)
+                                                   << (in_place ? " in place" : "") << " rank " << s.rank(l) << " ["
+                                                   << i << "] = " << got << ", reference " << ref.value);
     }
   }
   // Every rank of every process holds the same bits: gather every rank's result and compare.
@@ -151,7 +174,8 @@ void test_all_reduce(Setup const& s, DType dtype, ReduceOp op, int seed, bool in
   for (int r = 1; r < s.size(); ++r) {
     auto const* base = static_cast<char const*>(gathered[0].data());
     EXPECT(std::memcmp(base, base + static_cast<std::size_t>(r) * bytes, bytes) == 0,
-           "all_reduce " << mgpu::comm::to_string(op) << " " << mgpu::to_string(dtype) << ": rank " << r << "'s result differs in its bits from rank 0's");
+           "all_reduce " << mgpu::comm::to_string(op) << " " << mgpu::to_string(dtype) << ": rank " << r
+                         << "'s result differs in its bits from rank 0's");
   }
 }
 
@@ -167,8 +191,9 @@ void test_reduce_scatter(Setup const& s, DType dtype, ReduceOp op, int seed) {
     for (std::int64_t i = 0; i < n; ++i) {
       Reference const ref = reference(op, seed, s.size(), s.rank(l) * n + i, dtype);
       double const got = load(recv[static_cast<std::size_t>(l)], i);
-      EXPECT(close(got, ref, dtype), "reduce_scatter " << mgpu::comm::to_string(op) << " " << mgpu::to_string(dtype) << " rank " << s.rank(l) << " [" << i
-                                                       << "] = " << got << ", reference " << ref.value);
+      EXPECT(close(got, ref, dtype), "reduce_scatter " << mgpu::comm::to_string(op) << " " << mgpu::to_string(dtype)
+                                                       << " rank " << s.rank(l) << " [" << i << "] = " << got
+                                                       << ", reference " << ref.value);
     }
   }
 }
@@ -189,8 +214,9 @@ void test_reduce(Setup const& s, DType dtype, ReduceOp op, int root, int seed) {
       double const got = load(recv[static_cast<std::size_t>(l)], i);
       if (s.rank(l) == root) {
         Reference const ref = reference(op, seed, s.size(), i, dtype);
-        EXPECT(close(got, ref, dtype), "reduce " << mgpu::comm::to_string(op) << " " << mgpu::to_string(dtype) << " to root " << root << " [" << i << "] = " << got
-                                                 << ", reference " << ref.value);
+        EXPECT(close(got, ref, dtype), "reduce " << mgpu::comm::to_string(op) << " " << mgpu::to_string(dtype)
+                                                 << " to root " << root << " [" << i << "] = " << got << ", reference "
+                                                 << ref.value);
       } else {
         EXPECT(got == 42.0, "reduce to root " << root << " wrote rank " << s.rank(l) << "'s recv");
       }
@@ -203,7 +229,8 @@ void test_all_gather(Setup const& s, DType dtype, int seed, bool in_place) {
   auto recv = make(s, n * s.size(), dtype);
   std::vector<Tensor> send;
   if (in_place) {
-    for (int l = 0; l < s.local(); ++l) send.push_back(recv[static_cast<std::size_t>(l)].slice(s.rank(l) * n, (s.rank(l) + 1) * n));
+    for (int l = 0; l < s.local(); ++l)
+      send.push_back(recv[static_cast<std::size_t>(l)].slice(s.rank(l) * n, (s.rank(l) + 1) * n));
   } else {
     send = make(s, n, dtype);
   }
@@ -215,8 +242,9 @@ void test_all_gather(Setup const& s, DType dtype, int seed, bool in_place) {
     for (int r = 0; r < s.size(); ++r) {
       for (std::int64_t i = 0; i < n; ++i) {
         double const got = load(recv[static_cast<std::size_t>(l)], r * n + i);
-        EXPECT(got == input(seed, r, i, dtype), "all_gather " << mgpu::to_string(dtype) << (in_place ? " in place" : "") << " rank " << s.rank(l)
-                                                              << " block " << r << " [" << i << "] = " << got);
+        EXPECT(got == input(seed, r, i, dtype), "all_gather " << mgpu::to_string(dtype) << (in_place ? " in place" : "")
+                                                              << " rank " << s.rank(l) << " block " << r << " [" << i
+                                                              << "] = " << got);
       }
     }
   }
@@ -226,11 +254,14 @@ void test_broadcast(Setup const& s, DType dtype, int root, int seed) {
   std::int64_t const n = 13;
   auto buffer = make(s, n, dtype);
   fill(s, buffer, seed, dtype);
-  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) { s.comm.broadcast(s.rank(l), buffer[static_cast<std::size_t>(l)], root, stream); });
+  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+    s.comm.broadcast(s.rank(l), buffer[static_cast<std::size_t>(l)], root, stream);
+  });
   for (int l = 0; l < s.local(); ++l) {
     for (std::int64_t i = 0; i < n; ++i) {
       double const got = load(buffer[static_cast<std::size_t>(l)], i);
-      EXPECT(got == input(seed, root, i, dtype), "broadcast from " << root << " rank " << s.rank(l) << " [" << i << "] = " << got);
+      EXPECT(got == input(seed, root, i, dtype),
+             "broadcast from " << root << " rank " << s.rank(l) << " [" << i << "] = " << got);
     }
   }
 }
@@ -254,7 +285,8 @@ void test_send_recv(Setup const& s, DType dtype, int seed) {
     int const from = (s.rank(l) + w - 1) % w;
     for (std::int64_t i = 0; i < n; ++i) {
       double const got = load(recv[static_cast<std::size_t>(l)], i);
-      EXPECT(got == input(seed, from, i, dtype), "ring recv on rank " << s.rank(l) << " from " << from << " [" << i << "] = " << got);
+      EXPECT(got == input(seed, from, i, dtype),
+             "ring recv on rank " << s.rank(l) << " from " << from << " [" << i << "] = " << got);
     }
   }
   // A large message (past any eager limit) one way, then a small one back.
@@ -262,7 +294,8 @@ void test_send_recv(Setup const& s, DType dtype, int seed) {
   auto large = make(s, big, DType::float32);
   for (int l = 0; l < s.local(); ++l) {
     if (s.rank(l) == 0) {
-      for (std::int64_t i = 0; i < big; ++i) store(large[static_cast<std::size_t>(l)], i, static_cast<double>(i % 1000));
+      for (std::int64_t i = 0; i < big; ++i)
+        store(large[static_cast<std::size_t>(l)], i, static_cast<double>(i % 1000));
     }
   }
   s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
@@ -278,11 +311,13 @@ void test_send_recv(Setup const& s, DType dtype, int seed) {
   for (int l = 0; l < s.local(); ++l) {
     if (s.rank(l) == w - 1) {
       bool same = true;
-      for (std::int64_t i = 0; i < big; ++i) same = same && load(large[static_cast<std::size_t>(l)], i) == static_cast<double>(i % 1000);
+      for (std::int64_t i = 0; i < big; ++i)
+        same = same && load(large[static_cast<std::size_t>(l)], i) == static_cast<double>(i % 1000);
       EXPECT(same, "the 4 MiB message from rank 0 to rank " << w - 1 << " arrived changed");
     }
     if (s.rank(l) == 0) {
-      for (std::int64_t i = 0; i < n; ++i) EXPECT(load(recv[static_cast<std::size_t>(l)], i) == input(seed, w - 1, i, dtype), "reply [" << i << "]");
+      for (std::int64_t i = 0; i < n; ++i)
+        EXPECT(load(recv[static_cast<std::size_t>(l)], i) == input(seed, w - 1, i, dtype), "reply [" << i << "]");
     }
   }
 }
@@ -293,7 +328,10 @@ void test_matches_one_process(Setup const& s, int seed) {
   std::int64_t const n = 101;
   auto send = make(s, n, DType::float32);
   fill(s, send, seed, DType::float32);
-  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) { s.comm.all_reduce(s.rank(l), send[static_cast<std::size_t>(l)], send[static_cast<std::size_t>(l)], ReduceOp::sum, stream); });
+  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+    s.comm.all_reduce(s.rank(l), send[static_cast<std::size_t>(l)], send[static_cast<std::size_t>(l)], ReduceOp::sum,
+                      stream);
+  });
   mgpu::DeviceGroup all("host:" + std::to_string(s.size()));
   auto one = mgpu::comm::make_communicator(all);
   std::vector<Tensor> ref;
@@ -301,7 +339,9 @@ void test_matches_one_process(Setup const& s, int seed) {
     ref.push_back(Tensor::empty({n}, DType::float32, all.allocator(r)));
     for (std::int64_t i = 0; i < n; ++i) store(ref.back(), i, input(seed, r, i, DType::float32));
   }
-  all.run([&](int r, mgpu::Device, mgpu::Stream& stream) { one->all_reduce(r, ref[static_cast<std::size_t>(r)], ref[static_cast<std::size_t>(r)], ReduceOp::sum, stream); });
+  all.run([&](int r, mgpu::Device, mgpu::Stream& stream) {
+    one->all_reduce(r, ref[static_cast<std::size_t>(r)], ref[static_cast<std::size_t>(r)], ReduceOp::sum, stream);
+  });
   one->finalize();
   EXPECT(std::memcmp(send[0].data(), ref[0].data(), static_cast<std::size_t>(n) * 4) == 0,
          "the all_reduce across processes differs in its bits from one process's over host:" << s.size());
@@ -316,10 +356,12 @@ void test_world(mgpu::dist::World const& world, std::vector<int> const& counts, 
     EXPECT(world.local_size(p) == counts[static_cast<std::size_t>(p)], "local size of process " << p);
     for (int l = 0; l < counts[static_cast<std::size_t>(p)]; ++l, ++rank) {
       auto const& d = world.devices[static_cast<std::size_t>(rank)];
-      EXPECT(d.rank == rank && d.process == p && d.local_rank == l && d.device == (mgpu::Device{mgpu::DeviceKind::host, l}),
-             "world device " << rank << ": rank " << d.rank << ", process " << d.process << ", local rank " << d.local_rank << ", "
-                             << d.device.to_string());
-      EXPECT(d.host == place.host, "world device " << rank << " on host " << d.host << " (expected " << place.host << ": one machine)");
+      EXPECT(d.rank == rank && d.process == p && d.local_rank == l &&
+                 d.device == (mgpu::Device{mgpu::DeviceKind::host, l}),
+             "world device " << rank << ": rank " << d.rank << ", process " << d.process << ", local rank "
+                             << d.local_rank << ", " << d.device.to_string());
+      EXPECT(d.host == place.host,
+             "world device " << rank << " on host " << d.host << " (expected " << place.host << ": one machine)");
     }
   }
   EXPECT(world.size() == rank, "world size " << world.size());
@@ -348,7 +390,10 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "process %d: %d processes, but COUNTS lists %zu\n", process, place.size, counts.size());
       return 2;
     }
-    if (process == 0) std::printf("launcher %s, %d processes, MPI thread support '%s'\n", std::string(mgpu::dist::to_string(place.launcher)).c_str(), place.size, place.mpi_thread_level.c_str());
+    if (process == 0)
+      std::printf("launcher %s, %d processes, MPI thread support '%s'\n",
+                  std::string(mgpu::dist::to_string(place.launcher)).c_str(), place.size,
+                  place.mpi_thread_level.c_str());
     mgpu::DeviceGroup group("host:" + std::to_string(counts[static_cast<std::size_t>(place.rank)]));
     mgpu::dist::World const world = mgpu::dist::make_world(group);
     test_world(world, counts, place);
@@ -382,7 +427,8 @@ int main(int argc, char** argv) {
         comm->all_reduce(remote, t, t, ReduceOp::sum, group.stream(0));
         EXPECT(false, "all_reduce as rank " << remote << " of another process was accepted");
       } catch (mgpu::Error const& e) {
-        EXPECT(e.category() == mgpu::Errc::invalid_argument && std::string(e.what()).find("belongs to process") != std::string::npos,
+        EXPECT(e.category() == mgpu::Errc::invalid_argument &&
+                   std::string(e.what()).find("belongs to process") != std::string::npos,
                "all_reduce as another process's rank: " << e.what());
       }
       comm->finalize();
@@ -394,7 +440,8 @@ int main(int argc, char** argv) {
     if (mode == "mismatch") {
       auto buffers = make(s, process == faulty ? 5 : 4, DType::float32);
       group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
-        comm->all_reduce(s.rank(l), buffers[static_cast<std::size_t>(l)], buffers[static_cast<std::size_t>(l)], ReduceOp::sum, stream);
+        comm->all_reduce(s.rank(l), buffers[static_cast<std::size_t>(l)], buffers[static_cast<std::size_t>(l)],
+                         ReduceOp::sum, stream);
       });
       std::printf("process %d: the mismatched all_reduce succeeded\n", process);
       return 0;

@@ -30,10 +30,10 @@ std::string_view to_string(Launcher launcher) noexcept;
 /// This process's place in the job.
 struct Place {
   Launcher launcher = Launcher::none;
-  int rank = 0;        ///< the process's index in [0, size)
-  int size = 1;        ///< how many processes the job has
-  int local_rank = 0;  ///< the process's index among those on its server
-  std::string host;    ///< this server's host name (init() fills it; parse_environment() leaves it empty)
+  int rank = 0;             ///< the process's index in [0, size)
+  int size = 1;             ///< how many processes the job has
+  int local_rank = 0;       ///< the process's index among those on its server
+  std::string host;         ///< this server's host name (init() fills it; parse_environment() leaves it empty)
   std::string master_addr;  ///< torchrun-style MASTER_ADDR, when set
   int master_port = 0;      ///< torchrun-style MASTER_PORT, when set (else 0)
   /// The thread support MPI gave ("multiple", "serialized", "funneled" or "single"), or "" when
@@ -121,11 +121,10 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout = s
 /// an in-process host communicator, one leader per process (its local rank 0) exchanges over MPI,
 /// and the result goes back inside the process. Reductions combine in float32 in process order,
 /// so every rank gets bitwise identical results, run after run; with one device per process an
-/// all-reduce equals a single process's host communicator over as many devices, bit for bit. send/recv between processes
-/// go over MPI point-to-point (a send completes once MPI is done with its data: a small one at once,
-/// as MPI sends it eagerly, a large one once the receive has matched it; finalize() checks for
-/// unreceived sends only between ranks of this process). A collective may not be part of a
-/// group_start()/group_end() group (sends and receives may).
+/// all-reduce equals a single process's host communicator over as many devices, bit for bit. send/recv between
+/// processes go over MPI point-to-point (a send completes once MPI is done with its data: a small one at once, as MPI
+/// sends it eagerly, a large one once the receive has matched it; finalize() checks for unreceived sends only between
+/// ranks of this process). A collective may not be part of a group_start()/group_end() group (sends and receives may).
 ///
 /// Deadlines: every MPI wait polls non-blocking calls against options.timeout (zero:
 /// comm::default_timeout()); a process not heard from in time makes the others fail with
@@ -134,6 +133,7 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout = s
 /// error (naming the processes) is what they report. Collective over the processes (it sets up
 /// MPI communicators); `group` must be the DeviceGroup `world` was made from and outlive the
 /// communicator. Throws Error(invalid_argument) for other devices or a non-host device.
-std::unique_ptr<comm::Communicator> make_communicator(World const& world, DeviceGroup& group, comm::Options options = {});
+std::unique_ptr<comm::Communicator> make_communicator(World const& world, DeviceGroup& group,
+                                                      comm::Options options = {});
 
 }  // namespace mgpu::dist
