@@ -30,6 +30,8 @@
 
 #include <mgpu/mgpu.hpp>
 
+#include "bench_support.hpp"
+
 #if MGPU_CUDA_ENABLED
 #include <cuda_runtime.h>
 #endif
@@ -47,10 +49,7 @@ std::map<std::pair<int, std::int64_t>, double> gloo_seconds;
 std::map<std::pair<int, std::int64_t>, double> our_seconds;
 std::map<std::pair<int, std::int64_t>, double> bare_seconds;
 
-double median(std::vector<double> v) {
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-  return v[v.size() / 2];
-}
+using bench::median;
 
 // The reduction an in-place all-reduce must do, as bare loops: `ranks` threads, thread r summing
 // its slice of every buffer (in blocks that stay in L1) and writing the sum back to every buffer,

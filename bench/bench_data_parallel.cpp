@@ -35,6 +35,8 @@
 
 #include <mgpu/mgpu.hpp>
 
+#include "bench_support.hpp"
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -43,10 +45,7 @@ constexpr std::int64_t batch = 256;
 constexpr std::int64_t batches = 8;
 std::vector<std::int64_t> const widths = {784, 1024, 1024, 10};
 
-double median(std::vector<double> v) {
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-  return v[v.size() / 2];
-}
+using bench::median;
 
 // Training data: overlapping clusters in host memory, so the loss stays high as in real training.
 struct Data {

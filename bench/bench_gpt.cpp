@@ -13,6 +13,13 @@
 //     params             the model's parameter count;
 //     step_gemm_share    the time in the library's host GEMM calls (ops::host_gemm_stats) / the
 //                        step's time, summed over the timed steps.
+//   BM_gpt_step_dp/<shape>: the same step data parallel over host:2 (parallel::DataParallel: each
+//   device a worker thread with half of every batch, gradients all-reduced in buckets during
+//   backward), and the one-device step of BM_gpt_step timed in turn on the same batches:
+//     tokens_per_s            batch * block / the median data-parallel step time;
+//     one_device_tokens_per_s the one-device step's, from the turns in between;
+//     speedup_vs_one_device   median over turns of one-device step time / data-parallel step time;
+//     peak_bytes_device       the largest of the two devices' allocator peaks.
 //   BM_attention/<shape>: causal attention forward + backward alone on that shape's qkv:
 //     online_ms               ops::causal_attention + causal_attention_backward (tiled online
 //                             softmax, per-row log-sum-exp kept);
@@ -39,6 +46,8 @@
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/ops/transformer.hpp>
 
+#include "bench_support.hpp"
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -56,10 +65,7 @@ Shape const shapes[] = {
     {"gpt2s", {.vocab = 256, .block_size = 256, .n_layer = 12, .n_head = 12, .n_embd = 768}, 4},
 };
 
-double median(std::vector<double> v) {
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-  return v[v.size() / 2];
-}
+using bench::median;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -103,13 +109,6 @@ struct GptTrainer {
     (void)mgpu::nn::train_step(model, adamw, x, y, loss_fn, ctx, {.clip_norm = 1.0f});  // the trainers' own step
     stream.synchronize();
   }
-  // The library's host GEMM totals on this trainer's worker thread.
-  mgpu::ops::HostGemmStats gemm_stats() {
-    mgpu::ops::HostGemmStats stats;
-    stream.enqueue([&stats] { stats = mgpu::ops::host_gemm_stats(); });
-    stream.synchronize();
-    return stats;
-  }
 };
 
 void BM_gpt_step(benchmark::State& state) {
@@ -118,13 +117,13 @@ void BM_gpt_step(benchmark::State& state) {
   trainer.step();  // the allocator's cache, AdamW's state, the GEMM primitives
   trainer.allocator->reset_peak();
   std::vector<double> step_s;
-  mgpu::ops::HostGemmStats const before = trainer.gemm_stats();
+  mgpu::ops::HostGemmStats const before = bench::host_gemm_stats(trainer.stream);
   for (auto _ : state) {
     auto const t0 = Clock::now();
     trainer.step();
     step_s.push_back(seconds_since(t0));
   }
-  double const gemm_s = trainer.gemm_stats().seconds - before.seconds;
+  double const gemm_s = bench::host_gemm_stats(trainer.stream).seconds - before.seconds;
   double total_s = 0;
   for (double s : step_s) total_s += s;
   double const step = median(step_s);
@@ -137,6 +136,48 @@ void BM_gpt_step(benchmark::State& state) {
 }
 BENCHMARK(BM_gpt_step)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(8.0);
 BENCHMARK(BM_gpt_step)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
+
+void BM_gpt_step_dp(benchmark::State& state) {
+  Shape const& shape = shapes[state.range(0)];
+  GptTrainer one(shape);  // its batches feed both
+  mgpu::DeviceGroup group("host:2");
+  mgpu::parallel::DataParallelOptions options;
+  options.seed = 1;
+  options.clip_norm = 1.0f;
+  options.loss = std::make_shared<mgpu::nn::TokenCrossEntropy>();
+  mgpu::parallel::DataParallel dp(mgpu::nn::gpt(shape.config), group, one.adamw, std::move(options));
+  std::int64_t next = 0;
+  auto const dp_step = [&] {
+    std::int64_t const b = next++ % GptTrainer::pool;
+    (void)dp.step(one.inputs.slice(b * shape.batch, (b + 1) * shape.batch),
+                  one.targets.slice(b * shape.batch, (b + 1) * shape.batch));
+  };
+  one.step();
+  dp_step();
+  for (int r = 0; r < group.size(); ++r) group.allocator(r).reset_peak();
+  std::vector<double> dp_s, one_s, speedup;
+  for (auto _ : state) {
+    auto t0 = Clock::now();
+    dp_step();
+    dp_s.push_back(seconds_since(t0));
+    state.PauseTiming();
+    t0 = Clock::now();
+    one.step();
+    one_s.push_back(seconds_since(t0));
+    speedup.push_back(one_s.back() / dp_s.back());
+    state.ResumeTiming();
+  }
+  double peak = 0;
+  for (int r = 0; r < group.size(); ++r)
+    peak = std::max(peak, static_cast<double>(group.allocator(r).stats().peak_allocated));
+  state.SetLabel(std::string(shape.name) + ", host:2 data parallel");
+  state.counters["tokens_per_s"] = static_cast<double>(one.tokens()) / median(dp_s);
+  state.counters["one_device_tokens_per_s"] = static_cast<double>(one.tokens()) / median(one_s);
+  state.counters["speedup_vs_one_device"] = median(speedup);
+  state.counters["peak_bytes_device"] = peak;
+}
+BENCHMARK(BM_gpt_step_dp)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(8.0);
+BENCHMARK(BM_gpt_step_dp)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
 
 // Causal attention through the whole [B, H, T, T] probability matrix: the path the online softmax
 // replaces. Forward S = q kᵀ / sqrt(d) masked, P = softmax(S), y = P v; backward dP = dy vᵀ,

@@ -33,6 +33,8 @@
 #include <mgpu/config.hpp>
 #include <mgpu/mgpu.hpp>
 
+#include "bench_support.hpp"
+
 #if MGPU_HOST_GEMM_ONEDNN
 #include <oneapi/dnnl/dnnl.h>
 #endif
@@ -56,10 +58,7 @@ int thread_count() {
   return n;
 }
 
-double median(std::vector<double> v) {
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-  return v[v.size() / 2];
-}
+using bench::median;
 
 // The step's GEMMs, shape for shape as the library calls them, through a standalone single-thread
 // sgemm: forward x W per layer, backward dW = x^T dz per layer and dx = dz W^T for every layer but
@@ -199,13 +198,6 @@ struct Trainer {
     mgpu::nn::classification_step(model, sgd, x.slice(b * batch, (b + 1) * batch), y.slice(b * batch, (b + 1) * batch), ctx);
     stream.synchronize();
   }
-  // The library's host GEMM totals on this trainer's worker thread.
-  mgpu::ops::HostGemmStats gemm_stats() {
-    mgpu::ops::HostGemmStats stats;
-    stream.enqueue([&stats] { stats = mgpu::ops::host_gemm_stats(); });
-    stream.synchronize();
-    return stats;
-  }
 };
 
 // Seconds per run of fn, over a block of `block` runs.
@@ -236,9 +228,9 @@ void BM_train_step_vs_gemm(benchmark::State& state) {
   // robust to the noise of a shared machine.
   std::int64_t eigen_batch = 0;
   for (auto _ : state) {
-    mgpu::ops::HostGemmStats const before = trainer.gemm_stats();
+    mgpu::ops::HostGemmStats const before = bench::host_gemm_stats(trainer.stream);
     step_s.push_back(per_run([&] { trainer.step(); }));
-    mgpu::ops::HostGemmStats const after = trainer.gemm_stats();
+    mgpu::ops::HostGemmStats const after = bench::host_gemm_stats(trainer.stream);
     double const gemm_s = (after.seconds - before.seconds) / block;
     gemm_gflops.push_back((after.flops - before.flops) / block / gemm_s * 1e-9);
     gemm_share.push_back(gemm_s / step_s.back());
@@ -276,9 +268,9 @@ void BM_train_step_bf16(benchmark::State& state) {
   bf16.step();
   std::vector<double> step_s, gemm_share, ratios;
   for (auto _ : state) {
-    mgpu::ops::HostGemmStats const before = bf16.gemm_stats();
+    mgpu::ops::HostGemmStats const before = bench::host_gemm_stats(bf16.stream);
     step_s.push_back(per_run([&] { bf16.step(); }));
-    gemm_share.push_back((bf16.gemm_stats().seconds - before.seconds) / block / step_s.back());
+    gemm_share.push_back((bench::host_gemm_stats(bf16.stream).seconds - before.seconds) / block / step_s.back());
     ratios.push_back(per_run([&] { f32.step(); }) / step_s.back());
   }
   state.SetLabel(std::string("host GEMM: ") + mgpu::host_gemm_backend);

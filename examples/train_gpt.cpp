@@ -15,11 +15,19 @@
 // validation stream, targets the next tokens.
 //
 // Training: per-token cross-entropy (nn::TokenCrossEntropy), clipping by global norm, AdamW with
-// weight decay on the 2-D weights only. One device runs nn::train_step; several (--devices host:2,
-// cuda:0,1) run parallel::DataParallel, whose replicas all-reduce their gradients in buckets while
-// backward goes on: the same losses as one device, within float32 rounding. Pipeline schedules
-// (--schedule, --stages, --micro-batches) are refused here for now: pipeline::Executor trains the
-// GPT (with its tied head on the first and last stage) through the library API.
+// weight decay on the weight matrices only. The layout:
+//   one device                  nn::train_step
+//   --dp N (or N --devices)     parallel::DataParallel: replicas all-reduce their gradients in
+//                               buckets while backward goes on
+//   --schedule S --stages K     pipeline::Executor: the model cut into K stages (x --chunks per
+//     [--micro-batches M]       device for interleaved) by each layer's forward + backward FLOPs,
+//     [--dp N]                  M micro-batches per step, N pipeline replicas (a data x pipeline
+//                               grid over K x N devices); the tied LM head's stage holds a copy of
+//                               wte kept equal to the first stage's
+// Every layout gives the one-device losses within float32 rounding, and writes checkpoints in one
+// format, so a run may resume on another layout. --devices defaults to
+// host:(stages x dp). Evaluation, sampling and --save-llmc read a float32 copy of the whole model
+// (the stages' master weights, gathered before each use).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -58,9 +66,10 @@ struct Options {
   float weight_decay = 0.1f, clip = 1.0f, dropout = 0.0f;
   std::uint64_t seed = 1337;
   std::int64_t eval_every = 500, eval_iters = 50, log_every = 0;
-  std::string devices = "host:1";
-  std::string schedule;
-  int stages = 1, micro_batches = 1, dp = 1;
+  std::string devices;  // empty: host:(stages x dp)
+  std::string schedule;  // empty: data parallel (or one device), unless --stages > 1 (then 1f1b)
+  int stages = 1, micro_batches = 1, dp = 1, chunks = 2;
+  std::string trace;
   std::string precision = "fp32";
   std::string checkpoint;
   bool resume = false;
@@ -145,6 +154,8 @@ struct Trainer {
   float clip;
   std::optional<mgpu::optim::LossScaler> scaler;
   mgpu::parallel::DataParallel* parallel = nullptr;
+  mgpu::pipeline::Executor* pipeline = nullptr;
+  mgpu::trace::Timeline* timeline = nullptr;
   mgpu::nn::TokenCrossEntropy loss{};
 
   // ids and targets as host int32 tensors on this device.
@@ -159,7 +170,9 @@ struct Trainer {
   // clipping by global norm, AdamW at `lr_scale`, refresh of the compute-type weights.
   StepLoss train_step(mgpu::data::TokenBatch const& batch, float lr_scale) {
     if (parallel != nullptr) return {{}, parallel->step(batch.x, batch.y, lr_scale).loss};
-    mgpu::nn::StepOptions const options{.lr_scale = lr_scale, .clip_norm = clip, .scaler = scaler ? &*scaler : nullptr};
+    if (pipeline != nullptr) return {{}, pipeline->step(batch.x, batch.y, lr_scale)};
+    mgpu::nn::StepOptions const options{
+        .lr_scale = lr_scale, .clip_norm = clip, .scaler = scaler ? &*scaler : nullptr, .timeline = timeline};
     return {mgpu::nn::train_step(model, optimizer, on_device(batch.x), on_device(batch.y), loss, ctx, options).loss};
   }
 };
@@ -189,19 +202,77 @@ void set_parameters(mgpu::nn::Sequential& model, std::vector<float> const& value
   stream.synchronize();
 }
 
-void refuse_pipeline_flags(Options const& o, mgpu::DeviceGroup const& group) {
-  auto const refuse = [&](std::string const& what) {
-    throw mgpu::Error(mgpu::Errc::invalid_argument,
-                      what + " (expected data parallelism only: train_gpt trains on one device or data parallel over "
-                             "--devices; pipeline schedules for the GPT are in the library, pipeline::Executor)");
-  };
-  if (!o.schedule.empty()) refuse("--schedule " + o.schedule);
-  if (o.stages != 1) refuse("--stages " + std::to_string(o.stages));
-  if (o.micro_batches != 1) refuse("--micro-batches " + std::to_string(o.micro_batches));
-  if (o.dp != 1 && o.dp != static_cast<int>(group.size()))
-    throw mgpu::Error(mgpu::Errc::invalid_argument, "--dp " + std::to_string(o.dp) + " with --devices " + o.devices +
-                                                        " (expected the number of devices, " +
-                                                        std::to_string(group.size()) + ": one replica per device)");
+// The layout the flags ask for, checked against the devices before anything is built.
+void check_layout(Options const& o, bool pipelined, mgpu::DeviceGroup const& group) {
+  auto const refuse = [](std::string const& what) { throw mgpu::Error(mgpu::Errc::invalid_argument, what); };
+  auto const size = static_cast<int>(group.size());
+  if (pipelined) {
+    if (size != o.stages * o.dp)
+      refuse("--devices " + o.devices + " has " + std::to_string(size) + " devices (expected --stages x --dp = " +
+             std::to_string(o.stages * o.dp) + ")");
+    return;
+  }
+  if (o.micro_batches != 1)
+    refuse("--micro-batches " + std::to_string(o.micro_batches) +
+           " without a pipeline (expected --schedule or --stages > 1: micro-batches are a pipeline's)");
+  if (o.dp != 1 && o.dp != size)
+    refuse("--dp " + std::to_string(o.dp) + " with --devices " + o.devices + " (expected the number of devices, " +
+           std::to_string(size) + ": one replica per device)");
+}
+
+// Each layer's forward + backward FLOPs for a micro-batch of `rows` sequences (3x the forward's
+// multiply-adds x 2; element-wise layers count one pass), the costs the stages are cut by.
+mgpu::pipeline::LayerProfile layer_costs(mgpu::nn::Sequential const& model, mgpu::nn::GptConfig const& c,
+                                         std::int64_t rows) {
+  auto const tokens = static_cast<double>(rows * c.block_size);
+  auto const t = static_cast<double>(c.block_size), w = static_cast<double>(c.n_embd);
+  mgpu::pipeline::LayerProfile profile;
+  for (std::size_t l = 0; l < model.size(); ++l) {
+    mgpu::nn::Layer const& layer = model.layer(l);
+    double forward = tokens * w;  // embedding lookup, dropout, LayerNorm: one pass
+    if (dynamic_cast<mgpu::nn::TransformerBlock const*>(&layer) != nullptr)
+      forward = 2 * tokens * 12 * w * w + 2 * tokens * t * w;  // four Linears (12 C^2), causal QK^T and PV
+    else if (dynamic_cast<mgpu::nn::TiedLMHead const*>(&layer) != nullptr)
+      forward = 2 * tokens * w * static_cast<double>(c.vocab);
+    profile.seconds.push_back(3 * forward);  // FLOPs in the seconds' place: partition() compares them only
+    profile.parameter_bytes.push_back(static_cast<double>(layer.parameter_count()) * sizeof(float));
+    profile.activation_bytes.push_back(0.0);  // not modelled: the stages are cut by time
+  }
+  return profile;
+}
+
+// The whole model's parameters to and from the pipeline's chunks: the chunks' master parameters,
+// in order, are the whole model's, followed in the last chunk by its copy of wte when it holds one.
+void gather_chunks(mgpu::pipeline::Executor& executor, mgpu::nn::Sequential& whole, mgpu::Stream& stream) {
+  std::int64_t offset = 0;
+  for (int c = 0; c < executor.schedule().chunks(); ++c) {
+    mgpu::Tensor const& p = executor.chunk(c).master_parameters();
+    std::int64_t const n = std::min(p.numel(), whole.parameter_count() - offset);
+    mgpu::copy_async(whole.master_parameters().slice(offset, offset + n), p.slice(0, n), stream);
+    offset += n;
+  }
+  whole.sync_parameters(stream);
+  stream.synchronize();
+}
+
+void scatter_chunks(mgpu::nn::Sequential const& whole, mgpu::pipeline::Executor& executor, mgpu::DeviceGroup& group,
+                    int replicas, std::int64_t wte_elements) {
+  int const devices = executor.schedule().devices;
+  for (int r = 0; r < replicas; ++r) {
+    std::int64_t offset = 0;
+    for (int c = 0; c < executor.schedule().chunks(); ++c) {
+      mgpu::nn::Sequential& chunk = executor.chunk(c, r);
+      mgpu::Stream& stream = group.stream(r * devices + executor.schedule().device_of(c));
+      std::int64_t const n = std::min(chunk.parameter_count(), whole.parameter_count() - offset);
+      mgpu::copy_async(chunk.master_parameters().slice(0, n), whole.master_parameters().slice(offset, offset + n), stream);
+      if (n < chunk.parameter_count())  // the head's copy of wte
+        mgpu::copy_async(chunk.master_parameters().slice(n, chunk.parameter_count()),
+                         whole.master_parameters().slice(0, wte_elements), stream);
+      chunk.sync_parameters(stream);
+      offset += n;
+    }
+  }
+  group.synchronize();
 }
 
 std::string printable(std::string const& text) {
@@ -214,8 +285,11 @@ std::string printable(std::string const& text) {
 int run(Options o) {
   FILE* const log = o.json ? stderr : stdout;
   bool const terminal = ::isatty(STDERR_FILENO) != 0;
+  bool const pipelined = !o.schedule.empty() || o.stages > 1;
+  if (pipelined && o.schedule.empty()) o.schedule = "1f1b";
+  if (o.devices.empty()) o.devices = "host:" + std::to_string(pipelined ? o.stages * o.dp : o.dp);
   mgpu::DeviceGroup group(o.devices);
-  refuse_pipeline_flags(o, group);
+  check_layout(o, pipelined, group);
   mgpu::Device const device = group.device(0);
   if (o.resume && o.checkpoint.empty())
     throw mgpu::Error(mgpu::Errc::invalid_argument, "--resume without --checkpoint (expected --checkpoint PATH)");
@@ -243,43 +317,99 @@ int run(Options o) {
   auto host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
   mgpu::Stream stream(device);
   mgpu::nn::Context ctx{*allocator, stream};
+  // The one model; pipelined, the whole model in float32 that evaluation and sampling read (the
+  // chunks are made from it and gathered back into it).
   mgpu::nn::Sequential model = mgpu::nn::gpt(config);
-  model.materialize(ctx, o.seed, examples::precision(o.precision));
+  model.materialize(ctx, o.seed, pipelined ? mgpu::DType::float32 : examples::precision(o.precision));
   if (init) set_parameters(model, init->parameters, stream);
-  mgpu::optim::AdamW optimizer({.lr = o.lr,
-                                .beta1 = 0.9f,
-                                .beta2 = 0.95f,
-                                .eps = 1e-8f,
-                                .weight_decay = o.weight_decay,
-                                .decay_ranges = mgpu::nn::gpt_decay_ranges(config)});
+  mgpu::optim::AdamWOptions const adamw{.lr = o.lr,
+                                        .beta1 = 0.9f,
+                                        .beta2 = 0.95f,
+                                        .eps = 1e-8f,
+                                        .weight_decay = o.weight_decay,
+                                        .decay_ranges = model.matrix_ranges()};
+  mgpu::optim::AdamW optimizer(adamw);
+  auto const timeline = o.trace.empty() ? nullptr : std::make_shared<mgpu::trace::Timeline>();
+  if (timeline) timeline->enable(false);  // the last step only
   // Several devices: replicas of `model` (weights broadcast from it), trained data parallel.
   std::unique_ptr<mgpu::parallel::DataParallel> parallel;
-  if (group.size() > 1) {
+  if (!pipelined && group.size() > 1) {
     mgpu::parallel::DataParallelOptions options;
     options.seed = o.seed;
     options.compute = examples::precision(o.precision);
     options.clip_norm = o.clip;
     if (o.precision == "fp16") options.loss_scaler.emplace();
     options.loss = std::make_shared<mgpu::nn::TokenCrossEntropy>();
+    options.timeline = timeline;
     parallel = std::make_unique<mgpu::parallel::DataParallel>(std::move(model), group, optimizer, std::move(options));
   }
-  // What evaluation, checkpoints and sampling read: the one model, or replica 0 on rank 0.
+  // Pipelined: stages cut by FLOPs for the devices' speeds, an AdamW per chunk decaying its own
+  // weight matrices, and the model's weights (its seed's, or --init-from's) copied into the chunks.
+  std::unique_ptr<mgpu::pipeline::Executor> pipeline;
+  if (pipelined) {
+    mgpu::pipeline::Schedule schedule = o.schedule == "layer-split"
+                                            ? mgpu::pipeline::layer_split(o.stages)
+                                            : mgpu::pipeline::make_schedule(o.schedule, o.stages, o.micro_batches, o.chunks);
+    if (o.schedule == "layer-split" && o.micro_batches != 1)
+      throw mgpu::Error(mgpu::Errc::invalid_argument, "--schedule layer-split with --micro-batches " +
+                                                          std::to_string(o.micro_batches) + " (expected 1: one batch through the stages in turn)");
+    std::int64_t const micro_rows = std::max<std::int64_t>(1, o.batch_size / (schedule.micro_batches * o.dp));
+    mgpu::pipeline::LayerProfile const costs = layer_costs(model, config, micro_rows);
+    mgpu::pipeline::Partition const plan = mgpu::pipeline::partition(
+        model, schedule, costs, mgpu::pipeline::stage_devices(group, schedule.devices), {.optimizer_states = 2});
+    mgpu::pipeline::ExecutorOptions options{.seed = o.seed,
+                                            .data_parallel = o.dp,
+                                            .compute = examples::precision(o.precision),
+                                            .clip_norm = o.clip,
+                                            .loss = std::make_shared<mgpu::nn::TokenCrossEntropy>(),
+                                            .timeline = timeline};
+    if (o.precision == "fp16") options.loss_scaler.emplace();
+    pipeline = std::make_unique<mgpu::pipeline::Executor>(
+        model, group, plan.cuts, std::move(schedule),
+        [&adamw](mgpu::nn::Sequential const& chunk) {
+          mgpu::optim::AdamWOptions options = adamw;
+          options.decay_ranges = chunk.matrix_ranges();
+          return std::make_unique<mgpu::optim::AdamW>(options);
+        },
+        std::move(options));
+    scatter_chunks(model, *pipeline, group, o.dp, config.vocab * config.n_embd);
+    FILE* const out = o.json ? stderr : stdout;
+    std::fprintf(out, "%s over %d stage(s) x %d replica(s), %d micro-batches (about %.3g sequences each); chunks cut by FLOPs:\n",
+                 pipeline->schedule().name.c_str(), o.stages, o.dp, pipeline->schedule().micro_batches,
+                 static_cast<double>(o.batch_size) / (pipeline->schedule().micro_batches * o.dp));
+    for (std::size_t c = 0; c + 1 < plan.cuts.size(); ++c) {
+      double flops = 0, bytes = 0;
+      for (std::size_t l = plan.cuts[c]; l < plan.cuts[c + 1]; ++l) flops += costs.seconds[l], bytes += costs.parameter_bytes[l];
+      std::fprintf(out, "  chunk %zu on device %d: layers [%zu, %zu), %.3g GFLOP per micro-batch, %.1f MiB of parameters\n", c,
+                   plan.device[c], plan.cuts[c], plan.cuts[c + 1], flops * 1e-9, bytes / (1 << 20));
+    }
+  }
+  // What evaluation, checkpoints and sampling read: the one model, replica 0 on rank 0, or the
+  // whole model gathered from the pipeline's chunks.
   mgpu::nn::Sequential& net = parallel ? parallel->replica(0) : model;
   mgpu::optim::Optimizer& net_optimizer = parallel ? parallel->optimizer(0) : optimizer;
   mgpu::Stream& net_stream = parallel ? group.stream(0) : stream;
   mgpu::nn::Context net_ctx{parallel ? group.allocator(0) : *allocator, net_stream};
-  Trainer trainer{net, net_optimizer, net_ctx, device, o.clip, std::nullopt, parallel.get()};
-  if (o.precision == "fp16" && !parallel) trainer.scaler.emplace();
+  Trainer trainer{net, net_optimizer, net_ctx, device, o.clip, std::nullopt, parallel.get(), pipeline.get(), timeline.get()};
+  if (o.precision == "fp16" && !parallel && !pipeline) trainer.scaler.emplace();
+  auto const gather = [&] {
+    if (pipeline) gather_chunks(*pipeline, model, stream);
+  };
+  // One checkpoint format for every layout: a run may resume on another one.
   auto const save = [&](mgpu::io::TrainingState const& at) {
     if (parallel)
       parallel->save(o.checkpoint, at);
+    else if (pipeline)
+      pipeline->save(o.checkpoint, at);
     else
       mgpu::io::save_training(o.checkpoint, model, optimizer, at, stream);
   };
 
   mgpu::io::TrainingState state{.data_seed = o.seed};
   if (o.resume && fs::exists(o.checkpoint)) {
-    state = parallel ? parallel->load(o.checkpoint) : mgpu::io::load_training(o.checkpoint, model, optimizer, *allocator, stream);
+    state = parallel   ? parallel->load(o.checkpoint)
+            : pipeline ? pipeline->load(o.checkpoint)
+                       : mgpu::io::load_training(o.checkpoint, model, optimizer, *allocator, stream);
     std::fprintf(log, "resumed from %s at step %lld\n", o.checkpoint.c_str(), static_cast<long long>(state.step));
   }
   mgpu::data::TokenLoader train_loader(splits.train, o.vocab,
@@ -288,7 +418,10 @@ int run(Options o) {
                                            {.batch = o.batch_size, .block = o.block_size, .sequential = true});
   train_loader.seek(state.step);
   std::int64_t const eval_windows = o.eval_iters * o.batch_size;
-  auto const evaluate = [&] { return mgpu::data::evaluate_lm(net, val_loader, eval_windows, net_ctx); };
+  auto const evaluate = [&] {
+    gather();
+    return mgpu::data::evaluate_lm(net, val_loader, eval_windows, net_ctx);
+  };
 
   std::fprintf(log,
                "mgpu %s: GPT of %lld parameters (n_layer %lld, n_head %lld, n_embd %lld, block %lld, vocab %lld) on %s "
@@ -322,6 +455,7 @@ int run(Options o) {
     std::int64_t const last = o.until_step > 0 ? std::min(o.until_step, o.iters) : o.iters;
     for (std::int64_t it = state.step; it < last; ++it) {
       auto const start = Clock::now();
+      if (timeline && it + 1 == last) timeline->enable(true);
       mgpu::data::TokenBatch const batch = train_loader.next(*host);  // host ids, copied by train_step if needed
       StepLoss const loss = trainer.train_step(batch, lr_at(o, it) / o.lr);
       bool const report = (it + 1) % log_every == 0 || it + 1 == last;
@@ -360,7 +494,13 @@ int run(Options o) {
     }
     if (!o.checkpoint.empty()) save(state);
     if (std::isnan(val_loss)) val_loss = evaluate();
+    if (timeline) {
+      timeline->enable(false);
+      timeline->write_chrome_trace(o.trace);
+      std::fprintf(log, "timeline of the last step: %s\n", o.trace.c_str());
+    }
   }
+  gather();
 
   if (!o.save_llmc.empty()) {
     mgpu::io::write_llmc_model(o.save_llmc, config, host_parameters(net, net_stream));
@@ -400,18 +540,21 @@ int run(Options o) {
   double const tokens_per_s =
       train_seconds > 0 ? static_cast<double>(trained_steps * o.batch_size * o.block_size) / train_seconds : 0.0;
   std::string devices, peaks;
-  for (int r = 0; r < (parallel ? static_cast<int>(group.size()) : 1); ++r) {
-    mgpu::Allocator const& a = parallel ? group.allocator(r) : *allocator;
-    devices += std::string(r ? ", " : "") + "\"" + (parallel ? group.device(r) : device).to_string() + "\"";
+  bool const several = parallel || pipeline;
+  for (int r = 0; r < (several ? static_cast<int>(group.size()) : 1); ++r) {
+    mgpu::Allocator const& a = several ? group.allocator(r) : *allocator;
+    devices += std::string(r ? ", " : "") + "\"" + (several ? group.device(r) : device).to_string() + "\"";
     peaks += (r ? ", " : "") + std::to_string(a.stats().peak_allocated);
   }
   if (o.json) {
     std::printf(
         "{\"tokens_per_s\": %.6g, \"train_loss\": %.6g, \"val_loss\": %.6g, \"params\": %lld, \"devices\": [%s], "
-        "\"iters\": %lld, \"peak_bytes\": [%s], \"precision\": \"%s\", \"eval_windows\": %lld}\n",
+        "\"iters\": %lld, \"peak_bytes\": [%s], \"precision\": \"%s\", \"eval_windows\": %lld, \"schedule\": \"%s\", "
+        "\"stages\": %d, \"micro_batches\": %d, \"dp\": %d}\n",
         tokens_per_s, std::isnan(train_loss) ? -1.0 : train_loss, val_loss, static_cast<long long>(net.parameter_count()),
         devices.c_str(), static_cast<long long>(state.step), peaks.c_str(), o.precision.c_str(),
-        static_cast<long long>(eval_windows));
+        static_cast<long long>(eval_windows), pipeline ? pipeline->schedule().name.c_str() : parallel ? "data-parallel" : "none",
+        pipeline ? o.stages : 1, pipeline ? pipeline->schedule().micro_batches : 1, parallel ? static_cast<int>(group.size()) : o.dp);
   } else {
     std::printf("final: train loss %.4f, val loss %.4f, %.0f tokens/s on %s\n", train_loss, val_loss, tokens_per_s,
                 o.devices.c_str());
@@ -461,16 +604,24 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--log-every", o.log_every, "steps between progress lines (default: iters / 20)")
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--devices", o.devices, "the devices to train on: one, or several for data parallelism (host:2, cuda:0,1)")
-      ->capture_default_str();
-  app.add_option("--schedule", o.schedule, "pipeline schedule (refused here: pipeline::Executor in the library)");
-  app.add_option("--stages", o.stages, "pipeline stages (1 here)")
+  app.add_option("--devices", o.devices,
+                 "the devices: one, several for data parallelism, stages x dp for a pipeline (host:2, cuda:0,1; "
+                 "default host:(stages x dp))");
+  app.add_option("--schedule", o.schedule, "pipeline schedule: layer-split | gpipe | 1f1b | interleaved | zb")
+      ->check(CLI::IsMember({"layer-split", "gpipe", "1f1b", "interleaved", "zb"}));
+  app.add_option("--stages", o.stages, "pipeline stages (devices per pipeline; > 1 without --schedule: 1f1b)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--micro-batches", o.micro_batches, "micro-batches per step (1 here)")
+  app.add_option("--micro-batches", o.micro_batches, "micro-batches per pipeline step")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--dp", o.dp, "data-parallel replicas: the number of --devices (1 counts as that too)")->check(CLI::PositiveNumber)->capture_default_str();
+  app.add_option("--chunks", o.chunks, "model chunks per device for --schedule interleaved")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--dp", o.dp, "data-parallel replicas (of the pipeline, with --schedule)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--trace", o.trace, "write the last step's timeline (Chrome/Perfetto JSON) here");
   app.add_option("--precision", o.precision, "fp32 | bf16 | fp16 (16-bit compute, float32 master weights)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
       ->capture_default_str();

@@ -16,16 +16,6 @@
 
 namespace mgpu::comm {
 
-std::string_view to_string(ReduceOp op) noexcept {
-  switch (op) {
-    case ReduceOp::sum: return "sum";
-    case ReduceOp::avg: return "avg";
-    case ReduceOp::min: return "min";
-    case ReduceOp::max: return "max";
-  }
-  return "unknown";
-}
-
 std::string_view to_string(Backend backend) noexcept {
   switch (backend) {
     case Backend::automatic: return "automatic";

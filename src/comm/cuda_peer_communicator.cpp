@@ -24,7 +24,7 @@
 #include <utility>
 #include <vector>
 
-#include <mgpu/comm/detail/reduce_slice.hpp>
+#include <mgpu/core/detail/reduce_slice.hpp>
 #include <mgpu/core/error.hpp>
 
 #include "comm/base.hpp"
@@ -107,9 +107,9 @@ class CudaPeerCommunicator final : public CommunicatorBase {
         channels_(devices_.size() * devices_.size()),
         meeting_(size(), *state()),
         done_meeting_(size(), *state()) {
-    if (size() > max_reduce_ranks)
+    if (size() > mgpu::detail::max_reduce_ranks)
       throw Error(Errc::invalid_argument, "a cuda_peer communicator over " + std::to_string(size()) +
-                                              " ranks (expected at most " + std::to_string(max_reduce_ranks) + ")");
+                                              " ranks (expected at most " + std::to_string(mgpu::detail::max_reduce_ranks) + ")");
     auto const peers = peer_access_matrix(devices_);
     for (Channel& ch : channels_) ch.word = mgpu::detail::cuda::host_word_create();
     for (int r = 0; r < size(); ++r) {

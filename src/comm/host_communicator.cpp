@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include <mgpu/comm/detail/reduce_slice.hpp>
+#include <mgpu/core/detail/reduce_slice.hpp>
 #include <mgpu/core/detail/elementwise.hpp>
 #include <mgpu/core/error.hpp>
 
@@ -221,7 +221,7 @@ class HostState {
         // Plain variables, not a structured binding: Clang before 16 cannot capture those.
         std::int64_t const begin = slice(me.count).first;
         std::int64_t const end = slice(me.count).second;
-        visit_reduce_op(me.op, [&]<ReduceOp O>(std::integral_constant<ReduceOp, O>) {
+        mgpu::detail::visit_reduce_op(me.op, [&]<ReduceOp O>(std::integral_constant<ReduceOp, O>) {
           std::vector<T const*> in(static_cast<std::size_t>(n_));
           for (int p = 0; p < n_; ++p) in[static_cast<std::size_t>(p)] = static_cast<T const*>(posted_[static_cast<std::size_t>(p)].send);
           std::vector<T*> out;
@@ -230,17 +230,17 @@ class HostState {
           } else {
             for (int p = 0; p < n_; ++p) out.push_back(static_cast<T*>(posted_[static_cast<std::size_t>(p)].recv));
           }
-          reduce_slice_host<T, O>({in, out}, begin, end);
+          mgpu::detail::reduce_slice_host<T, O>({in, out}, begin, end);
         });
         break;
       }
       case OpKind::reduce_scatter: {
-        visit_reduce_op(me.op, [&]<ReduceOp O>(std::integral_constant<ReduceOp, O>) {
+        mgpu::detail::visit_reduce_op(me.op, [&]<ReduceOp O>(std::integral_constant<ReduceOp, O>) {
           std::vector<T const*> in(static_cast<std::size_t>(n_));
           for (int p = 0; p < n_; ++p)
             in[static_cast<std::size_t>(p)] = static_cast<T const*>(posted_[static_cast<std::size_t>(p)].send) + rank * me.count;
           T* const out = static_cast<T*>(me.recv);
-          reduce_slice_host<T, O>({in, std::span<T* const>(&out, 1)}, 0, me.count);
+          mgpu::detail::reduce_slice_host<T, O>({in, std::span<T* const>(&out, 1)}, 0, me.count);
         });
         break;
       }

@@ -27,6 +27,7 @@
 
 #include <mgpu/comm/reduce_op.hpp>
 #include <mgpu/core/detail/elementwise.hpp>
+#include <mgpu/core/detail/reduce_slice.hpp>
 #include <mgpu/core/error.hpp>
 #include <mgpu/dist/dist.hpp>
 
@@ -241,11 +242,11 @@ void from_float(float const* in, Tensor const& t, std::int64_t begin, std::int64
 // the world's size (the processes' partials are sums).
 void combine_parts(comm::ReduceOp op, float const* parts, int count, std::int64_t stride, std::int64_t n,
                    int world_size, float* out) {
-  comm::visit_reduce_op(op, [&]<comm::ReduceOp O>(std::integral_constant<comm::ReduceOp, O>) {
+  mgpu::detail::visit_reduce_op(op, [&]<comm::ReduceOp O>(std::integral_constant<comm::ReduceOp, O>) {
     for (std::int64_t i = 0; i < n; ++i) {
       float acc = parts[i];
-      for (int p = 1; p < count; ++p) acc = comm::combine<O>(acc, parts[p * stride + i]);
-      out[i] = comm::finish<O>(acc, world_size);
+      for (int p = 1; p < count; ++p) acc = mgpu::detail::combine<O>(acc, parts[p * stride + i]);
+      out[i] = mgpu::detail::finish<O>(acc, world_size);
     }
   });
 }

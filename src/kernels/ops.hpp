@@ -1,7 +1,10 @@
-// Host-callable launchers of the training ops' kernels (src/kernels/ops.cu), used by the op files
-// of src/ops: the functors of mgpu/core/detail/training_math.hpp over a grid, deterministic
-// reductions, row-wise block kernels, and GEMM through cuBLAS. Each leaves the calling thread's
-// current device as it was.
+// Host-callable launchers of the training ops' kernels, used by the op files of src/ops: the
+// functors of mgpu/core/detail/training_math.hpp and transformer_math.hpp over a grid,
+// deterministic reductions and row-wise block kernels (`each` and `reduce`, defined in
+// src/kernels/op_support.cuh and instantiated per functor by the family's file: linear.cu,
+// activation.cu, layer_norm.cu, loss.cu, reductions.cu, updates.cu, transformer.cu), the label
+// check (loss.cu), and GEMM through cuBLAS (linear.cu). Each leaves the calling thread's current
+// device as it was.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +13,7 @@
 
 namespace mgpu::kernels {
 
-// op(i) for i in [0, n) on `stream` of GPU `ordinal`.
+// op(i) for i in [0, n) on `stream` of GPU `ordinal` (a row or column functor: its own kernel).
 template <class Op>
 void each(int ordinal, std::int64_t n, Op const& op, void* stream);
 

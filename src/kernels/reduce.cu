@@ -1,18 +1,17 @@
 // The reduction kernel of the CUDA peer backend (src/kernels/reduce.hpp): ReduceSlice
-// (mgpu/comm/detail/reduce_slice.hpp) over a grid, reading every rank's input through peer or
+// (mgpu/core/detail/reduce_slice.hpp) over a grid, reading every rank's input through peer or
 // same-GPU pointers.
 #include "kernels/reduce.hpp"
 
-#include <mgpu/comm/detail/reduce_slice.hpp>
 #include <mgpu/core/detail/elementwise.hpp>
+#include <mgpu/core/detail/reduce_slice.hpp>
 
 #include "kernels/elementwise.cuh"
 
 namespace mgpu::kernels {
 
 namespace {
-using comm::ReduceOp;
-using comm::detail::ReduceSlice;
+using mgpu::detail::ReduceSlice;
 
 template <Element T, ReduceOp O>
 struct OffsetReduce {
@@ -22,10 +21,10 @@ struct OffsetReduce {
 };
 }  // namespace
 
-void reduce_slice(DType dtype, comm::ReduceOp op, void const* const* inputs, int input_count, void* const* outputs,
+void reduce_slice(DType dtype, ReduceOp op, void const* const* inputs, int input_count, void* const* outputs,
                   int output_count, std::int64_t begin, std::int64_t end, void* stream) {
   mgpu::detail::visit_dtype(dtype, [&]<class T>(std::type_identity<T>) {
-    comm::visit_reduce_op(op, [&]<ReduceOp O>(std::integral_constant<ReduceOp, O>) {
+    mgpu::detail::visit_reduce_op(op, [&]<ReduceOp O>(std::integral_constant<ReduceOp, O>) {
       OffsetReduce<T, O> k{};
       k.slice.inputs = input_count;
       k.slice.outputs = output_count;

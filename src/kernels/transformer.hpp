@@ -1,17 +1,13 @@
 // Host-callable launchers of the transformer ops' kernels (src/kernels/transformer.cu), used by
-// src/ops/transformer.cpp: the functors of mgpu/ops/detail/transformer_math.hpp over a grid, the
-// token-id check, and stream-ordered scratch memory. Each leaves the calling thread's current
-// device as it was.
+// src/ops/transformer.cpp beside `each` (src/kernels/ops.hpp), which runs the functors of
+// mgpu/core/detail/transformer_math.hpp: the token-id check and stream-ordered scratch memory.
+// Each leaves the calling thread's current device as it was.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
 namespace mgpu::kernels {
-
-// op(i) for i in [0, n) on `stream` of GPU `ordinal` (instantiated for the transformer functors).
-template <class Op>
-void transformer_each(int ordinal, std::int64_t n, Op const& op, void* stream);
 
 // `bytes` of device memory usable by work enqueued on `stream` from now on, and its release after
 // that work (cudaMallocAsync / cudaFreeAsync).

@@ -78,15 +78,7 @@ std::vector<GptParameter> gpt_parameters(GptConfig const& config) {
 }
 
 std::vector<std::pair<std::int64_t, std::int64_t>> gpt_decay_ranges(GptConfig const& config) {
-  std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
-  for (GptParameter const& p : gpt_parameters(config)) {
-    if (p.shape.size() != 2) continue;
-    if (!ranges.empty() && ranges.back().second == p.offset)
-      ranges.back().second += p.numel();
-    else
-      ranges.emplace_back(p.offset, p.offset + p.numel());
-  }
-  return ranges;
+  return gpt(config).matrix_ranges();
 }
 
 void load_gpt_parameter(GptParameter const& p, std::span<float const> values, std::span<float> flat) {

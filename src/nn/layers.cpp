@@ -258,6 +258,18 @@ std::vector<ParameterRange> Sequential::parameter_ranges() const {
   return ranges;
 }
 
+std::vector<std::pair<std::int64_t, std::int64_t>> Sequential::matrix_ranges() const {
+  std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
+  for (ParameterRange const& r : parameter_ranges())
+    for (auto const& [begin, end] : layers_[r.layer]->matrix_ranges()) {
+      if (!ranges.empty() && ranges.back().second == r.begin + begin)
+        ranges.back().second = r.begin + end;
+      else
+        ranges.emplace_back(r.begin + begin, r.begin + end);
+    }
+  return ranges;
+}
+
 void Sequential::bind_layers(Tensor const& params, Tensor const& grads) {
   for (ParameterRange const& r : parameter_ranges()) layers_[r.layer]->bind(params.slice(r.begin, r.end), grads.slice(r.begin, r.end));
 }

@@ -145,6 +145,11 @@ std::string CausalSelfAttention::name() const {
   return "CausalSelfAttention(" + std::to_string(features_) + ", heads " + std::to_string(heads_) + ")";
 }
 
+std::vector<std::pair<std::int64_t, std::int64_t>> CausalSelfAttention::matrix_ranges() const {
+  std::int64_t const split = qkv_.parameter_count();
+  return {qkv_.matrix_ranges()[0], {split + proj_.matrix_ranges()[0].first, split + proj_.matrix_ranges()[0].second}};
+}
+
 void CausalSelfAttention::bind(Tensor const& params, Tensor const& grads) {
   std::int64_t const split = qkv_.parameter_count();
   std::int64_t const end = parameter_count();
@@ -291,6 +296,16 @@ std::int64_t TransformerBlock::parameter_count() const {
          proj_.parameter_count();
 }
 
+std::vector<std::pair<std::int64_t, std::int64_t>> TransformerBlock::matrix_ranges() const {
+  std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
+  std::int64_t offset = 0;
+  for (Layer const* layer : std::initializer_list<Layer const*>{&ln1_, &attn_, &ln2_, &fc_, &proj_}) {
+    for (auto const& [begin, end] : layer->matrix_ranges()) ranges.emplace_back(offset + begin, offset + end);
+    offset += layer->parameter_count();
+  }
+  return ranges;
+}
+
 void TransformerBlock::bind(Tensor const& params, Tensor const& grads) {
   std::int64_t offset = 0;
   for (Layer* layer : std::initializer_list<Layer*>{&ln1_, &attn_, &ln2_, &fc_, &proj_}) {
@@ -379,6 +394,11 @@ TiedLMHead::TiedLMHead(std::int64_t vocab, std::int64_t features) : vocab_(vocab
 
 std::string TiedLMHead::name() const {
   return "TiedLMHead(" + std::to_string(vocab_) + ", " + std::to_string(features_) + ")";
+}
+
+std::vector<std::pair<std::int64_t, std::int64_t>> TiedLMHead::matrix_ranges() const {
+  if (!holds_weight_) return {};
+  return {{0, vocab_ * features_}};
 }
 
 void TiedLMHead::bind(Tensor const& params, Tensor const& grads) {

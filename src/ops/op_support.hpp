@@ -1,21 +1,26 @@
 // What every op file of src/ops shares: argument checks, and the two drivers that run an element
-// functor of mgpu/core/detail/training_math.hpp on a stream (a loop on a host stream's worker, a kernel of
-// src/kernels/ops.cu on a CUDA stream). Internal: not installed.
+// functor of mgpu/core/detail/training_math.hpp on a stream (a loop on a host stream's worker, a
+// kernel of the family's file in src/kernels on a CUDA stream). Internal: not installed.
 //
 // Note [adding an op]
 // ~~~~~~~~~~~~~~~~~~~
-// An op is one family file in src/ops plus its element math:
+// An op belongs to a family, and a family has one file of each kind, under the same name: its host
+// side src/ops/<family>.cpp and its CUDA side src/kernels/<family>.cu (linear, activation,
+// layer_norm, loss, reductions, updates, transformer). Adding an op:
 //   1. its element math, as a __host__ __device__ functor in mgpu/core/detail/training_math.hpp (one
 //      definition that both the host loop and the CUDA kernel run, so the CPU tests cover it);
-//   2. its declaration, with a sentence on what it does, in mgpu/ops/ops.hpp;
-//   3. its definition in the family's file (linear.cpp, activation.cpp, layer_norm.cpp, loss.cpp,
-//      reductions.cpp, updates.cpp, or a new one added to CMakeLists.txt): the argument checks
-//      below, then run_each or run_reduce with the functor, which pick the host loop or the CUDA
-//      kernel by the stream's device and keep the tensors alive until the work has run;
-//   4. the functor's kernel instantiation in src/kernels/ops.cu (the `each`/`reduce` lists there);
-//      an op with a kernel of its own declares its launcher in src/kernels/ops.hpp.
-// An op that has a faster host path (Eigen, the host GEMM) branches on the stream's device in its
-// family file, beside the generic path, as add_bias and linear do.
+//   2. its declaration, with a sentence on what it does, in mgpu/ops/ops.hpp (the transformer
+//      family: mgpu/ops/transformer.hpp, with its math in mgpu/core/detail/transformer_math.hpp);
+//   3. its definition in src/ops/<family>.cpp: the argument checks below, then run_each or
+//      run_reduce with the functor, which pick the host loop or the CUDA kernel by the stream's
+//      device and keep the tensors alive until the work has run;
+//   4. in src/kernels/<family>.cu, the functor's `each` or `reduce` instantiation (the list at the
+//      end of the file): a grid over the functor, or a fixed-order sum of its terms
+//      (src/kernels/op_support.cuh). A row or column functor with a kernel of its own defines that
+//      kernel there and specializes `Launch` for the functor, as layer_norm.cu does.
+// A new family adds both files and names them in CMakeLists.txt (the .cu in the CUDA sources). An op
+// that has a faster host path (Eigen, the host GEMM) branches on the stream's device in its family
+// file, beside the generic path, as add_bias and linear do.
 #pragma once
 
 #include <algorithm>

@@ -1,5 +1,5 @@
 // The transformer ops (mgpu/ops/transformer.hpp): argument checks at the call, then the functors of
-// mgpu/ops/detail/transformer_math.hpp, run in a loop by one piece of work on a host stream's
+// mgpu/core/detail/transformer_math.hpp, run in a loop by one piece of work on a host stream's
 // worker, or launched as kernels (src/kernels/transformer.cu) on a CUDA stream. Every output is
 // summed in a fixed order, so results are bitwise reproducible.
 #include "kernels/transformer.hpp"
@@ -15,11 +15,12 @@
 
 #include <mgpu/config.hpp>
 #include <mgpu/core/detail/elementwise.hpp>
+#include <mgpu/core/detail/transformer_math.hpp>
 #include <mgpu/core/error.hpp>
-#include <mgpu/ops/detail/transformer_math.hpp>
 #include <mgpu/ops/transformer.hpp>
 
 #include "core/backend.hpp"
+#include "kernels/ops.hpp"
 
 namespace mgpu::ops {
 namespace {
@@ -105,7 +106,7 @@ void run(Stream& stream, std::vector<Tensor> keep, std::size_t scratch_words, Bo
   void* const handle = stream.native_handle();
   mgpu::detail::ReleaseAfterOnExit const release(stream, keep);
   void* scratch = scratch_words > 0 ? kernels::scratch_allocate(ordinal, 4 * scratch_words, handle) : nullptr;
-  body([&](std::int64_t n, auto const& op) { kernels::transformer_each(ordinal, n, op, handle); }, scratch);
+  body([&](std::int64_t n, auto const& op) { kernels::each(ordinal, n, op, handle); }, scratch);
   if (scratch != nullptr) kernels::scratch_free(ordinal, scratch, handle);
 #else
   throw Error(Errc::device, "transformer ops on " + stream.device().to_string() + " (this build has no CUDA backend)");

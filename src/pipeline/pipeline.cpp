@@ -12,6 +12,8 @@
 #include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/ops.hpp>
 
+#include "pipeline/executor_impl.hpp"
+
 namespace mgpu::pipeline {
 
 Schedule layer_split(int devices) {
@@ -19,56 +21,6 @@ Schedule layer_split(int devices) {
   s.name = "layer-split";
   return s;
 }
-
-struct Executor::Impl {
-  DeviceGroup* group = nullptr;
-  Schedule schedule;
-  std::vector<std::size_t> cuts;
-  ExecutorOptions options;
-  int replicas = 1;
-  std::unique_ptr<comm::Communicator> comm;                     // every rank: the pipelines' transfers
-  std::vector<std::unique_ptr<comm::Communicator>> stage_comms;  // per device of a pipeline, over its replicas
-  std::vector<std::vector<nn::Sequential>> chunks;               // [replica][chunk]
-  std::vector<std::vector<std::unique_ptr<optim::Optimizer>>> optimizers;
-  double last_seconds = 0;
-  bool last_applied = true;
-  // A tied LM head in another chunk than its Embedding: wte is `elements` long at
-  // embedding_offset of chunk embedding_chunk, and its copy at head_offset of chunk head_chunk.
-  struct Tie {
-    int embedding_chunk = 0, head_chunk = 0;
-    std::int64_t embedding_offset = 0, head_offset = 0, elements = 0;
-  };
-  std::optional<Tie> tie;
-  std::vector<std::unique_ptr<comm::Communicator>> tie_comms;  // per replica, over its two devices (none when they are one)
-  // Sums wte and its copy (the master parameters, or the gradients) on the tie's devices of
-  // `rank`'s replica, leaving both equal; does nothing on other ranks.
-  void sum_tied(int rank, Stream& stream, bool parameters);
-
-  // One replica's batch for a step.
-  struct Step {
-    Tensor const* x;
-    Tensor const* labels;
-    std::int64_t units;  // the loss's divisor: the counted units of the whole batch
-    std::vector<std::int64_t> sizes, offsets;  // global rows of each micro-batch
-    std::vector<std::vector<Shape>> input_shapes;  // [chunk][micro-batch], and [chunks()] the logits
-    std::vector<Tensor> losses;                    // per micro-batch, on the last chunk's device
-    float loss_scale;                              // multiplies the loss gradient
-  };
-  // Tensors moving between one device's actions, slot chunk * micro_batches + micro-batch; each is
-  // touched by that device's thread only and kept across steps, so a step allocates no containers.
-  struct DeviceState {
-    std::vector<Tensor> act_in, act_out, grad_in, grad_out;
-    std::vector<std::vector<std::uint64_t>> rng_start, rng_after;  // per chunk
-    std::vector<bool> ran_forward;                                 // per chunk, this step
-    Event compute_done;  // recorded after a compute action that a forward follows
-  };
-  std::vector<DeviceState> devices;  // per rank
-  void run_device(int rank, Stream& stream, Step& step);
-  // Chunk c of the replica that `rank` belongs to.
-  nn::Sequential& chunk_of(int rank, int c) {
-    return chunks[static_cast<std::size_t>(rank / schedule.devices)][static_cast<std::size_t>(c)];
-  }
-};
 
 namespace {
 Tensor take(std::vector<Tensor>& slots, int chunk, int micro_batch, int micro_batches, char const* what) {
@@ -276,6 +228,13 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
 
 Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<std::size_t> cuts, Schedule schedule,
                    OptimizerFactory make_optimizer, ExecutorOptions options)
+    : Executor(model, group, std::move(cuts), std::move(schedule),
+               make_optimizer ? ChunkOptimizerFactory([make = std::move(make_optimizer)](nn::Sequential const&) { return make(); })
+                              : ChunkOptimizerFactory{},
+               std::move(options)) {}
+
+Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<std::size_t> cuts, Schedule schedule,
+                   ChunkOptimizerFactory make_optimizer, ExecutorOptions options)
     : impl_(std::make_unique<Impl>()) {
   validate(schedule);
   if (options.data_parallel < 1 || schedule.devices * options.data_parallel != group.size())
@@ -306,12 +265,14 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   m.cuts = std::move(cuts);
   m.options = std::move(options);
   m.replicas = m.options.data_parallel;
+  m.architecture = model.clone();
+  m.make_optimizer = make_optimizer;
   m.chunks.resize(static_cast<std::size_t>(m.replicas));
   m.optimizers.resize(static_cast<std::size_t>(m.replicas));
   for (int r = 0; r < m.replicas; ++r) {
     for (std::size_t c = 0; c < chunks; ++c) {
       m.chunks[static_cast<std::size_t>(r)].push_back(model.stage(m.cuts[c], m.cuts[c + 1]));
-      std::unique_ptr<optim::Optimizer> optimizer = make_optimizer();
+      std::unique_ptr<optim::Optimizer> optimizer = make_optimizer(m.chunks[static_cast<std::size_t>(r)].back());
       if (!optimizer)
         throw Error(Errc::invalid_argument, "the pipeline's optimizer factory returned no optimizer for chunk " + std::to_string(c) +
                                                 " of replica " + std::to_string(r) + " (expected a new optimizer from every call)");

@@ -3,8 +3,10 @@
 # split), a tiny model: the validation loss falls; a run resumed from its checkpoint ends with the
 # uninterrupted run's losses to the last printed digit; --save-llmc then --init-from --eval-only
 # gives the trained model's validation loss; --sample prints text; data parallel over host:2 and
-# host:3 (uneven shards of the 4 sequences) follows the one-device run's losses, and resumes;
-# bad flags fail with exit code 2 and a message. Usage: train_gpt_check.sh TRAIN_GPT TEXT_FILE DIR
+# host:3 (uneven shards of the 4 sequences) follows the one-device run's losses, and resumes; so
+# do the pipeline schedules (1F1B, interleaved, ZB-H1, GPipe, layer split) and a data x pipeline
+# grid, and resume (on their layout, and from a data-parallel checkpoint); --trace writes the last
+# step's timeline; bad flags fail with exit code 2 and a message. Usage: train_gpt_check.sh TRAIN_GPT TEXT_FILE DIR
 set -euo pipefail
 exe=$1
 text=$2
@@ -58,8 +60,46 @@ for key in train_loss val_loss; do
     fail "$key $(field $key "$dir/dp-resumed.json") after resuming on host:2 (expected $(field $key "$dir/dp2.json"))"
 done
 
-# Refused: pipeline flags (train_gpt trains data parallel), --dp other than the device count, a
-# damaged model file, more validation windows than the data holds.
+# Pipelined: the one-device losses within float32 rounding, every schedule and a 2 x 2 grid; the
+# plan names each chunk's layers; --trace writes the last step's actions of both devices.
+pipelines=("--schedule 1f1b --stages 2 --micro-batches 4" "--schedule interleaved --stages 2 --micro-batches 2"
+           "--schedule zb --stages 2 --micro-batches 2" "--schedule gpipe --stages 2 --micro-batches 3"
+           "--schedule layer-split --stages 2" "--stages 2 --micro-batches 2 --dp 2")
+for layout in "${pipelines[@]}"; do
+  read -r -a flags <<<"$layout"
+  "$exe" "${common[@]}" --iters 40 "${flags[@]}" > "$dir/pp.json" 2> "$dir/pp.log"
+  for key in train_loss val_loss; do
+    close "$(field $key "$dir/pp.json")" "$(field $key "$dir/full.json")" ||
+      fail "$key $(field $key "$dir/pp.json") with $layout (expected $(field $key "$dir/full.json") as on one device)"
+  done
+  grep -q "chunk 1 on device 1: layers \[" "$dir/pp.log" || fail "no plan printed with $layout: $(head -3 "$dir/pp.log")"
+done
+grep -q '"devices": \["host:0", "host:1", "host:2", "host:3"\]' "$dir/pp.json" || fail "devices of the grid: $(cat "$dir/pp.json")"
+# Resumed pipelined: bit for bit on its layout; from the data-parallel run's checkpoint (the same
+# format), within float32 rounding.
+pp=(--stages 2 --micro-batches 2)
+"$exe" "${common[@]}" --iters 40 "${pp[@]}" > "$dir/pp1.json" 2> /dev/null
+"$exe" "${common[@]}" --iters 40 "${pp[@]}" --until-step 25 --checkpoint "$dir/pp.ckpt" > /dev/null 2>&1
+"$exe" "${common[@]}" --iters 40 "${pp[@]}" --checkpoint "$dir/pp.ckpt" --resume > "$dir/pp-resumed.json" 2> /dev/null
+"$exe" "${common[@]}" --iters 40 --devices host:2 --until-step 25 --checkpoint "$dir/dp-to-pp.ckpt" > /dev/null 2>&1
+"$exe" "${common[@]}" --iters 40 "${pp[@]}" --checkpoint "$dir/dp-to-pp.ckpt" --resume > "$dir/dp-to-pp.json" 2> "$dir/dp-to-pp.log"
+grep -q "resumed from .* at step 25" "$dir/dp-to-pp.log" || fail "the pipeline did not resume the data-parallel run at step 25"
+for key in train_loss val_loss; do
+  [ "$(field $key "$dir/pp-resumed.json")" = "$(field $key "$dir/pp1.json")" ] ||
+    fail "$key $(field $key "$dir/pp-resumed.json") after resuming the pipeline (expected $(field $key "$dir/pp1.json"))"
+  close "$(field $key "$dir/dp-to-pp.json")" "$(field $key "$dir/full.json")" ||
+    fail "$key $(field $key "$dir/dp-to-pp.json") resumed pipelined from host:2 (expected $(field $key "$dir/full.json"))"
+done
+"$exe" "${common[@]}" --iters 3 --stages 2 --micro-batches 2 --trace "$dir/trace.json" > /dev/null 2>&1
+python3 - "$dir/trace.json" <<'EOF' || fail "the trace lacks a device's actions"
+import json, sys
+trace = json.load(open(sys.argv[1]))
+events = trace["traceEvents"] if isinstance(trace, dict) else trace
+sys.exit(0 if {e["pid"] for e in events if e.get("ph") == "X"} == {0, 1} else 1)
+EOF
+
+# Refused: micro-batches without a pipeline, a layout that does not match the devices, --dp
+# other than the device count, a damaged model file, more validation windows than the data holds.
 expect_error() {
   local message=$1
   shift
@@ -68,7 +108,8 @@ expect_error() {
   [ "$rc" -eq 2 ] || fail "exit code $rc for $* (expected 2)"
   grep -q -- "$message" "$dir/error.log" || fail "no '$message' in: $(cat "$dir/error.log")"
 }
-expect_error "--stages 2 (expected data parallelism only" "${common[@]}" --stages 2
+expect_error "--micro-batches 2 without a pipeline" "${common[@]}" --micro-batches 2
+expect_error "--devices host:3 has 3 devices (expected --stages x --dp = 4)" "${common[@]}" --stages 2 --dp 2 --devices host:3
 expect_error "--dp 3 with --devices host:2 (expected the number of devices, 2" "${common[@]}" --devices host:2 --dp 3
 head -c 2000 "$dir/model.bin" > "$dir/short.bin"
 expect_error "short.bin:byte 2000: truncated" "${common[@]}" --init-from "$dir/short.bin"

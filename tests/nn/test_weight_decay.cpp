@@ -1,5 +1,7 @@
 // AdamW parameter groups (decay_ranges) against two plain AdamW runs, one with the decay and one
-// without, and gpt_decay_ranges against gpt_parameters' shapes.
+// without, and gpt_decay_ranges (the layers' matrix_ranges) against gpt_parameters' shapes, for the
+// whole model and for its pipeline stages.
+#include <algorithm>
 #include <vector>
 
 #include <mgpu/nn/gpt.hpp>
@@ -63,4 +65,32 @@ TEST_CASE("gpt_decay_ranges cover exactly the 2-D parameters of gpt_parameters",
     CHECK(inside == (p.shape.size() == 2 ? p.numel() : 0));
   }
   CHECK(ranges.front() == std::pair<std::int64_t, std::int64_t>{0, (13 + 6) * 8});  // wte and wpe merged
+}
+
+TEST_CASE("a GPT stage's matrix ranges are the whole model's that fall into it, and its head's copy of wte",
+          "[nn][gpt][optim]") {
+  mgpu::nn::GptConfig const config{.vocab = 13, .block_size = 6, .n_layer = 2, .n_head = 2, .n_embd = 8};
+  mgpu::nn::Sequential const whole = mgpu::nn::gpt(config);
+  auto const want = mgpu::nn::gpt_decay_ranges(config);
+  auto const decayed = [&](std::int64_t i) {
+    return std::any_of(want.begin(), want.end(), [&](auto const& r) { return i >= r.first && i < r.second; });
+  };
+  for (std::vector<std::size_t> const& cuts : {std::vector<std::size_t>{0, 3, whole.size()},
+                                              std::vector<std::size_t>{0, 2, 3, 4, whole.size()}}) {
+    std::int64_t offset = 0;  // where the stage starts in the whole model's buffer
+    for (std::size_t c = 0; c + 1 < cuts.size(); ++c) {
+      mgpu::nn::Sequential const stage = whole.stage(cuts[c], cuts[c + 1]);
+      auto const ranges = stage.matrix_ranges();
+      bool const last = c + 2 == cuts.size();
+      std::int64_t const copy = last ? config.vocab * config.n_embd : 0;  // the head's copy of wte, at the end
+      INFO("stage " << c << " of " << cuts.size() - 1);
+      for (std::int64_t i = 0; i < stage.parameter_count(); ++i) {
+        bool const inside =
+            std::any_of(ranges.begin(), ranges.end(), [&](auto const& r) { return i >= r.first && i < r.second; });
+        CHECK(inside == (i >= stage.parameter_count() - copy ? true : decayed(offset + i)));
+      }
+      offset += stage.parameter_count() - copy;
+    }
+    CHECK(offset == whole.parameter_count());
+  }
 }

@@ -25,7 +25,6 @@ enum class Backend {
   cuda_peer,  ///< CUDA peer copies and reduction kernels (several logical devices on one GPU)
 };
 
-std::string_view to_string(ReduceOp op) noexcept;
 std::string_view to_string(Backend backend) noexcept;
 
 /// The environment variable that sets the default deadline, in seconds (e.g. "30" or "0.5").

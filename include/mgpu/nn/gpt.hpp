@@ -52,7 +52,8 @@ struct GptParameter {
 
 /// The [begin, end) ranges of the flat buffer holding gpt(config)'s 2-D parameters (wte, wpe and the
 /// Linear weights), adjacent ones merged: AdamW's decay_ranges for weight decay on those only, as
-/// nanoGPT and the PyTorch peer do (biases and LayerNorm parameters get none; the embeddings do).
+/// nanoGPT and the PyTorch peer do (biases and LayerNorm parameters get none; the embeddings do):
+/// gpt(config).matrix_ranges(). A pipeline stage's are its own Sequential::matrix_ranges().
 [[nodiscard]] std::vector<std::pair<std::int64_t, std::int64_t>> gpt_decay_ranges(GptConfig const& config);
 
 /// Writes `values`, laid out as PyTorch holds the parameter, into its place in `flat` (a model's

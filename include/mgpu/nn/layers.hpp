@@ -11,6 +11,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <mgpu/core/memory.hpp>
@@ -50,6 +51,10 @@ class Layer {
   virtual ~Layer() = default;
   [[nodiscard]] virtual std::string name() const = 0;
   [[nodiscard]] virtual std::int64_t parameter_count() const { return 0; }
+  /// The [begin, end) offsets, within this layer's parameters, of its weight matrices (its 2-D
+  /// parameters: Linear weights, embedding tables), in order: what weight decay applies to by the
+  /// usual convention (biases and normalization gains are not matrices). None by default.
+  [[nodiscard]] virtual std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const { return {}; }
   /// Gives the layer its views of the flat parameter and gradient buffers (parameter_count() each).
   virtual void bind(Tensor const& /*params*/, Tensor const& /*grads*/) {}
   /// Called by Sequential::materialize once every layer of `model` is bound, for a layer that uses
@@ -93,6 +98,7 @@ class Linear final : public Layer {
   Linear(std::int64_t in, std::int64_t out, Init init = Init::kaiming);
   std::string name() const override;
   std::int64_t parameter_count() const override { return in_ * out_ + out_; }
+  std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override { return {{0, in_ * out_}}; }
   void bind(Tensor const& params, Tensor const& grads) override;
   void initialize(std::mt19937_64& rng) override;
   Tensor forward(Tensor const& x, Context& ctx) override { return forward(x, ctx, ops::ActivationKind::identity); }
@@ -240,6 +246,10 @@ class Sequential {
   /// Each layer with parameters and its range in the flat buffers, in layer order (the one walk
   /// over parameter offsets: buckets, optimizer slices and checks use it).
   [[nodiscard]] std::vector<ParameterRange> parameter_ranges() const;
+  /// Every layer's matrix_ranges() as ranges of the flat buffers, adjacent ones merged: AdamW's
+  /// decay_ranges for weight decay on the weight matrices only. For a stage (see stage()), the
+  /// stage's own buffers; a stage's ranges are the whole model's that fall into it, shifted.
+  [[nodiscard]] std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const;
 
   /// Allocates the flat buffers on ctx's device and initialises every layer from `seed` and its index
   /// in the whole model (on the host, then copied), so every replica built with the same seed holds

@@ -36,6 +36,8 @@ class Embedding final : public Layer {
   Embedding(std::int64_t vocab, std::int64_t block_size, std::int64_t features, float init_std = 0.02f);
   std::string name() const override;
   std::int64_t parameter_count() const override { return (vocab_ + block_size_) * features_; }
+  /// wte and wpe (adjacent: one range).
+  std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override { return {{0, parameter_count()}}; }
   void bind(Tensor const& params, Tensor const& grads) override;
   void initialize(std::mt19937_64& rng) override;
   Tensor forward(Tensor const& ids, Context& ctx) override;
@@ -79,6 +81,7 @@ class CausalSelfAttention final : public Layer {
   CausalSelfAttention(std::int64_t features, std::int64_t heads, float dropout = 0.0f, float proj_init_std = 0.02f);
   std::string name() const override;
   std::int64_t parameter_count() const override { return qkv_.parameter_count() + proj_.parameter_count(); }
+  std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override;
   void bind(Tensor const& params, Tensor const& grads) override;
   void initialize(std::mt19937_64& rng) override;
   void set_training(bool training) override { training_ = training; }
@@ -127,6 +130,7 @@ class TransformerBlock final : public Layer {
   TransformerBlock(std::int64_t features, std::int64_t heads, float dropout = 0.0f, float proj_init_std = 0.02f);
   std::string name() const override;
   std::int64_t parameter_count() const override;
+  std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override;
   void bind(Tensor const& params, Tensor const& grads) override;
   void initialize(std::mt19937_64& rng) override;
   void set_training(bool training) override;
@@ -173,6 +177,8 @@ class TiedLMHead final : public Layer {
   std::string name() const override;
   /// V C with its own copy of wte, else 0.
   std::int64_t parameter_count() const override { return holds_weight_ ? vocab_ * features_ : 0; }
+  /// Its copy of wte, when it holds one (decayed as wte is, so the two stay equal).
+  std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override;
   void bind(Tensor const& params, Tensor const& grads) override;
   /// The copy of wte starts at zero (the pipeline executor adds the first stage's wte to it).
   void initialize(std::mt19937_64& rng) override;

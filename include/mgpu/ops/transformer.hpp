@@ -5,7 +5,7 @@
 // checked by the enqueued work, which fails the stream with Error(invalid_argument) naming the id
 // and its position. Activations may be float32, bfloat16 or float16 (math in float32).
 //
-// Host and CUDA run the same element code (mgpu/ops/detail/transformer_math.hpp): on a GPU one
+// Host and CUDA run the same element code (mgpu/core/detail/transformer_math.hpp): on a GPU one
 // thread per output element or attention row, each summing in a fixed order (simple kernels, not
 // tuned: no shared-memory tiling or tensor cores yet). Attention on a host stream instead works on
 // 64 x 64 tiles of queries and keys through GEMMs (src/ops/transformer.cpp), with the same online

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -15,6 +16,7 @@
 #include <mgpu/comm/communicator.hpp>
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/core/tensor.hpp>
+#include <mgpu/io/checkpoint.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
 #include <mgpu/optim/optim.hpp>
@@ -138,6 +140,9 @@ struct ExecutorOptions {
 
 /// Makes one optimizer (each chunk gets its own, for its own parameters).
 using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>()>;
+/// Makes the optimizer of one chunk, given the chunk (its layers and flat buffers' layout, e.g.
+/// AdamW's decay_ranges = chunk.matrix_ranges() for weight decay on its weight matrices only).
+using ChunkOptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(nn::Sequential const& chunk)>;
 
 /// Runs a schedule over a DeviceGroup: chunk c of the model on rank c % devices (of each replica,
 /// see ExecutorOptions::data_parallel). A GPT's LM head tied to its token embedding may sit in
@@ -164,6 +169,9 @@ class Executor {
   /// `make_optimizer` or one that returns no optimizer.
   Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<std::size_t> cuts, Schedule schedule,
            OptimizerFactory make_optimizer, ExecutorOptions options = {});
+  /// As above, with an optimizer made for each chunk from the chunk.
+  Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<std::size_t> cuts, Schedule schedule,
+           ChunkOptimizerFactory make_optimizer, ExecutorOptions options = {});
   ~Executor();
   Executor(Executor const&) = delete;
   Executor& operator=(Executor const&) = delete;
@@ -183,6 +191,18 @@ class Executor {
   /// Returns once every chunk is updated (it synchronizes the group's streams). Throws
   /// Error(invalid_argument) for an lr_scale that is not finite and >= 0.
   float step(Tensor const& x, Tensor const& labels, float lr_scale = 1.0f);
+  /// Saves the model as one device holds it, in io::save_training's format, from replica 0 (the
+  /// replicas are equal): the chunks' float32 master parameters in layer order (a tied LM head's
+  /// copy of wte left out: it equals wte), every chunk's optimizer state in the same order and the
+  /// optimizers' step count, every layer's RNG state, `state`, and the loss scaler's state. The
+  /// file loads into an executor of the same model on any schedule, cuts, devices or replicas, into
+  /// a parallel::DataParallel, or into one model (io::load_training). Written atomically.
+  void save(std::filesystem::path const& path, io::TrainingState const& state = {});
+  /// Loads a file of save(), DataParallel::save() or io::save_training() into every replica's
+  /// chunks and optimizers (a tied head's copy of wte from wte), and the loss scaler's state when
+  /// the file has one. Everything is verified first (file, architecture, optimizer kind): on an
+  /// error the executor is unchanged and the Error names the mismatch.
+  io::TrainingState load(std::filesystem::path const& path);
   /// Whether the last step() updated the parameters.
   [[nodiscard]] bool last_step_applied() const noexcept;
   /// The loss scaler (nullptr without one).

@@ -1,5 +1,6 @@
 // Element math of the training ops (mgpu::ops) as __host__ __device__ functors, written once: the
-// host drives them with a loop on a stream's worker, src/kernels/ops.cu with a CUDA grid. It sits
+// host drives them with a loop on a stream's worker, the op family's file in src/kernels (linear.cu,
+// activation.cu, ...) with a CUDA grid. It sits
 // in core, below ops and src/kernels, which both use it. Two driver shapes:
 //   each:   op(i) for i in [0, n)                       (element, row and column operations);
 //   reduce: out = scale * sum over i of op(i)           (losses, norms, the non-finite count).

@@ -12,7 +12,7 @@
 #include <mgpu/core/host_device.hpp>
 #include <mgpu/core/detail/training_math.hpp>
 
-namespace mgpu::ops::detail {
+namespace mgpu::detail {
 
 /// Keys per tile of the attention forward: one rescale of the running sums per tile.
 inline constexpr std::int64_t attention_key_tile = 32;
@@ -293,4 +293,4 @@ struct RowLossSum {
   }
 };
 
-}  // namespace mgpu::ops::detail
+}  // namespace mgpu::detail

@@ -1,18 +1,55 @@
 // The reduction at the heart of the shared-memory all-reduce: elements [begin, end) of every rank's
 // input, combined in rank order, written to every rank's output. Each input is read once and each
 // output written once. The CUDA kernel runs the per-element operator on a grid over a bounded
-// pointer array; the host runs the same math in vectorized loops over any number of ranks.
+// pointer array; the host runs the same math in vectorized loops over any number of ranks. The
+// element math of mgpu::ReduceOp, in core so that comm's host backend
+// (src/comm/host_communicator.cpp) and the CUDA kernel (src/kernels/reduce.cu) share it.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <span>
+#include <type_traits>
 
-#include <mgpu/comm/reduce_op.hpp>
 #include <mgpu/core/dtype.hpp>
 #include <mgpu/core/host_device.hpp>
+#include <mgpu/core/reduce_op.hpp>
 
-namespace mgpu::comm::detail {
+namespace mgpu::detail {
+
+/// a combined with b under O.
+template <ReduceOp O>
+MGPU_HD inline float combine(float a, float b) {
+  if constexpr (O == ReduceOp::min) {
+    return b < a ? b : a;
+  } else if constexpr (O == ReduceOp::max) {
+    return b > a ? b : a;
+  } else {
+    return a + b;
+  }
+}
+
+/// The combined value of `ranks` inputs as the operation's result (avg divides by the count).
+template <ReduceOp O>
+MGPU_HD inline float finish(float combined, int ranks) {
+  if constexpr (O == ReduceOp::avg) {
+    return combined / static_cast<float>(ranks);
+  } else {
+    return combined;
+  }
+}
+
+/// Calls fn(std::integral_constant<ReduceOp, O>{}) for the runtime value `op`.
+template <class Fn>
+decltype(auto) visit_reduce_op(ReduceOp op, Fn&& fn) {
+  switch (op) {
+    case ReduceOp::avg: return fn(std::integral_constant<ReduceOp, ReduceOp::avg>{});
+    case ReduceOp::min: return fn(std::integral_constant<ReduceOp, ReduceOp::min>{});
+    case ReduceOp::max: return fn(std::integral_constant<ReduceOp, ReduceOp::max>{});
+    case ReduceOp::sum: break;
+  }
+  return fn(std::integral_constant<ReduceOp, ReduceOp::sum>{});
+}
 
 /// The most ranks one CUDA reduction kernel reads (the size of its pointer arrays); the host form
 /// has no such bound.
@@ -111,4 +148,4 @@ void reduce_slice_host(HostReduceOperands<T> const& r, std::int64_t begin, std::
   if (!done) host::blocked<T, O>(r, begin, end);
 }
 
-}  // namespace mgpu::comm::detail
+}  // namespace mgpu::detail

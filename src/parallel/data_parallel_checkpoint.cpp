@@ -1,0 +1,171 @@
+// DataParallel's checkpoints: the executor's own records (the position in the accumulation cycle,
+// each rank's accumulated gradients, the loss scaler, the comm hook's state) beside those of
+// io::training_checkpoint, verified on load against this executor and restored on any rank count.
+#include <mgpu/parallel/data_parallel.hpp>
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include <mgpu/core/error.hpp>
+#include <mgpu/io/checkpoint.hpp>
+
+#include "core/backend.hpp"
+#include "parallel/data_parallel_impl.hpp"
+
+namespace mgpu::parallel {
+
+namespace {
+constexpr char const* accumulation_record = "data_parallel.accumulation";
+constexpr char const* accumulator_record = "data_parallel.accumulator";
+constexpr char const* scaler_record = "data_parallel.loss_scaler";
+constexpr char const* hook_record = "data_parallel.comm_hook";
+constexpr char const* hook_state_record = "data_parallel.comm_hook.state";
+
+// A float32 [ranks, parameters] record as one flat host tensor.
+Tensor host_copy(io::Record const& record) {
+  Tensor t = Tensor::empty({static_cast<std::int64_t>(record.data.size() / sizeof(float))}, DType::float32, mgpu::detail::host_staging_allocator());
+  if (!record.data.empty()) std::memcpy(t.data(), record.data.data(), record.data.size());
+  return t;
+}
+}  // namespace
+
+void DataParallel::Impl::save_state(io::Checkpoint& checkpoint) {
+  int const k = options.accumulation_steps;
+  std::int64_t const position = micro_steps % k;
+  checkpoint.put(accumulation_record, std::vector<std::int64_t>{k, position});
+  auto const n = static_cast<std::int64_t>(state.size());
+  std::int64_t const count = state[0]->model.parameter_count();
+  Allocator& host = mgpu::detail::host_staging_allocator();
+  if (position > 0) {  // each rank's share of the accumulated gradients
+    Tensor const rows = Tensor::empty({n * count}, DType::float32, host);
+    for (std::int64_t r = 0; r < n; ++r)
+      copy_async(rows.slice(r * count, (r + 1) * count), state[static_cast<std::size_t>(r)]->accumulator, group->stream(static_cast<int>(r)));
+    group->synchronize();
+    checkpoint.put(accumulator_record, rows.reshape({n, count}), group->stream(0));
+  }
+  if (auto const& scaler = state[0]->scaler) {
+    auto const s = scaler->state();
+    checkpoint.put(scaler_record, std::vector<std::int64_t>{std::bit_cast<std::int32_t>(s.scale), s.good_steps, s.skipped});
+  }
+  if (CommHook* hook = options.comm_hook.get()) {
+    Tensor const rows = Tensor::empty({n * count}, DType::float32, host);
+    std::fill(rows.host_span<float>().begin(), rows.host_span<float>().end(), 0.0f);
+    if (sync->copy_hook_state(rows)) {
+      group->synchronize();
+      checkpoint.put(hook_record, hook->name());
+      checkpoint.put(hook_state_record, rows.reshape({n, count}), group->stream(0));
+    }
+  }
+}
+
+DataParallel::Impl::Saved DataParallel::Impl::verify_state(io::Checkpoint const& c, std::string const& source) const {
+  Saved saved;
+  std::string const file = source + ": ";
+  int const k = options.accumulation_steps;
+  if (c.contains(accumulation_record)) {
+    auto const cycle = c.get_int64(accumulation_record);
+    if (cycle.size() != 2 || cycle[0] < 1 || cycle[1] < 0 || cycle[1] >= cycle[0])
+      throw Error(Errc::corrupt_data, file + "malformed " + accumulation_record + " record (expected the cycle's length and position in it)");
+    saved.position = cycle[1];
+    if (saved.position > 0 && cycle[0] != k)
+      throw Error(Errc::invalid_argument, file + "saved after " + std::to_string(saved.position) + " of " + std::to_string(cycle[0]) +
+                                              " accumulated micro-batches (expected accumulation_steps = " + std::to_string(cycle[0]) +
+                                              " to resume it, not " + std::to_string(k) + ", or a checkpoint saved at the end of a cycle)");
+  }
+  // Records sized by the model are checked only when its parameters fit: otherwise load_training
+  // refuses the file and names the architecture.
+  std::int64_t const count = state[0]->model.parameter_count();
+  if (!c.contains("model.parameters") || c.get("model.parameters").shape != Shape{count}) return saved;
+  auto const rows = [&](char const* name) {
+    io::Record const& r = c.get(name);
+    if (r.type != io::RecordType::float32 || r.shape.size() != 2 || r.shape[0] < 1 || r.shape[1] != count)
+      throw Error(Errc::corrupt_data, file + "record '" + name + "' of shape " + to_string(r.shape) + " (expected float32 [ranks, " +
+                                          std::to_string(count) + "], a row of the model's parameters per rank that saved it)");
+    return host_copy(r);
+  };
+  if (saved.position > 0) saved.accumulator = rows(accumulator_record);
+  if (state[0]->scaler && c.contains(scaler_record)) {
+    auto const values = c.get_int64(scaler_record);
+    if (values.size() != 3 || values[0] < std::numeric_limits<std::int32_t>::min() || values[0] > std::numeric_limits<std::int32_t>::max())
+      throw Error(Errc::corrupt_data, file + "malformed " + scaler_record + " record (expected the scale's bits, good steps and skipped steps)");
+    saved.scaler = optim::LossScaler::State{std::bit_cast<float>(static_cast<std::int32_t>(values[0])), values[1], values[2]};
+    optim::LossScaler probe = *state[0]->scaler;
+    try {
+      probe.set_state(*saved.scaler);
+    } catch (Error const& e) {
+      throw Error(Errc::corrupt_data, file + std::string(e.message()));
+    }
+  }
+  if (options.comm_hook && c.contains(hook_state_record) && c.get_text(hook_record) == options.comm_hook->name())
+    saved.hook_state = rows(hook_state_record);
+  return saved;
+}
+
+void DataParallel::Impl::restore_state(Saved const& saved) {
+  auto const n = static_cast<std::int64_t>(state.size());
+  std::int64_t const count = state[0]->model.parameter_count();
+  Allocator& host = mgpu::detail::host_staging_allocator();
+  Tensor const zeros = Tensor::empty({count}, DType::float32, host);
+  std::fill(zeros.host_span<float>().begin(), zeros.host_span<float>().end(), 0.0f);
+  // Rank r's row of what `ranks` ranks saved: its own on as many ranks; on another count, rank 0
+  // takes the sum of the rows (what every rank would have added) and the others none.
+  auto const share = [&](Tensor const& all, std::int64_t r) {
+    std::int64_t const ranks = all.numel() / count;
+    if (ranks == n) return all.slice(r * count, (r + 1) * count);
+    if (r > 0) return zeros;
+    Tensor const sum = Tensor::empty({count}, DType::float32, host);
+    auto const in = all.host_span<float>();
+    auto const out = sum.host_span<float>();
+    for (std::int64_t i = 0; i < count; ++i) {
+      float total = 0;
+      for (std::int64_t row = 0; row < ranks; ++row) total += in[static_cast<std::size_t>(row * count + i)];
+      out[static_cast<std::size_t>(i)] = total;
+    }
+    return sum;
+  };
+  for (std::int64_t r = 0; r < n; ++r) {
+    Rank& st = *state[static_cast<std::size_t>(r)];
+    Stream& stream = group->stream(static_cast<int>(r));
+    if (st.accumulator.defined()) copy_async(st.accumulator, saved.position > 0 ? share(saved.accumulator, r) : zeros, stream);
+    st.scaler = options.loss_scaler;
+    if (st.scaler && saved.scaler) st.scaler->set_state(*saved.scaler);
+    if (options.comm_hook) sync->set_hook_state(static_cast<int>(r), saved.hook_state.defined() ? share(saved.hook_state, r) : zeros);
+  }
+  sync->synchronize();
+  group->synchronize();
+  micro_steps = saved.position;
+}
+
+void DataParallel::save(std::filesystem::path const& path, io::TrainingState const& state) {
+  Impl& im = *impl_;
+  im.check_usable("DataParallel::save");
+  im.sync->synchronize();
+  im.group->synchronize();
+  im.sync->gather_optimizer_state(im.optimizers());
+  io::Checkpoint checkpoint = io::training_checkpoint(im.state[0]->model, *im.state[0]->optimizer, state, im.group->stream(0));
+  im.save_state(checkpoint);
+  checkpoint.save(path);
+}
+
+io::TrainingState DataParallel::load(std::filesystem::path const& path) {
+  Impl& im = *impl_;
+  im.sync->synchronize();
+  im.group->synchronize();
+  io::Checkpoint const checkpoint = io::Checkpoint::load(path);
+  Impl::Saved const saved = im.verify_state(checkpoint, path.string());
+  io::TrainingState state;
+  for (std::size_t r = 0; r < im.state.size(); ++r) {
+    int const rank = static_cast<int>(r);
+    state = io::load_training(checkpoint, path.string(), im.state[r]->model, *im.state[r]->optimizer, im.group->allocator(rank),
+                              im.group->stream(rank));
+  }
+  im.restore_state(saved);
+  im.broken.clear();
+  im.sync->forget_scattered_state();  // every rank loaded the whole state
+  return state;
+}
+
+}  // namespace mgpu::parallel

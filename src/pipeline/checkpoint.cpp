@@ -1,0 +1,157 @@
+// The pipeline executor's checkpoints: the whole model as one device holds it (io::save_training's
+// format), assembled from the chunks of replica 0 and spread back over every replica's chunks.
+#include <mgpu/io/checkpoint.hpp>
+#include <mgpu/pipeline/pipeline.hpp>
+
+#include <bit>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <mgpu/core/error.hpp>
+#include <mgpu/core/memory.hpp>
+
+#include "pipeline/executor_impl.hpp"
+
+namespace mgpu::pipeline {
+
+namespace {
+
+constexpr char const* scaler_record = "pipeline.loss_scaler";
+
+// The whole model, materialized in float32 host memory, and an optimizer of the chunks' kind for it.
+struct Whole {
+  std::shared_ptr<Allocator> allocator = Allocator::create(Device{DeviceKind::host, 0});
+  Stream stream{Device{DeviceKind::host, 0}};
+  nn::Sequential model;
+  std::unique_ptr<optim::Optimizer> optimizer;
+
+  Whole(nn::Sequential const& architecture, ChunkOptimizerFactory const& make, std::uint64_t seed)
+      : model(architecture.clone()) {
+    nn::Context ctx{*allocator, stream};
+    model.materialize(ctx, seed);
+    stream.synchronize();  // the group's streams write into it next
+    optimizer = make(model);
+    if (!optimizer)
+      throw Error(Errc::invalid_argument, "the pipeline's optimizer factory returned no optimizer for the whole model "
+                                          "(expected a new optimizer from every call: checkpoints make one)");
+  }
+};
+
+}  // namespace
+
+std::vector<Executor::Impl::Span> Executor::Impl::whole_spans() const {
+  std::vector<Span> out;
+  std::int64_t offset = 0;
+  for (int c = 0; c < schedule.chunks(); ++c) {
+    std::int64_t count = chunks[0][static_cast<std::size_t>(c)].parameter_count();
+    if (tie && c == tie->head_chunk) count -= tie->elements;
+    out.push_back({offset, count});
+    offset += count;
+  }
+  return out;
+}
+
+void Executor::save(std::filesystem::path const& path, io::TrainingState const& state) {
+  Impl& m = *impl_;
+  m.group->synchronize();
+  Whole whole(m.architecture, m.make_optimizer, m.options.seed);
+  std::vector<Impl::Span> const at = m.whole_spans();
+  std::vector<optim::NamedTensor> const first_state = m.optimizers[0][0]->state();
+  std::vector<optim::NamedTensor> state_of_whole;
+  if (!first_state.empty()) {
+    state_of_whole = whole.optimizer->prepare_state(whole.model.master_parameters(), *whole.allocator, whole.stream);
+    whole.stream.synchronize();  // zeroed before the chunks' streams copy into it
+  }
+  std::vector<std::uint64_t> rng;
+  for (int c = 0; c < m.schedule.chunks(); ++c) {
+    auto const index = static_cast<std::size_t>(c);
+    nn::Sequential const& chunk = m.chunks[0][index];
+    Stream& stream = m.group->stream(m.schedule.device_of(c));
+    Impl::Span const s = at[index];
+    copy_async(whole.model.master_parameters().slice(s.offset, s.offset + s.count), chunk.master_parameters().slice(0, s.count), stream);
+    std::vector<optim::NamedTensor> const mine = m.optimizers[0][index]->state();
+    if (mine.size() != state_of_whole.size())
+      throw Error(Errc::invalid_argument, "pipeline chunk " + std::to_string(c) + "'s optimizer has " + std::to_string(mine.size()) +
+                                              " state buffers (expected " + std::to_string(state_of_whole.size()) +
+                                              " as the whole model's optimizer of the same factory)");
+    for (std::size_t i = 0; i < mine.size(); ++i)
+      copy_async(state_of_whole[i].second.slice(s.offset, s.offset + s.count), mine[i].second.slice(0, s.count), stream);
+    std::vector<std::uint64_t> const part = chunk.rng_state();
+    rng.insert(rng.end(), part.begin(), part.end());
+  }
+  m.group->synchronize();
+  whole.model.set_rng_state(rng);
+  whole.optimizer->set_steps(m.optimizers[0][0]->steps());
+  io::Checkpoint checkpoint = io::training_checkpoint(whole.model, *whole.optimizer, state, whole.stream);
+  if (auto const& scaler = m.options.loss_scaler) {
+    auto const s = scaler->state();
+    checkpoint.put(scaler_record, std::vector<std::int64_t>{std::bit_cast<std::int32_t>(s.scale), s.good_steps, s.skipped});
+  }
+  checkpoint.save(path);
+}
+
+io::TrainingState Executor::load(std::filesystem::path const& path) {
+  Impl& m = *impl_;
+  m.group->synchronize();
+  io::Checkpoint const checkpoint = io::Checkpoint::load(path);
+  std::string const file = path.string() + ": ";
+  std::optional<optim::LossScaler::State> scaler;
+  if (m.options.loss_scaler && checkpoint.contains(scaler_record)) {
+    auto const values = checkpoint.get_int64(scaler_record);
+    if (values.size() != 3 || values[0] < std::numeric_limits<std::int32_t>::min() || values[0] > std::numeric_limits<std::int32_t>::max())
+      throw Error(Errc::corrupt_data, file + "malformed " + scaler_record + " record (expected the scale's bits, good steps and skipped steps)");
+    scaler = optim::LossScaler::State{std::bit_cast<float>(static_cast<std::int32_t>(values[0])), values[1], values[2]};
+    optim::LossScaler probe = *m.options.loss_scaler;
+    try {
+      probe.set_state(*scaler);
+    } catch (Error const& e) {
+      throw Error(Errc::corrupt_data, file + std::string(e.message()));
+    }
+  }
+  // Verified and loaded into the whole model first: the executor changes only once it succeeded.
+  Whole whole(m.architecture, m.make_optimizer, m.options.seed);
+  io::TrainingState const state =
+      io::load_training(checkpoint, path.string(), whole.model, *whole.optimizer, *whole.allocator, whole.stream);
+  std::vector<optim::NamedTensor> const loaded = whole.optimizer->state();  // empty: nothing saved, zeroed below
+  std::vector<Impl::Span> const at = m.whole_spans();
+  std::vector<std::uint64_t> const rng = whole.model.rng_state();
+  std::int64_t const wte = m.tie ? at[static_cast<std::size_t>(m.tie->embedding_chunk)].offset + m.tie->embedding_offset : 0;
+  for (int r = 0; r < m.replicas; ++r) {
+    std::size_t layer = 0;
+    for (int c = 0; c < m.schedule.chunks(); ++c) {
+      auto const index = static_cast<std::size_t>(c);
+      int const rank = r * m.schedule.devices + m.schedule.device_of(c);
+      nn::Sequential& chunk = m.chunks[static_cast<std::size_t>(r)][index];
+      optim::Optimizer& optimizer = *m.optimizers[static_cast<std::size_t>(r)][index];
+      Stream& stream = m.group->stream(rank);
+      Impl::Span const s = at[index];
+      std::int64_t const copy = chunk.parameter_count() - s.count;  // a tied head's copy of wte
+      auto const spread = [&](Tensor const& from, Tensor const& to) {
+        copy_async(to.slice(0, s.count), from.slice(s.offset, s.offset + s.count), stream);
+        if (copy > 0) copy_async(to.slice(s.count, s.count + copy), from.slice(wte, wte + copy), stream);
+      };
+      spread(whole.model.master_parameters(), chunk.master_parameters());
+      chunk.sync_parameters(stream);
+      std::vector<optim::NamedTensor> const mine =
+          loaded.empty() ? optimizer.state() : optimizer.prepare_state(chunk.master_parameters(), m.group->allocator(rank), stream);
+      for (std::size_t i = 0; i < mine.size(); ++i) {
+        if (loaded.empty())
+          fill_async(mine[i].second, 0.0f, stream);
+        else
+          spread(loaded[i].second, mine[i].second);
+      }
+      optimizer.set_steps(whole.optimizer->steps());
+      chunk.set_rng_state({rng.begin() + static_cast<std::ptrdiff_t>(layer), rng.begin() + static_cast<std::ptrdiff_t>(layer + chunk.size())});
+      layer += chunk.size();
+    }
+  }
+  if (scaler) m.options.loss_scaler->set_state(*scaler);
+  m.group->synchronize();
+  return state;
+}
+
+}  // namespace mgpu::pipeline

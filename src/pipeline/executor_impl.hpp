@@ -1,0 +1,75 @@
+// The pipeline executor's state, shared by its run (pipeline.cpp) and its checkpoints
+// (checkpoint.cpp).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include <mgpu/comm/communicator.hpp>
+#include <mgpu/core/stream.hpp>
+#include <mgpu/core/tensor.hpp>
+#include <mgpu/pipeline/pipeline.hpp>
+
+namespace mgpu::pipeline {
+
+struct Executor::Impl {
+  DeviceGroup* group = nullptr;
+  Schedule schedule;
+  std::vector<std::size_t> cuts;
+  ExecutorOptions options;
+  int replicas = 1;
+  std::unique_ptr<comm::Communicator> comm;                     // every rank: the pipelines' transfers
+  std::vector<std::unique_ptr<comm::Communicator>> stage_comms;  // per device of a pipeline, over its replicas
+  std::vector<std::vector<nn::Sequential>> chunks;               // [replica][chunk]
+  std::vector<std::vector<std::unique_ptr<optim::Optimizer>>> optimizers;
+  nn::Sequential architecture;  // the whole model's layers, unmaterialized (checkpoints build it)
+  ChunkOptimizerFactory make_optimizer;
+  double last_seconds = 0;
+  bool last_applied = true;
+  // A tied LM head in another chunk than its Embedding: wte is `elements` long at
+  // embedding_offset of chunk embedding_chunk, and its copy at head_offset of chunk head_chunk.
+  struct Tie {
+    int embedding_chunk = 0, head_chunk = 0;
+    std::int64_t embedding_offset = 0, head_offset = 0, elements = 0;
+  };
+  std::optional<Tie> tie;
+  // Where each chunk's parameters sit in the whole model: the chunk's first `count` elements are
+  // the whole model's [offset, offset + count); a tied head's copy of wte follows them.
+  struct Span {
+    std::int64_t offset = 0, count = 0;
+  };
+  [[nodiscard]] std::vector<Span> whole_spans() const;
+  std::vector<std::unique_ptr<comm::Communicator>> tie_comms;  // per replica, over its two devices (none when they are one)
+  // Sums wte and its copy (the master parameters, or the gradients) on the tie's devices of
+  // `rank`'s replica, leaving both equal; does nothing on other ranks.
+  void sum_tied(int rank, Stream& stream, bool parameters);
+
+  // One replica's batch for a step.
+  struct Step {
+    Tensor const* x;
+    Tensor const* labels;
+    std::int64_t units;  // the loss's divisor: the counted units of the whole batch
+    std::vector<std::int64_t> sizes, offsets;  // global rows of each micro-batch
+    std::vector<std::vector<Shape>> input_shapes;  // [chunk][micro-batch], and [chunks()] the logits
+    std::vector<Tensor> losses;                    // per micro-batch, on the last chunk's device
+    float loss_scale;                              // multiplies the loss gradient
+  };
+  // Tensors moving between one device's actions, slot chunk * micro_batches + micro-batch; each is
+  // touched by that device's thread only and kept across steps, so a step allocates no containers.
+  struct DeviceState {
+    std::vector<Tensor> act_in, act_out, grad_in, grad_out;
+    std::vector<std::vector<std::uint64_t>> rng_start, rng_after;  // per chunk
+    std::vector<bool> ran_forward;                                 // per chunk, this step
+    Event compute_done;  // recorded after a compute action that a forward follows
+  };
+  std::vector<DeviceState> devices;  // per rank
+  void run_device(int rank, Stream& stream, Step& step);
+  // Chunk c of the replica that `rank` belongs to.
+  nn::Sequential& chunk_of(int rank, int c) {
+    return chunks[static_cast<std::size_t>(rank / schedule.devices)][static_cast<std::size_t>(c)];
+  }
+};
+
+}  // namespace mgpu::pipeline
