@@ -11,7 +11,8 @@ packages=(cmake ninja-build g++ libeigen3-dev libxxhash-dev catch2 libbenchmark-
   libdnnl-dev ocl-icd-opencl-dev  # oneDNN's CMake package finds OpenCL (a Recommends of libdnnl-dev)
   nlohmann-json3-dev  # tests read trace JSON back
   python3 python3-venv  # scripts' checks (standard library) and their own venvs (scripts/venv.sh)
-  openmpi-bin libopenmpi-dev libgloo-dev  # baselines for bench_collectives
+  openmpi-bin libopenmpi-dev  # mgpu::dist across processes (MGPU_WITH_MPI), its mpirun tests, a baseline of bench_collectives
+  libgloo-dev  # a baseline of bench_collectives
   clang-14 libclang-rt-14-dev)  # the second compiler in CI, and libFuzzer (scripts/fuzz.sh)
 if [ "${1:-}" = --list ]; then
   printf '%s\n' "${packages[@]}"

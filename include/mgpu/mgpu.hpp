@@ -11,6 +11,7 @@
 #include <mgpu/core/memory.hpp>
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
+#include <mgpu/dist/dist.hpp>
 #include <mgpu/data/dataset.hpp>
 #include <mgpu/data/evaluate.hpp>
 #include <mgpu/data/loader.hpp>

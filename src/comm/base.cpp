@@ -273,6 +273,7 @@ void CommunicatorBase::finalize() {
   if (!state_->aborted()) {  // an eager send completes without its recv: one that never came is lost data
     for (std::size_t from = 0; from < ranks_.size(); ++from) {
       for (std::size_t to = 0; to < ranks_.size(); ++to) {
+        if (!drives(static_cast<int>(from)) || !drives(static_cast<int>(to))) continue;
         std::uint64_t const sent = ranks_[from].sent[to];
         std::uint64_t const received = ranks_[to].received[from];
         if (sent > received)

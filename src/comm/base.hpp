@@ -113,6 +113,12 @@ class CommunicatorBase : public Communicator {
   /// on_abort functions or whose device work outlives launch() call it first in their destructor;
   /// the base destructor calls it too. Only the first call acts.
   void shut_down() noexcept;
+  /// Whether this process drives `rank` (a communicator across processes drives only its own
+  /// ranks): finalize() checks that every send was received only between ranks it drives.
+  [[nodiscard]] virtual bool drives(int rank) const noexcept {
+    (void)rank;
+    return true;
+  }
   /// Checks that a tensor (or stream) of `rank` is somewhere this backend can use.
   virtual void check_device(int rank, Device device, std::string_view what, Call const& call) const = 0;
 

@@ -1,0 +1,22 @@
+# Resolves MGPU_WITH_MPI into MGPU_MPI_ENABLED: MPI (Debian: libopenmpi-dev, openmpi-bin) carries
+# the dist module's bootstrap and host bytes between processes. Without it, mgpu::dist serves one
+# process. Only its C API is called (through the CXX component: the project enables C++ only).
+set(MGPU_MPI_ENABLED OFF)
+if(NOT MGPU_WITH_MPI MATCHES "^(AUTO|ON|OFF)$")
+  message(FATAL_ERROR "MGPU_WITH_MPI=${MGPU_WITH_MPI} (expected AUTO, ON or OFF)")
+endif()
+if(NOT MGPU_WITH_MPI STREQUAL "OFF")
+  if(MGPU_WITH_MPI STREQUAL "ON")
+    find_package(MPI REQUIRED COMPONENTS CXX)
+  else()
+    find_package(MPI QUIET COMPONENTS CXX)
+  endif()
+  if(MPI_CXX_FOUND)
+    set(MGPU_MPI_ENABLED ON)
+  endif()
+endif()
+if(MGPU_MPI_ENABLED)
+  message(STATUS "mgpu: MPI ON (${MPI_CXX_VERSION}); tests launch with ${MPIEXEC_EXECUTABLE}")
+else()
+  message(STATUS "mgpu: MPI OFF (mgpu::dist serves a single process)")
+endif()

@@ -1,0 +1,139 @@
+// Several processes, one per server (or per socket, or per GPU): where this process sits among the
+// job's processes (read from the launcher's environment), the world's device list, and a
+// communicator over every device of every process. MPI (built with MGPU_WITH_MPI) carries the
+// bootstrap and the host bytes; without it only a job of one process works.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <mgpu/comm/communicator.hpp>
+#include <mgpu/core/device.hpp>
+#include <mgpu/core/device_group.hpp>
+
+namespace mgpu::dist {
+
+/// Who started the process, as its environment tells.
+enum class Launcher {
+  none,      ///< no launcher variables: a job of one process
+  openmpi,   ///< OpenMPI's mpirun: OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK
+  slurm,     ///< Slurm's srun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID
+  torchrun,  ///< torchrun-style: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
+};
+
+std::string_view to_string(Launcher launcher) noexcept;
+
+/// This process's place in the job.
+struct Place {
+  Launcher launcher = Launcher::none;
+  int rank = 0;             ///< the process's index in [0, size)
+  int size = 1;             ///< how many processes the job has
+  int local_rank = 0;       ///< the process's index among those on its server
+  std::string host;         ///< this server's host name (init() fills it; parse_environment() leaves it empty)
+  std::string master_addr;  ///< torchrun-style MASTER_ADDR, when set
+  int master_port = 0;      ///< torchrun-style MASTER_PORT, when set (else 0)
+  /// The thread support MPI gave ("multiple", "serialized", "funneled" or "single"), or "" when
+  /// MPI is not in use (a job of one process, or a build without MPI).
+  std::string mpi_thread_level;
+};
+
+/// A launcher's variables by name (what parse_environment() reads).
+using Environment = std::map<std::string, std::string, std::less<>>;
+
+/// The variables parse_environment() reads, in the order it looks for launchers: OpenMPI's first,
+/// then Slurm's, then torchrun-style.
+std::vector<std::string> const& environment_variables();
+
+/// The place that `environment` describes; a pure function (init() passes the process's
+/// environment). A launcher counts when its rank or size variable is set; then both must be whole
+/// numbers with 0 <= rank < size, and the local rank (0 when unset) one with 0 <= local rank <
+/// size; MASTER_PORT must be in [1, 65535]. Throws Error(invalid_argument) naming the variable,
+/// its value and what was expected.
+Place parse_environment(Environment const& environment);
+
+/// Reads the launcher's environment and joins the job: under mpirun or srun it initializes MPI
+/// (asking for MPI_THREAD_MULTIPLE, and needing at least MPI_THREAD_SERIALIZED: mgpu calls MPI from
+/// several threads, one at a time) unless the program already did, and checks that MPI's rank and
+/// size agree with the environment. A second call returns the same place. Throws
+/// Error(invalid_argument) for a bad environment, for a job of several processes in a build without
+/// MPI, and for a torchrun-style job of several processes (its TCP rendezvous is not built yet);
+/// Error(communication) when MPI fails.
+Place init();
+
+/// Leaves the job: finalizes MPI if init() initialized it. When a cross-process communicator failed
+/// (a peer timed out or the communicator was aborted) it leaves MPI as it is, since MPI_Finalize
+/// would wait for the peers that failed; the process should then exit with a failure status. Never
+/// throws; a second call does nothing.
+void finalize() noexcept;
+
+/// init() for a scope, finalize() at its end.
+class Session {
+ public:
+  Session() : place_(init()) {}
+  ~Session() { finalize(); }
+  Session(Session const&) = delete;
+  Session& operator=(Session const&) = delete;
+  [[nodiscard]] Place const& place() const noexcept { return place_; }
+
+ private:
+  Place place_;
+};
+
+/// One device of the world.
+struct WorldDevice {
+  int rank = 0;        ///< its rank in the world: its index in World::devices
+  Device device;       ///< the device, as its own process names it
+  int process = 0;     ///< the process that drives it
+  int local_rank = 0;  ///< its rank in that process's DeviceGroup
+  std::string host;    ///< the host name of that process's server
+};
+
+/// Every device of every process, process by process (process 0's devices first, each process's in
+/// its DeviceGroup's rank order): world rank r is the r-th device.
+struct World {
+  int process = 0;    ///< this process
+  int processes = 1;  ///< how many processes
+  std::vector<WorldDevice> devices;
+
+  [[nodiscard]] int size() const noexcept { return static_cast<int>(devices.size()); }
+  /// The world rank of `process`'s first device.
+  [[nodiscard]] int first_rank(int process) const;
+  /// How many devices `process` drives.
+  [[nodiscard]] int local_size(int process) const;
+  /// The world rank of this process's local rank `local_rank`.
+  [[nodiscard]] int rank_of(int local_rank) const { return first_rank(process) + local_rank; }
+};
+
+/// The world's device list: every process calls it with its own DeviceGroup (at least one device
+/// each; the counts may differ) and gets the same list. Collective over the processes; waits at
+/// most `timeout` (zero: comm::default_timeout()) for the others, then throws Error(timeout). Needs
+/// init() first.
+World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
+
+/// A communicator over every device of `world` (host devices only, for now), with comm's
+/// Communicator interface: rank r is world.devices[r], and each process calls the operations for
+/// its own ranks only (world.rank_of(local rank), with that device's stream), in the same order as
+/// a single-process communicator. Collectives are hierarchical: the process's ranks combine through
+/// an in-process host communicator, one leader per process (its local rank 0) exchanges over MPI,
+/// and the result goes back inside the process. Reductions combine in float32 in process order,
+/// so every rank gets bitwise identical results, run after run; with one device per process an
+/// all-reduce equals a single process's host communicator over as many devices, bit for bit. send/recv between
+/// processes go over MPI point-to-point (a send completes once MPI is done with its data: a small one at once, as MPI
+/// sends it eagerly, a large one once the receive has matched it; finalize() checks for unreceived sends only between
+/// ranks of this process). A collective may not be part of a group_start()/group_end() group (sends and receives may).
+///
+/// Deadlines: every MPI wait polls non-blocking calls against options.timeout (zero:
+/// comm::default_timeout()); a process not heard from in time makes the others fail with
+/// Error(timeout) naming the operation and the process(es), and aborts the communicator. The ranks
+/// inside a process wait for their leader's exchange with twice that deadline, so the leader's
+/// error (naming the processes) is what they report. Collective over the processes (it sets up
+/// MPI communicators); `group` must be the DeviceGroup `world` was made from and outlive the
+/// communicator. Throws Error(invalid_argument) for other devices or a non-host device.
+std::unique_ptr<comm::Communicator> make_communicator(World const& world, DeviceGroup& group,
+                                                      comm::Options options = {});
+
+}  // namespace mgpu::dist

@@ -1,0 +1,23 @@
+// What the MPI and the single-process builds of the dist module share. Internal: not installed.
+#pragma once
+
+#include <string>
+
+#include <mgpu/dist/dist.hpp>
+
+namespace mgpu::dist::detail {
+
+/// The launcher variables of this process's environment.
+Environment read_environment();
+
+/// This server's host name ("unknown" when the system does not say).
+std::string host_name();
+
+/// The world of a job of one process: `group`'s devices.
+World single_process_world(DeviceGroup const& group, std::string const& host);
+
+/// Throws Error(invalid_argument) unless this process's devices in `world` are `group`'s and, across
+/// processes, every device is a host device.
+void check_world(World const& world, DeviceGroup const& group);
+
+}  // namespace mgpu::dist::detail

@@ -1,0 +1,986 @@
+// The dist module over MPI: joining the job, the world's device list, and the communicator across
+// processes for host devices.
+//
+// Every MPI exchange is non-blocking and polled against a deadline (MPI_Test under one process-wide
+// lock, so MPI_THREAD_SERIALIZED suffices), so no MPI wait outlasts the communicator's deadline.
+// MPI never touches user tensors: data goes through staging buffers owned by the request set,
+// which a failure hands to a process-wide list kept until the process ends (MPI may still write
+// into them), and MPI_Finalize is then skipped.
+#define OMPI_SKIP_MPICXX 1
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <mpi.h>
+
+#include <mgpu/comm/reduce_op.hpp>
+#include <mgpu/core/detail/elementwise.hpp>
+#include <mgpu/core/detail/reduce_slice.hpp>
+#include <mgpu/core/error.hpp>
+#include <mgpu/dist/dist.hpp>
+
+#include "comm/base.hpp"
+#include "core/backend.hpp"
+#include "dist/common.hpp"
+
+namespace mgpu::dist {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using comm::detail::Call;
+using comm::detail::format_duration;
+using comm::detail::OpKind;
+
+// The process's dist state.
+struct Global {
+  std::mutex mutex;  // guards the fields below but `failed` and `abandoned`
+  bool initialized = false;
+  bool finalized = false;
+  bool initialized_mpi = false;  // init() called MPI_Init_thread (so finalize() finalizes)
+  bool mpi = false;              // MPI is in use
+  Place place;
+  std::atomic<bool> failed{false};  // an exchange failed: peers may never answer, so no MPI_Finalize
+  // Every MPI call holds this lock: several threads (each rank's stream) call MPI, one at a time.
+  std::mutex mpi_mutex;
+  // The buffers of requests left pending by a failure (guarded by mpi_mutex): MPI may still write
+  // into them, so they stay until the process ends.
+  std::vector<std::shared_ptr<void>> abandoned;
+};
+
+Global& global() {
+  static Global g;
+  return g;
+}
+
+std::string mpi_error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  return std::string(text, static_cast<std::size_t>(length));
+}
+
+// Throws Error(communication) naming the call unless `code` is MPI_SUCCESS. Call with the MPI lock held.
+void check(int code, char const* call) {
+  if (code != MPI_SUCCESS) throw Error(Errc::communication, std::string(call) + " failed: " + mpi_error_text(code));
+}
+
+// An element or byte count as MPI's int; Error(invalid_argument) when it does not fit.
+int mpi_count(std::int64_t count, std::string const& what) {
+  if (count < 0 || count > INT_MAX)
+    throw Error(Errc::invalid_argument, what + ": " + std::to_string(count) +
+                                            " elements or bytes in one MPI exchange (expected at most " +
+                                            std::to_string(INT_MAX) + ")");
+  return static_cast<int>(count);
+}
+
+std::string thread_level_name(int level) {
+  switch (level) {
+    case MPI_THREAD_SINGLE:
+      return "single";
+    case MPI_THREAD_FUNNELED:
+      return "funneled";
+    case MPI_THREAD_SERIALIZED:
+      return "serialized";
+    case MPI_THREAD_MULTIPLE:
+      return "multiple";
+    default:
+      return "level " + std::to_string(level);
+  }
+}
+
+template <class T>
+std::shared_ptr<std::vector<T>> buffer(std::size_t size) {
+  return std::make_shared<std::vector<T>>(size);
+}
+
+// Non-blocking requests, each with the process it waits for and the buffers it uses, polled
+// together against a deadline. Requests still pending when it goes are abandoned: receives are
+// cancelled, and the buffers kept until the process ends.
+class Requests {
+ public:
+  Requests() = default;
+  Requests(Requests const&) = delete;
+  Requests& operator=(Requests const&) = delete;
+  ~Requests() { abandon(); }
+
+  // Starts a request: `start(&request)` runs under the MPI lock and returns MPI's status code.
+  // What a request is, which decides what abandoning it may do.
+  enum class Kind { send, receive, collective };
+
+  template <class Start>
+  std::size_t add(int peer, Kind kind, std::shared_ptr<void> keep, char const* call, Start const& start) {
+    entries_.push_back({MPI_REQUEST_NULL, MPI_Status{}, peer, kind, true, std::move(keep)});
+    std::lock_guard lock(global().mpi_mutex);
+    int const code = start(&entries_.back().request);
+    if (code != MPI_SUCCESS) {
+      entries_.back().pending = false;
+      check(code, call);
+    }
+    return entries_.size() - 1;
+  }
+
+  // Polls until every request has completed (true), or until `deadline` passes or stop() holds
+  // (false). Throws Error(communication) for a request MPI failed.
+  template <class Stop>
+  bool wait(Clock::time_point deadline, Stop const& stop) {
+    for (int polls = 0;; ++polls) {
+      bool done = true;
+      {
+        std::lock_guard lock(global().mpi_mutex);
+        for (Entry& e : entries_) {
+          if (!e.pending) continue;
+          int flag = 0;
+          int const code = MPI_Test(&e.request, &flag, &e.status);
+          if (code != MPI_SUCCESS) {
+            e.pending = false;
+            error_ = code;
+            break;
+          }
+          if (flag) {
+            e.pending = false;
+          } else {
+            done = false;
+          }
+        }
+      }
+      if (error_ != MPI_SUCCESS) return true;
+      if (done) return true;
+      if (stop() || Clock::now() >= deadline) return false;
+      // Yield the core at first (a reply is often microseconds away), then sleep: the processes
+      // may share few cores with the ranks' compute.
+      if (polls < 64) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(std::min(1000, 10 * (polls - 63))));
+      }
+    }
+  }
+
+  // The MPI error a request ended with (MPI_SUCCESS if none).
+  [[nodiscard]] int error() const noexcept { return error_; }
+  // The processes whose requests are still pending, ascending, each once.
+  [[nodiscard]] std::vector<int> pending_peers() const {
+    std::vector<int> peers;
+    for (Entry const& e : entries_) {
+      if (e.pending && std::find(peers.begin(), peers.end(), e.peer) == peers.end()) peers.push_back(e.peer);
+    }
+    std::sort(peers.begin(), peers.end());
+    return peers;
+  }
+  [[nodiscard]] MPI_Status const& status(std::size_t index) const { return entries_[index].status; }
+
+  // Cancels pending receives, lets pending sends finish on their own (MPI does not allow either
+  // for a collective) and keeps every pending request's buffers until the process ends.
+  void abandon() noexcept {
+    Global& g = global();
+    try {
+      std::lock_guard lock(g.mpi_mutex);
+      for (Entry& e : entries_) {
+        if (!e.pending) continue;
+        e.pending = false;
+        g.failed.store(true);
+        if (e.kind == Kind::receive) MPI_Cancel(&e.request);
+        if (e.kind != Kind::collective) MPI_Request_free(&e.request);
+        g.abandoned.push_back(std::move(e.keep));
+      }
+    } catch (...) {  // no room to keep a buffer: it leaks, which is safe
+    }
+  }
+
+ private:
+  struct Entry {
+    MPI_Request request;
+    MPI_Status status;
+    int peer;
+    Kind kind;
+    bool pending;
+    std::shared_ptr<void> keep;
+  };
+  std::vector<Entry> entries_;
+  int error_ = MPI_SUCCESS;
+};
+
+// A collective's description, exchanged by the leaders before its data so that a mismatch is
+// reported instead of corrupting an exchange.
+struct Header {
+  std::int32_t kind;
+  std::int32_t dtype;
+  std::int32_t op;
+  std::int32_t root;
+  std::int64_t count;
+  std::uint64_t seq;
+};
+
+// Element conversions between a tensor's dtype and float32, where reductions happen.
+void to_float(Tensor const& t, std::int64_t begin, std::int64_t count, float* out) {
+  mgpu::detail::visit_dtype(t.dtype(), [&]<class T>(std::type_identity<T>) {
+    T const* in = static_cast<T const*>(t.data()) + begin;
+    for (std::int64_t i = 0; i < count; ++i) out[i] = static_cast<float>(in[i]);
+  });
+}
+
+void from_float(float const* in, Tensor const& t, std::int64_t begin, std::int64_t count) {
+  mgpu::detail::visit_dtype(t.dtype(), [&]<class T>(std::type_identity<T>) {
+    T* out = static_cast<T*>(t.data()) + begin;
+    for (std::int64_t i = 0; i < count; ++i) out[i] = T(in[i]);
+  });
+}
+
+// out[i] = parts[0][i] (+) parts[1][i] (+) ... in process order, `stride` apart; avg divides by
+// the world's size (the processes' partials are sums).
+void combine_parts(comm::ReduceOp op, float const* parts, int count, std::int64_t stride, std::int64_t n,
+                   int world_size, float* out) {
+  mgpu::detail::visit_reduce_op(op, [&]<comm::ReduceOp O>(std::integral_constant<comm::ReduceOp, O>) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      float acc = parts[i];
+      for (int p = 1; p < count; ++p) acc = mgpu::detail::combine<O>(acc, parts[p * stride + i]);
+      out[i] = mgpu::detail::finish<O>(acc, world_size);
+    }
+  });
+}
+
+// What the MPI work of one communicator shares; it outlives the communicator while work runs.
+class Link : public std::enable_shared_from_this<Link> {
+ public:
+  Link(World const& world, std::shared_ptr<comm::detail::SharedState> state)
+      : process_(world.process), processes_(world.processes), world_size_(world.size()), state_(std::move(state)) {
+    for (int p = 0; p <= processes_; ++p) first_.push_back(p < processes_ ? world.first_rank(p) : world_size_);
+    for (int p = 0; p < processes_; ++p)
+      hosts_.push_back(world.devices[static_cast<std::size_t>(first_[static_cast<std::size_t>(p)])].host);
+  }
+  Link(Link const&) = delete;
+  Link& operator=(Link const&) = delete;
+  ~Link() {
+    Global& g = global();
+    if (g.failed.load()) return;  // pending requests may still use the communicators
+    std::lock_guard lock(g.mpi_mutex);
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    for (MPI_Comm* c : {&control, &data, &p2p}) {
+      if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
+    }
+  }
+
+  // Duplicates MPI_COMM_WORLD three times (collective over the processes), within the deadline. A
+  // duplication left pending keeps the link, which MPI will write into.
+  void connect() {
+    Requests requests;
+    for (MPI_Comm* c : {&control, &data, &p2p}) {
+      requests.add(-1, Requests::Kind::collective, shared_from_this(), "MPI_Comm_idup",
+                   [&](MPI_Request* r) { return MPI_Comm_idup(MPI_COMM_WORLD, c, r); });
+    }
+    auto const start = Clock::now();
+    if (!requests.wait(start + timeout(), [] { return false; })) {
+      requests.abandon();
+      throw Error(Errc::timeout,
+                  "making a communicator across processes waited " + format_duration(Clock::now() - start) +
+                      " for the other processes (expected every process to make it within the " +
+                      format_duration(timeout()) + " deadline; " + comm::timeout_env_var + " sets it in seconds)");
+    }
+    std::lock_guard lock(global().mpi_mutex);
+    check(requests.error(), "MPI_Comm_idup");
+    int tag_limit = 0;
+    int* value = nullptr;
+    MPI_Comm_get_attr(p2p, MPI_TAG_UB, &value, &tag_limit);
+    if (tag_limit && static_cast<std::int64_t>(world_size_) * world_size_ > *value)
+      throw Error(Errc::invalid_argument, "a world of " + std::to_string(world_size_) + " devices (expected at most " +
+                                              std::to_string(static_cast<int>(std::sqrt(static_cast<double>(*value)))) +
+                                              ": MPI's tags name each pair of ranks)");
+  }
+
+  [[nodiscard]] int process() const noexcept { return process_; }
+  [[nodiscard]] int processes() const noexcept { return processes_; }
+  [[nodiscard]] int world_size() const noexcept { return world_size_; }
+  [[nodiscard]] int first(int p) const { return first_[static_cast<std::size_t>(p)]; }
+  [[nodiscard]] int local_size(int p) const { return first(p + 1) - first(p); }
+  [[nodiscard]] int process_of(int rank) const {
+    return static_cast<int>(std::upper_bound(first_.begin(), first_.end(), rank) - first_.begin()) - 1;
+  }
+  [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return state_->timeout(); }
+  [[nodiscard]] comm::detail::SharedState& state() const noexcept { return *state_; }
+
+  // "process 1 (host a, ranks 2-3)".
+  [[nodiscard]] std::string describe(int p) const {
+    int const a = first(p);
+    int const b = first(p + 1) - 1;
+    return "process " + std::to_string(p) + " (host " + hosts_[static_cast<std::size_t>(p)] + ", " +
+           (a == b ? "rank " + std::to_string(a) : "ranks " + std::to_string(a) + "-" + std::to_string(b)) + ")";
+  }
+  [[nodiscard]] std::string describe(std::vector<int> const& ps) const {
+    std::string text = ps.size() == 1 ? "" : "processes ";
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+      std::string one = describe(ps[i]);
+      text += (i ? ", " : "") + (ps.size() == 1 ? one : one.substr(std::string("process ").size()));
+    }
+    return text;
+  }
+  [[nodiscard]] std::vector<int> others() const {
+    std::vector<int> ps;
+    for (int p = 0; p < processes_; ++p) {
+      if (p != process_) ps.push_back(p);
+    }
+    return ps;
+  }
+
+  // Aborts the communicator and throws.
+  [[noreturn]] void fail(Errc category, std::string const& message) const {
+    state_->abort(message);
+    throw Error(category, message);
+  }
+
+  // Waits for `requests` until `deadline`; on a timeout fails naming `waited_for(pending peers)`,
+  // on an abort throws the abort's error.
+  template <class Describe>
+  void wait(Requests& requests, std::string const& what, Clock::time_point start, Describe const& waited_for) const {
+    if (!requests.wait(start + timeout(), [&] { return state_->aborted(); })) {
+      std::vector<int> const pending = requests.pending_peers();
+      requests.abandon();
+      state_->throw_if_aborted(what);
+      fail(Errc::timeout, what + " waited " + format_duration(Clock::now() - start) + " for " + waited_for(pending) +
+                              " (expected them within the " + format_duration(timeout()) + " deadline; " +
+                              comm::timeout_env_var + " sets it in seconds)");
+    }
+    if (requests.error() != MPI_SUCCESS) {
+      std::string text;
+      {
+        std::lock_guard lock(global().mpi_mutex);
+        text = mpi_error_text(requests.error());
+      }
+      fail(Errc::communication, what + ": MPI failed: " + text);
+    }
+  }
+
+  // Every leader sends its call's header to every other and checks theirs: the processes not
+  // heard from by the deadline are named.
+  void exchange_headers(Call const& c, int rank, std::string const& what, Clock::time_point start) const {
+    auto mine = std::make_shared<Header>(Header{static_cast<std::int32_t>(c.kind), static_cast<std::int32_t>(c.dtype),
+                                                static_cast<std::int32_t>(c.op), c.root, c.count, c.seq});
+    auto theirs = buffer<Header>(static_cast<std::size_t>(processes_));
+    Requests requests;
+    for (int const p : others()) {
+      requests.add(p, Requests::Kind::receive, theirs, "MPI_Irecv", [&](MPI_Request* r) {
+        return MPI_Irecv(&(*theirs)[static_cast<std::size_t>(p)], sizeof(Header), MPI_BYTE, p, 0, control, r);
+      });
+      requests.add(p, Requests::Kind::send, mine, "MPI_Isend",
+                   [&](MPI_Request* r) { return MPI_Isend(mine.get(), sizeof(Header), MPI_BYTE, p, 0, control, r); });
+    }
+    wait(requests, what, start,
+         [&](std::vector<int> const& pending) { return describe(pending) + ", not heard from"; });
+    for (int const p : others()) {
+      Header const& h = (*theirs)[static_cast<std::size_t>(p)];
+      auto const mismatch = [&](char const* field, std::string const& mine_text, std::string const& their_text) {
+        fail(Errc::invalid_argument, what + ": " + describe(p) + " passed " + field + " " + their_text + ", rank " +
+                                         std::to_string(rank) + " passed " + mine_text +
+                                         " (expected the same on every rank)");
+      };
+      if (h.kind != mine->kind)
+        mismatch("operation", std::string(to_string(c.kind)), std::string(to_string(static_cast<OpKind>(h.kind))));
+      if (h.count != mine->count) mismatch("element count", std::to_string(c.count), std::to_string(h.count));
+      if (h.dtype != mine->dtype)
+        mismatch("dtype", std::string(mgpu::to_string(c.dtype)),
+                 std::string(mgpu::to_string(static_cast<DType>(h.dtype))));
+      if (h.op != mine->op)
+        mismatch("reduce op", std::string(to_string(c.op)), std::string(to_string(static_cast<comm::ReduceOp>(h.op))));
+      if (h.root != mine->root) mismatch("root", std::to_string(c.root), std::to_string(h.root));
+      if (h.seq != mine->seq) mismatch("call number", std::to_string(c.seq), std::to_string(h.seq));
+    }
+  }
+
+  // Waits for a data exchange that every process has joined (their headers came).
+  void wait_exchange(Requests& requests, std::string const& what, Clock::time_point start) const {
+    wait(requests, what, start,
+         [&](std::vector<int> const&) { return describe(others()) + " to complete the exchange"; });
+  }
+
+  MPI_Comm control = MPI_COMM_NULL;  // the leaders' headers
+  MPI_Comm data = MPI_COMM_NULL;     // the leaders' collectives
+  MPI_Comm p2p = MPI_COMM_NULL;      // sends and receives between ranks
+
+ private:
+  int process_;
+  int processes_;
+  int world_size_;
+  std::vector<int> first_;  // per process, then the world's size
+  std::vector<std::string> hosts_;
+  std::shared_ptr<comm::detail::SharedState> state_;
+};
+
+// The leader's part of each collective: the exchange between processes, on the leader's stream
+// after the in-process step. `local` holds the process's partial or data, as each kind needs.
+struct Leader {
+  std::shared_ptr<Link> link;
+  Call call;
+  int rank;
+
+  void operator()() const {
+    std::string const what = call.name(rank);
+    Link const& l = *link;
+    l.state().throw_if_aborted(what);
+    auto const start = Clock::now();
+    l.exchange_headers(call, rank, what, start);
+    if (call.kind == OpKind::barrier) return;
+    std::int64_t const n = call.count;
+    int const P = l.processes();
+    int const p = l.process();
+    std::size_t const element = size_of(call.dtype);
+    Requests requests;
+    switch (call.kind) {
+      case OpKind::all_reduce: {  // call.recv holds the process's partial
+        auto mine = buffer<float>(static_cast<std::size_t>(n));
+        auto all = buffer<float>(static_cast<std::size_t>(n) * static_cast<std::size_t>(P));
+        to_float(call.recv, 0, n, mine->data());
+        int const count = mpi_count(n, what);
+        mpi_count(n * P, what);
+        requests.add(-1, Requests::Kind::collective,
+                     std::make_shared<std::pair<decltype(mine), decltype(all)>>(mine, all), "MPI_Iallgather",
+                     [&](MPI_Request* r) {
+                       return MPI_Iallgather(mine->data(), count, MPI_FLOAT, all->data(), count, MPI_FLOAT, l.data, r);
+                     });
+        l.wait_exchange(requests, what, start);
+        combine_parts(call.op, all->data(), P, n, n, l.world_size(), mine->data());
+        from_float(mine->data(), call.recv, 0, n);
+        break;
+      }
+      case OpKind::reduce_scatter: {  // call.send: the partial over the world (W*n); call.recv: this process's blocks
+                                      // (L*n)
+        auto mine = buffer<float>(static_cast<std::size_t>(l.world_size() * n));
+        std::int64_t const block = l.local_size(p) * n;
+        auto all = buffer<float>(static_cast<std::size_t>(block * P));
+        to_float(call.send, 0, l.world_size() * n, mine->data());
+        std::vector<int> send_counts, send_offsets, recv_counts, recv_offsets;
+        for (int q = 0; q < P; ++q) {
+          send_counts.push_back(mpi_count(l.local_size(q) * n, what));
+          send_offsets.push_back(mpi_count(l.first(q) * n, what));
+          recv_counts.push_back(mpi_count(block, what));
+          recv_offsets.push_back(mpi_count(q * block, what));
+        }
+        requests.add(
+            -1, Requests::Kind::collective, std::make_shared<std::pair<decltype(mine), decltype(all)>>(mine, all),
+            "MPI_Ialltoallv", [&](MPI_Request* r) {
+              return MPI_Ialltoallv(mine->data(), send_counts.data(), send_offsets.data(), MPI_FLOAT, all->data(),
+                                    recv_counts.data(), recv_offsets.data(), MPI_FLOAT, l.data, r);
+            });
+        l.wait_exchange(requests, what, start);
+        combine_parts(call.op, all->data(), P, block, block, l.world_size(), mine->data());
+        from_float(mine->data(), call.recv, 0, block);
+        break;
+      }
+      case OpKind::all_gather: {  // call.recv: the whole result (W*n), this process's blocks filled
+        std::int64_t const bytes = n * static_cast<std::int64_t>(element);
+        auto mine = buffer<std::byte>(static_cast<std::size_t>(l.local_size(p) * bytes));
+        auto all = buffer<std::byte>(static_cast<std::size_t>(l.world_size() * bytes));
+        if (!mine->empty())
+          std::memcpy(mine->data(), static_cast<std::byte const*>(call.recv.data()) + l.first(p) * bytes, mine->size());
+        std::vector<int> counts, offsets;
+        for (int q = 0; q < P; ++q) {
+          counts.push_back(mpi_count(l.local_size(q) * bytes, what));
+          offsets.push_back(mpi_count(l.first(q) * bytes, what));
+        }
+        requests.add(-1, Requests::Kind::collective,
+                     std::make_shared<std::pair<decltype(mine), decltype(all)>>(mine, all), "MPI_Iallgatherv",
+                     [&](MPI_Request* r) {
+                       return MPI_Iallgatherv(mine->data(), counts[static_cast<std::size_t>(p)], MPI_BYTE, all->data(),
+                                              counts.data(), offsets.data(), MPI_BYTE, l.data, r);
+                     });
+        l.wait_exchange(requests, what, start);
+        if (!all->empty()) std::memcpy(call.recv.data(), all->data(), all->size());
+        break;
+      }
+      case OpKind::broadcast: {  // call.root: the root's process; call.recv: the buffer
+        auto data = buffer<std::byte>(static_cast<std::size_t>(n) * element);
+        if (p == call.root && !data->empty()) std::memcpy(data->data(), call.recv.data(), data->size());
+        int const bytes = mpi_count(static_cast<std::int64_t>(data->size()), what);
+        requests.add(-1, Requests::Kind::collective, data, "MPI_Ibcast",
+                     [&](MPI_Request* r) { return MPI_Ibcast(data->data(), bytes, MPI_BYTE, call.root, l.data, r); });
+        l.wait_exchange(requests, what, start);
+        if (p != call.root && !data->empty()) std::memcpy(call.recv.data(), data->data(), data->size());
+        break;
+      }
+      case OpKind::reduce: {  // call.root: the root's process; call.recv: the partial, the result on the root's process
+        auto mine = buffer<float>(static_cast<std::size_t>(n));
+        auto all = buffer<float>(p == call.root ? static_cast<std::size_t>(n * P) : 0);
+        to_float(call.recv, 0, n, mine->data());
+        int const count = mpi_count(n, what);
+        mpi_count(n * P, what);
+        requests.add(
+            -1, Requests::Kind::collective, std::make_shared<std::pair<decltype(mine), decltype(all)>>(mine, all),
+            "MPI_Igather", [&](MPI_Request* r) {
+              return MPI_Igather(mine->data(), count, MPI_FLOAT, all->data(), count, MPI_FLOAT, call.root, l.data, r);
+            });
+        l.wait_exchange(requests, what, start);
+        if (p == call.root) {
+          combine_parts(call.op, all->data(), P, n, n, l.world_size(), mine->data());
+          from_float(mine->data(), call.recv, 0, n);
+        }
+        break;
+      }
+      default:
+        break;
+    }
+  }
+};
+
+// Sends and receives between ranks of different processes: each message is a Header (count,
+// dtype, call number) and the data, tagged by the pair of ranks.
+class PointToPoint {
+ public:
+  PointToPoint(std::shared_ptr<Link> link, int rank) : link_(std::move(link)), rank_(rank) {}
+
+  void post(Call const& c) {
+    Link const& l = *link_;
+    int const peer_process = l.process_of(c.root);
+    std::size_t const bytes = static_cast<std::size_t>(c.count) * size_of(c.dtype);
+    auto message = buffer<std::byte>(sizeof(Header) + bytes);
+    int const size = mpi_count(static_cast<std::int64_t>(message->size()), c.name(rank_));
+    if (c.kind == OpKind::send) {
+      Header const h{static_cast<std::int32_t>(c.kind), static_cast<std::int32_t>(c.dtype), 0, 0, c.count, c.seq};
+      std::memcpy(message->data(), &h, sizeof h);
+      if (bytes > 0) std::memcpy(message->data() + sizeof h, c.send.data(), bytes);
+      int const tag = rank_ * l.world_size() + c.root;
+      requests_.add(peer_process, Requests::Kind::send, message, "MPI_Isend", [&](MPI_Request* r) {
+        return MPI_Isend(message->data(), size, MPI_BYTE, peer_process, tag, l.p2p, r);
+      });
+    } else {
+      int const tag = c.root * l.world_size() + rank_;
+      std::size_t const index = requests_.add(
+          peer_process, Requests::Kind::receive, message, "MPI_Irecv",
+          [&](MPI_Request* r) { return MPI_Irecv(message->data(), size, MPI_BYTE, peer_process, tag, l.p2p, r); });
+      receives_.push_back({c, message, index});
+    }
+    calls_.push_back(c);
+  }
+
+  // Waits for every posted message (the deadline runs from `start`), then checks and delivers the
+  // received ones.
+  void finish(Clock::time_point start) {
+    Link const& l = *link_;
+    std::string const what = calls_.size() == 1 ? calls_.front().name(rank_)
+                                                : "rank " + std::to_string(rank_) + "'s group of sends and receives";
+    l.wait(requests_, what, start, [&](std::vector<int> const& pending) {
+      std::string text;
+      for (Call const& c : calls_) {
+        if (std::find(pending.begin(), pending.end(), l.process_of(c.root)) == pending.end()) continue;
+        text += (text.empty() ? "" : "; ") + std::string("rank ") + std::to_string(c.root) + " of " +
+                l.describe(l.process_of(c.root)) + (c.kind == OpKind::send ? " to receive" : " to send");
+      }
+      return text;
+    });
+    for (Receive const& r : receives_) {
+      int received = 0;
+      {
+        std::lock_guard lock(global().mpi_mutex);
+        MPI_Get_count(&requests_.status(r.index), MPI_BYTE, &received);
+      }
+      Header h{};
+      if (received >= static_cast<int>(sizeof h)) std::memcpy(&h, r.message->data(), sizeof h);
+      std::size_t const bytes = static_cast<std::size_t>(r.call.count) * size_of(r.call.dtype);
+      if (received != static_cast<int>(sizeof h + bytes) || h.count != r.call.count ||
+          h.dtype != static_cast<std::int32_t>(r.call.dtype))
+        l.fail(Errc::invalid_argument,
+               r.call.name(rank_) + ": rank " + std::to_string(r.call.root) + " sent " + std::to_string(h.count) + " " +
+                   std::string(mgpu::to_string(static_cast<DType>(h.dtype))) + " elements, the recv takes " +
+                   std::to_string(r.call.count) + " " + std::string(mgpu::to_string(r.call.dtype)) +
+                   " (expected matching count and dtype)");
+      if (bytes > 0) std::memcpy(r.call.recv.data(), r.message->data() + sizeof h, bytes);
+    }
+  }
+
+ private:
+  struct Receive {
+    Call call;
+    std::shared_ptr<std::vector<std::byte>> message;
+    std::size_t index;
+  };
+  std::shared_ptr<Link> link_;
+  int rank_;
+  Requests requests_;
+  std::vector<Receive> receives_;
+  std::vector<Call> calls_;
+};
+
+// The communicator across processes for host devices (see make_communicator in dist.hpp).
+class ProcessCommunicator final : public comm::detail::CommunicatorBase {
+ public:
+  ProcessCommunicator(World const& world, DeviceGroup& group, std::chrono::milliseconds timeout)
+      : CommunicatorBase(group, world.size(), comm::Backend::host, timeout),
+        first_(world.rank_of(0)),
+        local_(group.size()),
+        link_(std::make_shared<Link>(world, state())),
+        inner_(comm::make_communicator(group, comm::Options{comm::Backend::host, timeout * 2})) {
+    link_->connect();
+    state()->on_abort(
+        [inner = std::weak_ptr<comm::Communicator>(inner_), state = std::weak_ptr<comm::detail::SharedState>(state())] {
+          global().failed.store(true);  // peers may be left waiting: finalize() must not wait for them
+          auto i = inner.lock();
+          auto s = state.lock();
+          if (i && s) i->abort(s->reason());
+        });
+  }
+  ~ProcessCommunicator() override { shut_down(); }
+
+ protected:
+  [[nodiscard]] bool drives(int rank) const noexcept override { return rank >= first_ && rank < first_ + local_; }
+
+  void check_device(int rank, Device device, std::string_view what, Call const& call) const override {
+    if (!drives(rank))
+      throw Error(Errc::invalid_argument, call.name(rank) + ": rank " + std::to_string(rank) + " belongs to " +
+                                              link_->describe(link_->process_of(rank)) +
+                                              " (expected a rank this process drives, " + std::to_string(first_) +
+                                              " to " + std::to_string(first_ + local_ - 1) + ")");
+    if (device.kind != DeviceKind::host)
+      throw Error(Errc::invalid_argument, call.name(rank) + ": " + std::string(what) + " is on " + device.to_string() +
+                                              " (expected host memory and a host stream: this is a host communicator)");
+  }
+
+  void finish_device_work(std::chrono::milliseconds) override {
+    try {
+      inner_->finalize();
+    } catch (Error const& e) {
+      state()->abort(std::string("the ranks inside process ") + std::to_string(link_->process()) +
+                     " failed: " + std::string(e.message()));
+    }
+  }
+
+  void launch(int rank, std::vector<Call> calls, Stream& stream) override {
+    int const l = rank - first_;
+    bool const p2p_only = std::all_of(calls.begin(), calls.end(),
+                                      [](Call const& c) { return c.kind == OpKind::send || c.kind == OpKind::recv; });
+    if (calls.size() > 1 && !p2p_only) {
+      std::string const message =
+          calls.front().name(rank) +
+          ": a collective inside group_start/group_end on a communicator across processes (expected only sends "
+          "and receives in a group)";
+      state()->abort(message);
+      throw Error(Errc::invalid_argument, message);
+    }
+    if (p2p_only) return point_to_point(rank, l, calls, stream);
+    Call const& c = calls.front();
+    collective(rank, l, c, stream);
+  }
+
+ private:
+  // Enqueues `fn` on the rank's stream, counted as an operation in flight, run even after earlier
+  // work failed so that it aborts the communicator instead (the other processes must not wait).
+  template <class Fn>
+  void enqueue(int rank, Call const& c, Stream& stream, Fn fn) {
+    state()->begin_operation();
+    auto work = [shared = state(), rank, c, fn = std::move(fn)](bool earlier_work_failed) mutable {
+      struct Done {
+        comm::detail::SharedState& s;
+        ~Done() { s.end_operation(); }
+      } done{*shared};
+      if (earlier_work_failed) {
+        shared->abort(c.name(rank) + " was skipped because earlier work on the rank's stream failed");
+        return;
+      }
+      fn();
+    };
+    try {
+      mgpu::detail::StreamInternals::enqueue_even_after_failure(stream, std::move(work));
+    } catch (...) {
+      state()->end_operation();
+      throw;
+    }
+  }
+
+  Tensor scratch(int l, std::int64_t count, DType dtype) const {
+    return Tensor::empty({count}, dtype, group().allocator(l));
+  }
+
+  void collective(int rank, int l, Call c, Stream& stream) {
+    comm::Communicator& inner = *inner_;
+    bool const leader = l == 0;
+    comm::ReduceOp const partial_op = c.op == comm::ReduceOp::avg ? comm::ReduceOp::sum : c.op;
+    Call exchange = c;  // what the leader's exchange reads and writes
+    switch (c.kind) {
+      case OpKind::all_reduce:
+        inner.reduce(l, c.send, c.recv, partial_op, 0, stream);
+        if (leader) enqueue(rank, c, stream, Leader{link_, exchange, rank});
+        inner.broadcast(l, c.recv, 0, stream);
+        break;
+      case OpKind::reduce_scatter: {
+        std::int64_t const n = c.count;
+        Tensor const partial = leader ? scratch(l, link_->world_size() * n, c.dtype) : c.send;
+        inner.reduce(l, c.send, partial, partial_op, 0, stream);
+        Tensor const blocks = (leader && local_ > 1) ? scratch(l, local_ * n, c.dtype) : c.recv;
+        if (leader) {
+          exchange.send = partial;
+          exchange.recv = blocks;
+          enqueue(rank, c, stream, Leader{link_, exchange, rank});
+        }
+        if (local_ > 1) {  // the leader hands each rank its block
+          if (leader) {
+            inner.group_start(0);
+            for (int q = 1; q < local_; ++q) inner.send(0, blocks.slice(q * n, (q + 1) * n), q, stream);
+            inner.group_end(0);
+            enqueue(rank, c, stream, [blocks, recv = c.recv] {
+              if (recv.nbytes() > 0) std::memcpy(recv.data(), blocks.data(), recv.nbytes());
+            });
+          } else {
+            inner.recv(l, c.recv, 0, stream);
+          }
+        }
+        break;
+      }
+      case OpKind::all_gather: {
+        std::int64_t const n = c.count;
+        Tensor const whole = c.recv.reshape({c.recv.numel()});
+        inner.all_gather(l, c.send, whole.slice(first_ * n, (first_ + local_) * n), stream);
+        if (leader) enqueue(rank, c, stream, Leader{link_, exchange, rank});
+        inner.broadcast(l, c.recv, 0, stream);
+        break;
+      }
+      case OpKind::broadcast: {
+        int const root_process = link_->process_of(c.root);
+        exchange.root = root_process;
+        bool const here = root_process == link_->process();
+        if (here) inner.broadcast(l, c.recv, c.root - first_, stream);
+        if (leader) enqueue(rank, c, stream, Leader{link_, exchange, rank});
+        if (!here) inner.broadcast(l, c.recv, 0, stream);
+        break;
+      }
+      case OpKind::reduce: {
+        int const root_process = link_->process_of(c.root);
+        int const root_local = c.root - link_->first(root_process);
+        bool const here = root_process == link_->process();
+        Tensor const partial = !leader ? c.send : (here && root_local == 0) ? c.recv : scratch(l, c.count, c.dtype);
+        inner.reduce(l, c.send, partial, partial_op, 0, stream);
+        if (leader) {
+          exchange.root = root_process;
+          exchange.recv = partial;
+          enqueue(rank, c, stream, Leader{link_, exchange, rank});
+        }
+        if (here && root_local != 0) {  // the leader hands the result to the root
+          if (leader) inner.send(0, partial, root_local, stream);
+          if (l == root_local) inner.recv(l, c.recv, 0, stream);
+        }
+        break;
+      }
+      case OpKind::barrier:
+        inner.barrier(l, stream);
+        if (leader) enqueue(rank, c, stream, Leader{link_, exchange, rank});
+        inner.barrier(l, stream);
+        break;
+      default:
+        break;
+    }
+  }
+
+  void point_to_point(int rank, int l, std::vector<Call> const& calls, Stream& stream) {
+    std::vector<Call> remote;
+    std::vector<Call> local;
+    for (Call const& c : calls) (drives(c.root) ? local : remote).push_back(c);
+    comm::Communicator& inner = *inner_;
+    auto const run_local = [&] {
+      if (local.size() > 1) inner.group_start(l);
+      for (Call const& c : local) {
+        if (c.kind == OpKind::send) {
+          inner.send(l, c.send, c.root - first_, stream);
+        } else {
+          inner.recv(l, c.recv, c.root - first_, stream);
+        }
+      }
+      if (local.size() > 1) inner.group_end(l);
+    };
+    if (remote.empty()) return run_local();
+    // Remote messages are posted first and awaited after the local ones, so none waits for another.
+    auto messages = std::make_shared<PointToPoint>(link_, rank);
+    auto started = std::make_shared<Clock::time_point>();
+    enqueue(rank, remote.front(), stream, [messages, started, remote] {
+      *started = Clock::now();
+      for (Call const& c : remote) messages->post(c);
+    });
+    run_local();
+    enqueue(rank, remote.front(), stream, [messages, started] { messages->finish(*started); });
+  }
+
+  int first_;
+  int local_;
+  std::shared_ptr<Link> link_;
+  std::shared_ptr<comm::Communicator> inner_;
+};
+
+}  // namespace
+
+Place init() {
+  Global& g = global();
+  std::lock_guard lock(g.mutex);
+  if (g.initialized) return g.place;
+  if (g.finalized)
+    throw Error(Errc::invalid_argument,
+                "dist::init() after dist::finalize() (expected one init per process: MPI cannot start again)");
+  Place place = parse_environment(detail::read_environment());
+  place.host = detail::host_name();
+  bool const launched = place.launcher == Launcher::openmpi || place.launcher == Launcher::slurm;
+  int already = 0;
+  MPI_Initialized(&already);
+  if (!launched && !already && place.size > 1)
+    throw Error(Errc::invalid_argument,
+                "a torchrun-style job of " + std::to_string(place.size) +
+                    " processes (WORLD_SIZE): its TCP rendezvous is not built yet (expected mpirun, or srun with "
+                    "OpenMPI's PMIx support)");
+  if (launched || already) {
+    std::lock_guard mpi_lock(g.mpi_mutex);
+    int provided = MPI_THREAD_SINGLE;
+    if (already) {
+      check(MPI_Query_thread(&provided), "MPI_Query_thread");
+    } else {
+      check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided), "MPI_Init_thread");
+      g.initialized_mpi = true;
+    }
+    place.mpi_thread_level = thread_level_name(provided);
+    if (provided < MPI_THREAD_SERIALIZED)
+      throw Error(Errc::communication,
+                  "MPI gave thread support '" + place.mpi_thread_level +
+                      "' (expected 'serialized' or 'multiple': mgpu calls MPI from each device's thread)");
+    check(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    int rank = 0;
+    int size = 1;
+    check(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "MPI_Comm_rank");
+    check(MPI_Comm_size(MPI_COMM_WORLD, &size), "MPI_Comm_size");
+    if (launched && (rank != place.rank || size != place.size))
+      throw Error(Errc::invalid_argument, "MPI sees this process as rank " + std::to_string(rank) + " of " +
+                                              std::to_string(size) + ", the " + std::string(to_string(place.launcher)) +
+                                              " environment says " + std::to_string(place.rank) + " of " +
+                                              std::to_string(place.size) +
+                                              " (expected the same: launch with mpirun, or srun --mpi=pmix)");
+    place.rank = rank;
+    place.size = size;
+    g.mpi = true;
+  }
+  g.place = place;
+  g.initialized = true;
+  return place;
+}
+
+void finalize() noexcept {
+  Global& g = global();
+  std::lock_guard lock(g.mutex);
+  if (!g.initialized || g.finalized) return;
+  g.finalized = true;
+  if (!g.initialized_mpi || g.failed.load()) return;  // MPI_Finalize would wait for the peers that failed
+  std::lock_guard mpi_lock(g.mpi_mutex);
+  MPI_Finalize();
+}
+
+World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout) {
+  Global& g = global();
+  Place place;
+  bool mpi = false;
+  {
+    std::lock_guard lock(g.mutex);
+    if (!g.initialized || g.finalized)
+      throw Error(Errc::invalid_argument,
+                  "dist::make_world outside dist::init() and finalize() (expected init() first)");
+    place = g.place;
+    mpi = g.mpi;
+  }
+  if (!mpi) return detail::single_process_world(group, place.host);
+  if (timeout.count() <= 0) timeout = comm::default_timeout();
+  struct Entry {
+    std::int32_t devices;
+    char host[256];
+  };
+  struct Record {
+    std::int32_t kind;
+    std::int32_t index;
+    double speed;
+  };
+  int const P = place.size;
+  auto mine = std::make_shared<Entry>();
+  mine->devices = group.size();
+  std::snprintf(mine->host, sizeof mine->host, "%s", place.host.c_str());
+  auto entries = buffer<Entry>(static_cast<std::size_t>(P));
+  auto const start = Clock::now();
+  auto const wait = [&](Requests& requests) {
+    if (!requests.wait(start + timeout, [] { return false; })) {
+      requests.abandon();
+      throw Error(Errc::timeout,
+                  "make_world waited " + format_duration(Clock::now() - start) +
+                      " for the other processes' devices (expected every process to call it within the " +
+                      format_duration(timeout) + " deadline; " + comm::timeout_env_var + " sets it in seconds)");
+    }
+    std::lock_guard lock(g.mpi_mutex);
+    check(requests.error(), "make_world's MPI exchange");
+  };
+  {
+    Requests requests;
+    requests.add(-1, Requests::Kind::collective,
+                 std::make_shared<std::pair<decltype(mine), decltype(entries)>>(mine, entries), "MPI_Iallgather",
+                 [&](MPI_Request* r) {
+                   return MPI_Iallgather(mine.get(), sizeof(Entry), MPI_BYTE, entries->data(), sizeof(Entry), MPI_BYTE,
+                                         MPI_COMM_WORLD, r);
+                 });
+    wait(requests);
+  }
+  auto own = buffer<Record>(static_cast<std::size_t>(group.size()));
+  for (int r = 0; r < group.size(); ++r) {
+    Device const d = group.device(r);
+    (*own)[static_cast<std::size_t>(r)] = {static_cast<std::int32_t>(d.kind), d.index, d.speed};
+  }
+  std::vector<int> counts, offsets;
+  int total = 0;
+  for (Entry const& e : *entries) {
+    counts.push_back(e.devices * static_cast<int>(sizeof(Record)));
+    offsets.push_back(total * static_cast<int>(sizeof(Record)));
+    total += e.devices;
+  }
+  auto records = buffer<Record>(static_cast<std::size_t>(total));
+  {
+    Requests requests;
+    requests.add(-1, Requests::Kind::collective,
+                 std::make_shared<std::pair<decltype(own), decltype(records)>>(own, records), "MPI_Iallgatherv",
+                 [&](MPI_Request* r) {
+                   return MPI_Iallgatherv(own->data(), counts[static_cast<std::size_t>(place.rank)], MPI_BYTE,
+                                          records->data(), counts.data(), offsets.data(), MPI_BYTE, MPI_COMM_WORLD, r);
+                 });
+    wait(requests);
+  }
+  World world;
+  world.process = place.rank;
+  world.processes = P;
+  for (int p = 0, rank = 0; p < P; ++p) {
+    Entry const& e = (*entries)[static_cast<std::size_t>(p)];
+    for (int l = 0; l < e.devices; ++l, ++rank) {
+      Record const& r = (*records)[static_cast<std::size_t>(rank)];
+      Device device{static_cast<DeviceKind>(r.kind), r.index, r.speed};
+      world.devices.push_back({rank, device, p, l, std::string(e.host, strnlen(e.host, sizeof e.host))});
+    }
+  }
+  return world;
+}
+
+std::unique_ptr<comm::Communicator> make_communicator(World const& world, DeviceGroup& group, comm::Options options) {
+  detail::check_world(world, group);
+  if (world.processes == 1) return comm::make_communicator(group, options);
+  bool mpi = false;
+  {
+    std::lock_guard lock(global().mutex);
+    mpi = global().mpi && !global().finalized;
+  }
+  if (!mpi)
+    throw Error(Errc::invalid_argument,
+                "a world of " + std::to_string(world.processes) +
+                    " processes, but MPI is not in use (expected dist::init() under mpirun or srun)");
+  if (options.backend != comm::Backend::automatic && options.backend != comm::Backend::host)
+    throw Error(Errc::invalid_argument, "the " + std::string(comm::to_string(options.backend)) +
+                                            " backend across processes (expected automatic or host: only host devices "
+                                            "communicate across processes for now)");
+  std::chrono::milliseconds const timeout = options.timeout.count() > 0 ? options.timeout : comm::default_timeout();
+  return std::make_unique<ProcessCommunicator>(world, group, timeout);
+}
+
+}  // namespace mgpu::dist

@@ -1,0 +1,64 @@
+// The world's device list: lookups, and the world of a job of one process.
+#include <string>
+
+#include <mgpu/core/error.hpp>
+#include <mgpu/dist/dist.hpp>
+
+#include "dist/common.hpp"
+
+namespace mgpu::dist {
+namespace {
+void check_process(World const& world, int process) {
+  if (process < 0 || process >= world.processes)
+    throw Error(Errc::invalid_argument, "process " + std::to_string(process) + " (expected a process in [0, " +
+                                            std::to_string(world.processes) + "))");
+}
+}  // namespace
+
+int World::first_rank(int p) const {
+  check_process(*this, p);
+  for (WorldDevice const& d : devices) {
+    if (d.process == p) return d.rank;
+  }
+  return size();
+}
+
+int World::local_size(int p) const {
+  check_process(*this, p);
+  int count = 0;
+  for (WorldDevice const& d : devices) count += d.process == p ? 1 : 0;
+  return count;
+}
+
+namespace detail {
+
+World single_process_world(DeviceGroup const& group, std::string const& host) {
+  World world;
+  for (int r = 0; r < group.size(); ++r) world.devices.push_back({r, group.device(r), 0, r, host});
+  return world;
+}
+
+void check_world(World const& world, DeviceGroup const& group) {
+  if (world.process < 0 || world.process >= world.processes)
+    throw Error(Errc::invalid_argument, "a world whose process is " + std::to_string(world.process) + " of " +
+                                            std::to_string(world.processes) + " (expected a world from make_world)");
+  for (WorldDevice const& d : world.devices) {
+    if (world.processes > 1 && d.device.kind != DeviceKind::host)
+      throw Error(Errc::invalid_argument,
+                  "world rank " + std::to_string(d.rank) + " is " + d.device.to_string() + " on process " +
+                      std::to_string(d.process) +
+                      " (expected host devices: communicators across processes serve host devices for now)");
+  }
+  int const local = world.local_size(world.process);
+  bool same = local == group.size();
+  for (int l = 0; same && l < local; ++l)
+    same = world.devices[static_cast<std::size_t>(world.rank_of(l))].device == group.device(l);
+  if (!same)
+    throw Error(Errc::invalid_argument, "the DeviceGroup has " + std::to_string(group.size()) +
+                                            " device(s) starting with " + group.device(0).to_string() +
+                                            ", the world lists " + std::to_string(local) +
+                                            " for this process (expected the group the world was made from)");
+}
+
+}  // namespace detail
+}  // namespace mgpu::dist

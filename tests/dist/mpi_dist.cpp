@@ -1,0 +1,466 @@
+// The dist module across processes, run by ctest under mpirun (one process per entry of COUNTS):
+//
+//   mpi_dist collectives COUNTS      e.g. "2,1,2": process p drives COUNTS[p] host devices. Every
+//                                    collective, dtype and reduce op of the communicator across
+//                                    processes against float64 references that each process computes
+//                                    from every rank's inputs; sends and receives across processes;
+//                                    the world's device list. Exit status 0 when every check passed.
+//   mpi_dist stall COUNTS PROCESS    one all_reduce, then PROCESS stalls while the others start a
+//                                    second one with a 3 s deadline: they must fail naming it.
+//   mpi_dist exit COUNTS PROCESS     the same, but PROCESS exits (status 3) instead.
+//   mpi_dist mismatch COUNTS PROCESS the same, but PROCESS passes 5 elements where the others pass 4.
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <mgpu/dist/dist.hpp>
+
+using mgpu::DType;
+using mgpu::Tensor;
+using mgpu::comm::ReduceOp;
+using namespace std::chrono_literals;
+
+namespace {
+
+int failures = 0;
+int checks = 0;
+int process = 0;
+
+#define EXPECT(condition, what)                                                                      \
+  do {                                                                                               \
+    ++checks;                                                                                        \
+    if (!(condition)) {                                                                              \
+      ++failures;                                                                                    \
+      std::ostringstream text_;                                                                      \
+      text_ << what;                                                                                 \
+      std::fprintf(stderr, "process %d: FAILED %s: %s\n", process, #condition, text_.str().c_str()); \
+    }                                                                                                \
+  } while (false)
+
+// Rank r's i-th input of test `seed`, in [-1, 1), rounded to `dtype` as stored.
+double input(int seed, int rank, std::int64_t i, DType dtype) {
+  std::uint64_t x = static_cast<std::uint64_t>(seed) * 1000003u + static_cast<std::uint64_t>(rank) * 7919u +
+                    static_cast<std::uint64_t>(i) * 104729u;
+  x ^= x >> 13;
+  x *= 0x9E3779B97F4A7C15ull;
+  x ^= x >> 29;
+  float const value = static_cast<float>(static_cast<double>(x % 2000001) / 1000000.0 - 1.0);
+  switch (dtype) {
+    case DType::bfloat16:
+      return static_cast<float>(mgpu::bfloat16(value));
+    case DType::float16:
+      return static_cast<float>(mgpu::float16(value));
+    default:
+      return value;
+  }
+}
+
+double epsilon(DType dtype) {
+  switch (dtype) {
+    case DType::bfloat16:
+      return std::ldexp(1.0, -8);
+    case DType::float16:
+      return std::ldexp(1.0, -11);
+    default:
+      return std::ldexp(1.0, -23);
+  }
+}
+
+void store(Tensor const& t, std::int64_t i, double value) {
+  switch (t.dtype()) {
+    case DType::bfloat16:
+      t.host_span<mgpu::bfloat16>()[static_cast<std::size_t>(i)] = mgpu::bfloat16(static_cast<float>(value));
+      break;
+    case DType::float16:
+      t.host_span<mgpu::float16>()[static_cast<std::size_t>(i)] = mgpu::float16(static_cast<float>(value));
+      break;
+    default:
+      t.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(value);
+      break;
+  }
+}
+
+double load(Tensor const& t, std::int64_t i) {
+  switch (t.dtype()) {
+    case DType::bfloat16:
+      return static_cast<float>(t.host_span<mgpu::bfloat16>()[static_cast<std::size_t>(i)]);
+    case DType::float16:
+      return static_cast<float>(t.host_span<mgpu::float16>()[static_cast<std::size_t>(i)]);
+    default:
+      return t.host_span<float>()[static_cast<std::size_t>(i)];
+  }
+}
+
+// The float64 reference of `op` over every rank's inputs at index i.
+struct Reference {
+  double value;
+  double magnitude;  // sum of |inputs|: scales the tolerance
+};
+Reference reference(ReduceOp op, int seed, int ranks, std::int64_t i, DType dtype) {
+  double acc = input(seed, 0, i, dtype);
+  double magnitude = std::abs(acc);
+  for (int r = 1; r < ranks; ++r) {
+    double const x = input(seed, r, i, dtype);
+    magnitude += std::abs(x);
+    if (op == ReduceOp::min)
+      acc = std::min(acc, x);
+    else if (op == ReduceOp::max)
+      acc = std::max(acc, x);
+    else
+      acc += x;
+  }
+  if (op == ReduceOp::avg) acc /= ranks;
+  return {acc, magnitude};
+}
+
+// The reduction's partials are rounded to the dtype inside each process and once more at the end.
+bool close(double got, Reference const& ref, DType dtype) {
+  return std::abs(got - ref.value) <= 3 * epsilon(dtype) * ref.magnitude + 1e-30;
+}
+
+struct Setup {
+  mgpu::dist::World world;
+  mgpu::DeviceGroup& group;
+  mgpu::comm::Communicator& comm;
+  int local() const { return group.size(); }
+  int rank(int l) const { return world.rank_of(l); }
+  int size() const { return world.size(); }
+};
+
+std::vector<Tensor> make(Setup const& s, std::int64_t count, DType dtype) {
+  std::vector<Tensor> t;
+  for (int l = 0; l < s.local(); ++l) t.push_back(Tensor::empty({count}, dtype, s.group.allocator(l)));
+  return t;
+}
+
+void fill(Setup const& s, std::vector<Tensor> const& t, int seed, DType dtype) {
+  for (int l = 0; l < s.local(); ++l) {
+    for (std::int64_t i = 0; i < t[static_cast<std::size_t>(l)].numel(); ++i)
+      store(t[static_cast<std::size_t>(l)], i, input(seed, s.rank(l), i, dtype));
+  }
+}
+
+void test_all_reduce(Setup const& s, DType dtype, ReduceOp op, int seed, bool in_place) {
+  std::int64_t const n = 37;
+  auto send = make(s, n, dtype);
+  auto recv = in_place ? send : make(s, n, dtype);
+  fill(s, send, seed, dtype);
+  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+    s.comm.all_reduce(s.rank(l), send[static_cast<std::size_t>(l)], recv[static_cast<std::size_t>(l)], op, stream);
+  });
+  for (int l = 0; l < s.local(); ++l) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      Reference const ref = reference(op, seed, s.size(), i, dtype);
+      double const got = load(recv[static_cast<std::size_t>(l)], i);
+      EXPECT(close(got, ref, dtype), "all_reduce " << mgpu::comm::to_string(op) << " " << mgpu::to_string(dtype)
+                                                   << (in_place ? " in place" : "") << " rank " << s.rank(l) << " ["
+                                                   << i << "] = " << got << ", reference " << ref.value);
+    }
+  }
+  // Every rank of every process holds the same bits: gather every rank's result and compare.
+  auto gathered = make(s, n * s.size(), dtype);
+  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+    s.comm.all_gather(s.rank(l), recv[static_cast<std::size_t>(l)], gathered[static_cast<std::size_t>(l)], stream);
+  });
+  std::size_t const bytes = static_cast<std::size_t>(n) * mgpu::size_of(dtype);
+  for (int r = 1; r < s.size(); ++r) {
+    auto const* base = static_cast<char const*>(gathered[0].data());
+    EXPECT(std::memcmp(base, base + static_cast<std::size_t>(r) * bytes, bytes) == 0,
+           "all_reduce " << mgpu::comm::to_string(op) << " " << mgpu::to_string(dtype) << ": rank " << r
+                         << "'s result differs in its bits from rank 0's");
+  }
+}
+
+void test_reduce_scatter(Setup const& s, DType dtype, ReduceOp op, int seed) {
+  std::int64_t const n = 11;
+  auto send = make(s, n * s.size(), dtype);
+  auto recv = make(s, n, dtype);
+  fill(s, send, seed, dtype);
+  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+    s.comm.reduce_scatter(s.rank(l), send[static_cast<std::size_t>(l)], recv[static_cast<std::size_t>(l)], op, stream);
+  });
+  for (int l = 0; l < s.local(); ++l) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      Reference const ref = reference(op, seed, s.size(), s.rank(l) * n + i, dtype);
+      double const got = load(recv[static_cast<std::size_t>(l)], i);
+      EXPECT(close(got, ref, dtype), "reduce_scatter " << mgpu::comm::to_string(op) << " " << mgpu::to_string(dtype)
+                                                       << " rank " << s.rank(l) << " [" << i << "] = " << got
+                                                       << ", reference " << ref.value);
+    }
+  }
+}
+
+void test_reduce(Setup const& s, DType dtype, ReduceOp op, int root, int seed) {
+  std::int64_t const n = 23;
+  auto send = make(s, n, dtype);
+  auto recv = make(s, n, dtype);
+  fill(s, send, seed, dtype);
+  for (auto const& t : recv) {
+    for (std::int64_t i = 0; i < n; ++i) store(t, i, 42.0);
+  }
+  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+    s.comm.reduce(s.rank(l), send[static_cast<std::size_t>(l)], recv[static_cast<std::size_t>(l)], op, root, stream);
+  });
+  for (int l = 0; l < s.local(); ++l) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      double const got = load(recv[static_cast<std::size_t>(l)], i);
+      if (s.rank(l) == root) {
+        Reference const ref = reference(op, seed, s.size(), i, dtype);
+        EXPECT(close(got, ref, dtype), "reduce " << mgpu::comm::to_string(op) << " " << mgpu::to_string(dtype)
+                                                 << " to root " << root << " [" << i << "] = " << got << ", reference "
+                                                 << ref.value);
+      } else {
+        EXPECT(got == 42.0, "reduce to root " << root << " wrote rank " << s.rank(l) << "'s recv");
+      }
+    }
+  }
+}
+
+void test_all_gather(Setup const& s, DType dtype, int seed, bool in_place) {
+  std::int64_t const n = 9;
+  auto recv = make(s, n * s.size(), dtype);
+  std::vector<Tensor> send;
+  if (in_place) {
+    for (int l = 0; l < s.local(); ++l)
+      send.push_back(recv[static_cast<std::size_t>(l)].slice(s.rank(l) * n, (s.rank(l) + 1) * n));
+  } else {
+    send = make(s, n, dtype);
+  }
+  fill(s, send, seed, dtype);
+  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+    s.comm.all_gather(s.rank(l), send[static_cast<std::size_t>(l)], recv[static_cast<std::size_t>(l)], stream);
+  });
+  for (int l = 0; l < s.local(); ++l) {
+    for (int r = 0; r < s.size(); ++r) {
+      for (std::int64_t i = 0; i < n; ++i) {
+        double const got = load(recv[static_cast<std::size_t>(l)], r * n + i);
+        EXPECT(got == input(seed, r, i, dtype), "all_gather " << mgpu::to_string(dtype) << (in_place ? " in place" : "")
+                                                              << " rank " << s.rank(l) << " block " << r << " [" << i
+                                                              << "] = " << got);
+      }
+    }
+  }
+}
+
+void test_broadcast(Setup const& s, DType dtype, int root, int seed) {
+  std::int64_t const n = 13;
+  auto buffer = make(s, n, dtype);
+  fill(s, buffer, seed, dtype);
+  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+    s.comm.broadcast(s.rank(l), buffer[static_cast<std::size_t>(l)], root, stream);
+  });
+  for (int l = 0; l < s.local(); ++l) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      double const got = load(buffer[static_cast<std::size_t>(l)], i);
+      EXPECT(got == input(seed, root, i, dtype),
+             "broadcast from " << root << " rank " << s.rank(l) << " [" << i << "] = " << got);
+    }
+  }
+}
+
+// Every rank sends to the next rank and receives from the previous one in a group (a ring that
+// crosses the processes), then rank 0 and the last rank exchange without a group, one after the other.
+void test_send_recv(Setup const& s, DType dtype, int seed) {
+  std::int64_t const n = 17;
+  int const w = s.size();
+  auto send = make(s, n, dtype);
+  auto recv = make(s, n, dtype);
+  fill(s, send, seed, dtype);
+  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+    int const r = s.rank(l);
+    s.comm.group_start(r);
+    s.comm.send(r, send[static_cast<std::size_t>(l)], (r + 1) % w, stream);
+    s.comm.recv(r, recv[static_cast<std::size_t>(l)], (r + w - 1) % w, stream);
+    s.comm.group_end(r);
+  });
+  for (int l = 0; l < s.local(); ++l) {
+    int const from = (s.rank(l) + w - 1) % w;
+    for (std::int64_t i = 0; i < n; ++i) {
+      double const got = load(recv[static_cast<std::size_t>(l)], i);
+      EXPECT(got == input(seed, from, i, dtype),
+             "ring recv on rank " << s.rank(l) << " from " << from << " [" << i << "] = " << got);
+    }
+  }
+  // A large message (past any eager limit) one way, then a small one back.
+  std::int64_t const big = 1 << 20;
+  auto large = make(s, big, DType::float32);
+  for (int l = 0; l < s.local(); ++l) {
+    if (s.rank(l) == 0) {
+      for (std::int64_t i = 0; i < big; ++i)
+        store(large[static_cast<std::size_t>(l)], i, static_cast<double>(i % 1000));
+    }
+  }
+  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+    int const r = s.rank(l);
+    if (r == 0) {
+      s.comm.send(r, large[static_cast<std::size_t>(l)], w - 1, stream);
+      s.comm.recv(r, recv[static_cast<std::size_t>(l)], w - 1, stream);
+    } else if (r == w - 1) {
+      s.comm.recv(r, large[static_cast<std::size_t>(l)], 0, stream);
+      s.comm.send(r, send[static_cast<std::size_t>(l)], 0, stream);
+    }
+  });
+  for (int l = 0; l < s.local(); ++l) {
+    if (s.rank(l) == w - 1) {
+      bool same = true;
+      for (std::int64_t i = 0; i < big; ++i)
+        same = same && load(large[static_cast<std::size_t>(l)], i) == static_cast<double>(i % 1000);
+      EXPECT(same, "the 4 MiB message from rank 0 to rank " << w - 1 << " arrived changed");
+    }
+    if (s.rank(l) == 0) {
+      for (std::int64_t i = 0; i < n; ++i)
+        EXPECT(load(recv[static_cast<std::size_t>(l)], i) == input(seed, w - 1, i, dtype), "reply [" << i << "]");
+    }
+  }
+}
+
+// With one device per process, the all-reduce equals an in-process host communicator's over as
+// many devices, bit for bit: both combine the ranks in rank order in float32.
+void test_matches_one_process(Setup const& s, int seed) {
+  std::int64_t const n = 101;
+  auto send = make(s, n, DType::float32);
+  fill(s, send, seed, DType::float32);
+  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+    s.comm.all_reduce(s.rank(l), send[static_cast<std::size_t>(l)], send[static_cast<std::size_t>(l)], ReduceOp::sum,
+                      stream);
+  });
+  mgpu::DeviceGroup all("host:" + std::to_string(s.size()));
+  auto one = mgpu::comm::make_communicator(all);
+  std::vector<Tensor> ref;
+  for (int r = 0; r < s.size(); ++r) {
+    ref.push_back(Tensor::empty({n}, DType::float32, all.allocator(r)));
+    for (std::int64_t i = 0; i < n; ++i) store(ref.back(), i, input(seed, r, i, DType::float32));
+  }
+  all.run([&](int r, mgpu::Device, mgpu::Stream& stream) {
+    one->all_reduce(r, ref[static_cast<std::size_t>(r)], ref[static_cast<std::size_t>(r)], ReduceOp::sum, stream);
+  });
+  one->finalize();
+  EXPECT(std::memcmp(send[0].data(), ref[0].data(), static_cast<std::size_t>(n) * 4) == 0,
+         "the all_reduce across processes differs in its bits from one process's over host:" << s.size());
+}
+
+void test_world(mgpu::dist::World const& world, std::vector<int> const& counts, mgpu::dist::Place const& place) {
+  EXPECT(world.processes == static_cast<int>(counts.size()), "processes " << world.processes);
+  EXPECT(world.process == place.rank, "process " << world.process);
+  int rank = 0;
+  for (int p = 0; p < static_cast<int>(counts.size()); ++p) {
+    EXPECT(world.first_rank(p) == rank, "first rank of process " << p);
+    EXPECT(world.local_size(p) == counts[static_cast<std::size_t>(p)], "local size of process " << p);
+    for (int l = 0; l < counts[static_cast<std::size_t>(p)]; ++l, ++rank) {
+      auto const& d = world.devices[static_cast<std::size_t>(rank)];
+      EXPECT(d.rank == rank && d.process == p && d.local_rank == l &&
+                 d.device == (mgpu::Device{mgpu::DeviceKind::host, l}),
+             "world device " << rank << ": rank " << d.rank << ", process " << d.process << ", local rank "
+                             << d.local_rank << ", " << d.device.to_string());
+      EXPECT(d.host == place.host,
+             "world device " << rank << " on host " << d.host << " (expected " << place.host << ": one machine)");
+    }
+  }
+  EXPECT(world.size() == rank, "world size " << world.size());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: mpi_dist collectives|stall|exit|mismatch COUNTS [PROCESS]\n");
+    return 2;
+  }
+  std::string const mode = argv[1];
+  std::vector<int> counts;
+  for (std::stringstream list(argv[2]); list.good();) {
+    std::string item;
+    std::getline(list, item, ',');
+    counts.push_back(std::stoi(item));
+  }
+  int const faulty = argc > 3 ? std::atoi(argv[3]) : -1;
+  try {
+    mgpu::dist::Session session;
+    mgpu::dist::Place const& place = session.place();
+    process = place.rank;
+    if (place.size != static_cast<int>(counts.size())) {
+      std::fprintf(stderr, "process %d: %d processes, but COUNTS lists %zu\n", process, place.size, counts.size());
+      return 2;
+    }
+    if (process == 0)
+      std::printf("launcher %s, %d processes, MPI thread support '%s'\n",
+                  std::string(mgpu::dist::to_string(place.launcher)).c_str(), place.size,
+                  place.mpi_thread_level.c_str());
+    mgpu::DeviceGroup group("host:" + std::to_string(counts[static_cast<std::size_t>(place.rank)]));
+    mgpu::dist::World const world = mgpu::dist::make_world(group);
+    test_world(world, counts, place);
+    auto comm = mgpu::dist::make_communicator(world, group, {.timeout = 60s});
+    EXPECT(comm->size() == world.size(), "communicator size " << comm->size());
+    Setup const s{world, group, *comm};
+    if (mode == "collectives") {
+      int seed = 1;
+      for (DType dtype : {DType::float32, DType::bfloat16, DType::float16}) {
+        for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::min, ReduceOp::max}) {
+          test_all_reduce(s, dtype, op, seed++, false);
+          test_reduce_scatter(s, dtype, op, seed++);
+        }
+        test_all_reduce(s, dtype, ReduceOp::sum, seed++, true);
+        for (int root : {0, world.size() - 1, world.size() / 2}) test_reduce(s, dtype, ReduceOp::sum, root, seed++);
+        test_reduce(s, dtype, ReduceOp::max, 1, seed++);
+        test_all_gather(s, dtype, seed++, false);
+        test_all_gather(s, dtype, seed++, true);
+        for (int root : {0, world.size() - 1, 1}) test_broadcast(s, dtype, root, seed++);
+        test_send_recv(s, dtype, seed++);
+      }
+      group.run([&](int l, mgpu::Device, mgpu::Stream& stream) { comm->barrier(s.rank(l), stream); });
+      bool one_each = true;
+      for (int c : counts) one_each = one_each && c == 1;
+      if (one_each) test_matches_one_process(s, seed++);
+      // A rank of another process is refused here, before any communication.
+      int const remote = world.rank_of(0) == 0 ? world.size() - 1 : 0;
+      Tensor const t = Tensor::empty({4}, DType::float32, group.allocator(0));
+      try {
+        comm->all_reduce(remote, t, t, ReduceOp::sum, group.stream(0));
+        EXPECT(false, "all_reduce as rank " << remote << " of another process was accepted");
+      } catch (mgpu::Error const& e) {
+        EXPECT(e.category() == mgpu::Errc::invalid_argument &&
+                   std::string(e.what()).find("belongs to process") != std::string::npos,
+               "all_reduce as another process's rank: " << e.what());
+      }
+      comm->finalize();
+      std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
+      return failures == 0 ? 0 : 1;
+    }
+    // A fault: one healthy all_reduce, then `faulty` stalls, exits, or passes another count in an
+    // all_reduce of a second communicator, made right after it. Only a stall is meant to meet the
+    // second one's deadline (3 s), which a process slowed by a busy machine does not reach between
+    // two operations; setting up and the healthy all_reduce have 60 s.
+    test_all_reduce(s, DType::float32, ReduceOp::sum, 1, false);
+    auto second = mgpu::dist::make_communicator(world, group, {.timeout = mode == "stall" ? 3s : 60s});
+    Setup const t{world, group, *second};
+    if (mode == "mismatch") {
+      auto buffers = make(t, process == faulty ? 5 : 4, DType::float32);
+      group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+        second->all_reduce(t.rank(l), buffers[static_cast<std::size_t>(l)], buffers[static_cast<std::size_t>(l)],
+                           ReduceOp::sum, stream);
+      });
+      std::printf("process %d: the mismatched all_reduce succeeded\n", process);
+      return 0;
+    }
+    if (process == faulty) {
+      if (mode == "exit") std::_Exit(3);
+      std::this_thread::sleep_for(60s);  // mpirun ends it once another process fails
+      return 0;
+    }
+    test_all_reduce(t, DType::float32, ReduceOp::sum, 2, false);
+    std::printf("process %d: the collective succeeded without process %d\n", process, faulty);
+    return 0;
+  } catch (mgpu::Error const& e) {
+    std::fprintf(stderr, "process %d: error: %s\n", process, e.what());
+    std::fflush(stderr);
+    return 1;
+  }
+}
