@@ -18,6 +18,7 @@
 // Kernels are not part of it: they live in src/kernels, one launcher header per layer.
 #pragma once
 
+#include <cstdint>
 #include <cstdio>
 #include <exception>
 #include <functional>
@@ -44,6 +45,9 @@ struct StreamInternals {
   // stream's handle lock, so threads enqueuing on one stream never share the handle at once.
   static void with_blas_handle(Stream& stream, void* (*create)(int ordinal), void (*destroy)(void*) noexcept,
                                std::function<void(void*)> const& use);
+
+  // A number that names the stream for as long as the process runs (never given to another one).
+  static std::uint64_t id(Stream const& stream) noexcept;
 };
 
 struct BufferInternals {

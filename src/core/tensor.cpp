@@ -75,6 +75,16 @@ Tensor Tensor::empty(Shape shape, DType dtype, Allocator& allocator) {
   return t;
 }
 
+Tensor Tensor::empty(Shape shape, DType dtype, Allocator& allocator, Stream& stream) {
+  Tensor t;
+  std::int64_t const count = checked_numel(shape);
+  t.storage_ = std::make_shared<Buffer>(allocator.allocate(static_cast<std::size_t>(count) * size_of(dtype), stream));
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  t.device_ = allocator.device();
+  return t;
+}
+
 Tensor Tensor::empty_pinned(Shape shape, DType dtype, Allocator& allocator) {
   Tensor t;
   std::int64_t const count = checked_numel(shape);
