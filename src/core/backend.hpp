@@ -10,6 +10,8 @@
 //   - release_after / ReleaseAfterOnExit (BufferInternals): after enqueuing CUDA work on tensors
 //     or buffers, record that work as a use, so that their blocks are reused only once it has
 //     finished (stream-ordered release, in place of host callbacks that hold the tensors);
+//   - StreamScratch: a kernel launcher's temporaries (kernels/scratch.hpp) from the caching
+//     allocator, for the launch's stream, released in stream order;
 //   - host_staging_allocator(): the shared host allocator for staging copies and scalar reads;
 //   - mgpu::detail::cuda (core/cuda_backend.hpp, included here): the CUDA runtime calls behind
 //     plain C++ signatures (streams, events, host words, memory, error strings), which a build
@@ -30,6 +32,7 @@
 #include <mgpu/core/tensor.hpp>
 
 #include "core/cuda_backend.hpp"
+#include "kernels/scratch.hpp"
 
 namespace mgpu::detail {
 
@@ -59,6 +62,8 @@ struct BufferInternals {
   static void record_use(Stream& stream, Tensor const& tensor);
   // The same for each of the tensors.
   static void record_use(Stream& stream, std::vector<Tensor> const& tensors);
+  // The allocator that made the tensor's storage (a defined tensor's).
+  static Allocator& allocator(Tensor const& tensor);
 };
 
 // Records the work enqueued so far on `stream` as a use of each tensor or buffer.
@@ -88,6 +93,33 @@ class ReleaseAfterOnExit {
  private:
   Stream& stream_;
   std::tuple<Storage const&...> storage_;
+};
+
+// A kernel launcher's scratch memory from the caching allocator of a tensor the op uses, for work
+// on `stream`: blocks that earlier work on the stream freed come back at once, without waiting for
+// that work. When it goes, the launched work is recorded as the blocks' use (also when a launch
+// failed part way), so the stream reuses them at once and anyone else once that work has run.
+class StreamScratch final : public kernels::Scratch {
+ public:
+  StreamScratch(Stream& stream, Tensor const& like) : stream_(stream), allocator_(BufferInternals::allocator(like)) {}
+  StreamScratch(StreamScratch const&) = delete;
+  StreamScratch& operator=(StreamScratch const&) = delete;
+  ~StreamScratch() {
+    for (Buffer const& b : buffers_) {
+      try {
+        release_after(stream_, b);
+      } catch (std::exception const& e) {
+        std::fprintf(stderr, "mgpu: recording the use of a kernel's scratch memory failed: %s\n", e.what());
+      }
+    }
+  }
+
+  void* allocate(std::size_t bytes) override { return buffers_.emplace_back(allocator_.allocate(bytes, stream_)).data(); }
+
+ private:
+  Stream& stream_;
+  Allocator& allocator_;
+  std::vector<Buffer> buffers_;
 };
 
 // The library's one host allocator for staging copies (to and from GPUs, checkpoints, scalar reads,

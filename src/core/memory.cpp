@@ -437,4 +437,6 @@ void detail::BufferInternals::record_use(Stream& stream, std::vector<Tensor> con
   for (Tensor const& t : tensors) record_use(stream, t);
 }
 
+Allocator& detail::BufferInternals::allocator(Tensor const& tensor) { return *tensor.storage_->owner_; }
+
 }  // namespace mgpu

@@ -68,21 +68,19 @@ __global__ void reduce_final_kernel(float const* partials, int count, float* out
 
 // *out = scale * sum of op(i), in an order fixed by n alone.
 template <class Op>
-void sum_terms(std::int64_t n, Op const& op, float* out, float scale, cudaStream_t s) {
+void sum_terms(std::int64_t n, Op const& op, float* out, float scale, Scratch& scratch, cudaStream_t s) {
   if (n == 0) {
     MGPU_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(float), s));
     return;
   }
   std::int64_t const wanted = (n + reduce_threads - 1) / reduce_threads;
   int const blocks = static_cast<int>(wanted < max_reduce_blocks ? wanted : max_reduce_blocks);
-  // The partials live in the stream-ordered pool: freed in stream order after the final pass.
-  void* partials = nullptr;
-  MGPU_CUDA_CHECK(cudaMallocAsync(&partials, sizeof(float) * static_cast<std::size_t>(blocks), s));
+  // The partials are scratch: the caller releases them in stream order after the final pass.
+  void* const partials = scratch.allocate(sizeof(float) * static_cast<std::size_t>(blocks));
   reduce_partials_kernel<<<blocks, reduce_threads, 0, s>>>(n, op, static_cast<float*>(partials));
   MGPU_CUDA_CHECK(cudaGetLastError());
   reduce_final_kernel<<<1, reduce_threads, 0, s>>>(static_cast<float const*>(partials), blocks, out, scale);
   MGPU_CUDA_CHECK(cudaGetLastError());
-  MGPU_CUDA_CHECK(cudaFreeAsync(partials, s));
 }
 
 int row_blocks(std::int64_t rows) { return static_cast<int>(rows < 65535 ? rows : 65535); }
@@ -277,21 +275,20 @@ void launch_each(std::int64_t cols, mgpu::detail::LayerNormParamGradCol<T> const
 }
 
 template <class Op>
-void launch_reduce(std::int64_t n, Op const& op, float* out, float scale, cudaStream_t s) {
-  sum_terms(n, op, out, scale, s);
+void launch_reduce(std::int64_t n, Op const& op, float* out, float scale, Scratch& scratch, cudaStream_t s) {
+  sum_terms(n, op, out, scale, scratch, s);
 }
 template <class T>
-void launch_reduce(std::int64_t rows, mgpu::detail::SoftmaxCrossEntropyRow<T> const& op, float* out, float scale, cudaStream_t s) {
+void launch_reduce(std::int64_t rows, mgpu::detail::SoftmaxCrossEntropyRow<T> const& op, float* out, float scale,
+                   Scratch& scratch, cudaStream_t s) {
   if (rows == 0) {
-    sum_terms(0, LoadAt{nullptr}, out, scale, s);
+    sum_terms(0, LoadAt{nullptr}, out, scale, scratch, s);
     return;
   }
-  void* losses = nullptr;
-  MGPU_CUDA_CHECK(cudaMallocAsync(&losses, sizeof(float) * static_cast<std::size_t>(rows), s));
+  void* const losses = scratch.allocate(sizeof(float) * static_cast<std::size_t>(rows));
   softmax_cross_entropy_rows_kernel<<<row_blocks(rows), reduce_threads, 0, s>>>(op, rows, static_cast<float*>(losses));
   MGPU_CUDA_CHECK(cudaGetLastError());
-  sum_terms(rows, LoadAt{static_cast<float const*>(losses)}, out, scale, s);
-  MGPU_CUDA_CHECK(cudaFreeAsync(losses, s));
+  sum_terms(rows, LoadAt{static_cast<float const*>(losses)}, out, scale, scratch, s);
 }
 
 // The smallest (row << 32 | label bits) over the rows whose label is not a class id.
@@ -334,17 +331,16 @@ void each(int ordinal, std::int64_t n, Op const& op, void* stream) {
 }
 
 template <class Op>
-void reduce(int ordinal, std::int64_t n, Op const& op, float* out, float scale, void* stream) {
+void reduce(int ordinal, std::int64_t n, Op const& op, float* out, float scale, Scratch& scratch, void* stream) {
   detail::cuda::DeviceScope scope(ordinal);
-  launch_reduce(n, op, out, scale, static_cast<cudaStream_t>(stream));
+  launch_reduce(n, op, out, scale, scratch, static_cast<cudaStream_t>(stream));
 }
 
-void find_bad_label(int ordinal, float const* labels, std::int64_t rows, std::int64_t classes, std::uint64_t* host_result,
-                    void* stream) {
+void find_bad_label(int ordinal, float const* labels, std::int64_t rows, std::int64_t classes,
+                    std::uint64_t* host_result, Scratch& scratch, void* stream) {
   detail::cuda::DeviceScope scope(ordinal);
   auto const s = static_cast<cudaStream_t>(stream);
-  void* first = nullptr;
-  MGPU_CUDA_CHECK(cudaMallocAsync(&first, sizeof(unsigned long long), s));
+  void* const first = scratch.allocate(sizeof(unsigned long long));
   MGPU_CUDA_CHECK(cudaMemsetAsync(first, 0xff, sizeof(unsigned long long), s));
   if (rows > 0) {
     std::int64_t const wanted = (rows + reduce_threads - 1) / reduce_threads;
@@ -353,7 +349,6 @@ void find_bad_label(int ordinal, float const* labels, std::int64_t rows, std::in
     MGPU_CUDA_CHECK(cudaGetLastError());
   }
   MGPU_CUDA_CHECK(cudaMemcpyAsync(host_result, first, sizeof(std::uint64_t), cudaMemcpyDeviceToHost, s));
-  MGPU_CUDA_CHECK(cudaFreeAsync(first, s));
 }
 
 void* create_blas_handle(int ordinal) {
@@ -409,12 +404,13 @@ void gemm(void* blas_handle, int ordinal, DType dtype, bool transpose_a, bool tr
   template void each(int, std::int64_t, mgpu::detail::AddScaledOp<T, float> const&, void*);                          \
   template void each(int, std::int64_t, mgpu::detail::AddScaledOp<T, bfloat16> const&, void*);                       \
   template void each(int, std::int64_t, mgpu::detail::AddScaledOp<T, float16> const&, void*);                        \
-  template void reduce(int, std::int64_t, mgpu::detail::SoftmaxCrossEntropyRow<T> const&, float*, float, void*);      \
-  template void reduce(int, std::int64_t, mgpu::detail::SquaredErrorOp<T> const&, float*, float, void*);              \
-  template void reduce(int, std::int64_t, mgpu::detail::CorrectRow<T> const&, float*, float, void*);                  \
-  template void reduce(int, std::int64_t, mgpu::detail::ValueOp<T> const&, float*, float, void*);                     \
-  template void reduce(int, std::int64_t, mgpu::detail::SquareOp<T> const&, float*, float, void*);                    \
-  template void reduce(int, std::int64_t, mgpu::detail::NonFiniteOp<T> const&, float*, float, void*);
+  template void reduce(int, std::int64_t, mgpu::detail::SoftmaxCrossEntropyRow<T> const&, float*, float, Scratch&,     \
+                       void*);                                                                                         \
+  template void reduce(int, std::int64_t, mgpu::detail::SquaredErrorOp<T> const&, float*, float, Scratch&, void*);     \
+  template void reduce(int, std::int64_t, mgpu::detail::CorrectRow<T> const&, float*, float, Scratch&, void*);         \
+  template void reduce(int, std::int64_t, mgpu::detail::ValueOp<T> const&, float*, float, Scratch&, void*);            \
+  template void reduce(int, std::int64_t, mgpu::detail::SquareOp<T> const&, float*, float, Scratch&, void*);           \
+  template void reduce(int, std::int64_t, mgpu::detail::NonFiniteOp<T> const&, float*, float, Scratch&, void*);
 MGPU_OPS_FOR_TYPE(float)
 MGPU_OPS_FOR_TYPE(bfloat16)
 MGPU_OPS_FOR_TYPE(float16)

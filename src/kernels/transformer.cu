@@ -39,24 +39,11 @@ void transformer_each(int ordinal, std::int64_t n, Op const& op, void* stream) {
   for_each_index(n, op, static_cast<cudaStream_t>(stream));
 }
 
-void* scratch_allocate(int ordinal, std::size_t bytes, void* stream) {
-  detail::cuda::DeviceScope scope(ordinal);
-  void* memory = nullptr;
-  MGPU_CUDA_CHECK(cudaMallocAsync(&memory, bytes, static_cast<cudaStream_t>(stream)));
-  return memory;
-}
-
-void scratch_free(int ordinal, void* memory, void* stream) {
-  detail::cuda::DeviceScope scope(ordinal);
-  MGPU_CUDA_CHECK(cudaFreeAsync(memory, static_cast<cudaStream_t>(stream)));
-}
-
 void find_bad_token(int ordinal, std::int32_t const* ids, std::int64_t n, std::int64_t vocab, std::int64_t ignore,
-                    std::uint64_t* host_result, void* stream) {
+                    std::uint64_t* host_result, Scratch& scratch, void* stream) {
   detail::cuda::DeviceScope scope(ordinal);
   auto const s = static_cast<cudaStream_t>(stream);
-  void* first = nullptr;
-  MGPU_CUDA_CHECK(cudaMallocAsync(&first, sizeof(unsigned long long), s));
+  void* const first = scratch.allocate(sizeof(unsigned long long));
   MGPU_CUDA_CHECK(cudaMemsetAsync(first, 0xff, sizeof(unsigned long long), s));
   if (n > 0) {
     std::int64_t const wanted = (n + check_threads - 1) / check_threads;
@@ -66,7 +53,6 @@ void find_bad_token(int ordinal, std::int32_t const* ids, std::int64_t n, std::i
     MGPU_CUDA_CHECK(cudaGetLastError());
   }
   MGPU_CUDA_CHECK(cudaMemcpyAsync(host_result, first, sizeof(std::uint64_t), cudaMemcpyDeviceToHost, s));
-  MGPU_CUDA_CHECK(cudaFreeAsync(first, s));
 }
 
 #define MGPU_TRANSFORMER_FOR_TYPE(T)                                                                        \
