@@ -274,6 +274,52 @@ TEST_CASE("cuda_peer collectives back to back on two streams per rank, one rank'
   }
 }
 
+TEST_CASE("cuda_peer all-reduce with 16-byte loads where the ranks' buffers line up, element loads where not", "[cuda][comm]") {
+  mgpu::DeviceGroup group("cuda:0,0,0,0");
+  auto comm = mgpu::comm::make_communicator(group, {.backend = mgpu::comm::Backend::cuda_peer});
+  int const n = group.size();
+  for (DType t : {DType::float32, DType::bfloat16, DType::float16}) {
+    for (std::int64_t count : {5, 4099}) {
+      // Views starting `shift` elements into their buffers: lined up (all 0 or all 1: a head, then
+      // vectors, then a tail) or not (each rank its own shift: element by element).
+      for (bool lined_up : {true, false}) {
+        for (std::int64_t base : {0, 1}) {
+          INFO(mgpu::to_string(t) << ", " << count << " elements, lined up " << lined_up << ", shift " << base);
+          std::vector<std::vector<float>> in(static_cast<std::size_t>(n));
+          std::vector<Tensor> views;
+          std::vector<Tensor> kept;
+          for (int r = 0; r < n; ++r) {
+            std::int64_t const shift = lined_up ? base : base + r;
+            std::vector<float> values(static_cast<std::size_t>(count + shift), -1.0f);
+            for (std::int64_t i = 0; i < count; ++i) {
+              float const v = static_cast<float>((i * (r + 3)) % 29) - 14.0f;
+              values[static_cast<std::size_t>(shift + i)] = v;
+              in[static_cast<std::size_t>(r)].push_back(v);
+            }
+            kept.push_back(upload(values, t, group.allocator(r), group.stream(r)));
+            views.push_back(kept.back().slice(shift, shift + count));
+          }
+          group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+            auto const& v = views[static_cast<std::size_t>(rank)];
+            comm->all_reduce(rank, v, v, ReduceOp::sum, stream);
+          });
+          for (int r = 0; r < n; ++r) {
+            auto const got = download(kept[static_cast<std::size_t>(r)]);
+            std::int64_t const shift = lined_up ? base : base + r;
+            for (std::int64_t i = 0; i < shift; ++i) REQUIRE(got[static_cast<std::size_t>(i)] == -1.0f);  // untouched
+            for (std::int64_t i = 0; i < count; ++i) {
+              double sum = 0;
+              for (auto const& v : in) sum += v[static_cast<std::size_t>(i)];
+              REQUIRE(got[static_cast<std::size_t>(shift + i)] == sum);  // small integers: exact in every dtype
+            }
+          }
+        }
+      }
+    }
+  }
+  comm->finalize();
+}
+
 TEST_CASE("NCCL collectives across every GPU (one rank on a one-GPU machine)", "[cuda][comm]") {
   if (!mgpu::built_with_nccl) MGPU_SKIP("built without NCCL");
   // One GPU still makes a one-rank NCCL group: non-blocking init, launches, the watchdog, and
