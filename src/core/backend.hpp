@@ -8,8 +8,9 @@
 //   - StreamInternals: host work that runs even after earlier work failed (collectives must
 //     still take part), and the stream's cuBLAS handle;
 //   - release_after / ReleaseAfterOnExit (BufferInternals): after enqueuing CUDA work on tensors
-//     or buffers, record that work as a use, so that their blocks are reused only once it has
-//     finished (stream-ordered release, in place of host callbacks that hold the tensors);
+//     or buffers, record that work as a use, so that their blocks go to other streams only once
+//     it has finished, and to that stream at once (stream-ordered release, in place of host
+//     callbacks that hold the tensors);
 //   - StreamScratch: a kernel launcher's temporaries (kernels/scratch.hpp) from the caching
 //     allocator, for the launch's stream, released in stream order;
 //   - host_staging_allocator(): the shared host allocator for staging copies and scalar reads;
@@ -55,8 +56,9 @@ struct StreamInternals {
 
 struct BufferInternals {
   // Records that the work enqueued so far on `stream` uses the buffer: once its last handle goes,
-  // its allocator reuses or frees the block only after that work has finished. Nothing to do on a
-  // host stream (host work holds what it uses). Thread-safe; call it after enqueuing the work.
+  // its allocator gives the block to `stream` at once and to anyone else, or frees it, only after
+  // that work has finished. Nothing to do on a host stream (host work holds what it uses).
+  // Thread-safe; call it after enqueuing the work.
   static void record_use(Stream& stream, Buffer const& buffer);
   // The same for a tensor's storage (an undefined tensor is ignored).
   static void record_use(Stream& stream, Tensor const& tensor);
