@@ -188,7 +188,8 @@ class CudaPeerCommunicator final : public CommunicatorBase {
   // that will not run, and wakes the receivers waiting on the host.
   void raise_words() noexcept {
     for (RankEvents const& e : events_) {
-      if (e.done != nullptr) std::atomic_ref(*e.done).store(std::numeric_limits<std::uint32_t>::max(), std::memory_order_release);
+      if (e.done != nullptr)
+        std::atomic_ref(*e.done).store(std::numeric_limits<std::uint32_t>::max(), std::memory_order_release);
     }
     for (auto& ch : channels_) {
       {
@@ -504,7 +505,8 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     MGPU_CUDA_CHECK(cudaEventRecord(mine.written, s));
     for (int p = 0; p < n; ++p) {
       if (p != rank)
-        mgpu::detail::cuda::stream_wait_word(s, events_[static_cast<std::size_t>(p)].done, static_cast<std::uint32_t>(number));
+        mgpu::detail::cuda::stream_wait_word(s, events_[static_cast<std::size_t>(p)].done,
+                                             static_cast<std::uint32_t>(number));
     }
     // The stream is now past every rank's reads and writes of this rank's buffers.
     mgpu::detail::release_after(stream, c.send, c.recv);

@@ -116,7 +116,9 @@ class StreamScratch final : public kernels::Scratch {
     }
   }
 
-  void* allocate(std::size_t bytes) override { return buffers_.emplace_back(allocator_.allocate(bytes, stream_)).data(); }
+  void* allocate(std::size_t bytes) override {
+    return buffers_.emplace_back(allocator_.allocate(bytes, stream_)).data();
+  }
 
  private:
   Stream& stream_;

@@ -300,7 +300,8 @@ void Allocator::reclaim_completed_locked() noexcept {
         return true;
       }
     };
-    auto const first_finished = std::stable_partition(it->uses.begin(), it->uses.end(), [&](StreamUse const& use) { return !finished(use); });
+    auto const first_finished =
+        std::stable_partition(it->uses.begin(), it->uses.end(), [&](StreamUse const& use) { return !finished(use); });
     for (auto use = first_finished; use != it->uses.end(); ++use) recycle_event(*use);
     it->uses.erase(first_finished, it->uses.end());
     if (!it->uses.empty()) {

@@ -54,7 +54,8 @@ Tensor Linear::forward(Tensor const& x, Context& ctx, ops::ActivationKind act) {
                                             std::string(to_string(w_.dtype())) + ")");
   Tensor const x2 = as_rows(x, in_);
   Tensor y = Tensor::empty({x2.dim(0), out_}, x.dtype(), ctx.allocator, ctx.stream);
-  Tensor pre = act == ops::ActivationKind::gelu ? Tensor::empty(y.shape(), y.dtype(), ctx.allocator, ctx.stream) : Tensor{};
+  Tensor pre =
+      act == ops::ActivationKind::gelu ? Tensor::empty(y.shape(), y.dtype(), ctx.allocator, ctx.stream) : Tensor{};
   ops::linear(x2, w_, b_, y, act, pre, ctx.stream);
   saved_[ctx.micro_batch] = Saved{x, pre.defined() ? pre : y, Tensor{}, act};
   return y.reshape(out_shape);

@@ -413,7 +413,8 @@ namespace {
 // the element-by-element ReduceSlice: the same bits in [begin, end), nothing written outside it.
 // Returns how many vectors it used.
 template <class T, ReduceOp O>
-std::int64_t check_vector_slice(int inputs, int outputs, std::vector<int> const& shift, std::int64_t begin, std::int64_t end) {
+std::int64_t check_vector_slice(int inputs, int outputs, std::vector<int> const& shift, std::int64_t begin,
+                                std::int64_t end) {
   using mgpu::comm::detail::ReduceSlice;
   using mgpu::comm::detail::VectorReduceSlice;
   constexpr std::int64_t n = 300;
@@ -433,8 +434,10 @@ std::int64_t check_vector_slice(int inputs, int outputs, std::vector<int> const&
   fast.inputs = slow.inputs = inputs;
   fast.outputs = slow.outputs = outputs;
   for (int k = 0; k < arrays; ++k) {
-    auto* const f = reinterpret_cast<T*>(base(fast_bytes) + stride * static_cast<std::size_t>(k)) + shift[static_cast<std::size_t>(k)];
-    auto* const s = reinterpret_cast<T*>(base(slow_bytes) + stride * static_cast<std::size_t>(k)) + shift[static_cast<std::size_t>(k)];
+    auto* const f = reinterpret_cast<T*>(base(fast_bytes) + stride * static_cast<std::size_t>(k)) +
+                    shift[static_cast<std::size_t>(k)];
+    auto* const s = reinterpret_cast<T*>(base(slow_bytes) + stride * static_cast<std::size_t>(k)) +
+                    shift[static_cast<std::size_t>(k)];
     for (std::int64_t i = 0; i < n; ++i) f[i] = s[i] = T(k < inputs ? value(rng) : 99.0f);
     if (k < inputs) {
       fast.in[k] = f;
@@ -458,7 +461,8 @@ std::int64_t check_vector_slice(int inputs, int outputs, std::vector<int> const&
 }
 }  // namespace
 
-TEST_CASE("The CUDA reduction's 16-byte vectors equal the element-by-element math, head and tail too", "[comm][reduce]") {
+TEST_CASE("The CUDA reduction's 16-byte vectors equal the element-by-element math, head and tail too",
+          "[comm][reduce]") {
   auto const each_type_and_op = [](auto const& run) {
     mgpu::detail::visit_dtype(DType::float32, run);
     mgpu::detail::visit_dtype(DType::bfloat16, run);
@@ -468,18 +472,18 @@ TEST_CASE("The CUDA reduction's 16-byte vectors equal the element-by-element mat
     constexpr std::int64_t lanes = 16 / sizeof(T);
     for (ReduceOp const op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::min, ReduceOp::max}) {
       mgpu::comm::visit_reduce_op(op, [&]<ReduceOp O>(std::integral_constant<ReduceOp, O>) {
-      CAPTURE(sizeof(T), static_cast<int>(O));
-      // Lined up at 0: whole vectors from the start, a tail after them.
-      CHECK(check_vector_slice<T, O>(3, 3, {0, 0, 0, 0, 0, 0}, 0, 299) == 299 / lanes);
-      // Lined up one element past a boundary: a head up to the next boundary, then vectors.
-      std::int64_t const head = lanes - 1;
-      CHECK(check_vector_slice<T, O>(4, 1, {1, 1, 1, 1, 1}, 0, 250) == (250 - head) / lanes);
-      // A slice that starts inside the arrays (another rank's part of an all-reduce).
-      CHECK(check_vector_slice<T, O>(2, 2, {0, 0, 0, 0}, 37, 211) > 0);
-      // One input off by an element: no vectors, every element one by one.
-      CHECK(check_vector_slice<T, O>(3, 2, {0, 1, 0, 0, 0}, 0, 300) == 0);
-      // A slice shorter than its head: elements only.
-      CHECK(check_vector_slice<T, O>(2, 1, {1, 1, 1}, 0, 1) == 0);
+        CAPTURE(sizeof(T), static_cast<int>(O));
+        // Lined up at 0: whole vectors from the start, a tail after them.
+        CHECK(check_vector_slice<T, O>(3, 3, {0, 0, 0, 0, 0, 0}, 0, 299) == 299 / lanes);
+        // Lined up one element past a boundary: a head up to the next boundary, then vectors.
+        std::int64_t const head = lanes - 1;
+        CHECK(check_vector_slice<T, O>(4, 1, {1, 1, 1, 1, 1}, 0, 250) == (250 - head) / lanes);
+        // A slice that starts inside the arrays (another rank's part of an all-reduce).
+        CHECK(check_vector_slice<T, O>(2, 2, {0, 0, 0, 0}, 37, 211) > 0);
+        // One input off by an element: no vectors, every element one by one.
+        CHECK(check_vector_slice<T, O>(3, 2, {0, 1, 0, 0, 0}, 0, 300) == 0);
+        // A slice shorter than its head: elements only.
+        CHECK(check_vector_slice<T, O>(2, 1, {1, 1, 1}, 0, 1) == 0);
       });
     }
   });

@@ -150,7 +150,9 @@ namespace {
 // check never leaves the stream blocked).
 class Gate {
  public:
-  explicit Gate(mgpu::Stream& stream) { stream.enqueue([opened = promise_.get_future().share()] { opened.wait(); }); }
+  explicit Gate(mgpu::Stream& stream) {
+    stream.enqueue([opened = promise_.get_future().share()] { opened.wait(); });
+  }
   Gate(Gate const&) = delete;
   Gate& operator=(Gate const&) = delete;
   ~Gate() { open(); }
@@ -224,7 +226,7 @@ TEST_CASE("A block used by two streams goes to one of them only after the other'
     a.record_stream(first);
     a.record_stream(second);
   }
-  std::vector<mgpu::Buffer> held;  // kept, so that each request below sees only `a`'s block
+  std::vector<mgpu::Buffer> held;                       // kept, so that each request below sees only `a`'s block
   held.push_back(allocator->allocate(1 << 16, first));  // the second stream's work may still use it
   held.push_back(allocator->allocate(1 << 16, second));
   second_gate.open();

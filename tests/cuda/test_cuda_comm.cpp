@@ -234,8 +234,8 @@ TEST_CASE("cuda_peer collectives back to back on two streams per rank, one rank'
   // ready") while another is still enqueuing its waits for this one, and a rank's collectives on
   // two streams announce their ends in order. Every result is checked.
   mgpu::DeviceGroup group("cuda:0,0,0");
-  auto comm = mgpu::comm::make_communicator(group, {.backend = mgpu::comm::Backend::cuda_peer,
-                                                    .timeout = std::chrono::milliseconds(20000)});
+  auto comm = mgpu::comm::make_communicator(
+      group, {.backend = mgpu::comm::Backend::cuda_peer, .timeout = std::chrono::milliseconds(20000)});
   int const n = group.size();
   constexpr int rounds = 24;
   constexpr std::int64_t count = 3001;
@@ -246,8 +246,10 @@ TEST_CASE("cuda_peer collectives back to back on two streams per rank, one rank'
   for (int r = 0; r < n; ++r) {
     for (int k = 0; k < rounds; ++k) {
       std::vector<float> values(count);
-      for (std::int64_t i = 0; i < count; ++i) values[static_cast<std::size_t>(i)] = static_cast<float>((i + k * (r + 1)) % 17);
-      inputs[static_cast<std::size_t>(r)].push_back(upload(values, DType::float32, group.allocator(r), group.stream(r)));
+      for (std::int64_t i = 0; i < count; ++i)
+        values[static_cast<std::size_t>(i)] = static_cast<float>((i + k * (r + 1)) % 17);
+      inputs[static_cast<std::size_t>(r)].push_back(
+          upload(values, DType::float32, group.allocator(r), group.stream(r)));
       outputs[static_cast<std::size_t>(r)].push_back(Tensor::empty({count}, DType::float32, group.allocator(r)));
     }
   }
@@ -256,7 +258,8 @@ TEST_CASE("cuda_peer collectives back to back on two streams per rank, one rank'
     for (int k = 0; k < rounds; ++k) {
       if (rank == n - 1 && k % 3 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
       mgpu::Stream& s = k % 2 == 0 ? stream : side[r];
-      comm->all_reduce(rank, inputs[r][static_cast<std::size_t>(k)], outputs[r][static_cast<std::size_t>(k)], ReduceOp::sum, s);
+      comm->all_reduce(rank, inputs[r][static_cast<std::size_t>(k)], outputs[r][static_cast<std::size_t>(k)],
+                       ReduceOp::sum, s);
     }
   });
   for (auto& s : side) s.synchronize();
@@ -274,7 +277,8 @@ TEST_CASE("cuda_peer collectives back to back on two streams per rank, one rank'
   }
 }
 
-TEST_CASE("cuda_peer all-reduce with 16-byte loads where the ranks' buffers line up, element loads where not", "[cuda][comm]") {
+TEST_CASE("cuda_peer all-reduce with 16-byte loads where the ranks' buffers line up, element loads where not",
+          "[cuda][comm]") {
   mgpu::DeviceGroup group("cuda:0,0,0,0");
   auto comm = mgpu::comm::make_communicator(group, {.backend = mgpu::comm::Backend::cuda_peer});
   int const n = group.size();

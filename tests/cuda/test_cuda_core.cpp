@@ -195,7 +195,8 @@ TEST_CASE("A freed GPU block is not reused before the work that uses it has run"
   CHECK(allocator.stats().cached == 0);
 }
 
-TEST_CASE("A freed GPU block goes back to its own stream at once, to other streams after its work", "[cuda][sanitize]") {
+TEST_CASE("A freed GPU block goes back to its own stream at once, to other streams after its work",
+          "[cuda][sanitize]") {
   mgpu::DeviceGroup group("cuda:0,0");  // two streams on one GPU
   auto& allocator = group.allocator(0);
   mgpu::Stream& mine = group.stream(0);
@@ -210,7 +211,7 @@ TEST_CASE("A freed GPU block goes back to its own stream at once, to other strea
     freed = a.data();
     fill_async(a, 7.0f, mine);  // records its use of `a` on `mine`
   }
-  CHECK(allocator.allocate(bytes).data() != freed);                  // plain: only idle blocks
+  CHECK(allocator.allocate(bytes).data() != freed);                     // plain: only idle blocks
   mgpu::Buffer for_other = allocator.allocate(bytes, group.stream(1));  // another stream: after the fill
   CHECK(for_other.data() != freed);
   auto host = mgpu::Allocator::create(Device{DeviceKind::host, 0});

@@ -278,14 +278,16 @@ TEST_CASE("profiling on a speed-emulated rank 0 reports the fastest device's cos
     mgpu::DeviceGroup group(spec);
     // Rank 0 at half speed takes twice as long; scaled back, its cost is the fastest device's.
     // Two of the five runs are disturbed (a loaded machine's late wake-ups): the median is not.
-    pp::LayerProfile const profile = pp::profile_layers(model, group, {4, 8}, 5, ledger_timer(ledger, speed, {0.0, 0.5, 0.0, 0.0, 1.0}));
+    pp::LayerProfile const profile =
+        pp::profile_layers(model, group, {4, 8}, 5, ledger_timer(ledger, speed, {0.0, 0.5, 0.0, 0.0, 1.0}));
     CHECK(profile.seconds[0] == 0.0);  // the Linear: nothing in the ledger
     CHECK(profile.seconds[1] == Approx(nominal).epsilon(1e-12));
     CHECK(profile.parameter_bytes == std::vector<double>{8 * 8 * 4 + 8 * 4, 0.0});
     CHECK(profile.activation_bytes[0] >= 4 * 8 * 4);  // at least the Linear's output
   }
   mgpu::DeviceGroup one("host:1");
-  REQUIRE_MGPU_ERROR(pp::profile_layers(model, one, {4, 8}, 0), mgpu::Errc::invalid_argument, "0 repeats (expected >= 1)");
+  REQUIRE_MGPU_ERROR(pp::profile_layers(model, one, {4, 8}, 0), mgpu::Errc::invalid_argument,
+                     "0 repeats (expected >= 1)");
 }
 
 TEST_CASE("profile_layers times with the steady clock by default", "[parallel][partition]") {

@@ -127,9 +127,9 @@ class Allocator : public std::enable_shared_from_this<Allocator> {
   // A marker after the last work on one stream that uses a block: an untimed CUDA event on a
   // CUDA stream, an Event on a host stream.
   struct StreamUse {
-    std::uint64_t stream;  // the stream's id (StreamInternals::id)
-    int ordinal;           // CUDA: the event's GPU; -1 on a host stream
-    void* event;           // CUDA
+    std::uint64_t stream;         // the stream's id (StreamInternals::id)
+    int ordinal;                  // CUDA: the event's GPU; -1 on a host stream
+    void* event;                  // CUDA
     std::optional<Event> marker;  // host
   };
   // A freed block waiting for the work that still uses it.
