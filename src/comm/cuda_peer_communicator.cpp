@@ -1,12 +1,13 @@
 // The cuda_peer backend: ranks meet on the host when they enqueue a collective (each rank calls from its own
 // thread, as in DeviceGroup::run); send/recv meet only the pair, through a channel per direction
-// (a watchdog thread aborts when a send waits for its receive past the deadline). At
-// a collective's meeting they exchange buffer pointers and "inputs ready"
-// events; each rank's stream then waits for every rank's inputs, runs the reduction kernel over its
-// slice (reading every rank's input through same-GPU or peer pointers, writing every output) and
-// records "done"; a second meeting exchanges those, and each stream waits for all of them, so no
-// rank reuses a buffer another rank still reads. This also serves several logical devices sharing
-// one GPU, which NCCL cannot.
+// (a watchdog thread aborts when a send waits for its receive past the deadline). A collective
+// meets once on the host: the ranks exchange buffer pointers, their "inputs ready" events recorded
+// just before; each rank's stream then waits for every rank's inputs, runs the reduction kernel
+// over its slice (reading every rank's input through same-GPU or peer pointers, writing every
+// output) and raises its "done" word to the collective's number; each stream then waits on the GPU
+// for every rank's word, so no rank reuses a buffer another rank still reads or writes, and no host
+// thread waits for another's kernel. This also serves several logical devices sharing one GPU,
+// which NCCL cannot.
 //
 // It serves a whole group or a subset of its ranks (make_communicator(group, ranks)): rank i of
 // the communicator runs on the i-th listed device.
@@ -17,6 +18,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -84,10 +86,19 @@ class Meeting {
   SharedState& shared_;
 };
 
-// One rank's events: created once on its GPU, re-recorded every operation.
+// One rank's collective state: created once on its GPU, re-used by every collective.
 struct RankEvents {
-  cudaEvent_t ready = nullptr;
-  cudaEvent_t done = nullptr;
+  // "Inputs ready" of the rank's odd and even collectives. A rank records the next collective's
+  // before the others may have waited on this one's (they are between the meeting and their
+  // waits), never the one after: that takes the next meeting, which they reach after their waits.
+  cudaEvent_t ready[2] = {nullptr, nullptr};
+  std::uint64_t collectives = 0;  // the rank's collectives so far (its thread's alone)
+  // Page-locked; the rank's stream raises it to a collective's number once its kernel is done with
+  // every rank's buffers.
+  std::uint32_t* done = nullptr;
+  // After the latest write of `done`, on the rank's GPU (made by the first): the next write waits
+  // for it, so the word only grows even when the rank's collectives run on several streams.
+  cudaEvent_t written = nullptr;
 };
 
 // An event after the latest operation a rank enqueued on one of its streams, for finalize().
@@ -105,8 +116,7 @@ class CudaPeerCommunicator final : public CommunicatorBase {
         events_(devices_.size()),
         marks_(devices_.size()),
         channels_(devices_.size() * devices_.size()),
-        meeting_(size(), *state()),
-        done_meeting_(size(), *state()) {
+        meeting_(size(), *state()) {
     if (size() > mgpu::detail::max_reduce_ranks)
       throw Error(Errc::invalid_argument, "a cuda_peer communicator over " + std::to_string(size()) +
                                               " ranks (expected at most " + std::to_string(mgpu::detail::max_reduce_ranks) + ")");
@@ -116,8 +126,9 @@ class CudaPeerCommunicator final : public CommunicatorBase {
       int const gpu = devices_[static_cast<std::size_t>(r)].index;
       mgpu::detail::cuda::DeviceScope scope(gpu);
       RankEvents& e = events_[static_cast<std::size_t>(r)];
-      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&e.ready, cudaEventDisableTiming));
-      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&e.done, cudaEventDisableTiming));
+      for (cudaEvent_t& ready : e.ready) MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+      MGPU_CUDA_CHECK(cudaEventCreateWithFlags(&e.written, cudaEventDisableTiming));
+      e.done = mgpu::detail::cuda::host_word_create();
       for (int p = 0; p < size(); ++p) {
         int const other = devices_[static_cast<std::size_t>(p)].index;
         if (other == gpu) continue;
@@ -134,7 +145,6 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     }
     state()->on_abort([this] {
       meeting_.wake();
-      done_meeting_.wake();
       raise_words();
     });
     watchdog_ = std::thread([this] { watch(); });
@@ -174,8 +184,13 @@ class CudaPeerCommunicator final : public CommunicatorBase {
   }
 
   // Releases the senders' streams still waiting for a receive that will not come (their data is
-  // not delivered; the abort reports it), and wakes the receivers waiting on the host.
+  // not delivered; the abort reports it) and the streams waiting for a rank's collective kernel
+  // that will not run, and wakes the receivers waiting on the host.
   void raise_words() noexcept {
+    for (RankEvents const& e : events_) {
+      if (e.done != nullptr)
+        std::atomic_ref(*e.done).store(std::numeric_limits<std::uint32_t>::max(), std::memory_order_release);
+    }
     for (auto& ch : channels_) {
       {
         std::lock_guard lock(ch.mutex);
@@ -213,7 +228,7 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     watchdog_.join();
     if (aborted()) drain_after_abort();
     for (auto& e : events_) {
-      for (cudaEvent_t event : {e.ready, e.done}) {
+      for (cudaEvent_t event : {e.ready[0], e.ready[1], e.written}) {
         if (event != nullptr) MGPU_CUDA_CHECK_NO_THROW(cudaEventDestroy(event));
       }
     }
@@ -225,6 +240,9 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     std::vector<std::uint32_t*> words;
     for (Channel& ch : channels_) {
       if (ch.word != nullptr) words.push_back(ch.word);
+    }
+    for (RankEvents const& e : events_) {
+      if (e.done != nullptr) words.push_back(e.done);
     }
     std::vector<void*> after;
     for (auto& marks : marks_) {
@@ -265,9 +283,10 @@ class CudaPeerCommunicator final : public CommunicatorBase {
         }
       }
     } catch (Error const& e) {
-      // A receiver may still wait for the rest of the group, or a posted send for a receiver; the
-      // abort raises the words, so the send waits below end.
-      if (!posted.empty() || has_peer_call(calls)) state()->abort(calls.front().name(rank) + " failed: " + e.what());
+      // A receiver may still wait for the rest of the group, a posted send for a receiver, the
+      // other ranks' streams for this rank's "done" word of a collective that met; the abort raises
+      // the words, so those waits (and the send waits below) end.
+      state()->abort(calls.front().name(rank) + " failed: " + e.what());
       try {
         wait_for_receivers(rank, posted, stream);
         mark_last(rank, stream);
@@ -399,10 +418,6 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     }
   }
 
-  static bool has_peer_call(std::vector<Call> const& calls) {
-    return std::any_of(calls.begin(), calls.end(), [](Call const& c) { return c.kind == OpKind::send || c.kind == OpKind::recv; });
-  }
-
   // Records the end of the rank's latest operation on `stream`, for finalize().
   void mark_last(int rank, Stream& stream) {
     cudaStream_t const s = native(stream);
@@ -466,25 +481,32 @@ class CudaPeerCommunicator final : public CommunicatorBase {
     ch.cv.notify_all();
   }
 
+  // One host meeting per collective: the "done" side needs none, since every rank's stream
+  // announces its kernel's end in a word that the other streams wait for on the GPU.
   void collective(int rank, Call const& c, Stream& stream) {
     std::string const what = c.name(rank);
     state()->throw_if_aborted(what);
     cudaStream_t const s = native(stream);
     RankEvents& mine = events_[static_cast<std::size_t>(rank)];
-    MGPU_CUDA_CHECK(cudaEventRecord(mine.ready, s));
+    std::uint64_t const number = ++mine.collectives;  // the same on every rank: all call in one order
+    std::size_t const parity = number % 2;
+    MGPU_CUDA_CHECK(cudaEventRecord(mine.ready[parity], s));
     Post const post{c.kind, c.seq, c.count, c.dtype, c.op, c.root,
                     c.send.defined() ? c.send.data() : nullptr, c.recv.defined() ? c.recv.data() : nullptr};
     std::vector<Post> const& posts = meeting_.exchange(rank, post, what);
     int const n = size();
     for (int p = 0; p < n; ++p) {
-      if (p != rank) MGPU_CUDA_CHECK(cudaStreamWaitEvent(s, events_[static_cast<std::size_t>(p)].ready, 0));
+      if (p != rank) MGPU_CUDA_CHECK(cudaStreamWaitEvent(s, events_[static_cast<std::size_t>(p)].ready[parity], 0));
     }
     compute(rank, c, posts, s, what);
     mgpu::detail::release_after(stream, c.send, c.recv);  // this rank's kernel, also if the rest fails
-    MGPU_CUDA_CHECK(cudaEventRecord(mine.done, s));
-    (void)done_meeting_.exchange(rank, 0, what);
+    MGPU_CUDA_CHECK(cudaStreamWaitEvent(s, mine.written, 0));  // the previous collective's write first
+    mgpu::detail::cuda::stream_write_word(s, mine.done, static_cast<std::uint32_t>(number));
+    MGPU_CUDA_CHECK(cudaEventRecord(mine.written, s));
     for (int p = 0; p < n; ++p) {
-      if (p != rank) MGPU_CUDA_CHECK(cudaStreamWaitEvent(s, events_[static_cast<std::size_t>(p)].done, 0));
+      if (p != rank)
+        mgpu::detail::cuda::stream_wait_word(s, events_[static_cast<std::size_t>(p)].done,
+                                             static_cast<std::uint32_t>(number));
     }
     // The stream is now past every rank's reads and writes of this rank's buffers.
     mgpu::detail::release_after(stream, c.send, c.recv);
@@ -552,7 +574,6 @@ class CudaPeerCommunicator final : public CommunicatorBase {
   std::vector<std::vector<StreamMark>> marks_;  // per rank, one per stream it used
   std::vector<Channel> channels_;
   Meeting<Post> meeting_;
-  Meeting<int> done_meeting_;
   std::mutex watch_mutex_;
   std::condition_variable watch_cv_;
   bool stopping_ = false;

@@ -8,8 +8,11 @@
 //   - StreamInternals: host work that runs even after earlier work failed (collectives must
 //     still take part), and the stream's cuBLAS handle;
 //   - release_after / ReleaseAfterOnExit (BufferInternals): after enqueuing CUDA work on tensors
-//     or buffers, record that work as a use, so that their blocks are reused only once it has
-//     finished (stream-ordered release, in place of host callbacks that hold the tensors);
+//     or buffers, record that work as a use, so that their blocks go to other streams only once
+//     it has finished, and to that stream at once (stream-ordered release, in place of host
+//     callbacks that hold the tensors);
+//   - StreamScratch: a kernel launcher's temporaries (kernels/scratch.hpp) from the caching
+//     allocator, for the launch's stream, released in stream order;
 //   - host_staging_allocator(): the shared host allocator for staging copies and scalar reads;
 //   - mgpu::detail::cuda (core/cuda_backend.hpp, included here): the CUDA runtime calls behind
 //     plain C++ signatures (streams, events, host words, memory, error strings), which a build
@@ -18,6 +21,7 @@
 // Kernels are not part of it: they live in src/kernels, one launcher header per layer.
 #pragma once
 
+#include <cstdint>
 #include <cstdio>
 #include <exception>
 #include <functional>
@@ -29,6 +33,7 @@
 #include <mgpu/core/tensor.hpp>
 
 #include "core/cuda_backend.hpp"
+#include "kernels/scratch.hpp"
 
 namespace mgpu::detail {
 
@@ -44,17 +49,23 @@ struct StreamInternals {
   // stream's handle lock, so threads enqueuing on one stream never share the handle at once.
   static void with_blas_handle(Stream& stream, void* (*create)(int ordinal), void (*destroy)(void*) noexcept,
                                std::function<void(void*)> const& use);
+
+  // A number that names the stream for as long as the process runs (never given to another one).
+  static std::uint64_t id(Stream const& stream) noexcept;
 };
 
 struct BufferInternals {
   // Records that the work enqueued so far on `stream` uses the buffer: once its last handle goes,
-  // its allocator reuses or frees the block only after that work has finished. Nothing to do on a
-  // host stream (host work holds what it uses). Thread-safe; call it after enqueuing the work.
+  // its allocator gives the block to `stream` at once and to anyone else, or frees it, only after
+  // that work has finished. Nothing to do on a host stream (host work holds what it uses).
+  // Thread-safe; call it after enqueuing the work.
   static void record_use(Stream& stream, Buffer const& buffer);
   // The same for a tensor's storage (an undefined tensor is ignored).
   static void record_use(Stream& stream, Tensor const& tensor);
   // The same for each of the tensors.
   static void record_use(Stream& stream, std::vector<Tensor> const& tensors);
+  // The allocator that made the tensor's storage (a defined tensor's).
+  static Allocator& allocator(Tensor const& tensor);
 };
 
 // Records the work enqueued so far on `stream` as a use of each tensor or buffer.
@@ -84,6 +95,35 @@ class ReleaseAfterOnExit {
  private:
   Stream& stream_;
   std::tuple<Storage const&...> storage_;
+};
+
+// A kernel launcher's scratch memory from the caching allocator of a tensor the op uses, for work
+// on `stream`: blocks that earlier work on the stream freed come back at once, without waiting for
+// that work. When it goes, the launched work is recorded as the blocks' use (also when a launch
+// failed part way), so the stream reuses them at once and anyone else once that work has run.
+class StreamScratch final : public kernels::Scratch {
+ public:
+  StreamScratch(Stream& stream, Tensor const& like) : stream_(stream), allocator_(BufferInternals::allocator(like)) {}
+  StreamScratch(StreamScratch const&) = delete;
+  StreamScratch& operator=(StreamScratch const&) = delete;
+  ~StreamScratch() {
+    for (Buffer const& b : buffers_) {
+      try {
+        release_after(stream_, b);
+      } catch (std::exception const& e) {
+        std::fprintf(stderr, "mgpu: recording the use of a kernel's scratch memory failed: %s\n", e.what());
+      }
+    }
+  }
+
+  void* allocate(std::size_t bytes) override {
+    return buffers_.emplace_back(allocator_.allocate(bytes, stream_)).data();
+  }
+
+ private:
+  Stream& stream_;
+  Allocator& allocator_;
+  std::vector<Buffer> buffers_;
 };
 
 // The library's one host allocator for staging copies (to and from GPUs, checkpoints, scalar reads,

@@ -87,6 +87,10 @@ Buffer::~Buffer() {
   if (owner_ && data_ != nullptr) owner_->release(data_, block_, pinned_);
 }
 
+void Buffer::record_stream(Stream& stream) {
+  if (owner_ && data_ != nullptr) owner_->record_use(data_, stream);
+}
+
 std::shared_ptr<Allocator> Allocator::create(Device device, std::optional<std::size_t> limit) {
   return std::shared_ptr<Allocator>(new Allocator(device, limit));
 }
@@ -120,7 +124,13 @@ std::size_t Allocator::block_size(std::size_t bytes) noexcept {
   return (bytes + step - 1) / step * step;
 }
 
-Buffer Allocator::allocate(std::size_t bytes) {
+Buffer Allocator::allocate(std::size_t bytes) { return allocate(bytes, std::optional<std::uint64_t>()); }
+
+Buffer Allocator::allocate(std::size_t bytes, Stream& stream) {
+  return allocate(bytes, std::optional<std::uint64_t>(detail::StreamInternals::id(stream)));
+}
+
+Buffer Allocator::allocate(std::size_t bytes, std::optional<std::uint64_t> stream) {
   if (bytes == 0) return {};
   std::size_t const block = block_size(bytes);
   // When the block does not fit, cached blocks go back to the device (without the lock: cudaFree
@@ -137,9 +147,12 @@ Buffer Allocator::allocate(std::size_t bytes) {
     {
       std::lock_guard lock(mutex_);
       reclaim_completed_locked();
-      if (auto it = cache_.find(block); it != cache_.end() && !it->second.empty()) {
-        void* data = it->second.back();
+      void* data = stream ? take_same_stream_locked(block, *stream) : nullptr;
+      if (auto it = cache_.find(block); data == nullptr && it != cache_.end() && !it->second.empty()) {
+        data = it->second.back();
         it->second.pop_back();
+      }
+      if (data != nullptr) {
         stats_.cached -= block;
         ++stats_.cache_hits;
         stats_.allocated += block;
@@ -233,48 +246,82 @@ void Allocator::release(void* data, std::size_t block, bool pinned) noexcept {
   (pinned ? pinned_cache_ : cache_)[block].push_back(data);
 }
 
-void Allocator::record_use(void* data, void* stream, int ordinal) {
+void Allocator::record_use(void* data, Stream& stream) {
+  std::uint64_t const id = detail::StreamInternals::id(stream);
+  bool const cuda = stream.device().kind == DeviceKind::cuda;
   std::lock_guard lock(mutex_);
   std::vector<StreamUse>& uses = uses_[data];
-  auto it = std::find_if(uses.begin(), uses.end(), [&](StreamUse const& u) { return u.stream == stream; });
+  auto it = std::find_if(uses.begin(), uses.end(), [&](StreamUse const& u) { return u.stream == id; });
   if (it == uses.end()) {
-    void* event = nullptr;
-    if (auto& spare = spare_events_[ordinal]; !spare.empty()) {
-      event = spare.back();
-      spare.pop_back();
+    StreamUse use{id, -1, nullptr, std::nullopt};
+    if (cuda) {
+      use.ordinal = stream.device().index;
+      if (auto& spare = spare_events_[use.ordinal]; !spare.empty()) {
+        use.event = spare.back();
+        spare.pop_back();
+      } else {
+        use.event = detail::cuda::event_create_untimed(use.ordinal);
+      }
+    } else if (!spare_markers_.empty()) {
+      use.marker = std::move(spare_markers_.back());
+      spare_markers_.pop_back();
     } else {
-      event = detail::cuda::event_create_untimed(ordinal);
+      use.marker.emplace();
     }
-    it = uses.insert(uses.end(), StreamUse{stream, ordinal, event});
+    it = uses.insert(uses.end(), std::move(use));
   }
-  detail::cuda::event_record(it->event, stream);  // a later use on the same stream moves the marker
+  // A later use on the same stream moves the marker.
+  if (cuda) {
+    detail::cuda::event_record(it->event, stream.native_handle());
+  } else {
+    it->marker->record(stream);
+  }
 }
 
-void Allocator::recycle_event(StreamUse const& use) noexcept {
+void Allocator::recycle_event(StreamUse& use) noexcept {
   try {
-    spare_events_[use.ordinal].push_back(use.event);
+    if (use.marker) {
+      spare_markers_.push_back(std::move(*use.marker));
+    } else {
+      spare_events_[use.ordinal].push_back(use.event);
+    }
   } catch (...) {
-    detail::cuda::event_destroy(use.event);
+    if (!use.marker) detail::cuda::event_destroy(use.event);
   }
 }
 
 void Allocator::reclaim_completed_locked() noexcept {
   for (auto it = pending_.begin(); it != pending_.end();) {
-    bool done = true;
-    for (StreamUse const& use : it->uses) {
+    auto const finished = [](StreamUse const& use) {
       try {
-        done = done && detail::cuda::event_query(use.event);
+        return use.marker ? use.marker->query() : detail::cuda::event_query(use.event);
       } catch (...) {  // a failed GPU runs none of the work any more: the block is free
+        return true;
       }
-    }
-    if (!done) {
+    };
+    auto const first_finished =
+        std::stable_partition(it->uses.begin(), it->uses.end(), [&](StreamUse const& use) { return !finished(use); });
+    for (auto use = first_finished; use != it->uses.end(); ++use) recycle_event(*use);
+    it->uses.erase(first_finished, it->uses.end());
+    if (!it->uses.empty()) {
       ++it;
       continue;
     }
-    for (StreamUse const& use : it->uses) recycle_event(use);
     (it->pinned ? pinned_cache_ : cache_)[it->block].push_back(it->data);
     it = pending_.erase(it);
   }
+}
+
+void* Allocator::take_same_stream_locked(std::size_t block, std::uint64_t stream) {
+  auto const it = std::find_if(pending_.begin(), pending_.end(), [&](PendingBlock const& p) {
+    return !p.pinned && p.block == block &&
+           std::all_of(p.uses.begin(), p.uses.end(), [&](StreamUse const& use) { return use.stream == stream; });
+  });
+  if (it == pending_.end()) return nullptr;
+  void* const data = it->data;
+  uses_[data] = std::move(it->uses);  // the new owner's buffer is still behind that work on `stream`
+  pending_.erase(it);
+  return data;
 }
 
 void Allocator::detach_idle_locked(std::vector<void*>& blocks) noexcept {
@@ -312,10 +359,14 @@ void Allocator::free_detached(std::vector<void*> const& blocks, std::vector<Pend
   for (PendingBlock& p : pending) {
     for (StreamUse const& use : p.uses) {
       try {
-        detail::cuda::event_synchronize(use.event);
+        if (use.marker) {
+          use.marker->synchronize();
+        } else {
+          detail::cuda::event_synchronize(use.event);
+        }
       } catch (...) {  // as in reclaim_completed_locked: no work runs on a failed GPU
       }
-      detail::cuda::event_destroy(use.event);
+      if (!use.marker) detail::cuda::event_destroy(use.event);
     }
     if (!p.pinned) {
       system_free(device_, p.data);
@@ -374,9 +425,8 @@ Allocator& detail::host_staging_allocator() {
 }
 
 void detail::BufferInternals::record_use(Stream& stream, Buffer const& buffer) {
-  Device const d = stream.device();
-  if (d.kind != DeviceKind::cuda || !buffer.owner_ || buffer.data_ == nullptr) return;
-  buffer.owner_->record_use(buffer.data_, stream.native_handle(), d.index);
+  if (stream.device().kind != DeviceKind::cuda || !buffer.owner_ || buffer.data_ == nullptr) return;
+  buffer.owner_->record_use(buffer.data_, stream);
 }
 
 void detail::BufferInternals::record_use(Stream& stream, Tensor const& tensor) {
@@ -386,5 +436,7 @@ void detail::BufferInternals::record_use(Stream& stream, Tensor const& tensor) {
 void detail::BufferInternals::record_use(Stream& stream, std::vector<Tensor> const& tensors) {
   for (Tensor const& t : tensors) record_use(stream, t);
 }
+
+Allocator& detail::BufferInternals::allocator(Tensor const& tensor) { return *tensor.storage_->owner_; }
 
 }  // namespace mgpu

@@ -221,4 +221,6 @@ void detail::StreamInternals::with_blas_handle(Stream& stream, void* (*create)(i
   use(s.blas_handle);
 }
 
+std::uint64_t detail::StreamInternals::id(Stream const& stream) noexcept { return stream.impl_->id; }
+
 }  // namespace mgpu

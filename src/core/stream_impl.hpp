@@ -230,6 +230,9 @@ struct Stream::Impl {
 
   Device device;
   void* cuda_stream = nullptr;
+  // Never reused, unlike the Impl's address: what the allocator knows a stream by.
+  std::uint64_t const id = next_id.fetch_add(1, std::memory_order_relaxed);
+  static inline std::atomic<std::uint64_t> next_id{1};
 
   std::mutex mutex;
   std::condition_variable work_cv;

@@ -73,6 +73,16 @@ Tensor Tensor::empty(Shape shape, DType dtype, Allocator& allocator) {
   return Tensor(allocator.allocate(bytes), std::move(shape), dtype, allocator.device());
 }
 
+Tensor Tensor::empty(Shape shape, DType dtype, Allocator& allocator, Stream& stream) {
+  Tensor t;
+  std::int64_t const count = checked_numel(shape);
+  t.storage_ = std::make_shared<Buffer>(allocator.allocate(static_cast<std::size_t>(count) * size_of(dtype), stream));
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  t.device_ = allocator.device();
+  return t;
+}
+
 Tensor Tensor::empty_pinned(Shape shape, DType dtype, Allocator& allocator) {
   std::size_t const bytes = static_cast<std::size_t>(checked_numel(shape)) * size_of(dtype);
   return Tensor(allocator.allocate_pinned(bytes), std::move(shape), dtype, Device{DeviceKind::host, 0});

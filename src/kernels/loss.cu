@@ -64,30 +64,28 @@ struct BadLabel {
 template <class T>
 struct Launch<mgpu::detail::SoftmaxCrossEntropyRow<T>> {
   static void reduce(std::int64_t rows, mgpu::detail::SoftmaxCrossEntropyRow<T> const& op, float* out, float scale,
-                     cudaStream_t s) {
+                     Scratch& scratch, cudaStream_t s) {
     if (rows == 0) {
-      sum_terms(0, LoadAt{nullptr}, out, scale, s);
+      sum_terms(0, LoadAt{nullptr}, out, scale, scratch, s);
       return;
     }
-    void* losses = nullptr;
-    MGPU_CUDA_CHECK(cudaMallocAsync(&losses, sizeof(float) * static_cast<std::size_t>(rows), s));
+    void* const losses = scratch.allocate(sizeof(float) * static_cast<std::size_t>(rows));
     softmax_cross_entropy_rows_kernel<<<row_blocks(rows), reduce_threads, 0, s>>>(op, rows, static_cast<float*>(losses));
     MGPU_CUDA_CHECK(cudaGetLastError());
-    sum_terms(rows, LoadAt{static_cast<float const*>(losses)}, out, scale, s);
-    MGPU_CUDA_CHECK(cudaFreeAsync(losses, s));
+    sum_terms(rows, LoadAt{static_cast<float const*>(losses)}, out, scale, scratch, s);
   }
 };
 
 void find_bad_label(int ordinal, float const* labels, std::int64_t rows, std::int64_t classes, std::uint64_t* host_result,
-                    void* stream) {
-  find_first(ordinal, rows, BadLabel{labels, classes}, host_result, stream);
+                    Scratch& scratch, void* stream) {
+  find_first(ordinal, rows, BadLabel{labels, classes}, host_result, scratch, stream);
 }
 
 // The functors src/ops/loss.cpp launches.
 #define MGPU_LOSS_FOR_TYPE(T)                                                                                      \
-  template void reduce(int, std::int64_t, mgpu::detail::SoftmaxCrossEntropyRow<T> const&, float*, float, void*);    \
-  template void reduce(int, std::int64_t, mgpu::detail::SquaredErrorOp<T> const&, float*, float, void*);            \
-  template void reduce(int, std::int64_t, mgpu::detail::CorrectRow<T> const&, float*, float, void*);
+  template void reduce(int, std::int64_t, mgpu::detail::SoftmaxCrossEntropyRow<T> const&, float*, float, Scratch&, void*);    \
+  template void reduce(int, std::int64_t, mgpu::detail::SquaredErrorOp<T> const&, float*, float, Scratch&, void*);            \
+  template void reduce(int, std::int64_t, mgpu::detail::CorrectRow<T> const&, float*, float, Scratch&, void*);
 MGPU_LOSS_FOR_TYPE(float)
 MGPU_LOSS_FOR_TYPE(bfloat16)
 MGPU_LOSS_FOR_TYPE(float16)

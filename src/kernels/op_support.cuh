@@ -64,20 +64,18 @@ void sum_partials(float const* partials, int count, float* out, float scale, cud
 
 // *out = scale * sum of op(i), in an order fixed by n alone.
 template <class Op>
-void sum_terms(std::int64_t n, Op const& op, float* out, float scale, cudaStream_t s) {
+void sum_terms(std::int64_t n, Op const& op, float* out, float scale, Scratch& scratch, cudaStream_t s) {
   if (n == 0) {
     MGPU_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(float), s));
     return;
   }
   std::int64_t const wanted = (n + reduce_threads - 1) / reduce_threads;
   int const blocks = static_cast<int>(wanted < max_reduce_blocks ? wanted : max_reduce_blocks);
-  // The partials live in the stream-ordered pool: freed in stream order after the final pass.
-  void* partials = nullptr;
-  MGPU_CUDA_CHECK(cudaMallocAsync(&partials, sizeof(float) * static_cast<std::size_t>(blocks), s));
+  // The partials are scratch: the caller releases them in stream order after the final pass.
+  void* const partials = scratch.allocate(sizeof(float) * static_cast<std::size_t>(blocks));
   reduce_partials_kernel<<<blocks, reduce_threads, 0, s>>>(n, op, static_cast<float*>(partials));
   MGPU_CUDA_CHECK(cudaGetLastError());
   sum_partials(static_cast<float const*>(partials), blocks, out, scale, s);
-  MGPU_CUDA_CHECK(cudaFreeAsync(partials, s));
 }
 
 // Row kernels run a block per row (grid-stride over rows): at most this many blocks.
@@ -136,8 +134,8 @@ void launch_column_sums(Col const& col, std::int64_t rows, std::int64_t cols, cu
 template <class Op>
 struct Launch {
   static void each(std::int64_t n, Op const& op, cudaStream_t s) { for_each_index(n, op, s); }
-  static void reduce(std::int64_t n, Op const& op, float* out, float scale, cudaStream_t s) {
-    sum_terms(n, op, out, scale, s);
+  static void reduce(std::int64_t n, Op const& op, float* out, float scale, Scratch& scratch, cudaStream_t s) {
+    sum_terms(n, op, out, scale, scratch, s);
   }
 };
 
@@ -148,9 +146,9 @@ void each(int ordinal, std::int64_t n, Op const& op, void* stream) {
 }
 
 template <class Op>
-void reduce(int ordinal, std::int64_t n, Op const& op, float* out, float scale, void* stream) {
+void reduce(int ordinal, std::int64_t n, Op const& op, float* out, float scale, Scratch& scratch, void* stream) {
   detail::cuda::DeviceScope scope(ordinal);
-  Launch<Op>::reduce(n, op, out, scale, static_cast<cudaStream_t>(stream));
+  Launch<Op>::reduce(n, op, out, scale, scratch, static_cast<cudaStream_t>(stream));
 }
 
 // The smallest code(i) over i in [0, n), by an integer atomicMin (the result does not depend on
@@ -165,13 +163,14 @@ __global__ void find_first_kernel(std::int64_t n, Code code, unsigned long long*
 }
 
 // Copies to `host_result` (page-locked memory, read after the stream has passed this point) the
-// smallest code(i) over [0, n), or all ones when there is none, on `stream` of GPU `ordinal`.
+// smallest code(i) over [0, n), or all ones when there is none, on `stream` of GPU `ordinal`; the
+// search's word in `scratch`.
 template <class Code>
-void find_first(int ordinal, std::int64_t n, Code const& code, std::uint64_t* host_result, void* stream) {
+void find_first(int ordinal, std::int64_t n, Code const& code, std::uint64_t* host_result, Scratch& scratch,
+                void* stream) {
   detail::cuda::DeviceScope scope(ordinal);
   auto const s = static_cast<cudaStream_t>(stream);
-  void* first = nullptr;
-  MGPU_CUDA_CHECK(cudaMallocAsync(&first, sizeof(unsigned long long), s));
+  void* const first = scratch.allocate(sizeof(unsigned long long));
   MGPU_CUDA_CHECK(cudaMemsetAsync(first, 0xff, sizeof(unsigned long long), s));
   if (n > 0) {
     std::int64_t const wanted = (n + reduce_threads - 1) / reduce_threads;
@@ -180,7 +179,6 @@ void find_first(int ordinal, std::int64_t n, Code const& code, std::uint64_t* ho
     MGPU_CUDA_CHECK(cudaGetLastError());
   }
   MGPU_CUDA_CHECK(cudaMemcpyAsync(host_result, first, sizeof(std::uint64_t), cudaMemcpyDeviceToHost, s));
-  MGPU_CUDA_CHECK(cudaFreeAsync(first, s));
 }
 
 }  // namespace mgpu::kernels

@@ -11,6 +11,8 @@
 
 #include <mgpu/core/dtype.hpp>
 
+#include "kernels/scratch.hpp"
+
 namespace mgpu::kernels {
 
 // op(i) for i in [0, n) on `stream` of GPU `ordinal` (a row or column functor: its own kernel).
@@ -18,15 +20,15 @@ template <class Op>
 void each(int ordinal, std::int64_t n, Op const& op, void* stream);
 
 // *out = scale * sum of op(i) for i in [0, n) (out is overwritten), summed in a fixed order that
-// depends only on n: the same inputs give the same bits on every run.
+// depends only on n: the same inputs give the same bits on every run. Partial sums in `scratch`.
 template <class Op>
-void reduce(int ordinal, std::int64_t n, Op const& op, float* out, float scale, void* stream);
+void reduce(int ordinal, std::int64_t n, Op const& op, float* out, float scale, Scratch& scratch, void* stream);
 
 // Copies to `host_result` (page-locked memory, read after the stream has passed this point) the
 // first row whose label is not a class id in [0, classes), as (row << 32) | the label's float bits,
-// or all ones when every label is good.
+// or all ones when every label is good. The search's word in `scratch`.
 void find_bad_label(int ordinal, float const* labels, std::int64_t rows, std::int64_t classes,
-                    std::uint64_t* host_result, void* stream);
+                    std::uint64_t* host_result, Scratch& scratch, void* stream);
 
 // A cuBLAS handle made on GPU `ordinal`, for one stream (see StreamInternals::with_blas_handle).
 void* create_blas_handle(int ordinal);

@@ -9,9 +9,9 @@ namespace mgpu::kernels {
 
 // The functors src/ops/reductions.cpp launches.
 #define MGPU_REDUCTIONS_FOR_TYPE(T)                                                                \
-  template void reduce(int, std::int64_t, mgpu::detail::ValueOp<T> const&, float*, float, void*);    \
-  template void reduce(int, std::int64_t, mgpu::detail::SquareOp<T> const&, float*, float, void*);   \
-  template void reduce(int, std::int64_t, mgpu::detail::NonFiniteOp<T> const&, float*, float, void*);
+  template void reduce(int, std::int64_t, mgpu::detail::ValueOp<T> const&, float*, float, Scratch&, void*);    \
+  template void reduce(int, std::int64_t, mgpu::detail::SquareOp<T> const&, float*, float, Scratch&, void*);   \
+  template void reduce(int, std::int64_t, mgpu::detail::NonFiniteOp<T> const&, float*, float, Scratch&, void*);
 MGPU_REDUCTIONS_FOR_TYPE(float)
 MGPU_REDUCTIONS_FOR_TYPE(bfloat16)
 MGPU_REDUCTIONS_FOR_TYPE(float16)

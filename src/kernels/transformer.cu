@@ -28,21 +28,9 @@ struct BadToken {
 
 }  // namespace
 
-void* scratch_allocate(int ordinal, std::size_t bytes, void* stream) {
-  detail::cuda::DeviceScope scope(ordinal);
-  void* memory = nullptr;
-  MGPU_CUDA_CHECK(cudaMallocAsync(&memory, bytes, static_cast<cudaStream_t>(stream)));
-  return memory;
-}
-
-void scratch_free(int ordinal, void* memory, void* stream) {
-  detail::cuda::DeviceScope scope(ordinal);
-  MGPU_CUDA_CHECK(cudaFreeAsync(memory, static_cast<cudaStream_t>(stream)));
-}
-
 void find_bad_token(int ordinal, std::int32_t const* ids, std::int64_t n, std::int64_t vocab, std::int64_t ignore,
-                    std::uint64_t* host_result, void* stream) {
-  find_first(ordinal, n, BadToken{ids, vocab, ignore}, host_result, stream);
+                    std::uint64_t* host_result, Scratch& scratch, void* stream) {
+  find_first(ordinal, n, BadToken{ids, vocab, ignore}, host_result, scratch, stream);
 }
 
 // The functors src/ops/transformer.cpp launches.

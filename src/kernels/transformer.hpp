@@ -1,23 +1,19 @@
 // Host-callable launchers of the transformer ops' kernels (src/kernels/transformer.cu), used by
 // src/ops/transformer.cpp beside `each` (src/kernels/ops.hpp), which runs the functors of
-// mgpu/core/detail/transformer_math.hpp: the token-id check and stream-ordered scratch memory.
-// Each leaves the calling thread's current device as it was.
+// mgpu/core/detail/transformer_math.hpp: the token-id check. Each leaves the calling thread's
+// current device as it was.
 #pragma once
 
-#include <cstddef>
 #include <cstdint>
+
+#include "kernels/scratch.hpp"
 
 namespace mgpu::kernels {
 
-// `bytes` of device memory usable by work enqueued on `stream` from now on, and its release after
-// that work (cudaMallocAsync / cudaFreeAsync).
-void* scratch_allocate(int ordinal, std::size_t bytes, void* stream);
-void scratch_free(int ordinal, void* memory, void* stream);
-
 // Copies to `host_result` (page-locked memory, read after the stream has passed this point) the
 // first position whose id is outside [0, vocab) and not `ignore`, as (position << 32) | the id's
-// bits, or all ones when every id is good.
+// bits, or all ones when every id is good. The search's word in `scratch`.
 void find_bad_token(int ordinal, std::int32_t const* ids, std::int64_t n, std::int64_t vocab, std::int64_t ignore,
-                    std::uint64_t* host_result, void* stream);
+                    std::uint64_t* host_result, Scratch& scratch, void* stream);
 
 }  // namespace mgpu::kernels

@@ -53,8 +53,9 @@ Tensor Linear::forward(Tensor const& x, Context& ctx, ops::ActivationKind act) {
     throw Error(Errc::invalid_argument, name() + ": input is " + std::string(to_string(x.dtype())) + " (expected the model's compute type " +
                                             std::string(to_string(w_.dtype())) + ")");
   Tensor const x2 = as_rows(x, in_);
-  Tensor y = Tensor::empty({x2.dim(0), out_}, x.dtype(), ctx.allocator);
-  Tensor pre = act == ops::ActivationKind::gelu ? Tensor::empty(y.shape(), y.dtype(), ctx.allocator) : Tensor{};
+  Tensor y = Tensor::empty({x2.dim(0), out_}, x.dtype(), ctx.allocator, ctx.stream);
+  Tensor pre =
+      act == ops::ActivationKind::gelu ? Tensor::empty(y.shape(), y.dtype(), ctx.allocator, ctx.stream) : Tensor{};
   ops::linear(x2, w_, b_, y, act, pre, ctx.stream);
   saved_[ctx.micro_batch] = Saved{x, pre.defined() ? pre : y, Tensor{}, act};
   return y.reshape(out_shape);
@@ -84,12 +85,12 @@ Tensor Linear::backward_input(Tensor const& dy, Context& ctx) {
   if (s.act == ops::ActivationKind::identity) {
     ops::bias_grad(dy2, db_, ctx.stream, ctx.accumulate_gradients);
   } else {
-    s.dz = Tensor::empty(dy2.shape(), dy2.dtype(), ctx.allocator);
+    s.dz = Tensor::empty(dy2.shape(), dy2.dtype(), ctx.allocator, ctx.stream);
     ops::activation_bias_grad(s.act, s.z, dy2, s.dz, db_, ctx.stream, ctx.accumulate_gradients);
   }
   s.z = Tensor{};
   if (!input_grad_) return {};
-  Tensor dx = Tensor::empty(s.x.shape(), s.x.dtype(), ctx.allocator);
+  Tensor dx = Tensor::empty(s.x.shape(), s.x.dtype(), ctx.allocator, ctx.stream);
   ops::gemm(s.dz, false, w_, true, as_rows(dx, in_), 1.0f, 0.0f, ctx.stream);  // dx = dz W^T
   return dx;
 }
@@ -112,7 +113,7 @@ Shape Linear::output_shape(Shape const& input) const {
 
 Tensor Activation::forward(Tensor const& x, Context& ctx) {
   x_[ctx.micro_batch] = x;
-  Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator);
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator, ctx.stream);
   if (kind_ == ops::ActivationKind::relu) {
     ops::relu(x, y, ctx.stream);
   } else {
@@ -128,7 +129,7 @@ Tensor Activation::backward(Tensor const& dy, Context& ctx) {
                                             " (expected a forward of that micro-batch whose backward has not run)");
   Tensor const x = std::move(it->second);
   x_.erase(it);
-  Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator);
+  Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator, ctx.stream);
   if (kind_ == ops::ActivationKind::relu) {
     ops::relu_backward(x, dy, dx, ctx.stream);
   } else {
@@ -160,8 +161,8 @@ void LayerNorm::initialize(std::mt19937_64&) {
 Tensor LayerNorm::forward(Tensor const& x, Context& ctx) {
   (void)output_shape(x.shape());
   Tensor const x2 = as_rows(x, features_);
-  Tensor stats = Tensor::empty({2, x2.dim(0)}, DType::float32, ctx.allocator);
-  Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator);
+  Tensor stats = Tensor::empty({2, x2.dim(0)}, DType::float32, ctx.allocator, ctx.stream);
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator, ctx.stream);
   ops::layer_norm(x2, gamma_, beta_, as_rows(y, features_), stats, eps_, ctx.stream);
   saved_[ctx.micro_batch] = {x2, stats};
   return y;
@@ -174,7 +175,7 @@ Tensor LayerNorm::backward(Tensor const& dy, Context& ctx) {
                                             " (expected a forward of that micro-batch whose backward has not run)");
   auto const [x, stats] = std::move(it->second);
   saved_.erase(it);
-  Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator);
+  Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator, ctx.stream);
   ops::layer_norm_backward(x, gamma_, stats, as_rows(dy, features_), as_rows(dx, features_), dgamma_, dbeta_, ctx.stream,
                            ctx.accumulate_gradients);
   return dx;
@@ -200,7 +201,7 @@ Tensor Dropout::forward(Tensor const& x, Context& ctx) {
   }
   std::uint64_t const mask_seed = mgpu::detail::mix64(seed_ + calls_++) | 1u;  // never 0: 0 marks "identity" for backward
   std::int64_t const offset = x.rank() > 0 && x.dim(0) > 0 ? ctx.row_offset * (x.numel() / x.dim(0)) : 0;
-  Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator);
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator, ctx.stream);
   ops::dropout(x, y, p_, mask_seed, ctx.stream, offset);
   masks_[ctx.micro_batch] = {mask_seed, offset};
   return y;
@@ -214,7 +215,7 @@ Tensor Dropout::backward(Tensor const& dy, Context& ctx) {
   auto const [mask_seed, offset] = it->second;
   masks_.erase(it);
   if (mask_seed == 0) return dy;
-  Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator);
+  Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator, ctx.stream);
   ops::dropout_backward(dy, dx, p_, mask_seed, ctx.stream, offset);
   return dx;
 }

@@ -84,7 +84,7 @@ Tensor Embedding::forward(Tensor const& ids, Context& ctx) {
   if (ids.dtype() != DType::int32)
     throw Error(Errc::invalid_argument,
                 name() + ": ids are " + std::string(to_string(ids.dtype())) + " (expected int32 token ids)");
-  Tensor y = Tensor::empty(shape, wte_.dtype(), ctx.allocator);
+  Tensor y = Tensor::empty(shape, wte_.dtype(), ctx.allocator, ctx.stream);
   ops::embedding(ids, wte_, wpe_, y, ctx.stream);
   saved_[ctx.micro_batch] = {ids, Tensor{}};
   return y;
@@ -169,8 +169,8 @@ Tensor CausalSelfAttention::forward(Tensor const& x, Context& ctx) {
   check_activation(name(), x.shape(), features_);
   std::int64_t const batch = x.dim(0), t = x.dim(1);
   Tensor const qkv = qkv_.forward(x, ctx);  // [B, T, 3C]
-  Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator);
-  Tensor lse = Tensor::empty({batch, heads_, t}, DType::float32, ctx.allocator);
+  Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator, ctx.stream);
+  Tensor lse = Tensor::empty({batch, heads_, t}, DType::float32, ctx.allocator, ctx.stream);
   ops::AttentionDropout dropout;
   if (training_ && dropout_ > 0.0f) {
     // As Dropout: never seed 0, one seed per call, rows at their index in the whole batch.
@@ -194,7 +194,7 @@ Tensor CausalSelfAttention::backward_input(Tensor const& dy, Context& ctx) {
   Saved const s = std::move(it->second);
   saved_.erase(it);
   Tensor const dy_heads = proj_.backward_input(dy, ctx);
-  Tensor dqkv = Tensor::empty(s.qkv.shape(), s.qkv.dtype(), ctx.allocator);
+  Tensor dqkv = Tensor::empty(s.qkv.shape(), s.qkv.dtype(), ctx.allocator, ctx.stream);
   ops::causal_attention_backward(s.qkv, s.y, s.lse, dy_heads, dqkv, heads_, ctx.stream, s.dropout);
   return qkv_.backward_input(dqkv, ctx);
 }
@@ -439,7 +439,7 @@ Tensor TiedLMHead::forward(Tensor const& h, Context& ctx) {
   if (!wte_.defined())
     throw Error(Errc::invalid_argument, name() + ".forward before materialize (expected it linked to its Embedding)");
   Tensor const h2 = h.reshape({h.numel() / features_, features_});
-  Tensor logits = Tensor::empty({h2.dim(0), vocab_}, h.dtype(), ctx.allocator);
+  Tensor logits = Tensor::empty({h2.dim(0), vocab_}, h.dtype(), ctx.allocator, ctx.stream);
   ops::gemm(h2, false, wte_, true, logits, 1.0f, 0.0f, ctx.stream);  // h wteᵀ
   saved_[ctx.micro_batch] = {h2, Tensor{}};
   return logits.reshape(shape);
@@ -460,7 +460,7 @@ Tensor TiedLMHead::backward_input(Tensor const& dy, Context& ctx) {
   it->second.second = dy2;
   Shape shape = dy.shape();
   shape.back() = features_;
-  Tensor dh = Tensor::empty(shape, dy.dtype(), ctx.allocator);
+  Tensor dh = Tensor::empty(shape, dy.dtype(), ctx.allocator, ctx.stream);
   ops::gemm(dy2, false, wte_, false, dh.reshape(h2.shape()), 1.0f, 0.0f, ctx.stream);  // dlogits wte
   return dh;
 }

@@ -36,8 +36,9 @@ void fail_on_bad_label(char const* op, Tensor const& labels, std::int64_t n, std
     {
       // Its kernel and its copy into `found`, also when a later step of the search fails.
       mgpu::detail::ReleaseAfterOnExit const release(stream, labels, *found);
-      kernels::find_bad_label(stream.device().index, ptr<float>(labels), n, c, static_cast<std::uint64_t*>(found->data()),
-                              stream.native_handle());
+      mgpu::detail::StreamScratch scratch(stream, labels);
+      kernels::find_bad_label(stream.device().index, ptr<float>(labels), n, c,
+                              static_cast<std::uint64_t*>(found->data()), scratch, stream.native_handle());
     }
     stream.enqueue([found, bad_label] {
       std::uint64_t const code = *static_cast<std::uint64_t const*>(found->data());

@@ -119,7 +119,8 @@ void run_reduce(Stream& stream, std::int64_t n, Op const& op, Tensor const& out,
   }
 #if MGPU_CUDA_ENABLED
   mgpu::detail::ReleaseAfterOnExit const release(stream, keep);  // its kernels, also if the second fails to launch
-  kernels::reduce(stream.device().index, n, op, result, scale, stream.native_handle());
+  mgpu::detail::StreamScratch scratch(stream, out);
+  kernels::reduce(stream.device().index, n, op, result, scale, scratch, stream.native_handle());
 #else
   throw Error(Errc::device, "ops on " + stream.device().to_string() + " (this build has no CUDA backend)");
 #endif

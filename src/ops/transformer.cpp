@@ -90,7 +90,8 @@ void check_attention(char const* op, Tensor const& qkv, Tensor const& y, Tensor 
 
 // Runs body(each, scratch) with `scratch_words` 4-byte words of scratch memory, where each(n, op)
 // calls op(i) for i in [0, n): on a host stream inside one piece of enqueued work; on a CUDA stream
-// as kernels over stream-ordered device scratch. `keep` stays alive until the work has run.
+// as kernels over device scratch from the caching allocator of keep[0] (a tensor on the stream's
+// device), released in stream order. `keep` stays alive until the work has run.
 template <class Body>
 void run(Stream& stream, std::vector<Tensor> keep, std::size_t scratch_words, Body const& body) {
   if (stream.device().kind == DeviceKind::host) {
@@ -105,9 +106,9 @@ void run(Stream& stream, std::vector<Tensor> keep, std::size_t scratch_words, Bo
   int const ordinal = stream.device().index;
   void* const handle = stream.native_handle();
   mgpu::detail::ReleaseAfterOnExit const release(stream, keep);
-  void* scratch = scratch_words > 0 ? kernels::scratch_allocate(ordinal, 4 * scratch_words, handle) : nullptr;
-  body([&](std::int64_t n, auto const& op) { kernels::each(ordinal, n, op, handle); }, scratch);
-  if (scratch != nullptr) kernels::scratch_free(ordinal, scratch, handle);
+  mgpu::detail::StreamScratch scratch(stream, keep.front());
+  body([&](std::int64_t n, auto const& op) { kernels::each(ordinal, n, op, handle); },
+       scratch_words > 0 ? scratch.allocate(4 * scratch_words) : nullptr);
 #else
   throw Error(Errc::device, "transformer ops on " + stream.device().to_string() + " (this build has no CUDA backend)");
 #endif
@@ -140,8 +141,9 @@ void fail_on_bad_id(char const* op, char const* what, Tensor const& ids, std::in
   auto found = std::make_shared<Buffer>(mgpu::detail::host_staging_allocator().allocate_pinned(sizeof(std::uint64_t)));
   {
     mgpu::detail::ReleaseAfterOnExit const release(stream, ids, *found);
+    mgpu::detail::StreamScratch scratch(stream, ids);
     kernels::find_bad_token(stream.device().index, ptr<std::int32_t>(ids), n, vocab, ignore,
-                            static_cast<std::uint64_t*>(found->data()), stream.native_handle());
+                            static_cast<std::uint64_t*>(found->data()), scratch, stream.native_handle());
   }
   stream.enqueue([found, bad] {
     std::uint64_t const code = *static_cast<std::uint64_t const*>(found->data());

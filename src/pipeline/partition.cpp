@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <string>
 
 #include <mgpu/core/error.hpp>
@@ -187,7 +188,8 @@ std::vector<StageDevice> stage_devices(DeviceGroup const& group, int devices) {
   return out;
 }
 
-LayerProfile profile_layers(nn::Sequential const& model, DeviceGroup& group, Shape const& input, int repeats) {
+LayerProfile profile_layers(nn::Sequential const& model, DeviceGroup& group, Shape const& input, int repeats,
+                            ProfileTimer const& timer) {
   if (repeats < 1) throw Error(Errc::invalid_argument, "profile_layers with " + std::to_string(repeats) + " repeats (expected >= 1)");
   LayerProfile profile;
   profile.seconds.assign(model.size(), 0.0);
@@ -195,6 +197,12 @@ LayerProfile profile_layers(nn::Sequential const& model, DeviceGroup& group, Sha
   for (std::size_t l = 0; l < model.size(); ++l)
     profile.parameter_bytes.push_back(static_cast<double>(model.layer(l).parameter_count()) * static_cast<double>(sizeof(float)));
   double const speed = sched::node_state(group).devices[0].speed;
+  ProfileTimer const clock = [](std::function<void()> const& run) {
+    auto const start = std::chrono::steady_clock::now();
+    run();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  ProfileTimer const& measure = timer ? timer : clock;
   auto const cuts = model.cut_points();
   group.run([&](int rank, Device, Stream& stream) {
     if (rank != 0) return;
@@ -211,13 +219,13 @@ LayerProfile profile_layers(nn::Sequential const& model, DeviceGroup& group, Sha
       for (int r = 0; r < repeats; ++r) {
         stream.synchronize();
         std::size_t const before = allocator.stats().allocated;
-        auto const start = std::chrono::steady_clock::now();
-        Tensor const y = unit.forward(x, ctx);
-        stream.synchronize();
-        profile.activation_bytes[cuts[u]] = static_cast<double>(allocator.stats().allocated - before);
-        unit.backward(dy, ctx, true);
-        stream.synchronize();
-        runs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+        runs.push_back(measure([&] {
+          Tensor const y = unit.forward(x, ctx);
+          stream.synchronize();
+          profile.activation_bytes[cuts[u]] = static_cast<double>(allocator.stats().allocated - before);
+          unit.backward(dy, ctx, true);
+          stream.synchronize();
+        }));
       }
       std::nth_element(runs.begin(), runs.begin() + repeats / 2, runs.end());
       profile.seconds[cuts[u]] = runs[static_cast<std::size_t>(repeats / 2)] * speed;

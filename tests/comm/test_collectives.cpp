@@ -8,8 +8,10 @@
 #include <atomic>
 #include <chrono>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
+#include <mgpu/core/detail/reduce_slice.hpp>
 #include <mgpu/core/detail/elementwise.hpp>
 
 #include "support/catch.hpp"
@@ -403,4 +405,86 @@ TEST_CASE("barrier: no rank passes before every rank's earlier work is done", "[
     stream.enqueue([&, rank] { seen[static_cast<std::size_t>(rank)] = before.load(); });
   });
   CHECK(seen == std::vector<int>(6, 6));
+}
+
+namespace {
+// Runs VectorReduceSlice<T, O> over [begin, end) of `inputs` inputs and `outputs` outputs whose
+// element 0 sits `shift[k]` elements past a 64-byte boundary (inputs first), and checks it against
+// the element-by-element ReduceSlice: the same bits in [begin, end), nothing written outside it.
+// Returns how many vectors it used.
+template <class T, ReduceOp O>
+std::int64_t check_vector_slice(int inputs, int outputs, std::vector<int> const& shift, std::int64_t begin,
+                                std::int64_t end) {
+  using mgpu::detail::ReduceSlice;
+  using mgpu::detail::VectorReduceSlice;
+  constexpr std::int64_t n = 300;
+  constexpr std::size_t stride = 64 * 32;  // bytes per array, a multiple of 64
+  static_assert(stride >= (n + 64) * sizeof(float));
+  int const arrays = inputs + outputs;
+  std::vector<unsigned char> fast_bytes(stride * static_cast<std::size_t>(arrays) + 64);
+  std::vector<unsigned char> slow_bytes(fast_bytes.size());
+  auto const base = [](std::vector<unsigned char>& bytes) {
+    auto const at = reinterpret_cast<std::uintptr_t>(bytes.data());
+    return bytes.data() + (64 - at % 64) % 64;
+  };
+  std::mt19937 rng(static_cast<unsigned>(inputs * 31 + outputs));
+  std::uniform_real_distribution<float> value(-4.0f, 4.0f);
+  ReduceSlice<T, O> fast{};
+  ReduceSlice<T, O> slow{};
+  fast.inputs = slow.inputs = inputs;
+  fast.outputs = slow.outputs = outputs;
+  for (int k = 0; k < arrays; ++k) {
+    auto* const f = reinterpret_cast<T*>(base(fast_bytes) + stride * static_cast<std::size_t>(k)) +
+                    shift[static_cast<std::size_t>(k)];
+    auto* const s = reinterpret_cast<T*>(base(slow_bytes) + stride * static_cast<std::size_t>(k)) +
+                    shift[static_cast<std::size_t>(k)];
+    for (std::int64_t i = 0; i < n; ++i) f[i] = s[i] = T(k < inputs ? value(rng) : 99.0f);
+    if (k < inputs) {
+      fast.in[k] = f;
+      slow.in[k] = s;
+    } else {
+      fast.out[k - inputs] = f;
+      slow.out[k - inputs] = s;
+    }
+  }
+  VectorReduceSlice<T, O> const vectorized(fast, begin, end);
+  for (std::int64_t i = 0; i < vectorized.count(); ++i) vectorized(i);
+  for (std::int64_t i = begin; i < end; ++i) slow(i);
+  for (int q = 0; q < outputs; ++q) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      INFO("output " << q << ", element " << i);
+      REQUIRE(std::memcmp(&fast.out[q][i], &slow.out[q][i], sizeof(T)) == 0);
+      if (i < begin || i >= end) REQUIRE(static_cast<float>(fast.out[q][i]) == 99.0f);
+    }
+  }
+  return vectorized.vectors;
+}
+}  // namespace
+
+TEST_CASE("The CUDA reduction's 16-byte vectors equal the element-by-element math, head and tail too",
+          "[comm][reduce]") {
+  auto const each_type_and_op = [](auto const& run) {
+    mgpu::detail::visit_dtype(DType::float32, run);
+    mgpu::detail::visit_dtype(DType::bfloat16, run);
+    mgpu::detail::visit_dtype(DType::float16, run);
+  };
+  each_type_and_op([]<class T>(std::type_identity<T>) {
+    constexpr std::int64_t lanes = 16 / sizeof(T);
+    for (ReduceOp const op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::min, ReduceOp::max}) {
+      mgpu::detail::visit_reduce_op(op, [&]<ReduceOp O>(std::integral_constant<ReduceOp, O>) {
+        CAPTURE(sizeof(T), static_cast<int>(O));
+        // Lined up at 0: whole vectors from the start, a tail after them.
+        CHECK(check_vector_slice<T, O>(3, 3, {0, 0, 0, 0, 0, 0}, 0, 299) == 299 / lanes);
+        // Lined up one element past a boundary: a head up to the next boundary, then vectors.
+        std::int64_t const head = lanes - 1;
+        CHECK(check_vector_slice<T, O>(4, 1, {1, 1, 1, 1, 1}, 0, 250) == (250 - head) / lanes);
+        // A slice that starts inside the arrays (another rank's part of an all-reduce).
+        CHECK(check_vector_slice<T, O>(2, 2, {0, 0, 0, 0}, 37, 211) > 0);
+        // One input off by an element: no vectors, every element one by one.
+        CHECK(check_vector_slice<T, O>(3, 2, {0, 1, 0, 0, 0}, 0, 300) == 0);
+        // A slice shorter than its head: elements only.
+        CHECK(check_vector_slice<T, O>(2, 1, {1, 1, 1}, 0, 1) == 0);
+      });
+    }
+  });
 }

@@ -1,8 +1,9 @@
-// The caching allocator: reuse, statistics, limits, thread safety.
+// The caching allocator: reuse, statistics, limits, thread safety, stream-ordered reuse.
 #include <mgpu/core/memory.hpp>
 
 #include <atomic>
 #include <cstdint>
+#include <future>
 #include <thread>
 #include <vector>
 
@@ -142,6 +143,123 @@ TEST_CASE("Pinned staging buffers are reused and not counted against the limit",
   mgpu::Buffer again = allocator->allocate_pinned(1 << 20);
   CHECK(again.data() == first);
   CHECK(allocator->stats().allocated == 0);
+}
+
+namespace {
+// Holds a stream with host work that waits until open() (or the end of the scope, so that a failed
+// check never leaves the stream blocked).
+class Gate {
+ public:
+  explicit Gate(mgpu::Stream& stream) {
+    stream.enqueue([opened = promise_.get_future().share()] { opened.wait(); });
+  }
+  Gate(Gate const&) = delete;
+  Gate& operator=(Gate const&) = delete;
+  ~Gate() { open(); }
+  void open() {
+    if (!opened_) promise_.set_value();
+    opened_ = true;
+  }
+
+ private:
+  std::promise<void> promise_;
+  bool opened_ = false;
+};
+}  // namespace
+
+TEST_CASE("A freed block goes back to its stream at once, to other streams after its work", "[core][memory][stream]") {
+  auto allocator = Allocator::create(Device{DeviceKind::host, 0});
+  mgpu::Stream mine(Device{DeviceKind::host, 0});
+  mgpu::Stream other(Device{DeviceKind::host, 0});
+  std::vector<int> order;  // written only by `mine`'s work
+  Gate gate(mine);         // nothing on `mine` runs until the gate opens
+  void* freed = nullptr;
+  {
+    mgpu::Buffer a = allocator->allocate(4096, mine);
+    freed = a.data();
+    mine.enqueue([p = static_cast<int*>(a.data()), &order] {
+      p[0] = 1;
+      order.push_back(p[0]);
+    });
+    a.record_stream(mine);
+  }  // freed while its work waits behind the gate
+  mgpu::Buffer for_other = allocator->allocate(4096, other);
+  CHECK(for_other.data() != freed);
+  mgpu::Buffer plain = allocator->allocate(4096);
+  CHECK(plain.data() != freed);
+  CHECK(allocator->stats().cache_hits == 0);
+
+  // The same stream gets the block while its earlier work has not run (the gate is closed): its
+  // next work runs after that work, in stream order.
+  mgpu::Buffer again = allocator->allocate(4096, mine);
+  CHECK(again.data() == freed);
+  CHECK_FALSE(mine.query());
+  CHECK(allocator->stats().cache_hits == 1);
+  CHECK(allocator->stats().allocated == 3 * 4096);
+  mine.enqueue([p = static_cast<int*>(again.data()), &order] {
+    p[0] += 10;
+    order.push_back(p[0]);
+  });
+  again.record_stream(mine);
+  again = mgpu::Buffer();  // freed again before anything ran: it keeps its place behind the work
+  mgpu::Buffer second_for_other = allocator->allocate(4096, other);
+  CHECK(second_for_other.data() != freed);
+
+  gate.open();
+  mine.synchronize();
+  CHECK(order == std::vector<int>{1, 11});
+  // The work has run: any stream, and plain allocate(), may have the block now.
+  mgpu::Buffer after = allocator->allocate(4096, other);
+  CHECK(after.data() == freed);
+}
+
+TEST_CASE("A block used by two streams goes to one of them only after the other's work", "[core][memory][stream]") {
+  auto allocator = Allocator::create(Device{DeviceKind::host, 0});
+  mgpu::Stream first(Device{DeviceKind::host, 0});
+  mgpu::Stream second(Device{DeviceKind::host, 0});
+  Gate first_gate(first);
+  Gate second_gate(second);
+  void* freed = nullptr;
+  {
+    mgpu::Buffer a = allocator->allocate(1 << 16, first);
+    freed = a.data();
+    a.record_stream(first);
+    a.record_stream(second);
+  }
+  std::vector<mgpu::Buffer> held;                       // kept, so that each request below sees only `a`'s block
+  held.push_back(allocator->allocate(1 << 16, first));  // the second stream's work may still use it
+  held.push_back(allocator->allocate(1 << 16, second));
+  second_gate.open();
+  second.synchronize();
+  // Only the first stream's use is left: the block is the first stream's at once, nobody else's.
+  held.push_back(allocator->allocate(1 << 16, second));
+  held.push_back(allocator->allocate(1 << 16));
+  for (mgpu::Buffer const& b : held) CHECK(b.data() != freed);
+  mgpu::Buffer back = allocator->allocate(1 << 16, first);
+  CHECK(back.data() == freed);
+  CHECK_FALSE(first.query());
+  back = mgpu::Buffer();
+  first_gate.open();
+  first.synchronize();
+  CHECK(allocator->allocate(1 << 16).data() == freed);
+}
+
+TEST_CASE("Releasing the cache waits for blocks that host-stream work still uses", "[core][memory][stream]") {
+  auto allocator = Allocator::create(Device{DeviceKind::host, 0});
+  mgpu::Stream stream(Device{DeviceKind::host, 0});
+  std::atomic<bool> ran{false};
+  {
+    Gate gate(stream);
+    mgpu::Buffer a = allocator->allocate(1 << 20);
+    stream.enqueue([&ran] { ran = true; });
+    a.record_stream(stream);
+    a = mgpu::Buffer();
+    CHECK(allocator->stats().cached == Allocator::block_size(1 << 20));
+  }  // the gate opens; release_cached() frees the block once the work before its marker ran
+  allocator->release_cached();
+  CHECK(ran);
+  CHECK(allocator->stats().cached == 0);
+  CHECK(allocator->stats().reserved == 0);
 }
 
 TEST_CASE("format_bytes", "[core][memory]") {

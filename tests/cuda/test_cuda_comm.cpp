@@ -207,6 +207,101 @@ TEST_CASE("cuda_peer collectives on logical devices sharing GPU 0", "[cuda][comm
   check_collectives("cuda:0,0,0,0", mgpu::comm::Backend::cuda_peer);
 }
 
+TEST_CASE("cuda_peer collectives back to back on two streams per rank, one rank's thread lagging", "[cuda][comm]") {
+  // One host meeting per collective: a rank may enter the next collective (and record its "inputs
+  // ready") while another is still enqueuing its waits for this one, and a rank's collectives on
+  // two streams announce their ends in order. Every result is checked.
+  mgpu::DeviceGroup group("cuda:0,0,0");
+  auto comm = mgpu::comm::make_communicator(
+      group, {.backend = mgpu::comm::Backend::cuda_peer, .timeout = std::chrono::milliseconds(20000)});
+  int const n = group.size();
+  constexpr int rounds = 24;
+  constexpr std::int64_t count = 3001;
+  std::vector<mgpu::Stream> side;
+  for (int r = 0; r < n; ++r) side.emplace_back(group.device(r));
+  std::vector<std::vector<Tensor>> inputs(static_cast<std::size_t>(n));
+  std::vector<std::vector<Tensor>> outputs(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    for (int k = 0; k < rounds; ++k) {
+      std::vector<float> values(count);
+      for (std::int64_t i = 0; i < count; ++i)
+        values[static_cast<std::size_t>(i)] = static_cast<float>((i + k * (r + 1)) % 17);
+      inputs[static_cast<std::size_t>(r)].push_back(
+          upload(values, DType::float32, group.allocator(r), group.stream(r)));
+      outputs[static_cast<std::size_t>(r)].push_back(Tensor::empty({count}, DType::float32, group.allocator(r)));
+    }
+  }
+  group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+    auto const r = static_cast<std::size_t>(rank);
+    for (int k = 0; k < rounds; ++k) {
+      if (rank == n - 1 && k % 3 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      mgpu::Stream& s = k % 2 == 0 ? stream : side[r];
+      comm->all_reduce(rank, inputs[r][static_cast<std::size_t>(k)], outputs[r][static_cast<std::size_t>(k)],
+                       ReduceOp::sum, s);
+    }
+  });
+  for (auto& s : side) s.synchronize();
+  comm->finalize();
+  for (int r = 0; r < n; ++r) {
+    for (int k = 0; k < rounds; ++k) {
+      INFO("rank " << r << ", round " << k);
+      auto const got = download(outputs[static_cast<std::size_t>(r)][static_cast<std::size_t>(k)]);
+      for (std::int64_t i = 0; i < count; ++i) {
+        double sum = 0;
+        for (int p = 0; p < n; ++p) sum += static_cast<double>((i + k * (p + 1)) % 17);
+        REQUIRE(got[static_cast<std::size_t>(i)] == sum);
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda_peer all-reduce with 16-byte loads where the ranks' buffers line up, element loads where not",
+          "[cuda][comm]") {
+  mgpu::DeviceGroup group("cuda:0,0,0,0");
+  auto comm = mgpu::comm::make_communicator(group, {.backend = mgpu::comm::Backend::cuda_peer});
+  int const n = group.size();
+  for (DType t : {DType::float32, DType::bfloat16, DType::float16}) {
+    for (std::int64_t count : {5, 4099}) {
+      // Views starting `shift` elements into their buffers: lined up (all 0 or all 1: a head, then
+      // vectors, then a tail) or not (each rank its own shift: element by element).
+      for (bool lined_up : {true, false}) {
+        for (std::int64_t base : {0, 1}) {
+          INFO(mgpu::to_string(t) << ", " << count << " elements, lined up " << lined_up << ", shift " << base);
+          std::vector<std::vector<float>> in(static_cast<std::size_t>(n));
+          std::vector<Tensor> views;
+          std::vector<Tensor> kept;
+          for (int r = 0; r < n; ++r) {
+            std::int64_t const shift = lined_up ? base : base + r;
+            std::vector<float> values(static_cast<std::size_t>(count + shift), -1.0f);
+            for (std::int64_t i = 0; i < count; ++i) {
+              float const v = static_cast<float>((i * (r + 3)) % 29) - 14.0f;
+              values[static_cast<std::size_t>(shift + i)] = v;
+              in[static_cast<std::size_t>(r)].push_back(v);
+            }
+            kept.push_back(upload(values, t, group.allocator(r), group.stream(r)));
+            views.push_back(kept.back().slice(shift, shift + count));
+          }
+          group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {
+            auto const& v = views[static_cast<std::size_t>(rank)];
+            comm->all_reduce(rank, v, v, ReduceOp::sum, stream);
+          });
+          for (int r = 0; r < n; ++r) {
+            auto const got = download(kept[static_cast<std::size_t>(r)]);
+            std::int64_t const shift = lined_up ? base : base + r;
+            for (std::int64_t i = 0; i < shift; ++i) REQUIRE(got[static_cast<std::size_t>(i)] == -1.0f);  // untouched
+            for (std::int64_t i = 0; i < count; ++i) {
+              double sum = 0;
+              for (auto const& v : in) sum += v[static_cast<std::size_t>(i)];
+              REQUIRE(got[static_cast<std::size_t>(shift + i)] == sum);  // small integers: exact in every dtype
+            }
+          }
+        }
+      }
+    }
+  }
+  comm->finalize();
+}
+
 TEST_CASE("NCCL collectives across every GPU (one rank on a one-GPU machine)", "[cuda][comm]") {
   if (!mgpu::built_with_nccl) MGPU_SKIP("built without NCCL");
   // One GPU still makes a one-rank NCCL group: non-blocking init, launches, the watchdog, and

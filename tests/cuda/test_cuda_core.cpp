@@ -5,6 +5,7 @@
 
 #include <mgpu/config.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <future>
 #include <numeric>
@@ -192,6 +193,41 @@ TEST_CASE("A freed GPU block is not reused before the work that uses it has run"
   // Releasing the cache while blocks wait for their work returns them without a deadlock.
   allocator.release_cached();
   CHECK(allocator.stats().cached == 0);
+}
+
+TEST_CASE("A freed GPU block goes back to its own stream at once, to other streams after its work",
+          "[cuda][sanitize]") {
+  mgpu::DeviceGroup group("cuda:0,0");  // two streams on one GPU
+  auto& allocator = group.allocator(0);
+  mgpu::Stream& mine = group.stream(0);
+  constexpr std::int64_t n = 1 << 20;
+  std::size_t const bytes = n * sizeof(float);
+  std::promise<void> gate;
+  std::shared_future<void> const opened = gate.get_future().share();
+  mine.enqueue([opened] { opened.wait(); });  // nothing on `mine` runs before the gate opens
+  void* freed = nullptr;
+  {
+    Tensor a = Tensor::empty({n}, DType::float32, allocator);
+    freed = a.data();
+    fill_async(a, 7.0f, mine);  // records its use of `a` on `mine`
+  }
+  CHECK(allocator.allocate(bytes).data() != freed);                     // plain: only idle blocks
+  mgpu::Buffer for_other = allocator.allocate(bytes, group.stream(1));  // another stream: after the fill
+  CHECK(for_other.data() != freed);
+  auto host = mgpu::Allocator::create(Device{DeviceKind::host, 0});
+  Tensor result = Tensor::empty({n}, DType::float32, *host);
+  {
+    Tensor again = Tensor::empty({n}, DType::float32, allocator, mine);  // the same stream: at once
+    CHECK(again.data() == freed);
+    CHECK_FALSE(mine.query());
+    fill_async(again, 3.0f, mine);  // runs after the first fill, in stream order: it wins
+    mgpu::copy_async(result, again, mine);
+  }
+  gate.set_value();
+  mine.synchronize();
+  auto const values = result.host_span<float>();
+  CHECK(std::all_of(values.begin(), values.end(), [](float v) { return v == 3.0f; }));
+  CHECK(allocator.allocate(bytes, group.stream(1)).data() == freed);  // the work has run: anyone's
 }
 
 TEST_CASE("A CUDA stream waits on a host-recorded event without blocking CUDA's callback thread", "[cuda][sanitize]") {

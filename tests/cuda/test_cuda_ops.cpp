@@ -306,3 +306,23 @@ TEST_CASE("An MLP trains on the GPU in float32, bfloat16 and float16", "[cuda][t
     CHECK(mgpu::nn::count_correct(model, x.second, labels.second, ctx) >= 470);
   }
 }
+
+TEST_CASE("Kernel temporaries come from the caching allocator, reused by their stream at once", "[cuda]") {
+  Pair p;
+  auto [x_host, x_gpu] = p.random({4096, 33}, 41);
+  auto out = p.empty({1});
+  mgpu::ops::sum_squares(x_host, out.first, p.host.stream);
+  float const expected = mgpu::ops::item(out.first, p.host.stream);
+  mgpu::Allocator& allocator = *p.gpu.allocator;
+  p.gpu.stream.synchronize();
+  auto const before = allocator.stats();
+  mgpu::ops::sum_squares(x_gpu, out.second, p.gpu.stream);  // its partial sums: a scratch block
+  auto const first = allocator.stats();
+  CHECK(first.allocations == before.allocations + 1);
+  mgpu::ops::sum_squares(x_gpu, out.second, p.gpu.stream);  // the same block, before the first has run
+  auto const second = allocator.stats();
+  CHECK(second.allocations == first.allocations + 1);
+  CHECK(second.cache_hits == first.cache_hits + 1);
+  CHECK(mgpu::ops::item(out.second, p.gpu.stream) == Approx(expected).epsilon(1e-5));
+  CHECK(allocator.stats().allocated == before.allocated);  // the scratch went back with each call
+}

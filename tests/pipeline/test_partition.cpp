@@ -1,17 +1,21 @@
 // Heterogeneous pipeline partitioning: the planner against brute force over every contiguous split
 // (speeds such as 1 and 0.5, tight memory, 1F1B's closed-form P - d micro-batches in flight), its
 // errors, the plan's report, the devices read off a group, profiling on a speed-emulated rank 0,
-// and end to end on host:2@speed=1,0.5: the faster device gets more layers.
+// and end to end on host:2@speed=1,0.5: the faster device gets more layers. Profiles come from
+// known costs (a ProfileTimer), never from the machine's speed.
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <random>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "support/catch.hpp"
@@ -78,37 +82,53 @@ double slowest_1f1b(Case const& k, std::vector<int> const& first) {
   return worst;
 }
 
-// Sleeps on the stream for a fixed time: a cost that does not depend on the machine's load (a
-// speed-emulated device stretches it like any compute).
-class Sleep final : public nn::Layer {
+// Seconds of work done on the streams, by the Cost layers that share it.
+using Ledger = std::shared_ptr<std::atomic<double>>;
+
+// A layer whose forward and backward each cost `seconds` of a speed-1 device: work on the stream
+// that adds them to the ledger, in place of taking that long.
+class Cost final : public nn::Layer {
  public:
-  explicit Sleep(double ms) : ms_(ms) {}
-  std::string name() const override { return "Sleep"; }
+  Cost(double seconds, Ledger ledger) : seconds_(seconds), ledger_(std::move(ledger)) {}
+  std::string name() const override { return "Cost"; }
   Tensor forward(Tensor const& x, nn::Context& ctx) override {
-    sleep(ctx);
+    charge(ctx);
     return x;
   }
   Tensor backward(Tensor const& dy, nn::Context& ctx) override {
-    sleep(ctx);
+    charge(ctx);
     return dy;
   }
-  std::unique_ptr<nn::Layer> clone() const override { return std::make_unique<Sleep>(ms_); }
+  std::unique_ptr<nn::Layer> clone() const override { return std::make_unique<Cost>(seconds_, ledger_); }
 
  private:
-  void sleep(nn::Context& ctx) const {
-    ctx.stream.enqueue([ms = ms_] { std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms)); });
+  void charge(nn::Context& ctx) const {
+    ctx.stream.enqueue([seconds = seconds_, ledger = ledger_] { *ledger += seconds; });
   }
-  double ms_;
+  double seconds_;
+  Ledger ledger_;
 };
 
-// `units` pairs of a Linear and a layer sleeping `ms` in forward and again in backward.
-nn::Sequential sleepers(int units, double ms) {
+// `units` pairs of a Linear (no cost in the ledger) and a layer costing `seconds` in forward and
+// again in backward.
+nn::Sequential costly(int units, double seconds, Ledger const& ledger) {
   nn::Sequential m;
   for (int u = 0; u < units; ++u) {
     m.add(std::make_unique<nn::Linear>(8, 8));
-    m.add(std::make_unique<Sleep>(ms));
+    m.add(std::make_unique<Cost>(seconds, ledger));
   }
   return m;
+}
+
+// Times a run as a device of `speed` would take for the ledger's work (1 / speed as long), plus
+// `extra[k]` seconds on the k-th run (a disturbance the median must ignore; cycled).
+pp::ProfileTimer ledger_timer(Ledger ledger, double speed, std::vector<double> extra = {0.0}) {
+  auto runs = std::make_shared<std::size_t>(0);
+  return [ledger = std::move(ledger), speed, extra = std::move(extra), runs](std::function<void()> const& run) {
+    double const before = *ledger;
+    run();  // it waits for the stream: the ledger holds the run's work
+    return (*ledger - before) / speed + extra[(*runs)++ % extra.size()];
+  };
 }
 
 }  // namespace
@@ -251,39 +271,51 @@ TEST_CASE("stage_devices reads speed and free memory off the group", "[parallel]
 
 TEST_CASE("profiling on a speed-emulated rank 0 reports the fastest device's costs", "[parallel][partition]") {
   constexpr double nominal = 10e-3;
-  nn::Sequential const model = sleepers(1, nominal / 2 * 1e3);  // 10 ms of sleep per forward + backward
-  for (char const* spec : {"host:1", "host:2@speed=0.5,1"}) {
+  auto const ledger = std::make_shared<std::atomic<double>>(0.0);
+  nn::Sequential const model = costly(1, nominal / 2, ledger);  // 10 ms per forward + backward
+  for (auto const& [spec, speed] : {std::pair{"host:1", 1.0}, std::pair{"host:2@speed=0.5,1", 0.5}}) {
     CAPTURE(spec);
     mgpu::DeviceGroup group(spec);
-    pp::LayerProfile const profile = pp::profile_layers(model, group, {4, 8}, 5);
-    double fastest = profile.seconds[1];
-    for (int again = 0; again < 2; ++again) fastest = std::min(fastest, pp::profile_layers(model, group, {4, 8}, 5).seconds[1]);
-    // Rank 0 at half speed takes about twice as long; scaled back, its cost is the sleep's. The
-    // least disturbed of three medians is checked against the sleep itself (a loaded machine wakes
-    // sleepers late, and the emulation pays its own late wake-ups back while a full-speed device
-    // cannot, so comparing the two groups would measure the load): unscaled would be at least 2x
-    // (a sleep is never shorter), scaled twice 0.5x; late wake-ups add up to 0.6x on a machine
-    // loaded beyond its cores.
-    CHECK(fastest > 0.9 * nominal);
-    CHECK(fastest < 1.9 * nominal);
+    // Rank 0 at half speed takes twice as long; scaled back, its cost is the fastest device's.
+    // Two of the five runs are disturbed (a loaded machine's late wake-ups): the median is not.
+    pp::LayerProfile const profile =
+        pp::profile_layers(model, group, {4, 8}, 5, ledger_timer(ledger, speed, {0.0, 0.5, 0.0, 0.0, 1.0}));
+    CHECK(profile.seconds[0] == 0.0);  // the Linear: nothing in the ledger
+    CHECK(profile.seconds[1] == Approx(nominal).epsilon(1e-12));
     CHECK(profile.parameter_bytes == std::vector<double>{8 * 8 * 4 + 8 * 4, 0.0});
     CHECK(profile.activation_bytes[0] >= 4 * 8 * 4);  // at least the Linear's output
   }
+  mgpu::DeviceGroup one("host:1");
+  REQUIRE_MGPU_ERROR(pp::profile_layers(model, one, {4, 8}, 0), mgpu::Errc::invalid_argument,
+                     "0 repeats (expected >= 1)");
+}
+
+TEST_CASE("profile_layers times with the steady clock by default", "[parallel][partition]") {
+  // A lower bound only: a unit never takes less than the time its work sleeps.
+  mgpu::DeviceGroup group("host:1");
+  nn::Sequential model;
+  class Sleep final : public nn::Layer {
+   public:
+    std::string name() const override { return "Sleep"; }
+    Tensor forward(Tensor const& x, nn::Context& ctx) override {
+      ctx.stream.enqueue([] { std::this_thread::sleep_for(std::chrono::milliseconds(2)); });
+      return x;
+    }
+    Tensor backward(Tensor const& dy, nn::Context&) override { return dy; }
+    std::unique_ptr<nn::Layer> clone() const override { return std::make_unique<Sleep>(); }
+  };
+  model.add(std::make_unique<Sleep>());
+  CHECK(pp::profile_layers(model, group, {4, 8}, 1).seconds[0] >= 2e-3);
 }
 
 TEST_CASE("on host:2@speed=1,0.5 the planned cuts give the faster device more layers", "[parallel][partition]") {
   mgpu::DeviceGroup group("host:2@speed=1,0.5");
-  // 16 units: 8 tiny Linears and 8 sleeps of 4 ms per micro-batch (long enough that a loaded
-  // machine's late wake-ups do not decide the plan).
-  nn::Sequential const model = sleepers(8, 2.0);
+  // 16 units: 8 Linears that cost nothing and 8 units of 4 ms per micro-batch.
+  auto const ledger = std::make_shared<std::atomic<double>>(0.0);
+  nn::Sequential const model = costly(8, 2e-3, ledger);
   pp::Schedule const schedule = pp::one_f_one_b(2, 2);
-  // Each unit's least disturbed of three profiles: a loaded machine only ever adds to a sleep
-  // (one CI run under TSan profiled the last sleep at 2.5x while another test held both cores).
-  pp::LayerProfile profile = pp::profile_layers(model, group, {4, 8}, 5);
-  for (int again = 0; again < 2; ++again) {
-    pp::LayerProfile const next = pp::profile_layers(model, group, {4, 8}, 5);
-    for (std::size_t l = 0; l < profile.seconds.size(); ++l) profile.seconds[l] = std::min(profile.seconds[l], next.seconds[l]);
-  }
+  pp::LayerProfile const profile = pp::profile_layers(model, group, {4, 8}, 3, ledger_timer(ledger, 1.0));
+  for (std::size_t l = 0; l < profile.seconds.size(); ++l) CHECK(profile.seconds[l] == Approx(l % 2 == 1 ? 4e-3 : 0.0));
   pp::Partition const plan = pp::partition(model, schedule, profile, pp::stage_devices(group, 2));
   INFO(pp::to_string(plan));
   CHECK(plan.cuts[1] > 16 - plan.cuts[1]);  // device 0 gets more layers

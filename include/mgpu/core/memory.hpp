@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <mgpu/core/device.hpp>
+#include <mgpu/core/stream.hpp>
 
 namespace mgpu {
 
@@ -21,8 +22,10 @@ struct BufferInternals;  // the library's stream-ordered release (src/core/backe
 
 /// A block of device memory (or pinned host memory), owned (move-only). Returns the block to its
 /// allocator's cache on destruction. Work that mgpu enqueues on CUDA streams (copies, ops,
-/// collectives) records its use of the block, and the allocator reuses the block only once that
-/// work has finished; work of one's own on a stream needs the Buffer kept alive until it has run.
+/// collectives) records its use of the block: the allocator hands the block to work on that same
+/// stream at once (Allocator::allocate(bytes, stream); the stream runs in order) and to anyone else
+/// only once an event recorded after that work has completed. Work of one's own on a stream needs
+/// the Buffer kept alive until it has run, or record_stream().
 class Buffer {
  public:
   Buffer() = default;
@@ -38,6 +41,11 @@ class Buffer {
   [[nodiscard]] Device device() const noexcept { return device_; }
   /// True for page-locked host memory that CUDA can copy from asynchronously.
   [[nodiscard]] bool pinned() const noexcept { return pinned_; }
+
+  /// Records that the work enqueued on `stream` so far uses this block (on a host stream too): once
+  /// the Buffer is gone, the allocator gives the block to `stream` at once and to other streams or
+  /// plain allocate() only after that work has run. No effect on an empty Buffer.
+  void record_stream(Stream& stream);
 
  private:
   friend class Allocator;
@@ -63,9 +71,11 @@ struct MemoryStats {
 };
 
 /// A caching allocator for one device. Block sizes are rounded up to size classes (at most 1/8
-/// waste above 4 KiB) and freed blocks are kept per class for reuse. A freed block that CUDA work
-/// still uses waits, with an event recorded after that work, until the event has completed (stream
-/// ordered, without host callbacks). With a limit, `reserved` never exceeds it: cached blocks are
+/// waste above 4 KiB) and freed blocks are kept per class for reuse. A freed block that stream work
+/// still uses (recorded by the library's CUDA work, or Buffer::record_stream) keeps an event per
+/// stream recorded after its last use there: a request for that one stream gets it at once (stream
+/// order makes the reuse safe), anyone else once the events have completed (without host
+/// callbacks, never waited for on the host). With a limit, `reserved` never exceeds it: cached blocks are
 /// released first, blocks awaiting GPU work are polled (never waited for with a blocking call, for
 /// at most the library's deadline, default_timeout()), then Error(out_of_memory) is thrown. Thread-safe; memory is returned to the
 /// device outside the allocator's lock. Create with Allocator::create(); buffers keep their
@@ -81,9 +91,15 @@ class Allocator : public std::enable_shared_from_this<Allocator> {
 
   [[nodiscard]] Device device() const noexcept { return device_; }
 
-  /// A block of at least `bytes` bytes, 256-byte aligned; an empty Buffer for 0 bytes.
-  /// Throws Error(out_of_memory) naming the device, the request and what is free.
+  /// A block of at least `bytes` bytes, 256-byte aligned, that no queued work uses; an empty
+  /// Buffer for 0 bytes. Throws Error(out_of_memory) naming the device, the request and what is free.
   Buffer allocate(std::size_t bytes);
+
+  /// The same for work enqueued on `stream` from now on (stream ordered): the block may be one
+  /// that was freed while earlier work on `stream` still used it, without waiting for that work.
+  /// Other streams and the host touch it only after waiting for `stream` (an Event), as for the
+  /// work of `stream` itself.
+  Buffer allocate(std::size_t bytes, Stream& stream);
 
   /// Page-locked host memory for staging CUDA copies (plain host memory on host devices). Not
   /// counted against the device's limit.
@@ -108,11 +124,13 @@ class Allocator : public std::enable_shared_from_this<Allocator> {
   friend class Buffer;
   friend struct detail::BufferInternals;
 
-  // An event recorded on a CUDA stream after the last work there that uses a block.
+  // A marker after the last work on one stream that uses a block: an untimed CUDA event on a
+  // CUDA stream, an Event on a host stream.
   struct StreamUse {
-    void* stream;
-    int ordinal;  // the stream's GPU (the event's)
-    void* event;
+    std::uint64_t stream;         // the stream's id (StreamInternals::id)
+    int ordinal;                  // CUDA: the event's GPU; -1 on a host stream
+    void* event;                  // CUDA
+    std::optional<Event> marker;  // host
   };
   // A freed block waiting for the work that still uses it.
   struct PendingBlock {
@@ -122,10 +140,14 @@ class Allocator : public std::enable_shared_from_this<Allocator> {
     std::vector<StreamUse> uses;
   };
 
+  Buffer allocate(std::size_t bytes, std::optional<std::uint64_t> stream);
   void release(void* data, std::size_t block, bool pinned) noexcept;
-  void record_use(void* data, void* stream, int ordinal);
-  // Moves pending blocks whose work has finished into the caches.
+  void record_use(void* data, Stream& stream);
+  // Drops the finished uses of pending blocks; moves those with none left into the caches.
   void reclaim_completed_locked() noexcept;
+  // A pending device block of size `block` whose only unfinished uses are on `stream`, taken out
+  // of the books with its uses (they stay the block's); nullptr when there is none.
+  void* take_same_stream_locked(std::size_t block, std::uint64_t stream);
   // Takes every cached device block out of the books (not those awaiting work), for freeing
   // without the lock.
   void detach_idle_locked(std::vector<void*>& blocks) noexcept;
@@ -135,7 +157,7 @@ class Allocator : public std::enable_shared_from_this<Allocator> {
   // without the lock.
   void detach_cached_locked(std::vector<void*>& blocks, std::vector<PendingBlock>& pending) noexcept;
   void free_detached(std::vector<void*> const& blocks, std::vector<PendingBlock>& pending) noexcept;
-  void recycle_event(StreamUse const& use) noexcept;
+  void recycle_event(StreamUse& use) noexcept;
 
   Device device_;
   mutable std::mutex mutex_;
@@ -146,6 +168,7 @@ class Allocator : public std::enable_shared_from_this<Allocator> {
   std::unordered_map<void*, std::vector<StreamUse>> uses_;  // live block -> its CUDA uses
   std::vector<PendingBlock> pending_;
   std::unordered_map<int, std::vector<void*>> spare_events_;  // GPU -> events to record again
+  std::vector<Event> spare_markers_;                          // host-stream events to record again
 };
 
 /// "1.5 MiB", "512 B": a byte count for messages.

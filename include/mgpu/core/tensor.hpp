@@ -31,6 +31,10 @@ class Tensor {
   /// An uninitialised tensor in `allocator`'s device memory. Throws Error(invalid_argument) for a
   /// negative extent and Error(out_of_memory) when the device has no room.
   static Tensor empty(Shape shape, DType dtype, Allocator& allocator);
+  /// The same for work enqueued on `stream` (Allocator::allocate(bytes, stream)): its storage may
+  /// be a block that earlier work on `stream` still uses, so other streams and the host touch it
+  /// only after waiting for `stream`.
+  static Tensor empty(Shape shape, DType dtype, Allocator& allocator, Stream& stream);
   /// An uninitialised host tensor in pinned memory (allocator.allocate_pinned()), the fastest
   /// source and destination of copies to and from a GPU.
   static Tensor empty_pinned(Shape shape, DType dtype, Allocator& allocator);

@@ -80,12 +80,20 @@ struct LayerProfile {
   std::vector<double> activation_bytes;
 };
 
+/// How profile_layers() measures one forward + backward of a unit: it calls `run`, which enqueues
+/// them on rank 0's stream and waits for them, and returns the seconds they took on rank 0. The
+/// default (an empty ProfileTimer) reads the steady clock around `run`; a test, or a cost model,
+/// gives known costs instead of the machine's speed.
+using ProfileTimer = std::function<double(std::function<void()> const& run)>;
+
 /// Profiles each unit of `model` on `group`'s rank 0 for a micro-batch of `input` shape: the
-/// median of `repeats` forward + backward times, scaled by rank 0's speed relative to the group's
-/// fastest device (so a slow or speed-emulated rank 0 still reports the fastest device's costs,
-/// which stage_devices() speeds divide), and the bytes its forward leaves on rank 0's allocator.
-/// Runs on rank 0 only: the other devices are assumed to differ by their speed alone.
-LayerProfile profile_layers(nn::Sequential const& model, DeviceGroup& group, Shape const& input, int repeats = 3);
+/// median of `repeats` forward + backward times (measured by `timer`), scaled by rank 0's speed
+/// relative to the group's fastest device (so a slow or speed-emulated rank 0 still reports the
+/// fastest device's costs, which stage_devices() speeds divide), and the bytes its forward leaves
+/// on rank 0's allocator. Runs on rank 0 only: the other devices are assumed to differ by their
+/// speed alone.
+LayerProfile profile_layers(nn::Sequential const& model, DeviceGroup& group, Shape const& input, int repeats = 3,
+                            ProfileTimer const& timer = {});
 
 struct PartitionOptions {
   /// float32 copies of the parameters the optimizer keeps: 1 for SGD with momentum, 0 without, 2

@@ -58,6 +58,9 @@ inline constexpr int max_reduce_ranks = 16;
 /// Per-element form: out[q][i] = finish(in[0][i] (+) in[1][i] (+) ... ) for every output q.
 template <Element T, ReduceOp O>
 struct ReduceSlice {
+  /// Elements in 16 bytes: what vector() reads from each input and writes to each output.
+  static constexpr int lanes = 16 / static_cast<int>(sizeof(T));
+
   T const* in[max_reduce_ranks];
   T* out[max_reduce_ranks];
   int inputs;
@@ -68,6 +71,84 @@ struct ReduceSlice {
     for (int p = 1; p < inputs; ++p) acc = combine<O>(acc, static_cast<float>(in[p][i]));
     T const result(finish<O>(acc, inputs));
     for (int q = 0; q < outputs; ++q) out[q][i] = result;
+  }
+
+  /// Elements [i, i + lanes), with one 16-byte load per input and one 16-byte store per output
+  /// (every pointer + i on a 16-byte boundary): the same math as operator() on each element.
+  MGPU_HD void vector(std::int64_t i) const {
+    Pack const first = load(in[0] + i);
+    float acc[lanes];
+    for (int l = 0; l < lanes; ++l) acc[l] = static_cast<float>(first.v[l]);
+    for (int p = 1; p < inputs; ++p) {
+      Pack const next = load(in[p] + i);
+      for (int l = 0; l < lanes; ++l) acc[l] = combine<O>(acc[l], static_cast<float>(next.v[l]));
+    }
+    Pack result;
+    for (int l = 0; l < lanes; ++l) result.v[l] = T(finish<O>(acc[l], inputs));
+    for (int q = 0; q < outputs; ++q) store(out[q] + i, result);
+  }
+
+ private:
+  struct alignas(16) Pack {
+    T v[lanes];
+  };
+  static_assert(sizeof(Pack) == 16);
+  MGPU_HD static Pack load(T const* from) {
+    Pack pack;
+#ifdef __CUDA_ARCH__
+    *reinterpret_cast<uint4*>(&pack) = *reinterpret_cast<uint4 const*>(from);  // one 128-bit load
+#else
+    for (int l = 0; l < lanes; ++l) pack.v[l] = from[l];
+#endif
+    return pack;
+  }
+  MGPU_HD static void store(T* to, Pack const& pack) {
+#ifdef __CUDA_ARCH__
+    *reinterpret_cast<uint4*>(to) = *reinterpret_cast<uint4 const*>(&pack);  // one 128-bit store
+#else
+    for (int l = 0; l < lanes; ++l) to[l] = pack.v[l];
+#endif
+  }
+};
+
+/// ReduceSlice over [begin, end) as count() work items for a grid: the head's elements one by one
+/// up to the first 16-byte boundary, then whole vectors of `lanes` elements (ReduceSlice::vector),
+/// then the tail's elements one by one. Vectors only when every input and output sits at the same
+/// offset from a 16-byte boundary at `begin` (the head then brings them all onto one); otherwise
+/// every item is one element.
+template <Element T, ReduceOp O>
+struct VectorReduceSlice {
+  static constexpr int lanes = ReduceSlice<T, O>::lanes;
+
+  ReduceSlice<T, O> slice;
+  std::int64_t begin = 0;
+  std::int64_t head = 0;     // the first vector's element (end when there are none)
+  std::int64_t vectors = 0;  // whole vectors from `head`
+  std::int64_t end = 0;
+
+  VectorReduceSlice(ReduceSlice<T, O> const& s, std::int64_t first, std::int64_t last)
+      : slice(s), begin(first), head(last), end(last) {
+    auto const offset = [](void const* p) { return reinterpret_cast<std::uintptr_t>(p) % 16; };
+    std::uintptr_t const at = offset(slice.in[0] + begin);
+    bool lined_up = at % sizeof(T) == 0;
+    for (int p = 1; p < slice.inputs; ++p) lined_up = lined_up && offset(slice.in[p] + begin) == at;
+    for (int q = 0; q < slice.outputs; ++q) lined_up = lined_up && offset(slice.out[q] + begin) == at;
+    if (!lined_up) return;
+    head = std::min<std::int64_t>(end, begin + static_cast<std::int64_t>((16 - at) % 16 / sizeof(T)));
+    vectors = (end - head) / lanes;
+  }
+
+  [[nodiscard]] std::int64_t count() const { return end - begin - vectors * (lanes - 1); }
+
+  MGPU_HD void operator()(std::int64_t i) const {
+    std::int64_t const heads = head - begin;
+    if (i < heads) {
+      slice(begin + i);
+    } else if (i < heads + vectors) {
+      slice.vector(head + (i - heads) * lanes);
+    } else {
+      slice(head + vectors * lanes + (i - heads - vectors));
+    }
   }
 };
 
