@@ -241,40 +241,6 @@ mgpu::pipeline::LayerProfile layer_costs(mgpu::nn::Sequential const& model, mgpu
   return profile;
 }
 
-// The whole model's parameters to and from the pipeline's chunks: the chunks' master parameters,
-// in order, are the whole model's, followed in the last chunk by its copy of wte when it holds one.
-void gather_chunks(mgpu::pipeline::Executor& executor, mgpu::nn::Sequential& whole, mgpu::Stream& stream) {
-  std::int64_t offset = 0;
-  for (int c = 0; c < executor.schedule().chunks(); ++c) {
-    mgpu::Tensor const& p = executor.chunk(c).master_parameters();
-    std::int64_t const n = std::min(p.numel(), whole.parameter_count() - offset);
-    mgpu::copy_async(whole.master_parameters().slice(offset, offset + n), p.slice(0, n), stream);
-    offset += n;
-  }
-  whole.sync_parameters(stream);
-  stream.synchronize();
-}
-
-void scatter_chunks(mgpu::nn::Sequential const& whole, mgpu::pipeline::Executor& executor, mgpu::DeviceGroup& group,
-                    int replicas, std::int64_t wte_elements) {
-  int const devices = executor.schedule().devices;
-  for (int r = 0; r < replicas; ++r) {
-    std::int64_t offset = 0;
-    for (int c = 0; c < executor.schedule().chunks(); ++c) {
-      mgpu::nn::Sequential& chunk = executor.chunk(c, r);
-      mgpu::Stream& stream = group.stream(r * devices + executor.schedule().device_of(c));
-      std::int64_t const n = std::min(chunk.parameter_count(), whole.parameter_count() - offset);
-      mgpu::copy_async(chunk.master_parameters().slice(0, n), whole.master_parameters().slice(offset, offset + n), stream);
-      if (n < chunk.parameter_count())  // the head's copy of wte
-        mgpu::copy_async(chunk.master_parameters().slice(n, chunk.parameter_count()),
-                         whole.master_parameters().slice(0, wte_elements), stream);
-      chunk.sync_parameters(stream);
-      offset += n;
-    }
-  }
-  group.synchronize();
-}
-
 std::string printable(std::string const& text) {
   std::string out;
   for (unsigned char const c : text)
@@ -372,7 +338,7 @@ int run(Options o) {
           return std::make_unique<mgpu::optim::AdamW>(options);
         },
         std::move(options));
-    scatter_chunks(model, *pipeline, group, o.dp, config.vocab * config.n_embd);
+    pipeline->scatter_parameters(model, stream);
     FILE* const out = o.json ? stderr : stdout;
     std::fprintf(out, "%s over %d stage(s) x %d replica(s), %d micro-batches (about %.3g sequences each); chunks cut by FLOPs:\n",
                  pipeline->schedule().name.c_str(), o.stages, o.dp, pipeline->schedule().micro_batches,
@@ -393,7 +359,7 @@ int run(Options o) {
   Trainer trainer{net, net_optimizer, net_ctx, device, o.clip, std::nullopt, parallel.get(), pipeline.get(), timeline.get()};
   if (o.precision == "fp16" && !parallel && !pipeline) trainer.scaler.emplace();
   auto const gather = [&] {
-    if (pipeline) gather_chunks(*pipeline, model, stream);
+    if (pipeline) pipeline->gather_parameters(model, stream);
   };
   // One checkpoint format for every layout: a run may resume on another one.
   auto const save = [&](mgpu::io::TrainingState const& at) {

@@ -162,16 +162,11 @@ int train(Options const& o) {
     std::fprintf(log, "epoch %d/%d  loss %.4f\n", epoch + 1, o.epochs, loss);
   }
 
-  // Evaluate the unsplit model: the chunks' parameters, in order, are the whole model's.
+  // Evaluate the unsplit model, its float32 weights gathered from the chunks.
   mgpu::nn::Context ctx{group.allocator(0), group.stream(0)};
   auto whole = model.clone();
   whole.materialize(ctx, o.seed);
-  std::int64_t offset = 0;
-  for (int c = 0; c < schedule.chunks(); ++c) {
-    mgpu::Tensor const& p = executor.chunk(c).master_parameters();  // float32 in any precision
-    mgpu::copy_async(whole.parameters().slice(offset, offset + p.numel()), p, ctx.stream);
-    offset += p.numel();
-  }
+  executor.gather_parameters(whole, ctx.stream);
   std::vector<float> test_x(test_set.feature_data().begin(), test_set.feature_data().end());
   normalizer.apply(test_x);
   mgpu::Tensor const tx = mgpu::Tensor::empty({test_set.size(), all.features()}, mgpu::DType::float32, *host);

@@ -1,5 +1,6 @@
-// The pipeline executor's checkpoints: the whole model as one device holds it (io::save_training's
-// format), assembled from the chunks of replica 0 and spread back over every replica's chunks.
+// The whole model as one device holds it, assembled from the chunks of replica 0 and spread back
+// over every replica's chunks: its parameters (gather_parameters, scatter_parameters) and the
+// executor's checkpoints (io::save_training's format).
 #include <mgpu/io/checkpoint.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
 
@@ -55,11 +56,63 @@ std::vector<Executor::Impl::Span> Executor::Impl::whole_spans() const {
   return out;
 }
 
+void Executor::Impl::to_whole(int c, Tensor const& chunk_buffer, Tensor const& whole, Stream& stream) const {
+  Span const s = whole_spans()[static_cast<std::size_t>(c)];
+  copy_async(whole.slice(s.offset, s.offset + s.count), chunk_buffer.slice(0, s.count), stream);
+}
+
+void Executor::Impl::from_whole(int c, Tensor const& whole, Tensor const& chunk_buffer, Stream& stream) const {
+  std::vector<Span> const at = whole_spans();
+  Span const s = at[static_cast<std::size_t>(c)];
+  copy_async(chunk_buffer.slice(0, s.count), whole.slice(s.offset, s.offset + s.count), stream);
+  std::int64_t const copy = chunk_buffer.numel() - s.count;  // a tied head's copy of wte
+  if (copy > 0) {
+    std::int64_t const wte = at[static_cast<std::size_t>(tie->embedding_chunk)].offset + tie->embedding_offset;
+    copy_async(chunk_buffer.slice(s.count, s.count + copy), whole.slice(wte, wte + copy), stream);
+  }
+}
+
+namespace {
+void check_whole(nn::Sequential const& whole, std::int64_t expected, char const* call) {
+  if (whole.parameter_count() != expected)
+    throw Error(Errc::invalid_argument, std::string(call) + " with a model of " + std::to_string(whole.parameter_count()) +
+                                            " parameters (expected the executor's model: " + std::to_string(expected) + ")");
+}
+}  // namespace
+
+void Executor::gather_parameters(nn::Sequential& whole, Stream& stream) {
+  Impl& m = *impl_;
+  check_whole(whole, m.whole_spans().back().offset + m.whole_spans().back().count, "Executor::gather_parameters");
+  stream.synchronize();  // whole's own work done before the chunks' streams write into it
+  m.group->synchronize();
+  for (int c = 0; c < m.schedule.chunks(); ++c)
+    m.to_whole(c, m.chunks[0][static_cast<std::size_t>(c)].master_parameters(), whole.master_parameters(),
+               m.group->stream(m.schedule.device_of(c)));
+  m.group->synchronize();
+  whole.sync_parameters(stream);
+  stream.synchronize();
+}
+
+void Executor::scatter_parameters(nn::Sequential const& whole, Stream& stream) {
+  Impl& m = *impl_;
+  check_whole(whole, m.whole_spans().back().offset + m.whole_spans().back().count, "Executor::scatter_parameters");
+  stream.synchronize();
+  m.group->synchronize();
+  for (int r = 0; r < m.replicas; ++r) {
+    for (int c = 0; c < m.schedule.chunks(); ++c) {
+      nn::Sequential& chunk = m.chunks[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)];
+      Stream& chunk_stream = m.group->stream(r * m.schedule.devices + m.schedule.device_of(c));
+      m.from_whole(c, whole.master_parameters(), chunk.master_parameters(), chunk_stream);
+      chunk.sync_parameters(chunk_stream);
+    }
+  }
+  m.group->synchronize();
+}
+
 void Executor::save(std::filesystem::path const& path, io::TrainingState const& state) {
   Impl& m = *impl_;
   m.group->synchronize();
   Whole whole(m.architecture, m.make_optimizer, m.options.seed);
-  std::vector<Impl::Span> const at = m.whole_spans();
   std::vector<optim::NamedTensor> const first_state = m.optimizers[0][0]->state();
   std::vector<optim::NamedTensor> state_of_whole;
   if (!first_state.empty()) {
@@ -71,15 +124,13 @@ void Executor::save(std::filesystem::path const& path, io::TrainingState const& 
     auto const index = static_cast<std::size_t>(c);
     nn::Sequential const& chunk = m.chunks[0][index];
     Stream& stream = m.group->stream(m.schedule.device_of(c));
-    Impl::Span const s = at[index];
-    copy_async(whole.model.master_parameters().slice(s.offset, s.offset + s.count), chunk.master_parameters().slice(0, s.count), stream);
+    m.to_whole(c, chunk.master_parameters(), whole.model.master_parameters(), stream);
     std::vector<optim::NamedTensor> const mine = m.optimizers[0][index]->state();
     if (mine.size() != state_of_whole.size())
       throw Error(Errc::invalid_argument, "pipeline chunk " + std::to_string(c) + "'s optimizer has " + std::to_string(mine.size()) +
                                               " state buffers (expected " + std::to_string(state_of_whole.size()) +
                                               " as the whole model's optimizer of the same factory)");
-    for (std::size_t i = 0; i < mine.size(); ++i)
-      copy_async(state_of_whole[i].second.slice(s.offset, s.offset + s.count), mine[i].second.slice(0, s.count), stream);
+    for (std::size_t i = 0; i < mine.size(); ++i) m.to_whole(c, mine[i].second, state_of_whole[i].second, stream);
     std::vector<std::uint64_t> const part = chunk.rng_state();
     rng.insert(rng.end(), part.begin(), part.end());
   }
@@ -117,9 +168,7 @@ io::TrainingState Executor::load(std::filesystem::path const& path) {
   io::TrainingState const state =
       io::load_training(checkpoint, path.string(), whole.model, *whole.optimizer, *whole.allocator, whole.stream);
   std::vector<optim::NamedTensor> const loaded = whole.optimizer->state();  // empty: nothing saved, zeroed below
-  std::vector<Impl::Span> const at = m.whole_spans();
   std::vector<std::uint64_t> const rng = whole.model.rng_state();
-  std::int64_t const wte = m.tie ? at[static_cast<std::size_t>(m.tie->embedding_chunk)].offset + m.tie->embedding_offset : 0;
   for (int r = 0; r < m.replicas; ++r) {
     std::size_t layer = 0;
     for (int c = 0; c < m.schedule.chunks(); ++c) {
@@ -128,13 +177,7 @@ io::TrainingState Executor::load(std::filesystem::path const& path) {
       nn::Sequential& chunk = m.chunks[static_cast<std::size_t>(r)][index];
       optim::Optimizer& optimizer = *m.optimizers[static_cast<std::size_t>(r)][index];
       Stream& stream = m.group->stream(rank);
-      Impl::Span const s = at[index];
-      std::int64_t const copy = chunk.parameter_count() - s.count;  // a tied head's copy of wte
-      auto const spread = [&](Tensor const& from, Tensor const& to) {
-        copy_async(to.slice(0, s.count), from.slice(s.offset, s.offset + s.count), stream);
-        if (copy > 0) copy_async(to.slice(s.count, s.count + copy), from.slice(wte, wte + copy), stream);
-      };
-      spread(whole.model.master_parameters(), chunk.master_parameters());
+      m.from_whole(c, whole.model.master_parameters(), chunk.master_parameters(), stream);
       chunk.sync_parameters(stream);
       std::vector<optim::NamedTensor> const mine =
           loaded.empty() ? optimizer.state() : optimizer.prepare_state(chunk.master_parameters(), m.group->allocator(rank), stream);
@@ -142,7 +185,7 @@ io::TrainingState Executor::load(std::filesystem::path const& path) {
         if (loaded.empty())
           fill_async(mine[i].second, 0.0f, stream);
         else
-          spread(loaded[i].second, mine[i].second);
+          m.from_whole(c, loaded[i].second, mine[i].second, stream);
       }
       optimizer.set_steps(whole.optimizer->steps());
       chunk.set_rng_state({rng.begin() + static_cast<std::ptrdiff_t>(layer), rng.begin() + static_cast<std::ptrdiff_t>(layer + chunk.size())});

@@ -41,6 +41,11 @@ struct Executor::Impl {
     std::int64_t offset = 0, count = 0;
   };
   [[nodiscard]] std::vector<Span> whole_spans() const;
+  // Chunk c's share of a buffer laid out as the whole model's parameters (the parameters, or an
+  // optimizer's state) between the whole buffer and the chunk's own, on `stream`: to_whole leaves
+  // a tied head's copy of wte out, from_whole fills it from wte.
+  void to_whole(int c, Tensor const& chunk_buffer, Tensor const& whole, Stream& stream) const;
+  void from_whole(int c, Tensor const& whole, Tensor const& chunk_buffer, Stream& stream) const;
   std::vector<std::unique_ptr<comm::Communicator>> tie_comms;  // per replica, over its two devices (none when they are one)
   // Sums wte and its copy (the master parameters, or the gradients) on the tie's devices of
   // `rank`'s replica, leaving both equal; does nothing on other ranks.

@@ -1,7 +1,8 @@
 // Pipeline checkpoints: a run resumed by a new executor continues bit for bit (weights, AdamW
 // state, dropout's RNG, the loss scaler); the file is the one-device format, so it loads into one
 // model (the chunks' weights, in order) and into another layout (interleaved, replicated), which
-// continues with the same losses; a file of another model is refused and changes nothing.
+// continues with the same losses; a file of another model is refused and changes nothing. The
+// whole model's weights move to and from every replica's chunks.
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -150,4 +151,36 @@ TEST_CASE("a pipeline resumed from its checkpoint continues bit for bit, and the
     std::filesystem::remove(wrong);
   }
   std::filesystem::remove(path);
+}
+
+TEST_CASE("gather_parameters and scatter_parameters move the whole model's weights to and from every replica's chunks",
+          "[pipeline][gpt]") {
+  Env env;
+  nn::Sequential const model = nn::gpt(config);
+  std::int64_t const count = model.parameter_count();
+  mgpu::DeviceGroup four("host:4");
+  pp::Executor ex(model, four, {0, 2, 3, 4, 6}, pp::interleaved_one_f_one_b(2, 2, 2), adamw(), options(2));
+  nn::Sequential other = nn::gpt(config);
+  other.materialize(env.ctx, seed + 7);  // weights the executor does not hold
+  env.stream.synchronize();
+  std::vector<double> const want = as_double(other.master_parameters());
+  ex.scatter_parameters(other, env.stream);
+  for (int r = 0; r < 2; ++r) CHECK(gathered(ex, count, r) == want);
+  // The last chunk's copy of wte came from wte.
+  int const last = ex.schedule().chunks() - 1;
+  std::vector<double> const tail = as_double(ex.chunk(last, 1).master_parameters());
+  std::int64_t const wte = config.vocab * config.n_embd;
+  CHECK(std::vector<double>(tail.end() - wte, tail.end()) == std::vector<double>(want.begin(), want.begin() + wte));
+
+  nn::Sequential back = nn::gpt(config);
+  back.materialize(env.ctx, seed);
+  ex.gather_parameters(back, env.stream);
+  CHECK(as_double(back.master_parameters()) == want);
+
+  nn::GptConfig wider = config;
+  wider.n_embd = 24;
+  nn::Sequential wrong = nn::gpt(wider);
+  wrong.materialize(env.ctx, seed);
+  REQUIRE_MGPU_ERROR(ex.gather_parameters(wrong, env.stream), mgpu::Errc::invalid_argument,
+                     "Executor::gather_parameters with a model of");
 }

@@ -199,6 +199,15 @@ class Executor {
   /// Returns once every chunk is updated (it synchronizes the group's streams). Throws
   /// Error(invalid_argument) for an lr_scale that is not finite and >= 0.
   float step(Tensor const& x, Tensor const& labels, float lr_scale = 1.0f);
+  /// Copies replica 0's float32 master parameters into `whole`, a materialized model of the
+  /// executor's architecture on any device, as one device holds them (the chunks' parameters in
+  /// layer order, a tied LM head's copy of wte left out), and refreshes its compute-type weights;
+  /// e.g. to evaluate or sample the trained model. `stream` is whole's; returns once the copies are
+  /// done. Throws Error(invalid_argument) for a model of another parameter count.
+  void gather_parameters(nn::Sequential& whole, Stream& stream);
+  /// Copies `whole`'s float32 master parameters into every replica's chunks (a tied head's copy
+  /// from wte) and refreshes their compute-type weights; e.g. to start from trained weights.
+  void scatter_parameters(nn::Sequential const& whole, Stream& stream);
   /// Saves the model as one device holds it, in io::save_training's format, from replica 0 (the
   /// replicas are equal): the chunks' float32 master parameters in layer order (a tied LM head's
   /// copy of wte left out: it equals wte), every chunk's optimizer state in the same order and the
