@@ -22,8 +22,9 @@ namespace mgpu::nn {
 /// Activation recomputation: what a TransformerBlock keeps from forward for backward, trading
 /// memory for recomputed forward work. Gradients equal the `none` run's bit for bit (the rerun
 /// uses the same kernels in the same order, and dropout replays its masks).
-///   none       everything backward reads: per block 15 B T C values besides its input (8 of them
-///              the MLP's GELU input and output) and the LayerNorm and attention row statistics.
+///   none       everything backward reads: per block, without dropout, 15 B T C values besides its
+///              input (8 of them the MLP's GELU input and output) and the LayerNorm and attention
+///              row statistics.
 ///   selective  not the attention core's output y [B, T, C] nor its per-row log-sum-exp
 ///              [B, heads, T]: backward reruns ops::causal_attention on the kept qkv. The online
 ///              softmax never stores the [B, heads, T, T] probabilities that Megatron's selective
