@@ -484,19 +484,23 @@ struct Leader {
     Requests requests;
     switch (call.kind) {
       case OpKind::all_reduce: {  // call.recv holds the process's partial
-        auto mine = buffer<float>(static_cast<std::size_t>(n));
+        // Every process's partial gathered in place (this one's staged at its own offset), then
+        // combined straight into call.recv when it holds float32.
         auto all = buffer<float>(static_cast<std::size_t>(n) * static_cast<std::size_t>(P));
-        to_float(call.recv, 0, n, mine->data());
+        to_float(call.recv, 0, n, all->data() + static_cast<std::ptrdiff_t>(p) * n);
         int const count = mpi_count(n, what);
         mpi_count(n * P, what);
-        requests.add(-1, Requests::Kind::collective,
-                     std::make_shared<std::pair<decltype(mine), decltype(all)>>(mine, all), "MPI_Iallgather",
-                     [&](MPI_Request* r) {
-                       return MPI_Iallgather(mine->data(), count, MPI_FLOAT, all->data(), count, MPI_FLOAT, l.data, r);
-                     });
+        requests.add(-1, Requests::Kind::collective, all, "MPI_Iallgather", [&](MPI_Request* r) {
+          return MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, all->data(), count, MPI_FLOAT, l.data, r);
+        });
         l.wait_exchange(requests, what, start);
-        combine_parts(call.op, all->data(), P, n, n, l.world_size(), mine->data());
-        from_float(mine->data(), call.recv, 0, n);
+        if (call.recv.dtype() == DType::float32) {
+          combine_parts(call.op, all->data(), P, n, n, l.world_size(), static_cast<float*>(call.recv.data()));
+        } else {
+          auto mine = buffer<float>(static_cast<std::size_t>(n));
+          combine_parts(call.op, all->data(), P, n, n, l.world_size(), mine->data());
+          from_float(mine->data(), call.recv, 0, n);
+        }
         break;
       }
       case OpKind::reduce_scatter: {  // call.send: the partial over the world (W*n); call.recv: this process's blocks
