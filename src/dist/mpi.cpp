@@ -463,6 +463,11 @@ class Link : public std::enable_shared_from_this<Link> {
   std::shared_ptr<comm::detail::SharedState> state_;
 };
 
+// From this many elements on, an all-reduce among three or more leaders is a reduce-scatter and
+// an all-gather (two rounds, 2 (P-1)/P of the data each way) instead of one all-gather of every
+// partial ((P-1) times the data). Both combine each element in process order: the same bits.
+constexpr std::int64_t kSplitAllReduce = std::int64_t{1} << 16;
+
 // The leader's part of each collective: the exchange between processes, on the leader's stream
 // after the in-process step. `local` holds the process's partial or data, as each kind needs.
 struct Leader {
@@ -484,6 +489,37 @@ struct Leader {
     Requests requests;
     switch (call.kind) {
       case OpKind::all_reduce: {  // call.recv holds the process's partial
+        if (P >= 3 && n >= kSplitAllReduce) {
+          // Reduce-scatter then all-gather among the leaders: each receives every process's
+          // partial of its 1/P block (all-to-all), combines it in process order and the blocks are
+          // gathered: 2 (P-1)/P of the data in and out instead of (P-1) times it, in two rounds.
+          auto mine = buffer<float>(static_cast<std::size_t>(n));
+          to_float(call.recv, 0, n, mine->data());
+          std::vector<int> counts, offsets;
+          for (int q = 0; q < P; ++q) {
+            offsets.push_back(mpi_count(n * q / P, what));
+            counts.push_back(mpi_count(n * (q + 1) / P - n * q / P, what));
+          }
+          std::int64_t const own = counts[static_cast<std::size_t>(p)];
+          auto parts = buffer<float>(static_cast<std::size_t>(own * P));
+          std::vector<int> part_counts(static_cast<std::size_t>(P), static_cast<int>(own)), part_offsets;
+          for (int q = 0; q < P; ++q) part_offsets.push_back(mpi_count(own * q, what));
+          requests.add(-1, Requests::Kind::collective, std::make_shared<std::pair<decltype(mine), decltype(parts)>>(mine, parts),
+                       "MPI_Ialltoallv", [&](MPI_Request* r) {
+                         return MPI_Ialltoallv(mine->data(), counts.data(), offsets.data(), MPI_FLOAT, parts->data(),
+                                               part_counts.data(), part_offsets.data(), MPI_FLOAT, l.data, r);
+                       });
+          l.wait_exchange(requests, what, start);
+          combine_parts(call.op, parts->data(), P, own, own, l.world_size(), mine->data() + offsets[static_cast<std::size_t>(p)]);
+          Requests gather;
+          gather.add(-1, Requests::Kind::collective, mine, "MPI_Iallgatherv", [&](MPI_Request* r) {
+            return MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, mine->data(), counts.data(), offsets.data(), MPI_FLOAT,
+                                   l.data, r);
+          });
+          l.wait_exchange(gather, what, start);
+          from_float(mine->data(), call.recv, 0, n);
+          break;
+        }
         // Every process's partial gathered in place (this one's staged at its own offset), then
         // combined straight into call.recv when it holds float32.
         auto all = buffer<float>(static_cast<std::size_t>(n) * static_cast<std::size_t>(P));

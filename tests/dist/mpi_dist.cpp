@@ -148,8 +148,8 @@ void fill(Setup const& s, std::vector<Tensor> const& t, int seed, DType dtype) {
   }
 }
 
-void test_all_reduce(Setup const& s, DType dtype, ReduceOp op, int seed, bool in_place) {
-  std::int64_t const n = 37;
+// n from 65536 elements on: among 3 or more processes the leaders reduce-scatter and all-gather.
+void test_all_reduce(Setup const& s, DType dtype, ReduceOp op, int seed, bool in_place, std::int64_t n = 37) {
   auto send = make(s, n, dtype);
   auto recv = in_place ? send : make(s, n, dtype);
   fill(s, send, seed, dtype);
@@ -324,8 +324,7 @@ void test_send_recv(Setup const& s, DType dtype, int seed) {
 
 // With one device per process, the all-reduce equals an in-process host communicator's over as
 // many devices, bit for bit: both combine the ranks in rank order in float32.
-void test_matches_one_process(Setup const& s, int seed) {
-  std::int64_t const n = 101;
+void test_matches_one_process(Setup const& s, int seed, std::int64_t n) {
   auto send = make(s, n, DType::float32);
   fill(s, send, seed, DType::float32);
   s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
@@ -408,6 +407,7 @@ int main(int argc, char** argv) {
           test_reduce_scatter(s, dtype, op, seed++);
         }
         test_all_reduce(s, dtype, ReduceOp::sum, seed++, true);
+        test_all_reduce(s, dtype, dtype == DType::float32 ? ReduceOp::avg : ReduceOp::sum, seed++, false, 70001);
         for (int root : {0, world.size() - 1, world.size() / 2}) test_reduce(s, dtype, ReduceOp::sum, root, seed++);
         test_reduce(s, dtype, ReduceOp::max, 1, seed++);
         test_all_gather(s, dtype, seed++, false);
@@ -418,7 +418,10 @@ int main(int argc, char** argv) {
       group.run([&](int l, mgpu::Device, mgpu::Stream& stream) { comm->barrier(s.rank(l), stream); });
       bool one_each = true;
       for (int c : counts) one_each = one_each && c == 1;
-      if (one_each) test_matches_one_process(s, seed++);
+      if (one_each) {
+        test_matches_one_process(s, seed++, 101);
+        test_matches_one_process(s, seed++, 70001);  // the leaders reduce-scatter and all-gather (3 or more processes)
+      }
       // A rank of another process is refused here, before any communication.
       int const remote = world.rank_of(0) == 0 ? world.size() - 1 : 0;
       Tensor const t = Tensor::empty({4}, DType::float32, group.allocator(0));
