@@ -183,12 +183,14 @@ struct DataParallelResult {
 /// buckets, overlap and sharded update run over the world's ranks; the loss and gradients are the
 /// mean over the whole global batch, however unevenly its rows are split (each step first
 /// exchanges every rank's row and unit counts), and step()'s loss is the world's. Replicas start
-/// from world rank 0's weights and RNG state. Shard weights, rebalancing, ranks() and
+/// from world rank 0's weights and RNG state. Shard weights, rebalancing, ranks(), replica() and
 /// verify_replicas() concern this process's devices: rows move between processes only as the
 /// caller splits them. A process may pass no rows of a step's global batch (its ranks' gradients
-/// are then zero), but it must call step(). Not yet across processes (Error(invalid_argument) at construction or call):
-/// a request, a comm hook, save() and load(). A failed step leaves the executor unusable (the
-/// communicator across processes cannot be made again while a peer may be gone): the job ends.
+/// are then zero), but it must call step(), and with the sharded update optimizer() too (it
+/// gathers the state from every rank). Not yet across processes (Error(invalid_argument) at
+/// construction or call): a request, a comm hook, save() and load(). A failed step leaves the
+/// executor unusable (the communicator across processes cannot be made again while a peer may be
+/// gone): the job ends.
 class DataParallel {
  public:
   /// `model` gives the architecture (and, when materialized, the starting weights); `optimizer`
