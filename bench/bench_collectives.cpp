@@ -1,5 +1,6 @@
 // bench_collectives: the host all-reduce against a bare in-process reduction of the same size,
-// OpenMPI's MPI_Allreduce and Gloo's ring all-reduce, all measured in the same run.
+// OpenMPI's MPI_Allreduce and Gloo's ring all-reduce, all measured in the same run; and across
+// processes, the dist module's hierarchical all-reduce against MPI_Allreduce.
 //
 // Counters (nccl-tests definitions): algbw = S / t, busbw = algbw * 2(n-1)/n for n ranks of S
 // bytes each. bare_reduce_ratio = t_bare / t: the time of the same reduction written as bare
@@ -9,6 +10,12 @@
 // baselines run as separate processes (bench_mpi_allreduce under mpirun, bench_gloo_allreduce)
 // from this executable's folder, so their data crosses process boundaries; a missing one reports
 // 0. MGPU_BENCH_BASELINES=0 skips them.
+//
+// Multi-process mode (built with MPI): BM_dist_all_reduce/processes:2/devices:D/bytes:S reports
+// mgpu::dist's hierarchical all-reduce across 2 processes of D host devices each (bench_dist_allreduce
+// under mpirun: reduce inside each process, one leader per process over MPI, broadcast back),
+// beside plain MPI_Allreduce over as many ranks (2 D processes, bench_mpi_allreduce) in the same
+// run: busbw_GBps, mpi_busbw_GBps and vs_mpi_ratio = MPI's time / ours (> 1: ours is faster).
 //
 // Where a GPU is visible it also measures the cuda_peer all-reduce on logical devices sharing GPU 0,
 // with d2d_copy_ratio = (2 n S / t) over a device-to-device cudaMemcpy's bandwidth (2 bytes
@@ -48,6 +55,10 @@ std::map<std::pair<int, std::int64_t>, double> mpi_seconds;   // (ranks, bytes) 
 std::map<std::pair<int, std::int64_t>, double> gloo_seconds;
 std::map<std::pair<int, std::int64_t>, double> our_seconds;
 std::map<std::pair<int, std::int64_t>, double> bare_seconds;
+// Multi-process mode: 2 processes of `devices` host devices each; (devices, bytes) -> seconds per op.
+std::vector<int> const dist_devices = {1, 2};
+std::vector<std::int64_t> const dist_sizes = {64 << 10, 1 << 20, 16 << 20, 64 << 20};
+std::map<std::pair<int, std::int64_t>, double> dist_seconds;
 
 using bench::median;
 
@@ -108,6 +119,14 @@ void measure_baselines(std::filesystem::path const& folder) {
       std::string command = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader mpirun --oversubscribe -np ";
       command.append(std::to_string(ranks)).append(" ").append(mpi.string()).append(size_list);
       run_baseline(command, ranks, mpi_seconds);
+    }
+    auto const dist = folder / "bench_dist_allreduce";
+    if (std::filesystem::exists(dist) && ranks % 2 == 0) {
+      int const devices = ranks / 2;
+      std::string command = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader mpirun --oversubscribe -np 2 ";
+      command.append(dist.string()).append(" ").append(std::to_string(devices));
+      for (auto s : dist_sizes) command.append(" ").append(std::to_string(s));
+      run_baseline(command, devices, dist_seconds);
     }
     auto const gloo = folder / "bench_gloo_allreduce";
     if (std::filesystem::exists(gloo)) {
@@ -172,6 +191,22 @@ void BM_host_all_reduce(benchmark::State& state) {
   state.counters["gloo_busbw_GBps"] = gloo_seconds.contains(key) ? busbw(ranks, bytes, gloo_seconds[key]) : 0.0;
   state.counters["bare_reduce_busbw_GBps"] = busbw(ranks, bytes, bare);
   state.counters["bare_reduce_ratio"] = bare / t;
+}
+
+// Reports the multi-process measurement taken before the benchmarks ran (measure_baselines).
+void BM_dist_all_reduce(benchmark::State& state) {
+  int const devices = static_cast<int>(state.range(0));
+  std::int64_t const bytes = state.range(1);
+  int const ranks = 2 * devices;
+  double const t = dist_seconds.at({devices, bytes});
+  for (auto _ : state) state.SetIterationTime(t);
+  auto const mpi = mpi_seconds.find({ranks, bytes});
+  state.counters["processes"] = 2;
+  state.counters["devices_per_process"] = devices;
+  state.counters["bytes"] = static_cast<double>(bytes);
+  state.counters["busbw_GBps"] = busbw(ranks, bytes, t);
+  state.counters["mpi_busbw_GBps"] = mpi != mpi_seconds.end() ? busbw(ranks, bytes, mpi->second) : 0.0;
+  state.counters["vs_mpi_ratio"] = mpi != mpi_seconds.end() ? mpi->second / t : 0.0;
 }
 
 #if MGPU_CUDA_ENABLED
@@ -240,6 +275,18 @@ void print_table() {
                   mpi > 0 ? ours / mpi : 0.0, bare, ours / bare);
     }
   }
+  if (!dist_seconds.empty()) {
+    std::printf("\nacross processes: 2 processes x D host devices (hierarchical) against MPI_Allreduce over 2 D processes\n");
+    std::printf("%10s %3s %12s %12s %9s\n", "size", "D", "ours busbw", "MPI busbw", "vs MPI");
+    for (auto const& [key, seconds] : dist_seconds) {
+      auto const [devices, bytes] = key;
+      int const ranks = 2 * devices;
+      double const mpi = mpi_seconds.contains({ranks, bytes}) ? busbw(ranks, bytes, mpi_seconds[{ranks, bytes}]) : 0.0;
+      double const ours = busbw(ranks, bytes, seconds);
+      std::printf("%10s %3d %7.2f GB/s %7.2f GB/s %8.2fx\n", mgpu::format_bytes(static_cast<std::size_t>(bytes)).c_str(), devices, ours,
+                  mpi, mpi > 0 ? ours / mpi : 0.0);
+    }
+  }
   std::printf("vs bare = bare reduction time / our time, the bare reduction being the same sums as plain loops on as many\n"
               "threads as ranks, measured beside each result. MPI and Gloo run as separate processes (oversubscribed when\n"
               "ranks exceed the cores).\n");
@@ -264,6 +311,11 @@ int main(int argc, char** argv) {
     }
   }
 #endif
+  for (auto const& [key, seconds] : dist_seconds) {
+    std::string name = "BM_dist_all_reduce/processes:2/devices:";
+    name.append(std::to_string(key.first)).append("/bytes:").append(std::to_string(key.second));
+    benchmark::RegisterBenchmark(name.c_str(), BM_dist_all_reduce)->Args({key.first, key.second})->UseManualTime()->Unit(benchmark::kMicrosecond)->Iterations(1);
+  }
   for (int ranks : rank_counts) {
     for (auto bytes : sizes) {
       std::string name = "BM_host_all_reduce/ranks:";

@@ -100,9 +100,47 @@ std::string thread_level_name(int level) {
   }
 }
 
+// Staging buffers are reused: one goes back to a free list of its element type when its last
+// owner lets go (a failure's abandoned buffers never do), so collectives of a size seen before
+// touch no fresh pages and clear nothing. The free lists live as long as the process (buffers may
+// come back while static objects are destroyed), holding a few buffers each.
+template <class T>
+struct StagingPool {
+  static constexpr std::size_t kept = 8;
+  std::mutex mutex;
+  std::vector<std::unique_ptr<std::vector<T>>> free;
+};
+
+template <class T>
+StagingPool<T>& staging_pool() {
+  static StagingPool<T>& pool = *new StagingPool<T>;
+  return pool;
+}
+
+// A staging buffer of `size` elements; its contents are unspecified (the exchange overwrites them).
 template <class T>
 std::shared_ptr<std::vector<T>> buffer(std::size_t size) {
-  return std::make_shared<std::vector<T>>(size);
+  StagingPool<T>& pool = staging_pool<T>();
+  std::unique_ptr<std::vector<T>> v;
+  {
+    std::lock_guard lock(pool.mutex);
+    auto best = pool.free.end();  // the smallest free buffer that holds `size`
+    for (auto it = pool.free.begin(); it != pool.free.end(); ++it) {
+      if ((*it)->capacity() >= size && (best == pool.free.end() || (*it)->capacity() < (*best)->capacity())) best = it;
+    }
+    if (best != pool.free.end()) {
+      v = std::move(*best);
+      pool.free.erase(best);
+    }
+  }
+  if (!v) v = std::make_unique<std::vector<T>>();
+  v->resize(size);
+  return {v.release(), [](std::vector<T>* done) {
+            std::unique_ptr<std::vector<T>> owned(done);
+            StagingPool<T>& pool = staging_pool<T>();
+            std::lock_guard lock(pool.mutex);
+            if (pool.free.size() < StagingPool<T>::kept) pool.free.push_back(std::move(owned));
+          }};
 }
 
 // Non-blocking requests, each with the process it waits for and the buffers it uses, polled
@@ -242,11 +280,18 @@ void from_float(float const* in, Tensor const& t, std::int64_t begin, std::int64
 // the world's size (the processes' partials are sums).
 void combine_parts(comm::ReduceOp op, float const* parts, int count, std::int64_t stride, std::int64_t n,
                    int world_size, float* out) {
+  // In blocks that stay in L1, each element combined in process order.
   mgpu::detail::visit_reduce_op(op, [&]<comm::ReduceOp O>(std::integral_constant<comm::ReduceOp, O>) {
-    for (std::int64_t i = 0; i < n; ++i) {
-      float acc = parts[i];
-      for (int p = 1; p < count; ++p) acc = mgpu::detail::combine<O>(acc, parts[p * stride + i]);
-      out[i] = mgpu::detail::finish<O>(acc, world_size);
+    constexpr std::int64_t block = 1024;
+    float acc[block];
+    for (std::int64_t b = 0; b < n; b += block) {
+      std::int64_t const len = std::min(block, n - b);
+      std::copy_n(parts + b, len, acc);
+      for (int p = 1; p < count; ++p) {
+        float const* part = parts + p * stride + b;
+        for (std::int64_t i = 0; i < len; ++i) acc[i] = mgpu::detail::combine<O>(acc[i], part[i]);
+      }
+      for (std::int64_t i = 0; i < len; ++i) out[b + i] = mgpu::detail::finish<O>(acc[i], world_size);
     }
   });
 }

@@ -136,7 +136,8 @@ StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor con
 
   // The loss scaler's overflow check and the clipping norm read every (reduced) gradient, so every
   // data-parallel replica takes the same decision.
-  UpdatePart const part{&model, &optimizer, &ctx.allocator, &ctx.stream};
+  UpdatePart part{&model, &optimizer, &ctx.allocator, &ctx.stream};
+  part.sharded = sync;
   UpdateOptions const update_options{options.lr_scale, options.clip_norm, options.scaler, false};
   auto const apply = [&] { result.applied = apply_update({&part, 1}, update_options); };
   if (timeline != nullptr) {
@@ -158,6 +159,10 @@ bool apply_update(std::span<UpdatePart const> parts, UpdateOptions const& option
   if (!(options.clip_norm == 0 || (options.clip_norm > 0 && std::isfinite(options.clip_norm))))
     throw Error(Errc::invalid_argument, "apply_update: clip_norm " + std::to_string(options.clip_norm) +
                                             " (expected 0 for no clipping, or a finite norm > 0)");
+  // Each part's ranges of its flat buffers: all of them (less a shared range, which it updates
+  // but does not count), or a sharded replica's owned ranges.
+  std::vector<std::vector<OwnedRange>> ranges(parts.size());
+  std::vector<bool> sharded(parts.size(), false);
   for (std::size_t i = 0; i < parts.size(); ++i) {
     UpdatePart const& p = parts[i];
     if (p.model == nullptr || p.optimizer == nullptr || p.allocator == nullptr || p.stream == nullptr)
@@ -166,15 +171,35 @@ bool apply_update(std::span<UpdatePart const> parts, UpdateOptions const& option
     if (p.shared_begin < 0 || p.shared_begin > p.shared_end || p.shared_end > n)
       throw Error(Errc::invalid_argument, "apply_update: part " + std::to_string(i) + " shares elements [" + std::to_string(p.shared_begin) +
                                               ", " + std::to_string(p.shared_end) + ") (expected a range within its " + std::to_string(n) + ")");
+    if (p.sharded != nullptr) ranges[i] = p.sharded->owned();
+    sharded[i] = !ranges[i].empty();
+    if (sharded[i] && p.shared_begin < p.shared_end)
+      throw Error(Errc::invalid_argument, "apply_update: part " + std::to_string(i) +
+                                              " both shares elements and shards its update (expected one or the other)");
+    if (!sharded[i]) ranges[i] = {{0, p.shared_begin, true}, {p.shared_begin, p.shared_end, false}, {p.shared_end, n, true}};
   }
-  // The sum of the float32 scalars `enqueue` writes for each part on its stream, read once every
-  // part's work is enqueued (so the devices compute them at once).
-  auto const sum_over_parts = [&](auto&& enqueue) {
-    std::vector<std::vector<Tensor>> scalars(parts.size());
-    for (std::size_t i = 0; i < parts.size(); ++i) enqueue(parts[i], scalars[i]);
+  // The sum over every part's counted ranges (and, for a sharded part, over the ranks) of the
+  // float32 scalar `op` writes for a range of master gradients, read once every part's work is
+  // enqueued (so the devices compute them at once).
+  auto const sum_over_parts = [&](auto&& op) {
+    std::vector<Tensor> sums(parts.size());
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      UpdatePart const& p = parts[i];
+      sums[i] = Tensor::empty({static_cast<std::int64_t>(ranges[i].size())}, DType::float32, *p.allocator);
+      for (std::size_t j = 0; j < ranges[i].size(); ++j) {
+        OwnedRange const& r = ranges[i][j];
+        Tensor const out = sums[i].slice(static_cast<std::int64_t>(j), static_cast<std::int64_t>(j) + 1);
+        if (r.counted && r.begin < r.end) {
+          op(p.model->master_gradients().slice(r.begin, r.end), out, *p.stream);
+        } else {
+          fill_async(out, 0.0f, *p.stream);
+        }
+      }
+      if (sharded[i]) p.sharded->sum_over_ranks(sums[i], *p.stream);
+    }
     double sum = 0;
     for (std::size_t i = 0; i < parts.size(); ++i)
-      for (Tensor const& s : scalars[i]) sum += ops::item(s, *parts[i].stream);
+      for (std::int64_t j = 0; j < sums[i].numel(); ++j) sum += ops::item(sums[i].slice(j, j + 1), *parts[i].stream);
     return sum;
   };
   if (options.unscale) {
@@ -182,32 +207,41 @@ bool apply_update(std::span<UpdatePart const> parts, UpdateOptions const& option
     for (UpdatePart const& p : parts) p.model->unscale_gradients(factor, *p.stream);
   }
   if (options.scaler != nullptr) {
-    double const bad = sum_over_parts([](UpdatePart const& p, std::vector<Tensor>& out) {
-      out.push_back(Tensor::empty({1}, DType::float32, *p.allocator));
-      ops::count_nonfinite(p.model->master_gradients(), out.back(), *p.stream);
-    });
+    double const bad = sum_over_parts([](Tensor const& grads, Tensor const& out, Stream& stream) { ops::count_nonfinite(grads, out, stream); });
     if (!options.scaler->update(bad == 0)) return false;
   }
   if (options.clip_norm > 0) {
-    double const squares = sum_over_parts([](UpdatePart const& p, std::vector<Tensor>& out) {
-      Tensor const& grads = p.model->master_gradients();
-      std::vector<Tensor> pieces{grads};
-      if (p.shared_begin < p.shared_end) pieces = {grads.slice(0, p.shared_begin), grads.slice(p.shared_end, grads.numel())};
-      for (Tensor const& piece : pieces) {
-        out.push_back(Tensor::empty({1}, DType::float32, *p.allocator));
-        ops::sum_squares(piece, out.back(), *p.stream);
-      }
-    });
+    double const squares = sum_over_parts([](Tensor const& grads, Tensor const& out, Stream& stream) { ops::sum_squares(grads, out, stream); });
     float const norm = std::sqrt(static_cast<float>(squares));
     if (!std::isfinite(norm))
       throw Error(Errc::invalid_argument, "apply_update: clipping gradients that hold NaN or Inf (expected finite gradients)");
     if (norm > options.clip_norm && norm > 0) {
-      for (UpdatePart const& p : parts) ops::scale(p.model->master_gradients(), options.clip_norm / norm, *p.stream);
+      for (std::size_t i = 0; i < parts.size(); ++i) {
+        UpdatePart const& p = parts[i];
+        Tensor const& grads = p.model->master_gradients();
+        if (!sharded[i]) {
+          ops::scale(grads, options.clip_norm / norm, *p.stream);
+          continue;
+        }
+        for (OwnedRange const& r : ranges[i])
+          if (r.begin < r.end) ops::scale(grads.slice(r.begin, r.end), options.clip_norm / norm, *p.stream);
+      }
     }
   }
-  for (UpdatePart const& p : parts) {
-    p.optimizer->step(p.model->master_parameters(), p.model->master_gradients(), *p.allocator, *p.stream, options.lr_scale);
-    p.model->sync_parameters(*p.stream);
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    UpdatePart const& p = parts[i];
+    if (!sharded[i]) {
+      p.optimizer->step(p.model->master_parameters(), p.model->master_gradients(), *p.allocator, *p.stream, options.lr_scale);
+      p.model->sync_parameters(*p.stream);
+      continue;
+    }
+    p.optimizer->begin_step(p.model->master_parameters(), *p.allocator, *p.stream);
+    for (OwnedRange const& r : ranges[i]) {
+      if (r.begin == r.end) continue;
+      p.optimizer->update(p.model->master_parameters(), p.model->master_gradients(), r.begin, r.end, *p.stream, options.lr_scale);
+      p.model->sync_parameters(*p.stream, r.begin, r.end);
+    }
+    p.sharded->gather_updated(*p.stream);
   }
   return true;
 }

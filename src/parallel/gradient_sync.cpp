@@ -2,6 +2,7 @@
 // backward through a communication stream, the sharded update's blocks, and the bfloat16 comm hook.
 #include "parallel/gradient_sync.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <string>
 #include <utility>
@@ -135,7 +136,7 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
   CommHook* const hook = sync_.hook_.get();
   bool const gather_to_sum = sync_.deterministic_ && comm.backend() != comm::Backend::host;
   // With the sharded update and a plain sum, the bucket is reduce-scattered.
-  std::int64_t const block = update_ ? sync_.blocks_[bucket] : 0;
+  std::int64_t const block = sync_.blocks_[bucket];
   bool const scatter = block > 0 && hook == nullptr && !gather_to_sum;
   if (!scatter) {
     span("all-reduce", [&] {
@@ -154,11 +155,6 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
     });
     mark_reduced();
   }
-  if (!update_) return;
-  if (block == 0) {
-    update_(begin, end, comm_stream_);
-    return;
-  }
   // Sharded update: this rank's block of the bucket is reduced and updated, then every rank's
   // updated block is gathered. The few elements past the blocks (fewer than the ranks) are reduced
   // and updated everywhere.
@@ -172,12 +168,61 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
     });
     mark_reduced();
   }
+  if (!update_) return;  // the step updates after finish(): apply_update, over owned()
+  if (block == 0) {
+    update_(begin, end, comm_stream_);
+    return;
+  }
   update_(begin + mine, begin + mine + block, comm_stream_);
   if (body < grads.numel()) update_(begin + body, end, comm_stream_);
   span("all-gather", [&] {
     comm.all_gather(rank_, params.slice(mine, mine + block), params.slice(0, body), comm_stream_);
     model_.sync_parameters(comm_stream_, begin, begin + body);
   });
+  sync_.state_scattered_.store(true, std::memory_order_relaxed);
+}
+
+std::vector<nn::OwnedRange> RankSync::owned() const {
+  std::vector<nn::OwnedRange> out;
+  if (std::all_of(sync_.blocks_.begin(), sync_.blocks_.end(), [](std::int64_t block) { return block == 0; })) return out;
+  int const n = sync_.comm_->size();
+  for (std::size_t b = 0; b < sync_.buckets_.size(); ++b) {
+    Bucket const& bucket = sync_.buckets_[b];
+    std::int64_t const block = sync_.blocks_[b];
+    if (block == 0) {  // all-reduced: every rank updates it, rank 0 counts it
+      out.push_back({bucket.begin, bucket.end, rank_ == 0});
+      continue;
+    }
+    out.push_back({bucket.begin + rank_ * block, bucket.begin + (rank_ + 1) * block, true});
+    out.push_back({bucket.begin + n * block, bucket.end, rank_ == 0});  // the leftovers, maybe none
+  }
+  return out;
+}
+
+void RankSync::sum_over_ranks(Tensor const& values, Stream& compute) {
+  sync_.comm_->all_reduce(rank_, values, values, comm::ReduceOp::sum, compute);
+}
+
+void RankSync::gather_updated(Stream& compute) {
+  comm::Communicator& comm = *sync_.comm_;
+  int const n = comm.size();
+  std::shared_ptr<trace::Timeline> const& timeline = sync_.timeline_;
+  for (std::size_t b = 0; b < sync_.buckets_.size(); ++b) {
+    std::int64_t const block = sync_.blocks_[b];
+    if (block == 0) continue;
+    std::int64_t const begin = sync_.buckets_[b].begin;
+    Tensor const params = model_.master_parameters().slice(begin, begin + n * block);
+    auto const gather = [&] {
+      comm.all_gather(rank_, params.slice(rank_ * block, (rank_ + 1) * block), params, compute);
+      model_.sync_parameters(compute, begin, begin + n * block);
+    };
+    if (timeline && timeline->enabled()) {
+      timeline->stream_span(compute, "all-gather bucket " + std::to_string(b), "communication",
+                            sync_.trace_ranks_[static_cast<std::size_t>(rank_)], trace::Lane::communication, gather);
+    } else {
+      gather();
+    }
+  }
   sync_.state_scattered_.store(true, std::memory_order_relaxed);
 }
 

@@ -2,7 +2,9 @@
 // and per rank the nn::GradientSync that classification_step notifies as backward writes each
 // layer's gradients. It reduces a bucket on the rank's communication stream as soon as backward has
 // written the bucket's last layer and, when the step hands it the update, updates the bucket there
-// (with the sharded update: reduce-scatter, update of the rank's block, all-gather).
+// (with the sharded update: reduce-scatter, update of the rank's block, all-gather). When the step
+// updates after backward (clipping, loss scaling), the sharded update still reduce-scatters; the
+// step's apply_update then updates the rank's blocks and calls back for the all-gather.
 #pragma once
 
 #include <array>
@@ -40,6 +42,13 @@ class RankSync final : public nn::GradientSync {
   void begin(Stream& compute, nn::RangeUpdate update) override;
   void ready(nn::ParameterRange const& range, Stream& compute) override;
   void finish(Stream& compute) override;
+  /// With the sharded update, when the step updates after finish() (clipping, loss scaling): this
+  /// rank's block of every bucket (reduce-scattered), and the leftovers past the blocks and the
+  /// buckets too small to split (all-reduced; updated everywhere, counted by rank 0).
+  [[nodiscard]] std::vector<nn::OwnedRange> owned() const override;
+  void sum_over_ranks(Tensor const& values, Stream& compute) override;
+  /// All-gathers every bucket's updated blocks on `compute` and refreshes their compute-type copies.
+  void gather_updated(Stream& compute) override;
 
   /// The stream the buckets are reduced (and updated) on.
   [[nodiscard]] Stream& comm_stream() noexcept { return comm_stream_; }

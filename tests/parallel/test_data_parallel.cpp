@@ -270,6 +270,47 @@ TEST_CASE("The sharded update gives bitwise the replicated update's parameters a
   }
 }
 
+TEST_CASE("With clipping and a loss scaler the sharded update splits the work and matches the replicated update", "[parallel][dp]") {
+  Data data(3, 23, 15);
+  for (int n = 2; n <= 4; ++n) {
+    std::vector<std::vector<float>> params;
+    for (bool const shard : {false, true}) {
+      INFO(n << " devices, shard_update " << shard);
+      mgpu::DeviceGroup group{"host:" + std::to_string(n)};
+      auto timeline = std::make_shared<mgpu::trace::Timeline>();
+      timeline->enable();
+      DataParallelOptions options;
+      options.shard_update = shard;
+      options.first_bucket_cap_bytes = 64;  // buckets of one layer whose lengths do not divide by n
+      options.bucket_cap_bytes = 300;
+      options.clip_norm = 0.05f;             // clipping at every step
+      options.loss_scaler.emplace(256.0f);
+      options.timeline = timeline;
+      DataParallel dp(small_mlp(), group, mgpu::optim::AdamW({.lr = 0.01f, .weight_decay = 0.1f}), options);
+      for (int b = 0; b < 3; ++b) REQUIRE(dp.step(data.x[b], data.y[b]).applied);
+      params.push_back(dp_params(dp));
+      for (int r = 1; r < n; ++r) REQUIRE(dp_params(dp, r) == params.back());  // every rank gathered every block
+      // Each rank reduce-scattered and gathered every bucket (sharded), or all-reduced them.
+      std::vector<int> scattered(static_cast<std::size_t>(n)), gathered(static_cast<std::size_t>(n)), all_reduced(static_cast<std::size_t>(n));
+      for (auto const& span : timeline->spans()) {
+        auto const r = static_cast<std::size_t>(span.rank);
+        if (span.name.starts_with("reduce-scatter bucket")) ++scattered[r];
+        if (span.name.starts_with("all-gather bucket")) ++gathered[r];
+        if (span.name.starts_with("all-reduce bucket")) ++all_reduced[r];
+      }
+      auto const steps_x_buckets = static_cast<int>(3 * dp.buckets().size());
+      for (int r = 0; r < n; ++r) {
+        auto const i = static_cast<std::size_t>(r);
+        CHECK(scattered[i] == (shard ? steps_x_buckets : 0));
+        CHECK(gathered[i] == (shard ? steps_x_buckets : 0));
+        CHECK(all_reduced[i] == (shard ? 0 : steps_x_buckets));
+      }
+    }
+    // The norm is summed block by block instead of over the whole buffer: the last bits may differ.
+    require_close(params[1], params[0], 1e-6);
+  }
+}
+
 TEST_CASE("The timeline shows a bucket's all-reduce starting while earlier layers are in backward", "[parallel][dp][trace]") {
   Env env;
   Tensor x = env.random({64, 512}, 9);

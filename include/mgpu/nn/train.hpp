@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <vector>
 
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
@@ -24,20 +25,42 @@ namespace mgpu::nn {
 /// gradients are ready: what classification_step gives a GradientSync for the step.
 using RangeUpdate = std::function<void(std::int64_t begin, std::int64_t end, Stream& stream)>;
 
+/// Elements [begin, end) of a model's flat buffers that one data-parallel rank updates in a
+/// sharded update. `counted`: this rank counts them in the global gradient norm and the overflow
+/// check (every element is counted by exactly one rank; elements that every rank updates are
+/// counted by rank 0).
+struct OwnedRange {
+  std::int64_t begin = 0, end = 0;
+  bool counted = true;
+};
+
 /// What happens to gradients between backward and the optimizer: the seam through which
 /// data-parallel training reduces them in buckets of its own while backward goes on. The step
 /// calls begin() before backward, ready() for each layer's range of float32 master gradients (last
 /// layer first) once the work writing them is enqueued on `compute`, and finish() after backward.
 /// With a non-empty `update` the sync calls it once for each range of reduced gradients, on the
 /// stream where they are ready (the step then updates nothing itself); with an empty one the step
-/// updates every parameter after finish(). finish() must leave `compute` ordered after all of the
-/// sync's work. All calls come from the thread running the step.
+/// updates after finish(). finish() must leave `compute` ordered after all of the sync's work. All
+/// calls come from the thread running the step.
+///
+/// A sync may shard that later update (ZeRO stage 1 with clipping or loss scaling): it then reduces
+/// only this rank's part of the gradients, which owned() returns after finish() (the same number
+/// of ranges, in the same order, on every rank). apply_update then counts, clips and updates just
+/// those elements, sums its per-range norms and overflow counts over the ranks with
+/// sum_over_ranks(), and after an applied update calls gather_updated(), which brings every rank's
+/// updated parameters (and their compute-type copies) to every rank. An empty owned(): every rank
+/// holds every reduced gradient and updates them all.
 class GradientSync {
  public:
   virtual ~GradientSync() = default;
   virtual void begin(Stream& compute, RangeUpdate update) = 0;
   virtual void ready(ParameterRange const& range, Stream& compute) = 0;
   virtual void finish(Stream& compute) = 0;
+  [[nodiscard]] virtual std::vector<OwnedRange> owned() const { return {}; }
+  /// Sums the float32 `values` element-wise over the ranks, in place, ordered on `compute`: every
+  /// rank gets bitwise the same sums.
+  virtual void sum_over_ranks(Tensor const& /*values*/, Stream& /*compute*/) {}
+  virtual void gather_updated(Stream& /*compute*/) {}
 };
 
 struct StepOptions {
@@ -104,6 +127,10 @@ struct UpdatePart {
   /// embedding on the last pipeline stage, whose gradient equals the first stage's): left out of
   /// the global norm, so they count once.
   std::int64_t shared_begin = 0, shared_end = 0;
+  /// A data-parallel replica whose sync shards the update (GradientSync::owned() not empty): only
+  /// its owned ranges are checked, clipped and updated, with the norm and the overflow count
+  /// summed over the ranks; nullptr (or an unsharded sync) for a part that updates everything.
+  GradientSync* sharded = nullptr;
 };
 
 struct UpdateOptions {

@@ -94,11 +94,13 @@ struct DataParallelOptions {
   /// Sharded update (ZeRO stage 1's split of the optimizer's work): each bucket is reduce-scattered
   /// instead of all-reduced, each rank updates only its 1/N block of it, and the updated parameters
   /// are all-gathered, so the pass over parameters, gradients and optimizer state is split across
-  /// ranks instead of repeated on every one; the results are bitwise those of the replicated
-  /// update. It applies while updates run per bucket, that is without a loss scaler and without
-  /// clipping (both need every reduced gradient before any update; buckets are then all-reduced).
-  /// A rank's optimizer state is then current in its own blocks only: save() and optimizer()
-  /// gather it first.
+  /// ranks instead of repeated on every one. Without a loss scaler and clipping each bucket is
+  /// updated as soon as it is reduced, and the results are bitwise those of the replicated update.
+  /// With either, the update waits for the end of backward: each rank checks and measures its own
+  /// blocks, the overflow count and the squared norm are summed over the ranks, and each rank
+  /// updates its blocks (the norm, summed block by block, may differ from the replicated update's
+  /// in its last bits; the results are still bitwise repeatable). A rank's optimizer state is then
+  /// current in its own blocks only: save() and optimizer() gather it first.
   bool shard_update = true;
   /// Bitwise repeatable results whatever the bucket layout and thread timing: host devices reduce
   /// in rank order already; other backends gather the bucket and sum it in rank order.
