@@ -9,7 +9,7 @@
 //                                    rows of the global batch) against a DataParallel over as many
 //                                    devices in one process, which every process runs itself:
 //                                    bucketed, overlapped or not, sharded update or not, with
-//                                    dropout; bitwise with one device per process.
+//                                    dropout or clipping; bitwise with one device per process.
 //   mpi_dist stall COUNTS PROCESS    one all_reduce, then PROCESS stalls while the others start a
 //                                    second one with a 3 s deadline: they must fail naming it.
 //   mpi_dist exit COUNTS PROCESS     the same, but PROCESS exits (status 3) instead.
@@ -421,14 +421,18 @@ void test_data_parallel(Setup const& s) {
   bool const one_each = s.world.processes == s.size();
   struct Config {
     bool overlap, shard_update, dropout;
+    float clip_norm;  // the sharded update then sums each rank's squares over the world
   };
-  for (Config const c : {Config{true, true, false}, Config{false, true, true}, Config{true, false, true}}) {
+  for (Config const c : {Config{true, true, false, 0}, Config{false, true, true, 0}, Config{true, false, true, 0},
+                         Config{true, true, false, 0.5f}}) {
     std::string const what = std::string("data_parallel overlap ") + (c.overlap ? "on" : "off") + ", sharded update " +
-                             (c.shard_update ? "on" : "off") + (c.dropout ? ", dropout" : "");
+                             (c.shard_update ? "on" : "off") + (c.dropout ? ", dropout" : "") +
+                             (c.clip_norm > 0 ? ", clipping" : "");
     mgpu::parallel::DataParallelOptions options;
     options.bucket_cap_bytes = options.first_bucket_cap_bytes = 4;  // a bucket per layer
     options.overlap = c.overlap;
     options.shard_update = c.shard_update;
+    options.clip_norm = c.clip_norm;
     options.comm.timeout = 60s;
     mgpu::optim::AdamW const adamw(mgpu::optim::AdamWOptions{.lr = 0.01f});
     mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
