@@ -20,6 +20,12 @@
 //     one_device_tokens_per_s the one-device step's, from the turns in between;
 //     speedup_vs_one_device   median over turns of one-device step time / data-parallel step time;
 //     peak_bytes_device       the largest of the two devices' allocator peaks.
+//   BM_gpt_recompute/<mode>: BM_gpt_step on the nano shape with activation recomputation
+//   (nn::Recompute: 0 none, 1 selective, 2 full; a short run):
+//     tokens_per_s, step_ms, peak_bytes_device  as in BM_gpt_step;
+//     peak_bytes_inline   the peak over one step run with every op at once on the calling thread
+//                         (Stream::InlineScope): what the step itself holds, without the host
+//                         worker's temporaries that wait for it to catch up.
 //   BM_attention/<shape>: causal attention forward + backward alone on that shape's qkv:
 //     online_ms               ops::causal_attention + causal_attention_backward (tiled online
 //                             softmax, per-row log-sum-exp kept);
@@ -136,6 +142,34 @@ void BM_gpt_step(benchmark::State& state) {
 }
 BENCHMARK(BM_gpt_step)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(8.0);
 BENCHMARK(BM_gpt_step)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
+
+void BM_gpt_recompute(benchmark::State& state) {
+  auto const recompute = static_cast<mgpu::nn::Recompute>(state.range(0));
+  Shape shape = shapes[0];
+  shape.config.recompute = recompute;
+  GptTrainer trainer(shape);
+  trainer.step();
+  trainer.allocator->reset_peak();
+  {
+    mgpu::Stream::InlineScope const at_once(trainer.stream);
+    trainer.step();
+  }
+  double const inline_peak = static_cast<double>(trainer.allocator->stats().peak_allocated);
+  trainer.allocator->reset_peak();
+  std::vector<double> step_s;
+  for (auto _ : state) {
+    auto const t0 = Clock::now();
+    trainer.step();
+    step_s.push_back(seconds_since(t0));
+  }
+  double const step = median(step_s);
+  state.SetLabel(std::string(shape.name) + ", recompute " + std::string(mgpu::nn::to_string(recompute)));
+  state.counters["tokens_per_s"] = static_cast<double>(trainer.tokens()) / step;
+  state.counters["step_ms"] = step * 1e3;
+  state.counters["peak_bytes_device"] = static_cast<double>(trainer.allocator->stats().peak_allocated);
+  state.counters["peak_bytes_inline"] = inline_peak;
+}
+BENCHMARK(BM_gpt_recompute)->DenseRange(0, 2)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.5);
 
 void BM_gpt_step_dp(benchmark::State& state) {
   Shape const& shape = shapes[state.range(0)];

@@ -24,6 +24,8 @@
 //     [--dp N]                  M micro-batches per step, N pipeline replicas (a data x pipeline
 //                               grid over K x N devices); the tied LM head's stage holds a copy of
 //                               wte kept equal to the first stage's
+// --recompute none|selective|full (nn::Recompute) trades memory for recomputed forward work in any
+// layout, the losses unchanged bit for bit.
 // Every layout gives the one-device losses within float32 rounding, and writes checkpoints in one
 // format, so a run may resume on another layout. --devices defaults to
 // host:(stages x dp). Evaluation, sampling and --save-llmc read a float32 copy of the whole model
@@ -64,6 +66,7 @@ struct Options {
   float lr = 1e-3f, min_lr = 1e-4f;
   std::int64_t warmup = 100;
   float weight_decay = 0.1f, clip = 1.0f, dropout = 0.0f;
+  std::string recompute = "none";
   std::uint64_t seed = 1337;
   std::int64_t eval_every = 500, eval_iters = 50, log_every = 0;
   std::string devices;  // empty: host:(stages x dp)
@@ -220,8 +223,15 @@ void check_layout(Options const& o, bool pipelined, mgpu::DeviceGroup const& gro
            std::to_string(size) + ": one replica per device)");
 }
 
+mgpu::nn::Recompute recompute_of(std::string const& name) {
+  for (auto const r : {mgpu::nn::Recompute::none, mgpu::nn::Recompute::selective, mgpu::nn::Recompute::full})
+    if (mgpu::nn::to_string(r) == name) return r;
+  throw mgpu::Error(mgpu::Errc::invalid_argument, "--recompute " + name + " (expected none, selective or full)");
+}
+
 // Each layer's forward + backward FLOPs for a micro-batch of `rows` sequences (3x the forward's
-// multiply-adds x 2; element-wise layers count one pass), the costs the stages are cut by.
+// multiply-adds x 2; element-wise layers count one pass), the costs the stages are cut by; a
+// block's recomputation adds its attention core's forward (selective) or its whole forward (full).
 mgpu::pipeline::LayerProfile layer_costs(mgpu::nn::Sequential const& model, mgpu::nn::GptConfig const& c,
                                          std::int64_t rows) {
   auto const tokens = static_cast<double>(rows * c.block_size);
@@ -230,11 +240,17 @@ mgpu::pipeline::LayerProfile layer_costs(mgpu::nn::Sequential const& model, mgpu
   for (std::size_t l = 0; l < model.size(); ++l) {
     mgpu::nn::Layer const& layer = model.layer(l);
     double forward = tokens * w;  // embedding lookup, dropout, LayerNorm: one pass
-    if (dynamic_cast<mgpu::nn::TransformerBlock const*>(&layer) != nullptr)
-      forward = 2 * tokens * 12 * w * w + 2 * tokens * t * w;  // four Linears (12 C^2), causal QK^T and PV
-    else if (dynamic_cast<mgpu::nn::TiedLMHead const*>(&layer) != nullptr)
+    double rerun = 0;
+    if (auto const* block = dynamic_cast<mgpu::nn::TransformerBlock const*>(&layer)) {
+      double const core = 2 * tokens * t * w;    // causal QK^T and PV
+      forward = 2 * tokens * 12 * w * w + core;  // and four Linears (12 C^2)
+      rerun = block->recompute() == mgpu::nn::Recompute::full        ? forward
+              : block->recompute() == mgpu::nn::Recompute::selective ? core
+                                                                     : 0.0;
+    } else if (dynamic_cast<mgpu::nn::TiedLMHead const*>(&layer) != nullptr) {
       forward = 2 * tokens * w * static_cast<double>(c.vocab);
-    profile.seconds.push_back(3 * forward);  // FLOPs in the seconds' place: partition() compares them only
+    }
+    profile.seconds.push_back(3 * forward + rerun);  // FLOPs in the seconds' place: partition() compares them only
     profile.parameter_bytes.push_back(static_cast<double>(layer.parameter_count()) * sizeof(float));
     profile.activation_bytes.push_back(0.0);  // not modelled: the stages are cut by time
   }
@@ -276,7 +292,8 @@ int run(Options o) {
                                    .n_layer = o.n_layer,
                                    .n_head = o.n_head,
                                    .n_embd = o.n_embd,
-                                   .dropout = o.dropout};
+                                   .dropout = o.dropout,
+                                   .recompute = recompute_of(o.recompute)};
   Splits const splits = load_splits(o);
 
   auto allocator = mgpu::Allocator::create(device);
@@ -516,11 +533,12 @@ int run(Options o) {
     std::printf(
         "{\"tokens_per_s\": %.6g, \"train_loss\": %.6g, \"val_loss\": %.6g, \"params\": %lld, \"devices\": [%s], "
         "\"iters\": %lld, \"peak_bytes\": [%s], \"precision\": \"%s\", \"eval_windows\": %lld, \"schedule\": \"%s\", "
-        "\"stages\": %d, \"micro_batches\": %d, \"dp\": %d}\n",
+        "\"stages\": %d, \"micro_batches\": %d, \"dp\": %d, \"recompute\": \"%s\"}\n",
         tokens_per_s, std::isnan(train_loss) ? -1.0 : train_loss, val_loss, static_cast<long long>(net.parameter_count()),
         devices.c_str(), static_cast<long long>(state.step), peaks.c_str(), o.precision.c_str(),
         static_cast<long long>(eval_windows), pipeline ? pipeline->schedule().name.c_str() : parallel ? "data-parallel" : "none",
-        pipeline ? o.stages : 1, pipeline ? pipeline->schedule().micro_batches : 1, parallel ? static_cast<int>(group.size()) : o.dp);
+        pipeline ? o.stages : 1, pipeline ? pipeline->schedule().micro_batches : 1, parallel ? static_cast<int>(group.size()) : o.dp,
+        o.recompute.c_str());
   } else {
     std::printf("final: train loss %.4f, val loss %.4f, %.0f tokens/s on %s\n", train_loss, val_loss, tokens_per_s,
                 o.devices.c_str());
@@ -561,6 +579,11 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option("--dropout", o.dropout, "dropout probability")->check(CLI::Range(0.0, 0.99))->capture_default_str();
+  app.add_option("--recompute", o.recompute,
+                 "activation recomputation per transformer block: none | selective (the attention core) | full (the "
+                 "whole block from its input); the same results, less memory")
+      ->check(CLI::IsMember({"none", "selective", "full"}))
+      ->capture_default_str();
   app.add_option("--seed", o.seed, "seed of the weights and the sampled training windows")->capture_default_str();
   app.add_option("--eval-every", o.eval_every, "steps between validation losses (0: at the end only)")
       ->check(CLI::NonNegativeNumber)

@@ -33,7 +33,8 @@ Sequential gpt(GptConfig const& config) {
   model.add(std::make_unique<Embedding>(config.vocab, config.block_size, config.n_embd));
   model.add(std::make_unique<Dropout>(config.dropout));
   for (std::int64_t l = 0; l < config.n_layer; ++l)
-    model.add(std::make_unique<TransformerBlock>(config.n_embd, config.n_head, config.dropout, proj_std));
+    model.add(
+        std::make_unique<TransformerBlock>(config.n_embd, config.n_head, config.dropout, proj_std, config.recompute));
   model.add(std::make_unique<LayerNorm>(config.n_embd));
   model.add(std::make_unique<TiedLMHead>(config.vocab, config.n_embd));
   return model;

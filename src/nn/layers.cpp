@@ -57,8 +57,22 @@ Tensor Linear::forward(Tensor const& x, Context& ctx, ops::ActivationKind act) {
   Tensor pre =
       act == ops::ActivationKind::gelu ? Tensor::empty(y.shape(), y.dtype(), ctx.allocator, ctx.stream) : Tensor{};
   ops::linear(x2, w_, b_, y, act, pre, ctx.stream);
-  saved_[ctx.micro_batch] = Saved{x, pre.defined() ? pre : y, Tensor{}, act};
+  // Without an activation, backward reads no output: none is kept.
+  Tensor const z = pre.defined() ? pre : act == ops::ActivationKind::identity ? Tensor{} : y;
+  saved_[ctx.micro_batch] = Saved{x, z, Tensor{}, act};
   return y.reshape(out_shape);
+}
+
+void Linear::release_input(Context const& ctx) { saved(ctx, "release_input").x = Tensor{}; }
+
+void Linear::restore_input(Tensor const& x, Context const& ctx) {
+  Saved& s = saved(ctx, "restore_input");
+  if (x.shape().empty() || x.shape().back() != in_ || x.dtype() != w_.dtype())
+    throw Error(Errc::invalid_argument, name() + ".restore_input of a " + std::string(to_string(x.dtype())) + " " +
+                                            to_string(x.shape()) + " tensor (expected the " +
+                                            std::string(to_string(w_.dtype())) + " input of forward, [..., " +
+                                            std::to_string(in_) + "])");
+  s.x = x;
 }
 
 Linear::Saved& Linear::saved(Context const& ctx, char const* call) {
@@ -77,6 +91,9 @@ Tensor Linear::backward(Tensor const& dy, Context& ctx) {
 
 Tensor Linear::backward_input(Tensor const& dy, Context& ctx) {
   Saved& s = saved(ctx, "backward_input");
+  if (!s.x.defined())
+    throw Error(Errc::invalid_argument, name() + ".backward_input for micro-batch " + std::to_string(ctx.micro_batch) +
+                                            " after release_input (expected restore_input first)");
   if (s.dz.defined())
     throw Error(Errc::invalid_argument, name() + ".backward_input twice for micro-batch " + std::to_string(ctx.micro_batch) +
                                             " (expected backward_weight in between)");

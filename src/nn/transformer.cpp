@@ -52,6 +52,18 @@ Tensor layer_norm_inference(LayerNorm const& layer, Tensor const& x, Context& ct
 
 }  // namespace
 
+std::string_view to_string(Recompute recompute) noexcept {
+  switch (recompute) {
+    case Recompute::none:
+      return "none";
+    case Recompute::selective:
+      return "selective";
+    case Recompute::full:
+      return "full";
+  }
+  return "?";
+}
+
 Embedding::Embedding(std::int64_t vocab, std::int64_t block_size, std::int64_t features, float init_std)
     : vocab_(vocab), block_size_(block_size), features_(features), init_std_(init_std) {
   if (vocab < 1 || block_size < 1 || features < 1 || !(init_std >= 0))
@@ -125,11 +137,13 @@ Shape Embedding::output_shape(Shape const& input) const {
   return {input[0], input[1], features_};
 }
 
-CausalSelfAttention::CausalSelfAttention(std::int64_t features, std::int64_t heads, float dropout, float proj_init_std)
+CausalSelfAttention::CausalSelfAttention(std::int64_t features, std::int64_t heads, float dropout, float proj_init_std,
+                                         bool recompute_core)
     : features_(features),
       heads_(heads),
       dropout_(dropout),
       proj_init_std_(proj_init_std),
+      recompute_core_(recompute_core),
       qkv_(features, 3 * features),
       proj_(features, features) {
   if (heads < 1 || features % heads != 0)
@@ -177,8 +191,20 @@ Tensor CausalSelfAttention::forward(Tensor const& x, Context& ctx) {
     dropout = {dropout_, mgpu::detail::mix64(seed_ + calls_++) | 1u, ctx.row_offset};
   }
   ops::causal_attention(qkv, y, lse, heads_, ctx.stream, dropout);
-  saved_[ctx.micro_batch] = Saved{qkv, y, lse, dropout};
-  return proj_.forward(y, ctx);
+  Tensor out = proj_.forward(y, ctx);
+  if (recompute_core_) {
+    proj_.release_input(ctx);  // y, recomputed by backward_input
+    saved_[ctx.micro_batch] = Saved{qkv, Tensor{}, Tensor{}, dropout};
+  } else {
+    saved_[ctx.micro_batch] = Saved{qkv, y, lse, dropout};
+  }
+  return out;
+}
+
+void CausalSelfAttention::release(std::int64_t micro_batch) {
+  saved_.erase(micro_batch);
+  qkv_.release(micro_batch);
+  proj_.release(micro_batch);
 }
 
 Tensor CausalSelfAttention::backward(Tensor const& dy, Context& ctx) {
@@ -191,8 +217,15 @@ Tensor CausalSelfAttention::backward_input(Tensor const& dy, Context& ctx) {
   auto const it = saved_.find(ctx.micro_batch);
   if (it == saved_.end())
     throw Error(Errc::invalid_argument, missing_forward(name(), "backward_input", ctx.micro_batch));
-  Saved const s = std::move(it->second);
+  Saved s = std::move(it->second);
   saved_.erase(it);
+  if (recompute_core_) {  // the same kernel on the same qkv and dropout: the same y and lse, bit for bit
+    std::int64_t const batch = s.qkv.dim(0), t = s.qkv.dim(1);
+    s.y = Tensor::empty({batch, t, features_}, s.qkv.dtype(), ctx.allocator, ctx.stream);
+    s.lse = Tensor::empty({batch, heads_, t}, DType::float32, ctx.allocator, ctx.stream);
+    ops::causal_attention(s.qkv, s.y, s.lse, heads_, ctx.stream, s.dropout);
+    proj_.restore_input(s.y, ctx);
+  }
   Tensor const dy_heads = proj_.backward_input(dy, ctx);
   Tensor dqkv = Tensor::empty(s.qkv.shape(), s.qkv.dtype(), ctx.allocator, ctx.stream);
   ops::causal_attention_backward(s.qkv, s.y, s.lse, dy_heads, dqkv, heads_, ctx.stream, s.dropout);
@@ -274,13 +307,15 @@ Shape CausalSelfAttention::output_shape(Shape const& input) const {
   return input;
 }
 
-TransformerBlock::TransformerBlock(std::int64_t features, std::int64_t heads, float dropout, float proj_init_std)
+TransformerBlock::TransformerBlock(std::int64_t features, std::int64_t heads, float dropout, float proj_init_std,
+                                   Recompute recompute)
     : features_(features),
       heads_(heads),
       dropout_(dropout),
       proj_init_std_(proj_init_std),
+      recompute_(recompute),
       ln1_(features),
-      attn_(features, heads, dropout, proj_init_std),
+      attn_(features, heads, dropout, proj_init_std, recompute == Recompute::selective),
       attn_drop_(dropout),
       ln2_(features),
       fc_(features, 4 * features),
@@ -341,6 +376,19 @@ void TransformerBlock::set_rng_counter(std::uint64_t counter) {
 
 Tensor TransformerBlock::forward(Tensor const& x, Context& ctx) {
   check_activation(name(), x.shape(), features_);
+  if (recompute_ != Recompute::full) return forward_layers(x, ctx);
+  std::uint64_t const counter = rng_counter();
+  Tensor y = forward_layers(x, ctx);
+  // Keep only the input (and where dropout stood); backward_input reruns forward_layers.
+  for (LayerNorm* norm : {&ln1_, &ln2_}) norm->release(ctx.micro_batch);
+  attn_.release(ctx.micro_batch);
+  for (Dropout* drop : {&attn_drop_, &mlp_drop_}) drop->release(ctx.micro_batch);
+  for (Linear* linear : {&fc_, &proj_}) linear->release(ctx.micro_batch);
+  inputs_[ctx.micro_batch] = Input{x, counter, ctx.row_offset};
+  return y;
+}
+
+Tensor TransformerBlock::forward_layers(Tensor const& x, Context& ctx) {
   // h = x + Dropout(attn(LN1(x))): the branch's output is a fresh tensor, so the residual is added
   // in place.
   Tensor const h = attn_drop_.forward(attn_.forward(ln1_.forward(x, ctx), ctx), ctx);
@@ -371,6 +419,20 @@ Tensor TransformerBlock::backward(Tensor const& dy, Context& ctx) {
 }
 
 Tensor TransformerBlock::backward_input(Tensor const& dy, Context& ctx) {
+  if (recompute_ == Recompute::full) {
+    auto const it = inputs_.find(ctx.micro_batch);
+    if (it == inputs_.end())
+      throw Error(Errc::invalid_argument, missing_forward(name(), "backward_input", ctx.micro_batch));
+    Input const in = std::move(it->second);
+    inputs_.erase(it);
+    // The forward again, as it ran: its dropout masks and row offset (other micro-batches' forwards
+    // may have advanced the count since). Only what the sublayers save is kept.
+    std::uint64_t const counter = rng_counter();
+    set_rng_counter(in.rng_counter);
+    Context rerun{ctx.allocator, ctx.stream, in.row_offset, ctx.micro_batch, ctx.accumulate_gradients};
+    (void)forward_layers(in.x, rerun);
+    set_rng_counter(counter);
+  }
   // dh = dy + the MLP branch's input gradient; dx = dh + the attention branch's. Each branch's
   // gradient is a fresh tensor (LayerNorm's backward allocates it), so the sums go in place.
   Tensor const dh = ln2_.backward(fc_.backward_input(proj_.backward_input(mlp_drop_.backward(dy, ctx), ctx), ctx), ctx);

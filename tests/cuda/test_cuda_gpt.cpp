@@ -1,6 +1,6 @@
 // A GPT on a GPU against the same model on a host device (the host path is itself checked against
 // float64 references and PyTorch in tests/nn/test_gpt.cpp): logits, loss and every gradient of one
-// step, with attention dropout, and the token-id check.
+// step, with attention dropout (also with activation recomputation), and the token-id check.
 #include <algorithm>
 #include <cmath>
 #include <random>
@@ -71,8 +71,10 @@ TEST_CASE("a GPT step on a GPU matches the host: logits, loss, every gradient", 
   struct Result {
     std::vector<float> logits, loss, grads;
   };
-  auto step = [&](Side& side) {
-    mgpu::nn::Sequential model = mgpu::nn::gpt(config);
+  auto step = [&](Side& side, mgpu::nn::Recompute recompute = mgpu::nn::Recompute::none) {
+    mgpu::nn::GptConfig c = config;
+    c.recompute = recompute;
+    mgpu::nn::Sequential model = mgpu::nn::gpt(c);
     model.materialize(side.ctx, 5);
     Tensor const logits = model.forward(ids_on(side, {2, 37}, tokens), side.ctx);
     Tensor const dlogits = Tensor::empty(logits.shape(), DType::float32, *side.allocator);
@@ -86,6 +88,12 @@ TEST_CASE("a GPT step on a GPU matches the host: logits, loss, every gradient", 
   CHECK(relative_error(g.logits, h.logits) <= 1e-5);
   CHECK(std::abs(g.loss[0] - h.loss[0]) <= 1e-5 * h.loss[0]);
   CHECK(relative_error(g.grads, h.grads) <= 1e-4);
+  for (mgpu::nn::Recompute const recompute : {mgpu::nn::Recompute::selective, mgpu::nn::Recompute::full}) {
+    CAPTURE(mgpu::nn::to_string(recompute));  // the recomputed forward's kernels on the GPU stream
+    Result const r = step(gpu, recompute);
+    CHECK(relative_error(r.logits, h.logits) <= 1e-5);
+    CHECK(relative_error(r.grads, h.grads) <= 1e-4);
+  }
 }
 
 TEST_CASE("a token id >= vocab fails the GPU stream with the host's error", "[cuda][gpt]") {

@@ -5,7 +5,8 @@
 # gives the trained model's validation loss; --sample prints text; data parallel over host:2 and
 # host:3 (uneven shards of the 4 sequences) follows the one-device run's losses, and resumes; so
 # do the pipeline schedules (1F1B, interleaved, ZB-H1, GPipe, layer split) and a data x pipeline
-# grid, and resume (on their layout, and from a data-parallel checkpoint); --trace writes the last
+# grid, and resume (on their layout, and from a data-parallel checkpoint); --recompute selective
+# and full give the same losses in each kind of layout; --trace writes the last
 # step's timeline; bad flags fail with exit code 2 and a message. Usage: train_gpt_check.sh TRAIN_GPT TEXT_FILE DIR
 set -euo pipefail
 exe=$1
@@ -97,6 +98,28 @@ trace = json.load(open(sys.argv[1]))
 events = trace["traceEvents"] if isinstance(trace, dict) else trace
 sys.exit(0 if {e["pid"] for e in events if e.get("ph") == "X"} == {0, 1} else 1)
 EOF
+
+# Activation recomputation: the losses of the run without it, to the last printed digit, in every
+# layout (one device, data parallel, 1F1B, ZB-H1 with its split backward); the JSON line names it.
+same() {  # same LABEL GOT WANT
+  for key in train_loss val_loss; do
+    [ "$(field $key "$2")" = "$(field $key "$3")" ] || fail "$key $(field $key "$2") with $1 (expected $(field $key "$3"))"
+  done
+}
+zb=(--schedule zb --stages 2 --micro-batches 2)
+"$exe" "${common[@]}" --iters 40 "${zb[@]}" > "$dir/zb.json" 2> /dev/null
+for recompute in selective full; do
+  "$exe" "${common[@]}" --iters 40 --recompute $recompute > "$dir/rc.json" 2> /dev/null
+  same "--recompute $recompute" "$dir/rc.json" "$dir/full.json"
+  grep -q "\"recompute\": \"$recompute\"" "$dir/rc.json" || fail "no recompute $recompute in: $(cat "$dir/rc.json")"
+done
+"$exe" "${common[@]}" --iters 40 --devices host:2 --recompute full > "$dir/rc-dp.json" 2> /dev/null
+same "--recompute full on host:2" "$dir/rc-dp.json" "$dir/dp2.json"
+"$exe" "${common[@]}" --iters 40 "${pp[@]}" --recompute full > "$dir/rc-pp.json" 2> /dev/null
+same "--recompute full on ${pp[*]}" "$dir/rc-pp.json" "$dir/pp1.json"
+"$exe" "${common[@]}" --iters 40 "${zb[@]}" --recompute selective > "$dir/rc-zb.json" 2> /dev/null
+same "--recompute selective on ${zb[*]}" "$dir/rc-zb.json" "$dir/zb.json"
+grep -q '"recompute": "none"' "$dir/full.json" || fail "no recompute none in: $(cat "$dir/full.json")"
 
 # Refused: micro-batches without a pipeline, a layout that does not match the devices, --dp
 # other than the device count, a damaged model file, more validation windows than the data holds.

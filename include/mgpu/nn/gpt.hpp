@@ -11,10 +11,13 @@
 
 #include <mgpu/core/tensor.hpp>
 #include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/transformer.hpp>
 
 namespace mgpu::nn {
 
 /// The shape of a GPT. `bias` must be true: Linear and LayerNorm always carry a bias here.
+/// `recompute`: what each TransformerBlock keeps for backward (see Recompute); it changes memory
+/// and time, never the results.
 struct GptConfig {
   std::int64_t vocab = 256;
   std::int64_t block_size = 64;
@@ -23,6 +26,7 @@ struct GptConfig {
   std::int64_t n_embd = 128;
   float dropout = 0.0f;
   bool bias = true;
+  Recompute recompute = Recompute::none;
 };
 
 /// The model: Embedding (token + position), Dropout, n_layer TransformerBlocks, the final

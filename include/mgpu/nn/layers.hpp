@@ -113,6 +113,13 @@ class Linear final : public Layer {
   std::size_t saved_micro_batches() const override { return saved_.size(); }
   void set_input_grad(bool needed) override { input_grad_ = needed; }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Linear>(in_, out_, init_); }
+  /// Activation recomputation: frees what forward saved for `micro_batch` (its backward will not
+  /// run; a later forward of the same micro-batch saves it again).
+  void release(std::int64_t micro_batch) { saved_.erase(micro_batch); }
+  /// Activation recomputation: forgets the input forward saved for ctx.micro_batch, and gives a
+  /// recomputed one back, which must hold the same values, before backward_input.
+  void release_input(Context const& ctx);
+  void restore_input(Tensor const& x, Context const& ctx);
   [[nodiscard]] Tensor const& weight() const noexcept { return w_; }
   [[nodiscard]] Tensor const& bias() const noexcept { return b_; }
 
@@ -123,7 +130,7 @@ class Linear final : public Layer {
   bool input_grad_ = true;
   struct Saved {
     Tensor x;
-    Tensor z;  // what the activation's backward reads: y for relu, the pre-activation for gelu
+    Tensor z;  // what the activation's backward reads: y for relu, the pre-activation for gelu (else none)
     Tensor dz;  // the gradient of x W + b, between backward_input and backward_weight
     ops::ActivationKind act = ops::ActivationKind::identity;
   };
@@ -177,6 +184,8 @@ class LayerNorm final : public Layer {
   Shape output_shape(Shape const& input) const override;
   std::size_t saved_micro_batches() const override { return saved_.size(); }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<LayerNorm>(features_, eps_); }
+  /// Frees what forward saved for `micro_batch` (activation recomputation: its backward will not run).
+  void release(std::int64_t micro_batch) { saved_.erase(micro_batch); }
   [[nodiscard]] Tensor const& gamma() const noexcept { return gamma_; }
   [[nodiscard]] Tensor const& beta() const noexcept { return beta_; }
   [[nodiscard]] float eps() const noexcept { return eps_; }
@@ -204,6 +213,8 @@ class Dropout final : public Layer {
   Tensor backward(Tensor const& dy, Context& ctx) override;
   std::size_t saved_micro_batches() const override { return masks_.size(); }
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Dropout>(p_); }
+  /// Forgets the mask of `micro_batch` (activation recomputation: its backward will not run).
+  void release(std::int64_t micro_batch) { masks_.erase(micro_batch); }
 
  private:
   float p_;

@@ -11,12 +11,30 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <string_view>
 
 #include <mgpu/core/tensor.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/ops/transformer.hpp>
 
 namespace mgpu::nn {
+
+/// Activation recomputation: what a TransformerBlock keeps from forward for backward, trading
+/// memory for recomputed forward work. Gradients equal the `none` run's bit for bit (the rerun
+/// uses the same kernels in the same order, and dropout replays its masks).
+///   none       everything backward reads: per block, without dropout, 15 B T C values besides its
+///              input (8 of them the MLP's GELU input and output) and the LayerNorm and attention
+///              row statistics.
+///   selective  not the attention core's output y [B, T, C] nor its per-row log-sum-exp
+///              [B, heads, T]: backward reruns ops::causal_attention on the kept qkv. The online
+///              softmax never stores the [B, heads, T, T] probabilities that Megatron's selective
+///              recomputation drops, so this is its counterpart here: the attention core's
+///              intermediates, a cheap O(B T^2 C) rerun without any GEMM of the weights.
+///   full       only the block's input: backward reruns the whole block's forward first, so the
+///              stored activations of n blocks are their n inputs plus one block's at a time.
+enum class Recompute { none, selective, full };
+std::string_view to_string(Recompute recompute) noexcept;
+using mgpu::to_string;  // the overloads for shapes and dtypes stay visible in nn
 
 /// The keys and values a CausalSelfAttention has computed for the positions it has seen, for
 /// inference that appends tokens one step at a time (see Decoder in mgpu/nn/generate.hpp): k and v
@@ -75,10 +93,12 @@ class Embedding final : public Layer {
 /// (ops::causal_attention: online softmax, O(B T C) memory), optional dropout on the attention
 /// probabilities, and an output Linear (C -> C). Input and output [B, T, C]. Parameters: the qkv
 /// Linear's then the projection's (W [in, out], then b); weights initialised N(0, 0.02) and
-/// N(0, proj_init_std), biases 0.
+/// N(0, proj_init_std), biases 0. With `recompute_core` forward keeps qkv but not the attention's
+/// output and log-sum-exp; backward recomputes them (Recompute::selective).
 class CausalSelfAttention final : public Layer {
  public:
-  CausalSelfAttention(std::int64_t features, std::int64_t heads, float dropout = 0.0f, float proj_init_std = 0.02f);
+  CausalSelfAttention(std::int64_t features, std::int64_t heads, float dropout = 0.0f, float proj_init_std = 0.02f,
+                      bool recompute_core = false);
   std::string name() const override;
   std::int64_t parameter_count() const override { return qkv_.parameter_count() + proj_.parameter_count(); }
   std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override;
@@ -95,8 +115,10 @@ class CausalSelfAttention final : public Layer {
   std::size_t saved_micro_batches() const override { return qkv_.saved_micro_batches(); }
   void set_input_grad(bool needed) override { qkv_.set_input_grad(needed); }
   std::unique_ptr<Layer> clone() const override {
-    return std::make_unique<CausalSelfAttention>(features_, heads_, dropout_, proj_init_std_);
+    return std::make_unique<CausalSelfAttention>(features_, heads_, dropout_, proj_init_std_, recompute_core_);
   }
+  /// Frees what forward saved for `micro_batch` (activation recomputation: its backward will not run).
+  void release(std::int64_t micro_batch);
   /// Inference on a float32 host model (no dropout, nothing saved for backward): x [B, t, C] holds
   /// positions [cache.length, cache.length + t) of B sequences; their keys and values are appended
   /// to `cache` and each query attends to every cached position at or before its own, so a step
@@ -112,6 +134,7 @@ class CausalSelfAttention final : public Layer {
   };
   std::int64_t features_, heads_;
   float dropout_, proj_init_std_;
+  bool recompute_core_;
   bool training_ = true;
   std::uint64_t seed_ = 0;
   std::uint64_t calls_ = 0;
@@ -124,10 +147,13 @@ class CausalSelfAttention final : public Layer {
 /// [B, T, C]. Parameters in order: ln_1 (gamma, beta), attention (qkv, proj), ln_2, mlp_fc, mlp_proj.
 /// GPT-2 init: weights N(0, 0.02) except the residual projections (attention and MLP output)
 /// N(0, proj_init_std), biases 0, LayerNorm 1 and 0. The three dropouts share `dropout` and advance
-/// together, so rng_counter() is one count.
+/// together, so rng_counter() is one count. `recompute`: what forward keeps for backward (see
+/// Recompute); with full, backward_input reruns forward from the kept input, at the dropout
+/// count and row offset of the original forward, before the usual backward.
 class TransformerBlock final : public Layer {
  public:
-  TransformerBlock(std::int64_t features, std::int64_t heads, float dropout = 0.0f, float proj_init_std = 0.02f);
+  TransformerBlock(std::int64_t features, std::int64_t heads, float dropout = 0.0f, float proj_init_std = 0.02f,
+                   Recompute recompute = Recompute::none);
   std::string name() const override;
   std::int64_t parameter_count() const override;
   std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override;
@@ -141,17 +167,28 @@ class TransformerBlock final : public Layer {
   Tensor backward_input(Tensor const& dy, Context& ctx) override;
   void backward_weight(Context& ctx) override;
   Shape output_shape(Shape const& input) const override { return attn_.output_shape(input); }
-  std::size_t saved_micro_batches() const override { return fc_.saved_micro_batches(); }
+  std::size_t saved_micro_batches() const override { return inputs_.size() + fc_.saved_micro_batches(); }
   std::unique_ptr<Layer> clone() const override {
-    return std::make_unique<TransformerBlock>(features_, heads_, dropout_, proj_init_std_);
+    return std::make_unique<TransformerBlock>(features_, heads_, dropout_, proj_init_std_, recompute_);
   }
+  [[nodiscard]] Recompute recompute() const noexcept { return recompute_; }
   /// The block at inference with its attention's key/value cache (see
   /// CausalSelfAttention::forward_cached): x [B, t, C] -> [B, t, C], dropout off.
   Tensor forward_cached(Tensor const& x, KvCache& cache, Context& ctx) const;
 
  private:
+  // The forward of every sublayer, each saving what its backward reads.
+  Tensor forward_layers(Tensor const& x, Context& ctx);
+  // Recompute::full: what forward keeps to rerun itself.
+  struct Input {
+    Tensor x;
+    std::uint64_t rng_counter = 0;
+    std::int64_t row_offset = 0;
+  };
   std::int64_t features_, heads_;
   float dropout_, proj_init_std_;
+  Recompute recompute_;
+  std::map<std::int64_t, Input> inputs_;
   LayerNorm ln1_;
   CausalSelfAttention attn_;
   Dropout attn_drop_;
