@@ -6,9 +6,13 @@
 //   train_mlp --data idx:train-images-idx3-ubyte,train-labels-idx1-ubyte --layers 128,10 --optimizer adamw
 //   train_mlp --checkpoint run.ckpt --resume --json
 //   train_mlp --devices host:2@speed=1,0.5 --rebalance --verbose --trace step.json
+//   mpirun -np 2 train_mlp --devices host:1                 # one process per server (mgpu::dist)
 //
 // It trains data parallel (parallel::DataParallel) over every device of --devices: one replica
 // per device, each batch sharded across them, gradients all-reduced in buckets during backward.
+// Under mpirun or srun every process does so over its own --devices: each loads the same global
+// batch and trains on its rows (split by the processes' device speeds), the gradients are reduced
+// over every device of every process, and process 0 prints.
 #include <CLI/CLI.hpp>
 
 #include <unistd.h>
@@ -55,6 +59,14 @@ mgpu::Tensor host_tensor(std::span<float const> values, mgpu::Shape shape, mgpu:
   return t;
 }
 
+// A float in JSON with every digit it needs to read back bit for bit (null when not finite).
+std::string json_float(float value) {
+  if (!std::isfinite(value)) return "null";
+  char text[32];
+  std::snprintf(text, sizeof text, "%.9g", static_cast<double>(value));
+  return text;
+}
+
 // Progress on a terminal: one line redrawn in place.
 void draw_progress(int epoch, int epochs, std::int64_t batch, std::int64_t batches, float loss, double samples_per_s) {
   int const width = 30;
@@ -72,9 +84,17 @@ std::unique_ptr<mgpu::optim::Optimizer> make_optimizer(Options const& o) {
 }
 
 int train(Options const& o) {
+  mgpu::dist::Session session;  // the job's processes (one without a launcher)
   mgpu::DeviceGroup group = o.devices.empty() ? mgpu::DeviceGroup() : mgpu::DeviceGroup(o.devices);
+  mgpu::dist::World const world = mgpu::dist::make_world(group);
+  bool const across = world.processes > 1;
+  bool const speaker = world.process == 0;  // every process trains the same model; process 0 prints
   FILE* const log = o.json ? stderr : stdout;
-  bool const terminal = ::isatty(STDERR_FILENO) != 0;
+  bool const terminal = speaker && ::isatty(STDERR_FILENO) != 0;
+  if (across && !o.checkpoint.empty())
+    throw mgpu::Error(mgpu::Errc::invalid_argument,
+                      "--checkpoint in a job of " + std::to_string(world.processes) +
+                          " processes (expected one process: checkpoints across processes are not built yet)");
   if (o.resume && !std::filesystem::exists(o.checkpoint) && !o.allow_fresh)
     throw mgpu::Error(mgpu::Errc::io, "--resume: no checkpoint at '" + o.checkpoint +
                                           "' (expected a file written by --checkpoint; add --allow-fresh to start fresh when it is missing)");
@@ -90,23 +110,48 @@ int train(Options const& o) {
   dp_options.rebalance = o.rebalance;
   auto const timeline = o.trace.empty() ? nullptr : std::make_shared<mgpu::trace::Timeline>();
   dp_options.timeline = timeline;
+  if (across) dp_options.make_communicator = mgpu::dist::communicator_factory(world);
   mgpu::parallel::DataParallel dp(mgpu::nn::Sequential::mlp(examples::parse_widths(o.common.layers, all.features(), all.classes(), {128, 128}), o.common.activation), group,
                                   [&] { return make_optimizer(o); }, dp_options);
   mgpu::DeviceGroup& used = dp.group();
+  // A device's name in the output: across processes with its process, "p1:host:0".
+  auto const device_name = [&](mgpu::dist::WorldDevice const& d) {
+    return (across ? "p" + std::to_string(d.process) + ":" : std::string()) + d.device.to_string();
+  };
   std::string trained_on;
-  for (int r = 0; r < used.size(); ++r) trained_on += (r ? "," : "") + used.device(r).to_string();
+  if (across) {
+    for (mgpu::dist::WorldDevice const& d : world.devices) trained_on += (d.rank ? "," : "") + device_name(d);
+  } else {
+    for (int r = 0; r < used.size(); ++r) trained_on += (r ? "," : "") + used.device(r).to_string();
+  }
+  // This process's rows of each global batch: shares by the processes' device speeds.
+  std::vector<double> process_weights(static_cast<std::size_t>(world.processes), 0.0);
+  for (mgpu::dist::WorldDevice const& d : world.devices)
+    process_weights[static_cast<std::size_t>(d.process)] += d.device.speed;
+  auto const my_rows = [&](mgpu::Tensor const& batch) {
+    if (!across) return batch;
+    std::vector<std::int64_t> const rows = mgpu::shard_sizes(batch.dim(0), world.processes, process_weights);
+    std::int64_t begin = 0;
+    for (int p = 0; p < world.process; ++p) begin += rows[static_cast<std::size_t>(p)];
+    return batch.slice(begin, begin + rows[static_cast<std::size_t>(world.process)]);
+  };
 
   mgpu::io::TrainingState state{.data_seed = o.seed};
   if (o.resume && std::filesystem::exists(o.checkpoint)) {
     state = dp.load(o.checkpoint);
-    std::fprintf(log, "resumed from %s at epoch %lld, batch %lld (step %lld)\n", o.checkpoint.c_str(), static_cast<long long>(state.epoch + 1),
-                 static_cast<long long>(state.batch), static_cast<long long>(state.step));
+    if (speaker)
+      std::fprintf(log, "resumed from %s at epoch %lld, batch %lld (step %lld)\n", o.checkpoint.c_str(),
+                   static_cast<long long>(state.epoch + 1), static_cast<long long>(state.batch),
+                   static_cast<long long>(state.step));
   }
 
-  std::fprintf(log, "mgpu %s: training %lld parameters data parallel on %s (%s), %lld train / %lld test examples, %lld features, %lld classes\n",
-               mgpu::version, static_cast<long long>(dp.replica(0).parameter_count()), trained_on.c_str(), o.precision.c_str(),
-               static_cast<long long>(train_set.size()), static_cast<long long>(test_set.size()), static_cast<long long>(all.features()),
-               static_cast<long long>(all.classes()));
+  if (speaker)
+    std::fprintf(log,
+                 "mgpu %s: training %lld parameters data parallel on %s (%s), %lld train / %lld test examples, %lld "
+                 "features, %lld classes\n",
+                 mgpu::version, static_cast<long long>(dp.replica(0).parameter_count()), trained_on.c_str(),
+                 o.precision.c_str(), static_cast<long long>(train_set.size()), static_cast<long long>(test_set.size()),
+                 static_cast<long long>(all.features()), static_cast<long long>(all.classes()));
   auto host = mgpu::Allocator::create(mgpu::Device{mgpu::DeviceKind::host, 0});
   auto const normalizer = o.common.data.starts_with("idx:") ? mgpu::data::Normalizer{} : mgpu::data::Normalizer::fit(train_set);
   mgpu::data::BatchLoader loader(train_set, {.batch = o.batch, .seed = state.data_seed, .normalizer = normalizer}, host,
@@ -118,6 +163,7 @@ int train(Options const& o) {
   mgpu::Tensor const test_features = host_tensor(test_x, {test_set.size(), all.features()}, *host);
   mgpu::Tensor const test_labels = host_tensor(test_set.labels(), {test_set.size()}, *host);
 
+  std::vector<float> epoch_losses;
   double train_seconds = 0;
   std::int64_t samples = 0;
   float epoch_loss = NAN;
@@ -135,7 +181,7 @@ int train(Options const& o) {
     std::int64_t epoch_samples = 0;
     while (auto batch = loader.next()) {
       float const lr_scale = mgpu::optim::cosine_lr(state.step, static_cast<std::int64_t>(o.epochs) * loader.batches_per_epoch(), 0.05f);
-      auto const result = dp.step(batch->x, batch->y, lr_scale);
+      auto const result = dp.step(my_rows(batch->x), my_rows(batch->y), lr_scale);
       if (timeline && ++traced == o.trace_steps) timeline->enable(false);
       loss_sum += result.loss;
       ++steps;
@@ -144,7 +190,7 @@ int train(Options const& o) {
         compute_ms[r] += result.compute_ms[r];
         wait_ms[r] += result.wait_ms[r];
       }
-      epoch_samples += batch->x.dim(0);
+      epoch_samples += batch->x.dim(0);  // the global batch's
       ++state.step;
       state.batch = batch->index + 1;
       if (terminal && Clock::now() - last_draw > std::chrono::milliseconds(100)) {
@@ -157,15 +203,21 @@ int train(Options const& o) {
     train_seconds += seconds;
     samples += epoch_samples;
     epoch_loss = static_cast<float>(loss_sum / static_cast<double>(std::max<std::int64_t>(1, steps)));
+    epoch_losses.push_back(epoch_loss);
     accuracy = test_set.size() > 0 ? static_cast<double>(dp.count_correct(test_features, test_labels)) / static_cast<double>(test_set.size()) : NAN;
     if (terminal) std::fprintf(stderr, "\r%*s\r", 100, "");
-    std::fprintf(log, "epoch %d/%d  loss %.4f  test accuracy %.4f  %.0f samples/s  %.2f ms/step\n", epoch + 1, o.epochs, epoch_loss, accuracy,
-                 static_cast<double>(epoch_samples) / seconds, 1e3 * seconds / static_cast<double>(std::max<std::int64_t>(1, steps)));
-    if (o.verbose && steps > 0) {
+    if (speaker)
+      std::fprintf(log, "epoch %d/%d  loss %.4f  test accuracy %.4f  %.0f samples/s  %.2f ms/step\n", epoch + 1,
+                   o.epochs, epoch_loss, accuracy, static_cast<double>(epoch_samples) / seconds,
+                   1e3 * seconds / static_cast<double>(std::max<std::int64_t>(1, steps)));
+    if (speaker && o.verbose && steps > 0) {  // across processes: process 0's ranks
       for (std::size_t r = 0; r < rows.size(); ++r) {
         double const n = static_cast<double>(steps);
-        std::fprintf(log, "  rank %zu (%s): %.1f rows/step, compute %.2f ms/step, waiting for reduces %.2f ms/step, shard weight %.3f\n", r,
-                     used.device(static_cast<int>(r)).to_string().c_str(), rows[r] / n, compute_ms[r] / n, wait_ms[r] / n, dp.weights()[r]);
+        std::fprintf(log,
+                     "  rank %zu (%s): %.1f rows/step, compute %.2f ms/step, waiting for reduces %.2f ms/step, shard "
+                     "weight %.3f\n",
+                     r, device_name(world.devices[r]).c_str(), rows[r] / n, compute_ms[r] / n, wait_ms[r] / n,
+                     dp.weights()[r]);
       }
     }
     std::fflush(log);
@@ -177,19 +229,28 @@ int train(Options const& o) {
     accuracy = static_cast<double>(dp.count_correct(test_features, test_labels)) / static_cast<double>(test_set.size());
   if (timeline) {
     timeline->write_chrome_trace(o.trace);
-    std::fprintf(log, "timeline of the first %lld steps written to %s (open it in ui.perfetto.dev or chrome://tracing)\n",
-                 static_cast<long long>(std::min<std::int64_t>(traced, o.trace_steps)), o.trace.c_str());
+    if (speaker)
+      std::fprintf(log,
+                   "timeline of the first %lld steps written to %s (open it in ui.perfetto.dev or chrome://tracing)\n",
+                   static_cast<long long>(std::min<std::int64_t>(traced, o.trace_steps)), o.trace.c_str());
   }
   double const samples_per_s = train_seconds > 0 ? static_cast<double>(samples) / train_seconds : 0.0;
   auto const* scaler = dp.loss_scaler();
+  if (!speaker) return 0;
   if (o.json) {
-    std::string devices;
-    for (int r = 0; r < group.size(); ++r) devices += (r ? ", \"" : "\"") + group.device(r).to_string() + "\"";
-    std::printf("{\"train_loss\": %.6g, \"test_accuracy\": %.6g, \"samples_per_s\": %.6g, \"devices\": [%s], \"trained_on\": \"%s\", "
-                "\"epochs\": %d, \"steps\": %lld, \"parameters\": %lld, \"precision\": \"%s\", \"skipped_steps\": %lld}\n",
-                std::isnan(epoch_loss) ? -1.0 : epoch_loss, std::isnan(accuracy) ? -1.0 : accuracy, samples_per_s, devices.c_str(),
-                trained_on.c_str(), o.epochs, static_cast<long long>(state.step), static_cast<long long>(dp.replica(0).parameter_count()),
-                o.precision.c_str(), static_cast<long long>(scaler != nullptr ? scaler->skipped() : 0));
+    std::string devices;  // the world's
+    for (mgpu::dist::WorldDevice const& d : world.devices) devices += (d.rank ? ", \"" : "\"") + device_name(d) + "\"";
+    std::string losses;  // each epoch's mean loss, to the float's last bit
+    for (std::size_t e = 0; e < epoch_losses.size(); ++e) losses += (e ? ", " : "") + json_float(epoch_losses[e]);
+    std::printf(
+        "{\"train_loss\": %.6g, \"test_accuracy\": %.6g, \"samples_per_s\": %.6g, \"devices\": [%s], \"trained_on\": "
+        "\"%s\", "
+        "\"epochs\": %d, \"steps\": %lld, \"parameters\": %lld, \"precision\": \"%s\", \"skipped_steps\": %lld, "
+        "\"epoch_losses\": [%s], \"processes\": %d}\n",
+        std::isnan(epoch_loss) ? -1.0 : epoch_loss, std::isnan(accuracy) ? -1.0 : accuracy, samples_per_s,
+        devices.c_str(), trained_on.c_str(), o.epochs, static_cast<long long>(state.step),
+        static_cast<long long>(dp.replica(0).parameter_count()), o.precision.c_str(),
+        static_cast<long long>(scaler != nullptr ? scaler->skipped() : 0), losses.c_str(), world.processes);
   } else {
     std::printf("final: train loss %.4f, test accuracy %.4f, %.0f samples/s on %s\n", epoch_loss, accuracy, samples_per_s, trained_on.c_str());
   }

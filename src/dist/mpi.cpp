@@ -715,6 +715,7 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
         });
   }
   ~ProcessCommunicator() override { shut_down(); }
+  [[nodiscard]] int first_rank() const noexcept override { return first_; }
 
  protected:
   [[nodiscard]] bool drives(int rank) const noexcept override { return rank >= first_ && rank < first_ + local_; }

@@ -1,5 +1,7 @@
-// The world's device list: lookups, and the world of a job of one process.
+// The world's device list: lookups, the communicator factory for executors, and the world of a job
+// of one process.
 #include <string>
+#include <utility>
 
 #include <mgpu/core/error.hpp>
 #include <mgpu/dist/dist.hpp>
@@ -28,6 +30,12 @@ int World::local_size(int p) const {
   int count = 0;
   for (WorldDevice const& d : devices) count += d.process == p ? 1 : 0;
   return count;
+}
+
+std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> communicator_factory(World world) {
+  return [world = std::move(world)](DeviceGroup& group, comm::Options options) {
+    return make_communicator(world, group, options);
+  };
 }
 
 namespace detail {

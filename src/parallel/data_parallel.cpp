@@ -2,9 +2,8 @@
 // from measured compute time, recovery from a failed step, and the check that replicas agree. The
 // gradient sync (buckets, their reduces and the sharded update) is gradient_sync.cpp, the
 // checkpoint records data_parallel_checkpoint.cpp.
-#include <mgpu/parallel/data_parallel.hpp>
-
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <exception>
@@ -14,6 +13,7 @@
 #include <mgpu/core/error.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/ops.hpp>
+#include <mgpu/parallel/data_parallel.hpp>
 #include <mgpu/sched/live.hpp>
 #include <mgpu/sched/planning.hpp>
 
@@ -47,11 +47,64 @@ void check_batch(nn::Sequential const& model, DType compute, Tensor const& x, Te
   loss.check_values(output, targets, what);
 }
 
+// 64-bit values as pairs of 32-bit words, for all_gather_words.
+template <class T>
+void append_words(std::vector<std::int32_t>& words, T value) {
+  static_assert(sizeof(T) == 8);
+  std::int32_t halves[2];
+  std::memcpy(halves, &value, sizeof value);
+  words.insert(words.end(), halves, halves + 2);
+}
+template <class T>
+T read_words(std::vector<std::int32_t> const& words, std::size_t at) {
+  static_assert(sizeof(T) == 8);
+  T value;
+  std::memcpy(&value, words.data() + at, sizeof value);
+  return value;
+}
+
 }  // namespace
 
 std::vector<optim::Optimizer*> DataParallel::Impl::optimizers() const {
   std::vector<optim::Optimizer*> all;
   for (auto const& st : state) all.push_back(st->optimizer.get());
+  return all;
+}
+
+bool DataParallel::Impl::across_processes() const {
+  return sync->communicator().size() != static_cast<int>(ranks.size());
+}
+
+void DataParallel::Impl::check_one_process(std::string const& what) const {
+  if (across_processes())
+    throw Error(Errc::invalid_argument, what +
+                                            " on an executor across processes (expected one process: not built yet "
+                                            "across processes)");
+}
+
+std::vector<std::int32_t> DataParallel::Impl::all_gather_words(std::vector<std::vector<std::int32_t>> const& words) {
+  comm::Communicator& comm = sync->communicator();
+  int const first = comm.first_rank();
+  auto const k = static_cast<std::int64_t>(words.front().size());
+  std::int64_t const total = k * comm.size();
+  Allocator& host = mgpu::detail::host_staging_allocator();
+  std::vector<Tensor> staged, sends, recvs;
+  // Carried as float32 (what communicators take), whose all_gather copies the bits as they are.
+  for (std::size_t r = 0; r < words.size(); ++r) {
+    staged.push_back(Tensor::empty({total}, DType::float32, host));
+    std::memcpy(staged.back().data(), words[r].data(), words[r].size() * sizeof(std::int32_t));
+    sends.push_back(Tensor::empty({k}, DType::float32, group->allocator(static_cast<int>(r))));
+    recvs.push_back(Tensor::empty({total}, DType::float32, group->allocator(static_cast<int>(r))));
+  }
+  group->run([&](int rank, Device, Stream& stream) {
+    auto const r = static_cast<std::size_t>(rank);
+    copy_async(sends[r], staged[r].slice(0, k), stream);
+    comm.all_gather(first + rank, sends[r], recvs[r], stream);
+    copy_async(staged[r], recvs[r], stream);
+  });
+  group->synchronize();
+  std::vector<std::int32_t> all(static_cast<std::size_t>(total));
+  std::memcpy(all.data(), staged[0].data(), all.size() * sizeof(std::int32_t));
   return all;
 }
 
@@ -71,6 +124,10 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
                 "DataParallel: clip_norm " + std::to_string(options.clip_norm) + " (expected 0 for no clipping, or a finite norm > 0)");
   if (!make_optimizer)
     throw Error(Errc::invalid_argument, "DataParallel without an optimizer factory (expected a function that makes an optimizer)");
+  if (options.request && options.make_communicator)
+    throw Error(Errc::invalid_argument,
+                "DataParallel: a request with make_communicator (expected one of them: a communicator "
+                "across processes spans every device of every process)");
 
   // Which ranks: the scheduler's choice for the request, else all of them.
   sched::NodeState const node = sched::node_state(group);
@@ -134,12 +191,20 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
     if (im.options.accumulation_steps > 1) st.accumulator = ops::zeros({model.parameter_count()}, ctx.allocator, ctx.stream);
   }
   im.group->synchronize();
-  if (n > 1) {
-    std::vector<std::uint64_t> const rng = im.state[0]->model.rng_state();
+  comm::Communicator& comm = im.sync->communicator();
+  if (comm.size() > 1) {
+    std::vector<std::uint64_t> rng = im.state[0]->model.rng_state();
+    if (im.across_processes()) {  // world rank 0's RNG state
+      std::vector<std::int32_t> words;
+      for (std::uint64_t const v : rng) append_words(words, v);
+      std::vector<std::int32_t> const all =
+          im.all_gather_words(std::vector<std::vector<std::int32_t>>(im.state.size(), words));
+      for (std::size_t i = 0; i < rng.size(); ++i) rng[i] = read_words<std::uint64_t>(all, 2 * i);
+    }
     for (auto& st : im.state) st->model.set_rng_state(rng);
     im.group->run([&](int rank, Device, Stream& stream) {
       nn::Sequential& replica = im.state[static_cast<std::size_t>(rank)]->model;
-      im.sync->communicator().broadcast(rank, replica.master_parameters(), 0, stream);
+      comm.broadcast(comm.first_rank() + rank, replica.master_parameters(), 0, stream);
       replica.sync_parameters(stream);
     });
 #ifndef NDEBUG
@@ -189,12 +254,45 @@ DataParallel::Impl::ShardPlan DataParallel::Impl::plan_shards(std::int64_t rows)
   return plan;
 }
 
+void DataParallel::Impl::share_counts(ShardPlan& plan, std::int64_t units) {
+  std::vector<std::vector<std::int32_t>> words(ranks.size());
+  for (std::size_t r = 0; r < ranks.size(); ++r) {
+    append_words(words[r], plan.rows[r]);
+    append_words(words[r], r == 0 ? units : std::int64_t{0});
+  }
+  std::vector<std::int32_t> const all = all_gather_words(words);
+  auto const first = static_cast<std::size_t>(sync->communicator().first_rank());
+  std::int64_t rows = 0;
+  std::int64_t total_units = 0;
+  for (std::size_t w = 0; 4 * w < all.size(); ++w) {
+    if (w >= first && w - first < ranks.size()) plan.offsets[w - first] = rows;
+    rows += read_words<std::int64_t>(all, 4 * w);
+    total_units += read_words<std::int64_t>(all, 4 * w + 2);
+  }
+  plan.global_rows = rows;
+  plan.global_units = std::max<std::int64_t>(1, total_units);
+}
+
+std::vector<float> DataParallel::Impl::loss_shares(std::vector<nn::StepResult> const& results) {
+  std::vector<float> shares;
+  for (std::size_t r = 0; r < results.size(); ++r)
+    shares.push_back(ops::item(results[r].loss, group->stream(static_cast<int>(r))));
+  if (!across_processes()) return shares;
+  std::vector<std::vector<std::int32_t>> words(ranks.size());
+  for (std::size_t r = 0; r < ranks.size(); ++r) words[r].push_back(std::bit_cast<std::int32_t>(shares[r]));
+  std::vector<std::int32_t> const all = all_gather_words(words);
+  shares.clear();
+  for (std::int32_t const w : all) shares.push_back(std::bit_cast<float>(w));
+  return shares;
+}
+
 // Every used rank's train_step on its shard, at once; the gradient sync joins them when
 // there is more than one rank or a comm hook.
 std::vector<nn::StepResult> DataParallel::Impl::run_ranks(ShardPlan const& plan, std::vector<Tensor> const& xs, std::vector<Tensor> const& ys,
                                                           float lr_scale, bool accumulate_only) {
   int const k = options.accumulation_steps;
-  bool const synced = ranks.size() > 1 || options.comm_hook;
+  bool const synced = sync->communicator().size() > 1 || options.comm_hook;
+  int const first = sync->communicator().first_rank();
   std::vector<nn::StepResult> results(ranks.size());
   group->run([&](int rank, Device, Stream& stream) {
     auto const r = static_cast<std::size_t>(rank);
@@ -211,7 +309,7 @@ std::vector<nn::StepResult> DataParallel::Impl::run_ranks(ShardPlan const& plan,
     step.accumulate_only = accumulate_only;
     step.sync = synced ? &rank_sync : nullptr;
     step.timeline = options.timeline.get();
-    step.rank = ranks[r];
+    step.rank = first + ranks[r];
     st.start.record(stream);
     try {
       results[r] = nn::train_step(st.model, *st.optimizer, xs[r], ys[r], *options.loss, ctx, step);
@@ -262,12 +360,17 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
   im.check_usable("DataParallel::step");
   nn::Loss const& loss_fn = *im.options.loss;
   check_batch(im.state[0]->model, im.options.compute, x, labels, loss_fn, "DataParallel::step");
-  if (x.dim(0) < 1) throw Error(Errc::invalid_argument, "DataParallel::step: an empty batch (expected at least one row)");
+  // Across processes a process may have no rows of a global batch: its ranks contribute zero gradients.
+  if (x.dim(0) < 1 && !im.across_processes())
+    throw Error(Errc::invalid_argument, "DataParallel::step: an empty batch (expected at least one row)");
   if (!(lr_scale >= 0 && std::isfinite(lr_scale)))
     throw Error(Errc::invalid_argument, "DataParallel::step: lr_scale " + std::to_string(lr_scale) + " (expected a finite lr_scale >= 0)");
   Impl::ShardPlan plan = im.plan_shards(x.dim(0));
-  // The loss's divisor: the counted units of the global batch (a shard's loss is its share of the mean).
-  plan.global_units = std::max<std::int64_t>(1, loss_fn.count(labels, im.group->stream(0)));
+  // The loss's divisor: the counted units of the global batch (a shard's loss is its share of the
+  // mean); across processes the sum of every process's, which share_counts() exchanges.
+  std::int64_t const units = loss_fn.count(labels, im.group->stream(0));
+  bool const across = im.across_processes();
+  plan.global_units = std::max<std::int64_t>(1, units);
   int const k = im.options.accumulation_steps;
   bool const accumulate_only = k > 1 && (im.micro_steps + 1) % k != 0;
 
@@ -279,14 +382,18 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
   }
 
   int const n = static_cast<int>(im.ranks.size());
+  int const world = im.sync->communicator().size();
   Impl::Before before{im.state[0]->model.rng_state(), im.state[0]->optimizer->steps(), {}};
   if (im.state[0]->scaler) before.scaler = im.state[0]->scaler->state();
   im.sync->start_step();
   // With one device and no hook the update runs inside backward where no reduce marks it.
-  bool const unobserved_updates = !accumulate_only && n == 1 && !im.options.comm_hook;
+  bool const unobserved_updates = !accumulate_only && world == 1 && !im.options.comm_hook;
   std::vector<nn::StepResult> results;
+  std::vector<float> shares;
   try {
+    if (across) im.share_counts(plan, units);
     results = im.run_ranks(plan, xs, ys, lr_scale, accumulate_only);
+    shares = im.loss_shares(results);
   } catch (...) {
     im.recover(std::current_exception(), before, unobserved_updates);
   }
@@ -295,12 +402,12 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
   DataParallelResult result;
   result.rows = plan.rows;
   result.applied = results[0].applied;
-  bool const synced = (n > 1 || im.options.comm_hook) && !accumulate_only;
+  bool const synced = (world > 1 || im.options.comm_hook) && !accumulate_only;
   double loss = 0;
+  for (float const share : shares) loss += static_cast<double>(share);
   for (int r = 0; r < n; ++r) {
     auto const i = static_cast<std::size_t>(r);
     detail::RankSync const& rank_sync = im.sync->rank(r);
-    loss += static_cast<double>(ops::item(results[i].loss, im.group->stream(r)));
     result.compute_ms.push_back(Event::elapsed_ms(im.state[i]->start, synced ? rank_sync.backward_end() : im.state[i]->stop));
     bool const waited = synced && im.group->device(r).kind == DeviceKind::host;
     result.wait_ms.push_back(waited ? rank_sync.wait_ms() : 0.0);
@@ -330,7 +437,9 @@ void DataParallel::Impl::check_usable(std::string const& what) const {
 }
 
 void DataParallel::Impl::recover(std::exception_ptr failure, Before const& before, bool unobserved_updates) {
-  bool changed = unobserved_updates;
+  // Across processes the communicator cannot be made again while a peer may be gone.
+  bool const across = across_processes();
+  bool changed = unobserved_updates || across;
   try {
     for (int r = 0; r < static_cast<int>(state.size()); ++r) {
       detail::RankSync& rank_sync = sync->rank(r);
@@ -342,7 +451,7 @@ void DataParallel::Impl::recover(std::exception_ptr failure, Before const& befor
       }
       changed = changed || rank_sync.reduced();
     }
-    sync->renew_communicator();  // the failure aborted the old one
+    if (!across) sync->renew_communicator();  // the failure aborted the old one
     if (!changed) {
       for (std::size_t r = 0; r < state.size(); ++r) {
         Rank& st = *state[r];
@@ -365,8 +474,13 @@ void DataParallel::Impl::recover(std::exception_ptr failure, Before const& befor
       cause = e.what();
     } catch (...) {  // only the message is wanted here; the failure itself is rethrown below
     }
-    broken = "the executor cannot be used after a step failed once updates had begun, leaving the replicas partly updated "
-             "(expected load() of a checkpoint first); the step failed with " + cause;
+    broken =
+        across ? "the executor cannot be used after a step failed across processes, whose communicator cannot be made "
+                 "again while a peer may be gone (expected a new job); the step failed with " +
+                     cause
+               : "the executor cannot be used after a step failed once updates had begun, leaving the replicas partly "
+                 "updated (expected load() of a checkpoint first); the step failed with " +
+                     cause;
   }
   std::rethrow_exception(failure);
 }

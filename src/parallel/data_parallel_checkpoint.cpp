@@ -141,6 +141,7 @@ void DataParallel::Impl::restore_state(Saved const& saved) {
 
 void DataParallel::save(std::filesystem::path const& path, io::TrainingState const& state) {
   Impl& im = *impl_;
+  im.check_one_process("DataParallel::save");
   im.check_usable("DataParallel::save");
   im.sync->synchronize();
   im.group->synchronize();
@@ -152,6 +153,7 @@ void DataParallel::save(std::filesystem::path const& path, io::TrainingState con
 
 io::TrainingState DataParallel::load(std::filesystem::path const& path) {
   Impl& im = *impl_;
+  im.check_one_process("DataParallel::load");
   im.sync->synchronize();
   im.group->synchronize();
   io::Checkpoint const checkpoint = io::Checkpoint::load(path);

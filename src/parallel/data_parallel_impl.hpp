@@ -45,6 +45,13 @@ struct DataParallel::Impl {
   std::string broken;
   void check_usable(std::string const& what) const;
 
+  // Whether the communicator spans other processes' ranks too (see DataParallel's "Across processes").
+  [[nodiscard]] bool across_processes() const;
+  // Throws Error(invalid_argument) naming `what` when the executor spans processes.
+  void check_one_process(std::string const& what) const;
+  // Every used rank's `words` (as many on every rank), from every process, in communicator rank order.
+  std::vector<std::int32_t> all_gather_words(std::vector<std::vector<std::int32_t>> const& words);
+
   // What a step changes before its first collective completes, put back when it fails before then.
   struct Before {
     std::vector<std::uint64_t> rng;
@@ -55,8 +62,13 @@ struct DataParallel::Impl {
 
   // The steps of step(), in order.
   [[nodiscard]] ShardPlan plan_shards(std::int64_t rows) const;
+  // Across processes: the plan's offsets in the world's global batch and its units (`units`: this
+  // process's), from every rank's row count and every process's units.
+  void share_counts(ShardPlan& plan, std::int64_t units);
   std::vector<nn::StepResult> run_ranks(ShardPlan const& plan, std::vector<Tensor> const& xs, std::vector<Tensor> const& ys, float lr_scale,
                                         bool accumulate_only);
+  // Each rank's share of the step's loss: every rank of the world's, in rank order.
+  std::vector<float> loss_shares(std::vector<nn::StepResult> const& results);
   void rebalance(ShardPlan const& plan, std::vector<double> const& compute_ms);
   [[nodiscard]] std::vector<optim::Optimizer*> optimizers() const;
 

@@ -226,7 +226,8 @@ void RankSync::gather_updated(Stream& compute) {
   sync_.state_scattered_.store(true, std::memory_order_relaxed);
 }
 
-GradientSync::GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, DataParallelOptions const& options, std::vector<int> trace_ranks)
+GradientSync::GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, DataParallelOptions const& options,
+                           std::vector<int> trace_ranks)
     : group_(group),
       buckets_(std::move(buckets)),
       blocks_(buckets_.size(), 0),
@@ -235,9 +236,25 @@ GradientSync::GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, Data
       hook_(options.comm_hook),
       timeline_(options.timeline),
       comm_options_(options.comm),
-      trace_ranks_(std::move(trace_ranks)),
-      comm_(comm::make_communicator(group, comm_options_)) {
+      make_communicator_(options.make_communicator),
+      comm_(make_comm()) {
   int const n = comm_->size();
+  int const first = comm_->first_rank();
+  if (n != group_.size()) {  // across processes
+    if (hook_)
+      throw Error(Errc::invalid_argument,
+                  "DataParallel: the comm hook " + hook_->name() +
+                      " across processes (expected none: comm hooks run within one process for now)");
+    if (deterministic_ && comm_->backend() != comm::Backend::host)
+      throw Error(Errc::invalid_argument, "DataParallel: deterministic mode across processes on the " +
+                                              std::string(comm::to_string(comm_->backend())) +
+                                              " backend (expected the host backend)");
+  }
+  // Indexed by communicator rank, as the ranks' syncs are: this process's entries name its used ranks.
+  trace_ranks_.resize(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) trace_ranks_[static_cast<std::size_t>(r)] = r;
+  for (std::size_t l = 0; l < trace_ranks.size(); ++l)
+    trace_ranks_[static_cast<std::size_t>(first) + l] = first + trace_ranks[l];
   if (options.shard_update && n > 1) {
     for (std::size_t b = 0; b < buckets_.size(); ++b) blocks_[b] = buckets_[b].size() / n;
   }
@@ -249,11 +266,16 @@ GradientSync::GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, Data
 }
 
 void GradientSync::add_rank(nn::Sequential& model) {
-  int const rank = static_cast<int>(ranks_.size());
-  ranks_.push_back(std::make_unique<RankSync>(*this, rank, model, group_.make_stream(rank)));
+  int const local = static_cast<int>(ranks_.size());
+  ranks_.push_back(std::make_unique<RankSync>(*this, comm_->first_rank() + local, model, group_.make_stream(local)));
 }
 
-void GradientSync::renew_communicator() { comm_ = comm::make_communicator(group_, comm_options_); }
+std::unique_ptr<comm::Communicator> GradientSync::make_comm() {
+  return make_communicator_ ? make_communicator_(group_, comm_options_)
+                            : comm::make_communicator(group_, comm_options_);
+}
+
+void GradientSync::renew_communicator() { comm_ = make_comm(); }
 
 void GradientSync::start_step() noexcept {
   for (auto const& r : ranks_) r->reduced_.store(false, std::memory_order_relaxed);
@@ -266,8 +288,9 @@ void GradientSync::synchronize() {
 void GradientSync::gather_optimizer_state(std::vector<optim::Optimizer*> const& optimizers) {
   if (!state_scattered_.load(std::memory_order_relaxed)) return;
   int const n = comm_->size();
-  group_.run([&](int rank, Device, Stream& stream) {
-    for (auto const& named : optimizers[static_cast<std::size_t>(rank)]->state()) {
+  group_.run([&](int local, Device, Stream& stream) {
+    int const rank = comm_->first_rank() + local;
+    for (auto const& named : optimizers[static_cast<std::size_t>(local)]->state()) {
       for (std::size_t b = 0; b < buckets_.size(); ++b) {
         std::int64_t const block = blocks_[b];
         if (block == 0) continue;

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -33,7 +34,8 @@ class GradientSync;
 
 /// One rank's side of the sync, given to classification_step: counts the layers backward reports
 /// and launches a bucket on the rank's communication stream once its first (lowest) layer is
-/// written, or, without overlap, every bucket from finish(). Used from the rank's thread only.
+/// written, or, without overlap, every bucket from finish(). Used from the rank's thread only. Its
+/// `rank` is the communicator's: across processes the world rank (first_rank() + the group rank).
 class RankSync final : public nn::GradientSync {
  public:
   RankSync(detail::GradientSync& sync, int rank, nn::Sequential& model, Stream comm_stream);
@@ -85,13 +87,15 @@ class GradientSync {
  public:
   /// `buckets` as plan_buckets makes them; `group` holds the used ranks, whose indices in the group
   /// the executor was given are `trace_ranks` (their names on the timeline). Makes the communicator
-  /// and attaches the comm hook.
+  /// (options.make_communicator's, else comm::make_communicator's) and attaches the comm hook;
+  /// refuses, across processes, a comm hook and deterministic mode on a backend other than host.
   GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, DataParallelOptions const& options, std::vector<int> trace_ranks);
   GradientSync(GradientSync const&) = delete;
   GradientSync& operator=(GradientSync const&) = delete;
 
   /// Adds the next rank's sync, reducing `model`'s gradients on a new communication stream.
   void add_rank(nn::Sequential& model);
+  /// The sync of the group's rank `rank`.
   [[nodiscard]] RankSync& rank(int rank) { return *ranks_.at(static_cast<std::size_t>(rank)); }
   [[nodiscard]] std::vector<Bucket> const& buckets() const noexcept { return buckets_; }
   [[nodiscard]] comm::Communicator& communicator() noexcept { return *comm_; }
@@ -129,7 +133,9 @@ class GradientSync {
   std::shared_ptr<CommHook> hook_;
   std::shared_ptr<trace::Timeline> timeline_;
   comm::Options comm_options_;
-  std::vector<int> trace_ranks_;
+  std::vector<int> trace_ranks_;  // per communicator rank
+  std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> make_communicator_;
+  std::unique_ptr<comm::Communicator> make_comm();
   std::unique_ptr<comm::Communicator> comm_;  // before ranks_, whose streams run collectives on it
   std::vector<std::unique_ptr<RankSync>> ranks_;
   std::atomic<bool> state_scattered_{false};  // some optimizer state is current only in its owner's blocks

@@ -5,6 +5,11 @@
 //                                    processes against float64 references that each process computes
 //                                    from every rank's inputs; sends and receives across processes;
 //                                    the world's device list. Exit status 0 when every check passed.
+//   mpi_dist data_parallel COUNTS    parallel::DataParallel across the processes (each its own
+//                                    rows of the global batch) against a DataParallel over as many
+//                                    devices in one process, which every process runs itself:
+//                                    bucketed, overlapped or not, sharded update or not, with
+//                                    dropout or clipping; bitwise with one device per process.
 //   mpi_dist stall COUNTS PROCESS    one all_reduce, then PROCESS stalls while the others start a
 //                                    second one with a 3 s deadline: they must fail naming it.
 //   mpi_dist exit COUNTS PROCESS     the same, but PROCESS exits (status 3) instead.
@@ -16,12 +21,17 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <memory>
+#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <mgpu/dist/dist.hpp>
+#include <mgpu/nn/layers.hpp>
+#include <mgpu/optim/optim.hpp>
+#include <mgpu/parallel/data_parallel.hpp>
 
 using mgpu::DType;
 using mgpu::Tensor;
@@ -366,11 +376,112 @@ void test_world(mgpu::dist::World const& world, std::vector<int> const& counts, 
   EXPECT(world.size() == rank, "world size " << world.size());
 }
 
+// A small MLP, with dropout (whose mask follows each row's place in the global batch) when asked.
+mgpu::nn::Sequential dp_model(bool dropout) {
+  mgpu::nn::Sequential model;
+  model.add(std::make_unique<mgpu::nn::Linear>(6, 16));
+  model.add(std::make_unique<mgpu::nn::ReLU>());
+  if (dropout) model.add(std::make_unique<mgpu::nn::Dropout>(0.25f));
+  model.add(std::make_unique<mgpu::nn::Linear>(16, 12));
+  model.add(std::make_unique<mgpu::nn::ReLU>());
+  model.add(std::make_unique<mgpu::nn::Linear>(12, 4));
+  return model;
+}
+
+std::vector<float> host_values(Tensor const& t, mgpu::Stream& stream) {
+  std::shared_ptr<mgpu::Allocator> const host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  Tensor const copy = Tensor::empty(t.shape(), t.dtype(), *host);
+  mgpu::copy_async(copy, t, stream);
+  stream.synchronize();
+  auto const span = copy.host_span<float>();
+  return {span.begin(), span.end()};
+}
+
+// DataParallel across the processes, each passing its rows of every global batch (those of its
+// ranks in the reference's even split, so that every rank's shard is the same), against the
+// reference over world.size() devices of this process.
+void test_data_parallel(Setup const& s) {
+  std::shared_ptr<mgpu::Allocator> host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  std::int64_t const rows = 29;  // uneven shards
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0, 1);
+  std::vector<Tensor> xs, ys;
+  for (int b = 0; b < 3; ++b) {
+    xs.push_back(Tensor::empty({rows, 6}, DType::float32, *host));
+    for (float& v : xs.back().host_span<float>()) v = normal(rng);
+    ys.push_back(Tensor::empty({rows}, DType::float32, *host));
+    for (float& v : ys.back().host_span<float>()) v = static_cast<float>(rng() % 4);
+  }
+  std::vector<std::int64_t> const shards = mgpu::shard_sizes(rows, s.size());
+  std::int64_t begin = 0;
+  for (int r = 0; r < s.rank(0); ++r) begin += shards[static_cast<std::size_t>(r)];
+  std::int64_t end = begin;
+  for (int l = 0; l < s.local(); ++l) end += shards[static_cast<std::size_t>(s.rank(l))];
+  bool const one_each = s.world.processes == s.size();
+  struct Config {
+    bool overlap, shard_update, dropout;
+    float clip_norm;  // the sharded update then sums each rank's squares over the world
+  };
+  for (Config const c : {Config{true, true, false, 0}, Config{false, true, true, 0}, Config{true, false, true, 0},
+                         Config{true, true, false, 0.5f}}) {
+    std::string const what = std::string("data_parallel overlap ") + (c.overlap ? "on" : "off") + ", sharded update " +
+                             (c.shard_update ? "on" : "off") + (c.dropout ? ", dropout" : "") +
+                             (c.clip_norm > 0 ? ", clipping" : "");
+    mgpu::parallel::DataParallelOptions options;
+    options.bucket_cap_bytes = options.first_bucket_cap_bytes = 4;  // a bucket per layer
+    options.overlap = c.overlap;
+    options.shard_update = c.shard_update;
+    options.clip_norm = c.clip_norm;
+    options.comm.timeout = 60s;
+    mgpu::optim::AdamW const adamw(mgpu::optim::AdamWOptions{.lr = 0.01f});
+    mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
+    mgpu::parallel::DataParallel reference(dp_model(c.dropout), one, adamw, options);
+    options.make_communicator = mgpu::dist::communicator_factory(s.world);
+    mgpu::parallel::DataParallel dp(dp_model(c.dropout), s.group, adamw, options);
+    EXPECT(dp.buckets().size() == 3, what << ": " << dp.buckets().size() << " buckets (expected 3)");
+    for (std::size_t b = 0; b < xs.size(); ++b) {
+      float const expected = reference.step(xs[b], ys[b]).loss;
+      mgpu::parallel::DataParallelResult const got = dp.step(xs[b].slice(begin, end), ys[b].slice(begin, end));
+      EXPECT(one_each ? got.loss == expected : std::abs(got.loss - expected) <= 1e-5f * std::abs(expected),
+             what << ": step " << b << " loss " << got.loss << " (expected " << expected << ")");
+      for (int l = 0; l < s.local(); ++l)
+        EXPECT(got.rows[static_cast<std::size_t>(l)] == shards[static_cast<std::size_t>(s.rank(l))],
+               what << ": rank " << s.rank(l) << " had " << got.rows[static_cast<std::size_t>(l)] << " rows");
+    }
+    std::vector<float> const want = host_values(reference.replica(0).master_parameters(), one.stream(0));
+    for (int l = 0; l < s.local(); ++l) {
+      std::vector<float> const have = host_values(dp.replica(l).master_parameters(), s.group.stream(l));
+      double worst = 0;
+      bool bitwise = have.size() == want.size();
+      for (std::size_t i = 0; bitwise && i < have.size(); ++i) {
+        bitwise = std::memcmp(&have[i], &want[i], sizeof(float)) == 0;
+      }
+      for (std::size_t i = 0; i < std::min(have.size(), want.size()); ++i)
+        worst = std::max(worst, std::abs(static_cast<double>(have[i]) - want[i]) / (1 + std::abs(want[i])));
+      EXPECT(one_each ? bitwise : worst <= 1e-5, what << ": rank " << s.rank(l)
+                                                      << "'s parameters differ from one process's by " << worst
+                                                      << (one_each ? " (expected the same bits)" : ""));
+    }
+  }
+  // Not yet across processes: refused with the reason.
+  mgpu::parallel::DataParallelOptions options;
+  options.make_communicator = mgpu::dist::communicator_factory(s.world);
+  options.comm_hook = std::make_shared<mgpu::parallel::Bf16Compression>();
+  try {
+    mgpu::parallel::DataParallel dp(dp_model(false), s.group, mgpu::optim::SGD(mgpu::optim::SgdOptions{}), options);
+    EXPECT(false, "a comm hook across processes was accepted");
+  } catch (mgpu::Error const& e) {
+    EXPECT(e.category() == mgpu::Errc::invalid_argument &&
+               std::string(e.what()).find("across processes") != std::string::npos,
+           "a comm hook across processes: " << e.what());
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: mpi_dist collectives|stall|exit|mismatch COUNTS [PROCESS]\n");
+    std::fprintf(stderr, "usage: mpi_dist collectives|data_parallel|stall|exit|mismatch COUNTS [PROCESS]\n");
     return 2;
   }
   std::string const mode = argv[1];
@@ -399,6 +510,12 @@ int main(int argc, char** argv) {
     auto comm = mgpu::dist::make_communicator(world, group, {.timeout = 60s});
     EXPECT(comm->size() == world.size(), "communicator size " << comm->size());
     Setup const s{world, group, *comm};
+    if (mode == "data_parallel") {
+      test_data_parallel(s);
+      comm->finalize();
+      std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
+      return failures == 0 ? 0 : 1;
+    }
     if (mode == "collectives") {
       int seed = 1;
       for (DType dtype : {DType::float32, DType::bfloat16, DType::float16}) {

@@ -67,6 +67,10 @@ class Communicator {
   [[nodiscard]] virtual int size() const noexcept = 0;
   [[nodiscard]] virtual Backend backend() const noexcept = 0;
   [[nodiscard]] virtual std::chrono::milliseconds timeout() const noexcept = 0;
+  /// The rank of the group's rank 0: the calling process drives ranks first_rank() to first_rank()
+  /// + its group's size - 1. 0 within one process; across processes (dist::make_communicator) the
+  /// world rank of this process's first device.
+  [[nodiscard]] virtual int first_rank() const noexcept { return 0; }
 
   /// recv = op over ranks of send. send and recv have the same numel and dtype; recv may be send.
   virtual void all_reduce(int rank, Tensor const& send, Tensor const& recv, ReduceOp op, Stream& stream) = 0;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -135,5 +136,10 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout = s
 /// communicator. Throws Error(invalid_argument) for other devices or a non-host device.
 std::unique_ptr<comm::Communicator> make_communicator(World const& world, DeviceGroup& group,
                                                       comm::Options options = {});
+
+/// make_communicator(world, group, options) as a function of the group and options, for an executor
+/// to make (and remake) its communicator across processes: parallel::DataParallelOptions's
+/// make_communicator.
+std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> communicator_factory(World world);
 
 }  // namespace mgpu::dist

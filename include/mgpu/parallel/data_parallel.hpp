@@ -140,13 +140,16 @@ struct DataParallelOptions {
   /// loss and gradients are the global batch's mean whatever the shard sizes.
   std::shared_ptr<nn::Loss const> loss{};
   comm::Options comm{};
+  /// Makes the communicator from the used ranks' group and `comm` (empty: comm::make_communicator).
+  /// Across processes, dist::communicator_factory(world): see "Across processes" at DataParallel.
+  std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> make_communicator{};
   /// Where every rank's actions are recorded when enabled (nullptr: no timeline).
   std::shared_ptr<trace::Timeline> timeline{};
 };
 
-/// What one step did.
+/// What one step did (across processes: `loss` is the world's, the per-rank lists this process's).
 struct DataParallelResult {
-  /// The global batch's mean loss (the sum of the shards' shares of it).
+  /// The global batch's mean loss (the sum of the shards' shares of it, in rank order).
   float loss = 0;
   /// True when the optimizer was applied (false while accumulating, or when the loss scaler
   /// skipped an overflowing step).
@@ -174,6 +177,22 @@ struct DataParallelResult {
 /// may have begun on some ranks), and for any failure of an applying step with one device and no
 /// comm hook (whose update runs unobserved inside backward), the executor cannot be used: step()
 /// and save() throw Error(invalid_argument) saying so with the step's error, until load().
+///
+/// Across processes (mgpu::dist), as PyTorch's DistributedDataParallel: every process makes its
+/// own DataParallel over its own DeviceGroup, with make_communicator = dist::communicator_factory(
+/// dist::make_world(group)), and calls step() with its own part of the global batch (e.g. rows
+/// split among the processes by their device counts), which it shards over its own devices. The
+/// buckets, overlap and sharded update run over the world's ranks; the loss and gradients are the
+/// mean over the whole global batch, however unevenly its rows are split (each step first
+/// exchanges every rank's row and unit counts), and step()'s loss is the world's. Replicas start
+/// from world rank 0's weights and RNG state. Shard weights, rebalancing, ranks(), replica() and
+/// verify_replicas() concern this process's devices: rows move between processes only as the
+/// caller splits them. A process may pass no rows of a step's global batch (its ranks' gradients
+/// are then zero), but it must call step(), and with the sharded update optimizer() too (it
+/// gathers the state from every rank). Not yet across processes (Error(invalid_argument) at
+/// construction or call): a request, a comm hook, save() and load(). A failed step leaves the
+/// executor unusable (the communicator across processes cannot be made again while a peer may be
+/// gone): the job ends.
 class DataParallel {
  public:
   /// `model` gives the architecture (and, when materialized, the starting weights); `optimizer`
