@@ -28,6 +28,7 @@
 #include <mgpu/ops/transformer.hpp>
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
+#include <mgpu/parallel/tensor_parallel.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
 #include <mgpu/pipeline/schedule.hpp>
 #include <mgpu/cluster/cluster.hpp>

@@ -1,0 +1,408 @@
+// TensorParallelBlock, tensor_parallel_gpt and the TensorParallel executor.
+#include <mgpu/parallel/tensor_parallel.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include <mgpu/core/error.hpp>
+#include <mgpu/nn/loss.hpp>
+#include <mgpu/nn/train.hpp>
+#include <mgpu/nn/transformer.hpp>
+#include <mgpu/ops/ops.hpp>
+#include <mgpu/ops/transformer.hpp>
+
+namespace mgpu::parallel {
+namespace {
+
+std::string block_text(std::int64_t features, std::int64_t heads, int ranks) {
+  return "TensorParallelBlock(" + std::to_string(features) + " features, " + std::to_string(heads) + " heads, " +
+         std::to_string(ranks) + " ranks)";
+}
+
+int checked_ranks(std::int64_t features, std::int64_t heads, comm::Communicator const* comm, int rank) {
+  if (comm == nullptr)
+    throw Error(Errc::invalid_argument, "TensorParallelBlock without a communicator (expected the tensor-parallel group's)");
+  int const ranks = comm->size();
+  if (heads < 1 || features % heads != 0 || heads % ranks != 0)
+    throw Error(Errc::invalid_argument, block_text(features, heads, ranks) +
+                                            " (expected heads dividing the features and the ranks dividing the heads)");
+  if (rank < 0 || rank >= ranks)
+    throw Error(Errc::invalid_argument, block_text(features, heads, ranks) + " for rank " + std::to_string(rank) +
+                                            " (expected a rank in [0, " + std::to_string(ranks) + "))");
+  return ranks;
+}
+
+void check_activation(std::string const& layer, Shape const& shape, std::int64_t features) {
+  if (shape.size() != 3 || shape[2] != features)
+    throw Error(Errc::invalid_argument, layer + ": input of shape " + to_string(shape) + " (expected [B, T, " +
+                                            std::to_string(features) + "])");
+}
+
+// x [B, T, K] (this rank's part of the inputs) times W [K, C], summed over the ranks, plus b [C].
+Tensor row_parallel_forward(Tensor const& x, Tensor const& w, Tensor const& b, comm::Communicator& comm, int rank,
+                            nn::Context& ctx) {
+  std::int64_t const rows = x.dim(0) * x.dim(1);
+  Tensor y = Tensor::empty({x.dim(0), x.dim(1), w.dim(1)}, x.dtype(), ctx.allocator, ctx.stream);
+  Tensor const y2 = y.reshape({rows, w.dim(1)});
+  ops::gemm(x.reshape({rows, w.dim(0)}), false, w, false, y2, 1.0f, 0.0f, ctx.stream);
+  comm.all_reduce(rank, y, y, ReduceOp::sum, ctx.stream);
+  ops::add_bias(y2, b, ctx.stream);
+  return y;
+}
+
+// The gradients of row_parallel_forward: db and dW (written, or added with accumulate_gradients)
+// and the input gradient dy Wᵀ [B, T, K]. dy is the same on every rank.
+Tensor row_parallel_backward(Tensor const& x, Tensor const& dy, Tensor const& w, Tensor const& dw, Tensor const& db,
+                             nn::Context& ctx) {
+  std::int64_t const rows = x.dim(0) * x.dim(1);
+  Tensor const dy2 = dy.reshape({rows, w.dim(1)});
+  ops::bias_grad(dy2, db, ctx.stream, ctx.accumulate_gradients);
+  ops::gemm(x.reshape({rows, w.dim(0)}), true, dy2, false, dw, 1.0f, ctx.accumulate_gradients ? 1.0f : 0.0f,
+            ctx.stream);
+  Tensor dx = Tensor::empty(x.shape(), x.dtype(), ctx.allocator, ctx.stream);
+  ops::gemm(dy2, false, w, true, dx.reshape({rows, w.dim(0)}), 1.0f, 0.0f, ctx.stream);
+  return dx;
+}
+
+}  // namespace
+
+TensorParallelBlock::TensorParallelBlock(std::int64_t features, std::int64_t heads,
+                                         std::shared_ptr<comm::Communicator> comm, int rank, float proj_init_std)
+    : features_(features),
+      heads_(heads),
+      comm_(std::move(comm)),
+      rank_(rank),
+      ranks_(checked_ranks(features, heads, comm_.get(), rank)),
+      proj_init_std_(proj_init_std),
+      ln1_(features),
+      ln2_(features),
+      qkv_(features, 3 * features / ranks_),
+      fc_(features, 4 * features / ranks_) {}
+
+std::string TensorParallelBlock::name() const {
+  return "TensorParallelBlock(" + std::to_string(features_) + ", heads " + std::to_string(heads_) + ", rank " +
+         std::to_string(rank_) + " of " + std::to_string(ranks_) + ")";
+}
+
+std::int64_t TensorParallelBlock::parameter_count() const {
+  std::int64_t const c = features_, part = features_ / ranks_;
+  return ln1_.parameter_count() + qkv_.parameter_count() + part * c + c + ln2_.parameter_count() +
+         fc_.parameter_count() + 4 * part * c + c;
+}
+
+std::vector<std::pair<std::int64_t, std::int64_t>> TensorParallelBlock::matrix_ranges() const {
+  std::int64_t const c = features_, part = features_ / ranks_;
+  std::int64_t const qkv = 2 * c, attn = qkv + qkv_.parameter_count(), fc = attn + part * c + 3 * c,
+                     mlp = fc + fc_.parameter_count();
+  return {{qkv, qkv + c * 3 * part}, {attn, attn + part * c}, {fc, fc + c * 4 * part}, {mlp, mlp + 4 * part * c}};
+}
+
+std::vector<std::pair<std::int64_t, std::int64_t>> TensorParallelBlock::split_ranges() const {
+  std::int64_t const c = features_, part = features_ / ranks_;
+  std::int64_t const qkv = 2 * c, fc = qkv + qkv_.parameter_count() + part * c + 3 * c;
+  // qkv W and b with the attention projection's rows; mlp_fc W and b with mlp_proj's rows.
+  return {{qkv, qkv + qkv_.parameter_count() + part * c}, {fc, fc + fc_.parameter_count() + 4 * part * c}};
+}
+
+void TensorParallelBlock::bind(Tensor const& params, Tensor const& grads) {
+  std::int64_t const c = features_, part = features_ / ranks_;
+  params_ = params;
+  std::int64_t offset = 0;
+  auto const take = [&](std::int64_t n, Shape shape, Tensor& p, Tensor& g) {
+    p = params.slice(offset, offset + n).reshape(shape);
+    g = grads.slice(offset, offset + n).reshape(shape);
+    offset += n;
+  };
+  auto const layer = [&](nn::Layer& l) {
+    std::int64_t const end = offset + l.parameter_count();
+    l.bind(params.slice(offset, end), grads.slice(offset, end));
+    offset = end;
+  };
+  layer(ln1_);
+  layer(qkv_);
+  take(part * c, {part, c}, attn_w_, dattn_w_);
+  take(c, {c}, attn_b_, dattn_b_);
+  layer(ln2_);
+  layer(fc_);
+  take(4 * part * c, {4 * part, c}, mlp_w_, dmlp_w_);
+  take(c, {c}, mlp_b_, dmlp_b_);
+}
+
+void TensorParallelBlock::copy_shard(std::span<float> whole, std::span<float> shard, bool to_shard) const {
+  std::int64_t const c = features_;
+  nn::TransformerBlock const reference(features_, heads_, 0.0f, proj_init_std_);
+  if (whole.size() != static_cast<std::size_t>(reference.parameter_count()) ||
+      shard.size() != static_cast<std::size_t>(parameter_count()))
+    throw Error(Errc::invalid_argument, name() + ".copy_shard: " + std::to_string(whole.size()) + " and " +
+                                            std::to_string(shard.size()) + " elements (expected " +
+                                            std::to_string(reference.parameter_count()) + " and " +
+                                            std::to_string(parameter_count()) + ")");
+  std::size_t w = 0, s = 0;  // cursors into whole and shard
+  auto const move = [&](std::size_t whole_at, std::size_t shard_at) {
+    if (to_shard) {
+      shard[shard_at] = whole[whole_at];
+    } else {
+      whole[whole_at] = shard[shard_at];
+    }
+  };
+  auto const same = [&](std::int64_t n) {
+    for (std::int64_t i = 0; i < n; ++i) move(w + static_cast<std::size_t>(i), s + static_cast<std::size_t>(i));
+    w += static_cast<std::size_t>(n);
+    s += static_cast<std::size_t>(n);
+  };
+  // rows x cols of the whole, cut into `groups` equal column groups; the shard holds this rank's
+  // 1/ranks of each group's columns.
+  auto const columns = [&](std::int64_t rows, std::int64_t cols, std::int64_t groups) {
+    std::int64_t const group = cols / groups, own = group / ranks_, shard_cols = groups * own;
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t j = 0; j < shard_cols; ++j)
+        move(w + static_cast<std::size_t>(r * cols + (j / own) * group + rank_ * own + j % own),
+             s + static_cast<std::size_t>(r * shard_cols + j));
+    w += static_cast<std::size_t>(rows * cols);
+    s += static_cast<std::size_t>(rows * shard_cols);
+  };
+  // This rank's 1/ranks of the rows of rows x cols (contiguous).
+  auto const own_rows = [&](std::int64_t rows, std::int64_t cols) {
+    std::int64_t const own = rows / ranks_;
+    for (std::int64_t i = 0; i < own * cols; ++i)
+      move(w + static_cast<std::size_t>(rank_ * own * cols + i), s + static_cast<std::size_t>(i));
+    w += static_cast<std::size_t>(rows * cols);
+    s += static_cast<std::size_t>(own * cols);
+  };
+  same(2 * c);               // ln_1
+  columns(c, 3 * c, 3);      // qkv W: this rank's heads of q, of k and of v
+  columns(1, 3 * c, 3);      // qkv b
+  own_rows(c, c);            // attention projection W
+  same(c + 2 * c);           // its bias, ln_2
+  columns(c, 4 * c, 1);      // mlp_fc W
+  columns(1, 4 * c, 1);      // mlp_fc b
+  own_rows(4 * c, c);        // mlp_proj W
+  same(c);                   // its bias
+}
+
+void TensorParallelBlock::initialize(std::mt19937_64& rng) {
+  // The whole block's weights, drawn as nn::TransformerBlock draws them, then this rank's shard.
+  auto const host = Allocator::create({DeviceKind::host, 0});
+  nn::TransformerBlock whole(features_, heads_, 0.0f, proj_init_std_);
+  Tensor const params = Tensor::empty({whole.parameter_count()}, DType::float32, *host);
+  Tensor const grads = Tensor::empty({whole.parameter_count()}, DType::float32, *host);
+  whole.bind(params, grads);
+  whole.initialize(rng);
+  copy_shard(params.host_span<float>(), params_.host_span<float>(), true);
+}
+
+Tensor TensorParallelBlock::forward(Tensor const& x, nn::Context& ctx) {
+  check_activation(name(), x.shape(), features_);
+  std::int64_t const batch = x.dim(0), t = x.dim(1), part = features_ / ranks_;
+  // h = x + attn(LN1(x)): the column-parallel qkv takes the replicated LN1(x) (f: identity).
+  Tensor const qkv = qkv_.forward(ln1_.forward(x, ctx), ctx);  // [B, T, 3 C/T]: this rank's heads
+  Tensor y = Tensor::empty({batch, t, part}, x.dtype(), ctx.allocator, ctx.stream);
+  Tensor lse = Tensor::empty({batch, heads_ / ranks_, t}, DType::float32, ctx.allocator, ctx.stream);
+  ops::causal_attention(qkv, y, lse, heads_ / ranks_, ctx.stream);
+  Tensor const h = row_parallel_forward(y, attn_w_, attn_b_, *comm_, rank_, ctx);  // g: all-reduce
+  ops::add_scaled(h, x, 1.0f, ctx.stream);
+  // y = h + MLP(LN2(h)), the same split.
+  Tensor const u = fc_.forward(ln2_.forward(h, ctx), ctx, ops::ActivationKind::gelu);  // [B, T, 4 C/T]
+  Tensor const m = row_parallel_forward(u, mlp_w_, mlp_b_, *comm_, rank_, ctx);
+  ops::add_scaled(m, h, 1.0f, ctx.stream);
+  saved_[ctx.micro_batch] = Saved{qkv, y, lse, u};
+  return m;
+}
+
+Tensor TensorParallelBlock::backward(Tensor const& dy, nn::Context& ctx) {
+  auto const it = saved_.find(ctx.micro_batch);
+  if (it == saved_.end())
+    throw Error(Errc::invalid_argument, name() + ".backward for micro-batch " + std::to_string(ctx.micro_batch) +
+                                            " (expected a forward of that micro-batch whose backward has not run)");
+  Saved const s = std::move(it->second);
+  saved_.erase(it);
+  // MLP branch: this rank's part of LN2's output gradient, summed over the ranks (f's backward).
+  Tensor const du = row_parallel_backward(s.mlp_in, dy, mlp_w_, dmlp_w_, dmlp_b_, ctx);
+  Tensor const dln2 = fc_.backward(du, ctx);
+  comm_->all_reduce(rank_, dln2, dln2, ReduceOp::sum, ctx.stream);
+  Tensor const dh = ln2_.backward(dln2, ctx);
+  ops::add_scaled(dh, dy, 1.0f, ctx.stream);
+  // Attention branch, the same way.
+  Tensor const dattn = row_parallel_backward(s.y, dh, attn_w_, dattn_w_, dattn_b_, ctx);
+  Tensor dqkv = Tensor::empty(s.qkv.shape(), s.qkv.dtype(), ctx.allocator, ctx.stream);
+  ops::causal_attention_backward(s.qkv, s.y, s.lse, dattn, dqkv, heads_ / ranks_, ctx.stream);
+  Tensor const dln1 = qkv_.backward(dqkv, ctx);
+  comm_->all_reduce(rank_, dln1, dln1, ReduceOp::sum, ctx.stream);
+  Tensor const dx = ln1_.backward(dln1, ctx);
+  ops::add_scaled(dx, dh, 1.0f, ctx.stream);
+  return dx;
+}
+
+Shape TensorParallelBlock::output_shape(Shape const& input) const {
+  check_activation(name(), input, features_);
+  return input;
+}
+
+nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<comm::Communicator> comm, int rank) {
+  nn::Sequential const whole = nn::gpt(config);  // checks the config
+  if (config.dropout != 0.0f)
+    throw Error(Errc::invalid_argument, "tensor_parallel_gpt: dropout " + std::to_string(config.dropout) +
+                                            " (expected 0: dropout is not supported with tensor parallelism yet)");
+  int const ranks = comm != nullptr ? comm->size() : 0;
+  if (ranks < 1 || config.n_head % ranks != 0)
+    throw Error(Errc::invalid_argument, "tensor_parallel_gpt: " + std::to_string(config.n_head) + " heads over " +
+                                            std::to_string(ranks) +
+                                            " tensor-parallel ranks (expected a group size dividing n_head)");
+  float const proj_std = 0.02f / std::sqrt(2.0f * static_cast<float>(config.n_layer));
+  nn::Sequential model;
+  model.add(std::make_unique<nn::Embedding>(config.vocab, config.block_size, config.n_embd));
+  model.add(std::make_unique<nn::Dropout>(0.0f));
+  for (std::int64_t l = 0; l < config.n_layer; ++l)
+    model.add(std::make_unique<TensorParallelBlock>(config.n_embd, config.n_head, comm, rank, proj_std));
+  model.add(std::make_unique<nn::LayerNorm>(config.n_embd));
+  model.add(std::make_unique<nn::TiedLMHead>(config.vocab, config.n_embd));
+  return model;
+}
+
+namespace {
+
+// Nothing to reduce between backward and the update (the blocks' all-reduces leave every gradient
+// complete on its rank); for apply_update, the rank's whole buffer as owned ranges, split ranges
+// counted on every rank and replicated ones on rank 0 only, and sums over the ranks by all-reduce.
+class TensorParallelSync final : public nn::GradientSync {
+ public:
+  TensorParallelSync(nn::Sequential const& shard, comm::Communicator& comm, int rank) : comm_(comm), rank_(rank) {
+    for (nn::ParameterRange const& range : shard.parameter_ranges()) {
+      std::int64_t at = range.begin;
+      if (auto const* block = dynamic_cast<TensorParallelBlock const*>(&shard.layer(range.layer))) {
+        for (auto const& [begin, end] : block->split_ranges()) {
+          owned_.push_back({at, range.begin + begin, rank == 0});
+          owned_.push_back({range.begin + begin, range.begin + end, true});
+          at = range.begin + end;
+        }
+      }
+      owned_.push_back({at, range.end, rank == 0});
+    }
+  }
+  void begin(Stream& /*compute*/, nn::RangeUpdate update) override { update_ = std::move(update); }
+  void ready(nn::ParameterRange const& range, Stream& compute) override {
+    if (update_) update_(range.begin, range.end, compute);
+  }
+  void finish(Stream& /*compute*/) override {}
+  std::vector<nn::OwnedRange> owned() const override { return owned_; }
+  void sum_over_ranks(Tensor const& values, Stream& compute) override {
+    comm_.all_reduce(rank_, values, values, ReduceOp::sum, compute);
+  }
+
+ private:
+  comm::Communicator& comm_;
+  int rank_;
+  std::vector<nn::OwnedRange> owned_;
+  nn::RangeUpdate update_;
+};
+
+}  // namespace
+
+struct TensorParallel::Impl {
+  DeviceGroup* group = nullptr;
+  nn::GptConfig config;
+  TensorParallelOptions options;
+  std::shared_ptr<comm::Communicator> comm;
+  std::vector<nn::Sequential> shards;
+  std::vector<std::unique_ptr<optim::Optimizer>> optimizers;
+  std::vector<std::unique_ptr<TensorParallelSync>> syncs;
+  nn::TokenCrossEntropy loss;
+};
+
+TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, TensorParallelOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& im = *impl_;
+  if (!options.adamw.decay_ranges.empty())
+    throw Error(Errc::invalid_argument, "TensorParallel: AdamW with " + std::to_string(options.adamw.decay_ranges.size()) +
+                                            " decay ranges (expected none: each rank decays its shard's 2-D weights)");
+  if (!(options.clip_norm == 0 || (options.clip_norm > 0 && std::isfinite(options.clip_norm))))
+    throw Error(Errc::invalid_argument, "TensorParallel: clip_norm " + std::to_string(options.clip_norm) +
+                                            " (expected 0 for no clipping, or a finite norm > 0)");
+  im.group = &group;
+  im.config = config;
+  im.options = std::move(options);
+  im.comm = comm::make_communicator(group);
+  for (int r = 0; r < group.size(); ++r) {
+    im.shards.push_back(tensor_parallel_gpt(config, im.comm, r));
+    if (im.options.optimizer) {
+      im.optimizers.push_back(im.options.optimizer(im.shards.back()));
+    } else {
+      optim::AdamWOptions adamw = im.options.adamw;
+      adamw.decay_ranges = im.shards.back().matrix_ranges();
+      im.optimizers.push_back(std::make_unique<optim::AdamW>(adamw));
+    }
+    im.syncs.push_back(std::make_unique<TensorParallelSync>(im.shards.back(), *im.comm, r));
+  }
+  group.run([&](int rank, Device /*device*/, Stream& stream) {
+    nn::Context ctx{group.allocator(rank), stream};
+    im.shards[static_cast<std::size_t>(rank)].materialize(ctx, im.options.seed);
+  });
+}
+
+TensorParallel::~TensorParallel() = default;
+
+int TensorParallel::size() const noexcept { return impl_->group->size(); }
+
+nn::Sequential& TensorParallel::shard(int rank) { return impl_->shards.at(static_cast<std::size_t>(rank)); }
+
+TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const& targets, float lr_scale) {
+  Impl& im = *impl_;
+  Shape const output = im.shards[0].output_shape(ids.shape());
+  im.loss.check(output, targets, "TensorParallel::step");
+  im.loss.check_values(output, targets, "TensorParallel::step");
+  std::int64_t const units = im.loss.count(targets, im.group->stream(0));
+  StepResult result;
+  im.group->run([&](int rank, Device device, Stream& stream) {
+    Allocator& allocator = im.group->allocator(rank);
+    auto const local = [&](Tensor const& t) {
+      if (t.device() == device) return t;
+      Tensor copy = Tensor::empty(t.shape(), t.dtype(), allocator);
+      copy_async(copy, t, stream);
+      return copy;
+    };
+    auto const r = static_cast<std::size_t>(rank);
+    nn::Context ctx{allocator, stream};
+    nn::StepResult const step =
+        nn::train_step(im.shards[r], *im.optimizers[r], local(ids), local(targets), im.loss, ctx,
+                       {.lr_scale = lr_scale, .clip_norm = im.options.clip_norm, .global_units = units,
+                        .sync = im.syncs[r].get(), .rank = rank});
+    if (rank == 0) {
+      result.loss = ops::item(step.loss, stream);
+      result.applied = step.applied;
+    }
+  });
+  return result;
+}
+
+std::vector<float> TensorParallel::gather_parameters() {
+  Impl& im = *impl_;
+  nn::Sequential const whole_model = nn::gpt(im.config);
+  std::vector<nn::ParameterRange> const whole_ranges = whole_model.parameter_ranges();
+  std::vector<float> whole(static_cast<std::size_t>(whole_model.parameter_count()));
+  auto const host = Allocator::create({DeviceKind::host, 0});
+  // Rank 0 last, so the replicated parameters are its.
+  for (int rank = size() - 1; rank >= 0; --rank) {
+    nn::Sequential const& shard = im.shards[static_cast<std::size_t>(rank)];
+    Tensor const params = Tensor::empty({shard.parameter_count()}, DType::float32, *host);
+    Stream& stream = im.group->stream(rank);
+    copy_async(params, shard.master_parameters(), stream);
+    stream.synchronize();
+    std::vector<nn::ParameterRange> const ranges = shard.parameter_ranges();
+    auto const from = params.host_span<float>();
+    for (std::size_t i = 0; i < ranges.size(); ++i) {
+      nn::ParameterRange const& s = ranges[i];
+      nn::ParameterRange const& w = whole_ranges[i];
+      auto const dst = std::span<float>(whole).subspan(static_cast<std::size_t>(w.begin), static_cast<std::size_t>(w.size()));
+      auto const src = from.subspan(static_cast<std::size_t>(s.begin), static_cast<std::size_t>(s.size()));
+      if (auto const* block = dynamic_cast<TensorParallelBlock const*>(&shard.layer(s.layer))) {
+        block->copy_shard(dst, src, false);
+      } else {
+        std::copy(src.begin(), src.end(), dst.begin());
+      }
+    }
+  }
+  return whole;
+}
+
+}  // namespace mgpu::parallel
