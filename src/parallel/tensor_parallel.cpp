@@ -375,10 +375,27 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
   return result;
 }
 
+namespace {
+
+// Calls fn(whole layer span, shard layer span, block or nullptr) for each layer with parameters.
+template <typename Fn>
+void for_each_layer(nn::Sequential const& shard, std::span<float> params, std::vector<nn::ParameterRange> const& whole_ranges,
+                    std::span<float> whole, Fn&& fn) {
+  std::vector<nn::ParameterRange> const ranges = shard.parameter_ranges();
+  for (std::size_t i = 0; i < ranges.size(); ++i) {
+    nn::ParameterRange const& s = ranges[i];
+    nn::ParameterRange const& w = whole_ranges[i];
+    fn(whole.subspan(static_cast<std::size_t>(w.begin), static_cast<std::size_t>(w.size())),
+       params.subspan(static_cast<std::size_t>(s.begin), static_cast<std::size_t>(s.size())),
+       dynamic_cast<TensorParallelBlock const*>(&shard.layer(s.layer)));
+  }
+}
+
+}  // namespace
+
 std::vector<float> TensorParallel::gather_parameters() {
   Impl& im = *impl_;
   nn::Sequential const whole_model = nn::gpt(im.config);
-  std::vector<nn::ParameterRange> const whole_ranges = whole_model.parameter_ranges();
   std::vector<float> whole(static_cast<std::size_t>(whole_model.parameter_count()));
   auto const host = Allocator::create({DeviceKind::host, 0});
   // Rank 0 last, so the replicated parameters are its.
@@ -388,21 +405,43 @@ std::vector<float> TensorParallel::gather_parameters() {
     Stream& stream = im.group->stream(rank);
     copy_async(params, shard.master_parameters(), stream);
     stream.synchronize();
-    std::vector<nn::ParameterRange> const ranges = shard.parameter_ranges();
-    auto const from = params.host_span<float>();
-    for (std::size_t i = 0; i < ranges.size(); ++i) {
-      nn::ParameterRange const& s = ranges[i];
-      nn::ParameterRange const& w = whole_ranges[i];
-      auto const dst = std::span<float>(whole).subspan(static_cast<std::size_t>(w.begin), static_cast<std::size_t>(w.size()));
-      auto const src = from.subspan(static_cast<std::size_t>(s.begin), static_cast<std::size_t>(s.size()));
-      if (auto const* block = dynamic_cast<TensorParallelBlock const*>(&shard.layer(s.layer))) {
-        block->copy_shard(dst, src, false);
-      } else {
-        std::copy(src.begin(), src.end(), dst.begin());
-      }
-    }
+    for_each_layer(shard, params.host_span<float>(), whole_model.parameter_ranges(), whole,
+                   [](std::span<float> w, std::span<float> s, TensorParallelBlock const* block) {
+                     if (block != nullptr) {
+                       block->copy_shard(w, s, false);
+                     } else {
+                       std::copy(s.begin(), s.end(), w.begin());
+                     }
+                   });
   }
   return whole;
+}
+
+void TensorParallel::scatter_parameters(std::span<float const> values) {
+  Impl& im = *impl_;
+  nn::Sequential const whole_model = nn::gpt(im.config);
+  if (values.size() != static_cast<std::size_t>(whole_model.parameter_count()))
+    throw Error(Errc::invalid_argument, "TensorParallel::scatter_parameters: " + std::to_string(values.size()) +
+                                            " values (expected gpt(config)'s " +
+                                            std::to_string(whole_model.parameter_count()) + ")");
+  std::vector<float> whole(values.begin(), values.end());
+  auto const host = Allocator::create({DeviceKind::host, 0});
+  for (int rank = 0; rank < size(); ++rank) {
+    nn::Sequential& shard = im.shards[static_cast<std::size_t>(rank)];
+    Tensor const params = Tensor::empty({shard.parameter_count()}, DType::float32, *host);
+    for_each_layer(shard, params.host_span<float>(), whole_model.parameter_ranges(), whole,
+                   [](std::span<float> w, std::span<float> s, TensorParallelBlock const* block) {
+                     if (block != nullptr) {
+                       block->copy_shard(w, s, true);
+                     } else {
+                       std::copy(w.begin(), w.end(), s.begin());
+                     }
+                   });
+    Stream& stream = im.group->stream(rank);
+    copy_async(shard.master_parameters(), params, stream);
+    shard.sync_parameters(stream);
+    stream.synchronize();
+  }
 }
 
 }  // namespace mgpu::parallel

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -177,8 +178,9 @@ TEST_CASE("tensor-parallel clipping counts replicated parameters once and split 
   CHECK(worst_difference(tp.gather_parameters(), want) < 1e-6);
 }
 
-TEST_CASE("each tensor-parallel rank holds 1/T of the split matrices and the replicated rest",
+TEST_CASE("each tensor-parallel rank holds 1/T of the split matrices; scattered weights give their loss",
           "[parallel][tensor]") {
+  Env env;
   mgpu::DeviceGroup group("host:4");
   par::TensorParallel tp(group, config, {.seed = seed});
   std::int64_t const c = config.n_embd, v = config.vocab, p = config.block_size;
@@ -186,6 +188,21 @@ TEST_CASE("each tensor-parallel rank holds 1/T of the split matrices and the rep
   std::int64_t const replicated = (v + p) * c + config.n_layer * (2 * c + c + 2 * c + c) + 2 * c;
   for (int r = 0; r < 4; ++r) CHECK(tp.shard(r).parameter_count() == replicated + config.n_layer * split / 4);
   CHECK(nn::gpt(config).parameter_count() == replicated + config.n_layer * split);
+
+  // Another seed's weights scattered into the shards: gathered back unchanged, and the loss of
+  // the one-device model holding them.
+  nn::Sequential other = nn::gpt(config);
+  other.materialize(env.ctx, seed + 1);
+  std::vector<float> const weights = host_values(other.master_parameters());
+  tp.scatter_parameters(weights);
+  CHECK(tp.gather_parameters() == weights);
+  Batch const b = make_batch(env, 3);
+  mgpu::optim::SGD sgd({.lr = 0.0f});
+  double const want =
+      mgpu::ops::item(nn::train_step(other, sgd, b.ids, b.targets, nn::TokenCrossEntropy{}, env.ctx).loss, env.stream);
+  CHECK(tp.step(b.ids, b.targets, 0.0f).loss == Approx(want).epsilon(1e-6));
+  REQUIRE_MGPU_ERROR(tp.scatter_parameters(std::span<float const>(weights).first(10)), mgpu::Errc::invalid_argument,
+                     "10 values (expected gpt(config)'s");
 }
 
 TEST_CASE("a tensor-parallel split that does not divide the heads, or dropout, is refused", "[parallel][tensor]") {

@@ -127,6 +127,10 @@ class TensorParallel {
   /// The whole model's float32 parameters in gpt(config)'s flat layout, gathered from the shards
   /// (the replicated ones from rank 0). Synchronizes the ranks' streams.
   [[nodiscard]] std::vector<float> gather_parameters();
+  /// Sets every shard from the whole model's float32 parameters in gpt(config)'s flat layout (e.g.
+  /// weights loaded from a file). Synchronizes the ranks' streams. Throws Error(invalid_argument)
+  /// for another size.
+  void scatter_parameters(std::span<float const> whole);
   /// Rank r's shard (its flat buffers hold only its split matrices' part).
   [[nodiscard]] nn::Sequential& shard(int rank);
   [[nodiscard]] int size() const noexcept;
