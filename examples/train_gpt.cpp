@@ -24,12 +24,16 @@
 //     [--dp N]                  M micro-batches per step, N pipeline replicas (a data x pipeline
 //                               grid over K x N devices); the tied LM head's stage holds a copy of
 //                               wte kept equal to the first stage's
+//   --tp N                      parallel::TensorParallel: every transformer block split across N
+//                               devices (Megatron: MLP and attention heads), the embedding and LM
+//                               head replicated; fp32, not combined with --dp or a pipeline yet,
+//                               and without checkpoints
 // --recompute none|selective|full (nn::Recompute) trades memory for recomputed forward work in any
-// layout, the losses unchanged bit for bit.
-// Every layout gives the one-device losses within float32 rounding, and writes checkpoints in one
-// format, so a run may resume on another layout. --devices defaults to
-// host:(stages x dp). Evaluation, sampling and --save-llmc read a float32 copy of the whole model
-// (the stages' master weights, gathered before each use).
+// layout but --tp, the losses unchanged bit for bit.
+// Every layout gives the one-device losses within float32 rounding, and (but --tp) writes
+// checkpoints in one format, so a run may resume on another layout. --devices defaults to
+// host:(stages x dp), or host:N with --tp N. Evaluation, sampling and --save-llmc read a float32
+// copy of the whole model (the stages' or shards' master weights, gathered before each use).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -72,6 +76,7 @@ struct Options {
   std::string devices;  // empty: host:(stages x dp)
   std::string schedule;  // empty: data parallel (or one device), unless --stages > 1 (then 1f1b)
   int stages = 1, micro_batches = 1, dp = 1, chunks = 2;
+  int tp = 1;  // tensor-parallel ranks
   std::string trace;
   std::string precision = "fp32";
   std::string checkpoint;
@@ -159,6 +164,7 @@ struct Trainer {
   mgpu::parallel::DataParallel* parallel = nullptr;
   mgpu::pipeline::Executor* pipeline = nullptr;
   mgpu::trace::Timeline* timeline = nullptr;
+  mgpu::parallel::TensorParallel* tensor = nullptr;
   mgpu::nn::TokenCrossEntropy loss{};
 
   // ids and targets as host int32 tensors on this device.
@@ -174,6 +180,7 @@ struct Trainer {
   StepLoss train_step(mgpu::data::TokenBatch const& batch, float lr_scale) {
     if (parallel != nullptr) return {{}, parallel->step(batch.x, batch.y, lr_scale).loss};
     if (pipeline != nullptr) return {{}, pipeline->step(batch.x, batch.y, lr_scale)};
+    if (tensor != nullptr) return {{}, static_cast<float>(tensor->step(batch.x, batch.y, lr_scale).loss)};
     mgpu::nn::StepOptions const options{
         .lr_scale = lr_scale, .clip_norm = clip, .scaler = scaler ? &*scaler : nullptr, .timeline = timeline};
     return {mgpu::nn::train_step(model, optimizer, on_device(batch.x), on_device(batch.y), loss, ctx, options).loss};
@@ -209,6 +216,19 @@ void set_parameters(mgpu::nn::Sequential& model, std::vector<float> const& value
 void check_layout(Options const& o, bool pipelined, mgpu::DeviceGroup const& group) {
   auto const refuse = [](std::string const& what) { throw mgpu::Error(mgpu::Errc::invalid_argument, what); };
   auto const size = static_cast<int>(group.size());
+  if (o.tp > 1) {
+    if (pipelined || o.dp != 1)
+      refuse("--tp " + std::to_string(o.tp) + " with " + (pipelined ? "a pipeline" : "--dp " + std::to_string(o.dp)) +
+             " (expected tensor parallelism alone: --tp is not combined with data or pipeline parallelism yet)");
+    if (size != o.tp)
+      refuse("--devices " + o.devices + " has " + std::to_string(size) + " devices (expected --tp = " +
+             std::to_string(o.tp) + ")");
+    if (o.precision != "fp32" || !o.checkpoint.empty() || !o.trace.empty())
+      refuse("--tp " + std::to_string(o.tp) + " with --precision " + o.precision +
+             (o.checkpoint.empty() ? "" : ", --checkpoint") + (o.trace.empty() ? "" : ", --trace") +
+             " (expected fp32, and no checkpoint or trace: not supported with tensor parallelism yet)");
+    return;
+  }
   if (pipelined) {
     if (size != o.stages * o.dp)
       refuse("--devices " + o.devices + " has " + std::to_string(size) + " devices (expected --stages x --dp = " +
@@ -269,7 +289,7 @@ int run(Options o) {
   bool const terminal = ::isatty(STDERR_FILENO) != 0;
   bool const pipelined = !o.schedule.empty() || o.stages > 1;
   if (pipelined && o.schedule.empty()) o.schedule = "1f1b";
-  if (o.devices.empty()) o.devices = "host:" + std::to_string(pipelined ? o.stages * o.dp : o.dp);
+  if (o.devices.empty()) o.devices = "host:" + std::to_string(o.tp > 1 ? o.tp : pipelined ? o.stages * o.dp : o.dp);
   mgpu::DeviceGroup group(o.devices);
   check_layout(o, pipelined, group);
   mgpu::Device const device = group.device(0);
@@ -316,7 +336,7 @@ int run(Options o) {
   if (timeline) timeline->enable(false);  // the last step only
   // Several devices: replicas of `model` (weights broadcast from it), trained data parallel.
   std::unique_ptr<mgpu::parallel::DataParallel> parallel;
-  if (!pipelined && group.size() > 1) {
+  if (!pipelined && o.tp == 1 && group.size() > 1) {
     mgpu::parallel::DataParallelOptions options;
     options.seed = o.seed;
     options.compute = examples::precision(o.precision);
@@ -367,16 +387,27 @@ int run(Options o) {
                    plan.device[c], plan.cuts[c], plan.cuts[c + 1], flops * 1e-9, bytes / (1 << 20));
     }
   }
+  // Tensor parallel: the shards materialized from the seed (the model's weights), or --init-from's.
+  std::unique_ptr<mgpu::parallel::TensorParallel> tensor;
+  if (o.tp > 1) {
+    mgpu::optim::AdamWOptions options = adamw;
+    options.decay_ranges.clear();  // each shard decays its own 2-D weights
+    tensor = std::make_unique<mgpu::parallel::TensorParallel>(
+        group, config, mgpu::parallel::TensorParallelOptions{.seed = o.seed, .adamw = options, .clip_norm = o.clip});
+    if (init) tensor->scatter_parameters(host_parameters(model, stream));
+  }
   // What evaluation, checkpoints and sampling read: the one model, replica 0 on rank 0, or the
-  // whole model gathered from the pipeline's chunks.
+  // whole model gathered from the pipeline's chunks or the tensor-parallel shards.
   mgpu::nn::Sequential& net = parallel ? parallel->replica(0) : model;
   mgpu::optim::Optimizer& net_optimizer = parallel ? parallel->optimizer(0) : optimizer;
   mgpu::Stream& net_stream = parallel ? group.stream(0) : stream;
   mgpu::nn::Context net_ctx{parallel ? group.allocator(0) : *allocator, net_stream};
   Trainer trainer{net, net_optimizer, net_ctx, device, o.clip, std::nullopt, parallel.get(), pipeline.get(), timeline.get()};
+  trainer.tensor = tensor.get();
   if (o.precision == "fp16" && !parallel && !pipeline) trainer.scaler.emplace();
   auto const gather = [&] {
     if (pipeline) pipeline->gather_parameters(model, stream);
+    if (tensor) set_parameters(model, tensor->gather_parameters(), stream);
   };
   // One checkpoint format for every layout: a run may resume on another one.
   auto const save = [&](mgpu::io::TrainingState const& at) {
@@ -523,7 +554,7 @@ int run(Options o) {
   double const tokens_per_s =
       train_seconds > 0 ? static_cast<double>(trained_steps * o.batch_size * o.block_size) / train_seconds : 0.0;
   std::string devices, peaks;
-  bool const several = parallel || pipeline;
+  bool const several = parallel || pipeline || tensor;
   for (int r = 0; r < (several ? static_cast<int>(group.size()) : 1); ++r) {
     mgpu::Allocator const& a = several ? group.allocator(r) : *allocator;
     devices += std::string(r ? ", " : "") + "\"" + (several ? group.device(r) : device).to_string() + "\"";
@@ -533,12 +564,13 @@ int run(Options o) {
     std::printf(
         "{\"tokens_per_s\": %.6g, \"train_loss\": %.6g, \"val_loss\": %.6g, \"params\": %lld, \"devices\": [%s], "
         "\"iters\": %lld, \"peak_bytes\": [%s], \"precision\": \"%s\", \"eval_windows\": %lld, \"schedule\": \"%s\", "
-        "\"stages\": %d, \"micro_batches\": %d, \"dp\": %d, \"recompute\": \"%s\"}\n",
+        "\"stages\": %d, \"micro_batches\": %d, \"dp\": %d, \"recompute\": \"%s\", \"tp\": %d}\n",
         tokens_per_s, std::isnan(train_loss) ? -1.0 : train_loss, val_loss, static_cast<long long>(net.parameter_count()),
         devices.c_str(), static_cast<long long>(state.step), peaks.c_str(), o.precision.c_str(),
-        static_cast<long long>(eval_windows), pipeline ? pipeline->schedule().name.c_str() : parallel ? "data-parallel" : "none",
+        static_cast<long long>(eval_windows),
+        pipeline ? pipeline->schedule().name.c_str() : parallel ? "data-parallel" : tensor ? "tensor-parallel" : "none",
         pipeline ? o.stages : 1, pipeline ? pipeline->schedule().micro_batches : 1, parallel ? static_cast<int>(group.size()) : o.dp,
-        o.recompute.c_str());
+        o.recompute.c_str(), o.tp);
   } else {
     std::printf("final: train loss %.4f, val loss %.4f, %.0f tokens/s on %s\n", train_loss, val_loss, tokens_per_s,
                 o.devices.c_str());
@@ -608,6 +640,10 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--dp", o.dp, "data-parallel replicas (of the pipeline, with --schedule)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--tp", o.tp,
+                 "tensor-parallel devices: each transformer block split across them (n_head divisible by it)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--trace", o.trace, "write the last step's timeline (Chrome/Perfetto JSON) here");

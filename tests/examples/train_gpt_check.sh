@@ -5,9 +5,10 @@
 # gives the trained model's validation loss; --sample prints text; data parallel over host:2 and
 # host:3 (uneven shards of the 4 sequences) follows the one-device run's losses, and resumes; so
 # do the pipeline schedules (1F1B, interleaved, ZB-H1, GPipe, layer split) and a data x pipeline
-# grid, and resume (on their layout, and from a data-parallel checkpoint); --recompute selective
-# and full give the same losses in each kind of layout; --trace writes the last
-# step's timeline; bad flags fail with exit code 2 and a message. Usage: train_gpt_check.sh TRAIN_GPT TEXT_FILE DIR
+# grid, and resume (on their layout, and from a data-parallel checkpoint); so does tensor
+# parallelism (--tp 2), which also starts from an llm.c model file; --recompute selective and full
+# give the same losses in each kind of layout; --trace writes the last step's timeline; bad flags
+# fail with exit code 2 and a message. Usage: train_gpt_check.sh TRAIN_GPT TEXT_FILE DIR
 set -euo pipefail
 exe=$1
 text=$2
@@ -121,8 +122,19 @@ same "--recompute full on ${pp[*]}" "$dir/rc-pp.json" "$dir/pp1.json"
 same "--recompute selective on ${zb[*]}" "$dir/rc-zb.json" "$dir/zb.json"
 grep -q '"recompute": "none"' "$dir/full.json" || fail "no recompute none in: $(cat "$dir/full.json")"
 
+# Tensor parallel over host:2 (each block's heads and MLP split): the one-device losses within
+# float32 rounding; from the llm.c model file, the trained model's validation loss.
+"$exe" "${common[@]}" --iters 40 --tp 2 > "$dir/tp.json" 2> "$dir/tp.log"
+for key in train_loss val_loss; do
+  close "$(field $key "$dir/tp.json")" "$(field $key "$dir/full.json")" ||
+    fail "$key $(field $key "$dir/tp.json") with --tp 2 (expected $(field $key "$dir/full.json") as on one device)"
+done
+[ "$(field tp "$dir/tp.json")" = 2 ] || fail "tp in the JSON line: $(cat "$dir/tp.json")"
+"$exe" "${common[@]}" --tp 2 --init-from "$dir/model.bin" --eval-only > "$dir/tp-llmc.json" 2> /dev/null
+[ "$(field val_loss "$dir/tp-llmc.json")" = "$end" ] || fail "val loss $(field val_loss "$dir/tp-llmc.json") from --init-from with --tp 2 (expected $end)"
+
 # Refused: micro-batches without a pipeline, a layout that does not match the devices, --dp
-# other than the device count, a damaged model file, more validation windows than the data holds.
+# other than the device count, --tp not dividing the heads or with --dp, a damaged model file, more validation windows than the data holds.
 expect_error() {
   local message=$1
   shift
@@ -134,6 +146,8 @@ expect_error() {
 expect_error "--micro-batches 2 without a pipeline" "${common[@]}" --micro-batches 2
 expect_error "--devices host:3 has 3 devices (expected --stages x --dp = 4)" "${common[@]}" --stages 2 --dp 2 --devices host:3
 expect_error "--dp 3 with --devices host:2 (expected the number of devices, 2" "${common[@]}" --devices host:2 --dp 3
+expect_error "2 heads over 3 tensor-parallel ranks (expected a group size dividing n_head)" "${common[@]}" --tp 3
+expect_error "--tp 2 with --dp 2 (expected tensor parallelism alone" "${common[@]}" --tp 2 --dp 2
 head -c 2000 "$dir/model.bin" > "$dir/short.bin"
 expect_error "short.bin:byte 2000: truncated" "${common[@]}" --init-from "$dir/short.bin"
 expect_error "over 39996 windows (expected 1 to the" "${common[@]}" --eval-only --eval-iters 9999
