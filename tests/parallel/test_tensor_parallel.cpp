@@ -178,7 +178,7 @@ TEST_CASE("tensor-parallel clipping counts replicated parameters once and split 
   CHECK(worst_difference(tp.gather_parameters(), want) < 1e-6);
 }
 
-TEST_CASE("each tensor-parallel rank holds 1/T of the split matrices; scattered weights give their loss",
+TEST_CASE("each tensor-parallel rank holds 1/T of the split matrices, and scattered weights give their loss",
           "[parallel][tensor]") {
   Env env;
   mgpu::DeviceGroup group("host:4");
