@@ -35,7 +35,8 @@ namespace mgpu::parallel {
 /// initialize() draws the whole block's weights as nn::TransformerBlock does from the same rng and
 /// keeps this rank's shard, so shards materialized with a seed hold the 1-device model's weights.
 /// forward and backward enqueue all-reduces on ctx.stream: every rank must run the same calls in
-/// the same order (each on its own thread). float32 compute only.
+/// the same order (each on its own thread). TensorParallel trains it in float32 (16-bit compute is
+/// not tested yet).
 class TensorParallelBlock final : public nn::Layer {
  public:
   /// Throws Error(invalid_argument) unless heads divide features and the communicator's size
