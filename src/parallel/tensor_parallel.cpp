@@ -22,7 +22,8 @@ std::string block_text(std::int64_t features, std::int64_t heads, int ranks) {
 
 int checked_ranks(std::int64_t features, std::int64_t heads, comm::Communicator const* comm, int rank) {
   if (comm == nullptr)
-    throw Error(Errc::invalid_argument, "TensorParallelBlock without a communicator (expected the tensor-parallel group's)");
+    throw Error(Errc::invalid_argument,
+                "TensorParallelBlock without a communicator (expected the tensor-parallel group's)");
   int const ranks = comm->size();
   if (heads < 1 || features % heads != 0 || heads % ranks != 0)
     throw Error(Errc::invalid_argument, block_text(features, heads, ranks) +
@@ -170,15 +171,15 @@ void TensorParallelBlock::copy_shard(std::span<float> whole, std::span<float> sh
     w += static_cast<std::size_t>(rows * cols);
     s += static_cast<std::size_t>(own * cols);
   };
-  same(2 * c);               // ln_1
-  columns(c, 3 * c, 3);      // qkv W: this rank's heads of q, of k and of v
-  columns(1, 3 * c, 3);      // qkv b
-  own_rows(c, c);            // attention projection W
-  same(c + 2 * c);           // its bias, ln_2
-  columns(c, 4 * c, 1);      // mlp_fc W
-  columns(1, 4 * c, 1);      // mlp_fc b
-  own_rows(4 * c, c);        // mlp_proj W
-  same(c);                   // its bias
+  same(2 * c);           // ln_1
+  columns(c, 3 * c, 3);  // qkv W: this rank's heads of q, of k and of v
+  columns(1, 3 * c, 3);  // qkv b
+  own_rows(c, c);        // attention projection W
+  same(c + 2 * c);       // its bias, ln_2
+  columns(c, 4 * c, 1);  // mlp_fc W
+  columns(1, 4 * c, 1);  // mlp_fc b
+  own_rows(4 * c, c);    // mlp_proj W
+  same(c);               // its bias
 }
 
 void TensorParallelBlock::initialize(std::mt19937_64& rng) {
@@ -314,7 +315,8 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
     : impl_(std::make_unique<Impl>()) {
   Impl& im = *impl_;
   if (!options.adamw.decay_ranges.empty())
-    throw Error(Errc::invalid_argument, "TensorParallel: AdamW with " + std::to_string(options.adamw.decay_ranges.size()) +
+    throw Error(Errc::invalid_argument, "TensorParallel: AdamW with " +
+                                            std::to_string(options.adamw.decay_ranges.size()) +
                                             " decay ranges (expected none: each rank decays its shard's 2-D weights)");
   if (!(options.clip_norm == 0 || (options.clip_norm > 0 && std::isfinite(options.clip_norm))))
     throw Error(Errc::invalid_argument, "TensorParallel: clip_norm " + std::to_string(options.clip_norm) +
@@ -365,8 +367,11 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
     nn::Context ctx{allocator, stream};
     nn::StepResult const step =
         nn::train_step(im.shards[r], *im.optimizers[r], local(ids), local(targets), im.loss, ctx,
-                       {.lr_scale = lr_scale, .clip_norm = im.options.clip_norm, .global_units = units,
-                        .sync = im.syncs[r].get(), .rank = rank});
+                       {.lr_scale = lr_scale,
+                        .clip_norm = im.options.clip_norm,
+                        .global_units = units,
+                        .sync = im.syncs[r].get(),
+                        .rank = rank});
     if (rank == 0) {
       result.loss = ops::item(step.loss, stream);
       result.applied = step.applied;
@@ -379,8 +384,8 @@ namespace {
 
 // Calls fn(whole layer span, shard layer span, block or nullptr) for each layer with parameters.
 template <typename Fn>
-void for_each_layer(nn::Sequential const& shard, std::span<float> params, std::vector<nn::ParameterRange> const& whole_ranges,
-                    std::span<float> whole, Fn&& fn) {
+void for_each_layer(nn::Sequential const& shard, std::span<float> params,
+                    std::vector<nn::ParameterRange> const& whole_ranges, std::span<float> whole, Fn&& fn) {
   std::vector<nn::ParameterRange> const ranges = shard.parameter_ranges();
   for (std::size_t i = 0; i < ranges.size(); ++i) {
     nn::ParameterRange const& s = ranges[i];

@@ -50,7 +50,8 @@ Batch make_batch(Env& env, unsigned draw) {
   std::mt19937 rng(200 + draw);
   std::uniform_int_distribution<std::int32_t> start(0, static_cast<std::int32_t>(config.vocab) - 1);
   std::int64_t const t = config.block_size;
-  Batch b{Tensor::empty({batch, t}, DType::int32, *env.allocator), Tensor::empty({batch, t}, DType::int32, *env.allocator)};
+  Batch b{Tensor::empty({batch, t}, DType::int32, *env.allocator),
+          Tensor::empty({batch, t}, DType::int32, *env.allocator)};
   auto ids = b.ids.host_span<std::int32_t>();
   auto targets = b.targets.host_span<std::int32_t>();
   for (std::int64_t r = 0; r < batch; ++r) {
@@ -105,8 +106,8 @@ TEST_CASE("a tensor-parallel GPT trains as on one device over 2 and 4 ranks, cli
   nn::TokenCrossEntropy const loss;
   std::vector<double> want;
   for (Batch const& b : batches)
-    want.push_back(mgpu::ops::item(nn::train_step(model, opt, b.ids, b.targets, loss, env.ctx, {.clip_norm = clip}).loss,
-                                   env.stream));
+    want.push_back(mgpu::ops::item(
+        nn::train_step(model, opt, b.ids, b.targets, loss, env.ctx, {.clip_norm = clip}).loss, env.stream));
   REQUIRE(want.back() < 0.8 * want.front());  // it learns
   std::vector<float> const want_weights = host_values(model.master_parameters());
 
@@ -120,7 +121,8 @@ TEST_CASE("a tensor-parallel GPT trains as on one device over 2 and 4 ranks, cli
     CHECK(tp.gather_parameters() == host_values(fresh.master_parameters()));
     double worst = 0;
     for (int s = 0; s < steps; ++s) {
-      double const got = tp.step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets).loss;
+      double const got =
+          tp.step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets).loss;
       worst = std::max(worst, std::abs(got - want[static_cast<std::size_t>(s)]) / want[static_cast<std::size_t>(s)]);
     }
     CHECK(worst < 1e-5);
@@ -141,7 +143,8 @@ TEST_CASE("a tensor-parallel GPT trains as on one device over 2 and 4 ranks, cli
           bool const is_split =
               std::any_of(split.begin(), split.end(), [&](auto const& s) { return i >= s.first && i < s.second; });
           auto const k = static_cast<std::size_t>(range.begin + i);
-          if (!is_split && mine[k] != first[k]) FAIL("rank " << r << " element " << k << ": " << mine[k] << " != " << first[k]);
+          if (!is_split && mine[k] != first[k])
+            FAIL("rank " << r << " element " << k << ": " << mine[k] << " != " << first[k]);
         }
       }
     }
@@ -169,8 +172,10 @@ TEST_CASE("tensor-parallel gradients gathered from the shards are the one device
     std::vector<nn::ParameterRange> const ranges = shard.parameter_ranges();
     REQUIRE(ranges.size() == whole.size());
     for (std::size_t i = 0; i < ranges.size(); ++i) {
-      auto const dst = std::span<float>(got).subspan(static_cast<std::size_t>(whole[i].begin), static_cast<std::size_t>(whole[i].size()));
-      auto const src = std::span<float>(grads).subspan(static_cast<std::size_t>(ranges[i].begin), static_cast<std::size_t>(ranges[i].size()));
+      auto const dst = std::span<float>(got).subspan(static_cast<std::size_t>(whole[i].begin),
+                                                     static_cast<std::size_t>(whole[i].size()));
+      auto const src = std::span<float>(grads).subspan(static_cast<std::size_t>(ranges[i].begin),
+                                                       static_cast<std::size_t>(ranges[i].size()));
       if (auto const* block = dynamic_cast<par::TensorParallelBlock const*>(&shard.layer(ranges[i].layer))) {
         block->copy_shard(dst, src, false);
       } else {
@@ -210,9 +215,10 @@ TEST_CASE("tensor-parallel clipping counts replicated parameters once and split 
   mgpu::DeviceGroup group("host:2");
   par::TensorParallel tp(group, config,
                          {.seed = seed,
-                          .optimizer = [](nn::Sequential const&) {
-                            return std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 1.0f});
-                          },
+                          .optimizer =
+                              [](nn::Sequential const&) {
+                                return std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 1.0f});
+                              },
                           .clip_norm = sgd_clip});
   tp.step(b.ids, b.targets);
   CHECK(worst_difference(tp.gather_parameters(), want) < 1e-6);

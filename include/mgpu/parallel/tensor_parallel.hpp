@@ -67,17 +67,17 @@ class TensorParallelBlock final : public nn::Layer {
  private:
   struct Saved {
     Tensor qkv, y, lse;  // attention's (y: the attention projection's input)
-    Tensor mlp_in;  // mlp_proj's input
+    Tensor mlp_in;       // mlp_proj's input
   };
   std::int64_t features_, heads_;
   std::shared_ptr<comm::Communicator> comm_;
   int rank_, ranks_;
   float proj_init_std_;
   nn::LayerNorm ln1_, ln2_;
-  nn::Linear qkv_, fc_;  // column-parallel
-  Tensor params_;  // the bound parameters
+  nn::Linear qkv_, fc_;                         // column-parallel
+  Tensor params_;                               // the bound parameters
   Tensor attn_w_, attn_b_, dattn_w_, dattn_b_;  // row-parallel: W [C/T, C], b [C]
-  Tensor mlp_w_, mlp_b_, dmlp_w_, dmlp_b_;  // W [4C/T, C], b [C]
+  Tensor mlp_w_, mlp_b_, dmlp_w_, dmlp_b_;      // W [4C/T, C], b [C]
   std::map<std::int64_t, Saved> saved_;
 };
 
