@@ -245,6 +245,10 @@ nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<
   if (config.dropout != 0.0f)
     throw Error(Errc::invalid_argument, "tensor_parallel_gpt: dropout " + std::to_string(config.dropout) +
                                             " (expected 0: dropout is not supported with tensor parallelism yet)");
+  if (config.recompute != nn::Recompute::none)
+    throw Error(Errc::invalid_argument,
+                "tensor_parallel_gpt: recompute " + std::string(nn::to_string(config.recompute)) +
+                    " (expected none: recomputation is not supported with tensor parallelism yet)");
   int const ranks = comm != nullptr ? comm->size() : 0;
   if (ranks < 1 || config.n_head % ranks != 0)
     throw Error(Errc::invalid_argument, "tensor_parallel_gpt: " + std::to_string(config.n_head) + " heads over " +

@@ -18,6 +18,7 @@
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
 #include <mgpu/nn/train.hpp>
+#include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
@@ -251,7 +252,8 @@ TEST_CASE("each tensor-parallel rank holds 1/T of the split matrices, and scatte
                      "10 values (expected gpt(config)'s");
 }
 
-TEST_CASE("a tensor-parallel split that does not divide the heads, or dropout, is refused", "[parallel][tensor]") {
+TEST_CASE("a tensor-parallel split that does not divide the heads, dropout or recomputation is refused",
+          "[parallel][tensor]") {
   mgpu::DeviceGroup three("host:3");
   REQUIRE_MGPU_ERROR(par::TensorParallel(three, config), mgpu::Errc::invalid_argument,
                      "4 heads over 3 tensor-parallel ranks (expected a group size dividing n_head)");
@@ -260,6 +262,10 @@ TEST_CASE("a tensor-parallel split that does not divide the heads, or dropout, i
   with_dropout.dropout = 0.1f;
   REQUIRE_MGPU_ERROR(par::TensorParallel(two, with_dropout), mgpu::Errc::invalid_argument,
                      "(expected 0: dropout is not supported with tensor parallelism yet)");
+  nn::GptConfig recomputed = config;
+  recomputed.recompute = nn::Recompute::full;
+  REQUIRE_MGPU_ERROR(par::TensorParallel(two, recomputed), mgpu::Errc::invalid_argument,
+                     "recompute full (expected none: recomputation is not supported with tensor parallelism yet)");
   mgpu::optim::AdamWOptions decayed = adamw;
   decayed.decay_ranges = nn::gpt_decay_ranges(config);
   REQUIRE_MGPU_ERROR(par::TensorParallel(two, config, {.adamw = decayed}), mgpu::Errc::invalid_argument,

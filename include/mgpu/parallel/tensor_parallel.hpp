@@ -83,8 +83,8 @@ class TensorParallelBlock final : public nn::Layer {
 
 /// The shard of gpt(config) a tensor-parallel rank holds: Embedding, Dropout(0), n_layer
 /// TensorParallelBlocks, LayerNorm and the tied LM head (embedding and head replicated).
-/// Throws Error(invalid_argument) for a bad config, dropout other than 0 (not supported with
-/// tensor parallelism yet), or a group size that does not divide n_head.
+/// Throws Error(invalid_argument) for a bad config, dropout other than 0 or recompute other than
+/// none (not supported with tensor parallelism yet), or a group size that does not divide n_head.
 [[nodiscard]] nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<comm::Communicator> comm,
                                                  int rank);
 
