@@ -27,6 +27,7 @@ using mgpu::Errc;
 using mgpu::Tensor;
 using mgpu::test::as_double;
 using mgpu::test::Env;
+using mgpu::test::random_ids;
 using mgpu::test::Fixture;
 using mgpu::test::read_fixture;
 namespace nn = mgpu::nn;
@@ -37,14 +38,6 @@ namespace {
 Tensor ids_tensor(Env& env, mgpu::Shape shape, std::vector<std::int32_t> const& values) {
   Tensor t = Tensor::empty(std::move(shape), DType::int32, *env.allocator);
   std::copy(values.begin(), values.end(), t.host_span<std::int32_t>().begin());
-  return t;
-}
-
-Tensor random_ids(Env& env, mgpu::Shape shape, std::int32_t vocab, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<std::int32_t> u(0, vocab - 1);
-  Tensor t = Tensor::empty(std::move(shape), DType::int32, *env.allocator);
-  for (auto& v : t.host_span<std::int32_t>()) v = u(rng);
   return t;
 }
 

@@ -23,6 +23,7 @@ using mgpu::Errc;
 using mgpu::Tensor;
 using mgpu::test::as_double;
 using mgpu::test::Env;
+using mgpu::test::random_ids;
 namespace nn = mgpu::nn;
 namespace pp = mgpu::pipeline;
 
@@ -31,14 +32,6 @@ namespace {
 nn::GptConfig with(nn::GptConfig config, nn::Recompute recompute) {
   config.recompute = recompute;
   return config;
-}
-
-Tensor random_ids(Env& env, mgpu::Shape shape, std::int64_t vocab, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<std::int32_t> u(0, static_cast<std::int32_t>(vocab) - 1);
-  Tensor t = Tensor::empty(std::move(shape), DType::int32, *env.allocator);
-  for (auto& v : t.host_span<std::int32_t>()) v = u(rng);
-  return t;
 }
 
 std::size_t saved(nn::Sequential const& model) {

@@ -41,27 +41,13 @@ int const steps = 20;
 float const clip = 0.5f;  // below the gradients' norm (checked below), so steps clip
 mgpu::optim::AdamWOptions const adamw{.lr = 3e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .weight_decay = 0.1f};
 
-// Sequences that follow a rule (next = 5 t + 3 mod V, with a random start), so the loss falls.
-struct Batch {
-  Tensor ids, targets;
-};
+using Batch = mgpu::test::TokenBatch;
+
+// Sequences that follow a rule (mgpu::test::rule_batch), so the loss falls.
 Batch make_batch(Env& env, unsigned draw, std::int32_t ignore_every = 0) {
-  std::mt19937 rng(100 + draw);
-  std::uniform_int_distribution<std::int32_t> start(0, static_cast<std::int32_t>(config.vocab) - 1);
   std::int64_t const t = config.block_size;
-  Batch b{Tensor::empty({batch, t}, DType::int32, *env.allocator),
-          Tensor::empty({batch, t}, DType::int32, *env.allocator)};
-  auto ids = b.ids.host_span<std::int32_t>();
+  Batch b = mgpu::test::rule_batch(env, batch, t, config.vocab, 100 + draw);
   auto targets = b.targets.host_span<std::int32_t>();
-  for (std::int64_t r = 0; r < batch; ++r) {
-    std::int32_t token = start(rng);
-    for (std::int64_t i = 0; i <= t; ++i) {
-      std::int32_t const next = (5 * token + 3) % static_cast<std::int32_t>(config.vocab);
-      if (i < t) ids[static_cast<std::size_t>(r * t + i)] = token;
-      if (i > 0) targets[static_cast<std::size_t>(r * t + i - 1)] = token;
-      token = next;
-    }
-  }
   // Ignored targets, unevenly spread: every ignore_every-th token, and all of the last row's.
   if (ignore_every > 0) {
     for (std::size_t i = 0; i < targets.size(); ++i) {

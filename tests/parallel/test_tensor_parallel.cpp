@@ -42,29 +42,9 @@ int const steps = 20;
 float const clip = 0.5f;  // below the gradients' norm (checked below), so steps clip
 mgpu::optim::AdamWOptions const adamw{.lr = 3e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .weight_decay = 0.1f};
 
-struct Batch {
-  Tensor ids, targets;
-};
+using Batch = mgpu::test::TokenBatch;
 
-// Sequences that follow a rule (next = 5 t + 3 mod V from a random start), so the loss falls.
-Batch make_batch(Env& env, unsigned draw) {
-  std::mt19937 rng(200 + draw);
-  std::uniform_int_distribution<std::int32_t> start(0, static_cast<std::int32_t>(config.vocab) - 1);
-  std::int64_t const t = config.block_size;
-  Batch b{Tensor::empty({batch, t}, DType::int32, *env.allocator),
-          Tensor::empty({batch, t}, DType::int32, *env.allocator)};
-  auto ids = b.ids.host_span<std::int32_t>();
-  auto targets = b.targets.host_span<std::int32_t>();
-  for (std::int64_t r = 0; r < batch; ++r) {
-    std::int32_t token = start(rng);
-    for (std::int64_t i = 0; i <= t; ++i) {
-      if (i < t) ids[static_cast<std::size_t>(r * t + i)] = token;
-      if (i > 0) targets[static_cast<std::size_t>(r * t + i - 1)] = token;
-      token = (5 * token + 3) % static_cast<std::int32_t>(config.vocab);
-    }
-  }
-  return b;
-}
+Batch make_batch(Env& env, unsigned draw) { return mgpu::test::rule_batch(env, batch, config.block_size, config.vocab, 200 + draw); }
 
 std::vector<float> host_values(Tensor const& t) {
   auto const s = t.host_span<float>();

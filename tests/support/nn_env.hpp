@@ -66,4 +66,37 @@ inline std::vector<double> widened(Env& env, Tensor const& t) {
   return as_double(f);
 }
 
+// Token ids drawn uniformly from [0, vocab), int32 on the host.
+inline Tensor random_ids(Env& env, mgpu::Shape shape, std::int64_t vocab, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<std::int32_t> u(0, static_cast<std::int32_t>(vocab) - 1);
+  Tensor t = Tensor::empty(std::move(shape), mgpu::DType::int32, *env.allocator);
+  for (auto& v : t.host_span<std::int32_t>()) v = u(rng);
+  return t;
+}
+
+// A language-model batch: `rows` windows of t ids and their next tokens as targets.
+struct TokenBatch {
+  Tensor ids, targets;
+};
+
+// Windows of sequences that follow a rule (next = 5 t + 3 mod vocab, from a random start), so a
+// model's loss falls as it learns the rule.
+inline TokenBatch rule_batch(Env& env, std::int64_t rows, std::int64_t t, std::int64_t vocab, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<std::int32_t> start(0, static_cast<std::int32_t>(vocab) - 1);
+  TokenBatch b{Tensor::empty({rows, t}, mgpu::DType::int32, *env.allocator), Tensor::empty({rows, t}, mgpu::DType::int32, *env.allocator)};
+  auto ids = b.ids.host_span<std::int32_t>();
+  auto targets = b.targets.host_span<std::int32_t>();
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::int32_t token = start(rng);
+    for (std::int64_t i = 0; i <= t; ++i) {
+      if (i < t) ids[static_cast<std::size_t>(r * t + i)] = token;
+      if (i > 0) targets[static_cast<std::size_t>(r * t + i - 1)] = token;
+      token = (5 * token + 3) % static_cast<std::int32_t>(vocab);
+    }
+  }
+  return b;
+}
+
 }  // namespace mgpu::test
