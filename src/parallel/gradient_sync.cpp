@@ -120,7 +120,6 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
   bucket_events_[bucket].record(compute);
   bucket_events_[bucket].wait(comm_stream_);
   Tensor const grads = model_.master_gradients().slice(begin, end);
-  Tensor const params = model_.master_parameters().slice(begin, end);
   std::shared_ptr<trace::Timeline> const& timeline = sync_.timeline_;
   bool const traced = timeline && timeline->enabled();
   int const who = sync_.trace_ranks_[static_cast<std::size_t>(rank_)];
@@ -175,10 +174,25 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
   }
   update_(begin + mine, begin + mine + block, comm_stream_);
   if (body < grads.numel()) update_(begin + body, end, comm_stream_);
-  span("all-gather", [&] {
-    comm.all_gather(rank_, params.slice(mine, mine + block), params.slice(0, body), comm_stream_);
-    model_.sync_parameters(comm_stream_, begin, begin + body);
-  });
+  gather_bucket(bucket, comm_stream_);
+}
+
+void RankSync::gather_bucket(std::size_t bucket, Stream& stream) {
+  int const n = sync_.comm_->size();
+  std::int64_t const block = sync_.blocks_[bucket];
+  std::int64_t const begin = sync_.buckets_[bucket].begin;
+  Tensor const params = model_.master_parameters().slice(begin, begin + n * block);
+  auto const gather = [&] {
+    sync_.comm_->all_gather(rank_, params.slice(rank_ * block, (rank_ + 1) * block), params, stream);
+    model_.sync_parameters(stream, begin, begin + n * block);
+  };
+  std::shared_ptr<trace::Timeline> const& timeline = sync_.timeline_;
+  if (timeline && timeline->enabled()) {
+    timeline->stream_span(stream, "all-gather bucket " + std::to_string(bucket), "communication",
+                          sync_.trace_ranks_[static_cast<std::size_t>(rank_)], trace::Lane::communication, gather);
+  } else {
+    gather();
+  }
   sync_.state_scattered_.store(true, std::memory_order_relaxed);
 }
 
@@ -204,26 +218,8 @@ void RankSync::sum_over_ranks(Tensor const& values, Stream& compute) {
 }
 
 void RankSync::gather_updated(Stream& compute) {
-  comm::Communicator& comm = *sync_.comm_;
-  int const n = comm.size();
-  std::shared_ptr<trace::Timeline> const& timeline = sync_.timeline_;
-  for (std::size_t b = 0; b < sync_.buckets_.size(); ++b) {
-    std::int64_t const block = sync_.blocks_[b];
-    if (block == 0) continue;
-    std::int64_t const begin = sync_.buckets_[b].begin;
-    Tensor const params = model_.master_parameters().slice(begin, begin + n * block);
-    auto const gather = [&] {
-      comm.all_gather(rank_, params.slice(rank_ * block, (rank_ + 1) * block), params, compute);
-      model_.sync_parameters(compute, begin, begin + n * block);
-    };
-    if (timeline && timeline->enabled()) {
-      timeline->stream_span(compute, "all-gather bucket " + std::to_string(b), "communication",
-                            sync_.trace_ranks_[static_cast<std::size_t>(rank_)], trace::Lane::communication, gather);
-    } else {
-      gather();
-    }
-  }
-  sync_.state_scattered_.store(true, std::memory_order_relaxed);
+  for (std::size_t b = 0; b < sync_.buckets_.size(); ++b)
+    if (sync_.blocks_[b] > 0) gather_bucket(b, compute);
 }
 
 GradientSync::GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, DataParallelOptions const& options,

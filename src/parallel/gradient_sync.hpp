@@ -63,6 +63,9 @@ class RankSync final : public nn::GradientSync {
  private:
   friend class detail::GradientSync;
   void launch(std::size_t bucket, Stream& compute);
+  // The sharded update's all-gather of every rank's updated block of `bucket` on `stream`, with
+  // the compute-type copies refreshed (an "all-gather bucket" span on the timeline).
+  void gather_bucket(std::size_t bucket, Stream& stream);
 
   detail::GradientSync& sync_;
   int rank_;
