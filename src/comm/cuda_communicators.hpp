@@ -3,6 +3,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <memory>
 #include <vector>
 
@@ -16,5 +17,14 @@ namespace mgpu::comm::detail {
 std::unique_ptr<Communicator> make_nccl_communicator(DeviceGroup& group, std::vector<int> const& ranks, std::chrono::milliseconds timeout);
 std::unique_ptr<Communicator> make_cuda_peer_communicator(DeviceGroup& group, std::vector<int> const& ranks,
                                                           std::chrono::milliseconds timeout);
+
+/// A fresh NCCL unique id, as bytes to hand to the other processes.
+std::vector<std::byte> nccl_unique_id();
+/// One NCCL communicator of `size` ranks across processes: this process drives ranks first_rank to
+/// first_rank + group.size() - 1 on the group's GPUs (rank first_rank + i on the group's rank i),
+/// every process with the same `id` (from nccl_unique_id() on one of them).
+std::unique_ptr<Communicator> make_nccl_world_communicator(DeviceGroup& group, int size, int first_rank,
+                                                           std::vector<std::byte> const& id,
+                                                           std::chrono::milliseconds timeout);
 
 }  // namespace mgpu::comm::detail

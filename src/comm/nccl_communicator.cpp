@@ -3,12 +3,16 @@
 // stream. A watchdog thread polls each operation's completion event and ncclCommGetAsyncError,
 // and aborts every rank's communicator (ncclCommAbort) when an operation passes its deadline or
 // fails. Rank i of the communicator runs on the i-th listed device (a whole group or a subset).
+// Across processes, each process creates the communicators of its own ranks (a contiguous range of
+// the world's) with a unique id every process was given, and drives only those.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <iterator>
 #include <memory>
@@ -106,24 +110,26 @@ ncclResult_t for_each_comm_in_group(std::vector<ncclComm_t> const& comms, Fn con
 // NCCL (launches poll with their own deadline and stop when an abort is requested).
 class NcclCommunicator final : public CommunicatorBase {
  public:
-  // Rank i runs on devices[i] (distinct GPUs): a new NCCL communicator over just these GPUs, with
-  // its own unique id, so subsets of a group's ranks (e.g. one pipeline stage across data-parallel
-  // replicas) get their own, beside the group's.
-  NcclCommunicator(DeviceGroup& group, std::vector<Device> devices, std::chrono::milliseconds timeout)
-      : CommunicatorBase(group, static_cast<int>(devices.size()), Backend::nccl, timeout),
+  // Of `size` ranks, this process drives first_rank + i on devices[i] (distinct GPUs), every process
+  // with the same `id`. Within one process (first_rank 0, size = the devices) a fresh id makes a new
+  // NCCL communicator over just these GPUs, so subsets of a group's ranks (e.g. one pipeline stage
+  // across data-parallel replicas) get their own, beside the group's.
+  NcclCommunicator(DeviceGroup& group, int size, int first_rank, std::vector<Device> devices, ncclUniqueId const& id,
+                   std::chrono::milliseconds timeout)
+      : CommunicatorBase(group, size, Backend::nccl, timeout),
+        first_(first_rank),
         devices_(std::move(devices)),
         comms_(devices_.size(), nullptr),
         spare_events_(devices_.size()) {
-    ncclUniqueId id{};
-    MGPU_NCCL_CHECK(ncclGetUniqueId(&id));
     // Every local rank's init in one group, as NCCL requires when one thread creates them all.
     MGPU_NCCL_CHECK(ncclGroupStart());
     ncclResult_t failed = ncclSuccess;
-    for (int r = 0; r < size() && failed == ncclSuccess; ++r) {
-      mgpu::detail::cuda::DeviceScope scope(devices_[static_cast<std::size_t>(r)].index);
+    for (int l = 0; l < local_size() && failed == ncclSuccess; ++l) {
+      mgpu::detail::cuda::DeviceScope scope(devices_[static_cast<std::size_t>(l)].index);
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
       config.blocking = 0;
-      ncclResult_t const status = ncclCommInitRankConfig(&comms_[static_cast<std::size_t>(r)], size(), id, r, &config);
+      ncclResult_t const status =
+          ncclCommInitRankConfig(&comms_[static_cast<std::size_t>(l)], size, id, first_ + l, &config);
       if (status != ncclSuccess && status != ncclInProgress) failed = status;
     }
     ncclResult_t const ended = ncclGroupEnd();  // closes the group whatever happened inside it
@@ -133,8 +139,9 @@ class NcclCommunicator final : public CommunicatorBase {
         throw Error(Errc::communication, "creating the NCCL communicators failed: " +
                                              mgpu::detail::cuda::nccl_error_string(static_cast<int>(failed)));
       auto const deadline = Clock::now() + timeout;
-      for (int r = 0; r < size(); ++r)
-        wait_for_nccl(comms_[static_cast<std::size_t>(r)], "creating rank " + std::to_string(r) + "'s NCCL communicator", deadline,
+      for (int l = 0; l < local_size(); ++l)
+        wait_for_nccl(comms_[static_cast<std::size_t>(l)],
+                      "creating rank " + std::to_string(first_ + l) + "'s NCCL communicator", deadline,
                       [] { return false; });
     } catch (...) {
       std::vector<ncclComm_t> created;
@@ -182,13 +189,26 @@ class NcclCommunicator final : public CommunicatorBase {
     }
   }
 
+  [[nodiscard]] int first_rank() const noexcept override { return first_; }
+
  protected:
+  [[nodiscard]] bool drives(int rank) const noexcept override { return rank >= first_ && rank < first_ + local_size(); }
+
   void check_device(int rank, Device device, std::string_view what, Call const& call) const override {
-    check_cuda_device(devices_, rank, device, what, call);
+    if (!drives(rank))
+      throw Error(Errc::invalid_argument, call.name(rank) + ": rank " + std::to_string(rank) +
+                                              " belongs to another process (expected a rank this process drives, " +
+                                              std::to_string(first_) + " to " + std::to_string(first_ + local_size() - 1) +
+                                              ")");
+    Device const own = devices_[static_cast<std::size_t>(rank - first_)];
+    if (device != own)
+      throw Error(Errc::invalid_argument, call.name(rank) + ": " + std::string(what) + " is on " + device.to_string() +
+                                              " (expected the rank's own device, " + own.to_string() + ")");
   }
 
   void launch(int rank, std::vector<Call> calls, Stream& stream) override {
     std::string const what = calls.front().name(rank);
+    std::size_t const l = static_cast<std::size_t>(rank - first_);
     cudaStream_t const s = native(stream);
     ncclComm_t comm = nullptr;
     {
@@ -198,7 +218,7 @@ class NcclCommunicator final : public CommunicatorBase {
         state()->throw_if_aborted(what);
         throw Error(Errc::communication, what + ": the communicator is being aborted");
       }
-      comm = comms_[static_cast<std::size_t>(rank)];
+      comm = comms_[l];
       ++launching_;
     }
     struct Leave {
@@ -211,8 +231,8 @@ class NcclCommunicator final : public CommunicatorBase {
         self.cv_.notify_all();
       }
     } leave{*this};
-    mgpu::detail::cuda::DeviceScope scope(devices_[static_cast<std::size_t>(rank)].index);
-    void* const barrier = barrier_word(rank, calls);
+    mgpu::detail::cuda::DeviceScope scope(devices_[l].index);
+    void* const barrier = barrier_word(l, calls);
     MGPU_NCCL_CHECK(ncclGroupStart());
     ncclResult_t failed = ncclSuccess;
     for (Call const& c : calls) {
@@ -244,7 +264,7 @@ class NcclCommunicator final : public CommunicatorBase {
     cudaEvent_t done = nullptr;
     {
       std::lock_guard lock(mutex_);
-      if (auto& spare = spare_events_[static_cast<std::size_t>(rank)]; !spare.empty()) {
+      if (auto& spare = spare_events_[l]; !spare.empty()) {
         done = spare.back();
         spare.pop_back();
       }
@@ -253,10 +273,10 @@ class NcclCommunicator final : public CommunicatorBase {
     cudaError_t const recorded = cudaEventRecord(done, s);
     std::lock_guard lock(mutex_);
     if (recorded != cudaSuccess) {
-      spare_events_[static_cast<std::size_t>(rank)].push_back(done);
+      spare_events_[l].push_back(done);
       MGPU_CUDA_CHECK(recorded);
     }
-    pending_.push_back({done, rank, what, Clock::now() + timeout()});
+    pending_.push_back({done, l, what, Clock::now() + timeout()});
     state()->begin_operation();
     cv_.notify_all();
   }
@@ -264,7 +284,7 @@ class NcclCommunicator final : public CommunicatorBase {
  private:
   struct Pending {
     cudaEvent_t done;
-    int rank;
+    std::size_t local;  // the rank's index among this process's
     std::string name;
     Clock::time_point deadline;
   };
@@ -293,12 +313,14 @@ class NcclCommunicator final : public CommunicatorBase {
     return ncclInvalidArgument;
   }
 
-  // The rank's one-word buffer for barriers (made on first use), or nullptr when `calls` has none.
-  void* barrier_word(int rank, std::vector<Call> const& calls) {
+  [[nodiscard]] int local_size() const noexcept { return static_cast<int>(devices_.size()); }
+
+  // The local rank's one-word buffer for barriers (made on first use), or nullptr when `calls` has none.
+  void* barrier_word(std::size_t local, std::vector<Call> const& calls) {
     if (std::none_of(calls.begin(), calls.end(), [](Call const& c) { return c.kind == OpKind::barrier; })) return nullptr;
     std::lock_guard lock(mutex_);
     if (barrier_words_.empty()) barrier_words_.resize(comms_.size(), nullptr);
-    void*& word = barrier_words_[static_cast<std::size_t>(rank)];
+    void*& word = barrier_words_[local];
     if (word == nullptr) MGPU_CUDA_CHECK(cudaMalloc(&word, sizeof(float)));
     return word;
   }
@@ -314,7 +336,7 @@ class NcclCommunicator final : public CommunicatorBase {
       for (auto it = pending_.begin(); it != pending_.end();) {
         cudaError_t const status = cudaEventQuery(it->done);
         ncclResult_t async = ncclSuccess;
-        if (!comms_aborted_) (void)ncclCommGetAsyncError(comms_[static_cast<std::size_t>(it->rank)], &async);
+        if (!comms_aborted_) (void)ncclCommGetAsyncError(comms_[it->local], &async);
         std::string failure;
         if (async != ncclSuccess && async != ncclInProgress) {
           failure = it->name + " failed: " + ncclGetErrorString(async);
@@ -326,7 +348,7 @@ class NcclCommunicator final : public CommunicatorBase {
         if (status == cudaSuccess || !failure.empty() || comms_aborted_) {
           // Kept for the rank's next launch (recording it again is fine even if work before it
           // never finishes: only the watchdog queries it).
-          spare_events_[static_cast<std::size_t>(it->rank)].push_back(it->done);
+          spare_events_[it->local].push_back(it->done);
           it = pending_.erase(it);
           state()->end_operation();
           if (!failure.empty()) {
@@ -348,12 +370,13 @@ class NcclCommunicator final : public CommunicatorBase {
     }
   }
 
-  std::vector<Device> devices_;
-  std::vector<ncclComm_t> comms_;  // freed by ncclCommAbort once comms_aborted_ is set
+  int first_;                      // the first rank this process drives
+  std::vector<Device> devices_;    // per local rank
+  std::vector<ncclComm_t> comms_;  // per local rank  // freed by ncclCommAbort once comms_aborted_ is set
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<Pending> pending_;
-  std::vector<std::vector<cudaEvent_t>> spare_events_;  // per rank: completion events to record again
+  std::vector<std::vector<cudaEvent_t>> spare_events_;  // per local rank: completion events to record again
   std::vector<void*> barrier_words_;
   int launching_ = 0;  // launches between taking a communicator and leaving NCCL
   bool stopping_ = false;
@@ -374,10 +397,50 @@ std::unique_ptr<Communicator> make_nccl_communicator(DeviceGroup& group, std::ve
   if (std::adjacent_find(gpus.begin(), gpus.end()) != gpus.end())
     throw Error(Errc::invalid_argument, "the nccl backend for a group where ranks share a GPU (expected distinct GPUs; "
                                         "NCCL cannot have two ranks on one GPU, the cuda_peer backend can)");
-  return std::make_unique<NcclCommunicator>(group, devices, timeout);
+  ncclUniqueId id{};
+  MGPU_NCCL_CHECK(ncclGetUniqueId(&id));
+  return std::make_unique<NcclCommunicator>(group, static_cast<int>(devices.size()), 0, devices, id, timeout);
 #else
   (void)group;
   (void)ranks;
+  (void)timeout;
+  throw Error(Errc::device, "the nccl backend: mgpu was built without NCCL (configure with MGPU_WITH_NCCL=ON)");
+#endif
+}
+
+std::vector<std::byte> nccl_unique_id() {
+#if MGPU_NCCL_ENABLED
+  ncclUniqueId id{};
+  MGPU_NCCL_CHECK(ncclGetUniqueId(&id));
+  std::vector<std::byte> bytes(sizeof id);
+  std::memcpy(bytes.data(), &id, sizeof id);
+  return bytes;
+#else
+  throw Error(Errc::device, "the nccl backend: mgpu was built without NCCL (configure with MGPU_WITH_NCCL=ON)");
+#endif
+}
+
+std::unique_ptr<Communicator> make_nccl_world_communicator(DeviceGroup& group, int size, int first_rank,
+                                                           std::vector<std::byte> const& id,
+                                                           std::chrono::milliseconds timeout) {
+#if MGPU_NCCL_ENABLED
+  if (id.size() != sizeof(ncclUniqueId))
+    throw Error(Errc::invalid_argument, "an NCCL unique id of " + std::to_string(id.size()) + " bytes (expected " +
+                                            std::to_string(sizeof(ncclUniqueId)) + ")");
+  if (first_rank < 0 || first_rank + group.size() > size)
+    throw Error(Errc::invalid_argument, "ranks " + std::to_string(first_rank) + " to " +
+                                            std::to_string(first_rank + group.size() - 1) + " of " +
+                                            std::to_string(size) + " (expected them within the communicator)");
+  std::vector<int> ranks(static_cast<std::size_t>(group.size()));
+  for (int r = 0; r < group.size(); ++r) ranks[static_cast<std::size_t>(r)] = r;
+  ncclUniqueId unique{};
+  std::memcpy(&unique, id.data(), sizeof unique);
+  return std::make_unique<NcclCommunicator>(group, size, first_rank, devices_of(group, ranks), unique, timeout);
+#else
+  (void)group;
+  (void)size;
+  (void)first_rank;
+  (void)id;
   (void)timeout;
   throw Error(Errc::device, "the nccl backend: mgpu was built without NCCL (configure with MGPU_WITH_NCCL=ON)");
 #endif

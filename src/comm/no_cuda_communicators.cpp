@@ -13,4 +13,13 @@ std::unique_ptr<Communicator> make_cuda_peer_communicator(DeviceGroup&, std::vec
   throw Error(Errc::device, "the cuda_peer backend: mgpu was built without CUDA (configure with MGPU_WITH_CUDA=ON)");
 }
 
+std::vector<std::byte> nccl_unique_id() {
+  throw Error(Errc::device, "the nccl backend: mgpu was built without CUDA (configure with MGPU_WITH_CUDA=ON)");
+}
+
+std::unique_ptr<Communicator> make_nccl_world_communicator(DeviceGroup&, int, int, std::vector<std::byte> const&,
+                                                           std::chrono::milliseconds) {
+  throw Error(Errc::device, "the nccl backend: mgpu was built without CUDA (configure with MGPU_WITH_CUDA=ON)");
+}
+
 }  // namespace mgpu::comm::detail

@@ -17,7 +17,8 @@ std::string host_name();
 World single_process_world(DeviceGroup const& group, std::string const& host);
 
 /// Throws Error(invalid_argument) unless this process's devices in `world` are `group`'s and, across
-/// processes, every device is a host device.
+/// processes, every device is a host device or every one a CUDA GPU, no two of them the same GPU
+/// of one server.
 void check_world(World const& world, DeviceGroup const& group);
 
 }  // namespace mgpu::dist::detail

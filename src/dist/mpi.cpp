@@ -12,6 +12,7 @@
 #include <chrono>
 #include <climits>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -32,6 +33,7 @@
 #include <mgpu/dist/dist.hpp>
 
 #include "comm/base.hpp"
+#include "comm/cuda_communicators.hpp"
 #include "core/backend.hpp"
 #include "dist/common.hpp"
 
@@ -1049,6 +1051,58 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout) {
   return world;
 }
 
+namespace {
+
+// One NCCL communicator over every process's GPUs: process 0 makes the unique id and broadcasts it
+// over MPI (with its failure, if it could not make one, so that no process waits for an id that
+// never comes), then each process creates its own ranks' communicators.
+std::unique_ptr<comm::Communicator> nccl_world_communicator(World const& world, DeviceGroup& group,
+                                                            std::chrono::milliseconds timeout) {
+  struct IdMessage {
+    std::int32_t ok;
+    std::int32_t bytes;
+    unsigned char id[256];
+    char failure[512];
+  };
+  auto message = std::make_shared<IdMessage>();
+  if (world.process == 0) {
+    try {
+      std::vector<std::byte> const id = comm::detail::nccl_unique_id();
+      if (id.size() > sizeof message->id)
+        throw Error(Errc::device, "an NCCL unique id of " + std::to_string(id.size()) + " bytes (expected at most 256)");
+      message->ok = 1;
+      message->bytes = static_cast<std::int32_t>(id.size());
+      std::memcpy(message->id, id.data(), id.size());
+    } catch (Error const& e) {
+      std::snprintf(message->failure, sizeof message->failure, "%s", e.what());
+    }
+  }
+  auto const start = Clock::now();
+  {
+    Requests requests;
+    requests.add(-1, Requests::Kind::collective, message, "MPI_Ibcast", [&](MPI_Request* r) {
+      return MPI_Ibcast(message.get(), sizeof(IdMessage), MPI_BYTE, 0, MPI_COMM_WORLD, r);
+    });
+    if (!requests.wait(start + timeout, [] { return false; })) {
+      requests.abandon();
+      throw Error(Errc::timeout, "waited " + format_duration(Clock::now() - start) +
+                                     " for process 0's NCCL unique id (expected every process to make the "
+                                     "communicator within the " + format_duration(timeout) + " deadline; " +
+                                     comm::timeout_env_var + " sets it in seconds)");
+    }
+    std::lock_guard lock(global().mpi_mutex);
+    check(requests.error(), "broadcasting the NCCL unique id");
+  }
+  if (message->ok == 0)
+    throw Error(Errc::device, "process 0 could not make the NCCL unique id: " +
+                                  std::string(message->failure, strnlen(message->failure, sizeof message->failure)));
+  std::vector<std::byte> id(static_cast<std::size_t>(message->bytes));
+  std::memcpy(id.data(), message->id, id.size());
+  return comm::detail::make_nccl_world_communicator(group, world.size(), world.first_rank(world.process), id, timeout);
+}
+
+}  // namespace
+
 std::unique_ptr<comm::Communicator> make_communicator(World const& world, DeviceGroup& group, comm::Options options) {
   detail::check_world(world, group);
   if (world.processes == 1) return comm::make_communicator(group, options);
@@ -1061,12 +1115,15 @@ std::unique_ptr<comm::Communicator> make_communicator(World const& world, Device
     throw Error(Errc::invalid_argument,
                 "a world of " + std::to_string(world.processes) +
                     " processes, but MPI is not in use (expected dist::init() under mpirun or srun)");
-  if (options.backend != comm::Backend::automatic && options.backend != comm::Backend::host)
-    throw Error(Errc::invalid_argument, "the " + std::string(comm::to_string(options.backend)) +
-                                            " backend across processes (expected automatic or host: only host devices "
-                                            "communicate across processes for now)");
   std::chrono::milliseconds const timeout = options.timeout.count() > 0 ? options.timeout : comm::default_timeout();
-  return std::make_unique<ProcessCommunicator>(world, group, timeout);
+  bool const gpus = world.devices.front().device.kind == DeviceKind::cuda;  // check_world: one kind
+  comm::Backend const wanted = gpus ? comm::Backend::nccl : comm::Backend::host;
+  if (options.backend != comm::Backend::automatic && options.backend != wanted)
+    throw Error(Errc::invalid_argument, "the " + std::string(comm::to_string(options.backend)) +
+                                            " backend across processes of " + (gpus ? "CUDA GPUs" : "host devices") +
+                                            " (expected automatic or " + std::string(comm::to_string(wanted)) + ")");
+  if (!gpus) return std::make_unique<ProcessCommunicator>(world, group, timeout);
+  return nccl_world_communicator(world, group, timeout);
 }
 
 }  // namespace mgpu::dist

@@ -50,12 +50,27 @@ void check_world(World const& world, DeviceGroup const& group) {
   if (world.process < 0 || world.process >= world.processes)
     throw Error(Errc::invalid_argument, "a world whose process is " + std::to_string(world.process) + " of " +
                                             std::to_string(world.processes) + " (expected a world from make_world)");
-  for (WorldDevice const& d : world.devices) {
-    if (world.processes > 1 && d.device.kind != DeviceKind::host)
-      throw Error(Errc::invalid_argument,
-                  "world rank " + std::to_string(d.rank) + " is " + d.device.to_string() + " on process " +
-                      std::to_string(d.process) +
-                      " (expected host devices: communicators across processes serve host devices for now)");
+  if (world.processes > 1 && !world.devices.empty()) {
+    // Across processes: host devices (MPI carries the bytes) or CUDA GPUs (NCCL does), not both,
+    // and NCCL cannot have two ranks on one GPU of a server.
+    WorldDevice const& first = world.devices.front();
+    for (WorldDevice const& d : world.devices) {
+      if (d.device.kind != first.device.kind)
+        throw Error(Errc::invalid_argument,
+                    "world rank " + std::to_string(d.rank) + " is " + d.device.to_string() + " on process " +
+                        std::to_string(d.process) + ", world rank 0 is " + first.device.to_string() +
+                        " (expected one kind of device across processes: host devices over MPI or CUDA GPUs over "
+                        "NCCL)");
+      if (d.device.kind != DeviceKind::cuda) continue;
+      for (WorldDevice const& e : world.devices) {
+        if (e.rank >= d.rank) break;
+        if (e.host == d.host && e.device.index == d.device.index)
+          throw Error(Errc::invalid_argument,
+                      "world ranks " + std::to_string(e.rank) + " and " + std::to_string(d.rank) + " are both " +
+                          d.device.to_string() + " on server " + d.host +
+                          " (expected distinct GPUs on a server: NCCL cannot have two ranks on one GPU)");
+      }
+    }
   }
   int const local = world.local_size(world.process);
   bool same = local == group.size();

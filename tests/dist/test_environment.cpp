@@ -127,3 +127,31 @@ TEST_CASE("In a job of one process the world is the DeviceGroup and the communic
   REQUIRE_MGPU_ERROR(mgpu::dist::make_communicator(world, other), Errc::invalid_argument,
                      "the DeviceGroup has 2 device(s) starting with host:0, the world lists 3 for this process");
 }
+
+TEST_CASE("Across processes a world is all host devices or all distinct GPUs per server", "[dist]") {
+  using mgpu::Device;
+  using mgpu::DeviceKind;
+  mgpu::DeviceGroup group("host:1");
+  auto const world_of = [](std::vector<mgpu::dist::WorldDevice> devices) {
+    mgpu::dist::World world;
+    world.processes = 2;
+    world.devices = std::move(devices);
+    return world;
+  };
+  Device const host0{DeviceKind::host, 0};
+  Device const gpu0{DeviceKind::cuda, 0};
+  Device const gpu1{DeviceKind::cuda, 1};
+  REQUIRE_MGPU_ERROR(mgpu::dist::make_communicator(world_of({{0, host0, 0, 0, "a"}, {1, gpu0, 1, 0, "b"}}), group),
+                     Errc::invalid_argument,
+                     "world rank 1 is cuda:0 on process 1, world rank 0 is host:0 (expected one kind of device across "
+                     "processes: host devices over MPI or CUDA GPUs over NCCL)");
+  REQUIRE_MGPU_ERROR(
+      mgpu::dist::make_communicator(world_of({{0, gpu0, 0, 0, "a"}, {1, gpu1, 0, 1, "a"}, {2, gpu1, 1, 0, "a"}}), group),
+      Errc::invalid_argument,
+      "world ranks 1 and 2 are both cuda:1 on server a (expected distinct GPUs on a server: NCCL cannot have two "
+      "ranks on one GPU)");
+  // The same GPU index on two servers is two GPUs: the world passes, and then this process's group
+  // (a host device) is not the one the world lists for it.
+  REQUIRE_MGPU_ERROR(mgpu::dist::make_communicator(world_of({{0, gpu0, 0, 0, "a"}, {1, gpu0, 1, 0, "b"}}), group),
+                     Errc::invalid_argument, "the DeviceGroup has 1 device(s) starting with host:0, the world lists 1");
+}

@@ -115,7 +115,7 @@ struct World {
 /// init() first.
 World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 
-/// A communicator over every device of `world` (host devices only, for now), with comm's
+/// A communicator over every device of `world` (host devices, or CUDA GPUs), with comm's
 /// Communicator interface: rank r is world.devices[r], and each process calls the operations for
 /// its own ranks only (world.rank_of(local rank), with that device's stream), in the same order as
 /// a single-process communicator. Collectives are hierarchical: the process's ranks combine through
@@ -127,13 +127,20 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout = s
 /// sends it eagerly, a large one once the receive has matched it; finalize() checks for unreceived sends only between
 /// ranks of this process). A collective may not be part of a group_start()/group_end() group (sends and receives may).
 ///
+/// CUDA GPUs (every device of the world one, no two the same GPU of a server): one NCCL communicator
+/// over all of them (the nccl backend's deadlines, abort and watchdog), its unique id made by process 0
+/// and broadcast over MPI; each process creates and drives its own ranks' NCCL communicators, and
+/// NCCL carries the bytes between servers. A world mixing host devices and GPUs is refused.
+///
 /// Deadlines: every MPI wait polls non-blocking calls against options.timeout (zero:
 /// comm::default_timeout()); a process not heard from in time makes the others fail with
 /// Error(timeout) naming the operation and the process(es), and aborts the communicator. The ranks
 /// inside a process wait for their leader's exchange with twice that deadline, so the leader's
 /// error (naming the processes) is what they report. Collective over the processes (it sets up
 /// MPI communicators); `group` must be the DeviceGroup `world` was made from and outlive the
-/// communicator. Throws Error(invalid_argument) for other devices or a non-host device.
+/// communicator. Throws Error(invalid_argument) for other devices, a world of mixed kinds or a GPU
+/// listed twice on a server, and for a backend other than automatic or the one the devices use (host,
+/// nccl); Error(device) when the build has no NCCL.
 std::unique_ptr<comm::Communicator> make_communicator(World const& world, DeviceGroup& group,
                                                       comm::Options options = {});
 
