@@ -36,6 +36,7 @@
 #include "comm/cuda_communicators.hpp"
 #include "core/backend.hpp"
 #include "dist/common.hpp"
+#include "dist/rendezvous.hpp"
 
 namespace mgpu::dist {
 namespace {
@@ -915,12 +916,9 @@ Place init() {
   bool const launched = place.launcher == Launcher::openmpi || place.launcher == Launcher::slurm;
   int already = 0;
   MPI_Initialized(&already);
-  if (!launched && !already && place.size > 1)
-    throw Error(Errc::invalid_argument,
-                "a torchrun-style job of " + std::to_string(place.size) +
-                    " processes (WORLD_SIZE): its TCP rendezvous is not built yet (expected mpirun, or srun with "
-                    "OpenMPI's PMIx support)");
-  if (launched || already) {
+  if (!launched && !already && place.size > 1) {
+    detail::join_rendezvous(place, comm::default_timeout());  // torchrun-style: TCP, no MPI
+  } else if (launched || already) {
     std::lock_guard mpi_lock(g.mpi_mutex);
     int provided = MPI_THREAD_SINGLE;
     if (already) {
@@ -959,6 +957,7 @@ void finalize() noexcept {
   std::lock_guard lock(g.mutex);
   if (!g.initialized || g.finalized) return;
   g.finalized = true;
+  detail::leave_rendezvous();
   if (!g.initialized_mpi || g.failed.load()) return;  // MPI_Finalize would wait for the peers that failed
   std::lock_guard mpi_lock(g.mpi_mutex);
   MPI_Finalize();
@@ -976,8 +975,9 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout) {
     place = g.place;
     mpi = g.mpi;
   }
-  if (!mpi) return detail::single_process_world(group, place.host);
   if (timeout.count() <= 0) timeout = comm::default_timeout();
+  if (detail::in_rendezvous()) return detail::rendezvous_world(group, place, timeout);
+  if (!mpi) return detail::single_process_world(group, place.host);
   struct Entry {
     std::int32_t devices;
     char host[256];
@@ -1106,6 +1106,7 @@ std::unique_ptr<comm::Communicator> nccl_world_communicator(World const& world, 
 std::unique_ptr<comm::Communicator> make_communicator(World const& world, DeviceGroup& group, comm::Options options) {
   detail::check_world(world, group);
   if (world.processes == 1) return comm::make_communicator(group, options);
+  if (detail::in_rendezvous()) return detail::rendezvous_communicator(world, group, options);
   bool mpi = false;
   {
     std::lock_guard lock(global().mutex);

@@ -59,13 +59,17 @@ Place parse_environment(Environment const& environment);
 /// Reads the launcher's environment and joins the job: under mpirun or srun it initializes MPI
 /// (asking for MPI_THREAD_MULTIPLE, and needing at least MPI_THREAD_SERIALIZED: mgpu calls MPI from
 /// several threads, one at a time) unless the program already did, and checks that MPI's rank and
-/// size agree with the environment. A second call returns the same place. Throws
-/// Error(invalid_argument) for a bad environment, for a job of several processes in a build without
-/// MPI, and for a torchrun-style job of several processes (its TCP rendezvous is not built yet);
-/// Error(communication) when MPI fails.
+/// size agree with the environment. A torchrun-style job of several processes (no MPI) meets over
+/// TCP instead: process 0 listens on MASTER_PORT and waits for every other process to connect to
+/// MASTER_ADDR:MASTER_PORT (within comm::default_timeout(), else Error(timeout) naming the ranks
+/// missing, or the address not reached); that rendezvous carries make_world's exchange and the NCCL
+/// unique id, nothing else, so such a job's communicators serve GPUs only. A second call returns the
+/// same place. Throws Error(invalid_argument) for a bad environment (a torchrun-style job of several
+/// processes without MASTER_ADDR or MASTER_PORT, too) and for an mpirun or srun job of several
+/// processes in a build without MPI; Error(communication) when MPI or the rendezvous fails.
 Place init();
 
-/// Leaves the job: finalizes MPI if init() initialized it. When a cross-process communicator failed
+/// Leaves the job: closes the rendezvous's connections, finalizes MPI if init() initialized it. When a cross-process communicator failed
 /// (a peer timed out or the communicator was aborted) it leaves MPI as it is, since MPI_Finalize
 /// would wait for the peers that failed; the process should then exit with a failure status. Never
 /// throws; a second call does nothing.
@@ -110,7 +114,8 @@ struct World {
 };
 
 /// The world's device list: every process calls it with its own DeviceGroup (at least one device
-/// each; the counts may differ) and gets the same list. Collective over the processes; waits at
+/// each; the counts may differ) and gets the same list (over MPI, or the torchrun-style rendezvous).
+/// Collective over the processes; waits at
 /// most `timeout` (zero: comm::default_timeout()) for the others, then throws Error(timeout). Needs
 /// init() first.
 World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
@@ -129,8 +134,10 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout = s
 ///
 /// CUDA GPUs (every device of the world one, no two the same GPU of a server): one NCCL communicator
 /// over all of them (the nccl backend's deadlines, abort and watchdog), its unique id made by process 0
-/// and broadcast over MPI; each process creates and drives its own ranks' NCCL communicators, and
-/// NCCL carries the bytes between servers. A world mixing host devices and GPUs is refused.
+/// and broadcast over MPI or the torchrun-style rendezvous; each process creates and drives its own
+/// ranks' NCCL communicators, and NCCL carries the bytes between servers. A world mixing host devices
+/// and GPUs is refused, and so are host devices across the processes of a torchrun-style job (they
+/// need MPI).
 ///
 /// Deadlines: every MPI wait polls non-blocking calls against options.timeout (zero:
 /// comm::default_timeout()); a process not heard from in time makes the others fail with
