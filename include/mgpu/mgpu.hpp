@@ -18,6 +18,7 @@
 #include <mgpu/data/tokens.hpp>
 #include <mgpu/io/checkpoint.hpp>
 #include <mgpu/io/llmc.hpp>
+#include <mgpu/io/sharded_checkpoint.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/lm.hpp>

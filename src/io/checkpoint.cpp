@@ -16,13 +16,15 @@
 
 #include "core/backend.hpp"
 #include "io/atomic_file.hpp"
+#include "io/record_type.hpp"
 
 namespace mgpu::io {
-namespace {
 
-constexpr char magic[8] = {'M', 'G', 'P', 'U', 'C', 'K', 'P', 'T'};
-constexpr char end_magic[8] = {'M', 'G', 'P', 'U', '-', 'E', 'N', 'D'};
+using detail::record_type;
+using detail::type_name;
+using detail::type_size;
 
+namespace detail {
 std::size_t type_size(RecordType type) {
   switch (type) {
     case RecordType::float32:
@@ -58,6 +60,12 @@ RecordType record_type(DType dtype) {
   }
   return RecordType::float32;
 }
+}  // namespace detail
+
+namespace {
+
+constexpr char magic[8] = {'M', 'G', 'P', 'U', 'C', 'K', 'P', 'T'};
+constexpr char end_magic[8] = {'M', 'G', 'P', 'U', '-', 'E', 'N', 'D'};
 
 template <class T>
 void append(std::vector<std::byte>& out, T const& value) {
@@ -141,6 +149,18 @@ void Checkpoint::put(std::string const& name, std::vector<std::uint64_t> const& 
 }
 
 void Checkpoint::put(std::string const& name, std::string const& text) { put_values(name, RecordType::bytes, text.data(), text.size()); }
+
+void Checkpoint::put(Record record) {
+  std::size_t expected = type_size(record.type);
+  for (std::int64_t e : record.shape) expected *= static_cast<std::size_t>(std::max<std::int64_t>(e, 0));
+  if (type_size(record.type) == 0 || record.data.size() != expected ||
+      std::any_of(record.shape.begin(), record.shape.end(), [](std::int64_t e) { return e < 0; }))
+    throw Error(Errc::invalid_argument, "record '" + record.name + "' of " + type_name(record.type) + " " +
+                                            to_string(record.shape) + " holding " + std::to_string(record.data.size()) +
+                                            " bytes (expected " + std::to_string(expected) + ")");
+  Record& r = slot(record.name);
+  r = std::move(record);
+}
 
 bool Checkpoint::contains(std::string const& name) const noexcept {
   return std::any_of(records_.begin(), records_.end(), [&](Record const& r) { return r.name == name; });

@@ -51,6 +51,9 @@ class Checkpoint {
   void put(std::string const& name, std::vector<std::int64_t> const& values);
   void put(std::string const& name, std::vector<std::uint64_t> const& values);
   void put(std::string const& name, std::string const& text);
+  /// Adds (or replaces) a record as it is. Throws Error(invalid_argument) when its bytes do not
+  /// match its type and shape, or its name is empty or longer than 4096 characters.
+  void put(Record record);
 
   [[nodiscard]] bool contains(std::string const& name) const noexcept;
   /// The record; throws Error(invalid_argument) naming a missing one.
