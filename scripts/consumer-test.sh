@@ -7,20 +7,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
-work=${MGPU_BUILD_DIR:-build/consumer}
+work=$(realpath -m "${MGPU_BUILD_DIR:-build/consumer}")  # absolute: the consumers are configured from elsewhere
 rm -rf "$work"
 if [ -n "${MGPU_INSTALL_FROM:-}" ]; then
-  cmake --install "$MGPU_INSTALL_FROM" --prefix "$root/$work/prefix" >/dev/null
+  cmake --install "$MGPU_INSTALL_FROM" --prefix "$work/prefix" >/dev/null
 else
   cmake -S . -B "$work/mgpu" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMGPU_BUILD_TESTS=OFF -DMGPU_BUILD_EXAMPLES=OFF \
-    -DMGPU_BUILD_BENCH=OFF -DCMAKE_INSTALL_PREFIX="$root/$work/prefix" "$@" >/dev/null
+    -DMGPU_BUILD_BENCH=OFF -DCMAKE_INSTALL_PREFIX="$work/prefix" "$@" >/dev/null
   cmake --build "$work/mgpu"
   cmake --install "$work/mgpu" >/dev/null
 fi
 
 echo "== consumer through find_package"
 cmake -S tests/consumer -B "$work/find_package" -G Ninja -DMGPU_CONSUME=find_package \
-  -DCMAKE_PREFIX_PATH="$root/$work/prefix" >/dev/null
+  -DCMAKE_PREFIX_PATH="$work/prefix" >/dev/null
 cmake --build "$work/find_package"
 "$work/find_package/consumer"
 
