@@ -158,6 +158,7 @@ io::TrainingState DataParallel::load(std::filesystem::path const& path) {
   im.group->synchronize();
   io::Checkpoint const checkpoint = io::Checkpoint::load(path);
   Impl::Saved const saved = im.verify_state(checkpoint, path.string());
+  im.sync->gather_optimizer_state(im.optimizers());  // whole on every rank, as the file's; sharded again by the next step
   io::TrainingState state;
   for (std::size_t r = 0; r < im.state.size(); ++r) {
     int const rank = static_cast<int>(r);
@@ -166,7 +167,6 @@ io::TrainingState DataParallel::load(std::filesystem::path const& path) {
   }
   im.restore_state(saved);
   im.broken.clear();
-  im.sync->forget_scattered_state();  // every rank loaded the whole state
   return state;
 }
 
