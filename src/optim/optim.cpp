@@ -46,8 +46,9 @@ void Optimizer::update(Tensor const& params, Tensor const& grads, std::int64_t b
     }
     state_begin += e - b;
   }
-  throw Error(Errc::invalid_argument, name() + " update of [" + std::to_string(begin) + ", " + std::to_string(end) +
-                                          ") outside the owned ranges of its sharded state (expected a range within one of them)");
+  throw Error(Errc::invalid_argument,
+              name() + " update of [" + std::to_string(begin) + ", " + std::to_string(end) +
+                  ") outside the owned ranges of its sharded state (expected a range within one of them)");
 }
 
 std::int64_t Optimizer::state_elements(Tensor const& params) const noexcept {
@@ -57,15 +58,17 @@ std::int64_t Optimizer::state_elements(Tensor const& params) const noexcept {
   return n;
 }
 
-void Optimizer::shard_state(Tensor const& params, std::vector<std::pair<std::int64_t, std::int64_t>> owned, Allocator& allocator,
-                            Stream& stream) {
-  std::vector<std::pair<std::int64_t, std::int64_t>> layout;
+void Optimizer::shard_state(Tensor const& params, std::vector<std::pair<std::int64_t, std::int64_t>> owned,
+                            Allocator& allocator, Stream& stream) {
+  using Ranges = std::vector<std::pair<std::int64_t, std::int64_t>>;
+  Ranges layout;
   std::int64_t previous_end = 0;
   for (auto const& [b, e] : owned) {
     if (b < previous_end || e < b || e > params.numel())
-      throw Error(Errc::invalid_argument, name() + " state sharded to [" + std::to_string(b) + ", " + std::to_string(e) + ") after a range ending at " +
-                                              std::to_string(previous_end) + " (expected sorted, non-overlapping ranges within [0, " +
-                                              std::to_string(params.numel()) + "))");
+      throw Error(Errc::invalid_argument,
+                  name() + " state sharded to [" + std::to_string(b) + ", " + std::to_string(e) +
+                      ") after a range ending at " + std::to_string(previous_end) +
+                      " (expected sorted, non-overlapping ranges within [0, " + std::to_string(params.numel()) + "))");
     previous_end = e;
     if (b == e) continue;
     if (!layout.empty() && layout.back().second == b) {
@@ -74,15 +77,16 @@ void Optimizer::shard_state(Tensor const& params, std::vector<std::pair<std::int
       layout.emplace_back(b, e);
     }
   }
-  if (layout.size() == 1 && layout.front() == std::pair<std::int64_t, std::int64_t>{0, params.numel()}) layout.clear();  // whole
+  if (layout == Ranges{{0, params.numel()}}) layout.clear();  // whole
   if (layout == owned_) return;
   std::vector<NamedTensor> const before = state();
-  std::vector<std::pair<std::int64_t, std::int64_t>> const old_layout = owned_.empty() ? std::vector<std::pair<std::int64_t, std::int64_t>>{{0, params.numel()}} : owned_;
+  auto const ranges = [&](Ranges const& r) { return r.empty() ? Ranges{{0, params.numel()}} : r; };  // empty: whole
+  Ranges const old_layout = ranges(owned_);
   owned_ = std::move(layout);
   if (before.empty()) return;  // allocated in the new layout on first use
   reset_state();
   std::vector<NamedTensor> const after = prepare_state(params, allocator, stream);
-  std::vector<std::pair<std::int64_t, std::int64_t>> const new_layout = owned_.empty() ? std::vector<std::pair<std::int64_t, std::int64_t>>{{0, params.numel()}} : owned_;
+  Ranges const new_layout = ranges(owned_);
   // Copy what both layouts hold: walk the two sorted lists of ranges with their packed offsets.
   std::size_t i = 0, j = 0;
   std::int64_t at_old = 0, at_new = 0;
@@ -92,8 +96,8 @@ void Optimizer::shard_state(Tensor const& params, std::vector<std::pair<std::int
     std::int64_t const lo = std::max(ob, nb), hi = std::min(oe, ne);
     if (lo < hi) {
       for (std::size_t k = 0; k < after.size(); ++k)
-        copy_async(after[k].second.slice(at_new + (lo - nb), at_new + (hi - nb)), before[k].second.slice(at_old + (lo - ob), at_old + (hi - ob)),
-                   stream);
+        copy_async(after[k].second.slice(at_new + (lo - nb), at_new + (hi - nb)),
+                   before[k].second.slice(at_old + (lo - ob), at_old + (hi - ob)), stream);
     }
     if (oe <= ne) {
       at_old += oe - ob;
@@ -117,8 +121,8 @@ std::vector<NamedTensor> SGD::state() const {
   return {{"velocity", velocity_}};
 }
 
-void SGD::update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, std::int64_t state_begin,
-                        Stream& stream, float lr_scale) {
+void SGD::update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end,
+                        std::int64_t state_begin, Stream& stream, float lr_scale) {
   Tensor const velocity = velocity_.slice(state_begin, state_begin + (end - begin));
   ops::sgd_update(params.slice(begin, end), grads.slice(begin, end), velocity, options_.lr * lr_scale,
                   options_.momentum, options_.weight_decay, options_.nesterov, stream);
@@ -153,13 +157,14 @@ AdamW::AdamW(AdamWOptions options) : options_(std::move(options)) {
   }
 }
 
-void AdamW::update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, std::int64_t state_begin,
-                          Stream& stream, float lr_scale) {
+void AdamW::update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end,
+                          std::int64_t state_begin, Stream& stream, float lr_scale) {
   std::int64_t const shift = state_begin - begin;  // state index of a flat index
   auto const run = [&](std::int64_t b, std::int64_t e, float decay) {
     if (b >= e) return;
-    ops::adamw_update(params.slice(b, e), grads.slice(b, e), m_.slice(b + shift, e + shift), v_.slice(b + shift, e + shift), options_.lr * lr_scale,
-                      options_.beta1, options_.beta2, options_.eps, decay, steps(), stream);
+    ops::adamw_update(params.slice(b, e), grads.slice(b, e), m_.slice(b + shift, e + shift),
+                      v_.slice(b + shift, e + shift), options_.lr * lr_scale, options_.beta1, options_.beta2,
+                      options_.eps, decay, steps(), stream);
   };
   if (options_.decay_ranges.empty()) {
     run(begin, end, options_.weight_decay);

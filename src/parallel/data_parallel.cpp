@@ -123,8 +123,9 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
     throw Error(Errc::invalid_argument,
                 "DataParallel: clip_norm " + std::to_string(options.clip_norm) + " (expected 0 for no clipping, or a finite norm > 0)");
   if (options.zero_stage < 0 || options.zero_stage > 1)
-    throw Error(Errc::invalid_argument, "DataParallel: zero_stage " + std::to_string(options.zero_stage) +
-                                            " (expected 0, replicated update, or 1, sharded update and optimizer state)");
+    throw Error(Errc::invalid_argument,
+                "DataParallel: zero_stage " + std::to_string(options.zero_stage) +
+                    " (expected 0, replicated update, or 1, sharded update and optimizer state)");
   if (!make_optimizer)
     throw Error(Errc::invalid_argument, "DataParallel without an optimizer factory (expected a function that makes an optimizer)");
   if (options.request && options.make_communicator)

@@ -158,7 +158,8 @@ io::TrainingState DataParallel::load(std::filesystem::path const& path) {
   im.group->synchronize();
   io::Checkpoint const checkpoint = io::Checkpoint::load(path);
   Impl::Saved const saved = im.verify_state(checkpoint, path.string());
-  im.sync->gather_optimizer_state(im.optimizers());  // whole on every rank, as the file's; sharded again by the next step
+  // Every rank's optimizer state whole, as the file holds it (sharded again by the next step).
+  im.sync->gather_optimizer_state(im.optimizers());
   io::TrainingState state;
   for (std::size_t r = 0; r < im.state.size(); ++r) {
     int const rank = static_cast<int>(r);

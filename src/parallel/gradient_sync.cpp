@@ -289,12 +289,14 @@ void GradientSync::synchronize() {
 }
 
 void GradientSync::gather_optimizer_state(std::vector<optim::Optimizer*> const& optimizers) {
-  if (std::all_of(optimizers.begin(), optimizers.end(), [](optim::Optimizer const* o) { return o->owned().empty(); })) return;
+  if (std::all_of(optimizers.begin(), optimizers.end(), [](optim::Optimizer const* o) { return o->owned().empty(); }))
+    return;
   int const n = comm_->size();
   group_.run([&](int local, Device, Stream& stream) {
     int const rank = comm_->first_rank() + local;
     optim::Optimizer& optimizer = *optimizers[static_cast<std::size_t>(local)];
-    optimizer.shard_state(ranks_[static_cast<std::size_t>(local)]->model_.master_parameters(), {}, group_.allocator(local), stream);
+    optimizer.shard_state(ranks_[static_cast<std::size_t>(local)]->model_.master_parameters(), {},
+                          group_.allocator(local), stream);
     for (auto const& named : optimizer.state()) {
       for (std::size_t b = 0; b < buckets_.size(); ++b) {
         std::int64_t const block = blocks_[b];

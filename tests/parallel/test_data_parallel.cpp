@@ -563,8 +563,8 @@ class FailingUpdate final : public mgpu::optim::Optimizer {
   }
 
  private:
-  void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, std::int64_t /*state_begin*/,
-                     mgpu::Stream& stream, float lr_scale) override {
+  void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end,
+                     std::int64_t /*state_begin*/, mgpu::Stream& stream, float lr_scale) override {
     if (*armed_ && ++ranges_ == 2) {
       stream.synchronize();
       throw mgpu::Error(mgpu::Errc::invalid_argument, "FailingUpdate: refuses a second range");

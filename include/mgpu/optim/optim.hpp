@@ -54,11 +54,12 @@ class Optimizer {
   void set_steps(std::int64_t steps) noexcept { steps_ = steps; }
 
   /// Keeps state only for the elements of `owned` ([begin, end) ranges of the flat buffers of
-  /// `params`, sorted, not overlapping, empty ones allowed), or, with none, for every element. State
-  /// already allocated is laid out anew on `stream`: the values of elements in both layouts are
-  /// kept, the others start at zero. Throws Error(invalid_argument) for ranges outside `params`,
-  /// unsorted or overlapping.
-  void shard_state(Tensor const& params, std::vector<std::pair<std::int64_t, std::int64_t>> owned, Allocator& allocator, Stream& stream);
+  /// `params`, sorted, not overlapping, empty ones allowed), or, with no non-empty one, for every
+  /// element. State already allocated is laid out anew on `stream`: the values of elements in both
+  /// layouts are kept, the others start at zero. Throws Error(invalid_argument) for ranges outside
+  /// `params`, unsorted or overlapping.
+  void shard_state(Tensor const& params, std::vector<std::pair<std::int64_t, std::int64_t>> owned, Allocator& allocator,
+                   Stream& stream);
   /// The owned ranges (non-empty ones, adjacent ones merged); empty when the state is whole.
   [[nodiscard]] std::vector<std::pair<std::int64_t, std::int64_t>> const& owned() const noexcept { return owned_; }
   /// Values per state buffer for `params`: its elements, or the owned ones after shard_state().
@@ -67,8 +68,8 @@ class Optimizer {
  protected:
   /// update() over its checked range: the slices [begin, end) of params and grads, and of each
   /// state buffer the as many values from `state_begin` (begin itself when the state is whole).
-  virtual void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, std::int64_t state_begin,
-                             Stream& stream, float lr_scale) = 0;
+  virtual void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end,
+                             std::int64_t state_begin, Stream& stream, float lr_scale) = 0;
   /// Drops the state buffers (shard_state() then allocates them in the new layout).
   virtual void reset_state() = 0;
 
@@ -89,8 +90,8 @@ class SGD final : public Optimizer {
   [[nodiscard]] Tensor const& velocity() const noexcept { return velocity_; }
 
  private:
-  void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, std::int64_t state_begin,
-                     Stream& stream, float lr_scale) override;
+  void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end,
+                     std::int64_t state_begin, Stream& stream, float lr_scale) override;
   void reset_state() override;
 
   SgdOptions options_;
@@ -119,8 +120,8 @@ class AdamW final : public Optimizer {
   std::vector<NamedTensor> prepare_state(Tensor const& params, Allocator& allocator, Stream& stream) override;
 
  private:
-  void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, std::int64_t state_begin,
-                     Stream& stream, float lr_scale) override;
+  void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end,
+                     std::int64_t state_begin, Stream& stream, float lr_scale) override;
   void reset_state() override;
 
   AdamWOptions options_;
