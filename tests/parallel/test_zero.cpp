@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <mgpu/core/memory.hpp>
@@ -203,6 +205,69 @@ TEST_CASE("zero_stage 1 keeps on each device the optimizer state of its owned el
       }
     }
   }
+}
+
+TEST_CASE("A zero_stage 1 checkpoint holds the whole optimizer state and resumes on other device counts and stages",
+          "[parallel][dp][zero][io]") {
+  auto const dir = std::filesystem::temp_directory_path() / "mgpu_zero_checkpoint_test";
+  std::filesystem::create_directories(dir);
+  Env env;
+  std::vector<Tensor> xs, ys;
+  for (int s = 0; s < 6; ++s) {
+    auto [x, y] = env.clusters(23, 60 + static_cast<unsigned>(s));
+    xs.push_back(x);
+    ys.push_back(y);
+  }
+  auto const make = [](mgpu::DeviceGroup& group, int stage) {
+    DataParallelOptions options;
+    options.zero_stage = stage;
+    options.clip_norm = 0.2f;
+    options.first_bucket_cap_bytes = 64;
+    options.bucket_cap_bytes = 300;
+    return std::make_unique<DataParallel>(nn::Sequential::mlp({2, 24, 17, 3}), group,
+                                          mgpu::optim::AdamW({.lr = 0.02f, .weight_decay = 0.1f}), options);
+  };
+  auto const whole_state = [](DataParallel& dp) {
+    std::vector<float> all;
+    for (auto const& [name, tensor] : dp.optimizer(0).state()) {
+      std::vector<float> const v = host_values(tensor, dp.group().stream(0));
+      all.insert(all.end(), v.begin(), v.end());
+    }
+    return all;
+  };
+  // Straight through at stage 1 on 3 devices; and the same run saved after 3 steps, at each stage.
+  mgpu::DeviceGroup three("host:3");
+  std::vector<float> straight;
+  {
+    auto dp = make(three, 1);
+    for (int s = 0; s < 6; ++s) dp->step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
+    straight = host_values(dp->replica(0).master_parameters(), three.stream(0));
+  }
+  for (int const stage : {0, 1}) {
+    auto dp = make(three, stage);
+    for (int s = 0; s < 3; ++s) dp->step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
+    dp->save(dir / ("stage" + std::to_string(stage) + ".ckpt"), {.step = 3});
+  }
+  // Loaded on 2 devices at stage 0 (every rank loads the whole state): the stage 1 file holds the
+  // state that the stage 0 run kept whole on every rank.
+  std::vector<std::vector<float>> states;
+  mgpu::DeviceGroup two("host:2");
+  for (int const stage : {0, 1}) {
+    auto dp = make(two, 0);
+    dp->load(dir / ("stage" + std::to_string(stage) + ".ckpt"));
+    states.push_back(whole_state(*dp));
+  }
+  CHECK(worst_relative(states[1], states[0], 1e-6) <= 1e-3);
+  // Resumed on 2 devices at stage 0 and on 4 at stage 1: the straight run's weights.
+  mgpu::DeviceGroup four("host:4");
+  for (auto const& [group, stage] : {std::pair{&two, 0}, std::pair{&four, 1}}) {
+    CAPTURE(group->size(), stage);
+    auto dp = make(*group, stage);
+    CHECK(dp->load(dir / "stage1.ckpt").step == 3);
+    for (int s = 3; s < 6; ++s) dp->step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
+    CHECK(worst_relative(host_values(dp->replica(0).master_parameters(), group->stream(0)), straight, 1) <= 1e-5);
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("DataParallel refuses a zero_stage outside 0..1", "[parallel][dp][zero]") {
