@@ -67,7 +67,7 @@ struct Trainer {
       : group(spec), dp(mgpu::nn::Sequential::mlp(widths), group, mgpu::optim::SGD({.lr = 0.01f, .momentum = 0.9f}), [&] {
           mgpu::parallel::DataParallelOptions o;
           o.overlap = overlap;
-          o.shard_update = shard;
+          o.zero_stage = shard ? 1 : 0;
           return o;
         }()) {}
   // Seconds per step over `steps` steps on rows [first, first + rows) of each batch, and the mean

@@ -18,7 +18,10 @@
 // weight decay on the weight matrices only. The layout:
 //   one device                  nn::train_step
 //   --dp N (or N --devices)     parallel::DataParallel: replicas all-reduce their gradients in
-//                               buckets while backward goes on
+//     [--zero 0|1]              buckets while backward goes on; --zero 1 (the default) reduce-
+//                               scatters them instead, each replica updating 1/N of the weights and
+//                               keeping their AdamW state only (ZeRO-1), 0 updates every weight
+//                               everywhere
 //   --schedule S --stages K     pipeline::Executor: the model cut into K stages (x --chunks per
 //     [--micro-batches M]       device for interleaved) by each layer's forward + backward FLOPs,
 //     [--dp N]                  M micro-batches per step, N pipeline replicas (a data x pipeline
@@ -77,6 +80,7 @@ struct Options {
   std::string schedule;  // empty: data parallel (or one device), unless --stages > 1 (then 1f1b)
   int stages = 1, micro_batches = 1, dp = 1, chunks = 2;
   int tp = 1;  // tensor-parallel ranks
+  int zero = 1;  // DataParallelOptions::zero_stage
   std::string trace;
   std::string precision = "fp32";
   std::string checkpoint;
@@ -216,6 +220,9 @@ void set_parameters(mgpu::nn::Sequential& model, std::vector<float> const& value
 void check_layout(Options const& o, bool pipelined, mgpu::DeviceGroup const& group) {
   auto const refuse = [](std::string const& what) { throw mgpu::Error(mgpu::Errc::invalid_argument, what); };
   auto const size = static_cast<int>(group.size());
+  if (o.zero < 0 || o.zero > 1)
+    refuse("--zero " + std::to_string(o.zero) + " (expected 0, the replicated update, or 1, ZeRO-1: the sharded update and "
+           "optimizer state)");
   if (o.tp > 1) {
     if (pipelined || o.dp != 1)
       refuse("--tp " + std::to_string(o.tp) + " with " + (pipelined ? "a pipeline" : "--dp " + std::to_string(o.dp)) +
@@ -341,6 +348,7 @@ int run(Options o) {
     options.seed = o.seed;
     options.compute = examples::precision(o.precision);
     options.clip_norm = o.clip;
+    options.zero_stage = o.zero;
     if (o.precision == "fp16") options.loss_scaler.emplace();
     options.loss = std::make_shared<mgpu::nn::TokenCrossEntropy>();
     options.timeline = timeline;
@@ -564,13 +572,13 @@ int run(Options o) {
     std::printf(
         "{\"tokens_per_s\": %.6g, \"train_loss\": %.6g, \"val_loss\": %.6g, \"params\": %lld, \"devices\": [%s], "
         "\"iters\": %lld, \"peak_bytes\": [%s], \"precision\": \"%s\", \"eval_windows\": %lld, \"schedule\": \"%s\", "
-        "\"stages\": %d, \"micro_batches\": %d, \"dp\": %d, \"recompute\": \"%s\", \"tp\": %d}\n",
+        "\"stages\": %d, \"micro_batches\": %d, \"dp\": %d, \"recompute\": \"%s\", \"tp\": %d, \"zero\": %d}\n",
         tokens_per_s, std::isnan(train_loss) ? -1.0 : train_loss, val_loss, static_cast<long long>(net.parameter_count()),
         devices.c_str(), static_cast<long long>(state.step), peaks.c_str(), o.precision.c_str(),
         static_cast<long long>(eval_windows),
         pipeline ? pipeline->schedule().name.c_str() : parallel ? "data-parallel" : tensor ? "tensor-parallel" : "none",
         pipeline ? o.stages : 1, pipeline ? pipeline->schedule().micro_batches : 1, parallel ? static_cast<int>(group.size()) : o.dp,
-        o.recompute.c_str(), o.tp);
+        o.recompute.c_str(), o.tp, parallel ? o.zero : 0);
   } else {
     std::printf("final: train loss %.4f, val loss %.4f, %.0f tokens/s on %s\n", train_loss, val_loss, tokens_per_s,
                 o.devices.c_str());
@@ -645,6 +653,9 @@ int main(int argc, char** argv) {
   app.add_option("--tp", o.tp,
                  "tensor-parallel devices: each transformer block split across them (n_head divisible by it)")
       ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--zero", o.zero,
+                 "ZeRO stage of data parallelism: 1 shards the update and the optimizer state, 0 replicates them")
       ->capture_default_str();
   app.add_option("--trace", o.trace, "write the last step's timeline (Chrome/Perfetto JSON) here");
   app.add_option("--precision", o.precision, "fp32 | bf16 | fp16 (16-bit compute, float32 master weights)")

@@ -24,7 +24,7 @@ void Optimizer::begin_step(Tensor const& params, Allocator& allocator, Stream& s
 void Optimizer::update(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
                        float lr_scale) {
   auto const buffers = state();
-  if (steps_ == 0 || buffers.empty() || buffers.front().second.numel() != params.numel())
+  if (steps_ == 0 || buffers.empty() || buffers.front().second.numel() != state_elements(params))
     throw Error(Errc::invalid_argument, name() + " update of " + std::to_string(params.numel()) +
                                             " parameters without a step begun for them (expected begin_step(params, ...) first)");
   if (grads.numel() != params.numel() || params.rank() != 1 || grads.rank() != 1)
@@ -33,31 +33,112 @@ void Optimizer::update(Tensor const& params, Tensor const& grads, std::int64_t b
   if (begin < 0 || begin > end || end > params.numel())
     throw Error(Errc::invalid_argument, name() + " update of [" + std::to_string(begin) + ", " + std::to_string(end) +
                                             ") (expected a range within [0, " + std::to_string(params.numel()) + "))");
-  update_slices(params, grads, begin, end, stream, lr_scale);
+  if (owned_.empty()) {
+    update_slices(params, grads, begin, end, begin, stream, lr_scale);
+    return;
+  }
+  // The owned range holding [begin, end), and where its state starts in the packed buffers.
+  std::int64_t state_begin = 0;
+  for (auto const& [b, e] : owned_) {
+    if (begin >= b && end <= e) {
+      update_slices(params, grads, begin, end, state_begin + (begin - b), stream, lr_scale);
+      return;
+    }
+    state_begin += e - b;
+  }
+  throw Error(Errc::invalid_argument,
+              name() + " update of [" + std::to_string(begin) + ", " + std::to_string(end) +
+                  ") outside the owned ranges of its sharded state (expected a range within one of them)");
+}
+
+std::int64_t Optimizer::state_elements(Tensor const& params) const noexcept {
+  if (owned_.empty()) return params.numel();
+  std::int64_t n = 0;
+  for (auto const& [b, e] : owned_) n += e - b;
+  return n;
+}
+
+void Optimizer::shard_state(Tensor const& params, std::vector<std::pair<std::int64_t, std::int64_t>> owned,
+                            Allocator& allocator, Stream& stream) {
+  using Ranges = std::vector<std::pair<std::int64_t, std::int64_t>>;
+  Ranges layout;
+  std::int64_t previous_end = 0;
+  for (auto const& [b, e] : owned) {
+    if (b < previous_end || e < b || e > params.numel())
+      throw Error(Errc::invalid_argument,
+                  name() + " state sharded to [" + std::to_string(b) + ", " + std::to_string(e) +
+                      ") after a range ending at " + std::to_string(previous_end) +
+                      " (expected sorted, non-overlapping ranges within [0, " + std::to_string(params.numel()) + "))");
+    previous_end = e;
+    if (b == e) continue;
+    if (!layout.empty() && layout.back().second == b) {
+      layout.back().second = e;
+    } else {
+      layout.emplace_back(b, e);
+    }
+  }
+  if (layout == Ranges{{0, params.numel()}}) layout.clear();  // whole
+  if (layout == owned_) return;
+  std::vector<NamedTensor> const before = state();
+  auto const ranges = [&](Ranges const& r) { return r.empty() ? Ranges{{0, params.numel()}} : r; };  // empty: whole
+  Ranges const old_layout = ranges(owned_);
+  owned_ = std::move(layout);
+  if (before.empty()) return;  // allocated in the new layout on first use
+  reset_state();
+  std::vector<NamedTensor> const after = prepare_state(params, allocator, stream);
+  Ranges const new_layout = ranges(owned_);
+  // Copy what both layouts hold: walk the two sorted lists of ranges with their packed offsets.
+  std::size_t i = 0, j = 0;
+  std::int64_t at_old = 0, at_new = 0;
+  while (i < old_layout.size() && j < new_layout.size()) {
+    auto const [ob, oe] = old_layout[i];
+    auto const [nb, ne] = new_layout[j];
+    std::int64_t const lo = std::max(ob, nb), hi = std::min(oe, ne);
+    if (lo < hi) {
+      for (std::size_t k = 0; k < after.size(); ++k)
+        copy_async(after[k].second.slice(at_new + (lo - nb), at_new + (hi - nb)),
+                   before[k].second.slice(at_old + (lo - ob), at_old + (hi - ob)), stream);
+    }
+    if (oe <= ne) {
+      at_old += oe - ob;
+      ++i;
+    } else {
+      at_new += ne - nb;
+      ++j;
+    }
+  }
 }
 
 std::vector<NamedTensor> SGD::prepare_state(Tensor const& params, Allocator& allocator, Stream& stream) {
-  if (!velocity_.defined()) velocity_ = ops::zeros(params.shape(), allocator, stream);
+  if (!velocity_.defined()) velocity_ = ops::zeros({state_elements(params)}, allocator, stream);
   return state();
 }
+
+void SGD::reset_state() { velocity_ = Tensor{}; }
 
 std::vector<NamedTensor> SGD::state() const {
   if (!velocity_.defined()) return {};
   return {{"velocity", velocity_}};
 }
 
-void SGD::update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
-                        float lr_scale) {
-  ops::sgd_update(params.slice(begin, end), grads.slice(begin, end), velocity_.slice(begin, end), options_.lr * lr_scale,
+void SGD::update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end,
+                        std::int64_t state_begin, Stream& stream, float lr_scale) {
+  Tensor const velocity = velocity_.slice(state_begin, state_begin + (end - begin));
+  ops::sgd_update(params.slice(begin, end), grads.slice(begin, end), velocity, options_.lr * lr_scale,
                   options_.momentum, options_.weight_decay, options_.nesterov, stream);
 }
 
 std::vector<NamedTensor> AdamW::prepare_state(Tensor const& params, Allocator& allocator, Stream& stream) {
   if (!m_.defined()) {
-    m_ = ops::zeros(params.shape(), allocator, stream);
-    v_ = ops::zeros(params.shape(), allocator, stream);
+    m_ = ops::zeros({state_elements(params)}, allocator, stream);
+    v_ = ops::zeros({state_elements(params)}, allocator, stream);
   }
   return state();
+}
+
+void AdamW::reset_state() {
+  m_ = Tensor{};
+  v_ = Tensor{};
 }
 
 std::vector<NamedTensor> AdamW::state() const {
@@ -76,12 +157,14 @@ AdamW::AdamW(AdamWOptions options) : options_(std::move(options)) {
   }
 }
 
-void AdamW::update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
-                          float lr_scale) {
+void AdamW::update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end,
+                          std::int64_t state_begin, Stream& stream, float lr_scale) {
+  std::int64_t const shift = state_begin - begin;  // state index of a flat index
   auto const run = [&](std::int64_t b, std::int64_t e, float decay) {
     if (b >= e) return;
-    ops::adamw_update(params.slice(b, e), grads.slice(b, e), m_.slice(b, e), v_.slice(b, e), options_.lr * lr_scale,
-                      options_.beta1, options_.beta2, options_.eps, decay, steps(), stream);
+    ops::adamw_update(params.slice(b, e), grads.slice(b, e), m_.slice(b + shift, e + shift),
+                      v_.slice(b + shift, e + shift), options_.lr * lr_scale, options_.beta1, options_.beta2,
+                      options_.eps, decay, steps(), stream);
   };
   if (options_.decay_ranges.empty()) {
     run(begin, end, options_.weight_decay);

@@ -122,6 +122,10 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
   if (!(options.clip_norm == 0 || (options.clip_norm > 0 && std::isfinite(options.clip_norm))))
     throw Error(Errc::invalid_argument,
                 "DataParallel: clip_norm " + std::to_string(options.clip_norm) + " (expected 0 for no clipping, or a finite norm > 0)");
+  if (options.zero_stage < 0 || options.zero_stage > 1)
+    throw Error(Errc::invalid_argument,
+                "DataParallel: zero_stage " + std::to_string(options.zero_stage) +
+                    " (expected 0, replicated update, or 1, sharded update and optimizer state)");
   if (!make_optimizer)
     throw Error(Errc::invalid_argument, "DataParallel without an optimizer factory (expected a function that makes an optimizer)");
   if (options.request && options.make_communicator)
@@ -312,6 +316,7 @@ std::vector<nn::StepResult> DataParallel::Impl::run_ranks(ShardPlan const& plan,
     step.rank = first + ranks[r];
     st.start.record(stream);
     try {
+      if (synced && !accumulate_only) rank_sync.shard_optimizer_state(*st.optimizer, ctx.allocator, stream);
       results[r] = nn::train_step(st.model, *st.optimizer, xs[r], ys[r], *options.loss, ctx, step);
       if (!synced || accumulate_only) st.stop.record(stream);  // else the sync's backward_end()
       stream.synchronize();

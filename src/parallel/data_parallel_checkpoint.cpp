@@ -158,6 +158,8 @@ io::TrainingState DataParallel::load(std::filesystem::path const& path) {
   im.group->synchronize();
   io::Checkpoint const checkpoint = io::Checkpoint::load(path);
   Impl::Saved const saved = im.verify_state(checkpoint, path.string());
+  // Every rank's optimizer state whole, as the file holds it (sharded again by the next step).
+  im.sync->gather_optimizer_state(im.optimizers());
   io::TrainingState state;
   for (std::size_t r = 0; r < im.state.size(); ++r) {
     int const rank = static_cast<int>(r);
@@ -166,7 +168,6 @@ io::TrainingState DataParallel::load(std::filesystem::path const& path) {
   }
   im.restore_state(saved);
   im.broken.clear();
-  im.sync->forget_scattered_state();  // every rank loaded the whole state
   return state;
 }
 

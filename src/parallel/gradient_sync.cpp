@@ -193,7 +193,6 @@ void RankSync::gather_bucket(std::size_t bucket, Stream& stream) {
   } else {
     gather();
   }
-  sync_.state_scattered_.store(true, std::memory_order_relaxed);
 }
 
 std::vector<nn::OwnedRange> RankSync::owned() const {
@@ -211,6 +210,14 @@ std::vector<nn::OwnedRange> RankSync::owned() const {
     out.push_back({bucket.begin + n * block, bucket.end, rank_ == 0});  // the leftovers, maybe none
   }
   return out;
+}
+
+void RankSync::shard_optimizer_state(optim::Optimizer& optimizer, Allocator& allocator, Stream& stream) const {
+  std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
+  for (nn::OwnedRange const& r : owned()) ranges.emplace_back(r.begin, r.end);
+  if (ranges.empty()) return;
+  std::sort(ranges.begin(), ranges.end());  // buckets run last layers first
+  optimizer.shard_state(model_.master_parameters(), std::move(ranges), allocator, stream);
 }
 
 void RankSync::sum_over_ranks(Tensor const& values, Stream& compute) {
@@ -251,7 +258,7 @@ GradientSync::GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, Data
   for (int r = 0; r < n; ++r) trace_ranks_[static_cast<std::size_t>(r)] = r;
   for (std::size_t l = 0; l < trace_ranks.size(); ++l)
     trace_ranks_[static_cast<std::size_t>(first) + l] = first + trace_ranks[l];
-  if (options.shard_update && n > 1) {
+  if (options.zero_stage >= 1 && n > 1) {
     for (std::size_t b = 0; b < buckets_.size(); ++b) blocks_[b] = buckets_[b].size() / n;
   }
   if (hook_) {
@@ -282,11 +289,15 @@ void GradientSync::synchronize() {
 }
 
 void GradientSync::gather_optimizer_state(std::vector<optim::Optimizer*> const& optimizers) {
-  if (!state_scattered_.load(std::memory_order_relaxed)) return;
+  if (std::all_of(optimizers.begin(), optimizers.end(), [](optim::Optimizer const* o) { return o->owned().empty(); }))
+    return;
   int const n = comm_->size();
   group_.run([&](int local, Device, Stream& stream) {
     int const rank = comm_->first_rank() + local;
-    for (auto const& named : optimizers[static_cast<std::size_t>(local)]->state()) {
+    optim::Optimizer& optimizer = *optimizers[static_cast<std::size_t>(local)];
+    optimizer.shard_state(ranks_[static_cast<std::size_t>(local)]->model_.master_parameters(), {},
+                          group_.allocator(local), stream);
+    for (auto const& named : optimizer.state()) {
       for (std::size_t b = 0; b < buckets_.size(); ++b) {
         std::int64_t const block = blocks_[b];
         if (block == 0) continue;
@@ -296,7 +307,6 @@ void GradientSync::gather_optimizer_state(std::vector<optim::Optimizer*> const& 
     }
   });
   group_.synchronize();
-  state_scattered_.store(false, std::memory_order_relaxed);
 }
 
 bool GradientSync::copy_hook_state(Tensor const& rows) {

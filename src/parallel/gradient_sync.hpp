@@ -49,6 +49,9 @@ class RankSync final : public nn::GradientSync {
   void sum_over_ranks(Tensor const& values, Stream& compute) override;
   /// All-gathers every bucket's updated blocks on `compute` and refreshes their compute-type copies.
   void gather_updated(Stream& compute) override;
+  /// With the sharded update, lays out `optimizer`'s state for this rank's owned elements only
+  /// (optim::Optimizer::shard_state), on `stream`; nothing when the state is already so.
+  void shard_optimizer_state(optim::Optimizer& optimizer, Allocator& allocator, Stream& stream) const;
 
   /// The stream the buckets are reduced (and updated) on.
   [[nodiscard]] Stream& comm_stream() noexcept { return comm_stream_; }
@@ -110,11 +113,10 @@ class GradientSync {
   /// Waits for every communication stream; throws the first error.
   void synchronize();
 
-  /// Gathers every rank's blocks of every optimizer state buffer (optimizers[rank]'s) to every
-  /// rank, where the sharded update left each rank's state current in its own blocks only.
+  /// Makes every optimizer's state (optimizers[rank]'s) whole again where the sharded update left
+  /// each rank holding the state of its own elements only: each lays its state out over every
+  /// parameter and the blocks are all-gathered to every rank.
   void gather_optimizer_state(std::vector<optim::Optimizer*> const& optimizers);
-  /// Every rank's optimizer state is whole again (each loaded it entire).
-  void forget_scattered_state() noexcept { state_scattered_.store(false, std::memory_order_relaxed); }
 
   /// With a comm hook: enqueues on each rank's default stream the copy of the hook's state for
   /// every bucket into that rank's row of `rows` (float32 [ranks x parameters], flat), leaving the
@@ -141,7 +143,6 @@ class GradientSync {
   std::unique_ptr<comm::Communicator> make_comm();
   std::unique_ptr<comm::Communicator> comm_;  // before ranks_, whose streams run collectives on it
   std::vector<std::unique_ptr<RankSync>> ranks_;
-  std::atomic<bool> state_scattered_{false};  // some optimizer state is current only in its owner's blocks
 };
 
 }  // namespace mgpu::parallel::detail

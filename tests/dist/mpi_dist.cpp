@@ -430,7 +430,7 @@ void test_data_parallel(Setup const& s) {
     mgpu::parallel::DataParallelOptions options;
     options.bucket_cap_bytes = options.first_bucket_cap_bytes = 4;  // a bucket per layer
     options.overlap = c.overlap;
-    options.shard_update = c.shard_update;
+    options.zero_stage = c.shard_update ? 1 : 0;
     options.clip_norm = c.clip_norm;
     options.comm.timeout = 60s;
     mgpu::optim::AdamW const adamw(mgpu::optim::AdamWOptions{.lr = 0.01f});

@@ -3,7 +3,8 @@
 # split), a tiny model: the validation loss falls; a run resumed from its checkpoint ends with the
 # uninterrupted run's losses to the last printed digit; --save-llmc then --init-from --eval-only
 # gives the trained model's validation loss; --sample prints text; data parallel over host:2 and
-# host:3 (uneven shards of the 4 sequences) follows the one-device run's losses, and resumes; so
+# host:3 (uneven shards of the 4 sequences) follows the one-device run's losses, and resumes, with
+# --zero 0 as with the default ZeRO-1; so
 # do the pipeline schedules (1F1B, interleaved, ZB-H1, GPipe, layer split) and a data x pipeline
 # grid, and resume (on their layout, and from a data-parallel checkpoint); so does tensor
 # parallelism (--tp 2), which also starts from an llm.c model file; --recompute selective and full
@@ -61,6 +62,14 @@ for key in train_loss val_loss; do
   [ "$(field $key "$dir/dp-resumed.json")" = "$(field $key "$dir/dp2.json")" ] ||
     fail "$key $(field $key "$dir/dp-resumed.json") after resuming on host:2 (expected $(field $key "$dir/dp2.json"))"
 done
+# --zero 0 (every replica updates every weight and keeps the whole AdamW state) against the
+# default --zero 1 (ZeRO-1): the same losses within float32 rounding.
+"$exe" "${common[@]}" --iters 40 --devices host:2 --zero 0 > "$dir/dp-zero0.json" 2> /dev/null
+for key in train_loss val_loss; do
+  close "$(field $key "$dir/dp-zero0.json")" "$(field $key "$dir/dp2.json")" ||
+    fail "$key $(field $key "$dir/dp-zero0.json") with --zero 0 (expected $(field $key "$dir/dp2.json") as with --zero 1)"
+done
+[ "$(field zero "$dir/dp2.json")" = 1 ] && [ "$(field zero "$dir/dp-zero0.json")" = 0 ] || fail "zero in the JSON lines: $(cat "$dir/dp2.json" "$dir/dp-zero0.json")"
 
 # Pipelined: the one-device losses within float32 rounding, every schedule and a 2 x 2 grid; the
 # plan names each chunk's layers; --trace writes the last step's actions of both devices.
@@ -134,7 +143,7 @@ done
 [ "$(field val_loss "$dir/tp-llmc.json")" = "$end" ] || fail "val loss $(field val_loss "$dir/tp-llmc.json") from --init-from with --tp 2 (expected $end)"
 
 # Refused: micro-batches without a pipeline, a layout that does not match the devices, --dp
-# other than the device count, --tp not dividing the heads or with --dp, a damaged model file, more validation windows than the data holds.
+# other than the device count, --tp not dividing the heads or with --dp, a ZeRO stage other than 0 or 1, a damaged model file, more validation windows than the data holds.
 expect_error() {
   local message=$1
   shift
@@ -148,6 +157,7 @@ expect_error "--devices host:3 has 3 devices (expected --stages x --dp = 4)" "${
 expect_error "--dp 3 with --devices host:2 (expected the number of devices, 2" "${common[@]}" --devices host:2 --dp 3
 expect_error "2 heads over 3 tensor-parallel ranks (expected a group size dividing n_head)" "${common[@]}" --tp 3
 expect_error "--tp 2 with --dp 2 (expected tensor parallelism alone" "${common[@]}" --tp 2 --dp 2
+expect_error "--zero 2 (expected 0, the replicated update, or 1" "${common[@]}" --devices host:2 --zero 2
 head -c 2000 "$dir/model.bin" > "$dir/short.bin"
 expect_error "short.bin:byte 2000: truncated" "${common[@]}" --init-from "$dir/short.bin"
 expect_error "over 39996 windows (expected 1 to the" "${common[@]}" --eval-only --eval-iters 9999

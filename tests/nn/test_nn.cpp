@@ -269,6 +269,75 @@ TEST_CASE("Optimizer updates by range equal one whole step", "[optim]") {
   REQUIRE_MGPU_ERROR(fresh.update(p, p, 5, 11, env.stream), mgpu::Errc::invalid_argument, "expected a range within [0, 10)");
 }
 
+TEST_CASE(
+    "Optimizer state sharded to owned ranges updates them as the whole state does, and lays out anew keeping values",
+    "[optim]") {
+  Env env;
+  using Ranges = std::vector<std::pair<std::int64_t, std::int64_t>>;
+  for (int const kind : {0, 1}) {
+    auto const make = [kind]() -> std::unique_ptr<mgpu::optim::Optimizer> {
+      if (kind == 0)
+        return std::make_unique<mgpu::optim::SGD>(
+            mgpu::optim::SgdOptions{.lr = 0.1f, .momentum = 0.9f, .weight_decay = 0.01f});
+      return std::make_unique<mgpu::optim::AdamW>(
+          mgpu::optim::AdamWOptions{.lr = 0.01f, .weight_decay = 0.1f, .decay_ranges = {{2, 9}}});
+    };
+    auto whole = make();
+    auto sharded = make();
+    INFO(whole->name());
+    Tensor p1 = env.random({12}, 1);
+    Tensor p2 = env.random({12}, 1);
+    // Owned: [1, 4) and [4, 5) (adjacent: merged), [8, 12); an empty range; the rest is another rank's.
+    sharded->shard_state(p2, {{1, 4}, {4, 5}, {6, 6}, {8, 12}}, *env.allocator, env.stream);
+    CHECK(sharded->owned() == Ranges{{1, 5}, {8, 12}});
+    CHECK(sharded->state_elements(p2) == 8);
+    for (unsigned step = 0; step < 3; ++step) {
+      Tensor g = env.random({12}, 10 + step);
+      whole->step(p1, g, *env.allocator, env.stream);
+      sharded->begin_step(p2, *env.allocator, env.stream);
+      sharded->update(p2, g, 8, 12, env.stream);  // an update range may be part of an owned range
+      sharded->update(p2, g, 1, 3, env.stream);
+      sharded->update(p2, g, 3, 5, env.stream);
+    }
+    env.stream.synchronize();
+    std::vector<double> const a = as_double(p1), b = as_double(p2);
+    for (std::int64_t i : {1, 2, 3, 4, 8, 9, 10, 11})
+      CHECK(b[static_cast<std::size_t>(i)] == a[static_cast<std::size_t>(i)]);
+    for (std::int64_t i : {0, 5, 6, 7})
+      CHECK(b[static_cast<std::size_t>(i)] != a[static_cast<std::size_t>(i)]);  // not owned: not updated
+    auto const packed = sharded->state();
+    REQUIRE(packed.size() == whole->state().size());
+    for (std::size_t s = 0; s < packed.size(); ++s) {
+      std::vector<double> const w = as_double(whole->state()[s].second);
+      CHECK(as_double(packed[s].second) == std::vector<double>{w[1], w[2], w[3], w[4], w[8], w[9], w[10], w[11]});
+    }
+    REQUIRE_MGPU_ERROR(sharded->update(p2, p2, 4, 9, env.stream), mgpu::Errc::invalid_argument,
+                       "expected a range within one of them");
+    // Laid out over every element: the owned values kept in place, the others zero.
+    sharded->shard_state(p2, {}, *env.allocator, env.stream);
+    CHECK(sharded->owned().empty());
+    env.stream.synchronize();
+    for (std::size_t s = 0; s < packed.size(); ++s) {
+      std::vector<double> const w = as_double(whole->state()[s].second), got = as_double(sharded->state()[s].second);
+      REQUIRE(got.size() == 12);
+      for (std::size_t i = 0; i < 12; ++i) CHECK(got[i] == ((i >= 1 && i < 5) || i >= 8 ? w[i] : 0.0));
+    }
+    // And back to a smaller layout: [9, 11) of the whole.
+    sharded->shard_state(p2, {{9, 11}}, *env.allocator, env.stream);
+    env.stream.synchronize();
+    for (std::size_t s = 0; s < packed.size(); ++s) {
+      std::vector<double> const w = as_double(whole->state()[s].second);
+      CHECK(as_double(sharded->state()[s].second) == std::vector<double>{w[9], w[10]});
+    }
+  }
+  mgpu::optim::SGD sgd;
+  Tensor p = env.random({10}, 1);
+  REQUIRE_MGPU_ERROR(sgd.shard_state(p, {{4, 6}, {5, 8}}, *env.allocator, env.stream), mgpu::Errc::invalid_argument,
+                     "expected sorted, non-overlapping ranges within [0, 10)");
+  REQUIRE_MGPU_ERROR(sgd.shard_state(p, {{4, 11}}, *env.allocator, env.stream), mgpu::Errc::invalid_argument,
+                     "state sharded to [4, 11)");
+}
+
 TEST_CASE("classification_step's update inside backward equals the update after it", "[optim][train]") {
   for (auto const& [optimizer, compute] : {std::pair{"sgd", DType::float32}, std::pair{"adamw", DType::float32},
                                            std::pair{"sgd", DType::bfloat16}, std::pair{"adamw", DType::float16}}) {

@@ -246,10 +246,10 @@ TEST_CASE("The sharded update gives bitwise the replicated update's parameters a
     for (int n = 2; n <= 5; ++n) {
       std::vector<std::vector<float>> params, state;
       for (bool const shard : {false, true}) {
-        INFO(n << " devices, shard_update " << shard << (wide ? ", wide model" : ""));
+        INFO(n << " devices, zero_stage " << shard << (wide ? ", wide model" : ""));
         mgpu::DeviceGroup group{"host:" + std::to_string(n)};
         DataParallelOptions options;
-        options.shard_update = shard;
+        options.zero_stage = shard ? 1 : 0;
         options.first_bucket_cap_bytes = 64;
         options.bucket_cap_bytes = 300;
         DataParallel dp(wide ? mgpu::nn::Sequential::mlp({features, 700, 400, classes}) : small_mlp(), group,
@@ -275,12 +275,12 @@ TEST_CASE("With clipping and a loss scaler the sharded update splits the work an
   for (int n = 2; n <= 4; ++n) {
     std::vector<std::vector<float>> params;
     for (bool const shard : {false, true}) {
-      INFO(n << " devices, shard_update " << shard);
+      INFO(n << " devices, zero_stage " << shard);
       mgpu::DeviceGroup group{"host:" + std::to_string(n)};
       auto timeline = std::make_shared<mgpu::trace::Timeline>();
       timeline->enable();
       DataParallelOptions options;
-      options.shard_update = shard;
+      options.zero_stage = shard ? 1 : 0;
       options.first_bucket_cap_bytes = 64;  // buckets of one layer whose lengths do not divide by n
       options.bucket_cap_bytes = 300;
       options.clip_norm = 0.05f;             // clipping at every step
@@ -557,20 +557,21 @@ class FailingUpdate final : public mgpu::optim::Optimizer {
     return {{"unused", unused_}};
   }
   std::vector<mgpu::optim::NamedTensor> prepare_state(Tensor const& params, mgpu::Allocator& allocator, mgpu::Stream& stream) override {
-    if (!unused_.defined()) unused_ = mgpu::ops::zeros({params.numel()}, allocator, stream);
+    if (!unused_.defined()) unused_ = mgpu::ops::zeros({state_elements(params)}, allocator, stream);
     ranges_ = 0;
     return state();
   }
 
  private:
-  void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, mgpu::Stream& stream,
-                     float lr_scale) override {
+  void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end,
+                     std::int64_t /*state_begin*/, mgpu::Stream& stream, float lr_scale) override {
     if (*armed_ && ++ranges_ == 2) {
       stream.synchronize();
       throw mgpu::Error(mgpu::Errc::invalid_argument, "FailingUpdate: refuses a second range");
     }
     mgpu::ops::add_scaled(params.slice(begin, end), grads.slice(begin, end), -0.1f * lr_scale, stream);
   }
+  void reset_state() override { unused_ = Tensor{}; }
   std::shared_ptr<bool> armed_;
   Tensor unused_;
   int ranges_ = 0;
@@ -794,7 +795,7 @@ TEST_CASE("A step that fails once updates have begun says the executor cannot be
   auto const armed = std::make_shared<bool>(false);
   auto const failing = [armed] { return std::unique_ptr<mgpu::optim::Optimizer>(new FailingUpdate(armed)); };
   DataParallelOptions options;
-  options.shard_update = false;
+  options.zero_stage = 0;
   options.first_bucket_cap_bytes = 64;  // the last layer alone, then the others: two update ranges
   mgpu::DeviceGroup group{"host:2"};
   DataParallel dp(small_mlp(), group, failing, options);

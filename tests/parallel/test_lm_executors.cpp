@@ -202,7 +202,7 @@ TEST_CASE("per-token cross-entropy with ignored targets is the global mean over 
   auto const shared = std::make_shared<nn::TokenCrossEntropy const>();
   mgpu::DeviceGroup three("host:3");
   mgpu::parallel::DataParallel dp(nn::gpt(config), three, mgpu::optim::SGD({.lr = 0.1f}),
-                                  {.shard_update = false, .seed = seed, .loss = shared});
+                                  {.zero_stage = 0, .seed = seed, .loss = shared});
   auto const result = dp.step(b.ids, b.targets, 0.0f);
   CHECK(result.rows == std::vector<std::int64_t>{3, 2, 2});
   CHECK(result.loss == Approx(reference).epsilon(1e-6));

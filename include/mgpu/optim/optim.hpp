@@ -25,7 +25,9 @@ struct SgdOptions {
 using NamedTensor = std::pair<std::string, Tensor>;
 
 /// An optimizer over a model's flat float32 master buffers. Its state buffers are allocated on the
-/// first step (or by load_state) in the given allocator, zeroed on the stream.
+/// first step (or by load_state) in the given allocator, zeroed on the stream. By default they hold
+/// one value per parameter; after shard_state() only the elements of the owned ranges (ZeRO-1: a
+/// data-parallel rank keeps the state of the parameters it updates, packed in range order).
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
@@ -38,25 +40,42 @@ class Optimizer {
   /// Applies the step begun last to elements [begin, end) of the flat buffers: the update is
   /// element-wise, so a layer's parameters can be updated as soon as backward has written their
   /// gradients (while those are still in cache). One step's ranges must not overlap and should
-  /// cover every parameter.
+  /// cover every parameter (with shard_state: every owned element; [begin, end) then lies within
+  /// one owned range).
   void update(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
               float lr_scale = 1.0f);
   /// Steps taken so far.
   [[nodiscard]] std::int64_t steps() const noexcept { return steps_; }
   /// The state buffers with their names (none before the first step or prepare_state).
   [[nodiscard]] virtual std::vector<NamedTensor> state() const = 0;
-  /// Allocates the state for `params` (if not yet there) and returns it for filling, e.g. from a
-  /// checkpoint.
+  /// Allocates the state for `params` (if not yet there: state_elements(params) values per buffer)
+  /// and returns it for filling, e.g. from a checkpoint.
   virtual std::vector<NamedTensor> prepare_state(Tensor const& params, Allocator& allocator, Stream& stream) = 0;
   void set_steps(std::int64_t steps) noexcept { steps_ = steps; }
 
+  /// Keeps state only for the elements of `owned` ([begin, end) ranges of the flat buffers of
+  /// `params`, sorted, not overlapping, empty ones allowed), or, with no non-empty one, for every
+  /// element. State already allocated is laid out anew on `stream`: the values of elements in both
+  /// layouts are kept, the others start at zero. Throws Error(invalid_argument) for ranges outside
+  /// `params`, unsorted or overlapping.
+  void shard_state(Tensor const& params, std::vector<std::pair<std::int64_t, std::int64_t>> owned, Allocator& allocator,
+                   Stream& stream);
+  /// The owned ranges (non-empty ones, adjacent ones merged); empty when the state is whole.
+  [[nodiscard]] std::vector<std::pair<std::int64_t, std::int64_t>> const& owned() const noexcept { return owned_; }
+  /// Values per state buffer for `params`: its elements, or the owned ones after shard_state().
+  [[nodiscard]] std::int64_t state_elements(Tensor const& params) const noexcept;
+
  protected:
-  /// update() over its checked range: the slices of params, grads and each state buffer.
-  virtual void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
-                             float lr_scale) = 0;
+  /// update() over its checked range: the slices [begin, end) of params and grads, and of each
+  /// state buffer the as many values from `state_begin` (begin itself when the state is whole).
+  virtual void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end,
+                             std::int64_t state_begin, Stream& stream, float lr_scale) = 0;
+  /// Drops the state buffers (shard_state() then allocates them in the new layout).
+  virtual void reset_state() = 0;
 
  private:
   std::int64_t steps_ = 0;
+  std::vector<std::pair<std::int64_t, std::int64_t>> owned_;
 };
 
 /// SGD with momentum (PyTorch's formulation: v = m v + g + wd p; p -= lr (v, or g + m v with
@@ -71,8 +90,9 @@ class SGD final : public Optimizer {
   [[nodiscard]] Tensor const& velocity() const noexcept { return velocity_; }
 
  private:
-  void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
-                     float lr_scale) override;
+  void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end,
+                     std::int64_t state_begin, Stream& stream, float lr_scale) override;
+  void reset_state() override;
 
   SgdOptions options_;
   Tensor velocity_;
@@ -100,8 +120,9 @@ class AdamW final : public Optimizer {
   std::vector<NamedTensor> prepare_state(Tensor const& params, Allocator& allocator, Stream& stream) override;
 
  private:
-  void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
-                     float lr_scale) override;
+  void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end,
+                     std::int64_t state_begin, Stream& stream, float lr_scale) override;
+  void reset_state() override;
 
   AdamWOptions options_;
   Tensor m_, v_;

@@ -91,17 +91,22 @@ struct DataParallelOptions {
   /// Reduce each bucket as soon as its gradients are written, on a communication stream, and
   /// update it there while earlier layers are still in backward. Off: reduce after backward.
   bool overlap = true;
-  /// Sharded update (ZeRO stage 1's split of the optimizer's work): each bucket is reduce-scattered
-  /// instead of all-reduced, each rank updates only its 1/N block of it, and the updated parameters
-  /// are all-gathered, so the pass over parameters, gradients and optimizer state is split across
-  /// ranks instead of repeated on every one. Without a loss scaler and clipping each bucket is
-  /// updated as soon as it is reduced, and the results are bitwise those of the replicated update.
-  /// With either, the update waits for the end of backward: each rank checks and measures its own
-  /// blocks, the overflow count and the squared norm are summed over the ranks, and each rank
-  /// updates its blocks (the norm, summed block by block, may differ from the replicated update's
-  /// in its last bits; the results are still bitwise repeatable). A rank's optimizer state is then
-  /// current in its own blocks only: save() and optimizer() gather it first.
-  bool shard_update = true;
+  /// ZeRO stage: 0, the replicated update (every bucket all-reduced, every rank updates every
+  /// parameter and keeps the whole optimizer state), or 1, the sharded update (ZeRO-1): each bucket
+  /// is reduce-scattered instead of all-reduced, each rank updates only its 1/N block of it and
+  /// keeps the optimizer state (AdamW's m and v, SGD's momentum) of its blocks only, and the updated
+  /// parameters are all-gathered, so the pass over parameters, gradients and optimizer state is
+  /// split across ranks instead of repeated on every one, and each rank holds about 1/N of the
+  /// optimizer state (the few elements past the blocks, and buckets smaller than the ranks, are
+  /// all-reduced and updated, with their state, on every rank). Without a loss scaler and clipping
+  /// each bucket is updated as soon as it is reduced, and the results are bitwise those of the
+  /// replicated update. With either, the update waits for the end of backward: each rank checks and
+  /// measures its own blocks, the overflow count and the squared norm are summed over the ranks, and
+  /// each rank updates its blocks (the norm, summed block by block, may differ from the replicated
+  /// update's in its last bits; the results are still bitwise repeatable). save() and optimizer()
+  /// gather the whole state first (every rank then holds it until its next step). One rank: 0 and
+  /// 1 are the same.
+  int zero_stage = 1;
   /// Bitwise repeatable results whatever the bucket layout and thread timing: host devices reduce
   /// in rank order already; other backends gather the bucket and sum it in rank order.
   bool deterministic = false;
@@ -250,8 +255,8 @@ class DataParallel {
   [[nodiscard]] std::vector<int> const& ranks() const noexcept;
   [[nodiscard]] std::vector<double> const& weights() const noexcept;
   [[nodiscard]] std::vector<Bucket> const& buckets() const noexcept;
-  /// A replica (index into ranks()) and its optimizer (with shard_update, whose state is gathered
-  /// from every rank's blocks first).
+  /// A replica (index into ranks()) and its optimizer (with zero_stage 1, whose whole state is
+  /// gathered from every rank's blocks first).
   [[nodiscard]] nn::Sequential& replica(int index);
   [[nodiscard]] optim::Optimizer& optimizer(int index);
   /// The loss scaler of replica 0 (nullptr without loss scaling).
