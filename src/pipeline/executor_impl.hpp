@@ -20,6 +20,11 @@ struct Executor::Impl {
   std::vector<std::size_t> cuts;
   ExecutorOptions options;
   int replicas = 1;
+  // The world's ranks (comm's) of this process: [first, first + group->size()); across processes
+  // the grid's other ranks belong to other processes, and their chunks stay unmaterialized here.
+  int first = 0;
+  bool across = false;  // the grid spans processes
+  [[nodiscard]] bool is_local(int rank) const noexcept { return rank >= first && rank < first + group->size(); }
   std::unique_ptr<comm::Communicator> comm;                     // every rank: the pipelines' transfers
   std::vector<std::unique_ptr<comm::Communicator>> stage_comms;  // per device of a pipeline, over its replicas
   std::vector<std::vector<nn::Sequential>> chunks;               // [replica][chunk]

@@ -44,7 +44,7 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
   int const mbs = s.micro_batches;
   int const device = rank % s.devices;      // the device within its pipeline
   int const base = rank - device;           // the pipeline's first rank
-  Allocator& allocator = group->allocator(rank);
+  Allocator& allocator = group->allocator(rank - first);
   DType const dtype = options.compute;  // of activations and their gradients
   DeviceState& st = devices[static_cast<std::size_t>(rank)];
   auto const slot = [mbs](int chunk, int mb) { return static_cast<std::size_t>(chunk * mbs + mb); };
@@ -237,10 +237,30 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
                    ChunkOptimizerFactory make_optimizer, ExecutorOptions options)
     : impl_(std::make_unique<Impl>()) {
   validate(schedule);
-  if (options.data_parallel < 1 || schedule.devices * options.data_parallel != group.size())
-    throw Error(Errc::invalid_argument, "a schedule for " + std::to_string(schedule.devices) + " devices times " +
-                                            std::to_string(options.data_parallel) + " data-parallel replicas on a group of " +
-                                            std::to_string(group.size()) + " (expected devices x replicas = the group's size)");
+  // The pipelines' communicator first: across processes its size is the world's device count.
+  comm::Options const comm_options{comm::Backend::automatic, options.timeout};
+  std::unique_ptr<comm::Communicator> transfers =
+      options.make_communicator ? options.make_communicator(group, comm_options) : comm::make_communicator(group, comm_options);
+  if (!transfers)
+    throw Error(Errc::invalid_argument, "the pipeline's make_communicator returned no communicator (expected one over the group's devices)");
+  bool const across = transfers->size() != group.size();
+  if (options.data_parallel < 1 || schedule.devices * options.data_parallel != transfers->size())
+    throw Error(Errc::invalid_argument,
+                "a schedule for " + std::to_string(schedule.devices) + " devices times " + std::to_string(options.data_parallel) +
+                    " data-parallel replicas on " +
+                    (across ? "a world of " + std::to_string(transfers->size()) + " devices over several processes (expected devices x "
+                                                                                  "replicas = the world's device count: every process's "
+                                                                                  "devices run stages)"
+                            : "a group of " + std::to_string(group.size()) + " (expected devices x replicas = the group's size)"));
+  if (across) {
+    auto const refuse = [](std::string const& what) {
+      throw Error(Errc::invalid_argument, "a pipeline executor across processes with " + what +
+                                              " (not yet across processes: expected it only within one process)");
+    };
+    if (options.data_parallel > 1) refuse(std::to_string(options.data_parallel) + " data-parallel replicas");
+    if (options.clip_norm != 0) refuse("clip_norm " + std::to_string(options.clip_norm));
+    if (options.loss_scaler) refuse("a loss scaler");
+  }
   auto const units = model.cut_points().size() - 1;
   auto const chunks = static_cast<std::size_t>(schedule.chunks());
   if (chunks > units)
@@ -261,6 +281,9 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
                                             " (expected 0 for no clipping, or a finite norm > 0)");
   Impl& m = *impl_;
   m.group = &group;
+  m.comm = std::move(transfers);
+  m.first = m.comm->first_rank();
+  m.across = across;
   m.schedule = std::move(schedule);
   m.cuts = std::move(cuts);
   m.options = std::move(options);
@@ -308,7 +331,12 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     }
   }
   int const devices = m.schedule.devices;
-  m.devices.resize(static_cast<std::size_t>(group.size()));
+  if (m.tie && m.across && m.schedule.device_of(m.tie->embedding_chunk) != m.schedule.device_of(m.tie->head_chunk))
+    throw Error(Errc::invalid_argument, "a pipeline executor across processes with a tied LM head in chunk " +
+                                            std::to_string(m.tie->head_chunk) + " on another device than its Embedding in chunk " +
+                                            std::to_string(m.tie->embedding_chunk) +
+                                            " (not yet across processes: expected both on one device)");
+  m.devices.resize(static_cast<std::size_t>(m.comm->size()));
   for (Impl::DeviceState& st : m.devices) {
     auto const slots = chunks * static_cast<std::size_t>(m.schedule.micro_batches);
     for (auto* v : {&st.act_in, &st.act_out, &st.grad_in, &st.grad_out}) v->resize(slots);
@@ -316,11 +344,11 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     st.rng_after.resize(chunks);
     st.ran_forward.assign(chunks, false);
   }
-  group.run([&](int rank, Device, Stream& stream) {
-    nn::Context ctx{group.allocator(rank), stream};
+  group.run([&](int local, Device, Stream& stream) {
+    nn::Context ctx{group.allocator(local), stream};
+    int const rank = m.first + local;
     for (int c = rank % devices; c < m.schedule.chunks(); c += devices) m.chunk_of(rank, c).materialize(ctx, m.options.seed, m.options.compute);
   });
-  m.comm = comm::make_communicator(group, {comm::Backend::automatic, m.options.timeout});
   if (m.replicas > 1) {
     for (int d = 0; d < devices; ++d) {
       std::vector<int> ranks;
@@ -338,7 +366,7 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
                                                       {comm::Backend::automatic, m.options.timeout}));
     }
     // The copy starts at zero: the sum makes it the embedding's initial wte.
-    group.run([&](int rank, Device, Stream& stream) { m.sum_tied(rank, stream, true); });
+    group.run([&](int local, Device, Stream& stream) { m.sum_tied(m.first + local, stream, true); });
     group.synchronize();
   }
 }
@@ -396,20 +424,38 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
     }
     steps.push_back(std::move(step));
   }
+  // Across processes the last stages' losses are all-gathered, every rank's micro-batch losses in
+  // its slots (zeros on other stages), so every process adds them up as one process would.
+  std::vector<Tensor> gathered(m.across ? static_cast<std::size_t>(m.group->size()) : 0);
+  int const last_device = m.schedule.device_of(m.schedule.chunks() - 1);
   auto const start = std::chrono::steady_clock::now();
-  m.group->run([&](int rank, Device, Stream& stream) {
+  m.group->run([&](int local, Device, Stream& stream) {
     // A host device's actions run on its driver thread as it reaches them: a hop between devices
     // is then one wake-up (the receiver's), not a chain of handoffs between driver and stream threads.
     Stream::InlineScope const inline_work(stream);
-    m.run_device(rank, stream, steps[static_cast<std::size_t>(rank / m.schedule.devices)]);
+    int const rank = m.first + local;
+    Impl::Step& step = steps[static_cast<std::size_t>(rank / m.schedule.devices)];
+    m.run_device(rank, stream, step);
+    if (!m.across) return;
+    Tensor& all = gathered[static_cast<std::size_t>(local)];
+    all = Tensor::empty({static_cast<std::int64_t>(m.comm->size()) * mbs}, DType::float32, m.group->allocator(local));
+    Tensor const mine = all.slice(static_cast<std::int64_t>(rank) * mbs, static_cast<std::int64_t>(rank + 1) * mbs);
+    if (rank % m.schedule.devices == last_device) {
+      for (int k = 0; k < mbs; ++k) copy_async(mine.slice(k, k + 1), step.losses[static_cast<std::size_t>(k)], stream);
+    } else {
+      fill_async(mine, 0.0f, stream);
+    }
+    m.comm->all_gather(rank, mine, all, stream);
   });
   m.last_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   double loss = 0;
   for (int r = 0; r < m.replicas; ++r) {
     Impl::Step const& step = steps[static_cast<std::size_t>(r)];
-    int const last_rank = r * m.schedule.devices + m.schedule.device_of(m.schedule.chunks() - 1);
-    for (std::size_t k = 0; k < step.losses.size(); ++k)
-      loss += ops::item(step.losses[k], m.group->stream(last_rank));
+    int const last_rank = r * m.schedule.devices + last_device;
+    for (std::size_t k = 0; k < step.losses.size(); ++k) {
+      auto const i = static_cast<std::int64_t>(last_rank) * mbs + static_cast<std::int64_t>(k);
+      loss += m.across ? ops::item(gathered[0].slice(i, i + 1), m.group->stream(0)) : ops::item(step.losses[k], m.group->stream(last_rank));
+    }
   }
   return static_cast<float>(loss);
 }
@@ -426,9 +472,10 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
   for (int r = 0; r < m.replicas; ++r) {
     for (int c = 0; c < m.schedule.chunks(); ++c) {
       int const rank = r * devices + m.schedule.device_of(c);
+      if (!m.is_local(rank)) continue;  // another process updates it
       nn::Sequential& chunk = m.chunk_of(rank, c);
-      nn::UpdatePart part{&chunk, m.optimizers[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)].get(), &m.group->allocator(rank),
-                          &m.group->stream(rank)};
+      nn::UpdatePart part{&chunk, m.optimizers[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)].get(),
+                          &m.group->allocator(rank - m.first), &m.group->stream(rank - m.first)};
       if (r > 0) {
         part.shared_end = chunk.master_gradients().numel();
       } else if (m.tie && c == m.tie->head_chunk) {
@@ -460,6 +507,12 @@ nn::Sequential& Executor::chunk(int c, int replica) {
     throw Error(Errc::invalid_argument, "chunk " + std::to_string(c) + " of replica " + std::to_string(replica) + " (expected chunk in [0, " +
                                             std::to_string(impl_->schedule.chunks()) + ") and replica in [0, " +
                                             std::to_string(impl_->replicas) + "))");
+  int const rank = replica * impl_->schedule.devices + impl_->schedule.device_of(c);
+  if (!impl_->is_local(rank))
+    throw Error(Errc::invalid_argument, "chunk " + std::to_string(c) + " of replica " + std::to_string(replica) + " runs on world rank " +
+                                            std::to_string(rank) + ", another process's (expected a chunk on this process's ranks [" +
+                                            std::to_string(impl_->first) + ", " + std::to_string(impl_->first + impl_->group->size()) +
+                                            "))");
   return impl_->chunks[static_cast<std::size_t>(replica)][static_cast<std::size_t>(c)];
 }
 

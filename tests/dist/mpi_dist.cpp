@@ -10,6 +10,12 @@
 //                                    devices in one process, which every process runs itself:
 //                                    bucketed, overlapped or not, sharded update or not, with
 //                                    dropout or clipping; bitwise with one device per process.
+//   mpi_dist pipeline COUNTS         pipeline::Executor with its stages on the processes' devices
+//                                    (world rank g runs pipeline device g) against the same
+//                                    executor over as many devices in one process, which every
+//                                    process runs itself: GPipe and 1F1B, with dropout or not;
+//                                    the losses, each process's chunks and gather_parameters()
+//                                    bitwise; what is not yet across processes refused.
 //   mpi_dist stall COUNTS PROCESS    one all_reduce, then PROCESS stalls while the others start a
 //                                    second one with a 3 s deadline: they must fail naming it.
 //   mpi_dist exit COUNTS PROCESS     the same, but PROCESS exits (status 3) instead.
@@ -32,6 +38,7 @@
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
+#include <mgpu/pipeline/pipeline.hpp>
 
 using mgpu::DType;
 using mgpu::Tensor;
@@ -477,11 +484,100 @@ void test_data_parallel(Setup const& s) {
   }
 }
 
+// Whether `have` and `want` hold the same bits.
+bool same_bits(std::vector<float> const& have, std::vector<float> const& want) {
+  return have.size() == want.size() && (have.empty() || std::memcmp(have.data(), want.data(), have.size() * sizeof(float)) == 0);
+}
+
+// Expects `call` to throw Error(invalid_argument) whose text has `needle`.
+template <class Call>
+void expect_refused(Call const& call, std::string const& needle, std::string const& what) {
+  try {
+    call();
+    EXPECT(false, what << " was accepted");
+  } catch (mgpu::Error const& e) {
+    EXPECT(e.category() == mgpu::Errc::invalid_argument && std::string(e.what()).find(needle) != std::string::npos,
+           what << ": " << e.what() << " (expected invalid_argument with '" << needle << "')");
+  }
+}
+
+// The pipeline executor with its stages on every process's devices (one stage per world device)
+// against the same executor over world.size() devices of this process: every device computes the
+// same chunk from the same inputs, so the losses and parameters are the same bits however the
+// devices are spread over processes.
+void test_pipeline(Setup const& s) {
+  namespace pp = mgpu::pipeline;
+  std::shared_ptr<mgpu::Allocator> host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  mgpu::Stream host_stream{mgpu::Device{mgpu::DeviceKind::host, 0}};
+  std::int64_t const rows = 26;  // uneven micro-batches
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0, 1);
+  std::vector<Tensor> xs, ys;
+  for (int b = 0; b < 3; ++b) {
+    xs.push_back(Tensor::empty({rows, 6}, DType::float32, *host));
+    for (float& v : xs.back().host_span<float>()) v = normal(rng);
+    ys.push_back(Tensor::empty({rows}, DType::float32, *host));
+    for (float& v : ys.back().host_span<float>()) v = static_cast<float>(rng() % 4);
+  }
+  int const devices = s.size();
+  pp::OptimizerFactory const sgd = [] {
+    return std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 0.05f, .momentum = 0.9f});
+  };
+  for (bool const dropout : {false, true}) {
+    mgpu::nn::Sequential const model = dp_model(dropout);
+    std::vector<std::size_t> const cuts = pp::partition(model, devices, std::vector<double>(model.size(), 1.0)).cuts;
+    for (pp::Schedule const& schedule : {pp::gpipe(devices, 4), pp::one_f_one_b(devices, 4)}) {
+      std::string const what = "pipeline " + schedule.name + (dropout ? ", dropout" : "");
+      pp::ExecutorOptions options{.seed = 7, .timeout = 60s};
+      mgpu::DeviceGroup one("host:" + std::to_string(devices));
+      pp::Executor reference(model, one, cuts, schedule, sgd, options);
+      options.make_communicator = mgpu::dist::communicator_factory(s.world);
+      pp::Executor executor(model, s.group, cuts, schedule, sgd, options);
+      for (std::size_t b = 0; b < xs.size(); ++b) {
+        float const expected = reference.step(xs[b], ys[b]);
+        float const got = executor.step(xs[b], ys[b]);
+        EXPECT(std::memcmp(&got, &expected, sizeof got) == 0, what << ": step " << b << " loss " << got << " (expected " << expected << ")");
+      }
+      for (int l = 0; l < s.local(); ++l) {
+        int const c = s.rank(l);  // one chunk per device
+        bool const same = same_bits(host_values(executor.chunk(c).master_parameters(), s.group.stream(l)),
+                                    host_values(reference.chunk(c).master_parameters(), one.stream(0)));
+        EXPECT(same, what << ": chunk " << c << " on world rank " << s.rank(l) << " differs from one process's");
+      }
+      mgpu::nn::Sequential whole = model.clone(), whole_reference = model.clone();
+      mgpu::nn::Context ctx{*host, host_stream};
+      whole.materialize(ctx, 1);
+      whole_reference.materialize(ctx, 2);
+      executor.gather_parameters(whole, host_stream);
+      reference.gather_parameters(whole_reference, host_stream);
+      EXPECT(same_bits(host_values(whole.master_parameters(), host_stream), host_values(whole_reference.master_parameters(), host_stream)),
+             what << ": gather_parameters differs from one process's");
+      int const remote = s.rank(0) == 0 ? devices - 1 : 0;
+      expect_refused([&] { static_cast<void>(executor.chunk(remote)); }, "another process", what + ": chunk of another process");
+      expect_refused([&] { executor.save("/nonexistent/pipeline.ckpt"); }, "across processes", what + ": save");
+    }
+  }
+  // A grid that is not the world's devices, and what is not yet across processes.
+  mgpu::nn::Sequential const model = dp_model(false);
+  pp::ExecutorOptions options{.seed = 7, .timeout = 60s, .make_communicator = mgpu::dist::communicator_factory(s.world)};
+  std::vector<std::size_t> const all{0, model.size()};
+  expect_refused([&] { pp::Executor(model, s.group, all, pp::gpipe(1, 2), sgd, options); }, "a world of " + std::to_string(devices),
+                 "a one-device pipeline over the world");
+  options.data_parallel = devices;
+  expect_refused([&] { pp::Executor(model, s.group, all, pp::gpipe(1, 2), sgd, options); }, "data-parallel replicas",
+                 "data-parallel replicas across processes");
+  options.data_parallel = 1;
+  options.clip_norm = 1.0f;
+  std::vector<std::size_t> const cuts = pp::partition(model, devices, std::vector<double>(model.size(), 1.0)).cuts;
+  expect_refused([&] { pp::Executor(model, s.group, cuts, pp::gpipe(devices, 2), sgd, options); }, "clip_norm",
+                 "clipping across processes");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: mpi_dist collectives|data_parallel|stall|exit|mismatch COUNTS [PROCESS]\n");
+    std::fprintf(stderr, "usage: mpi_dist collectives|data_parallel|pipeline|stall|exit|mismatch COUNTS [PROCESS]\n");
     return 2;
   }
   std::string const mode = argv[1];
@@ -510,6 +606,12 @@ int main(int argc, char** argv) {
     auto comm = mgpu::dist::make_communicator(world, group, {.timeout = 60s});
     EXPECT(comm->size() == world.size(), "communicator size " << comm->size());
     Setup const s{world, group, *comm};
+    if (mode == "pipeline") {
+      test_pipeline(s);
+      comm->finalize();
+      std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
+      return failures == 0 ? 0 : 1;
+    }
     if (mode == "data_parallel") {
       test_data_parallel(s);
       comm->finalize();
