@@ -55,6 +55,10 @@ struct Executor::Impl {
   // Sums wte and its copy (the master parameters, or the gradients) on the tie's devices of
   // `rank`'s replica, leaving both equal; does nothing on other ranks.
   void sum_tied(int rank, Stream& stream, bool parameters);
+  // Sums `values` over the world ranks `ranks` (`rank` among them) through the transfers'
+  // communicator, leaving the sum on each, as an all-reduce over them would (float32, in their
+  // order): across processes, where no communicator over a subset of the world's ranks exists.
+  void sum_over(int rank, std::vector<int> const& ranks, Tensor const& values, Stream& stream);
 
   // One replica's batch for a step.
   struct Step {

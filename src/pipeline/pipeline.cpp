@@ -189,7 +189,15 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
     for (int c = device; c < s.chunks(); c += s.devices) {
       Tensor const& grads = chunk_of(rank, c).gradients();
       if (!grads.defined()) continue;
-      auto reduce = [&] { stage_comms[static_cast<std::size_t>(device)]->all_reduce(rank / s.devices, grads, grads, comm::ReduceOp::sum, stream); };
+      auto reduce = [&] {
+        if (!across) {
+          stage_comms[static_cast<std::size_t>(device)]->all_reduce(rank / s.devices, grads, grads, comm::ReduceOp::sum, stream);
+          return;
+        }
+        std::vector<int> ranks;
+        for (int r = 0; r < replicas; ++r) ranks.push_back(r * s.devices + device);
+        sum_over(rank, ranks, grads, stream);
+      };
       if (timeline != nullptr && timeline->enabled()) {
         timeline->stream_span(stream, "all_reduce(chunk " + std::to_string(c) + ")", "pipeline", rank, trace::communication, reduce);
       } else {
@@ -215,6 +223,9 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
   if (embedding_device == head_device) {
     ops::add_scaled(wte, copy, 1.0f, stream);
     copy_async(copy, wte, stream);
+  } else if (across) {
+    int const base = rank - device;
+    sum_over(rank, {base + embedding_device, base + head_device}, device == embedding_device ? wte : copy, stream);
   } else {
     Tensor const& mine = device == embedding_device ? wte : copy;
     tie_comms[static_cast<std::size_t>(rank / schedule.devices)]->all_reduce(device == embedding_device ? 0 : 1, mine, mine,
@@ -224,6 +235,28 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
   for (auto const& [c, offset] : {std::pair{tie->embedding_chunk, tie->embedding_offset}, std::pair{tie->head_chunk, tie->head_offset}}) {
     if (schedule.device_of(c) == device) chunk_of(rank, c).sync_parameters(stream, offset, offset + tie->elements);
   }
+}
+
+void Executor::Impl::sum_over(int rank, std::vector<int> const& ranks, Tensor const& values, Stream& stream) {
+  if (rank != ranks.front()) {
+    comm->send(rank, values, ranks.front(), stream);
+    comm->recv(rank, values, ranks.front(), stream);
+    return;
+  }
+  // The first rank adds the others' in order in float32, rounding to the values' type once.
+  Allocator& allocator = group->allocator(rank - first);
+  bool const wide = values.dtype() == DType::float32;
+  Tensor const sum = wide ? values : Tensor::empty(values.shape(), DType::float32, allocator);
+  Tensor const other = Tensor::empty(values.shape(), values.dtype(), allocator);
+  Tensor const other_wide = wide ? other : Tensor::empty(values.shape(), DType::float32, allocator);
+  if (!wide) convert_async(sum, values, stream);
+  for (std::size_t i = 1; i < ranks.size(); ++i) {
+    comm->recv(rank, other, ranks[i], stream);
+    if (!wide) convert_async(other_wide, other, stream);
+    ops::add_scaled(sum, other_wide, 1.0f, stream);
+  }
+  if (!wide) convert_async(values, sum, stream);
+  for (std::size_t i = 1; i < ranks.size(); ++i) comm->send(rank, values, ranks[i], stream);
 }
 
 Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<std::size_t> cuts, Schedule schedule,
@@ -257,7 +290,6 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
       throw Error(Errc::invalid_argument, "a pipeline executor across processes with " + what +
                                               " (not yet across processes: expected it only within one process)");
     };
-    if (options.data_parallel > 1) refuse(std::to_string(options.data_parallel) + " data-parallel replicas");
     if (options.clip_norm != 0) refuse("clip_norm " + std::to_string(options.clip_norm));
     if (options.loss_scaler) refuse("a loss scaler");
   }
@@ -331,11 +363,6 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     }
   }
   int const devices = m.schedule.devices;
-  if (m.tie && m.across && m.schedule.device_of(m.tie->embedding_chunk) != m.schedule.device_of(m.tie->head_chunk))
-    throw Error(Errc::invalid_argument, "a pipeline executor across processes with a tied LM head in chunk " +
-                                            std::to_string(m.tie->head_chunk) + " on another device than its Embedding in chunk " +
-                                            std::to_string(m.tie->embedding_chunk) +
-                                            " (not yet across processes: expected both on one device)");
   m.devices.resize(static_cast<std::size_t>(m.comm->size()));
   for (Impl::DeviceState& st : m.devices) {
     auto const slots = chunks * static_cast<std::size_t>(m.schedule.micro_batches);
@@ -349,7 +376,7 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     int const rank = m.first + local;
     for (int c = rank % devices; c < m.schedule.chunks(); c += devices) m.chunk_of(rank, c).materialize(ctx, m.options.seed, m.options.compute);
   });
-  if (m.replicas > 1) {
+  if (m.replicas > 1 && !m.across) {
     for (int d = 0; d < devices; ++d) {
       std::vector<int> ranks;
       for (int r = 0; r < m.replicas; ++r) ranks.push_back(r * devices + d);
@@ -360,7 +387,7 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   if (m.tie) {
     int const embedding_device = m.schedule.device_of(m.tie->embedding_chunk);
     int const head_device = m.schedule.device_of(m.tie->head_chunk);
-    if (embedding_device != head_device) {
+    if (embedding_device != head_device && !m.across) {
       for (int r = 0; r < m.replicas; ++r)
         m.tie_comms.push_back(comm::make_communicator(group, {r * devices + embedding_device, r * devices + head_device},
                                                       {comm::Backend::automatic, m.options.timeout}));

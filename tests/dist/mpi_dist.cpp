@@ -501,10 +501,11 @@ void expect_refused(Call const& call, std::string const& needle, std::string con
   }
 }
 
-// The pipeline executor with its stages on every process's devices (one stage per world device)
-// against the same executor over world.size() devices of this process: every device computes the
-// same chunk from the same inputs, so the losses and parameters are the same bits however the
-// devices are spread over processes.
+// The pipeline executor with its stages on every process's devices (one stage per pipeline
+// device; with two replicas, a data x pipeline grid whose replicas sum their gradients across
+// processes) against the same executor over world.size() devices of this process: every device
+// computes the same chunk from the same inputs and the replicas' sums run in the same order, so
+// the losses and parameters are the same bits however the devices are spread over processes.
 void test_pipeline(Setup const& s) {
   namespace pp = mgpu::pipeline;
   std::shared_ptr<mgpu::Allocator> host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
@@ -519,17 +520,19 @@ void test_pipeline(Setup const& s) {
     ys.push_back(Tensor::empty({rows}, DType::float32, *host));
     for (float& v : ys.back().host_span<float>()) v = static_cast<float>(rng() % 4);
   }
-  int const devices = s.size();
   pp::OptimizerFactory const sgd = [] {
     return std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 0.05f, .momentum = 0.9f});
   };
+  for (int const replicas : {1, 2}) {
+    int const devices = s.size() / replicas;
+    if (s.size() % replicas != 0 || devices + 1 > static_cast<int>(dp_model(false).cut_points().size())) continue;  // a unit per stage
   for (bool const dropout : {false, true}) {
     mgpu::nn::Sequential const model = dp_model(dropout);
     std::vector<std::size_t> const cuts = pp::partition(model, devices, std::vector<double>(model.size(), 1.0)).cuts;
     for (pp::Schedule const& schedule : {pp::gpipe(devices, 4), pp::one_f_one_b(devices, 4)}) {
-      std::string const what = "pipeline " + schedule.name + (dropout ? ", dropout" : "");
-      pp::ExecutorOptions options{.seed = 7, .timeout = 60s};
-      mgpu::DeviceGroup one("host:" + std::to_string(devices));
+      std::string const what = "pipeline " + schedule.name + " x " + std::to_string(replicas) + " replica(s)" + (dropout ? ", dropout" : "");
+      pp::ExecutorOptions options{.seed = 7, .data_parallel = replicas, .timeout = 60s};
+      mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
       pp::Executor reference(model, one, cuts, schedule, sgd, options);
       options.make_communicator = mgpu::dist::communicator_factory(s.world);
       pp::Executor executor(model, s.group, cuts, schedule, sgd, options);
@@ -539,10 +542,11 @@ void test_pipeline(Setup const& s) {
         EXPECT(std::memcmp(&got, &expected, sizeof got) == 0, what << ": step " << b << " loss " << got << " (expected " << expected << ")");
       }
       for (int l = 0; l < s.local(); ++l) {
-        int const c = s.rank(l);  // one chunk per device
-        bool const same = same_bits(host_values(executor.chunk(c).master_parameters(), s.group.stream(l)),
-                                    host_values(reference.chunk(c).master_parameters(), one.stream(0)));
-        EXPECT(same, what << ": chunk " << c << " on world rank " << s.rank(l) << " differs from one process's");
+        int const c = s.rank(l) % devices;  // one chunk per device
+        int const replica = s.rank(l) / devices;
+        bool const same = same_bits(host_values(executor.chunk(c, replica).master_parameters(), s.group.stream(l)),
+                                    host_values(reference.chunk(c, replica).master_parameters(), one.stream(0)));
+        EXPECT(same, what << ": chunk " << c << " of replica " << replica << " on world rank " << s.rank(l) << " differs from one process's");
       }
       mgpu::nn::Sequential whole = model.clone(), whole_reference = model.clone();
       mgpu::nn::Context ctx{*host, host_stream};
@@ -552,25 +556,22 @@ void test_pipeline(Setup const& s) {
       reference.gather_parameters(whole_reference, host_stream);
       EXPECT(same_bits(host_values(whole.master_parameters(), host_stream), host_values(whole_reference.master_parameters(), host_stream)),
              what << ": gather_parameters differs from one process's");
-      int const remote = s.rank(0) == 0 ? devices - 1 : 0;
-      expect_refused([&] { static_cast<void>(executor.chunk(remote)); }, "another process", what + ": chunk of another process");
+      int const remote = s.rank(0) == 0 ? s.size() - 1 : 0;
+      expect_refused([&] { static_cast<void>(executor.chunk(remote % devices, remote / devices)); }, "another process",
+                     what + ": chunk of another process");
       expect_refused([&] { executor.save("/nonexistent/pipeline.ckpt"); }, "across processes", what + ": save");
     }
+  }
   }
   // A grid that is not the world's devices, and what is not yet across processes.
   mgpu::nn::Sequential const model = dp_model(false);
   pp::ExecutorOptions options{.seed = 7, .timeout = 60s, .make_communicator = mgpu::dist::communicator_factory(s.world)};
   std::vector<std::size_t> const all{0, model.size()};
-  expect_refused([&] { pp::Executor(model, s.group, all, pp::gpipe(1, 2), sgd, options); }, "a world of " + std::to_string(devices),
+  expect_refused([&] { pp::Executor(model, s.group, all, pp::gpipe(1, 2), sgd, options); }, "a world of " + std::to_string(s.size()),
                  "a one-device pipeline over the world");
-  options.data_parallel = devices;
-  expect_refused([&] { pp::Executor(model, s.group, all, pp::gpipe(1, 2), sgd, options); }, "data-parallel replicas",
-                 "data-parallel replicas across processes");
-  options.data_parallel = 1;
   options.clip_norm = 1.0f;
-  std::vector<std::size_t> const cuts = pp::partition(model, devices, std::vector<double>(model.size(), 1.0)).cuts;
-  expect_refused([&] { pp::Executor(model, s.group, cuts, pp::gpipe(devices, 2), sgd, options); }, "clip_norm",
-                 "clipping across processes");
+  options.data_parallel = s.size();
+  expect_refused([&] { pp::Executor(model, s.group, all, pp::gpipe(1, 2), sgd, options); }, "clip_norm", "clipping across processes");
 }
 
 }  // namespace

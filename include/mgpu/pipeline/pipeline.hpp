@@ -180,13 +180,16 @@ using ChunkOptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(nn
 /// communicator's ranks, process 0's devices first) runs pipeline device g % devices of replica
 /// g / devices, so schedule.devices x data_parallel must be the world's device count and every
 /// process runs the stages on its own devices; activations and gradients cross processes over the
-/// communicator's send/recv. Every process passes the whole batch (each rank takes its rows), and
-/// step() returns the batch's loss on every process (the last stages' losses, all-gathered).
-/// gather_parameters() brings every chunk to every process, scatter_parameters() and load() fill
-/// this process's chunks, chunk() gives this process's chunks only. With one device per process
-/// a run is bitwise the one-process run over as many devices. Not yet across processes (refused
-/// with Error(invalid_argument)): data-parallel replicas, a tied LM head on another device than
-/// its embedding, clipping, loss scaling and save().
+/// communicator's send/recv. With replicas (e.g. 2 processes x 2 devices as 2 stages x 2
+/// replicas: each process one replica), the same chunk's replicas sum their gradients, and a tied
+/// LM head's two devices their wte, through send/recv too: the replicas' first rank adds the
+/// others' in replica order, as the all-reduce within one process does. Every process passes the
+/// whole batch (each rank takes its rows), and step() returns the batch's loss on every process
+/// (the last stages' losses, all-gathered). gather_parameters() brings every chunk to every
+/// process, scatter_parameters() and load() fill this process's chunks, chunk() gives this
+/// process's chunks only. A run is bitwise the one-process run over as many devices, however the
+/// devices are spread over processes. Not yet across processes (refused with
+/// Error(invalid_argument)): clipping, loss scaling and save().
 class Executor {
  public:
   /// Cuts `model` at `cuts` (schedule.chunks() + 1 increasing layer indices, from 0 to
