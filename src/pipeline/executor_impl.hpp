@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -10,6 +11,7 @@
 #include <mgpu/comm/communicator.hpp>
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
+#include <mgpu/nn/train.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
 
 namespace mgpu::pipeline {
@@ -59,6 +61,13 @@ struct Executor::Impl {
   // communicator, leaving the sum on each, as an all-reduce over them would (float32, in their
   // order): across processes, where no communicator over a subset of the world's ranks exists.
   void sum_over(int rank, std::vector<int> const& ranks, Tensor const& values, Stream& stream);
+  // The update across processes with a loss scaler or clipping, as nn::apply_update within one
+  // process: the overflow count and the global norm are summed over every process's chunks.
+  bool update_across(std::vector<nn::UpdatePart> const& parts, float lr_scale);
+  // The sum over replica 0's chunks (a tied head's copy of wte left out) of the float32 scalar
+  // `op` writes for a range of master gradients, added as apply_update adds them in one process:
+  // every range's value all-gathered, then added in chunk order in double on every process.
+  double world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op);
 
   // One replica's batch for a step.
   struct Step {

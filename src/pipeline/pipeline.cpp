@@ -259,6 +259,54 @@ void Executor::Impl::sum_over(int rank, std::vector<int> const& ranks, Tensor co
   for (std::size_t i = 1; i < ranks.size(); ++i) comm->send(rank, values, ranks[i], stream);
 }
 
+double Executor::Impl::world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op) {
+  // Each rank's slots: two ranges per chunk of replica 0 (before and after a tied head's copy).
+  std::int64_t const per_rank = 2 * schedule.chunks_per_device;
+  std::vector<Tensor> gathered(static_cast<std::size_t>(group->size()));
+  group->run([&](int local, Device, Stream& stream) {
+    int const rank = first + local;
+    Tensor& all = gathered[static_cast<std::size_t>(local)];
+    all = Tensor::empty({comm->size() * per_rank}, DType::float32, group->allocator(local));
+    Tensor const mine = all.slice(rank * per_rank, (rank + 1) * per_rank);
+    fill_async(mine, 0.0f, stream);
+    for (int c = rank; rank < schedule.devices && c < schedule.chunks(); c += schedule.devices) {
+      Tensor const& grads = chunk_of(rank, c).master_gradients();
+      std::int64_t const slot = 2 * (c / schedule.devices);
+      std::int64_t const copy_begin = tie && c == tie->head_chunk ? tie->head_offset : grads.numel();
+      std::int64_t const copy_end = tie && c == tie->head_chunk ? tie->head_offset + tie->elements : grads.numel();
+      if (copy_begin > 0) op(grads.slice(0, copy_begin), mine.slice(slot, slot + 1), stream);
+      if (copy_end < grads.numel()) op(grads.slice(copy_end, grads.numel()), mine.slice(slot + 1, slot + 2), stream);
+    }
+    comm->all_gather(rank, mine, all, stream);
+  });
+  double sum = 0;
+  for (int c = 0; c < schedule.chunks(); ++c) {
+    std::int64_t const at = schedule.device_of(c) * per_rank + 2 * (c / schedule.devices);
+    for (std::int64_t k = at; k < at + 2; ++k) sum += ops::item(gathered[0].slice(k, k + 1), group->stream(0));
+  }
+  return sum;
+}
+
+bool Executor::Impl::update_across(std::vector<nn::UpdatePart> const& parts, float lr_scale) {
+  optim::LossScaler* const scaler = options.loss_scaler ? &*options.loss_scaler : nullptr;
+  float const factor = scaler != nullptr ? 1.0f / scaler->scale() : 1.0f;
+  for (nn::UpdatePart const& p : parts) p.model->unscale_gradients(factor, *p.stream);
+  if (scaler != nullptr) {
+    double const bad = world_sum([](Tensor const& grads, Tensor const& out, Stream& stream) { ops::count_nonfinite(grads, out, stream); });
+    if (!scaler->update(bad == 0)) return false;
+  }
+  if (options.clip_norm > 0) {
+    double const squares = world_sum([](Tensor const& grads, Tensor const& out, Stream& stream) { ops::sum_squares(grads, out, stream); });
+    float const norm = std::sqrt(static_cast<float>(squares));
+    if (!std::isfinite(norm))
+      throw Error(Errc::invalid_argument, "pipeline step: clipping gradients that hold NaN or Inf (expected finite gradients)");
+    if (norm > options.clip_norm && norm > 0) {
+      for (nn::UpdatePart const& p : parts) ops::scale(p.model->master_gradients(), options.clip_norm / norm, *p.stream);
+    }
+  }
+  return nn::apply_update(parts, {lr_scale, 0.0f, nullptr, false});
+}
+
 Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<std::size_t> cuts, Schedule schedule,
                    OptimizerFactory make_optimizer, ExecutorOptions options)
     : Executor(model, group, std::move(cuts), std::move(schedule),
@@ -285,14 +333,6 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
                                                                                   "replicas = the world's device count: every process's "
                                                                                   "devices run stages)"
                             : "a group of " + std::to_string(group.size()) + " (expected devices x replicas = the group's size)"));
-  if (across) {
-    auto const refuse = [](std::string const& what) {
-      throw Error(Errc::invalid_argument, "a pipeline executor across processes with " + what +
-                                              " (not yet across processes: expected it only within one process)");
-    };
-    if (options.clip_norm != 0) refuse("clip_norm " + std::to_string(options.clip_norm));
-    if (options.loss_scaler) refuse("a loss scaler");
-  }
   auto const units = model.cut_points().size() - 1;
   auto const chunks = static_cast<std::size_t>(schedule.chunks());
   if (chunks > units)
@@ -513,7 +553,9 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
     }
   }
   optim::LossScaler* const scaler = m.options.loss_scaler ? &*m.options.loss_scaler : nullptr;
-  m.last_applied = nn::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, true});
+  m.last_applied = m.across && (scaler != nullptr || m.options.clip_norm > 0)
+                       ? m.update_across(parts, lr_scale)
+                       : nn::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, true});
   // step() returns with the chunks updated, as when each device's thread ran its update inline:
   // the update enqueued from this thread runs on the streams' workers.
   m.group->synchronize();

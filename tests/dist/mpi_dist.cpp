@@ -13,9 +13,10 @@
 //   mpi_dist pipeline COUNTS         pipeline::Executor with its stages on the processes' devices
 //                                    (world rank g runs pipeline device g) against the same
 //                                    executor over as many devices in one process, which every
-//                                    process runs itself: GPipe and 1F1B, with dropout or not;
-//                                    the losses, each process's chunks and gather_parameters()
-//                                    bitwise; what is not yet across processes refused.
+//                                    process runs itself: GPipe and 1F1B, one stage per device or
+//                                    data x pipeline grids, with dropout, clipping, float16 and a
+//                                    loss scaler; the losses, each process's chunks and
+//                                    gather_parameters() bitwise; save() refused.
 //   mpi_dist stall COUNTS PROCESS    one all_reduce, then PROCESS stalls while the others start a
 //                                    second one with a 3 s deadline: they must fail naming it.
 //   mpi_dist exit COUNTS PROCESS     the same, but PROCESS exits (status 3) instead.
@@ -526,12 +527,24 @@ void test_pipeline(Setup const& s) {
   for (int const replicas : {1, 2}) {
     int const devices = s.size() / replicas;
     if (s.size() % replicas != 0 || devices + 1 > static_cast<int>(dp_model(false).cut_points().size())) continue;  // a unit per stage
-  for (bool const dropout : {false, true}) {
+  struct Config {
+    bool dropout;
+    float clip_norm;  // the global norm then sums every process's chunks
+    bool fp16;        // float16 compute with a loss scaler, whose overflow count does too
+  };
+  for (Config const config : {Config{false, 0, false}, Config{true, 0.05f, false}, Config{false, 0.05f, true}}) {
+    bool const dropout = config.dropout;
     mgpu::nn::Sequential const model = dp_model(dropout);
     std::vector<std::size_t> const cuts = pp::partition(model, devices, std::vector<double>(model.size(), 1.0)).cuts;
     for (pp::Schedule const& schedule : {pp::gpipe(devices, 4), pp::one_f_one_b(devices, 4)}) {
-      std::string const what = "pipeline " + schedule.name + " x " + std::to_string(replicas) + " replica(s)" + (dropout ? ", dropout" : "");
-      pp::ExecutorOptions options{.seed = 7, .data_parallel = replicas, .timeout = 60s};
+      std::string const what = "pipeline " + schedule.name + " x " + std::to_string(replicas) + " replica(s)" + (dropout ? ", dropout" : "") +
+                               (config.clip_norm > 0 ? ", clipping" : "") + (config.fp16 ? ", float16 with a loss scaler" : "");
+      pp::ExecutorOptions options{.seed = 7,
+                                  .data_parallel = replicas,
+                                  .timeout = 60s,
+                                  .compute = config.fp16 ? DType::float16 : DType::float32,
+                                  .clip_norm = config.clip_norm};
+      if (config.fp16) options.loss_scaler.emplace();
       mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
       pp::Executor reference(model, one, cuts, schedule, sgd, options);
       options.make_communicator = mgpu::dist::communicator_factory(s.world);
@@ -540,7 +553,10 @@ void test_pipeline(Setup const& s) {
         float const expected = reference.step(xs[b], ys[b]);
         float const got = executor.step(xs[b], ys[b]);
         EXPECT(std::memcmp(&got, &expected, sizeof got) == 0, what << ": step " << b << " loss " << got << " (expected " << expected << ")");
+        EXPECT(executor.last_step_applied() == reference.last_step_applied(), what << ": step " << b << " applied or skipped unlike one process");
       }
+      if (config.fp16)
+        EXPECT(executor.loss_scaler()->state().scale == reference.loss_scaler()->state().scale, what << ": the loss scale differs");
       for (int l = 0; l < s.local(); ++l) {
         int const c = s.rank(l) % devices;  // one chunk per device
         int const replica = s.rank(l) / devices;
@@ -563,15 +579,12 @@ void test_pipeline(Setup const& s) {
     }
   }
   }
-  // A grid that is not the world's devices, and what is not yet across processes.
+  // A grid that is not the world's devices.
   mgpu::nn::Sequential const model = dp_model(false);
   pp::ExecutorOptions options{.seed = 7, .timeout = 60s, .make_communicator = mgpu::dist::communicator_factory(s.world)};
   std::vector<std::size_t> const all{0, model.size()};
   expect_refused([&] { pp::Executor(model, s.group, all, pp::gpipe(1, 2), sgd, options); }, "a world of " + std::to_string(s.size()),
                  "a one-device pipeline over the world");
-  options.clip_norm = 1.0f;
-  options.data_parallel = s.size();
-  expect_refused([&] { pp::Executor(model, s.group, all, pp::gpipe(1, 2), sgd, options); }, "clip_norm", "clipping across processes");
 }
 
 }  // namespace

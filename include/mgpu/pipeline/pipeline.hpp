@@ -187,9 +187,11 @@ using ChunkOptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(nn
 /// whole batch (each rank takes its rows), and step() returns the batch's loss on every process
 /// (the last stages' losses, all-gathered). gather_parameters() brings every chunk to every
 /// process, scatter_parameters() and load() fill this process's chunks, chunk() gives this
-/// process's chunks only. A run is bitwise the one-process run over as many devices, however the
-/// devices are spread over processes. Not yet across processes (refused with
-/// Error(invalid_argument)): clipping, loss scaling and save().
+/// process's chunks only. Clipping and loss scaling see every process's chunks: each chunk's
+/// squared norm (or overflow count) is all-gathered and every process adds them in chunk order,
+/// as apply_update does in one process. A run is bitwise the one-process run over as many
+/// devices, however the devices are spread over processes. Not yet across processes (refused
+/// with Error(invalid_argument)): save().
 class Executor {
  public:
   /// Cuts `model` at `cuts` (schedule.chunks() + 1 increasing layer indices, from 0 to
