@@ -109,19 +109,6 @@ void share_profile(pp::LayerProfile& profile, mgpu::dist::World const& world, mg
   comm->finalize();
 }
 
-// Across processes, each pipeline device as the partitioner sees it: its replicas' slowest
-// device's speed relative to the world's fastest (free memory is not modelled).
-std::vector<pp::StageDevice> world_stage_devices(mgpu::dist::World const& world, int stages) {
-  double fastest = 0;
-  for (mgpu::dist::WorldDevice const& d : world.devices) fastest = std::max(fastest, d.device.speed);
-  std::vector<pp::StageDevice> devices(static_cast<std::size_t>(stages), pp::StageDevice{.speed = 1.0});
-  for (mgpu::dist::WorldDevice const& d : world.devices) {
-    double& speed = devices[static_cast<std::size_t>(d.rank % stages)].speed;
-    speed = std::min(speed, d.device.speed / fastest);
-  }
-  return devices;
-}
-
 // The plan of --cuts: each chunk's profiled time on its device (memory not modelled).
 pp::Partition given(std::vector<std::size_t> const& cuts, pp::Schedule const& schedule, pp::LayerProfile const& profile,
                     std::vector<pp::StageDevice> const& devices) {
@@ -164,7 +151,7 @@ int train(Options const& o) {
                                                         (across ? " over the " + std::to_string(world.processes) + " processes" : "") +
                                                         " (expected --stages x --dp = " + std::to_string(schedule.devices * o.dp) + ")");
   if (across) share_profile(profile, world, group);
-  std::vector<pp::StageDevice> const devices = across ? world_stage_devices(world, schedule.devices) : pp::stage_devices(group, schedule.devices);
+  std::vector<pp::StageDevice> const devices = across ? examples::world_stage_devices(world, schedule.devices) : pp::stage_devices(group, schedule.devices);
   pp::Partition const plan = o.cuts.empty() ? pp::partition(model, schedule, profile, devices) : given(o.cuts, schedule, profile, devices);
   std::vector<pp::ActionCosts> costs;
   for (double const s : plan.chunk_seconds) costs.push_back({s / 3, s / 3, s / 3, 0.0});
@@ -179,14 +166,10 @@ int train(Options const& o) {
   if (across) options.make_communicator = mgpu::dist::communicator_factory(world);
   pp::Executor executor(model, group, plan.cuts, schedule, sgd, std::move(options));
 
-  // A device's name in the output: across processes with its process, "p1:host:0".
-  auto const device_name = [&](mgpu::dist::WorldDevice const& d) {
-    return (across ? "p" + std::to_string(d.process) + ":" : std::string()) + d.device.to_string();
-  };
   std::string trained_on = spec;
   if (across) {
     trained_on.clear();
-    for (mgpu::dist::WorldDevice const& d : world.devices) trained_on += (d.rank ? "," : "") + device_name(d);
+    for (mgpu::dist::WorldDevice const& d : world.devices) trained_on += (d.rank ? "," : "") + examples::device_name(world, d);
   }
   FILE* const log = !speaker ? nullptr : o.json ? stderr : stdout;
   auto const say = [log](auto... args) {
@@ -254,7 +237,7 @@ int train(Options const& o) {
   if (o.json) {
     auto const* scaler = executor.loss_scaler();
     std::string devices;  // the world's
-    for (mgpu::dist::WorldDevice const& d : world.devices) devices += (d.rank ? ", \"" : "\"") + device_name(d) + "\"";
+    for (mgpu::dist::WorldDevice const& d : world.devices) devices += (d.rank ? ", \"" : "\"") + examples::device_name(world, d) + "\"";
     std::string losses;  // each epoch's mean loss, to the last bit
     for (std::size_t e = 0; e < epoch_losses.size(); ++e) losses += (e ? ", " : "") + json_float(epoch_losses[e]);
     std::printf("{\"schedule\": \"%s\", \"stages\": %d, \"micro_batches\": %d, \"dp\": %d, \"bubble_predicted\": %.6g, \"bubble_measured\": %.6g, "

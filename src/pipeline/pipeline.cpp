@@ -218,16 +218,17 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
     nn::Sequential const& chunk = chunk_of(rank, c);
     return (parameters ? chunk.master_parameters() : chunk.gradients()).slice(offset, offset + tie->elements);
   };
-  Tensor const wte = part(tie->embedding_chunk, tie->embedding_offset);
-  Tensor const copy = part(tie->head_chunk, tie->head_offset);
   if (embedding_device == head_device) {
+    Tensor const wte = part(tie->embedding_chunk, tie->embedding_offset);
+    Tensor const copy = part(tie->head_chunk, tie->head_offset);
     ops::add_scaled(wte, copy, 1.0f, stream);
     copy_async(copy, wte, stream);
-  } else if (across) {
+  } else if (Tensor const mine = device == embedding_device ? part(tie->embedding_chunk, tie->embedding_offset)
+                                                            : part(tie->head_chunk, tie->head_offset);
+             across) {  // the other chunk is another process's
     int const base = rank - device;
-    sum_over(rank, {base + embedding_device, base + head_device}, device == embedding_device ? wte : copy, stream);
+    sum_over(rank, {base + embedding_device, base + head_device}, mine, stream);
   } else {
-    Tensor const& mine = device == embedding_device ? wte : copy;
     tie_comms[static_cast<std::size_t>(rank / schedule.devices)]->all_reduce(device == embedding_device ? 0 : 1, mine, mine,
                                                                             comm::ReduceOp::sum, stream);
   }

@@ -16,7 +16,8 @@
 //                                    process runs itself: GPipe and 1F1B, one stage per device or
 //                                    data x pipeline grids, with dropout, clipping, float16 and a
 //                                    loss scaler; the losses, each process's chunks and
-//                                    gather_parameters() bitwise; save() refused.
+//                                    gather_parameters() bitwise; save() refused. And a GPT,
+//                                    its tied LM head in another process.
 //   mpi_dist stall COUNTS PROCESS    one all_reduce, then PROCESS stalls while the others start a
 //                                    second one with a 3 s deadline: they must fail naming it.
 //   mpi_dist exit COUNTS PROCESS     the same, but PROCESS exits (status 3) instead.
@@ -36,7 +37,9 @@
 #include <vector>
 
 #include <mgpu/dist/dist.hpp>
+#include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/loss.hpp>
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
@@ -587,6 +590,54 @@ void test_pipeline(Setup const& s) {
                  "a one-device pipeline over the world");
 }
 
+// A GPT pipelined over the world's devices (its tied LM head's copy of wte on another device, in
+// another process where there are two; with two replicas, a data x pipeline grid), AdamW with
+// clipping and dropout, against one process's executor: losses and chunks bitwise.
+void test_pipeline_gpt(Setup const& s) {
+  namespace pp = mgpu::pipeline;
+  std::shared_ptr<mgpu::Allocator> host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  mgpu::nn::GptConfig const config{.vocab = 32, .block_size = 8, .n_layer = 2, .n_head = 2, .n_embd = 16, .dropout = 0.1f};
+  mgpu::nn::Sequential const model = mgpu::nn::gpt(config);
+  std::mt19937 rng(3);
+  std::vector<Tensor> xs, ys;
+  for (int b = 0; b < 3; ++b) {
+    for (auto* list : {&xs, &ys}) {
+      list->push_back(Tensor::empty({6, 8}, DType::int32, *host));
+      for (std::int32_t& v : list->back().host_span<std::int32_t>()) v = static_cast<std::int32_t>(rng() % 32);
+    }
+  }
+  pp::ChunkOptimizerFactory const adamw = [](mgpu::nn::Sequential const& chunk) {
+    return std::make_unique<mgpu::optim::AdamW>(mgpu::optim::AdamWOptions{.lr = 0.01f, .weight_decay = 0.1f, .decay_ranges = chunk.matrix_ranges()});
+  };
+  for (int const replicas : {1, 2}) {
+    int const devices = s.size() / replicas;
+    if (s.size() % replicas != 0 || devices < 2) continue;  // the head on another device than the embedding
+    std::string const what = "GPT pipeline x " + std::to_string(replicas) + " replica(s)";
+    std::vector<std::size_t> const cuts = pp::partition(model, devices, std::vector<double>(model.size(), 1.0)).cuts;
+    pp::ExecutorOptions options{.seed = 5,
+                                .data_parallel = replicas,
+                                .timeout = 60s,
+                                .clip_norm = 0.1f,
+                                .loss = std::make_shared<mgpu::nn::TokenCrossEntropy>()};
+    mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
+    pp::Executor reference(model, one, cuts, pp::one_f_one_b(devices, 2), adamw, options);
+    options.make_communicator = mgpu::dist::communicator_factory(s.world);
+    pp::Executor executor(model, s.group, cuts, pp::one_f_one_b(devices, 2), adamw, options);
+    for (std::size_t b = 0; b < xs.size(); ++b) {
+      float const expected = reference.step(xs[b], ys[b]);
+      float const got = executor.step(xs[b], ys[b]);
+      EXPECT(std::memcmp(&got, &expected, sizeof got) == 0, what << ": step " << b << " loss " << got << " (expected " << expected << ")");
+    }
+    for (int l = 0; l < s.local(); ++l) {
+      int const c = s.rank(l) % devices;
+      int const replica = s.rank(l) / devices;
+      EXPECT(same_bits(host_values(executor.chunk(c, replica).master_parameters(), s.group.stream(l)),
+                       host_values(reference.chunk(c, replica).master_parameters(), one.stream(0))),
+             what << ": chunk " << c << " of replica " << replica << " differs from one process's");
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -622,6 +673,7 @@ int main(int argc, char** argv) {
     Setup const s{world, group, *comm};
     if (mode == "pipeline") {
       test_pipeline(s);
+      test_pipeline_gpt(s);
       comm->finalize();
       std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
       return failures == 0 ? 0 : 1;
