@@ -28,6 +28,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <random>
@@ -35,6 +36,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 #include <mgpu/dist/dist.hpp>
 #include <mgpu/nn/gpt.hpp>
@@ -592,7 +595,8 @@ void test_pipeline(Setup const& s) {
 
 // A GPT pipelined over the world's devices (its tied LM head's copy of wte on another device, in
 // another process where there are two; with two replicas, a data x pipeline grid), AdamW with
-// clipping and dropout, against one process's executor: losses and chunks bitwise.
+// clipping and dropout, against one process's executor: losses and chunks bitwise, also after
+// loading that executor's checkpoint.
 void test_pipeline_gpt(Setup const& s) {
   namespace pp = mgpu::pipeline;
   std::shared_ptr<mgpu::Allocator> host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
@@ -634,6 +638,24 @@ void test_pipeline_gpt(Setup const& s) {
       EXPECT(same_bits(host_values(executor.chunk(c, replica).master_parameters(), s.group.stream(l)),
                        host_values(reference.chunk(c, replica).master_parameters(), one.stream(0))),
              what << ": chunk " << c << " of replica " << replica << " differs from one process's");
+    }
+    // One process's checkpoint loads into the executor across processes (each process its chunks,
+    // their AdamW state and RNG), which then steps as that process does.
+    std::filesystem::path const file = std::filesystem::temp_directory_path() /
+                                       ("mgpu_mpi_dist_gpt_" + std::to_string(::getpid()) + "_" + std::to_string(replicas) + ".ckpt");
+    reference.save(file);
+    pp::Executor resumed(model, s.group, cuts, pp::one_f_one_b(devices, 2), adamw, options);
+    resumed.load(file);
+    std::filesystem::remove(file);
+    float const expected = reference.step(xs[0], ys[0]);
+    float const got = resumed.step(xs[0], ys[0]);
+    EXPECT(std::memcmp(&got, &expected, sizeof got) == 0, what << ": after load, loss " << got << " (expected " << expected << ")");
+    for (int l = 0; l < s.local(); ++l) {
+      int const c = s.rank(l) % devices;
+      int const replica = s.rank(l) / devices;
+      EXPECT(same_bits(host_values(resumed.chunk(c, replica).master_parameters(), s.group.stream(l)),
+                       host_values(reference.chunk(c, replica).master_parameters(), one.stream(0))),
+             what << ": after load, chunk " << c << " of replica " << replica << " differs from one process's");
     }
   }
 }
