@@ -1,8 +1,6 @@
 // What the training examples share: their data and model flags, and --precision.
 #pragma once
 
-#include <CLI/CLI.hpp>
-
 #include <algorithm>
 #include <cstdint>
 #include <exception>
@@ -10,6 +8,8 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include <CLI/CLI.hpp>
 
 #include <mgpu/core/dtype.hpp>
 #include <mgpu/core/error.hpp>
@@ -52,7 +52,8 @@ inline mgpu::DType precision(std::string const& p) {
 inline std::vector<mgpu::pipeline::StageDevice> world_stage_devices(mgpu::dist::World const& world, int stages) {
   double fastest = 0;
   for (mgpu::dist::WorldDevice const& d : world.devices) fastest = std::max(fastest, d.device.speed);
-  std::vector<mgpu::pipeline::StageDevice> devices(static_cast<std::size_t>(stages), mgpu::pipeline::StageDevice{.speed = 1.0});
+  std::vector<mgpu::pipeline::StageDevice> devices(static_cast<std::size_t>(stages),
+                                                   mgpu::pipeline::StageDevice{.speed = 1.0});
   for (mgpu::dist::WorldDevice const& d : world.devices) {
     double& speed = devices[static_cast<std::size_t>(d.rank % stages)].speed;
     speed = std::min(speed, d.device.speed / fastest);

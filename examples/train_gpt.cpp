@@ -308,13 +308,18 @@ int run(Options o) {
   bool const speaker = session.place().rank == 0;  // process 0 prints
   // The other processes' output goes nowhere.
   std::unique_ptr<FILE, int (*)(FILE*)> const quiet(speaker ? nullptr : std::fopen("/dev/null", "w"), &std::fclose);
-  if (!speaker && !quiet) throw mgpu::Error(mgpu::Errc::io, "cannot open /dev/null for process " + std::to_string(session.place().rank) + "'s output");
+  if (!speaker && !quiet)
+    throw mgpu::Error(mgpu::Errc::io,
+                      "cannot open /dev/null for process " + std::to_string(session.place().rank) + "'s output");
   FILE* const log = !speaker ? quiet.get() : o.json ? stderr : stdout;
   bool const terminal = speaker && ::isatty(STDERR_FILENO) != 0;
   bool const pipelined = !o.schedule.empty() || o.stages > 1;
   if (pipelined && o.schedule.empty()) o.schedule = "1f1b";
   if (o.devices.empty())
-    o.devices = "host:" + std::to_string(std::max(1, (o.tp > 1 ? o.tp : pipelined ? o.stages * o.dp : o.dp) / processes));
+    o.devices = "host:" + std::to_string(std::max(1, (o.tp > 1    ? o.tp
+                                                      : pipelined ? o.stages * o.dp
+                                                                  : o.dp) /
+                                                         processes));
   mgpu::DeviceGroup group(o.devices);
   mgpu::dist::World const world = mgpu::dist::make_world(group);
   bool const across = world.processes > 1;
@@ -390,10 +395,11 @@ int run(Options o) {
                                                           std::to_string(o.micro_batches) + " (expected 1: one batch through the stages in turn)");
     std::int64_t const micro_rows = std::max<std::int64_t>(1, o.batch_size / (schedule.micro_batches * o.dp));
     mgpu::pipeline::LayerProfile const costs = layer_costs(model, config, micro_rows);
-    mgpu::pipeline::Partition const plan = mgpu::pipeline::partition(
-        model, schedule, costs,
-        across ? examples::world_stage_devices(world, schedule.devices) : mgpu::pipeline::stage_devices(group, schedule.devices),
-        {.optimizer_states = 2});
+    mgpu::pipeline::Partition const plan =
+        mgpu::pipeline::partition(model, schedule, costs,
+                                  across ? examples::world_stage_devices(world, schedule.devices)
+                                         : mgpu::pipeline::stage_devices(group, schedule.devices),
+                                  {.optimizer_states = 2});
     mgpu::pipeline::ExecutorOptions options{.seed = o.seed,
                                             .data_parallel = o.dp,
                                             .compute = examples::precision(o.precision),
@@ -441,7 +447,8 @@ int run(Options o) {
   trainer.tensor = tensor.get();
   if (across) {  // each process's rows: shares by its devices' speeds, as train_mlp splits them
     trainer.process_weights.assign(static_cast<std::size_t>(world.processes), 0.0);
-    for (mgpu::dist::WorldDevice const& d : world.devices) trainer.process_weights[static_cast<std::size_t>(d.process)] += d.device.speed;
+    for (mgpu::dist::WorldDevice const& d : world.devices)
+      trainer.process_weights[static_cast<std::size_t>(d.process)] += d.device.speed;
     trainer.process = world.process;
   }
   if (o.precision == "fp16" && !parallel && !pipeline) trainer.scaler.emplace();
@@ -603,17 +610,21 @@ int run(Options o) {
   }
   if (across) {  // the world's
     devices.clear();
-    for (mgpu::dist::WorldDevice const& d : world.devices) devices += (d.rank ? ", \"" : "\"") + examples::device_name(world, d) + "\"";
+    for (mgpu::dist::WorldDevice const& d : world.devices)
+      devices += (d.rank ? ", \"" : "\"") + examples::device_name(world, d) + "\"";
   }
   if (o.json) {
     std::printf(
         "{\"tokens_per_s\": %.6g, \"train_loss\": %.6g, \"val_loss\": %.6g, \"params\": %lld, \"devices\": [%s], "
         "\"iters\": %lld, \"peak_bytes\": [%s], \"precision\": \"%s\", \"eval_windows\": %lld, \"schedule\": \"%s\", "
         "\"stages\": %d, \"micro_batches\": %d, \"dp\": %d, \"recompute\": \"%s\", \"tp\": %d, \"processes\": %d}\n",
-        tokens_per_s, std::isnan(train_loss) ? -1.0 : train_loss, val_loss, static_cast<long long>(net.parameter_count()),
-        devices.c_str(), static_cast<long long>(state.step), peaks.c_str(), o.precision.c_str(),
-        static_cast<long long>(eval_windows),
-        pipeline ? pipeline->schedule().name.c_str() : parallel ? "data-parallel" : tensor ? "tensor-parallel" : "none",
+        tokens_per_s, std::isnan(train_loss) ? -1.0 : train_loss, val_loss,
+        static_cast<long long>(net.parameter_count()), devices.c_str(), static_cast<long long>(state.step),
+        peaks.c_str(), o.precision.c_str(), static_cast<long long>(eval_windows),
+        pipeline   ? pipeline->schedule().name.c_str()
+        : parallel ? "data-parallel"
+        : tensor   ? "tensor-parallel"
+                   : "none",
         pipeline ? o.stages : 1, pipeline ? pipeline->schedule().micro_batches : 1, parallel ? world.size() : o.dp,
         o.recompute.c_str(), o.tp, world.processes);
   } else {

@@ -99,12 +99,14 @@ void share_profile(pp::LayerProfile& profile, mgpu::dist::World const& world, mg
     mgpu::Tensor const values = mgpu::Tensor::empty({3 * n}, mgpu::DType::float32, group.allocator(local));
     auto const span = values.host_span<float>();  // host devices: the only ones across processes
     for (std::size_t k = 0; k < 3; ++k)
-      for (std::size_t i = 0; i < static_cast<std::size_t>(n); ++i) span[k * static_cast<std::size_t>(n) + i] = static_cast<float>((*parts[k])[i]);
+      for (std::size_t i = 0; i < static_cast<std::size_t>(n); ++i)
+        span[k * static_cast<std::size_t>(n) + i] = static_cast<float>((*parts[k])[i]);
     comm->broadcast(world.rank_of(local), values, 0, stream);
     stream.synchronize();
     if (local != 0) return;
     for (std::size_t k = 0; k < 3; ++k)
-      for (std::size_t i = 0; i < static_cast<std::size_t>(n); ++i) (*parts[k])[i] = span[k * static_cast<std::size_t>(n) + i];
+      for (std::size_t i = 0; i < static_cast<std::size_t>(n); ++i)
+        (*parts[k])[i] = span[k * static_cast<std::size_t>(n) + i];
   });
   comm->finalize();
 }
@@ -132,7 +134,8 @@ pp::Partition given(std::vector<std::size_t> const& cuts, pp::Schedule const& sc
 int train(Options const& o) {
   mgpu::dist::Session session;  // the job's processes (one without a launcher)
   int const processes = session.place().size;
-  std::string const spec = !o.devices.empty() ? o.devices : "host:" + std::to_string(std::max(1, o.stages * o.dp / processes));
+  std::string const spec =
+      !o.devices.empty() ? o.devices : "host:" + std::to_string(std::max(1, o.stages * o.dp / processes));
   mgpu::DeviceGroup group(spec);
   mgpu::dist::World const world = mgpu::dist::make_world(group);
   bool const across = world.processes > 1;
@@ -147,11 +150,13 @@ int train(Options const& o) {
   // and the simulator's per-chunk costs (a third forward, two thirds backward) from it.
   pp::LayerProfile profile = pp::profile_layers(model, group, {micro_rows, all.features()});
   if (world.size() != schedule.devices * o.dp)
-    throw mgpu::Error(mgpu::Errc::invalid_argument, "--devices " + spec + " has " + std::to_string(world.size()) + " devices" +
-                                                        (across ? " over the " + std::to_string(world.processes) + " processes" : "") +
-                                                        " (expected --stages x --dp = " + std::to_string(schedule.devices * o.dp) + ")");
+    throw mgpu::Error(mgpu::Errc::invalid_argument,
+                      "--devices " + spec + " has " + std::to_string(world.size()) + " devices" +
+                          (across ? " over the " + std::to_string(world.processes) + " processes" : "") +
+                          " (expected --stages x --dp = " + std::to_string(schedule.devices * o.dp) + ")");
   if (across) share_profile(profile, world, group);
-  std::vector<pp::StageDevice> const devices = across ? examples::world_stage_devices(world, schedule.devices) : pp::stage_devices(group, schedule.devices);
+  std::vector<pp::StageDevice> const devices =
+      across ? examples::world_stage_devices(world, schedule.devices) : pp::stage_devices(group, schedule.devices);
   pp::Partition const plan = o.cuts.empty() ? pp::partition(model, schedule, profile, devices) : given(o.cuts, schedule, profile, devices);
   std::vector<pp::ActionCosts> costs;
   for (double const s : plan.chunk_seconds) costs.push_back({s / 3, s / 3, s / 3, 0.0});
@@ -169,17 +174,20 @@ int train(Options const& o) {
   std::string trained_on = spec;
   if (across) {
     trained_on.clear();
-    for (mgpu::dist::WorldDevice const& d : world.devices) trained_on += (d.rank ? "," : "") + examples::device_name(world, d);
+    for (mgpu::dist::WorldDevice const& d : world.devices)
+      trained_on += (d.rank ? "," : "") + examples::device_name(world, d);
   }
   FILE* const log = !speaker ? nullptr : o.json ? stderr : stdout;
   auto const say = [log](auto... args) {
     if (log != nullptr) std::fprintf(log, args...);
   };
-  say("mgpu %s: %s, %d stage(s) x %d chunk(s) x %d replica(s) on %s, %d micro-batches of ~%lld rows, %s\n", mgpu::version,
-      schedule.name.c_str(), schedule.devices, schedule.chunks_per_device, o.dp, trained_on.c_str(), schedule.micro_batches,
-      static_cast<long long>(micro_rows), o.precision.c_str());
+  say("mgpu %s: %s, %d stage(s) x %d chunk(s) x %d replica(s) on %s, %d micro-batches of ~%lld rows, %s\n",
+      mgpu::version, schedule.name.c_str(), schedule.devices, schedule.chunks_per_device, o.dp, trained_on.c_str(),
+      schedule.micro_batches, static_cast<long long>(micro_rows), o.precision.c_str());
   say("plan (%s; one micro-batch's forward + backward per chunk, its peak memory):\n",
-      o.cuts.empty() ? (across ? "for the devices' speed, process 0's profile" : "for the devices' speed and free memory") : "--cuts");
+      o.cuts.empty()
+          ? (across ? "for the devices' speed, process 0's profile" : "for the devices' speed and free memory")
+          : "--cuts");
   std::string const report = pp::to_string(plan);
   for (std::size_t begin = 0, end; (end = report.find('\n', begin)) != std::string::npos; begin = end + 1)
     say("  %s\n", report.substr(begin, end - begin).c_str());
@@ -237,15 +245,19 @@ int train(Options const& o) {
   if (o.json) {
     auto const* scaler = executor.loss_scaler();
     std::string devices;  // the world's
-    for (mgpu::dist::WorldDevice const& d : world.devices) devices += (d.rank ? ", \"" : "\"") + examples::device_name(world, d) + "\"";
+    for (mgpu::dist::WorldDevice const& d : world.devices)
+      devices += (d.rank ? ", \"" : "\"") + examples::device_name(world, d) + "\"";
     std::string losses;  // each epoch's mean loss, to the last bit
     for (std::size_t e = 0; e < epoch_losses.size(); ++e) losses += (e ? ", " : "") + json_float(epoch_losses[e]);
-    std::printf("{\"schedule\": \"%s\", \"stages\": %d, \"micro_batches\": %d, \"dp\": %d, \"bubble_predicted\": %.6g, \"bubble_measured\": %.6g, "
-                "\"train_loss\": %.6g, \"test_accuracy\": %.6g, \"samples_per_s\": %.6g, \"precision\": \"%s\", \"skipped_steps\": %lld, "
-                "\"devices\": [%s], \"processes\": %d, \"epoch_losses\": [%s]}\n",
-                schedule.name.c_str(), o.stages, o.micro_batches, o.dp, predicted.bubble_fraction, bubble, loss, accuracy, samples_per_s,
-                o.precision.c_str(), static_cast<long long>(scaler != nullptr ? scaler->skipped() : 0), devices.c_str(), world.processes,
-                losses.c_str());
+    std::printf(
+        "{\"schedule\": \"%s\", \"stages\": %d, \"micro_batches\": %d, \"dp\": %d, \"bubble_predicted\": %.6g, "
+        "\"bubble_measured\": %.6g, "
+        "\"train_loss\": %.6g, \"test_accuracy\": %.6g, \"samples_per_s\": %.6g, \"precision\": \"%s\", "
+        "\"skipped_steps\": %lld, "
+        "\"devices\": [%s], \"processes\": %d, \"epoch_losses\": [%s]}\n",
+        schedule.name.c_str(), o.stages, o.micro_batches, o.dp, predicted.bubble_fraction, bubble, loss, accuracy,
+        samples_per_s, o.precision.c_str(), static_cast<long long>(scaler != nullptr ? scaler->skipped() : 0),
+        devices.c_str(), world.processes, losses.c_str());
   } else {
     std::printf("bubble: simulated %.3f, measured %.3f (last step)\nfinal: train loss %.4f, test accuracy %.4f, %.0f samples/s\n",
                 predicted.bubble_fraction, bubble, loss, accuracy, samples_per_s);
@@ -260,7 +272,8 @@ int main(int argc, char** argv) {
   CLI::App app{"Train an MLP classifier split into pipeline stages with mgpu"};
   Options o;
   app.add_option("--devices", o.devices,
-                 "this process's device spec; every process's together: stages x dp devices (default: host:stages*dp / processes)");
+                 "this process's device spec; every process's together: stages x dp devices (default: host:stages*dp / "
+                 "processes)");
   o.common.add_to(app, "seven of 128, then classes");
   app.add_option("--epochs", o.epochs, "passes over the training set")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--batch", o.batch, "examples per step (over all micro-batches and replicas)")->check(CLI::PositiveNumber)->capture_default_str();

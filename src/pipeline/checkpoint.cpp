@@ -93,8 +93,9 @@ void Executor::gather_parameters(nn::Sequential& whole, Stream& stream) {
       for (int c = 0; c < m.schedule.chunks(); ++c) {
         nn::Sequential const& chunk = m.chunks[0][static_cast<std::size_t>(c)];
         int const owner = m.schedule.device_of(c);
-        Tensor const buffer = rank == owner ? chunk.master_parameters()
-                                            : Tensor::empty({chunk.parameter_count()}, DType::float32, m.group->allocator(local));
+        Tensor const buffer = rank == owner
+                                  ? chunk.master_parameters()
+                                  : Tensor::empty({chunk.parameter_count()}, DType::float32, m.group->allocator(local));
         m.comm->broadcast(rank, buffer, owner, rank_stream);
         if (local == 0) m.to_whole(c, buffer, whole.master_parameters(), rank_stream);
       }
@@ -130,8 +131,9 @@ void Executor::scatter_parameters(nn::Sequential const& whole, Stream& stream) {
 void Executor::save(std::filesystem::path const& path, io::TrainingState const& state) {
   Impl& m = *impl_;
   if (m.across)
-    throw Error(Errc::invalid_argument, "Executor::save across processes (not yet across processes: expected an executor within one "
-                                        "process; gather_parameters() brings the parameters to every process)");
+    throw Error(Errc::invalid_argument,
+                "Executor::save across processes (not yet across processes: expected an executor within one "
+                "process; gather_parameters() brings the parameters to every process)");
   m.group->synchronize();
   Whole whole(m.architecture, m.make_optimizer, m.options.seed);
   std::vector<optim::NamedTensor> const first_state = m.optimizers[0][0]->state();
@@ -205,7 +207,9 @@ io::TrainingState Executor::load(std::filesystem::path const& path) {
       m.from_whole(c, whole.model.master_parameters(), chunk.master_parameters(), stream);
       chunk.sync_parameters(stream);
       std::vector<optim::NamedTensor> const mine =
-          loaded.empty() ? optimizer.state() : optimizer.prepare_state(chunk.master_parameters(), m.group->allocator(rank - m.first), stream);
+          loaded.empty()
+              ? optimizer.state()
+              : optimizer.prepare_state(chunk.master_parameters(), m.group->allocator(rank - m.first), stream);
       for (std::size_t i = 0; i < mine.size(); ++i) {
         if (loaded.empty())
           fill_async(mine[i].second, 0.0f, stream);

@@ -191,7 +191,8 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
       if (!grads.defined()) continue;
       auto reduce = [&] {
         if (!across) {
-          stage_comms[static_cast<std::size_t>(device)]->all_reduce(rank / s.devices, grads, grads, comm::ReduceOp::sum, stream);
+          stage_comms[static_cast<std::size_t>(device)]->all_reduce(rank / s.devices, grads, grads, comm::ReduceOp::sum,
+                                                                    stream);
           return;
         }
         std::vector<int> ranks;
@@ -293,16 +294,20 @@ bool Executor::Impl::update_across(std::vector<nn::UpdatePart> const& parts, flo
   float const factor = scaler != nullptr ? 1.0f / scaler->scale() : 1.0f;
   for (nn::UpdatePart const& p : parts) p.model->unscale_gradients(factor, *p.stream);
   if (scaler != nullptr) {
-    double const bad = world_sum([](Tensor const& grads, Tensor const& out, Stream& stream) { ops::count_nonfinite(grads, out, stream); });
+    double const bad = world_sum(
+        [](Tensor const& grads, Tensor const& out, Stream& stream) { ops::count_nonfinite(grads, out, stream); });
     if (!scaler->update(bad == 0)) return false;
   }
   if (options.clip_norm > 0) {
-    double const squares = world_sum([](Tensor const& grads, Tensor const& out, Stream& stream) { ops::sum_squares(grads, out, stream); });
+    double const squares =
+        world_sum([](Tensor const& grads, Tensor const& out, Stream& stream) { ops::sum_squares(grads, out, stream); });
     float const norm = std::sqrt(static_cast<float>(squares));
     if (!std::isfinite(norm))
-      throw Error(Errc::invalid_argument, "pipeline step: clipping gradients that hold NaN or Inf (expected finite gradients)");
+      throw Error(Errc::invalid_argument,
+                  "pipeline step: clipping gradients that hold NaN or Inf (expected finite gradients)");
     if (norm > options.clip_norm && norm > 0) {
-      for (nn::UpdatePart const& p : parts) ops::scale(p.model->master_gradients(), options.clip_norm / norm, *p.stream);
+      for (nn::UpdatePart const& p : parts)
+        ops::scale(p.model->master_gradients(), options.clip_norm / norm, *p.stream);
     }
   }
   return nn::apply_update(parts, {lr_scale, 0.0f, nullptr, false});
@@ -321,19 +326,22 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   validate(schedule);
   // The pipelines' communicator first: across processes its size is the world's device count.
   comm::Options const comm_options{comm::Backend::automatic, options.timeout};
-  std::unique_ptr<comm::Communicator> transfers =
-      options.make_communicator ? options.make_communicator(group, comm_options) : comm::make_communicator(group, comm_options);
+  std::unique_ptr<comm::Communicator> transfers = options.make_communicator
+                                                      ? options.make_communicator(group, comm_options)
+                                                      : comm::make_communicator(group, comm_options);
   if (!transfers)
-    throw Error(Errc::invalid_argument, "the pipeline's make_communicator returned no communicator (expected one over the group's devices)");
+    throw Error(Errc::invalid_argument,
+                "the pipeline's make_communicator returned no communicator (expected one over the group's devices)");
   bool const across = transfers->size() != group.size();
   if (options.data_parallel < 1 || schedule.devices * options.data_parallel != transfers->size())
-    throw Error(Errc::invalid_argument,
-                "a schedule for " + std::to_string(schedule.devices) + " devices times " + std::to_string(options.data_parallel) +
-                    " data-parallel replicas on " +
-                    (across ? "a world of " + std::to_string(transfers->size()) + " devices over several processes (expected devices x "
-                                                                                  "replicas = the world's device count: every process's "
-                                                                                  "devices run stages)"
-                            : "a group of " + std::to_string(group.size()) + " (expected devices x replicas = the group's size)"));
+    throw Error(Errc::invalid_argument, "a schedule for " + std::to_string(schedule.devices) + " devices times " +
+                                            std::to_string(options.data_parallel) + " data-parallel replicas on " +
+                                            (across ? "a world of " + std::to_string(transfers->size()) +
+                                                          " devices over several processes (expected devices x "
+                                                          "replicas = the world's device count: every process's "
+                                                          "devices run stages)"
+                                                    : "a group of " + std::to_string(group.size()) +
+                                                          " (expected devices x replicas = the group's size)"));
   auto const units = model.cut_points().size() - 1;
   auto const chunks = static_cast<std::size_t>(schedule.chunks());
   if (chunks > units)
@@ -415,7 +423,8 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   group.run([&](int local, Device, Stream& stream) {
     nn::Context ctx{group.allocator(local), stream};
     int const rank = m.first + local;
-    for (int c = rank % devices; c < m.schedule.chunks(); c += devices) m.chunk_of(rank, c).materialize(ctx, m.options.seed, m.options.compute);
+    for (int c = rank % devices; c < m.schedule.chunks(); c += devices)
+      m.chunk_of(rank, c).materialize(ctx, m.options.seed, m.options.compute);
   });
   if (m.replicas > 1 && !m.across) {
     for (int d = 0; d < devices; ++d) {
@@ -522,7 +531,8 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
     int const last_rank = r * m.schedule.devices + last_device;
     for (std::size_t k = 0; k < step.losses.size(); ++k) {
       auto const i = static_cast<std::int64_t>(last_rank) * mbs + static_cast<std::int64_t>(k);
-      loss += m.across ? ops::item(gathered[0].slice(i, i + 1), m.group->stream(0)) : ops::item(step.losses[k], m.group->stream(last_rank));
+      loss += m.across ? ops::item(gathered[0].slice(i, i + 1), m.group->stream(0))
+                       : ops::item(step.losses[k], m.group->stream(last_rank));
     }
   }
   return static_cast<float>(loss);
@@ -579,10 +589,10 @@ nn::Sequential& Executor::chunk(int c, int replica) {
                                             std::to_string(impl_->replicas) + "))");
   int const rank = replica * impl_->schedule.devices + impl_->schedule.device_of(c);
   if (!impl_->is_local(rank))
-    throw Error(Errc::invalid_argument, "chunk " + std::to_string(c) + " of replica " + std::to_string(replica) + " runs on world rank " +
-                                            std::to_string(rank) + ", another process's (expected a chunk on this process's ranks [" +
-                                            std::to_string(impl_->first) + ", " + std::to_string(impl_->first + impl_->group->size()) +
-                                            "))");
+    throw Error(Errc::invalid_argument,
+                "chunk " + std::to_string(c) + " of replica " + std::to_string(replica) + " runs on world rank " +
+                    std::to_string(rank) + ", another process's (expected a chunk on this process's ranks [" +
+                    std::to_string(impl_->first) + ", " + std::to_string(impl_->first + impl_->group->size()) + "))");
   return impl_->chunks[static_cast<std::size_t>(replica)][static_cast<std::size_t>(c)];
 }
 

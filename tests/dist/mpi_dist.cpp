@@ -493,7 +493,8 @@ void test_data_parallel(Setup const& s) {
 
 // Whether `have` and `want` hold the same bits.
 bool same_bits(std::vector<float> const& have, std::vector<float> const& want) {
-  return have.size() == want.size() && (have.empty() || std::memcmp(have.data(), want.data(), have.size() * sizeof(float)) == 0);
+  return have.size() == want.size() &&
+         (have.empty() || std::memcmp(have.data(), want.data(), have.size() * sizeof(float)) == 0);
 }
 
 // Expects `call` to throw Error(invalid_argument) whose text has `needle`.
@@ -532,65 +533,73 @@ void test_pipeline(Setup const& s) {
   };
   for (int const replicas : {1, 2}) {
     int const devices = s.size() / replicas;
-    if (s.size() % replicas != 0 || devices + 1 > static_cast<int>(dp_model(false).cut_points().size())) continue;  // a unit per stage
-  struct Config {
-    bool dropout;
-    float clip_norm;  // the global norm then sums every process's chunks
-    bool fp16;        // float16 compute with a loss scaler, whose overflow count does too
-  };
-  for (Config const config : {Config{false, 0, false}, Config{true, 0.05f, false}, Config{false, 0.05f, true}}) {
-    bool const dropout = config.dropout;
-    mgpu::nn::Sequential const model = dp_model(dropout);
-    std::vector<std::size_t> const cuts = pp::partition(model, devices, std::vector<double>(model.size(), 1.0)).cuts;
-    for (pp::Schedule const& schedule : {pp::gpipe(devices, 4), pp::one_f_one_b(devices, 4)}) {
-      std::string const what = "pipeline " + schedule.name + " x " + std::to_string(replicas) + " replica(s)" + (dropout ? ", dropout" : "") +
-                               (config.clip_norm > 0 ? ", clipping" : "") + (config.fp16 ? ", float16 with a loss scaler" : "");
-      pp::ExecutorOptions options{.seed = 7,
-                                  .data_parallel = replicas,
-                                  .timeout = 60s,
-                                  .compute = config.fp16 ? DType::float16 : DType::float32,
-                                  .clip_norm = config.clip_norm};
-      if (config.fp16) options.loss_scaler.emplace();
-      mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
-      pp::Executor reference(model, one, cuts, schedule, sgd, options);
-      options.make_communicator = mgpu::dist::communicator_factory(s.world);
-      pp::Executor executor(model, s.group, cuts, schedule, sgd, options);
-      for (std::size_t b = 0; b < xs.size(); ++b) {
-        float const expected = reference.step(xs[b], ys[b]);
-        float const got = executor.step(xs[b], ys[b]);
-        EXPECT(std::memcmp(&got, &expected, sizeof got) == 0, what << ": step " << b << " loss " << got << " (expected " << expected << ")");
-        EXPECT(executor.last_step_applied() == reference.last_step_applied(), what << ": step " << b << " applied or skipped unlike one process");
+    if (s.size() % replicas != 0 || devices + 1 > static_cast<int>(dp_model(false).cut_points().size()))
+      continue;  // a unit per stage
+    struct Config {
+      bool dropout;
+      float clip_norm;  // the global norm then sums every process's chunks
+      bool fp16;        // float16 compute with a loss scaler, whose overflow count does too
+    };
+    for (Config const config : {Config{false, 0, false}, Config{true, 0.05f, false}, Config{false, 0.05f, true}}) {
+      bool const dropout = config.dropout;
+      mgpu::nn::Sequential const model = dp_model(dropout);
+      std::vector<std::size_t> const cuts = pp::partition(model, devices, std::vector<double>(model.size(), 1.0)).cuts;
+      for (pp::Schedule const& schedule : {pp::gpipe(devices, 4), pp::one_f_one_b(devices, 4)}) {
+        std::string const what = "pipeline " + schedule.name + " x " + std::to_string(replicas) + " replica(s)" +
+                                 (dropout ? ", dropout" : "") + (config.clip_norm > 0 ? ", clipping" : "") +
+                                 (config.fp16 ? ", float16 with a loss scaler" : "");
+        pp::ExecutorOptions options{.seed = 7,
+                                    .data_parallel = replicas,
+                                    .timeout = 60s,
+                                    .compute = config.fp16 ? DType::float16 : DType::float32,
+                                    .clip_norm = config.clip_norm};
+        if (config.fp16) options.loss_scaler.emplace();
+        mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
+        pp::Executor reference(model, one, cuts, schedule, sgd, options);
+        options.make_communicator = mgpu::dist::communicator_factory(s.world);
+        pp::Executor executor(model, s.group, cuts, schedule, sgd, options);
+        for (std::size_t b = 0; b < xs.size(); ++b) {
+          float const expected = reference.step(xs[b], ys[b]);
+          float const got = executor.step(xs[b], ys[b]);
+          EXPECT(std::memcmp(&got, &expected, sizeof got) == 0,
+                 what << ": step " << b << " loss " << got << " (expected " << expected << ")");
+          EXPECT(executor.last_step_applied() == reference.last_step_applied(),
+                 what << ": step " << b << " applied or skipped unlike one process");
+        }
+        if (config.fp16)
+          EXPECT(executor.loss_scaler()->state().scale == reference.loss_scaler()->state().scale,
+                 what << ": the loss scale differs");
+        for (int l = 0; l < s.local(); ++l) {
+          int const c = s.rank(l) % devices;  // one chunk per device
+          int const replica = s.rank(l) / devices;
+          bool const same = same_bits(host_values(executor.chunk(c, replica).master_parameters(), s.group.stream(l)),
+                                      host_values(reference.chunk(c, replica).master_parameters(), one.stream(0)));
+          EXPECT(same, what << ": chunk " << c << " of replica " << replica << " on world rank " << s.rank(l)
+                            << " differs from one process's");
+        }
+        mgpu::nn::Sequential whole = model.clone(), whole_reference = model.clone();
+        mgpu::nn::Context ctx{*host, host_stream};
+        whole.materialize(ctx, 1);
+        whole_reference.materialize(ctx, 2);
+        executor.gather_parameters(whole, host_stream);
+        reference.gather_parameters(whole_reference, host_stream);
+        EXPECT(same_bits(host_values(whole.master_parameters(), host_stream),
+                         host_values(whole_reference.master_parameters(), host_stream)),
+               what << ": gather_parameters differs from one process's");
+        int const remote = s.rank(0) == 0 ? s.size() - 1 : 0;
+        expect_refused([&] { static_cast<void>(executor.chunk(remote % devices, remote / devices)); },
+                       "another process", what + ": chunk of another process");
+        expect_refused([&] { executor.save("/nonexistent/pipeline.ckpt"); }, "across processes", what + ": save");
       }
-      if (config.fp16)
-        EXPECT(executor.loss_scaler()->state().scale == reference.loss_scaler()->state().scale, what << ": the loss scale differs");
-      for (int l = 0; l < s.local(); ++l) {
-        int const c = s.rank(l) % devices;  // one chunk per device
-        int const replica = s.rank(l) / devices;
-        bool const same = same_bits(host_values(executor.chunk(c, replica).master_parameters(), s.group.stream(l)),
-                                    host_values(reference.chunk(c, replica).master_parameters(), one.stream(0)));
-        EXPECT(same, what << ": chunk " << c << " of replica " << replica << " on world rank " << s.rank(l) << " differs from one process's");
-      }
-      mgpu::nn::Sequential whole = model.clone(), whole_reference = model.clone();
-      mgpu::nn::Context ctx{*host, host_stream};
-      whole.materialize(ctx, 1);
-      whole_reference.materialize(ctx, 2);
-      executor.gather_parameters(whole, host_stream);
-      reference.gather_parameters(whole_reference, host_stream);
-      EXPECT(same_bits(host_values(whole.master_parameters(), host_stream), host_values(whole_reference.master_parameters(), host_stream)),
-             what << ": gather_parameters differs from one process's");
-      int const remote = s.rank(0) == 0 ? s.size() - 1 : 0;
-      expect_refused([&] { static_cast<void>(executor.chunk(remote % devices, remote / devices)); }, "another process",
-                     what + ": chunk of another process");
-      expect_refused([&] { executor.save("/nonexistent/pipeline.ckpt"); }, "across processes", what + ": save");
     }
-  }
   }
   // A grid that is not the world's devices.
   mgpu::nn::Sequential const model = dp_model(false);
-  pp::ExecutorOptions options{.seed = 7, .timeout = 60s, .make_communicator = mgpu::dist::communicator_factory(s.world)};
+  pp::ExecutorOptions options{
+      .seed = 7, .timeout = 60s, .make_communicator = mgpu::dist::communicator_factory(s.world)};
   std::vector<std::size_t> const all{0, model.size()};
-  expect_refused([&] { pp::Executor(model, s.group, all, pp::gpipe(1, 2), sgd, options); }, "a world of " + std::to_string(s.size()),
-                 "a one-device pipeline over the world");
+  expect_refused([&] { pp::Executor(model, s.group, all, pp::gpipe(1, 2), sgd, options); },
+                 "a world of " + std::to_string(s.size()), "a one-device pipeline over the world");
 }
 
 // A GPT pipelined over the world's devices (its tied LM head's copy of wte on another device, in
@@ -600,7 +609,8 @@ void test_pipeline(Setup const& s) {
 void test_pipeline_gpt(Setup const& s) {
   namespace pp = mgpu::pipeline;
   std::shared_ptr<mgpu::Allocator> host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
-  mgpu::nn::GptConfig const config{.vocab = 32, .block_size = 8, .n_layer = 2, .n_head = 2, .n_embd = 16, .dropout = 0.1f};
+  mgpu::nn::GptConfig const config{
+      .vocab = 32, .block_size = 8, .n_layer = 2, .n_head = 2, .n_embd = 16, .dropout = 0.1f};
   mgpu::nn::Sequential const model = mgpu::nn::gpt(config);
   std::mt19937 rng(3);
   std::vector<Tensor> xs, ys;
@@ -611,7 +621,8 @@ void test_pipeline_gpt(Setup const& s) {
     }
   }
   pp::ChunkOptimizerFactory const adamw = [](mgpu::nn::Sequential const& chunk) {
-    return std::make_unique<mgpu::optim::AdamW>(mgpu::optim::AdamWOptions{.lr = 0.01f, .weight_decay = 0.1f, .decay_ranges = chunk.matrix_ranges()});
+    return std::make_unique<mgpu::optim::AdamW>(
+        mgpu::optim::AdamWOptions{.lr = 0.01f, .weight_decay = 0.1f, .decay_ranges = chunk.matrix_ranges()});
   };
   for (int const replicas : {1, 2}) {
     int const devices = s.size() / replicas;
@@ -630,7 +641,8 @@ void test_pipeline_gpt(Setup const& s) {
     for (std::size_t b = 0; b < xs.size(); ++b) {
       float const expected = reference.step(xs[b], ys[b]);
       float const got = executor.step(xs[b], ys[b]);
-      EXPECT(std::memcmp(&got, &expected, sizeof got) == 0, what << ": step " << b << " loss " << got << " (expected " << expected << ")");
+      EXPECT(std::memcmp(&got, &expected, sizeof got) == 0,
+             what << ": step " << b << " loss " << got << " (expected " << expected << ")");
     }
     for (int l = 0; l < s.local(); ++l) {
       int const c = s.rank(l) % devices;
@@ -641,15 +653,17 @@ void test_pipeline_gpt(Setup const& s) {
     }
     // One process's checkpoint loads into the executor across processes (each process its chunks,
     // their AdamW state and RNG), which then steps as that process does.
-    std::filesystem::path const file = std::filesystem::temp_directory_path() /
-                                       ("mgpu_mpi_dist_gpt_" + std::to_string(::getpid()) + "_" + std::to_string(replicas) + ".ckpt");
+    std::filesystem::path const file =
+        std::filesystem::temp_directory_path() /
+        ("mgpu_mpi_dist_gpt_" + std::to_string(::getpid()) + "_" + std::to_string(replicas) + ".ckpt");
     reference.save(file);
     pp::Executor resumed(model, s.group, cuts, pp::one_f_one_b(devices, 2), adamw, options);
     resumed.load(file);
     std::filesystem::remove(file);
     float const expected = reference.step(xs[0], ys[0]);
     float const got = resumed.step(xs[0], ys[0]);
-    EXPECT(std::memcmp(&got, &expected, sizeof got) == 0, what << ": after load, loss " << got << " (expected " << expected << ")");
+    EXPECT(std::memcmp(&got, &expected, sizeof got) == 0,
+           what << ": after load, loss " << got << " (expected " << expected << ")");
     for (int l = 0; l < s.local(); ++l) {
       int const c = s.rank(l) % devices;
       int const replica = s.rank(l) / devices;
