@@ -333,15 +333,24 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     throw Error(Errc::invalid_argument,
                 "the pipeline's make_communicator returned no communicator (expected one over the group's devices)");
   bool const across = transfers->size() != group.size();
-  if (options.data_parallel < 1 || schedule.devices * options.data_parallel != transfers->size())
+  if (options.data_parallel < 1 || schedule.devices * options.data_parallel != transfers->size()) {
+    // Across processes: this process, when the grid ends before its devices, would run no stage.
+    int const grid = schedule.devices * std::max(options.data_parallel, 1);
+    int const first = transfers->first_rank();
+    std::string const idle = across && first >= grid
+                                 ? "; this process, whose devices are world ranks [" + std::to_string(first) + ", " +
+                                       std::to_string(first + group.size()) + "), would run no stage"
+                                 : "";
     throw Error(Errc::invalid_argument, "a schedule for " + std::to_string(schedule.devices) + " devices times " +
                                             std::to_string(options.data_parallel) + " data-parallel replicas on " +
                                             (across ? "a world of " + std::to_string(transfers->size()) +
                                                           " devices over several processes (expected devices x "
                                                           "replicas = the world's device count: every process's "
-                                                          "devices run stages)"
+                                                          "devices run stages" +
+                                                          idle + ")"
                                                     : "a group of " + std::to_string(group.size()) +
                                                           " (expected devices x replicas = the group's size)"));
+  }
   auto const units = model.cut_points().size() - 1;
   auto const chunks = static_cast<std::size_t>(schedule.chunks());
   if (chunks > units)

@@ -600,6 +600,16 @@ void test_pipeline(Setup const& s) {
   std::vector<std::size_t> const all{0, model.size()};
   expect_refused([&] { pp::Executor(model, s.group, all, pp::gpipe(1, 2), sgd, options); },
                  "a world of " + std::to_string(s.size()), "a one-device pipeline over the world");
+  // The processes past world rank 0 would run no stage: each of them names itself.
+  std::string const idle = "this process, whose devices are world ranks [" + std::to_string(s.rank(0)) + ", " +
+                           std::to_string(s.rank(0) + s.local()) + "), would run no stage";
+  try {
+    pp::Executor executor(model, s.group, all, pp::gpipe(1, 2), sgd, options);
+    EXPECT(false, "a one-device pipeline over the world was accepted");
+  } catch (mgpu::Error const& e) {
+    bool const named = std::string(e.what()).find(idle) != std::string::npos;
+    EXPECT(named == (s.rank(0) > 0), "a one-device pipeline over the world: " << e.what());
+  }
 }
 
 // A GPT pipelined over the world's devices (its tied LM head's copy of wte on another device, in
