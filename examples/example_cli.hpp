@@ -1,8 +1,7 @@
 // What the training examples share: their data and model flags, and --precision.
 #pragma once
 
-#include <CLI/CLI.hpp>
-
+#include <algorithm>
 #include <cstdint>
 #include <exception>
 #include <sstream>
@@ -10,9 +9,13 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+
 #include <mgpu/core/dtype.hpp>
 #include <mgpu/core/error.hpp>
 #include <mgpu/data/dataset.hpp>
+#include <mgpu/dist/dist.hpp>
+#include <mgpu/pipeline/pipeline.hpp>
 
 namespace examples {
 
@@ -41,6 +44,26 @@ inline mgpu::DType precision(std::string const& p) {
   if (p == "bf16") return mgpu::DType::bfloat16;
   if (p == "fp16") return mgpu::DType::float16;
   return mgpu::DType::float32;
+}
+
+/// Across processes, each of a pipeline's `stages` devices as the partitioner sees it: its
+/// replicas' slowest device's speed relative to the world's fastest (world rank g runs stage
+/// g % stages; free memory is not modelled across processes). Every process gets the same.
+inline std::vector<mgpu::pipeline::StageDevice> world_stage_devices(mgpu::dist::World const& world, int stages) {
+  double fastest = 0;
+  for (mgpu::dist::WorldDevice const& d : world.devices) fastest = std::max(fastest, d.device.speed);
+  std::vector<mgpu::pipeline::StageDevice> devices(static_cast<std::size_t>(stages),
+                                                   mgpu::pipeline::StageDevice{.speed = 1.0});
+  for (mgpu::dist::WorldDevice const& d : world.devices) {
+    double& speed = devices[static_cast<std::size_t>(d.rank % stages)].speed;
+    speed = std::min(speed, d.device.speed / fastest);
+  }
+  return devices;
+}
+
+/// A device's name in the examples' output: across processes with its process, "p1:host:0".
+inline std::string device_name(mgpu::dist::World const& world, mgpu::dist::WorldDevice const& d) {
+  return (world.processes > 1 ? "p" + std::to_string(d.process) + ":" : std::string()) + d.device.to_string();
 }
 
 /// --data: "synthetic" (clusters of `synthetic_rows` examples, 32 features, 10 classes), "csv:PATH"

@@ -37,6 +37,13 @@
 // checkpoints in one format, so a run may resume on another layout. --devices defaults to
 // host:(stages x dp), or host:N with --tp N. Evaluation, sampling and --save-llmc read a float32
 // copy of the whole model (the stages' or shards' master weights, gathered before each use).
+//
+// Across processes (mpirun, srun): --devices is each process's, and data parallelism (each process
+// its rows of every batch) or the pipeline (stages and replicas over the world's devices) spans
+// every process's devices; process 0 prints. `mpirun -np 2 train_gpt --devices host:1` gives
+// `train_gpt --devices host:2`'s losses; --tp and --checkpoint are not yet across processes.
+//   mpirun -np 2 train_gpt --data notes.txt --devices host:1
+//   mpirun -np 2 train_gpt --data notes.txt --devices host:1 --stages 2
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -170,6 +177,9 @@ struct Trainer {
   mgpu::trace::Timeline* timeline = nullptr;
   mgpu::parallel::TensorParallel* tensor = nullptr;
   mgpu::nn::TokenCrossEntropy loss{};
+  // Across processes: each process's share of a batch's rows (its devices' speeds), and this one.
+  std::vector<double> process_weights{};
+  int process = 0;
 
   // ids and targets as host int32 tensors on this device.
   mgpu::Tensor on_device(mgpu::Tensor const& host) {
@@ -182,6 +192,14 @@ struct Trainer {
   // Forward, per-token cross-entropy (mean over the batch's tokens), backward, unscale (fp16),
   // clipping by global norm, AdamW at `lr_scale`, refresh of the compute-type weights.
   StepLoss train_step(mgpu::data::TokenBatch const& batch, float lr_scale) {
+    if (parallel != nullptr && process_weights.size() > 1) {  // this process's rows
+      std::vector<std::int64_t> const rows =
+          mgpu::shard_sizes(batch.x.dim(0), static_cast<int>(process_weights.size()), process_weights);
+      std::int64_t begin = 0;
+      for (int p = 0; p < process; ++p) begin += rows[static_cast<std::size_t>(p)];
+      std::int64_t const end = begin + rows[static_cast<std::size_t>(process)];
+      return {{}, parallel->step(batch.x.slice(begin, end), batch.y.slice(begin, end), lr_scale).loss};
+    }
     if (parallel != nullptr) return {{}, parallel->step(batch.x, batch.y, lr_scale).loss};
     if (pipeline != nullptr) return {{}, pipeline->step(batch.x, batch.y, lr_scale)};
     if (tensor != nullptr) return {{}, static_cast<float>(tensor->step(batch.x, batch.y, lr_scale).loss)};
@@ -217,9 +235,9 @@ void set_parameters(mgpu::nn::Sequential& model, std::vector<float> const& value
 }
 
 // The layout the flags ask for, checked against the devices before anything is built.
-void check_layout(Options const& o, bool pipelined, mgpu::DeviceGroup const& group) {
+// `size`: the world's devices (this process's group's, or across processes every process's).
+void check_layout(Options const& o, bool pipelined, int size) {
   auto const refuse = [](std::string const& what) { throw mgpu::Error(mgpu::Errc::invalid_argument, what); };
-  auto const size = static_cast<int>(group.size());
   if (o.zero < 0 || o.zero > 1)
     refuse("--zero " + std::to_string(o.zero) + " (expected 0, the replicated update, or 1, ZeRO-1: the sharded update and "
            "optimizer state)");
@@ -292,13 +310,31 @@ std::string printable(std::string const& text) {
 }
 
 int run(Options o) {
-  FILE* const log = o.json ? stderr : stdout;
-  bool const terminal = ::isatty(STDERR_FILENO) != 0;
+  mgpu::dist::Session session;  // the job's processes (one without a launcher)
+  int const processes = session.place().size;
+  bool const speaker = session.place().rank == 0;  // process 0 prints
+  // The other processes' output goes nowhere.
+  std::unique_ptr<FILE, int (*)(FILE*)> const quiet(speaker ? nullptr : std::fopen("/dev/null", "w"), &std::fclose);
+  if (!speaker && !quiet)
+    throw mgpu::Error(mgpu::Errc::io,
+                      "cannot open /dev/null for process " + std::to_string(session.place().rank) + "'s output");
+  FILE* const log = !speaker ? quiet.get() : o.json ? stderr : stdout;
+  bool const terminal = speaker && ::isatty(STDERR_FILENO) != 0;
   bool const pipelined = !o.schedule.empty() || o.stages > 1;
   if (pipelined && o.schedule.empty()) o.schedule = "1f1b";
-  if (o.devices.empty()) o.devices = "host:" + std::to_string(o.tp > 1 ? o.tp : pipelined ? o.stages * o.dp : o.dp);
+  if (o.devices.empty())
+    o.devices = "host:" + std::to_string(std::max(1, (o.tp > 1    ? o.tp
+                                                      : pipelined ? o.stages * o.dp
+                                                                  : o.dp) /
+                                                         processes));
   mgpu::DeviceGroup group(o.devices);
-  check_layout(o, pipelined, group);
+  mgpu::dist::World const world = mgpu::dist::make_world(group);
+  bool const across = world.processes > 1;
+  if (across && (o.tp > 1 || !o.checkpoint.empty()))
+    throw mgpu::Error(mgpu::Errc::invalid_argument, std::string(o.tp > 1 ? "--tp" : "--checkpoint") + " in a job of " +
+                                                        std::to_string(world.processes) +
+                                                        " processes (expected one process: not yet across processes)");
+  check_layout(o, pipelined, world.size());
   mgpu::Device const device = group.device(0);
   if (o.resume && o.checkpoint.empty())
     throw mgpu::Error(mgpu::Errc::invalid_argument, "--resume without --checkpoint (expected --checkpoint PATH)");
@@ -343,8 +379,9 @@ int run(Options o) {
   if (timeline) timeline->enable(false);  // the last step only
   // Several devices: replicas of `model` (weights broadcast from it), trained data parallel.
   std::unique_ptr<mgpu::parallel::DataParallel> parallel;
-  if (!pipelined && o.tp == 1 && group.size() > 1) {
+  if (!pipelined && o.tp == 1 && world.size() > 1) {
     mgpu::parallel::DataParallelOptions options;
+    if (across) options.make_communicator = mgpu::dist::communicator_factory(world);
     options.seed = o.seed;
     options.compute = examples::precision(o.precision);
     options.clip_norm = o.clip;
@@ -366,8 +403,11 @@ int run(Options o) {
                                                           std::to_string(o.micro_batches) + " (expected 1: one batch through the stages in turn)");
     std::int64_t const micro_rows = std::max<std::int64_t>(1, o.batch_size / (schedule.micro_batches * o.dp));
     mgpu::pipeline::LayerProfile const costs = layer_costs(model, config, micro_rows);
-    mgpu::pipeline::Partition const plan = mgpu::pipeline::partition(
-        model, schedule, costs, mgpu::pipeline::stage_devices(group, schedule.devices), {.optimizer_states = 2});
+    mgpu::pipeline::Partition const plan =
+        mgpu::pipeline::partition(model, schedule, costs,
+                                  across ? examples::world_stage_devices(world, schedule.devices)
+                                         : mgpu::pipeline::stage_devices(group, schedule.devices),
+                                  {.optimizer_states = 2});
     mgpu::pipeline::ExecutorOptions options{.seed = o.seed,
                                             .data_parallel = o.dp,
                                             .compute = examples::precision(o.precision),
@@ -375,6 +415,7 @@ int run(Options o) {
                                             .loss = std::make_shared<mgpu::nn::TokenCrossEntropy>(),
                                             .timeline = timeline};
     if (o.precision == "fp16") options.loss_scaler.emplace();
+    if (across) options.make_communicator = mgpu::dist::communicator_factory(world);
     pipeline = std::make_unique<mgpu::pipeline::Executor>(
         model, group, plan.cuts, std::move(schedule),
         [&adamw](mgpu::nn::Sequential const& chunk) {
@@ -384,7 +425,7 @@ int run(Options o) {
         },
         std::move(options));
     pipeline->scatter_parameters(model, stream);
-    FILE* const out = o.json ? stderr : stdout;
+    FILE* const out = log;
     std::fprintf(out, "%s over %d stage(s) x %d replica(s), %d micro-batches (about %.3g sequences each); chunks cut by FLOPs:\n",
                  pipeline->schedule().name.c_str(), o.stages, o.dp, pipeline->schedule().micro_batches,
                  static_cast<double>(o.batch_size) / (pipeline->schedule().micro_batches * o.dp));
@@ -412,6 +453,12 @@ int run(Options o) {
   mgpu::nn::Context net_ctx{parallel ? group.allocator(0) : *allocator, net_stream};
   Trainer trainer{net, net_optimizer, net_ctx, device, o.clip, std::nullopt, parallel.get(), pipeline.get(), timeline.get()};
   trainer.tensor = tensor.get();
+  if (across) {  // each process's rows: shares by its devices' speeds, as train_mlp splits them
+    trainer.process_weights.assign(static_cast<std::size_t>(world.processes), 0.0);
+    for (mgpu::dist::WorldDevice const& d : world.devices)
+      trainer.process_weights[static_cast<std::size_t>(d.process)] += d.device.speed;
+    trainer.process = world.process;
+  }
   if (o.precision == "fp16" && !parallel && !pipeline) trainer.scaler.emplace();
   auto const gather = [&] {
     if (pipeline) pipeline->gather_parameters(model, stream);
@@ -516,7 +563,7 @@ int run(Options o) {
     }
     if (!o.checkpoint.empty()) save(state);
     if (std::isnan(val_loss)) val_loss = evaluate();
-    if (timeline) {
+    if (timeline && speaker) {  // process 0's ranks
       timeline->enable(false);
       timeline->write_chrome_trace(o.trace);
       std::fprintf(log, "timeline of the last step: %s\n", o.trace.c_str());
@@ -524,6 +571,7 @@ int run(Options o) {
   }
   gather();
 
+  if (!speaker) return 0;  // the others have done their part (the gathers)
   if (!o.save_llmc.empty()) {
     mgpu::io::write_llmc_model(o.save_llmc, config, host_parameters(net, net_stream));
     std::fprintf(log, "llm.c model file written to %s\n", o.save_llmc.c_str());
@@ -563,22 +611,31 @@ int run(Options o) {
       train_seconds > 0 ? static_cast<double>(trained_steps * o.batch_size * o.block_size) / train_seconds : 0.0;
   std::string devices, peaks;
   bool const several = parallel || pipeline || tensor;
-  for (int r = 0; r < (several ? static_cast<int>(group.size()) : 1); ++r) {
+  for (int r = 0; r < (several ? static_cast<int>(group.size()) : 1); ++r) {  // this process's
     mgpu::Allocator const& a = several ? group.allocator(r) : *allocator;
     devices += std::string(r ? ", " : "") + "\"" + (several ? group.device(r) : device).to_string() + "\"";
     peaks += (r ? ", " : "") + std::to_string(a.stats().peak_allocated);
+  }
+  if (across) {  // the world's
+    devices.clear();
+    for (mgpu::dist::WorldDevice const& d : world.devices)
+      devices += (d.rank ? ", \"" : "\"") + examples::device_name(world, d) + "\"";
   }
   if (o.json) {
     std::printf(
         "{\"tokens_per_s\": %.6g, \"train_loss\": %.6g, \"val_loss\": %.6g, \"params\": %lld, \"devices\": [%s], "
         "\"iters\": %lld, \"peak_bytes\": [%s], \"precision\": \"%s\", \"eval_windows\": %lld, \"schedule\": \"%s\", "
-        "\"stages\": %d, \"micro_batches\": %d, \"dp\": %d, \"recompute\": \"%s\", \"tp\": %d, \"zero\": %d}\n",
-        tokens_per_s, std::isnan(train_loss) ? -1.0 : train_loss, val_loss, static_cast<long long>(net.parameter_count()),
-        devices.c_str(), static_cast<long long>(state.step), peaks.c_str(), o.precision.c_str(),
-        static_cast<long long>(eval_windows),
-        pipeline ? pipeline->schedule().name.c_str() : parallel ? "data-parallel" : tensor ? "tensor-parallel" : "none",
-        pipeline ? o.stages : 1, pipeline ? pipeline->schedule().micro_batches : 1, parallel ? static_cast<int>(group.size()) : o.dp,
-        o.recompute.c_str(), o.tp, parallel ? o.zero : 0);
+        "\"stages\": %d, \"micro_batches\": %d, \"dp\": %d, \"recompute\": \"%s\", \"tp\": %d, \"zero\": %d, "
+        "\"processes\": %d}\n",
+        tokens_per_s, std::isnan(train_loss) ? -1.0 : train_loss, val_loss,
+        static_cast<long long>(net.parameter_count()), devices.c_str(), static_cast<long long>(state.step),
+        peaks.c_str(), o.precision.c_str(), static_cast<long long>(eval_windows),
+        pipeline   ? pipeline->schedule().name.c_str()
+        : parallel ? "data-parallel"
+        : tensor   ? "tensor-parallel"
+                   : "none",
+        pipeline ? o.stages : 1, pipeline ? pipeline->schedule().micro_batches : 1, parallel ? world.size() : o.dp,
+        o.recompute.c_str(), o.tp, parallel ? o.zero : 0, world.processes);
   } else {
     std::printf("final: train loss %.4f, val loss %.4f, %.0f tokens/s on %s\n", train_loss, val_loss, tokens_per_s,
                 o.devices.c_str());

@@ -12,6 +12,12 @@
 //   train_pipeline --schedule 1f1b --stages 4 --micro-batches 8 --precision bf16
 //   train_pipeline --schedule interleaved --chunks 2 --stages 2 --micro-batches 4 --dp 2
 //   train_pipeline --data csv:iris.csv --layers 32,32,3 --schedule gpipe --stages 2
+//   mpirun -np 2 train_pipeline --stages 2 --devices host:1     # a stage per process (mgpu::dist)
+//   mpirun -np 2 train_pipeline --stages 2 --dp 2 --devices host:2  # a replica per process
+//
+// Under mpirun or srun the grid spans every process's --devices (world rank g runs stage
+// g % stages of replica g / stages): every process loads the same data and passes the same
+// batches, the model is cut as process 0 profiled it, and process 0 prints.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -75,6 +81,36 @@ double measured_bubble(mgpu::trace::Timeline const& timeline, int ranks) {
   return 1.0 - busy / (static_cast<double>(ranks) * static_cast<double>(end - begin));
 }
 
+// A float in JSON with every digit it needs to read back bit for bit (null when not finite).
+std::string json_float(double value) {
+  if (!std::isfinite(value)) return "null";
+  char text[32];
+  std::snprintf(text, sizeof text, "%.17g", value);
+  return text;
+}
+
+// Across processes each process's own timings would cut the model differently: process 0's
+// profile, broadcast over the world, is every process's (rounded to float32 on every process).
+void share_profile(pp::LayerProfile& profile, mgpu::dist::World const& world, mgpu::DeviceGroup& group) {
+  auto const comm = mgpu::dist::make_communicator(world, group);
+  std::vector<double>* const parts[] = {&profile.seconds, &profile.parameter_bytes, &profile.activation_bytes};
+  std::int64_t const n = static_cast<std::int64_t>(profile.seconds.size());
+  group.run([&](int local, mgpu::Device, mgpu::Stream& stream) {
+    mgpu::Tensor const values = mgpu::Tensor::empty({3 * n}, mgpu::DType::float32, group.allocator(local));
+    auto const span = values.host_span<float>();  // host devices: the only ones across processes
+    for (std::size_t k = 0; k < 3; ++k)
+      for (std::size_t i = 0; i < static_cast<std::size_t>(n); ++i)
+        span[k * static_cast<std::size_t>(n) + i] = static_cast<float>((*parts[k])[i]);
+    comm->broadcast(world.rank_of(local), values, 0, stream);
+    stream.synchronize();
+    if (local != 0) return;
+    for (std::size_t k = 0; k < 3; ++k)
+      for (std::size_t i = 0; i < static_cast<std::size_t>(n); ++i)
+        (*parts[k])[i] = span[k * static_cast<std::size_t>(n) + i];
+  });
+  comm->finalize();
+}
+
 // The plan of --cuts: each chunk's profiled time on its device (memory not modelled).
 pp::Partition given(std::vector<std::size_t> const& cuts, pp::Schedule const& schedule, pp::LayerProfile const& profile,
                     std::vector<pp::StageDevice> const& devices) {
@@ -96,8 +132,14 @@ pp::Partition given(std::vector<std::size_t> const& cuts, pp::Schedule const& sc
 }
 
 int train(Options const& o) {
-  std::string const spec = o.devices.empty() ? "host:" + std::to_string(o.stages * o.dp) : o.devices;
+  mgpu::dist::Session session;  // the job's processes (one without a launcher)
+  int const processes = session.place().size;
+  std::string const spec =
+      !o.devices.empty() ? o.devices : "host:" + std::to_string(std::max(1, o.stages * o.dp / processes));
   mgpu::DeviceGroup group(spec);
+  mgpu::dist::World const world = mgpu::dist::make_world(group);
+  bool const across = world.processes > 1;
+  bool const speaker = world.process == 0;  // every process trains its stages; process 0 prints
   pp::Schedule const schedule = make_schedule(o);
   auto const all = examples::load_data(o.common.data, o.common.label_col, o.seed, 8192);
   auto const [train_set, test_set] = mgpu::data::split(all, o.common.test_fraction, o.seed);
@@ -106,11 +148,15 @@ int train(Options const& o) {
 
   // Profiled layers; the plan for the devices (or the --cuts given, with their predicted times),
   // and the simulator's per-chunk costs (a third forward, two thirds backward) from it.
-  pp::LayerProfile const profile = pp::profile_layers(model, group, {micro_rows, all.features()});
-  if (group.size() != schedule.devices * o.dp)
-    throw mgpu::Error(mgpu::Errc::invalid_argument, "--devices " + spec + " has " + std::to_string(group.size()) + " devices (expected --stages x --dp = " +
-                                                        std::to_string(schedule.devices * o.dp) + ")");
-  std::vector<pp::StageDevice> const devices = pp::stage_devices(group, schedule.devices);
+  pp::LayerProfile profile = pp::profile_layers(model, group, {micro_rows, all.features()});
+  if (world.size() != schedule.devices * o.dp)
+    throw mgpu::Error(mgpu::Errc::invalid_argument,
+                      "--devices " + spec + " has " + std::to_string(world.size()) + " devices" +
+                          (across ? " over the " + std::to_string(world.processes) + " processes" : "") +
+                          " (expected --stages x --dp = " + std::to_string(schedule.devices * o.dp) + ")");
+  if (across) share_profile(profile, world, group);
+  std::vector<pp::StageDevice> const devices =
+      across ? examples::world_stage_devices(world, schedule.devices) : pp::stage_devices(group, schedule.devices);
   pp::Partition const plan = o.cuts.empty() ? pp::partition(model, schedule, profile, devices) : given(o.cuts, schedule, profile, devices);
   std::vector<pp::ActionCosts> costs;
   for (double const s : plan.chunk_seconds) costs.push_back({s / 3, s / 3, s / 3, 0.0});
@@ -122,17 +168,29 @@ int train(Options const& o) {
   };
   pp::ExecutorOptions options{.seed = o.seed, .data_parallel = o.dp, .compute = examples::precision(o.precision), .timeline = timeline};
   if (o.precision == "fp16") options.loss_scaler.emplace();
+  if (across) options.make_communicator = mgpu::dist::communicator_factory(world);
   pp::Executor executor(model, group, plan.cuts, schedule, sgd, std::move(options));
 
-  FILE* const log = o.json ? stderr : stdout;
-  std::fprintf(log, "mgpu %s: %s, %d stage(s) x %d chunk(s) x %d replica(s) on %s, %d micro-batches of ~%lld rows, %s\n", mgpu::version,
-               schedule.name.c_str(), schedule.devices, schedule.chunks_per_device, o.dp, spec.c_str(), schedule.micro_batches,
-               static_cast<long long>(micro_rows), o.precision.c_str());
-  std::fprintf(log, "plan (%s; one micro-batch's forward + backward per chunk, its peak memory):\n",
-               o.cuts.empty() ? "for the devices' speed and free memory" : "--cuts");
+  std::string trained_on = spec;
+  if (across) {
+    trained_on.clear();
+    for (mgpu::dist::WorldDevice const& d : world.devices)
+      trained_on += (d.rank ? "," : "") + examples::device_name(world, d);
+  }
+  FILE* const log = !speaker ? nullptr : o.json ? stderr : stdout;
+  auto const say = [log](auto... args) {
+    if (log != nullptr) std::fprintf(log, args...);
+  };
+  say("mgpu %s: %s, %d stage(s) x %d chunk(s) x %d replica(s) on %s, %d micro-batches of ~%lld rows, %s\n",
+      mgpu::version, schedule.name.c_str(), schedule.devices, schedule.chunks_per_device, o.dp, trained_on.c_str(),
+      schedule.micro_batches, static_cast<long long>(micro_rows), o.precision.c_str());
+  say("plan (%s; one micro-batch's forward + backward per chunk, its peak memory):\n",
+      o.cuts.empty()
+          ? (across ? "for the devices' speed, process 0's profile" : "for the devices' speed and free memory")
+          : "--cuts");
   std::string const report = pp::to_string(plan);
   for (std::size_t begin = 0, end; (end = report.find('\n', begin)) != std::string::npos; begin = end + 1)
-    std::fprintf(log, "  %s\n", report.substr(begin, end - begin).c_str());
+    say("  %s\n", report.substr(begin, end - begin).c_str());
 
   auto host = mgpu::Allocator::create(mgpu::Device{mgpu::DeviceKind::host, 0});
   auto const normalizer = o.common.data.starts_with("idx:") ? mgpu::data::Normalizer{} : mgpu::data::Normalizer::fit(train_set);
@@ -142,6 +200,7 @@ int train(Options const& o) {
   std::int64_t step = 0;
   double loss = NAN;
   double bubble = NAN;
+  std::vector<double> epoch_losses;
   for (int epoch = 0; epoch < o.epochs; ++epoch) {
     loader.start_epoch(epoch);
     double sum = 0;
@@ -158,15 +217,18 @@ int train(Options const& o) {
     timeline->enable(false);
     train_seconds += std::chrono::duration<double>(Clock::now() - start).count();
     loss = sum / std::max(1, count);
-    bubble = measured_bubble(*timeline, group.size());
-    std::fprintf(log, "epoch %d/%d  loss %.4f\n", epoch + 1, o.epochs, loss);
+    bubble = measured_bubble(*timeline, group.size());  // this process's ranks
+    epoch_losses.push_back(loss);
+    say("epoch %d/%d  loss %.4f\n", epoch + 1, o.epochs, loss);
+    if (log != nullptr) std::fflush(log);  // progress, also through a pipe
   }
 
   // Evaluate the unsplit model, its float32 weights gathered from the chunks.
   mgpu::nn::Context ctx{group.allocator(0), group.stream(0)};
   auto whole = model.clone();
   whole.materialize(ctx, o.seed);
-  executor.gather_parameters(whole, ctx.stream);
+  executor.gather_parameters(whole, ctx.stream);  // from every process
+  if (!speaker) return 0;
   std::vector<float> test_x(test_set.feature_data().begin(), test_set.feature_data().end());
   normalizer.apply(test_x);
   mgpu::Tensor const tx = mgpu::Tensor::empty({test_set.size(), all.features()}, mgpu::DType::float32, *host);
@@ -182,10 +244,20 @@ int train(Options const& o) {
   double const samples_per_s = train_seconds > 0 ? static_cast<double>(samples) / train_seconds : 0.0;
   if (o.json) {
     auto const* scaler = executor.loss_scaler();
-    std::printf("{\"schedule\": \"%s\", \"stages\": %d, \"micro_batches\": %d, \"dp\": %d, \"bubble_predicted\": %.6g, \"bubble_measured\": %.6g, "
-                "\"train_loss\": %.6g, \"test_accuracy\": %.6g, \"samples_per_s\": %.6g, \"precision\": \"%s\", \"skipped_steps\": %lld}\n",
-                schedule.name.c_str(), o.stages, o.micro_batches, o.dp, predicted.bubble_fraction, bubble, loss, accuracy, samples_per_s,
-                o.precision.c_str(), static_cast<long long>(scaler != nullptr ? scaler->skipped() : 0));
+    std::string devices;  // the world's
+    for (mgpu::dist::WorldDevice const& d : world.devices)
+      devices += (d.rank ? ", \"" : "\"") + examples::device_name(world, d) + "\"";
+    std::string losses;  // each epoch's mean loss, to the last bit
+    for (std::size_t e = 0; e < epoch_losses.size(); ++e) losses += (e ? ", " : "") + json_float(epoch_losses[e]);
+    std::printf(
+        "{\"schedule\": \"%s\", \"stages\": %d, \"micro_batches\": %d, \"dp\": %d, \"bubble_predicted\": %.6g, "
+        "\"bubble_measured\": %.6g, "
+        "\"train_loss\": %.6g, \"test_accuracy\": %.6g, \"samples_per_s\": %.6g, \"precision\": \"%s\", "
+        "\"skipped_steps\": %lld, "
+        "\"devices\": [%s], \"processes\": %d, \"epoch_losses\": [%s]}\n",
+        schedule.name.c_str(), o.stages, o.micro_batches, o.dp, predicted.bubble_fraction, bubble, loss, accuracy,
+        samples_per_s, o.precision.c_str(), static_cast<long long>(scaler != nullptr ? scaler->skipped() : 0),
+        devices.c_str(), world.processes, losses.c_str());
   } else {
     std::printf("bubble: simulated %.3f, measured %.3f (last step)\nfinal: train loss %.4f, test accuracy %.4f, %.0f samples/s\n",
                 predicted.bubble_fraction, bubble, loss, accuracy, samples_per_s);
@@ -199,7 +271,9 @@ int train(Options const& o) {
 int main(int argc, char** argv) {
   CLI::App app{"Train an MLP classifier split into pipeline stages with mgpu"};
   Options o;
-  app.add_option("--devices", o.devices, "device spec with stages x dp devices (default: host:stages*dp)");
+  app.add_option("--devices", o.devices,
+                 "this process's device spec; every process's together: stages x dp devices (default: host:stages*dp / "
+                 "processes)");
   o.common.add_to(app, "seven of 128, then classes");
   app.add_option("--epochs", o.epochs, "passes over the training set")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--batch", o.batch, "examples per step (over all micro-batches and replicas)")->check(CLI::PositiveNumber)->capture_default_str();

@@ -85,9 +85,26 @@ void Executor::gather_parameters(nn::Sequential& whole, Stream& stream) {
   check_whole(whole, m.whole_spans().back().offset + m.whole_spans().back().count, "Executor::gather_parameters");
   stream.synchronize();  // whole's own work done before the chunks' streams write into it
   m.group->synchronize();
-  for (int c = 0; c < m.schedule.chunks(); ++c)
-    m.to_whole(c, m.chunks[0][static_cast<std::size_t>(c)].master_parameters(), whole.master_parameters(),
-               m.group->stream(m.schedule.device_of(c)));
+  if (m.across) {
+    // Each chunk's owner broadcasts its parameters over the world; this process's first rank
+    // copies them into `whole`.
+    m.group->run([&](int local, Device, Stream& rank_stream) {
+      int const rank = m.first + local;
+      for (int c = 0; c < m.schedule.chunks(); ++c) {
+        nn::Sequential const& chunk = m.chunks[0][static_cast<std::size_t>(c)];
+        int const owner = m.schedule.device_of(c);
+        Tensor const buffer = rank == owner
+                                  ? chunk.master_parameters()
+                                  : Tensor::empty({chunk.parameter_count()}, DType::float32, m.group->allocator(local));
+        m.comm->broadcast(rank, buffer, owner, rank_stream);
+        if (local == 0) m.to_whole(c, buffer, whole.master_parameters(), rank_stream);
+      }
+    });
+  } else {
+    for (int c = 0; c < m.schedule.chunks(); ++c)
+      m.to_whole(c, m.chunks[0][static_cast<std::size_t>(c)].master_parameters(), whole.master_parameters(),
+                 m.group->stream(m.schedule.device_of(c)));
+  }
   m.group->synchronize();
   whole.sync_parameters(stream);
   stream.synchronize();
@@ -100,8 +117,10 @@ void Executor::scatter_parameters(nn::Sequential const& whole, Stream& stream) {
   m.group->synchronize();
   for (int r = 0; r < m.replicas; ++r) {
     for (int c = 0; c < m.schedule.chunks(); ++c) {
+      int const rank = r * m.schedule.devices + m.schedule.device_of(c);
+      if (!m.is_local(rank)) continue;  // another process's
       nn::Sequential& chunk = m.chunks[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)];
-      Stream& chunk_stream = m.group->stream(r * m.schedule.devices + m.schedule.device_of(c));
+      Stream& chunk_stream = m.group->stream(rank - m.first);
       m.from_whole(c, whole.master_parameters(), chunk.master_parameters(), chunk_stream);
       chunk.sync_parameters(chunk_stream);
     }
@@ -111,6 +130,10 @@ void Executor::scatter_parameters(nn::Sequential const& whole, Stream& stream) {
 
 void Executor::save(std::filesystem::path const& path, io::TrainingState const& state) {
   Impl& m = *impl_;
+  if (m.across)
+    throw Error(Errc::invalid_argument,
+                "Executor::save across processes (not yet across processes: expected an executor within one "
+                "process; gather_parameters() brings the parameters to every process)");
   m.group->synchronize();
   Whole whole(m.architecture, m.make_optimizer, m.options.seed);
   std::vector<optim::NamedTensor> const first_state = m.optimizers[0][0]->state();
@@ -175,12 +198,18 @@ io::TrainingState Executor::load(std::filesystem::path const& path) {
       auto const index = static_cast<std::size_t>(c);
       int const rank = r * m.schedule.devices + m.schedule.device_of(c);
       nn::Sequential& chunk = m.chunks[static_cast<std::size_t>(r)][index];
+      if (!m.is_local(rank)) {  // another process loads it
+        layer += chunk.size();
+        continue;
+      }
       optim::Optimizer& optimizer = *m.optimizers[static_cast<std::size_t>(r)][index];
-      Stream& stream = m.group->stream(rank);
+      Stream& stream = m.group->stream(rank - m.first);
       m.from_whole(c, whole.model.master_parameters(), chunk.master_parameters(), stream);
       chunk.sync_parameters(stream);
       std::vector<optim::NamedTensor> const mine =
-          loaded.empty() ? optimizer.state() : optimizer.prepare_state(chunk.master_parameters(), m.group->allocator(rank), stream);
+          loaded.empty()
+              ? optimizer.state()
+              : optimizer.prepare_state(chunk.master_parameters(), m.group->allocator(rank - m.first), stream);
       for (std::size_t i = 0; i < mine.size(); ++i) {
         if (loaded.empty())
           fill_async(mine[i].second, 0.0f, stream);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -10,6 +11,7 @@
 #include <mgpu/comm/communicator.hpp>
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
+#include <mgpu/nn/train.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
 
 namespace mgpu::pipeline {
@@ -20,6 +22,11 @@ struct Executor::Impl {
   std::vector<std::size_t> cuts;
   ExecutorOptions options;
   int replicas = 1;
+  // The world's ranks (comm's) of this process: [first, first + group->size()); across processes
+  // the grid's other ranks belong to other processes, and their chunks stay unmaterialized here.
+  int first = 0;
+  bool across = false;  // the grid spans processes
+  [[nodiscard]] bool is_local(int rank) const noexcept { return rank >= first && rank < first + group->size(); }
   std::unique_ptr<comm::Communicator> comm;                     // every rank: the pipelines' transfers
   std::vector<std::unique_ptr<comm::Communicator>> stage_comms;  // per device of a pipeline, over its replicas
   std::vector<std::vector<nn::Sequential>> chunks;               // [replica][chunk]
@@ -50,6 +57,17 @@ struct Executor::Impl {
   // Sums wte and its copy (the master parameters, or the gradients) on the tie's devices of
   // `rank`'s replica, leaving both equal; does nothing on other ranks.
   void sum_tied(int rank, Stream& stream, bool parameters);
+  // Sums `values` over the world ranks `ranks` (`rank` among them) through the transfers'
+  // communicator, leaving the sum on each, as an all-reduce over them would (float32, in their
+  // order): across processes, where no communicator over a subset of the world's ranks exists.
+  void sum_over(int rank, std::vector<int> const& ranks, Tensor const& values, Stream& stream);
+  // The update across processes with a loss scaler or clipping, as nn::apply_update within one
+  // process: the overflow count and the global norm are summed over every process's chunks.
+  bool update_across(std::vector<nn::UpdatePart> const& parts, float lr_scale);
+  // The sum over replica 0's chunks (a tied head's copy of wte left out) of the float32 scalar
+  // `op` writes for a range of master gradients, added as apply_update adds them in one process:
+  // every range's value all-gathered, then added in chunk order in double on every process.
+  double world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op);
 
   // One replica's batch for a step.
   struct Step {

@@ -44,7 +44,7 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
   int const mbs = s.micro_batches;
   int const device = rank % s.devices;      // the device within its pipeline
   int const base = rank - device;           // the pipeline's first rank
-  Allocator& allocator = group->allocator(rank);
+  Allocator& allocator = group->allocator(rank - first);
   DType const dtype = options.compute;  // of activations and their gradients
   DeviceState& st = devices[static_cast<std::size_t>(rank)];
   auto const slot = [mbs](int chunk, int mb) { return static_cast<std::size_t>(chunk * mbs + mb); };
@@ -189,7 +189,16 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
     for (int c = device; c < s.chunks(); c += s.devices) {
       Tensor const& grads = chunk_of(rank, c).gradients();
       if (!grads.defined()) continue;
-      auto reduce = [&] { stage_comms[static_cast<std::size_t>(device)]->all_reduce(rank / s.devices, grads, grads, comm::ReduceOp::sum, stream); };
+      auto reduce = [&] {
+        if (!across) {
+          stage_comms[static_cast<std::size_t>(device)]->all_reduce(rank / s.devices, grads, grads, comm::ReduceOp::sum,
+                                                                    stream);
+          return;
+        }
+        std::vector<int> ranks;
+        for (int r = 0; r < replicas; ++r) ranks.push_back(r * s.devices + device);
+        sum_over(rank, ranks, grads, stream);
+      };
       if (timeline != nullptr && timeline->enabled()) {
         timeline->stream_span(stream, "all_reduce(chunk " + std::to_string(c) + ")", "pipeline", rank, trace::communication, reduce);
       } else {
@@ -210,13 +219,17 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
     nn::Sequential const& chunk = chunk_of(rank, c);
     return (parameters ? chunk.master_parameters() : chunk.gradients()).slice(offset, offset + tie->elements);
   };
-  Tensor const wte = part(tie->embedding_chunk, tie->embedding_offset);
-  Tensor const copy = part(tie->head_chunk, tie->head_offset);
   if (embedding_device == head_device) {
+    Tensor const wte = part(tie->embedding_chunk, tie->embedding_offset);
+    Tensor const copy = part(tie->head_chunk, tie->head_offset);
     ops::add_scaled(wte, copy, 1.0f, stream);
     copy_async(copy, wte, stream);
+  } else if (Tensor const mine = device == embedding_device ? part(tie->embedding_chunk, tie->embedding_offset)
+                                                            : part(tie->head_chunk, tie->head_offset);
+             across) {  // the other chunk is another process's
+    int const base = rank - device;
+    sum_over(rank, {base + embedding_device, base + head_device}, mine, stream);
   } else {
-    Tensor const& mine = device == embedding_device ? wte : copy;
     tie_comms[static_cast<std::size_t>(rank / schedule.devices)]->all_reduce(device == embedding_device ? 0 : 1, mine, mine,
                                                                             comm::ReduceOp::sum, stream);
   }
@@ -224,6 +237,80 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
   for (auto const& [c, offset] : {std::pair{tie->embedding_chunk, tie->embedding_offset}, std::pair{tie->head_chunk, tie->head_offset}}) {
     if (schedule.device_of(c) == device) chunk_of(rank, c).sync_parameters(stream, offset, offset + tie->elements);
   }
+}
+
+void Executor::Impl::sum_over(int rank, std::vector<int> const& ranks, Tensor const& values, Stream& stream) {
+  if (rank != ranks.front()) {
+    comm->send(rank, values, ranks.front(), stream);
+    comm->recv(rank, values, ranks.front(), stream);
+    return;
+  }
+  // The first rank adds the others' in order in float32, rounding to the values' type once.
+  Allocator& allocator = group->allocator(rank - first);
+  bool const wide = values.dtype() == DType::float32;
+  Tensor const sum = wide ? values : Tensor::empty(values.shape(), DType::float32, allocator);
+  Tensor const other = Tensor::empty(values.shape(), values.dtype(), allocator);
+  Tensor const other_wide = wide ? other : Tensor::empty(values.shape(), DType::float32, allocator);
+  if (!wide) convert_async(sum, values, stream);
+  for (std::size_t i = 1; i < ranks.size(); ++i) {
+    comm->recv(rank, other, ranks[i], stream);
+    if (!wide) convert_async(other_wide, other, stream);
+    ops::add_scaled(sum, other_wide, 1.0f, stream);
+  }
+  if (!wide) convert_async(values, sum, stream);
+  for (std::size_t i = 1; i < ranks.size(); ++i) comm->send(rank, values, ranks[i], stream);
+}
+
+double Executor::Impl::world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op) {
+  // Each rank's slots: two ranges per chunk of replica 0 (before and after a tied head's copy).
+  std::int64_t const per_rank = 2 * schedule.chunks_per_device;
+  std::vector<Tensor> gathered(static_cast<std::size_t>(group->size()));
+  group->run([&](int local, Device, Stream& stream) {
+    int const rank = first + local;
+    Tensor& all = gathered[static_cast<std::size_t>(local)];
+    all = Tensor::empty({comm->size() * per_rank}, DType::float32, group->allocator(local));
+    Tensor const mine = all.slice(rank * per_rank, (rank + 1) * per_rank);
+    fill_async(mine, 0.0f, stream);
+    for (int c = rank; rank < schedule.devices && c < schedule.chunks(); c += schedule.devices) {
+      Tensor const& grads = chunk_of(rank, c).master_gradients();
+      std::int64_t const slot = 2 * (c / schedule.devices);
+      std::int64_t const copy_begin = tie && c == tie->head_chunk ? tie->head_offset : grads.numel();
+      std::int64_t const copy_end = tie && c == tie->head_chunk ? tie->head_offset + tie->elements : grads.numel();
+      if (copy_begin > 0) op(grads.slice(0, copy_begin), mine.slice(slot, slot + 1), stream);
+      if (copy_end < grads.numel()) op(grads.slice(copy_end, grads.numel()), mine.slice(slot + 1, slot + 2), stream);
+    }
+    comm->all_gather(rank, mine, all, stream);
+  });
+  double sum = 0;
+  for (int c = 0; c < schedule.chunks(); ++c) {
+    std::int64_t const at = schedule.device_of(c) * per_rank + 2 * (c / schedule.devices);
+    for (std::int64_t k = at; k < at + 2; ++k) sum += ops::item(gathered[0].slice(k, k + 1), group->stream(0));
+  }
+  return sum;
+}
+
+bool Executor::Impl::update_across(std::vector<nn::UpdatePart> const& parts, float lr_scale) {
+  optim::LossScaler* const scaler = options.loss_scaler ? &*options.loss_scaler : nullptr;
+  float const factor = scaler != nullptr ? 1.0f / scaler->scale() : 1.0f;
+  for (nn::UpdatePart const& p : parts) p.model->unscale_gradients(factor, *p.stream);
+  if (scaler != nullptr) {
+    double const bad = world_sum(
+        [](Tensor const& grads, Tensor const& out, Stream& stream) { ops::count_nonfinite(grads, out, stream); });
+    if (!scaler->update(bad == 0)) return false;
+  }
+  if (options.clip_norm > 0) {
+    double const squares =
+        world_sum([](Tensor const& grads, Tensor const& out, Stream& stream) { ops::sum_squares(grads, out, stream); });
+    float const norm = std::sqrt(static_cast<float>(squares));
+    if (!std::isfinite(norm))
+      throw Error(Errc::invalid_argument,
+                  "pipeline step: clipping gradients that hold NaN or Inf (expected finite gradients)");
+    if (norm > options.clip_norm && norm > 0) {
+      for (nn::UpdatePart const& p : parts)
+        ops::scale(p.model->master_gradients(), options.clip_norm / norm, *p.stream);
+    }
+  }
+  return nn::apply_update(parts, {lr_scale, 0.0f, nullptr, false});
 }
 
 Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<std::size_t> cuts, Schedule schedule,
@@ -237,10 +324,33 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
                    ChunkOptimizerFactory make_optimizer, ExecutorOptions options)
     : impl_(std::make_unique<Impl>()) {
   validate(schedule);
-  if (options.data_parallel < 1 || schedule.devices * options.data_parallel != group.size())
+  // The pipelines' communicator first: across processes its size is the world's device count.
+  comm::Options const comm_options{comm::Backend::automatic, options.timeout};
+  std::unique_ptr<comm::Communicator> transfers = options.make_communicator
+                                                      ? options.make_communicator(group, comm_options)
+                                                      : comm::make_communicator(group, comm_options);
+  if (!transfers)
+    throw Error(Errc::invalid_argument,
+                "the pipeline's make_communicator returned no communicator (expected one over the group's devices)");
+  bool const across = transfers->size() != group.size();
+  if (options.data_parallel < 1 || schedule.devices * options.data_parallel != transfers->size()) {
+    // Across processes: this process, when the grid ends before its devices, would run no stage.
+    int const grid = schedule.devices * std::max(options.data_parallel, 1);
+    int const first = transfers->first_rank();
+    std::string const idle = across && first >= grid
+                                 ? "; this process, whose devices are world ranks [" + std::to_string(first) + ", " +
+                                       std::to_string(first + group.size()) + "), would run no stage"
+                                 : "";
     throw Error(Errc::invalid_argument, "a schedule for " + std::to_string(schedule.devices) + " devices times " +
-                                            std::to_string(options.data_parallel) + " data-parallel replicas on a group of " +
-                                            std::to_string(group.size()) + " (expected devices x replicas = the group's size)");
+                                            std::to_string(options.data_parallel) + " data-parallel replicas on " +
+                                            (across ? "a world of " + std::to_string(transfers->size()) +
+                                                          " devices over several processes (expected devices x "
+                                                          "replicas = the world's device count: every process's "
+                                                          "devices run stages" +
+                                                          idle + ")"
+                                                    : "a group of " + std::to_string(group.size()) +
+                                                          " (expected devices x replicas = the group's size)"));
+  }
   auto const units = model.cut_points().size() - 1;
   auto const chunks = static_cast<std::size_t>(schedule.chunks());
   if (chunks > units)
@@ -261,6 +371,9 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
                                             " (expected 0 for no clipping, or a finite norm > 0)");
   Impl& m = *impl_;
   m.group = &group;
+  m.comm = std::move(transfers);
+  m.first = m.comm->first_rank();
+  m.across = across;
   m.schedule = std::move(schedule);
   m.cuts = std::move(cuts);
   m.options = std::move(options);
@@ -308,7 +421,7 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     }
   }
   int const devices = m.schedule.devices;
-  m.devices.resize(static_cast<std::size_t>(group.size()));
+  m.devices.resize(static_cast<std::size_t>(m.comm->size()));
   for (Impl::DeviceState& st : m.devices) {
     auto const slots = chunks * static_cast<std::size_t>(m.schedule.micro_batches);
     for (auto* v : {&st.act_in, &st.act_out, &st.grad_in, &st.grad_out}) v->resize(slots);
@@ -316,12 +429,13 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     st.rng_after.resize(chunks);
     st.ran_forward.assign(chunks, false);
   }
-  group.run([&](int rank, Device, Stream& stream) {
-    nn::Context ctx{group.allocator(rank), stream};
-    for (int c = rank % devices; c < m.schedule.chunks(); c += devices) m.chunk_of(rank, c).materialize(ctx, m.options.seed, m.options.compute);
+  group.run([&](int local, Device, Stream& stream) {
+    nn::Context ctx{group.allocator(local), stream};
+    int const rank = m.first + local;
+    for (int c = rank % devices; c < m.schedule.chunks(); c += devices)
+      m.chunk_of(rank, c).materialize(ctx, m.options.seed, m.options.compute);
   });
-  m.comm = comm::make_communicator(group, {comm::Backend::automatic, m.options.timeout});
-  if (m.replicas > 1) {
+  if (m.replicas > 1 && !m.across) {
     for (int d = 0; d < devices; ++d) {
       std::vector<int> ranks;
       for (int r = 0; r < m.replicas; ++r) ranks.push_back(r * devices + d);
@@ -332,13 +446,13 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   if (m.tie) {
     int const embedding_device = m.schedule.device_of(m.tie->embedding_chunk);
     int const head_device = m.schedule.device_of(m.tie->head_chunk);
-    if (embedding_device != head_device) {
+    if (embedding_device != head_device && !m.across) {
       for (int r = 0; r < m.replicas; ++r)
         m.tie_comms.push_back(comm::make_communicator(group, {r * devices + embedding_device, r * devices + head_device},
                                                       {comm::Backend::automatic, m.options.timeout}));
     }
     // The copy starts at zero: the sum makes it the embedding's initial wte.
-    group.run([&](int rank, Device, Stream& stream) { m.sum_tied(rank, stream, true); });
+    group.run([&](int local, Device, Stream& stream) { m.sum_tied(m.first + local, stream, true); });
     group.synchronize();
   }
 }
@@ -396,20 +510,39 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
     }
     steps.push_back(std::move(step));
   }
+  // Across processes the last stages' losses are all-gathered, every rank's micro-batch losses in
+  // its slots (zeros on other stages), so every process adds them up as one process would.
+  std::vector<Tensor> gathered(m.across ? static_cast<std::size_t>(m.group->size()) : 0);
+  int const last_device = m.schedule.device_of(m.schedule.chunks() - 1);
   auto const start = std::chrono::steady_clock::now();
-  m.group->run([&](int rank, Device, Stream& stream) {
+  m.group->run([&](int local, Device, Stream& stream) {
     // A host device's actions run on its driver thread as it reaches them: a hop between devices
     // is then one wake-up (the receiver's), not a chain of handoffs between driver and stream threads.
     Stream::InlineScope const inline_work(stream);
-    m.run_device(rank, stream, steps[static_cast<std::size_t>(rank / m.schedule.devices)]);
+    int const rank = m.first + local;
+    Impl::Step& step = steps[static_cast<std::size_t>(rank / m.schedule.devices)];
+    m.run_device(rank, stream, step);
+    if (!m.across) return;
+    Tensor& all = gathered[static_cast<std::size_t>(local)];
+    all = Tensor::empty({static_cast<std::int64_t>(m.comm->size()) * mbs}, DType::float32, m.group->allocator(local));
+    Tensor const mine = all.slice(static_cast<std::int64_t>(rank) * mbs, static_cast<std::int64_t>(rank + 1) * mbs);
+    if (rank % m.schedule.devices == last_device) {
+      for (int k = 0; k < mbs; ++k) copy_async(mine.slice(k, k + 1), step.losses[static_cast<std::size_t>(k)], stream);
+    } else {
+      fill_async(mine, 0.0f, stream);
+    }
+    m.comm->all_gather(rank, mine, all, stream);
   });
   m.last_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   double loss = 0;
   for (int r = 0; r < m.replicas; ++r) {
     Impl::Step const& step = steps[static_cast<std::size_t>(r)];
-    int const last_rank = r * m.schedule.devices + m.schedule.device_of(m.schedule.chunks() - 1);
-    for (std::size_t k = 0; k < step.losses.size(); ++k)
-      loss += ops::item(step.losses[k], m.group->stream(last_rank));
+    int const last_rank = r * m.schedule.devices + last_device;
+    for (std::size_t k = 0; k < step.losses.size(); ++k) {
+      auto const i = static_cast<std::int64_t>(last_rank) * mbs + static_cast<std::int64_t>(k);
+      loss += m.across ? ops::item(gathered[0].slice(i, i + 1), m.group->stream(0))
+                       : ops::item(step.losses[k], m.group->stream(last_rank));
+    }
   }
   return static_cast<float>(loss);
 }
@@ -426,9 +559,10 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
   for (int r = 0; r < m.replicas; ++r) {
     for (int c = 0; c < m.schedule.chunks(); ++c) {
       int const rank = r * devices + m.schedule.device_of(c);
+      if (!m.is_local(rank)) continue;  // another process updates it
       nn::Sequential& chunk = m.chunk_of(rank, c);
-      nn::UpdatePart part{&chunk, m.optimizers[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)].get(), &m.group->allocator(rank),
-                          &m.group->stream(rank)};
+      nn::UpdatePart part{&chunk, m.optimizers[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)].get(),
+                          &m.group->allocator(rank - m.first), &m.group->stream(rank - m.first)};
       if (r > 0) {
         part.shared_end = chunk.master_gradients().numel();
       } else if (m.tie && c == m.tie->head_chunk) {
@@ -439,7 +573,9 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
     }
   }
   optim::LossScaler* const scaler = m.options.loss_scaler ? &*m.options.loss_scaler : nullptr;
-  m.last_applied = nn::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, true});
+  m.last_applied = m.across && (scaler != nullptr || m.options.clip_norm > 0)
+                       ? m.update_across(parts, lr_scale)
+                       : nn::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, true});
   // step() returns with the chunks updated, as when each device's thread ran its update inline:
   // the update enqueued from this thread runs on the streams' workers.
   m.group->synchronize();
@@ -460,6 +596,12 @@ nn::Sequential& Executor::chunk(int c, int replica) {
     throw Error(Errc::invalid_argument, "chunk " + std::to_string(c) + " of replica " + std::to_string(replica) + " (expected chunk in [0, " +
                                             std::to_string(impl_->schedule.chunks()) + ") and replica in [0, " +
                                             std::to_string(impl_->replicas) + "))");
+  int const rank = replica * impl_->schedule.devices + impl_->schedule.device_of(c);
+  if (!impl_->is_local(rank))
+    throw Error(Errc::invalid_argument,
+                "chunk " + std::to_string(c) + " of replica " + std::to_string(replica) + " runs on world rank " +
+                    std::to_string(rank) + ", another process's (expected a chunk on this process's ranks [" +
+                    std::to_string(impl_->first) + ", " + std::to_string(impl_->first + impl_->group->size()) + "))");
   return impl_->chunks[static_cast<std::size_t>(replica)][static_cast<std::size_t>(c)];
 }
 

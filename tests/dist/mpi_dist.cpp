@@ -10,6 +10,14 @@
 //                                    devices in one process, which every process runs itself:
 //                                    bucketed, overlapped or not, sharded update or not, with
 //                                    dropout or clipping; bitwise with one device per process.
+//   mpi_dist pipeline COUNTS         pipeline::Executor with its stages on the processes' devices
+//                                    (world rank g runs pipeline device g) against the same
+//                                    executor over as many devices in one process, which every
+//                                    process runs itself: GPipe and 1F1B, one stage per device or
+//                                    data x pipeline grids, with dropout, clipping, float16 and a
+//                                    loss scaler; the losses, each process's chunks and
+//                                    gather_parameters() bitwise; save() refused. And a GPT,
+//                                    its tied LM head in another process.
 //   mpi_dist stall COUNTS PROCESS    one all_reduce, then PROCESS stalls while the others start a
 //                                    second one with a 3 s deadline: they must fail naming it.
 //   mpi_dist exit COUNTS PROCESS     the same, but PROCESS exits (status 3) instead.
@@ -20,6 +28,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <random>
@@ -28,10 +37,15 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #include <mgpu/dist/dist.hpp>
+#include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/loss.hpp>
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
+#include <mgpu/pipeline/pipeline.hpp>
 
 using mgpu::DType;
 using mgpu::Tensor;
@@ -477,11 +491,204 @@ void test_data_parallel(Setup const& s) {
   }
 }
 
+// Whether `have` and `want` hold the same bits.
+bool same_bits(std::vector<float> const& have, std::vector<float> const& want) {
+  return have.size() == want.size() &&
+         (have.empty() || std::memcmp(have.data(), want.data(), have.size() * sizeof(float)) == 0);
+}
+
+// Expects `call` to throw Error(invalid_argument) whose text has `needle`.
+template <class Call>
+void expect_refused(Call const& call, std::string const& needle, std::string const& what) {
+  try {
+    call();
+    EXPECT(false, what << " was accepted");
+  } catch (mgpu::Error const& e) {
+    EXPECT(e.category() == mgpu::Errc::invalid_argument && std::string(e.what()).find(needle) != std::string::npos,
+           what << ": " << e.what() << " (expected invalid_argument with '" << needle << "')");
+  }
+}
+
+// The pipeline executor with its stages on every process's devices (one stage per pipeline
+// device; with two replicas, a data x pipeline grid whose replicas sum their gradients across
+// processes) against the same executor over world.size() devices of this process: every device
+// computes the same chunk from the same inputs and the replicas' sums run in the same order, so
+// the losses and parameters are the same bits however the devices are spread over processes.
+void test_pipeline(Setup const& s) {
+  namespace pp = mgpu::pipeline;
+  std::shared_ptr<mgpu::Allocator> host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  mgpu::Stream host_stream{mgpu::Device{mgpu::DeviceKind::host, 0}};
+  std::int64_t const rows = 26;  // uneven micro-batches
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0, 1);
+  std::vector<Tensor> xs, ys;
+  for (int b = 0; b < 3; ++b) {
+    xs.push_back(Tensor::empty({rows, 6}, DType::float32, *host));
+    for (float& v : xs.back().host_span<float>()) v = normal(rng);
+    ys.push_back(Tensor::empty({rows}, DType::float32, *host));
+    for (float& v : ys.back().host_span<float>()) v = static_cast<float>(rng() % 4);
+  }
+  pp::OptimizerFactory const sgd = [] {
+    return std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 0.05f, .momentum = 0.9f});
+  };
+  for (int const replicas : {1, 2}) {
+    int const devices = s.size() / replicas;
+    if (s.size() % replicas != 0 || devices + 1 > static_cast<int>(dp_model(false).cut_points().size()))
+      continue;  // a unit per stage
+    struct Config {
+      bool dropout;
+      float clip_norm;  // the global norm then sums every process's chunks
+      bool fp16;        // float16 compute with a loss scaler, whose overflow count does too
+    };
+    for (Config const config : {Config{false, 0, false}, Config{true, 0.05f, false}, Config{false, 0.05f, true}}) {
+      bool const dropout = config.dropout;
+      mgpu::nn::Sequential const model = dp_model(dropout);
+      std::vector<std::size_t> const cuts = pp::partition(model, devices, std::vector<double>(model.size(), 1.0)).cuts;
+      for (pp::Schedule const& schedule : {pp::gpipe(devices, 4), pp::one_f_one_b(devices, 4)}) {
+        std::string const what = "pipeline " + schedule.name + " x " + std::to_string(replicas) + " replica(s)" +
+                                 (dropout ? ", dropout" : "") + (config.clip_norm > 0 ? ", clipping" : "") +
+                                 (config.fp16 ? ", float16 with a loss scaler" : "");
+        pp::ExecutorOptions options{.seed = 7,
+                                    .data_parallel = replicas,
+                                    .timeout = 60s,
+                                    .compute = config.fp16 ? DType::float16 : DType::float32,
+                                    .clip_norm = config.clip_norm};
+        if (config.fp16) options.loss_scaler.emplace();
+        mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
+        pp::Executor reference(model, one, cuts, schedule, sgd, options);
+        options.make_communicator = mgpu::dist::communicator_factory(s.world);
+        pp::Executor executor(model, s.group, cuts, schedule, sgd, options);
+        for (std::size_t b = 0; b < xs.size(); ++b) {
+          float const expected = reference.step(xs[b], ys[b]);
+          float const got = executor.step(xs[b], ys[b]);
+          EXPECT(std::memcmp(&got, &expected, sizeof got) == 0,
+                 what << ": step " << b << " loss " << got << " (expected " << expected << ")");
+          EXPECT(executor.last_step_applied() == reference.last_step_applied(),
+                 what << ": step " << b << " applied or skipped unlike one process");
+        }
+        if (config.fp16)
+          EXPECT(executor.loss_scaler()->state().scale == reference.loss_scaler()->state().scale,
+                 what << ": the loss scale differs");
+        for (int l = 0; l < s.local(); ++l) {
+          int const c = s.rank(l) % devices;  // one chunk per device
+          int const replica = s.rank(l) / devices;
+          bool const same = same_bits(host_values(executor.chunk(c, replica).master_parameters(), s.group.stream(l)),
+                                      host_values(reference.chunk(c, replica).master_parameters(), one.stream(0)));
+          EXPECT(same, what << ": chunk " << c << " of replica " << replica << " on world rank " << s.rank(l)
+                            << " differs from one process's");
+        }
+        mgpu::nn::Sequential whole = model.clone(), whole_reference = model.clone();
+        mgpu::nn::Context ctx{*host, host_stream};
+        whole.materialize(ctx, 1);
+        whole_reference.materialize(ctx, 2);
+        executor.gather_parameters(whole, host_stream);
+        reference.gather_parameters(whole_reference, host_stream);
+        EXPECT(same_bits(host_values(whole.master_parameters(), host_stream),
+                         host_values(whole_reference.master_parameters(), host_stream)),
+               what << ": gather_parameters differs from one process's");
+        int const remote = s.rank(0) == 0 ? s.size() - 1 : 0;
+        expect_refused([&] { static_cast<void>(executor.chunk(remote % devices, remote / devices)); },
+                       "another process", what + ": chunk of another process");
+        expect_refused([&] { executor.save("/nonexistent/pipeline.ckpt"); }, "across processes", what + ": save");
+      }
+    }
+  }
+  // A grid that is not the world's devices.
+  mgpu::nn::Sequential const model = dp_model(false);
+  pp::ExecutorOptions options{
+      .seed = 7, .timeout = 60s, .make_communicator = mgpu::dist::communicator_factory(s.world)};
+  std::vector<std::size_t> const all{0, model.size()};
+  expect_refused([&] { pp::Executor(model, s.group, all, pp::gpipe(1, 2), sgd, options); },
+                 "a world of " + std::to_string(s.size()), "a one-device pipeline over the world");
+  // The processes past world rank 0 would run no stage: each of them names itself.
+  std::string const idle = "this process, whose devices are world ranks [" + std::to_string(s.rank(0)) + ", " +
+                           std::to_string(s.rank(0) + s.local()) + "), would run no stage";
+  try {
+    pp::Executor executor(model, s.group, all, pp::gpipe(1, 2), sgd, options);
+    EXPECT(false, "a one-device pipeline over the world was accepted");
+  } catch (mgpu::Error const& e) {
+    bool const named = std::string(e.what()).find(idle) != std::string::npos;
+    EXPECT(named == (s.rank(0) > 0), "a one-device pipeline over the world: " << e.what());
+  }
+}
+
+// A GPT pipelined over the world's devices (its tied LM head's copy of wte on another device, in
+// another process where there are two; with two replicas, a data x pipeline grid), AdamW with
+// clipping and dropout, against one process's executor: losses and chunks bitwise, also after
+// loading that executor's checkpoint.
+void test_pipeline_gpt(Setup const& s) {
+  namespace pp = mgpu::pipeline;
+  std::shared_ptr<mgpu::Allocator> host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  mgpu::nn::GptConfig const config{
+      .vocab = 32, .block_size = 8, .n_layer = 2, .n_head = 2, .n_embd = 16, .dropout = 0.1f};
+  mgpu::nn::Sequential const model = mgpu::nn::gpt(config);
+  std::mt19937 rng(3);
+  std::vector<Tensor> xs, ys;
+  for (int b = 0; b < 3; ++b) {
+    for (auto* list : {&xs, &ys}) {
+      list->push_back(Tensor::empty({6, 8}, DType::int32, *host));
+      for (std::int32_t& v : list->back().host_span<std::int32_t>()) v = static_cast<std::int32_t>(rng() % 32);
+    }
+  }
+  pp::ChunkOptimizerFactory const adamw = [](mgpu::nn::Sequential const& chunk) {
+    return std::make_unique<mgpu::optim::AdamW>(
+        mgpu::optim::AdamWOptions{.lr = 0.01f, .weight_decay = 0.1f, .decay_ranges = chunk.matrix_ranges()});
+  };
+  for (int const replicas : {1, 2}) {
+    int const devices = s.size() / replicas;
+    if (s.size() % replicas != 0 || devices < 2) continue;  // the head on another device than the embedding
+    std::string const what = "GPT pipeline x " + std::to_string(replicas) + " replica(s)";
+    std::vector<std::size_t> const cuts = pp::partition(model, devices, std::vector<double>(model.size(), 1.0)).cuts;
+    pp::ExecutorOptions options{.seed = 5,
+                                .data_parallel = replicas,
+                                .timeout = 60s,
+                                .clip_norm = 0.1f,
+                                .loss = std::make_shared<mgpu::nn::TokenCrossEntropy>()};
+    mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
+    pp::Executor reference(model, one, cuts, pp::one_f_one_b(devices, 2), adamw, options);
+    options.make_communicator = mgpu::dist::communicator_factory(s.world);
+    pp::Executor executor(model, s.group, cuts, pp::one_f_one_b(devices, 2), adamw, options);
+    for (std::size_t b = 0; b < xs.size(); ++b) {
+      float const expected = reference.step(xs[b], ys[b]);
+      float const got = executor.step(xs[b], ys[b]);
+      EXPECT(std::memcmp(&got, &expected, sizeof got) == 0,
+             what << ": step " << b << " loss " << got << " (expected " << expected << ")");
+    }
+    for (int l = 0; l < s.local(); ++l) {
+      int const c = s.rank(l) % devices;
+      int const replica = s.rank(l) / devices;
+      EXPECT(same_bits(host_values(executor.chunk(c, replica).master_parameters(), s.group.stream(l)),
+                       host_values(reference.chunk(c, replica).master_parameters(), one.stream(0))),
+             what << ": chunk " << c << " of replica " << replica << " differs from one process's");
+    }
+    // One process's checkpoint loads into the executor across processes (each process its chunks,
+    // their AdamW state and RNG), which then steps as that process does.
+    std::filesystem::path const file =
+        std::filesystem::temp_directory_path() /
+        ("mgpu_mpi_dist_gpt_" + std::to_string(::getpid()) + "_" + std::to_string(replicas) + ".ckpt");
+    reference.save(file);
+    pp::Executor resumed(model, s.group, cuts, pp::one_f_one_b(devices, 2), adamw, options);
+    resumed.load(file);
+    std::filesystem::remove(file);
+    float const expected = reference.step(xs[0], ys[0]);
+    float const got = resumed.step(xs[0], ys[0]);
+    EXPECT(std::memcmp(&got, &expected, sizeof got) == 0,
+           what << ": after load, loss " << got << " (expected " << expected << ")");
+    for (int l = 0; l < s.local(); ++l) {
+      int const c = s.rank(l) % devices;
+      int const replica = s.rank(l) / devices;
+      EXPECT(same_bits(host_values(resumed.chunk(c, replica).master_parameters(), s.group.stream(l)),
+                       host_values(reference.chunk(c, replica).master_parameters(), one.stream(0))),
+             what << ": after load, chunk " << c << " of replica " << replica << " differs from one process's");
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: mpi_dist collectives|data_parallel|stall|exit|mismatch COUNTS [PROCESS]\n");
+    std::fprintf(stderr, "usage: mpi_dist collectives|data_parallel|pipeline|stall|exit|mismatch COUNTS [PROCESS]\n");
     return 2;
   }
   std::string const mode = argv[1];
@@ -510,6 +717,13 @@ int main(int argc, char** argv) {
     auto comm = mgpu::dist::make_communicator(world, group, {.timeout = 60s});
     EXPECT(comm->size() == world.size(), "communicator size " << comm->size());
     Setup const s{world, group, *comm};
+    if (mode == "pipeline") {
+      test_pipeline(s);
+      test_pipeline_gpt(s);
+      comm->finalize();
+      std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
+      return failures == 0 ? 0 : 1;
+    }
     if (mode == "data_parallel") {
       test_data_parallel(s);
       comm->finalize();

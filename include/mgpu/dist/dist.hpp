@@ -152,8 +152,8 @@ std::unique_ptr<comm::Communicator> make_communicator(World const& world, Device
                                                       comm::Options options = {});
 
 /// make_communicator(world, group, options) as a function of the group and options, for an executor
-/// to make (and remake) its communicator across processes: parallel::DataParallelOptions's
-/// make_communicator.
+/// to make (and remake) its communicator across processes: parallel::DataParallelOptions's and
+/// pipeline::ExecutorOptions's make_communicator.
 std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> communicator_factory(World world);
 
 }  // namespace mgpu::dist

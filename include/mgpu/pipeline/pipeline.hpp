@@ -144,6 +144,10 @@ struct ExecutorOptions {
   /// Where every action is recorded (rank = device, compute lane; transfers on the communication
   /// lane); nullptr for none.
   std::shared_ptr<trace::Timeline> timeline{};
+  /// Makes the communicator of the pipelines' transfers from the group and {automatic, timeout}
+  /// (empty: comm::make_communicator over the group). Across processes,
+  /// dist::communicator_factory(world): see "Across processes" at Executor.
+  std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> make_communicator{};
 };
 
 /// Makes one optimizer (each chunk gets its own, for its own parameters).
@@ -169,6 +173,25 @@ using ChunkOptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(nn
 /// If an action fails, the communicator aborts the other devices and the step throws an Error
 /// naming the failing device, chunk and action; the executor cannot be used after that.
 /// The group must outlive the executor. Not thread-safe: call from one thread.
+///
+/// Across processes: every process makes the executor over its own DeviceGroup with the same
+/// model, cuts, schedule and options, and options.make_communicator = dist::communicator_factory(
+/// dist::make_world(group)). The grid then spans the world's devices: world rank g (the
+/// communicator's ranks, process 0's devices first) runs pipeline device g % devices of replica
+/// g / devices, so schedule.devices x data_parallel must be the world's device count and every
+/// process runs the stages on its own devices; activations and gradients cross processes over the
+/// communicator's send/recv. With replicas (e.g. 2 processes x 2 devices as 2 stages x 2
+/// replicas: each process one replica), the same chunk's replicas sum their gradients, and a tied
+/// LM head's two devices their wte, through send/recv too: the replicas' first rank adds the
+/// others' in replica order, as the all-reduce within one process does. Every process passes the
+/// whole batch (each rank takes its rows), and step() returns the batch's loss on every process
+/// (the last stages' losses, all-gathered). gather_parameters() brings every chunk to every
+/// process, scatter_parameters() and load() fill this process's chunks, chunk() gives this
+/// process's chunks only. Clipping and loss scaling see every process's chunks: each chunk's
+/// squared norm (or overflow count) is all-gathered and every process adds them in chunk order,
+/// as apply_update does in one process. A run is bitwise the one-process run over as many
+/// devices, however the devices are spread over processes. Not yet across processes (refused
+/// with Error(invalid_argument)): save().
 class Executor {
  public:
   /// Cuts `model` at `cuts` (schedule.chunks() + 1 increasing layer indices, from 0 to

@@ -1,0 +1,41 @@
+#!/bin/sh
+# train_gpt across processes against one process (ctest's dist_train_gpt):
+#   train_gpt_check.sh TRAIN_GPT TEXT_FILE DIR MPIRUN... NUMPROC_FLAG
+# A tiny GPT on TEXT_FILE (byte-tokenized) with clipping; each job prints the train and validation
+# losses of the one-process run over as many devices, and its JSON lists the world's devices:
+# - data parallel: mpirun -np 2 --devices host:1 = --devices host:2 (each process its rows);
+# - pipelined: mpirun -np 2 --devices host:1 --stages 2 = host:2 (the tied LM head's copy of wte
+#   in the other process);
+# - a data x pipeline grid: mpirun -np 2 --devices host:2 --stages 2 --dp 2 = host:4.
+set -eu
+exe=$1
+text=$2
+dir=$3
+shift 3
+rm -rf "$dir" && mkdir -p "$dir"
+fail() { echo "FAIL: $*" >&2; exit 1; }
+field() { sed -E "s/.*\"$1\": (\[[^]]*\]|[^,}]*).*/\1/" "$2"; }
+common="--data $text --n-layer 2 --n-head 2 --n-embd 32 --block-size 16 --batch-size 4 --lr 3e-3 --warmup 5
+        --eval-iters 4 --eval-every 0 --seed 7 --iters 20 --json"
+
+# check NAME ONE_ARGS -- JOB_ARGS: the job (2 processes) prints what one process prints.
+check() {
+  name=$1 one=$2 job=$3 devices=$4
+  shift 4
+  # shellcheck disable=SC2086
+  "$exe" $common $one >"$dir/$name.one.json" 2>"$dir/$name.one.log" || { cat "$dir/$name.one.log"; fail "$name: train_gpt $one"; }
+  # shellcheck disable=SC2086
+  "$@" 2 "$exe" $common $job >"$dir/$name.json" 2>"$dir/$name.log" || { cat "$dir/$name.log"; fail "$name: mpirun train_gpt $job"; }
+  cat "$dir/$name.json"
+  for key in train_loss val_loss schedule; do
+    [ "$(field "$key" "$dir/$name.one.json")" = "$(field "$key" "$dir/$name.json")" ] ||
+      fail "$name: $key $(field "$key" "$dir/$name.json") (expected one process's $(field "$key" "$dir/$name.one.json"))"
+  done
+  [ "$(field devices "$dir/$name.json")" = "$devices" ] || fail "$name: devices $(field devices "$dir/$name.json") (expected $devices)"
+  [ "$(field processes "$dir/$name.json")" = 2 ] || fail "$name: processes $(field processes "$dir/$name.json") (expected 2)"
+}
+check data-parallel "--devices host:2" "--devices host:1" '["p0:host:0", "p1:host:0"]' "$@"
+check pipeline "--devices host:2 --stages 2" "--devices host:1 --stages 2" '["p0:host:0", "p1:host:0"]' "$@"
+check grid "--devices host:4 --stages 2 --dp 2 --micro-batches 2" "--devices host:2 --stages 2 --dp 2 --micro-batches 2" \
+  '["p0:host:0", "p0:host:1", "p1:host:0", "p1:host:1"]' "$@"
+echo "ok: data parallel, pipelined and a data x pipeline grid over 2 processes give one process's losses"
