@@ -22,6 +22,7 @@
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
 #include "support/nn_env.hpp"
+#include "support/temp_path.hpp"
 
 using mgpu::DType;
 using mgpu::Tensor;
@@ -420,7 +421,7 @@ TEST_CASE("The scheduler picks the ranks and the shard weights follow device spe
 }
 
 TEST_CASE("Checkpoints: saved from rank 0, loaded on another device count, bit-identical continuation", "[parallel][dp][io]") {
-  auto const dir = std::filesystem::temp_directory_path() / "mgpu_dp_checkpoint_test";
+  auto const dir = mgpu::test::temp_path("mgpu_dp_checkpoint_test");
   std::filesystem::create_directories(dir);
   Data data(4, 18, 12);
   std::vector<float> straight;
@@ -601,7 +602,7 @@ class HeldShard final : public mgpu::nn::Layer {
 
 TEST_CASE("A run resumed from a checkpoint equals the uninterrupted run, mid-cycle and with a loss scaler or compression",
           "[parallel][dp][io]") {
-  auto const dir = std::filesystem::temp_directory_path() / "mgpu_dp_resume_test";
+  auto const dir = mgpu::test::temp_path("mgpu_dp_resume_test");
   std::filesystem::create_directories(dir);
   Data data(8, 18, 21);
   struct Case {
@@ -665,7 +666,7 @@ TEST_CASE("A run resumed from a checkpoint equals the uninterrupted run, mid-cyc
 }
 
 TEST_CASE("load() leaves an executor exactly as a fresh one that loaded the same file", "[parallel][dp][io]") {
-  auto const dir = std::filesystem::temp_directory_path() / "mgpu_dp_reload_test";
+  auto const dir = mgpu::test::temp_path("mgpu_dp_reload_test");
   std::filesystem::create_directories(dir);
   Data data(8, 16, 22);
   DataParallelOptions options;
@@ -704,7 +705,7 @@ TEST_CASE("load() leaves an executor exactly as a fresh one that loaded the same
 }
 
 TEST_CASE("A checkpoint of save_training (no executor state) loads as one saved at the start of a cycle", "[parallel][dp][io]") {
-  auto const dir = std::filesystem::temp_directory_path() / "mgpu_dp_plain_checkpoint_test";
+  auto const dir = mgpu::test::temp_path("mgpu_dp_plain_checkpoint_test");
   std::filesystem::create_directories(dir);
   Data data(3, 12, 23);
   Reference ref(small_mlp());
@@ -720,7 +721,7 @@ TEST_CASE("A checkpoint of save_training (no executor state) loads as one saved 
 }
 
 TEST_CASE("A checkpoint saved mid-cycle is refused by an executor with another accumulation cycle", "[parallel][dp][io]") {
-  auto const dir = std::filesystem::temp_directory_path() / "mgpu_dp_cycle_test";
+  auto const dir = mgpu::test::temp_path("mgpu_dp_cycle_test");
   std::filesystem::create_directories(dir);
   Data data(1, 8, 24);
   mgpu::DeviceGroup group{"host:2"};
@@ -789,7 +790,7 @@ TEST_CASE("A step that fails inside is reported as itself and leaves the executo
 }
 
 TEST_CASE("A step that fails once updates have begun says the executor cannot be used until a load()", "[parallel][dp][io]") {
-  auto const dir = std::filesystem::temp_directory_path() / "mgpu_dp_failed_update_test";
+  auto const dir = mgpu::test::temp_path("mgpu_dp_failed_update_test");
   std::filesystem::create_directories(dir);
   Data data(4, 12, 27);
   auto const armed = std::make_shared<bool>(false);

@@ -21,6 +21,7 @@
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
 #include "support/nn_env.hpp"
+#include "support/temp_path.hpp"
 
 using mgpu::DType;
 using mgpu::Tensor;
@@ -209,7 +210,7 @@ TEST_CASE("zero_stage 1 keeps on each device the optimizer state of its owned el
 
 TEST_CASE("A zero_stage 1 checkpoint holds the whole optimizer state and resumes on other device counts and stages",
           "[parallel][dp][zero][io]") {
-  auto const dir = std::filesystem::temp_directory_path() / "mgpu_zero_checkpoint_test";
+  auto const dir = mgpu::test::temp_path("mgpu_zero_checkpoint_test");
   std::filesystem::create_directories(dir);
   Env env;
   std::vector<Tensor> xs, ys;

@@ -20,6 +20,7 @@
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
 #include "support/nn_env.hpp"
+#include "support/temp_path.hpp"
 
 using mgpu::DType;
 using mgpu::Tensor;
@@ -76,7 +77,7 @@ std::vector<double> gathered(pp::Executor& ex, std::int64_t count, int r = 0) {
   return all;
 }
 
-std::filesystem::path temp(std::string const& name) { return std::filesystem::temp_directory_path() / name; }
+std::filesystem::path temp(std::string const& name) { return mgpu::test::temp_path(name); }
 
 }  // namespace
 

@@ -7,6 +7,7 @@
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
+#include "support/temp_path.hpp"
 
 using namespace mgpu::cluster;
 using namespace mgpu::sched;
@@ -107,7 +108,7 @@ TEST_CASE("Jobs no server can run are rejected clearly", "[sched][queue]") {
 }
 
 TEST_CASE("Traces: CSV with column mapping, malformed rows, synthetic shapes", "[sched][trace]") {
-  auto const dir = std::filesystem::temp_directory_path() / "mgpu_trace_test";
+  auto const dir = mgpu::test::temp_path("mgpu_trace_test");
   std::filesystem::create_directories(dir);
   {
     std::ofstream out(dir / "public.csv");

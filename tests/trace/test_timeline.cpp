@@ -13,6 +13,7 @@
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
+#include "support/temp_path.hpp"
 
 using mgpu::trace::Lane;
 using mgpu::trace::Timeline;
@@ -85,7 +86,7 @@ TEST_CASE("Timeline: Chrome trace JSON parses and carries every span") {
   CHECK(complete == 2);
   CHECK(named_rank);
 
-  auto const path = std::filesystem::temp_directory_path() / "mgpu_timeline_test.json";
+  auto const path = mgpu::test::temp_path("mgpu_timeline_test.json");
   timeline.write_chrome_trace(path.string());
   std::ifstream in(path);
   CHECK(nlohmann::json::parse(in).at("traceEvents").size() == json.at("traceEvents").size());
