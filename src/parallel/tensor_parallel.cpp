@@ -254,14 +254,18 @@ nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<
     throw Error(Errc::invalid_argument, "tensor_parallel_gpt: " + std::to_string(config.n_head) + " heads over " +
                                             std::to_string(ranks) +
                                             " tensor-parallel ranks (expected a group size dividing n_head)");
+  if (config.vocab < ranks)
+    throw Error(Errc::invalid_argument, "tensor_parallel_gpt: a vocab of " + std::to_string(config.vocab) + " over " +
+                                            std::to_string(ranks) +
+                                            " tensor-parallel ranks (expected at least one token id per rank)");
   float const proj_std = 0.02f / std::sqrt(2.0f * static_cast<float>(config.n_layer));
   nn::Sequential model;
-  model.add(std::make_unique<nn::Embedding>(config.vocab, config.block_size, config.n_embd));
+  model.add(std::make_unique<VocabParallelEmbedding>(config.vocab, config.block_size, config.n_embd, comm, rank));
   model.add(std::make_unique<nn::Dropout>(0.0f));
   for (std::int64_t l = 0; l < config.n_layer; ++l)
     model.add(std::make_unique<TensorParallelBlock>(config.n_embd, config.n_head, comm, rank, proj_std));
   model.add(std::make_unique<nn::LayerNorm>(config.n_embd));
-  model.add(std::make_unique<nn::TiedLMHead>(config.vocab, config.n_embd));
+  model.add(std::make_unique<VocabParallelLMHead>(config.vocab, config.n_embd, comm, rank));
   return model;
 }
 
@@ -275,8 +279,8 @@ class TensorParallelSync final : public nn::GradientSync {
   TensorParallelSync(nn::Sequential const& shard, comm::Communicator& comm, int rank) : comm_(comm), rank_(rank) {
     for (nn::ParameterRange const& range : shard.parameter_ranges()) {
       std::int64_t at = range.begin;
-      if (auto const* block = dynamic_cast<TensorParallelBlock const*>(&shard.layer(range.layer))) {
-        for (auto const& [begin, end] : block->split_ranges()) {
+      if (auto const* sharded = dynamic_cast<ShardedLayer const*>(&shard.layer(range.layer))) {
+        for (auto const& [begin, end] : sharded->split_ranges()) {
           owned_.push_back({at, range.begin + begin, rank == 0});
           owned_.push_back({range.begin + begin, range.begin + end, true});
           at = range.begin + end;
@@ -312,7 +316,7 @@ struct TensorParallel::Impl {
   std::vector<nn::Sequential> shards;
   std::vector<std::unique_ptr<optim::Optimizer>> optimizers;
   std::vector<std::unique_ptr<TensorParallelSync>> syncs;
-  nn::TokenCrossEntropy loss;
+  std::vector<VocabParallelCrossEntropy> losses;
 };
 
 TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, TensorParallelOptions options)
@@ -339,6 +343,7 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
       im.optimizers.push_back(std::make_unique<optim::AdamW>(adamw));
     }
     im.syncs.push_back(std::make_unique<TensorParallelSync>(im.shards.back(), *im.comm, r));
+    im.losses.emplace_back(config.vocab, im.comm, r);
   }
   group.run([&](int rank, Device /*device*/, Stream& stream) {
     nn::Context ctx{group.allocator(rank), stream};
@@ -355,9 +360,10 @@ nn::Sequential& TensorParallel::shard(int rank) { return impl_->shards.at(static
 TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const& targets, float lr_scale) {
   Impl& im = *impl_;
   Shape const output = im.shards[0].output_shape(ids.shape());
-  im.loss.check(output, targets, "TensorParallel::step");
-  im.loss.check_values(output, targets, "TensorParallel::step");
-  std::int64_t const units = im.loss.count(targets, im.group->stream(0));
+  nn::Loss const& loss = im.losses[0];
+  loss.check(output, targets, "TensorParallel::step");
+  loss.check_values(output, targets, "TensorParallel::step");
+  std::int64_t const units = loss.count(targets, im.group->stream(0));
   StepResult result;
   im.group->run([&](int rank, Device device, Stream& stream) {
     Allocator& allocator = im.group->allocator(rank);
@@ -370,7 +376,7 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
     auto const r = static_cast<std::size_t>(rank);
     nn::Context ctx{allocator, stream};
     nn::StepResult const step =
-        nn::train_step(im.shards[r], *im.optimizers[r], local(ids), local(targets), im.loss, ctx,
+        nn::train_step(im.shards[r], *im.optimizers[r], local(ids), local(targets), im.losses[r], ctx,
                        {.lr_scale = lr_scale,
                         .clip_norm = im.options.clip_norm,
                         .global_units = units,
@@ -386,7 +392,8 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
 
 namespace {
 
-// Calls fn(whole layer span, shard layer span, block or nullptr) for each layer with parameters.
+// Calls fn(whole layer span, shard layer span, sharded layer or nullptr) for each layer with
+// parameters.
 template <typename Fn>
 void for_each_layer(nn::Sequential const& shard, std::span<float> params,
                     std::vector<nn::ParameterRange> const& whole_ranges, std::span<float> whole, Fn&& fn) {
@@ -396,7 +403,7 @@ void for_each_layer(nn::Sequential const& shard, std::span<float> params,
     nn::ParameterRange const& w = whole_ranges[i];
     fn(whole.subspan(static_cast<std::size_t>(w.begin), static_cast<std::size_t>(w.size())),
        params.subspan(static_cast<std::size_t>(s.begin), static_cast<std::size_t>(s.size())),
-       dynamic_cast<TensorParallelBlock const*>(&shard.layer(s.layer)));
+       dynamic_cast<ShardedLayer const*>(&shard.layer(s.layer)));
   }
 }
 
@@ -415,9 +422,9 @@ std::vector<float> TensorParallel::gather_parameters() {
     copy_async(params, shard.master_parameters(), stream);
     stream.synchronize();
     for_each_layer(shard, params.host_span<float>(), whole_model.parameter_ranges(), whole,
-                   [](std::span<float> w, std::span<float> s, TensorParallelBlock const* block) {
-                     if (block != nullptr) {
-                       block->copy_shard(w, s, false);
+                   [](std::span<float> w, std::span<float> s, ShardedLayer const* sharded) {
+                     if (sharded != nullptr) {
+                       sharded->copy_shard(w, s, false);
                      } else {
                        std::copy(s.begin(), s.end(), w.begin());
                      }
@@ -439,9 +446,9 @@ void TensorParallel::scatter_parameters(std::span<float const> values) {
     nn::Sequential& shard = im.shards[static_cast<std::size_t>(rank)];
     Tensor const params = Tensor::empty({shard.parameter_count()}, DType::float32, *host);
     for_each_layer(shard, params.host_span<float>(), whole_model.parameter_ranges(), whole,
-                   [](std::span<float> w, std::span<float> s, TensorParallelBlock const* block) {
-                     if (block != nullptr) {
-                       block->copy_shard(w, s, true);
+                   [](std::span<float> w, std::span<float> s, ShardedLayer const* sharded) {
+                     if (sharded != nullptr) {
+                       sharded->copy_shard(w, s, true);
                      } else {
                        std::copy(w.begin(), w.end(), s.begin());
                      }
