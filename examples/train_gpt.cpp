@@ -26,8 +26,9 @@
 //                               wte kept equal to the first stage's
 //   --tp N                      parallel::TensorParallel: every transformer block split across N
 //                               devices (Megatron: MLP and attention heads), the embedding, LM
-//                               head and cross-entropy split by vocab; fp32, not combined with
-//                               --dp or a pipeline yet, and without checkpoints
+//                               head and cross-entropy split by vocab, dropout as on one device;
+//                               fp32, not combined with --dp or a pipeline yet, and without
+//                               checkpoints
 // --recompute none|selective|full (nn::Recompute) trades memory for recomputed forward work in any
 // layout but --tp, the losses unchanged bit for bit.
 // Every layout gives the one-device losses within float32 rounding, and (but --tp) writes

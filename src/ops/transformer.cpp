@@ -86,6 +86,21 @@ void check_attention(char const* op, Tensor const& qkv, Tensor const& y, Tensor 
   if (!(dropout.p >= 0.0f && dropout.p < 1.0f))
     throw Error(Errc::invalid_argument,
                 std::string(op) + ": dropout " + std::to_string(dropout.p) + " (expected 0 <= p < 1)");
+  if (dropout.heads != 0 && (dropout.head_offset < 0 || dropout.head_offset + heads > dropout.heads))
+    throw Error(Errc::invalid_argument,
+                std::string(op) + ": dropout over heads [" + std::to_string(dropout.head_offset) + ", " +
+                    std::to_string(dropout.head_offset + heads) + ") of " + std::to_string(dropout.heads) +
+                    " (expected the op's heads inside the model's, or heads 0)");
+  if (dropout.heads == 0 && dropout.head_offset != 0)
+    throw Error(Errc::invalid_argument, std::string(op) + ": dropout head_offset " +
+                                            std::to_string(dropout.head_offset) +
+                                            " with heads 0 (expected 0, or the model's heads)");
+}
+
+// The mask of `dropout` for the op's `heads` heads of t tokens.
+detail::AttentionMask attention_mask(AttentionDropout const& dropout, std::int64_t heads, std::int64_t t) {
+  return {dropout.p, dropout.seed,       dropout.row_offset, dropout.heads != 0 ? dropout.heads : heads,
+          t,         dropout.head_offset};
 }
 
 // Runs body(each, scratch) with `scratch_words` 4-byte words of scratch memory, where each(n, op)
@@ -445,7 +460,7 @@ void causal_attention(Tensor const& qkv, Tensor const& y, Tensor const& lse, std
   check_attention("causal_attention", qkv, y, lse, heads, stream, dropout);
   std::int64_t const batch = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
   detail::AttentionShape const shape{t, c, heads};
-  detail::AttentionMask const mask{dropout.p, dropout.seed, dropout.row_offset, heads, t};
+  detail::AttentionMask const mask = attention_mask(dropout, heads, t);
   visit(qkv.dtype(), [&]<class T>(T) {
     if (stream.device().kind == DeviceKind::host) {
       stream.enqueue([qkv, y, lse, batch, shape, mask] {
@@ -473,7 +488,7 @@ void causal_attention_backward(Tensor const& qkv, Tensor const& y, Tensor const&
   check_dtype(dqkv, qkv.dtype(), op, "dqkv");
   std::int64_t const batch = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
   detail::AttentionShape const shape{t, c, heads};
-  detail::AttentionMask const mask{dropout.p, dropout.seed, dropout.row_offset, heads, t};
+  detail::AttentionMask const mask = attention_mask(dropout, heads, t);
   std::int64_t const rows = batch * heads * t;
   visit(qkv.dtype(), [&]<class T>(T) {
     if (stream.device().kind == DeviceKind::host) {

@@ -1,16 +1,16 @@
 // TensorParallelBlock, tensor_parallel_gpt and the TensorParallel executor.
-#include <mgpu/parallel/tensor_parallel.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <string>
 
+#include <mgpu/core/detail/training_math.hpp>
 #include <mgpu/core/error.hpp>
 #include <mgpu/nn/loss.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/ops/transformer.hpp>
+#include <mgpu/parallel/tensor_parallel.hpp>
 
 namespace mgpu::parallel {
 namespace {
@@ -69,13 +69,17 @@ Tensor row_parallel_backward(Tensor const& x, Tensor const& dy, Tensor const& w,
 }  // namespace
 
 TensorParallelBlock::TensorParallelBlock(std::int64_t features, std::int64_t heads,
-                                         std::shared_ptr<comm::Communicator> comm, int rank, float proj_init_std)
+                                         std::shared_ptr<comm::Communicator> comm, int rank, float proj_init_std,
+                                         float dropout)
     : features_(features),
       heads_(heads),
       comm_(std::move(comm)),
       rank_(rank),
       ranks_(checked_ranks(features, heads, comm_.get(), rank)),
       proj_init_std_(proj_init_std),
+      dropout_(dropout),
+      attn_drop_(dropout),
+      mlp_drop_(dropout),
       ln1_(features),
       ln2_(features),
       qkv_(features, 3 * features / ranks_),
@@ -185,12 +189,28 @@ void TensorParallelBlock::copy_shard(std::span<float> whole, std::span<float> sh
 void TensorParallelBlock::initialize(std::mt19937_64& rng) {
   // The whole block's weights, drawn as nn::TransformerBlock draws them, then this rank's shard.
   auto const host = Allocator::create({DeviceKind::host, 0});
-  nn::TransformerBlock whole(features_, heads_, 0.0f, proj_init_std_);
+  nn::TransformerBlock whole(features_, heads_, dropout_, proj_init_std_);
   Tensor const params = Tensor::empty({whole.parameter_count()}, DType::float32, *host);
   Tensor const grads = Tensor::empty({whole.parameter_count()}, DType::float32, *host);
   whole.bind(params, grads);
   whole.initialize(rng);
   copy_shard(params.host_span<float>(), params_.host_span<float>(), true);
+  nn::TransformerBlock::DropoutSeeds const seeds = whole.dropout_seeds();
+  attention_seed_ = seeds.attention;
+  attn_drop_.set_seed(seeds.attention_output);
+  mlp_drop_.set_seed(seeds.mlp_output);
+}
+
+void TensorParallelBlock::set_training(bool training) {
+  training_ = training;
+  attn_drop_.set_training(training);
+  mlp_drop_.set_training(training);
+}
+
+void TensorParallelBlock::set_rng_counter(std::uint64_t counter) {
+  calls_ = counter;
+  attn_drop_.set_rng_counter(counter);
+  mlp_drop_.set_rng_counter(counter);
 }
 
 Tensor TensorParallelBlock::forward(Tensor const& x, nn::Context& ctx) {
@@ -200,14 +220,21 @@ Tensor TensorParallelBlock::forward(Tensor const& x, nn::Context& ctx) {
   Tensor const qkv = qkv_.forward(ln1_.forward(x, ctx), ctx);  // [B, T, 3 C/T]: this rank's heads
   Tensor y = Tensor::empty({batch, t, part}, x.dtype(), ctx.allocator, ctx.stream);
   Tensor lse = Tensor::empty({batch, heads_ / ranks_, t}, DType::float32, ctx.allocator, ctx.stream);
-  ops::causal_attention(qkv, y, lse, heads_ / ranks_, ctx.stream);
-  Tensor const h = row_parallel_forward(y, attn_w_, attn_b_, *comm_, rank_, ctx);  // g: all-reduce
+  ops::AttentionDropout dropout;
+  if (training_ && dropout_ > 0.0f) {
+    // As nn::CausalSelfAttention's, on this rank's heads among all of them.
+    dropout = {dropout_, mgpu::detail::mix64(attention_seed_ + calls_++) | 1u, ctx.row_offset,
+               rank_ * (heads_ / ranks_), heads_};
+  }
+  ops::causal_attention(qkv, y, lse, heads_ / ranks_, ctx.stream, dropout);
+  // g: all-reduce; the dropout of the replicated output the same on every rank.
+  Tensor const h = attn_drop_.forward(row_parallel_forward(y, attn_w_, attn_b_, *comm_, rank_, ctx), ctx);
   ops::add_scaled(h, x, 1.0f, ctx.stream);
   // y = h + MLP(LN2(h)), the same split.
   Tensor const u = fc_.forward(ln2_.forward(h, ctx), ctx, ops::ActivationKind::gelu);  // [B, T, 4 C/T]
-  Tensor const m = row_parallel_forward(u, mlp_w_, mlp_b_, *comm_, rank_, ctx);
+  Tensor const m = mlp_drop_.forward(row_parallel_forward(u, mlp_w_, mlp_b_, *comm_, rank_, ctx), ctx);
   ops::add_scaled(m, h, 1.0f, ctx.stream);
-  saved_[ctx.micro_batch] = Saved{qkv, y, lse, u};
+  saved_[ctx.micro_batch] = Saved{qkv, y, lse, u, dropout};
   return m;
 }
 
@@ -219,15 +246,15 @@ Tensor TensorParallelBlock::backward(Tensor const& dy, nn::Context& ctx) {
   Saved const s = std::move(it->second);
   saved_.erase(it);
   // MLP branch: this rank's part of LN2's output gradient, summed over the ranks (f's backward).
-  Tensor const du = row_parallel_backward(s.mlp_in, dy, mlp_w_, dmlp_w_, dmlp_b_, ctx);
+  Tensor const du = row_parallel_backward(s.mlp_in, mlp_drop_.backward(dy, ctx), mlp_w_, dmlp_w_, dmlp_b_, ctx);
   Tensor const dln2 = fc_.backward(du, ctx);
   comm_->all_reduce(rank_, dln2, dln2, ReduceOp::sum, ctx.stream);
   Tensor const dh = ln2_.backward(dln2, ctx);
   ops::add_scaled(dh, dy, 1.0f, ctx.stream);
   // Attention branch, the same way.
-  Tensor const dattn = row_parallel_backward(s.y, dh, attn_w_, dattn_w_, dattn_b_, ctx);
+  Tensor const dattn = row_parallel_backward(s.y, attn_drop_.backward(dh, ctx), attn_w_, dattn_w_, dattn_b_, ctx);
   Tensor dqkv = Tensor::empty(s.qkv.shape(), s.qkv.dtype(), ctx.allocator, ctx.stream);
-  ops::causal_attention_backward(s.qkv, s.y, s.lse, dattn, dqkv, heads_ / ranks_, ctx.stream);
+  ops::causal_attention_backward(s.qkv, s.y, s.lse, dattn, dqkv, heads_ / ranks_, ctx.stream, s.dropout);
   Tensor const dln1 = qkv_.backward(dqkv, ctx);
   comm_->all_reduce(rank_, dln1, dln1, ReduceOp::sum, ctx.stream);
   Tensor const dx = ln1_.backward(dln1, ctx);
@@ -242,9 +269,6 @@ Shape TensorParallelBlock::output_shape(Shape const& input) const {
 
 nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<comm::Communicator> comm, int rank) {
   nn::Sequential const whole = nn::gpt(config);  // checks the config
-  if (config.dropout != 0.0f)
-    throw Error(Errc::invalid_argument, "tensor_parallel_gpt: dropout " + std::to_string(config.dropout) +
-                                            " (expected 0: dropout is not supported with tensor parallelism yet)");
   if (config.recompute != nn::Recompute::none)
     throw Error(Errc::invalid_argument,
                 "tensor_parallel_gpt: recompute " + std::string(nn::to_string(config.recompute)) +
@@ -261,9 +285,10 @@ nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<
   float const proj_std = 0.02f / std::sqrt(2.0f * static_cast<float>(config.n_layer));
   nn::Sequential model;
   model.add(std::make_unique<VocabParallelEmbedding>(config.vocab, config.block_size, config.n_embd, comm, rank));
-  model.add(std::make_unique<nn::Dropout>(0.0f));
+  model.add(std::make_unique<nn::Dropout>(config.dropout));
   for (std::int64_t l = 0; l < config.n_layer; ++l)
-    model.add(std::make_unique<TensorParallelBlock>(config.n_embd, config.n_head, comm, rank, proj_std));
+    model.add(
+        std::make_unique<TensorParallelBlock>(config.n_embd, config.n_head, comm, rank, proj_std, config.dropout));
   model.add(std::make_unique<nn::LayerNorm>(config.n_embd));
   model.add(std::make_unique<VocabParallelLMHead>(config.vocab, config.n_embd, comm, rank));
   return model;

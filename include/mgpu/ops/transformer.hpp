@@ -47,13 +47,17 @@ void vocab_shard_embedding_backward(Tensor const& ids, Tensor const& dy, Tensor 
                                     Stream& stream);
 
 /// Dropout on attention probabilities: element (b, h, i, j) is kept when
-/// uniform01(seed, (((row_offset + b) * heads + h) * T + i) * T + j) < 1 - p and scaled by
-/// 1 / (1 - p); row_offset is the global index of the batch's first sequence, so shards of a batch
-/// drop what the whole batch would. p = 0 disables it.
+/// uniform01(seed, (((row_offset + b) * heads + head_offset + h) * T + i) * T + j) < 1 - p and
+/// scaled by 1 / (1 - p); row_offset is the global index of the batch's first sequence, so shards
+/// of a batch drop what the whole batch would, and head_offset the global index of the op's first
+/// head among `heads` (0: the op's heads), so a tensor-parallel rank's heads drop what the whole
+/// model's would. p = 0 disables it.
 struct AttentionDropout {
   float p = 0.0f;
   std::uint64_t seed = 0;
   std::int64_t row_offset = 0;
+  std::int64_t head_offset = 0;
+  std::int64_t heads = 0;
 };
 
 /// Causal multi-head self-attention: qkv [B, T, 3C] holds q, k, v side by side (head h at columns

@@ -27,6 +27,7 @@
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
+#include <mgpu/ops/transformer.hpp>
 #include <mgpu/optim/optim.hpp>
 
 namespace mgpu::parallel {
@@ -157,13 +158,15 @@ class VocabParallelCrossEntropy final : public nn::Loss {
   nn::TokenCrossEntropy whole_;  // its checks against the whole vocab, and its count
 };
 
-/// Rank `rank`'s shard of a pre-LN TransformerBlock (nn::TransformerBlock without dropout) over
-/// the `comm`'s ranks: heads / T heads, qkv [C, 3C/T] (that rank's heads' q, k and v columns),
-/// the attention projection's rows [C/T, C], mlp_fc [C, 4C/T] and mlp_proj's rows [4C/T, C].
-/// Parameters in nn::TransformerBlock's order, each split matrix (and a column-parallel bias) as
-/// its shard: ln_1, qkv W and b, proj W, proj b (whole), ln_2, fc W and b, proj W, proj b (whole).
-/// initialize() draws the whole block's weights as nn::TransformerBlock does from the same rng and
-/// keeps this rank's shard, so shards materialized with a seed hold the 1-device model's weights.
+/// Rank `rank`'s shard of a pre-LN nn::TransformerBlock over the `comm`'s ranks: heads / T heads, qkv [C, 3C/T] (that
+/// rank's heads' q, k and v columns), the attention projection's rows [C/T, C], mlp_fc [C, 4C/T] and mlp_proj's rows
+/// [4C/T, C]. Parameters in nn::TransformerBlock's order, each split matrix (and a column-parallel bias) as its shard:
+/// ln_1, qkv W and b, proj W, proj b (whole), ln_2, fc W and b, proj W, proj b (whole). initialize() draws the whole
+/// block's weights as nn::TransformerBlock does from the same rng and keeps this rank's shard, so shards materialized
+/// with a seed hold the 1-device model's weights, and its dropout seeds: the residual branches' Dropouts (replicated
+/// regions) drop the same elements on every rank, and the attention probabilities' dropout drops, on each rank's heads,
+/// what the whole block drops on those heads (ops::AttentionDropout::head_offset), so with the same
+/// seed the shards train as the 1-device model does, dropout included.
 /// forward and backward enqueue all-reduces on ctx.stream: every rank must run the same calls in
 /// the same order (each on its own thread). TensorParallel trains it in float32 (16-bit compute is
 /// not tested yet).
@@ -172,7 +175,7 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
   /// Throws Error(invalid_argument) unless heads divide features and the communicator's size
   /// divides heads, and rank is one of its ranks.
   TensorParallelBlock(std::int64_t features, std::int64_t heads, std::shared_ptr<comm::Communicator> comm, int rank,
-                      float proj_init_std = 0.02f);
+                      float proj_init_std = 0.02f, float dropout = 0.0f);
   std::string name() const override;
   std::int64_t parameter_count() const override;
   std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override;
@@ -180,12 +183,16 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
   std::vector<std::pair<std::int64_t, std::int64_t>> split_ranges() const override;
   void bind(Tensor const& params, Tensor const& grads) override;
   void initialize(std::mt19937_64& rng) override;
+  void set_training(bool training) override;
+  /// One count for the three dropouts, as nn::TransformerBlock's.
+  std::uint64_t rng_counter() const override { return calls_; }
+  void set_rng_counter(std::uint64_t counter) override;
   Tensor forward(Tensor const& x, nn::Context& ctx) override;
   Tensor backward(Tensor const& dy, nn::Context& ctx) override;
   Shape output_shape(Shape const& input) const override;
   std::size_t saved_micro_batches() const override { return saved_.size(); }
   std::unique_ptr<Layer> clone() const override {
-    return std::make_unique<TensorParallelBlock>(features_, heads_, comm_, rank_, proj_init_std_);
+    return std::make_unique<TensorParallelBlock>(features_, heads_, comm_, rank_, proj_init_std_, dropout_);
   }
 
   /// The whole block is nn::TransformerBlock's layout.
@@ -195,11 +202,15 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
   struct Saved {
     Tensor qkv, y, lse;  // attention's (y: the attention projection's input)
     Tensor mlp_in;       // mlp_proj's input
+    ops::AttentionDropout dropout;
   };
   std::int64_t features_, heads_;
   std::shared_ptr<comm::Communicator> comm_;
   int rank_, ranks_;
-  float proj_init_std_;
+  float proj_init_std_, dropout_;
+  bool training_ = true;
+  std::uint64_t attention_seed_ = 0, calls_ = 0;
+  nn::Dropout attn_drop_, mlp_drop_;  // the residual branches' (replicated)
   nn::LayerNorm ln1_, ln2_;
   nn::Linear qkv_, fc_;                         // column-parallel
   Tensor params_;                               // the bound parameters
@@ -211,8 +222,8 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
 /// The shard of gpt(config) a tensor-parallel rank holds: VocabParallelEmbedding, Dropout(0),
 /// n_layer TensorParallelBlocks, LayerNorm and the VocabParallelLMHead; its output is the rank's
 /// logits columns, for VocabParallelCrossEntropy. Throws Error(invalid_argument) for a bad config,
-/// dropout other than 0 or recompute other than none (not supported with tensor parallelism yet),
-/// a group size that does not divide n_head, or a vocab smaller than the group.
+/// recompute other than none (not supported with tensor parallelism yet), a group size that does
+/// not divide n_head, or a vocab smaller than the group.
 [[nodiscard]] nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<comm::Communicator> comm,
                                                  int rank);
 

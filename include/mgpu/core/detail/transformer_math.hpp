@@ -140,10 +140,11 @@ struct AttentionMask {
   float p;
   std::uint64_t seed;
   std::int64_t row_offset, heads, t;
+  std::int64_t head_offset = 0;  // the index of the op's head 0 among `heads`
   /// 1 / (1 - p) for a kept element, 0 for a dropped one, 1 without dropout.
   MGPU_HD float factor(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const {
     if (p == 0.0f) return 1.0f;
-    auto const counter = static_cast<std::uint64_t>((((row_offset + b) * heads + h) * t + i) * t + j);
+    auto const counter = static_cast<std::uint64_t>((((row_offset + b) * heads + head_offset + h) * t + i) * t + j);
     return mgpu::detail::uniform01(seed, counter) < 1.0f - p ? 1.0f / (1.0f - p) : 0.0f;
   }
 };
