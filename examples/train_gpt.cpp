@@ -30,7 +30,7 @@
 //                               fp32, not combined with --dp or a pipeline yet, and without
 //                               checkpoints
 // --recompute none|selective|full (nn::Recompute) trades memory for recomputed forward work in any
-// layout but --tp, the losses unchanged bit for bit.
+// layout, the losses unchanged bit for bit.
 // Every layout gives the one-device losses within float32 rounding, and (but --tp) writes
 // checkpoints in one format, so a run may resume on another layout. --devices defaults to
 // host:(stages x dp), or host:N with --tp N. Evaluation, sampling and --save-llmc read a float32

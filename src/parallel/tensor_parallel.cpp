@@ -70,7 +70,7 @@ Tensor row_parallel_backward(Tensor const& x, Tensor const& dy, Tensor const& w,
 
 TensorParallelBlock::TensorParallelBlock(std::int64_t features, std::int64_t heads,
                                          std::shared_ptr<comm::Communicator> comm, int rank, float proj_init_std,
-                                         float dropout)
+                                         float dropout, nn::Recompute recompute)
     : features_(features),
       heads_(heads),
       comm_(std::move(comm)),
@@ -78,6 +78,7 @@ TensorParallelBlock::TensorParallelBlock(std::int64_t features, std::int64_t hea
       ranks_(checked_ranks(features, heads, comm_.get(), rank)),
       proj_init_std_(proj_init_std),
       dropout_(dropout),
+      recompute_(recompute),
       attn_drop_(dropout),
       mlp_drop_(dropout),
       ln1_(features),
@@ -215,6 +216,19 @@ void TensorParallelBlock::set_rng_counter(std::uint64_t counter) {
 
 Tensor TensorParallelBlock::forward(Tensor const& x, nn::Context& ctx) {
   check_activation(name(), x.shape(), features_);
+  if (recompute_ != nn::Recompute::full) return forward_layers(x, ctx);
+  std::uint64_t const counter = calls_;
+  Tensor y = forward_layers(x, ctx);
+  // Keep only the input (and where dropout stood); backward reruns forward_layers.
+  saved_.erase(ctx.micro_batch);
+  for (nn::LayerNorm* norm : {&ln1_, &ln2_}) norm->release(ctx.micro_batch);
+  for (nn::Linear* linear : {&qkv_, &fc_}) linear->release(ctx.micro_batch);
+  for (nn::Dropout* drop : {&attn_drop_, &mlp_drop_}) drop->release(ctx.micro_batch);
+  inputs_[ctx.micro_batch] = Input{x, counter, ctx.row_offset};
+  return y;
+}
+
+Tensor TensorParallelBlock::forward_layers(Tensor const& x, nn::Context& ctx) {
   std::int64_t const batch = x.dim(0), t = x.dim(1), part = features_ / ranks_;
   // h = x + attn(LN1(x)): the column-parallel qkv takes the replicated LN1(x) (f: identity).
   Tensor const qkv = qkv_.forward(ln1_.forward(x, ctx), ctx);  // [B, T, 3 C/T]: this rank's heads
@@ -234,17 +248,39 @@ Tensor TensorParallelBlock::forward(Tensor const& x, nn::Context& ctx) {
   Tensor const u = fc_.forward(ln2_.forward(h, ctx), ctx, ops::ActivationKind::gelu);  // [B, T, 4 C/T]
   Tensor const m = mlp_drop_.forward(row_parallel_forward(u, mlp_w_, mlp_b_, *comm_, rank_, ctx), ctx);
   ops::add_scaled(m, h, 1.0f, ctx.stream);
-  saved_[ctx.micro_batch] = Saved{qkv, y, lse, u, dropout};
+  if (recompute_ == nn::Recompute::selective) {
+    saved_[ctx.micro_batch] = Saved{qkv, Tensor{}, Tensor{}, u, dropout};
+  } else {
+    saved_[ctx.micro_batch] = Saved{qkv, y, lse, u, dropout};
+  }
   return m;
 }
 
 Tensor TensorParallelBlock::backward(Tensor const& dy, nn::Context& ctx) {
+  std::string const missing = name() + ".backward for micro-batch " + std::to_string(ctx.micro_batch) +
+                              " (expected a forward of that micro-batch whose backward has not run)";
+  if (recompute_ == nn::Recompute::full) {
+    auto const in = inputs_.find(ctx.micro_batch);
+    if (in == inputs_.end()) throw Error(Errc::invalid_argument, missing);
+    Input const input = std::move(in->second);
+    inputs_.erase(in);
+    // The forward again, as it ran: its dropout masks and row offset.
+    std::uint64_t const counter = calls_;
+    set_rng_counter(input.rng_counter);
+    nn::Context rerun{ctx.allocator, ctx.stream, input.row_offset, ctx.micro_batch, ctx.accumulate_gradients};
+    (void)forward_layers(input.x, rerun);
+    set_rng_counter(counter);
+  }
   auto const it = saved_.find(ctx.micro_batch);
-  if (it == saved_.end())
-    throw Error(Errc::invalid_argument, name() + ".backward for micro-batch " + std::to_string(ctx.micro_batch) +
-                                            " (expected a forward of that micro-batch whose backward has not run)");
-  Saved const s = std::move(it->second);
+  if (it == saved_.end()) throw Error(Errc::invalid_argument, missing);
+  Saved s = std::move(it->second);
   saved_.erase(it);
+  if (recompute_ == nn::Recompute::selective) {  // the same kernel on the same qkv and dropout: the same y and lse
+    std::int64_t const batch = s.qkv.dim(0), t = s.qkv.dim(1);
+    s.y = Tensor::empty({batch, t, features_ / ranks_}, s.qkv.dtype(), ctx.allocator, ctx.stream);
+    s.lse = Tensor::empty({batch, heads_ / ranks_, t}, DType::float32, ctx.allocator, ctx.stream);
+    ops::causal_attention(s.qkv, s.y, s.lse, heads_ / ranks_, ctx.stream, s.dropout);
+  }
   // MLP branch: this rank's part of LN2's output gradient, summed over the ranks (f's backward).
   Tensor const du = row_parallel_backward(s.mlp_in, mlp_drop_.backward(dy, ctx), mlp_w_, dmlp_w_, dmlp_b_, ctx);
   Tensor const dln2 = fc_.backward(du, ctx);
@@ -269,10 +305,6 @@ Shape TensorParallelBlock::output_shape(Shape const& input) const {
 
 nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<comm::Communicator> comm, int rank) {
   nn::Sequential const whole = nn::gpt(config);  // checks the config
-  if (config.recompute != nn::Recompute::none)
-    throw Error(Errc::invalid_argument,
-                "tensor_parallel_gpt: recompute " + std::string(nn::to_string(config.recompute)) +
-                    " (expected none: recomputation is not supported with tensor parallelism yet)");
   int const ranks = comm != nullptr ? comm->size() : 0;
   if (ranks < 1 || config.n_head % ranks != 0)
     throw Error(Errc::invalid_argument, "tensor_parallel_gpt: " + std::to_string(config.n_head) + " heads over " +
@@ -287,8 +319,8 @@ nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<
   model.add(std::make_unique<VocabParallelEmbedding>(config.vocab, config.block_size, config.n_embd, comm, rank));
   model.add(std::make_unique<nn::Dropout>(config.dropout));
   for (std::int64_t l = 0; l < config.n_layer; ++l)
-    model.add(
-        std::make_unique<TensorParallelBlock>(config.n_embd, config.n_head, comm, rank, proj_std, config.dropout));
+    model.add(std::make_unique<TensorParallelBlock>(config.n_embd, config.n_head, comm, rank, proj_std, config.dropout,
+                                                    config.recompute));
   model.add(std::make_unique<nn::LayerNorm>(config.n_embd));
   model.add(std::make_unique<VocabParallelLMHead>(config.vocab, config.n_embd, comm, rank));
   return model;

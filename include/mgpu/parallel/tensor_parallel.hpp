@@ -166,7 +166,11 @@ class VocabParallelCrossEntropy final : public nn::Loss {
 /// with a seed hold the 1-device model's weights, and its dropout seeds: the residual branches' Dropouts (replicated
 /// regions) drop the same elements on every rank, and the attention probabilities' dropout drops, on each rank's heads,
 /// what the whole block drops on those heads (ops::AttentionDropout::head_offset), so with the same
-/// seed the shards train as the 1-device model does, dropout included.
+/// seed the shards train as the 1-device model does, dropout included. `recompute` as
+/// nn::TransformerBlock's (nn::Recompute): selective drops the attention core's output and
+/// log-sum-exp and backward reruns the core on the kept qkv; full keeps only the input and backward
+/// reruns the forward (its all-reduces included, on every rank alike) at the original dropout
+/// count and row offset. Both give the `none` gradients bit for bit.
 /// forward and backward enqueue all-reduces on ctx.stream: every rank must run the same calls in
 /// the same order (each on its own thread). TensorParallel trains it in float32 (16-bit compute is
 /// not tested yet).
@@ -175,7 +179,7 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
   /// Throws Error(invalid_argument) unless heads divide features and the communicator's size
   /// divides heads, and rank is one of its ranks.
   TensorParallelBlock(std::int64_t features, std::int64_t heads, std::shared_ptr<comm::Communicator> comm, int rank,
-                      float proj_init_std = 0.02f, float dropout = 0.0f);
+                      float proj_init_std = 0.02f, float dropout = 0.0f, nn::Recompute recompute = nn::Recompute::none);
   std::string name() const override;
   std::int64_t parameter_count() const override;
   std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override;
@@ -190,24 +194,33 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
   Tensor forward(Tensor const& x, nn::Context& ctx) override;
   Tensor backward(Tensor const& dy, nn::Context& ctx) override;
   Shape output_shape(Shape const& input) const override;
-  std::size_t saved_micro_batches() const override { return saved_.size(); }
+  std::size_t saved_micro_batches() const override { return saved_.size() + inputs_.size(); }
   std::unique_ptr<Layer> clone() const override {
-    return std::make_unique<TensorParallelBlock>(features_, heads_, comm_, rank_, proj_init_std_, dropout_);
+    return std::make_unique<TensorParallelBlock>(features_, heads_, comm_, rank_, proj_init_std_, dropout_, recompute_);
   }
 
   /// The whole block is nn::TransformerBlock's layout.
   void copy_shard(std::span<float> whole, std::span<float> shard, bool to_shard) const override;
 
  private:
+  // The forward of every part, each saving what its backward reads.
+  Tensor forward_layers(Tensor const& x, nn::Context& ctx);
   struct Saved {
-    Tensor qkv, y, lse;  // attention's (y: the attention projection's input)
+    Tensor qkv, y, lse;  // attention's (y: the attention projection's input; none with selective)
     Tensor mlp_in;       // mlp_proj's input
     ops::AttentionDropout dropout;
+  };
+  // Recompute::full: what forward keeps to rerun itself.
+  struct Input {
+    Tensor x;
+    std::uint64_t rng_counter = 0;
+    std::int64_t row_offset = 0;
   };
   std::int64_t features_, heads_;
   std::shared_ptr<comm::Communicator> comm_;
   int rank_, ranks_;
   float proj_init_std_, dropout_;
+  nn::Recompute recompute_;
   bool training_ = true;
   std::uint64_t attention_seed_ = 0, calls_ = 0;
   nn::Dropout attn_drop_, mlp_drop_;  // the residual branches' (replicated)
@@ -217,13 +230,13 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
   Tensor attn_w_, attn_b_, dattn_w_, dattn_b_;  // row-parallel: W [C/T, C], b [C]
   Tensor mlp_w_, mlp_b_, dmlp_w_, dmlp_b_;      // W [4C/T, C], b [C]
   std::map<std::int64_t, Saved> saved_;
+  std::map<std::int64_t, Input> inputs_;
 };
 
 /// The shard of gpt(config) a tensor-parallel rank holds: VocabParallelEmbedding, Dropout(0),
 /// n_layer TensorParallelBlocks, LayerNorm and the VocabParallelLMHead; its output is the rank's
 /// logits columns, for VocabParallelCrossEntropy. Throws Error(invalid_argument) for a bad config,
-/// recompute other than none (not supported with tensor parallelism yet), a group size that does
-/// not divide n_head, or a vocab smaller than the group.
+/// a group size that does not divide n_head, or a vocab smaller than the group.
 [[nodiscard]] nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<comm::Communicator> comm,
                                                  int rank);
 
