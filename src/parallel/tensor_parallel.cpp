@@ -1,4 +1,6 @@
 // TensorParallelBlock, tensor_parallel_gpt and the TensorParallel executor.
+#include <mgpu/parallel/tensor_parallel.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -10,7 +12,6 @@
 #include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/ops/transformer.hpp>
-#include <mgpu/parallel/tensor_parallel.hpp>
 
 namespace mgpu::parallel {
 namespace {
