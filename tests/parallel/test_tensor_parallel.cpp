@@ -384,10 +384,8 @@ TEST_CASE("each tensor-parallel rank holds 1/T of the split matrices, and scatte
                      "10 values (expected gpt(config)'s");
 }
 
-TEST_CASE(
-    "a tensor-parallel split that does not divide the heads, a vocab below the ranks, dropout or recomputation is "
-    "refused",
-    "[parallel][tensor]") {
+TEST_CASE("a tensor-parallel split that does not divide the heads, or a vocab below the ranks, is refused",
+          "[parallel][tensor]") {
   mgpu::DeviceGroup three("host:3");
   REQUIRE_MGPU_ERROR(par::TensorParallel(three, config), mgpu::Errc::invalid_argument,
                      "4 heads over 3 tensor-parallel ranks (expected a group size dividing n_head)");
