@@ -28,11 +28,12 @@
 //                               grid over K x N devices); the tied LM head's stage holds a copy of
 //                               wte kept equal to the first stage's
 //   --tp N                      parallel::TensorParallel: every transformer block split across N
-//                               devices (Megatron: MLP and attention heads), the embedding and LM
-//                               head replicated; fp32, not combined with --dp or a pipeline yet,
-//                               and without checkpoints
+//                               devices (Megatron: MLP and attention heads), the embedding, LM
+//                               head and cross-entropy split by vocab, dropout as on one device;
+//                               fp32, not combined with --dp or a pipeline yet, and without
+//                               checkpoints
 // --recompute none|selective|full (nn::Recompute) trades memory for recomputed forward work in any
-// layout but --tp, the losses unchanged bit for bit.
+// layout, the losses unchanged bit for bit.
 // Every layout gives the one-device losses within float32 rounding, and (but --tp) writes
 // checkpoints in one format, so a run may resume on another layout. --devices defaults to
 // host:(stages x dp), or host:N with --tp N. Evaluation, sampling and --save-llmc read a float32

@@ -34,15 +34,19 @@ void find_bad_token(int ordinal, std::int32_t const* ids, std::int64_t n, std::i
 }
 
 // The functors src/ops/transformer.cpp launches.
-#define MGPU_TRANSFORMER_FOR_TYPE(T)                                                               \
-  template void each(int, std::int64_t, mgpu::detail::EmbeddingOp<T> const&, void*);               \
-  template void each(int, std::int64_t, mgpu::detail::EmbeddingTokenGradOp<T> const&, void*);      \
-  template void each(int, std::int64_t, mgpu::detail::EmbeddingPositionGradOp<T> const&, void*);   \
-  template void each(int, std::int64_t, mgpu::detail::AttentionForwardRow<T> const&, void*);       \
-  template void each(int, std::int64_t, mgpu::detail::AttentionRowDot<T> const&, void*);           \
-  template void each(int, std::int64_t, mgpu::detail::AttentionGradRow<T> const&, void*);          \
-  template void each(int, std::int64_t, mgpu::detail::ConvertOp<T, float> const&, void*);          \
-  template void each(int, std::int64_t, mgpu::detail::TokenCrossEntropyRow<T> const&, void*);
+#define MGPU_TRANSFORMER_FOR_TYPE(T)                                                             \
+  template void each(int, std::int64_t, mgpu::detail::EmbeddingOp<T> const&, void*);             \
+  template void each(int, std::int64_t, mgpu::detail::EmbeddingTokenGradOp<T> const&, void*);    \
+  template void each(int, std::int64_t, mgpu::detail::EmbeddingPositionGradOp<T> const&, void*); \
+  template void each(int, std::int64_t, mgpu::detail::AttentionForwardRow<T> const&, void*);     \
+  template void each(int, std::int64_t, mgpu::detail::AttentionRowDot<T> const&, void*);         \
+  template void each(int, std::int64_t, mgpu::detail::AttentionGradRow<T> const&, void*);        \
+  template void each(int, std::int64_t, mgpu::detail::ConvertOp<T, float> const&, void*);        \
+  template void each(int, std::int64_t, mgpu::detail::TokenCrossEntropyRow<T> const&, void*);    \
+  template void each(int, std::int64_t, mgpu::detail::VocabShardEmbeddingOp<T> const&, void*);   \
+  template void each(int, std::int64_t, mgpu::detail::VocabShardRowMax<T> const&, void*);        \
+  template void each(int, std::int64_t, mgpu::detail::VocabShardRowSums<T> const&, void*);       \
+  template void each(int, std::int64_t, mgpu::detail::VocabShardCrossEntropyRow<T> const&, void*);
 MGPU_TRANSFORMER_FOR_TYPE(float)
 MGPU_TRANSFORMER_FOR_TYPE(bfloat16)
 MGPU_TRANSFORMER_FOR_TYPE(float16)

@@ -86,6 +86,21 @@ void check_attention(char const* op, Tensor const& qkv, Tensor const& y, Tensor 
   if (!(dropout.p >= 0.0f && dropout.p < 1.0f))
     throw Error(Errc::invalid_argument,
                 std::string(op) + ": dropout " + std::to_string(dropout.p) + " (expected 0 <= p < 1)");
+  if (dropout.heads != 0 && (dropout.head_offset < 0 || dropout.head_offset + heads > dropout.heads))
+    throw Error(Errc::invalid_argument,
+                std::string(op) + ": dropout over heads [" + std::to_string(dropout.head_offset) + ", " +
+                    std::to_string(dropout.head_offset + heads) + ") of " + std::to_string(dropout.heads) +
+                    " (expected the op's heads inside the model's, or heads 0)");
+  if (dropout.heads == 0 && dropout.head_offset != 0)
+    throw Error(Errc::invalid_argument, std::string(op) + ": dropout head_offset " +
+                                            std::to_string(dropout.head_offset) +
+                                            " with heads 0 (expected 0, or the model's heads)");
+}
+
+// The mask of `dropout` for the op's `heads` heads of t tokens.
+detail::AttentionMask attention_mask(AttentionDropout const& dropout, std::int64_t heads, std::int64_t t) {
+  return {dropout.p, dropout.seed,       dropout.row_offset, dropout.heads != 0 ? dropout.heads : heads,
+          t,         dropout.head_offset};
 }
 
 // Runs body(each, scratch) with `scratch_words` 4-byte words of scratch memory, where each(n, op)
@@ -352,9 +367,12 @@ void embedding(Tensor const& ids, Tensor const& wte, Tensor const& wpe, Tensor c
   });
 }
 
-void embedding_backward(Tensor const& ids, Tensor const& dy, Tensor const& dwte, Tensor const& dwpe,
-                        bool accumulate_wte, bool accumulate_wpe, Stream& stream) {
-  char const* op = "embedding_backward";
+namespace {
+
+// embedding_backward and vocab_shard_embedding_backward: dwte holds ids [begin, begin + its rows)
+// of a vocab of `vocab`.
+void embedding_grads(char const* op, Tensor const& ids, Tensor const& dy, Tensor const& dwte, Tensor const& dwpe,
+                     std::int64_t begin, std::int64_t vocab, bool accumulate_wte, bool accumulate_wpe, Stream& stream) {
   for (auto const& [t, role] : {std::pair{&ids, "ids"}, {&dy, "dy"}, {&dwte, "dwte"}, {&dwpe, "dwpe"}})
     check(*t, op, role, stream);
   check_dtype(ids, DType::int32, op, "ids");
@@ -362,7 +380,7 @@ void embedding_backward(Tensor const& ids, Tensor const& dy, Tensor const& dwte,
     throw Error(Errc::invalid_argument, std::string(op) + ": ids " + to_string(ids.shape()) + ", dwte " +
                                             to_string(dwte.shape()) + ", dwpe " + to_string(dwpe.shape()) +
                                             " (expected [B, T], [V, C] and [P, C] with T <= P)");
-  std::int64_t const batch = ids.dim(0), t = ids.dim(1), c = dwte.dim(1), vocab = dwte.dim(0),
+  std::int64_t const batch = ids.dim(0), t = ids.dim(1), c = dwte.dim(1), rows = dwte.dim(0),
                      positions_count = dwpe.dim(0);
   check_shape(dy, {batch, t, c}, op, "dy");
   check_dtype(dwte, dy.dtype(), op, "dwte");
@@ -371,17 +389,70 @@ void embedding_backward(Tensor const& ids, Tensor const& dy, Tensor const& dwte,
   visit(dy.dtype(), [&]<class T>(T) {
     std::int32_t const* id = ptr<std::int32_t>(ids);
     detail::EmbeddingPositionGradOp<T> const position{ptr<T>(dy), ptr<T>(dwpe), batch, t, c, accumulate_wpe};
-    auto const words_needed = static_cast<std::size_t>(vocab + 1 + batch * t);
+    auto const words_needed = static_cast<std::size_t>(rows + 1 + batch * t);
     run(stream, {ids, dy, dwte, dwpe}, words_needed, [=](auto const& each, void* scratch) {
       auto* offsets = words<std::int32_t>(scratch, 0);
-      auto* positions = words<std::int32_t>(scratch, static_cast<std::size_t>(vocab + 1));
-      each(vocab, detail::TokenCountOp{id, batch * t, offsets});
-      each(1, detail::TokenScanOp{offsets, vocab});
-      each(vocab, detail::TokenListOp{id, batch * t, offsets, positions});
-      each(vocab * c, detail::EmbeddingTokenGradOp<T>{offsets, positions, ptr<T>(dy), ptr<T>(dwte), c, accumulate_wte});
+      auto* positions = words<std::int32_t>(scratch, static_cast<std::size_t>(rows + 1));
+      each(rows, detail::TokenCountOp{id, batch * t, offsets, begin});
+      each(1, detail::TokenScanOp{offsets, rows});
+      each(rows, detail::TokenListOp{id, batch * t, offsets, positions, begin});
+      each(rows * c, detail::EmbeddingTokenGradOp<T>{offsets, positions, ptr<T>(dy), ptr<T>(dwte), c, accumulate_wte});
       each(positions_count * c, position);
     });
   });
+}
+
+// The rows [begin, begin + rows) of a vocab of `vocab` a vocab-parallel rank's ops work on.
+void check_vocab_shard(char const* op, std::int64_t begin, std::int64_t rows, std::int64_t vocab) {
+  if (begin < 0 || rows < 1 || begin + rows > vocab)
+    throw Error(Errc::invalid_argument, std::string(op) + ": ids [" + std::to_string(begin) + ", " +
+                                            std::to_string(begin + rows) + ") of a vocab of " + std::to_string(vocab) +
+                                            " (expected a nonempty range inside [0, vocab))");
+}
+
+}  // namespace
+
+void embedding_backward(Tensor const& ids, Tensor const& dy, Tensor const& dwte, Tensor const& dwpe,
+                        bool accumulate_wte, bool accumulate_wpe, Stream& stream) {
+  embedding_grads("embedding_backward", ids, dy, dwte, dwpe, 0, dwte.defined() && dwte.rank() == 2 ? dwte.dim(0) : 0,
+                  accumulate_wte, accumulate_wpe, stream);
+}
+
+void vocab_shard_embedding(Tensor const& ids, Tensor const& wte, Tensor const& wpe, Tensor const& y, std::int64_t begin,
+                           std::int64_t vocab, bool positions, Stream& stream) {
+  char const* op = "vocab_shard_embedding";
+  for (auto const& [t, role] : {std::pair{&ids, "ids"}, {&wte, "wte"}, {&wpe, "wpe"}, {&y, "y"}})
+    check(*t, op, role, stream);
+  check_dtype(ids, DType::int32, op, "ids");
+  if (ids.rank() != 2)
+    throw Error(Errc::invalid_argument,
+                std::string(op) + ": ids have shape " + to_string(ids.shape()) + " (expected [B, T])");
+  if (wte.rank() != 2 || wpe.rank() != 2 || wpe.dim(1) != wte.dim(1))
+    throw Error(Errc::invalid_argument, std::string(op) + ": wte " + to_string(wte.shape()) + " and wpe " +
+                                            to_string(wpe.shape()) + " (expected [rows, C] and [P, C])");
+  std::int64_t const batch = ids.dim(0), t = ids.dim(1), c = wte.dim(1), rows = wte.dim(0);
+  check_vocab_shard(op, begin, rows, vocab);
+  if (t > wpe.dim(0))
+    throw Error(Errc::invalid_argument, std::string(op) + ": sequences of " + std::to_string(t) +
+                                            " tokens (expected at most the " + std::to_string(wpe.dim(0)) +
+                                            " positions of the block size)");
+  check_dtype(wpe, wte.dtype(), op, "wpe");
+  check_dtype(y, wte.dtype(), op, "y");
+  check_shape(y, {batch, t, c}, op, "y");
+  fail_on_bad_id(op, "token id", ids, batch * t, vocab, no_ignore, stream);
+  visit(wte.dtype(), [&]<class T>(T) {
+    detail::VocabShardEmbeddingOp<T> const e{
+        ptr<std::int32_t>(ids), ptr<T>(wte), ptr<T>(wpe), ptr<T>(y), t, c, begin, rows, positions};
+    run(stream, {ids, wte, wpe, y}, 0, [e, n = batch * t * c](auto const& each, void*) { each(n, e); });
+  });
+}
+
+void vocab_shard_embedding_backward(Tensor const& ids, Tensor const& dy, Tensor const& dwte, Tensor const& dwpe,
+                                    std::int64_t begin, std::int64_t vocab, bool accumulate_wte, bool accumulate_wpe,
+                                    Stream& stream) {
+  char const* op = "vocab_shard_embedding_backward";
+  if (dwte.defined() && dwte.rank() == 2) check_vocab_shard(op, begin, dwte.dim(0), vocab);
+  embedding_grads(op, ids, dy, dwte, dwpe, begin, vocab, accumulate_wte, accumulate_wpe, stream);
 }
 
 void causal_attention(Tensor const& qkv, Tensor const& y, Tensor const& lse, std::int64_t heads, Stream& stream,
@@ -389,7 +460,7 @@ void causal_attention(Tensor const& qkv, Tensor const& y, Tensor const& lse, std
   check_attention("causal_attention", qkv, y, lse, heads, stream, dropout);
   std::int64_t const batch = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
   detail::AttentionShape const shape{t, c, heads};
-  detail::AttentionMask const mask{dropout.p, dropout.seed, dropout.row_offset, heads, t};
+  detail::AttentionMask const mask = attention_mask(dropout, heads, t);
   visit(qkv.dtype(), [&]<class T>(T) {
     if (stream.device().kind == DeviceKind::host) {
       stream.enqueue([qkv, y, lse, batch, shape, mask] {
@@ -417,7 +488,7 @@ void causal_attention_backward(Tensor const& qkv, Tensor const& y, Tensor const&
   check_dtype(dqkv, qkv.dtype(), op, "dqkv");
   std::int64_t const batch = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
   detail::AttentionShape const shape{t, c, heads};
-  detail::AttentionMask const mask{dropout.p, dropout.seed, dropout.row_offset, heads, t};
+  detail::AttentionMask const mask = attention_mask(dropout, heads, t);
   std::int64_t const rows = batch * heads * t;
   visit(qkv.dtype(), [&]<class T>(T) {
     if (stream.device().kind == DeviceKind::host) {
@@ -476,6 +547,102 @@ void token_cross_entropy(Tensor const& logits, Tensor const& targets, Tensor con
       each(n, with_rows);
       each(1, detail::RowLossSum{with_rows.row_loss, n, ptr<float>(loss), divisor});
     });
+  });
+}
+
+namespace {
+
+// The logits [N, cols] of a vocab-parallel cross-entropy pass and its float32 row statistics
+// (`stats` per row); returns N.
+std::int64_t check_vocab_shard_rows(char const* op, Tensor const& logits, Tensor const& stats, std::int64_t per_row,
+                                    Stream& stream) {
+  check(logits, op, "logits", stream);
+  check(stats, op, per_row == 1 ? "max" : "sums", stream);
+  if (logits.rank() < 2 || logits.dim(logits.rank() - 1) < 1)
+    throw Error(Errc::invalid_argument,
+                std::string(op) + ": logits have shape " + to_string(logits.shape()) + " (expected [N, V_r])");
+  std::int64_t const n = logits.numel() / logits.dim(logits.rank() - 1);
+  check_dtype(stats, DType::float32, op, per_row == 1 ? "max" : "sums");
+  if (stats.numel() != n * per_row)
+    throw Error(Errc::invalid_argument, std::string(op) + ": " + (per_row == 1 ? "max" : "sums") + " of shape " +
+                                            to_string(stats.shape()) + " for logits " + to_string(logits.shape()) +
+                                            " (expected " + std::to_string(n * per_row) + " float32 elements)");
+  return n;
+}
+
+void check_targets(char const* op, Tensor const& targets, std::int64_t n, Tensor const& logits, Stream& stream) {
+  check(targets, op, "targets", stream);
+  check_dtype(targets, DType::int32, op, "targets");
+  if (targets.numel() != n)
+    throw Error(Errc::invalid_argument, std::string(op) + ": " + std::to_string(targets.numel()) +
+                                            " targets for logits " + to_string(logits.shape()) + " (expected " +
+                                            std::to_string(n) + ", one per row)");
+}
+
+}  // namespace
+
+void vocab_shard_row_max(Tensor const& logits, Tensor const& max, Stream& stream) {
+  char const* op = "vocab_shard_row_max";
+  std::int64_t const n = check_vocab_shard_rows(op, logits, max, 1, stream);
+  visit(logits.dtype(), [&]<class T>(T) {
+    detail::VocabShardRowMax<T> const row{ptr<T>(logits), ptr<float>(max), logits.dim(logits.rank() - 1)};
+    run(stream, {logits, max}, 0, [row, n](auto const& each, void*) { each(n, row); });
+  });
+}
+
+void vocab_shard_row_sums(Tensor const& logits, Tensor const& targets, Tensor const& max, Tensor const& sums,
+                          std::int64_t begin, Stream& stream) {
+  char const* op = "vocab_shard_row_sums";
+  std::int64_t const n = check_vocab_shard_rows(op, logits, sums, 2, stream);
+  check_vocab_shard_rows(op, logits, max, 1, stream);
+  check_targets(op, targets, n, logits, stream);
+  visit(logits.dtype(), [&]<class T>(T) {
+    detail::VocabShardRowSums<T> const row{ptr<T>(logits),   ptr<std::int32_t>(targets),    ptr<float>(max),
+                                           ptr<float>(sums), logits.dim(logits.rank() - 1), begin};
+    run(stream, {logits, targets, max, sums}, 0, [row, n](auto const& each, void*) { each(n, row); });
+  });
+}
+
+void vocab_shard_cross_entropy(Tensor const& logits, Tensor const& targets, Tensor const& max, Tensor const& sums,
+                               Tensor const& dlogits, Tensor const& loss, std::int64_t begin, std::int64_t vocab,
+                               float divisor, Stream& stream, std::int32_t ignore_index, float grad_scale) {
+  char const* op = "vocab_shard_cross_entropy";
+  std::int64_t const n = check_vocab_shard_rows(op, logits, max, 1, stream);
+  check_vocab_shard_rows(op, logits, sums, 2, stream);
+  check_targets(op, targets, n, logits, stream);
+  std::int64_t const cols = logits.dim(logits.rank() - 1);
+  check_vocab_shard(op, begin, cols, vocab);
+  check(dlogits, op, "dlogits", stream);
+  check(loss, op, "loss", stream);
+  check_shape(dlogits, logits.shape(), op, "dlogits");
+  check_dtype(dlogits, logits.dtype(), op, "dlogits");
+  check_dtype(loss, DType::float32, op, "loss");
+  if (loss.numel() != 1)
+    throw Error(Errc::invalid_argument,
+                std::string(op) + ": loss has shape " + to_string(loss.shape()) + " (expected one element)");
+  if (!(divisor > 0.0f) || !std::isfinite(divisor))
+    throw Error(Errc::invalid_argument,
+                std::string(op) + ": divisor " + std::to_string(divisor) + " (expected a finite number > 0)");
+  fail_on_bad_id(op, "target", targets, n, vocab, ignore_index, stream);
+  visit(logits.dtype(), [&]<class T>(T) {
+    detail::VocabShardCrossEntropyRow<T> const row{ptr<T>(logits),
+                                                   ptr<std::int32_t>(targets),
+                                                   ptr<float>(max),
+                                                   ptr<float>(sums),
+                                                   ptr<T>(dlogits),
+                                                   nullptr,
+                                                   cols,
+                                                   begin,
+                                                   vocab,
+                                                   ignore_index,
+                                                   grad_scale / divisor};
+    run(stream, {logits, targets, max, sums, dlogits, loss}, static_cast<std::size_t>(n),
+        [=](auto const& each, void* scratch) {
+          auto with_rows = row;
+          with_rows.row_loss = words<float>(scratch, 0);
+          each(n, with_rows);
+          each(1, detail::RowLossSum{with_rows.row_loss, n, ptr<float>(loss), divisor});
+        });
   });
 }
 

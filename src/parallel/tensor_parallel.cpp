@@ -5,6 +5,7 @@
 #include <cmath>
 #include <string>
 
+#include <mgpu/core/detail/training_math.hpp>
 #include <mgpu/core/error.hpp>
 #include <mgpu/nn/loss.hpp>
 #include <mgpu/nn/train.hpp>
@@ -69,13 +70,18 @@ Tensor row_parallel_backward(Tensor const& x, Tensor const& dy, Tensor const& w,
 }  // namespace
 
 TensorParallelBlock::TensorParallelBlock(std::int64_t features, std::int64_t heads,
-                                         std::shared_ptr<comm::Communicator> comm, int rank, float proj_init_std)
+                                         std::shared_ptr<comm::Communicator> comm, int rank, float proj_init_std,
+                                         float dropout, nn::Recompute recompute)
     : features_(features),
       heads_(heads),
       comm_(std::move(comm)),
       rank_(rank),
       ranks_(checked_ranks(features, heads, comm_.get(), rank)),
       proj_init_std_(proj_init_std),
+      dropout_(dropout),
+      recompute_(recompute),
+      attn_drop_(dropout),
+      mlp_drop_(dropout),
       ln1_(features),
       ln2_(features),
       qkv_(features, 3 * features / ranks_),
@@ -185,49 +191,107 @@ void TensorParallelBlock::copy_shard(std::span<float> whole, std::span<float> sh
 void TensorParallelBlock::initialize(std::mt19937_64& rng) {
   // The whole block's weights, drawn as nn::TransformerBlock draws them, then this rank's shard.
   auto const host = Allocator::create({DeviceKind::host, 0});
-  nn::TransformerBlock whole(features_, heads_, 0.0f, proj_init_std_);
+  nn::TransformerBlock whole(features_, heads_, dropout_, proj_init_std_);
   Tensor const params = Tensor::empty({whole.parameter_count()}, DType::float32, *host);
   Tensor const grads = Tensor::empty({whole.parameter_count()}, DType::float32, *host);
   whole.bind(params, grads);
   whole.initialize(rng);
   copy_shard(params.host_span<float>(), params_.host_span<float>(), true);
+  nn::TransformerBlock::DropoutSeeds const seeds = whole.dropout_seeds();
+  attention_seed_ = seeds.attention;
+  attn_drop_.set_seed(seeds.attention_output);
+  mlp_drop_.set_seed(seeds.mlp_output);
+}
+
+void TensorParallelBlock::set_training(bool training) {
+  training_ = training;
+  attn_drop_.set_training(training);
+  mlp_drop_.set_training(training);
+}
+
+void TensorParallelBlock::set_rng_counter(std::uint64_t counter) {
+  calls_ = counter;
+  attn_drop_.set_rng_counter(counter);
+  mlp_drop_.set_rng_counter(counter);
 }
 
 Tensor TensorParallelBlock::forward(Tensor const& x, nn::Context& ctx) {
   check_activation(name(), x.shape(), features_);
+  if (recompute_ != nn::Recompute::full) return forward_layers(x, ctx);
+  std::uint64_t const counter = calls_;
+  Tensor y = forward_layers(x, ctx);
+  // Keep only the input (and where dropout stood); backward reruns forward_layers.
+  saved_.erase(ctx.micro_batch);
+  for (nn::LayerNorm* norm : {&ln1_, &ln2_}) norm->release(ctx.micro_batch);
+  for (nn::Linear* linear : {&qkv_, &fc_}) linear->release(ctx.micro_batch);
+  for (nn::Dropout* drop : {&attn_drop_, &mlp_drop_}) drop->release(ctx.micro_batch);
+  inputs_[ctx.micro_batch] = Input{x, counter, ctx.row_offset};
+  return y;
+}
+
+Tensor TensorParallelBlock::forward_layers(Tensor const& x, nn::Context& ctx) {
   std::int64_t const batch = x.dim(0), t = x.dim(1), part = features_ / ranks_;
   // h = x + attn(LN1(x)): the column-parallel qkv takes the replicated LN1(x) (f: identity).
   Tensor const qkv = qkv_.forward(ln1_.forward(x, ctx), ctx);  // [B, T, 3 C/T]: this rank's heads
   Tensor y = Tensor::empty({batch, t, part}, x.dtype(), ctx.allocator, ctx.stream);
   Tensor lse = Tensor::empty({batch, heads_ / ranks_, t}, DType::float32, ctx.allocator, ctx.stream);
-  ops::causal_attention(qkv, y, lse, heads_ / ranks_, ctx.stream);
-  Tensor const h = row_parallel_forward(y, attn_w_, attn_b_, *comm_, rank_, ctx);  // g: all-reduce
+  ops::AttentionDropout dropout;
+  if (training_ && dropout_ > 0.0f) {
+    // As nn::CausalSelfAttention's, on this rank's heads among all of them.
+    dropout = {dropout_, mgpu::detail::mix64(attention_seed_ + calls_++) | 1u, ctx.row_offset,
+               rank_ * (heads_ / ranks_), heads_};
+  }
+  ops::causal_attention(qkv, y, lse, heads_ / ranks_, ctx.stream, dropout);
+  // g: all-reduce; the dropout of the replicated output the same on every rank.
+  Tensor const h = attn_drop_.forward(row_parallel_forward(y, attn_w_, attn_b_, *comm_, rank_, ctx), ctx);
   ops::add_scaled(h, x, 1.0f, ctx.stream);
   // y = h + MLP(LN2(h)), the same split.
   Tensor const u = fc_.forward(ln2_.forward(h, ctx), ctx, ops::ActivationKind::gelu);  // [B, T, 4 C/T]
-  Tensor const m = row_parallel_forward(u, mlp_w_, mlp_b_, *comm_, rank_, ctx);
+  Tensor const m = mlp_drop_.forward(row_parallel_forward(u, mlp_w_, mlp_b_, *comm_, rank_, ctx), ctx);
   ops::add_scaled(m, h, 1.0f, ctx.stream);
-  saved_[ctx.micro_batch] = Saved{qkv, y, lse, u};
+  if (recompute_ == nn::Recompute::selective) {
+    saved_[ctx.micro_batch] = Saved{qkv, Tensor{}, Tensor{}, u, dropout};
+  } else {
+    saved_[ctx.micro_batch] = Saved{qkv, y, lse, u, dropout};
+  }
   return m;
 }
 
 Tensor TensorParallelBlock::backward(Tensor const& dy, nn::Context& ctx) {
+  std::string const missing = name() + ".backward for micro-batch " + std::to_string(ctx.micro_batch) +
+                              " (expected a forward of that micro-batch whose backward has not run)";
+  if (recompute_ == nn::Recompute::full) {
+    auto const in = inputs_.find(ctx.micro_batch);
+    if (in == inputs_.end()) throw Error(Errc::invalid_argument, missing);
+    Input const input = std::move(in->second);
+    inputs_.erase(in);
+    // The forward again, as it ran: its dropout masks and row offset.
+    std::uint64_t const counter = calls_;
+    set_rng_counter(input.rng_counter);
+    nn::Context rerun{ctx.allocator, ctx.stream, input.row_offset, ctx.micro_batch, ctx.accumulate_gradients};
+    (void)forward_layers(input.x, rerun);
+    set_rng_counter(counter);
+  }
   auto const it = saved_.find(ctx.micro_batch);
-  if (it == saved_.end())
-    throw Error(Errc::invalid_argument, name() + ".backward for micro-batch " + std::to_string(ctx.micro_batch) +
-                                            " (expected a forward of that micro-batch whose backward has not run)");
-  Saved const s = std::move(it->second);
+  if (it == saved_.end()) throw Error(Errc::invalid_argument, missing);
+  Saved s = std::move(it->second);
   saved_.erase(it);
+  if (recompute_ == nn::Recompute::selective) {  // the same kernel on the same qkv and dropout: the same y and lse
+    std::int64_t const batch = s.qkv.dim(0), t = s.qkv.dim(1);
+    s.y = Tensor::empty({batch, t, features_ / ranks_}, s.qkv.dtype(), ctx.allocator, ctx.stream);
+    s.lse = Tensor::empty({batch, heads_ / ranks_, t}, DType::float32, ctx.allocator, ctx.stream);
+    ops::causal_attention(s.qkv, s.y, s.lse, heads_ / ranks_, ctx.stream, s.dropout);
+  }
   // MLP branch: this rank's part of LN2's output gradient, summed over the ranks (f's backward).
-  Tensor const du = row_parallel_backward(s.mlp_in, dy, mlp_w_, dmlp_w_, dmlp_b_, ctx);
+  Tensor const du = row_parallel_backward(s.mlp_in, mlp_drop_.backward(dy, ctx), mlp_w_, dmlp_w_, dmlp_b_, ctx);
   Tensor const dln2 = fc_.backward(du, ctx);
   comm_->all_reduce(rank_, dln2, dln2, ReduceOp::sum, ctx.stream);
   Tensor const dh = ln2_.backward(dln2, ctx);
   ops::add_scaled(dh, dy, 1.0f, ctx.stream);
   // Attention branch, the same way.
-  Tensor const dattn = row_parallel_backward(s.y, dh, attn_w_, dattn_w_, dattn_b_, ctx);
+  Tensor const dattn = row_parallel_backward(s.y, attn_drop_.backward(dh, ctx), attn_w_, dattn_w_, dattn_b_, ctx);
   Tensor dqkv = Tensor::empty(s.qkv.shape(), s.qkv.dtype(), ctx.allocator, ctx.stream);
-  ops::causal_attention_backward(s.qkv, s.y, s.lse, dattn, dqkv, heads_ / ranks_, ctx.stream);
+  ops::causal_attention_backward(s.qkv, s.y, s.lse, dattn, dqkv, heads_ / ranks_, ctx.stream, s.dropout);
   Tensor const dln1 = qkv_.backward(dqkv, ctx);
   comm_->all_reduce(rank_, dln1, dln1, ReduceOp::sum, ctx.stream);
   Tensor const dx = ln1_.backward(dln1, ctx);
@@ -242,26 +306,24 @@ Shape TensorParallelBlock::output_shape(Shape const& input) const {
 
 nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<comm::Communicator> comm, int rank) {
   nn::Sequential const whole = nn::gpt(config);  // checks the config
-  if (config.dropout != 0.0f)
-    throw Error(Errc::invalid_argument, "tensor_parallel_gpt: dropout " + std::to_string(config.dropout) +
-                                            " (expected 0: dropout is not supported with tensor parallelism yet)");
-  if (config.recompute != nn::Recompute::none)
-    throw Error(Errc::invalid_argument,
-                "tensor_parallel_gpt: recompute " + std::string(nn::to_string(config.recompute)) +
-                    " (expected none: recomputation is not supported with tensor parallelism yet)");
   int const ranks = comm != nullptr ? comm->size() : 0;
   if (ranks < 1 || config.n_head % ranks != 0)
     throw Error(Errc::invalid_argument, "tensor_parallel_gpt: " + std::to_string(config.n_head) + " heads over " +
                                             std::to_string(ranks) +
                                             " tensor-parallel ranks (expected a group size dividing n_head)");
+  if (config.vocab < ranks)
+    throw Error(Errc::invalid_argument, "tensor_parallel_gpt: a vocab of " + std::to_string(config.vocab) + " over " +
+                                            std::to_string(ranks) +
+                                            " tensor-parallel ranks (expected at least one token id per rank)");
   float const proj_std = 0.02f / std::sqrt(2.0f * static_cast<float>(config.n_layer));
   nn::Sequential model;
-  model.add(std::make_unique<nn::Embedding>(config.vocab, config.block_size, config.n_embd));
-  model.add(std::make_unique<nn::Dropout>(0.0f));
+  model.add(std::make_unique<VocabParallelEmbedding>(config.vocab, config.block_size, config.n_embd, comm, rank));
+  model.add(std::make_unique<nn::Dropout>(config.dropout));
   for (std::int64_t l = 0; l < config.n_layer; ++l)
-    model.add(std::make_unique<TensorParallelBlock>(config.n_embd, config.n_head, comm, rank, proj_std));
+    model.add(std::make_unique<TensorParallelBlock>(config.n_embd, config.n_head, comm, rank, proj_std, config.dropout,
+                                                    config.recompute));
   model.add(std::make_unique<nn::LayerNorm>(config.n_embd));
-  model.add(std::make_unique<nn::TiedLMHead>(config.vocab, config.n_embd));
+  model.add(std::make_unique<VocabParallelLMHead>(config.vocab, config.n_embd, comm, rank));
   return model;
 }
 
@@ -275,8 +337,8 @@ class TensorParallelSync final : public nn::GradientSync {
   TensorParallelSync(nn::Sequential const& shard, comm::Communicator& comm, int rank) : comm_(comm), rank_(rank) {
     for (nn::ParameterRange const& range : shard.parameter_ranges()) {
       std::int64_t at = range.begin;
-      if (auto const* block = dynamic_cast<TensorParallelBlock const*>(&shard.layer(range.layer))) {
-        for (auto const& [begin, end] : block->split_ranges()) {
+      if (auto const* sharded = dynamic_cast<ShardedLayer const*>(&shard.layer(range.layer))) {
+        for (auto const& [begin, end] : sharded->split_ranges()) {
           owned_.push_back({at, range.begin + begin, rank == 0});
           owned_.push_back({range.begin + begin, range.begin + end, true});
           at = range.begin + end;
@@ -312,7 +374,7 @@ struct TensorParallel::Impl {
   std::vector<nn::Sequential> shards;
   std::vector<std::unique_ptr<optim::Optimizer>> optimizers;
   std::vector<std::unique_ptr<TensorParallelSync>> syncs;
-  nn::TokenCrossEntropy loss;
+  std::vector<VocabParallelCrossEntropy> losses;
 };
 
 TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, TensorParallelOptions options)
@@ -339,6 +401,7 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
       im.optimizers.push_back(std::make_unique<optim::AdamW>(adamw));
     }
     im.syncs.push_back(std::make_unique<TensorParallelSync>(im.shards.back(), *im.comm, r));
+    im.losses.emplace_back(config.vocab, im.comm, r);
   }
   group.run([&](int rank, Device /*device*/, Stream& stream) {
     nn::Context ctx{group.allocator(rank), stream};
@@ -355,9 +418,10 @@ nn::Sequential& TensorParallel::shard(int rank) { return impl_->shards.at(static
 TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const& targets, float lr_scale) {
   Impl& im = *impl_;
   Shape const output = im.shards[0].output_shape(ids.shape());
-  im.loss.check(output, targets, "TensorParallel::step");
-  im.loss.check_values(output, targets, "TensorParallel::step");
-  std::int64_t const units = im.loss.count(targets, im.group->stream(0));
+  nn::Loss const& loss = im.losses[0];
+  loss.check(output, targets, "TensorParallel::step");
+  loss.check_values(output, targets, "TensorParallel::step");
+  std::int64_t const units = loss.count(targets, im.group->stream(0));
   StepResult result;
   im.group->run([&](int rank, Device device, Stream& stream) {
     Allocator& allocator = im.group->allocator(rank);
@@ -370,7 +434,7 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
     auto const r = static_cast<std::size_t>(rank);
     nn::Context ctx{allocator, stream};
     nn::StepResult const step =
-        nn::train_step(im.shards[r], *im.optimizers[r], local(ids), local(targets), im.loss, ctx,
+        nn::train_step(im.shards[r], *im.optimizers[r], local(ids), local(targets), im.losses[r], ctx,
                        {.lr_scale = lr_scale,
                         .clip_norm = im.options.clip_norm,
                         .global_units = units,
@@ -386,7 +450,8 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
 
 namespace {
 
-// Calls fn(whole layer span, shard layer span, block or nullptr) for each layer with parameters.
+// Calls fn(whole layer span, shard layer span, sharded layer or nullptr) for each layer with
+// parameters.
 template <typename Fn>
 void for_each_layer(nn::Sequential const& shard, std::span<float> params,
                     std::vector<nn::ParameterRange> const& whole_ranges, std::span<float> whole, Fn&& fn) {
@@ -396,7 +461,7 @@ void for_each_layer(nn::Sequential const& shard, std::span<float> params,
     nn::ParameterRange const& w = whole_ranges[i];
     fn(whole.subspan(static_cast<std::size_t>(w.begin), static_cast<std::size_t>(w.size())),
        params.subspan(static_cast<std::size_t>(s.begin), static_cast<std::size_t>(s.size())),
-       dynamic_cast<TensorParallelBlock const*>(&shard.layer(s.layer)));
+       dynamic_cast<ShardedLayer const*>(&shard.layer(s.layer)));
   }
 }
 
@@ -415,9 +480,9 @@ std::vector<float> TensorParallel::gather_parameters() {
     copy_async(params, shard.master_parameters(), stream);
     stream.synchronize();
     for_each_layer(shard, params.host_span<float>(), whole_model.parameter_ranges(), whole,
-                   [](std::span<float> w, std::span<float> s, TensorParallelBlock const* block) {
-                     if (block != nullptr) {
-                       block->copy_shard(w, s, false);
+                   [](std::span<float> w, std::span<float> s, ShardedLayer const* sharded) {
+                     if (sharded != nullptr) {
+                       sharded->copy_shard(w, s, false);
                      } else {
                        std::copy(s.begin(), s.end(), w.begin());
                      }
@@ -439,9 +504,9 @@ void TensorParallel::scatter_parameters(std::span<float const> values) {
     nn::Sequential& shard = im.shards[static_cast<std::size_t>(rank)];
     Tensor const params = Tensor::empty({shard.parameter_count()}, DType::float32, *host);
     for_each_layer(shard, params.host_span<float>(), whole_model.parameter_ranges(), whole,
-                   [](std::span<float> w, std::span<float> s, TensorParallelBlock const* block) {
-                     if (block != nullptr) {
-                       block->copy_shard(w, s, true);
+                   [](std::span<float> w, std::span<float> s, ShardedLayer const* sharded) {
+                     if (sharded != nullptr) {
+                       sharded->copy_shard(w, s, true);
                      } else {
                        std::copy(w.begin(), w.end(), s.begin());
                      }

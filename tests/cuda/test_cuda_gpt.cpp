@@ -1,6 +1,7 @@
 // A GPT on a GPU against the same model on a host device (the host path is itself checked against
 // float64 references and PyTorch in tests/nn/test_gpt.cpp): logits, loss and every gradient of one
-// step, with attention dropout (also with activation recomputation), and the token-id check.
+// step, with attention dropout (also with activation recomputation), the token-id check, and the
+// vocab-shard ops and attention dropout on a tensor-parallel rank's heads.
 #include <algorithm>
 #include <cmath>
 #include <random>
@@ -102,4 +103,61 @@ TEST_CASE("a token id >= vocab fails the GPU stream with the host's error", "[cu
   model.materialize(gpu.ctx, 1);
   (void)model.forward(ids_on(gpu, {1, 3}, {1, 2, 13}), gpu.ctx);
   REQUIRE_MGPU_ERROR(gpu.stream.synchronize(), mgpu::Errc::invalid_argument, "token id 13 at position 2");
+}
+
+TEST_CASE("the vocab-shard ops and attention dropout on a rank's heads on a GPU match the host", "[cuda][gpt]") {
+  // One rank's pieces of a tensor-parallel GPT: ids [20, 50) of a vocab of 50, and head 1 of 2.
+  std::int64_t const n = 2 * 37, v = 50, begin = 20, cols = 30, c = 8;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  std::vector<float> logits(static_cast<std::size_t>(n * cols)), wte(static_cast<std::size_t>(cols * c)),
+      wpe(static_cast<std::size_t>(37 * c)), dy(static_cast<std::size_t>(n * c)),
+      qkv(static_cast<std::size_t>(n * 3 * c));
+  for (auto* values : {&logits, &wte, &wpe, &dy, &qkv})
+    for (float& x : *values) x = normal(rng);
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(n));
+  for (auto& t : ids) t = static_cast<std::int32_t>(rng() % v);
+  std::vector<std::int32_t> targets = ids;
+  targets[3] = -100;
+  auto const floats = [](Side& side, mgpu::Shape const& shape, std::vector<float> const& values) {
+    auto host = mgpu::Allocator::create(Device{DeviceKind::host, 0});
+    Tensor h = Tensor::empty(shape, DType::float32, *host);
+    std::copy(values.begin(), values.end(), h.host_span<float>().begin());
+    Tensor t = Tensor::empty(shape, DType::float32, *side.allocator);
+    mgpu::copy_async(t, h, side.stream);
+    side.stream.synchronize();
+    return t;
+  };
+  auto const run = [&](Side& side) {
+    Tensor const x = floats(side, {n, cols}, logits);
+    Tensor const t = ids_on(side, {2, 37}, targets);
+    Tensor const max = Tensor::empty({n}, DType::float32, *side.allocator);
+    Tensor const sums = Tensor::empty({n, 2}, DType::float32, *side.allocator);
+    Tensor const dx = Tensor::empty({n, cols}, DType::float32, *side.allocator);
+    Tensor const loss = Tensor::empty({1}, DType::float32, *side.allocator);
+    mgpu::ops::vocab_shard_row_max(x, max, side.stream);
+    mgpu::ops::vocab_shard_row_sums(x, t, max, sums, begin, side.stream);
+    mgpu::ops::vocab_shard_cross_entropy(x, t, max, sums, dx, loss, begin, v, 73.0f, side.stream);
+    Tensor const i = ids_on(side, {2, 37}, ids);
+    Tensor const w = floats(side, {cols, c}, wte), p = floats(side, {37, c}, wpe), d = floats(side, {2, 37, c}, dy);
+    Tensor const y = Tensor::empty({2, 37, c}, DType::float32, *side.allocator);
+    Tensor const dw = Tensor::empty({cols, c}, DType::float32, *side.allocator);
+    Tensor const dp = Tensor::empty({37, c}, DType::float32, *side.allocator);
+    mgpu::ops::vocab_shard_embedding(i, w, p, y, begin, v, true, side.stream);
+    mgpu::ops::vocab_shard_embedding_backward(i, d, dw, dp, begin, v, false, false, side.stream);
+    Tensor const q = floats(side, {2, 37, 3 * c}, qkv);
+    Tensor const a = Tensor::empty({2, 37, c}, DType::float32, *side.allocator);
+    Tensor const lse = Tensor::empty({2, 1, 37}, DType::float32, *side.allocator);
+    mgpu::ops::causal_attention(q, a, lse, 1, side.stream, {.p = 0.3f, .seed = 99, .head_offset = 1, .heads = 2});
+    return std::vector<std::vector<float>>{fetch(side, max), fetch(side, sums), fetch(side, dx), fetch(side, loss),
+                                           fetch(side, y),   fetch(side, dw),   fetch(side, dp), fetch(side, a)};
+  };
+  Side host{Device{DeviceKind::host, 0}};
+  Side gpu{Device{DeviceKind::cuda, 0}};
+  auto const h = run(host);
+  auto const g = run(gpu);
+  for (std::size_t k = 0; k < h.size(); ++k) {
+    CAPTURE(k);
+    CHECK(relative_error(g[k], h[k]) <= 1e-5);
+  }
 }

@@ -206,6 +206,97 @@ TEST_CASE("token_cross_entropy: loss and dlogits against float64, with ignored r
   CHECK(std::abs(loss.host_span<float>()[0] - total / divisor) <= 1e-6 * total);
 }
 
+TEST_CASE("vocab-shard ops: the ranks' parts, reduced by hand, are embedding's and token_cross_entropy's",
+          "[nn][gpt]") {
+  // A vocab of 7 over three ranks holding ids [0, 2), [2, 4) and [4, 7); the reductions between
+  // the passes (max, then sum) done here on the host, as the ranks' all-reduces would.
+  Env env;
+  std::int64_t const n = 6, v = 7, c = 3, p = 4;
+  std::vector<std::pair<std::int64_t, std::int64_t>> const shards = {{0, 2}, {2, 4}, {4, 7}};
+  auto const rows_of = [&](Tensor const& t, std::int64_t width, std::int64_t begin, std::int64_t end) {
+    Tensor part = Tensor::empty({t.numel() / width, end - begin}, DType::float32, *env.allocator);
+    auto const src = t.host_span<float>();
+    auto const dst = part.host_span<float>();
+    for (std::int64_t r = 0; r < part.dim(0); ++r)
+      for (std::int64_t j = begin; j < end; ++j)
+        dst[static_cast<std::size_t>(r * (end - begin) + j - begin)] = src[static_cast<std::size_t>(r * width + j)];
+    return part;
+  };
+
+  // Cross-entropy, with an ignored row and grad_scale 2 over a divisor of 8.
+  Tensor const logits = env.random({2, 3, v}, 9, 2.0f);
+  Tensor const targets = ids_tensor(env, {2, 3}, {6, 0, -1, 3, 2, 5});
+  Tensor const want_d = Tensor::empty(logits.shape(), DType::float32, *env.allocator);
+  Tensor const want_loss = env.scalar();
+  ops::token_cross_entropy(logits, targets, want_d, want_loss, 8.0f, env.stream, -1, 2.0f);
+  std::vector<Tensor> parts, maxes, sums;
+  for (auto const& [begin, end] : shards) {
+    parts.push_back(rows_of(logits.reshape({n, v}), v, begin, end));
+    maxes.push_back(Tensor::empty({n}, DType::float32, *env.allocator));
+    sums.push_back(Tensor::empty({n, 2}, DType::float32, *env.allocator));
+    ops::vocab_shard_row_max(parts.back(), maxes.back(), env.stream);
+  }
+  env.stream.synchronize();
+  for (std::size_t r = 1; r < shards.size(); ++r)
+    for (std::int64_t i = 0; i < n; ++i) {
+      auto const k = static_cast<std::size_t>(i);
+      maxes[0].host_span<float>()[k] = std::max(maxes[0].host_span<float>()[k], maxes[r].host_span<float>()[k]);
+    }
+  for (std::size_t r = 0; r < shards.size(); ++r)
+    ops::vocab_shard_row_sums(parts[r], targets, maxes[0], sums[r], shards[r].first, env.stream);
+  env.stream.synchronize();
+  for (std::size_t r = 1; r < shards.size(); ++r)
+    for (std::int64_t i = 0; i < 2 * n; ++i)
+      sums[0].host_span<float>()[static_cast<std::size_t>(i)] +=
+          sums[r].host_span<float>()[static_cast<std::size_t>(i)];
+  for (std::size_t r = 0; r < shards.size(); ++r) {
+    auto const [begin, end] = shards[r];
+    CAPTURE(r);
+    Tensor const d = Tensor::empty(parts[r].shape(), DType::float32, *env.allocator);
+    Tensor const loss = env.scalar();
+    ops::vocab_shard_cross_entropy(parts[r], targets, maxes[0], sums[0], d, loss, begin, v, 8.0f, env.stream, -1, 2.0f);
+    env.stream.synchronize();
+    CHECK(loss.host_span<float>()[0] == Approx(want_loss.host_span<float>()[0]).epsilon(1e-6));
+    std::vector<double> const got = as_double(d), want = as_double(rows_of(want_d.reshape({n, v}), v, begin, end));
+    for (std::size_t k = 0; k < got.size(); ++k) CHECK(std::abs(got[k] - want[k]) <= 1e-7);
+  }
+
+  // Embedding: the ranks' outputs sum to embedding()'s exactly (rank 0 adding the positions), and
+  // their wte gradients are embedding_backward()'s rows.
+  Tensor const ids = ids_tensor(env, {2, 3}, {6, 0, 3, 3, 2, 5});
+  Tensor const wte = env.random({v, c}, 10), wpe = env.random({p, c}, 11), dy = env.random({2, 3, c}, 12);
+  Tensor const want_y = Tensor::empty({2, 3, c}, DType::float32, *env.allocator);
+  Tensor const want_dwte = Tensor::empty({v, c}, DType::float32, *env.allocator);
+  Tensor const want_dwpe = Tensor::empty({p, c}, DType::float32, *env.allocator);
+  ops::embedding(ids, wte, wpe, want_y, env.stream);
+  ops::embedding_backward(ids, dy, want_dwte, want_dwpe, false, false, env.stream);
+  std::vector<float> y(static_cast<std::size_t>(want_y.numel()), 0.0f);
+  for (std::size_t r = 0; r < shards.size(); ++r) {
+    auto const [begin, end] = shards[r];
+    Tensor const rows =
+        rows_of(wte.reshape({v * c}).reshape({1, v * c}), v * c, begin * c, end * c).reshape({end - begin, c});
+    Tensor const part = Tensor::empty({2, 3, c}, DType::float32, *env.allocator);
+    Tensor const dwte = Tensor::empty({end - begin, c}, DType::float32, *env.allocator);
+    Tensor const dwpe = Tensor::empty({p, c}, DType::float32, *env.allocator);
+    ops::vocab_shard_embedding(ids, rows, wpe, part, begin, v, r == 0, env.stream);
+    ops::vocab_shard_embedding_backward(ids, dy, dwte, dwpe, begin, v, false, false, env.stream);
+    env.stream.synchronize();
+    for (std::size_t k = 0; k < y.size(); ++k) y[k] += part.host_span<float>()[k];
+    auto const want_rows = rows_of(want_dwte.reshape({1, v * c}), v * c, begin * c, end * c).host_span<float>();
+    CHECK(std::equal(want_rows.begin(), want_rows.end(), dwte.host_span<float>().begin()));
+    CHECK(std::equal(want_dwpe.host_span<float>().begin(), want_dwpe.host_span<float>().end(),
+                     dwpe.host_span<float>().begin()));
+  }
+  CHECK(std::equal(y.begin(), y.end(), want_y.host_span<float>().begin()));
+  REQUIRE_MGPU_ERROR(ops::vocab_shard_embedding(ids, wte, wpe, want_y, 1, v, true, env.stream), Errc::invalid_argument,
+                     "ids [1, 8) of a vocab of 7 (expected a nonempty range inside [0, vocab))");
+  // A target outside the whole vocab fails the stream, on any rank.
+  ops::vocab_shard_cross_entropy(parts[0], ids_tensor(env, {2, 3}, {0, 1, 7, 0, 0, 0}), maxes[0], sums[0],
+                                 Tensor::empty(parts[0].shape(), DType::float32, *env.allocator), env.scalar(), 0, v,
+                                 8.0f, env.stream);
+  REQUIRE_MGPU_ERROR(env.stream.synchronize(), Errc::invalid_argument, "target 7 at position 2");
+}
+
 TEST_CASE("Embedding and TiedLMHead: finite differences of the tied weight sum both uses", "[nn][gpt]") {
   Env env;
   nn::Sequential model;

@@ -2,7 +2,9 @@
 // one-device loss curve over 20 AdamW steps with clipping, and the gathered weights after them are
 // the one device's; so are the gathered gradients of a step; the clipping norm counts replicated
 // parameters once (an SGD step, whose update shows the clipping factor); each rank holds 1/T of
-// the split matrices; bad splits are refused.
+// the split matrices and of the vocab; a vocab the ranks do not divide, with ignored targets,
+// gives the one device's gradients and losses; with dropout the losses are the one device's too,
+// and recomputation changes no bit; bad splits are refused.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -118,8 +120,8 @@ TEST_CASE("a tensor-parallel GPT trains as on one device over 2 and 4 ranks, cli
       auto const first = tp.shard(0).master_parameters().host_span<float>();
       for (nn::ParameterRange const& range : shard.parameter_ranges()) {
         std::vector<std::pair<std::int64_t, std::int64_t>> split;
-        if (auto const* block = dynamic_cast<par::TensorParallelBlock const*>(&shard.layer(range.layer)))
-          split = block->split_ranges();
+        if (auto const* sharded = dynamic_cast<par::ShardedLayer const*>(&shard.layer(range.layer)))
+          split = sharded->split_ranges();
         for (std::int64_t i = 0; i < range.size(); ++i) {
           bool const is_split =
               std::any_of(split.begin(), split.end(), [&](auto const& s) { return i >= s.first && i < s.second; });
@@ -129,6 +131,89 @@ TEST_CASE("a tensor-parallel GPT trains as on one device over 2 and 4 ranks, cli
         }
       }
     }
+  }
+}
+
+TEST_CASE("with dropout a tensor-parallel GPT drops what one device drops: the same losses over 2 and 4 ranks",
+          "[parallel][tensor]") {
+  // The embedding's and the residual branches' dropout (replicated) draw one mask on every rank,
+  // the attention probabilities' dropout each rank's heads' part of the whole mask.
+  nn::GptConfig dropped = config;
+  dropped.dropout = 0.2f;
+  Env env;
+  std::vector<Batch> batches;
+  for (int s = 0; s < 8; ++s) batches.push_back(make_batch(env, static_cast<unsigned>(40 + s)));
+  auto const one_device = [&](nn::GptConfig const& c) {
+    nn::Sequential model = nn::gpt(c);
+    model.materialize(env.ctx, seed);
+    mgpu::optim::AdamWOptions one = adamw;
+    one.decay_ranges = nn::gpt_decay_ranges(c);
+    mgpu::optim::AdamW opt(one);
+    std::vector<double> losses;
+    for (Batch const& b : batches)
+      losses.push_back(mgpu::ops::item(
+          nn::train_step(model, opt, b.ids, b.targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = clip}).loss,
+          env.stream));
+    return losses;
+  };
+  std::vector<double> const want = one_device(dropped), undropped = one_device(config);
+  REQUIRE(std::abs(want[0] - undropped[0]) > 1e-3 * undropped[0]);  // the dropout changes the loss
+
+  for (int const ranks : {2, 4}) {
+    CAPTURE(ranks);
+    mgpu::DeviceGroup group("host:" + std::to_string(ranks));
+    par::TensorParallel tp(group, dropped, {.seed = seed, .adamw = adamw, .clip_norm = clip});
+    double worst = 0;
+    for (std::size_t s = 0; s < batches.size(); ++s)
+      worst = std::max(worst, std::abs(tp.step(batches[s].ids, batches[s].targets).loss - want[s]) / want[s]);
+    CHECK(worst < 1e-5);
+    // The replicated parameters stay bitwise equal on every rank (their gradients went through
+    // the same masks).
+    auto const first = tp.shard(0).master_parameters().host_span<float>();
+    for (int r = 1; r < ranks; ++r) {
+      nn::Sequential const& shard = tp.shard(r);
+      auto const mine = shard.master_parameters().host_span<float>();
+      for (nn::ParameterRange const& range : shard.parameter_ranges()) {
+        std::vector<std::pair<std::int64_t, std::int64_t>> split;
+        if (auto const* sharded = dynamic_cast<par::ShardedLayer const*>(&shard.layer(range.layer)))
+          split = sharded->split_ranges();
+        for (std::int64_t i = 0; i < range.size(); ++i) {
+          bool const is_split =
+              std::any_of(split.begin(), split.end(), [&](auto const& sp) { return i >= sp.first && i < sp.second; });
+          auto const k = static_cast<std::size_t>(range.begin + i);
+          if (!is_split && mine[k] != first[k])
+            FAIL("rank " << r << " element " << k << ": " << mine[k] << " != " << first[k]);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("tensor-parallel recomputation, selective and full, gives the losses and weights of none bit for bit",
+          "[parallel][tensor]") {
+  // With dropout, so the full rerun must replay the masks (its dropout count and row offset).
+  Env env;
+  std::vector<Batch> batches;
+  for (int s = 0; s < 4; ++s) batches.push_back(make_batch(env, static_cast<unsigned>(60 + s)));
+  mgpu::DeviceGroup group("host:2");
+  auto const run = [&](nn::Recompute recompute) {
+    nn::GptConfig c = config;
+    c.dropout = 0.2f;
+    c.recompute = recompute;
+    par::TensorParallel tp(group, c, {.seed = seed, .adamw = adamw, .clip_norm = clip});
+    std::vector<double> losses;
+    for (Batch const& b : batches) losses.push_back(tp.step(b.ids, b.targets).loss);
+    // Nothing kept past the step.
+    for (int r = 0; r < 2; ++r)
+      for (std::size_t l = 0; l < tp.shard(r).size(); ++l) CHECK(tp.shard(r).layer(l).saved_micro_batches() == 0);
+    return std::pair{losses, tp.gather_parameters()};
+  };
+  auto const none = run(nn::Recompute::none);
+  for (nn::Recompute const recompute : {nn::Recompute::selective, nn::Recompute::full}) {
+    CAPTURE(nn::to_string(recompute));
+    auto const got = run(recompute);
+    CHECK(got.first == none.first);
+    CHECK(got.second == none.second);
   }
 }
 
@@ -157,8 +242,8 @@ TEST_CASE("tensor-parallel gradients gathered from the shards are the one device
                                                      static_cast<std::size_t>(whole[i].size()));
       auto const src = std::span<float>(grads).subspan(static_cast<std::size_t>(ranges[i].begin),
                                                        static_cast<std::size_t>(ranges[i].size()));
-      if (auto const* block = dynamic_cast<par::TensorParallelBlock const*>(&shard.layer(ranges[i].layer))) {
-        block->copy_shard(dst, src, false);
+      if (auto const* sharded = dynamic_cast<par::ShardedLayer const*>(&shard.layer(ranges[i].layer))) {
+        sharded->copy_shard(dst, src, false);
       } else {
         std::copy(src.begin(), src.end(), dst.begin());
       }
@@ -171,6 +256,71 @@ TEST_CASE("tensor-parallel gradients gathered from the shards are the one device
   // largest gradient).
   CHECK(std::none_of(got.begin(), got.end(), [](float g) { return std::isnan(g); }));
   CHECK(worst_difference(got, want) < 2e-6 * scale);
+}
+
+TEST_CASE(
+    "a vocab the ranks do not divide: uneven vocab shards, ignored targets, the one device's gradients and losses",
+    "[parallel][tensor]") {
+  // 67 ids over 4 ranks: [0, 16), [16, 33), [33, 50), [50, 67); every rank sees only its logits.
+  nn::GptConfig odd = config;
+  odd.vocab = 67;
+  Env env;
+  std::vector<Batch> batches;
+  for (unsigned s = 0; s < 6; ++s) {
+    batches.push_back(mgpu::test::rule_batch(env, batch, odd.block_size, odd.vocab, 300 + s));
+    auto const t = batches.back().targets.host_span<std::int32_t>();
+    for (std::size_t i = s; i < t.size(); i += 7) t[i] = -100;  // ignored
+  }
+  nn::Sequential model = nn::gpt(odd);
+  model.materialize(env.ctx, seed);
+  mgpu::optim::AdamWOptions one = adamw;
+  one.decay_ranges = nn::gpt_decay_ranges(odd);
+  mgpu::optim::AdamW opt(one);
+  nn::TokenCrossEntropy const loss;
+  std::vector<float> grads;
+  std::vector<double> want;
+  for (Batch const& b : batches) {
+    want.push_back(mgpu::ops::item(nn::train_step(model, opt, b.ids, b.targets, loss, env.ctx).loss, env.stream));
+    if (grads.empty()) grads = host_values(model.master_gradients());
+  }
+
+  mgpu::DeviceGroup group("host:4");
+  par::TensorParallel tp(group, odd, {.seed = seed, .adamw = adamw});
+  std::int64_t const firsts[] = {0, 16, 33, 50, 67};
+  for (int r = 0; r < 4; ++r) {
+    CHECK(par::vocab_shard(odd.vocab, 4, r) == std::pair{firsts[r], firsts[r + 1]});
+    CHECK(tp.shard(r).output_shape({batch, odd.block_size}) ==
+          mgpu::Shape{batch, odd.block_size, firsts[r + 1] - firsts[r]});
+  }
+  double worst = 0;
+  for (std::size_t s = 0; s < batches.size(); ++s) {
+    worst = std::max(worst, std::abs(tp.step(batches[s].ids, batches[s].targets).loss - want[s]) / want[s]);
+    if (s > 0) continue;
+    // The first step's gradients, gathered from the shards (the embedding's rows from each rank).
+    std::vector<float> got(grads.size(), NAN);
+    std::vector<nn::ParameterRange> const whole = model.parameter_ranges();
+    for (int r = 0; r < 4; ++r) {
+      nn::Sequential const& shard = tp.shard(r);
+      std::vector<float> mine = host_values(shard.master_gradients());
+      std::vector<nn::ParameterRange> const ranges = shard.parameter_ranges();
+      for (std::size_t i = 0; i < ranges.size(); ++i) {
+        auto const dst = std::span<float>(got).subspan(static_cast<std::size_t>(whole[i].begin),
+                                                       static_cast<std::size_t>(whole[i].size()));
+        auto const src = std::span<float>(mine).subspan(static_cast<std::size_t>(ranges[i].begin),
+                                                        static_cast<std::size_t>(ranges[i].size()));
+        if (auto const* sharded = dynamic_cast<par::ShardedLayer const*>(&shard.layer(ranges[i].layer))) {
+          sharded->copy_shard(dst, src, false);
+        } else {
+          std::copy(src.begin(), src.end(), dst.begin());
+        }
+      }
+    }
+    double scale = 0;
+    for (float const g : grads) scale = std::max(scale, std::abs(static_cast<double>(g)));
+    CHECK(std::none_of(got.begin(), got.end(), [](float g) { return std::isnan(g); }));
+    CHECK(worst_difference(got, grads) < 2e-6 * scale);
+  }
+  CHECK(worst < 1e-5);
 }
 
 TEST_CASE("tensor-parallel clipping counts replicated parameters once and split ones on every rank",
@@ -212,9 +362,11 @@ TEST_CASE("each tensor-parallel rank holds 1/T of the split matrices, and scatte
   par::TensorParallel tp(group, config, {.seed = seed});
   std::int64_t const c = config.n_embd, v = config.vocab, p = config.block_size;
   std::int64_t const split = 3 * c * c + 3 * c + c * c + 4 * c * c + 4 * c + 4 * c * c;  // per block
-  std::int64_t const replicated = (v + p) * c + config.n_layer * (2 * c + c + 2 * c + c) + 2 * c;
-  for (int r = 0; r < 4; ++r) CHECK(tp.shard(r).parameter_count() == replicated + config.n_layer * split / 4);
-  CHECK(nn::gpt(config).parameter_count() == replicated + config.n_layer * split);
+  std::int64_t const replicated = p * c + config.n_layer * (2 * c + c + 2 * c + c) + 2 * c;
+  // The token embedding (and the tied head) split by vocab rows: 16 of the 64 ids per rank.
+  for (int r = 0; r < 4; ++r)
+    CHECK(tp.shard(r).parameter_count() == replicated + config.n_layer * split / 4 + v / 4 * c);
+  CHECK(nn::gpt(config).parameter_count() == replicated + config.n_layer * split + v * c);
 
   // Another seed's weights scattered into the shards: gathered back unchanged, and the loss of
   // the one-device model holding them.
@@ -232,20 +384,17 @@ TEST_CASE("each tensor-parallel rank holds 1/T of the split matrices, and scatte
                      "10 values (expected gpt(config)'s");
 }
 
-TEST_CASE("a tensor-parallel split that does not divide the heads, dropout or recomputation is refused",
+TEST_CASE("a tensor-parallel split that does not divide the heads, or a vocab below the ranks, is refused",
           "[parallel][tensor]") {
   mgpu::DeviceGroup three("host:3");
   REQUIRE_MGPU_ERROR(par::TensorParallel(three, config), mgpu::Errc::invalid_argument,
                      "4 heads over 3 tensor-parallel ranks (expected a group size dividing n_head)");
+  mgpu::DeviceGroup four("host:4");
+  nn::GptConfig tiny_vocab = config;
+  tiny_vocab.vocab = 3;
+  REQUIRE_MGPU_ERROR(par::TensorParallel(four, tiny_vocab), mgpu::Errc::invalid_argument,
+                     "a vocab of 3 over 4 tensor-parallel ranks (expected at least one token id per rank)");
   mgpu::DeviceGroup two("host:2");
-  nn::GptConfig with_dropout = config;
-  with_dropout.dropout = 0.1f;
-  REQUIRE_MGPU_ERROR(par::TensorParallel(two, with_dropout), mgpu::Errc::invalid_argument,
-                     "(expected 0: dropout is not supported with tensor parallelism yet)");
-  nn::GptConfig recomputed = config;
-  recomputed.recompute = nn::Recompute::full;
-  REQUIRE_MGPU_ERROR(par::TensorParallel(two, recomputed), mgpu::Errc::invalid_argument,
-                     "recompute full (expected none: recomputation is not supported with tensor parallelism yet)");
   mgpu::optim::AdamWOptions decayed = adamw;
   decayed.decay_ranges = nn::gpt_decay_ranges(config);
   REQUIRE_MGPU_ERROR(par::TensorParallel(two, config, {.adamw = decayed}), mgpu::Errc::invalid_argument,

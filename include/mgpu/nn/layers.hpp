@@ -215,6 +215,10 @@ class Dropout final : public Layer {
   std::unique_ptr<Layer> clone() const override { return std::make_unique<Dropout>(p_); }
   /// Forgets the mask of `micro_batch` (activation recomputation: its backward will not run).
   void release(std::int64_t micro_batch) { masks_.erase(micro_batch); }
+  /// The seed initialize() drew; set_seed gives the layer another's (a tensor-parallel shard of a
+  /// block takes the whole block's, so it drops what the block would).
+  [[nodiscard]] std::uint64_t seed() const noexcept { return seed_; }
+  void set_seed(std::uint64_t seed) noexcept { seed_ = seed; }
 
  private:
   float p_;

@@ -119,6 +119,9 @@ class CausalSelfAttention final : public Layer {
   }
   /// Frees what forward saved for `micro_batch` (activation recomputation: its backward will not run).
   void release(std::int64_t micro_batch);
+  /// The seed of the probabilities' dropout that initialize() drew (call k masks with
+  /// mix64(seed + k) | 1).
+  [[nodiscard]] std::uint64_t dropout_seed() const noexcept { return seed_; }
   /// Inference on a float32 host model (no dropout, nothing saved for backward): x [B, t, C] holds
   /// positions [cache.length, cache.length + t) of B sequences; their keys and values are appended
   /// to `cache` and each query attends to every cached position at or before its own, so a step
@@ -172,6 +175,14 @@ class TransformerBlock final : public Layer {
     return std::make_unique<TransformerBlock>(features_, heads_, dropout_, proj_init_std_, recompute_);
   }
   [[nodiscard]] Recompute recompute() const noexcept { return recompute_; }
+  /// The seeds of the attention probabilities' dropout and of the two residual branches' Dropouts,
+  /// drawn by initialize().
+  struct DropoutSeeds {
+    std::uint64_t attention = 0, attention_output = 0, mlp_output = 0;
+  };
+  [[nodiscard]] DropoutSeeds dropout_seeds() const noexcept {
+    return {attn_.dropout_seed(), attn_drop_.seed(), mlp_drop_.seed()};
+  }
   /// The block at inference with its attention's key/value cache (see
   /// CausalSelfAttention::forward_cached): x [B, t, C] -> [B, t, C], dropout off.
   Tensor forward_cached(Tensor const& x, KvCache& cache, Context& ctx) const;

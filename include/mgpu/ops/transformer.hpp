@@ -31,14 +31,33 @@ void embedding(Tensor const& ids, Tensor const& wte, Tensor const& wpe, Tensor c
 void embedding_backward(Tensor const& ids, Tensor const& dy, Tensor const& dwte, Tensor const& dwpe,
                         bool accumulate_wte, bool accumulate_wpe, Stream& stream);
 
+/// A vocab-parallel rank's part of embedding(): wte [rows, C] holds token ids [begin, begin +
+/// rows) of a vocab of `vocab`; y[b, t, :] = wte[ids[b, t] - begin, :] for the ids it holds and 0
+/// for the others, plus wpe[t, :] when `positions`. The sum of every rank's y, one of them adding
+/// the positions, is embedding()'s y (exactly: one nonzero term besides the positions). An id
+/// outside [0, vocab) fails the stream.
+void vocab_shard_embedding(Tensor const& ids, Tensor const& wte, Tensor const& wpe, Tensor const& y, std::int64_t begin,
+                           std::int64_t vocab, bool positions, Stream& stream);
+
+/// The gradients of vocab_shard_embedding(): dwte[v - begin] for the rank's ids v, as
+/// embedding_backward() writes (or adds) them, and dwpe (every rank gets the whole position
+/// gradient, dy being the same on every rank). An id outside [0, vocab) fails the stream.
+void vocab_shard_embedding_backward(Tensor const& ids, Tensor const& dy, Tensor const& dwte, Tensor const& dwpe,
+                                    std::int64_t begin, std::int64_t vocab, bool accumulate_wte, bool accumulate_wpe,
+                                    Stream& stream);
+
 /// Dropout on attention probabilities: element (b, h, i, j) is kept when
-/// uniform01(seed, (((row_offset + b) * heads + h) * T + i) * T + j) < 1 - p and scaled by
-/// 1 / (1 - p); row_offset is the global index of the batch's first sequence, so shards of a batch
-/// drop what the whole batch would. p = 0 disables it.
+/// uniform01(seed, (((row_offset + b) * heads + head_offset + h) * T + i) * T + j) < 1 - p and
+/// scaled by 1 / (1 - p); row_offset is the global index of the batch's first sequence, so shards
+/// of a batch drop what the whole batch would, and head_offset the global index of the op's first
+/// head among `heads` (0: the op's heads), so a tensor-parallel rank's heads drop what the whole
+/// model's would. p = 0 disables it.
 struct AttentionDropout {
   float p = 0.0f;
   std::uint64_t seed = 0;
   std::int64_t row_offset = 0;
+  std::int64_t head_offset = 0;
+  std::int64_t heads = 0;
 };
 
 /// Causal multi-head self-attention: qkv [B, T, 3C] holds q, k, v side by side (head h at columns
@@ -61,5 +80,22 @@ void causal_attention_backward(Tensor const& qkv, Tensor const& y, Tensor const&
 /// whole batch. A target outside [0, V) that is not ignore_index fails the stream.
 void token_cross_entropy(Tensor const& logits, Tensor const& targets, Tensor const& dlogits, Tensor const& loss,
                          float divisor, Stream& stream, std::int32_t ignore_index = -100, float grad_scale = 1.0f);
+
+/// The vocab-parallel cross-entropy over a rank's logits [N, V_r] (or [B, T, V_r]) whose columns
+/// are token ids [begin, begin + V_r) of a vocab of `vocab`, in three passes; the caller reduces
+/// their float32 results across the ranks in between, so no rank ever holds a whole row:
+///   vocab_shard_row_max: max [N] = each row's largest logit on the rank; then reduce it by max;
+///   vocab_shard_row_sums: sums [N, 2] = each row's sum of exp(logit - max) on the rank, and its
+///     target's logit when the rank holds the target (else 0); then reduce it by sum;
+///   vocab_shard_cross_entropy: loss and dlogits on the rank's columns, as token_cross_entropy()
+///     defines them for the whole row (same divisor, ignore_index and grad_scale). A target outside
+///     [0, vocab) that is not ignore_index fails the stream.
+void vocab_shard_row_max(Tensor const& logits, Tensor const& max, Stream& stream);
+void vocab_shard_row_sums(Tensor const& logits, Tensor const& targets, Tensor const& max, Tensor const& sums,
+                          std::int64_t begin, Stream& stream);
+void vocab_shard_cross_entropy(Tensor const& logits, Tensor const& targets, Tensor const& max, Tensor const& sums,
+                               Tensor const& dlogits, Tensor const& loss, std::int64_t begin, std::int64_t vocab,
+                               float divisor, Stream& stream, std::int32_t ignore_index = -100,
+                               float grad_scale = 1.0f);
 
 }  // namespace mgpu::ops

@@ -4,8 +4,11 @@
 // head, the output projection by rows). LayerNorms and the biases of the row-parallel Linears are
 // replicated. A block's forward all-reduces the row-parallel outputs (the "g" operator) and its
 // backward all-reduces the input gradients of the column-parallel Linears (the "f" operator): four
-// all-reduces per block and step. In this first slice the embedding, the final LayerNorm and the
-// tied LM head are replicated on every rank (no vocab-parallel embedding or cross-entropy yet).
+// all-reduces per block and step. The token embedding and the LM head tied to it are split by
+// vocab rows (VocabParallelEmbedding, VocabParallelLMHead), each rank producing only its columns of
+// the logits, and the cross-entropy (VocabParallelCrossEntropy) reduces per-row statistics across
+// the ranks instead of gathering the logits. The position embedding and the final LayerNorm are
+// replicated.
 #pragma once
 
 #include <cstdint>
@@ -23,68 +26,217 @@
 #include <mgpu/core/tensor.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/loss.hpp>
+#include <mgpu/ops/transformer.hpp>
 #include <mgpu/optim/optim.hpp>
 
 namespace mgpu::parallel {
 
-/// Rank `rank`'s shard of a pre-LN TransformerBlock (nn::TransformerBlock without dropout) over
-/// the `comm`'s ranks: heads / T heads, qkv [C, 3C/T] (that rank's heads' q, k and v columns),
-/// the attention projection's rows [C/T, C], mlp_fc [C, 4C/T] and mlp_proj's rows [4C/T, C].
-/// Parameters in nn::TransformerBlock's order, each split matrix (and a column-parallel bias) as
-/// its shard: ln_1, qkv W and b, proj W, proj b (whole), ln_2, fc W and b, proj W, proj b (whole).
-/// initialize() draws the whole block's weights as nn::TransformerBlock does from the same rng and
-/// keeps this rank's shard, so shards materialized with a seed hold the 1-device model's weights.
-/// forward and backward enqueue all-reduces on ctx.stream: every rank must run the same calls in
-/// the same order (each on its own thread). TensorParallel trains it in float32 (16-bit compute is
-/// not tested yet).
-class TensorParallelBlock final : public nn::Layer {
+/// A layer of a tensor-parallel shard that holds part of a gpt(config) layer's parameters.
+class ShardedLayer {
  public:
-  /// Throws Error(invalid_argument) unless heads divide features and the communicator's size
-  /// divides heads, and rank is one of its ranks.
-  TensorParallelBlock(std::int64_t features, std::int64_t heads, std::shared_ptr<comm::Communicator> comm, int rank,
-                      float proj_init_std = 0.02f);
-  std::string name() const override;
-  std::int64_t parameter_count() const override;
-  std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override;
+  virtual ~ShardedLayer() = default;
   /// The [begin, end) offsets, within this layer's parameters, of the split ones (each rank holds
   /// other values there); everything else is replicated (the same on every rank).
-  [[nodiscard]] std::vector<std::pair<std::int64_t, std::int64_t>> split_ranges() const;
+  [[nodiscard]] virtual std::vector<std::pair<std::int64_t, std::int64_t>> split_ranges() const = 0;
+  /// Copies between the whole layer's parameters (gpt(config)'s layout, `whole`) and this rank's
+  /// shard (`shard`, the layer's parameter_count() elements), float32 host spans: to the shard
+  /// (`to_shard`), or from it into its places in `whole`. Throws Error(invalid_argument) for other
+  /// sizes.
+  virtual void copy_shard(std::span<float> whole, std::span<float> shard, bool to_shard) const = 0;
+};
+
+/// The token ids [first, second) that rank `rank` of `ranks` holds of a vocab of `vocab` in the
+/// vocab-parallel embedding: [rank V / T, (rank + 1) V / T) (rounded down), so the ranks' rows
+/// differ by at most one and cover the vocab. Throws Error(invalid_argument) unless 1 <= ranks <=
+/// vocab and rank is in [0, ranks).
+[[nodiscard]] std::pair<std::int64_t, std::int64_t> vocab_shard(std::int64_t vocab, int ranks, int rank);
+
+/// Rank `rank`'s shard of nn::Embedding(vocab, block_size, features) over the communicator's
+/// ranks: wte's rows vocab_shard(vocab, T, rank) [V_r, C], then the whole wpe [P, C] (replicated).
+/// forward looks the rank's ids up (0 for the others), rank 0 adds the positions, and an
+/// all-reduce sums the ranks' parts: every rank gets nn::Embedding's output. backward writes (or
+/// adds, when tied to a VocabParallelLMHead, which writes first) the gradient of the rank's wte
+/// rows and the whole wpe gradient (the output gradient being the same on every rank).
+/// initialize() draws the whole embedding as nn::Embedding does and keeps the rank's rows.
+class VocabParallelEmbedding final : public nn::Layer, public ShardedLayer {
+ public:
+  /// Throws Error(invalid_argument) for sizes < 1, a vocab smaller than the group or a bad rank.
+  VocabParallelEmbedding(std::int64_t vocab, std::int64_t block_size, std::int64_t features,
+                         std::shared_ptr<comm::Communicator> comm, int rank, float init_std = 0.02f);
+  std::string name() const override;
+  std::int64_t parameter_count() const override { return (end_ - begin_ + block_size_) * features_; }
+  /// wte's rows and wpe (adjacent: one range), as nn::Embedding.
+  std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override { return {{0, parameter_count()}}; }
+  /// wte's rows.
+  std::vector<std::pair<std::int64_t, std::int64_t>> split_ranges() const override {
+    return {{0, (end_ - begin_) * features_}};
+  }
+  void copy_shard(std::span<float> whole, std::span<float> shard, bool to_shard) const override;
   void bind(Tensor const& params, Tensor const& grads) override;
   void initialize(std::mt19937_64& rng) override;
-  Tensor forward(Tensor const& x, nn::Context& ctx) override;
+  Tensor forward(Tensor const& ids, nn::Context& ctx) override;
   Tensor backward(Tensor const& dy, nn::Context& ctx) override;
   Shape output_shape(Shape const& input) const override;
   std::size_t saved_micro_batches() const override { return saved_.size(); }
   std::unique_ptr<Layer> clone() const override {
-    return std::make_unique<TensorParallelBlock>(features_, heads_, comm_, rank_, proj_init_std_);
+    return std::make_unique<VocabParallelEmbedding>(vocab_, block_size_, features_, comm_, rank_, init_std_);
   }
 
-  /// Copies between the whole block's parameters (nn::TransformerBlock's layout, `whole`) and this
-  /// rank's shard (`shard`, parameter_count() elements), float32 host spans: to the shard
-  /// (`to_shard`), or from it into its places in `whole`.
-  void copy_shard(std::span<float> whole, std::span<float> shard, bool to_shard) const;
+  [[nodiscard]] std::int64_t vocab() const noexcept { return vocab_; }
+  [[nodiscard]] std::int64_t features() const noexcept { return features_; }
+  /// The first token id of the rank's rows, and one past the last.
+  [[nodiscard]] std::int64_t vocab_begin() const noexcept { return begin_; }
+  [[nodiscard]] std::int64_t vocab_end() const noexcept { return end_; }
+  /// The bound rows of wte [V_r, C] and their gradient view.
+  [[nodiscard]] Tensor const& token_weight() const noexcept { return wte_; }
+  [[nodiscard]] Tensor const& token_gradient() const noexcept { return dwte_; }
+  /// Whether a VocabParallelLMHead shares the rows (its backward then adds to their gradient).
+  void set_tied(bool tied) noexcept { tied_ = tied; }
 
  private:
+  std::int64_t vocab_, block_size_, features_;
+  std::shared_ptr<comm::Communicator> comm_;
+  int rank_;
+  std::int64_t begin_, end_;
+  float init_std_;
+  bool tied_ = false;
+  Tensor params_;  // the bound parameters
+  Tensor wte_, wpe_, dwte_, dwpe_;
+  std::map<std::int64_t, Tensor> saved_;  // ids
+};
+
+/// The LM head tied to the VocabParallelEmbedding of the same Sequential (found by link()): the
+/// rank's logits columns [B, T, V_r] = h wte_rᵀ for the replicated h [B, T, C]. It holds no
+/// parameters; backward writes (or adds) dwte_r = dlogits_rᵀ h into the embedding's gradient view
+/// and returns dh = the sum over the ranks of dlogits_r wte_r (an all-reduce).
+class VocabParallelLMHead final : public nn::Layer {
+ public:
+  VocabParallelLMHead(std::int64_t vocab, std::int64_t features, std::shared_ptr<comm::Communicator> comm, int rank);
+  std::string name() const override;
+  void link(nn::Sequential& model) override;
+  Tensor forward(Tensor const& h, nn::Context& ctx) override;
+  Tensor backward(Tensor const& dy, nn::Context& ctx) override;
+  Shape output_shape(Shape const& input) const override;
+  std::size_t saved_micro_batches() const override { return saved_.size(); }
+  std::unique_ptr<Layer> clone() const override {
+    return std::make_unique<VocabParallelLMHead>(vocab_, features_, comm_, rank_);
+  }
+
+ private:
+  std::int64_t vocab_, features_;
+  std::shared_ptr<comm::Communicator> comm_;
+  int rank_;
+  std::int64_t begin_, end_;
+  Tensor wte_, dwte_;
+  std::map<std::int64_t, Tensor> saved_;  // h as [N, C]
+};
+
+/// nn::TokenCrossEntropy over the vocab-parallel logits [B, T, V_r] of rank `rank` (its columns
+/// vocab_shard(vocab, T, rank)) without gathering them: each row's max is all-reduced (max), then
+/// its sum of exp(logit - max) and its target's logit (sum), and every rank gets the whole loss and
+/// softmax - onehot on its columns (ops::vocab_shard_cross_entropy). Targets are whole-vocab ids.
+/// compute() enqueues the all-reduces on its stream: every rank of the communicator calls it, each
+/// on its own thread, with its own instance.
+class VocabParallelCrossEntropy final : public nn::Loss {
+ public:
+  /// Throws Error(invalid_argument) as vocab_shard does.
+  VocabParallelCrossEntropy(std::int64_t vocab, std::shared_ptr<comm::Communicator> comm, int rank,
+                            std::int32_t ignore_index = -100);
+  std::string name() const override { return "vocab_parallel_cross_entropy"; }
+  void check(Shape const& output, Tensor const& targets, std::string const& what) const override;
+  void check_values(Shape const& output, Tensor const& targets, std::string const& what) const override;
+  std::int64_t count(Tensor const& targets, Stream& stream) const override;
+  void compute(Tensor const& output, Tensor const& targets, Tensor const& doutput, Tensor const& loss,
+               std::int64_t divisor, float grad_scale, Allocator& allocator, Stream& stream) const override;
+
+ private:
+  std::int64_t vocab_;
+  std::shared_ptr<comm::Communicator> comm_;
+  int rank_;
+  std::int64_t begin_, end_;
+  nn::TokenCrossEntropy whole_;  // its checks against the whole vocab, and its count
+};
+
+/// Rank `rank`'s shard of a pre-LN nn::TransformerBlock over the `comm`'s ranks: heads / T heads, qkv [C, 3C/T] (that
+/// rank's heads' q, k and v columns), the attention projection's rows [C/T, C], mlp_fc [C, 4C/T] and mlp_proj's rows
+/// [4C/T, C]. Parameters in nn::TransformerBlock's order, each split matrix (and a column-parallel bias) as its shard:
+/// ln_1, qkv W and b, proj W, proj b (whole), ln_2, fc W and b, proj W, proj b (whole). initialize() draws the whole
+/// block's weights as nn::TransformerBlock does from the same rng and keeps this rank's shard, so shards materialized
+/// with a seed hold the 1-device model's weights, and its dropout seeds: the residual branches' Dropouts (replicated
+/// regions) drop the same elements on every rank, and the attention probabilities' dropout drops, on each rank's heads,
+/// what the whole block drops on those heads (ops::AttentionDropout::head_offset), so with the same
+/// seed the shards train as the 1-device model does, dropout included. `recompute` as
+/// nn::TransformerBlock's (nn::Recompute): selective drops the attention core's output and
+/// log-sum-exp and backward reruns the core on the kept qkv; full keeps only the input and backward
+/// reruns the forward (its all-reduces included, on every rank alike) at the original dropout
+/// count and row offset. Both give the `none` gradients bit for bit.
+/// forward and backward enqueue all-reduces on ctx.stream: every rank must run the same calls in
+/// the same order (each on its own thread). TensorParallel trains it in float32 (16-bit compute is
+/// not tested yet).
+class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
+ public:
+  /// Throws Error(invalid_argument) unless heads divide features and the communicator's size
+  /// divides heads, and rank is one of its ranks.
+  TensorParallelBlock(std::int64_t features, std::int64_t heads, std::shared_ptr<comm::Communicator> comm, int rank,
+                      float proj_init_std = 0.02f, float dropout = 0.0f, nn::Recompute recompute = nn::Recompute::none);
+  std::string name() const override;
+  std::int64_t parameter_count() const override;
+  std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override;
+  /// qkv W and b with the attention projection's rows; mlp_fc W and b with mlp_proj's rows.
+  std::vector<std::pair<std::int64_t, std::int64_t>> split_ranges() const override;
+  void bind(Tensor const& params, Tensor const& grads) override;
+  void initialize(std::mt19937_64& rng) override;
+  void set_training(bool training) override;
+  /// One count for the three dropouts, as nn::TransformerBlock's.
+  std::uint64_t rng_counter() const override { return calls_; }
+  void set_rng_counter(std::uint64_t counter) override;
+  Tensor forward(Tensor const& x, nn::Context& ctx) override;
+  Tensor backward(Tensor const& dy, nn::Context& ctx) override;
+  Shape output_shape(Shape const& input) const override;
+  std::size_t saved_micro_batches() const override { return saved_.size() + inputs_.size(); }
+  std::unique_ptr<Layer> clone() const override {
+    return std::make_unique<TensorParallelBlock>(features_, heads_, comm_, rank_, proj_init_std_, dropout_, recompute_);
+  }
+
+  /// The whole block is nn::TransformerBlock's layout.
+  void copy_shard(std::span<float> whole, std::span<float> shard, bool to_shard) const override;
+
+ private:
+  // The forward of every part, each saving what its backward reads.
+  Tensor forward_layers(Tensor const& x, nn::Context& ctx);
   struct Saved {
-    Tensor qkv, y, lse;  // attention's (y: the attention projection's input)
+    Tensor qkv, y, lse;  // attention's (y: the attention projection's input; none with selective)
     Tensor mlp_in;       // mlp_proj's input
+    ops::AttentionDropout dropout;
+  };
+  // Recompute::full: what forward keeps to rerun itself.
+  struct Input {
+    Tensor x;
+    std::uint64_t rng_counter = 0;
+    std::int64_t row_offset = 0;
   };
   std::int64_t features_, heads_;
   std::shared_ptr<comm::Communicator> comm_;
   int rank_, ranks_;
-  float proj_init_std_;
+  float proj_init_std_, dropout_;
+  nn::Recompute recompute_;
+  bool training_ = true;
+  std::uint64_t attention_seed_ = 0, calls_ = 0;
+  nn::Dropout attn_drop_, mlp_drop_;  // the residual branches' (replicated)
   nn::LayerNorm ln1_, ln2_;
   nn::Linear qkv_, fc_;                         // column-parallel
   Tensor params_;                               // the bound parameters
   Tensor attn_w_, attn_b_, dattn_w_, dattn_b_;  // row-parallel: W [C/T, C], b [C]
   Tensor mlp_w_, mlp_b_, dmlp_w_, dmlp_b_;      // W [4C/T, C], b [C]
   std::map<std::int64_t, Saved> saved_;
+  std::map<std::int64_t, Input> inputs_;
 };
 
-/// The shard of gpt(config) a tensor-parallel rank holds: Embedding, Dropout(0), n_layer
-/// TensorParallelBlocks, LayerNorm and the tied LM head (embedding and head replicated).
-/// Throws Error(invalid_argument) for a bad config, dropout other than 0 or recompute other than
-/// none (not supported with tensor parallelism yet), or a group size that does not divide n_head.
+/// The shard of gpt(config) a tensor-parallel rank holds: VocabParallelEmbedding, Dropout(0),
+/// n_layer TensorParallelBlocks, LayerNorm and the VocabParallelLMHead; its output is the rank's
+/// logits columns, for VocabParallelCrossEntropy. Throws Error(invalid_argument) for a bad config,
+/// a group size that does not divide n_head, or a vocab smaller than the group.
 [[nodiscard]] nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<comm::Communicator> comm,
                                                  int rank);
 
@@ -104,7 +256,7 @@ struct TensorParallelOptions {
 
 /// Trains gpt(config) with every rank of `group` holding one tensor-parallel shard (T = group
 /// size): each step runs the whole batch on every rank (its activations replicated between blocks),
-/// the per-token cross-entropy, backward, and nn::apply_update on every rank, through a
+/// the vocab-parallel cross-entropy, backward, and nn::apply_update on every rank, through a
 /// GradientSync whose owned ranges are the rank's whole buffer (replicated ranges counted by rank
 /// 0 only, split ones by every rank) and whose sum over ranks is an all-reduce. float32.
 class TensorParallel {

@@ -46,16 +46,37 @@ struct EmbeddingOp {
   }
 };
 
+/// A vocab-parallel rank's part of EmbeddingOp, over n * c + e: y[n, e] = wte[ids[n] - begin, e]
+/// for an id in [begin, begin + rows) (wte holds those rows) and 0 for any other id, plus
+/// wpe[n mod t, e] when `positions`. Summed over ranks whose rows cover the vocab, one of them
+/// adding the positions, it is EmbeddingOp's y exactly (one term besides zeros).
+template <class T>
+struct VocabShardEmbeddingOp {
+  std::int32_t const* ids;
+  T const* wte;
+  T const* wpe;
+  T* y;
+  std::int64_t t, c, begin, rows;
+  bool positions;
+  MGPU_HD void operator()(std::int64_t i) const {
+    std::int64_t const n = i / c, e = i % c, row = ids[n] - begin;
+    float const token = row >= 0 && row < rows ? static_cast<float>(wte[row * c + e]) : 0.0f;
+    y[i] = positions ? T(token + static_cast<float>(wpe[(n % t) * c + e])) : T(token);
+  }
+};
+
 /// The tokens of each id, in position order: offsets [vocab + 1] and positions [n_tokens] such that
 /// positions[offsets[v] .. offsets[v + 1]) are the positions holding v. Three passes: count per id
 /// (op(v)), an exclusive scan (op(0) only), the lists (op(v)). Ids outside [0, vocab) are left out.
+/// With `begin`, v stands for id begin + v (a vocab-parallel rank's rows).
 struct TokenCountOp {
   std::int32_t const* ids;
   std::int64_t n_tokens;
   std::int32_t* offsets;  // counts into offsets[v + 1]
+  std::int64_t begin = 0;
   MGPU_HD void operator()(std::int64_t v) const {
     std::int32_t count = 0;
-    for (std::int64_t n = 0; n < n_tokens; ++n) count += ids[n] == v ? 1 : 0;
+    for (std::int64_t n = 0; n < n_tokens; ++n) count += ids[n] == begin + v ? 1 : 0;
     offsets[v + 1] = count;
   }
 };
@@ -72,10 +93,11 @@ struct TokenListOp {
   std::int64_t n_tokens;
   std::int32_t const* offsets;
   std::int32_t* positions;
+  std::int64_t begin = 0;
   MGPU_HD void operator()(std::int64_t v) const {
     std::int32_t k = offsets[v];
     for (std::int64_t n = 0; n < n_tokens; ++n)
-      if (ids[n] == v) positions[k++] = static_cast<std::int32_t>(n);
+      if (ids[n] == begin + v) positions[k++] = static_cast<std::int32_t>(n);
   }
 };
 
@@ -118,10 +140,11 @@ struct AttentionMask {
   float p;
   std::uint64_t seed;
   std::int64_t row_offset, heads, t;
+  std::int64_t head_offset = 0;  // the index of the op's head 0 among `heads`
   /// 1 / (1 - p) for a kept element, 0 for a dropped one, 1 without dropout.
   MGPU_HD float factor(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const {
     if (p == 0.0f) return 1.0f;
-    auto const counter = static_cast<std::uint64_t>((((row_offset + b) * heads + h) * t + i) * t + j);
+    auto const counter = static_cast<std::uint64_t>((((row_offset + b) * heads + head_offset + h) * t + i) * t + j);
     return mgpu::detail::uniform01(seed, counter) < 1.0f - p ? 1.0f / (1.0f - p) : 0.0f;
   }
 };
@@ -277,6 +300,73 @@ struct TokenCrossEntropyRow {
     row_loss[i] = log_sum - static_cast<float>(x[target]);
     for (std::int64_t j = 0; j < vocab; ++j)
       dx[j] = T((mgpu::detail::exp_vec(static_cast<float>(x[j]) - log_sum) - (j == target ? 1.0f : 0.0f)) * g);
+  }
+};
+
+/// The vocab-parallel cross-entropy's passes over a rank's logits [N, cols], whose column j is
+/// token id begin + j of a vocab of `vocab` (ops::vocab_shard_cross_entropy). The first: max[i] =
+/// row i's largest logit.
+template <class T>
+struct VocabShardRowMax {
+  T const* logits;
+  float* max;
+  std::int64_t cols;
+  MGPU_HD void operator()(std::int64_t i) const {
+    T const* x = logits + i * cols;
+    float m = -INFINITY;  // a comparison, as TokenCrossEntropyRow's
+    for (std::int64_t j = 0; j < cols; ++j) m = static_cast<float>(x[j]) > m ? static_cast<float>(x[j]) : m;
+    max[i] = m;
+  }
+};
+
+/// The second, with max[i] the largest logit of the whole row (reduced over the ranks): sums[2 i]
+/// = the sum of exp(logit - max[i]) over the rank's columns, sums[2 i + 1] = the target's logit when
+/// the rank holds the target's column, else 0.
+template <class T>
+struct VocabShardRowSums {
+  T const* logits;
+  std::int32_t const* targets;
+  float const* max;
+  float* sums;
+  std::int64_t cols, begin;
+  MGPU_HD void operator()(std::int64_t i) const {
+    T const* x = logits + i * cols;
+    float sum = 0.0f;
+    for (std::int64_t j = 0; j < cols; ++j) sum += mgpu::detail::exp_vec(static_cast<float>(x[j]) - max[i]);
+    std::int64_t const column = targets[i] - begin;
+    sums[2 * i] = sum;
+    sums[2 * i + 1] = column >= 0 && column < cols ? static_cast<float>(x[column]) : 0.0f;
+  }
+};
+
+/// The third, with max and sums reduced over the ranks: TokenCrossEntropyRow's row_loss and its
+/// dlogits on the rank's columns (0 and a zero row for target == ignore_index; NaN and a zero row
+/// for a target outside [0, vocab), which the op fails the stream for).
+template <class T>
+struct VocabShardCrossEntropyRow {
+  T const* logits;
+  std::int32_t const* targets;
+  float const* max;
+  float const* sums;
+  T* dlogits;
+  float* row_loss;
+  std::int64_t cols, begin, vocab;
+  std::int32_t ignore_index;
+  float g;
+  MGPU_HD void operator()(std::int64_t i) const {
+    T const* x = logits + i * cols;
+    T* dx = dlogits + i * cols;
+    std::int32_t const target = targets[i];
+    if (target == ignore_index || target < 0 || target >= vocab) {
+      for (std::int64_t j = 0; j < cols; ++j) dx[j] = T(0.0f);
+      row_loss[i] = target == ignore_index ? 0.0f : NAN;
+      return;
+    }
+    float const log_sum = max[i] + logf(sums[2 * i]);
+    row_loss[i] = log_sum - sums[2 * i + 1];
+    std::int64_t const column = target - begin;
+    for (std::int64_t j = 0; j < cols; ++j)
+      dx[j] = T((mgpu::detail::exp_vec(static_cast<float>(x[j]) - log_sum) - (j == column ? 1.0f : 0.0f)) * g);
   }
 };
 
