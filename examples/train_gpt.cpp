@@ -21,7 +21,7 @@
 //     [--zero 0|1]              buckets while backward goes on; --zero 1 (the default) reduce-
 //                               scatters them instead, each replica updating 1/N of the weights and
 //                               keeping their AdamW state only (ZeRO-1), 0 updates every weight
-//                               everywhere
+//                               everywhere (--zero is refused with a pipeline or --tp)
 //   --schedule S --stages K     pipeline::Executor: the model cut into K stages (x --chunks per
 //     [--micro-batches M]       device for interleaved) by each layer's forward + backward FLOPs,
 //     [--dp N]                  M micro-batches per step, N pipeline replicas (a data x pipeline
@@ -89,6 +89,7 @@ struct Options {
   int stages = 1, micro_batches = 1, dp = 1, chunks = 2;
   int tp = 1;  // tensor-parallel ranks
   int zero = 1;  // DataParallelOptions::zero_stage
+  bool zero_given = false;  // --zero on the command line (it applies to data parallelism only)
   std::string trace;
   std::string precision = "fp32";
   std::string checkpoint;
@@ -242,6 +243,10 @@ void check_layout(Options const& o, bool pipelined, int size) {
   if (o.zero < 0 || o.zero > 1)
     refuse("--zero " + std::to_string(o.zero) + " (expected 0, the replicated update, or 1, ZeRO-1: the sharded update and "
            "optimizer state)");
+  if (o.zero_given && (pipelined || o.tp > 1))
+    refuse("--zero " + std::to_string(o.zero) + " with " + (pipelined ? std::string("a pipeline") : "--tp " + std::to_string(o.tp)) +
+           " (expected --zero with data parallelism only: the pipeline and tensor-parallel executors do not shard their "
+           "update)");
   if (o.tp > 1) {
     if (pipelined || o.dp != 1)
       refuse("--tp " + std::to_string(o.tp) + " with " + (pipelined ? "a pipeline" : "--dp " + std::to_string(o.dp)) +
@@ -736,6 +741,7 @@ int main(int argc, char** argv) {
   app.add_flag("--eval-only", o.eval_only, "train nothing: report the validation loss");
   app.add_flag("--json", o.json, "print the final metrics as one JSON object on stdout (progress goes to stderr)");
   CLI11_PARSE(app, argc, argv);
+  o.zero_given = app.count("--zero") > 0;
   try {
     return run(o);
   } catch (mgpu::Error const& e) {

@@ -158,6 +158,8 @@ expect_error "--dp 3 with --devices host:2 (expected the number of devices, 2" "
 expect_error "2 heads over 3 tensor-parallel ranks (expected a group size dividing n_head)" "${common[@]}" --tp 3
 expect_error "--tp 2 with --dp 2 (expected tensor parallelism alone" "${common[@]}" --tp 2 --dp 2
 expect_error "--zero 2 (expected 0, the replicated update, or 1" "${common[@]}" --devices host:2 --zero 2
+expect_error "--zero 0 with --tp 2 (expected --zero with data parallelism only" "${common[@]}" --tp 2 --zero 0
+expect_error "--zero 1 with a pipeline (expected --zero with data parallelism only" "${common[@]}" --stages 2 --zero 1
 head -c 2000 "$dir/model.bin" > "$dir/short.bin"
 expect_error "short.bin:byte 2000: truncated" "${common[@]}" --init-from "$dir/short.bin"
 expect_error "over 39996 windows (expected 1 to the" "${common[@]}" --eval-only --eval-iters 9999
