@@ -26,6 +26,18 @@
 //     peak_bytes_inline   the peak over one step run with every op at once on the calling thread
 //                         (Stream::InlineScope): what the step itself holds, without the host
 //                         worker's temporaries that wait for it to catch up.
+//   BM_gpt_layouts/<layout>: one training step (clipping 1.0, AdamW) of a mid-sized GPT
+//   (n_layer 4, n_head 4, n_embd 256, block 128, batch 8, vocab 256: 3.2 M parameters) in each
+//   layout the library has, on host devices: 0 one device, 1 data parallel over host:2 with the
+//   replicated update (zero_stage 0), 2 the same with ZeRO-1, 3 ZeRO-1 with full recomputation,
+//   4 tensor parallel over host:2 (vocab-parallel embedding, head and loss), 5 a 1F1B pipeline of
+//   2 stages and 4 micro-batches over host:2. A short run each:
+//     tokens_per_s        batch * block / the median step time;
+//     peak_bytes_device   the largest device allocator peak over the timed steps (parameters,
+//                         gradients, optimizer state, activations, buffers; as train_gpt --json's
+//                         peak_bytes: host streams run behind their issuer, so a step's queued
+//                         work still holds its tensors when they would already be free);
+//     devices             how many devices the layout uses.
 //   BM_attention/<shape>: causal attention forward + backward alone on that shape's qkv:
 //     online_ms               ops::causal_attention + causal_attention_backward (tiled online
 //                             softmax, per-row log-sum-exp kept);
@@ -260,6 +272,84 @@ struct NaiveAttention {
       }
   }
 };
+
+void BM_gpt_layouts(benchmark::State& state) {
+  static constexpr char const* names[] = {"one device", "host:2 data parallel, replicated update",
+                                          "host:2 data parallel, ZeRO-1", "host:2 ZeRO-1, full recomputation",
+                                          "host:2 tensor parallel", "host:2 pipeline, 1F1B x 4 micro-batches"};
+  int const layout = static_cast<int>(state.range(0));
+  Shape shape{"mid", {.vocab = 256, .block_size = 128, .n_layer = 4, .n_head = 4, .n_embd = 256}, 8};
+  if (layout == 3) shape.config.recompute = mgpu::nn::Recompute::full;
+  GptTrainer one(shape);  // its batches feed every layout; it trains only in layout 0
+  mgpu::DeviceGroup group(layout == 0 ? "host:1" : "host:2");
+  mgpu::optim::AdamWOptions const adamw = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
+  std::unique_ptr<mgpu::parallel::DataParallel> dp;
+  std::unique_ptr<mgpu::parallel::TensorParallel> tp;
+  std::unique_ptr<mgpu::pipeline::Executor> pp;
+  if (layout >= 1 && layout <= 3) {
+    mgpu::parallel::DataParallelOptions options;
+    options.seed = 1;
+    options.clip_norm = 1.0f;
+    options.zero_stage = layout == 1 ? 0 : 1;
+    options.loss = std::make_shared<mgpu::nn::TokenCrossEntropy>();
+    dp = std::make_unique<mgpu::parallel::DataParallel>(mgpu::nn::gpt(shape.config), group, one.adamw, std::move(options));
+  } else if (layout == 4) {
+    tp = std::make_unique<mgpu::parallel::TensorParallel>(group, shape.config,
+                                                          mgpu::parallel::TensorParallelOptions{.adamw = adamw, .clip_norm = 1.0f});
+  } else if (layout == 5) {
+    mgpu::nn::Sequential const model = mgpu::nn::gpt(shape.config);
+    std::vector<std::size_t> const points = model.cut_points();
+    std::size_t const middle = *std::min_element(points.begin(), points.end(), [&](std::size_t a, std::size_t b) {
+      auto const off = [&](std::size_t p) { return std::abs(static_cast<double>(p) - static_cast<double>(model.size()) / 2); };
+      return off(a) < off(b);
+    });
+    pp = std::make_unique<mgpu::pipeline::Executor>(
+        model, group, std::vector<std::size_t>{0, middle, model.size()}, mgpu::pipeline::one_f_one_b(2, 4),
+        [&adamw](mgpu::nn::Sequential const& chunk) {
+          mgpu::optim::AdamWOptions options = adamw;
+          options.decay_ranges = chunk.matrix_ranges();
+          return std::make_unique<mgpu::optim::AdamW>(options);
+        },
+        mgpu::pipeline::ExecutorOptions{.seed = 1, .clip_norm = 1.0f, .loss = std::make_shared<mgpu::nn::TokenCrossEntropy>()});
+  }
+  std::int64_t next = 0;
+  auto const step = [&] {
+    std::int64_t const b = next++ % GptTrainer::pool;
+    mgpu::Tensor const x = one.inputs.slice(b * shape.batch, (b + 1) * shape.batch);
+    mgpu::Tensor const y = one.targets.slice(b * shape.batch, (b + 1) * shape.batch);
+    if (dp) {
+      (void)dp->step(x, y);
+    } else if (tp) {
+      (void)tp->step(x, y);
+    } else if (pp) {
+      (void)pp->step(x, y);
+    } else {
+      one.step();
+    }
+  };
+  step();
+  mgpu::Allocator* const only = layout == 0 ? one.allocator.get() : nullptr;
+  auto const allocators = [&] {
+    std::vector<mgpu::Allocator*> all;
+    if (only != nullptr) return std::vector<mgpu::Allocator*>{only};
+    for (int r = 0; r < group.size(); ++r) all.push_back(&group.allocator(r));
+    return all;
+  }();
+  for (mgpu::Allocator* a : allocators) a->reset_peak();
+  std::vector<double> step_s;
+  for (auto _ : state) {
+    auto const t0 = Clock::now();
+    step();
+    step_s.push_back(seconds_since(t0));
+  }
+  double peak = 0;
+  for (mgpu::Allocator* a : allocators) peak = std::max(peak, static_cast<double>(a->stats().peak_allocated));
+  state.SetLabel(std::string(shape.name) + ", " + names[layout]);
+  state.counters["tokens_per_s"] = static_cast<double>(one.tokens()) / median(step_s);
+  state.counters["peak_bytes_device"] = peak;
+  state.counters["devices"] = static_cast<double>(allocators.size());
+}
+BENCHMARK(BM_gpt_layouts)->DenseRange(0, 5)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(4);
 
 void BM_attention(benchmark::State& state) {
   Shape const& shape = shapes[state.range(0)];
