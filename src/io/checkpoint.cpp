@@ -121,6 +121,7 @@ void Checkpoint::put(std::string const& name, Tensor const& tensor, Stream& stre
   r.type = record_type(tensor.dtype());
   r.shape = tensor.shape();
   r.data.resize(tensor.nbytes());
+  if (tensor.nbytes() == 0) return;  // an empty tensor (a rank's empty shard): nothing to copy
   if (tensor.device().kind == DeviceKind::host) {
     stream.synchronize();  // work already enqueued may still write the tensor
     std::memcpy(r.data.data(), tensor.data(), tensor.nbytes());
@@ -178,7 +179,7 @@ std::vector<T> values_of(Record const& r, RecordType expected) {
   if (r.type != expected)
     throw Error(Errc::invalid_argument, "checkpoint record '" + r.name + "' is " + type_name(r.type) + " (expected " + type_name(expected) + ")");
   std::vector<T> out(r.data.size() / sizeof(T));
-  std::memcpy(out.data(), r.data.data(), out.size() * sizeof(T));
+  if (!out.empty()) std::memcpy(out.data(), r.data.data(), out.size() * sizeof(T));  // an empty vector's data() may be null
   return out;
 }
 }  // namespace
@@ -202,6 +203,7 @@ void Checkpoint::check_fits(std::string const& name, Tensor const& tensor) const
 void Checkpoint::copy_to(std::string const& name, Tensor const& tensor, Stream& stream) const {
   check_fits(name, tensor);
   Record const& r = get(name);
+  if (r.data.empty()) return;  // an empty tensor: nothing to copy
   Tensor staging = Tensor::empty(tensor.shape(), tensor.dtype(), mgpu::detail::host_staging_allocator());
   std::memcpy(staging.data(), r.data.data(), r.data.size());
   copy_async(tensor, staging, stream);
