@@ -36,6 +36,22 @@ bool is_shard_file(std::string const& file) {
   return file.rfind("shard-", 0) == 0 && file.size() > 5 && file.substr(file.size() - 5) == ".ckpt";
 }
 
+// The save id and shard count of a manifest file.
+std::pair<std::uint64_t, int> read_manifest(std::filesystem::path const& manifest_file) {
+  Checkpoint const manifest = Checkpoint::load(manifest_file);
+  std::string const where = manifest_file.string();
+  if (!manifest.contains("format") || manifest.get_text("format") != format_name || !manifest.contains("save_id") ||
+      !manifest.contains("shards"))
+    throw Error(Errc::corrupt_data, where + ": not a sharded checkpoint's manifest (expected format '" +
+                                        std::string(format_name) + "', save_id and shards)");
+  auto const ids = manifest.get_uint64("save_id");
+  auto const counts = manifest.get_int64("shards");
+  if (ids.size() != 1 || counts.size() != 1 || counts[0] < 1 || counts[0] > (1 << 20))
+    throw Error(Errc::corrupt_data, where + ": a manifest with " + std::to_string(ids.size()) + " save ids and " +
+                                        std::to_string(counts.size()) + " shard counts (expected one of each, 1 to 2^20 shards)");
+  return {ids[0], static_cast<int>(counts[0])};
+}
+
 }  // namespace
 
 void ShardWriter::put_piece(std::string const& name, Shape const& shape, std::int64_t begin, Tensor const& values,
@@ -65,6 +81,10 @@ void ShardWriter::put(std::string const& name, std::vector<std::uint64_t> const&
 }
 void ShardWriter::put(std::string const& name, std::string const& text) {
   checkpoint_.put(std::string(whole_prefix) + name, text);
+}
+void ShardWriter::put(Record record) {
+  record.name = std::string(whole_prefix) + record.name;
+  checkpoint_.put(std::move(record));
 }
 
 std::filesystem::path shard_path(std::filesystem::path const& folder, std::uint64_t save_id, int shard, int shards) {
@@ -105,25 +125,21 @@ void commit_shards(std::filesystem::path const& folder, std::uint64_t save_id, i
   }
 }
 
+std::uint64_t committed_save_id(std::filesystem::path const& folder) {
+  std::filesystem::path const manifest_file = manifest_path(folder);
+  if (!std::filesystem::exists(manifest_file)) return 0;
+  return read_manifest(manifest_file).first;
+}
+
 ShardedCheckpoint ShardedCheckpoint::load(std::filesystem::path const& folder) {
   std::filesystem::path const manifest_file = manifest_path(folder);
   if (!std::filesystem::is_regular_file(manifest_file))
     throw Error(Errc::io, "no sharded checkpoint in " + folder.string() + ": " + manifest_file.filename().string() +
                               " is missing (expected a committed save: commit_shards writes it last)");
-  Checkpoint const manifest = Checkpoint::load(manifest_file);
-  std::string const where = manifest_file.string();
-  if (!manifest.contains("format") || manifest.get_text("format") != format_name || !manifest.contains("save_id") ||
-      !manifest.contains("shards"))
-    throw Error(Errc::corrupt_data, where + ": not a sharded checkpoint's manifest (expected format '" +
-                                        std::string(format_name) + "', save_id and shards)");
-  auto const ids = manifest.get_uint64("save_id");
-  auto const counts = manifest.get_int64("shards");
-  if (ids.size() != 1 || counts.size() != 1 || counts[0] < 1 || counts[0] > (1 << 20))
-    throw Error(Errc::corrupt_data, where + ": a manifest with " + std::to_string(ids.size()) + " save ids and " +
-                                        std::to_string(counts.size()) + " shard counts (expected one of each, 1 to 2^20 shards)");
+  auto const [save_id, shards] = read_manifest(manifest_file);
   ShardedCheckpoint c;
-  c.save_id_ = ids[0];
-  c.shards_ = static_cast<int>(counts[0]);
+  c.save_id_ = save_id;
+  c.shards_ = shards;
   c.shard_files_.reserve(static_cast<std::size_t>(c.shards_));
   std::map<std::string, std::string> whole_from;  // whole record -> the shard file that gave it
   for (int i = 0; i < c.shards_; ++i) {
@@ -207,6 +223,12 @@ ShardedCheckpoint ShardedCheckpoint::load(std::filesystem::path const& folder) {
                                           " (expected the pieces to cover its " + std::to_string(whole) + " elements once)");
   }
   return c;
+}
+
+std::vector<std::string> ShardedCheckpoint::split_names() const {
+  std::vector<std::string> names;
+  for (auto const& entry : split_) names.push_back(entry.first);
+  return names;
 }
 
 Shape const& ShardedCheckpoint::shape(std::string const& name) const {

@@ -96,6 +96,7 @@ TEST_CASE("Sharded checkpoint: pieces of three writers read back whole and in ra
   CHECK(h.read(c, "model.weight", 3, 4) == slice(whole, 3, 7));
   CHECK(c.whole().get_int64("step") == std::vector<std::int64_t>{7});
   CHECK(c.whole().get_text("note") == "save 7");
+  CHECK(c.split_names() == std::vector<std::string>{"model.weight"});
 
   Tensor wrong = Tensor::empty({4}, DType::int32, h.group.allocator(0));
   REQUIRE_MGPU_ERROR(c.read("model.weight", 0, wrong, h.stream), Errc::invalid_argument,
@@ -107,12 +108,38 @@ TEST_CASE("Sharded checkpoint: pieces of three writers read back whole and in ra
                      "sharded checkpoint record 'missing' is missing");
 }
 
+TEST_CASE("Sharded checkpoint: records of a Checkpoint put whole as they are", "[io][sharded]") {
+  Host h;
+  TempDir dir;
+  io::Checkpoint records;
+  records.put("model.parameters", h.floats({1.5f, -2.0f, 3.25f}).reshape({3, 1}), h.stream);
+  records.put("training", std::vector<std::int64_t>{4, 1, 2});
+  records.put("model.rng", std::vector<std::uint64_t>{7, 9});
+  records.put("optimizer.name", std::string("adamw"));
+  io::ShardWriter shard;
+  for (io::Record const& r : records.records()) shard.put(r);
+  shard.save(dir.path, 1, 0, 1);
+  io::commit_shards(dir.path, 1, 1);
+  auto const c = io::ShardedCheckpoint::load(dir.path);
+  CHECK(c.split_names().empty());
+  REQUIRE(c.whole().records().size() == records.records().size());
+  for (io::Record const& want : records.records()) {
+    io::Record const& got = c.whole().get(want.name);
+    CHECK((got.type == want.type && got.shape == want.shape && got.data == want.data));
+  }
+  // A manifest that is not one is refused by committed_save_id too.
+  records.save(dir.path / "manifest.ckpt");
+  REQUIRE_MGPU_ERROR(io::committed_save_id(dir.path), Errc::corrupt_data, "manifest.ckpt: not a sharded checkpoint's manifest");
+}
+
 TEST_CASE("Sharded checkpoint: a new save replaces the old one only once committed", "[io][sharded]") {
   Host h;
   TempDir dir;
   auto const first = iota(20, 0.0f);
   auto const second = iota(20, 100.0f);
+  CHECK(io::committed_save_id(dir.path) == 0);  // nothing committed: the next save is 1
   write_save(h, dir.path, 1, first, {0, 10, 20});
+  CHECK(io::committed_save_id(dir.path) == 1);
 
   // A job that dies after writing some shards of save 2 and before committing: save 1 is intact.
   io::ShardWriter partial;
@@ -120,11 +147,13 @@ TEST_CASE("Sharded checkpoint: a new save replaces the old one only once committ
   partial.save(dir.path, 2, 0, 3);
   REQUIRE_MGPU_ERROR(io::commit_shards(dir.path, 2, 3), Errc::io, "shard-2-1-of-3.ckpt is missing");
   CHECK(h.read(io::ShardedCheckpoint::load(dir.path), "model.weight", 0, 20) == first);
+  CHECK(io::committed_save_id(dir.path) == 1);
 
   // Save 2 on another writer count, committed: it is read, and save 1's files are gone.
   write_save(h, dir.path, 2, second, {0, 7, 13, 20});
   auto const c = io::ShardedCheckpoint::load(dir.path);
   CHECK(c.save_id() == 2);
+  CHECK(io::committed_save_id(dir.path) == 2);
   CHECK(h.read(c, "model.weight", 0, 20) == second);
   CHECK(!fs::exists(io::shard_path(dir.path, 1, 0, 2)));
   CHECK(fs::exists(io::shard_path(dir.path, 2, 0, 3)));

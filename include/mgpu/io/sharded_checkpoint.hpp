@@ -35,6 +35,8 @@ class ShardWriter {
   void put(std::string const& name, std::vector<std::int64_t> const& values);
   void put(std::string const& name, std::vector<std::uint64_t> const& values);
   void put(std::string const& name, std::string const& text);
+  /// A whole record as it is (e.g. one of a Checkpoint's records()).
+  void put(Record record);
 
   /// Writes this shard, number `shard` of `shards`, of save `save_id` into `folder` (made if
   /// missing), atomically. Throws Error(invalid_argument) for a shard outside [0, shards) and
@@ -54,6 +56,11 @@ std::filesystem::path shard_path(std::filesystem::path const& folder, std::uint6
 /// (the manifest then still names the previous save).
 void commit_shards(std::filesystem::path const& folder, std::uint64_t save_id, int shards);
 
+/// The save id that `folder`'s manifest names, or 0 when nothing is committed there (no manifest):
+/// a writer's next save takes one more. Reads the manifest only. Throws Error(corrupt_data) naming
+/// a manifest that is not one.
+std::uint64_t committed_save_id(std::filesystem::path const& folder);
+
 /// A committed sharded checkpoint, read and verified: every shard file's checksums, that the shards
 /// agree on each record's shape and type, and that each split record's pieces cover it exactly
 /// once. Reads every shard file of the save.
@@ -68,6 +75,8 @@ class ShardedCheckpoint {
 
   /// Whether `name` is a split record (written by put_piece).
   [[nodiscard]] bool has_pieces(std::string const& name) const noexcept { return split_.count(name) != 0; }
+  /// The split records' names, sorted.
+  [[nodiscard]] std::vector<std::string> split_names() const;
   /// A split record's whole shape; throws Error(invalid_argument) naming a missing one.
   [[nodiscard]] Shape const& shape(std::string const& name) const;
   /// Copies elements [begin, begin + out.numel()) of split record `name` into `out` (its dtype must be
