@@ -47,22 +47,6 @@ void check_batch(nn::Sequential const& model, DType compute, Tensor const& x, Te
   loss.check_values(output, targets, what);
 }
 
-// 64-bit values as pairs of 32-bit words, for all_gather_words.
-template <class T>
-void append_words(std::vector<std::int32_t>& words, T value) {
-  static_assert(sizeof(T) == 8);
-  std::int32_t halves[2];
-  std::memcpy(halves, &value, sizeof value);
-  words.insert(words.end(), halves, halves + 2);
-}
-template <class T>
-T read_words(std::vector<std::int32_t> const& words, std::size_t at) {
-  static_assert(sizeof(T) == 8);
-  T value;
-  std::memcpy(&value, words.data() + at, sizeof value);
-  return value;
-}
-
 }  // namespace
 
 std::vector<optim::Optimizer*> DataParallel::Impl::optimizers() const {
@@ -73,13 +57,6 @@ std::vector<optim::Optimizer*> DataParallel::Impl::optimizers() const {
 
 bool DataParallel::Impl::across_processes() const {
   return sync->communicator().size() != static_cast<int>(ranks.size());
-}
-
-void DataParallel::Impl::check_one_process(std::string const& what) const {
-  if (across_processes())
-    throw Error(Errc::invalid_argument, what +
-                                            " on an executor across processes (expected one process: not built yet "
-                                            "across processes)");
 }
 
 std::vector<std::int32_t> DataParallel::Impl::all_gather_words(std::vector<std::vector<std::int32_t>> const& words) {

@@ -1,16 +1,22 @@
 // DataParallel's checkpoints: the executor's own records (the position in the accumulation cycle,
 // each rank's accumulated gradients, the loss scaler, the comm hook's state) beside those of
 // io::training_checkpoint, verified on load against this executor and restored on any rank count.
+// Across processes a checkpoint is a folder of io::ShardWriter shards, one per process: process 0's
+// holds the whole records, every process's the optimizer state of the elements its ranks own.
 #include <mgpu/parallel/data_parallel.hpp>
 
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <mgpu/core/error.hpp>
 #include <mgpu/io/checkpoint.hpp>
+#include <mgpu/io/sharded_checkpoint.hpp>
 
 #include "core/backend.hpp"
 #include "parallel/data_parallel_impl.hpp"
@@ -29,6 +35,29 @@ Tensor host_copy(io::Record const& record) {
   Tensor t = Tensor::empty({static_cast<std::int64_t>(record.data.size() / sizeof(float))}, DType::float32, mgpu::detail::host_staging_allocator());
   if (!record.data.empty()) std::memcpy(t.data(), record.data.data(), record.data.size());
   return t;
+}
+
+// Where element `begin` of the parameters lies in an optimizer state packed over the `owned` ranges.
+std::int64_t packed_offset(std::vector<std::pair<std::int64_t, std::int64_t>> const& owned, std::int64_t begin) {
+  std::int64_t offset = 0;
+  for (auto const& [first, end] : owned) {
+    if (begin >= first && begin < end) return offset + (begin - first);
+    offset += end - first;
+  }
+  throw Error(Errc::invalid_argument, "element " + std::to_string(begin) + " is in none of the optimizer's owned ranges (expected the ranges the sharded update laid its state out for)");
+}
+
+// A folder that save() wrote across processes, read whole as one checkpoint: its whole records and
+// every split record (the optimizer state) gathered from the shards.
+io::Checkpoint read_folder(std::filesystem::path const& folder, Stream& stream) {
+  io::ShardedCheckpoint const sharded = io::ShardedCheckpoint::load(folder);
+  io::Checkpoint whole = sharded.whole();
+  for (std::string const& name : sharded.split_names()) {
+    Tensor const values = Tensor::empty(sharded.shape(name), DType::float32, mgpu::detail::host_staging_allocator());
+    sharded.read(name, 0, values, stream);
+    whole.put(name, values, stream);
+  }
+  return whole;
 }
 }  // namespace
 
@@ -139,12 +168,95 @@ void DataParallel::Impl::restore_state(Saved const& saved) {
   micro_steps = saved.position;
 }
 
+void DataParallel::Impl::agree(std::exception_ptr failure, std::string const& what) {
+  comm::Communicator& comm = sync->communicator();
+  std::vector<std::int32_t> const all =
+      all_gather_words(std::vector<std::vector<std::int32_t>>(state.size(), {failure ? 1 : 0}));
+  if (failure) std::rethrow_exception(failure);
+  for (std::size_t rank = 0; rank < all.size(); ++rank)
+    if (all[rank] != 0)
+      throw Error(Errc::io, what + ": the process of world rank " + std::to_string(rank) + " failed (its error names why); rank " +
+                                std::to_string(comm.first_rank()) + "'s process stops too");
+}
+
+void DataParallel::Impl::save_shards(std::filesystem::path const& folder, io::TrainingState const& training) {
+  std::string const what = "DataParallel::save across processes to " + folder.string();
+  int const k = options.accumulation_steps;
+  if (micro_steps % k != 0)
+    throw Error(Errc::invalid_argument, what + " after " + std::to_string(micro_steps % k) + " of " + std::to_string(k) +
+                                            " accumulated micro-batches (expected a save at the end of an accumulation cycle: "
+                                            "not built yet across processes mid-cycle)");
+  comm::Communicator& comm = sync->communicator();
+  bool const leader = comm.first_rank() == 0;
+  // The save's id (world rank 0's: one more than the folder's committed one, read before anyone
+  // commits), and this process's shard: the processes in the order of their first ranks.
+  std::uint64_t next = 0;
+  std::exception_ptr failure;
+  try {
+    if (leader) next = io::committed_save_id(folder) + 1;
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  agree(failure, what);
+  std::vector<std::int32_t> words{comm.first_rank()};
+  append_words(words, next);
+  std::vector<std::int32_t> const all = all_gather_words(std::vector<std::vector<std::int32_t>>(state.size(), words));
+  std::uint64_t const save_id = read_words<std::uint64_t>(all, 1);
+  int shard = 0, shards = 0;
+  for (std::size_t at = 0; at < all.size(); at += 3) {
+    if (at > 0 && all[at] == all[at - 3]) continue;
+    if (all[at] == comm.first_rank()) shard = shards;
+    ++shards;
+  }
+  try {
+    io::ShardWriter writer;
+    if (leader) {  // the whole records: replica 0's, as in one process, less the optimizer state
+      Rank& first = *state[0];
+      io::Checkpoint whole = io::training_checkpoint(first.model, *first.optimizer, training, group->stream(0));
+      save_state(whole);
+      for (io::Record const& record : whole.records())
+        if (!record.name.starts_with("optimizer.") || record.type != io::RecordType::float32) writer.put(record);
+    }
+    std::int64_t const count = state[0]->model.parameter_count();
+    for (std::size_t r = 0; r < state.size(); ++r) {
+      optim::Optimizer const& optimizer = *state[r]->optimizer;
+      Stream& stream = group->stream(static_cast<int>(r));
+      auto const& owned = optimizer.owned();
+      for (auto const& [name, tensor] : optimizer.state()) {
+        if (owned.empty()) {  // the whole state: world rank 0 writes it
+          if (leader && r == 0) writer.put_piece("optimizer." + name, {count}, 0, tensor, stream);
+          continue;
+        }
+        // The elements this rank updates and counts (those that every rank updates, rank 0's).
+        for (nn::OwnedRange const& range : sync->rank(static_cast<int>(r)).owned()) {
+          if (!range.counted || range.begin == range.end) continue;
+          std::int64_t const at = packed_offset(owned, range.begin);
+          writer.put_piece("optimizer." + name, {count}, range.begin, tensor.slice(at, at + (range.end - range.begin)), stream);
+        }
+      }
+    }
+    writer.save(folder, save_id, shard, shards);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  agree(failure, what);
+  try {
+    if (leader) io::commit_shards(folder, save_id, shards);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  agree(failure, what);  // every process returns once the save is committed
+}
+
 void DataParallel::save(std::filesystem::path const& path, io::TrainingState const& state) {
   Impl& im = *impl_;
-  im.check_one_process("DataParallel::save");
   im.check_usable("DataParallel::save");
   im.sync->synchronize();
   im.group->synchronize();
+  if (im.across_processes()) {
+    im.save_shards(path, state);
+    return;
+  }
   im.sync->gather_optimizer_state(im.optimizers());
   io::Checkpoint checkpoint = io::training_checkpoint(im.state[0]->model, *im.state[0]->optimizer, state, im.group->stream(0));
   im.save_state(checkpoint);
@@ -153,10 +265,10 @@ void DataParallel::save(std::filesystem::path const& path, io::TrainingState con
 
 io::TrainingState DataParallel::load(std::filesystem::path const& path) {
   Impl& im = *impl_;
-  im.check_one_process("DataParallel::load");
   im.sync->synchronize();
   im.group->synchronize();
-  io::Checkpoint const checkpoint = io::Checkpoint::load(path);
+  io::Checkpoint const checkpoint =
+      std::filesystem::is_directory(path) ? read_folder(path, im.group->stream(0)) : io::Checkpoint::load(path);
   Impl::Saved const saved = im.verify_state(checkpoint, path.string());
   // Every rank's optimizer state whole, as the file holds it (sharded again by the next step).
   im.sync->gather_optimizer_state(im.optimizers());

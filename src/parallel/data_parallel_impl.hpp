@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+#include <filesystem>
 #include <exception>
 #include <memory>
 #include <optional>
@@ -21,6 +23,22 @@
 #include "parallel/gradient_sync.hpp"
 
 namespace mgpu::parallel {
+
+// 64-bit values as pairs of 32-bit words, for all_gather_words.
+template <class T>
+void append_words(std::vector<std::int32_t>& words, T value) {
+  static_assert(sizeof(T) == 8);
+  std::int32_t halves[2];
+  std::memcpy(halves, &value, sizeof value);
+  words.insert(words.end(), halves, halves + 2);
+}
+template <class T>
+T read_words(std::vector<std::int32_t> const& words, std::size_t at) {
+  static_assert(sizeof(T) == 8);
+  T value;
+  std::memcpy(&value, words.data() + at, sizeof value);
+  return value;
+}
 
 struct DataParallel::Impl {
   struct Rank;
@@ -47,8 +65,6 @@ struct DataParallel::Impl {
 
   // Whether the communicator spans other processes' ranks too (see DataParallel's "Across processes").
   [[nodiscard]] bool across_processes() const;
-  // Throws Error(invalid_argument) naming `what` when the executor spans processes.
-  void check_one_process(std::string const& what) const;
   // Every used rank's `words` (as many on every rank), from every process, in communicator rank order.
   std::vector<std::int32_t> all_gather_words(std::vector<std::vector<std::int32_t>> const& words);
 
@@ -77,6 +93,11 @@ struct DataParallel::Impl {
   struct Saved;
   Saved verify_state(io::Checkpoint const& checkpoint, std::string const& source) const;
   void restore_state(Saved const& saved);
+  // Across processes: every process writes its shard of the checkpoint folder `folder` (see save()).
+  void save_shards(std::filesystem::path const& folder, io::TrainingState const& training);
+  // Throws, on every process, the first process's failure (`failure`, this process's, or null):
+  // every process calls it at the same point, so none waits for one that failed.
+  void agree(std::exception_ptr failure, std::string const& what);
 };
 
 // One replica and what its rank keeps between steps besides its gradient sync.

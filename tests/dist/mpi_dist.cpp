@@ -10,6 +10,11 @@
 //                                    devices in one process, which every process runs itself:
 //                                    bucketed, overlapped or not, sharded update or not, with
 //                                    dropout or clipping; bitwise with one device per process.
+//   mpi_dist checkpoint COUNTS FOLDER  DataParallel::save() across the processes into FOLDER mid-run
+//                                    and load() of it across the processes and in one process on 3
+//                                    devices, against an uninterrupted run in one process; with and
+//                                    without the sharded update. A save mid-cycle is refused, a
+//                                    damaged shard named.
 //   mpi_dist pipeline COUNTS         pipeline::Executor with its stages on the processes' devices
 //                                    (world rank g runs pipeline device g) against the same
 //                                    executor over as many devices in one process, which every
@@ -29,6 +34,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <random>
@@ -40,6 +46,7 @@
 #include <unistd.h>
 
 #include <mgpu/dist/dist.hpp>
+#include <mgpu/io/sharded_checkpoint.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
@@ -509,6 +516,131 @@ void expect_refused(Call const& call, std::string const& needle, std::string con
   }
 }
 
+// Whether `have` is within `tolerance` (relative, per element) of `want`, or the same bits.
+bool close_to(std::vector<float> const& have, std::vector<float> const& want, double tolerance) {
+  if (tolerance == 0) return same_bits(have, want);
+  if (have.size() != want.size()) return false;
+  for (std::size_t i = 0; i < have.size(); ++i)
+    if (!(std::abs(static_cast<double>(have[i]) - want[i]) <= tolerance * (1 + std::abs(want[i])))) return false;
+  return true;
+}
+
+// DataParallel::save() across the processes mid-run into `folder` (the same on every process), and
+// load() of it: resumed across the processes, and in one process over 3 devices, against an
+// uninterrupted run over world.size() devices of this process; the same bits with one device per
+// process (the same ranks and layout), within float32 tolerance otherwise. With the sharded update
+// (each process writes its ranks' optimizer state) and without (process 0 writes it whole). Then a
+// save mid accumulation cycle is refused, and a damaged shard names its file.
+void test_checkpoint(Setup const& s, std::filesystem::path const& folder) {
+  std::shared_ptr<mgpu::Allocator> host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  if (process == 0) std::filesystem::remove_all(folder);  // before any process writes (save() agrees first)
+  std::int64_t const rows = 29;
+  int const steps = 5, saved_at = 2;
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0, 1);
+  std::vector<Tensor> xs, ys;
+  for (int b = 0; b < steps; ++b) {
+    xs.push_back(Tensor::empty({rows, 6}, DType::float32, *host));
+    for (float& v : xs.back().host_span<float>()) v = normal(rng);
+    ys.push_back(Tensor::empty({rows}, DType::float32, *host));
+    for (float& v : ys.back().host_span<float>()) v = static_cast<float>(rng() % 4);
+  }
+  std::vector<std::int64_t> const shards = mgpu::shard_sizes(rows, s.size());
+  std::int64_t begin = 0;
+  for (int r = 0; r < s.rank(0); ++r) begin += shards[static_cast<std::size_t>(r)];
+  std::int64_t end = begin;
+  for (int l = 0; l < s.local(); ++l) end += shards[static_cast<std::size_t>(s.rank(l))];
+  double const across = s.world.processes == s.size() ? 0 : 1e-5;  // 0: the same bits
+  mgpu::optim::AdamW const adamw(mgpu::optim::AdamWOptions{.lr = 0.01f});
+  mgpu::io::TrainingState const position{.step = saved_at, .epoch = 1, .batch = saved_at, .data_seed = 77};
+  for (int const zero_stage : {1, 0}) {
+    std::string const what = "checkpoint, zero_stage " + std::to_string(zero_stage);
+    mgpu::parallel::DataParallelOptions options;
+    options.bucket_cap_bytes = options.first_bucket_cap_bytes = 4;  // a bucket per layer
+    options.zero_stage = zero_stage;
+    options.comm.timeout = 60s;
+    mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
+    mgpu::parallel::DataParallel reference(dp_model(true), one, adamw, options);
+    std::vector<float> losses;
+    for (int b = 0; b < steps; ++b) losses.push_back(reference.step(xs[static_cast<std::size_t>(b)], ys[static_cast<std::size_t>(b)]).loss);
+    std::vector<float> const want = host_values(reference.replica(0).master_parameters(), one.stream(0));
+    // `dp` from step `from` on (its part of each batch: `first` to `last` rows) against the reference.
+    auto const finish = [&](mgpu::parallel::DataParallel& dp, mgpu::DeviceGroup& group, int from, std::int64_t first, std::int64_t last,
+                            double tolerance, std::string const& run) {
+      for (int b = from; b < steps; ++b) {
+        auto const u = static_cast<std::size_t>(b);
+        float const loss = dp.step(xs[u].slice(first, last), ys[u].slice(first, last)).loss;
+        EXPECT(close_to({loss}, {losses[u]}, tolerance), what << ", " << run << ": step " << b << " loss " << loss << " (expected " << losses[u] << ")");
+      }
+      for (int l = 0; l < group.size(); ++l)
+        EXPECT(close_to(host_values(dp.replica(l).master_parameters(), group.stream(l)), want, tolerance),
+               what << ", " << run << ": replica " << l << "'s parameters differ from the uninterrupted run's");
+    };
+    options.make_communicator = mgpu::dist::communicator_factory(s.world);
+    {
+      mgpu::parallel::DataParallel dp(dp_model(true), s.group, adamw, options);
+      for (int b = 0; b < saved_at; ++b) dp.step(xs[static_cast<std::size_t>(b)].slice(begin, end), ys[static_cast<std::size_t>(b)].slice(begin, end));
+      dp.save(folder, position);
+      finish(dp, s.group, saved_at, begin, end, across, "the run that saved");
+    }
+    mgpu::io::ShardedCheckpoint const written = mgpu::io::ShardedCheckpoint::load(folder);
+    EXPECT(written.shards() == s.world.processes && written.split_names().size() == 2,
+           what << ": " << written.shards() << " shards, " << written.split_names().size() << " split records (expected "
+                << s.world.processes << " and AdamW's 2)");
+    {
+      mgpu::parallel::DataParallel dp(dp_model(true), s.group, adamw, options);
+      mgpu::io::TrainingState const got = dp.load(folder);
+      EXPECT(got.step == position.step && got.epoch == position.epoch && got.batch == position.batch && got.data_seed == position.data_seed,
+             what << ": loaded step " << got.step << ", epoch " << got.epoch << ", batch " << got.batch << ", seed " << got.data_seed);
+      finish(dp, s.group, saved_at, begin, end, across, "resumed across the processes");
+    }
+    {
+      options.make_communicator = nullptr;
+      mgpu::DeviceGroup three("host:3");
+      mgpu::parallel::DataParallel dp(dp_model(true), three, adamw, options);
+      dp.load(folder);
+      finish(dp, three, saved_at, 0, rows, 1e-5, "resumed in one process on 3 devices");
+    }
+  }
+  mgpu::parallel::DataParallelOptions options;
+  options.make_communicator = mgpu::dist::communicator_factory(s.world);
+  options.comm.timeout = 60s;
+  options.accumulation_steps = 2;
+  {
+    mgpu::parallel::DataParallel dp(dp_model(false), s.group, adamw, options);
+    dp.step(xs[0].slice(begin, end), ys[0].slice(begin, end));
+    expect_refused([&] { dp.save(folder, position); }, "accumulated micro-batches", "a save across processes mid-cycle");
+  }
+  // Each process damages its own copy: one byte near the end of shard 0 (process 0's, which holds
+  // the whole records).
+  std::filesystem::path const copy = folder.string() + "-damaged-" + std::to_string(process);
+  std::filesystem::remove_all(copy);
+  std::filesystem::copy(folder, copy);
+  mgpu::io::ShardedCheckpoint const written = mgpu::io::ShardedCheckpoint::load(folder);
+  std::filesystem::path const shard = mgpu::io::shard_path(copy, written.save_id(), 0, written.shards());
+  {
+    std::fstream file(shard, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekg(-100, std::ios::end);
+    char byte = 0;
+    file.read(&byte, 1);
+    byte = static_cast<char>(byte ^ 0x10);
+    file.seekp(-100, std::ios::end);
+    file.write(&byte, 1);
+  }
+  options.make_communicator = nullptr;
+  options.accumulation_steps = 1;
+  mgpu::DeviceGroup two("host:2");
+  mgpu::parallel::DataParallel dp(dp_model(true), two, adamw, options);
+  try {
+    dp.load(copy);
+    EXPECT(false, "a damaged shard was accepted");
+  } catch (mgpu::Error const& e) {
+    EXPECT(e.category() == mgpu::Errc::corrupt_data && std::string(e.what()).find(shard.filename().string()) != std::string::npos,
+           "a damaged shard: " << e.what() << " (expected corrupt_data naming " << shard.filename().string() << ")");
+  }
+  std::filesystem::remove_all(copy);
+}
+
 // The pipeline executor with its stages on every process's devices (one stage per pipeline
 // device; with two replicas, a data x pipeline grid whose replicas sum their gradients across
 // processes) against the same executor over world.size() devices of this process: every device
@@ -688,7 +820,7 @@ void test_pipeline_gpt(Setup const& s) {
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: mpi_dist collectives|data_parallel|pipeline|stall|exit|mismatch COUNTS [PROCESS]\n");
+    std::fprintf(stderr, "usage: mpi_dist collectives|data_parallel|checkpoint|pipeline|stall|exit|mismatch COUNTS [PROCESS|FOLDER]\n");
     return 2;
   }
   std::string const mode = argv[1];
@@ -698,7 +830,7 @@ int main(int argc, char** argv) {
     std::getline(list, item, ',');
     counts.push_back(std::stoi(item));
   }
-  int const faulty = argc > 3 ? std::atoi(argv[3]) : -1;
+  int const faulty = argc > 3 && mode != "checkpoint" ? std::atoi(argv[3]) : -1;
   try {
     mgpu::dist::Session session;
     mgpu::dist::Place const& place = session.place();
@@ -720,6 +852,16 @@ int main(int argc, char** argv) {
     if (mode == "pipeline") {
       test_pipeline(s);
       test_pipeline_gpt(s);
+      comm->finalize();
+      std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
+      return failures == 0 ? 0 : 1;
+    }
+    if (mode == "checkpoint") {
+      if (argc < 4) {
+        std::fprintf(stderr, "usage: mpi_dist checkpoint COUNTS FOLDER\n");
+        return 2;
+      }
+      test_checkpoint(s, argv[3]);
       comm->finalize();
       std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
       return failures == 0 ? 0 : 1;

@@ -194,10 +194,11 @@ struct DataParallelResult {
 /// verify_replicas() concern this process's devices: rows move between processes only as the
 /// caller splits them. A process may pass no rows of a step's global batch (its ranks' gradients
 /// are then zero), but it must call step(), and with the sharded update optimizer() too (it
-/// gathers the state from every rank). Not yet across processes (Error(invalid_argument) at
-/// construction or call): a request, a comm hook, save() and load(). A failed step leaves the
-/// executor unusable (the communicator across processes cannot be made again while a peer may be
-/// gone): the job ends.
+/// gathers the state from every rank). save() and load() are collective: every process calls them
+/// with the same folder (see save()). Not yet across processes (Error(invalid_argument) at
+/// construction or call): a request, a comm hook, and a save mid accumulation cycle. A failed step
+/// leaves the executor unusable (the communicator across processes cannot be made again while a
+/// peer may be gone): the job ends.
 class DataParallel {
  public:
   /// `model` gives the architecture (and, when materialized, the starting weights); `optimizer`
@@ -233,6 +234,13 @@ class DataParallel {
   /// state: the accumulation cycle's length and position, each rank's accumulated gradients when
   /// saved mid-cycle, the loss scaler (scale, finite steps towards growth, skipped steps), and the
   /// comm hook's state (Bf16Compression's residuals) per rank.
+  /// Across processes `path` is a folder (an io::ShardWriter save, see io/sharded_checkpoint.hpp),
+  /// and every process calls save() with the same one: each writes its shard, with the sharded
+  /// update the optimizer state of the elements its ranks own (without, process 0 writes it whole),
+  /// process 0 also the whole records (its `state`), and once every shard is written process 0
+  /// commits the save (one more than the folder's committed one); every process returns once it is
+  /// committed, or throws the first process's failure. The previous save stays whole until then.
+  /// Throws Error(invalid_argument) there for a save mid accumulation cycle (not built yet).
   void save(std::filesystem::path const& path, io::TrainingState const& state);
   /// Loads a checkpoint written by save() (on any number of devices) into every replica, leaving the
   /// executor exactly as a new one that loaded it: gradients accumulated before are dropped, the
@@ -241,6 +249,8 @@ class DataParallel {
   /// the device count that saved it the run continues bitwise as it would have; on another, rank 0
   /// takes the sum of the saved ranks' accumulated gradients and hook residuals.
   /// A file from save_training or from before these records loads as saved at a cycle's start.
+  /// A folder that save() wrote across processes loads in one process or across any number of
+  /// processes (each reads the whole folder; the next step shards the optimizer state again).
   /// Throws, leaving the executor as it was, Error(invalid_argument) naming the mismatch for
   /// another architecture, or for a checkpoint saved mid-cycle with another accumulation_steps.
   /// Makes an executor that a failed step left unusable usable again.
