@@ -12,7 +12,8 @@
 // per device, each batch sharded across them, gradients all-reduced in buckets during backward.
 // Under mpirun or srun every process does so over its own --devices: each loads the same global
 // batch and trains on its rows (split by the processes' device speeds), the gradients are reduced
-// over every device of every process, and process 0 prints.
+// over every device of every process, and process 0 prints. --checkpoint is then a folder of
+// one shard per process (DataParallel::save), which --resume reads on any process count.
 #include <CLI/CLI.hpp>
 
 #include <unistd.h>
@@ -91,13 +92,9 @@ int train(Options const& o) {
   bool const speaker = world.process == 0;  // every process trains the same model; process 0 prints
   FILE* const log = o.json ? stderr : stdout;
   bool const terminal = speaker && ::isatty(STDERR_FILENO) != 0;
-  if (across && !o.checkpoint.empty())
-    throw mgpu::Error(mgpu::Errc::invalid_argument,
-                      "--checkpoint in a job of " + std::to_string(world.processes) +
-                          " processes (expected one process: checkpoints across processes are not built yet)");
   if (o.resume && !std::filesystem::exists(o.checkpoint) && !o.allow_fresh)
     throw mgpu::Error(mgpu::Errc::io, "--resume: no checkpoint at '" + o.checkpoint +
-                                          "' (expected a file written by --checkpoint; add --allow-fresh to start fresh when it is missing)");
+                                          "' (expected what --checkpoint wrote; add --allow-fresh to start fresh when it is missing)");
 
   auto const all = examples::load_data(o.common.data, o.common.label_col, o.seed, 20000);
   if (all.classes() < 2)

@@ -1,8 +1,9 @@
 // DataParallel's checkpoints: the executor's own records (the position in the accumulation cycle,
 // each rank's accumulated gradients, the loss scaler, the comm hook's state) beside those of
 // io::training_checkpoint, verified on load against this executor and restored on any rank count.
-// Across processes a checkpoint is a folder of io::ShardWriter shards, one per process: process 0's
-// holds the whole records, every process's the optimizer state of the elements its ranks own.
+// Across processes (or into a folder) a checkpoint is a folder of io::ShardWriter shards, one per
+// process: process 0's holds the whole records, every process's the optimizer state of the elements
+// its ranks own.
 #include <mgpu/parallel/data_parallel.hpp>
 
 #include <algorithm>
@@ -180,12 +181,14 @@ void DataParallel::Impl::agree(std::exception_ptr failure, std::string const& wh
 }
 
 void DataParallel::Impl::save_shards(std::filesystem::path const& folder, io::TrainingState const& training) {
-  std::string const what = "DataParallel::save across processes to " + folder.string();
+  std::string const what = "DataParallel::save to the folder " + folder.string();
   int const k = options.accumulation_steps;
   if (micro_steps % k != 0)
     throw Error(Errc::invalid_argument, what + " after " + std::to_string(micro_steps % k) + " of " + std::to_string(k) +
                                             " accumulated micro-batches (expected a save at the end of an accumulation cycle: "
-                                            "not built yet across processes mid-cycle)");
+                                            "a folder mid-cycle is not built yet)");
+  if (options.comm_hook)
+    throw Error(Errc::invalid_argument, what + " with a comm hook (expected a file: a folder does not hold the hook's state yet)");
   comm::Communicator& comm = sync->communicator();
   bool const leader = comm.first_rank() == 0;
   // The save's id (world rank 0's: one more than the folder's committed one, read before anyone
@@ -253,7 +256,7 @@ void DataParallel::save(std::filesystem::path const& path, io::TrainingState con
   im.check_usable("DataParallel::save");
   im.sync->synchronize();
   im.group->synchronize();
-  if (im.across_processes()) {
+  if (im.across_processes() || std::filesystem::is_directory(path)) {
     im.save_shards(path, state);
     return;
   }

@@ -93,7 +93,7 @@ struct DataParallel::Impl {
   struct Saved;
   Saved verify_state(io::Checkpoint const& checkpoint, std::string const& source) const;
   void restore_state(Saved const& saved);
-  // Across processes: every process writes its shard of the checkpoint folder `folder` (see save()).
+  // Across processes or into a folder: every process writes its shard of `folder` (see save()).
   void save_shards(std::filesystem::path const& folder, io::TrainingState const& training);
   // Throws, on every process, the first process's failure (`failure`, this process's, or null):
   // every process calls it at the same point, so none waits for one that failed.

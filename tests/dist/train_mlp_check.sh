@@ -5,7 +5,9 @@
 #   train_mlp --devices host:2 (the same reductions in the same order), and its JSON lists the
 #   world's devices;
 # - 2 processes x 2 devices, and an uneven 1 + 2 split (MPMD: mpirun -np 1 ... : -np 1 ...), end
-#   within 1e-4 of its last epoch loss and 0.005 of its test accuracy.
+#   within 1e-4 of its last epoch loss and 0.005 of its test accuracy;
+# - 2 x host:1 with --checkpoint (a folder of shards) stopped after epoch 1 and resumed, on 2 x host:1
+#   and in one process on host:2, end with the uninterrupted run's last epoch loss and accuracy bits.
 set -eu
 exe=$1
 dir=$2
@@ -26,6 +28,20 @@ done
 [ "$(field devices "$dir/two.json")" = '["p0:host:0", "p1:host:0"]' ] || fail "devices $(field devices "$dir/two.json") (expected the world's)"
 [ "$(field processes "$dir/two.json")" = 2 ] || fail "processes $(field processes "$dir/two.json") (expected 2)"
 
+"$@" 2 "$exe" --devices host:1 $args --checkpoint "$dir/ckpt" --until-epoch 1 >"$dir/half.json" 2>"$dir/half.log" ||
+  { cat "$dir/half.log"; fail "2 x host:1 --checkpoint --until-epoch 1"; }
+cp -r "$dir/ckpt" "$dir/ckpt-one"
+"$@" 2 "$exe" --devices host:1 $args --checkpoint "$dir/ckpt" --resume >"$dir/resumed.json" 2>"$dir/resumed.log" ||
+  { cat "$dir/resumed.log"; fail "2 x host:1 --resume"; }
+"$exe" --devices host:2 $args --checkpoint "$dir/ckpt-one" --resume >"$dir/resumed-one.json" 2>"$dir/resumed-one.log" ||
+  { cat "$dir/resumed-one.log"; fail "host:2 --resume from 2 processes' checkpoint"; }
+last_loss() { field epoch_losses "$1" | sed -E 's/.*, *//; s/[][]//g'; }
+for run in resumed resumed-one; do
+  cat "$dir/$run.json"
+  [ "$(last_loss "$dir/$run.json") $(field test_accuracy "$dir/$run.json")" = "$(last_loss "$dir/two.json") $(field test_accuracy "$dir/two.json")" ] ||
+    fail "$run: last epoch loss and accuracy $(last_loss "$dir/$run.json") $(field test_accuracy "$dir/$run.json") (expected the uninterrupted run's $(last_loss "$dir/two.json") $(field test_accuracy "$dir/two.json"))"
+done
+
 # close NAME FILE: FILE's last epoch loss and test accuracy are those of one.json within the tolerances.
 close() {
   cat "$2"
@@ -41,4 +57,4 @@ close "2 processes x host:2" "$dir/2x2.json"
 "$@" 1 "$exe" --devices host:1 $args : "$np" 1 "$exe" --devices host:2 $args >"$dir/1+2.json" 2>"$dir/1+2.log" ||
   { cat "$dir/1+2.log"; fail "host:1 + host:2"; }
 close "host:1 + host:2" "$dir/1+2.json"
-echo "ok: 2 x host:1 equals host:2 bit for bit; 2 x host:2 and host:1 + host:2 end within the tolerances"
+echo "ok: 2 x host:1 equals host:2 bit for bit, resumed too; 2 x host:2 and host:1 + host:2 end within the tolerances"

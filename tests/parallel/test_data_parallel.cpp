@@ -1,6 +1,7 @@
 // DataParallel against an independent reference: the same model trained by classification_step on
 // one host device with the whole batch. Shard sizes, accumulation, 16-bit compute, clipping,
 // dropout, determinism, overlap on the timeline, rebalancing, placement, checkpoints and errors.
+#include <mgpu/io/sharded_checkpoint.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
 
 #include <atomic>
@@ -454,6 +455,45 @@ TEST_CASE("Checkpoints: saved from rank 0, loaded on another device count, bit-i
     DataParallel other(mgpu::nn::Sequential::mlp({features, 8, classes}), group, mgpu::optim::SGD{});
     REQUIRE_MGPU_ERROR(other.load(dir / "dp.ckpt"), mgpu::Errc::invalid_argument, "expected");
   }
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("Checkpoints into a folder: one shard per process, loaded on another device count like the file", "[parallel][dp][io]") {
+  auto const dir = mgpu::test::temp_path("mgpu_dp_folder_test");
+  std::filesystem::create_directories(dir / "folder");
+  Data data(4, 18, 12);
+  auto const adamw = mgpu::optim::AdamW({.lr = 0.01f});
+  std::vector<float> straight;
+  {
+    mgpu::DeviceGroup group{"host:2"};
+    DataParallel dp(small_mlp(), group, adamw, {.bucket_cap_bytes = 64, .first_bucket_cap_bytes = 64});  // sharded AdamW state
+    for (int b = 0; b < 2; ++b) dp.step(data.x[b], data.y[b]);
+    dp.save(dir / "folder", {.step = 2});  // an existing folder: a sharded save, each rank its owned state
+    dp.save(dir / "dp.ckpt", {.step = 2});
+    for (int b = 2; b < 4; ++b) dp.step(data.x[b], data.y[b]);
+    straight = dp_params(dp);
+  }
+  CHECK(mgpu::io::ShardedCheckpoint::load(dir / "folder").shards() == 1);
+  for (char const* devices : {"host:2", "host:3"}) {
+    INFO("resumed on " << devices);
+    std::vector<std::vector<float>> resumed;
+    for (char const* from : {"dp.ckpt", "folder"}) {
+      mgpu::DeviceGroup group{devices};
+      DataParallel dp(small_mlp(), group, adamw, {.seed = 99});
+      CHECK(dp.load(dir / from).step == 2);
+      for (int b = 2; b < 4; ++b) dp.step(data.x[b], data.y[b]);
+      resumed.push_back(dp_params(dp));
+    }
+    CHECK(resumed[1] == resumed[0]);  // the folder holds what the file holds: bitwise
+    if (std::string(devices) == "host:2") CHECK(resumed[1] == straight);
+  }
+  // What a folder does not hold yet is refused.
+  mgpu::DeviceGroup group{"host:2"};
+  DataParallel cycle(small_mlp(), group, adamw, {.accumulation_steps = 2});
+  cycle.step(data.x[0], data.y[0]);
+  REQUIRE_MGPU_ERROR(cycle.save(dir / "folder", {}), mgpu::Errc::invalid_argument, "after 1 of 2 accumulated micro-batches");
+  DataParallel hooked(small_mlp(), group, adamw, {.comm_hook = std::make_shared<mgpu::parallel::Bf16Compression>()});
+  REQUIRE_MGPU_ERROR(hooked.save(dir / "folder", {}), mgpu::Errc::invalid_argument, "with a comm hook");
   std::filesystem::remove_all(dir);
 }
 

@@ -240,7 +240,9 @@ class DataParallel {
   /// process 0 also the whole records (its `state`), and once every shard is written process 0
   /// commits the save (one more than the folder's committed one); every process returns once it is
   /// committed, or throws the first process's failure. The previous save stays whole until then.
-  /// Throws Error(invalid_argument) there for a save mid accumulation cycle (not built yet).
+  /// In one process `path` is such a folder when it is an existing folder (a save of one shard).
+  /// Throws Error(invalid_argument) for a folder save mid accumulation cycle or with a comm hook
+  /// (not built yet).
   void save(std::filesystem::path const& path, io::TrainingState const& state);
   /// Loads a checkpoint written by save() (on any number of devices) into every replica, leaving the
   /// executor exactly as a new one that loaded it: gradients accumulated before are dropped, the
