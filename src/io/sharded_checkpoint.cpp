@@ -48,7 +48,8 @@ std::pair<std::uint64_t, int> read_manifest(std::filesystem::path const& manifes
   auto const counts = manifest.get_int64("shards");
   if (ids.size() != 1 || counts.size() != 1 || counts[0] < 1 || counts[0] > (1 << 20))
     throw Error(Errc::corrupt_data, where + ": a manifest with " + std::to_string(ids.size()) + " save ids and " +
-                                        std::to_string(counts.size()) + " shard counts (expected one of each, 1 to 2^20 shards)");
+                                        std::to_string(counts.size()) +
+                                        " shard counts (expected one of each, 1 to 2^20 shards)");
   return {ids[0], static_cast<int>(counts[0])};
 }
 

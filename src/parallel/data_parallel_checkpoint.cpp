@@ -45,7 +45,9 @@ std::int64_t packed_offset(std::vector<std::pair<std::int64_t, std::int64_t>> co
     if (begin >= first && begin < end) return offset + (begin - first);
     offset += end - first;
   }
-  throw Error(Errc::invalid_argument, "element " + std::to_string(begin) + " is in none of the optimizer's owned ranges (expected the ranges the sharded update laid its state out for)");
+  throw Error(Errc::invalid_argument, "element " + std::to_string(begin) +
+                                          " is in none of the optimizer's owned ranges (expected the ranges the "
+                                          "sharded update laid its state out for)");
 }
 
 // A folder that save() wrote across processes, read whole as one checkpoint: its whole records and
@@ -176,19 +178,22 @@ void DataParallel::Impl::agree(std::exception_ptr failure, std::string const& wh
   if (failure) std::rethrow_exception(failure);
   for (std::size_t rank = 0; rank < all.size(); ++rank)
     if (all[rank] != 0)
-      throw Error(Errc::io, what + ": the process of world rank " + std::to_string(rank) + " failed (its error names why); rank " +
-                                std::to_string(comm.first_rank()) + "'s process stops too");
+      throw Error(Errc::io, what + ": the process of world rank " + std::to_string(rank) +
+                                " failed (its error names why); rank " + std::to_string(comm.first_rank()) +
+                                "'s process stops too");
 }
 
 void DataParallel::Impl::save_shards(std::filesystem::path const& folder, io::TrainingState const& training) {
   std::string const what = "DataParallel::save to the folder " + folder.string();
   int const k = options.accumulation_steps;
   if (micro_steps % k != 0)
-    throw Error(Errc::invalid_argument, what + " after " + std::to_string(micro_steps % k) + " of " + std::to_string(k) +
-                                            " accumulated micro-batches (expected a save at the end of an accumulation cycle: "
-                                            "a folder mid-cycle is not built yet)");
+    throw Error(Errc::invalid_argument,
+                what + " after " + std::to_string(micro_steps % k) + " of " + std::to_string(k) +
+                    " accumulated micro-batches (expected a save at the end of an accumulation cycle: "
+                    "a folder mid-cycle is not built yet)");
   if (options.comm_hook)
-    throw Error(Errc::invalid_argument, what + " with a comm hook (expected a file: a folder does not hold the hook's state yet)");
+    throw Error(Errc::invalid_argument,
+                what + " with a comm hook (expected a file: a folder does not hold the hook's state yet)");
   comm::Communicator& comm = sync->communicator();
   bool const leader = comm.first_rank() == 0;
   // The save's id (world rank 0's: one more than the folder's committed one, read before anyone
@@ -234,7 +239,8 @@ void DataParallel::Impl::save_shards(std::filesystem::path const& folder, io::Tr
         for (nn::OwnedRange const& range : sync->rank(static_cast<int>(r)).owned()) {
           if (!range.counted || range.begin == range.end) continue;
           std::int64_t const at = packed_offset(owned, range.begin);
-          writer.put_piece("optimizer." + name, {count}, range.begin, tensor.slice(at, at + (range.end - range.begin)), stream);
+          writer.put_piece("optimizer." + name, {count}, range.begin, tensor.slice(at, at + (range.end - range.begin)),
+                           stream);
         }
       }
     }

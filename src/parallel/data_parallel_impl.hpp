@@ -4,8 +4,8 @@
 
 #include <cstdint>
 #include <cstring>
-#include <filesystem>
 #include <exception>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>

@@ -562,15 +562,17 @@ void test_checkpoint(Setup const& s, std::filesystem::path const& folder) {
     mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
     mgpu::parallel::DataParallel reference(dp_model(true), one, adamw, options);
     std::vector<float> losses;
-    for (int b = 0; b < steps; ++b) losses.push_back(reference.step(xs[static_cast<std::size_t>(b)], ys[static_cast<std::size_t>(b)]).loss);
+    for (int b = 0; b < steps; ++b)
+      losses.push_back(reference.step(xs[static_cast<std::size_t>(b)], ys[static_cast<std::size_t>(b)]).loss);
     std::vector<float> const want = host_values(reference.replica(0).master_parameters(), one.stream(0));
     // `dp` from step `from` on (its part of each batch: `first` to `last` rows) against the reference.
-    auto const finish = [&](mgpu::parallel::DataParallel& dp, mgpu::DeviceGroup& group, int from, std::int64_t first, std::int64_t last,
-                            double tolerance, std::string const& run) {
+    auto const finish = [&](mgpu::parallel::DataParallel& dp, mgpu::DeviceGroup& group, int from, std::int64_t first,
+                            std::int64_t last, double tolerance, std::string const& run) {
       for (int b = from; b < steps; ++b) {
         auto const u = static_cast<std::size_t>(b);
         float const loss = dp.step(xs[u].slice(first, last), ys[u].slice(first, last)).loss;
-        EXPECT(close_to({loss}, {losses[u]}, tolerance), what << ", " << run << ": step " << b << " loss " << loss << " (expected " << losses[u] << ")");
+        EXPECT(close_to({loss}, {losses[u]}, tolerance),
+               what << ", " << run << ": step " << b << " loss " << loss << " (expected " << losses[u] << ")");
       }
       for (int l = 0; l < group.size(); ++l)
         EXPECT(close_to(host_values(dp.replica(l).master_parameters(), group.stream(l)), want, tolerance),
@@ -579,19 +581,22 @@ void test_checkpoint(Setup const& s, std::filesystem::path const& folder) {
     options.make_communicator = mgpu::dist::communicator_factory(s.world);
     {
       mgpu::parallel::DataParallel dp(dp_model(true), s.group, adamw, options);
-      for (int b = 0; b < saved_at; ++b) dp.step(xs[static_cast<std::size_t>(b)].slice(begin, end), ys[static_cast<std::size_t>(b)].slice(begin, end));
+      for (int b = 0; b < saved_at; ++b)
+        dp.step(xs[static_cast<std::size_t>(b)].slice(begin, end), ys[static_cast<std::size_t>(b)].slice(begin, end));
       dp.save(folder, position);
       finish(dp, s.group, saved_at, begin, end, across, "the run that saved");
     }
     mgpu::io::ShardedCheckpoint const written = mgpu::io::ShardedCheckpoint::load(folder);
     EXPECT(written.shards() == s.world.processes && written.split_names().size() == 2,
-           what << ": " << written.shards() << " shards, " << written.split_names().size() << " split records (expected "
-                << s.world.processes << " and AdamW's 2)");
+           what << ": " << written.shards() << " shards, " << written.split_names().size()
+                << " split records (expected " << s.world.processes << " and AdamW's 2)");
     {
       mgpu::parallel::DataParallel dp(dp_model(true), s.group, adamw, options);
       mgpu::io::TrainingState const got = dp.load(folder);
-      EXPECT(got.step == position.step && got.epoch == position.epoch && got.batch == position.batch && got.data_seed == position.data_seed,
-             what << ": loaded step " << got.step << ", epoch " << got.epoch << ", batch " << got.batch << ", seed " << got.data_seed);
+      EXPECT(got.step == position.step && got.epoch == position.epoch && got.batch == position.batch &&
+                 got.data_seed == position.data_seed,
+             what << ": loaded step " << got.step << ", epoch " << got.epoch << ", batch " << got.batch << ", seed "
+                  << got.data_seed);
       finish(dp, s.group, saved_at, begin, end, across, "resumed across the processes");
     }
     {
@@ -609,7 +614,8 @@ void test_checkpoint(Setup const& s, std::filesystem::path const& folder) {
   {
     mgpu::parallel::DataParallel dp(dp_model(false), s.group, adamw, options);
     dp.step(xs[0].slice(begin, end), ys[0].slice(begin, end));
-    expect_refused([&] { dp.save(folder, position); }, "accumulated micro-batches", "a save across processes mid-cycle");
+    expect_refused([&] { dp.save(folder, position); }, "accumulated micro-batches",
+                   "a save across processes mid-cycle");
   }
   // Each process damages its own copy: one byte near the end of shard 0 (process 0's, which holds
   // the whole records).
@@ -635,7 +641,8 @@ void test_checkpoint(Setup const& s, std::filesystem::path const& folder) {
     dp.load(copy);
     EXPECT(false, "a damaged shard was accepted");
   } catch (mgpu::Error const& e) {
-    EXPECT(e.category() == mgpu::Errc::corrupt_data && std::string(e.what()).find(shard.filename().string()) != std::string::npos,
+    EXPECT(e.category() == mgpu::Errc::corrupt_data &&
+               std::string(e.what()).find(shard.filename().string()) != std::string::npos,
            "a damaged shard: " << e.what() << " (expected corrupt_data naming " << shard.filename().string() << ")");
   }
   std::filesystem::remove_all(copy);
@@ -820,7 +827,9 @@ void test_pipeline_gpt(Setup const& s) {
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: mpi_dist collectives|data_parallel|checkpoint|pipeline|stall|exit|mismatch COUNTS [PROCESS|FOLDER]\n");
+    std::fprintf(
+        stderr,
+        "usage: mpi_dist collectives|data_parallel|checkpoint|pipeline|stall|exit|mismatch COUNTS [PROCESS|FOLDER]\n");
     return 2;
   }
   std::string const mode = argv[1];

@@ -129,7 +129,8 @@ TEST_CASE("Sharded checkpoint: records of a Checkpoint put whole as they are", "
   }
   // A manifest that is not one is refused by committed_save_id too.
   records.save(dir.path / "manifest.ckpt");
-  REQUIRE_MGPU_ERROR(io::committed_save_id(dir.path), Errc::corrupt_data, "manifest.ckpt: not a sharded checkpoint's manifest");
+  REQUIRE_MGPU_ERROR(io::committed_save_id(dir.path), Errc::corrupt_data,
+                     "manifest.ckpt: not a sharded checkpoint's manifest");
 }
 
 TEST_CASE("Sharded checkpoint: a new save replaces the old one only once committed", "[io][sharded]") {

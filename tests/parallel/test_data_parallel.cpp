@@ -1,9 +1,6 @@
 // DataParallel against an independent reference: the same model trained by classification_step on
 // one host device with the whole batch. Shard sizes, accumulation, 16-bit compute, clipping,
 // dropout, determinism, overlap on the timeline, rebalancing, placement, checkpoints and errors.
-#include <mgpu/io/sharded_checkpoint.hpp>
-#include <mgpu/parallel/data_parallel.hpp>
-
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -17,8 +14,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <mgpu/io/sharded_checkpoint.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/ops.hpp>
+#include <mgpu/parallel/data_parallel.hpp>
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
@@ -458,7 +457,8 @@ TEST_CASE("Checkpoints: saved from rank 0, loaded on another device count, bit-i
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("Checkpoints into a folder: one shard per process, loaded on another device count like the file", "[parallel][dp][io]") {
+TEST_CASE("Checkpoints into a folder: one shard per process, loaded on another device count like the file",
+          "[parallel][dp][io]") {
   auto const dir = mgpu::test::temp_path("mgpu_dp_folder_test");
   std::filesystem::create_directories(dir / "folder");
   Data data(4, 18, 12);
@@ -466,7 +466,8 @@ TEST_CASE("Checkpoints into a folder: one shard per process, loaded on another d
   std::vector<float> straight;
   {
     mgpu::DeviceGroup group{"host:2"};
-    DataParallel dp(small_mlp(), group, adamw, {.bucket_cap_bytes = 64, .first_bucket_cap_bytes = 64});  // sharded AdamW state
+    DataParallel dp(small_mlp(), group, adamw,
+                    {.bucket_cap_bytes = 64, .first_bucket_cap_bytes = 64});  // sharded AdamW state
     for (int b = 0; b < 2; ++b) dp.step(data.x[b], data.y[b]);
     dp.save(dir / "folder", {.step = 2});  // an existing folder: a sharded save, each rank its owned state
     dp.save(dir / "dp.ckpt", {.step = 2});
@@ -491,7 +492,8 @@ TEST_CASE("Checkpoints into a folder: one shard per process, loaded on another d
   mgpu::DeviceGroup group{"host:2"};
   DataParallel cycle(small_mlp(), group, adamw, {.accumulation_steps = 2});
   cycle.step(data.x[0], data.y[0]);
-  REQUIRE_MGPU_ERROR(cycle.save(dir / "folder", {}), mgpu::Errc::invalid_argument, "after 1 of 2 accumulated micro-batches");
+  REQUIRE_MGPU_ERROR(cycle.save(dir / "folder", {}), mgpu::Errc::invalid_argument,
+                     "after 1 of 2 accumulated micro-batches");
   DataParallel hooked(small_mlp(), group, adamw, {.comm_hook = std::make_shared<mgpu::parallel::Bf16Compression>()});
   REQUIRE_MGPU_ERROR(hooked.save(dir / "folder", {}), mgpu::Errc::invalid_argument, "with a comm hook");
   std::filesystem::remove_all(dir);
