@@ -473,7 +473,7 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
   for (int a = 0; a < im.replicas; ++a)
     offsets.push_back(offsets.back() + rows / im.replicas + (a < rows % im.replicas ? 1 : 0));
   std::vector<double> shares(static_cast<std::size_t>(im.replicas), 0.0);
-  std::vector<char> applied(static_cast<std::size_t>(im.replicas), 1);
+  StepResult result;
   im.group->run([&](int rank, Device device, Stream& stream) {
     Allocator& allocator = im.group->allocator(rank);
     auto const a = static_cast<std::size_t>(rank / im.ranks);
@@ -493,14 +493,10 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
                         .global_units = units,
                         .sync = im.syncs[r].get(),
                         .rank = rank});
-    if (rank % im.ranks == 0) {
-      shares[a] = ops::item(step.loss, stream);
-      applied[a] = step.applied ? 1 : 0;
-    }
+    if (rank % im.ranks == 0) shares[a] = ops::item(step.loss, stream);  // the replica's part of the mean
+    if (rank == 0) result.applied = step.applied;                        // the same on every rank
   });
-  StepResult result;
-  for (int a = 0; a < im.replicas; ++a) result.loss += shares[static_cast<std::size_t>(a)];
-  result.applied = applied[0] != 0;
+  for (double const share : shares) result.loss += share;
   return result;
 }
 
