@@ -28,15 +28,18 @@
 //                               grid over K x N devices); the tied LM head's stage holds a copy of
 //                               wte kept equal to the first stage's
 //   --tp N                      parallel::TensorParallel: every transformer block split across N
-//                               devices (Megatron: MLP and attention heads), the embedding, LM
+//     [--dp A]                  devices (Megatron: MLP and attention heads), the embedding, LM
 //                               head and cross-entropy split by vocab, dropout as on one device;
-//                               fp32, not combined with --dp or a pipeline yet, and without
-//                               checkpoints
+//                               with --dp, A replicas of N neighbouring devices each (a data x
+//                               tensor grid over A x N devices), each replica its rows of the
+//                               batch, gradients all-reduced across the replicas, every replica
+//                               updating every weight; fp32, not combined with a pipeline yet,
+//                               and without checkpoints
 // --recompute none|selective|full (nn::Recompute) trades memory for recomputed forward work in any
 // layout, the losses unchanged bit for bit.
 // Every layout gives the one-device losses within float32 rounding, and (but --tp) writes
 // checkpoints in one format, so a run may resume on another layout. --devices defaults to
-// host:(stages x dp), or host:N with --tp N. Evaluation, sampling and --save-llmc read a float32
+// host:(stages x dp), or host:(dp x N) with --tp N. Evaluation, sampling and --save-llmc read a float32
 // copy of the whole model (the stages' or shards' master weights, gathered before each use).
 //
 // Across processes (mpirun, srun): --devices is each process's, and data parallelism (each process
@@ -248,12 +251,16 @@ void check_layout(Options const& o, bool pipelined, int size) {
            " (expected --zero with data parallelism only: the pipeline and tensor-parallel executors do not shard their "
            "update)");
   if (o.tp > 1) {
-    if (pipelined || o.dp != 1)
-      refuse("--tp " + std::to_string(o.tp) + " with " + (pipelined ? "a pipeline" : "--dp " + std::to_string(o.dp)) +
-             " (expected tensor parallelism alone: --tp is not combined with data or pipeline parallelism yet)");
-    if (size != o.tp)
-      refuse("--devices " + o.devices + " has " + std::to_string(size) + " devices (expected --tp = " +
-             std::to_string(o.tp) + ")");
+    if (pipelined)
+      refuse("--tp " + std::to_string(o.tp) +
+             " with a pipeline (expected tensor parallelism with --dp at most: --tp is not combined with pipeline "
+             "parallelism yet)");
+    if (size != o.tp * o.dp)
+      refuse("--devices " + o.devices + " has " + std::to_string(size) + " devices (expected --dp x --tp = " +
+             std::to_string(o.tp * o.dp) + ")");
+    if (o.batch_size < o.dp)
+      refuse("--batch-size " + std::to_string(o.batch_size) + " with --dp " + std::to_string(o.dp) +
+             " (expected at least one row per replica)");
     if (o.precision != "fp32" || !o.checkpoint.empty() || !o.trace.empty())
       refuse("--tp " + std::to_string(o.tp) + " with --precision " + o.precision +
              (o.checkpoint.empty() ? "" : ", --checkpoint") + (o.trace.empty() ? "" : ", --trace") +
@@ -329,7 +336,7 @@ int run(Options o) {
   bool const pipelined = !o.schedule.empty() || o.stages > 1;
   if (pipelined && o.schedule.empty()) o.schedule = "1f1b";
   if (o.devices.empty())
-    o.devices = "host:" + std::to_string(std::max(1, (o.tp > 1    ? o.tp
+    o.devices = "host:" + std::to_string(std::max(1, (o.tp > 1    ? o.tp * o.dp
                                                       : pipelined ? o.stages * o.dp
                                                                   : o.dp) /
                                                          processes));
@@ -448,7 +455,9 @@ int run(Options o) {
     mgpu::optim::AdamWOptions options = adamw;
     options.decay_ranges.clear();  // each shard decays its own 2-D weights
     tensor = std::make_unique<mgpu::parallel::TensorParallel>(
-        group, config, mgpu::parallel::TensorParallelOptions{.seed = o.seed, .adamw = options, .clip_norm = o.clip});
+        group, config,
+        mgpu::parallel::TensorParallelOptions{
+            .seed = o.seed, .adamw = options, .clip_norm = o.clip, .data_parallel = o.dp});
     if (init) tensor->scatter_parameters(host_parameters(model, stream));
   }
   // What evaluation, checkpoints and sampling read: the one model, replica 0 on rank 0, or the
@@ -710,7 +719,7 @@ int main(int argc, char** argv) {
   app.add_option("--chunks", o.chunks, "model chunks per device for --schedule interleaved")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
-  app.add_option("--dp", o.dp, "data-parallel replicas (of the pipeline, with --schedule)")
+  app.add_option("--dp", o.dp, "data-parallel replicas (of the pipeline, with --schedule; of the shards, with --tp)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--tp", o.tp,

@@ -329,12 +329,18 @@ nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<
 
 namespace {
 
-// Nothing to reduce between backward and the update (the blocks' all-reduces leave every gradient
-// complete on its rank); for apply_update, the rank's whole buffer as owned ranges, split ranges
-// counted on every rank and replicated ones on rank 0 only, and sums over the ranks by all-reduce.
+// Within a replica nothing is left to reduce between backward and the update (the blocks'
+// all-reduces leave every gradient complete on its rank); across replicas (`data`, when set) each
+// layer's gradients are summed over the ranks of the same tensor-parallel index as backward writes
+// them (every replica's loss is divided by the whole batch's count). For apply_update, the rank's
+// whole buffer as owned ranges, split ranges counted on every rank and replicated ones on the
+// replica's rank 0 only, and sums over the replica's ranks by all-reduce: the replicas hold the
+// same gradients, so each computes the same global norm.
 class TensorParallelSync final : public nn::GradientSync {
  public:
-  TensorParallelSync(nn::Sequential const& shard, comm::Communicator& comm, int rank) : comm_(comm), rank_(rank) {
+  TensorParallelSync(nn::Sequential const& shard, comm::Communicator& comm, int rank, comm::Communicator* data,
+                     int data_rank)
+      : shard_(shard), comm_(comm), rank_(rank), data_(data), data_rank_(data_rank) {
     for (nn::ParameterRange const& range : shard.parameter_ranges()) {
       std::int64_t at = range.begin;
       if (auto const* sharded = dynamic_cast<ShardedLayer const*>(&shard.layer(range.layer))) {
@@ -349,6 +355,10 @@ class TensorParallelSync final : public nn::GradientSync {
   }
   void begin(Stream& /*compute*/, nn::RangeUpdate update) override { update_ = std::move(update); }
   void ready(nn::ParameterRange const& range, Stream& compute) override {
+    if (data_ != nullptr) {
+      Tensor const grads = shard_.master_gradients().slice(range.begin, range.end);
+      data_->all_reduce(data_rank_, grads, grads, ReduceOp::sum, compute);
+    }
     if (update_) update_(range.begin, range.end, compute);
   }
   void finish(Stream& /*compute*/) override {}
@@ -358,8 +368,11 @@ class TensorParallelSync final : public nn::GradientSync {
   }
 
  private:
+  nn::Sequential const& shard_;
   comm::Communicator& comm_;
   int rank_;
+  comm::Communicator* data_;  // over the replicas' ranks of this tensor-parallel index; null for one replica
+  int data_rank_;
   std::vector<nn::OwnedRange> owned_;
   nn::RangeUpdate update_;
 };
@@ -370,7 +383,9 @@ struct TensorParallel::Impl {
   DeviceGroup* group = nullptr;
   nn::GptConfig config;
   TensorParallelOptions options;
-  std::shared_ptr<comm::Communicator> comm;
+  int replicas = 1, ranks = 1;                             // A and T
+  std::vector<std::shared_ptr<comm::Communicator>> comms;  // each replica's tensor-parallel group
+  std::vector<std::unique_ptr<comm::Communicator>> data;   // each tensor-parallel index's replicas (A > 1)
   std::vector<nn::Sequential> shards;
   std::vector<std::unique_ptr<optim::Optimizer>> optimizers;
   std::vector<std::unique_ptr<TensorParallelSync>> syncs;
@@ -387,12 +402,35 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
   if (!(options.clip_norm == 0 || (options.clip_norm > 0 && std::isfinite(options.clip_norm))))
     throw Error(Errc::invalid_argument, "TensorParallel: clip_norm " + std::to_string(options.clip_norm) +
                                             " (expected 0 for no clipping, or a finite norm > 0)");
+  int const replicas = options.data_parallel;
+  if (replicas < 1 || group.size() % replicas != 0)
+    throw Error(Errc::invalid_argument, "TensorParallel: data_parallel " + std::to_string(replicas) +
+                                            " over a group of " + std::to_string(group.size()) +
+                                            " devices (expected a replica count >= 1 dividing the group size)");
   im.group = &group;
   im.config = config;
   im.options = std::move(options);
-  im.comm = comm::make_communicator(group);
+  im.replicas = replicas;
+  im.ranks = group.size() / replicas;
+  if (replicas == 1) {
+    im.comms.push_back(comm::make_communicator(group));
+  } else {
+    for (int a = 0; a < replicas; ++a) {
+      std::vector<int> ranks;
+      for (int t = 0; t < im.ranks; ++t) ranks.push_back(a * im.ranks + t);
+      im.comms.push_back(comm::make_communicator(group, ranks));
+    }
+    for (int t = 0; t < im.ranks; ++t) {
+      std::vector<int> ranks;
+      for (int a = 0; a < replicas; ++a) ranks.push_back(a * im.ranks + t);
+      im.data.push_back(comm::make_communicator(group, ranks));
+    }
+  }
+  im.shards.reserve(static_cast<std::size_t>(group.size()));  // the syncs keep references
   for (int r = 0; r < group.size(); ++r) {
-    im.shards.push_back(tensor_parallel_gpt(config, im.comm, r));
+    int const a = r / im.ranks, t = r % im.ranks;
+    std::shared_ptr<comm::Communicator> const& comm = im.comms[static_cast<std::size_t>(a)];
+    im.shards.push_back(tensor_parallel_gpt(config, comm, t));
     if (im.options.optimizer) {
       im.optimizers.push_back(im.options.optimizer(im.shards.back()));
     } else {
@@ -400,8 +438,9 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
       adamw.decay_ranges = im.shards.back().matrix_ranges();
       im.optimizers.push_back(std::make_unique<optim::AdamW>(adamw));
     }
-    im.syncs.push_back(std::make_unique<TensorParallelSync>(im.shards.back(), *im.comm, r));
-    im.losses.emplace_back(config.vocab, im.comm, r);
+    comm::Communicator* const data = replicas > 1 ? im.data[static_cast<std::size_t>(t)].get() : nullptr;
+    im.syncs.push_back(std::make_unique<TensorParallelSync>(im.shards.back(), *comm, t, data, a));
+    im.losses.emplace_back(config.vocab, comm, t);
   }
   group.run([&](int rank, Device /*device*/, Stream& stream) {
     nn::Context ctx{group.allocator(rank), stream};
@@ -412,6 +451,8 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
 TensorParallel::~TensorParallel() = default;
 
 int TensorParallel::size() const noexcept { return impl_->group->size(); }
+int TensorParallel::data_parallel() const noexcept { return impl_->replicas; }
+int TensorParallel::tensor_parallel() const noexcept { return impl_->ranks; }
 
 nn::Sequential& TensorParallel::shard(int rank) { return impl_->shards.at(static_cast<std::size_t>(rank)); }
 
@@ -421,18 +462,30 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
   nn::Loss const& loss = im.losses[0];
   loss.check(output, targets, "TensorParallel::step");
   loss.check_values(output, targets, "TensorParallel::step");
+  std::int64_t const rows = ids.rank() > 0 ? ids.dim(0) : 0;
+  if (rows < im.replicas)
+    throw Error(Errc::invalid_argument, "TensorParallel::step: a batch of " + std::to_string(rows) + " rows over " +
+                                            std::to_string(im.replicas) +
+                                            " data-parallel replicas (expected at least one row per replica)");
   std::int64_t const units = loss.count(targets, im.group->stream(0));
+  // Replica a's rows [offsets[a], offsets[a + 1]): the first rows mod A replicas take one more.
+  std::vector<std::int64_t> offsets{0};
+  for (int a = 0; a < im.replicas; ++a)
+    offsets.push_back(offsets.back() + rows / im.replicas + (a < rows % im.replicas ? 1 : 0));
+  std::vector<double> shares(static_cast<std::size_t>(im.replicas), 0.0);
   StepResult result;
   im.group->run([&](int rank, Device device, Stream& stream) {
     Allocator& allocator = im.group->allocator(rank);
+    auto const a = static_cast<std::size_t>(rank / im.ranks);
     auto const local = [&](Tensor const& t) {
-      if (t.device() == device) return t;
-      Tensor copy = Tensor::empty(t.shape(), t.dtype(), allocator);
-      copy_async(copy, t, stream);
+      Tensor const rows_of = im.replicas == 1 ? t : t.slice(offsets[a], offsets[a + 1]);
+      if (rows_of.device() == device) return rows_of;
+      Tensor copy = Tensor::empty(rows_of.shape(), rows_of.dtype(), allocator);
+      copy_async(copy, rows_of, stream);
       return copy;
     };
     auto const r = static_cast<std::size_t>(rank);
-    nn::Context ctx{allocator, stream};
+    nn::Context ctx{allocator, stream, offsets[a]};
     nn::StepResult const step =
         nn::train_step(im.shards[r], *im.optimizers[r], local(ids), local(targets), im.losses[r], ctx,
                        {.lr_scale = lr_scale,
@@ -440,11 +493,10 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
                         .global_units = units,
                         .sync = im.syncs[r].get(),
                         .rank = rank});
-    if (rank == 0) {
-      result.loss = ops::item(step.loss, stream);
-      result.applied = step.applied;
-    }
+    if (rank % im.ranks == 0) shares[a] = ops::item(step.loss, stream);  // the replica's part of the mean
+    if (rank == 0) result.applied = step.applied;                        // the same on every rank
   });
+  for (double const share : shares) result.loss += share;
   return result;
 }
 
@@ -472,8 +524,8 @@ std::vector<float> TensorParallel::gather_parameters() {
   nn::Sequential const whole_model = nn::gpt(im.config);
   std::vector<float> whole(static_cast<std::size_t>(whole_model.parameter_count()));
   auto const host = Allocator::create({DeviceKind::host, 0});
-  // Rank 0 last, so the replicated parameters are its.
-  for (int rank = size() - 1; rank >= 0; --rank) {
+  // Replica 0's ranks, rank 0 last, so the replicated parameters are its.
+  for (int rank = im.ranks - 1; rank >= 0; --rank) {
     nn::Sequential const& shard = im.shards[static_cast<std::size_t>(rank)];
     Tensor const params = Tensor::empty({shard.parameter_count()}, DType::float32, *host);
     Stream& stream = im.group->stream(rank);

@@ -7,7 +7,8 @@
 # --zero 0 as with the default ZeRO-1; so
 # do the pipeline schedules (1F1B, interleaved, ZB-H1, GPipe, layer split) and a data x pipeline
 # grid, and resume (on their layout, and from a data-parallel checkpoint); so does tensor
-# parallelism (--tp 2), which also starts from an llm.c model file; --recompute selective and full
+# parallelism (--tp 2), which also starts from an llm.c model file, and its data-parallel replicas
+# (--dp 2 --tp 2); --recompute selective and full
 # give the same losses in each kind of layout; --trace writes the last step's timeline; bad flags
 # fail with exit code 2 and a message. Usage: train_gpt_check.sh TRAIN_GPT TEXT_FILE DIR
 set -euo pipefail
@@ -139,11 +140,20 @@ for key in train_loss val_loss; do
     fail "$key $(field $key "$dir/tp.json") with --tp 2 (expected $(field $key "$dir/full.json") as on one device)"
 done
 [ "$(field tp "$dir/tp.json")" = 2 ] || fail "tp in the JSON line: $(cat "$dir/tp.json")"
+# Two replicas of it over host:4 (each its two rows of the batch): the one-device losses too.
+"$exe" "${common[@]}" --iters 40 --dp 2 --tp 2 > "$dir/dptp.json" 2> /dev/null
+for key in train_loss val_loss; do
+  close "$(field $key "$dir/dptp.json")" "$(field $key "$dir/full.json")" ||
+    fail "$key $(field $key "$dir/dptp.json") with --dp 2 --tp 2 (expected $(field $key "$dir/full.json") as on one device)"
+done
+[ "$(field dp "$dir/dptp.json")" = 2 ] && [ "$(field tp "$dir/dptp.json")" = 2 ] ||
+  fail "dp and tp in the JSON line: $(cat "$dir/dptp.json")"
 "$exe" "${common[@]}" --tp 2 --init-from "$dir/model.bin" --eval-only > "$dir/tp-llmc.json" 2> /dev/null
 [ "$(field val_loss "$dir/tp-llmc.json")" = "$end" ] || fail "val loss $(field val_loss "$dir/tp-llmc.json") from --init-from with --tp 2 (expected $end)"
 
 # Refused: micro-batches without a pipeline, a layout that does not match the devices, --dp
-# other than the device count, --tp not dividing the heads or with --dp, a ZeRO stage other than 0 or 1, a damaged model file, more validation windows than the data holds.
+# other than the device count, --tp not dividing the heads, with a pipeline or with --dp x --tp
+# other than the device count, a ZeRO stage other than 0 or 1, a damaged model file, more validation windows than the data holds.
 expect_error() {
   local message=$1
   shift
@@ -156,7 +166,8 @@ expect_error "--micro-batches 2 without a pipeline" "${common[@]}" --micro-batch
 expect_error "--devices host:3 has 3 devices (expected --stages x --dp = 4)" "${common[@]}" --stages 2 --dp 2 --devices host:3
 expect_error "--dp 3 with --devices host:2 (expected the number of devices, 2" "${common[@]}" --devices host:2 --dp 3
 expect_error "2 heads over 3 tensor-parallel ranks (expected a group size dividing n_head)" "${common[@]}" --tp 3
-expect_error "--tp 2 with --dp 2 (expected tensor parallelism alone" "${common[@]}" --tp 2 --dp 2
+expect_error "--tp 2 with a pipeline (expected tensor parallelism with --dp at most" "${common[@]}" --tp 2 --stages 2
+expect_error "--devices host:3 has 3 devices (expected --dp x --tp = 4)" "${common[@]}" --tp 2 --dp 2 --devices host:3
 expect_error "--zero 2 (expected 0, the replicated update, or 1" "${common[@]}" --devices host:2 --zero 2
 expect_error "--zero 0 with --tp 2 (expected --zero with data parallelism only" "${common[@]}" --tp 2 --zero 0
 expect_error "--zero 1 with a pipeline (expected --zero with data parallelism only" "${common[@]}" --stages 2 --zero 1

@@ -4,7 +4,9 @@
 // parameters once (an SGD step, whose update shows the clipping factor); each rank holds 1/T of
 // the split matrices and of the vocab; a vocab the ranks do not divide, with ignored targets,
 // gives the one device's gradients and losses; with dropout the losses are the one device's too,
-// and recomputation changes no bit; bad splits are refused.
+// and recomputation changes no bit; data-parallel replicas of the tensor-parallel model (DP 2 x TP
+// 2, uneven rows) give the one-device and the TP 2 loss curves and stay bitwise equal; bad splits
+// and layouts are refused.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -72,6 +74,21 @@ double gradient_norm(Env& env, Batch const& b) {
   return std::sqrt(squares);
 }
 
+// The one-device model's losses over `batches` (AdamW, clipped) and its weights after them.
+std::pair<std::vector<double>, std::vector<float>> one_device_curve(Env& env, std::vector<Batch> const& batches) {
+  nn::Sequential model = nn::gpt(config);
+  model.materialize(env.ctx, seed);
+  mgpu::optim::AdamWOptions one = adamw;
+  one.decay_ranges = nn::gpt_decay_ranges(config);
+  mgpu::optim::AdamW opt(one);
+  nn::TokenCrossEntropy const loss;
+  std::vector<double> losses;
+  for (Batch const& b : batches)
+    losses.push_back(mgpu::ops::item(
+        nn::train_step(model, opt, b.ids, b.targets, loss, env.ctx, {.clip_norm = clip}).loss, env.stream));
+  return {losses, host_values(model.master_parameters())};
+}
+
 }  // namespace
 
 TEST_CASE("a tensor-parallel GPT trains as on one device over 2 and 4 ranks, clipping by the global norm",
@@ -81,18 +98,8 @@ TEST_CASE("a tensor-parallel GPT trains as on one device over 2 and 4 ranks, cli
   for (int s = 0; s < steps; ++s) batches.push_back(make_batch(env, static_cast<unsigned>(s)));
   REQUIRE(gradient_norm(env, batches[0]) > 2 * clip);  // the steps do clip
 
-  nn::Sequential model = nn::gpt(config);
-  model.materialize(env.ctx, seed);
-  mgpu::optim::AdamWOptions one = adamw;
-  one.decay_ranges = nn::gpt_decay_ranges(config);
-  mgpu::optim::AdamW opt(one);
-  nn::TokenCrossEntropy const loss;
-  std::vector<double> want;
-  for (Batch const& b : batches)
-    want.push_back(mgpu::ops::item(
-        nn::train_step(model, opt, b.ids, b.targets, loss, env.ctx, {.clip_norm = clip}).loss, env.stream));
+  auto const [want, want_weights] = one_device_curve(env, batches);
   REQUIRE(want.back() < 0.8 * want.front());  // it learns
-  std::vector<float> const want_weights = host_values(model.master_parameters());
 
   for (int const ranks : {2, 4}) {
     CAPTURE(ranks);
@@ -134,8 +141,10 @@ TEST_CASE("a tensor-parallel GPT trains as on one device over 2 and 4 ranks, cli
   }
 }
 
-TEST_CASE("with dropout a tensor-parallel GPT drops what one device drops: the same losses over 2 and 4 ranks",
-          "[parallel][tensor]") {
+TEST_CASE(
+    "with dropout a tensor-parallel GPT drops what one device drops: the same losses over 2 and 4 ranks, "
+    "and over DP 2 x TP 2",
+    "[parallel][tensor]") {
   // The embedding's and the residual branches' dropout (replicated) draw one mask on every rank,
   // the attention probabilities' dropout each rank's heads' part of the whole mask.
   nn::GptConfig dropped = config;
@@ -187,6 +196,14 @@ TEST_CASE("with dropout a tensor-parallel GPT drops what one device drops: the s
       }
     }
   }
+  // Data-parallel replicas (DP 2 x TP 2) drop what one device drops on their rows too (each
+  // replica's dropout starts at its first row's offset in the batch).
+  mgpu::DeviceGroup group("host:4");
+  par::TensorParallel grid(group, dropped, {.seed = seed, .adamw = adamw, .clip_norm = clip, .data_parallel = 2});
+  double worst = 0;
+  for (std::size_t s = 0; s < batches.size(); ++s)
+    worst = std::max(worst, std::abs(grid.step(batches[s].ids, batches[s].targets).loss - want[s]) / want[s]);
+  CHECK(worst < 1e-5);
 }
 
 TEST_CASE("tensor-parallel recomputation, selective and full, gives the losses and weights of none bit for bit",
@@ -382,6 +399,59 @@ TEST_CASE("each tensor-parallel rank holds 1/T of the split matrices, and scatte
   CHECK(tp.step(b.ids, b.targets, 0.0f).loss == Approx(want).epsilon(1e-6));
   REQUIRE_MGPU_ERROR(tp.scatter_parameters(std::span<float const>(weights).first(10)), mgpu::Errc::invalid_argument,
                      "10 values (expected gpt(config)'s");
+}
+
+TEST_CASE(
+    "data-parallel replicas of a tensor-parallel GPT (DP 2 x TP 2) train as one device and as TP 2, "
+    "staying bitwise equal",
+    "[parallel][tensor]") {
+  // A batch of 3 rows: replica 0 takes two rows, replica 1 one, and the loss is still the mean over
+  // the whole batch's tokens.
+  Env env;
+  std::vector<Batch> batches;
+  for (int s = 0; s < steps; ++s) batches.push_back(make_batch(env, static_cast<unsigned>(s)));
+  REQUIRE(gradient_norm(env, batches[0]) > 2 * clip);  // the steps do clip
+  auto const [want, want_weights] = one_device_curve(env, batches);
+
+  mgpu::DeviceGroup pair("host:2");
+  par::TensorParallel tp(pair, config, {.seed = seed, .adamw = adamw, .clip_norm = clip});
+  mgpu::DeviceGroup group("host:4");
+  par::TensorParallel grid(group, config, {.seed = seed, .adamw = adamw, .clip_norm = clip, .data_parallel = 2});
+  CHECK(grid.data_parallel() == 2);
+  CHECK(grid.tensor_parallel() == 2);
+  double worst = 0, worst_tp = 0;
+  for (int s = 0; s < steps; ++s) {
+    Batch const& b = batches[static_cast<std::size_t>(s)];
+    double const got = grid.step(b.ids, b.targets).loss;
+    double const whole = tp.step(b.ids, b.targets).loss;
+    worst = std::max(worst, std::abs(got - want[static_cast<std::size_t>(s)]) / want[static_cast<std::size_t>(s)]);
+    worst_tp = std::max(worst_tp, std::abs(got - whole) / whole);
+  }
+  CHECK(worst < 1e-5);
+  CHECK(worst_tp < 1e-5);
+  std::vector<float> const got_weights = grid.gather_parameters();
+  CHECK(worst_difference(got_weights, want_weights) < 5e-5);
+  CHECK(worst_difference(got_weights, tp.gather_parameters()) < 5e-5);
+  // Replica 1's shards hold bitwise replica 0's parameters (split and replicated alike).
+  for (int t = 0; t < 2; ++t) {
+    CAPTURE(t);
+    CHECK(host_values(grid.shard(2 + t).master_parameters()) == host_values(grid.shard(t).master_parameters()));
+  }
+}
+
+TEST_CASE("a data-parallel count that does not divide the group, or a batch with fewer rows than replicas, is refused",
+          "[parallel][tensor]") {
+  mgpu::DeviceGroup four("host:4");
+  REQUIRE_MGPU_ERROR(
+      par::TensorParallel(four, config, {.data_parallel = 3}), mgpu::Errc::invalid_argument,
+      "data_parallel 3 over a group of 4 devices (expected a replica count >= 1 dividing the group size)");
+  REQUIRE_MGPU_ERROR(par::TensorParallel(four, config, {.data_parallel = 0}), mgpu::Errc::invalid_argument,
+                     "data_parallel 0 over a group of 4 devices");
+  Env env;
+  par::TensorParallel replicas(four, config, {.seed = seed, .data_parallel = 4});
+  Batch const b = make_batch(env, 0);
+  REQUIRE_MGPU_ERROR(replicas.step(b.ids, b.targets), mgpu::Errc::invalid_argument,
+                     "a batch of 3 rows over 4 data-parallel replicas (expected at least one row per replica)");
 }
 
 TEST_CASE("a tensor-parallel split that does not divide the heads, or a vocab below the ranks, is refused",

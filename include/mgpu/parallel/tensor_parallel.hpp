@@ -252,17 +252,26 @@ struct TensorParallelOptions {
   /// Clip to this global norm, finite and > 0 (0: off). The norm counts each replicated parameter
   /// once and each split one on every rank.
   float clip_norm = 0.0f;
+  /// Data-parallel replicas A of the tensor-parallel model: the group's A x T ranks form A
+  /// tensor-parallel groups of T consecutive ranks (replica a: ranks a T to a T + T - 1, so each
+  /// group sits on neighbouring devices). A must divide the group size.
+  int data_parallel = 1;
 };
 
-/// Trains gpt(config) with every rank of `group` holding one tensor-parallel shard (T = group
-/// size): each step runs the whole batch on every rank (its activations replicated between blocks),
-/// the vocab-parallel cross-entropy, backward, and nn::apply_update on every rank, through a
-/// GradientSync whose owned ranges are the rank's whole buffer (replicated ranges counted by rank
-/// 0 only, split ones by every rank) and whose sum over ranks is an all-reduce. float32.
+/// Trains gpt(config) with every rank of `group` holding one tensor-parallel shard, in A =
+/// options.data_parallel replicas of T = group size / A ranks each: each step splits the batch's
+/// rows across the replicas (the first B mod A replicas take one row more), runs a replica's rows on
+/// each of its ranks (its activations replicated between blocks), the vocab-parallel
+/// cross-entropy divided by the whole batch's token count, backward, and nn::apply_update on every
+/// rank, through a GradientSync that, with A > 1, sums each layer's gradients over the A ranks of
+/// the same tensor-parallel index (a communicator per index) as backward writes them, so the
+/// replicas hold the whole batch's gradients and stay bitwise identical. Its owned ranges are the
+/// rank's whole buffer (replicated ranges counted by the replica's rank 0 only, split ones by every
+/// rank) and its sum over ranks is an all-reduce over the replica. float32.
 class TensorParallel {
  public:
   /// Throws Error(invalid_argument) for a bad config or options (see tensor_parallel_gpt and
-  /// TensorParallelOptions).
+  /// TensorParallelOptions), e.g. a data_parallel that does not divide the group size.
   TensorParallel(DeviceGroup& group, nn::GptConfig const& config, TensorParallelOptions options = {});
   ~TensorParallel();
   TensorParallel(TensorParallel const&) = delete;
@@ -273,20 +282,26 @@ class TensorParallel {
     bool applied = true;
   };
   /// One training step on int32 ids and targets [B, T] (ignore index -100), in any memory: each
-  /// rank copies them to its device. Throws Error(invalid_argument) before any work for targets
-  /// that do not fit.
+  /// rank copies its replica's rows to its device. Throws Error(invalid_argument) before any work
+  /// for targets that do not fit or fewer rows than replicas.
   StepResult step(Tensor const& ids, Tensor const& targets, float lr_scale = 1.0f);
 
-  /// The whole model's float32 parameters in gpt(config)'s flat layout, gathered from the shards
-  /// (the replicated ones from rank 0). Synchronizes the ranks' streams.
+  /// The whole model's float32 parameters in gpt(config)'s flat layout, gathered from replica 0's
+  /// shards (the replicated ones from rank 0). Synchronizes the ranks' streams.
   [[nodiscard]] std::vector<float> gather_parameters();
-  /// Sets every shard from the whole model's float32 parameters in gpt(config)'s flat layout (e.g.
-  /// weights loaded from a file). Synchronizes the ranks' streams. Throws Error(invalid_argument)
-  /// for another size.
+  /// Sets every replica's shards from the whole model's float32 parameters in gpt(config)'s flat
+  /// layout (e.g. weights loaded from a file). Synchronizes the ranks' streams. Throws
+  /// Error(invalid_argument) for another size.
   void scatter_parameters(std::span<float const> whole);
-  /// Rank r's shard (its flat buffers hold only its split matrices' part).
+  /// Rank r's shard (its flat buffers hold only its split matrices' part): replica r / T's shard
+  /// of tensor-parallel index r mod T.
   [[nodiscard]] nn::Sequential& shard(int rank);
+  /// The group's ranks, A x T.
   [[nodiscard]] int size() const noexcept;
+  /// A, the data-parallel replicas.
+  [[nodiscard]] int data_parallel() const noexcept;
+  /// T, the ranks of each replica's tensor-parallel group.
+  [[nodiscard]] int tensor_parallel() const noexcept;
 
  private:
   struct Impl;
