@@ -31,7 +31,8 @@
 //   layout the library has, on host devices: 0 one device, 1 data parallel over host:2 with the
 //   replicated update (zero_stage 0), 2 the same with ZeRO-1, 3 ZeRO-1 with full recomputation,
 //   4 tensor parallel over host:2 (vocab-parallel embedding, head and loss), 5 a 1F1B pipeline of
-//   2 stages and 4 micro-batches over host:2. A short run each:
+//   2 stages and 4 micro-batches over host:2, 6 two data-parallel replicas of tensor parallel over
+//   host:2 each (host:4). A short run each:
 //     tokens_per_s        batch * block / the median step time;
 //     peak_bytes_device   the largest device allocator peak over the timed steps (parameters,
 //                         gradients, optimizer state, activations, buffers; as train_gpt --json's
@@ -276,12 +277,13 @@ struct NaiveAttention {
 void BM_gpt_layouts(benchmark::State& state) {
   static constexpr char const* names[] = {"one device", "host:2 data parallel, replicated update",
                                           "host:2 data parallel, ZeRO-1", "host:2 ZeRO-1, full recomputation",
-                                          "host:2 tensor parallel", "host:2 pipeline, 1F1B x 4 micro-batches"};
+                                          "host:2 tensor parallel", "host:2 pipeline, 1F1B x 4 micro-batches",
+                                          "host:4 data parallel 2 x tensor parallel 2"};
   int const layout = static_cast<int>(state.range(0));
   Shape shape{"mid", {.vocab = 256, .block_size = 128, .n_layer = 4, .n_head = 4, .n_embd = 256}, 8};
   if (layout == 3) shape.config.recompute = mgpu::nn::Recompute::full;
   GptTrainer one(shape);  // its batches feed every layout; it trains only in layout 0
-  mgpu::DeviceGroup group(layout == 0 ? "host:1" : "host:2");
+  mgpu::DeviceGroup group(layout == 0 ? "host:1" : layout == 6 ? "host:4" : "host:2");
   mgpu::optim::AdamWOptions const adamw = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
   std::unique_ptr<mgpu::parallel::DataParallel> dp;
   std::unique_ptr<mgpu::parallel::TensorParallel> tp;
@@ -293,9 +295,10 @@ void BM_gpt_layouts(benchmark::State& state) {
     options.zero_stage = layout == 1 ? 0 : 1;
     options.loss = std::make_shared<mgpu::nn::TokenCrossEntropy>();
     dp = std::make_unique<mgpu::parallel::DataParallel>(mgpu::nn::gpt(shape.config), group, one.adamw, std::move(options));
-  } else if (layout == 4) {
-    tp = std::make_unique<mgpu::parallel::TensorParallel>(group, shape.config,
-                                                          mgpu::parallel::TensorParallelOptions{.adamw = adamw, .clip_norm = 1.0f});
+  } else if (layout == 4 || layout == 6) {
+    tp = std::make_unique<mgpu::parallel::TensorParallel>(
+        group, shape.config,
+        mgpu::parallel::TensorParallelOptions{.adamw = adamw, .clip_norm = 1.0f, .data_parallel = layout == 6 ? 2 : 1});
   } else if (layout == 5) {
     mgpu::nn::Sequential const model = mgpu::nn::gpt(shape.config);
     std::vector<std::size_t> const points = model.cut_points();
@@ -349,7 +352,7 @@ void BM_gpt_layouts(benchmark::State& state) {
   state.counters["peak_bytes_device"] = peak;
   state.counters["devices"] = static_cast<double>(allocators.size());
 }
-BENCHMARK(BM_gpt_layouts)->DenseRange(0, 5)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(4);
+BENCHMARK(BM_gpt_layouts)->DenseRange(0, 6)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(4);
 
 void BM_attention(benchmark::State& state) {
   Shape const& shape = shapes[state.range(0)];
