@@ -7,6 +7,7 @@
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <array>
 #include <climits>
 #include <cmath>
 #include <memory>
@@ -339,10 +340,10 @@ void backward(T const* qkv, T const* y, float const* lse, T const* dy, T* dqkv, 
 
 }  // namespace host_attention
 
-}  // namespace
-
-void embedding(Tensor const& ids, Tensor const& wte, Tensor const& wpe, Tensor const& y, Stream& stream) {
-  char const* op = "embedding";
+// embedding and vocab_shard_embedding: ids int32 [B, T], wte [rows, C] (`wte_shape` names it in
+// errors), wpe [P, C] with T <= P, y [B, T, C], all in wte's dtype. Returns {B, T, C}.
+std::array<std::int64_t, 3> check_embedding(char const* op, Tensor const& ids, Tensor const& wte, Tensor const& wpe,
+                                            Tensor const& y, char const* wte_shape, Stream& stream) {
   for (auto const& [t, role] : {std::pair{&ids, "ids"}, {&wte, "wte"}, {&wpe, "wpe"}, {&y, "y"}})
     check(*t, op, role, stream);
   check_dtype(ids, DType::int32, op, "ids");
@@ -351,8 +352,8 @@ void embedding(Tensor const& ids, Tensor const& wte, Tensor const& wpe, Tensor c
                 std::string(op) + ": ids have shape " + to_string(ids.shape()) + " (expected [B, T])");
   if (wte.rank() != 2 || wpe.rank() != 2 || wpe.dim(1) != wte.dim(1))
     throw Error(Errc::invalid_argument, std::string(op) + ": wte " + to_string(wte.shape()) + " and wpe " +
-                                            to_string(wpe.shape()) + " (expected [V, C] and [P, C])");
-  std::int64_t const batch = ids.dim(0), t = ids.dim(1), c = wte.dim(1), vocab = wte.dim(0);
+                                            to_string(wpe.shape()) + " (expected " + wte_shape + " and [P, C])");
+  std::int64_t const batch = ids.dim(0), t = ids.dim(1), c = wte.dim(1);
   if (t > wpe.dim(0))
     throw Error(Errc::invalid_argument, std::string(op) + ": sequences of " + std::to_string(t) +
                                             " tokens (expected at most the " + std::to_string(wpe.dim(0)) +
@@ -360,6 +361,15 @@ void embedding(Tensor const& ids, Tensor const& wte, Tensor const& wpe, Tensor c
   check_dtype(wpe, wte.dtype(), op, "wpe");
   check_dtype(y, wte.dtype(), op, "y");
   check_shape(y, {batch, t, c}, op, "y");
+  return {batch, t, c};
+}
+
+}  // namespace
+
+void embedding(Tensor const& ids, Tensor const& wte, Tensor const& wpe, Tensor const& y, Stream& stream) {
+  char const* op = "embedding";
+  auto const dims = check_embedding(op, ids, wte, wpe, y, "[V, C]", stream);
+  std::int64_t const batch = dims[0], t = dims[1], c = dims[2], vocab = wte.dim(0);
   fail_on_bad_id(op, "token id", ids, batch * t, vocab, no_ignore, stream);
   visit(wte.dtype(), [&]<class T>(T) {
     detail::EmbeddingOp<T> const e{ptr<std::int32_t>(ids), ptr<T>(wte), ptr<T>(wpe), ptr<T>(y), t, c, vocab};
@@ -421,24 +431,9 @@ void embedding_backward(Tensor const& ids, Tensor const& dy, Tensor const& dwte,
 void vocab_shard_embedding(Tensor const& ids, Tensor const& wte, Tensor const& wpe, Tensor const& y, std::int64_t begin,
                            std::int64_t vocab, bool positions, Stream& stream) {
   char const* op = "vocab_shard_embedding";
-  for (auto const& [t, role] : {std::pair{&ids, "ids"}, {&wte, "wte"}, {&wpe, "wpe"}, {&y, "y"}})
-    check(*t, op, role, stream);
-  check_dtype(ids, DType::int32, op, "ids");
-  if (ids.rank() != 2)
-    throw Error(Errc::invalid_argument,
-                std::string(op) + ": ids have shape " + to_string(ids.shape()) + " (expected [B, T])");
-  if (wte.rank() != 2 || wpe.rank() != 2 || wpe.dim(1) != wte.dim(1))
-    throw Error(Errc::invalid_argument, std::string(op) + ": wte " + to_string(wte.shape()) + " and wpe " +
-                                            to_string(wpe.shape()) + " (expected [rows, C] and [P, C])");
-  std::int64_t const batch = ids.dim(0), t = ids.dim(1), c = wte.dim(1), rows = wte.dim(0);
+  auto const dims = check_embedding(op, ids, wte, wpe, y, "[rows, C]", stream);
+  std::int64_t const batch = dims[0], t = dims[1], c = dims[2], rows = wte.dim(0);
   check_vocab_shard(op, begin, rows, vocab);
-  if (t > wpe.dim(0))
-    throw Error(Errc::invalid_argument, std::string(op) + ": sequences of " + std::to_string(t) +
-                                            " tokens (expected at most the " + std::to_string(wpe.dim(0)) +
-                                            " positions of the block size)");
-  check_dtype(wpe, wte.dtype(), op, "wpe");
-  check_dtype(y, wte.dtype(), op, "y");
-  check_shape(y, {batch, t, c}, op, "y");
   fail_on_bad_id(op, "token id", ids, batch * t, vocab, no_ignore, stream);
   visit(wte.dtype(), [&]<class T>(T) {
     detail::VocabShardEmbeddingOp<T> const e{
