@@ -506,31 +506,48 @@ void causal_attention_backward(Tensor const& qkv, Tensor const& y, Tensor const&
   });
 }
 
-void token_cross_entropy(Tensor const& logits, Tensor const& targets, Tensor const& dlogits, Tensor const& loss,
-                         float divisor, Stream& stream, std::int32_t ignore_index, float grad_scale) {
-  char const* op = "token_cross_entropy";
-  for (auto const& [t, role] :
-       {std::pair{&logits, "logits"}, {&targets, "targets"}, {&dlogits, "dlogits"}, {&loss, "loss"}})
-    check(*t, op, role, stream);
+namespace {
+
+// A cross-entropy's int32 targets, one per row of `logits` (N rows).
+void check_targets(char const* op, Tensor const& targets, std::int64_t n, Tensor const& logits, Stream& stream) {
+  check(targets, op, "targets", stream);
   check_dtype(targets, DType::int32, op, "targets");
-  check_dtype(loss, DType::float32, op, "loss");
-  if (logits.rank() < 2 || logits.dim(logits.rank() - 1) < 1)
-    throw Error(Errc::invalid_argument,
-                std::string(op) + ": logits have shape " + to_string(logits.shape()) + " (expected [N, V])");
-  std::int64_t const vocab = logits.dim(logits.rank() - 1);
-  std::int64_t const n = logits.numel() / vocab;
   if (targets.numel() != n)
     throw Error(Errc::invalid_argument, std::string(op) + ": " + std::to_string(targets.numel()) +
                                             " targets for logits " + to_string(logits.shape()) + " (expected " +
                                             std::to_string(n) + ", one per row)");
+}
+
+// A cross-entropy's outputs: dlogits shaped and typed as `logits`, a float32 loss of one element,
+// and the divisor of the summed row losses, finite and > 0.
+void check_loss_outputs(char const* op, Tensor const& logits, Tensor const& dlogits, Tensor const& loss, float divisor,
+                        Stream& stream) {
+  check(dlogits, op, "dlogits", stream);
+  check(loss, op, "loss", stream);
   check_shape(dlogits, logits.shape(), op, "dlogits");
   check_dtype(dlogits, logits.dtype(), op, "dlogits");
+  check_dtype(loss, DType::float32, op, "loss");
   if (loss.numel() != 1)
     throw Error(Errc::invalid_argument,
                 std::string(op) + ": loss has shape " + to_string(loss.shape()) + " (expected one element)");
   if (!(divisor > 0.0f) || !std::isfinite(divisor))
     throw Error(Errc::invalid_argument,
                 std::string(op) + ": divisor " + std::to_string(divisor) + " (expected a finite number > 0)");
+}
+
+}  // namespace
+
+void token_cross_entropy(Tensor const& logits, Tensor const& targets, Tensor const& dlogits, Tensor const& loss,
+                         float divisor, Stream& stream, std::int32_t ignore_index, float grad_scale) {
+  char const* op = "token_cross_entropy";
+  check(logits, op, "logits", stream);
+  if (logits.rank() < 2 || logits.dim(logits.rank() - 1) < 1)
+    throw Error(Errc::invalid_argument,
+                std::string(op) + ": logits have shape " + to_string(logits.shape()) + " (expected [N, V])");
+  std::int64_t const vocab = logits.dim(logits.rank() - 1);
+  std::int64_t const n = logits.numel() / vocab;
+  check_targets(op, targets, n, logits, stream);
+  check_loss_outputs(op, logits, dlogits, loss, divisor, stream);
   fail_on_bad_id(op, "target", targets, n, vocab, ignore_index, stream);
   visit(logits.dtype(), [&]<class T>(T) {
     detail::TokenCrossEntropyRow<T> const row{
@@ -563,15 +580,6 @@ std::int64_t check_vocab_shard_rows(char const* op, Tensor const& logits, Tensor
                                             to_string(stats.shape()) + " for logits " + to_string(logits.shape()) +
                                             " (expected " + std::to_string(n * per_row) + " float32 elements)");
   return n;
-}
-
-void check_targets(char const* op, Tensor const& targets, std::int64_t n, Tensor const& logits, Stream& stream) {
-  check(targets, op, "targets", stream);
-  check_dtype(targets, DType::int32, op, "targets");
-  if (targets.numel() != n)
-    throw Error(Errc::invalid_argument, std::string(op) + ": " + std::to_string(targets.numel()) +
-                                            " targets for logits " + to_string(logits.shape()) + " (expected " +
-                                            std::to_string(n) + ", one per row)");
 }
 
 }  // namespace
@@ -607,17 +615,7 @@ void vocab_shard_cross_entropy(Tensor const& logits, Tensor const& targets, Tens
   check_targets(op, targets, n, logits, stream);
   std::int64_t const cols = logits.dim(logits.rank() - 1);
   check_vocab_shard(op, begin, cols, vocab);
-  check(dlogits, op, "dlogits", stream);
-  check(loss, op, "loss", stream);
-  check_shape(dlogits, logits.shape(), op, "dlogits");
-  check_dtype(dlogits, logits.dtype(), op, "dlogits");
-  check_dtype(loss, DType::float32, op, "loss");
-  if (loss.numel() != 1)
-    throw Error(Errc::invalid_argument,
-                std::string(op) + ": loss has shape " + to_string(loss.shape()) + " (expected one element)");
-  if (!(divisor > 0.0f) || !std::isfinite(divisor))
-    throw Error(Errc::invalid_argument,
-                std::string(op) + ": divisor " + std::to_string(divisor) + " (expected a finite number > 0)");
+  check_loss_outputs(op, logits, dlogits, loss, divisor, stream);
   fail_on_bad_id(op, "target", targets, n, vocab, ignore_index, stream);
   visit(logits.dtype(), [&]<class T>(T) {
     detail::VocabShardCrossEntropyRow<T> const row{ptr<T>(logits),
