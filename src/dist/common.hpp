@@ -1,7 +1,10 @@
 // What the MPI and the single-process builds of the dist module share. Internal: not installed.
 #pragma once
 
+#include <cstddef>
+#include <span>
 #include <string>
+#include <vector>
 
 #include <mgpu/dist/dist.hpp>
 
@@ -20,5 +23,13 @@ World single_process_world(DeviceGroup const& group, std::string const& host);
 /// processes, every device is a host device or every one a CUDA GPU, no two of them the same GPU
 /// of one server.
 void check_world(World const& world, DeviceGroup const& group);
+
+/// Process 0's message to the other processes making one NCCL communicator over every process's
+/// GPUs: a flag byte, then the unique id (1) or why process 0 could not make one (0), so that no
+/// process waits for an id that never comes.
+std::vector<std::byte> nccl_id_message();
+
+/// The unique id in process 0's message; throws Error(device) with process 0's failure.
+std::vector<std::byte> nccl_id_from(std::span<std::byte const> message);
 
 }  // namespace mgpu::dist::detail

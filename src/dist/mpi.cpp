@@ -1053,29 +1053,20 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout) {
 
 namespace {
 
-// One NCCL communicator over every process's GPUs: process 0 makes the unique id and broadcasts it
-// over MPI (with its failure, if it could not make one, so that no process waits for an id that
-// never comes), then each process creates its own ranks' communicators.
+// One NCCL communicator over every process's GPUs: process 0's id message (detail::nccl_id_message)
+// broadcast over MPI, then each process creates its own ranks' communicators.
 std::unique_ptr<comm::Communicator> nccl_world_communicator(World const& world, DeviceGroup& group,
                                                             std::chrono::milliseconds timeout) {
+  // Broadcast in a fixed size, the length first (a long failure text is cut to fit).
   struct IdMessage {
-    std::int32_t ok;
-    std::int32_t bytes;
-    unsigned char id[256];
-    char failure[512];
+    std::uint32_t bytes;
+    std::byte data[1020];
   };
   auto message = std::make_shared<IdMessage>();
   if (world.process == 0) {
-    try {
-      std::vector<std::byte> const id = comm::detail::nccl_unique_id();
-      if (id.size() > sizeof message->id)
-        throw Error(Errc::device, "an NCCL unique id of " + std::to_string(id.size()) + " bytes (expected at most 256)");
-      message->ok = 1;
-      message->bytes = static_cast<std::int32_t>(id.size());
-      std::memcpy(message->id, id.data(), id.size());
-    } catch (Error const& e) {
-      std::snprintf(message->failure, sizeof message->failure, "%s", e.what());
-    }
+    std::vector<std::byte> const mine = detail::nccl_id_message();
+    message->bytes = static_cast<std::uint32_t>(std::min(mine.size(), sizeof message->data));
+    std::memcpy(message->data, mine.data(), message->bytes);
   }
   auto const start = Clock::now();
   {
@@ -1093,11 +1084,8 @@ std::unique_ptr<comm::Communicator> nccl_world_communicator(World const& world, 
     std::lock_guard lock(global().mpi_mutex);
     check(requests.error(), "broadcasting the NCCL unique id");
   }
-  if (message->ok == 0)
-    throw Error(Errc::device, "process 0 could not make the NCCL unique id: " +
-                                  std::string(message->failure, strnlen(message->failure, sizeof message->failure)));
-  std::vector<std::byte> id(static_cast<std::size_t>(message->bytes));
-  std::memcpy(id.data(), message->id, id.size());
+  std::vector<std::byte> const id =
+      detail::nccl_id_from({message->data, std::min<std::size_t>(message->bytes, sizeof message->data)});
   return comm::detail::make_nccl_world_communicator(group, world.size(), world.first_rank(world.process), id, timeout);
 }
 

@@ -388,30 +388,9 @@ std::unique_ptr<comm::Communicator> rendezvous_communicator(World const& world, 
   if (options.backend != comm::Backend::automatic && options.backend != comm::Backend::nccl)
     throw Error(Errc::invalid_argument, "the " + std::string(comm::to_string(options.backend)) +
                                             " backend across processes of CUDA GPUs (expected automatic or nccl)");
-  // Process 0's message: a flag byte, then the id or why it could not make one, so that no process
-  // waits for an id that never comes.
-  std::vector<std::byte> mine;
-  if (world.process == 0) {
-    try {
-      std::vector<std::byte> const id = comm::detail::nccl_unique_id();
-      mine.resize(1 + id.size());
-      mine[0] = std::byte{1};
-      std::memcpy(mine.data() + 1, id.data(), id.size());
-    } catch (Error const& e) {
-      std::string_view const failure = e.what();
-      mine.resize(1 + failure.size());
-      mine[0] = std::byte{0};
-      std::memcpy(mine.data() + 1, failure.data(), failure.size());
-    }
-  }
-  auto const all = rendezvous_exchange("the NCCL unique id", mine, timeout);
-  auto const& from0 = all.front();
-  if (from0.empty() || from0.front() != std::byte{1})
-    throw Error(Errc::device, "process 0 could not make the NCCL unique id: " +
-                                  (from0.empty() ? std::string("(no reason given)")
-                                                 : std::string(reinterpret_cast<char const*>(from0.data() + 1),
-                                                               from0.size() - 1)));
-  std::vector<std::byte> const id(from0.begin() + 1, from0.end());
+  auto const all = rendezvous_exchange("the NCCL unique id",
+                                       world.process == 0 ? nccl_id_message() : std::vector<std::byte>{}, timeout);
+  std::vector<std::byte> const id = nccl_id_from(all.front());
   return comm::detail::make_nccl_world_communicator(group, world.size(), world.first_rank(world.process), id, timeout);
 }
 

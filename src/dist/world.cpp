@@ -1,11 +1,14 @@
 // The world's device list: lookups, the communicator factory for executors, and the world of a job
 // of one process.
+#include <cstring>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include <mgpu/core/error.hpp>
 #include <mgpu/dist/dist.hpp>
 
+#include "comm/cuda_communicators.hpp"
 #include "dist/common.hpp"
 
 namespace mgpu::dist {
@@ -81,6 +84,31 @@ void check_world(World const& world, DeviceGroup const& group) {
                                             " device(s) starting with " + group.device(0).to_string() +
                                             ", the world lists " + std::to_string(local) +
                                             " for this process (expected the group the world was made from)");
+}
+
+std::vector<std::byte> nccl_id_message() {
+  std::vector<std::byte> message;
+  try {
+    std::vector<std::byte> const id = comm::detail::nccl_unique_id();
+    message.resize(1 + id.size());
+    message[0] = std::byte{1};
+    std::memcpy(message.data() + 1, id.data(), id.size());
+  } catch (Error const& e) {
+    std::string_view const failure = e.what();
+    message.resize(1 + failure.size());
+    message[0] = std::byte{0};
+    std::memcpy(message.data() + 1, failure.data(), failure.size());
+  }
+  return message;
+}
+
+std::vector<std::byte> nccl_id_from(std::span<std::byte const> message) {
+  if (message.empty() || message.front() != std::byte{1})
+    throw Error(Errc::device, "process 0 could not make the NCCL unique id: " +
+                                  (message.empty() ? std::string("(no reason given)")
+                                                   : std::string(reinterpret_cast<char const*>(message.data() + 1),
+                                                                 message.size() - 1)));
+  return {message.begin() + 1, message.end()};
 }
 
 }  // namespace detail
