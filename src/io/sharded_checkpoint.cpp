@@ -25,9 +25,13 @@ constexpr std::string_view whole_prefix = "whole:";
 
 std::filesystem::path manifest_path(std::filesystem::path const& folder) { return folder / "manifest.ckpt"; }
 
+// The elements of `shape`, or -1 for a negative extent or a count past int64 (a shape read from a
+// damaged file, or a caller's mistake).
 std::int64_t numel_of(Shape const& shape) {
   std::int64_t n = 1;
-  for (std::int64_t e : shape) n *= e;
+  for (std::int64_t e : shape) {
+    if (e < 0 || __builtin_mul_overflow(n, e, &n)) return -1;
+  }
   return n;
 }
 
@@ -58,6 +62,9 @@ std::pair<std::uint64_t, int> read_manifest(std::filesystem::path const& manifes
 void ShardWriter::put_piece(std::string const& name, Shape const& shape, std::int64_t begin, Tensor const& values,
                             Stream& stream) {
   std::int64_t const whole = numel_of(shape);
+  if (whole < 0)
+    throw Error(Errc::invalid_argument, "piece of '" + name + "' of a record of shape " + to_string(shape) +
+                                            " (expected extents >= 0 whose product fits in 64 bits)");
   if (!values.defined() || begin < 0 || begin + values.numel() > whole)
     throw Error(Errc::invalid_argument, "piece of '" + name + "' at element " + std::to_string(begin) + " with " +
                                             std::to_string(values.defined() ? values.numel() : 0) +
@@ -202,6 +209,9 @@ ShardedCheckpoint ShardedCheckpoint::load(std::filesystem::path const& folder) {
     std::sort(split.pieces.begin(), split.pieces.end(), [](Piece const& a, Piece const& b) { return a.begin < b.begin; });
     if (!split.pieces.empty()) split.type = split.pieces.front().record->type;
     std::int64_t const whole = numel_of(split.shape);
+    if (whole < 0)
+      throw Error(Errc::corrupt_data, "record '" + name + "' in " + folder.string() + " has shape " +
+                                          to_string(split.shape) + " (expected extents >= 0 whose product fits in 64 bits)");
     std::int64_t covered = 0;
     for (Piece const& p : split.pieces) {
       if (p.record->type != split.type)

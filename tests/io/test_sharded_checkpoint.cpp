@@ -227,11 +227,24 @@ TEST_CASE("Sharded checkpoint: incomplete or damaged saves are rejected naming t
     REQUIRE_MGPU_ERROR(io::ShardedCheckpoint::load(dir.path), Errc::corrupt_data,
                        "record 'step' differs from the one in");
   }
+  SECTION("a shape past 64 bits of elements") {
+    TempDir dir;
+    io::Checkpoint shard;  // what a damaged or forged shard could hold
+    shard.put("piece:0:w", h.floats(slice(whole, 0, 15)), h.stream);
+    shard.put("shape:w", std::vector<std::int64_t>{std::int64_t{1} << 40, std::int64_t{1} << 40});
+    fs::create_directories(dir.path);
+    shard.save(io::shard_path(dir.path, 6, 0, 1));
+    io::commit_shards(dir.path, 6, 1);
+    REQUIRE_MGPU_ERROR(io::ShardedCheckpoint::load(dir.path), Errc::corrupt_data,
+                       "has shape [1099511627776, 1099511627776] (expected extents >= 0 whose product fits in 64 bits)");
+  }
   SECTION("bad pieces and shard numbers are refused when written") {
     io::ShardWriter a;
     REQUIRE_MGPU_ERROR(a.put_piece("w", {15}, 10, h.floats(slice(whole, 0, 6)), h.stream), Errc::invalid_argument,
                        "piece of 'w' at element 10 with 6 elements (expected a defined tensor within the record's 15 "
                        "elements, shape [15])");
+    REQUIRE_MGPU_ERROR(a.put_piece("w", {-1, 15}, 0, h.floats(slice(whole, 0, 6)), h.stream), Errc::invalid_argument,
+                       "piece of 'w' of a record of shape [-1, 15] (expected extents >= 0 whose product fits in 64 bits)");
     a.put_piece("w", {15}, 0, h.floats(slice(whole, 0, 6)), h.stream);
     REQUIRE_MGPU_ERROR(a.put_piece("w", {15}, 0, h.floats(slice(whole, 0, 6)), h.stream), Errc::invalid_argument,
                        "a second piece of 'w' at element 0 (expected each piece once)");
