@@ -7,10 +7,10 @@
 // of the core beyond the public API is here and nowhere else:
 //   - StreamInternals: host work that runs even after earlier work failed (collectives must
 //     still take part), and the stream's cuBLAS handle;
-//   - release_after / ReleaseAfterOnExit (BufferInternals): after enqueuing CUDA work on tensors
-//     or buffers, record that work as a use, so that their blocks go to other streams only once
-//     it has finished, and to that stream at once (stream-ordered release, in place of host
-//     callbacks that hold the tensors);
+//   - release_after / ReleaseAfterOnExit / enqueue_using (BufferInternals): after enqueuing work
+//     on tensors or buffers (CUDA work, or host work through raw pointers), record that work as a
+//     use, so that their blocks go to other streams only once it has finished, and to that
+//     stream at once (stream-ordered release, in place of work that holds the tensors);
 //   - StreamScratch: a kernel launcher's temporaries (kernels/scratch.hpp) from the caching
 //     allocator, for the launch's stream, released in stream order;
 //   - host_staging_allocator(): the shared host allocator for staging copies and scalar reads;
@@ -21,7 +21,9 @@
 // Kernels are not part of it: they live in src/kernels, one launcher header per layer.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <cstdio>
 #include <exception>
 #include <functional>
@@ -52,12 +54,20 @@ struct StreamInternals {
 
   // A number that names the stream for as long as the process runs (never given to another one).
   static std::uint64_t id(Stream const& stream) noexcept;
+
+  // A host stream's place in its queue: once `*progress` reaches `position`, every piece of work
+  // enqueued on it so far (before the call) has run, or was skipped after a failure.
+  struct HostPosition {
+    std::shared_ptr<std::atomic<std::uint64_t> const> progress;
+    std::uint64_t position;
+  };
+  static HostPosition host_position(Stream const& stream);
 };
 
 struct BufferInternals {
   // Records that the work enqueued so far on `stream` uses the buffer: once its last handle goes,
   // its allocator gives the block to `stream` at once and to anyone else, or frees it, only after
-  // that work has finished. Nothing to do on a host stream (host work holds what it uses).
+  // that work has finished. On a host stream as on a CUDA stream (see enqueue_using).
   // Thread-safe; call it after enqueuing the work.
   static void record_use(Stream& stream, Buffer const& buffer);
   // The same for a tensor's storage (an undefined tensor is ignored).
@@ -76,8 +86,8 @@ void release_after(Stream& stream, Storage const&... storage) {
 
 // Calls release_after(stream, storage...) when it goes out of scope: also when enqueuing throws
 // after part of the work is on the stream (the first of two kernels, a copy before a failed free),
-// so no block is reused under that work. For code that enqueues work on storage in several CUDA
-// calls; the storage must outlive it. Never throws: a use it cannot record is reported on stderr.
+// so no block is reused under that work. For code that enqueues work on storage in several calls;
+// the storage must outlive it. Never throws: a use it cannot record is reported on stderr.
 template <class... Storage>
 class ReleaseAfterOnExit {
  public:
@@ -96,6 +106,17 @@ class ReleaseAfterOnExit {
   Stream& stream_;
   std::tuple<Storage const&...> storage_;
 };
+
+// Enqueues host work that reaches the tensors (or buffers) through their raw pointers, and records
+// it as their use instead of letting it hold them: a block whose last handle goes while the work
+// waits goes back to this stream at once and to anyone else once the work has run, as on a CUDA
+// stream. So the allocator's counters follow what the issuing thread holds, on host devices as on
+// GPUs, however far it runs ahead of the stream's worker.
+template <class Work, class... Storage>
+void enqueue_using(Stream& stream, Work&& work, Storage const&... storage) {
+  ReleaseAfterOnExit<Storage...> const release(stream, storage...);
+  stream.enqueue(std::forward<Work>(work));
+}
 
 // A kernel launcher's scratch memory from the caching allocator of a tensor the op uses, for work
 // on `stream`: blocks that earlier work on the stream freed come back at once, without waiting for

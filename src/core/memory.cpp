@@ -248,59 +248,56 @@ void Allocator::release(void* data, std::size_t block, bool pinned) noexcept {
 
 void Allocator::record_use(void* data, Stream& stream) {
   std::uint64_t const id = detail::StreamInternals::id(stream);
-  bool const cuda = stream.device().kind == DeviceKind::cuda;
+  if (stream.device().kind != DeviceKind::cuda) {  // no marker to place: the stream counts its work
+    auto [progress, position] = detail::StreamInternals::host_position(stream);
+    std::lock_guard lock(mutex_);
+    std::vector<StreamUse>& uses = uses_[data];
+    auto it = std::find_if(uses.begin(), uses.end(), [&](StreamUse const& u) { return u.stream == id; });
+    if (it == uses.end()) {
+      uses.push_back({id, -1, nullptr, std::move(progress), position});
+    } else {
+      it->position = std::max(it->position, position);
+    }
+    return;
+  }
   std::lock_guard lock(mutex_);
   std::vector<StreamUse>& uses = uses_[data];
   auto it = std::find_if(uses.begin(), uses.end(), [&](StreamUse const& u) { return u.stream == id; });
   if (it == uses.end()) {
-    StreamUse use{id, -1, nullptr, std::nullopt};
-    if (cuda) {
-      use.ordinal = stream.device().index;
-      if (auto& spare = spare_events_[use.ordinal]; !spare.empty()) {
-        use.event = spare.back();
-        spare.pop_back();
-      } else {
-        use.event = detail::cuda::event_create_untimed(use.ordinal);
-      }
-    } else if (!spare_markers_.empty()) {
-      use.marker = std::move(spare_markers_.back());
-      spare_markers_.pop_back();
+    StreamUse use{id, stream.device().index, nullptr, nullptr, 0};
+    if (auto& spare = spare_events_[use.ordinal]; !spare.empty()) {
+      use.event = spare.back();
+      spare.pop_back();
     } else {
-      use.marker.emplace();
+      use.event = detail::cuda::event_create_untimed(use.ordinal);
     }
     it = uses.insert(uses.end(), std::move(use));
   }
-  // A later use on the same stream moves the marker.
-  if (cuda) {
-    detail::cuda::event_record(it->event, stream.native_handle());
-  } else {
-    it->marker->record(stream);
+  detail::cuda::event_record(it->event, stream.native_handle());  // a later use on the same stream moves the marker
+}
+
+bool Allocator::StreamUse::finished() const {
+  if (progress) return progress->load(std::memory_order_acquire) >= position;
+  try {
+    return detail::cuda::event_query(event);
+  } catch (...) {  // a failed GPU runs none of the work any more: the block is free
+    return true;
   }
 }
 
 void Allocator::recycle_event(StreamUse& use) noexcept {
+  if (use.progress) return;
   try {
-    if (use.marker) {
-      spare_markers_.push_back(std::move(*use.marker));
-    } else {
-      spare_events_[use.ordinal].push_back(use.event);
-    }
+    spare_events_[use.ordinal].push_back(use.event);
   } catch (...) {
-    if (!use.marker) detail::cuda::event_destroy(use.event);
+    detail::cuda::event_destroy(use.event);
   }
 }
 
 void Allocator::reclaim_completed_locked() noexcept {
   for (auto it = pending_.begin(); it != pending_.end();) {
-    auto const finished = [](StreamUse const& use) {
-      try {
-        return use.marker ? use.marker->query() : detail::cuda::event_query(use.event);
-      } catch (...) {  // a failed GPU runs none of the work any more: the block is free
-        return true;
-      }
-    };
     auto const first_finished =
-        std::stable_partition(it->uses.begin(), it->uses.end(), [&](StreamUse const& use) { return !finished(use); });
+        std::stable_partition(it->uses.begin(), it->uses.end(), [](StreamUse const& use) { return !use.finished(); });
     for (auto use = first_finished; use != it->uses.end(); ++use) recycle_event(*use);
     it->uses.erase(first_finished, it->uses.end());
     if (!it->uses.empty()) {
@@ -358,15 +355,15 @@ void Allocator::detach_cached_locked(std::vector<void*>& blocks, std::vector<Pen
 void Allocator::free_detached(std::vector<void*> const& blocks, std::vector<PendingBlock>& pending) noexcept {
   for (PendingBlock& p : pending) {
     for (StreamUse const& use : p.uses) {
+      if (use.progress) {  // a host stream's worker runs its queue to the end, also after a failure
+        while (!use.finished()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+        continue;
+      }
       try {
-        if (use.marker) {
-          use.marker->synchronize();
-        } else {
-          detail::cuda::event_synchronize(use.event);
-        }
+        detail::cuda::event_synchronize(use.event);
       } catch (...) {  // as in reclaim_completed_locked: no work runs on a failed GPU
       }
-      if (!use.marker) detail::cuda::event_destroy(use.event);
+      detail::cuda::event_destroy(use.event);
     }
     if (!p.pinned) {
       system_free(device_, p.data);
@@ -425,7 +422,7 @@ Allocator& detail::host_staging_allocator() {
 }
 
 void detail::BufferInternals::record_use(Stream& stream, Buffer const& buffer) {
-  if (stream.device().kind != DeviceKind::cuda || !buffer.owner_ || buffer.data_ == nullptr) return;
+  if (!buffer.owner_ || buffer.data_ == nullptr) return;
   buffer.owner_->record_use(buffer.data_, stream);
 }
 

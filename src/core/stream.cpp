@@ -223,4 +223,9 @@ void detail::StreamInternals::with_blas_handle(Stream& stream, void* (*create)(i
 
 std::uint64_t detail::StreamInternals::id(Stream const& stream) noexcept { return stream.impl_->id; }
 
+detail::StreamInternals::HostPosition detail::StreamInternals::host_position(Stream const& stream) {
+  Stream::Impl const& s = *stream.impl_;
+  return {s.progress, s.submitted.load(std::memory_order_acquire)};
+}
+
 }  // namespace mgpu

@@ -150,9 +150,7 @@ void copy_async(Tensor const& dst, Tensor const& src, Stream& stream) {
   std::size_t const bytes = src.nbytes();
   if (on_host(dst) && on_host(src)) {
     if (bytes == 0) return;
-    stream.enqueue([to = dst.data(), from = src.data(), bytes, keep_dst = dst.keep_alive(), keep_src = src.keep_alive()] {
-      std::memcpy(to, from, bytes);
-    });
+    detail::enqueue_using(stream, [to = dst.data(), from = src.data(), bytes] { std::memcpy(to, from, bytes); }, dst, src);
     return;
   }
   Device const s = stream.device();
@@ -189,7 +187,7 @@ void convert_async(Tensor const& dst, Tensor const& src, Stream& stream) {
     detail::visit_dtype(dst.dtype(), [&]<class D>(std::type_identity<D>) {
       detail::visit_dtype(src.dtype(), [&]<class S>(std::type_identity<S>) {
         detail::ConvertOp<D, S> const op{static_cast<D*>(dst.data()), static_cast<S const*>(src.data())};
-        stream.enqueue([op, count, keep_dst = dst.keep_alive(), keep_src = src.keep_alive()] { detail::for_each_index(count, op); });
+        detail::enqueue_using(stream, [op, count] { detail::for_each_index(count, op); }, dst, src);
       });
     });
   } else {
@@ -210,7 +208,7 @@ void fill_async(Tensor const& dst, float value, Stream& stream) {
   if (s.kind == DeviceKind::host) {
     detail::visit_dtype(dst.dtype(), [&]<class T>(std::type_identity<T>) {
       detail::FillOp<T> const op{static_cast<T*>(dst.data()), T(value)};
-      stream.enqueue([op, count, keep = dst.keep_alive()] { detail::for_each_index(count, op); });
+      detail::enqueue_using(stream, [op, count] { detail::for_each_index(count, op); }, dst);
     });
   } else {
     kernels::fill_async(s.index, dst.data(), dst.dtype(), value, count, stream.native_handle());

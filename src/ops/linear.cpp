@@ -20,7 +20,6 @@ namespace {
 
 using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 using MatrixMap = Eigen::Map<Matrix>;
-MatrixMap matrix(Tensor const& t) { return {ptr<float>(t), rows(t), cols(t)}; }
 
 // Enqueues C = alpha op(A) op(B) + beta C on the stream (arguments checked by the caller).
 void enqueue_gemm(Tensor const& a, bool transpose_a, Tensor const& b, bool transpose_b, Tensor const& c, float alpha, float beta,
@@ -28,7 +27,7 @@ void enqueue_gemm(Tensor const& a, bool transpose_a, Tensor const& b, bool trans
   if (stream.device().kind == DeviceKind::host) {
     host::GemmCall const call{.dtype = a.dtype(), .transpose_a = transpose_a, .transpose_b = transpose_b, .m = c.dim(0), .n = c.dim(1),
                               .k = transpose_a ? a.dim(0) : a.dim(1), .a = a.data(), .b = b.data(), .c = c.data(), .alpha = alpha, .beta = beta};
-    stream.enqueue([call, keep = std::vector<Tensor>{a, b, c}] { host::gemm(call); });
+    mgpu::detail::enqueue_using(stream, [call] { host::gemm(call); }, a, b, c);
     return;
   }
 #if MGPU_CUDA_ENABLED
@@ -114,7 +113,7 @@ void linear(Tensor const& x, Tensor const& w, Tensor const& bias, Tensor const& 
     host::GemmCall const call{.dtype = x.dtype(), .m = x.dim(0), .n = w.dim(1), .k = x.dim(1), .a = x.data(), .b = w.data(), .c = z.data(),
                               .bias = bias.data(), .relu = act == ActivationKind::relu,
                               .gelu_out = act == ActivationKind::gelu ? y.data() : nullptr};
-    stream.enqueue([call, keep = std::vector<Tensor>{x, w, bias, y, z}] { host::gemm(call); });
+    mgpu::detail::enqueue_using(stream, [call] { host::gemm(call); }, x, w, bias, y, z);
     return;
   }
   enqueue_gemm(x, false, w, false, z, 1.0f, 0.0f, stream);
@@ -143,9 +142,12 @@ void activation_bias_grad(ActivationKind act, Tensor const& z, Tensor const& dy,
   visit_activation(act, [&]<class F>(F) {
     visit(dy.dtype(), [&]<class T>(T) {
       if (stream.device().kind == DeviceKind::host) {
-        stream.enqueue([input, dy, dz, db, accumulate] {
-          activation_bias_grad_rows<T, F>(ptr<T>(input), ptr<T>(dy), ptr<T>(dz), ptr<T>(db), rows(dy), cols(dy), accumulate);
-        });
+        mgpu::detail::enqueue_using(
+            stream,
+            [in = ptr<T>(input), g = ptr<T>(dy), out = ptr<T>(dz), bias = ptr<T>(db), n = rows(dy), c = cols(dy), accumulate] {
+              activation_bias_grad_rows<T, F>(in, g, out, bias, n, c, accumulate);
+            },
+            input, dy, dz, db);
         return;
       }
       run_each(stream, cols(dy), detail::ActivationBiasGradCol<T, F>{ptr<T>(input), ptr<T>(dy), ptr<T>(dz), ptr<T>(db), rows(dy), cols(dy), accumulate},
@@ -162,7 +164,12 @@ void add_bias(Tensor const& y, Tensor const& bias, Stream& stream) {
     throw Error(Errc::invalid_argument, "add_bias: bias has " + std::to_string(bias.numel()) + " elements for y of shape " +
                                             to_string(y.shape()) + " (expected one per column)");
   if (host_float32(y, stream)) {  // Eigen's broadcast vectorizes along rows
-    stream.enqueue([y, bias] { matrix(y).rowwise() += Eigen::Map<Eigen::RowVectorXf>(ptr<float>(bias), bias.numel()); });
+    mgpu::detail::enqueue_using(
+        stream,
+        [out = ptr<float>(y), n = rows(y), c = cols(y), b = ptr<float>(bias)] {
+          MatrixMap(out, n, c).rowwise() += Eigen::Map<Eigen::RowVectorXf>(b, c);
+        },
+        y, bias);
     return;
   }
   visit(y.dtype(), [&]<class T>(T) { run_each(stream, y.numel(), detail::BiasAddOp<T>{ptr<T>(y), ptr<T>(bias), cols(y)}, {y, bias}); });
@@ -176,14 +183,17 @@ void bias_grad(Tensor const& dy, Tensor const& db, Stream& stream, bool accumula
     throw Error(Errc::invalid_argument, "bias_grad: db has " + std::to_string(db.numel()) + " elements for dy of shape " +
                                             to_string(dy.shape()) + " (expected one per column)");
   if (host_float32(dy, stream)) {  // column sums over contiguous rows
-    stream.enqueue([dy, db, accumulate] {
-      Eigen::Map<Eigen::RowVectorXf> out(ptr<float>(db), db.numel());
-      if (accumulate) {
-        out += matrix(dy).colwise().sum();
-      } else {
-        out = matrix(dy).colwise().sum();
-      }
-    });
+    mgpu::detail::enqueue_using(
+        stream,
+        [g = ptr<float>(dy), n = rows(dy), c = cols(dy), sums = ptr<float>(db), accumulate] {
+          Eigen::Map<Eigen::RowVectorXf> out(sums, c);
+          if (accumulate) {
+            out += MatrixMap(g, n, c).colwise().sum();
+          } else {
+            out = MatrixMap(g, n, c).colwise().sum();
+          }
+        },
+        dy, db);
     return;
   }
   visit(dy.dtype(), [&]<class T>(T) {

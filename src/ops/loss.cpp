@@ -21,13 +21,12 @@ void fail_on_bad_label(char const* op, Tensor const& labels, std::int64_t n, std
                                              " (expected a class id in [0, " + std::to_string(c) + "))");
   };
   if (stream.device().kind == DeviceKind::host) {
-    stream.enqueue([labels, n, c, bad_label] {
-      float const* y = ptr<float>(labels);
+    mgpu::detail::enqueue_using(stream, [y = ptr<float>(labels), n, c, bad_label] {
       for (std::int64_t i = 0; i < n; ++i) {
         auto const label = static_cast<std::int64_t>(y[i]);
         if (!(y[i] >= 0.0f) || label >= c || static_cast<float>(label) != y[i]) throw bad_label(y[i], i);
       }
-    });
+    }, labels);
   } else {
 #if MGPU_CUDA_ENABLED
     // The GPU finds the first bad row; a host callback reads it back and fails the stream with the

@@ -89,15 +89,16 @@ inline bool host_float32(Tensor const& t, Stream const& stream) {
   return t.dtype() == DType::float32 && stream.device().kind == DeviceKind::host;
 }
 
-// Runs op(i) for i in [0, n) on the stream, keeping the tensors alive until it has run.
+// Runs op(i) for i in [0, n) on the stream, recording it as a use of the tensors (`keep`: their
+// blocks are reused in stream order, mgpu::detail::enqueue_using).
 template <class Op>
-void run_each(Stream& stream, std::int64_t n, Op const& op, std::vector<Tensor> keep) {
+void run_each(Stream& stream, std::int64_t n, Op const& op, std::vector<Tensor> const& keep) {
+  mgpu::detail::ReleaseAfterOnExit const release(stream, keep);  // reused after the loop or the kernel
   if (stream.device().kind == DeviceKind::host) {
-    stream.enqueue([n, op, keep = std::move(keep)] { mgpu::detail::for_each_index(n, op); });
+    stream.enqueue([n, op] { mgpu::detail::for_each_index(n, op); });
     return;
   }
 #if MGPU_CUDA_ENABLED
-  mgpu::detail::ReleaseAfterOnExit const release(stream, keep);  // reused after the kernel
   kernels::each(stream.device().index, n, op, stream.native_handle());
 #else
   throw Error(Errc::device, "ops on " + stream.device().to_string() + " (this build has no CUDA backend)");
@@ -109,8 +110,9 @@ template <class Op>
 void run_reduce(Stream& stream, std::int64_t n, Op const& op, Tensor const& out, float scale, std::vector<Tensor> keep) {
   keep.push_back(out);
   float* result = ptr<float>(out);
+  mgpu::detail::ReleaseAfterOnExit const release(stream, keep);  // its kernels, also if the second fails to launch
   if (stream.device().kind == DeviceKind::host) {
-    stream.enqueue([n, op, result, scale, keep = std::move(keep)] {
+    stream.enqueue([n, op, result, scale] {
       double total = 0;
       for (std::int64_t i = 0; i < n; ++i) total += static_cast<double>(op(i));
       *result = static_cast<float>(static_cast<double>(scale) * total);
@@ -118,7 +120,6 @@ void run_reduce(Stream& stream, std::int64_t n, Op const& op, Tensor const& out,
     return;
   }
 #if MGPU_CUDA_ENABLED
-  mgpu::detail::ReleaseAfterOnExit const release(stream, keep);  // its kernels, also if the second fails to launch
   mgpu::detail::StreamScratch scratch(stream, out);
   kernels::reduce(stream.device().index, n, op, result, scale, scratch, stream.native_handle());
 #else

@@ -107,15 +107,16 @@ detail::AttentionMask attention_mask(AttentionDropout const& dropout, std::int64
 // Runs body(each, scratch) with `scratch_words` 4-byte words of scratch memory, where each(n, op)
 // calls op(i) for i in [0, n): on a host stream inside one piece of enqueued work; on a CUDA stream
 // as kernels over device scratch from the caching allocator of keep[0] (a tensor on the stream's
-// device), released in stream order. `keep` stays alive until the work has run.
+// device), released in stream order. The work is recorded as a use of the `keep` tensors (their
+// blocks are reused in stream order, mgpu::detail::enqueue_using).
 template <class Body>
-void run(Stream& stream, std::vector<Tensor> keep, std::size_t scratch_words, Body const& body) {
+void run(Stream& stream, std::vector<Tensor> const& keep, std::size_t scratch_words, Body const& body) {
   if (stream.device().kind == DeviceKind::host) {
-    stream.enqueue([keep = std::move(keep), scratch_words, body] {
+    mgpu::detail::enqueue_using(stream, [scratch_words, body] {
       std::vector<std::uint32_t> scratch(scratch_words);
       body([](std::int64_t n, auto const& op) { mgpu::detail::for_each_index(n, op); },
            static_cast<void*>(scratch.data()));
-    });
+    }, keep);
     return;
   }
 #if MGPU_CUDA_ENABLED
@@ -145,11 +146,10 @@ void fail_on_bad_id(char const* op, char const* what, Tensor const& ids, std::in
     return bad_id(op, what, id, position, vocab, extra);
   };
   if (stream.device().kind == DeviceKind::host) {
-    stream.enqueue([ids, n, vocab, ignore, bad] {
-      std::int32_t const* id = ptr<std::int32_t>(ids);
+    mgpu::detail::enqueue_using(stream, [id = ptr<std::int32_t>(ids), n, vocab, ignore, bad] {
       for (std::int64_t i = 0; i < n; ++i)
         if ((id[i] < 0 || id[i] >= vocab) && id[i] != ignore) throw bad(id[i], i);
-    });
+    }, ids);
     return;
   }
 #if MGPU_CUDA_ENABLED
@@ -458,9 +458,9 @@ void causal_attention(Tensor const& qkv, Tensor const& y, Tensor const& lse, std
   detail::AttentionMask const mask = attention_mask(dropout, heads, t);
   visit(qkv.dtype(), [&]<class T>(T) {
     if (stream.device().kind == DeviceKind::host) {
-      stream.enqueue([qkv, y, lse, batch, shape, mask] {
-        host_attention::forward(ptr<T>(qkv), ptr<T>(y), ptr<float>(lse), batch, shape, mask);
-      });
+      mgpu::detail::enqueue_using(stream, [q = ptr<T>(qkv), out = ptr<T>(y), l = ptr<float>(lse), batch, shape, mask] {
+        host_attention::forward(q, out, l, batch, shape, mask);
+      }, qkv, y, lse);
       return;
     }
     run(stream, {qkv, y, lse}, static_cast<std::size_t>(batch * t * c), [=](auto const& each, void* scratch) {
@@ -487,9 +487,10 @@ void causal_attention_backward(Tensor const& qkv, Tensor const& y, Tensor const&
   std::int64_t const rows = batch * heads * t;
   visit(qkv.dtype(), [&]<class T>(T) {
     if (stream.device().kind == DeviceKind::host) {
-      stream.enqueue([qkv, y, lse, dy, dqkv, batch, shape, mask] {
-        host_attention::backward(ptr<T>(qkv), ptr<T>(y), ptr<float>(lse), ptr<T>(dy), ptr<T>(dqkv), batch, shape, mask);
-      });
+      mgpu::detail::enqueue_using(stream, [q = ptr<T>(qkv), out = ptr<T>(y), l = ptr<float>(lse), g = ptr<T>(dy),
+                                           dq = ptr<T>(dqkv), batch, shape, mask] {
+        host_attention::backward(q, out, l, g, dq, batch, shape, mask);
+      }, qkv, y, lse, dy, dqkv);
       return;
     }
     auto const words_needed = static_cast<std::size_t>(rows + batch * t * 3 * c);

@@ -1,5 +1,6 @@
 // The caching allocator: reuse, statistics, limits, thread safety, stream-ordered reuse.
 #include <mgpu/core/memory.hpp>
+#include <mgpu/core/tensor.hpp>
 
 #include <atomic>
 #include <cstdint>
@@ -211,6 +212,33 @@ TEST_CASE("A freed block goes back to its stream at once, to other streams after
   // The work has run: any stream, and plain allocate(), may have the block now.
   mgpu::Buffer after = allocator->allocate(4096, other);
   CHECK(after.data() == freed);
+}
+
+TEST_CASE("Copies and fills on a host stream release their tensors in stream order, as on a GPU", "[core][memory][stream]") {
+  auto allocator = Allocator::create(Device{DeviceKind::host, 0});
+  mgpu::Stream stream(Device{DeviceKind::host, 0});
+  mgpu::Stream other(Device{DeviceKind::host, 0});
+  mgpu::Tensor const y = mgpu::Tensor::empty({1024}, mgpu::DType::float32, *allocator, stream);
+  std::size_t const block = Allocator::block_size(y.nbytes());
+  Gate gate(stream);
+  void* freed = nullptr;
+  {
+    mgpu::Tensor const x = mgpu::Tensor::empty({1024}, mgpu::DType::float32, *allocator, stream);
+    freed = x.data();
+    mgpu::fill_async(x, 3.0f, stream);
+    mgpu::copy_async(y, x, stream);
+  }  // the last handle of x goes while its fill and copy wait behind the gate
+  CHECK(allocator->stats().allocated == block);  // counted as the issuing thread holds it
+  mgpu::Tensor const for_other = mgpu::Tensor::empty({1024}, mgpu::DType::float32, *allocator, other);
+  CHECK(for_other.data() != freed);  // another stream waits for the work
+  mgpu::Tensor const z = mgpu::Tensor::empty({1024}, mgpu::DType::float32, *allocator, stream);
+  CHECK(z.data() == freed);  // the stream itself reuses it at once: its work runs in order
+  mgpu::fill_async(z, 7.0f, stream);
+  CHECK_FALSE(stream.query());
+  gate.open();
+  stream.synchronize();
+  for (float v : y.host_span<float>()) REQUIRE(v == 3.0f);  // the copy ran before the block was filled again
+  for (float v : z.host_span<float>()) REQUIRE(v == 7.0f);
 }
 
 TEST_CASE("A block used by two streams goes to one of them only after the other's work", "[core][memory][stream]") {

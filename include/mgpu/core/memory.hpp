@@ -1,6 +1,7 @@
 // Device memory: a caching allocator per device with statistics and an optional limit.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -21,11 +22,12 @@ struct BufferInternals;  // the library's stream-ordered release (src/core/backe
 }
 
 /// A block of device memory (or pinned host memory), owned (move-only). Returns the block to its
-/// allocator's cache on destruction. Work that mgpu enqueues on CUDA streams (copies, ops,
-/// collectives) records its use of the block: the allocator hands the block to work on that same
-/// stream at once (Allocator::allocate(bytes, stream); the stream runs in order) and to anyone else
-/// only once an event recorded after that work has completed. Work of one's own on a stream needs
-/// the Buffer kept alive until it has run, or record_stream().
+/// allocator's cache on destruction. Work that mgpu enqueues on streams (copies and ops on host and
+/// CUDA streams, collectives on CUDA streams) records its use of the block: the allocator hands the
+/// block to work on that same stream at once (Allocator::allocate(bytes, stream); the stream runs
+/// in order) and to anyone else only once that work has completed. So the counters (MemoryStats)
+/// follow what the issuing threads hold, as on a GPU, not how far behind them the streams' work is.
+/// Work of one's own on a stream needs the Buffer kept alive until it has run, or record_stream().
 class Buffer {
  public:
   Buffer() = default;
@@ -72,10 +74,10 @@ struct MemoryStats {
 
 /// A caching allocator for one device. Block sizes are rounded up to size classes (at most 1/8
 /// waste above 4 KiB) and freed blocks are kept per class for reuse. A freed block that stream work
-/// still uses (recorded by the library's CUDA work, or Buffer::record_stream) keeps an event per
-/// stream recorded after its last use there: a request for that one stream gets it at once (stream
-/// order makes the reuse safe), anyone else once the events have completed (without host
-/// callbacks, never waited for on the host). With a limit, `reserved` never exceeds it: cached blocks are
+/// still uses (recorded by the library's stream work, or Buffer::record_stream) keeps a marker per
+/// stream after its last use there (a CUDA event; a host stream's count of work run): a request
+/// for that one stream gets it at once (stream order makes the reuse safe), anyone else once the
+/// markers have been reached (without host callbacks, never waited for on the host). With a limit, `reserved` never exceeds it: cached blocks are
 /// released first, blocks awaiting GPU work are polled (never waited for with a blocking call, for
 /// at most the library's deadline, default_timeout()), then Error(out_of_memory) is thrown. Thread-safe; memory is returned to the
 /// device outside the allocator's lock. Create with Allocator::create(); buffers keep their
@@ -125,12 +127,14 @@ class Allocator : public std::enable_shared_from_this<Allocator> {
   friend struct detail::BufferInternals;
 
   // A marker after the last work on one stream that uses a block: an untimed CUDA event on a
-  // CUDA stream, an Event on a host stream.
+  // CUDA stream; on a host stream the stream's count of work run, and the count it must reach.
   struct StreamUse {
-    std::uint64_t stream;         // the stream's id (StreamInternals::id)
-    int ordinal;                  // CUDA: the event's GPU; -1 on a host stream
-    void* event;                  // CUDA
-    std::optional<Event> marker;  // host
+    std::uint64_t stream;  // the stream's id (StreamInternals::id)
+    int ordinal;           // CUDA: the event's GPU; -1 on a host stream
+    void* event;           // CUDA
+    std::shared_ptr<std::atomic<std::uint64_t> const> progress;  // host
+    std::uint64_t position;                                      // host
+    [[nodiscard]] bool finished() const;
   };
   // A freed block waiting for the work that still uses it.
   struct PendingBlock {
@@ -168,7 +172,6 @@ class Allocator : public std::enable_shared_from_this<Allocator> {
   std::unordered_map<void*, std::vector<StreamUse>> uses_;  // live block -> its CUDA uses
   std::vector<PendingBlock> pending_;
   std::unordered_map<int, std::vector<void*>> spare_events_;  // GPU -> events to record again
-  std::vector<Event> spare_markers_;                          // host-stream events to record again
 };
 
 /// "1.5 MiB", "512 B": a byte count for messages.
