@@ -22,10 +22,7 @@
 //     peak_bytes_device       the largest of the two devices' allocator peaks.
 //   BM_gpt_recompute/<mode>: BM_gpt_step on the nano shape with activation recomputation
 //   (nn::Recompute: 0 none, 1 selective, 2 full; a short run):
-//     tokens_per_s, step_ms, peak_bytes_device  as in BM_gpt_step;
-//     peak_bytes_inline   the peak over one step run with every op at once on the calling thread
-//                         (Stream::InlineScope): what the step itself holds, without the host
-//                         worker's temporaries that wait for it to catch up.
+//     tokens_per_s, step_ms, peak_bytes_device  as in BM_gpt_step.
 //   BM_gpt_layouts/<layout>: one training step (clipping 1.0, AdamW) of a mid-sized GPT
 //   (n_layer 4, n_head 4, n_embd 256, block 128, batch 8, vocab 256: 3.2 M parameters) in each
 //   layout the library has, on host devices: 0 one device, 1 data parallel over host:2 with the
@@ -36,8 +33,7 @@
 //     tokens_per_s        batch * block / the median step time;
 //     peak_bytes_device   the largest device allocator peak over the timed steps (parameters,
 //                         gradients, optimizer state, activations, buffers; as train_gpt --json's
-//                         peak_bytes: host streams run behind their issuer, so a step's queued
-//                         work still holds its tensors when they would already be free);
+//                         peak_bytes; blocks are reused in stream order, as on a GPU);
 //     devices             how many devices the layout uses.
 //   BM_attention/<shape>: causal attention forward + backward alone on that shape's qkv:
 //     online_ms               ops::causal_attention + causal_attention_backward (tiled online
@@ -163,12 +159,6 @@ void BM_gpt_recompute(benchmark::State& state) {
   GptTrainer trainer(shape);
   trainer.step();
   trainer.allocator->reset_peak();
-  {
-    mgpu::Stream::InlineScope const at_once(trainer.stream);
-    trainer.step();
-  }
-  double const inline_peak = static_cast<double>(trainer.allocator->stats().peak_allocated);
-  trainer.allocator->reset_peak();
   std::vector<double> step_s;
   for (auto _ : state) {
     auto const t0 = Clock::now();
@@ -180,7 +170,6 @@ void BM_gpt_recompute(benchmark::State& state) {
   state.counters["tokens_per_s"] = static_cast<double>(trainer.tokens()) / step;
   state.counters["step_ms"] = step * 1e3;
   state.counters["peak_bytes_device"] = static_cast<double>(trainer.allocator->stats().peak_allocated);
-  state.counters["peak_bytes_inline"] = inline_peak;
 }
 BENCHMARK(BM_gpt_recompute)->DenseRange(0, 2)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.5);
 

@@ -516,6 +516,14 @@ int run(Options o) {
                splits.description.c_str(), static_cast<long long>(count_tokens(splits.train)),
                static_cast<long long>(count_tokens(splits.val)));
 
+  // This process's devices: peak_bytes reports each one's largest allocator peak over a training
+  // step (evaluation runs on a gathered model between steps; it is not part of one).
+  bool const several = parallel || pipeline || tensor;
+  std::vector<mgpu::Allocator*> local_allocators;
+  for (int r = 0; r < (several ? static_cast<int>(group.size()) : 1); ++r)
+    local_allocators.push_back(several ? &group.allocator(r) : allocator.get());
+  std::vector<std::size_t> step_peaks(local_allocators.size(), 0);
+
   double val_loss = NAN;
   float train_loss = NAN;
   double train_seconds = 0;
@@ -541,12 +549,15 @@ int run(Options o) {
       auto const start = Clock::now();
       if (timeline && it + 1 == last) timeline->enable(true);
       mgpu::data::TokenBatch const batch = train_loader.next(*host);  // host ids, copied by train_step if needed
+      for (mgpu::Allocator* a : local_allocators) a->reset_peak();
       StepLoss const loss = trainer.train_step(batch, lr_at(o, it) / o.lr);
       bool const report = (it + 1) % log_every == 0 || it + 1 == last;
       if (report || terminal)
         train_loss = loss.read(net_stream);  // reading synchronizes
       else
         net_stream.synchronize();
+      for (std::size_t r = 0; r < local_allocators.size(); ++r)
+        step_peaks[r] = std::max(step_peaks[r], local_allocators[r]->stats().peak_allocated);
       train_seconds += std::chrono::duration<double>(Clock::now() - start).count();
       ++trained_steps, ++window_steps;
       state.step = it + 1;
@@ -625,11 +636,11 @@ int run(Options o) {
   double const tokens_per_s =
       train_seconds > 0 ? static_cast<double>(trained_steps * o.batch_size * o.block_size) / train_seconds : 0.0;
   std::string devices, peaks;
-  bool const several = parallel || pipeline || tensor;
-  for (int r = 0; r < (several ? static_cast<int>(group.size()) : 1); ++r) {  // this process's
-    mgpu::Allocator const& a = several ? group.allocator(r) : *allocator;
-    devices += std::string(r ? ", " : "") + "\"" + (several ? group.device(r) : device).to_string() + "\"";
-    peaks += (r ? ", " : "") + std::to_string(a.stats().peak_allocated);
+  for (std::size_t r = 0; r < local_allocators.size(); ++r) {
+    devices += std::string(r ? ", " : "") + "\"" + (several ? group.device(static_cast<int>(r)) : device).to_string() + "\"";
+    // --eval-only trains no step: the peak of its evaluation
+    std::size_t const peak = trained_steps > 0 ? step_peaks[r] : local_allocators[r]->stats().peak_allocated;
+    peaks += (r ? ", " : "") + std::to_string(peak);
   }
   if (across) {  // the world's
     devices.clear();
