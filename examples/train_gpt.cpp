@@ -57,6 +57,7 @@
 #include <iterator>
 #include <memory>
 #include <numbers>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <vector>
@@ -341,6 +342,23 @@ int run(Options o) {
                                                                   : o.dp) /
                                                          processes));
   mgpu::DeviceGroup group(o.devices);
+  if (o.tp > 1 && o.dp > 1 && group.size() == o.tp * o.dp) {
+    // Each tensor-parallel group all-reduces in every block: the scheduler puts each on the best
+    // links of the link matrix (consecutive ranks form a group; equal links keep the order).
+    std::vector<int> ranks(static_cast<std::size_t>(group.size()));
+    std::iota(ranks.begin(), ranks.end(), 0);
+    std::vector<int> const order = mgpu::sched::tensor_parallel_order(mgpu::sched::node_state(group), ranks, o.tp);
+    if (order != ranks) {
+      std::vector<mgpu::Device> devices;
+      std::string text;
+      for (std::size_t i = 0; i < order.size(); ++i) {
+        devices.push_back(group.device(order[i]));
+        text += (i == 0 ? "" : i % static_cast<std::size_t>(o.tp) == 0 ? " | " : ", ") + devices.back().to_string();
+      }
+      group = mgpu::DeviceGroup(std::move(devices));
+      std::fprintf(log, "tensor-parallel groups on the best links: %s\n", text.c_str());
+    }
+  }
   mgpu::dist::World const world = mgpu::dist::make_world(group);
   bool const across = world.processes > 1;
   if (across && (o.tp > 1 || !o.checkpoint.empty()))

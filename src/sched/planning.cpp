@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include <mgpu/core/error.hpp>
 #include <mgpu/core/memory.hpp>
@@ -45,6 +46,104 @@ std::vector<int> pipeline_order(NodeState const& node, std::vector<int> device_i
     order.push_back(*next);
     device_ids.erase(next);
   }
+  return order;
+}
+
+namespace {
+// A grouping's quality: its worst group's weakest link, then the sum of the groups' weakest links.
+struct GroupingScore {
+  double worst = -1;
+  double sum = -1;
+  [[nodiscard]] bool better_than(GroupingScore const& other) const {
+    constexpr double eps = 1e-12;  // ties keep the grouping found first
+    return worst > other.worst + eps || (worst > other.worst - eps && sum > other.sum + eps);
+  }
+};
+}  // namespace
+
+std::vector<int> tensor_parallel_order(NodeState const& node, std::vector<int> const& device_ids, int group_size) {
+  auto const n = static_cast<int>(device_ids.size());
+  if (group_size < 1 || n % group_size != 0)
+    throw Error(Errc::invalid_argument, "tensor_parallel_order: groups of " + std::to_string(group_size) + " from " +
+                                            std::to_string(n) + " devices (expected a group size >= 1 dividing the device count)");
+  std::vector<DeviceState const*> devices;
+  for (int id : device_ids) devices.push_back(&device_by_id(node, id));
+  // link(i, j) between positions i and j of device_ids: the slower direction
+  auto const one_way = [&](int i, int j) {
+    auto const to = static_cast<std::size_t>(device_ids[static_cast<std::size_t>(j)]);
+    std::vector<double> const& links = devices[static_cast<std::size_t>(i)]->links;
+    return to < links.size() ? links[to] : 0.0;
+  };
+  auto const link = [&](int i, int j) { return std::min(one_way(i, j), one_way(j, i)); };
+  if (group_size == 1 || group_size == n) return device_ids;
+
+  std::vector<int> group_of(static_cast<std::size_t>(n), -1);
+  std::vector<int> best;  // group_of of the best grouping found
+  GroupingScore best_score;
+  std::vector<int> members;  // the group being filled, as positions
+  // Fills group `g` from `members`, the unassigned positions after `from` as candidates; the
+  // grouping so far has weakest links `worst` (over complete groups) and `sum`.
+  std::function<void(int, int, double, double)> search = [&](int g, int from, double worst, double sum) {
+    if (static_cast<int>(members.size()) == group_size) {
+      double weakest = 1e300;
+      for (std::size_t a = 0; a < members.size(); ++a)
+        for (std::size_t b = a + 1; b < members.size(); ++b) weakest = std::min(weakest, link(members[a], members[b]));
+      double const w = std::min(worst, weakest);
+      if (w < best_score.worst - 1e-12) return;  // no better than the best already
+      std::vector<int> const done = members;
+      members.clear();
+      auto const first = std::find(group_of.begin(), group_of.end(), -1);
+      if (first == group_of.end()) {
+        GroupingScore const score{w, sum + weakest};
+        if (score.better_than(best_score)) best_score = score, best = group_of;
+      } else {
+        auto const p = static_cast<int>(first - group_of.begin());  // the next group starts at the first free device
+        group_of[static_cast<std::size_t>(p)] = g + 1;
+        members.push_back(p);
+        search(g + 1, p + 1, w, sum + weakest);
+        members.pop_back();
+        group_of[static_cast<std::size_t>(p)] = -1;
+      }
+      members = done;
+      return;
+    }
+    for (int p = from; p < n; ++p) {
+      if (group_of[static_cast<std::size_t>(p)] != -1) continue;
+      group_of[static_cast<std::size_t>(p)] = g;
+      members.push_back(p);
+      search(g, p + 1, worst, sum);
+      members.pop_back();
+      group_of[static_cast<std::size_t>(p)] = -1;
+    }
+  };
+  if (n <= 16) {
+    group_of[0] = 0;
+    members.push_back(0);
+    search(0, 1, 1e300, 0);
+  } else {
+    best.assign(static_cast<std::size_t>(n), -1);
+    for (int g = 0; g < n / group_size; ++g) {
+      std::vector<int> group{static_cast<int>(std::find(best.begin(), best.end(), -1) - best.begin())};
+      best[static_cast<std::size_t>(group[0])] = g;
+      while (static_cast<int>(group.size()) < group_size) {
+        int pick = -1;
+        double pick_weakest = -1;
+        for (int p = 0; p < n; ++p) {
+          if (best[static_cast<std::size_t>(p)] != -1) continue;
+          double weakest = 1e300;
+          for (int m : group) weakest = std::min(weakest, link(m, p));
+          if (weakest > pick_weakest) pick = p, pick_weakest = weakest;
+        }
+        best[static_cast<std::size_t>(pick)] = g;
+        group.push_back(pick);
+      }
+    }
+  }
+  // Groups are numbered in the order of their first device; members keep device_ids' order.
+  std::vector<int> order;
+  for (int g = 0; g < n / group_size; ++g)
+    for (int p = 0; p < n; ++p)
+      if (best[static_cast<std::size_t>(p)] == g) order.push_back(device_ids[static_cast<std::size_t>(p)]);
   return order;
 }
 

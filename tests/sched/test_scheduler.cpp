@@ -5,6 +5,8 @@
 #include <atomic>
 #include <functional>
 #include <limits>
+#include <numeric>
+#include <algorithm>
 #include <random>
 #include <thread>
 
@@ -212,6 +214,89 @@ TEST_CASE("Pipeline partition matches brute force; stages follow speed, links an
     REQUIRE(plan.device.front() == order.front());
   }
   REQUIRE_MGPU_ERROR(partition({1, 1}, {1, 1}, node_of(2), {0, 1}, 3), Errc::invalid_argument, "expected 1 <= stages <= layers");
+}
+
+TEST_CASE("Tensor-parallel groups sit on the best links: an exhaustive search's weakest links, islands kept together", "[sched]") {
+  auto const set_link = [](NodeState& node, int a, int b, double quality) {
+    node.devices[static_cast<std::size_t>(a)].links[static_cast<std::size_t>(b)] = quality;
+    node.devices[static_cast<std::size_t>(b)].links[static_cast<std::size_t>(a)] = quality;
+  };
+  SECTION("equal links keep the order; pairs joined by the better links are grouped") {
+    NodeState node = node_of(4);
+    CHECK(tensor_parallel_order(node, {0, 1, 2, 3}, 2) == std::vector<int>{0, 1, 2, 3});
+    CHECK(tensor_parallel_order(node, {3, 1, 2, 0}, 2) == std::vector<int>{3, 1, 2, 0});
+    set_link(node, 0, 2, 1.0);
+    set_link(node, 1, 3, 1.0);
+    CHECK(tensor_parallel_order(node, {0, 1, 2, 3}, 2) == std::vector<int>{0, 2, 1, 3});
+    CHECK(tensor_parallel_order(node, {0, 1, 2, 3}, 4) == std::vector<int>{0, 1, 2, 3});  // one group: as given
+    CHECK(tensor_parallel_order(node, {0, 1, 2, 3}, 1) == std::vector<int>{0, 1, 2, 3});
+  }
+  SECTION("the best partner of the first device is not taken when that strands a pair without a link") {
+    NodeState node = node_of(4);
+    for (auto& d : node.devices) d.links.assign(4, 0.0);
+    set_link(node, 0, 1, 0.9);
+    set_link(node, 1, 3, 0.9);
+    set_link(node, 0, 2, 0.8);
+    CHECK(tensor_parallel_order(node, {0, 1, 2, 3}, 2) == std::vector<int>{0, 2, 1, 3});
+  }
+  SECTION("two NVLink islands of four on eight GPUs form the two groups of four") {
+    NodeState node = node_of(8);
+    for (int a : {0, 1, 4, 5})
+      for (int b : {0, 1, 4, 5})
+        if (a != b) set_link(node, a, b, 1.0);
+    for (int a : {2, 3, 6, 7})
+      for (int b : {2, 3, 6, 7})
+        if (a != b) set_link(node, a, b, 1.0);
+    CHECK(tensor_parallel_order(node, {0, 1, 2, 3, 4, 5, 6, 7}, 4) == std::vector<int>{0, 1, 4, 5, 2, 3, 6, 7});
+  }
+  SECTION("random links: the grouping scores as the best of every permutation cut into groups") {
+    std::mt19937 rng(11);
+    std::uniform_real_distribution<double> quality(0.0, 1.0);
+    for (auto [n, size] : {std::pair{6, 2}, std::pair{6, 3}, std::pair{8, 2}, std::pair{8, 4}}) {
+      for (int trial = 0; trial < 5; ++trial) {
+        NodeState node = node_of(n);
+        for (auto& d : node.devices)
+          for (double& l : d.links) l = quality(rng);  // not symmetric: a link is its slower direction
+        auto const link = [&](int a, int b) {
+          return std::min(node.devices[static_cast<std::size_t>(a)].links[static_cast<std::size_t>(b)],
+                          node.devices[static_cast<std::size_t>(b)].links[static_cast<std::size_t>(a)]);
+        };
+        auto const score = [&](std::vector<int> const& order) {
+          double worst = 1e300, sum = 0;
+          for (std::size_t g = 0; g < order.size(); g += static_cast<std::size_t>(size)) {
+            double weakest = 1e300;
+            for (std::size_t a = g; a < g + static_cast<std::size_t>(size); ++a)
+              for (std::size_t b = a + 1; b < g + static_cast<std::size_t>(size); ++b) weakest = std::min(weakest, link(order[a], order[b]));
+            worst = std::min(worst, weakest);
+            sum += weakest;
+          }
+          return std::pair{worst, sum};
+        };
+        std::vector<int> ids(static_cast<std::size_t>(n));
+        std::iota(ids.begin(), ids.end(), 0);
+        std::pair<double, double> best{-1, -1};
+        std::vector<int> perm = ids;
+        do {
+          auto const s = score(perm);
+          if (s.first > best.first + 1e-12 || (s.first > best.first - 1e-12 && s.second > best.second)) best = s;
+        } while (std::next_permutation(perm.begin(), perm.end()));
+        std::vector<int> const order = tensor_parallel_order(node, ids, size);
+        INFO(n << " devices in groups of " << size << ", trial " << trial);
+        std::vector<int> sorted = order;
+        std::sort(sorted.begin(), sorted.end());
+        CHECK(sorted == ids);
+        auto const got = score(order);
+        CHECK(got.first == Approx(best.first));
+        CHECK(got.second == Approx(best.second));
+      }
+    }
+  }
+  SECTION("a group size that does not divide the devices, or an unknown id, is refused") {
+    NodeState const node = node_of(4);
+    REQUIRE_MGPU_ERROR(tensor_parallel_order(node, {0, 1, 2, 3}, 3), Errc::invalid_argument, "groups of 3 from 4 devices");
+    REQUIRE_MGPU_ERROR(tensor_parallel_order(node, {0, 1, 2, 3}, 0), Errc::invalid_argument, "groups of 0");
+    REQUIRE_MGPU_ERROR(tensor_parallel_order(node, {0, 9}, 2), Errc::invalid_argument, "device 9 is not in the node");
+  }
 }
 
 TEST_CASE("Shard weights follow speed and backlog", "[sched]") {
