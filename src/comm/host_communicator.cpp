@@ -405,6 +405,17 @@ void HostCommunicator::check_device(int rank, Device device, std::string_view wh
 }
 
 void HostCommunicator::launch(int rank, std::vector<Call> calls, Stream& stream) {
+  // The work reaches the tensors through views that do not keep them; their use is recorded once
+  // it is enqueued, so their blocks are reused in stream order as after any op (enqueue_using).
+  std::vector<Tensor> used;
+  for (Call& c : calls) {
+    for (Tensor* t : {&c.send, &c.recv}) {
+      if (!t->defined()) continue;
+      used.push_back(*t);
+      *t = mgpu::detail::BufferInternals::unowned(*t);
+    }
+  }
+  mgpu::detail::ReleaseAfterOnExit const release(stream, used);
   state()->begin_operation();
   auto work = [host = host_, shared = state(), rank, calls = std::move(calls)](bool earlier_work_failed) {
     struct Done {

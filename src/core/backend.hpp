@@ -76,6 +76,9 @@ struct BufferInternals {
   static void record_use(Stream& stream, std::vector<Tensor> const& tensors);
   // The allocator that made the tensor's storage (a defined tensor's).
   static Allocator& allocator(Tensor const& tensor);
+  // The same view of the same memory, without keeping it: for enqueued work that holds a tensor
+  // while the use of its memory is recorded (release_after) after enqueuing it.
+  static Tensor unowned(Tensor const& tensor);
 };
 
 // Records the work enqueued so far on `stream` as a use of each tensor or buffer.

@@ -436,4 +436,11 @@ void detail::BufferInternals::record_use(Stream& stream, std::vector<Tensor> con
 
 Allocator& detail::BufferInternals::allocator(Tensor const& tensor) { return *tensor.storage_->owner_; }
 
+Tensor detail::BufferInternals::unowned(Tensor const& tensor) {
+  Tensor view = tensor;
+  if (Buffer const* b = tensor.storage_.get())  // no owner: its destructor returns nothing
+    view.storage_ = std::make_shared<Buffer>(Buffer(nullptr, b->data_, b->size_, b->block_, b->device_, b->pinned_));
+  return view;
+}
+
 }  // namespace mgpu
