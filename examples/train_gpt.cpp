@@ -660,6 +660,18 @@ int run(Options o) {
     std::size_t const peak = trained_steps > 0 ? step_peaks[r] : local_allocators[r]->stats().peak_allocated;
     peaks += (r ? ", " : "") + std::to_string(peak);
   }
+  // The memory model's prediction of those peaks, for the layouts it covers (one process, float32,
+  // no pipeline).
+  std::string predicted = "null";
+  if (!across && !pipeline && o.precision == "fp32") {
+    mgpu::parallel::GptLayout const layout{.data_parallel = parallel ? static_cast<int>(group.size()) : tensor ? o.dp : 1,
+                                           .tensor_parallel = tensor ? o.tp : 1,
+                                           .zero_stage = parallel ? o.zero : 0};
+    predicted.clear();
+    for (mgpu::parallel::GptMemory const& m : mgpu::parallel::predict_gpt_memory(config, o.batch_size, layout))
+      predicted += (predicted.empty() ? "[" : ", ") + std::to_string(m.total());
+    predicted += "]";
+  }
   if (across) {  // the world's
     devices.clear();
     for (mgpu::dist::WorldDevice const& d : world.devices)
@@ -668,12 +680,12 @@ int run(Options o) {
   if (o.json) {
     std::printf(
         "{\"tokens_per_s\": %.6g, \"train_loss\": %.6g, \"val_loss\": %.6g, \"params\": %lld, \"devices\": [%s], "
-        "\"iters\": %lld, \"peak_bytes\": [%s], \"precision\": \"%s\", \"eval_windows\": %lld, \"schedule\": \"%s\", "
+        "\"iters\": %lld, \"peak_bytes\": [%s], \"predicted_peak_bytes\": %s, \"precision\": \"%s\", \"eval_windows\": %lld, \"schedule\": \"%s\", "
         "\"stages\": %d, \"micro_batches\": %d, \"dp\": %d, \"recompute\": \"%s\", \"tp\": %d, \"zero\": %d, "
         "\"processes\": %d}\n",
         tokens_per_s, std::isnan(train_loss) ? -1.0 : train_loss, val_loss,
         static_cast<long long>(net.parameter_count()), devices.c_str(), static_cast<long long>(state.step),
-        peaks.c_str(), o.precision.c_str(), static_cast<long long>(eval_windows),
+        peaks.c_str(), predicted.c_str(), o.precision.c_str(), static_cast<long long>(eval_windows),
         pipeline   ? pipeline->schedule().name.c_str()
         : parallel ? "data-parallel"
         : tensor   ? "tensor-parallel"

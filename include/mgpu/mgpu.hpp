@@ -29,6 +29,7 @@
 #include <mgpu/ops/transformer.hpp>
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
+#include <mgpu/parallel/memory_model.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
 #include <mgpu/pipeline/schedule.hpp>

@@ -1,0 +1,78 @@
+// The per-device memory model of a GPT training step (see memory_model.hpp for what it counts).
+#include <mgpu/parallel/memory_model.hpp>
+
+#include <algorithm>
+#include <string>
+
+#include <mgpu/core/error.hpp>
+#include <mgpu/core/memory.hpp>
+#include <mgpu/parallel/tensor_parallel.hpp>
+
+namespace mgpu::parallel {
+namespace {
+
+// The allocator's bytes for a float32 tensor of `values` elements.
+std::size_t floats(double values) {
+  return Allocator::block_size(static_cast<std::size_t>(std::max(0.0, values)) * sizeof(float));
+}
+
+// What one transformer block keeps for backward, per tensor, for n tokens on one of t ranks (the
+// split tensors hold 1/t of their columns): LN1's output and statistics, qkv, the attention's
+// output and log-sum-exp, the residual stream h, LN2's output and statistics, the MLP's
+// pre-activation and GELU output, the block's output.
+std::size_t block_bytes(double n, double c, double heads, double t, nn::Recompute recompute) {
+  if (recompute == nn::Recompute::full) return floats(n * c);  // its input: the previous block's output
+  std::size_t bytes = floats(n * c) + floats(2 * n) + floats(3 * n * c / t) + floats(n * c) + floats(n * c) +
+                      floats(2 * n) + 2 * floats(4 * n * c / t) + floats(n * c);
+  if (recompute == nn::Recompute::none) bytes += floats(n * c / t) + floats(n * heads / t);
+  return bytes;
+}
+
+}  // namespace
+
+std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int64_t rows, GptLayout const& layout) {
+  std::int64_t const whole = nn::gpt(config).parameter_count();  // checks the config
+  int const replicas = layout.data_parallel, ranks = layout.tensor_parallel;
+  std::string const what = "predict_gpt_memory with data_parallel " + std::to_string(replicas) + ", tensor_parallel " +
+                           std::to_string(ranks) + ", zero_stage " + std::to_string(layout.zero_stage) + " and " +
+                           std::to_string(rows) + " rows";
+  if (replicas < 1 || ranks < 1)
+    throw Error(Errc::invalid_argument, what + " (expected data_parallel >= 1 and tensor_parallel >= 1)");
+  if (config.n_head % ranks != 0 || ranks > config.vocab)
+    throw Error(Errc::invalid_argument, what + " for n_head " + std::to_string(config.n_head) + " and vocab " +
+                                            std::to_string(config.vocab) +
+                                            " (expected a tensor_parallel dividing n_head, at most the vocab)");
+  if (layout.zero_stage != 0 && layout.zero_stage != 1)
+    throw Error(Errc::invalid_argument, what + " (expected zero_stage 0 or 1)");
+  if (rows < replicas) throw Error(Errc::invalid_argument, what + " (expected at least one row per replica)");
+
+  auto const c = static_cast<double>(config.n_embd), heads = static_cast<double>(config.n_head);
+  auto const t = static_cast<double>(ranks), layers = static_cast<double>(config.n_layer);
+  std::vector<GptMemory> out;
+  for (int a = 0; a < replicas; ++a) {
+    double const n = static_cast<double>((rows / replicas + (a < rows % replicas ? 1 : 0)) * config.block_size);
+    for (int r = 0; r < ranks; ++r) {
+      auto const [begin, end] = vocab_shard(config.vocab, ranks, r);
+      auto const vocab = static_cast<double>(end - begin);
+      // Split: qkv and fc by columns, both projections by rows (their biases replicated), the
+      // embedding by vocab rows; replicated: LayerNorms, positions, the final LayerNorm.
+      double const params = ranks == 1 ? static_cast<double>(whole)
+                                       : layers * (12 * c * c / t + 7 * c / t + 6 * c) + vocab * c +
+                                             static_cast<double>(config.block_size) * c + 2 * c;
+      GptMemory m;
+      m.parameters = m.gradients = floats(params);
+      bool const sharded = ranks == 1 && replicas > 1 && layout.zero_stage == 1;
+      m.optimizer = 2 * floats(sharded ? params / replicas : params);
+      m.activations = static_cast<std::size_t>(layers) * block_bytes(n, c, heads, t, config.recompute);
+      if (config.recompute == nn::Recompute::full)  // the rerun block, less its input
+        m.activations += block_bytes(n, c, heads, t, nn::Recompute::none) - floats(n * c);
+      double const temporaries = std::max(vocab + 8 * c / t - c, 2 * vocab);
+      m.workspace = floats(n * c) + floats(n * c) + floats(2 * n) + floats(n * temporaries);
+      if (config.dropout > 0 && ranks == 1) m.workspace += floats(n * c);  // the embedding's Dropout writes a new tensor
+      out.push_back(m);
+    }
+  }
+  return out;
+}
+
+}  // namespace mgpu::parallel

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The memory model (parallel::predict_gpt_memory) against the allocator: train_gpt --json's
+# predicted_peak_bytes within 10% of each device's measured peak_bytes over a training step (the
+# larger of two: AdamW makes its state in the first step's update, once the activations are gone),
+# in every layout the model covers: one device with each recomputation mode and with dropout, data
+# parallel with the replicated update and with ZeRO-1 (uneven rows over host:3, full
+# recomputation), tensor parallel over 2 and 4 devices (selective and full recomputation), and two
+# data-parallel replicas of tensor parallelism. Usage: memory_model_check.sh TRAIN_GPT TEXT_FILE
+set -euo pipefail
+exe=$1
+text=$2
+common=(--data "$text" --n-layer 3 --n-head 4 --n-embd 96 --block-size 48 --batch-size 6 --iters 2
+        --eval-every 0 --eval-iters 1 --json)
+layouts=(
+  "--devices host:1"
+  "--devices host:1 --recompute selective"
+  "--devices host:1 --recompute full"
+  "--devices host:1 --dropout 0.1"
+  "--devices host:2 --zero 0"
+  "--devices host:3 --zero 1"
+  "--devices host:2 --recompute full"
+  "--tp 2"
+  "--tp 2 --recompute selective"
+  "--tp 2 --recompute full"
+  "--tp 4"
+  "--dp 2 --tp 2"
+)
+for layout in "${layouts[@]}"; do
+  # shellcheck disable=SC2086  # a layout is several flags
+  "$exe" "${common[@]}" $layout 2> /dev/null | python3 -c '
+import json, sys
+layout = sys.argv[1]
+run = json.load(sys.stdin)
+measured, predicted = run["peak_bytes"], run["predicted_peak_bytes"]
+if predicted is None or len(predicted) != len(measured):
+    sys.exit(f"FAIL: {layout}: predicted {predicted} for the measured {measured} (expected one prediction per device)")
+for device, (m, p) in enumerate(zip(measured, predicted)):
+    error = (p - m) / m
+    print(f"{layout}: device {device} measured {m / 1e6:.3f} MB, predicted {p / 1e6:.3f} MB ({100 * error:+.1f}%)")
+    if abs(error) > 0.10:
+        sys.exit(f"FAIL: {layout}: device {device} predicted {p} bytes, measured {m} (expected within 10%)")
+' "$layout"
+done
+echo "memory model: every layout within 10%"
