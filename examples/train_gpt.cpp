@@ -425,6 +425,7 @@ int run(Options o) {
   // Pipelined: stages cut by FLOPs for the devices' speeds, an AdamW per chunk decaying its own
   // weight matrices, and the model's weights (its seed's, or --init-from's) copied into the chunks.
   std::unique_ptr<mgpu::pipeline::Executor> pipeline;
+  std::vector<std::size_t> cuts;  // the pipeline's, for the memory model
   if (pipelined) {
     mgpu::pipeline::Schedule schedule = o.schedule == "layer-split"
                                             ? mgpu::pipeline::layer_split(o.stages)
@@ -439,6 +440,7 @@ int run(Options o) {
                                   across ? examples::world_stage_devices(world, schedule.devices)
                                          : mgpu::pipeline::stage_devices(group, schedule.devices),
                                   {.optimizer_states = 2});
+    cuts = plan.cuts;
     mgpu::pipeline::ExecutorOptions options{.seed = o.seed,
                                             .data_parallel = o.dp,
                                             .compute = examples::precision(o.precision),
@@ -660,13 +662,17 @@ int run(Options o) {
     std::size_t const peak = trained_steps > 0 ? step_peaks[r] : local_allocators[r]->stats().peak_allocated;
     peaks += (r ? ", " : "") + std::to_string(peak);
   }
-  // The memory model's prediction of those peaks, for the layouts it covers (one process, float32,
-  // no pipeline).
+  // The memory model's prediction of those peaks, for the layouts it covers (one process, float32;
+  // pipelines of one replica with GPipe or 1F1B).
   std::string predicted = "null";
-  if (!across && !pipeline && o.precision == "fp32") {
+  bool const modelled_pipeline = !pipeline || (o.dp == 1 && (o.schedule == "gpipe" || o.schedule == "1f1b"));
+  if (!across && modelled_pipeline && o.precision == "fp32") {
     mgpu::parallel::GptLayout const layout{.data_parallel = parallel ? static_cast<int>(group.size()) : tensor ? o.dp : 1,
                                            .tensor_parallel = tensor ? o.tp : 1,
-                                           .zero_stage = parallel ? o.zero : 0};
+                                           .zero_stage = parallel ? o.zero : 0,
+                                           .cuts = cuts,
+                                           .micro_batches = pipeline ? pipeline->schedule().micro_batches : 1,
+                                           .gpipe = o.schedule == "gpipe"};
     predicted.clear();
     for (mgpu::parallel::GptMemory const& m : mgpu::parallel::predict_gpt_memory(config, o.batch_size, layout))
       predicted += (predicted.empty() ? "[" : ", ") + std::to_string(m.total());

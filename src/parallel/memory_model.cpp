@@ -6,6 +6,7 @@
 
 #include <mgpu/core/error.hpp>
 #include <mgpu/core/memory.hpp>
+#include <mgpu/nn/transformer.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 
 namespace mgpu::parallel {
@@ -28,6 +29,57 @@ std::size_t block_bytes(double n, double c, double heads, double t, nn::Recomput
   return bytes;
 }
 
+// Each stage of a pipeline of one replica (layout.cuts), for `rows` rows of `config.block_size` tokens.
+std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_t rows, GptLayout const& layout,
+                                        std::string const& what) {
+  nn::Sequential const model = nn::gpt(config);
+  std::vector<std::size_t> const& cuts = layout.cuts;
+  bool increasing = cuts.size() >= 2 && cuts.front() == 0 && cuts.back() == model.size();
+  for (std::size_t s = 1; s < cuts.size(); ++s) increasing = increasing && cuts[s] > cuts[s - 1];
+  if (!increasing)
+    throw Error(Errc::invalid_argument, what + " and " + std::to_string(cuts.size()) + " cuts (expected cuts from 0 to the model's " +
+                                            std::to_string(model.size()) + " layers, increasing)");
+  if (layout.data_parallel != 1 || layout.tensor_parallel != 1)
+    throw Error(Errc::invalid_argument, what + " and a pipeline (expected data_parallel and tensor_parallel 1 with cuts: "
+                                               "not modelled yet)");
+  int const m = layout.micro_batches;
+  if (m < 1 || rows < m)
+    throw Error(Errc::invalid_argument, what + " and " + std::to_string(m) + " micro-batches (expected 1 <= micro_batches <= rows)");
+  auto const c = static_cast<double>(config.n_embd), heads = static_cast<double>(config.n_head);
+  auto const vocab = static_cast<double>(config.vocab), t = static_cast<double>(config.block_size);
+  std::vector<double> tokens;  // per micro-batch
+  for (int i = 0; i < m; ++i) tokens.push_back(static_cast<double>(rows / m + (i < rows % m ? 1 : 0)) * t);
+  auto const stages = static_cast<int>(cuts.size()) - 1;
+  std::vector<GptMemory> out;
+  for (int s = 0; s < stages; ++s) {
+    std::size_t const first = cuts[static_cast<std::size_t>(s)], end = cuts[static_cast<std::size_t>(s) + 1];
+    double params = 0, blocks = 0;
+    bool head = false;
+    for (std::size_t l = first; l < end; ++l) {
+      nn::Layer const& layer = model.layer(l);
+      params += static_cast<double>(layer.parameter_count());
+      blocks += dynamic_cast<nn::TransformerBlock const*>(&layer) != nullptr ? 1 : 0;
+      head = head || dynamic_cast<nn::TiedLMHead const*>(&layer) != nullptr;
+    }
+    if (head && first > 0) params += vocab * c;  // its own copy of wte
+    GptMemory g;
+    g.parameters = g.gradients = floats(params);
+    g.optimizer = 2 * floats(params);
+    // The first micro-batches are the largest, and in flight together.
+    int const in_flight = layout.gpipe ? m : std::min(m, stages - s);
+    for (int i = 0; i < in_flight; ++i) {
+      double const n = tokens[static_cast<std::size_t>(i)];
+      g.activations += static_cast<std::size_t>(blocks) * block_bytes(n, c, heads, 1, config.recompute) + floats(n * c);
+      if (head) g.workspace += floats(n * c) + floats(2 * n) + floats(n * vocab);  // the final LayerNorm's, the logits'
+    }
+    if (config.recompute == nn::Recompute::full && blocks > 0)
+      g.activations += block_bytes(tokens[0], c, heads, 1, nn::Recompute::none) - floats(tokens[0] * c);
+    g.workspace += floats(tokens[0] * (head ? std::max(7 * c, vocab) : 7 * c));
+    out.push_back(g);
+  }
+  return out;
+}
+
 }  // namespace
 
 std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int64_t rows, GptLayout const& layout) {
@@ -45,6 +97,7 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
   if (layout.zero_stage != 0 && layout.zero_stage != 1)
     throw Error(Errc::invalid_argument, what + " (expected zero_stage 0 or 1)");
   if (rows < replicas) throw Error(Errc::invalid_argument, what + " (expected at least one row per replica)");
+  if (!layout.cuts.empty()) return predict_pipeline(config, rows, layout, what);
 
   auto const c = static_cast<double>(config.n_embd), heads = static_cast<double>(config.n_head);
   auto const t = static_cast<double>(ranks), layers = static_cast<double>(config.n_layer);
@@ -66,8 +119,9 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
       m.activations = static_cast<std::size_t>(layers) * block_bytes(n, c, heads, t, config.recompute);
       if (config.recompute == nn::Recompute::full)  // the rerun block, less its input
         m.activations += block_bytes(n, c, heads, t, nn::Recompute::none) - floats(n * c);
-      double const temporaries = std::max(vocab + 8 * c / t - c, 2 * vocab);
-      m.workspace = floats(n * c) + floats(n * c) + floats(2 * n) + floats(n * temporaries);
+      // The final LayerNorm's output and statistics, the logits' (or their gradient's) and backward's
+      // temporaries, as on a pipeline's last stage.
+      m.workspace = floats(n * c) + floats(n * c) + floats(2 * n) + floats(n * vocab) + floats(n * std::max(8 * c / t - c, vocab));
       if (config.dropout > 0 && ranks == 1) m.workspace += floats(n * c);  // the embedding's Dropout writes a new tensor
       out.push_back(m);
     }

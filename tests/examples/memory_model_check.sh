@@ -4,8 +4,9 @@
 # larger of two: AdamW makes its state in the first step's update, once the activations are gone),
 # in every layout the model covers: one device with each recomputation mode and with dropout, data
 # parallel with the replicated update and with ZeRO-1 (uneven rows over host:3, full
-# recomputation), tensor parallel over 2 and 4 devices (selective and full recomputation), and two
-# data-parallel replicas of tensor parallelism. Usage: memory_model_check.sh TRAIN_GPT TEXT_FILE
+# recomputation), tensor parallel over 2 and 4 devices (selective and full recomputation), two
+# data-parallel replicas of tensor parallelism, and 1F1B and GPipe pipelines (uneven micro-batches
+# of 6 rows in 4, full recomputation). Usage: memory_model_check.sh TRAIN_GPT TEXT_FILE
 set -euo pipefail
 exe=$1
 text=$2
@@ -24,6 +25,9 @@ layouts=(
   "--tp 2 --recompute full"
   "--tp 4"
   "--dp 2 --tp 2"
+  "--stages 2 --micro-batches 4"
+  "--stages 2 --micro-batches 4 --schedule gpipe"
+  "--stages 3 --micro-batches 4 --recompute full"
 )
 for layout in "${layouts[@]}"; do
   # shellcheck disable=SC2086  # a layout is several flags

@@ -1,5 +1,6 @@
 // parallel::predict_gpt_memory: its parameter bytes against the shards the executors really make,
-// its split of the rows, and its refusals. The whole prediction against the allocator's measured
+// its split of the rows and micro-batches, a one-stage pipeline against one device, and its
+// refusals. The whole prediction against the allocator's measured
 // peaks in every layout is tests/examples/memory_model_check.sh (through train_gpt).
 #include <mgpu/parallel/memory_model.hpp>
 
@@ -63,6 +64,32 @@ TEST_CASE("predicted memory splits the rows over the replicas and the optimizer 
   for (std::size_t r = 0; r < 4; ++r) CHECK(grid[r].total() == half[r % 2].total());
 }
 
+TEST_CASE("a pipeline of one stage holds what one device holds; stages hold their layers and micro-batches",
+          "[parallel][memory]") {
+  std::size_t const layers = mgpu::nn::gpt(config).size();  // embedding, dropout, 2 blocks, LayerNorm, head
+  for (auto recompute : {mgpu::nn::Recompute::none, mgpu::nn::Recompute::full}) {
+    mgpu::nn::GptConfig c = config;
+    c.recompute = recompute;
+    std::vector<par::GptMemory> const one = par::predict_gpt_memory(c, 4, {});
+    std::vector<par::GptMemory> const stage = par::predict_gpt_memory(c, 4, {.cuts = {0, layers}});
+    REQUIRE(stage.size() == 1);
+    CHECK(stage[0].total() == one[0].total());
+  }
+  // Two stages, the blocks split: the second holds the head's own copy of wte.
+  mgpu::nn::Sequential const model = mgpu::nn::gpt(config);
+  std::vector<std::size_t> const cuts{0, 3, layers};
+  std::int64_t first = 0, second = config.vocab * config.n_embd;
+  for (std::size_t l = 0; l < layers; ++l) (l < 3 ? first : second) += model.layer(l).parameter_count();
+  std::vector<par::GptMemory> const gpipe = par::predict_gpt_memory(config, 8, {.cuts = cuts, .micro_batches = 4, .gpipe = true});
+  std::vector<par::GptMemory> const one_f_one_b = par::predict_gpt_memory(config, 8, {.cuts = cuts, .micro_batches = 4});
+  REQUIRE(gpipe.size() == 2);
+  CHECK(gpipe[0].parameters == float_bytes(first));
+  CHECK(gpipe[1].parameters == float_bytes(second));
+  // 1F1B keeps 2 micro-batches in flight on the first stage and 1 on the last; GPipe all 4.
+  CHECK(one_f_one_b[0].activations * 2 == gpipe[0].activations);
+  CHECK(one_f_one_b[1].activations * 4 == gpipe[1].activations);
+}
+
 TEST_CASE("predict_gpt_memory refuses layouts it cannot place, naming them", "[parallel][memory]") {
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.tensor_parallel = 5}), mgpu::Errc::invalid_argument,
                      "tensor_parallel dividing n_head");
@@ -72,6 +99,13 @@ TEST_CASE("predict_gpt_memory refuses layouts it cannot place, naming them", "[p
                      "at least one row per replica");
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 2, {.data_parallel = 0}), mgpu::Errc::invalid_argument,
                      "data_parallel >= 1");
+  std::size_t const layers = mgpu::nn::gpt(config).size();
+  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.cuts = {0, 3, 3, layers}}), mgpu::Errc::invalid_argument, "increasing");
+  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.cuts = {0, 3}}), mgpu::Errc::invalid_argument, "cuts from 0 to the model's");
+  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.data_parallel = 2, .cuts = {0, layers}}), mgpu::Errc::invalid_argument,
+                     "not modelled yet");
+  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 2, {.cuts = {0, layers}, .micro_batches = 3}), mgpu::Errc::invalid_argument,
+                     "micro_batches <= rows");
   mgpu::nn::GptConfig bad = config;
   bad.n_embd = 50;  // not a multiple of n_head
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(bad, 2, {}), mgpu::Errc::invalid_argument, "n_head dividing n_embd");

@@ -1,7 +1,7 @@
-// A model of the memory one training step of a GPT takes on each device, in every layout of one
+// A model of the memory one training step of a GPT takes on each device, in the layouts of one
 // process that the library runs it in (one device, data parallel with or without ZeRO-1, tensor
-// parallel, both), in the caching allocator's bytes: what a planner weighs layouts by before
-// running any.
+// parallel, both, and GPipe or 1F1B pipelines), in the caching allocator's bytes: what a planner
+// weighs layouts by before running any.
 #pragma once
 
 #include <cstddef>
@@ -14,12 +14,20 @@ namespace mgpu::parallel {
 
 /// Where a GPT runs: `data_parallel` replicas of `tensor_parallel` ranks each (DataParallel's ranks
 /// with tensor_parallel 1, else TensorParallel with TensorParallelOptions::data_parallel), on
-/// data_parallel x tensor_parallel devices.
+/// data_parallel x tensor_parallel devices; or a pipeline of one replica (pipeline::Executor).
 struct GptLayout {
   int data_parallel = 1;
   int tensor_parallel = 1;
   /// DataParallelOptions::zero_stage (0 or 1); tensor parallelism keeps every rank's whole state.
   int zero_stage = 1;
+  /// A pipeline: the executor's cuts of nn::gpt(config)'s layers (pipeline::Partition::cuts: stage
+  /// s holds layers [cuts[s], cuts[s + 1]) on device s), empty for none.
+  std::vector<std::size_t> cuts{};
+  /// The pipeline's micro-batches (the rows split as the executor splits them: the first rows mod
+  /// micro_batches one row more).
+  int micro_batches = 1;
+  /// GPipe keeps every micro-batch in flight; 1F1B at most stages - s of them at stage s.
+  bool gpipe = false;
 };
 
 /// One device's predicted peak, in allocator bytes (each tensor's block size, Allocator::block_size).
@@ -46,13 +54,18 @@ struct GptMemory {
 /// pre-activation and GELU output) plus its output; selective recomputation drops the attention
 /// output and log-sum-exp; full keeps only the input and reruns one block at a time. Backward's
 /// temporaries at the peak are fitted to the allocator's measured peaks on host devices
-/// (V_r = the rank's vocab rows): max(V_r + 8C / T - C, 2 V_r) values per token, with the
+/// (V_r = the rank's vocab rows): V_r + max(8C / T - C, V_r) values per token, with the
 /// embedding's and final LayerNorm's outputs (and, with dropout on one rank per replica, the
 /// embedding Dropout's output; dropout keeps no masks: they are regenerated from seeds). Measured
 /// against train_gpt's step peaks: within 3% for T <= 4 (tests/examples/memory_model_check.sh
-/// checks 10% on every layout). Throws Error(invalid_argument) for a
-/// bad config (nn::gpt's checks), rows < data_parallel, a tensor_parallel that does not divide
-/// n_head or exceeds the vocab, or a zero_stage other than 0 or 1.
+/// checks 10% on every layout). A pipeline stage holds its layers' parameters (the head in a stage
+/// without the embedding its own copy of wte), the micro-batches in flight (each stage's input
+/// too; the last stage's logits-sized tensor per micro-batch) and a block's backward temporaries
+/// (7C values per token). Throws Error(invalid_argument) for a
+/// bad config (nn::gpt's checks), rows < data_parallel or micro_batches, a tensor_parallel that
+/// does not divide n_head or exceeds the vocab, a zero_stage other than 0 or 1, cuts that do not
+/// run from 0 to the model's layer count in increasing steps, or a pipeline with data_parallel or
+/// tensor_parallel above 1 (not modelled).
 [[nodiscard]] std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int64_t rows,
                                                         GptLayout const& layout);
 
