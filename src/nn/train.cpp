@@ -185,7 +185,7 @@ bool apply_update(std::span<UpdatePart const> parts, UpdateOptions const& option
     UpdatePart const& p = parts[i];
     if (p.model == nullptr || p.optimizer == nullptr || p.allocator == nullptr || p.stream == nullptr)
       throw Error(Errc::invalid_argument, "apply_update: part " + std::to_string(i) + " without a model, optimizer, allocator or stream (expected all four)");
-    std::int64_t const n = p.model->master_gradients().numel();
+    std::int64_t const n = p.model->parameter_count();
     if (p.shared_begin < 0 || p.shared_begin > p.shared_end || p.shared_end > n)
       throw Error(Errc::invalid_argument, "apply_update: part " + std::to_string(i) + " shares elements [" + std::to_string(p.shared_begin) +
                                               ", " + std::to_string(p.shared_end) + ") (expected a range within its " + std::to_string(n) + ")");
