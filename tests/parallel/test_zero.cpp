@@ -380,6 +380,51 @@ TEST_CASE("zero_stage 2 gives zero_stage 1's MLP loss curve bit for bit on 2 and
   }
 }
 
+// The other paths through the step: the update inside backward (no clipping, no loss scaler), a
+// loss scaler (its unscaling and overflow check on the staging and owned gradients, a power of two
+// so the scale is exact) and a rank without rows (its zero gradients written into the staging).
+TEST_CASE("zero_stage 2 gives zero_stage 1's MLP run bit for bit without clipping, with a loss scaler and with an empty shard",
+          "[parallel][dp][zero]") {
+  Env env;
+  std::vector<Tensor> xs, ys, small_xs, small_ys;
+  for (int s = 0; s < 10; ++s) {
+    auto [x, y] = env.clusters(29, 90 + static_cast<unsigned>(s));
+    xs.push_back(x);
+    ys.push_back(y);
+    auto [sx, sy] = env.clusters(2, 120 + static_cast<unsigned>(s));  // 2 rows over 3 devices
+    small_xs.push_back(sx);
+    small_ys.push_back(sy);
+  }
+  for (std::string const variant : {"update in backward", "loss scaler", "empty shard"}) {
+    std::vector<Run> runs;
+    for (int const stage : {1, 2}) {
+      CAPTURE(variant, stage);
+      mgpu::DeviceGroup group("host:3");
+      DataParallelOptions options;
+      options.zero_stage = stage;
+      options.first_bucket_cap_bytes = 64;
+      options.bucket_cap_bytes = 300;
+      if (variant == "loss scaler") options.loss_scaler.emplace(1024.0f);
+      if (variant == "empty shard") options.clip_norm = 0.2f;
+      DataParallel dp(nn::Sequential::mlp({2, 24, 17, 3}), group, mgpu::optim::AdamW({.lr = 0.02f, .weight_decay = 0.1f}),
+                      options);
+      bool const small = variant == "empty shard";
+      Run out;
+      for (int s = 0; s < 10; ++s) {
+        auto const i = static_cast<std::size_t>(s);
+        auto const r = dp.step(small ? small_xs[i] : xs[i], small ? small_ys[i] : ys[i]);
+        if (small) CHECK(r.rows[2] == 0);
+        out.losses.push_back(r.loss);
+      }
+      out.weights = host_values(dp.replica(0).master_parameters(), group.stream(0));
+      runs.push_back(out);
+    }
+    CAPTURE(variant);
+    CHECK(runs[1].losses == runs[0].losses);
+    CHECK(runs[1].weights == runs[0].weights);
+  }
+}
+
 // Each device's bytes, counted by its allocator after two steps: stage 2 holds, in place of the
 // whole gradient buffer, its owned elements' gradients and the staging buffers (two shared by
 // the buckets but the last, and the last bucket's own): about 1/N of the gradients plus those.
