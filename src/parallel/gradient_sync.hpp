@@ -4,7 +4,9 @@
 // written the bucket's last layer and, when the step hands it the update, updates the bucket there
 // (with the sharded update: reduce-scatter, update of the rank's block, all-gather). When the step
 // updates after backward (clipping, loss scaling), the sharded update still reduce-scatters; the
-// step's apply_update then updates the rank's blocks and calls back for the all-gather.
+// step's apply_update then updates the rank's blocks and calls back for the all-gather. With
+// sharded gradients (zero_stage 2) the layers write into the sync's staging buffers and each
+// reduced bucket's owned pieces go to the rank's packed owned gradients, which the update reads.
 #pragma once
 
 #include <array>
