@@ -18,10 +18,12 @@
 // weight decay on the weight matrices only. The layout:
 //   one device                  nn::train_step
 //   --dp N (or N --devices)     parallel::DataParallel: replicas all-reduce their gradients in
-//     [--zero 0|1]              buckets while backward goes on; --zero 1 (the default) reduce-
-//                               scatters them instead, each replica updating 1/N of the weights and
-//                               keeping their AdamW state only (ZeRO-1), 0 updates every weight
-//                               everywhere (--zero is refused with a pipeline or --tp)
+//     [--zero 0|1|2]            buckets while backward goes on; --zero 1 (the default) reduce-
+//     [--bucket-kb K]           scatters them instead, each replica updating 1/N of the weights and
+//                               keeping their AdamW state only (ZeRO-1), 2 also keeps only their
+//                               reduced gradients (ZeRO-2: layers write into bucket-sized staging
+//                               buffers), 0 updates every weight everywhere (--zero is refused with
+//                               a pipeline or --tp); --bucket-kb caps the gradient buckets
 //   --schedule S --stages K     pipeline::Executor: the model cut into K stages (x --chunks per
 //     [--micro-batches M]       device for interleaved) by each layer's forward + backward FLOPs,
 //     [--dp N]                  M micro-batches per step, N pipeline replicas (a data x pipeline
@@ -94,6 +96,7 @@ struct Options {
   int tp = 1;  // tensor-parallel ranks
   int zero = 1;  // DataParallelOptions::zero_stage
   bool zero_given = false;  // --zero on the command line (it applies to data parallelism only)
+  std::int64_t bucket_kb = 0;  // DataParallelOptions::bucket_cap_bytes in KiB (0: its default)
   std::string trace;
   std::string precision = "fp32";
   std::string checkpoint;
@@ -244,9 +247,14 @@ void set_parameters(mgpu::nn::Sequential& model, std::vector<float> const& value
 // `size`: the world's devices (this process's group's, or across processes every process's).
 void check_layout(Options const& o, bool pipelined, int size) {
   auto const refuse = [](std::string const& what) { throw mgpu::Error(mgpu::Errc::invalid_argument, what); };
-  if (o.zero < 0 || o.zero > 1)
-    refuse("--zero " + std::to_string(o.zero) + " (expected 0, the replicated update, or 1, ZeRO-1: the sharded update and "
-           "optimizer state)");
+  if (o.zero < 0 || o.zero > 2)
+    refuse("--zero " + std::to_string(o.zero) + " (expected 0, the replicated update, 1, ZeRO-1: the sharded update and "
+           "optimizer state, or 2, ZeRO-2: the gradients sharded too)");
+  if (o.zero == 2 && o.precision != "fp32")
+    refuse("--zero 2 with --precision " + o.precision + " (expected fp32: sharded gradients are float32 only for now)");
+  if (o.bucket_kb > 0 && (pipelined || o.tp > 1))
+    refuse("--bucket-kb with " + (pipelined ? std::string("a pipeline") : "--tp " + std::to_string(o.tp)) +
+           " (expected --bucket-kb with data parallelism only)");
   if (o.zero_given && (pipelined || o.tp > 1))
     refuse("--zero " + std::to_string(o.zero) + " with " + (pipelined ? std::string("a pipeline") : "--tp " + std::to_string(o.tp)) +
            " (expected --zero with data parallelism only: the pipeline and tensor-parallel executors do not shard their "
@@ -417,6 +425,10 @@ int run(Options o) {
     options.compute = examples::precision(o.precision);
     options.clip_norm = o.clip;
     options.zero_stage = o.zero;
+    if (o.bucket_kb > 0) {
+      options.bucket_cap_bytes = static_cast<std::size_t>(o.bucket_kb) << 10;
+      options.first_bucket_cap_bytes = std::min(options.first_bucket_cap_bytes, options.bucket_cap_bytes);
+    }
     if (o.precision == "fp16") options.loss_scaler.emplace();
     options.loss = std::make_shared<mgpu::nn::TokenCrossEntropy>();
     options.timeline = timeline;
@@ -774,8 +786,12 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--zero", o.zero,
-                 "ZeRO stage of data parallelism: 1 shards the update and the optimizer state, 0 replicates them")
+                 "ZeRO stage of data parallelism: 1 shards the update and the optimizer state, 2 the gradients too, 0 "
+                 "replicates them")
       ->capture_default_str();
+  app.add_option("--bucket-kb", o.bucket_kb,
+                 "data parallelism's gradient bucket cap in KiB (default 25600; smaller buckets, smaller ZeRO-2 staging)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--trace", o.trace, "write the last step's timeline (Chrome/Perfetto JSON) here");
   app.add_option("--precision", o.precision, "fp32 | bf16 | fp16 (16-bit compute, float32 master weights)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 
 #include <mgpu/core/error.hpp>
 #include <mgpu/core/detail/training_math.hpp>
@@ -304,6 +305,7 @@ void Sequential::materialize(Context& ctx, std::uint64_t seed, DType compute) {
   master_params_ = Tensor::empty({total}, DType::float32, ctx.allocator);
   copy_async(master_params_, init, ctx.stream);
   master_grads_ = ops::zeros({total}, ctx.allocator, ctx.stream);
+  bound_grads_.clear();
   if (compute == DType::float32) {
     params_ = master_params_;
     grads_ = master_grads_;
@@ -318,7 +320,56 @@ void Sequential::materialize(Context& ctx, std::uint64_t seed, DType compute) {
   ctx.stream.synchronize();  // `init` is read by the copy above
 }
 
+void Sequential::bind_gradients(std::int64_t begin, std::int64_t end, Tensor const& grads) {
+  check_materialized("bind_gradients");
+  std::string const what = "bind_gradients of [" + std::to_string(begin) + ", " + std::to_string(end) + ")";
+  if (compute_type() != DType::float32)
+    throw Error(Errc::invalid_argument, what + " on a model computing in " + std::string(to_string(compute_type())) +
+                                            " (expected float32 compute: the layers write the float32 gradients themselves)");
+  if (!grads.defined() || grads.dtype() != DType::float32 || grads.numel() != end - begin)
+    throw Error(Errc::invalid_argument, what + ": a buffer of " + std::to_string(grads.defined() ? grads.numel() : 0) + " " +
+                                            std::string(to_string(grads.dtype())) + " values (expected " +
+                                            std::to_string(end - begin) + " float32)");
+  std::vector<ParameterRange> const ranges = parameter_ranges();
+  for (ParameterRange const& r : ranges) {
+    bool const inside = r.begin >= begin && r.end <= end;
+    bool const outside = r.end <= begin || r.begin >= end;
+    if (!inside && !outside)
+      throw Error(Errc::invalid_argument, what + " cuts layer " + std::to_string(r.layer) + "'s parameters [" +
+                                              std::to_string(r.begin) + ", " + std::to_string(r.end) +
+                                              ") (expected whole layers)");
+  }
+  for (ParameterRange const& r : ranges)
+    if (r.begin >= begin && r.end <= end)
+      layers_[r.layer]->bind(params_.slice(r.begin, r.end), grads.slice(r.begin - begin, r.end - begin));
+  for (auto it = bound_grads_.begin(); it != bound_grads_.end();) {  // ranges bound before that overlap this one
+    it = it->first < end && it->second.first > begin ? bound_grads_.erase(it) : std::next(it);
+  }
+  bound_grads_[begin] = {end, grads};
+  grads_ = Tensor{};
+  master_grads_ = Tensor{};
+  for (auto& layer : layers_) layer->link(*this);
+}
+
+Tensor Sequential::master_gradients(std::int64_t begin, std::int64_t end) const {
+  if (bound_grads_.empty()) return master_grads_.slice(begin, end);
+  auto it = bound_grads_.upper_bound(begin);
+  if (it == bound_grads_.begin() || std::prev(it)->second.first < end)
+    throw Error(Errc::invalid_argument, "master_gradients of [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                            ") (expected elements that bind_gradients bound together)");
+  --it;
+  return it->second.second.slice(begin - it->first, end - it->first);
+}
+
 void Sequential::unscale_gradients(float factor, Stream& stream, std::int64_t begin, std::int64_t end) {
+  if (!bound_grads_.empty()) {  // float32 gradients in the buffers bind_gradients gave
+    if (end < 0) {
+      for (auto const& [first, bound] : bound_grads_) unscale_gradients(factor, stream, first, bound.first);
+    } else if (factor != 1.0f) {
+      ops::scale(master_gradients(begin, end), factor, stream);
+    }
+    return;
+  }
   if (end < 0) end = master_grads_.numel();
   Tensor const master = master_grads_.slice(begin, end);
   if (grads_.shares_storage(master_grads_)) {
@@ -408,6 +459,12 @@ void Sequential::backward_weight(Context& ctx) {
 void Sequential::zero_gradients(Stream& stream) {
   check_materialized("zero_gradients");
   if (grads_.defined()) fill_async(grads_, 0.0f, stream);
+  for (auto const& [first, bound] : bound_grads_) fill_async(bound.second, 0.0f, stream);
+}
+
+void Sequential::zero_gradients(Stream& stream, std::int64_t begin, std::int64_t end) {
+  check_materialized("zero_gradients");
+  fill_async(bound_grads_.empty() ? grads_.slice(begin, end) : master_gradients(begin, end), 0.0f, stream);
 }
 
 Shape Sequential::output_shape(Shape const& input) const {

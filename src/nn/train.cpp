@@ -41,9 +41,15 @@ StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor con
   if (!(options.clip_norm == 0 || (options.clip_norm > 0 && std::isfinite(options.clip_norm))))
     throw Error(Errc::invalid_argument, "train_step: clip_norm " + std::to_string(options.clip_norm) +
                                             " (expected 0 for no clipping, or a finite norm > 0)");
-  Tensor const& masters = model.master_gradients();
-  if (options.accumulate_only && options.accumulator == nullptr)
+  // A sync that shards the gradients keeps the reduced ones (and accumulates micro-batches) itself.
+  Tensor const owned_grads = options.sync != nullptr ? options.sync->owned_gradients() : Tensor{};
+  bool const sharded_grads = owned_grads.defined();
+  Tensor const& masters = sharded_grads ? owned_grads : model.master_gradients();
+  if (options.accumulate_only && options.accumulator == nullptr && !sharded_grads)
     throw Error(Errc::invalid_argument, "train_step: accumulate_only without an accumulator (expected a float32 buffer)");
+  if (options.accumulator != nullptr && sharded_grads)
+    throw Error(Errc::invalid_argument,
+                "train_step: an accumulator with a sync that shards the gradients (expected none: the sync accumulates them)");
   if (options.accumulator != nullptr &&
       (options.accumulator->numel() != masters.numel() || options.accumulator->dtype() != DType::float32))
     throw Error(Errc::invalid_argument, "train_step: an accumulator of " + std::to_string(options.accumulator->numel()) + " " +
@@ -72,7 +78,7 @@ StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor con
       }
     };
   }
-  GradientSync* const sync = options.accumulate_only ? nullptr : options.sync;
+  GradientSync* const sync = options.accumulate_only && !sharded_grads ? nullptr : options.sync;
   std::vector<ParameterRange> const ranges = model.parameter_ranges();
   auto const last_mark = std::make_shared<std::int64_t>(0);  // where the next layer's backward span starts
   auto const mark = [&](std::string name) {
@@ -126,10 +132,12 @@ StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor con
     model.backward(doutput, ctx, false, on_gradients);
   } else {  // an empty shard contributes zero gradients, in the same ranges and order
     fill_async(result.loss, 0.0f, ctx.stream);
-    fill_async(model.gradients(), 0.0f, ctx.stream);
     if (timeline != nullptr) mark("");
     if (sync != nullptr) sync->begin(ctx.stream, update);
-    for (auto r = ranges.rbegin(); r != ranges.rend(); ++r) on_gradients(r->begin, r->end);
+    for (auto r = ranges.rbegin(); r != ranges.rend(); ++r) {
+      model.zero_gradients(ctx.stream, r->begin, r->end);  // where the sync bound them, with sharded gradients
+      on_gradients(r->begin, r->end);
+    }
   }
   if (sync != nullptr) sync->finish(ctx.stream);
   if (options.accumulate_only || update_in_backward) return result;
@@ -163,15 +171,28 @@ bool apply_update(std::span<UpdatePart const> parts, UpdateOptions const& option
   // but does not count), or a sharded replica's owned ranges.
   std::vector<std::vector<OwnedRange>> ranges(parts.size());
   std::vector<bool> sharded(parts.size(), false);
+  // Where each part's gradients are: its master gradients, or a sync's packed owned gradients
+  // (ZeRO-2), where a range starts after the sizes of the owned ranges that start before it.
+  std::vector<Tensor> packed(parts.size());
+  auto const gradients = [&](std::size_t i, OwnedRange const& r) {
+    if (!packed[i].defined()) return parts[i].model->master_gradients().slice(r.begin, r.end);
+    std::int64_t at = 0;
+    for (OwnedRange const& other : ranges[i])
+      if (other.begin < r.begin) at += other.end - other.begin;
+    return packed[i].slice(at, at + (r.end - r.begin));
+  };
   for (std::size_t i = 0; i < parts.size(); ++i) {
     UpdatePart const& p = parts[i];
     if (p.model == nullptr || p.optimizer == nullptr || p.allocator == nullptr || p.stream == nullptr)
       throw Error(Errc::invalid_argument, "apply_update: part " + std::to_string(i) + " without a model, optimizer, allocator or stream (expected all four)");
-    std::int64_t const n = p.model->master_gradients().numel();
+    std::int64_t const n = p.model->parameter_count();
     if (p.shared_begin < 0 || p.shared_begin > p.shared_end || p.shared_end > n)
       throw Error(Errc::invalid_argument, "apply_update: part " + std::to_string(i) + " shares elements [" + std::to_string(p.shared_begin) +
                                               ", " + std::to_string(p.shared_end) + ") (expected a range within its " + std::to_string(n) + ")");
-    if (p.sharded != nullptr) ranges[i] = p.sharded->owned();
+    if (p.sharded != nullptr) {
+      ranges[i] = p.sharded->owned();
+      packed[i] = p.sharded->owned_gradients();
+    }
     sharded[i] = !ranges[i].empty();
     if (sharded[i] && p.shared_begin < p.shared_end)
       throw Error(Errc::invalid_argument, "apply_update: part " + std::to_string(i) +
@@ -190,7 +211,7 @@ bool apply_update(std::span<UpdatePart const> parts, UpdateOptions const& option
         OwnedRange const& r = ranges[i][j];
         Tensor const out = sums[i].slice(static_cast<std::int64_t>(j), static_cast<std::int64_t>(j) + 1);
         if (r.counted && r.begin < r.end) {
-          op(p.model->master_gradients().slice(r.begin, r.end), out, *p.stream);
+          op(gradients(i, r), out, *p.stream);
         } else {
           fill_async(out, 0.0f, *p.stream);
         }
@@ -224,7 +245,7 @@ bool apply_update(std::span<UpdatePart const> parts, UpdateOptions const& option
           continue;
         }
         for (OwnedRange const& r : ranges[i])
-          if (r.begin < r.end) ops::scale(grads.slice(r.begin, r.end), options.clip_norm / norm, *p.stream);
+          if (r.begin < r.end) ops::scale(gradients(i, r), options.clip_norm / norm, *p.stream);
       }
     }
   }
@@ -238,7 +259,8 @@ bool apply_update(std::span<UpdatePart const> parts, UpdateOptions const& option
     p.optimizer->begin_step(p.model->master_parameters(), *p.allocator, *p.stream);
     for (OwnedRange const& r : ranges[i]) {
       if (r.begin == r.end) continue;
-      p.optimizer->update(p.model->master_parameters(), p.model->master_gradients(), r.begin, r.end, *p.stream, options.lr_scale);
+      p.optimizer->update(p.model->master_parameters(), packed[i].defined() ? packed[i] : p.model->master_gradients(), r.begin,
+                          r.end, *p.stream, options.lr_scale);
       p.model->sync_parameters(*p.stream, r.begin, r.end);
     }
     p.sharded->gather_updated(*p.stream);

@@ -27,21 +27,26 @@ void Optimizer::update(Tensor const& params, Tensor const& grads, std::int64_t b
   if (steps_ == 0 || buffers.empty() || buffers.front().second.numel() != state_elements(params))
     throw Error(Errc::invalid_argument, name() + " update of " + std::to_string(params.numel()) +
                                             " parameters without a step begun for them (expected begin_step(params, ...) first)");
-  if (grads.numel() != params.numel() || params.rank() != 1 || grads.rank() != 1)
+  // Sharded gradients (ZeRO-2): grads packed over the owned ranges, as the state is.
+  bool const packed = !owned_.empty() && grads.numel() == state_elements(params) && grads.numel() != params.numel();
+  if ((grads.numel() != params.numel() && !packed) || params.rank() != 1 || grads.rank() != 1)
     throw Error(Errc::invalid_argument, name() + ": params " + to_string(params.shape()) + " and grads " + to_string(grads.shape()) +
-                                            " (expected two flat buffers of one size)");
+                                            " (expected two flat buffers of one size, or grads packed over the " +
+                                            std::to_string(state_elements(params)) + " owned elements)");
   if (begin < 0 || begin > end || end > params.numel())
     throw Error(Errc::invalid_argument, name() + " update of [" + std::to_string(begin) + ", " + std::to_string(end) +
                                             ") (expected a range within [0, " + std::to_string(params.numel()) + "))");
   if (owned_.empty()) {
-    update_slices(params, grads, begin, end, begin, stream, lr_scale);
+    update_slices(params, grads.slice(begin, end), begin, end, begin, stream, lr_scale);
     return;
   }
   // The owned range holding [begin, end), and where its state starts in the packed buffers.
   std::int64_t state_begin = 0;
   for (auto const& [b, e] : owned_) {
     if (begin >= b && end <= e) {
-      update_slices(params, grads, begin, end, state_begin + (begin - b), stream, lr_scale);
+      std::int64_t const at = state_begin + (begin - b);
+      update_slices(params, packed ? grads.slice(at, at + (end - begin)) : grads.slice(begin, end), begin, end, at, stream,
+                    lr_scale);
       return;
     }
     state_begin += e - b;
@@ -124,7 +129,7 @@ std::vector<NamedTensor> SGD::state() const {
 void SGD::update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end,
                         std::int64_t state_begin, Stream& stream, float lr_scale) {
   Tensor const velocity = velocity_.slice(state_begin, state_begin + (end - begin));
-  ops::sgd_update(params.slice(begin, end), grads.slice(begin, end), velocity, options_.lr * lr_scale,
+  ops::sgd_update(params.slice(begin, end), grads, velocity, options_.lr * lr_scale,
                   options_.momentum, options_.weight_decay, options_.nesterov, stream);
 }
 
@@ -162,7 +167,7 @@ void AdamW::update_slices(Tensor const& params, Tensor const& grads, std::int64_
   std::int64_t const shift = state_begin - begin;  // state index of a flat index
   auto const run = [&](std::int64_t b, std::int64_t e, float decay) {
     if (b >= e) return;
-    ops::adamw_update(params.slice(b, e), grads.slice(b, e), m_.slice(b + shift, e + shift),
+    ops::adamw_update(params.slice(b, e), grads.slice(b - begin, e - begin), m_.slice(b + shift, e + shift),
                       v_.slice(b + shift, e + shift), options_.lr * lr_scale, options_.beta1, options_.beta2,
                       options_.eps, decay, steps(), stream);
   };

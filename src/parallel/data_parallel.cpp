@@ -99,10 +99,22 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
   if (!(options.clip_norm == 0 || (options.clip_norm > 0 && std::isfinite(options.clip_norm))))
     throw Error(Errc::invalid_argument,
                 "DataParallel: clip_norm " + std::to_string(options.clip_norm) + " (expected 0 for no clipping, or a finite norm > 0)");
-  if (options.zero_stage < 0 || options.zero_stage > 1)
+  if (options.zero_stage < 0 || options.zero_stage > 2)
     throw Error(Errc::invalid_argument,
                 "DataParallel: zero_stage " + std::to_string(options.zero_stage) +
-                    " (expected 0, replicated update, or 1, sharded update and optimizer state)");
+                    " (expected 0, replicated update, 1, sharded update and optimizer state, or 2, sharded gradients too)");
+  if (options.zero_stage == 2) {
+    if (options.compute != DType::float32)
+      throw Error(Errc::invalid_argument, "DataParallel: zero_stage 2 with " + std::string(to_string(options.compute)) +
+                                              " compute (expected float32: sharded gradients are float32 only for now)");
+    if (options.comm_hook)
+      throw Error(Errc::invalid_argument, "DataParallel: zero_stage 2 with the comm hook " + options.comm_hook->name() +
+                                              " (expected none: a hook reduces whole buckets, which sharded gradients do not keep)");
+    if (!options.overlap)
+      throw Error(Errc::invalid_argument,
+                  "DataParallel: zero_stage 2 without overlap (expected overlap on: each bucket is reduced as soon as "
+                  "backward has written it, so the next buckets can reuse its staging buffer)");
+  }
   if (!make_optimizer)
     throw Error(Errc::invalid_argument, "DataParallel without an optimizer factory (expected a function that makes an optimizer)");
   if (options.request && options.make_communicator)
@@ -169,7 +181,10 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
     Impl::Rank& st = *im.state.back();
     im.sync->add_rank(st.model);
     st.scaler = im.options.loss_scaler;
-    if (im.options.accumulation_steps > 1) st.accumulator = ops::zeros({model.parameter_count()}, ctx.allocator, ctx.stream);
+    // With sharded gradients the sync accumulates the micro-batches' reduced gradients itself.
+    bool const sharded_gradients = im.sync->rank(r).owned_gradients().defined();
+    if (im.options.accumulation_steps > 1 && !sharded_gradients)
+      st.accumulator = ops::zeros({model.parameter_count()}, ctx.allocator, ctx.stream);
   }
   im.group->synchronize();
   comm::Communicator& comm = im.sync->communicator();
@@ -286,7 +301,7 @@ std::vector<nn::StepResult> DataParallel::Impl::run_ranks(ShardPlan const& plan,
     step.scaler = st.scaler ? &*st.scaler : nullptr;
     step.global_units = plan.global_units;
     step.grad_scale = 1.0f / static_cast<float>(k);
-    step.accumulator = k > 1 ? &st.accumulator : nullptr;
+    step.accumulator = st.accumulator.defined() ? &st.accumulator : nullptr;
     step.accumulate_only = accumulate_only;
     step.sync = synced ? &rank_sync : nullptr;
     step.timeline = options.timeline.get();
@@ -367,7 +382,7 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
   int const world = im.sync->communicator().size();
   Impl::Before before{im.state[0]->model.rng_state(), im.state[0]->optimizer->steps(), {}};
   if (im.state[0]->scaler) before.scaler = im.state[0]->scaler->state();
-  im.sync->start_step();
+  im.sync->start_step(im.micro_steps % k != 0);  // sharded gradients: add to the cycle's so far
   // With one device and no hook the update runs inside backward where no reduce marks it.
   bool const unobserved_updates = !accumulate_only && world == 1 && !im.options.comm_hook;
   std::vector<nn::StepResult> results;

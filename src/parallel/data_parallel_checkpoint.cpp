@@ -67,6 +67,11 @@ io::Checkpoint read_folder(std::filesystem::path const& folder, Stream& stream) 
 void DataParallel::Impl::save_state(io::Checkpoint& checkpoint) {
   int const k = options.accumulation_steps;
   std::int64_t const position = micro_steps % k;
+  if (position > 0 && !state[0]->accumulator.defined())
+    throw Error(Errc::invalid_argument,
+                "DataParallel::save after " + std::to_string(position) + " of " + std::to_string(k) +
+                    " accumulated micro-batches at zero_stage 2 (expected a save at the end of an accumulation cycle: "
+                    "sharded gradients mid-cycle are not saved yet)");
   checkpoint.put(accumulation_record, std::vector<std::int64_t>{k, position});
   auto const n = static_cast<std::int64_t>(state.size());
   std::int64_t const count = state[0]->model.parameter_count();
@@ -106,6 +111,10 @@ DataParallel::Impl::Saved DataParallel::Impl::verify_state(io::Checkpoint const&
       throw Error(Errc::invalid_argument, file + "saved after " + std::to_string(saved.position) + " of " + std::to_string(cycle[0]) +
                                               " accumulated micro-batches (expected accumulation_steps = " + std::to_string(cycle[0]) +
                                               " to resume it, not " + std::to_string(k) + ", or a checkpoint saved at the end of a cycle)");
+    if (saved.position > 0 && !state[0]->accumulator.defined())
+      throw Error(Errc::invalid_argument, file + "saved after " + std::to_string(saved.position) + " of " + std::to_string(k) +
+                                              " accumulated micro-batches (expected a checkpoint saved at the end of a cycle at "
+                                              "zero_stage 2: sharded gradients do not resume mid-cycle yet)");
   }
   // Records sized by the model are checked only when its parameters fit: otherwise load_training
   // refuses the file and names the architecture.

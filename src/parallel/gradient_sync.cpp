@@ -8,6 +8,7 @@
 #include <utility>
 
 #include <mgpu/core/error.hpp>
+#include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/trace/timeline.hpp>
 
@@ -88,6 +89,9 @@ void RankSync::ready(nn::ParameterRange const& range, Stream& compute) {
   if (next_ < buckets.size() && range.layer == buckets[next_].first_layer) {
     if (sync_.overlap_) launch(next_, compute);
     ++next_;
+    // Sharded gradients: the next bucket's layers write into the staging buffer that bucket
+    // next_ - 2 used, once its reduce has read it (the last bucket has its own).
+    if (sync_.shard_gradients_ && next_ >= 2 && next_ + 1 < buckets.size()) staging_free_[next_ % 2].wait(compute);
   }
 }
 
@@ -119,7 +123,7 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
   std::int64_t const end = sync_.buckets_[bucket].end;
   bucket_events_[bucket].record(compute);
   bucket_events_[bucket].wait(comm_stream_);
-  Tensor const grads = model_.master_gradients().slice(begin, end);
+  Tensor const grads = model_.master_gradients(begin, end);  // a staging buffer with sharded gradients
   std::shared_ptr<trace::Timeline> const& timeline = sync_.timeline_;
   bool const traced = timeline && timeline->enabled();
   int const who = sync_.trace_ranks_[static_cast<std::size_t>(rank_)];
@@ -167,6 +171,18 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
     });
     mark_reduced();
   }
+  if (sync_.shard_gradients_) {  // the owned pieces leave the staging buffer, which the bucket after next reuses
+    for (Piece const& p : pieces_[bucket]) {
+      Tensor const from = grads.slice(p.begin - begin, p.end - begin);
+      Tensor const to = owned_grads_.slice(p.at, p.at + (p.end - p.begin));
+      if (accumulate_) {
+        ops::add_scaled(to, from, 1.0f, comm_stream_);
+      } else {
+        copy_async(to, from, comm_stream_);
+      }
+    }
+    if (bucket + 1 < sync_.buckets_.size()) staging_free_[bucket % 2].record(comm_stream_);
+  }
   if (!update_) return;  // the step updates after finish(): apply_update, over owned()
   if (block == 0) {
     update_(begin, end, comm_stream_);
@@ -197,7 +213,11 @@ void RankSync::gather_bucket(std::size_t bucket, Stream& stream) {
 
 std::vector<nn::OwnedRange> RankSync::owned() const {
   std::vector<nn::OwnedRange> out;
-  if (std::all_of(sync_.blocks_.begin(), sync_.blocks_.end(), [](std::int64_t block) { return block == 0; })) return out;
+  // Without blocks every rank updates everything; with sharded gradients it still lists them, as
+  // where the owned gradients are.
+  if (!sync_.shard_gradients_ &&
+      std::all_of(sync_.blocks_.begin(), sync_.blocks_.end(), [](std::int64_t block) { return block == 0; }))
+    return out;
   int const n = sync_.comm_->size();
   for (std::size_t b = 0; b < sync_.buckets_.size(); ++b) {
     Bucket const& bucket = sync_.buckets_[b];
@@ -210,6 +230,50 @@ std::vector<nn::OwnedRange> RankSync::owned() const {
     out.push_back({bucket.begin + n * block, bucket.end, rank_ == 0});  // the leftovers, maybe none
   }
   return out;
+}
+
+void RankSync::shard_gradients(Allocator& allocator, Stream& stream) {
+  std::vector<Bucket> const& buckets = sync_.buckets_;
+  Bucket const& last = buckets.back();
+  for (nn::ParameterRange const& r : model_.parameter_ranges()) {
+    auto const* embedding = dynamic_cast<nn::Embedding const*>(&model_.layer(r.layer));
+    if (embedding != nullptr && embedding->tied() && r.begin < last.begin)
+      throw Error(Errc::invalid_argument,
+                  "DataParallel: zero_stage 2 with the tied token embedding (layer " + std::to_string(r.layer) +
+                      ") outside the last gradient bucket (expected it among the first layers, in the bucket reduced last, "
+                      "whose staging buffer its LM head writes at the start of backward)");
+  }
+  std::vector<std::pair<std::int64_t, std::int64_t>> sorted;
+  for (nn::OwnedRange const& r : owned())
+    if (r.begin < r.end) sorted.emplace_back(r.begin, r.end);
+  std::sort(sorted.begin(), sorted.end());
+  std::int64_t total = 0;
+  for (auto const& [b, e] : sorted) total += e - b;
+  auto const packed_at = [&](std::int64_t begin) {
+    std::int64_t at = 0;
+    for (auto const& [b, e] : sorted)
+      if (b < begin) at += e - b;
+    return at;
+  };
+  int const n = sync_.comm_->size();
+  pieces_.assign(buckets.size(), {});
+  std::int64_t staging = 0;
+  for (std::size_t b = 0; b < buckets.size(); ++b) {
+    Bucket const& bucket = buckets[b];
+    std::int64_t const block = sync_.blocks_[b];
+    std::int64_t const body = block * n;
+    if (block > 0) pieces_[b].push_back({bucket.begin + rank_ * block, bucket.begin + (rank_ + 1) * block, 0});
+    if (body < bucket.size()) pieces_[b].push_back({bucket.begin + body, bucket.end, 0});
+    for (Piece& p : pieces_[b]) p.at = packed_at(p.begin);
+    if (b + 1 < buckets.size()) staging = std::max(staging, bucket.size());
+  }
+  owned_grads_ = ops::zeros({total}, allocator, stream);
+  for (std::size_t slot = 0; slot < staging_.size() && slot + 1 < buckets.size(); ++slot)
+    staging_[slot] = Tensor::empty({staging}, DType::float32, allocator);
+  staging_last_ = Tensor::empty({last.size()}, DType::float32, allocator);
+  for (std::size_t b = 0; b + 1 < buckets.size(); ++b)
+    model_.bind_gradients(buckets[b].begin, buckets[b].end, staging_[b % 2].slice(0, buckets[b].size()));
+  model_.bind_gradients(last.begin, last.end, staging_last_);
 }
 
 void RankSync::shard_optimizer_state(optim::Optimizer& optimizer, Allocator& allocator, Stream& stream) const {
@@ -261,6 +325,11 @@ GradientSync::GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, Data
   if (options.zero_stage >= 1 && n > 1) {
     for (std::size_t b = 0; b < buckets_.size(); ++b) blocks_[b] = buckets_[b].size() / n;
   }
+  shard_gradients_ = options.zero_stage >= 2 && n > 1;
+  if (shard_gradients_ && n != group_.size())
+    throw Error(Errc::invalid_argument,
+                "DataParallel: zero_stage 2 across processes (expected zero_stage 0 or 1: sharded gradients run within one "
+                "process for now)");
   if (hook_) {
     std::vector<std::int64_t> sizes;
     for (Bucket const& b : buckets_) sizes.push_back(b.size());
@@ -271,6 +340,7 @@ GradientSync::GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, Data
 void GradientSync::add_rank(nn::Sequential& model) {
   int const local = static_cast<int>(ranks_.size());
   ranks_.push_back(std::make_unique<RankSync>(*this, comm_->first_rank() + local, model, group_.make_stream(local)));
+  if (shard_gradients_) ranks_.back()->shard_gradients(group_.allocator(local), group_.stream(local));
 }
 
 std::unique_ptr<comm::Communicator> GradientSync::make_comm() {
@@ -280,8 +350,11 @@ std::unique_ptr<comm::Communicator> GradientSync::make_comm() {
 
 void GradientSync::renew_communicator() { comm_ = make_comm(); }
 
-void GradientSync::start_step() noexcept {
-  for (auto const& r : ranks_) r->reduced_.store(false, std::memory_order_relaxed);
+void GradientSync::start_step(bool accumulate) noexcept {
+  for (auto const& r : ranks_) {
+    r->reduced_.store(false, std::memory_order_relaxed);
+    r->accumulate_ = accumulate;
+  }
 }
 
 void GradientSync::synchronize() {

@@ -4,7 +4,9 @@
 // written the bucket's last layer and, when the step hands it the update, updates the bucket there
 // (with the sharded update: reduce-scatter, update of the rank's block, all-gather). When the step
 // updates after backward (clipping, loss scaling), the sharded update still reduce-scatters; the
-// step's apply_update then updates the rank's blocks and calls back for the all-gather.
+// step's apply_update then updates the rank's blocks and calls back for the all-gather. With
+// sharded gradients (zero_stage 2) the layers write into the sync's staging buffers and each
+// reduced bucket's owned pieces go to the rank's packed owned gradients, which the update reads.
 #pragma once
 
 #include <array>
@@ -49,6 +51,8 @@ class RankSync final : public nn::GradientSync {
   void sum_over_ranks(Tensor const& values, Stream& compute) override;
   /// All-gathers every bucket's updated blocks on `compute` and refreshes their compute-type copies.
   void gather_updated(Stream& compute) override;
+  /// With sharded gradients (zero_stage 2): the reduced gradients of owned(), packed by start.
+  [[nodiscard]] Tensor owned_gradients() const override { return owned_grads_; }
   /// With the sharded update, lays out `optimizer`'s state for this rank's owned elements only
   /// (optim::Optimizer::shard_state), on `stream`; nothing when the state is already so.
   void shard_optimizer_state(optim::Optimizer& optimizer, Allocator& allocator, Stream& stream) const;
@@ -69,6 +73,8 @@ class RankSync final : public nn::GradientSync {
   // The sharded update's all-gather of every rank's updated block of `bucket` on `stream`, with
   // the compute-type copies refreshed (an "all-gather bucket" span on the timeline).
   void gather_bucket(std::size_t bucket, Stream& stream);
+  // Sharded gradients: the owned gradients' buffer and the staging buffers, bound to the model.
+  void shard_gradients(Allocator& allocator, Stream& stream);
 
   detail::GradientSync& sync_;
   int rank_;
@@ -82,6 +88,22 @@ class RankSync final : public nn::GradientSync {
   std::vector<Event> bucket_events_;
   Event done_, backward_end_;
   Tensor gathered_;  // deterministic reduce on non-host backends
+  // Sharded gradients (zero_stage 2). The layers of bucket b write into staging_[b % 2], except
+  // those of the last bucket (the first layers), which keep staging_last_ to themselves: a tied LM
+  // head writes the embedding's gradients at the start of backward. Bucket b's layers start writing
+  // once bucket b - 2's reduce has read the shared buffer (staging_free_). Each reduced bucket's
+  // owned pieces go to owned_grads_ (packed as the optimizer's sharded state), copied, or added
+  // while an accumulation cycle goes on (accumulate_).
+  struct Piece {
+    std::int64_t begin = 0, end = 0;  // elements of the flat buffers
+    std::int64_t at = 0;              // where they start in owned_grads_
+  };
+  std::vector<std::vector<Piece>> pieces_;  // per bucket
+  Tensor owned_grads_;
+  std::array<Tensor, 2> staging_;
+  Tensor staging_last_;
+  std::array<Event, 2> staging_free_;
+  bool accumulate_ = false;
   // Host timestamps written by marker tasks on the compute stream around the wait for the reduces.
   std::shared_ptr<std::array<std::int64_t, 2>> wait_marks_ = std::make_shared<std::array<std::int64_t, 2>>();
 };
@@ -108,8 +130,10 @@ class GradientSync {
   /// A new communicator in place of one that a failure aborted.
   void renew_communicator();
 
-  /// Before a step: no rank has reduced yet (RankSync::reduced()).
-  void start_step() noexcept;
+  /// Before a step: no rank has reduced yet (RankSync::reduced()). With sharded gradients,
+  /// `accumulate` adds the step's reduced gradients to those kept (a micro-batch after the first of
+  /// an accumulation cycle) instead of replacing them.
+  void start_step(bool accumulate = false) noexcept;
   /// Waits for every communication stream; throws the first error.
   void synchronize();
 
@@ -133,6 +157,7 @@ class GradientSync {
   // The sharded update's blocks: per bucket, the elements each rank owns, rank r owning
   // [r * block, (r + 1) * block) of the bucket; 0 where buckets are all-reduced.
   std::vector<std::int64_t> blocks_;
+  bool shard_gradients_ = false;  // zero_stage 2 over more than one rank
   bool overlap_;
   bool deterministic_;
   std::shared_ptr<CommHook> hook_;

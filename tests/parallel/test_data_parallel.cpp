@@ -612,7 +612,7 @@ class FailingUpdate final : public mgpu::optim::Optimizer {
       stream.synchronize();
       throw mgpu::Error(mgpu::Errc::invalid_argument, "FailingUpdate: refuses a second range");
     }
-    mgpu::ops::add_scaled(params.slice(begin, end), grads.slice(begin, end), -0.1f * lr_scale, stream);
+    mgpu::ops::add_scaled(params.slice(begin, end), grads, -0.1f * lr_scale, stream);
   }
   void reset_state() override { unused_ = Tensor{}; }
   std::shared_ptr<bool> armed_;

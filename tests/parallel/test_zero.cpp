@@ -87,14 +87,14 @@ Run run(DataParallel& dp, Step const& step) {
 // weights within 6e-6 of 1 + |w|, optimizer state within 1.5e-4 of 1e-6 + |s| (the clipping norm,
 // summed block by block, differs in its last bits, and AdamW's m and v of elements whose gradients
 // nearly cancel carry that further); the bounds leave room for other kernels' orders.
-void check_close(Run const& got, Run const& want) {
+void check_close(Run const& got, Run const& want, double state_bound = 1e-3) {
   double const losses = worst_relative(got.losses, want.losses);
   double const weights = worst_relative(got.weights, want.weights, 1);
   double const state = worst_relative(got.mid_state, want.mid_state, 1e-6);
   WARN("worst relative differences: losses " << losses << ", weights " << weights << ", optimizer state " << state);
   CHECK(losses <= 1e-5);
   CHECK(weights <= 1e-4);
-  CHECK(state <= 1e-3);
+  CHECK(state <= state_bound);
 }
 
 // Elements of the flat buffers whose optimizer state `rank` of `n` keeps at zero_stage 1: its
@@ -271,11 +271,263 @@ TEST_CASE("A zero_stage 1 checkpoint holds the whole optimizer state and resumes
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("DataParallel refuses a zero_stage outside 0..1", "[parallel][dp][zero]") {
+TEST_CASE("DataParallel refuses a zero_stage outside 0..2, and at 2 what it does not shard", "[parallel][dp][zero]") {
   mgpu::DeviceGroup group("host:2");
-  for (int const stage : {-1, 2, 3, 4}) {
+  for (int const stage : {-1, 3, 4}) {
     CAPTURE(stage);
     REQUIRE_MGPU_ERROR(DataParallel(nn::Sequential::mlp({2, 4, 3}), group, mgpu::optim::SGD{}, {.zero_stage = stage}),
                        mgpu::Errc::invalid_argument, "zero_stage " + std::to_string(stage) + " (expected 0");
   }
+  REQUIRE_MGPU_ERROR(
+      DataParallel(nn::Sequential::mlp({2, 4, 3}), group, mgpu::optim::SGD{}, {.zero_stage = 2, .compute = DType::bfloat16}),
+      mgpu::Errc::invalid_argument, "zero_stage 2 with bfloat16 compute (expected float32");
+  REQUIRE_MGPU_ERROR(DataParallel(nn::Sequential::mlp({2, 4, 3}), group, mgpu::optim::SGD{},
+                                  {.zero_stage = 2, .comm_hook = std::make_shared<mgpu::parallel::Bf16Compression>()}),
+                     mgpu::Errc::invalid_argument, "zero_stage 2 with the comm hook bf16-compression (expected none");
+  REQUIRE_MGPU_ERROR(DataParallel(nn::Sequential::mlp({2, 4, 3}), group, mgpu::optim::SGD{}, {.overlap = false, .zero_stage = 2}),
+                     mgpu::Errc::invalid_argument, "zero_stage 2 without overlap (expected overlap on");
+}
+
+namespace {
+// One run's losses and final weights at `stage` (GPT on `devices` host devices).
+Run gpt_run(int devices, int stage, int accumulation, std::vector<mgpu::test::TokenBatch> const& batches) {
+  mgpu::DeviceGroup group("host:" + std::to_string(devices));
+  DataParallelOptions options;
+  options.zero_stage = stage;
+  options.seed = 3;
+  options.clip_norm = clip;
+  options.accumulation_steps = accumulation;
+  options.loss = std::make_shared<nn::TokenCrossEntropy const>();
+  options.first_bucket_cap_bytes = 4096;  // several buckets, whose lengths do not divide by the ranks
+  options.bucket_cap_bytes = 16384;
+  DataParallel dp(nn::gpt(config), group, gpt_adamw(), options);
+  return run(dp, [&](int s) {
+    auto const& b = batches[static_cast<std::size_t>(s)];
+    return dp.step(b.ids, b.targets).loss;
+  });
+}
+
+std::vector<mgpu::test::TokenBatch> gpt_batches(Env& env) {
+  std::vector<mgpu::test::TokenBatch> batches;
+  for (int s = 0; s < steps; ++s)
+    batches.push_back(mgpu::test::rule_batch(env, batch, config.block_size, config.vocab, 200 + static_cast<unsigned>(s)));
+  return batches;
+}
+}  // namespace
+
+// Stage 2 reduces the same staging values as stage 1 reduces in place, in the same order, and
+// clips and updates the same owned ranges: the same bits.
+TEST_CASE("zero_stage 2 gives zero_stage 1's GPT losses, weights and optimizer state bit for bit", "[parallel][dp][zero][gpt]") {
+  Env env;
+  auto const batches = gpt_batches(env);
+  for (int const devices : {2, 3}) {
+    CAPTURE(devices);
+    Run const one = gpt_run(devices, 1, 1, batches);
+    Run const two = gpt_run(devices, 2, 1, batches);
+    CHECK(one.losses.back() < 0.8f * one.losses.front());  // it learns
+    CHECK(two.losses == one.losses);
+    CHECK(two.weights == one.weights);
+    CHECK(two.mid_state == one.mid_state);
+  }
+}
+
+// With accumulation stage 2 reduces each micro-batch and adds the reduced gradients, where stage 1
+// adds the micro-batches first: the same sums in another order. Measured: losses within 7e-8
+// relative, weights 3e-6, optimizer state 2.3e-3 of 1e-6 + |s| (m and v of elements whose
+// gradients nearly cancel).
+TEST_CASE("zero_stage 2 with 2 accumulated micro-batches gives zero_stage 1's GPT loss curve", "[parallel][dp][zero][gpt]") {
+  Env env;
+  auto const batches = gpt_batches(env);
+  for (int const devices : {2, 3}) {
+    CAPTURE(devices);
+    check_close(gpt_run(devices, 2, 2, batches), gpt_run(devices, 1, 2, batches), 1e-2);
+  }
+}
+
+TEST_CASE("zero_stage 2 gives zero_stage 1's MLP loss curve bit for bit on 2 and 3 devices, and with accumulation within fp32",
+          "[parallel][dp][zero]") {
+  Env env;
+  std::vector<Tensor> xs, ys;
+  for (int s = 0; s < steps; ++s) {
+    auto [x, y] = env.clusters(29, 40 + static_cast<unsigned>(s));
+    xs.push_back(x);
+    ys.push_back(y);
+  }
+  for (int const devices : {2, 3}) {
+    for (int const accumulation : {1, 2}) {
+      std::vector<Run> runs;
+      for (int const stage : {1, 2}) {
+        CAPTURE(devices, accumulation, stage);
+        mgpu::DeviceGroup group("host:" + std::to_string(devices));
+        DataParallelOptions options;
+        options.zero_stage = stage;
+        options.clip_norm = 0.2f;
+        options.accumulation_steps = accumulation;
+        options.first_bucket_cap_bytes = 64;  // buckets of one layer
+        options.bucket_cap_bytes = 300;
+        DataParallel dp(nn::Sequential::mlp({2, 24, 17, 3}), group, mgpu::optim::AdamW({.lr = 0.02f, .weight_decay = 0.1f}),
+                        options);
+        runs.push_back(run(dp, [&](int s) { return dp.step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]).loss; }));
+      }
+      CAPTURE(devices, accumulation);
+      if (accumulation == 1) {
+        CHECK(runs[1].losses == runs[0].losses);
+        CHECK(runs[1].weights == runs[0].weights);
+      } else {
+        check_close(runs[1], runs[0]);
+      }
+    }
+  }
+}
+
+// The other paths through the step: the update inside backward (no clipping, no loss scaler), a
+// loss scaler (its unscaling and overflow check on the staging and owned gradients, a power of two
+// so the scale is exact) and a rank without rows (its zero gradients written into the staging).
+TEST_CASE("zero_stage 2 gives zero_stage 1's MLP run bit for bit without clipping, with a loss scaler and with an empty shard",
+          "[parallel][dp][zero]") {
+  Env env;
+  std::vector<Tensor> xs, ys, small_xs, small_ys;
+  for (int s = 0; s < 10; ++s) {
+    auto [x, y] = env.clusters(29, 90 + static_cast<unsigned>(s));
+    xs.push_back(x);
+    ys.push_back(y);
+    auto [sx, sy] = env.clusters(2, 120 + static_cast<unsigned>(s));  // 2 rows over 3 devices
+    small_xs.push_back(sx);
+    small_ys.push_back(sy);
+  }
+  for (std::string const variant : {"update in backward", "loss scaler", "empty shard"}) {
+    std::vector<Run> runs;
+    for (int const stage : {1, 2}) {
+      CAPTURE(variant, stage);
+      mgpu::DeviceGroup group("host:3");
+      DataParallelOptions options;
+      options.zero_stage = stage;
+      options.first_bucket_cap_bytes = 64;
+      options.bucket_cap_bytes = 300;
+      if (variant == "loss scaler") options.loss_scaler.emplace(1024.0f);
+      if (variant == "empty shard") options.clip_norm = 0.2f;
+      DataParallel dp(nn::Sequential::mlp({2, 24, 17, 3}), group, mgpu::optim::AdamW({.lr = 0.02f, .weight_decay = 0.1f}),
+                      options);
+      bool const small = variant == "empty shard";
+      Run out;
+      for (int s = 0; s < 10; ++s) {
+        auto const i = static_cast<std::size_t>(s);
+        auto const r = dp.step(small ? small_xs[i] : xs[i], small ? small_ys[i] : ys[i]);
+        if (small) CHECK(r.rows[2] == 0);
+        out.losses.push_back(r.loss);
+      }
+      out.weights = host_values(dp.replica(0).master_parameters(), group.stream(0));
+      runs.push_back(out);
+    }
+    CAPTURE(variant);
+    CHECK(runs[1].losses == runs[0].losses);
+    CHECK(runs[1].weights == runs[0].weights);
+  }
+}
+
+// Each device's bytes, counted by its allocator after two steps: stage 2 holds, in place of the
+// whole gradient buffer, its owned elements' gradients and the staging buffers (two shared by
+// the buckets but the last, and the last bucket's own): about 1/N of the gradients plus those.
+// Six blocks of one bucket each, so that the staging buffers are a fraction of the gradients.
+TEST_CASE("zero_stage 2 keeps on each device the gradients of its owned elements and the staging buffers only",
+          "[parallel][dp][zero][gpt]") {
+  Env env;
+  nn::GptConfig const deep{.vocab = 64, .block_size = 16, .n_layer = 6, .n_head = 2, .n_embd = 32};
+  mgpu::test::TokenBatch const b = mgpu::test::rule_batch(env, batch, deep.block_size, deep.vocab, 7);
+  std::int64_t const parameters = nn::gpt(deep).parameter_count();
+  auto const block = [](std::int64_t elements) { return mgpu::Allocator::block_size(static_cast<std::size_t>(elements) * sizeof(float)); };
+  for (int const devices : {2, 3, 4}) {
+    std::vector<std::vector<std::size_t>> held(3);
+    std::vector<mgpu::parallel::Bucket> buckets;
+    for (int const stage : {1, 2}) {
+      CAPTURE(devices, stage);
+      mgpu::DeviceGroup group("host:" + std::to_string(devices));
+      DataParallelOptions options;
+      options.zero_stage = stage;
+      options.clip_norm = clip;
+      options.loss = std::make_shared<nn::TokenCrossEntropy const>();
+      options.first_bucket_cap_bytes = 4096;
+      options.bucket_cap_bytes = 8192;
+      DataParallel dp(nn::gpt(deep), group, mgpu::optim::AdamW({.decay_ranges = nn::gpt_decay_ranges(deep)}), options);
+      for (int s = 0; s < 2; ++s) dp.step(b.ids, b.targets);
+      dp.group().synchronize();  // host streams' queued work holds tensors until it has run
+      buckets = dp.buckets();
+      for (int r = 0; r < devices; ++r) held[static_cast<std::size_t>(stage)].push_back(group.allocator(r).stats().allocated);
+    }
+    REQUIRE(buckets.size() == 8);  // the final LayerNorm, six blocks, the embeddings
+    std::int64_t const owned = owned_elements(buckets, devices);
+    std::int64_t staging = 0;
+    for (std::size_t i = 0; i + 1 < buckets.size(); ++i) staging = std::max(staging, buckets[i].size());
+    std::size_t const stage2_grads = block(owned) + 2 * block(staging) + block(buckets.back().size());
+    // The elements past the blocks are fewer than the ranks per bucket.
+    std::size_t const leftovers = buckets.size() * static_cast<std::size_t>(devices) * sizeof(float) + 4096;
+    CHECK(block(owned) <= block(parameters) / static_cast<std::size_t>(devices) + leftovers);
+    for (int r = 0; r < devices; ++r) {
+      CAPTURE(devices, r);
+      auto const i = static_cast<std::size_t>(r);
+      CHECK(held[1][i] + stage2_grads == held[2][i] + block(parameters));  // one gradient layout for the other
+      CHECK(held[2][i] < held[1][i]);
+    }
+  }
+}
+
+TEST_CASE("A zero_stage 2 checkpoint resumes at stages 0, 1 and 2 on other device counts", "[parallel][dp][zero][io]") {
+  auto const dir = mgpu::test::temp_path("mgpu_zero2_checkpoint_test");
+  std::filesystem::create_directories(dir);
+  Env env;
+  std::vector<Tensor> xs, ys;
+  for (int s = 0; s < 6; ++s) {
+    auto [x, y] = env.clusters(23, 80 + static_cast<unsigned>(s));
+    xs.push_back(x);
+    ys.push_back(y);
+  }
+  auto const make = [](mgpu::DeviceGroup& group, int stage, int accumulation = 1) {
+    DataParallelOptions options;
+    options.zero_stage = stage;
+    options.clip_norm = 0.2f;
+    options.accumulation_steps = accumulation;
+    options.first_bucket_cap_bytes = 64;
+    options.bucket_cap_bytes = 300;
+    return std::make_unique<DataParallel>(nn::Sequential::mlp({2, 24, 17, 3}), group,
+                                          mgpu::optim::AdamW({.lr = 0.02f, .weight_decay = 0.1f}), options);
+  };
+  mgpu::DeviceGroup three("host:3");
+  std::vector<float> straight;
+  {
+    auto dp = make(three, 2);
+    for (int s = 0; s < 6; ++s) dp->step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
+    straight = host_values(dp->replica(0).master_parameters(), three.stream(0));
+  }
+  {
+    auto dp = make(three, 2);
+    for (int s = 0; s < 3; ++s) dp->step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
+    dp->save(dir / "stage2.ckpt", {.step = 3});
+  }
+  mgpu::DeviceGroup two("host:2");
+  mgpu::DeviceGroup four("host:4");
+  for (auto const& [group, stage] : {std::pair{&two, 0}, std::pair{&four, 1}, std::pair{&two, 2}, std::pair{&three, 2}}) {
+    CAPTURE(group->size(), stage);
+    auto dp = make(*group, stage);
+    CHECK(dp->load(dir / "stage2.ckpt").step == 3);
+    for (int s = 3; s < 6; ++s) dp->step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
+    std::vector<float> const weights = host_values(dp->replica(0).master_parameters(), group->stream(0));
+    if (group == &three) {
+      CHECK(weights == straight);  // the same run, resumed
+    } else {
+      CHECK(worst_relative(weights, straight, 1) <= 1e-5);
+    }
+  }
+  // Mid accumulation cycle: refused both ways, the executor unchanged.
+  auto dp = make(two, 2, 2);
+  dp->step(xs[0], ys[0]);
+  REQUIRE_MGPU_ERROR(dp->save(dir / "mid.ckpt", {.step = 0}), mgpu::Errc::invalid_argument,
+                     "after 1 of 2 accumulated micro-batches at zero_stage 2 (expected a save at the end of an accumulation cycle");
+  {
+    auto one = make(two, 1, 2);
+    one->step(xs[0], ys[0]);
+    one->save(dir / "mid.ckpt", {.step = 0});
+  }
+  REQUIRE_MGPU_ERROR(dp->load(dir / "mid.ckpt"), mgpu::Errc::invalid_argument,
+                     "saved after 1 of 2 accumulated micro-batches (expected a checkpoint saved at the end of a cycle at zero_stage 2");
+  std::filesystem::remove_all(dir);
 }

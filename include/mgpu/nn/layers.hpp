@@ -278,6 +278,19 @@ class Sequential {
   /// The float32 buffers optimizers update (the same tensors as above for float32 compute).
   [[nodiscard]] Tensor const& master_parameters() const noexcept { return master_params_; }
   [[nodiscard]] Tensor const& master_gradients() const noexcept { return master_grads_; }
+  /// Sharded gradients (ZeRO-2, float32 compute): from now on the layers of the parameter ranges
+  /// within [begin, end) (whole ranges, not cut) write their gradients into `grads` (float32,
+  /// end - begin values) instead of the flat gradient buffers, which the first call frees
+  /// (gradients() and master_gradients() are then undefined once every layer is rebound elsewhere;
+  /// master_gradients(begin, end) finds where a range's gradients are). A later call rebinds, e.g.
+  /// a staging buffer reused by one group of layers after another during backward: work enqueued
+  /// before it keeps the views it had. Layers are linked again (a tied LM head follows its
+  /// embedding). Throws Error(invalid_argument) for another compute type, a range that cuts a
+  /// layer's parameters, or a buffer of another size or type.
+  void bind_gradients(std::int64_t begin, std::int64_t end, Tensor const& grads);
+  /// The float32 gradients of [begin, end): a slice of master_gradients(), or, after
+  /// bind_gradients(), of the buffer last bound to those elements (which must hold all of them).
+  [[nodiscard]] Tensor master_gradients(std::int64_t begin, std::int64_t end) const;
   /// master gradients = gradients * factor (e.g. 1 / loss scale), converting from the compute
   /// type; over elements [begin, end) of the flat buffers, or all of them (end < 0).
   void unscale_gradients(float factor, Stream& stream, std::int64_t begin = 0, std::int64_t end = -1);
@@ -306,8 +319,10 @@ class Sequential {
   /// ctx.micro_batch before the gradients are read.
   Tensor backward_input(Tensor const& dy, Context& ctx, bool input_grad = true);
   void backward_weight(Context& ctx);
-  /// Sets the gradient buffer to zero (before accumulating micro-batches).
+  /// Sets the gradient buffer (every buffer bind_gradients() gave) to zero (before accumulating
+  /// micro-batches), or the compute-type gradients of elements [begin, end) only.
   void zero_gradients(Stream& stream);
+  void zero_gradients(Stream& stream, std::int64_t begin, std::int64_t end);
   /// The shape forward() returns for an input of `input`.
   [[nodiscard]] Shape output_shape(Shape const& input) const;
   /// The layer indices where the model may be cut into stages: 0, every unit boundary (a Linear
@@ -333,6 +348,8 @@ class Sequential {
   std::vector<std::unique_ptr<Layer>> layers_;
   std::size_t first_layer_ = 0;
   Tensor params_, grads_, master_params_, master_grads_;
+  // bind_gradients(): where each rebound range of elements [first, second.first) has its gradients.
+  std::map<std::int64_t, std::pair<std::int64_t, Tensor>> bound_grads_;
 };
 
 }  // namespace mgpu::nn

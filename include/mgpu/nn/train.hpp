@@ -50,6 +50,13 @@ struct OwnedRange {
 /// sum_over_ranks(), and after an applied update calls gather_updated(), which brings every rank's
 /// updated parameters (and their compute-type copies) to every rank. An empty owned(): every rank
 /// holds every reduced gradient and updates them all.
+///
+/// A sync may also shard the gradients (ZeRO stage 2): it then keeps the reduced gradients of the
+/// owned ranges in a buffer of its own, owned_gradients() (packed in the order of the ranges'
+/// starts, as optim::Optimizer::shard_state packs the state), which the update reads instead of
+/// the model's master gradients; the layers write into buffers the sync binds as backward goes
+/// on. Such a sync reduces every micro-batch, accumulating them in owned_gradients() itself: the
+/// step calls it with accumulate_only too (and needs no accumulator).
 class GradientSync {
  public:
   virtual ~GradientSync() = default;
@@ -61,6 +68,8 @@ class GradientSync {
   /// rank gets bitwise the same sums.
   virtual void sum_over_ranks(Tensor const& /*values*/, Stream& /*compute*/) {}
   virtual void gather_updated(Stream& /*compute*/) {}
+  /// With sharded gradients, the reduced gradients of owned(), packed; else undefined.
+  [[nodiscard]] virtual Tensor owned_gradients() const { return {}; }
 };
 
 struct StepOptions {
@@ -82,6 +91,7 @@ struct StepOptions {
   /// Gradient accumulation: a float32 buffer of the model's parameter count. With
   /// `accumulate_only` the step adds its gradients into it and does not update; otherwise the
   /// buffer is added into the step's gradients before they are reduced and applied, and zeroed.
+  /// None with a sync that shards the gradients (it accumulates them itself).
   Tensor const* accumulator = nullptr;
   bool accumulate_only = false;
   /// Between backward and update (data parallelism); nullptr on one device.

@@ -79,6 +79,7 @@ class Embedding final : public Layer {
   [[nodiscard]] Tensor const& token_gradient() const noexcept { return dwte_; }
   /// Whether an LM head shares wte (its backward then always adds to the wte gradient).
   void set_tied(bool tied) noexcept { tied_ = tied; }
+  [[nodiscard]] bool tied() const noexcept { return tied_; }
 
  private:
   std::int64_t vocab_, block_size_, features_;

@@ -41,7 +41,8 @@ class Optimizer {
   /// element-wise, so a layer's parameters can be updated as soon as backward has written their
   /// gradients (while those are still in cache). One step's ranges must not overlap and should
   /// cover every parameter (with shard_state: every owned element; [begin, end) then lies within
-  /// one owned range).
+  /// one owned range). After shard_state(), `grads` may hold the owned elements' gradients only,
+  /// packed as the state is (ZeRO-2: a rank keeps the reduced gradients of its own elements).
   void update(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
               float lr_scale = 1.0f);
   /// Steps taken so far.
@@ -66,8 +67,9 @@ class Optimizer {
   [[nodiscard]] std::int64_t state_elements(Tensor const& params) const noexcept;
 
  protected:
-  /// update() over its checked range: the slices [begin, end) of params and grads, and of each
-  /// state buffer the as many values from `state_begin` (begin itself when the state is whole).
+  /// update() over its checked range: the slice [begin, end) of params, `grads` holding that
+  /// range's gradients only (end - begin values), and of each state buffer as many values from
+  /// `state_begin` (begin itself when the state is whole).
   virtual void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end,
                              std::int64_t state_begin, Stream& stream, float lr_scale) = 0;
   /// Drops the state buffers (shard_state() then allocates them in the new layout).

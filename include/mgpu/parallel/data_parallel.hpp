@@ -104,8 +104,21 @@ struct DataParallelOptions {
   /// measures its own blocks, the overflow count and the squared norm are summed over the ranks, and
   /// each rank updates its blocks (the norm, summed block by block, may differ from the replicated
   /// update's in its last bits; the results are still bitwise repeatable). save() and optimizer()
-  /// gather the whole state first (every rank then holds it until its next step). One rank: 0 and
-  /// 1 are the same.
+  /// gather the whole state first (every rank then holds it until its next step). One rank: 0, 1
+  /// and 2 are the same.
+  ///
+  /// 2, sharded gradients too (ZeRO-2): each rank keeps the reduced gradients of the elements it
+  /// owns only, packed as its optimizer state, instead of a gradient per parameter. The layers
+  /// write into bucket-sized staging buffers bound to them once (nn::Sequential::bind_gradients):
+  /// the buckets share two buffers in turn (a bucket's layers start writing once the bucket two
+  /// before has been reduced out of it) and the last bucket (the first layers, with a tied
+  /// embedding, whose LM head writes its gradient at the start of backward) has its own. So each
+  /// rank holds about 1/N of the gradients plus twice the largest bucket but the last and the last
+  /// bucket: small buckets (bucket_cap_bytes) save the most. The reduce, clipping and update are
+  /// stage 1's, bitwise. With accumulation every micro-batch is reduce-scattered and added to the
+  /// owned gradients (the same sums as stage 1's in another order). float32 compute, overlap on,
+  /// one process, no comm hook, and checkpoints at the end of an accumulation cycle only
+  /// (Error(invalid_argument) otherwise, naming what).
   int zero_stage = 1;
   /// Bitwise repeatable results whatever the bucket layout and thread timing: host devices reduce
   /// in rank order already; other backends gather the bucket and sum it in rank order.
@@ -267,8 +280,9 @@ class DataParallel {
   [[nodiscard]] std::vector<int> const& ranks() const noexcept;
   [[nodiscard]] std::vector<double> const& weights() const noexcept;
   [[nodiscard]] std::vector<Bucket> const& buckets() const noexcept;
-  /// A replica (index into ranks()) and its optimizer (with zero_stage 1, whose whole state is
-  /// gathered from every rank's blocks first).
+  /// A replica (index into ranks()) and its optimizer (with zero_stage 1 or 2, whose whole state
+  /// is gathered from every rank's blocks first). At zero_stage 2 a replica's gradients() are
+  /// undefined: its layers write into the staging buffers.
   [[nodiscard]] nn::Sequential& replica(int index);
   [[nodiscard]] optim::Optimizer& optimizer(int index);
   /// The loss scaler of replica 0 (nullptr without loss scaling).
