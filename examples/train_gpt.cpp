@@ -674,11 +674,11 @@ int run(Options o) {
     std::size_t const peak = trained_steps > 0 ? step_peaks[r] : local_allocators[r]->stats().peak_allocated;
     peaks += (r ? ", " : "") + std::to_string(peak);
   }
-  // The memory model's prediction of those peaks, for the layouts it covers (one process, float32;
-  // pipelines of one replica with GPipe or 1F1B).
+  // The memory model's prediction of those peaks, for the layouts it covers (one process, float32,
+  // ZeRO 0 or 1; pipelines of one replica with GPipe or 1F1B).
   std::string predicted = "null";
   bool const modelled_pipeline = !pipeline || (o.dp == 1 && (o.schedule == "gpipe" || o.schedule == "1f1b"));
-  if (!across && modelled_pipeline && o.precision == "fp32") {
+  if (!across && modelled_pipeline && o.precision == "fp32" && (!parallel || o.zero <= 1)) {
     mgpu::parallel::GptLayout const layout{.data_parallel = parallel ? static_cast<int>(group.size()) : tensor ? o.dp : 1,
                                            .tensor_parallel = tensor ? o.tp : 1,
                                            .zero_stage = parallel ? o.zero : 0,
