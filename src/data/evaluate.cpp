@@ -23,6 +23,7 @@ double evaluate_lm(nn::Sequential& model, TokenLoader const& loader, std::int64_
   bool const on_host = ctx.allocator.device().kind == DeviceKind::host;
   double total = 0;
   model.train(false);
+  nn::Context eval{ctx.allocator, ctx.stream, 0, 0, false, /*keep_for_backward=*/false};  // no backward follows
   try {
     for (std::int64_t first = 0; first < windows; first += options.batch) {
       std::int64_t const rows = std::min(options.batch, windows - first);
@@ -34,7 +35,7 @@ double evaluate_lm(nn::Sequential& model, TokenLoader const& loader, std::int64_
         copy_async(x, batch.x, ctx.stream);
         copy_async(y, batch.y, ctx.stream);
       }
-      Tensor const logits = model.forward(x, ctx);
+      Tensor const logits = model.forward(x, eval);
       Tensor const dlogits = Tensor::empty(logits.shape(), logits.dtype(), ctx.allocator);
       Tensor const loss = Tensor::empty({1}, DType::float32, ctx.allocator);
       auto const tokens = static_cast<float>(y.numel());

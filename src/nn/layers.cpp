@@ -60,7 +60,7 @@ Tensor Linear::forward(Tensor const& x, Context& ctx, ops::ActivationKind act) {
   ops::linear(x2, w_, b_, y, act, pre, ctx.stream);
   // Without an activation, backward reads no output: none is kept.
   Tensor const z = pre.defined() ? pre : act == ops::ActivationKind::identity ? Tensor{} : y;
-  saved_[ctx.micro_batch] = Saved{x, z, Tensor{}, act};
+  if (ctx.keep_for_backward) saved_[ctx.micro_batch] = Saved{x, z, Tensor{}, act};
   return y.reshape(out_shape);
 }
 
@@ -130,7 +130,7 @@ Shape Linear::output_shape(Shape const& input) const {
 }
 
 Tensor Activation::forward(Tensor const& x, Context& ctx) {
-  x_[ctx.micro_batch] = x;
+  if (ctx.keep_for_backward) x_[ctx.micro_batch] = x;
   Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator, ctx.stream);
   if (kind_ == ops::ActivationKind::relu) {
     ops::relu(x, y, ctx.stream);
@@ -182,7 +182,7 @@ Tensor LayerNorm::forward(Tensor const& x, Context& ctx) {
   Tensor stats = Tensor::empty({2, x2.dim(0)}, DType::float32, ctx.allocator, ctx.stream);
   Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator, ctx.stream);
   ops::layer_norm(x2, gamma_, beta_, as_rows(y, features_), stats, eps_, ctx.stream);
-  saved_[ctx.micro_batch] = {x2, stats};
+  if (ctx.keep_for_backward) saved_[ctx.micro_batch] = {x2, stats};
   return y;
 }
 
@@ -214,14 +214,14 @@ std::string Dropout::name() const { return "Dropout(" + std::to_string(p_) + ")"
 
 Tensor Dropout::forward(Tensor const& x, Context& ctx) {
   if (!training_ || p_ == 0.0f) {
-    masks_[ctx.micro_batch] = {0, 0};
+    if (ctx.keep_for_backward) masks_[ctx.micro_batch] = {0, 0};
     return x;
   }
   std::uint64_t const mask_seed = mgpu::detail::mix64(seed_ + calls_++) | 1u;  // never 0: 0 marks "identity" for backward
   std::int64_t const offset = x.rank() > 0 && x.dim(0) > 0 ? ctx.row_offset * (x.numel() / x.dim(0)) : 0;
   Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator, ctx.stream);
   ops::dropout(x, y, p_, mask_seed, ctx.stream, offset);
-  masks_[ctx.micro_batch] = {mask_seed, offset};
+  if (ctx.keep_for_backward) masks_[ctx.micro_batch] = {mask_seed, offset};
   return y;
 }
 

@@ -98,7 +98,7 @@ Tensor Embedding::forward(Tensor const& ids, Context& ctx) {
                 name() + ": ids are " + std::string(to_string(ids.dtype())) + " (expected int32 token ids)");
   Tensor y = Tensor::empty(shape, wte_.dtype(), ctx.allocator, ctx.stream);
   ops::embedding(ids, wte_, wpe_, y, ctx.stream);
-  saved_[ctx.micro_batch] = {ids, Tensor{}};
+  if (ctx.keep_for_backward) saved_[ctx.micro_batch] = {ids, Tensor{}};
   return y;
 }
 
@@ -192,6 +192,7 @@ Tensor CausalSelfAttention::forward(Tensor const& x, Context& ctx) {
   }
   ops::causal_attention(qkv, y, lse, heads_, ctx.stream, dropout);
   Tensor out = proj_.forward(y, ctx);
+  if (!ctx.keep_for_backward) return out;
   if (recompute_core_) {
     proj_.release_input(ctx);  // y, recomputed by backward_input
     saved_[ctx.micro_batch] = Saved{qkv, Tensor{}, Tensor{}, dropout};
@@ -384,7 +385,7 @@ Tensor TransformerBlock::forward(Tensor const& x, Context& ctx) {
   attn_.release(ctx.micro_batch);
   for (Dropout* drop : {&attn_drop_, &mlp_drop_}) drop->release(ctx.micro_batch);
   for (Linear* linear : {&fc_, &proj_}) linear->release(ctx.micro_batch);
-  inputs_[ctx.micro_batch] = Input{x, counter, ctx.row_offset};
+  if (ctx.keep_for_backward) inputs_[ctx.micro_batch] = Input{x, counter, ctx.row_offset};
   return y;
 }
 
@@ -503,7 +504,7 @@ Tensor TiedLMHead::forward(Tensor const& h, Context& ctx) {
   Tensor const h2 = h.reshape({h.numel() / features_, features_});
   Tensor logits = Tensor::empty({h2.dim(0), vocab_}, h.dtype(), ctx.allocator, ctx.stream);
   ops::gemm(h2, false, wte_, true, logits, 1.0f, 0.0f, ctx.stream);  // h wteᵀ
-  saved_[ctx.micro_batch] = {h2, Tensor{}};
+  if (ctx.keep_for_backward) saved_[ctx.micro_batch] = {h2, Tensor{}};
   return logits.reshape(shape);
 }
 

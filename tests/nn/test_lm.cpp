@@ -205,3 +205,34 @@ TEST_CASE("evaluate_lm: the mean cross-entropy over the first K block windows, a
   REQUIRE_MGPU_ERROR(mgpu::data::evaluate_lm(model, loader, 19, env.ctx), Errc::invalid_argument,
                      "over 19 windows (expected 1 to the 18 the data holds)");
 }
+
+TEST_CASE("evaluate_lm keeps nothing for backward: every layer's saved micro-batches and the allocator's bytes are as before",
+          "[nn][gpt][lm][memory]") {
+  std::vector<std::uint16_t> stream(150);
+  std::mt19937 rng(5);
+  for (auto& t : stream) t = static_cast<std::uint16_t>(rng() % 23);
+  mgpu::data::TokenLoader const loader({stream}, 23, {.batch = 3, .block = 8, .sequential = true});
+  for (nn::Recompute recompute : {nn::Recompute::none, nn::Recompute::selective, nn::Recompute::full}) {
+    INFO("recompute " << nn::to_string(recompute));
+    Env env;
+    nn::GptConfig c = config;
+    c.recompute = recompute;
+    nn::Sequential model = nn::gpt(c);
+    model.materialize(env.ctx, 5);
+    auto const saved = [&] {
+      std::size_t count = 0;
+      for (std::size_t l = 0; l < model.size(); ++l) count += model.layer(l).saved_micro_batches();
+      return count;
+    };
+    env.stream.synchronize();
+    std::size_t const before = env.allocator->stats().allocated;
+    (void)mgpu::data::evaluate_lm(model, loader, 7, env.ctx);
+    env.stream.synchronize();
+    CHECK(saved() == 0);
+    CHECK(env.allocator->stats().allocated == before);
+    // A training forward does keep them: the checks above can tell.
+    (void)model.forward(ids_tensor(env, 1, std::vector<std::int32_t>(8, 1)), env.ctx);
+    CHECK(saved() > 0);
+    CHECK(env.allocator->stats().allocated > before);
+  }
+}

@@ -33,6 +33,9 @@ struct Context {
   std::int64_t row_offset = 0;
   std::int64_t micro_batch = 0;
   bool accumulate_gradients = false;
+  /// False for a forward that no backward follows (evaluation): layers keep nothing for backward,
+  /// so what they computed is freed as soon as nothing reads it.
+  bool keep_for_backward = true;
 };
 
 class Sequential;
@@ -41,7 +44,7 @@ class Sequential;
 enum class Init { kaiming, xavier };
 
 /// A layer. forward() saves what backward() needs under ctx.micro_batch (a later forward with the
-/// same key replaces it); backward() writes the layer's parameter gradients (into its view of the
+/// same key replaces it; nothing with ctx.keep_for_backward false); backward() writes the layer's parameter gradients (into its view of the
 /// gradient buffer, or adds to them with ctx.accumulate_gradients), returns the gradient of its
 /// input and frees what that micro-batch's forward saved. backward_input() then backward_weight()
 /// do the same in two parts (zero-bubble schedules run other work between them). A layer is used
