@@ -833,8 +833,9 @@ void test_pipeline_gpt(Setup const& s) {
 // process and the other process's shard empty), and load() of it: resumed across the processes,
 // and in one process over as many devices, the same bits as an uninterrupted run in one process
 // (the same ranks and layout); in one process on one device (one stage, another layout) within
-// float32 tolerance. Every process writes the chunks its ranks run, so the shards are the
-// processes; a damaged shard names its file, and a save no process can write fails on every process.
+// float32 tolerance; saved again into a folder in one process (one shard) and resumed from that.
+// Every process writes the chunks its ranks run, so the shards are the processes; a damaged shard
+// names its file, and a save no process can write fails on every process.
 void test_pipeline_checkpoint(Setup const& s, std::filesystem::path const& folder) {
   namespace pp = mgpu::pipeline;
   std::shared_ptr<mgpu::Allocator> host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
@@ -921,7 +922,17 @@ void test_pipeline_checkpoint(Setup const& s, std::filesystem::path const& folde
     mgpu::DeviceGroup same("host:" + std::to_string(s.size()));
     pp::Executor executor(model, same, cuts, pp::one_f_one_b(2, 2), adamw, options);
     loaded(executor, folder, "resumed in one process");
+    // In one process, a save into an existing folder writes a one-shard save of the same records.
+    std::filesystem::path const again = folder.string() + "-one-" + std::to_string(process);
+    std::filesystem::remove_all(again);
+    std::filesystem::create_directories(again);
+    executor.save(again, position);
+    EXPECT(mgpu::io::ShardedCheckpoint::load(again).shards() == 1, what << ": a save into a folder in one process");
+    pp::Executor resaved(model, same, cuts, pp::one_f_one_b(2, 2), adamw, options);
+    loaded(resaved, again, "saved again in one process");
+    std::filesystem::remove_all(again);
     finish(executor, saved_at, 0, "resumed in one process");
+    finish(resaved, saved_at, 0, "saved again in one process");
   }
   {
     options.data_parallel = 1;
