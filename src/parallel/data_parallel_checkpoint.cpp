@@ -216,6 +216,54 @@ void DataParallel::Impl::save_shards(std::filesystem::path const& folder, io::Tr
       [&](std::uint64_t save_id, int shards) { io::commit_shards(folder, save_id, shards); });
 }
 
+io::TrainingState DataParallel::Impl::load_shards(std::filesystem::path const& folder) {
+  io::ShardedCheckpoint const sharded = io::ShardedCheckpoint::load(folder);
+  std::string const file = folder.string() + ": ";
+  std::int64_t const count = state[0]->model.parameter_count();
+  std::vector<std::string> optimizer_state;  // the split records of the optimizer's state
+  for (std::string const& name : sharded.split_names()) {
+    if (!name.starts_with("optimizer.")) continue;
+    if (sharded.shape(name) != Shape{count})
+      throw Error(Errc::invalid_argument, file + "record '" + name + "' of shape " + to_string(sharded.shape(name)) +
+                                              " (expected [" + std::to_string(count) +
+                                              "], a value per parameter of the model)");
+    optimizer_state.push_back(name);
+  }
+  io::Checkpoint const records = sharded.joined(optimizer_state);  // all but the optimizer's state
+  Saved const saved = verify_state(records, folder.string());
+  io::TrainingState training;
+  for (std::size_t r = 0; r < state.size(); ++r) {  // the model, RNG and step count; the state zeroed
+    int const rank = static_cast<int>(r);
+    training = io::load_training(records, folder.string(), state[r]->model, *state[r]->optimizer, group->allocator(rank),
+                                 group->stream(rank));
+  }
+  // Each rank's optimizer state in the sharded update's layout, read from the folder's pieces: the
+  // elements it owns (all of them without the sharded update), never the whole state.
+  for (std::size_t r = 0; r < state.size() && !optimizer_state.empty(); ++r) {
+    int const rank = static_cast<int>(r);
+    optim::Optimizer& optimizer = *state[r]->optimizer;
+    Stream& stream = group->stream(rank);
+    sync->rank(rank).shard_optimizer_state(optimizer, group->allocator(rank), stream);
+    std::vector<optim::NamedTensor> const buffers =
+        optimizer.prepare_state(state[r]->model.master_parameters(), group->allocator(rank), stream);
+    std::vector<std::pair<std::int64_t, std::int64_t>> const owned =
+        optimizer.owned().empty() ? std::vector<std::pair<std::int64_t, std::int64_t>>{{0, count}} : optimizer.owned();
+    for (auto const& [name, tensor] : buffers) {
+      if (!sharded.has_pieces("optimizer." + name))
+        throw Error(Errc::corrupt_data, file + "no record 'optimizer." + name + "' (expected the " + optimizer.name() +
+                                            " state that the other optimizer records belong to)");
+      std::int64_t at = 0;
+      for (auto const& [begin, end] : owned) {
+        sharded.read("optimizer." + name, begin, tensor.slice(at, at + (end - begin)), stream);
+        at += end - begin;
+      }
+    }
+  }
+  restore_state(saved);
+  broken.clear();
+  return training;
+}
+
 void DataParallel::save(std::filesystem::path const& path, io::TrainingState const& state) {
   Impl& im = *impl_;
   im.check_usable("DataParallel::save");
@@ -235,8 +283,8 @@ io::TrainingState DataParallel::load(std::filesystem::path const& path) {
   Impl& im = *impl_;
   im.sync->synchronize();
   im.group->synchronize();
-  io::Checkpoint const checkpoint =
-      std::filesystem::is_directory(path) ? io::ShardedCheckpoint::load(path).joined() : io::Checkpoint::load(path);
+  if (std::filesystem::is_directory(path)) return im.load_shards(path);
+  io::Checkpoint const checkpoint = io::Checkpoint::load(path);
   Impl::Saved const saved = im.verify_state(checkpoint, path.string());
   // Every rank's optimizer state whole, as the file holds it (sharded again by the next step).
   im.sync->gather_optimizer_state(im.optimizers());

@@ -83,6 +83,8 @@ struct DataParallel::Impl {
   void restore_state(Saved const& saved);
   // Across processes or into a folder: every process writes its shard of `folder` (see save()).
   void save_shards(std::filesystem::path const& folder, io::TrainingState const& training);
+  // load() of such a folder: each rank reads the optimizer state of the elements it owns.
+  io::TrainingState load_shards(std::filesystem::path const& folder);
 };
 
 // One replica and what its rank keeps between steps besides its gradient sync.

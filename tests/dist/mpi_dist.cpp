@@ -833,7 +833,8 @@ void test_pipeline_gpt(Setup const& s) {
 // process and the other process's shard empty), and load() of it: resumed across the processes,
 // and in one process over as many devices, the same bits as an uninterrupted run in one process
 // (the same ranks and layout); in one process on one device (one stage, another layout) within
-// float32 tolerance; saved again into a folder in one process (one shard) and resumed from that.
+// float32 tolerance; saved again into a folder in one process (one shard) and resumed from that;
+// loaded by a DataParallel (the same records).
 // Every process writes the chunks its ranks run, so the shards are the processes; a damaged shard
 // names its file, and a save no process can write fails on every process.
 void test_pipeline_checkpoint(Setup const& s, std::filesystem::path const& folder) {
@@ -895,10 +896,13 @@ void test_pipeline_checkpoint(Setup const& s, std::filesystem::path const& folde
                 << ", seed " << got.data_seed);
   };
   options.make_communicator = mgpu::dist::communicator_factory(s.world);
+  std::vector<float> at_save;  // the parameters saved
   {
     pp::Executor executor(model, s.group, cuts, pp::one_f_one_b(2, 2), adamw, options);
     for (int b = 0; b < saved_at; ++b) executor.step(xs[static_cast<std::size_t>(b)], ys[static_cast<std::size_t>(b)]);
     executor.save(folder, position);
+    executor.gather_parameters(whole, host_stream);
+    at_save = host_values(whole.master_parameters(), host_stream);
     finish(executor, saved_at, 0, "the run that saved");
     // Nothing can be written under a file: every process fails, none waits for another.
     try {
@@ -940,6 +944,19 @@ void test_pipeline_checkpoint(Setup const& s, std::filesystem::path const& folde
     pp::Executor executor(model, single, {0, model.size()}, pp::gpipe(1, 2), adamw, options);
     loaded(executor, folder, "resumed on one device");
     finish(executor, saved_at, 1e-5, "resumed on one device");
+  }
+  {
+    // The same records as DataParallel's: one loads the folder (each rank its owned elements of
+    // the AdamW state, the parameters whole).
+    mgpu::parallel::DataParallelOptions dp_options;
+    dp_options.zero_stage = 1;
+    mgpu::DeviceGroup two("host:2");
+    mgpu::parallel::DataParallel dp(model.clone(), two, mgpu::optim::AdamW(mgpu::optim::AdamWOptions{.lr = 0.01f}), dp_options);
+    mgpu::io::TrainingState const got = dp.load(folder);
+    EXPECT(got.step == position.step, what << ": DataParallel loaded step " << got.step);
+    for (int l = 0; l < two.size(); ++l)
+      EXPECT(same_bits(host_values(dp.replica(l).master_parameters(), two.stream(l)), at_save),
+             what << ": DataParallel's replica " << l << " differs from the parameters saved");
   }
   // Each process damages its own copy: one byte near the end of shard 0 (process 0's).
   std::filesystem::path const copy = folder.string() + "-damaged-" + std::to_string(process);

@@ -89,8 +89,9 @@ class ShardedCheckpoint {
   [[nodiscard]] Checkpoint const& whole() const noexcept { return whole_; }
 
   /// Every record whole, as one Checkpoint file of the same save would hold them: the whole records,
-  /// and each split record's pieces joined in element order.
-  [[nodiscard]] Checkpoint joined() const;
+  /// and each split record's pieces joined in element order, but for the split records named in
+  /// `leave_out` (those a reader takes in ranges through read()).
+  [[nodiscard]] Checkpoint joined(std::vector<std::string> const& leave_out = {}) const;
 
  private:
   struct Piece {
