@@ -47,7 +47,9 @@
 // Across processes (mpirun, srun): --devices is each process's, and data parallelism (each process
 // its rows of every batch) or the pipeline (stages and replicas over the world's devices) spans
 // every process's devices; process 0 prints. `mpirun -np 2 train_gpt --devices host:1` gives
-// `train_gpt --devices host:2`'s losses; --tp and --checkpoint are not yet across processes.
+// `train_gpt --devices host:2`'s losses; --tp is not yet across processes. --checkpoint is then a
+// folder of one shard per process (DataParallel::save, pipeline::Executor::save), which --resume
+// reads on any process count or layout over 2 or more devices, in one process too.
 //   mpirun -np 2 train_gpt --data notes.txt --devices host:1
 //   mpirun -np 2 train_gpt --data notes.txt --devices host:1 --stages 2
 #include <algorithm>
@@ -369,9 +371,8 @@ int run(Options o) {
   }
   mgpu::dist::World const world = mgpu::dist::make_world(group);
   bool const across = world.processes > 1;
-  if (across && (o.tp > 1 || !o.checkpoint.empty()))
-    throw mgpu::Error(mgpu::Errc::invalid_argument, std::string(o.tp > 1 ? "--tp" : "--checkpoint") + " in a job of " +
-                                                        std::to_string(world.processes) +
+  if (across && o.tp > 1)
+    throw mgpu::Error(mgpu::Errc::invalid_argument, "--tp in a job of " + std::to_string(world.processes) +
                                                         " processes (expected one process: not yet across processes)");
   check_layout(o, pipelined, world.size());
   mgpu::Device const device = group.device(0);

@@ -236,6 +236,17 @@ ShardedCheckpoint ShardedCheckpoint::load(std::filesystem::path const& folder) {
   return c;
 }
 
+Checkpoint ShardedCheckpoint::joined(std::vector<std::string> const& leave_out) const {
+  Checkpoint all = whole_;
+  for (auto const& [name, split] : split_) {
+    if (std::find(leave_out.begin(), leave_out.end(), name) != leave_out.end()) continue;
+    Record record{.name = name, .type = split.type, .shape = split.shape, .data = {}};
+    for (Piece const& p : split.pieces) record.data.insert(record.data.end(), p.record->data.begin(), p.record->data.end());
+    all.put(std::move(record));
+  }
+  return all;
+}
+
 std::vector<std::string> ShardedCheckpoint::split_names() const {
   std::vector<std::string> names;
   for (auto const& entry : split_) names.push_back(entry.first);

@@ -60,29 +60,7 @@ bool DataParallel::Impl::across_processes() const {
 }
 
 std::vector<std::int32_t> DataParallel::Impl::all_gather_words(std::vector<std::vector<std::int32_t>> const& words) {
-  comm::Communicator& comm = sync->communicator();
-  int const first = comm.first_rank();
-  auto const k = static_cast<std::int64_t>(words.front().size());
-  std::int64_t const total = k * comm.size();
-  Allocator& host = mgpu::detail::host_staging_allocator();
-  std::vector<Tensor> staged, sends, recvs;
-  // Carried as float32 (what communicators take), whose all_gather copies the bits as they are.
-  for (std::size_t r = 0; r < words.size(); ++r) {
-    staged.push_back(Tensor::empty({total}, DType::float32, host));
-    std::memcpy(staged.back().data(), words[r].data(), words[r].size() * sizeof(std::int32_t));
-    sends.push_back(Tensor::empty({k}, DType::float32, group->allocator(static_cast<int>(r))));
-    recvs.push_back(Tensor::empty({total}, DType::float32, group->allocator(static_cast<int>(r))));
-  }
-  group->run([&](int rank, Device, Stream& stream) {
-    auto const r = static_cast<std::size_t>(rank);
-    copy_async(sends[r], staged[r].slice(0, k), stream);
-    comm.all_gather(first + rank, sends[r], recvs[r], stream);
-    copy_async(staged[r], recvs[r], stream);
-  });
-  group->synchronize();
-  std::vector<std::int32_t> all(static_cast<std::size_t>(total));
-  std::memcpy(all.data(), staged[0].data(), all.size() * sizeof(std::int32_t));
-  return all;
+  return comm::detail::all_gather_words(sync->communicator(), *group, words);
 }
 
 DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::function<std::unique_ptr<optim::Optimizer>()> const& make_optimizer,

@@ -50,18 +50,6 @@ std::int64_t packed_offset(std::vector<std::pair<std::int64_t, std::int64_t>> co
                                           "sharded update laid its state out for)");
 }
 
-// A folder that save() wrote across processes, read whole as one checkpoint: its whole records and
-// every split record (the optimizer state) gathered from the shards.
-io::Checkpoint read_folder(std::filesystem::path const& folder, Stream& stream) {
-  io::ShardedCheckpoint const sharded = io::ShardedCheckpoint::load(folder);
-  io::Checkpoint whole = sharded.whole();
-  for (std::string const& name : sharded.split_names()) {
-    Tensor const values = Tensor::empty(sharded.shape(name), DType::float32, mgpu::detail::host_staging_allocator());
-    sharded.read(name, 0, values, stream);
-    whole.put(name, values, stream);
-  }
-  return whole;
-}
 }  // namespace
 
 void DataParallel::Impl::save_state(io::Checkpoint& checkpoint) {
@@ -180,18 +168,6 @@ void DataParallel::Impl::restore_state(Saved const& saved) {
   micro_steps = saved.position;
 }
 
-void DataParallel::Impl::agree(std::exception_ptr failure, std::string const& what) {
-  comm::Communicator& comm = sync->communicator();
-  std::vector<std::int32_t> const all =
-      all_gather_words(std::vector<std::vector<std::int32_t>>(state.size(), {failure ? 1 : 0}));
-  if (failure) std::rethrow_exception(failure);
-  for (std::size_t rank = 0; rank < all.size(); ++rank)
-    if (all[rank] != 0)
-      throw Error(Errc::io, what + ": the process of world rank " + std::to_string(rank) +
-                                " failed (its error names why); rank " + std::to_string(comm.first_rank()) +
-                                "'s process stops too");
-}
-
 void DataParallel::Impl::save_shards(std::filesystem::path const& folder, io::TrainingState const& training) {
   std::string const what = "DataParallel::save to the folder " + folder.string();
   int const k = options.accumulation_steps;
@@ -205,27 +181,7 @@ void DataParallel::Impl::save_shards(std::filesystem::path const& folder, io::Tr
                 what + " with a comm hook (expected a file: a folder does not hold the hook's state yet)");
   comm::Communicator& comm = sync->communicator();
   bool const leader = comm.first_rank() == 0;
-  // The save's id (world rank 0's: one more than the folder's committed one, read before anyone
-  // commits), and this process's shard: the processes in the order of their first ranks.
-  std::uint64_t next = 0;
-  std::exception_ptr failure;
-  try {
-    if (leader) next = io::committed_save_id(folder) + 1;
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  agree(failure, what);
-  std::vector<std::int32_t> words{comm.first_rank()};
-  append_words(words, next);
-  std::vector<std::int32_t> const all = all_gather_words(std::vector<std::vector<std::int32_t>>(state.size(), words));
-  std::uint64_t const save_id = read_words<std::uint64_t>(all, 1);
-  int shard = 0, shards = 0;
-  for (std::size_t at = 0; at < all.size(); at += 3) {
-    if (at > 0 && all[at] == all[at - 3]) continue;
-    if (all[at] == comm.first_rank()) shard = shards;
-    ++shards;
-  }
-  try {
+  auto const write = [&](std::uint64_t save_id, int shard, int shards) {
     io::ShardWriter writer;
     if (leader) {  // the whole records: replica 0's, as in one process, less the optimizer state
       Rank& first = *state[0];
@@ -254,16 +210,58 @@ void DataParallel::Impl::save_shards(std::filesystem::path const& folder, io::Tr
       }
     }
     writer.save(folder, save_id, shard, shards);
-  } catch (...) {
-    failure = std::current_exception();
+  };
+  comm::detail::save_in_shards(
+      comm, *group, what, [&] { return io::committed_save_id(folder) + 1; }, write,
+      [&](std::uint64_t save_id, int shards) { io::commit_shards(folder, save_id, shards); });
+}
+
+io::TrainingState DataParallel::Impl::load_shards(std::filesystem::path const& folder) {
+  io::ShardedCheckpoint const sharded = io::ShardedCheckpoint::load(folder);
+  std::string const file = folder.string() + ": ";
+  std::int64_t const count = state[0]->model.parameter_count();
+  std::vector<std::string> optimizer_state;  // the split records of the optimizer's state
+  for (std::string const& name : sharded.split_names()) {
+    if (!name.starts_with("optimizer.")) continue;
+    if (sharded.shape(name) != Shape{count})
+      throw Error(Errc::invalid_argument, file + "record '" + name + "' of shape " + to_string(sharded.shape(name)) +
+                                              " (expected [" + std::to_string(count) +
+                                              "], a value per parameter of the model)");
+    optimizer_state.push_back(name);
   }
-  agree(failure, what);
-  try {
-    if (leader) io::commit_shards(folder, save_id, shards);
-  } catch (...) {
-    failure = std::current_exception();
+  io::Checkpoint const records = sharded.joined(optimizer_state);  // all but the optimizer's state
+  Saved const saved = verify_state(records, folder.string());
+  io::TrainingState training;
+  for (std::size_t r = 0; r < state.size(); ++r) {  // the model, RNG and step count; the state zeroed
+    int const rank = static_cast<int>(r);
+    training = io::load_training(records, folder.string(), state[r]->model, *state[r]->optimizer, group->allocator(rank),
+                                 group->stream(rank));
   }
-  agree(failure, what);  // every process returns once the save is committed
+  // Each rank's optimizer state in the sharded update's layout, read from the folder's pieces: the
+  // elements it owns (all of them without the sharded update), never the whole state.
+  for (std::size_t r = 0; r < state.size() && !optimizer_state.empty(); ++r) {
+    int const rank = static_cast<int>(r);
+    optim::Optimizer& optimizer = *state[r]->optimizer;
+    Stream& stream = group->stream(rank);
+    sync->rank(rank).shard_optimizer_state(optimizer, group->allocator(rank), stream);
+    std::vector<optim::NamedTensor> const buffers =
+        optimizer.prepare_state(state[r]->model.master_parameters(), group->allocator(rank), stream);
+    std::vector<std::pair<std::int64_t, std::int64_t>> const owned =
+        optimizer.owned().empty() ? std::vector<std::pair<std::int64_t, std::int64_t>>{{0, count}} : optimizer.owned();
+    for (auto const& [name, tensor] : buffers) {
+      if (!sharded.has_pieces("optimizer." + name))
+        throw Error(Errc::corrupt_data, file + "no record 'optimizer." + name + "' (expected the " + optimizer.name() +
+                                            " state that the other optimizer records belong to)");
+      std::int64_t at = 0;
+      for (auto const& [begin, end] : owned) {
+        sharded.read("optimizer." + name, begin, tensor.slice(at, at + (end - begin)), stream);
+        at += end - begin;
+      }
+    }
+  }
+  restore_state(saved);
+  broken.clear();
+  return training;
 }
 
 void DataParallel::save(std::filesystem::path const& path, io::TrainingState const& state) {
@@ -285,8 +283,8 @@ io::TrainingState DataParallel::load(std::filesystem::path const& path) {
   Impl& im = *impl_;
   im.sync->synchronize();
   im.group->synchronize();
-  io::Checkpoint const checkpoint =
-      std::filesystem::is_directory(path) ? read_folder(path, im.group->stream(0)) : io::Checkpoint::load(path);
+  if (std::filesystem::is_directory(path)) return im.load_shards(path);
+  io::Checkpoint const checkpoint = io::Checkpoint::load(path);
   Impl::Saved const saved = im.verify_state(checkpoint, path.string());
   // Every rank's optimizer state whole, as the file holds it (sharded again by the next step).
   im.sync->gather_optimizer_state(im.optimizers());

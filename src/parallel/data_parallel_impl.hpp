@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <memory>
@@ -20,25 +19,14 @@
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
 
+#include "comm/agreement.hpp"
 #include "parallel/gradient_sync.hpp"
 
 namespace mgpu::parallel {
 
 // 64-bit values as pairs of 32-bit words, for all_gather_words.
-template <class T>
-void append_words(std::vector<std::int32_t>& words, T value) {
-  static_assert(sizeof(T) == 8);
-  std::int32_t halves[2];
-  std::memcpy(halves, &value, sizeof value);
-  words.insert(words.end(), halves, halves + 2);
-}
-template <class T>
-T read_words(std::vector<std::int32_t> const& words, std::size_t at) {
-  static_assert(sizeof(T) == 8);
-  T value;
-  std::memcpy(&value, words.data() + at, sizeof value);
-  return value;
-}
+using comm::detail::append_words;
+using comm::detail::read_words;
 
 struct DataParallel::Impl {
   struct Rank;
@@ -95,9 +83,8 @@ struct DataParallel::Impl {
   void restore_state(Saved const& saved);
   // Across processes or into a folder: every process writes its shard of `folder` (see save()).
   void save_shards(std::filesystem::path const& folder, io::TrainingState const& training);
-  // Throws, on every process, the first process's failure (`failure`, this process's, or null):
-  // every process calls it at the same point, so none waits for one that failed.
-  void agree(std::exception_ptr failure, std::string const& what);
+  // load() of such a folder: each rank reads the optimizer state of the elements it owns.
+  io::TrainingState load_shards(std::filesystem::path const& folder);
 };
 
 // One replica and what its rank keeps between steps besides its gradient sync.

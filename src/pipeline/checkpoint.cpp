@@ -1,11 +1,17 @@
 // The whole model as one device holds it, assembled from the chunks of replica 0 and spread back
 // over every replica's chunks: its parameters (gather_parameters, scatter_parameters) and the
-// executor's checkpoints (io::save_training's format).
+// executor's checkpoints (io::save_training's format). Across processes (or into a folder) a
+// checkpoint is a folder of io::ShardWriter shards, one per process: each process's holds the
+// parameters and optimizer state of the chunks its ranks run in replica 0, process 0's the whole
+// records besides.
 #include <mgpu/io/checkpoint.hpp>
+#include <mgpu/io/sharded_checkpoint.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <filesystem>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -15,6 +21,7 @@
 #include <mgpu/core/error.hpp>
 #include <mgpu/core/memory.hpp>
 
+#include "comm/agreement.hpp"
 #include "pipeline/executor_impl.hpp"
 
 namespace mgpu::pipeline {
@@ -22,6 +29,11 @@ namespace mgpu::pipeline {
 namespace {
 
 constexpr char const* scaler_record = "pipeline.loss_scaler";
+
+void put_scaler(io::Checkpoint& checkpoint, optim::LossScaler const& scaler) {
+  auto const s = scaler.state();
+  checkpoint.put(scaler_record, std::vector<std::int64_t>{std::bit_cast<std::int32_t>(s.scale), s.good_steps, s.skipped});
+}
 
 // The whole model, materialized in float32 host memory, and an optimizer of the chunks' kind for it.
 struct Whole {
@@ -128,13 +140,84 @@ void Executor::scatter_parameters(nn::Sequential const& whole, Stream& stream) {
   m.group->synchronize();
 }
 
+void Executor::Impl::save_shards(std::filesystem::path const& folder, io::TrainingState const& training) {
+  std::string const what = "Executor::save to the folder " + folder.string();
+  // Every rank's view of replica 0's chunks it runs: the number of state buffers of their
+  // optimizers (-1 for none), and their layers' RNG states at the layers' places (zero elsewhere).
+  std::size_t const layers = architecture.size();
+  std::size_t const per_rank = 1 + 2 * layers;
+  std::vector<std::vector<std::int32_t>> words(static_cast<std::size_t>(group->size()));
+  for (int local = 0; local < group->size(); ++local) {
+    std::vector<std::int32_t>& mine = words[static_cast<std::size_t>(local)];
+    std::vector<std::uint64_t> rng(layers, 0);
+    std::int32_t buffers = -1;
+    for (int c = 0; c < schedule.chunks(); ++c) {
+      if (schedule.device_of(c) != first + local) continue;
+      auto const index = static_cast<std::size_t>(c);
+      auto const count = static_cast<std::int32_t>(optimizers[0][index]->state().size());
+      buffers = buffers < 0 || buffers == count ? count : -2;  // -2: this rank's chunks disagree
+      std::vector<std::uint64_t> const part = chunks[0][index].rng_state();
+      std::copy(part.begin(), part.end(), rng.begin() + static_cast<std::ptrdiff_t>(cuts[index]));
+    }
+    mine.push_back(buffers);
+    for (std::uint64_t const v : rng) comm::detail::append_words(mine, v);
+  }
+  std::vector<std::int32_t> const all = comm::detail::all_gather_words(*comm, *group, words);
+  std::vector<std::uint64_t> rng(layers, 0);
+  std::int32_t buffers = -1;
+  for (int c = 0; c < schedule.chunks(); ++c) {
+    std::size_t const at = static_cast<std::size_t>(schedule.device_of(c)) * per_rank;
+    std::int32_t const count = all[at];
+    if (count == -2 || (buffers >= 0 && count != buffers))
+      throw Error(Errc::invalid_argument,
+                  what + ": pipeline chunk " + std::to_string(c) + "'s optimizer has " +
+                      (count < 0 ? "another number of state buffers than a chunk on its device"
+                                 : std::to_string(count) + " state buffers, chunk 0's " + std::to_string(buffers)) +
+                      " (expected as many in every chunk: optimizers of one factory, stepped together)");
+    buffers = count;
+    for (std::size_t l = cuts[static_cast<std::size_t>(c)]; l < cuts[static_cast<std::size_t>(c) + 1]; ++l)
+      rng[l] = comm::detail::read_words<std::uint64_t>(all, at + 1 + 2 * l);
+  }
+  std::vector<Span> const spans = whole_spans();
+  Shape const whole_shape{spans.back().offset + spans.back().count};
+  bool const leader = first == 0;
+  auto const write = [&](std::uint64_t save_id, int shard, int shards) {
+    io::ShardWriter writer;
+    if (leader) {  // the whole records, as one process saves them, less the parameters and optimizer state
+      Whole whole(architecture, make_optimizer, options.seed);
+      whole.model.set_rng_state(rng);
+      whole.optimizer->set_steps(optimizers[0][0]->steps());  // chunk 0 of replica 0 runs on world rank 0
+      io::Checkpoint records = io::training_checkpoint(whole.model, *whole.optimizer, training, whole.stream);
+      if (options.loss_scaler) put_scaler(records, *options.loss_scaler);
+      for (io::Record const& record : records.records())
+        if (record.name != "model.parameters" && (!record.name.starts_with("optimizer.") || record.type != io::RecordType::float32))
+          writer.put(record);
+    }
+    // The chunks of replica 0 that this process's ranks run, at their places in the whole model.
+    for (int c = 0; c < schedule.chunks(); ++c) {
+      int const rank = schedule.device_of(c);
+      Span const span = spans[static_cast<std::size_t>(c)];
+      if (!is_local(rank) || span.count == 0) continue;
+      Stream& stream = group->stream(rank - first);
+      writer.put_piece("model.parameters", whole_shape, span.offset,
+                       chunks[0][static_cast<std::size_t>(c)].master_parameters().slice(0, span.count), stream);
+      for (auto const& [name, tensor] : optimizers[0][static_cast<std::size_t>(c)]->state())
+        writer.put_piece("optimizer." + name, whole_shape, span.offset, tensor.slice(0, span.count), stream);
+    }
+    writer.save(folder, save_id, shard, shards);
+  };
+  comm::detail::save_in_shards(
+      *comm, *group, what, [&] { return io::committed_save_id(folder) + 1; }, write,
+      [&](std::uint64_t save_id, int shards) { io::commit_shards(folder, save_id, shards); });
+}
+
 void Executor::save(std::filesystem::path const& path, io::TrainingState const& state) {
   Impl& m = *impl_;
-  if (m.across)
-    throw Error(Errc::invalid_argument,
-                "Executor::save across processes (not yet across processes: expected an executor within one "
-                "process; gather_parameters() brings the parameters to every process)");
   m.group->synchronize();
+  if (m.across || std::filesystem::is_directory(path)) {
+    m.save_shards(path, state);
+    return;
+  }
   Whole whole(m.architecture, m.make_optimizer, m.options.seed);
   std::vector<optim::NamedTensor> const first_state = m.optimizers[0][0]->state();
   std::vector<optim::NamedTensor> state_of_whole;
@@ -161,17 +244,15 @@ void Executor::save(std::filesystem::path const& path, io::TrainingState const& 
   whole.model.set_rng_state(rng);
   whole.optimizer->set_steps(m.optimizers[0][0]->steps());
   io::Checkpoint checkpoint = io::training_checkpoint(whole.model, *whole.optimizer, state, whole.stream);
-  if (auto const& scaler = m.options.loss_scaler) {
-    auto const s = scaler->state();
-    checkpoint.put(scaler_record, std::vector<std::int64_t>{std::bit_cast<std::int32_t>(s.scale), s.good_steps, s.skipped});
-  }
+  if (m.options.loss_scaler) put_scaler(checkpoint, *m.options.loss_scaler);
   checkpoint.save(path);
 }
 
 io::TrainingState Executor::load(std::filesystem::path const& path) {
   Impl& m = *impl_;
   m.group->synchronize();
-  io::Checkpoint const checkpoint = io::Checkpoint::load(path);
+  io::Checkpoint const checkpoint =
+      std::filesystem::is_directory(path) ? io::ShardedCheckpoint::load(path).joined() : io::Checkpoint::load(path);
   std::string const file = path.string() + ": ";
   std::optional<optim::LossScaler::State> scaler;
   if (m.options.loss_scaler && checkpoint.contains(scaler_record)) {

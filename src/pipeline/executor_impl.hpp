@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -11,6 +12,7 @@
 #include <mgpu/comm/communicator.hpp>
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
+#include <mgpu/io/checkpoint.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
 
@@ -68,6 +70,8 @@ struct Executor::Impl {
   // `op` writes for a range of master gradients, added as apply_update adds them in one process:
   // every range's value all-gathered, then added in chunk order in double on every process.
   double world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op);
+  // Across processes or into a folder: every process writes its shard of `folder` (see save()).
+  void save_shards(std::filesystem::path const& folder, io::TrainingState const& training);
 
   // One replica's batch for a step.
   struct Step {

@@ -21,8 +21,13 @@
 //                                    process runs itself: GPipe and 1F1B, one stage per device or
 //                                    data x pipeline grids, with dropout, clipping, float16 and a
 //                                    loss scaler; the losses, each process's chunks and
-//                                    gather_parameters() bitwise; save() refused. And a GPT,
-//                                    its tied LM head in another process.
+//                                    gather_parameters() bitwise. And a GPT, its tied LM head in
+//                                    another process.
+//   mpi_dist pipeline_checkpoint COUNTS FOLDER  pipeline::Executor::save() across the processes
+//                                    into FOLDER mid-run (a GPT over 2 stages, x 2 replicas on 4
+//                                    devices) and load() of it across the processes and in one
+//                                    process, against an uninterrupted run in one process. A
+//                                    damaged shard named, an unwritable folder failing everywhere.
 //   mpi_dist stall COUNTS PROCESS    one all_reduce, then PROCESS stalls while the others start a
 //                                    second one with a 3 s deadline: they must fail naming it.
 //   mpi_dist exit COUNTS PROCESS     the same, but PROCESS exits (status 3) instead.
@@ -728,7 +733,6 @@ void test_pipeline(Setup const& s) {
         int const remote = s.rank(0) == 0 ? s.size() - 1 : 0;
         expect_refused([&] { static_cast<void>(executor.chunk(remote % devices, remote / devices)); },
                        "another process", what + ": chunk of another process");
-        expect_refused([&] { executor.save("/nonexistent/pipeline.ckpt"); }, "across processes", what + ": save");
       }
     }
   }
@@ -823,13 +827,172 @@ void test_pipeline_gpt(Setup const& s) {
   }
 }
 
+// pipeline::Executor::save() across the processes into `folder` (the same on every process) at step
+// 2 of 5 of a GPT pipelined over 2 stages (its tied LM head's copy of wte in the second stage, with
+// AdamW, clipping and dropout; with two replicas where the world has 4 devices, replica 0 all in one
+// process and the other process's shard empty), and load() of it: resumed across the processes,
+// and in one process over as many devices, the same bits as an uninterrupted run in one process
+// (the same ranks and layout); in one process on one device (one stage, another layout) within
+// float32 tolerance; saved again into a folder in one process (one shard) and resumed from that;
+// loaded by a DataParallel (the same records).
+// Every process writes the chunks its ranks run, so the shards are the processes; a damaged shard
+// names its file, and a save no process can write fails on every process.
+void test_pipeline_checkpoint(Setup const& s, std::filesystem::path const& folder) {
+  namespace pp = mgpu::pipeline;
+  std::shared_ptr<mgpu::Allocator> host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  mgpu::Stream host_stream{mgpu::Device{mgpu::DeviceKind::host, 0}};
+  if (process == 0) std::filesystem::remove_all(folder);  // before any process writes (save() agrees first)
+  mgpu::nn::GptConfig const config{
+      .vocab = 32, .block_size = 8, .n_layer = 2, .n_head = 2, .n_embd = 16, .dropout = 0.1f};
+  mgpu::nn::Sequential const model = mgpu::nn::gpt(config);
+  int const steps = 5, saved_at = 2;
+  std::mt19937 rng(4);
+  std::vector<Tensor> xs, ys;
+  for (int b = 0; b < steps; ++b) {
+    for (auto* list : {&xs, &ys}) {
+      list->push_back(Tensor::empty({6, 8}, DType::int32, *host));
+      for (std::int32_t& v : list->back().host_span<std::int32_t>()) v = static_cast<std::int32_t>(rng() % 32);
+    }
+  }
+  pp::ChunkOptimizerFactory const adamw = [](mgpu::nn::Sequential const& chunk) {
+    return std::make_unique<mgpu::optim::AdamW>(
+        mgpu::optim::AdamWOptions{.lr = 0.01f, .weight_decay = 0.1f, .decay_ranges = chunk.matrix_ranges()});
+  };
+  int const replicas = s.size() / 2;
+  std::vector<std::size_t> const cuts = pp::partition(model, 2, std::vector<double>(model.size(), 1.0)).cuts;
+  pp::ExecutorOptions options{.seed = 5,
+                              .data_parallel = replicas,
+                              .timeout = 60s,
+                              .clip_norm = 0.1f,
+                              .loss = std::make_shared<mgpu::nn::TokenCrossEntropy>()};
+  mgpu::io::TrainingState const position{.step = saved_at, .epoch = 1, .batch = saved_at, .data_seed = 78};
+  std::string const what = "pipeline checkpoint x " + std::to_string(replicas) + " replica(s)";
+  mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
+  pp::Executor reference(model, one, cuts, pp::one_f_one_b(2, 2), adamw, options);
+  std::vector<float> losses;
+  for (int b = 0; b < steps; ++b) losses.push_back(reference.step(xs[static_cast<std::size_t>(b)], ys[static_cast<std::size_t>(b)]));
+  mgpu::nn::Sequential whole = model.clone();
+  mgpu::nn::Context ctx{*host, host_stream};
+  whole.materialize(ctx, 1);
+  reference.gather_parameters(whole, host_stream);
+  std::vector<float> const want = host_values(whole.master_parameters(), host_stream);
+  // `executor` from step `from` on against the uninterrupted run.
+  auto const finish = [&](pp::Executor& executor, int from, double tolerance, std::string const& run) {
+    for (int b = from; b < steps; ++b) {
+      auto const u = static_cast<std::size_t>(b);
+      float const loss = executor.step(xs[u], ys[u]);
+      EXPECT(close_to({loss}, {losses[u]}, tolerance),
+             what << ", " << run << ": step " << b << " loss " << loss << " (expected " << losses[u] << ")");
+    }
+    executor.gather_parameters(whole, host_stream);
+    EXPECT(close_to(host_values(whole.master_parameters(), host_stream), want, tolerance),
+           what << ", " << run << ": the parameters differ from the uninterrupted run's");
+  };
+  auto const loaded = [&](pp::Executor& executor, std::filesystem::path const& from, std::string const& run) {
+    mgpu::io::TrainingState const got = executor.load(from);
+    EXPECT(got.step == position.step && got.epoch == position.epoch && got.batch == position.batch &&
+               got.data_seed == position.data_seed,
+           what << ", " << run << ": loaded step " << got.step << ", epoch " << got.epoch << ", batch " << got.batch
+                << ", seed " << got.data_seed);
+  };
+  options.make_communicator = mgpu::dist::communicator_factory(s.world);
+  std::vector<float> at_save;  // the parameters saved
+  {
+    pp::Executor executor(model, s.group, cuts, pp::one_f_one_b(2, 2), adamw, options);
+    for (int b = 0; b < saved_at; ++b) executor.step(xs[static_cast<std::size_t>(b)], ys[static_cast<std::size_t>(b)]);
+    executor.save(folder, position);
+    executor.gather_parameters(whole, host_stream);
+    at_save = host_values(whole.master_parameters(), host_stream);
+    finish(executor, saved_at, 0, "the run that saved");
+    // Nothing can be written under a file: every process fails, none waits for another.
+    try {
+      executor.save("/dev/null/pipeline", position);
+      EXPECT(false, what << ": a save under /dev/null was accepted");
+    } catch (mgpu::Error const& e) {
+      EXPECT(e.category() == mgpu::Errc::io, what << ": a save under /dev/null: " << e.what() << " (expected Error(io))");
+    }
+  }
+  mgpu::io::ShardedCheckpoint const written = mgpu::io::ShardedCheckpoint::load(folder);
+  EXPECT(written.shards() == s.world.processes && written.split_names().size() == 3,
+         what << ": " << written.shards() << " shards, " << written.split_names().size()
+              << " split records (expected " << s.world.processes << " and the parameters with AdamW's 2)");
+  {
+    pp::Executor executor(model, s.group, cuts, pp::one_f_one_b(2, 2), adamw, options);
+    loaded(executor, folder, "resumed across the processes");
+    finish(executor, saved_at, 0, "resumed across the processes");
+  }
+  options.make_communicator = nullptr;
+  {
+    mgpu::DeviceGroup same("host:" + std::to_string(s.size()));
+    pp::Executor executor(model, same, cuts, pp::one_f_one_b(2, 2), adamw, options);
+    loaded(executor, folder, "resumed in one process");
+    // In one process, a save into an existing folder writes a one-shard save of the same records.
+    std::filesystem::path const again = folder.string() + "-one-" + std::to_string(process);
+    std::filesystem::remove_all(again);
+    std::filesystem::create_directories(again);
+    executor.save(again, position);
+    EXPECT(mgpu::io::ShardedCheckpoint::load(again).shards() == 1, what << ": a save into a folder in one process");
+    pp::Executor resaved(model, same, cuts, pp::one_f_one_b(2, 2), adamw, options);
+    loaded(resaved, again, "saved again in one process");
+    std::filesystem::remove_all(again);
+    finish(executor, saved_at, 0, "resumed in one process");
+    finish(resaved, saved_at, 0, "saved again in one process");
+  }
+  {
+    options.data_parallel = 1;
+    mgpu::DeviceGroup single("host:1");
+    pp::Executor executor(model, single, {0, model.size()}, pp::gpipe(1, 2), adamw, options);
+    loaded(executor, folder, "resumed on one device");
+    finish(executor, saved_at, 1e-5, "resumed on one device");
+  }
+  {
+    // The same records as DataParallel's: one loads the folder (each rank its owned elements of
+    // the AdamW state, the parameters whole).
+    mgpu::parallel::DataParallelOptions dp_options;
+    dp_options.zero_stage = 1;
+    mgpu::DeviceGroup two("host:2");
+    mgpu::parallel::DataParallel dp(model.clone(), two, mgpu::optim::AdamW(mgpu::optim::AdamWOptions{.lr = 0.01f}), dp_options);
+    mgpu::io::TrainingState const got = dp.load(folder);
+    EXPECT(got.step == position.step, what << ": DataParallel loaded step " << got.step);
+    for (int l = 0; l < two.size(); ++l)
+      EXPECT(same_bits(host_values(dp.replica(l).master_parameters(), two.stream(l)), at_save),
+             what << ": DataParallel's replica " << l << " differs from the parameters saved");
+  }
+  // Each process damages its own copy: one byte near the end of shard 0 (process 0's).
+  std::filesystem::path const copy = folder.string() + "-damaged-" + std::to_string(process);
+  std::filesystem::remove_all(copy);
+  std::filesystem::copy(folder, copy);
+  std::filesystem::path const shard = mgpu::io::shard_path(copy, written.save_id(), 0, written.shards());
+  {
+    std::fstream file(shard, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekg(-100, std::ios::end);
+    char byte = 0;
+    file.read(&byte, 1);
+    byte = static_cast<char>(byte ^ 0x10);
+    file.seekp(-100, std::ios::end);
+    file.write(&byte, 1);
+  }
+  mgpu::DeviceGroup two("host:2");
+  pp::Executor executor(model, two, cuts, pp::one_f_one_b(2, 2), adamw, options);
+  try {
+    executor.load(copy);
+    EXPECT(false, what << ": a damaged shard was accepted");
+  } catch (mgpu::Error const& e) {
+    EXPECT(e.category() == mgpu::Errc::corrupt_data &&
+               std::string(e.what()).find(shard.filename().string()) != std::string::npos,
+           what << ": a damaged shard: " << e.what() << " (expected corrupt_data naming " << shard.filename().string() << ")");
+  }
+  std::filesystem::remove_all(copy);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 3) {
     std::fprintf(
         stderr,
-        "usage: mpi_dist collectives|data_parallel|checkpoint|pipeline|stall|exit|mismatch COUNTS [PROCESS|FOLDER]\n");
+        "usage: mpi_dist collectives|data_parallel|checkpoint|pipeline|pipeline_checkpoint|stall|exit|mismatch COUNTS "
+        "[PROCESS|FOLDER]\n");
     return 2;
   }
   std::string const mode = argv[1];
@@ -839,7 +1002,7 @@ int main(int argc, char** argv) {
     std::getline(list, item, ',');
     counts.push_back(std::stoi(item));
   }
-  int const faulty = argc > 3 && mode != "checkpoint" ? std::atoi(argv[3]) : -1;
+  int const faulty = argc > 3 && mode != "checkpoint" && mode != "pipeline_checkpoint" ? std::atoi(argv[3]) : -1;
   try {
     mgpu::dist::Session session;
     mgpu::dist::Place const& place = session.place();
@@ -871,6 +1034,16 @@ int main(int argc, char** argv) {
         return 2;
       }
       test_checkpoint(s, argv[3]);
+      comm->finalize();
+      std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
+      return failures == 0 ? 0 : 1;
+    }
+    if (mode == "pipeline_checkpoint") {
+      if (argc < 4 || s.size() % 2 != 0) {
+        std::fprintf(stderr, "usage: mpi_dist pipeline_checkpoint COUNTS FOLDER (an even number of devices)\n");
+        return 2;
+      }
+      test_pipeline_checkpoint(s, argv[3]);
       comm->finalize();
       std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
       return failures == 0 ? 0 : 1;

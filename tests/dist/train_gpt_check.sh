@@ -12,9 +12,7 @@ exe=$1
 text=$2
 dir=$3
 shift 3
-rm -rf "$dir" && mkdir -p "$dir"
-fail() { echo "FAIL: $*" >&2; exit 1; }
-field() { sed -E "s/.*\"$1\": (\[[^]]*\]|[^,}]*).*/\1/" "$2"; }
+. "$(dirname "$0")/common.sh"
 common="--data $text --n-layer 2 --n-head 2 --n-embd 32 --block-size 16 --batch-size 4 --lr 3e-3 --warmup 5
         --eval-iters 4 --eval-every 0 --seed 7 --iters 20 --json"
 

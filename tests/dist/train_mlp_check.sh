@@ -12,10 +12,7 @@ set -eu
 exe=$1
 dir=$2
 shift 2
-for flag; do np=$flag; done  # the last argument: mpirun's process count flag
-rm -rf "$dir" && mkdir -p "$dir"
-fail() { echo "FAIL: $*" >&2; exit 1; }
-field() { sed -E "s/.*\"$1\": (\[[^]]*\]|[^,}]*).*/\1/" "$2"; }
+. "$(dirname "$0")/common.sh"
 args="--layers 32,10 --epochs 2 --batch 49 --json"  # odd batches: the processes get unequal rows
 
 "$exe" --devices host:2 $args >"$dir/one.json" 2>"$dir/one.log" || { cat "$dir/one.log"; fail "train_mlp --devices host:2"; }

@@ -12,10 +12,7 @@ set -eu
 exe=$1
 dir=$2
 shift 2
-for flag; do np=$flag; done  # the last argument: mpirun's process count flag
-rm -rf "$dir" && mkdir -p "$dir"
-fail() { echo "FAIL: $*" >&2; exit 1; }
-field() { sed -E "s/.*\"$1\": (\[[^]]*\]|[^,}]*).*/\1/" "$2"; }
+. "$(dirname "$0")/common.sh"
 args="--layers 32,32,32,10 --epochs 2 --batch 100 --micro-batches 3 --json"  # uneven micro-batches
 
 # same NAME ONE MANY DEVICES: MANY (the job) printed ONE's (one process) losses and accuracy, and DEVICES.

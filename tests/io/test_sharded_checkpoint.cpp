@@ -1,6 +1,6 @@
 // Sharded checkpoints: pieces written by several writers read back whole or in any ranges (another
-// writer count), whole records, commits that replace a save only once complete, and every kind of
-// incomplete or damaged save rejected naming the file or record.
+// writer count) or joined into one Checkpoint, whole records, commits that replace a save only once
+// complete, and every kind of incomplete or damaged save rejected naming the file or record.
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/io/sharded_checkpoint.hpp>
 
@@ -106,6 +106,28 @@ TEST_CASE("Sharded checkpoint: pieces of three writers read back whole and in ra
                      "reading elements [33, 37) of record 'model.weight' (expected a range within its 35 elements, shape [7, 5])");
   REQUIRE_MGPU_ERROR(c.read("missing", 0, four, h.stream), Errc::invalid_argument,
                      "sharded checkpoint record 'missing' is missing");
+}
+
+TEST_CASE("Sharded checkpoint: joined() holds every record whole, as one Checkpoint file of them", "[io][sharded]") {
+  Host h;
+  TempDir dir;
+  auto const whole = iota(35, -3.0f);
+  write_save(h, dir.path, 2, whole, {0, 12, 12, 30, 35});  // the second writer holds nothing
+  io::Checkpoint const joined = io::ShardedCheckpoint::load(dir.path).joined();
+  io::Checkpoint want;  // what one writer puts in one file
+  want.put("model.weight", h.floats(whole).reshape({7, 5}), h.stream);
+  want.put("step", std::vector<std::int64_t>{2});
+  want.put("note", std::string("save 2"));
+  REQUIRE(joined.records().size() == want.records().size());
+  for (io::Record const& w : want.records()) {
+    io::Record const& got = joined.get(w.name);
+    CHECK((got.type == w.type && got.shape == w.shape && got.data == w.data));
+  }
+  // A split record left out, for a reader that takes it in ranges.
+  io::Checkpoint const rest = io::ShardedCheckpoint::load(dir.path).joined({"model.weight"});
+  CHECK(!rest.contains("model.weight"));
+  CHECK(rest.records().size() == 2);
+  CHECK(rest.get_text("note") == "save 2");
 }
 
 TEST_CASE("Sharded checkpoint: records of a Checkpoint put whole as they are", "[io][sharded]") {

@@ -471,7 +471,8 @@ TEST_CASE("zero_stage 2 keeps on each device the gradients of its owned elements
   }
 }
 
-TEST_CASE("A zero_stage 2 checkpoint resumes at stages 0, 1 and 2 on other device counts", "[parallel][dp][zero][io]") {
+TEST_CASE("A zero_stage 2 checkpoint (a file or a folder) resumes at stages 0, 1 and 2 on other device counts",
+          "[parallel][dp][zero][io]") {
   auto const dir = mgpu::test::temp_path("mgpu_zero2_checkpoint_test");
   std::filesystem::create_directories(dir);
   Env env;
@@ -502,19 +503,23 @@ TEST_CASE("A zero_stage 2 checkpoint resumes at stages 0, 1 and 2 on other devic
     auto dp = make(three, 2);
     for (int s = 0; s < 3; ++s) dp->step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
     dp->save(dir / "stage2.ckpt", {.step = 3});
+    std::filesystem::create_directories(dir / "stage2-folder");  // a folder: each rank writes its owned state
+    dp->save(dir / "stage2-folder", {.step = 3});
   }
   mgpu::DeviceGroup two("host:2");
   mgpu::DeviceGroup four("host:4");
   for (auto const& [group, stage] : {std::pair{&two, 0}, std::pair{&four, 1}, std::pair{&two, 2}, std::pair{&three, 2}}) {
-    CAPTURE(group->size(), stage);
-    auto dp = make(*group, stage);
-    CHECK(dp->load(dir / "stage2.ckpt").step == 3);
-    for (int s = 3; s < 6; ++s) dp->step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
-    std::vector<float> const weights = host_values(dp->replica(0).master_parameters(), group->stream(0));
-    if (group == &three) {
-      CHECK(weights == straight);  // the same run, resumed
-    } else {
-      CHECK(worst_relative(weights, straight, 1) <= 1e-5);
+    for (char const* saved : {"stage2.ckpt", "stage2-folder"}) {  // a folder: each rank reads its owned state
+      CAPTURE(group->size(), stage, saved);
+      auto dp = make(*group, stage);
+      CHECK(dp->load(dir / saved).step == 3);
+      for (int s = 3; s < 6; ++s) dp->step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
+      std::vector<float> const weights = host_values(dp->replica(0).master_parameters(), group->stream(0));
+      if (group == &three) {
+        CHECK(weights == straight);  // the same run, resumed
+      } else {
+        CHECK(worst_relative(weights, straight, 1) <= 1e-5);
+      }
     }
   }
   // Mid accumulation cycle: refused both ways, the executor unchanged.

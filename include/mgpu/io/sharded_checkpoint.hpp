@@ -88,6 +88,11 @@ class ShardedCheckpoint {
   [[nodiscard]] bool contains(std::string const& name) const noexcept { return whole_.contains(name); }
   [[nodiscard]] Checkpoint const& whole() const noexcept { return whole_; }
 
+  /// Every record whole, as one Checkpoint file of the same save would hold them: the whole records,
+  /// and each split record's pieces joined in element order, but for the split records named in
+  /// `leave_out` (those a reader takes in ranges through read()).
+  [[nodiscard]] Checkpoint joined(std::vector<std::string> const& leave_out = {}) const;
+
  private:
   struct Piece {
     std::int64_t begin = 0;

@@ -265,7 +265,8 @@ class DataParallel {
   /// takes the sum of the saved ranks' accumulated gradients and hook residuals.
   /// A file from save_training or from before these records loads as saved at a cycle's start.
   /// A folder that save() wrote across processes loads in one process or across any number of
-  /// processes (each reads the whole folder; the next step shards the optimizer state again).
+  /// processes (each reads the whole folder's records, and each rank the optimizer state of the
+  /// elements it owns with the sharded update, from whichever shards hold them).
   /// Throws, leaving the executor as it was, Error(invalid_argument) naming the mismatch for
   /// another architecture, or for a checkpoint saved mid-cycle with another accumulation_steps.
   /// Makes an executor that a failed step left unusable usable again.

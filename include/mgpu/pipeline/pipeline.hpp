@@ -190,8 +190,8 @@ using ChunkOptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(nn
 /// process's chunks only. Clipping and loss scaling see every process's chunks: each chunk's
 /// squared norm (or overflow count) is all-gathered and every process adds them in chunk order,
 /// as apply_update does in one process. A run is bitwise the one-process run over as many
-/// devices, however the devices are spread over processes. Not yet across processes (refused
-/// with Error(invalid_argument)): save().
+/// devices, however the devices are spread over processes. save() writes a folder of a shard per
+/// process (see save()).
 class Executor {
  public:
   /// Cuts `model` at `cuts` (schedule.chunks() + 1 increasing layer indices, from 0 to
@@ -237,11 +237,20 @@ class Executor {
   /// optimizers' step count, every layer's RNG state, `state`, and the loss scaler's state. The
   /// file loads into an executor of the same model on any schedule, cuts, devices or replicas, into
   /// a parallel::DataParallel, or into one model (io::load_training). Written atomically.
+  /// Across processes (every process calls it with the same `path`), or into an existing folder, it
+  /// writes a folder of io::ShardWriter shards, one per process: each process's holds the
+  /// parameters and optimizer state of replica 0's chunks that its ranks run, process 0's the
+  /// other records besides (every layer's RNG state gathered from the chunks' processes); once
+  /// every shard is written process 0 commits the save (io::commit_shards), and every process
+  /// returns once it is committed or throws the first failing process's error (Error(io) naming
+  /// its world rank on the others). Throws Error(invalid_argument) when the chunks' optimizers
+  /// hold different numbers of state buffers.
   void save(std::filesystem::path const& path, io::TrainingState const& state = {});
-  /// Loads a file of save(), DataParallel::save() or io::save_training() into every replica's
-  /// chunks and optimizers (a tied head's copy of wte from wte), and the loss scaler's state when
-  /// the file has one. Everything is verified first (file, architecture, optimizer kind): on an
-  /// error the executor is unchanged and the Error names the mismatch.
+  /// Loads a file or folder of save(), DataParallel::save() or io::save_training() into every
+  /// replica's chunks and optimizers (a tied head's copy of wte from wte), and the loss scaler's
+  /// state when it has one; a folder on any process or device count. Everything is verified first
+  /// (file, every shard's checksums, architecture, optimizer kind): on an error the executor is
+  /// unchanged and the Error names the mismatch or the damaged file.
   io::TrainingState load(std::filesystem::path const& path);
   /// Whether the last step() updated the parameters.
   [[nodiscard]] bool last_step_applied() const noexcept;
