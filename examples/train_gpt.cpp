@@ -419,6 +419,8 @@ int run(Options o) {
   if (timeline) timeline->enable(false);  // the last step only
   // Several devices: replicas of `model` (weights broadcast from it), trained data parallel.
   std::unique_ptr<mgpu::parallel::DataParallel> parallel;
+  std::size_t bucket_cap = mgpu::parallel::DataParallelOptions{}.bucket_cap_bytes;  // for the memory model
+  std::size_t first_bucket_cap = mgpu::parallel::DataParallelOptions{}.first_bucket_cap_bytes;
   if (!pipelined && o.tp == 1 && world.size() > 1) {
     mgpu::parallel::DataParallelOptions options;
     if (across) options.make_communicator = mgpu::dist::communicator_factory(world);
@@ -430,6 +432,7 @@ int run(Options o) {
       options.bucket_cap_bytes = static_cast<std::size_t>(o.bucket_kb) << 10;
       options.first_bucket_cap_bytes = std::min(options.first_bucket_cap_bytes, options.bucket_cap_bytes);
     }
+    bucket_cap = options.bucket_cap_bytes, first_bucket_cap = options.first_bucket_cap_bytes;
     if (o.precision == "fp16") options.loss_scaler.emplace();
     options.loss = std::make_shared<mgpu::nn::TokenCrossEntropy>();
     options.timeline = timeline;
@@ -675,14 +678,16 @@ int run(Options o) {
     std::size_t const peak = trained_steps > 0 ? step_peaks[r] : local_allocators[r]->stats().peak_allocated;
     peaks += (r ? ", " : "") + std::to_string(peak);
   }
-  // The memory model's prediction of those peaks, for the layouts it covers (one process, float32,
-  // ZeRO 0 or 1; pipelines of one replica with GPipe or 1F1B).
+  // The memory model's prediction of those peaks, for the layouts it covers (one process, float32;
+  // pipelines of one replica with GPipe or 1F1B).
   std::string predicted = "null";
   bool const modelled_pipeline = !pipeline || (o.dp == 1 && (o.schedule == "gpipe" || o.schedule == "1f1b"));
-  if (!across && modelled_pipeline && o.precision == "fp32" && (!parallel || o.zero <= 1)) {
+  if (!across && modelled_pipeline && o.precision == "fp32") {
     mgpu::parallel::GptLayout const layout{.data_parallel = parallel ? static_cast<int>(group.size()) : tensor ? o.dp : 1,
                                            .tensor_parallel = tensor ? o.tp : 1,
                                            .zero_stage = parallel ? o.zero : 0,
+                                           .bucket_cap_bytes = bucket_cap,
+                                           .first_bucket_cap_bytes = first_bucket_cap,
                                            .cuts = cuts,
                                            .micro_batches = pipeline ? pipeline->schedule().micro_batches : 1,
                                            .gpipe = o.schedule == "gpipe"};

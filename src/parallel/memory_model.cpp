@@ -9,6 +9,8 @@
 #include <mgpu/nn/transformer.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 
+#include "parallel/gradient_sync.hpp"
+
 namespace mgpu::parallel {
 namespace {
 
@@ -83,7 +85,8 @@ std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_
 }  // namespace
 
 std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int64_t rows, GptLayout const& layout) {
-  std::int64_t const whole = nn::gpt(config).parameter_count();  // checks the config
+  nn::Sequential const whole_model = nn::gpt(config);  // checks the config
+  std::int64_t const whole = whole_model.parameter_count();
   int const replicas = layout.data_parallel, ranks = layout.tensor_parallel;
   std::string const what = "predict_gpt_memory with data_parallel " + std::to_string(replicas) + ", tensor_parallel " +
                            std::to_string(ranks) + ", zero_stage " + std::to_string(layout.zero_stage) + " and " +
@@ -94,8 +97,8 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
     throw Error(Errc::invalid_argument, what + " for n_head " + std::to_string(config.n_head) + " and vocab " +
                                             std::to_string(config.vocab) +
                                             " (expected a tensor_parallel dividing n_head, at most the vocab)");
-  if (layout.zero_stage != 0 && layout.zero_stage != 1)
-    throw Error(Errc::invalid_argument, what + " (expected zero_stage 0 or 1)");
+  if (layout.zero_stage < 0 || layout.zero_stage > 2 || (layout.zero_stage == 2 && ranks > 1))
+    throw Error(Errc::invalid_argument, what + " (expected zero_stage 0, 1 or 2, and 2 without tensor parallelism)");
   if (rows < replicas) throw Error(Errc::invalid_argument, what + " (expected at least one row per replica)");
   if (!layout.cuts.empty()) return predict_pipeline(config, rows, layout, what);
 
@@ -114,8 +117,20 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
                                              static_cast<double>(config.block_size) * c + 2 * c;
       GptMemory m;
       m.parameters = m.gradients = floats(params);
-      bool const sharded = ranks == 1 && replicas > 1 && layout.zero_stage == 1;
-      m.optimizer = 2 * floats(sharded ? params / replicas : params);
+      m.optimizer = 2 * floats(params);
+      if (ranks == 1 && replicas > 1 && layout.zero_stage >= 1) {
+        // A rank owns 1/N of each bucket and its last (size mod N) elements.
+        std::vector<Bucket> const buckets = detail::plan_buckets(whole_model, layout.first_bucket_cap_bytes, layout.bucket_cap_bytes);
+        double owned = 0, staging = 0;
+        for (std::size_t b = 0; b < buckets.size(); ++b) {
+          owned += static_cast<double>(buckets[b].size() / replicas + buckets[b].size() % replicas);
+          if (b + 1 < buckets.size()) staging = std::max(staging, static_cast<double>(buckets[b].size()));
+        }
+        m.optimizer = 2 * floats(owned);
+        if (layout.zero_stage == 2)  // the owned gradients, and the staging buffers the layers write into
+          m.gradients = floats(owned) + std::min<std::size_t>(2, buckets.size() - 1) * floats(staging) +
+                        floats(static_cast<double>(buckets.back().size()));
+      }
       m.activations = static_cast<std::size_t>(layers) * block_bytes(n, c, heads, t, config.recompute);
       if (config.recompute == nn::Recompute::full)  // the rerun block, less its input
         m.activations += block_bytes(n, c, heads, t, nn::Recompute::none) - floats(n * c);

@@ -52,7 +52,12 @@ TEST_CASE("predicted memory splits the rows over the replicas and the optimizer 
   CHECK(dp[2].activations < dp[0].activations);
   std::vector<par::GptMemory> const replicated = par::predict_gpt_memory(config, 8, {.data_parallel = 3, .zero_stage = 0});
   CHECK(replicated[0].optimizer == 2 * replicated[0].parameters);
-  CHECK(dp[0].optimizer == 2 * float_bytes(mgpu::nn::gpt(config).parameter_count() / 3));
+  // ZeRO-2 keeps the owned gradients and the staging buffers instead of the whole gradient buffer.
+  std::vector<par::GptMemory> const zero2 = par::predict_gpt_memory(config, 8, {.data_parallel = 3, .zero_stage = 2,
+                                                                                   .bucket_cap_bytes = 16 << 10,
+                                                                                   .first_bucket_cap_bytes = 16 << 10});
+  CHECK(zero2[0].gradients < dp[0].gradients);
+  CHECK(zero2[0].optimizer < replicated[0].optimizer);
   // One replica's rows on one device hold what that replica's device holds, less the optimizer state.
   std::vector<par::GptMemory> const three_rows = par::predict_gpt_memory(config, 3, {});
   CHECK(three_rows[0].activations == dp[0].activations);
@@ -93,8 +98,10 @@ TEST_CASE("a pipeline of one stage holds what one device holds; stages hold thei
 TEST_CASE("predict_gpt_memory refuses layouts it cannot place, naming them", "[parallel][memory]") {
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.tensor_parallel = 5}), mgpu::Errc::invalid_argument,
                      "tensor_parallel dividing n_head");
-  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.data_parallel = 2, .zero_stage = 2}), mgpu::Errc::invalid_argument,
-                     "zero_stage 0 or 1");
+  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.data_parallel = 2, .zero_stage = 3}), mgpu::Errc::invalid_argument,
+                     "zero_stage 0, 1 or 2");
+  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.data_parallel = 2, .tensor_parallel = 2, .zero_stage = 2}),
+                     mgpu::Errc::invalid_argument, "2 without tensor parallelism");
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 2, {.data_parallel = 3}), mgpu::Errc::invalid_argument,
                      "at least one row per replica");
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 2, {.data_parallel = 0}), mgpu::Errc::invalid_argument,

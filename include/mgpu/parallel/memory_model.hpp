@@ -18,8 +18,13 @@ namespace mgpu::parallel {
 struct GptLayout {
   int data_parallel = 1;
   int tensor_parallel = 1;
-  /// DataParallelOptions::zero_stage (0 or 1); tensor parallelism keeps every rank's whole state.
+  /// DataParallelOptions::zero_stage (0, 1 or 2); tensor parallelism keeps every rank's whole state.
   int zero_stage = 1;
+  /// DataParallelOptions' bucket caps: with ZeRO 1 and 2 a rank owns 1/N of each bucket (and its
+  /// last size mod N elements); with ZeRO-2 it keeps the owned gradients and the staging buffers
+  /// (two of the largest bucket but the last, and the last).
+  std::size_t bucket_cap_bytes = std::size_t{25} << 20;
+  std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;
   /// A pipeline: the executor's cuts of nn::gpt(config)'s layers (pipeline::Partition::cuts: stage
   /// s holds layers [cuts[s], cuts[s + 1]) on device s), empty for none.
   std::vector<std::size_t> cuts{};
@@ -63,7 +68,8 @@ struct GptMemory {
 /// too; the last stage's logits-sized tensor per micro-batch) and a block's backward temporaries
 /// (7C values per token). Throws Error(invalid_argument) for a
 /// bad config (nn::gpt's checks), rows < data_parallel or micro_batches, a tensor_parallel that
-/// does not divide n_head or exceeds the vocab, a zero_stage other than 0 or 1, cuts that do not
+/// does not divide n_head or exceeds the vocab, a zero_stage other than 0, 1 or 2 (2: data
+/// parallelism only), cuts that do not
 /// run from 0 to the model's layer count in increasing steps, or a pipeline with data_parallel or
 /// tensor_parallel above 1 (not modelled).
 [[nodiscard]] std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int64_t rows,
