@@ -52,12 +52,19 @@ TEST_CASE("predicted memory splits the rows over the replicas and the optimizer 
   CHECK(dp[2].activations < dp[0].activations);
   std::vector<par::GptMemory> const replicated = par::predict_gpt_memory(config, 8, {.data_parallel = 3, .zero_stage = 0});
   CHECK(replicated[0].optimizer == 2 * replicated[0].parameters);
-  // ZeRO-2 keeps the owned gradients and the staging buffers instead of the whole gradient buffer.
-  std::vector<par::GptMemory> const zero2 = par::predict_gpt_memory(config, 8, {.data_parallel = 3, .zero_stage = 2,
-                                                                                   .bucket_cap_bytes = 16 << 10,
-                                                                                   .first_bucket_cap_bytes = 16 << 10});
-  CHECK(zero2[0].gradients < dp[0].gradients);
-  CHECK(zero2[0].optimizer < replicated[0].optimizer);
+  // ZeRO-2 keeps the owned gradients and the staging buffers (a block each: a bucket per block) instead
+  // of the whole gradient buffer: less with 8 blocks over 3 ranks.
+  mgpu::nn::GptConfig deep = config;
+  deep.n_layer = 8;
+  std::int64_t const block = 12 * deep.n_embd * deep.n_embd + 13 * deep.n_embd;
+  std::int64_t const whole = mgpu::nn::gpt(deep).parameter_count();
+  std::vector<par::GptMemory> const zero2 = par::predict_gpt_memory(deep, 8, {.data_parallel = 3, .zero_stage = 2,
+                                                                                 .bucket_cap_bytes = 16 << 10,
+                                                                                 .first_bucket_cap_bytes = 16 << 10});
+  CHECK(zero2[0].gradients < float_bytes(whole));
+  CHECK(zero2[0].gradients >= float_bytes(whole / 3) + 2 * float_bytes(block));
+  CHECK(zero2[0].optimizer == par::predict_gpt_memory(deep, 8, {.data_parallel = 3, .zero_stage = 1, .bucket_cap_bytes = 16 << 10,
+                                                                 .first_bucket_cap_bytes = 16 << 10})[0].optimizer);
   // One replica's rows on one device hold what that replica's device holds, less the optimizer state.
   std::vector<par::GptMemory> const three_rows = par::predict_gpt_memory(config, 3, {});
   CHECK(three_rows[0].activations == dp[0].activations);
