@@ -273,6 +273,7 @@ Tensor TensorParallelBlock::forward_layers(Tensor const& x, nn::Context& ctx) {
   Tensor const ln1 = ln1_.forward(x, ctx);
   Tensor const qkv = qkv_.forward(sequence_parallel_ ? gather_tokens(ln1, *comm_, rank_, ctx) : ln1,
                                   ctx);  // [B, T, 3 C/T]: this rank's heads
+  if (sequence_parallel_) qkv_.release_input(ctx);  // kept as ln1, gathered again in backward
   Tensor y = Tensor::empty({batch, t, part}, x.dtype(), ctx.allocator, ctx.stream);
   Tensor lse = Tensor::empty({batch, heads_ / ranks_, t}, DType::float32, ctx.allocator, ctx.stream);
   ops::AttentionDropout dropout;
@@ -290,14 +291,19 @@ Tensor TensorParallelBlock::forward_layers(Tensor const& x, nn::Context& ctx) {
   Tensor const ln2 = ln2_.forward(h, ctx);
   Tensor const u = fc_.forward(sequence_parallel_ ? gather_tokens(ln2, *comm_, rank_, ctx) : ln2, ctx,
                                ops::ActivationKind::gelu);  // [B, T, 4 C/T]
+  if (sequence_parallel_) fc_.release_input(ctx);
   Tensor const m =
       mlp_drop_.forward(row_parallel_forward(u, mlp_w_, mlp_b_, *comm_, rank_, sequence_parallel_, ctx), tokens);
   ops::add_scaled(m, h, 1.0f, ctx.stream);
-  if (recompute_ == nn::Recompute::selective) {
-    saved_[ctx.micro_batch] = Saved{qkv, Tensor{}, Tensor{}, u, dropout};
-  } else {
-    saved_[ctx.micro_batch] = Saved{qkv, y, lse, u, dropout};
-  }
+  Tensor const none;
+  bool const keep_core = recompute_ != nn::Recompute::selective;
+  saved_[ctx.micro_batch] = Saved{qkv,
+                                  keep_core ? y : none,
+                                  keep_core ? lse : none,
+                                  u,
+                                  dropout,
+                                  sequence_parallel_ ? ln1 : none,
+                                  sequence_parallel_ ? ln2 : none};
   return m;
 }
 
@@ -341,6 +347,7 @@ Tensor TensorParallelBlock::backward(Tensor const& dy, nn::Context& ctx) {
   // MLP branch.
   Tensor const du =
       row_parallel_backward(s.mlp_in, every_token(mlp_drop_.backward(dy, tokens)), mlp_w_, dmlp_w_, dmlp_b_, ctx);
+  if (sequence_parallel_) fc_.restore_input(gather_tokens(s.ln2, *comm_, rank_, ctx), ctx);
   Tensor const dh = ln2_.backward(summed(fc_.backward(du, ctx)), ctx);
   ops::add_scaled(dh, dy, 1.0f, ctx.stream);
   // Attention branch, the same way.
@@ -348,6 +355,7 @@ Tensor TensorParallelBlock::backward(Tensor const& dy, nn::Context& ctx) {
       row_parallel_backward(s.y, every_token(attn_drop_.backward(dh, tokens)), attn_w_, dattn_w_, dattn_b_, ctx);
   Tensor dqkv = Tensor::empty(s.qkv.shape(), s.qkv.dtype(), ctx.allocator, ctx.stream);
   ops::causal_attention_backward(s.qkv, s.y, s.lse, dattn, dqkv, heads_ / ranks_, ctx.stream, s.dropout);
+  if (sequence_parallel_) qkv_.restore_input(gather_tokens(s.ln1, *comm_, rank_, ctx), ctx);
   Tensor const dx = ln1_.backward(summed(qkv_.backward(dqkv, ctx)), ctx);
   ops::add_scaled(dx, dh, 1.0f, ctx.stream);
   return dx;

@@ -198,7 +198,9 @@ class VocabParallelCrossEntropy final : public nn::Loss {
 /// With `sequence_parallel` the block takes and returns the rank's tokens [B, T / ranks, C] (see
 /// the top of this file): LayerNorms, dropouts and residual adds on them, an all-gather before each
 /// column-parallel Linear and a reduce-scatter after each row-parallel one; the dropouts drop what
-/// they drop on those tokens without sequence parallelism. Its LayerNorms are partial_ranges().
+/// they drop on those tokens without sequence parallelism. The column-parallel Linears' inputs are
+/// kept as the rank's tokens and all-gathered again in backward (two all-gathers more per block
+/// and step, for 1/T of that memory). Its LayerNorms are partial_ranges().
 /// forward and backward enqueue collectives on ctx.stream: every rank must run the same calls in
 /// the same order (each on its own thread). TensorParallel trains it in float32 (16-bit compute is
 /// not tested yet).
@@ -241,6 +243,9 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
     Tensor qkv, y, lse;  // attention's (y: the attention projection's input; none with selective)
     Tensor mlp_in;       // mlp_proj's input
     ops::AttentionDropout dropout;
+    // Sequence parallelism: the rank's tokens of the column-parallel Linears' inputs (LN1's and
+    // LN2's outputs), gathered again in backward instead of kept gathered.
+    Tensor ln1, ln2;
   };
   // Recompute::full: what forward keeps to rerun itself.
   struct Input {
