@@ -15,10 +15,11 @@
 // run on 1/T of the activations. A rank's tokens are its B T / T_ranks consecutive rows of the
 // flattened [B T, C] activation, shaped [B, T / T_ranks, C] (the sequence length must divide by
 // the ranks). A column-parallel Linear's input is all-gathered from the ranks' tokens (its
-// backward reduce-scatters the input gradient) and a row-parallel Linear's output reduce-scattered
-// instead of all-reduced (its backward all-gathers the output gradient): the same traffic as the
-// all-reduces. The replicated LayerNorms' gradients are then each rank's tokens' part, summed
-// over the ranks before the update.
+// backward gathers it again, so only the rank's tokens are kept, and reduce-scatters the input
+// gradient) and a row-parallel Linear's output reduce-scattered instead of all-reduced (its
+// backward all-gathers the output gradient): the all-reduces' traffic plus the two gathers again.
+// The replicated LayerNorms' gradients are then each rank's tokens' part, summed over the ranks
+// before the update.
 #pragma once
 
 #include <cstdint>
