@@ -62,8 +62,9 @@ Tensor scatter_tokens(Tensor const& x, comm::Communicator& comm, int rank, nn::C
 // [B, T / ranks, C] start at element (row_offset T + rank B T / ranks) C of the whole batch, row
 // row_offset ranks + rank B in rows of T / ranks tokens: the same masks as without.
 nn::Context token_context(nn::Context const& ctx, bool sequence_parallel, int ranks, int rank, std::int64_t batch) {
-  if (!sequence_parallel) return ctx;
-  return {ctx.allocator, ctx.stream, ctx.row_offset * ranks + rank * batch, ctx.micro_batch, ctx.accumulate_gradients};
+  nn::Context tokens = ctx;
+  if (sequence_parallel) tokens.row_offset = ctx.row_offset * ranks + rank * batch;
+  return tokens;
 }
 
 // x [B, T, K] (this rank's part of the inputs) times W [K, C], summed over the ranks, plus b [C]:
@@ -273,7 +274,8 @@ Tensor TensorParallelBlock::forward_layers(Tensor const& x, nn::Context& ctx) {
   Tensor const ln1 = ln1_.forward(x, ctx);
   Tensor const qkv = qkv_.forward(sequence_parallel_ ? gather_tokens(ln1, *comm_, rank_, ctx) : ln1,
                                   ctx);  // [B, T, 3 C/T]: this rank's heads
-  if (sequence_parallel_) qkv_.release_input(ctx);  // kept as ln1, gathered again in backward
+  bool const regather = sequence_parallel_ && ctx.keep_for_backward;
+  if (regather) qkv_.release_input(ctx);  // kept as ln1, gathered again in backward
   Tensor y = Tensor::empty({batch, t, part}, x.dtype(), ctx.allocator, ctx.stream);
   Tensor lse = Tensor::empty({batch, heads_ / ranks_, t}, DType::float32, ctx.allocator, ctx.stream);
   ops::AttentionDropout dropout;
@@ -291,7 +293,7 @@ Tensor TensorParallelBlock::forward_layers(Tensor const& x, nn::Context& ctx) {
   Tensor const ln2 = ln2_.forward(h, ctx);
   Tensor const u = fc_.forward(sequence_parallel_ ? gather_tokens(ln2, *comm_, rank_, ctx) : ln2, ctx,
                                ops::ActivationKind::gelu);  // [B, T, 4 C/T]
-  if (sequence_parallel_) fc_.release_input(ctx);
+  if (regather) fc_.release_input(ctx);
   Tensor const m =
       mlp_drop_.forward(row_parallel_forward(u, mlp_w_, mlp_b_, *comm_, rank_, sequence_parallel_, ctx), tokens);
   ops::add_scaled(m, h, 1.0f, ctx.stream);
