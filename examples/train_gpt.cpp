@@ -37,6 +37,10 @@
 //                               batch, gradients all-reduced across the replicas, every replica
 //                               updating every weight; fp32, not combined with a pipeline yet,
 //                               and without checkpoints
+//     [--sequence-parallel]     sequence parallelism: between the split regions each device holds
+//                               1/N of the tokens (LayerNorm, dropout and residual activations),
+//                               all-gathers and reduce-scatters in place of the all-reduces
+//                               (--block-size divisible by N)
 // --recompute none|selective|full (nn::Recompute) trades memory for recomputed forward work in any
 // layout, the losses unchanged bit for bit.
 // Every layout gives the one-device losses within float32 rounding, and (but --tp) writes
@@ -96,6 +100,7 @@ struct Options {
   std::string schedule;  // empty: data parallel (or one device), unless --stages > 1 (then 1f1b)
   int stages = 1, micro_batches = 1, dp = 1, chunks = 2;
   int tp = 1;  // tensor-parallel ranks
+  bool sequence_parallel = false;  // TensorParallelOptions::sequence_parallel
   int zero = 1;  // DataParallelOptions::zero_stage
   bool zero_given = false;  // --zero on the command line (it applies to data parallelism only)
   std::int64_t bucket_kb = 0;  // DataParallelOptions::bucket_cap_bytes in KiB (0: its default)
@@ -261,7 +266,13 @@ void check_layout(Options const& o, bool pipelined, int size) {
     refuse("--zero " + std::to_string(o.zero) + " with " + (pipelined ? std::string("a pipeline") : "--tp " + std::to_string(o.tp)) +
            " (expected --zero with data parallelism only: the pipeline and tensor-parallel executors do not shard their "
            "update)");
+  if (o.sequence_parallel && o.tp < 2)
+    refuse("--sequence-parallel with --tp " + std::to_string(o.tp) +
+           " (expected --tp 2 or more: it splits the tensor-parallel devices' tokens)");
   if (o.tp > 1) {
+    if (o.sequence_parallel && o.block_size % o.tp != 0)
+      refuse("--sequence-parallel with --block-size " + std::to_string(o.block_size) + " over --tp " +
+             std::to_string(o.tp) + " (expected a block size divisible by --tp)");
     if (pipelined)
       refuse("--tp " + std::to_string(o.tp) +
              " with a pipeline (expected tensor parallelism with --dp at most: --tp is not combined with pipeline "
@@ -492,8 +503,11 @@ int run(Options o) {
     options.decay_ranges.clear();  // each shard decays its own 2-D weights
     tensor = std::make_unique<mgpu::parallel::TensorParallel>(
         group, config,
-        mgpu::parallel::TensorParallelOptions{
-            .seed = o.seed, .adamw = options, .clip_norm = o.clip, .data_parallel = o.dp});
+        mgpu::parallel::TensorParallelOptions{.seed = o.seed,
+                                              .adamw = options,
+                                              .clip_norm = o.clip,
+                                              .data_parallel = o.dp,
+                                              .sequence_parallel = o.sequence_parallel});
     if (init) tensor->scatter_parameters(host_parameters(model, stream));
   }
   // What evaluation, checkpoints and sampling read: the one model, replica 0 on rank 0, or the
@@ -679,10 +693,10 @@ int run(Options o) {
     peaks += (r ? ", " : "") + std::to_string(peak);
   }
   // The memory model's prediction of those peaks, for the layouts it covers (one process, float32;
-  // pipelines of one replica with GPipe or 1F1B).
+  // pipelines of one replica with GPipe or 1F1B; tensor parallelism without sequence parallelism).
   std::string predicted = "null";
   bool const modelled_pipeline = !pipeline || (o.dp == 1 && (o.schedule == "gpipe" || o.schedule == "1f1b"));
-  if (!across && modelled_pipeline && o.precision == "fp32") {
+  if (!across && modelled_pipeline && o.precision == "fp32" && !o.sequence_parallel) {
     mgpu::parallel::GptLayout const layout{.data_parallel = parallel ? static_cast<int>(group.size()) : tensor ? o.dp : 1,
                                            .tensor_parallel = tensor ? o.tp : 1,
                                            .zero_stage = parallel ? o.zero : 0,
@@ -705,8 +719,8 @@ int run(Options o) {
     std::printf(
         "{\"tokens_per_s\": %.6g, \"train_loss\": %.6g, \"val_loss\": %.6g, \"params\": %lld, \"devices\": [%s], "
         "\"iters\": %lld, \"peak_bytes\": [%s], \"predicted_peak_bytes\": %s, \"precision\": \"%s\", \"eval_windows\": %lld, \"schedule\": \"%s\", "
-        "\"stages\": %d, \"micro_batches\": %d, \"dp\": %d, \"recompute\": \"%s\", \"tp\": %d, \"zero\": %d, "
-        "\"processes\": %d}\n",
+        "\"stages\": %d, \"micro_batches\": %d, \"dp\": %d, \"recompute\": \"%s\", \"tp\": %d, "
+        "\"sequence_parallel\": %s, \"zero\": %d, \"processes\": %d}\n",
         tokens_per_s, std::isnan(train_loss) ? -1.0 : train_loss, val_loss,
         static_cast<long long>(net.parameter_count()), devices.c_str(), static_cast<long long>(state.step),
         peaks.c_str(), predicted.c_str(), o.precision.c_str(), static_cast<long long>(eval_windows),
@@ -715,7 +729,7 @@ int run(Options o) {
         : tensor   ? "tensor-parallel"
                    : "none",
         pipeline ? o.stages : 1, pipeline ? pipeline->schedule().micro_batches : 1, parallel ? world.size() : o.dp,
-        o.recompute.c_str(), o.tp, parallel ? o.zero : 0, world.processes);
+        o.recompute.c_str(), o.tp, o.sequence_parallel ? "true" : "false", parallel ? o.zero : 0, world.processes);
   } else {
     std::printf("final: train loss %.4f, val loss %.4f, %.0f tokens/s on %s\n", train_loss, val_loss, tokens_per_s,
                 o.devices.c_str());
@@ -791,6 +805,8 @@ int main(int argc, char** argv) {
                  "tensor-parallel devices: each transformer block split across them (n_head divisible by it)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_flag("--sequence-parallel", o.sequence_parallel,
+               "with --tp: each device holds 1/tp of the tokens between the split regions (LayerNorm, dropout)");
   app.add_option("--zero", o.zero,
                  "ZeRO stage of data parallelism: 1 shards the update and the optimizer state, 2 the gradients too, 0 "
                  "replicates them")

@@ -41,20 +41,50 @@ void check_activation(std::string const& layer, Shape const& shape, std::int64_t
                                             std::to_string(features) + "])");
 }
 
-// x [B, T, K] (this rank's part of the inputs) times W [K, C], summed over the ranks, plus b [C].
+// Sequence parallelism: every rank's tokens [B, T / ranks, C] gathered into [B, T, C] (rank r's
+// are rows [r, r + 1) B T / ranks of the flattened [B T, C]).
+Tensor gather_tokens(Tensor const& x, comm::Communicator& comm, int rank, nn::Context& ctx) {
+  Tensor y = Tensor::empty({x.dim(0), x.dim(1) * comm.size(), x.dim(2)}, x.dtype(), ctx.allocator, ctx.stream);
+  comm.all_gather(rank, x, y, ctx.stream);
+  return y;
+}
+
+// Sequence parallelism: x [B, T, C] summed over the ranks, each keeping its tokens [B, T / ranks, C].
+Tensor scatter_tokens(Tensor const& x, comm::Communicator& comm, int rank, nn::Context& ctx) {
+  Tensor y = Tensor::empty({x.dim(0), x.dim(1) / comm.size(), x.dim(2)}, x.dtype(), ctx.allocator, ctx.stream);
+  comm.reduce_scatter(rank, x, y, ReduceOp::sum, ctx.stream);
+  return y;
+}
+
+// The context of a Dropout on this rank's tokens of a batch of `batch` sequences. Dropout numbers
+// an element by its row's global index (ctx.row_offset, counted in rows of its input's shape)
+// times the row's size, plus its place in the row; with sequence parallelism the rank's tokens
+// [B, T / ranks, C] start at element (row_offset T + rank B T / ranks) C of the whole batch, row
+// row_offset ranks + rank B in rows of T / ranks tokens: the same masks as without.
+nn::Context token_context(nn::Context const& ctx, bool sequence_parallel, int ranks, int rank, std::int64_t batch) {
+  nn::Context tokens = ctx;
+  if (sequence_parallel) tokens.row_offset = ctx.row_offset * ranks + rank * batch;
+  return tokens;
+}
+
+// x [B, T, K] (this rank's part of the inputs) times W [K, C], summed over the ranks, plus b [C]:
+// every token's output, or with sequence parallelism the rank's tokens [B, T / ranks, C].
 Tensor row_parallel_forward(Tensor const& x, Tensor const& w, Tensor const& b, comm::Communicator& comm, int rank,
-                            nn::Context& ctx) {
+                            bool sequence_parallel, nn::Context& ctx) {
   std::int64_t const rows = x.dim(0) * x.dim(1);
   Tensor y = Tensor::empty({x.dim(0), x.dim(1), w.dim(1)}, x.dtype(), ctx.allocator, ctx.stream);
-  Tensor const y2 = y.reshape({rows, w.dim(1)});
-  ops::gemm(x.reshape({rows, w.dim(0)}), false, w, false, y2, 1.0f, 0.0f, ctx.stream);
-  comm.all_reduce(rank, y, y, ReduceOp::sum, ctx.stream);
-  ops::add_bias(y2, b, ctx.stream);
+  ops::gemm(x.reshape({rows, w.dim(0)}), false, w, false, y.reshape({rows, w.dim(1)}), 1.0f, 0.0f, ctx.stream);
+  if (sequence_parallel) {
+    y = scatter_tokens(y, comm, rank, ctx);
+  } else {
+    comm.all_reduce(rank, y, y, ReduceOp::sum, ctx.stream);
+  }
+  ops::add_bias(y.reshape({y.numel() / w.dim(1), w.dim(1)}), b, ctx.stream);
   return y;
 }
 
 // The gradients of row_parallel_forward: db and dW (written, or added with accumulate_gradients)
-// and the input gradient dy Wᵀ [B, T, K]. dy is the same on every rank.
+// and the input gradient dy Wᵀ [B, T, K]. dy (every token's) is the same on every rank.
 Tensor row_parallel_backward(Tensor const& x, Tensor const& dy, Tensor const& w, Tensor const& dw, Tensor const& db,
                              nn::Context& ctx) {
   std::int64_t const rows = x.dim(0) * x.dim(1);
@@ -71,7 +101,7 @@ Tensor row_parallel_backward(Tensor const& x, Tensor const& dy, Tensor const& w,
 
 TensorParallelBlock::TensorParallelBlock(std::int64_t features, std::int64_t heads,
                                          std::shared_ptr<comm::Communicator> comm, int rank, float proj_init_std,
-                                         float dropout, nn::Recompute recompute)
+                                         float dropout, nn::Recompute recompute, bool sequence_parallel)
     : features_(features),
       heads_(heads),
       comm_(std::move(comm)),
@@ -80,6 +110,7 @@ TensorParallelBlock::TensorParallelBlock(std::int64_t features, std::int64_t hea
       proj_init_std_(proj_init_std),
       dropout_(dropout),
       recompute_(recompute),
+      sequence_parallel_(sequence_parallel),
       attn_drop_(dropout),
       mlp_drop_(dropout),
       ln1_(features),
@@ -110,6 +141,12 @@ std::vector<std::pair<std::int64_t, std::int64_t>> TensorParallelBlock::split_ra
   std::int64_t const qkv = 2 * c, fc = qkv + qkv_.parameter_count() + part * c + 3 * c;
   // qkv W and b with the attention projection's rows; mlp_fc W and b with mlp_proj's rows.
   return {{qkv, qkv + qkv_.parameter_count() + part * c}, {fc, fc + fc_.parameter_count() + 4 * part * c}};
+}
+
+std::vector<std::pair<std::int64_t, std::int64_t>> TensorParallelBlock::partial_ranges() const {
+  if (!sequence_parallel_) return {};
+  std::int64_t const c = features_, ln2 = 2 * c + qkv_.parameter_count() + (features_ / ranks_) * c + c;
+  return {{0, 2 * c}, {ln2, ln2 + 2 * c}};
 }
 
 void TensorParallelBlock::bind(Tensor const& params, Tensor const& grads) {
@@ -230,9 +267,15 @@ Tensor TensorParallelBlock::forward(Tensor const& x, nn::Context& ctx) {
 }
 
 Tensor TensorParallelBlock::forward_layers(Tensor const& x, nn::Context& ctx) {
-  std::int64_t const batch = x.dim(0), t = x.dim(1), part = features_ / ranks_;
-  // h = x + attn(LN1(x)): the column-parallel qkv takes the replicated LN1(x) (f: identity).
-  Tensor const qkv = qkv_.forward(ln1_.forward(x, ctx), ctx);  // [B, T, 3 C/T]: this rank's heads
+  std::int64_t const batch = x.dim(0), t = sequence_parallel_ ? x.dim(1) * ranks_ : x.dim(1), part = features_ / ranks_;
+  nn::Context tokens = token_context(ctx, sequence_parallel_, ranks_, rank_, batch);
+  // h = x + attn(LN1(x)): the column-parallel qkv takes the replicated LN1(x) (f: identity), or
+  // with sequence parallelism LN1 of the ranks' tokens gathered.
+  Tensor const ln1 = ln1_.forward(x, ctx);
+  Tensor const qkv = qkv_.forward(sequence_parallel_ ? gather_tokens(ln1, *comm_, rank_, ctx) : ln1,
+                                  ctx);  // [B, T, 3 C/T]: this rank's heads
+  bool const regather = sequence_parallel_ && ctx.keep_for_backward;
+  if (regather) qkv_.release_input(ctx);  // kept as ln1, gathered again in backward
   Tensor y = Tensor::empty({batch, t, part}, x.dtype(), ctx.allocator, ctx.stream);
   Tensor lse = Tensor::empty({batch, heads_ / ranks_, t}, DType::float32, ctx.allocator, ctx.stream);
   ops::AttentionDropout dropout;
@@ -242,18 +285,27 @@ Tensor TensorParallelBlock::forward_layers(Tensor const& x, nn::Context& ctx) {
                rank_ * (heads_ / ranks_), heads_};
   }
   ops::causal_attention(qkv, y, lse, heads_ / ranks_, ctx.stream, dropout);
-  // g: all-reduce; the dropout of the replicated output the same on every rank.
-  Tensor const h = attn_drop_.forward(row_parallel_forward(y, attn_w_, attn_b_, *comm_, rank_, ctx), ctx);
+  // g: all-reduce (or reduce-scatter); the dropout of the replicated output the same on every rank.
+  Tensor const h =
+      attn_drop_.forward(row_parallel_forward(y, attn_w_, attn_b_, *comm_, rank_, sequence_parallel_, ctx), tokens);
   ops::add_scaled(h, x, 1.0f, ctx.stream);
   // y = h + MLP(LN2(h)), the same split.
-  Tensor const u = fc_.forward(ln2_.forward(h, ctx), ctx, ops::ActivationKind::gelu);  // [B, T, 4 C/T]
-  Tensor const m = mlp_drop_.forward(row_parallel_forward(u, mlp_w_, mlp_b_, *comm_, rank_, ctx), ctx);
+  Tensor const ln2 = ln2_.forward(h, ctx);
+  Tensor const u = fc_.forward(sequence_parallel_ ? gather_tokens(ln2, *comm_, rank_, ctx) : ln2, ctx,
+                               ops::ActivationKind::gelu);  // [B, T, 4 C/T]
+  if (regather) fc_.release_input(ctx);
+  Tensor const m =
+      mlp_drop_.forward(row_parallel_forward(u, mlp_w_, mlp_b_, *comm_, rank_, sequence_parallel_, ctx), tokens);
   ops::add_scaled(m, h, 1.0f, ctx.stream);
-  if (recompute_ == nn::Recompute::selective) {
-    saved_[ctx.micro_batch] = Saved{qkv, Tensor{}, Tensor{}, u, dropout};
-  } else {
-    saved_[ctx.micro_batch] = Saved{qkv, y, lse, u, dropout};
-  }
+  Tensor const none;
+  bool const keep_core = recompute_ != nn::Recompute::selective;
+  saved_[ctx.micro_batch] = Saved{qkv,
+                                  keep_core ? y : none,
+                                  keep_core ? lse : none,
+                                  u,
+                                  dropout,
+                                  sequence_parallel_ ? ln1 : none,
+                                  sequence_parallel_ ? ln2 : none};
   return m;
 }
 
@@ -282,19 +334,31 @@ Tensor TensorParallelBlock::backward(Tensor const& dy, nn::Context& ctx) {
     s.lse = Tensor::empty({batch, heads_ / ranks_, t}, DType::float32, ctx.allocator, ctx.stream);
     ops::causal_attention(s.qkv, s.y, s.lse, heads_ / ranks_, ctx.stream, s.dropout);
   }
-  // MLP branch: this rank's part of LN2's output gradient, summed over the ranks (f's backward).
-  Tensor const du = row_parallel_backward(s.mlp_in, mlp_drop_.backward(dy, ctx), mlp_w_, dmlp_w_, dmlp_b_, ctx);
-  Tensor const dln2 = fc_.backward(du, ctx);
-  comm_->all_reduce(rank_, dln2, dln2, ReduceOp::sum, ctx.stream);
-  Tensor const dh = ln2_.backward(dln2, ctx);
+  nn::Context tokens = token_context(ctx, sequence_parallel_, ranks_, rank_, dy.dim(0));
+  // The gradient of every token (sequence parallelism: gathered from the ranks' tokens), and of
+  // the input of the column-parallel Linear that `partial` is this rank's part of: summed over the
+  // ranks (f's backward), or with sequence parallelism reduce-scattered to the rank's tokens.
+  auto const every_token = [&](Tensor const& d) {
+    return sequence_parallel_ ? gather_tokens(d, *comm_, rank_, ctx) : d;
+  };
+  auto const summed = [&](Tensor const& partial) {
+    if (sequence_parallel_) return scatter_tokens(partial, *comm_, rank_, ctx);
+    comm_->all_reduce(rank_, partial, partial, ReduceOp::sum, ctx.stream);
+    return partial;
+  };
+  // MLP branch.
+  Tensor const du =
+      row_parallel_backward(s.mlp_in, every_token(mlp_drop_.backward(dy, tokens)), mlp_w_, dmlp_w_, dmlp_b_, ctx);
+  if (sequence_parallel_) fc_.restore_input(gather_tokens(s.ln2, *comm_, rank_, ctx), ctx);
+  Tensor const dh = ln2_.backward(summed(fc_.backward(du, ctx)), ctx);
   ops::add_scaled(dh, dy, 1.0f, ctx.stream);
   // Attention branch, the same way.
-  Tensor const dattn = row_parallel_backward(s.y, attn_drop_.backward(dh, ctx), attn_w_, dattn_w_, dattn_b_, ctx);
+  Tensor const dattn =
+      row_parallel_backward(s.y, every_token(attn_drop_.backward(dh, tokens)), attn_w_, dattn_w_, dattn_b_, ctx);
   Tensor dqkv = Tensor::empty(s.qkv.shape(), s.qkv.dtype(), ctx.allocator, ctx.stream);
   ops::causal_attention_backward(s.qkv, s.y, s.lse, dattn, dqkv, heads_ / ranks_, ctx.stream, s.dropout);
-  Tensor const dln1 = qkv_.backward(dqkv, ctx);
-  comm_->all_reduce(rank_, dln1, dln1, ReduceOp::sum, ctx.stream);
-  Tensor const dx = ln1_.backward(dln1, ctx);
+  if (sequence_parallel_) qkv_.restore_input(gather_tokens(s.ln1, *comm_, rank_, ctx), ctx);
+  Tensor const dx = ln1_.backward(summed(qkv_.backward(dqkv, ctx)), ctx);
   ops::add_scaled(dx, dh, 1.0f, ctx.stream);
   return dx;
 }
@@ -304,7 +368,63 @@ Shape TensorParallelBlock::output_shape(Shape const& input) const {
   return input;
 }
 
-nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<comm::Communicator> comm, int rank) {
+namespace {
+
+// Sequence parallelism: nn::Dropout on the rank's tokens [B, T / ranks, C], dropping what it drops
+// on those tokens of the whole [B, T, C] (token_context).
+class TokenDropout final : public nn::Layer {
+ public:
+  TokenDropout(float p, int ranks, int rank) : p_(p), ranks_(ranks), rank_(rank), dropout_(p) {}
+  std::string name() const override { return "TokenDropout(" + dropout_.name() + ")"; }
+  void initialize(std::mt19937_64& rng) override { dropout_.initialize(rng); }
+  void set_training(bool training) override { dropout_.set_training(training); }
+  std::uint64_t rng_counter() const override { return dropout_.rng_counter(); }
+  void set_rng_counter(std::uint64_t counter) override { dropout_.set_rng_counter(counter); }
+  Tensor forward(Tensor const& x, nn::Context& ctx) override {
+    nn::Context tokens = token_context(ctx, true, ranks_, rank_, x.rank() > 0 ? x.dim(0) : 0);
+    return dropout_.forward(x, tokens);
+  }
+  Tensor backward(Tensor const& dy, nn::Context& ctx) override { return dropout_.backward(dy, ctx); }
+  std::size_t saved_micro_batches() const override { return dropout_.saved_micro_batches(); }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<TokenDropout>(p_, ranks_, rank_); }
+
+ private:
+  float p_;
+  int ranks_, rank_;
+  nn::Dropout dropout_;
+};
+
+// Sequence parallelism, before the LM head: every rank's tokens [B, T / ranks, C] gathered into
+// [B, T, C]; backward reduce-scatters the head's partial input gradients to the rank's tokens.
+class TokenGather final : public nn::Layer {
+ public:
+  TokenGather(std::int64_t features, std::shared_ptr<comm::Communicator> comm, int rank)
+      : features_(features), comm_(std::move(comm)), rank_(rank) {}
+  std::string name() const override {
+    return "TokenGather(" + std::to_string(features_) + ", rank " + std::to_string(rank_) + " of " +
+           std::to_string(comm_->size()) + ")";
+  }
+  Tensor forward(Tensor const& x, nn::Context& ctx) override {
+    check_activation(name(), x.shape(), features_);
+    return gather_tokens(x, *comm_, rank_, ctx);
+  }
+  Tensor backward(Tensor const& dy, nn::Context& ctx) override { return scatter_tokens(dy, *comm_, rank_, ctx); }
+  Shape output_shape(Shape const& input) const override {
+    check_activation(name(), input, features_);
+    return {input[0], input[1] * comm_->size(), features_};
+  }
+  std::unique_ptr<Layer> clone() const override { return std::make_unique<TokenGather>(features_, comm_, rank_); }
+
+ private:
+  std::int64_t features_;
+  std::shared_ptr<comm::Communicator> comm_;
+  int rank_;
+};
+
+}  // namespace
+
+nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<comm::Communicator> comm, int rank,
+                                   bool sequence_parallel) {
   nn::Sequential const whole = nn::gpt(config);  // checks the config
   int const ranks = comm != nullptr ? comm->size() : 0;
   if (ranks < 1 || config.n_head % ranks != 0)
@@ -317,13 +437,19 @@ nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<
                                             " tensor-parallel ranks (expected at least one token id per rank)");
   float const proj_std = 0.02f / std::sqrt(2.0f * static_cast<float>(config.n_layer));
   nn::Sequential model;
-  model.add(std::make_unique<VocabParallelEmbedding>(config.vocab, config.block_size, config.n_embd, comm, rank));
-  model.add(std::make_unique<nn::Dropout>(config.dropout));
+  model.add(std::make_unique<VocabParallelEmbedding>(config.vocab, config.block_size, config.n_embd, comm, rank, 0.02f,
+                                                     sequence_parallel));
+  if (sequence_parallel) {
+    model.add(std::make_unique<TokenDropout>(config.dropout, ranks, rank));
+  } else {
+    model.add(std::make_unique<nn::Dropout>(config.dropout));
+  }
   for (std::int64_t l = 0; l < config.n_layer; ++l)
     model.add(std::make_unique<TensorParallelBlock>(config.n_embd, config.n_head, comm, rank, proj_std, config.dropout,
-                                                    config.recompute));
+                                                    config.recompute, sequence_parallel));
   model.add(std::make_unique<nn::LayerNorm>(config.n_embd));
-  model.add(std::make_unique<VocabParallelLMHead>(config.vocab, config.n_embd, comm, rank));
+  if (sequence_parallel) model.add(std::make_unique<TokenGather>(config.n_embd, comm, rank));
+  model.add(std::make_unique<VocabParallelLMHead>(config.vocab, config.n_embd, comm, rank, !sequence_parallel));
   return model;
 }
 
@@ -335,26 +461,39 @@ namespace {
 // them (every replica's loss is divided by the whole batch's count). For apply_update, the rank's
 // whole buffer as owned ranges, split ranges counted on every rank and replicated ones on the
 // replica's rank 0 only, and sums over the replica's ranks by all-reduce: the replicas hold the
-// same gradients, so each computes the same global norm.
+// same gradients, so each computes the same global norm. With sequence parallelism the LayerNorms'
+// gradients (the blocks' partial_ranges() and the final LayerNorm) are each rank's tokens' part:
+// ready() first sums them over the replica's ranks.
 class TensorParallelSync final : public nn::GradientSync {
  public:
   TensorParallelSync(nn::Sequential const& shard, comm::Communicator& comm, int rank, comm::Communicator* data,
-                     int data_rank)
+                     int data_rank, bool sequence_parallel)
       : shard_(shard), comm_(comm), rank_(rank), data_(data), data_rank_(data_rank) {
     for (nn::ParameterRange const& range : shard.parameter_ranges()) {
       std::int64_t at = range.begin;
-      if (auto const* sharded = dynamic_cast<ShardedLayer const*>(&shard.layer(range.layer))) {
+      nn::Layer const& layer = shard.layer(range.layer);
+      if (auto const* sharded = dynamic_cast<ShardedLayer const*>(&layer)) {
         for (auto const& [begin, end] : sharded->split_ranges()) {
           owned_.push_back({at, range.begin + begin, rank == 0});
           owned_.push_back({range.begin + begin, range.begin + end, true});
           at = range.begin + end;
         }
+        for (auto const& [begin, end] : sharded->partial_ranges())
+          partial_[range.begin].emplace_back(range.begin + begin, range.begin + end);
+      } else if (sequence_parallel && dynamic_cast<nn::LayerNorm const*>(&layer) != nullptr) {
+        partial_[range.begin].emplace_back(range.begin, range.end);
       }
       owned_.push_back({at, range.end, rank == 0});
     }
   }
   void begin(Stream& /*compute*/, nn::RangeUpdate update) override { update_ = std::move(update); }
   void ready(nn::ParameterRange const& range, Stream& compute) override {
+    if (auto const it = partial_.find(range.begin); it != partial_.end()) {
+      for (auto const& [begin, end] : it->second) {
+        Tensor const grads = shard_.master_gradients().slice(begin, end);
+        comm_.all_reduce(rank_, grads, grads, ReduceOp::sum, compute);
+      }
+    }
     if (data_ != nullptr) {
       Tensor const grads = shard_.master_gradients().slice(range.begin, range.end);
       data_->all_reduce(data_rank_, grads, grads, ReduceOp::sum, compute);
@@ -374,6 +513,7 @@ class TensorParallelSync final : public nn::GradientSync {
   comm::Communicator* data_;  // over the replicas' ranks of this tensor-parallel index; null for one replica
   int data_rank_;
   std::vector<nn::OwnedRange> owned_;
+  std::map<std::int64_t, std::vector<std::pair<std::int64_t, std::int64_t>>> partial_;  // by the layer's range begin
   nn::RangeUpdate update_;
 };
 
@@ -430,7 +570,7 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
   for (int r = 0; r < group.size(); ++r) {
     int const a = r / im.ranks, t = r % im.ranks;
     std::shared_ptr<comm::Communicator> const& comm = im.comms[static_cast<std::size_t>(a)];
-    im.shards.push_back(tensor_parallel_gpt(config, comm, t));
+    im.shards.push_back(tensor_parallel_gpt(config, comm, t, im.options.sequence_parallel));
     if (im.options.optimizer) {
       im.optimizers.push_back(im.options.optimizer(im.shards.back()));
     } else {
@@ -439,7 +579,8 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
       im.optimizers.push_back(std::make_unique<optim::AdamW>(adamw));
     }
     comm::Communicator* const data = replicas > 1 ? im.data[static_cast<std::size_t>(t)].get() : nullptr;
-    im.syncs.push_back(std::make_unique<TensorParallelSync>(im.shards.back(), *comm, t, data, a));
+    im.syncs.push_back(
+        std::make_unique<TensorParallelSync>(im.shards.back(), *comm, t, data, a, im.options.sequence_parallel));
     im.losses.emplace_back(config.vocab, comm, t);
   }
   group.run([&](int rank, Device /*device*/, Stream& stream) {
@@ -475,6 +616,10 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
   std::vector<double> shares(static_cast<std::size_t>(im.replicas), 0.0);
   StepResult result;
   im.group->run([&](int rank, Device device, Stream& stream) {
+    // A host device's work runs on this thread as it reaches it (its collectives wait here for
+    // the other ranks' threads): no handoffs to the stream's worker, and a temporary lives as long
+    // as the code holds it, not until the worker catches up, so the peak memory is the step's own.
+    Stream::InlineScope const inline_work(stream);
     Allocator& allocator = im.group->allocator(rank);
     auto const a = static_cast<std::size_t>(rank / im.ranks);
     auto const local = [&](Tensor const& t) {

@@ -37,13 +37,15 @@ std::pair<std::int64_t, std::int64_t> vocab_shard(std::int64_t vocab, int ranks,
 }
 
 VocabParallelEmbedding::VocabParallelEmbedding(std::int64_t vocab, std::int64_t block_size, std::int64_t features,
-                                               std::shared_ptr<comm::Communicator> comm, int rank, float init_std)
+                                               std::shared_ptr<comm::Communicator> comm, int rank, float init_std,
+                                               bool sequence_parallel)
     : vocab_(vocab),
       block_size_(block_size),
       features_(features),
       comm_(std::move(comm)),
       rank_(rank),
-      init_std_(init_std) {
+      init_std_(init_std),
+      sequence_parallel_(sequence_parallel) {
   std::string const text = "VocabParallelEmbedding(vocab " + std::to_string(vocab) + ", block " +
                            std::to_string(block_size) + ", features " + std::to_string(features) + ")";
   if (vocab < 1 || block_size < 1 || features < 1 || !(init_std >= 0))
@@ -103,11 +105,16 @@ Tensor VocabParallelEmbedding::forward(Tensor const& ids, nn::Context& ctx) {
   if (ids.dtype() != DType::int32)
     throw Error(Errc::invalid_argument,
                 name() + ": ids are " + std::string(to_string(ids.dtype())) + " (expected int32 token ids)");
-  Tensor y = Tensor::empty(shape, wte_.dtype(), ctx.allocator, ctx.stream);
+  Tensor y = Tensor::empty({ids.dim(0), ids.dim(1), features_}, wte_.dtype(), ctx.allocator, ctx.stream);
   ops::vocab_shard_embedding(ids, wte_, wpe_, y, begin_, vocab_, rank_ == 0, ctx.stream);
-  comm_->all_reduce(rank_, y, y, ReduceOp::sum, ctx.stream);
   saved_[ctx.micro_batch] = ids;
-  return y;
+  if (!sequence_parallel_) {
+    comm_->all_reduce(rank_, y, y, ReduceOp::sum, ctx.stream);
+    return y;
+  }
+  Tensor mine = Tensor::empty(shape, y.dtype(), ctx.allocator, ctx.stream);  // the rank's tokens
+  comm_->reduce_scatter(rank_, y, mine, ReduceOp::sum, ctx.stream);
+  return mine;
 }
 
 Tensor VocabParallelEmbedding::backward(Tensor const& dy, nn::Context& ctx) {
@@ -115,7 +122,12 @@ Tensor VocabParallelEmbedding::backward(Tensor const& dy, nn::Context& ctx) {
   if (it == saved_.end()) throw Error(Errc::invalid_argument, missing_forward(name(), ctx.micro_batch));
   Tensor const ids = std::move(it->second);
   saved_.erase(it);
-  ops::vocab_shard_embedding_backward(ids, dy, dwte_, dwpe_, begin_, vocab_, tied_ || ctx.accumulate_gradients,
+  Tensor whole = dy;
+  if (sequence_parallel_) {  // every token's gradient, from the ranks' tokens
+    whole = Tensor::empty({ids.dim(0), ids.dim(1), features_}, dy.dtype(), ctx.allocator, ctx.stream);
+    comm_->all_gather(rank_, dy, whole, ctx.stream);
+  }
+  ops::vocab_shard_embedding_backward(ids, whole, dwte_, dwpe_, begin_, vocab_, tied_ || ctx.accumulate_gradients,
                                       ctx.accumulate_gradients, ctx.stream);
   return {};
 }
@@ -124,12 +136,23 @@ Shape VocabParallelEmbedding::output_shape(Shape const& input) const {
   if (input.size() != 2 || input[1] < 1 || input[1] > block_size_)
     throw Error(Errc::invalid_argument, name() + ": ids of shape " + to_string(input) +
                                             " (expected [B, T] with T <= " + std::to_string(block_size_) + ")");
-  return {input[0], input[1], features_};
+  if (!sequence_parallel_) return {input[0], input[1], features_};
+  std::int64_t const ranks = comm_->size();
+  if (input[1] % ranks != 0)
+    throw Error(Errc::invalid_argument,
+                name() + ": ids of shape " + to_string(input) +
+                    " with sequence parallelism (expected a sequence length T divisible by the " +
+                    std::to_string(ranks) + " tensor-parallel ranks)");
+  return {input[0], input[1] / ranks, features_};
 }
 
 VocabParallelLMHead::VocabParallelLMHead(std::int64_t vocab, std::int64_t features,
-                                         std::shared_ptr<comm::Communicator> comm, int rank)
-    : vocab_(vocab), features_(features), comm_(std::move(comm)), rank_(rank) {
+                                         std::shared_ptr<comm::Communicator> comm, int rank, bool reduce_input_gradient)
+    : vocab_(vocab),
+      features_(features),
+      comm_(std::move(comm)),
+      rank_(rank),
+      reduce_input_gradient_(reduce_input_gradient) {
   std::string const text = "VocabParallelLMHead(" + std::to_string(vocab) + ", " + std::to_string(features) + ")";
   if (vocab < 1 || features < 1) throw Error(Errc::invalid_argument, text + " (expected sizes >= 1)");
   std::tie(begin_, end_) = vocab_shard(vocab, group_size(comm_.get(), text), rank);
@@ -178,7 +201,7 @@ Tensor VocabParallelLMHead::backward(Tensor const& dy, nn::Context& ctx) {
   shape.back() = features_;
   Tensor dh = Tensor::empty(shape, dy.dtype(), ctx.allocator, ctx.stream);
   ops::gemm(dy2, false, wte_, false, dh.reshape(h2.shape()), 1.0f, 0.0f, ctx.stream);  // dlogits_r wte_r
-  comm_->all_reduce(rank_, dh, dh, ReduceOp::sum, ctx.stream);
+  if (reduce_input_gradient_) comm_->all_reduce(rank_, dh, dh, ReduceOp::sum, ctx.stream);
   ops::gemm(dy2, true, h2, false, dwte_, 1.0f, ctx.accumulate_gradients ? 1.0f : 0.0f, ctx.stream);  // dlogits_rᵀ h
   return dh;
 }

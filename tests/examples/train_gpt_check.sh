@@ -8,7 +8,7 @@
 # do the pipeline schedules (1F1B, interleaved, ZB-H1, GPipe, layer split) and a data x pipeline
 # grid, and resume (on their layout, and from a data-parallel checkpoint); so does tensor
 # parallelism (--tp 2), which also starts from an llm.c model file, and its data-parallel replicas
-# (--dp 2 --tp 2); --recompute selective and full
+# (--dp 2 --tp 2), and with --sequence-parallel; --recompute selective and full
 # give the same losses in each kind of layout; --trace writes the last step's timeline; bad flags
 # fail with exit code 2 and a message. Usage: train_gpt_check.sh TRAIN_GPT TEXT_FILE DIR
 set -euo pipefail
@@ -148,6 +148,14 @@ for key in train_loss val_loss; do
     fail "$key $(field $key "$dir/tp.json") with --tp 2 (expected $(field $key "$dir/full.json") as on one device)"
 done
 [ "$(field tp "$dir/tp.json")" = 2 ] || fail "tp in the JSON line: $(cat "$dir/tp.json")"
+# With sequence parallelism (each device 1/2 of the tokens between the split regions): the same.
+"$exe" "${common[@]}" --iters 40 --tp 2 --sequence-parallel > "$dir/sp.json" 2> /dev/null
+for key in train_loss val_loss; do
+  close "$(field $key "$dir/sp.json")" "$(field $key "$dir/full.json")" ||
+    fail "$key $(field $key "$dir/sp.json") with --tp 2 --sequence-parallel (expected $(field $key "$dir/full.json") as on one device)"
+done
+[ "$(field sequence_parallel "$dir/sp.json")" = true ] && [ "$(field sequence_parallel "$dir/tp.json")" = false ] ||
+  fail "sequence_parallel in the JSON lines: $(cat "$dir/sp.json" "$dir/tp.json")"
 # Two replicas of it over host:4 (each its two rows of the batch): the one-device losses too.
 "$exe" "${common[@]}" --iters 40 --dp 2 --tp 2 > "$dir/dptp.json" 2> /dev/null
 for key in train_loss val_loss; do
@@ -161,7 +169,7 @@ done
 
 # Refused: micro-batches without a pipeline, a layout that does not match the devices, --dp
 # other than the device count, --tp not dividing the heads, with a pipeline or with --dp x --tp
-# other than the device count, a ZeRO stage other than 0 or 1, a damaged model file, more validation windows than the data holds.
+# other than the device count, --sequence-parallel without --tp or with a block size --tp does not divide, a ZeRO stage other than 0 or 1, a damaged model file, more validation windows than the data holds.
 expect_error() {
   local message=$1
   shift
@@ -180,6 +188,9 @@ expect_error "--zero 3 (expected 0, the replicated update, 1" "${common[@]}" --d
 expect_error "--zero 2 with --precision bf16 (expected fp32" "${common[@]}" --devices host:2 --zero 2 --precision bf16
 expect_error "--bucket-kb with a pipeline (expected --bucket-kb with data parallelism only" "${common[@]}" --stages 2 --bucket-kb 16
 expect_error "--zero 0 with --tp 2 (expected --zero with data parallelism only" "${common[@]}" --tp 2 --zero 0
+expect_error "--sequence-parallel with --tp 1 (expected --tp 2 or more" "${common[@]}" --sequence-parallel
+expect_error "--sequence-parallel with --block-size 15 over --tp 2 (expected a block size divisible by --tp)" \
+  "${common[@]}" --tp 2 --sequence-parallel --block-size 15
 expect_error "--zero 1 with a pipeline (expected --zero with data parallelism only" "${common[@]}" --stages 2 --zero 1
 head -c 2000 "$dir/model.bin" > "$dir/short.bin"
 expect_error "short.bin:byte 2000: truncated" "${common[@]}" --init-from "$dir/short.bin"

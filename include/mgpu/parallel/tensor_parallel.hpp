@@ -9,6 +9,17 @@
 // the logits, and the cross-entropy (VocabParallelCrossEntropy) reduces per-row statistics across
 // the ranks instead of gathering the logits. The position embedding and the final LayerNorm are
 // replicated.
+//
+// Sequence parallelism (Korthikanti et al. 2022), an option: between the tensor-parallel regions
+// each rank holds only 1/T of the tokens, so the LayerNorms, the dropouts and the residual adds
+// run on 1/T of the activations. A rank's tokens are its B T / T_ranks consecutive rows of the
+// flattened [B T, C] activation, shaped [B, T / T_ranks, C] (the sequence length must divide by
+// the ranks). A column-parallel Linear's input is all-gathered from the ranks' tokens (its
+// backward gathers it again, so only the rank's tokens are kept, and reduce-scatters the input
+// gradient) and a row-parallel Linear's output reduce-scattered instead of all-reduced (its
+// backward all-gathers the output gradient): the all-reduces' traffic plus the two gathers again.
+// The replicated LayerNorms' gradients are then each rank's tokens' part, summed over the ranks
+// before the update.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +55,10 @@ class ShardedLayer {
   /// (`to_shard`), or from it into its places in `whole`. Throws Error(invalid_argument) for other
   /// sizes.
   virtual void copy_shard(std::span<float> whole, std::span<float> shard, bool to_shard) const = 0;
+  /// The [begin, end) offsets of replicated parameters whose gradients each rank computes from its
+  /// own tokens only (sequence parallelism: the LayerNorms): they are summed over the ranks before
+  /// the update. None by default.
+  [[nodiscard]] virtual std::vector<std::pair<std::int64_t, std::int64_t>> partial_ranges() const { return {}; }
 };
 
 /// The token ids [first, second) that rank `rank` of `ranks` holds of a vocab of `vocab` in the
@@ -59,11 +74,15 @@ class ShardedLayer {
 /// adds, when tied to a VocabParallelLMHead, which writes first) the gradient of the rank's wte
 /// rows and the whole wpe gradient (the output gradient being the same on every rank).
 /// initialize() draws the whole embedding as nn::Embedding does and keeps the rank's rows.
+/// With `sequence_parallel` a reduce-scatter replaces the all-reduce: each rank gets its tokens
+/// [B, T / ranks, C] of the output (T must divide by the ranks), and backward all-gathers their
+/// gradients first.
 class VocabParallelEmbedding final : public nn::Layer, public ShardedLayer {
  public:
   /// Throws Error(invalid_argument) for sizes < 1, a vocab smaller than the group or a bad rank.
   VocabParallelEmbedding(std::int64_t vocab, std::int64_t block_size, std::int64_t features,
-                         std::shared_ptr<comm::Communicator> comm, int rank, float init_std = 0.02f);
+                         std::shared_ptr<comm::Communicator> comm, int rank, float init_std = 0.02f,
+                         bool sequence_parallel = false);
   std::string name() const override;
   std::int64_t parameter_count() const override { return (end_ - begin_ + block_size_) * features_; }
   /// wte's rows and wpe (adjacent: one range), as nn::Embedding.
@@ -80,7 +99,8 @@ class VocabParallelEmbedding final : public nn::Layer, public ShardedLayer {
   Shape output_shape(Shape const& input) const override;
   std::size_t saved_micro_batches() const override { return saved_.size(); }
   std::unique_ptr<Layer> clone() const override {
-    return std::make_unique<VocabParallelEmbedding>(vocab_, block_size_, features_, comm_, rank_, init_std_);
+    return std::make_unique<VocabParallelEmbedding>(vocab_, block_size_, features_, comm_, rank_, init_std_,
+                                                    sequence_parallel_);
   }
 
   [[nodiscard]] std::int64_t vocab() const noexcept { return vocab_; }
@@ -100,6 +120,7 @@ class VocabParallelEmbedding final : public nn::Layer, public ShardedLayer {
   int rank_;
   std::int64_t begin_, end_;
   float init_std_;
+  bool sequence_parallel_;
   bool tied_ = false;
   Tensor params_;  // the bound parameters
   Tensor wte_, wpe_, dwte_, dwpe_;
@@ -109,10 +130,13 @@ class VocabParallelEmbedding final : public nn::Layer, public ShardedLayer {
 /// The LM head tied to the VocabParallelEmbedding of the same Sequential (found by link()): the
 /// rank's logits columns [B, T, V_r] = h wte_rᵀ for the replicated h [B, T, C]. It holds no
 /// parameters; backward writes (or adds) dwte_r = dlogits_rᵀ h into the embedding's gradient view
-/// and returns dh = the sum over the ranks of dlogits_r wte_r (an all-reduce).
+/// and returns dh = the sum over the ranks of dlogits_r wte_r (an all-reduce). With
+/// `reduce_input_gradient` false it returns the rank's part dlogits_r wte_r (sequence parallelism:
+/// the gather before it reduce-scatters it).
 class VocabParallelLMHead final : public nn::Layer {
  public:
-  VocabParallelLMHead(std::int64_t vocab, std::int64_t features, std::shared_ptr<comm::Communicator> comm, int rank);
+  VocabParallelLMHead(std::int64_t vocab, std::int64_t features, std::shared_ptr<comm::Communicator> comm, int rank,
+                      bool reduce_input_gradient = true);
   std::string name() const override;
   void link(nn::Sequential& model) override;
   Tensor forward(Tensor const& h, nn::Context& ctx) override;
@@ -120,13 +144,14 @@ class VocabParallelLMHead final : public nn::Layer {
   Shape output_shape(Shape const& input) const override;
   std::size_t saved_micro_batches() const override { return saved_.size(); }
   std::unique_ptr<Layer> clone() const override {
-    return std::make_unique<VocabParallelLMHead>(vocab_, features_, comm_, rank_);
+    return std::make_unique<VocabParallelLMHead>(vocab_, features_, comm_, rank_, reduce_input_gradient_);
   }
 
  private:
   std::int64_t vocab_, features_;
   std::shared_ptr<comm::Communicator> comm_;
   int rank_;
+  bool reduce_input_gradient_;
   std::int64_t begin_, end_;
   Tensor wte_, dwte_;
   std::map<std::int64_t, Tensor> saved_;  // h as [N, C]
@@ -171,7 +196,13 @@ class VocabParallelCrossEntropy final : public nn::Loss {
 /// log-sum-exp and backward reruns the core on the kept qkv; full keeps only the input and backward
 /// reruns the forward (its all-reduces included, on every rank alike) at the original dropout
 /// count and row offset. Both give the `none` gradients bit for bit.
-/// forward and backward enqueue all-reduces on ctx.stream: every rank must run the same calls in
+/// With `sequence_parallel` the block takes and returns the rank's tokens [B, T / ranks, C] (see
+/// the top of this file): LayerNorms, dropouts and residual adds on them, an all-gather before each
+/// column-parallel Linear and a reduce-scatter after each row-parallel one; the dropouts drop what
+/// they drop on those tokens without sequence parallelism. The column-parallel Linears' inputs are
+/// kept as the rank's tokens and all-gathered again in backward (two all-gathers more per block
+/// and step, for 1/T of that memory). Its LayerNorms are partial_ranges().
+/// forward and backward enqueue collectives on ctx.stream: every rank must run the same calls in
 /// the same order (each on its own thread). TensorParallel trains it in float32 (16-bit compute is
 /// not tested yet).
 class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
@@ -179,7 +210,8 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
   /// Throws Error(invalid_argument) unless heads divide features and the communicator's size
   /// divides heads, and rank is one of its ranks.
   TensorParallelBlock(std::int64_t features, std::int64_t heads, std::shared_ptr<comm::Communicator> comm, int rank,
-                      float proj_init_std = 0.02f, float dropout = 0.0f, nn::Recompute recompute = nn::Recompute::none);
+                      float proj_init_std = 0.02f, float dropout = 0.0f, nn::Recompute recompute = nn::Recompute::none,
+                      bool sequence_parallel = false);
   std::string name() const override;
   std::int64_t parameter_count() const override;
   std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override;
@@ -196,11 +228,14 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
   Shape output_shape(Shape const& input) const override;
   std::size_t saved_micro_batches() const override { return saved_.size() + inputs_.size(); }
   std::unique_ptr<Layer> clone() const override {
-    return std::make_unique<TensorParallelBlock>(features_, heads_, comm_, rank_, proj_init_std_, dropout_, recompute_);
+    return std::make_unique<TensorParallelBlock>(features_, heads_, comm_, rank_, proj_init_std_, dropout_, recompute_,
+                                                 sequence_parallel_);
   }
 
   /// The whole block is nn::TransformerBlock's layout.
   void copy_shard(std::span<float> whole, std::span<float> shard, bool to_shard) const override;
+  /// ln_1 and ln_2 with sequence parallelism, else none.
+  std::vector<std::pair<std::int64_t, std::int64_t>> partial_ranges() const override;
 
  private:
   // The forward of every part, each saving what its backward reads.
@@ -209,6 +244,9 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
     Tensor qkv, y, lse;  // attention's (y: the attention projection's input; none with selective)
     Tensor mlp_in;       // mlp_proj's input
     ops::AttentionDropout dropout;
+    // Sequence parallelism: the rank's tokens of the column-parallel Linears' inputs (LN1's and
+    // LN2's outputs), gathered again in backward instead of kept gathered.
+    Tensor ln1, ln2;
   };
   // Recompute::full: what forward keeps to rerun itself.
   struct Input {
@@ -221,6 +259,7 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
   int rank_, ranks_;
   float proj_init_std_, dropout_;
   nn::Recompute recompute_;
+  bool sequence_parallel_;
   bool training_ = true;
   std::uint64_t attention_seed_ = 0, calls_ = 0;
   nn::Dropout attn_drop_, mlp_drop_;  // the residual branches' (replicated)
@@ -233,12 +272,15 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
   std::map<std::int64_t, Input> inputs_;
 };
 
-/// The shard of gpt(config) a tensor-parallel rank holds: VocabParallelEmbedding, Dropout(0),
+/// The shard of gpt(config) a tensor-parallel rank holds: VocabParallelEmbedding, Dropout,
 /// n_layer TensorParallelBlocks, LayerNorm and the VocabParallelLMHead; its output is the rank's
-/// logits columns, for VocabParallelCrossEntropy. Throws Error(invalid_argument) for a bad config,
+/// logits columns, for VocabParallelCrossEntropy. With `sequence_parallel` the embedding, the
+/// blocks and the LayerNorm work on the rank's tokens, the Dropout drops what it drops on them
+/// without, and a layer between the LayerNorm and the head all-gathers the tokens (its backward
+/// reduce-scatters the head's input gradient). Throws Error(invalid_argument) for a bad config,
 /// a group size that does not divide n_head, or a vocab smaller than the group.
 [[nodiscard]] nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<comm::Communicator> comm,
-                                                 int rank);
+                                                 int rank, bool sequence_parallel = false);
 
 struct TensorParallelOptions {
   /// The shards are materialized from this seed: together they hold gpt(config)'s weights
@@ -256,12 +298,17 @@ struct TensorParallelOptions {
   /// tensor-parallel groups of T consecutive ranks (replica a: ranks a T to a T + T - 1, so each
   /// group sits on neighbouring devices). A must divide the group size.
   int data_parallel = 1;
+  /// Sequence parallelism (see the top of this file): the LayerNorm, dropout and residual
+  /// activations split by tokens over the T ranks instead of replicated. The batches' sequence
+  /// length must then divide by T.
+  bool sequence_parallel = false;
 };
 
 /// Trains gpt(config) with every rank of `group` holding one tensor-parallel shard, in A =
 /// options.data_parallel replicas of T = group size / A ranks each: each step splits the batch's
 /// rows across the replicas (the first B mod A replicas take one row more), runs a replica's rows on
-/// each of its ranks (its activations replicated between blocks), the vocab-parallel
+/// each of its ranks (its activations replicated between blocks, or with sequence_parallel split
+/// by tokens), the vocab-parallel
 /// cross-entropy divided by the whole batch's token count, backward, and nn::apply_update on every
 /// rank, through a GradientSync that, with A > 1, sums each layer's gradients over the A ranks of
 /// the same tensor-parallel index (a communicator per index) as backward writes them, so the
@@ -283,7 +330,9 @@ class TensorParallel {
   };
   /// One training step on int32 ids and targets [B, T] (ignore index -100), in any memory: each
   /// rank copies its replica's rows to its device. Throws Error(invalid_argument) before any work
-  /// for targets that do not fit or fewer rows than replicas.
+  /// for targets that do not fit, fewer rows than replicas, or (sequence parallelism) a T that
+  /// does not divide by the tensor-parallel ranks. A host device's work runs on its rank's thread
+  /// (Stream::InlineScope), so a temporary lives as long as the step holds it.
   StepResult step(Tensor const& ids, Tensor const& targets, float lr_scale = 1.0f);
 
   /// The whole model's float32 parameters in gpt(config)'s flat layout, gathered from replica 0's
