@@ -616,10 +616,6 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
   std::vector<double> shares(static_cast<std::size_t>(im.replicas), 0.0);
   StepResult result;
   im.group->run([&](int rank, Device device, Stream& stream) {
-    // A host device's work runs on this thread as it reaches it (its collectives wait here for
-    // the other ranks' threads): no handoffs to the stream's worker, and a temporary lives as long
-    // as the code holds it, not until the worker catches up, so the peak memory is the step's own.
-    Stream::InlineScope const inline_work(stream);
     Allocator& allocator = im.group->allocator(rank);
     auto const a = static_cast<std::size_t>(rank / im.ranks);
     auto const local = [&](Tensor const& t) {

@@ -684,11 +684,9 @@ TEST_CASE("sequence parallelism keeps 1/T of the LayerNorms' activations on each
   // it, and the blocks' column-parallel Linears their input (LN1's and LN2's output, [N, C], or
   // N / T tokens gathered again in backward); everything else (attention, the split Linears'
   // outputs, the head's input, the logits) is the same. Dropout keeps no mask (it redraws it from
-  // its seed). Every op runs at once on its rank's thread (Stream::InlineScope), as in
-  // TensorParallel::step: host collectives hold their tensors until their stream runs them, so on
-  // the worker the peak would depend on how far it lags; this way a temporary lives exactly as long
-  // as the code holds it, and the live bytes after forward and the peak over forward and backward
-  // are deterministic.
+  // its seed). Every op runs at once on its rank's thread (Stream::InlineScope): a temporary lives
+  // exactly as long as the code holds it, and the live bytes after forward and the peak over
+  // forward and backward are deterministic.
   Env env;
   Batch const b = make_batch(env, 5);
   struct Held {

@@ -331,8 +331,7 @@ class TensorParallel {
   /// One training step on int32 ids and targets [B, T] (ignore index -100), in any memory: each
   /// rank copies its replica's rows to its device. Throws Error(invalid_argument) before any work
   /// for targets that do not fit, fewer rows than replicas, or (sequence parallelism) a T that
-  /// does not divide by the tensor-parallel ranks. A host device's work runs on its rank's thread
-  /// (Stream::InlineScope), so a temporary lives as long as the step holds it.
+  /// does not divide by the tensor-parallel ranks.
   StepResult step(Tensor const& ids, Tensor const& targets, float lr_scale = 1.0f);
 
   /// The whole model's float32 parameters in gpt(config)'s flat layout, gathered from replica 0's
