@@ -29,11 +29,14 @@
 //   replicated update (zero_stage 0), 2 the same with ZeRO-1, 3 ZeRO-1 with full recomputation,
 //   4 tensor parallel over host:2 (vocab-parallel embedding, head and loss), 5 a 1F1B pipeline of
 //   2 stages and 4 micro-batches over host:2, 6 two data-parallel replicas of tensor parallel over
-//   host:2 each (host:4). A short run each:
+//   host:2 each (host:4), 7 ZeRO-2 over host:2 (a gradient bucket per block), 8 tensor parallel
+//   over host:2 with sequence parallelism. A short run each:
 //     tokens_per_s        batch * block / the median step time;
 //     peak_bytes_device   the largest device allocator peak over the timed steps (parameters,
 //                         gradients, optimizer state, activations, buffers; as train_gpt --json's
 //                         peak_bytes; blocks are reused in stream order, as on a GPU);
+//     predicted_peak_bytes_device  the memory model's prediction of that peak
+//                         (parallel::predict_gpt_memory; not for layout 8, which it does not model);
 //     devices             how many devices the layout uses.
 //   BM_attention/<shape>: causal attention forward + backward alone on that shape's qkv:
 //     online_ms               ops::causal_attention + causal_attention_backward (tiled online
@@ -267,7 +270,8 @@ void BM_gpt_layouts(benchmark::State& state) {
   static constexpr char const* names[] = {"one device", "host:2 data parallel, replicated update",
                                           "host:2 data parallel, ZeRO-1", "host:2 ZeRO-1, full recomputation",
                                           "host:2 tensor parallel", "host:2 pipeline, 1F1B x 4 micro-batches",
-                                          "host:4 data parallel 2 x tensor parallel 2"};
+                                          "host:4 data parallel 2 x tensor parallel 2", "host:2 ZeRO-2, a bucket per block",
+                                          "host:2 tensor parallel, sequence parallel"};
   int const layout = static_cast<int>(state.range(0));
   Shape shape{"mid", {.vocab = 256, .block_size = 128, .n_layer = 4, .n_head = 4, .n_embd = 256}, 8};
   if (layout == 3) shape.config.recompute = mgpu::nn::Recompute::full;
@@ -277,17 +281,23 @@ void BM_gpt_layouts(benchmark::State& state) {
   std::unique_ptr<mgpu::parallel::DataParallel> dp;
   std::unique_ptr<mgpu::parallel::TensorParallel> tp;
   std::unique_ptr<mgpu::pipeline::Executor> pp;
-  if (layout >= 1 && layout <= 3) {
+  mgpu::parallel::GptLayout model_layout{.data_parallel = group.size(), .zero_stage = 0};
+  if ((layout >= 1 && layout <= 3) || layout == 7) {
     mgpu::parallel::DataParallelOptions options;
     options.seed = 1;
     options.clip_norm = 1.0f;
-    options.zero_stage = layout == 1 ? 0 : 1;
+    options.zero_stage = layout == 1 ? 0 : layout == 7 ? 2 : 1;
+    if (layout == 7) options.bucket_cap_bytes = options.first_bucket_cap_bytes = std::size_t{1} << 20;  // below a block: one each
+    model_layout = {.data_parallel = group.size(), .zero_stage = options.zero_stage, .bucket_cap_bytes = options.bucket_cap_bytes,
+                    .first_bucket_cap_bytes = options.first_bucket_cap_bytes};
     options.loss = std::make_shared<mgpu::nn::TokenCrossEntropy>();
     dp = std::make_unique<mgpu::parallel::DataParallel>(mgpu::nn::gpt(shape.config), group, one.adamw, std::move(options));
-  } else if (layout == 4 || layout == 6) {
+  } else if (layout == 4 || layout == 6 || layout == 8) {
     tp = std::make_unique<mgpu::parallel::TensorParallel>(
         group, shape.config,
-        mgpu::parallel::TensorParallelOptions{.adamw = adamw, .clip_norm = 1.0f, .data_parallel = layout == 6 ? 2 : 1});
+        mgpu::parallel::TensorParallelOptions{
+            .adamw = adamw, .clip_norm = 1.0f, .data_parallel = layout == 6 ? 2 : 1, .sequence_parallel = layout == 8});
+    model_layout = {.data_parallel = layout == 6 ? 2 : 1, .tensor_parallel = 2};
   } else if (layout == 5) {
     mgpu::nn::Sequential const model = mgpu::nn::gpt(shape.config);
     std::vector<std::size_t> const points = model.cut_points();
@@ -295,8 +305,9 @@ void BM_gpt_layouts(benchmark::State& state) {
       auto const off = [&](std::size_t p) { return std::abs(static_cast<double>(p) - static_cast<double>(model.size()) / 2); };
       return off(a) < off(b);
     });
+    model_layout = {.cuts = {0, middle, model.size()}, .micro_batches = 4};
     pp = std::make_unique<mgpu::pipeline::Executor>(
-        model, group, std::vector<std::size_t>{0, middle, model.size()}, mgpu::pipeline::one_f_one_b(2, 4),
+        model, group, model_layout.cuts, mgpu::pipeline::one_f_one_b(2, 4),
         [&adamw](mgpu::nn::Sequential const& chunk) {
           mgpu::optim::AdamWOptions options = adamw;
           options.decay_ranges = chunk.matrix_ranges();
@@ -339,9 +350,15 @@ void BM_gpt_layouts(benchmark::State& state) {
   state.SetLabel(std::string(shape.name) + ", " + names[layout]);
   state.counters["tokens_per_s"] = static_cast<double>(one.tokens()) / median(step_s);
   state.counters["peak_bytes_device"] = peak;
+  if (layout != 8) {
+    double predicted = 0;
+    for (mgpu::parallel::GptMemory const& m : mgpu::parallel::predict_gpt_memory(shape.config, shape.batch, model_layout))
+      predicted = std::max(predicted, static_cast<double>(m.total()));
+    state.counters["predicted_peak_bytes_device"] = predicted;
+  }
   state.counters["devices"] = static_cast<double>(allocators.size());
 }
-BENCHMARK(BM_gpt_layouts)->DenseRange(0, 6)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(4);
+BENCHMARK(BM_gpt_layouts)->DenseRange(0, 8)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(4);
 
 void BM_attention(benchmark::State& state) {
   Shape const& shape = shapes[state.range(0)];

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Renders bench_gpt's BM_gpt_layouts rows (its Google Benchmark JSON) as a PNG: each layout's peak
-# bytes per device, beside its tokens/s. Uses matplotlib from the scripts' own venv (scripts/venv.sh
+# Renders bench_gpt's BM_gpt_layouts rows (its Google Benchmark JSON; the medians when it holds
+# repetitions) as a PNG: each layout's peak bytes per device with the memory model's prediction
+# (a black mark) where there is one, beside its tokens/s. Uses matplotlib from the scripts' own venv (scripts/venv.sh
 # plot, pinned in scripts/requirements/plot.txt; CI does not run this script).
 # Usage: scripts/plot-layouts.sh bench_gpt.json layouts.png ["title"]
 set -euo pipefail
@@ -17,7 +18,8 @@ import matplotlib.pyplot as plt
 
 source, target, title = sys.argv[1], sys.argv[2], sys.argv[3]
 with open(source) as f:
-    rows = [b for b in json.load(f)["benchmarks"] if b["name"].startswith("BM_gpt_layouts/")]
+    rows = [b for b in json.load(f)["benchmarks"] if b["name"].startswith("BM_gpt_layouts/")
+            and b.get("aggregate_name", "median") == "median"]
 if not rows:
     sys.exit(f"{source}: no BM_gpt_layouts rows (expected bench_gpt's JSON output)")
 labels = [r["label"].split(", ", 1)[1] for r in rows]
@@ -25,7 +27,11 @@ peaks = [r["peak_bytes_device"] / 2**20 for r in rows]
 speeds = [r["tokens_per_s"] / 1e3 for r in rows]
 fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.8), dpi=100, sharey=True)
 y = range(len(rows))
-left.barh(y, peaks, color="tab:blue")
+left.barh(y, peaks, color="tab:blue", label="measured")
+predicted = [(i, r["predicted_peak_bytes_device"] / 2**20) for i, r in enumerate(rows) if "predicted_peak_bytes_device" in r]
+if predicted:
+    left.scatter([p for _, p in predicted], [i for i, _ in predicted], marker="|", s=200, color="black", label="predicted")
+    left.legend(fontsize=7, loc="lower right")
 left.set_yticks(list(y), labels, fontsize=8)
 left.invert_yaxis()
 left.set_xlabel("peak MiB per device (allocator)")
