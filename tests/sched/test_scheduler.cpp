@@ -252,7 +252,8 @@ TEST_CASE("Tensor-parallel groups sit on the best links: an exhaustive search's 
   SECTION("random links: the grouping scores as the best of every permutation cut into groups") {
     std::mt19937 rng(11);
     std::uniform_real_distribution<double> quality(0.0, 1.0);
-    for (auto [n, size] : {std::pair{6, 2}, std::pair{6, 3}, std::pair{8, 2}, std::pair{8, 4}}) {
+    for (std::pair<int, int> const& shape : {std::pair{6, 2}, std::pair{6, 3}, std::pair{8, 2}, std::pair{8, 4}}) {
+      int const n = shape.first, size = shape.second;  // not a structured binding: Clang before 16 cannot capture those
       for (int trial = 0; trial < 5; ++trial) {
         NodeState node = node_of(n);
         for (auto& d : node.devices)
