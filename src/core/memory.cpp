@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iterator>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -248,32 +249,32 @@ void Allocator::release(void* data, std::size_t block, bool pinned) noexcept {
 
 void Allocator::record_use(void* data, Stream& stream) {
   std::uint64_t const id = detail::StreamInternals::id(stream);
-  if (stream.device().kind != DeviceKind::cuda) {  // no marker to place: the stream counts its work
-    auto [progress, position] = detail::StreamInternals::host_position(stream);
-    std::lock_guard lock(mutex_);
-    std::vector<StreamUse>& uses = uses_[data];
-    auto it = std::find_if(uses.begin(), uses.end(), [&](StreamUse const& u) { return u.stream == id; });
-    if (it == uses.end()) {
-      uses.push_back({id, -1, nullptr, std::move(progress), position});
-    } else {
-      it->position = std::max(it->position, position);
-    }
-    return;
-  }
+  bool const cuda = stream.device().kind == DeviceKind::cuda;
+  // A host stream needs no marker placed: it counts the work it has run.
+  std::optional<detail::StreamInternals::HostPosition> host;
+  if (!cuda) host = detail::StreamInternals::host_position(stream);
   std::lock_guard lock(mutex_);
   std::vector<StreamUse>& uses = uses_[data];
   auto it = std::find_if(uses.begin(), uses.end(), [&](StreamUse const& u) { return u.stream == id; });
   if (it == uses.end()) {
-    StreamUse use{id, stream.device().index, nullptr, nullptr, 0};
-    if (auto& spare = spare_events_[use.ordinal]; !spare.empty()) {
-      use.event = spare.back();
-      spare.pop_back();
-    } else {
-      use.event = detail::cuda::event_create_untimed(use.ordinal);
+    StreamUse use{id, -1, nullptr, host ? std::move(host->progress) : nullptr, 0};
+    if (cuda) {
+      use.ordinal = stream.device().index;
+      if (auto& spare = spare_events_[use.ordinal]; !spare.empty()) {
+        use.event = spare.back();
+        spare.pop_back();
+      } else {
+        use.event = detail::cuda::event_create_untimed(use.ordinal);
+      }
     }
     it = uses.insert(uses.end(), std::move(use));
   }
-  detail::cuda::event_record(it->event, stream.native_handle());  // a later use on the same stream moves the marker
+  // A later use on the same stream moves the marker.
+  if (cuda) {
+    detail::cuda::event_record(it->event, stream.native_handle());
+  } else {
+    it->position = std::max(it->position, host->position);
+  }
 }
 
 bool Allocator::StreamUse::finished() const {

@@ -135,7 +135,6 @@ struct Stream::Impl {
   void finish(std::exception_ptr const& failure) {
     if (failure && !error) error = failure;
     ++completed;
-    progress->store(completed.load(std::memory_order_relaxed), std::memory_order_release);
     // Only synchronize() waits here, for an empty queue: waking it after every task would cost
     // a system call per task and wake a thread that goes straight back to sleep.
     if (completed == submitted) done_cv.notify_all();
@@ -242,10 +241,10 @@ struct Stream::Impl {
   std::deque<Task> tasks;
   // Changed under `mutex` (for the condition variables), read without it while spinning.
   std::atomic<std::uint64_t> submitted{0};
-  std::atomic<std::uint64_t> completed{0};
-  // `completed`, shared with the allocator's records of the host-stream work that uses a freed
-  // block (StreamInternals::host_position): they may outlive the stream.
+  // The count of work run, shared with the allocator's records of the host-stream work that uses a
+  // freed block (StreamInternals::host_position), which may outlive the stream.
   std::shared_ptr<std::atomic<std::uint64_t>> const progress = std::make_shared<std::atomic<std::uint64_t>>(0);
+  std::atomic<std::uint64_t>& completed = *progress;
   // The stream whose idle-time work this thread runs itself (Stream::InlineScope).
   static inline thread_local Impl* inline_caller = nullptr;
   bool stopping = false;
