@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <string>
 
+#include <mgpu/core/device_group.hpp>
 #include <mgpu/core/error.hpp>
 #include <mgpu/core/memory.hpp>
 #include <mgpu/nn/transformer.hpp>
@@ -49,8 +50,8 @@ std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_
     throw Error(Errc::invalid_argument, what + " and " + std::to_string(m) + " micro-batches (expected 1 <= micro_batches <= rows)");
   auto const c = static_cast<double>(config.n_embd), heads = static_cast<double>(config.n_head);
   auto const vocab = static_cast<double>(config.vocab), t = static_cast<double>(config.block_size);
-  std::vector<double> tokens;  // per micro-batch
-  for (int i = 0; i < m; ++i) tokens.push_back(static_cast<double>(rows / m + (i < rows % m ? 1 : 0)) * t);
+  std::vector<double> tokens;  // per micro-batch, split as the executor splits the rows
+  for (std::int64_t const r : shard_sizes(rows, m)) tokens.push_back(static_cast<double>(r) * t);
   auto const stages = static_cast<int>(cuts.size()) - 1;
   std::vector<GptMemory> out;
   for (int s = 0; s < stages; ++s) {
@@ -104,9 +105,25 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
 
   auto const c = static_cast<double>(config.n_embd), heads = static_cast<double>(config.n_head);
   auto const t = static_cast<double>(ranks), layers = static_cast<double>(config.n_layer);
+  // With ZeRO 1 and 2 (data parallelism alone) a rank owns 1/N of each bucket and its last
+  // (size mod N) elements; ZeRO-2 writes the gradients into staging buffers: up to two of the
+  // largest bucket but the last (one per bucket before the last), and one of the last.
+  bool const sharded = ranks == 1 && replicas > 1 && layout.zero_stage >= 1;
+  double owned = 0, staging = 0, last_bucket = 0;
+  std::size_t staging_buffers = 0;
+  if (sharded) {
+    std::vector<Bucket> const buckets = detail::plan_buckets(whole_model, layout.first_bucket_cap_bytes, layout.bucket_cap_bytes);
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      owned += static_cast<double>(buckets[b].size() / replicas + buckets[b].size() % replicas);
+      if (b + 1 < buckets.size()) staging = std::max(staging, static_cast<double>(buckets[b].size()));
+    }
+    last_bucket = static_cast<double>(buckets.back().size());
+    staging_buffers = std::min<std::size_t>(2, buckets.size() - 1);
+  }
   std::vector<GptMemory> out;
+  std::vector<std::int64_t> const replica_rows = shard_sizes(rows, replicas);  // as the executors split them
   for (int a = 0; a < replicas; ++a) {
-    double const n = static_cast<double>((rows / replicas + (a < rows % replicas ? 1 : 0)) * config.block_size);
+    double const n = static_cast<double>(replica_rows[static_cast<std::size_t>(a)] * config.block_size);
     for (int r = 0; r < ranks; ++r) {
       auto const [begin, end] = vocab_shard(config.vocab, ranks, r);
       auto const vocab = static_cast<double>(end - begin);
@@ -117,20 +134,9 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
                                              static_cast<double>(config.block_size) * c + 2 * c;
       GptMemory m;
       m.parameters = m.gradients = floats(params);
-      m.optimizer = 2 * floats(params);
-      if (ranks == 1 && replicas > 1 && layout.zero_stage >= 1) {
-        // A rank owns 1/N of each bucket and its last (size mod N) elements.
-        std::vector<Bucket> const buckets = detail::plan_buckets(whole_model, layout.first_bucket_cap_bytes, layout.bucket_cap_bytes);
-        double owned = 0, staging = 0;
-        for (std::size_t b = 0; b < buckets.size(); ++b) {
-          owned += static_cast<double>(buckets[b].size() / replicas + buckets[b].size() % replicas);
-          if (b + 1 < buckets.size()) staging = std::max(staging, static_cast<double>(buckets[b].size()));
-        }
-        m.optimizer = 2 * floats(owned);
-        if (layout.zero_stage == 2)  // the owned gradients, and the staging buffers the layers write into
-          m.gradients = floats(owned) + std::min<std::size_t>(2, buckets.size() - 1) * floats(staging) +
-                        floats(static_cast<double>(buckets.back().size()));
-      }
+      m.optimizer = 2 * floats(sharded ? owned : params);
+      if (sharded && layout.zero_stage == 2)  // the owned gradients, and the staging buffers the layers write into
+        m.gradients = floats(owned) + staging_buffers * floats(staging) + floats(last_bucket);
       m.activations = static_cast<std::size_t>(layers) * block_bytes(n, c, heads, t, config.recompute);
       if (config.recompute == nn::Recompute::full)  // the rerun block, less its input
         m.activations += block_bytes(n, c, heads, t, nn::Recompute::none) - floats(n * c);

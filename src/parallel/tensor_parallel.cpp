@@ -611,8 +611,7 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
   std::int64_t const units = loss.count(targets, im.group->stream(0));
   // Replica a's rows [offsets[a], offsets[a + 1]): the first rows mod A replicas take one more.
   std::vector<std::int64_t> offsets{0};
-  for (int a = 0; a < im.replicas; ++a)
-    offsets.push_back(offsets.back() + rows / im.replicas + (a < rows % im.replicas ? 1 : 0));
+  for (std::int64_t const n : shard_sizes(rows, im.replicas)) offsets.push_back(offsets.back() + n);
   std::vector<double> shares(static_cast<std::size_t>(im.replicas), 0.0);
   StepResult result;
   im.group->run([&](int rank, Device device, Stream& stream) {
