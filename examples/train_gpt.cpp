@@ -693,11 +693,11 @@ int run(Options o) {
     peaks += (r ? ", " : "") + std::to_string(peak);
   }
   // The memory model's prediction of those peaks, for the layouts it covers (one process, float32;
-  // pipelines of one replica with GPipe or 1F1B; tensor parallelism without sequence parallelism).
+  // GPipe or 1F1B pipelines and their replicas; tensor parallelism without sequence parallelism).
   std::string predicted = "null";
-  bool const modelled_pipeline = !pipeline || (o.dp == 1 && (o.schedule == "gpipe" || o.schedule == "1f1b"));
+  bool const modelled_pipeline = !pipeline || o.schedule == "gpipe" || o.schedule == "1f1b";
   if (!across && modelled_pipeline && o.precision == "fp32" && !o.sequence_parallel) {
-    mgpu::parallel::GptLayout const layout{.data_parallel = parallel ? static_cast<int>(group.size()) : tensor ? o.dp : 1,
+    mgpu::parallel::GptLayout const layout{.data_parallel = parallel ? static_cast<int>(group.size()) : o.dp,
                                            .tensor_parallel = tensor ? o.tp : 1,
                                            .zero_stage = parallel ? o.zero : 0,
                                            .bucket_cap_bytes = bucket_cap,

@@ -32,7 +32,8 @@ std::size_t block_bytes(double n, double c, double heads, double t, nn::Recomput
   return bytes;
 }
 
-// Each stage of a pipeline of one replica (layout.cuts), for `rows` rows of `config.block_size` tokens.
+// Each stage of each replica of a pipeline (layout.cuts; replica a's stages are devices
+// a * stages ...), for `rows` rows of `config.block_size` tokens split over the replicas.
 std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_t rows, GptLayout const& layout,
                                         std::string const& what) {
   nn::Sequential const model = nn::gpt(config);
@@ -42,43 +43,46 @@ std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_
   if (!increasing)
     throw Error(Errc::invalid_argument, what + " and " + std::to_string(cuts.size()) + " cuts (expected cuts from 0 to the model's " +
                                             std::to_string(model.size()) + " layers, increasing)");
-  if (layout.data_parallel != 1 || layout.tensor_parallel != 1)
-    throw Error(Errc::invalid_argument, what + " and a pipeline (expected data_parallel and tensor_parallel 1 with cuts: "
-                                               "not modelled yet)");
+  if (layout.tensor_parallel != 1)
+    throw Error(Errc::invalid_argument, what + " and a pipeline (expected tensor_parallel 1 with cuts: not modelled yet)");
   int const m = layout.micro_batches;
-  if (m < 1 || rows < m)
-    throw Error(Errc::invalid_argument, what + " and " + std::to_string(m) + " micro-batches (expected 1 <= micro_batches <= rows)");
+  std::vector<std::int64_t> const replica_rows = shard_sizes(rows, layout.data_parallel);  // as the executor splits them
+  if (m < 1 || replica_rows.back() < m)
+    throw Error(Errc::invalid_argument, what + " and " + std::to_string(m) +
+                                            " micro-batches (expected 1 <= micro_batches <= each replica's rows)");
   auto const c = static_cast<double>(config.n_embd), heads = static_cast<double>(config.n_head);
   auto const vocab = static_cast<double>(config.vocab), t = static_cast<double>(config.block_size);
-  std::vector<double> tokens;  // per micro-batch, split as the executor splits the rows
-  for (std::int64_t const r : shard_sizes(rows, m)) tokens.push_back(static_cast<double>(r) * t);
   auto const stages = static_cast<int>(cuts.size()) - 1;
   std::vector<GptMemory> out;
-  for (int s = 0; s < stages; ++s) {
-    std::size_t const first = cuts[static_cast<std::size_t>(s)], end = cuts[static_cast<std::size_t>(s) + 1];
-    double params = 0, blocks = 0;
-    bool head = false;
-    for (std::size_t l = first; l < end; ++l) {
-      nn::Layer const& layer = model.layer(l);
-      params += static_cast<double>(layer.parameter_count());
-      blocks += dynamic_cast<nn::TransformerBlock const*>(&layer) != nullptr ? 1 : 0;
-      head = head || dynamic_cast<nn::TiedLMHead const*>(&layer) != nullptr;
+  for (std::int64_t const replica : replica_rows) {
+    std::vector<double> tokens;  // per micro-batch, split as the executor splits the rows
+    for (std::int64_t const r : shard_sizes(replica, m)) tokens.push_back(static_cast<double>(r) * t);
+    for (int s = 0; s < stages; ++s) {
+      std::size_t const first = cuts[static_cast<std::size_t>(s)], end = cuts[static_cast<std::size_t>(s) + 1];
+      double params = 0, blocks = 0;
+      bool head = false;
+      for (std::size_t l = first; l < end; ++l) {
+        nn::Layer const& layer = model.layer(l);
+        params += static_cast<double>(layer.parameter_count());
+        blocks += dynamic_cast<nn::TransformerBlock const*>(&layer) != nullptr ? 1 : 0;
+        head = head || dynamic_cast<nn::TiedLMHead const*>(&layer) != nullptr;
+      }
+      if (head && first > 0) params += vocab * c;  // its own copy of wte
+      GptMemory g;
+      g.parameters = g.gradients = floats(params);
+      g.optimizer = 2 * floats(params);
+      // The first micro-batches are the largest, and in flight together.
+      int const in_flight = layout.gpipe ? m : std::min(m, stages - s);
+      for (int i = 0; i < in_flight; ++i) {
+        double const n = tokens[static_cast<std::size_t>(i)];
+        g.activations += static_cast<std::size_t>(blocks) * block_bytes(n, c, heads, 1, config.recompute) + floats(n * c);
+        if (head) g.workspace += floats(n * c) + floats(2 * n) + floats(n * vocab);  // the final LayerNorm's, the logits'
+      }
+      if (config.recompute == nn::Recompute::full && blocks > 0)
+        g.activations += block_bytes(tokens[0], c, heads, 1, nn::Recompute::none) - floats(tokens[0] * c);
+      g.workspace += floats(tokens[0] * (head ? std::max(7 * c, vocab) : 7 * c));
+      out.push_back(g);
     }
-    if (head && first > 0) params += vocab * c;  // its own copy of wte
-    GptMemory g;
-    g.parameters = g.gradients = floats(params);
-    g.optimizer = 2 * floats(params);
-    // The first micro-batches are the largest, and in flight together.
-    int const in_flight = layout.gpipe ? m : std::min(m, stages - s);
-    for (int i = 0; i < in_flight; ++i) {
-      double const n = tokens[static_cast<std::size_t>(i)];
-      g.activations += static_cast<std::size_t>(blocks) * block_bytes(n, c, heads, 1, config.recompute) + floats(n * c);
-      if (head) g.workspace += floats(n * c) + floats(2 * n) + floats(n * vocab);  // the final LayerNorm's, the logits'
-    }
-    if (config.recompute == nn::Recompute::full && blocks > 0)
-      g.activations += block_bytes(tokens[0], c, heads, 1, nn::Recompute::none) - floats(tokens[0] * c);
-    g.workspace += floats(tokens[0] * (head ? std::max(7 * c, vocab) : 7 * c));
-    out.push_back(g);
   }
   return out;
 }
