@@ -36,7 +36,7 @@
 //                         gradients, optimizer state, activations, buffers; as train_gpt --json's
 //                         peak_bytes; blocks are reused in stream order, as on a GPU);
 //     predicted_peak_bytes_device  the memory model's prediction of that peak
-//                         (parallel::predict_gpt_memory; not for layout 8, which it does not model);
+//                         (parallel::predict_gpt_memory);
 //     devices             how many devices the layout uses.
 //   BM_gpt_plan: the planner (plan::plan_gpt) on the nano shape over host:2: the costs measured
 //   (plan::measure_gpt_costs), a budget per device that the largest quarter of the layouts'
@@ -290,9 +290,8 @@ struct LayoutRun {
   std::unique_ptr<mgpu::pipeline::Executor> pp;
   std::int64_t next = 0;
 
-  // `bucket_cap`: DataParallelOptions' caps (0: its defaults); `sequence_parallel`: TensorParallel's.
-  LayoutRun(GptTrainer& trainer, mgpu::DeviceGroup& group, mgpu::plan::Layout const& layout, std::size_t bucket_cap = 0,
-            bool sequence_parallel = false)
+  // `bucket_cap`: DataParallelOptions' caps (0: its defaults).
+  LayoutRun(GptTrainer& trainer, mgpu::DeviceGroup& group, mgpu::plan::Layout const& layout, std::size_t bucket_cap = 0)
       : one(trainer) {
     mgpu::nn::GptConfig config = one.shape.config;
     config.recompute = layout.recompute;
@@ -314,7 +313,7 @@ struct LayoutRun {
           mgpu::parallel::TensorParallelOptions{.adamw = adamw_options,
                                                 .clip_norm = 1.0f,
                                                 .data_parallel = layout.data_parallel,
-                                                .sequence_parallel = sequence_parallel});
+                                                .sequence_parallel = layout.sequence_parallel});
     } else if (group.size() > 1) {
       mgpu::parallel::DataParallelOptions options;
       options.seed = 1;
@@ -374,6 +373,7 @@ void BM_gpt_layouts(benchmark::State& state) {
   mgpu::plan::Layout model{.data_parallel = layout == 6 ? 2 : layout == 4 || layout == 5 || layout == 8 ? 1 : group.size(),
                            .tensor_parallel = layout == 4 || layout == 6 || layout == 8 ? 2 : 1,
                            .zero_stage = layout == 1 || layout == 0 ? 0 : layout == 7 ? 2 : 1,
+                           .sequence_parallel = layout == 8,
                            .recompute = layout == 3 ? mgpu::nn::Recompute::full : mgpu::nn::Recompute::none};
   if (model.tensor_parallel > 1) model.zero_stage = 0;
   if (layout == 5) {  // two stages cut at the middle cut point, 4 micro-batches
@@ -386,30 +386,29 @@ void BM_gpt_layouts(benchmark::State& state) {
     model.stages = 2, model.micro_batches = 4, model.cuts = {0, middle, whole.size()};
   }
   std::size_t const bucket_cap = layout == 7 ? std::size_t{1} << 20 : 0;  // ZeRO-2: below a block, a bucket each
-  LayoutRun run(one, group, model, bucket_cap, layout == 8);
+  LayoutRun run(one, group, model, bucket_cap);
   std::vector<mgpu::Allocator*> allocators;
   for (int r = 0; r < group.size(); ++r) allocators.push_back(layout == 0 ? one.allocator.get() : &group.allocator(r));
   Timed const timed = time_steps(state, run, allocators);
   state.SetLabel(std::string(shape.name) + ", " + names[layout]);
   state.counters["tokens_per_s"] = static_cast<double>(one.tokens()) / timed.step_s;
   state.counters["peak_bytes_device"] = timed.peak_bytes;
-  if (layout != 8) {
-    mgpu::nn::GptConfig config = shape.config;
-    config.recompute = model.recompute;
-    mgpu::parallel::DataParallelOptions const defaults;
-    double predicted = 0;
-    for (mgpu::parallel::GptMemory const& m : mgpu::parallel::predict_gpt_memory(
-             config, shape.batch,
-             {.data_parallel = model.data_parallel,
-              .tensor_parallel = model.tensor_parallel,
-              .zero_stage = model.zero_stage,
-              .bucket_cap_bytes = bucket_cap > 0 ? bucket_cap : defaults.bucket_cap_bytes,
-              .first_bucket_cap_bytes = bucket_cap > 0 ? bucket_cap : defaults.first_bucket_cap_bytes,
-              .cuts = model.cuts,
-              .micro_batches = model.micro_batches}))
-      predicted = std::max(predicted, static_cast<double>(m.total()));
-    state.counters["predicted_peak_bytes_device"] = predicted;
-  }
+  mgpu::nn::GptConfig config = shape.config;
+  config.recompute = model.recompute;
+  mgpu::parallel::DataParallelOptions const defaults;
+  double predicted = 0;
+  for (mgpu::parallel::GptMemory const& m : mgpu::parallel::predict_gpt_memory(
+           config, shape.batch,
+           {.data_parallel = model.data_parallel,
+            .tensor_parallel = model.tensor_parallel,
+            .zero_stage = model.zero_stage,
+            .bucket_cap_bytes = bucket_cap > 0 ? bucket_cap : defaults.bucket_cap_bytes,
+            .first_bucket_cap_bytes = bucket_cap > 0 ? bucket_cap : defaults.first_bucket_cap_bytes,
+            .cuts = model.cuts,
+            .micro_batches = model.micro_batches,
+            .sequence_parallel = model.sequence_parallel}))
+    predicted = std::max(predicted, static_cast<double>(m.total()));
+  state.counters["predicted_peak_bytes_device"] = predicted;
   state.counters["devices"] = static_cast<double>(allocators.size());
 }
 BENCHMARK(BM_gpt_layouts)->DenseRange(0, 8)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(4);

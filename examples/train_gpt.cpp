@@ -43,6 +43,11 @@
 //                               (--block-size divisible by N)
 // --recompute none|selective|full (nn::Recompute) trades memory for recomputed forward work in any
 // layout, the losses unchanged bit for bit.
+// --plan auto (plan::plan_gpt) chooses the layout instead of the flags above: it measures the
+// model's costs on --devices (default host:cores), weighs every data x tensor x pipeline split of
+// them with each ZeRO stage, recomputation mode and micro-batch count, drops those the memory model
+// says exceed --device-memory MiB (default: the devices' free memory) and runs the one predicted
+// fastest, printing it and the runner-up (--json: "plan").
 // Every layout gives the one-device losses within float32 rounding, and (but --tp) writes
 // checkpoints in one format, so a run may resume on another layout. --devices defaults to
 // host:(stages x dp), or host:(dp x N) with --tp N. Evaluation, sampling and --save-llmc read a float32
@@ -378,6 +383,7 @@ Planned plan_layout(Options& o, mgpu::nn::GptConfig const& config, int processes
   mgpu::plan::Layout const& chosen = ranked.front().layout;
   o.dp = chosen.data_parallel, o.tp = chosen.tensor_parallel, o.stages = chosen.stages;
   o.zero = chosen.zero_stage, o.micro_batches = chosen.micro_batches, o.plan_cuts = chosen.cuts;
+  o.sequence_parallel = chosen.sequence_parallel;
   o.recompute = std::string(mgpu::nn::to_string(chosen.recompute));
   if (chosen.stages > 1) o.schedule = "1f1b";
   std::fprintf(log, "plan: %zu of %zu layouts over %s fit %.1f MiB per device; ranked by step time from measured costs\n",
@@ -395,9 +401,10 @@ std::string plan_json(std::optional<Planned> const& planned) {
   auto const layout = [](mgpu::plan::Candidate const& c) {
     char text[400];
     std::snprintf(text, sizeof text,
-                  "{\"dp\": %d, \"tp\": %d, \"pp\": %d, \"zero\": %d, \"recompute\": \"%s\", \"micro_batches\": %d, "
-                  "\"predicted_step_s\": %.6g, \"predicted_peak_bytes\": %zu}",
+                  "{\"dp\": %d, \"tp\": %d, \"pp\": %d, \"zero\": %d, \"sequence_parallel\": %s, \"recompute\": \"%s\", "
+                  "\"micro_batches\": %d, \"predicted_step_s\": %.6g, \"predicted_peak_bytes\": %zu}",
                   c.layout.data_parallel, c.layout.tensor_parallel, c.layout.stages, c.layout.zero_stage,
+                  c.layout.sequence_parallel ? "true" : "false",
                   std::string(mgpu::nn::to_string(c.layout.recompute)).c_str(), c.layout.micro_batches, c.step_seconds,
                   c.peak_bytes);
     return std::string(text);
@@ -772,10 +779,10 @@ int run(Options o) {
     peaks += (r ? ", " : "") + std::to_string(peak);
   }
   // The memory model's prediction of those peaks, for the layouts it covers (one process, float32;
-  // GPipe or 1F1B pipelines and their replicas; tensor parallelism without sequence parallelism).
+  // GPipe or 1F1B pipelines and their replicas; tensor parallelism).
   std::string predicted = "null";
   bool const modelled_pipeline = !pipeline || o.schedule == "gpipe" || o.schedule == "1f1b";
-  if (!across && modelled_pipeline && o.precision == "fp32" && !o.sequence_parallel) {
+  if (!across && modelled_pipeline && o.precision == "fp32") {
     mgpu::parallel::GptLayout const layout{.data_parallel = parallel ? static_cast<int>(group.size()) : o.dp,
                                            .tensor_parallel = tensor ? o.tp : 1,
                                            .zero_stage = parallel ? o.zero : 0,
@@ -783,7 +790,8 @@ int run(Options o) {
                                            .first_bucket_cap_bytes = first_bucket_cap,
                                            .cuts = cuts,
                                            .micro_batches = pipeline ? pipeline->schedule().micro_batches : 1,
-                                           .gpipe = o.schedule == "gpipe"};
+                                           .gpipe = o.schedule == "gpipe",
+                                           .sequence_parallel = o.sequence_parallel};
     predicted.clear();
     for (mgpu::parallel::GptMemory const& m : mgpu::parallel::predict_gpt_memory(config, o.batch_size, layout))
       predicted += (predicted.empty() ? "[" : ", ") + std::to_string(m.total());

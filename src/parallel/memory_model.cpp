@@ -21,13 +21,14 @@ std::size_t floats(double values) {
 }
 
 // What one transformer block keeps for backward, per tensor, for n tokens on one of t ranks (the
-// split tensors hold 1/t of their columns): LN1's output and statistics, qkv, the attention's
-// output and log-sum-exp, the residual stream h, LN2's output and statistics, the MLP's
-// pre-activation and GELU output, the block's output.
-std::size_t block_bytes(double n, double c, double heads, double t, nn::Recompute recompute) {
-  if (recompute == nn::Recompute::full) return floats(n * c);  // its input: the previous block's output
-  std::size_t bytes = floats(n * c) + floats(2 * n) + floats(3 * n * c / t) + floats(n * c) + floats(n * c) +
-                      floats(2 * n) + 2 * floats(4 * n * c / t) + floats(n * c);
+// split tensors hold 1/t of their columns; with sequence parallelism, s = t, the others hold 1/s
+// of the tokens): LN1's output and statistics, qkv, the attention's output and log-sum-exp, the
+// residual stream h, LN2's output and statistics, the MLP's pre-activation and GELU output, the
+// block's output.
+std::size_t block_bytes(double n, double c, double heads, double t, double s, nn::Recompute recompute) {
+  if (recompute == nn::Recompute::full) return floats(n * c / s);  // its input: the previous block's output
+  std::size_t bytes = floats(n * c / s) + floats(2 * n / s) + floats(3 * n * c / t) + floats(n * c / s) + floats(n * c / s) +
+                      floats(2 * n / s) + 2 * floats(4 * n * c / t) + floats(n * c / s);
   if (recompute == nn::Recompute::none) bytes += floats(n * c / t) + floats(n * heads / t);
   return bytes;
 }
@@ -75,11 +76,11 @@ std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_
       int const in_flight = layout.gpipe ? m : std::min(m, stages - s);
       for (int i = 0; i < in_flight; ++i) {
         double const n = tokens[static_cast<std::size_t>(i)];
-        g.activations += static_cast<std::size_t>(blocks) * block_bytes(n, c, heads, 1, config.recompute) + floats(n * c);
+        g.activations += static_cast<std::size_t>(blocks) * block_bytes(n, c, heads, 1, 1, config.recompute) + floats(n * c);
         if (head) g.workspace += floats(n * c) + floats(2 * n) + floats(n * vocab);  // the final LayerNorm's, the logits'
       }
       if (config.recompute == nn::Recompute::full && blocks > 0)
-        g.activations += block_bytes(tokens[0], c, heads, 1, nn::Recompute::none) - floats(tokens[0] * c);
+        g.activations += block_bytes(tokens[0], c, heads, 1, 1, nn::Recompute::none) - floats(tokens[0] * c);
       g.workspace += floats(tokens[0] * (head ? std::max(7 * c, vocab) : 7 * c));
       out.push_back(g);
     }
@@ -105,10 +106,14 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
   if (layout.zero_stage < 0 || layout.zero_stage > 2 || (layout.zero_stage == 2 && ranks > 1))
     throw Error(Errc::invalid_argument, what + " (expected zero_stage 0, 1 or 2, and 2 without tensor parallelism)");
   if (rows < replicas) throw Error(Errc::invalid_argument, what + " (expected at least one row per replica)");
+  if (layout.sequence_parallel && (ranks < 2 || config.block_size % ranks != 0 || !layout.cuts.empty()))
+    throw Error(Errc::invalid_argument, what + " and sequence parallelism over block_size " + std::to_string(config.block_size) +
+                                            " (expected tensor_parallel >= 2 dividing the block size, without a pipeline)");
   if (!layout.cuts.empty()) return predict_pipeline(config, rows, layout, what);
 
   auto const c = static_cast<double>(config.n_embd), heads = static_cast<double>(config.n_head);
   auto const t = static_cast<double>(ranks), layers = static_cast<double>(config.n_layer);
+  double const s = layout.sequence_parallel ? t : 1.0;
   // With ZeRO 1 and 2 (data parallelism alone) a rank owns 1/N of each bucket and its last
   // (size mod N) elements; ZeRO-2 writes the gradients into staging buffers: up to two of the
   // largest bucket but the last (one per bucket before the last), and one of the last.
@@ -141,9 +146,9 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
       m.optimizer = 2 * floats(sharded ? owned : params);
       if (sharded && layout.zero_stage == 2)  // the owned gradients, and the staging buffers the layers write into
         m.gradients = floats(owned) + staging_buffers * floats(staging) + floats(last_bucket);
-      m.activations = static_cast<std::size_t>(layers) * block_bytes(n, c, heads, t, config.recompute);
+      m.activations = static_cast<std::size_t>(layers) * block_bytes(n, c, heads, t, s, config.recompute);
       if (config.recompute == nn::Recompute::full)  // the rerun block, less its input
-        m.activations += block_bytes(n, c, heads, t, nn::Recompute::none) - floats(n * c);
+        m.activations += block_bytes(n, c, heads, t, s, nn::Recompute::none) - floats(n * c / s);
       // The final LayerNorm's output and statistics, the logits' (or their gradient's) and backward's
       // temporaries, as on a pipeline's last stage.
       m.workspace = floats(n * c) + floats(n * c) + floats(2 * n) + floats(n * vocab) + floats(n * std::max(8 * c / t - c, vocab));

@@ -53,7 +53,8 @@ parallel::GptLayout memory_layout(Layout const& layout) {
           .tensor_parallel = layout.tensor_parallel,
           .zero_stage = layout.zero_stage,
           .cuts = layout.cuts,
-          .micro_batches = layout.micro_batches};
+          .micro_batches = layout.micro_batches,
+          .sequence_parallel = layout.sequence_parallel};
 }
 
 nn::GptConfig with_recompute(nn::GptConfig config, nn::Recompute recompute) {
@@ -105,6 +106,7 @@ std::string to_string(Layout const& layout) {
   std::string text = "dp " + std::to_string(layout.data_parallel) + " x tp " + std::to_string(layout.tensor_parallel) + " x pp " +
                      std::to_string(layout.stages);
   if (layout.stages > 1) text += ", " + std::to_string(layout.micro_batches) + " micro-batches";
+  if (layout.sequence_parallel) text += ", sequence parallel";
   if (layout.data_parallel > 1 && layout.tensor_parallel == 1 && layout.stages == 1)
     text += ", ZeRO " + std::to_string(layout.zero_stage);
   return text + ", recompute " + std::string(nn::to_string(layout.recompute));
@@ -210,6 +212,8 @@ Plan plan_gpt(nn::GptConfig const& config, std::int64_t rows, int devices, GptCo
           bool const shards = d > 1 && t == 1 && options.zero;
           for (int zero = 0; zero <= (shards ? 2 : 0); ++zero)
             weigh({.data_parallel = d, .tensor_parallel = t, .zero_stage = zero, .recompute = recompute});
+          if (t > 1 && config.block_size % t == 0)
+            weigh({.data_parallel = d, .tensor_parallel = t, .sequence_parallel = true, .recompute = recompute});
           continue;
         }
         for (int k = 1; k <= 4 && s * k <= replica_rows; k *= 2) {

@@ -113,6 +113,28 @@ TEST_CASE("a pipeline of one stage holds what one device holds; stages hold thei
   CHECK(four[0].activations > three[0].activations);
 }
 
+TEST_CASE("sequence parallelism splits what a block keeps outside its split regions, nothing else", "[parallel][memory]") {
+  for (int ranks : {2, 4}) {
+    std::vector<par::GptMemory> const tp = par::predict_gpt_memory(config, 4, {.tensor_parallel = ranks});
+    std::vector<par::GptMemory> const sp = par::predict_gpt_memory(config, 4, {.tensor_parallel = ranks, .sequence_parallel = true});
+    REQUIRE(sp.size() == tp.size());
+    for (std::size_t r = 0; r < sp.size(); ++r) {
+      CHECK(sp[r].parameters == tp[r].parameters);
+      CHECK(sp[r].optimizer == tp[r].optimizer);
+      CHECK(sp[r].workspace == tp[r].workspace);
+      CHECK(sp[r].activations < tp[r].activations);
+    }
+  }
+  // Full recomputation keeps each block's input: 1/ranks of the tokens' residual stream.
+  mgpu::nn::GptConfig full = config;
+  full.recompute = mgpu::nn::Recompute::full;
+  std::vector<par::GptMemory> const tp = par::predict_gpt_memory(full, 4, {.tensor_parallel = 2});
+  std::vector<par::GptMemory> const sp = par::predict_gpt_memory(full, 4, {.tensor_parallel = 2, .sequence_parallel = true});
+  std::size_t const inputs = static_cast<std::size_t>(config.n_layer) * float_bytes(4 * config.block_size * config.n_embd);
+  std::size_t const split_inputs = static_cast<std::size_t>(config.n_layer) * float_bytes(2 * config.block_size * config.n_embd);
+  CHECK(tp[0].activations - sp[0].activations > inputs - split_inputs);
+}
+
 TEST_CASE("predict_gpt_memory refuses layouts it cannot place, naming them", "[parallel][memory]") {
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.tensor_parallel = 5}), mgpu::Errc::invalid_argument,
                      "tensor_parallel dividing n_head");
@@ -133,6 +155,10 @@ TEST_CASE("predict_gpt_memory refuses layouts it cannot place, naming them", "[p
                      "micro_batches <= each replica's rows");
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 5, {.data_parallel = 2, .cuts = {0, layers}, .micro_batches = 3}),
                      mgpu::Errc::invalid_argument, "micro_batches <= each replica's rows");
+  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.sequence_parallel = true}), mgpu::Errc::invalid_argument,
+                     "tensor_parallel >= 2 dividing the block size");
+  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.tensor_parallel = 3, .sequence_parallel = true}),
+                     mgpu::Errc::invalid_argument, "over block_size 8");
   mgpu::nn::GptConfig bad = config;
   bad.n_embd = 50;  // not a multiple of n_head
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(bad, 2, {}), mgpu::Errc::invalid_argument, "n_head dividing n_embd");

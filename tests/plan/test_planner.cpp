@@ -48,7 +48,8 @@ std::size_t predicted_peak(plan::Layout const& layout, std::int64_t rows) {
             .tensor_parallel = layout.tensor_parallel,
             .zero_stage = layout.zero_stage,
             .cuts = layout.cuts,
-            .micro_batches = layout.micro_batches}))
+            .micro_batches = layout.micro_batches,
+            .sequence_parallel = layout.sequence_parallel}))
     peak = std::max(peak, m.total());
   return peak;
 }
@@ -127,10 +128,11 @@ TEST_CASE("the step-time model: tensor parallelism from its measured costs, refu
 TEST_CASE("plan_gpt enumerates every layout over the devices and keeps those that fit, fastest first", "[plan]") {
   plan::GptCosts const costs = free_costs();
   plan::Plan const all = plan::plan_gpt(config, 8, 4, costs, {});
-  // dp 4 (ZeRO 0-2), dp 2 x tp 2, tp 4; pipelines of 2 stages (2 replicas; micro-batches 2, 4) and
-  // of 4 (micro-batches 4, 8): 3 + 1 + 1 + 2 + 2 layouts, each with 3 recomputation modes.
-  CHECK(all.considered == 27);
-  REQUIRE(all.candidates.size() == 27);
+  // dp 4 (ZeRO 0-2), dp 2 x tp 2 and tp 4 (each with and without sequence parallelism); pipelines
+  // of 2 stages (2 replicas; micro-batches 2, 4) and of 4 (micro-batches 4, 8): 3 + 2 + 2 + 2 + 2
+  // layouts, each with 3 recomputation modes.
+  CHECK(all.considered == 33);
+  REQUIRE(all.candidates.size() == 33);
   std::set<std::string> names;
   for (std::size_t i = 0; i < all.candidates.size(); ++i) {
     plan::Candidate const& c = all.candidates[i];
@@ -139,12 +141,13 @@ TEST_CASE("plan_gpt enumerates every layout over the devices and keeps those tha
     CHECK(l.data_parallel * l.tensor_parallel * l.stages == 4);
     CHECK((l.stages == 1 || l.tensor_parallel == 1));  // tensor-parallel stages are not run yet
     CHECK((l.zero_stage == 0 || (l.tensor_parallel == 1 && l.stages == 1)));
+    CHECK((!l.sequence_parallel || l.tensor_parallel > 1));
     CHECK(l.cuts.size() == (l.stages > 1 ? static_cast<std::size_t>(l.stages) + 1 : 0));
     CHECK(c.peak_bytes == predicted_peak(l, 8));  // the memory model's largest device
     CHECK(c.step_seconds == plan::predict_step_seconds(config, 8, l, costs));
     if (i > 0) CHECK(all.candidates[i - 1].step_seconds <= c.step_seconds);
   }
-  CHECK(names.size() == 27);
+  CHECK(names.size() == 33);
   // Free collectives and devices of their own: data parallelism over four devices is fastest.
   CHECK(all.candidates.front().layout.data_parallel == 4);
 
@@ -154,7 +157,7 @@ TEST_CASE("plan_gpt enumerates every layout over the devices and keeps those tha
   std::sort(peaks.begin(), peaks.end());
   std::size_t const budget = peaks[peaks.size() / 2];
   plan::Plan const some = plan::plan_gpt(config, 8, 4, costs, {.memory_bytes = budget});
-  CHECK(some.considered == 27);
+  CHECK(some.considered == 33);
   CHECK(some.candidates.size() == static_cast<std::size_t>(std::count_if(peaks.begin(), peaks.end(), [&](std::size_t p) { return p <= budget; })));
   for (plan::Candidate const& c : some.candidates) CHECK(c.peak_bytes <= budget);
 

@@ -1,6 +1,6 @@
 // A model of the memory one training step of a GPT takes on each device, in the layouts of one
-// process that the library runs it in (one device, data parallel with or without ZeRO-1, tensor
-// parallel, both, and GPipe or 1F1B pipelines and their replicas), in the caching allocator's bytes: what a planner
+// process that the library runs it in (one device, data parallel with ZeRO 0-2, tensor parallel
+// with or without sequence parallelism, both, and GPipe or 1F1B pipelines and their replicas), in the caching allocator's bytes: what a planner
 // weighs layouts by before running any.
 #pragma once
 
@@ -34,6 +34,10 @@ struct GptLayout {
   int micro_batches = 1;
   /// GPipe keeps every micro-batch in flight; 1F1B at most stages - s of them at stage s.
   bool gpipe = false;
+  /// TensorParallelOptions::sequence_parallel: what a block keeps outside its split regions (the
+  /// LayerNorms' outputs and statistics, the residual stream, its output) holds 1/tensor_parallel
+  /// of the tokens.
+  bool sequence_parallel = false;
 };
 
 /// One device's predicted peak, in allocator bytes (each tensor's block size, Allocator::block_size).
@@ -73,7 +77,8 @@ struct GptMemory {
 /// does not divide n_head or exceeds the vocab, a zero_stage other than 0, 1 or 2 (2: data
 /// parallelism only), cuts that do not
 /// run from 0 to the model's layer count in increasing steps, a replica with fewer rows than
-/// micro_batches, or a pipeline with tensor_parallel above 1 (not modelled).
+/// micro_batches, a pipeline with tensor_parallel above 1 (not modelled), or sequence_parallel
+/// without a tensor_parallel >= 2 that divides config.block_size, or with a pipeline.
 [[nodiscard]] std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int64_t rows,
                                                         GptLayout const& layout);
 

@@ -80,6 +80,9 @@ struct Layout {
   int stages = 1;
   /// DataParallelOptions::zero_stage (data parallelism alone; 0 otherwise).
   int zero_stage = 0;
+  /// TensorParallelOptions::sequence_parallel (with tensor parallelism; its step costs are taken
+  /// as tensor parallelism's: the same bytes gathered and scattered in place of the all-reduces).
+  bool sequence_parallel = false;
   nn::Recompute recompute = nn::Recompute::none;
   /// The pipeline's micro-batches (1 without one).
   int micro_batches = 1;
@@ -87,7 +90,8 @@ struct Layout {
   std::vector<std::size_t> cuts{};
 };
 
-/// "dp 2 x tp 1 x pp 2, 4 micro-batches, ZeRO 0, recompute none".
+/// "dp 2 x tp 1 x pp 2, 4 micro-batches, recompute none"; "dp 1 x tp 2 x pp 1, sequence parallel,
+/// recompute full"; "dp 2 x tp 1 x pp 1, ZeRO 1, recompute selective".
 [[nodiscard]] std::string to_string(Layout const& layout);
 
 /// A layout with its predictions.
@@ -114,8 +118,9 @@ struct Candidate {
 struct PlanOptions {
   /// Bytes each device may use: a layout fits when every device's predicted peak is at most this.
   std::size_t memory_bytes = std::numeric_limits<std::size_t>::max();
-  /// Layouts to weigh: tensor parallelism (degrees dividing n_head), pipelines (1F1B, micro-batches
-  /// stages x 1, 2, 4 up to a replica's rows, cut by predicted time) and the ZeRO stages 0-2.
+  /// Layouts to weigh: tensor parallelism (degrees dividing n_head; with and without sequence
+  /// parallelism where the degree divides the block size), pipelines (1F1B, micro-batches stages x
+  /// 1, 2, 4 up to a replica's rows, cut by predicted time) and the ZeRO stages 0-2.
   bool tensor_parallel = true;
   bool pipeline = true;
   bool zero = true;
