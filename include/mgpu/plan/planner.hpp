@@ -65,8 +65,8 @@ struct GptCosts {
 /// on rank 0, each part's forward + backward, timed layer by layer and scaled to the time of a
 /// whole pass without the per-layer waits, for each recomputation mode, and AdamW's update over
 /// the model; tensor parallelism over the first t devices for every degree t that divides
-/// n_head and the group's size (steps of TensorParallel on models of one and two blocks: their
-/// difference is a block, the rest the step's rest); and all-reduces over the whole group (one
+/// n_head and the group's size (the fastest of at least 5 steps of TensorParallel on models of
+/// one and two blocks: their difference is a block, the rest the step's rest); and all-reduces over the whole group (one
 /// value for the latency, 1 Mi values for the bandwidth). Throws Error(invalid_argument) for a bad
 /// config (nn::gpt's checks), no rows or a row count < 1, repeats < 1.
 [[nodiscard]] GptCosts measure_gpt_costs(nn::GptConfig const& config, DeviceGroup& group, std::vector<std::int64_t> const& rows,
