@@ -1,4 +1,5 @@
-// Fuzz target: Checkpoint::load (src/io/checkpoint.cpp). An input whose first byte is odd is the
+// Fuzz target: Checkpoint::load, and Checkpoint::index with read_record of every entry it lists
+// (src/io/checkpoint.cpp; the sharded checkpoint's lazy reader). An input whose first byte is odd is the
 // file as it is; otherwise the rest is the body after the version and gets a valid header and
 // trailer (magic, version 1, whole-file checksum, end marker), so the fuzzer reaches the records.
 #include <mgpu/io/checkpoint.hpp>
@@ -31,6 +32,9 @@ extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size
   mgpu::fuzz::expect_load_or_error(path.string(), [&] {
     auto const checkpoint = mgpu::io::Checkpoint::load(path);
     for (auto const& r : checkpoint.records()) (void)checkpoint.get(r.name);
+  });
+  mgpu::fuzz::expect_load_or_error(path.string(), [&] {
+    for (auto const& entry : mgpu::io::Checkpoint::index(path)) (void)mgpu::io::Checkpoint::read_record(path, entry);
   });
   return 0;
 }

@@ -104,6 +104,82 @@ class Reader {
   throw Error(Errc::io, what + " " + path.string() + ": " + std::strerror(errno));
 }
 
+// A record's header from `r` (a Reader, or a FileReader that reads no payload), checked: a known
+// type, extents >= 0, and a byte count that is the shape's. `r` is left at the payload.
+template <class Source>
+RecordEntry read_entry(Source& r, std::string const& name) {
+  RecordEntry e;
+  auto const name_length = r.template read<std::uint32_t>("a record name's length");
+  auto const* chars = reinterpret_cast<char const*>(r.take(name_length, "a record name"));
+  e.name.assign(chars, name_length);
+  std::size_t const at = r.offset();
+  e.type = static_cast<RecordType>(r.template read<std::uint8_t>("a record type"));
+  if (type_size(e.type) == 0)
+    throw Error(Errc::corrupt_data, name + ": record '" + e.name + "' has " + type_name(e.type) + " at byte " + std::to_string(at));
+  auto const rank = r.template read<std::uint8_t>("a record rank");
+  for (int d = 0; d < rank; ++d) {
+    e.shape.push_back(r.template read<std::int64_t>("a record extent"));
+    if (e.shape.back() < 0) throw Error(Errc::corrupt_data, name + ": record '" + e.name + "' has a negative extent");
+  }
+  e.size = r.template read<std::uint64_t>("a record size");
+  e.checksum = r.template read<std::uint64_t>("a record checksum");
+  // The shape's byte count, checked for overflow: extents come from the file.
+  std::uint64_t expected = type_size(e.type);
+  for (auto extent : e.shape) {
+    if (__builtin_mul_overflow(expected, static_cast<std::uint64_t>(extent), &expected))
+      throw Error(Errc::corrupt_data, name + ": record '" + e.name + "' has shape " + to_string(e.shape) + " of " + type_name(e.type) +
+                                          " (expected at most 2^64 bytes)");
+  }
+  if (e.size != expected)
+    throw Error(Errc::corrupt_data, name + ": record '" + e.name + "' holds " + std::to_string(e.size) + " bytes for " + type_name(e.type) +
+                                        " " + to_string(e.shape) + " (expected " + std::to_string(expected) + ")");
+  e.offset = r.offset();
+  return e;
+}
+
+// Reads a file's headers in place, as Reader reads bytes in memory; skip() passes a payload by.
+class FileReader {
+ public:
+  // Reads [start, end) of the file.
+  FileReader(std::ifstream& in, std::size_t start, std::size_t end, std::filesystem::path const& path)
+      : in_(in), end_(end), at_(start), path_(path) {
+    in_.seekg(static_cast<std::streamoff>(start));
+  }
+  template <class T>
+  T read(char const* what) {
+    T value;
+    std::memcpy(&value, take(sizeof(T), what), sizeof(T));
+    return value;
+  }
+  std::byte const* take(std::size_t n, char const* what) {
+    check(n, what);
+    buffer_.resize(n);
+    in_.read(reinterpret_cast<char*>(buffer_.data()), static_cast<std::streamsize>(n));
+    if (!in_) fail_io("reading", path_);
+    at_ += n;
+    return buffer_.data();
+  }
+  void skip(std::size_t n, char const* what) {
+    check(n, what);
+    at_ += n;
+    in_.seekg(static_cast<std::streamoff>(at_));
+  }
+  [[nodiscard]] std::size_t offset() const noexcept { return at_; }
+
+ private:
+  void check(std::size_t n, char const* what) const {
+    if (n > end_ - at_)
+      throw Error(Errc::corrupt_data, path_.string() + ": truncated: " + what + " at byte " + std::to_string(at_) + " needs " +
+                                          std::to_string(n) + " bytes, " + std::to_string(end_ - at_) +
+                                          " left (expected a complete checkpoint)");
+  }
+  std::ifstream& in_;
+  std::size_t end_;
+  std::size_t at_;
+  std::filesystem::path const& path_;
+  std::vector<std::byte> buffer_;
+};
+
 }  // namespace
 
 Record& Checkpoint::slot(std::string const& name) {
@@ -266,39 +342,61 @@ Checkpoint Checkpoint::load(std::filesystem::path const& path) {
   auto const records = r.read<std::uint32_t>("the record count");
   Checkpoint checkpoint;
   for (std::uint32_t i = 0; i < records; ++i) {
-    Record rec;
-    auto const name_length = r.read<std::uint32_t>("a record name's length");
-    auto const* chars = reinterpret_cast<char const*>(r.take(name_length, "a record name"));
-    rec.name.assign(chars, name_length);
-    std::size_t const at = r.offset();
-    rec.type = static_cast<RecordType>(r.read<std::uint8_t>("a record type"));
-    if (type_size(rec.type) == 0)
-      throw Error(Errc::corrupt_data, name + ": record '" + rec.name + "' has " + type_name(rec.type) + " at byte " + std::to_string(at));
-    auto const rank = r.read<std::uint8_t>("a record rank");
-    for (int d = 0; d < rank; ++d) {
-      rec.shape.push_back(r.read<std::int64_t>("a record extent"));
-      if (rec.shape.back() < 0) throw Error(Errc::corrupt_data, name + ": record '" + rec.name + "' has a negative extent");
-    }
-    auto const size = r.read<std::uint64_t>("a record size");
-    auto const sum = r.read<std::uint64_t>("a record checksum");
-    // The shape's byte count, checked for overflow: extents come from the file.
-    std::uint64_t expected = type_size(rec.type);
-    for (auto e : rec.shape) {
-      if (__builtin_mul_overflow(expected, static_cast<std::uint64_t>(e), &expected))
-        throw Error(Errc::corrupt_data, name + ": record '" + rec.name + "' has shape " + to_string(rec.shape) + " of " + type_name(rec.type) +
-                                            " (expected at most 2^64 bytes)");
-    }
-    if (size != expected)
-      throw Error(Errc::corrupt_data, name + ": record '" + rec.name + "' holds " + std::to_string(size) + " bytes for " + type_name(rec.type) +
-                                          " " + to_string(rec.shape) + " (expected " + std::to_string(expected) + ")");
-    auto const* payload = r.take(size, "a record's data");
-    if (XXH64(payload, size, 0) != sum) throw Error(Errc::corrupt_data, name + ": checksum mismatch in record '" + rec.name + "'");
-    rec.data.assign(payload, payload + size);
-    checkpoint.records_.push_back(std::move(rec));
+    RecordEntry entry = read_entry(r, name);
+    auto const* payload = r.take(entry.size, "a record's data");
+    if (XXH64(payload, entry.size, 0) != entry.checksum)
+      throw Error(Errc::corrupt_data, name + ": checksum mismatch in record '" + entry.name + "'");
+    checkpoint.records_.push_back(
+        {.name = std::move(entry.name), .type = entry.type, .shape = std::move(entry.shape), .data = {payload, payload + entry.size}});
   }
   if (r.offset() != body)
     throw Error(Errc::corrupt_data, name + ": " + std::to_string(body - r.offset()) + " unexpected bytes after the last record");
   return checkpoint;
+}
+
+std::vector<RecordEntry> Checkpoint::index(std::filesystem::path const& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) fail_io("opening", path);
+  auto const size = static_cast<std::size_t>(in.tellg());
+  std::string const name = path.string();
+  char start[8] = {}, end[8] = {};
+  in.seekg(0);
+  in.read(start, 8);
+  if (size < 8 || !in || std::memcmp(start, magic, 8) != 0)
+    throw Error(Errc::corrupt_data, name + ": not an mgpu checkpoint (expected the bytes \"MGPUCKPT\" at the start)");
+  if (size >= 16 + 16) {
+    in.seekg(static_cast<std::streamoff>(size - 8));
+    in.read(end, 8);
+  }
+  if (size < 16 + 16 || !in || std::memcmp(end, end_magic, 8) != 0)
+    throw Error(Errc::corrupt_data, name + ": truncated: " + std::to_string(size) +
+                                        " bytes without the end marker (expected a complete checkpoint ending in \"MGPU-END\")");
+  FileReader r(in, 8, size - 16, path);
+  auto const version = r.read<std::uint32_t>("the version");
+  if (version != checkpoint_version)
+    throw Error(Errc::corrupt_data, name + ": unknown checkpoint version " + std::to_string(version) + " (expected " +
+                                        std::to_string(checkpoint_version) + ")");
+  auto const records = r.read<std::uint32_t>("the record count");
+  std::vector<RecordEntry> entries;
+  for (std::uint32_t i = 0; i < records; ++i) {
+    entries.push_back(read_entry(r, name));
+    r.skip(entries.back().size, "a record's data");
+  }
+  if (r.offset() != size - 16)
+    throw Error(Errc::corrupt_data, name + ": " + std::to_string(size - 16 - r.offset()) + " unexpected bytes after the last record");
+  return entries;
+}
+
+Record Checkpoint::read_record(std::filesystem::path const& path, RecordEntry const& entry) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail_io("opening", path);
+  Record record{.name = entry.name, .type = entry.type, .shape = entry.shape, .data = std::vector<std::byte>(entry.size)};
+  in.seekg(static_cast<std::streamoff>(entry.offset));
+  in.read(reinterpret_cast<char*>(record.data.data()), static_cast<std::streamsize>(entry.size));
+  if (!in) fail_io("reading record '" + entry.name + "' of", path);
+  if (XXH64(record.data.data(), record.data.size(), 0) != entry.checksum)
+    throw Error(Errc::corrupt_data, path.string() + ": checksum mismatch in record '" + entry.name + "'");
+  return record;
 }
 
 namespace {

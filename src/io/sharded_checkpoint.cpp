@@ -146,35 +146,38 @@ ShardedCheckpoint ShardedCheckpoint::load(std::filesystem::path const& folder) {
                               " is missing (expected a committed save: commit_shards writes it last)");
   auto const [save_id, shards] = read_manifest(manifest_file);
   ShardedCheckpoint c;
+  c.folder_ = folder;
   c.save_id_ = save_id;
   c.shards_ = shards;
-  c.shard_files_.reserve(static_cast<std::size_t>(c.shards_));
-  std::map<std::string, std::string> whole_from;  // whole record -> the shard file that gave it
+  std::map<std::string, std::pair<std::string, RecordEntry>> whole_from;  // whole record -> the file that gave it, its entry
   for (int i = 0; i < c.shards_; ++i) {
     std::filesystem::path const file = shard_path(folder, c.save_id_, i, c.shards_);
     if (!std::filesystem::is_regular_file(file))
       throw Error(Errc::io, file.string() + " is missing (the manifest names save " + std::to_string(c.save_id_) +
                                 " of " + std::to_string(c.shards_) + " shards)");
-    c.shard_files_.push_back(Checkpoint::load(file));
     std::string const source = file.string();
-    for (Record const& r : c.shard_files_.back().records()) {
+    for (RecordEntry const& r : Checkpoint::index(file)) {
       std::string_view const key = r.name;
       if (key.rfind(whole_prefix, 0) == 0) {
         std::string const name(key.substr(whole_prefix.size()));
-        if (c.whole_.contains(name)) {
-          Record const& first = c.whole_.get(name);
-          if (first.type != r.type || first.shape != r.shape || first.data != r.data)
-            throw Error(Errc::corrupt_data, source + ": record '" + name + "' differs from the one in " +
-                                                whole_from[name] + " (expected the same bytes in every shard)");
+        if (auto const first = whole_from.find(name); first != whole_from.end()) {
+          RecordEntry const& e = first->second.second;
+          if (e.type != r.type || e.shape != r.shape || e.size != r.size || e.checksum != r.checksum)
+            throw Error(Errc::corrupt_data, source + ": record '" + name + "' differs from the one in " + first->second.first +
+                                                " (expected the same bytes in every shard)");
           continue;
         }
-        Record copy = r;
-        copy.name = name;
-        c.whole_.put(std::move(copy));
-        whole_from[name] = source;
+        Record record = Checkpoint::read_record(file, r);
+        *c.bytes_read_ += r.size;
+        record.name = name;
+        c.whole_.put(std::move(record));
+        whole_from[name] = {source, r};
       } else if (key.rfind(shape_prefix, 0) == 0) {
         std::string const name(key.substr(shape_prefix.size()));
-        auto const extents = c.shard_files_.back().get_int64(r.name);
+        Checkpoint one;
+        one.put(Checkpoint::read_record(file, r));
+        *c.bytes_read_ += r.size;
+        auto const extents = one.get_int64(r.name);
         Shape const shape(extents.begin(), extents.end());
         Split& split = c.split_[name];
         if (!split.shaped) {
@@ -196,7 +199,7 @@ ShardedCheckpoint ShardedCheckpoint::load(std::filesystem::path const& folder) {
           throw Error(Errc::corrupt_data, source + ": a piece record named '" + r.name +
                                               "' (expected piece:<first element>:<record>, one-dimensional)");
         auto& split = c.split_[std::string(rest.substr(colon + 1))];
-        if (r.shape[0] > 0) split.pieces.push_back({begin, &r});  // an empty piece (a writer with none) holds nothing
+        if (r.shape[0] > 0) split.pieces.push_back({begin, r.shape[0], i, r});  // an empty piece (a writer with none) holds nothing
       } else {
         throw Error(Errc::corrupt_data, source + ": record '" + r.name + "' is not part of a sharded checkpoint");
       }
@@ -207,24 +210,24 @@ ShardedCheckpoint ShardedCheckpoint::load(std::filesystem::path const& folder) {
       throw Error(Errc::corrupt_data, "record '" + name + "' in " + folder.string() +
                                           " has pieces but no shard gives its shape (expected a shape:" + name + " record)");
     std::sort(split.pieces.begin(), split.pieces.end(), [](Piece const& a, Piece const& b) { return a.begin < b.begin; });
-    if (!split.pieces.empty()) split.type = split.pieces.front().record->type;
+    if (!split.pieces.empty()) split.type = split.pieces.front().entry.type;
     std::int64_t const whole = numel_of(split.shape);
     if (whole < 0)
       throw Error(Errc::corrupt_data, "record '" + name + "' in " + folder.string() + " has shape " +
                                           to_string(split.shape) + " (expected extents >= 0 whose product fits in 64 bits)");
     std::int64_t covered = 0;
     for (Piece const& p : split.pieces) {
-      if (p.record->type != split.type)
+      if (p.entry.type != split.type)
         throw Error(Errc::corrupt_data, "record '" + name + "' in " + folder.string() + " has pieces of " +
                                             detail::type_name(split.type) + " and of " +
-                                            detail::type_name(p.record->type) + " (expected one type)");
+                                            detail::type_name(p.entry.type) + " (expected one type)");
       if (p.begin != covered)
         throw Error(Errc::corrupt_data,
                     "record '" + name + "' in " + folder.string() + ": elements " +
                         (p.begin > covered ? "[" + std::to_string(covered) + ", " + std::to_string(p.begin) + ") are in no shard"
                                            : "from " + std::to_string(p.begin) + " are in two pieces") +
                         " (expected the pieces to cover its " + std::to_string(whole) + " elements once)");
-      covered += p.record->shape[0];
+      covered += p.numel;
     }
     if (covered != whole)
       throw Error(Errc::corrupt_data, "record '" + name + "' in " + folder.string() + ": elements [" +
@@ -241,10 +244,19 @@ Checkpoint ShardedCheckpoint::joined(std::vector<std::string> const& leave_out) 
   for (auto const& [name, split] : split_) {
     if (std::find(leave_out.begin(), leave_out.end(), name) != leave_out.end()) continue;
     Record record{.name = name, .type = split.type, .shape = split.shape, .data = {}};
-    for (Piece const& p : split.pieces) record.data.insert(record.data.end(), p.record->data.begin(), p.record->data.end());
+    for (Piece const& p : split.pieces) {
+      std::vector<std::byte> const bytes = payload(p);
+      record.data.insert(record.data.end(), bytes.begin(), bytes.end());
+    }
     all.put(std::move(record));
   }
   return all;
+}
+
+std::vector<std::byte> ShardedCheckpoint::payload(Piece const& piece) const {
+  Record record = Checkpoint::read_record(shard_path(folder_, save_id_, piece.shard, shards_), piece.entry);
+  *bytes_read_ += piece.entry.size;
+  return std::move(record.data);
 }
 
 std::vector<std::string> ShardedCheckpoint::split_names() const {
@@ -281,10 +293,10 @@ void ShardedCheckpoint::read(std::string const& name, std::int64_t begin, Tensor
                              [](std::int64_t at, Piece const& p) { return at < p.begin; });
   if (it != split.pieces.begin()) --it;
   for (std::int64_t at = begin; at < begin + count; ++it) {
-    std::int64_t const piece_end = it->begin + it->record->shape[0];
+    std::int64_t const piece_end = it->begin + it->numel;
     std::int64_t const take = std::min(piece_end, begin + count) - at;
-    std::memcpy(dst + static_cast<std::size_t>(at - begin) * element,
-                it->record->data.data() + static_cast<std::size_t>(at - it->begin) * element,
+    std::vector<std::byte> const bytes = payload(*it);
+    std::memcpy(dst + static_cast<std::size_t>(at - begin) * element, bytes.data() + static_cast<std::size_t>(at - it->begin) * element,
                 static_cast<std::size_t>(take) * element);
     at += take;
   }

@@ -186,3 +186,41 @@ TEST_CASE("A checkpoint record whose shape overflows is rejected before its size
   REQUIRE_MGPU_ERROR(mgpu::io::Checkpoint::load(dir.path / "huge.ckpt"), mgpu::Errc::corrupt_data,
                      "record 'w' has shape [4611686018427387904, 8] of float32 (expected at most 2^64 bytes)");
 }
+
+TEST_CASE("A checkpoint's index lists its records without their payloads; read_record reads one, verified", "[io]") {
+  mgpu::io::Checkpoint c;
+  c.put("a", std::vector<std::int64_t>{1, 2, 3});
+  c.put("text", std::string("hello"));
+  c.put("b", std::vector<std::uint64_t>{7});
+  TempDir dir;
+  fs::path const file = dir.path / "c.ckpt";
+  c.save(file);
+  std::vector<mgpu::io::RecordEntry> const index = mgpu::io::Checkpoint::index(file);
+  REQUIRE(index.size() == 3);
+  mgpu::io::Checkpoint const loaded = mgpu::io::Checkpoint::load(file);
+  for (std::size_t i = 0; i < index.size(); ++i) {
+    mgpu::io::Record const& want = loaded.records()[i];
+    CHECK(index[i].name == want.name);
+    CHECK(index[i].type == want.type);
+    CHECK(index[i].shape == want.shape);
+    CHECK(index[i].size == want.data.size());
+    mgpu::io::Record const got = mgpu::io::Checkpoint::read_record(file, index[i]);
+    CHECK(got.data == want.data);
+  }
+  // A damaged payload: the whole file no longer loads; the index still reads, and only that record
+  // fails, naming it.
+  std::vector<char> bytes = read_file(file);
+  bytes[index[1].offset + 1] ^= 0x20;
+  write_file(file, bytes);
+  REQUIRE_MGPU_ERROR(mgpu::io::Checkpoint::load(file), mgpu::Errc::corrupt_data, "checksum mismatch");
+  std::vector<mgpu::io::RecordEntry> const again = mgpu::io::Checkpoint::index(file);
+  REQUIRE(again.size() == 3);
+  CHECK(mgpu::io::Checkpoint::read_record(file, again[0]).data == loaded.records()[0].data);
+  REQUIRE_MGPU_ERROR(mgpu::io::Checkpoint::read_record(file, again[1]), mgpu::Errc::corrupt_data,
+                     "c.ckpt: checksum mismatch in record 'text'");
+  // A truncated file has no index.
+  bytes.resize(bytes.size() - 3);
+  write_file(file, bytes);
+  REQUIRE_MGPU_ERROR(mgpu::io::Checkpoint::index(file), mgpu::Errc::corrupt_data, "without the end marker");
+  REQUIRE_MGPU_ERROR(mgpu::io::Checkpoint::index(dir.path / "missing.ckpt"), mgpu::Errc::io, "missing.ckpt");
+}

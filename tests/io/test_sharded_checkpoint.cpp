@@ -108,6 +108,23 @@ TEST_CASE("Sharded checkpoint: pieces of three writers read back whole and in ra
                      "sharded checkpoint record 'missing' is missing");
 }
 
+TEST_CASE("Sharded checkpoint: a reader reads the pieces holding its ranges and no others", "[io][sharded]") {
+  Host h;
+  TempDir dir;
+  auto const whole = iota(40, 1.0f);
+  write_save(h, dir.path, 2, whole, {0, 10, 20, 30, 40});  // four writers of 10 elements each
+  auto const c = io::ShardedCheckpoint::load(dir.path);
+  // load() reads the whole records (the step from one shard: every shard holds the same) and the
+  // shapes, no piece.
+  std::uint64_t const at_load = c.payload_bytes_read();
+  CHECK(at_load == sizeof(std::int64_t) + std::string("save 2").size() + 4 * 2 * sizeof(std::int64_t));
+  // A reader of the third writer's range reads that piece only; one across two pieces reads both.
+  CHECK(h.read(c, "model.weight", 20, 10) == slice(whole, 20, 30));
+  CHECK(c.payload_bytes_read() - at_load == 10 * sizeof(float));
+  CHECK(h.read(c, "model.weight", 5, 10) == slice(whole, 5, 15));
+  CHECK(c.payload_bytes_read() - at_load == 30 * sizeof(float));
+}
+
 TEST_CASE("Sharded checkpoint: joined() holds every record whole, as one Checkpoint file of them", "[io][sharded]") {
   Host h;
   TempDir dir;
@@ -201,15 +218,32 @@ TEST_CASE("Sharded checkpoint: incomplete or damaged saves are rejected naming t
     REQUIRE_MGPU_ERROR(io::ShardedCheckpoint::load(dir.path), Errc::io,
                        "shard-3-1-of-2.ckpt is missing (the manifest names save 3 of 2 shards)");
   }
-  SECTION("a damaged byte in a shard") {
+  SECTION("a damaged byte in a shard's record header") {
     TempDir dir;
     write_save(h, dir.path, 3, iota(10, 0.0f), {0, 5, 10});
     fs::path const file = io::shard_path(dir.path, 3, 1, 2);
     std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(40);
+    f.seekp(50);  // the first record's size: header 16, name 4 + 20, type, rank, one extent
     f.put('\x55');
     f.close();
-    REQUIRE_MGPU_ERROR(io::ShardedCheckpoint::load(dir.path), Errc::corrupt_data, "shard-3-1-of-2.ckpt: checksum mismatch");
+    REQUIRE_MGPU_ERROR(io::ShardedCheckpoint::load(dir.path), Errc::corrupt_data,
+                       "shard-3-1-of-2.ckpt: record 'piece:5:model.weight' holds");
+  }
+  SECTION("a damaged byte in a piece: found when a reader reads it, naming the file and record") {
+    TempDir dir;
+    auto const values = iota(10, 0.0f);
+    write_save(h, dir.path, 3, values, {0, 5, 10});
+    fs::path const file = io::shard_path(dir.path, 3, 1, 2);
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(70);  // within the first record's payload (bytes 66 to 85)
+    f.put('\x55');
+    f.close();
+    auto const c = io::ShardedCheckpoint::load(dir.path);
+    CHECK(h.read(c, "model.weight", 0, 5) == slice(values, 0, 5));  // the other shard's piece
+    Tensor out = Tensor::empty({3}, DType::float32, h.group.allocator(0));
+    REQUIRE_MGPU_ERROR(c.read("model.weight", 4, out, h.stream), Errc::corrupt_data,
+                       "shard-3-1-of-2.ckpt: checksum mismatch in record 'piece:5:model.weight'");
+    REQUIRE_MGPU_ERROR((void)c.joined(), Errc::corrupt_data, "checksum mismatch in record 'piece:5:model.weight'");
   }
   SECTION("pieces that leave a gap, or overlap") {
     TempDir dir;

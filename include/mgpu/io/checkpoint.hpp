@@ -43,6 +43,17 @@ struct Record {
 /// The format version this build writes and reads.
 inline constexpr std::uint32_t checkpoint_version = 1;
 
+/// A record of a checkpoint file without its payload: what Checkpoint::index reads, and where the
+/// payload lies (Checkpoint::read_record reads it).
+struct RecordEntry {
+  std::string name;
+  RecordType type = RecordType::bytes;
+  Shape shape;
+  std::uint64_t offset = 0;  ///< of the payload, in bytes from the file's start
+  std::uint64_t size = 0;
+  std::uint64_t checksum = 0;  ///< XXH64 of the payload
+};
+
 class Checkpoint {
  public:
   /// Adds (or replaces) a record: a tensor (copied to the host through `stream`, which is
@@ -73,6 +84,15 @@ class Checkpoint {
   /// path and what is wrong: not a checkpoint, an unknown version, truncated (with the byte
   /// offset), a checksum mismatch (with the record).
   static Checkpoint load(std::filesystem::path const& path);
+  /// The records of a file without their payloads, for a reader that takes some of them: the
+  /// header and every record's header, checked as load() checks them (the format, the version, the
+  /// end marker, types, shapes against byte counts, every payload within the file), reading the
+  /// payloads of none; neither their checksums nor the file's are verified here. Throws as load().
+  static std::vector<RecordEntry> index(std::filesystem::path const& path);
+  /// One record's payload, read from `path` at `entry` (from index()) and verified against its
+  /// checksum. Throws Error(io) when it cannot be read, Error(corrupt_data) naming the path and the
+  /// record on a mismatch.
+  static Record read_record(std::filesystem::path const& path, RecordEntry const& entry);
 
  private:
   Record& slot(std::string const& name);

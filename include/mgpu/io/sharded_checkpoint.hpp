@@ -10,9 +10,11 @@
 // job that fails while writing loses nothing.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -61,9 +63,12 @@ void commit_shards(std::filesystem::path const& folder, std::uint64_t save_id, i
 /// a manifest that is not one.
 std::uint64_t committed_save_id(std::filesystem::path const& folder);
 
-/// A committed sharded checkpoint, read and verified: every shard file's checksums, that the shards
-/// agree on each record's shape and type, and that each split record's pieces cover it exactly
-/// once. Reads every shard file of the save.
+/// A committed sharded checkpoint. load() reads the manifest, every shard file's index of records
+/// (Checkpoint::index: headers, no payloads) and the whole records, and verifies that the shards
+/// agree on each record's shape and type and that each split record's pieces cover it exactly
+/// once; a split record's pieces are read when read() or joined() needs them, each verified
+/// against its checksum then, so a reader that takes its own ranges reads the pieces holding
+/// them and no others.
 class ShardedCheckpoint {
  public:
   /// Throws Error(io) when the folder has no manifest (nothing committed) or a shard file cannot be
@@ -92,23 +97,31 @@ class ShardedCheckpoint {
   /// and each split record's pieces joined in element order, but for the split records named in
   /// `leave_out` (those a reader takes in ranges through read()).
   [[nodiscard]] Checkpoint joined(std::vector<std::string> const& leave_out = {}) const;
+  /// The payload bytes read so far: the whole records' and shapes' at load(), and the pieces'
+  /// that read() and joined() read (a piece read twice counts twice).
+  [[nodiscard]] std::uint64_t payload_bytes_read() const noexcept { return bytes_read_->load(); }
 
  private:
   struct Piece {
     std::int64_t begin = 0;
-    Record const* record = nullptr;  // in shard_files_
+    std::int64_t numel = 0;
+    int shard = 0;
+    RecordEntry entry;
   };
+  // A piece's payload, read from its shard file and verified.
+  [[nodiscard]] std::vector<std::byte> payload(Piece const& piece) const;
   struct Split {
     Shape shape;
     bool shaped = false;  // a shard gave the shape
     RecordType type = RecordType::float32;
     std::vector<Piece> pieces;  // sorted by begin, covering the record once
   };
+  std::filesystem::path folder_;
   std::uint64_t save_id_ = 0;
   int shards_ = 0;
-  std::vector<Checkpoint> shard_files_;
   std::map<std::string, Split> split_;
   Checkpoint whole_;
+  std::unique_ptr<std::atomic<std::uint64_t>> bytes_read_ = std::make_unique<std::atomic<std::uint64_t>>(0);
 };
 
 }  // namespace mgpu::io
