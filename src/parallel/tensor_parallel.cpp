@@ -453,6 +453,36 @@ nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<
   return model;
 }
 
+std::vector<nn::OwnedRange> norm_ranges(nn::Sequential const& shard, bool split, bool replicated) {
+  std::vector<nn::OwnedRange> ranges;
+  for (nn::ParameterRange const& range : shard.parameter_ranges()) {
+    std::int64_t at = range.begin;
+    if (auto const* sharded = dynamic_cast<ShardedLayer const*>(&shard.layer(range.layer))) {
+      for (auto const& [begin, end] : sharded->split_ranges()) {
+        ranges.push_back({at, range.begin + begin, replicated});
+        ranges.push_back({range.begin + begin, range.begin + end, split});
+        at = range.begin + end;
+      }
+    }
+    ranges.push_back({at, range.end, replicated});
+  }
+  return ranges;
+}
+
+pipeline::TensorParallelStages tensor_parallel_stages(nn::GptConfig const& config, int ranks) {
+  if (ranks < 1 || config.n_head % ranks != 0)
+    throw Error(Errc::invalid_argument, "tensor_parallel_stages: " + std::to_string(config.n_head) + " heads over " +
+                                            std::to_string(ranks) +
+                                            " tensor-parallel ranks (expected a rank count dividing n_head)");
+  return {ranks,
+          [config](std::shared_ptr<comm::Communicator> const& comm, int rank) {
+            return tensor_parallel_gpt(config, comm, rank);
+          },
+          [vocab = config.vocab](std::shared_ptr<comm::Communicator> const& comm, int rank) {
+            return std::make_shared<VocabParallelCrossEntropy const>(vocab, comm, rank);
+          }};
+}
+
 namespace {
 
 // Within a replica nothing is left to reduce between backward and the update (the blocks'
@@ -468,22 +498,20 @@ class TensorParallelSync final : public nn::GradientSync {
  public:
   TensorParallelSync(nn::Sequential const& shard, comm::Communicator& comm, int rank, comm::Communicator* data,
                      int data_rank, bool sequence_parallel)
-      : shard_(shard), comm_(comm), rank_(rank), data_(data), data_rank_(data_rank) {
+      : shard_(shard),
+        comm_(comm),
+        rank_(rank),
+        data_(data),
+        data_rank_(data_rank),
+        owned_(norm_ranges(shard, true, rank == 0)) {
     for (nn::ParameterRange const& range : shard.parameter_ranges()) {
-      std::int64_t at = range.begin;
       nn::Layer const& layer = shard.layer(range.layer);
       if (auto const* sharded = dynamic_cast<ShardedLayer const*>(&layer)) {
-        for (auto const& [begin, end] : sharded->split_ranges()) {
-          owned_.push_back({at, range.begin + begin, rank == 0});
-          owned_.push_back({range.begin + begin, range.begin + end, true});
-          at = range.begin + end;
-        }
         for (auto const& [begin, end] : sharded->partial_ranges())
           partial_[range.begin].emplace_back(range.begin + begin, range.begin + end);
       } else if (sequence_parallel && dynamic_cast<nn::LayerNorm const*>(&layer) != nullptr) {
         partial_[range.begin].emplace_back(range.begin, range.end);
       }
-      owned_.push_back({at, range.end, rank == 0});
     }
   }
   void begin(Stream& /*compute*/, nn::RangeUpdate update) override { update_ = std::move(update); }

@@ -93,6 +93,7 @@ void check_whole(nn::Sequential const& whole, std::int64_t expected, char const*
 }  // namespace
 
 void Executor::gather_parameters(nn::Sequential& whole, Stream& stream) {
+  impl_->whole_model_only("gather_parameters");
   Impl& m = *impl_;
   check_whole(whole, m.whole_spans().back().offset + m.whole_spans().back().count, "Executor::gather_parameters");
   stream.synchronize();  // whole's own work done before the chunks' streams write into it
@@ -123,6 +124,7 @@ void Executor::gather_parameters(nn::Sequential& whole, Stream& stream) {
 }
 
 void Executor::scatter_parameters(nn::Sequential const& whole, Stream& stream) {
+  impl_->whole_model_only("scatter_parameters");
   Impl& m = *impl_;
   check_whole(whole, m.whole_spans().back().offset + m.whole_spans().back().count, "Executor::scatter_parameters");
   stream.synchronize();
@@ -212,6 +214,7 @@ void Executor::Impl::save_shards(std::filesystem::path const& folder, io::Traini
 }
 
 void Executor::save(std::filesystem::path const& path, io::TrainingState const& state) {
+  impl_->whole_model_only("save");
   Impl& m = *impl_;
   m.group->synchronize();
   if (m.across || std::filesystem::is_directory(path)) {
@@ -249,6 +252,7 @@ void Executor::save(std::filesystem::path const& path, io::TrainingState const& 
 }
 
 io::TrainingState Executor::load(std::filesystem::path const& path) {
+  impl_->whole_model_only("load");
   Impl& m = *impl_;
   m.group->synchronize();
   io::Checkpoint const checkpoint =

@@ -116,6 +116,22 @@ struct PartitionOptions {
 Partition partition(nn::Sequential const& model, Schedule const& schedule, LayerProfile const& profile,
                     std::vector<StageDevice> const& devices, PartitionOptions options = {});
 
+/// Tensor-parallel pipeline stages (a data x tensor x pipeline grid, see Executor): every stage
+/// split over `ranks` devices, each running one rank's shard of the stage's layers. Megatron's
+/// layers (parallel::tensor_parallel_stages() fills this for a GPT) run their collectives inside
+/// forward and backward over the communicator of the stage's ranks.
+struct TensorParallelStages {
+  /// The ranks per stage, B (1: no tensor parallelism).
+  int ranks = 1;
+  /// Rank `rank`'s shard of the whole model, its layers' collectives over `comm` (the ranks of one
+  /// stage): a Sequential with the whole model's layers, of which the executor keeps each chunk's.
+  /// Called once per pipeline and chunk.
+  std::function<nn::Sequential(std::shared_ptr<comm::Communicator> const& comm, int rank)> shard{};
+  /// The loss of rank `rank`'s last stage, over the last stage's communicator `comm` (replaces
+  /// ExecutorOptions::loss).
+  std::function<std::shared_ptr<nn::Loss const>(std::shared_ptr<comm::Communicator> const& comm, int rank)> loss{};
+};
+
 struct ExecutorOptions {
   /// Initialises the chunks as nn::Sequential::materialize(seed) initialises the whole model.
   std::uint64_t seed = 0;
@@ -144,6 +160,8 @@ struct ExecutorOptions {
   /// Where every action is recorded (rank = device, compute lane; transfers on the communication
   /// lane); nullptr for none.
   std::shared_ptr<trace::Timeline> timeline{};
+  /// Tensor-parallel stages (ranks > 1: a data x tensor x pipeline grid, see Executor).
+  TensorParallelStages tensor_parallel{};
   /// Makes the communicator of the pipelines' transfers from the group and {automatic, timeout}
   /// (empty: comm::make_communicator over the group). Across processes,
   /// dist::communicator_factory(world): see "Across processes" at Executor.
@@ -173,6 +191,23 @@ using ChunkOptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(nn
 /// If an action fails, the communicator aborts the other devices and the step throws an Error
 /// naming the failing device, chunk and action; the executor cannot be used after that.
 /// The group must outlive the executor. Not thread-safe: call from one thread.
+///
+/// Tensor-parallel stages (options.tensor_parallel.ranks = B > 1): a data x tensor x pipeline grid
+/// of A = data_parallel replicas, B ranks per stage and `devices` stages over A x B x devices
+/// ranks. It runs B pipelines per replica in lock-step: pipeline a B + t, on ranks
+/// [(a B + t) devices, (a B + t + 1) devices), holds rank t's shard of every chunk (cut from
+/// tensor_parallel.shard(comm, t), comm being the chunk's B ranks of replica a) and runs the
+/// schedule on the replica's rows, as every pipeline of the replica does: each of them runs the
+/// same actions in the same order, so the collectives the shards run inside forward and backward
+/// meet on the chunk's B ranks, and a transfer goes from rank t's stage to rank t's next stage.
+/// The replica's rank-t pipelines of every replica sum their gradients as replicas do; a tied LM
+/// head (parallel::VocabParallelLMHead) in another chunk than its embedding holds a copy of its
+/// rank's rows, summed with them as above. Clipping counts split parameters on every rank of
+/// replica 0 and replicated ones on its rank 0 (parallel::norm_ranges). The executor's model is
+/// the whole model (its layers and cut points; the shards have the same layers), its `loss` is
+/// replaced by tensor_parallel.loss, and chunk(c, replica) takes the pipeline a B + t as its
+/// replica. float32 only, in one process; gather_parameters, scatter_parameters, save and load
+/// are refused (Error(invalid_argument)). For a GPT, parallel::tensor_parallel_stages().
 ///
 /// Across processes: every process makes the executor over its own DeviceGroup with the same
 /// model, cuts, schedule and options, and options.make_communicator = dist::communicator_factory(
