@@ -469,20 +469,6 @@ std::vector<nn::OwnedRange> norm_ranges(nn::Sequential const& shard, bool split,
   return ranges;
 }
 
-pipeline::TensorParallelStages tensor_parallel_stages(nn::GptConfig const& config, int ranks) {
-  if (ranks < 1 || config.n_head % ranks != 0)
-    throw Error(Errc::invalid_argument, "tensor_parallel_stages: " + std::to_string(config.n_head) + " heads over " +
-                                            std::to_string(ranks) +
-                                            " tensor-parallel ranks (expected a rank count dividing n_head)");
-  return {ranks,
-          [config](std::shared_ptr<comm::Communicator> const& comm, int rank) {
-            return tensor_parallel_gpt(config, comm, rank);
-          },
-          [vocab = config.vocab](std::shared_ptr<comm::Communicator> const& comm, int rank) {
-            return std::make_shared<VocabParallelCrossEntropy const>(vocab, comm, rank);
-          }};
-}
-
 namespace {
 
 // Within a replica nothing is left to reduce between backward and the update (the blocks'

@@ -17,6 +17,20 @@
 
 namespace mgpu::pipeline {
 
+TensorParallelStages tensor_parallel_stages(nn::GptConfig const& config, int ranks) {
+  if (ranks < 1 || config.n_head % ranks != 0)
+    throw Error(Errc::invalid_argument, "tensor_parallel_stages: " + std::to_string(config.n_head) + " heads over " +
+                                            std::to_string(ranks) +
+                                            " tensor-parallel ranks (expected a rank count dividing n_head)");
+  return {ranks,
+          [config](std::shared_ptr<comm::Communicator> const& comm, int rank) {
+            return parallel::tensor_parallel_gpt(config, comm, rank);
+          },
+          [vocab = config.vocab](std::shared_ptr<comm::Communicator> const& comm, int rank) {
+            return std::make_shared<parallel::VocabParallelCrossEntropy const>(vocab, comm, rank);
+          }};
+}
+
 Schedule layer_split(int devices) {
   Schedule s = gpipe(devices, 1);
   s.name = "layer-split";

@@ -113,7 +113,7 @@ std::vector<double> grid_curve(Grid const& grid, nn::GptConfig const& c, std::ve
                   {.seed = seed,
                    .data_parallel = grid.data_parallel,
                    .clip_norm = clip,
-                   .tensor_parallel = par::tensor_parallel_stages(c, ranks)});
+                   .tensor_parallel = pp::tensor_parallel_stages(c, ranks)});
   std::vector<double> losses;
   for (Batch const& b : batches) losses.push_back(ex.step(b.ids, b.targets));
   group.synchronize();
@@ -196,14 +196,14 @@ TEST_CASE("a tensor x pipeline grid refuses 16-bit compute, a group of another s
           "[pipeline][tensor]") {
   mgpu::DeviceGroup group("host:4");
   nn::Sequential const model = nn::gpt(config);
-  pp::TensorParallelStages const stages = par::tensor_parallel_stages(config, 2);
+  pp::TensorParallelStages const stages = pp::tensor_parallel_stages(config, 2);
   REQUIRE_MGPU_ERROR(pp::Executor(model, group, {0, 3, 6}, pp::one_f_one_b(2, 2), chunk_adamw(),
                                   {.compute = DType::bfloat16, .tensor_parallel = stages}),
                      mgpu::Errc::invalid_argument, "expected compute float32");
   REQUIRE_MGPU_ERROR(pp::Executor(model, group, {0, 3, 6}, pp::one_f_one_b(2, 2), chunk_adamw(),
                                   {.data_parallel = 2, .tensor_parallel = stages}),
                      mgpu::Errc::invalid_argument, "expected devices x replicas x tensor-parallel ranks = the group's size");
-  REQUIRE_MGPU_ERROR(par::tensor_parallel_stages(config, 3), mgpu::Errc::invalid_argument,
+  REQUIRE_MGPU_ERROR(pp::tensor_parallel_stages(config, 3), mgpu::Errc::invalid_argument,
                      "expected a rank count dividing n_head");
   pp::Executor ex(model, group, {0, 3, 6}, pp::one_f_one_b(2, 2), chunk_adamw(), {.tensor_parallel = stages});
   REQUIRE_MGPU_ERROR(ex.save("unused.ckpt"), mgpu::Errc::invalid_argument, "expected tensor_parallel.ranks 1");

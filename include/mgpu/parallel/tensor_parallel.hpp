@@ -41,7 +41,6 @@
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/transformer.hpp>
 #include <mgpu/optim/optim.hpp>
-#include <mgpu/pipeline/pipeline.hpp>
 
 namespace mgpu::parallel {
 
@@ -306,13 +305,6 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
 /// rest of a layer's parameters, counted when `replicated` (the replicated parameters are the same
 /// on every rank: only one rank counts them).
 [[nodiscard]] std::vector<nn::OwnedRange> norm_ranges(nn::Sequential const& shard, bool split, bool replicated);
-
-/// gpt(config)'s tensor-parallel shards for pipeline::Executor (ExecutorOptions::tensor_parallel):
-/// `ranks` ranks per pipeline stage, rank t's pipeline holding tensor_parallel_gpt(config, comm,
-/// t) cut at the executor's cuts, and its VocabParallelCrossEntropy. The executor
-/// is then given gpt(config) as its model (the shards have its layers). Throws
-/// Error(invalid_argument) as tensor_parallel_gpt does for ranks that do not divide n_head.
-[[nodiscard]] pipeline::TensorParallelStages tensor_parallel_stages(nn::GptConfig const& config, int ranks);
 
 struct TensorParallelOptions {
   /// The shards are materialized from this seed: together they hold gpt(config)'s weights

@@ -17,6 +17,7 @@
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/core/tensor.hpp>
 #include <mgpu/io/checkpoint.hpp>
+#include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
 #include <mgpu/optim/optim.hpp>
@@ -118,7 +119,7 @@ Partition partition(nn::Sequential const& model, Schedule const& schedule, Layer
 
 /// Tensor-parallel pipeline stages (a data x tensor x pipeline grid, see Executor): every stage
 /// split over `ranks` devices, each running one rank's shard of the stage's layers. Megatron's
-/// layers (parallel::tensor_parallel_stages() fills this for a GPT) run their collectives inside
+/// layers (tensor_parallel_stages() fills this for a GPT) run their collectives inside
 /// forward and backward over the communicator of the stage's ranks.
 struct TensorParallelStages {
   /// The ranks per stage, B (1: no tensor parallelism).
@@ -131,6 +132,12 @@ struct TensorParallelStages {
   /// ExecutorOptions::loss).
   std::function<std::shared_ptr<nn::Loss const>(std::shared_ptr<comm::Communicator> const& comm, int rank)> loss{};
 };
+
+/// gpt(config)'s tensor-parallel stages over `ranks` ranks per stage: rank t's pipeline holds
+/// parallel::tensor_parallel_gpt(config, comm, t) cut at the executor's cuts, its last stage the
+/// parallel::VocabParallelCrossEntropy; the executor is given gpt(config) as its model (the shards
+/// have its layers). Throws Error(invalid_argument) for ranks that do not divide n_head.
+[[nodiscard]] TensorParallelStages tensor_parallel_stages(nn::GptConfig const& config, int ranks);
 
 struct ExecutorOptions {
   /// Initialises the chunks as nn::Sequential::materialize(seed) initialises the whole model.
@@ -207,7 +214,7 @@ using ChunkOptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(nn
 /// the whole model (its layers and cut points; the shards have the same layers), its `loss` is
 /// replaced by tensor_parallel.loss, and chunk(c, replica) takes the pipeline a B + t as its
 /// replica. float32 only, in one process; gather_parameters, scatter_parameters, save and load
-/// are refused (Error(invalid_argument)). For a GPT, parallel::tensor_parallel_stages().
+/// are refused (Error(invalid_argument)). For a GPT, tensor_parallel_stages().
 ///
 /// Across processes: every process makes the executor over its own DeviceGroup with the same
 /// model, cuts, schedule and options, and options.make_communicator = dist::communicator_factory(
