@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include <mgpu/comm/communicator.hpp>
@@ -59,6 +60,11 @@ struct Executor::Impl {
   // Tensor parallelism: chunk c of pipeline r, cut from the shard of rank r % tp over the chunk's
   // communicator; a VocabParallelLMHead without its embedding in the chunk holds a copy of its rows.
   nn::Sequential tensor_parallel_chunk(nn::Sequential const& model, int r, std::size_t c) const;
+  // Tensor-parallel stages: copies the whole model's float32 parameters (host, gpt(config)'s
+  // layout) into every pipeline's shards (to_shards), or gathers them from replica 0's (the split
+  // parts from every rank, the replicated ones from rank 0); a tied head's copy of its rank's rows
+  // is made from the rows.
+  void tensor_parallel_whole(std::span<float> whole, bool to_shards);
   // Refuses `call` with tensor-parallel stages (their chunks hold shards, not the whole model's layers).
   void whole_model_only(char const* call) const;
   // Where each chunk's parameters sit in the whole model: the chunk's first `count` elements are

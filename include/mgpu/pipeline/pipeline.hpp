@@ -213,8 +213,9 @@ using ChunkOptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(nn
 /// replica 0 and replicated ones on its rank 0 (parallel::norm_ranges). The executor's model is
 /// the whole model (its layers and cut points; the shards have the same layers), its `loss` is
 /// replaced by tensor_parallel.loss, and chunk(c, replica) takes the pipeline a B + t as its
-/// replica. float32 only, in one process; gather_parameters, scatter_parameters, save and load
-/// are refused (Error(invalid_argument)). For a GPT, tensor_parallel_stages().
+/// replica. float32 only, in one process; gather_parameters and scatter_parameters move the
+/// whole model (gpt(config)'s layout) to and from the shards, save and load are refused
+/// (Error(invalid_argument)). For a GPT, tensor_parallel_stages().
 ///
 /// Across processes: every process makes the executor over its own DeviceGroup with the same
 /// model, cuts, schedule and options, and options.make_communicator = dist::communicator_factory(
