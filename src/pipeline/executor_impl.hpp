@@ -54,6 +54,9 @@ struct Executor::Impl {
     std::int64_t embedding_offset = 0, head_offset = 0, elements = 0;
   };
   std::optional<Tie> tie;
+  // Per pipeline, the tied elements: `elements` but for tensor-parallel ranks holding a row more or
+  // less of the vocab (the chunks and offsets are every pipeline's).
+  std::vector<std::int64_t> tie_elements;
   // The tie among one pipeline's chunks: a tied LM head holding a copy of wte (nn::TiedLMHead, or
   // a tensor-parallel rank's parallel::VocabParallelLMHead) and the embedding of its rows.
   static std::optional<Tie> find_tie(std::vector<nn::Sequential> const& pipeline_chunks);

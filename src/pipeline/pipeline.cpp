@@ -262,9 +262,10 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
   int const embedding_device = schedule.device_of(tie->embedding_chunk);
   int const head_device = schedule.device_of(tie->head_chunk);
   if (device != embedding_device && device != head_device) return;
+  std::int64_t const elements = tie_elements[static_cast<std::size_t>(rank / schedule.devices)];
   auto const part = [&](int c, std::int64_t offset) {
     nn::Sequential const& chunk = chunk_of(rank, c);
-    return (parameters ? chunk.master_parameters() : chunk.gradients()).slice(offset, offset + tie->elements);
+    return (parameters ? chunk.master_parameters() : chunk.gradients()).slice(offset, offset + elements);
   };
   if (embedding_device == head_device) {
     Tensor const wte = part(tie->embedding_chunk, tie->embedding_offset);
@@ -282,7 +283,7 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
   }
   if (!parameters) return;
   for (auto const& [c, offset] : {std::pair{tie->embedding_chunk, tie->embedding_offset}, std::pair{tie->head_chunk, tie->head_offset}}) {
-    if (schedule.device_of(c) == device) chunk_of(rank, c).sync_parameters(stream, offset, offset + tie->elements);
+    if (schedule.device_of(c) == device) chunk_of(rank, c).sync_parameters(stream, offset, offset + elements);
   }
 }
 
@@ -520,13 +521,8 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     }
   }
   m.tie = Impl::find_tie(m.chunks[0]);
-  for (int r = 1; r < m.replicas; ++r) {  // tensor-parallel ranks could hold different rows
-    std::optional<Impl::Tie> const other = Impl::find_tie(m.chunks[static_cast<std::size_t>(r)]);
-    if (other.has_value() && other->elements != m.tie->elements)
-      throw Error(Errc::invalid_argument, "tensor-parallel LM heads holding copies of " + std::to_string(m.tie->elements) + " and " +
-                                              std::to_string(other->elements) +
-                                              " wte elements (expected a vocab divisible by the tensor-parallel ranks)");
-  }
+  for (int r = 0; r < m.replicas && m.tie; ++r)  // tensor-parallel ranks' rows may differ by one
+    m.tie_elements.push_back(r == 0 ? m.tie->elements : Impl::find_tie(m.chunks[static_cast<std::size_t>(r)]).value().elements);
   m.devices.resize(static_cast<std::size_t>(m.comm->size()));
   for (Impl::DeviceState& st : m.devices) {
     auto const slots = chunks * static_cast<std::size_t>(m.schedule.micro_batches);
