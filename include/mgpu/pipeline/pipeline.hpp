@@ -145,7 +145,8 @@ struct ExecutorOptions {
   /// Data-parallel replicas of the pipeline (a data x pipeline grid): replica r runs on ranks
   /// [r * devices, (r + 1) * devices) on the r-th shard of each batch, and the same chunk across
   /// replicas all-reduces its gradients over a communicator of those ranks. The group has
-  /// devices x data_parallel ranks.
+  /// devices x data_parallel ranks (x tensor_parallel.ranks: then replica r's pipelines run on
+  /// ranks [r * ranks * devices, (r + 1) * ranks * devices), see Executor).
   int data_parallel = 1;
   /// The communicator's deadline (zero: comm::default_timeout()).
   std::chrono::milliseconds timeout{0};
