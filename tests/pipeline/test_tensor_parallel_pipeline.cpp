@@ -1,12 +1,11 @@
 // A data x tensor x pipeline grid (pipeline::Executor with tensor-parallel stages) on host
-// devices: TP 2 x PP 2 (GPipe, 1F1B, interleaved, ZB-H1) and DP 2 x TP 2 x PP 2 (GPipe and 1F1B,
-// uneven rows) give the one-device GPT's loss curve over 20 AdamW steps with clipping and its
-// weights (gathered from the shards), so does a vocab of 67 over 2 ranks, and with dropout its
-// losses; weights scattered into the
-// shards gather back unchanged; the last stage's copy of each rank's wte rows stays bitwise the
-// first stage's, and the replicated parameters bitwise equal across the ranks; 16-bit compute, a
-// grid that does not match the group, a rank count that does not divide the heads and
-// checkpoints are refused.
+// devices: TP 2 x PP 2 (GPipe, 1F1B, interleaved, ZB-H1), DP 2 x TP 2 x PP 2 (GPipe and 1F1B,
+// uneven rows) and TP 4 x PP 2 give the one-device GPT's loss curve over 20 AdamW steps with
+// clipping and its weights (gathered from the shards), so does a vocab of 67 over 2 ranks, and
+// with dropout its losses; weights scattered into the shards gather back unchanged; the last
+// stage's copy of each rank's wte rows stays bitwise the first stage's, and the replicated
+// parameters bitwise equal across the ranks; 16-bit compute, a grid that does not match the group,
+// a rank count that does not divide the heads and checkpoints are refused.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -102,6 +101,7 @@ struct Grid {
   pp::Schedule schedule;
   std::vector<std::size_t> cuts;
   int data_parallel;
+  int ranks = 2;  // tensor-parallel
 };
 
 double worst_relative(std::vector<double> const& got, std::vector<double> const& want) {
@@ -118,12 +118,12 @@ double worst_difference(std::vector<double> const& got, std::vector<double> cons
   return worst;
 }
 
-// Runs `grid` with 2 tensor-parallel ranks over `batches`: its loss curve and the weights gathered
+// Runs `grid` over `batches`: its loss curve and the weights gathered
 // after it, having checked that the shards hold the seed's model (gathered), that weights
 // scattered into them gather back unchanged, and that after the steps the tied copies and the
 // replicated parameters are bitwise equal.
 Curve grid_curve(Env& env, Grid const& grid, nn::GptConfig const& c, std::vector<Batch> const& batches) {
-  int const ranks = 2;
+  int const ranks = grid.ranks;
   mgpu::DeviceGroup group("host:" + std::to_string(grid.schedule.devices * ranks * grid.data_parallel));
   pp::Executor ex(nn::gpt(c), group, grid.cuts, grid.schedule, chunk_adamw(),
                   {.seed = seed,
@@ -187,7 +187,7 @@ Curve grid_curve(Env& env, Grid const& grid, nn::GptConfig const& c, std::vector
 
 }  // namespace
 
-TEST_CASE("a data x tensor x pipeline grid trains a GPT as one device: TP 2 x PP 2 and DP 2 x TP 2 x PP 2",
+TEST_CASE("a data x tensor x pipeline grid trains a GPT as one device: TP 2 x PP 2, DP 2 x TP 2 x PP 2, TP 4 x PP 2",
           "[pipeline][tensor]") {
   Env env;
   std::vector<Batch> const batches = make_batches(env);
@@ -201,6 +201,7 @@ TEST_CASE("a data x tensor x pipeline grid trains a GPT as one device: TP 2 x PP
       {"TP 2 x PP 2, zb-h1", pp::zero_bubble_h1(2, 3), {0, 3, 6}, 1},
       {"DP 2 x TP 2 x PP 2, gpipe", pp::gpipe(2, 2), {0, 3, 6}, 2},
       {"DP 2 x TP 2 x PP 2, 1f1b", pp::one_f_one_b(2, 2), {0, 4, 6}, 2},
+      {"TP 4 x PP 2, 1f1b", pp::one_f_one_b(2, 3), {0, 3, 6}, 1, 4},
   };
   for (Grid const& grid : grids) {
     CAPTURE(grid.name);
