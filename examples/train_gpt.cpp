@@ -40,8 +40,8 @@
 //     [--schedule S]            (pipeline::Executor with tensor-parallel stages): every stage
 //     [--micro-batches M]       split over N devices, N pipelines per replica in lock-step, rank
 //                               t's pipeline holding rank t's shard of every stage; the groups of
-//                               N on the best links as above; any schedule; fp32, without
-//                               checkpoints or sequence parallelism
+//                               N on the best links as above; any schedule; --sequence-parallel
+//                               too; fp32, without checkpoints
 //     [--sequence-parallel]     sequence parallelism: between the split regions each device holds
 //                               1/N of the tokens (LayerNorm, dropout and residual activations),
 //                               all-gathers and reduce-scatters in place of the all-reduces
@@ -278,9 +278,6 @@ void check_layout(Options const& o, bool pipelined, int size) {
     if (o.sequence_parallel && o.block_size % o.tp != 0)
       refuse("--sequence-parallel with --block-size " + std::to_string(o.block_size) + " over --tp " +
              std::to_string(o.tp) + " (expected a block size divisible by --tp)");
-    if (pipelined && o.sequence_parallel)
-      refuse("--sequence-parallel with a pipeline (expected --tp with --dp at most: sequence parallelism is not "
-             "combined with pipeline stages yet)");
     int const stages = pipelined ? o.stages : 1;
     if (size != o.tp * o.dp * stages)
       refuse("--devices " + o.devices + " has " + std::to_string(size) + " devices (expected --dp x --tp" +
@@ -486,7 +483,7 @@ int run(Options o) {
                                             .clip_norm = o.clip,
                                             .loss = std::make_shared<mgpu::nn::TokenCrossEntropy>(),
                                             .timeline = timeline};
-    if (o.tp > 1) options.tensor_parallel = mgpu::pipeline::tensor_parallel_stages(config, o.tp);
+    if (o.tp > 1) options.tensor_parallel = mgpu::pipeline::tensor_parallel_stages(config, o.tp, o.sequence_parallel);
     if (o.precision == "fp16") options.loss_scaler.emplace();
     if (across) options.make_communicator = mgpu::dist::communicator_factory(world);
     pipeline = std::make_unique<mgpu::pipeline::Executor>(

@@ -453,6 +453,20 @@ nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<
   return model;
 }
 
+std::vector<nn::ParameterRange> partial_ranges(nn::Sequential const& shard, bool sequence_parallel) {
+  std::vector<nn::ParameterRange> ranges;
+  for (nn::ParameterRange const& range : shard.parameter_ranges()) {
+    nn::Layer const& layer = shard.layer(range.layer);
+    if (auto const* sharded = dynamic_cast<ShardedLayer const*>(&layer)) {
+      for (auto const& [begin, end] : sharded->partial_ranges())
+        ranges.push_back({range.layer, range.begin + begin, range.begin + end});
+    } else if (sequence_parallel && dynamic_cast<nn::LayerNorm const*>(&layer) != nullptr) {
+      ranges.push_back(range);
+    }
+  }
+  return ranges;
+}
+
 std::vector<nn::OwnedRange> norm_ranges(nn::Sequential const& shard, bool split, bool replicated) {
   std::vector<nn::OwnedRange> ranges;
   for (nn::ParameterRange const& range : shard.parameter_ranges()) {
@@ -490,19 +504,12 @@ class TensorParallelSync final : public nn::GradientSync {
         data_(data),
         data_rank_(data_rank),
         owned_(norm_ranges(shard, true, rank == 0)) {
-    for (nn::ParameterRange const& range : shard.parameter_ranges()) {
-      nn::Layer const& layer = shard.layer(range.layer);
-      if (auto const* sharded = dynamic_cast<ShardedLayer const*>(&layer)) {
-        for (auto const& [begin, end] : sharded->partial_ranges())
-          partial_[range.begin].emplace_back(range.begin + begin, range.begin + end);
-      } else if (sequence_parallel && dynamic_cast<nn::LayerNorm const*>(&layer) != nullptr) {
-        partial_[range.begin].emplace_back(range.begin, range.end);
-      }
-    }
+    for (nn::ParameterRange const& partial : partial_ranges(shard, sequence_parallel))
+      partial_[partial.layer].emplace_back(partial.begin, partial.end);
   }
   void begin(Stream& /*compute*/, nn::RangeUpdate update) override { update_ = std::move(update); }
   void ready(nn::ParameterRange const& range, Stream& compute) override {
-    if (auto const it = partial_.find(range.begin); it != partial_.end()) {
+    if (auto const it = partial_.find(range.layer); it != partial_.end()) {
       for (auto const& [begin, end] : it->second) {
         Tensor const grads = shard_.master_gradients().slice(begin, end);
         comm_.all_reduce(rank_, grads, grads, ReduceOp::sum, compute);
@@ -527,7 +534,7 @@ class TensorParallelSync final : public nn::GradientSync {
   comm::Communicator* data_;  // over the replicas' ranks of this tensor-parallel index; null for one replica
   int data_rank_;
   std::vector<nn::OwnedRange> owned_;
-  std::map<std::int64_t, std::vector<std::pair<std::int64_t, std::int64_t>>> partial_;  // by the layer's range begin
+  std::map<std::size_t, std::vector<std::pair<std::int64_t, std::int64_t>>> partial_;  // by layer
   nn::RangeUpdate update_;
 };
 

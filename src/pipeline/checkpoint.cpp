@@ -112,7 +112,9 @@ void Executor::Impl::tensor_parallel_whole(std::span<float> whole, bool to_shard
         std::size_t const layer = cuts[static_cast<std::size_t>(c)] + range.layer;
         auto const w = std::find_if(whole_ranges.begin(), whole_ranges.end(),
                                     [layer](nn::ParameterRange const& r) { return r.layer == layer; });
-        if (w == whole_ranges.end()) {  // a tied head's copy of its rank's rows: made from them below
+        // Not in the model: a tied head's copy of its rank's rows (the one layer after a shard's
+        // token gather, so the one whose index is off), made from the rows below.
+        if (w == whole_ranges.end()) {
           std::fill(shard.begin(), shard.end(), 0.0f);
           continue;
         }

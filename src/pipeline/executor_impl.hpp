@@ -41,6 +41,9 @@ struct Executor::Impl {
   // Tensor parallelism: per pipeline and chunk, the ranges counted in the global gradient norm.
   std::vector<std::unique_ptr<nn::GradientSync>> norms;
   std::vector<std::shared_ptr<nn::Loss const>> losses;  // per pipeline: its last chunk's loss
+  // Sequence parallelism: per pipeline and chunk, the ranges of gradients summed over the chunk's
+  // tp ranks after backward (parallel::partial_ranges); empty without.
+  std::vector<std::vector<nn::ParameterRange>> partials;
   std::vector<std::vector<nn::Sequential>> chunks;               // [replica][chunk]
   std::vector<std::vector<std::unique_ptr<optim::Optimizer>>> optimizers;
   nn::Sequential architecture;  // the whole model's layers, unmaterialized (checkpoints build it)
@@ -60,9 +63,9 @@ struct Executor::Impl {
   // The tie among one pipeline's chunks: a tied LM head holding a copy of wte (nn::TiedLMHead, or
   // a tensor-parallel rank's parallel::VocabParallelLMHead) and the embedding of its rows.
   static std::optional<Tie> find_tie(std::vector<nn::Sequential> const& pipeline_chunks);
-  // Tensor parallelism: chunk c of pipeline r, cut from the shard of rank r % tp over the chunk's
+  // Tensor parallelism: chunk c of pipeline r, rank r % tp's shard of its layers over the chunk's
   // communicator; a VocabParallelLMHead without its embedding in the chunk holds a copy of its rows.
-  nn::Sequential tensor_parallel_chunk(nn::Sequential const& model, int r, std::size_t c) const;
+  nn::Sequential tensor_parallel_chunk(int r, std::size_t c) const;
   // Tensor-parallel stages: copies the whole model's float32 parameters (host, gpt(config)'s
   // layout) into every pipeline's shards (to_shards), or gathers them from replica 0's (the split
   // parts from every rank, the replicated ones from rank 0); a tied head's copy of its rank's rows

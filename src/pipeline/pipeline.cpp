@@ -17,18 +17,24 @@
 
 namespace mgpu::pipeline {
 
-TensorParallelStages tensor_parallel_stages(nn::GptConfig const& config, int ranks) {
+TensorParallelStages tensor_parallel_stages(nn::GptConfig const& config, int ranks, bool sequence_parallel) {
   if (ranks < 1 || config.n_head % ranks != 0)
     throw Error(Errc::invalid_argument, "tensor_parallel_stages: " + std::to_string(config.n_head) + " heads over " +
                                             std::to_string(ranks) +
                                             " tensor-parallel ranks (expected a rank count dividing n_head)");
   return {ranks,
-          [config](std::shared_ptr<comm::Communicator> const& comm, int rank) {
-            return parallel::tensor_parallel_gpt(config, comm, rank);
+          [config, sequence_parallel](std::shared_ptr<comm::Communicator> const& comm, int rank, std::size_t begin,
+                                      std::size_t end) {
+            nn::Sequential const shard = parallel::tensor_parallel_gpt(config, comm, rank, sequence_parallel);
+            // gpt(config)'s layers, but for the layer gathering the tokens before the head (the
+            // shard's last but one with sequence parallelism), which goes with the head.
+            std::size_t const extra = shard.size() - nn::gpt(config).size();
+            return shard.stage(begin, end + (end + 1 == shard.size() ? extra : 0));
           },
           [vocab = config.vocab](std::shared_ptr<comm::Communicator> const& comm, int rank) {
             return std::make_shared<parallel::VocabParallelCrossEntropy const>(vocab, comm, rank);
-          }};
+          },
+          sequence_parallel};
 }
 
 Schedule layer_split(int devices) {
@@ -67,8 +73,8 @@ void check_tensor_parallel(ExecutorOptions const& options, bool across) {
     throw Error(Errc::invalid_argument, "tensor_parallel.ranks " + std::to_string(tp.ranks) + " (expected >= 1)");
   if (tp.ranks == 1) return;
   std::string const what = "tensor-parallel stages (tensor_parallel.ranks " + std::to_string(tp.ranks) + ")";
-  if (!tp.shard || !tp.loss)
-    throw Error(Errc::invalid_argument, what + " without a shard or loss factory (expected both)");
+  if (!tp.stage || !tp.loss)
+    throw Error(Errc::invalid_argument, what + " without a stage or loss factory (expected both)");
   if (options.compute != DType::float32)
     throw Error(Errc::invalid_argument, what + " computing in " + std::string(to_string(options.compute)) +
                                             " (expected compute float32)");
@@ -231,8 +237,19 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
   for (int c = device; c < s.chunks(); c += s.devices) {
     if (st.ran_forward[static_cast<std::size_t>(c)]) chunk_of(rank, c).set_rng_state(st.rng_after[static_cast<std::size_t>(c)]);
   }
+  int const pipeline = rank / s.devices;
+  if (!partials.empty()) {  // sequence parallelism: each rank's tokens' part of the LayerNorms' gradients
+    for (int c = device; c < s.chunks(); c += s.devices) {
+      auto const index = static_cast<std::size_t>(pipeline * s.chunks() + c);
+      Tensor const& grads = chunk_of(rank, c).gradients();
+      for (nn::ParameterRange const& range : partials[index]) {
+        Tensor const part = grads.slice(range.begin, range.end);
+        tp_comms[static_cast<std::size_t>((pipeline / tp) * s.chunks() + c)]->all_reduce(pipeline % tp, part, part,
+                                                                                         comm::ReduceOp::sum, stream);
+      }
+    }
+  }
   if (replicas > tp) {  // the same chunk across replicas: sum of their batch-mean shares
-    int const pipeline = rank / s.devices;
     for (int c = device; c < s.chunks(); c += s.devices) {
       Tensor const& grads = chunk_of(rank, c).gradients();
       if (!grads.defined()) continue;
@@ -402,14 +419,10 @@ std::optional<Executor::Impl::Tie> Executor::Impl::find_tie(std::vector<nn::Sequ
   return tie;
 }
 
-nn::Sequential Executor::Impl::tensor_parallel_chunk(nn::Sequential const& model, int r, std::size_t c) const {
+nn::Sequential Executor::Impl::tensor_parallel_chunk(int r, std::size_t c) const {
   auto const chunks = static_cast<std::size_t>(schedule.chunks());
-  nn::Sequential const shard =
-      options.tensor_parallel.shard(tp_comms[static_cast<std::size_t>(r / tp) * chunks + c], r % tp);
-  if (shard.size() != model.size())
-    throw Error(Errc::invalid_argument, "a tensor-parallel shard of " + std::to_string(shard.size()) + " layers for a model of " +
-                                            std::to_string(model.size()) + " (expected the model's layers, split)");
-  nn::Sequential part = shard.stage(cuts[c], cuts[c + 1]);
+  nn::Sequential part =
+      options.tensor_parallel.stage(tp_comms[static_cast<std::size_t>(r / tp) * chunks + c], r % tp, cuts[c], cuts[c + 1]);
   bool embedded = false;
   for (std::size_t i = 0; i < part.size(); ++i)
     embedded = embedded || dynamic_cast<parallel::VocabParallelEmbedding const*>(&part.layer(i)) != nullptr;
@@ -512,7 +525,7 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   for (int r = 0; r < m.replicas; ++r) {
     for (std::size_t c = 0; c < chunks; ++c) {
       m.chunks[static_cast<std::size_t>(r)].push_back(
-          tp > 1 ? m.tensor_parallel_chunk(model, r, c) : model.stage(m.cuts[c], m.cuts[c + 1]));
+          tp > 1 ? m.tensor_parallel_chunk(r, c) : model.stage(m.cuts[c], m.cuts[c + 1]));
       std::unique_ptr<optim::Optimizer> optimizer = make_optimizer(m.chunks[static_cast<std::size_t>(r)].back());
       if (!optimizer)
         throw Error(Errc::invalid_argument, "the pipeline's optimizer factory returned no optimizer for chunk " + std::to_string(c) +
@@ -560,8 +573,9 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     // The norm counts split parameters on replica 0's ranks, replicated ones on its rank 0 and a
     // tied head's copy of wte nowhere (the embedding's rows count).
     for (std::size_t c = 0; c < chunks; ++c) {
-      std::vector<nn::OwnedRange> ranges =
-          parallel::norm_ranges(m.chunks[static_cast<std::size_t>(r)][c], r < tp, r == 0);
+      nn::Sequential const& chunk = m.chunks[static_cast<std::size_t>(r)][c];
+      if (m.options.tensor_parallel.sequence_parallel) m.partials.push_back(parallel::partial_ranges(chunk, true));
+      std::vector<nn::OwnedRange> ranges = parallel::norm_ranges(chunk, r < tp, r == 0);
       for (nn::OwnedRange& range : ranges)
         if (m.tie && static_cast<int>(c) == m.tie->head_chunk && range.begin == m.tie->head_offset) range.counted = false;
       m.norms.push_back(std::make_unique<NormRanges>(std::move(ranges)));

@@ -9,7 +9,8 @@
 # grid, and resume (on their layout, and from a data-parallel checkpoint); so does tensor
 # parallelism (--tp 2), which also starts from an llm.c model file, and its data-parallel replicas
 # (--dp 2 --tp 2), and with --sequence-parallel; so do the data x tensor x pipeline grids --tp 2
-# --stages 2 (1F1B) and --dp 2 --tp 2 --stages 2 (GPipe); --recompute selective and full
+# --stages 2 (1F1B, and with --sequence-parallel) and --dp 2 --tp 2 --stages 2 (GPipe); --recompute
+# selective and full
 # give the same losses in each kind of layout; --trace writes the last step's timeline; bad flags
 # fail with exit code 2 and a message. Usage: train_gpt_check.sh TRAIN_GPT TEXT_FILE DIR
 set -euo pipefail
@@ -165,7 +166,7 @@ for key in train_loss val_loss; do
 done
 [ "$(field dp "$dir/dptp.json")" = 2 ] && [ "$(field tp "$dir/dptp.json")" = 2 ] ||
   fail "dp and tp in the JSON line: $(cat "$dir/dptp.json")"
-for grid in "--tp 2 --stages 2" "--dp 2 --tp 2 --stages 2 --schedule gpipe --micro-batches 2"; do
+for grid in "--tp 2 --stages 2" "--dp 2 --tp 2 --stages 2 --schedule gpipe --micro-batches 2" "--tp 2 --stages 2 --sequence-parallel"; do
   # shellcheck disable=SC2086
   "$exe" "${common[@]}" --iters 40 $grid > "$dir/tpp.json" 2> /dev/null
   for key in train_loss val_loss; do
@@ -179,7 +180,7 @@ done
 [ "$(field val_loss "$dir/tp-llmc.json")" = "$end" ] || fail "val loss $(field val_loss "$dir/tp-llmc.json") from --init-from with --tp 2 (expected $end)"
 
 # Refused: micro-batches without a pipeline, a layout that does not match the devices, --dp
-# other than the device count, --tp not dividing the heads, with --sequence-parallel and a pipeline, or with --dp x --tp (x --stages)
+# other than the device count, --tp not dividing the heads, with --dp x --tp (x --stages)
 # other than the device count, --sequence-parallel without --tp or with a block size --tp does not divide, a ZeRO stage other than 0 or 1, a damaged model file, more validation windows than the data holds.
 expect_error() {
   local message=$1
@@ -193,7 +194,6 @@ expect_error "--micro-batches 2 without a pipeline" "${common[@]}" --micro-batch
 expect_error "--devices host:3 has 3 devices (expected --stages x --dp = 4)" "${common[@]}" --stages 2 --dp 2 --devices host:3
 expect_error "--dp 3 with --devices host:2 (expected the number of devices, 2" "${common[@]}" --devices host:2 --dp 3
 expect_error "2 heads over 3 tensor-parallel ranks (expected a group size dividing n_head)" "${common[@]}" --tp 3
-expect_error "--sequence-parallel with a pipeline (expected --tp with --dp at most" "${common[@]}" --tp 2 --stages 2 --sequence-parallel
 expect_error "--devices host:3 has 3 devices (expected --dp x --tp x --stages = 4)" "${common[@]}" --tp 2 --stages 2 --devices host:3
 expect_error "--devices host:3 has 3 devices (expected --dp x --tp = 4)" "${common[@]}" --tp 2 --dp 2 --devices host:3
 expect_error "--zero 3 (expected 0, the replicated update, 1" "${common[@]}" --devices host:2 --zero 3

@@ -1,8 +1,9 @@
 // A data x tensor x pipeline grid (pipeline::Executor with tensor-parallel stages) on host
 // devices: TP 2 x PP 2 (GPipe, 1F1B, interleaved, ZB-H1), DP 2 x TP 2 x PP 2 (GPipe and 1F1B,
-// uneven rows) and TP 4 x PP 2 give the one-device GPT's loss curve over 20 AdamW steps with
-// clipping and its weights (gathered from the shards), so does a vocab of 67 over 2 ranks, and
-// with dropout its losses; weights scattered into the shards gather back unchanged; the last
+// uneven rows), TP 4 x PP 2 and with sequence parallelism TP 2 x PP 2 and DP 2 x TP 2 x PP 2 give
+// the one-device GPT's loss curve over 20 AdamW steps with clipping and its weights (gathered from
+// the shards), so does a vocab of 67 over 2 ranks, and with dropout its losses (with sequence
+// parallelism too); weights scattered into the shards gather back unchanged; the last
 // stage's copy of each rank's wte rows stays bitwise the first stage's, and the replicated
 // parameters bitwise equal across the ranks; 16-bit compute, a grid that does not match the group,
 // a rank count that does not divide the heads and checkpoints are refused.
@@ -102,6 +103,7 @@ struct Grid {
   std::vector<std::size_t> cuts;
   int data_parallel;
   int ranks = 2;  // tensor-parallel
+  bool sequence_parallel = false;
 };
 
 double worst_relative(std::vector<double> const& got, std::vector<double> const& want) {
@@ -129,7 +131,7 @@ Curve grid_curve(Env& env, Grid const& grid, nn::GptConfig const& c, std::vector
                   {.seed = seed,
                    .data_parallel = grid.data_parallel,
                    .clip_norm = clip,
-                   .tensor_parallel = pp::tensor_parallel_stages(c, ranks)});
+                   .tensor_parallel = pp::tensor_parallel_stages(c, ranks, grid.sequence_parallel)});
   nn::Sequential whole = nn::gpt(c);
   whole.materialize(env.ctx, seed + 1);
   std::vector<double> const other = as_double(whole.master_parameters());
@@ -202,6 +204,9 @@ TEST_CASE("a data x tensor x pipeline grid trains a GPT as one device: TP 2 x PP
       {"DP 2 x TP 2 x PP 2, gpipe", pp::gpipe(2, 2), {0, 3, 6}, 2},
       {"DP 2 x TP 2 x PP 2, 1f1b", pp::one_f_one_b(2, 2), {0, 4, 6}, 2},
       {"TP 4 x PP 2, 1f1b", pp::one_f_one_b(2, 3), {0, 3, 6}, 1, 4},
+      {"TP 2 x PP 2, 1f1b, sequence parallel", pp::one_f_one_b(2, 3), {0, 3, 6}, 1, 2, true},
+      {"TP 2 x PP 2, gpipe, sequence parallel, the head alone", pp::gpipe(2, 3), {0, 5, 6}, 1, 2, true},
+      {"DP 2 x TP 2 x PP 2, 1f1b, sequence parallel", pp::one_f_one_b(2, 2), {0, 4, 6}, 2, 2, true},
   };
   for (Grid const& grid : grids) {
     CAPTURE(grid.name);
@@ -223,7 +228,8 @@ TEST_CASE("with dropout a tensor x pipeline grid drops what one device drops", "
   std::vector<double> const undropped = one_device_curve(env, config, batches).losses;
   REQUIRE(std::abs(want[0] - undropped[0]) > 1e-3 * undropped[0]);  // the dropout changes the loss
   for (Grid const& grid : {Grid{"TP 2 x PP 2, 1f1b", pp::one_f_one_b(2, 3), {0, 3, 6}, 1},
-                           Grid{"DP 2 x TP 2 x PP 2, gpipe", pp::gpipe(2, 2), {0, 3, 6}, 2}}) {
+                           Grid{"DP 2 x TP 2 x PP 2, gpipe", pp::gpipe(2, 2), {0, 3, 6}, 2},
+                           Grid{"TP 2 x PP 2, 1f1b, sequence parallel", pp::one_f_one_b(2, 3), {0, 3, 6}, 1, 2, true}}) {
     CAPTURE(grid.name);
     double const worst = worst_relative(grid_curve(env, grid, dropped, batches).losses, want);
     WARN(grid.name << " with dropout: worst relative loss difference " << worst);

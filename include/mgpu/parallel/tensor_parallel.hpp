@@ -306,6 +306,12 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
 /// on every rank: only one rank counts them).
 [[nodiscard]] std::vector<nn::OwnedRange> norm_ranges(nn::Sequential const& shard, bool split, bool replicated);
 
+/// The ranges of a tensor-parallel shard's flat buffers (`shard`, or a pipeline stage of one) whose
+/// gradients each rank computes from its own tokens only, with the layer of each: with sequence
+/// parallelism the LayerNorms (the ShardedLayers' partial_ranges() and the plain LayerNorms), to be
+/// summed over the ranks before the update; none without.
+[[nodiscard]] std::vector<nn::ParameterRange> partial_ranges(nn::Sequential const& shard, bool sequence_parallel);
+
 struct TensorParallelOptions {
   /// The shards are materialized from this seed: together they hold gpt(config)'s weights
   /// materialized from it.

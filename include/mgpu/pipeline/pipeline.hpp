@@ -124,20 +124,28 @@ Partition partition(nn::Sequential const& model, Schedule const& schedule, Layer
 struct TensorParallelStages {
   /// The ranks per stage, B (1: no tensor parallelism).
   int ranks = 1;
-  /// Rank `rank`'s shard of the whole model, its layers' collectives over `comm` (the ranks of one
-  /// stage): a Sequential with the whole model's layers, of which the executor keeps each chunk's.
-  /// Called once per pipeline and chunk.
-  std::function<nn::Sequential(std::shared_ptr<comm::Communicator> const& comm, int rank)> shard{};
+  /// Rank `rank`'s shard of the whole model's layers [begin, end) (a chunk: Sequential::stage of
+  /// the rank's shard), its layers' collectives over `comm` (the chunk's ranks). Called once per
+  /// pipeline and chunk.
+  std::function<nn::Sequential(std::shared_ptr<comm::Communicator> const& comm, int rank, std::size_t begin,
+                               std::size_t end)>
+      stage{};
   /// The loss of rank `rank`'s last stage, over the last stage's communicator `comm` (replaces
   /// ExecutorOptions::loss).
   std::function<std::shared_ptr<nn::Loss const>(std::shared_ptr<comm::Communicator> const& comm, int rank)> loss{};
+  /// Sequence parallelism: the chunks' LayerNorms' gradients are each rank's tokens' part
+  /// (parallel::partial_ranges), summed over the chunk's ranks before the update.
+  bool sequence_parallel = false;
 };
 
 /// gpt(config)'s tensor-parallel stages over `ranks` ranks per stage: rank t's pipeline holds
-/// parallel::tensor_parallel_gpt(config, comm, t) cut at the executor's cuts, its last stage the
-/// parallel::VocabParallelCrossEntropy; the executor is given gpt(config) as its model (the shards
-/// have its layers). Throws Error(invalid_argument) for ranks that do not divide n_head.
-[[nodiscard]] TensorParallelStages tensor_parallel_stages(nn::GptConfig const& config, int ranks);
+/// parallel::tensor_parallel_gpt(config, comm, t, sequence_parallel) cut at the executor's cuts
+/// (gpt(config)'s layers; with sequence parallelism the layer that gathers the tokens before the
+/// LM head goes with the head), its last stage the parallel::VocabParallelCrossEntropy; the
+/// executor is given gpt(config) as its model. Throws Error(invalid_argument) for ranks that do
+/// not divide n_head.
+[[nodiscard]] TensorParallelStages tensor_parallel_stages(nn::GptConfig const& config, int ranks,
+                                                          bool sequence_parallel = false);
 
 struct ExecutorOptions {
   /// Initialises the chunks as nn::Sequential::materialize(seed) initialises the whole model.
@@ -203,20 +211,21 @@ using ChunkOptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(nn
 /// Tensor-parallel stages (options.tensor_parallel.ranks = B > 1): a data x tensor x pipeline grid
 /// of A = data_parallel replicas, B ranks per stage and `devices` stages over A x B x devices
 /// ranks. It runs B pipelines per replica in lock-step: pipeline a B + t, on ranks
-/// [(a B + t) devices, (a B + t + 1) devices), holds rank t's shard of every chunk (cut from
-/// tensor_parallel.shard(comm, t), comm being the chunk's B ranks of replica a) and runs the
-/// schedule on the replica's rows, as every pipeline of the replica does: each of them runs the
-/// same actions in the same order, so the collectives the shards run inside forward and backward
-/// meet on the chunk's B ranks, and a transfer goes from rank t's stage to rank t's next stage.
-/// The replica's rank-t pipelines of every replica sum their gradients as replicas do; a tied LM
-/// head (parallel::VocabParallelLMHead) in another chunk than its embedding holds a copy of its
+/// [(a B + t) devices, (a B + t + 1) devices), holds rank t's shard of every chunk
+/// (tensor_parallel.stage(comm, t, begin, end), comm being the chunk's B ranks of replica a) and
+/// runs the schedule on the replica's rows, as every pipeline of the replica does: each of them
+/// runs the same actions in the same order, so the collectives the shards run inside forward and
+/// backward meet on the chunk's B ranks, and a transfer goes from rank t's stage to rank t's next
+/// stage. With sequence parallelism each chunk's partial LayerNorm gradients are then summed over
+/// its B ranks. The rank-t pipelines of the A replicas sum their gradients as replicas do; a tied
+/// LM head (parallel::VocabParallelLMHead) in another chunk than its embedding holds a copy of its
 /// rank's rows, summed with them as above. Clipping counts split parameters on every rank of
 /// replica 0 and replicated ones on its rank 0 (parallel::norm_ranges). The executor's model is
-/// the whole model (its layers and cut points; the shards have the same layers), its `loss` is
-/// replaced by tensor_parallel.loss, and chunk(c, replica) takes the pipeline a B + t as its
-/// replica. float32 only, in one process; gather_parameters and scatter_parameters move the
-/// whole model (gpt(config)'s layout) to and from the shards, save and load are refused
-/// (Error(invalid_argument)). For a GPT, tensor_parallel_stages().
+/// the whole model (its layers and cut points), its `loss` is replaced by tensor_parallel.loss,
+/// and chunk(c, replica) takes the pipeline a B + t as its replica. float32 only, in one process;
+/// gather_parameters and scatter_parameters move the whole model (the model's layout) to and from
+/// the shards, save and load are refused (Error(invalid_argument)). For a GPT,
+/// tensor_parallel_stages().
 ///
 /// Across processes: every process makes the executor over its own DeviceGroup with the same
 /// model, cuts, schedule and options, and options.make_communicator = dist::communicator_factory(
