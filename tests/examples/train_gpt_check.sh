@@ -176,6 +176,11 @@ for grid in "--tp 2 --stages 2" "--dp 2 --tp 2 --stages 2 --schedule gpipe --mic
   [ "$(field tp "$dir/tpp.json")" = 2 ] && [ "$(field stages "$dir/tpp.json")" = 2 ] ||
     fail "tp and stages in the JSON line: $(cat "$dir/tpp.json")"
 done
+# The executor's ranks are pipeline-major (rank t's pipeline on [2 t, 2 t + 2) for 2 stages): each
+# stage's tensor-parallel pair lands on neighbouring devices (equal links keep the given order).
+"$exe" "${common[@]}" --iters 1 --tp 2 --stages 2 > "$dir/tpp.json" 2> /dev/null
+grep -q '"devices": \["host:0", "host:2", "host:1", "host:3"\]' "$dir/tpp.json" ||
+  fail "devices of --tp 2 --stages 2 in the JSON line: $(cat "$dir/tpp.json")"
 "$exe" "${common[@]}" --tp 2 --init-from "$dir/model.bin" --eval-only > "$dir/tp-llmc.json" 2> /dev/null
 [ "$(field val_loss "$dir/tp-llmc.json")" = "$end" ] || fail "val loss $(field val_loss "$dir/tp-llmc.json") from --init-from with --tp 2 (expected $end)"
 
