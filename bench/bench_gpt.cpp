@@ -36,8 +36,20 @@
 //                         gradients, optimizer state, activations, buffers; as train_gpt --json's
 //                         peak_bytes; blocks are reused in stream order, as on a GPU);
 //     predicted_peak_bytes_device  the memory model's prediction of that peak
-//                         (parallel::predict_gpt_memory; not for layout 8, which it does not model);
+//                         (parallel::predict_gpt_memory);
 //     devices             how many devices the layout uses.
+//   BM_gpt_plan: the planner (plan::plan_gpt) on the nano shape over host:2: the costs measured
+//   (plan::measure_gpt_costs), a budget per device that the largest quarter of the layouts'
+//   predicted peaks exceed, then every layout that fits built and stepped (rounds of 3 steps of
+//   each in turn, 3 rounds, after 2 untimed steps):
+//     layouts_considered, layouts_fit       what the planner weighed, and kept;
+//     spearman_predicted_vs_measured_step_time  Spearman's rank correlation between the predicted
+//                         and the measured (median) step times of the layouts that fit;
+//     chosen_measured_rank                1 when the planner's choice measured fastest;
+//     chosen_measured_step_over_fastest   its measured step time / the fastest measured;
+//     budget_bytes_device                 the budget;
+//     largest_measured_peak_over_budget   the largest allocator peak of any layout that fit /
+//                                         the budget (the memory model's error shows above 1).
 //   BM_attention/<shape>: causal attention forward + backward alone on that shape's qkv:
 //     online_ms               ops::causal_attention + causal_attention_backward (tiled online
 //                             softmax, per-row log-sum-exp kept);
@@ -56,6 +68,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -87,6 +100,8 @@ using bench::median;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
+mgpu::optim::AdamWOptions const adamw_options{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
+
 struct GptTrainer {
   static constexpr std::int64_t pool = 8;  // batches of random windows, used in turn
   mgpu::Device device{mgpu::DeviceKind::host, 0};
@@ -95,7 +110,7 @@ struct GptTrainer {
   mgpu::nn::Context ctx{*allocator, stream};
   Shape shape;
   mgpu::nn::Sequential model;
-  mgpu::optim::AdamW adamw{{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f}};
+  mgpu::optim::AdamW adamw{adamw_options};
   mgpu::nn::TokenCrossEntropy const loss_fn{};
   mgpu::Tensor inputs, targets;
   std::int64_t next = 0;
@@ -266,60 +281,53 @@ struct NaiveAttention {
   }
 };
 
-void BM_gpt_layouts(benchmark::State& state) {
-  static constexpr char const* names[] = {"one device", "host:2 data parallel, replicated update",
-                                          "host:2 data parallel, ZeRO-1", "host:2 ZeRO-1, full recomputation",
-                                          "host:2 tensor parallel", "host:2 pipeline, 1F1B x 4 micro-batches",
-                                          "host:4 data parallel 2 x tensor parallel 2", "host:2 ZeRO-2, a bucket per block",
-                                          "host:2 tensor parallel, sequence parallel"};
-  int const layout = static_cast<int>(state.range(0));
-  Shape shape{"mid", {.vocab = 256, .block_size = 128, .n_layer = 4, .n_head = 4, .n_embd = 256}, 8};
-  if (layout == 3) shape.config.recompute = mgpu::nn::Recompute::full;
-  GptTrainer one(shape);  // its batches feed every layout; it trains only in layout 0
-  mgpu::DeviceGroup group(layout == 0 ? "host:1" : layout == 6 ? "host:4" : "host:2");
-  mgpu::optim::AdamWOptions const adamw = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
+// One layout's executor for a GPT on a group (plan::Layout's degrees over all of its devices),
+// stepped on the batches of `one` (which trains itself when the layout is one device's).
+struct LayoutRun {
+  GptTrainer& one;
   std::unique_ptr<mgpu::parallel::DataParallel> dp;
   std::unique_ptr<mgpu::parallel::TensorParallel> tp;
   std::unique_ptr<mgpu::pipeline::Executor> pp;
-  mgpu::parallel::GptLayout model_layout{.data_parallel = group.size(), .zero_stage = 0};
-  if ((layout >= 1 && layout <= 3) || layout == 7) {
-    mgpu::parallel::DataParallelOptions options;
-    options.seed = 1;
-    options.clip_norm = 1.0f;
-    options.zero_stage = layout == 1 ? 0 : layout == 7 ? 2 : 1;
-    if (layout == 7) options.bucket_cap_bytes = options.first_bucket_cap_bytes = std::size_t{1} << 20;  // below a block: one each
-    model_layout = {.data_parallel = group.size(), .zero_stage = options.zero_stage, .bucket_cap_bytes = options.bucket_cap_bytes,
-                    .first_bucket_cap_bytes = options.first_bucket_cap_bytes};
-    options.loss = std::make_shared<mgpu::nn::TokenCrossEntropy>();
-    dp = std::make_unique<mgpu::parallel::DataParallel>(mgpu::nn::gpt(shape.config), group, one.adamw, std::move(options));
-  } else if (layout == 4 || layout == 6 || layout == 8) {
-    tp = std::make_unique<mgpu::parallel::TensorParallel>(
-        group, shape.config,
-        mgpu::parallel::TensorParallelOptions{
-            .adamw = adamw, .clip_norm = 1.0f, .data_parallel = layout == 6 ? 2 : 1, .sequence_parallel = layout == 8});
-    model_layout = {.data_parallel = layout == 6 ? 2 : 1, .tensor_parallel = 2};
-  } else if (layout == 5) {
-    mgpu::nn::Sequential const model = mgpu::nn::gpt(shape.config);
-    std::vector<std::size_t> const points = model.cut_points();
-    std::size_t const middle = *std::min_element(points.begin(), points.end(), [&](std::size_t a, std::size_t b) {
-      auto const off = [&](std::size_t p) { return std::abs(static_cast<double>(p) - static_cast<double>(model.size()) / 2); };
-      return off(a) < off(b);
-    });
-    model_layout = {.cuts = {0, middle, model.size()}, .micro_batches = 4};
-    pp = std::make_unique<mgpu::pipeline::Executor>(
-        model, group, model_layout.cuts, mgpu::pipeline::one_f_one_b(2, 4),
-        [&adamw](mgpu::nn::Sequential const& chunk) {
-          mgpu::optim::AdamWOptions options = adamw;
-          options.decay_ranges = chunk.matrix_ranges();
-          return std::make_unique<mgpu::optim::AdamW>(options);
-        },
-        mgpu::pipeline::ExecutorOptions{.seed = 1, .clip_norm = 1.0f, .loss = std::make_shared<mgpu::nn::TokenCrossEntropy>()});
-  }
   std::int64_t next = 0;
-  auto const step = [&] {
-    std::int64_t const b = next++ % GptTrainer::pool;
-    mgpu::Tensor const x = one.inputs.slice(b * shape.batch, (b + 1) * shape.batch);
-    mgpu::Tensor const y = one.targets.slice(b * shape.batch, (b + 1) * shape.batch);
+
+  // `bucket_cap`: DataParallelOptions' caps (0: its defaults).
+  LayoutRun(GptTrainer& trainer, mgpu::DeviceGroup& group, mgpu::plan::Layout const& layout, std::size_t bucket_cap = 0)
+      : one(trainer) {
+    mgpu::nn::GptConfig config = one.shape.config;
+    config.recompute = layout.recompute;
+    if (layout.stages > 1) {
+      pp = std::make_unique<mgpu::pipeline::Executor>(
+          mgpu::nn::gpt(config), group, layout.cuts, mgpu::pipeline::one_f_one_b(layout.stages, layout.micro_batches),
+          [](mgpu::nn::Sequential const& chunk) {
+            mgpu::optim::AdamWOptions options = adamw_options;
+            options.decay_ranges = chunk.matrix_ranges();
+            return std::make_unique<mgpu::optim::AdamW>(options);
+          },
+          mgpu::pipeline::ExecutorOptions{.seed = 1,
+                                          .data_parallel = layout.data_parallel,
+                                          .clip_norm = 1.0f,
+                                          .loss = std::make_shared<mgpu::nn::TokenCrossEntropy>()});
+    } else if (layout.tensor_parallel > 1) {
+      tp = std::make_unique<mgpu::parallel::TensorParallel>(
+          group, config,
+          mgpu::parallel::TensorParallelOptions{.adamw = adamw_options,
+                                                .clip_norm = 1.0f,
+                                                .data_parallel = layout.data_parallel,
+                                                .sequence_parallel = layout.sequence_parallel});
+    } else if (group.size() > 1) {
+      mgpu::parallel::DataParallelOptions options;
+      options.seed = 1;
+      options.clip_norm = 1.0f;
+      options.zero_stage = layout.zero_stage;
+      if (bucket_cap > 0) options.bucket_cap_bytes = options.first_bucket_cap_bytes = bucket_cap;
+      options.loss = std::make_shared<mgpu::nn::TokenCrossEntropy>();
+      dp = std::make_unique<mgpu::parallel::DataParallel>(mgpu::nn::gpt(config), group, one.adamw, std::move(options));
+    }
+  }
+  void step() {
+    std::int64_t const b = next++ % GptTrainer::pool, rows = one.shape.batch;
+    mgpu::Tensor const x = one.inputs.slice(b * rows, (b + 1) * rows);
+    mgpu::Tensor const y = one.targets.slice(b * rows, (b + 1) * rows);
     if (dp) {
       (void)dp->step(x, y);
     } else if (tp) {
@@ -329,36 +337,157 @@ void BM_gpt_layouts(benchmark::State& state) {
     } else {
       one.step();
     }
-  };
-  step();
-  mgpu::Allocator* const only = layout == 0 ? one.allocator.get() : nullptr;
-  auto const allocators = [&] {
-    std::vector<mgpu::Allocator*> all;
-    if (only != nullptr) return std::vector<mgpu::Allocator*>{only};
-    for (int r = 0; r < group.size(); ++r) all.push_back(&group.allocator(r));
-    return all;
-  }();
+  }
+};
+
+// The median seconds of `state`'s steps of `run` after one untimed step, and each device's largest
+// allocator peak over them (`allocators`).
+struct Timed {
+  double step_s = 0;
+  double peak_bytes = 0;
+};
+Timed time_steps(benchmark::State& state, LayoutRun& run, std::vector<mgpu::Allocator*> const& allocators) {
+  run.step();
   for (mgpu::Allocator* a : allocators) a->reset_peak();
   std::vector<double> step_s;
   for (auto _ : state) {
     auto const t0 = Clock::now();
-    step();
+    run.step();
     step_s.push_back(seconds_since(t0));
   }
-  double peak = 0;
-  for (mgpu::Allocator* a : allocators) peak = std::max(peak, static_cast<double>(a->stats().peak_allocated));
-  state.SetLabel(std::string(shape.name) + ", " + names[layout]);
-  state.counters["tokens_per_s"] = static_cast<double>(one.tokens()) / median(step_s);
-  state.counters["peak_bytes_device"] = peak;
-  if (layout != 8) {
-    double predicted = 0;
-    for (mgpu::parallel::GptMemory const& m : mgpu::parallel::predict_gpt_memory(shape.config, shape.batch, model_layout))
-      predicted = std::max(predicted, static_cast<double>(m.total()));
-    state.counters["predicted_peak_bytes_device"] = predicted;
+  Timed timed{median(step_s), 0.0};
+  for (mgpu::Allocator* a : allocators) timed.peak_bytes = std::max(timed.peak_bytes, static_cast<double>(a->stats().peak_allocated));
+  return timed;
+}
+
+void BM_gpt_layouts(benchmark::State& state) {
+  static constexpr char const* names[] = {"one device", "host:2 data parallel, replicated update",
+                                          "host:2 data parallel, ZeRO-1", "host:2 ZeRO-1, full recomputation",
+                                          "host:2 tensor parallel", "host:2 pipeline, 1F1B x 4 micro-batches",
+                                          "host:4 data parallel 2 x tensor parallel 2", "host:2 ZeRO-2, a bucket per block",
+                                          "host:2 tensor parallel, sequence parallel"};
+  int const layout = static_cast<int>(state.range(0));
+  Shape shape{"mid", {.vocab = 256, .block_size = 128, .n_layer = 4, .n_head = 4, .n_embd = 256}, 8};
+  GptTrainer one(shape);  // its batches feed every layout; it trains only in layout 0
+  mgpu::DeviceGroup group(layout == 0 ? "host:1" : layout == 6 ? "host:4" : "host:2");
+  mgpu::plan::Layout model{.data_parallel = layout == 6 ? 2 : layout == 4 || layout == 5 || layout == 8 ? 1 : group.size(),
+                           .tensor_parallel = layout == 4 || layout == 6 || layout == 8 ? 2 : 1,
+                           .zero_stage = layout == 1 || layout == 0 ? 0 : layout == 7 ? 2 : 1,
+                           .sequence_parallel = layout == 8,
+                           .recompute = layout == 3 ? mgpu::nn::Recompute::full : mgpu::nn::Recompute::none};
+  if (model.tensor_parallel > 1) model.zero_stage = 0;
+  if (layout == 5) {  // two stages cut at the middle cut point, 4 micro-batches
+    mgpu::nn::Sequential const whole = mgpu::nn::gpt(shape.config);
+    std::vector<std::size_t> const points = whole.cut_points();
+    std::size_t const middle = *std::min_element(points.begin(), points.end(), [&](std::size_t a, std::size_t b) {
+      auto const off = [&](std::size_t p) { return std::abs(static_cast<double>(p) - static_cast<double>(whole.size()) / 2); };
+      return off(a) < off(b);
+    });
+    model.stages = 2, model.micro_batches = 4, model.cuts = {0, middle, whole.size()};
   }
+  std::size_t const bucket_cap = layout == 7 ? std::size_t{1} << 20 : 0;  // ZeRO-2: below a block, a bucket each
+  LayoutRun run(one, group, model, bucket_cap);
+  std::vector<mgpu::Allocator*> allocators;
+  for (int r = 0; r < group.size(); ++r) allocators.push_back(layout == 0 ? one.allocator.get() : &group.allocator(r));
+  Timed const timed = time_steps(state, run, allocators);
+  state.SetLabel(std::string(shape.name) + ", " + names[layout]);
+  state.counters["tokens_per_s"] = static_cast<double>(one.tokens()) / timed.step_s;
+  state.counters["peak_bytes_device"] = timed.peak_bytes;
+  mgpu::nn::GptConfig config = shape.config;
+  config.recompute = model.recompute;
+  mgpu::parallel::DataParallelOptions const defaults;
+  double predicted = 0;
+  for (mgpu::parallel::GptMemory const& m : mgpu::parallel::predict_gpt_memory(
+           config, shape.batch,
+           {.data_parallel = model.data_parallel,
+            .tensor_parallel = model.tensor_parallel,
+            .zero_stage = model.zero_stage,
+            .bucket_cap_bytes = bucket_cap > 0 ? bucket_cap : defaults.bucket_cap_bytes,
+            .first_bucket_cap_bytes = bucket_cap > 0 ? bucket_cap : defaults.first_bucket_cap_bytes,
+            .cuts = model.cuts,
+            .micro_batches = model.micro_batches,
+            .sequence_parallel = model.sequence_parallel}))
+    predicted = std::max(predicted, static_cast<double>(m.total()));
+  state.counters["predicted_peak_bytes_device"] = predicted;
   state.counters["devices"] = static_cast<double>(allocators.size());
 }
 BENCHMARK(BM_gpt_layouts)->DenseRange(0, 8)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(4);
+
+// Spearman's rank correlation of two series of equal length (ties get their average rank).
+double spearman(std::vector<double> const& a, std::vector<double> const& b) {
+  auto const ranks = [](std::vector<double> const& v) {
+    std::vector<std::size_t> order(v.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](std::size_t i, std::size_t j) { return v[i] < v[j]; });
+    std::vector<double> rank(v.size());
+    for (std::size_t i = 0; i < order.size();) {
+      std::size_t j = i;
+      while (j + 1 < order.size() && v[order[j + 1]] == v[order[i]]) ++j;
+      for (std::size_t k = i; k <= j; ++k) rank[order[k]] = static_cast<double>(i + j) / 2;
+      i = j + 1;
+    }
+    return rank;
+  };
+  std::vector<double> const ra = ranks(a), rb = ranks(b);
+  auto const n = static_cast<double>(a.size());
+  double const mean = (n - 1) / 2;
+  double sab = 0, saa = 0, sbb = 0;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    sab += (ra[i] - mean) * (rb[i] - mean), saa += (ra[i] - mean) * (ra[i] - mean), sbb += (rb[i] - mean) * (rb[i] - mean);
+  return sab / std::sqrt(saa * sbb);
+}
+
+void BM_gpt_plan(benchmark::State& state) {
+  Shape const& shape = shapes[0];
+  GptTrainer one(shape);
+  mgpu::DeviceGroup group("host:2");
+  std::vector<mgpu::Allocator*> allocators;
+  for (int r = 0; r < group.size(); ++r) allocators.push_back(&group.allocator(r));
+  mgpu::plan::GptCosts const costs = mgpu::plan::measure_gpt_costs(shape.config, group, {1, shape.batch / 2, shape.batch});
+  // A budget that the largest quarter of the layouts exceed.
+  mgpu::plan::Plan const all = mgpu::plan::plan_gpt(shape.config, shape.batch, group.size(), costs, {});
+  std::vector<std::size_t> peaks;
+  for (mgpu::plan::Candidate const& c : all.candidates) peaks.push_back(c.peak_bytes);
+  std::sort(peaks.begin(), peaks.end());
+  std::size_t const budget = peaks[peaks.size() * 3 / 4];
+  mgpu::plan::Plan const plan = mgpu::plan::plan_gpt(shape.config, shape.batch, group.size(), costs, {.memory_bytes = budget});
+  std::vector<double> predicted, measured;
+  double measured_peak = 0;
+  for (auto _ : state) {
+    // Every layout's executor, each stepped once (caches, optimizer state) and its peak read; then
+    // rounds of a few steps of each in turn, so that a change in the machine's load falls on all.
+    std::vector<std::unique_ptr<LayoutRun>> runs;
+    for (mgpu::plan::Candidate const& c : plan.candidates) {
+      for (mgpu::Allocator* a : allocators) a->reset_peak();
+      runs.push_back(std::make_unique<LayoutRun>(one, group, c.layout));
+      runs.back()->step();
+      runs.back()->step();
+      for (mgpu::Allocator* a : allocators) measured_peak = std::max(measured_peak, static_cast<double>(a->stats().peak_allocated));
+      predicted.push_back(c.step_seconds);
+    }
+    std::vector<std::vector<double>> step_s(runs.size());
+    for (int round = 0; round < 3; ++round)
+      for (std::size_t i = 0; i < runs.size(); ++i)
+        for (int k = 0; k < 3; ++k) {
+          auto const t0 = Clock::now();
+          runs[i]->step();
+          step_s[i].push_back(seconds_since(t0));
+        }
+    for (std::vector<double> const& s : step_s) measured.push_back(median(s));
+  }
+  double const best = *std::min_element(measured.begin(), measured.end());
+  state.SetLabel("nano on host:2, " + std::to_string(plan.candidates.size()) + " of " + std::to_string(all.candidates.size()) +
+                 " layouts fit; chosen: " + mgpu::plan::to_string(plan.candidates.front().layout));
+  state.counters["layouts_considered"] = static_cast<double>(plan.considered);
+  state.counters["layouts_fit"] = static_cast<double>(plan.candidates.size());
+  state.counters["spearman_predicted_vs_measured_step_time"] = spearman(predicted, measured);
+  state.counters["chosen_measured_step_over_fastest"] = measured.front() / best;
+  state.counters["chosen_measured_rank"] =
+      1 + static_cast<double>(std::count_if(measured.begin(), measured.end(), [&](double m) { return m < measured.front(); }));
+  state.counters["budget_bytes_device"] = static_cast<double>(budget);
+  state.counters["largest_measured_peak_over_budget"] = measured_peak / static_cast<double>(budget);
+}
+BENCHMARK(BM_gpt_plan)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(1);
 
 void BM_attention(benchmark::State& state) {
   Shape const& shape = shapes[state.range(0)];

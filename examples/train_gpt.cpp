@@ -48,6 +48,11 @@
 //                               (--block-size divisible by N)
 // --recompute none|selective|full (nn::Recompute) trades memory for recomputed forward work in any
 // layout, the losses unchanged bit for bit.
+// --plan auto (plan::plan_gpt) chooses the layout instead of the flags above: it measures the
+// model's costs on --devices (default host:cores), weighs every data x tensor x pipeline split of
+// them with each ZeRO stage, recomputation mode and micro-batch count, drops those the memory model
+// says exceed --device-memory MiB (default: the devices' free memory) and runs the one predicted
+// fastest, printing it and the runner-up (--json: "plan").
 // Every layout gives the one-device losses within float32 rounding, and (but --tp) writes
 // checkpoints in one format, so a run may resume on another layout. --devices defaults to
 // host:(stages x dp), or host:(dp x N x stages) with --tp N. Evaluation, sampling and --save-llmc read a float32
@@ -68,11 +73,13 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <memory>
 #include <numbers>
 #include <numeric>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -106,6 +113,10 @@ struct Options {
   int stages = 1, micro_batches = 1, dp = 1, chunks = 2;
   int tp = 1;  // tensor-parallel ranks
   bool sequence_parallel = false;  // TensorParallelOptions::sequence_parallel
+  std::string plan;  // "auto": the planner chooses the layout flags
+  std::string layout_flags;  // the layout flags given on the command line (refused with --plan)
+  std::int64_t device_memory_mb = 0;  // the planner's budget per device (0: the devices' free memory)
+  std::vector<std::size_t> plan_cuts;  // the planner's pipeline cuts
   int zero = 1;  // DataParallelOptions::zero_stage
   bool zero_given = false;  // --zero on the command line (it applies to data parallelism only)
   std::int64_t bucket_kb = 0;  // DataParallelOptions::bucket_cap_bytes in KiB (0: its default)
@@ -339,6 +350,75 @@ mgpu::pipeline::LayerProfile layer_costs(mgpu::nn::Sequential const& model, mgpu
   return profile;
 }
 
+// What --plan chose, and what it weighed.
+struct Planned {
+  mgpu::plan::Plan plan;
+  std::size_t memory_bytes = 0;
+};
+
+// --plan auto: measures the GPT's costs on the devices, plans its layout for the batch, prints the
+// choice and the runner-up, and writes the choice into the layout flags.
+Planned plan_layout(Options& o, mgpu::nn::GptConfig const& config, int processes, FILE* log) {
+  if (!o.layout_flags.empty())
+    throw mgpu::Error(mgpu::Errc::invalid_argument, "--plan " + o.plan + " with " + o.layout_flags +
+                                                        " (expected no layout flags: the planner chooses them)");
+  if (processes > 1)
+    throw mgpu::Error(mgpu::Errc::invalid_argument, "--plan " + o.plan + " in a job of " + std::to_string(processes) +
+                                                        " processes (expected one process: the planner lays out one process's devices)");
+  if (o.precision != "fp32")
+    throw mgpu::Error(mgpu::Errc::invalid_argument,
+                      "--plan " + o.plan + " with --precision " + o.precision + " (expected fp32: the memory model is float32's)");
+  mgpu::DeviceGroup group(o.devices);
+  int const devices = group.size();
+  // Costs at one row, a replica's rows and the whole batch: the lines through them cover every
+  // layout's micro-batches.
+  std::vector<std::int64_t> rows{1, std::max<std::int64_t>(1, o.batch_size / devices), o.batch_size};
+  rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
+  mgpu::plan::GptCosts const costs = mgpu::plan::measure_gpt_costs(config, group, rows);
+  Planned planned;
+  planned.memory_bytes = std::numeric_limits<std::size_t>::max();
+  for (mgpu::sched::DeviceState const& d : mgpu::sched::node_state(group).devices)
+    planned.memory_bytes = std::min(planned.memory_bytes, static_cast<std::size_t>(d.free_bytes));
+  if (o.device_memory_mb > 0) planned.memory_bytes = static_cast<std::size_t>(o.device_memory_mb) << 20;
+  planned.plan = mgpu::plan::plan_gpt(config, o.batch_size, devices, costs, {.memory_bytes = planned.memory_bytes});
+  std::vector<mgpu::plan::Candidate> const& ranked = planned.plan.candidates;
+  mgpu::plan::Layout const& chosen = ranked.front().layout;
+  o.dp = chosen.data_parallel, o.tp = chosen.tensor_parallel, o.stages = chosen.stages;
+  o.zero = chosen.zero_stage, o.micro_batches = chosen.micro_batches, o.plan_cuts = chosen.cuts;
+  o.sequence_parallel = chosen.sequence_parallel;
+  o.recompute = std::string(mgpu::nn::to_string(chosen.recompute));
+  if (chosen.stages > 1) o.schedule = "1f1b";
+  std::fprintf(log, "plan: %zu of %zu layouts over %s fit %.1f MiB per device; ranked by step time from measured costs\n",
+               ranked.size(), planned.plan.considered, o.devices.c_str(), static_cast<double>(planned.memory_bytes) / (1 << 20));
+  for (std::size_t i = 0; i < std::min<std::size_t>(2, ranked.size()); ++i)
+    std::fprintf(log, "  %s %s: predicted %.1f ms per step, %.2f MB per device\n", i == 0 ? "chosen:   " : "runner-up:",
+                 mgpu::plan::to_string(ranked[i].layout).c_str(), ranked[i].step_seconds * 1e3,
+                 static_cast<double>(ranked[i].peak_bytes) / 1e6);
+  return planned;
+}
+
+// The "plan" field of --json: the chosen layout and its predictions, the runner-up, the counts.
+std::string plan_json(std::optional<Planned> const& planned) {
+  if (!planned) return "null";
+  auto const layout = [](mgpu::plan::Candidate const& c) {
+    char text[400];
+    std::snprintf(text, sizeof text,
+                  "{\"dp\": %d, \"tp\": %d, \"pp\": %d, \"zero\": %d, \"sequence_parallel\": %s, \"recompute\": \"%s\", "
+                  "\"micro_batches\": %d, \"predicted_step_s\": %.6g, \"predicted_peak_bytes\": %zu}",
+                  c.layout.data_parallel, c.layout.tensor_parallel, c.layout.stages, c.layout.zero_stage,
+                  c.layout.sequence_parallel ? "true" : "false",
+                  std::string(mgpu::nn::to_string(c.layout.recompute)).c_str(), c.layout.micro_batches, c.step_seconds,
+                  c.peak_bytes);
+    return std::string(text);
+  };
+  std::vector<mgpu::plan::Candidate> const& ranked = planned->plan.candidates;
+  std::string json = layout(ranked.front());
+  json.pop_back();
+  return json + ", \"runner_up\": " + (ranked.size() > 1 ? layout(ranked[1]) : std::string("null")) +
+         ", \"fit\": " + std::to_string(ranked.size()) + ", \"considered\": " + std::to_string(planned->plan.considered) +
+         ", \"memory_bytes\": " + std::to_string(planned->memory_bytes) + "}";
+}
+
 std::string printable(std::string const& text) {
   std::string out;
   for (unsigned char const c : text)
@@ -357,8 +437,32 @@ int run(Options o) {
                       "cannot open /dev/null for process " + std::to_string(session.place().rank) + "'s output");
   FILE* const log = !speaker ? quiet.get() : o.json ? stderr : stdout;
   bool const terminal = speaker && ::isatty(STDERR_FILENO) != 0;
+  // The model: from the flags, or the architecture and weights of an llm.c model file.
+  std::optional<mgpu::io::LlmcModel> init;
+  if (!o.init_from.empty()) {
+    init = mgpu::io::read_llmc_model(o.init_from);
+    o.n_layer = init->config.n_layer, o.n_head = init->config.n_head, o.n_embd = init->config.n_embd;
+    o.block_size = init->config.block_size;
+    if (init->config.vocab < o.vocab)
+      throw mgpu::Error(mgpu::Errc::invalid_argument,
+                        "--init-from " + o.init_from + ": vocab " + std::to_string(init->config.vocab) +
+                            " (expected at least the data's " + std::to_string(o.vocab) + ")");
+  }
+  mgpu::nn::GptConfig config{.vocab = init ? init->config.vocab : o.vocab,
+                                   .block_size = o.block_size,
+                                   .n_layer = o.n_layer,
+                                   .n_head = o.n_head,
+                                   .n_embd = o.n_embd,
+                                   .dropout = o.dropout,
+                                   .recompute = recompute_of(o.recompute)};
+  if (o.plan.empty() && o.device_memory_mb > 0)
+    throw mgpu::Error(mgpu::Errc::invalid_argument, "--device-memory without --plan (expected --plan auto: it is the planner's budget)");
+  std::optional<Planned> const planned = o.plan.empty() ? std::nullopt : std::optional<Planned>(plan_layout(o, config, processes, log));
+  config.recompute = recompute_of(o.recompute);
   bool const pipelined = !o.schedule.empty() || o.stages > 1;
   if (pipelined && o.schedule.empty()) o.schedule = "1f1b";
+  if (o.devices.empty() && !o.plan.empty())  // the planner lays out the machine's cores
+    o.devices = "host:" + std::to_string(std::max(1u, std::thread::hardware_concurrency()));
   if (o.devices.empty())
     o.devices = "host:" + std::to_string(std::max(1, (o.tp > 1    ? o.tp * o.dp * (pipelined ? o.stages : 1)
                                                       : pipelined ? o.stages * o.dp
@@ -399,24 +503,6 @@ int run(Options o) {
   if (o.resume && o.checkpoint.empty())
     throw mgpu::Error(mgpu::Errc::invalid_argument, "--resume without --checkpoint (expected --checkpoint PATH)");
 
-  // The model: from the flags, or the architecture and weights of an llm.c model file.
-  std::optional<mgpu::io::LlmcModel> init;
-  if (!o.init_from.empty()) {
-    init = mgpu::io::read_llmc_model(o.init_from);
-    o.n_layer = init->config.n_layer, o.n_head = init->config.n_head, o.n_embd = init->config.n_embd;
-    o.block_size = init->config.block_size;
-    if (init->config.vocab < o.vocab)
-      throw mgpu::Error(mgpu::Errc::invalid_argument,
-                        "--init-from " + o.init_from + ": vocab " + std::to_string(init->config.vocab) +
-                            " (expected at least the data's " + std::to_string(o.vocab) + ")");
-  }
-  mgpu::nn::GptConfig const config{.vocab = init ? init->config.vocab : o.vocab,
-                                   .block_size = o.block_size,
-                                   .n_layer = o.n_layer,
-                                   .n_head = o.n_head,
-                                   .n_embd = o.n_embd,
-                                   .dropout = o.dropout,
-                                   .recompute = recompute_of(o.recompute)};
   Splits const splits = load_splits(o);
 
   auto allocator = mgpu::Allocator::create(device);
@@ -476,7 +562,7 @@ int run(Options o) {
                                   across ? examples::world_stage_devices(world, schedule.devices)
                                          : mgpu::pipeline::stage_devices(group, schedule.devices),
                                   {.optimizer_states = 2});
-    cuts = plan.cuts;
+    cuts = o.plan_cuts.empty() ? plan.cuts : o.plan_cuts;  // the planner cut by its measured costs
     mgpu::pipeline::ExecutorOptions options{.seed = o.seed,
                                             .data_parallel = o.dp,
                                             .compute = examples::precision(o.precision),
@@ -487,7 +573,7 @@ int run(Options o) {
     if (o.precision == "fp16") options.loss_scaler.emplace();
     if (across) options.make_communicator = mgpu::dist::communicator_factory(world);
     pipeline = std::make_unique<mgpu::pipeline::Executor>(
-        model, group, plan.cuts, std::move(schedule),
+        model, group, cuts, std::move(schedule),
         [&adamw](mgpu::nn::Sequential const& chunk) {
           mgpu::optim::AdamWOptions options = adamw;
           options.decay_ranges = chunk.matrix_ranges();
@@ -499,11 +585,11 @@ int run(Options o) {
     std::fprintf(out, "%s over %d stage(s) x %d replica(s) x %d tensor-parallel rank(s), %d micro-batches (about %.3g sequences each); chunks cut by FLOPs:\n",
                  pipeline->schedule().name.c_str(), o.stages, o.dp, o.tp, pipeline->schedule().micro_batches,
                  static_cast<double>(o.batch_size) / (pipeline->schedule().micro_batches * o.dp));
-    for (std::size_t c = 0; c + 1 < plan.cuts.size(); ++c) {
+    for (std::size_t c = 0; c + 1 < cuts.size(); ++c) {
       double flops = 0, bytes = 0;
-      for (std::size_t l = plan.cuts[c]; l < plan.cuts[c + 1]; ++l) flops += costs.seconds[l], bytes += costs.parameter_bytes[l];
+      for (std::size_t l = cuts[c]; l < cuts[c + 1]; ++l) flops += costs.seconds[l], bytes += costs.parameter_bytes[l];
       std::fprintf(out, "  chunk %zu on device %d: layers [%zu, %zu), %.3g GFLOP per micro-batch, %.1f MiB of parameters\n", c,
-                   plan.device[c], plan.cuts[c], plan.cuts[c + 1], flops * 1e-9, bytes / (1 << 20));
+                   plan.device[c], cuts[c], cuts[c + 1], flops * 1e-9, bytes / (1 << 20));
     }
   }
   // Tensor parallel: the shards materialized from the seed (the model's weights), or --init-from's.
@@ -703,18 +789,19 @@ int run(Options o) {
     peaks += (r ? ", " : "") + std::to_string(peak);
   }
   // The memory model's prediction of those peaks, for the layouts it covers (one process, float32;
-  // pipelines of one replica with GPipe or 1F1B; tensor parallelism without sequence parallelism).
+  // GPipe or 1F1B pipelines and their replicas; tensor parallelism).
   std::string predicted = "null";
-  bool const modelled_pipeline = !pipeline || (o.dp == 1 && o.tp == 1 && (o.schedule == "gpipe" || o.schedule == "1f1b"));
-  if (!across && modelled_pipeline && o.precision == "fp32" && !o.sequence_parallel) {
-    mgpu::parallel::GptLayout const layout{.data_parallel = parallel ? static_cast<int>(group.size()) : tensor ? o.dp : 1,
+  bool const modelled_pipeline = !pipeline || (o.tp == 1 && (o.schedule == "gpipe" || o.schedule == "1f1b"));
+  if (!across && modelled_pipeline && o.precision == "fp32") {
+    mgpu::parallel::GptLayout const layout{.data_parallel = parallel ? static_cast<int>(group.size()) : o.dp,
                                            .tensor_parallel = tensor ? o.tp : 1,
                                            .zero_stage = parallel ? o.zero : 0,
                                            .bucket_cap_bytes = bucket_cap,
                                            .first_bucket_cap_bytes = first_bucket_cap,
                                            .cuts = cuts,
                                            .micro_batches = pipeline ? pipeline->schedule().micro_batches : 1,
-                                           .gpipe = o.schedule == "gpipe"};
+                                           .gpipe = o.schedule == "gpipe",
+                                           .sequence_parallel = o.sequence_parallel};
     predicted.clear();
     for (mgpu::parallel::GptMemory const& m : mgpu::parallel::predict_gpt_memory(config, o.batch_size, layout))
       predicted += (predicted.empty() ? "[" : ", ") + std::to_string(m.total());
@@ -730,7 +817,7 @@ int run(Options o) {
         "{\"tokens_per_s\": %.6g, \"train_loss\": %.6g, \"val_loss\": %.6g, \"params\": %lld, \"devices\": [%s], "
         "\"iters\": %lld, \"peak_bytes\": [%s], \"predicted_peak_bytes\": %s, \"precision\": \"%s\", \"eval_windows\": %lld, \"schedule\": \"%s\", "
         "\"stages\": %d, \"micro_batches\": %d, \"dp\": %d, \"recompute\": \"%s\", \"tp\": %d, "
-        "\"sequence_parallel\": %s, \"zero\": %d, \"processes\": %d}\n",
+        "\"sequence_parallel\": %s, \"zero\": %d, \"processes\": %d, \"plan\": %s}\n",
         tokens_per_s, std::isnan(train_loss) ? -1.0 : train_loss, val_loss,
         static_cast<long long>(net.parameter_count()), devices.c_str(), static_cast<long long>(state.step),
         peaks.c_str(), predicted.c_str(), o.precision.c_str(), static_cast<long long>(eval_windows),
@@ -739,7 +826,8 @@ int run(Options o) {
         : tensor   ? "tensor-parallel"
                    : "none",
         pipeline ? o.stages : 1, pipeline ? pipeline->schedule().micro_batches : 1, parallel ? world.size() : o.dp,
-        o.recompute.c_str(), o.tp, o.sequence_parallel ? "true" : "false", parallel ? o.zero : 0, world.processes);
+        o.recompute.c_str(), o.tp, o.sequence_parallel ? "true" : "false", parallel ? o.zero : 0, world.processes,
+        plan_json(planned).c_str());
   } else {
     std::printf("final: train loss %.4f, val loss %.4f, %.0f tokens/s on %s\n", train_loss, val_loss, tokens_per_s,
                 o.devices.c_str());
@@ -824,6 +912,12 @@ int main(int argc, char** argv) {
   app.add_option("--bucket-kb", o.bucket_kb,
                  "data parallelism's gradient bucket cap in KiB (default 25600; smaller buckets, smaller ZeRO-2 staging)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--plan", o.plan,
+                 "auto: measure the model's costs on --devices (default host:cores) and run the layout the planner "
+                 "predicts fastest among those that fit (no layout flags)")
+      ->check(CLI::IsMember({"auto"}));
+  app.add_option("--device-memory", o.device_memory_mb, "with --plan: MiB each device may use (default: its free memory)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--trace", o.trace, "write the last step's timeline (Chrome/Perfetto JSON) here");
   app.add_option("--precision", o.precision, "fp32 | bf16 | fp16 (16-bit compute, float32 master weights)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
@@ -846,6 +940,9 @@ int main(int argc, char** argv) {
   app.add_flag("--json", o.json, "print the final metrics as one JSON object on stdout (progress goes to stderr)");
   CLI11_PARSE(app, argc, argv);
   o.zero_given = app.count("--zero") > 0;
+  for (char const* flag : {"--dp", "--tp", "--stages", "--schedule", "--micro-batches", "--chunks", "--zero", "--bucket-kb",
+                           "--recompute", "--sequence-parallel"})
+    if (app.count(flag) > 0) o.layout_flags += (o.layout_flags.empty() ? "" : ", ") + std::string(flag);
   try {
     return run(o);
   } catch (mgpu::Error const& e) {

@@ -33,6 +33,7 @@
 #include <mgpu/parallel/tensor_parallel.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
 #include <mgpu/pipeline/schedule.hpp>
+#include <mgpu/plan/planner.hpp>
 #include <mgpu/cluster/cluster.hpp>
 #include <mgpu/cluster/policy.hpp>
 #include <mgpu/sched/job_queue.hpp>

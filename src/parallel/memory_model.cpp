@@ -21,18 +21,20 @@ std::size_t floats(double values) {
 }
 
 // What one transformer block keeps for backward, per tensor, for n tokens on one of t ranks (the
-// split tensors hold 1/t of their columns): LN1's output and statistics, qkv, the attention's
-// output and log-sum-exp, the residual stream h, LN2's output and statistics, the MLP's
-// pre-activation and GELU output, the block's output.
-std::size_t block_bytes(double n, double c, double heads, double t, nn::Recompute recompute) {
-  if (recompute == nn::Recompute::full) return floats(n * c);  // its input: the previous block's output
-  std::size_t bytes = floats(n * c) + floats(2 * n) + floats(3 * n * c / t) + floats(n * c) + floats(n * c) +
-                      floats(2 * n) + 2 * floats(4 * n * c / t) + floats(n * c);
+// split tensors hold 1/t of their columns; with sequence parallelism, s = t, the others hold 1/s
+// of the tokens): LN1's output and statistics, qkv, the attention's output and log-sum-exp, the
+// residual stream h, LN2's output and statistics, the MLP's pre-activation and GELU output, the
+// block's output.
+std::size_t block_bytes(double n, double c, double heads, double t, double s, nn::Recompute recompute) {
+  if (recompute == nn::Recompute::full) return floats(n * c / s);  // its input: the previous block's output
+  std::size_t bytes = floats(n * c / s) + floats(2 * n / s) + floats(3 * n * c / t) + floats(n * c / s) + floats(n * c / s) +
+                      floats(2 * n / s) + 2 * floats(4 * n * c / t) + floats(n * c / s);
   if (recompute == nn::Recompute::none) bytes += floats(n * c / t) + floats(n * heads / t);
   return bytes;
 }
 
-// Each stage of a pipeline of one replica (layout.cuts), for `rows` rows of `config.block_size` tokens.
+// Each stage of each replica of a pipeline (layout.cuts; replica a's stages are devices
+// a * stages ...), for `rows` rows of `config.block_size` tokens split over the replicas.
 std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_t rows, GptLayout const& layout,
                                         std::string const& what) {
   nn::Sequential const model = nn::gpt(config);
@@ -42,43 +44,46 @@ std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_
   if (!increasing)
     throw Error(Errc::invalid_argument, what + " and " + std::to_string(cuts.size()) + " cuts (expected cuts from 0 to the model's " +
                                             std::to_string(model.size()) + " layers, increasing)");
-  if (layout.data_parallel != 1 || layout.tensor_parallel != 1)
-    throw Error(Errc::invalid_argument, what + " and a pipeline (expected data_parallel and tensor_parallel 1 with cuts: "
-                                               "not modelled yet)");
+  if (layout.tensor_parallel != 1)
+    throw Error(Errc::invalid_argument, what + " and a pipeline (expected tensor_parallel 1 with cuts: not modelled yet)");
   int const m = layout.micro_batches;
-  if (m < 1 || rows < m)
-    throw Error(Errc::invalid_argument, what + " and " + std::to_string(m) + " micro-batches (expected 1 <= micro_batches <= rows)");
+  std::vector<std::int64_t> const replica_rows = shard_sizes(rows, layout.data_parallel);  // as the executor splits them
+  if (m < 1 || replica_rows.back() < m)
+    throw Error(Errc::invalid_argument, what + " and " + std::to_string(m) +
+                                            " micro-batches (expected 1 <= micro_batches <= each replica's rows)");
   auto const c = static_cast<double>(config.n_embd), heads = static_cast<double>(config.n_head);
   auto const vocab = static_cast<double>(config.vocab), t = static_cast<double>(config.block_size);
-  std::vector<double> tokens;  // per micro-batch, split as the executor splits the rows
-  for (std::int64_t const r : shard_sizes(rows, m)) tokens.push_back(static_cast<double>(r) * t);
   auto const stages = static_cast<int>(cuts.size()) - 1;
   std::vector<GptMemory> out;
-  for (int s = 0; s < stages; ++s) {
-    std::size_t const first = cuts[static_cast<std::size_t>(s)], end = cuts[static_cast<std::size_t>(s) + 1];
-    double params = 0, blocks = 0;
-    bool head = false;
-    for (std::size_t l = first; l < end; ++l) {
-      nn::Layer const& layer = model.layer(l);
-      params += static_cast<double>(layer.parameter_count());
-      blocks += dynamic_cast<nn::TransformerBlock const*>(&layer) != nullptr ? 1 : 0;
-      head = head || dynamic_cast<nn::TiedLMHead const*>(&layer) != nullptr;
+  for (std::int64_t const replica : replica_rows) {
+    std::vector<double> tokens;  // per micro-batch, split as the executor splits the rows
+    for (std::int64_t const r : shard_sizes(replica, m)) tokens.push_back(static_cast<double>(r) * t);
+    for (int s = 0; s < stages; ++s) {
+      std::size_t const first = cuts[static_cast<std::size_t>(s)], end = cuts[static_cast<std::size_t>(s) + 1];
+      double params = 0, blocks = 0;
+      bool head = false;
+      for (std::size_t l = first; l < end; ++l) {
+        nn::Layer const& layer = model.layer(l);
+        params += static_cast<double>(layer.parameter_count());
+        blocks += dynamic_cast<nn::TransformerBlock const*>(&layer) != nullptr ? 1 : 0;
+        head = head || dynamic_cast<nn::TiedLMHead const*>(&layer) != nullptr;
+      }
+      if (head && first > 0) params += vocab * c;  // its own copy of wte
+      GptMemory g;
+      g.parameters = g.gradients = floats(params);
+      g.optimizer = 2 * floats(params);
+      // The first micro-batches are the largest, and in flight together.
+      int const in_flight = layout.gpipe ? m : std::min(m, stages - s);
+      for (int i = 0; i < in_flight; ++i) {
+        double const n = tokens[static_cast<std::size_t>(i)];
+        g.activations += static_cast<std::size_t>(blocks) * block_bytes(n, c, heads, 1, 1, config.recompute) + floats(n * c);
+        if (head) g.workspace += floats(n * c) + floats(2 * n) + floats(n * vocab);  // the final LayerNorm's, the logits'
+      }
+      if (config.recompute == nn::Recompute::full && blocks > 0)
+        g.activations += block_bytes(tokens[0], c, heads, 1, 1, nn::Recompute::none) - floats(tokens[0] * c);
+      g.workspace += floats(tokens[0] * (head ? std::max(7 * c, vocab) : 7 * c));
+      out.push_back(g);
     }
-    if (head && first > 0) params += vocab * c;  // its own copy of wte
-    GptMemory g;
-    g.parameters = g.gradients = floats(params);
-    g.optimizer = 2 * floats(params);
-    // The first micro-batches are the largest, and in flight together.
-    int const in_flight = layout.gpipe ? m : std::min(m, stages - s);
-    for (int i = 0; i < in_flight; ++i) {
-      double const n = tokens[static_cast<std::size_t>(i)];
-      g.activations += static_cast<std::size_t>(blocks) * block_bytes(n, c, heads, 1, config.recompute) + floats(n * c);
-      if (head) g.workspace += floats(n * c) + floats(2 * n) + floats(n * vocab);  // the final LayerNorm's, the logits'
-    }
-    if (config.recompute == nn::Recompute::full && blocks > 0)
-      g.activations += block_bytes(tokens[0], c, heads, 1, nn::Recompute::none) - floats(tokens[0] * c);
-    g.workspace += floats(tokens[0] * (head ? std::max(7 * c, vocab) : 7 * c));
-    out.push_back(g);
   }
   return out;
 }
@@ -101,10 +106,14 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
   if (layout.zero_stage < 0 || layout.zero_stage > 2 || (layout.zero_stage == 2 && ranks > 1))
     throw Error(Errc::invalid_argument, what + " (expected zero_stage 0, 1 or 2, and 2 without tensor parallelism)");
   if (rows < replicas) throw Error(Errc::invalid_argument, what + " (expected at least one row per replica)");
+  if (layout.sequence_parallel && (ranks < 2 || config.block_size % ranks != 0 || !layout.cuts.empty()))
+    throw Error(Errc::invalid_argument, what + " and sequence parallelism over block_size " + std::to_string(config.block_size) +
+                                            " (expected tensor_parallel >= 2 dividing the block size, without a pipeline)");
   if (!layout.cuts.empty()) return predict_pipeline(config, rows, layout, what);
 
   auto const c = static_cast<double>(config.n_embd), heads = static_cast<double>(config.n_head);
   auto const t = static_cast<double>(ranks), layers = static_cast<double>(config.n_layer);
+  double const s = layout.sequence_parallel ? t : 1.0;
   // With ZeRO 1 and 2 (data parallelism alone) a rank owns 1/N of each bucket and its last
   // (size mod N) elements; ZeRO-2 writes the gradients into staging buffers: up to two of the
   // largest bucket but the last (one per bucket before the last), and one of the last.
@@ -137,9 +146,9 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
       m.optimizer = 2 * floats(sharded ? owned : params);
       if (sharded && layout.zero_stage == 2)  // the owned gradients, and the staging buffers the layers write into
         m.gradients = floats(owned) + staging_buffers * floats(staging) + floats(last_bucket);
-      m.activations = static_cast<std::size_t>(layers) * block_bytes(n, c, heads, t, config.recompute);
+      m.activations = static_cast<std::size_t>(layers) * block_bytes(n, c, heads, t, s, config.recompute);
       if (config.recompute == nn::Recompute::full)  // the rerun block, less its input
-        m.activations += block_bytes(n, c, heads, t, nn::Recompute::none) - floats(n * c);
+        m.activations += block_bytes(n, c, heads, t, s, nn::Recompute::none) - floats(n * c / s);
       // The final LayerNorm's output and statistics, the logits' (or their gradient's) and backward's
       // temporaries, as on a pipeline's last stage.
       m.workspace = floats(n * c) + floats(n * c) + floats(2 * n) + floats(n * vocab) + floats(n * std::max(8 * c / t - c, vocab));

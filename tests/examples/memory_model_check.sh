@@ -5,8 +5,10 @@
 # in every layout the model covers: one device with each recomputation mode and with dropout, data
 # parallel with the replicated update, ZeRO-1 (uneven rows over host:3, full recomputation) and
 # ZeRO-2 (a bucket per block), tensor parallel over 2 and 4 devices (selective and full
-# recomputation), two data-parallel replicas of tensor parallelism, and 1F1B and GPipe pipelines
-# (uneven micro-batches of 6 rows in 4, full recomputation).
+# recomputation), two data-parallel replicas of tensor parallelism, sequence parallelism (over 2
+# and 4 devices, with replicas, selective and full recomputation), 1F1B and GPipe pipelines
+# (uneven micro-batches of 6 rows in 4, full recomputation) and two replicas of a pipeline (uneven
+# rows).
 # Usage: memory_model_check.sh TRAIN_GPT TEXT_FILE
 set -euo pipefail
 exe=$1
@@ -27,9 +29,13 @@ layouts=(
   "--tp 2 --recompute full"
   "--tp 4"
   "--dp 2 --tp 2"
+  "--tp 2 --sequence-parallel --recompute selective"
+  "--tp 4 --sequence-parallel"
+  "--dp 2 --tp 2 --sequence-parallel --recompute full"
   "--stages 2 --micro-batches 4"
   "--stages 2 --micro-batches 4 --schedule gpipe"
   "--stages 3 --micro-batches 4 --recompute full"
+  "--stages 2 --dp 2 --micro-batches 2 --batch-size 7"
 )
 for layout in "${layouts[@]}"; do
   # shellcheck disable=SC2086  # a layout is several flags

@@ -100,6 +100,39 @@ TEST_CASE("a pipeline of one stage holds what one device holds; stages hold thei
   // 1F1B keeps 2 micro-batches in flight on the first stage and 1 on the last; GPipe all 4.
   CHECK(one_f_one_b[0].activations * 2 == gpipe[0].activations);
   CHECK(one_f_one_b[1].activations * 4 == gpipe[1].activations);
+  // Replicas of the pipeline: replica a's stages hold what a pipeline of its rows holds (7 rows over
+  // 2 replicas: 4 and 3).
+  std::vector<par::GptMemory> const grid = par::predict_gpt_memory(config, 7, {.data_parallel = 2, .cuts = cuts, .micro_batches = 3});
+  std::vector<par::GptMemory> const four = par::predict_gpt_memory(config, 4, {.cuts = cuts, .micro_batches = 3});
+  std::vector<par::GptMemory> const three = par::predict_gpt_memory(config, 3, {.cuts = cuts, .micro_batches = 3});
+  REQUIRE(grid.size() == 4);
+  for (std::size_t s = 0; s < 2; ++s) {
+    CHECK(grid[s].total() == four[s].total());
+    CHECK(grid[2 + s].total() == three[s].total());
+  }
+  CHECK(four[0].activations > three[0].activations);
+}
+
+TEST_CASE("sequence parallelism splits what a block keeps outside its split regions, nothing else", "[parallel][memory]") {
+  for (int ranks : {2, 4}) {
+    std::vector<par::GptMemory> const tp = par::predict_gpt_memory(config, 4, {.tensor_parallel = ranks});
+    std::vector<par::GptMemory> const sp = par::predict_gpt_memory(config, 4, {.tensor_parallel = ranks, .sequence_parallel = true});
+    REQUIRE(sp.size() == tp.size());
+    for (std::size_t r = 0; r < sp.size(); ++r) {
+      CHECK(sp[r].parameters == tp[r].parameters);
+      CHECK(sp[r].optimizer == tp[r].optimizer);
+      CHECK(sp[r].workspace == tp[r].workspace);
+      CHECK(sp[r].activations < tp[r].activations);
+    }
+  }
+  // Full recomputation keeps each block's input: 1/ranks of the tokens' residual stream.
+  mgpu::nn::GptConfig full = config;
+  full.recompute = mgpu::nn::Recompute::full;
+  std::vector<par::GptMemory> const tp = par::predict_gpt_memory(full, 4, {.tensor_parallel = 2});
+  std::vector<par::GptMemory> const sp = par::predict_gpt_memory(full, 4, {.tensor_parallel = 2, .sequence_parallel = true});
+  std::size_t const inputs = static_cast<std::size_t>(config.n_layer) * float_bytes(4 * config.block_size * config.n_embd);
+  std::size_t const split_inputs = static_cast<std::size_t>(config.n_layer) * float_bytes(2 * config.block_size * config.n_embd);
+  CHECK(tp[0].activations - sp[0].activations > inputs - split_inputs);
 }
 
 TEST_CASE("predict_gpt_memory refuses layouts it cannot place, naming them", "[parallel][memory]") {
@@ -116,10 +149,16 @@ TEST_CASE("predict_gpt_memory refuses layouts it cannot place, naming them", "[p
   std::size_t const layers = mgpu::nn::gpt(config).size();
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.cuts = {0, 3, 3, layers}}), mgpu::Errc::invalid_argument, "increasing");
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.cuts = {0, 3}}), mgpu::Errc::invalid_argument, "cuts from 0 to the model's");
-  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.data_parallel = 2, .cuts = {0, layers}}), mgpu::Errc::invalid_argument,
+  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.tensor_parallel = 2, .cuts = {0, layers}}), mgpu::Errc::invalid_argument,
                      "not modelled yet");
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 2, {.cuts = {0, layers}, .micro_batches = 3}), mgpu::Errc::invalid_argument,
-                     "micro_batches <= rows");
+                     "micro_batches <= each replica's rows");
+  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 5, {.data_parallel = 2, .cuts = {0, layers}, .micro_batches = 3}),
+                     mgpu::Errc::invalid_argument, "micro_batches <= each replica's rows");
+  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.sequence_parallel = true}), mgpu::Errc::invalid_argument,
+                     "tensor_parallel >= 2 dividing the block size");
+  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.tensor_parallel = 3, .sequence_parallel = true}),
+                     mgpu::Errc::invalid_argument, "over block_size 8");
   mgpu::nn::GptConfig bad = config;
   bad.n_embd = 50;  // not a multiple of n_head
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(bad, 2, {}), mgpu::Errc::invalid_argument, "n_head dividing n_embd");

@@ -1,6 +1,6 @@
 // A model of the memory one training step of a GPT takes on each device, in the layouts of one
-// process that the library runs it in (one device, data parallel with or without ZeRO-1, tensor
-// parallel, both, and GPipe or 1F1B pipelines), in the caching allocator's bytes: what a planner
+// process that the library runs it in (one device, data parallel with ZeRO 0-2, tensor parallel
+// with or without sequence parallelism, both, and GPipe or 1F1B pipelines and their replicas), in the caching allocator's bytes: what a planner
 // weighs layouts by before running any.
 #pragma once
 
@@ -14,7 +14,8 @@ namespace mgpu::parallel {
 
 /// Where a GPT runs: `data_parallel` replicas of `tensor_parallel` ranks each (DataParallel's ranks
 /// with tensor_parallel 1, else TensorParallel with TensorParallelOptions::data_parallel), on
-/// data_parallel x tensor_parallel devices; or a pipeline of one replica (pipeline::Executor).
+/// data_parallel x tensor_parallel devices; or a pipeline (pipeline::Executor) of data_parallel
+/// replicas, replica a's stages on devices a * stages to (a + 1) * stages - 1.
 struct GptLayout {
   int data_parallel = 1;
   int tensor_parallel = 1;
@@ -33,6 +34,10 @@ struct GptLayout {
   int micro_batches = 1;
   /// GPipe keeps every micro-batch in flight; 1F1B at most stages - s of them at stage s.
   bool gpipe = false;
+  /// TensorParallelOptions::sequence_parallel: what a block keeps outside its split regions (the
+  /// LayerNorms' outputs and statistics, the residual stream, its output) holds 1/tensor_parallel
+  /// of the tokens.
+  bool sequence_parallel = false;
 };
 
 /// One device's predicted peak, in allocator bytes (each tensor's block size, Allocator::block_size).
@@ -66,12 +71,14 @@ struct GptMemory {
 /// checks 10% on every layout). A pipeline stage holds its layers' parameters (the head in a stage
 /// without the embedding its own copy of wte), the micro-batches in flight (each stage's input
 /// too; the last stage's logits-sized tensor per micro-batch) and a block's backward temporaries
-/// (7C values per token). Throws Error(invalid_argument) for a
+/// (7C values per token); with data_parallel replicas each replica's stages hold its rows (the
+/// gradients are all-reduced in place). Throws Error(invalid_argument) for a
 /// bad config (nn::gpt's checks), rows < data_parallel or micro_batches, a tensor_parallel that
 /// does not divide n_head or exceeds the vocab, a zero_stage other than 0, 1 or 2 (2: data
 /// parallelism only), cuts that do not
-/// run from 0 to the model's layer count in increasing steps, or a pipeline with data_parallel or
-/// tensor_parallel above 1 (not modelled).
+/// run from 0 to the model's layer count in increasing steps, a replica with fewer rows than
+/// micro_batches, a pipeline with tensor_parallel above 1 (not modelled), or sequence_parallel
+/// without a tensor_parallel >= 2 that divides config.block_size, or with a pipeline.
 [[nodiscard]] std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int64_t rows,
                                                         GptLayout const& layout);
 

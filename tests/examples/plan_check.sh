@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# train_gpt --plan auto (plan::plan_gpt on costs measured on the devices): the layout it runs is the
+# plan's (the JSON's dp, tp, stages, zero, recompute and micro-batches against its "plan" field);
+# with a budget per device (--device-memory) it drops the layouts the memory model says exceed it,
+# the chosen one's predicted peak is within it and the measured peaks within it by the model's 10%;
+# a budget nothing fits is an out-of-memory error naming the smallest need; layout flags beside
+# --plan are refused.
+# Usage: plan_check.sh TRAIN_GPT TEXT_FILE
+set -euo pipefail
+exe=$1
+text=$2
+common=(--data "$text" --n-layer 3 --n-head 4 --n-embd 96 --block-size 48 --batch-size 6 --iters 2
+        --eval-every 0 --eval-iters 1 --devices host:2 --plan auto)
+for budget in 0 6; do
+  memory=()
+  [ "$budget" -gt 0 ] && memory=(--device-memory "$budget")
+  "$exe" "${common[@]}" "${memory[@]}" --json 2> /dev/null | python3 -c '
+import json, sys
+budget = int(sys.argv[1]) << 20
+run = json.load(sys.stdin)
+plan = run["plan"]
+if plan is None:
+    sys.exit("FAIL: no plan in the JSON")
+ran = {"dp": run["dp"], "tp": run["tp"], "pp": run["stages"], "zero": run["zero"], "recompute": run["recompute"],
+       "micro_batches": run["micro_batches"], "sequence_parallel": run["sequence_parallel"]}
+for key, value in ran.items():
+    if plan[key] != value:
+        sys.exit(f"FAIL: the plan chose {key} {plan[key]}, the run used {value}")
+fit, considered = plan["fit"], plan["considered"]
+if not 1 <= fit <= considered:
+    sys.exit(f"FAIL: {fit} of {considered} layouts fit")
+if plan["runner_up"] is not None and plan["runner_up"]["predicted_step_s"] < plan["predicted_step_s"]:
+    sys.exit("FAIL: the runner-up is predicted faster than the choice")
+predicted, peaks = plan["predicted_peak_bytes"], run["peak_bytes"]
+layout = ", ".join(f"{key} {plan[key]}" for key in ran)
+step = plan["predicted_step_s"]
+print(f"budget {budget >> 20} MiB: {fit} of {considered} layouts fit; chose {layout}: predicted {step * 1e3:.1f} ms, "
+      f"peak {predicted / 1e6:.2f} MB; measured {[round(p / 1e6, 2) for p in peaks]} MB")
+if budget > 0:
+    if fit == considered:
+        sys.exit("FAIL: every layout fits the budget (expected it to drop some)")
+    if predicted > budget:
+        sys.exit(f"FAIL: the chosen layout is predicted to need {predicted} bytes, over {budget}")
+    if max(peaks) > 1.1 * budget:
+        sys.exit(f"FAIL: measured peaks {peaks} exceed the budget {budget} by more than 10%")
+' "$budget"
+done
+expect_error() {  # expect_error TEXT FLAGS...: exit status 2 and TEXT in the message
+  local want=$1 out
+  shift
+  if out=$("$exe" "${common[@]}" "$@" 2>&1); then
+    echo "FAIL: $* succeeded (expected an error naming: $want)"
+    exit 1
+  fi
+  grep -qF "$want" <<<"$out" || { echo "FAIL: $*: $out (expected: $want)"; exit 1; }
+}
+expect_error "none of 21 layouts over 2 devices fits 3145728 bytes per device (the smallest" --device-memory 3
+expect_error "(expected no layout flags: the planner chooses them)" --dp 2
+expect_error "(expected no layout flags: the planner chooses them)" --recompute full
+echo "plan: the planner's layouts run as planned, within the budget"
