@@ -35,8 +35,13 @@
 //                               with --dp, A replicas of N neighbouring devices each (a data x
 //                               tensor grid over A x N devices), each replica its rows of the
 //                               batch, gradients all-reduced across the replicas, every replica
-//                               updating every weight; fp32, not combined with a pipeline yet,
-//                               and without checkpoints
+//                               updating every weight; fp32, without checkpoints
+//   --tp N --stages K [--dp A]  a data x tensor x pipeline grid over A x N x K devices
+//     [--schedule S]            (pipeline::Executor with tensor-parallel stages): every stage
+//     [--micro-batches M]       split over N devices, N pipelines per replica in lock-step, rank
+//                               t's pipeline holding rank t's shard of every stage; the groups of
+//                               N on the best links as above; any schedule; --sequence-parallel
+//                               too; fp32, without checkpoints
 //     [--sequence-parallel]     sequence parallelism: between the split regions each device holds
 //                               1/N of the tokens (LayerNorm, dropout and residual activations),
 //                               all-gathers and reduce-scatters in place of the all-reduces
@@ -50,7 +55,7 @@
 // fastest, printing it and the runner-up (--json: "plan").
 // Every layout gives the one-device losses within float32 rounding, and (but --tp) writes
 // checkpoints in one format, so a run may resume on another layout. --devices defaults to
-// host:(stages x dp), or host:(dp x N) with --tp N. Evaluation, sampling and --save-llmc read a float32
+// host:(stages x dp), or host:(dp x N x stages) with --tp N. Evaluation, sampling and --save-llmc read a float32
 // copy of the whole model (the stages' or shards' master weights, gathered before each use).
 //
 // Across processes (mpirun, srun): --devices is each process's, and data parallelism (each process
@@ -284,13 +289,10 @@ void check_layout(Options const& o, bool pipelined, int size) {
     if (o.sequence_parallel && o.block_size % o.tp != 0)
       refuse("--sequence-parallel with --block-size " + std::to_string(o.block_size) + " over --tp " +
              std::to_string(o.tp) + " (expected a block size divisible by --tp)");
-    if (pipelined)
-      refuse("--tp " + std::to_string(o.tp) +
-             " with a pipeline (expected tensor parallelism with --dp at most: --tp is not combined with pipeline "
-             "parallelism yet)");
-    if (size != o.tp * o.dp)
-      refuse("--devices " + o.devices + " has " + std::to_string(size) + " devices (expected --dp x --tp = " +
-             std::to_string(o.tp * o.dp) + ")");
+    int const stages = pipelined ? o.stages : 1;
+    if (size != o.tp * o.dp * stages)
+      refuse("--devices " + o.devices + " has " + std::to_string(size) + " devices (expected --dp x --tp" +
+             (pipelined ? " x --stages = " : " = ") + std::to_string(o.tp * o.dp * stages) + ")");
     if (o.batch_size < o.dp)
       refuse("--batch-size " + std::to_string(o.batch_size) + " with --dp " + std::to_string(o.dp) +
              " (expected at least one row per replica)");
@@ -462,24 +464,31 @@ int run(Options o) {
   if (o.devices.empty() && !o.plan.empty())  // the planner lays out the machine's cores
     o.devices = "host:" + std::to_string(std::max(1u, std::thread::hardware_concurrency()));
   if (o.devices.empty())
-    o.devices = "host:" + std::to_string(std::max(1, (o.tp > 1    ? o.tp * o.dp
+    o.devices = "host:" + std::to_string(std::max(1, (o.tp > 1    ? o.tp * o.dp * (pipelined ? o.stages : 1)
                                                       : pipelined ? o.stages * o.dp
                                                                   : o.dp) /
                                                          processes));
   mgpu::DeviceGroup group(o.devices);
-  if (o.tp > 1 && o.dp > 1 && group.size() == o.tp * o.dp) {
+  int const tp_stages = pipelined ? o.stages : 1;  // the stages of a data x tensor x pipeline grid
+  if (o.tp > 1 && o.dp * tp_stages > 1 && group.size() == o.tp * o.dp * tp_stages) {
     // Each tensor-parallel group all-reduces in every block: the scheduler puts each on the best
     // links of the link matrix (consecutive ranks form a group; equal links keep the order).
+    // Group g = a x stages + s holds stage s of replica a; the pipeline executor runs rank t of it
+    // on rank (a x tp + t) x stages + s.
     std::vector<int> ranks(static_cast<std::size_t>(group.size()));
     std::iota(ranks.begin(), ranks.end(), 0);
     std::vector<int> const order = mgpu::sched::tensor_parallel_order(mgpu::sched::node_state(group), ranks, o.tp);
-    if (order != ranks) {
+    std::vector<int> placed(order.size());
+    for (std::size_t i = 0; i < order.size(); ++i) {
+      int const g = static_cast<int>(i) / o.tp, t = static_cast<int>(i) % o.tp;
+      placed[static_cast<std::size_t>(((g / tp_stages) * o.tp + t) * tp_stages + g % tp_stages)] = order[i];
+    }
+    if (placed != ranks) {
       std::vector<mgpu::Device> devices;
+      for (int const r : placed) devices.push_back(group.device(r));
       std::string text;
-      for (std::size_t i = 0; i < order.size(); ++i) {
-        devices.push_back(group.device(order[i]));
-        text += (i == 0 ? "" : i % static_cast<std::size_t>(o.tp) == 0 ? " | " : ", ") + devices.back().to_string();
-      }
+      for (std::size_t i = 0; i < order.size(); ++i)
+        text += (i == 0 ? "" : i % static_cast<std::size_t>(o.tp) == 0 ? " | " : ", ") + group.device(order[i]).to_string();
       group = mgpu::DeviceGroup(std::move(devices));
       std::fprintf(log, "tensor-parallel groups on the best links: %s\n", text.c_str());
     }
@@ -560,6 +569,7 @@ int run(Options o) {
                                             .clip_norm = o.clip,
                                             .loss = std::make_shared<mgpu::nn::TokenCrossEntropy>(),
                                             .timeline = timeline};
+    if (o.tp > 1) options.tensor_parallel = mgpu::pipeline::tensor_parallel_stages(config, o.tp, o.sequence_parallel);
     if (o.precision == "fp16") options.loss_scaler.emplace();
     if (across) options.make_communicator = mgpu::dist::communicator_factory(world);
     pipeline = std::make_unique<mgpu::pipeline::Executor>(
@@ -572,8 +582,8 @@ int run(Options o) {
         std::move(options));
     pipeline->scatter_parameters(model, stream);
     FILE* const out = log;
-    std::fprintf(out, "%s over %d stage(s) x %d replica(s), %d micro-batches (about %.3g sequences each); chunks cut by FLOPs:\n",
-                 pipeline->schedule().name.c_str(), o.stages, o.dp, pipeline->schedule().micro_batches,
+    std::fprintf(out, "%s over %d stage(s) x %d replica(s) x %d tensor-parallel rank(s), %d micro-batches (about %.3g sequences each); chunks cut by FLOPs:\n",
+                 pipeline->schedule().name.c_str(), o.stages, o.dp, o.tp, pipeline->schedule().micro_batches,
                  static_cast<double>(o.batch_size) / (pipeline->schedule().micro_batches * o.dp));
     for (std::size_t c = 0; c + 1 < cuts.size(); ++c) {
       double flops = 0, bytes = 0;
@@ -584,7 +594,7 @@ int run(Options o) {
   }
   // Tensor parallel: the shards materialized from the seed (the model's weights), or --init-from's.
   std::unique_ptr<mgpu::parallel::TensorParallel> tensor;
-  if (o.tp > 1) {
+  if (o.tp > 1 && !pipelined) {
     mgpu::optim::AdamWOptions options = adamw;
     options.decay_ranges.clear();  // each shard decays its own 2-D weights
     tensor = std::make_unique<mgpu::parallel::TensorParallel>(
@@ -781,7 +791,7 @@ int run(Options o) {
   // The memory model's prediction of those peaks, for the layouts it covers (one process, float32;
   // GPipe or 1F1B pipelines and their replicas; tensor parallelism).
   std::string predicted = "null";
-  bool const modelled_pipeline = !pipeline || o.schedule == "gpipe" || o.schedule == "1f1b";
+  bool const modelled_pipeline = !pipeline || (o.tp == 1 && (o.schedule == "gpipe" || o.schedule == "1f1b"));
   if (!across && modelled_pipeline && o.precision == "fp32") {
     mgpu::parallel::GptLayout const layout{.data_parallel = parallel ? static_cast<int>(group.size()) : o.dp,
                                            .tensor_parallel = tensor ? o.tp : 1,

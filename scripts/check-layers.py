@@ -37,7 +37,7 @@ LAYERS = {
     "sched": {"config", "core"},
     "cluster": {"config", "core", "sched"},
     "parallel": {"config", "core", "comm", "ops", "optim", "nn", "io", "trace", "sched"},
-    "pipeline": {"config", "core", "comm", "ops", "optim", "nn", "io", "trace", "sched"},
+    "pipeline": {"config", "core", "comm", "ops", "optim", "nn", "io", "trace", "sched", "parallel"},
     "dist": {"config", "core", "comm"},
     "plan": {"config", "core", "comm", "ops", "optim", "nn", "sched", "parallel", "pipeline"},
 }

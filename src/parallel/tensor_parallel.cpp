@@ -453,6 +453,36 @@ nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<
   return model;
 }
 
+std::vector<nn::ParameterRange> partial_ranges(nn::Sequential const& shard, bool sequence_parallel) {
+  std::vector<nn::ParameterRange> ranges;
+  for (nn::ParameterRange const& range : shard.parameter_ranges()) {
+    nn::Layer const& layer = shard.layer(range.layer);
+    if (auto const* sharded = dynamic_cast<ShardedLayer const*>(&layer)) {
+      for (auto const& [begin, end] : sharded->partial_ranges())
+        ranges.push_back({range.layer, range.begin + begin, range.begin + end});
+    } else if (sequence_parallel && dynamic_cast<nn::LayerNorm const*>(&layer) != nullptr) {
+      ranges.push_back(range);
+    }
+  }
+  return ranges;
+}
+
+std::vector<nn::OwnedRange> norm_ranges(nn::Sequential const& shard, bool split, bool replicated) {
+  std::vector<nn::OwnedRange> ranges;
+  for (nn::ParameterRange const& range : shard.parameter_ranges()) {
+    std::int64_t at = range.begin;
+    if (auto const* sharded = dynamic_cast<ShardedLayer const*>(&shard.layer(range.layer))) {
+      for (auto const& [begin, end] : sharded->split_ranges()) {
+        ranges.push_back({at, range.begin + begin, replicated});
+        ranges.push_back({range.begin + begin, range.begin + end, split});
+        at = range.begin + end;
+      }
+    }
+    ranges.push_back({at, range.end, replicated});
+  }
+  return ranges;
+}
+
 namespace {
 
 // Within a replica nothing is left to reduce between backward and the update (the blocks'
@@ -468,27 +498,18 @@ class TensorParallelSync final : public nn::GradientSync {
  public:
   TensorParallelSync(nn::Sequential const& shard, comm::Communicator& comm, int rank, comm::Communicator* data,
                      int data_rank, bool sequence_parallel)
-      : shard_(shard), comm_(comm), rank_(rank), data_(data), data_rank_(data_rank) {
-    for (nn::ParameterRange const& range : shard.parameter_ranges()) {
-      std::int64_t at = range.begin;
-      nn::Layer const& layer = shard.layer(range.layer);
-      if (auto const* sharded = dynamic_cast<ShardedLayer const*>(&layer)) {
-        for (auto const& [begin, end] : sharded->split_ranges()) {
-          owned_.push_back({at, range.begin + begin, rank == 0});
-          owned_.push_back({range.begin + begin, range.begin + end, true});
-          at = range.begin + end;
-        }
-        for (auto const& [begin, end] : sharded->partial_ranges())
-          partial_[range.begin].emplace_back(range.begin + begin, range.begin + end);
-      } else if (sequence_parallel && dynamic_cast<nn::LayerNorm const*>(&layer) != nullptr) {
-        partial_[range.begin].emplace_back(range.begin, range.end);
-      }
-      owned_.push_back({at, range.end, rank == 0});
-    }
+      : shard_(shard),
+        comm_(comm),
+        rank_(rank),
+        data_(data),
+        data_rank_(data_rank),
+        owned_(norm_ranges(shard, true, rank == 0)) {
+    for (nn::ParameterRange const& partial : partial_ranges(shard, sequence_parallel))
+      partial_[partial.layer].emplace_back(partial.begin, partial.end);
   }
   void begin(Stream& /*compute*/, nn::RangeUpdate update) override { update_ = std::move(update); }
   void ready(nn::ParameterRange const& range, Stream& compute) override {
-    if (auto const it = partial_.find(range.begin); it != partial_.end()) {
+    if (auto const it = partial_.find(range.layer); it != partial_.end()) {
       for (auto const& [begin, end] : it->second) {
         Tensor const grads = shard_.master_gradients().slice(begin, end);
         comm_.all_reduce(rank_, grads, grads, ReduceOp::sum, compute);
@@ -513,7 +534,7 @@ class TensorParallelSync final : public nn::GradientSync {
   comm::Communicator* data_;  // over the replicas' ranks of this tensor-parallel index; null for one replica
   int data_rank_;
   std::vector<nn::OwnedRange> owned_;
-  std::map<std::int64_t, std::vector<std::pair<std::int64_t, std::int64_t>>> partial_;  // by the layer's range begin
+  std::map<std::size_t, std::vector<std::pair<std::int64_t, std::int64_t>>> partial_;  // by layer
   nn::RangeUpdate update_;
 };
 

@@ -163,7 +163,30 @@ std::string VocabParallelLMHead::name() const {
          std::to_string(begin_) + ", " + std::to_string(end_) + "))";
 }
 
+std::vector<std::pair<std::int64_t, std::int64_t>> VocabParallelLMHead::matrix_ranges() const {
+  if (!holds_weight_) return {};
+  return {{0, parameter_count()}};
+}
+
+void VocabParallelLMHead::bind(Tensor const& params, Tensor const& grads) {
+  if (!holds_weight_) return;
+  wte_ = params.reshape({end_ - begin_, features_});
+  dwte_ = grads.reshape({end_ - begin_, features_});
+}
+
+void VocabParallelLMHead::initialize(std::mt19937_64& /*rng*/) {
+  if (!holds_weight_) return;
+  for (float& v : wte_.host_span<float>()) v = 0.0f;
+}
+
+std::unique_ptr<nn::Layer> VocabParallelLMHead::clone() const {
+  auto copy = std::make_unique<VocabParallelLMHead>(vocab_, features_, comm_, rank_, reduce_input_gradient_);
+  copy->holds_weight_ = holds_weight_;
+  return copy;
+}
+
 void VocabParallelLMHead::link(nn::Sequential& model) {
+  if (holds_weight_) return;
   for (std::size_t i = 0; i < model.size(); ++i) {
     if (auto* embedding = dynamic_cast<VocabParallelEmbedding*>(&model.layer(i));
         embedding != nullptr && embedding->vocab() == vocab_ && embedding->features() == features_ &&

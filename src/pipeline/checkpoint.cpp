@@ -6,6 +6,7 @@
 // records besides.
 #include <mgpu/io/checkpoint.hpp>
 #include <mgpu/io/sharded_checkpoint.hpp>
+#include <mgpu/parallel/tensor_parallel.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -92,8 +94,65 @@ void check_whole(nn::Sequential const& whole, std::int64_t expected, char const*
 }
 }  // namespace
 
+void Executor::Impl::tensor_parallel_whole(std::span<float> whole, bool to_shards) {
+  std::vector<nn::ParameterRange> const whole_ranges = architecture.parameter_ranges();
+  auto const host = Allocator::create({DeviceKind::host, 0});
+  for (int p = 0; p < (to_shards ? replicas : tp); ++p) {
+    for (int c = 0; c < schedule.chunks(); ++c) {
+      nn::Sequential& chunk = chunks[static_cast<std::size_t>(p)][static_cast<std::size_t>(c)];
+      Stream& stream = group->stream(p * schedule.devices + schedule.device_of(c));
+      Tensor const params = Tensor::empty({chunk.parameter_count()}, DType::float32, *host);
+      if (!to_shards) {
+        copy_async(params, chunk.master_parameters(), stream);
+        stream.synchronize();
+      }
+      std::span<float> const values = params.host_span<float>();
+      for (nn::ParameterRange const& range : chunk.parameter_ranges()) {
+        std::span<float> const shard = values.subspan(static_cast<std::size_t>(range.begin), static_cast<std::size_t>(range.size()));
+        std::size_t const layer = cuts[static_cast<std::size_t>(c)] + range.layer;
+        auto const w = std::find_if(whole_ranges.begin(), whole_ranges.end(),
+                                    [layer](nn::ParameterRange const& r) { return r.layer == layer; });
+        // Not in the model: a tied head's copy of its rank's rows (the one layer after a shard's
+        // token gather, so the one whose index is off), made from the rows below.
+        if (w == whole_ranges.end()) {
+          std::fill(shard.begin(), shard.end(), 0.0f);
+          continue;
+        }
+        std::span<float> const part = whole.subspan(static_cast<std::size_t>(w->begin), static_cast<std::size_t>(w->size()));
+        if (auto const* sharded = dynamic_cast<parallel::ShardedLayer const*>(&chunk.layer(range.layer))) {
+          sharded->copy_shard(part, shard, to_shards);
+        } else if (to_shards) {
+          std::copy(part.begin(), part.end(), shard.begin());
+        } else if (p == 0) {  // replicated: rank 0's
+          std::copy(shard.begin(), shard.end(), part.begin());
+        }
+      }
+      if (to_shards) {
+        copy_async(chunk.master_parameters(), params, stream);
+        chunk.sync_parameters(stream);
+        stream.synchronize();
+      }
+    }
+  }
+  if (to_shards && tie) {  // each copy starts at zero: the sum makes it its rank's rows
+    group->run([&](int local, Device, Stream& stream) { sum_tied(first + local, stream, true); });
+    group->synchronize();
+  }
+}
+
 void Executor::gather_parameters(nn::Sequential& whole, Stream& stream) {
   Impl& m = *impl_;
+  if (m.tp > 1) {
+    check_whole(whole, m.architecture.parameter_count(), "Executor::gather_parameters");
+    stream.synchronize();
+    m.group->synchronize();
+    Tensor const values = Tensor::empty({whole.parameter_count()}, DType::float32, *Allocator::create({DeviceKind::host, 0}));
+    m.tensor_parallel_whole(values.host_span<float>(), false);
+    copy_async(whole.master_parameters(), values, stream);
+    whole.sync_parameters(stream);
+    stream.synchronize();
+    return;
+  }
   check_whole(whole, m.whole_spans().back().offset + m.whole_spans().back().count, "Executor::gather_parameters");
   stream.synchronize();  // whole's own work done before the chunks' streams write into it
   m.group->synchronize();
@@ -124,6 +183,15 @@ void Executor::gather_parameters(nn::Sequential& whole, Stream& stream) {
 
 void Executor::scatter_parameters(nn::Sequential const& whole, Stream& stream) {
   Impl& m = *impl_;
+  if (m.tp > 1) {
+    check_whole(whole, m.architecture.parameter_count(), "Executor::scatter_parameters");
+    m.group->synchronize();
+    Tensor const values = Tensor::empty({whole.parameter_count()}, DType::float32, *Allocator::create({DeviceKind::host, 0}));
+    copy_async(values, whole.master_parameters(), stream);
+    stream.synchronize();
+    m.tensor_parallel_whole(values.host_span<float>(), true);
+    return;
+  }
   check_whole(whole, m.whole_spans().back().offset + m.whole_spans().back().count, "Executor::scatter_parameters");
   stream.synchronize();
   m.group->synchronize();
@@ -212,6 +280,7 @@ void Executor::Impl::save_shards(std::filesystem::path const& folder, io::Traini
 }
 
 void Executor::save(std::filesystem::path const& path, io::TrainingState const& state) {
+  impl_->whole_model_only("save");
   Impl& m = *impl_;
   m.group->synchronize();
   if (m.across || std::filesystem::is_directory(path)) {
@@ -249,6 +318,7 @@ void Executor::save(std::filesystem::path const& path, io::TrainingState const& 
 }
 
 io::TrainingState Executor::load(std::filesystem::path const& path) {
+  impl_->whole_model_only("load");
   Impl& m = *impl_;
   m.group->synchronize();
   io::Checkpoint const checkpoint =

@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include <mgpu/comm/communicator.hpp>
@@ -23,14 +24,26 @@ struct Executor::Impl {
   Schedule schedule;
   std::vector<std::size_t> cuts;
   ExecutorOptions options;
+  // Pipelines: data-parallel replicas x tensor-parallel ranks, pipeline a * tp + t running rank t's
+  // shard of replica a (tp = 1 without tensor parallelism).
   int replicas = 1;
+  int tp = 1;
   // The world's ranks (comm's) of this process: [first, first + group->size()); across processes
   // the grid's other ranks belong to other processes, and their chunks stay unmaterialized here.
   int first = 0;
   bool across = false;  // the grid spans processes
   [[nodiscard]] bool is_local(int rank) const noexcept { return rank >= first && rank < first + group->size(); }
   std::unique_ptr<comm::Communicator> comm;                     // every rank: the pipelines' transfers
-  std::vector<std::unique_ptr<comm::Communicator>> stage_comms;  // per device of a pipeline, over its replicas
+  // Per tensor-parallel rank t and device d of a pipeline (t * devices + d), over its replicas.
+  std::vector<std::unique_ptr<comm::Communicator>> stage_comms;
+  // Tensor parallelism: per replica a and chunk c (a * chunks + c), over the chunk's tp ranks.
+  std::vector<std::shared_ptr<comm::Communicator>> tp_comms;
+  // Tensor parallelism: per pipeline and chunk, the ranges counted in the global gradient norm.
+  std::vector<std::unique_ptr<nn::GradientSync>> norms;
+  std::vector<std::shared_ptr<nn::Loss const>> losses;  // per pipeline: its last chunk's loss
+  // Sequence parallelism: per pipeline and chunk, the ranges of gradients summed over the chunk's
+  // tp ranks after backward (parallel::partial_ranges); empty without.
+  std::vector<std::vector<nn::ParameterRange>> partials;
   std::vector<std::vector<nn::Sequential>> chunks;               // [replica][chunk]
   std::vector<std::vector<std::unique_ptr<optim::Optimizer>>> optimizers;
   nn::Sequential architecture;  // the whole model's layers, unmaterialized (checkpoints build it)
@@ -44,6 +57,22 @@ struct Executor::Impl {
     std::int64_t embedding_offset = 0, head_offset = 0, elements = 0;
   };
   std::optional<Tie> tie;
+  // Per pipeline, the tied elements: `elements` but for tensor-parallel ranks holding a row more or
+  // less of the vocab (the chunks and offsets are every pipeline's).
+  std::vector<std::int64_t> tie_elements;
+  // The tie among one pipeline's chunks: a tied LM head holding a copy of wte (nn::TiedLMHead, or
+  // a tensor-parallel rank's parallel::VocabParallelLMHead) and the embedding of its rows.
+  static std::optional<Tie> find_tie(std::vector<nn::Sequential> const& pipeline_chunks);
+  // Tensor parallelism: chunk c of pipeline r, rank r % tp's shard of its layers over the chunk's
+  // communicator; a VocabParallelLMHead without its embedding in the chunk holds a copy of its rows.
+  nn::Sequential tensor_parallel_chunk(int r, std::size_t c) const;
+  // Tensor-parallel stages: copies the whole model's float32 parameters (host, gpt(config)'s
+  // layout) into every pipeline's shards (to_shards), or gathers them from replica 0's (the split
+  // parts from every rank, the replicated ones from rank 0); a tied head's copy of its rank's rows
+  // is made from the rows.
+  void tensor_parallel_whole(std::span<float> whole, bool to_shards);
+  // Refuses `call` with tensor-parallel stages (their chunks hold shards, not the whole model's layers).
+  void whole_model_only(char const* call) const;
   // Where each chunk's parameters sit in the whole model: the chunk's first `count` elements are
   // the whole model's [offset, offset + count); a tied head's copy of wte follows them.
   struct Span {

@@ -11,10 +11,31 @@
 #include <mgpu/nn/train.hpp>
 #include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/ops.hpp>
+#include <mgpu/parallel/tensor_parallel.hpp>
 
 #include "pipeline/executor_impl.hpp"
 
 namespace mgpu::pipeline {
+
+TensorParallelStages tensor_parallel_stages(nn::GptConfig const& config, int ranks, bool sequence_parallel) {
+  if (ranks < 1 || config.n_head % ranks != 0)
+    throw Error(Errc::invalid_argument, "tensor_parallel_stages: " + std::to_string(config.n_head) + " heads over " +
+                                            std::to_string(ranks) +
+                                            " tensor-parallel ranks (expected a rank count dividing n_head)");
+  return {ranks,
+          [config, sequence_parallel](std::shared_ptr<comm::Communicator> const& comm, int rank, std::size_t begin,
+                                      std::size_t end) {
+            nn::Sequential const shard = parallel::tensor_parallel_gpt(config, comm, rank, sequence_parallel);
+            // gpt(config)'s layers, but for the layer gathering the tokens before the head (the
+            // shard's last but one with sequence parallelism), which goes with the head.
+            std::size_t const extra = shard.size() - nn::gpt(config).size();
+            return shard.stage(begin, end + (end + 1 == shard.size() ? extra : 0));
+          },
+          [vocab = config.vocab](std::shared_ptr<comm::Communicator> const& comm, int rank) {
+            return std::make_shared<parallel::VocabParallelCrossEntropy const>(vocab, comm, rank);
+          },
+          sequence_parallel};
+}
 
 Schedule layer_split(int devices) {
   Schedule s = gpipe(devices, 1);
@@ -29,6 +50,36 @@ Tensor take(std::vector<Tensor>& slots, int chunk, int micro_batch, int micro_ba
     throw Error(Errc::invalid_argument, std::string("no ") + what + " for chunk " + std::to_string(chunk) + ", micro-batch " +
                                             std::to_string(micro_batch) + " (expected the schedule to produce it first)");
   return std::exchange(slot, Tensor{});
+}
+
+// The ranges of a tensor-parallel chunk counted in the global gradient norm (nn::apply_update
+// updates the owned ranges, here the whole buffer, and counts the counted ones).
+class NormRanges final : public nn::GradientSync {
+ public:
+  explicit NormRanges(std::vector<nn::OwnedRange> ranges) : ranges_(std::move(ranges)) {}
+  void begin(Stream& /*compute*/, nn::RangeUpdate /*update*/) override {}
+  void ready(nn::ParameterRange const& /*range*/, Stream& /*compute*/) override {}
+  void finish(Stream& /*compute*/) override {}
+  std::vector<nn::OwnedRange> owned() const override { return ranges_; }
+
+ private:
+  std::vector<nn::OwnedRange> ranges_;
+};
+
+// Refuses what tensor-parallel stages do not support (yet).
+void check_tensor_parallel(ExecutorOptions const& options, bool across) {
+  TensorParallelStages const& tp = options.tensor_parallel;
+  if (tp.ranks < 1)
+    throw Error(Errc::invalid_argument, "tensor_parallel.ranks " + std::to_string(tp.ranks) + " (expected >= 1)");
+  if (tp.ranks == 1) return;
+  std::string const what = "tensor-parallel stages (tensor_parallel.ranks " + std::to_string(tp.ranks) + ")";
+  if (!tp.stage || !tp.loss)
+    throw Error(Errc::invalid_argument, what + " without a stage or loss factory (expected both)");
+  if (options.compute != DType::float32)
+    throw Error(Errc::invalid_argument, what + " computing in " + std::string(to_string(options.compute)) +
+                                            " (expected compute float32)");
+  if (across)
+    throw Error(Errc::invalid_argument, what + " over several processes (expected the grid in one process)");
 }
 
 // "pipeline device 1, chunk 2, action 7 (forward(mb 3, chunk 2))": where an error happened.
@@ -153,7 +204,8 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
             Tensor const dlogits = Tensor::empty(y.shape(), y.dtype(), allocator);
             step.losses[mb] = Tensor::empty({1}, DType::float32, allocator);
             // Each micro-batch's share of the batch's mean: the losses and gradients add up to the batch mean's.
-            options.loss->compute(y, targets, dlogits, step.losses[mb], step.units, step.loss_scale, allocator, stream);
+            losses[static_cast<std::size_t>(rank / s.devices)]->compute(y, targets, dlogits, step.losses[mb], step.units,
+                                                                        step.loss_scale, allocator, stream);
             st.grad_out[slot(a.chunk, a.micro_batch)] = dlogits;
             break;
           }
@@ -185,14 +237,26 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
   for (int c = device; c < s.chunks(); c += s.devices) {
     if (st.ran_forward[static_cast<std::size_t>(c)]) chunk_of(rank, c).set_rng_state(st.rng_after[static_cast<std::size_t>(c)]);
   }
-  if (replicas > 1) {  // the same chunk across replicas: sum of their batch-mean shares
+  int const pipeline = rank / s.devices;
+  if (!partials.empty()) {  // sequence parallelism: each rank's tokens' part of the LayerNorms' gradients
+    for (int c = device; c < s.chunks(); c += s.devices) {
+      auto const index = static_cast<std::size_t>(pipeline * s.chunks() + c);
+      Tensor const& grads = chunk_of(rank, c).gradients();
+      for (nn::ParameterRange const& range : partials[index]) {
+        Tensor const part = grads.slice(range.begin, range.end);
+        tp_comms[static_cast<std::size_t>((pipeline / tp) * s.chunks() + c)]->all_reduce(pipeline % tp, part, part,
+                                                                                         comm::ReduceOp::sum, stream);
+      }
+    }
+  }
+  if (replicas > tp) {  // the same chunk across replicas: sum of their batch-mean shares
     for (int c = device; c < s.chunks(); c += s.devices) {
       Tensor const& grads = chunk_of(rank, c).gradients();
       if (!grads.defined()) continue;
       auto reduce = [&] {
         if (!across) {
-          stage_comms[static_cast<std::size_t>(device)]->all_reduce(rank / s.devices, grads, grads, comm::ReduceOp::sum,
-                                                                    stream);
+          stage_comms[static_cast<std::size_t>((pipeline % tp) * s.devices + device)]->all_reduce(
+              pipeline / tp, grads, grads, comm::ReduceOp::sum, stream);
           return;
         }
         std::vector<int> ranks;
@@ -215,9 +279,10 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
   int const embedding_device = schedule.device_of(tie->embedding_chunk);
   int const head_device = schedule.device_of(tie->head_chunk);
   if (device != embedding_device && device != head_device) return;
+  std::int64_t const elements = tie_elements[static_cast<std::size_t>(rank / schedule.devices)];
   auto const part = [&](int c, std::int64_t offset) {
     nn::Sequential const& chunk = chunk_of(rank, c);
-    return (parameters ? chunk.master_parameters() : chunk.gradients()).slice(offset, offset + tie->elements);
+    return (parameters ? chunk.master_parameters() : chunk.gradients()).slice(offset, offset + elements);
   };
   if (embedding_device == head_device) {
     Tensor const wte = part(tie->embedding_chunk, tie->embedding_offset);
@@ -235,7 +300,7 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
   }
   if (!parameters) return;
   for (auto const& [c, offset] : {std::pair{tie->embedding_chunk, tie->embedding_offset}, std::pair{tie->head_chunk, tie->head_offset}}) {
-    if (schedule.device_of(c) == device) chunk_of(rank, c).sync_parameters(stream, offset, offset + tie->elements);
+    if (schedule.device_of(c) == device) chunk_of(rank, c).sync_parameters(stream, offset, offset + elements);
   }
 }
 
@@ -313,6 +378,65 @@ bool Executor::Impl::update_across(std::vector<nn::UpdatePart> const& parts, flo
   return nn::apply_update(parts, {lr_scale, 0.0f, nullptr, false});
 }
 
+std::optional<Executor::Impl::Tie> Executor::Impl::find_tie(std::vector<nn::Sequential> const& pipeline_chunks) {
+  auto const layer_offset = [](nn::Sequential const& chunk, std::size_t layer) {
+    std::int64_t offset = 0;
+    for (std::size_t i = 0; i < layer; ++i) offset += chunk.layer(i).parameter_count();
+    return offset;
+  };
+  std::optional<Tie> tie;
+  for (std::size_t h = 0; h < pipeline_chunks.size(); ++h) {
+    nn::Sequential const& chunk = pipeline_chunks[h];
+    for (std::size_t i = 0; i < chunk.size(); ++i) {
+      auto const* head = dynamic_cast<nn::TiedLMHead const*>(&chunk.layer(i));
+      auto const* split = dynamic_cast<parallel::VocabParallelLMHead const*>(&chunk.layer(i));
+      if (!(head != nullptr && head->holds_weight()) && !(split != nullptr && split->holds_weight())) continue;
+      if (tie)
+        throw Error(Errc::invalid_argument, "a pipeline with two LM heads holding a copy of wte (expected at most one tied head)");
+      // Whether `layer` is the embedding whose wte (rows) the head copies.
+      auto const ties = [&](nn::Layer const& layer) {
+        if (head != nullptr) {
+          auto const* embedding = dynamic_cast<nn::Embedding const*>(&layer);
+          return embedding != nullptr && embedding->vocab() == head->vocab() && embedding->features() == head->features();
+        }
+        auto const* embedding = dynamic_cast<parallel::VocabParallelEmbedding const*>(&layer);
+        return embedding != nullptr && embedding->vocab_begin() == split->vocab_begin() &&
+               embedding->vocab_end() == split->vocab_end() && embedding->features() == split->features();
+      };
+      for (std::size_t e = 0; e < pipeline_chunks.size() && !tie; ++e) {
+        nn::Sequential const& other = pipeline_chunks[e];
+        for (std::size_t j = 0; j < other.size(); ++j) {
+          if (!ties(other.layer(j))) continue;
+          tie = Tie{static_cast<int>(e), static_cast<int>(h), layer_offset(other, j), layer_offset(chunk, i), chunk.layer(i).parameter_count()};
+          break;
+        }
+      }
+      if (!tie)
+        throw Error(Errc::invalid_argument, chunk.layer(i).name() + " in pipeline chunk " + std::to_string(h) +
+                                                " without its token embedding in any chunk (expected the embedding it is tied to)");
+    }
+  }
+  return tie;
+}
+
+nn::Sequential Executor::Impl::tensor_parallel_chunk(int r, std::size_t c) const {
+  auto const chunks = static_cast<std::size_t>(schedule.chunks());
+  nn::Sequential part =
+      options.tensor_parallel.stage(tp_comms[static_cast<std::size_t>(r / tp) * chunks + c], r % tp, cuts[c], cuts[c + 1]);
+  bool embedded = false;
+  for (std::size_t i = 0; i < part.size(); ++i)
+    embedded = embedded || dynamic_cast<parallel::VocabParallelEmbedding const*>(&part.layer(i)) != nullptr;
+  for (std::size_t i = 0; i < part.size() && !embedded; ++i)
+    if (auto* head = dynamic_cast<parallel::VocabParallelLMHead*>(&part.layer(i))) head->hold_weight();
+  return part;
+}
+
+void Executor::Impl::whole_model_only(char const* call) const {
+  if (tp > 1)
+    throw Error(Errc::invalid_argument, std::string("pipeline ") + call + " with tensor-parallel stages (tensor_parallel.ranks " +
+                                            std::to_string(tp) + "; expected tensor_parallel.ranks 1: the chunks hold shards)");
+}
+
 Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<std::size_t> cuts, Schedule schedule,
                    OptimizerFactory make_optimizer, ExecutorOptions options)
     : Executor(model, group, std::move(cuts), std::move(schedule),
@@ -333,7 +457,9 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     throw Error(Errc::invalid_argument,
                 "the pipeline's make_communicator returned no communicator (expected one over the group's devices)");
   bool const across = transfers->size() != group.size();
-  if (options.data_parallel < 1 || schedule.devices * options.data_parallel != transfers->size()) {
+  int const tp = options.tensor_parallel.ranks;
+  check_tensor_parallel(options, across);
+  if (options.data_parallel < 1 || schedule.devices * options.data_parallel * tp != transfers->size()) {
     // Across processes: this process, when the grid ends before its devices, would run no stage.
     int const grid = schedule.devices * std::max(options.data_parallel, 1);
     int const first = transfers->first_rank();
@@ -341,15 +467,17 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
                                  ? "; this process, whose devices are world ranks [" + std::to_string(first) + ", " +
                                        std::to_string(first + group.size()) + "), would run no stage"
                                  : "";
+    std::string const ranks = tp > 1 ? " x tensor-parallel ranks" : "";
     throw Error(Errc::invalid_argument, "a schedule for " + std::to_string(schedule.devices) + " devices times " +
-                                            std::to_string(options.data_parallel) + " data-parallel replicas on " +
+                                            std::to_string(options.data_parallel) + " data-parallel replicas" +
+                                            (tp > 1 ? " times " + std::to_string(tp) + " tensor-parallel ranks" : "") + " on " +
                                             (across ? "a world of " + std::to_string(transfers->size()) +
                                                           " devices over several processes (expected devices x "
-                                                          "replicas = the world's device count: every process's "
+                                                          "replicas" + ranks + " = the world's device count: every process's "
                                                           "devices run stages" +
                                                           idle + ")"
                                                     : "a group of " + std::to_string(group.size()) +
-                                                          " (expected devices x replicas = the group's size)"));
+                                                          " (expected devices x replicas" + ranks + " = the group's size)"));
   }
   auto const units = model.cut_points().size() - 1;
   auto const chunks = static_cast<std::size_t>(schedule.chunks());
@@ -377,14 +505,27 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   m.schedule = std::move(schedule);
   m.cuts = std::move(cuts);
   m.options = std::move(options);
-  m.replicas = m.options.data_parallel;
+  m.tp = tp;
+  m.replicas = m.options.data_parallel * tp;
   m.architecture = model.clone();
   m.make_optimizer = make_optimizer;
   m.chunks.resize(static_cast<std::size_t>(m.replicas));
   m.optimizers.resize(static_cast<std::size_t>(m.replicas));
+  int const devices = m.schedule.devices;
+  comm::Options const stage_options{comm::Backend::automatic, m.options.timeout};
+  if (tp > 1) {  // the ranks of each replica's chunk
+    for (int a = 0; a < m.options.data_parallel; ++a) {
+      for (std::size_t c = 0; c < chunks; ++c) {
+        std::vector<int> ranks;
+        for (int t = 0; t < tp; ++t) ranks.push_back((a * tp + t) * devices + m.schedule.device_of(static_cast<int>(c)));
+        m.tp_comms.push_back(comm::make_communicator(group, ranks, stage_options));
+      }
+    }
+  }
   for (int r = 0; r < m.replicas; ++r) {
     for (std::size_t c = 0; c < chunks; ++c) {
-      m.chunks[static_cast<std::size_t>(r)].push_back(model.stage(m.cuts[c], m.cuts[c + 1]));
+      m.chunks[static_cast<std::size_t>(r)].push_back(
+          tp > 1 ? m.tensor_parallel_chunk(r, c) : model.stage(m.cuts[c], m.cuts[c + 1]));
       std::unique_ptr<optim::Optimizer> optimizer = make_optimizer(m.chunks[static_cast<std::size_t>(r)].back());
       if (!optimizer)
         throw Error(Errc::invalid_argument, "the pipeline's optimizer factory returned no optimizer for chunk " + std::to_string(c) +
@@ -392,35 +533,9 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
       m.optimizers[static_cast<std::size_t>(r)].push_back(std::move(optimizer));
     }
   }
-  // A tied LM head whose Embedding is in another chunk (Sequential::stage made it hold a copy of wte).
-  auto const layer_offset = [](nn::Sequential const& chunk, std::size_t layer) {
-    std::int64_t offset = 0;
-    for (std::size_t i = 0; i < layer; ++i) offset += chunk.layer(i).parameter_count();
-    return offset;
-  };
-  for (std::size_t h = 0; h < chunks; ++h) {
-    nn::Sequential const& chunk = m.chunks[0][h];
-    for (std::size_t i = 0; i < chunk.size(); ++i) {
-      auto const* head = dynamic_cast<nn::TiedLMHead const*>(&chunk.layer(i));
-      if (head == nullptr || !head->holds_weight()) continue;
-      if (m.tie)
-        throw Error(Errc::invalid_argument, "a pipeline with two LM heads holding a copy of wte (expected at most one tied head)");
-      for (std::size_t e = 0; e < chunks && !m.tie; ++e) {
-        nn::Sequential const& other = m.chunks[0][e];
-        for (std::size_t j = 0; j < other.size(); ++j) {
-          auto const* embedding = dynamic_cast<nn::Embedding const*>(&other.layer(j));
-          if (embedding == nullptr || embedding->vocab() != head->vocab() || embedding->features() != head->features()) continue;
-          m.tie = Impl::Tie{static_cast<int>(e), static_cast<int>(h), layer_offset(other, j), layer_offset(chunk, i), head->parameter_count()};
-          break;
-        }
-      }
-      if (!m.tie)
-        throw Error(Errc::invalid_argument, head->name() + " in pipeline chunk " + std::to_string(h) + " without an Embedding(" +
-                                                std::to_string(head->vocab()) + ", *, " + std::to_string(head->features()) +
-                                                ") in any chunk (expected the token embedding it is tied to)");
-    }
-  }
-  int const devices = m.schedule.devices;
+  m.tie = Impl::find_tie(m.chunks[0]);
+  for (int r = 0; r < m.replicas && m.tie; ++r)  // tensor-parallel ranks' rows may differ by one
+    m.tie_elements.push_back(r == 0 ? m.tie->elements : Impl::find_tie(m.chunks[static_cast<std::size_t>(r)]).value().elements);
   m.devices.resize(static_cast<std::size_t>(m.comm->size()));
   for (Impl::DeviceState& st : m.devices) {
     auto const slots = chunks * static_cast<std::size_t>(m.schedule.micro_batches);
@@ -435,21 +550,44 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     for (int c = rank % devices; c < m.schedule.chunks(); c += devices)
       m.chunk_of(rank, c).materialize(ctx, m.options.seed, m.options.compute);
   });
-  if (m.replicas > 1 && !m.across) {
-    for (int d = 0; d < devices; ++d) {
-      std::vector<int> ranks;
-      for (int r = 0; r < m.replicas; ++r) ranks.push_back(r * devices + d);
-      m.stage_comms.push_back(comm::make_communicator(group, ranks, {comm::Backend::automatic, m.options.timeout}));
+  if (m.replicas > tp && !m.across) {
+    for (int t = 0; t < tp; ++t) {
+      for (int d = 0; d < devices; ++d) {
+        std::vector<int> ranks;
+        for (int a = 0; a < m.options.data_parallel; ++a) ranks.push_back((a * tp + t) * devices + d);
+        m.stage_comms.push_back(comm::make_communicator(group, ranks, stage_options));
+      }
     }
   }
   if (!m.options.loss) m.options.loss = nn::default_loss();
+  for (int r = 0; r < m.replicas; ++r) {
+    if (tp == 1) {
+      m.losses.push_back(m.options.loss);
+      continue;
+    }
+    auto const& comm = m.tp_comms[static_cast<std::size_t>(r / tp) * chunks + chunks - 1];
+    m.losses.push_back(m.options.tensor_parallel.loss(comm, r % tp));
+    if (!m.losses.back())
+      throw Error(Errc::invalid_argument, "the tensor-parallel stages' loss factory returned no loss for rank " +
+                                              std::to_string(r % tp) + " (expected one from every call)");
+    // The norm counts split parameters on replica 0's ranks, replicated ones on its rank 0 and a
+    // tied head's copy of wte nowhere (the embedding's rows count).
+    for (std::size_t c = 0; c < chunks; ++c) {
+      nn::Sequential const& chunk = m.chunks[static_cast<std::size_t>(r)][c];
+      if (m.options.tensor_parallel.sequence_parallel) m.partials.push_back(parallel::partial_ranges(chunk, true));
+      std::vector<nn::OwnedRange> ranges = parallel::norm_ranges(chunk, r < tp, r == 0);
+      for (nn::OwnedRange& range : ranges)
+        if (m.tie && static_cast<int>(c) == m.tie->head_chunk && range.begin == m.tie->head_offset) range.counted = false;
+      m.norms.push_back(std::make_unique<NormRanges>(std::move(ranges)));
+    }
+  }
   if (m.tie) {
     int const embedding_device = m.schedule.device_of(m.tie->embedding_chunk);
     int const head_device = m.schedule.device_of(m.tie->head_chunk);
     if (embedding_device != head_device && !m.across) {
       for (int r = 0; r < m.replicas; ++r)
-        m.tie_comms.push_back(comm::make_communicator(group, {r * devices + embedding_device, r * devices + head_device},
-                                                      {comm::Backend::automatic, m.options.timeout}));
+        m.tie_comms.push_back(
+            comm::make_communicator(group, {r * devices + embedding_device, r * devices + head_device}, stage_options));
     }
     // The copy starts at zero: the sum makes it the embedding's initial wte.
     group.run([&](int local, Device, Stream& stream) { m.sum_tied(m.first + local, stream, true); });
@@ -474,18 +612,21 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
   } catch (Error const& e) {
     throw Error(Errc::invalid_argument, "a pipeline batch x of shape " + mgpu::to_string(x.shape()) + ": " + std::string(e.message()));
   }
-  m.options.loss->check(output, labels, "pipeline labels");
-  m.options.loss->check_values(output, labels, "pipeline labels");
+  nn::Loss const& loss_of_0 = *m.losses[0];
+  loss_of_0.check(output, labels, "pipeline labels");
+  loss_of_0.check_values(output, labels, "pipeline labels");
   // The loss's divisor; a batch without counted units has loss 0 and zero gradients.
-  std::int64_t const units = std::max<std::int64_t>(1, m.options.loss->count(labels, m.group->stream(0)));
-  if (x.dim(0) < static_cast<std::int64_t>(mbs) * m.replicas)
-    throw Error(Errc::invalid_argument, "a batch of " + std::to_string(x.dim(0)) + " rows cannot be split into " + std::to_string(m.replicas) +
+  std::int64_t const units = std::max<std::int64_t>(1, loss_of_0.count(labels, m.group->stream(0)));
+  int const replicas = m.replicas / m.tp;  // the data-parallel ones; a replica's pipelines see the same rows
+  if (x.dim(0) < static_cast<std::int64_t>(mbs) * replicas)
+    throw Error(Errc::invalid_argument, "a batch of " + std::to_string(x.dim(0)) + " rows cannot be split into " + std::to_string(replicas) +
                                             " replica(s) x " + std::to_string(mbs) +
                                             " micro-batches (expected at least one row per micro-batch)");
-  // Replica r takes the r-th shard of the batch, cut into the schedule's micro-batches.
+  // Replica r takes the r-th shard of the batch, cut into the schedule's micro-batches; each of its
+  // pipelines (one per tensor-parallel rank) gets its own Step for its losses.
   std::vector<Impl::Step> steps;
   std::int64_t offset = 0;
-  for (std::int64_t const shard : shard_sizes(x.dim(0), m.replicas)) {
+  for (std::int64_t const shard : shard_sizes(x.dim(0), replicas)) {
     Impl::Step step{&x,
                     &labels,
                     units,
@@ -508,6 +649,7 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
       }
       step.input_shapes.back().push_back(shape);
     }
+    for (int t = 1; t < m.tp; ++t) steps.push_back(step);
     steps.push_back(std::move(step));
   }
   // Across processes the last stages' losses are all-gathered, every rank's micro-batch losses in
@@ -535,9 +677,9 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
   });
   m.last_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   double loss = 0;
-  for (int r = 0; r < m.replicas; ++r) {
-    Impl::Step const& step = steps[static_cast<std::size_t>(r)];
-    int const last_rank = r * m.schedule.devices + last_device;
+  for (int r = 0; r < replicas; ++r) {  // the replica's first pipeline's last stage
+    Impl::Step const& step = steps[static_cast<std::size_t>(r * m.tp)];
+    int const last_rank = r * m.tp * m.schedule.devices + last_device;
     for (std::size_t k = 0; k < step.losses.size(); ++k) {
       auto const i = static_cast<std::int64_t>(last_rank) * mbs + static_cast<std::int64_t>(k);
       loss += m.across ? ops::item(gathered[0].slice(i, i + 1), m.group->stream(0))
@@ -554,7 +696,8 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
   Impl& m = *impl_;
   int const devices = m.schedule.devices;
   // Every chunk of every replica. The replicas' reduced gradients are equal, so replica 0's alone
-  // count in the global norm, and the tied copy of wte counts once, in the embedding's chunk.
+  // count in the global norm, and the tied copy of wte counts once, in the embedding's chunk. With
+  // tensor-parallel stages every pipeline is a replica here, counting its norm ranges.
   std::vector<nn::UpdatePart> parts;
   for (int r = 0; r < m.replicas; ++r) {
     for (int c = 0; c < m.schedule.chunks(); ++c) {
@@ -563,7 +706,9 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
       nn::Sequential& chunk = m.chunk_of(rank, c);
       nn::UpdatePart part{&chunk, m.optimizers[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)].get(),
                           &m.group->allocator(rank - m.first), &m.group->stream(rank - m.first)};
-      if (r > 0) {
+      if (m.tp > 1) {
+        part.sharded = m.norms[static_cast<std::size_t>(r * m.schedule.chunks() + c)].get();
+      } else if (r > 0) {
         part.shared_end = chunk.master_gradients().numel();
       } else if (m.tie && c == m.tie->head_chunk) {
         part.shared_begin = m.tie->head_offset;

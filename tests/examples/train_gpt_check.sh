@@ -8,7 +8,9 @@
 # do the pipeline schedules (1F1B, interleaved, ZB-H1, GPipe, layer split) and a data x pipeline
 # grid, and resume (on their layout, and from a data-parallel checkpoint); so does tensor
 # parallelism (--tp 2), which also starts from an llm.c model file, and its data-parallel replicas
-# (--dp 2 --tp 2), and with --sequence-parallel; --recompute selective and full
+# (--dp 2 --tp 2), and with --sequence-parallel; so do the data x tensor x pipeline grids --tp 2
+# --stages 2 (1F1B, and with --sequence-parallel) and --dp 2 --tp 2 --stages 2 (GPipe); --recompute
+# selective and full
 # give the same losses in each kind of layout; --trace writes the last step's timeline; bad flags
 # fail with exit code 2 and a message. Usage: train_gpt_check.sh TRAIN_GPT TEXT_FILE DIR
 set -euo pipefail
@@ -164,11 +166,26 @@ for key in train_loss val_loss; do
 done
 [ "$(field dp "$dir/dptp.json")" = 2 ] && [ "$(field tp "$dir/dptp.json")" = 2 ] ||
   fail "dp and tp in the JSON line: $(cat "$dir/dptp.json")"
+for grid in "--tp 2 --stages 2" "--dp 2 --tp 2 --stages 2 --schedule gpipe --micro-batches 2" "--tp 2 --stages 2 --sequence-parallel"; do
+  # shellcheck disable=SC2086
+  "$exe" "${common[@]}" --iters 40 $grid > "$dir/tpp.json" 2> /dev/null
+  for key in train_loss val_loss; do
+    close "$(field $key "$dir/tpp.json")" "$(field $key "$dir/full.json")" ||
+      fail "$key $(field $key "$dir/tpp.json") with $grid (expected $(field $key "$dir/full.json") as on one device)"
+  done
+  [ "$(field tp "$dir/tpp.json")" = 2 ] && [ "$(field stages "$dir/tpp.json")" = 2 ] ||
+    fail "tp and stages in the JSON line: $(cat "$dir/tpp.json")"
+done
+# The executor's ranks are pipeline-major (rank t's pipeline on [2 t, 2 t + 2) for 2 stages): each
+# stage's tensor-parallel pair lands on neighbouring devices (equal links keep the given order).
+"$exe" "${common[@]}" --iters 1 --tp 2 --stages 2 > "$dir/tpp.json" 2> /dev/null
+grep -q '"devices": \["host:0", "host:2", "host:1", "host:3"\]' "$dir/tpp.json" ||
+  fail "devices of --tp 2 --stages 2 in the JSON line: $(cat "$dir/tpp.json")"
 "$exe" "${common[@]}" --tp 2 --init-from "$dir/model.bin" --eval-only > "$dir/tp-llmc.json" 2> /dev/null
 [ "$(field val_loss "$dir/tp-llmc.json")" = "$end" ] || fail "val loss $(field val_loss "$dir/tp-llmc.json") from --init-from with --tp 2 (expected $end)"
 
 # Refused: micro-batches without a pipeline, a layout that does not match the devices, --dp
-# other than the device count, --tp not dividing the heads, with a pipeline or with --dp x --tp
+# other than the device count, --tp not dividing the heads, with --dp x --tp (x --stages)
 # other than the device count, --sequence-parallel without --tp or with a block size --tp does not divide, a ZeRO stage other than 0 or 1, a damaged model file, more validation windows than the data holds.
 expect_error() {
   local message=$1
@@ -182,7 +199,7 @@ expect_error "--micro-batches 2 without a pipeline" "${common[@]}" --micro-batch
 expect_error "--devices host:3 has 3 devices (expected --stages x --dp = 4)" "${common[@]}" --stages 2 --dp 2 --devices host:3
 expect_error "--dp 3 with --devices host:2 (expected the number of devices, 2" "${common[@]}" --devices host:2 --dp 3
 expect_error "2 heads over 3 tensor-parallel ranks (expected a group size dividing n_head)" "${common[@]}" --tp 3
-expect_error "--tp 2 with a pipeline (expected tensor parallelism with --dp at most" "${common[@]}" --tp 2 --stages 2
+expect_error "--devices host:3 has 3 devices (expected --dp x --tp x --stages = 4)" "${common[@]}" --tp 2 --stages 2 --devices host:3
 expect_error "--devices host:3 has 3 devices (expected --dp x --tp = 4)" "${common[@]}" --tp 2 --dp 2 --devices host:3
 expect_error "--zero 3 (expected 0, the replicated update, 1" "${common[@]}" --devices host:2 --zero 3
 expect_error "--zero 2 with --precision bf16 (expected fp32" "${common[@]}" --devices host:2 --zero 2 --precision bf16

@@ -38,6 +38,7 @@
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
+#include <mgpu/nn/train.hpp>
 #include <mgpu/ops/transformer.hpp>
 #include <mgpu/optim/optim.hpp>
 
@@ -132,26 +133,42 @@ class VocabParallelEmbedding final : public nn::Layer, public ShardedLayer {
 /// parameters; backward writes (or adds) dwte_r = dlogits_rᵀ h into the embedding's gradient view
 /// and returns dh = the sum over the ranks of dlogits_r wte_r (an all-reduce). With
 /// `reduce_input_gradient` false it returns the rank's part dlogits_r wte_r (sequence parallelism:
-/// the gather before it reduce-scatters it).
+/// the gather before it reduce-scatters it). A pipeline stage without the embedding calls
+/// hold_weight(): the head then holds its own copy of the rank's wte rows, as nn::TiedLMHead does
+/// (pipeline::Executor keeps the copy equal to the first stage's rows).
 class VocabParallelLMHead final : public nn::Layer {
  public:
   VocabParallelLMHead(std::int64_t vocab, std::int64_t features, std::shared_ptr<comm::Communicator> comm, int rank,
                       bool reduce_input_gradient = true);
   std::string name() const override;
+  /// The copy of the rank's wte rows [V_r, C] when it holds one, else none.
+  std::int64_t parameter_count() const override { return holds_weight_ ? (end_ - begin_) * features_ : 0; }
+  std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override;
+  void bind(Tensor const& params, Tensor const& grads) override;
+  /// The copy starts at zero (the pipeline executor adds the embedding's rows to it).
+  void initialize(std::mt19937_64& rng) override;
   void link(nn::Sequential& model) override;
   Tensor forward(Tensor const& h, nn::Context& ctx) override;
   Tensor backward(Tensor const& dy, nn::Context& ctx) override;
   Shape output_shape(Shape const& input) const override;
   std::size_t saved_micro_batches() const override { return saved_.size(); }
-  std::unique_ptr<Layer> clone() const override {
-    return std::make_unique<VocabParallelLMHead>(vocab_, features_, comm_, rank_, reduce_input_gradient_);
-  }
+  std::unique_ptr<Layer> clone() const override;
+
+  /// Holds its own copy of the rank's wte rows instead of linking to the embedding's; call before
+  /// materialize.
+  void hold_weight() noexcept { holds_weight_ = true; }
+  [[nodiscard]] bool holds_weight() const noexcept { return holds_weight_; }
+  [[nodiscard]] std::int64_t features() const noexcept { return features_; }
+  /// The first token id of the rank's columns, and one past the last.
+  [[nodiscard]] std::int64_t vocab_begin() const noexcept { return begin_; }
+  [[nodiscard]] std::int64_t vocab_end() const noexcept { return end_; }
 
  private:
   std::int64_t vocab_, features_;
   std::shared_ptr<comm::Communicator> comm_;
   int rank_;
   bool reduce_input_gradient_;
+  bool holds_weight_ = false;
   std::int64_t begin_, end_;
   Tensor wte_, dwte_;
   std::map<std::int64_t, Tensor> saved_;  // h as [N, C]
@@ -281,6 +298,19 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
 /// a group size that does not divide n_head, or a vocab smaller than the group.
 [[nodiscard]] nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<comm::Communicator> comm,
                                                  int rank, bool sequence_parallel = false);
+
+/// The ranges of a tensor-parallel shard's flat buffers (`shard`: a rank's tensor_parallel_gpt,
+/// or a pipeline stage of one) as counted in a global gradient norm over the ranks: one range per
+/// split part of a ShardedLayer (ShardedLayer::split_ranges), counted when `split`, and one per
+/// rest of a layer's parameters, counted when `replicated` (the replicated parameters are the same
+/// on every rank: only one rank counts them).
+[[nodiscard]] std::vector<nn::OwnedRange> norm_ranges(nn::Sequential const& shard, bool split, bool replicated);
+
+/// The ranges of a tensor-parallel shard's flat buffers (`shard`, or a pipeline stage of one) whose
+/// gradients each rank computes from its own tokens only, with the layer of each: with sequence
+/// parallelism the LayerNorms (the ShardedLayers' partial_ranges() and the plain LayerNorms), to be
+/// summed over the ranks before the update; none without.
+[[nodiscard]] std::vector<nn::ParameterRange> partial_ranges(nn::Sequential const& shard, bool sequence_parallel);
 
 struct TensorParallelOptions {
   /// The shards are materialized from this seed: together they hold gpt(config)'s weights

@@ -17,6 +17,7 @@
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/core/tensor.hpp>
 #include <mgpu/io/checkpoint.hpp>
+#include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
 #include <mgpu/optim/optim.hpp>
@@ -116,13 +117,44 @@ struct PartitionOptions {
 Partition partition(nn::Sequential const& model, Schedule const& schedule, LayerProfile const& profile,
                     std::vector<StageDevice> const& devices, PartitionOptions options = {});
 
+/// Tensor-parallel pipeline stages (a data x tensor x pipeline grid, see Executor): every stage
+/// split over `ranks` devices, each running one rank's shard of the stage's layers. Megatron's
+/// layers (tensor_parallel_stages() fills this for a GPT) run their collectives inside
+/// forward and backward over the communicator of the stage's ranks.
+struct TensorParallelStages {
+  /// The ranks per stage, B (1: no tensor parallelism).
+  int ranks = 1;
+  /// Rank `rank`'s shard of the whole model's layers [begin, end) (a chunk: Sequential::stage of
+  /// the rank's shard), its layers' collectives over `comm` (the chunk's ranks). Called once per
+  /// pipeline and chunk.
+  std::function<nn::Sequential(std::shared_ptr<comm::Communicator> const& comm, int rank, std::size_t begin,
+                               std::size_t end)>
+      stage{};
+  /// The loss of rank `rank`'s last stage, over the last stage's communicator `comm` (replaces
+  /// ExecutorOptions::loss).
+  std::function<std::shared_ptr<nn::Loss const>(std::shared_ptr<comm::Communicator> const& comm, int rank)> loss{};
+  /// Sequence parallelism: the chunks' LayerNorms' gradients are each rank's tokens' part
+  /// (parallel::partial_ranges), summed over the chunk's ranks before the update.
+  bool sequence_parallel = false;
+};
+
+/// gpt(config)'s tensor-parallel stages over `ranks` ranks per stage: rank t's pipeline holds
+/// parallel::tensor_parallel_gpt(config, comm, t, sequence_parallel) cut at the executor's cuts
+/// (gpt(config)'s layers; with sequence parallelism the layer that gathers the tokens before the
+/// LM head goes with the head), its last stage the parallel::VocabParallelCrossEntropy; the
+/// executor is given gpt(config) as its model. Throws Error(invalid_argument) for ranks that do
+/// not divide n_head.
+[[nodiscard]] TensorParallelStages tensor_parallel_stages(nn::GptConfig const& config, int ranks,
+                                                          bool sequence_parallel = false);
+
 struct ExecutorOptions {
   /// Initialises the chunks as nn::Sequential::materialize(seed) initialises the whole model.
   std::uint64_t seed = 0;
   /// Data-parallel replicas of the pipeline (a data x pipeline grid): replica r runs on ranks
   /// [r * devices, (r + 1) * devices) on the r-th shard of each batch, and the same chunk across
   /// replicas all-reduces its gradients over a communicator of those ranks. The group has
-  /// devices x data_parallel ranks.
+  /// devices x data_parallel ranks (x tensor_parallel.ranks: then replica r's pipelines run on
+  /// ranks [r * ranks * devices, (r + 1) * ranks * devices), see Executor).
   int data_parallel = 1;
   /// The communicator's deadline (zero: comm::default_timeout()).
   std::chrono::milliseconds timeout{0};
@@ -144,6 +176,8 @@ struct ExecutorOptions {
   /// Where every action is recorded (rank = device, compute lane; transfers on the communication
   /// lane); nullptr for none.
   std::shared_ptr<trace::Timeline> timeline{};
+  /// Tensor-parallel stages (ranks > 1: a data x tensor x pipeline grid, see Executor).
+  TensorParallelStages tensor_parallel{};
   /// Makes the communicator of the pipelines' transfers from the group and {automatic, timeout}
   /// (empty: comm::make_communicator over the group). Across processes,
   /// dist::communicator_factory(world): see "Across processes" at Executor.
@@ -173,6 +207,25 @@ using ChunkOptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(nn
 /// If an action fails, the communicator aborts the other devices and the step throws an Error
 /// naming the failing device, chunk and action; the executor cannot be used after that.
 /// The group must outlive the executor. Not thread-safe: call from one thread.
+///
+/// Tensor-parallel stages (options.tensor_parallel.ranks = B > 1): a data x tensor x pipeline grid
+/// of A = data_parallel replicas, B ranks per stage and `devices` stages over A x B x devices
+/// ranks. It runs B pipelines per replica in lock-step: pipeline a B + t, on ranks
+/// [(a B + t) devices, (a B + t + 1) devices), holds rank t's shard of every chunk
+/// (tensor_parallel.stage(comm, t, begin, end), comm being the chunk's B ranks of replica a) and
+/// runs the schedule on the replica's rows, as every pipeline of the replica does: each of them
+/// runs the same actions in the same order, so the collectives the shards run inside forward and
+/// backward meet on the chunk's B ranks, and a transfer goes from rank t's stage to rank t's next
+/// stage. With sequence parallelism each chunk's partial LayerNorm gradients are then summed over
+/// its B ranks. The rank-t pipelines of the A replicas sum their gradients as replicas do; a tied
+/// LM head (parallel::VocabParallelLMHead) in another chunk than its embedding holds a copy of its
+/// rank's rows, summed with them as above. Clipping counts split parameters on every rank of
+/// replica 0 and replicated ones on its rank 0 (parallel::norm_ranges). The executor's model is
+/// the whole model (its layers and cut points), its `loss` is replaced by tensor_parallel.loss,
+/// and chunk(c, replica) takes the pipeline a B + t as its replica. float32 only, in one process;
+/// gather_parameters and scatter_parameters move the whole model (the model's layout) to and from
+/// the shards, save and load are refused (Error(invalid_argument)). For a GPT,
+/// tensor_parallel_stages().
 ///
 /// Across processes: every process makes the executor over its own DeviceGroup with the same
 /// model, cuts, schedule and options, and options.make_communicator = dist::communicator_factory(
