@@ -30,7 +30,8 @@
 //   4 tensor parallel over host:2 (vocab-parallel embedding, head and loss), 5 a 1F1B pipeline of
 //   2 stages and 4 micro-batches over host:2, 6 two data-parallel replicas of tensor parallel over
 //   host:2 each (host:4), 7 ZeRO-2 over host:2 (a gradient bucket per block), 8 tensor parallel
-//   over host:2 with sequence parallelism. A short run each:
+//   over host:2 with sequence parallelism, 9 two pipeline stages of tensor parallel 2 each
+//   (host:4, 1F1B, 4 micro-batches). A short run each:
 //     tokens_per_s        batch * block / the median step time;
 //     peak_bytes_device   the largest device allocator peak over the timed steps (parameters,
 //                         gradients, optimizer state, activations, buffers; as train_gpt --json's
@@ -303,10 +304,14 @@ struct LayoutRun {
             options.decay_ranges = chunk.matrix_ranges();
             return std::make_unique<mgpu::optim::AdamW>(options);
           },
-          mgpu::pipeline::ExecutorOptions{.seed = 1,
-                                          .data_parallel = layout.data_parallel,
-                                          .clip_norm = 1.0f,
-                                          .loss = std::make_shared<mgpu::nn::TokenCrossEntropy>()});
+          mgpu::pipeline::ExecutorOptions{
+              .seed = 1,
+              .data_parallel = layout.data_parallel,
+              .clip_norm = 1.0f,
+              .loss = std::make_shared<mgpu::nn::TokenCrossEntropy>(),
+              .tensor_parallel = layout.tensor_parallel > 1 ? mgpu::pipeline::tensor_parallel_stages(config, layout.tensor_parallel,
+                                                                                                   layout.sequence_parallel)
+                                                            : mgpu::pipeline::TensorParallelStages{}});
     } else if (layout.tensor_parallel > 1) {
       tp = std::make_unique<mgpu::parallel::TensorParallel>(
           group, config,
@@ -365,18 +370,19 @@ void BM_gpt_layouts(benchmark::State& state) {
                                           "host:2 data parallel, ZeRO-1", "host:2 ZeRO-1, full recomputation",
                                           "host:2 tensor parallel", "host:2 pipeline, 1F1B x 4 micro-batches",
                                           "host:4 data parallel 2 x tensor parallel 2", "host:2 ZeRO-2, a bucket per block",
-                                          "host:2 tensor parallel, sequence parallel"};
+                                          "host:2 tensor parallel, sequence parallel",
+                                          "host:4 tensor parallel 2 x pipeline 2, 1F1B x 4 micro-batches"};
   int const layout = static_cast<int>(state.range(0));
   Shape shape{"mid", {.vocab = 256, .block_size = 128, .n_layer = 4, .n_head = 4, .n_embd = 256}, 8};
   GptTrainer one(shape);  // its batches feed every layout; it trains only in layout 0
-  mgpu::DeviceGroup group(layout == 0 ? "host:1" : layout == 6 ? "host:4" : "host:2");
-  mgpu::plan::Layout model{.data_parallel = layout == 6 ? 2 : layout == 4 || layout == 5 || layout == 8 ? 1 : group.size(),
-                           .tensor_parallel = layout == 4 || layout == 6 || layout == 8 ? 2 : 1,
+  mgpu::DeviceGroup group(layout == 0 ? "host:1" : layout == 6 || layout == 9 ? "host:4" : "host:2");
+  mgpu::plan::Layout model{.data_parallel = layout == 6 ? 2 : layout == 4 || layout == 5 || layout >= 8 ? 1 : group.size(),
+                           .tensor_parallel = layout == 4 || layout == 6 || layout >= 8 ? 2 : 1,
                            .zero_stage = layout == 1 || layout == 0 ? 0 : layout == 7 ? 2 : 1,
                            .sequence_parallel = layout == 8,
                            .recompute = layout == 3 ? mgpu::nn::Recompute::full : mgpu::nn::Recompute::none};
   if (model.tensor_parallel > 1) model.zero_stage = 0;
-  if (layout == 5) {  // two stages cut at the middle cut point, 4 micro-batches
+  if (layout == 5 || layout == 9) {  // two stages cut at the middle cut point, 4 micro-batches
     mgpu::nn::Sequential const whole = mgpu::nn::gpt(shape.config);
     std::vector<std::size_t> const points = whole.cut_points();
     std::size_t const middle = *std::min_element(points.begin(), points.end(), [&](std::size_t a, std::size_t b) {
@@ -411,7 +417,7 @@ void BM_gpt_layouts(benchmark::State& state) {
   state.counters["predicted_peak_bytes_device"] = predicted;
   state.counters["devices"] = static_cast<double>(allocators.size());
 }
-BENCHMARK(BM_gpt_layouts)->DenseRange(0, 8)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(4);
+BENCHMARK(BM_gpt_layouts)->DenseRange(0, 9)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(4);
 
 // Spearman's rank correlation of two series of equal length (ties get their average rank).
 double spearman(std::vector<double> const& a, std::vector<double> const& b) {

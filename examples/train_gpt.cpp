@@ -789,12 +789,12 @@ int run(Options o) {
     peaks += (r ? ", " : "") + std::to_string(peak);
   }
   // The memory model's prediction of those peaks, for the layouts it covers (one process, float32;
-  // GPipe or 1F1B pipelines and their replicas; tensor parallelism).
+  // tensor parallelism; GPipe or 1F1B pipelines, of tensor-parallel stages too, and their replicas).
   std::string predicted = "null";
-  bool const modelled_pipeline = !pipeline || (o.tp == 1 && (o.schedule == "gpipe" || o.schedule == "1f1b"));
+  bool const modelled_pipeline = !pipeline || o.schedule == "gpipe" || o.schedule == "1f1b";
   if (!across && modelled_pipeline && o.precision == "fp32") {
     mgpu::parallel::GptLayout const layout{.data_parallel = parallel ? static_cast<int>(group.size()) : o.dp,
-                                           .tensor_parallel = tensor ? o.tp : 1,
+                                           .tensor_parallel = o.tp,
                                            .zero_stage = parallel ? o.zero : 0,
                                            .bucket_cap_bytes = bucket_cap,
                                            .first_bucket_cap_bytes = first_bucket_cap,

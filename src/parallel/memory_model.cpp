@@ -33,8 +33,12 @@ std::size_t block_bytes(double n, double c, double heads, double t, double s, nn
   return bytes;
 }
 
-// Each stage of each replica of a pipeline (layout.cuts; replica a's stages are devices
-// a * stages ...), for `rows` rows of `config.block_size` tokens split over the replicas.
+// Each stage of each tensor-parallel rank of each replica of a pipeline (layout.cuts; replica a's
+// rank r holds stage s on device (a * T + r) * stages + s, the executor's order), for `rows` rows of
+// `config.block_size` tokens split over the replicas. A rank's stage holds its shard of each layer:
+// a block 12C^2/T + 7C/T split and 6C replicated parameters, the embedding its vocab rows and the
+// positions, the final LayerNorm 2C, and the LM head in a stage without the embedding a copy of its
+// vocab rows of wte.
 std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_t rows, GptLayout const& layout,
                                         std::string const& what) {
   nn::Sequential const model = nn::gpt(config);
@@ -44,45 +48,57 @@ std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_
   if (!increasing)
     throw Error(Errc::invalid_argument, what + " and " + std::to_string(cuts.size()) + " cuts (expected cuts from 0 to the model's " +
                                             std::to_string(model.size()) + " layers, increasing)");
-  if (layout.tensor_parallel != 1)
-    throw Error(Errc::invalid_argument, what + " and a pipeline (expected tensor_parallel 1 with cuts: not modelled yet)");
   int const m = layout.micro_batches;
   std::vector<std::int64_t> const replica_rows = shard_sizes(rows, layout.data_parallel);  // as the executor splits them
   if (m < 1 || replica_rows.back() < m)
     throw Error(Errc::invalid_argument, what + " and " + std::to_string(m) +
                                             " micro-batches (expected 1 <= micro_batches <= each replica's rows)");
   auto const c = static_cast<double>(config.n_embd), heads = static_cast<double>(config.n_head);
-  auto const vocab = static_cast<double>(config.vocab), t = static_cast<double>(config.block_size);
+  auto const block_size = static_cast<double>(config.block_size);
+  int const ranks = layout.tensor_parallel;
+  auto const t = static_cast<double>(ranks);
+  double const split = layout.sequence_parallel ? t : 1.0;  // what holds 1/split of the tokens
   auto const stages = static_cast<int>(cuts.size()) - 1;
   std::vector<GptMemory> out;
   for (std::int64_t const replica : replica_rows) {
     std::vector<double> tokens;  // per micro-batch, split as the executor splits the rows
-    for (std::int64_t const r : shard_sizes(replica, m)) tokens.push_back(static_cast<double>(r) * t);
-    for (int s = 0; s < stages; ++s) {
-      std::size_t const first = cuts[static_cast<std::size_t>(s)], end = cuts[static_cast<std::size_t>(s) + 1];
-      double params = 0, blocks = 0;
-      bool head = false;
-      for (std::size_t l = first; l < end; ++l) {
-        nn::Layer const& layer = model.layer(l);
-        params += static_cast<double>(layer.parameter_count());
-        blocks += dynamic_cast<nn::TransformerBlock const*>(&layer) != nullptr ? 1 : 0;
-        head = head || dynamic_cast<nn::TiedLMHead const*>(&layer) != nullptr;
+    for (std::int64_t const r : shard_sizes(replica, m)) tokens.push_back(static_cast<double>(r) * block_size);
+    for (int r = 0; r < ranks; ++r) {
+      auto const [vocab_begin, vocab_end] = vocab_shard(config.vocab, ranks, r);
+      auto const vocab = static_cast<double>(vocab_end - vocab_begin);
+      for (int s = 0; s < stages; ++s) {
+        std::size_t const first = cuts[static_cast<std::size_t>(s)], end = cuts[static_cast<std::size_t>(s) + 1];
+        double params = 0, blocks = 0;
+        bool head = false;
+        for (std::size_t l = first; l < end; ++l) {
+          nn::Layer const& layer = model.layer(l);
+          if (dynamic_cast<nn::TransformerBlock const*>(&layer) != nullptr) {
+            params += 12 * c * c / t + 7 * c / t + 6 * c;
+            blocks += 1;
+          } else if (dynamic_cast<nn::Embedding const*>(&layer) != nullptr) {
+            params += (vocab + block_size) * c;
+          } else if (dynamic_cast<nn::TiedLMHead const*>(&layer) != nullptr) {
+            head = true;
+            if (first > 0) params += vocab * c;  // its own copy of wte's rows
+          } else {
+            params += static_cast<double>(layer.parameter_count());  // the final LayerNorm, dropout
+          }
+        }
+        GptMemory g;
+        g.parameters = g.gradients = floats(params);
+        g.optimizer = 2 * floats(params);
+        // The first micro-batches are the largest, and in flight together.
+        int const in_flight = layout.gpipe ? m : std::min(m, stages - s);
+        for (int i = 0; i < in_flight; ++i) {
+          double const n = tokens[static_cast<std::size_t>(i)];
+          g.activations += static_cast<std::size_t>(blocks) * block_bytes(n, c, heads, t, split, config.recompute) + floats(n * c / split);
+          if (head) g.workspace += floats(n * c) + floats(2 * n) + floats(n * vocab);  // the final LayerNorm's, the logits'
+        }
+        if (config.recompute == nn::Recompute::full && blocks > 0)
+          g.activations += block_bytes(tokens[0], c, heads, t, split, nn::Recompute::none) - floats(tokens[0] * c / split);
+        g.workspace += floats(tokens[0] * (head ? std::max(8 * c / t - c, vocab) : 7 * c / t));
+        out.push_back(g);
       }
-      if (head && first > 0) params += vocab * c;  // its own copy of wte
-      GptMemory g;
-      g.parameters = g.gradients = floats(params);
-      g.optimizer = 2 * floats(params);
-      // The first micro-batches are the largest, and in flight together.
-      int const in_flight = layout.gpipe ? m : std::min(m, stages - s);
-      for (int i = 0; i < in_flight; ++i) {
-        double const n = tokens[static_cast<std::size_t>(i)];
-        g.activations += static_cast<std::size_t>(blocks) * block_bytes(n, c, heads, 1, 1, config.recompute) + floats(n * c);
-        if (head) g.workspace += floats(n * c) + floats(2 * n) + floats(n * vocab);  // the final LayerNorm's, the logits'
-      }
-      if (config.recompute == nn::Recompute::full && blocks > 0)
-        g.activations += block_bytes(tokens[0], c, heads, 1, 1, nn::Recompute::none) - floats(tokens[0] * c);
-      g.workspace += floats(tokens[0] * (head ? std::max(7 * c, vocab) : 7 * c));
-      out.push_back(g);
     }
   }
   return out;
@@ -106,9 +122,9 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
   if (layout.zero_stage < 0 || layout.zero_stage > 2 || (layout.zero_stage == 2 && ranks > 1))
     throw Error(Errc::invalid_argument, what + " (expected zero_stage 0, 1 or 2, and 2 without tensor parallelism)");
   if (rows < replicas) throw Error(Errc::invalid_argument, what + " (expected at least one row per replica)");
-  if (layout.sequence_parallel && (ranks < 2 || config.block_size % ranks != 0 || !layout.cuts.empty()))
+  if (layout.sequence_parallel && (ranks < 2 || config.block_size % ranks != 0))
     throw Error(Errc::invalid_argument, what + " and sequence parallelism over block_size " + std::to_string(config.block_size) +
-                                            " (expected tensor_parallel >= 2 dividing the block size, without a pipeline)");
+                                            " (expected tensor_parallel >= 2 dividing the block size)");
   if (!layout.cuts.empty()) return predict_pipeline(config, rows, layout, what);
 
   auto const c = static_cast<double>(config.n_embd), heads = static_cast<double>(config.n_head);

@@ -62,29 +62,42 @@ nn::GptConfig with_recompute(nn::GptConfig config, nn::Recompute recompute) {
   return config;
 }
 
-// Each layer's predicted forward + backward seconds for a micro-batch of `tokens` on one device:
-// the embedding's line on the embedding, the blocks' on each block, the head's on the head.
-std::vector<double> layer_seconds(nn::Sequential const& model, GptCosts const& costs, nn::Recompute recompute, double tokens) {
+TensorParallelCost const* tensor_cost(GptCosts const& costs, int ranks) {
+  for (TensorParallelCost const& c : costs.tensor_parallel)
+    if (c.ranks == ranks) return &c;
+  return nullptr;
+}
+
+// Each layer's predicted forward + backward seconds for a micro-batch of `tokens` on one of `ranks`
+// tensor-parallel ranks, in seconds of a device of its own: one device's lines (the embedding's on
+// the embedding, the blocks' on each block, the head's on the head); tensor-parallel ranks their
+// measured block on each block (with a recomputing block's extra work split over them) and the
+// rest of their step on the head, scaled by their share of a device's compute when measured
+// sharing it.
+std::vector<double> layer_seconds(nn::Sequential const& model, GptCosts const& costs, nn::Recompute recompute, double tokens,
+                                  int ranks) {
+  TensorParallelCost const* const tensor = ranks > 1 ? tensor_cost(costs, ranks) : nullptr;
+  if (ranks > 1 && tensor == nullptr)
+    throw Error(Errc::invalid_argument, "predict_step_seconds with tensor_parallel " + std::to_string(ranks) +
+                                            " (expected costs.tensor_parallel to hold its costs)");
+  auto const t = static_cast<double>(ranks);
+  double const busy = costs.concurrency > 0 ? std::min(1.0, static_cast<double>(costs.concurrency) / t) : 1.0;
+  auto const r = static_cast<int>(recompute);
   std::vector<double> seconds;
   for (std::size_t l = 0; l < model.size(); ++l) {
     nn::Layer const& layer = model.layer(l);
     if (dynamic_cast<nn::TransformerBlock const*>(&layer) != nullptr) {
-      seconds.push_back(costs.block[static_cast<int>(recompute)].at(tokens));
+      seconds.push_back(tensor == nullptr ? costs.block[r].at(tokens)
+                                          : busy * tensor->block.at(tokens) + (costs.block[r].at(tokens) - costs.block[0].at(tokens)) / t);
     } else if (dynamic_cast<nn::Embedding const*>(&layer) != nullptr) {
-      seconds.push_back(costs.embedding.at(tokens));
+      seconds.push_back(tensor == nullptr ? costs.embedding.at(tokens) : 0.0);  // within the rest, on the head
     } else if (dynamic_cast<nn::TiedLMHead const*>(&layer) != nullptr) {
-      seconds.push_back(costs.head.at(tokens));
+      seconds.push_back(tensor == nullptr ? costs.head.at(tokens) : busy * tensor->rest.at(tokens));
     } else {
       seconds.push_back(0.0);  // dropout, the final LayerNorm: within the embedding's and the head's lines
     }
   }
   return seconds;
-}
-
-TensorParallelCost const* tensor_cost(GptCosts const& costs, int ranks) {
-  for (TensorParallelCost const& c : costs.tensor_parallel)
-    if (c.ranks == ranks) return &c;
-  return nullptr;
 }
 
 // An all-reduce of `bytes` over `ranks` ranks.
@@ -133,38 +146,22 @@ double predict_step_seconds(nn::GptConfig const& config, std::int64_t rows, Layo
     gradient_bytes = std::max(gradient_bytes, static_cast<double>(memory[i].parameters));
   }
   // Each device's compute in seconds of a device of its own: the critical path, and the work of
-  // every device.
+  // every device. The largest replica's micro-batches (the first ones the largest): the first
+  // passes every stage, the others follow at the slowest stage's pace.
   double path = 0, work = 0;
-  if (t > 1) {
-    TensorParallelCost const* const cost = tensor_cost(costs, t);
-    if (cost == nullptr)
-      throw Error(Errc::invalid_argument, "predict_step_seconds with tensor_parallel " + std::to_string(t) +
-                                              " (expected costs.tensor_parallel to hold its costs)");
-    // Measured with the t ranks alone: a rank's own compute is that time over the ranks sharing one
-    // device's compute.
-    double const busy = costs.concurrency > 0 ? std::min(1.0, static_cast<double>(costs.concurrency) / t) : 1.0;
-    auto const r = static_cast<int>(layout.recompute);
-    double const rerun = (costs.block[r].at(tokens) - costs.block[0].at(tokens)) / t;
-    path = busy * (cost->rest.at(tokens) + static_cast<double>(c.n_layer) * cost->block.at(tokens)) +
-           static_cast<double>(c.n_layer) * rerun;
-    work = static_cast<double>(d * t) * path;
-  } else {
-    std::vector<std::size_t> const cuts = layout.cuts.empty() ? std::vector<std::size_t>{0, model.size()} : layout.cuts;
-    // The largest replica's micro-batches (the first ones the largest): the first passes every
-    // stage, the others follow at the slowest stage's pace.
-    std::vector<std::int64_t> const micro = shard_sizes(shard_sizes(rows, d).front(), m);
-    for (std::size_t b = 0; b < micro.size(); ++b) {
-      std::vector<double> const seconds =
-          layer_seconds(model, costs, layout.recompute, static_cast<double>(micro[b] * c.block_size));
-      double sum = 0, slowest = 0;
-      for (std::size_t i = 0; i + 1 < cuts.size(); ++i) {
-        double const stage = std::accumulate(seconds.begin() + static_cast<std::ptrdiff_t>(cuts[i]),
-                                             seconds.begin() + static_cast<std::ptrdiff_t>(cuts[i + 1]), 0.0);
-        sum += stage, slowest = std::max(slowest, stage);
-      }
-      path += b == 0 ? sum : slowest;
-      work += static_cast<double>(d) * sum;
+  std::vector<std::size_t> const cuts = layout.cuts.empty() ? std::vector<std::size_t>{0, model.size()} : layout.cuts;
+  std::vector<std::int64_t> const micro = shard_sizes(shard_sizes(rows, d).front(), m);
+  for (std::size_t b = 0; b < micro.size(); ++b) {
+    std::vector<double> const seconds =
+        layer_seconds(model, costs, layout.recompute, static_cast<double>(micro[b] * c.block_size), t);
+    double sum = 0, slowest = 0;
+    for (std::size_t i = 0; i + 1 < cuts.size(); ++i) {
+      double const stage = std::accumulate(seconds.begin() + static_cast<std::ptrdiff_t>(cuts[i]),
+                                           seconds.begin() + static_cast<std::ptrdiff_t>(cuts[i + 1]), 0.0);
+      sum += stage, slowest = std::max(slowest, stage);
     }
+    path += b == 0 ? sum : slowest;
+    work += static_cast<double>(d * t) * sum;
   }
   double step = std::max(path + update, (work + updates) / shared);
 
@@ -204,7 +201,6 @@ Plan plan_gpt(nn::GptConfig const& config, std::int64_t rows, int devices, GptCo
     for (int s = 1; s <= devices / t; ++s) {
       int const d = devices / t / s;
       if ((devices / t) % s != 0 || static_cast<std::size_t>(s) > cut_points || (s > 1 && !options.pipeline)) continue;
-      if (s > 1 && t > 1) continue;  // tensor-parallel stages: not run by the executors yet
       std::int64_t const replica_rows = rows / d;  // the smallest replica's
       if (replica_rows < 1) continue;
       for (nn::Recompute const recompute : {nn::Recompute::none, nn::Recompute::selective, nn::Recompute::full}) {
@@ -217,14 +213,18 @@ Plan plan_gpt(nn::GptConfig const& config, std::int64_t rows, int devices, GptCo
           continue;
         }
         for (int k = 1; k <= 4 && s * k <= replica_rows; k *= 2) {
-          Layout layout{.data_parallel = d, .stages = s, .recompute = recompute, .micro_batches = s * k};
+          Layout layout{.data_parallel = d, .tensor_parallel = t, .stages = s, .recompute = recompute, .micro_batches = s * k};
           // Stages cut where the predicted times balance, as pipeline::partition cuts for the executor.
-          std::vector<double> const seconds = layer_seconds(model, costs, recompute, micro_batch_tokens(config, rows, layout));
+          std::vector<double> const seconds = layer_seconds(model, costs, recompute, micro_batch_tokens(config, rows, layout), t);
           pipeline::LayerProfile const profile{seconds, std::vector<double>(seconds.size(), 0.0), std::vector<double>(seconds.size(), 0.0)};
           layout.cuts = pipeline::partition(model, pipeline::one_f_one_b(s, layout.micro_batches), profile,
                                             std::vector<pipeline::StageDevice>(static_cast<std::size_t>(s)))
                             .cuts;
           weigh(layout);
+          if (t > 1 && config.block_size % t == 0) {
+            layout.sequence_parallel = true;
+            weigh(layout);
+          }
         }
       }
     }

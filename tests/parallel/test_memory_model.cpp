@@ -8,10 +8,12 @@
 #include <string>
 #include <vector>
 
+#include <mgpu/comm/communicator.hpp>
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/core/memory.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
+#include <mgpu/pipeline/pipeline.hpp>
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
@@ -135,6 +137,35 @@ TEST_CASE("sequence parallelism splits what a block keeps outside its split regi
   CHECK(tp[0].activations - sp[0].activations > inputs - split_inputs);
 }
 
+TEST_CASE("tensor-parallel stages hold the executor's shards, and each rank the micro-batches of its stage", "[parallel][memory]") {
+  std::size_t const layers = mgpu::nn::gpt(config).size();
+  std::vector<std::size_t> const cuts{0, 3, layers};
+  for (int ranks : {2, 3, 4}) {  // vocab 67: ranks hold 33/34, 22/22/23 and 16/17/17/17 rows
+    mgpu::pipeline::TensorParallelStages const stages = mgpu::pipeline::tensor_parallel_stages(config, ranks);
+    mgpu::DeviceGroup group("host:" + std::to_string(ranks));
+    std::shared_ptr<mgpu::comm::Communicator> const comm = mgpu::comm::make_communicator(group);
+    std::vector<par::GptMemory> const grid =
+        par::predict_gpt_memory(config, 8, {.tensor_parallel = ranks, .cuts = cuts, .micro_batches = 4});
+    REQUIRE(grid.size() == static_cast<std::size_t>(2 * ranks));
+    for (int r = 0; r < ranks; ++r) {
+      // The second stage's LM head keeps its own copy of the rank's rows of wte.
+      auto const [begin, end] = par::vocab_shard(config.vocab, ranks, r);
+      for (std::size_t s = 0; s < 2; ++s) {
+        mgpu::nn::Sequential const chunk = stages.stage(comm, r, cuts[s], cuts[s + 1]);
+        std::int64_t const copy = s == 1 ? (end - begin) * config.n_embd : 0;
+        CHECK(grid[static_cast<std::size_t>(r) * 2 + s].parameters == float_bytes(chunk.parameter_count() + copy));
+      }
+    }
+    // One rank: the pipeline without tensor parallelism.
+    if (ranks == 2) {
+      std::vector<par::GptMemory> const plain = par::predict_gpt_memory(config, 8, {.cuts = cuts, .micro_batches = 4});
+      std::vector<par::GptMemory> const one = par::predict_gpt_memory(config, 8, {.tensor_parallel = 1, .cuts = cuts, .micro_batches = 4});
+      for (std::size_t s = 0; s < 2; ++s) CHECK(one[s].total() == plain[s].total());
+      CHECK(grid[0].activations < plain[0].activations);
+    }
+  }
+}
+
 TEST_CASE("predict_gpt_memory refuses layouts it cannot place, naming them", "[parallel][memory]") {
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.tensor_parallel = 5}), mgpu::Errc::invalid_argument,
                      "tensor_parallel dividing n_head");
@@ -149,8 +180,6 @@ TEST_CASE("predict_gpt_memory refuses layouts it cannot place, naming them", "[p
   std::size_t const layers = mgpu::nn::gpt(config).size();
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.cuts = {0, 3, 3, layers}}), mgpu::Errc::invalid_argument, "increasing");
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.cuts = {0, 3}}), mgpu::Errc::invalid_argument, "cuts from 0 to the model's");
-  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.tensor_parallel = 2, .cuts = {0, layers}}), mgpu::Errc::invalid_argument,
-                     "not modelled yet");
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 2, {.cuts = {0, layers}, .micro_batches = 3}), mgpu::Errc::invalid_argument,
                      "micro_batches <= each replica's rows");
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 5, {.data_parallel = 2, .cuts = {0, layers}, .micro_batches = 3}),

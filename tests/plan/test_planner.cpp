@@ -120,6 +120,11 @@ TEST_CASE("the step-time model: tensor parallelism from its measured costs, refu
   double const half = plan::predict_step_seconds(config, 2, {.tensor_parallel = 2}, costs);  // a replica's rows
   costs.concurrency = 2;
   CHECK(plan::predict_step_seconds(config, 4, {.data_parallel = 2, .tensor_parallel = 2}, costs) == Approx(2 * half).epsilon(0.01));
+  // Two stages of two ranks each, four micro-batches: faster than the one stage of two ranks.
+  std::size_t const layers = mgpu::nn::gpt(config).size();
+  costs.concurrency = 0;
+  CHECK(plan::predict_step_seconds(config, 4, {.tensor_parallel = 2, .stages = 2, .micro_batches = 4, .cuts = {0, 4, layers}}, costs) <
+        tp2);
   costs.tensor_parallel.pop_back();
   REQUIRE_MGPU_ERROR(plan::predict_step_seconds(config, 4, {.tensor_parallel = 4}, costs), mgpu::Errc::invalid_argument,
                      "costs.tensor_parallel to hold its costs");
@@ -129,17 +134,17 @@ TEST_CASE("plan_gpt enumerates every layout over the devices and keeps those tha
   plan::GptCosts const costs = free_costs();
   plan::Plan const all = plan::plan_gpt(config, 8, 4, costs, {});
   // dp 4 (ZeRO 0-2), dp 2 x tp 2 and tp 4 (each with and without sequence parallelism); pipelines
-  // of 2 stages (2 replicas; micro-batches 2, 4) and of 4 (micro-batches 4, 8): 3 + 2 + 2 + 2 + 2
-  // layouts, each with 3 recomputation modes.
-  CHECK(all.considered == 33);
-  REQUIRE(all.candidates.size() == 33);
+  // of 2 stages (2 replicas; micro-batches 2, 4), of 4 (micro-batches 4, 8), and of 2 stages of tp 2
+  // (micro-batches 2, 4, 8; with and without sequence parallelism): 3 + 2 + 2 + 2 + 2 + 6 layouts,
+  // each with 3 recomputation modes.
+  CHECK(all.considered == 51);
+  REQUIRE(all.candidates.size() == 51);
   std::set<std::string> names;
   for (std::size_t i = 0; i < all.candidates.size(); ++i) {
     plan::Candidate const& c = all.candidates[i];
     plan::Layout const& l = c.layout;
     names.insert(plan::to_string(l));
     CHECK(l.data_parallel * l.tensor_parallel * l.stages == 4);
-    CHECK((l.stages == 1 || l.tensor_parallel == 1));  // tensor-parallel stages are not run yet
     CHECK((l.zero_stage == 0 || (l.tensor_parallel == 1 && l.stages == 1)));
     CHECK((!l.sequence_parallel || l.tensor_parallel > 1));
     CHECK(l.cuts.size() == (l.stages > 1 ? static_cast<std::size_t>(l.stages) + 1 : 0));
@@ -147,7 +152,7 @@ TEST_CASE("plan_gpt enumerates every layout over the devices and keeps those tha
     CHECK(c.step_seconds == plan::predict_step_seconds(config, 8, l, costs));
     if (i > 0) CHECK(all.candidates[i - 1].step_seconds <= c.step_seconds);
   }
-  CHECK(names.size() == 33);
+  CHECK(names.size() == 51);
   // Free collectives and devices of their own: data parallelism over four devices is fastest.
   CHECK(all.candidates.front().layout.data_parallel == 4);
 
@@ -157,7 +162,7 @@ TEST_CASE("plan_gpt enumerates every layout over the devices and keeps those tha
   std::sort(peaks.begin(), peaks.end());
   std::size_t const budget = peaks[peaks.size() / 2];
   plan::Plan const some = plan::plan_gpt(config, 8, 4, costs, {.memory_bytes = budget});
-  CHECK(some.considered == 33);
+  CHECK(some.considered == 51);
   CHECK(some.candidates.size() == static_cast<std::size_t>(std::count_if(peaks.begin(), peaks.end(), [&](std::size_t p) { return p <= budget; })));
   for (plan::Candidate const& c : some.candidates) CHECK(c.peak_bytes <= budget);
 
