@@ -262,7 +262,7 @@ Tensor TensorParallelBlock::forward(Tensor const& x, nn::Context& ctx) {
   for (nn::LayerNorm* norm : {&ln1_, &ln2_}) norm->release(ctx.micro_batch);
   for (nn::Linear* linear : {&qkv_, &fc_}) linear->release(ctx.micro_batch);
   for (nn::Dropout* drop : {&attn_drop_, &mlp_drop_}) drop->release(ctx.micro_batch);
-  inputs_[ctx.micro_batch] = Input{x, counter, ctx.row_offset};
+  if (ctx.keep_for_backward) inputs_[ctx.micro_batch] = Input{x, counter, ctx.row_offset};
   return y;
 }
 
@@ -297,6 +297,7 @@ Tensor TensorParallelBlock::forward_layers(Tensor const& x, nn::Context& ctx) {
   Tensor const m =
       mlp_drop_.forward(row_parallel_forward(u, mlp_w_, mlp_b_, *comm_, rank_, sequence_parallel_, ctx), tokens);
   ops::add_scaled(m, h, 1.0f, ctx.stream);
+  if (!ctx.keep_for_backward) return m;
   Tensor const none;
   bool const keep_core = recompute_ != nn::Recompute::selective;
   saved_[ctx.micro_batch] = Saved{qkv,

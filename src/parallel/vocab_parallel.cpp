@@ -107,7 +107,7 @@ Tensor VocabParallelEmbedding::forward(Tensor const& ids, nn::Context& ctx) {
                 name() + ": ids are " + std::string(to_string(ids.dtype())) + " (expected int32 token ids)");
   Tensor y = Tensor::empty({ids.dim(0), ids.dim(1), features_}, wte_.dtype(), ctx.allocator, ctx.stream);
   ops::vocab_shard_embedding(ids, wte_, wpe_, y, begin_, vocab_, rank_ == 0, ctx.stream);
-  saved_[ctx.micro_batch] = ids;
+  if (ctx.keep_for_backward) saved_[ctx.micro_batch] = ids;
   if (!sequence_parallel_) {
     comm_->all_reduce(rank_, y, y, ReduceOp::sum, ctx.stream);
     return y;
@@ -210,7 +210,7 @@ Tensor VocabParallelLMHead::forward(Tensor const& h, nn::Context& ctx) {
   Tensor const h2 = h.reshape({h.numel() / features_, features_});
   Tensor logits = Tensor::empty({h2.dim(0), end_ - begin_}, h.dtype(), ctx.allocator, ctx.stream);
   ops::gemm(h2, false, wte_, true, logits, 1.0f, 0.0f, ctx.stream);  // h wte_rᵀ
-  saved_[ctx.micro_batch] = h2;
+  if (ctx.keep_for_backward) saved_[ctx.micro_batch] = h2;
   return logits.reshape(shape);
 }
 

@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include <mgpu/comm/communicator.hpp>
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
@@ -765,4 +766,52 @@ TEST_CASE("sequence parallelism refuses a sequence length the ranks do not divid
   par::TensorParallel reference(one, config, {.seed = seed});
   CHECK(tp.step(even.ids, even.targets, 0.0f).loss ==
         Approx(reference.step(even.ids, even.targets, 0.0f).loss).epsilon(1e-6));
+}
+
+TEST_CASE("Tensor-parallel shards keep nothing for backward in a forward that none follows", "[parallel][tensor][memory]") {
+  nn::GptConfig const small{.vocab = 30, .block_size = 8, .n_layer = 2, .n_head = 4, .n_embd = 32};
+  for (bool const sequence : {false, true})
+    for (nn::Recompute const recompute : {nn::Recompute::none, nn::Recompute::selective, nn::Recompute::full}) {
+      INFO("sequence parallel " << sequence << ", recompute " << nn::to_string(recompute));
+      nn::GptConfig c = small;
+      c.recompute = recompute;
+      mgpu::DeviceGroup group("host:2");
+      std::shared_ptr<mgpu::comm::Communicator> const comm = mgpu::comm::make_communicator(group);
+      std::vector<nn::Sequential> shards;
+      for (int r = 0; r < 2; ++r) shards.push_back(par::tensor_parallel_gpt(c, comm, r, sequence));
+      std::vector<Tensor> ids;  // the same ids on each rank's device
+      for (int r = 0; r < 2; ++r) {
+        ids.push_back(Tensor::empty({2, c.block_size}, DType::int32, group.allocator(r)));
+        auto const span = ids.back().host_span<std::int32_t>();
+        for (std::size_t i = 0; i < span.size(); ++i) span[i] = static_cast<std::int32_t>(i * 7 % 30);
+      }
+      std::vector<std::size_t> before(2);
+      group.run([&](int r, mgpu::Device, mgpu::Stream& stream) {
+        nn::Context ctx{group.allocator(r), stream};
+        shards[static_cast<std::size_t>(r)].materialize(ctx, 3);
+        stream.synchronize();
+        before[static_cast<std::size_t>(r)] = group.allocator(r).stats().allocated;
+      });
+      // A forward on both ranks (their collectives meet), keeping for backward or not; then each
+      // rank's saved micro-batches and allocated bytes.
+      auto const forward = [&](bool keep) {
+        std::vector<std::size_t> saved(2), allocated(2);
+        group.run([&](int r, mgpu::Device, mgpu::Stream& stream) {
+          nn::Context ctx{group.allocator(r), stream, 0, 0, false, keep};
+          (void)shards[static_cast<std::size_t>(r)].forward(ids[static_cast<std::size_t>(r)], ctx);
+          stream.synchronize();
+          for (std::size_t l = 0; l < shards[static_cast<std::size_t>(r)].size(); ++l)
+            saved[static_cast<std::size_t>(r)] += shards[static_cast<std::size_t>(r)].layer(l).saved_micro_batches();
+          allocated[static_cast<std::size_t>(r)] = group.allocator(r).stats().allocated;
+        });
+        return std::make_pair(saved, allocated);
+      };
+      auto const [none, none_bytes] = forward(false);
+      CHECK(none == std::vector<std::size_t>{0, 0});
+      CHECK(none_bytes == before);
+      // A training forward keeps them: the checks above can tell.
+      auto const [kept, kept_bytes] = forward(true);
+      CHECK(kept[0] > 0);
+      CHECK(kept_bytes[0] > before[0]);
+    }
 }

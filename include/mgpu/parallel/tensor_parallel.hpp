@@ -243,7 +243,11 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
   Tensor forward(Tensor const& x, nn::Context& ctx) override;
   Tensor backward(Tensor const& dy, nn::Context& ctx) override;
   Shape output_shape(Shape const& input) const override;
-  std::size_t saved_micro_batches() const override { return saved_.size() + inputs_.size(); }
+  /// Its own and its sublayers' (LayerNorms, Linears, Dropouts).
+  std::size_t saved_micro_batches() const override {
+    return saved_.size() + inputs_.size() + ln1_.saved_micro_batches() + ln2_.saved_micro_batches() + qkv_.saved_micro_batches() +
+           fc_.saved_micro_batches() + attn_drop_.saved_micro_batches() + mlp_drop_.saved_micro_batches();
+  }
   std::unique_ptr<Layer> clone() const override {
     return std::make_unique<TensorParallelBlock>(features_, heads_, comm_, rank_, proj_init_std_, dropout_, recompute_,
                                                  sequence_parallel_);
