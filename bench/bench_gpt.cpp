@@ -30,7 +30,8 @@
 //   4 tensor parallel over host:2 (vocab-parallel embedding, head and loss), 5 a 1F1B pipeline of
 //   2 stages and 4 micro-batches over host:2, 6 two data-parallel replicas of tensor parallel over
 //   host:2 each (host:4), 7 ZeRO-2 over host:2 (a gradient bucket per block), 8 tensor parallel
-//   over host:2 with sequence parallelism. A short run each:
+//   over host:2 with sequence parallelism, 9 ZeRO-3 over host:2 (a bucket per block, each block's
+//   parameters gathered before its forward and backward). A short run each:
 //     tokens_per_s        batch * block / the median step time;
 //     peak_bytes_device   the largest device allocator peak over the timed steps (parameters,
 //                         gradients, optimizer state, activations, buffers; as train_gpt --json's
@@ -365,14 +366,14 @@ void BM_gpt_layouts(benchmark::State& state) {
                                           "host:2 data parallel, ZeRO-1", "host:2 ZeRO-1, full recomputation",
                                           "host:2 tensor parallel", "host:2 pipeline, 1F1B x 4 micro-batches",
                                           "host:4 data parallel 2 x tensor parallel 2", "host:2 ZeRO-2, a bucket per block",
-                                          "host:2 tensor parallel, sequence parallel"};
+                                          "host:2 tensor parallel, sequence parallel", "host:2 ZeRO-3, a bucket per block"};
   int const layout = static_cast<int>(state.range(0));
   Shape shape{"mid", {.vocab = 256, .block_size = 128, .n_layer = 4, .n_head = 4, .n_embd = 256}, 8};
   GptTrainer one(shape);  // its batches feed every layout; it trains only in layout 0
   mgpu::DeviceGroup group(layout == 0 ? "host:1" : layout == 6 ? "host:4" : "host:2");
   mgpu::plan::Layout model{.data_parallel = layout == 6 ? 2 : layout == 4 || layout == 5 || layout == 8 ? 1 : group.size(),
                            .tensor_parallel = layout == 4 || layout == 6 || layout == 8 ? 2 : 1,
-                           .zero_stage = layout == 1 || layout == 0 ? 0 : layout == 7 ? 2 : 1,
+                           .zero_stage = layout == 1 || layout == 0 ? 0 : layout == 7 ? 2 : layout == 9 ? 3 : 1,
                            .sequence_parallel = layout == 8,
                            .recompute = layout == 3 ? mgpu::nn::Recompute::full : mgpu::nn::Recompute::none};
   if (model.tensor_parallel > 1) model.zero_stage = 0;
@@ -385,7 +386,7 @@ void BM_gpt_layouts(benchmark::State& state) {
     });
     model.stages = 2, model.micro_batches = 4, model.cuts = {0, middle, whole.size()};
   }
-  std::size_t const bucket_cap = layout == 7 ? std::size_t{1} << 20 : 0;  // ZeRO-2: below a block, a bucket each
+  std::size_t const bucket_cap = layout == 7 || layout == 9 ? std::size_t{1} << 20 : 0;  // ZeRO-2, 3: below a block, a bucket each
   LayoutRun run(one, group, model, bucket_cap);
   std::vector<mgpu::Allocator*> allocators;
   for (int r = 0; r < group.size(); ++r) allocators.push_back(layout == 0 ? one.allocator.get() : &group.allocator(r));
@@ -411,7 +412,7 @@ void BM_gpt_layouts(benchmark::State& state) {
   state.counters["predicted_peak_bytes_device"] = predicted;
   state.counters["devices"] = static_cast<double>(allocators.size());
 }
-BENCHMARK(BM_gpt_layouts)->DenseRange(0, 8)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(4);
+BENCHMARK(BM_gpt_layouts)->DenseRange(0, 9)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(4);
 
 // Spearman's rank correlation of two series of equal length (ties get their average rank).
 double spearman(std::vector<double> const& a, std::vector<double> const& b) {
