@@ -17,6 +17,7 @@
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
+#include <mgpu/trace/timeline.hpp>
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
@@ -636,6 +637,50 @@ TEST_CASE("zero_stage 3 keeps on each device 1/N of the replicated run's paramet
       CHECK(peak[3][i] - held[3][i] <= peak[0][i] - held[0][i]);
       CHECK(held[3][i] < held[2][i]);
     }
+  }
+}
+
+// The gather schedule, on each rank's communication lane in stream order: forward gathers every
+// bucket once, first layers first (the last bucket and the one before it at layer 0, then each
+// bucket before the one forward enters is prefetched); backward gathers only buckets 2 to B - 2
+// again (0 and 1, the last forward ran, and the last bucket are still in their buffers), each
+// after the bucket before it has been reduce-scattered; no all-gather of updated buckets (stage
+// 1's) runs, the next forward gathers the owned parameters as they are.
+TEST_CASE("zero_stage 3 gathers each bucket's parameters before forward reaches it, and buckets 2 to B - 2 again in backward",
+          "[parallel][dp][zero][trace]") {
+  Env env;
+  nn::GptConfig const deep{.vocab = 64, .block_size = 16, .n_layer = 6, .n_head = 2, .n_embd = 32};
+  mgpu::test::TokenBatch const b = mgpu::test::rule_batch(env, batch, deep.block_size, deep.vocab, 7);
+  mgpu::DeviceGroup group("host:2");
+  auto timeline = std::make_shared<mgpu::trace::Timeline>();
+  DataParallelOptions options;
+  options.zero_stage = 3;
+  options.loss = std::make_shared<nn::TokenCrossEntropy const>();
+  options.first_bucket_cap_bytes = 4096;
+  options.bucket_cap_bytes = 8192;
+  options.timeline = timeline;
+  DataParallel dp(nn::gpt(deep), group, mgpu::optim::AdamW({.decay_ranges = nn::gpt_decay_ranges(deep)}), options);
+  REQUIRE(dp.buckets().size() == 8);
+  timeline->enable();
+  dp.step(b.ids, b.targets);
+  dp.group().synchronize();
+  for (int rank = 0; rank < 2; ++rank) {
+    CAPTURE(rank);
+    std::vector<mgpu::trace::Span> spans;
+    for (auto const& span : timeline->spans())
+      if (span.rank == rank && span.lane == mgpu::trace::Lane::communication) spans.push_back(span);
+    std::sort(spans.begin(), spans.end(), [](auto const& x, auto const& y) { return x.begin_ns < y.begin_ns; });
+    std::vector<std::string> names;
+    for (auto const& span : spans)
+      if (span.name.find("gather") != std::string::npos || span.name.find("reduce") != std::string::npos) names.push_back(span.name);
+    std::vector<std::string> want;
+    for (int bucket = 7; bucket >= 0; --bucket) want.push_back("all-gather parameters bucket " + std::to_string(bucket));
+    want.push_back("reduce-scatter bucket 0");
+    for (int bucket = 1; bucket < 8; ++bucket) {
+      if (bucket + 1 <= 6) want.push_back("all-gather parameters bucket " + std::to_string(bucket + 1));  // prefetched on entering
+      want.push_back("reduce-scatter bucket " + std::to_string(bucket));
+    }
+    CHECK(names == want);
   }
 }
 
