@@ -1,7 +1,9 @@
 // DataParallel's ZeRO stages against the replicated update (zero_stage 0) as the reference: the
 // same loss curve and weights over 20 AdamW steps with clipping (a GPT and an MLP on 2 to 4 host
 // devices), each rank's optimizer state bytes measured by its allocator against the owned elements
-// counted from the bucket layout, the whole state gathered by optimizer() mid-run, and bad stages.
+// counted from the bucket layout, the whole state gathered by optimizer() mid-run, and bad stages;
+// stage 2 and 3 against stage 1 and 2 bit for bit, their bytes against the allocator's, stage 3's
+// gather schedule, and checkpoints across stages and device counts.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
