@@ -286,14 +286,12 @@ void RankSync::shard_parameters(optim::Optimizer& optimizer, Allocator& allocato
   std::vector<Bucket> const& buckets = sync_.buckets_;
   Tensor const whole = model_.master_parameters();
   owned_params_ = Tensor::empty({owned_grads_.numel()}, DType::float32, allocator);
-  std::int64_t shared = 0;
-  for (std::size_t b = 0; b < buckets.size(); ++b) {
+  for (std::size_t b = 0; b < buckets.size(); ++b)
     for (Piece const& p : pieces_[b]) copy_async(owned_params_.slice(p.at, p.at + (p.end - p.begin)), whole.slice(p.begin, p.end), stream);
-    if (b + 1 < buckets.size()) shared = std::max(shared, buckets[b].size());
-  }
-  for (std::size_t slot = 0; slot < params_.size() && slot + 1 < buckets.size(); ++slot)
-    params_[slot] = Tensor::empty({shared}, DType::float32, allocator);
-  params_last_ = Tensor::empty({buckets.back().size()}, DType::float32, allocator);
+  // Buffers of the gradients' staging buffers' sizes, shared by the same buckets.
+  for (std::size_t slot = 0; slot < params_.size(); ++slot)
+    if (staging_[slot].defined()) params_[slot] = Tensor::empty(staging_[slot].shape(), DType::float32, allocator);
+  params_last_ = Tensor::empty(staging_last_.shape(), DType::float32, allocator);
   for (std::size_t b = 0; b < buckets.size(); ++b) model_.bind_parameters(buckets[b].begin, buckets[b].end, parameter_buffer(b));
   whole_ = false;
 }
