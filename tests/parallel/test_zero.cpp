@@ -301,9 +301,11 @@ TEST_CASE("DataParallel refuses a zero_stage outside 0..3, and at 2 and 3 what t
 
 namespace {
 // One run's losses and final weights at `stage` (GPT on `devices` host devices).
-Run gpt_run(int devices, int stage, int accumulation, std::vector<mgpu::test::TokenBatch> const& batches, float dropout = 0) {
+Run gpt_run(int devices, int stage, int accumulation, std::vector<mgpu::test::TokenBatch> const& batches, float dropout = 0,
+            nn::Recompute recompute = nn::Recompute::none) {
   nn::GptConfig model = config;
   model.dropout = dropout;
+  model.recompute = recompute;
   mgpu::DeviceGroup group("host:" + std::to_string(devices));
   DataParallelOptions options;
   options.zero_stage = stage;
@@ -563,18 +565,22 @@ TEST_CASE("A zero_stage 2 checkpoint (a file or a folder) resumes at stages 0, 1
 
 // Stage 3 runs stage 2's reduces and updates on the owned parameters, and its layers read gathered
 // copies of the same values: the same bits, through optimizer()'s whole gather at step 10 (after
-// which the next step shards again), with 2 accumulated micro-batches and with dropout.
+// which the next step shards again), with 2 accumulated micro-batches, with dropout, and with full
+// recomputation (each block's forward rerun inside its backward, from the buffers gathered for it).
 TEST_CASE("zero_stage 3 gives zero_stage 2's GPT losses, weights and optimizer state bit for bit", "[parallel][dp][zero][gpt]") {
   Env env;
   auto const batches = gpt_batches(env);
   struct Case {
     int devices, accumulation;
     float dropout;
+    nn::Recompute recompute;
   };
-  for (Case const c : {Case{2, 1, 0.0f}, Case{3, 1, 0.0f}, Case{2, 2, 0.0f}, Case{3, 1, 0.1f}}) {
-    CAPTURE(c.devices, c.accumulation, c.dropout);
-    Run const two = gpt_run(c.devices, 2, c.accumulation, batches, c.dropout);
-    Run const three = gpt_run(c.devices, 3, c.accumulation, batches, c.dropout);
+  nn::Recompute const none = nn::Recompute::none;
+  for (Case const c : {Case{2, 1, 0.0f, none}, Case{3, 1, 0.0f, none}, Case{2, 2, 0.0f, none}, Case{3, 1, 0.1f, none},
+                       Case{2, 1, 0.1f, nn::Recompute::full}}) {
+    CAPTURE(c.devices, c.accumulation, c.dropout, std::string(nn::to_string(c.recompute)));
+    Run const two = gpt_run(c.devices, 2, c.accumulation, batches, c.dropout, c.recompute);
+    Run const three = gpt_run(c.devices, 3, c.accumulation, batches, c.dropout, c.recompute);
     if (c.accumulation == 1) CHECK(two.losses.back() < 0.8f * two.losses.front());  // it learns
     CHECK(three.losses == two.losses);
     CHECK(three.weights == two.weights);
@@ -684,6 +690,43 @@ TEST_CASE("zero_stage 3 gathers each bucket's parameters before forward reaches 
     }
     CHECK(names == want);
   }
+}
+
+// The prefetch: backward gathers bucket b + 1 as it enters bucket b, so the gather runs on the
+// communication stream while bucket b's layer computes. Emulated at a tenth of the host's speed,
+// compute is mostly sleep, so the communication workers get a core however loaded the machine is;
+// bucket 2's layer is the widest, so its backward is long beside the other rank's lag.
+TEST_CASE("zero_stage 3's backward gathers the next bucket's parameters while the current bucket computes",
+          "[parallel][dp][zero][trace]") {
+  Env env;
+  Tensor x = env.random({64, 64}, 9);
+  Tensor y = env.make({64}, std::vector<float>(64, 1.0f));
+  mgpu::DeviceGroup group{"host:2@speed=0.1"};
+  auto timeline = std::make_shared<mgpu::trace::Timeline>();
+  DataParallelOptions options;
+  options.zero_stage = 3;
+  options.timeline = timeline;
+  options.first_bucket_cap_bytes = 64;  // a bucket per Linear
+  options.bucket_cap_bytes = 64;
+  DataParallel dp(nn::Sequential::mlp({64, 128, 1024, 1024, 16, 10}), group, mgpu::optim::SGD({.lr = 0.01f}), options);
+  REQUIRE(dp.buckets().size() == 5);  // buckets 2 and 3 are gathered again in backward
+  timeline->enable();
+  dp.step(x, y);
+  dp.step(x, y);
+  dp.group().synchronize();
+  auto const spans = timeline->spans();
+  bool overlapped = false;
+  for (auto const& gather : spans) {
+    if (gather.name != "all-gather parameters bucket 3") continue;
+    for (auto const& bwd : spans)  // bucket 2 is Linear(1024, 1024)
+      if (bwd.rank == gather.rank && bwd.name == "backward Linear(1024, 1024)" && gather.begin_ns < bwd.end_ns &&
+          gather.end_ns > bwd.begin_ns)
+        overlapped = true;
+  }
+  if (!overlapped) {
+    for (auto const& s : spans) UNSCOPED_INFO(s.rank << " " << s.lane << " " << s.name << " " << s.begin_ns / 1000 << " " << s.end_ns / 1000);
+  }
+  CHECK(overlapped);
 }
 
 // A stage 3 checkpoint holds the whole model and optimizer state (gathered from the shards), so it
