@@ -31,7 +31,8 @@
 //   2 stages and 4 micro-batches over host:2, 6 two data-parallel replicas of tensor parallel over
 //   host:2 each (host:4), 7 ZeRO-2 over host:2 (a gradient bucket per block), 8 tensor parallel
 //   over host:2 with sequence parallelism, 9 two pipeline stages of tensor parallel 2 each
-//   (host:4, 1F1B, 4 micro-batches). A short run each:
+//   (host:4, 1F1B, 4 micro-batches), 10 ZeRO-3 over host:2 (a bucket per block, each block's
+//   parameters gathered before its forward and backward). A short run each:
 //     tokens_per_s        batch * block / the median step time;
 //     peak_bytes_device   the largest device allocator peak over the timed steps (parameters,
 //                         gradients, optimizer state, activations, buffers; as train_gpt --json's
@@ -366,37 +367,55 @@ Timed time_steps(benchmark::State& state, LayoutRun& run, std::vector<mgpu::Allo
 }
 
 void BM_gpt_layouts(benchmark::State& state) {
-  static constexpr char const* names[] = {"one device", "host:2 data parallel, replicated update",
-                                          "host:2 data parallel, ZeRO-1", "host:2 ZeRO-1, full recomputation",
-                                          "host:2 tensor parallel", "host:2 pipeline, 1F1B x 4 micro-batches",
-                                          "host:4 data parallel 2 x tensor parallel 2", "host:2 ZeRO-2, a bucket per block",
-                                          "host:2 tensor parallel, sequence parallel",
-                                          "host:4 tensor parallel 2 x pipeline 2, 1F1B x 4 micro-batches"};
-  int const layout = static_cast<int>(state.range(0));
+  // Each layout: its name, devices, degrees (data, tensor, pipeline with 4 micro-batches), ZeRO
+  // stage, sequence parallelism, recomputation, and a bucket per block (ZeRO-2 and 3: 1 MiB caps).
+  struct Row {
+    char const* name;
+    char const* devices;
+    int data, tensor, stages, zero;
+    bool sequence_parallel;
+    mgpu::nn::Recompute recompute;
+    bool bucket_per_block;
+  };
+  using R = mgpu::nn::Recompute;
+  static Row const rows[] = {
+      {"one device", "host:1", 1, 1, 1, 0, false, R::none, false},
+      {"host:2 data parallel, replicated update", "host:2", 2, 1, 1, 0, false, R::none, false},
+      {"host:2 data parallel, ZeRO-1", "host:2", 2, 1, 1, 1, false, R::none, false},
+      {"host:2 ZeRO-1, full recomputation", "host:2", 2, 1, 1, 1, false, R::full, false},
+      {"host:2 tensor parallel", "host:2", 1, 2, 1, 0, false, R::none, false},
+      {"host:2 pipeline, 1F1B x 4 micro-batches", "host:2", 1, 1, 2, 0, false, R::none, false},
+      {"host:4 data parallel 2 x tensor parallel 2", "host:4", 2, 2, 1, 0, false, R::none, false},
+      {"host:2 ZeRO-2, a bucket per block", "host:2", 2, 1, 1, 2, false, R::none, true},
+      {"host:2 tensor parallel, sequence parallel", "host:2", 1, 2, 1, 0, true, R::none, false},
+      {"host:4 tensor parallel 2 x pipeline 2, 1F1B x 4 micro-batches", "host:4", 1, 2, 2, 0, false, R::none, false},
+      {"host:2 ZeRO-3, a bucket per block", "host:2", 2, 1, 1, 3, false, R::none, true},
+  };
+  Row const& row = rows[state.range(0)];
   Shape shape{"mid", {.vocab = 256, .block_size = 128, .n_layer = 4, .n_head = 4, .n_embd = 256}, 8};
-  GptTrainer one(shape);  // its batches feed every layout; it trains only in layout 0
-  mgpu::DeviceGroup group(layout == 0 ? "host:1" : layout == 6 || layout == 9 ? "host:4" : "host:2");
-  mgpu::plan::Layout model{.data_parallel = layout == 6 ? 2 : layout == 4 || layout == 5 || layout >= 8 ? 1 : group.size(),
-                           .tensor_parallel = layout == 4 || layout == 6 || layout >= 8 ? 2 : 1,
-                           .zero_stage = layout == 1 || layout == 0 ? 0 : layout == 7 ? 2 : 1,
-                           .sequence_parallel = layout == 8,
-                           .recompute = layout == 3 ? mgpu::nn::Recompute::full : mgpu::nn::Recompute::none};
-  if (model.tensor_parallel > 1) model.zero_stage = 0;
-  if (layout == 5 || layout == 9) {  // two stages cut at the middle cut point, 4 micro-batches
+  GptTrainer one(shape);  // its batches feed every layout; it trains only on one device
+  mgpu::DeviceGroup group(row.devices);
+  mgpu::plan::Layout model{.data_parallel = row.data,
+                           .tensor_parallel = row.tensor,
+                           .stages = row.stages,
+                           .zero_stage = row.zero,
+                           .sequence_parallel = row.sequence_parallel,
+                           .recompute = row.recompute};
+  if (row.stages > 1) {  // two stages cut at the middle cut point, 4 micro-batches
     mgpu::nn::Sequential const whole = mgpu::nn::gpt(shape.config);
     std::vector<std::size_t> const points = whole.cut_points();
     std::size_t const middle = *std::min_element(points.begin(), points.end(), [&](std::size_t a, std::size_t b) {
       auto const off = [&](std::size_t p) { return std::abs(static_cast<double>(p) - static_cast<double>(whole.size()) / 2); };
       return off(a) < off(b);
     });
-    model.stages = 2, model.micro_batches = 4, model.cuts = {0, middle, whole.size()};
+    model.micro_batches = 4, model.cuts = {0, middle, whole.size()};
   }
-  std::size_t const bucket_cap = layout == 7 ? std::size_t{1} << 20 : 0;  // ZeRO-2: below a block, a bucket each
+  std::size_t const bucket_cap = row.bucket_per_block ? std::size_t{1} << 20 : 0;  // below a block: a bucket each
   LayoutRun run(one, group, model, bucket_cap);
   std::vector<mgpu::Allocator*> allocators;
-  for (int r = 0; r < group.size(); ++r) allocators.push_back(layout == 0 ? one.allocator.get() : &group.allocator(r));
+  for (int r = 0; r < group.size(); ++r) allocators.push_back(group.size() == 1 ? one.allocator.get() : &group.allocator(r));
   Timed const timed = time_steps(state, run, allocators);
-  state.SetLabel(std::string(shape.name) + ", " + names[layout]);
+  state.SetLabel(std::string(shape.name) + ", " + row.name);
   state.counters["tokens_per_s"] = static_cast<double>(one.tokens()) / timed.step_s;
   state.counters["peak_bytes_device"] = timed.peak_bytes;
   mgpu::nn::GptConfig config = shape.config;
@@ -417,7 +436,7 @@ void BM_gpt_layouts(benchmark::State& state) {
   state.counters["predicted_peak_bytes_device"] = predicted;
   state.counters["devices"] = static_cast<double>(allocators.size());
 }
-BENCHMARK(BM_gpt_layouts)->DenseRange(0, 9)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(4);
+BENCHMARK(BM_gpt_layouts)->DenseRange(0, 10)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(4);
 
 // Spearman's rank correlation of two series of equal length (ties get their average rank).
 double spearman(std::vector<double> const& a, std::vector<double> const& b) {

@@ -18,12 +18,14 @@
 // weight decay on the weight matrices only. The layout:
 //   one device                  nn::train_step
 //   --dp N (or N --devices)     parallel::DataParallel: replicas all-reduce their gradients in
-//     [--zero 0|1|2]            buckets while backward goes on; --zero 1 (the default) reduce-
+//     [--zero 0|1|2|3]          buckets while backward goes on; --zero 1 (the default) reduce-
 //     [--bucket-kb K]           scatters them instead, each replica updating 1/N of the weights and
 //                               keeping their AdamW state only (ZeRO-1), 2 also keeps only their
 //                               reduced gradients (ZeRO-2: layers write into bucket-sized staging
-//                               buffers), 0 updates every weight everywhere (--zero is refused with
-//                               a pipeline or --tp); --bucket-kb caps the gradient buckets
+//                               buffers), 3 only their weights too (ZeRO-3: each bucket's weights
+//                               all-gathered just before its forward and backward, the next one
+//                               prefetched), 0 updates every weight everywhere (--zero is refused
+//                               with a pipeline or --tp); --bucket-kb caps the gradient buckets
 //   --schedule S --stages K     pipeline::Executor: the model cut into K stages (x --chunks per
 //     [--micro-batches M]       device for interleaved) by each layer's forward + backward FLOPs,
 //     [--dp N]                  M micro-batches per step, N pipeline replicas (a data x pipeline
@@ -270,11 +272,12 @@ void set_parameters(mgpu::nn::Sequential& model, std::vector<float> const& value
 // `size`: the world's devices (this process's group's, or across processes every process's).
 void check_layout(Options const& o, bool pipelined, int size) {
   auto const refuse = [](std::string const& what) { throw mgpu::Error(mgpu::Errc::invalid_argument, what); };
-  if (o.zero < 0 || o.zero > 2)
+  if (o.zero < 0 || o.zero > 3)
     refuse("--zero " + std::to_string(o.zero) + " (expected 0, the replicated update, 1, ZeRO-1: the sharded update and "
-           "optimizer state, or 2, ZeRO-2: the gradients sharded too)");
-  if (o.zero == 2 && o.precision != "fp32")
-    refuse("--zero 2 with --precision " + o.precision + " (expected fp32: sharded gradients are float32 only for now)");
+           "optimizer state, 2, ZeRO-2: the gradients sharded too, or 3, ZeRO-3: the parameters too)");
+  if (o.zero >= 2 && o.precision != "fp32")
+    refuse("--zero " + std::to_string(o.zero) + " with --precision " + o.precision +
+           " (expected fp32: sharded gradients are float32 only for now)");
   if (o.bucket_kb > 0 && (pipelined || o.tp > 1))
     refuse("--bucket-kb with " + (pipelined ? std::string("a pipeline") : "--tp " + std::to_string(o.tp)) +
            " (expected --bucket-kb with data parallelism only)");
@@ -622,6 +625,7 @@ int run(Options o) {
   }
   if (o.precision == "fp16" && !parallel && !pipeline) trainer.scaler.emplace();
   auto const gather = [&] {
+    if (parallel) (void)parallel->replica(0);  // ZeRO-3: the shards gathered into the whole model
     if (pipeline) pipeline->gather_parameters(model, stream);
     if (tensor) set_parameters(model, tensor->gather_parameters(), stream);
   };
@@ -906,8 +910,8 @@ int main(int argc, char** argv) {
   app.add_flag("--sequence-parallel", o.sequence_parallel,
                "with --tp: each device holds 1/tp of the tokens between the split regions (LayerNorm, dropout)");
   app.add_option("--zero", o.zero,
-                 "ZeRO stage of data parallelism: 1 shards the update and the optimizer state, 2 the gradients too, 0 "
-                 "replicates them")
+                 "ZeRO stage of data parallelism: 1 shards the update and the optimizer state, 2 the gradients too, 3 "
+                 "the parameters too, 0 replicates them")
       ->capture_default_str();
   app.add_option("--bucket-kb", o.bucket_kb,
                  "data parallelism's gradient bucket cap in KiB (default 25600; smaller buckets, smaller ZeRO-2 staging)")

@@ -306,6 +306,7 @@ void Sequential::materialize(Context& ctx, std::uint64_t seed, DType compute) {
   copy_async(master_params_, init, ctx.stream);
   master_grads_ = ops::zeros({total}, ctx.allocator, ctx.stream);
   bound_grads_.clear();
+  bound_params_.clear();
   if (compute == DType::float32) {
     params_ = master_params_;
     grads_ = master_grads_;
@@ -320,18 +321,16 @@ void Sequential::materialize(Context& ctx, std::uint64_t seed, DType compute) {
   ctx.stream.synchronize();  // `init` is read by the copy above
 }
 
-void Sequential::bind_gradients(std::int64_t begin, std::int64_t end, Tensor const& grads) {
-  check_materialized("bind_gradients");
-  std::string const what = "bind_gradients of [" + std::to_string(begin) + ", " + std::to_string(end) + ")";
+void Sequential::check_binding(std::string const& what, std::int64_t begin, std::int64_t end, Tensor const& buffer) const {
+  check_materialized(what.c_str());
   if (compute_type() != DType::float32)
     throw Error(Errc::invalid_argument, what + " on a model computing in " + std::string(to_string(compute_type())) +
-                                            " (expected float32 compute: the layers write the float32 gradients themselves)");
-  if (!grads.defined() || grads.dtype() != DType::float32 || grads.numel() != end - begin)
-    throw Error(Errc::invalid_argument, what + ": a buffer of " + std::to_string(grads.defined() ? grads.numel() : 0) + " " +
-                                            std::string(to_string(grads.dtype())) + " values (expected " +
+                                            " (expected float32 compute: the layers read and write the float32 masters themselves)");
+  if (!buffer.defined() || buffer.dtype() != DType::float32 || buffer.numel() != end - begin)
+    throw Error(Errc::invalid_argument, what + ": a buffer of " + std::to_string(buffer.defined() ? buffer.numel() : 0) + " " +
+                                            std::string(to_string(buffer.dtype())) + " values (expected " +
                                             std::to_string(end - begin) + " float32)");
-  std::vector<ParameterRange> const ranges = parameter_ranges();
-  for (ParameterRange const& r : ranges) {
+  for (ParameterRange const& r : parameter_ranges()) {
     bool const inside = r.begin >= begin && r.end <= end;
     bool const outside = r.end <= begin || r.begin >= end;
     if (!inside && !outside)
@@ -339,26 +338,63 @@ void Sequential::bind_gradients(std::int64_t begin, std::int64_t end, Tensor con
                                               std::to_string(r.begin) + ", " + std::to_string(r.end) +
                                               ") (expected whole layers)");
   }
-  for (ParameterRange const& r : ranges)
+}
+
+namespace {
+// Records that [begin, end) now lives in `buffer`, forgetting the ranges bound before that overlap it.
+void record_binding(std::map<std::int64_t, std::pair<std::int64_t, Tensor>>& bound, std::int64_t begin, std::int64_t end,
+                    Tensor const& buffer) {
+  for (auto it = bound.begin(); it != bound.end();) it = it->first < end && it->second.first > begin ? bound.erase(it) : std::next(it);
+  bound[begin] = {end, buffer};
+}
+
+// The elements [begin, end) of the flat buffer `flat`, or of the buffer bound to them.
+Tensor bound_slice(std::map<std::int64_t, std::pair<std::int64_t, Tensor>> const& bound, Tensor const& flat, std::int64_t begin,
+                   std::int64_t end, char const* what) {
+  if (bound.empty()) return flat.slice(begin, end);
+  auto it = bound.upper_bound(begin);
+  if (it == bound.begin() || std::prev(it)->second.first < end)
+    throw Error(Errc::invalid_argument, std::string(what) + " of [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                            ") (expected elements bound together)");
+  --it;
+  return it->second.second.slice(begin - it->first, end - it->first);
+}
+}  // namespace
+
+void Sequential::bind_gradients(std::int64_t begin, std::int64_t end, Tensor const& grads) {
+  check_binding("bind_gradients of [" + std::to_string(begin) + ", " + std::to_string(end) + ")", begin, end, grads);
+  for (ParameterRange const& r : parameter_ranges())
     if (r.begin >= begin && r.end <= end)
-      layers_[r.layer]->bind(params_.slice(r.begin, r.end), grads.slice(r.begin - begin, r.end - begin));
-  for (auto it = bound_grads_.begin(); it != bound_grads_.end();) {  // ranges bound before that overlap this one
-    it = it->first < end && it->second.first > begin ? bound_grads_.erase(it) : std::next(it);
-  }
-  bound_grads_[begin] = {end, grads};
+      layers_[r.layer]->bind(master_parameters(r.begin, r.end), grads.slice(r.begin - begin, r.end - begin));
+  record_binding(bound_grads_, begin, end, grads);
   grads_ = Tensor{};
   master_grads_ = Tensor{};
   for (auto& layer : layers_) layer->link(*this);
 }
 
+void Sequential::bind_parameters(std::int64_t begin, std::int64_t end, Tensor const& params) {
+  check_binding("bind_parameters of [" + std::to_string(begin) + ", " + std::to_string(end) + ")", begin, end, params);
+  for (ParameterRange const& r : parameter_ranges())
+    if (r.begin >= begin && r.end <= end)
+      layers_[r.layer]->bind(params.slice(r.begin - begin, r.end - begin), master_gradients(r.begin, r.end));
+  if (begin == 0 && end == parameter_count()) {  // whole again
+    bound_params_.clear();
+    params_ = params;
+    master_params_ = params;
+  } else {
+    record_binding(bound_params_, begin, end, params);
+    params_ = Tensor{};
+    master_params_ = Tensor{};
+  }
+  for (auto& layer : layers_) layer->link(*this);
+}
+
 Tensor Sequential::master_gradients(std::int64_t begin, std::int64_t end) const {
-  if (bound_grads_.empty()) return master_grads_.slice(begin, end);
-  auto it = bound_grads_.upper_bound(begin);
-  if (it == bound_grads_.begin() || std::prev(it)->second.first < end)
-    throw Error(Errc::invalid_argument, "master_gradients of [" + std::to_string(begin) + ", " + std::to_string(end) +
-                                            ") (expected elements that bind_gradients bound together)");
-  --it;
-  return it->second.second.slice(begin - it->first, end - it->first);
+  return bound_slice(bound_grads_, master_grads_, begin, end, "master_gradients");
+}
+
+Tensor Sequential::master_parameters(std::int64_t begin, std::int64_t end) const {
+  return bound_slice(bound_params_, master_params_, begin, end, "master_parameters");
 }
 
 void Sequential::unscale_gradients(float factor, Stream& stream, std::int64_t begin, std::int64_t end) {
@@ -380,7 +416,7 @@ void Sequential::unscale_gradients(float factor, Stream& stream, std::int64_t be
 }
 
 void Sequential::sync_parameters(Stream& stream, std::int64_t begin, std::int64_t end) {
-  if (params_.shares_storage(master_params_)) return;
+  if (compute_type() == DType::float32) return;  // the same buffers (or, bound elsewhere, float32 too)
   if (end < 0) end = master_params_.numel();
   convert_async(params_.slice(begin, end), master_params_.slice(begin, end), stream);
 }
@@ -403,14 +439,15 @@ void Sequential::set_rng_state(std::vector<std::uint64_t> const& state) {
 }
 
 void Sequential::check_materialized(char const* call) const {
-  if (!params_.defined() && parameter_count() > 0)
+  if (!materialized() && parameter_count() > 0)
     throw Error(Errc::invalid_argument, std::string(call) + " before materialize (expected model.materialize(ctx, seed) first)");
 }
 
-Tensor Sequential::forward(Tensor const& x, Context& ctx) {
+Tensor Sequential::forward(Tensor const& x, Context& ctx, BeforeLayer const& before) {
   check_materialized("forward");
   Tensor h = x;
   for (std::size_t i = 0; i < layers_.size(); ++i) {
+    if (before) before(i, false);
     if (Activation const* act = fused_activation(i)) {
       h = static_cast<Linear&>(*layers_[i]).forward(h, ctx, act->kind());
       ++i;  // the activation ran inside the Linear
@@ -421,13 +458,14 @@ Tensor Sequential::forward(Tensor const& x, Context& ctx) {
   return h;
 }
 
-Tensor Sequential::backward(Tensor const& dy, Context& ctx, bool input_grad, GradientsReady const& ready) {
+Tensor Sequential::backward(Tensor const& dy, Context& ctx, bool input_grad, GradientsReady const& ready, BeforeLayer const& before) {
   if (!layers_.empty()) layers_.front()->set_input_grad(input_grad);
   Tensor g = dy;
   std::vector<ParameterRange> const ranges = parameter_ranges();
   auto next = ranges.rbegin();  // the range of the next layer with parameters, going backwards
   for (std::size_t i = layers_.size(); i-- > 0;) {
     if (i > 0 && fused_activation(i - 1) != nullptr) --i;  // the Linear's backward covers the activation
+    if (before) before(i, true);
     g = layers_[i]->backward(g, ctx);
     if (next != ranges.rend() && next->layer == i) {
       if (ready) ready(next->begin, next->end);

@@ -20,11 +20,24 @@ Tensor as_compute(Sequential const& model, Tensor const& x, Context& ctx) {
   convert_async(converted, x, ctx.stream);
   return converted;
 }
+
+// The optimizer's update of [begin, end) from their (reduced) gradients in `grads` (the master
+// gradients, or a sync's packed owned ones): of the model's master parameters and their
+// compute-type copy, or of a sync's packed `owned_params` (ZeRO-3) when defined.
+void update_range(Sequential& model, optim::Optimizer& optimizer, Tensor const& owned_params, Tensor const& grads, std::int64_t begin,
+                  std::int64_t end, Stream& stream, float lr_scale) {
+  if (owned_params.defined()) {
+    optimizer.update_owned(owned_params, grads, begin, end, stream, lr_scale);
+    return;
+  }
+  optimizer.update(model.master_parameters(), grads, begin, end, stream, lr_scale);
+  model.sync_parameters(stream, begin, end);
+}
 }  // namespace
 
 StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor const& x, Tensor const& targets, Loss const& loss,
                       Context& ctx, StepOptions const& options) {
-  if (!model.parameters().defined())
+  if (!model.materialized())
     throw Error(Errc::invalid_argument, "train_step before materialize (expected model.materialize(ctx, seed) first)");
   std::int64_t const rows = x.defined() && x.rank() >= 1 ? x.dim(0) : 0;
   if (x.defined()) {
@@ -45,6 +58,8 @@ StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor con
   Tensor const owned_grads = options.sync != nullptr ? options.sync->owned_gradients() : Tensor{};
   bool const sharded_grads = owned_grads.defined();
   Tensor const& masters = sharded_grads ? owned_grads : model.master_gradients();
+  // A sync that shards the parameters too (ZeRO-3) keeps the owned ones, which the update writes.
+  Tensor const owned_params = options.sync != nullptr ? options.sync->owned_parameters() : Tensor{};
   if (options.accumulate_only && options.accumulator == nullptr && !sharded_grads)
     throw Error(Errc::invalid_argument, "train_step: accumulate_only without an accumulator (expected a float32 buffer)");
   if (options.accumulator != nullptr && sharded_grads)
@@ -61,14 +76,12 @@ StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor con
   // Without a loss scaler or clipping nothing needs all gradients before the update: each layer
   // (bucket) is updated as soon as its gradients are (reduced and) ready, while they are in cache.
   bool const update_in_backward = !options.accumulate_only && options.scaler == nullptr && options.clip_norm <= 0;
-  if (update_in_backward) optimizer.begin_step(model.master_parameters(), ctx.allocator, ctx.stream);
+  if (update_in_backward)
+    optimizer.begin_step(owned_params.defined() ? owned_params : model.master_parameters(), ctx.allocator, ctx.stream);
   RangeUpdate update;
   if (update_in_backward) {
     update = [&](std::int64_t begin, std::int64_t end, Stream& stream) {
-      auto const apply = [&] {
-        optimizer.update(model.master_parameters(), masters, begin, end, stream, options.lr_scale);
-        model.sync_parameters(stream, begin, end);
-      };
+      auto const apply = [&] { update_range(model, optimizer, owned_params, masters, begin, end, stream, options.lr_scale); };
       if (timeline == nullptr) {
         apply();
       } else {
@@ -79,6 +92,10 @@ StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor con
     };
   }
   GradientSync* const sync = options.accumulate_only && !sharded_grads ? nullptr : options.sync;
+  // Sharded parameters are gathered before each layer runs (the sync's, whether it reduces or not).
+  Sequential::BeforeLayer before;
+  if (options.sync != nullptr)
+    before = [&](std::size_t layer, bool backward) { options.sync->before_layer(layer, backward, ctx.stream); };
   std::vector<ParameterRange> const ranges = model.parameter_ranges();
   auto const last_mark = std::make_shared<std::int64_t>(0);  // where the next layer's backward span starts
   auto const mark = [&](std::string name) {
@@ -118,7 +135,7 @@ StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor con
     float const grad_scale = loss_scale * options.grad_scale;
     Tensor doutput;
     auto const forward = [&] {
-      Tensor const output = model.forward(as_compute(model, x, ctx), ctx);
+      Tensor const output = model.forward(as_compute(model, x, ctx), ctx, before);
       doutput = Tensor::empty(output.shape(), output.dtype(), ctx.allocator);
       loss.compute(output, targets, doutput, result.loss, std::max<std::int64_t>(units, 1), grad_scale, ctx.allocator, ctx.stream);
     };
@@ -129,12 +146,16 @@ StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor con
       forward();
     }
     if (sync != nullptr) sync->begin(ctx.stream, update);
-    model.backward(doutput, ctx, false, on_gradients);
+    model.backward(doutput, ctx, false, on_gradients, before);
   } else {  // an empty shard contributes zero gradients, in the same ranges and order
     fill_async(result.loss, 0.0f, ctx.stream);
+    if (before) {
+      for (std::size_t layer = 0; layer < model.size(); ++layer) before(layer, false);
+    }
     if (timeline != nullptr) mark("");
     if (sync != nullptr) sync->begin(ctx.stream, update);
     for (auto r = ranges.rbegin(); r != ranges.rend(); ++r) {
+      if (before) before(r->layer, true);
       model.zero_gradients(ctx.stream, r->begin, r->end);  // where the sync bound them, with sharded gradients
       on_gradients(r->begin, r->end);
     }
@@ -256,12 +277,12 @@ bool apply_update(std::span<UpdatePart const> parts, UpdateOptions const& option
       p.model->sync_parameters(*p.stream);
       continue;
     }
-    p.optimizer->begin_step(p.model->master_parameters(), *p.allocator, *p.stream);
+    Tensor const owned_params = p.sharded->owned_parameters();
+    p.optimizer->begin_step(owned_params.defined() ? owned_params : p.model->master_parameters(), *p.allocator, *p.stream);
     for (OwnedRange const& r : ranges[i]) {
       if (r.begin == r.end) continue;
-      p.optimizer->update(p.model->master_parameters(), packed[i].defined() ? packed[i] : p.model->master_gradients(), r.begin,
-                          r.end, *p.stream, options.lr_scale);
-      p.model->sync_parameters(*p.stream, r.begin, r.end);
+      update_range(*p.model, *p.optimizer, owned_params, packed[i].defined() ? packed[i] : p.model->master_gradients(), r.begin,
+                   r.end, *p.stream, options.lr_scale);
     }
     p.sharded->gather_updated(*p.stream);
   }

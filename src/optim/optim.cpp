@@ -37,18 +37,36 @@ void Optimizer::update(Tensor const& params, Tensor const& grads, std::int64_t b
     throw Error(Errc::invalid_argument, name() + " update of [" + std::to_string(begin) + ", " + std::to_string(end) +
                                             ") (expected a range within [0, " + std::to_string(params.numel()) + "))");
   if (owned_.empty()) {
-    update_slices(params, grads.slice(begin, end), begin, end, begin, stream, lr_scale);
+    update_slices(params.slice(begin, end), grads.slice(begin, end), begin, end, begin, stream, lr_scale);
     return;
   }
-  // The owned range holding [begin, end), and where its state starts in the packed buffers.
+  std::int64_t const at = owned_offset(begin, end);
+  update_slices(params.slice(begin, end), packed ? grads.slice(at, at + (end - begin)) : grads.slice(begin, end), begin, end, at,
+                stream, lr_scale);
+}
+
+void Optimizer::update_owned(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
+                             float lr_scale) {
+  auto const buffers = state();
+  std::int64_t const owned = state_elements(params);
+  if (owned_.empty() || steps_ == 0 || buffers.empty() || buffers.front().second.numel() != owned)
+    throw Error(Errc::invalid_argument, name() + " update_owned without a sharded state and a step begun (expected shard_state(...) and "
+                                                 "begin_step(params, ...) first)");
+  if (params.numel() != owned || grads.numel() != owned || params.rank() != 1 || grads.rank() != 1)
+    throw Error(Errc::invalid_argument, name() + " update_owned: params " + to_string(params.shape()) + " and grads " +
+                                            to_string(grads.shape()) + " (expected both packed over the " + std::to_string(owned) +
+                                            " owned elements)");
+  if (begin < 0 || begin > end)
+    throw Error(Errc::invalid_argument, name() + " update_owned of [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                            ") (expected 0 <= begin <= end)");
+  std::int64_t const at = owned_offset(begin, end);
+  update_slices(params.slice(at, at + (end - begin)), grads.slice(at, at + (end - begin)), begin, end, at, stream, lr_scale);
+}
+
+std::int64_t Optimizer::owned_offset(std::int64_t begin, std::int64_t end) const {
   std::int64_t state_begin = 0;
   for (auto const& [b, e] : owned_) {
-    if (begin >= b && end <= e) {
-      std::int64_t const at = state_begin + (begin - b);
-      update_slices(params, packed ? grads.slice(at, at + (end - begin)) : grads.slice(begin, end), begin, end, at, stream,
-                    lr_scale);
-      return;
-    }
+    if (begin >= b && end <= e) return state_begin + (begin - b);
     state_begin += e - b;
   }
   throw Error(Errc::invalid_argument,
@@ -129,7 +147,7 @@ std::vector<NamedTensor> SGD::state() const {
 void SGD::update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end,
                         std::int64_t state_begin, Stream& stream, float lr_scale) {
   Tensor const velocity = velocity_.slice(state_begin, state_begin + (end - begin));
-  ops::sgd_update(params.slice(begin, end), grads, velocity, options_.lr * lr_scale,
+  ops::sgd_update(params, grads, velocity, options_.lr * lr_scale,
                   options_.momentum, options_.weight_decay, options_.nesterov, stream);
 }
 
@@ -167,7 +185,7 @@ void AdamW::update_slices(Tensor const& params, Tensor const& grads, std::int64_
   std::int64_t const shift = state_begin - begin;  // state index of a flat index
   auto const run = [&](std::int64_t b, std::int64_t e, float decay) {
     if (b >= e) return;
-    ops::adamw_update(params.slice(b, e), grads.slice(b - begin, e - begin), m_.slice(b + shift, e + shift),
+    ops::adamw_update(params.slice(b - begin, e - begin), grads.slice(b - begin, e - begin), m_.slice(b + shift, e + shift),
                       v_.slice(b + shift, e + shift), options_.lr * lr_scale, options_.beta1, options_.beta2,
                       options_.eps, decay, steps(), stream);
   };

@@ -77,21 +77,23 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
   if (!(options.clip_norm == 0 || (options.clip_norm > 0 && std::isfinite(options.clip_norm))))
     throw Error(Errc::invalid_argument,
                 "DataParallel: clip_norm " + std::to_string(options.clip_norm) + " (expected 0 for no clipping, or a finite norm > 0)");
-  if (options.zero_stage < 0 || options.zero_stage > 2)
+  if (options.zero_stage < 0 || options.zero_stage > 3)
     throw Error(Errc::invalid_argument,
                 "DataParallel: zero_stage " + std::to_string(options.zero_stage) +
-                    " (expected 0, replicated update, 1, sharded update and optimizer state, or 2, sharded gradients too)");
-  if (options.zero_stage == 2) {
+                    " (expected 0, replicated update, 1, sharded update and optimizer state, 2, sharded gradients too, or 3, "
+                    "sharded parameters too)");
+  if (options.zero_stage >= 2) {
+    std::string const stage = "DataParallel: zero_stage " + std::to_string(options.zero_stage);
     if (options.compute != DType::float32)
-      throw Error(Errc::invalid_argument, "DataParallel: zero_stage 2 with " + std::string(to_string(options.compute)) +
+      throw Error(Errc::invalid_argument, stage + " with " + std::string(to_string(options.compute)) +
                                               " compute (expected float32: sharded gradients are float32 only for now)");
     if (options.comm_hook)
-      throw Error(Errc::invalid_argument, "DataParallel: zero_stage 2 with the comm hook " + options.comm_hook->name() +
+      throw Error(Errc::invalid_argument, stage + " with the comm hook " + options.comm_hook->name() +
                                               " (expected none: a hook reduces whole buckets, which sharded gradients do not keep)");
     if (!options.overlap)
       throw Error(Errc::invalid_argument,
-                  "DataParallel: zero_stage 2 without overlap (expected overlap on: each bucket is reduced as soon as "
-                  "backward has written it, so the next buckets can reuse its staging buffer)");
+                  stage + " without overlap (expected overlap on: each bucket is reduced as soon as "
+                          "backward has written it, so the next buckets can reuse its staging buffer)");
   }
   if (!make_optimizer)
     throw Error(Errc::invalid_argument, "DataParallel without an optimizer factory (expected a function that makes an optimizer)");
@@ -185,6 +187,7 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
     verify_replicas();  // debug builds check that every replica starts from rank 0's weights
 #endif
   }
+  im.sync->shard_parameters(im.optimizers());  // zero_stage 3: each rank keeps its owned parameters only
 }
 
 DataParallel::~DataParallel() {
@@ -204,6 +207,7 @@ nn::Sequential& DataParallel::replica(int index) {
   if (index < 0 || index >= static_cast<int>(impl_->state.size()))
     throw Error(Errc::invalid_argument, "DataParallel: replica " + std::to_string(index) + " (expected 0 <= index < " +
                                             std::to_string(impl_->state.size()) + ")");
+  impl_->sync->gather_whole();
   return impl_->state[static_cast<std::size_t>(index)]->model;
 }
 
@@ -287,6 +291,7 @@ std::vector<nn::StepResult> DataParallel::Impl::run_ranks(ShardPlan const& plan,
     st.start.record(stream);
     try {
       if (synced && !accumulate_only) rank_sync.shard_optimizer_state(*st.optimizer, ctx.allocator, stream);
+      rank_sync.shard_parameters(*st.optimizer, ctx.allocator, stream);  // zero_stage 3, when gathered whole
       results[r] = nn::train_step(st.model, *st.optimizer, xs[r], ys[r], *options.loss, ctx, step);
       if (!synced || accumulate_only) st.stop.record(stream);  // else the sync's backward_end()
       stream.synchronize();
@@ -395,6 +400,7 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
 std::int64_t DataParallel::count_correct(Tensor const& x, Tensor const& labels, std::int64_t batch) {
   Impl& im = *impl_;
   check_batch(im.state[0]->model, im.options.compute, x, labels, nn::SoftmaxCrossEntropy{}, "DataParallel::count_correct");
+  im.sync->gather_whole();
   Stream& stream = im.group->stream(0);
   Allocator& allocator = im.group->allocator(0);
   auto const local = [&](Tensor const& t) {
@@ -463,6 +469,7 @@ void DataParallel::Impl::recover(std::exception_ptr failure, Before const& befor
 void DataParallel::verify_replicas() {
   Impl& im = *impl_;
   im.group->synchronize();
+  im.sync->gather_whole();
   nn::Sequential const& first = im.state[0]->model;
   auto const host_copy = [&](std::size_t r) {
     Tensor const& params = im.state[r]->model.master_parameters();

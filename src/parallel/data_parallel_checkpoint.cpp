@@ -58,7 +58,8 @@ void DataParallel::Impl::save_state(io::Checkpoint& checkpoint) {
   if (position > 0 && !state[0]->accumulator.defined())
     throw Error(Errc::invalid_argument,
                 "DataParallel::save after " + std::to_string(position) + " of " + std::to_string(k) +
-                    " accumulated micro-batches at zero_stage 2 (expected a save at the end of an accumulation cycle: "
+                    " accumulated micro-batches at zero_stage " + std::to_string(options.zero_stage) +
+                    " (expected a save at the end of an accumulation cycle: "
                     "sharded gradients mid-cycle are not saved yet)");
   checkpoint.put(accumulation_record, std::vector<std::int64_t>{k, position});
   auto const n = static_cast<std::int64_t>(state.size());
@@ -102,7 +103,7 @@ DataParallel::Impl::Saved DataParallel::Impl::verify_state(io::Checkpoint const&
     if (saved.position > 0 && !state[0]->accumulator.defined())
       throw Error(Errc::invalid_argument, file + "saved after " + std::to_string(saved.position) + " of " + std::to_string(k) +
                                               " accumulated micro-batches (expected a checkpoint saved at the end of a cycle at "
-                                              "zero_stage 2: sharded gradients do not resume mid-cycle yet)");
+                                              "zero_stage " + std::to_string(options.zero_stage) + ": sharded gradients do not resume mid-cycle yet)");
   }
   // Records sized by the model are checked only when its parameters fit: otherwise load_training
   // refuses the file and names the architecture.
@@ -269,6 +270,7 @@ void DataParallel::save(std::filesystem::path const& path, io::TrainingState con
   im.check_usable("DataParallel::save");
   im.sync->synchronize();
   im.group->synchronize();
+  im.sync->gather_whole();  // zero_stage 3: the whole model, saved as the other stages save it
   if (im.across_processes() || std::filesystem::is_directory(path)) {
     im.save_shards(path, state);
     return;
@@ -283,6 +285,7 @@ io::TrainingState DataParallel::load(std::filesystem::path const& path) {
   Impl& im = *impl_;
   im.sync->synchronize();
   im.group->synchronize();
+  im.sync->gather_whole();  // zero_stage 3: loaded whole, sharded again by the next step
   if (std::filesystem::is_directory(path)) return im.load_shards(path);
   io::Checkpoint const checkpoint = io::Checkpoint::load(path);
   Impl::Saved const saved = im.verify_state(checkpoint, path.string());

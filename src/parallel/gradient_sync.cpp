@@ -77,7 +77,12 @@ std::vector<Bucket> plan_buckets(nn::Sequential const& model, std::size_t first_
 }
 
 RankSync::RankSync(detail::GradientSync& sync, int rank, nn::Sequential& model, Stream comm_stream)
-    : sync_(sync), rank_(rank), model_(model), comm_stream_(std::move(comm_stream)), bucket_events_(sync.buckets_.size()) {}
+    : sync_(sync),
+      rank_(rank),
+      model_(model),
+      comm_stream_(std::move(comm_stream)),
+      bucket_events_(sync.buckets_.size()),
+      params_gathered_(sync.buckets_.size()) {}
 
 void RankSync::begin(Stream& /*compute*/, nn::RangeUpdate update) {
   update_ = std::move(update);
@@ -190,7 +195,7 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
   }
   update_(begin + mine, begin + mine + block, comm_stream_);
   if (body < grads.numel()) update_(begin + body, end, comm_stream_);
-  gather_bucket(bucket, comm_stream_);
+  if (!sync_.shard_parameters_) gather_bucket(bucket, comm_stream_);  // else the next forward gathers
 }
 
 void RankSync::gather_bucket(std::size_t bucket, Stream& stream) {
@@ -198,17 +203,109 @@ void RankSync::gather_bucket(std::size_t bucket, Stream& stream) {
   std::int64_t const block = sync_.blocks_[bucket];
   std::int64_t const begin = sync_.buckets_[bucket].begin;
   Tensor const params = model_.master_parameters().slice(begin, begin + n * block);
-  auto const gather = [&] {
+  traced(stream, "all-gather bucket " + std::to_string(bucket), [&] {
     sync_.comm_->all_gather(rank_, params.slice(rank_ * block, (rank_ + 1) * block), params, stream);
     model_.sync_parameters(stream, begin, begin + n * block);
-  };
+  });
+}
+
+void RankSync::traced(Stream& stream, std::string const& name, std::function<void()> const& enqueue) {
   std::shared_ptr<trace::Timeline> const& timeline = sync_.timeline_;
   if (timeline && timeline->enabled()) {
-    timeline->stream_span(stream, "all-gather bucket " + std::to_string(bucket), "communication",
-                          sync_.trace_ranks_[static_cast<std::size_t>(rank_)], trace::Lane::communication, gather);
+    timeline->stream_span(stream, name, "communication", sync_.trace_ranks_[static_cast<std::size_t>(rank_)],
+                          trace::Lane::communication, enqueue);
   } else {
-    gather();
+    enqueue();
   }
+}
+
+void RankSync::gather_parameters(std::size_t bucket, Tensor const& into, Stream& stream) {
+  std::int64_t const block = sync_.blocks_[bucket];
+  std::int64_t const begin = sync_.buckets_[bucket].begin;
+  int const n = sync_.comm_->size();
+  traced(stream, "all-gather parameters bucket " + std::to_string(bucket), [&] {
+    for (Piece const& p : pieces_[bucket]) {
+      Tensor const mine = owned_params_.slice(p.at, p.at + (p.end - p.begin));
+      if (block > 0 && p.begin == begin + rank_ * block) {  // the rank's block: every rank's gathered
+        sync_.comm_->all_gather(rank_, mine, into.slice(0, n * block), stream);
+      } else {  // the leftovers, which every rank holds
+        copy_async(into.slice(p.begin - begin, p.end - begin), mine, stream);
+      }
+    }
+  });
+}
+
+Tensor RankSync::parameter_buffer(std::size_t bucket) const {
+  if (bucket + 1 == sync_.buckets_.size()) return params_last_;
+  return params_[bucket % 2].slice(0, sync_.buckets_[bucket].size());
+}
+
+void RankSync::prefetch(std::size_t bucket) {
+  if (bucket + 1 < sync_.buckets_.size()) params_free_[bucket % 2].wait(comm_stream_);
+  gather_parameters(bucket, parameter_buffer(bucket), comm_stream_);
+  params_gathered_[bucket].record(comm_stream_);
+}
+
+void RankSync::before_layer(std::size_t layer, bool backward, Stream& compute) {
+  if (!sync_.shard_parameters_) return;
+  std::vector<Bucket> const& buckets = sync_.buckets_;
+  std::size_t const count = buckets.size();
+  if (!backward && layer == 0) {  // a new forward: after everything before it on `compute`
+    forward_entered_ = 0;
+    backward_entered_ = 0;
+    forward_start_.record(compute);
+    forward_start_.wait(comm_stream_);
+    prefetch(count - 1);
+    if (count >= 2) prefetch(count - 2);
+  }
+  if (backward) {
+    while (backward_entered_ < count && layer <= buckets[backward_entered_].last_layer) enter_backward(backward_entered_++, compute);
+  } else {
+    while (forward_entered_ < count && layer >= buckets[count - 1 - forward_entered_].first_layer)
+      enter_forward(count - 1 - forward_entered_++, compute);
+  }
+}
+
+void RankSync::enter_forward(std::size_t bucket, Stream& compute) {
+  std::size_t const count = sync_.buckets_.size();
+  params_gathered_[bucket].wait(compute);
+  if (bucket + 2 < count) params_free_[(bucket + 1) % 2].record(compute);  // bucket + 1 is done
+  if (bucket >= 1 && bucket + 1 < count) prefetch(bucket - 1);  // (the last bucket's next came at layer 0)
+}
+
+void RankSync::enter_backward(std::size_t bucket, Stream& compute) {
+  std::size_t const count = sync_.buckets_.size();
+  if (bucket >= 1) params_free_[(bucket - 1) % 2].record(compute);  // bucket - 1 is done
+  if (bucket >= 1 && bucket + 2 < count) prefetch(bucket + 1);     // buckets 0, 1 and the last stayed
+  if (bucket >= 2 && bucket + 1 < count) params_gathered_[bucket].wait(compute);
+}
+
+void RankSync::shard_parameters(optim::Optimizer& optimizer, Allocator& allocator, Stream& stream) {
+  if (!sync_.shard_parameters_ || !whole_) return;
+  shard_optimizer_state(optimizer, allocator, stream);
+  std::vector<Bucket> const& buckets = sync_.buckets_;
+  Tensor const whole = model_.master_parameters();
+  owned_params_ = Tensor::empty({owned_grads_.numel()}, DType::float32, allocator);
+  for (std::size_t b = 0; b < buckets.size(); ++b)
+    for (Piece const& p : pieces_[b]) copy_async(owned_params_.slice(p.at, p.at + (p.end - p.begin)), whole.slice(p.begin, p.end), stream);
+  // Buffers of the gradients' staging buffers' sizes, shared by the same buckets.
+  for (std::size_t slot = 0; slot < params_.size(); ++slot)
+    if (staging_[slot].defined()) params_[slot] = Tensor::empty(staging_[slot].shape(), DType::float32, allocator);
+  params_last_ = Tensor::empty(staging_last_.shape(), DType::float32, allocator);
+  for (std::size_t b = 0; b < buckets.size(); ++b) model_.bind_parameters(buckets[b].begin, buckets[b].end, parameter_buffer(b));
+  whole_ = false;
+}
+
+void RankSync::gather_whole(Allocator& allocator, Stream& stream) {
+  if (!sync_.shard_parameters_ || whole_) return;
+  Tensor const whole = Tensor::empty({model_.parameter_count()}, DType::float32, allocator);
+  for (std::size_t b = 0; b < sync_.buckets_.size(); ++b)
+    gather_parameters(b, whole.slice(sync_.buckets_[b].begin, sync_.buckets_[b].end), stream);
+  model_.bind_parameters(0, model_.parameter_count(), whole);
+  owned_params_ = Tensor{};
+  params_ = {};
+  params_last_ = Tensor{};
+  whole_ = true;
 }
 
 std::vector<nn::OwnedRange> RankSync::owned() const {
@@ -239,7 +336,7 @@ void RankSync::shard_gradients(Allocator& allocator, Stream& stream) {
     auto const* embedding = dynamic_cast<nn::Embedding const*>(&model_.layer(r.layer));
     if (embedding != nullptr && embedding->tied() && r.begin < last.begin)
       throw Error(Errc::invalid_argument,
-                  "DataParallel: zero_stage 2 with the tied token embedding (layer " + std::to_string(r.layer) +
+                  "DataParallel: zero_stage " + std::to_string(sync_.stage_) + " with the tied token embedding (layer " + std::to_string(r.layer) +
                       ") outside the last gradient bucket (expected it among the first layers, in the bucket reduced last, "
                       "whose staging buffer its LM head writes at the start of backward)");
   }
@@ -277,6 +374,7 @@ void RankSync::shard_gradients(Allocator& allocator, Stream& stream) {
 }
 
 void RankSync::shard_optimizer_state(optim::Optimizer& optimizer, Allocator& allocator, Stream& stream) const {
+  if (!whole_) return;  // sharded with the parameters
   std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
   for (nn::OwnedRange const& r : owned()) ranges.emplace_back(r.begin, r.end);
   if (ranges.empty()) return;
@@ -289,6 +387,7 @@ void RankSync::sum_over_ranks(Tensor const& values, Stream& compute) {
 }
 
 void RankSync::gather_updated(Stream& compute) {
+  if (sync_.shard_parameters_) return;  // the next forward gathers the owned parameters
   for (std::size_t b = 0; b < sync_.buckets_.size(); ++b)
     if (sync_.blocks_[b] > 0) gather_bucket(b, compute);
 }
@@ -325,11 +424,13 @@ GradientSync::GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, Data
   if (options.zero_stage >= 1 && n > 1) {
     for (std::size_t b = 0; b < buckets_.size(); ++b) blocks_[b] = buckets_[b].size() / n;
   }
+  stage_ = options.zero_stage;
   shard_gradients_ = options.zero_stage >= 2 && n > 1;
+  shard_parameters_ = options.zero_stage >= 3 && n > 1;
   if (shard_gradients_ && n != group_.size())
     throw Error(Errc::invalid_argument,
-                "DataParallel: zero_stage 2 across processes (expected zero_stage 0 or 1: sharded gradients run within one "
-                "process for now)");
+                "DataParallel: zero_stage " + std::to_string(stage_) +
+                    " across processes (expected zero_stage 0 or 1: sharded gradients and parameters run within one process for now)");
   if (hook_) {
     std::vector<std::int64_t> sizes;
     for (Bucket const& b : buckets_) sizes.push_back(b.size());
@@ -362,6 +463,7 @@ void GradientSync::synchronize() {
 }
 
 void GradientSync::gather_optimizer_state(std::vector<optim::Optimizer*> const& optimizers) {
+  gather_whole();  // whole state, whole parameters (shard_state below reads the model's buffer)
   if (std::all_of(optimizers.begin(), optimizers.end(), [](optim::Optimizer const* o) { return o->owned().empty(); }))
     return;
   int const n = comm_->size();
@@ -378,6 +480,20 @@ void GradientSync::gather_optimizer_state(std::vector<optim::Optimizer*> const& 
         comm_->all_gather(rank, part.slice(rank * block, (rank + 1) * block), part, stream);
       }
     }
+  });
+  group_.synchronize();
+}
+
+void GradientSync::gather_whole() {
+  if (!shard_parameters_) return;
+  group_.run([&](int local, Device, Stream& stream) { ranks_[static_cast<std::size_t>(local)]->gather_whole(group_.allocator(local), stream); });
+  group_.synchronize();
+}
+
+void GradientSync::shard_parameters(std::vector<optim::Optimizer*> const& optimizers) {
+  if (!shard_parameters_) return;
+  group_.run([&](int local, Device, Stream& stream) {
+    ranks_[static_cast<std::size_t>(local)]->shard_parameters(*optimizers[static_cast<std::size_t>(local)], group_.allocator(local), stream);
   });
   group_.synchronize();
 }

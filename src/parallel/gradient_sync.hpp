@@ -7,6 +7,9 @@
 // step's apply_update then updates the rank's blocks and calls back for the all-gather. With
 // sharded gradients (zero_stage 2) the layers write into the sync's staging buffers and each
 // reduced bucket's owned pieces go to the rank's packed owned gradients, which the update reads.
+// With sharded parameters (zero_stage 3) each rank keeps its owned parameters only, packed the same
+// way, which the update writes, and gathers every rank's into the buckets' parameter buffers that
+// the layers read, bucket by bucket just before forward and backward reach them.
 #pragma once
 
 #include <array>
@@ -15,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <mgpu/comm/communicator.hpp>
@@ -53,8 +57,25 @@ class RankSync final : public nn::GradientSync {
   void gather_updated(Stream& compute) override;
   /// With sharded gradients (zero_stage 2): the reduced gradients of owned(), packed by start.
   [[nodiscard]] Tensor owned_gradients() const override { return owned_grads_; }
+  /// With sharded parameters (zero_stage 3, while not whole): the parameters of owned(), packed
+  /// as owned_gradients().
+  [[nodiscard]] Tensor owned_parameters() const override { return owned_params_; }
+  /// With sharded parameters: gathers the parameters of the bucket that forward (or backward) is
+  /// about to enter, ordered before `compute`'s next work, and prefetches the next one (see the
+  /// members below).
+  void before_layer(std::size_t layer, bool backward, Stream& compute) override;
+  /// With sharded parameters, while the model holds them whole (after construction, gather_whole()
+  /// or a load): lays out `optimizer`'s state for the owned elements (shard_optimizer_state), keeps
+  /// the owned parameters only and binds the layers to the buckets' parameter buffers, freeing the
+  /// model's flat buffer; on `stream`. Nothing otherwise.
+  void shard_parameters(optim::Optimizer& optimizer, Allocator& allocator, Stream& stream);
+  /// With sharded parameters: every rank's parameters gathered into a whole flat buffer on
+  /// `stream`, which the model's layers are bound to (Sequential::bind_parameters), until the next
+  /// shard_parameters(). A collective: every rank calls it. Nothing when already whole.
+  void gather_whole(Allocator& allocator, Stream& stream);
   /// With the sharded update, lays out `optimizer`'s state for this rank's owned elements only
-  /// (optim::Optimizer::shard_state), on `stream`; nothing when the state is already so.
+  /// (optim::Optimizer::shard_state), on `stream`; nothing when the state is already so, or while
+  /// the parameters are sharded (shard_parameters() sharded the state with them).
   void shard_optimizer_state(optim::Optimizer& optimizer, Allocator& allocator, Stream& stream) const;
 
   /// The stream the buckets are reduced (and updated) on.
@@ -75,6 +96,18 @@ class RankSync final : public nn::GradientSync {
   void gather_bucket(std::size_t bucket, Stream& stream);
   // Sharded gradients: the owned gradients' buffer and the staging buffers, bound to the model.
   void shard_gradients(Allocator& allocator, Stream& stream);
+  // `enqueue`'s work on `stream`, as a span named `name` on the timeline when there is one.
+  void traced(Stream& stream, std::string const& name, std::function<void()> const& enqueue);
+  // Sharded parameters: every rank's owned parameters of `bucket` gathered into `into` (the
+  // bucket's elements) on `stream`.
+  void gather_parameters(std::size_t bucket, Tensor const& into, Stream& stream);
+  // Sharded parameters: forward or backward enters `bucket` (see before_layer()).
+  void enter_forward(std::size_t bucket, Stream& compute);
+  void enter_backward(std::size_t bucket, Stream& compute);
+  // Sharded parameters: the buffer the layers of `bucket` read, and its gather on the communication
+  // stream once the bucket that used the buffer before is done with it (params_gathered_[bucket] marks it).
+  [[nodiscard]] Tensor parameter_buffer(std::size_t bucket) const;
+  void prefetch(std::size_t bucket);
 
   detail::GradientSync& sync_;
   int rank_;
@@ -104,6 +137,24 @@ class RankSync final : public nn::GradientSync {
   Tensor staging_last_;
   std::array<Event, 2> staging_free_;
   bool accumulate_ = false;
+  // Sharded parameters (zero_stage 3). owned_params_: the owned pieces' parameters (packed as
+  // owned_grads_). The layers of bucket b read theirs from params_[b % 2], and those of the last
+  // bucket (the first layers, with a tied embedding, whose LM head reads it at the end of forward
+  // and the start of backward) from params_last_. Forward gathers the last bucket and the one
+  // before it at layer 0 and, as it enters bucket b, prefetches bucket b - 1 into the buffer that
+  // bucket b + 1 has just finished with (params_free_, recorded on the compute stream); buckets 1
+  // and 0, the last ones forward runs, are still there for backward, which, as it enters bucket b,
+  // prefetches bucket b + 1 into the buffer that bucket b - 1 has just finished with. So a rank
+  // holds its owned parameters, two buckets' and the last bucket's. whole_: the model holds every
+  // parameter in its flat buffer instead (gather_whole()).
+  Tensor owned_params_;
+  std::array<Tensor, 2> params_;
+  Tensor params_last_;
+  std::vector<Event> params_gathered_;
+  std::array<Event, 2> params_free_;
+  Event forward_start_;
+  std::size_t forward_entered_ = 0, backward_entered_ = 0;  // buckets entered in this pass
+  bool whole_ = true;
   // Host timestamps written by marker tasks on the compute stream around the wait for the reduces.
   std::shared_ptr<std::array<std::int64_t, 2>> wait_marks_ = std::make_shared<std::array<std::int64_t, 2>>();
 };
@@ -139,8 +190,15 @@ class GradientSync {
 
   /// Makes every optimizer's state (optimizers[rank]'s) whole again where the sharded update left
   /// each rank holding the state of its own elements only: each lays its state out over every
-  /// parameter and the blocks are all-gathered to every rank.
+  /// parameter and the blocks are all-gathered to every rank. With sharded parameters the
+  /// parameters are gathered whole first (gather_whole()).
   void gather_optimizer_state(std::vector<optim::Optimizer*> const& optimizers);
+  /// With sharded parameters: every rank's model whole (RankSync::gather_whole()), until its next
+  /// step shards it again; nothing otherwise.
+  void gather_whole();
+  /// With sharded parameters: every rank keeps its owned parameters only
+  /// (RankSync::shard_parameters() with optimizers[rank]); nothing otherwise.
+  void shard_parameters(std::vector<optim::Optimizer*> const& optimizers);
 
   /// With a comm hook: enqueues on each rank's default stream the copy of the hook's state for
   /// every bucket into that rank's row of `rows` (float32 [ranks x parameters], flat), leaving the
@@ -157,7 +215,9 @@ class GradientSync {
   // The sharded update's blocks: per bucket, the elements each rank owns, rank r owning
   // [r * block, (r + 1) * block) of the bucket; 0 where buckets are all-reduced.
   std::vector<std::int64_t> blocks_;
-  bool shard_gradients_ = false;  // zero_stage 2 over more than one rank
+  bool shard_gradients_ = false;   // zero_stage 2 or 3 over more than one rank
+  bool shard_parameters_ = false;  // zero_stage 3 over more than one rank
+  int stage_ = 0;                  // the zero_stage asked for
   bool overlap_;
   bool deterministic_;
   std::shared_ptr<CommHook> hook_;

@@ -119,8 +119,8 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
     throw Error(Errc::invalid_argument, what + " for n_head " + std::to_string(config.n_head) + " and vocab " +
                                             std::to_string(config.vocab) +
                                             " (expected a tensor_parallel dividing n_head, at most the vocab)");
-  if (layout.zero_stage < 0 || layout.zero_stage > 2 || (layout.zero_stage == 2 && ranks > 1))
-    throw Error(Errc::invalid_argument, what + " (expected zero_stage 0, 1 or 2, and 2 without tensor parallelism)");
+  if (layout.zero_stage < 0 || layout.zero_stage > 3 || (layout.zero_stage >= 2 && ranks > 1))
+    throw Error(Errc::invalid_argument, what + " (expected zero_stage 0, 1, 2 or 3, and 2 and 3 without tensor parallelism)");
   if (rows < replicas) throw Error(Errc::invalid_argument, what + " (expected at least one row per replica)");
   if (layout.sequence_parallel && (ranks < 2 || config.block_size % ranks != 0))
     throw Error(Errc::invalid_argument, what + " and sequence parallelism over block_size " + std::to_string(config.block_size) +
@@ -130,9 +130,10 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
   auto const c = static_cast<double>(config.n_embd), heads = static_cast<double>(config.n_head);
   auto const t = static_cast<double>(ranks), layers = static_cast<double>(config.n_layer);
   double const s = layout.sequence_parallel ? t : 1.0;
-  // With ZeRO 1 and 2 (data parallelism alone) a rank owns 1/N of each bucket and its last
+  // With ZeRO 1 to 3 (data parallelism alone) a rank owns 1/N of each bucket and its last
   // (size mod N) elements; ZeRO-2 writes the gradients into staging buffers: up to two of the
-  // largest bucket but the last (one per bucket before the last), and one of the last.
+  // largest bucket but the last (one per bucket before the last), and one of the last; ZeRO-3
+  // gathers the parameters into buffers of the same sizes.
   bool const sharded = ranks == 1 && replicas > 1 && layout.zero_stage >= 1;
   double owned = 0, staging = 0, last_bucket = 0;
   std::size_t staging_buffers = 0;
@@ -160,8 +161,10 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
       GptMemory m;
       m.parameters = m.gradients = floats(params);
       m.optimizer = 2 * floats(sharded ? owned : params);
-      if (sharded && layout.zero_stage == 2)  // the owned gradients, and the staging buffers the layers write into
+      if (sharded && layout.zero_stage >= 2)  // the owned gradients, and the staging buffers the layers write into
         m.gradients = floats(owned) + staging_buffers * floats(staging) + floats(last_bucket);
+      if (sharded && layout.zero_stage == 3)  // the owned parameters, and the buffers the layers read them from
+        m.parameters = m.gradients;
       m.activations = static_cast<std::size_t>(layers) * block_bytes(n, c, heads, t, s, config.recompute);
       if (config.recompute == nn::Recompute::full)  // the rerun block, less its input
         m.activations += block_bytes(n, c, heads, t, s, nn::Recompute::none) - floats(n * c / s);

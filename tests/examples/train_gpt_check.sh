@@ -4,7 +4,7 @@
 # uninterrupted run's losses to the last printed digit; --save-llmc then --init-from --eval-only
 # gives the trained model's validation loss; --sample prints text; data parallel over host:2 and
 # host:3 (uneven shards of the 4 sequences) follows the one-device run's losses, and resumes, with
-# --zero 0 and --zero 2 as with the default ZeRO-1; so
+# --zero 0 and --zero 2 as with the default ZeRO-1 (and --zero 3 as --zero 2, to the last digit); so
 # do the pipeline schedules (1F1B, interleaved, ZB-H1, GPipe, layer split) and a data x pipeline
 # grid, and resume (on their layout, and from a data-parallel checkpoint); so does tensor
 # parallelism (--tp 2), which also starts from an llm.c model file, and its data-parallel replicas
@@ -81,6 +81,14 @@ for key in train_loss val_loss; do
     fail "$key $(field $key "$dir/dp-zero2.json") with --zero 2 (expected $(field $key "$dir/dp2.json") as with --zero 1)"
 done
 [ "$(field zero "$dir/dp-zero2.json")" = 2 ] || fail "zero in the JSON line: $(cat "$dir/dp-zero2.json")"
+# --zero 3 (ZeRO-3: the parameters sharded too, each bucket gathered before its forward and
+# backward; evaluation gathers the whole model): --zero 2's losses exactly.
+"$exe" "${common[@]}" --iters 40 --devices host:2 --zero 3 --bucket-kb 16 > "$dir/dp-zero3.json" 2> /dev/null
+for key in train_loss val_loss; do
+  [ "$(field $key "$dir/dp-zero3.json")" = "$(field $key "$dir/dp-zero2.json")" ] ||
+    fail "$key $(field $key "$dir/dp-zero3.json") with --zero 3 (expected $(field $key "$dir/dp-zero2.json") as with --zero 2)"
+done
+[ "$(field zero "$dir/dp-zero3.json")" = 3 ] || fail "zero in the JSON line: $(cat "$dir/dp-zero3.json")"
 
 # Pipelined: the one-device losses within float32 rounding, every schedule and a 2 x 2 grid; the
 # plan names each chunk's layers; --trace writes the last step's actions of both devices.
@@ -201,7 +209,8 @@ expect_error "--dp 3 with --devices host:2 (expected the number of devices, 2" "
 expect_error "2 heads over 3 tensor-parallel ranks (expected a group size dividing n_head)" "${common[@]}" --tp 3
 expect_error "--devices host:3 has 3 devices (expected --dp x --tp x --stages = 4)" "${common[@]}" --tp 2 --stages 2 --devices host:3
 expect_error "--devices host:3 has 3 devices (expected --dp x --tp = 4)" "${common[@]}" --tp 2 --dp 2 --devices host:3
-expect_error "--zero 3 (expected 0, the replicated update, 1" "${common[@]}" --devices host:2 --zero 3
+expect_error "--zero 4 (expected 0, the replicated update, 1" "${common[@]}" --devices host:2 --zero 4
+expect_error "--zero 3 with --precision bf16 (expected fp32" "${common[@]}" --devices host:2 --zero 3 --precision bf16
 expect_error "--zero 2 with --precision bf16 (expected fp32" "${common[@]}" --devices host:2 --zero 2 --precision bf16
 expect_error "--bucket-kb with a pipeline (expected --bucket-kb with data parallelism only" "${common[@]}" --stages 2 --bucket-kb 16
 expect_error "--zero 0 with --tp 2 (expected --zero with data parallelism only" "${common[@]}" --tp 2 --zero 0

@@ -270,7 +270,8 @@ TEST_CASE("Optimizer updates by range equal one whole step", "[optim]") {
 }
 
 TEST_CASE(
-    "Optimizer state sharded to owned ranges updates them as the whole state does, and lays out anew keeping values",
+    "Optimizer state sharded to owned ranges updates them as the whole state does (parameters flat or packed too, "
+    "update_owned), and lays out anew keeping values",
     "[optim]") {
   Env env;
   using Ranges = std::vector<std::pair<std::int64_t, std::int64_t>>;
@@ -284,6 +285,7 @@ TEST_CASE(
     };
     auto whole = make();
     auto sharded = make();
+    auto packed_params = make();
     INFO(whole->name());
     Tensor p1 = env.random({12}, 1);
     Tensor p2 = env.random({12}, 1);
@@ -291,6 +293,16 @@ TEST_CASE(
     sharded->shard_state(p2, {{1, 4}, {4, 5}, {6, 6}, {8, 12}}, *env.allocator, env.stream);
     CHECK(sharded->owned() == Ranges{{1, 5}, {8, 12}});
     CHECK(sharded->state_elements(p2) == 8);
+    // ZeRO-3: the owned elements' parameters and gradients packed as the state is.
+    std::vector<std::int64_t> const owned{1, 2, 3, 4, 8, 9, 10, 11};
+    auto const pack = [&](Tensor const& flat) {
+      std::vector<double> const v = as_double(flat);
+      std::vector<float> out;
+      for (std::int64_t const i : owned) out.push_back(static_cast<float>(v[static_cast<std::size_t>(i)]));
+      return env.make({8}, out);
+    };
+    packed_params->shard_state(p2, {{1, 5}, {8, 12}}, *env.allocator, env.stream);
+    Tensor p3 = pack(p2);
     for (unsigned step = 0; step < 3; ++step) {
       Tensor g = env.random({12}, 10 + step);
       whole->step(p1, g, *env.allocator, env.stream);
@@ -298,11 +310,23 @@ TEST_CASE(
       sharded->update(p2, g, 8, 12, env.stream);  // an update range may be part of an owned range
       sharded->update(p2, g, 1, 3, env.stream);
       sharded->update(p2, g, 3, 5, env.stream);
+      Tensor const g3 = pack(g);
+      packed_params->begin_step(p3, *env.allocator, env.stream);
+      packed_params->update_owned(p3, g3, 8, 12, env.stream);
+      packed_params->update_owned(p3, g3, 1, 3, env.stream);
+      packed_params->update_owned(p3, g3, 3, 5, env.stream);
     }
     env.stream.synchronize();
-    std::vector<double> const a = as_double(p1), b = as_double(p2);
+    std::vector<double> const a = as_double(p1), b = as_double(p2), c = as_double(p3);
     for (std::int64_t i : {1, 2, 3, 4, 8, 9, 10, 11})
       CHECK(b[static_cast<std::size_t>(i)] == a[static_cast<std::size_t>(i)]);
+    for (std::size_t k = 0; k < owned.size(); ++k) CHECK(c[k] == a[static_cast<std::size_t>(owned[k])]);
+    REQUIRE_MGPU_ERROR(packed_params->update_owned(p2, p2, 1, 3, env.stream), mgpu::Errc::invalid_argument,
+                       "(expected both packed over the 8 owned elements)");
+    REQUIRE_MGPU_ERROR(packed_params->update_owned(p3, p3, 4, 9, env.stream), mgpu::Errc::invalid_argument,
+                       "expected a range within one of them");
+    REQUIRE_MGPU_ERROR(whole->update_owned(p1, p1, 0, 2, env.stream), mgpu::Errc::invalid_argument,
+                       "update_owned without a sharded state");
     for (std::int64_t i : {0, 5, 6, 7})
       CHECK(b[static_cast<std::size_t>(i)] != a[static_cast<std::size_t>(i)]);  // not owned: not updated
     auto const packed = sharded->state();
@@ -336,6 +360,64 @@ TEST_CASE(
                      "expected sorted, non-overlapping ranges within [0, 10)");
   REQUIRE_MGPU_ERROR(sgd.shard_state(p, {{4, 11}}, *env.allocator, env.stream), mgpu::Errc::invalid_argument,
                      "state sharded to [4, 11)");
+}
+
+// ZeRO-3's seam: the layers read their parameters from buffers given to them, the flat buffers
+// freed, and the hooks tell which layer runs next. Against the same model on its flat buffers.
+TEST_CASE("Sequential::bind_parameters gives the layers other buffers, and forward and backward call BeforeLayer in order",
+          "[nn]") {
+  Env env;
+  auto model = mgpu::nn::Sequential::mlp({4, 7, 5, 3});  // Linear, ReLU, Linear, ReLU, Linear
+  model.materialize(env.ctx, 11);
+  auto const ranges = model.parameter_ranges();
+  REQUIRE(ranges.size() == 3);
+  std::int64_t const count = model.parameter_count();
+  Tensor x = env.random({6, 4}, 21);
+  auto const read = [&](Tensor const& t) {  // once the stream's work has run
+    env.stream.synchronize();
+    return as_double(t);
+  };
+  std::vector<double> const want_out = read(model.forward(x, env.ctx));
+  std::vector<double> const values = read(model.master_parameters());
+  // Two buffers: the first two Linears' parameters, and the last one's.
+  std::int64_t const split = ranges[2].begin;
+  auto const buffer = [&](std::int64_t begin, std::int64_t end) {
+    std::vector<float> v;
+    for (std::int64_t i = begin; i < end; ++i) v.push_back(static_cast<float>(values[static_cast<std::size_t>(i)]));
+    return env.make({end - begin}, v);
+  };
+  Tensor const front = buffer(0, split);
+  Tensor const back = buffer(split, count);
+  model.bind_parameters(0, split, front);
+  CHECK(!model.master_parameters().defined());
+  CHECK(model.materialized());
+  model.bind_parameters(split, count, back);
+  std::vector<std::pair<std::size_t, bool>> calls;
+  mgpu::nn::Sequential::BeforeLayer const before = [&](std::size_t layer, bool backward) { calls.emplace_back(layer, backward); };
+  Tensor const got = model.forward(x, env.ctx, before);
+  CHECK(read(got) == want_out);
+  // The fused Linear and ReLU are one unit: forward calls the hook at 0, 2, 4 and backward at 4, 2, 0.
+  CHECK(calls == std::vector<std::pair<std::size_t, bool>>{{0, false}, {2, false}, {4, false}});
+  calls.clear();
+  Tensor dout = env.random(got.shape(), 5);
+  (void)model.backward(dout, env.ctx, false, {}, before);
+  CHECK(calls == std::vector<std::pair<std::size_t, bool>>{{4, true}, {2, true}, {0, true}});
+  // The layers read the bound buffers: changing one changes the output.
+  mgpu::fill_async(back, 0.0f, env.stream);
+  CHECK(read(model.forward(x, env.ctx)) == std::vector<double>(want_out.size(), 0.0));
+  // Bound whole again: the flat buffers.
+  Tensor const whole = buffer(0, count);
+  model.bind_parameters(0, count, whole);
+  CHECK(model.master_parameters().shares_storage(whole));
+  CHECK(read(model.forward(x, env.ctx)) == want_out);
+  REQUIRE_MGPU_ERROR(model.bind_parameters(0, ranges[1].begin + 1, buffer(0, ranges[1].begin + 1)), mgpu::Errc::invalid_argument,
+                     "cuts layer 2's parameters");
+  REQUIRE_MGPU_ERROR(model.bind_parameters(0, split, buffer(0, split - 1)), mgpu::Errc::invalid_argument,
+                     "a buffer of " + std::to_string(split - 1) + " float32 values (expected " + std::to_string(split) + " float32)");
+  auto half = mgpu::nn::Sequential::mlp({4, 3});
+  half.materialize(env.ctx, 1, DType::bfloat16);
+  REQUIRE_MGPU_ERROR(half.bind_parameters(0, half.parameter_count(), buffer(0, half.parameter_count())),
+                     mgpu::Errc::invalid_argument, "on a model computing in bfloat16 (expected float32 compute");
 }
 
 TEST_CASE("classification_step's update inside backward equals the update after it", "[optim][train]") {

@@ -67,6 +67,16 @@ TEST_CASE("predicted memory splits the rows over the replicas and the optimizer 
   CHECK(zero2[0].gradients >= float_bytes(whole / 3) + 2 * float_bytes(block));
   CHECK(zero2[0].optimizer == par::predict_gpt_memory(deep, 8, {.data_parallel = 3, .zero_stage = 1, .bucket_cap_bytes = 16 << 10,
                                                                  .first_bucket_cap_bytes = 16 << 10})[0].optimizer);
+  // ZeRO-3 keeps the owned parameters and the buffers they are gathered into, the same sizes as
+  // ZeRO-2's gradients, in place of the whole parameter buffer; the rest is ZeRO-2's.
+  std::vector<par::GptMemory> const zero3 = par::predict_gpt_memory(deep, 8, {.data_parallel = 3, .zero_stage = 3,
+                                                                                 .bucket_cap_bytes = 16 << 10,
+                                                                                 .first_bucket_cap_bytes = 16 << 10});
+  CHECK(zero2[0].parameters == float_bytes(whole));
+  CHECK(zero3[0].parameters == zero2[0].gradients);
+  CHECK(zero3[0].gradients == zero2[0].gradients);
+  CHECK(zero3[0].optimizer == zero2[0].optimizer);
+  CHECK(zero3[0].activations + zero3[0].workspace == zero2[0].activations + zero2[0].workspace);
   // One replica's rows on one device hold what that replica's device holds, less the optimizer state.
   std::vector<par::GptMemory> const three_rows = par::predict_gpt_memory(config, 3, {});
   CHECK(three_rows[0].activations == dp[0].activations);
@@ -169,10 +179,12 @@ TEST_CASE("tensor-parallel stages hold the executor's shards, and each rank the 
 TEST_CASE("predict_gpt_memory refuses layouts it cannot place, naming them", "[parallel][memory]") {
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.tensor_parallel = 5}), mgpu::Errc::invalid_argument,
                      "tensor_parallel dividing n_head");
-  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.data_parallel = 2, .zero_stage = 3}), mgpu::Errc::invalid_argument,
-                     "zero_stage 0, 1 or 2");
+  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.data_parallel = 2, .zero_stage = 4}), mgpu::Errc::invalid_argument,
+                     "zero_stage 0, 1, 2 or 3");
+  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.data_parallel = 2, .tensor_parallel = 2, .zero_stage = 3}),
+                     mgpu::Errc::invalid_argument, "2 and 3 without tensor parallelism");
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 4, {.data_parallel = 2, .tensor_parallel = 2, .zero_stage = 2}),
-                     mgpu::Errc::invalid_argument, "2 without tensor parallelism");
+                     mgpu::Errc::invalid_argument, "2 and 3 without tensor parallelism");
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 2, {.data_parallel = 3}), mgpu::Errc::invalid_argument,
                      "at least one row per replica");
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 2, {.data_parallel = 0}), mgpu::Errc::invalid_argument,

@@ -275,6 +275,8 @@ class Sequential {
   /// `compute` is the type layers compute in: float32, or bfloat16/float16 with float32 masters.
   void materialize(Context& ctx, std::uint64_t seed, DType compute = DType::float32);
   [[nodiscard]] DType compute_type() const noexcept { return params_.dtype(); }
+  /// Whether materialize() has run (the parameters may be bound elsewhere: bind_parameters()).
+  [[nodiscard]] bool materialized() const noexcept { return params_.defined() || !bound_params_.empty(); }
   /// The compute-type buffers the layers read and write.
   [[nodiscard]] Tensor const& parameters() const noexcept { return params_; }
   [[nodiscard]] Tensor const& gradients() const noexcept { return grads_; }
@@ -291,6 +293,14 @@ class Sequential {
   /// embedding). Throws Error(invalid_argument) for another compute type, a range that cuts a
   /// layer's parameters, or a buffer of another size or type.
   void bind_gradients(std::int64_t begin, std::int64_t end, Tensor const& grads);
+  /// Sharded parameters (ZeRO-3, float32 compute): from now on the layers of the parameter ranges
+  /// within [begin, end) (whole ranges) read their parameters from `params` (float32, end - begin
+  /// values) instead of the flat buffers, which the first call frees (parameters() and
+  /// master_parameters() are then undefined); binding all of [0, parameter_count()) makes `params`
+  /// the flat parameter buffers again. A later call rebinds, e.g. a buffer that one group of layers
+  /// after another gathers its parameters into. Layers are linked again (a tied LM head follows its
+  /// embedding). Throws Error(invalid_argument) as bind_gradients() does.
+  void bind_parameters(std::int64_t begin, std::int64_t end, Tensor const& params);
   /// The float32 gradients of [begin, end): a slice of master_gradients(), or, after
   /// bind_gradients(), of the buffer last bound to those elements (which must hold all of them).
   [[nodiscard]] Tensor master_gradients(std::int64_t begin, std::int64_t end) const;
@@ -307,8 +317,12 @@ class Sequential {
   [[nodiscard]] std::vector<std::uint64_t> rng_state() const;
   void set_rng_state(std::vector<std::uint64_t> const& state);
 
+  /// Called by forward() before each layer's (or fused unit's) forward, layer 0 first, and by
+  /// backward() before each one's backward, last first, with the layer's index and whether it is
+  /// backward: where sharded parameters (ZeRO-3) are gathered before the layers read them.
+  using BeforeLayer = std::function<void(std::size_t layer, bool backward)>;
   /// Forward through every layer; a Linear followed by a ReLU or GELU runs as one fused layer.
-  Tensor forward(Tensor const& x, Context& ctx);
+  Tensor forward(Tensor const& x, Context& ctx, BeforeLayer const& before = {});
   /// Called during backward for each layer with parameters, last layer first, once the work that
   /// writes its gradients is enqueued: [begin, end) is its range in the flat buffers (one of
   /// parameter_ranges()). Work the callback enqueues on ctx.stream runs after those gradients are
@@ -316,7 +330,8 @@ class Sequential {
   using GradientsReady = std::function<void(std::int64_t begin, std::int64_t end)>;
   /// Backward through every layer; returns the input gradient when `input_grad` (else an
   /// undefined tensor, saving the first layer's input-gradient GEMM).
-  Tensor backward(Tensor const& dy, Context& ctx, bool input_grad = true, GradientsReady const& ready = {});
+  Tensor backward(Tensor const& dy, Context& ctx, bool input_grad = true, GradientsReady const& ready = {},
+                  BeforeLayer const& before = {});
   /// The input-gradient half of backward (every layer's backward_input, last first), and the
   /// weight-gradient half (every layer's backward_weight), which must follow for the same
   /// ctx.micro_batch before the gradients are read.
@@ -346,6 +361,12 @@ class Sequential {
   [[nodiscard]] Activation const* fused_activation(std::size_t i) const;
   // Gives each layer with parameters its views of `params` and `grads`.
   void bind_layers(Tensor const& params, Tensor const& grads);
+  // bind_gradients() and bind_parameters(): refuses another compute type, a buffer that is not
+  // end - begin float32 values, and a range that cuts a layer's parameters.
+  void check_binding(std::string const& what, std::int64_t begin, std::int64_t end, Tensor const& buffer) const;
+  // The float32 parameters of [begin, end): a slice of master_parameters(), or of the buffer
+  // bind_parameters() bound to them last.
+  [[nodiscard]] Tensor master_parameters(std::int64_t begin, std::int64_t end) const;
   void check_materialized(char const* call) const;
 
   std::vector<std::unique_ptr<Layer>> layers_;
@@ -353,6 +374,8 @@ class Sequential {
   Tensor params_, grads_, master_params_, master_grads_;
   // bind_gradients(): where each rebound range of elements [first, second.first) has its gradients.
   std::map<std::int64_t, std::pair<std::int64_t, Tensor>> bound_grads_;
+  // bind_parameters(): the same for the parameters.
+  std::map<std::int64_t, std::pair<std::int64_t, Tensor>> bound_params_;
 };
 
 }  // namespace mgpu::nn

@@ -4,6 +4,7 @@
 // skipping, clipping by global norm, the optimizer step and the refresh of compute-type weights).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -57,6 +58,13 @@ struct OwnedRange {
 /// the model's master gradients; the layers write into buffers the sync binds as backward goes
 /// on. Such a sync reduces every micro-batch, accumulating them in owned_gradients() itself: the
 /// step calls it with accumulate_only too (and needs no accumulator).
+///
+/// A sync may shard the parameters as well (ZeRO-3): it then keeps the parameters of the owned
+/// ranges only, owned_parameters() (packed as owned_gradients()), which the update writes
+/// (optim::Optimizer::update_owned) instead of the model's master parameters, and it binds the
+/// layers to buffers it gathers every rank's parameters into: the step calls before_layer() before
+/// each layer's forward and backward (Sequential::BeforeLayer) on `compute`, and gather_updated()
+/// then has nothing to gather. An empty shard's step calls it for every layer too, in the same order.
 class GradientSync {
  public:
   virtual ~GradientSync() = default;
@@ -70,6 +78,9 @@ class GradientSync {
   virtual void gather_updated(Stream& /*compute*/) {}
   /// With sharded gradients, the reduced gradients of owned(), packed; else undefined.
   [[nodiscard]] virtual Tensor owned_gradients() const { return {}; }
+  /// With sharded parameters, the float32 parameters of owned(), packed; else undefined.
+  [[nodiscard]] virtual Tensor owned_parameters() const { return {}; }
+  virtual void before_layer(std::size_t /*layer*/, bool /*backward*/, Stream& /*compute*/) {}
 };
 
 struct StepOptions {

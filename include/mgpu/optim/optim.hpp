@@ -45,6 +45,12 @@ class Optimizer {
   /// packed as the state is (ZeRO-2: a rank keeps the reduced gradients of its own elements).
   void update(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
               float lr_scale = 1.0f);
+  /// update() for a rank that keeps the owned elements' parameters only (ZeRO-3): after
+  /// shard_state(), `params` and `grads` both hold the owned elements, packed as the state is, and
+  /// [begin, end) (flat-buffer indices) lies within one owned range. Throws Error(invalid_argument)
+  /// without sharded state, for buffers of another size, or a range outside the owned ones.
+  void update_owned(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
+                    float lr_scale = 1.0f);
   /// Steps taken so far.
   [[nodiscard]] std::int64_t steps() const noexcept { return steps_; }
   /// The state buffers with their names (none before the first step or prepare_state).
@@ -67,15 +73,18 @@ class Optimizer {
   [[nodiscard]] std::int64_t state_elements(Tensor const& params) const noexcept;
 
  protected:
-  /// update() over its checked range: the slice [begin, end) of params, `grads` holding that
-  /// range's gradients only (end - begin values), and of each state buffer as many values from
-  /// `state_begin` (begin itself when the state is whole).
+  /// update() over its checked range [begin, end) of the flat buffers: `params` and `grads` hold
+  /// that range's parameters and gradients only (end - begin values each), and each state buffer
+  /// as many values from `state_begin` (begin itself when the state is whole).
   virtual void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end,
                              std::int64_t state_begin, Stream& stream, float lr_scale) = 0;
   /// Drops the state buffers (shard_state() then allocates them in the new layout).
   virtual void reset_state() = 0;
 
  private:
+  // Where the state of [begin, end) starts in the packed buffers of a sharded state; throws
+  // Error(invalid_argument) when the range lies within no owned range.
+  [[nodiscard]] std::int64_t owned_offset(std::int64_t begin, std::int64_t end) const;
   std::int64_t steps_ = 0;
   std::vector<std::pair<std::int64_t, std::int64_t>> owned_;
 };

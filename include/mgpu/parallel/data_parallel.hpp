@@ -119,6 +119,22 @@ struct DataParallelOptions {
   /// owned gradients (the same sums as stage 1's in another order). float32 compute, overlap on,
   /// one process, no comm hook, and checkpoints at the end of an accumulation cycle only
   /// (Error(invalid_argument) otherwise, naming what).
+  ///
+  /// 3, sharded parameters too (ZeRO-3, FSDP-style): each rank keeps only the parameters of the
+  /// elements it owns (packed as its owned gradients), which its update writes, and the gathered
+  /// unit is the bucket: the layers read their parameters from bucket-sized buffers bound to them
+  /// once (nn::Sequential::bind_parameters), which every rank's owned elements are all-gathered
+  /// into on the communication stream just before forward (and again backward) reaches the bucket,
+  /// the next bucket prefetched while the current one computes. The buckets share two buffers in
+  /// turn and the last bucket (the first layers: a tied embedding, which the LM head reads at the
+  /// end of forward and the start of backward) has its own, so each rank holds about 1/N of the
+  /// parameters plus twice the largest bucket but the last and the last bucket (the buffers are
+  /// reused, not freed: the allocator's bytes stay flat over a step); the two buckets forward
+  /// reaches last are still there for backward. Reduces, clipping and updates are stage 2's, so the
+  /// results are stage 2's bit for bit. replica(), optimizer(), count_correct(), verify_replicas(),
+  /// save() and load() first gather the whole model on every rank (which holds it until its next
+  /// step shards it again), so checkpoints are those of the other stages and load on any stage and
+  /// device count. Stage 2's limits apply.
   int zero_stage = 1;
   /// Bitwise repeatable results whatever the bucket layout and thread timing: host devices reduce
   /// in rank order already; other backends gather the bucket and sum it in rank order.
@@ -281,9 +297,11 @@ class DataParallel {
   [[nodiscard]] std::vector<int> const& ranks() const noexcept;
   [[nodiscard]] std::vector<double> const& weights() const noexcept;
   [[nodiscard]] std::vector<Bucket> const& buckets() const noexcept;
-  /// A replica (index into ranks()) and its optimizer (with zero_stage 1 or 2, whose whole state
-  /// is gathered from every rank's blocks first). At zero_stage 2 a replica's gradients() are
-  /// undefined: its layers write into the staging buffers.
+  /// A replica (index into ranks()) and its optimizer (with zero_stage 1 to 3, whose whole state
+  /// is gathered from every rank's blocks first). At zero_stage 2 and 3 a replica's gradients()
+  /// are undefined: its layers write into the staging buffers. At zero_stage 3 both gather the
+  /// whole model on every rank first, which the next step shards again: a reference kept across
+  /// steps reads bucket buffers, not the whole model, until replica() is called again.
   [[nodiscard]] nn::Sequential& replica(int index);
   [[nodiscard]] optim::Optimizer& optimizer(int index);
   /// The loss scaler of replica 0 (nullptr without loss scaling).

@@ -19,11 +19,12 @@ namespace mgpu::parallel {
 struct GptLayout {
   int data_parallel = 1;
   int tensor_parallel = 1;
-  /// DataParallelOptions::zero_stage (0, 1 or 2); tensor parallelism keeps every rank's whole state.
+  /// DataParallelOptions::zero_stage (0 to 3); tensor parallelism keeps every rank's whole state.
   int zero_stage = 1;
   /// DataParallelOptions' bucket caps: with ZeRO 1 and 2 a rank owns 1/N of each bucket (and its
   /// last size mod N elements); with ZeRO-2 it keeps the owned gradients and the staging buffers
-  /// (two of the largest bucket but the last, and the last).
+  /// (two of the largest bucket but the last, and the last), with ZeRO-3 the owned parameters and
+  /// the buffers they are gathered into (of the same sizes) too.
   std::size_t bucket_cap_bytes = std::size_t{25} << 20;
   std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;
   /// A pipeline: the executor's cuts of nn::gpt(config)'s layers (pipeline::Partition::cuts: stage
@@ -79,7 +80,7 @@ struct GptMemory {
 /// 1F1B, replicas, sequence parallelism). Devices in the executor's order: replica a's rank r's
 /// stage s is device (a * tensor_parallel + r) * stages + s. Throws Error(invalid_argument) for a
 /// bad config (nn::gpt's checks), rows < data_parallel or micro_batches, a tensor_parallel that
-/// does not divide n_head or exceeds the vocab, a zero_stage other than 0, 1 or 2 (2: data
+/// does not divide n_head or exceeds the vocab, a zero_stage other than 0 to 3 (2 and 3: data
 /// parallelism only), cuts that do not
 /// run from 0 to the model's layer count in increasing steps, a replica with fewer rows than
 /// micro_batches, or sequence_parallel without a tensor_parallel >= 2 that divides
