@@ -166,11 +166,16 @@ double predict_step_seconds(nn::GptConfig const& config, std::int64_t rows, Layo
   double step = std::max(path + update, (work + updates) / shared);
 
   // The replicas' gradients: all-reduced in buckets (25 MiB, the first 1 MiB), or reduce-scattered
-  // and all-gathered with ZeRO.
+  // and all-gathered with ZeRO; ZeRO-3 all-gathers every bucket's parameters before forward and
+  // buckets 2 to B - 2 again in backward (an all-gather: half an all-reduce's bytes).
   if (d > 1) {
-    double const buckets = 1 + std::ceil(gradient_bytes / double(std::size_t{25} << 20));
+    double const buckets = 1 + std::ceil(gradient_bytes / static_cast<double>(std::size_t{25} << 20));
     double const calls = layout.zero_stage > 0 ? 2 * buckets : buckets;
     step += all_reduce_seconds(costs, gradient_bytes, d) + (calls - 1) * costs.collective_seconds;
+    if (layout.zero_stage == 3) {
+      double const gathers = 1 + std::max(0.0, buckets - 4) / buckets;
+      step += gathers * (all_reduce_seconds(costs, gradient_bytes, d) / 2 + (buckets - 1) * costs.collective_seconds);
+    }
   }
   double const activation_bytes = tokens * static_cast<double>(c.n_embd) * sizeof(float);
   if (s > 1)  // each micro-batch's activations forward and gradients back, on the path
@@ -206,7 +211,7 @@ Plan plan_gpt(nn::GptConfig const& config, std::int64_t rows, int devices, GptCo
       for (nn::Recompute const recompute : {nn::Recompute::none, nn::Recompute::selective, nn::Recompute::full}) {
         if (s == 1) {
           bool const shards = d > 1 && t == 1 && options.zero;
-          for (int zero = 0; zero <= (shards ? 2 : 0); ++zero)
+          for (int zero = 0; zero <= (shards ? 3 : 0); ++zero)
             weigh({.data_parallel = d, .tensor_parallel = t, .zero_stage = zero, .recompute = recompute});
           if (t > 1 && config.block_size % t == 0)
             weigh({.data_parallel = d, .tensor_parallel = t, .sequence_parallel = true, .recompute = recompute});

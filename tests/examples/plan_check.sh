@@ -54,7 +54,7 @@ expect_error() {  # expect_error TEXT FLAGS...: exit status 2 and TEXT in the me
   fi
   grep -qF "$want" <<<"$out" || { echo "FAIL: $*: $out (expected: $want)"; exit 1; }
 }
-expect_error "none of 21 layouts over 2 devices fits 3145728 bytes per device (the smallest" --device-memory 3
+expect_error "none of 24 layouts over 2 devices fits 3145728 bytes per device (the smallest" --device-memory 3
 expect_error "(expected no layout flags: the planner chooses them)" --dp 2
 expect_error "(expected no layout flags: the planner chooses them)" --recompute full
 echo "plan: the planner's layouts run as planned, within the budget"

@@ -80,6 +80,9 @@ TEST_CASE("the step-time model: one device's sum of its parts, data parallelism'
   // A collective with a latency makes the replicas pay it; the one device does not.
   costs.collective_seconds = 1e-3;
   CHECK(plan::predict_step_seconds(config, 6, dp, costs) > two + 1e-3);
+  // ZeRO-3 gathers the parameters again: more collectives than ZeRO-1.
+  CHECK(plan::predict_step_seconds(config, 6, {.data_parallel = 2, .zero_stage = 3}, costs) >
+        plan::predict_step_seconds(config, 6, dp, costs));
   CHECK(plan::predict_step_seconds(config, 6, {}, costs) == Approx(one));
 }
 
@@ -133,12 +136,12 @@ TEST_CASE("the step-time model: tensor parallelism from its measured costs, refu
 TEST_CASE("plan_gpt enumerates every layout over the devices and keeps those that fit, fastest first", "[plan]") {
   plan::GptCosts const costs = free_costs();
   plan::Plan const all = plan::plan_gpt(config, 8, 4, costs, {});
-  // dp 4 (ZeRO 0-2), dp 2 x tp 2 and tp 4 (each with and without sequence parallelism); pipelines
+  // dp 4 (ZeRO 0-3), dp 2 x tp 2 and tp 4 (each with and without sequence parallelism); pipelines
   // of 2 stages (2 replicas; micro-batches 2, 4), of 4 (micro-batches 4, 8), and of 2 stages of tp 2
-  // (micro-batches 2, 4, 8; with and without sequence parallelism): 3 + 2 + 2 + 2 + 2 + 6 layouts,
+  // (micro-batches 2, 4, 8; with and without sequence parallelism): 4 + 2 + 2 + 2 + 2 + 6 layouts,
   // each with 3 recomputation modes.
-  CHECK(all.considered == 51);
-  REQUIRE(all.candidates.size() == 51);
+  CHECK(all.considered == 54);
+  REQUIRE(all.candidates.size() == 54);
   std::set<std::string> names;
   for (std::size_t i = 0; i < all.candidates.size(); ++i) {
     plan::Candidate const& c = all.candidates[i];
@@ -152,7 +155,7 @@ TEST_CASE("plan_gpt enumerates every layout over the devices and keeps those tha
     CHECK(c.step_seconds == plan::predict_step_seconds(config, 8, l, costs));
     if (i > 0) CHECK(all.candidates[i - 1].step_seconds <= c.step_seconds);
   }
-  CHECK(names.size() == 51);
+  CHECK(names.size() == 54);
   // Free collectives and devices of their own: data parallelism over four devices is fastest.
   CHECK(all.candidates.front().layout.data_parallel == 4);
 
@@ -162,7 +165,7 @@ TEST_CASE("plan_gpt enumerates every layout over the devices and keeps those tha
   std::sort(peaks.begin(), peaks.end());
   std::size_t const budget = peaks[peaks.size() / 2];
   plan::Plan const some = plan::plan_gpt(config, 8, 4, costs, {.memory_bytes = budget});
-  CHECK(some.considered == 51);
+  CHECK(some.considered == 54);
   CHECK(some.candidates.size() == static_cast<std::size_t>(std::count_if(peaks.begin(), peaks.end(), [&](std::size_t p) { return p <= budget; })));
   for (plan::Candidate const& c : some.candidates) CHECK(c.peak_bytes <= budget);
 
@@ -171,7 +174,7 @@ TEST_CASE("plan_gpt enumerates every layout over the devices and keeps those tha
   CHECK(data_only.considered == 3);
   plan::GptCosts no_tp = costs;
   no_tp.tensor_parallel.clear();
-  CHECK(plan::plan_gpt(config, 8, 4, no_tp, {}).considered == 21);
+  CHECK(plan::plan_gpt(config, 8, 4, no_tp, {}).considered == 24);
 }
 
 TEST_CASE("plan_gpt trades compute for memory: recomputation when only it fits, an error naming the smallest need",

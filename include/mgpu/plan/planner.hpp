@@ -109,7 +109,8 @@ struct Candidate {
 /// and the rest at its slowest stage; tensor-parallel ranks their measured block and rest, a
 /// recomputing block's extra work split over them), its AdamW update (of its owned elements with
 /// ZeRO), at least the work of every device over `costs.concurrency` when they share compute; plus
-/// the replicas' gradient all-reduce (reduce-scatter and all-gather with ZeRO) and a pipeline's
+/// the replicas' gradient all-reduce (reduce-scatter and all-gather with ZeRO; ZeRO-3's parameter
+/// all-gathers in forward and backward) and a pipeline's
 /// sends. Throws Error(invalid_argument) for a layout predict_gpt_memory refuses or a
 /// tensor-parallel degree without costs.
 [[nodiscard]] double predict_step_seconds(nn::GptConfig const& config, std::int64_t rows, Layout const& layout,
@@ -120,7 +121,7 @@ struct PlanOptions {
   std::size_t memory_bytes = std::numeric_limits<std::size_t>::max();
   /// Layouts to weigh: tensor parallelism (degrees dividing n_head; with and without sequence
   /// parallelism where the degree divides the block size), pipelines (1F1B, micro-batches stages x
-  /// 1, 2, 4 up to a replica's rows, cut by predicted time) and the ZeRO stages 0-2.
+  /// 1, 2, 4 up to a replica's rows, cut by predicted time) and the ZeRO stages 0-3.
   bool tensor_parallel = true;
   bool pipeline = true;
   bool zero = true;
