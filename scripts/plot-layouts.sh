@@ -18,8 +18,9 @@ import matplotlib.pyplot as plt
 
 source, target, title = sys.argv[1], sys.argv[2], sys.argv[3]
 with open(source) as f:
-    rows = [b for b in json.load(f)["benchmarks"] if b["name"].startswith("BM_gpt_layouts/")
-            and b.get("aggregate_name", "median") == "median"]
+    rows = [b for b in json.load(f)["benchmarks"] if b["name"].startswith("BM_gpt_layouts/")]
+if any(r.get("run_type") == "aggregate" for r in rows):  # repetitions: their medians
+    rows = [r for r in rows if r.get("aggregate_name") == "median"]
 if not rows:
     sys.exit(f"{source}: no BM_gpt_layouts rows (expected bench_gpt's JSON output)")
 labels = [r["label"].split(", ", 1)[1] for r in rows]
