@@ -73,20 +73,26 @@ void append(std::vector<std::byte>& out, T const& value) {
   out.insert(out.end(), p, p + sizeof(T));
 }
 
+// A read of `n` bytes for `what` at byte `at` of `path`, past its end (`left` bytes remain).
+[[noreturn]] void fail_truncated(std::string const& path, char const* what, std::size_t at, std::size_t n, std::size_t left) {
+  throw Error(Errc::corrupt_data, path + ": truncated: " + what + " at byte " + std::to_string(at) + " needs " + std::to_string(n) +
+                                      " bytes, " + std::to_string(left) + " left (expected a complete checkpoint)");
+}
+
+// A value of type T from a Reader or a FileReader (below).
+template <class T, class Source>
+T read_value(Source& source, char const* what) {
+  T value;
+  std::memcpy(&value, source.take(sizeof(T), what), sizeof(T));
+  return value;
+}
+
 // Bounds-checked reading of a file image; errors name the file and the byte offset.
 class Reader {
  public:
   Reader(std::vector<std::byte> const& bytes, std::size_t end, std::string path) : bytes_(bytes), end_(end), path_(std::move(path)) {}
-  template <class T>
-  T read(char const* what) {
-    T value;
-    std::memcpy(&value, take(sizeof(T), what), sizeof(T));
-    return value;
-  }
   std::byte const* take(std::size_t n, char const* what) {
-    if (n > end_ - at_)
-      throw Error(Errc::corrupt_data, path_ + ": truncated: " + what + " at byte " + std::to_string(at_) + " needs " + std::to_string(n) +
-                                          " bytes, " + std::to_string(end_ - at_) + " left (expected a complete checkpoint)");
+    if (n > end_ - at_) fail_truncated(path_, what, at_, n, end_ - at_);
     std::byte const* p = bytes_.data() + at_;
     at_ += n;
     return p;
@@ -109,20 +115,20 @@ class Reader {
 template <class Source>
 RecordEntry read_entry(Source& r, std::string const& name) {
   RecordEntry e;
-  auto const name_length = r.template read<std::uint32_t>("a record name's length");
+  auto const name_length = read_value<std::uint32_t>(r, "a record name's length");
   auto const* chars = reinterpret_cast<char const*>(r.take(name_length, "a record name"));
   e.name.assign(chars, name_length);
   std::size_t const at = r.offset();
-  e.type = static_cast<RecordType>(r.template read<std::uint8_t>("a record type"));
+  e.type = static_cast<RecordType>(read_value<std::uint8_t>(r, "a record type"));
   if (type_size(e.type) == 0)
     throw Error(Errc::corrupt_data, name + ": record '" + e.name + "' has " + type_name(e.type) + " at byte " + std::to_string(at));
-  auto const rank = r.template read<std::uint8_t>("a record rank");
+  auto const rank = read_value<std::uint8_t>(r, "a record rank");
   for (int d = 0; d < rank; ++d) {
-    e.shape.push_back(r.template read<std::int64_t>("a record extent"));
+    e.shape.push_back(read_value<std::int64_t>(r, "a record extent"));
     if (e.shape.back() < 0) throw Error(Errc::corrupt_data, name + ": record '" + e.name + "' has a negative extent");
   }
-  e.size = r.template read<std::uint64_t>("a record size");
-  e.checksum = r.template read<std::uint64_t>("a record checksum");
+  e.size = read_value<std::uint64_t>(r, "a record size");
+  e.checksum = read_value<std::uint64_t>(r, "a record checksum");
   // The shape's byte count, checked for overflow: extents come from the file.
   std::uint64_t expected = type_size(e.type);
   for (auto extent : e.shape) {
@@ -145,12 +151,6 @@ class FileReader {
       : in_(in), end_(end), at_(start), path_(path) {
     in_.seekg(static_cast<std::streamoff>(start));
   }
-  template <class T>
-  T read(char const* what) {
-    T value;
-    std::memcpy(&value, take(sizeof(T), what), sizeof(T));
-    return value;
-  }
   std::byte const* take(std::size_t n, char const* what) {
     check(n, what);
     buffer_.resize(n);
@@ -168,10 +168,7 @@ class FileReader {
 
  private:
   void check(std::size_t n, char const* what) const {
-    if (n > end_ - at_)
-      throw Error(Errc::corrupt_data, path_.string() + ": truncated: " + what + " at byte " + std::to_string(at_) + " needs " +
-                                          std::to_string(n) + " bytes, " + std::to_string(end_ - at_) +
-                                          " left (expected a complete checkpoint)");
+    if (n > end_ - at_) fail_truncated(path_.string(), what, at_, n, end_ - at_);
   }
   std::ifstream& in_;
   std::size_t end_;
@@ -324,7 +321,7 @@ Checkpoint Checkpoint::load(std::filesystem::path const& path) {
     throw Error(Errc::corrupt_data, name + ": not an mgpu checkpoint (expected the bytes \"MGPUCKPT\" at the start)");
   Reader header(bytes, bytes.size(), name);
   header.take(8, "magic");
-  auto const version = header.read<std::uint32_t>("the version");
+  auto const version = read_value<std::uint32_t>(header, "the version");
   if (version != checkpoint_version)
     throw Error(Errc::corrupt_data, name + ": unknown checkpoint version " + std::to_string(version) + " (expected " +
                                         std::to_string(checkpoint_version) + ")");
@@ -339,7 +336,7 @@ Checkpoint Checkpoint::load(std::filesystem::path const& path) {
 
   Reader r(bytes, body, name);
   r.take(12, "the header");
-  auto const records = r.read<std::uint32_t>("the record count");
+  auto const records = read_value<std::uint32_t>(r, "the record count");
   Checkpoint checkpoint;
   for (std::uint32_t i = 0; i < records; ++i) {
     RecordEntry entry = read_entry(r, name);
@@ -372,11 +369,11 @@ std::vector<RecordEntry> Checkpoint::index(std::filesystem::path const& path) {
     throw Error(Errc::corrupt_data, name + ": truncated: " + std::to_string(size) +
                                         " bytes without the end marker (expected a complete checkpoint ending in \"MGPU-END\")");
   FileReader r(in, 8, size - 16, path);
-  auto const version = r.read<std::uint32_t>("the version");
+  auto const version = read_value<std::uint32_t>(r, "the version");
   if (version != checkpoint_version)
     throw Error(Errc::corrupt_data, name + ": unknown checkpoint version " + std::to_string(version) + " (expected " +
                                         std::to_string(checkpoint_version) + ")");
-  auto const records = r.read<std::uint32_t>("the record count");
+  auto const records = read_value<std::uint32_t>(r, "the record count");
   std::vector<RecordEntry> entries;
   for (std::uint32_t i = 0; i < records; ++i) {
     entries.push_back(read_entry(r, name));

@@ -68,16 +68,7 @@ double worst_difference(std::vector<float> const& got, std::vector<float> const&
 }
 
 // The global L2 norm of the one-device model's gradients for a batch (nothing updated).
-double gradient_norm(Env& env, Batch const& b) {
-  nn::Sequential model = nn::gpt(config);
-  model.materialize(env.ctx, seed);
-  mgpu::optim::SGD sgd({.lr = 0.0f});
-  nn::train_step(model, sgd, b.ids, b.targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = 1e30f});
-  env.stream.synchronize();
-  double squares = 0;
-  for (float const g : model.master_gradients().host_span<float>()) squares += static_cast<double>(g) * g;
-  return std::sqrt(squares);
-}
+double gradient_norm(Env& env, Batch const& b) { return mgpu::test::gpt_gradient_norm(env, config, seed, b); }
 
 // The one-device model's losses over `batches` (AdamW, clipped) and its weights after them.
 std::pair<std::vector<double>, std::vector<float>> one_device_curve(Env& env, std::vector<Batch> const& batches) {

@@ -64,6 +64,39 @@ double worst_relative(std::vector<float> const& got, std::vector<float> const& w
   return worst;
 }
 
+// The checkpoint tests' run: six batches of clusters (seeds from `first`), an MLP data parallel at
+// `stage` with small buckets (several per model), and the weights of six steps straight through.
+struct CheckpointRun {
+  Env env;
+  std::vector<Tensor> xs, ys;
+  explicit CheckpointRun(unsigned first) {
+    for (unsigned s = 0; s < 6; ++s) {
+      auto [x, y] = env.clusters(23, first + s);
+      xs.push_back(x);
+      ys.push_back(y);
+    }
+  }
+  static std::unique_ptr<DataParallel> make(mgpu::DeviceGroup& group, int stage, int accumulation = 1) {
+    DataParallelOptions options;
+    options.zero_stage = stage;
+    options.clip_norm = 0.2f;
+    options.accumulation_steps = accumulation;
+    options.first_bucket_cap_bytes = 64;
+    options.bucket_cap_bytes = 300;
+    return std::make_unique<DataParallel>(nn::Sequential::mlp({2, 24, 17, 3}), group,
+                                          mgpu::optim::AdamW({.lr = 0.02f, .weight_decay = 0.1f}), options);
+  }
+  // Steps [begin, end) of `dp`.
+  void steps(DataParallel& dp, int begin, int end) const {
+    for (int s = begin; s < end; ++s) dp.step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
+  }
+  std::vector<float> straight(mgpu::DeviceGroup& group, int stage) const {
+    auto dp = make(group, stage);
+    steps(*dp, 0, 6);
+    return host_values(dp->replica(0).master_parameters(), group.stream(0));
+  }
+};
+
 // What one run gives: its loss curve, rank 0's final weights, and the whole optimizer state that
 // optimizer(last rank) gathers at step 10 (the run then goes on with its state sharded again).
 struct Run {
@@ -215,22 +248,7 @@ TEST_CASE("A zero_stage 1 checkpoint holds the whole optimizer state and resumes
           "[parallel][dp][zero][io]") {
   auto const dir = mgpu::test::temp_path("mgpu_zero_checkpoint_test");
   std::filesystem::create_directories(dir);
-  Env env;
-  std::vector<Tensor> xs, ys;
-  for (int s = 0; s < 6; ++s) {
-    auto [x, y] = env.clusters(23, 60 + static_cast<unsigned>(s));
-    xs.push_back(x);
-    ys.push_back(y);
-  }
-  auto const make = [](mgpu::DeviceGroup& group, int stage) {
-    DataParallelOptions options;
-    options.zero_stage = stage;
-    options.clip_norm = 0.2f;
-    options.first_bucket_cap_bytes = 64;
-    options.bucket_cap_bytes = 300;
-    return std::make_unique<DataParallel>(nn::Sequential::mlp({2, 24, 17, 3}), group,
-                                          mgpu::optim::AdamW({.lr = 0.02f, .weight_decay = 0.1f}), options);
-  };
+  CheckpointRun const data(60);
   auto const whole_state = [](DataParallel& dp) {
     std::vector<float> all;
     for (auto const& [name, tensor] : dp.optimizer(0).state()) {
@@ -241,15 +259,10 @@ TEST_CASE("A zero_stage 1 checkpoint holds the whole optimizer state and resumes
   };
   // Straight through at stage 1 on 3 devices; and the same run saved after 3 steps, at each stage.
   mgpu::DeviceGroup three("host:3");
-  std::vector<float> straight;
-  {
-    auto dp = make(three, 1);
-    for (int s = 0; s < 6; ++s) dp->step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
-    straight = host_values(dp->replica(0).master_parameters(), three.stream(0));
-  }
+  std::vector<float> const straight = data.straight(three, 1);
   for (int const stage : {0, 1}) {
-    auto dp = make(three, stage);
-    for (int s = 0; s < 3; ++s) dp->step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
+    auto dp = CheckpointRun::make(three, stage);
+    data.steps(*dp, 0, 3);
     dp->save(dir / ("stage" + std::to_string(stage) + ".ckpt"), {.step = 3});
   }
   // Loaded on 2 devices at stage 0 (every rank loads the whole state): the stage 1 file holds the
@@ -257,7 +270,7 @@ TEST_CASE("A zero_stage 1 checkpoint holds the whole optimizer state and resumes
   std::vector<std::vector<float>> states;
   mgpu::DeviceGroup two("host:2");
   for (int const stage : {0, 1}) {
-    auto dp = make(two, 0);
+    auto dp = CheckpointRun::make(two, 0);
     dp->load(dir / ("stage" + std::to_string(stage) + ".ckpt"));
     states.push_back(whole_state(*dp));
   }
@@ -266,9 +279,9 @@ TEST_CASE("A zero_stage 1 checkpoint holds the whole optimizer state and resumes
   mgpu::DeviceGroup four("host:4");
   for (auto const& [group, stage] : {std::pair{&two, 0}, std::pair{&four, 1}}) {
     CAPTURE(group->size(), stage);
-    auto dp = make(*group, stage);
+    auto dp = CheckpointRun::make(*group, stage);
     CHECK(dp->load(dir / "stage1.ckpt").step == 3);
-    for (int s = 3; s < 6; ++s) dp->step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
+    data.steps(*dp, 3, 6);
     CHECK(worst_relative(host_values(dp->replica(0).master_parameters(), group->stream(0)), straight, 1) <= 1e-5);
   }
   std::filesystem::remove_all(dir);
@@ -501,33 +514,12 @@ TEST_CASE("A zero_stage 2 checkpoint (a file or a folder) resumes at stages 0, 1
           "[parallel][dp][zero][io]") {
   auto const dir = mgpu::test::temp_path("mgpu_zero2_checkpoint_test");
   std::filesystem::create_directories(dir);
-  Env env;
-  std::vector<Tensor> xs, ys;
-  for (int s = 0; s < 6; ++s) {
-    auto [x, y] = env.clusters(23, 80 + static_cast<unsigned>(s));
-    xs.push_back(x);
-    ys.push_back(y);
-  }
-  auto const make = [](mgpu::DeviceGroup& group, int stage, int accumulation = 1) {
-    DataParallelOptions options;
-    options.zero_stage = stage;
-    options.clip_norm = 0.2f;
-    options.accumulation_steps = accumulation;
-    options.first_bucket_cap_bytes = 64;
-    options.bucket_cap_bytes = 300;
-    return std::make_unique<DataParallel>(nn::Sequential::mlp({2, 24, 17, 3}), group,
-                                          mgpu::optim::AdamW({.lr = 0.02f, .weight_decay = 0.1f}), options);
-  };
+  CheckpointRun const data(80);
   mgpu::DeviceGroup three("host:3");
-  std::vector<float> straight;
+  std::vector<float> const straight = data.straight(three, 2);
   {
-    auto dp = make(three, 2);
-    for (int s = 0; s < 6; ++s) dp->step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
-    straight = host_values(dp->replica(0).master_parameters(), three.stream(0));
-  }
-  {
-    auto dp = make(three, 2);
-    for (int s = 0; s < 3; ++s) dp->step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
+    auto dp = CheckpointRun::make(three, 2);
+    data.steps(*dp, 0, 3);
     dp->save(dir / "stage2.ckpt", {.step = 3});
     std::filesystem::create_directories(dir / "stage2-folder");  // a folder: each rank writes its owned state
     dp->save(dir / "stage2-folder", {.step = 3});
@@ -537,9 +529,9 @@ TEST_CASE("A zero_stage 2 checkpoint (a file or a folder) resumes at stages 0, 1
   for (auto const& [group, stage] : {std::pair{&two, 0}, std::pair{&four, 1}, std::pair{&two, 2}, std::pair{&three, 2}}) {
     for (char const* saved : {"stage2.ckpt", "stage2-folder"}) {  // a folder: each rank reads its owned state
       CAPTURE(group->size(), stage, saved);
-      auto dp = make(*group, stage);
+      auto dp = CheckpointRun::make(*group, stage);
       CHECK(dp->load(dir / saved).step == 3);
-      for (int s = 3; s < 6; ++s) dp->step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
+      data.steps(*dp, 3, 6);
       std::vector<float> const weights = host_values(dp->replica(0).master_parameters(), group->stream(0));
       if (group == &three) {
         CHECK(weights == straight);  // the same run, resumed
@@ -549,13 +541,13 @@ TEST_CASE("A zero_stage 2 checkpoint (a file or a folder) resumes at stages 0, 1
     }
   }
   // Mid accumulation cycle: refused both ways, the executor unchanged.
-  auto dp = make(two, 2, 2);
-  dp->step(xs[0], ys[0]);
+  auto dp = CheckpointRun::make(two, 2, 2);
+  data.steps(*dp, 0, 1);
   REQUIRE_MGPU_ERROR(dp->save(dir / "mid.ckpt", {.step = 0}), mgpu::Errc::invalid_argument,
                      "after 1 of 2 accumulated micro-batches at zero_stage 2 (expected a save at the end of an accumulation cycle");
   {
-    auto one = make(two, 1, 2);
-    one->step(xs[0], ys[0]);
+    auto one = CheckpointRun::make(two, 1, 2);
+    data.steps(*one, 0, 1);
     one->save(dir / "mid.ckpt", {.step = 0});
   }
   REQUIRE_MGPU_ERROR(dp->load(dir / "mid.ckpt"), mgpu::Errc::invalid_argument,
@@ -735,32 +727,12 @@ TEST_CASE("A zero_stage 3 checkpoint (a file or a folder) resumes at stages 0 to
           "[parallel][dp][zero][io]") {
   auto const dir = mgpu::test::temp_path("mgpu_zero3_checkpoint_test");
   std::filesystem::create_directories(dir);
-  Env env;
-  std::vector<Tensor> xs, ys;
-  for (int s = 0; s < 6; ++s) {
-    auto [x, y] = env.clusters(23, 80 + static_cast<unsigned>(s));
-    xs.push_back(x);
-    ys.push_back(y);
-  }
-  auto const make = [](mgpu::DeviceGroup& group, int stage) {
-    DataParallelOptions options;
-    options.zero_stage = stage;
-    options.clip_norm = 0.2f;
-    options.first_bucket_cap_bytes = 64;
-    options.bucket_cap_bytes = 300;
-    return std::make_unique<DataParallel>(nn::Sequential::mlp({2, 24, 17, 3}), group,
-                                          mgpu::optim::AdamW({.lr = 0.02f, .weight_decay = 0.1f}), options);
-  };
+  CheckpointRun const data(80);
   mgpu::DeviceGroup three("host:3");
-  std::vector<float> straight;
-  {
-    auto dp = make(three, 3);
-    for (int s = 0; s < 6; ++s) dp->step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
-    straight = host_values(dp->replica(0).master_parameters(), three.stream(0));
-  }
+  std::vector<float> const straight = data.straight(three, 3);
   for (int const saver : {2, 3}) {
-    auto dp = make(three, saver);
-    for (int s = 0; s < 3; ++s) dp->step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
+    auto dp = CheckpointRun::make(three, saver);
+    data.steps(*dp, 0, 3);
     std::string const name = "stage" + std::to_string(saver);
     dp->save(dir / (name + ".ckpt"), {.step = 3});
     std::filesystem::create_directories(dir / (name + "-folder"));
@@ -773,9 +745,9 @@ TEST_CASE("A zero_stage 3 checkpoint (a file or a folder) resumes at stages 0 to
     for (char const* saved : {"stage3.ckpt", "stage3-folder", "stage2.ckpt", "stage2-folder"}) {
       if (stage != 3 && std::string(saved).starts_with("stage2")) continue;  // stage 2's own test covers those
       CAPTURE(group->size(), stage, saved);
-      auto dp = make(*group, stage);
+      auto dp = CheckpointRun::make(*group, stage);
       CHECK(dp->load(dir / saved).step == 3);
-      for (int s = 3; s < 6; ++s) dp->step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
+      data.steps(*dp, 3, 6);
       std::vector<float> const weights = host_values(dp->replica(0).master_parameters(), group->stream(0));
       if (group == &three) {
         CHECK(weights == straight);  // the same run, resumed

@@ -57,16 +57,7 @@ std::vector<Batch> make_batches(Env& env, std::int64_t vocab = config.vocab) {
 }
 
 // The global L2 norm of the one-device model's gradients for a batch (nothing updated).
-double gradient_norm(Env& env, Batch const& b) {
-  nn::Sequential model = nn::gpt(config);
-  model.materialize(env.ctx, seed);
-  mgpu::optim::SGD sgd({.lr = 0.0f});
-  nn::train_step(model, sgd, b.ids, b.targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = 1e30f});
-  env.stream.synchronize();
-  double squares = 0;
-  for (double const g : as_double(model.master_gradients())) squares += g * g;
-  return std::sqrt(squares);
-}
+double gradient_norm(Env& env, Batch const& b) { return mgpu::test::gpt_gradient_norm(env, config, seed, b); }
 
 struct Curve {
   std::vector<double> losses, weights;  // and the weights after the last step

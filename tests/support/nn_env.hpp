@@ -4,9 +4,14 @@
 #include <mgpu/core/memory.hpp>
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
+#include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/loss.hpp>
+#include <mgpu/nn/train.hpp>
+#include <mgpu/optim/optim.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <random>
 #include <utility>
 #include <vector>
@@ -97,6 +102,19 @@ inline TokenBatch rule_batch(Env& env, std::int64_t rows, std::int64_t t, std::i
     }
   }
   return b;
+}
+
+// The global L2 norm of the gradients of nn::gpt(config) materialized from `seed` for a batch on
+// one device (nothing updated): what a test compares a clipping threshold with.
+inline double gpt_gradient_norm(Env& env, nn::GptConfig const& config, std::uint64_t seed, TokenBatch const& b) {
+  nn::Sequential model = nn::gpt(config);
+  model.materialize(env.ctx, seed);
+  optim::SGD sgd({.lr = 0.0f});
+  nn::train_step(model, sgd, b.ids, b.targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = 1e30f});
+  env.stream.synchronize();
+  double squares = 0;
+  for (double const g : as_double(model.master_gradients())) squares += g * g;
+  return std::sqrt(squares);
 }
 
 }  // namespace mgpu::test
