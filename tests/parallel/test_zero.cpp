@@ -64,6 +64,17 @@ double worst_relative(std::vector<float> const& got, std::vector<float> const& w
   return worst;
 }
 
+// A GPT data parallel at `stage` with a gradient bucket per block (the memory tests' run).
+DataParallel bucket_per_block(nn::GptConfig const& config, mgpu::DeviceGroup& group, int stage) {
+  DataParallelOptions options;
+  options.zero_stage = stage;
+  options.clip_norm = clip;
+  options.loss = std::make_shared<nn::TokenCrossEntropy const>();
+  options.first_bucket_cap_bytes = 4096;
+  options.bucket_cap_bytes = 8192;
+  return DataParallel(nn::gpt(config), group, mgpu::optim::AdamW({.decay_ranges = nn::gpt_decay_ranges(config)}), options);
+}
+
 // The checkpoint tests' run: six batches of clusters (seeds from `first`), an MLP data parallel at
 // `stage` with small buckets (several per model), and the weights of six steps straight through.
 struct CheckpointRun {
@@ -481,13 +492,7 @@ TEST_CASE("zero_stage 2 keeps on each device the gradients of its owned elements
     for (int const stage : {1, 2}) {
       CAPTURE(devices, stage);
       mgpu::DeviceGroup group("host:" + std::to_string(devices));
-      DataParallelOptions options;
-      options.zero_stage = stage;
-      options.clip_norm = clip;
-      options.loss = std::make_shared<nn::TokenCrossEntropy const>();
-      options.first_bucket_cap_bytes = 4096;
-      options.bucket_cap_bytes = 8192;
-      DataParallel dp(nn::gpt(deep), group, mgpu::optim::AdamW({.decay_ranges = nn::gpt_decay_ranges(deep)}), options);
+      DataParallel dp = bucket_per_block(deep, group, stage);
       for (int s = 0; s < 2; ++s) dp.step(b.ids, b.targets);
       dp.group().synchronize();  // host streams' queued work holds tensors until it has run
       buckets = dp.buckets();
@@ -603,13 +608,7 @@ TEST_CASE("zero_stage 3 keeps on each device 1/N of the replicated run's paramet
     for (int const stage : {0, 2, 3}) {
       CAPTURE(devices, stage);
       mgpu::DeviceGroup group("host:" + std::to_string(devices));
-      DataParallelOptions options;
-      options.zero_stage = stage;
-      options.clip_norm = clip;
-      options.loss = std::make_shared<nn::TokenCrossEntropy const>();
-      options.first_bucket_cap_bytes = 4096;
-      options.bucket_cap_bytes = 8192;
-      DataParallel dp(nn::gpt(deep), group, mgpu::optim::AdamW({.decay_ranges = nn::gpt_decay_ranges(deep)}), options);
+      DataParallel dp = bucket_per_block(deep, group, stage);
       for (int r = 0; r < devices; ++r) group.allocator(r).reset_peak();
       std::vector<float> losses;
       for (int s = 0; s < 3; ++s) losses.push_back(dp.step(b.ids, b.targets).loss);
