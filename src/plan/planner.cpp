@@ -17,6 +17,7 @@
 #include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/optim/optim.hpp>
+#include <mgpu/parallel/data_parallel.hpp>
 #include <mgpu/parallel/memory_model.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
@@ -62,37 +63,34 @@ nn::GptConfig with_recompute(nn::GptConfig config, nn::Recompute recompute) {
   return config;
 }
 
-TensorParallelCost const* tensor_cost(GptCosts const& costs, int ranks) {
-  for (TensorParallelCost const& c : costs.tensor_parallel)
+GroupCost const* group_cost(std::vector<GroupCost> const& costs, int ranks) {
+  for (GroupCost const& c : costs)
     if (c.ranks == ranks) return &c;
   return nullptr;
 }
 
-// Each layer's predicted forward + backward seconds for a micro-batch of `tokens` on one of `ranks`
-// tensor-parallel ranks, in seconds of a device of its own: one device's lines (the embedding's on
-// the embedding, the blocks' on each block, the head's on the head); tensor-parallel ranks their
-// measured block on each block (with a recomputing block's extra work split over them) and the
-// rest of their step on the head, scaled by their share of a device's compute when measured
-// sharing it.
+// Each layer's predicted forward + backward seconds for a micro-batch of `tokens` on one rank, in
+// seconds of a device of its own: one device's lines (the embedding's on the embedding, the
+// blocks' on each block, the head's on the head); or a measured group's (`group`: tensor-parallel
+// ranks, or data-parallel replicas), its block on each block and the rest of its step on the head,
+// scaled by `busy` (a rank's share of a device's compute when measured sharing it), with a
+// recomputing block's extra work over the `split` ranks that share a block, slowed as the group's
+// measured block is against one device's alone (ranks that share a machine's memory and caches).
 std::vector<double> layer_seconds(nn::Sequential const& model, GptCosts const& costs, nn::Recompute recompute, double tokens,
-                                  int ranks) {
-  TensorParallelCost const* const tensor = ranks > 1 ? tensor_cost(costs, ranks) : nullptr;
-  if (ranks > 1 && tensor == nullptr)
-    throw Error(Errc::invalid_argument, "predict_step_seconds with tensor_parallel " + std::to_string(ranks) +
-                                            " (expected costs.tensor_parallel to hold its costs)");
-  auto const t = static_cast<double>(ranks);
-  double const busy = costs.concurrency > 0 ? std::min(1.0, static_cast<double>(costs.concurrency) / t) : 1.0;
+                                  GroupCost const* group = nullptr, double busy = 1, double split = 1) {
   auto const r = static_cast<int>(recompute);
+  double const alone = costs.block[0].at(tokens);
+  double const slowdown = group == nullptr || alone <= 0 ? 1.0 : std::max(1.0, busy * group->block.at(tokens) * split / alone);
   std::vector<double> seconds;
   for (std::size_t l = 0; l < model.size(); ++l) {
     nn::Layer const& layer = model.layer(l);
     if (dynamic_cast<nn::TransformerBlock const*>(&layer) != nullptr) {
-      seconds.push_back(tensor == nullptr ? costs.block[r].at(tokens)
-                                          : busy * tensor->block.at(tokens) + (costs.block[r].at(tokens) - costs.block[0].at(tokens)) / t);
+      seconds.push_back(group == nullptr ? costs.block[r].at(tokens)
+                                         : busy * group->block.at(tokens) + (costs.block[r].at(tokens) - alone) / split * slowdown);
     } else if (dynamic_cast<nn::Embedding const*>(&layer) != nullptr) {
-      seconds.push_back(tensor == nullptr ? costs.embedding.at(tokens) : 0.0);  // within the rest, on the head
+      seconds.push_back(group == nullptr ? costs.embedding.at(tokens) : 0.0);  // within the rest, on the head
     } else if (dynamic_cast<nn::TiedLMHead const*>(&layer) != nullptr) {
-      seconds.push_back(tensor == nullptr ? costs.head.at(tokens) : busy * tensor->rest.at(tokens));
+      seconds.push_back(group == nullptr ? costs.head.at(tokens) : busy * group->rest.at(tokens));
     } else {
       seconds.push_back(0.0);  // dropout, the final LayerNorm: within the embedding's and the head's lines
     }
@@ -138,9 +136,25 @@ double predict_step_seconds(nn::GptConfig const& config, std::int64_t rows, Layo
   nn::Sequential const model = nn::gpt(c);
   auto const devices = static_cast<double>(d * t * s);
   double const shared = costs.concurrency > 0 ? std::min(devices, static_cast<double>(costs.concurrency)) : devices;
+  // Measured groups: tensor-parallel ranks (required), or data-parallel replicas alone (when
+  // measured: their step holds ZeRO-1's update and collectives).
+  GroupCost const* group = nullptr;
+  if (t > 1) {
+    group = group_cost(costs.tensor_parallel, t);
+    if (group == nullptr)
+      throw Error(Errc::invalid_argument, "predict_step_seconds with tensor_parallel " + std::to_string(t) +
+                                              " (expected costs.tensor_parallel to hold its costs)");
+  } else if (d > 1 && s == 1) {
+    group = group_cost(costs.data_parallel, d);
+  }
+  bool const measured_replicas = t == 1 && group != nullptr;
+  int const ranks = t > 1 ? t : d;
+  double const busy = costs.concurrency > 0 ? std::min(1.0, static_cast<double>(costs.concurrency) / ranks) : 1.0;
   double update = 0, updates = 0, gradient_bytes = 0;
   for (std::size_t i = 0; i < memory.size(); ++i) {
-    double const owned = static_cast<double>(memory[i].optimizer) / (2 * sizeof(float)) * costs.update_seconds_per_element;
+    double owned = static_cast<double>(memory[i].optimizer) / (2 * sizeof(float)) * costs.update_seconds_per_element;
+    if (measured_replicas)  // the measured step updated 1/d of the parameters: ZeRO-0 updates the rest too
+      owned = layout.zero_stage == 0 ? owned * (1 - 1.0 / d) : 0.0;
     update = std::max(update, owned);
     updates += owned;
     gradient_bytes = std::max(gradient_bytes, static_cast<double>(memory[i].parameters));
@@ -152,8 +166,8 @@ double predict_step_seconds(nn::GptConfig const& config, std::int64_t rows, Layo
   std::vector<std::size_t> const cuts = layout.cuts.empty() ? std::vector<std::size_t>{0, model.size()} : layout.cuts;
   std::vector<std::int64_t> const micro = shard_sizes(shard_sizes(rows, d).front(), m);
   for (std::size_t b = 0; b < micro.size(); ++b) {
-    std::vector<double> const seconds =
-        layer_seconds(model, costs, layout.recompute, static_cast<double>(micro[b] * c.block_size), t);
+    std::vector<double> const seconds = layer_seconds(model, costs, layout.recompute, static_cast<double>(micro[b] * c.block_size),
+                                                      group, busy, t);
     double sum = 0, slowest = 0;
     for (std::size_t i = 0; i + 1 < cuts.size(); ++i) {
       double const stage = std::accumulate(seconds.begin() + static_cast<std::ptrdiff_t>(cuts[i]),
@@ -171,7 +185,7 @@ double predict_step_seconds(nn::GptConfig const& config, std::int64_t rows, Layo
   if (d > 1) {
     double const buckets = 1 + std::ceil(gradient_bytes / static_cast<double>(std::size_t{25} << 20));
     double const calls = layout.zero_stage > 0 ? 2 * buckets : buckets;
-    step += all_reduce_seconds(costs, gradient_bytes, d) + (calls - 1) * costs.collective_seconds;
+    if (!measured_replicas) step += all_reduce_seconds(costs, gradient_bytes, d) + (calls - 1) * costs.collective_seconds;
     if (layout.zero_stage == 3) {
       double const gathers = 1 + std::max(0.0, buckets - 4) / buckets;
       step += gathers * (all_reduce_seconds(costs, gradient_bytes, d) / 2 + (buckets - 1) * costs.collective_seconds);
@@ -202,7 +216,7 @@ Plan plan_gpt(nn::GptConfig const& config, std::int64_t rows, int devices, GptCo
     plan.candidates.push_back({layout, peak, predict_step_seconds(config, rows, layout, costs)});
   };
   for (int t = 1; t <= devices; ++t) {
-    if (devices % t != 0 || (t > 1 && (!options.tensor_parallel || tensor_cost(costs, t) == nullptr))) continue;
+    if (devices % t != 0 || (t > 1 && (!options.tensor_parallel || group_cost(costs.tensor_parallel, t) == nullptr))) continue;
     for (int s = 1; s <= devices / t; ++s) {
       int const d = devices / t / s;
       if ((devices / t) % s != 0 || static_cast<std::size_t>(s) > cut_points || (s > 1 && !options.pipeline)) continue;
@@ -220,7 +234,9 @@ Plan plan_gpt(nn::GptConfig const& config, std::int64_t rows, int devices, GptCo
         for (int k = 1; k <= 4 && s * k <= replica_rows; k *= 2) {
           Layout layout{.data_parallel = d, .tensor_parallel = t, .stages = s, .recompute = recompute, .micro_batches = s * k};
           // Stages cut where the predicted times balance, as pipeline::partition cuts for the executor.
-          std::vector<double> const seconds = layer_seconds(model, costs, recompute, micro_batch_tokens(config, rows, layout), t);
+          GroupCost const* const tensor = t > 1 ? group_cost(costs.tensor_parallel, t) : nullptr;
+          std::vector<double> const seconds =
+              layer_seconds(model, costs, recompute, micro_batch_tokens(config, rows, layout), tensor, 1.0, t);
           pipeline::LayerProfile const profile{seconds, std::vector<double>(seconds.size(), 0.0), std::vector<double>(seconds.size(), 0.0)};
           layout.cuts = pipeline::partition(model, pipeline::one_f_one_b(s, layout.micro_batches), profile,
                                             std::vector<pipeline::StageDevice>(static_cast<std::size_t>(s)))
@@ -352,33 +368,48 @@ GptCosts measure_gpt_costs(nn::GptConfig const& config, DeviceGroup& group, std:
   costs.head = fit(tokens, head);
   costs.update_seconds_per_element = update;
 
-  // Tensor parallelism over the first t devices: steps of one and of two blocks.
-  for (int t = 2; t <= group.size(); ++t) {
-    if (group.size() % t != 0 || config.n_head % t != 0 || t > config.vocab) continue;
-    DeviceGroup ranks(std::vector<Device>(group.devices().begin(), group.devices().begin() + t));
+  // A parallel step over the first n devices, on models of one and of two blocks: `step(executor
+  // made by make(devices, config), ids, targets)` for `rows` rows per rank's batch (`replicas`
+  // times as many in all). Its cost: the fastest of the steps (a step waits for every rank, so a
+  // rank slowed by other work on the machine slows the whole step); a block is the difference.
+  auto const measure_group = [&](int n, int replicas, auto const& make) {
+    DeviceGroup devices(std::vector<Device>(group.devices().begin(), group.devices().begin() + n));
     std::vector<double> step[2];
     for (int blocks = 1; blocks <= 2; ++blocks) {
       nn::GptConfig c = config;
       c.n_layer = blocks;
-      parallel::TensorParallel executor(ranks, c, {.clip_norm = 1.0f});
+      auto executor = make(devices, c);
       for (std::int64_t const r : rows) {
-        Tensor const ids = batch(r);
-        // The fastest of its steps: a step waits for every rank, so a rank slowed by other work on the
-        // machine slows the whole step.
+        std::int64_t const all = r * replicas;
+        Tensor const ids = batch(all);
         double fastest = std::numeric_limits<double>::infinity();
         for (int k = 0; k <= std::max(repeats, 5); ++k) {
           auto const start = Clock::now();
-          (void)executor.step(ids.slice(0, r), ids.slice(r, 2 * r));
+          (void)executor->step(ids.slice(0, all), ids.slice(all, 2 * all));
           if (k > 0) fastest = std::min(fastest, seconds_since(start));
         }
         step[blocks - 1].push_back(fastest);
       }
     }
-    std::vector<double> one_block;
-    for (std::size_t i = 0; i < rows.size(); ++i) one_block.push_back(std::max(0.0, step[1][i] - step[0][i]));
-    std::vector<double> rest;
-    for (std::size_t i = 0; i < rows.size(); ++i) rest.push_back(std::max(0.0, step[0][i] - one_block[i]));
-    costs.tensor_parallel.push_back({t, fit(tokens, one_block), fit(tokens, rest)});
+    std::vector<double> one_block, rest;
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      one_block.push_back(std::max(0.0, step[1][i] - step[0][i]));
+      rest.push_back(std::max(0.0, step[0][i] - one_block.back()));
+    }
+    return GroupCost{n, fit(tokens, one_block), fit(tokens, rest)};
+  };
+  for (int n = 2; n <= group.size(); ++n) {
+    if (group.size() % n != 0) continue;
+    if (config.n_head % n == 0 && n <= config.vocab)
+      costs.tensor_parallel.push_back(measure_group(n, 1, [](DeviceGroup& devices, nn::GptConfig const& c) {
+        return std::make_unique<parallel::TensorParallel>(devices, c, parallel::TensorParallelOptions{.clip_norm = 1.0f});
+      }));
+    costs.data_parallel.push_back(measure_group(n, n, [](DeviceGroup& devices, nn::GptConfig const& c) {
+      parallel::DataParallelOptions options;
+      options.clip_norm = 1.0f;
+      options.loss = std::make_shared<nn::TokenCrossEntropy>();
+      return std::make_unique<parallel::DataParallel>(nn::gpt(c), devices, optim::AdamW(optim::AdamWOptions{}), std::move(options));
+    }));
   }
 
   if (group.size() > 1) {  // all-reduces over the whole group: one value, then 1 Mi values

@@ -86,6 +86,33 @@ TEST_CASE("the step-time model: one device's sum of its parts, data parallelism'
   CHECK(plan::predict_step_seconds(config, 6, {}, costs) == Approx(one));
 }
 
+TEST_CASE("the step-time model: data parallelism from its measured step when there is one", "[plan]") {
+  plan::GptCosts costs = free_costs();
+  costs.update_seconds_per_element = 1e-9;
+  costs.collective_seconds = 1e-3;  // within the measured step: not added again
+  costs.data_parallel = {{2, {1e-5, 2e-6}, {3e-5, 1e-6}}};
+  double const tokens = 3 * config.block_size;  // a replica's rows
+  double const measured = 3e-5 + 1e-6 * tokens + 4 * (1e-5 + 2e-6 * tokens);
+  CHECK(plan::predict_step_seconds(config, 6, {.data_parallel = 2, .zero_stage = 1}, costs) == Approx(measured).epsilon(1e-9));
+  // Full recomputation: each replica reruns every block's forward, as slow as the measured
+  // replicas' block is against one device's.
+  double const slowdown = (1e-5 + 2e-6 * tokens) / (1e-6 * tokens);
+  CHECK(plan::predict_step_seconds(config, 6, {.data_parallel = 2, .zero_stage = 1, .recompute = Recompute::full}, costs) ==
+        Approx(measured + 4 * (1.33e-6 - 1e-6) * tokens * slowdown).epsilon(1e-9));
+  // ZeRO-0 updates the other half of the parameters too.
+  double const params = static_cast<double>(mgpu::nn::gpt(config).parameter_count());
+  CHECK(plan::predict_step_seconds(config, 6, {.data_parallel = 2, .zero_stage = 0}, costs) ==
+        Approx(measured + params / 2 * 1e-9).epsilon(0.01));
+  // Two replicas measured sharing one device's compute: a replica's own compute is half of it, and
+  // together they take the measured time.
+  costs.concurrency = 1;
+  CHECK(plan::predict_step_seconds(config, 6, {.data_parallel = 2, .zero_stage = 1}, costs) == Approx(measured).epsilon(1e-9));
+  // A degree without a measured step is composed from the parts, with its collectives.
+  costs.concurrency = 0;
+  costs.data_parallel.clear();
+  CHECK(plan::predict_step_seconds(config, 6, {.data_parallel = 2, .zero_stage = 1}, costs) > 1e-3);
+}
+
 TEST_CASE("the step-time model: a pipeline's bubble shrinks with micro-batches until their fixed costs dominate",
           "[plan]") {
   plan::GptCosts costs = free_costs();
@@ -213,6 +240,9 @@ TEST_CASE("measure_gpt_costs measures every part on host devices, and tensor par
   REQUIRE(costs.tensor_parallel.size() == 1);
   CHECK(costs.tensor_parallel[0].ranks == 2);
   CHECK(costs.tensor_parallel[0].block.at(32) + costs.tensor_parallel[0].rest.at(32) > 0);
+  REQUIRE(costs.data_parallel.size() == 1);
+  CHECK(costs.data_parallel[0].ranks == 2);
+  CHECK(costs.data_parallel[0].block.at(32) + costs.data_parallel[0].rest.at(32) > 0);
   // What it measured plans a layout.
   CHECK(plan::plan_gpt(config, 4, 2, costs, {}).candidates.size() == plan::plan_gpt(config, 4, 2, costs, {}).considered);
   REQUIRE_MGPU_ERROR(plan::measure_gpt_costs(config, group, {}), mgpu::Errc::invalid_argument, "at least one count");

@@ -27,14 +27,16 @@ struct CostLine {
   [[nodiscard]] double at(double tokens) const noexcept { return fixed + per_token * tokens; }
 };
 
-/// What tensor parallelism over `ranks` devices costs: seconds of the ranks running alone (their
-/// collectives included, and their sharing of compute when they share it).
-struct TensorParallelCost {
+/// What a parallel step over `ranks` devices costs, measured with the ranks running alone (their
+/// collectives, their update and their sharing of compute when they share it included): tensor
+/// parallelism over `ranks` ranks, or data parallelism (ZeRO-1) over `ranks` replicas.
+struct GroupCost {
   int ranks = 2;
-  /// One tensor-parallel block's forward + backward (recomputation none), in the tokens of a rank.
+  /// One block's forward + backward (recomputation none) and update, in the tokens of a rank (a
+  /// replica's rows, or the tensor-parallel ranks' shared rows).
   CostLine block;
-  /// The rest of a step: the vocab-parallel embedding, head and cross-entropy, and the update of
-  /// what is not a block.
+  /// The rest of a step: the embedding, head and cross-entropy, and the update of what is not a
+  /// block.
   CostLine rest;
 };
 
@@ -48,7 +50,10 @@ struct GptCosts {
   /// The final LayerNorm, the tied LM head and the cross-entropy, forward + backward.
   CostLine head;
   /// By tensor-parallel degree (a layout with a degree not listed is not weighed).
-  std::vector<TensorParallelCost> tensor_parallel;
+  std::vector<GroupCost> tensor_parallel;
+  /// By data-parallel degree, for data parallelism alone (without one listed, its step is composed
+  /// from the one-device parts and the collectives below).
+  std::vector<GroupCost> data_parallel;
   /// AdamW's update of one parameter (with clipping's norm).
   double update_seconds_per_element = 0;
   /// An all-reduce over the group: seconds = collective_seconds + bytes * 2 (n - 1) / n /
@@ -65,8 +70,9 @@ struct GptCosts {
 /// on rank 0, each part's forward + backward, timed layer by layer and scaled to the time of a
 /// whole pass without the per-layer waits, for each recomputation mode, and AdamW's update over
 /// the model; tensor parallelism over the first t devices for every degree t that divides
-/// n_head and the group's size (the fastest of at least 5 steps of TensorParallel on models of
-/// one and two blocks: their difference is a block, the rest the step's rest); and all-reduces over the whole group (one
+/// n_head and the group's size, and data parallelism over the first d devices for every d that
+/// divides it (the fastest of at least 5 steps of TensorParallel, or of DataParallel at ZeRO-1,
+/// on models of one and two blocks: their difference is a block, the rest the step's rest); and all-reduces over the whole group (one
 /// value for the latency, 1 Mi values for the bandwidth). Throws Error(invalid_argument) for a bad
 /// config (nn::gpt's checks), no rows or a row count < 1, repeats < 1.
 [[nodiscard]] GptCosts measure_gpt_costs(nn::GptConfig const& config, DeviceGroup& group, std::vector<std::int64_t> const& rows,
@@ -106,11 +112,12 @@ struct Candidate {
 /// The predicted seconds of one training step of `rows` sequences in `layout` over
 /// data_parallel x tensor_parallel x stages devices of speed 1, from `costs`: each device's
 /// compute (a replica's largest share of rows; a pipeline's first micro-batch through every stage
-/// and the rest at its slowest stage; tensor-parallel ranks their measured block and rest, a
-/// recomputing block's extra work split over them), its AdamW update (of its owned elements with
-/// ZeRO), at least the work of every device over `costs.concurrency` when they share compute; plus
-/// the replicas' gradient all-reduce (reduce-scatter and all-gather with ZeRO; ZeRO-3's parameter
-/// all-gathers in forward and backward) and a pipeline's
+/// and the rest at its slowest stage; tensor-parallel ranks, and data-parallel replicas without
+/// other parallelism, their measured block and rest, a recomputing block's extra work split over
+/// the ranks), its AdamW update (of its owned elements with ZeRO; within the measured
+/// data-parallel step, but for ZeRO-0's larger one), at least the work of every device over `costs.concurrency` when they share compute; plus
+/// the replicas' gradient all-reduce (reduce-scatter and all-gather with ZeRO; within the measured
+/// data-parallel step) and ZeRO-3's parameter all-gathers in forward and backward, and a pipeline's
 /// sends. Throws Error(invalid_argument) for a layout predict_gpt_memory refuses or a
 /// tensor-parallel degree without costs.
 [[nodiscard]] double predict_step_seconds(nn::GptConfig const& config, std::int64_t rows, Layout const& layout,
