@@ -50,12 +50,16 @@ done
 # Data parallel: the one-device losses within float32 rounding (relative 1e-4 after 40 steps), and
 # a resumed data-parallel run ends as the uninterrupted one.
 close() { awk -v a="$1" -v b="$2" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= 1e-4 * (a < 0 ? -a : a)) }'; }
+like_one_device() {  # like_one_device JSON HOW: the run's train and val losses are the one-device run's
+  local key
+  for key in train_loss val_loss; do
+    close "$(field $key "$1")" "$(field $key "$dir/full.json")" ||
+      fail "$key $(field $key "$1") $2 (expected $(field $key "$dir/full.json") as on one device)"
+  done
+}
 for devices in host:2 host:3; do
   "$exe" "${common[@]}" --iters 40 --devices $devices > "$dir/dp.json" 2> "$dir/dp.log"
-  for key in train_loss val_loss; do
-    close "$(field $key "$dir/dp.json")" "$(field $key "$dir/full.json")" ||
-      fail "$key $(field $key "$dir/dp.json") on $devices (expected $(field $key "$dir/full.json") as on one device)"
-  done
+  like_one_device "$dir/dp.json" "on $devices"
 done
 grep -q '"devices": \["host:0", "host:1", "host:2"\]' "$dir/dp.json" || fail "devices in the JSON line: $(cat "$dir/dp.json")"
 "$exe" "${common[@]}" --iters 40 --devices host:2 > "$dir/dp2.json" 2> /dev/null
@@ -98,10 +102,7 @@ pipelines=("--schedule 1f1b --stages 2 --micro-batches 4" "--schedule interleave
 for layout in "${pipelines[@]}"; do
   read -r -a flags <<<"$layout"
   "$exe" "${common[@]}" --iters 40 "${flags[@]}" > "$dir/pp.json" 2> "$dir/pp.log"
-  for key in train_loss val_loss; do
-    close "$(field $key "$dir/pp.json")" "$(field $key "$dir/full.json")" ||
-      fail "$key $(field $key "$dir/pp.json") with $layout (expected $(field $key "$dir/full.json") as on one device)"
-  done
+  like_one_device "$dir/pp.json" "with $layout"
   grep -q "chunk 1 on device 1: layers \[" "$dir/pp.log" || fail "no plan printed with $layout: $(head -3 "$dir/pp.log")"
 done
 grep -q '"devices": \["host:0", "host:1", "host:2", "host:3"\]' "$dir/pp.json" || fail "devices of the grid: $(cat "$dir/pp.json")"
@@ -153,34 +154,22 @@ grep -q '"recompute": "none"' "$dir/full.json" || fail "no recompute none in: $(
 # Tensor parallel over host:2 (each block's heads and MLP split): the one-device losses within
 # float32 rounding; from the llm.c model file, the trained model's validation loss.
 "$exe" "${common[@]}" --iters 40 --tp 2 > "$dir/tp.json" 2> "$dir/tp.log"
-for key in train_loss val_loss; do
-  close "$(field $key "$dir/tp.json")" "$(field $key "$dir/full.json")" ||
-    fail "$key $(field $key "$dir/tp.json") with --tp 2 (expected $(field $key "$dir/full.json") as on one device)"
-done
+like_one_device "$dir/tp.json" "with --tp 2"
 [ "$(field tp "$dir/tp.json")" = 2 ] || fail "tp in the JSON line: $(cat "$dir/tp.json")"
 # With sequence parallelism (each device 1/2 of the tokens between the split regions): the same.
 "$exe" "${common[@]}" --iters 40 --tp 2 --sequence-parallel > "$dir/sp.json" 2> /dev/null
-for key in train_loss val_loss; do
-  close "$(field $key "$dir/sp.json")" "$(field $key "$dir/full.json")" ||
-    fail "$key $(field $key "$dir/sp.json") with --tp 2 --sequence-parallel (expected $(field $key "$dir/full.json") as on one device)"
-done
+like_one_device "$dir/sp.json" "with --tp 2 --sequence-parallel"
 [ "$(field sequence_parallel "$dir/sp.json")" = true ] && [ "$(field sequence_parallel "$dir/tp.json")" = false ] ||
   fail "sequence_parallel in the JSON lines: $(cat "$dir/sp.json" "$dir/tp.json")"
 # Two replicas of it over host:4 (each its two rows of the batch): the one-device losses too.
 "$exe" "${common[@]}" --iters 40 --dp 2 --tp 2 > "$dir/dptp.json" 2> /dev/null
-for key in train_loss val_loss; do
-  close "$(field $key "$dir/dptp.json")" "$(field $key "$dir/full.json")" ||
-    fail "$key $(field $key "$dir/dptp.json") with --dp 2 --tp 2 (expected $(field $key "$dir/full.json") as on one device)"
-done
+like_one_device "$dir/dptp.json" "with --dp 2 --tp 2"
 [ "$(field dp "$dir/dptp.json")" = 2 ] && [ "$(field tp "$dir/dptp.json")" = 2 ] ||
   fail "dp and tp in the JSON line: $(cat "$dir/dptp.json")"
 for grid in "--tp 2 --stages 2" "--dp 2 --tp 2 --stages 2 --schedule gpipe --micro-batches 2" "--tp 2 --stages 2 --sequence-parallel"; do
   # shellcheck disable=SC2086
   "$exe" "${common[@]}" --iters 40 $grid > "$dir/tpp.json" 2> /dev/null
-  for key in train_loss val_loss; do
-    close "$(field $key "$dir/tpp.json")" "$(field $key "$dir/full.json")" ||
-      fail "$key $(field $key "$dir/tpp.json") with $grid (expected $(field $key "$dir/full.json") as on one device)"
-  done
+  like_one_device "$dir/tpp.json" "with $grid"
   [ "$(field tp "$dir/tpp.json")" = 2 ] && [ "$(field stages "$dir/tpp.json")" = 2 ] ||
     fail "tp and stages in the JSON line: $(cat "$dir/tpp.json")"
 done

@@ -72,17 +72,8 @@ double gradient_norm(Env& env, Batch const& b) { return mgpu::test::gpt_gradient
 
 // The one-device model's losses over `batches` (AdamW, clipped) and its weights after them.
 std::pair<std::vector<double>, std::vector<float>> one_device_curve(Env& env, std::vector<Batch> const& batches) {
-  nn::Sequential model = nn::gpt(config);
-  model.materialize(env.ctx, seed);
-  mgpu::optim::AdamWOptions one = adamw;
-  one.decay_ranges = nn::gpt_decay_ranges(config);
-  mgpu::optim::AdamW opt(one);
-  nn::TokenCrossEntropy const loss;
-  std::vector<double> losses;
-  for (Batch const& b : batches)
-    losses.push_back(mgpu::ops::item(
-        nn::train_step(model, opt, b.ids, b.targets, loss, env.ctx, {.clip_norm = clip}).loss, env.stream));
-  return {losses, host_values(model.master_parameters())};
+  mgpu::test::GptCurve curve = mgpu::test::gpt_one_device_curve(env, config, seed, adamw, clip, batches);
+  return {std::move(curve.losses), std::move(curve.weights)};
 }
 
 }  // namespace
@@ -149,17 +140,7 @@ TEST_CASE(
   std::vector<Batch> batches;
   for (int s = 0; s < 8; ++s) batches.push_back(make_batch(env, static_cast<unsigned>(40 + s)));
   auto const one_device = [&](nn::GptConfig const& c) {
-    nn::Sequential model = nn::gpt(c);
-    model.materialize(env.ctx, seed);
-    mgpu::optim::AdamWOptions one = adamw;
-    one.decay_ranges = nn::gpt_decay_ranges(c);
-    mgpu::optim::AdamW opt(one);
-    std::vector<double> losses;
-    for (Batch const& b : batches)
-      losses.push_back(mgpu::ops::item(
-          nn::train_step(model, opt, b.ids, b.targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = clip}).loss,
-          env.stream));
-    return losses;
+    return mgpu::test::gpt_one_device_curve(env, c, seed, adamw, clip, batches).losses;
   };
   std::vector<double> const want = one_device(dropped), undropped = one_device(config);
   REQUIRE(std::abs(want[0] - undropped[0]) > 1e-3 * undropped[0]);  // the dropout changes the loss
@@ -588,17 +569,9 @@ TEST_CASE("with dropout sequence parallelism drops what one device drops: 2 and 
   Env env;
   std::vector<Batch> batches;
   for (int s = 0; s < 8; ++s) batches.push_back(make_batch(env, static_cast<unsigned>(40 + s)));
-  nn::Sequential model = nn::gpt(dropped);
-  model.materialize(env.ctx, seed);
-  mgpu::optim::AdamWOptions one = adamw;
-  one.decay_ranges = nn::gpt_decay_ranges(dropped);
-  mgpu::optim::AdamW opt(one);
-  std::vector<double> want;
-  for (Batch const& b : batches)
-    want.push_back(mgpu::ops::item(
-        nn::train_step(model, opt, b.ids, b.targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = clip}).loss,
-        env.stream));
-  std::vector<float> const want_weights = host_values(model.master_parameters());
+  mgpu::test::GptCurve const reference = mgpu::test::gpt_one_device_curve(env, dropped, seed, adamw, clip, batches);
+  std::vector<double> const& want = reference.losses;
+  std::vector<float> const& want_weights = reference.weights;
 
   auto const check_run = [&](mgpu::DeviceGroup& group, int replicas) {
     par::TensorParallel tp(

@@ -64,6 +64,11 @@ double worst_relative(std::vector<float> const& got, std::vector<float> const& w
   return worst;
 }
 
+// The memory tests' GPT: six blocks of one bucket each, so that the staging buffers are a
+// fraction of the gradients; and the allocator's bytes for a float32 tensor of `elements`.
+nn::GptConfig const deep{.vocab = 64, .block_size = 16, .n_layer = 6, .n_head = 2, .n_embd = 32};
+std::size_t block(std::int64_t elements) { return mgpu::Allocator::block_size(static_cast<std::size_t>(elements) * sizeof(float)); }
+
 // A GPT data parallel at `stage` with a gradient bucket per block (the memory tests' run).
 DataParallel bucket_per_block(nn::GptConfig const& config, mgpu::DeviceGroup& group, int stage) {
   DataParallelOptions options;
@@ -105,6 +110,30 @@ struct CheckpointRun {
     auto dp = make(group, stage);
     steps(*dp, 0, 6);
     return host_values(dp->replica(0).master_parameters(), group.stream(0));
+  }
+  // The run after three steps on `group` at `stage`, saved as a file, dir/stage<stage>.ckpt, and as
+  // a folder, dir/stage<stage>-folder (each rank writes its owned state).
+  void save_at_step_3(mgpu::DeviceGroup& group, int stage, std::filesystem::path const& dir) const {
+    auto dp = make(group, stage);
+    steps(*dp, 0, 3);
+    std::string const name = "stage" + std::to_string(stage);
+    dp->save(dir / (name + ".ckpt"), {.step = 3});
+    std::filesystem::create_directories(dir / (name + "-folder"));
+    dp->save(dir / (name + "-folder"), {.step = 3});
+  }
+  // Resumed on `group` at `stage` from `saved` (at step 3), steps 3 to 6 give `straight`'s weights:
+  // bit for bit when `same` (the device count that saved), else within 1e-5.
+  void check_resumed(mgpu::DeviceGroup& group, int stage, std::filesystem::path const& saved, std::vector<float> const& straight,
+                     bool same) const {
+    auto dp = make(group, stage);
+    CHECK(dp->load(saved).step == 3);
+    steps(*dp, 3, 6);
+    std::vector<float> const weights = host_values(dp->replica(0).master_parameters(), group.stream(0));
+    if (same) {
+      CHECK(weights == straight);  // the same run, resumed
+    } else {
+      CHECK(worst_relative(weights, straight, 1) <= 1e-5);
+    }
   }
 };
 
@@ -290,10 +319,7 @@ TEST_CASE("A zero_stage 1 checkpoint holds the whole optimizer state and resumes
   mgpu::DeviceGroup four("host:4");
   for (auto const& [group, stage] : {std::pair{&two, 0}, std::pair{&four, 1}}) {
     CAPTURE(group->size(), stage);
-    auto dp = CheckpointRun::make(*group, stage);
-    CHECK(dp->load(dir / "stage1.ckpt").step == 3);
-    data.steps(*dp, 3, 6);
-    CHECK(worst_relative(host_values(dp->replica(0).master_parameters(), group->stream(0)), straight, 1) <= 1e-5);
+    data.check_resumed(*group, stage, dir / "stage1.ckpt", straight, false);
   }
   std::filesystem::remove_all(dir);
 }
@@ -305,22 +331,20 @@ TEST_CASE("DataParallel refuses a zero_stage outside 0..3, and at 2 and 3 what t
     REQUIRE_MGPU_ERROR(DataParallel(nn::Sequential::mlp({2, 4, 3}), group, mgpu::optim::SGD{}, {.zero_stage = stage}),
                        mgpu::Errc::invalid_argument, "zero_stage " + std::to_string(stage) + " (expected 0");
   }
-  REQUIRE_MGPU_ERROR(
-      DataParallel(nn::Sequential::mlp({2, 4, 3}), group, mgpu::optim::SGD{}, {.zero_stage = 2, .compute = DType::bfloat16}),
-      mgpu::Errc::invalid_argument, "zero_stage 2 with bfloat16 compute (expected float32");
-  REQUIRE_MGPU_ERROR(DataParallel(nn::Sequential::mlp({2, 4, 3}), group, mgpu::optim::SGD{},
-                                  {.zero_stage = 2, .comm_hook = std::make_shared<mgpu::parallel::Bf16Compression>()}),
-                     mgpu::Errc::invalid_argument, "zero_stage 2 with the comm hook bf16-compression (expected none");
-  REQUIRE_MGPU_ERROR(DataParallel(nn::Sequential::mlp({2, 4, 3}), group, mgpu::optim::SGD{}, {.overlap = false, .zero_stage = 2}),
-                     mgpu::Errc::invalid_argument, "zero_stage 2 without overlap (expected overlap on");
-  REQUIRE_MGPU_ERROR(
-      DataParallel(nn::Sequential::mlp({2, 4, 3}), group, mgpu::optim::SGD{}, {.zero_stage = 3, .compute = DType::float16}),
-      mgpu::Errc::invalid_argument, "zero_stage 3 with float16 compute (expected float32");
-  REQUIRE_MGPU_ERROR(DataParallel(nn::Sequential::mlp({2, 4, 3}), group, mgpu::optim::SGD{},
-                                  {.zero_stage = 3, .comm_hook = std::make_shared<mgpu::parallel::Bf16Compression>()}),
-                     mgpu::Errc::invalid_argument, "zero_stage 3 with the comm hook bf16-compression (expected none");
-  REQUIRE_MGPU_ERROR(DataParallel(nn::Sequential::mlp({2, 4, 3}), group, mgpu::optim::SGD{}, {.overlap = false, .zero_stage = 3}),
-                     mgpu::Errc::invalid_argument, "zero_stage 3 without overlap (expected overlap on");
+  // Each sharded stage refuses 16-bit compute (bfloat16 at 2, float16 at 3), a comm hook and overlap off.
+  for (std::pair<int, DType> const& refused : {std::pair{2, DType::bfloat16}, std::pair{3, DType::float16}}) {
+    int const stage = refused.first;
+    DType const compute = refused.second;
+    std::string const what = "zero_stage " + std::to_string(stage);
+    CAPTURE(stage);
+    REQUIRE_MGPU_ERROR(DataParallel(nn::Sequential::mlp({2, 4, 3}), group, mgpu::optim::SGD{}, {.zero_stage = stage, .compute = compute}),
+                       mgpu::Errc::invalid_argument, what + " with " + std::string(to_string(compute)) + " compute (expected float32");
+    REQUIRE_MGPU_ERROR(DataParallel(nn::Sequential::mlp({2, 4, 3}), group, mgpu::optim::SGD{},
+                                    {.zero_stage = stage, .comm_hook = std::make_shared<mgpu::parallel::Bf16Compression>()}),
+                       mgpu::Errc::invalid_argument, what + " with the comm hook bf16-compression (expected none");
+    REQUIRE_MGPU_ERROR(DataParallel(nn::Sequential::mlp({2, 4, 3}), group, mgpu::optim::SGD{}, {.overlap = false, .zero_stage = stage}),
+                       mgpu::Errc::invalid_argument, what + " without overlap (expected overlap on");
+  }
 }
 
 namespace {
@@ -482,10 +506,8 @@ TEST_CASE("zero_stage 2 and 3 give zero_stage 1's MLP run bit for bit without cl
 TEST_CASE("zero_stage 2 keeps on each device the gradients of its owned elements and the staging buffers only",
           "[parallel][dp][zero][gpt]") {
   Env env;
-  nn::GptConfig const deep{.vocab = 64, .block_size = 16, .n_layer = 6, .n_head = 2, .n_embd = 32};
   mgpu::test::TokenBatch const b = mgpu::test::rule_batch(env, batch, deep.block_size, deep.vocab, 7);
   std::int64_t const parameters = nn::gpt(deep).parameter_count();
-  auto const block = [](std::int64_t elements) { return mgpu::Allocator::block_size(static_cast<std::size_t>(elements) * sizeof(float)); };
   for (int const devices : {2, 3, 4}) {
     std::vector<std::vector<std::size_t>> held(3);
     std::vector<mgpu::parallel::Bucket> buckets;
@@ -522,27 +544,13 @@ TEST_CASE("A zero_stage 2 checkpoint (a file or a folder) resumes at stages 0, 1
   CheckpointRun const data(80);
   mgpu::DeviceGroup three("host:3");
   std::vector<float> const straight = data.straight(three, 2);
-  {
-    auto dp = CheckpointRun::make(three, 2);
-    data.steps(*dp, 0, 3);
-    dp->save(dir / "stage2.ckpt", {.step = 3});
-    std::filesystem::create_directories(dir / "stage2-folder");  // a folder: each rank writes its owned state
-    dp->save(dir / "stage2-folder", {.step = 3});
-  }
+  data.save_at_step_3(three, 2, dir);
   mgpu::DeviceGroup two("host:2");
   mgpu::DeviceGroup four("host:4");
   for (auto const& [group, stage] : {std::pair{&two, 0}, std::pair{&four, 1}, std::pair{&two, 2}, std::pair{&three, 2}}) {
     for (char const* saved : {"stage2.ckpt", "stage2-folder"}) {  // a folder: each rank reads its owned state
       CAPTURE(group->size(), stage, saved);
-      auto dp = CheckpointRun::make(*group, stage);
-      CHECK(dp->load(dir / saved).step == 3);
-      data.steps(*dp, 3, 6);
-      std::vector<float> const weights = host_values(dp->replica(0).master_parameters(), group->stream(0));
-      if (group == &three) {
-        CHECK(weights == straight);  // the same run, resumed
-      } else {
-        CHECK(worst_relative(weights, straight, 1) <= 1e-5);
-      }
+      data.check_resumed(*group, stage, dir / saved, straight, group == &three);
     }
   }
   // Mid accumulation cycle: refused both ways, the executor unchanged.
@@ -598,10 +606,8 @@ TEST_CASE("zero_stage 3 keeps on each device 1/N of the replicated run's paramet
           "gathered buckets",
           "[parallel][dp][zero][gpt]") {
   Env env;
-  nn::GptConfig const deep{.vocab = 64, .block_size = 16, .n_layer = 6, .n_head = 2, .n_embd = 32};
   mgpu::test::TokenBatch const b = mgpu::test::rule_batch(env, batch, deep.block_size, deep.vocab, 7);
   std::int64_t const parameters = nn::gpt(deep).parameter_count();
-  auto const block = [](std::int64_t elements) { return mgpu::Allocator::block_size(static_cast<std::size_t>(elements) * sizeof(float)); };
   for (int const devices : {2, 3, 4}) {
     std::vector<std::vector<std::size_t>> held(4), peak(4);
     std::vector<mgpu::parallel::Bucket> buckets;
@@ -648,7 +654,6 @@ TEST_CASE("zero_stage 3 keeps on each device 1/N of the replicated run's paramet
 TEST_CASE("zero_stage 3 gathers each bucket's parameters before forward reaches it, and buckets 2 to B - 2 again in backward",
           "[parallel][dp][zero][trace]") {
   Env env;
-  nn::GptConfig const deep{.vocab = 64, .block_size = 16, .n_layer = 6, .n_head = 2, .n_embd = 32};
   mgpu::test::TokenBatch const b = mgpu::test::rule_batch(env, batch, deep.block_size, deep.vocab, 7);
   mgpu::DeviceGroup group("host:2");
   auto timeline = std::make_shared<mgpu::trace::Timeline>();
@@ -729,14 +734,7 @@ TEST_CASE("A zero_stage 3 checkpoint (a file or a folder) resumes at stages 0 to
   CheckpointRun const data(80);
   mgpu::DeviceGroup three("host:3");
   std::vector<float> const straight = data.straight(three, 3);
-  for (int const saver : {2, 3}) {
-    auto dp = CheckpointRun::make(three, saver);
-    data.steps(*dp, 0, 3);
-    std::string const name = "stage" + std::to_string(saver);
-    dp->save(dir / (name + ".ckpt"), {.step = 3});
-    std::filesystem::create_directories(dir / (name + "-folder"));
-    dp->save(dir / (name + "-folder"), {.step = 3});
-  }
+  for (int const saver : {2, 3}) data.save_at_step_3(three, saver, dir);
   mgpu::DeviceGroup two("host:2");
   mgpu::DeviceGroup four("host:4");
   for (auto const& [group, stage] :
@@ -744,15 +742,7 @@ TEST_CASE("A zero_stage 3 checkpoint (a file or a folder) resumes at stages 0 to
     for (char const* saved : {"stage3.ckpt", "stage3-folder", "stage2.ckpt", "stage2-folder"}) {
       if (stage != 3 && std::string(saved).starts_with("stage2")) continue;  // stage 2's own test covers those
       CAPTURE(group->size(), stage, saved);
-      auto dp = CheckpointRun::make(*group, stage);
-      CHECK(dp->load(dir / saved).step == 3);
-      data.steps(*dp, 3, 6);
-      std::vector<float> const weights = host_values(dp->replica(0).master_parameters(), group->stream(0));
-      if (group == &three) {
-        CHECK(weights == straight);  // the same run, resumed
-      } else {
-        CHECK(worst_relative(weights, straight, 1) <= 1e-5);
-      }
+      data.check_resumed(*group, stage, dir / saved, straight, group == &three);
     }
   }
   std::filesystem::remove_all(dir);

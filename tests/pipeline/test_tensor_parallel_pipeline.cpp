@@ -65,17 +65,8 @@ struct Curve {
 
 // The one-device model's losses (AdamW decaying gpt_decay_ranges, clipped) and weights.
 Curve one_device_curve(Env& env, nn::GptConfig const& c, std::vector<Batch> const& batches) {
-  nn::Sequential model = nn::gpt(c);
-  model.materialize(env.ctx, seed);
-  mgpu::optim::AdamWOptions one = adamw;
-  one.decay_ranges = nn::gpt_decay_ranges(c);
-  mgpu::optim::AdamW opt(one);
-  std::vector<double> losses;
-  for (Batch const& b : batches)
-    losses.push_back(mgpu::ops::item(
-        nn::train_step(model, opt, b.ids, b.targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = clip}).loss,
-        env.stream));
-  return {losses, as_double(model.master_parameters())};
+  mgpu::test::GptCurve const curve = mgpu::test::gpt_one_device_curve(env, c, seed, adamw, clip, batches);
+  return {curve.losses, std::vector<double>(curve.weights.begin(), curve.weights.end())};
 }
 
 // AdamW decaying each chunk's own weight matrices (the shards' embedding rows, split Linear

@@ -8,6 +8,7 @@
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
 #include <mgpu/nn/train.hpp>
+#include <mgpu/ops/ops.hpp>
 #include <mgpu/optim/optim.hpp>
 
 #include <algorithm>
@@ -115,6 +116,29 @@ inline double gpt_gradient_norm(Env& env, nn::GptConfig const& config, std::uint
   double squares = 0;
   for (double const g : as_double(model.master_gradients())) squares += g * g;
   return std::sqrt(squares);
+}
+
+// One device's run of nn::gpt(config) from `seed` over `batches` (AdamW from `adamw`, decaying
+// gpt_decay_ranges, clipping at `clip`): its losses, and its weights after the last step. The
+// reference the parallel executors' runs are compared with.
+struct GptCurve {
+  std::vector<double> losses;
+  std::vector<float> weights;
+};
+inline GptCurve gpt_one_device_curve(Env& env, nn::GptConfig const& config, std::uint64_t seed, optim::AdamWOptions adamw, float clip,
+                                     std::vector<TokenBatch> const& batches) {
+  nn::Sequential model = nn::gpt(config);
+  model.materialize(env.ctx, seed);
+  adamw.decay_ranges = nn::gpt_decay_ranges(config);
+  optim::AdamW opt(adamw);
+  GptCurve curve;
+  for (TokenBatch const& b : batches)
+    curve.losses.push_back(ops::item(
+        nn::train_step(model, opt, b.ids, b.targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = clip}).loss, env.stream));
+  env.stream.synchronize();
+  auto const weights = model.master_parameters().host_span<float>();
+  curve.weights.assign(weights.begin(), weights.end());
+  return curve;
 }
 
 }  // namespace mgpu::test
