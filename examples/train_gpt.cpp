@@ -460,12 +460,13 @@ int run(Options o) {
                                    .recompute = recompute_of(o.recompute)};
   if (o.plan.empty() && o.device_memory_mb > 0)
     throw mgpu::Error(mgpu::Errc::invalid_argument, "--device-memory without --plan (expected --plan auto: it is the planner's budget)");
+  Splits const splits = load_splits(o);  // before planning: a bad --data is refused at once
+  if (o.devices.empty() && !o.plan.empty())  // the planner lays out the machine's cores
+    o.devices = "host:" + std::to_string(std::max(1u, std::thread::hardware_concurrency()));
   std::optional<Planned> const planned = o.plan.empty() ? std::nullopt : std::optional<Planned>(plan_layout(o, config, processes, log));
   config.recompute = recompute_of(o.recompute);
   bool const pipelined = !o.schedule.empty() || o.stages > 1;
   if (pipelined && o.schedule.empty()) o.schedule = "1f1b";
-  if (o.devices.empty() && !o.plan.empty())  // the planner lays out the machine's cores
-    o.devices = "host:" + std::to_string(std::max(1u, std::thread::hardware_concurrency()));
   if (o.devices.empty())
     o.devices = "host:" + std::to_string(std::max(1, (o.tp > 1    ? o.tp * o.dp * (pipelined ? o.stages : 1)
                                                       : pipelined ? o.stages * o.dp
@@ -506,7 +507,6 @@ int run(Options o) {
   if (o.resume && o.checkpoint.empty())
     throw mgpu::Error(mgpu::Errc::invalid_argument, "--resume without --checkpoint (expected --checkpoint PATH)");
 
-  Splits const splits = load_splits(o);
 
   auto allocator = mgpu::Allocator::create(device);
   auto host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});

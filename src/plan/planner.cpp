@@ -250,6 +250,11 @@ Plan plan_gpt(nn::GptConfig const& config, std::int64_t rows, int devices, GptCo
       }
     }
   }
+  if (plan.considered == 0)
+    throw Error(Errc::invalid_argument, "plan_gpt: no layout over " + std::to_string(devices) + " devices for " +
+                                            std::to_string(rows) + " rows and n_head " + std::to_string(config.n_head) +
+                                            " (expected a data-parallel degree at most the rows, a tensor-parallel one dividing "
+                                            "n_head, or a pipeline's stages x micro-batches at most a replica's rows)");
   if (plan.candidates.empty())
     throw Error(Errc::out_of_memory, "plan_gpt: none of " + std::to_string(plan.considered) + " layouts over " +
                                          std::to_string(devices) + " devices fits " + std::to_string(options.memory_bytes) +

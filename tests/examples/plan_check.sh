@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# train_gpt --plan auto (plan::plan_gpt on costs measured on the devices): the layout it runs is the
+# train_gpt --plan auto (plan::plan_gpt on costs measured on the devices; without --devices the
+# machine's cores as host devices): the layout it runs is the
 # plan's (the JSON's dp, tp, stages, zero, recompute and micro-batches against its "plan" field);
 # with a budget per device (--device-memory) it drops the layouts the memory model says exceed it,
 # the chosen one's predicted peak is within it and the measured peaks within it by the model's 10%;
@@ -45,6 +46,15 @@ if budget > 0:
         sys.exit(f"FAIL: measured peaks {peaks} exceed the budget {budget} by more than 10%")
 ' "$budget"
 done
+# Without --devices: the machine's cores as host devices.
+"$exe" --data "$text" --n-layer 2 --n-head 4 --n-embd 32 --block-size 16 --batch-size 4 --iters 1 --eval-every 0 \
+  --eval-iters 1 --plan auto --json 2> /dev/null | python3 -c '
+import json, os, sys
+run = json.load(sys.stdin)
+devices = run["devices"]
+if run["plan"] is None or len(devices) != os.cpu_count():
+    sys.exit(f"FAIL: --plan auto without --devices ran on {devices} (expected {os.cpu_count()} host devices, a plan)")
+'
 expect_error() {  # expect_error TEXT FLAGS...: exit status 2 and TEXT in the message
   local want=$1 out
   shift
@@ -56,5 +66,6 @@ expect_error() {  # expect_error TEXT FLAGS...: exit status 2 and TEXT in the me
 }
 expect_error "none of 24 layouts over 2 devices fits 3145728 bytes per device (the smallest" --device-memory 3
 expect_error "(expected no layout flags: the planner chooses them)" --dp 2
+expect_error "no layout over 3 devices for 2 rows and n_head 4" --devices host:3 --batch-size 2
 expect_error "(expected no layout flags: the planner chooses them)" --recompute full
 echo "plan: the planner's layouts run as planned, within the budget"

@@ -221,6 +221,9 @@ TEST_CASE("plan_gpt trades compute for memory: recomputation when only it fits, 
   REQUIRE_MGPU_ERROR(plan::plan_gpt(config, 8, 1, costs, {.memory_bytes = full - 1}), mgpu::Errc::out_of_memory,
                      "needs " + std::to_string(full));
   REQUIRE_MGPU_ERROR(plan::plan_gpt(config, 8, 0, costs, {}), mgpu::Errc::invalid_argument, "expected at least one of each");
+  // 3 devices, 2 rows, 4 heads: neither 3 replicas, 3 ranks nor 3 stages of 3 micro-batches.
+  REQUIRE_MGPU_ERROR(plan::plan_gpt(config, 2, 3, costs, {}), mgpu::Errc::invalid_argument,
+                     "plan_gpt: no layout over 3 devices for 2 rows and n_head 4");
   REQUIRE_MGPU_ERROR(plan::plan_gpt(config, 0, 2, costs, {}), mgpu::Errc::invalid_argument, "expected at least one of each");
 }
 

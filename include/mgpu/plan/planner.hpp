@@ -143,8 +143,9 @@ struct Plan {
 };
 
 /// Plans `config` for a global batch of `rows` sequences on `devices` devices. Throws
-/// Error(invalid_argument) for devices < 1, rows < 1 or a bad config, and Error(out_of_memory)
-/// naming the smallest predicted peak when no layout fits options.memory_bytes.
+/// Error(invalid_argument) for devices < 1, rows < 1, a bad config or no layout over the devices
+/// (e.g. 3 devices, 2 rows and 4 heads), and Error(out_of_memory) naming the smallest predicted
+/// peak when no layout fits options.memory_bytes.
 [[nodiscard]] Plan plan_gpt(nn::GptConfig const& config, std::int64_t rows, int devices, GptCosts const& costs,
                             PlanOptions const& options);
 
