@@ -24,6 +24,28 @@ World single_process_world(DeviceGroup const& group, std::string const& host);
 /// of one server.
 void check_world(World const& world, DeviceGroup const& group);
 
+/// A subset of the world's ranks (make_communicator(world, group, world_ranks)) as a world of its
+/// own: rank i is world rank world_ranks[i], process p the p-th process in the list's order (its
+/// devices' local_rank still their rank in that process's DeviceGroup).
+struct Subset {
+  World world;
+  std::vector<int> world_ranks;  ///< the list it was made from
+  std::vector<int> processes;  ///< the job's process of each of the subset's processes
+  std::vector<int> locals;     ///< this process's ranks in the subset, as its DeviceGroup's ranks
+};
+
+/// The subset of `world` that `world_ranks` lists; throws Error(invalid_argument) for an empty
+/// list, a repeated or out-of-range rank, a process's ranks apart in the list, or a list without
+/// this process's ranks.
+Subset subset_of(World const& world, std::vector<int> const& world_ranks);
+
+/// "{0, 2}".
+std::string ranks_text(std::vector<int> const& ranks);
+
+/// Throws Error(invalid_argument) for a subset communicator over CUDA GPUs of several processes
+/// (`subset` spans several), which is not built yet.
+void check_subset_devices(Subset const& subset);
+
 /// Process 0's message to the other processes making one NCCL communicator over every process's
 /// GPUs: a flag byte, then the unique id (1) or why process 0 could not make one (0), so that no
 /// process waits for an id that never comes.

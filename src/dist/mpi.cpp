@@ -60,6 +60,10 @@ struct Global {
   // The buffers of requests left pending by a failure (guarded by mpi_mutex): MPI may still write
   // into them, so they stay until the process ends.
   std::vector<std::shared_ptr<void>> abandoned;
+  // What subset communicators across processes are made from (guarded by mpi_mutex): a duplicate of
+  // MPI_COMM_WORLD, made by the first make_world (collective over every process, as making a
+  // subset's MPI communicator is not).
+  MPI_Comm subsets = MPI_COMM_NULL;
 };
 
 Global& global() {
@@ -302,8 +306,13 @@ void combine_parts(comm::ReduceOp op, float const* parts, int count, std::int64_
 // What the MPI work of one communicator shares; it outlives the communicator while work runs.
 class Link : public std::enable_shared_from_this<Link> {
  public:
-  Link(World const& world, std::shared_ptr<comm::detail::SharedState> state)
-      : process_(world.process), processes_(world.processes), world_size_(world.size()), state_(std::move(state)) {
+  // `ids`: the job's process of each of `world`'s processes (a subset's), as messages name them.
+  Link(World const& world, std::vector<int> ids, std::shared_ptr<comm::detail::SharedState> state)
+      : process_(world.process),
+        processes_(world.processes),
+        world_size_(world.size()),
+        ids_(std::move(ids)),
+        state_(std::move(state)) {
     for (int p = 0; p <= processes_; ++p) first_.push_back(p < processes_ ? world.first_rank(p) : world_size_);
     for (int p = 0; p < processes_; ++p)
       hosts_.push_back(world.devices[static_cast<std::size_t>(first_[static_cast<std::size_t>(p)])].host);
@@ -322,13 +331,14 @@ class Link : public std::enable_shared_from_this<Link> {
     }
   }
 
-  // Duplicates MPI_COMM_WORLD three times (collective over the processes), within the deadline. A
-  // duplication left pending keeps the link, which MPI will write into.
-  void connect() {
+  // Duplicates `base` (MPI_COMM_WORLD, or an MPI communicator among a subset's processes, in their
+  // order) three times (collective over its processes), within the deadline. A duplication left
+  // pending keeps the link, which MPI will write into.
+  void connect(MPI_Comm base) {
     Requests requests;
     for (MPI_Comm* c : {&control, &data, &p2p}) {
       requests.add(-1, Requests::Kind::collective, shared_from_this(), "MPI_Comm_idup",
-                   [&](MPI_Request* r) { return MPI_Comm_idup(MPI_COMM_WORLD, c, r); });
+                   [&](MPI_Request* r) { return MPI_Comm_idup(base, c, r); });
     }
     auto const start = Clock::now();
     if (!requests.wait(start + timeout(), [] { return false; })) {
@@ -364,7 +374,7 @@ class Link : public std::enable_shared_from_this<Link> {
   [[nodiscard]] std::string describe(int p) const {
     int const a = first(p);
     int const b = first(p + 1) - 1;
-    return "process " + std::to_string(p) + " (host " + hosts_[static_cast<std::size_t>(p)] + ", " +
+    return "process " + std::to_string(ids_[static_cast<std::size_t>(p)]) + " (host " + hosts_[static_cast<std::size_t>(p)] + ", " +
            (a == b ? "rank " + std::to_string(a) : "ranks " + std::to_string(a) + "-" + std::to_string(b)) + ")";
   }
   [[nodiscard]] std::string describe(std::vector<int> const& ps) const {
@@ -461,6 +471,7 @@ class Link : public std::enable_shared_from_this<Link> {
   int process_;
   int processes_;
   int world_size_;
+  std::vector<int> ids_;
   std::vector<int> first_;  // per process, then the world's size
   std::vector<std::string> hosts_;
   std::shared_ptr<comm::detail::SharedState> state_;
@@ -699,16 +710,88 @@ class PointToPoint {
   std::vector<Call> calls_;
 };
 
-// The communicator across processes for host devices (see make_communicator in dist.hpp).
+// A subset's processes meet (`link` is over the subset): each sends its list of world ranks
+// (`world_size` + 1 ints: the count, then the ranks) to every other and checks theirs, polled
+// against the deadline, so that a process that never makes the subset is named and a different
+// list reported; then they make an MPI communicator among themselves, in the subset's order of
+// processes, from Global::subsets (MPI_Comm_create_group: blocking, but only once every member is
+// known to be there). The caller frees it.
+MPI_Comm join_members(Link const& link, detail::Subset const& subset, int world_size) {
+  std::string const what = "making a communicator over world ranks " + detail::ranks_text(subset.world_ranks);
+  Global& g = global();
+  MPI_Comm base = MPI_COMM_NULL;
+  {
+    std::lock_guard lock(g.mpi_mutex);
+    base = g.subsets;
+  }
+  if (base == MPI_COMM_NULL)
+    throw Error(Errc::invalid_argument, what + " before make_world (expected every process to call make_world first)");
+  constexpr int tag = 1;  // the lists; MPI_Comm_create_group gets tag + 1
+  auto const length = static_cast<std::size_t>(world_size) + 1;
+  auto mine = buffer<int>(length);
+  std::fill(mine->begin(), mine->end(), -1);
+  (*mine)[0] = static_cast<int>(subset.world_ranks.size());
+  std::copy(subset.world_ranks.begin(), subset.world_ranks.end(), mine->begin() + 1);
+  int const P = link.processes();
+  auto theirs = buffer<int>(length * static_cast<std::size_t>(P));
+  int const count = mpi_count(static_cast<std::int64_t>(length), what);
+  Requests requests;
+  for (int const q : link.others()) {
+    int const peer = subset.processes[static_cast<std::size_t>(q)];
+    requests.add(q, Requests::Kind::receive, theirs, "MPI_Irecv", [&](MPI_Request* r) {
+      return MPI_Irecv(theirs->data() + static_cast<std::size_t>(q) * length, count, MPI_INT, peer, tag, base, r);
+    });
+    requests.add(q, Requests::Kind::send, mine, "MPI_Isend",
+                 [&](MPI_Request* r) { return MPI_Isend(mine->data(), count, MPI_INT, peer, tag, base, r); });
+  }
+  link.wait(requests, what, Clock::now(),
+            [&](std::vector<int> const& pending) { return link.describe(pending) + ", not heard from"; });
+  for (int const q : link.others()) {
+    int const* list = theirs->data() + static_cast<std::size_t>(q) * length;
+    if (!std::equal(mine->begin(), mine->end(), list)) {
+      std::vector<int> const other(list + 1, list + 1 + std::clamp(list[0], 0, world_size));
+      link.fail(Errc::invalid_argument, what + ": " + link.describe(q) + " passed world ranks " +
+                                            detail::ranks_text(other) +
+                                            " (expected the same list on every process of it, its subset "
+                                            "communicators made in the same order)");
+    }
+  }
+  std::lock_guard lock(g.mpi_mutex);
+  MPI_Group all = MPI_GROUP_NULL;
+  MPI_Group members = MPI_GROUP_NULL;
+  MPI_Comm comm = MPI_COMM_NULL;
+  check(MPI_Comm_group(base, &all), "MPI_Comm_group");
+  int code = MPI_Group_incl(all, P, subset.processes.data(), &members);
+  if (code == MPI_SUCCESS) code = MPI_Comm_create_group(base, members, tag + 1, &comm);
+  MPI_Group_free(&all);
+  if (members != MPI_GROUP_NULL) MPI_Group_free(&members);
+  check(code, "MPI_Comm_create_group");
+  check(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+  return comm;
+}
+
+// The communicator across processes for host devices (see make_communicator in dist.hpp), over the
+// world's ranks or a subset's (`whole`: the subset of every rank, over MPI_COMM_WORLD; else the
+// subset's processes meet first). `world_size`: the whole world's.
 class ProcessCommunicator final : public comm::detail::CommunicatorBase {
  public:
-  ProcessCommunicator(World const& world, DeviceGroup& group, std::chrono::milliseconds timeout)
-      : CommunicatorBase(group, world.size(), comm::Backend::host, timeout),
-        first_(world.rank_of(0)),
-        local_(group.size()),
-        link_(std::make_shared<Link>(world, state())),
-        inner_(comm::make_communicator(group, comm::Options{comm::Backend::host, timeout * 2})) {
-    link_->connect();
+  ProcessCommunicator(detail::Subset const& subset, DeviceGroup& group, std::chrono::milliseconds timeout,
+                      int world_size, bool whole)
+      : CommunicatorBase(group, subset.world.size(), comm::Backend::host, timeout),
+        first_(subset.world.rank_of(0)),
+        local_(static_cast<int>(subset.locals.size())),
+        locals_(subset.locals),
+        link_(std::make_shared<Link>(subset.world, subset.processes, state())),
+        inner_(whole ? comm::make_communicator(group, comm::Options{comm::Backend::host, timeout * 2})
+                     : comm::make_communicator(group, locals_, comm::Options{comm::Backend::host, timeout * 2})) {
+    if (whole) {
+      link_->connect(MPI_COMM_WORLD);
+    } else {
+      MPI_Comm members = join_members(*link_, subset, world_size);
+      link_->connect(members);  // when it fails, MPI may still use `members`: it stays
+      std::lock_guard lock(global().mpi_mutex);
+      MPI_Comm_free(&members);
+    }
     state()->on_abort(
         [inner = std::weak_ptr<comm::Communicator>(inner_), state = std::weak_ptr<comm::detail::SharedState>(state())] {
           global().failed.store(true);  // peers may be left waiting: finalize() must not wait for them
@@ -786,7 +869,7 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
   }
 
   Tensor scratch(int l, std::int64_t count, DType dtype) const {
-    return Tensor::empty({count}, dtype, group().allocator(l));
+    return Tensor::empty({count}, dtype, group().allocator(locals_[static_cast<std::size_t>(l)]));
   }
 
   void collective(int rank, int l, Call c, Stream& stream) {
@@ -898,6 +981,7 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
 
   int first_;
   int local_;
+  std::vector<int> locals_;  // the group's rank of each of this process's ranks
   std::shared_ptr<Link> link_;
   std::shared_ptr<comm::Communicator> inner_;
 };
@@ -1012,6 +1096,14 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout) {
                    return MPI_Iallgather(mine.get(), sizeof(Entry), MPI_BYTE, entries->data(), sizeof(Entry), MPI_BYTE,
                                          MPI_COMM_WORLD, r);
                  });
+    bool duplicate = false;
+    {
+      std::lock_guard lock(g.mpi_mutex);
+      duplicate = g.subsets == MPI_COMM_NULL;
+    }
+    if (duplicate)  // once per process, as every process's first make_world
+      requests.add(-1, Requests::Kind::collective, nullptr, "MPI_Comm_idup",
+                   [&](MPI_Request* r) { return MPI_Comm_idup(MPI_COMM_WORLD, &g.subsets, r); });
     wait(requests);
   }
   auto own = buffer<Record>(static_cast<std::size_t>(group.size()));
@@ -1089,12 +1181,9 @@ std::unique_ptr<comm::Communicator> nccl_world_communicator(World const& world, 
   return comm::detail::make_nccl_world_communicator(group, world.size(), world.first_rank(world.process), id, timeout);
 }
 
-}  // namespace
-
-std::unique_ptr<comm::Communicator> make_communicator(World const& world, DeviceGroup& group, comm::Options options) {
-  detail::check_world(world, group);
-  if (world.processes == 1) return comm::make_communicator(group, options);
-  if (detail::in_rendezvous()) return detail::rendezvous_communicator(world, group, options);
+// Throws Error(invalid_argument) unless MPI is in use and `options` asks for the backend of the
+// devices of `world` (several processes); returns the deadline.
+std::chrono::milliseconds check_across(World const& world, comm::Options const& options) {
   bool mpi = false;
   {
     std::lock_guard lock(global().mutex);
@@ -1104,15 +1193,42 @@ std::unique_ptr<comm::Communicator> make_communicator(World const& world, Device
     throw Error(Errc::invalid_argument,
                 "a world of " + std::to_string(world.processes) +
                     " processes, but MPI is not in use (expected dist::init() under mpirun or srun)");
-  std::chrono::milliseconds const timeout = options.timeout.count() > 0 ? options.timeout : comm::default_timeout();
   bool const gpus = world.devices.front().device.kind == DeviceKind::cuda;  // check_world: one kind
   comm::Backend const wanted = gpus ? comm::Backend::nccl : comm::Backend::host;
   if (options.backend != comm::Backend::automatic && options.backend != wanted)
     throw Error(Errc::invalid_argument, "the " + std::string(comm::to_string(options.backend)) +
                                             " backend across processes of " + (gpus ? "CUDA GPUs" : "host devices") +
                                             " (expected automatic or " + std::string(comm::to_string(wanted)) + ")");
-  if (!gpus) return std::make_unique<ProcessCommunicator>(world, group, timeout);
+  return options.timeout.count() > 0 ? options.timeout : comm::default_timeout();
+}
+
+std::vector<int> all_ranks(World const& world) {
+  std::vector<int> ranks(static_cast<std::size_t>(world.size()));
+  for (std::size_t r = 0; r < ranks.size(); ++r) ranks[r] = static_cast<int>(r);
+  return ranks;
+}
+
+}  // namespace
+
+std::unique_ptr<comm::Communicator> make_communicator(World const& world, DeviceGroup& group, comm::Options options) {
+  detail::check_world(world, group);
+  if (world.processes == 1) return comm::make_communicator(group, options);
+  if (detail::in_rendezvous()) return detail::rendezvous_communicator(world, group, options);
+  std::chrono::milliseconds const timeout = check_across(world, options);
+  if (world.devices.front().device.kind == DeviceKind::host)  // check_world: one kind
+    return std::make_unique<ProcessCommunicator>(detail::subset_of(world, all_ranks(world)), group, timeout,
+                                                 world.size(), true);
   return nccl_world_communicator(world, group, timeout);
+}
+
+std::unique_ptr<comm::Communicator> make_communicator(World const& world, DeviceGroup& group,
+                                                      std::vector<int> const& world_ranks, comm::Options options) {
+  detail::check_world(world, group);
+  detail::Subset const subset = detail::subset_of(world, world_ranks);
+  if (subset.world.processes == 1) return comm::make_communicator(group, subset.locals, options);
+  detail::check_subset_devices(subset);
+  std::chrono::milliseconds const timeout = check_across(subset.world, options);
+  return std::make_unique<ProcessCommunicator>(subset, group, timeout, world.size(), false);
 }
 
 }  // namespace mgpu::dist

@@ -64,4 +64,16 @@ std::unique_ptr<comm::Communicator> make_communicator(World const& world, Device
   return comm::make_communicator(group, options);
 }
 
+std::unique_ptr<comm::Communicator> make_communicator(World const& world, DeviceGroup& group,
+                                                      std::vector<int> const& world_ranks, comm::Options options) {
+  detail::check_world(world, group);
+  detail::Subset const subset = detail::subset_of(world, world_ranks);
+  detail::check_subset_devices(subset);
+  if (subset.world.processes > 1)
+    throw Error(Errc::invalid_argument, "a communicator over world ranks " + detail::ranks_text(world_ranks) +
+                                            " across processes in a build without MPI (expected the ranks of one "
+                                            "process: host devices across processes need MGPU_WITH_MPI=ON)");
+  return comm::make_communicator(group, subset.locals, options);
+}
+
 }  // namespace mgpu::dist

@@ -1,5 +1,6 @@
 // The world's device list: lookups, the communicator factory for executors, and the world of a job
 // of one process.
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <string_view>
@@ -41,7 +42,66 @@ std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> 
   };
 }
 
+SubsetFactory subset_communicator_factory(World world) {
+  return [world = std::move(world)](DeviceGroup& group, std::vector<int> const& world_ranks, comm::Options options) {
+    return make_communicator(world, group, world_ranks, options);
+  };
+}
+
 namespace detail {
+
+std::string ranks_text(std::vector<int> const& ranks) {
+  std::string text = "{";
+  for (std::size_t i = 0; i < ranks.size(); ++i) text += (i ? ", " : "") + std::to_string(ranks[i]);
+  return text + "}";
+}
+
+Subset subset_of(World const& world, std::vector<int> const& world_ranks) {
+  std::string const what = "a communicator over world ranks " + ranks_text(world_ranks);
+  if (world_ranks.empty())
+    throw Error(Errc::invalid_argument, "a communicator over no world ranks (expected at least one rank)");
+  Subset subset;
+  subset.world_ranks = world_ranks;
+  std::vector<bool> seen(static_cast<std::size_t>(world.size()), false);
+  for (std::size_t i = 0; i < world_ranks.size(); ++i) {
+    int const r = world_ranks[i];
+    if (r < 0 || r >= world.size())
+      throw Error(Errc::invalid_argument, what + ": rank " + std::to_string(r) + " (expected world ranks in [0, " +
+                                              std::to_string(world.size()) + "))");
+    if (seen[static_cast<std::size_t>(r)])
+      throw Error(Errc::invalid_argument, what + " lists rank " + std::to_string(r) + " twice (expected distinct ranks)");
+    seen[static_cast<std::size_t>(r)] = true;
+    WorldDevice d = world.devices[static_cast<std::size_t>(r)];
+    if (subset.processes.empty() || subset.processes.back() != d.process) {
+      if (std::find(subset.processes.begin(), subset.processes.end(), d.process) != subset.processes.end())
+        throw Error(Errc::invalid_argument,
+                    what + " lists process " + std::to_string(d.process) + "'s ranks apart (expected each process's "
+                                                                            "ranks next to each other)");
+      subset.processes.push_back(d.process);
+    }
+    if (d.process == world.process) subset.locals.push_back(d.local_rank);
+    d.rank = static_cast<int>(i);
+    d.process = static_cast<int>(subset.processes.size()) - 1;
+    subset.world.devices.push_back(std::move(d));
+  }
+  auto const here = std::find(subset.processes.begin(), subset.processes.end(), world.process);
+  if (here == subset.processes.end())
+    throw Error(Errc::invalid_argument, what + " on process " + std::to_string(world.process) +
+                                            ", which drives none of them (expected only the processes driving "
+                                            "those ranks to make it)");
+  subset.world.process = static_cast<int>(here - subset.processes.begin());
+  subset.world.processes = static_cast<int>(subset.processes.size());
+  return subset;
+}
+
+void check_subset_devices(Subset const& subset) {
+  if (subset.world.processes > 1 && subset.world.devices.front().device.kind == DeviceKind::cuda)
+    throw Error(Errc::invalid_argument,
+                "a communicator over world ranks " + ranks_text(subset.world_ranks) + " of CUDA GPUs in " +
+                    std::to_string(subset.world.processes) +
+                    " processes (expected host devices, or the ranks of one process: a subset of GPUs across "
+                    "processes is not built yet; make_communicator(world, group) serves every GPU of the world)");
+}
 
 World single_process_world(DeviceGroup const& group, std::string const& host) {
   World world;

@@ -28,10 +28,17 @@
 //                                    devices) and load() of it across the processes and in one
 //                                    process, against an uninterrupted run in one process. A
 //                                    damaged shard named, an unwritable folder failing everywhere.
+//   mpi_dist subsets COUNTS          subset communicators across processes (dist::make_communicator
+//                                    over some world ranks): every collective over several subsets
+//                                    against float64 references, two at once, bad lists refused.
+//   mpi_dist subset_missing COUNTS PROCESS  every process but PROCESS makes a subset communicator
+//                                    over every rank with a 3 s deadline: they must fail naming it.
+//   mpi_dist subset_mismatch COUNTS PROCESS  the same, but PROCESS lists the ranks backwards.
 //   mpi_dist stall COUNTS PROCESS    one all_reduce, then PROCESS stalls while the others start a
 //                                    second one with a 3 s deadline: they must fail naming it.
 //   mpi_dist exit COUNTS PROCESS     the same, but PROCESS exits (status 3) instead.
 //   mpi_dist mismatch COUNTS PROCESS the same, but PROCESS passes 5 elements where the others pass 4.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -162,18 +169,32 @@ bool close(double got, Reference const& ref, DType dtype) {
   return std::abs(got - ref.value) <= 3 * epsilon(dtype) * ref.magnitude + 1e-30;
 }
 
+// A communicator over the world's ranks, or over a subset of them: this process's ranks of it
+// (l from 0 to local() - 1) are its ranks rank(l), on the group's ranks `members` (empty: every
+// rank of the group).
 struct Setup {
   mgpu::dist::World world;
   mgpu::DeviceGroup& group;
   mgpu::comm::Communicator& comm;
-  int local() const { return group.size(); }
-  int rank(int l) const { return world.rank_of(l); }
-  int size() const { return world.size(); }
+  std::vector<int> members = {};
+  int local() const { return members.empty() ? group.size() : static_cast<int>(members.size()); }
+  int rank(int l) const { return comm.first_rank() + l; }
+  int size() const { return comm.size(); }
+  int member(int l) const { return members.empty() ? l : members[static_cast<std::size_t>(l)]; }
+  // Runs fn(l, stream) on each of this process's ranks of the communicator, on its device's thread.
+  template <class Fn>
+  void run(Fn const& fn) const {
+    group.run([&](int g, mgpu::Device, mgpu::Stream& stream) {
+      for (int l = 0; l < local(); ++l) {
+        if (member(l) == g) fn(l, stream);
+      }
+    });
+  }
 };
 
 std::vector<Tensor> make(Setup const& s, std::int64_t count, DType dtype) {
   std::vector<Tensor> t;
-  for (int l = 0; l < s.local(); ++l) t.push_back(Tensor::empty({count}, dtype, s.group.allocator(l)));
+  for (int l = 0; l < s.local(); ++l) t.push_back(Tensor::empty({count}, dtype, s.group.allocator(s.member(l))));
   return t;
 }
 
@@ -189,7 +210,7 @@ void test_all_reduce(Setup const& s, DType dtype, ReduceOp op, int seed, bool in
   auto send = make(s, n, dtype);
   auto recv = in_place ? send : make(s, n, dtype);
   fill(s, send, seed, dtype);
-  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+  s.run([&](int l, mgpu::Stream& stream) {
     s.comm.all_reduce(s.rank(l), send[static_cast<std::size_t>(l)], recv[static_cast<std::size_t>(l)], op, stream);
   });
   for (int l = 0; l < s.local(); ++l) {
@@ -203,7 +224,7 @@ void test_all_reduce(Setup const& s, DType dtype, ReduceOp op, int seed, bool in
   }
   // Every rank of every process holds the same bits: gather every rank's result and compare.
   auto gathered = make(s, n * s.size(), dtype);
-  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+  s.run([&](int l, mgpu::Stream& stream) {
     s.comm.all_gather(s.rank(l), recv[static_cast<std::size_t>(l)], gathered[static_cast<std::size_t>(l)], stream);
   });
   std::size_t const bytes = static_cast<std::size_t>(n) * mgpu::size_of(dtype);
@@ -220,7 +241,7 @@ void test_reduce_scatter(Setup const& s, DType dtype, ReduceOp op, int seed) {
   auto send = make(s, n * s.size(), dtype);
   auto recv = make(s, n, dtype);
   fill(s, send, seed, dtype);
-  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+  s.run([&](int l, mgpu::Stream& stream) {
     s.comm.reduce_scatter(s.rank(l), send[static_cast<std::size_t>(l)], recv[static_cast<std::size_t>(l)], op, stream);
   });
   for (int l = 0; l < s.local(); ++l) {
@@ -242,7 +263,7 @@ void test_reduce(Setup const& s, DType dtype, ReduceOp op, int root, int seed) {
   for (auto const& t : recv) {
     for (std::int64_t i = 0; i < n; ++i) store(t, i, 42.0);
   }
-  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+  s.run([&](int l, mgpu::Stream& stream) {
     s.comm.reduce(s.rank(l), send[static_cast<std::size_t>(l)], recv[static_cast<std::size_t>(l)], op, root, stream);
   });
   for (int l = 0; l < s.local(); ++l) {
@@ -271,7 +292,7 @@ void test_all_gather(Setup const& s, DType dtype, int seed, bool in_place) {
     send = make(s, n, dtype);
   }
   fill(s, send, seed, dtype);
-  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+  s.run([&](int l, mgpu::Stream& stream) {
     s.comm.all_gather(s.rank(l), send[static_cast<std::size_t>(l)], recv[static_cast<std::size_t>(l)], stream);
   });
   for (int l = 0; l < s.local(); ++l) {
@@ -290,7 +311,7 @@ void test_broadcast(Setup const& s, DType dtype, int root, int seed) {
   std::int64_t const n = 13;
   auto buffer = make(s, n, dtype);
   fill(s, buffer, seed, dtype);
-  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+  s.run([&](int l, mgpu::Stream& stream) {
     s.comm.broadcast(s.rank(l), buffer[static_cast<std::size_t>(l)], root, stream);
   });
   for (int l = 0; l < s.local(); ++l) {
@@ -310,7 +331,7 @@ void test_send_recv(Setup const& s, DType dtype, int seed) {
   auto send = make(s, n, dtype);
   auto recv = make(s, n, dtype);
   fill(s, send, seed, dtype);
-  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+  s.run([&](int l, mgpu::Stream& stream) {
     int const r = s.rank(l);
     s.comm.group_start(r);
     s.comm.send(r, send[static_cast<std::size_t>(l)], (r + 1) % w, stream);
@@ -334,7 +355,7 @@ void test_send_recv(Setup const& s, DType dtype, int seed) {
         store(large[static_cast<std::size_t>(l)], i, static_cast<double>(i % 1000));
     }
   }
-  s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+  s.run([&](int l, mgpu::Stream& stream) {
     int const r = s.rank(l);
     if (r == 0) {
       s.comm.send(r, large[static_cast<std::size_t>(l)], w - 1, stream);
@@ -355,6 +376,24 @@ void test_send_recv(Setup const& s, DType dtype, int seed) {
       for (std::int64_t i = 0; i < n; ++i)
         EXPECT(load(recv[static_cast<std::size_t>(l)], i) == input(seed, w - 1, i, dtype), "reply [" << i << "]");
     }
+  }
+}
+
+// Every collective, dtype and reduce op over `s`'s communicator (2 ranks or more), seeds from `seed` on.
+void test_collectives(Setup const& s, int& seed) {
+  for (DType dtype : {DType::float32, DType::bfloat16, DType::float16}) {
+    for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::min, ReduceOp::max}) {
+      test_all_reduce(s, dtype, op, seed++, false);
+      test_reduce_scatter(s, dtype, op, seed++);
+    }
+    test_all_reduce(s, dtype, ReduceOp::sum, seed++, true);
+    test_all_reduce(s, dtype, dtype == DType::float32 ? ReduceOp::avg : ReduceOp::sum, seed++, false, 70001);
+    for (int root : {0, s.size() - 1, s.size() / 2}) test_reduce(s, dtype, ReduceOp::sum, root, seed++);
+    test_reduce(s, dtype, ReduceOp::max, 1, seed++);
+    test_all_gather(s, dtype, seed++, false);
+    test_all_gather(s, dtype, seed++, true);
+    for (int root : {0, s.size() - 1, 1}) test_broadcast(s, dtype, root, seed++);
+    test_send_recv(s, dtype, seed++);
   }
 }
 
@@ -528,6 +567,110 @@ bool close_to(std::vector<float> const& have, std::vector<float> const& want, do
   for (std::size_t i = 0; i < have.size(); ++i)
     if (!(std::abs(static_cast<double>(have[i]) - want[i]) <= tolerance * (1 + std::abs(want[i])))) return false;
   return true;
+}
+
+// This process's ranks of the subset `list` of world ranks, as its group's ranks, in the list's order.
+std::vector<int> members_of(mgpu::dist::World const& world, std::vector<int> const& list) {
+  std::vector<int> members;
+  for (int const r : list) {
+    mgpu::dist::WorldDevice const& d = world.devices[static_cast<std::size_t>(r)];
+    if (d.process == world.process) members.push_back(d.local_rank);
+  }
+  return members;
+}
+
+// Subset communicators over the world's ranks (dist::make_communicator(world, group, ranks)), each
+// made by the processes that drive its ranks only: the even and the odd ranks (interleaved across
+// the processes), every rank from the last to the first, the ranks of one process (an in-process
+// communicator), and with 3 processes the first and the last rank (the middle processes make
+// none). Every collective over each against float64 references, sends and receives across
+// processes within it; then two subsets (the even and the odd ranks) used at once with the world's
+// communicator; then the lists refused before any communication.
+void test_subsets(Setup const& s) {
+  mgpu::dist::World const& world = s.world;
+  int const w = world.size();
+  std::vector<std::vector<int>> lists(2);
+  for (int r = 0; r < w; ++r) lists[static_cast<std::size_t>(r % 2)].push_back(r);
+  std::vector<int> backwards;
+  for (int r = w - 1; r >= 0; --r) backwards.push_back(r);
+  lists.push_back(backwards);
+  for (int p = 0; p < world.processes; ++p) {
+    if (world.local_size(p) < 2) continue;
+    std::vector<int> inside;
+    for (int l = 0; l < world.local_size(p); ++l) inside.push_back(world.first_rank(p) + l);
+    lists.push_back(inside);
+    break;
+  }
+  if (world.processes > 2) lists.push_back({0, w - 1});
+  for (std::size_t index = 0; index < lists.size(); ++index) {
+    std::vector<int> const& list = lists[index];
+    int seed = 1000 * static_cast<int>(index + 1);  // the same on the processes, whichever subsets they skip
+    std::vector<int> const members = members_of(world, list);
+    if (members.empty() || list.size() < 2) continue;
+    auto comm = mgpu::dist::make_communicator(world, s.group, list, {.timeout = 60s});
+    EXPECT(comm->size() == static_cast<int>(list.size()), "subset communicator size " << comm->size());
+    int const first = static_cast<int>(std::find(list.begin(), list.end(), world.rank_of(members[0])) - list.begin());
+    EXPECT(comm->first_rank() == first,
+           "the subset's first rank on process " << process << ": " << comm->first_rank() << " (expected " << first << ")");
+    Setup const t{world, s.group, *comm, members};
+    int const checked = checks;
+    test_collectives(t, seed);
+    std::printf("process %d: subset of %zu ranks from world rank %d: %d checks\n", process, list.size(), list[0],
+                checks - checked);
+    comm->finalize();
+  }
+  // Two subsets at once, on the world's communicator too: each rank all-reduces over its parity's
+  // ranks and then over the world, in one run (both subsets' leaders exchange meanwhile).
+  std::vector<std::unique_ptr<mgpu::comm::Communicator>> parity(2);
+  for (int q = 0; q < 2; ++q) {
+    if (!members_of(world, lists[static_cast<std::size_t>(q)]).empty())
+      parity[static_cast<std::size_t>(q)] =
+          mgpu::dist::make_communicator(world, s.group, lists[static_cast<std::size_t>(q)], {.timeout = 60s});
+  }
+  std::int64_t const n = 29;
+  int const seed = 99;
+  auto mine = make(s, n, DType::float32);
+  auto all = make(s, n, DType::float32);
+  fill(s, mine, seed, DType::float32);
+  fill(s, all, seed + 1, DType::float32);
+  s.run([&](int l, mgpu::Stream& stream) {
+    int const r = s.rank(l);
+    parity[static_cast<std::size_t>(r % 2)]->all_reduce(r / 2, mine[static_cast<std::size_t>(l)],
+                                                        mine[static_cast<std::size_t>(l)], ReduceOp::sum, stream);
+    s.comm.all_reduce(r, all[static_cast<std::size_t>(l)], all[static_cast<std::size_t>(l)], ReduceOp::sum, stream);
+  });
+  for (int l = 0; l < s.local(); ++l) {
+    int const r = s.rank(l);
+    for (std::int64_t i = 0; i < n; ++i) {
+      Reference ref{0, 0};
+      for (int q = r % 2; q < w; q += 2) {
+        ref.value += input(seed, q, i, DType::float32);
+        ref.magnitude += std::abs(input(seed, q, i, DType::float32));
+      }
+      double const got = load(mine[static_cast<std::size_t>(l)], i);
+      EXPECT(close(got, ref, DType::float32),
+             "all_reduce over the ranks of rank " << r << "'s parity [" << i << "] = " << got << ", reference " << ref.value);
+      Reference const whole = reference(ReduceOp::sum, seed + 1, w, i, DType::float32);
+      EXPECT(close(load(all[static_cast<std::size_t>(l)], i), whole, DType::float32),
+             "all_reduce over the world, meanwhile, on rank " << r << " [" << i << "]");
+    }
+  }
+  for (auto& c : parity) {
+    if (c) c->finalize();
+  }
+  // Refused before any communication.
+  int const other = world.processes > 1 ? world.first_rank((world.process + 1) % world.processes) : 0;
+  expect_refused([&] { (void)mgpu::dist::make_communicator(world, s.group, std::vector<int>{}); }, "no world ranks", "an empty list");
+  expect_refused([&] { (void)mgpu::dist::make_communicator(world, s.group, {0, w}); }, "expected world ranks in [0, ",
+                 "an out-of-range rank");
+  expect_refused([&] { (void)mgpu::dist::make_communicator(world, s.group, {0, 0}); }, "twice", "a repeated rank");
+  if (world.processes > 1) {
+    expect_refused([&] { (void)mgpu::dist::make_communicator(world, s.group, {other}); }, "which drives none of them",
+                   "a list without this process's ranks");
+    if (world.local_size(0) > 1)
+      expect_refused([&] { (void)mgpu::dist::make_communicator(world, s.group, {0, w - 1, 1}); },
+                     "lists process 0's ranks apart", "a process's ranks apart in the list");
+  }
 }
 
 // DataParallel::save() across the processes mid-run into `folder` (the same on every process), and
@@ -991,7 +1134,8 @@ int main(int argc, char** argv) {
   if (argc < 3) {
     std::fprintf(
         stderr,
-        "usage: mpi_dist collectives|data_parallel|checkpoint|pipeline|pipeline_checkpoint|stall|exit|mismatch COUNTS "
+        "usage: mpi_dist collectives|subsets|data_parallel|checkpoint|pipeline|pipeline_checkpoint|stall|exit|mismatch|"
+        "subset_missing|subset_mismatch COUNTS "
         "[PROCESS|FOLDER]\n");
     return 2;
   }
@@ -1054,22 +1198,15 @@ int main(int argc, char** argv) {
       std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
       return failures == 0 ? 0 : 1;
     }
+    if (mode == "subsets") {
+      test_subsets(s);
+      comm->finalize();
+      std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
+      return failures == 0 ? 0 : 1;
+    }
     if (mode == "collectives") {
       int seed = 1;
-      for (DType dtype : {DType::float32, DType::bfloat16, DType::float16}) {
-        for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::min, ReduceOp::max}) {
-          test_all_reduce(s, dtype, op, seed++, false);
-          test_reduce_scatter(s, dtype, op, seed++);
-        }
-        test_all_reduce(s, dtype, ReduceOp::sum, seed++, true);
-        test_all_reduce(s, dtype, dtype == DType::float32 ? ReduceOp::avg : ReduceOp::sum, seed++, false, 70001);
-        for (int root : {0, world.size() - 1, world.size() / 2}) test_reduce(s, dtype, ReduceOp::sum, root, seed++);
-        test_reduce(s, dtype, ReduceOp::max, 1, seed++);
-        test_all_gather(s, dtype, seed++, false);
-        test_all_gather(s, dtype, seed++, true);
-        for (int root : {0, world.size() - 1, 1}) test_broadcast(s, dtype, root, seed++);
-        test_send_recv(s, dtype, seed++);
-      }
+      test_collectives(s, seed);
       group.run([&](int l, mgpu::Device, mgpu::Stream& stream) { comm->barrier(s.rank(l), stream); });
       bool one_each = true;
       for (int c : counts) one_each = one_each && c == 1;
@@ -1091,6 +1228,22 @@ int main(int argc, char** argv) {
       comm->finalize();
       std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
       return failures == 0 ? 0 : 1;
+    }
+    if (mode == "subset_missing" || mode == "subset_mismatch") {
+      // Every process but `faulty` makes a subset communicator over every world rank (3 s deadline);
+      // `faulty` never does, or passes the list backwards.
+      std::vector<int> list;
+      for (int r = 0; r < world.size(); ++r) list.push_back(r);
+      if (process == faulty) {
+        if (mode == "subset_missing") {
+          std::this_thread::sleep_for(60s);  // mpirun ends it once another process fails
+          return 0;
+        }
+        std::reverse(list.begin(), list.end());
+      }
+      auto subset = mgpu::dist::make_communicator(world, group, list, {.timeout = 3s});
+      std::printf("process %d: made the subset communicator\n", process);
+      return 0;
     }
     // A fault: one healthy all_reduce, then `faulty` stalls, exits, or passes another count in an
     // all_reduce of a second communicator, made right after it. Only a stall is meant to meet the

@@ -151,9 +151,37 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout = s
 std::unique_ptr<comm::Communicator> make_communicator(World const& world, DeviceGroup& group,
                                                       comm::Options options = {});
 
+/// A communicator over some ranks of `world`, as comm::make_communicator(group, ranks, options)
+/// within one process: its rank i is world rank world_ranks[i]. Every process that drives one of
+/// those ranks calls it (only those), with the same list, and such processes make their subset
+/// communicators in the same order; each calls the operations for its own ranks only (i from
+/// first_rank() on, one per rank it drives, in the list's order). The list names each process's
+/// ranks next to each other (e.g. {0, 2} and {1, 3} over 2 processes of 2 devices; {3, 2} too,
+/// not {0, 2, 1}). A subset within this process is an in-process subset communicator
+/// (comm::make_communicator(group, its local ranks, options)); one across processes is the whole
+/// world's scheme over the member processes (host devices only, for now): their ranks combine
+/// inside each process, one leader per member process exchanges over an MPI communicator among the
+/// members, with the same reduction order, deadlines, abort and error naming (processes by their
+/// place in the job, ranks by their place in the subset). Making one first exchanges the list
+/// among the members, polled against options.timeout (zero: comm::default_timeout()): a member
+/// not heard from in time is named in an Error(timeout), another list in an Error(invalid_argument).
+/// Several may be used at once, each with its own call order. Throws Error(invalid_argument) for
+/// an empty list, a repeated or out-of-range rank, a process's ranks apart in the list, a list
+/// without this process's ranks, CUDA GPUs across processes (not yet: make_communicator(world,
+/// group) serves them), and as make_communicator(world, group, options) does. Needs make_world()
+/// first.
+std::unique_ptr<comm::Communicator> make_communicator(World const& world, DeviceGroup& group,
+                                                      std::vector<int> const& world_ranks, comm::Options options = {});
+
 /// make_communicator(world, group, options) as a function of the group and options, for an executor
-/// to make (and remake) its communicator across processes: parallel::DataParallelOptions's and
-/// pipeline::ExecutorOptions's make_communicator.
+/// to make (and remake) its communicator across processes: parallel::DataParallelOptions's,
+/// pipeline::ExecutorOptions's and parallel::TensorParallelOptions's make_communicator.
 std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> communicator_factory(World world);
+
+/// A subset communicator over world ranks as a function of the group: make_communicator(world,
+/// group, world_ranks, options), for parallel::TensorParallelOptions::make_subset_communicator.
+using SubsetFactory =
+    std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, std::vector<int> const&, comm::Options)>;
+SubsetFactory subset_communicator_factory(World world);
 
 }  // namespace mgpu::dist
