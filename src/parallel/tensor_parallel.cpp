@@ -486,6 +486,16 @@ std::vector<nn::OwnedRange> norm_ranges(nn::Sequential const& shard, bool split,
 
 namespace {
 
+// `t`'s float32 values on the host, once `stream` has written them.
+std::vector<float> host_copy(Tensor const& t, Stream& stream) {
+  auto const host = Allocator::create({DeviceKind::host, 0});
+  Tensor const copy = Tensor::empty(t.shape(), DType::float32, *host);
+  copy_async(copy, t, stream);
+  stream.synchronize();
+  auto const span = copy.host_span<float>();
+  return {span.begin(), span.end()};
+}
+
 // Within a replica nothing is left to reduce between backward and the update (the blocks'
 // all-reduces leave every gradient complete on its rank); across replicas (`data`, when set) each
 // layer's gradients are summed over the ranks of the same tensor-parallel index as backward writes
@@ -545,9 +555,14 @@ struct TensorParallel::Impl {
   DeviceGroup* group = nullptr;
   nn::GptConfig config;
   TensorParallelOptions options;
-  int replicas = 1, ranks = 1;                             // A and T
-  std::vector<std::shared_ptr<comm::Communicator>> comms;  // each replica's tensor-parallel group
-  std::vector<std::unique_ptr<comm::Communicator>> data;   // each tensor-parallel index's replicas (A > 1)
+  int replicas = 1, ranks = 1;  // A and T
+  int first = 0;                // the grid rank of the group's rank 0 (across processes, its world rank)
+  // Across processes: over every rank of the world (null in one process).
+  std::shared_ptr<comm::Communicator> world;
+  // Each replica's tensor-parallel group, and (A > 1) each tensor-parallel index's replicas; across
+  // processes null where this process drives none of the ranks.
+  std::vector<std::shared_ptr<comm::Communicator>> comms;
+  std::vector<std::unique_ptr<comm::Communicator>> data;
   std::vector<nn::Sequential> shards;
   std::vector<std::unique_ptr<optim::Optimizer>> optimizers;
   std::vector<std::unique_ptr<TensorParallelSync>> syncs;
@@ -565,32 +580,50 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
     throw Error(Errc::invalid_argument, "TensorParallel: clip_norm " + std::to_string(options.clip_norm) +
                                             " (expected 0 for no clipping, or a finite norm > 0)");
   int const replicas = options.data_parallel;
-  if (replicas < 1 || group.size() % replicas != 0)
+  bool const across = static_cast<bool>(options.make_communicator);
+  if (across) {
+    im.world = options.make_communicator(group, options.comm);
+    im.first = im.world->first_rank();
+  }
+  int const size = across ? im.world->size() : group.size();
+  if (replicas < 1 || size % replicas != 0)
+    throw Error(Errc::invalid_argument, "TensorParallel: data_parallel " + std::to_string(replicas) + " over " +
+                                            (across ? "the world's " : "a group of ") + std::to_string(size) +
+                                            " devices (expected a replica count >= 1 dividing the " +
+                                            (across ? "world's" : "group") + " size)");
+  if (across && replicas > 1 && !options.make_subset_communicator)
     throw Error(Errc::invalid_argument, "TensorParallel: data_parallel " + std::to_string(replicas) +
-                                            " over a group of " + std::to_string(group.size()) +
-                                            " devices (expected a replica count >= 1 dividing the group size)");
+                                            " across processes without make_subset_communicator (expected "
+                                            "dist::subset_communicator_factory(world) with make_communicator)");
   im.group = &group;
   im.config = config;
   im.options = std::move(options);
   im.replicas = replicas;
-  im.ranks = group.size() / replicas;
+  im.ranks = size / replicas;
+  // A communicator over the grid ranks `ranks` (across processes, made only where this process
+  // drives one of them).
+  auto const subset = [&](std::vector<int> const& ranks) -> std::unique_ptr<comm::Communicator> {
+    if (!across) return comm::make_communicator(group, ranks, im.options.comm);
+    bool const here = std::any_of(ranks.begin(), ranks.end(), [&](int r) { return r >= im.first && r < im.first + group.size(); });
+    return here ? im.options.make_subset_communicator(group, ranks, im.options.comm) : nullptr;
+  };
   if (replicas == 1) {
-    im.comms.push_back(comm::make_communicator(group));
+    im.comms.push_back(across ? im.world : std::shared_ptr<comm::Communicator>(comm::make_communicator(group, im.options.comm)));
   } else {
     for (int a = 0; a < replicas; ++a) {
       std::vector<int> ranks;
       for (int t = 0; t < im.ranks; ++t) ranks.push_back(a * im.ranks + t);
-      im.comms.push_back(comm::make_communicator(group, ranks));
+      im.comms.push_back(subset(ranks));
     }
     for (int t = 0; t < im.ranks; ++t) {
       std::vector<int> ranks;
       for (int a = 0; a < replicas; ++a) ranks.push_back(a * im.ranks + t);
-      im.data.push_back(comm::make_communicator(group, ranks));
+      im.data.push_back(subset(ranks));
     }
   }
   im.shards.reserve(static_cast<std::size_t>(group.size()));  // the syncs keep references
   for (int r = 0; r < group.size(); ++r) {
-    int const a = r / im.ranks, t = r % im.ranks;
+    int const a = (im.first + r) / im.ranks, t = (im.first + r) % im.ranks;
     std::shared_ptr<comm::Communicator> const& comm = im.comms[static_cast<std::size_t>(a)];
     im.shards.push_back(tensor_parallel_gpt(config, comm, t, im.options.sequence_parallel));
     if (im.options.optimizer) {
@@ -613,7 +646,7 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
 
 TensorParallel::~TensorParallel() = default;
 
-int TensorParallel::size() const noexcept { return impl_->group->size(); }
+int TensorParallel::size() const noexcept { return impl_->replicas * impl_->ranks; }
 int TensorParallel::data_parallel() const noexcept { return impl_->replicas; }
 int TensorParallel::tensor_parallel() const noexcept { return impl_->ranks; }
 
@@ -634,11 +667,12 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
   // Replica a's rows [offsets[a], offsets[a + 1]): the first rows mod A replicas take one more.
   std::vector<std::int64_t> offsets{0};
   for (std::int64_t const n : shard_sizes(rows, im.replicas)) offsets.push_back(offsets.back() + n);
-  std::vector<double> shares(static_cast<std::size_t>(im.replicas), 0.0);
+  std::vector<double> shares(static_cast<std::size_t>(size()), 0.0);  // each grid rank's: its replica's part of the mean
   StepResult result;
   im.group->run([&](int rank, Device device, Stream& stream) {
     Allocator& allocator = im.group->allocator(rank);
-    auto const a = static_cast<std::size_t>(rank / im.ranks);
+    int const g = im.first + rank;
+    auto const a = static_cast<std::size_t>(g / im.ranks);
     auto const local = [&](Tensor const& t) {
       Tensor const rows_of = im.replicas == 1 ? t : t.slice(offsets[a], offsets[a + 1]);
       if (rows_of.device() == device) return rows_of;
@@ -654,11 +688,20 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
                         .clip_norm = im.options.clip_norm,
                         .global_units = units,
                         .sync = im.syncs[r].get(),
-                        .rank = rank});
-    if (rank % im.ranks == 0) shares[a] = ops::item(step.loss, stream);  // the replica's part of the mean
-    if (rank == 0) result.applied = step.applied;                        // the same on every rank
+                        .rank = g});
+    if (im.world) {  // across processes: every rank's share, from every process
+      Tensor const all = Tensor::empty({size()}, DType::float32, allocator);
+      im.world->all_gather(g, step.loss.reshape({1}), all, stream);
+      if (rank == 0) {
+        std::vector<float> const values = host_copy(all, stream);
+        std::copy(values.begin(), values.end(), shares.begin());
+      }
+    } else if (g % im.ranks == 0) {
+      shares[static_cast<std::size_t>(g)] = ops::item(step.loss, stream);
+    }
+    if (rank == 0) result.applied = step.applied;  // the same on every rank
   });
-  for (double const share : shares) result.loss += share;
+  for (int a = 0; a < im.replicas; ++a) result.loss += shares[static_cast<std::size_t>(a * im.ranks)];
   return result;
 }
 
@@ -685,15 +728,39 @@ std::vector<float> TensorParallel::gather_parameters() {
   Impl& im = *impl_;
   nn::Sequential const whole_model = nn::gpt(im.config);
   std::vector<float> whole(static_cast<std::size_t>(whole_model.parameter_count()));
-  auto const host = Allocator::create({DeviceKind::host, 0});
-  // Replica 0's ranks, rank 0 last, so the replicated parameters are its.
+  // Replica 0's shards: in one process its own; across processes every rank's shard (padded to the
+  // largest) all-gathered over the world, laid out by shards made here for each index.
+  std::vector<nn::Sequential> layouts;
+  std::vector<float> gathered;
+  std::int64_t padded = 0;
+  if (im.world) {
+    std::shared_ptr<comm::Communicator> const& comm = im.comms[static_cast<std::size_t>(im.first / im.ranks)];
+    for (int t = 0; t < im.ranks; ++t) {
+      layouts.push_back(tensor_parallel_gpt(im.config, comm, t, im.options.sequence_parallel));
+      padded = std::max(padded, layouts.back().parameter_count());
+    }
+    im.group->run([&](int rank, Device /*device*/, Stream& stream) {
+      Allocator& allocator = im.group->allocator(rank);
+      nn::Sequential const& shard = im.shards[static_cast<std::size_t>(rank)];
+      Tensor const mine = Tensor::empty({padded}, DType::float32, allocator);
+      fill_async(mine, 0.0f, stream);
+      copy_async(mine.slice(0, shard.parameter_count()), shard.master_parameters(), stream);
+      Tensor const all = Tensor::empty({padded * size()}, DType::float32, allocator);
+      im.world->all_gather(im.first + rank, mine, all, stream);
+      if (rank == 0) gathered = host_copy(all, stream);
+    });
+  }
+  // Rank 0 last, so the replicated parameters are its.
   for (int rank = im.ranks - 1; rank >= 0; --rank) {
-    nn::Sequential const& shard = im.shards[static_cast<std::size_t>(rank)];
-    Tensor const params = Tensor::empty({shard.parameter_count()}, DType::float32, *host);
-    Stream& stream = im.group->stream(rank);
-    copy_async(params, shard.master_parameters(), stream);
-    stream.synchronize();
-    for_each_layer(shard, params.host_span<float>(), whole_model.parameter_ranges(), whole,
+    nn::Sequential const& shard = im.world ? layouts[static_cast<std::size_t>(rank)] : im.shards[static_cast<std::size_t>(rank)];
+    std::vector<float> values;
+    if (im.world) {
+      auto const begin = gathered.begin() + static_cast<std::ptrdiff_t>(rank * padded);
+      values.assign(begin, begin + static_cast<std::ptrdiff_t>(shard.parameter_count()));
+    } else {
+      values = host_copy(shard.master_parameters(), im.group->stream(rank));
+    }
+    for_each_layer(shard, values, whole_model.parameter_ranges(), whole,
                    [](std::span<float> w, std::span<float> s, ShardedLayer const* sharded) {
                      if (sharded != nullptr) {
                        sharded->copy_shard(w, s, false);
@@ -714,7 +781,7 @@ void TensorParallel::scatter_parameters(std::span<float const> values) {
                                             std::to_string(whole_model.parameter_count()) + ")");
   std::vector<float> whole(values.begin(), values.end());
   auto const host = Allocator::create({DeviceKind::host, 0});
-  for (int rank = 0; rank < size(); ++rank) {
+  for (int rank = 0; rank < im.group->size(); ++rank) {
     nn::Sequential& shard = im.shards[static_cast<std::size_t>(rank)];
     Tensor const params = Tensor::empty({shard.parameter_count()}, DType::float32, *host);
     for_each_layer(shard, params.host_span<float>(), whole_model.parameter_ranges(), whole,

@@ -28,6 +28,10 @@
 //                                    devices) and load() of it across the processes and in one
 //                                    process, against an uninterrupted run in one process. A
 //                                    damaged shard named, an unwritable folder failing everywhere.
+//   mpi_dist tensor_parallel COUNTS  parallel::TensorParallel with its grid over the processes' devices
+//                                    against one over as many devices in one process: tensor
+//                                    parallelism alone and with 2 replicas, sequence parallelism,
+//                                    dropout, clipping; bitwise where the reductions keep their order.
 //   mpi_dist subsets COUNTS          subset communicators across processes (dist::make_communicator
 //                                    over some world ranks): every collective over several subsets
 //                                    against float64 references, two at once, bad lists refused.
@@ -64,6 +68,7 @@
 #include <mgpu/nn/loss.hpp>
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
+#include <mgpu/parallel/tensor_parallel.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
 
 using mgpu::DType;
@@ -898,6 +903,91 @@ void test_pipeline(Setup const& s) {
   }
 }
 
+// Whether reductions over the world ranks `ranks` combine in the same order across processes as
+// in one process: the ranks are all in one process, or each in its own.
+bool same_order(mgpu::dist::World const& world, std::vector<int> const& ranks) {
+  std::vector<int> processes;
+  for (int const r : ranks) processes.push_back(world.devices[static_cast<std::size_t>(r)].process);
+  std::sort(processes.begin(), processes.end());
+  bool const one = processes.front() == processes.back();
+  return one || std::adjacent_find(processes.begin(), processes.end()) == processes.end();
+}
+
+// parallel::TensorParallel with its A x T grid over the world's devices (each process passing the
+// whole batch) against one over as many devices in one process, which every process runs itself:
+// 12 AdamW steps with clipping, tensor parallelism alone or with 2 data-parallel replicas,
+// sequence parallelism and dropout once each. The losses, this process's shards and
+// gather_parameters() on every process are the same bits when every tensor- and data-parallel
+// group lies in one process or has one rank in each (their reductions then combine in the same
+// order), else within 1e-5.
+void test_tensor_parallel(Setup const& s) {
+  namespace par = mgpu::parallel;
+  std::shared_ptr<mgpu::Allocator> host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  std::mt19937 rng(11);
+  std::vector<Tensor> xs, ys;
+  for (int b = 0; b < 12; ++b) {
+    for (auto* list : {&xs, &ys}) {
+      list->push_back(Tensor::empty({5, 8}, DType::int32, *host));  // 5 rows: uneven over 2 replicas
+      for (std::int32_t& v : list->back().host_span<std::int32_t>()) v = static_cast<std::int32_t>(rng() % 32);
+    }
+  }
+  struct Layout {
+    int replicas;
+    bool sequence_parallel;
+    float dropout;
+  };
+  for (Layout const c : {Layout{1, false, 0.0f}, Layout{1, true, 0.1f}, Layout{2, false, 0.0f}, Layout{2, true, 0.0f}}) {
+    int const t_ranks = s.size() / c.replicas;
+    if (s.size() % c.replicas != 0 || t_ranks < 2 || 4 % t_ranks != 0) continue;  // T divides the 4 heads
+    mgpu::nn::GptConfig const config{
+        .vocab = 32, .block_size = 8, .n_layer = 2, .n_head = 4, .n_embd = 16, .dropout = c.dropout};
+    bool bitwise = true;
+    for (int a = 0; a < c.replicas; ++a) {
+      std::vector<int> group;
+      for (int t = 0; t < t_ranks; ++t) group.push_back(a * t_ranks + t);
+      bitwise = bitwise && same_order(s.world, group);
+    }
+    for (int t = 0; t < t_ranks; ++t) {
+      std::vector<int> replicas;
+      for (int a = 0; a < c.replicas; ++a) replicas.push_back(a * t_ranks + t);
+      bitwise = bitwise && same_order(s.world, replicas);
+    }
+    std::string const what = "tensor parallel " + std::to_string(c.replicas) + " x " + std::to_string(t_ranks) +
+                             (c.sequence_parallel ? ", sequence parallel" : "") + (c.dropout > 0 ? ", dropout" : "");
+    par::TensorParallelOptions options{.seed = 5,
+                                       .adamw = {.lr = 0.01f, .weight_decay = 0.1f},
+                                       .clip_norm = 0.1f,
+                                       .data_parallel = c.replicas,
+                                       .sequence_parallel = c.sequence_parallel,
+                                       .comm = {.timeout = 60s}};
+    mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
+    par::TensorParallel reference(one, config, options);
+    options.make_communicator = mgpu::dist::communicator_factory(s.world);
+    options.make_subset_communicator = mgpu::dist::subset_communicator_factory(s.world);
+    par::TensorParallel tp(s.group, config, options);
+    EXPECT(tp.size() == s.size() && tp.data_parallel() == c.replicas && tp.tensor_parallel() == t_ranks,
+           what << ": a grid of " << tp.data_parallel() << " x " << tp.tensor_parallel());
+    for (std::size_t b = 0; b < xs.size(); ++b) {
+      double const want = reference.step(xs[b], ys[b]).loss;
+      double const got = tp.step(xs[b], ys[b]).loss;
+      EXPECT(bitwise ? got == want : std::abs(got - want) <= 1e-5 * std::abs(want),
+             what << ": step " << b << " loss " << got << " (expected " << want << ")");
+    }
+    double const tolerance = bitwise ? 0 : 1e-5;
+    for (int l = 0; l < s.local(); ++l)
+      EXPECT(close_to(host_values(tp.shard(l).master_parameters(), s.group.stream(l)),
+                      host_values(reference.shard(s.rank(l)).master_parameters(), one.stream(s.rank(l))), tolerance),
+             what << ": world rank " << s.rank(l) << "'s shard differs from one process's");
+    EXPECT(close_to(tp.gather_parameters(), reference.gather_parameters(), tolerance),
+           what << ": gather_parameters differs from one process's");
+  }
+  if (s.size() % 2 == 0) {
+    par::TensorParallelOptions options{.data_parallel = 2, .make_communicator = mgpu::dist::communicator_factory(s.world)};
+    expect_refused([&] { par::TensorParallel(s.group, mgpu::nn::GptConfig{.vocab = 32, .block_size = 8, .n_layer = 1, .n_head = 4, .n_embd = 16}, options); },
+                   "without make_subset_communicator", "data_parallel 2 across processes without the subset factory");
+  }
+}
+
 // A GPT pipelined over the world's devices (its tied LM head's copy of wte on another device, in
 // another process where there are two; with two replicas, a data x pipeline grid), AdamW with
 // clipping and dropout, against one process's executor: losses and chunks bitwise, also after
@@ -1134,7 +1224,7 @@ int main(int argc, char** argv) {
   if (argc < 3) {
     std::fprintf(
         stderr,
-        "usage: mpi_dist collectives|subsets|data_parallel|checkpoint|pipeline|pipeline_checkpoint|stall|exit|mismatch|"
+        "usage: mpi_dist collectives|subsets|tensor_parallel|data_parallel|checkpoint|pipeline|pipeline_checkpoint|stall|exit|mismatch|"
         "subset_missing|subset_mismatch COUNTS "
         "[PROCESS|FOLDER]\n");
     return 2;
@@ -1194,6 +1284,12 @@ int main(int argc, char** argv) {
     }
     if (mode == "data_parallel") {
       test_data_parallel(s);
+      comm->finalize();
+      std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
+      return failures == 0 ? 0 : 1;
+    }
+    if (mode == "tensor_parallel") {
+      test_tensor_parallel(s);
       comm->finalize();
       std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
       return failures == 0 ? 0 : 1;

@@ -336,6 +336,16 @@ struct TensorParallelOptions {
   /// activations split by tokens over the T ranks instead of replicated. The batches' sequence
   /// length must then divide by T.
   bool sequence_parallel = false;
+  /// The communicators' options (backend, deadline).
+  comm::Options comm{};
+  /// Across processes (see "Across processes" at TensorParallel): makes the communicator over
+  /// every rank of the world from the group and `comm`, dist::communicator_factory(world) (empty:
+  /// one process, comm::make_communicator over the group).
+  std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> make_communicator{};
+  /// Across processes with data_parallel > 1: makes the communicator over some world ranks (rank i
+  /// is world rank ranks[i]), dist::subset_communicator_factory(world).
+  std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, std::vector<int> const&, comm::Options)>
+      make_subset_communicator{};
 };
 
 /// Trains gpt(config) with every rank of `group` holding one tensor-parallel shard, in A =
@@ -349,10 +359,23 @@ struct TensorParallelOptions {
 /// replicas hold the whole batch's gradients and stay bitwise identical. Its owned ranges are the
 /// rank's whole buffer (replicated ranges counted by the replica's rank 0 only, split ones by every
 /// rank) and its sum over ranks is an all-reduce over the replica. float32.
+///
+/// Across processes (mgpu::dist): every process makes its own TensorParallel over its own
+/// DeviceGroup with the same config and options, make_communicator = dist::communicator_factory(
+/// world) and, with A > 1, make_subset_communicator = dist::subset_communicator_factory(world).
+/// The A x T grid then spans the world's ranks (world rank g: replica g / T, tensor-parallel index
+/// g mod T), e.g. tensor parallelism inside each process and data parallelism across them, or a
+/// tensor-parallel group across processes. Each process passes the whole batch to step(), whose
+/// ranks take their replicas' rows; step()'s loss is the world's (every rank's share gathered over
+/// the world), the shards start from the same seed everywhere, clipping spans each replica's ranks
+/// as in one process, and gather_parameters() gathers the world's shards on every process.
+/// shard() and scatter_parameters() concern this process's ranks. The same losses and weights as
+/// one process over as many devices (its reductions in the same order).
 class TensorParallel {
  public:
   /// Throws Error(invalid_argument) for a bad config or options (see tensor_parallel_gpt and
-  /// TensorParallelOptions), e.g. a data_parallel that does not divide the group size.
+  /// TensorParallelOptions), e.g. a data_parallel that does not divide the device count, or one
+  /// above 1 across processes without make_subset_communicator.
   TensorParallel(DeviceGroup& group, nn::GptConfig const& config, TensorParallelOptions options = {});
   ~TensorParallel();
   TensorParallel(TensorParallel const&) = delete;
@@ -369,16 +392,17 @@ class TensorParallel {
   StepResult step(Tensor const& ids, Tensor const& targets, float lr_scale = 1.0f);
 
   /// The whole model's float32 parameters in gpt(config)'s flat layout, gathered from replica 0's
-  /// shards (the replicated ones from rank 0). Synchronizes the ranks' streams.
+  /// shards (the replicated ones from rank 0). Synchronizes the ranks' streams. Across processes
+  /// collective: every process calls it and gets the whole model.
   [[nodiscard]] std::vector<float> gather_parameters();
-  /// Sets every replica's shards from the whole model's float32 parameters in gpt(config)'s flat
-  /// layout (e.g. weights loaded from a file). Synchronizes the ranks' streams. Throws
-  /// Error(invalid_argument) for another size.
+  /// Sets every replica's shards (across processes, this process's) from the whole model's float32
+  /// parameters in gpt(config)'s flat layout (e.g. weights loaded from a file). Synchronizes the
+  /// ranks' streams. Throws Error(invalid_argument) for another size.
   void scatter_parameters(std::span<float const> whole);
-  /// Rank r's shard (its flat buffers hold only its split matrices' part): replica r / T's shard
-  /// of tensor-parallel index r mod T.
+  /// The group's rank r's shard (its flat buffers hold only its split matrices' part): replica
+  /// g / T's shard of tensor-parallel index g mod T, g = r (across processes, r's world rank).
   [[nodiscard]] nn::Sequential& shard(int rank);
-  /// The group's ranks, A x T.
+  /// The grid's ranks, A x T (across processes, the world's).
   [[nodiscard]] int size() const noexcept;
   /// A, the data-parallel replicas.
   [[nodiscard]] int data_parallel() const noexcept;
