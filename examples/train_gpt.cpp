@@ -63,7 +63,10 @@
 // Across processes (mpirun, srun): --devices is each process's, and data parallelism (each process
 // its rows of every batch) or the pipeline (stages and replicas over the world's devices) spans
 // every process's devices; process 0 prints. `mpirun -np 2 train_gpt --devices host:1` gives
-// `train_gpt --devices host:2`'s losses; --tp is not yet across processes. --checkpoint is then a
+// `train_gpt --devices host:2`'s losses. --tp's grid spans the world's devices too (each process
+// passing every batch whole), e.g. `mpirun -np 2 train_gpt --devices host:2 --dp 2 --tp 2` (tensor
+// parallel inside each process, data parallel across them) or `--devices host:1 --tp 2` (across
+// them); with --stages it is not yet across processes. --checkpoint (not with --tp) is then a
 // folder of one shard per process (DataParallel::save, pipeline::Executor::save), which --resume
 // reads on any process count or layout over 2 or more devices, in one process too.
 //   mpirun -np 2 train_gpt --data notes.txt --devices host:1
@@ -499,9 +502,10 @@ int run(Options o) {
   }
   mgpu::dist::World const world = mgpu::dist::make_world(group);
   bool const across = world.processes > 1;
-  if (across && o.tp > 1)
-    throw mgpu::Error(mgpu::Errc::invalid_argument, "--tp in a job of " + std::to_string(world.processes) +
-                                                        " processes (expected one process: not yet across processes)");
+  if (across && o.tp > 1 && pipelined)
+    throw mgpu::Error(mgpu::Errc::invalid_argument, "--tp with --stages in a job of " + std::to_string(world.processes) +
+                                                        " processes (expected one process: the data x tensor x pipeline "
+                                                        "grid is not yet across processes)");
   check_layout(o, pipelined, world.size());
   mgpu::Device const device = group.device(0);
   if (o.resume && o.checkpoint.empty())
@@ -600,13 +604,16 @@ int run(Options o) {
   if (o.tp > 1 && !pipelined) {
     mgpu::optim::AdamWOptions options = adamw;
     options.decay_ranges.clear();  // each shard decays its own 2-D weights
-    tensor = std::make_unique<mgpu::parallel::TensorParallel>(
-        group, config,
-        mgpu::parallel::TensorParallelOptions{.seed = o.seed,
-                                              .adamw = options,
-                                              .clip_norm = o.clip,
-                                              .data_parallel = o.dp,
-                                              .sequence_parallel = o.sequence_parallel});
+    mgpu::parallel::TensorParallelOptions tp_options{.seed = o.seed,
+                                                     .adamw = options,
+                                                     .clip_norm = o.clip,
+                                                     .data_parallel = o.dp,
+                                                     .sequence_parallel = o.sequence_parallel};
+    if (across) {  // the grid over the world's devices, each process passing the whole batch
+      tp_options.make_communicator = mgpu::dist::communicator_factory(world);
+      tp_options.make_subset_communicator = mgpu::dist::subset_communicator_factory(world);
+    }
+    tensor = std::make_unique<mgpu::parallel::TensorParallel>(group, config, std::move(tp_options));
     if (init) tensor->scatter_parameters(host_parameters(model, stream));
   }
   // What evaluation, checkpoints and sampling read: the one model, replica 0 on rank 0, or the

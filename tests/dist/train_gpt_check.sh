@@ -6,7 +6,10 @@
 # - data parallel: mpirun -np 2 --devices host:1 = --devices host:2 (each process its rows);
 # - pipelined: mpirun -np 2 --devices host:1 --stages 2 = host:2 (the tied LM head's copy of wte
 #   in the other process);
-# - a data x pipeline grid: mpirun -np 2 --devices host:2 --stages 2 --dp 2 = host:4.
+# - a data x pipeline grid: mpirun -np 2 --devices host:2 --stages 2 --dp 2 = host:4;
+# - tensor parallel across the processes: mpirun -np 2 --devices host:1 --tp 2 = host:2;
+# - tensor parallel inside each process, data parallel across them (and sequence parallel):
+#   mpirun -np 2 --devices host:2 --dp 2 --tp 2 --sequence-parallel = host:4.
 set -eu
 exe=$1
 text=$2
@@ -36,4 +39,7 @@ check data-parallel "--devices host:2" "--devices host:1" '["p0:host:0", "p1:hos
 check pipeline "--devices host:2 --stages 2" "--devices host:1 --stages 2" '["p0:host:0", "p1:host:0"]' "$@"
 check grid "--devices host:4 --stages 2 --dp 2 --micro-batches 2" "--devices host:2 --stages 2 --dp 2 --micro-batches 2" \
   '["p0:host:0", "p0:host:1", "p1:host:0", "p1:host:1"]' "$@"
-echo "ok: data parallel, pipelined and a data x pipeline grid over 2 processes give one process's losses"
+check tensor "--devices host:2 --tp 2" "--devices host:1 --tp 2" '["p0:host:0", "p1:host:0"]' "$@"
+check data-tensor "--devices host:4 --dp 2 --tp 2 --sequence-parallel" "--devices host:2 --dp 2 --tp 2 --sequence-parallel" \
+  '["p0:host:0", "p0:host:1", "p1:host:0", "p1:host:1"]' "$@"
+echo "ok: data parallel, pipelined, a data x pipeline grid, tensor parallel and a data x tensor grid over 2 processes give one process's losses"
