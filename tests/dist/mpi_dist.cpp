@@ -52,6 +52,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <random>
 #include <sstream>
@@ -574,6 +575,15 @@ bool close_to(std::vector<float> const& have, std::vector<float> const& want, do
   return true;
 }
 
+// The largest difference between `have` and `want` relative to 1 + |want| (infinity for other sizes).
+double worst_difference(std::vector<float> const& have, std::vector<float> const& want) {
+  if (have.size() != want.size()) return std::numeric_limits<double>::infinity();
+  double worst = 0;
+  for (std::size_t i = 0; i < have.size(); ++i)
+    worst = std::max(worst, std::abs(static_cast<double>(have[i]) - want[i]) / (1 + std::abs(want[i])));
+  return worst;
+}
+
 // This process's ranks of the subset `list` of world ranks, as its group's ranks, in the list's order.
 std::vector<int> members_of(mgpu::dist::World const& world, std::vector<int> const& list) {
   std::vector<int> members;
@@ -919,7 +929,7 @@ bool same_order(mgpu::dist::World const& world, std::vector<int> const& ranks) {
 // sequence parallelism and dropout once each. The losses, this process's shards and
 // gather_parameters() on every process are the same bits when every tensor- and data-parallel
 // group lies in one process or has one rank in each (their reductions then combine in the same
-// order), else within 1e-5.
+// order), else the losses within 1e-5 and the weights within 1e-4.
 void test_tensor_parallel(Setup const& s) {
   namespace par = mgpu::parallel;
   std::shared_ptr<mgpu::Allocator> host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
@@ -973,13 +983,19 @@ void test_tensor_parallel(Setup const& s) {
       EXPECT(bitwise ? got == want : std::abs(got - want) <= 1e-5 * std::abs(want),
              what << ": step " << b << " loss " << got << " (expected " << want << ")");
     }
-    double const tolerance = bitwise ? 0 : 1e-5;
-    for (int l = 0; l < s.local(); ++l)
-      EXPECT(close_to(host_values(tp.shard(l).master_parameters(), s.group.stream(l)),
-                      host_values(reference.shard(s.rank(l)).master_parameters(), one.stream(s.rank(l))), tolerance),
-             what << ": world rank " << s.rank(l) << "'s shard differs from one process's");
-    EXPECT(close_to(tp.gather_parameters(), reference.gather_parameters(), tolerance),
-           what << ": gather_parameters differs from one process's");
+    // Reductions in another order: the weights drift apart by about 1e-5 over the 12 AdamW steps
+    // (its normalized step magnifies differences in small gradients), the losses much less.
+    double const tolerance = bitwise ? 0 : 1e-4;
+    for (int l = 0; l < s.local(); ++l) {
+      std::vector<float> const have = host_values(tp.shard(l).master_parameters(), s.group.stream(l));
+      std::vector<float> const want = host_values(reference.shard(s.rank(l)).master_parameters(), one.stream(s.rank(l)));
+      EXPECT(close_to(have, want, tolerance), what << ": world rank " << s.rank(l) << "'s shard differs from one process's by "
+                                                   << worst_difference(have, want));
+    }
+    std::vector<float> const have = tp.gather_parameters();
+    std::vector<float> const want = reference.gather_parameters();
+    EXPECT(close_to(have, want, tolerance),
+           what << ": gather_parameters differs from one process's by " << worst_difference(have, want));
   }
   if (s.size() % 2 == 0) {
     par::TensorParallelOptions options{.data_parallel = 2, .make_communicator = mgpu::dist::communicator_factory(s.world)};
