@@ -921,6 +921,28 @@ void test_pipeline_checkpoint(Setup const& s, std::filesystem::path const& folde
     loaded(executor, folder, "resumed across the processes");
     finish(executor, saved_at, 0, "resumed across the processes");
   }
+  {
+    // Each process reads the pieces of the chunks its ranks run, and the tied head's process the
+    // embedding's too (the head's copy of wte comes from wte): the parameters and AdamW's two
+    // buffers, float32, no others.
+    pp::Executor executor(model, s.group, cuts, pp::one_f_one_b(2, 2), adamw, options);
+    mgpu::io::ShardedCheckpoint const opened = mgpu::io::ShardedCheckpoint::load(folder);
+    std::uint64_t const before = opened.payload_bytes_read();
+    EXPECT(executor.load(opened).step == position.step, what << ": load of an opened folder");
+    std::vector<bool> needed(2, false);
+    for (int l = 0; l < s.local(); ++l) needed[static_cast<std::size_t>(s.rank(l) % 2)] = true;
+    needed[0] = needed[0] || needed[1];
+    std::uint64_t elements = 0;
+    for (std::size_t c = 0; c < 2; ++c) {
+      for (std::size_t layer = cuts[c]; layer < cuts[c + 1] && needed[c]; ++layer)
+        elements += static_cast<std::uint64_t>(model.layer(layer).parameter_count());
+    }
+    EXPECT(opened.payload_bytes_read() - before == 3 * sizeof(float) * elements,
+           what << ": process " << process << " read " << opened.payload_bytes_read() - before
+                << " bytes of pieces (expected " << 3 * sizeof(float) * elements << ": its chunks' "
+                << (needed[1] ? "and the embedding's" : "only") << ")");
+    finish(executor, saved_at, 0, "loaded from an opened folder");
+  }
   options.make_communicator = nullptr;
   {
     mgpu::DeviceGroup same("host:" + std::to_string(s.size()));
@@ -958,12 +980,11 @@ void test_pipeline_checkpoint(Setup const& s, std::filesystem::path const& folde
       EXPECT(same_bits(host_values(dp.replica(l).master_parameters(), two.stream(l)), at_save),
              what << ": DataParallel's replica " << l << " differs from the parameters saved");
   }
-  // Each process damages its own copy: one byte near the end of shard 0 (process 0's).
-  std::filesystem::path const copy = folder.string() + "-damaged-" + std::to_string(process);
-  std::filesystem::remove_all(copy);
-  std::filesystem::copy(folder, copy);
-  std::filesystem::path const shard = mgpu::io::shard_path(copy, written.save_id(), 0, written.shards());
-  {
+  // A copy of the folder with one byte flipped near the end of shard `index` (in its last piece).
+  auto const damaged = [&](std::filesystem::path const& copy, int index) {
+    std::filesystem::remove_all(copy);
+    std::filesystem::copy(folder, copy);
+    std::filesystem::path const shard = mgpu::io::shard_path(copy, written.save_id(), index, written.shards());
     std::fstream file(shard, std::ios::in | std::ios::out | std::ios::binary);
     file.seekg(-100, std::ios::end);
     char byte = 0;
@@ -971,7 +992,38 @@ void test_pipeline_checkpoint(Setup const& s, std::filesystem::path const& folde
     byte = static_cast<char>(byte ^ 0x10);
     file.seekp(-100, std::ios::end);
     file.write(&byte, 1);
+    return shard;
+  };
+  if (s.size() == 2 && s.local() == 1) {
+    // One device per process: process 1's shard damaged, which only process 1 reads. It fails
+    // naming the file, process 0 naming process 1, and both executors stay usable.
+    options.make_communicator = mgpu::dist::communicator_factory(s.world);
+    std::filesystem::path const copy = folder.string() + "-damaged";
+    auto const barrier = mgpu::dist::make_communicator(s.world, s.group);
+    std::filesystem::path shard;
+    if (process == 0) shard = damaged(copy, 1);
+    s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) { barrier->barrier(s.rank(l), stream); });
+    s.group.synchronize();
+    pp::Executor executor(model, s.group, cuts, pp::one_f_one_b(2, 2), adamw, options);
+    try {
+      executor.load(copy);
+      EXPECT(false, what << ": process 1's damaged shard was accepted by process " << process);
+    } catch (mgpu::Error const& e) {
+      std::string const text = e.what();
+      bool const named = process == 1 ? e.category() == mgpu::Errc::corrupt_data && text.find("shard-") != std::string::npos
+                                      : e.category() == mgpu::Errc::io && text.find("world rank 1 failed") != std::string::npos;
+      EXPECT(named, what << ": process 1's damaged shard, on process " << process << ": " << text);
+    }
+    loaded(executor, folder, "loaded after a failed load");
+    finish(executor, saved_at, 0, "loaded after a failed load");
+    s.group.run([&](int l, mgpu::Device, mgpu::Stream& stream) { barrier->barrier(s.rank(l), stream); });
+    s.group.synchronize();
+    if (process == 0) std::filesystem::remove_all(copy);
+    options.make_communicator = nullptr;
   }
+  // Each process damages its own copy: one byte near the end of shard 0 (process 0's).
+  std::filesystem::path const copy = folder.string() + "-damaged-" + std::to_string(process);
+  std::filesystem::path const shard = damaged(copy, 0);
   mgpu::DeviceGroup two("host:2");
   pp::Executor executor(model, two, cuts, pp::one_f_one_b(2, 2), adamw, options);
   try {
