@@ -423,6 +423,33 @@ std::vector<float> host_values(Tensor const& t, mgpu::Stream& stream) {
   return {span.begin(), span.end()};
 }
 
+// Whether `have` and `want` hold the same bits.
+bool same_bits(std::vector<float> const& have, std::vector<float> const& want) {
+  return have.size() == want.size() &&
+         (have.empty() || std::memcmp(have.data(), want.data(), have.size() * sizeof(float)) == 0);
+}
+
+// Expects `call` to throw Error(invalid_argument) whose text has `needle`.
+template <class Call>
+void expect_refused(Call const& call, std::string const& needle, std::string const& what) {
+  try {
+    call();
+    EXPECT(false, what << " was accepted");
+  } catch (mgpu::Error const& e) {
+    EXPECT(e.category() == mgpu::Errc::invalid_argument && std::string(e.what()).find(needle) != std::string::npos,
+           what << ": " << e.what() << " (expected invalid_argument with '" << needle << "')");
+  }
+}
+
+// Whether `have` is within `tolerance` (relative, per element) of `want`, or the same bits.
+bool close_to(std::vector<float> const& have, std::vector<float> const& want, double tolerance) {
+  if (tolerance == 0) return same_bits(have, want);
+  if (have.size() != want.size()) return false;
+  for (std::size_t i = 0; i < have.size(); ++i)
+    if (!(std::abs(static_cast<double>(have[i]) - want[i]) <= tolerance * (1 + std::abs(want[i])))) return false;
+  return true;
+}
+
 // DataParallel across the processes, each passing its rows of every global batch (those of its
 // ranks in the reference's even split, so that every rank's shard is the same), against the
 // reference over world.size() devices of this process.
@@ -489,6 +516,48 @@ void test_data_parallel(Setup const& s) {
                                                       << (one_each ? " (expected the same bits)" : ""));
     }
   }
+  {
+    // Rebalancing across processes: a cost model makes each rank of process p take p + 1 ms per
+    // row. Before any step process_rows() splits by the weights given (the device counts), after
+    // one by the measured speeds (process p: its devices / (p + 1)), the same on every process;
+    // the run follows one process's losses whichever processes hold the rows.
+    std::string const what = "data_parallel rebalancing across processes";
+    mgpu::parallel::DataParallelOptions options;
+    options.comm.timeout = 60s;
+    mgpu::optim::AdamW const adamw(mgpu::optim::AdamWOptions{.lr = 0.01f});
+    mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
+    mgpu::parallel::DataParallel reference(dp_model(false), one, adamw, options);
+    options.make_communicator = mgpu::dist::communicator_factory(s.world);
+    options.rebalance = true;
+    options.rebalance_ewma = 1;
+    options.rebalance_time = [p = process](int, std::int64_t shard_rows, double) {
+      return static_cast<double>(shard_rows) * (p + 1);
+    };
+    mgpu::parallel::DataParallel dp(dp_model(false), s.group, adamw, options);
+    std::vector<double> devices, speeds;
+    for (int p = 0; p < s.world.processes; ++p) {
+      devices.push_back(s.world.local_size(p));
+      speeds.push_back(s.world.local_size(p) / (p + 1.0));
+    }
+    for (std::size_t b = 0; b < xs.size(); ++b) {
+      std::vector<std::int64_t> const split = dp.process_rows(rows, devices);
+      std::vector<std::int64_t> const want = mgpu::shard_sizes(rows, s.world.processes, b == 0 ? devices : speeds);
+      EXPECT(split == want, what << ": step " << b << ": process " << process << " was given "
+                                 << split[static_cast<std::size_t>(process)] << " rows (expected "
+                                 << want[static_cast<std::size_t>(process)] << ")");
+      std::int64_t first = 0;
+      for (int p = 0; p < process; ++p) first += split[static_cast<std::size_t>(p)];
+      std::int64_t const last = first + split[static_cast<std::size_t>(process)];
+      float const expected = reference.step(xs[b], ys[b]).loss;
+      float const got = dp.step(xs[b].slice(first, last), ys[b].slice(first, last)).loss;
+      EXPECT(std::abs(got - expected) <= 1e-5f * std::abs(expected),
+             what << ": step " << b << " loss " << got << " (expected " << expected << ")");
+    }
+    EXPECT(close_to(host_values(dp.replica(0).master_parameters(), s.group.stream(0)),
+                    host_values(reference.replica(0).master_parameters(), one.stream(0)), 1e-5),
+           what << ": the parameters differ from one process's");
+    expect_refused([&] { (void)dp.process_rows(rows, {1.0}); }, "one per process", what + ": one weight");
+  }
   // Not yet across processes: refused with the reason.
   mgpu::parallel::DataParallelOptions options;
   options.make_communicator = mgpu::dist::communicator_factory(s.world);
@@ -501,33 +570,6 @@ void test_data_parallel(Setup const& s) {
                std::string(e.what()).find("across processes") != std::string::npos,
            "a comm hook across processes: " << e.what());
   }
-}
-
-// Whether `have` and `want` hold the same bits.
-bool same_bits(std::vector<float> const& have, std::vector<float> const& want) {
-  return have.size() == want.size() &&
-         (have.empty() || std::memcmp(have.data(), want.data(), have.size() * sizeof(float)) == 0);
-}
-
-// Expects `call` to throw Error(invalid_argument) whose text has `needle`.
-template <class Call>
-void expect_refused(Call const& call, std::string const& needle, std::string const& what) {
-  try {
-    call();
-    EXPECT(false, what << " was accepted");
-  } catch (mgpu::Error const& e) {
-    EXPECT(e.category() == mgpu::Errc::invalid_argument && std::string(e.what()).find(needle) != std::string::npos,
-           what << ": " << e.what() << " (expected invalid_argument with '" << needle << "')");
-  }
-}
-
-// Whether `have` is within `tolerance` (relative, per element) of `want`, or the same bits.
-bool close_to(std::vector<float> const& have, std::vector<float> const& want, double tolerance) {
-  if (tolerance == 0) return same_bits(have, want);
-  if (have.size() != want.size()) return false;
-  for (std::size_t i = 0; i < have.size(); ++i)
-    if (!(std::abs(static_cast<double>(have[i]) - want[i]) <= tolerance * (1 + std::abs(want[i])))) return false;
-  return true;
 }
 
 // DataParallel::save() across the processes mid-run into `folder` (the same on every process), and
