@@ -472,30 +472,38 @@ void test_data_parallel(Setup const& s) {
   for (int l = 0; l < s.local(); ++l) end += shards[static_cast<std::size_t>(s.rank(l))];
   bool const one_each = s.world.processes == s.size();
   struct Config {
-    bool overlap, shard_update, dropout;
+    bool overlap;
+    int zero_stage;
+    bool dropout;
     float clip_norm;  // the sharded update then sums each rank's squares over the world
+    bool hook;        // bf16 compression
   };
-  for (Config const c : {Config{true, true, false, 0}, Config{false, true, true, 0}, Config{true, false, true, 0},
-                         Config{true, true, false, 0.5f}}) {
-    std::string const what = std::string("data_parallel overlap ") + (c.overlap ? "on" : "off") + ", sharded update " +
-                             (c.shard_update ? "on" : "off") + (c.dropout ? ", dropout" : "") +
-                             (c.clip_norm > 0 ? ", clipping" : "");
+  for (Config const c : {Config{true, 1, false, 0, false}, Config{false, 1, true, 0, false}, Config{true, 0, true, 0, false},
+                         Config{true, 1, false, 0.5f, false}, Config{true, 2, true, 0.5f, false}, Config{true, 3, false, 0, false},
+                         Config{true, 3, true, 0.5f, false}, Config{true, 0, false, 0, true}, Config{true, 1, true, 0.5f, true}}) {
+    std::string const what = std::string("data_parallel overlap ") + (c.overlap ? "on" : "off") + ", zero_stage " +
+                             std::to_string(c.zero_stage) + (c.dropout ? ", dropout" : "") +
+                             (c.clip_norm > 0 ? ", clipping" : "") + (c.hook ? ", bf16 compression" : "");
     mgpu::parallel::DataParallelOptions options;
     options.bucket_cap_bytes = options.first_bucket_cap_bytes = 4;  // a bucket per layer
     options.overlap = c.overlap;
-    options.zero_stage = c.shard_update ? 1 : 0;
+    options.zero_stage = c.zero_stage;
     options.clip_norm = c.clip_norm;
+    if (c.hook) options.comm_hook = std::make_shared<mgpu::parallel::Bf16Compression>();
     options.comm.timeout = 60s;
     mgpu::optim::AdamW const adamw(mgpu::optim::AdamWOptions{.lr = 0.01f});
     mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
     mgpu::parallel::DataParallel reference(dp_model(c.dropout), one, adamw, options);
     options.make_communicator = mgpu::dist::communicator_factory(s.world);
+    if (c.hook) options.comm_hook = std::make_shared<mgpu::parallel::Bf16Compression>();  // its own residuals
+    // Several devices in a process sum their bfloat16 buckets in the process first: another rounding.
+    float const tolerance = c.hook ? 1e-3f : 1e-5f;
     mgpu::parallel::DataParallel dp(dp_model(c.dropout), s.group, adamw, options);
     EXPECT(dp.buckets().size() == 3, what << ": " << dp.buckets().size() << " buckets (expected 3)");
     for (std::size_t b = 0; b < xs.size(); ++b) {
       float const expected = reference.step(xs[b], ys[b]).loss;
       mgpu::parallel::DataParallelResult const got = dp.step(xs[b].slice(begin, end), ys[b].slice(begin, end));
-      EXPECT(one_each ? got.loss == expected : std::abs(got.loss - expected) <= 1e-5f * std::abs(expected),
+      EXPECT(one_each ? got.loss == expected : std::abs(got.loss - expected) <= tolerance * std::abs(expected),
              what << ": step " << b << " loss " << got.loss << " (expected " << expected << ")");
       for (int l = 0; l < s.local(); ++l)
         EXPECT(got.rows[static_cast<std::size_t>(l)] == shards[static_cast<std::size_t>(s.rank(l))],
@@ -511,7 +519,7 @@ void test_data_parallel(Setup const& s) {
       }
       for (std::size_t i = 0; i < std::min(have.size(), want.size()); ++i)
         worst = std::max(worst, std::abs(static_cast<double>(have[i]) - want[i]) / (1 + std::abs(want[i])));
-      EXPECT(one_each ? bitwise : worst <= 1e-5, what << ": rank " << s.rank(l)
+      EXPECT(one_each ? bitwise : worst <= tolerance, what << ": rank " << s.rank(l)
                                                       << "'s parameters differ from one process's by " << worst
                                                       << (one_each ? " (expected the same bits)" : ""));
     }
@@ -558,18 +566,12 @@ void test_data_parallel(Setup const& s) {
            what << ": the parameters differ from one process's");
     expect_refused([&] { (void)dp.process_rows(rows, {1.0}); }, "one per process", what + ": one weight");
   }
-  // Not yet across processes: refused with the reason.
+  // Not across processes: the scheduler's choice of ranks (a request), refused with the reason.
   mgpu::parallel::DataParallelOptions options;
   options.make_communicator = mgpu::dist::communicator_factory(s.world);
-  options.comm_hook = std::make_shared<mgpu::parallel::Bf16Compression>();
-  try {
-    mgpu::parallel::DataParallel dp(dp_model(false), s.group, mgpu::optim::SGD(mgpu::optim::SgdOptions{}), options);
-    EXPECT(false, "a comm hook across processes was accepted");
-  } catch (mgpu::Error const& e) {
-    EXPECT(e.category() == mgpu::Errc::invalid_argument &&
-               std::string(e.what()).find("across processes") != std::string::npos,
-           "a comm hook across processes: " << e.what());
-  }
+  options.request = mgpu::sched::Request{};
+  expect_refused([&] { mgpu::parallel::DataParallel dp(dp_model(false), s.group, mgpu::optim::SGD(mgpu::optim::SgdOptions{}), options); },
+                 "spans every device of every process", "a request across processes");
 }
 
 // DataParallel::save() across the processes mid-run into `folder` (the same on every process), and

@@ -117,7 +117,7 @@ struct DataParallelOptions {
   /// bucket: small buckets (bucket_cap_bytes) save the most. The reduce, clipping and update are
   /// stage 1's, bitwise. With accumulation every micro-batch is reduce-scattered and added to the
   /// owned gradients (the same sums as stage 1's in another order). float32 compute, overlap on,
-  /// one process, no comm hook, and checkpoints at the end of an accumulation cycle only
+  /// no comm hook, and checkpoints at the end of an accumulation cycle only; across processes too
   /// (Error(invalid_argument) otherwise, naming what).
   ///
   /// 3, sharded parameters too (ZeRO-3, FSDP-style): each rank keeps only the parameters of the
@@ -225,8 +225,10 @@ struct DataParallelResult {
 /// measured speed. A process may pass no rows of a step's global batch (its ranks' gradients
 /// are then zero), but it must call step(), and with the sharded update optimizer() too (it
 /// gathers the state from every rank). save() and load() are collective: every process calls them
-/// with the same folder (see save()). Not yet across processes (Error(invalid_argument) at
-/// construction or call): a request, a comm hook, and a save mid accumulation cycle. A failed step
+/// with the same folder (see save()). ZeRO-1 to 3 and comm hooks (their ranks: the world's) work
+/// across processes. Not across processes (Error(invalid_argument) at construction or call): a
+/// request (the scheduler picks ranks within one process), and a save mid accumulation cycle or
+/// with a comm hook (a folder holds neither state yet). A failed step
 /// leaves the executor unusable (the communicator across processes cannot be made again while a
 /// peer may be gone): the job ends.
 class DataParallel {
