@@ -11,7 +11,8 @@
 // It trains data parallel (parallel::DataParallel) over every device of --devices: one replica
 // per device, each batch sharded across them, gradients all-reduced in buckets during backward.
 // Under mpirun or srun every process does so over its own --devices: each loads the same global
-// batch and trains on its rows (split by the processes' device speeds), the gradients are reduced
+// batch and trains on its rows (split by the processes' device speeds; with --rebalance by their
+// measured speeds, rows moving to the faster processes), the gradients are reduced
 // over every device of every process, and process 0 prints. --checkpoint is then a folder of
 // one shard per process (DataParallel::save), which --resume reads on any process count.
 #include <CLI/CLI.hpp>
@@ -121,13 +122,14 @@ int train(Options const& o) {
   } else {
     for (int r = 0; r < used.size(); ++r) trained_on += (r ? "," : "") + used.device(r).to_string();
   }
-  // This process's rows of each global batch: shares by the processes' device speeds.
+  // This process's rows of each global batch: shares by the processes' device speeds, or with
+  // --rebalance by their measured speeds once measured.
   std::vector<double> process_weights(static_cast<std::size_t>(world.processes), 0.0);
   for (mgpu::dist::WorldDevice const& d : world.devices)
     process_weights[static_cast<std::size_t>(d.process)] += d.device.speed;
   auto const my_rows = [&](mgpu::Tensor const& batch) {
     if (!across) return batch;
-    std::vector<std::int64_t> const rows = mgpu::shard_sizes(batch.dim(0), world.processes, process_weights);
+    std::vector<std::int64_t> const rows = dp.process_rows(batch.dim(0), process_weights);
     std::int64_t begin = 0;
     for (int p = 0; p < world.process; ++p) begin += rows[static_cast<std::size_t>(p)];
     return batch.slice(begin, begin + rows[static_cast<std::size_t>(world.process)]);

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <utility>
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
@@ -435,22 +436,9 @@ TrainingState load_training(std::filesystem::path const& path, nn::Sequential& m
 TrainingState load_training(Checkpoint const& c, std::string const& source, nn::Sequential& model, optim::Optimizer& optimizer,
                             Allocator& allocator, Stream& stream) {
   if (!model.master_parameters().defined()) throw Error(Errc::invalid_argument, "load_training before materialize (expected a materialized model)");
-  std::string const file = source + ": ";
   // Verify everything before touching the model or the optimizer.
-  std::string const arch = c.get_text("model.architecture");
-  if (arch != architecture(model))
-    throw Error(Errc::invalid_argument, file + "the model differs: the checkpoint holds '" + arch + "' (expected '" + architecture(model) + "')");
+  TrainingRecords const records = read_training_records(c, source, model, optimizer);
   c.check_fits("model.parameters", model.master_parameters());
-  auto const rng = c.get_uint64("model.rng");
-  if (rng.size() != model.size()) throw Error(Errc::corrupt_data, file + "model.rng has " + std::to_string(rng.size()) + " entries");
-  std::string const kind = c.get_text("optimizer.name");
-  if (kind != optimizer.name())
-    throw Error(Errc::invalid_argument, file + "the optimizer differs: the checkpoint holds " + kind + " state (expected " + optimizer.name() + ")");
-  auto const steps = c.get_int64("optimizer.steps");
-  auto const training = c.get_int64("training");
-  auto const seed = c.get_uint64("training.data_seed");
-  if (steps.size() != 1 || training.size() != 3 || seed.size() != 1)
-    throw Error(Errc::corrupt_data, file + "malformed optimizer.steps, training or training.data_seed record");
   bool has_state = false;
   for (Record const& r : c.records()) {
     if (!r.name.starts_with("optimizer.") || r.type != RecordType::float32) continue;
@@ -467,10 +455,29 @@ TrainingState load_training(Checkpoint const& c, std::string const& source, nn::
   }
   c.copy_to("model.parameters", model.master_parameters(), stream);
   model.sync_parameters(stream);
-  model.set_rng_state(rng);
-  optimizer.set_steps(steps[0]);
+  model.set_rng_state(records.rng);
+  optimizer.set_steps(records.optimizer_steps);
   stream.synchronize();
-  return {training[0], training[1], training[2], seed[0]};
+  return records.state;
+}
+
+TrainingRecords read_training_records(Checkpoint const& c, std::string const& source, nn::Sequential const& model,
+                                      optim::Optimizer const& optimizer) {
+  std::string const file = source + ": ";
+  std::string const arch = c.get_text("model.architecture");
+  if (arch != architecture(model))
+    throw Error(Errc::invalid_argument, file + "the model differs: the checkpoint holds '" + arch + "' (expected '" + architecture(model) + "')");
+  auto rng = c.get_uint64("model.rng");
+  if (rng.size() != model.size()) throw Error(Errc::corrupt_data, file + "model.rng has " + std::to_string(rng.size()) + " entries");
+  std::string const kind = c.get_text("optimizer.name");
+  if (kind != optimizer.name())
+    throw Error(Errc::invalid_argument, file + "the optimizer differs: the checkpoint holds " + kind + " state (expected " + optimizer.name() + ")");
+  auto const steps = c.get_int64("optimizer.steps");
+  auto const training = c.get_int64("training");
+  auto const seed = c.get_uint64("training.data_seed");
+  if (steps.size() != 1 || training.size() != 3 || seed.size() != 1)
+    throw Error(Errc::corrupt_data, file + "malformed optimizer.steps, training or training.data_seed record");
+  return {std::move(rng), steps[0], {training[0], training[1], training[2], seed[0]}};
 }
 
 }  // namespace mgpu::io

@@ -170,12 +170,19 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
   comm::Communicator& comm = im.sync->communicator();
   if (comm.size() > 1) {
     std::vector<std::uint64_t> rng = im.state[0]->model.rng_state();
-    if (im.across_processes()) {  // world rank 0's RNG state
+    if (im.across_processes()) {  // world rank 0's RNG state, and every rank's process (by its first rank)
       std::vector<std::int32_t> words;
       for (std::uint64_t const v : rng) append_words(words, v);
+      words.push_back(comm.first_rank());
       std::vector<std::int32_t> const all =
           im.all_gather_words(std::vector<std::vector<std::int32_t>>(im.state.size(), words));
       for (std::size_t i = 0; i < rng.size(); ++i) rng[i] = read_words<std::uint64_t>(all, 2 * i);
+      for (std::size_t w = 0; w < all.size() / words.size(); ++w) {
+        std::int32_t const first = all[(w + 1) * words.size() - 1];
+        bool const next = w == 0 || first != all[w * words.size() - 1];
+        im.world_process.push_back(w == 0 ? 0 : im.world_process.back() + (next ? 1 : 0));
+      }
+      im.world_ms_per_row.assign(im.world_process.size(), 0.0);
     }
     for (auto& st : im.state) st->model.set_rng_state(rng);
     im.group->run([&](int rank, Device, Stream& stream) {
@@ -200,6 +207,24 @@ DataParallel::~DataParallel() {
 
 std::vector<int> const& DataParallel::ranks() const noexcept { return impl_->ranks; }
 std::vector<double> const& DataParallel::weights() const noexcept { return impl_->weights; }
+
+std::vector<std::int64_t> DataParallel::process_rows(std::int64_t rows, std::vector<double> const& weights) const {
+  Impl const& im = *impl_;
+  if (rows < 0)
+    throw Error(Errc::invalid_argument, "DataParallel::process_rows of " + std::to_string(rows) + " rows (expected rows >= 0)");
+  if (im.world_process.empty()) return {rows};  // one process
+  int const processes = im.world_process.back() + 1;
+  if (static_cast<int>(weights.size()) != processes)
+    throw Error(Errc::invalid_argument, "DataParallel::process_rows with " + std::to_string(weights.size()) +
+                                            " weights (expected one per process: " + std::to_string(processes) + ")");
+  bool const measured = im.options.rebalance && std::all_of(im.world_ms_per_row.begin(), im.world_ms_per_row.end(),
+                                                            [](double ms) { return ms > 0; });
+  if (!measured) return shard_sizes(rows, processes, weights);
+  std::vector<double> speeds(static_cast<std::size_t>(processes), 0.0);
+  for (std::size_t w = 0; w < im.world_process.size(); ++w)
+    speeds[static_cast<std::size_t>(im.world_process[w])] += 1.0 / im.world_ms_per_row[w];
+  return shard_sizes(rows, processes, speeds);
+}
 std::vector<Bucket> const& DataParallel::buckets() const noexcept { return impl_->sync->buckets(); }
 DeviceGroup& DataParallel::group() noexcept { return *impl_->group; }
 
@@ -251,17 +276,44 @@ void DataParallel::Impl::share_counts(ShardPlan& plan, std::int64_t units) {
   plan.global_units = std::max<std::int64_t>(1, total_units);
 }
 
-std::vector<float> DataParallel::Impl::loss_shares(std::vector<nn::StepResult> const& results) {
+namespace {
+// An exponentially weighted mean of milliseconds per row, with weight `a` for a new measurement
+// (none when it is 0: no rows).
+void fold(double& mean, double measured, double a) {
+  if (measured > 0) mean = mean == 0 ? measured : a * measured + (1 - a) * mean;
+}
+}  // namespace
+
+std::vector<float> DataParallel::Impl::loss_shares(std::vector<nn::StepResult> const& results,
+                                                   std::vector<double> const& step_ms_per_row) {
   std::vector<float> shares;
   for (std::size_t r = 0; r < results.size(); ++r)
     shares.push_back(ops::item(results[r].loss, group->stream(static_cast<int>(r))));
   if (!across_processes()) return shares;
+  bool const speeds = options.rebalance;
   std::vector<std::vector<std::int32_t>> words(ranks.size());
-  for (std::size_t r = 0; r < ranks.size(); ++r) words[r].push_back(std::bit_cast<std::int32_t>(shares[r]));
+  for (std::size_t r = 0; r < ranks.size(); ++r) {
+    words[r].push_back(std::bit_cast<std::int32_t>(shares[r]));
+    if (speeds) append_words(words[r], step_ms_per_row[r]);
+  }
   std::vector<std::int32_t> const all = all_gather_words(words);
+  std::size_t const per_rank = words[0].size();
   shares.clear();
-  for (std::int32_t const w : all) shares.push_back(std::bit_cast<float>(w));
+  for (std::size_t w = 0; per_rank * w < all.size(); ++w) {
+    shares.push_back(std::bit_cast<float>(all[per_rank * w]));
+    if (speeds) fold(world_ms_per_row[w], read_words<double>(all, per_rank * w + 1), options.rebalance_ewma);
+  }
   return shares;
+}
+
+std::vector<double> DataParallel::Impl::ms_per_row(ShardPlan const& plan, std::vector<double> const& compute_ms) const {
+  std::vector<double> out;
+  for (std::size_t i = 0; i < state.size(); ++i) {
+    std::int64_t const rows = plan.rows[i];
+    double const ms = options.rebalance_time ? options.rebalance_time(static_cast<int>(i), rows, compute_ms[i]) : compute_ms[i];
+    out.push_back(rows == 0 || !(ms > 0) ? 0.0 : ms / static_cast<double>(rows));
+  }
+  return out;
 }
 
 // Every used rank's train_step on its shard, at once; the gradient sync joins them when
@@ -308,16 +360,8 @@ std::vector<nn::StepResult> DataParallel::Impl::run_ranks(ShardPlan const& plan,
 
 // Weights follow the measured speed (rows per millisecond) of every rank that had rows, scaled so
 // that those ranks keep their total weight (ranks without rows keep theirs).
-void DataParallel::Impl::rebalance(ShardPlan const& plan, std::vector<double> const& compute_ms) {
-  double const a = options.rebalance_ewma;
-  for (std::size_t i = 0; i < state.size(); ++i) {
-    Rank& st = *state[i];
-    std::int64_t const rows = plan.rows[i];
-    double const ms = options.rebalance_time ? options.rebalance_time(static_cast<int>(i), rows, compute_ms[i]) : compute_ms[i];
-    if (rows == 0 || !(ms > 0)) continue;
-    double const per_row = ms / static_cast<double>(rows);
-    st.ms_per_row = st.ms_per_row == 0 ? per_row : a * per_row + (1 - a) * st.ms_per_row;
-  }
+void DataParallel::Impl::rebalance(std::vector<double> const& step_ms_per_row) {
+  for (std::size_t i = 0; i < state.size(); ++i) fold(state[i]->ms_per_row, step_ms_per_row[i], options.rebalance_ewma);
   double old_total = 0;
   double new_total = 0;
   std::vector<double> speed(state.size(), 0.0);
@@ -369,31 +413,33 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
   // With one device and no hook the update runs inside backward where no reduce marks it.
   bool const unobserved_updates = !accumulate_only && world == 1 && !im.options.comm_hook;
   std::vector<nn::StepResult> results;
+  DataParallelResult result;
+  bool const synced = (world > 1 || im.options.comm_hook) && !accumulate_only;
+  std::vector<double> step_ms_per_row;
   std::vector<float> shares;
   try {
     if (across) im.share_counts(plan, units);
     results = im.run_ranks(plan, xs, ys, lr_scale, accumulate_only);
-    shares = im.loss_shares(results);
+    for (int r = 0; r < n; ++r) {
+      auto const i = static_cast<std::size_t>(r);
+      detail::RankSync const& rank_sync = im.sync->rank(r);
+      result.compute_ms.push_back(Event::elapsed_ms(im.state[i]->start, synced ? rank_sync.backward_end() : im.state[i]->stop));
+      bool const waited = synced && im.group->device(r).kind == DeviceKind::host;
+      result.wait_ms.push_back(waited ? rank_sync.wait_ms() : 0.0);
+    }
+    if (im.options.rebalance) step_ms_per_row = im.ms_per_row(plan, result.compute_ms);
+    shares = im.loss_shares(results, step_ms_per_row);
   } catch (...) {
     im.recover(std::current_exception(), before, unobserved_updates);
   }
   ++im.micro_steps;
 
-  DataParallelResult result;
   result.rows = plan.rows;
   result.applied = results[0].applied;
-  bool const synced = (world > 1 || im.options.comm_hook) && !accumulate_only;
   double loss = 0;
   for (float const share : shares) loss += static_cast<double>(share);
-  for (int r = 0; r < n; ++r) {
-    auto const i = static_cast<std::size_t>(r);
-    detail::RankSync const& rank_sync = im.sync->rank(r);
-    result.compute_ms.push_back(Event::elapsed_ms(im.state[i]->start, synced ? rank_sync.backward_end() : im.state[i]->stop));
-    bool const waited = synced && im.group->device(r).kind == DeviceKind::host;
-    result.wait_ms.push_back(waited ? rank_sync.wait_ms() : 0.0);
-  }
   result.loss = static_cast<float>(loss);
-  if (im.options.rebalance && n > 1) im.rebalance(plan, result.compute_ms);
+  if (im.options.rebalance && n > 1) im.rebalance(step_ms_per_row);
   return result;
 }
 

@@ -47,6 +47,11 @@ struct DataParallel::Impl {
   std::vector<std::unique_ptr<Rank>> state;
   std::unique_ptr<detail::GradientSync> sync;  // after state: destroyed first, draining its streams
   std::int64_t micro_steps = 0;
+  // Across processes: each world rank's process (numbered in world rank order) and, with
+  // rebalancing, its measured milliseconds per row (the exponentially weighted mean, 0 until it had
+  // rows); the same on every process.
+  std::vector<int> world_process;
+  std::vector<double> world_ms_per_row;
   // Why the executor cannot be used (a step failed once updates had begun), or empty.
   std::string broken;
   void check_usable(std::string const& what) const;
@@ -71,9 +76,13 @@ struct DataParallel::Impl {
   void share_counts(ShardPlan& plan, std::int64_t units);
   std::vector<nn::StepResult> run_ranks(ShardPlan const& plan, std::vector<Tensor> const& xs, std::vector<Tensor> const& ys, float lr_scale,
                                         bool accumulate_only);
-  // Each rank's share of the step's loss: every rank of the world's, in rank order.
-  std::vector<float> loss_shares(std::vector<nn::StepResult> const& results);
-  void rebalance(ShardPlan const& plan, std::vector<double> const& compute_ms);
+  // Each rank's milliseconds per row in this step (its compute time, or rebalance_time's, over its
+  // rows), 0 for a rank without rows.
+  [[nodiscard]] std::vector<double> ms_per_row(ShardPlan const& plan, std::vector<double> const& compute_ms) const;
+  // Each rank's share of the step's loss: every rank of the world's, in rank order. Across
+  // processes with rebalancing, every rank's `step_ms_per_row` goes with it into world_ms_per_row.
+  std::vector<float> loss_shares(std::vector<nn::StepResult> const& results, std::vector<double> const& step_ms_per_row);
+  void rebalance(std::vector<double> const& step_ms_per_row);
   [[nodiscard]] std::vector<optim::Optimizer*> optimizers() const;
 
   // Checkpoints: the executor's own records beside those of save_training.

@@ -149,11 +149,11 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
   if (!scatter) {
     span("all-reduce", [&] {
       if (hook != nullptr) {
-        hook->reduce(comm, rank_, static_cast<int>(bucket), grads, sync_.group_.allocator(rank_), comm_stream_);
+        hook->reduce(comm, rank_, static_cast<int>(bucket), grads, sync_.group_.allocator(rank_ - comm.first_rank()), comm_stream_);
       } else if (gather_to_sum && comm.size() > 1) {
         std::int64_t const n = grads.numel();
         if (!gathered_.defined() || gathered_.numel() < n * comm.size())
-          gathered_ = Tensor::empty({n * comm.size()}, DType::float32, sync_.group_.allocator(rank_));
+          gathered_ = Tensor::empty({n * comm.size()}, DType::float32, sync_.group_.allocator(rank_ - comm.first_rank()));
         comm.all_gather(rank_, grads, gathered_.slice(0, n * comm.size()), comm_stream_);
         copy_async(grads, gathered_.slice(0, n), comm_stream_);
         for (int r = 1; r < comm.size(); ++r) ops::add_scaled(grads, gathered_.slice(r * n, (r + 1) * n), 1.0f, comm_stream_);
@@ -407,10 +407,6 @@ GradientSync::GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, Data
   int const n = comm_->size();
   int const first = comm_->first_rank();
   if (n != group_.size()) {  // across processes
-    if (hook_)
-      throw Error(Errc::invalid_argument,
-                  "DataParallel: the comm hook " + hook_->name() +
-                      " across processes (expected none: comm hooks run within one process for now)");
     if (deterministic_ && comm_->backend() != comm::Backend::host)
       throw Error(Errc::invalid_argument, "DataParallel: deterministic mode across processes on the " +
                                               std::string(comm::to_string(comm_->backend())) +
@@ -427,10 +423,6 @@ GradientSync::GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, Data
   stage_ = options.zero_stage;
   shard_gradients_ = options.zero_stage >= 2 && n > 1;
   shard_parameters_ = options.zero_stage >= 3 && n > 1;
-  if (shard_gradients_ && n != group_.size())
-    throw Error(Errc::invalid_argument,
-                "DataParallel: zero_stage " + std::to_string(stage_) +
-                    " across processes (expected zero_stage 0 or 1: sharded gradients and parameters run within one process for now)");
   if (hook_) {
     std::vector<std::int64_t> sizes;
     for (Bucket const& b : buckets_) sizes.push_back(b.size());
@@ -503,7 +495,7 @@ bool GradientSync::copy_hook_state(Tensor const& rows) {
   bool any = false;
   for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
-      Tensor const values = hook_->state(r, static_cast<int>(b));
+      Tensor const values = hook_->state(comm_->first_rank() + r, static_cast<int>(b));  // the hook's ranks: the world's
       if (!values.defined()) continue;
       any = true;
       copy_async(rows.slice(r * count + buckets_[b].begin, r * count + buckets_[b].end), values, group_.stream(r));
@@ -514,7 +506,7 @@ bool GradientSync::copy_hook_state(Tensor const& rows) {
 
 void GradientSync::set_hook_state(int rank, Tensor const& values) {
   for (std::size_t b = 0; b < buckets_.size(); ++b) {
-    hook_->set_state(rank, static_cast<int>(b), values.slice(buckets_[b].begin, buckets_[b].end), group_.allocator(rank),
+    hook_->set_state(comm_->first_rank() + rank, static_cast<int>(b), values.slice(buckets_[b].begin, buckets_[b].end), group_.allocator(rank),
                      this->rank(rank).comm_stream_);
   }
 }

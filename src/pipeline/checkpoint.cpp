@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <cstring>
+#include <exception>
 #include <filesystem>
 #include <limits>
 #include <memory>
@@ -75,15 +77,18 @@ void Executor::Impl::to_whole(int c, Tensor const& chunk_buffer, Tensor const& w
   copy_async(whole.slice(s.offset, s.offset + s.count), chunk_buffer.slice(0, s.count), stream);
 }
 
-void Executor::Impl::from_whole(int c, Tensor const& whole, Tensor const& chunk_buffer, Stream& stream) const {
+std::vector<Executor::Impl::Part> Executor::Impl::chunk_parts(int c) const {
   std::vector<Span> const at = whole_spans();
   Span const s = at[static_cast<std::size_t>(c)];
-  copy_async(chunk_buffer.slice(0, s.count), whole.slice(s.offset, s.offset + s.count), stream);
-  std::int64_t const copy = chunk_buffer.numel() - s.count;  // a tied head's copy of wte
-  if (copy > 0) {
-    std::int64_t const wte = at[static_cast<std::size_t>(tie->embedding_chunk)].offset + tie->embedding_offset;
-    copy_async(chunk_buffer.slice(s.count, s.count + copy), whole.slice(wte, wte + copy), stream);
-  }
+  std::vector<Part> parts{{s.offset, 0, s.count}};
+  std::int64_t const copy = chunks[0][static_cast<std::size_t>(c)].parameter_count() - s.count;  // a tied head's copy of wte
+  if (copy > 0) parts.push_back({at[static_cast<std::size_t>(tie->embedding_chunk)].offset + tie->embedding_offset, s.count, copy});
+  return parts;
+}
+
+void Executor::Impl::from_whole(int c, Tensor const& whole, Tensor const& chunk_buffer, Stream& stream) const {
+  for (Part const& p : chunk_parts(c))
+    copy_async(chunk_buffer.slice(p.chunk_begin, p.chunk_begin + p.count), whole.slice(p.whole_begin, p.whole_begin + p.count), stream);
 }
 
 namespace {
@@ -319,62 +324,150 @@ void Executor::save(std::filesystem::path const& path, io::TrainingState const& 
 
 io::TrainingState Executor::load(std::filesystem::path const& path) {
   impl_->whole_model_only("load");
-  Impl& m = *impl_;
-  m.group->synchronize();
-  io::Checkpoint const checkpoint =
-      std::filesystem::is_directory(path) ? io::ShardedCheckpoint::load(path).joined() : io::Checkpoint::load(path);
-  std::string const file = path.string() + ": ";
+  if (std::filesystem::is_directory(path)) return load(io::ShardedCheckpoint::load(path));
+  return impl_->load_records(io::Checkpoint::load(path), nullptr, path.string());
+}
+
+io::TrainingState Executor::load(io::ShardedCheckpoint const& checkpoint) {
+  impl_->whole_model_only("load");
+  // The split records (the parameters and the optimizer's state as save() writes them) are read in
+  // this process's chunks' parts only.
+  return impl_->load_records(checkpoint.joined(checkpoint.split_names()), &checkpoint, checkpoint.folder().string());
+}
+
+io::TrainingState Executor::Impl::load_records(io::Checkpoint const& records, io::ShardedCheckpoint const* sharded,
+                                               std::string const& source) {
+  group->synchronize();
+  std::string const file = source + ": ";
+  std::vector<Span> const spans = whole_spans();
+  std::int64_t const total = spans.back().offset + spans.back().count;
+  auto const host = Allocator::create({DeviceKind::host, 0});
+  Stream host_stream{Device{DeviceKind::host, 0}};
+  // A float32 record of a value per parameter of the whole model: a split one or a whole one.
+  auto const check_shape = [&](std::string const& name) {
+    bool const split = sharded != nullptr && sharded->has_pieces(name);
+    if (!split && !records.contains(name)) throw Error(Errc::corrupt_data, file + "no record '" + name + "' (expected one)");
+    Shape const shape = split ? sharded->shape(name) : records.get(name).shape;
+    if (shape != Shape{total} || (!split && records.get(name).type != io::RecordType::float32))
+      throw Error(Errc::invalid_argument, file + "record '" + name + "' of shape " + mgpu::to_string(shape) + " (expected [" +
+                                              std::to_string(total) + "] float32, a value per parameter of the model)");
+  };
+  // Elements [begin, begin + out.numel()) of such a record into host tensor `out`.
+  auto const read = [&](std::string const& name, std::int64_t begin, Tensor const& out) {
+    if (sharded != nullptr && sharded->has_pieces(name)) return sharded->read(name, begin, out, host_stream);
+    std::memcpy(out.data(), records.get(name).data.data() + begin * static_cast<std::int64_t>(sizeof(float)), out.nbytes());
+  };
+  // Everything verified, and this process's chunks' parts read into host buffers (each chunk once,
+  // whichever replicas run it here), before any chunk changes.
+  struct Staged {
+    Tensor parameters;
+    std::unique_ptr<optim::Optimizer> optimizer;  // its state: the chunk's, read
+  };
+  std::vector<Staged> staged(static_cast<std::size_t>(schedule.chunks()));
+  io::TrainingRecords training;
   std::optional<optim::LossScaler::State> scaler;
-  if (m.options.loss_scaler && checkpoint.contains(scaler_record)) {
-    auto const values = checkpoint.get_int64(scaler_record);
-    if (values.size() != 3 || values[0] < std::numeric_limits<std::int32_t>::min() || values[0] > std::numeric_limits<std::int32_t>::max())
-      throw Error(Errc::corrupt_data, file + "malformed " + scaler_record + " record (expected the scale's bits, good steps and skipped steps)");
-    scaler = optim::LossScaler::State{std::bit_cast<float>(static_cast<std::int32_t>(values[0])), values[1], values[2]};
-    optim::LossScaler probe = *m.options.loss_scaler;
-    try {
-      probe.set_state(*scaler);
-    } catch (Error const& e) {
-      throw Error(Errc::corrupt_data, file + std::string(e.message()));
+  bool has_state = false;
+  std::exception_ptr failure;
+  try {
+    training = io::read_training_records(records, source, architecture, *optimizers[0][0]);
+    if (options.loss_scaler && records.contains(scaler_record)) {
+      auto const values = records.get_int64(scaler_record);
+      if (values.size() != 3 || values[0] < std::numeric_limits<std::int32_t>::min() || values[0] > std::numeric_limits<std::int32_t>::max())
+        throw Error(Errc::corrupt_data, file + "malformed " + scaler_record + " record (expected the scale's bits, good steps and skipped steps)");
+      scaler = optim::LossScaler::State{std::bit_cast<float>(static_cast<std::int32_t>(values[0])), values[1], values[2]};
+      optim::LossScaler probe = *options.loss_scaler;
+      try {
+        probe.set_state(*scaler);
+      } catch (Error const& e) {
+        throw Error(Errc::corrupt_data, file + std::string(e.message()));
+      }
     }
+    check_shape("model.parameters");
+    std::vector<std::string> state_names;  // the optimizer's, as the checkpoint holds them
+    if (sharded != nullptr) {
+      for (std::string const& name : sharded->split_names())
+        if (name.starts_with("optimizer.")) state_names.push_back(name);
+    }
+    for (io::Record const& r : records.records())
+      if (r.name.starts_with("optimizer.") && r.type == io::RecordType::float32) state_names.push_back(r.name);
+    for (std::string const& name : state_names) check_shape(name);
+    has_state = !state_names.empty();
+    for (int c = 0; c < schedule.chunks(); ++c) {
+      int r = 0;
+      while (r < replicas && !is_local(r * schedule.devices + schedule.device_of(c))) ++r;
+      if (r == replicas) continue;  // no replica's chunk c runs here
+      Staged& st = staged[static_cast<std::size_t>(c)];
+      nn::Sequential const& chunk = chunks[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)];
+      st.parameters = Tensor::empty({chunk.parameter_count()}, DType::float32, *host);
+      // A tied head's copy of wte from the embedding's chunk when that was read here already
+      // (chunks go in order, the embedding's first), else from the record.
+      Staged const* embedding = tie && c == tie->head_chunk ? &staged[static_cast<std::size_t>(tie->embedding_chunk)] : nullptr;
+      std::vector<Part> const parts = chunk_parts(c);
+      // `name`'s parts into `out`; `from_embedding`: the embedding chunk's buffer of the same name.
+      auto const read_parts = [&](std::string const& name, Tensor const& out, Tensor const& from_embedding) {
+        for (std::size_t i = 0; i < parts.size(); ++i) {
+          Part const& p = parts[i];
+          Tensor const to = out.slice(p.chunk_begin, p.chunk_begin + p.count);
+          if (i == 0 || !from_embedding.defined()) {
+            read(name, p.whole_begin, to);
+          } else {
+            copy_async(to, from_embedding.slice(tie->embedding_offset, tie->embedding_offset + p.count), host_stream);
+            host_stream.synchronize();
+          }
+        }
+      };
+      bool const copy_wte = embedding != nullptr && embedding->parameters.defined();
+      read_parts("model.parameters", st.parameters, copy_wte ? embedding->parameters : Tensor{});
+      if (!has_state) continue;
+      st.optimizer = make_optimizer(chunk);
+      if (!st.optimizer)
+        throw Error(Errc::invalid_argument, "the pipeline's optimizer factory returned no optimizer for chunk " +
+                                                std::to_string(c) + " (expected a new optimizer from every call: load() makes one)");
+      std::vector<optim::NamedTensor> const buffers = st.optimizer->prepare_state(st.parameters, *host, host_stream);
+      host_stream.synchronize();  // zeroed before they are read into
+      for (std::size_t i = 0; i < buffers.size(); ++i) {
+        std::string const name = "optimizer." + buffers[i].first;
+        if (std::find(state_names.begin(), state_names.end(), name) == state_names.end())
+          throw Error(Errc::corrupt_data, file + "no record '" + name + "' (expected the " + st.optimizer->name() +
+                                              " state that the other optimizer records belong to)");
+        read_parts(name, buffers[i].second, copy_wte ? embedding->optimizer->state()[i].second : Tensor{});
+      }
+    }
+  } catch (...) {
+    failure = std::current_exception();
   }
-  // Verified and loaded into the whole model first: the executor changes only once it succeeded.
-  Whole whole(m.architecture, m.make_optimizer, m.options.seed);
-  io::TrainingState const state =
-      io::load_training(checkpoint, path.string(), whole.model, *whole.optimizer, *whole.allocator, whole.stream);
-  std::vector<optim::NamedTensor> const loaded = whole.optimizer->state();  // empty: nothing saved, zeroed below
-  std::vector<std::uint64_t> const rng = whole.model.rng_state();
-  for (int r = 0; r < m.replicas; ++r) {
-    std::size_t layer = 0;
-    for (int c = 0; c < m.schedule.chunks(); ++c) {
+  if (across) {
+    comm::detail::agree(*comm, *group, failure, "Executor::load of " + source);
+  } else if (failure) {
+    std::rethrow_exception(failure);
+  }
+  for (int r = 0; r < replicas; ++r) {
+    for (int c = 0; c < schedule.chunks(); ++c) {
+      int const rank = r * schedule.devices + schedule.device_of(c);
+      if (!is_local(rank)) continue;  // another process loads it
       auto const index = static_cast<std::size_t>(c);
-      int const rank = r * m.schedule.devices + m.schedule.device_of(c);
-      nn::Sequential& chunk = m.chunks[static_cast<std::size_t>(r)][index];
-      if (!m.is_local(rank)) {  // another process loads it
-        layer += chunk.size();
-        continue;
-      }
-      optim::Optimizer& optimizer = *m.optimizers[static_cast<std::size_t>(r)][index];
-      Stream& stream = m.group->stream(rank - m.first);
-      m.from_whole(c, whole.model.master_parameters(), chunk.master_parameters(), stream);
+      Staged const& st = staged[index];
+      nn::Sequential& chunk = chunks[static_cast<std::size_t>(r)][index];
+      optim::Optimizer& optimizer = *optimizers[static_cast<std::size_t>(r)][index];
+      Stream& stream = group->stream(rank - first);
+      copy_async(chunk.master_parameters(), st.parameters, stream);
       chunk.sync_parameters(stream);
-      std::vector<optim::NamedTensor> const mine =
-          loaded.empty()
-              ? optimizer.state()
-              : optimizer.prepare_state(chunk.master_parameters(), m.group->allocator(rank - m.first), stream);
-      for (std::size_t i = 0; i < mine.size(); ++i) {
-        if (loaded.empty())
-          fill_async(mine[i].second, 0.0f, stream);
-        else
-          m.from_whole(c, loaded[i].second, mine[i].second, stream);
+      if (has_state) {
+        std::vector<optim::NamedTensor> const loaded = st.optimizer->state();
+        std::vector<optim::NamedTensor> const mine =
+            optimizer.prepare_state(chunk.master_parameters(), group->allocator(rank - first), stream);
+        for (std::size_t i = 0; i < mine.size(); ++i) copy_async(mine[i].second, loaded[i].second, stream);
+      } else {
+        for (auto const& [name, tensor] : optimizer.state()) fill_async(tensor, 0.0f, stream);
       }
-      optimizer.set_steps(whole.optimizer->steps());
-      chunk.set_rng_state({rng.begin() + static_cast<std::ptrdiff_t>(layer), rng.begin() + static_cast<std::ptrdiff_t>(layer + chunk.size())});
-      layer += chunk.size();
+      optimizer.set_steps(training.optimizer_steps);
+      auto const layer = static_cast<std::ptrdiff_t>(cuts[index]);
+      chunk.set_rng_state({training.rng.begin() + layer, training.rng.begin() + layer + static_cast<std::ptrdiff_t>(chunk.size())});
     }
   }
-  if (scaler) m.options.loss_scaler->set_state(*scaler);
-  m.group->synchronize();
-  return state;
+  if (scaler) options.loss_scaler->set_state(*scaler);
+  group->synchronize();
+  return training.state;
 }
 
 }  // namespace mgpu::pipeline

@@ -84,6 +84,15 @@ struct Executor::Impl {
   // a tied head's copy of wte out, from_whole fills it from wte.
   void to_whole(int c, Tensor const& chunk_buffer, Tensor const& whole, Stream& stream) const;
   void from_whole(int c, Tensor const& whole, Tensor const& chunk_buffer, Stream& stream) const;
+  // What from_whole copies: `count` elements from the whole buffer's `whole_begin` to the chunk's
+  // `chunk_begin`, for chunk c's span, then a tied head's copy of wte.
+  struct Part {
+    std::int64_t whole_begin = 0, chunk_begin = 0, count = 0;
+  };
+  [[nodiscard]] std::vector<Part> chunk_parts(int c) const;
+  // load() of a checkpoint's whole records (a file's, or a folder's whole ones), with a folder's
+  // split records read from `sharded` in this process's chunks' parts only; `source` names it.
+  io::TrainingState load_records(io::Checkpoint const& records, io::ShardedCheckpoint const* sharded, std::string const& source);
   std::vector<std::unique_ptr<comm::Communicator>> tie_comms;  // per replica, over its two devices (none when they are one)
   // Sums wte and its copy (the master parameters, or the gradients) on the tie's devices of
   // `rank`'s replica, leaving both equal; does nothing on other ranks.

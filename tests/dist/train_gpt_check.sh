@@ -3,7 +3,8 @@
 #   train_gpt_check.sh TRAIN_GPT TEXT_FILE DIR MPIRUN... NUMPROC_FLAG
 # A tiny GPT on TEXT_FILE (byte-tokenized) with clipping; each job prints the train and validation
 # losses of the one-process run over as many devices, and its JSON lists the world's devices:
-# - data parallel: mpirun -np 2 --devices host:1 = --devices host:2 (each process its rows);
+# - data parallel: mpirun -np 2 --devices host:1 = --devices host:2 (each process its rows), with
+#   ZeRO-1 (the default) and ZeRO-3 (each rank keeping its own parameters);
 # - pipelined: mpirun -np 2 --devices host:1 --stages 2 = host:2 (the tied LM head's copy of wte
 #   in the other process);
 # - a data x pipeline grid: mpirun -np 2 --devices host:2 --stages 2 --dp 2 = host:4;
@@ -36,10 +37,11 @@ check() {
   [ "$(field processes "$dir/$name.json")" = 2 ] || fail "$name: processes $(field processes "$dir/$name.json") (expected 2)"
 }
 check data-parallel "--devices host:2" "--devices host:1" '["p0:host:0", "p1:host:0"]' "$@"
+check zero3 "--devices host:2 --zero 3" "--devices host:1 --zero 3" '["p0:host:0", "p1:host:0"]' "$@"
 check pipeline "--devices host:2 --stages 2" "--devices host:1 --stages 2" '["p0:host:0", "p1:host:0"]' "$@"
 check grid "--devices host:4 --stages 2 --dp 2 --micro-batches 2" "--devices host:2 --stages 2 --dp 2 --micro-batches 2" \
   '["p0:host:0", "p0:host:1", "p1:host:0", "p1:host:1"]' "$@"
 check tensor "--devices host:2 --tp 2" "--devices host:1 --tp 2" '["p0:host:0", "p1:host:0"]' "$@"
 check data-tensor "--devices host:4 --dp 2 --tp 2 --sequence-parallel" "--devices host:2 --dp 2 --tp 2 --sequence-parallel" \
   '["p0:host:0", "p0:host:1", "p1:host:0", "p1:host:1"]' "$@"
-echo "ok: data parallel, pipelined, a data x pipeline grid, tensor parallel and a data x tensor grid over 2 processes give one process's losses"
+echo "ok: data parallel (ZeRO-1 and 3), pipelined, a data x pipeline grid, tensor parallel and a data x tensor grid over 2 processes give one process's losses"

@@ -4,8 +4,9 @@
 # - mpirun -np 2 train_mlp --devices host:1 prints exactly the epoch losses and test accuracy of
 #   train_mlp --devices host:2 (the same reductions in the same order), and its JSON lists the
 #   world's devices;
-# - 2 processes x 2 devices, and an uneven 1 + 2 split (MPMD: mpirun -np 1 ... : -np 1 ...), end
-#   within 1e-4 of its last epoch loss and 0.005 of its test accuracy;
+# - 2 processes x 2 devices, an uneven 1 + 2 split (MPMD: mpirun -np 1 ... : -np 1 ...), and
+#   2 x host:1 with --rebalance (rows split by the processes' measured speeds), end within 1e-4 of
+#   its last epoch loss and 0.005 of its test accuracy;
 # - 2 x host:1 with --checkpoint (a folder of shards) stopped after epoch 1 and resumed, on 2 x host:1
 #   and in one process on host:2, end with the uninterrupted run's last epoch loss and accuracy bits.
 set -eu
@@ -54,4 +55,7 @@ close "2 processes x host:2" "$dir/2x2.json"
 "$@" 1 "$exe" --devices host:1 $args : "$np" 1 "$exe" --devices host:2 $args >"$dir/1+2.json" 2>"$dir/1+2.log" ||
   { cat "$dir/1+2.log"; fail "host:1 + host:2"; }
 close "host:1 + host:2" "$dir/1+2.json"
-echo "ok: 2 x host:1 equals host:2 bit for bit, resumed too; 2 x host:2 and host:1 + host:2 end within the tolerances"
+"$@" 2 "$exe" --devices host:1 $args --rebalance >"$dir/rebalance.json" 2>"$dir/rebalance.log" ||
+  { cat "$dir/rebalance.log"; fail "2 x host:1 --rebalance"; }
+close "2 x host:1 --rebalance" "$dir/rebalance.json"
+echo "ok: 2 x host:1 equals host:2 bit for bit, resumed too; 2 x host:2, host:1 + host:2 and 2 x host:1 --rebalance end within the tolerances"

@@ -130,4 +130,17 @@ TrainingState load_training(std::filesystem::path const& path, nn::Sequential& m
 TrainingState load_training(Checkpoint const& checkpoint, std::string const& source, nn::Sequential& model, optim::Optimizer& optimizer,
                             Allocator& allocator, Stream& stream);
 
+/// The records load_training reads besides the parameters and the optimizer's state.
+struct TrainingRecords {
+  std::vector<std::uint64_t> rng;   ///< model.rng: each layer's RNG state
+  std::int64_t optimizer_steps = 0;  ///< optimizer.steps
+  TrainingState state;
+};
+/// Reads them from `checkpoint` as load_training verifies them: the architecture `model`'s (its
+/// layers' names; materialized or not), an RNG state per layer, the optimizer kind `optimizer`'s,
+/// well-formed step and training records; for a reader that takes the parameters and the optimizer's
+/// state in parts (an executor whose devices hold parts of the model). Throws as load_training.
+TrainingRecords read_training_records(Checkpoint const& checkpoint, std::string const& source, nn::Sequential const& model,
+                                      optim::Optimizer const& optimizer);
+
 }  // namespace mgpu::io

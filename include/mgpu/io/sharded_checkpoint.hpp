@@ -75,6 +75,8 @@ class ShardedCheckpoint {
   /// read, Error(corrupt_data) naming the file or the record and what is wrong.
   static ShardedCheckpoint load(std::filesystem::path const& folder);
 
+  /// The folder it was loaded from.
+  [[nodiscard]] std::filesystem::path const& folder() const noexcept { return folder_; }
   [[nodiscard]] std::uint64_t save_id() const noexcept { return save_id_; }
   [[nodiscard]] int shards() const noexcept { return shards_; }
 

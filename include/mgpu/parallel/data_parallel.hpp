@@ -117,7 +117,7 @@ struct DataParallelOptions {
   /// bucket: small buckets (bucket_cap_bytes) save the most. The reduce, clipping and update are
   /// stage 1's, bitwise. With accumulation every micro-batch is reduce-scattered and added to the
   /// owned gradients (the same sums as stage 1's in another order). float32 compute, overlap on,
-  /// one process, no comm hook, and checkpoints at the end of an accumulation cycle only
+  /// no comm hook, and checkpoints at the end of an accumulation cycle only; across processes too
   /// (Error(invalid_argument) otherwise, naming what).
   ///
   /// 3, sharded parameters too (ZeRO-3, FSDP-style): each rank keeps only the parameters of the
@@ -219,13 +219,16 @@ struct DataParallelResult {
 /// buckets, overlap and sharded update run over the world's ranks; the loss and gradients are the
 /// mean over the whole global batch, however unevenly its rows are split (each step first
 /// exchanges every rank's row and unit counts), and step()'s loss is the world's. Replicas start
-/// from world rank 0's weights and RNG state. Shard weights, rebalancing, ranks(), replica() and
-/// verify_replicas() concern this process's devices: rows move between processes only as the
-/// caller splits them. A process may pass no rows of a step's global batch (its ranks' gradients
+/// from world rank 0's weights and RNG state. Shard weights, ranks(), replica() and
+/// verify_replicas() concern this process's devices; rows move between processes as the caller
+/// splits the global batch, with rebalancing by process_rows(), which follows every process's
+/// measured speed. A process may pass no rows of a step's global batch (its ranks' gradients
 /// are then zero), but it must call step(), and with the sharded update optimizer() too (it
 /// gathers the state from every rank). save() and load() are collective: every process calls them
-/// with the same folder (see save()). Not yet across processes (Error(invalid_argument) at
-/// construction or call): a request, a comm hook, and a save mid accumulation cycle. A failed step
+/// with the same folder (see save()). ZeRO-1 to 3 and comm hooks (their ranks: the world's) work
+/// across processes. Not across processes (Error(invalid_argument) at construction or call): a
+/// request (the scheduler picks ranks within one process), and a save mid accumulation cycle or
+/// with a comm hook (a folder holds neither state yet). A failed step
 /// leaves the executor unusable (the communicator across processes cannot be made again while a
 /// peer may be gone): the job ends.
 class DataParallel {
@@ -296,6 +299,16 @@ class DataParallel {
   /// layout (last layers first).
   [[nodiscard]] std::vector<int> const& ranks() const noexcept;
   [[nodiscard]] std::vector<double> const& weights() const noexcept;
+  /// Every process's rows of a global batch of `rows`, in process order, for a caller that splits
+  /// each global batch among the processes (see "Across processes" above). With `rebalance`, once
+  /// every rank of the world has had rows: by the processes' measured speeds (the sum over each
+  /// process's ranks of rows per millisecond, an exponentially weighted mean of each rank's step
+  /// times, which every step exchanges), so rows move from slower processes to faster ones. Before
+  /// that, and without rebalancing: by `weights`, one per process (e.g. the sums of their devices'
+  /// speeds). Every process gets the same split; in one process {rows}. Throws
+  /// Error(invalid_argument) for rows < 0, or across processes for weights of another count than
+  /// the processes, or not finite and >= 0 with a positive sum.
+  [[nodiscard]] std::vector<std::int64_t> process_rows(std::int64_t rows, std::vector<double> const& weights) const;
   [[nodiscard]] std::vector<Bucket> const& buckets() const noexcept;
   /// A replica (index into ranks()) and its optimizer (with zero_stage 1 to 3, whose whole state
   /// is gathered from every rank's blocks first). At zero_stage 2 and 3 a replica's gradients()

@@ -17,6 +17,7 @@
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/core/tensor.hpp>
 #include <mgpu/io/checkpoint.hpp>
+#include <mgpu/io/sharded_checkpoint.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
@@ -302,9 +303,15 @@ class Executor {
   /// Loads a file or folder of save(), DataParallel::save() or io::save_training() into every
   /// replica's chunks and optimizers (a tied head's copy of wte from wte), and the loss scaler's
   /// state when it has one; a folder on any process or device count. Everything is verified first
-  /// (file, every shard's checksums, architecture, optimizer kind): on an error the executor is
-  /// unchanged and the Error names the mismatch or the damaged file.
+  /// (a file's checksums; a folder's records' headers, its whole records and the pieces this
+  /// process reads; architecture, optimizer kind), across processes on every process: on an error
+  /// the executor is unchanged on every process and the Error names the mismatch or the damaged
+  /// file (on the other processes, Error(io) naming the process that failed).
   io::TrainingState load(std::filesystem::path const& path);
+  /// load() of a folder already opened: each process reads the split records (the parameters and
+  /// the optimizer's state) only in the parts its chunks hold (a tied LM head's copy of wte from
+  /// wte's), so only the pieces that hold them (checkpoint.payload_bytes_read() counts them).
+  io::TrainingState load(io::ShardedCheckpoint const& checkpoint);
   /// Whether the last step() updated the parameters.
   [[nodiscard]] bool last_step_applied() const noexcept;
   /// The loss scaler (nullptr without one).
