@@ -52,7 +52,7 @@ std::int64_t packed_offset(std::vector<std::pair<std::int64_t, std::int64_t>> co
 
 }  // namespace
 
-void DataParallel::Impl::save_state(io::Checkpoint& checkpoint) {
+void DataParallel::Impl::save_state(io::Checkpoint& checkpoint, io::ShardWriter* pieces) {
   int const k = options.accumulation_steps;
   std::int64_t const position = micro_steps % k;
   if (position > 0 && !state[0]->accumulator.defined())
@@ -65,12 +65,21 @@ void DataParallel::Impl::save_state(io::Checkpoint& checkpoint) {
   auto const n = static_cast<std::int64_t>(state.size());
   std::int64_t const count = state[0]->model.parameter_count();
   Allocator& host = mgpu::detail::host_staging_allocator();
+  // A [ranks, parameters] record of a row per rank: this process's rows whole, or as its pieces of
+  // the world's rows.
+  auto const put_rows = [&](char const* name, Tensor const& rows) {
+    if (pieces == nullptr) return checkpoint.put(name, rows.reshape({n, count}), group->stream(0));
+    comm::Communicator const& comm = sync->communicator();
+    for (std::int64_t r = 0; r < n; ++r)
+      pieces->put_piece(name, {comm.size(), count}, (comm.first_rank() + r) * count, rows.slice(r * count, (r + 1) * count),
+                        group->stream(0));
+  };
   if (position > 0) {  // each rank's share of the accumulated gradients
     Tensor const rows = Tensor::empty({n * count}, DType::float32, host);
     for (std::int64_t r = 0; r < n; ++r)
       copy_async(rows.slice(r * count, (r + 1) * count), state[static_cast<std::size_t>(r)]->accumulator, group->stream(static_cast<int>(r)));
     group->synchronize();
-    checkpoint.put(accumulator_record, rows.reshape({n, count}), group->stream(0));
+    put_rows(accumulator_record, rows);
   }
   if (auto const& scaler = state[0]->scaler) {
     auto const s = scaler->state();
@@ -79,10 +88,12 @@ void DataParallel::Impl::save_state(io::Checkpoint& checkpoint) {
   if (CommHook* hook = options.comm_hook.get()) {
     Tensor const rows = Tensor::empty({n * count}, DType::float32, host);
     std::fill(rows.host_span<float>().begin(), rows.host_span<float>().end(), 0.0f);
-    if (sync->copy_hook_state(rows)) {
+    // Into a folder every process writes its rows (zeros before the first reduce), so that the
+    // pieces cover the record whatever each process holds.
+    if (sync->copy_hook_state(rows) || pieces != nullptr) {
       group->synchronize();
       checkpoint.put(hook_record, hook->name());
-      checkpoint.put(hook_state_record, rows.reshape({n, count}), group->stream(0));
+      put_rows(hook_state_record, rows);
     }
   }
 }
@@ -140,12 +151,15 @@ void DataParallel::Impl::restore_state(Saved const& saved) {
   Allocator& host = mgpu::detail::host_staging_allocator();
   Tensor const zeros = Tensor::empty({count}, DType::float32, host);
   std::fill(zeros.host_span<float>().begin(), zeros.host_span<float>().end(), 0.0f);
-  // Rank r's row of what `ranks` ranks saved: its own on as many ranks; on another count, rank 0
-  // takes the sum of the rows (what every rank would have added) and the others none.
+  // Rank r's row of what `ranks` ranks saved: its own on as many ranks of the world; on another
+  // count, world rank 0 takes the sum of the rows (what every rank would have added) and the
+  // others none.
+  comm::Communicator const& comm = sync->communicator();
   auto const share = [&](Tensor const& all, std::int64_t r) {
     std::int64_t const ranks = all.numel() / count;
-    if (ranks == n) return all.slice(r * count, (r + 1) * count);
-    if (r > 0) return zeros;
+    std::int64_t const rank = comm.first_rank() + r;
+    if (ranks == comm.size()) return all.slice(rank * count, (rank + 1) * count);
+    if (rank > 0) return zeros;
     Tensor const sum = Tensor::empty({count}, DType::float32, host);
     auto const in = all.host_span<float>();
     auto const out = sum.host_span<float>();
@@ -171,23 +185,18 @@ void DataParallel::Impl::restore_state(Saved const& saved) {
 
 void DataParallel::Impl::save_shards(std::filesystem::path const& folder, io::TrainingState const& training) {
   std::string const what = "DataParallel::save to the folder " + folder.string();
-  int const k = options.accumulation_steps;
-  if (micro_steps % k != 0)
-    throw Error(Errc::invalid_argument,
-                what + " after " + std::to_string(micro_steps % k) + " of " + std::to_string(k) +
-                    " accumulated micro-batches (expected a save at the end of an accumulation cycle: "
-                    "a folder mid-cycle is not built yet)");
-  if (options.comm_hook)
-    throw Error(Errc::invalid_argument,
-                what + " with a comm hook (expected a file: a folder does not hold the hook's state yet)");
   comm::Communicator& comm = sync->communicator();
   bool const leader = comm.first_rank() == 0;
   auto const write = [&](std::uint64_t save_id, int shard, int shards) {
     io::ShardWriter writer;
+    // The executor's records: every process its ranks' rows (accumulated gradients mid-cycle, the
+    // comm hook's state), process 0 the rest.
+    io::Checkpoint whole;
+    save_state(whole, &writer);
     if (leader) {  // the whole records: replica 0's, as in one process, less the optimizer state
       Rank& first = *state[0];
-      io::Checkpoint whole = io::training_checkpoint(first.model, *first.optimizer, training, group->stream(0));
-      save_state(whole);
+      io::Checkpoint const training_records = io::training_checkpoint(first.model, *first.optimizer, training, group->stream(0));
+      for (io::Record const& record : training_records.records()) whole.put(record);
       for (io::Record const& record : whole.records())
         if (!record.name.starts_with("optimizer.") || record.type != io::RecordType::float32) writer.put(record);
     }

@@ -14,6 +14,7 @@
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
 #include <mgpu/io/checkpoint.hpp>
+#include <mgpu/io/sharded_checkpoint.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/optim/optim.hpp>
@@ -85,8 +86,9 @@ struct DataParallel::Impl {
   void rebalance(std::vector<double> const& step_ms_per_row);
   [[nodiscard]] std::vector<optim::Optimizer*> optimizers() const;
 
-  // Checkpoints: the executor's own records beside those of save_training.
-  void save_state(io::Checkpoint& checkpoint);
+  // Checkpoints: the executor's own records beside those of save_training, into `checkpoint`; with
+  // `pieces` (a folder's shard) its rows of the per-rank records go there as pieces of the world's.
+  void save_state(io::Checkpoint& checkpoint, io::ShardWriter* pieces = nullptr);
   struct Saved;
   Saved verify_state(io::Checkpoint const& checkpoint, std::string const& source) const;
   void restore_state(Saved const& saved);

@@ -226,9 +226,8 @@ struct DataParallelResult {
 /// are then zero), but it must call step(), and with the sharded update optimizer() too (it
 /// gathers the state from every rank). save() and load() are collective: every process calls them
 /// with the same folder (see save()). ZeRO-1 to 3 and comm hooks (their ranks: the world's) work
-/// across processes. Not across processes (Error(invalid_argument) at construction or call): a
-/// request (the scheduler picks ranks within one process), and a save mid accumulation cycle or
-/// with a comm hook (a folder holds neither state yet). A failed step
+/// across processes, and so do checkpoints mid accumulation cycle or with a comm hook's state. Not
+/// across processes (Error(invalid_argument) at construction): a request (the scheduler picks ranks within one process). A failed step
 /// leaves the executor unusable (the communicator across processes cannot be made again while a
 /// peer may be gone): the job ends.
 class DataParallel {
@@ -269,19 +268,21 @@ class DataParallel {
   /// Across processes `path` is a folder (an io::ShardWriter save, see io/sharded_checkpoint.hpp),
   /// and every process calls save() with the same one: each writes its shard, with the sharded
   /// update the optimizer state of the elements its ranks own (without, process 0 writes it whole),
+  /// and its ranks' rows of the per-rank records (accumulated gradients, the hook's state),
   /// process 0 also the whole records (its `state`), and once every shard is written process 0
   /// commits the save (one more than the folder's committed one); every process returns once it is
   /// committed, or throws the first process's failure. The previous save stays whole until then.
   /// In one process `path` is such a folder when it is an existing folder (a save of one shard).
-  /// Throws Error(invalid_argument) for a folder save mid accumulation cycle or with a comm hook
-  /// (not built yet).
+  /// Throws Error(invalid_argument) for a save mid accumulation cycle at zero_stage 2 or 3 (the
+  /// sharded gradients' cycle is not saved yet).
   void save(std::filesystem::path const& path, io::TrainingState const& state);
   /// Loads a checkpoint written by save() (on any number of devices) into every replica, leaving the
   /// executor exactly as a new one that loaded it: gradients accumulated before are dropped, the
   /// loss scaler and comm hook state are the file's (or, where the file has none, as configured /
   /// zero; an executor without a scaler or with another kind of hook ignores those records). On
-  /// the device count that saved it the run continues bitwise as it would have; on another, rank 0
-  /// takes the sum of the saved ranks' accumulated gradients and hook residuals.
+  /// the device count that saved it (the world's, across processes) the run continues bitwise as it
+  /// would have; on another, world rank 0 takes the sum of the saved ranks' accumulated gradients
+  /// and hook residuals.
   /// A file from save_training or from before these records loads as saved at a cycle's start.
   /// A folder that save() wrote across processes loads in one process or across any number of
   /// processes (each reads the whole folder's records, and each rank the optimizer state of the
