@@ -66,7 +66,7 @@
 // `train_gpt --devices host:2`'s losses. --tp's grid spans the world's devices too (each process
 // passing every batch whole), e.g. `mpirun -np 2 train_gpt --devices host:2 --dp 2 --tp 2` (tensor
 // parallel inside each process, data parallel across them) or `--devices host:1 --tp 2` (across
-// them); with --stages it is not yet across processes. --checkpoint (not with --tp) is then a
+// them), and with --stages the data x tensor x pipeline grid. --checkpoint (not with --tp) is then a
 // folder of one shard per process (DataParallel::save, pipeline::Executor::save), which --resume
 // reads on any process count or layout over 2 or more devices, in one process too.
 //   mpirun -np 2 train_gpt --data notes.txt --devices host:1
@@ -502,10 +502,6 @@ int run(Options o) {
   }
   mgpu::dist::World const world = mgpu::dist::make_world(group);
   bool const across = world.processes > 1;
-  if (across && o.tp > 1 && pipelined)
-    throw mgpu::Error(mgpu::Errc::invalid_argument, "--tp with --stages in a job of " + std::to_string(world.processes) +
-                                                        " processes (expected one process: the data x tensor x pipeline "
-                                                        "grid is not yet across processes)");
   check_layout(o, pipelined, world.size());
   mgpu::Device const device = group.device(0);
   if (o.resume && o.checkpoint.empty())
@@ -578,7 +574,10 @@ int run(Options o) {
                                             .timeline = timeline};
     if (o.tp > 1) options.tensor_parallel = mgpu::pipeline::tensor_parallel_stages(config, o.tp, o.sequence_parallel);
     if (o.precision == "fp16") options.loss_scaler.emplace();
-    if (across) options.make_communicator = mgpu::dist::communicator_factory(world);
+    if (across) {
+      options.make_communicator = mgpu::dist::communicator_factory(world);
+      options.make_subset_communicator = mgpu::dist::subset_communicator_factory(world);
+    }
     pipeline = std::make_unique<mgpu::pipeline::Executor>(
         model, group, cuts, std::move(schedule),
         [&adamw](mgpu::nn::Sequential const& chunk) {

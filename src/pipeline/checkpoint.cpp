@@ -102,12 +102,40 @@ void check_whole(nn::Sequential const& whole, std::int64_t expected, char const*
 void Executor::Impl::tensor_parallel_whole(std::span<float> whole, bool to_shards) {
   std::vector<nn::ParameterRange> const whole_ranges = architecture.parameter_ranges();
   auto const host = Allocator::create({DeviceKind::host, 0});
+  auto const chunk_count = static_cast<std::size_t>(schedule.chunks());
+  // Gathering across processes: every chunk of replica 0's pipelines broadcast over the world by
+  // its rank, each process's first rank keeping a host copy ([p * chunks + c]).
+  std::vector<Tensor> received;
+  if (!to_shards && across) {
+    for (int p = 0; p < tp; ++p) {
+      for (std::size_t c = 0; c < chunk_count; ++c)
+        received.push_back(Tensor::empty({chunks[static_cast<std::size_t>(p)][c].parameter_count()}, DType::float32, *host));
+    }
+    group->run([&](int local, Device, Stream& stream) {
+      int const rank = first + local;
+      for (int p = 0; p < tp; ++p) {
+        for (int c = 0; c < schedule.chunks(); ++c) {
+          int const owner = p * schedule.devices + schedule.device_of(c);
+          Tensor const& copy = received[static_cast<std::size_t>(p) * chunk_count + static_cast<std::size_t>(c)];
+          Tensor const buffer = rank == owner ? chunk_of(owner, c).master_parameters()
+                                              : Tensor::empty(copy.shape(), DType::float32, group->allocator(local));
+          comm->broadcast(rank, buffer, owner, stream);
+          if (local == 0) copy_async(copy, buffer, stream);
+        }
+      }
+    });
+    group->synchronize();
+  }
   for (int p = 0; p < (to_shards ? replicas : tp); ++p) {
     for (int c = 0; c < schedule.chunks(); ++c) {
+      int const rank = p * schedule.devices + schedule.device_of(c);
+      if (to_shards && !is_local(rank)) continue;  // another process's
       nn::Sequential& chunk = chunks[static_cast<std::size_t>(p)][static_cast<std::size_t>(c)];
-      Stream& stream = group->stream(p * schedule.devices + schedule.device_of(c));
-      Tensor const params = Tensor::empty({chunk.parameter_count()}, DType::float32, *host);
-      if (!to_shards) {
+      Tensor params = Tensor::empty({chunk.parameter_count()}, DType::float32, *host);
+      if (!received.empty()) {
+        params = received[static_cast<std::size_t>(p) * chunk_count + static_cast<std::size_t>(c)];
+      } else if (!to_shards) {
+        Stream& stream = group->stream(rank - first);
         copy_async(params, chunk.master_parameters(), stream);
         stream.synchronize();
       }
@@ -133,6 +161,7 @@ void Executor::Impl::tensor_parallel_whole(std::span<float> whole, bool to_shard
         }
       }
       if (to_shards) {
+        Stream& stream = group->stream(rank - first);
         copy_async(chunk.master_parameters(), params, stream);
         chunk.sync_parameters(stream);
         stream.synchronize();

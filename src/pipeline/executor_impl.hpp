@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include <mgpu/comm/communicator.hpp>
@@ -104,9 +105,13 @@ struct Executor::Impl {
   // The update across processes with a loss scaler or clipping, as nn::apply_update within one
   // process: the overflow count and the global norm are summed over every process's chunks.
   bool update_across(std::vector<nn::UpdatePart> const& parts, float lr_scale);
-  // The sum over replica 0's chunks (a tied head's copy of wte left out) of the float32 scalar
-  // `op` writes for a range of master gradients, added as apply_update adds them in one process:
-  // every range's value all-gathered, then added in chunk order in double on every process.
+  // The ranges of chunk c of pipeline r that count in the global gradient norm: replica 0's
+  // chunks but a tied head's copy of wte; with tensor-parallel stages the pipeline's norm ranges
+  // (split parameters on replica 0's ranks, replicated ones on its rank 0).
+  [[nodiscard]] std::vector<std::pair<std::int64_t, std::int64_t>> norm_parts(int r, int c) const;
+  // The sum over those ranges of every chunk of the float32 scalar `op` writes for a range of
+  // master gradients, added as apply_update adds them in one process: every range's value
+  // all-gathered, then added in chunk order in double on every process.
   double world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op);
   // Across processes or into a folder: every process writes its shard of `folder` (see save()).
   void save_shards(std::filesystem::path const& folder, io::TrainingState const& training);

@@ -13,6 +13,7 @@
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 
+#include "comm/host_communicator.hpp"
 #include "pipeline/executor_impl.hpp"
 
 namespace mgpu::pipeline {
@@ -78,8 +79,9 @@ void check_tensor_parallel(ExecutorOptions const& options, bool across) {
   if (options.compute != DType::float32)
     throw Error(Errc::invalid_argument, what + " computing in " + std::string(to_string(options.compute)) +
                                             " (expected compute float32)");
-  if (across)
-    throw Error(Errc::invalid_argument, what + " over several processes (expected the grid in one process)");
+  if (across && !options.make_subset_communicator)
+    throw Error(Errc::invalid_argument, what + " over several processes without make_subset_communicator (expected "
+                                               "dist::subset_communicator_factory(world) for the chunks' tensor-parallel ranks)");
 }
 
 // "pipeline device 1, chunk 2, action 7 (forward(mb 3, chunk 2))": where an error happened.
@@ -259,8 +261,8 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
               pipeline / tp, grads, grads, comm::ReduceOp::sum, stream);
           return;
         }
-        std::vector<int> ranks;
-        for (int r = 0; r < replicas; ++r) ranks.push_back(r * s.devices + device);
+        std::vector<int> ranks;  // the replicas' pipelines of this tensor-parallel rank
+        for (int r = pipeline % tp; r < replicas; r += tp) ranks.push_back(r * s.devices + device);
         sum_over(rank, ranks, grads, stream);
       };
       if (timeline != nullptr && timeline->enabled()) {
@@ -326,9 +328,33 @@ void Executor::Impl::sum_over(int rank, std::vector<int> const& ranks, Tensor co
   for (std::size_t i = 1; i < ranks.size(); ++i) comm->send(rank, values, ranks[i], stream);
 }
 
+std::vector<std::pair<std::int64_t, std::int64_t>> Executor::Impl::norm_parts(int r, int c) const {
+  std::vector<std::pair<std::int64_t, std::int64_t>> out;
+  if (tp > 1) {  // the pipeline's counted norm ranges
+    for (nn::OwnedRange const& range : norms[static_cast<std::size_t>(r * schedule.chunks() + c)]->owned())
+      if (range.counted) out.emplace_back(range.begin, range.end);
+    return out;
+  }
+  if (r > 0) return out;  // the replicas' reduced gradients are replica 0's
+  std::int64_t const n = chunks[0][static_cast<std::size_t>(c)].parameter_count();
+  bool const copy = tie && c == tie->head_chunk;  // a tied head's copy of wte counts in the embedding
+  std::int64_t const copy_begin = copy ? tie->head_offset : n;
+  std::int64_t const copy_end = copy ? tie->head_offset + tie->elements : n;
+  if (copy_begin > 0) out.emplace_back(0, copy_begin);
+  if (copy_end < n) out.emplace_back(copy_end, n);
+  return out;
+}
+
 double Executor::Impl::world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op) {
-  // Each rank's slots: two ranges per chunk of replica 0 (before and after a tied head's copy).
-  std::int64_t const per_rank = 2 * schedule.chunks_per_device;
+  // Each rank's slots: a value per counted part of each chunk it runs (norm_parts), in chunk order;
+  // as many on every rank (the most any rank has), zero where it has fewer.
+  std::int64_t per_rank = 1;
+  for (int rank = 0; rank < comm->size(); ++rank) {
+    std::int64_t count = 0;
+    for (int c = rank % schedule.devices; c < schedule.chunks(); c += schedule.devices)
+      count += static_cast<std::int64_t>(norm_parts(rank / schedule.devices, c).size());
+    per_rank = std::max(per_rank, count);
+  }
   std::vector<Tensor> gathered(static_cast<std::size_t>(group->size()));
   group->run([&](int local, Device, Stream& stream) {
     int const rank = first + local;
@@ -336,20 +362,27 @@ double Executor::Impl::world_sum(std::function<void(Tensor const&, Tensor const&
     all = Tensor::empty({comm->size() * per_rank}, DType::float32, group->allocator(local));
     Tensor const mine = all.slice(rank * per_rank, (rank + 1) * per_rank);
     fill_async(mine, 0.0f, stream);
-    for (int c = rank; rank < schedule.devices && c < schedule.chunks(); c += schedule.devices) {
+    std::int64_t slot = 0;
+    for (int c = rank % schedule.devices; c < schedule.chunks(); c += schedule.devices) {
       Tensor const& grads = chunk_of(rank, c).master_gradients();
-      std::int64_t const slot = 2 * (c / schedule.devices);
-      std::int64_t const copy_begin = tie && c == tie->head_chunk ? tie->head_offset : grads.numel();
-      std::int64_t const copy_end = tie && c == tie->head_chunk ? tie->head_offset + tie->elements : grads.numel();
-      if (copy_begin > 0) op(grads.slice(0, copy_begin), mine.slice(slot, slot + 1), stream);
-      if (copy_end < grads.numel()) op(grads.slice(copy_end, grads.numel()), mine.slice(slot + 1, slot + 2), stream);
+      for (auto const& [begin, end] : norm_parts(rank / schedule.devices, c)) {
+        op(grads.slice(begin, end), mine.slice(slot, slot + 1), stream);
+        ++slot;
+      }
     }
     comm->all_gather(rank, mine, all, stream);
   });
+  // Added in chunk order, each chunk's pipelines in order.
   double sum = 0;
   for (int c = 0; c < schedule.chunks(); ++c) {
-    std::int64_t const at = schedule.device_of(c) * per_rank + 2 * (c / schedule.devices);
-    for (std::int64_t k = at; k < at + 2; ++k) sum += ops::item(gathered[0].slice(k, k + 1), group->stream(0));
+    for (int r = 0; r < replicas; ++r) {
+      int const rank = r * schedule.devices + schedule.device_of(c);
+      std::int64_t at = rank * per_rank;
+      for (int before = rank % schedule.devices; before < c; before += schedule.devices)
+        at += static_cast<std::int64_t>(norm_parts(r, before).size());
+      for (std::size_t k = 0; k < norm_parts(r, c).size(); ++k, ++at)
+        sum += ops::item(gathered[0].slice(at, at + 1), group->stream(0));
+    }
   }
   return sum;
 }
@@ -518,7 +551,18 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
       for (std::size_t c = 0; c < chunks; ++c) {
         std::vector<int> ranks;
         for (int t = 0; t < tp; ++t) ranks.push_back((a * tp + t) * devices + m.schedule.device_of(static_cast<int>(c)));
-        m.tp_comms.push_back(comm::make_communicator(group, ranks, stage_options));
+        if (!across) {
+          m.tp_comms.push_back(comm::make_communicator(group, ranks, stage_options));
+        } else if (std::any_of(ranks.begin(), ranks.end(), [&](int rank) { return m.is_local(rank); })) {
+          m.tp_comms.push_back(m.options.make_subset_communicator(group, ranks, stage_options));
+          if (!m.tp_comms.back())
+            throw Error(Errc::invalid_argument, "the pipeline's make_subset_communicator returned no communicator "
+                                                "(expected one over the chunk's tensor-parallel ranks)");
+        } else {
+          // Another process's chunk: its shards are laid out here (never run or materialized) over
+          // a communicator of the same size that nothing calls.
+          m.tp_comms.push_back(std::make_shared<comm::detail::HostCommunicator>(group, tp, m.comm->timeout()));
+        }
       }
     }
   }

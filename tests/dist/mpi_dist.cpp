@@ -32,6 +32,8 @@
 //                                    against one over as many devices in one process: tensor
 //                                    parallelism alone and with 2 replicas, sequence parallelism,
 //                                    dropout, clipping; bitwise where the reductions keep their order.
+//   mpi_dist tensor_parallel_pipeline COUNTS  pipeline::Executor's data x tensor x pipeline grid over
+//                                    the processes' devices (2, 4 or 8 in all) against one process's.
 //   mpi_dist subsets COUNTS          subset communicators across processes (dist::make_communicator
 //                                    over some world ranks): every collective over several subsets
 //                                    against float64 references, two at once, bad lists refused.
@@ -975,6 +977,79 @@ void test_pipeline(Setup const& s) {
   }
 }
 
+// A data x tensor x pipeline grid over the world's devices (every process passing the whole
+// batch) against the same grid in one process over as many devices: a GPT with dropout, its tied
+// LM head in the last stage, 6 clipped AdamW steps, 1F1B over 2 stages (one stage over 2
+// devices), tensor parallelism over 2 ranks, with 2 data-parallel replicas over 8 devices. The
+// losses and gather_parameters() within 1e-5 of one process's (the tensor-parallel sums combine
+// in another order when their ranks are in different processes, the clipping norm's too).
+void test_tensor_parallel_pipeline(Setup const& s) {
+  namespace pp = mgpu::pipeline;
+  if (s.size() != 2 && s.size() != 4 && s.size() != 8) {
+    std::fprintf(stderr, "usage: mpi_dist tensor_parallel_pipeline COUNTS (2, 4 or 8 devices in all)\n");
+    std::exit(2);
+  }
+  std::shared_ptr<mgpu::Allocator> host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  mgpu::Stream host_stream{mgpu::Device{mgpu::DeviceKind::host, 0}};
+  mgpu::nn::GptConfig const config{.vocab = 33, .block_size = 8, .n_layer = 2, .n_head = 2, .n_embd = 16, .dropout = 0.1f};
+  mgpu::nn::Sequential const model = mgpu::nn::gpt(config);
+  std::mt19937 rng(12);
+  std::vector<Tensor> xs, ys;
+  for (int b = 0; b < 6; ++b) {
+    for (auto* list : {&xs, &ys}) {
+      list->push_back(Tensor::empty({8, 8}, DType::int32, *host));
+      for (std::int32_t& v : list->back().host_span<std::int32_t>()) v = static_cast<std::int32_t>(rng() % 33);
+    }
+  }
+  pp::ChunkOptimizerFactory const adamw = [](mgpu::nn::Sequential const& chunk) {
+    return std::make_unique<mgpu::optim::AdamW>(
+        mgpu::optim::AdamWOptions{.lr = 0.01f, .weight_decay = 0.1f, .decay_ranges = chunk.matrix_ranges()});
+  };
+  int const replicas = s.size() == 8 ? 2 : 1;
+  int const devices = s.size() / (2 * replicas);
+  std::vector<std::size_t> const cuts = pp::partition(model, devices, std::vector<double>(model.size(), 1.0)).cuts;
+  for (bool const sequence_parallel : {false, true}) {
+    std::string const what = "pipeline of " + std::to_string(devices) + " stage(s) x tensor parallel 2 x " +
+                             std::to_string(replicas) + " replica(s)" + (sequence_parallel ? ", sequence parallel" : "");
+    pp::ExecutorOptions options{.seed = 5,
+                                .data_parallel = replicas,
+                                .timeout = 60s,
+                                .clip_norm = 0.1f,
+                                .tensor_parallel = pp::tensor_parallel_stages(config, 2, sequence_parallel)};
+    mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
+    pp::Executor reference(model, one, cuts, pp::one_f_one_b(devices, 2), adamw, options);
+    options.make_communicator = mgpu::dist::communicator_factory(s.world);
+    options.make_subset_communicator = mgpu::dist::subset_communicator_factory(s.world);
+    pp::Executor executor(model, s.group, cuts, pp::one_f_one_b(devices, 2), adamw, options);
+    for (std::size_t b = 0; b < xs.size(); ++b) {
+      float const expected = reference.step(xs[b], ys[b]);
+      float const got = executor.step(xs[b], ys[b]);
+      EXPECT(close_to({got}, {expected}, 1e-5), what << ": step " << b << " loss " << got << " (expected " << expected << ")");
+    }
+    mgpu::nn::Sequential whole = model.clone(), whole_reference = model.clone();
+    mgpu::nn::Context ctx{*host, host_stream};
+    whole.materialize(ctx, 1);
+    whole_reference.materialize(ctx, 2);
+    executor.gather_parameters(whole, host_stream);
+    reference.gather_parameters(whole_reference, host_stream);
+    EXPECT(close_to(host_values(whole.master_parameters(), host_stream),
+                    host_values(whole_reference.master_parameters(), host_stream), 1e-5),
+           what << ": gather_parameters differs from one process's");
+    // Weights scattered into the shards across the processes gather back unchanged.
+    executor.scatter_parameters(whole_reference, host_stream);
+    executor.gather_parameters(whole, host_stream);
+    EXPECT(same_bits(host_values(whole.master_parameters(), host_stream),
+                     host_values(whole_reference.master_parameters(), host_stream)),
+           what << ": scatter_parameters then gather_parameters changed the weights");
+  }
+  pp::ExecutorOptions options{.timeout = 60s,
+                              .tensor_parallel = pp::tensor_parallel_stages(config, 2),
+                              .make_communicator = mgpu::dist::communicator_factory(s.world)};
+  options.data_parallel = replicas;
+  expect_refused([&] { pp::Executor(model, s.group, cuts, pp::one_f_one_b(devices, 2), adamw, options); },
+                 "without make_subset_communicator", "tensor-parallel stages across processes without a subset factory");
+}
+
 // Whether reductions over the world ranks `ranks` combine in the same order across processes as
 // in one process: the ranks are all in one process, or each in its own.
 bool same_order(mgpu::dist::World const& world, std::vector<int> const& ranks) {
@@ -1354,7 +1429,7 @@ int main(int argc, char** argv) {
   if (argc < 3) {
     std::fprintf(
         stderr,
-        "usage: mpi_dist collectives|subsets|tensor_parallel|data_parallel|checkpoint|pipeline|pipeline_checkpoint|stall|exit|mismatch|"
+        "usage: mpi_dist collectives|subsets|tensor_parallel|tensor_parallel_pipeline|data_parallel|checkpoint|pipeline|pipeline_checkpoint|stall|exit|mismatch|"
         "subset_missing|subset_mismatch COUNTS "
         "[PROCESS|FOLDER]\n");
     return 2;
@@ -1388,6 +1463,12 @@ int main(int argc, char** argv) {
     if (mode == "pipeline") {
       test_pipeline(s);
       test_pipeline_gpt(s);
+      comm->finalize();
+      std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
+      return failures == 0 ? 0 : 1;
+    }
+    if (mode == "tensor_parallel_pipeline") {
+      test_tensor_parallel_pipeline(s);
       comm->finalize();
       std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
       return failures == 0 ? 0 : 1;

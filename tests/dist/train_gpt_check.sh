@@ -10,7 +10,9 @@
 # - a data x pipeline grid: mpirun -np 2 --devices host:2 --stages 2 --dp 2 = host:4;
 # - tensor parallel across the processes: mpirun -np 2 --devices host:1 --tp 2 = host:2;
 # - tensor parallel inside each process, data parallel across them (and sequence parallel):
-#   mpirun -np 2 --devices host:2 --dp 2 --tp 2 --sequence-parallel = host:4.
+#   mpirun -np 2 --devices host:2 --dp 2 --tp 2 --sequence-parallel = host:4;
+# - a tensor x pipeline grid, each tensor-parallel group across the processes: mpirun -np 2
+#   --devices host:2 --tp 2 --stages 2 = host:4.
 set -eu
 exe=$1
 text=$2
@@ -44,4 +46,6 @@ check grid "--devices host:4 --stages 2 --dp 2 --micro-batches 2" "--devices hos
 check tensor "--devices host:2 --tp 2" "--devices host:1 --tp 2" '["p0:host:0", "p1:host:0"]' "$@"
 check data-tensor "--devices host:4 --dp 2 --tp 2 --sequence-parallel" "--devices host:2 --dp 2 --tp 2 --sequence-parallel" \
   '["p0:host:0", "p0:host:1", "p1:host:0", "p1:host:1"]' "$@"
-echo "ok: data parallel (ZeRO-1 and 3), pipelined, a data x pipeline grid, tensor parallel and a data x tensor grid over 2 processes give one process's losses"
+check tensor-pipeline "--devices host:4 --tp 2 --stages 2 --micro-batches 2" "--devices host:2 --tp 2 --stages 2 --micro-batches 2" \
+  '["p0:host:0", "p0:host:1", "p1:host:0", "p1:host:1"]' "$@"
+echo "ok: data parallel (ZeRO-1 and 3), pipelined, a data x pipeline grid, tensor parallel, a data x tensor grid and a tensor x pipeline grid over 2 processes give one process's losses"

@@ -183,6 +183,11 @@ struct ExecutorOptions {
   /// (empty: comm::make_communicator over the group). Across processes,
   /// dist::communicator_factory(world): see "Across processes" at Executor.
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> make_communicator{};
+  /// Across processes with tensor-parallel stages: makes the communicator over some world ranks
+  /// (rank i is world rank ranks[i]) from the group and {automatic, timeout}, for each chunk's
+  /// tensor-parallel ranks; dist::subset_communicator_factory(world).
+  std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, std::vector<int> const&, comm::Options)>
+      make_subset_communicator{};
 };
 
 /// Makes one optimizer (each chunk gets its own, for its own parameters).
@@ -223,8 +228,10 @@ using ChunkOptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(nn
 /// rank's rows, summed with them as above. Clipping counts split parameters on every rank of
 /// replica 0 and replicated ones on its rank 0 (parallel::norm_ranges). The executor's model is
 /// the whole model (its layers and cut points), its `loss` is replaced by tensor_parallel.loss,
-/// and chunk(c, replica) takes the pipeline a B + t as its replica. float32 only, in one process;
-/// gather_parameters and scatter_parameters move the whole model (the model's layout) to and from
+/// and chunk(c, replica) takes the pipeline a B + t as its replica. float32 only; across processes
+/// with options.make_subset_communicator for each chunk's B ranks (the grid is laid out as below;
+/// a rank's replicas sum over the same tensor-parallel rank, clipping adds each chunk's counted
+/// ranges over the world); gather_parameters and scatter_parameters move the whole model (the model's layout) to and from
 /// the shards, save and load are refused (Error(invalid_argument)). For a GPT,
 /// tensor_parallel_stages().
 ///
@@ -244,7 +251,8 @@ using ChunkOptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(nn
 /// process's chunks only. Clipping and loss scaling see every process's chunks: each chunk's
 /// squared norm (or overflow count) is all-gathered and every process adds them in chunk order,
 /// as apply_update does in one process. A run is bitwise the one-process run over as many
-/// devices, however the devices are spread over processes. save() writes a folder of a shard per
+/// devices, however the devices are spread over processes (with tensor-parallel stages within
+/// float32 rounding: the norm's and the shards' sums may combine in another order). save() writes a folder of a shard per
 /// process (see save()).
 class Executor {
  public:
