@@ -383,6 +383,7 @@ io::TrainingState Executor::Impl::load_records(io::Checkpoint const& records, io
   };
   // Elements [begin, begin + out.numel()) of such a record into host tensor `out`.
   auto const read = [&](std::string const& name, std::int64_t begin, Tensor const& out) {
+    if (out.numel() == 0) return;  // a chunk without parameters of its own (a tied head alone)
     if (sharded != nullptr && sharded->has_pieces(name)) return sharded->read(name, begin, out, host_stream);
     std::memcpy(out.data(), records.get(name).data.data() + begin * static_cast<std::int64_t>(sizeof(float)), out.nbytes());
   };
