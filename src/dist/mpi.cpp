@@ -283,8 +283,17 @@ void from_float(float const* in, Tensor const& t, std::int64_t begin, std::int64
 // the world's size (the processes' partials are sums).
 void combine_parts(comm::ReduceOp op, float const* parts, int count, std::int64_t stride, std::int64_t n,
                    int world_size, float* out) {
-  // In blocks that stay in L1, each element combined in process order.
+  // In blocks that stay in L1, each element combined in process order; two parts (the all-reduce
+  // between 2 processes) in one pass.
   mgpu::detail::visit_reduce_op(op, [&]<comm::ReduceOp O>(std::integral_constant<comm::ReduceOp, O>) {
+    if (count == 2) {
+      float const* second = parts + stride;
+#if !defined(__clang__)
+#pragma GCC ivdep
+#endif
+      for (std::int64_t i = 0; i < n; ++i) out[i] = mgpu::detail::finish<O>(mgpu::detail::combine<O>(parts[i], second[i]), world_size);
+      return;
+    }
     constexpr std::int64_t block = 1024;
     float acc[block];
     for (std::int64_t b = 0; b < n; b += block) {
