@@ -851,7 +851,7 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
     switch (c.kind) {
       case OpKind::all_reduce:
         if (by_slices()) {
-          all_reduce_by_slices(rank, l, c, stream);
+          all_reduce_by_slices(rank, l, c, partial_op, stream);
           break;
         }
         inner.reduce(l, c.send, c.recv, partial_op, 0, stream);
@@ -947,10 +947,10 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
   // reduce-scatter gives each rank its slice's partial, which it swaps with the same rank of the
   // other process and combines into its recv (SliceLeader), and an in-process all-gather gives
   // every rank every slice. Each process stages, sends and combines each element once, on all of
-  // its ranks at once, with one round trip between the processes.
-  void all_reduce_by_slices(int rank, int l, Call const& c, Stream& stream) {
+  // its ranks at once, with one round trip between the processes. `partial_op` combines inside
+  // the process.
+  void all_reduce_by_slices(int rank, int l, Call const& c, comm::ReduceOp partial_op, Stream& stream) {
     comm::Communicator& inner = *inner_;
-    comm::ReduceOp const partial_op = c.op == comm::ReduceOp::avg ? comm::ReduceOp::sum : c.op;
     std::int64_t const n = c.count;
     std::int64_t const b = n / local_;
     std::int64_t const tail = n - b * local_;
