@@ -15,7 +15,12 @@
 // mgpu::dist's hierarchical all-reduce across 2 processes of D host devices each (bench_dist_allreduce
 // under mpirun: reduce inside each process, one leader per process over MPI, broadcast back),
 // beside plain MPI_Allreduce over as many ranks (2 D processes, bench_mpi_allreduce) in the same
-// run: busbw_GBps, mpi_busbw_GBps and vs_mpi_ratio = MPI's time / ours (> 1: ours is faster).
+// run: busbw_GBps, mpi_busbw_GBps and vs_mpi_ratio = MPI's time / ours (> 1: ours is faster). The
+// ceiling, measured in the same run: in_process_share = the in-process part alone (the host
+// all-reduce over each process's D devices, both processes at once) over our time, and
+// ceiling_vs_mpi_ratio = MPI's time / (that part + MPI_Allreduce of the same bytes over 2
+// processes): the vs_mpi_ratio of a hierarchical all-reduce whose exchange between the processes
+// were as fast as OpenMPI's own and did not overlap the in-process work.
 //
 // Where a GPU is visible it also measures the cuda_peer all-reduce on logical devices sharing GPU 0,
 // with d2d_copy_ratio = (2 n S / t) over a device-to-device cudaMemcpy's bandwidth (2 bytes
@@ -59,6 +64,7 @@ std::map<std::pair<int, std::int64_t>, double> bare_seconds;
 std::vector<int> const dist_devices = {1, 2};
 std::vector<std::int64_t> const dist_sizes = {64 << 10, 1 << 20, 16 << 20, 64 << 20};
 std::map<std::pair<int, std::int64_t>, double> dist_seconds;
+std::map<std::pair<int, std::int64_t>, double> dist_local_seconds;  // its in-process part alone
 
 using bench::median;
 
@@ -100,13 +106,21 @@ double measure_bare_reduce_seconds(int ranks, std::int64_t count, int per_iterat
   return median(times);
 }
 
-// Runs a baseline helper and reads its "bytes seconds" lines.
-void run_baseline(std::string const& command, int ranks, std::map<std::pair<int, std::int64_t>, double>& into) {
+// Runs a baseline helper and reads its "bytes seconds" lines; a third number on a line goes to `third`.
+void run_baseline(std::string const& command, int ranks, std::map<std::pair<int, std::int64_t>, double>& into,
+                  std::map<std::pair<int, std::int64_t>, double>* third = nullptr) {
   FILE* pipe = popen((command + " 2>/dev/null").c_str(), "r");
   if (pipe == nullptr) return;
-  long long bytes = 0;
-  double seconds = 0;
-  while (std::fscanf(pipe, "%lld %lf", &bytes, &seconds) == 2) into[{ranks, bytes}] = seconds;
+  char line[256];
+  while (std::fgets(line, sizeof line, pipe) != nullptr) {
+    long long bytes = 0;
+    double seconds = 0;
+    double extra = 0;
+    int const fields = std::sscanf(line, "%lld %lf %lf", &bytes, &seconds, &extra);
+    if (fields < 2) break;
+    into[{ranks, bytes}] = seconds;
+    if (fields == 3 && third != nullptr) (*third)[{ranks, bytes}] = extra;
+  }
   pclose(pipe);
 }
 
@@ -126,7 +140,7 @@ void measure_baselines(std::filesystem::path const& folder) {
       std::string command = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=self,vader mpirun --oversubscribe -np 2 ";
       command.append(dist.string()).append(" ").append(std::to_string(devices));
       for (auto s : dist_sizes) command.append(" ").append(std::to_string(s));
-      run_baseline(command, devices, dist_seconds);
+      run_baseline(command, devices, dist_seconds, &dist_local_seconds);
     }
     auto const gloo = folder / "bench_gloo_allreduce";
     if (std::filesystem::exists(gloo)) {
@@ -201,12 +215,17 @@ void BM_dist_all_reduce(benchmark::State& state) {
   double const t = dist_seconds.at({devices, bytes});
   for (auto _ : state) state.SetIterationTime(t);
   auto const mpi = mpi_seconds.find({ranks, bytes});
+  auto const mpi_two = mpi_seconds.find({2, bytes});
+  double const local = dist_local_seconds[{devices, bytes}];
   state.counters["processes"] = 2;
   state.counters["devices_per_process"] = devices;
   state.counters["bytes"] = static_cast<double>(bytes);
   state.counters["busbw_GBps"] = busbw(ranks, bytes, t);
   state.counters["mpi_busbw_GBps"] = mpi != mpi_seconds.end() ? busbw(ranks, bytes, mpi->second) : 0.0;
   state.counters["vs_mpi_ratio"] = mpi != mpi_seconds.end() ? mpi->second / t : 0.0;
+  state.counters["in_process_share"] = local / t;
+  state.counters["ceiling_vs_mpi_ratio"] =
+      mpi != mpi_seconds.end() && mpi_two != mpi_seconds.end() ? mpi->second / (local + mpi_two->second) : 0.0;
 }
 
 #if MGPU_CUDA_ENABLED
@@ -277,15 +296,19 @@ void print_table() {
   }
   if (!dist_seconds.empty()) {
     std::printf("\nacross processes: 2 processes x D host devices (hierarchical) against MPI_Allreduce over 2 D processes\n");
-    std::printf("%10s %3s %12s %12s %9s\n", "size", "D", "ours busbw", "MPI busbw", "vs MPI");
+    std::printf("%10s %3s %12s %12s %9s %11s %9s\n", "size", "D", "ours busbw", "MPI busbw", "vs MPI", "in-process", "ceiling");
     for (auto const& [key, seconds] : dist_seconds) {
       auto const [devices, bytes] = key;
       int const ranks = 2 * devices;
-      double const mpi = mpi_seconds.contains({ranks, bytes}) ? busbw(ranks, bytes, mpi_seconds[{ranks, bytes}]) : 0.0;
-      double const ours = busbw(ranks, bytes, seconds);
-      std::printf("%10s %3d %7.2f GB/s %7.2f GB/s %8.2fx\n", mgpu::format_bytes(static_cast<std::size_t>(bytes)).c_str(), devices, ours,
-                  mpi, mpi > 0 ? ours / mpi : 0.0);
+      double const mpi = mpi_seconds.contains({ranks, bytes}) ? mpi_seconds[{ranks, bytes}] : 0.0;
+      double const mpi_two = mpi_seconds.contains({2, bytes}) ? mpi_seconds[{2, bytes}] : 0.0;
+      double const local = dist_local_seconds[key];
+      std::printf("%10s %3d %7.2f GB/s %7.2f GB/s %8.2fx %10.0f%% %8.2fx\n", mgpu::format_bytes(static_cast<std::size_t>(bytes)).c_str(),
+                  devices, busbw(ranks, bytes, seconds), busbw(ranks, bytes, mpi), mpi / seconds, 100.0 * local / seconds,
+                  mpi_two > 0 ? mpi / (local + mpi_two) : 0.0);
     }
+    std::printf("in-process = the in-process all-reduce alone over our time; ceiling = MPI's time over (in-process + MPI's\n"
+                "over 2 processes): our vs MPI with an exchange between the processes as fast as OpenMPI's own.\n");
   }
   std::printf("vs bare = bare reduction time / our time, the bare reduction being the same sums as plain loops on as many\n"
               "threads as ranks, measured beside each result. MPI and Gloo run as separate processes (oversubscribed when\n"

@@ -287,8 +287,17 @@ void from_float(float const* in, Tensor const& t, std::int64_t begin, std::int64
 // the world's size (the processes' partials are sums).
 void combine_parts(comm::ReduceOp op, float const* parts, int count, std::int64_t stride, std::int64_t n,
                    int world_size, float* out) {
-  // In blocks that stay in L1, each element combined in process order.
+  // In blocks that stay in L1, each element combined in process order; two parts (the all-reduce
+  // between 2 processes) in one pass.
   mgpu::detail::visit_reduce_op(op, [&]<comm::ReduceOp O>(std::integral_constant<comm::ReduceOp, O>) {
+    if (count == 2) {
+      float const* second = parts + stride;
+#if !defined(__clang__)
+#pragma GCC ivdep
+#endif
+      for (std::int64_t i = 0; i < n; ++i) out[i] = mgpu::detail::finish<O>(mgpu::detail::combine<O>(parts[i], second[i]), world_size);
+      return;
+    }
     constexpr std::int64_t block = 1024;
     float acc[block];
     for (std::int64_t b = 0; b < n; b += block) {
@@ -301,6 +310,17 @@ void combine_parts(comm::ReduceOp op, float const* parts, int count, std::int64_
       for (std::int64_t i = 0; i < len; ++i) out[b + i] = mgpu::detail::finish<O>(acc[i], world_size);
     }
   });
+}
+
+// Combines `count` float32 partials of `n` elements each, contiguous in process order, into `out`.
+void combine_into(comm::ReduceOp op, float const* parts, int count, std::int64_t n, int world_size, Tensor const& out) {
+  if (out.dtype() == DType::float32) {
+    combine_parts(op, parts, count, n, n, world_size, static_cast<float*>(out.data()));
+    return;
+  }
+  auto mine = buffer<float>(static_cast<std::size_t>(n));
+  combine_parts(op, parts, count, n, n, world_size, mine->data());
+  from_float(mine->data(), out, 0, n);
 }
 
 // What the MPI work of one communicator shares; it outlives the communicator while work runs.
@@ -422,18 +442,19 @@ class Link : public std::enable_shared_from_this<Link> {
   }
 
   // Every leader sends its call's header to every other and checks theirs: the processes not
-  // heard from by the deadline are named.
-  void exchange_headers(Call const& c, int rank, std::string const& what, Clock::time_point start) const {
+  // heard from by the deadline are named. `tag` tells apart the leaders of one process (a slice's
+  // leader uses its local rank).
+  void exchange_headers(Call const& c, int rank, std::string const& what, Clock::time_point start, int tag = 0) const {
     auto mine = std::make_shared<Header>(Header{static_cast<std::int32_t>(c.kind), static_cast<std::int32_t>(c.dtype),
                                                 static_cast<std::int32_t>(c.op), c.root, c.count, c.seq});
     auto theirs = buffer<Header>(static_cast<std::size_t>(processes_));
     Requests requests;
     for (int const p : others()) {
       requests.add(p, Requests::Kind::receive, theirs, "MPI_Irecv", [&](MPI_Request* r) {
-        return MPI_Irecv(&(*theirs)[static_cast<std::size_t>(p)], sizeof(Header), MPI_BYTE, p, 0, control, r);
+        return MPI_Irecv(&(*theirs)[static_cast<std::size_t>(p)], sizeof(Header), MPI_BYTE, p, tag, control, r);
       });
       requests.add(p, Requests::Kind::send, mine, "MPI_Isend",
-                   [&](MPI_Request* r) { return MPI_Isend(mine.get(), sizeof(Header), MPI_BYTE, p, 0, control, r); });
+                   [&](MPI_Request* r) { return MPI_Isend(mine.get(), sizeof(Header), MPI_BYTE, p, tag, control, r); });
     }
     wait(requests, what, start,
          [&](std::vector<int> const& pending) { return describe(pending) + ", not heard from"; });
@@ -544,13 +565,7 @@ struct Leader {
           return MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, all->data(), count, MPI_FLOAT, l.data, r);
         });
         l.wait_exchange(requests, what, start);
-        if (call.recv.dtype() == DType::float32) {
-          combine_parts(call.op, all->data(), P, n, n, l.world_size(), static_cast<float*>(call.recv.data()));
-        } else {
-          auto mine = buffer<float>(static_cast<std::size_t>(n));
-          combine_parts(call.op, all->data(), P, n, n, l.world_size(), mine->data());
-          from_float(mine->data(), call.recv, 0, n);
-        }
+        combine_into(call.op, all->data(), P, n, l.world_size(), call.recv);
         break;
       }
       case OpKind::reduce_scatter: {  // call.send: the partial over the world (W*n); call.recv: this process's blocks
@@ -629,6 +644,45 @@ struct Leader {
       default:
         break;
     }
+  }
+};
+
+// One slice's all-reduce between two processes with as many ranks each, on the stream of the
+// slice's leader (local rank `slice` of each process) after the in-process reduce-scatter: the
+// leader swaps its process's partial of the slice with the other process's leader and combines
+// both, in process order, into the slice of its recv.
+struct SliceLeader {
+  std::shared_ptr<Link> link;
+  Call call;
+  int rank;
+  int slice;
+  Tensor partial;  // the process's partial of the slice, in the call's dtype
+  Tensor parts;    // float32, 2 slices: the processes' partials in process order (partial may be this process's)
+  Tensor out;      // the slice of the rank's recv
+
+  void operator()() const {
+    std::string const what = call.name(rank);
+    Link const& l = *link;
+    l.state().throw_if_aborted(what);
+    auto const start = Clock::now();
+    std::int64_t const n = out.numel();
+    int const p = l.process();
+    int const peer = 1 - p;
+    float* const both = static_cast<float*>(parts.data());
+    if (!partial.shares_storage(parts)) to_float(partial, 0, n, both + p * n);
+    int const count = mpi_count(n, what);
+    // The data is posted before the headers are checked, so the exchange takes one round trip; a
+    // mismatch is named from the headers before the data is awaited.
+    auto keep = std::make_shared<Tensor>(parts);
+    Requests requests;
+    requests.add(peer, Requests::Kind::receive, keep, "MPI_Irecv", [&](MPI_Request* r) {
+      return MPI_Irecv(both + peer * n, count, MPI_FLOAT, peer, slice, l.data, r);
+    });
+    requests.add(peer, Requests::Kind::send, keep, "MPI_Isend",
+                 [&](MPI_Request* r) { return MPI_Isend(both + p * n, count, MPI_FLOAT, peer, slice, l.data, r); });
+    l.exchange_headers(call, rank, what, start, slice);
+    l.wait_exchange(requests, what, start);
+    combine_into(call.op, both, 2, n, l.world_size(), out);
   }
 };
 
@@ -879,6 +933,10 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
     Call exchange = c;  // what the leader's exchange reads and writes
     switch (c.kind) {
       case OpKind::all_reduce:
+        if (by_slices()) {
+          all_reduce_by_slices(rank, l, c, partial_op, stream);
+          break;
+        }
         inner.reduce(l, c.send, c.recv, partial_op, 0, stream);
         if (leader) enqueue(rank, c, stream, Leader{link_, exchange, rank});
         inner.broadcast(l, c.recv, 0, stream);
@@ -951,6 +1009,51 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
     }
   }
 
+  // `count` float32 elements of rank l's staging for all-reduces by slices. Each rank has one
+  // buffer, grown as needed and reused by every call (its stream runs them one at a time): a
+  // buffer per call would be allocated when the call is enqueued, so calls queued together would
+  // each touch their own, and none would stay in cache. An exchange that fails abandons the buffer
+  // to MPI; the communicator is aborted then, so no later call touches it.
+  Tensor staging(int l, std::int64_t count) {
+    std::lock_guard lock(staging_mutex_);
+    if (staging_.empty()) staging_.resize(static_cast<std::size_t>(local_));
+    Tensor& t = staging_[static_cast<std::size_t>(l)];
+    if (!t.defined() || t.numel() < count) t = scratch(l, count, DType::float32);
+    return t.slice(0, count);
+  }
+
+  // Whether an all-reduce goes by slices: two processes with as many ranks each.
+  [[nodiscard]] bool by_slices() const { return link_->processes() == 2 && link_->local_size(0) == link_->local_size(1); }
+
+  // The all-reduce with every local rank leading one slice of the buffer (rank l: elements
+  // [l b, (l + 1) b), b = n / L, the last rank's also the n % L after them): an in-process
+  // reduce-scatter gives each rank its slice's partial, which it swaps with the same rank of the
+  // other process and combines into its recv (SliceLeader), and an in-process all-gather gives
+  // every rank every slice. Each process stages, sends and combines each element once, on all of
+  // its ranks at once, with one round trip between the processes. `partial_op` combines inside
+  // the process.
+  void all_reduce_by_slices(int rank, int l, Call const& c, comm::ReduceOp partial_op, Stream& stream) {
+    comm::Communicator& inner = *inner_;
+    std::int64_t const n = c.count;
+    std::int64_t const b = n / local_;
+    std::int64_t const tail = n - b * local_;
+    std::int64_t const begin = l * b;
+    std::int64_t const count = l == local_ - 1 ? b + tail : b;
+    int const p = link_->process();
+    Tensor const send = c.send.reshape({n});
+    Tensor const recv = c.recv.reshape({n});
+    Tensor const parts = staging(l, 2 * count);
+    Tensor const partial = c.dtype == DType::float32 ? parts.slice(p * count, (p + 1) * count) : scratch(l, count, c.dtype);
+    inner.reduce_scatter(l, send.slice(0, b * local_), partial.slice(0, b), partial_op, stream);
+    if (tail > 0) {  // the last rank's slice ends with the elements left over
+      Tensor const last = send.slice(b * local_, n);
+      inner.reduce(l, last, l == local_ - 1 ? partial.slice(b, count) : last, partial_op, local_ - 1, stream);
+    }
+    enqueue(rank, c, stream, SliceLeader{link_, c, rank, l, partial, parts, recv.slice(begin, begin + count)});
+    inner.all_gather(l, recv.slice(begin, begin + b), recv.slice(0, b * local_), stream);
+    if (tail > 0) inner.broadcast(l, recv.slice(b * local_, n), local_ - 1, stream);
+  }
+
   void point_to_point(int rank, int l, std::vector<Call> const& calls, Stream& stream) {
     std::vector<Call> remote;
     std::vector<Call> local;
@@ -984,6 +1087,8 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
   std::vector<int> locals_;  // the group's rank of each of this process's ranks
   std::shared_ptr<Link> link_;
   std::shared_ptr<comm::Communicator> inner_;
+  std::mutex staging_mutex_;
+  std::vector<Tensor> staging_;  // per local rank (staging())
 };
 
 }  // namespace

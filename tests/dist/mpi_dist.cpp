@@ -214,6 +214,8 @@ void fill(Setup const& s, std::vector<Tensor> const& t, int seed, DType dtype) {
 }
 
 // n from 65536 elements on: among 3 or more processes the leaders reduce-scatter and all-gather.
+// Between 2 processes of L ranks each, rank l leads elements [l n/L, (l+1) n/L) and the last rank
+// also the n % L after them: n = 1, 37 and 4096 cover a rank with none, the leftovers and none.
 void test_all_reduce(Setup const& s, DType dtype, ReduceOp op, int seed, bool in_place, std::int64_t n = 37) {
   auto send = make(s, n, dtype);
   auto recv = in_place ? send : make(s, n, dtype);
@@ -395,6 +397,7 @@ void test_collectives(Setup const& s, int& seed) {
       test_reduce_scatter(s, dtype, op, seed++);
     }
     test_all_reduce(s, dtype, ReduceOp::sum, seed++, true);
+    for (std::int64_t n : {1, 4096}) test_all_reduce(s, dtype, ReduceOp::max, seed++, true, n);
     test_all_reduce(s, dtype, dtype == DType::float32 ? ReduceOp::avg : ReduceOp::sum, seed++, false, 70001);
     for (int root : {0, s.size() - 1, s.size() / 2}) test_reduce(s, dtype, ReduceOp::sum, root, seed++);
     test_reduce(s, dtype, ReduceOp::max, 1, seed++);
