@@ -473,6 +473,29 @@ std::vector<float> host_values(Tensor const& t, mgpu::Stream& stream) {
   return {span.begin(), span.end()};
 }
 
+// `count` batches of int32 token ids and their targets [rows, 8], each below `vocab`, drawn from `seed`.
+struct TokenBatches {
+  std::vector<Tensor> xs, ys;
+};
+TokenBatches token_batches(int count, std::int64_t rows, unsigned vocab, unsigned seed) {
+  std::shared_ptr<mgpu::Allocator> const host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  std::mt19937 rng(seed);
+  TokenBatches out;
+  for (int b = 0; b < count; ++b) {
+    for (auto* list : {&out.xs, &out.ys}) {
+      list->push_back(Tensor::empty({rows, 8}, DType::int32, *host));
+      for (std::int32_t& v : list->back().host_span<std::int32_t>()) v = static_cast<std::int32_t>(rng() % vocab);
+    }
+  }
+  return out;
+}
+
+// AdamW for each pipeline chunk, decaying the chunk's weight matrices.
+mgpu::pipeline::ChunkOptimizerFactory const chunk_adamw = [](mgpu::nn::Sequential const& chunk) {
+  return std::make_unique<mgpu::optim::AdamW>(
+      mgpu::optim::AdamWOptions{.lr = 0.01f, .weight_decay = 0.1f, .decay_ranges = chunk.matrix_ranges()});
+};
+
 // Whether `have` and `want` hold the same bits.
 bool same_bits(std::vector<float> const& have, std::vector<float> const& want) {
   return have.size() == want.size() &&
@@ -996,18 +1019,10 @@ void test_tensor_parallel_pipeline(Setup const& s) {
   mgpu::Stream host_stream{mgpu::Device{mgpu::DeviceKind::host, 0}};
   mgpu::nn::GptConfig const config{.vocab = 33, .block_size = 8, .n_layer = 2, .n_head = 2, .n_embd = 16, .dropout = 0.1f};
   mgpu::nn::Sequential const model = mgpu::nn::gpt(config);
-  std::mt19937 rng(12);
-  std::vector<Tensor> xs, ys;
-  for (int b = 0; b < 6; ++b) {
-    for (auto* list : {&xs, &ys}) {
-      list->push_back(Tensor::empty({8, 8}, DType::int32, *host));
-      for (std::int32_t& v : list->back().host_span<std::int32_t>()) v = static_cast<std::int32_t>(rng() % 33);
-    }
-  }
-  pp::ChunkOptimizerFactory const adamw = [](mgpu::nn::Sequential const& chunk) {
-    return std::make_unique<mgpu::optim::AdamW>(
-        mgpu::optim::AdamWOptions{.lr = 0.01f, .weight_decay = 0.1f, .decay_ranges = chunk.matrix_ranges()});
-  };
+  TokenBatches const batches = token_batches(6, 8, 33, 12);
+  std::vector<Tensor> const& xs = batches.xs;
+  std::vector<Tensor> const& ys = batches.ys;
+  pp::ChunkOptimizerFactory const& adamw = chunk_adamw;
   int const replicas = s.size() == 8 ? 2 : 1;
   int const devices = s.size() / (2 * replicas);
   std::vector<std::size_t> const cuts = pp::partition(model, devices, std::vector<double>(model.size(), 1.0)).cuts;
@@ -1073,14 +1088,9 @@ bool same_order(mgpu::dist::World const& world, std::vector<int> const& ranks) {
 void test_tensor_parallel(Setup const& s) {
   namespace par = mgpu::parallel;
   std::shared_ptr<mgpu::Allocator> host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
-  std::mt19937 rng(11);
-  std::vector<Tensor> xs, ys;
-  for (int b = 0; b < 12; ++b) {
-    for (auto* list : {&xs, &ys}) {
-      list->push_back(Tensor::empty({5, 8}, DType::int32, *host));  // 5 rows: uneven over 2 replicas
-      for (std::int32_t& v : list->back().host_span<std::int32_t>()) v = static_cast<std::int32_t>(rng() % 32);
-    }
-  }
+  TokenBatches const batches = token_batches(12, 5, 32, 11);  // 5 rows: uneven over 2 replicas
+  std::vector<Tensor> const& xs = batches.xs;
+  std::vector<Tensor> const& ys = batches.ys;
   struct Layout {
     int replicas;
     bool sequence_parallel;
@@ -1154,18 +1164,10 @@ void test_pipeline_gpt(Setup const& s) {
   mgpu::nn::GptConfig const config{
       .vocab = 32, .block_size = 8, .n_layer = 2, .n_head = 2, .n_embd = 16, .dropout = 0.1f};
   mgpu::nn::Sequential const model = mgpu::nn::gpt(config);
-  std::mt19937 rng(3);
-  std::vector<Tensor> xs, ys;
-  for (int b = 0; b < 3; ++b) {
-    for (auto* list : {&xs, &ys}) {
-      list->push_back(Tensor::empty({6, 8}, DType::int32, *host));
-      for (std::int32_t& v : list->back().host_span<std::int32_t>()) v = static_cast<std::int32_t>(rng() % 32);
-    }
-  }
-  pp::ChunkOptimizerFactory const adamw = [](mgpu::nn::Sequential const& chunk) {
-    return std::make_unique<mgpu::optim::AdamW>(
-        mgpu::optim::AdamWOptions{.lr = 0.01f, .weight_decay = 0.1f, .decay_ranges = chunk.matrix_ranges()});
-  };
+  TokenBatches const batches = token_batches(3, 6, 32, 3);
+  std::vector<Tensor> const& xs = batches.xs;
+  std::vector<Tensor> const& ys = batches.ys;
+  pp::ChunkOptimizerFactory const& adamw = chunk_adamw;
   for (int const replicas : {1, 2}) {
     int const devices = s.size() / replicas;
     if (s.size() % replicas != 0 || devices < 2) continue;  // the head on another device than the embedding
@@ -1235,18 +1237,10 @@ void test_pipeline_checkpoint(Setup const& s, std::filesystem::path const& folde
       .vocab = 32, .block_size = 8, .n_layer = 2, .n_head = 2, .n_embd = 16, .dropout = 0.1f};
   mgpu::nn::Sequential const model = mgpu::nn::gpt(config);
   int const steps = 5, saved_at = 2;
-  std::mt19937 rng(4);
-  std::vector<Tensor> xs, ys;
-  for (int b = 0; b < steps; ++b) {
-    for (auto* list : {&xs, &ys}) {
-      list->push_back(Tensor::empty({6, 8}, DType::int32, *host));
-      for (std::int32_t& v : list->back().host_span<std::int32_t>()) v = static_cast<std::int32_t>(rng() % 32);
-    }
-  }
-  pp::ChunkOptimizerFactory const adamw = [](mgpu::nn::Sequential const& chunk) {
-    return std::make_unique<mgpu::optim::AdamW>(
-        mgpu::optim::AdamWOptions{.lr = 0.01f, .weight_decay = 0.1f, .decay_ranges = chunk.matrix_ranges()});
-  };
+  TokenBatches const batches = token_batches(steps, 6, 32, 4);
+  std::vector<Tensor> const& xs = batches.xs;
+  std::vector<Tensor> const& ys = batches.ys;
+  pp::ChunkOptimizerFactory const& adamw = chunk_adamw;
   int const replicas = s.size() / 2;
   std::vector<std::size_t> const cuts = pp::partition(model, 2, std::vector<double>(model.size(), 1.0)).cuts;
   pp::ExecutorOptions options{.seed = 5,
@@ -1463,18 +1457,20 @@ int main(int argc, char** argv) {
     auto comm = mgpu::dist::make_communicator(world, group, {.timeout = 60s});
     EXPECT(comm->size() == world.size(), "communicator size " << comm->size());
     Setup const s{world, group, *comm};
+    // The end of a mode: the communicator drained, this process's checks counted.
+    auto const finish = [&] {
+      comm->finalize();
+      std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
+      return failures == 0 ? 0 : 1;
+    };
     if (mode == "pipeline") {
       test_pipeline(s);
       test_pipeline_gpt(s);
-      comm->finalize();
-      std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
-      return failures == 0 ? 0 : 1;
+      return finish();
     }
     if (mode == "tensor_parallel_pipeline") {
       test_tensor_parallel_pipeline(s);
-      comm->finalize();
-      std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
-      return failures == 0 ? 0 : 1;
+      return finish();
     }
     if (mode == "checkpoint") {
       if (argc < 4) {
@@ -1482,9 +1478,7 @@ int main(int argc, char** argv) {
         return 2;
       }
       test_checkpoint(s, argv[3]);
-      comm->finalize();
-      std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
-      return failures == 0 ? 0 : 1;
+      return finish();
     }
     if (mode == "pipeline_checkpoint") {
       if (argc < 4 || s.size() % 2 != 0) {
@@ -1492,27 +1486,19 @@ int main(int argc, char** argv) {
         return 2;
       }
       test_pipeline_checkpoint(s, argv[3]);
-      comm->finalize();
-      std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
-      return failures == 0 ? 0 : 1;
+      return finish();
     }
     if (mode == "data_parallel") {
       test_data_parallel(s);
-      comm->finalize();
-      std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
-      return failures == 0 ? 0 : 1;
+      return finish();
     }
     if (mode == "tensor_parallel") {
       test_tensor_parallel(s);
-      comm->finalize();
-      std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
-      return failures == 0 ? 0 : 1;
+      return finish();
     }
     if (mode == "subsets") {
       test_subsets(s);
-      comm->finalize();
-      std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
-      return failures == 0 ? 0 : 1;
+      return finish();
     }
     if (mode == "collectives") {
       int seed = 1;
@@ -1535,9 +1521,7 @@ int main(int argc, char** argv) {
                    std::string(e.what()).find("belongs to process") != std::string::npos,
                "all_reduce as another process's rank: " << e.what());
       }
-      comm->finalize();
-      std::printf("process %d: %d of %d checks passed\n", process, checks - failures, checks);
-      return failures == 0 ? 0 : 1;
+      return finish();
     }
     if (mode == "subset_missing" || mode == "subset_mismatch") {
       // Every process but `faulty` makes a subset communicator over every world rank (3 s deadline);
