@@ -490,6 +490,22 @@ TokenBatches token_batches(int count, std::int64_t rows, unsigned vocab, unsigne
   return out;
 }
 
+// The whole model's float32 weights as `executor` and `reference` gather them (gather_parameters()).
+struct Gathered {
+  std::vector<float> got, want;
+};
+Gathered gather_both(mgpu::pipeline::Executor& executor, mgpu::pipeline::Executor& reference, mgpu::nn::Sequential const& model) {
+  std::shared_ptr<mgpu::Allocator> const host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  mgpu::Stream stream{mgpu::Device{mgpu::DeviceKind::host, 0}};
+  mgpu::nn::Sequential whole = model.clone(), whole_reference = model.clone();
+  mgpu::nn::Context ctx{*host, stream};
+  whole.materialize(ctx, 1);
+  whole_reference.materialize(ctx, 2);
+  executor.gather_parameters(whole, stream);
+  reference.gather_parameters(whole_reference, stream);
+  return {host_values(whole.master_parameters(), stream), host_values(whole_reference.master_parameters(), stream)};
+}
+
 // AdamW for each pipeline chunk, decaying the chunk's weight matrices.
 mgpu::pipeline::ChunkOptimizerFactory const chunk_adamw = [](mgpu::nn::Sequential const& chunk) {
   return std::make_unique<mgpu::optim::AdamW>(
@@ -909,7 +925,6 @@ void test_checkpoint(Setup const& s, std::filesystem::path const& folder) {
 void test_pipeline(Setup const& s) {
   namespace pp = mgpu::pipeline;
   std::shared_ptr<mgpu::Allocator> host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
-  mgpu::Stream host_stream{mgpu::Device{mgpu::DeviceKind::host, 0}};
   std::int64_t const rows = 26;  // uneven micro-batches
   std::mt19937 rng(11);
   std::normal_distribution<float> normal(0, 1);
@@ -969,15 +984,8 @@ void test_pipeline(Setup const& s) {
           EXPECT(same, what << ": chunk " << c << " of replica " << replica << " on world rank " << s.rank(l)
                             << " differs from one process's");
         }
-        mgpu::nn::Sequential whole = model.clone(), whole_reference = model.clone();
-        mgpu::nn::Context ctx{*host, host_stream};
-        whole.materialize(ctx, 1);
-        whole_reference.materialize(ctx, 2);
-        executor.gather_parameters(whole, host_stream);
-        reference.gather_parameters(whole_reference, host_stream);
-        EXPECT(same_bits(host_values(whole.master_parameters(), host_stream),
-                         host_values(whole_reference.master_parameters(), host_stream)),
-               what << ": gather_parameters differs from one process's");
+        Gathered const weights = gather_both(executor, reference, model);
+        EXPECT(same_bits(weights.got, weights.want), what << ": gather_parameters differs from one process's");
         int const remote = s.rank(0) == 0 ? s.size() - 1 : 0;
         expect_refused([&] { static_cast<void>(executor.chunk(remote % devices, remote / devices)); },
                        "another process", what + ": chunk of another process");
@@ -1044,20 +1052,15 @@ void test_tensor_parallel_pipeline(Setup const& s) {
       float const got = executor.step(xs[b], ys[b]);
       EXPECT(close_to({got}, {expected}, 1e-5), what << ": step " << b << " loss " << got << " (expected " << expected << ")");
     }
-    mgpu::nn::Sequential whole = model.clone(), whole_reference = model.clone();
+    Gathered const weights = gather_both(executor, reference, model);
+    EXPECT(close_to(weights.got, weights.want, 1e-5), what << ": gather_parameters differs from one process's");
+    // The reference's weights scattered into the shards across the processes gather back unchanged.
+    mgpu::nn::Sequential whole = model.clone();
     mgpu::nn::Context ctx{*host, host_stream};
     whole.materialize(ctx, 1);
-    whole_reference.materialize(ctx, 2);
-    executor.gather_parameters(whole, host_stream);
-    reference.gather_parameters(whole_reference, host_stream);
-    EXPECT(close_to(host_values(whole.master_parameters(), host_stream),
-                    host_values(whole_reference.master_parameters(), host_stream), 1e-5),
-           what << ": gather_parameters differs from one process's");
-    // Weights scattered into the shards across the processes gather back unchanged.
-    executor.scatter_parameters(whole_reference, host_stream);
-    executor.gather_parameters(whole, host_stream);
-    EXPECT(same_bits(host_values(whole.master_parameters(), host_stream),
-                     host_values(whole_reference.master_parameters(), host_stream)),
+    reference.gather_parameters(whole, host_stream);
+    executor.scatter_parameters(whole, host_stream);
+    EXPECT(same_bits(gather_both(executor, reference, model).got, weights.want),
            what << ": scatter_parameters then gather_parameters changed the weights");
   }
   pp::ExecutorOptions options{.timeout = 60s,
