@@ -131,10 +131,10 @@ void Executor::Impl::tensor_parallel_whole(std::span<float> whole, bool to_shard
       int const rank = p * schedule.devices + schedule.device_of(c);
       if (to_shards && !is_local(rank)) continue;  // another process's
       nn::Sequential& chunk = chunks[static_cast<std::size_t>(p)][static_cast<std::size_t>(c)];
-      Tensor params = Tensor::empty({chunk.parameter_count()}, DType::float32, *host);
-      if (!received.empty()) {
-        params = received[static_cast<std::size_t>(p) * chunk_count + static_cast<std::size_t>(c)];
-      } else if (!to_shards) {
+      Tensor const params = received.empty()
+                                ? Tensor::empty({chunk.parameter_count()}, DType::float32, *host)
+                                : received[static_cast<std::size_t>(p) * chunk_count + static_cast<std::size_t>(c)];
+      if (received.empty() && !to_shards) {
         Stream& stream = group->stream(rank - first);
         copy_async(params, chunk.master_parameters(), stream);
         stream.synchronize();

@@ -347,13 +347,23 @@ std::vector<std::pair<std::int64_t, std::int64_t>> Executor::Impl::norm_parts(in
 
 double Executor::Impl::world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op) {
   // Each rank's slots: a value per counted part of each chunk it runs (norm_parts), in chunk order;
-  // as many on every rank (the most any rank has), zero where it has fewer.
+  // as many on every rank (the most any rank has), zero where it has fewer. Pipeline r's chunk c
+  // ([r * chunks + c]): its parts and its first slot among its rank's.
+  auto const chunks = static_cast<std::size_t>(schedule.chunks());
+  std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> parts(static_cast<std::size_t>(replicas) * chunks);
+  std::vector<std::int64_t> first_slot(parts.size(), 0);
   std::int64_t per_rank = 1;
-  for (int rank = 0; rank < comm->size(); ++rank) {
-    std::int64_t count = 0;
-    for (int c = rank % schedule.devices; c < schedule.chunks(); c += schedule.devices)
-      count += static_cast<std::int64_t>(norm_parts(rank / schedule.devices, c).size());
-    per_rank = std::max(per_rank, count);
+  for (int r = 0; r < replicas; ++r) {
+    for (int d = 0; d < schedule.devices; ++d) {
+      std::int64_t slot = 0;
+      for (int c = d; c < schedule.chunks(); c += schedule.devices) {
+        std::size_t const at = static_cast<std::size_t>(r) * chunks + static_cast<std::size_t>(c);
+        parts[at] = norm_parts(r, c);
+        first_slot[at] = slot;
+        slot += static_cast<std::int64_t>(parts[at].size());
+      }
+      per_rank = std::max(per_rank, slot);
+    }
   }
   std::vector<Tensor> gathered(static_cast<std::size_t>(group->size()));
   group->run([&](int local, Device, Stream& stream) {
@@ -362,10 +372,11 @@ double Executor::Impl::world_sum(std::function<void(Tensor const&, Tensor const&
     all = Tensor::empty({comm->size() * per_rank}, DType::float32, group->allocator(local));
     Tensor const mine = all.slice(rank * per_rank, (rank + 1) * per_rank);
     fill_async(mine, 0.0f, stream);
-    std::int64_t slot = 0;
     for (int c = rank % schedule.devices; c < schedule.chunks(); c += schedule.devices) {
       Tensor const& grads = chunk_of(rank, c).master_gradients();
-      for (auto const& [begin, end] : norm_parts(rank / schedule.devices, c)) {
+      std::size_t const at = static_cast<std::size_t>(rank / schedule.devices) * chunks + static_cast<std::size_t>(c);
+      std::int64_t slot = first_slot[at];
+      for (auto const& [begin, end] : parts[at]) {
         op(grads.slice(begin, end), mine.slice(slot, slot + 1), stream);
         ++slot;
       }
@@ -376,12 +387,10 @@ double Executor::Impl::world_sum(std::function<void(Tensor const&, Tensor const&
   double sum = 0;
   for (int c = 0; c < schedule.chunks(); ++c) {
     for (int r = 0; r < replicas; ++r) {
-      int const rank = r * schedule.devices + schedule.device_of(c);
-      std::int64_t at = rank * per_rank;
-      for (int before = rank % schedule.devices; before < c; before += schedule.devices)
-        at += static_cast<std::int64_t>(norm_parts(r, before).size());
-      for (std::size_t k = 0; k < norm_parts(r, c).size(); ++k, ++at)
-        sum += ops::item(gathered[0].slice(at, at + 1), group->stream(0));
+      std::size_t const at = static_cast<std::size_t>(r) * chunks + static_cast<std::size_t>(c);
+      std::int64_t const begin = (r * schedule.devices + schedule.device_of(c)) * per_rank + first_slot[at];
+      for (std::int64_t k = begin; k < begin + static_cast<std::int64_t>(parts[at].size()); ++k)
+        sum += ops::item(gathered[0].slice(k, k + 1), group->stream(0));
     }
   }
   return sum;
