@@ -15,9 +15,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -64,6 +66,9 @@ struct Global {
   // MPI_COMM_WORLD, made by the first make_world (collective over every process, as making a
   // subset's MPI communicator is not).
   MPI_Comm subsets = MPI_COMM_NULL;
+  // The shared-memory windows made so far (guarded by mpi_mutex), which finalize() frees in this
+  // order.
+  std::vector<MPI_Win> windows;
 };
 
 Global& global() {
@@ -150,6 +155,16 @@ std::shared_ptr<std::vector<T>> buffer(std::size_t size) {
           }};
 }
 
+// Between polls of a wait: yield the core at first (a reply is often microseconds away), then
+// sleep, longer and longer: the processes may share few cores with the ranks' compute.
+void back_off(int polls) {
+  if (polls < 64) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(std::min(1000, 10 * (polls - 63))));
+  }
+}
+
 // Non-blocking requests, each with the process it waits for and the buffers it uses, polled
 // together against a deadline. Requests still pending when it goes are abandoned: receives are
 // cancelled, and the buffers kept until the process ends.
@@ -176,15 +191,17 @@ class Requests {
     return entries_.size() - 1;
   }
 
-  // Polls until every request has completed (true), or until `deadline` passes or stop() holds
-  // (false). Throws Error(communication) for a request MPI failed.
+  // Polls until every request has completed, or only request `only` where given (true), or until
+  // `deadline` passes or stop() holds (false). A request MPI failed ends the wait (true) with
+  // error() set.
   template <class Stop>
-  bool wait(Clock::time_point deadline, Stop const& stop) {
+  bool wait(Clock::time_point deadline, Stop const& stop, std::optional<std::size_t> only = std::nullopt) {
     for (int polls = 0;; ++polls) {
       bool done = true;
       {
         std::lock_guard lock(global().mpi_mutex);
-        for (Entry& e : entries_) {
+        for (std::size_t i = only.value_or(0); i < (only ? *only + 1 : entries_.size()); ++i) {
+          Entry& e = entries_[i];
           if (!e.pending) continue;
           int flag = 0;
           int const code = MPI_Test(&e.request, &flag, &e.status);
@@ -203,13 +220,7 @@ class Requests {
       if (error_ != MPI_SUCCESS) return true;
       if (done) return true;
       if (stop() || Clock::now() >= deadline) return false;
-      // Yield the core at first (a reply is often microseconds away), then sleep: the processes
-      // may share few cores with the ranks' compute.
-      if (polls < 64) {
-        std::this_thread::yield();
-      } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(std::min(1000, 10 * (polls - 63))));
-      }
+      back_off(polls);
     }
   }
 
@@ -390,6 +401,7 @@ class Link : public std::enable_shared_from_this<Link> {
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return state_->timeout(); }
   [[nodiscard]] comm::detail::SharedState& state() const noexcept { return *state_; }
 
+  [[nodiscard]] std::string const& host(int p) const { return hosts_[static_cast<std::size_t>(p)]; }
   // "process 1 (host a, ranks 2-3)".
   [[nodiscard]] std::string describe(int p) const {
     int const a = first(p);
@@ -422,8 +434,9 @@ class Link : public std::enable_shared_from_this<Link> {
   // Waits for `requests` until `deadline`; on a timeout fails naming `waited_for(pending peers)`,
   // on an abort throws the abort's error.
   template <class Describe>
-  void wait(Requests& requests, std::string const& what, Clock::time_point start, Describe const& waited_for) const {
-    if (!requests.wait(start + timeout(), [&] { return state_->aborted(); })) {
+  void wait(Requests& requests, std::string const& what, Clock::time_point start, Describe const& waited_for,
+            std::optional<std::size_t> only = std::nullopt) const {
+    if (!requests.wait(start + timeout(), [&] { return state_->aborted(); }, only)) {
       std::vector<int> const pending = requests.pending_peers();
       requests.abandon();
       state_->throw_if_aborted(what);
@@ -478,10 +491,13 @@ class Link : public std::enable_shared_from_this<Link> {
     }
   }
 
-  // Waits for a data exchange that every process has joined (their headers came).
-  void wait_exchange(Requests& requests, std::string const& what, Clock::time_point start) const {
-    wait(requests, what, start,
-         [&](std::vector<int> const&) { return describe(others()) + " to complete the exchange"; });
+  // Waits for a data exchange that every process has joined (their headers came): every request,
+  // or only request `only` where given.
+  void wait_exchange(Requests& requests, std::string const& what, Clock::time_point start,
+                     std::optional<std::size_t> only = std::nullopt) const {
+    wait(
+        requests, what, start, [&](std::vector<int> const&) { return describe(others()) + " to complete the exchange"; },
+        only);
   }
 
   MPI_Comm control = MPI_COMM_NULL;  // the leaders' headers
@@ -647,42 +663,309 @@ struct Leader {
   }
 };
 
+// A slice goes between the two processes in pieces of this many elements: each piece is reduced
+// inside the process, sent, and combined with the other process's piece while both are still in
+// cache.
+constexpr std::int64_t kSlicePiece = std::int64_t{1} << 16;
+
+// The number of pieces of a slice of n elements (an empty slice has one, empty).
+std::int64_t piece_count(std::int64_t n) { return std::max<std::int64_t>(1, (n + kSlicePiece - 1) / kSlicePiece); }
+
+// Turns off the shared memory between two processes of one host (MGPU_DIST_SHM=0): their
+// all-reduces by slices then go over MPI point-to-point as between servers.
+constexpr char const* shm_env_var = "MGPU_DIST_SHM";
+
+// The shared memory through which two processes on one host swap their all-reduces by slices: an
+// MPI shared-memory window (MPI_Win_allocate_shared) over the pair, in which each process's segment
+// holds, per local rank (a slice's leader), two counters and a ring of `slots` pieces. A leader
+// reduces its process's piece straight into its ring and counts it ready; the other process's
+// leader of that slice combines it from there and counts it consumed, which frees the slot. The
+// counters only grow, over every call, in the same steps on both processes (the leaders' headers
+// agree on each call's size first). Windows are freed by finalize(), in the order they were made:
+// freeing one is collective, and a communicator's destructor is not.
+class SharedRings {
+ public:
+  static constexpr std::int64_t slots = 4;
+
+  // Collective over the two processes of `link`, after it is connected; null where they are on
+  // different hosts or either turns shared memory off.
+  static std::shared_ptr<SharedRings> make(Link const& link, int leaders) {
+    char const* setting = std::getenv(shm_env_var);
+    int const wanted = (setting != nullptr && std::string(setting) == "0") || link.host(0) != link.host(1) ? 0 : 1;
+    auto flags = buffer<int>(2);  // this process's, then both's
+    (*flags)[0] = wanted;
+    {
+      Requests requests;
+      requests.add(1 - link.process(), Requests::Kind::collective, flags, "MPI_Iallreduce", [&](MPI_Request* r) {
+        return MPI_Iallreduce(flags->data(), flags->data() + 1, 1, MPI_INT, MPI_MIN, link.data, r);
+      });
+      link.wait(requests, "making a communicator across processes", Clock::now(),
+                [&](std::vector<int> const& pending) { return link.describe(pending) + ", not heard from"; });
+    }
+    if ((*flags)[1] == 0) return nullptr;
+    MPI_Comm pair = MPI_COMM_NULL;  // the two processes, where they share memory (a host's name may not tell)
+    int size = 0;
+    {
+      std::lock_guard lock(global().mpi_mutex);
+      check(MPI_Comm_split_type(link.data, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &pair), "MPI_Comm_split_type");
+      MPI_Comm_size(pair, &size);
+    }
+    std::shared_ptr<SharedRings> rings;
+    if (size == 2) rings.reset(new SharedRings(link, pair, leaders));
+    std::lock_guard lock(global().mpi_mutex);
+    MPI_Comm_free(&pair);
+    return rings;
+  }
+
+  // Leader l's counter of the pieces it made ready, and of the other process's pieces it
+  // consumed, in process p's segment.
+  [[nodiscard]] std::uint64_t* ready(int p, int l) const { return counter(p, 2 * l); }
+  [[nodiscard]] std::uint64_t* consumed(int p, int l) const { return counter(p, 2 * l + 1); }
+  // The slot of leader l's ring in process p's segment that holds its piece number `piece`.
+  [[nodiscard]] float* slot(int p, int l, std::uint64_t piece) const {
+    return reinterpret_cast<float*>(base_[static_cast<std::size_t>(p)] + header_) +
+           (static_cast<std::int64_t>(l) * slots + static_cast<std::int64_t>(piece % slots)) * kSlicePiece;
+  }
+  // Leader l's pieces before this call (used by its stream alone).
+  [[nodiscard]] std::uint64_t& pieces(int l) { return pieces_[static_cast<std::size_t>(l)]; }
+
+ private:
+  SharedRings(Link const& link, MPI_Comm pair, int leaders)
+      : header_(static_cast<std::int64_t>(leaders) * 2 * kCounterBytes), pieces_(static_cast<std::size_t>(leaders)) {
+    std::int64_t const bytes = header_ + leaders * slots * kSlicePiece * static_cast<std::int64_t>(sizeof(float));
+    MPI_Win window = MPI_WIN_NULL;
+    void* mine = nullptr;
+    {
+      std::lock_guard lock(global().mpi_mutex);
+      // Each segment on pages of its own, placed near the process that writes it.
+      MPI_Info info = MPI_INFO_NULL;
+      MPI_Info_create(&info);
+      MPI_Info_set(info, "alloc_shared_noncontig", "true");
+      int const code = MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes), 1, info, pair, &mine, &window);
+      MPI_Info_free(&info);
+      check(code, "MPI_Win_allocate_shared");
+      global().windows.push_back(window);
+      for (int p = 0; p < 2; ++p) {
+        MPI_Aint size = 0;
+        int unit = 0;
+        void* at = nullptr;
+        check(MPI_Win_shared_query(window, p, &size, &unit, &at), "MPI_Win_shared_query");
+        base_[static_cast<std::size_t>(p)] = static_cast<std::byte*>(at);
+      }
+    }
+    std::memset(mine, 0, static_cast<std::size_t>(header_));
+    // Both segments are cleared before either process counts in them.
+    Requests requests;
+    requests.add(1 - link.process(), Requests::Kind::collective, nullptr, "MPI_Ibarrier",
+                 [&](MPI_Request* r) { return MPI_Ibarrier(pair, r); });
+    link.wait(requests, "making a communicator across processes", Clock::now(),
+              [&](std::vector<int> const& pending) { return link.describe(pending) + ", not heard from"; });
+  }
+
+  // Counters a cache line apart, so that each is written by one process only.
+  static constexpr std::int64_t kCounterBytes = 64;
+  static_assert(std::atomic_ref<std::uint64_t>::is_always_lock_free, "shared counters need lock-free atomics");
+
+  [[nodiscard]] std::uint64_t* counter(int p, int index) const {
+    return reinterpret_cast<std::uint64_t*>(base_[static_cast<std::size_t>(p)] + index * kCounterBytes);
+  }
+
+  std::int64_t header_;
+  std::byte* base_[2] = {nullptr, nullptr};
+  std::vector<std::uint64_t> pieces_;
+};
+
+// What a local rank passes to an all-reduce by slices, for its process's slice leaders to read and
+// write: posted on the rank's stream, read between two in-process barriers.
+struct Posted {
+  void const* send = nullptr;
+  void* recv = nullptr;
+  std::int64_t count = 0;
+  DType dtype = DType::float32;
+  comm::ReduceOp op = comm::ReduceOp::sum;
+};
+
+// out[i] = in[0][begin + i] (+) in[1][begin + i] (+) ... for i < n, in float32, in rank order.
+template <class T, comm::ReduceOp O>
+void reduce_local(std::vector<T const*> const& in, std::int64_t begin, std::int64_t n, float* out) {
+  T const* first = in[0] + begin;
+  if (in.size() == 1) {
+    for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(first[i]);
+    return;
+  }
+  T const* second = in[1] + begin;
+  for (std::int64_t i = 0; i < n; ++i)
+    out[i] = mgpu::detail::combine<O>(static_cast<float>(first[i]), static_cast<float>(second[i]));
+  for (std::size_t q = 2; q < in.size(); ++q) {
+    T const* part = in[q] + begin;
+    for (std::int64_t i = 0; i < n; ++i) out[i] = mgpu::detail::combine<O>(out[i], static_cast<float>(part[i]));
+  }
+}
+
+// out[q][begin + i] = finish(first[i] (+) second[i]) for every output q and i < n.
+template <class T, comm::ReduceOp O>
+void combine_two(float const* first, float const* second, std::int64_t begin, std::int64_t n, int world_size,
+                 std::vector<T*> const& out) {
+  constexpr std::int64_t block = 1024;
+  float result[block];
+  for (std::int64_t b = 0; b < n; b += block) {
+    std::int64_t const len = std::min(block, n - b);
+    for (std::int64_t i = 0; i < len; ++i)
+      result[i] = mgpu::detail::finish<O>(mgpu::detail::combine<O>(first[b + i], second[b + i]), world_size);
+    for (T* const o : out) {
+      T* const to = o + begin + b;
+      for (std::int64_t i = 0; i < len; ++i) to[i] = T(result[i]);
+    }
+  }
+}
+
 // One slice's all-reduce between two processes with as many ranks each, on the stream of the
-// slice's leader (local rank `slice` of each process) after the in-process reduce-scatter: the
-// leader swaps its process's partial of the slice with the other process's leader and combines
-// both, in process order, into the slice of its recv.
+// slice's leader (local rank `slice` of each process), between two in-process barriers: piece by
+// piece, the leader reduces its process's ranks' inputs (`posted`) into its partial, swaps that
+// with the other process's leader (through `rings` where the processes share a host, else over
+// MPI) and writes both combined, in process order, into every local rank's output. Each element of
+// the slice is read, sent and written by this leader alone.
 struct SliceLeader {
   std::shared_ptr<Link> link;
   Call call;
   int rank;
+  int first;  // the world rank of the process's first rank
   int slice;
-  Tensor partial;  // the process's partial of the slice, in the call's dtype
-  Tensor parts;    // float32, 2 slices: the processes' partials in process order (partial may be this process's)
-  Tensor out;      // the slice of the rank's recv
+  std::shared_ptr<std::vector<Posted>> posted;
+  std::shared_ptr<SharedRings> rings;  // null: over MPI
+  Tensor parts;                        // over MPI: float32, 2 slices: the processes' partials in process order
+  std::int64_t begin;
+  std::int64_t count;
 
   void operator()() const {
     std::string const what = call.name(rank);
     Link const& l = *link;
     l.state().throw_if_aborted(what);
     auto const start = Clock::now();
-    std::int64_t const n = out.numel();
+    std::vector<Posted> const& all = *posted;
+    for (std::size_t q = 0; q < all.size(); ++q) {
+      Posted const& other = all[q];
+      auto const mismatch = [&](char const* field, std::string const& theirs, std::string const& mine) {
+        l.fail(Errc::invalid_argument, what + ": rank " + std::to_string(first + static_cast<int>(q)) + " passed " +
+                                           field + " " + theirs + ", rank " + std::to_string(rank) + " passed " + mine +
+                                           " (expected the same on every rank)");
+      };
+      if (other.count != call.count) mismatch("element count", std::to_string(other.count), std::to_string(call.count));
+      if (other.dtype != call.dtype)
+        mismatch("dtype", std::string(mgpu::to_string(other.dtype)), std::string(mgpu::to_string(call.dtype)));
+      if (other.op != call.op)
+        mismatch("reduce op", std::string(to_string(other.op)), std::string(to_string(call.op)));
+    }
+    mpi_count(count, what);
+    mgpu::detail::visit_dtype(call.dtype, [&]<class T>(std::type_identity<T>) {
+      std::vector<T const*> in;
+      std::vector<T*> out;
+      for (Posted const& r : all) {
+        in.push_back(static_cast<T const*>(r.send) + begin);
+        out.push_back(static_cast<T*>(r.recv) + begin);
+      }
+      mgpu::detail::visit_reduce_op(call.op, [&]<comm::ReduceOp O>(std::integral_constant<comm::ReduceOp, O>) {
+        if (rings) {
+          through_rings<T, O>(what, start, in, out);
+        } else {
+          over_mpi<T, O>(what, start, in, out);
+        }
+      });
+    });
+  }
+
+ private:
+  static constexpr comm::ReduceOp partial_op(comm::ReduceOp op) {
+    return op == comm::ReduceOp::avg ? comm::ReduceOp::sum : op;
+  }
+  [[nodiscard]] std::int64_t length(std::int64_t k) const { return std::min(count - k * kSlicePiece, kSlicePiece); }
+
+  template <class T, comm::ReduceOp O>
+  void over_mpi(std::string const& what, Clock::time_point start, std::vector<T const*> const& in,
+                std::vector<T*> const& out) const {
+    Link const& l = *link;
     int const p = l.process();
     int const peer = 1 - p;
-    float* const both = static_cast<float*>(parts.data());
-    if (!partial.shares_storage(parts)) to_float(partial, 0, n, both + p * n);
-    int const count = mpi_count(n, what);
-    // The data is posted before the headers are checked, so the exchange takes one round trip; a
-    // mismatch is named from the headers before the data is awaited.
+    float* const mine = static_cast<float*>(parts.data()) + p * count;
+    float* const theirs = static_cast<float*>(parts.data()) + peer * count;
+    std::int64_t const pieces = piece_count(count);
     auto keep = std::make_shared<Tensor>(parts);
     Requests requests;
-    requests.add(peer, Requests::Kind::receive, keep, "MPI_Irecv", [&](MPI_Request* r) {
-      return MPI_Irecv(both + peer * n, count, MPI_FLOAT, peer, slice, l.data, r);
-    });
-    requests.add(peer, Requests::Kind::send, keep, "MPI_Isend",
-                 [&](MPI_Request* r) { return MPI_Isend(both + p * n, count, MPI_FLOAT, peer, slice, l.data, r); });
-    l.exchange_headers(call, rank, what, start, slice);
+    std::vector<std::size_t> received;  // each piece's receive
+    auto const combine = [&](std::int64_t k) {
+      l.wait_exchange(requests, what, start, received[static_cast<std::size_t>(k)]);
+      std::int64_t const at = k * kSlicePiece;
+      combine_two<T, O>(p == 0 ? mine + at : theirs + at, p == 0 ? theirs + at : mine + at, at, length(k),
+                        l.world_size(), out);
+    };
+    for (std::int64_t k = 0; k < pieces; ++k) {
+      std::int64_t const at = k * kSlicePiece;
+      int const n = static_cast<int>(length(k));
+      reduce_local<T, partial_op(O)>(in, at, n, mine + at);
+      requests.add(peer, Requests::Kind::send, keep, "MPI_Isend",
+                   [&](MPI_Request* r) { return MPI_Isend(mine + at, n, MPI_FLOAT, peer, slice, l.data, r); });
+      received.push_back(requests.add(peer, Requests::Kind::receive, keep, "MPI_Irecv", [&](MPI_Request* r) {
+        return MPI_Irecv(theirs + at, n, MPI_FLOAT, peer, slice, l.data, r);
+      }));
+      // The first piece is posted before the headers are checked, so the exchange takes one
+      // round trip; a mismatch is named from the headers before any data is awaited.
+      if (k == 0) l.exchange_headers(call, rank, what, start, slice);
+      if (k > 0) combine(k - 1);
+    }
+    combine(pieces - 1);
     l.wait_exchange(requests, what, start);
-    combine_into(call.op, both, 2, n, l.world_size(), out);
+  }
+
+  // Up to SharedRings::slots pieces ahead of the combine, the leader reduces its pieces into its
+  // ring once the other leader has consumed what the slot held; it combines each piece once the
+  // other leader has made it ready.
+  template <class T, comm::ReduceOp O>
+  void through_rings(std::string const& what, Clock::time_point start, std::vector<T const*> const& in,
+                     std::vector<T*> const& out) const {
+    Link const& l = *link;
+    SharedRings& r = *rings;
+    int const p = l.process();
+    int const peer = 1 - p;
+    auto const pieces = static_cast<std::uint64_t>(piece_count(count));
+    std::uint64_t const base = r.pieces(slice);
+    std::atomic_ref<std::uint64_t> const my_ready(*r.ready(p, slice));
+    std::atomic_ref<std::uint64_t> const my_consumed(*r.consumed(p, slice));
+    std::atomic_ref<std::uint64_t> const their_ready(*r.ready(peer, slice));
+    std::atomic_ref<std::uint64_t> const their_consumed(*r.consumed(peer, slice));
+    l.exchange_headers(call, rank, what, start, slice);
+    std::uint64_t made = 0;
+    std::uint64_t combined = 0;
+    for (int polls = 0; combined < pieces;) {
+      bool moved = false;
+      while (made < pieces && made < combined + SharedRings::slots &&
+             base + made < their_consumed.load(std::memory_order_acquire) + SharedRings::slots) {
+        auto const k = static_cast<std::int64_t>(made);
+        reduce_local<T, partial_op(O)>(in, k * kSlicePiece, length(k), r.slot(p, slice, base + made));
+        my_ready.store(base + ++made, std::memory_order_release);
+        moved = true;
+      }
+      if (combined < made && their_ready.load(std::memory_order_acquire) > base + combined) {
+        auto const k = static_cast<std::int64_t>(combined);
+        float const* const mine = r.slot(p, slice, base + combined);
+        float const* const theirs = r.slot(peer, slice, base + combined);
+        combine_two<T, O>(p == 0 ? mine : theirs, p == 0 ? theirs : mine, k * kSlicePiece, length(k), l.world_size(),
+                          out);
+        my_consumed.store(base + ++combined, std::memory_order_release);
+        moved = true;
+      }
+      if (moved) {
+        polls = 0;
+        continue;
+      }
+      l.state().throw_if_aborted(what);
+      if (Clock::now() >= start + l.timeout())
+        l.fail(Errc::timeout, what + " waited " + format_duration(Clock::now() - start) + " for " + l.describe(peer) +
+                                  " to share piece " + std::to_string(combined + 1) + " of " + std::to_string(pieces) +
+                                  " (expected it within the " + format_duration(l.timeout()) + " deadline; " +
+                                  comm::timeout_env_var + " sets it in seconds)");
+      back_off(polls++);
+    }
+    r.pieces(slice) = base + pieces;
   }
 };
 
@@ -846,6 +1129,7 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
       std::lock_guard lock(global().mpi_mutex);
       MPI_Comm_free(&members);
     }
+    if (by_slices()) rings_ = SharedRings::make(*link_, local_);
     state()->on_abort(
         [inner = std::weak_ptr<comm::Communicator>(inner_), state = std::weak_ptr<comm::detail::SharedState>(state())] {
           global().failed.store(true);  // peers may be left waiting: finalize() must not wait for them
@@ -934,7 +1218,7 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
     switch (c.kind) {
       case OpKind::all_reduce:
         if (by_slices()) {
-          all_reduce_by_slices(rank, l, c, partial_op, stream);
+          all_reduce_by_slices(rank, l, c, stream);
           break;
         }
         inner.reduce(l, c.send, c.recv, partial_op, 0, stream);
@@ -1026,32 +1310,24 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
   [[nodiscard]] bool by_slices() const { return link_->processes() == 2 && link_->local_size(0) == link_->local_size(1); }
 
   // The all-reduce with every local rank leading one slice of the buffer (rank l: elements
-  // [l b, (l + 1) b), b = n / L, the last rank's also the n % L after them): an in-process
-  // reduce-scatter gives each rank its slice's partial, which it swaps with the same rank of the
-  // other process and combines into its recv (SliceLeader), and an in-process all-gather gives
-  // every rank every slice. Each process stages, sends and combines each element once, on all of
-  // its ranks at once, with one round trip between the processes. `partial_op` combines inside
-  // the process.
-  void all_reduce_by_slices(int rank, int l, Call const& c, comm::ReduceOp partial_op, Stream& stream) {
+  // [l b, (l + 1) b), b = n / L, the last rank's also the n % L after them): every rank posts its
+  // buffers and, once all have, reduces its slice of every local input, swaps it with the same
+  // rank of the other process and writes the combined slice into every local output
+  // (SliceLeader); a second barrier keeps every output's writers ahead of its rank's next work.
+  // Each process reads, sends and writes each element once, on all of its ranks at once, with one
+  // round trip between the processes.
+  void all_reduce_by_slices(int rank, int l, Call const& c, Stream& stream) {
     comm::Communicator& inner = *inner_;
     std::int64_t const n = c.count;
     std::int64_t const b = n / local_;
-    std::int64_t const tail = n - b * local_;
-    std::int64_t const begin = l * b;
-    std::int64_t const count = l == local_ - 1 ? b + tail : b;
-    int const p = link_->process();
-    Tensor const send = c.send.reshape({n});
-    Tensor const recv = c.recv.reshape({n});
-    Tensor const parts = staging(l, 2 * count);
-    Tensor const partial = c.dtype == DType::float32 ? parts.slice(p * count, (p + 1) * count) : scratch(l, count, c.dtype);
-    inner.reduce_scatter(l, send.slice(0, b * local_), partial.slice(0, b), partial_op, stream);
-    if (tail > 0) {  // the last rank's slice ends with the elements left over
-      Tensor const last = send.slice(b * local_, n);
-      inner.reduce(l, last, l == local_ - 1 ? partial.slice(b, count) : last, partial_op, local_ - 1, stream);
-    }
-    enqueue(rank, c, stream, SliceLeader{link_, c, rank, l, partial, parts, recv.slice(begin, begin + count)});
-    inner.all_gather(l, recv.slice(begin, begin + b), recv.slice(0, b * local_), stream);
-    if (tail > 0) inner.broadcast(l, recv.slice(b * local_, n), local_ - 1, stream);
+    std::int64_t const count = l == local_ - 1 ? n - b * (local_ - 1) : b;
+    enqueue(rank, c, stream, [posted = posted_, l, mine = Posted{c.send.data(), c.recv.data(), c.count, c.dtype, c.op}] {
+      (*posted)[static_cast<std::size_t>(l)] = mine;
+    });
+    inner.barrier(l, stream);
+    enqueue(rank, c, stream,
+            SliceLeader{link_, c, rank, first_, l, posted_, rings_, rings_ ? Tensor() : staging(l, 2 * count), l * b, count});
+    inner.barrier(l, stream);
   }
 
   void point_to_point(int rank, int l, std::vector<Call> const& calls, Stream& stream) {
@@ -1089,6 +1365,9 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
   std::shared_ptr<comm::Communicator> inner_;
   std::mutex staging_mutex_;
   std::vector<Tensor> staging_;  // per local rank (staging())
+  // Each local rank's buffers in the all-reduce by slices running now.
+  std::shared_ptr<std::vector<Posted>> posted_ = std::make_shared<std::vector<Posted>>(static_cast<std::size_t>(local_));
+  std::shared_ptr<SharedRings> rings_;  // all-reduces by slices through shared memory
 };
 
 }  // namespace
@@ -1149,6 +1428,7 @@ void finalize() noexcept {
   detail::leave_rendezvous();
   if (!g.initialized_mpi || g.failed.load()) return;  // MPI_Finalize would wait for the peers that failed
   std::lock_guard mpi_lock(g.mpi_mutex);
+  for (MPI_Win& window : g.windows) MPI_Win_free(&window);
   MPI_Finalize();
 }
 

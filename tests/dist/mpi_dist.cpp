@@ -399,6 +399,9 @@ void test_collectives(Setup const& s, int& seed) {
     test_all_reduce(s, dtype, ReduceOp::sum, seed++, true);
     for (std::int64_t n : {1, 4096}) test_all_reduce(s, dtype, ReduceOp::max, seed++, true, n);
     test_all_reduce(s, dtype, dtype == DType::float32 ? ReduceOp::avg : ReduceOp::sum, seed++, false, 70001);
+    // Slices of more pieces (65536 elements each) than an all-reduce between two processes
+    // keeps in flight, in place and not.
+    test_all_reduce(s, dtype, ReduceOp::sum, seed++, dtype == DType::bfloat16, 10 * 65536 + 3);
     for (int root : {0, s.size() - 1, s.size() / 2}) test_reduce(s, dtype, ReduceOp::sum, root, seed++);
     test_reduce(s, dtype, ReduceOp::max, 1, seed++);
     test_all_gather(s, dtype, seed++, false);

@@ -125,7 +125,12 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout = s
 /// its own ranks only (world.rank_of(local rank), with that device's stream), in the same order as
 /// a single-process communicator. Collectives are hierarchical: the process's ranks combine through
 /// an in-process host communicator, one leader per process (its local rank 0) exchanges over MPI,
-/// and the result goes back inside the process. Reductions combine in float32 in process order,
+/// and the result goes back inside the process; an all-reduce between 2 processes with as many ranks
+/// each goes by slices instead: every local rank reduces 1/L of the buffer over its process's ranks,
+/// swaps that with the same rank of the other process piece by piece, and writes the combined slice
+/// into every local rank's output, through an MPI shared-memory window where the two processes share
+/// a host (MGPU_DIST_SHM=0 turns it off; windows are freed by finalize()), else over MPI
+/// point-to-point. Reductions combine in float32 in process order,
 /// so every rank gets bitwise identical results, run after run; with one device per process an
 /// all-reduce equals a single process's host communicator over as many devices, bit for bit. send/recv between
 /// processes go over MPI point-to-point (a send completes once MPI is done with its data: a small one at once, as MPI
