@@ -13,14 +13,16 @@
 //
 // Multi-process mode (built with MPI): BM_dist_all_reduce/processes:2/devices:D/bytes:S reports
 // mgpu::dist's hierarchical all-reduce across 2 processes of D host devices each (bench_dist_allreduce
-// under mpirun: reduce inside each process, one leader per process over MPI, broadcast back),
-// beside plain MPI_Allreduce over as many ranks (2 D processes, bench_mpi_allreduce) in the same
-// run: busbw_GBps, mpi_busbw_GBps and vs_mpi_ratio = MPI's time / ours (> 1: ours is faster). The
-// ceiling, measured in the same run: in_process_share = the in-process part alone (the host
-// all-reduce over each process's D devices, both processes at once) over our time, and
-// ceiling_vs_mpi_ratio = MPI's time / (that part + MPI_Allreduce of the same bytes over 2
-// processes): the vs_mpi_ratio of a hierarchical all-reduce whose exchange between the processes
-// were as fast as OpenMPI's own and did not overlap the in-process work.
+// under mpirun: each local rank reduces its slice inside the process and swaps it with the same
+// rank of the other process, here through the shared memory of their host), beside plain
+// MPI_Allreduce over as many ranks (2 D processes, bench_mpi_allreduce) in the same run:
+// busbw_GBps, mpi_busbw_GBps and vs_mpi_ratio = MPI's time / ours (> 1: ours is faster);
+// no_shm_busbw_GBps and no_shm_vs_mpi_ratio: the same with the swap over MPI point-to-point
+// (MGPU_DIST_SHM=0), as between servers. The ceiling, measured in the same run: in_process_share
+// = the in-process part alone (the host all-reduce over each process's D devices, both processes
+// at once) over our time, and ceiling_vs_mpi_ratio = MPI's time / (that part + MPI_Allreduce of
+// the same bytes over 2 processes): the vs_mpi_ratio of a hierarchical all-reduce whose exchange
+// between the processes were as fast as OpenMPI's own and did not overlap the in-process work.
 //
 // Where a GPU is visible it also measures the cuda_peer all-reduce on logical devices sharing GPU 0,
 // with d2d_copy_ratio = (2 n S / t) over a device-to-device cudaMemcpy's bandwidth (2 bytes
@@ -65,6 +67,7 @@ std::vector<int> const dist_devices = {1, 2};
 std::vector<std::int64_t> const dist_sizes = {64 << 10, 1 << 20, 16 << 20, 64 << 20};
 std::map<std::pair<int, std::int64_t>, double> dist_seconds;
 std::map<std::pair<int, std::int64_t>, double> dist_local_seconds;  // its in-process part alone
+std::map<std::pair<int, std::int64_t>, double> dist_no_shm_seconds;  // over MPI point-to-point
 
 using bench::median;
 
@@ -141,6 +144,7 @@ void measure_baselines(std::filesystem::path const& folder) {
       command.append(dist.string()).append(" ").append(std::to_string(devices));
       for (auto s : dist_sizes) command.append(" ").append(std::to_string(s));
       run_baseline(command, devices, dist_seconds, &dist_local_seconds);
+      run_baseline("MGPU_DIST_SHM=0 " + command, devices, dist_no_shm_seconds);
     }
     auto const gloo = folder / "bench_gloo_allreduce";
     if (std::filesystem::exists(gloo)) {
@@ -223,6 +227,10 @@ void BM_dist_all_reduce(benchmark::State& state) {
   state.counters["busbw_GBps"] = busbw(ranks, bytes, t);
   state.counters["mpi_busbw_GBps"] = mpi != mpi_seconds.end() ? busbw(ranks, bytes, mpi->second) : 0.0;
   state.counters["vs_mpi_ratio"] = mpi != mpi_seconds.end() ? mpi->second / t : 0.0;
+  auto const no_shm = dist_no_shm_seconds.find({devices, bytes});
+  state.counters["no_shm_busbw_GBps"] = no_shm != dist_no_shm_seconds.end() ? busbw(ranks, bytes, no_shm->second) : 0.0;
+  state.counters["no_shm_vs_mpi_ratio"] =
+      mpi != mpi_seconds.end() && no_shm != dist_no_shm_seconds.end() ? mpi->second / no_shm->second : 0.0;
   state.counters["in_process_share"] = local / t;
   state.counters["ceiling_vs_mpi_ratio"] =
       mpi != mpi_seconds.end() && mpi_two != mpi_seconds.end() ? mpi->second / (local + mpi_two->second) : 0.0;
@@ -296,19 +304,23 @@ void print_table() {
   }
   if (!dist_seconds.empty()) {
     std::printf("\nacross processes: 2 processes x D host devices (hierarchical) against MPI_Allreduce over 2 D processes\n");
-    std::printf("%10s %3s %12s %12s %9s %11s %9s\n", "size", "D", "ours busbw", "MPI busbw", "vs MPI", "in-process", "ceiling");
+    std::printf("%10s %3s %12s %12s %9s %13s %11s %9s\n", "size", "D", "ours busbw", "MPI busbw", "vs MPI", "no shm vs MPI",
+                "in-process", "ceiling");
     for (auto const& [key, seconds] : dist_seconds) {
       auto const [devices, bytes] = key;
       int const ranks = 2 * devices;
       double const mpi = mpi_seconds.contains({ranks, bytes}) ? mpi_seconds[{ranks, bytes}] : 0.0;
       double const mpi_two = mpi_seconds.contains({2, bytes}) ? mpi_seconds[{2, bytes}] : 0.0;
       double const local = dist_local_seconds[key];
-      std::printf("%10s %3d %7.2f GB/s %7.2f GB/s %8.2fx %10.0f%% %8.2fx\n", mgpu::format_bytes(static_cast<std::size_t>(bytes)).c_str(),
-                  devices, busbw(ranks, bytes, seconds), busbw(ranks, bytes, mpi), mpi / seconds, 100.0 * local / seconds,
+      double const no_shm = dist_no_shm_seconds.contains(key) ? dist_no_shm_seconds[key] : 0.0;
+      std::printf("%10s %3d %7.2f GB/s %7.2f GB/s %8.2fx %12.2fx %10.0f%% %8.2fx\n",
+                  mgpu::format_bytes(static_cast<std::size_t>(bytes)).c_str(), devices, busbw(ranks, bytes, seconds),
+                  busbw(ranks, bytes, mpi), mpi / seconds, no_shm > 0 ? mpi / no_shm : 0.0, 100.0 * local / seconds,
                   mpi_two > 0 ? mpi / (local + mpi_two) : 0.0);
     }
-    std::printf("in-process = the in-process all-reduce alone over our time; ceiling = MPI's time over (in-process + MPI's\n"
-                "over 2 processes): our vs MPI with an exchange between the processes as fast as OpenMPI's own.\n");
+    std::printf("no shm = the swap between the processes over MPI point-to-point (MGPU_DIST_SHM=0) instead of their host's\n"
+                "shared memory; in-process = the in-process all-reduce alone over our time; ceiling = MPI's time over\n"
+                "(in-process + MPI's over 2 processes): our vs MPI with an exchange between the processes as fast as OpenMPI's own.\n");
   }
   std::printf("vs bare = bare reduction time / our time, the bare reduction being the same sums as plain loops on as many\n"
               "threads as ranks, measured beside each result. MPI and Gloo run as separate processes (oversubscribed when\n"
