@@ -67,8 +67,17 @@ struct Global {
   // subset's MPI communicator is not).
   MPI_Comm subsets = MPI_COMM_NULL;
   // The shared-memory windows made so far (guarded by mpi_mutex), which finalize() frees in this
-  // order.
-  std::vector<MPI_Win> windows;
+  // order (freeing one is collective, and a communicator's destructor is not). One no communicator
+  // uses any more is free for the next one between the same two processes.
+  struct SharedWindow {
+    MPI_Win window = MPI_WIN_NULL;
+    std::pair<int, int> processes;  // the job's
+    std::int64_t bytes = 0;         // per process
+    int id = 0;                     // its number among those of the same processes and bytes
+    bool in_use = true;
+    std::byte* base[2] = {nullptr, nullptr};  // each process's segment
+  };
+  std::vector<std::unique_ptr<SharedWindow>> windows;
 };
 
 Global& global() {
@@ -402,6 +411,8 @@ class Link : public std::enable_shared_from_this<Link> {
   [[nodiscard]] comm::detail::SharedState& state() const noexcept { return *state_; }
 
   [[nodiscard]] std::string const& host(int p) const { return hosts_[static_cast<std::size_t>(p)]; }
+  // Process p's place in the job.
+  [[nodiscard]] int id(int p) const { return ids_[static_cast<std::size_t>(p)]; }
   // "process 1 (host a, ranks 2-3)".
   [[nodiscard]] std::string describe(int p) const {
     int const a = first(p);
@@ -681,8 +692,9 @@ constexpr char const* shm_env_var = "MGPU_DIST_SHM";
 // reduces its process's piece straight into its ring and counts it ready; the other process's
 // leader of that slice combines it from there and counts it consumed, which frees the slot. The
 // counters only grow, over every call, in the same steps on both processes (the leaders' headers
-// agree on each call's size first). Windows are freed by finalize(), in the order they were made:
-// freeing one is collective, and a communicator's destructor is not.
+// agree on each call's size first). A communicator takes a window another one between the same
+// processes left, where both processes have the same one free (its work all done on both),
+// else makes one; finalize() frees them.
 class SharedRings {
  public:
   static constexpr std::int64_t slots = 4;
@@ -690,31 +702,59 @@ class SharedRings {
   // Collective over the two processes of `link`, after it is connected; null where they are on
   // different hosts or either turns shared memory off.
   static std::shared_ptr<SharedRings> make(Link const& link, int leaders) {
+    std::int64_t const header = static_cast<std::int64_t>(leaders) * 2 * kCounterBytes;
+    std::int64_t const bytes = header + leaders * slots * kSlicePiece * static_cast<std::int64_t>(sizeof(float));
+    std::pair<int, int> const processes{link.id(0), link.id(1)};
     char const* setting = std::getenv(shm_env_var);
-    int const wanted = (setting != nullptr && std::string(setting) == "0") || link.host(0) != link.host(1) ? 0 : 1;
-    auto flags = buffer<int>(2);  // this process's, then both's
-    (*flags)[0] = wanted;
+    bool const wanted = !(setting != nullptr && std::string(setting) == "0") && link.host(0) == link.host(1);
+    Global& g = global();
+    Global::SharedWindow* spare = nullptr;  // the free window this process offers, held for the exchange
+    if (wanted) {
+      std::lock_guard lock(g.mpi_mutex);
+      for (auto& w : g.windows) {
+        if (!w->in_use && w->processes == processes && w->bytes == bytes && (spare == nullptr || w->id < spare->id))
+          spare = w.get();
+      }
+      if (spare != nullptr) spare->in_use = true;
+    }
+    auto offers = buffer<int>(4);  // each process's: whether it wants shared memory, its spare window's id (-1: none)
+    int const p = link.process();
+    (*offers)[static_cast<std::size_t>(2 * p)] = wanted ? 1 : 0;
+    (*offers)[static_cast<std::size_t>(2 * p + 1)] = spare != nullptr ? spare->id : -1;
     {
       Requests requests;
-      requests.add(1 - link.process(), Requests::Kind::collective, flags, "MPI_Iallreduce", [&](MPI_Request* r) {
-        return MPI_Iallreduce(flags->data(), flags->data() + 1, 1, MPI_INT, MPI_MIN, link.data, r);
+      requests.add(1 - p, Requests::Kind::collective, offers, "MPI_Iallgather", [&](MPI_Request* r) {
+        return MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, offers->data(), 2, MPI_INT, link.data, r);
       });
       link.wait(requests, "making a communicator across processes", Clock::now(),
                 [&](std::vector<int> const& pending) { return link.describe(pending) + ", not heard from"; });
     }
-    if ((*flags)[1] == 0) return nullptr;
-    MPI_Comm pair = MPI_COMM_NULL;  // the two processes, where they share memory (a host's name may not tell)
-    int size = 0;
-    {
-      std::lock_guard lock(global().mpi_mutex);
-      check(MPI_Comm_split_type(link.data, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &pair), "MPI_Comm_split_type");
-      MPI_Comm_size(pair, &size);
+    std::vector<int> const& o = *offers;
+    bool const reuse = spare != nullptr && o[1] == o[3];
+    if (spare != nullptr && !reuse) {
+      std::lock_guard lock(g.mpi_mutex);
+      spare->in_use = false;
     }
-    std::shared_ptr<SharedRings> rings;
-    if (size == 2) rings.reset(new SharedRings(link, pair, leaders));
-    std::lock_guard lock(global().mpi_mutex);
-    MPI_Comm_free(&pair);
+    if (o[0] == 0 || o[2] == 0) return nullptr;
+    Global::SharedWindow* window = reuse ? spare : allocate(link, processes, bytes);
+    if (window == nullptr) return nullptr;
+    std::shared_ptr<SharedRings> rings(new SharedRings(window, header, leaders));
+    std::memset(window->base[p], 0, static_cast<std::size_t>(header));
+    // Both segments' counters are cleared before either process counts in them.
+    Requests requests;
+    requests.add(1 - p, Requests::Kind::collective, nullptr, "MPI_Ibarrier",
+                 [&](MPI_Request* r) { return MPI_Ibarrier(link.data, r); });
+    link.wait(requests, "making a communicator across processes", Clock::now(),
+              [&](std::vector<int> const& pending) { return link.describe(pending) + ", not heard from"; });
     return rings;
+  }
+
+  SharedRings(SharedRings const&) = delete;
+  SharedRings& operator=(SharedRings const&) = delete;
+  // Hands the window on: every call through it is done on this process.
+  ~SharedRings() {
+    std::lock_guard lock(global().mpi_mutex);
+    window_->in_use = false;
   }
 
   // Leader l's counter of the pieces it made ready, and of the other process's pieces it
@@ -723,43 +763,53 @@ class SharedRings {
   [[nodiscard]] std::uint64_t* consumed(int p, int l) const { return counter(p, 2 * l + 1); }
   // The slot of leader l's ring in process p's segment that holds its piece number `piece`.
   [[nodiscard]] float* slot(int p, int l, std::uint64_t piece) const {
-    return reinterpret_cast<float*>(base_[static_cast<std::size_t>(p)] + header_) +
+    return reinterpret_cast<float*>(window_->base[p] + header_) +
            (static_cast<std::int64_t>(l) * slots + static_cast<std::int64_t>(piece % slots)) * kSlicePiece;
   }
   // Leader l's pieces before this call (used by its stream alone).
   [[nodiscard]] std::uint64_t& pieces(int l) { return pieces_[static_cast<std::size_t>(l)]; }
 
  private:
-  SharedRings(Link const& link, MPI_Comm pair, int leaders)
-      : header_(static_cast<std::int64_t>(leaders) * 2 * kCounterBytes), pieces_(static_cast<std::size_t>(leaders)) {
-    std::int64_t const bytes = header_ + leaders * slots * kSlicePiece * static_cast<std::int64_t>(sizeof(float));
-    MPI_Win window = MPI_WIN_NULL;
-    void* mine = nullptr;
-    {
-      std::lock_guard lock(global().mpi_mutex);
-      // Each segment on pages of its own, placed near the process that writes it.
-      MPI_Info info = MPI_INFO_NULL;
-      MPI_Info_create(&info);
-      MPI_Info_set(info, "alloc_shared_noncontig", "true");
-      int const code = MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes), 1, info, pair, &mine, &window);
-      MPI_Info_free(&info);
-      check(code, "MPI_Win_allocate_shared");
-      global().windows.push_back(window);
-      for (int p = 0; p < 2; ++p) {
-        MPI_Aint size = 0;
-        int unit = 0;
-        void* at = nullptr;
-        check(MPI_Win_shared_query(window, p, &size, &unit, &at), "MPI_Win_shared_query");
-        base_[static_cast<std::size_t>(p)] = static_cast<std::byte*>(at);
-      }
+  SharedRings(Global::SharedWindow* window, std::int64_t header, int leaders)
+      : window_(window), header_(header), pieces_(static_cast<std::size_t>(leaders)) {}
+
+  // A new window of `bytes` per process over the two processes of `link`; null where they do not
+  // share memory after all (a host's name may not tell).
+  static Global::SharedWindow* allocate(Link const& link, std::pair<int, int> processes, std::int64_t bytes) {
+    Global& g = global();
+    std::lock_guard lock(g.mpi_mutex);
+    MPI_Comm pair = MPI_COMM_NULL;
+    check(MPI_Comm_split_type(link.data, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &pair), "MPI_Comm_split_type");
+    int size = 0;
+    MPI_Comm_size(pair, &size);
+    if (size != 2) {
+      MPI_Comm_free(&pair);
+      return nullptr;
     }
-    std::memset(mine, 0, static_cast<std::size_t>(header_));
-    // Both segments are cleared before either process counts in them.
-    Requests requests;
-    requests.add(1 - link.process(), Requests::Kind::collective, nullptr, "MPI_Ibarrier",
-                 [&](MPI_Request* r) { return MPI_Ibarrier(pair, r); });
-    link.wait(requests, "making a communicator across processes", Clock::now(),
-              [&](std::vector<int> const& pending) { return link.describe(pending) + ", not heard from"; });
+    auto w = std::make_unique<Global::SharedWindow>();
+    w->processes = processes;
+    w->bytes = bytes;
+    for (auto const& other : g.windows) {
+      if (other->processes == processes && other->bytes == bytes) ++w->id;
+    }
+    // Each segment on pages of its own, placed near the process that writes it.
+    MPI_Info info = MPI_INFO_NULL;
+    MPI_Info_create(&info);
+    MPI_Info_set(info, "alloc_shared_noncontig", "true");
+    void* mine = nullptr;
+    int const code = MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes), 1, info, pair, &mine, &w->window);
+    MPI_Info_free(&info);
+    MPI_Comm_free(&pair);
+    check(code, "MPI_Win_allocate_shared");
+    for (int q = 0; q < 2; ++q) {
+      MPI_Aint size_q = 0;
+      int unit = 0;
+      void* at = nullptr;
+      check(MPI_Win_shared_query(w->window, q, &size_q, &unit, &at), "MPI_Win_shared_query");
+      w->base[q] = static_cast<std::byte*>(at);
+    }
+    g.windows.push_back(std::move(w));
+    return g.windows.back().get();
   }
 
   // Counters a cache line apart, so that each is written by one process only.
@@ -767,11 +817,11 @@ class SharedRings {
   static_assert(std::atomic_ref<std::uint64_t>::is_always_lock_free, "shared counters need lock-free atomics");
 
   [[nodiscard]] std::uint64_t* counter(int p, int index) const {
-    return reinterpret_cast<std::uint64_t*>(base_[static_cast<std::size_t>(p)] + index * kCounterBytes);
+    return reinterpret_cast<std::uint64_t*>(window_->base[p] + index * kCounterBytes);
   }
 
+  Global::SharedWindow* window_;
   std::int64_t header_;
-  std::byte* base_[2] = {nullptr, nullptr};
   std::vector<std::uint64_t> pieces_;
 };
 
@@ -1428,7 +1478,7 @@ void finalize() noexcept {
   detail::leave_rendezvous();
   if (!g.initialized_mpi || g.failed.load()) return;  // MPI_Finalize would wait for the peers that failed
   std::lock_guard mpi_lock(g.mpi_mutex);
-  for (MPI_Win& window : g.windows) MPI_Win_free(&window);
+  for (auto& w : g.windows) MPI_Win_free(&w->window);
   MPI_Finalize();
 }
 

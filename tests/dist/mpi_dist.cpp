@@ -1516,6 +1516,15 @@ int main(int argc, char** argv) {
         test_matches_one_process(s, seed++, 101);
         test_matches_one_process(s, seed++, 70001);  // the leaders reduce-scatter and all-gather (3 or more processes)
       }
+      // Communicators made two at a time and dropped (the next two take the shared memory these
+      // left, between 2 processes on one host) all-reduce right.
+      for (int round = 0; round < 3; ++round) {
+        auto first = mgpu::dist::make_communicator(world, group);
+        auto second = mgpu::dist::make_communicator(world, group);
+        test_all_reduce(Setup{world, group, *first}, DType::float32, ReduceOp::sum, seed++, true, 5 * 65536 + 1);
+        test_all_reduce(Setup{world, group, *second}, DType::bfloat16, ReduceOp::max, seed++, false, 65537);
+        test_all_reduce(Setup{world, group, *first}, DType::float32, ReduceOp::avg, seed++, false, 3);
+      }
       // A rank of another process is refused here, before any communication.
       int const remote = world.rank_of(0) == 0 ? world.size() - 1 : 0;
       Tensor const t = Tensor::empty({4}, DType::float32, group.allocator(0));

@@ -129,8 +129,8 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout = s
 /// each goes by slices instead: every local rank reduces 1/L of the buffer over its process's ranks,
 /// swaps that with the same rank of the other process piece by piece, and writes the combined slice
 /// into every local rank's output, through an MPI shared-memory window where the two processes share
-/// a host (MGPU_DIST_SHM=0 turns it off; windows are freed by finalize()), else over MPI
-/// point-to-point. Reductions combine in float32 in process order,
+/// a host (MGPU_DIST_SHM=0 turns it off; a communicator takes over the window one dropped before it
+/// left between the same processes, and finalize() frees them), else over MPI point-to-point. Reductions combine in float32 in process order,
 /// so every rank gets bitwise identical results, run after run; with one device per process an
 /// all-reduce equals a single process's host communicator over as many devices, bit for bit. send/recv between
 /// processes go over MPI point-to-point (a send completes once MPI is done with its data: a small one at once, as MPI
