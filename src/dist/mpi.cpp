@@ -5,7 +5,8 @@
 // lock, so MPI_THREAD_SERIALIZED suffices), so no MPI wait outlasts the communicator's deadline.
 // MPI never touches user tensors: data goes through staging buffers owned by the request set,
 // which a failure hands to a process-wide list kept until the process ends (MPI may still write
-// into them), and MPI_Finalize is then skipped.
+// into them), and MPI_Finalize is then skipped. Two processes on one host swap their all-reduces
+// through an MPI shared-memory window instead (SharedRings), polled against the same deadline.
 #define OMPI_SKIP_MPICXX 1
 #include <algorithm>
 #include <atomic>
