@@ -44,6 +44,8 @@
 //                                    second one with a 3 s deadline: they must fail naming it.
 //   mpi_dist exit COUNTS PROCESS     the same, but PROCESS exits (status 3) instead.
 //   mpi_dist mismatch COUNTS PROCESS the same, but PROCESS passes 5 elements where the others pass 4.
+//   mpi_dist mismatch_local COUNTS PROCESS  the same, but in every process its last rank passes 5
+//                                    elements and its others 4.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -1433,7 +1435,7 @@ int main(int argc, char** argv) {
     std::fprintf(
         stderr,
         "usage: mpi_dist collectives|subsets|tensor_parallel|tensor_parallel_pipeline|data_parallel|checkpoint|pipeline|pipeline_checkpoint|stall|exit|mismatch|"
-        "subset_missing|subset_mismatch COUNTS "
+        "mismatch_local|subset_missing|subset_mismatch COUNTS "
         "[PROCESS|FOLDER]\n");
     return 2;
   }
@@ -1561,8 +1563,14 @@ int main(int argc, char** argv) {
     test_all_reduce(s, DType::float32, ReduceOp::sum, 1, false);
     auto second = mgpu::dist::make_communicator(world, group, {.timeout = mode == "stall" ? 3s : 60s});
     Setup const t{world, group, *second};
-    if (mode == "mismatch") {
-      auto buffers = make(t, process == faulty ? 5 : 4, DType::float32);
+    if (mode == "mismatch" || mode == "mismatch_local") {
+      // mismatch: `faulty` passes 5 elements, the others 4; mismatch_local: in every process, its
+      // last rank passes 5 and the others 4.
+      std::vector<Tensor> buffers;
+      for (int l = 0; l < t.local(); ++l) {
+        bool const more = mode == "mismatch" ? process == faulty : l == t.local() - 1;
+        buffers.push_back(Tensor::empty({more ? 5 : 4}, DType::float32, group.allocator(t.member(l))));
+      }
       group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
         second->all_reduce(t.rank(l), buffers[static_cast<std::size_t>(l)], buffers[static_cast<std::size_t>(l)],
                            ReduceOp::sum, stream);
