@@ -11,6 +11,20 @@
 #include <mgpu/ops/ops.hpp>
 
 namespace mgpu::optim {
+namespace {
+// Throws Error(invalid_argument) naming `option` of `optimizer` unless `value` is finite and >= 0.
+void check_non_negative(std::string const& optimizer, char const* option, float value) {
+  if (!(std::isfinite(value) && value >= 0))
+    throw Error(Errc::invalid_argument,
+                optimizer + " " + option + " " + std::to_string(value) + " (expected a finite " + option + " >= 0)");
+}
+}  // namespace
+
+void Optimizer::set_lr(float /*lr*/) {
+  throw Error(Errc::invalid_argument, name() + ": set_lr on an optimizer without a learning rate (expected SGD, AdamW or an "
+                                               "optimizer that overrides set_lr)");
+}
+
 void Optimizer::step(Tensor const& params, Tensor const& grads, Allocator& allocator, Stream& stream, float lr_scale) {
   begin_step(params, allocator, stream);
   update(params, grads, 0, params.numel(), stream, lr_scale);
@@ -132,6 +146,19 @@ void Optimizer::shard_state(Tensor const& params, std::vector<std::pair<std::int
   }
 }
 
+SGD::SGD(SgdOptions options) : options_(options) {
+  check_non_negative("SGD", "lr", options_.lr);
+  check_non_negative("SGD", "momentum", options_.momentum);
+  check_non_negative("SGD", "weight_decay", options_.weight_decay);
+  if (options_.nesterov && options_.momentum == 0)
+    throw Error(Errc::invalid_argument, "SGD with nesterov and momentum 0 (expected a momentum > 0 for Nesterov momentum)");
+}
+
+void SGD::set_lr(float lr) {
+  check_non_negative("SGD", "lr", lr);
+  options_.lr = lr;
+}
+
 std::vector<NamedTensor> SGD::prepare_state(Tensor const& params, Allocator& allocator, Stream& stream) {
   if (!velocity_.defined()) velocity_ = ops::zeros({state_elements(params)}, allocator, stream);
   return state();
@@ -169,7 +196,18 @@ std::vector<NamedTensor> AdamW::state() const {
   return {{"m", m_}, {"v", v_}};
 }
 
+void AdamW::set_lr(float lr) {
+  check_non_negative("AdamW", "lr", lr);
+  options_.lr = lr;
+}
+
 AdamW::AdamW(AdamWOptions options) : options_(std::move(options)) {
+  check_non_negative("AdamW", "lr", options_.lr);
+  check_non_negative("AdamW", "weight_decay", options_.weight_decay);
+  for (auto const& [option, beta] : {std::pair{"beta1", options_.beta1}, std::pair{"beta2", options_.beta2}})
+    if (!(beta >= 0 && beta < 1))
+      throw Error(Errc::invalid_argument, std::string("AdamW ") + option + " " + std::to_string(beta) + " (expected a " + option + " in [0, 1))");
+  check_non_negative("AdamW", "eps", options_.eps);
   std::int64_t previous_end = 0;
   for (auto const& [b, e] : options_.decay_ranges) {
     if (b < previous_end || e <= b)

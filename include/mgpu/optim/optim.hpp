@@ -51,6 +51,11 @@ class Optimizer {
   /// without sharded state, for buffers of another size, or a range outside the owned ones.
   void update_owned(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
                     float lr_scale = 1.0f);
+  /// The learning rate (before a step's lr_scale), and setting it for the steps that follow.
+  /// set_lr throws Error(invalid_argument), changing nothing, for a rate that is not finite and
+  /// >= 0. An optimizer without a learning rate returns 0 and refuses set_lr.
+  [[nodiscard]] virtual float lr() const noexcept { return 0.0f; }
+  virtual void set_lr(float lr);
   /// Steps taken so far.
   [[nodiscard]] std::int64_t steps() const noexcept { return steps_; }
   /// The state buffers with their names (none before the first step or prepare_state).
@@ -90,11 +95,15 @@ class Optimizer {
 };
 
 /// SGD with momentum (PyTorch's formulation: v = m v + g + wd p; p -= lr (v, or g + m v with
-/// Nesterov)), one fused pass over the flat buffers.
+/// Nesterov)), one fused pass over the flat buffers. Throws Error(invalid_argument) naming the
+/// option for a learning rate, momentum or weight decay that is not finite and >= 0, and for
+/// Nesterov without momentum.
 class SGD final : public Optimizer {
  public:
-  explicit SGD(SgdOptions options = {}) : options_(options) {}
+  explicit SGD(SgdOptions options = {});
   std::string name() const override { return "sgd"; }
+  float lr() const noexcept override { return options_.lr; }
+  void set_lr(float lr) override;
   std::vector<NamedTensor> state() const override;
   std::vector<NamedTensor> prepare_state(Tensor const& params, Allocator& allocator, Stream& stream) override;
   [[nodiscard]] SgdOptions const& options() const noexcept { return options_; }
@@ -122,11 +131,15 @@ struct AdamWOptions {
 };
 
 /// AdamW (decoupled weight decay), one fused pass per range of equal decay. Throws
-/// Error(invalid_argument) for decay ranges that are empty, negative, unsorted or overlapping.
+/// Error(invalid_argument) naming the option for a learning rate, eps or weight decay that is not
+/// finite and >= 0, betas outside [0, 1), and decay ranges that are empty, negative, unsorted or
+/// overlapping.
 class AdamW final : public Optimizer {
  public:
   explicit AdamW(AdamWOptions options = {});
   std::string name() const override { return "adamw"; }
+  float lr() const noexcept override { return options_.lr; }
+  void set_lr(float lr) override;
   std::vector<NamedTensor> state() const override;
   std::vector<NamedTensor> prepare_state(Tensor const& params, Allocator& allocator, Stream& stream) override;
 
