@@ -414,6 +414,7 @@ Checkpoint training_checkpoint(nn::Sequential const& model, optim::Optimizer con
   c.put("model.architecture", architecture(model));
   c.put("model.parameters", model.master_parameters(), stream);
   c.put("model.rng", model.rng_state());
+  c.put("model.rng_seeds", model.rng_seeds());
   c.put("optimizer.name", optimizer.name());
   c.put("optimizer.steps", std::vector<std::int64_t>{optimizer.steps()});
   for (auto const& [name, tensor] : optimizer.state()) c.put("optimizer." + name, tensor, stream);
@@ -456,6 +457,7 @@ TrainingState load_training(Checkpoint const& c, std::string const& source, nn::
   c.copy_to("model.parameters", model.master_parameters(), stream);
   model.sync_parameters(stream);
   model.set_rng_state(records.rng);
+  if (!records.rng_seeds.empty()) model.set_rng_seeds(records.rng_seeds);
   optimizer.set_steps(records.optimizer_steps);
   stream.synchronize();
   return records.state;
@@ -469,6 +471,15 @@ TrainingRecords read_training_records(Checkpoint const& c, std::string const& so
     throw Error(Errc::invalid_argument, file + "the model differs: the checkpoint holds '" + arch + "' (expected '" + architecture(model) + "')");
   auto rng = c.get_uint64("model.rng");
   if (rng.size() != model.size()) throw Error(Errc::corrupt_data, file + "model.rng has " + std::to_string(rng.size()) + " entries");
+  // The dropout seeds (absent from files written before they were saved: the model keeps its own).
+  std::vector<std::uint64_t> seeds;
+  if (c.contains("model.rng_seeds")) {
+    seeds = c.get_uint64("model.rng_seeds");
+    std::size_t const expected = model.rng_seeds().size();
+    if (seeds.size() != expected)
+      throw Error(Errc::corrupt_data, file + "model.rng_seeds has " + std::to_string(seeds.size()) + " entries (expected " +
+                                          std::to_string(expected) + ", the model's layers' seeds)");
+  }
   std::string const kind = c.get_text("optimizer.name");
   if (kind != optimizer.name())
     throw Error(Errc::invalid_argument, file + "the optimizer differs: the checkpoint holds " + kind + " state (expected " + optimizer.name() + ")");
@@ -477,7 +488,7 @@ TrainingRecords read_training_records(Checkpoint const& c, std::string const& so
   auto const seed = c.get_uint64("training.data_seed");
   if (steps.size() != 1 || training.size() != 3 || seed.size() != 1)
     throw Error(Errc::corrupt_data, file + "malformed optimizer.steps, training or training.data_seed record");
-  return {std::move(rng), steps[0], {training[0], training[1], training[2], seed[0]}};
+  return {std::move(rng), steps[0], {training[0], training[1], training[2], seed[0]}, std::move(seeds)};
 }
 
 }  // namespace mgpu::io

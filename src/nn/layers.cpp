@@ -431,6 +431,40 @@ std::vector<std::uint64_t> Sequential::rng_state() const {
   return state;
 }
 
+std::vector<std::uint64_t> Sequential::rng_seeds() const {
+  std::vector<std::uint64_t> seeds;
+  for (auto const& l : layers_) {
+    std::vector<std::uint64_t> const mine = l->rng_seeds();
+    seeds.insert(seeds.end(), mine.begin(), mine.end());
+  }
+  return seeds;
+}
+
+void Sequential::set_rng_seeds(std::span<std::uint64_t const> seeds) {
+  std::size_t const expected = rng_seeds().size();
+  if (seeds.size() != expected)
+    throw Error(Errc::invalid_argument, "RNG seeds of " + std::to_string(seeds.size()) + " values (expected " +
+                                            std::to_string(expected) + ", the layers' rng_seeds())");
+  std::size_t at = 0;
+  for (auto const& l : layers_) {
+    std::size_t const n = l->rng_seeds().size();
+    l->set_rng_seeds(seeds.subspan(at, n));
+    at += n;
+  }
+}
+
+void Layer::set_rng_seeds(std::span<std::uint64_t const> seeds) {
+  std::size_t const expected = rng_seeds().size();
+  if (seeds.size() != expected)
+    throw Error(Errc::invalid_argument, name() + ": " + std::to_string(seeds.size()) + " RNG seeds (expected " +
+                                            std::to_string(expected) + ")");
+}
+
+void Dropout::set_rng_seeds(std::span<std::uint64_t const> seeds) {
+  Layer::set_rng_seeds(seeds);  // checks the count
+  seed_ = seeds[0];
+}
+
 void Sequential::set_rng_state(std::vector<std::uint64_t> const& state) {
   if (state.size() != layers_.size())
     throw Error(Errc::invalid_argument, "an RNG state of " + std::to_string(state.size()) + " layers (expected " +

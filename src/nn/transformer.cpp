@@ -369,6 +369,23 @@ void TransformerBlock::set_training(bool training) {
   mlp_drop_.set_training(training);
 }
 
+void CausalSelfAttention::set_rng_seeds(std::span<std::uint64_t const> seeds) {
+  Layer::set_rng_seeds(seeds);  // checks the count
+  seed_ = seeds[0];
+}
+
+std::vector<std::uint64_t> TransformerBlock::rng_seeds() const {
+  DropoutSeeds const seeds = dropout_seeds();
+  return {seeds.attention, seeds.attention_output, seeds.mlp_output};
+}
+
+void TransformerBlock::set_rng_seeds(std::span<std::uint64_t const> seeds) {
+  Layer::set_rng_seeds(seeds);  // checks the count
+  attn_.set_rng_seeds(seeds.subspan(0, 1));
+  attn_drop_.set_seed(seeds[1]);
+  mlp_drop_.set_seed(seeds[2]);
+}
+
 void TransformerBlock::set_rng_counter(std::uint64_t counter) {
   attn_.set_rng_counter(counter);
   attn_drop_.set_rng_counter(counter);

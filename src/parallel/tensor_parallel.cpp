@@ -246,6 +246,13 @@ void TensorParallelBlock::set_training(bool training) {
   mlp_drop_.set_training(training);
 }
 
+void TensorParallelBlock::set_rng_seeds(std::span<std::uint64_t const> seeds) {
+  Layer::set_rng_seeds(seeds);  // checks the count
+  attention_seed_ = seeds[0];
+  attn_drop_.set_seed(seeds[1]);
+  mlp_drop_.set_seed(seeds[2]);
+}
+
 void TensorParallelBlock::set_rng_counter(std::uint64_t counter) {
   calls_ = counter;
   attn_drop_.set_rng_counter(counter);
@@ -381,6 +388,8 @@ class TokenDropout final : public nn::Layer {
   void set_training(bool training) override { dropout_.set_training(training); }
   std::uint64_t rng_counter() const override { return dropout_.rng_counter(); }
   void set_rng_counter(std::uint64_t counter) override { dropout_.set_rng_counter(counter); }
+  std::vector<std::uint64_t> rng_seeds() const override { return dropout_.rng_seeds(); }
+  void set_rng_seeds(std::span<std::uint64_t const> seeds) override { dropout_.set_rng_seeds(seeds); }
   Tensor forward(Tensor const& x, nn::Context& ctx) override {
     nn::Context tokens = token_context(ctx, true, ranks_, rank_, x.rank() > 0 ? x.dim(0) : 0);
     return dropout_.forward(x, tokens);

@@ -288,6 +288,7 @@ void Executor::Impl::save_shards(std::filesystem::path const& folder, io::Traini
     if (leader) {  // the whole records, as one process saves them, less the parameters and optimizer state
       Whole whole(architecture, make_optimizer, options.seed);
       whole.model.set_rng_state(rng);
+      if (!loaded_seeds.empty()) whole.model.set_rng_seeds(loaded_seeds);
       whole.optimizer->set_steps(optimizers[0][0]->steps());  // chunk 0 of replica 0 runs on world rank 0
       io::Checkpoint records = io::training_checkpoint(whole.model, *whole.optimizer, training, whole.stream);
       if (options.loss_scaler) put_scaler(records, *options.loss_scaler);
@@ -345,6 +346,7 @@ void Executor::save(std::filesystem::path const& path, io::TrainingState const& 
   }
   m.group->synchronize();
   whole.model.set_rng_state(rng);
+  if (!m.loaded_seeds.empty()) whole.model.set_rng_seeds(m.loaded_seeds);
   whole.optimizer->set_steps(m.optimizers[0][0]->steps());
   io::Checkpoint checkpoint = io::training_checkpoint(whole.model, *whole.optimizer, state, whole.stream);
   if (m.options.loss_scaler) put_scaler(checkpoint, *m.options.loss_scaler);
@@ -493,8 +495,14 @@ io::TrainingState Executor::Impl::load_records(io::Checkpoint const& records, io
       optimizer.set_steps(training.optimizer_steps);
       auto const layer = static_cast<std::ptrdiff_t>(cuts[index]);
       chunk.set_rng_state({training.rng.begin() + layer, training.rng.begin() + layer + static_cast<std::ptrdiff_t>(chunk.size())});
+      if (!training.rng_seeds.empty()) {
+        std::size_t at = 0;  // the whole model's seeds before the chunk's first layer
+        for (std::size_t l = 0; l < cuts[index]; ++l) at += architecture.layer(l).rng_seeds().size();
+        chunk.set_rng_seeds(std::span<std::uint64_t const>(training.rng_seeds).subspan(at, chunk.rng_seeds().size()));
+      }
     }
   }
+  if (!training.rng_seeds.empty()) loaded_seeds = training.rng_seeds;
   if (scaler) options.loss_scaler->set_state(*scaler);
   group->synchronize();
   return training.state;

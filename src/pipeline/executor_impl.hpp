@@ -48,6 +48,8 @@ struct Executor::Impl {
   std::vector<std::vector<nn::Sequential>> chunks;               // [replica][chunk]
   std::vector<std::vector<std::unique_ptr<optim::Optimizer>>> optimizers;
   nn::Sequential architecture;  // the whole model's layers, unmaterialized (checkpoints build it)
+  // The whole model's dropout seeds from the last load() (empty: options.seed's, as materialized).
+  std::vector<std::uint64_t> loaded_seeds;
   ChunkOptimizerFactory make_optimizer;
   double last_seconds = 0;
   bool last_applied = true;

@@ -135,6 +135,9 @@ struct TrainingRecords {
   std::vector<std::uint64_t> rng;   ///< model.rng: each layer's RNG state
   std::int64_t optimizer_steps = 0;  ///< optimizer.steps
   TrainingState state;
+  /// model.rng_seeds: the layers' rng_seeds(), one after the other (empty in a file from before
+  /// they were saved: the model keeps its own).
+  std::vector<std::uint64_t> rng_seeds;
 };
 /// Reads them from `checkpoint` as load_training verifies them: the architecture `model`'s (its
 /// layers' names; materialized or not), an RNG state per layer, the optimizer kind `optimizer`'s,

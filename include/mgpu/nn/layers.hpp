@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -72,6 +73,15 @@ class Layer {
   /// The layer's random-number position (Dropout: forward calls so far), saved in checkpoints.
   [[nodiscard]] virtual std::uint64_t rng_counter() const { return 0; }
   virtual void set_rng_counter(std::uint64_t /*counter*/) {}
+  /// The seeds initialize() drew for the layer's randomness (Dropout's masks): with rng_counter()
+  /// they decide every later mask, so checkpoints save them and set_rng_seeds() puts them back
+  /// (into a layer initialised from any seed). None by default.
+  [[nodiscard]] virtual std::vector<std::uint64_t> rng_seeds() const { return {}; }
+  /// Throws Error(invalid_argument) for another number of seeds than rng_seeds() returns.
+  virtual void set_rng_seeds(std::span<std::uint64_t const> seeds);
+  /// The vocabulary of the token ids the layer takes as input (an embedding: int32 ids in
+  /// [0, input_vocab())), or 0 for a layer that takes values.
+  [[nodiscard]] virtual std::int64_t input_vocab() const { return 0; }
   virtual Tensor forward(Tensor const& x, Context& ctx) = 0;
   virtual Tensor backward(Tensor const& dy, Context& ctx) = 0;
   /// The input gradient; what backward_weight() needs stays saved. By default all of backward().
@@ -212,6 +222,8 @@ class Dropout final : public Layer {
   void set_training(bool training) override { training_ = training; }
   std::uint64_t rng_counter() const override { return calls_; }
   void set_rng_counter(std::uint64_t counter) override { calls_ = counter; }
+  std::vector<std::uint64_t> rng_seeds() const override { return {seed_}; }
+  void set_rng_seeds(std::span<std::uint64_t const> seeds) override;
   Tensor forward(Tensor const& x, Context& ctx) override;
   Tensor backward(Tensor const& dy, Context& ctx) override;
   std::size_t saved_micro_batches() const override { return masks_.size(); }
@@ -316,6 +328,10 @@ class Sequential {
   /// Every layer's rng_counter(), in order, and setting them back (checkpoints).
   [[nodiscard]] std::vector<std::uint64_t> rng_state() const;
   void set_rng_state(std::vector<std::uint64_t> const& state);
+  /// Every layer's rng_seeds(), in layer order, one after the other, and setting them back (throws
+  /// Error(invalid_argument), changing nothing, for another count than rng_seeds() returns).
+  [[nodiscard]] std::vector<std::uint64_t> rng_seeds() const;
+  void set_rng_seeds(std::span<std::uint64_t const> seeds);
 
   /// Called by forward() before each layer's (or fused unit's) forward, layer 0 first, and by
   /// backward() before each one's backward, last first, with the layer's index and whether it is

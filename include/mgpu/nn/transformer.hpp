@@ -37,7 +37,7 @@ std::string_view to_string(Recompute recompute) noexcept;
 using mgpu::to_string;  // the overloads for shapes and dtypes stay visible in nn
 
 /// The keys and values a CausalSelfAttention has computed for the positions it has seen, for
-/// inference that appends tokens one step at a time (see Decoder in mgpu/nn/generate.hpp): k and v
+/// inference that appends tokens one step at a time (see Decoder in mgpu/nn/lm.hpp): k and v
 /// [B, capacity, C] float32 host tensors, of which positions [0, length) are filled.
 struct KvCache {
   Tensor k, v;
@@ -64,6 +64,7 @@ class Embedding final : public Layer {
   Tensor backward_input(Tensor const& dy, Context& ctx) override;
   void backward_weight(Context& ctx) override;
   Shape output_shape(Shape const& input) const override;
+  std::int64_t input_vocab() const override { return vocab_; }
   std::size_t saved_micro_batches() const override { return saved_.size(); }
   std::unique_ptr<Layer> clone() const override {
     return std::make_unique<Embedding>(vocab_, block_size_, features_, init_std_);
@@ -108,6 +109,8 @@ class CausalSelfAttention final : public Layer {
   void set_training(bool training) override { training_ = training; }
   std::uint64_t rng_counter() const override { return calls_; }
   void set_rng_counter(std::uint64_t counter) override { calls_ = counter; }
+  std::vector<std::uint64_t> rng_seeds() const override { return {seed_}; }
+  void set_rng_seeds(std::span<std::uint64_t const> seeds) override;
   Tensor forward(Tensor const& x, Context& ctx) override;
   Tensor backward(Tensor const& dy, Context& ctx) override;
   Tensor backward_input(Tensor const& dy, Context& ctx) override;
@@ -166,6 +169,9 @@ class TransformerBlock final : public Layer {
   void set_training(bool training) override;
   std::uint64_t rng_counter() const override { return attn_.rng_counter(); }
   void set_rng_counter(std::uint64_t counter) override;
+  /// The attention's seed, then the two Dropouts' (dropout_seeds()).
+  std::vector<std::uint64_t> rng_seeds() const override;
+  void set_rng_seeds(std::span<std::uint64_t const> seeds) override;
   Tensor forward(Tensor const& x, Context& ctx) override;
   Tensor backward(Tensor const& dy, Context& ctx) override;
   Tensor backward_input(Tensor const& dy, Context& ctx) override;

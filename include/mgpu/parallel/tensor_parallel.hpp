@@ -98,6 +98,8 @@ class VocabParallelEmbedding final : public nn::Layer, public ShardedLayer {
   Tensor forward(Tensor const& ids, nn::Context& ctx) override;
   Tensor backward(Tensor const& dy, nn::Context& ctx) override;
   Shape output_shape(Shape const& input) const override;
+  /// The whole vocab: every rank takes every id.
+  std::int64_t input_vocab() const override { return vocab_; }
   std::size_t saved_micro_batches() const override { return saved_.size(); }
   std::unique_ptr<Layer> clone() const override {
     return std::make_unique<VocabParallelEmbedding>(vocab_, block_size_, features_, comm_, rank_, init_std_,
@@ -240,6 +242,9 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
   /// One count for the three dropouts, as nn::TransformerBlock's.
   std::uint64_t rng_counter() const override { return calls_; }
   void set_rng_counter(std::uint64_t counter) override;
+  /// The whole block's (nn::TransformerBlock::rng_seeds()), which every rank holds.
+  std::vector<std::uint64_t> rng_seeds() const override { return {attention_seed_, attn_drop_.seed(), mlp_drop_.seed()}; }
+  void set_rng_seeds(std::span<std::uint64_t const> seeds) override;
   Tensor forward(Tensor const& x, nn::Context& ctx) override;
   Tensor backward(Tensor const& dy, nn::Context& ctx) override;
   Shape output_shape(Shape const& input) const override;
