@@ -1,12 +1,16 @@
 // llm.c's model file: reading into and writing from nn::gpt's flat parameter layout.
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <mgpu/core/error.hpp>
+#include <mgpu/core/memory.hpp>
 #include <mgpu/io/llmc.hpp>
 
 #include "io/atomic_file.hpp"
@@ -174,6 +178,38 @@ void write_llmc_model(std::filesystem::path const& path, nn::GptConfig const& co
       for (std::int64_t i = 0; i < (vp - config.vocab) * config.n_embd; ++i) put_le32(out, 0u);
   }
   detail::write_file_atomically(path, out);
+}
+
+nn::GptConfig load_llmc_into(nn::Sequential& model, std::filesystem::path const& path, Stream& stream) {
+  if (!model.materialized())
+    throw Error(Errc::invalid_argument, "load_llmc_into before materialize (expected a materialized nn::gpt model)");
+  LlmcModel const file = read_llmc_model(path);
+  // The layers with parameters, by name and size (Dropout layers come and go with the dropout,
+  // which the file does not hold).
+  auto const with_parameters = [](nn::Sequential const& m) {
+    std::vector<std::pair<std::string, std::int64_t>> layers;
+    for (std::size_t l = 0; l < m.size(); ++l)
+      if (m.layer(l).parameter_count() > 0) layers.emplace_back(m.layer(l).name(), m.layer(l).parameter_count());
+    return layers;
+  };
+  auto const want = with_parameters(nn::gpt(file.config));
+  auto const have = with_parameters(model);
+  for (std::size_t i = 0; i < std::max(want.size(), have.size()); ++i) {
+    if (i < want.size() && i < have.size() && want[i] == have[i]) continue;
+    auto const describe = [](auto const& list, std::size_t at) {
+      return at < list.size() ? list[at].first + " of " + std::to_string(list[at].second) + " parameters" : std::string("no layer");
+    };
+    throw Error(Errc::invalid_argument, path.string() + ": layer " + std::to_string(i) + " with parameters of the model is " +
+                                            describe(have, i) + " (expected " + describe(want, i) +
+                                            ", as gpt() of the file's config)");
+  }
+  auto const allocator = Allocator::create({DeviceKind::host, 0});
+  Tensor const host = Tensor::empty({static_cast<std::int64_t>(file.parameters.size())}, DType::float32, *allocator);
+  std::copy(file.parameters.begin(), file.parameters.end(), host.host_span<float>().begin());
+  copy_async(model.master_parameters(), host, stream);
+  model.sync_parameters(stream);
+  stream.synchronize();
+  return file.config;
 }
 
 }  // namespace mgpu::io

@@ -15,7 +15,9 @@
 #include <span>
 #include <vector>
 
+#include <mgpu/core/stream.hpp>
 #include <mgpu/nn/gpt.hpp>
+#include <mgpu/nn/layers.hpp>
 
 namespace mgpu::io {
 
@@ -43,6 +45,14 @@ LlmcModel read_llmc_model(std::filesystem::path const& path);
 /// n_embd; dropout is not in the file): a mismatch throws Error(invalid_argument) naming the file,
 /// the field, its byte offset and both values.
 LlmcModel read_llmc_model(std::filesystem::path const& path, nn::GptConfig const& expected);
+
+/// Reads the llm.c model file at `path` into `model`, a materialized nn::gpt of the file's
+/// architecture (any dropout, device and compute type), in one call: its float32 master parameters
+/// and their compute-type copy, ordered on `stream`, which it synchronizes. Returns the file's
+/// config. Throws as read_llmc_model, and Error(invalid_argument) naming the first layer that
+/// differs for a model that is not gpt(the file's config) (its layers with parameters compared by
+/// name and size), changing nothing.
+nn::GptConfig load_llmc_into(nn::Sequential& model, std::filesystem::path const& path, Stream& stream);
 
 /// Writes `parameters` (gpt(config)'s flat float32 layout, parameter_count elements) as an llm.c
 /// model file at `path`, atomically, with Vp = padded_vocab (0: V; otherwise >= V). Throws
