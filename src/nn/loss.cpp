@@ -83,12 +83,14 @@ void TokenCrossEntropy::check_values(Shape const& output, Tensor const& targets,
   if (targets.device().kind != DeviceKind::host) return;
   std::int64_t const vocab = output.back();
   auto const values = targets.host_span<std::int32_t>();
+  std::int64_t const per_row = targets.rank() >= 2 && targets.dim(0) > 0 ? targets.numel() / targets.dim(0) : 1;
   for (std::size_t i = 0; i < values.size(); ++i) {
     std::int32_t const v = values[i];
+    auto const at = static_cast<std::int64_t>(i);
     if (v != ignore_index_ && (v < 0 || v >= vocab))
-      throw Error(Errc::invalid_argument, what + ": target " + std::to_string(v) + " at token " + std::to_string(i) +
-                                              " (expected a token id in [0, " + std::to_string(vocab) +
-                                              ") or the ignore index " + std::to_string(ignore_index_) + ")");
+      throw Error(Errc::invalid_argument, what + ": target " + std::to_string(v) + " at row " + std::to_string(at / per_row) +
+                                              ", position " + std::to_string(at % per_row) + " of the batch (expected a token id in [0, " +
+                                              std::to_string(vocab) + ") or the ignore index " + std::to_string(ignore_index_) + ")");
   }
 }
 

@@ -35,13 +35,68 @@ void update_range(Sequential& model, optim::Optimizer& optimizer, Tensor const& 
 }
 }  // namespace
 
+Shape check_batch(std::span<Sequential const* const> parts, Loss const& loss, Tensor const& x, Tensor const& targets,
+                  BatchCheck const& check, std::string const& what) {
+  if (!(check.lr_scale >= 0 && std::isfinite(check.lr_scale)))
+    throw Error(Errc::invalid_argument, what + ": lr_scale " + std::to_string(check.lr_scale) + " (expected a finite lr_scale >= 0)");
+  if (!x.defined() || x.rank() < 1)
+    throw Error(Errc::invalid_argument, what + ": x of shape " + (x.defined() ? to_string(x.shape()) : std::string("undefined")) +
+                                            " (expected [rows, ...])");
+  if (x.dim(0) < 1 && !check.part)
+    throw Error(Errc::invalid_argument, what + ": an empty batch of shape " + to_string(x.shape()) + " (expected at least one row)");
+  // The first layer with a say: a model (or a pipeline chunk) may start with layers that hold none.
+  Layer const* first = nullptr;
+  for (Sequential const* p : parts)
+    if (first == nullptr && p != nullptr && p->size() > 0) first = &p->layer(0);
+  std::int64_t const vocab = first != nullptr ? first->input_vocab() : 0;
+  if (vocab > 0 && x.dtype() != DType::int32)
+    throw Error(Errc::invalid_argument, what + ": x of dtype " + std::string(to_string(x.dtype())) + " for " + first->name() +
+                                            " (expected int32 token ids in [0, " + std::to_string(vocab) + "))");
+  if (vocab == 0 && x.dtype() != DType::float32 && x.dtype() != check.compute) {
+    std::string const also = check.compute != DType::float32 ? " or " + std::string(to_string(check.compute)) + " (the compute type)" : "";
+    std::string const layer = first != nullptr ? " for " + first->name() + ", which takes no token ids" : "";
+    throw Error(Errc::invalid_argument, what + ": x of dtype " + std::string(to_string(x.dtype())) + layer + " (expected float32" + also + ")");
+  }
+  Shape output = x.shape();
+  try {
+    for (Sequential const* p : parts)
+      if (p != nullptr) output = p->output_shape(output);
+  } catch (Error const& e) {
+    throw Error(Errc::invalid_argument, what + ": x of shape " + to_string(x.shape()) + ": " + std::string(e.message()));
+  }
+  if (vocab > 0 && check.values && x.device().kind == DeviceKind::host) {
+    auto const ids = x.host_span<std::int32_t>();
+    std::int64_t const per_row = x.dim(0) > 0 ? x.numel() / x.dim(0) : 1;
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] >= 0 && ids[i] < vocab) continue;
+      auto const at = static_cast<std::int64_t>(i);
+      throw Error(Errc::invalid_argument, what + ": token id " + std::to_string(ids[i]) + " at row " + std::to_string(at / per_row) +
+                                              ", position " + std::to_string(at % per_row) + " of the batch (expected an id in [0, " +
+                                              std::to_string(vocab) + "))");
+    }
+  }
+  loss.check(output, targets, what);
+  if (check.values) loss.check_values(output, targets, what);
+  return output;
+}
+
+Shape check_batch(Sequential const& model, Loss const& loss, Tensor const& x, Tensor const& targets, BatchCheck const& check,
+                  std::string const& what) {
+  Sequential const* const parts[] = {&model};
+  return check_batch(parts, loss, x, targets, check, what);
+}
+
 StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor const& x, Tensor const& targets, Loss const& loss,
                       Context& ctx, StepOptions const& options) {
   if (!model.materialized())
     throw Error(Errc::invalid_argument, "train_step before materialize (expected model.materialize(ctx, seed) first)");
   std::int64_t const rows = x.defined() && x.rank() >= 1 ? x.dim(0) : 0;
   if (x.defined()) {
-    loss.check(model.output_shape(x.shape()), targets, "train_step");
+    // A whole batch's values are read once the work before the step (which may write them) is done.
+    bool const part = options.global_units > 0 || options.global_rows > 0 || options.sync != nullptr;
+    if (!part && (x.device().kind == DeviceKind::host || (targets.defined() && targets.device().kind == DeviceKind::host)))
+      ctx.stream.synchronize();
+    check_batch(model, loss, x, targets, {options.lr_scale, model.compute_type(), part, !part}, "train_step");
   } else if (targets.defined() && targets.numel() != 0) {
     throw Error(Errc::invalid_argument, "train_step: no x and targets of shape " + to_string(targets.shape()) +
                                             " (expected no targets for an empty shard)");

@@ -23,31 +23,6 @@
 
 namespace mgpu::parallel {
 
-namespace {
-
-// x and the targets are checked before any rank starts, so a bad batch is reported as itself
-// rather than as the aborted collectives it would cause on the other ranks.
-void check_batch(nn::Sequential const& model, DType compute, Tensor const& x, Tensor const& targets, nn::Loss const& loss,
-                 std::string const& what) {
-  if (!x.defined() || x.rank() < 1)
-    throw Error(Errc::invalid_argument, what + ": x of shape " + (x.defined() ? to_string(x.shape()) : std::string("undefined")) +
-                                            " (expected [rows, ...])");
-  if (x.dtype() != DType::float32 && x.dtype() != compute && x.dtype() != DType::int32) {
-    std::string const also = compute != DType::float32 ? ", " + std::string(to_string(compute)) + " (the compute type)" : "";
-    throw Error(Errc::invalid_argument,
-                what + ": x of dtype " + std::string(to_string(x.dtype())) + " (expected float32" + also + " or int32 token ids)");
-  }
-  Shape output;
-  try {
-    output = model.output_shape(x.shape());
-  } catch (Error const& e) {
-    throw Error(Errc::invalid_argument, what + ": x of shape " + to_string(x.shape()) + ": " + std::string(e.message()));
-  }
-  loss.check(output, targets, what);
-  loss.check_values(output, targets, what);
-}
-
-}  // namespace
 
 std::vector<optim::Optimizer*> DataParallel::Impl::optimizers() const {
   std::vector<optim::Optimizer*> all;
@@ -257,26 +232,35 @@ DataParallel::Impl::ShardPlan DataParallel::Impl::plan_shards(std::int64_t rows)
   return plan;
 }
 
-void DataParallel::Impl::share_counts(ShardPlan& plan, std::int64_t units) {
+int DataParallel::Impl::share_counts(ShardPlan& plan, std::int64_t units, bool refused) {
+  // Per rank: its rows, its process's units (on the process's first rank), whether it refused.
+  std::size_t constexpr per_rank = 5;
   std::vector<std::vector<std::int32_t>> words(ranks.size());
   for (std::size_t r = 0; r < ranks.size(); ++r) {
     append_words(words[r], plan.rows[r]);
     append_words(words[r], r == 0 ? units : std::int64_t{0});
+    words[r].push_back(refused ? 1 : 0);
   }
   std::vector<std::int32_t> const all = all_gather_words(words);
   auto const first = static_cast<std::size_t>(sync->communicator().first_rank());
   std::int64_t rows = 0;
   std::int64_t total_units = 0;
-  for (std::size_t w = 0; 4 * w < all.size(); ++w) {
+  int refused_by = -1;
+  for (std::size_t w = 0; per_rank * w < all.size(); ++w) {
     if (w >= first && w - first < ranks.size()) plan.offsets[w - first] = rows;
-    rows += read_words<std::int64_t>(all, 4 * w);
-    total_units += read_words<std::int64_t>(all, 4 * w + 2);
+    rows += read_words<std::int64_t>(all, per_rank * w);
+    total_units += read_words<std::int64_t>(all, per_rank * w + 2);
+    if (refused_by < 0 && all[per_rank * w + 4] != 0) refused_by = static_cast<int>(w);
   }
   plan.global_rows = rows;
   plan.global_units = std::max<std::int64_t>(1, total_units);
+  return refused_by;
 }
 
 namespace {
+// Thrown inside step() when a process refused its batch: every process leaves the step at once.
+struct Refused {};
+
 // An exponentially weighted mean of milliseconds per row, with weight `a` for a new measurement
 // (none when it is 0: no rows).
 void fold(double& mean, double measured, double a) {
@@ -383,23 +367,31 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
   Impl& im = *impl_;
   im.check_usable("DataParallel::step");
   nn::Loss const& loss_fn = *im.options.loss;
-  check_batch(im.state[0]->model, im.options.compute, x, labels, loss_fn, "DataParallel::step");
-  // Across processes a process may have no rows of a global batch: its ranks contribute zero gradients.
-  if (x.dim(0) < 1 && !im.across_processes())
-    throw Error(Errc::invalid_argument, "DataParallel::step: an empty batch (expected at least one row)");
-  if (!(lr_scale >= 0 && std::isfinite(lr_scale)))
-    throw Error(Errc::invalid_argument, "DataParallel::step: lr_scale " + std::to_string(lr_scale) + " (expected a finite lr_scale >= 0)");
-  Impl::ShardPlan plan = im.plan_shards(x.dim(0));
+  bool const across = im.across_processes();
+  // Before any rank starts, so a bad batch is refused as itself rather than as the aborted
+  // collectives it would cause on the other ranks. Across processes a process may have no rows of
+  // a global batch (its ranks contribute zero gradients), and a process that refuses its rows
+  // still meets the others in share_counts(), so that every process refuses the step at once.
+  Impl::ShardPlan plan;
+  std::int64_t units = 0;  // the counted units of this process's batch
+  std::exception_ptr refused;
+  try {
+    nn::check_batch(im.state[0]->model, loss_fn, x, labels, {lr_scale, im.options.compute, across}, "DataParallel::step");
+    plan = im.plan_shards(x.dim(0));
+    units = loss_fn.count(labels, im.group->stream(0));
+  } catch (Error const&) {
+    if (!across) throw;
+    refused = std::current_exception();
+    plan = im.plan_shards(0);
+  }
   // The loss's divisor: the counted units of the global batch (a shard's loss is its share of the
   // mean); across processes the sum of every process's, which share_counts() exchanges.
-  std::int64_t const units = loss_fn.count(labels, im.group->stream(0));
-  bool const across = im.across_processes();
   plan.global_units = std::max<std::int64_t>(1, units);
   int const k = im.options.accumulation_steps;
   bool const accumulate_only = k > 1 && (im.micro_steps + 1) % k != 0;
 
   std::vector<Tensor> xs, ys;
-  {
+  if (!refused) {
     trace::Timeline::Scope scope(im.options.timeline.get(), "scatter", "copy", 0, trace::Lane::host);
     xs = im.group->scatter(x, plan.rows);
     ys = im.group->scatter(labels, plan.rows);
@@ -417,8 +409,10 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
   bool const synced = (world > 1 || im.options.comm_hook) && !accumulate_only;
   std::vector<double> step_ms_per_row;
   std::vector<float> shares;
+  int refused_by = -1;  // across processes: the first world rank of the first process that refused its batch
   try {
-    if (across) im.share_counts(plan, units);
+    if (across) refused_by = im.share_counts(plan, units, refused != nullptr);
+    if (refused_by >= 0) throw Refused{};
     results = im.run_ranks(plan, xs, ys, lr_scale, accumulate_only);
     for (int r = 0; r < n; ++r) {
       auto const i = static_cast<std::size_t>(r);
@@ -429,6 +423,11 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
     }
     if (im.options.rebalance) step_ms_per_row = im.ms_per_row(plan, result.compute_ms);
     shares = im.loss_shares(results, step_ms_per_row);
+  } catch (Refused const&) {  // nothing ran: every process refuses the step, changing nothing
+    if (refused) std::rethrow_exception(refused);
+    throw Error(Errc::invalid_argument, "DataParallel::step: the process of world rank " + std::to_string(refused_by) +
+                                            " refused its part of the batch (its error names the bad value; expected a "
+                                            "batch every process accepts): the step changed nothing");
   } catch (...) {
     im.recover(std::current_exception(), before, unobserved_updates);
   }
@@ -445,7 +444,8 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
 
 std::int64_t DataParallel::count_correct(Tensor const& x, Tensor const& labels, std::int64_t batch) {
   Impl& im = *impl_;
-  check_batch(im.state[0]->model, im.options.compute, x, labels, nn::SoftmaxCrossEntropy{}, "DataParallel::count_correct");
+  nn::check_batch(im.state[0]->model, nn::SoftmaxCrossEntropy{}, x, labels, {1.0f, im.options.compute, false},
+                  "DataParallel::count_correct");
   im.sync->gather_whole();
   Stream& stream = im.group->stream(0);
   Allocator& allocator = im.group->allocator(0);

@@ -73,8 +73,9 @@ struct DataParallel::Impl {
   // The steps of step(), in order.
   [[nodiscard]] ShardPlan plan_shards(std::int64_t rows) const;
   // Across processes: the plan's offsets in the world's global batch and its units (`units`: this
-  // process's), from every rank's row count and every process's units.
-  void share_counts(ShardPlan& plan, std::int64_t units);
+  // process's), from every rank's row count and every process's units. Returns the first world
+  // rank of the first process that `refused` its batch, or -1 when none did.
+  int share_counts(ShardPlan& plan, std::int64_t units, bool refused);
   std::vector<nn::StepResult> run_ranks(ShardPlan const& plan, std::vector<Tensor> const& xs, std::vector<Tensor> const& ys, float lr_scale,
                                         bool accumulate_only);
   // Each rank's milliseconds per row in this step (its compute time, or rebalance_time's, over its

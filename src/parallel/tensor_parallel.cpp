@@ -663,10 +663,9 @@ nn::Sequential& TensorParallel::shard(int rank) { return impl_->shards.at(static
 
 TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const& targets, float lr_scale) {
   Impl& im = *impl_;
-  Shape const output = im.shards[0].output_shape(ids.shape());
   nn::Loss const& loss = im.losses[0];
-  loss.check(output, targets, "TensorParallel::step");
-  loss.check_values(output, targets, "TensorParallel::step");
+  // Before any rank starts: a bad batch found inside the step would abort the communicators.
+  nn::check_batch(im.shards[0], loss, ids, targets, {lr_scale, DType::float32, false}, "TensorParallel::step");
   std::int64_t const rows = ids.rank() > 0 ? ids.dim(0) : 0;
   if (rows < im.replicas)
     throw Error(Errc::invalid_argument, "TensorParallel::step: a batch of " + std::to_string(rows) + " rows over " +

@@ -653,21 +653,12 @@ Executor::~Executor() = default;
 float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
   Impl& m = *impl_;
   int const mbs = m.schedule.micro_batches;
-  if (x.rank() < 1 || (x.dtype() != DType::float32 && x.dtype() != DType::int32))
-    throw Error(Errc::invalid_argument, "a pipeline batch x of shape " + mgpu::to_string(x.shape()) + " and dtype " +
-                                            std::string(mgpu::to_string(x.dtype())) +
-                                            " (expected float32 [rows, features] or int32 token ids [rows, T])");
-  // The model's shapes and the labels are checked before any action: a bad batch found inside one
-  // would abort the communicator, and the executor with it.
-  Shape output = x.shape();
-  try {
-    for (nn::Sequential const& chunk : m.chunks[0]) output = chunk.output_shape(output);
-  } catch (Error const& e) {
-    throw Error(Errc::invalid_argument, "a pipeline batch x of shape " + mgpu::to_string(x.shape()) + ": " + std::string(e.message()));
-  }
+  // The batch (its ids and labels too) is checked before any action: a bad batch found inside one
+  // would abort the communicator, and the step with it.
+  std::vector<nn::Sequential const*> parts;
+  for (nn::Sequential const& chunk : m.chunks[0]) parts.push_back(&chunk);
   nn::Loss const& loss_of_0 = *m.losses[0];
-  loss_of_0.check(output, labels, "pipeline labels");
-  loss_of_0.check_values(output, labels, "pipeline labels");
+  nn::check_batch(parts, loss_of_0, x, labels, {1.0f, DType::float32, false}, "pipeline batch");
   // The loss's divisor; a batch without counted units has loss 0 and zero gradients.
   std::int64_t const units = std::max<std::int64_t>(1, loss_of_0.count(labels, m.group->stream(0)));
   int const replicas = m.replicas / m.tp;  // the data-parallel ones; a replica's pipelines see the same rows

@@ -732,6 +732,35 @@ void test_data_parallel(Setup const& s) {
     }
   }
   {
+    // A bad label in the last process's rows (class 7 of 4): every process refuses the step at
+    // once, that process naming the label, the others that process, and the run then goes on as
+    // one process's that never saw the bad step (dropout on, so a moved RNG would show).
+    std::string const what = "data_parallel: a bad label in the last process's rows";
+    mgpu::parallel::DataParallelOptions options;
+    options.comm.timeout = 60s;
+    mgpu::optim::AdamW const adamw(mgpu::optim::AdamWOptions{.lr = 0.01f});
+    mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
+    mgpu::parallel::DataParallel reference(dp_model(true), one, adamw, options);
+    options.make_communicator = mgpu::dist::communicator_factory(s.world);
+    mgpu::parallel::DataParallel dp(dp_model(true), s.group, adamw, options);
+    int const bad_process = s.world.processes - 1;
+    Tensor const labels = Tensor::empty({end - begin}, DType::float32, *host);
+    std::copy(ys[0].host_span<float>().begin() + begin, ys[0].host_span<float>().begin() + end, labels.host_span<float>().begin());
+    if (process == bad_process) labels.host_span<float>()[0] = 7;
+    auto const start = std::chrono::steady_clock::now();
+    std::string const needle = process == bad_process ? "label 7.000000 at row 0 (expected a class id in [0, 4))"
+                                                      : "refused its part of the batch";
+    expect_refused([&] { (void)dp.step(xs[0].slice(begin, end), labels); }, needle, what);
+    double const waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT(waited < 10, what << ": refused after " << waited << " s (expected at once, not at the 60 s deadline)");
+    for (std::size_t b = 0; b < xs.size(); ++b) {
+      float const expected = reference.step(xs[b], ys[b]).loss;
+      float const got = dp.step(xs[b].slice(begin, end), ys[b].slice(begin, end)).loss;
+      EXPECT(one_each ? got == expected : std::abs(got - expected) <= 1e-5f * std::abs(expected),
+             what << ": step " << b << " loss " << got << " (expected " << expected << ")");
+    }
+  }
+  {
     // Rebalancing across processes: a cost model makes each rank of process p take p + 1 ms per
     // row. Before any step process_rows() splits by the weights given (the device counts), after
     // one by the measured speeds (process p: its devices / (p + 1)), the same on every process;

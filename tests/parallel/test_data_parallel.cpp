@@ -806,7 +806,7 @@ TEST_CASE("A bad batch is refused before any collective and leaves the executor 
   REQUIRE_MGPU_ERROR(dp.step(narrow, data.y[0]), mgpu::Errc::invalid_argument, "DataParallel::step: x of shape [12, 5]: Linear(6, 16): input of shape [12, 5] (expected [batch, 6])");
   Tensor const half = mgpu::test::to_dtype(data.env, data.x[0], DType::bfloat16);
   data.env.stream.synchronize();
-  REQUIRE_MGPU_ERROR(dp.step(half, data.y[0]), mgpu::Errc::invalid_argument, "x of dtype bfloat16 (expected float32");
+  REQUIRE_MGPU_ERROR(dp.step(half, data.y[0]), mgpu::Errc::invalid_argument, "x of dtype bfloat16 for Linear(6, 16), which takes no token ids (expected float32)");
   Tensor const labels_2d = data.y[0].reshape({12, 1});
   REQUIRE_MGPU_ERROR(dp.step(data.x[0], labels_2d), mgpu::Errc::invalid_argument, "labels of shape [12, 1]");
   // A batch in another group's device memory is fine: the scatter copies it.

@@ -232,9 +232,9 @@ TEST_CASE("per-token cross-entropy with ignored targets is the global mean over 
   bad.host_span<std::int32_t>()[20] = 64;
   REQUIRE_MGPU_ERROR(
       dp.step(b.ids, bad), mgpu::Errc::invalid_argument,
-      "DataParallel::step: target 64 at token 20 (expected a token id in [0, 64) or the ignore index -100)");
+      "DataParallel::step: target 64 at row 1, position 4 of the batch (expected a token id in [0, 64) or the ignore index -100)");
   REQUIRE_MGPU_ERROR(ex.step(b.ids, b.ids.slice(0, 3)), mgpu::Errc::invalid_argument,
-                     "pipeline labels: targets of shape [3, 16]");
+                     "pipeline batch: targets of shape [3, 16]");
   Tensor const float_targets = Tensor::empty({batch, config.block_size}, DType::float32, *env.allocator);
   REQUIRE_MGPU_ERROR(dp.step(b.ids, float_targets), mgpu::Errc::invalid_argument, "(expected int32 token ids [7, 16])");
 }

@@ -432,11 +432,11 @@ TEST_CASE("bad labels are refused before any action, and the executor goes on", 
     Tensor y = Tensor::empty({8}, mgpu::DType::float32, *env.allocator);
     std::copy(b.y.host_span<float>().begin(), b.y.host_span<float>().end(), y.host_span<float>().begin());
     y.host_span<float>()[5] = bad;
-    REQUIRE_MGPU_ERROR(ex.step(b.x, y), mgpu::Errc::invalid_argument, "pipeline labels: label " + std::to_string(bad) + " at row 5 (expected a class id in [0, 3))");
+    REQUIRE_MGPU_ERROR(ex.step(b.x, y), mgpu::Errc::invalid_argument, "pipeline batch: label " + std::to_string(bad) + " at row 5 (expected a class id in [0, 3))");
   }
-  REQUIRE_MGPU_ERROR(ex.step(b.x, b.y.reshape({8, 1})), mgpu::Errc::invalid_argument, "pipeline labels: labels of shape [8, 1] for 8 rows");
+  REQUIRE_MGPU_ERROR(ex.step(b.x, b.y.reshape({8, 1})), mgpu::Errc::invalid_argument, "pipeline batch: labels of shape [8, 1] for 8 rows");
   Tensor const narrow = env.random({8, 5}, 4);
-  REQUIRE_MGPU_ERROR(ex.step(narrow, b.y), mgpu::Errc::invalid_argument, "a pipeline batch x of shape [8, 5]: Linear(6, 12)");
+  REQUIRE_MGPU_ERROR(ex.step(narrow, b.y), mgpu::Errc::invalid_argument, "pipeline batch: x of shape [8, 5]: Linear(6, 12)");
   REQUIRE_MGPU_ERROR(ex.step(b.x, b.y, std::nanf("")), mgpu::Errc::invalid_argument, "lr_scale nan (expected a finite lr_scale >= 0)");
   ex.step(b.x, b.y);
   mgpu::DeviceGroup other("host:2");

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include <mgpu/core/stream.hpp>
@@ -123,13 +124,45 @@ struct StepResult {
   bool applied = true;
 };
 
+/// What check_batch checks a step's batch against besides the model and the loss.
+struct BatchCheck {
+  /// The step's learning-rate multiplier: finite and >= 0.
+  float lr_scale = 1.0f;
+  /// The model's compute type: x of values may be float32 or this.
+  DType compute = DType::float32;
+  /// A part of a batch (a data-parallel shard, a process's rows), which may have no rows; a whole
+  /// batch has at least one.
+  bool part = false;
+  /// Read the values of ids and targets in host memory (false: their shapes and dtypes only, for
+  /// a part whose values the executor checked in the whole batch and may still be copying).
+  bool values = true;
+};
+
+/// The check every executor makes of a step's inputs on the host, before any device work or
+/// collective, so that a bad batch is refused as itself and changes nothing: x of shape [rows, ...]
+/// (rows >= 1 unless check.part); token ids (int32, each in [0, V)) for a model whose first layer
+/// takes ids (Layer::input_vocab() = V), else float32 or the compute type; a shape the model
+/// takes; targets that fit its output (Loss::check) with valid values (Loss::check_values); a
+/// finite lr_scale >= 0. `parts`: the model's parts in order (one Sequential, or a pipeline's
+/// chunks). Values in host memory are read at the call (no stream work may still be writing
+/// them); values in device memory are left to the ops, which fail their stream. Returns the
+/// model's output shape. Throws Error(invalid_argument) prefixed by `what`, naming the first bad
+/// value and its row and position in the batch.
+Shape check_batch(std::span<Sequential const* const> parts, Loss const& loss, Tensor const& x, Tensor const& targets,
+                  BatchCheck const& check, std::string const& what);
+Shape check_batch(Sequential const& model, Loss const& loss, Tensor const& x, Tensor const& targets, BatchCheck const& check,
+                  std::string const& what);
+
 /// Forward, `loss` against `targets`, backward, and the update (apply_update). `x` is float32 or
 /// the model's compute type, or int32 token ids (a model starting with an Embedding), on ctx's
 /// device; the model must be in training mode. x may have 0 rows (an empty data-parallel shard):
 /// its gradients are zero. Without a loss scaler and clipping, each layer is updated as soon as
 /// its (reduced) gradients are ready. The same function runs one device and every replica of
-/// parallel::DataParallel. Throws Error(invalid_argument) before any work for targets that do not
-/// fit the model's output (Loss::check), and for bad options.
+/// parallel::DataParallel. Throws Error(invalid_argument) before any work, changing nothing, for a
+/// batch that check_batch refuses (an empty one unless it is a shard of a global batch:
+/// global_units, global_rows or a sync set, whose values the executor checks), and for bad
+/// options. A whole batch in host memory is checked once ctx's stream has finished the work
+/// before the step (which may be writing it).
 StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor const& x, Tensor const& targets, Loss const& loss,
                       Context& ctx, StepOptions const& options = {});
 
