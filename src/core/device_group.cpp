@@ -127,12 +127,14 @@ struct DeviceGroup::Impl {
         try {
           streams[static_cast<std::size_t>(rank)]->synchronize();
         } catch (...) {
-          if (!failure) failure = std::current_exception();
+          // The stream's own failure may be what made fn fail (a send skipped after it).
+          std::exception_ptr const stream_failure = std::current_exception();
+          if (!failure || rank_of_failure(stream_failure) < rank_of_failure(failure)) failure = stream_failure;
         }
       }
       if (failure) notify_failure(rank, failure);
       lock.lock();
-      if (failure && !first_error) {
+      if (failure && (!first_error || rank_of_failure(failure) < rank_of_failure(first_error))) {
         first_error = failure;
         first_error_rank = rank;
       }
@@ -151,6 +153,20 @@ struct DeviceGroup::Impl {
     }
     std::lock_guard lock(listeners_mutex);  // held while calling, so removal waits for running calls
     for (auto const& [id, listener] : listeners) listener(rank, message);
+  }
+
+  // How likely `failure` is to be another rank's failure seen from here rather than a cause of its
+  // own: 0 for a cause (a bad argument, no memory, a deadline, ...), 1 for a device error (waiting
+  // on work that failed elsewhere), 2 for a communication error (a communicator aborted because a
+  // rank failed, naming it). run() reports the lowest, the first in time among equals.
+  static int rank_of_failure(std::exception_ptr const& failure) noexcept {
+    try {
+      std::rethrow_exception(failure);
+    } catch (Error const& e) {
+      return e.category() == Errc::communication ? 2 : e.category() == Errc::device ? 1 : 0;
+    } catch (...) {
+      return 0;
+    }
   }
 
   [[noreturn]] void rethrow_with_rank(std::exception_ptr error, int rank) const {

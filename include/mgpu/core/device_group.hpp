@@ -56,8 +56,10 @@ class DeviceGroup {
 
   /// Calls fn(rank, device, stream) for every rank at once, each on that rank's driver thread
   /// (bound to its GPU on CUDA), then synchronizes each default stream. Returns when every rank is
-  /// done. If any rank throws, the others still run to completion and the first error (in time)
-  /// is rethrown as mgpu::Error naming its rank. Calling run() from inside fn throws
+  /// done. If any rank throws, the others still run to completion and the first error is rethrown
+  /// as mgpu::Error naming its rank: the first in time of the errors that are causes of their own,
+  /// before any Error(device) and then Error(communication) (what other ranks see once one failed:
+  /// waits on failed work, aborted communicators). Calling run() from inside fn throws
   /// Error(invalid_argument).
   void run(std::function<void(int rank, Device device, Stream& stream)> const& fn);
 
