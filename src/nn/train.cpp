@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -86,8 +87,16 @@ Shape check_batch(Sequential const& model, Loss const& loss, Tensor const& x, Te
   return check_batch(parts, loss, x, targets, check, what);
 }
 
-StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor const& x, Tensor const& targets, Loss const& loss,
-                      Context& ctx, StepOptions const& options) {
+namespace {
+// What train_step's enqueue did before it threw: whether the step updates in backward, and whether
+// an update of a range was enqueued.
+struct Progress {
+  bool in_backward = false;
+  bool updated = false;
+};
+
+StepResult enqueue_step(Sequential& model, optim::Optimizer& optimizer, Tensor const& x, Tensor const& targets, Loss const& loss,
+                        Context& ctx, StepOptions const& options, Progress& progress) {
   if (!model.materialized())
     throw Error(Errc::invalid_argument, "train_step before materialize (expected model.materialize(ctx, seed) first)");
   std::int64_t const rows = x.defined() && x.rank() >= 1 ? x.dim(0) : 0;
@@ -131,11 +140,13 @@ StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor con
   // Without a loss scaler or clipping nothing needs all gradients before the update: each layer
   // (bucket) is updated as soon as its gradients are (reduced and) ready, while they are in cache.
   bool const update_in_backward = !options.accumulate_only && options.scaler == nullptr && options.clip_norm <= 0;
+  progress.in_backward = update_in_backward;
   if (update_in_backward)
     optimizer.begin_step(owned_params.defined() ? owned_params : model.master_parameters(), ctx.allocator, ctx.stream);
   RangeUpdate update;
   if (update_in_backward) {
     update = [&](std::int64_t begin, std::int64_t end, Stream& stream) {
+      progress.updated = true;
       auto const apply = [&] { update_range(model, optimizer, owned_params, masters, begin, end, stream, options.lr_scale); };
       if (timeline == nullptr) {
         apply();
@@ -230,6 +241,29 @@ StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor con
     apply();
   }
   return result;
+}
+
+}  // namespace
+
+StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor const& x, Tensor const& targets, Loss const& loss,
+                      Context& ctx, StepOptions const& options) {
+  // What the enqueue changes on the host before the device runs anything, put back when it throws
+  // before any update was enqueued (no memory for an activation, a layer refusing its input).
+  std::vector<std::uint64_t> const rng = model.rng_state();
+  std::int64_t const steps = optimizer.steps();
+  std::optional<optim::LossScaler::State> const scaler =
+      options.scaler != nullptr ? std::optional(options.scaler->state()) : std::nullopt;
+  Progress progress;
+  try {
+    return enqueue_step(model, optimizer, x, targets, loss, ctx, options, progress);
+  } catch (...) {
+    if (progress.in_backward ? !progress.updated : optimizer.steps() == steps) {
+      model.set_rng_state(rng);
+      optimizer.set_steps(steps);
+      if (scaler) options.scaler->set_state(*scaler);
+    }
+    throw;
+  }
 }
 
 StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, Tensor const& x, Tensor const& labels, Context& ctx,
