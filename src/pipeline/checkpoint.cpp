@@ -316,6 +316,7 @@ void Executor::Impl::save_shards(std::filesystem::path const& folder, io::Traini
 
 void Executor::save(std::filesystem::path const& path, io::TrainingState const& state) {
   impl_->whole_model_only("save");
+  impl_->check_usable("save");
   Impl& m = *impl_;
   m.group->synchronize();
   if (m.across || std::filesystem::is_directory(path)) {
@@ -505,6 +506,7 @@ io::TrainingState Executor::Impl::load_records(io::Checkpoint const& records, io
   if (!training.rng_seeds.empty()) loaded_seeds = training.rng_seeds;
   if (scaler) options.loss_scaler->set_state(*scaler);
   group->synchronize();
+  if (!across) broken.clear();  // what a failed update left is replaced
   return training.state;
 }
 

@@ -3,11 +3,13 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <filesystem>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -17,6 +19,8 @@
 #include <mgpu/io/checkpoint.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
+
+#include "comm/renewable.hpp"
 
 namespace mgpu::pipeline {
 
@@ -97,6 +101,17 @@ struct Executor::Impl {
   // split records read from `sharded` in this process's chunks' parts only; `source` names it.
   io::TrainingState load_records(io::Checkpoint const& records, io::ShardedCheckpoint const* sharded, std::string const& source);
   std::vector<std::unique_ptr<comm::Communicator>> tie_comms;  // per replica, over its two devices (none when they are one)
+  // Within one process: every communicator above, made anew by recover().
+  std::vector<comm::detail::Renewable*> renewable;
+  // A renewable communicator over the group's ranks `ranks`.
+  std::unique_ptr<comm::detail::Renewable> renewable_over(std::vector<int> const& ranks, comm::Options options);
+  // Why the executor cannot be used (empty: it can), said by every call until load().
+  std::string broken;
+  void check_usable(char const* call) const;
+  // After a step failed inside: waits for every stream, puts back the chunks' RNG state, drops the
+  // step's tensors and makes the communicators anew; across processes, or when `updated`, the
+  // executor cannot be used (broken) until load(). Rethrows `failure`.
+  [[noreturn]] void recover(std::exception_ptr failure, bool updated);
   // Sums wte and its copy (the master parameters, or the gradients) on the tie's devices of
   // `rank`'s replica, leaving both equal; does nothing on other ranks.
   void sum_tied(int rank, Stream& stream, bool parameters);

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -14,6 +15,7 @@
 #include <mgpu/parallel/tensor_parallel.hpp>
 
 #include "comm/host_communicator.hpp"
+#include "comm/renewable.hpp"
 #include "pipeline/executor_impl.hpp"
 
 namespace mgpu::pipeline {
@@ -541,6 +543,15 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
                                             " (expected 0 for no clipping, or a finite norm > 0)");
   Impl& m = *impl_;
   m.group = &group;
+  // Within one process every communicator can be made anew after a failed step (recover()).
+  if (!across) {
+    auto renewable = std::make_unique<comm::detail::Renewable>(
+        std::move(transfers), [&group, make = options.make_communicator, comm_options]() {
+          return make ? make(group, comm_options) : comm::make_communicator(group, comm_options);
+        });
+    m.renewable.push_back(renewable.get());
+    transfers = std::move(renewable);
+  }
   m.comm = std::move(transfers);
   m.first = m.comm->first_rank();
   m.across = across;
@@ -561,7 +572,7 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
         std::vector<int> ranks;
         for (int t = 0; t < tp; ++t) ranks.push_back((a * tp + t) * devices + m.schedule.device_of(static_cast<int>(c)));
         if (!across) {
-          m.tp_comms.push_back(comm::make_communicator(group, ranks, stage_options));
+          m.tp_comms.push_back(m.renewable_over(ranks, stage_options));
         } else if (std::any_of(ranks.begin(), ranks.end(), [&](int rank) { return m.is_local(rank); })) {
           m.tp_comms.push_back(m.options.make_subset_communicator(group, ranks, stage_options));
           if (!m.tp_comms.back())
@@ -608,7 +619,7 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
       for (int d = 0; d < devices; ++d) {
         std::vector<int> ranks;
         for (int a = 0; a < m.options.data_parallel; ++a) ranks.push_back((a * tp + t) * devices + d);
-        m.stage_comms.push_back(comm::make_communicator(group, ranks, stage_options));
+        m.stage_comms.push_back(m.renewable_over(ranks, stage_options));
       }
     }
   }
@@ -639,8 +650,7 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     int const head_device = m.schedule.device_of(m.tie->head_chunk);
     if (embedding_device != head_device && !m.across) {
       for (int r = 0; r < m.replicas; ++r)
-        m.tie_comms.push_back(
-            comm::make_communicator(group, {r * devices + embedding_device, r * devices + head_device}, stage_options));
+        m.tie_comms.push_back(m.renewable_over({r * devices + embedding_device, r * devices + head_device}, stage_options));
     }
     // The copy starts at zero: the sum makes it the embedding's initial wte.
     group.run([&](int local, Device, Stream& stream) { m.sum_tied(m.first + local, stream, true); });
@@ -650,8 +660,61 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
 
 Executor::~Executor() = default;
 
+std::unique_ptr<comm::detail::Renewable> Executor::Impl::renewable_over(std::vector<int> const& ranks, comm::Options options) {
+  DeviceGroup* const g = group;
+  auto made = std::make_unique<comm::detail::Renewable>([g, ranks, options] { return comm::make_communicator(*g, ranks, options); });
+  renewable.push_back(made.get());
+  return made;
+}
+
+void Executor::Impl::check_usable(char const* call) const {
+  if (!broken.empty()) throw Error(Errc::invalid_argument, std::string("pipeline ") + call + ": " + broken);
+}
+
+void Executor::Impl::recover(std::exception_ptr failure, bool updated) {
+  std::string cause = "an unknown error";
+  try {
+    std::rethrow_exception(failure);
+  } catch (std::exception const& e) {
+    cause = e.what();
+  } catch (...) {  // only the message is wanted here; the failure itself is rethrown below
+  }
+  try {
+    for (int local = 0; local < group->size(); ++local) {
+      try {
+        group->stream(local).synchronize();
+      } catch (Error const&) {  // the failure's own consequences, reported by it
+      }
+    }
+    if (across) {
+      broken = "the executor cannot be used after a step failed across processes, whose communicators cannot be made again "
+               "while a peer may be gone (expected a new job); the step failed with " + cause;
+    } else {
+      for (comm::detail::Renewable* comm : renewable) comm->renew();  // the failure aborted them
+      if (updated)
+        broken = "the executor cannot be used after a step failed once its update had begun, leaving the chunks partly "
+                 "updated (expected load() of a checkpoint first); the step failed with " + cause;
+    }
+    // The step's tensors between actions, and the chunks' RNG as the step found it (each device's
+    // run_device recorded it first).
+    for (int local = 0; local < group->size(); ++local) {
+      int const rank = first + local;
+      DeviceState& st = devices[static_cast<std::size_t>(rank)];
+      for (auto* slots : {&st.act_in, &st.act_out, &st.grad_in, &st.grad_out}) std::fill(slots->begin(), slots->end(), Tensor{});
+      st.compute_done = Event{};  // it may mark failed work, which the next step would wait on
+      for (int c = rank % schedule.devices; c < schedule.chunks(); c += schedule.devices)
+        if (!st.rng_start[static_cast<std::size_t>(c)].empty()) chunk_of(rank, c).set_rng_state(st.rng_start[static_cast<std::size_t>(c)]);
+    }
+  } catch (Error const& e) {  // an executor that cannot be put back is as unusable as a partly updated one
+    broken = "the executor cannot be used after a step failed and it could not be put back (" + std::string(e.what()) +
+             "; expected load() of a checkpoint first); the step failed with " + cause;
+  }
+  std::rethrow_exception(failure);
+}
+
 float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
   Impl& m = *impl_;
+  m.check_usable("step");
   int const mbs = m.schedule.micro_batches;
   // The batch (its ids and labels too) is checked before any action: a bad batch found inside one
   // would abort the communicator, and the step with it.
@@ -701,24 +764,28 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
   std::vector<Tensor> gathered(m.across ? static_cast<std::size_t>(m.group->size()) : 0);
   int const last_device = m.schedule.device_of(m.schedule.chunks() - 1);
   auto const start = std::chrono::steady_clock::now();
-  m.group->run([&](int local, Device, Stream& stream) {
-    // A host device's actions run on its driver thread as it reaches them: a hop between devices
-    // is then one wake-up (the receiver's), not a chain of handoffs between driver and stream threads.
-    Stream::InlineScope const inline_work(stream);
-    int const rank = m.first + local;
-    Impl::Step& step = steps[static_cast<std::size_t>(rank / m.schedule.devices)];
-    m.run_device(rank, stream, step);
-    if (!m.across) return;
-    Tensor& all = gathered[static_cast<std::size_t>(local)];
-    all = Tensor::empty({static_cast<std::int64_t>(m.comm->size()) * mbs}, DType::float32, m.group->allocator(local));
-    Tensor const mine = all.slice(static_cast<std::int64_t>(rank) * mbs, static_cast<std::int64_t>(rank + 1) * mbs);
-    if (rank % m.schedule.devices == last_device) {
-      for (int k = 0; k < mbs; ++k) copy_async(mine.slice(k, k + 1), step.losses[static_cast<std::size_t>(k)], stream);
-    } else {
-      fill_async(mine, 0.0f, stream);
-    }
-    m.comm->all_gather(rank, mine, all, stream);
-  });
+  try {
+    m.group->run([&](int local, Device, Stream& stream) {
+      // A host device's actions run on its driver thread as it reaches them: a hop between devices
+      // is then one wake-up (the receiver's), not a chain of handoffs between driver and stream threads.
+      Stream::InlineScope const inline_work(stream);
+      int const rank = m.first + local;
+      Impl::Step& step = steps[static_cast<std::size_t>(rank / m.schedule.devices)];
+      m.run_device(rank, stream, step);
+      if (!m.across) return;
+      Tensor& all = gathered[static_cast<std::size_t>(local)];
+      all = Tensor::empty({static_cast<std::int64_t>(m.comm->size()) * mbs}, DType::float32, m.group->allocator(local));
+      Tensor const mine = all.slice(static_cast<std::int64_t>(rank) * mbs, static_cast<std::int64_t>(rank + 1) * mbs);
+      if (rank % m.schedule.devices == last_device) {
+        for (int k = 0; k < mbs; ++k) copy_async(mine.slice(k, k + 1), step.losses[static_cast<std::size_t>(k)], stream);
+      } else {
+        fill_async(mine, 0.0f, stream);
+      }
+      m.comm->all_gather(rank, mine, all, stream);
+    });
+  } catch (...) {  // nothing was updated: the executor goes on as if the step had not been called
+    m.recover(std::current_exception(), false);
+  }
   m.last_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   double loss = 0;
   for (int r = 0; r < replicas; ++r) {  // the replica's first pipeline's last stage
@@ -762,12 +829,23 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
     }
   }
   optim::LossScaler* const scaler = m.options.loss_scaler ? &*m.options.loss_scaler : nullptr;
-  m.last_applied = m.across && (scaler != nullptr || m.options.clip_norm > 0)
-                       ? m.update_across(parts, lr_scale)
-                       : nn::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, true});
-  // step() returns with the chunks updated, as when each device's thread ran its update inline:
-  // the update enqueued from this thread runs on the streams' workers.
-  m.group->synchronize();
+  std::optional<optim::LossScaler::State> const scaler_before = scaler != nullptr ? std::optional(scaler->state()) : std::nullopt;
+  std::vector<std::int64_t> steps_before;
+  for (nn::UpdatePart const& part : parts) steps_before.push_back(part.optimizer->steps());
+  try {
+    m.last_applied = m.across && (scaler != nullptr || m.options.clip_norm > 0)
+                         ? m.update_across(parts, lr_scale)
+                         : nn::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, true});
+    // step() returns with the chunks updated, as when each device's thread ran its update inline:
+    // the update enqueued from this thread runs on the streams' workers.
+    m.group->synchronize();
+  } catch (...) {
+    // Refused before any optimizer stepped (gradients holding NaN with clipping): nothing changed.
+    bool updated = false;
+    for (std::size_t i = 0; i < parts.size(); ++i) updated = updated || parts[i].optimizer->steps() != steps_before[i];
+    if (!updated && scaler != nullptr) scaler->set_state(*scaler_before);
+    m.recover(std::current_exception(), updated);
+  }
   return loss;
 }
 
