@@ -2,7 +2,10 @@
 #include <mgpu/parallel/tensor_parallel.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <exception>
+#include <numeric>
 #include <string>
 
 #include <mgpu/core/detail/training_math.hpp>
@@ -12,6 +15,8 @@
 #include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/ops/transformer.hpp>
+
+#include "comm/renewable.hpp"
 
 namespace mgpu::parallel {
 namespace {
@@ -517,17 +522,26 @@ std::vector<float> host_copy(Tensor const& t, Stream& stream) {
 class TensorParallelSync final : public nn::GradientSync {
  public:
   TensorParallelSync(nn::Sequential const& shard, comm::Communicator& comm, int rank, comm::Communicator* data,
-                     int data_rank, bool sequence_parallel)
+                     int data_rank, comm::Communicator& all, int all_rank, bool sequence_parallel)
       : shard_(shard),
         comm_(comm),
         rank_(rank),
         data_(data),
         data_rank_(data_rank),
+        all_(all),
+        all_rank_(all_rank),
         owned_(norm_ranges(shard, true, rank == 0)) {
     for (nn::ParameterRange const& partial : partial_ranges(shard, sequence_parallel))
       partial_[partial.layer].emplace_back(partial.begin, partial.end);
   }
-  void begin(Stream& /*compute*/, nn::RangeUpdate update) override { update_ = std::move(update); }
+  /// Before a step: nothing updated yet (begin() comes only once forward has been enqueued).
+  void start_step() noexcept { updated_.store(false, std::memory_order_relaxed); }
+  void begin(Stream& /*compute*/, nn::RangeUpdate update) override {
+    update_ = std::move(update);
+    pending_.clear();
+  }
+  /// Whether the step's updates may have begun on this rank (every rank had finished its backward).
+  [[nodiscard]] bool updated() const noexcept { return updated_.load(std::memory_order_acquire); }
   void ready(nn::ParameterRange const& range, Stream& compute) override {
     if (auto const it = partial_.find(range.layer); it != partial_.end()) {
       for (auto const& [begin, end] : it->second) {
@@ -539,9 +553,22 @@ class TensorParallelSync final : public nn::GradientSync {
       Tensor const grads = shard_.master_gradients().slice(range.begin, range.end);
       data_->all_reduce(data_rank_, grads, grads, ReduceOp::sum, compute);
     }
-    if (update_) update_(range.begin, range.end, compute);
+    if (update_) pending_.emplace_back(range.begin, range.end);
   }
-  void finish(Stream& /*compute*/) override {}
+  // The commit point: a barrier over every rank, so the updates (here, or apply_update's after it)
+  // run on every rank or, when any rank failed before it, on none (a failed stream skips them).
+  void finish(Stream& compute) override {
+    all_.barrier(all_rank_, compute);
+    // On a host stream the mark runs only if the barrier did; a CUDA stream runs later kernels
+    // after a failed callback, so there the updates count as begun once enqueued.
+    if (compute.device().kind == DeviceKind::host) {
+      compute.enqueue([this] { updated_.store(true, std::memory_order_release); });
+    } else {
+      updated_.store(true, std::memory_order_release);
+    }
+    for (auto const& [begin, end] : pending_) update_(begin, end, compute);
+    pending_.clear();
+  }
   std::vector<nn::OwnedRange> owned() const override { return owned_; }
   void sum_over_ranks(Tensor const& values, Stream& compute) override {
     comm_.all_reduce(rank_, values, values, ReduceOp::sum, compute);
@@ -553,9 +580,13 @@ class TensorParallelSync final : public nn::GradientSync {
   int rank_;
   comm::Communicator* data_;  // over the replicas' ranks of this tensor-parallel index; null for one replica
   int data_rank_;
+  comm::Communicator& all_;  // over every rank of the grid
+  int all_rank_;
   std::vector<nn::OwnedRange> owned_;
   std::map<std::size_t, std::vector<std::pair<std::int64_t, std::int64_t>>> partial_;  // by layer
   nn::RangeUpdate update_;
+  std::vector<std::pair<std::int64_t, std::int64_t>> pending_;  // ranges whose update waits for finish()
+  std::atomic<bool> updated_{false};
 };
 
 }  // namespace
@@ -572,11 +603,61 @@ struct TensorParallel::Impl {
   // processes null where this process drives none of the ranks.
   std::vector<std::shared_ptr<comm::Communicator>> comms;
   std::vector<std::unique_ptr<comm::Communicator>> data;
+  // Over every rank (the world's across processes; comms[0] for one replica): the step's commit point.
+  std::shared_ptr<comm::Communicator> all;
   std::vector<nn::Sequential> shards;
   std::vector<std::unique_ptr<optim::Optimizer>> optimizers;
   std::vector<std::unique_ptr<TensorParallelSync>> syncs;
   std::vector<VocabParallelCrossEntropy> losses;
+  // Within one process: the communicators above, made anew after a failed step.
+  std::vector<comm::detail::Renewable*> renewable;
+  // Why the executor cannot be used (empty: it can).
+  std::string broken;
+  // After a step failed inside: waits for every stream; within one process, when no rank had passed
+  // the step's commit point (TensorParallelSync::finish), makes the communicators anew and puts
+  // back the shards' RNG and the optimizers' step counts (`rng`, `steps`: as the step found them);
+  // otherwise the executor cannot be used. Rethrows `failure`.
+  [[noreturn]] void recover(std::exception_ptr failure, std::vector<std::vector<std::uint64_t>> const& rng,
+                            std::vector<std::int64_t> const& steps);
 };
+
+void TensorParallel::Impl::recover(std::exception_ptr failure, std::vector<std::vector<std::uint64_t>> const& rng,
+                                   std::vector<std::int64_t> const& steps) {
+  std::string cause = "an unknown error";
+  try {
+    std::rethrow_exception(failure);
+  } catch (std::exception const& e) {
+    cause = e.what();
+  } catch (...) {  // only the message is wanted here; the failure itself is rethrown below
+  }
+  try {
+    for (int rank = 0; rank < group->size(); ++rank) {
+      try {
+        group->stream(rank).synchronize();
+      } catch (Error const&) {  // the failure's own consequences, reported by it
+      }
+    }
+    bool updated = false;  // past the step's commit point somewhere
+    for (auto const& sync : syncs) updated = updated || sync->updated();
+    if (world) {
+      broken = "the executor cannot be used after a step failed across processes, whose communicators cannot be made "
+               "again while a peer may be gone (expected a new job); the step failed with " + cause;
+    } else if (updated) {
+      broken = "the executor cannot be used after a step failed once updates had begun, leaving the shards partly updated "
+               "(expected a new executor); the step failed with " + cause;
+    } else {
+      for (comm::detail::Renewable* comm : renewable) comm->renew();  // the failure aborted them
+      for (std::size_t r = 0; r < shards.size(); ++r) {
+        shards[r].set_rng_state(rng[r]);
+        optimizers[r]->set_steps(steps[r]);
+      }
+    }
+  } catch (Error const& e) {  // an executor that cannot be put back is as unusable as a partly updated one
+    broken = "the executor cannot be used after a step failed and it could not be put back (" + std::string(e.what()) +
+             "); the step failed with " + cause;
+  }
+  std::rethrow_exception(failure);
+}
 
 TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, TensorParallelOptions options)
     : impl_(std::make_unique<Impl>()) {
@@ -612,12 +693,24 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
   // A communicator over the grid ranks `ranks` (across processes, made only where this process
   // drives one of them).
   auto const subset = [&](std::vector<int> const& ranks) -> std::unique_ptr<comm::Communicator> {
-    if (!across) return comm::make_communicator(group, ranks, im.options.comm);
+    if (!across) {
+      auto made = std::make_unique<comm::detail::Renewable>(
+          [g = &group, ranks, options = im.options.comm] { return comm::make_communicator(*g, ranks, options); });
+      im.renewable.push_back(made.get());
+      return made;
+    }
     bool const here = std::any_of(ranks.begin(), ranks.end(), [&](int r) { return r >= im.first && r < im.first + group.size(); });
     return here ? im.options.make_subset_communicator(group, ranks, im.options.comm) : nullptr;
   };
   if (replicas == 1) {
-    im.comms.push_back(across ? im.world : std::shared_ptr<comm::Communicator>(comm::make_communicator(group, im.options.comm)));
+    if (across) {
+      im.comms.push_back(im.world);
+    } else {
+      auto made = std::make_shared<comm::detail::Renewable>(
+          [g = &group, options = im.options.comm] { return comm::make_communicator(*g, options); });
+      im.renewable.push_back(made.get());
+      im.comms.push_back(std::move(made));
+    }
   } else {
     for (int a = 0; a < replicas; ++a) {
       std::vector<int> ranks;
@@ -629,6 +722,15 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
       for (int a = 0; a < replicas; ++a) ranks.push_back(a * im.ranks + t);
       im.data.push_back(subset(ranks));
     }
+  }
+  if (across) {
+    im.all = im.world;
+  } else if (replicas == 1) {
+    im.all = im.comms[0];
+  } else {
+    std::vector<int> ranks(static_cast<std::size_t>(size));
+    std::iota(ranks.begin(), ranks.end(), 0);
+    im.all = subset(ranks);
   }
   im.shards.reserve(static_cast<std::size_t>(group.size()));  // the syncs keep references
   for (int r = 0; r < group.size(); ++r) {
@@ -644,7 +746,7 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
     }
     comm::Communicator* const data = replicas > 1 ? im.data[static_cast<std::size_t>(t)].get() : nullptr;
     im.syncs.push_back(
-        std::make_unique<TensorParallelSync>(im.shards.back(), *comm, t, data, a, im.options.sequence_parallel));
+        std::make_unique<TensorParallelSync>(im.shards.back(), *comm, t, data, a, *im.all, im.first + r, im.options.sequence_parallel));
     im.losses.emplace_back(config.vocab, comm, t);
   }
   group.run([&](int rank, Device /*device*/, Stream& stream) {
@@ -663,6 +765,7 @@ nn::Sequential& TensorParallel::shard(int rank) { return impl_->shards.at(static
 
 TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const& targets, float lr_scale) {
   Impl& im = *impl_;
+  if (!im.broken.empty()) throw Error(Errc::invalid_argument, "TensorParallel::step: " + im.broken);
   nn::Loss const& loss = im.losses[0];
   // Before any rank starts: a bad batch found inside the step would abort the communicators.
   nn::check_batch(im.shards[0], loss, ids, targets, {lr_scale, DType::float32, false}, "TensorParallel::step");
@@ -677,38 +780,49 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
   for (std::int64_t const n : shard_sizes(rows, im.replicas)) offsets.push_back(offsets.back() + n);
   std::vector<double> shares(static_cast<std::size_t>(size()), 0.0);  // each grid rank's: its replica's part of the mean
   StepResult result;
-  im.group->run([&](int rank, Device device, Stream& stream) {
-    Allocator& allocator = im.group->allocator(rank);
-    int const g = im.first + rank;
-    auto const a = static_cast<std::size_t>(g / im.ranks);
-    auto const local = [&](Tensor const& t) {
-      Tensor const rows_of = im.replicas == 1 ? t : t.slice(offsets[a], offsets[a + 1]);
-      if (rows_of.device() == device) return rows_of;
-      Tensor copy = Tensor::empty(rows_of.shape(), rows_of.dtype(), allocator);
-      copy_async(copy, rows_of, stream);
-      return copy;
-    };
-    auto const r = static_cast<std::size_t>(rank);
-    nn::Context ctx{allocator, stream, offsets[a]};
-    nn::StepResult const step =
-        nn::train_step(im.shards[r], *im.optimizers[r], local(ids), local(targets), im.losses[r], ctx,
-                       {.lr_scale = lr_scale,
-                        .clip_norm = im.options.clip_norm,
-                        .global_units = units,
-                        .sync = im.syncs[r].get(),
-                        .rank = g});
-    if (im.world) {  // across processes: every rank's share, from every process
-      Tensor const all = Tensor::empty({size()}, DType::float32, allocator);
-      im.world->all_gather(g, step.loss.reshape({1}), all, stream);
-      if (rank == 0) {
-        std::vector<float> const values = host_copy(all, stream);
-        std::copy(values.begin(), values.end(), shares.begin());
+  std::vector<std::vector<std::uint64_t>> rng;  // what a failed step puts back
+  std::vector<std::int64_t> steps;
+  for (std::size_t r = 0; r < im.shards.size(); ++r) {
+    rng.push_back(im.shards[r].rng_state());
+    steps.push_back(im.optimizers[r]->steps());
+    im.syncs[r]->start_step();
+  }
+  try {
+    im.group->run([&](int rank, Device device, Stream& stream) {
+      Allocator& allocator = im.group->allocator(rank);
+      int const g = im.first + rank;
+      auto const a = static_cast<std::size_t>(g / im.ranks);
+      auto const local = [&](Tensor const& t) {
+        Tensor const rows_of = im.replicas == 1 ? t : t.slice(offsets[a], offsets[a + 1]);
+        if (rows_of.device() == device) return rows_of;
+        Tensor copy = Tensor::empty(rows_of.shape(), rows_of.dtype(), allocator);
+        copy_async(copy, rows_of, stream);
+        return copy;
+      };
+      auto const r = static_cast<std::size_t>(rank);
+      nn::Context ctx{allocator, stream, offsets[a]};
+      nn::StepResult const step =
+          nn::train_step(im.shards[r], *im.optimizers[r], local(ids), local(targets), im.losses[r], ctx,
+                         {.lr_scale = lr_scale,
+                          .clip_norm = im.options.clip_norm,
+                          .global_units = units,
+                          .sync = im.syncs[r].get(),
+                          .rank = g});
+      if (im.world) {  // across processes: every rank's share, from every process
+        Tensor const all = Tensor::empty({size()}, DType::float32, allocator);
+        im.world->all_gather(g, step.loss.reshape({1}), all, stream);
+        if (rank == 0) {
+          std::vector<float> const values = host_copy(all, stream);
+          std::copy(values.begin(), values.end(), shares.begin());
+        }
+      } else if (g % im.ranks == 0) {
+        shares[static_cast<std::size_t>(g)] = ops::item(step.loss, stream);
       }
-    } else if (g % im.ranks == 0) {
-      shares[static_cast<std::size_t>(g)] = ops::item(step.loss, stream);
-    }
-    if (rank == 0) result.applied = step.applied;  // the same on every rank
-  });
+      if (rank == 0) result.applied = step.applied;  // the same on every rank
+    });
+  } catch (...) {
+    im.recover(std::current_exception(), rng, steps);
+  }
   for (int a = 0; a < im.replicas; ++a) result.loss += shares[static_cast<std::size_t>(a * im.ranks)];
   return result;
 }
