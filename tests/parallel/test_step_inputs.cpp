@@ -27,6 +27,7 @@
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
+#include "support/gpt_layouts.hpp"
 #include "support/nn_env.hpp"
 #include "support/temp_path.hpp"
 
@@ -39,10 +40,10 @@ namespace par = mgpu::parallel;
 
 namespace {
 
-nn::GptConfig const config{.vocab = 64, .block_size = 8, .n_layer = 2, .n_head = 2, .n_embd = 16, .dropout = 0.1f};
-std::uint64_t const seed = 5;
+using mgpu::test::layouts::adamw;
+using mgpu::test::layouts::config;
+using mgpu::test::layouts::seed;
 std::int64_t const batch = 4;
-mgpu::optim::AdamWOptions const adamw{.lr = 3e-3f, .weight_decay = 0.1f};
 
 using Batch = mgpu::test::TokenBatch;
 
@@ -52,92 +53,6 @@ Batch copy_of(Env& env, Batch const& b) {
   std::copy(b.targets.host_span<std::int32_t>().begin(), b.targets.host_span<std::int32_t>().end(),
             c.targets.host_span<std::int32_t>().begin());
   return c;
-}
-
-// One executor seen through its step: the batch's loss, or an Error before any work.
-using Step = std::function<double(Tensor const& ids, Tensor const& targets, float lr_scale)>;
-
-struct Layout {
-  std::string name;
-  std::function<Step()> make;  // a fresh executor (with its devices) each call
-};
-
-std::vector<Layout> layouts(Env& env) {
-  auto const loss = std::make_shared<nn::TokenCrossEntropy const>();
-  std::vector<Layout> all;
-  all.push_back({"one device", [&env] {
-                   auto model = std::make_shared<nn::Sequential>(nn::gpt(config));
-                   model->materialize(env.ctx, seed);
-                   auto opt = std::make_shared<mgpu::optim::AdamW>(adamw);
-                   return Step([&env, model, opt](Tensor const& ids, Tensor const& targets, float lr_scale) {
-                     nn::TokenCrossEntropy const token_loss;
-                     nn::StepResult const r = nn::train_step(*model, *opt, ids, targets, token_loss, env.ctx, {.lr_scale = lr_scale});
-                     return static_cast<double>(mgpu::ops::item(r.loss, env.stream));
-                   });
-                 }});
-  for (float clip : {0.0f, 0.5f}) {
-    all.push_back({"data parallel over host:2, clip " + std::to_string(clip), [loss, clip] {
-                     auto group = std::make_shared<mgpu::DeviceGroup>("host:2");
-                     auto dp = std::make_shared<par::DataParallel>(nn::gpt(config), *group, mgpu::optim::AdamW(adamw),
-                                                                   par::DataParallelOptions{.seed = seed, .clip_norm = clip, .loss = loss});
-                     return Step([group, dp](Tensor const& ids, Tensor const& targets, float lr_scale) {
-                       return static_cast<double>(dp->step(ids, targets, lr_scale).loss);
-                     });
-                   }});
-  }
-  // Pipelines: every schedule on 2 devices (interleaved: 2 chunks per device), and a 2 x 2 grid.
-  nn::Sequential const whole = nn::gpt(config);  // Embedding, Dropout, 2 blocks, LayerNorm, head
-  struct Pipe {
-    std::string name;
-    int replicas;
-    pp::Schedule schedule;
-    std::vector<std::size_t> cuts;
-  };
-  std::vector<Pipe> const pipes = {{"1f1b", 1, pp::one_f_one_b(2, 2), {0, 3, 6}},
-                                   {"gpipe", 1, pp::gpipe(2, 4), {0, 3, 6}},
-                                   {"zb", 1, pp::zero_bubble_h1(2, 4), {0, 3, 6}},
-                                   {"interleaved", 1, pp::interleaved_one_f_one_b(2, 2, 2), {0, 2, 3, 4, 6}},
-                                   {"1f1b, 2 replicas", 2, pp::one_f_one_b(2, 2), {0, 3, 6}}};
-  for (Pipe const& p : pipes) {
-    all.push_back({"pipeline " + p.name, [loss, p] {
-                     auto group = std::make_shared<mgpu::DeviceGroup>("host:" + std::to_string(2 * p.replicas));
-                     pp::ChunkOptimizerFactory const make = [](nn::Sequential const& chunk) {
-                       mgpu::optim::AdamWOptions o = adamw;
-                       o.decay_ranges = chunk.matrix_ranges();
-                       return std::make_unique<mgpu::optim::AdamW>(o);
-                     };
-                     auto ex = std::make_shared<pp::Executor>(nn::gpt(config), *group, p.cuts, p.schedule, make,
-                                                              pp::ExecutorOptions{.seed = seed, .data_parallel = p.replicas, .clip_norm = 0.5f, .loss = loss});
-                     return Step([group, ex](Tensor const& ids, Tensor const& targets, float lr_scale) {
-                       return static_cast<double>(ex->step(ids, targets, lr_scale));
-                     });
-                   }});
-  }
-  for (int dp : {1, 2}) {
-    all.push_back({"tensor parallel 2 x " + std::to_string(dp) + " replicas", [dp] {
-                     auto group = std::make_shared<mgpu::DeviceGroup>("host:" + std::to_string(2 * dp));
-                     auto tp = std::make_shared<par::TensorParallel>(
-                         *group, config, par::TensorParallelOptions{.seed = seed, .adamw = adamw, .clip_norm = 0.5f, .data_parallel = dp});
-                     return Step([group, tp](Tensor const& ids, Tensor const& targets, float lr_scale) {
-                       return tp->step(ids, targets, lr_scale).loss;
-                     });
-                   }});
-  }
-  all.push_back({"tensor-parallel stages: 2 stages x 2 ranks", [] {
-                   auto group = std::make_shared<mgpu::DeviceGroup>("host:4");
-                   pp::ChunkOptimizerFactory const make = [](nn::Sequential const& chunk) {
-                     mgpu::optim::AdamWOptions o = adamw;
-                     o.decay_ranges = chunk.matrix_ranges();
-                     return std::make_unique<mgpu::optim::AdamW>(o);
-                   };
-                   auto ex = std::make_shared<pp::Executor>(
-                       nn::gpt(config), *group, std::vector<std::size_t>{0, 3, 6}, pp::one_f_one_b(2, 2), make,
-                       pp::ExecutorOptions{.seed = seed, .clip_norm = 0.5f, .tensor_parallel = pp::tensor_parallel_stages(config, 2)});
-                   return Step([group, ex](Tensor const& ids, Tensor const& targets, float lr_scale) {
-                     return static_cast<double>(ex->step(ids, targets, lr_scale));
-                   });
-                 }});
-  return all;
 }
 
 }  // namespace
@@ -164,10 +79,12 @@ TEST_CASE("every executor refuses a bad batch before any work, naming it, and go
   env.stream.synchronize();
   std::string const row = "row " + std::to_string(batch - 1);
 
-  for (Layout const& layout : layouts(env)) {
+  for (mgpu::test::layouts::Layout const& layout : mgpu::test::layouts::all()) {
     INFO(layout.name);
-    Step const twin = layout.make();
-    Step const step = layout.make();
+    mgpu::test::layouts::Trainer const twin_trainer = layout.make();
+    mgpu::test::layouts::Trainer const trainer = layout.make();
+    mgpu::test::layouts::Step const& twin = twin_trainer.step;
+    mgpu::test::layouts::Step const& step = trainer.step;
     CHECK(step(batches[0].ids, batches[0].targets, 1.0f) == twin(batches[0].ids, batches[0].targets, 1.0f));
     REQUIRE_MGPU_ERROR(step(id_at_vocab.ids, id_at_vocab.targets, 1.0f), mgpu::Errc::invalid_argument,
                        "token id 64 at " + row + ", position 3 of the batch (expected an id in [0, 64))");
