@@ -1,7 +1,8 @@
 #!/bin/sh
 # kill_process.sh VICTIM PATTERN MPIRUN... -- COMMAND...: runs COMMAND in every process of an MPI
 # job started by MPIRUN with --enable-recovery (so that mpirun leaves the others running when one
-# dies; a launcher named srun is left as it is: without --kill-on-bad-exit srun does the same),
+# dies; a launcher named srun is left as it is: srun without --kill-on-bad-exit does not end the
+# others, though under --mpi=pmix Slurm's PMIx plugin cancels the step once a task dies),
 # and kills (SIGKILL) process VICTIM once another process has printed a line matching the
 # extended regular expression PATTERN (or after 60 s without one). Every other process prints
 # "process P exited with status S", and the script "process VICTIM was killed S s before the job
