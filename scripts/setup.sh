@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Installs mgpu's build prerequisites from Debian/Ubuntu packages when any is missing.
+# Installs mgpu's build prerequisites from Debian/Ubuntu packages when any is missing, and the
+# optional packages some tests use where it can (a test without them skips, naming them).
 # Runs apt-get as root (directly, or through sudo). Safe to run again: it installs nothing twice.
-#   scripts/setup.sh          install what is missing
-#   scripts/setup.sh --list   print the packages, one a line (scripts/check-deps.sh reads them)
+#   scripts/setup.sh                   install what is missing
+#   scripts/setup.sh --list            print the build's packages, one a line (scripts/check-deps.sh reads them)
+#   scripts/setup.sh --list-optional   print the optional packages, one a line
+#   MGPU_SETUP_OPTIONAL=0 scripts/setup.sh   leave the optional packages out
 # Packages are installed without their Recommends, so every package the build reads from must be
-# named here or be a Depends of one named here: scripts/check-deps.sh fails CI otherwise.
+# named here or be a Depends of one named here: scripts/check-deps.sh fails CI otherwise. The
+# build reads nothing from the optional ones: where they cannot be installed (not packaged, no
+# network), setup says so and goes on.
 set -euo pipefail
 
 packages=(cmake ninja-build g++ libeigen3-dev libxxhash-dev catch2 libbenchmark-dev libcli11-dev
@@ -15,19 +20,41 @@ packages=(cmake ninja-build g++ libeigen3-dev libxxhash-dev catch2 libbenchmark-
   libgloo-dev  # a baseline of bench_collectives
   iproute2  # the test across network namespaces (tests/dist/netns.sh)
   clang-14 libclang-rt-14-dev)  # the second compiler in CI, and libFuzzer (scripts/fuzz.sh)
+optional=(slurm-wlm munge)  # a one-node Slurm cluster for ctest's dist_slurm (tests/dist/slurm.sh)
+[ "${MGPU_SETUP_OPTIONAL:-1}" = 0 ] && optional=()
 if [ "${1:-}" = --list ]; then
   printf '%s\n' "${packages[@]}"
   exit 0
 fi
+if [ "${1:-}" = --list-optional ]; then
+  [ ${#optional[@]} -eq 0 ] || printf '%s\n' "${optional[@]}"
+  exit 0
+fi
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 missing=()
 for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  installed "$p" || missing+=("$p")
 done
-[ ${#missing[@]} -eq 0 ] && exit 0
+missing_optional=()
+for p in "${optional[@]}"; do
+  installed "$p" || missing_optional+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && [ ${#missing_optional[@]} -eq 0 ] && exit 0
 
-echo "mgpu setup: installing ${missing[*]}" >&2
 as_root=()
 [ "$(id -u)" -eq 0 ] || as_root=(sudo)
 export DEBIAN_FRONTEND=noninteractive
-"${as_root[@]}" apt-get update -qq
-"${as_root[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+install=("${as_root[@]}" apt-get -o DPkg::Lock::Timeout=900 install -y -qq --no-install-recommends)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "mgpu setup: installing ${missing[*]}" >&2
+  "${as_root[@]}" apt-get update -qq
+  "${install[@]}" "${missing[@]}" >/dev/null
+elif ! "${as_root[@]}" apt-get update -qq; then
+  echo "mgpu setup: apt-get update failed; the optional ${missing_optional[*]} not installed" >&2
+  exit 0
+fi
+if [ ${#missing_optional[@]} -gt 0 ]; then
+  echo "mgpu setup: installing the optional ${missing_optional[*]}" >&2
+  "${install[@]}" "${missing_optional[@]}" >/dev/null ||
+    echo "mgpu setup: could not install the optional ${missing_optional[*]}: the tests that need them skip" >&2
+fi
