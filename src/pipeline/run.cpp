@@ -1,0 +1,364 @@
+// One step's work on every device: each device's actions of the schedule (run_device), the sum of a
+// tied wte and its copy, and, across processes, the sums over a subset of the world's ranks and the
+// update with a loss scaler or clipping (sum_over, world_sum, update_across).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <string>
+#include <utility>
+
+#include <mgpu/core/error.hpp>
+#include <mgpu/nn/train.hpp>
+#include <mgpu/ops/ops.hpp>
+#include <mgpu/pipeline/pipeline.hpp>
+
+#include "pipeline/executor_impl.hpp"
+
+namespace mgpu::pipeline {
+
+namespace {
+Tensor take(std::vector<Tensor>& slots, int chunk, int micro_batch, int micro_batches, char const* what) {
+  Tensor& slot = slots[static_cast<std::size_t>(chunk * micro_batches + micro_batch)];
+  if (!slot.defined())
+    throw Error(Errc::invalid_argument, std::string("no ") + what + " for chunk " + std::to_string(chunk) + ", micro-batch " +
+                                            std::to_string(micro_batch) + " (expected the schedule to produce it first)");
+  return std::exchange(slot, Tensor{});
+}
+
+// "pipeline device 1, chunk 2, action 7 (forward(mb 3, chunk 2))": where an error happened.
+std::string where(int rank, std::size_t index, Action const& a) {
+  return "pipeline device " + std::to_string(rank) + ", chunk " + std::to_string(a.chunk) + ", action " + std::to_string(index) + " (" +
+         to_string(a) + ")";
+}
+}  // namespace
+
+void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
+  Schedule const& s = schedule;
+  int const last = s.chunks() - 1;
+  int const mbs = s.micro_batches;
+  int const device = rank % s.devices;      // the device within its pipeline
+  int const base = rank - device;           // the pipeline's first rank
+  Allocator& allocator = group->allocator(rank - first);
+  DType const dtype = options.compute;  // of activations and their gradients
+  DeviceState& st = devices[static_cast<std::size_t>(rank)];
+  auto const slot = [mbs](int chunk, int mb) { return static_cast<std::size_t>(chunk * mbs + mb); };
+  for (int c = device; c < s.chunks(); c += s.devices) {
+    chunk_of(rank, c).zero_gradients(stream);
+    st.rng_start[static_cast<std::size_t>(c)] = chunk_of(rank, c).rng_state();
+  }
+  std::fill(st.ran_forward.begin(), st.ran_forward.end(), false);
+  trace::Timeline* const timeline = options.timeline.get();
+  auto const& list = s.actions[static_cast<std::size_t>(device)];
+  std::size_t current = 0;  // the action running, for the error message
+  try {
+    for (std::size_t i = 0; i < list.size();) {
+      Action const& a = list[i];
+      current = i;
+      // Timeline names are made only while the timeline records.
+      bool const tracing = timeline != nullptr && timeline->enabled();
+      if (is_transfer(a.kind)) {
+        std::size_t end = i;
+        while (end < list.size() && is_transfer(list[end].kind)) ++end;
+        auto transfers = [&] {
+          comm->group_start(rank);
+          for (std::size_t k = i; k < end; ++k) {
+            Action const& t = list[k];
+            current = k;
+            auto const mb = static_cast<std::size_t>(t.micro_batch);
+            switch (t.kind) {
+              case ActionKind::send_activation:
+                comm->send(rank, take(st.act_out, t.chunk, t.micro_batch, mbs, "activation"), base + s.device_of(t.chunk + 1), stream);
+                break;
+              case ActionKind::send_gradient:
+                comm->send(rank, take(st.grad_in, t.chunk, t.micro_batch, mbs, "input gradient"), base + s.device_of(t.chunk - 1), stream);
+                break;
+              case ActionKind::recv_activation: {
+                Tensor buffer = Tensor::empty(step.input_shapes[static_cast<std::size_t>(t.chunk)][mb], dtype, allocator);
+                comm->recv(rank, buffer, base + s.device_of(t.chunk - 1), stream);
+                st.act_in[slot(t.chunk, t.micro_batch)] = std::move(buffer);
+                break;
+              }
+              default: {
+                Tensor buffer = Tensor::empty(step.input_shapes[static_cast<std::size_t>(t.chunk) + 1][mb], dtype, allocator);
+                comm->recv(rank, buffer, base + s.device_of(t.chunk + 1), stream);
+                st.grad_out[slot(t.chunk, t.micro_batch)] = std::move(buffer);
+              }
+            }
+          }
+          comm->group_end(rank);
+        };
+        if (tracing) {
+          std::string names;
+          for (std::size_t k = i; k < end; ++k) names += (names.empty() ? "" : ", ") + to_string(list[k]);
+          timeline->stream_span(stream, std::move(names), "pipeline", rank, trace::communication, transfers);
+        } else {
+          transfers();
+        }
+        i = end;
+        continue;
+      }
+      nn::Sequential& chunk = chunk_of(rank, a.chunk);
+      auto const mb = static_cast<std::size_t>(a.micro_batch);
+      auto const c = static_cast<std::size_t>(a.chunk);
+      nn::Context ctx{allocator, stream, step.offsets[mb], a.micro_batch, true};
+      if (a.kind == ActionKind::forward) {
+        // Enqueue no further ahead than the stream runs: once the compute action before this one
+        // has run, the tensors of micro-batches whose backward is done are free before this
+        // forward allocates, so the allocator's peak is the schedule's activations in flight.
+        // Transfers enqueued since need not have run: the thread enqueues this forward while
+        // its stream waits for a peer, and the stream starts it as soon as the input arrives.
+        try {
+          st.compute_done.synchronize();
+        } catch (Error const&) {
+          stream.synchronize();  // rethrows what failed on the stream, rather than the event's report
+          throw;
+        }
+      }
+      auto compute = [&] {
+        switch (a.kind) {
+          case ActionKind::forward: {
+            Tensor input;
+            if (a.chunk == 0) {
+              input = Tensor::empty(step.input_shapes[0][mb], step.x->dtype(), allocator);
+              copy_async(input, step.x->slice(step.offsets[mb], step.offsets[mb] + step.sizes[mb]), stream);
+              if (input.dtype() == DType::float32 && dtype != DType::float32) {
+                Tensor const rows = std::exchange(input, Tensor::empty(step.input_shapes[0][mb], dtype, allocator));
+                convert_async(input, rows, stream);
+              }
+            } else if (s.device_of(a.chunk - 1) == device) {
+              input = take(st.act_out, a.chunk - 1, a.micro_batch, mbs, "activation");
+            } else {
+              input = take(st.act_in, a.chunk, a.micro_batch, mbs, "received activation");
+            }
+            chunk.set_rng_state(st.rng_start[c]);
+            Tensor const y = chunk.forward(input, ctx);
+            if (!st.ran_forward[c]) {  // every micro-batch draws from the step's start; keep where one ends
+              st.rng_after[c] = chunk.rng_state();
+              st.ran_forward[c] = true;
+            }
+            if (a.chunk < last) {
+              st.act_out[slot(a.chunk, a.micro_batch)] = y;
+              break;
+            }
+            Shape target_shape = step.labels->shape();
+            target_shape[0] = step.sizes[mb];
+            Tensor const targets = Tensor::empty(target_shape, step.labels->dtype(), allocator);
+            copy_async(targets, step.labels->slice(step.offsets[mb], step.offsets[mb] + step.sizes[mb]), stream);
+            Tensor const dlogits = Tensor::empty(y.shape(), y.dtype(), allocator);
+            step.losses[mb] = Tensor::empty({1}, DType::float32, allocator);
+            // Each micro-batch's share of the batch's mean: the losses and gradients add up to the batch mean's.
+            losses[static_cast<std::size_t>(rank / s.devices)]->compute(y, targets, dlogits, step.losses[mb], step.units,
+                                                                        step.loss_scale, allocator, stream);
+            st.grad_out[slot(a.chunk, a.micro_batch)] = dlogits;
+            break;
+          }
+          case ActionKind::backward:
+          case ActionKind::backward_input: {
+            Tensor const dy = a.chunk < last && s.device_of(a.chunk + 1) == device
+                                  ? take(st.grad_in, a.chunk + 1, a.micro_batch, mbs, "input gradient")
+                                  : take(st.grad_out, a.chunk, a.micro_batch, mbs, "output gradient");
+            Tensor dx = a.kind == ActionKind::backward ? chunk.backward(dy, ctx, a.chunk > 0) : chunk.backward_input(dy, ctx, a.chunk > 0);
+            if (a.chunk > 0) st.grad_in[slot(a.chunk, a.micro_batch)] = std::move(dx);
+            break;
+          }
+          default: chunk.backward_weight(ctx);
+        }
+      };
+      if (tracing) {
+        timeline->stream_span(stream, to_string(a), "pipeline", rank, trace::compute, compute);
+      } else {
+        compute();
+      }
+      ++i;
+      std::size_t next = i;
+      while (next < list.size() && is_transfer(list[next].kind)) ++next;
+      if (next < list.size() && list[next].kind == ActionKind::forward) st.compute_done.record(stream);
+    }
+  } catch (Error const& e) {
+    throw Error(e.category(), where(rank, current, list[current]) + ": " + std::string(e.message()));
+  }
+  for (int c = device; c < s.chunks(); c += s.devices) {
+    if (st.ran_forward[static_cast<std::size_t>(c)]) chunk_of(rank, c).set_rng_state(st.rng_after[static_cast<std::size_t>(c)]);
+  }
+  int const pipeline = rank / s.devices;
+  if (!partials.empty()) {  // sequence parallelism: each rank's tokens' part of the LayerNorms' gradients
+    for (int c = device; c < s.chunks(); c += s.devices) {
+      auto const index = static_cast<std::size_t>(pipeline * s.chunks() + c);
+      Tensor const& grads = chunk_of(rank, c).gradients();
+      for (nn::ParameterRange const& range : partials[index]) {
+        Tensor const part = grads.slice(range.begin, range.end);
+        tp_comms[static_cast<std::size_t>((pipeline / tp) * s.chunks() + c)]->all_reduce(pipeline % tp, part, part,
+                                                                                         comm::ReduceOp::sum, stream);
+      }
+    }
+  }
+  if (replicas > tp) {  // the same chunk across replicas: sum of their batch-mean shares
+    for (int c = device; c < s.chunks(); c += s.devices) {
+      Tensor const& grads = chunk_of(rank, c).gradients();
+      if (!grads.defined()) continue;
+      auto reduce = [&] {
+        if (!across) {
+          stage_comms[static_cast<std::size_t>((pipeline % tp) * s.devices + device)]->all_reduce(
+              pipeline / tp, grads, grads, comm::ReduceOp::sum, stream);
+          return;
+        }
+        std::vector<int> ranks;  // the replicas' pipelines of this tensor-parallel rank
+        for (int r = pipeline % tp; r < replicas; r += tp) ranks.push_back(r * s.devices + device);
+        sum_over(rank, ranks, grads, stream);
+      };
+      if (timeline != nullptr && timeline->enabled()) {
+        timeline->stream_span(stream, "all_reduce(chunk " + std::to_string(c) + ")", "pipeline", rank, trace::communication, reduce);
+      } else {
+        reduce();
+      }
+    }
+  }
+  sum_tied(rank, stream, false);
+}
+
+void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
+  if (!tie) return;
+  int const device = rank % schedule.devices;
+  int const embedding_device = schedule.device_of(tie->embedding_chunk);
+  int const head_device = schedule.device_of(tie->head_chunk);
+  if (device != embedding_device && device != head_device) return;
+  std::int64_t const elements = tie_elements[static_cast<std::size_t>(rank / schedule.devices)];
+  auto const part = [&](int c, std::int64_t offset) {
+    nn::Sequential const& chunk = chunk_of(rank, c);
+    return (parameters ? chunk.master_parameters() : chunk.gradients()).slice(offset, offset + elements);
+  };
+  if (embedding_device == head_device) {
+    Tensor const wte = part(tie->embedding_chunk, tie->embedding_offset);
+    Tensor const copy = part(tie->head_chunk, tie->head_offset);
+    ops::add_scaled(wte, copy, 1.0f, stream);
+    copy_async(copy, wte, stream);
+  } else if (Tensor const mine = device == embedding_device ? part(tie->embedding_chunk, tie->embedding_offset)
+                                                            : part(tie->head_chunk, tie->head_offset);
+             across) {  // the other chunk is another process's
+    int const base = rank - device;
+    sum_over(rank, {base + embedding_device, base + head_device}, mine, stream);
+  } else {
+    tie_comms[static_cast<std::size_t>(rank / schedule.devices)]->all_reduce(device == embedding_device ? 0 : 1, mine, mine,
+                                                                            comm::ReduceOp::sum, stream);
+  }
+  if (!parameters) return;
+  for (auto const& [c, offset] : {std::pair{tie->embedding_chunk, tie->embedding_offset}, std::pair{tie->head_chunk, tie->head_offset}}) {
+    if (schedule.device_of(c) == device) chunk_of(rank, c).sync_parameters(stream, offset, offset + elements);
+  }
+}
+
+void Executor::Impl::sum_over(int rank, std::vector<int> const& ranks, Tensor const& values, Stream& stream) {
+  if (rank != ranks.front()) {
+    comm->send(rank, values, ranks.front(), stream);
+    comm->recv(rank, values, ranks.front(), stream);
+    return;
+  }
+  // The first rank adds the others' in order in float32, rounding to the values' type once.
+  Allocator& allocator = group->allocator(rank - first);
+  bool const wide = values.dtype() == DType::float32;
+  Tensor const sum = wide ? values : Tensor::empty(values.shape(), DType::float32, allocator);
+  Tensor const other = Tensor::empty(values.shape(), values.dtype(), allocator);
+  Tensor const other_wide = wide ? other : Tensor::empty(values.shape(), DType::float32, allocator);
+  if (!wide) convert_async(sum, values, stream);
+  for (std::size_t i = 1; i < ranks.size(); ++i) {
+    comm->recv(rank, other, ranks[i], stream);
+    if (!wide) convert_async(other_wide, other, stream);
+    ops::add_scaled(sum, other_wide, 1.0f, stream);
+  }
+  if (!wide) convert_async(values, sum, stream);
+  for (std::size_t i = 1; i < ranks.size(); ++i) comm->send(rank, values, ranks[i], stream);
+}
+
+std::vector<std::pair<std::int64_t, std::int64_t>> Executor::Impl::norm_parts(int r, int c) const {
+  std::vector<std::pair<std::int64_t, std::int64_t>> out;
+  if (tp > 1) {  // the pipeline's counted norm ranges
+    for (nn::OwnedRange const& range : norms[static_cast<std::size_t>(r * schedule.chunks() + c)]->owned())
+      if (range.counted) out.emplace_back(range.begin, range.end);
+    return out;
+  }
+  if (r > 0) return out;  // the replicas' reduced gradients are replica 0's
+  std::int64_t const n = chunks[0][static_cast<std::size_t>(c)].parameter_count();
+  bool const copy = tie && c == tie->head_chunk;  // a tied head's copy of wte counts in the embedding
+  std::int64_t const copy_begin = copy ? tie->head_offset : n;
+  std::int64_t const copy_end = copy ? tie->head_offset + tie->elements : n;
+  if (copy_begin > 0) out.emplace_back(0, copy_begin);
+  if (copy_end < n) out.emplace_back(copy_end, n);
+  return out;
+}
+
+double Executor::Impl::world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op) {
+  // Each rank's slots: a value per counted part of each chunk it runs (norm_parts), in chunk order;
+  // as many on every rank (the most any rank has), zero where it has fewer. Pipeline r's chunk c
+  // ([r * chunks + c]): its parts and its first slot among its rank's.
+  auto const chunks = static_cast<std::size_t>(schedule.chunks());
+  std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> parts(static_cast<std::size_t>(replicas) * chunks);
+  std::vector<std::int64_t> first_slot(parts.size(), 0);
+  std::int64_t per_rank = 1;
+  for (int r = 0; r < replicas; ++r) {
+    for (int d = 0; d < schedule.devices; ++d) {
+      std::int64_t slot = 0;
+      for (int c = d; c < schedule.chunks(); c += schedule.devices) {
+        std::size_t const at = static_cast<std::size_t>(r) * chunks + static_cast<std::size_t>(c);
+        parts[at] = norm_parts(r, c);
+        first_slot[at] = slot;
+        slot += static_cast<std::int64_t>(parts[at].size());
+      }
+      per_rank = std::max(per_rank, slot);
+    }
+  }
+  std::vector<Tensor> gathered(static_cast<std::size_t>(group->size()));
+  group->run([&](int local, Device, Stream& stream) {
+    int const rank = first + local;
+    Tensor& all = gathered[static_cast<std::size_t>(local)];
+    all = Tensor::empty({comm->size() * per_rank}, DType::float32, group->allocator(local));
+    Tensor const mine = all.slice(rank * per_rank, (rank + 1) * per_rank);
+    fill_async(mine, 0.0f, stream);
+    for (int c = rank % schedule.devices; c < schedule.chunks(); c += schedule.devices) {
+      Tensor const& grads = chunk_of(rank, c).master_gradients();
+      std::size_t const at = static_cast<std::size_t>(rank / schedule.devices) * chunks + static_cast<std::size_t>(c);
+      std::int64_t slot = first_slot[at];
+      for (auto const& [begin, end] : parts[at]) {
+        op(grads.slice(begin, end), mine.slice(slot, slot + 1), stream);
+        ++slot;
+      }
+    }
+    comm->all_gather(rank, mine, all, stream);
+  });
+  // Added in chunk order, each chunk's pipelines in order.
+  double sum = 0;
+  for (int c = 0; c < schedule.chunks(); ++c) {
+    for (int r = 0; r < replicas; ++r) {
+      std::size_t const at = static_cast<std::size_t>(r) * chunks + static_cast<std::size_t>(c);
+      std::int64_t const begin = (r * schedule.devices + schedule.device_of(c)) * per_rank + first_slot[at];
+      for (std::int64_t k = begin; k < begin + static_cast<std::int64_t>(parts[at].size()); ++k)
+        sum += ops::item(gathered[0].slice(k, k + 1), group->stream(0));
+    }
+  }
+  return sum;
+}
+
+bool Executor::Impl::update_across(std::vector<nn::UpdatePart> const& parts, float lr_scale) {
+  optim::LossScaler* const scaler = options.loss_scaler ? &*options.loss_scaler : nullptr;
+  float const factor = scaler != nullptr ? 1.0f / scaler->scale() : 1.0f;
+  for (nn::UpdatePart const& p : parts) p.model->unscale_gradients(factor, *p.stream);
+  if (scaler != nullptr) {
+    double const bad = world_sum(
+        [](Tensor const& grads, Tensor const& out, Stream& stream) { ops::count_nonfinite(grads, out, stream); });
+    if (!scaler->update(bad == 0)) return false;
+  }
+  if (options.clip_norm > 0) {
+    double const squares =
+        world_sum([](Tensor const& grads, Tensor const& out, Stream& stream) { ops::sum_squares(grads, out, stream); });
+    float const norm = std::sqrt(static_cast<float>(squares));
+    if (!std::isfinite(norm))
+      throw Error(Errc::invalid_argument,
+                  "pipeline step: clipping gradients that hold NaN or Inf (expected finite gradients)");
+    if (norm > options.clip_norm && norm > 0) {
+      for (nn::UpdatePart const& p : parts)
+        ops::scale(p.model->master_gradients(), options.clip_norm / norm, *p.stream);
+    }
+  }
+  return nn::apply_update(parts, {lr_scale, 0.0f, nullptr, false});
+}
+
+}  // namespace mgpu::pipeline
