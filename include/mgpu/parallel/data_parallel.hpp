@@ -201,8 +201,10 @@ struct DataParallelResult {
 /// Methods are called from one thread at a time; the group must outlive the executor and must not
 /// be used by others during step().
 ///
-/// After a failed step: a bad batch (x or host labels that do not fit) is refused before any rank
-/// starts, changing nothing. A failure inside a step (a rank's error, a timeout) aborts the
+/// After a failed step: a bad batch (nn::check_batch: x, token ids or host labels that do not fit,
+/// an empty batch, a bad lr_scale) is refused before any rank starts, changing nothing; across
+/// processes every process then refuses the step, the others naming the world rank of the process
+/// that refused its rows. A failure inside a step (a rank's error, a timeout) aborts the
 /// communicator; step() then waits for every stream, makes a new communicator, zeroes the
 /// accumulated gradients (the micro-batches of the current accumulation cycle are dropped and the
 /// next step starts a cycle) and, when no reduce of the step had completed anywhere (so no replica

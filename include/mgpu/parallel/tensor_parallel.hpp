@@ -391,9 +391,14 @@ class TensorParallel {
     bool applied = true;
   };
   /// One training step on int32 ids and targets [B, T] (ignore index -100), in any memory: each
-  /// rank copies its replica's rows to its device. Throws Error(invalid_argument) before any work
-  /// for targets that do not fit, fewer rows than replicas, or (sequence parallelism) a T that
-  /// does not divide by the tensor-parallel ranks.
+  /// rank copies its replica's rows to its device. Throws Error(invalid_argument) before any work,
+  /// changing nothing, for a batch nn::check_batch refuses (ids or targets out of range, an empty
+  /// batch, a bad lr_scale), fewer rows than replicas, or (sequence parallelism) a T that does not
+  /// divide by the tensor-parallel ranks. The updates wait for a barrier over every rank after
+  /// backward: a step that fails before it throws the failure's Error and, within one process,
+  /// changes nothing (communicators made anew, RNG and step counts put back); a failure past it,
+  /// or across processes, leaves the executor unusable (later steps throw Error(invalid_argument)
+  /// saying so).
   StepResult step(Tensor const& ids, Tensor const& targets, float lr_scale = 1.0f);
 
   /// The whole model's float32 parameters in gpt(config)'s flat layout, gathered from replica 0's

@@ -210,8 +210,12 @@ using ChunkOptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(nn
 /// follows the schedule (1F1B holds at most devices - d micro-batches' activations on device d,
 /// GPipe all) while the stream starts the forward as soon as its input arrives. Without a timeline
 /// (or with it disabled) a step builds no names and allocates no containers per action.
-/// If an action fails, the communicator aborts the other devices and the step throws an Error
-/// naming the failing device, chunk and action; the executor cannot be used after that.
+/// A batch is checked before any action (nn::check_batch). If an action fails, the communicator
+/// aborts the other devices and the step throws the failure's Error (its rank, and the failing
+/// device, chunk and action where the action itself threw). Within one process nothing was
+/// changed: the chunks' RNG is put back, the communicators are made anew and the executor goes on.
+/// A failure in the update after it began, or any failure across processes, leaves it unusable:
+/// step() and save() throw Error(invalid_argument) saying so with the step's error, until load().
 /// The group must outlive the executor. Not thread-safe: call from one thread.
 ///
 /// Tensor-parallel stages (options.tensor_parallel.ranks = B > 1): a data x tensor x pipeline grid
