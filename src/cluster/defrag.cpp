@@ -48,6 +48,25 @@ struct NodeRoom {
 
 }  // namespace
 
+// Whether a movable pod could go to some node now (else moving it cannot work: its model is full,
+// say), by demand, remembered while the cluster is unchanged.
+class Defragmenter::Relocatable {
+ public:
+  Relocatable(Cluster const& cluster, Defragmenter const& owner) : cluster_(cluster), owner_(owner) {}
+  bool operator()(Demand const& e) {
+    if (!owner_.movable(e)) return false;
+    auto [it, added] = fits_.try_emplace({e.cpu_milli, e.memory_mib, e.gpus, e.gpu_milli, e.models}, false);
+    for (int n = 0; added && n < static_cast<int>(cluster_.nodes().size()) && !it->second; ++n)
+      it->second = cluster_.fits(e, n);
+    return it->second;
+  }
+
+ private:
+  Cluster const& cluster_;
+  Defragmenter const& owner_;
+  std::map<std::tuple<int, int, int, int, std::uint64_t>, bool> fits_{};
+};
+
 Defragmenter::Defragmenter(MigrationOptions options) : options_(options) {
   at_least(options_.max_pod_gpus, 0, "max_pod_gpus");
   at_least(options_.max_moves_per_pod, 1, "max_moves_per_pod");
@@ -102,15 +121,7 @@ std::optional<Defragmenter::Room> Defragmenter::make_room(Cluster& cluster, Plac
   std::vector<Plan> plans;
   int const nodes = static_cast<int>(cluster.nodes().size());
   on_node_.resize(static_cast<std::size_t>(nodes));
-  // Whether a pod could go anywhere now (else moving it cannot work: on a full model, say), by demand.
-  std::map<std::tuple<int, int, int, int, std::uint64_t>, bool> fits_somewhere;
-  auto const relocatable = [&](Demand const& e) {
-    if (!movable(e)) return false;
-    auto [it, added] = fits_somewhere.try_emplace({e.cpu_milli, e.memory_mib, e.gpus, e.gpu_milli, e.models}, false);
-    if (added)
-      for (int n = 0; n < nodes && !it->second; ++n) it->second = cluster.fits(e, n);
-    return it->second;
-  };
+  Relocatable relocatable(cluster, *this);
   for (int n = 0; n < nodes; ++n) {
     NodeSpec const& spec = cluster.nodes()[static_cast<std::size_t>(n)];
     if (spec.cpu_milli < d.cpu_milli || spec.memory_mib < d.memory_mib || spec.gpus < d.gpus) continue;
@@ -256,10 +267,11 @@ std::vector<Move> Defragmenter::consolidate(Cluster& cluster, Placer& placer, in
   max_moves = std::min(max_moves, options_.moves_per_pass);
   while (static_cast<int>(moves.size()) < max_moves) {
     // Each movable pod's gain on its own node: the fragmentation there without it, less now.
+    Relocatable relocatable(cluster, *this);
     std::vector<std::pair<double, int>> gains;
     for (int id = 0; id < static_cast<int>(pods_.size()); ++id) {
       Tracked const& p = pods_[static_cast<std::size_t>(id)];
-      if (!p.present || !movable(p.demand)) continue;
+      if (!p.present || !relocatable(p.demand)) continue;
       int const n = p.allocation.node;
       NodeRoom room{cluster.free_gpus(n), cluster.free_cpu(n), cluster.free_memory(n)};
       room.give_back(p.allocation);

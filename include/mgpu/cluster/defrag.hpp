@@ -60,6 +60,7 @@ class Defragmenter {
     Allocation allocation{};
     bool present = false;
   };
+  class Relocatable;
   void moved(int id, Allocation const& to);
   MigrationOptions options_;
   std::vector<Tracked> pods_{};

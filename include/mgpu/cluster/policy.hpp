@@ -140,7 +140,7 @@ struct MigrationOptions {
   int max_pod_gpus = 1;         ///< pods of at most this many GPUs move (fractional and CPU-only ones too)
   int max_moves_per_pod = 3;    ///< moves to make room for one pod, at most
   double moves_per_100_pods = 5;  ///< the cap: after n arrivals, at most this x n / 100 moves in all
-  int every = 0;                ///< a consolidation pass every this many arrivals (0: none)
+  int every = 10;               ///< a consolidation pass every this many arrivals (0: none)
   int moves_per_pass = 1;       ///< moves per consolidation pass, at most
   int candidates = 8;           ///< nodes tried per pod that fits nowhere (fewest moves first)
   double restart_seconds = 30;  ///< a moved pod's downtime: its restart ...
