@@ -38,6 +38,7 @@
 #include <mgpu/cluster/policy.hpp>
 #include <mgpu/cluster/bound.hpp>
 #include <mgpu/cluster/defrag.hpp>
+#include <mgpu/sched/defrag.hpp>
 #include <mgpu/sched/job_queue.hpp>
 #include <mgpu/sched/live.hpp>
 #include <mgpu/sched/planning.hpp>
