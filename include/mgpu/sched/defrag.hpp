@@ -33,10 +33,10 @@ struct GangPlan {
   std::vector<RequestMove> moves{};
 };
 
-/// The plan with the fewest moves (at most `max_moves`) of `placed` requests that lets `gang` be
-/// placed on `node`: each device is rated by the placed requests (single-device, preemptible,
-/// largest memory first) it must shed before the scheduler's filters admit the gang there, the
-/// cheapest devices are emptied that far, every shed request goes where the scheduler places it
+/// A plan of at most `max_moves` moves of `placed` requests that lets `gang` be placed on `node`:
+/// each device is rated by the placed requests (single-device, preemptible, largest memory first)
+/// it must shed before the scheduler's filters admit the gang there, the devices needing the
+/// fewest moves are emptied that far, every shed request goes where the scheduler places it
 /// among the other devices, and the gang where it places it then. No moves when the gang fits
 /// now; std::nullopt when no plan of that size works. Changes nothing. Throws what validate()
 /// throws for the gang, and Error(invalid_argument) for a negative max_moves.
