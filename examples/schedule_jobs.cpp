@@ -7,12 +7,16 @@
 //   schedule_jobs --synthetic 500 --servers 2 --gpus 8
 //   schedule_jobs --trace jobs.csv --column submit=start_time --column end=end_time --csv out.csv
 //   schedule_jobs --nodes nodes.csv --pods pods.csv --experiment fill --tie random --csv fill.csv
+//   schedule_jobs --synthetic-nodes 1213 --synthetic-pods 8152 --policy fgd --policy fgd+migration --bound relaxation
 //   schedule_jobs --synthetic-nodes 1213 --synthetic-pods 8152 --experiment replay
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <mgpu/mgpu.hpp>
@@ -55,7 +59,16 @@ struct ClusterOptions {
   double max_arrived = 1.3;
   double step = 0.05;
   std::string write_nodes, write_pods;
+  std::string bound = "relaxation";
+  mgpu::cluster::MigrationOptions migration{};
 };
+
+// A policy's name, or a name with "+migration" (the defragmenter on): the policy and whether it migrates.
+std::pair<mgpu::cluster::FitPolicy, bool> policy_named(std::string const& name) {
+  std::string const suffix = "+migration";
+  bool const migrates = name.size() > suffix.size() && name.ends_with(suffix);
+  return {mgpu::cluster::fit_policy_named(migrates ? name.substr(0, name.size() - suffix.size()) : name), migrates};
+}
 
 int run_cluster(ClusterOptions const& o, unsigned seed, std::string const& csv) {
   namespace s = mgpu::cluster;
@@ -110,9 +123,15 @@ int run_cluster(ClusterOptions const& o, unsigned seed, std::string const& csv) 
   if (!o.write_pods.empty()) s::write_pods_csv(o.write_pods, pods);
   s::Cluster const cluster(nodes);
   cluster.check(pods);  // unknown models and impossible demands, naming the file and line
-  std::vector<s::FitPolicy> policies;
-  for (std::string const& p : o.policies) policies.push_back(s::fit_policy_named(p));
-  if (policies.empty()) policies = s::all_fit_policies();
+  std::vector<std::pair<s::FitPolicy, bool>> policies;
+  for (std::string const& p : o.policies) policies.push_back(policy_named(p));
+  if (policies.empty()) {
+    for (s::FitPolicy p : s::all_fit_policies()) policies.emplace_back(p, false);
+    if (o.experiment == "fill") {
+      policies.emplace_back(s::FitPolicy::best_fit, true);
+      policies.emplace_back(s::FitPolicy::fgd, true);
+    }
+  }
   std::vector<s::TieRule> ties;
   for (std::string const& t : o.ties) ties.push_back(s::tie_rule_named(t));
   s::TargetOptions const target{.cpu_and_memory = !o.gpu_only_types, .coverage = o.coverage};
@@ -125,25 +144,56 @@ int run_cluster(ClusterOptions const& o, unsigned seed, std::string const& csv) 
       o.gpu_only_types ? " (by GPU demand and model only)" : "", 100 * o.coverage);
   if (o.experiment == "replay") {
     std::vector<s::ReplayResult> results;
-    for (s::TieRule tie : ties)
-      for (s::FitPolicy p : policies) results.push_back(s::replay(nodes, pods, p, tie, target, seed));
+    for (s::TieRule tie : ties) {
+      for (auto [p, migrates] : policies) {
+        if (migrates)
+          throw mgpu::Error(mgpu::Errc::invalid_argument, "--policy " + std::string(s::name_of(p)) +
+                                                              "+migration with --experiment replay (expected migration "
+                                                              "in the fill experiment only)");
+        results.push_back(s::replay(nodes, pods, p, tie, target, seed));
+      }
+    }
     std::printf("%s", s::format_replay(results).c_str());
     if (!csv.empty()) write_text(csv, s::replay_csv(results));
     return 0;
   }
   if (o.experiment != "fill")
     throw mgpu::Error(mgpu::Errc::invalid_argument, "--experiment " + o.experiment + " (expected fill or replay)");
+  if (o.bound != "relaxation" && o.bound != "exact" && o.bound != "off")
+    throw mgpu::Error(mgpu::Errc::invalid_argument, "--bound " + o.bound + " (expected relaxation, exact or off)");
+  auto const start = std::chrono::steady_clock::now();
   std::vector<s::FillResult> results;
+  s::MigrationOptions migration = o.migration;
   for (s::TieRule tie : ties) {
-    for (s::FitPolicy p : policies) {
-      results.push_back(s::fill(
-          nodes, pods,
-          {.policy = p, .tie = tie, .target = target, .max_arrived = o.max_arrived, .step = o.step, .seed = seed}));
-      std::fflush(stdout);
+    for (auto [p, migrates] : policies) {
+      migration.enabled = migrates;
+      results.push_back(s::fill(nodes, pods,
+                                {.policy = p,
+                                 .tie = tie,
+                                 .target = target,
+                                 .max_arrived = o.max_arrived,
+                                 .step = o.step,
+                                 .seed = seed,
+                                 .migration = migration}));
     }
   }
+  s::FillOptions const draws{.max_arrived = o.max_arrived, .step = o.step, .seed = seed};
+  if (o.bound != "off")
+    results.push_back(s::fill_bound(nodes, pods, draws,
+                                    o.bound == "exact" ? s::BoundMethod::exact : s::BoundMethod::relaxation));
+  double const seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("fill: pods drawn with replacement (seed %u) until their GPU demand reaches %.0f%% of the capacity\n%s",
               seed, 100 * o.max_arrived, s::format_fill(results).c_str());
+  if (std::any_of(policies.begin(), policies.end(), [](auto const& p) { return p.second; }))
+    std::printf("migration: at most %g moves per 100 pods, %d per pod that fits nowhere, of pods of at most %d GPU(s); "
+                "consolidation %s; a move costs its GPU share x (%g s + %g s per GiB of memory)\n",
+                o.migration.moves_per_100_pods, o.migration.max_moves_per_pod, o.migration.max_pod_gpus,
+                o.migration.every > 0 ? ("every " + std::to_string(o.migration.every) + " arrivals").c_str() : "off",
+                o.migration.restart_seconds, o.migration.seconds_per_gib);
+  if (o.bound != "off")
+    std::printf("bound: %s (GLPK) on the same draws; a lower bound on the unallocated share of any placement\n",
+                o.bound == "exact" ? "the exact integer program" : "the linear-programming relaxation");
+  std::printf("experiment: %.1f s (every policy%s)\n", seconds, o.bound != "off" ? " and the bound" : "");
   if (!csv.empty()) write_text(csv, s::fill_csv(results));
   return 0;
 }
@@ -202,7 +252,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"fill", "replay"}));
   app.add_option(
       "--policy", cluster.policies,
-      "cluster: placement policies (default all): random first-fit best-fit worst-fit dot-product gpu-packing fgd");
+      "cluster: placement policies (default all, and in the fill best-fit+migration fgd+migration): random first-fit "
+      "best-fit worst-fit dot-product gpu-packing fgd, each also as NAME+migration (fill only)");
   app.add_option("--tie", cluster.ties,
                  "cluster: tie rules to run each policy under: first, random, packed (default random)");
   app.add_option("--target-coverage", cluster.coverage,
@@ -214,6 +265,19 @@ int main(int argc, char** argv) {
                  "fill: stop at this arrived GPU demand, as a share of the capacity")
       ->check(CLI::PositiveNumber);
   app.add_option("--step", cluster.step, "fill: report every this much arrived demand")->check(CLI::PositiveNumber);
+  app.add_option("--bound", cluster.bound,
+                 "fill: the offline bound beside the policies: relaxation (LP, any size), exact (integer program, "
+                 "small clusters) or off")
+      ->check(CLI::IsMember({"relaxation", "exact", "off"}));
+  app.add_option("--migration-cap", cluster.migration.moves_per_100_pods,
+                 "fill, +migration policies: at most this many moves per 100 arrived pods")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--migration-moves", cluster.migration.max_moves_per_pod,
+                 "fill, +migration policies: moves to make room for one pod, at most")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--migration-every", cluster.migration.every,
+                 "fill, +migration policies: a consolidation pass every this many arrivals (0: none)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--write-nodes", cluster.write_nodes,
                  "cluster: write the nodes used (e.g. the synthetic ones) to this file");
   app.add_option("--write-pods", cluster.write_pods,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Renders the fill experiment's CSV (schedule_jobs --experiment fill --csv FILE) as a PNG: the
 # unallocated GPU share against the arrived GPU demand, one line per policy (and tie rule, when
-# the CSV has several). Uses matplotlib from the scripts' own venv (scripts/venv.sh plot, pinned in
+# the CSV has several), the migration policies dash-dotted and the offline bound as a dashed line. Uses matplotlib from the scripts' own venv (scripts/venv.sh plot, pinned in
 # scripts/requirements/plot.txt; CI does not run this script).
 # Usage: scripts/plot-fill.sh fill.csv fill.png ["title"]
 set -euo pipefail
@@ -24,13 +24,18 @@ if not rows:
     sys.exit(f"{source}: no rows (expected the CSV of schedule_jobs --experiment fill)")
 ties = {r["tie"] for r in rows}
 for r in rows:
-    label = r["policy"] if len(ties) == 1 else f'{r["policy"]} ({r["tie"]})'
+    label = r["policy"] if len(ties - {"-"}) <= 1 or r["policy"] == "bound" else f'{r["policy"]} ({r["tie"]})'
     lines.setdefault(label, ([], []))
     lines[label][0].append(100 * float(r["arrived"]))
     lines[label][1].append(100 * float(r["unallocated"]))
 fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
 for label, (x, y) in lines.items():
-    ax.plot(x, y, label=label, linewidth=2.2 if label.startswith("fgd") else 1.2)
+    if label.startswith("bound"):  # the offline bound: no placement can leave less
+        ax.plot(x, y, "k--", label="bound (no placement leaves less)", linewidth=1.6)
+    elif "+migration" in label:
+        ax.plot(x, y, "-.", label=label, linewidth=2.2)
+    else:
+        ax.plot(x, y, label=label, linewidth=2.2 if label.startswith("fgd") else 1.2)
 ax.set_xlabel("arrived GPU demand (% of the cluster's GPU capacity)")
 ax.set_ylabel("unallocated GPUs (% of capacity)")
 ax.set_xlim(50, max(max(x) for x, _ in lines.values()))  # below half the capacity every policy places nearly all

@@ -36,6 +36,9 @@
 #include <mgpu/plan/planner.hpp>
 #include <mgpu/cluster/cluster.hpp>
 #include <mgpu/cluster/policy.hpp>
+#include <mgpu/cluster/bound.hpp>
+#include <mgpu/cluster/defrag.hpp>
+#include <mgpu/sched/defrag.hpp>
 #include <mgpu/sched/job_queue.hpp>
 #include <mgpu/sched/live.hpp>
 #include <mgpu/sched/planning.hpp>

@@ -131,6 +131,17 @@ double Placer::fragmentation_before(Cluster const& cluster, int node) {
   return before_[n];
 }
 
+double Placer::node_fragmentation(Cluster const& cluster, int node) {
+  if (!indexed_) index_target(cluster);
+  return fragmentation_before(cluster, node);
+}
+
+double Placer::node_fragmentation(Cluster const& cluster, int node, int free_cpu, int free_memory,
+                                  std::span<int const> free_gpus) {
+  if (!indexed_) index_target(cluster);
+  return fragmentation(cluster.model_of(node), free_cpu, free_memory, free_gpus);
+}
+
 double Placer::cluster_fragmentation(Cluster const& cluster) {
   if (!indexed_) index_target(cluster);
   double total = 0;

@@ -115,12 +115,46 @@ Placer::Candidate Placer::rate(Cluster const& cluster, Demand const& d, int node
   return c;
 }
 
+namespace {
+
+// The node indices 0 to count - 1, without a list.
+struct AllNodes {
+  int count;
+  struct Iterator {
+    int n;
+    int operator*() const { return n; }
+    Iterator& operator++() {
+      ++n;
+      return *this;
+    }
+    bool operator!=(Iterator const& o) const { return n != o.n; }
+  };
+  [[nodiscard]] Iterator begin() const { return {0}; }
+  [[nodiscard]] Iterator end() const { return {count}; }
+};
+
+}  // namespace
+
 std::optional<Allocation> Placer::choose(Cluster const& cluster, Demand const& d) {
+  return pick(cluster, d, AllNodes{static_cast<int>(cluster.nodes().size())});
+}
+
+std::optional<Allocation> Placer::choose_among(Cluster const& cluster, Demand const& d, std::span<int const> nodes) {
+  for (int n : nodes) {
+    if (n < 0 || n >= static_cast<int>(cluster.nodes().size()))
+      throw Error(Errc::invalid_argument, "choose among node " + std::to_string(n) + " (expected 0 to " +
+                                              std::to_string(cluster.nodes().size() - 1) + ")");
+  }
+  return pick(cluster, d, nodes);
+}
+
+template <class Nodes>
+std::optional<Allocation> Placer::pick(Cluster const& cluster, Demand const& d, Nodes const& nodes) {
   if (!indexed_) index_target(cluster);
   int best = -1;
   Candidate best_candidate;
   int ties = 0;
-  for (int n = 0; n < static_cast<int>(cluster.nodes().size()); ++n) {
+  for (int n : nodes) {
     if (!cluster.fits(d, n)) continue;
     Candidate c = rate(cluster, d, n);
     double const eps = 1e-9 * std::max(1.0, std::abs(best_candidate.score));

@@ -23,7 +23,7 @@ FillPoint const* point_at(FillResult const& r, double arrived) {
 
 std::string format_fill(std::vector<FillResult> const& results) {
   std::string out = "unallocated GPU share when the arrived GPU demand reached each share of the capacity:\n";
-  char cell[96];
+  char cell[160];
   std::vector<double> columns;
   for (int tenth = 5; tenth <= 13; ++tenth) {
     double const x = tenth / 10.0;
@@ -31,15 +31,19 @@ std::string format_fill(std::vector<FillResult> const& results) {
         std::any_of(results.begin(), results.end(), [&](FillResult const& r) { return point_at(r, x) != nullptr; });
     if (any) columns.push_back(x);
   }
-  std::snprintf(cell, sizeof cell, "%-12s %-7s", "policy", "tie");
+  auto const bound = std::find_if(results.begin(), results.end(), [](FillResult const& r) { return r.policy == "bound"; });
+  FillPoint const* bound_full = bound == results.end() ? nullptr : point_at(*bound, 1.0);
+  std::snprintf(cell, sizeof cell, "%-20s %-7s", "policy", "tie");
   out += cell;
   for (double x : columns) {
     std::snprintf(cell, sizeof cell, " %7.0f%%", 100 * x);
     out += cell;
   }
-  out += "   frag@100%  failed@100%  decisions/s\n";
+  out += "   frag@100%  failed@100%  moves/100 pods  GPU-s lost";
+  out += bound_full ? "  gap to bound@100%  decisions/s\n" : "  decisions/s\n";
   for (FillResult const& r : results) {
-    std::snprintf(cell, sizeof cell, "%-12s %-7s", r.policy.c_str(), r.tie.c_str());
+    bool const is_bound = bound != results.end() && &r == &*bound;
+    std::snprintf(cell, sizeof cell, "%-20s %-7s", r.policy.c_str(), r.tie.c_str());
     out += cell;
     for (double x : columns) {
       FillPoint const* p = point_at(r, x);
@@ -50,12 +54,23 @@ std::string format_fill(std::vector<FillResult> const& results) {
       out += cell;
     }
     FillPoint const* full = point_at(r, 1.0);
-    if (full)
-      std::snprintf(cell, sizeof cell, "   %8.1f%%  %11d", 100 * full->fragmented, full->failed);
+    if (full && !is_bound)
+      std::snprintf(cell, sizeof cell, "   %8.1f%%  %11d  %14.2f  %10.0f", 100 * full->fragmented, full->failed,
+                    full->pods > 0 ? 100.0 * full->moves / full->pods : 0.0, full->gpu_seconds_lost);
     else
-      std::snprintf(cell, sizeof cell, "   %9s  %11s", "-", "-");
+      std::snprintf(cell, sizeof cell, "   %9s  %11s  %14s  %10s", "-", "-", "-", "-");
     out += cell;
-    std::snprintf(cell, sizeof cell, "  %11.0f\n", r.seconds > 0 ? r.decisions / r.seconds : 0.0);
+    if (bound_full) {
+      if (full && !is_bound)
+        std::snprintf(cell, sizeof cell, "  %16.1f%s", 100 * (full->unallocated - bound_full->unallocated), "pt");
+      else
+        std::snprintf(cell, sizeof cell, "  %18s", "-");
+      out += cell;
+    }
+    if (is_bound)
+      std::snprintf(cell, sizeof cell, "  %11s\n", "-");
+    else
+      std::snprintf(cell, sizeof cell, "  %11.0f\n", r.seconds > 0 ? r.decisions / r.seconds : 0.0);
     out += cell;
   }
   return out;
@@ -63,11 +78,13 @@ std::string format_fill(std::vector<FillResult> const& results) {
 
 std::string fill_csv(std::vector<FillResult> const& results) {
   std::ostringstream out;
-  out << "policy,tie,arrived,allocated,unallocated,fragmented,cpu_allocated,pods,failed,failed_gpu\n";
+  out << "policy,tie,arrived,allocated,unallocated,fragmented,cpu_allocated,pods,failed,failed_gpu,moves,"
+         "gpu_seconds_lost\n";
   for (FillResult const& r : results) {
     for (FillPoint const& p : r.points)
       out << r.policy << ',' << r.tie << ',' << p.arrived << ',' << p.allocated << ',' << p.unallocated << ','
-          << p.fragmented << ',' << p.cpu_allocated << ',' << p.pods << ',' << p.failed << ',' << p.failed_gpu << '\n';
+          << p.fragmented << ',' << p.cpu_allocated << ',' << p.pods << ',' << p.failed << ',' << p.failed_gpu << ','
+          << p.moves << ',' << p.gpu_seconds_lost << '\n';
   }
   return out.str();
 }

@@ -153,6 +153,17 @@ void TaskPlacer::wait() {
   if (failure) std::rethrow_exception(failure);
 }
 
+std::optional<GangPlan> TaskPlacer::plan_room(Request const& gang, int max_moves) {
+  std::vector<PlacedRequest> placed;
+  NodeState now;
+  {
+    std::lock_guard lock(mutex_);  // release() changes both under it
+    for (auto const& [id, task] : outstanding_) placed.push_back({id, task.first, task.second});
+    now = node_.snapshot();
+  }
+  return sched::plan_room(now, placed, gang, scheduler_, max_moves);
+}
+
 TaskPlacer::~TaskPlacer() {
   try {
     wait();

@@ -230,19 +230,15 @@ void Scheduler::remove(std::string_view name) {
   if (filters_.size() + scores_.size() == before) unknown_plugin(name, plugin_names());
 }
 
+bool Scheduler::admits(Request const& request, DeviceState const& device, NodeState const& node) const {
+  return std::all_of(filters_.begin(), filters_.end(), [&](auto const& f) { return f->admit(request, device, node); });
+}
+
 std::optional<Placement> Scheduler::place(Request const& request, NodeState const& node) const {
   validate(request, node);
   std::vector<std::size_t> candidates;
-  for (std::size_t i = 0; i < node.devices.size(); ++i) {
-    bool ok = true;
-    for (auto const& f : filters_) {
-      if (!f->admit(request, node.devices[i], node)) {
-        ok = false;
-        break;
-      }
-    }
-    if (ok) candidates.push_back(i);
-  }
+  for (std::size_t i = 0; i < node.devices.size(); ++i)
+    if (admits(request, node.devices[i], node)) candidates.push_back(i);
   int const k = whole_devices(request);
   if (static_cast<int>(candidates.size()) < k) return std::nullopt;
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # schedule_jobs end to end on the cluster formats: the synthetic cluster and pods written to files
-# give the same fill table when read back; replay runs on the files; malformed files fail with
-# exit code 2 and a message naming the file and line. Usage: schedule_jobs_cluster.sh SCHEDULE_JOBS DIR
+# give the same fill table when read back (with the migration policies and the bound, which stays at
+# or below every policy); replay runs on the files; malformed files fail with exit code 2 and a
+# message naming the file and line. Usage: schedule_jobs_cluster.sh SCHEDULE_JOBS DIR
 set -euo pipefail
 exe=$1
 dir=$2
@@ -14,10 +15,28 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
   --tie first --tie random --csv "$dir/files.csv" > "$dir/files.txt"
 cmp "$dir/synthetic.csv" "$dir/files.csv" || fail "the fill differs between the synthetic pods and the same pods read from files"
 rows=$(wc -l < "$dir/files.csv")
-[ "$rows" -eq $((1 + 2 * 7 * 11)) ] || fail "expected 154 CSV rows (2 tie rules x 7 policies x 11 points), got $((rows - 1))"
-for policy in random first-fit best-fit worst-fit dot-product gpu-packing fgd; do
+[ "$rows" -eq $((1 + 2 * 9 * 11 + 11)) ] ||
+  fail "expected 209 CSV rows (2 tie rules x 9 policies x 11 points, and the bound's 11), got $((rows - 1))"
+for policy in random first-fit best-fit worst-fit dot-product gpu-packing fgd best-fit+migration fgd+migration bound; do
   grep -q "^$policy " "$dir/files.txt" || fail "no $policy row in the fill table"
 done
+grep -q "gap to bound@100%" "$dir/files.txt" || fail "no gap to the bound in the fill table"
+grep -q "^experiment: .* s (every policy and the bound)" "$dir/files.txt" || fail "no experiment time"
+# The bound at or below every policy at every point, and the moves within 5 per 100 pods
+# (columns: policy,tie,arrived,...,unallocated=5,pods=8,...,moves=11,gpu_seconds_lost=12).
+awk -F, 'NR > 1 && $1 == "bound" { bound[$3] = $5 }
+         NR > 1 && $1 != "bound" { unallocated[NR] = $5; at[NR] = $3; who[NR] = $1 }
+         NR > 1 && $11 > 5 * $8 / 100 { print "over the cap: " $0; bad = 1 }
+         END { for (r in at) if (unallocated[r] < bound[at[r]] - 1e-9) { print who[r] " below the bound at " at[r]; bad = 1 }
+               exit bad }' "$dir/files.csv" || fail "the bound or the cap"
+awk -F, '$1 == "fgd+migration" && $11 > 0 { found = 1 } END { exit !found }' "$dir/files.csv" ||
+  fail "fgd+migration made no move on the synthetic trace"
+
+# The exact bound on a small cluster, beside one migration policy; migration is for the fill only.
+"$exe" --synthetic-nodes 3 --synthetic-pods 60 --seed 5 --policy fgd+migration --bound exact --max-arrived 1.2 \
+  --step 0.2 --migration-cap 10 --migration-every 0 --csv "$dir/exact.csv" > "$dir/exact.txt"
+grep -q "the exact integer program" "$dir/exact.txt" || fail "the exact bound not named"
+[ "$(grep -c '^bound,' "$dir/exact.csv")" -eq 6 ] || fail "expected 6 bound rows"
 
 "$exe" --nodes "$dir/nodes.csv" --pods "$dir/pods.csv" --experiment replay --policy fgd --policy best-fit --csv "$dir/replay.csv" > "$dir/replay.txt"
 [ "$(wc -l < "$dir/replay.csv")" -eq 3 ] || fail "expected two replay rows"
@@ -56,4 +75,6 @@ expect_error "malformed.csv:3: column 'gpu_milli' is 'x'" --nodes "$dir/nodes.cs
 { head -n 2 "$dir/pods.csv"; echo "huge,1000,100,64,1000,,LS,0,5"; } > "$dir/impossible.csv"
 expect_error "impossible.csv:3): 1000 milli-CPU, 100 MiB and 64 GPUs fit no node" --nodes "$dir/nodes.csv" --pods "$dir/impossible.csv"
 expect_error "no placement policy named 'tetris'" --synthetic-nodes 10 --synthetic-pods 10 --policy tetris
+expect_error "expected migration in the fill experiment only" --synthetic-nodes 10 --synthetic-pods 10 \
+  --experiment replay --policy fgd+migration
 echo "schedule_jobs cluster formats: ok"

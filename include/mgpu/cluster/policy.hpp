@@ -78,8 +78,18 @@ class Placer {
   /// The allocation the policy chooses for `demand` on `cluster` as it is now, or std::nullopt
   /// when no node fits. Changes nothing in the cluster.
   [[nodiscard]] std::optional<Allocation> choose(Cluster const& cluster, Demand const& demand);
+  /// The same among `nodes` only (indices into cluster.nodes(), in the order ties see them): the
+  /// filter the defragmenter narrows. Throws Error(invalid_argument) for an index out of range.
+  [[nodiscard]] std::optional<Allocation> choose_among(Cluster const& cluster, Demand const& demand,
+                                                       std::span<int const> nodes);
   /// The sum of node_fragmentation over the cluster's nodes, in milli-GPUs.
   [[nodiscard]] double cluster_fragmentation(Cluster const& cluster);
+  /// node_fragmentation() of `node` under the placer's target workload, as it is now or with the
+  /// free resources given (what-if: the defragmenter rates moves by it); 0 without a target.
+  [[nodiscard]] double node_fragmentation(Cluster const& cluster, int node);
+  [[nodiscard]] double node_fragmentation(Cluster const& cluster, int node, int free_cpu, int free_memory,
+                                          std::span<int const> free_gpus);
+  [[nodiscard]] FitPolicy policy() const noexcept { return policy_; }
 
  private:
   struct Candidate {
@@ -105,6 +115,8 @@ class Placer {
   };
   void index_target(Cluster const& cluster);
   Candidate rate(Cluster const& cluster, Demand const& demand, int node);
+  template <class Nodes>
+  std::optional<Allocation> pick(Cluster const& cluster, Demand const& demand, Nodes const& nodes);
   double fragmentation(int model, int free_cpu, int free_memory, std::span<int const> free_gpus) const;
   double fragmentation_before(Cluster const& cluster, int node);
 
@@ -119,6 +131,22 @@ class Placer {
   std::vector<int> after_{};
 };
 
+/// Migration: when a pod fits no node, a defragmenter (mgpu/cluster/defrag.hpp) may move running
+/// small pods to make room for it, and every `every` arrivals move pods that lower the cluster's
+/// fragmentation (FGD's measure under the target workload) the most per move. Each move is
+/// counted and charged its downtime in GPU-seconds; the cap bounds the moves per arrived pod.
+struct MigrationOptions {
+  bool enabled = false;
+  int max_pod_gpus = 1;         ///< pods of at most this many GPUs move (fractional and CPU-only ones too)
+  int max_moves_per_pod = 3;    ///< moves to make room for one pod, at most
+  double moves_per_100_pods = 5;  ///< the cap: after n arrivals, at most this x n / 100 moves in all
+  int every = 10;               ///< a consolidation pass every this many arrivals (0: none)
+  int moves_per_pass = 1;       ///< moves per consolidation pass, at most
+  int candidates = 8;           ///< nodes tried per pod that fits nowhere (fewest moves first)
+  double restart_seconds = 30;  ///< a moved pod's downtime: its restart ...
+  double seconds_per_gib = 1;   ///< ... plus its memory copied at 1 GiB/s
+};
+
 /// The fill experiment's settings.
 struct FillOptions {
   FitPolicy policy = FitPolicy::fgd;
@@ -127,6 +155,7 @@ struct FillOptions {
   double max_arrived = 1.3;  ///< stop when the drawn pods' GPU demand reaches this share of the capacity
   double step = 0.05;        ///< report every this much arrived demand
   unsigned seed = 1;         ///< the pods drawn (the same for every policy) and the random choices
+  MigrationOptions migration{};  ///< enabled: the policy's name gains "+migration"
 };
 
 /// The cluster when the arrived GPU demand reached `arrived` (shares of the GPU capacity).
@@ -139,6 +168,8 @@ struct FillPoint {
   int pods = 0;           ///< pods drawn so far
   int failed = 0;         ///< of those, pods no node could take
   double failed_gpu = 0;  ///< their GPU demand, as a share of the capacity
+  int moves = 0;          ///< pods migrated so far
+  double gpu_seconds_lost = 0;  ///< the moved pods' downtime, in GPU-seconds
 };
 
 /// One policy's fill: a point every step, and the time its placement decisions took.
@@ -152,8 +183,10 @@ struct FillResult {
 
 /// Draws pods from `trace` (seeded, with replacement) and places each at once, without departures,
 /// until their GPU demand reaches options.max_arrived of the capacity; a point every options.step.
-/// The target workload comes from `trace`. Throws Error(invalid_argument) for an empty trace, a
-/// trace with no GPU demand, a step or max_arrived <= 0, and for pods the cluster cannot hold.
+/// With options.migration enabled a pod that fits no node may have others moved to make room. The
+/// target workload comes from `trace`. Throws Error(invalid_argument) for an empty trace, a trace
+/// with no GPU demand, a step or max_arrived <= 0, pods the cluster cannot hold, and migration
+/// options out of range.
 [[nodiscard]] FillResult fill(std::vector<NodeSpec> const& nodes, std::vector<Pod> const& trace,
                               FillOptions const& options);
 
@@ -176,7 +209,9 @@ struct ReplayResult {
                                   TieRule tie = TieRule::random, TargetOptions const& target = {}, unsigned seed = 1);
 
 /// A table of fill results: per policy, the unallocated GPU share at every tenth of arrived demand
-/// from 50%, the fragmented share and failed pods at 100%, and decisions per second.
+/// from 50%, the fragmented share, failed pods, migrations per 100 pods and GPU-seconds lost at
+/// 100%, and decisions per second. A result named "bound" (fill_bound()) is a row of its own, and
+/// every other row gains its gap to it at 100%.
 [[nodiscard]] std::string format_fill(std::vector<FillResult> const& results);
 /// Every point of every result as CSV (policy, tie, arrived, allocated, unallocated, ...).
 [[nodiscard]] std::string fill_csv(std::vector<FillResult> const& results);

@@ -8,10 +8,12 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include <mgpu/core/device_group.hpp>
+#include <mgpu/sched/defrag.hpp>
 #include <mgpu/sched/scheduler.hpp>
 
 namespace mgpu::sched {
@@ -48,6 +50,10 @@ class TaskPlacer {
   /// Waits for every submitted task; rethrows the first failure. Reservations of tasks whose work
   /// did not run (a failed stream skips later work) are released here.
   void wait();
+  /// A plan that makes room for `gang` (e.g. a 4-device data-parallel job) by moving at most
+  /// `max_moves` of the tasks still outstanding (ids in submission order from 0) to other devices:
+  /// plan_room() on the node as it is now. The moves are returned, not made. Throws as plan_room().
+  [[nodiscard]] std::optional<GangPlan> plan_room(Request const& gang, int max_moves = 8);
   [[nodiscard]] Node& node() noexcept { return node_; }
 
  private:

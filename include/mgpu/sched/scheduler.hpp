@@ -85,6 +85,8 @@ class Scheduler {
   /// Error(invalid_argument) for an invalid request (devices <= 0, a fraction above 1 that is not
   /// whole, more devices than the node has, negative memory).
   [[nodiscard]] std::optional<Placement> place(Request const& request, NodeState const& node) const;
+  /// Whether every filter admits `device` for `request` (the filter stage of place() for one device).
+  [[nodiscard]] bool admits(Request const& request, DeviceState const& device, NodeState const& node) const;
 
  private:
   struct Weighted {
