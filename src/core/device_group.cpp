@@ -252,6 +252,15 @@ void DeviceGroup::remove_failure_listener(int id) noexcept {
   std::erase_if(impl_->listeners, [id](auto const& entry) { return entry.first == id; });
 }
 
+void DeviceGroup::drain() noexcept {
+  for (int rank = 0; rank < size(); ++rank) {
+    try {
+      stream(rank).synchronize();
+    } catch (...) {  // the failure's own consequences, reported by the caller
+    }
+  }
+}
+
 void DeviceGroup::synchronize() {
   std::exception_ptr first;
   int first_rank = -1;

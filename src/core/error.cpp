@@ -29,6 +29,16 @@ std::string_view Error::message() const noexcept {
   return text.substr(to_string(category_).size() + 2);
 }
 
+std::string describe(std::exception_ptr const& failure) {
+  try {
+    if (failure) std::rethrow_exception(failure);
+  } catch (std::exception const& e) {
+    return e.what();
+  } catch (...) {  // not a std::exception: nothing to say of it
+  }
+  return "an unknown error";
+}
+
 namespace detail {
 namespace {
 std::string call_report(char const* library, std::string const& status_text, char const* expression,

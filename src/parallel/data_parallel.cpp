@@ -494,13 +494,7 @@ void DataParallel::Impl::recover(std::exception_ptr failure, Before const& befor
   }
   micro_steps = 0;
   if (changed) {
-    std::string cause = "an unknown error";
-    try {
-      std::rethrow_exception(failure);
-    } catch (std::exception const& e) {
-      cause = e.what();
-    } catch (...) {  // only the message is wanted here; the failure itself is rethrown below
-    }
+    std::string const cause = describe(failure);
     broken =
         across ? "the executor cannot be used after a step failed across processes, whose communicator cannot be made "
                  "again while a peer may be gone (expected a new job); the step failed with " +

@@ -143,20 +143,9 @@ struct TensorParallel::Impl {
 
 void TensorParallel::Impl::recover(std::exception_ptr failure, std::vector<std::vector<std::uint64_t>> const& rng,
                                    std::vector<std::int64_t> const& steps) {
-  std::string cause = "an unknown error";
+  std::string const cause = describe(failure);
   try {
-    std::rethrow_exception(failure);
-  } catch (std::exception const& e) {
-    cause = e.what();
-  } catch (...) {  // only the message is wanted here; the failure itself is rethrown below
-  }
-  try {
-    for (int rank = 0; rank < group->size(); ++rank) {
-      try {
-        group->stream(rank).synchronize();
-      } catch (Error const&) {  // the failure's own consequences, reported by it
-      }
-    }
+    group->drain();
     bool updated = false;  // past the step's commit point somewhere
     for (auto const& sync : syncs) updated = updated || sync->updated();
     if (world) {

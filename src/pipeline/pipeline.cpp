@@ -332,20 +332,9 @@ void Executor::Impl::check_usable(char const* call) const {
 }
 
 void Executor::Impl::recover(std::exception_ptr failure, bool updated) {
-  std::string cause = "an unknown error";
+  std::string const cause = describe(failure);
   try {
-    std::rethrow_exception(failure);
-  } catch (std::exception const& e) {
-    cause = e.what();
-  } catch (...) {  // only the message is wanted here; the failure itself is rethrown below
-  }
-  try {
-    for (int local = 0; local < group->size(); ++local) {
-      try {
-        group->stream(local).synchronize();
-      } catch (Error const&) {  // the failure's own consequences, reported by it
-      }
-    }
+    group->drain();
     if (across) {
       broken = "the executor cannot be used after a step failed across processes, whose communicators cannot be made again "
                "while a peer may be gone (expected a new job); the step failed with " + cause;

@@ -73,6 +73,9 @@ class DeviceGroup {
 
   /// Waits for every rank's default stream; throws the first error.
   void synchronize();
+  /// Waits for every rank's default stream and clears their failures without throwing: after a
+  /// failed step, whose own error the caller reports.
+  void drain() noexcept;
 
   /// Views of `batch`'s rows split by shard_sizes(batch.dim(0), size(), weights), one per rank,
   /// still in batch's memory.

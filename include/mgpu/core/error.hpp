@@ -1,6 +1,7 @@
 // mgpu's one exception type, its categories, and the checked wrappers for CUDA, NCCL and cuBLAS calls.
 #pragma once
 
+#include <exception>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -35,6 +36,10 @@ class Error : public std::runtime_error {
  private:
   Errc category_;
 };
+
+/// What a caught exception says: its what(), or "an unknown error" for one that is not a
+/// std::exception (a failure kept to be rethrown, described in another message).
+[[nodiscard]] std::string describe(std::exception_ptr const& failure);
 
 namespace detail {
 // A call site's file and line. Not std::source_location, which Clang before 15 cannot provide with
