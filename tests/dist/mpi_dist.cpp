@@ -469,6 +469,15 @@ mgpu::nn::Sequential dp_model(bool dropout) {
   return model;
 }
 
+// `ids` with the last token of its last row set to `value`.
+Tensor with_last_id(Tensor const& ids, std::int32_t value) {
+  std::shared_ptr<mgpu::Allocator> const host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  Tensor copy = Tensor::empty(ids.shape(), DType::int32, *host);
+  std::copy(ids.host_span<std::int32_t>().begin(), ids.host_span<std::int32_t>().end(), copy.host_span<std::int32_t>().begin());
+  copy.host_span<std::int32_t>().back() = value;
+  return copy;
+}
+
 std::vector<float> host_values(Tensor const& t, mgpu::Stream& stream) {
   std::shared_ptr<mgpu::Allocator> const host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
   Tensor const copy = Tensor::empty(t.shape(), t.dtype(), *host);
@@ -1081,6 +1090,9 @@ void test_tensor_parallel_pipeline(Setup const& s) {
     options.make_communicator = mgpu::dist::communicator_factory(s.world);
     options.make_subset_communicator = mgpu::dist::subset_communicator_factory(s.world);
     pp::Executor executor(model, s.group, cuts, pp::one_f_one_b(devices, 2), adamw, options);
+    // A bad id is refused by every process before any action; the run below then follows the reference.
+    expect_refused([&] { (void)executor.step(with_last_id(xs[0], -1), ys[0]); }, "token id -1 at row 7, position 7 of the batch",
+                   what + ": a negative id");
     for (std::size_t b = 0; b < xs.size(); ++b) {
       float const expected = reference.step(xs[b], ys[b]);
       float const got = executor.step(xs[b], ys[b]);
@@ -1164,6 +1176,9 @@ void test_tensor_parallel(Setup const& s) {
     par::TensorParallel tp(s.group, config, options);
     EXPECT(tp.size() == s.size() && tp.data_parallel() == c.replicas && tp.tensor_parallel() == t_ranks,
            what << ": a grid of " << tp.data_parallel() << " x " << tp.tensor_parallel());
+    // A bad id is refused by every process before any work; the run below then follows the reference.
+    expect_refused([&] { (void)tp.step(with_last_id(xs[0], 32), ys[0]); }, "token id 32 at row 4, position 7 of the batch",
+                   what + ": an id of the vocab's size");
     for (std::size_t b = 0; b < xs.size(); ++b) {
       double const want = reference.step(xs[b], ys[b]).loss;
       double const got = tp.step(xs[b], ys[b]).loss;
@@ -1219,6 +1234,9 @@ void test_pipeline_gpt(Setup const& s) {
     pp::Executor reference(model, one, cuts, pp::one_f_one_b(devices, 2), adamw, options);
     options.make_communicator = mgpu::dist::communicator_factory(s.world);
     pp::Executor executor(model, s.group, cuts, pp::one_f_one_b(devices, 2), adamw, options);
+    // A bad id is refused by every process before any action; the run below then follows the reference.
+    expect_refused([&] { (void)executor.step(with_last_id(xs[0], 32), ys[0]); }, "token id 32 at row 5, position 7 of the batch",
+                   what + ": an id of the vocab's size");
     for (std::size_t b = 0; b < xs.size(); ++b) {
       float const expected = reference.step(xs[b], ys[b]);
       float const got = executor.step(xs[b], ys[b]);
