@@ -55,10 +55,8 @@ Batch copy_of(Env& env, Batch const& b) {
   return c;
 }
 
-}  // namespace
-
-TEST_CASE("every executor refuses a bad batch before any work, naming it, and goes on as if it had not been called",
-          "[parallel][pipeline][tp][inputs]") {
+// Every layout of `family` refuses each bad batch, naming it, and then follows a twin.
+void check_bad_batches(std::string const& family) {
   Env env;
   std::vector<Batch> batches;
   for (unsigned s = 0; s < 4; ++s) batches.push_back(mgpu::test::rule_batch(env, batch, config.block_size, config.vocab, 40 + s));
@@ -79,7 +77,9 @@ TEST_CASE("every executor refuses a bad batch before any work, naming it, and go
   env.stream.synchronize();
   std::string const row = "row " + std::to_string(batch - 1);
 
-  for (mgpu::test::layouts::Layout const& layout : mgpu::test::layouts::all()) {
+  std::vector<mgpu::test::layouts::Layout> const chosen = mgpu::test::layouts::of(family);
+  REQUIRE(!chosen.empty());
+  for (mgpu::test::layouts::Layout const& layout : chosen) {
     INFO(layout.name);
     mgpu::test::layouts::Trainer const twin_trainer = layout.make();
     mgpu::test::layouts::Trainer const trainer = layout.make();
@@ -104,6 +104,24 @@ TEST_CASE("every executor refuses a bad batch before any work, naming it, and go
       CHECK(step(batches[s].ids, batches[s].targets, 1.0f) == twin(batches[s].ids, batches[s].targets, 1.0f));
     }
   }
+}
+
+}  // namespace
+
+TEST_CASE("one device refuses a bad batch before any work, naming it, and goes on as if it had not been called", "[inputs]") {
+  check_bad_batches("one device");
+}
+TEST_CASE("data parallel refuses a bad batch before any work, naming it, and goes on as if it had not been called",
+          "[parallel][inputs]") {
+  check_bad_batches("data parallel");
+}
+TEST_CASE("every pipeline schedule refuses a bad batch before any work, naming it, and goes on as if it had not been called",
+          "[pipeline][inputs]") {
+  check_bad_batches("pipeline");
+}
+TEST_CASE("tensor parallelism refuses a bad batch before any work, naming it, and goes on as if it had not been called",
+          "[tp][inputs]") {
+  check_bad_batches("tensor");
 }
 
 TEST_CASE("optimizers refuse learning rates and hyper-parameters that are not finite or out of range, naming them", "[optim][inputs]") {

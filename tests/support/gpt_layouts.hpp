@@ -51,6 +51,17 @@ inline pipeline::ChunkOptimizerFactory chunk_adamw() {
   };
 }
 
+inline std::vector<Layout> all();
+
+/// The layouts whose names start with `family` ("one device", "data parallel", "pipeline",
+/// "tensor"): a test case each, so that each stays short under the sanitizers.
+inline std::vector<Layout> of(std::string const& family) {
+  std::vector<Layout> chosen;
+  for (Layout& layout : all())
+    if (layout.name.rfind(family, 0) == 0) chosen.push_back(std::move(layout));
+  return chosen;
+}
+
 inline std::vector<Layout> all() {
   namespace pp = mgpu::pipeline;
   namespace par = mgpu::parallel;
