@@ -382,7 +382,8 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
   } catch (Error const&) {
     if (!across) throw;
     refused = std::current_exception();
-    plan = im.plan_shards(0);
+    plan.rows.assign(im.ranks.size(), 0);  // no rows, whatever allow_empty_shards says: the step stops at share_counts()
+    plan.offsets.assign(im.ranks.size(), 0);
   }
   // The loss's divisor: the counted units of the global batch (a shard's loss is its share of the
   // mean); across processes the sum of every process's, which share_counts() exchanges.
