@@ -1,15 +1,20 @@
 #!/usr/bin/env python3
-"""Checks that no #include crosses mgpu's layers the wrong way (README, "Architecture").
+"""Checks that no #include crosses mgpu's layers the wrong way and that no modules include each
+other in a circle (README, "Architecture").
 
 Every file under include/ and src/ belongs to a module: include/mgpu/<module>/... or
 src/<module>/... (include/mgpu/mgpu.hpp is the umbrella header, free to include anything). An
 include names a module as <mgpu/<module>/...> or "<module>/..."; one without a folder
 ("csv.hpp") stays in its own module. A file may include its own module, and the modules that
-LAYERS lists for it; anything else is reported as file:line with the rule, and the exit status
-is 1.
+LAYERS lists for it; anything else is reported as file:line with the rule. LAYERS itself must
+have no cycle (each module strictly below the ones that include it), and the modules' includes
+as found in the tree must make none either: a circle is reported with a file:line for each of
+its steps. A circle that a KNOWN violation closes is printed as a note. Any report makes
+the exit status 1.
 
   scripts/check-layers.py [--root DIR]   check the tree at DIR (default: this repository)
-  scripts/check-layers.py --self-test    show that a wrong include is caught (ctest runs both)
+  scripts/check-layers.py --self-test    show that a wrong include and an include circle are
+                                         caught (ctest runs both)
 
 Python standard library only.
 """
@@ -43,7 +48,10 @@ LAYERS = {
 }
 
 # Known violations, allowed one by one until they are fixed: (module, included module) for a
-# whole module, or (file, included module) for one file; each with why it is still there.
+# whole module, or (file, included module) for one file; each with why it is still there. The
+# deprecated forwarding headers also close the only include circles left (sched <-> cluster,
+# parallel <-> pipeline: the new module includes the old one's real headers); they go, with
+# their circles, when the headers are removed (an API break, due after their release).
 KNOWN = {
     # Deprecated forwarding headers for one release (README, Changelog): the cluster module moved
     # out of sched.
@@ -82,12 +90,68 @@ def included_module(line):
     return match.group(3)  # "X/..."
 
 
-def check(root):
-    """Every violation under root's include/ and src/ ('file:line: message'), and the KNOWN
-    entries that matched nothing."""
+def find_cycle(graph):
+    """One cycle of `graph` (module -> the modules it includes) as a list of modules whose last
+    includes the first, or None; the smallest module first, for a stable report."""
+    state = {}  # module -> 1 while on the current path, 2 once done
+    path = []
+
+    def visit(module):
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                return path[path.index(target):]
+            if target not in state:
+                found = visit(target)
+                if found:
+                    return found
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            found = visit(module)
+            if found:
+                first = found.index(min(found))
+                return found[first:] + found[:first]
+    return None
+
+
+def cycles(graph, removable=frozenset()):
+    """The cycles of `graph`, each found once: after a cycle is found, one of its edges is taken out
+    (one in `removable` where it has one, so that a known circle hides no other) and the search
+    goes on, so each circle of modules is reported once, not every longer walk around it."""
+    graph = {m: set(ts) for m, ts in graph.items()}
+    found = []
+    while True:
+        cycle = find_cycle(graph)
+        if cycle is None:
+            return found
+        found.append(cycle)
+        steps = list(zip(cycle, cycle[1:] + cycle[:1]))
+        module, target = next((step for step in steps if step in removable), steps[-1])
+        graph[module].discard(target)
+
+
+def check(root, layers=None, known=None):
+    """Every violation under root's include/ and src/ ('file:line: message'), the KNOWN entries that
+    matched nothing, and the include circles that KNOWN violations close (notes)."""
+    layers = LAYERS if layers is None else layers
+    known_violations = KNOWN if known is None else known
     root = pathlib.Path(root)
     problems = []
+    notes = []
     used = set()
+    for cycle in cycles(layers):
+        problems.append("scripts/check-layers.py:1: the layer table has a circle " + " -> ".join(cycle + cycle[:1]) +
+                        " (expected every module below the modules that include it)")
+    # (module, included module) -> the first 'file:line' that makes it, for the includes the table
+    # or KNOWN allows (a circle through a wrong include is fixed by fixing that include, reported
+    # already)
+    includes = {}
+    excused = set()  # the pairs that a KNOWN entry allows
     files = sorted(p for folder in ("include", "src") for p in (root / folder).rglob("*")
                    if p.is_file() and p.suffix in SOURCE_SUFFIXES)
     for path in files:
@@ -95,27 +159,72 @@ def check(root):
         module = module_of(relative)
         if module is None:
             continue
-        if module not in LAYERS:
+        if module not in layers:
             problems.append(f"{relative}:1: module '{module}' is not in the layer table "
-                            f"(expected one of {', '.join(sorted(LAYERS))}; add it to LAYERS in scripts/check-layers.py)")
+                            f"(expected one of {', '.join(sorted(layers))}; add it to LAYERS in scripts/check-layers.py)")
             continue
         for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
             target = included_module(line)
-            if target is None or target == module or target in LAYERS[module]:
+            if target is None or target == module:
                 continue
-            known = next((k for k in ((module, target), (relative, target)) if k in KNOWN), None)
+            if target in layers[module]:
+                includes.setdefault((module, target), f"{relative}:{number}")
+                continue
+            known = next((k for k in ((module, target), (relative, target)) if k in known_violations), None)
             if known:
                 used.add(known)
+                excused.add((module, target))
+                includes.setdefault((module, target), f"{relative}:{number}")
                 continue
-            allowed = ", ".join(sorted(LAYERS[module])) or "nothing"
-            kind = "an unknown module" if target not in LAYERS else "a module it does not depend on"
+            allowed = ", ".join(sorted(layers[module])) or "nothing"
+            kind = "an unknown module" if target not in layers else "a module it does not depend on"
             problems.append(f"{relative}:{number}: {module} may not include {target} ({kind}): "
                             f"{line.strip()}; {module} may include only itself and {allowed}")
-    return problems, sorted(set(KNOWN) - used)
+    graph = {}
+    for module, target in includes:
+        graph.setdefault(module, set()).add(target)
+    for cycle in cycles(graph, excused):
+        steps = list(zip(cycle, cycle[1:] + cycle[:1]))
+        text = " -> ".join(cycle + cycle[:1]) + " (" + "; ".join(
+            f"{includes[step]}: {step[0]} includes {step[1]}" for step in steps) + ")"
+        if any(step in excused for step in steps):
+            notes.append("check-layers: note: a known include circle " + text)
+        else:
+            problems.append(f"{includes[steps[0]]}: an include circle {text}; expected no module to include itself "
+                            f"through others")
+    return problems, sorted(set(known_violations) - used), notes
+
+
+def self_test_cycles():
+    """Checks a circle in a layer table and one in a tree's includes (through two modules that the
+    table lets include each other) are both reported, and one that a KNOWN entry closes is a note."""
+    layers = {"a": {"b"}, "b": {"a"}, "c": set(), "d": {"c"}}
+    with tempfile.TemporaryDirectory() as directory:
+        root = pathlib.Path(directory)
+        for folder in ("a", "b", "c", "d"):
+            (root / "src" / folder).mkdir(parents=True)
+        (root / "src/a/x.cpp").write_text('#include "b/y.hpp"\n')
+        (root / "src/b/y.hpp").write_text('#include <mgpu/a/x.hpp>\n')
+        (root / "src/c/forward.hpp").write_text('#include "d/z.hpp"\n')
+        (root / "src/d/z.hpp").write_text('#include "c/w.hpp"\n')
+        problems, _, notes = check(root, layers, {("src/c/forward.hpp", "d"): "forwarding header"})
+    expected = ["scripts/check-layers.py:1: the layer table has a circle a -> b -> a",
+                "src/a/x.cpp:1: an include circle a -> b -> a (src/a/x.cpp:1: a includes b; src/b/y.hpp:1: b includes a)"]
+    found = all(any(p.startswith(e) for p in problems) for e in expected)
+    note = len(notes) == 1 and "c -> d -> c" in notes[0]
+    if not found or len(problems) != len(expected) or not note:
+        print("check-layers self-test FAILED: expected reports starting with", expected, "and a note on c -> d -> c, got",
+              problems, notes)
+        return 1
+    print("check-layers self-test: the include circles were reported:")
+    for p in problems + notes:
+        print("  " + p)
+    return 0
 
 
 def self_test():
-    """Checks a small tree with one right and two wrong includes: both wrong ones are reported."""
+    """Checks a small tree with one right and two wrong includes: both wrong ones are reported; then
+    the circles (self_test_cycles)."""
     with tempfile.TemporaryDirectory() as directory:
         root = pathlib.Path(directory)
         (root / "src/core").mkdir(parents=True)
@@ -123,7 +232,7 @@ def self_test():
         (root / "src/core/bad.cpp").write_text(
             '#include <mgpu/core/tensor.hpp>\n#include <mgpu/parallel/data_parallel.hpp>\n#include "sched/x.hpp"\n')
         (root / "src/parallel/good.cpp").write_text('#include <mgpu/nn/layers.hpp>\n#include "core/stream_impl.hpp"\n')
-        problems, _ = check(root)
+        problems, _, _ = check(root)
     expected = ["src/core/bad.cpp:2: core may not include parallel", "src/core/bad.cpp:3: core may not include sched"]
     found = all(any(p.startswith(e) for p in problems) for e in expected)
     if not found or len(problems) != len(expected):
@@ -132,7 +241,7 @@ def self_test():
     print("check-layers self-test: the wrong includes were reported:")
     for p in problems:
         print("  " + p)
-    return 0
+    return self_test_cycles()
 
 
 def main():
@@ -142,15 +251,18 @@ def main():
     arguments = parser.parse_args()
     if arguments.self_test:
         return self_test()
-    problems, stale = check(arguments.root)
+    problems, stale, notes = check(arguments.root)
+    for note in notes:
+        print(note)
     for entry in stale:
         print(f"check-layers: note: the known violation {entry} no longer occurs; remove it from KNOWN")
     for p in problems:
         print(p)
     if problems:
-        print(f"check-layers: {len(problems)} include(s) cross the layers the wrong way (table: scripts/check-layers.py)")
+        print(f"check-layers: {len(problems)} include(s) or circle(s) go against the layers (table: scripts/check-layers.py)")
         return 1
-    print("check-layers: every include follows the layers")
+    print("check-layers: every include follows the layers, and no modules include each other in a circle" +
+          (" but the known ones above" if notes else ""))
     return 0
 
 
