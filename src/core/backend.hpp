@@ -11,14 +11,16 @@
 //     on tensors or buffers (CUDA work, or host work through raw pointers), record that work as a
 //     use, so that their blocks go to other streams only once it has finished, and to that
 //     stream at once (stream-ordered release, in place of work that holds the tensors);
-//   - StreamScratch: a kernel launcher's temporaries (kernels/scratch.hpp) from the caching
+//   - StreamScratch: a kernel launcher's temporaries (core/kernel_scratch.hpp) from the caching
 //     allocator, for the launch's stream, released in stream order;
 //   - host_staging_allocator(): the shared host allocator for staging copies and scalar reads;
 //   - mgpu::detail::cuda (core/cuda_backend.hpp, included here): the CUDA runtime calls behind
 //     plain C++ signatures (streams, events, host words, memory, error strings), which a build
 //     without CUDA answers with "no GPU". Code compiled only in CUDA builds may also use
 //     core/cuda_device_scope.hpp (it needs cuda_runtime.h) to make a GPU current for one call.
-// Kernels are not part of it: they live in src/kernels, one launcher header per layer.
+// Kernels are not part of it: they live in src/kernels, one launcher header per layer above core;
+// core's own launchers and the Scratch they take are declared in core (convert_kernels.hpp,
+// kernel_scratch.hpp), so that core includes nothing of src/kernels.
 #pragma once
 
 #include <atomic>
@@ -35,7 +37,7 @@
 #include <mgpu/core/tensor.hpp>
 
 #include "core/cuda_backend.hpp"
-#include "kernels/scratch.hpp"
+#include "core/kernel_scratch.hpp"
 
 namespace mgpu::detail {
 

@@ -1,6 +1,6 @@
 // The CUDA runtime calls the core needs, behind plain C++ signatures. cuda_backend.cpp implements
 // them with CUDA; no_cuda_backend.cpp, for builds without CUDA, reports no GPU and throws. The
-// core's kernels are launched through src/kernels/convert.hpp.
+// core's kernels are launched through src/core/convert_kernels.hpp.
 #pragma once
 
 #include <cstddef>

@@ -1,11 +1,11 @@
 // The CUDA backend of a build without CUDA: no GPU is visible and every CUDA operation throws,
-// kernel launchers of the core (src/kernels/convert.hpp) included.
+// kernel launchers of the core (src/core/convert_kernels.hpp) included.
 #include <string>
 
 #include <mgpu/core/error.hpp>
 
 #include "core/cuda_backend.hpp"
-#include "kernels/convert.hpp"
+#include "core/convert_kernels.hpp"
 
 namespace mgpu::detail::cuda {
 

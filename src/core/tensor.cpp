@@ -8,8 +8,8 @@
 #include <mgpu/core/detail/elementwise.hpp>
 
 #include "core/backend.hpp"
+#include "core/convert_kernels.hpp"
 #include "core/cuda_backend.hpp"
-#include "kernels/convert.hpp"
 
 namespace mgpu {
 namespace {

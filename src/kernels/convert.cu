@@ -1,6 +1,6 @@
-// Element-type conversion and fill kernels (src/kernels/convert.hpp): the device side of
+// Element-type conversion and fill kernels (src/core/convert_kernels.hpp): the device side of
 // convert_async() and fill_async(), running the element code of mgpu/core/detail/elementwise.hpp.
-#include "kernels/convert.hpp"
+#include "core/convert_kernels.hpp"
 
 #include <mgpu/core/detail/elementwise.hpp>
 

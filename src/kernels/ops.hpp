@@ -11,7 +11,7 @@
 
 #include <mgpu/core/dtype.hpp>
 
-#include "kernels/scratch.hpp"
+#include "core/kernel_scratch.hpp"
 
 namespace mgpu::kernels {
 

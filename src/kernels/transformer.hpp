@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "kernels/scratch.hpp"
+#include "core/kernel_scratch.hpp"
 
 namespace mgpu::kernels {
 

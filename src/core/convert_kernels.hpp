@@ -1,7 +1,8 @@
-// Host-callable launchers of the core's kernels (src/kernels/convert.cu): element-type conversion
-// and fill, behind convert_async() and fill_async() of mgpu/core/tensor.hpp. Builds without CUDA
-// link throwing stand-ins (src/core/no_cuda_backend.cpp). Each leaves the calling thread's current
-// device as it was.
+// Host-callable launchers of the core's kernels: element-type conversion and fill, behind
+// convert_async() and fill_async() of mgpu/core/tensor.hpp. Internal: not installed. Core declares
+// them here, the seam through which it reaches its kernels without including the kernels module;
+// src/kernels/convert.cu implements them, and builds without CUDA link throwing stand-ins
+// (src/core/no_cuda_backend.cpp). Each leaves the calling thread's current device as it was.
 #pragma once
 
 #include <cstdint>
