@@ -58,6 +58,9 @@ struct Global {
   bool mpi = false;              // MPI is in use
   Place place;
   std::atomic<bool> failed{false};  // an exchange failed: peers may never answer, so no MPI_Finalize
+  // Abandoned requests MPI cannot end (collectives, which cannot be cancelled): while there is
+  // one, a new communicator does not clear `failed`.
+  std::atomic<int> stuck{0};
   // Every MPI call holds this lock: several threads (each rank's stream) call MPI, one at a time.
   std::mutex mpi_mutex;
   // The buffers of requests left pending by a failure (guarded by mpi_mutex): MPI may still write
@@ -266,6 +269,9 @@ class Requests {
         g.failed.store(true);
         if (e.kind == Kind::receive) MPI_Cancel(&e.request);
         if (e.kind != Kind::collective) MPI_Request_free(&e.request);
+        // A collective cannot end without every process. (A freed send does not hold MPI_Finalize
+        // up: its receiver discards what it never received.)
+        if (e.kind == Kind::collective) g.stuck.fetch_add(1);
         g.abandoned.push_back(std::move(e.keep));
       }
     } catch (...) {  // no room to keep a buffer: it leaks, which is safe
@@ -388,16 +394,21 @@ class Link : public std::enable_shared_from_this<Link> {
       requests.add(-1, Requests::Kind::collective, shared_from_this(), "MPI_Comm_idup",
                    [&](MPI_Request* r) { return MPI_Comm_idup(base, c, r); });
     }
+    // Twice the deadline: after a failed step every process makes a new communicator, and the one
+    // that failed gets here while the others may still wait out their deadline on the step.
     auto const start = Clock::now();
-    if (!requests.wait(start + timeout(), [] { return false; })) {
+    if (!requests.wait(start + 2 * timeout(), [] { return false; })) {
       requests.abandon();
       throw Error(Errc::timeout,
                   "making a communicator across processes waited " + format_duration(Clock::now() - start) +
-                      " for the other processes (expected every process to make it within the " +
+                      " for the other processes (expected every process to make it within twice the " +
                       format_duration(timeout()) + " deadline; " + comm::timeout_env_var + " sets it in seconds)");
     }
     std::lock_guard lock(global().mpi_mutex);
     check(requests.error(), "MPI_Comm_idup");
+    // Every process made it: none waits for a failed one any more, and where no request was left
+    // that MPI cannot end, the job may finish MPI as one that never failed.
+    if (global().stuck.load() == 0) global().failed.store(false);
     int tag_limit = 0;
     int* value = nullptr;
     MPI_Comm_get_attr(p2p, MPI_TAG_UB, &value, &tag_limit);
