@@ -39,16 +39,21 @@ void Link::connect(MPI_Comm base) {
     requests.add(-1, Requests::Kind::collective, shared_from_this(), "MPI_Comm_idup",
                  [&](MPI_Request* r) { return MPI_Comm_idup(base, c, r); });
   }
+  // Twice the deadline: after a failed step every process makes a new communicator, and the one
+  // that failed gets here while the others may still wait out their deadline on the step.
   auto const start = Clock::now();
-  if (!requests.wait(start + timeout(), [] { return false; })) {
+  if (!requests.wait(start + 2 * timeout(), [] { return false; })) {
     requests.abandon();
     throw Error(Errc::timeout,
                 "making a communicator across processes waited " + format_duration(Clock::now() - start) +
-                    " for the other processes (expected every process to make it within the " +
+                    " for the other processes (expected every process to make it within twice the " +
                     format_duration(timeout()) + " deadline; " + comm::timeout_env_var + " sets it in seconds)");
   }
   std::lock_guard lock(global().mpi_mutex);
   check(requests.error(), "MPI_Comm_idup");
+  // Every process made it: none waits for a failed one any more, and where no request was left
+  // that MPI cannot end, the job may finish MPI as one that never failed.
+  if (global().stuck.load() == 0) global().failed.store(false);
   int tag_limit = 0;
   int* value = nullptr;
   MPI_Comm_get_attr(p2p, MPI_TAG_UB, &value, &tag_limit);

@@ -46,6 +46,9 @@ struct Global {
   bool mpi = false;              // MPI is in use
   Place place;
   std::atomic<bool> failed{false};  // an exchange failed: peers may never answer, so no MPI_Finalize
+  // Abandoned requests MPI cannot end (collectives, which cannot be cancelled): while there is
+  // one, a new communicator does not clear `failed`.
+  std::atomic<int> stuck{0};
   // Every MPI call holds this lock: several threads (each rank's stream) call MPI, one at a time.
   std::mutex mpi_mutex;
   // The buffers of requests left pending by a failure (guarded by mpi_mutex): MPI may still write
@@ -222,6 +225,9 @@ class Requests {
         g.failed.store(true);
         if (e.kind == Kind::receive) MPI_Cancel(&e.request);
         if (e.kind != Kind::collective) MPI_Request_free(&e.request);
+        // A collective cannot end without every process. (A freed send does not hold MPI_Finalize
+        // up: its receiver discards what it never received.)
+        if (e.kind == Kind::collective) g.stuck.fetch_add(1);
         g.abandoned.push_back(std::move(e.keep));
       }
     } catch (...) {  // no room to keep a buffer: it leaks, which is safe

@@ -465,9 +465,8 @@ void DataParallel::Impl::check_usable(std::string const& what) const {
 }
 
 void DataParallel::Impl::recover(std::exception_ptr failure, Before const& before, bool unobserved_updates) {
-  // Across processes the communicator cannot be made again while a peer may be gone.
-  bool const across = across_processes();
-  bool changed = unobserved_updates || across;
+  bool changed = unobserved_updates;
+  bool renewed = false;
   try {
     for (int r = 0; r < static_cast<int>(state.size()); ++r) {
       detail::RankSync& rank_sync = sync->rank(r);
@@ -479,7 +478,11 @@ void DataParallel::Impl::recover(std::exception_ptr failure, Before const& befor
       }
       changed = changed || rank_sync.reduced();
     }
-    if (!across) sync->renew_communicator();  // the failure aborted the old one
+    // The failure aborted the communicator. Across processes every process makes the new one in
+    // its own recover(): a failure in one makes the others' steps fail too (at the latest at their
+    // deadline); a process that is gone makes it time out.
+    sync->renew_communicator();
+    renewed = true;
     if (!changed) {
       for (std::size_t r = 0; r < state.size(); ++r) {
         Rank& st = *state[r];
@@ -496,13 +499,12 @@ void DataParallel::Impl::recover(std::exception_ptr failure, Before const& befor
   micro_steps = 0;
   if (changed) {
     std::string const cause = describe(failure);
-    broken =
-        across ? "the executor cannot be used after a step failed across processes, whose communicator cannot be made "
-                 "again while a peer may be gone (expected a new job); the step failed with " +
-                     cause
-               : "the executor cannot be used after a step failed once updates had begun, leaving the replicas partly "
-                 "updated (expected load() of a checkpoint first); the step failed with " +
-                     cause;
+    broken = renewed ? "the executor cannot be used after a step failed once updates had begun, leaving the replicas partly "
+                       "updated (expected load() of a checkpoint first); the step failed with " +
+                           cause
+                     : "the executor cannot be used after a step failed and its communicator could not be made again "
+                       "(across processes: a process may be gone; expected a new job); the step failed with " +
+                           cause;
   }
   std::rethrow_exception(failure);
 }

@@ -129,14 +129,14 @@ struct TensorParallel::Impl {
   std::vector<std::unique_ptr<optim::Optimizer>> optimizers;
   std::vector<std::unique_ptr<TensorParallelSync>> syncs;
   std::vector<VocabParallelCrossEntropy> losses;
-  // Within one process: the communicators above, made anew after a failed step.
+  // The communicators above, in the order they were made, made anew after a failed step.
   std::vector<comm::detail::Renewable*> renewable;
   // Why the executor cannot be used (empty: it can).
   std::string broken;
-  // After a step failed inside: waits for every stream; within one process, when no rank had passed
-  // the step's commit point (TensorParallelSync::finish), makes the communicators anew and puts
-  // back the shards' RNG and the optimizers' step counts (`rng`, `steps`: as the step found them);
-  // otherwise the executor cannot be used. Rethrows `failure`.
+  // After a step failed inside: waits for every stream; when no rank had passed the step's commit
+  // point (TensorParallelSync::finish), makes the communicators anew (across processes with the
+  // other processes) and puts back the shards' RNG and the optimizers' step counts (`rng`, `steps`:
+  // as the step found them); otherwise the executor cannot be used. Rethrows `failure`.
   [[noreturn]] void recover(std::exception_ptr failure, std::vector<std::vector<std::uint64_t>> const& rng,
                             std::vector<std::int64_t> const& steps);
 };
@@ -148,14 +148,14 @@ void TensorParallel::Impl::recover(std::exception_ptr failure, std::vector<std::
     group->drain();
     bool updated = false;  // past the step's commit point somewhere
     for (auto const& sync : syncs) updated = updated || sync->updated();
-    if (world) {
-      broken = "the executor cannot be used after a step failed across processes, whose communicators cannot be made "
-               "again while a peer may be gone (expected a new job); the step failed with " + cause;
-    } else if (updated) {
+    if (updated) {
       broken = "the executor cannot be used after a step failed once updates had begun, leaving the shards partly updated "
                "(expected a new executor); the step failed with " + cause;
     } else {
-      for (comm::detail::Renewable* comm : renewable) comm->renew();  // the failure aborted them
+      // The failure aborted them. Across processes a failure in one makes the others' steps fail
+      // too (at the latest at their deadline), and every process makes them anew here, in the
+      // order they were made; a process that is gone makes that time out.
+      for (comm::detail::Renewable* comm : renewable) comm->renew();
       for (std::size_t r = 0; r < shards.size(); ++r) {
         shards[r].set_rng_state(rng[r]);
         optimizers[r]->set_steps(steps[r]);
@@ -181,7 +181,11 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
   int const replicas = options.data_parallel;
   bool const across = static_cast<bool>(options.make_communicator);
   if (across) {
-    im.world = options.make_communicator(group, options.comm);
+    auto made = std::make_shared<comm::detail::Renewable>(
+        options.make_communicator(group, options.comm),
+        [&group, make = options.make_communicator, comm = options.comm]() { return make(group, comm); });
+    im.renewable.push_back(made.get());
+    im.world = std::move(made);
     im.first = im.world->first_rank();
   }
   int const size = across ? im.world->size() : group.size();
@@ -209,7 +213,11 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
       return made;
     }
     bool const here = std::any_of(ranks.begin(), ranks.end(), [&](int r) { return r >= im.first && r < im.first + group.size(); });
-    return here ? im.options.make_subset_communicator(group, ranks, im.options.comm) : nullptr;
+    if (!here) return nullptr;
+    auto made = std::make_unique<comm::detail::Renewable>(
+        [&group, make = im.options.make_subset_communicator, ranks, options = im.options.comm] { return make(group, ranks, options); });
+    im.renewable.push_back(made.get());
+    return made;
   };
   if (replicas == 1) {
     if (across) {

@@ -101,7 +101,8 @@ struct Executor::Impl {
   // split records read from `sharded` in this process's chunks' parts only; `source` names it.
   io::TrainingState load_records(io::Checkpoint const& records, io::ShardedCheckpoint const* sharded, std::string const& source);
   std::vector<std::unique_ptr<comm::Communicator>> tie_comms;  // per replica, over its two devices (none when they are one)
-  // Within one process: every communicator above, made anew by recover().
+  // Every communicator above but another process's chunks' (which nothing calls), in the order
+  // they were made, made anew by recover().
   std::vector<comm::detail::Renewable*> renewable;
   // A renewable communicator over the group's ranks `ranks`.
   std::unique_ptr<comm::detail::Renewable> renewable_over(std::vector<int> const& ranks, comm::Options options);
@@ -109,8 +110,9 @@ struct Executor::Impl {
   std::string broken;
   void check_usable(char const* call) const;
   // After a step failed inside: waits for every stream, puts back the chunks' RNG state, drops the
-  // step's tensors and makes the communicators anew; across processes, or when `updated`, the
-  // executor cannot be used (broken) until load(). Rethrows `failure`.
+  // step's tensors and makes the communicators anew (across processes with the other processes);
+  // when `updated`, or when that fails, the executor cannot be used (broken) until load().
+  // Rethrows `failure`.
   [[noreturn]] void recover(std::exception_ptr failure, bool updated);
   // Sums wte and its copy (the master parameters, or the gradients) on the tie's devices of
   // `rank`'s replica, leaving both equal; does nothing on other ranks.

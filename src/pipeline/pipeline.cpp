@@ -203,16 +203,14 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
                                             " (expected 0 for no clipping, or a finite norm > 0)");
   Impl& m = *impl_;
   m.group = &group;
-  // Within one process every communicator can be made anew after a failed step (recover()).
-  if (!across) {
-    auto renewable = std::make_unique<comm::detail::Renewable>(
-        std::move(transfers), [&group, make = options.make_communicator, comm_options]() {
-          return make ? make(group, comm_options) : comm::make_communicator(group, comm_options);
-        });
-    m.renewable.push_back(renewable.get());
-    transfers = std::move(renewable);
-  }
-  m.comm = std::move(transfers);
+  // Every communicator can be made anew after a failed step (recover()), across processes by every
+  // process in the order they were made.
+  auto renewable = std::make_unique<comm::detail::Renewable>(
+      std::move(transfers), [&group, make = options.make_communicator, comm_options]() {
+        return make ? make(group, comm_options) : comm::make_communicator(group, comm_options);
+      });
+  m.renewable.push_back(renewable.get());
+  m.comm = std::move(renewable);
   m.first = m.comm->first_rank();
   m.across = across;
   m.schedule = std::move(schedule);
@@ -234,10 +232,16 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
         if (!across) {
           m.tp_comms.push_back(m.renewable_over(ranks, stage_options));
         } else if (std::any_of(ranks.begin(), ranks.end(), [&](int rank) { return m.is_local(rank); })) {
-          m.tp_comms.push_back(m.options.make_subset_communicator(group, ranks, stage_options));
-          if (!m.tp_comms.back())
+          std::unique_ptr<comm::Communicator> first = m.options.make_subset_communicator(group, ranks, stage_options);
+          if (!first)
             throw Error(Errc::invalid_argument, "the pipeline's make_subset_communicator returned no communicator "
                                                 "(expected one over the chunk's tensor-parallel ranks)");
+          auto made = std::make_shared<comm::detail::Renewable>(
+              std::move(first), [&group, make = m.options.make_subset_communicator, ranks, stage_options]() {
+                return make(group, ranks, stage_options);
+              });
+          m.renewable.push_back(made.get());
+          m.tp_comms.push_back(std::move(made));
         } else {
           // Another process's chunk: its shards are laid out here (never run or materialized) over
           // a communicator of the same size that nothing calls.
@@ -335,15 +339,13 @@ void Executor::Impl::recover(std::exception_ptr failure, bool updated) {
   std::string const cause = describe(failure);
   try {
     group->drain();
-    if (across) {
-      broken = "the executor cannot be used after a step failed across processes, whose communicators cannot be made again "
-               "while a peer may be gone (expected a new job); the step failed with " + cause;
-    } else {
-      for (comm::detail::Renewable* comm : renewable) comm->renew();  // the failure aborted them
-      if (updated)
-        broken = "the executor cannot be used after a step failed once its update had begun, leaving the chunks partly "
-                 "updated (expected load() of a checkpoint first); the step failed with " + cause;
-    }
+    // The failure aborted them. Across processes a failure in one makes the others' steps fail too
+    // (at the latest at their deadline), and every process makes them anew here, in the order they
+    // were made; a process that is gone makes that time out.
+    for (comm::detail::Renewable* comm : renewable) comm->renew();
+    if (updated)
+      broken = "the executor cannot be used after a step failed once its update had begun, leaving the chunks partly "
+               "updated (expected load() of a checkpoint first); the step failed with " + cause;
     // The step's tensors between actions, and the chunks' RNG as the step found it (each device's
     // run_device recorded it first).
     for (int local = 0; local < group->size(); ++local) {

@@ -229,9 +229,11 @@ struct DataParallelResult {
 /// gathers the state from every rank). save() and load() are collective: every process calls them
 /// with the same folder (see save()). ZeRO-1 to 3 and comm hooks (their ranks: the world's) work
 /// across processes, and so do checkpoints mid accumulation cycle or with a comm hook's state. Not
-/// across processes (Error(invalid_argument) at construction): a request (the scheduler picks ranks within one process). A failed step
-/// leaves the executor unusable (the communicator across processes cannot be made again while a
-/// peer may be gone): the job ends.
+/// across processes (Error(invalid_argument) at construction): a request (the scheduler picks ranks
+/// within one process). A step that fails in one process fails in every process (the others at
+/// the latest at their deadline, naming it); each then makes the communicator anew and goes on as
+/// within one process. Where a process is gone that times out and the executor cannot be used: the
+/// job ends.
 class DataParallel {
  public:
   /// `model` gives the architecture (and, when materialized, the starting weights); `optimizer`

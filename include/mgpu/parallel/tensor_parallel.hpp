@@ -395,10 +395,10 @@ class TensorParallel {
   /// changing nothing, for a batch nn::check_batch refuses (ids or targets out of range, an empty
   /// batch, a bad lr_scale), fewer rows than replicas, or (sequence parallelism) a T that does not
   /// divide by the tensor-parallel ranks. The updates wait for a barrier over every rank after
-  /// backward: a step that fails before it throws the failure's Error and, within one process,
-  /// changes nothing (communicators made anew, RNG and step counts put back); a failure past it,
-  /// or across processes, leaves the executor unusable (later steps throw Error(invalid_argument)
-  /// saying so).
+  /// backward: a step that fails before it throws the failure's Error and changes nothing
+  /// (communicators made anew, across processes by every process; RNG and step counts put back); a
+  /// failure past it, or communicators that cannot be made again (a process gone), leave the
+  /// executor unusable (later steps throw Error(invalid_argument) saying so).
   StepResult step(Tensor const& ids, Tensor const& targets, float lr_scale = 1.0f);
 
   /// The whole model's float32 parameters in gpt(config)'s flat layout, gathered from replica 0's

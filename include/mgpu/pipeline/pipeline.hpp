@@ -212,10 +212,12 @@ using ChunkOptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(nn
 /// (or with it disabled) a step builds no names and allocates no containers per action.
 /// A batch is checked before any action (nn::check_batch). If an action fails, the communicator
 /// aborts the other devices and the step throws the failure's Error (its rank, and the failing
-/// device, chunk and action where the action itself threw). Within one process nothing was
-/// changed: the chunks' RNG is put back, the communicators are made anew and the executor goes on.
-/// A failure in the update after it began, or any failure across processes, leaves it unusable:
-/// step() and save() throw Error(invalid_argument) saying so with the step's error, until load().
+/// device, chunk and action where the action itself threw). Nothing was changed: the chunks' RNG is
+/// put back, the communicators are made anew (across processes, where a failure in one process
+/// fails the step in every process, by every process) and the executor goes on. A failure in the
+/// update after it began, or communicators that cannot be made again (a process gone), leave it
+/// unusable: step() and save() throw Error(invalid_argument) saying so with the step's error,
+/// until load().
 /// The group must outlive the executor. Not thread-safe: call from one thread.
 ///
 /// Tensor-parallel stages (options.tensor_parallel.ranks = B > 1): a data x tensor x pipeline grid
