@@ -200,9 +200,10 @@ std::string Registry::exposition() const {
     family(out, "mgpu_device_compute_seconds_total", "counter", "Seconds of forward and backward.");
     for (std::size_t i = 0; i < s.devices.size(); ++i)
       if (s.devices[i].last.compute_seconds) sample("mgpu_device_compute_seconds_total", device_labels[i], s.devices[i].compute_total);
+    family(out, "mgpu_device_collective_wait_seconds_total", "counter", "Seconds spent waiting on collectives.");
+    for (std::size_t i = 0; i < s.devices.size(); ++i)
+      if (s.devices[i].last.compute_seconds) sample("mgpu_device_collective_wait_seconds_total", device_labels[i], s.devices[i].wait_total);
   }
-  family(out, "mgpu_device_collective_wait_seconds_total", "counter", "Seconds spent waiting on collectives.");
-  for (std::size_t i = 0; i < s.devices.size(); ++i) sample("mgpu_device_collective_wait_seconds_total", device_labels[i], s.devices[i].wait_total);
   family(out, "mgpu_device_memory_bytes", "gauge", "Device memory: held by live buffers (in_use), their peak (peak), the allocator limit (capacity).");
   for (std::size_t i = 0; i < s.devices.size(); ++i) {
     DeviceStep const& d = s.devices[i].last;

@@ -93,13 +93,14 @@ TEST_CASE("metrics: the exposition names every series with its type, labels and 
   CHECK(value_of(registry.exposition(), "mgpu_loss{" + job + "}") != value_of(registry.exposition(), "mgpu_loss{" + job + "}"));  // NaN
 }
 
-TEST_CASE("metrics: devices without a compute time have no busy ratio; a new device list starts again", "[metrics]") {
+TEST_CASE("metrics: devices without a compute time have no busy ratio nor wait time; a new device list starts again", "[metrics]") {
   Registry registry("j");
   std::vector<DeviceStep> d = two_devices(0, 0);
   d[0].compute_seconds.reset();
   d[1].compute_seconds.reset();
   registry.record({.step = 1, .seconds = 0.01, .loss_scale = std::nullopt, .skipped = false}, d);
   CHECK(registry.exposition().find("mgpu_device_busy_ratio") == std::string::npos);
+  CHECK(registry.exposition().find("mgpu_device_collective_wait_seconds_total") == std::string::npos);
   CHECK(value_of(registry.exposition(), "mgpu_device_rows_total{job=\"j\",rank=\"0\",device=\"host:0\",kind=\"host\"}") == 3);
   d.resize(1);
   d[0].device = "cuda:0";

@@ -31,10 +31,10 @@ struct DeviceStep {
   std::string device;  ///< as the job names it: "host:0", "cuda:1", across processes "p1:host:0"
   std::string kind;    ///< "host" or "cuda"
   int world_rank = 0;
-  /// Seconds of forward and backward on the device, when the executor measures them (empty: the
-  /// busy ratios are not exported for the device).
+  /// Seconds of forward and backward on the device, when the executor measures them (empty: its
+  /// busy ratios, compute and wait seconds are not exported).
   std::optional<double> compute_seconds;
-  double wait_seconds = 0;  ///< seconds waiting on collectives
+  double wait_seconds = 0;  ///< seconds waiting on collectives (read with compute_seconds)
   std::int64_t rows = 0;    ///< rows (samples or sequences) it processed
   std::int64_t tokens = 0;  ///< tokens it processed (0 for a classifier)
   double shard_weight = 1;  ///< its share weight of the batch's rows
