@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # train_gpt's live metrics read by a real Prometheus server (ctest's metrics_prometheus):
 #   prometheus.sh TRAIN_GPT TEXT_FILE DIR
-# starts, all on 127.0.0.1 and on free ports, train_gpt --devices host:2 --metrics-port P
+# starts, all on 127.0.0.1 and on free ports, train_gpt --devices host:2@speed=1,0.5 --metrics-port P
 # --metrics-file DIR/textfile/train_gpt.prom, node_exporter with only its textfile collector over
 # that folder, and prometheus scraping both every second (config and data under DIR). Then:
 # promtool check metrics accepts the endpoint's exposition and the textfile; Prometheus's HTTP API
 # has, for each device, from the endpoint and through node_exporter, a busy ratio in (0, 1] and
-# memory in use <= peak (<= capacity where one is known), rows and tokens counters; the job's
-# tokens counter increases between scrapes. Every daemon and the trainer are stopped at the end,
+# memory in use <= peak (<= capacity where one is known), rows and tokens counters, the faster
+# device's larger shard weight and row count; the job's tokens counter increases between scrapes. Every daemon and the trainer are stopped at the end,
 # also on failure or a signal. Skipped (exit 77) with the reason when Debian's prometheus or
 # prometheus-node-exporter is not installed (scripts/setup.sh lists them as optional); installs
 # nothing.
@@ -30,7 +30,7 @@ free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1
 trainer_port=$(free_port) exporter_port=$(free_port) prometheus_port=$(free_port)
 
 "$exe" --data "$text" --n-layer 1 --n-head 2 --n-embd 16 --block-size 8 --batch-size 4 --iters 1000000 --eval-every 0 \
-  --eval-iters 1 --log-every 1000000 --devices host:2 --metrics-port "$trainer_port" \
+  --eval-iters 1 --log-every 1000000 --devices host:2@speed=1,0.5 --metrics-port "$trainer_port" \
   --metrics-file "$dir/textfile/train_gpt.prom" >"$dir/train_gpt.log" 2>&1 &
 pids+=($!)
 prometheus-node-exporter --web.listen-address="127.0.0.1:$exporter_port" --collector.disable-defaults \
@@ -95,12 +95,14 @@ for name, s in sources.items():
     assert set(rows) == devices and all(v > 0 for v in rows.values()) and all(tokens[d] == 8 * rows[d] for d in devices), (name, rows, tokens)
     weights = by_device(f'mgpu_device_shard_weight{{{s}}}')
     assert set(weights) == devices and all(w > 0 for w in weights.values()), (name, weights)
+    # host:1 runs at half speed: the faster host:0 gets the larger weight and more of the rows
+    assert weights["host:0"] > weights["host:1"] and rows["host:0"] > rows["host:1"], (name, weights, rows)
     samples = [float(v) for _, v in query(f'mgpu_tokens_total{{{s}}}[1m]')[0]["values"]]
     assert len(samples) >= 3 and all(b > a for a, b in zip(samples, samples[1:])), (name, "tokens_total", samples)
     rate = query(f'rate(mgpu_tokens_total{{{s}}}[5s])')
     layout = query(f'mgpu_layout_info{{{s}}}')[0]["metric"]
     assert (layout["dp"], layout["tp"], layout["pp"], layout["zero"]) == ("2", "1", "1", "1"), layout
-    print(f"{name}: busy {busy}, memory in use {memory['in_use']}, peak {memory['peak']}, rows {rows}, "
+    print(f"{name}: busy {busy}, weights {weights}, memory in use {memory['in_use']}, peak {memory['peak']}, rows {rows}, "
           f"tokens_total {samples[0]:.0f} -> {samples[-1]:.0f} over {len(samples)} scrapes, "
           f"rate {float(rate[0]['value'][1]):.0f} tokens/s")
 PY
