@@ -1,13 +1,13 @@
 // The /metrics endpoint over cpp-httplib (Debian: libcpp-httplib-dev).
-#include <mgpu/core/error.hpp>
-#include <mgpu/metrics/exporter.hpp>
-
 #include <atomic>
 #include <chrono>
 #include <thread>
 
 #include <httplib.h>
 #include <sys/socket.h>
+
+#include <mgpu/core/error.hpp>
+#include <mgpu/metrics/exporter.hpp>
 
 namespace mgpu::metrics {
 
@@ -19,9 +19,11 @@ struct HttpExporter::Impl {
   std::thread thread;
 };
 
-HttpExporter::HttpExporter(Registry const& registry, std::string const& host, int port) : impl_(std::make_unique<Impl>()) {
+HttpExporter::HttpExporter(Registry const& registry, std::string const& host, int port)
+    : impl_(std::make_unique<Impl>()) {
   if (port < 0 || port > 65535)
-    throw Error(Errc::invalid_argument, "metrics port " + std::to_string(port) + " (expected 0 to 65535; 0: any free port)");
+    throw Error(Errc::invalid_argument,
+                "metrics port " + std::to_string(port) + " (expected 0 to 65535; 0: any free port)");
   if (host.empty()) throw Error(Errc::invalid_argument, "metrics host '' (expected an address such as 127.0.0.1)");
   impl_->host = host;
   // SO_REUSEADDR only: cpp-httplib's default adds SO_REUSEPORT, with which a second server binds a

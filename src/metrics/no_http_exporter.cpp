@@ -9,9 +9,10 @@ struct HttpExporter::Impl {
 };
 
 HttpExporter::HttpExporter(Registry const&, std::string const& host, int port) {
-  throw Error(Errc::invalid_argument, "metrics endpoint " + host + ":" + std::to_string(port) +
-                                          ": mgpu was built without cpp-httplib (expected libcpp-httplib-dev at configure time; "
-                                          "--metrics-file writes the same metrics for node_exporter)");
+  throw Error(Errc::invalid_argument,
+              "metrics endpoint " + host + ":" + std::to_string(port) +
+                  ": mgpu was built without cpp-httplib (expected libcpp-httplib-dev at configure time; "
+                  "--metrics-file writes the same metrics for node_exporter)");
 }
 
 HttpExporter::~HttpExporter() = default;

@@ -1,11 +1,10 @@
 // The registry's state and its Prometheus text exposition.
-#include <mgpu/metrics/registry.hpp>
-
 #include <algorithm>
 #include <charconv>
 #include <string_view>
 
 #include <mgpu/core/error.hpp>
+#include <mgpu/metrics/registry.hpp>
 
 namespace mgpu::metrics {
 
@@ -37,7 +36,8 @@ void read_memory(DeviceStep& d, Allocator const& allocator) {
 
 Registry::Registry(std::string job, Layout layout, int window_steps) : state_(std::make_unique<State>()) {
   if (window_steps < 1)
-    throw Error(Errc::invalid_argument, "metrics::Registry: window_steps " + std::to_string(window_steps) + " (expected at least 1)");
+    throw Error(Errc::invalid_argument,
+                "metrics::Registry: window_steps " + std::to_string(window_steps) + " (expected at least 1)");
   state_->job = std::move(job);
   state_->layout = layout;
   state_->window_steps = static_cast<std::size_t>(window_steps);
@@ -52,7 +52,8 @@ void Registry::record(JobStep const& job, std::span<DeviceStep const> devices) {
   for (std::size_t i = 0; same && i < devices.size(); ++i) same = s.devices[i].last.device == devices[i].device;
   if (!same) {
     s.devices.assign(devices.size(), {});
-    for (State::Device& d : s.devices) d.window_compute.assign(s.window_steps, 0), d.window_wall.assign(s.window_steps, 0);
+    for (State::Device& d : s.devices)
+      d.window_compute.assign(s.window_steps, 0), d.window_wall.assign(s.window_steps, 0);
     s.ring_next = s.ring_filled = 0;
   }
   s.last = job;
@@ -121,9 +122,12 @@ void append_number(std::string& out, double v) {
 // A label value with \, " and newline escaped, as the text format asks.
 void append_escaped(std::string& out, std::string_view v) {
   for (char const c : v) {
-    if (c == '\\' || c == '"') out += '\\', out += c;
-    else if (c == '\n') out += "\\n";
-    else out += c;
+    if (c == '\\' || c == '"')
+      out += '\\', out += c;
+    else if (c == '\n')
+      out += "\\n";
+    else
+      out += c;
   }
 }
 
@@ -157,7 +161,8 @@ std::string Registry::exposition() const {
     device_labels.push_back(std::move(l));
   }
 
-  family(out, "mgpu_layout_info", "gauge", "The job's layout: data-parallel replicas, tensor-parallel ranks, pipeline stages, ZeRO stage.");
+  family(out, "mgpu_layout_info", "gauge",
+         "The job's layout: data-parallel replicas, tensor-parallel ranks, pipeline stages, ZeRO stage.");
   sample("mgpu_layout_info",
          job_labels + ",dp=\"" + std::to_string(s.layout.dp) + "\",tp=\"" + std::to_string(s.layout.tp) + "\",pp=\"" +
              std::to_string(s.layout.pp) + "\",zero=\"" + std::to_string(s.layout.zero) + '"',
@@ -189,34 +194,45 @@ std::string Registry::exposition() const {
   sample("mgpu_skipped_steps_total", job_labels, s.skipped_total);
   if (s.devices.empty()) return out;
 
-  bool const any_busy = std::any_of(s.devices.begin(), s.devices.end(), [](State::Device const& d) { return d.last.compute_seconds.has_value(); });
+  bool const any_busy = std::any_of(s.devices.begin(), s.devices.end(),
+                                    [](State::Device const& d) { return d.last.compute_seconds.has_value(); });
   if (any_busy) {
     family(out, "mgpu_device_busy_ratio", "gauge", "Compute time over wall time in the last step.");
     for (std::size_t i = 0; i < s.devices.size(); ++i)
       if (s.devices[i].last.compute_seconds) sample("mgpu_device_busy_ratio", device_labels[i], s.devices[i].busy_last);
-    family(out, "mgpu_device_busy_window_ratio", "gauge", "Compute time over wall time in the last steps' moving window.");
+    family(out, "mgpu_device_busy_window_ratio", "gauge",
+           "Compute time over wall time in the last steps' moving window.");
     for (std::size_t i = 0; i < s.devices.size(); ++i)
-      if (s.devices[i].last.compute_seconds) sample("mgpu_device_busy_window_ratio", device_labels[i], s.devices[i].busy_window);
+      if (s.devices[i].last.compute_seconds)
+        sample("mgpu_device_busy_window_ratio", device_labels[i], s.devices[i].busy_window);
     family(out, "mgpu_device_compute_seconds_total", "counter", "Seconds of forward and backward.");
     for (std::size_t i = 0; i < s.devices.size(); ++i)
-      if (s.devices[i].last.compute_seconds) sample("mgpu_device_compute_seconds_total", device_labels[i], s.devices[i].compute_total);
+      if (s.devices[i].last.compute_seconds)
+        sample("mgpu_device_compute_seconds_total", device_labels[i], s.devices[i].compute_total);
     family(out, "mgpu_device_collective_wait_seconds_total", "counter", "Seconds spent waiting on collectives.");
     for (std::size_t i = 0; i < s.devices.size(); ++i)
-      if (s.devices[i].last.compute_seconds) sample("mgpu_device_collective_wait_seconds_total", device_labels[i], s.devices[i].wait_total);
+      if (s.devices[i].last.compute_seconds)
+        sample("mgpu_device_collective_wait_seconds_total", device_labels[i], s.devices[i].wait_total);
   }
-  family(out, "mgpu_device_memory_bytes", "gauge", "Device memory: held by live buffers (in_use), their peak (peak), the allocator limit (capacity).");
+  family(out, "mgpu_device_memory_bytes", "gauge",
+         "Device memory: held by live buffers (in_use), their peak (peak), the allocator limit (capacity).");
   for (std::size_t i = 0; i < s.devices.size(); ++i) {
     DeviceStep const& d = s.devices[i].last;
     sample("mgpu_device_memory_bytes", device_labels[i] + ",state=\"in_use\"", static_cast<double>(d.memory_in_use));
     sample("mgpu_device_memory_bytes", device_labels[i] + ",state=\"peak\"", static_cast<double>(d.memory_peak));
-    if (d.memory_capacity) sample("mgpu_device_memory_bytes", device_labels[i] + ",state=\"capacity\"", static_cast<double>(*d.memory_capacity));
+    if (d.memory_capacity)
+      sample("mgpu_device_memory_bytes", device_labels[i] + ",state=\"capacity\"",
+             static_cast<double>(*d.memory_capacity));
   }
   family(out, "mgpu_device_rows_total", "counter", "Rows (samples or sequences) the device processed.");
-  for (std::size_t i = 0; i < s.devices.size(); ++i) sample("mgpu_device_rows_total", device_labels[i], static_cast<double>(s.devices[i].rows_total));
+  for (std::size_t i = 0; i < s.devices.size(); ++i)
+    sample("mgpu_device_rows_total", device_labels[i], static_cast<double>(s.devices[i].rows_total));
   family(out, "mgpu_device_tokens_total", "counter", "Tokens the device processed.");
-  for (std::size_t i = 0; i < s.devices.size(); ++i) sample("mgpu_device_tokens_total", device_labels[i], static_cast<double>(s.devices[i].tokens_total));
+  for (std::size_t i = 0; i < s.devices.size(); ++i)
+    sample("mgpu_device_tokens_total", device_labels[i], static_cast<double>(s.devices[i].tokens_total));
   family(out, "mgpu_device_shard_weight", "gauge", "The device's share weight of the batch's rows.");
-  for (std::size_t i = 0; i < s.devices.size(); ++i) sample("mgpu_device_shard_weight", device_labels[i], s.devices[i].last.shard_weight);
+  for (std::size_t i = 0; i < s.devices.size(); ++i)
+    sample("mgpu_device_shard_weight", device_labels[i], s.devices[i].last.shard_weight);
   return out;
 }
 

@@ -1,16 +1,16 @@
 // metrics::Registry's exposition (names, types, labels, busy ratios, counters), its use from two
 // threads at once, the textfile written atomically, and the HTTP endpoint read over a socket.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <mgpu/config.hpp>
 #include <mgpu/metrics/exporter.hpp>
@@ -28,10 +28,28 @@ using mgpu::metrics::Registry;
 
 std::vector<DeviceStep> two_devices(double compute0, double compute1) {
   std::vector<DeviceStep> d(2);
-  d[0] = {.device = "host:0", .kind = "host", .world_rank = 0, .compute_seconds = compute0, .wait_seconds = 0.001,
-          .rows = 3, .tokens = 48, .shard_weight = 0.75, .memory_in_use = 100, .memory_peak = 200, .memory_capacity = 1000};
-  d[1] = {.device = "host:1", .kind = "host", .world_rank = 1, .compute_seconds = compute1, .wait_seconds = 0.002,
-          .rows = 1, .tokens = 16, .shard_weight = 0.25, .memory_in_use = 50, .memory_peak = 60, .memory_capacity = std::nullopt};
+  d[0] = {.device = "host:0",
+          .kind = "host",
+          .world_rank = 0,
+          .compute_seconds = compute0,
+          .wait_seconds = 0.001,
+          .rows = 3,
+          .tokens = 48,
+          .shard_weight = 0.75,
+          .memory_in_use = 100,
+          .memory_peak = 200,
+          .memory_capacity = 1000};
+  d[1] = {.device = "host:1",
+          .kind = "host",
+          .world_rank = 1,
+          .compute_seconds = compute1,
+          .wait_seconds = 0.002,
+          .rows = 1,
+          .tokens = 16,
+          .shard_weight = 0.25,
+          .memory_in_use = 50,
+          .memory_peak = 60,
+          .memory_capacity = std::nullopt};
   return d;
 }
 
@@ -55,11 +73,27 @@ std::string read_file(std::filesystem::path const& p) {
 TEST_CASE("metrics: the exposition names every series with its type, labels and values", "[metrics]") {
   Registry registry("job \"a\"", {.dp = 2, .zero = 1}, 2);
   std::string const before = registry.exposition();
-  CHECK(before.find("mgpu_layout_info{job=\"job \\\"a\\\"\",dp=\"2\",tp=\"1\",pp=\"1\",zero=\"1\"} 1\n") != std::string::npos);
+  CHECK(before.find("mgpu_layout_info{job=\"job \\\"a\\\"\",dp=\"2\",tp=\"1\",pp=\"1\",zero=\"1\"} 1\n") !=
+        std::string::npos);
   CHECK(before.find("mgpu_device_busy_ratio") == std::string::npos);
 
-  registry.record({.step = 1, .loss = 2.5, .seconds = 0.010, .samples = 4, .tokens = 64, .learning_rate = 1e-3, .loss_scale = std::nullopt, .skipped = false}, two_devices(0.008, 0.004));
-  registry.record({.step = 2, .loss = 2.0, .seconds = 0.030, .samples = 4, .tokens = 64, .learning_rate = 1e-3, .loss_scale = std::nullopt, .skipped = true},
+  registry.record({.step = 1,
+                   .loss = 2.5,
+                   .seconds = 0.010,
+                   .samples = 4,
+                   .tokens = 64,
+                   .learning_rate = 1e-3,
+                   .loss_scale = std::nullopt,
+                   .skipped = false},
+                  two_devices(0.008, 0.004));
+  registry.record({.step = 2,
+                   .loss = 2.0,
+                   .seconds = 0.030,
+                   .samples = 4,
+                   .tokens = 64,
+                   .learning_rate = 1e-3,
+                   .loss_scale = std::nullopt,
+                   .skipped = true},
                   two_devices(0.006, 0.040));
   std::string const text = registry.exposition();
   std::string const d0 = "job=\"job \\\"a\\\"\",rank=\"0\",device=\"host:0\",kind=\"host\"";
@@ -88,12 +122,15 @@ TEST_CASE("metrics: the exposition names every series with its type, labels and 
   CHECK(registry.steps_recorded() == 2);
 
   // The window spans 2 steps: a third step drops the first.
-  registry.record({.step = 3, .seconds = 0.010, .samples = 4, .loss_scale = std::nullopt, .skipped = false}, two_devices(0.010, 0.0));
+  registry.record({.step = 3, .seconds = 0.010, .samples = 4, .loss_scale = std::nullopt, .skipped = false},
+                  two_devices(0.010, 0.0));
   CHECK(value_of(registry.exposition(), "mgpu_device_busy_window_ratio{" + d0 + "}") == Approx(0.016 / 0.040));
-  CHECK(value_of(registry.exposition(), "mgpu_loss{" + job + "}") != value_of(registry.exposition(), "mgpu_loss{" + job + "}"));  // NaN
+  CHECK(value_of(registry.exposition(), "mgpu_loss{" + job + "}") !=
+        value_of(registry.exposition(), "mgpu_loss{" + job + "}"));  // NaN
 }
 
-TEST_CASE("metrics: devices without a compute time have no busy ratio nor wait time; a new device list starts again", "[metrics]") {
+TEST_CASE("metrics: devices without a compute time have no busy ratio nor wait time; a new device list starts again",
+          "[metrics]") {
   Registry registry("j");
   std::vector<DeviceStep> d = two_devices(0, 0);
   d[0].compute_seconds.reset();
@@ -101,11 +138,13 @@ TEST_CASE("metrics: devices without a compute time have no busy ratio nor wait t
   registry.record({.step = 1, .seconds = 0.01, .loss_scale = std::nullopt, .skipped = false}, d);
   CHECK(registry.exposition().find("mgpu_device_busy_ratio") == std::string::npos);
   CHECK(registry.exposition().find("mgpu_device_collective_wait_seconds_total") == std::string::npos);
-  CHECK(value_of(registry.exposition(), "mgpu_device_rows_total{job=\"j\",rank=\"0\",device=\"host:0\",kind=\"host\"}") == 3);
+  CHECK(value_of(registry.exposition(),
+                 "mgpu_device_rows_total{job=\"j\",rank=\"0\",device=\"host:0\",kind=\"host\"}") == 3);
   d.resize(1);
   d[0].device = "cuda:0";
   registry.record({.step = 2, .seconds = 0.01, .loss_scale = std::nullopt, .skipped = false}, d);
-  CHECK(value_of(registry.exposition(), "mgpu_device_rows_total{job=\"j\",rank=\"0\",device=\"cuda:0\",kind=\"host\"}") == 3);
+  CHECK(value_of(registry.exposition(),
+                 "mgpu_device_rows_total{job=\"j\",rank=\"0\",device=\"cuda:0\",kind=\"host\"}") == 3);
   CHECK(registry.exposition().find("device=\"host:1\"") == std::string::npos);
   REQUIRE_MGPU_ERROR(Registry("j", {}, 0), mgpu::Errc::invalid_argument, "window_steps 0 (expected at least 1)");
 }
@@ -115,14 +154,19 @@ TEST_CASE("metrics: record and exposition from two threads at once", "[metrics]"
   std::thread reader([&] {
     for (int i = 0; i < 2000; ++i) CHECK(registry.exposition().starts_with("# HELP mgpu_layout_info"));
   });
-  for (int i = 1; i <= 2000; ++i) registry.record({.step = i, .seconds = 0.01, .samples = 1, .tokens = 2, .loss_scale = std::nullopt, .skipped = false}, two_devices(0.005, 0.005));
+  for (int i = 1; i <= 2000; ++i)
+    registry.record(
+        {.step = i, .seconds = 0.01, .samples = 1, .tokens = 2, .loss_scale = std::nullopt, .skipped = false},
+        two_devices(0.005, 0.005));
   reader.join();
   CHECK(value_of(registry.exposition(), "mgpu_tokens_total{job=\"j\"}") == 4000);
 }
 
-TEST_CASE("metrics: the textfile is replaced whole; a name not ending in .prom or an unwritable folder is refused", "[metrics]") {
+TEST_CASE("metrics: the textfile is replaced whole; a name not ending in .prom or an unwritable folder is refused",
+          "[metrics]") {
   Registry registry("j");
-  registry.record({.step = 1, .seconds = 0.01, .samples = 1, .loss_scale = std::nullopt, .skipped = false}, two_devices(0.005, 0.005));
+  registry.record({.step = 1, .seconds = 0.01, .samples = 1, .loss_scale = std::nullopt, .skipped = false},
+                  two_devices(0.005, 0.005));
   std::filesystem::path const dir = mgpu::test::temp_path("mgpu-metrics");
   std::filesystem::create_directories(dir);
   mgpu::metrics::write_textfile(registry, dir / "job.prom");
@@ -139,10 +183,12 @@ TEST_CASE("metrics: the HTTP endpoint serves the exposition on 127.0.0.1; a bad 
   REQUIRE_MGPU_ERROR(mgpu::metrics::HttpExporter(registry, "127.0.0.1", 70000), mgpu::Errc::invalid_argument,
                      "metrics port 70000 (expected 0 to 65535");
   if (!mgpu::built_with_metrics_http) {
-    REQUIRE_MGPU_ERROR(mgpu::metrics::HttpExporter(registry, "127.0.0.1", 0), mgpu::Errc::invalid_argument, "without cpp-httplib");
+    REQUIRE_MGPU_ERROR(mgpu::metrics::HttpExporter(registry, "127.0.0.1", 0), mgpu::Errc::invalid_argument,
+                       "without cpp-httplib");
     return;
   }
-  registry.record({.step = 7, .seconds = 0.01, .samples = 1, .loss_scale = std::nullopt, .skipped = false}, two_devices(0.005, 0.005));
+  registry.record({.step = 7, .seconds = 0.01, .samples = 1, .loss_scale = std::nullopt, .skipped = false},
+                  two_devices(0.005, 0.005));
   mgpu::metrics::HttpExporter exporter(registry, "127.0.0.1", 0);
   REQUIRE(exporter.port() > 0);
   REQUIRE_MGPU_ERROR(mgpu::metrics::HttpExporter(registry, "127.0.0.1", exporter.port()), mgpu::Errc::io,

@@ -48,9 +48,9 @@ void read_memory(DeviceStep& d, Allocator const& allocator);
 
 /// The job's part of the step just run.
 struct JobStep {
-  std::int64_t step = 0;   ///< steps done, this one included
-  double loss = NAN;       ///< the step's training loss (NaN: not read this step)
-  double seconds = 0;      ///< the step's wall time
+  std::int64_t step = 0;  ///< steps done, this one included
+  double loss = NAN;      ///< the step's training loss (NaN: not read this step)
+  double seconds = 0;     ///< the step's wall time
   std::int64_t samples = 0;
   std::int64_t tokens = 0;
   double learning_rate = 0;
