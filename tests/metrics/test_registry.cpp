@@ -129,8 +129,9 @@ TEST_CASE("metrics: the exposition names every series with its type, labels and 
         value_of(registry.exposition(), "mgpu_loss{" + job + "}"));  // NaN
 }
 
-TEST_CASE("metrics: devices without a compute time have no busy ratio nor wait time; a new device list starts again",
-          "[metrics]") {
+TEST_CASE(
+    "metrics: devices without a compute time have no busy ratio nor wait time, and a new device list starts again",
+    "[metrics]") {
   Registry registry("j");
   std::vector<DeviceStep> d = two_devices(0, 0);
   d[0].compute_seconds.reset();
@@ -162,7 +163,7 @@ TEST_CASE("metrics: record and exposition from two threads at once", "[metrics]"
   CHECK(value_of(registry.exposition(), "mgpu_tokens_total{job=\"j\"}") == 4000);
 }
 
-TEST_CASE("metrics: the textfile is replaced whole; a name not ending in .prom or an unwritable folder is refused",
+TEST_CASE("metrics: the textfile is replaced whole, and a name not ending in .prom or an unwritable folder is refused",
           "[metrics]") {
   Registry registry("j");
   registry.record({.step = 1, .seconds = 0.01, .samples = 1, .loss_scale = std::nullopt, .skipped = false},
@@ -178,7 +179,7 @@ TEST_CASE("metrics: the textfile is replaced whole; a name not ending in .prom o
   std::filesystem::remove_all(dir);
 }
 
-TEST_CASE("metrics: the HTTP endpoint serves the exposition on 127.0.0.1; a bad port is refused", "[metrics]") {
+TEST_CASE("metrics: the HTTP endpoint serves the exposition on 127.0.0.1 and refuses a bad port", "[metrics]") {
   Registry registry("j");
   REQUIRE_MGPU_ERROR(mgpu::metrics::HttpExporter(registry, "127.0.0.1", 70000), mgpu::Errc::invalid_argument,
                      "metrics port 70000 (expected 0 to 65535");
