@@ -198,4 +198,34 @@ class JobMetrics {
   std::filesystem::path file_;
 };
 
+/// A person's live view on a terminal (train_gpt --progress): a bar with the step, loss, tokens/s
+/// and the time left, and below it one line per device of the step just run (busy share, memory
+/// in use and its peak, rows and tokens per second), redrawn in place on stderr with ANSI cursor
+/// movement. clear_progress() erases it before a log line.
+inline void draw_progress(std::int64_t step, std::int64_t steps, float loss, double tokens_per_s, double left_s,
+                          std::vector<mgpu::metrics::DeviceStep> const& devices, double step_s) {
+  std::size_t const width = 30;
+  double const done = static_cast<double>(step) / static_cast<double>(std::max<std::int64_t>(1, steps));
+  std::string bar(std::min(width, static_cast<std::size_t>(static_cast<double>(width) * done)), '#');
+  bar.resize(width, '.');
+  auto const left = static_cast<long long>(std::max(0.0, left_s));
+  std::fprintf(stderr, "\r[%s] step %lld/%lld  loss %.4f  %.0f tokens/s  %lldm%02llds left\x1b[K", bar.c_str(),
+               static_cast<long long>(step), static_cast<long long>(steps), static_cast<double>(loss), tokens_per_s,
+               left / 60, left % 60);
+  double const per_s = step_s > 0 ? 1.0 / step_s : 0.0;
+  for (mgpu::metrics::DeviceStep const& d : devices) {
+    char busy[16] = "   -";
+    if (d.compute_seconds) std::snprintf(busy, sizeof busy, "%3.0f%%", 100.0 * std::min(1.0, *d.compute_seconds * per_s));
+    std::fprintf(stderr, "\n  %-12s busy %s  memory %.2f MiB (peak %.2f MiB)  %.0f rows/s  %.0f tokens/s\x1b[K",
+                 d.device.c_str(), busy, static_cast<double>(d.memory_in_use) / (1 << 20),
+                 static_cast<double>(d.memory_peak) / (1 << 20), static_cast<double>(d.rows) * per_s,
+                 static_cast<double>(d.tokens) * per_s);
+  }
+  if (!devices.empty()) std::fprintf(stderr, "\x1b[%zuA", devices.size());
+  std::fflush(stderr);
+}
+
+/// Erases what draw_progress() drew.
+inline void clear_progress() { std::fputs("\r\x1b[J", stderr); }
+
 }  // namespace examples

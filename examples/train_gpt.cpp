@@ -136,6 +136,7 @@ struct Options {
   std::string init_from, save_llmc;
   bool eval_only = false;
   bool json = false;
+  bool progress = false, no_progress = false;  // default: the live view when stderr is a terminal
   examples::MetricsFlags metrics;
 };
 
@@ -445,7 +446,7 @@ int run(Options o) {
     throw mgpu::Error(mgpu::Errc::io,
                       "cannot open /dev/null for process " + std::to_string(session.place().rank) + "'s output");
   FILE* const log = !speaker ? quiet.get() : o.json ? stderr : stdout;
-  bool const terminal = speaker && ::isatty(STDERR_FILENO) != 0;
+  bool const terminal = speaker && !o.no_progress && (o.progress || ::isatty(STDERR_FILENO) != 0);
   // The model: from the flags, or the architecture and weights of an llm.c model file.
   std::optional<mgpu::io::LlmcModel> init;
   if (!o.init_from.empty()) {
@@ -698,7 +699,7 @@ int run(Options o) {
     std::int64_t const log_every = o.log_every > 0 ? o.log_every : std::max<std::int64_t>(1, o.iters / 20);
     auto const report_val = [&](std::int64_t step) {
       val_loss = evaluate();
-      if (terminal) std::fprintf(stderr, "\r%*s\r", 100, "");
+      if (terminal) examples::clear_progress();
       std::fprintf(log, "step %lld/%lld  val loss %.4f\n", static_cast<long long>(step),
                    static_cast<long long>(o.iters), val_loss);
       std::fflush(log);
@@ -723,29 +724,28 @@ int run(Options o) {
         step_peaks[r] = std::max(step_peaks[r], local_allocators[r]->stats().peak_allocated);
       double const step_s = std::chrono::duration<double>(Clock::now() - start).count();
       train_seconds += step_s;
+      std::vector<mgpu::metrics::DeviceStep> const devices =
+          metrics || terminal ? examples::JobMetrics::devices(world, local_allocators, parallel ? &trainer.last_dp : nullptr,
+                                                              parallel ? parallel->weights() : std::vector<double>{},
+                                                              o.batch_size / replicas, o.block_size)
+                              : std::vector<mgpu::metrics::DeviceStep>{};
       if (metrics) {
         bool const skipped = parallel ? !trainer.last_dp.applied : trainer.scaler && trainer.scaler->skipped() > skipped_before;
         std::optional<double> const scale = trainer.scaler ? std::optional<double>(trainer.scaler->scale()) : std::nullopt;
         metrics.record({.step = it + 1, .loss = train_loss, .seconds = step_s, .samples = o.batch_size,
                         .tokens = o.batch_size * o.block_size, .learning_rate = lr_at(o, it), .loss_scale = scale, .skipped = skipped},
-                       examples::JobMetrics::devices(world, local_allocators, parallel ? &trainer.last_dp : nullptr,
-                                                     parallel ? parallel->weights() : std::vector<double>{}, o.batch_size / replicas, o.block_size));
+                       devices);
       }
       ++trained_steps, ++window_steps;
       state.step = it + 1;
       double const window_s = std::chrono::duration<double>(Clock::now() - window_start).count();
       double const tokens_per_s = static_cast<double>(window_steps * o.batch_size * o.block_size) / window_s;
-      if (terminal) {
-        int const width = 30;
-        auto const filled = static_cast<int>(width * static_cast<double>(it + 1) / static_cast<double>(o.iters));
-        std::string bar(static_cast<std::size_t>(filled), '#');
-        bar.resize(width, '.');
-        std::fprintf(stderr, "\r[%s] step %lld/%lld  loss %.4f  %.0f tokens/s   ", bar.c_str(),
-                     static_cast<long long>(it + 1), static_cast<long long>(o.iters), train_loss, tokens_per_s);
-        std::fflush(stderr);
-      }
+      if (terminal)
+        examples::draw_progress(it + 1, o.iters, train_loss, tokens_per_s,
+                                train_seconds / static_cast<double>(trained_steps) * static_cast<double>(last - it - 1),
+                                devices, step_s);
       if (report) {
-        if (terminal) std::fprintf(stderr, "\r%*s\r", 100, "");
+        if (terminal) examples::clear_progress();
         std::fprintf(log, "step %lld/%lld  loss %.4f  lr %.2e  %.0f tokens/s\n", static_cast<long long>(it + 1),
                      static_cast<long long>(o.iters), train_loss, lr_at(o, it), tokens_per_s);
         std::fflush(log);
@@ -964,6 +964,8 @@ int main(int argc, char** argv) {
   app.add_option("--save-llmc", o.save_llmc, "write the trained model as an llm.c model file");
   app.add_flag("--eval-only", o.eval_only, "train nothing: report the validation loss");
   o.metrics.add_to(app);
+  app.add_flag("--progress", o.progress, "a live view on stderr: a bar and a line per device (default: when stderr is a terminal)");
+  app.add_flag("--no-progress", o.no_progress, "no live view, even on a terminal");
   app.add_flag("--json", o.json, "print the final metrics as one JSON object on stdout (progress goes to stderr)");
   CLI11_PARSE(app, argc, argv);
   o.zero_given = app.count("--zero") > 0;
