@@ -20,6 +20,13 @@
 //     one_device_tokens_per_s the one-device step's, from the turns in between;
 //     speedup_vs_one_device   median over turns of one-device step time / data-parallel step time;
 //     peak_bytes_device       the largest of the two devices' allocator peaks.
+//   BM_gpt_metrics_update/<shape>: BM_gpt_step_dp's data-parallel step, each followed by what a
+//   trainer does for its live metrics (metrics::Registry) at the end of a step: each device's
+//   DeviceStep from the step's result and its allocator, and Registry::record; timed apart:
+//     metrics_update_us           the median update time;
+//     metrics_update_over_step    median update time / median step time (issue 40 asks < 0.01);
+//     exposition_us               the median time of one scrape's text (Registry::exposition);
+//     textfile_write_us           the median time of metrics::write_textfile (--metrics-file).
 //   BM_gpt_recompute/<mode>: BM_gpt_step on the nano shape with activation recomputation
 //   (nn::Recompute: 0 none, 1 selective, 2 full; a short run):
 //     tokens_per_s, step_ms, peak_bytes_device  as in BM_gpt_step.
@@ -67,9 +74,12 @@
 
 #include <Eigen/Core>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <numeric>
 #include <random>
 #include <string>
@@ -234,6 +244,61 @@ void BM_gpt_step_dp(benchmark::State& state) {
 }
 BENCHMARK(BM_gpt_step_dp)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(8.0);
 BENCHMARK(BM_gpt_step_dp)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
+
+void BM_gpt_metrics_update(benchmark::State& state) {
+  Shape const& shape = shapes[state.range(0)];
+  GptTrainer one(shape);
+  mgpu::DeviceGroup group("host:2");
+  mgpu::parallel::DataParallelOptions options;
+  options.seed = 1;
+  options.clip_norm = 1.0f;
+  options.loss = std::make_shared<mgpu::nn::TokenCrossEntropy>();
+  mgpu::parallel::DataParallel dp(mgpu::nn::gpt(shape.config), group, one.adamw, std::move(options));
+  mgpu::metrics::Registry registry("bench_gpt", {.dp = 2, .zero = 1});
+  std::filesystem::path const file = std::filesystem::temp_directory_path() / ("bench_gpt_metrics_" + std::to_string(::getpid()) + ".prom");
+  std::int64_t next = 0;
+  std::vector<double> step_s, update_s, exposition_s, write_s;
+  for (auto _ : state) {
+    std::int64_t const b = next++ % GptTrainer::pool;
+    auto t0 = Clock::now();
+    auto const result = dp.step(one.inputs.slice(b * shape.batch, (b + 1) * shape.batch),
+                                one.targets.slice(b * shape.batch, (b + 1) * shape.batch));
+    step_s.push_back(seconds_since(t0));
+    t0 = Clock::now();
+    std::vector<mgpu::metrics::DeviceStep> devices(static_cast<std::size_t>(group.size()));
+    for (int r = 0; r < group.size(); ++r) {
+      auto& d = devices[static_cast<std::size_t>(r)];
+      auto const i = static_cast<std::size_t>(r);
+      d.device = group.device(r).to_string();
+      d.kind = "host";
+      d.world_rank = r;
+      d.compute_seconds = result.compute_ms[i] / 1e3;
+      d.wait_seconds = result.wait_ms[i] / 1e3;
+      d.rows = result.rows[i];
+      d.tokens = result.rows[i] * shape.config.block_size;
+      d.shard_weight = dp.weights()[i];
+      mgpu::metrics::read_memory(d, group.allocator(r));
+    }
+    registry.record({.step = next, .loss = result.loss, .seconds = step_s.back(), .samples = shape.batch,
+                     .tokens = shape.batch * shape.config.block_size, .learning_rate = 1e-3, .loss_scale = std::nullopt, .skipped = !result.applied},
+                    devices);
+    update_s.push_back(seconds_since(t0));
+    t0 = Clock::now();
+    benchmark::DoNotOptimize(registry.exposition());
+    exposition_s.push_back(seconds_since(t0));
+    t0 = Clock::now();
+    mgpu::metrics::write_textfile(registry, file);
+    write_s.push_back(seconds_since(t0));
+  }
+  std::filesystem::remove(file);
+  state.SetLabel(std::string(shape.name) + ", host:2 data parallel");
+  state.counters["step_ms"] = median(step_s) * 1e3;
+  state.counters["metrics_update_us"] = median(update_s) * 1e6;
+  state.counters["metrics_update_over_step"] = median(update_s) / median(step_s);
+  state.counters["exposition_us"] = median(exposition_s) * 1e6;
+  state.counters["textfile_write_us"] = median(write_s) * 1e6;
+}
+BENCHMARK(BM_gpt_metrics_update)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(20);
 
 // Causal attention through the whole [B, H, T, T] probability matrix: the path the online softmax
 // replaces. Forward S = q kᵀ / sqrt(d) masked, P = softmax(S), y = P v; backward dP = dy vᵀ,

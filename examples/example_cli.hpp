@@ -1,9 +1,14 @@
-// What the training examples share: their data and model flags, and --precision.
+// What the training examples share: their data and model flags, --precision, and the live metrics
+// (--metrics-port, --metrics-host, --metrics-file).
 #pragma once
 
 #include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <optional>
 #include <cstdint>
 #include <exception>
+#include <filesystem>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -15,6 +20,9 @@
 #include <mgpu/core/error.hpp>
 #include <mgpu/data/dataset.hpp>
 #include <mgpu/dist/dist.hpp>
+#include <mgpu/metrics/exporter.hpp>
+#include <mgpu/metrics/registry.hpp>
+#include <mgpu/parallel/data_parallel.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
 
 namespace examples {
@@ -109,5 +117,115 @@ inline std::vector<std::int64_t> parse_widths(std::string const& layers, std::in
                                                         std::to_string(classes) + ")");
   return w;
 }
+
+/// --metrics-port, --metrics-host and --metrics-file: where a trainer's live metrics go.
+struct MetricsFlags {
+  std::optional<int> port;
+  std::string host = "127.0.0.1";
+  std::string file;
+
+  void add_to(CLI::App& app) {
+    app.add_option("--metrics-port", port, "serve Prometheus metrics at http://HOST:N/metrics (0: any free port; process p of several: N + p)");
+    app.add_option("--metrics-host", host, "the address --metrics-port listens on (0.0.0.0: every interface)")->capture_default_str();
+    app.add_option("--metrics-file", file, "write the metrics to this NAME.prom after every step, atomically, for node_exporter's textfile collector (process p of several: NAME.pP.prom)");
+  }
+};
+
+/// A trainer's live metrics as MetricsFlags asks: the registry, its HTTP endpoint, its textfile.
+/// Does nothing when neither --metrics-port nor --metrics-file was given. Bad flags throw
+/// mgpu::Error (a port outside 0 to 65535, a port in use, a file not named .prom or not writable).
+class JobMetrics {
+ public:
+  /// Prints where the metrics go on `log` (the endpoint on stderr when `log` is null).
+  JobMetrics(MetricsFlags const& flags, std::string const& job, mgpu::metrics::Layout layout, mgpu::dist::World const& world, std::FILE* log) {
+    if (!flags.port && flags.host != "127.0.0.1")
+      throw mgpu::Error(mgpu::Errc::invalid_argument, "--metrics-host " + flags.host + " without --metrics-port (expected both)");
+    if (!flags.port && flags.file.empty()) return;
+    registry_ = std::make_unique<mgpu::metrics::Registry>(job, layout);
+    if (!flags.file.empty()) {
+      file_ = flags.file;
+      if (world.processes > 1) file_.replace_extension(".p" + std::to_string(world.process) + file_.extension().string());
+      mgpu::metrics::write_textfile(*registry_, file_);  // a bad name or folder fails before training
+      if (log != nullptr) std::fprintf(log, "metrics: %s after every step\n", file_.c_str());
+    }
+    if (flags.port) {
+      int const port = *flags.port > 0 ? *flags.port + world.process : *flags.port;
+      exporter_ = std::make_unique<mgpu::metrics::HttpExporter>(*registry_, flags.host, port);
+      std::fprintf(log != nullptr ? log : stderr, "metrics: http://%s:%d/metrics\n", flags.host.c_str(), exporter_->port());
+      std::fflush(log != nullptr ? log : stderr);  // a scraper waiting for the line reads it at once
+    }
+  }
+
+  [[nodiscard]] explicit operator bool() const noexcept { return registry_ != nullptr; }
+  [[nodiscard]] mgpu::metrics::Registry* registry() const noexcept { return registry_.get(); }
+
+  /// Each of this process's first `allocators.size()` devices in the step just run: its memory,
+  /// and from `dp` (a data-parallel step) its rows, compute and wait times (measured on host
+  /// devices only), else `rows_each` rows; `tokens_per_row` tokens per row; `weights` per device.
+  static std::vector<mgpu::metrics::DeviceStep> devices(mgpu::dist::World const& world, std::vector<mgpu::Allocator*> const& allocators,
+                                                       mgpu::parallel::DataParallelResult const* dp, std::vector<double> const& weights,
+                                                       std::int64_t rows_each, std::int64_t tokens_per_row) {
+    std::vector<mgpu::metrics::DeviceStep> out(allocators.size());
+    for (std::size_t r = 0; r < allocators.size(); ++r) {
+      mgpu::dist::WorldDevice const& d = world.devices[static_cast<std::size_t>(world.rank_of(static_cast<int>(r)))];
+      mgpu::metrics::DeviceStep& s = out[r];
+      s.device = device_name(world, d);
+      s.kind = d.device.kind == mgpu::DeviceKind::host ? "host" : "cuda";
+      s.world_rank = d.rank;
+      s.rows = rows_each;
+      if (dp != nullptr && r < dp->rows.size()) {
+        s.rows = dp->rows[r];
+        if (d.device.kind == mgpu::DeviceKind::host) s.compute_seconds = dp->compute_ms[r] / 1e3;
+        s.wait_seconds = dp->wait_ms[r] / 1e3;
+      }
+      s.tokens = s.rows * tokens_per_row;
+      s.shard_weight = r < weights.size() ? weights[r] : 1.0;
+      mgpu::metrics::read_memory(s, *allocators[r]);
+    }
+    return out;
+  }
+
+  /// Records a step, then replaces the textfile.
+  void record(mgpu::metrics::JobStep const& job, std::vector<mgpu::metrics::DeviceStep> const& devices) {
+    if (!registry_) return;
+    registry_->record(job, devices);
+    if (!file_.empty()) mgpu::metrics::write_textfile(*registry_, file_);
+  }
+
+ private:
+  std::unique_ptr<mgpu::metrics::Registry> registry_;
+  std::unique_ptr<mgpu::metrics::HttpExporter> exporter_;
+  std::filesystem::path file_;
+};
+
+/// A person's live view on a terminal (train_gpt --progress): a bar with the step, loss, tokens/s
+/// and the time left, and below it one line per device of the step just run (busy share, memory
+/// in use and its peak, rows and tokens per second), redrawn in place on stderr with ANSI cursor
+/// movement. clear_progress() erases it before a log line.
+inline void draw_progress(std::int64_t step, std::int64_t steps, float loss, double tokens_per_s, double left_s,
+                          std::vector<mgpu::metrics::DeviceStep> const& devices, double step_s) {
+  std::size_t const width = 30;
+  double const done = static_cast<double>(step) / static_cast<double>(std::max<std::int64_t>(1, steps));
+  std::string bar(std::min(width, static_cast<std::size_t>(static_cast<double>(width) * done)), '#');
+  bar.resize(width, '.');
+  auto const left = static_cast<long long>(std::max(0.0, left_s));
+  std::fprintf(stderr, "\r[%s] step %lld/%lld  loss %.4f  %.0f tokens/s  %lldm%02llds left\x1b[K", bar.c_str(),
+               static_cast<long long>(step), static_cast<long long>(steps), static_cast<double>(loss), tokens_per_s,
+               left / 60, left % 60);
+  double const per_s = step_s > 0 ? 1.0 / step_s : 0.0;
+  for (mgpu::metrics::DeviceStep const& d : devices) {
+    char busy[16] = "   -";
+    if (d.compute_seconds) std::snprintf(busy, sizeof busy, "%3.0f%%", 100.0 * std::min(1.0, *d.compute_seconds * per_s));
+    std::fprintf(stderr, "\n  %-12s busy %s  memory %.2f MiB (peak %.2f MiB)  %.0f rows/s  %.0f tokens/s\x1b[K",
+                 d.device.c_str(), busy, static_cast<double>(d.memory_in_use) / (1 << 20),
+                 static_cast<double>(d.memory_peak) / (1 << 20), static_cast<double>(d.rows) * per_s,
+                 static_cast<double>(d.tokens) * per_s);
+  }
+  if (!devices.empty()) std::fprintf(stderr, "\x1b[%zuA", devices.size());
+  std::fflush(stderr);
+}
+
+/// Erases what draw_progress() drew.
+inline void clear_progress() { std::fputs("\r\x1b[J", stderr); }
 
 }  // namespace examples

@@ -136,6 +136,8 @@ struct Options {
   std::string init_from, save_llmc;
   bool eval_only = false;
   bool json = false;
+  bool progress = false, no_progress = false;  // default: the live view when stderr is a terminal
+  examples::MetricsFlags metrics;
 };
 
 // The train and validation streams as token shards in memory.
@@ -217,6 +219,7 @@ struct Trainer {
   // Across processes: each process's share of a batch's rows (its devices' speeds), and this one.
   std::vector<double> process_weights{};
   int process = 0;
+  mgpu::parallel::DataParallelResult last_dp{};  // the last data-parallel step's (the metrics read it)
 
   // ids and targets as host int32 tensors on this device.
   mgpu::Tensor on_device(mgpu::Tensor const& host) {
@@ -235,9 +238,10 @@ struct Trainer {
       std::int64_t begin = 0;
       for (int p = 0; p < process; ++p) begin += rows[static_cast<std::size_t>(p)];
       std::int64_t const end = begin + rows[static_cast<std::size_t>(process)];
-      return {{}, parallel->step(batch.x.slice(begin, end), batch.y.slice(begin, end), lr_scale).loss};
+      last_dp = parallel->step(batch.x.slice(begin, end), batch.y.slice(begin, end), lr_scale);
+      return {{}, last_dp.loss};
     }
-    if (parallel != nullptr) return {{}, parallel->step(batch.x, batch.y, lr_scale).loss};
+    if (parallel != nullptr) return {{}, (last_dp = parallel->step(batch.x, batch.y, lr_scale)).loss};
     if (pipeline != nullptr) return {{}, pipeline->step(batch.x, batch.y, lr_scale)};
     if (tensor != nullptr) return {{}, static_cast<float>(tensor->step(batch.x, batch.y, lr_scale).loss)};
     mgpu::nn::StepOptions const options{
@@ -442,7 +446,7 @@ int run(Options o) {
     throw mgpu::Error(mgpu::Errc::io,
                       "cannot open /dev/null for process " + std::to_string(session.place().rank) + "'s output");
   FILE* const log = !speaker ? quiet.get() : o.json ? stderr : stdout;
-  bool const terminal = speaker && ::isatty(STDERR_FILENO) != 0;
+  bool const terminal = speaker && !o.no_progress && (o.progress || ::isatty(STDERR_FILENO) != 0);
   // The model: from the flags, or the architecture and weights of an llm.c model file.
   std::optional<mgpu::io::LlmcModel> init;
   if (!o.init_from.empty()) {
@@ -679,6 +683,9 @@ int run(Options o) {
   for (int r = 0; r < (several ? static_cast<int>(group.size()) : 1); ++r)
     local_allocators.push_back(several ? &group.allocator(r) : allocator.get());
   std::vector<std::size_t> step_peaks(local_allocators.size(), 0);
+  int const replicas = parallel ? world.size() : o.dp;
+  examples::JobMetrics metrics(o.metrics, "train_gpt",
+                               {.dp = replicas, .tp = o.tp, .pp = pipeline ? o.stages : 1, .zero = parallel ? o.zero : 0}, world, log);
 
   double val_loss = NAN;
   float train_loss = NAN;
@@ -692,7 +699,7 @@ int run(Options o) {
     std::int64_t const log_every = o.log_every > 0 ? o.log_every : std::max<std::int64_t>(1, o.iters / 20);
     auto const report_val = [&](std::int64_t step) {
       val_loss = evaluate();
-      if (terminal) std::fprintf(stderr, "\r%*s\r", 100, "");
+      if (terminal) examples::clear_progress();
       std::fprintf(log, "step %lld/%lld  val loss %.4f\n", static_cast<long long>(step),
                    static_cast<long long>(o.iters), val_loss);
       std::fflush(log);
@@ -706,30 +713,39 @@ int run(Options o) {
       if (timeline && it + 1 == last) timeline->enable(true);
       mgpu::data::TokenBatch const batch = train_loader.next(*host);  // host ids, copied by train_step if needed
       for (mgpu::Allocator* a : local_allocators) a->reset_peak();
+      std::int64_t const skipped_before = trainer.scaler ? trainer.scaler->skipped() : 0;
       StepLoss const loss = trainer.train_step(batch, lr_at(o, it) / o.lr);
       bool const report = (it + 1) % log_every == 0 || it + 1 == last;
-      if (report || terminal)
+      if (report || terminal || metrics)
         train_loss = loss.read(net_stream);  // reading synchronizes
       else
         net_stream.synchronize();
       for (std::size_t r = 0; r < local_allocators.size(); ++r)
         step_peaks[r] = std::max(step_peaks[r], local_allocators[r]->stats().peak_allocated);
-      train_seconds += std::chrono::duration<double>(Clock::now() - start).count();
+      double const step_s = std::chrono::duration<double>(Clock::now() - start).count();
+      train_seconds += step_s;
+      std::vector<mgpu::metrics::DeviceStep> const devices =
+          metrics || terminal ? examples::JobMetrics::devices(world, local_allocators, parallel ? &trainer.last_dp : nullptr,
+                                                              parallel ? parallel->weights() : std::vector<double>{},
+                                                              o.batch_size / replicas, o.block_size)
+                              : std::vector<mgpu::metrics::DeviceStep>{};
+      if (metrics) {
+        bool const skipped = parallel ? !trainer.last_dp.applied : trainer.scaler && trainer.scaler->skipped() > skipped_before;
+        std::optional<double> const scale = trainer.scaler ? std::optional<double>(trainer.scaler->scale()) : std::nullopt;
+        metrics.record({.step = it + 1, .loss = train_loss, .seconds = step_s, .samples = o.batch_size,
+                        .tokens = o.batch_size * o.block_size, .learning_rate = lr_at(o, it), .loss_scale = scale, .skipped = skipped},
+                       devices);
+      }
       ++trained_steps, ++window_steps;
       state.step = it + 1;
       double const window_s = std::chrono::duration<double>(Clock::now() - window_start).count();
       double const tokens_per_s = static_cast<double>(window_steps * o.batch_size * o.block_size) / window_s;
-      if (terminal) {
-        int const width = 30;
-        auto const filled = static_cast<int>(width * static_cast<double>(it + 1) / static_cast<double>(o.iters));
-        std::string bar(static_cast<std::size_t>(filled), '#');
-        bar.resize(width, '.');
-        std::fprintf(stderr, "\r[%s] step %lld/%lld  loss %.4f  %.0f tokens/s   ", bar.c_str(),
-                     static_cast<long long>(it + 1), static_cast<long long>(o.iters), train_loss, tokens_per_s);
-        std::fflush(stderr);
-      }
+      if (terminal)
+        examples::draw_progress(it + 1, o.iters, train_loss, tokens_per_s,
+                                train_seconds / static_cast<double>(trained_steps) * static_cast<double>(last - it - 1),
+                                devices, step_s);
       if (report) {
-        if (terminal) std::fprintf(stderr, "\r%*s\r", 100, "");
+        if (terminal) examples::clear_progress();
         std::fprintf(log, "step %lld/%lld  loss %.4f  lr %.2e  %.0f tokens/s\n", static_cast<long long>(it + 1),
                      static_cast<long long>(o.iters), train_loss, lr_at(o, it), tokens_per_s);
         std::fflush(log);
@@ -947,6 +963,9 @@ int main(int argc, char** argv) {
                  "start from an llm.c model file (its architecture replaces the size flags)");
   app.add_option("--save-llmc", o.save_llmc, "write the trained model as an llm.c model file");
   app.add_flag("--eval-only", o.eval_only, "train nothing: report the validation loss");
+  o.metrics.add_to(app);
+  app.add_flag("--progress", o.progress, "a live view on stderr: a bar and a line per device (default: when stderr is a terminal)");
+  app.add_flag("--no-progress", o.no_progress, "no live view, even on a terminal");
   app.add_flag("--json", o.json, "print the final metrics as one JSON object on stdout (progress goes to stderr)");
   CLI11_PARSE(app, argc, argv);
   o.zero_given = app.count("--zero") > 0;

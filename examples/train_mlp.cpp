@@ -53,6 +53,7 @@ struct Options {
   bool rebalance = false;
   std::string trace;
   int trace_steps = 20;
+  examples::MetricsFlags metrics;
 };
 
 mgpu::Tensor host_tensor(std::span<float const> values, mgpu::Shape shape, mgpu::Allocator& allocator) {
@@ -169,6 +170,10 @@ int train(Options const& o) {
   double accuracy = NAN;
   std::int64_t traced = 0;
   if (timeline) timeline->enable();
+  examples::JobMetrics metrics(o.metrics, "train_mlp", {.dp = world.size(), .zero = dp_options.zero_stage}, world, log);
+  std::vector<mgpu::Allocator*> allocators;
+  for (int r = 0; r < used.size(); ++r) allocators.push_back(&used.allocator(r));
+  float const base_lr = o.lr > 0 ? o.lr : o.optimizer == "adamw" ? 1e-3f : 0.05f;
   int const last = o.until_epoch > 0 ? std::min(o.until_epoch, o.epochs) : o.epochs;
   for (auto epoch = static_cast<int>(state.epoch); epoch < last; ++epoch) {
     loader.start_epoch(epoch, state.batch);
@@ -180,7 +185,15 @@ int train(Options const& o) {
     std::int64_t epoch_samples = 0;
     while (auto batch = loader.next()) {
       float const lr_scale = mgpu::optim::cosine_lr(state.step, static_cast<std::int64_t>(o.epochs) * loader.batches_per_epoch(), 0.05f);
+      auto const step_start = Clock::now();
       auto const result = dp.step(my_rows(batch->x), my_rows(batch->y), lr_scale);
+      if (metrics) {
+        auto const* scaler = dp.loss_scaler();
+        metrics.record({.step = state.step + 1, .loss = result.loss, .seconds = std::chrono::duration<double>(Clock::now() - step_start).count(),
+                        .samples = batch->x.dim(0), .learning_rate = base_lr * lr_scale,
+                        .loss_scale = scaler ? std::optional<double>(scaler->scale()) : std::nullopt, .skipped = !result.applied},
+                       examples::JobMetrics::devices(world, allocators, &result, dp.weights(), 0, 0));
+      }
       if (timeline && ++traced == o.trace_steps) timeline->enable(false);
       loss_sum += result.loss;
       ++steps;
@@ -279,6 +292,7 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_flag("--json", o.json, "print the final metrics as one JSON object on stdout (progress goes to stderr)");
   app.add_flag("--verbose", o.verbose, "per epoch, each rank's rows, compute and reduce-wait time per step");
+  o.metrics.add_to(app);
   app.add_flag("--rebalance", o.rebalance, "re-weight shards from each device's measured compute time");
   app.add_option("--trace", o.trace, "write a Chrome/Perfetto timeline of the first --trace-steps steps to this JSON file");
   app.add_option("--trace-steps", o.trace_steps, "steps the timeline records")->check(CLI::PositiveNumber)->capture_default_str();

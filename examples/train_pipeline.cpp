@@ -54,6 +54,7 @@ struct Options {
   std::string precision = "fp32";
   std::string trace;
   bool json = false;
+  examples::MetricsFlags metrics;
 };
 
 pp::Schedule make_schedule(Options const& o) {
@@ -201,6 +202,9 @@ int train(Options const& o) {
   double loss = NAN;
   double bubble = NAN;
   std::vector<double> epoch_losses;
+  examples::JobMetrics metrics(o.metrics, "train_pipeline", {.dp = o.dp, .pp = schedule.devices}, world, log);
+  std::vector<mgpu::Allocator*> allocators;
+  for (int r = 0; r < group.size(); ++r) allocators.push_back(&group.allocator(r));
   for (int epoch = 0; epoch < o.epochs; ++epoch) {
     loader.start_epoch(epoch);
     double sum = 0;
@@ -210,7 +214,13 @@ int train(Options const& o) {
       timeline->clear();
       timeline->enable(epoch + 1 == o.epochs);  // record the last epoch, keep its last step
       float const lr = o.lr * mgpu::optim::cosine_lr(step++, static_cast<std::int64_t>(o.epochs) * loader.batches_per_epoch(), 0.05f);
-      sum += executor.step(batch->x, batch->y, lr);
+      auto const step_start = Clock::now();
+      double const step_loss = executor.step(batch->x, batch->y, lr);
+      sum += step_loss;
+      if (metrics)  // each device runs its replica's rows; the executor measures no device's compute apart
+        metrics.record({.step = step, .loss = step_loss, .seconds = std::chrono::duration<double>(Clock::now() - step_start).count(),
+                        .samples = batch->x.dim(0), .learning_rate = lr, .loss_scale = std::nullopt, .skipped = false},
+                       examples::JobMetrics::devices(world, allocators, nullptr, {}, batch->x.dim(0) / o.dp, 0));
       ++count;
       samples += batch->x.dim(0);
     }
@@ -292,6 +302,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
       ->capture_default_str();
   app.add_option("--trace", o.trace, "write the last step's timeline here (Chrome/Perfetto trace JSON)");
+  o.metrics.add_to(app);
   app.add_flag("--json", o.json, "print the final metrics as one JSON object on stdout");
   CLI11_PARSE(app, argc, argv);
   try {

@@ -46,8 +46,9 @@ echo "-- 3. each optional dependency may be missing: the configure falls back an
 declare -A fallback=(  # what each one's absence must leave
   [dnnl]="mgpu host GEMM: Eigen" [OpenCL]="mgpu host GEMM: Eigen" [OpenMP]="mgpu host GEMM: Eigen"
   [CUDAToolkit]="mgpu: CUDA backend OFF" [NCCL]="NCCL OFF"
-  [MPI]="no target bench_mpi_allreduce" [Gloo]="no target bench_gloo_allreduce")
-for package in dnnl OpenCL OpenMP CUDAToolkit NCCL MPI Gloo; do
+  [MPI]="no target bench_mpi_allreduce" [Gloo]="no target bench_gloo_allreduce"
+  [PkgConfig]="metrics over HTTP OFF")  # cpp-httplib's flags come through pkg-config
+for package in dnnl OpenCL OpenMP CUDAToolkit NCCL MPI Gloo PkgConfig; do
   log="$work/without-$package.log"
   configure "$work/fallback" --fresh -DCMAKE_DISABLE_FIND_PACKAGE_"$package"=ON >"$log" 2>&1 ||
     { cat "$log"; echo "check-deps: FAILED: the configure without $package failed"; exit 1; }

@@ -19,9 +19,11 @@ packages=(cmake ninja-build g++ libeigen3-dev libxxhash-dev catch2 libbenchmark-
   openmpi-bin libopenmpi-dev  # mgpu::dist across processes (MGPU_WITH_MPI), its mpirun tests, a baseline of bench_collectives
   libgloo-dev  # a baseline of bench_collectives
   iproute2  # the test across network namespaces (tests/dist/netns.sh)
+  libcpp-httplib-dev pkgconf  # the metrics module's /metrics endpoint (cpp-httplib; its flags from its pkg-config file)
   libglpk-dev  # GLPK: the cluster simulator's offline bound (src/cluster/bound.cpp), a linear/integer program
   clang-14 libclang-rt-14-dev)  # the second compiler in CI, and libFuzzer (scripts/fuzz.sh)
-optional=(slurm-wlm munge)  # a one-node Slurm cluster for ctest's dist_slurm (tests/dist/slurm.sh)
+optional=(slurm-wlm munge  # a one-node Slurm cluster for ctest's dist_slurm (tests/dist/slurm.sh)
+  prometheus prometheus-node-exporter)  # ctest's metrics_prometheus: a real server scrapes train_gpt (tests/metrics/prometheus.sh)
 [ "${MGPU_SETUP_OPTIONAL:-1}" = 0 ] && optional=()
 if [ "${1:-}" = --list ]; then
   printf '%s\n' "${packages[@]}"

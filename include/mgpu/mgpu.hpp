@@ -46,3 +46,5 @@
 #include <mgpu/cluster/simulator.hpp>
 #include <mgpu/sched/types.hpp>
 #include <mgpu/trace/timeline.hpp>
+#include <mgpu/metrics/exporter.hpp>
+#include <mgpu/metrics/registry.hpp>

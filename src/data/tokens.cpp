@@ -9,7 +9,7 @@
 
 #include <mgpu/core/error.hpp>
 
-#include "io/atomic_file.hpp"
+#include "core/atomic_file.hpp"
 
 namespace mgpu::data {
 namespace {

@@ -16,7 +16,7 @@
 #include <mgpu/optim/optim.hpp>
 
 #include "core/backend.hpp"
-#include "io/atomic_file.hpp"
+#include "core/atomic_file.hpp"
 #include "io/record_type.hpp"
 
 namespace mgpu::io {

@@ -13,7 +13,7 @@
 #include <mgpu/core/memory.hpp>
 #include <mgpu/io/llmc.hpp>
 
-#include "io/atomic_file.hpp"
+#include "core/atomic_file.hpp"
 
 namespace mgpu::io {
 namespace {

@@ -1,5 +1,5 @@
 // Atomic whole-file writes: temporary file, fsync, rename, fsync of the folder.
-#include "io/atomic_file.hpp"
+#include "core/atomic_file.hpp"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -31,14 +31,14 @@ void write_all(int fd, std::span<std::byte const> bytes, std::filesystem::path c
 
 }  // namespace
 
-void write_file_atomically(std::filesystem::path const& path, std::span<std::byte const> bytes) {
+void write_file_atomically(std::filesystem::path const& path, std::span<std::byte const> bytes, Durability durability) {
   std::filesystem::path const dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
   std::filesystem::path const temp = dir / ("." + path.filename().string() + ".tmp." + std::to_string(::getpid()));
   int const fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) fail_io("creating", temp);
   try {
     write_all(fd, bytes, temp);
-    if (::fsync(fd) != 0) fail_io("syncing", temp);
+    if (durability == Durability::synced && ::fsync(fd) != 0) fail_io("syncing", temp);
   } catch (...) {
     ::close(fd);
     ::unlink(temp.c_str());
@@ -54,6 +54,7 @@ void write_file_atomically(std::filesystem::path const& path, std::span<std::byt
     errno = saved;
     fail_io("renaming into", path);
   }
+  if (durability != Durability::synced) return;
   int const dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {  // makes the rename durable
     ::fsync(dfd);
