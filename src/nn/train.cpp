@@ -2,6 +2,7 @@
 #include <mgpu/nn/train.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <memory>
 #include <optional>
@@ -101,10 +102,9 @@ StepResult enqueue_step(Sequential& model, optim::Optimizer& optimizer, Tensor c
     throw Error(Errc::invalid_argument, "train_step before materialize (expected model.materialize(ctx, seed) first)");
   std::int64_t const rows = x.defined() && x.rank() >= 1 ? x.dim(0) : 0;
   if (x.defined()) {
-    // A whole batch's values are read once the work before the step (which may write them) is done.
+    // A whole batch's values are read once the work before the step (which may write them) is
+    // done: train_step waited for it.
     bool const part = options.global_units > 0 || options.global_rows > 0 || options.sync != nullptr;
-    if (!part && (x.device().kind == DeviceKind::host || (targets.defined() && targets.device().kind == DeviceKind::host)))
-      ctx.stream.synchronize();
     check_batch(model, loss, x, targets, {options.lr_scale, model.compute_type(), part, !part}, "train_step");
   } else if (targets.defined() && targets.numel() != 0) {
     throw Error(Errc::invalid_argument, "train_step: no x and targets of shape " + to_string(targets.shape()) +
@@ -247,6 +247,30 @@ StepResult enqueue_step(Sequential& model, optim::Optimizer& optimizer, Tensor c
 
 StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor const& x, Tensor const& targets, Loss const& loss,
                       Context& ctx, StepOptions const& options) {
+  bool const whole = options.global_units <= 0 && options.global_rows <= 0 && options.sync == nullptr;
+  Sequential::StepRecord& record = model.step_record();
+  // The last step's work failed after it returned (its stream skipped the mark it put last): what
+  // it changed on the host goes back, so a run goes on as if it had not been called.
+  auto const put_back_failed = [&] {
+    if (record.done && !record.done->load(std::memory_order_acquire) && record.optimizer == &optimizer) {
+      model.set_rng_state(record.rng);
+      optimizer.set_steps(record.steps);
+    }
+    record.done.reset();
+  };
+  if (whole) {
+    // A whole batch in host memory is read on the host: first the work before it (which may write
+    // it, and shows whether the last step's work failed) is waited for.
+    bool const host_inputs = (x.defined() && x.device().kind == DeviceKind::host) ||
+                             (targets.defined() && targets.device().kind == DeviceKind::host);
+    try {
+      if (host_inputs) ctx.stream.synchronize();
+    } catch (...) {
+      put_back_failed();
+      throw;
+    }
+    if (record.done && ctx.stream.query()) put_back_failed();
+  }
   // What the enqueue changes on the host before the device runs anything, put back when it throws
   // before any update was enqueued (no memory for an activation, a layer refusing its input).
   std::vector<std::uint64_t> const rng = model.rng_state();
@@ -254,8 +278,9 @@ StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor con
   std::optional<optim::LossScaler::State> const scaler =
       options.scaler != nullptr ? std::optional(options.scaler->state()) : std::nullopt;
   Progress progress;
+  StepResult result;
   try {
-    return enqueue_step(model, optimizer, x, targets, loss, ctx, options, progress);
+    result = enqueue_step(model, optimizer, x, targets, loss, ctx, options, progress);
   } catch (...) {
     if (progress.in_backward ? !progress.updated : optimizer.steps() == steps) {
       model.set_rng_state(rng);
@@ -264,6 +289,12 @@ StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor con
     }
     throw;
   }
+  if (whole) {  // the mark the next call checks, last on the stream
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    record = {rng, steps, &optimizer, done};
+    ctx.stream.enqueue([done] { done->store(true, std::memory_order_release); });
+  }
+  return result;
 }
 
 StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, Tensor const& x, Tensor const& labels, Context& ctx,

@@ -4,6 +4,7 @@
 // master parameters and gradients beside the compute-type buffers the layers use.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -19,6 +20,10 @@
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
 #include <mgpu/ops/ops.hpp>
+
+namespace mgpu::optim {
+class Optimizer;
+}
 
 namespace mgpu::nn {
 
@@ -333,6 +338,18 @@ class Sequential {
   [[nodiscard]] std::vector<std::uint64_t> rng_seeds() const;
   void set_rng_seeds(std::span<std::uint64_t const> seeds);
 
+  /// What nn::train_step keeps between its calls on a whole batch: the RNG state and the
+  /// optimizer's step count before the last step, and whether that step's work has run (its stream
+  /// marks it last), so that a step whose work failed after train_step returned is put back at
+  /// the next call. Not copied by clone().
+  struct StepRecord {
+    std::vector<std::uint64_t> rng;
+    std::int64_t steps = 0;
+    optim::Optimizer const* optimizer = nullptr;
+    std::shared_ptr<std::atomic<bool>> done;  // null: nothing to check
+  };
+  [[nodiscard]] StepRecord& step_record() noexcept { return step_record_; }
+
   /// Called by forward() before each layer's (or fused unit's) forward, layer 0 first, and by
   /// backward() before each one's backward, last first, with the layer's index and whether it is
   /// backward: where sharded parameters (ZeRO-3) are gathered before the layers read them.
@@ -392,6 +409,7 @@ class Sequential {
   std::map<std::int64_t, std::pair<std::int64_t, Tensor>> bound_grads_;
   // bind_parameters(): the same for the parameters.
   std::map<std::int64_t, std::pair<std::int64_t, Tensor>> bound_params_;
+  StepRecord step_record_;
 };
 
 }  // namespace mgpu::nn

@@ -162,7 +162,11 @@ Shape check_batch(Sequential const& model, Loss const& loss, Tensor const& x, Te
 /// batch that check_batch refuses (an empty one unless it is a shard of a global batch:
 /// global_units, global_rows or a sync set, whose values the executor checks), and for bad
 /// options. A whole batch in host memory is checked once ctx's stream has finished the work
-/// before the step (which may be writing it).
+/// before the step (which may be writing it). A step that throws changes nothing on the host (RNG,
+/// the optimizer's step count, the loss scaler) unless an update was enqueued; on a whole batch, a
+/// step whose work fails on the stream after train_step returned (the error shows at the next
+/// synchronize, or as the next call's error) is put back by the next call
+/// (Sequential::step_record()), so the run goes on as if it had not been called.
 StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor const& x, Tensor const& targets, Loss const& loss,
                       Context& ctx, StepOptions const& options = {});
 
