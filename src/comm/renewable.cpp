@@ -26,4 +26,12 @@ void Renewable::renew() {
   inner_ = std::move(fresh);
 }
 
+std::unique_ptr<Renewable> make_renewable(DeviceGroup& group,
+                                          std::function<std::unique_ptr<Communicator>(DeviceGroup&, Options)> make,
+                                          Options options, std::unique_ptr<Communicator> first) {
+  return std::make_unique<Renewable>(std::move(first), [&group, make = std::move(make), options] {
+    return make ? make(group, options) : make_communicator(group, options);
+  });
+}
+
 }  // namespace mgpu::comm::detail

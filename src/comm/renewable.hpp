@@ -1,13 +1,14 @@
 // A communicator that can be made anew in place after a failure aborted it: layers and executors
 // keep holding the same object, which forwards every call to the communicator its factory made
-// last. For an executor within one process whose step failed (a communicator across processes
-// cannot be made again while a peer may be gone). Internal: not installed.
+// last. For an executor whose step failed; across processes every process renews its
+// communicators in the order it made them. Internal: not installed.
 #pragma once
 
 #include <functional>
 #include <memory>
 
 #include <mgpu/comm/communicator.hpp>
+#include <mgpu/core/device_group.hpp>
 
 namespace mgpu::comm::detail {
 
@@ -53,5 +54,11 @@ class Renewable final : public Communicator {
   Make make_;
   std::unique_ptr<Communicator> inner_;
 };
+
+/// A renewable communicator over every rank of `group`, made by `make` (empty:
+/// comm::make_communicator) with `options`, starting with `first` where given.
+std::unique_ptr<Renewable> make_renewable(DeviceGroup& group,
+                                          std::function<std::unique_ptr<Communicator>(DeviceGroup&, Options)> make,
+                                          Options options, std::unique_ptr<Communicator> first = nullptr);
 
 }  // namespace mgpu::comm::detail

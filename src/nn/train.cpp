@@ -96,16 +96,14 @@ struct Progress {
   bool updated = false;
 };
 
+// `whole`: x is a whole batch (not a shard of a global one), which train_step waited to read.
 StepResult enqueue_step(Sequential& model, optim::Optimizer& optimizer, Tensor const& x, Tensor const& targets, Loss const& loss,
-                        Context& ctx, StepOptions const& options, Progress& progress) {
+                        Context& ctx, StepOptions const& options, bool whole, Progress& progress) {
   if (!model.materialized())
     throw Error(Errc::invalid_argument, "train_step before materialize (expected model.materialize(ctx, seed) first)");
   std::int64_t const rows = x.defined() && x.rank() >= 1 ? x.dim(0) : 0;
   if (x.defined()) {
-    // A whole batch's values are read once the work before the step (which may write them) is
-    // done: train_step waited for it.
-    bool const part = options.global_units > 0 || options.global_rows > 0 || options.sync != nullptr;
-    check_batch(model, loss, x, targets, {options.lr_scale, model.compute_type(), part, !part}, "train_step");
+    check_batch(model, loss, x, targets, {options.lr_scale, model.compute_type(), !whole, whole}, "train_step");
   } else if (targets.defined() && targets.numel() != 0) {
     throw Error(Errc::invalid_argument, "train_step: no x and targets of shape " + to_string(targets.shape()) +
                                             " (expected no targets for an empty shard)");
@@ -280,7 +278,7 @@ StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor con
   Progress progress;
   StepResult result;
   try {
-    result = enqueue_step(model, optimizer, x, targets, loss, ctx, options, progress);
+    result = enqueue_step(model, optimizer, x, targets, loss, ctx, options, whole, progress);
   } catch (...) {
     if (progress.in_backward ? !progress.updated : optimizer.steps() == steps) {
       model.set_rng_state(rng);

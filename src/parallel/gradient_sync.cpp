@@ -401,9 +401,7 @@ GradientSync::GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, Data
       deterministic_(options.deterministic),
       hook_(options.comm_hook),
       timeline_(options.timeline),
-      comm_options_(options.comm),
-      make_communicator_(options.make_communicator),
-      comm_(make_comm()) {
+      comm_(comm::detail::make_renewable(group, options.make_communicator, options.comm)) {
   int const n = comm_->size();
   int const first = comm_->first_rank();
   if (n != group_.size()) {  // across processes
@@ -436,12 +434,7 @@ void GradientSync::add_rank(nn::Sequential& model) {
   if (shard_gradients_) ranks_.back()->shard_gradients(group_.allocator(local), group_.stream(local));
 }
 
-std::unique_ptr<comm::Communicator> GradientSync::make_comm() {
-  return make_communicator_ ? make_communicator_(group_, comm_options_)
-                            : comm::make_communicator(group_, comm_options_);
-}
-
-void GradientSync::renew_communicator() { comm_ = make_comm(); }
+void GradientSync::renew_communicator() { comm_->renew(); }
 
 void GradientSync::start_step(bool accumulate) noexcept {
   for (auto const& r : ranks_) {

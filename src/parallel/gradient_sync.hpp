@@ -30,6 +30,8 @@
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
 
+#include "comm/renewable.hpp"
+
 namespace mgpu::parallel::detail {
 
 /// Buckets of whole layers, last layer first: the first up to `first_cap_bytes` of float32
@@ -222,11 +224,8 @@ class GradientSync {
   bool deterministic_;
   std::shared_ptr<CommHook> hook_;
   std::shared_ptr<trace::Timeline> timeline_;
-  comm::Options comm_options_;
   std::vector<int> trace_ranks_;  // per communicator rank
-  std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> make_communicator_;
-  std::unique_ptr<comm::Communicator> make_comm();
-  std::unique_ptr<comm::Communicator> comm_;  // before ranks_, whose streams run collectives on it
+  std::unique_ptr<comm::detail::Renewable> comm_;  // before ranks_, whose streams run collectives on it
   std::vector<std::unique_ptr<RankSync>> ranks_;
 };
 

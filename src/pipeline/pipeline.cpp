@@ -205,10 +205,8 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   m.group = &group;
   // Every communicator can be made anew after a failed step (recover()), across processes by every
   // process in the order they were made.
-  auto renewable = std::make_unique<comm::detail::Renewable>(
-      std::move(transfers), [&group, make = options.make_communicator, comm_options]() {
-        return make ? make(group, comm_options) : comm::make_communicator(group, comm_options);
-      });
+  std::unique_ptr<comm::detail::Renewable> renewable =
+      comm::detail::make_renewable(group, options.make_communicator, comm_options, std::move(transfers));
   m.renewable.push_back(renewable.get());
   m.comm = std::move(renewable);
   m.first = m.comm->first_rank();
