@@ -484,16 +484,15 @@ int run(Options o) {
   if (o.tp > 1 && o.dp * tp_stages > 1 && group.size() == o.tp * o.dp * tp_stages) {
     // Each tensor-parallel group all-reduces in every block: the scheduler puts each on the best
     // links of the link matrix (consecutive ranks form a group; equal links keep the order).
-    // Group g = a x stages + s holds stage s of replica a; the pipeline executor runs rank t of it
-    // on rank (a x tp + t) x stages + s.
+    // The executors' ranks form the mesh dp x tp x pp: the order's group g is the mesh's g-th group
+    // along tp (stage s of replica a, g = a x stages + s).
     std::vector<int> ranks(static_cast<std::size_t>(group.size()));
     std::iota(ranks.begin(), ranks.end(), 0);
     std::vector<int> const order = mgpu::sched::tensor_parallel_order(mgpu::sched::node_state(group), ranks, o.tp);
+    mgpu::comm::DeviceMesh const mesh({{"dp", o.dp}, {"tp", o.tp}, {"pp", tp_stages}});
     std::vector<int> placed(order.size());
-    for (std::size_t i = 0; i < order.size(); ++i) {
-      int const g = static_cast<int>(i) / o.tp, t = static_cast<int>(i) % o.tp;
-      placed[static_cast<std::size_t>(((g / tp_stages) * o.tp + t) * tp_stages + g % tp_stages)] = order[i];
-    }
+    for (std::size_t i = 0; i < order.size(); ++i)
+      placed[static_cast<std::size_t>(mesh.at("tp", static_cast<int>(i) / o.tp, static_cast<int>(i) % o.tp))] = order[i];
     if (placed != ranks) {
       std::vector<mgpu::Device> devices;
       for (int const r : placed) devices.push_back(group.device(r));

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <mgpu/comm/communicator.hpp>
+#include <mgpu/comm/mesh.hpp>
 #include <mgpu/config.hpp>
 #include <mgpu/core/deadline.hpp>
 #include <mgpu/core/device.hpp>

@@ -6,9 +6,10 @@
 #include <atomic>
 #include <cmath>
 #include <exception>
-#include <numeric>
 #include <string>
+#include <string_view>
 
+#include <mgpu/comm/mesh.hpp>
 #include <mgpu/core/error.hpp>
 #include <mgpu/nn/loss.hpp>
 #include <mgpu/nn/train.hpp>
@@ -116,6 +117,7 @@ struct TensorParallel::Impl {
   nn::GptConfig config;
   TensorParallelOptions options;
   int replicas = 1, ranks = 1;  // A and T
+  comm::DeviceMesh mesh{{{"tp", 1}}};  // dp A x tp T over the grid's ranks
   int first = 0;                // the grid rank of the group's rank 0 (across processes, its world rank)
   // Across processes: over every rank of the world (null in one process).
   std::shared_ptr<comm::Communicator> world;
@@ -203,6 +205,7 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
   im.options = std::move(options);
   im.replicas = replicas;
   im.ranks = size / replicas;
+  im.mesh = comm::DeviceMesh({{"dp", replicas}, {"tp", im.ranks}});
   // A communicator over the grid ranks `ranks` (across processes, made only where this process
   // drives one of them).
   auto const subset = [&](std::vector<int> const& ranks) -> std::unique_ptr<comm::Communicator> {
@@ -212,8 +215,7 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
       im.renewable.push_back(made.get());
       return made;
     }
-    bool const here = std::any_of(ranks.begin(), ranks.end(), [&](int r) { return r >= im.first && r < im.first + group.size(); });
-    if (!here) return nullptr;
+    if (!comm::drives_any(ranks, im.first, group.size())) return nullptr;
     auto made = std::make_unique<comm::detail::Renewable>(
         [&group, make = im.options.make_subset_communicator, ranks, options = im.options.comm] { return make(group, ranks, options); });
     im.renewable.push_back(made.get());
@@ -229,29 +231,19 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
       im.comms.push_back(std::move(made));
     }
   } else {
-    for (int a = 0; a < replicas; ++a) {
-      std::vector<int> ranks;
-      for (int t = 0; t < im.ranks; ++t) ranks.push_back(a * im.ranks + t);
-      im.comms.push_back(subset(ranks));
-    }
-    for (int t = 0; t < im.ranks; ++t) {
-      std::vector<int> ranks;
-      for (int a = 0; a < replicas; ++a) ranks.push_back(a * im.ranks + t);
-      im.data.push_back(subset(ranks));
-    }
+    for (std::vector<int> const& ranks : im.mesh.groups("tp")) im.comms.push_back(subset(ranks));
+    for (std::vector<int> const& ranks : im.mesh.groups("dp")) im.data.push_back(subset(ranks));
   }
   if (across) {
     im.all = im.world;
   } else if (replicas == 1) {
     im.all = im.comms[0];
   } else {
-    std::vector<int> ranks(static_cast<std::size_t>(size));
-    std::iota(ranks.begin(), ranks.end(), 0);
-    im.all = subset(ranks);
+    im.all = subset(im.mesh.group(0, std::vector<std::string_view>{"dp", "tp"}));
   }
   im.shards.reserve(static_cast<std::size_t>(group.size()));  // the syncs keep references
   for (int r = 0; r < group.size(); ++r) {
-    int const a = (im.first + r) / im.ranks, t = (im.first + r) % im.ranks;
+    int const a = im.mesh.coordinate(im.first + r, "dp"), t = im.mesh.coordinate(im.first + r, "tp");
     std::shared_ptr<comm::Communicator> const& comm = im.comms[static_cast<std::size_t>(a)];
     im.shards.push_back(tensor_parallel_gpt(config, comm, t, im.options.sequence_parallel));
     if (im.options.optimizer) {
@@ -308,7 +300,7 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
     im.group->run([&](int rank, Device device, Stream& stream) {
       Allocator& allocator = im.group->allocator(rank);
       int const g = im.first + rank;
-      auto const a = static_cast<std::size_t>(g / im.ranks);
+      auto const a = static_cast<std::size_t>(im.mesh.coordinate(g, "dp"));
       auto const local = [&](Tensor const& t) {
         Tensor const rows_of = im.replicas == 1 ? t : t.slice(offsets[a], offsets[a + 1]);
         if (rows_of.device() == device) return rows_of;
@@ -332,7 +324,7 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
           std::vector<float> const values = host_copy(all, stream);
           std::copy(values.begin(), values.end(), shares.begin());
         }
-      } else if (g % im.ranks == 0) {
+      } else if (im.mesh.coordinate(g, "tp") == 0) {
         shares[static_cast<std::size_t>(g)] = ops::item(step.loss, stream);
       }
       if (rank == 0) result.applied = step.applied;  // the same on every rank
@@ -340,7 +332,7 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
   } catch (...) {
     im.recover(std::current_exception(), rng, steps);
   }
-  for (int a = 0; a < im.replicas; ++a) result.loss += shares[static_cast<std::size_t>(a * im.ranks)];
+  for (int a = 0; a < im.replicas; ++a) result.loss += shares[static_cast<std::size_t>(im.mesh.at("tp", a, 0))];
   return result;
 }
 
@@ -373,7 +365,7 @@ std::vector<float> TensorParallel::gather_parameters() {
   std::vector<float> gathered;
   std::int64_t padded = 0;
   if (im.world) {
-    std::shared_ptr<comm::Communicator> const& comm = im.comms[static_cast<std::size_t>(im.first / im.ranks)];
+    std::shared_ptr<comm::Communicator> const& comm = im.comms[static_cast<std::size_t>(im.mesh.coordinate(im.first, "dp"))];
     for (int t = 0; t < im.ranks; ++t) {
       layouts.push_back(tensor_parallel_gpt(im.config, comm, t, im.options.sequence_parallel));
       padded = std::max(padded, layouts.back().parameter_count());

@@ -115,7 +115,7 @@ void Executor::Impl::tensor_parallel_whole(std::span<float> whole, bool to_shard
       int const rank = first + local;
       for (int p = 0; p < tp; ++p) {
         for (int c = 0; c < schedule.chunks(); ++c) {
-          int const owner = p * schedule.devices + schedule.device_of(c);
+          int const owner = rank_at(p, schedule.device_of(c));
           Tensor const& copy = received[static_cast<std::size_t>(p) * chunk_count + static_cast<std::size_t>(c)];
           Tensor const buffer = rank == owner ? chunk_of(owner, c).master_parameters()
                                               : Tensor::empty(copy.shape(), DType::float32, group->allocator(local));
@@ -128,7 +128,7 @@ void Executor::Impl::tensor_parallel_whole(std::span<float> whole, bool to_shard
   }
   for (int p = 0; p < (to_shards ? replicas : tp); ++p) {
     for (int c = 0; c < schedule.chunks(); ++c) {
-      int const rank = p * schedule.devices + schedule.device_of(c);
+      int const rank = rank_at(p, schedule.device_of(c));
       if (to_shards && !is_local(rank)) continue;  // another process's
       nn::Sequential& chunk = chunks[static_cast<std::size_t>(p)][static_cast<std::size_t>(c)];
       Tensor const params = received.empty()
@@ -231,7 +231,7 @@ void Executor::scatter_parameters(nn::Sequential const& whole, Stream& stream) {
   m.group->synchronize();
   for (int r = 0; r < m.replicas; ++r) {
     for (int c = 0; c < m.schedule.chunks(); ++c) {
-      int const rank = r * m.schedule.devices + m.schedule.device_of(c);
+      int const rank = m.rank_at(r, m.schedule.device_of(c));
       if (!m.is_local(rank)) continue;  // another process's
       nn::Sequential& chunk = m.chunks[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)];
       Stream& chunk_stream = m.group->stream(rank - m.first);
@@ -427,7 +427,7 @@ io::TrainingState Executor::Impl::load_records(io::Checkpoint const& records, io
     has_state = !state_names.empty();
     for (int c = 0; c < schedule.chunks(); ++c) {
       int r = 0;
-      while (r < replicas && !is_local(r * schedule.devices + schedule.device_of(c))) ++r;
+      while (r < replicas && !is_local(rank_at(r, schedule.device_of(c)))) ++r;
       if (r == replicas) continue;  // no replica's chunk c runs here
       Staged& st = staged[static_cast<std::size_t>(c)];
       nn::Sequential const& chunk = chunks[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)];
@@ -476,7 +476,7 @@ io::TrainingState Executor::Impl::load_records(io::Checkpoint const& records, io
   }
   for (int r = 0; r < replicas; ++r) {
     for (int c = 0; c < schedule.chunks(); ++c) {
-      int const rank = r * schedule.devices + schedule.device_of(c);
+      int const rank = rank_at(r, schedule.device_of(c));
       if (!is_local(rank)) continue;  // another process loads it
       auto const index = static_cast<std::size_t>(c);
       Staged const& st = staged[index];

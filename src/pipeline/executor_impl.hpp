@@ -14,6 +14,7 @@
 #include <vector>
 
 #include <mgpu/comm/communicator.hpp>
+#include <mgpu/comm/mesh.hpp>
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
 #include <mgpu/io/checkpoint.hpp>
@@ -29,20 +30,31 @@ struct Executor::Impl {
   Schedule schedule;
   std::vector<std::size_t> cuts;
   ExecutorOptions options;
-  // Pipelines: data-parallel replicas x tensor-parallel ranks, pipeline a * tp + t running rank t's
-  // shard of replica a (tp = 1 without tensor parallelism).
+  // Pipelines: data-parallel replicas x tensor-parallel ranks, each running rank t's shard of
+  // replica a (tp = 1 without tensor parallelism).
   int replicas = 1;
   int tp = 1;
+  // The grid's ranks as a mesh, dp x tp x pp (pp, the schedule's devices, fastest): pipeline p (of
+  // `replicas`) is the p-th group along pp, and the helpers below are the only rank arithmetic.
+  comm::DeviceMesh mesh{{{"pp", 1}}};
+  [[nodiscard]] int rank_at(int pipeline, int device) const { return mesh.at("pp", pipeline, device); }
+  [[nodiscard]] int pipeline_of(int rank) const { return mesh.group_index(rank, "pp"); }
+  [[nodiscard]] int device_in_pipeline(int rank) const { return mesh.coordinate(rank, "pp"); }
+  [[nodiscard]] int data_index(int pipeline) const { return mesh.coordinate(rank_at(pipeline, 0), "dp"); }
+  [[nodiscard]] int tp_index(int pipeline) const { return mesh.coordinate(rank_at(pipeline, 0), "tp"); }
   // The world's ranks (comm's) of this process: [first, first + group->size()); across processes
   // the grid's other ranks belong to other processes, and their chunks stay unmaterialized here.
   int first = 0;
   bool across = false;  // the grid spans processes
   [[nodiscard]] bool is_local(int rank) const noexcept { return rank >= first && rank < first + group->size(); }
   std::unique_ptr<comm::Communicator> comm;                     // every rank: the pipelines' transfers
-  // Per tensor-parallel rank t and device d of a pipeline (t * devices + d), over its replicas.
+  // Per group along dp (mesh.groups("dp"): a tensor-parallel rank and device), over its replicas.
   std::vector<std::unique_ptr<comm::Communicator>> stage_comms;
-  // Tensor parallelism: per replica a and chunk c (a * chunks + c), over the chunk's tp ranks.
+  // Tensor parallelism: per replica a and chunk c (tp_comm(pipeline, c)), over the chunk's tp ranks.
   std::vector<std::shared_ptr<comm::Communicator>> tp_comms;
+  [[nodiscard]] comm::Communicator& tp_comm(int pipeline, int c) const {
+    return *tp_comms[static_cast<std::size_t>(data_index(pipeline) * schedule.chunks() + c)];
+  }
   // Tensor parallelism: per pipeline and chunk, the ranges counted in the global gradient norm.
   std::vector<std::unique_ptr<nn::GradientSync>> norms;
   std::vector<std::shared_ptr<nn::Loss const>> losses;  // per pipeline: its last chunk's loss
@@ -157,7 +169,7 @@ struct Executor::Impl {
   void run_device(int rank, Stream& stream, Step& step);
   // Chunk c of the replica that `rank` belongs to.
   nn::Sequential& chunk_of(int rank, int c) {
-    return chunks[static_cast<std::size_t>(rank / schedule.devices)][static_cast<std::size_t>(c)];
+    return chunks[static_cast<std::size_t>(pipeline_of(rank))][static_cast<std::size_t>(c)];
   }
 };
 

@@ -126,7 +126,7 @@ std::optional<Executor::Impl::Tie> Executor::Impl::find_tie(std::vector<nn::Sequ
 nn::Sequential Executor::Impl::tensor_parallel_chunk(int r, std::size_t c) const {
   auto const chunks = static_cast<std::size_t>(schedule.chunks());
   nn::Sequential part =
-      options.tensor_parallel.stage(tp_comms[static_cast<std::size_t>(r / tp) * chunks + c], r % tp, cuts[c], cuts[c + 1]);
+      options.tensor_parallel.stage(tp_comms[static_cast<std::size_t>(data_index(r)) * chunks + c], tp_index(r), cuts[c], cuts[c + 1]);
   bool embedded = false;
   for (std::size_t i = 0; i < part.size(); ++i)
     embedded = embedded || dynamic_cast<parallel::VocabParallelEmbedding const*>(&part.layer(i)) != nullptr;
@@ -216,6 +216,7 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   m.options = std::move(options);
   m.tp = tp;
   m.replicas = m.options.data_parallel * tp;
+  m.mesh = comm::DeviceMesh({{"dp", m.options.data_parallel}, {"tp", tp}, {"pp", m.schedule.devices}});
   m.architecture = model.clone();
   m.make_optimizer = make_optimizer;
   m.chunks.resize(static_cast<std::size_t>(m.replicas));
@@ -225,11 +226,11 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   if (tp > 1) {  // the ranks of each replica's chunk
     for (int a = 0; a < m.options.data_parallel; ++a) {
       for (std::size_t c = 0; c < chunks; ++c) {
-        std::vector<int> ranks;
-        for (int t = 0; t < tp; ++t) ranks.push_back((a * tp + t) * devices + m.schedule.device_of(static_cast<int>(c)));
+        std::vector<int> const ranks =
+            m.mesh.group(m.mesh.rank(std::vector<int>{a, 0, m.schedule.device_of(static_cast<int>(c))}), "tp");
         if (!across) {
           m.tp_comms.push_back(m.renewable_over(ranks, stage_options));
-        } else if (std::any_of(ranks.begin(), ranks.end(), [&](int rank) { return m.is_local(rank); })) {
+        } else if (comm::drives_any(ranks, m.first, group.size())) {
           std::unique_ptr<comm::Communicator> first = m.options.make_subset_communicator(group, ranks, stage_options);
           if (!first)
             throw Error(Errc::invalid_argument, "the pipeline's make_subset_communicator returned no communicator "
@@ -273,17 +274,11 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   group.run([&](int local, Device, Stream& stream) {
     nn::Context ctx{group.allocator(local), stream};
     int const rank = m.first + local;
-    for (int c = rank % devices; c < m.schedule.chunks(); c += devices)
+    for (int c = m.device_in_pipeline(rank); c < m.schedule.chunks(); c += devices)
       m.chunk_of(rank, c).materialize(ctx, m.options.seed, m.options.compute);
   });
   if (m.replicas > tp && !m.across) {
-    for (int t = 0; t < tp; ++t) {
-      for (int d = 0; d < devices; ++d) {
-        std::vector<int> ranks;
-        for (int a = 0; a < m.options.data_parallel; ++a) ranks.push_back((a * tp + t) * devices + d);
-        m.stage_comms.push_back(m.renewable_over(ranks, stage_options));
-      }
-    }
+    for (std::vector<int> const& ranks : m.mesh.groups("dp")) m.stage_comms.push_back(m.renewable_over(ranks, stage_options));
   }
   if (!m.options.loss) m.options.loss = nn::default_loss();
   for (int r = 0; r < m.replicas; ++r) {
@@ -291,11 +286,11 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
       m.losses.push_back(m.options.loss);
       continue;
     }
-    auto const& comm = m.tp_comms[static_cast<std::size_t>(r / tp) * chunks + chunks - 1];
-    m.losses.push_back(m.options.tensor_parallel.loss(comm, r % tp));
+    auto const& comm = m.tp_comms[static_cast<std::size_t>(m.data_index(r)) * chunks + chunks - 1];
+    m.losses.push_back(m.options.tensor_parallel.loss(comm, m.tp_index(r)));
     if (!m.losses.back())
       throw Error(Errc::invalid_argument, "the tensor-parallel stages' loss factory returned no loss for rank " +
-                                              std::to_string(r % tp) + " (expected one from every call)");
+                                              std::to_string(m.tp_index(r)) + " (expected one from every call)");
     // The norm counts split parameters on replica 0's ranks, replicated ones on its rank 0 and a
     // tied head's copy of wte nowhere (the embedding's rows count).
     for (std::size_t c = 0; c < chunks; ++c) {
@@ -312,7 +307,7 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     int const head_device = m.schedule.device_of(m.tie->head_chunk);
     if (embedding_device != head_device && !m.across) {
       for (int r = 0; r < m.replicas; ++r)
-        m.tie_comms.push_back(m.renewable_over({r * devices + embedding_device, r * devices + head_device}, stage_options));
+        m.tie_comms.push_back(m.renewable_over({m.rank_at(r, embedding_device), m.rank_at(r, head_device)}, stage_options));
     }
     // The copy starts at zero: the sum makes it the embedding's initial wte.
     group.run([&](int local, Device, Stream& stream) { m.sum_tied(m.first + local, stream, true); });
@@ -351,7 +346,7 @@ void Executor::Impl::recover(std::exception_ptr failure, bool updated) {
       DeviceState& st = devices[static_cast<std::size_t>(rank)];
       for (auto* slots : {&st.act_in, &st.act_out, &st.grad_in, &st.grad_out}) std::fill(slots->begin(), slots->end(), Tensor{});
       st.compute_done = Event{};  // it may mark failed work, which the next step would wait on
-      for (int c = rank % schedule.devices; c < schedule.chunks(); c += schedule.devices)
+      for (int c = device_in_pipeline(rank); c < schedule.chunks(); c += schedule.devices)
         if (!st.rng_start[static_cast<std::size_t>(c)].empty()) chunk_of(rank, c).set_rng_state(st.rng_start[static_cast<std::size_t>(c)]);
     }
   } catch (Error const& e) {  // an executor that cannot be put back is as unusable as a partly updated one
@@ -419,13 +414,13 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
       // is then one wake-up (the receiver's), not a chain of handoffs between driver and stream threads.
       Stream::InlineScope const inline_work(stream);
       int const rank = m.first + local;
-      Impl::Step& step = steps[static_cast<std::size_t>(rank / m.schedule.devices)];
+      Impl::Step& step = steps[static_cast<std::size_t>(m.pipeline_of(rank))];
       m.run_device(rank, stream, step);
       if (!m.across) return;
       Tensor& all = gathered[static_cast<std::size_t>(local)];
       all = Tensor::empty({static_cast<std::int64_t>(m.comm->size()) * mbs}, DType::float32, m.group->allocator(local));
       Tensor const mine = all.slice(static_cast<std::int64_t>(rank) * mbs, static_cast<std::int64_t>(rank + 1) * mbs);
-      if (rank % m.schedule.devices == last_device) {
+      if (m.device_in_pipeline(rank) == last_device) {
         for (int k = 0; k < mbs; ++k) copy_async(mine.slice(k, k + 1), step.losses[static_cast<std::size_t>(k)], stream);
       } else {
         fill_async(mine, 0.0f, stream);
@@ -438,8 +433,8 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
   m.last_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   double loss = 0;
   for (int r = 0; r < replicas; ++r) {  // the replica's first pipeline's last stage
-    Impl::Step const& step = steps[static_cast<std::size_t>(r * m.tp)];
-    int const last_rank = r * m.tp * m.schedule.devices + last_device;
+    int const last_rank = m.mesh.rank(std::vector<int>{r, 0, last_device});
+    Impl::Step const& step = steps[static_cast<std::size_t>(m.pipeline_of(last_rank))];
     for (std::size_t k = 0; k < step.losses.size(); ++k) {
       auto const i = static_cast<std::int64_t>(last_rank) * mbs + static_cast<std::int64_t>(k);
       loss += m.across ? ops::item(gathered[0].slice(i, i + 1), m.group->stream(0))
@@ -454,14 +449,13 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
     throw Error(Errc::invalid_argument, "pipeline step: lr_scale " + std::to_string(lr_scale) + " (expected a finite lr_scale >= 0)");
   float const loss = compute_gradients(x, labels);
   Impl& m = *impl_;
-  int const devices = m.schedule.devices;
   // Every chunk of every replica. The replicas' reduced gradients are equal, so replica 0's alone
   // count in the global norm, and the tied copy of wte counts once, in the embedding's chunk. With
   // tensor-parallel stages every pipeline is a replica here, counting its norm ranges.
   std::vector<nn::UpdatePart> parts;
   for (int r = 0; r < m.replicas; ++r) {
     for (int c = 0; c < m.schedule.chunks(); ++c) {
-      int const rank = r * devices + m.schedule.device_of(c);
+      int const rank = m.rank_at(r, m.schedule.device_of(c));
       if (!m.is_local(rank)) continue;  // another process updates it
       nn::Sequential& chunk = m.chunk_of(rank, c);
       nn::UpdatePart part{&chunk, m.optimizers[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)].get(),
@@ -512,7 +506,7 @@ nn::Sequential& Executor::chunk(int c, int replica) {
     throw Error(Errc::invalid_argument, "chunk " + std::to_string(c) + " of replica " + std::to_string(replica) + " (expected chunk in [0, " +
                                             std::to_string(impl_->schedule.chunks()) + ") and replica in [0, " +
                                             std::to_string(impl_->replicas) + "))");
-  int const rank = replica * impl_->schedule.devices + impl_->schedule.device_of(c);
+  int const rank = impl_->rank_at(replica, impl_->schedule.device_of(c));
   if (!impl_->is_local(rank))
     throw Error(Errc::invalid_argument,
                 "chunk " + std::to_string(c) + " of replica " + std::to_string(replica) + " runs on world rank " +

@@ -36,8 +36,8 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
   Schedule const& s = schedule;
   int const last = s.chunks() - 1;
   int const mbs = s.micro_batches;
-  int const device = rank % s.devices;      // the device within its pipeline
-  int const base = rank - device;           // the pipeline's first rank
+  int const device = device_in_pipeline(rank);
+  int const pipeline = pipeline_of(rank);
   Allocator& allocator = group->allocator(rank - first);
   DType const dtype = options.compute;  // of activations and their gradients
   DeviceState& st = devices[static_cast<std::size_t>(rank)];
@@ -67,20 +67,22 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
             auto const mb = static_cast<std::size_t>(t.micro_batch);
             switch (t.kind) {
               case ActionKind::send_activation:
-                comm->send(rank, take(st.act_out, t.chunk, t.micro_batch, mbs, "activation"), base + s.device_of(t.chunk + 1), stream);
+                comm->send(rank, take(st.act_out, t.chunk, t.micro_batch, mbs, "activation"),
+                           rank_at(pipeline, s.device_of(t.chunk + 1)), stream);
                 break;
               case ActionKind::send_gradient:
-                comm->send(rank, take(st.grad_in, t.chunk, t.micro_batch, mbs, "input gradient"), base + s.device_of(t.chunk - 1), stream);
+                comm->send(rank, take(st.grad_in, t.chunk, t.micro_batch, mbs, "input gradient"),
+                           rank_at(pipeline, s.device_of(t.chunk - 1)), stream);
                 break;
               case ActionKind::recv_activation: {
                 Tensor buffer = Tensor::empty(step.input_shapes[static_cast<std::size_t>(t.chunk)][mb], dtype, allocator);
-                comm->recv(rank, buffer, base + s.device_of(t.chunk - 1), stream);
+                comm->recv(rank, buffer, rank_at(pipeline, s.device_of(t.chunk - 1)), stream);
                 st.act_in[slot(t.chunk, t.micro_batch)] = std::move(buffer);
                 break;
               }
               default: {
                 Tensor buffer = Tensor::empty(step.input_shapes[static_cast<std::size_t>(t.chunk) + 1][mb], dtype, allocator);
-                comm->recv(rank, buffer, base + s.device_of(t.chunk + 1), stream);
+                comm->recv(rank, buffer, rank_at(pipeline, s.device_of(t.chunk + 1)), stream);
                 st.grad_out[slot(t.chunk, t.micro_batch)] = std::move(buffer);
               }
             }
@@ -147,8 +149,8 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
             Tensor const dlogits = Tensor::empty(y.shape(), y.dtype(), allocator);
             step.losses[mb] = Tensor::empty({1}, DType::float32, allocator);
             // Each micro-batch's share of the batch's mean: the losses and gradients add up to the batch mean's.
-            losses[static_cast<std::size_t>(rank / s.devices)]->compute(y, targets, dlogits, step.losses[mb], step.units,
-                                                                        step.loss_scale, allocator, stream);
+            losses[static_cast<std::size_t>(pipeline)]->compute(y, targets, dlogits, step.losses[mb], step.units,
+                                                                step.loss_scale, allocator, stream);
             st.grad_out[slot(a.chunk, a.micro_batch)] = dlogits;
             break;
           }
@@ -180,15 +182,13 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
   for (int c = device; c < s.chunks(); c += s.devices) {
     if (st.ran_forward[static_cast<std::size_t>(c)]) chunk_of(rank, c).set_rng_state(st.rng_after[static_cast<std::size_t>(c)]);
   }
-  int const pipeline = rank / s.devices;
   if (!partials.empty()) {  // sequence parallelism: each rank's tokens' part of the LayerNorms' gradients
     for (int c = device; c < s.chunks(); c += s.devices) {
       auto const index = static_cast<std::size_t>(pipeline * s.chunks() + c);
       Tensor const& grads = chunk_of(rank, c).gradients();
       for (nn::ParameterRange const& range : partials[index]) {
         Tensor const part = grads.slice(range.begin, range.end);
-        tp_comms[static_cast<std::size_t>((pipeline / tp) * s.chunks() + c)]->all_reduce(pipeline % tp, part, part,
-                                                                                         comm::ReduceOp::sum, stream);
+        tp_comm(pipeline, c).all_reduce(tp_index(pipeline), part, part, comm::ReduceOp::sum, stream);
       }
     }
   }
@@ -198,13 +198,11 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
       if (!grads.defined()) continue;
       auto reduce = [&] {
         if (!across) {
-          stage_comms[static_cast<std::size_t>((pipeline % tp) * s.devices + device)]->all_reduce(
-              pipeline / tp, grads, grads, comm::ReduceOp::sum, stream);
+          stage_comms[static_cast<std::size_t>(mesh.group_index(rank, "dp"))]->all_reduce(
+              mesh.group_rank(rank, "dp"), grads, grads, comm::ReduceOp::sum, stream);
           return;
         }
-        std::vector<int> ranks;  // the replicas' pipelines of this tensor-parallel rank
-        for (int r = pipeline % tp; r < replicas; r += tp) ranks.push_back(r * s.devices + device);
-        sum_over(rank, ranks, grads, stream);
+        sum_over(rank, mesh.group(rank, "dp"), grads, stream);  // the replicas' pipelines of this tensor-parallel rank
       };
       if (timeline != nullptr && timeline->enabled()) {
         timeline->stream_span(stream, "all_reduce(chunk " + std::to_string(c) + ")", "pipeline", rank, trace::communication, reduce);
@@ -218,11 +216,12 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
 
 void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
   if (!tie) return;
-  int const device = rank % schedule.devices;
+  int const device = device_in_pipeline(rank);
   int const embedding_device = schedule.device_of(tie->embedding_chunk);
   int const head_device = schedule.device_of(tie->head_chunk);
   if (device != embedding_device && device != head_device) return;
-  std::int64_t const elements = tie_elements[static_cast<std::size_t>(rank / schedule.devices)];
+  int const pipeline = pipeline_of(rank);
+  std::int64_t const elements = tie_elements[static_cast<std::size_t>(pipeline)];
   auto const part = [&](int c, std::int64_t offset) {
     nn::Sequential const& chunk = chunk_of(rank, c);
     return (parameters ? chunk.master_parameters() : chunk.gradients()).slice(offset, offset + elements);
@@ -235,11 +234,10 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
   } else if (Tensor const mine = device == embedding_device ? part(tie->embedding_chunk, tie->embedding_offset)
                                                             : part(tie->head_chunk, tie->head_offset);
              across) {  // the other chunk is another process's
-    int const base = rank - device;
-    sum_over(rank, {base + embedding_device, base + head_device}, mine, stream);
+    sum_over(rank, {rank_at(pipeline, embedding_device), rank_at(pipeline, head_device)}, mine, stream);
   } else {
-    tie_comms[static_cast<std::size_t>(rank / schedule.devices)]->all_reduce(device == embedding_device ? 0 : 1, mine, mine,
-                                                                            comm::ReduceOp::sum, stream);
+    tie_comms[static_cast<std::size_t>(pipeline)]->all_reduce(device == embedding_device ? 0 : 1, mine, mine,
+                                                             comm::ReduceOp::sum, stream);
   }
   if (!parameters) return;
   for (auto const& [c, offset] : {std::pair{tie->embedding_chunk, tie->embedding_offset}, std::pair{tie->head_chunk, tie->head_offset}}) {
@@ -313,9 +311,9 @@ double Executor::Impl::world_sum(std::function<void(Tensor const&, Tensor const&
     all = Tensor::empty({comm->size() * per_rank}, DType::float32, group->allocator(local));
     Tensor const mine = all.slice(rank * per_rank, (rank + 1) * per_rank);
     fill_async(mine, 0.0f, stream);
-    for (int c = rank % schedule.devices; c < schedule.chunks(); c += schedule.devices) {
+    for (int c = device_in_pipeline(rank); c < schedule.chunks(); c += schedule.devices) {
       Tensor const& grads = chunk_of(rank, c).master_gradients();
-      std::size_t const at = static_cast<std::size_t>(rank / schedule.devices) * chunks + static_cast<std::size_t>(c);
+      std::size_t const at = static_cast<std::size_t>(pipeline_of(rank)) * chunks + static_cast<std::size_t>(c);
       std::int64_t slot = first_slot[at];
       for (auto const& [begin, end] : parts[at]) {
         op(grads.slice(begin, end), mine.slice(slot, slot + 1), stream);
@@ -329,7 +327,7 @@ double Executor::Impl::world_sum(std::function<void(Tensor const&, Tensor const&
   for (int c = 0; c < schedule.chunks(); ++c) {
     for (int r = 0; r < replicas; ++r) {
       std::size_t const at = static_cast<std::size_t>(r) * chunks + static_cast<std::size_t>(c);
-      std::int64_t const begin = (r * schedule.devices + schedule.device_of(c)) * per_rank + first_slot[at];
+      std::int64_t const begin = rank_at(r, schedule.device_of(c)) * per_rank + first_slot[at];
       for (std::int64_t k = begin; k < begin + static_cast<std::int64_t>(parts[at].size()); ++k)
         sum += ops::item(gathered[0].slice(k, k + 1), group->stream(0));
     }
