@@ -306,10 +306,9 @@ void check_layout(Options const& o, bool pipelined, int size) {
     if (o.batch_size < o.dp)
       refuse("--batch-size " + std::to_string(o.batch_size) + " with --dp " + std::to_string(o.dp) +
              " (expected at least one row per replica)");
-    if (o.precision != "fp32" || !o.checkpoint.empty() || !o.trace.empty())
-      refuse("--tp " + std::to_string(o.tp) + " with --precision " + o.precision +
-             (o.checkpoint.empty() ? "" : ", --checkpoint") + (o.trace.empty() ? "" : ", --trace") +
-             " (expected fp32, and no checkpoint or trace: not supported with tensor parallelism yet)");
+    if (o.precision != "fp32" || !o.checkpoint.empty())
+      refuse("--tp " + std::to_string(o.tp) + " with --precision " + o.precision + (o.checkpoint.empty() ? "" : ", --checkpoint") +
+             " (expected fp32 and no checkpoint: not supported with tensor parallelism yet)");
     return;
   }
   if (pipelined) {
@@ -611,6 +610,7 @@ int run(Options o) {
                                                      .clip_norm = o.clip,
                                                      .data_parallel = o.dp,
                                                      .sequence_parallel = o.sequence_parallel};
+    tp_options.timeline = timeline;
     if (across) {  // the grid over the world's devices, each process passing the whole batch
       tp_options.make_communicator = mgpu::dist::communicator_factory(world);
       tp_options.make_subset_communicator = mgpu::dist::subset_communicator_factory(world);

@@ -43,7 +43,7 @@ std::vector<float> host_copy(Tensor const& t, Stream& stream) {
 class TensorParallelSync final : public nn::GradientSync {
  public:
   TensorParallelSync(nn::Sequential const& shard, comm::Communicator& comm, int rank, comm::Communicator* data,
-                     int data_rank, comm::Communicator& all, int all_rank, bool sequence_parallel)
+                     int data_rank, comm::Communicator& all, int all_rank, bool sequence_parallel, trace::Timeline* timeline)
       : shard_(shard),
         comm_(comm),
         rank_(rank),
@@ -51,7 +51,8 @@ class TensorParallelSync final : public nn::GradientSync {
         data_rank_(data_rank),
         all_(all),
         all_rank_(all_rank),
-        owned_(norm_ranges(shard, true, rank == 0)) {
+        owned_(norm_ranges(shard, true, rank == 0)),
+        timeline_(timeline) {
     for (nn::ParameterRange const& partial : partial_ranges(shard, sequence_parallel))
       partial_[partial.layer].emplace_back(partial.begin, partial.end);
   }
@@ -65,21 +66,25 @@ class TensorParallelSync final : public nn::GradientSync {
   [[nodiscard]] bool updated() const noexcept { return updated_.load(std::memory_order_acquire); }
   void ready(nn::ParameterRange const& range, Stream& compute) override {
     if (auto const it = partial_.find(range.layer); it != partial_.end()) {
-      for (auto const& [begin, end] : it->second) {
-        Tensor const grads = shard_.master_gradients().slice(begin, end);
-        comm_.all_reduce(rank_, grads, grads, ReduceOp::sum, compute);
-      }
+      traced(compute, "all_reduce(" + shard_.layer(range.layer).name() + " token parts)", [&] {
+        for (auto const& [begin, end] : it->second) {
+          Tensor const grads = shard_.master_gradients().slice(begin, end);
+          comm_.all_reduce(rank_, grads, grads, ReduceOp::sum, compute);
+        }
+      });
     }
     if (data_ != nullptr) {
-      Tensor const grads = shard_.master_gradients().slice(range.begin, range.end);
-      data_->all_reduce(data_rank_, grads, grads, ReduceOp::sum, compute);
+      traced(compute, "all_reduce(" + shard_.layer(range.layer).name() + " over replicas)", [&] {
+        Tensor const grads = shard_.master_gradients().slice(range.begin, range.end);
+        data_->all_reduce(data_rank_, grads, grads, ReduceOp::sum, compute);
+      });
     }
     if (update_) pending_.emplace_back(range.begin, range.end);
   }
   // The commit point: a barrier over every rank, so the updates (here, or apply_update's after it)
   // run on every rank or, when any rank failed before it, on none (a failed stream skips them).
   void finish(Stream& compute) override {
-    all_.barrier(all_rank_, compute);
+    traced(compute, "barrier (commit point)", [&] { all_.barrier(all_rank_, compute); });
     // On a host stream the mark runs only if the barrier did; a CUDA stream runs later kernels
     // after a failed callback, so there the updates count as begun once enqueued.
     if (compute.device().kind == DeviceKind::host) {
@@ -91,6 +96,17 @@ class TensorParallelSync final : public nn::GradientSync {
     pending_.clear();
   }
   std::vector<nn::OwnedRange> owned() const override { return owned_; }
+  // Runs `enqueue`, recorded on the timeline's communication lane while it records (the
+  // collectives run on the compute stream).
+  template <class Enqueue>
+  void traced(Stream& compute, std::string name, Enqueue&& enqueue) {
+    if (timeline_ != nullptr && timeline_->enabled()) {
+      timeline_->stream_span(compute, std::move(name), "communication", all_rank_, trace::communication,
+                             std::forward<Enqueue>(enqueue));
+    } else {
+      std::forward<Enqueue>(enqueue)();
+    }
+  }
   void sum_over_ranks(Tensor const& values, Stream& compute) override {
     comm_.all_reduce(rank_, values, values, ReduceOp::sum, compute);
   }
@@ -104,6 +120,7 @@ class TensorParallelSync final : public nn::GradientSync {
   comm::Communicator& all_;  // over every rank of the grid
   int all_rank_;
   std::vector<nn::OwnedRange> owned_;
+  trace::Timeline* timeline_;  // null: not traced
   std::map<std::size_t, std::vector<std::pair<std::int64_t, std::int64_t>>> partial_;  // by layer
   nn::RangeUpdate update_;
   std::vector<std::pair<std::int64_t, std::int64_t>> pending_;  // ranges whose update waits for finish()
@@ -254,8 +271,8 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
       im.optimizers.push_back(std::make_unique<optim::AdamW>(adamw));
     }
     comm::Communicator* const data = replicas > 1 ? im.data[static_cast<std::size_t>(t)].get() : nullptr;
-    im.syncs.push_back(
-        std::make_unique<TensorParallelSync>(im.shards.back(), *comm, t, data, a, *im.all, im.first + r, im.options.sequence_parallel));
+    im.syncs.push_back(std::make_unique<TensorParallelSync>(im.shards.back(), *comm, t, data, a, *im.all, im.first + r,
+                                                            im.options.sequence_parallel, im.options.timeline.get()));
     im.losses.emplace_back(config.vocab, comm, t);
   }
   group.run([&](int rank, Device /*device*/, Stream& stream) {
@@ -316,6 +333,7 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
                           .clip_norm = im.options.clip_norm,
                           .global_units = units,
                           .sync = im.syncs[r].get(),
+                          .timeline = im.options.timeline.get(),
                           .rank = g});
       if (im.world) {  // across processes: every rank's share, from every process
         Tensor const all = Tensor::empty({size()}, DType::float32, allocator);

@@ -41,6 +41,7 @@
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/transformer.hpp>
 #include <mgpu/optim/optim.hpp>
+#include <mgpu/trace/timeline.hpp>
 
 namespace mgpu::parallel {
 
@@ -351,6 +352,9 @@ struct TensorParallelOptions {
   /// is world rank ranks[i]), dist::subset_communicator_factory(world).
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, std::vector<int> const&, comm::Options)>
       make_subset_communicator{};
+  /// Where every rank's forward, backward per layer, collectives and update are recorded while it
+  /// is enabled (nullptr: no timeline); rank = the grid's (world) rank.
+  std::shared_ptr<trace::Timeline> timeline{};
 };
 
 /// Trains gpt(config) with every rank of `group` holding one tensor-parallel shard, in A =
