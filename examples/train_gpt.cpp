@@ -37,7 +37,7 @@
 //                               with --dp, A replicas of N neighbouring devices each (a data x
 //                               tensor grid over A x N devices), each replica its rows of the
 //                               batch, gradients all-reduced across the replicas, every replica
-//                               updating every weight; fp32, without checkpoints
+//                               updating every weight; fp32
 //   --tp N --stages K [--dp A]  a data x tensor x pipeline grid over A x N x K devices
 //     [--schedule S]            (pipeline::Executor with tensor-parallel stages): every stage
 //     [--micro-batches M]       split over N devices, N pipelines per replica in lock-step, rank
@@ -55,8 +55,8 @@
 // them with each ZeRO stage, recomputation mode and micro-batch count, drops those the memory model
 // says exceed --device-memory MiB (default: the devices' free memory) and runs the one predicted
 // fastest, printing it and the runner-up (--json: "plan").
-// Every layout gives the one-device losses within float32 rounding, and (but --tp) writes
-// checkpoints in one format, so a run may resume on another layout. --devices defaults to
+// Every layout gives the one-device losses within float32 rounding, and (but --tp with --stages)
+// writes checkpoints in one format, so a run may resume on another layout. --devices defaults to
 // host:(stages x dp), or host:(dp x N x stages) with --tp N. Evaluation, sampling and --save-llmc read a float32
 // copy of the whole model (the stages' or shards' master weights, gathered before each use).
 //
@@ -66,7 +66,7 @@
 // `train_gpt --devices host:2`'s losses. --tp's grid spans the world's devices too (each process
 // passing every batch whole), e.g. `mpirun -np 2 train_gpt --devices host:2 --dp 2 --tp 2` (tensor
 // parallel inside each process, data parallel across them) or `--devices host:1 --tp 2` (across
-// them), and with --stages the data x tensor x pipeline grid. --checkpoint (not with --tp) is then a
+// them), and with --stages the data x tensor x pipeline grid. --checkpoint (not with --tp and --stages) is then a
 // folder of one shard per process (DataParallel::save, pipeline::Executor::save), which --resume
 // reads on any process count or layout over 2 or more devices, in one process too.
 //   mpirun -np 2 train_gpt --data notes.txt --devices host:1
@@ -306,9 +306,12 @@ void check_layout(Options const& o, bool pipelined, int size) {
     if (o.batch_size < o.dp)
       refuse("--batch-size " + std::to_string(o.batch_size) + " with --dp " + std::to_string(o.dp) +
              " (expected at least one row per replica)");
-    if (o.precision != "fp32" || !o.checkpoint.empty())
-      refuse("--tp " + std::to_string(o.tp) + " with --precision " + o.precision + (o.checkpoint.empty() ? "" : ", --checkpoint") +
-             " (expected fp32 and no checkpoint: not supported with tensor parallelism yet)");
+    if (o.precision != "fp32")
+      refuse("--tp " + std::to_string(o.tp) + " with --precision " + o.precision +
+             " (expected fp32: 16-bit compute is not supported with tensor parallelism yet)");
+    if (pipelined && !o.checkpoint.empty())
+      refuse("--tp " + std::to_string(o.tp) + " with --stages " + std::to_string(o.stages) +
+             " and --checkpoint (expected --checkpoint with --tp alone: a pipeline's tensor-parallel chunks do not save yet)");
     return;
   }
   if (pipelined) {
@@ -644,6 +647,8 @@ int run(Options o) {
       parallel->save(o.checkpoint, at);
     else if (pipeline)
       pipeline->save(o.checkpoint, at);
+    else if (tensor)
+      tensor->save(o.checkpoint, at);
     else
       mgpu::io::save_training(o.checkpoint, model, optimizer, at, stream);
   };
@@ -652,6 +657,7 @@ int run(Options o) {
   if (o.resume && fs::exists(o.checkpoint)) {
     state = parallel   ? parallel->load(o.checkpoint)
             : pipeline ? pipeline->load(o.checkpoint)
+            : tensor   ? tensor->load(o.checkpoint)
                        : mgpu::io::load_training(o.checkpoint, model, optimizer, *allocator, stream);
     std::fprintf(log, "resumed from %s at step %lld\n", o.checkpoint.c_str(), static_cast<long long>(state.step));
   }

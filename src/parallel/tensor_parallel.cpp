@@ -1,5 +1,5 @@
 // The TensorParallel executor: the grid's communicators, its gradient sync and commit point, a
-// step and its recovery, and moving the whole model to and from the shards.
+// step and its recovery.
 #include <mgpu/parallel/tensor_parallel.hpp>
 
 #include <algorithm>
@@ -16,13 +16,11 @@
 #include <mgpu/ops/ops.hpp>
 
 #include "comm/renewable.hpp"
+#include "parallel/tensor_parallel_impl.hpp"
 
 namespace mgpu::parallel {
 
-namespace {
-
-// `t`'s float32 values on the host, once `stream` has written them.
-std::vector<float> host_copy(Tensor const& t, Stream& stream) {
+std::vector<float> detail::host_copy(Tensor const& t, Stream& stream) {
   auto const host = Allocator::create({DeviceKind::host, 0});
   Tensor const copy = Tensor::empty(t.shape(), DType::float32, *host);
   copy_async(copy, t, stream);
@@ -30,6 +28,8 @@ std::vector<float> host_copy(Tensor const& t, Stream& stream) {
   auto const span = copy.host_span<float>();
   return {span.begin(), span.end()};
 }
+
+namespace detail {
 
 // Within a replica nothing is left to reduce between backward and the update (the blocks'
 // all-reduces leave every gradient complete on its rank); across replicas (`data`, when set) each
@@ -127,38 +127,8 @@ class TensorParallelSync final : public nn::GradientSync {
   std::atomic<bool> updated_{false};
 };
 
-}  // namespace
+}  // namespace detail
 
-struct TensorParallel::Impl {
-  DeviceGroup* group = nullptr;
-  nn::GptConfig config;
-  TensorParallelOptions options;
-  int replicas = 1, ranks = 1;  // A and T
-  comm::DeviceMesh mesh{{{"tp", 1}}};  // dp A x tp T over the grid's ranks
-  int first = 0;                // the grid rank of the group's rank 0 (across processes, its world rank)
-  // Across processes: over every rank of the world (null in one process).
-  std::shared_ptr<comm::Communicator> world;
-  // Each replica's tensor-parallel group, and (A > 1) each tensor-parallel index's replicas; across
-  // processes null where this process drives none of the ranks.
-  std::vector<std::shared_ptr<comm::Communicator>> comms;
-  std::vector<std::unique_ptr<comm::Communicator>> data;
-  // Over every rank (the world's across processes; comms[0] for one replica): the step's commit point.
-  std::shared_ptr<comm::Communicator> all;
-  std::vector<nn::Sequential> shards;
-  std::vector<std::unique_ptr<optim::Optimizer>> optimizers;
-  std::vector<std::unique_ptr<TensorParallelSync>> syncs;
-  std::vector<VocabParallelCrossEntropy> losses;
-  // The communicators above, in the order they were made, made anew after a failed step.
-  std::vector<comm::detail::Renewable*> renewable;
-  // Why the executor cannot be used (empty: it can).
-  std::string broken;
-  // After a step failed inside: waits for every stream; when no rank had passed the step's commit
-  // point (TensorParallelSync::finish), makes the communicators anew (across processes with the
-  // other processes) and puts back the shards' RNG and the optimizers' step counts (`rng`, `steps`:
-  // as the step found them); otherwise the executor cannot be used. Rethrows `failure`.
-  [[noreturn]] void recover(std::exception_ptr failure, std::vector<std::vector<std::uint64_t>> const& rng,
-                            std::vector<std::int64_t> const& steps);
-};
 
 void TensorParallel::Impl::recover(std::exception_ptr failure, std::vector<std::vector<std::uint64_t>> const& rng,
                                    std::vector<std::int64_t> const& steps) {
@@ -271,7 +241,7 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
       im.optimizers.push_back(std::make_unique<optim::AdamW>(adamw));
     }
     comm::Communicator* const data = replicas > 1 ? im.data[static_cast<std::size_t>(t)].get() : nullptr;
-    im.syncs.push_back(std::make_unique<TensorParallelSync>(im.shards.back(), *comm, t, data, a, *im.all, im.first + r,
+    im.syncs.push_back(std::make_unique<detail::TensorParallelSync>(im.shards.back(), *comm, t, data, a, *im.all, im.first + r,
                                                             im.options.sequence_parallel, im.options.timeline.get()));
     im.losses.emplace_back(config.vocab, comm, t);
   }
@@ -339,7 +309,7 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
         Tensor const all = Tensor::empty({size()}, DType::float32, allocator);
         im.world->all_gather(g, step.loss.reshape({1}), all, stream);
         if (rank == 0) {
-          std::vector<float> const values = host_copy(all, stream);
+          std::vector<float> const values = detail::host_copy(all, stream);
           std::copy(values.begin(), values.end(), shares.begin());
         }
       } else if (im.mesh.coordinate(g, "tp") == 0) {
@@ -352,100 +322,6 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
   }
   for (int a = 0; a < im.replicas; ++a) result.loss += shares[static_cast<std::size_t>(im.mesh.at("tp", a, 0))];
   return result;
-}
-
-namespace {
-
-// Calls fn(whole layer span, shard layer span, sharded layer or nullptr) for each layer with
-// parameters.
-template <typename Fn>
-void for_each_layer(nn::Sequential const& shard, std::span<float> params,
-                    std::vector<nn::ParameterRange> const& whole_ranges, std::span<float> whole, Fn&& fn) {
-  std::vector<nn::ParameterRange> const ranges = shard.parameter_ranges();
-  for (std::size_t i = 0; i < ranges.size(); ++i) {
-    nn::ParameterRange const& s = ranges[i];
-    nn::ParameterRange const& w = whole_ranges[i];
-    fn(whole.subspan(static_cast<std::size_t>(w.begin), static_cast<std::size_t>(w.size())),
-       params.subspan(static_cast<std::size_t>(s.begin), static_cast<std::size_t>(s.size())),
-       dynamic_cast<ShardedLayer const*>(&shard.layer(s.layer)));
-  }
-}
-
-}  // namespace
-
-std::vector<float> TensorParallel::gather_parameters() {
-  Impl& im = *impl_;
-  nn::Sequential const whole_model = nn::gpt(im.config);
-  std::vector<float> whole(static_cast<std::size_t>(whole_model.parameter_count()));
-  // Replica 0's shards: in one process its own; across processes every rank's shard (padded to the
-  // largest) all-gathered over the world, laid out by shards made here for each index.
-  std::vector<nn::Sequential> layouts;
-  std::vector<float> gathered;
-  std::int64_t padded = 0;
-  if (im.world) {
-    std::shared_ptr<comm::Communicator> const& comm = im.comms[static_cast<std::size_t>(im.mesh.coordinate(im.first, "dp"))];
-    for (int t = 0; t < im.ranks; ++t) {
-      layouts.push_back(tensor_parallel_gpt(im.config, comm, t, im.options.sequence_parallel));
-      padded = std::max(padded, layouts.back().parameter_count());
-    }
-    im.group->run([&](int rank, Device /*device*/, Stream& stream) {
-      Allocator& allocator = im.group->allocator(rank);
-      nn::Sequential const& shard = im.shards[static_cast<std::size_t>(rank)];
-      Tensor const mine = Tensor::empty({padded}, DType::float32, allocator);
-      fill_async(mine, 0.0f, stream);
-      copy_async(mine.slice(0, shard.parameter_count()), shard.master_parameters(), stream);
-      Tensor const all = Tensor::empty({padded * size()}, DType::float32, allocator);
-      im.world->all_gather(im.first + rank, mine, all, stream);
-      if (rank == 0) gathered = host_copy(all, stream);
-    });
-  }
-  // Rank 0 last, so the replicated parameters are its.
-  for (int rank = im.ranks - 1; rank >= 0; --rank) {
-    nn::Sequential const& shard = im.world ? layouts[static_cast<std::size_t>(rank)] : im.shards[static_cast<std::size_t>(rank)];
-    std::vector<float> values;
-    if (im.world) {
-      auto const begin = gathered.begin() + static_cast<std::ptrdiff_t>(rank * padded);
-      values.assign(begin, begin + static_cast<std::ptrdiff_t>(shard.parameter_count()));
-    } else {
-      values = host_copy(shard.master_parameters(), im.group->stream(rank));
-    }
-    for_each_layer(shard, values, whole_model.parameter_ranges(), whole,
-                   [](std::span<float> w, std::span<float> s, ShardedLayer const* sharded) {
-                     if (sharded != nullptr) {
-                       sharded->copy_shard(w, s, false);
-                     } else {
-                       std::copy(s.begin(), s.end(), w.begin());
-                     }
-                   });
-  }
-  return whole;
-}
-
-void TensorParallel::scatter_parameters(std::span<float const> values) {
-  Impl& im = *impl_;
-  nn::Sequential const whole_model = nn::gpt(im.config);
-  if (values.size() != static_cast<std::size_t>(whole_model.parameter_count()))
-    throw Error(Errc::invalid_argument, "TensorParallel::scatter_parameters: " + std::to_string(values.size()) +
-                                            " values (expected gpt(config)'s " +
-                                            std::to_string(whole_model.parameter_count()) + ")");
-  std::vector<float> whole(values.begin(), values.end());
-  auto const host = Allocator::create({DeviceKind::host, 0});
-  for (int rank = 0; rank < im.group->size(); ++rank) {
-    nn::Sequential& shard = im.shards[static_cast<std::size_t>(rank)];
-    Tensor const params = Tensor::empty({shard.parameter_count()}, DType::float32, *host);
-    for_each_layer(shard, params.host_span<float>(), whole_model.parameter_ranges(), whole,
-                   [](std::span<float> w, std::span<float> s, ShardedLayer const* sharded) {
-                     if (sharded != nullptr) {
-                       sharded->copy_shard(w, s, true);
-                     } else {
-                       std::copy(w.begin(), w.end(), s.begin());
-                     }
-                   });
-    Stream& stream = im.group->stream(rank);
-    copy_async(shard.master_parameters(), params, stream);
-    shard.sync_parameters(stream);
-    stream.synchronize();
-  }
 }
 
 }  // namespace mgpu::parallel

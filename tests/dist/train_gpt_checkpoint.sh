@@ -6,7 +6,9 @@
 # resumed at step 10 and ends with the uninterrupted 2-process run's train and validation losses
 # (as printed, to 6 digits):
 # - pipelined: --devices host:1 --stages 2 (a stage per process; in one process host:2 --stages 2);
-# - data parallel: --devices host:1 (in one process host:2).
+# - data parallel: --devices host:1 (in one process host:2);
+# - data x tensor parallel: --devices host:2 --dp 2 --tp 2 (a tensor-parallel group per process; in
+#   one process host:4 --dp 2 --tp 2).
 set -eu
 exe=$1
 text=$2
@@ -44,4 +46,5 @@ resume() {
 }
 resume pipeline "--devices host:1 --stages 2" "--devices host:2 --stages 2" "$@"
 resume data-parallel "--devices host:1" "--devices host:2" "$@"
-echo "ok: pipelined and data-parallel train_gpt over 2 processes resume from their checkpoints, on 2 processes and in one, with the same losses"
+resume tensor-parallel "--devices host:2 --dp 2 --tp 2" "--devices host:4 --dp 2 --tp 2" "$@"
+echo "ok: pipelined, data-parallel and tensor-parallel train_gpt over 2 processes resume from their checkpoints, on 2 processes and in one, with the same losses"

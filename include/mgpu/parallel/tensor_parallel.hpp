@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
@@ -35,6 +36,7 @@
 #include <mgpu/comm/communicator.hpp>
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/core/tensor.hpp>
+#include <mgpu/io/checkpoint.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
@@ -413,6 +415,22 @@ class TensorParallel {
   /// parameters in gpt(config)'s flat layout (e.g. weights loaded from a file). Synchronizes the
   /// ranks' streams. Throws Error(invalid_argument) for another size.
   void scatter_parameters(std::span<float const> whole);
+  /// Saves the model as one device holds it, in io::save_training's format: the whole model's
+  /// parameters and optimizer state put together from replica 0's shards, the optimizers' step
+  /// count, every layer's RNG state and `state`; so it loads into any layout (one model, a
+  /// DataParallel, a pipeline, a TensorParallel of any A x T). One process: a file written
+  /// atomically, or into an existing folder a one-shard folder save (io::ShardWriter). Across
+  /// processes (collective, every process with the same path): a folder whose process-0 shard holds
+  /// every record, committed once every process has written; every process returns once it is, or
+  /// throws the first failing process's error. Throws Error(invalid_argument) on an unusable
+  /// executor, Error(io) naming the file it cannot write.
+  void save(std::filesystem::path const& path, io::TrainingState const& state = {});
+  /// Loads a file or folder of save(), DataParallel::save(), pipeline::Executor::save() or
+  /// io::save_training() of gpt(config) into every shard and optimizer (across processes,
+  /// collective: this process's ranks). Everything is verified before any shard changes (checksums,
+  /// architecture, optimizer kind), on every process: an error leaves the executor unchanged
+  /// everywhere and names the mismatch or the damaged file. Returns the saved TrainingState.
+  io::TrainingState load(std::filesystem::path const& path);
   /// The group's rank r's shard (its flat buffers hold only its split matrices' part): replica
   /// g / T's shard of tensor-parallel index g mod T, g = r (across processes, r's world rank).
   [[nodiscard]] nn::Sequential& shard(int rank);

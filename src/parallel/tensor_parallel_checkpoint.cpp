@@ -1,0 +1,278 @@
+// TensorParallel and the whole model: the shards' buffers put together in gpt(config)'s layout and
+// split back (gather_parameters, scatter_parameters), and checkpoints in io::save_training's format,
+// which every layout reads and writes.
+#include <mgpu/parallel/tensor_parallel.hpp>
+
+#include <algorithm>
+#include <exception>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <mgpu/core/error.hpp>
+#include <mgpu/io/checkpoint.hpp>
+#include <mgpu/io/sharded_checkpoint.hpp>
+
+#include "comm/agreement.hpp"
+#include "parallel/tensor_parallel_impl.hpp"
+
+namespace mgpu::parallel {
+
+namespace {
+
+// Calls fn(whole layer span, shard layer span, sharded layer or nullptr) for each layer with
+// parameters.
+template <typename Fn>
+void for_each_layer(nn::Sequential const& shard, std::span<float> params,
+                    std::vector<nn::ParameterRange> const& whole_ranges, std::span<float> whole, Fn&& fn) {
+  std::vector<nn::ParameterRange> const ranges = shard.parameter_ranges();
+  for (std::size_t i = 0; i < ranges.size(); ++i) {
+    nn::ParameterRange const& s = ranges[i];
+    nn::ParameterRange const& w = whole_ranges[i];
+    fn(whole.subspan(static_cast<std::size_t>(w.begin), static_cast<std::size_t>(w.size())),
+       params.subspan(static_cast<std::size_t>(s.begin), static_cast<std::size_t>(s.size())),
+       dynamic_cast<ShardedLayer const*>(&shard.layer(s.layer)));
+  }
+}
+
+// The whole model and its optimizer on the host, as one device would train them: what a checkpoint
+// is written from and read into.
+struct Whole {
+  std::shared_ptr<Allocator> allocator = Allocator::create(Device{DeviceKind::host, 0});
+  Stream stream{Device{DeviceKind::host, 0}};
+  nn::Sequential model;
+  std::unique_ptr<optim::Optimizer> optimizer;
+
+  explicit Whole(nn::GptConfig const& config, TensorParallelOptions const& options) : model(nn::gpt(config)) {
+    nn::Context ctx{*allocator, stream};
+    model.materialize(ctx, options.seed);
+    stream.synchronize();
+    if (options.optimizer) {
+      optimizer = options.optimizer(model);
+      if (!optimizer)
+        throw Error(Errc::invalid_argument, "TensorParallel's optimizer factory returned no optimizer for the whole model "
+                                            "(expected a new optimizer from every call: checkpoints make one)");
+    } else {
+      optim::AdamWOptions adamw = options.adamw;
+      adamw.decay_ranges = model.matrix_ranges();  // as the shards decay their 2-D weights
+      optimizer = std::make_unique<optim::AdamW>(adamw);
+    }
+  }
+};
+
+}  // namespace
+
+std::vector<float> TensorParallel::Impl::to_whole(ShardBuffer const& buffer) {
+  nn::Sequential const whole_model = nn::gpt(config);
+  std::vector<float> whole(static_cast<std::size_t>(whole_model.parameter_count()));
+  auto const check = [&](Tensor const& t, nn::Sequential const& shard) {
+    if (t.numel() != shard.parameter_count() || t.dtype() != DType::float32)
+      throw Error(Errc::invalid_argument, "TensorParallel: a shard's buffer of " + std::to_string(t.numel()) +
+                                              " values (expected float32, one per parameter of the shard: " +
+                                              std::to_string(shard.parameter_count()) + ")");
+  };
+  // Replica 0's shards: in one process its own; across processes every rank's buffer (padded to
+  // the largest) all-gathered over the world, laid out by shards made here for each index.
+  std::vector<nn::Sequential> layouts;
+  std::vector<float> gathered;
+  std::int64_t padded = 0;
+  if (world) {
+    std::shared_ptr<comm::Communicator> const& comm = comms[static_cast<std::size_t>(mesh.coordinate(first, "dp"))];
+    for (int t = 0; t < ranks; ++t) {
+      layouts.push_back(tensor_parallel_gpt(config, comm, t, options.sequence_parallel));
+      padded = std::max(padded, layouts.back().parameter_count());
+    }
+    group->run([&](int rank, Device /*device*/, Stream& stream) {
+      Allocator& allocator = group->allocator(rank);
+      nn::Sequential const& shard = shards[static_cast<std::size_t>(rank)];
+      Tensor const values = buffer(rank);
+      check(values, shard);
+      Tensor const mine = Tensor::empty({padded}, DType::float32, allocator);
+      fill_async(mine, 0.0f, stream);
+      copy_async(mine.slice(0, shard.parameter_count()), values, stream);
+      Tensor const all = Tensor::empty({padded * mesh.size()}, DType::float32, allocator);
+      world->all_gather(first + rank, mine, all, stream);
+      if (rank == 0) gathered = detail::host_copy(all, stream);
+    });
+  }
+  // Rank 0 last, so the replicated parameters are its.
+  for (int t = ranks - 1; t >= 0; --t) {
+    int const rank = mesh.at("tp", 0, t);  // replica 0's
+    nn::Sequential const& shard = world ? layouts[static_cast<std::size_t>(t)] : shards[static_cast<std::size_t>(rank)];
+    std::vector<float> values;
+    if (world) {
+      auto const begin = gathered.begin() + static_cast<std::ptrdiff_t>(rank * padded);
+      values.assign(begin, begin + static_cast<std::ptrdiff_t>(shard.parameter_count()));
+    } else {
+      Tensor const mine = buffer(rank);
+      check(mine, shard);
+      values = detail::host_copy(mine, group->stream(rank));
+    }
+    for_each_layer(shard, values, whole_model.parameter_ranges(), whole,
+                   [](std::span<float> w, std::span<float> s, ShardedLayer const* sharded) {
+                     if (sharded != nullptr) {
+                       sharded->copy_shard(w, s, false);
+                     } else {
+                       std::copy(s.begin(), s.end(), w.begin());
+                     }
+                   });
+  }
+  return whole;
+}
+
+void TensorParallel::Impl::from_whole(std::span<float const> values, ShardBuffer const& buffer) {
+  nn::Sequential const whole_model = nn::gpt(config);
+  std::vector<float> whole(values.begin(), values.end());
+  auto const host = Allocator::create({DeviceKind::host, 0});
+  for (int rank = 0; rank < group->size(); ++rank) {
+    nn::Sequential& shard = shards[static_cast<std::size_t>(rank)];
+    Tensor const mine = buffer(rank);
+    if (mine.numel() != shard.parameter_count())
+      throw Error(Errc::invalid_argument, "TensorParallel: a shard's buffer of " + std::to_string(mine.numel()) +
+                                              " values (expected one per parameter of the shard: " +
+                                              std::to_string(shard.parameter_count()) + ")");
+    Tensor const part = Tensor::empty({shard.parameter_count()}, DType::float32, *host);
+    for_each_layer(shard, part.host_span<float>(), whole_model.parameter_ranges(), whole,
+                   [](std::span<float> w, std::span<float> s, ShardedLayer const* sharded) {
+                     if (sharded != nullptr) {
+                       sharded->copy_shard(w, s, true);
+                     } else {
+                       std::copy(w.begin(), w.end(), s.begin());
+                     }
+                   });
+    Stream& stream = group->stream(rank);
+    copy_async(mine, part, stream);
+    stream.synchronize();
+  }
+}
+
+std::vector<float> TensorParallel::gather_parameters() {
+  Impl& im = *impl_;
+  return im.to_whole([&im](int rank) { return im.shards[static_cast<std::size_t>(rank)].master_parameters(); });
+}
+
+void TensorParallel::scatter_parameters(std::span<float const> values) {
+  Impl& im = *impl_;
+  auto const expected = nn::gpt(im.config).parameter_count();
+  if (values.size() != static_cast<std::size_t>(expected))
+    throw Error(Errc::invalid_argument, "TensorParallel::scatter_parameters: " + std::to_string(values.size()) +
+                                            " values (expected gpt(config)'s " + std::to_string(expected) + ")");
+  im.from_whole(values, [&im](int rank) { return im.shards[static_cast<std::size_t>(rank)].master_parameters(); });
+  for (int rank = 0; rank < im.group->size(); ++rank) {
+    Stream& stream = im.group->stream(rank);
+    im.shards[static_cast<std::size_t>(rank)].sync_parameters(stream);
+    stream.synchronize();
+  }
+}
+
+void TensorParallel::save(std::filesystem::path const& path, io::TrainingState const& state) {
+  Impl& im = *impl_;
+  if (!im.broken.empty()) throw Error(Errc::invalid_argument, "TensorParallel::save: " + im.broken);
+  im.group->synchronize();
+  nn::Sequential const& shard = im.shards[0];
+  // The optimizers are stepped together: every rank holds as many state buffers, whole ones.
+  std::vector<optim::NamedTensor> const state_buffers = im.optimizers[0]->state();
+  Whole whole(im.config, im.options);
+  if (shard.size() != whole.model.size())
+    throw Error(Errc::invalid_argument, "TensorParallel::save: a shard of " + std::to_string(shard.size()) +
+                                            " layers (expected gpt(config)'s " + std::to_string(whole.model.size()) + ")");
+  // Every process puts the whole model together (collectives across processes), in the same order.
+  // The whole model lives on the host: its buffers are filled directly.
+  auto const fill = [](Tensor const& into, std::vector<float> const& values) {
+    std::copy(values.begin(), values.end(), into.host_span<float>().begin());
+  };
+  fill(whole.model.master_parameters(), gather_parameters());
+  if (!state_buffers.empty()) {
+    std::vector<optim::NamedTensor> const into = whole.optimizer->prepare_state(whole.model.master_parameters(), *whole.allocator, whole.stream);
+    for (std::size_t k = 0; k < state_buffers.size(); ++k) {
+      std::vector<float> const values = im.to_whole([&im, k](int rank) {
+        std::vector<optim::NamedTensor> const mine = im.optimizers[static_cast<std::size_t>(rank)]->state();
+        if (mine.size() <= k)
+          throw Error(Errc::invalid_argument, "TensorParallel::save: rank " + std::to_string(rank) + "'s optimizer holds " +
+                                                  std::to_string(mine.size()) + " state buffers (expected as many as rank 0's)");
+        return mine[k].second;
+      });
+      whole.stream.synchronize();  // prepare_state's zeros written before the values
+      fill(into[k].second, values);
+    }
+  }
+  whole.model.set_rng_state(shard.rng_state());  // every rank's layers draw as the whole model's do
+  whole.model.set_rng_seeds(shard.rng_seeds());
+  whole.optimizer->set_steps(im.optimizers[0]->steps());
+  whole.stream.synchronize();
+  if (!im.world && !std::filesystem::is_directory(path)) {
+    io::save_training(path, whole.model, *whole.optimizer, state, whole.stream);
+    return;
+  }
+  // A folder (across processes every process calls save with the same path): process 0's shard
+  // holds every record, the others' none.
+  io::Checkpoint const records = io::training_checkpoint(whole.model, *whole.optimizer, state, whole.stream);
+  auto const write = [&](std::uint64_t save_id, int index, int count) {
+    io::ShardWriter writer;
+    if (im.first == 0)
+      for (io::Record const& record : records.records()) writer.put(record);
+    writer.save(path, save_id, index, count);
+  };
+  std::string const what = "TensorParallel::save to the folder " + path.string();
+  if (!im.world) {
+    std::uint64_t const save_id = io::committed_save_id(path) + 1;
+    write(save_id, 0, 1);
+    io::commit_shards(path, save_id, 1);
+    return;
+  }
+  comm::detail::save_in_shards(
+      *im.world, *im.group, what, [&] { return io::committed_save_id(path) + 1; }, write,
+      [&](std::uint64_t save_id, int count) { io::commit_shards(path, save_id, count); });
+}
+
+io::TrainingState TensorParallel::load(std::filesystem::path const& path) {
+  Impl& im = *impl_;
+  if (!im.broken.empty()) throw Error(Errc::invalid_argument, "TensorParallel::load: " + im.broken);
+  im.group->synchronize();
+  // Read and verify everything into the whole model first (every process, from the same files):
+  // the shards change only once every process has.
+  std::exception_ptr failure;
+  std::optional<Whole> whole;
+  io::TrainingState state;
+  try {
+    whole.emplace(im.config, im.options);
+    io::Checkpoint const records =
+        std::filesystem::is_directory(path) ? io::ShardedCheckpoint::load(path).joined() : io::Checkpoint::load(path);
+    if (whole->model.size() != im.shards[0].size())
+      throw Error(Errc::invalid_argument, "TensorParallel::load: a shard of " + std::to_string(im.shards[0].size()) +
+                                              " layers (expected gpt(config)'s " + std::to_string(whole->model.size()) + ")");
+    state = io::load_training(records, path.string(), whole->model, *whole->optimizer, *whole->allocator, whole->stream);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (im.world) {
+    comm::detail::agree(*im.world, *im.group, failure, "TensorParallel::load from " + path.string());
+  } else if (failure) {
+    std::rethrow_exception(failure);
+  }
+  std::vector<float> const parameters = detail::host_copy(whole->model.master_parameters(), whole->stream);
+  scatter_parameters(parameters);
+  std::vector<optim::NamedTensor> const saved = whole->optimizer->state();  // none: the checkpoint held none
+  for (int rank = 0; rank < im.group->size(); ++rank) {
+    auto const r = static_cast<std::size_t>(rank);
+    Stream& stream = im.group->stream(rank);
+    std::vector<optim::NamedTensor> const mine =
+        saved.empty() ? im.optimizers[r]->state()
+                      : im.optimizers[r]->prepare_state(im.shards[r].master_parameters(), im.group->allocator(rank), stream);
+    if (saved.empty())
+      for (auto const& [name, tensor] : mine) fill_async(tensor, 0.0f, stream);
+    stream.synchronize();
+    im.shards[r].set_rng_state(whole->model.rng_state());
+    im.shards[r].set_rng_seeds(whole->model.rng_seeds());
+    im.optimizers[r]->set_steps(whole->optimizer->steps());
+  }
+  for (std::size_t k = 0; k < saved.size(); ++k) {
+    std::vector<float> const values = detail::host_copy(saved[k].second, whole->stream);
+    im.from_whole(values, [&im, k](int rank) { return im.optimizers[static_cast<std::size_t>(rank)]->state()[k].second; });
+  }
+  return state;
+}
+
+}  // namespace mgpu::parallel

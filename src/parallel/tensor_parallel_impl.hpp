@@ -1,0 +1,68 @@
+// TensorParallel's state, shared by its steps (tensor_parallel.cpp) and its moves of the whole
+// model and checkpoints (tensor_parallel_checkpoint.cpp).
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <mgpu/comm/communicator.hpp>
+#include <mgpu/comm/mesh.hpp>
+#include <mgpu/parallel/tensor_parallel.hpp>
+
+#include "comm/renewable.hpp"
+
+namespace mgpu::parallel {
+
+namespace detail {
+// The gradient sync of a rank's shard (tensor_parallel.cpp).
+class TensorParallelSync;
+// `t`'s float32 values on the host, once `stream` has written them.
+std::vector<float> host_copy(Tensor const& t, Stream& stream);
+}  // namespace detail
+
+struct TensorParallel::Impl {
+  DeviceGroup* group = nullptr;
+  nn::GptConfig config;
+  TensorParallelOptions options;
+  int replicas = 1, ranks = 1;  // A and T
+  comm::DeviceMesh mesh{{{"tp", 1}}};  // dp A x tp T over the grid's ranks
+  int first = 0;                // the grid rank of the group's rank 0 (across processes, its world rank)
+  // Across processes: over every rank of the world (null in one process).
+  std::shared_ptr<comm::Communicator> world;
+  // Each replica's tensor-parallel group, and (A > 1) each tensor-parallel index's replicas; across
+  // processes null where this process drives none of the ranks.
+  std::vector<std::shared_ptr<comm::Communicator>> comms;
+  std::vector<std::unique_ptr<comm::Communicator>> data;
+  // Over every rank (the world's across processes; comms[0] for one replica): the step's commit point.
+  std::shared_ptr<comm::Communicator> all;
+  std::vector<nn::Sequential> shards;
+  std::vector<std::unique_ptr<optim::Optimizer>> optimizers;
+  std::vector<std::unique_ptr<detail::TensorParallelSync>> syncs;
+  std::vector<VocabParallelCrossEntropy> losses;
+  // The communicators above, in the order they were made, made anew after a failed step.
+  std::vector<comm::detail::Renewable*> renewable;
+  // Why the executor cannot be used (empty: it can).
+  std::string broken;
+  // After a step failed inside: waits for every stream; when no rank had passed the step's commit
+  // point (TensorParallelSync::finish), makes the communicators anew (across processes with the
+  // other processes) and puts back the shards' RNG and the optimizers' step counts (`rng`, `steps`:
+  // as the step found them); otherwise the executor cannot be used. Rethrows `failure`.
+  [[noreturn]] void recover(std::exception_ptr failure, std::vector<std::vector<std::uint64_t>> const& rng,
+                            std::vector<std::int64_t> const& steps);
+  // A float32 buffer laid out as each rank's shard's parameters (the master parameters, or an
+  // optimizer state buffer): `buffer(rank)` gives this process's rank's.
+  using ShardBuffer = std::function<Tensor(int rank)>;
+  // The buffers of replica 0's ranks put together in gpt(config)'s flat layout (the split parts
+  // from every rank, the replicated ones from rank 0), on every process: across processes every
+  // rank's is all-gathered over the world, so every process calls it.
+  [[nodiscard]] std::vector<float> to_whole(ShardBuffer const& buffer);
+  // Fills each of this process's ranks' buffers with its part of `whole` (gpt(config)'s layout).
+  void from_whole(std::span<float const> whole, ShardBuffer const& buffer);
+};
+
+}  // namespace mgpu::parallel

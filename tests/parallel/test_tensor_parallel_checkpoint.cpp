@@ -1,0 +1,185 @@
+// TensorParallel's checkpoints, in the one format every layout reads: saved by DP 2 x TP 2 (with
+// dropout, so the RNG state matters) and loaded into the same layout the curve continues bit for
+// bit; loaded into one device and into TP 4 it continues as the uninterrupted run within float32
+// rounding; a one-device checkpoint loaded into TP 2 continues as the one device; a folder save
+// loads too; another model or a damaged file is refused, naming it, with the shards unchanged.
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <mgpu/core/device_group.hpp>
+#include <mgpu/io/checkpoint.hpp>
+#include <mgpu/nn/gpt.hpp>
+#include <mgpu/nn/loss.hpp>
+#include <mgpu/nn/train.hpp>
+#include <mgpu/ops/ops.hpp>
+#include <mgpu/optim/optim.hpp>
+#include <mgpu/parallel/tensor_parallel.hpp>
+
+#include "support/catch.hpp"
+#include "support/expect_error.hpp"
+#include "support/nn_env.hpp"
+#include "support/temp_path.hpp"
+
+namespace fs = std::filesystem;
+namespace nn = mgpu::nn;
+namespace par = mgpu::parallel;
+using mgpu::test::Env;
+using mgpu::test::TokenBatch;
+
+namespace {
+
+// A folder of its own under the temporary folder, removed with everything in it at the end.
+struct TempDir {
+  fs::path path = mgpu::test::temp_path("mgpu-tp-checkpoint");
+  TempDir() {
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+};
+
+nn::GptConfig const config{.vocab = 64, .block_size = 16, .n_layer = 2, .n_head = 4, .n_embd = 32, .dropout = 0.1f};
+mgpu::optim::AdamWOptions const adamw{.lr = 3e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .weight_decay = 0.1f};
+float const clip = 0.5f;
+
+std::vector<TokenBatch> batches(Env& env, int count) {
+  std::vector<TokenBatch> out;
+  for (int s = 0; s < count; ++s) out.push_back(mgpu::test::rule_batch(env, 4, config.block_size, config.vocab, 500 + static_cast<unsigned>(s)));
+  return out;
+}
+
+par::TensorParallelOptions options(int replicas, std::uint64_t seed = 7) {
+  return {.seed = seed, .adamw = adamw, .clip_norm = clip, .data_parallel = replicas};
+}
+
+std::vector<double> run(par::TensorParallel& tp, std::vector<TokenBatch> const& bs, std::size_t from, std::size_t to) {
+  std::vector<double> out;
+  for (std::size_t s = from; s < to; ++s) out.push_back(tp.step(bs[s].ids, bs[s].targets).loss);
+  return out;
+}
+
+double worst_relative(std::vector<double> const& got, std::vector<double> const& want) {
+  REQUIRE(got.size() == want.size());
+  double worst = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - want[i]) / std::abs(want[i]));
+  return worst;
+}
+
+}  // namespace
+
+TEST_CASE("a DP 2 x TP 2 checkpoint continues bit for bit, and on one device and TP 4 as the uninterrupted run",
+          "[parallel][tensor][checkpoint]") {
+  Env env;
+  auto const bs = batches(env, 6);
+  TempDir dir;
+  fs::path const file = dir.path / "tp.ckpt";
+  std::vector<double> rest;  // the uninterrupted run's steps 3..5
+  {
+    mgpu::DeviceGroup group("host:4");
+    par::TensorParallel tp(group, config, options(2));
+    (void)run(tp, bs, 0, 3);
+    tp.save(file, {.step = 3});
+    rest = run(tp, bs, 3, 6);
+  }
+  SECTION("the same layout, from other weights: bit for bit") {
+    mgpu::DeviceGroup group("host:4");
+    par::TensorParallel tp(group, config, options(2, 99));
+    CHECK(tp.load(file).step == 3);
+    CHECK(run(tp, bs, 3, 6) == rest);
+  }
+  SECTION("TP 4") {
+    mgpu::DeviceGroup group("host:4");
+    par::TensorParallel tp(group, config, options(1, 99));
+    tp.load(file);
+    CHECK(worst_relative(run(tp, bs, 3, 6), rest) < 1e-5);
+  }
+  SECTION("one device") {
+    nn::Sequential model = nn::gpt(config);
+    model.materialize(env.ctx, 99);
+    mgpu::optim::AdamWOptions o = adamw;
+    o.decay_ranges = nn::gpt_decay_ranges(config);
+    mgpu::optim::AdamW opt(o);
+    CHECK(mgpu::io::load_training(file, model, opt, *env.allocator, env.stream).step == 3);
+    std::vector<double> got;
+    for (std::size_t s = 3; s < 6; ++s)
+      got.push_back(mgpu::ops::item(
+          nn::train_step(model, opt, bs[s].ids, bs[s].targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = clip}).loss,
+          env.stream));
+    CHECK(worst_relative(got, rest) < 1e-5);
+  }
+}
+
+TEST_CASE("a one-device checkpoint loads into TP 2, which continues as the one device", "[parallel][tensor][checkpoint]") {
+  Env env;
+  auto const bs = batches(env, 5);
+  TempDir dir;
+  fs::path const file = dir.path / "one.ckpt";
+  nn::Sequential model = nn::gpt(config);
+  model.materialize(env.ctx, 3);
+  mgpu::optim::AdamWOptions o = adamw;
+  o.decay_ranges = nn::gpt_decay_ranges(config);
+  mgpu::optim::AdamW opt(o);
+  auto const step = [&](std::size_t s) {
+    return mgpu::ops::item(
+        nn::train_step(model, opt, bs[s].ids, bs[s].targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = clip}).loss,
+        env.stream);
+  };
+  for (std::size_t s = 0; s < 2; ++s) (void)step(s);
+  mgpu::io::save_training(file, model, opt, {.step = 2}, env.stream);
+  std::vector<double> want;
+  for (std::size_t s = 2; s < 5; ++s) want.push_back(step(s));
+
+  mgpu::DeviceGroup group("host:2");
+  par::TensorParallel tp(group, config, options(1));
+  CHECK(tp.load(file).step == 2);
+  CHECK(worst_relative(run(tp, bs, 2, 5), want) < 1e-5);
+}
+
+TEST_CASE("TensorParallel saves into a folder and refuses another model or a damaged file, unchanged",
+          "[parallel][tensor][checkpoint]") {
+  Env env;
+  auto const bs = batches(env, 4);
+  TempDir dir;
+  mgpu::DeviceGroup group("host:2");
+  par::TensorParallel tp(group, config, options(1));
+  (void)run(tp, bs, 0, 2);
+  fs::path const folder = dir.path / "folder";
+  fs::create_directories(folder);
+  tp.save(folder, {.step = 2});
+  fs::path const file = dir.path / "tp.ckpt";
+  tp.save(file, {.step = 2});
+  std::vector<float> const before = tp.gather_parameters();
+  std::vector<double> const rest = run(tp, bs, 2, 4);
+
+  par::TensorParallel from_folder(group, config, options(1, 11));
+  CHECK(from_folder.load(folder).step == 2);
+  CHECK(from_folder.gather_parameters() == before);
+  CHECK(run(from_folder, bs, 2, 4) == rest);
+
+  nn::GptConfig other = config;
+  other.n_layer = 1;
+  par::TensorParallel small(group, other, options(1, 11));
+  std::vector<float> const small_before = small.gather_parameters();
+  REQUIRE_MGPU_ERROR(small.load(file), mgpu::Errc::invalid_argument, "the model differs");
+  CHECK(small.gather_parameters() == small_before);
+
+  {  // flip a byte in the middle of the file (the parameters' payload)
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(0, std::ios::end);
+    auto const size = static_cast<std::streamoff>(f.tellg());
+    f.seekg(size / 2);
+    char byte = 0;
+    f.read(&byte, 1);
+    byte = static_cast<char>(byte ^ 0x40);
+    f.seekp(size / 2);
+    f.write(&byte, 1);
+  }
+  par::TensorParallel damaged(group, config, options(1, 11));
+  std::vector<float> const damaged_before = damaged.gather_parameters();
+  REQUIRE_MGPU_ERROR(damaged.load(file), mgpu::Errc::corrupt_data, file.string());
+  CHECK(damaged.gather_parameters() == damaged_before);
+}
