@@ -306,9 +306,9 @@ void check_layout(Options const& o, bool pipelined, int size) {
     if (o.batch_size < o.dp)
       refuse("--batch-size " + std::to_string(o.batch_size) + " with --dp " + std::to_string(o.dp) +
              " (expected at least one row per replica)");
-    if (o.precision != "fp32")
-      refuse("--tp " + std::to_string(o.tp) + " with --precision " + o.precision +
-             " (expected fp32: 16-bit compute is not supported with tensor parallelism yet)");
+    if (pipelined && o.precision != "fp32")
+      refuse("--tp " + std::to_string(o.tp) + " with --stages " + std::to_string(o.stages) + " and --precision " + o.precision +
+             " (expected fp32: a pipeline's tensor-parallel chunks compute in float32 only for now)");
     if (pipelined && !o.checkpoint.empty())
       refuse("--tp " + std::to_string(o.tp) + " with --stages " + std::to_string(o.stages) +
              " and --checkpoint (expected --checkpoint with --tp alone: a pipeline's tensor-parallel chunks do not save yet)");
@@ -612,7 +612,9 @@ int run(Options o) {
                                                      .adamw = options,
                                                      .clip_norm = o.clip,
                                                      .data_parallel = o.dp,
-                                                     .sequence_parallel = o.sequence_parallel};
+                                                     .sequence_parallel = o.sequence_parallel,
+                                                     .compute = examples::precision(o.precision)};
+    if (o.precision == "fp16") tp_options.loss_scaler.emplace();
     tp_options.timeline = timeline;
     if (across) {  // the grid over the world's devices, each process passing the whole batch
       tp_options.make_communicator = mgpu::dist::communicator_factory(world);

@@ -2,6 +2,8 @@
 #include <mgpu/io/checkpoint.hpp>
 
 #include <algorithm>
+#include <bit>
+#include <limits>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -461,6 +463,29 @@ TrainingState load_training(Checkpoint const& c, std::string const& source, nn::
   optimizer.set_steps(records.optimizer_steps);
   stream.synchronize();
   return records.state;
+}
+
+void put_loss_scaler(Checkpoint& checkpoint, optim::LossScaler::State const& state) {
+  checkpoint.put("training.loss_scaler", std::vector<std::int64_t>{std::bit_cast<std::int32_t>(state.scale), state.good_steps, state.skipped});
+}
+
+std::optional<optim::LossScaler::State> read_loss_scaler(Checkpoint const& checkpoint, std::string const& source,
+                                                         optim::LossScaler const& scaler) {
+  for (char const* name : {"training.loss_scaler", "data_parallel.loss_scaler", "pipeline.loss_scaler"}) {
+    if (!checkpoint.contains(name)) continue;
+    auto const values = checkpoint.get_int64(name);
+    if (values.size() != 3 || values[0] < std::numeric_limits<std::int32_t>::min() || values[0] > std::numeric_limits<std::int32_t>::max())
+      throw Error(Errc::corrupt_data, source + ": malformed " + name + " record (expected the scale's bits, good steps and skipped steps)");
+    optim::LossScaler::State const state{std::bit_cast<float>(static_cast<std::int32_t>(values[0])), values[1], values[2]};
+    optim::LossScaler probe = scaler;
+    try {
+      probe.set_state(state);
+    } catch (Error const& e) {
+      throw Error(Errc::corrupt_data, source + ": " + std::string(e.message()));
+    }
+    return state;
+  }
+  return std::nullopt;
 }
 
 TrainingRecords read_training_records(Checkpoint const& c, std::string const& source, nn::Sequential const& model,

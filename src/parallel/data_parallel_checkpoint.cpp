@@ -27,7 +27,6 @@ namespace mgpu::parallel {
 namespace {
 constexpr char const* accumulation_record = "data_parallel.accumulation";
 constexpr char const* accumulator_record = "data_parallel.accumulator";
-constexpr char const* scaler_record = "data_parallel.loss_scaler";
 constexpr char const* hook_record = "data_parallel.comm_hook";
 constexpr char const* hook_state_record = "data_parallel.comm_hook.state";
 
@@ -81,10 +80,7 @@ void DataParallel::Impl::save_state(io::Checkpoint& checkpoint, io::ShardWriter*
     group->synchronize();
     put_rows(accumulator_record, rows);
   }
-  if (auto const& scaler = state[0]->scaler) {
-    auto const s = scaler->state();
-    checkpoint.put(scaler_record, std::vector<std::int64_t>{std::bit_cast<std::int32_t>(s.scale), s.good_steps, s.skipped});
-  }
+  if (auto const& scaler = state[0]->scaler) io::put_loss_scaler(checkpoint, scaler->state());
   if (CommHook* hook = options.comm_hook.get()) {
     Tensor const rows = Tensor::empty({n * count}, DType::float32, host);
     std::fill(rows.host_span<float>().begin(), rows.host_span<float>().end(), 0.0f);
@@ -128,18 +124,7 @@ DataParallel::Impl::Saved DataParallel::Impl::verify_state(io::Checkpoint const&
     return host_copy(r);
   };
   if (saved.position > 0) saved.accumulator = rows(accumulator_record);
-  if (state[0]->scaler && c.contains(scaler_record)) {
-    auto const values = c.get_int64(scaler_record);
-    if (values.size() != 3 || values[0] < std::numeric_limits<std::int32_t>::min() || values[0] > std::numeric_limits<std::int32_t>::max())
-      throw Error(Errc::corrupt_data, file + "malformed " + scaler_record + " record (expected the scale's bits, good steps and skipped steps)");
-    saved.scaler = optim::LossScaler::State{std::bit_cast<float>(static_cast<std::int32_t>(values[0])), values[1], values[2]};
-    optim::LossScaler probe = *state[0]->scaler;
-    try {
-      probe.set_state(*saved.scaler);
-    } catch (Error const& e) {
-      throw Error(Errc::corrupt_data, file + std::string(e.message()));
-    }
-  }
+  if (state[0]->scaler) saved.scaler = io::read_loss_scaler(c, source, *state[0]->scaler);
   if (options.comm_hook && c.contains(hook_state_record) && c.get_text(hook_record) == options.comm_hook->name())
     saved.hook_state = rows(hook_state_record);
   return saved;

@@ -130,8 +130,7 @@ class TensorParallelSync final : public nn::GradientSync {
 }  // namespace detail
 
 
-void TensorParallel::Impl::recover(std::exception_ptr failure, std::vector<std::vector<std::uint64_t>> const& rng,
-                                   std::vector<std::int64_t> const& steps) {
+void TensorParallel::Impl::recover(std::exception_ptr failure, Before const& before) {
   std::string const cause = describe(failure);
   try {
     group->drain();
@@ -146,8 +145,9 @@ void TensorParallel::Impl::recover(std::exception_ptr failure, std::vector<std::
       // order they were made; a process that is gone makes that time out.
       for (comm::detail::Renewable* comm : renewable) comm->renew();
       for (std::size_t r = 0; r < shards.size(); ++r) {
-        shards[r].set_rng_state(rng[r]);
-        optimizers[r]->set_steps(steps[r]);
+        shards[r].set_rng_state(before.rng[r]);
+        optimizers[r]->set_steps(before.steps[r]);
+        if (scalers[r]) scalers[r]->set_state(*before.scalers[r]);
       }
     }
   } catch (Error const& e) {  // an executor that cannot be put back is as unusable as a partly updated one
@@ -167,6 +167,9 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
   if (!(options.clip_norm == 0 || (options.clip_norm > 0 && std::isfinite(options.clip_norm))))
     throw Error(Errc::invalid_argument, "TensorParallel: clip_norm " + std::to_string(options.clip_norm) +
                                             " (expected 0 for no clipping, or a finite norm > 0)");
+  if (options.compute != DType::float32 && options.compute != DType::bfloat16 && options.compute != DType::float16)
+    throw Error(Errc::invalid_argument, "TensorParallel: compute " + std::string(to_string(options.compute)) +
+                                            " (expected float32, bfloat16 or float16)");
   int const replicas = options.data_parallel;
   bool const across = static_cast<bool>(options.make_communicator);
   if (across) {
@@ -244,16 +247,20 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
     im.syncs.push_back(std::make_unique<detail::TensorParallelSync>(im.shards.back(), *comm, t, data, a, *im.all, im.first + r,
                                                             im.options.sequence_parallel, im.options.timeline.get()));
     im.losses.emplace_back(config.vocab, comm, t);
+    im.scalers.push_back(im.options.loss_scaler);
   }
   group.run([&](int rank, Device /*device*/, Stream& stream) {
     nn::Context ctx{group.allocator(rank), stream};
-    im.shards[static_cast<std::size_t>(rank)].materialize(ctx, im.options.seed);
+    im.shards[static_cast<std::size_t>(rank)].materialize(ctx, im.options.seed, im.options.compute);
   });
 }
 
 TensorParallel::~TensorParallel() = default;
 
 int TensorParallel::size() const noexcept { return impl_->replicas * impl_->ranks; }
+optim::LossScaler const* TensorParallel::loss_scaler() const noexcept {
+  return impl_->scalers.empty() || !impl_->scalers[0] ? nullptr : &*impl_->scalers[0];
+}
 int TensorParallel::data_parallel() const noexcept { return impl_->replicas; }
 int TensorParallel::tensor_parallel() const noexcept { return impl_->ranks; }
 
@@ -276,11 +283,11 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
   for (std::int64_t const n : shard_sizes(rows, im.replicas)) offsets.push_back(offsets.back() + n);
   std::vector<double> shares(static_cast<std::size_t>(size()), 0.0);  // each grid rank's: its replica's part of the mean
   StepResult result;
-  std::vector<std::vector<std::uint64_t>> rng;  // what a failed step puts back
-  std::vector<std::int64_t> steps;
+  Impl::Before before;  // what a failed step puts back
   for (std::size_t r = 0; r < im.shards.size(); ++r) {
-    rng.push_back(im.shards[r].rng_state());
-    steps.push_back(im.optimizers[r]->steps());
+    before.rng.push_back(im.shards[r].rng_state());
+    before.steps.push_back(im.optimizers[r]->steps());
+    before.scalers.push_back(im.scalers[r] ? std::optional(im.scalers[r]->state()) : std::nullopt);
     im.syncs[r]->start_step();
   }
   try {
@@ -301,6 +308,7 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
           nn::train_step(im.shards[r], *im.optimizers[r], local(ids), local(targets), im.losses[r], ctx,
                          {.lr_scale = lr_scale,
                           .clip_norm = im.options.clip_norm,
+                          .scaler = im.scalers[r] ? &*im.scalers[r] : nullptr,
                           .global_units = units,
                           .sync = im.syncs[r].get(),
                           .timeline = im.options.timeline.get(),
@@ -318,7 +326,7 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
       if (rank == 0) result.applied = step.applied;  // the same on every rank
     });
   } catch (...) {
-    im.recover(std::current_exception(), rng, steps);
+    im.recover(std::current_exception(), before);
   }
   for (int a = 0; a < im.replicas; ++a) result.loss += shares[static_cast<std::size_t>(im.mesh.at("tp", a, 0))];
   return result;

@@ -202,13 +202,14 @@ void TensorParallel::save(std::filesystem::path const& path, io::TrainingState c
   whole.model.set_rng_seeds(shard.rng_seeds());
   whole.optimizer->set_steps(im.optimizers[0]->steps());
   whole.stream.synchronize();
+  io::Checkpoint records = io::training_checkpoint(whole.model, *whole.optimizer, state, whole.stream);
+  if (im.scalers[0]) io::put_loss_scaler(records, im.scalers[0]->state());
   if (!im.world && !std::filesystem::is_directory(path)) {
-    io::save_training(path, whole.model, *whole.optimizer, state, whole.stream);
+    records.save(path);
     return;
   }
   // A folder (across processes every process calls save with the same path): process 0's shard
   // holds every record, the others' none.
-  io::Checkpoint const records = io::training_checkpoint(whole.model, *whole.optimizer, state, whole.stream);
   auto const write = [&](std::uint64_t save_id, int index, int count) {
     io::ShardWriter writer;
     if (im.first == 0)
@@ -236,6 +237,7 @@ io::TrainingState TensorParallel::load(std::filesystem::path const& path) {
   std::exception_ptr failure;
   std::optional<Whole> whole;
   io::TrainingState state;
+  std::optional<optim::LossScaler::State> scaler;
   try {
     whole.emplace(im.config, im.options);
     io::Checkpoint const records =
@@ -243,6 +245,7 @@ io::TrainingState TensorParallel::load(std::filesystem::path const& path) {
     if (whole->model.size() != im.shards[0].size())
       throw Error(Errc::invalid_argument, "TensorParallel::load: a shard of " + std::to_string(im.shards[0].size()) +
                                               " layers (expected gpt(config)'s " + std::to_string(whole->model.size()) + ")");
+    if (im.scalers[0]) scaler = io::read_loss_scaler(records, path.string(), *im.scalers[0]);
     state = io::load_training(records, path.string(), whole->model, *whole->optimizer, *whole->allocator, whole->stream);
   } catch (...) {
     failure = std::current_exception();
@@ -267,6 +270,7 @@ io::TrainingState TensorParallel::load(std::filesystem::path const& path) {
     im.shards[r].set_rng_state(whole->model.rng_state());
     im.shards[r].set_rng_seeds(whole->model.rng_seeds());
     im.optimizers[r]->set_steps(whole->optimizer->steps());
+    if (scaler) im.scalers[r]->set_state(*scaler);
   }
   for (std::size_t k = 0; k < saved.size(); ++k) {
     std::vector<float> const values = detail::host_copy(saved[k].second, whole->stream);

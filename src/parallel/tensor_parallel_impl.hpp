@@ -6,6 +6,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -42,6 +43,7 @@ struct TensorParallel::Impl {
   std::shared_ptr<comm::Communicator> all;
   std::vector<nn::Sequential> shards;
   std::vector<std::unique_ptr<optim::Optimizer>> optimizers;
+  std::vector<std::optional<optim::LossScaler>> scalers;  // per rank of this process, alike
   std::vector<std::unique_ptr<detail::TensorParallelSync>> syncs;
   std::vector<VocabParallelCrossEntropy> losses;
   // The communicators above, in the order they were made, made anew after a failed step.
@@ -50,10 +52,15 @@ struct TensorParallel::Impl {
   std::string broken;
   // After a step failed inside: waits for every stream; when no rank had passed the step's commit
   // point (TensorParallelSync::finish), makes the communicators anew (across processes with the
-  // other processes) and puts back the shards' RNG and the optimizers' step counts (`rng`, `steps`:
-  // as the step found them); otherwise the executor cannot be used. Rethrows `failure`.
-  [[noreturn]] void recover(std::exception_ptr failure, std::vector<std::vector<std::uint64_t>> const& rng,
-                            std::vector<std::int64_t> const& steps);
+  // other processes) and puts back `before`; otherwise the executor cannot be used. Rethrows `failure`.
+  // What a failed step puts back: per rank, the shard's RNG, the optimizer's step count and the
+  // loss scaler's state, as the step found them.
+  struct Before {
+    std::vector<std::vector<std::uint64_t>> rng;
+    std::vector<std::int64_t> steps;
+    std::vector<std::optional<optim::LossScaler::State>> scalers;
+  };
+  [[noreturn]] void recover(std::exception_ptr failure, Before const& before);
   // A float32 buffer laid out as each rank's shard's parameters (the master parameters, or an
   // optimizer state buffer): `buffer(rank)` gives this process's rank's.
   using ShardBuffer = std::function<Tensor(int rank)>;

@@ -32,12 +32,6 @@ namespace mgpu::pipeline {
 
 namespace {
 
-constexpr char const* scaler_record = "pipeline.loss_scaler";
-
-void put_scaler(io::Checkpoint& checkpoint, optim::LossScaler const& scaler) {
-  auto const s = scaler.state();
-  checkpoint.put(scaler_record, std::vector<std::int64_t>{std::bit_cast<std::int32_t>(s.scale), s.good_steps, s.skipped});
-}
 
 // The whole model, materialized in float32 host memory, and an optimizer of the chunks' kind for it.
 struct Whole {
@@ -291,7 +285,7 @@ void Executor::Impl::save_shards(std::filesystem::path const& folder, io::Traini
       if (!loaded_seeds.empty()) whole.model.set_rng_seeds(loaded_seeds);
       whole.optimizer->set_steps(optimizers[0][0]->steps());  // chunk 0 of replica 0 runs on world rank 0
       io::Checkpoint records = io::training_checkpoint(whole.model, *whole.optimizer, training, whole.stream);
-      if (options.loss_scaler) put_scaler(records, *options.loss_scaler);
+      if (options.loss_scaler) io::put_loss_scaler(records, options.loss_scaler->state());
       for (io::Record const& record : records.records())
         if (record.name != "model.parameters" && (!record.name.starts_with("optimizer.") || record.type != io::RecordType::float32))
           writer.put(record);
@@ -350,7 +344,7 @@ void Executor::save(std::filesystem::path const& path, io::TrainingState const& 
   if (!m.loaded_seeds.empty()) whole.model.set_rng_seeds(m.loaded_seeds);
   whole.optimizer->set_steps(m.optimizers[0][0]->steps());
   io::Checkpoint checkpoint = io::training_checkpoint(whole.model, *whole.optimizer, state, whole.stream);
-  if (m.options.loss_scaler) put_scaler(checkpoint, *m.options.loss_scaler);
+  if (m.options.loss_scaler) io::put_loss_scaler(checkpoint, m.options.loss_scaler->state());
   checkpoint.save(path);
 }
 
@@ -403,18 +397,7 @@ io::TrainingState Executor::Impl::load_records(io::Checkpoint const& records, io
   std::exception_ptr failure;
   try {
     training = io::read_training_records(records, source, architecture, *optimizers[0][0]);
-    if (options.loss_scaler && records.contains(scaler_record)) {
-      auto const values = records.get_int64(scaler_record);
-      if (values.size() != 3 || values[0] < std::numeric_limits<std::int32_t>::min() || values[0] > std::numeric_limits<std::int32_t>::max())
-        throw Error(Errc::corrupt_data, file + "malformed " + scaler_record + " record (expected the scale's bits, good steps and skipped steps)");
-      scaler = optim::LossScaler::State{std::bit_cast<float>(static_cast<std::int32_t>(values[0])), values[1], values[2]};
-      optim::LossScaler probe = *options.loss_scaler;
-      try {
-        probe.set_state(*scaler);
-      } catch (Error const& e) {
-        throw Error(Errc::corrupt_data, file + std::string(e.message()));
-      }
-    }
+    if (options.loss_scaler) scaler = io::read_loss_scaler(records, source, *options.loss_scaler);
     check_shape("model.parameters");
     std::vector<std::string> state_names;  // the optimizer's, as the checkpoint holds them
     if (sharded != nullptr) {

@@ -14,12 +14,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <mgpu/core/memory.hpp>
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
+#include <mgpu/optim/optim.hpp>
 
 namespace mgpu::nn {
 class Sequential;
@@ -129,6 +131,16 @@ TrainingState load_training(std::filesystem::path const& path, nn::Sequential& m
 /// The same from a checkpoint already read (`source` names it in errors).
 TrainingState load_training(Checkpoint const& checkpoint, std::string const& source, nn::Sequential& model, optim::Optimizer& optimizer,
                             Allocator& allocator, Stream& stream);
+
+/// A dynamic loss scaler's state (scale, good steps, skipped steps) as the record
+/// training.loss_scaler, which every executor writes and reads, so a float16 run resumes on any layout.
+void put_loss_scaler(Checkpoint& checkpoint, optim::LossScaler::State const& state);
+/// The loss scaler's state saved in `checkpoint` (training.loss_scaler, or the data_parallel. or
+/// pipeline.loss_scaler of files written before it), checked against `scaler`'s settings; nullopt
+/// when none was saved. Throws Error(corrupt_data) naming `source` for a malformed record or a state
+/// the scaler refuses. Changes nothing.
+std::optional<optim::LossScaler::State> read_loss_scaler(Checkpoint const& checkpoint, std::string const& source,
+                                                         optim::LossScaler const& scaler);
 
 /// The records load_training reads besides the parameters and the optimizer's state.
 struct TrainingRecords {

@@ -27,6 +27,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -344,6 +345,12 @@ struct TensorParallelOptions {
   /// activations split by tokens over the T ranks instead of replicated. The batches' sequence
   /// length must then divide by T.
   bool sequence_parallel = false;
+  /// The type the shards compute in: float32, bfloat16 or float16 (float32 master weights and
+  /// optimizer state either way, as in nn::Sequential::materialize).
+  DType compute = DType::float32;
+  /// Dynamic loss scaling (for float16): each rank steps a copy, all deciding alike (the overflow
+  /// check counts every rank's gradients); a skipped step updates nothing.
+  std::optional<optim::LossScaler> loss_scaler{};
   /// The communicators' options (backend, deadline).
   comm::Options comm{};
   /// Across processes (see "Across processes" at TensorParallel): makes the communicator over
@@ -417,7 +424,7 @@ class TensorParallel {
   void scatter_parameters(std::span<float const> whole);
   /// Saves the model as one device holds it, in io::save_training's format: the whole model's
   /// parameters and optimizer state put together from replica 0's shards, the optimizers' step
-  /// count, every layer's RNG state and `state`; so it loads into any layout (one model, a
+  /// count, every layer's RNG state, the loss scaler's state and `state`; so it loads into any layout (one model, a
   /// DataParallel, a pipeline, a TensorParallel of any A x T). One process: a file written
   /// atomically, or into an existing folder a one-shard folder save (io::ShardWriter). Across
   /// processes (collective, every process with the same path): a folder whose process-0 shard holds
@@ -436,6 +443,8 @@ class TensorParallel {
   [[nodiscard]] nn::Sequential& shard(int rank);
   /// The grid's ranks, A x T (across processes, the world's).
   [[nodiscard]] int size() const noexcept;
+  /// Rank 0's loss scaler (every rank's decides alike); null without one.
+  [[nodiscard]] optim::LossScaler const* loss_scaler() const noexcept;
   /// A, the data-parallel replicas.
   [[nodiscard]] int data_parallel() const noexcept;
   /// T, the ranks of each replica's tensor-parallel group.
