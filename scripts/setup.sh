@@ -20,6 +20,7 @@ packages=(cmake ninja-build g++ libeigen3-dev libxxhash-dev catch2 libbenchmark-
   libgloo-dev  # a baseline of bench_collectives
   iproute2  # the test across network namespaces (tests/dist/netns.sh)
   libcpp-httplib-dev pkgconf  # the metrics module's /metrics endpoint (cpp-httplib; its flags from its pkg-config file)
+  doxygen  # the API reference (scripts/docs.sh)
   libglpk-dev  # GLPK: the cluster simulator's offline bound (src/cluster/bound.cpp), a linear/integer program
   clang-14 libclang-rt-14-dev)  # the second compiler in CI, and libFuzzer (scripts/fuzz.sh)
 optional=(slurm-wlm munge  # a one-node Slurm cluster for ctest's dist_slurm (tests/dist/slurm.sh)

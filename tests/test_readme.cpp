@@ -1,5 +1,5 @@
-// The README's first usage snippet (extracted by tests/CMakeLists.txt), run on host devices and
-// checked against the batch it scatters.
+// The first usage snippet of docs/getting-started.md (extracted by tests/CMakeLists.txt), run on
+// host devices and checked against the batch it scatters.
 #include <mgpu/mgpu.hpp>
 
 #include <numeric>

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# train_gpt end to end on a small text file (the repository's README.md, byte-tokenized, 90/10
+# train_gpt end to end on a small text file (tests/data/corpus.txt, byte-tokenized, 90/10
 # split), a tiny model: the validation loss falls; a run resumed from its checkpoint ends with the
 # uninterrupted run's losses to the last printed digit; --save-llmc then --init-from --eval-only
 # gives the trained model's validation loss; --sample prints text; data parallel over host:2 and

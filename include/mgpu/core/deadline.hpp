@@ -1,5 +1,4 @@
-// The library's deadline: how long a wait for other ranks or for queued GPU work may last
-// ($MGPU_COMM_TIMEOUT), and how durations are written in the messages that report it.
+// The library's deadline ($MGPU_COMM_TIMEOUT) and how messages write durations.
 #pragma once
 
 #include <chrono>
@@ -10,10 +9,8 @@ namespace mgpu {
 /// The environment variable that sets the default deadline, in seconds (e.g. "30" or "0.5").
 inline constexpr char const timeout_env_var[] = "MGPU_COMM_TIMEOUT";
 
-/// The default deadline: $MGPU_COMM_TIMEOUT seconds when set, else 300 s. Communicators wait at
-/// most this long for the other ranks (unless given their own), and the caching allocator for
-/// blocks still used by queued GPU work. Throws Error(invalid_argument) for a value that is not a
-/// positive number.
+/// $MGPU_COMM_TIMEOUT seconds when set, else 300 s: how long communicators wait for other ranks
+/// and the allocator for queued GPU work. Throws Error(invalid_argument) unless a positive number.
 std::chrono::milliseconds default_timeout();
 
 /// A duration as error messages write it: one decimal in seconds from 1 s ("5.0 s", "2.5 s"),

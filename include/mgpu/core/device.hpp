@@ -17,9 +17,8 @@ enum class DeviceKind { host, cuda };
 struct Device {
   DeviceKind kind = DeviceKind::host;
   int index = 0;
-  /// An emulated host device's speed relative to the host (0 < speed <= 1): its streams stretch
-  /// each task's compute to 1/speed of its time, so heterogeneous groups can be tested without
-  /// GPUs. Always 1 for CUDA devices. Not part of the device's identity (comparisons ignore it).
+  /// A host device's speed (0 < speed <= 1): its streams stretch each task to 1/speed of its time.
+  /// Always 1 for CUDA devices; comparisons ignore it.
   double speed = 1.0;
 
   friend constexpr bool operator==(Device const& a, Device const& b) noexcept { return a.kind == b.kind && a.index == b.index; }
@@ -60,8 +59,7 @@ int cuda_device_count() noexcept;
 /// The device's properties. Throws Error(invalid_argument) for a GPU that does not exist.
 DeviceProperties properties(Device device);
 
-/// peer[i][j] is true when devices[i] can read and write devices[j]'s memory directly: always for
-/// host devices and for the same GPU, cudaDeviceCanAccessPeer between GPUs.
+/// peer[i][j]: devices[i] can access devices[j]'s memory (host, same GPU, or cudaDeviceCanAccessPeer).
 std::vector<std::vector<bool>> peer_access_matrix(std::vector<Device> const& devices);
 
 }  // namespace mgpu

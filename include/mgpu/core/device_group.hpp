@@ -1,5 +1,4 @@
-// DeviceGroup: the devices of one training process, each with its streams, memory and a driver
-// thread; runs per-device work concurrently and shards batches across the devices.
+// DeviceGroup: one process's devices, each with streams, memory and a driver thread.
 #pragma once
 
 #include <cstdint>
@@ -17,17 +16,13 @@
 
 namespace mgpu {
 
-/// Splits `rows` into `parts` contiguous counts.
-/// - No weights: even; the first rows % parts parts get one row more.
-/// - Weights (one per part, finite, >= 0, not all 0): proportional, by largest remainder; ties go
-///   to the lower part index. A weight of 0 gets no rows.
-/// - Fewer rows than parts: the later parts get 0 rows (empty shards); executors skip them.
-/// Throws Error(invalid_argument) for parts < 1, rows < 0 or bad weights.
+/// Splits `rows` into `parts` contiguous counts: evenly (the first rows % parts one more), or by
+/// weights (finite, >= 0, not all 0) by largest remainder, ties to the lower part; later parts may
+/// get 0. Throws Error(invalid_argument) for parts < 1, rows < 0 or bad weights.
 std::vector<std::int64_t> shard_sizes(std::int64_t rows, int parts, std::span<double const> weights = {});
 
-/// The devices of a process. Rank r drives device(r) with its own default stream, allocator and
-/// driver thread. Move-only. Methods may be called from one thread at a time, except that
-/// stream(), allocator() and device() may be used from run()'s callbacks for their own rank.
+/// Rank r drives device(r) with its own default stream, allocator and driver thread. Move-only; one
+/// thread at a time, but run()'s callbacks may use stream(), allocator() and device() of their rank.
 class DeviceGroup {
  public:
   /// The devices named by $MGPU_DEVICES, else "auto".
@@ -54,34 +49,26 @@ class DeviceGroup {
   /// The rank's caching allocator.
   [[nodiscard]] Allocator& allocator(int rank) const;
 
-  /// Calls fn(rank, device, stream) for every rank at once, each on that rank's driver thread
-  /// (bound to its GPU on CUDA), then synchronizes each default stream. Returns when every rank is
-  /// done. If any rank throws, the others still run to completion and the first error is rethrown
-  /// as mgpu::Error naming its rank: the first in time of the errors that are causes of their own,
-  /// before any Error(device) and then Error(communication) (what other ranks see once one failed:
-  /// waits on failed work, aborted communicators). Calling run() from inside fn throws
-  /// Error(invalid_argument).
+  /// Calls fn(rank, device, stream) on every rank's driver thread at once, then synchronizes the
+  /// default streams. When ranks throw, all finish and the cause is rethrown naming its rank (the
+  /// first error of its own, before Error(device), then Error(communication)). Not from inside fn.
   void run(std::function<void(int rank, Device device, Stream& stream)> const& fn);
 
-  /// Registers fn(rank, message), called on the failing rank's driver thread as soon as a rank's
-  /// run() callback or its default stream's work fails, before run() returns. Communicators use it
-  /// to abort, so that the other ranks stop waiting for the failed one. Returns an id for
-  /// remove_failure_listener(). fn must not call back into the group.
+  /// Registers fn(rank, message), called on a failing rank's driver thread as soon as its callback or
+  /// default stream fails; fn must not call into the group. Returns an id to remove it with.
   int add_failure_listener(std::function<void(int rank, std::string const& message)> fn);
   /// Removes a listener; after it returns the listener is not running and will not be called.
   void remove_failure_listener(int id) noexcept;
 
   /// Waits for every rank's default stream; throws the first error.
   void synchronize();
-  /// Waits for every rank's default stream and clears their failures without throwing: after a
-  /// failed step, whose own error the caller reports.
+  /// Waits for every rank's default stream and clears their failures without throwing.
   void drain() noexcept;
 
   /// Views of `batch`'s rows split by shard_sizes(batch.dim(0), size(), weights), one per rank,
   /// still in batch's memory.
   [[nodiscard]] std::vector<Tensor> shard(Tensor const& batch, std::span<double const> weights = {}) const;
-  /// The same for row counts already split, one per rank (>= 0), summing to batch.dim(0); throws
-  /// Error(invalid_argument) for others.
+  /// The same for row counts already split (>= 0, summing to batch.dim(0); else Error(invalid_argument)).
   [[nodiscard]] std::vector<Tensor> shard(Tensor const& batch, std::span<std::int64_t const> rows) const;
 
   /// Copies of those shards in each rank's own memory, enqueued on each rank's default stream: read

@@ -1,6 +1,5 @@
-// Token data for language models: shards in llm.c's format (a header of 256 little-endian int32,
-// then uint16 token ids), the byte-level tokenizer, and a loader that draws (block + 1)-token
-// windows from shards, as int32 tensors of ids x and targets y, for every data-parallel rank.
+// Token data for language models: llm.c's token shards, the byte tokenizer, and a loader of
+// (block + 1)-token windows as int32 ids x and targets y. Guide: docs/getting-started.md.
 #pragma once
 
 #include <cstdint>
@@ -21,20 +20,16 @@ inline constexpr std::int32_t token_shard_magic = 20240520;
 inline constexpr std::int32_t token_shard_version = 1;
 inline constexpr std::size_t token_shard_header_bytes = 256 * 4;
 
-/// Writes `tokens` as a shard at `path`, atomically (a temporary file renamed into place, so a
-/// reader never sees half a shard). Throws Error(invalid_argument) for no tokens or more than
-/// 2^31 - 1, Error(io) when the file cannot be written. Threads may write different paths at once.
+/// Writes `tokens` as a shard at `path`, atomically; threads may write different paths at once.
+/// Throws Error(invalid_argument) for no tokens or more than 2^31 - 1, Error(io) when it cannot.
 void write_token_shard(std::filesystem::path const& path, std::span<std::uint16_t const> tokens);
 
-/// Reads and verifies the shard at `path`: every token must be below `vocab` (1 to 65536). Throws
-/// Error(invalid_argument) for a bad vocab, Error(io) when the file cannot be read, and
-/// Error(corrupt_data) naming the file and the byte offset for a bad magic or version, a truncated
-/// header or body, a count that disagrees with the file's size, no tokens, or a token >= vocab.
-/// Safe to call from any thread.
+/// Reads and verifies a shard (any thread). Throws Error(invalid_argument) for a vocab outside [1,
+/// 65536], Error(io), and Error(corrupt_data) naming the file and byte offset for a bad magic,
+/// version or size, a truncated file, no tokens, or a token >= vocab.
 std::vector<std::uint16_t> read_token_shard(std::filesystem::path const& path, std::int64_t vocab);
 
-/// Text to tokens and back, one token per byte (vocab 256): lossless for any bytes, UTF-8 or not.
-/// Stateless; safe to use from any thread.
+/// Text to tokens and back, one token per byte (vocab 256), lossless; stateless, any thread.
 class ByteTokenizer {
  public:
   [[nodiscard]] static constexpr std::int64_t vocab() noexcept { return 256; }
@@ -46,15 +41,12 @@ class ByteTokenizer {
 struct TokenLoaderOptions {
   /// Rows of a step's global batch (B >= 1), split among data-parallel ranks.
   std::int64_t batch = 8;
-  /// Tokens per row (T >= 1); a row reads a window of T + 1 tokens: ids x, then targets y = the
-  /// same window shifted by one.
+  /// Tokens per row (T >= 1); a row reads T + 1 tokens: ids x, and targets y shifted by one.
   std::int64_t block = 64;
   /// Seeds the sampled windows' positions.
   std::uint64_t seed = 0;
-  /// Instead of sampling: window i of the walk starts at token i * T of the shards taken in order
-  /// (windows never span two shards; the walk starts over after the last), and step s reads
-  /// windows s * B to s * B + B - 1. Over a validation split this makes the first K windows, and
-  /// so the loss over them, well defined.
+  /// Instead of sampling: window i starts at token i * T of the shards in order (never spanning
+  /// two; starting over after the last), and step s reads windows s * B to s * B + B - 1.
   bool sequential = false;
 };
 
@@ -73,16 +65,12 @@ struct TokenBatch {
   std::int64_t first_row = 0;
 };
 
-/// Draws (T + 1)-token windows from token shards held in memory. Every window is a function of
-/// (options, shards, step, row) only: a loader built alike and seek()-ed to a step yields the same
-/// batches, and ranks that build their rows of one step get disjoint rows of the same global
-/// batch. rows() is const and may run on several threads at once; next() and seek() may not run
-/// alongside anything else.
+/// Draws (T + 1)-token windows from shards in memory, each a function of (options, shards, step,
+/// row) only. rows() may run on several threads at once; next() and seek() alongside nothing.
 class TokenLoader {
  public:
-  /// Reads every shard with read_token_shard(path, vocab). Throws Error(invalid_argument) for no
-  /// shards, batch or block < 1, or a shard shorter than block + 1 tokens (naming it), and the
-  /// reader's errors.
+  /// Reads every shard (read_token_shard). Throws Error(invalid_argument) for no shards, batch or
+  /// block < 1, or a shard shorter than block + 1 tokens (naming it), and the reader's errors.
   TokenLoader(std::vector<std::filesystem::path> const& shards, std::int64_t vocab, TokenLoaderOptions options);
   /// The same over shards already in memory ("shard i" in messages); a shard without tokens or
   /// with a token >= vocab throws Error(invalid_argument).
@@ -106,13 +94,11 @@ class TokenLoader {
 
   /// The next step's whole global batch; advances position() by one.
   TokenBatch next(Allocator& allocator);
-  /// The next step's global batch split in order into one part per rank of `rows[i]` rows (the
-  /// way DataParallel shards rows; a part may be empty); advances position() by one. Throws
-  /// Error(invalid_argument) unless the counts are >= 0 and add up to batch.
+  /// The next step's batch split in order into parts of `rows[i]` rows (>= 0, summing to batch;
+  /// else Error(invalid_argument)); advances position() by one.
   std::vector<TokenBatch> next(std::span<std::int64_t const> rows, Allocator& allocator);
 
-  /// The step next() reads. With the seed, the one thing a checkpoint must store (for example as
-  /// io::TrainingState::step and data_seed) for a resumed run to continue on the same windows.
+  /// The step next() reads: with the seed, what a checkpoint stores to resume on the same windows.
   [[nodiscard]] std::int64_t position() const noexcept { return position_; }
   /// Makes next() continue at `step` (0 to max_step()); throws Error(invalid_argument) otherwise.
   void seek(std::int64_t step);

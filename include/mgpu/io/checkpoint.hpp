@@ -1,14 +1,6 @@
 // Checkpoints: named, typed, shaped records in a versioned binary file, each with an xxHash64
-// checksum, plus one over the whole file. Writes are atomic (temporary file in the same folder,
-// fsync, rename, fsync of the folder); loads verify every byte before anything is handed out.
-//
-// Format (version 1, little-endian):
-//   "MGPUCKPT" u32 version u32 record-count
-//   per record: u32 name-length, name, u8 type, u8 rank, i64 extents[rank], u64 byte-count,
-//               u64 XXH64(payload), payload
-//   u64 XXH64(every byte above) "MGPU-END"
-// save_training's records are named model.*, optimizer.* and training*; DataParallel::save adds
-// its own state as data_parallel.* records (files without them still load).
+// checksum, plus one over the whole file; written atomically, verified before anything is handed
+// out. The format and its records: docs/checkpoints.md.
 #pragma once
 
 #include <cstddef>
@@ -86,10 +78,8 @@ class Checkpoint {
   /// path and what is wrong: not a checkpoint, an unknown version, truncated (with the byte
   /// offset), a checksum mismatch (with the record).
   static Checkpoint load(std::filesystem::path const& path);
-  /// The records of a file without their payloads, for a reader that takes some of them: the
-  /// header and every record's header, checked as load() checks them (the format, the version, the
-  /// end marker, types, shapes against byte counts, every payload within the file), reading the
-  /// payloads of none; neither their checksums nor the file's are verified here. Throws as load().
+  /// The records' headers without payloads, checked as load() checks them but for the checksums
+  /// (format, version, end marker, types, shapes against byte counts, payloads within the file).
   static std::vector<RecordEntry> index(std::filesystem::path const& path);
   /// One record's payload, read from `path` at `entry` (from index()) and verified against its
   /// checksum. Throws Error(io) when it cannot be read, Error(corrupt_data) naming the path and the
@@ -122,10 +112,9 @@ Checkpoint training_checkpoint(nn::Sequential const& model, optim::Optimizer con
 void save_training(std::filesystem::path const& path, nn::Sequential const& model, optim::Optimizer const& optimizer,
                    TrainingState const& state, Stream& stream);
 
-/// Loads what save_training wrote into a materialized model (on any device, any compute type) and
-/// optimizer. Everything is verified first (file, architecture, shapes, optimizer kind); on any
-/// error the model and optimizer are left untouched and the Error names the mismatch. An optimizer
-/// whose checkpoint holds no state (saved before its first step) has its state zeroed, as a new one.
+/// Loads what save_training wrote into a materialized model (any device, compute type) and optimizer,
+/// verifying everything first: on an error nothing changes and the Error names the mismatch. No
+/// optimizer state in the file (saved before a first step): zeroed.
 TrainingState load_training(std::filesystem::path const& path, nn::Sequential& model, optim::Optimizer& optimizer,
                             Allocator& allocator, Stream& stream);
 /// The same from a checkpoint already read (`source` names it in errors).
@@ -151,10 +140,8 @@ struct TrainingRecords {
   /// they were saved: the model keeps its own).
   std::vector<std::uint64_t> rng_seeds;
 };
-/// Reads them from `checkpoint` as load_training verifies them: the architecture `model`'s (its
-/// layers' names; materialized or not), an RNG state per layer, the optimizer kind `optimizer`'s,
-/// well-formed step and training records; for a reader that takes the parameters and the optimizer's
-/// state in parts (an executor whose devices hold parts of the model). Throws as load_training.
+/// Reads them from `checkpoint`, verified as load_training does against `model`'s architecture and
+/// `optimizer`'s kind, for a reader taking the parameters and state in parts. Throws as load_training.
 TrainingRecords read_training_records(Checkpoint const& checkpoint, std::string const& source, nn::Sequential const& model,
                                       optim::Optimizer const& optimizer);
 

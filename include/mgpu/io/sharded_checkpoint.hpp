@@ -1,13 +1,5 @@
-// Sharded checkpoints: one checkpoint written in pieces by several writers (the processes of a job,
-// or the ranks of a sharded state), each saving its own shard file, and read back by any number of
-// readers, each taking the element ranges it needs from whichever shards hold them, so a job resumes
-// on another process or device count.
-//
-// A folder holds one committed save: manifest.ckpt (a Checkpoint naming the save and its shard
-// count) and shard-<save>-<i>-of-<n>.ckpt per writer (Checkpoint files: every record checksummed,
-// written atomically). commit_shards() writes the manifest last, atomically, and only then removes
-// the files of the previous save: a reader sees the previous save or the new one, never a mix, and a
-// job that fails while writing loses nothing.
+// Sharded checkpoints: a folder of one committed save, written as a shard file per writer and a
+// manifest, read by any number of readers in element ranges. Guide: docs/checkpoints.md.
 #pragma once
 
 #include <atomic>
@@ -27,10 +19,9 @@ namespace mgpu::io {
 /// One writer's shard: pieces of records split across writers, and whole records.
 class ShardWriter {
  public:
-  /// Elements [begin, begin + values.numel()) of record `name`, whose whole tensor has `shape` (every
-  /// writer passes the same shape), copied to the host through `stream` (synchronized). The pieces
-  /// of all writers must cover the whole tensor once. Throws Error(invalid_argument) for a range
-  /// outside the shape or a second piece of `name` at `begin`.
+  /// Elements [begin, begin + values.numel()) of record `name` of whole `shape` (the same for every
+  /// writer; the writers' pieces cover it once), copied through `stream` (synchronized). Throws
+  /// Error(invalid_argument) for a range outside the shape or a second piece at `begin`.
   void put_piece(std::string const& name, Shape const& shape, std::int64_t begin, Tensor const& values, Stream& stream);
   /// A whole record. Several writers may hold the same one; they must hold the same bytes.
   void put(std::string const& name, Tensor const& tensor, Stream& stream);
@@ -40,9 +31,8 @@ class ShardWriter {
   /// A whole record as it is (e.g. one of a Checkpoint's records()).
   void put(Record record);
 
-  /// Writes this shard, number `shard` of `shards`, of save `save_id` into `folder` (made if
-  /// missing), atomically. Throws Error(invalid_argument) for a shard outside [0, shards) and
-  /// Error(io) naming the file when it cannot be written.
+  /// Writes shard `shard` of `shards` of save `save_id` into `folder` (made if missing), atomically.
+  /// Throws Error(invalid_argument) for a shard outside [0, shards), Error(io) naming the file.
   void save(std::filesystem::path const& folder, std::uint64_t save_id, int shard, int shards) const;
 
  private:
@@ -52,23 +42,18 @@ class ShardWriter {
 /// The file of shard `shard` of `shards` of save `save_id` in `folder`.
 std::filesystem::path shard_path(std::filesystem::path const& folder, std::uint64_t save_id, int shard, int shards);
 
-/// Makes save `save_id` the folder's checkpoint. One writer calls it once every writer's save() has
-/// returned (the caller's barrier): it checks that every shard file is there, writes the manifest
-/// atomically, then removes other saves' shard files. Throws Error(io) naming a missing shard file
-/// (the manifest then still names the previous save).
+/// Makes save `save_id` the folder's checkpoint; one writer, after every save() returned. Checks every
+/// shard file is there, writes the manifest atomically, then removes other saves' files. Throws
+/// Error(io) naming a missing shard file (the previous save stays committed).
 void commit_shards(std::filesystem::path const& folder, std::uint64_t save_id, int shards);
 
-/// The save id that `folder`'s manifest names, or 0 when nothing is committed there (no manifest):
-/// a writer's next save takes one more. Reads the manifest only. Throws Error(corrupt_data) naming
-/// a manifest that is not one.
+/// The save id `folder`'s manifest names (0: none; the next save takes one more). Throws
+/// Error(corrupt_data) naming a manifest that is not one.
 std::uint64_t committed_save_id(std::filesystem::path const& folder);
 
-/// A committed sharded checkpoint. load() reads the manifest, every shard file's index of records
-/// (Checkpoint::index: headers, no payloads) and the whole records, and verifies that the shards
-/// agree on each record's shape and type and that each split record's pieces cover it exactly
-/// once; a split record's pieces are read when read() or joined() needs them, each verified
-/// against its checksum then, so a reader that takes its own ranges reads the pieces holding
-/// them and no others.
+/// A committed sharded checkpoint: load() reads the manifest, the shards' indexes and the whole
+/// records, and verifies the shards agree and each split record's pieces cover it once; a piece is
+/// read, and verified, only when read() or joined() needs it.
 class ShardedCheckpoint {
  public:
   /// Throws Error(io) when the folder has no manifest (nothing committed) or a shard file cannot be
@@ -86,18 +71,15 @@ class ShardedCheckpoint {
   [[nodiscard]] std::vector<std::string> split_names() const;
   /// A split record's whole shape; throws Error(invalid_argument) naming a missing one.
   [[nodiscard]] Shape const& shape(std::string const& name) const;
-  /// Copies elements [begin, begin + out.numel()) of split record `name` into `out` (its dtype must be
-  /// the record's), through `stream` (synchronized). Throws Error(invalid_argument) naming the record
-  /// for a missing one, another dtype or a range outside it.
+  /// Copies elements [begin, begin + out.numel()) of split record `name` into `out` through `stream`
+  /// (synchronized). Throws Error(invalid_argument) for a missing record, another dtype, a bad range.
   void read(std::string const& name, std::int64_t begin, Tensor const& out, Stream& stream) const;
 
   /// Whole records (written by put), from whichever shard holds them.
   [[nodiscard]] bool contains(std::string const& name) const noexcept { return whole_.contains(name); }
   [[nodiscard]] Checkpoint const& whole() const noexcept { return whole_; }
 
-  /// Every record whole, as one Checkpoint file of the same save would hold them: the whole records,
-  /// and each split record's pieces joined in element order, but for the split records named in
-  /// `leave_out` (those a reader takes in ranges through read()).
+  /// Every record whole, as one Checkpoint file would hold them, but the split records in `leave_out`.
   [[nodiscard]] Checkpoint joined(std::vector<std::string> const& leave_out = {}) const;
   /// The payload bytes read so far: the whole records' and shapes' at load(), and the pieces'
   /// that read() and joined() read (a piece read twice counts twice).

@@ -1,11 +1,6 @@
-// The math primitives training needs. Each op checks its arguments at the call (a mismatch throws
-// Error(invalid_argument) naming the shapes or types and what was expected) and enqueues its work
-// on a stream: on a host device the stream's worker runs Eigen (GEMM, through maps over tensor
-// storage, no copies) or the element functors of mgpu/core/detail/training_math.hpp; on a CUDA
-// device the op launches cuBLAS (cublasGemmEx) or the same functors as kernels. Every tensor must
-// live on the stream's device. Activations may be float32, bfloat16 or float16 (math in float32);
-// optimizer buffers are float32. Results that are scalars (losses, norms) are written into tensors
-// on the device, so nothing waits: read one with item().
+// Training's math, enqueued on a stream whose device holds every tensor; bad arguments throw
+// Error(invalid_argument) at the call. Activations fp32/bf16/fp16 (math fp32), optimizer buffers
+// fp32, scalar results in device tensors (item() reads one). Design: docs/architecture.md.
 #pragma once
 
 #include <cstdint>
@@ -15,75 +10,60 @@
 
 namespace mgpu::ops {
 
-/// How float32 GEMMs run on CUDA devices: exact float32 products (the default), or TF32 tensor-core
-/// products (inputs rounded to a 10-bit mantissa, float32 accumulation; several times faster on
-/// Ampere and newer GPUs). Host devices always compute in float32.
+/// Float32 GEMMs on CUDA devices: exact (default) or TF32 (10-bit mantissa inputs, float32 sums).
 enum class Float32Matmul : std::uint8_t { exact, tf32 };
-/// Sets the mode for GEMMs enqueued from now on, by any thread (process-wide; thread-safe).
+/// Sets (process-wide, any thread) the mode of GEMMs enqueued from now on; float32_matmul() reads it.
 void set_float32_matmul(Float32Matmul mode) noexcept;
-/// The current mode (thread-safe).
 [[nodiscard]] Float32Matmul float32_matmul() noexcept;
 
-/// C = alpha * op(A) * op(B) + beta * C for 2-D row-major tensors of one dtype, op(X) = X or X^T.
-/// m, n and k up to 2^31 - 1 on CUDA devices (Error(invalid_argument) above).
+/// C = alpha * op(A) * op(B) + beta * C, 2-D row-major, one dtype; m, n, k < 2^31 on CUDA devices.
 void gemm(Tensor const& a, bool transpose_a, Tensor const& b, bool transpose_b, Tensor const& c, float alpha, float beta,
           Stream& stream);
-/// The activation a fused linear op applies.
 enum class ActivationKind { identity, relu, gelu };
 [[nodiscard]] char const* activation_name(ActivationKind kind) noexcept;
 
-/// A linear layer's forward in one op: y = act(x W + bias) for x [N, in], W [in, out], bias [out],
-/// y [N, out]. No pass of its own for the bias (on the host it is the GEMM's starting value), and
-/// the activation shares the epilogue's pass. For gelu, `pre` [N, out] receives x W + bias, which
-/// gelu's backward needs; identity and relu take an undefined `pre` (relu's backward reads y).
+/// y [N, out] = act(x [N, in] W [in, out] + bias [out]) in one op. For gelu, `pre` [N, out] receives
+/// x W + bias (its backward reads it); identity and relu take an undefined `pre`.
 void linear(Tensor const& x, Tensor const& w, Tensor const& bias, Tensor const& y, ActivationKind act, Tensor const& pre,
             Stream& stream);
-/// The epilogue of a linear backward in one pass: dz = act'(z) * dy and db[j] = sum over i of
-/// dz[i, j], where z is what the forward kept (y for relu, `pre` for gelu; unused for identity).
-/// With `accumulate`, db += that sum (gradient accumulation over micro-batches).
+/// dz = act'(z) * dy and db[j] = sum over i of dz[i, j] (db += with `accumulate`) in one pass; z is
+/// y for relu, `pre` for gelu, unused for identity.
 void activation_bias_grad(ActivationKind act, Tensor const& z, Tensor const& dy, Tensor const& dz, Tensor const& db,
                           Stream& stream, bool accumulate = false);
 /// y[i, j] += bias[j].
 void add_bias(Tensor const& y, Tensor const& bias, Stream& stream);
 /// db[j] = sum over i of dy[i, j]; with `accumulate`, db[j] += it.
 void bias_grad(Tensor const& dy, Tensor const& db, Stream& stream, bool accumulate = false);
-/// y = max(x, 0); dx = dy where x > 0.
+/// y = max(x, 0); dx = dy where x > 0. GELU: the tanh approximation.
 void relu(Tensor const& x, Tensor const& y, Stream& stream);
 void relu_backward(Tensor const& x, Tensor const& dy, Tensor const& dx, Stream& stream);
-/// y = GELU(x) (tanh approximation) and its backward.
 void gelu(Tensor const& x, Tensor const& y, Stream& stream);
 void gelu_backward(Tensor const& x, Tensor const& dy, Tensor const& dx, Stream& stream);
 
-/// LayerNorm over the last dimension of x [N, D] with gamma, beta [D]; writes y and the per-row
-/// statistics backward needs into stats [2, N] (float32: means, then 1/sqrt(var + eps)).
+/// LayerNorm over x [N, D]'s rows with gamma, beta [D]; stats [2, N] (float32) = means, 1/sqrt(var + eps).
 void layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& beta, Tensor const& y, Tensor const& stats, float eps,
                 Stream& stream);
 /// The gradients of layer_norm: dx, and dgamma, dbeta (overwritten, or added to with `accumulate`).
 void layer_norm_backward(Tensor const& x, Tensor const& gamma, Tensor const& stats, Tensor const& dy, Tensor const& dx,
                          Tensor const& dgamma, Tensor const& dbeta, Stream& stream, bool accumulate = false);
-/// Inverted dropout: y = x / (1 - p) or 0, chosen by a counter-based hash of (seed, index), so the
-/// same seed gives the same mask on every device and in dropout_backward (no mask is stored).
-/// p must be in [0, 1).
-/// `offset` is the global index of x's first element (e.g. a shard's first row times the row
-/// length), so every shard of a batch draws the mask the whole batch would.
+/// Inverted dropout, p in [0, 1): y = x / (1 - p) or 0 by a hash of (seed, offset + index), the same
+/// on every device and in dropout_backward; `offset` is x's first element's global index.
 void dropout(Tensor const& x, Tensor const& y, float p, std::uint64_t seed, Stream& stream, std::int64_t offset = 0);
 void dropout_backward(Tensor const& dy, Tensor const& dx, float p, std::uint64_t seed, Stream& stream, std::int64_t offset = 0);
 
-/// Mean softmax cross-entropy of logits [N, C] against class labels [N] (float32 class ids), one
-/// numerically stable pass per row; writes dlogits = (softmax - onehot) * grad_scale / N and the
-/// mean loss into `loss` (float32, one element). A label outside [0, C) throws
-/// Error(invalid_argument) naming the row on a host stream; on a CUDA stream it makes the loss NaN.
+/// Mean softmax cross-entropy of logits [N, C] against float32 class ids [N] into `loss`, with
+/// dlogits = (softmax - onehot) * grad_scale / N. A label outside [0, C) throws
+/// Error(invalid_argument) naming the row on a host stream, and makes the loss NaN on a CUDA one.
 void softmax_cross_entropy(Tensor const& logits, Tensor const& labels, Tensor const& dlogits, Tensor const& loss,
                            Stream& stream, float grad_scale = 1.0f);
-/// Mean squared error over all elements into `loss`, with dpred = 2 (pred - target) * grad_scale / numel.
+/// Mean squared error into `loss`; dpred = 2 (pred - target) * grad_scale / numel.
 void mse(Tensor const& pred, Tensor const& target, Tensor const& dpred, Tensor const& loss, Stream& stream,
          float grad_scale = 1.0f);
 
-/// The number of rows of logits [N, C] whose largest logit is at the label's class, into `out`.
-/// A label that is not a class id in [0, C) fails the stream with Error(invalid_argument) naming it.
+/// The rows of logits [N, C] whose largest logit is the label's, into `out`; a bad label fails the stream.
 void count_correct(Tensor const& logits, Tensor const& labels, Tensor const& out, Stream& stream);
 
-/// Reductions into `out` (float32, one element), accumulated in float64 on host devices.
+/// Reductions into `out` (float32, one element; float64 sums on host devices).
 void sum(Tensor const& t, Tensor const& out, Stream& stream);
 void sum_squares(Tensor const& t, Tensor const& out, Stream& stream);
 /// The number of NaN and Inf elements (the overflow check of mixed precision).
@@ -97,21 +77,18 @@ void adamw_update(Tensor const& params, Tensor const& grads, Tensor const& m, Te
                   float beta2, float eps, float weight_decay, std::int64_t step, Stream& stream);
 /// t *= factor.
 void scale(Tensor const& t, float factor, Stream& stream);
-/// dst = src * factor in dst's dtype (same element count; e.g. fp16 gradients into fp32 master
-/// gradients, unscaled by the loss scale).
+/// dst = src * factor in dst's dtype (same element count).
 void scale_convert(Tensor const& dst, Tensor const& src, float factor, Stream& stream);
 
-/// dst += src * factor in dst's dtype (same element count; gradient accumulation).
+/// dst += src * factor in dst's dtype (same element count).
 void add_scaled(Tensor const& dst, Tensor const& src, float factor, Stream& stream);
-/// What the host GEMMs (of gemm and linear) have done on one thread: calls, floating-point
-/// operations (2 m n k each) and seconds spent in them.
+/// One thread's host GEMMs (gemm, linear): calls, flops (2 m n k each), seconds.
 struct HostGemmStats {
   std::int64_t calls = 0;
   double flops = 0;
   double seconds = 0;
 };
-/// The calling thread's host GEMM totals since it started; a host stream's GEMMs run on its worker,
-/// so read them from work enqueued on that stream. Reading is cheap and changes nothing.
+/// The calling thread's totals (a host stream's GEMMs run on its worker: read them from its work).
 [[nodiscard]] HostGemmStats host_gemm_stats() noexcept;
 
 /// The value of a one-element tensor: copies it to the host and synchronizes `stream`.

@@ -24,10 +24,8 @@ struct SgdOptions {
 /// A named state tensor of an optimizer (checkpoints save and restore them).
 using NamedTensor = std::pair<std::string, Tensor>;
 
-/// An optimizer over a model's flat float32 master buffers. Its state buffers are allocated on the
-/// first step (or by load_state) in the given allocator, zeroed on the stream. By default they hold
-/// one value per parameter; after shard_state() only the elements of the owned ranges (ZeRO-1: a
-/// data-parallel rank keeps the state of the parameters it updates, packed in range order).
+/// An optimizer over a model's flat float32 master buffers. Its state is allocated (zeroed) on the
+/// first step or load; one value per parameter, or after shard_state() the owned ones, packed.
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
@@ -37,18 +35,13 @@ class Optimizer {
   void step(Tensor const& params, Tensor const& grads, Allocator& allocator, Stream& stream, float lr_scale = 1.0f);
   /// Starts a step: allocates the state for `params` on first use and counts the step.
   void begin_step(Tensor const& params, Allocator& allocator, Stream& stream);
-  /// Applies the step begun last to elements [begin, end) of the flat buffers: the update is
-  /// element-wise, so a layer's parameters can be updated as soon as backward has written their
-  /// gradients (while those are still in cache). One step's ranges must not overlap and should
-  /// cover every parameter (with shard_state: every owned element; [begin, end) then lies within
-  /// one owned range). After shard_state(), `grads` may hold the owned elements' gradients only,
-  /// packed as the state is (ZeRO-2: a rank keeps the reduced gradients of its own elements).
+  /// Applies the step begun last to elements [begin, end); one step's ranges must not overlap and
+  /// should cover every (owned) element, each within one owned range. After shard_state(), `grads`
+  /// may hold the owned elements' gradients only, packed as the state is (ZeRO-2).
   void update(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
               float lr_scale = 1.0f);
-  /// update() for a rank that keeps the owned elements' parameters only (ZeRO-3): after
-  /// shard_state(), `params` and `grads` both hold the owned elements, packed as the state is, and
-  /// [begin, end) (flat-buffer indices) lies within one owned range. Throws Error(invalid_argument)
-  /// without sharded state, for buffers of another size, or a range outside the owned ones.
+  /// update() with `params` and `grads` holding the owned elements only, packed (ZeRO-3). Throws
+  /// Error(invalid_argument) without sharded state, for other sizes, or a range not owned.
   void update_owned(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
                     float lr_scale = 1.0f);
   /// The learning rate (before a step's lr_scale), and setting it for the steps that follow.

@@ -1,6 +1,4 @@
-// The scheduler on a live DeviceGroup: the node state it decides on, read off the group's devices
-// (properties, memory in use, peer links, optionally a measured bandwidth matrix), and a placer
-// that sends independent tasks to the devices the scheduler picks.
+// The scheduler on a live DeviceGroup: its node state, and a placer of independent tasks.
 #pragma once
 
 #include <cstddef>
@@ -30,11 +28,8 @@ std::vector<std::vector<double>> measure_peer_bandwidth(DeviceGroup& group, std:
 /// links are each pair's slower direction relative to the best pair instead.
 NodeState node_state(DeviceGroup const& group, std::vector<std::vector<double>> const& bandwidth = {});
 
-/// Places independent tasks on a group's devices with a scheduler: each task is filtered, scored
-/// and bound on a live Node (memory, queued work, data it leaves behind), its work is enqueued on
-/// the chosen rank's stream, and the reservation is released when that work has run. Tasks are
-/// placed as non-exclusive requests: they queue on a device beside others (memory and queued work
-/// count, the device's share does not).
+/// Places independent tasks with a scheduler on a live Node: each task's work is enqueued on the
+/// chosen rank's stream, its reservation released when the work has run; tasks are not exclusive.
 class TaskPlacer {
  public:
   explicit TaskPlacer(DeviceGroup& group, Scheduler scheduler = Scheduler::default_profile());
@@ -50,9 +45,8 @@ class TaskPlacer {
   /// Waits for every submitted task; rethrows the first failure. Reservations of tasks whose work
   /// did not run (a failed stream skips later work) are released here.
   void wait();
-  /// A plan that makes room for `gang` (e.g. a 4-device data-parallel job) by moving at most
-  /// `max_moves` of the tasks still outstanding (ids in submission order from 0) to other devices:
-  /// plan_room() on the node as it is now. The moves are returned, not made. Throws as plan_room().
+  /// plan_room() for `gang` on the node as it is now, moving at most `max_moves` outstanding tasks
+  /// (ids in submission order from 0); returned, not made. Throws as plan_room().
   [[nodiscard]] std::optional<GangPlan> plan_room(Request const& gang, int max_moves = 8);
   [[nodiscard]] Node& node() noexcept { return node_; }
 

@@ -28,23 +28,15 @@ struct StagePlan {
 /// best linked to the last one (faster on ties), so adjacent stages sit on good links.
 std::vector<int> pipeline_order(NodeState const& node, std::vector<int> device_ids);
 
-/// Groups `device_ids` for tensor parallelism: size / group_size groups of `group_size` devices,
-/// each group's all-reduces (several per layer) on the best links there are. A group is as fast
-/// as its weakest link, so the grouping maximizes the weakest link of the worst group, then the
-/// sum of the groups' weakest links (NodeState links by id; a missing entry is no link). Exact
-/// (a search over every grouping, pruned) up to 16 devices; beyond, greedy: the first remaining
-/// device, then repeatedly the remaining device whose weakest link to the group is best. Returns
-/// the ids group after group (group g: [g * group_size, (g + 1) * group_size)), each group in the
-/// order of `device_ids` and the groups in the order of their first device, so links that tie
-/// everywhere keep `device_ids` as it is. Throws Error(invalid_argument) for a group_size < 1 that
-/// does not divide the device count, or an id not in the node.
+/// Groups `device_ids` for tensor parallelism into groups of `group_size`, maximizing the worst
+/// group's weakest link, then the sum of the weakest links (exact up to 16 devices, greedy beyond).
+/// Returns the ids group after group, each group and the groups in `device_ids`' order. Throws
+/// Error(invalid_argument) for a group_size < 1 that does not divide the count, or an unknown id.
 std::vector<int> tensor_parallel_order(NodeState const& node, std::vector<int> const& device_ids, int group_size);
 
-/// Splits layers (profiled cost in seconds on a speed-1 device, and memory in bytes) into
-/// `stages` contiguous stages on the first `stages` devices of pipeline_order(): min_max_split
-/// (min_max_split.hpp) minimizes the slowest stage's time (cost / device speed) while each stage fits its
-/// device's free memory. Throws Error(invalid_argument) for bad sizes and
-/// Error(out_of_memory) when no split fits.
+/// Splits layers (seconds on a speed-1 device, bytes) into `stages` contiguous stages on the first
+/// devices of pipeline_order(), minimizing the slowest stage (min_max_split) within free memory.
+/// Throws Error(invalid_argument) for bad sizes, Error(out_of_memory) when no split fits.
 StagePlan partition(std::vector<double> const& layer_seconds, std::vector<double> const& layer_bytes,
                     NodeState const& node, std::vector<int> const& device_ids, int stages);
 

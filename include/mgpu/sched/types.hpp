@@ -11,8 +11,7 @@ namespace mgpu::sched {
 /// A task or a job asking for devices.
 struct Request {
   std::string name{};
-  /// Devices needed: a whole number >= 1, or a fraction of one GPU (0 < devices < 1) for jobs
-  /// that share a GPU.
+  /// Devices needed: a whole number >= 1, or a fraction of one GPU (0 < devices < 1).
   double devices = 1;
   /// Memory needed on each device, in bytes.
   double memory_bytes = 0;
@@ -23,19 +22,17 @@ struct Request {
   /// Higher runs first and may preempt lower.
   int priority = 0;
   std::string tenant{};
-  /// The data set the request reads, and its size (for locality).
+  /// The data set it reads, and its size (locality).
   std::string data{};
   double data_bytes = 0;
   bool preemptible = true;
-  /// Whether the request holds its devices (jobs: yes, taking their share) or queues work on them
-  /// beside others (tasks on a device's stream: no share is taken, queued work grows).
+  /// Whether the request holds its devices' share (jobs) or queues work beside others (tasks).
   bool exclusive = true;
   /// Bandwidth-heavy requests are kept apart by the interference score.
   bool bandwidth_heavy = false;
   /// For the runtime predictor: requests of one type have similar durations.
   std::string task_type{};
-  /// Finish within this many seconds of being placed (0: no deadline). The energy plugin lowers a
-  /// device's power limit only as far as the deadline allows.
+  /// Finish within this many seconds of being placed (0: none); bounds the energy plugin's limits.
   double deadline_seconds = 0;
 };
 
@@ -69,8 +66,7 @@ struct DeviceState {
 struct NodeState {
   std::vector<DeviceState> devices{};
   double transfer_bytes_per_second = 16e9;
-  /// How speed follows a power limit P: speed(P) = speed * ((P - idle) / (max - idle))^exponent.
-  /// With dynamic power ~ f^3 and speed ~ f, exponent 1/3.
+  /// speed(P) = speed * ((P - idle) / (max - idle))^exponent for a power limit P.
   double power_exponent = 1.0 / 3.0;
 };
 
@@ -80,17 +76,14 @@ struct Placement {
   /// The share of each device given (1 for whole devices).
   double share = 1.0;
   double score = 0;
-  /// A power limit in watts per device (same order as `devices`; 0: leave the device's limit),
-  /// set by the energy plugin for devices whose limit can be set.
+  /// A power limit in watts per device, as `devices` (0: leave it), from the energy plugin.
   std::vector<double> power_limits{};
 };
 
-/// A device's speed under power limit `watts` (the model of NodeState::power_exponent); its full
-/// speed without a settable limit or at max_watts.
+/// A device's speed under power limit `watts` (NodeState::power_exponent's model).
 double speed_at_power(DeviceState const& device, double watts, double exponent);
-/// The power limit that minimizes energy per unit of work, P = idle / (1 - exponent) (static power
-/// makes running too slowly cost more), clamped to [min_power_limit, max_watts]; max_watts when
-/// the limit cannot be set.
+/// The power limit of least energy per unit of work, idle / (1 - exponent), clamped to
+/// [min_power_limit, max_watts]; max_watts when it cannot be set.
 double energy_optimal_power(DeviceState const& device, double exponent);
 
 }  // namespace mgpu::sched
