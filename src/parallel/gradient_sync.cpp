@@ -76,6 +76,29 @@ std::vector<Bucket> plan_buckets(nn::Sequential const& model, std::size_t first_
   return buckets;
 }
 
+std::vector<Bucket> plan_units(nn::Sequential const& model) {
+  std::vector<nn::ParameterRange> const ranges = model.parameter_ranges();
+  std::vector<Bucket> units;
+  for (auto const& [first, end] : model.structure_parts()) {
+    Bucket unit{};
+    bool any = false;
+    for (nn::ParameterRange const& r : ranges) {
+      if (r.layer < first || r.layer >= end) continue;
+      if (!any) unit.first_layer = r.layer, unit.begin = r.begin;
+      unit.last_layer = r.layer, unit.end = r.end;
+      any = true;
+    }
+    if (any) units.push_back(unit);
+  }
+  std::reverse(units.begin(), units.end());
+  return units;
+}
+
+std::vector<Bucket> plan_buckets(nn::Sequential const& model, DataParallelOptions const& options) {
+  if (options.zero_stage >= 3 && options.zero3_block_units) return plan_units(model);
+  return plan_buckets(model, options.first_bucket_cap_bytes, options.bucket_cap_bytes);
+}
+
 RankSync::RankSync(detail::GradientSync& sync, int rank, nn::Sequential& model, Stream comm_stream)
     : sync_(sync),
       rank_(rank),

@@ -37,6 +37,11 @@ namespace mgpu::parallel::detail {
 /// Buckets of whole layers, last layer first: the first up to `first_cap_bytes` of float32
 /// gradients, the others up to `cap_bytes` (a layer larger than the cap is a bucket alone).
 std::vector<Bucket> plan_buckets(nn::Sequential const& model, std::size_t first_cap_bytes, std::size_t cap_bytes);
+/// One bucket per part of the model's structure (nn::Sequential::structure_parts()), last part first.
+std::vector<Bucket> plan_units(nn::Sequential const& model);
+/// The buckets DataParallel reduces (and with zero_stage 3 gathers) with these options: ZeRO-3's
+/// units (plan_units) by default (zero3_block_units), else plan_buckets' of the caps.
+std::vector<Bucket> plan_buckets(nn::Sequential const& model, DataParallelOptions const& options);
 
 class GradientSync;
 

@@ -138,7 +138,12 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
   double owned = 0, staging = 0, last_bucket = 0;
   std::size_t staging_buffers = 0;
   if (sharded) {
-    std::vector<Bucket> const buckets = detail::plan_buckets(whole_model, layout.first_bucket_cap_bytes, layout.bucket_cap_bytes);
+    DataParallelOptions options;
+    options.zero_stage = layout.zero_stage;
+    options.bucket_cap_bytes = layout.bucket_cap_bytes;
+    options.first_bucket_cap_bytes = layout.first_bucket_cap_bytes;
+    options.zero3_block_units = layout.zero3_block_units;
+    std::vector<Bucket> const buckets = detail::plan_buckets(whole_model, options);
     for (std::size_t b = 0; b < buckets.size(); ++b) {
       owned += static_cast<double>(buckets[b].size() / replicas + buckets[b].size() % replicas);
       if (b + 1 < buckets.size()) staging = std::max(staging, static_cast<double>(buckets[b].size()));
