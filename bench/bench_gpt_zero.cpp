@@ -11,14 +11,14 @@
 //   zero3_peak_over_zero1         zero3_peak_bytes_device / zero1_peak_bytes_device (issue 36
 //                                 asks <= 0.65);
 //   zero3_tokens_per_s_over_zero3_buckets   the default units' speed / the bucket units'.
-#include <benchmark/benchmark.h>
-
 #include <algorithm>
 #include <chrono>
 #include <memory>
 #include <random>
 #include <string>
 #include <vector>
+
+#include <benchmark/benchmark.h>
 
 #include <mgpu/mgpu.hpp>
 #include <mgpu/nn/gpt.hpp>
@@ -44,7 +44,8 @@ void BM_gpt_zero(benchmark::State& state) {
     int zero;
     bool block_units;
   };
-  std::vector<Layout> const layouts{{"zero0", 0, true}, {"zero1", 1, true}, {"zero3_buckets", 3, false}, {"zero3", 3, true}};
+  std::vector<Layout> const layouts{
+      {"zero0", 0, true}, {"zero1", 1, true}, {"zero3_buckets", 3, false}, {"zero3", 3, true}};
   std::vector<std::unique_ptr<mgpu::DeviceGroup>> groups;
   std::vector<std::unique_ptr<mgpu::parallel::DataParallel>> runs;
   for (Layout const& l : layouts) {
@@ -57,7 +58,8 @@ void BM_gpt_zero(benchmark::State& state) {
     options.loss = std::make_shared<mgpu::nn::TokenCrossEntropy>();
     runs.push_back(std::make_unique<mgpu::parallel::DataParallel>(
         mgpu::nn::gpt(config), *groups.back(),
-        mgpu::optim::AdamW({.lr = 1e-3f, .beta2 = 0.95f, .weight_decay = 0.1f, .decay_ranges = mgpu::nn::gpt_decay_ranges(config)}),
+        mgpu::optim::AdamW(
+            {.lr = 1e-3f, .beta2 = 0.95f, .weight_decay = 0.1f, .decay_ranges = mgpu::nn::gpt_decay_ranges(config)}),
         std::move(options)));
   }
   std::int64_t next = 0;

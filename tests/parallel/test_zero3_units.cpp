@@ -58,18 +58,21 @@ double worst_relative(std::vector<float> const& got, std::vector<float> const& w
   REQUIRE(got.size() == want.size());
   double worst = 0;
   for (std::size_t i = 0; i < got.size(); ++i)
-    worst = std::max(worst, std::abs(static_cast<double>(got[i]) - want[i]) / (floor + std::abs(static_cast<double>(want[i]))));
+    worst = std::max(
+        worst, std::abs(static_cast<double>(got[i]) - want[i]) / (floor + std::abs(static_cast<double>(want[i]))));
   return worst;
 }
 
 }  // namespace
 
-TEST_CASE("zero_stage 3's units are by default one per transformer block, the tied embedding and the final LayerNorm, "
-          "whatever the bucket caps",
-          "[parallel][dp][zero]") {
+TEST_CASE(
+    "zero_stage 3's units are by default one per transformer block, the tied embedding and the final LayerNorm, "
+    "whatever the bucket caps",
+    "[parallel][dp][zero]") {
   std::vector<nn::GptParameter> const parameters = nn::gpt_parameters(deep);
   auto const offset = [&](std::string const& name) {
-    auto const p = std::find_if(parameters.begin(), parameters.end(), [&](nn::GptParameter const& q) { return q.name == name; });
+    auto const p =
+        std::find_if(parameters.begin(), parameters.end(), [&](nn::GptParameter const& q) { return q.name == name; });
     REQUIRE(p != parameters.end());
     return p->offset;
   };
@@ -78,7 +81,8 @@ TEST_CASE("zero_stage 3's units are by default one per transformer block, the ti
   // nn::gpt's layers: the embedding, its Dropout, the blocks, the final LayerNorm, the tied head.
   std::vector<Bucket> want{{layers + 2, layers + 2, offset("ln_f.weight"), total}};
   for (std::int64_t l = deep.n_layer - 1; l >= 0; --l) {
-    std::int64_t const end = l + 1 < deep.n_layer ? offset("h." + std::to_string(l + 1) + ".ln_1.weight") : offset("ln_f.weight");
+    std::int64_t const end =
+        l + 1 < deep.n_layer ? offset("h." + std::to_string(l + 1) + ".ln_1.weight") : offset("ln_f.weight");
     auto const layer = static_cast<std::size_t>(l) + 2;
     want.push_back({layer, layer, offset("h." + std::to_string(l) + ".ln_1.weight"), end});
   }
@@ -98,7 +102,8 @@ TEST_CASE("zero_stage 3's units are by default one per transformer block, the ti
   // Without blocks, a unit per layer with parameters (a Linear with the ReLU fused into it).
   options = options_at(3);
   options.loss = nullptr;
-  std::vector<Bucket> const mlp = DataParallel(nn::Sequential::mlp({4, 8, 8, 3}), group, mgpu::optim::SGD{}, options).buckets();
+  std::vector<Bucket> const mlp =
+      DataParallel(nn::Sequential::mlp({4, 8, 8, 3}), group, mgpu::optim::SGD{}, options).buckets();
   CHECK(mlp == std::vector<Bucket>{{4, 4, 4 * 8 + 8 + 8 * 8 + 8, 4 * 8 + 8 + 8 * 8 + 8 + 8 * 3 + 3},
                                    {2, 2, 4 * 8 + 8, 4 * 8 + 8 + 8 * 8 + 8},
                                    {0, 0, 0, 4 * 8 + 8}});
@@ -140,8 +145,9 @@ TEST_CASE("zero_stage 3 with its default units gives one device's GPT loss curve
 // ZeRO-3 with its default units holds 1/N of the parameters, gradients and optimizer state plus
 // two blocks' parameters and gradients, below ZeRO-1's whole parameters and gradients, and within
 // 1% of what the memory model predicts for both (measured: 0.1%).
-TEST_CASE("zero_stage 3 with its default units peaks below zero_stage 1 on a GPT of 6 blocks on 4 devices, as predicted",
-          "[parallel][dp][zero][gpt][memory]") {
+TEST_CASE(
+    "zero_stage 3 with its default units peaks below zero_stage 1 on a GPT of 6 blocks on 4 devices, as predicted",
+    "[parallel][dp][zero][gpt][memory]") {
   Env env;
   std::int64_t const batch = 8;
   mgpu::test::TokenBatch const b = mgpu::test::rule_batch(env, batch, deep.block_size, deep.vocab, 7);
@@ -157,7 +163,8 @@ TEST_CASE("zero_stage 3 with its default units peaks below zero_stage 1 on a GPT
       dp.step(b.ids, b.targets);
       dp.group().synchronize();
       for (int r = 0; r < devices; ++r)
-        peak[static_cast<std::size_t>(r)] = std::max(peak[static_cast<std::size_t>(r)], group.allocator(r).stats().peak_allocated);
+        peak[static_cast<std::size_t>(r)] =
+            std::max(peak[static_cast<std::size_t>(r)], group.allocator(r).stats().peak_allocated);
     }
     std::vector<mgpu::parallel::GptMemory> const predicted =
         mgpu::parallel::predict_gpt_memory(deep, batch, {.data_parallel = devices, .zero_stage = stage});

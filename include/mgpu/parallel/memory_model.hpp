@@ -24,7 +24,8 @@ struct GptLayout {
   /// DataParallelOptions' bucket caps: with ZeRO 1 and 2 a rank owns 1/N of each bucket (and its
   /// last size mod N elements); with ZeRO-2 it keeps the owned gradients and the staging buffers
   /// (two of the largest bucket but the last, and the last), with ZeRO-3 the owned parameters and
-  /// the buffers they are gathered into (of the same sizes) too.
+  /// the units gathered at the peak (two of the largest but the last, and the last) too, and of
+  /// the staging only the unit's whose backward runs and the last's.
   std::size_t bucket_cap_bytes = std::size_t{25} << 20;
   std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;
   /// DataParallelOptions::zero3_block_units: with ZeRO-3 the buckets are one per transformer block,
