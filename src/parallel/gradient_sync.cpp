@@ -154,7 +154,12 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
   std::int64_t const end = sync_.buckets_[bucket].end;
   bucket_events_[bucket].record(compute);
   bucket_events_[bucket].wait(comm_stream_);
-  Tensor const grads = model_.master_gradients(begin, end);  // a staging buffer with sharded gradients
+  // A staging buffer with sharded gradients. With sharded parameters a unit's staging memory goes
+  // back as soon as its reduce is enqueued: the work gets a view that does not hold it (a
+  // communicator's work may read a tensor's memory when it runs), its use recorded below.
+  bool const transient = sync_.shard_parameters_ && bucket + 1 < sync_.buckets_.size();
+  Tensor const staged = model_.master_gradients(begin, end);
+  Tensor const grads = transient ? mgpu::detail::BufferInternals::unowned(staged) : staged;
   std::shared_ptr<trace::Timeline> const& timeline = sync_.timeline_;
   bool const traced = timeline && timeline->enabled();
   int const who = sync_.trace_ranks_[static_cast<std::size_t>(rank_)];
@@ -213,9 +218,9 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
       }
     }
     if (bucket + 1 < sync_.buckets_.size()) {
-      if (sync_.shard_parameters_) {  // the unit's staging memory goes back once the reduce has read it
-        mgpu::detail::BufferInternals::record_use(comm_stream_, grads);
-        mgpu::detail::BufferInternals::release_memory(grads);
+      if (transient) {  // the unit's staging memory goes back once the reduce has read it
+        mgpu::detail::BufferInternals::record_use(comm_stream_, staged);
+        mgpu::detail::BufferInternals::release_memory(staged);
       } else {
         staging_free_[bucket % 2].record(comm_stream_);
       }
@@ -252,7 +257,10 @@ void RankSync::traced(Stream& stream, std::string const& name, std::function<voi
   }
 }
 
-void RankSync::gather_parameters(std::size_t bucket, Tensor const& into, Stream& stream) {
+void RankSync::gather_parameters(std::size_t bucket, Tensor const& buffer, Stream& stream, bool transient) {
+  // A unit's buffer, whose memory goes once forward or backward is done with the unit: the work
+  // gets a view that does not hold it, its use recorded when it goes (release_parameters()).
+  Tensor const into = transient ? mgpu::detail::BufferInternals::unowned(buffer) : buffer;
   std::int64_t const block = sync_.blocks_[bucket];
   std::int64_t const begin = sync_.buckets_[bucket].begin;
   int const n = sync_.comm_->size();
@@ -279,7 +287,7 @@ void RankSync::prefetch(std::size_t bucket) {
   Tensor const into = parameter_buffer(bucket);
   if (bucket + 1 < sync_.buckets_.size())
     mgpu::detail::BufferInternals::acquire_memory(into, static_cast<std::size_t>(into.numel()) * sizeof(float), allocator(), comm_stream_);
-  gather_parameters(bucket, into, comm_stream_);
+  gather_parameters(bucket, into, comm_stream_, bucket + 1 < sync_.buckets_.size());
   params_gathered_[bucket].record(comm_stream_);
 }
 

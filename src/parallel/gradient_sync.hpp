@@ -107,7 +107,8 @@ class RankSync final : public nn::GradientSync {
   void traced(Stream& stream, std::string const& name, std::function<void()> const& enqueue);
   // Sharded parameters: every rank's owned parameters of `bucket` gathered into `into` (the
   // bucket's elements) on `stream`.
-  void gather_parameters(std::size_t bucket, Tensor const& into, Stream& stream);
+  // `transient`: into is a unit's buffer, whose memory goes before that work may have run.
+  void gather_parameters(std::size_t bucket, Tensor const& into, Stream& stream, bool transient = false);
   // Sharded parameters: forward or backward enters `bucket` (see before_layer()).
   void enter_forward(std::size_t bucket, Stream& compute);
   void enter_backward(std::size_t bucket, Stream& compute);
