@@ -2,8 +2,6 @@
 // backward through a communication stream, the sharded update's blocks, and the bfloat16 comm hook.
 #include "parallel/gradient_sync.hpp"
 
-#include "core/backend.hpp"
-
 #include <algorithm>
 #include <chrono>
 #include <string>
@@ -13,6 +11,8 @@
 #include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/trace/timeline.hpp>
+
+#include "core/backend.hpp"
 
 namespace mgpu::parallel {
 

@@ -9,7 +9,9 @@
 // reduced bucket's owned pieces go to the rank's packed owned gradients, which the update reads.
 // With sharded parameters (zero_stage 3) each rank keeps its owned parameters only, packed the same
 // way, which the update writes, and gathers every rank's into the buckets' parameter buffers that
-// the layers read, bucket by bucket just before forward and backward reach them.
+// the layers read, bucket by bucket just before forward and backward reach them; a bucket's
+// parameters and gradients have memory only from their gather (or backward's start) to their last
+// use (or reduce). Its buckets are then ZeRO-3's units, one per part of the model (plan_units).
 #pragma once
 
 #include <array>
