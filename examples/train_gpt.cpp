@@ -22,10 +22,11 @@
 //     [--bucket-kb K]           scatters them instead, each replica updating 1/N of the weights and
 //                               keeping their AdamW state only (ZeRO-1), 2 also keeps only their
 //                               reduced gradients (ZeRO-2: layers write into bucket-sized staging
-//                               buffers), 3 only their weights too (ZeRO-3: each bucket's weights
-//                               all-gathered just before its forward and backward, the next one
-//                               prefetched), 0 updates every weight everywhere (--zero is refused
-//                               with a pipeline or --tp); --bucket-kb caps the gradient buckets
+//                               buffers), 3 only their weights too (ZeRO-3: each transformer
+//                               block's weights all-gathered just before its forward and backward,
+//                               the next one prefetched), 0 updates every weight everywhere (--zero
+//                               is refused with a pipeline or --tp); --bucket-kb caps the gradient
+//                               buckets (and makes them ZeRO-3's units)
 //   --schedule S --stages K     pipeline::Executor: the model cut into K stages (x --chunks per
 //     [--micro-batches M]       device for interleaved) by each layer's forward + backward FLOPs,
 //     [--dp N]                  M micro-batches per step, N pipeline replicas (a data x pipeline
@@ -535,6 +536,7 @@ int run(Options o) {
   std::unique_ptr<mgpu::parallel::DataParallel> parallel;
   std::size_t bucket_cap = mgpu::parallel::DataParallelOptions{}.bucket_cap_bytes;  // for the memory model
   std::size_t first_bucket_cap = mgpu::parallel::DataParallelOptions{}.first_bucket_cap_bytes;
+  bool const block_units = o.bucket_kb == 0;  // --zero 3's units: a transformer block each, or --bucket-kb's buckets
   if (!pipelined && o.tp == 1 && world.size() > 1) {
     mgpu::parallel::DataParallelOptions options;
     if (across) options.make_communicator = mgpu::dist::communicator_factory(world);
@@ -546,6 +548,7 @@ int run(Options o) {
       options.bucket_cap_bytes = static_cast<std::size_t>(o.bucket_kb) << 10;
       options.first_bucket_cap_bytes = std::min(options.first_bucket_cap_bytes, options.bucket_cap_bytes);
     }
+    options.zero3_block_units = block_units;
     bucket_cap = options.bucket_cap_bytes, first_bucket_cap = options.first_bucket_cap_bytes;
     if (o.precision == "fp16") options.loss_scaler.emplace();
     options.loss = std::make_shared<mgpu::nn::TokenCrossEntropy>();
@@ -627,6 +630,7 @@ int run(Options o) {
   // whole model gathered from the pipeline's chunks or the tensor-parallel shards.
   mgpu::nn::Sequential& net = parallel ? parallel->replica(0) : model;
   mgpu::optim::Optimizer& net_optimizer = parallel ? parallel->optimizer(0) : optimizer;
+  if (parallel) parallel->reshard();  // ZeRO: what those gathered whole back to each rank's shards
   mgpu::Stream& net_stream = parallel ? group.stream(0) : stream;
   mgpu::nn::Context net_ctx{parallel ? group.allocator(0) : *allocator, net_stream};
   Trainer trainer{net, net_optimizer, net_ctx, device, o.clip, std::nullopt, parallel.get(), pipeline.get(), timeline.get()};
@@ -645,14 +649,16 @@ int run(Options o) {
   };
   // One checkpoint format for every layout: a run may resume on another one.
   auto const save = [&](mgpu::io::TrainingState const& at) {
-    if (parallel)
+    if (parallel) {
       parallel->save(o.checkpoint, at);
-    else if (pipeline)
+      parallel->reshard();
+    } else if (pipeline) {
       pipeline->save(o.checkpoint, at);
-    else if (tensor)
+    } else if (tensor) {
       tensor->save(o.checkpoint, at);
-    else
+    } else {
       mgpu::io::save_training(o.checkpoint, model, optimizer, at, stream);
+    }
   };
 
   mgpu::io::TrainingState state{.data_seed = o.seed};
@@ -661,6 +667,7 @@ int run(Options o) {
             : pipeline ? pipeline->load(o.checkpoint)
             : tensor   ? tensor->load(o.checkpoint)
                        : mgpu::io::load_training(o.checkpoint, model, optimizer, *allocator, stream);
+    if (parallel) parallel->reshard();
     std::fprintf(log, "resumed from %s at step %lld\n", o.checkpoint.c_str(), static_cast<long long>(state.step));
   }
   mgpu::data::TokenLoader train_loader(splits.train, o.vocab,
@@ -671,7 +678,9 @@ int run(Options o) {
   std::int64_t const eval_windows = o.eval_iters * o.batch_size;
   auto const evaluate = [&] {
     gather();
-    return mgpu::data::evaluate_lm(net, val_loader, eval_windows, net_ctx);
+    double const loss = mgpu::data::evaluate_lm(net, val_loader, eval_windows, net_ctx);
+    if (parallel) parallel->reshard();
+    return loss;
   };
 
   std::fprintf(log,
@@ -831,6 +840,7 @@ int run(Options o) {
                                            .zero_stage = parallel ? o.zero : 0,
                                            .bucket_cap_bytes = bucket_cap,
                                            .first_bucket_cap_bytes = first_bucket_cap,
+                                           .zero3_block_units = block_units,
                                            .cuts = cuts,
                                            .micro_batches = pipeline ? pipeline->schedule().micro_batches : 1,
                                            .gpipe = o.schedule == "gpipe",
@@ -943,7 +953,8 @@ int main(int argc, char** argv) {
                  "the parameters too, 0 replicates them")
       ->capture_default_str();
   app.add_option("--bucket-kb", o.bucket_kb,
-                 "data parallelism's gradient bucket cap in KiB (default 25600; smaller buckets, smaller ZeRO-2 staging)")
+                 "data parallelism's gradient bucket cap in KiB (default 25600; smaller buckets, smaller ZeRO-2 staging); with --zero 3 "
+                 "the units are these buckets instead of one per transformer block")
       ->check(CLI::PositiveNumber);
   app.add_option("--plan", o.plan,
                  "auto: measure the model's costs on --devices (default host:cores) and run the layout the planner "

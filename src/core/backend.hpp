@@ -81,6 +81,14 @@ struct BufferInternals {
   // The same view of the same memory, without keeping it: for enqueued work that holds a tensor
   // while the use of its memory is recorded (release_after) after enqueuing it.
   static Tensor unowned(Tensor const& tensor);
+  // The memory of a tensor's storage given back (its allocator's, once the uses recorded so far
+  // have run) while the storage stays: every view of it keeps its shape and offset and points at
+  // nothing (data() is null) until acquire_memory() gives the storage new memory of `bytes` for
+  // work on `stream` (Allocator::allocate(bytes, stream)), whose contents are undefined. What a
+  // layer bound to a view reads and writes comes and goes so (ZeRO-3's gathered units). Nothing
+  // when already so.
+  static void release_memory(Tensor const& tensor);
+  static void acquire_memory(Tensor const& tensor, std::size_t bytes, Allocator& allocator, Stream& stream);
 };
 
 // Records the work enqueued so far on `stream` as a use of each tensor or buffer.

@@ -437,6 +437,14 @@ void detail::BufferInternals::record_use(Stream& stream, std::vector<Tensor> con
 
 Allocator& detail::BufferInternals::allocator(Tensor const& tensor) { return *tensor.storage_->owner_; }
 
+void detail::BufferInternals::release_memory(Tensor const& tensor) {
+  if (tensor.storage_ && tensor.storage_->data_ != nullptr) *tensor.storage_ = Buffer{};
+}
+
+void detail::BufferInternals::acquire_memory(Tensor const& tensor, std::size_t bytes, Allocator& allocator, Stream& stream) {
+  if (tensor.storage_ && tensor.storage_->data_ == nullptr) *tensor.storage_ = allocator.allocate(bytes, stream);
+}
+
 Tensor detail::BufferInternals::unowned(Tensor const& tensor) {
   Tensor view = tensor;
   if (Buffer const* b = tensor.storage_.get())  // no owner: its destructor returns nothing

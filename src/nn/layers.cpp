@@ -545,6 +545,31 @@ Shape Sequential::output_shape(Shape const& input) const {
   return shape;
 }
 
+std::vector<std::pair<std::size_t, std::size_t>> Sequential::structure_parts() const {
+  bool const blocks = std::any_of(layers_.begin(), layers_.end(), [](auto const& l) { return l->block(); });
+  std::vector<std::pair<std::size_t, std::size_t>> parts;
+  bool has_parameters = false;  // the last part's
+  for (std::size_t i = 0; i < layers_.size(); ++i) {
+    Layer const& layer = *layers_[i];
+    // A part starts at a block, at the first layer after a block, and, without blocks, at a layer
+    // with parameters; one without parameters so far takes the next layers in.
+    bool const starts = parts.empty() || (has_parameters && (blocks ? layer.block() || layers_[i - 1]->block() : layer.parameter_count() > 0));
+    if (starts) {
+      parts.emplace_back(i, i + 1);
+      has_parameters = false;
+    } else {
+      parts.back().second = i + 1;
+    }
+    has_parameters = has_parameters || layer.parameter_count() > 0;
+  }
+  if (!parts.empty() && !has_parameters) {  // trailing layers without parameters join the part before
+    std::size_t const end = parts.back().second;
+    parts.pop_back();
+    if (!parts.empty()) parts.back().second = end;
+  }
+  return parts;
+}
+
 std::vector<std::size_t> Sequential::cut_points() const {
   std::vector<std::size_t> cuts{0};
   for (std::size_t i = 0; i < layers_.size(); ++i) {

@@ -112,7 +112,7 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
     im.owned = std::make_unique<DeviceGroup>(std::move(devices));
     im.group = im.owned.get();
   }
-  std::vector<Bucket> buckets = detail::plan_buckets(model, options.first_bucket_cap_bytes, options.bucket_cap_bytes);
+  std::vector<Bucket> buckets = detail::plan_buckets(model, options);
   im.options = std::move(options);
   if (!im.options.loss) im.options.loss = nn::default_loss();
   im.sync = std::make_unique<detail::GradientSync>(*im.group, std::move(buckets), im.options, im.ranks);
@@ -215,6 +215,17 @@ optim::Optimizer& DataParallel::optimizer(int index) {
   (void)replica(index);
   impl_->sync->gather_optimizer_state(impl_->optimizers());
   return *impl_->state[static_cast<std::size_t>(index)]->optimizer;
+}
+
+void DataParallel::reshard() {
+  Impl& im = *impl_;
+  im.check_usable("DataParallel::reshard");
+  im.group->run([&](int rank, Device, Stream& stream) {
+    Impl::Rank& st = *im.state[static_cast<std::size_t>(rank)];
+    im.sync->rank(rank).shard_optimizer_state(*st.optimizer, im.group->allocator(rank), stream);
+  });
+  im.sync->shard_parameters(im.optimizers());  // zero_stage 3 (synchronizes the group)
+  im.group->synchronize();
 }
 
 optim::LossScaler const* DataParallel::loss_scaler() const {

@@ -12,6 +12,8 @@
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/trace/timeline.hpp>
 
+#include "core/backend.hpp"
+
 namespace mgpu::parallel {
 
 void Bf16Compression::attach(int ranks, std::vector<std::int64_t> const& bucket_elements) {
@@ -76,6 +78,29 @@ std::vector<Bucket> plan_buckets(nn::Sequential const& model, std::size_t first_
   return buckets;
 }
 
+std::vector<Bucket> plan_units(nn::Sequential const& model) {
+  std::vector<nn::ParameterRange> const ranges = model.parameter_ranges();
+  std::vector<Bucket> units;
+  for (auto const& [first, end] : model.structure_parts()) {
+    Bucket unit{};
+    bool any = false;
+    for (nn::ParameterRange const& r : ranges) {
+      if (r.layer < first || r.layer >= end) continue;
+      if (!any) unit.first_layer = r.layer, unit.begin = r.begin;
+      unit.last_layer = r.layer, unit.end = r.end;
+      any = true;
+    }
+    if (any) units.push_back(unit);
+  }
+  std::reverse(units.begin(), units.end());
+  return units;
+}
+
+std::vector<Bucket> plan_buckets(nn::Sequential const& model, DataParallelOptions const& options) {
+  if (options.zero_stage >= 3 && options.zero3_block_units) return plan_units(model);
+  return plan_buckets(model, options.first_bucket_cap_bytes, options.bucket_cap_bytes);
+}
+
 RankSync::RankSync(detail::GradientSync& sync, int rank, nn::Sequential& model, Stream comm_stream)
     : sync_(sync),
       rank_(rank),
@@ -96,7 +121,8 @@ void RankSync::ready(nn::ParameterRange const& range, Stream& compute) {
     ++next_;
     // Sharded gradients: the next bucket's layers write into the staging buffer that bucket
     // next_ - 2 used, once its reduce has read it (the last bucket has its own).
-    if (sync_.shard_gradients_ && next_ >= 2 && next_ + 1 < buckets.size()) staging_free_[next_ % 2].wait(compute);
+    if (sync_.shard_gradients_ && !sync_.shard_parameters_ && next_ >= 2 && next_ + 1 < buckets.size())
+      staging_free_[next_ % 2].wait(compute);
   }
 }
 
@@ -128,7 +154,12 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
   std::int64_t const end = sync_.buckets_[bucket].end;
   bucket_events_[bucket].record(compute);
   bucket_events_[bucket].wait(comm_stream_);
-  Tensor const grads = model_.master_gradients(begin, end);  // a staging buffer with sharded gradients
+  // A staging buffer with sharded gradients. With sharded parameters a unit's staging memory goes
+  // back as soon as its reduce is enqueued: the work gets a view that does not hold it (a
+  // communicator's work may read a tensor's memory when it runs), its use recorded below.
+  bool const transient = sync_.shard_parameters_ && bucket + 1 < sync_.buckets_.size();
+  Tensor const staged = model_.master_gradients(begin, end);
+  Tensor const grads = transient ? mgpu::detail::BufferInternals::unowned(staged) : staged;
   std::shared_ptr<trace::Timeline> const& timeline = sync_.timeline_;
   bool const traced = timeline && timeline->enabled();
   int const who = sync_.trace_ranks_[static_cast<std::size_t>(rank_)];
@@ -186,7 +217,14 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
         copy_async(to, from, comm_stream_);
       }
     }
-    if (bucket + 1 < sync_.buckets_.size()) staging_free_[bucket % 2].record(comm_stream_);
+    if (bucket + 1 < sync_.buckets_.size()) {
+      if (transient) {  // the unit's staging memory goes back once the reduce has read it
+        mgpu::detail::BufferInternals::record_use(comm_stream_, staged);
+        mgpu::detail::BufferInternals::release_memory(staged);
+      } else {
+        staging_free_[bucket % 2].record(comm_stream_);
+      }
+    }
   }
   if (!update_) return;  // the step updates after finish(): apply_update, over owned()
   if (block == 0) {
@@ -219,7 +257,10 @@ void RankSync::traced(Stream& stream, std::string const& name, std::function<voi
   }
 }
 
-void RankSync::gather_parameters(std::size_t bucket, Tensor const& into, Stream& stream) {
+void RankSync::gather_parameters(std::size_t bucket, Tensor const& buffer, Stream& stream, bool transient) {
+  // A unit's buffer, whose memory goes once forward or backward is done with the unit: the work
+  // gets a view that does not hold it, its use recorded when it goes (release_parameters()).
+  Tensor const into = transient ? mgpu::detail::BufferInternals::unowned(buffer) : buffer;
   std::int64_t const block = sync_.blocks_[bucket];
   std::int64_t const begin = sync_.buckets_[bucket].begin;
   int const n = sync_.comm_->size();
@@ -237,13 +278,24 @@ void RankSync::gather_parameters(std::size_t bucket, Tensor const& into, Stream&
 
 Tensor RankSync::parameter_buffer(std::size_t bucket) const {
   if (bucket + 1 == sync_.buckets_.size()) return params_last_;
-  return params_[bucket % 2].slice(0, sync_.buckets_[bucket].size());
+  return unit_params_[bucket];
 }
 
+Allocator& RankSync::allocator() const { return sync_.group_.allocator(rank_ - sync_.comm_->first_rank()); }
+
 void RankSync::prefetch(std::size_t bucket) {
-  if (bucket + 1 < sync_.buckets_.size()) params_free_[bucket % 2].wait(comm_stream_);
-  gather_parameters(bucket, parameter_buffer(bucket), comm_stream_);
+  Tensor const into = parameter_buffer(bucket);
+  if (bucket + 1 < sync_.buckets_.size())
+    mgpu::detail::BufferInternals::acquire_memory(into, static_cast<std::size_t>(into.numel()) * sizeof(float), allocator(), comm_stream_);
+  gather_parameters(bucket, into, comm_stream_, bucket + 1 < sync_.buckets_.size());
   params_gathered_[bucket].record(comm_stream_);
+}
+
+void RankSync::release_parameters(std::size_t bucket, Stream& compute) {
+  Tensor const& params = unit_params_[bucket];
+  mgpu::detail::BufferInternals::record_use(compute, params);  // what the layers enqueued reads it
+  mgpu::detail::BufferInternals::record_use(comm_stream_, params);
+  mgpu::detail::BufferInternals::release_memory(params);
 }
 
 void RankSync::before_layer(std::size_t layer, bool backward, Stream& compute) {
@@ -269,15 +321,19 @@ void RankSync::before_layer(std::size_t layer, bool backward, Stream& compute) {
 void RankSync::enter_forward(std::size_t bucket, Stream& compute) {
   std::size_t const count = sync_.buckets_.size();
   params_gathered_[bucket].wait(compute);
-  if (bucket + 2 < count) params_free_[(bucket + 1) % 2].record(compute);  // bucket + 1 is done
-  if (bucket >= 1 && bucket + 1 < count) prefetch(bucket - 1);  // (the last bucket's next came at layer 0)
+  if (bucket >= 1 && bucket + 2 < count) release_parameters(bucket + 1, compute);  // bucket + 1 is done (1 stays for backward)
+  if (bucket >= 1 && bucket + 1 < count) prefetch(bucket - 1);      // (the last bucket's next came at layer 0)
 }
 
 void RankSync::enter_backward(std::size_t bucket, Stream& compute) {
   std::size_t const count = sync_.buckets_.size();
-  if (bucket >= 1) params_free_[(bucket - 1) % 2].record(compute);  // bucket - 1 is done
-  if (bucket >= 1 && bucket + 2 < count) prefetch(bucket + 1);     // buckets 0, 1 and the last stayed
+  if (bucket >= 1) release_parameters(bucket - 1, compute);     // bucket - 1 is done
+  if (bucket >= 1 && bucket + 2 < count) prefetch(bucket + 1);  // buckets 0, 1 and the last stayed
   if (bucket >= 2 && bucket + 1 < count) params_gathered_[bucket].wait(compute);
+  if (bucket + 1 < count) {  // the layers write the unit's gradients into staging memory of its own
+    Tensor const& grads = unit_grads_[bucket];
+    mgpu::detail::BufferInternals::acquire_memory(grads, static_cast<std::size_t>(grads.numel()) * sizeof(float), allocator(), compute);
+  }
 }
 
 void RankSync::shard_parameters(optim::Optimizer& optimizer, Allocator& allocator, Stream& stream) {
@@ -288,11 +344,16 @@ void RankSync::shard_parameters(optim::Optimizer& optimizer, Allocator& allocato
   owned_params_ = Tensor::empty({owned_grads_.numel()}, DType::float32, allocator);
   for (std::size_t b = 0; b < buckets.size(); ++b)
     for (Piece const& p : pieces_[b]) copy_async(owned_params_.slice(p.at, p.at + (p.end - p.begin)), whole.slice(p.begin, p.end), stream);
-  // Buffers of the gradients' staging buffers' sizes, shared by the same buckets.
-  for (std::size_t slot = 0; slot < params_.size(); ++slot)
-    if (staging_[slot].defined()) params_[slot] = Tensor::empty(staging_[slot].shape(), DType::float32, allocator);
+  // A buffer per unit, bound to its layers once, whose memory comes and goes (prefetch(),
+  // release_parameters()); the last unit's stays.
+  unit_params_.assign(buckets.size() - 1, Tensor{});
+  for (std::size_t b = 0; b + 1 < buckets.size(); ++b) {
+    unit_params_[b] = Tensor::empty({buckets[b].size()}, DType::float32, allocator, stream);
+    model_.bind_parameters(buckets[b].begin, buckets[b].end, unit_params_[b]);
+    mgpu::detail::BufferInternals::release_memory(unit_params_[b]);
+  }
   params_last_ = Tensor::empty(staging_last_.shape(), DType::float32, allocator);
-  for (std::size_t b = 0; b < buckets.size(); ++b) model_.bind_parameters(buckets[b].begin, buckets[b].end, parameter_buffer(b));
+  model_.bind_parameters(buckets.back().begin, buckets.back().end, params_last_);
   whole_ = false;
 }
 
@@ -303,7 +364,7 @@ void RankSync::gather_whole(Allocator& allocator, Stream& stream) {
     gather_parameters(b, whole.slice(sync_.buckets_[b].begin, sync_.buckets_[b].end), stream);
   model_.bind_parameters(0, model_.parameter_count(), whole);
   owned_params_ = Tensor{};
-  params_ = {};
+  unit_params_.clear();
   params_last_ = Tensor{};
   whole_ = true;
 }
@@ -365,12 +426,21 @@ void RankSync::shard_gradients(Allocator& allocator, Stream& stream) {
     if (b + 1 < buckets.size()) staging = std::max(staging, bucket.size());
   }
   owned_grads_ = ops::zeros({total}, allocator, stream);
+  staging_last_ = Tensor::empty({last.size()}, DType::float32, allocator);
+  model_.bind_gradients(last.begin, last.end, staging_last_);
+  if (sync_.shard_parameters_) {  // a staging buffer per unit, whose memory comes and goes (enter_backward(), launch())
+    unit_grads_.assign(buckets.size() - 1, Tensor{});
+    for (std::size_t b = 0; b + 1 < buckets.size(); ++b) {
+      unit_grads_[b] = Tensor::empty({buckets[b].size()}, DType::float32, allocator, stream);
+      model_.bind_gradients(buckets[b].begin, buckets[b].end, unit_grads_[b]);
+      mgpu::detail::BufferInternals::release_memory(unit_grads_[b]);
+    }
+    return;
+  }
   for (std::size_t slot = 0; slot < staging_.size() && slot + 1 < buckets.size(); ++slot)
     staging_[slot] = Tensor::empty({staging}, DType::float32, allocator);
-  staging_last_ = Tensor::empty({last.size()}, DType::float32, allocator);
   for (std::size_t b = 0; b + 1 < buckets.size(); ++b)
     model_.bind_gradients(buckets[b].begin, buckets[b].end, staging_[b % 2].slice(0, buckets[b].size()));
-  model_.bind_gradients(last.begin, last.end, staging_last_);
 }
 
 void RankSync::shard_optimizer_state(optim::Optimizer& optimizer, Allocator& allocator, Stream& stream) const {

@@ -9,7 +9,9 @@
 // reduced bucket's owned pieces go to the rank's packed owned gradients, which the update reads.
 // With sharded parameters (zero_stage 3) each rank keeps its owned parameters only, packed the same
 // way, which the update writes, and gathers every rank's into the buckets' parameter buffers that
-// the layers read, bucket by bucket just before forward and backward reach them.
+// the layers read, bucket by bucket just before forward and backward reach them; a bucket's
+// parameters and gradients have memory only from their gather (or backward's start) to their last
+// use (or reduce). Its buckets are then ZeRO-3's units, one per part of the model (plan_units).
 #pragma once
 
 #include <array>
@@ -37,6 +39,11 @@ namespace mgpu::parallel::detail {
 /// Buckets of whole layers, last layer first: the first up to `first_cap_bytes` of float32
 /// gradients, the others up to `cap_bytes` (a layer larger than the cap is a bucket alone).
 std::vector<Bucket> plan_buckets(nn::Sequential const& model, std::size_t first_cap_bytes, std::size_t cap_bytes);
+/// One bucket per part of the model's structure (nn::Sequential::structure_parts()), last part first.
+std::vector<Bucket> plan_units(nn::Sequential const& model);
+/// The buckets DataParallel reduces (and with zero_stage 3 gathers) with these options: ZeRO-3's
+/// units (plan_units) by default (zero3_block_units), else plan_buckets' of the caps.
+std::vector<Bucket> plan_buckets(nn::Sequential const& model, DataParallelOptions const& options);
 
 class GradientSync;
 
@@ -102,7 +109,8 @@ class RankSync final : public nn::GradientSync {
   void traced(Stream& stream, std::string const& name, std::function<void()> const& enqueue);
   // Sharded parameters: every rank's owned parameters of `bucket` gathered into `into` (the
   // bucket's elements) on `stream`.
-  void gather_parameters(std::size_t bucket, Tensor const& into, Stream& stream);
+  // `transient`: into is a unit's buffer, whose memory goes before that work may have run.
+  void gather_parameters(std::size_t bucket, Tensor const& into, Stream& stream, bool transient = false);
   // Sharded parameters: forward or backward enters `bucket` (see before_layer()).
   void enter_forward(std::size_t bucket, Stream& compute);
   void enter_backward(std::size_t bucket, Stream& compute);
@@ -110,6 +118,10 @@ class RankSync final : public nn::GradientSync {
   // stream once the bucket that used the buffer before is done with it (params_gathered_[bucket] marks it).
   [[nodiscard]] Tensor parameter_buffer(std::size_t bucket) const;
   void prefetch(std::size_t bucket);
+  // Sharded parameters: the memory of `bucket`'s parameter buffer goes back once the work enqueued
+  // so far on `compute` and the communication stream has run.
+  void release_parameters(std::size_t bucket, Stream& compute);
+  [[nodiscard]] Allocator& allocator() const;
 
   detail::GradientSync& sync_;
   int rank_;
@@ -128,7 +140,9 @@ class RankSync final : public nn::GradientSync {
   // head writes the embedding's gradients at the start of backward. Bucket b's layers start writing
   // once bucket b - 2's reduce has read the shared buffer (staging_free_). Each reduced bucket's
   // owned pieces go to owned_grads_ (packed as the optimizer's sharded state), copied, or added
-  // while an accumulation cycle goes on (accumulate_).
+  // while an accumulation cycle goes on (accumulate_). With sharded parameters (zero_stage 3)
+  // each bucket but the last has a staging buffer of its own instead, unit_grads_[b], whose memory
+  // comes when backward enters the bucket and goes back once its reduce has read it.
   struct Piece {
     std::int64_t begin = 0, end = 0;  // elements of the flat buffers
     std::int64_t at = 0;              // where they start in owned_grads_
@@ -138,22 +152,24 @@ class RankSync final : public nn::GradientSync {
   std::array<Tensor, 2> staging_;
   Tensor staging_last_;
   std::array<Event, 2> staging_free_;
+  std::vector<Tensor> unit_grads_;
   bool accumulate_ = false;
   // Sharded parameters (zero_stage 3). owned_params_: the owned pieces' parameters (packed as
-  // owned_grads_). The layers of bucket b read theirs from params_[b % 2], and those of the last
-  // bucket (the first layers, with a tied embedding, whose LM head reads it at the end of forward
-  // and the start of backward) from params_last_. Forward gathers the last bucket and the one
-  // before it at layer 0 and, as it enters bucket b, prefetches bucket b - 1 into the buffer that
-  // bucket b + 1 has just finished with (params_free_, recorded on the compute stream); buckets 1
-  // and 0, the last ones forward runs, are still there for backward, which, as it enters bucket b,
-  // prefetches bucket b + 1 into the buffer that bucket b - 1 has just finished with. So a rank
-  // holds its owned parameters, two buckets' and the last bucket's. whole_: the model holds every
-  // parameter in its flat buffer instead (gather_whole()).
+  // owned_grads_). The layers of bucket b read theirs from unit_params_[b], a buffer whose memory
+  // comes when the bucket is gathered and goes back once forward or backward is done with it
+  // (mgpu::detail::BufferInternals::acquire_memory and release_memory: the layers stay bound to
+  // it), and those of the last bucket (the first layers, with a tied embedding, whose LM head reads
+  // it at the end of forward and the start of backward) from params_last_, which stays. Forward
+  // gathers the last bucket and the one before it at layer 0 and, as it enters bucket b, lets
+  // bucket b + 1's memory go and prefetches bucket b - 1; buckets 1 and 0, the last ones forward
+  // runs, stay for backward, which, as it enters bucket b, lets bucket b - 1's memory go and
+  // prefetches bucket b + 1. So a rank holds its owned parameters, the last bucket's and at most
+  // two other buckets'. whole_: the model holds every parameter in its flat buffer instead
+  // (gather_whole()).
   Tensor owned_params_;
-  std::array<Tensor, 2> params_;
+  std::vector<Tensor> unit_params_;
   Tensor params_last_;
   std::vector<Event> params_gathered_;
-  std::array<Event, 2> params_free_;
   Event forward_start_;
   std::size_t forward_entered_ = 0, backward_entered_ = 0;  // buckets entered in this pass
   bool whole_ = true;

@@ -133,12 +133,18 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
   // With ZeRO 1 to 3 (data parallelism alone) a rank owns 1/N of each bucket and its last
   // (size mod N) elements; ZeRO-2 writes the gradients into staging buffers: up to two of the
   // largest bucket but the last (one per bucket before the last), and one of the last; ZeRO-3
-  // gathers the parameters into buffers of the same sizes.
+  // gathers the parameters into buffers of the same sizes (two units' and the last's at the peak)
+  // and holds one unit's gradient staging at the peak besides the last's.
   bool const sharded = ranks == 1 && replicas > 1 && layout.zero_stage >= 1;
   double owned = 0, staging = 0, last_bucket = 0;
   std::size_t staging_buffers = 0;
   if (sharded) {
-    std::vector<Bucket> const buckets = detail::plan_buckets(whole_model, layout.first_bucket_cap_bytes, layout.bucket_cap_bytes);
+    DataParallelOptions options;
+    options.zero_stage = layout.zero_stage;
+    options.bucket_cap_bytes = layout.bucket_cap_bytes;
+    options.first_bucket_cap_bytes = layout.first_bucket_cap_bytes;
+    options.zero3_block_units = layout.zero3_block_units;
+    std::vector<Bucket> const buckets = detail::plan_buckets(whole_model, options);
     for (std::size_t b = 0; b < buckets.size(); ++b) {
       owned += static_cast<double>(buckets[b].size() / replicas + buckets[b].size() % replicas);
       if (b + 1 < buckets.size()) staging = std::max(staging, static_cast<double>(buckets[b].size()));
@@ -163,8 +169,12 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
       m.optimizer = 2 * floats(sharded ? owned : params);
       if (sharded && layout.zero_stage >= 2)  // the owned gradients, and the staging buffers the layers write into
         m.gradients = floats(owned) + staging_buffers * floats(staging) + floats(last_bucket);
-      if (sharded && layout.zero_stage == 3)  // the owned parameters, and the buffers the layers read them from
+      if (sharded && layout.zero_stage == 3) {  // the owned parameters, and the units gathered at the peak
         m.parameters = m.gradients;
+        // ZeRO-3's units keep their gradients' staging from backward's start on them to their
+        // reduce: at the peak (the last block's backward) one block's and the embedding's.
+        m.gradients = floats(owned) + std::min<std::size_t>(1, staging_buffers) * floats(staging) + floats(last_bucket);
+      }
       m.activations = static_cast<std::size_t>(layers) * block_bytes(n, c, heads, t, s, config.recompute);
       if (config.recompute == nn::Recompute::full)  // the rerun block, less its input
         m.activations += block_bytes(n, c, heads, t, s, nn::Recompute::none) - floats(n * c / s);

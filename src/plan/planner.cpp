@@ -180,10 +180,12 @@ double predict_step_seconds(nn::GptConfig const& config, std::int64_t rows, Layo
   double step = std::max(path + update, (work + updates) / shared);
 
   // The replicas' gradients: all-reduced in buckets (25 MiB, the first 1 MiB), or reduce-scattered
-  // and all-gathered with ZeRO; ZeRO-3 all-gathers every bucket's parameters before forward and
-  // buckets 2 to B - 2 again in backward (an all-gather: half an all-reduce's bytes).
+  // and all-gathered with ZeRO; ZeRO-3's buckets are its units (a block each, the embedding, the
+  // final LayerNorm), it all-gathers every unit's parameters before forward and units 2 to B - 2
+  // again in backward (an all-gather: half an all-reduce's bytes).
   if (d > 1) {
-    double const buckets = 1 + std::ceil(gradient_bytes / static_cast<double>(std::size_t{25} << 20));
+    double const buckets = layout.zero_stage == 3 ? static_cast<double>(c.n_layer + 2)
+                                                  : 1 + std::ceil(gradient_bytes / static_cast<double>(std::size_t{25} << 20));
     double const calls = layout.zero_stage > 0 ? 2 * buckets : buckets;
     if (!measured_replicas) step += all_reduce_seconds(costs, gradient_bytes, d) + (calls - 1) * costs.collective_seconds;
     if (layout.zero_stage == 3) {

@@ -4,7 +4,7 @@
 # larger of two: AdamW makes its state in the first step's update, once the activations are gone),
 # in every layout the model covers: one device with each recomputation mode and with dropout, data
 # parallel with the replicated update, ZeRO-1 (uneven rows over host:3, full recomputation),
-# ZeRO-2 and ZeRO-3 (a bucket per block), tensor parallel over 2 and 4 devices (selective and full
+# ZeRO-2 and ZeRO-3 (a bucket per block; ZeRO-3's default units), tensor parallel over 2 and 4 devices (selective and full
 # recomputation), two data-parallel replicas of tensor parallelism, sequence parallelism (over 2
 # and 4 devices, with replicas, selective and full recomputation), 1F1B and GPipe pipelines
 # (uneven micro-batches of 6 rows in 4, full recomputation), two replicas of a pipeline (uneven
@@ -26,6 +26,7 @@ layouts=(
   "--devices host:2 --recompute full"
   "--devices host:3 --zero 2 --bucket-kb 100"
   "--devices host:3 --zero 3 --bucket-kb 100"
+  "--devices host:3 --zero 3"
   "--tp 2"
   "--tp 2 --recompute selective"
   "--tp 2 --recompute full"

@@ -595,13 +595,13 @@ TEST_CASE("zero_stage 3 gives zero_stage 2's GPT losses, weights and optimizer s
 
 // Each device's bytes counted by its allocator. Held after a step (parameters, gradients and
 // optimizer state: what the steps keep), stage 3 holds, in place of stage 2's whole parameter
-// buffer, its owned elements' parameters and the parameter buffers the buckets are gathered into
-// (two shared by the buckets but the last, and the last bucket's own): exactly that. Against the
-// replicated run (stage 0): at most 1/N of its bytes plus one gathered unit's parameters and its
-// gradients' staging (each: two shared buffers of the largest bucket but the last, and the last
-// bucket's), plus the elements past the blocks. The peak over the steps (after construction, which
+// buffer and its two shared staging buffers, its owned elements' parameters and the last bucket's
+// gathered parameters (the other buckets' memory has gone back): exactly that. Against the
+// replicated run (stage 0): at most 1/N of its bytes plus the last bucket's parameters and
+// gradients, plus the elements past the blocks. The peak over the steps (after construction, which
 // holds the whole model before sharding it) adds to that no more than the replicated run's peak
-// adds to its own (the activations).
+// adds to its own (the activations) plus the units gathered meanwhile: two buckets' parameters and
+// two buckets' gradients.
 TEST_CASE("zero_stage 3 keeps on each device 1/N of the replicated run's parameters, gradients and optimizer state plus the "
           "gathered buckets",
           "[parallel][dp][zero][gpt]") {
@@ -630,16 +630,16 @@ TEST_CASE("zero_stage 3 keeps on each device 1/N of the replicated run's paramet
     std::int64_t const owned = owned_elements(buckets, devices);
     std::int64_t shared = 0;
     for (std::size_t i = 0; i + 1 < buckets.size(); ++i) shared = std::max(shared, buckets[i].size());
-    std::size_t const unit = 2 * block(shared) + block(buckets.back().size());  // gathered parameters, or gradient staging
+    std::size_t const last = block(buckets.back().size());  // its gathered parameters, or its gradients' staging
     std::size_t const leftovers = 4 * (buckets.size() * static_cast<std::size_t>(devices) * sizeof(float) + 4096);
     for (int r = 0; r < devices; ++r) {
       CAPTURE(devices, r);
       auto const i = static_cast<std::size_t>(r);
       WARN("device " << r << " of " << devices << ": held " << held[0][i] << " (stage 0), " << held[2][i] << " (stage 2), " << held[3][i]
                      << " (stage 3); peak " << peak[0][i] << ", " << peak[2][i] << ", " << peak[3][i]);
-      CHECK(held[3][i] + block(parameters) == held[2][i] + block(owned) + unit);  // one parameter layout for the other
-      CHECK(held[3][i] <= held[0][i] / static_cast<std::size_t>(devices) + 2 * unit + leftovers);
-      CHECK(peak[3][i] - held[3][i] <= peak[0][i] - held[0][i]);
+      CHECK(held[3][i] + block(parameters) + 2 * block(shared) == held[2][i] + block(owned) + last);  // one layout for the other
+      CHECK(held[3][i] <= held[0][i] / static_cast<std::size_t>(devices) + 2 * last + leftovers);
+      CHECK(peak[3][i] - held[3][i] <= peak[0][i] - held[0][i] + 4 * block(shared));
       CHECK(held[3][i] < held[2][i]);
     }
   }

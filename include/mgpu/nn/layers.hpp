@@ -103,6 +103,10 @@ class Layer {
   virtual void set_input_grad(bool /*needed*/) {}
   /// A fresh layer of the same configuration (for replicas on other devices).
   [[nodiscard]] virtual std::unique_ptr<Layer> clone() const = 0;
+  /// Whether the layer is one of the model's repeated blocks (a transformer block): how the model
+  /// divides by its structure, each block a part of its own and the layers between two blocks one
+  /// part together (Sequential::structure_parts()). False by default.
+  [[nodiscard]] virtual bool block() const { return false; }
 };
 
 /// y = x W + b, with W [in, out] and b [out]; x [batch, in], or [..., in] with the leading
@@ -376,6 +380,12 @@ class Sequential {
   void zero_gradients(Stream& stream, std::int64_t begin, std::int64_t end);
   /// The shape forward() returns for an input of `input`.
   [[nodiscard]] Shape output_shape(Shape const& input) const;
+  /// The model's parts by its structure, as [begin, end) spans of layer indices in order, each
+  /// holding parameters: every block (Layer::block()) a part alone, the layers between two blocks
+  /// (with parameters among them) one part together; without blocks, every layer with parameters
+  /// a part alone. Layers without parameters join the part before them (the first ones the part
+  /// after). What a sharded data-parallel executor gathers one at a time (ZeRO-3's units).
+  [[nodiscard]] std::vector<std::pair<std::size_t, std::size_t>> structure_parts() const;
   /// The layer indices where the model may be cut into stages: 0, every unit boundary (a Linear
   /// and the activation fused into it are one unit) and size().
   [[nodiscard]] std::vector<std::size_t> cut_points() const;

@@ -181,6 +181,8 @@ class TransformerBlock final : public Layer {
   std::unique_ptr<Layer> clone() const override {
     return std::make_unique<TransformerBlock>(features_, heads_, dropout_, proj_init_std_, recompute_);
   }
+  /// A repeated block of a model: a part of its own in Sequential::structure_parts().
+  bool block() const override { return true; }
   [[nodiscard]] Recompute recompute() const noexcept { return recompute_; }
   /// The seeds of the attention probabilities' dropout and of the two residual branches' Dropouts,
   /// drawn by initialize().

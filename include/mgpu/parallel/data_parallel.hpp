@@ -122,20 +122,30 @@ struct DataParallelOptions {
   ///
   /// 3, sharded parameters too (ZeRO-3, FSDP-style): each rank keeps only the parameters of the
   /// elements it owns (packed as its owned gradients), which its update writes, and the gathered
-  /// unit is the bucket: the layers read their parameters from bucket-sized buffers bound to them
-  /// once (nn::Sequential::bind_parameters), which every rank's owned elements are all-gathered
-  /// into on the communication stream just before forward (and again backward) reaches the bucket,
-  /// the next bucket prefetched while the current one computes. The buckets share two buffers in
-  /// turn and the last bucket (the first layers: a tied embedding, which the LM head reads at the
-  /// end of forward and the start of backward) has its own, so each rank holds about 1/N of the
-  /// parameters plus twice the largest bucket but the last and the last bucket (the buffers are
-  /// reused, not freed: the allocator's bytes stay flat over a step); the two buckets forward
-  /// reaches last are still there for backward. Reduces, clipping and updates are stage 2's, so the
-  /// results are stage 2's bit for bit. replica(), optimizer(), count_correct(), verify_replicas(),
-  /// save() and load() first gather the whole model on every rank (which holds it until its next
-  /// step shards it again), so checkpoints are those of the other stages and load on any stage and
-  /// device count. Stage 2's limits apply.
+  /// unit is the bucket: by default (zero3_block_units) one per part of the model's structure, as
+  /// FSDP2 wraps each transformer block (nn::Sequential::structure_parts(): each block, e.g. each
+  /// of nn::gpt's TransformerBlocks, a unit of its own, the tied embedding a unit, the final
+  /// LayerNorm with the LM head a unit), whatever the bucket caps. The layers read their parameters
+  /// from unit-sized buffers bound to them once (nn::Sequential::bind_parameters), whose memory
+  /// comes when every rank's owned elements are all-gathered into them on the communication stream
+  /// just before forward (and again backward) reaches the unit, the next unit prefetched while the
+  /// current one computes, and goes back to the allocator as soon as forward or backward is done
+  /// with the unit (the two units forward reaches last stay for backward; the last unit, the
+  /// first layers with a tied embedding, which the LM head reads at the end of forward and the
+  /// start of backward, stays throughout). The units' gradients are written into staging buffers
+  /// of their own whose memory comes when backward enters the unit and goes once the unit is
+  /// reduce-scattered. So each rank holds 1/N of the parameters, gradients and optimizer state
+  /// plus the last unit's parameters and gradients, at most two other units' parameters and,
+  /// during backward, about two units' gradients. Reduces, clipping and updates are stage 2's, so
+  /// the results are stage 2's bit for bit on the same buckets. replica(), optimizer(),
+  /// count_correct(), verify_replicas(), save() and load() first gather the whole model on every
+  /// rank (which holds it until reshard() or its next step shards it again), so checkpoints are
+  /// those of the other stages and load on any stage and device count. Stage 2's limits apply. A
+  /// GPT of 8 blocks on 4 devices peaks at 0.59 of stage 1's bytes per device, on 2 at 0.82.
   int zero_stage = 1;
+  /// zero_stage 3's units (its buckets): true, one per part of the model's structure (see
+  /// zero_stage); false, the buckets of bucket_cap_bytes and first_bucket_cap_bytes.
+  bool zero3_block_units = true;
   /// Bitwise repeatable results whatever the bucket layout and thread timing: host devices reduce
   /// in rank order already; other backends gather the bucket and sum it in rank order.
   bool deterministic = false;
@@ -322,6 +332,13 @@ class DataParallel {
   /// steps reads bucket buffers, not the whole model, until replica() is called again.
   [[nodiscard]] nn::Sequential& replica(int index);
   [[nodiscard]] optim::Optimizer& optimizer(int index);
+  /// With the sharded update: every rank keeps the optimizer state of its owned elements only
+  /// again, and at zero_stage 3 its owned parameters only, freeing what replica(), optimizer(),
+  /// count_correct(), verify_replicas(), save() and load() gathered whole (the next step() does
+  /// it first otherwise, so its peak memory would count them); nothing when already so. No
+  /// collective. References from replica() read the gathered units' buffers from then on. Throws
+  /// Error(invalid_argument), as step() does, on an executor that a failed step left unusable.
+  void reshard();
   /// The loss scaler of replica 0 (nullptr without loss scaling).
   [[nodiscard]] optim::LossScaler const* loss_scaler() const;
   /// The group the replicas run on (the one given, or the used ranks' own group).

@@ -1,5 +1,5 @@
 // A model of the memory one training step of a GPT takes on each device, in the layouts of one
-// process that the library runs it in (one device, data parallel with ZeRO 0-2, tensor parallel
+// process that the library runs it in (one device, data parallel with ZeRO 0-3, tensor parallel
 // with or without sequence parallelism, both, and GPipe or 1F1B pipelines and their replicas), in the caching allocator's bytes: what a planner
 // weighs layouts by before running any.
 #pragma once
@@ -24,9 +24,13 @@ struct GptLayout {
   /// DataParallelOptions' bucket caps: with ZeRO 1 and 2 a rank owns 1/N of each bucket (and its
   /// last size mod N elements); with ZeRO-2 it keeps the owned gradients and the staging buffers
   /// (two of the largest bucket but the last, and the last), with ZeRO-3 the owned parameters and
-  /// the buffers they are gathered into (of the same sizes) too.
+  /// the units gathered at the peak (two of the largest but the last, and the last) too, and of
+  /// the staging only the unit's whose backward runs and the last's.
   std::size_t bucket_cap_bytes = std::size_t{25} << 20;
   std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;
+  /// DataParallelOptions::zero3_block_units: with ZeRO-3 the buckets are one per transformer block,
+  /// the embedding and the final LayerNorm (the caps do not apply).
+  bool zero3_block_units = true;
   /// A pipeline: the executor's cuts of nn::gpt(config)'s layers (pipeline::Partition::cuts: stage
   /// s holds layers [cuts[s], cuts[s + 1]) on device s), empty for none.
   std::vector<std::size_t> cuts{};
