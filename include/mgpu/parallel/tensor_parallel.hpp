@@ -35,6 +35,7 @@
 #include <mgpu/comm/communicator.hpp>
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/core/tensor.hpp>
+#include <mgpu/metrics/registry.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
@@ -351,6 +352,11 @@ struct TensorParallelOptions {
   /// is world rank ranks[i]), dist::subset_communicator_factory(world).
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, std::vector<int> const&, comm::Options)>
       make_subset_communicator{};
+  /// Where each of this process's ranks' times are reported at the end of every step
+  /// (metrics::DeviceTimes, rank: its rank in the group), measured by events on its stream: wait,
+  /// the time in the executor's collectives (the layers' and the gradients' sums); compute, the
+  /// rest of its step (forward, backward, the update). nullptr: not measured.
+  std::shared_ptr<metrics::Registry> metrics{};
 };
 
 /// Trains gpt(config) with every rank of `group` holding one tensor-parallel shard, in A =
