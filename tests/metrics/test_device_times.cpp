@@ -115,9 +115,11 @@ TEST_CASE("metrics: the pipeline reports each device's compute and transfer time
   // The timeline's spans of the same actions: compute lane for forward, backward and the loss;
   // communication lane for sends, receives and sums.
   std::vector<double> span_compute(2, 0), span_wait(2, 0);
+  std::vector<int> spans(2, 0);
   for (mgpu::trace::Span const& s : timeline->spans()) {
     double const seconds = static_cast<double>(s.end_ns - s.begin_ns) * 1e-9;
     (s.lane == mgpu::trace::compute ? span_compute : span_wait)[static_cast<std::size_t>(s.rank)] += seconds;
+    ++spans[static_cast<std::size_t>(s.rank)];
   }
   for (int rank = 0; rank < 2; ++rank) {
     auto const r = static_cast<std::size_t>(rank);
@@ -126,12 +128,13 @@ TEST_CASE("metrics: the pipeline reports each device's compute and transfer time
     CHECK(*times.wait_seconds > 0);  // every device sends or receives
     CHECK(times.compute_seconds + *times.wait_seconds <= wall);
     INFO("rank " << rank << ": events " << times.compute_seconds << " s computing, " << *times.wait_seconds
-                 << " s waiting; timeline " << span_compute[r] << " s, " << span_wait[r] << " s");
-    // The events enclose the timeline's markers of each action: a little more, never less.
+                 << " s waiting; timeline " << span_compute[r] << " s, " << span_wait[r] << " s in " << spans[r]
+                 << " spans");
+    // The events enclose the timeline's markers of each action, so they measure no less; the sum
+    // stays within the step (above). An upper bound per region would depend on the scheduler: a
+    // thread preempted between an event and the timeline's marker adds its wait to the event's.
     CHECK(times.compute_seconds >= span_compute[r] * 0.99);
-    CHECK(times.compute_seconds <= span_compute[r] * 1.5 + 1e-3);
     CHECK(*times.wait_seconds >= span_wait[r] * 0.99);
-    CHECK(*times.wait_seconds <= span_wait[r] * 1.5 + 1e-3);
   }
 }
 
