@@ -279,7 +279,7 @@ void BM_gpt_metrics_update(benchmark::State& state) {
       d.world_rank = r;
       if (std::optional<mgpu::metrics::DeviceTimes> const times = registry->reported_times(r)) {
         d.compute_seconds = times->compute_seconds;
-        d.wait_seconds = times->wait_seconds.value_or(0.0);
+        d.wait_seconds = times->wait_seconds;
       }
       d.rows = result.rows[i];
       d.tokens = result.rows[i] * shape.config.block_size;

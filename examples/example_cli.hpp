@@ -189,7 +189,7 @@ class JobMetrics {
       s.rows = dp != nullptr && r < dp->rows.size() ? dp->rows[r] : rows_each;
       if (std::optional<mgpu::metrics::DeviceTimes> const times = registry_->reported_times(static_cast<int>(r))) {
         s.compute_seconds = times->compute_seconds;
-        s.wait_seconds = times->wait_seconds.value_or(0.0);
+        s.wait_seconds = times->wait_seconds;
       }
       s.tokens = s.rows * tokens_per_row;
       s.shard_weight = r < weights.size() ? weights[r] : 1.0;

@@ -81,7 +81,7 @@ void Registry::record(JobStep const& job, std::span<DeviceStep const> devices) {
     d.last.memory_peak = step.memory_peak;
     d.last.memory_capacity = step.memory_capacity;
     d.last.gpu_utilization = step.gpu_utilization;
-    d.wait_total += step.wait_seconds;
+    if (step.wait_seconds) d.wait_total += *step.wait_seconds;
     d.rows_total += step.rows;
     d.tokens_total += step.tokens;
     if (!step.compute_seconds) {
@@ -237,10 +237,13 @@ std::string Registry::exposition() const {
     for (std::size_t i = 0; i < s.devices.size(); ++i)
       if (s.devices[i].last.compute_seconds)
         sample("mgpu_device_compute_seconds_total", device_labels[i], s.devices[i].compute_total);
-    family(out, "mgpu_device_collective_wait_seconds_total", "counter", "Seconds spent waiting on collectives.");
-    for (std::size_t i = 0; i < s.devices.size(); ++i)
-      if (s.devices[i].last.compute_seconds)
-        sample("mgpu_device_collective_wait_seconds_total", device_labels[i], s.devices[i].wait_total);
+    auto const waits = [](State::Device const& d) { return d.last.compute_seconds && d.last.wait_seconds; };
+    if (std::any_of(s.devices.begin(), s.devices.end(), waits)) {
+      family(out, "mgpu_device_collective_wait_seconds_total", "counter", "Seconds spent waiting on collectives.");
+      for (std::size_t i = 0; i < s.devices.size(); ++i)
+        if (waits(s.devices[i]))
+          sample("mgpu_device_collective_wait_seconds_total", device_labels[i], s.devices[i].wait_total);
+    }
   }
   if (std::any_of(s.devices.begin(), s.devices.end(),
                   [](State::Device const& d) { return d.last.gpu_utilization.has_value(); })) {

@@ -35,7 +35,9 @@ struct DeviceStep {
   /// Seconds of forward and backward on the device, when the executor measures them (empty: its
   /// busy ratios, compute and wait seconds are not exported).
   std::optional<double> compute_seconds{};
-  double wait_seconds = 0;  ///< seconds waiting on collectives (read with compute_seconds)
+  /// Seconds in collectives or transfers, when the executor measures them (read with
+  /// compute_seconds; empty: the wait is not exported, as data parallelism's on a GPU).
+  std::optional<double> wait_seconds{};
   std::int64_t rows = 0;    ///< rows (samples or sequences) it processed
   std::int64_t tokens = 0;  ///< tokens it processed (0 for a classifier)
   double shard_weight = 1;  ///< its share weight of the batch's rows
