@@ -38,6 +38,11 @@
 //                            devices: the executor's time per action, its transfers included;
 //   us_per_critical_action   the same over the compute actions on the critical path (as
 //                            BM_schedule's overhead_us_per_action counts them);
+//   step_us_metrics          the median step of the same executor with ExecutorOptions::metrics
+//                            (each device's times reported: events around every compute action
+//                            and transfer group), its steps taken in turn with the plain one's;
+//   metrics_step_ratio       step_us_metrics / step_us: what the metrics cost a step that does
+//                            nothing but the executor's own work (the worst case);
 //   compute_actions, transfer_actions   what a step runs.
 // BM_partition: unbalanced sleeping layers (costs 1,1,1,6,1,1,3,1,2,1 ms) profiled, partitioned
 // into 4 stages for 1F1B on 4 host devices by pipeline::partition, on equal devices and on devices
@@ -240,7 +245,8 @@ double critical_actions(pp::Schedule const& schedule) {
 
 // A model of one layer per chunk run by `schedule` on host devices, and the batch it trains on.
 struct Run {
-  Run(nn::Sequential const& model, pp::Schedule const& schedule) : executor(model, group, layer_per_chunk(schedule), schedule, sgd) {
+  Run(nn::Sequential const& model, pp::Schedule const& schedule, pp::ExecutorOptions options = {})
+      : executor(model, group, layer_per_chunk(schedule), schedule, sgd, std::move(options)) {
     for (std::int64_t i = 0; i < rows * width; ++i) x.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(i % 7) * 0.1f;
     for (std::int64_t i = 0; i < rows; ++i) y.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(i % 10);
     int const last = schedule.device_of(schedule.chunks() - 1);
@@ -361,17 +367,27 @@ void BM_executor(benchmark::State& state, std::string const& name) {
   nn::Sequential model;
   for (int c = 0; c < schedule.chunks(); ++c) model.add(std::make_unique<Pass>());
   Run run(model, schedule);
+  // The same executor reporting each device's times to a metrics registry (events around every
+  // compute action and transfer group), its steps taken in turn with the plain one's.
+  Run timed(model, schedule, {.metrics = std::make_shared<mgpu::metrics::Registry>("bench_pipeline")});
   std::size_t compute = 0, transfers = 0;
   for (auto const& list : schedule.actions)
     for (pp::Action const& a : list) ++(pp::is_transfer(a.kind) ? transfers : compute);
-  for (int i = 0; i < 5; ++i) run.executor.compute_gradients(run.x, run.y);  // warm the allocators and caches
-  std::vector<double> seconds;
+  for (int i = 0; i < 5; ++i) {  // warm the allocators and caches
+    run.executor.compute_gradients(run.x, run.y);
+    timed.executor.compute_gradients(timed.x, timed.y);
+  }
+  std::vector<double> seconds, timed_seconds;
   for (auto _ : state) {
     run.executor.compute_gradients(run.x, run.y);
     seconds.push_back(run.executor.last_step_seconds());
     state.SetIterationTime(seconds.back());
+    timed.executor.compute_gradients(timed.x, timed.y);
+    timed_seconds.push_back(timed.executor.last_step_seconds());
   }
   double const step_us = median(seconds) * 1e6;
+  state.counters["step_us_metrics"] = median(timed_seconds) * 1e6;
+  state.counters["metrics_step_ratio"] = median(timed_seconds) / median(seconds);
   state.counters["step_us"] = step_us;
   state.counters["loss_op_us"] = run.loss_us;
   state.counters["us_per_compute_action"] = (step_us - micro_batches * run.loss_us) / static_cast<double>(compute);

@@ -9,6 +9,9 @@ set(MGPU_WITH_MPI AUTO CACHE STRING "Use MPI for the dist module's processes (AU
 set_property(CACHE MGPU_WITH_MPI PROPERTY STRINGS AUTO ON OFF)
 set(MGPU_WITH_METRICS_HTTP AUTO CACHE STRING "Serve metrics over HTTP with cpp-httplib (AUTO: when its pkg-config file is found)")
 set_property(CACHE MGPU_WITH_METRICS_HTTP PROPERTY STRINGS AUTO ON OFF)
+set(MGPU_WITH_NVML AUTO CACHE STRING "Export GPU utilisation from NVML, loaded at run time (AUTO: with CUDA, when nvml.h is found)")
+set_property(CACHE MGPU_WITH_NVML PROPERTY STRINGS AUTO ON OFF)
+set(MGPU_NVML_ROOT /opt/mgpu-nvml CACHE PATH "Where scripts/setup.sh installs NVML's header (PyPI's nvidia-nvml-dev-cu12) when the CUDA toolkit has none")
 set(MGPU_HOST_GEMM AUTO CACHE STRING "Host GEMM backend: onednn (oneDNN's matmul primitive), eigen, or AUTO (oneDNN when found)")
 set_property(CACHE MGPU_HOST_GEMM PROPERTY STRINGS AUTO onednn eigen)
 

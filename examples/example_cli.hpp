@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <exception>
 #include <filesystem>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -21,6 +22,7 @@
 #include <mgpu/data/dataset.hpp>
 #include <mgpu/dist/dist.hpp>
 #include <mgpu/metrics/exporter.hpp>
+#include <mgpu/metrics/nvml.hpp>
 #include <mgpu/metrics/registry.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
@@ -132,16 +134,25 @@ struct MetricsFlags {
 };
 
 /// A trainer's live metrics as MetricsFlags asks: the registry, its HTTP endpoint, its textfile.
-/// Does nothing when neither --metrics-port nor --metrics-file was given. Bad flags throw
-/// mgpu::Error (a port outside 0 to 65535, a port in use, a file not named .prom or not writable).
+/// The registry is there whatever the flags say: the executors report their devices' times to it
+/// (registry(), their options' `metrics`), and devices() reads them back. Exports nothing when
+/// neither --metrics-port nor --metrics-file was given. Bad flags throw mgpu::Error (a port outside
+/// 0 to 65535, a port in use, a file not named .prom or not writable).
 class JobMetrics {
  public:
   /// Prints where the metrics go on `log` (the endpoint on stderr when `log` is null).
-  JobMetrics(MetricsFlags const& flags, std::string const& job, mgpu::metrics::Layout layout, mgpu::dist::World const& world, std::FILE* log) {
+  JobMetrics(MetricsFlags const& flags, std::string const& job, mgpu::metrics::Layout layout, mgpu::dist::World const& world, std::FILE* log)
+      : registry_(std::make_shared<mgpu::metrics::Registry>(job, layout)) {
     if (!flags.port && flags.host != "127.0.0.1")
       throw mgpu::Error(mgpu::Errc::invalid_argument, "--metrics-host " + flags.host + " without --metrics-port (expected both)");
     if (!flags.port && flags.file.empty()) return;
-    registry_ = std::make_unique<mgpu::metrics::Registry>(job, layout);
+    exporting_ = true;
+    for (mgpu::dist::WorldDevice const& d : world.devices) {  // this process's GPUs: NVML's utilisation by PCI bus id
+      if (d.process != world.process || d.device.kind != mgpu::DeviceKind::cuda) continue;
+      if (!nvml_) nvml_ = std::make_unique<mgpu::metrics::Nvml>();
+      bus_ids_[d.device.index] = mgpu::metrics::cuda_pci_bus_id(d.device.index);
+    }
+    if (nvml_ && !nvml_->available()) std::fprintf(log != nullptr ? log : stderr, "metrics: %s\n", nvml_->reason().c_str());
     if (!flags.file.empty()) {
       file_ = flags.file;
       if (world.processes > 1) file_.replace_extension(".p" + std::to_string(world.process) + file_.extension().string());
@@ -156,15 +167,18 @@ class JobMetrics {
     }
   }
 
-  [[nodiscard]] explicit operator bool() const noexcept { return registry_ != nullptr; }
-  [[nodiscard]] mgpu::metrics::Registry* registry() const noexcept { return registry_.get(); }
+  /// Whether the metrics are exported (--metrics-port or --metrics-file).
+  [[nodiscard]] explicit operator bool() const noexcept { return exporting_; }
+  /// Where the executors report their devices' times.
+  [[nodiscard]] std::shared_ptr<mgpu::metrics::Registry> const& registry() const noexcept { return registry_; }
 
   /// Each of this process's first `allocators.size()` devices in the step just run: its memory,
-  /// and from `dp` (a data-parallel step) its rows, compute and wait times (measured on host
-  /// devices only), else `rows_each` rows; `tokens_per_row` tokens per row; `weights` per device.
-  static std::vector<mgpu::metrics::DeviceStep> devices(mgpu::dist::World const& world, std::vector<mgpu::Allocator*> const& allocators,
-                                                       mgpu::parallel::DataParallelResult const* dp, std::vector<double> const& weights,
-                                                       std::int64_t rows_each, std::int64_t tokens_per_row) {
+  /// the compute and wait times its executor reported to registry() this step (none: not
+  /// exported), its rows from `dp` (a data-parallel step), else `rows_each`; `tokens_per_row`
+  /// tokens per row; `weights` per device.
+  [[nodiscard]] std::vector<mgpu::metrics::DeviceStep> devices(mgpu::dist::World const& world, std::vector<mgpu::Allocator*> const& allocators,
+                                                               mgpu::parallel::DataParallelResult const* dp, std::vector<double> const& weights,
+                                                               std::int64_t rows_each, std::int64_t tokens_per_row) const {
     std::vector<mgpu::metrics::DeviceStep> out(allocators.size());
     for (std::size_t r = 0; r < allocators.size(); ++r) {
       mgpu::dist::WorldDevice const& d = world.devices[static_cast<std::size_t>(world.rank_of(static_cast<int>(r)))];
@@ -172,30 +186,33 @@ class JobMetrics {
       s.device = device_name(world, d);
       s.kind = d.device.kind == mgpu::DeviceKind::host ? "host" : "cuda";
       s.world_rank = d.rank;
-      s.rows = rows_each;
-      if (dp != nullptr && r < dp->rows.size()) {
-        s.rows = dp->rows[r];
-        if (d.device.kind == mgpu::DeviceKind::host) s.compute_seconds = dp->compute_ms[r] / 1e3;
-        s.wait_seconds = dp->wait_ms[r] / 1e3;
+      s.rows = dp != nullptr && r < dp->rows.size() ? dp->rows[r] : rows_each;
+      if (std::optional<mgpu::metrics::DeviceTimes> const times = registry_->reported_times(static_cast<int>(r))) {
+        s.compute_seconds = times->compute_seconds;
+        s.wait_seconds = times->wait_seconds;
       }
       s.tokens = s.rows * tokens_per_row;
       s.shard_weight = r < weights.size() ? weights[r] : 1.0;
       mgpu::metrics::read_memory(s, *allocators[r]);
+      if (auto const id = bus_ids_.find(d.device.index); d.device.kind == mgpu::DeviceKind::cuda && id != bus_ids_.end())
+        s.gpu_utilization = nvml_->busy_ratio(id->second);
     }
     return out;
   }
 
   /// Records a step, then replaces the textfile.
   void record(mgpu::metrics::JobStep const& job, std::vector<mgpu::metrics::DeviceStep> const& devices) {
-    if (!registry_) return;
-    registry_->record(job, devices);
+    registry_->record(job, devices);  // forgets the reported times: the next step's are its own
     if (!file_.empty()) mgpu::metrics::write_textfile(*registry_, file_);
   }
 
  private:
-  std::unique_ptr<mgpu::metrics::Registry> registry_;
+  std::shared_ptr<mgpu::metrics::Registry> registry_;
+  bool exporting_ = false;
   std::unique_ptr<mgpu::metrics::HttpExporter> exporter_;
   std::filesystem::path file_;
+  std::unique_ptr<mgpu::metrics::Nvml> nvml_;  // with GPUs
+  std::map<int, std::string> bus_ids_;         // PCI bus id by CUDA ordinal, this process's GPUs
 };
 
 /// A person's live view on a terminal (train_gpt --progress): a bar with the step, loss, tokens/s

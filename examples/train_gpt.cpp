@@ -532,13 +532,19 @@ int run(Options o) {
   mgpu::optim::AdamW optimizer(adamw);
   auto const timeline = o.trace.empty() ? nullptr : std::make_shared<mgpu::trace::Timeline>();
   if (timeline) timeline->enable(false);  // the last step only
+  // The live metrics, where the executors below report their devices' times.
+  bool const data_parallel = !pipelined && o.tp == 1 && world.size() > 1;
+  examples::JobMetrics metrics(o.metrics, "train_gpt",
+                               {.dp = data_parallel ? world.size() : o.dp, .tp = o.tp, .pp = pipelined ? o.stages : 1, .zero = data_parallel ? o.zero : 0},
+                               world, log);
   // Several devices: replicas of `model` (weights broadcast from it), trained data parallel.
   std::unique_ptr<mgpu::parallel::DataParallel> parallel;
   std::size_t bucket_cap = mgpu::parallel::DataParallelOptions{}.bucket_cap_bytes;  // for the memory model
   std::size_t first_bucket_cap = mgpu::parallel::DataParallelOptions{}.first_bucket_cap_bytes;
   bool const block_units = o.bucket_kb == 0;  // --zero 3's units: a transformer block each, or --bucket-kb's buckets
-  if (!pipelined && o.tp == 1 && world.size() > 1) {
+  if (data_parallel) {
     mgpu::parallel::DataParallelOptions options;
+    options.metrics = metrics.registry();
     if (across) options.make_communicator = mgpu::dist::communicator_factory(world);
     options.seed = o.seed;
     options.compute = examples::precision(o.precision);
@@ -581,6 +587,7 @@ int run(Options o) {
                                             .loss = std::make_shared<mgpu::nn::TokenCrossEntropy>(),
                                             .timeline = timeline};
     if (o.tp > 1) options.tensor_parallel = mgpu::pipeline::tensor_parallel_stages(config, o.tp, o.sequence_parallel);
+    if (metrics || terminal) options.metrics = metrics.registry();  // timing costs ~0.2 us an action: only when read
     if (o.precision == "fp16") options.loss_scaler.emplace();
     if (across) {
       options.make_communicator = mgpu::dist::communicator_factory(world);
@@ -616,7 +623,8 @@ int run(Options o) {
                                                      .clip_norm = o.clip,
                                                      .data_parallel = o.dp,
                                                      .sequence_parallel = o.sequence_parallel,
-                                                     .compute = examples::precision(o.precision)};
+                                                     .compute = examples::precision(o.precision),
+                                                     .metrics = metrics || terminal ? metrics.registry() : nullptr};
     if (o.precision == "fp16") tp_options.loss_scaler.emplace();
     tp_options.timeline = timeline;
     if (across) {  // the grid over the world's devices, each process passing the whole batch
@@ -700,8 +708,6 @@ int run(Options o) {
     local_allocators.push_back(several ? &group.allocator(r) : allocator.get());
   std::vector<std::size_t> step_peaks(local_allocators.size(), 0);
   int const replicas = parallel ? world.size() : o.dp;
-  examples::JobMetrics metrics(o.metrics, "train_gpt",
-                               {.dp = replicas, .tp = o.tp, .pp = pipeline ? o.stages : 1, .zero = parallel ? o.zero : 0}, world, log);
 
   double val_loss = NAN;
   float train_loss = NAN;
@@ -741,7 +747,7 @@ int run(Options o) {
       double const step_s = std::chrono::duration<double>(Clock::now() - start).count();
       train_seconds += step_s;
       std::vector<mgpu::metrics::DeviceStep> const devices =
-          metrics || terminal ? examples::JobMetrics::devices(world, local_allocators, parallel ? &trainer.last_dp : nullptr,
+          metrics || terminal ? metrics.devices(world, local_allocators, parallel ? &trainer.last_dp : nullptr,
                                                               parallel ? parallel->weights() : std::vector<double>{},
                                                               o.batch_size / replicas, o.block_size)
                               : std::vector<mgpu::metrics::DeviceStep>{};

@@ -110,6 +110,9 @@ int train(Options const& o) {
   auto const timeline = o.trace.empty() ? nullptr : std::make_shared<mgpu::trace::Timeline>();
   dp_options.timeline = timeline;
   if (across) dp_options.make_communicator = mgpu::dist::communicator_factory(world);
+  // The live metrics; the executor reports its devices' times there (and rebalances from them).
+  examples::JobMetrics metrics(o.metrics, "train_mlp", {.dp = world.size(), .zero = dp_options.zero_stage}, world, log);
+  dp_options.metrics = metrics.registry();
   mgpu::parallel::DataParallel dp(mgpu::nn::Sequential::mlp(examples::parse_widths(o.common.layers, all.features(), all.classes(), {128, 128}), o.common.activation), group,
                                   [&] { return make_optimizer(o); }, dp_options);
   mgpu::DeviceGroup& used = dp.group();
@@ -170,7 +173,6 @@ int train(Options const& o) {
   double accuracy = NAN;
   std::int64_t traced = 0;
   if (timeline) timeline->enable();
-  examples::JobMetrics metrics(o.metrics, "train_mlp", {.dp = world.size(), .zero = dp_options.zero_stage}, world, log);
   std::vector<mgpu::Allocator*> allocators;
   for (int r = 0; r < used.size(); ++r) allocators.push_back(&used.allocator(r));
   float const base_lr = o.lr > 0 ? o.lr : o.optimizer == "adamw" ? 1e-3f : 0.05f;
@@ -192,7 +194,7 @@ int train(Options const& o) {
         metrics.record({.step = state.step + 1, .loss = result.loss, .seconds = std::chrono::duration<double>(Clock::now() - step_start).count(),
                         .samples = batch->x.dim(0), .learning_rate = base_lr * lr_scale,
                         .loss_scale = scaler ? std::optional<double>(scaler->scale()) : std::nullopt, .skipped = !result.applied},
-                       examples::JobMetrics::devices(world, allocators, &result, dp.weights(), 0, 0));
+                       metrics.devices(world, allocators, &result, dp.weights(), 0, 0));
       }
       if (timeline && ++traced == o.trace_steps) timeline->enable(false);
       loss_sum += result.loss;

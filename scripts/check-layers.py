@@ -41,8 +41,8 @@ LAYERS = {
     "data": {"config", "core", "io", "nn", "ops"},
     "sched": {"config", "core"},
     "cluster": {"config", "core", "sched"},
-    "parallel": {"config", "core", "comm", "ops", "optim", "nn", "io", "trace", "sched"},
-    "pipeline": {"config", "core", "comm", "ops", "optim", "nn", "io", "trace", "sched", "parallel"},
+    "parallel": {"config", "core", "comm", "ops", "optim", "nn", "io", "trace", "sched", "metrics"},
+    "pipeline": {"config", "core", "comm", "ops", "optim", "nn", "io", "trace", "sched", "parallel", "metrics"},
     "dist": {"config", "core", "comm"},
     "plan": {"config", "core", "comm", "ops", "optim", "nn", "sched", "parallel", "pipeline"},
     "metrics": {"config", "core"},  # a job's live metrics and their exporters; the trainers feed it

@@ -43,10 +43,25 @@ missing_optional=()
 for p in "${optional[@]}"; do
   installed "$p" || missing_optional+=("$p")
 done
-[ ${#missing[@]} -eq 0 ] && [ ${#missing_optional[@]} -eq 0 ] && exit 0
-
+# NVML's header for the CUDA build's GPU utilisation (cmake/mgpuNvml.cmake): the CUDA toolkit's
+# where it ships one, else PyPI's nvidia-nvml-dev-cu12 wheel (Debian main packages none) under
+# MGPU_NVML_ROOT through a throwaway venv's pip. The build compiles without it (MGPU_WITH_NVML=AUTO
+# leaves the metric out), so a failure only says so.
 as_root=()
 [ "$(id -u)" -eq 0 ] || as_root=(sudo)
+nvml_root=${MGPU_NVML_ROOT:-/opt/mgpu-nvml}
+cuda_include=${CUDA_HOME:-/usr/local/cuda}/include
+if [ -d "$cuda_include" ] && [ ! -f "$cuda_include/nvml.h" ] && [ ! -f "$nvml_root/nvidia/nvml_dev/include/nvml.h" ]; then
+  echo "mgpu setup: installing NVML's header (nvidia-nvml-dev-cu12) under $nvml_root" >&2
+  venv=$(mktemp -d)
+  if ! { python3 -m venv "$venv/venv" && "$venv/venv/bin/pip" install -q --target "$venv/nvml" nvidia-nvml-dev-cu12==12.9.79 &&
+    "${as_root[@]}" mkdir -p "$nvml_root" && "${as_root[@]}" cp -r "$venv/nvml/nvidia" "$nvml_root/"; }; then
+    echo "mgpu setup: could not install NVML's header: the CUDA build exports no GPU utilisation" >&2
+  fi
+  rm -rf "$venv"
+fi
+[ ${#missing[@]} -eq 0 ] && [ ${#missing_optional[@]} -eq 0 ] && exit 0
+
 export DEBIAN_FRONTEND=noninteractive
 install=("${as_root[@]}" apt-get -o DPkg::Lock::Timeout=900 install -y -qq --no-install-recommends)
 if [ ${#missing[@]} -gt 0 ]; then

@@ -48,4 +48,5 @@
 #include <mgpu/sched/types.hpp>
 #include <mgpu/trace/timeline.hpp>
 #include <mgpu/metrics/exporter.hpp>
+#include <mgpu/metrics/nvml.hpp>
 #include <mgpu/metrics/registry.hpp>

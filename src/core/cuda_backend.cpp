@@ -49,6 +49,12 @@ DeviceProperties properties(int ordinal) {
   return out;
 }
 
+std::string pci_bus_id(int ordinal) {
+  char id[32] = {};
+  MGPU_CUDA_CHECK(cudaDeviceGetPCIBusId(id, static_cast<int>(sizeof id), ordinal));
+  return id;
+}
+
 bool can_access_peer(int ordinal, int peer) {
   int can = 0;
   MGPU_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, ordinal, peer));

@@ -15,6 +15,7 @@ namespace mgpu::detail::cuda {
 
 int device_count() noexcept;
 DeviceProperties properties(int ordinal);
+std::string pci_bus_id(int ordinal);  // "0000:3b:00.0" (cudaDeviceGetPCIBusId), for NVML's metrics
 bool can_access_peer(int ordinal, int peer);
 void set_device(int ordinal);
 

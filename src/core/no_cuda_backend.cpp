@@ -16,6 +16,7 @@ namespace mgpu::detail::cuda {
 
 int device_count() noexcept { return 0; }
 DeviceProperties properties(int) { unavailable("read GPU properties"); }
+std::string pci_bus_id(int) { unavailable("read a GPU's PCI bus id"); }
 bool can_access_peer(int, int) { unavailable("query peer access"); }
 void set_device(int) { unavailable("select a GPU"); }
 void* stream_create(int) { unavailable("create a CUDA stream"); }

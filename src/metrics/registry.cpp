@@ -25,6 +25,7 @@ struct Registry::State {
   std::int64_t steps = 0;
   double samples_total = 0, tokens_total = 0, skipped_total = 0;
   std::vector<Device> devices;
+  std::vector<std::optional<DeviceTimes>> reported;  // by rank, since the last record()
 };
 
 void read_memory(DeviceStep& d, Allocator const& allocator) {
@@ -58,6 +59,7 @@ void Registry::record(JobStep const& job, std::span<DeviceStep const> devices) {
   }
   s.last = job;
   s.steps += 1;
+  for (auto& t : s.reported) t.reset();  // the next step's executor reports anew
   s.samples_total += static_cast<double>(job.samples);
   s.tokens_total += static_cast<double>(job.tokens);
   if (job.skipped) s.skipped_total += 1;
@@ -78,7 +80,8 @@ void Registry::record(JobStep const& job, std::span<DeviceStep const> devices) {
     d.last.memory_in_use = step.memory_in_use;
     d.last.memory_peak = step.memory_peak;
     d.last.memory_capacity = step.memory_capacity;
-    d.wait_total += step.wait_seconds;
+    d.last.gpu_utilization = step.gpu_utilization;
+    if (step.wait_seconds) d.wait_total += *step.wait_seconds;
     d.rows_total += step.rows;
     d.tokens_total += step.tokens;
     if (!step.compute_seconds) {
@@ -96,6 +99,31 @@ void Registry::record(JobStep const& job, std::span<DeviceStep const> devices) {
     for (std::size_t k = 0; k < s.ring_filled; ++k) compute_sum += d.window_compute[k], wall_sum += d.window_wall[k];
     d.busy_window = wall_sum > 0 ? std::min(1.0, compute_sum / wall_sum) : NAN;
   }
+}
+
+void Registry::report_times(std::span<DeviceTimes const> times) {
+  for (DeviceTimes const& t : times) {
+    if (t.rank < 0 || !(t.compute_seconds >= 0) || (t.wait_seconds && !(*t.wait_seconds >= 0)))
+      throw Error(Errc::invalid_argument,
+                  "metrics::Registry::report_times: rank " + std::to_string(t.rank) + ", compute " +
+                      std::to_string(t.compute_seconds) + " s, wait " +
+                      (t.wait_seconds ? std::to_string(*t.wait_seconds) + " s" : std::string("none")) +
+                      " (expected a rank >= 0 and times >= 0)");
+  }
+  std::lock_guard const lock(mutex_);
+  auto& reported = state_->reported;
+  for (DeviceTimes const& t : times) {
+    auto const r = static_cast<std::size_t>(t.rank);
+    if (r >= reported.size()) reported.resize(r + 1);
+    reported[r] = t;
+  }
+}
+
+std::optional<DeviceTimes> Registry::reported_times(int rank) const {
+  std::lock_guard const lock(mutex_);
+  auto const& reported = state_->reported;
+  if (rank < 0 || static_cast<std::size_t>(rank) >= reported.size()) return std::nullopt;
+  return reported[static_cast<std::size_t>(rank)];
 }
 
 std::int64_t Registry::steps_recorded() const {
@@ -209,10 +237,21 @@ std::string Registry::exposition() const {
     for (std::size_t i = 0; i < s.devices.size(); ++i)
       if (s.devices[i].last.compute_seconds)
         sample("mgpu_device_compute_seconds_total", device_labels[i], s.devices[i].compute_total);
-    family(out, "mgpu_device_collective_wait_seconds_total", "counter", "Seconds spent waiting on collectives.");
+    auto const waits = [](State::Device const& d) { return d.last.compute_seconds && d.last.wait_seconds; };
+    if (std::any_of(s.devices.begin(), s.devices.end(), waits)) {
+      family(out, "mgpu_device_collective_wait_seconds_total", "counter", "Seconds spent waiting on collectives.");
+      for (std::size_t i = 0; i < s.devices.size(); ++i)
+        if (waits(s.devices[i]))
+          sample("mgpu_device_collective_wait_seconds_total", device_labels[i], s.devices[i].wait_total);
+    }
+  }
+  if (std::any_of(s.devices.begin(), s.devices.end(),
+                  [](State::Device const& d) { return d.last.gpu_utilization.has_value(); })) {
+    family(out, "mgpu_device_gpu_utilization_ratio", "gauge",
+           "NVML's share of its last sample period in which a kernel ran on the GPU.");
     for (std::size_t i = 0; i < s.devices.size(); ++i)
-      if (s.devices[i].last.compute_seconds)
-        sample("mgpu_device_collective_wait_seconds_total", device_labels[i], s.devices[i].wait_total);
+      if (s.devices[i].last.gpu_utilization)
+        sample("mgpu_device_gpu_utilization_ratio", device_labels[i], *s.devices[i].last.gpu_utilization);
   }
   family(out, "mgpu_device_memory_bytes", "gauge",
          "Device memory: held by live buffers (in_use), their peak (peak), the allocator limit (capacity).");

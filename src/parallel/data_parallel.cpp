@@ -115,6 +115,7 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
   std::vector<Bucket> buckets = detail::plan_buckets(model, options);
   im.options = std::move(options);
   if (!im.options.loss) im.options.loss = nn::default_loss();
+  if (!im.options.metrics) im.options.metrics = std::make_shared<metrics::Registry>("data_parallel");
   im.sync = std::make_unique<detail::GradientSync>(*im.group, std::move(buckets), im.options, im.ranks);
 
   // Replicas: the same architecture on every rank; rank 0's weights (the given model's when it is
@@ -301,11 +302,13 @@ std::vector<float> DataParallel::Impl::loss_shares(std::vector<nn::StepResult> c
   return shares;
 }
 
-std::vector<double> DataParallel::Impl::ms_per_row(ShardPlan const& plan, std::vector<double> const& compute_ms) const {
+std::vector<double> DataParallel::Impl::ms_per_row(ShardPlan const& plan) const {
   std::vector<double> out;
   for (std::size_t i = 0; i < state.size(); ++i) {
     std::int64_t const rows = plan.rows[i];
-    double const ms = options.rebalance_time ? options.rebalance_time(static_cast<int>(i), rows, compute_ms[i]) : compute_ms[i];
+    std::optional<metrics::DeviceTimes> const times = options.metrics->reported_times(ranks[i]);
+    double const measured_ms = times ? times->compute_seconds * 1e3 : 0.0;
+    double const ms = options.rebalance_time ? options.rebalance_time(static_cast<int>(i), rows, measured_ms) : measured_ms;
     out.push_back(rows == 0 || !(ms > 0) ? 0.0 : ms / static_cast<double>(rows));
   }
   return out;
@@ -426,14 +429,20 @@ DataParallelResult DataParallel::step(Tensor const& x, Tensor const& labels, flo
     if (across) refused_by = im.share_counts(plan, units, refused != nullptr);
     if (refused_by >= 0) throw Refused{};
     results = im.run_ranks(plan, xs, ys, lr_scale, accumulate_only);
+    std::vector<metrics::DeviceTimes> times;
     for (int r = 0; r < n; ++r) {
       auto const i = static_cast<std::size_t>(r);
       detail::RankSync const& rank_sync = im.sync->rank(r);
       result.compute_ms.push_back(Event::elapsed_ms(im.state[i]->start, synced ? rank_sync.backward_end() : im.state[i]->stop));
-      bool const waited = synced && im.group->device(r).kind == DeviceKind::host;
-      result.wait_ms.push_back(waited ? rank_sync.wait_ms() : 0.0);
+      bool const host = im.group->device(r).kind == DeviceKind::host;
+      result.wait_ms.push_back(synced && host ? rank_sync.wait_ms() : 0.0);
+      times.push_back({.rank = im.ranks[i],
+                       .device = im.group->device(r),
+                       .compute_seconds = std::max(0.0, result.compute_ms.back()) / 1e3,
+                       .wait_seconds = host ? std::optional<double>(result.wait_ms.back() / 1e3) : std::nullopt});
     }
-    if (im.options.rebalance) step_ms_per_row = im.ms_per_row(plan, result.compute_ms);
+    im.options.metrics->report_times(times);
+    if (im.options.rebalance) step_ms_per_row = im.ms_per_row(plan);
     shares = im.loss_shares(results, step_ms_per_row);
   } catch (Refused const&) {  // nothing ran: every process refuses the step, changing nothing
     if (refused) std::rethrow_exception(refused);

@@ -80,7 +80,7 @@ struct DataParallel::Impl {
                                         bool accumulate_only);
   // Each rank's milliseconds per row in this step (its compute time, or rebalance_time's, over its
   // rows), 0 for a rank without rows.
-  [[nodiscard]] std::vector<double> ms_per_row(ShardPlan const& plan, std::vector<double> const& compute_ms) const;
+  [[nodiscard]] std::vector<double> ms_per_row(ShardPlan const& plan) const;
   // Each rank's share of the step's loss: every rank of the world's, in rank order. Across
   // processes with rebalancing, every rank's `step_ms_per_row` goes with it into world_ms_per_row.
   std::vector<float> loss_shares(std::vector<nn::StepResult> const& results, std::vector<double> const& step_ms_per_row);

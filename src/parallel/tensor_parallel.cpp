@@ -266,6 +266,19 @@ int TensorParallel::tensor_parallel() const noexcept { return impl_->ranks; }
 
 nn::Sequential& TensorParallel::shard(int rank) { return impl_->shards.at(static_cast<std::size_t>(rank)); }
 
+void TensorParallel::Impl::report_times() {
+  std::vector<metrics::DeviceTimes> times;
+  for (int rank = 0; rank < group->size(); ++rank) {
+    auto const r = static_cast<std::size_t>(rank);
+    double wait = 0;
+    for (comm::detail::Renewable const* comm : renewable) wait += comm->seconds(group->stream(rank));
+    double const total = std::max(0.0, Event::elapsed_ms(step_start[r], step_end[r]) / 1e3);
+    wait = std::min(wait, total);  // both from the same stream's events; rounding aside
+    times.push_back({.rank = rank, .device = group->device(rank), .compute_seconds = total - wait, .wait_seconds = wait});
+  }
+  options.metrics->report_times(times);
+}
+
 TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const& targets, float lr_scale) {
   Impl& im = *impl_;
   if (!im.broken.empty()) throw Error(Errc::invalid_argument, "TensorParallel::step: " + im.broken);
@@ -290,8 +303,14 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
     before.scalers.push_back(im.scalers[r] ? std::optional(im.scalers[r]->state()) : std::nullopt);
     im.syncs[r]->start_step();
   }
+  bool const timed = im.options.metrics != nullptr;
+  if (timed) {
+    for (comm::detail::Renewable* comm : im.renewable) comm->set_timed(true);  // forgets the last step's marks
+    im.step_start.resize(im.shards.size()), im.step_end.resize(im.shards.size());
+  }
   try {
     im.group->run([&](int rank, Device device, Stream& stream) {
+      if (timed) im.step_start[static_cast<std::size_t>(rank)].record(stream);
       Allocator& allocator = im.group->allocator(rank);
       int const g = im.first + rank;
       auto const a = static_cast<std::size_t>(im.mesh.coordinate(g, "dp"));
@@ -324,10 +343,12 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
         shares[static_cast<std::size_t>(g)] = ops::item(step.loss, stream);
       }
       if (rank == 0) result.applied = step.applied;  // the same on every rank
+      if (timed) im.step_end[static_cast<std::size_t>(rank)].record(stream);
     });
   } catch (...) {
     im.recover(std::current_exception(), before);
   }
+  if (timed) im.report_times();
   for (int a = 0; a < im.replicas; ++a) result.loss += shares[static_cast<std::size_t>(im.mesh.at("tp", a, 0))];
   return result;
 }

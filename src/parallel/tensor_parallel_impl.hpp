@@ -50,6 +50,9 @@ struct TensorParallel::Impl {
   std::vector<comm::detail::Renewable*> renewable;
   // Why the executor cannot be used (empty: it can).
   std::string broken;
+  // With options.metrics: each local rank's step, between events at its start and end.
+  std::vector<Event> step_start, step_end;
+  void report_times();
   // After a step failed inside: waits for every stream; when no rank had passed the step's commit
   // point (TensorParallelSync::finish), makes the communicators anew (across processes with the
   // other processes) and puts back `before`; otherwise the executor cannot be used. Rethrows `failure`.

@@ -147,6 +147,10 @@ struct Executor::Impl {
   // Across processes or into a folder: every process writes its shard of `folder` (see save()).
   void save_shards(std::filesystem::path const& folder, io::TrainingState const& training);
 
+  // What a timed region of a device's step did (see DeviceState): compute actions; transfers and
+  // sums over other communicators; sums over a chunk's tensor-parallel ranks (also timed there).
+  enum class Region : char { compute, wait, tensor_parallel_sum };
+
   // One replica's batch for a step.
   struct Step {
     Tensor const* x;
@@ -164,9 +168,36 @@ struct Executor::Impl {
     std::vector<std::vector<std::uint64_t>> rng_start, rng_after;  // per chunk
     std::vector<bool> ran_forward;                                 // per chunk, this step
     Event compute_done;  // recorded after a compute action that a forward follows
+    // With options.metrics: an event before and after each of the step's timed regions (reused
+    // across steps), what each region did, and how many ran.
+    std::vector<Event> marks;
+    std::vector<Region> kinds;
+    std::size_t regions = 0;
   };
   std::vector<DeviceState> devices;  // per rank
   void run_device(int rank, Stream& stream, Step& step);
+  // Enqueues `work` on `stream` between two of `st`'s marks when options.metrics is set.
+  template <class Work>
+  void timed(DeviceState& st, Stream& stream, Region kind, Work&& work) {
+    if (!options.metrics) {
+      std::forward<Work>(work)();
+      return;
+    }
+    std::size_t const first = 2 * st.regions;
+    if (st.marks.size() < first + 2) st.marks.resize(first + 2), st.kinds.resize(st.regions + 1);
+    st.marks[first].record(stream);
+    std::forward<Work>(work)();
+    st.marks[first + 1].record(stream);
+    st.kinds[st.regions++] = kind;
+  }
+  // With options.metrics and tensor-parallel stages: times the chunks' tensor-parallel
+  // communicators' calls (the layers' sums inside compute actions, and the partial sums) from here
+  // to the end of the step.
+  void time_tensor_parallel();
+  // After a step's streams finished: reports each local device's times to options.metrics (when
+  // set): its regions' sums, the tensor-parallel calls inside compute actions moved from compute
+  // to wait.
+  void report_times();
   // Chunk c of the replica that `rank` belongs to.
   nn::Sequential& chunk_of(int rank, int c) {
     return chunks[static_cast<std::size_t>(pipeline_of(rank))][static_cast<std::size_t>(c)];

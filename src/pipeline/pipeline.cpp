@@ -346,6 +346,7 @@ void Executor::Impl::recover(std::exception_ptr failure, bool updated) {
       DeviceState& st = devices[static_cast<std::size_t>(rank)];
       for (auto* slots : {&st.act_in, &st.act_out, &st.grad_in, &st.grad_out}) std::fill(slots->begin(), slots->end(), Tensor{});
       st.compute_done = Event{};  // it may mark failed work, which the next step would wait on
+      st.marks.clear(), st.kinds.clear();  // so may they
       for (int c = device_in_pipeline(rank); c < schedule.chunks(); c += schedule.devices)
         if (!st.rng_start[static_cast<std::size_t>(c)].empty()) chunk_of(rank, c).set_rng_state(st.rng_start[static_cast<std::size_t>(c)]);
     }
@@ -407,6 +408,7 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
   // its slots (zeros on other stages), so every process adds them up as one process would.
   std::vector<Tensor> gathered(m.across ? static_cast<std::size_t>(m.group->size()) : 0);
   int const last_device = m.schedule.device_of(m.schedule.chunks() - 1);
+  m.time_tensor_parallel();
   auto const start = std::chrono::steady_clock::now();
   try {
     m.group->run([&](int local, Device, Stream& stream) {
@@ -431,6 +433,7 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
     m.recover(std::current_exception(), false);
   }
   m.last_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  m.report_times();  // the streams are done: group->run() synchronized them
   double loss = 0;
   for (int r = 0; r < replicas; ++r) {  // the replica's first pipeline's last stage
     int const last_rank = m.mesh.rank(std::vector<int>{r, 0, last_device});

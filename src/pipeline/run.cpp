@@ -47,6 +47,7 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
     st.rng_start[static_cast<std::size_t>(c)] = chunk_of(rank, c).rng_state();
   }
   std::fill(st.ran_forward.begin(), st.ran_forward.end(), false);
+  st.regions = 0;
   trace::Timeline* const timeline = options.timeline.get();
   auto const& list = s.actions[static_cast<std::size_t>(device)];
   std::size_t current = 0;  // the action running, for the error message
@@ -89,13 +90,15 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
           }
           comm->group_end(rank);
         };
-        if (tracing) {
-          std::string names;
-          for (std::size_t k = i; k < end; ++k) names += (names.empty() ? "" : ", ") + to_string(list[k]);
-          timeline->stream_span(stream, std::move(names), "pipeline", rank, trace::communication, transfers);
-        } else {
-          transfers();
-        }
+        timed(st, stream, Region::wait, [&] {
+          if (tracing) {
+            std::string names;
+            for (std::size_t k = i; k < end; ++k) names += (names.empty() ? "" : ", ") + to_string(list[k]);
+            timeline->stream_span(stream, std::move(names), "pipeline", rank, trace::communication, transfers);
+          } else {
+            transfers();
+          }
+        });
         i = end;
         continue;
       }
@@ -166,11 +169,13 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
           default: chunk.backward_weight(ctx);
         }
       };
-      if (tracing) {
-        timeline->stream_span(stream, to_string(a), "pipeline", rank, trace::compute, compute);
-      } else {
-        compute();
-      }
+      timed(st, stream, Region::compute, [&] {
+        if (tracing) {
+          timeline->stream_span(stream, to_string(a), "pipeline", rank, trace::compute, compute);
+        } else {
+          compute();
+        }
+      });
       ++i;
       std::size_t next = i;
       while (next < list.size() && is_transfer(list[next].kind)) ++next;
@@ -186,10 +191,12 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
     for (int c = device; c < s.chunks(); c += s.devices) {
       auto const index = static_cast<std::size_t>(pipeline * s.chunks() + c);
       Tensor const& grads = chunk_of(rank, c).gradients();
-      for (nn::ParameterRange const& range : partials[index]) {
-        Tensor const part = grads.slice(range.begin, range.end);
-        tp_comm(pipeline, c).all_reduce(tp_index(pipeline), part, part, comm::ReduceOp::sum, stream);
-      }
+      timed(st, stream, Region::tensor_parallel_sum, [&] {
+        for (nn::ParameterRange const& range : partials[index]) {
+          Tensor const part = grads.slice(range.begin, range.end);
+          tp_comm(pipeline, c).all_reduce(tp_index(pipeline), part, part, comm::ReduceOp::sum, stream);
+        }
+      });
     }
   }
   if (replicas > tp) {  // the same chunk across replicas: sum of their batch-mean shares
@@ -204,14 +211,46 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
         }
         sum_over(rank, mesh.group(rank, "dp"), grads, stream);  // the replicas' pipelines of this tensor-parallel rank
       };
-      if (timeline != nullptr && timeline->enabled()) {
-        timeline->stream_span(stream, "all_reduce(chunk " + std::to_string(c) + ")", "pipeline", rank, trace::communication, reduce);
-      } else {
-        reduce();
-      }
+      timed(st, stream, Region::wait, [&] {
+        if (timeline != nullptr && timeline->enabled()) {
+          timeline->stream_span(stream, "all_reduce(chunk " + std::to_string(c) + ")", "pipeline", rank, trace::communication, reduce);
+        } else {
+          reduce();
+        }
+      });
     }
   }
-  sum_tied(rank, stream, false);
+  timed(st, stream, Region::wait, [&] { sum_tied(rank, stream, false); });
+}
+
+void Executor::Impl::time_tensor_parallel() {
+  if (!options.metrics) return;
+  for (auto const& c : tp_comms)  // another process's chunks' stand-ins are not renewable: never called
+    if (auto* const timed = dynamic_cast<comm::detail::Renewable*>(c.get())) timed->set_timed(true);
+}
+
+void Executor::Impl::report_times() {
+  if (!options.metrics) return;
+  std::vector<metrics::DeviceTimes> times;
+  for (int local = 0; local < group->size(); ++local) {
+    DeviceState const& st = devices[static_cast<std::size_t>(first + local)];
+    double compute_ms = 0, wait_ms = 0, partial_ms = 0;
+    for (std::size_t k = 0; k < st.regions; ++k) {
+      double const ms = std::max(0.0, Event::elapsed_ms(st.marks[2 * k], st.marks[2 * k + 1]));
+      (st.kinds[k] == Region::compute ? compute_ms : st.kinds[k] == Region::wait ? wait_ms : partial_ms) += ms;
+    }
+    // Every tensor-parallel call of the device, inside compute actions or the partial sums.
+    double tensor_parallel_ms = 0;
+    for (auto const& c : tp_comms)
+      if (auto const* const timed = dynamic_cast<comm::detail::Renewable const*>(c.get()))
+        tensor_parallel_ms += timed->seconds(group->stream(local)) * 1e3;
+    double const inside_compute = std::clamp(tensor_parallel_ms - partial_ms, 0.0, compute_ms);
+    times.push_back({.rank = local,
+                     .device = group->device(local),
+                     .compute_seconds = (compute_ms - inside_compute) / 1e3,
+                     .wait_seconds = (wait_ms + partial_ms + inside_compute) / 1e3});
+  }
+  options.metrics->report_times(times);
 }
 
 void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {

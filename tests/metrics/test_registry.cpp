@@ -130,7 +130,8 @@ TEST_CASE("metrics: the exposition names every series with its type, labels and 
 }
 
 TEST_CASE(
-    "metrics: devices without a compute time have no busy ratio nor wait time, and a new device list starts again",
+    "metrics: devices without a compute time have no busy ratio nor wait time, those without a wait no wait time, "
+    "and a new device list starts again",
     "[metrics]") {
   Registry registry("j");
   std::vector<DeviceStep> d = two_devices(0, 0);
@@ -141,9 +142,16 @@ TEST_CASE(
   CHECK(registry.exposition().find("mgpu_device_collective_wait_seconds_total") == std::string::npos);
   CHECK(value_of(registry.exposition(),
                  "mgpu_device_rows_total{job=\"j\",rank=\"0\",device=\"host:0\",kind=\"host\"}") == 3);
+  // A compute time without a wait (data parallelism on a GPU): a busy ratio, no wait.
+  d[1].compute_seconds = 0.005;
+  d[1].wait_seconds.reset();
+  registry.record({.step = 2, .seconds = 0.01, .loss_scale = std::nullopt, .skipped = false}, d);
+  CHECK(value_of(registry.exposition(),
+                 "mgpu_device_busy_ratio{job=\"j\",rank=\"1\",device=\"host:1\",kind=\"host\"}") == Approx(0.5));
+  CHECK(registry.exposition().find("mgpu_device_collective_wait_seconds_total") == std::string::npos);
   d.resize(1);
   d[0].device = "cuda:0";
-  registry.record({.step = 2, .seconds = 0.01, .loss_scale = std::nullopt, .skipped = false}, d);
+  registry.record({.step = 3, .seconds = 0.01, .loss_scale = std::nullopt, .skipped = false}, d);
   CHECK(value_of(registry.exposition(),
                  "mgpu_device_rows_total{job=\"j\",rank=\"0\",device=\"cuda:0\",kind=\"host\"}") == 3);
   CHECK(registry.exposition().find("device=\"host:1\"") == std::string::npos);

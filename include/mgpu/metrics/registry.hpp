@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include <mgpu/core/device.hpp>
 #include <mgpu/core/memory.hpp>
 
 namespace mgpu::metrics {
@@ -33,18 +34,33 @@ struct DeviceStep {
   int world_rank = 0;
   /// Seconds of forward and backward on the device, when the executor measures them (empty: its
   /// busy ratios, compute and wait seconds are not exported).
-  std::optional<double> compute_seconds;
-  double wait_seconds = 0;  ///< seconds waiting on collectives (read with compute_seconds)
+  std::optional<double> compute_seconds{};
+  /// Seconds in collectives or transfers, when the executor measures them (read with
+  /// compute_seconds; empty: the wait is not exported, as data parallelism's on a GPU).
+  std::optional<double> wait_seconds{};
   std::int64_t rows = 0;    ///< rows (samples or sequences) it processed
   std::int64_t tokens = 0;  ///< tokens it processed (0 for a classifier)
   double shard_weight = 1;  ///< its share weight of the batch's rows
   std::size_t memory_in_use = 0;
   std::size_t memory_peak = 0;
-  std::optional<std::size_t> memory_capacity;  ///< the allocator's limit, when it has one
+  std::optional<std::size_t> memory_capacity{};  ///< the allocator's limit, when it has one
+  /// A GPU's utilisation as NVML samples it (metrics::Nvml::busy_ratio), where it was read.
+  std::optional<double> gpu_utilization{};
 };
 
 /// Fills `d`'s memory fields from an allocator: bytes held by live buffers, their peak, its limit.
 void read_memory(DeviceStep& d, Allocator const& allocator);
+
+/// One device's times in the step just run, as the executor that ran it measured them (host
+/// devices: the clock on the device's stream; CUDA: events on it). Executors report these to
+/// their registry at the end of each step, and a trainer's DeviceStep reads them from there
+/// (Registry::reported_times), as data parallelism's rebalancing does: one measurement for both.
+struct DeviceTimes {
+  int rank = 0;  ///< the device's rank in the executor's caller's DeviceGroup (this process)
+  Device device{};
+  double compute_seconds = 0;            ///< computing (each executor's options say what it counts)
+  std::optional<double> wait_seconds{};  ///< in collectives or transfers, where measured
+};
 
 /// The job's part of the step just run.
 struct JobStep {
@@ -78,6 +94,14 @@ class Registry {
   /// lines, names with the mgpu_ prefix and base units, counters ending in _total. Empty of
   /// samples before the first record() but for the layout.
   [[nodiscard]] std::string exposition() const;
+
+  /// An executor's report at the end of a step: each of its devices' times (a rank reported
+  /// again replaces its times). Thread-safe. Throws Error(invalid_argument) for a negative rank or
+  /// time.
+  void report_times(std::span<DeviceTimes const> times);
+  /// The times last reported for `rank` since the last record() (which forgets them, so a step
+  /// whose executor reported nothing exports no times), or empty.
+  [[nodiscard]] std::optional<DeviceTimes> reported_times(int rank) const;
 
   /// Steps recorded so far.
   [[nodiscard]] std::int64_t steps_recorded() const;

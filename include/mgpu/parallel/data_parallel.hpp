@@ -18,6 +18,7 @@
 #include <mgpu/core/dtype.hpp>
 #include <mgpu/core/tensor.hpp>
 #include <mgpu/io/checkpoint.hpp>
+#include <mgpu/metrics/registry.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
 #include <mgpu/optim/optim.hpp>
@@ -158,6 +159,7 @@ struct DataParallelOptions {
   std::vector<double> weights{};
   /// Re-weight shards online from each rank's measured compute time per row (an exponentially
   /// weighted mean with weight `rebalance_ewma`), so a slower device stops holding the others back.
+  /// The times are those the step reports to `metrics`, read back from it.
   bool rebalance = false;
   double rebalance_ewma = 0.5;
   /// The compute time (milliseconds) rebalancing counts for a rank's step, given the rank, its rows
@@ -189,6 +191,10 @@ struct DataParallelOptions {
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> make_communicator{};
   /// Where every rank's actions are recorded when enabled (nullptr: no timeline).
   std::shared_ptr<trace::Timeline> timeline{};
+  /// Where each used rank's compute and wait times are reported at the end of every step
+  /// (metrics::DeviceTimes, rank: its rank in the given group), for a trainer's metrics and for
+  /// `rebalance`, which reads them from here (nullptr: a registry of the executor's own).
+  std::shared_ptr<metrics::Registry> metrics{};
 };
 
 /// What one step did (across processes: `loss` is the world's, the per-rank lists this process's).

@@ -38,6 +38,7 @@
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/core/tensor.hpp>
 #include <mgpu/io/checkpoint.hpp>
+#include <mgpu/metrics/registry.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
@@ -364,6 +365,11 @@ struct TensorParallelOptions {
   /// Where every rank's forward, backward per layer, collectives and update are recorded while it
   /// is enabled (nullptr: no timeline); rank = the grid's (world) rank.
   std::shared_ptr<trace::Timeline> timeline{};
+  /// Where each of this process's ranks' times are reported at the end of every step
+  /// (metrics::DeviceTimes, rank: its rank in the group), measured by events on its stream: wait,
+  /// the time in the executor's collectives (the layers' and the gradients' sums); compute, the
+  /// rest of its step (forward, backward, the update). nullptr: not measured.
+  std::shared_ptr<metrics::Registry> metrics{};
 };
 
 /// Trains gpt(config) with every rank of `group` holding one tensor-parallel shard, in A =

@@ -18,6 +18,7 @@
 #include <mgpu/core/tensor.hpp>
 #include <mgpu/io/checkpoint.hpp>
 #include <mgpu/io/sharded_checkpoint.hpp>
+#include <mgpu/metrics/registry.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
@@ -188,6 +189,12 @@ struct ExecutorOptions {
   /// tensor-parallel ranks; dist::subset_communicator_factory(world).
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, std::vector<int> const&, comm::Options)>
       make_subset_communicator{};
+  /// Where each of this process's devices' times are reported at the end of every step
+  /// (metrics::DeviceTimes, rank: its rank in the group): compute, its forward, backward and loss
+  /// actions; wait, its transfers and gradient sums (between stages, replicas and tensor-parallel
+  /// ranks, the sums inside tensor-parallel layers moved there from compute), measured by events
+  /// on its stream around each. nullptr: not measured.
+  std::shared_ptr<metrics::Registry> metrics{};
 };
 
 /// Makes one optimizer (each chunk gets its own, for its own parameters).
