@@ -14,6 +14,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -131,6 +132,7 @@ class Batch {
   template <class Describe>
   void wait(Link const& l, Step const& s, Describe const& waited_for) {
     auto const deadline = s.start + s.deadlines * l.timeout();
+    if (broken_) fail_broken(l, s, broken_->first, broken_->second);
     std::vector<int> pending;
     for (std::size_t i = 0; i < ops_.size(); ++i) {
       Op& op = ops_[i];
@@ -140,9 +142,7 @@ class Batch {
       try {
         done = wait_one(op, until, l);
       } catch (gloo::Exception const& e) {
-        l.state().throw_if_aborted(s.what);
-        l.fail(Errc::communication, s.what + ": " + l.describe(op.process) +
-                                        " broke its connection (did it exit?): " + e.what());
+        fail_broken(l, s, op.process, e.what());
       }
       if (!done) {
         l.state().throw_if_aborted(s.what);
@@ -166,15 +166,23 @@ class Batch {
     bool send;
   };
   void post(int p, void* data, std::size_t bytes, std::uint64_t slot, bool send) {
-    if (bytes == 0) return;
-    auto buffer = context_.createUnboundBuffer(data, bytes);
-    int const rank = ranks_[static_cast<std::size_t>(p)];
-    if (send) {
-      buffer->send(rank, slot);
-    } else {
-      buffer->recv(rank, slot);
+    if (bytes == 0 || broken_) return;
+    try {
+      auto buffer = context_.createUnboundBuffer(data, bytes);
+      int const rank = ranks_[static_cast<std::size_t>(p)];
+      if (send) {
+        buffer->send(rank, slot);
+      } else {
+        buffer->recv(rank, slot);
+      }
+      ops_.push_back({std::move(buffer), p, send});
+    } catch (gloo::Exception const& e) {  // the connection broke earlier: wait() names it
+      broken_ = std::make_pair(p, std::string(e.what()));
     }
-    ops_.push_back({std::move(buffer), p, send});
+  }
+  [[noreturn]] void fail_broken(Link const& l, Step const& s, int p, std::string const& error) const {
+    l.state().throw_if_aborted(s.what);
+    l.fail(Errc::communication, s.what + ": " + l.describe(p) + " broke its connection (did it exit?): " + error);
   }
   // Whether `op` completed by `until`; false too when the communicator was aborted.
   static bool wait_one(Op& op, Clock::time_point until, Link const& l) {
@@ -197,6 +205,7 @@ class Batch {
   std::vector<int> const& ranks_;
   std::shared_ptr<void> keep_;
   std::vector<Op> ops_;
+  std::optional<std::pair<int, std::string>> broken_;  // a post that failed: its process and Gloo's error
 };
 
 class GlooExchange final : public Exchange, public std::enable_shared_from_this<GlooExchange> {
