@@ -45,12 +45,13 @@ class Alarm {
     thread_.join();
   }
 
+  // Rings `when` (within a few milliseconds): the thread is woken only for an alarm due before it
+  // wakes anyway, so that the usual alarm, 100 ms out and disarmed long before, costs no switch.
   std::uint64_t arm(Buffer* buffer, bool send, Clock::time_point when) {
     std::lock_guard lock(mutex_);
     std::uint64_t const id = ++ids_;
-    bool const first = due_.empty() || when < due_.begin()->first.first;
     due_.emplace(std::make_pair(when, id), Entry{buffer, send});
-    if (first) wake_.notify_one();
+    if (when < waking_) wake_.notify_one();
     return id;
   }
   // After it returns, the alarm `id` set will not ring.
@@ -67,13 +68,12 @@ class Alarm {
   void run() {
     std::unique_lock lock(mutex_);
     while (!stop_) {
-      if (due_.empty()) {
-        wake_.wait(lock);
-        continue;
-      }
-      auto const next = due_.begin()->first.first;
-      if (Clock::now() < next) {
+      auto const now = Clock::now();
+      auto const next = due_.empty() ? now + kIdle : std::min(due_.begin()->first.first, now + kIdle);
+      if (now < next) {
+        waking_ = next;
         wake_.wait_until(lock, next);
+        waking_ = Clock::time_point::min();  // awake: arm() need not wake it
         continue;
       }
       Entry const e = due_.begin()->second;
@@ -88,7 +88,9 @@ class Alarm {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::map<std::pair<Clock::time_point, std::uint64_t>, Entry> due_;
+  static constexpr auto kIdle = std::chrono::milliseconds(50);  // the longest the thread sleeps
   std::uint64_t ids_ = 0;
+  Clock::time_point waking_ = Clock::time_point::min();  // when the sleeping thread wakes
   bool stop_ = false;
   std::thread thread_;
 };
