@@ -23,6 +23,10 @@
 // at once) over our time, and ceiling_vs_mpi_ratio = MPI's time / (that part + MPI_Allreduce of
 // the same bytes over 2 processes): the vs_mpi_ratio of a hierarchical all-reduce whose exchange
 // between the processes were as fast as OpenMPI's own and did not overlap the in-process work.
+// Built with Gloo, the same all-reduce as a torchrun-style job (bench_dist_allreduce under
+// scripts/mgpu-run: the leaders exchange over Gloo): torchrun_gloo_busbw_GBps,
+// torchrun_gloo_vs_gloo_ring_ratio = Gloo's ring all-reduce over 2 D ranks (bench_gloo_allreduce)
+// / ours, and torchrun_gloo_vs_mpi_ratio = MPI_Allreduce over 2 D processes / ours.
 //
 // Where a GPU is visible it also measures the cuda_peer all-reduce on logical devices sharing GPU 0,
 // with d2d_copy_ratio = (2 n S / t) over a device-to-device cudaMemcpy's bandwidth (2 bytes
@@ -68,6 +72,7 @@ std::vector<std::int64_t> const dist_sizes = {64 << 10, 1 << 20, 16 << 20, 64 <<
 std::map<std::pair<int, std::int64_t>, double> dist_seconds;
 std::map<std::pair<int, std::int64_t>, double> dist_local_seconds;  // its in-process part alone
 std::map<std::pair<int, std::int64_t>, double> dist_no_shm_seconds;  // over MPI point-to-point
+std::map<std::pair<int, std::int64_t>, double> dist_gloo_seconds;  // torchrun-style (mgpu-run), over Gloo
 
 using bench::median;
 
@@ -145,6 +150,13 @@ void measure_baselines(std::filesystem::path const& folder) {
       for (auto s : dist_sizes) command.append(" ").append(std::to_string(s));
       run_baseline(command, devices, dist_seconds, &dist_local_seconds);
       run_baseline("MGPU_DIST_SHM=0 " + command, devices, dist_no_shm_seconds);
+#if defined(MGPU_RUN_SCRIPT)
+      if (mgpu::built_with_gloo) {  // the same all-reduce in a torchrun-style job: the leaders over Gloo
+        std::string torchrun = std::string(MGPU_RUN_SCRIPT) + " --nproc 2 " + dist.string() + " " + std::to_string(devices);
+        for (auto s : dist_sizes) torchrun.append(" ").append(std::to_string(s));
+        run_baseline(torchrun, devices, dist_gloo_seconds);
+      }
+#endif
     }
     auto const gloo = folder / "bench_gloo_allreduce";
     if (std::filesystem::exists(gloo)) {
@@ -231,6 +243,13 @@ void BM_dist_all_reduce(benchmark::State& state) {
   state.counters["no_shm_busbw_GBps"] = no_shm != dist_no_shm_seconds.end() ? busbw(ranks, bytes, no_shm->second) : 0.0;
   state.counters["no_shm_vs_mpi_ratio"] =
       mpi != mpi_seconds.end() && no_shm != dist_no_shm_seconds.end() ? mpi->second / no_shm->second : 0.0;
+  auto const gloo = dist_gloo_seconds.find({devices, bytes});
+  auto const ring = gloo_seconds.find({ranks, bytes});
+  bool const over_gloo = gloo != dist_gloo_seconds.end();
+  state.counters["torchrun_gloo_busbw_GBps"] = over_gloo ? busbw(ranks, bytes, gloo->second) : 0.0;
+  state.counters["torchrun_gloo_vs_gloo_ring_ratio"] =
+      over_gloo && ring != gloo_seconds.end() ? ring->second / gloo->second : 0.0;
+  state.counters["torchrun_gloo_vs_mpi_ratio"] = over_gloo && mpi != mpi_seconds.end() ? mpi->second / gloo->second : 0.0;
   state.counters["in_process_share"] = local / t;
   state.counters["ceiling_vs_mpi_ratio"] =
       mpi != mpi_seconds.end() && mpi_two != mpi_seconds.end() ? mpi->second / (local + mpi_two->second) : 0.0;
@@ -317,6 +336,19 @@ void print_table() {
                   mgpu::format_bytes(static_cast<std::size_t>(bytes)).c_str(), devices, busbw(ranks, bytes, seconds),
                   busbw(ranks, bytes, mpi), mpi / seconds, no_shm > 0 ? mpi / no_shm : 0.0, 100.0 * local / seconds,
                   mpi_two > 0 ? mpi / (local + mpi_two) : 0.0);
+    }
+    if (!dist_gloo_seconds.empty()) {
+      std::printf("\ntorchrun-style (scripts/mgpu-run, the leaders over Gloo): 2 processes x D host devices against Gloo's\n"
+                  "ring all-reduce and MPI_Allreduce over 2 D ranks\n");
+      std::printf("%10s %3s %12s %12s %13s %9s\n", "size", "D", "ours busbw", "ring busbw", "vs Gloo ring", "vs MPI");
+      for (auto const& [key, seconds] : dist_gloo_seconds) {
+        auto const [devices, bytes] = key;
+        int const ranks = 2 * devices;
+        double const ring = gloo_seconds.contains({ranks, bytes}) ? gloo_seconds[{ranks, bytes}] : 0.0;
+        double const mpi = mpi_seconds.contains({ranks, bytes}) ? mpi_seconds[{ranks, bytes}] : 0.0;
+        std::printf("%10s %3d %7.2f GB/s %7.2f GB/s %12.2fx %8.2fx\n", mgpu::format_bytes(static_cast<std::size_t>(bytes)).c_str(),
+                    devices, busbw(ranks, bytes, seconds), busbw(ranks, bytes, ring), ring / seconds, mpi / seconds);
+      }
     }
     std::printf("no shm = the swap between the processes over MPI point-to-point (MGPU_DIST_SHM=0) instead of their host's\n"
                 "shared memory; in-process = the in-process all-reduce alone over our time; ceiling = MPI's time over\n"

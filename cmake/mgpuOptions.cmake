@@ -7,6 +7,8 @@ set(MGPU_WITH_NCCL AUTO CACHE STRING "Use NCCL for GPU collectives (AUTO: when C
 set_property(CACHE MGPU_WITH_NCCL PROPERTY STRINGS AUTO ON OFF)
 set(MGPU_WITH_MPI AUTO CACHE STRING "Use MPI for the dist module's processes (AUTO: when MPI is found)")
 set_property(CACHE MGPU_WITH_MPI PROPERTY STRINGS AUTO ON OFF)
+set(MGPU_WITH_GLOO AUTO CACHE STRING "Use Gloo for host devices across torchrun-style processes (AUTO: when Gloo and MPI are found)")
+set_property(CACHE MGPU_WITH_GLOO PROPERTY STRINGS AUTO ON OFF)
 set(MGPU_WITH_METRICS_HTTP AUTO CACHE STRING "Serve metrics over HTTP with cpp-httplib (AUTO: when its pkg-config file is found)")
 set_property(CACHE MGPU_WITH_METRICS_HTTP PROPERTY STRINGS AUTO ON OFF)
 set(MGPU_WITH_NVML AUTO CACHE STRING "Export GPU utilisation from NVML, loaded at run time (AUTO: with CUDA, when nvml.h is found)")

@@ -17,7 +17,7 @@ packages=(cmake ninja-build g++ libeigen3-dev libxxhash-dev catch2 libbenchmark-
   nlohmann-json3-dev  # tests read trace JSON back
   python3 python3-venv  # scripts' checks (standard library) and their own venvs (scripts/venv.sh)
   openmpi-bin libopenmpi-dev  # mgpu::dist across processes (MGPU_WITH_MPI), its mpirun tests, a baseline of bench_collectives
-  libgloo-dev  # a baseline of bench_collectives
+  libgloo-dev  # host devices across torchrun-style processes; a baseline of bench_collectives
   iproute2  # the test across network namespaces (tests/dist/netns.sh)
   libcpp-httplib-dev pkgconf  # the metrics module's /metrics endpoint (cpp-httplib; its flags from its pkg-config file)
   doxygen  # the API reference (scripts/docs.sh)

@@ -16,6 +16,7 @@ vcpkg_cmake_configure(
     -DMGPU_BUILD_BENCH=OFF
     -DMGPU_NATIVE=OFF
     -DMGPU_HOST_GEMM=eigen  # a oneDNN found outside vcpkg would be an undeclared dependency
+    -DMGPU_WITH_GLOO=OFF  # so would a Gloo
     -DMGPU_WITH_METRICS_HTTP=OFF  # so would a cpp-httplib: the port's metrics are the textfile's
     -DMGPU_WITH_NVML=OFF)  # and NVML's header from outside vcpkg: no GPU utilisation metric
 vcpkg_cmake_install()

@@ -8,10 +8,12 @@
 
 #include <unistd.h>
 
+#include <mgpu/config.hpp>
 #include <mgpu/core/error.hpp>
 #include <mgpu/dist/dist.hpp>
 
 #include "dist/common.hpp"
+#include "dist/gloo_runtime.hpp"
 
 namespace mgpu::dist {
 namespace {
@@ -119,6 +121,27 @@ std::string host_name() {
   std::array<char, 256> name{};
   if (gethostname(name.data(), name.size() - 1) != 0 || name[0] == '\0') return "unknown";
   return name.data();
+}
+
+bool gloo_wanted(Place const& place) {
+  char const* value = std::getenv(backend_env_var);
+  std::string const backend = value ? value : "";
+  bool const torchrun = place.launcher == Launcher::torchrun;
+  if (backend.empty() || backend == "auto") return torchrun && place.size > 1 && built_with_gloo;
+  if (backend == "mpi") {
+    if (torchrun && place.size > 1)
+      throw Error(Errc::invalid_argument, std::string(backend_env_var) +
+                                              "=mpi in a torchrun-style job (expected gloo or auto: MPI needs mpirun or srun)");
+    return false;
+  }
+  if (backend == "gloo") {
+    if (!built_with_gloo)
+      throw Error(Errc::invalid_argument, std::string(backend_env_var) +
+                                              "=gloo, but mgpu was built without Gloo (expected mpi or auto, or a build "
+                                              "with MGPU_WITH_GLOO)");
+    return place.size > 1;
+  }
+  throw Error(Errc::invalid_argument, std::string(backend_env_var) + "='" + backend + "' (expected gloo, mpi or auto)");
 }
 
 }  // namespace detail

@@ -1,7 +1,8 @@
-// The hierarchical leader's exchanges between processes over MPI (leader_collectives.hpp): for
-// each collective kind the leaders' MPI collective on float32 or byte staging buffers, the
-// partials combined in process order (the same bits on every process); an all-reduce among three
-// or more processes is a reduce-scatter and an all-gather from kSplitAllReduce elements on.
+// The hierarchical leader's exchanges between processes (leader_collectives.hpp): for each
+// collective kind the leaders' exchange (exchange.hpp: over MPI or Gloo) on float32 or byte
+// staging buffers, the partials combined in process order (the same bits on every process); an
+// all-reduce among three or more processes is a reduce-scatter and an all-gather from
+// kSplitAllReduce elements on.
 #include "dist/leader_collectives.hpp"
 
 #include <algorithm>
@@ -93,7 +94,9 @@ void Leader::operator()() const {
   int const P = l.processes();
   int const p = l.process();
   std::size_t const element = size_of(call.dtype);
-  Requests requests;
+  Exchange& x = l.exchange();
+  Step const step{what, start, call.seq, kData};
+  auto const both = [](auto a, auto b) { return std::make_shared<std::pair<decltype(a), decltype(b)>>(a, b); };
   switch (call.kind) {
     case OpKind::all_reduce: {  // call.recv holds the process's partial
       if (P >= 3 && n >= kSplitAllReduce) {
@@ -102,28 +105,19 @@ void Leader::operator()() const {
         // gathered: 2 (P-1)/P of the data in and out instead of (P-1) times it, in two rounds.
         auto mine = buffer<float>(static_cast<std::size_t>(n));
         to_float(call.recv, 0, n, mine->data());
-        std::vector<int> counts, offsets;
+        std::vector<std::int64_t> counts, offsets;
         for (int q = 0; q < P; ++q) {
-          offsets.push_back(mpi_count(n * q / P, what));
-          counts.push_back(mpi_count(n * (q + 1) / P - n * q / P, what));
+          offsets.push_back(n * q / P);
+          counts.push_back(n * (q + 1) / P - n * q / P);
         }
         std::int64_t const own = counts[static_cast<std::size_t>(p)];
         auto parts = buffer<float>(static_cast<std::size_t>(own * P));
-        std::vector<int> part_counts(static_cast<std::size_t>(P), static_cast<int>(own)), part_offsets;
-        for (int q = 0; q < P; ++q) part_offsets.push_back(mpi_count(own * q, what));
-        requests.add(-1, Requests::Kind::collective, std::make_shared<std::pair<decltype(mine), decltype(parts)>>(mine, parts),
-                     "MPI_Ialltoallv", [&](MPI_Request* r) {
-                       return MPI_Ialltoallv(mine->data(), counts.data(), offsets.data(), MPI_FLOAT, parts->data(),
-                                             part_counts.data(), part_offsets.data(), MPI_FLOAT, l.data, r);
-                     });
-        l.wait_exchange(requests, what, start);
+        std::vector<std::int64_t> part_counts(static_cast<std::size_t>(P), own), part_offsets;
+        for (int q = 0; q < P; ++q) part_offsets.push_back(own * q);
+        x.all_to_all(l, step, both(mine, parts), mine->data(), counts, offsets, parts->data(), part_counts, part_offsets,
+                     Unit::float32);
         combine_parts(call.op, parts->data(), P, own, own, l.world_size(), mine->data() + offsets[static_cast<std::size_t>(p)]);
-        Requests gather;
-        gather.add(-1, Requests::Kind::collective, mine, "MPI_Iallgatherv", [&](MPI_Request* r) {
-          return MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, mine->data(), counts.data(), offsets.data(), MPI_FLOAT,
-                                 l.data, r);
-        });
-        l.wait_exchange(gather, what, start);
+        x.all_gather(l, Step{what, start, call.seq, kData2}, mine, mine->data(), Unit::float32, counts, offsets);
         from_float(mine->data(), call.recv, 0, n);
         break;
       }
@@ -131,12 +125,9 @@ void Leader::operator()() const {
       // combined straight into call.recv when it holds float32.
       auto all = buffer<float>(static_cast<std::size_t>(n) * static_cast<std::size_t>(P));
       to_float(call.recv, 0, n, all->data() + static_cast<std::ptrdiff_t>(p) * n);
-      int const count = mpi_count(n, what);
-      mpi_count(n * P, what);
-      requests.add(-1, Requests::Kind::collective, all, "MPI_Iallgather", [&](MPI_Request* r) {
-        return MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, all->data(), count, MPI_FLOAT, l.data, r);
-      });
-      l.wait_exchange(requests, what, start);
+      std::vector<std::int64_t> counts(static_cast<std::size_t>(P), n), offsets;
+      for (int q = 0; q < P; ++q) offsets.push_back(n * q);
+      x.all_gather(l, step, all, all->data(), Unit::float32, counts, offsets);
       combine_into(call.op, all->data(), P, n, l.world_size(), call.recv);
       break;
     }
@@ -146,52 +137,39 @@ void Leader::operator()() const {
       std::int64_t const block = l.local_size(p) * n;
       auto all = buffer<float>(static_cast<std::size_t>(block * P));
       to_float(call.send, 0, l.world_size() * n, mine->data());
-      std::vector<int> send_counts, send_offsets, recv_counts, recv_offsets;
+      std::vector<std::int64_t> send_counts, send_offsets, recv_counts, recv_offsets;
       for (int q = 0; q < P; ++q) {
-        send_counts.push_back(mpi_count(l.local_size(q) * n, what));
-        send_offsets.push_back(mpi_count(l.first(q) * n, what));
-        recv_counts.push_back(mpi_count(block, what));
-        recv_offsets.push_back(mpi_count(q * block, what));
+        send_counts.push_back(l.local_size(q) * n);
+        send_offsets.push_back(l.first(q) * n);
+        recv_counts.push_back(block);
+        recv_offsets.push_back(q * block);
       }
-      requests.add(
-          -1, Requests::Kind::collective, std::make_shared<std::pair<decltype(mine), decltype(all)>>(mine, all),
-          "MPI_Ialltoallv", [&](MPI_Request* r) {
-            return MPI_Ialltoallv(mine->data(), send_counts.data(), send_offsets.data(), MPI_FLOAT, all->data(),
-                                  recv_counts.data(), recv_offsets.data(), MPI_FLOAT, l.data, r);
-          });
-      l.wait_exchange(requests, what, start);
+      x.all_to_all(l, step, both(mine, all), mine->data(), send_counts, send_offsets, all->data(), recv_counts,
+                   recv_offsets, Unit::float32);
       combine_parts(call.op, all->data(), P, block, block, l.world_size(), mine->data());
       from_float(mine->data(), call.recv, 0, block);
       break;
     }
     case OpKind::all_gather: {  // call.recv: the whole result (W*n), this process's blocks filled
       std::int64_t const bytes = n * static_cast<std::int64_t>(element);
-      auto mine = buffer<std::byte>(static_cast<std::size_t>(l.local_size(p) * bytes));
       auto all = buffer<std::byte>(static_cast<std::size_t>(l.world_size() * bytes));
-      if (!mine->empty())
-        std::memcpy(mine->data(), static_cast<std::byte const*>(call.recv.data()) + l.first(p) * bytes, mine->size());
-      std::vector<int> counts, offsets;
+      std::int64_t const own = l.local_size(p) * bytes;
+      if (own > 0)
+        std::memcpy(all->data() + l.first(p) * bytes, static_cast<std::byte const*>(call.recv.data()) + l.first(p) * bytes,
+                    static_cast<std::size_t>(own));
+      std::vector<std::int64_t> counts, offsets;
       for (int q = 0; q < P; ++q) {
-        counts.push_back(mpi_count(l.local_size(q) * bytes, what));
-        offsets.push_back(mpi_count(l.first(q) * bytes, what));
+        counts.push_back(l.local_size(q) * bytes);
+        offsets.push_back(l.first(q) * bytes);
       }
-      requests.add(-1, Requests::Kind::collective,
-                   std::make_shared<std::pair<decltype(mine), decltype(all)>>(mine, all), "MPI_Iallgatherv",
-                   [&](MPI_Request* r) {
-                     return MPI_Iallgatherv(mine->data(), counts[static_cast<std::size_t>(p)], MPI_BYTE, all->data(),
-                                            counts.data(), offsets.data(), MPI_BYTE, l.data, r);
-                   });
-      l.wait_exchange(requests, what, start);
+      x.all_gather(l, step, all, all->data(), Unit::byte, counts, offsets);
       if (!all->empty()) std::memcpy(call.recv.data(), all->data(), all->size());
       break;
     }
     case OpKind::broadcast: {  // call.root: the root's process; call.recv: the buffer
       auto data = buffer<std::byte>(static_cast<std::size_t>(n) * element);
       if (p == call.root && !data->empty()) std::memcpy(data->data(), call.recv.data(), data->size());
-      int const bytes = mpi_count(static_cast<std::int64_t>(data->size()), what);
-      requests.add(-1, Requests::Kind::collective, data, "MPI_Ibcast",
-                   [&](MPI_Request* r) { return MPI_Ibcast(data->data(), bytes, MPI_BYTE, call.root, l.data, r); });
-      l.wait_exchange(requests, what, start);
+      x.broadcast(l, step, data, data->data(), static_cast<std::int64_t>(data->size()), call.root);
       if (p != call.root && !data->empty()) std::memcpy(call.recv.data(), data->data(), data->size());
       break;
     }
@@ -199,14 +177,7 @@ void Leader::operator()() const {
       auto mine = buffer<float>(static_cast<std::size_t>(n));
       auto all = buffer<float>(p == call.root ? static_cast<std::size_t>(n * P) : 0);
       to_float(call.recv, 0, n, mine->data());
-      int const count = mpi_count(n, what);
-      mpi_count(n * P, what);
-      requests.add(
-          -1, Requests::Kind::collective, std::make_shared<std::pair<decltype(mine), decltype(all)>>(mine, all),
-          "MPI_Igather", [&](MPI_Request* r) {
-            return MPI_Igather(mine->data(), count, MPI_FLOAT, all->data(), count, MPI_FLOAT, call.root, l.data, r);
-          });
-      l.wait_exchange(requests, what, start);
+      x.gather(l, step, both(mine, all), mine->data(), all->data(), n, Unit::float32, call.root);
       if (p == call.root) {
         combine_parts(call.op, all->data(), P, n, n, l.world_size(), mine->data());
         from_float(mine->data(), call.recv, 0, n);

@@ -20,7 +20,7 @@ struct Leader {
   // (call.send: the partial over the world; call.recv: this process's blocks), all-gather
   // (call.recv: the whole result, this process's blocks filled), broadcast and reduce (call.root:
   // the root's process), barrier. Throws on a mismatch between the processes' headers, a timeout
-  // or an MPI failure, having aborted the communicator.
+  // or a transport failure, having aborted the communicator.
   void operator()() const;
 };
 

@@ -15,7 +15,8 @@ Link::Link(World const& world, std::vector<int> ids, std::shared_ptr<comm::detai
       processes_(world.processes),
       world_size_(world.size()),
       ids_(std::move(ids)),
-      state_(std::move(state)) {
+      state_(std::move(state)),
+      exchange_(make_mpi_exchange()) {
   for (int p = 0; p <= processes_; ++p) first_.push_back(p < processes_ ? world.first_rank(p) : world_size_);
   for (int p = 0; p < processes_; ++p)
     hosts_.push_back(world.devices[static_cast<std::size_t>(first_[static_cast<std::size_t>(p)])].host);
@@ -91,17 +92,9 @@ void Link::exchange_headers(Call const& c, int rank, std::string const& what, Cl
   auto mine = std::make_shared<Header>(Header{static_cast<std::int32_t>(c.kind), static_cast<std::int32_t>(c.dtype),
                                               static_cast<std::int32_t>(c.op), c.root, c.count, c.seq});
   auto theirs = buffer<Header>(static_cast<std::size_t>(processes_));
-  Requests requests;
-  for (int const p : others()) {
-    requests.add(p, Requests::Kind::receive, theirs, "MPI_Irecv", [&](MPI_Request* r) {
-      return MPI_Irecv(&(*theirs)[static_cast<std::size_t>(p)], sizeof(Header), MPI_BYTE, p, tag, control, r);
-    });
-    requests.add(p, Requests::Kind::send, mine, "MPI_Isend",
-                 [&](MPI_Request* r) { return MPI_Isend(mine.get(), sizeof(Header), MPI_BYTE, p, tag, control, r); });
-  }
-  wait(
-      requests, what, start, [&](std::vector<int> const& pending) { return describe(pending) + ", not heard from"; },
-      std::nullopt, kHeaderYields);
+  exchange().all_to_all_same(*this, Step{what, start, c.seq, kHeaders},
+                             std::make_shared<std::pair<decltype(mine), decltype(theirs)>>(mine, theirs), mine.get(),
+                             theirs->data(), sizeof(Header), tag, kHeaderYields);
   for (int const p : others()) {
     Header const& h = (*theirs)[static_cast<std::size_t>(p)];
     auto const mismatch = [&](char const* field, std::string const& mine_text, std::string const& their_text) {

@@ -1,5 +1,5 @@
-// What the MPI work of one communicator across processes shares (internal: not installed): the
-// Link, its three MPI communicators (the leaders' headers, their collectives, sends and
+// What the work of one communicator across processes shares (internal: not installed): the
+// Link, its transport (exchange.hpp), its three MPI communicators (under MPI) (the leaders' headers, their collectives, sends and
 // receives), the processes' places and the waits against the communicator's deadline, and the
 // Header every collective's leaders exchange before its data.
 #pragma once
@@ -15,6 +15,7 @@
 #include <mgpu/dist/dist.hpp>
 
 #include "comm/base.hpp"
+#include "dist/exchange.hpp"
 #include "dist/mpi_runtime.hpp"
 
 namespace mgpu::dist::detail {
@@ -59,6 +60,10 @@ class Link : public std::enable_shared_from_this<Link> {
   }
   [[nodiscard]] std::chrono::milliseconds timeout() const noexcept { return state_->timeout(); }
   [[nodiscard]] comm::detail::SharedState& state() const noexcept { return *state_; }
+
+  // The transport the leaders exchange through (MPI unless set).
+  void use(std::shared_ptr<Exchange> exchange) { exchange_ = std::move(exchange); }
+  [[nodiscard]] Exchange& exchange() const noexcept { return *exchange_; }
 
   [[nodiscard]] std::string const& host(int p) const { return hosts_[static_cast<std::size_t>(p)]; }
   // Process p's place in the job.
@@ -119,6 +124,10 @@ class Link : public std::enable_shared_from_this<Link> {
   std::vector<int> first_;  // per process, then the world's size
   std::vector<std::string> hosts_;
   std::shared_ptr<comm::detail::SharedState> state_;
+  std::shared_ptr<Exchange> exchange_;
 };
+
+// The MPI transport of the leaders' exchanges (exchange_mpi.cpp).
+std::shared_ptr<Exchange> make_mpi_exchange();
 
 }  // namespace mgpu::dist::detail

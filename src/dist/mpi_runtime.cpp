@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "dist/common.hpp"
+#include "dist/gloo_runtime.hpp"
 #include "dist/rendezvous.hpp"
 
 namespace mgpu::dist {
@@ -105,6 +106,7 @@ Place init() {
     place.size = size;
     g.mpi = true;
   }
+  detail::gloo_wanted(place);  // a bad MGPU_DIST_BACKEND is refused here, before any exchange
   g.place = place;
   g.initialized = true;
   return place;
@@ -115,12 +117,70 @@ void finalize() noexcept {
   std::lock_guard lock(g.mutex);
   if (!g.initialized || g.finalized) return;
   g.finalized = true;
+  detail::gloo_leave(g.failed.load());
   detail::leave_rendezvous();
   if (!g.initialized_mpi || g.failed.load()) return;  // MPI_Finalize would wait for the peers that failed
   std::lock_guard mpi_lock(g.mpi_mutex);
   for (auto& w : g.windows) MPI_Win_free(&w->window);
   MPI_Finalize();
 }
+
+namespace {
+
+// Every process's bytes in process order over MPI (Gloo's store under mpirun), within `timeout`.
+std::vector<std::vector<std::byte>> mpi_all_gather(std::span<std::byte const> mine, std::chrono::milliseconds timeout) {
+  Global& g = global();
+  int const P = g.place.size;
+  auto const start = Clock::now();
+  auto const wait = [&](Requests& requests) {
+    if (!requests.wait(start + timeout, [] { return false; })) {
+      requests.abandon();
+      throw Error(Errc::timeout, "connecting Gloo waited " + format_duration(Clock::now() - start) +
+                                     " for the other processes (expected every process to call make_world within the " +
+                                     format_duration(timeout) + " deadline; " + comm::timeout_env_var +
+                                     " sets it in seconds)");
+    }
+    std::lock_guard lock(g.mpi_mutex);
+    check(requests.error(), "connecting Gloo's MPI exchange");
+  };
+  auto size = std::make_shared<int>(detail::mpi_count(static_cast<std::int64_t>(mine.size()), "connecting Gloo"));
+  auto sizes = buffer<int>(static_cast<std::size_t>(P));
+  {
+    Requests requests;
+    requests.add(-1, Requests::Kind::collective, std::make_shared<std::pair<decltype(size), decltype(sizes)>>(size, sizes),
+                 "MPI_Iallgather", [&](MPI_Request* r) {
+                   return MPI_Iallgather(size.get(), 1, MPI_INT, sizes->data(), 1, MPI_INT, MPI_COMM_WORLD, r);
+                 });
+    wait(requests);
+  }
+  std::vector<int> offsets;
+  int total = 0;
+  for (int const n : *sizes) {
+    offsets.push_back(total);
+    total += n;
+  }
+  auto own = std::make_shared<std::vector<std::byte>>(mine.begin(), mine.end());
+  auto all = buffer<std::byte>(static_cast<std::size_t>(total));
+  {
+    Requests requests;
+    requests.add(-1, Requests::Kind::collective, std::make_shared<std::pair<decltype(own), decltype(all)>>(own, all),
+                 "MPI_Iallgatherv", [&](MPI_Request* r) {
+                   return MPI_Iallgatherv(own->data(), *size, MPI_BYTE, all->data(), sizes->data(), offsets.data(),
+                                          MPI_BYTE, MPI_COMM_WORLD, r);
+                 });
+    wait(requests);
+  }
+  std::vector<std::vector<std::byte>> out;
+  for (int q = 0; q < P; ++q) {
+    auto const* at = all->data() + offsets[static_cast<std::size_t>(q)];
+    out.emplace_back(at, at + (*sizes)[static_cast<std::size_t>(q)]);
+  }
+  return out;
+}
+
+World make_world_of(DeviceGroup const& group, Place const& place, bool mpi, std::chrono::milliseconds timeout);
+
+}  // namespace
 
 World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout) {
   Global& g = global();
@@ -135,6 +195,27 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout) {
     mpi = g.mpi;
   }
   if (timeout.count() <= 0) timeout = comm::default_timeout();
+  World world = make_world_of(group, place, mpi, timeout);
+  // Host devices over Gloo: every process connects the job's context at its first make_world.
+  bool const host = std::all_of(world.devices.begin(), world.devices.end(),
+                                [](WorldDevice const& d) { return d.device.kind == DeviceKind::host; });
+  if (world.processes > 1 && host && !detail::gloo_connected() && detail::gloo_wanted(place)) {
+    if (detail::in_rendezvous()) {
+      detail::gloo_connect(place, detail::rendezvous_address(),
+                           [timeout](std::span<std::byte const> mine) { return detail::rendezvous_all_gather(mine, timeout); },
+                           timeout);
+    } else {
+      detail::gloo_connect(place, place.host,
+                           [timeout](std::span<std::byte const> mine) { return mpi_all_gather(mine, timeout); }, timeout);
+    }
+  }
+  return world;
+}
+
+namespace {
+
+World make_world_of(DeviceGroup const& group, Place const& place, bool mpi, std::chrono::milliseconds timeout) {
+  Global& g = global();
   if (detail::in_rendezvous()) return detail::rendezvous_world(group, place, timeout);
   if (!mpi) return detail::single_process_world(group, place.host);
   struct Entry {
@@ -217,5 +298,7 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout) {
   }
   return world;
 }
+
+}  // namespace
 
 }  // namespace mgpu::dist

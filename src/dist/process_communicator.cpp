@@ -1,6 +1,7 @@
-// The dist module over MPI, its communicator across processes: make_communicator over a world or
-// a subset of its ranks (a subset's processes meet first and make an MPI communicator of their
-// own), the process communicator for host devices (ProcessCommunicator: the ranks inside each
+// The dist module's communicator across processes (the MPI build): make_communicator over a world
+// or a subset of its ranks (a subset's processes meet first and, over MPI, make an MPI
+// communicator of their own; over Gloo their exchanges go through the job's context), the process
+// communicator for host devices (ProcessCommunicator: the ranks inside each
 // process through an in-process communicator, the exchanges between processes by the hierarchical
 // leader, the all-reduce by slices between two processes and point-to-point), and one NCCL
 // communicator over every process's GPUs, its unique id broadcast over MPI.
@@ -25,6 +26,7 @@
 #include "core/backend.hpp"
 #include "dist/allreduce_slices.hpp"
 #include "dist/common.hpp"
+#include "dist/gloo_runtime.hpp"
 #include "dist/leader_collectives.hpp"
 #include "dist/link.hpp"
 #include "dist/mpi_runtime.hpp"
@@ -39,19 +41,11 @@ namespace {
 // A subset's processes meet (`link` is over the subset): each sends its list of world ranks
 // (`world_size` + 1 ints: the count, then the ranks) to every other and checks theirs, polled
 // against the deadline, so that a process that never makes the subset is named and a different
-// list reported; then they make an MPI communicator among themselves, in the subset's order of
-// processes, from Global::subsets (MPI_Comm_create_group: blocking, but only once every member is
-// known to be there). The caller frees it.
-MPI_Comm join_members(Link const& link, detail::Subset const& subset, int world_size) {
+// list reported. Over MPI (`base`: Global::subsets, the job's processes) the lists go
+// point-to-point there; else through the link's exchange, within twice the deadline (there this is
+// where the members meet; see Link::connect).
+void check_lists(Link const& link, detail::Subset const& subset, int world_size, MPI_Comm base) {
   std::string const what = "making a communicator over world ranks " + detail::ranks_text(subset.world_ranks);
-  Global& g = global();
-  MPI_Comm base = MPI_COMM_NULL;
-  {
-    std::lock_guard lock(g.mpi_mutex);
-    base = g.subsets;
-  }
-  if (base == MPI_COMM_NULL)
-    throw Error(Errc::invalid_argument, what + " before make_world (expected every process to call make_world first)");
   constexpr int tag = 1;  // the lists; MPI_Comm_create_group gets tag + 1
   auto const length = static_cast<std::size_t>(world_size) + 1;
   auto mine = buffer<int>(length);
@@ -60,18 +54,24 @@ MPI_Comm join_members(Link const& link, detail::Subset const& subset, int world_
   std::copy(subset.world_ranks.begin(), subset.world_ranks.end(), mine->begin() + 1);
   int const P = link.processes();
   auto theirs = buffer<int>(length * static_cast<std::size_t>(P));
-  int const count = mpi_count(static_cast<std::int64_t>(length), what);
-  Requests requests;
-  for (int const q : link.others()) {
-    int const peer = subset.processes[static_cast<std::size_t>(q)];
-    requests.add(q, Requests::Kind::receive, theirs, "MPI_Irecv", [&](MPI_Request* r) {
-      return MPI_Irecv(theirs->data() + static_cast<std::size_t>(q) * length, count, MPI_INT, peer, tag, base, r);
-    });
-    requests.add(q, Requests::Kind::send, mine, "MPI_Isend",
-                 [&](MPI_Request* r) { return MPI_Isend(mine->data(), count, MPI_INT, peer, tag, base, r); });
+  if (base == MPI_COMM_NULL) {
+    link.exchange().all_to_all_same(link, Step{what, Clock::now(), 0, kLists, 2},
+                                    std::make_shared<std::pair<decltype(mine), decltype(theirs)>>(mine, theirs),
+                                    mine->data(), theirs->data(), length * sizeof(int), tag, 64);
+  } else {
+    int const count = mpi_count(static_cast<std::int64_t>(length), what);
+    Requests requests;
+    for (int const q : link.others()) {
+      int const peer = subset.processes[static_cast<std::size_t>(q)];
+      requests.add(q, Requests::Kind::receive, theirs, "MPI_Irecv", [&](MPI_Request* r) {
+        return MPI_Irecv(theirs->data() + static_cast<std::size_t>(q) * length, count, MPI_INT, peer, tag, base, r);
+      });
+      requests.add(q, Requests::Kind::send, mine, "MPI_Isend",
+                   [&](MPI_Request* r) { return MPI_Isend(mine->data(), count, MPI_INT, peer, tag, base, r); });
+    }
+    link.wait(requests, what, Clock::now(),
+              [&](std::vector<int> const& pending) { return link.describe(pending) + ", not heard from"; });
   }
-  link.wait(requests, what, Clock::now(),
-            [&](std::vector<int> const& pending) { return link.describe(pending) + ", not heard from"; });
   for (int const q : link.others()) {
     int const* list = theirs->data() + static_cast<std::size_t>(q) * length;
     if (!std::equal(mine->begin(), mine->end(), list)) {
@@ -82,6 +82,24 @@ MPI_Comm join_members(Link const& link, detail::Subset const& subset, int world_
                                             "communicators made in the same order)");
     }
   }
+}
+
+// A subset's processes meet over MPI (check_lists), then make an MPI communicator among
+// themselves, in the subset's order of processes, from Global::subsets (MPI_Comm_create_group:
+// blocking, but only once every member is known to be there). The caller frees it.
+MPI_Comm join_members(Link const& link, detail::Subset const& subset, int world_size) {
+  Global& g = global();
+  MPI_Comm base = MPI_COMM_NULL;
+  {
+    std::lock_guard lock(g.mpi_mutex);
+    base = g.subsets;
+  }
+  if (base == MPI_COMM_NULL)
+    throw Error(Errc::invalid_argument, "making a communicator over world ranks " + detail::ranks_text(subset.world_ranks) +
+                                            " before make_world (expected every process to call make_world first)");
+  check_lists(link, subset, world_size, base);
+  constexpr int tag = 1;
+  int const P = link.processes();
   std::lock_guard lock(g.mpi_mutex);
   MPI_Group all = MPI_GROUP_NULL;
   MPI_Group members = MPI_GROUP_NULL;
@@ -110,7 +128,10 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
         link_(std::make_shared<Link>(subset.world, subset.processes, state())),
         inner_(whole ? comm::make_communicator(group, comm::Options{comm::Backend::host, timeout * 2})
                      : comm::make_communicator(group, locals_, comm::Options{comm::Backend::host, timeout * 2})) {
-    if (whole) {
+    if (gloo_connected()) {  // the members meet: their lists, within twice the deadline
+      link_->use(make_gloo_exchange(subset));
+      check_lists(*link_, subset, world_size, MPI_COMM_NULL);
+    } else if (whole) {
       link_->connect(MPI_COMM_WORLD);
     } else {
       MPI_Comm members = join_members(*link_, subset, world_size);
@@ -296,7 +317,8 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
   }
 
   // Whether an all-reduce goes by slices: two processes with as many ranks each.
-  [[nodiscard]] bool by_slices() const { return link_->processes() == 2 && link_->local_size(0) == link_->local_size(1); }
+  [[nodiscard]] bool by_slices() const {
+    return link_->exchange().slices() && link_->processes() == 2 && link_->local_size(0) == link_->local_size(1); }
 
   // The all-reduce with every local rank leading one slice of the buffer (rank l: elements
   // [l b, (l + 1) b), b = n / L, the last rank's also the n % L after them): every rank posts its
@@ -337,7 +359,7 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
     };
     if (remote.empty()) return run_local();
     // Remote messages are posted first and awaited after the local ones, so none waits for another.
-    auto messages = std::make_shared<PointToPoint>(link_, rank);
+    std::shared_ptr<Messages> messages = link_->exchange().messages(link_, rank);
     auto started = std::make_shared<Clock::time_point>();
     enqueue(rank, remote.front(), stream, [messages, started, remote] {
       *started = Clock::now();
@@ -403,10 +425,11 @@ std::chrono::milliseconds check_across(World const& world, comm::Options const& 
     std::lock_guard lock(global().mutex);
     mpi = global().mpi && !global().finalized;
   }
-  if (!mpi)
+  if (!mpi && !gloo_connected())
     throw Error(Errc::invalid_argument,
                 "a world of " + std::to_string(world.processes) +
-                    " processes, but MPI is not in use (expected dist::init() under mpirun or srun)");
+                    " processes, but neither MPI nor Gloo is in use (expected dist::init() under mpirun or srun, or "
+                    "make_world in a torchrun-style job)");
   bool const gpus = world.devices.front().device.kind == DeviceKind::cuda;  // check_world: one kind
   comm::Backend const wanted = gpus ? comm::Backend::nccl : comm::Backend::host;
   if (options.backend != comm::Backend::automatic && options.backend != wanted)
@@ -433,9 +456,11 @@ using detail::ProcessCommunicator;
 std::unique_ptr<comm::Communicator> make_communicator(World const& world, DeviceGroup& group, comm::Options options) {
   detail::check_world(world, group);
   if (world.processes == 1) return comm::make_communicator(group, options);
-  if (detail::in_rendezvous()) return detail::rendezvous_communicator(world, group, options);
+  bool const host = world.devices.front().device.kind == DeviceKind::host;  // check_world: one kind
+  if (detail::in_rendezvous() && !(host && detail::gloo_connected()))
+    return detail::rendezvous_communicator(world, group, options);
   std::chrono::milliseconds const timeout = check_across(world, options);
-  if (world.devices.front().device.kind == DeviceKind::host)  // check_world: one kind
+  if (host)
     return std::make_unique<ProcessCommunicator>(detail::subset_of(world, all_ranks(world)), group, timeout,
                                                  world.size(), true);
   return nccl_world_communicator(world, group, timeout);

@@ -3,6 +3,7 @@
 // payload's length) and the payload.
 #include "dist/rendezvous.hpp"
 
+#include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -342,6 +343,32 @@ std::vector<std::vector<std::byte>> rendezvous_exchange(std::string_view what, s
   return all;
 }
 
+std::string rendezvous_address() {
+  if (!state()) throw Error(Errc::invalid_argument, "the rendezvous's address outside a torchrun-style job of several processes");
+  State const& st = *state();
+  Socket const& s = st.place.rank == 0 ? st.peers.at(1) : st.peers.front();
+  sockaddr_storage a{};
+  socklen_t size = sizeof a;
+  if (::getsockname(s.fd(), reinterpret_cast<sockaddr*>(&a), &size) != 0)
+    throw Error(Errc::communication, "the rendezvous: getsockname failed: " + system_error(errno));
+  char text[INET6_ADDRSTRLEN] = {};
+  if (a.ss_family == AF_INET6) {
+    auto const& v6 = reinterpret_cast<sockaddr_in6 const&>(a);
+    if (IN6_IS_ADDR_V4MAPPED(&v6.sin6_addr)) {  // an IPv4 peer of the dual-stack listener
+      in_addr v4{};
+      std::memcpy(&v4, v6.sin6_addr.s6_addr + 12, sizeof v4);
+      return ::inet_ntop(AF_INET, &v4, text, sizeof text) ? text : "127.0.0.1";
+    }
+    return ::inet_ntop(AF_INET6, &v6.sin6_addr, text, sizeof text) ? text : "::1";
+  }
+  auto const& v4 = reinterpret_cast<sockaddr_in const&>(a);
+  return ::inet_ntop(AF_INET, &v4.sin_addr, text, sizeof text) ? text : "127.0.0.1";
+}
+
+std::vector<std::vector<std::byte>> rendezvous_all_gather(std::span<std::byte const> mine, std::chrono::milliseconds timeout) {
+  return rendezvous_exchange("connecting Gloo", mine, timeout);
+}
+
 World rendezvous_world(DeviceGroup const& group, Place const& place, std::chrono::milliseconds timeout) {
   std::vector<std::byte> mine;
   put(mine, static_cast<std::int32_t>(group.size()));
@@ -383,8 +410,9 @@ std::unique_ptr<comm::Communicator> rendezvous_communicator(World const& world, 
   std::chrono::milliseconds const timeout = options.timeout.count() > 0 ? options.timeout : comm::default_timeout();
   if (world.devices.front().device.kind != DeviceKind::cuda)  // check_world: one kind
     throw Error(Errc::invalid_argument,
-                "host devices across the processes of a torchrun-style job (expected CUDA GPUs, which NCCL connects "
-                "through the rendezvous; host devices across processes need MPI: launch with mpirun or srun)");
+                "host devices across the processes of a torchrun-style job in a build without Gloo (expected CUDA "
+                "GPUs, which NCCL connects through the rendezvous; host devices across processes need Gloo "
+                "(MGPU_WITH_GLOO) or MPI: launch with mpirun or srun)");
   if (options.backend != comm::Backend::automatic && options.backend != comm::Backend::nccl)
     throw Error(Errc::invalid_argument, "the " + std::string(comm::to_string(options.backend)) +
                                             " backend across processes of CUDA GPUs (expected automatic or nccl)");

@@ -1,7 +1,8 @@
 // The torchrun-style rendezvous: a job started with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
 // (and no MPI) meets over TCP. Process 0 listens on MASTER_PORT, every other process connects to
 // MASTER_ADDR:MASTER_PORT, and the connections stay open for the job's few exchanges: the world's
-// device list and the NCCL unique id. Nothing else travels here (NCCL carries the GPUs' bytes).
+// device list, the NCCL unique id and Gloo's addresses. Nothing else travels here (NCCL carries the
+// GPUs' bytes, Gloo the host devices').
 // Internal: not installed.
 #pragma once
 
@@ -9,6 +10,7 @@
 #include <cstddef>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -28,6 +30,13 @@ void join_rendezvous(Place const& place, std::chrono::milliseconds timeout);
 /// Whether this process has joined a rendezvous (and not left it).
 bool in_rendezvous();
 
+/// The address this process reaches the others through (its end of a rendezvous connection, as
+/// text): where the Gloo transport listens. Throws Error(communication) when the system does not say.
+std::string rendezvous_address();
+
+/// rendezvous_exchange() as a function of the bytes, with `timeout` (Gloo's store).
+std::vector<std::vector<std::byte>> rendezvous_all_gather(std::span<std::byte const> mine, std::chrono::milliseconds timeout);
+
 /// Closes the connections. Never throws; does nothing without a rendezvous.
 void leave_rendezvous() noexcept;
 
@@ -41,8 +50,9 @@ std::vector<std::vector<std::byte>> rendezvous_exchange(std::string_view what, s
 /// The world through the rendezvous (make_world's torchrun-style path).
 World rendezvous_world(DeviceGroup const& group, Place const& place, std::chrono::milliseconds timeout);
 
-/// make_communicator's torchrun-style path: GPUs get one NCCL communicator (process 0's unique id
-/// through the rendezvous); host devices are refused (they need MPI: mpirun or srun).
+/// make_communicator's torchrun-style path for GPUs: one NCCL communicator (process 0's unique id
+/// through the rendezvous). Host devices are refused here: they go over Gloo where the build has it
+/// (process_communicator.cpp), else they need MPI (mpirun or srun).
 std::unique_ptr<comm::Communicator> rendezvous_communicator(World const& world, DeviceGroup& group,
                                                             comm::Options options);
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "comm/base.hpp"
+#include "dist/exchange.hpp"
 #include "dist/link.hpp"
 #include "dist/mpi_runtime.hpp"
 
@@ -15,16 +16,16 @@ namespace mgpu::dist::detail {
 
 // Sends and receives between ranks of different processes: each message is a Header (count,
 // dtype, call number) and the data, tagged by the pair of ranks.
-class PointToPoint {
+class PointToPoint final : public Messages {
  public:
   PointToPoint(std::shared_ptr<Link> link, int rank) : link_(std::move(link)), rank_(rank) {}
 
   // Posts the send or receive `c` (c.root: the other rank) to the other rank's process.
-  void post(Call const& c);
+  void post(Call const& c) override;
 
   // Waits for every posted message (the deadline runs from `start`), then checks and delivers the
   // received ones.
-  void finish(Clock::time_point start);
+  void finish(Clock::time_point start) override;
 
  private:
   struct Receive {

@@ -1,9 +1,9 @@
 // A torchrun-style job (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; no MPI), started by
 // torchrun.sh: `torchrun_dist COUNTS` joins the TCP rendezvous, makes the world from process p's
 // host:COUNTS[p] and checks it against COUNTS (every process, in process order, with its local
-// ranks and this server's host name), and checks that a communicator over host devices is refused
-// naming the fix (host devices across processes need MPI; GPUs would get NCCL). Exits 0 when all
-// holds, 1 with the error otherwise.
+// ranks and this server's host name), and makes a communicator over the host devices (over Gloo),
+// or, in a build without Gloo, checks that it is refused naming the fix (Gloo or MPI; GPUs would
+// get NCCL). Exits 0 when all holds, 1 with the error otherwise.
 #include <cstdio>
 #include <exception>
 #include <sstream>
@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include <mgpu/config.hpp>
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/core/error.hpp>
 #include <mgpu/dist/dist.hpp>
@@ -56,14 +57,21 @@ int main(int argc, char** argv) {
       }
     }
     expect(world.size() == rank, "no more world ranks than the counts give");
-    try {
+    if constexpr (mgpu::built_with_gloo) {  // host devices over Gloo (mpi_dist's modes check the collectives)
       auto comm = mgpu::dist::make_communicator(world, group);
-      expect(false, "a communicator over host devices across torchrun-style processes to be refused");
-    } catch (mgpu::Error const& e) {
-      expect(e.category() == mgpu::Errc::invalid_argument &&
-                 std::string(e.what()).find("host devices across processes need MPI: launch with mpirun or srun") !=
-                     std::string::npos,
-             "the refusal to name mpirun, got: " + std::string(e.what()));
+      expect(comm->size() == world.size() && comm->first_rank() == world.rank_of(0),
+             "a communicator over the world's " + std::to_string(world.size()) + " devices, this process's from rank " +
+                 std::to_string(world.rank_of(0)));
+    } else {
+      try {
+        auto comm = mgpu::dist::make_communicator(world, group);
+        expect(false, "a communicator over host devices across torchrun-style processes to be refused");
+      } catch (mgpu::Error const& e) {
+        expect(e.category() == mgpu::Errc::invalid_argument &&
+                   std::string(e.what()).find("host devices across processes need Gloo (MGPU_WITH_GLOO) or MPI") !=
+                       std::string::npos,
+               "the refusal to name Gloo and mpirun, got: " + std::string(e.what()));
+      }
     }
     std::printf("process %d of %d: a world of %d devices, as expected\n", place.rank, place.size, world.size());
     return 0;

@@ -1,7 +1,8 @@
 // Several processes, one per server (or per socket, or per GPU): where this process sits among the
 // job's processes (read from the launcher's environment), the world's device list, and a
 // communicator over every device of every process. MPI (built with MGPU_WITH_MPI) carries the
-// bootstrap and the host bytes; without it only a job of one process works.
+// bootstrap and the host bytes, or Gloo (MGPU_WITH_GLOO) in a torchrun-style job; without MPI only
+// a job of one process, or a torchrun-style job of GPUs, works.
 #pragma once
 
 #include <chrono>
@@ -62,9 +63,12 @@ Place parse_environment(Environment const& environment);
 /// size agree with the environment. A torchrun-style job of several processes (no MPI) meets over
 /// TCP instead: process 0 listens on MASTER_PORT and waits for every other process to connect to
 /// MASTER_ADDR:MASTER_PORT (within comm::default_timeout(), else Error(timeout) naming the ranks
-/// missing, or the address not reached); that rendezvous carries make_world's exchange and the NCCL
-/// unique id, nothing else, so such a job's communicators serve GPUs only. A second call returns the
-/// same place. Throws Error(invalid_argument) for a bad environment (a torchrun-style job of several
+/// missing, or the address not reached); that rendezvous carries make_world's exchange, the NCCL
+/// unique id and the addresses of the job's Gloo context (host devices' bytes go over Gloo, in a
+/// build with MGPU_WITH_GLOO). MGPU_DIST_BACKEND picks the transport of host devices: auto (unset:
+/// Gloo in a torchrun-style job, MPI under mpirun or srun), gloo (under mpirun or srun too), or mpi;
+/// another value, mpi in a torchrun-style job, or gloo in a build without Gloo is an
+/// Error(invalid_argument). A second call returns the same place. Throws Error(invalid_argument) for a bad environment (a torchrun-style job of several
 /// processes without MASTER_ADDR or MASTER_PORT, too) and for an mpirun or srun job of several
 /// processes in a build without MPI; Error(communication) when MPI or the rendezvous fails.
 Place init();
@@ -115,7 +119,10 @@ struct World {
 
 /// The world's device list: every process calls it with its own DeviceGroup (at least one device
 /// each; the counts may differ) and gets the same list (over MPI, or the torchrun-style rendezvous).
-/// Collective over the processes; waits at
+/// Where host devices go over Gloo, the first call also connects the job's Gloo context (a TCP
+/// connection between every two processes, on the address this process reaches process 0 from, or
+/// its host name under mpirun; their addresses through the same exchange). Collective over the
+/// processes; waits at
 /// most `timeout` (zero: comm::default_timeout()) for the others, then throws Error(timeout). Needs
 /// init() first.
 World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
@@ -124,8 +131,9 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout = s
 /// Communicator interface: rank r is world.devices[r], and each process calls the operations for
 /// its own ranks only (world.rank_of(local rank), with that device's stream), in the same order as
 /// a single-process communicator. Collectives are hierarchical: the process's ranks combine through
-/// an in-process host communicator, one leader per process (its local rank 0) exchanges over MPI,
-/// and the result goes back inside the process; an all-reduce between 2 processes with as many ranks
+/// an in-process host communicator, one leader per process (its local rank 0) exchanges over MPI
+/// (or over Gloo: a torchrun-style job, or MGPU_DIST_BACKEND=gloo; see init()), and the result goes
+/// back inside the process; over MPI, an all-reduce between 2 processes with as many ranks
 /// each goes by slices instead: every local rank reduces 1/L of the buffer over its process's ranks,
 /// swaps that with the same rank of the other process piece by piece, and writes the combined slice
 /// into every local rank's output, through an MPI shared-memory window where the two processes share
@@ -135,18 +143,20 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout = s
 /// all-reduce equals a single process's host communicator over as many devices, bit for bit. send/recv between
 /// processes go over MPI point-to-point (a send completes once MPI is done with its data: a small one at once, as MPI
 /// sends it eagerly, a large one once the receive has matched it; finalize() checks for unreceived sends only between
-/// ranks of this process). A collective may not be part of a group_start()/group_end() group (sends and receives may).
+/// ranks of this process), or over Gloo (a send completes once the receive has taken it). A collective may not be part of a group_start()/group_end() group (sends and receives may).
 ///
 /// CUDA GPUs (every device of the world one, no two the same GPU of a server): one NCCL communicator
 /// over all of them (the nccl backend's deadlines, abort and watchdog), its unique id made by process 0
 /// and broadcast over MPI or the torchrun-style rendezvous; each process creates and drives its own
 /// ranks' NCCL communicators, and NCCL carries the bytes between servers. A world mixing host devices
-/// and GPUs is refused, and so are host devices across the processes of a torchrun-style job (they
-/// need MPI).
+/// and GPUs is refused, and so are host devices across the processes of a torchrun-style job in a
+/// build without Gloo (they need MPI there).
 ///
-/// Deadlines: every MPI wait polls non-blocking calls against options.timeout (zero:
-/// comm::default_timeout()); a process not heard from in time makes the others fail with
-/// Error(timeout) naming the operation and the process(es), and aborts the communicator. The ranks
+/// Deadlines: every MPI or Gloo wait ends by options.timeout (zero: comm::default_timeout()); a
+/// process not heard from in time makes the others fail with Error(timeout) naming the operation
+/// and the process(es), and aborts the communicator; over Gloo, a process whose connection closed
+/// (it exited or was killed) is named at once in an Error(communication). Making one over Gloo
+/// waits twice the deadline for the others (as making one over MPI does). The ranks
 /// inside a process wait for their leader's exchange with twice that deadline, so the leader's
 /// error (naming the processes) is what they report. Collective over the processes (it sets up
 /// MPI communicators); `group` must be the DeviceGroup `world` was made from and outlive the
@@ -166,7 +176,8 @@ std::unique_ptr<comm::Communicator> make_communicator(World const& world, Device
 /// (comm::make_communicator(group, its local ranks, options)); one across processes is the whole
 /// world's scheme over the member processes (host devices only, for now): their ranks combine
 /// inside each process, one leader per member process exchanges over an MPI communicator among the
-/// members, with the same reduction order, deadlines, abort and error naming (processes by their
+/// members (over Gloo: the job's context, its messages told apart by the list and how many
+/// communicators over it this process made before), with the same reduction order, deadlines, abort and error naming (processes by their
 /// place in the job, ranks by their place in the subset). Making one first exchanges the list
 /// among the members, polled against options.timeout (zero: comm::default_timeout()): a member
 /// not heard from in time is named in an Error(timeout), another list in an Error(invalid_argument).
