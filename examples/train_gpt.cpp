@@ -44,7 +44,7 @@
 //     [--micro-batches M]       split over N devices, N pipelines per replica in lock-step, rank
 //                               t's pipeline holding rank t's shard of every stage; the groups of
 //                               N on the best links as above; any schedule; --sequence-parallel
-//                               too; fp32, without checkpoints
+//                               too; without checkpoints
 //     [--sequence-parallel]     sequence parallelism: between the split regions each device holds
 //                               1/N of the tokens (LayerNorm, dropout and residual activations),
 //                               all-gathers and reduce-scatters in place of the all-reduces
@@ -307,9 +307,6 @@ void check_layout(Options const& o, bool pipelined, int size) {
     if (o.batch_size < o.dp)
       refuse("--batch-size " + std::to_string(o.batch_size) + " with --dp " + std::to_string(o.dp) +
              " (expected at least one row per replica)");
-    if (pipelined && o.precision != "fp32")
-      refuse("--tp " + std::to_string(o.tp) + " with --stages " + std::to_string(o.stages) + " and --precision " + o.precision +
-             " (expected fp32: a pipeline's tensor-parallel chunks compute in float32 only for now)");
     if (pipelined && !o.checkpoint.empty())
       refuse("--tp " + std::to_string(o.tp) + " with --stages " + std::to_string(o.stages) +
              " and --checkpoint (expected --checkpoint with --tp alone: a pipeline's tensor-parallel chunks do not save yet)");

@@ -72,9 +72,6 @@ void check_tensor_parallel(ExecutorOptions const& options, bool across) {
   std::string const what = "tensor-parallel stages (tensor_parallel.ranks " + std::to_string(tp.ranks) + ")";
   if (!tp.stage || !tp.loss)
     throw Error(Errc::invalid_argument, what + " without a stage or loss factory (expected both)");
-  if (options.compute != DType::float32)
-    throw Error(Errc::invalid_argument, what + " computing in " + std::string(to_string(options.compute)) +
-                                            " (expected compute float32)");
   if (across && !options.make_subset_communicator)
     throw Error(Errc::invalid_argument, what + " over several processes without make_subset_communicator (expected "
                                                "dist::subset_communicator_factory(world) for the chunks' tensor-parallel ranks)");

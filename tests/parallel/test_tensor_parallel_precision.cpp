@@ -2,12 +2,14 @@
 // loss scaler, follow the one device's curve in the same precision within 2% (each rank's rounding
 // of its own matrices' parts differs from one device's of the whole); the loss scaler skips the same
 // steps as the one device's (an initial scale of 2^30 overflows float16 at the first step), and the 16-bit
-// curves are not the float32 one (the shards do compute in 16 bits).
+// curves are not the float32 one (the shards do compute in 16 bits). So does a tensor x pipeline
+// grid (TP 2 x PP 2).
 #include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -19,6 +21,7 @@
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
+#include <mgpu/pipeline/pipeline.hpp>
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
@@ -26,6 +29,7 @@
 
 namespace nn = mgpu::nn;
 namespace par = mgpu::parallel;
+namespace pp = mgpu::pipeline;
 using mgpu::DType;
 
 namespace {
@@ -138,4 +142,35 @@ TEST_CASE("a float16 tensor-parallel checkpoint carries the loss scaler's state:
     got.push_back(r.loss);
   }
   CHECK(got == rest);
+}
+
+TEST_CASE("a tensor x pipeline grid (TP 2 x PP 2, 1F1B) in bfloat16 and float16 follows the one device's 16-bit curve",
+          "[parallel][tensor][pipeline][precision]") {
+  mgpu::test::Env env;
+  std::vector<mgpu::test::TokenBatch> bs;
+  for (int s = 0; s < steps; ++s) bs.push_back(mgpu::test::rule_batch(env, 4, config.block_size, config.vocab, 900 + static_cast<unsigned>(s)));
+  for (DType const compute : {DType::bfloat16, DType::float16}) {
+    CAPTURE(mgpu::to_string(compute));
+    Curve const want = one_device(env, bs, compute);
+    mgpu::DeviceGroup group("host:4");
+    pp::Executor ex(nn::gpt(config), group, {0, 3, 6}, pp::one_f_one_b(2, 2),
+                    [](nn::Sequential const& chunk) {
+                      mgpu::optim::AdamWOptions o = adamw;
+                      o.decay_ranges = chunk.matrix_ranges();
+                      return std::make_unique<mgpu::optim::AdamW>(o);
+                    },
+                    {.seed = seed,
+                     .compute = compute,
+                     .loss_scaler = scaler_for(compute),
+                     .clip_norm = clip,
+                     .tensor_parallel = pp::tensor_parallel_stages(config, 2)});
+    double worst = 0;
+    for (int s = 0; s < steps; ++s) {
+      auto const i = static_cast<std::size_t>(s);
+      double const loss = ex.step(bs[i].ids, bs[i].targets);
+      CHECK(ex.last_step_applied() == want.applied[i]);
+      worst = std::max(worst, std::abs(loss - want.losses[i]) / want.losses[i]);
+    }
+    CHECK(worst < 0.02);
+  }
 }

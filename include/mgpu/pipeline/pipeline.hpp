@@ -241,7 +241,7 @@ using ChunkOptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(nn
 /// rank's rows, summed with them as above. Clipping counts split parameters on every rank of
 /// replica 0 and replicated ones on its rank 0 (parallel::norm_ranges). The executor's model is
 /// the whole model (its layers and cut points), its `loss` is replaced by tensor_parallel.loss,
-/// and chunk(c, replica) takes the pipeline a B + t as its replica. float32 only; across processes
+/// and chunk(c, replica) takes the pipeline a B + t as its replica. Any compute type; across processes
 /// with options.make_subset_communicator for each chunk's B ranks (the grid is laid out as below;
 /// a rank's replicas sum over the same tensor-parallel rank, clipping adds each chunk's counted
 /// ranges over the world); gather_parameters and scatter_parameters move the whole model (the model's layout) to and from
