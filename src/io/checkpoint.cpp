@@ -465,6 +465,8 @@ TrainingState load_training(Checkpoint const& c, std::string const& source, nn::
   return records.state;
 }
 
+std::string to_string(RecordType type) { return detail::type_name(type); }
+
 void put_loss_scaler(Checkpoint& checkpoint, optim::LossScaler::State const& state) {
   checkpoint.put("training.loss_scaler", std::vector<std::int64_t>{std::bit_cast<std::int32_t>(state.scale), state.good_steps, state.skipped});
 }

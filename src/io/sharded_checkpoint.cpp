@@ -272,6 +272,11 @@ Shape const& ShardedCheckpoint::shape(std::string const& name) const {
   return it->second.shape;
 }
 
+RecordType ShardedCheckpoint::type(std::string const& name) const {
+  (void)shape(name);  // names a missing record
+  return split_.at(name).type;
+}
+
 void ShardedCheckpoint::read(std::string const& name, std::int64_t begin, Tensor const& out, Stream& stream) const {
   Shape const& whole_shape = shape(name);
   Split const& split = split_.at(name);

@@ -26,6 +26,9 @@ namespace mgpu::io {
 
 /// The element type of a record: tensor dtypes, plus integers and bytes for metadata.
 enum class RecordType : std::uint8_t { float32 = 0, bfloat16 = 1, float16 = 2, int32 = 3, int64 = 16, uint64 = 17, bytes = 18 };
+/// "float32", "bytes", ... or "unknown type N".
+[[nodiscard]] std::string to_string(RecordType type);
+using mgpu::to_string;  // shapes and dtypes, beside record types
 
 struct Record {
   std::string name;

@@ -71,6 +71,8 @@ class ShardedCheckpoint {
   [[nodiscard]] std::vector<std::string> split_names() const;
   /// A split record's whole shape; throws Error(invalid_argument) naming a missing one.
   [[nodiscard]] Shape const& shape(std::string const& name) const;
+  /// A split record's element type; throws as shape() does.
+  [[nodiscard]] RecordType type(std::string const& name) const;
   /// Copies elements [begin, begin + out.numel()) of split record `name` into `out` through `stream`
   /// (synchronized). Throws Error(invalid_argument) for a missing record, another dtype, a bad range.
   void read(std::string const& name, std::int64_t begin, Tensor const& out, Stream& stream) const;
