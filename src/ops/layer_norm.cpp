@@ -33,7 +33,7 @@ void layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& beta, Tensor
   std::int64_t const n = x.dim(0);
   visit(x.dtype(), [&]<class T>(T) {
     detail::LayerNormRow<T> const op{ptr<T>(x), ptr<T>(gamma), ptr<T>(beta), ptr<T>(y), ptr<float>(stats), ptr<float>(stats) + n, x.dim(1), eps};
-    run_each(stream, n, op, {x, gamma, beta, y, stats});
+    run_each(stream, HostOpFamily::norm, n, op, {x, gamma, beta, y, stats});
   });
 }
 
@@ -51,9 +51,9 @@ void layer_norm_backward(Tensor const& x, Tensor const& gamma, Tensor const& sta
   float const* mean = ptr<float>(stats);
   float const* rstd = mean + n;
   visit(x.dtype(), [&]<class T>(T) {
-    run_each(stream, n, detail::LayerNormGradRow<T>{ptr<T>(x), ptr<T>(gamma), ptr<T>(dy), mean, rstd, ptr<T>(dx), d},
+    run_each(stream, HostOpFamily::norm, n, detail::LayerNormGradRow<T>{ptr<T>(x), ptr<T>(gamma), ptr<T>(dy), mean, rstd, ptr<T>(dx), d},
              {x, gamma, stats, dy, dx});
-    run_each(stream, d, detail::LayerNormParamGradCol<T>{ptr<T>(x), ptr<T>(dy), mean, rstd, ptr<T>(dgamma), ptr<T>(dbeta), n, d, accumulate},
+    run_each(stream, HostOpFamily::norm, d, detail::LayerNormParamGradCol<T>{ptr<T>(x), ptr<T>(dy), mean, rstd, ptr<T>(dgamma), ptr<T>(dbeta), n, d, accumulate},
              {x, stats, dy, dgamma, dbeta});
   });
 }

@@ -22,6 +22,7 @@
 
 #include "core/backend.hpp"
 #include "kernels/ops.hpp"
+#include "ops/host_op_stats.hpp"
 
 namespace mgpu::ops {
 namespace {
@@ -105,17 +106,21 @@ detail::AttentionMask attention_mask(AttentionDropout const& dropout, std::int64
 }
 
 // Runs body(each, scratch) with `scratch_words` 4-byte words of scratch memory, where each(n, op)
-// calls op(i) for i in [0, n): on a host stream inside one piece of enqueued work; on a CUDA stream
+// calls op(i) for i in [0, n): on a host stream inside one piece of enqueued work, its time counted
+// to `family` (host_op_seconds); on a CUDA stream
 // as kernels over device scratch from the caching allocator of keep[0] (a tensor on the stream's
 // device), released in stream order. The work is recorded as a use of the `keep` tensors (their
 // blocks are reused in stream order, mgpu::detail::enqueue_using).
 template <class Body>
-void run(Stream& stream, std::vector<Tensor> const& keep, std::size_t scratch_words, Body const& body) {
+void run(Stream& stream, HostOpFamily family, std::vector<Tensor> const& keep, std::size_t scratch_words,
+         Body const& body) {
   if (stream.device().kind == DeviceKind::host) {
-    mgpu::detail::enqueue_using(stream, [scratch_words, body] {
-      std::vector<std::uint32_t> scratch(scratch_words);
-      body([](std::int64_t n, auto const& op) { mgpu::detail::for_each_index(n, op); },
-           static_cast<void*>(scratch.data()));
+    mgpu::detail::enqueue_using(stream, [family, scratch_words, body] {
+      host::timed(family, [&] {
+        std::vector<std::uint32_t> scratch(scratch_words);
+        body([](std::int64_t n, auto const& op) { mgpu::detail::for_each_index(n, op); },
+             static_cast<void*>(scratch.data()));
+      });
     }, keep);
     return;
   }
@@ -373,7 +378,7 @@ void embedding(Tensor const& ids, Tensor const& wte, Tensor const& wpe, Tensor c
   fail_on_bad_id(op, "token id", ids, batch * t, vocab, no_ignore, stream);
   visit(wte.dtype(), [&]<class T>(T) {
     detail::EmbeddingOp<T> const e{ptr<std::int32_t>(ids), ptr<T>(wte), ptr<T>(wpe), ptr<T>(y), t, c, vocab};
-    run(stream, {ids, wte, wpe, y}, 0, [e, n = batch * t * c](auto const& each, void*) { each(n, e); });
+    run(stream, HostOpFamily::embedding, {ids, wte, wpe, y}, 0, [e, n = batch * t * c](auto const& each, void*) { each(n, e); });
   });
 }
 
@@ -400,7 +405,7 @@ void embedding_grads(char const* op, Tensor const& ids, Tensor const& dy, Tensor
     std::int32_t const* id = ptr<std::int32_t>(ids);
     detail::EmbeddingPositionGradOp<T> const position{ptr<T>(dy), ptr<T>(dwpe), batch, t, c, accumulate_wpe};
     auto const words_needed = static_cast<std::size_t>(rows + 1 + batch * t);
-    run(stream, {ids, dy, dwte, dwpe}, words_needed, [=](auto const& each, void* scratch) {
+    run(stream, HostOpFamily::embedding, {ids, dy, dwte, dwpe}, words_needed, [=](auto const& each, void* scratch) {
       auto* offsets = words<std::int32_t>(scratch, 0);
       auto* positions = words<std::int32_t>(scratch, static_cast<std::size_t>(rows + 1));
       each(rows, detail::TokenCountOp{id, batch * t, offsets, begin});
@@ -438,7 +443,7 @@ void vocab_shard_embedding(Tensor const& ids, Tensor const& wte, Tensor const& w
   visit(wte.dtype(), [&]<class T>(T) {
     detail::VocabShardEmbeddingOp<T> const e{
         ptr<std::int32_t>(ids), ptr<T>(wte), ptr<T>(wpe), ptr<T>(y), t, c, begin, rows, positions};
-    run(stream, {ids, wte, wpe, y}, 0, [e, n = batch * t * c](auto const& each, void*) { each(n, e); });
+    run(stream, HostOpFamily::embedding, {ids, wte, wpe, y}, 0, [e, n = batch * t * c](auto const& each, void*) { each(n, e); });
   });
 }
 
@@ -459,11 +464,11 @@ void causal_attention(Tensor const& qkv, Tensor const& y, Tensor const& lse, std
   visit(qkv.dtype(), [&]<class T>(T) {
     if (stream.device().kind == DeviceKind::host) {
       mgpu::detail::enqueue_using(stream, [q = ptr<T>(qkv), out = ptr<T>(y), l = ptr<float>(lse), batch, shape, mask] {
-        host_attention::forward(q, out, l, batch, shape, mask);
+        host::timed(HostOpFamily::attention, [&] { host_attention::forward(q, out, l, batch, shape, mask); });
       }, qkv, y, lse);
       return;
     }
-    run(stream, {qkv, y, lse}, static_cast<std::size_t>(batch * t * c), [=](auto const& each, void* scratch) {
+    run(stream, HostOpFamily::attention, {qkv, y, lse}, static_cast<std::size_t>(batch * t * c), [=](auto const& each, void* scratch) {
       each(batch * heads * t, detail::AttentionForwardRow<T>{ptr<T>(qkv), ptr<T>(y), ptr<float>(lse),
                                                              words<float>(scratch, 0), shape, mask});
     });
@@ -489,12 +494,12 @@ void causal_attention_backward(Tensor const& qkv, Tensor const& y, Tensor const&
     if (stream.device().kind == DeviceKind::host) {
       mgpu::detail::enqueue_using(stream, [q = ptr<T>(qkv), out = ptr<T>(y), l = ptr<float>(lse), g = ptr<T>(dy),
                                            dq = ptr<T>(dqkv), batch, shape, mask] {
-        host_attention::backward(q, out, l, g, dq, batch, shape, mask);
+        host::timed(HostOpFamily::attention, [&] { host_attention::backward(q, out, l, g, dq, batch, shape, mask); });
       }, qkv, y, lse, dy, dqkv);
       return;
     }
     auto const words_needed = static_cast<std::size_t>(rows + batch * t * 3 * c);
-    run(stream, {qkv, y, lse, dy, dqkv}, words_needed, [=](auto const& each, void* scratch) {
+    run(stream, HostOpFamily::attention, {qkv, y, lse, dy, dqkv}, words_needed, [=](auto const& each, void* scratch) {
       float* row_dot = words<float>(scratch, 0);
       float* dacc = words<float>(scratch, static_cast<std::size_t>(rows));
       each(rows, detail::AttentionRowDot<T>{ptr<T>(y), ptr<T>(dy), row_dot, shape});
@@ -554,7 +559,7 @@ void token_cross_entropy(Tensor const& logits, Tensor const& targets, Tensor con
     detail::TokenCrossEntropyRow<T> const row{
         ptr<T>(logits), ptr<std::int32_t>(targets), ptr<T>(dlogits), nullptr, vocab,
         ignore_index,   grad_scale / divisor};
-    run(stream, {logits, targets, dlogits, loss}, static_cast<std::size_t>(n), [=](auto const& each, void* scratch) {
+    run(stream, HostOpFamily::loss, {logits, targets, dlogits, loss}, static_cast<std::size_t>(n), [=](auto const& each, void* scratch) {
       auto with_rows = row;
       with_rows.row_loss = words<float>(scratch, 0);
       each(n, with_rows);
@@ -590,7 +595,7 @@ void vocab_shard_row_max(Tensor const& logits, Tensor const& max, Stream& stream
   std::int64_t const n = check_vocab_shard_rows(op, logits, max, 1, stream);
   visit(logits.dtype(), [&]<class T>(T) {
     detail::VocabShardRowMax<T> const row{ptr<T>(logits), ptr<float>(max), logits.dim(logits.rank() - 1)};
-    run(stream, {logits, max}, 0, [row, n](auto const& each, void*) { each(n, row); });
+    run(stream, HostOpFamily::loss, {logits, max}, 0, [row, n](auto const& each, void*) { each(n, row); });
   });
 }
 
@@ -603,7 +608,7 @@ void vocab_shard_row_sums(Tensor const& logits, Tensor const& targets, Tensor co
   visit(logits.dtype(), [&]<class T>(T) {
     detail::VocabShardRowSums<T> const row{ptr<T>(logits),   ptr<std::int32_t>(targets),    ptr<float>(max),
                                            ptr<float>(sums), logits.dim(logits.rank() - 1), begin};
-    run(stream, {logits, targets, max, sums}, 0, [row, n](auto const& each, void*) { each(n, row); });
+    run(stream, HostOpFamily::loss, {logits, targets, max, sums}, 0, [row, n](auto const& each, void*) { each(n, row); });
   });
 }
 
@@ -630,7 +635,7 @@ void vocab_shard_cross_entropy(Tensor const& logits, Tensor const& targets, Tens
                                                    vocab,
                                                    ignore_index,
                                                    grad_scale / divisor};
-    run(stream, {logits, targets, max, sums, dlogits, loss}, static_cast<std::size_t>(n),
+    run(stream, HostOpFamily::loss, {logits, targets, max, sums, dlogits, loss}, static_cast<std::size_t>(n),
         [=](auto const& each, void* scratch) {
           auto with_rows = row;
           with_rows.row_loss = words<float>(scratch, 0);

@@ -8,6 +8,7 @@
 // on the device, so nothing waits: read one with item().
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include <mgpu/core/stream.hpp>
@@ -113,6 +114,24 @@ struct HostGemmStats {
 /// The calling thread's host GEMM totals since it started; a host stream's GEMMs run on its worker,
 /// so read them from work enqueued on that stream. Reading is cheap and changes nothing.
 [[nodiscard]] HostGemmStats host_gemm_stats() noexcept;
+
+/// The families of ops besides the GEMMs whose host time host_op_seconds() counts: causal
+/// attention; LayerNorm; activations with their bias, dropout and bias gradients; the losses; the
+/// optimizer's updates with the gradient clipping's norm and scale; the embedding and its gradient;
+/// element-wise adds and conversions (residual adds, gradient accumulation).
+enum class HostOpFamily : std::uint8_t { attention, norm, activation, loss, optimizer, embedding, elementwise };
+inline constexpr std::size_t host_op_family_count = 7;
+/// The name of a family ("attention", "norm", ...).
+[[nodiscard]] char const* host_op_family_name(HostOpFamily family) noexcept;
+/// Seconds the calling thread has spent running the host work of each family's ops since it
+/// started, indexed by HostOpFamily (host GEMMs, including those inside linear, are counted by
+/// host_gemm_stats alone; attention's own tile products count as attention). As host_gemm_stats:
+/// read from work enqueued on the stream.
+struct HostOpSeconds {
+  double seconds[host_op_family_count] = {};
+  [[nodiscard]] double operator[](HostOpFamily f) const noexcept { return seconds[static_cast<std::size_t>(f)]; }
+};
+[[nodiscard]] HostOpSeconds host_op_seconds() noexcept;
 
 /// The value of a one-element tensor: copies it to the host and synchronizes `stream`.
 float item(Tensor const& t, Stream& stream);
