@@ -73,6 +73,17 @@ void causal_attention_backward(Tensor const& qkv, Tensor const& y, Tensor const&
                                Tensor const& dqkv, std::int64_t heads, Stream& stream,
                                AttentionDropout const& dropout = {});
 
+/// The tiles of causal attention on host devices: blocks of `queries` query rows, each against
+/// the keys it may see in tiles of `keys` keys (scores, products and the online softmax's updates
+/// per tile). Zero in either: the choice the library measured for the shape (BM_attention).
+struct AttentionTiles {
+  std::int64_t queries = 0;
+  std::int64_t keys = 0;
+};
+/// Sets the tiles host attention enqueued from now on uses, by any thread (process-wide,
+/// thread-safe; for measuring the choice). Results differ between tilings only by float32 rounding.
+void set_host_attention_tiles(AttentionTiles tiles) noexcept;
+
 /// Per-token cross-entropy of logits [N, V] (or [B, T, V]) against int32 targets of N elements:
 /// loss = (sum over rows whose target is not `ignore_index` of -log softmax(row)[target]) / divisor,
 /// dlogits = (softmax - onehot(target)) * grad_scale / divisor on those rows and 0 on ignored rows.
