@@ -25,15 +25,14 @@ void set_host_attention_tiles(AttentionTiles tiles) noexcept {
 
 namespace host {
 
-AttentionTiles attention_tiles(std::int64_t t, std::int64_t d) noexcept {
+AttentionTiles attention_tiles() noexcept {
   AttentionTiles const set{tile_queries.load(std::memory_order_relaxed), tile_keys.load(std::memory_order_relaxed)};
   if (set.queries > 0 && set.keys > 0) return set;
-  // BM_attention's rows on this project's CPU (2026-12-06, bench/results/2026-12-06-cpu-gpt-attention.json):
-  // 32 x 64 was the fastest or within noise of it on both shapes (T 64, d 32 and T 256, d 64); taller
-  // query blocks waste more of the diagonal tile, wider key tiles leave the scores' rows out of L1.
-  (void)t;
-  (void)d;
-  return {32, 64};
+  // BM_attention's rows (bench/results/2026-12-06-cpu-gpt-attention.json, a loaded 2-core AMD EPYC):
+  // 32 query rows took the least time on both shapes; on GPT-2 small's (T 256, d 64) keys in tiles of
+  // 128 (11.8 ms, 0.51 of the sgemm rate in turn) beat 64 (32.5 ms) and 256 (16.0 ms); taller query
+  // blocks compute more of the diagonal tile's masked half. On T <= 128 it is one key tile.
+  return {32, 128};
 }
 
 namespace {

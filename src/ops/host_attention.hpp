@@ -9,10 +9,10 @@
 
 namespace mgpu::ops::host {
 
-/// The tiles attention on a sequence of t tokens with heads of d features runs in: the ones
-/// set_host_attention_tiles set, or else the choice measured per shape (BM_attention); read
-/// when the op is enqueued.
-[[nodiscard]] AttentionTiles attention_tiles(std::int64_t t, std::int64_t d) noexcept;
+/// The tiles host attention runs in: the ones set_host_attention_tiles set, or else the choice
+/// BM_attention measured on the nano and GPT-2-small shapes (the same for both); read when the op
+/// is enqueued.
+[[nodiscard]] AttentionTiles attention_tiles() noexcept;
 
 /// y [B, T, C] and the per-row log-sum-exp lse [B, heads, T] from qkv [B, T, 3C]: per (sequence,
 /// head), blocks of tiles.queries queries against the keys they may see in tiles of tiles.keys,

@@ -294,7 +294,7 @@ void causal_attention(Tensor const& qkv, Tensor const& y, Tensor const& lse, std
   detail::AttentionMask const mask = attention_mask(dropout, heads, t);
   visit(qkv.dtype(), [&]<class T>(T) {
     if (stream.device().kind == DeviceKind::host) {
-      AttentionTiles const tiles = host::attention_tiles(t, shape.d());
+      AttentionTiles const tiles = host::attention_tiles();
       mgpu::detail::enqueue_using(stream, [q = ptr<T>(qkv), out = ptr<T>(y), l = ptr<float>(lse), batch, shape, mask, tiles] {
         host::timed(HostOpFamily::attention, [&] { host::attention_forward(q, out, l, batch, shape, mask, tiles); });
       }, qkv, y, lse);
@@ -324,7 +324,7 @@ void causal_attention_backward(Tensor const& qkv, Tensor const& y, Tensor const&
   std::int64_t const rows = batch * heads * t;
   visit(qkv.dtype(), [&]<class T>(T) {
     if (stream.device().kind == DeviceKind::host) {
-      AttentionTiles const tiles = host::attention_tiles(t, shape.d());
+      AttentionTiles const tiles = host::attention_tiles();
       mgpu::detail::enqueue_using(stream, [q = ptr<T>(qkv), out = ptr<T>(y), l = ptr<float>(lse), g = ptr<T>(dy),
                                            dq = ptr<T>(dqkv), batch, shape, mask, tiles] {
         host::timed(HostOpFamily::attention, [&] { host::attention_backward(q, out, l, g, dq, batch, shape, mask, tiles); });

@@ -75,7 +75,7 @@ void causal_attention_backward(Tensor const& qkv, Tensor const& y, Tensor const&
 
 /// The tiles of causal attention on host devices: blocks of `queries` query rows, each against
 /// the keys it may see in tiles of `keys` keys (scores, products and the online softmax's updates
-/// per tile). Zero in either: the choice the library measured for the shape (BM_attention).
+/// per tile). Zero in either: the library's choice, measured by BM_attention.
 struct AttentionTiles {
   std::int64_t queries = 0;
   std::int64_t keys = 0;
