@@ -56,7 +56,8 @@ __global__ void layer_norm_grad_rows_kernel(mgpu::detail::LayerNormGradRow<T> op
     for (std::int64_t j = threadIdx.x; j < op.cols; j += blockDim.x) {
       float const g = load(op.dy, base + j) * load(op.gamma, j);
       float const xhat = (load(op.x, base + j) - op.mean[r]) * op.rstd[r];
-      store(op.dx, base + j, op.rstd[r] * (g - mean_g - xhat * mean_gx));
+      float const skip = op.residual != nullptr ? load(op.residual, base + j) : 0.0f;
+      store(op.dx, base + j, op.rstd[r] * (g - mean_g - xhat * mean_gx) + skip);
     }
   }
 }

@@ -186,7 +186,9 @@ Tensor LayerNorm::forward(Tensor const& x, Context& ctx) {
   return y;
 }
 
-Tensor LayerNorm::backward(Tensor const& dy, Context& ctx) {
+Tensor LayerNorm::backward(Tensor const& dy, Context& ctx) { return backward_add(dy, Tensor{}, ctx); }
+
+Tensor LayerNorm::backward_add(Tensor const& dy, Tensor const& residual, Context& ctx) {
   auto const it = saved_.find(ctx.micro_batch);
   if (it == saved_.end())
     throw Error(Errc::invalid_argument, name() + ".backward for micro-batch " + std::to_string(ctx.micro_batch) +
@@ -195,7 +197,7 @@ Tensor LayerNorm::backward(Tensor const& dy, Context& ctx) {
   saved_.erase(it);
   Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator, ctx.stream);
   ops::layer_norm_backward(x, gamma_, stats, as_rows(dy, features_), as_rows(dx, features_), dgamma_, dbeta_, ctx.stream,
-                           ctx.accumulate_gradients);
+                           ctx.accumulate_gradients, residual.defined() ? as_rows(residual, features_) : Tensor{});
   return dx;
 }
 

@@ -451,13 +451,10 @@ Tensor TransformerBlock::backward_input(Tensor const& dy, Context& ctx) {
     (void)forward_layers(in.x, rerun);
     set_rng_counter(counter);
   }
-  // dh = dy + the MLP branch's input gradient; dx = dh + the attention branch's. Each branch's
-  // gradient is a fresh tensor (LayerNorm's backward allocates it), so the sums go in place.
-  Tensor const dh = ln2_.backward(fc_.backward_input(proj_.backward_input(mlp_drop_.backward(dy, ctx), ctx), ctx), ctx);
-  ops::add_scaled(dh, dy, 1.0f, ctx.stream);
-  Tensor const dx = ln1_.backward(attn_.backward_input(attn_drop_.backward(dh, ctx), ctx), ctx);
-  ops::add_scaled(dx, dh, 1.0f, ctx.stream);
-  return dx;
+  // dh = dy + the MLP branch's input gradient; dx = dh + the attention branch's: each sum in the
+  // pass of the branch's LayerNorm backward.
+  Tensor const dh = ln2_.backward_add(fc_.backward_input(proj_.backward_input(mlp_drop_.backward(dy, ctx), ctx), ctx), dy, ctx);
+  return ln1_.backward_add(attn_.backward_input(attn_drop_.backward(dh, ctx), ctx), dh, ctx);
 }
 
 void TransformerBlock::backward_weight(Context& ctx) {

@@ -38,7 +38,7 @@ void layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& beta, Tensor
 }
 
 void layer_norm_backward(Tensor const& x, Tensor const& gamma, Tensor const& stats, Tensor const& dy, Tensor const& dx,
-                         Tensor const& dgamma, Tensor const& dbeta, Stream& stream, bool accumulate) {
+                         Tensor const& dgamma, Tensor const& dbeta, Stream& stream, bool accumulate, Tensor const& residual) {
   check_layer_norm(x, gamma, stats, "layer_norm_backward", stream);
   for (auto const& [t, role] : {std::pair{&dy, "dy"}, std::pair{&dx, "dx"}, std::pair{&dgamma, "dgamma"}, std::pair{&dbeta, "dbeta"}})
     check(*t, "layer_norm_backward", role, stream);
@@ -46,13 +46,18 @@ void layer_norm_backward(Tensor const& x, Tensor const& gamma, Tensor const& sta
   check_same(x, dx, "layer_norm_backward");
   check_same(gamma, dgamma, "layer_norm_backward");
   check_same(gamma, dbeta, "layer_norm_backward");
+  if (residual.defined()) {
+    check(residual, "layer_norm_backward", "residual", stream);
+    check_same(x, residual, "layer_norm_backward");
+  }
   std::int64_t const n = x.dim(0);
   std::int64_t const d = x.dim(1);
   float const* mean = ptr<float>(stats);
   float const* rstd = mean + n;
   visit(x.dtype(), [&]<class T>(T) {
-    run_each(stream, HostOpFamily::norm, n, detail::LayerNormGradRow<T>{ptr<T>(x), ptr<T>(gamma), ptr<T>(dy), mean, rstd, ptr<T>(dx), d},
-             {x, gamma, stats, dy, dx});
+    T const* skip = residual.defined() ? ptr<T>(residual) : nullptr;
+    run_each(stream, HostOpFamily::norm, n, detail::LayerNormGradRow<T>{ptr<T>(x), ptr<T>(gamma), ptr<T>(dy), mean, rstd, ptr<T>(dx), d, skip},
+             residual.defined() ? std::vector<Tensor>{x, gamma, stats, dy, dx, residual} : std::vector<Tensor>{x, gamma, stats, dy, dx});
     run_each(stream, HostOpFamily::norm, d, detail::LayerNormParamGradCol<T>{ptr<T>(x), ptr<T>(dy), mean, rstd, ptr<T>(dgamma), ptr<T>(dbeta), n, d, accumulate},
              {x, stats, dy, dgamma, dbeta});
   });

@@ -60,8 +60,11 @@ void gelu_backward(Tensor const& x, Tensor const& dy, Tensor const& dx, Stream& 
 void layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& beta, Tensor const& y, Tensor const& stats, float eps,
                 Stream& stream);
 /// The gradients of layer_norm: dx, and dgamma, dbeta (overwritten, or added to with `accumulate`).
+/// With `residual` (shaped and typed as dy), dx = the input gradient + residual in the same pass:
+/// the backward of y = LayerNorm(h) where h also feeds a residual path whose gradient is residual.
 void layer_norm_backward(Tensor const& x, Tensor const& gamma, Tensor const& stats, Tensor const& dy, Tensor const& dx,
-                         Tensor const& dgamma, Tensor const& dbeta, Stream& stream, bool accumulate = false);
+                         Tensor const& dgamma, Tensor const& dbeta, Stream& stream, bool accumulate = false,
+                         Tensor const& residual = {});
 /// Inverted dropout: y = x / (1 - p) or 0, chosen by a counter-based hash of (seed, index), so the
 /// same seed gives the same mask on every device and in dropout_backward (no mask is stored).
 /// p must be in [0, 1).
