@@ -187,7 +187,8 @@ struct Sgemm {
     c = mgpu::Tensor::empty({n, n}, mgpu::DType::float32, allocator);
     std::mt19937 rng(3);
     std::normal_distribution<float> d(0.0f, 1.0f);
-    for (mgpu::Tensor const* t : {&a, &b}) std::generate(t->host_span<float>().begin(), t->host_span<float>().end(), [&] { return d(rng); });
+    for (mgpu::Tensor const* t : {&a, &b})
+      std::generate(t->host_span<float>().begin(), t->host_span<float>().end(), [&] { return d(rng); });
   }
   [[nodiscard]] static double flops() { return 2.0 * n * n * n; }
   // Seconds of one product on the stream's worker.
@@ -239,7 +240,8 @@ void BM_gpt_step(benchmark::State& state) {
     Totals const after = read();
     gemm_s += after.gemm.seconds - before.gemm.seconds;
     gemm_flops += after.gemm.flops - before.gemm.flops;
-    for (std::size_t f = 0; f < mgpu::ops::host_op_family_count; ++f) op_s.seconds[f] += after.ops.seconds[f] - before.ops.seconds[f];
+    for (std::size_t f = 0; f < mgpu::ops::host_op_family_count; ++f)
+      op_s.seconds[f] += after.ops.seconds[f] - before.ops.seconds[f];
     sgemm_s.push_back(sgemm.seconds(trainer.stream));  // in turn with the steps: under the same load
     state.ResumeTiming();
   }
@@ -258,8 +260,8 @@ void BM_gpt_step(benchmark::State& state) {
   double accounted = gemm_s;
   for (std::size_t f = 0; f < mgpu::ops::host_op_family_count; ++f) {
     accounted += op_s.seconds[f];
-    state.counters[std::string("step_") + mgpu::ops::host_op_family_name(static_cast<mgpu::ops::HostOpFamily>(f)) + "_share"] =
-        op_s.seconds[f] / total_s;
+    state.counters[std::string("step_") + mgpu::ops::host_op_family_name(static_cast<mgpu::ops::HostOpFamily>(f)) +
+                   "_share"] = op_s.seconds[f] / total_s;
   }
   state.counters["step_other_share"] = 1.0 - accounted / total_s;
   state.counters["step_gemm_gflops"] = gemm_flops / gemm_s / 1e9;
@@ -737,7 +739,9 @@ void BM_attention(benchmark::State& state) {
     ratio.push_back(naive_s.back() / online_s.back());
   }
   mgpu::ops::set_host_attention_tiles({});
-  state.SetLabel(std::string(shape.name) + (chosen ? ", the library's tiles" : ", tiles " + std::to_string(tiles.queries) + " x " + std::to_string(tiles.keys)));
+  state.SetLabel(std::string(shape.name) +
+                 (chosen ? ", the library's tiles"
+                         : ", tiles " + std::to_string(tiles.queries) + " x " + std::to_string(tiles.keys)));
   state.counters["online_ms"] = median(online_s) * 1e3;
   state.counters["gflops"] = flops / median(online_s) / 1e9;
   state.counters["sgemm_gflops"] = Sgemm::flops() / median(sgemm_s) / 1e9;

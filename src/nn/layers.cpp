@@ -196,8 +196,9 @@ Tensor LayerNorm::backward_add(Tensor const& dy, Tensor const& residual, Context
   auto const [x, stats] = std::move(it->second);
   saved_.erase(it);
   Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator, ctx.stream);
-  ops::layer_norm_backward(x, gamma_, stats, as_rows(dy, features_), as_rows(dx, features_), dgamma_, dbeta_, ctx.stream,
-                           ctx.accumulate_gradients, residual.defined() ? as_rows(residual, features_) : Tensor{});
+  ops::layer_norm_backward(x, gamma_, stats, as_rows(dy, features_), as_rows(dx, features_), dgamma_, dbeta_,
+                           ctx.stream, ctx.accumulate_gradients,
+                           residual.defined() ? as_rows(residual, features_) : Tensor{});
   return dx;
 }
 

@@ -453,7 +453,8 @@ Tensor TransformerBlock::backward_input(Tensor const& dy, Context& ctx) {
   }
   // dh = dy + the MLP branch's input gradient; dx = dh + the attention branch's: each sum in the
   // pass of the branch's LayerNorm backward.
-  Tensor const dh = ln2_.backward_add(fc_.backward_input(proj_.backward_input(mlp_drop_.backward(dy, ctx), ctx), ctx), dy, ctx);
+  Tensor const dh =
+      ln2_.backward_add(fc_.backward_input(proj_.backward_input(mlp_drop_.backward(dy, ctx), ctx), ctx), dy, ctx);
   return ln1_.backward_add(attn_.backward_input(attn_drop_.backward(dh, ctx), ctx), dh, ctx);
 }
 

@@ -11,7 +11,6 @@
 
 #include <mgpu/core/detail/training_math.hpp>
 
-
 namespace mgpu::ops {
 namespace {
 std::atomic<std::int64_t> tile_queries{0};
@@ -280,7 +279,8 @@ void attention_backward(T const* qkv, T const* y, float const* lse, T const* dy,
             std::fill(ds + n, ds + cols, 0.0f);
           }
           product(p_tile, 1, cols, w.dy.data() + first * d, d, w.dv.data() + j0 * d, d, cols, d, n_rows, true);
-          product(ds_tile, 1, cols, w.q.data() + first * d, d, w.dk.data() + j0 * d, d, cols, d, n_rows, true);  // scaled q
+          // dk from the scaled q, dq unscaled on the way out
+          product(ds_tile, 1, cols, w.q.data() + first * d, d, w.dk.data() + j0 * d, d, cols, d, n_rows, true);
           product(ds_tile, cols, 1, w.k.data() + j0 * d, d, w.dq.data() + first * d, d, n_rows, d, cols, true);
         }
       }
@@ -292,10 +292,10 @@ void attention_backward(T const* qkv, T const* y, float const* lse, T const* dy,
   }
 }
 
-#define MGPU_HOST_ATTENTION(T)                                                                                      \
-  template void attention_forward<T>(T const*, T*, float*, std::int64_t, detail::AttentionShape const&,             \
-                                     detail::AttentionMask const&, AttentionTiles);                                 \
-  template void attention_backward<T>(T const*, T const*, float const*, T const*, T*, std::int64_t,                 \
+#define MGPU_HOST_ATTENTION(T)                                                                          \
+  template void attention_forward<T>(T const*, T*, float*, std::int64_t, detail::AttentionShape const&, \
+                                     detail::AttentionMask const&, AttentionTiles);                     \
+  template void attention_backward<T>(T const*, T const*, float const*, T const*, T*, std::int64_t,     \
                                       detail::AttentionShape const&, detail::AttentionMask const&, AttentionTiles);
 MGPU_HOST_ATTENTION(float)
 MGPU_HOST_ATTENTION(bfloat16)

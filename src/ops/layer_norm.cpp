@@ -38,7 +38,8 @@ void layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& beta, Tensor
 }
 
 void layer_norm_backward(Tensor const& x, Tensor const& gamma, Tensor const& stats, Tensor const& dy, Tensor const& dx,
-                         Tensor const& dgamma, Tensor const& dbeta, Stream& stream, bool accumulate, Tensor const& residual) {
+                         Tensor const& dgamma, Tensor const& dbeta, Stream& stream, bool accumulate,
+                         Tensor const& residual) {
   check_layer_norm(x, gamma, stats, "layer_norm_backward", stream);
   for (auto const& [t, role] : {std::pair{&dy, "dy"}, std::pair{&dx, "dx"}, std::pair{&dgamma, "dgamma"}, std::pair{&dbeta, "dbeta"}})
     check(*t, "layer_norm_backward", role, stream);
@@ -56,9 +57,13 @@ void layer_norm_backward(Tensor const& x, Tensor const& gamma, Tensor const& sta
   float const* rstd = mean + n;
   visit(x.dtype(), [&]<class T>(T) {
     T const* skip = residual.defined() ? ptr<T>(residual) : nullptr;
-    run_each(stream, HostOpFamily::norm, n, detail::LayerNormGradRow<T>{ptr<T>(x), ptr<T>(gamma), ptr<T>(dy), mean, rstd, ptr<T>(dx), d, skip},
-             residual.defined() ? std::vector<Tensor>{x, gamma, stats, dy, dx, residual} : std::vector<Tensor>{x, gamma, stats, dy, dx});
-    run_each(stream, HostOpFamily::norm, d, detail::LayerNormParamGradCol<T>{ptr<T>(x), ptr<T>(dy), mean, rstd, ptr<T>(dgamma), ptr<T>(dbeta), n, d, accumulate},
+    run_each(stream, HostOpFamily::norm, n,
+             detail::LayerNormGradRow<T>{ptr<T>(x), ptr<T>(gamma), ptr<T>(dy), mean, rstd, ptr<T>(dx), d, skip},
+             residual.defined() ? std::vector<Tensor>{x, gamma, stats, dy, dx, residual}
+                                : std::vector<Tensor>{x, gamma, stats, dy, dx});
+    run_each(stream, HostOpFamily::norm, d,
+             detail::LayerNormParamGradCol<T>{ptr<T>(x), ptr<T>(dy), mean, rstd, ptr<T>(dgamma), ptr<T>(dbeta), n, d,
+                                              accumulate},
              {x, stats, dy, dgamma, dbeta});
   });
 }

@@ -32,10 +32,10 @@
 
 #include <mgpu/config.hpp>
 #include <mgpu/core/detail/elementwise.hpp>
+#include <mgpu/core/detail/training_math.hpp>
 #include <mgpu/core/error.hpp>
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
-#include <mgpu/core/detail/training_math.hpp>
 #include <mgpu/ops/ops.hpp>
 
 #include "core/backend.hpp"

@@ -115,13 +115,16 @@ template <class Body>
 void run(Stream& stream, HostOpFamily family, std::vector<Tensor> const& keep, std::size_t scratch_words,
          Body const& body) {
   if (stream.device().kind == DeviceKind::host) {
-    mgpu::detail::enqueue_using(stream, [family, scratch_words, body] {
-      host::timed(family, [&] {
-        std::vector<std::uint32_t> scratch(scratch_words);
-        body([](std::int64_t n, auto const& op) { mgpu::detail::for_each_index(n, op); },
-             static_cast<void*>(scratch.data()));
-      });
-    }, keep);
+    mgpu::detail::enqueue_using(
+        stream,
+        [family, scratch_words, body] {
+          host::timed(family, [&] {
+            std::vector<std::uint32_t> scratch(scratch_words);
+            body([](std::int64_t n, auto const& op) { mgpu::detail::for_each_index(n, op); },
+                 static_cast<void*>(scratch.data()));
+          });
+        },
+        keep);
     return;
   }
 #if MGPU_CUDA_ENABLED
@@ -209,7 +212,8 @@ void embedding(Tensor const& ids, Tensor const& wte, Tensor const& wpe, Tensor c
   fail_on_bad_id(op, "token id", ids, batch * t, vocab, no_ignore, stream);
   visit(wte.dtype(), [&]<class T>(T) {
     detail::EmbeddingOp<T> const e{ptr<std::int32_t>(ids), ptr<T>(wte), ptr<T>(wpe), ptr<T>(y), t, c, vocab};
-    run(stream, HostOpFamily::embedding, {ids, wte, wpe, y}, 0, [e, n = batch * t * c](auto const& each, void*) { each(n, e); });
+    run(stream, HostOpFamily::embedding, {ids, wte, wpe, y}, 0,
+        [e, n = batch * t * c](auto const& each, void*) { each(n, e); });
   });
 }
 
@@ -274,7 +278,8 @@ void vocab_shard_embedding(Tensor const& ids, Tensor const& wte, Tensor const& w
   visit(wte.dtype(), [&]<class T>(T) {
     detail::VocabShardEmbeddingOp<T> const e{
         ptr<std::int32_t>(ids), ptr<T>(wte), ptr<T>(wpe), ptr<T>(y), t, c, begin, rows, positions};
-    run(stream, HostOpFamily::embedding, {ids, wte, wpe, y}, 0, [e, n = batch * t * c](auto const& each, void*) { each(n, e); });
+    run(stream, HostOpFamily::embedding, {ids, wte, wpe, y}, 0,
+        [e, n = batch * t * c](auto const& each, void*) { each(n, e); });
   });
 }
 
@@ -295,15 +300,20 @@ void causal_attention(Tensor const& qkv, Tensor const& y, Tensor const& lse, std
   visit(qkv.dtype(), [&]<class T>(T) {
     if (stream.device().kind == DeviceKind::host) {
       AttentionTiles const tiles = host::attention_tiles();
-      mgpu::detail::enqueue_using(stream, [q = ptr<T>(qkv), out = ptr<T>(y), l = ptr<float>(lse), batch, shape, mask, tiles] {
-        host::timed(HostOpFamily::attention, [&] { host::attention_forward(q, out, l, batch, shape, mask, tiles); });
-      }, qkv, y, lse);
+      mgpu::detail::enqueue_using(
+          stream,
+          [q = ptr<T>(qkv), out = ptr<T>(y), l = ptr<float>(lse), batch, shape, mask, tiles] {
+            host::timed(HostOpFamily::attention,
+                        [&] { host::attention_forward(q, out, l, batch, shape, mask, tiles); });
+          },
+          qkv, y, lse);
       return;
     }
-    run(stream, HostOpFamily::attention, {qkv, y, lse}, static_cast<std::size_t>(batch * t * c), [=](auto const& each, void* scratch) {
-      each(batch * heads * t, detail::AttentionForwardRow<T>{ptr<T>(qkv), ptr<T>(y), ptr<float>(lse),
-                                                             words<float>(scratch, 0), shape, mask});
-    });
+    run(stream, HostOpFamily::attention, {qkv, y, lse}, static_cast<std::size_t>(batch * t * c),
+        [=](auto const& each, void* scratch) {
+          each(batch * heads * t, detail::AttentionForwardRow<T>{ptr<T>(qkv), ptr<T>(y), ptr<float>(lse),
+                                                                 words<float>(scratch, 0), shape, mask});
+        });
   });
 }
 
@@ -325,10 +335,14 @@ void causal_attention_backward(Tensor const& qkv, Tensor const& y, Tensor const&
   visit(qkv.dtype(), [&]<class T>(T) {
     if (stream.device().kind == DeviceKind::host) {
       AttentionTiles const tiles = host::attention_tiles();
-      mgpu::detail::enqueue_using(stream, [q = ptr<T>(qkv), out = ptr<T>(y), l = ptr<float>(lse), g = ptr<T>(dy),
-                                           dq = ptr<T>(dqkv), batch, shape, mask, tiles] {
-        host::timed(HostOpFamily::attention, [&] { host::attention_backward(q, out, l, g, dq, batch, shape, mask, tiles); });
-      }, qkv, y, lse, dy, dqkv);
+      mgpu::detail::enqueue_using(
+          stream,
+          [q = ptr<T>(qkv), out = ptr<T>(y), l = ptr<float>(lse), g = ptr<T>(dy), dq = ptr<T>(dqkv), batch, shape, mask,
+           tiles] {
+            host::timed(HostOpFamily::attention,
+                        [&] { host::attention_backward(q, out, l, g, dq, batch, shape, mask, tiles); });
+          },
+          qkv, y, lse, dy, dqkv);
       return;
     }
     auto const words_needed = static_cast<std::size_t>(rows + batch * t * 3 * c);
@@ -392,12 +406,13 @@ void token_cross_entropy(Tensor const& logits, Tensor const& targets, Tensor con
     detail::TokenCrossEntropyRow<T> const row{
         ptr<T>(logits), ptr<std::int32_t>(targets), ptr<T>(dlogits), nullptr, vocab,
         ignore_index,   grad_scale / divisor};
-    run(stream, HostOpFamily::loss, {logits, targets, dlogits, loss}, static_cast<std::size_t>(n), [=](auto const& each, void* scratch) {
-      auto with_rows = row;
-      with_rows.row_loss = words<float>(scratch, 0);
-      each(n, with_rows);
-      each(1, detail::RowLossSum{with_rows.row_loss, n, ptr<float>(loss), divisor});
-    });
+    run(stream, HostOpFamily::loss, {logits, targets, dlogits, loss}, static_cast<std::size_t>(n),
+        [=](auto const& each, void* scratch) {
+          auto with_rows = row;
+          with_rows.row_loss = words<float>(scratch, 0);
+          each(n, with_rows);
+          each(1, detail::RowLossSum{with_rows.row_loss, n, ptr<float>(loss), divisor});
+        });
   });
 }
 
@@ -441,7 +456,8 @@ void vocab_shard_row_sums(Tensor const& logits, Tensor const& targets, Tensor co
   visit(logits.dtype(), [&]<class T>(T) {
     detail::VocabShardRowSums<T> const row{ptr<T>(logits),   ptr<std::int32_t>(targets),    ptr<float>(max),
                                            ptr<float>(sums), logits.dim(logits.rank() - 1), begin};
-    run(stream, HostOpFamily::loss, {logits, targets, max, sums}, 0, [row, n](auto const& each, void*) { each(n, row); });
+    run(stream, HostOpFamily::loss, {logits, targets, max, sums}, 0,
+        [row, n](auto const& each, void*) { each(n, row); });
   });
 }
 

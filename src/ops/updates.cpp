@@ -42,7 +42,9 @@ void adamw_update(Tensor const& params, Tensor const& grads, Tensor const& m, Te
 
 void scale(Tensor const& t, float factor, Stream& stream) {
   check(t, "scale", "t", stream);
-  visit(t.dtype(), [&]<class T>(T) { run_each(stream, HostOpFamily::elementwise, t.numel(), detail::ScaleOp<T>{ptr<T>(t), factor}, {t}); });
+  visit(t.dtype(), [&]<class T>(T) {
+    run_each(stream, HostOpFamily::elementwise, t.numel(), detail::ScaleOp<T>{ptr<T>(t), factor}, {t});
+  });
 }
 
 void scale_convert(Tensor const& dst, Tensor const& src, float factor, Stream& stream) {
@@ -53,7 +55,8 @@ void scale_convert(Tensor const& dst, Tensor const& src, float factor, Stream& s
                                             " (expected the same number of elements)");
   visit(dst.dtype(), [&]<class D>(D) {
     visit(src.dtype(), [&]<class S>(S) {
-      run_each(stream, HostOpFamily::elementwise, dst.numel(), detail::ScaleConvertOp<D, S>{ptr<D>(dst), ptr<S>(src), factor}, {dst, src});
+      run_each(stream, HostOpFamily::elementwise, dst.numel(),
+               detail::ScaleConvertOp<D, S>{ptr<D>(dst), ptr<S>(src), factor}, {dst, src});
     });
   });
 }
@@ -66,7 +69,8 @@ void add_scaled(Tensor const& dst, Tensor const& src, float factor, Stream& stre
                                             " (expected the same number of elements)");
   visit(dst.dtype(), [&]<class D>(D) {
     visit(src.dtype(), [&]<class S>(S) {
-      run_each(stream, HostOpFamily::elementwise, dst.numel(), detail::AddScaledOp<D, S>{ptr<D>(dst), ptr<S>(src), factor}, {dst, src});
+      run_each(stream, HostOpFamily::elementwise, dst.numel(),
+               detail::AddScaledOp<D, S>{ptr<D>(dst), ptr<S>(src), factor}, {dst, src});
     });
   });
 }

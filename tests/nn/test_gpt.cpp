@@ -10,13 +10,13 @@
 #include <utility>
 #include <vector>
 
+#include <mgpu/core/detail/training_math.hpp>
 #include <mgpu/io/checkpoint.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/transformer.hpp>
-#include <mgpu/optim/optim.hpp>
-#include <mgpu/core/detail/training_math.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/ops/transformer.hpp>
+#include <mgpu/optim/optim.hpp>
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
@@ -196,11 +196,13 @@ TEST_CASE("causal_attention: every host tiling gives the float64 attention and t
   auto const [y_ref, grad_ref] = run({});
   std::vector<double> const ref = naive_attention(as_double(qkv), b, t, c, heads, dropout);
   // Rows and keys that divide 70 or not, blocks of queries past a key tile's diagonal, single rows.
-  for (ops::AttentionTiles const tiles : {ops::AttentionTiles{1, 7}, {16, 32}, {32, 16}, {64, 128}, {128, 64}, {7, 70}}) {
+  for (ops::AttentionTiles const tiles :
+       {ops::AttentionTiles{1, 7}, {16, 32}, {32, 16}, {64, 128}, {128, 64}, {7, 70}}) {
     INFO("tiles " << tiles.queries << " x " << tiles.keys);
     auto const [y, grad] = run(tiles);
     for (std::size_t i = 0; i < ref.size(); ++i) REQUIRE(std::abs(y[i] - ref[i]) <= 2e-6 * (1 + std::abs(ref[i])));
-    for (std::size_t i = 0; i < grad.size(); ++i) REQUIRE(std::abs(grad[i] - grad_ref[i]) <= 1e-5 * (1 + std::abs(grad_ref[i])));
+    for (std::size_t i = 0; i < grad.size(); ++i)
+      REQUIRE(std::abs(grad[i] - grad_ref[i]) <= 1e-5 * (1 + std::abs(grad_ref[i])));
   }
 }
 

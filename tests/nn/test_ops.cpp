@@ -133,8 +133,8 @@ TEST_CASE("LayerNorm backward with a residual gradient: float64 finite differenc
   Tensor const x = env.random({2, 8}, 1);
   Tensor const g = env.random({8}, 2);
   Tensor const stats = Tensor::empty({2, 2}, DType::float32, *env.allocator);
-  REQUIRE_MGPU_ERROR(mgpu::ops::layer_norm_backward(x, g, stats, x, env.random({2, 8}, 3), env.random({8}, 4), env.random({8}, 5),
-                                                    env.stream, false, env.random({2, 9}, 6)),
+  REQUIRE_MGPU_ERROR(mgpu::ops::layer_norm_backward(x, g, stats, x, env.random({2, 8}, 3), env.random({8}, 4),
+                                                    env.random({8}, 5), env.stream, false, env.random({2, 9}, 6)),
                      mgpu::Errc::invalid_argument, "expected equal shapes");
 }
 

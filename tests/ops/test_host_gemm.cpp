@@ -3,17 +3,17 @@
 // epilogues in float32 and bfloat16 (float32 accumulation), cached primitives reused with other
 // buffers and evicted and recreated, two worker threads at once, the calling thread as the only
 // thread, and the counts (and those of the other host ops, by family).
-#include <mgpu/config.hpp>
-#include <mgpu/ops/ops.hpp>
-#include <mgpu/ops/transformer.hpp>
+#include <cmath>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include <dirent.h>
 
-#include <cmath>
-#include <string>
-#include <utility>
-#include <thread>
-#include <vector>
+#include <mgpu/config.hpp>
+#include <mgpu/ops/ops.hpp>
+#include <mgpu/ops/transformer.hpp>
 
 #include "support/catch.hpp"
 #include "support/nn_env.hpp"
@@ -236,8 +236,10 @@ TEST_CASE("Host op time counts go to the family of each op, on the worker that r
     auto const [after, gemm_after] = read();
     for (std::size_t f = 0; f < mgpu::ops::host_op_family_count; ++f) {
       INFO("family " << mgpu::ops::host_op_family_name(static_cast<F>(f)));
-      if (static_cast<F>(f) == family) CHECK(after.seconds[f] > before.seconds[f]);
-      else CHECK(after.seconds[f] == before.seconds[f]);
+      if (static_cast<F>(f) == family)
+        CHECK(after.seconds[f] > before.seconds[f]);
+      else
+        CHECK(after.seconds[f] == before.seconds[f]);
     }
     CHECK(gemm_after.calls == gemm_before.calls);
   };

@@ -396,7 +396,7 @@ struct LayerNormGradRow {
   float const* rstd;
   T* dx;
   std::int64_t cols;
-  T const* residual = nullptr;  // added to dx when set (a residual path's gradient, in the same pass)
+  T const* residual = nullptr;      // added to dx when set (a residual path's gradient, in the same pass)
   static constexpr int lanes = 16;  // the row's sums in independent partial sums: the host loop vectorizes
   MGPU_HD void operator()(std::int64_t r) const {
     std::int64_t const base = r * cols;
