@@ -360,17 +360,14 @@ Tensor TensorParallelBlock::backward(Tensor const& dy, nn::Context& ctx) {
   Tensor const du =
       row_parallel_backward(s.mlp_in, every_token(mlp_drop_.backward(dy, tokens)), mlp_w_, dmlp_w_, dmlp_b_, ctx);
   if (sequence_parallel_) fc_.restore_input(gather_tokens(s.ln2, *comm_, rank_, ctx), ctx);
-  Tensor const dh = ln2_.backward(summed(fc_.backward(du, ctx)), ctx);
-  ops::add_scaled(dh, dy, 1.0f, ctx.stream);
+  Tensor const dh = ln2_.backward_add(summed(fc_.backward(du, ctx)), dy, ctx);  // + the residual's gradient
   // Attention branch, the same way.
   Tensor const dattn =
       row_parallel_backward(s.y, every_token(attn_drop_.backward(dh, tokens)), attn_w_, dattn_w_, dattn_b_, ctx);
   Tensor dqkv = Tensor::empty(s.qkv.shape(), s.qkv.dtype(), ctx.allocator, ctx.stream);
   ops::causal_attention_backward(s.qkv, s.y, s.lse, dattn, dqkv, heads_ / ranks_, ctx.stream, s.dropout);
   if (sequence_parallel_) qkv_.restore_input(gather_tokens(s.ln1, *comm_, rank_, ctx), ctx);
-  Tensor const dx = ln1_.backward(summed(qkv_.backward(dqkv, ctx)), ctx);
-  ops::add_scaled(dx, dh, 1.0f, ctx.stream);
-  return dx;
+  return ln1_.backward_add(summed(qkv_.backward(dqkv, ctx)), dh, ctx);
 }
 
 Shape TensorParallelBlock::output_shape(Shape const& input) const {
