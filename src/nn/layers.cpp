@@ -176,12 +176,15 @@ void LayerNorm::initialize(std::mt19937_64&) {
   for (float& b : beta_.host_span<float>()) b = 0.0f;
 }
 
-Tensor LayerNorm::forward(Tensor const& x, Context& ctx) {
+Tensor LayerNorm::forward(Tensor const& x, Context& ctx) { return forward_add(x, Tensor{}, ctx); }
+
+Tensor LayerNorm::forward_add(Tensor const& x, Tensor const& residual, Context& ctx) {
   (void)output_shape(x.shape());
   Tensor const x2 = as_rows(x, features_);
   Tensor stats = Tensor::empty({2, x2.dim(0)}, DType::float32, ctx.allocator, ctx.stream);
   Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator, ctx.stream);
-  ops::layer_norm(x2, gamma_, beta_, as_rows(y, features_), stats, eps_, ctx.stream);
+  ops::layer_norm(x2, gamma_, beta_, as_rows(y, features_), stats, eps_, ctx.stream,
+                  residual.defined() ? as_rows(residual, features_) : Tensor{});
   if (ctx.keep_for_backward) saved_[ctx.micro_batch] = {x2, stats};
   return y;
 }

@@ -408,11 +408,10 @@ Tensor TransformerBlock::forward(Tensor const& x, Context& ctx) {
 
 Tensor TransformerBlock::forward_layers(Tensor const& x, Context& ctx) {
   // h = x + Dropout(attn(LN1(x))): the branch's output is a fresh tensor, so the residual is added
-  // in place.
+  // in place, in LN2's pass over h.
   Tensor const h = attn_drop_.forward(attn_.forward(ln1_.forward(x, ctx), ctx), ctx);
-  ops::add_scaled(h, x, 1.0f, ctx.stream);
-  Tensor const m =
-      mlp_drop_.forward(proj_.forward(fc_.forward(ln2_.forward(h, ctx), ctx, ops::ActivationKind::gelu), ctx), ctx);
+  Tensor const m = mlp_drop_.forward(
+      proj_.forward(fc_.forward(ln2_.forward_add(h, x, ctx), ctx, ops::ActivationKind::gelu), ctx), ctx);
   ops::add_scaled(m, h, 1.0f, ctx.stream);
   return m;
 }

@@ -23,17 +23,32 @@ void check_layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& stats,
 }  // namespace
 
 void layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& beta, Tensor const& y, Tensor const& stats, float eps,
-                Stream& stream) {
+                Stream& stream, Tensor const& residual) {
   check_layer_norm(x, gamma, stats, "layer_norm", stream);
   check(beta, "layer_norm", "beta", stream);
   check(y, "layer_norm", "y", stream);
   check_same(gamma, beta, "layer_norm");
   check_same(x, y, "layer_norm");
   if (!(eps > 0)) throw Error(Errc::invalid_argument, "layer_norm: eps " + std::to_string(eps) + " (expected > 0)");
+  if (residual.defined()) {
+    check(residual, "layer_norm", "residual", stream);
+    check_same(x, residual, "layer_norm");
+  }
   std::int64_t const n = x.dim(0);
   visit(x.dtype(), [&]<class T>(T) {
-    detail::LayerNormRow<T> const op{ptr<T>(x), ptr<T>(gamma), ptr<T>(beta), ptr<T>(y), ptr<float>(stats), ptr<float>(stats) + n, x.dim(1), eps};
-    run_each(stream, HostOpFamily::norm, n, op, {x, gamma, beta, y, stats});
+    detail::LayerNormRow<T> const op{ptr<T>(x),
+                                     ptr<T>(gamma),
+                                     ptr<T>(beta),
+                                     ptr<T>(y),
+                                     ptr<float>(stats),
+                                     ptr<float>(stats) + n,
+                                     x.dim(1),
+                                     eps,
+                                     residual.defined() ? ptr<T>(residual) : nullptr,
+                                     residual.defined() ? ptr<T>(x) : nullptr};
+    run_each(stream, HostOpFamily::norm, n, op,
+             residual.defined() ? std::vector<Tensor>{x, gamma, beta, y, stats, residual}
+                                : std::vector<Tensor>{x, gamma, beta, y, stats});
   });
 }
 

@@ -297,9 +297,8 @@ Tensor TensorParallelBlock::forward_layers(Tensor const& x, nn::Context& ctx) {
   // g: all-reduce (or reduce-scatter); the dropout of the replicated output the same on every rank.
   Tensor const h =
       attn_drop_.forward(row_parallel_forward(y, attn_w_, attn_b_, *comm_, rank_, sequence_parallel_, ctx), tokens);
-  ops::add_scaled(h, x, 1.0f, ctx.stream);
-  // y = h + MLP(LN2(h)), the same split.
-  Tensor const ln2 = ln2_.forward(h, ctx);
+  // y = h + MLP(LN2(h)), the same split; h = x + the branch, added in place in LN2's pass.
+  Tensor const ln2 = ln2_.forward_add(h, x, ctx);
   Tensor const u = fc_.forward(sequence_parallel_ ? gather_tokens(ln2, *comm_, rank_, ctx) : ln2, ctx,
                                ops::ActivationKind::gelu);  // [B, T, 4 C/T]
   if (regather) fc_.release_input(ctx);

@@ -138,6 +138,47 @@ TEST_CASE("LayerNorm backward with a residual gradient: float64 finite differenc
                      mgpu::Errc::invalid_argument, "expected equal shapes");
 }
 
+TEST_CASE("LayerNorm with a residual add: the sum in place and its norm equal the separate add and norm, in float64",
+          "[ops][nn]") {
+  Env env;
+  std::int64_t const rows = 3;
+  float const eps = 1e-5f;
+  for (std::int64_t const cols : {37, 64}) {
+    INFO("cols " << cols);
+    Tensor h = env.random({rows, cols}, 1, 2.0f);
+    Tensor const residual = env.random({rows, cols}, 2);
+    Tensor const gamma = env.random({cols}, 3);
+    Tensor const beta = env.random({cols}, 4);
+    Tensor const y = Tensor::empty({rows, cols}, DType::float32, *env.allocator);
+    Tensor const stats = Tensor::empty({2, rows}, DType::float32, *env.allocator);
+    std::vector<double> const hs = as_double(h), rs = as_double(residual), gs = as_double(gamma), bs = as_double(beta);
+    mgpu::ops::layer_norm(h, gamma, beta, y, stats, eps, env.stream, residual);
+    env.stream.synchronize();
+    auto const sum = as_double(h);
+    auto const got = as_double(y);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      double mean = 0, var = 0;
+      for (std::int64_t j = 0; j < cols; ++j) {
+        auto const i = static_cast<std::size_t>(r * cols + j);
+        REQUIRE(sum[i] == static_cast<double>(static_cast<float>(hs[i]) + static_cast<float>(rs[i])));  // float32 add
+        mean += hs[i] + rs[i];
+      }
+      mean /= static_cast<double>(cols);
+      for (std::int64_t j = 0; j < cols; ++j) var += std::pow(sum[static_cast<std::size_t>(r * cols + j)] - mean, 2);
+      double const rstd = 1 / std::sqrt(var / static_cast<double>(cols) + eps);
+      for (std::int64_t j = 0; j < cols; ++j) {
+        auto const i = static_cast<std::size_t>(r * cols + j), ju = static_cast<std::size_t>(j);
+        REQUIRE(got[i] == Approx((sum[i] - mean) * rstd * gs[ju] + bs[ju]).margin(1e-5).epsilon(1e-5));
+      }
+    }
+  }
+  Tensor const x = env.random({2, 8}, 1);
+  REQUIRE_MGPU_ERROR(mgpu::ops::layer_norm(x, env.random({8}, 2), env.random({8}, 3), env.random({2, 8}, 4),
+                                           Tensor::empty({2, 2}, DType::float32, *env.allocator), 1e-5f, env.stream,
+                                           env.random({2, 9}, 5)),
+                     mgpu::Errc::invalid_argument, "expected equal shapes");
+}
+
 TEST_CASE("A LayerNorm layer inside an MLP trains (its gradients flow through Sequential)", "[nn]") {
   Env env;
   auto [x, y] = env.clusters(300, 7);

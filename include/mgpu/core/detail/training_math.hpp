@@ -363,9 +363,15 @@ struct LayerNormRow {
   float* rstd;
   std::int64_t cols;
   float eps;
+  T const* residual = nullptr;  // when set, sum = x + residual first (sum may be x), and sum is normalized
+  T* sum = nullptr;
   static constexpr int lanes = 16;  // the row's sums in independent partial sums: the host loop vectorizes
   MGPU_HD void operator()(std::int64_t r) const {
     T const* xr = x + r * cols;
+    if (residual != nullptr) {
+      for (std::int64_t j = 0; j < cols; ++j) store(sum + r * cols, j, load(xr, j) + load(residual + r * cols, j));
+      xr = sum + r * cols;
+    }
     float part[lanes] = {};
     std::int64_t j0 = 0;
     for (; j0 + lanes <= cols; j0 += lanes)
