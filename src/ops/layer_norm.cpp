@@ -22,8 +22,8 @@ void check_layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& stats,
 }
 }  // namespace
 
-void layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& beta, Tensor const& y, Tensor const& stats, float eps,
-                Stream& stream, Tensor const& residual) {
+void layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& beta, Tensor const& y, Tensor const& stats,
+                float eps, Stream& stream, Tensor const& residual) {
   check_layer_norm(x, gamma, stats, "layer_norm", stream);
   check(beta, "layer_norm", "beta", stream);
   check(y, "layer_norm", "y", stream);

@@ -59,8 +59,8 @@ void gelu_backward(Tensor const& x, Tensor const& dy, Tensor const& dx, Stream& 
 /// statistics backward needs into stats [2, N] (float32: means, then 1/sqrt(var + eps)). With
 /// `residual` (shaped and typed as x), x += residual first, in the same pass: x then holds the
 /// residual sum that is normalized (and that backward reads).
-void layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& beta, Tensor const& y, Tensor const& stats, float eps,
-                Stream& stream, Tensor const& residual = {});
+void layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& beta, Tensor const& y, Tensor const& stats,
+                float eps, Stream& stream, Tensor const& residual = {});
 /// The gradients of layer_norm: dx, and dgamma, dbeta (overwritten, or added to with `accumulate`).
 /// With `residual` (shaped and typed as dy), dx = the input gradient + residual in the same pass:
 /// the backward of y = LayerNorm(h) where h also feeds a residual path whose gradient is residual.
