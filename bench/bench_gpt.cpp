@@ -12,14 +12,28 @@
 //                        (parameters, gradients, AdamW state and the step's activations);
 //     params             the model's parameter count;
 //     step_gemm_share    the time in the library's host GEMM calls (ops::host_gemm_stats) / the
-//                        step's time, summed over the timed steps.
+//                        step's time, summed over the timed steps;
+//     step_<family>_share  the same for each family of ops::HostOpFamily (attention, norm,
+//                        activation, loss, optimizer, embedding, elementwise; ops::host_op_seconds);
+//     step_other_share   1 - the shares above: what runs outside the ops (enqueueing, allocation,
+//                        synchronization, argument checks) and the token id checks;
+//     step_gemm_gflops   the step's GEMM flops / the time in its GEMMs;
+//     sgemm_gflops       the machine's sgemm in the same run: the library's host GEMM on a float32
+//                        512 x 512 x 512 product on the same worker, timed after every step (median);
+//     step_gflop         the step's floating-point work: its GEMMs' (counted) plus causal attention's
+//                        7 products over the visible (query, key) pairs;
+//     gemm_limit_fraction  step_gflop at sgemm_gflops / the median step time: 1 when everything but
+//                        matrix products were free and those ran at the sgemm rate.
 //   BM_gpt_step_dp/<shape>: the same step data parallel over host:2 (parallel::DataParallel: each
 //   device a worker thread with half of every batch, gradients all-reduced in buckets during
 //   backward), and the one-device step of BM_gpt_step timed in turn on the same batches:
 //     tokens_per_s            batch * block / the median data-parallel step time;
 //     one_device_tokens_per_s the one-device step's, from the turns in between;
 //     speedup_vs_one_device   median over turns of one-device step time / data-parallel step time;
-//     peak_bytes_device       the largest of the two devices' allocator peaks.
+//     peak_bytes_device       the largest of the two devices' allocator peaks;
+//     step_communication_wait_share  median over steps of the devices' mean wait for the gradient
+//                             reduces after backward (DataParallelResult::wait_ms) / the step's time
+//                             (the communication that backward did not hide).
 //   BM_gpt_metrics_update/<shape>: BM_gpt_step_dp's data-parallel step, each followed by what a
 //   trainer does for its live metrics (metrics::Registry) at the end of a step: each device's
 //   DeviceStep from the times the executor reported to the registry and its allocator, and
@@ -60,14 +74,20 @@
 //     budget_bytes_device                 the budget;
 //     largest_measured_peak_over_budget   the largest allocator peak of any layout that fit /
 //                                         the budget (the memory model's error shows above 1).
-//   BM_attention/<shape>: causal attention forward + backward alone on that shape's qkv:
+//   BM_attention/<shape>/<queries>/<keys>: causal attention forward + backward alone on that
+//   shape's qkv, in tiles of `queries` query rows x `keys` keys (ops::set_host_attention_tiles;
+//   0/0: the library's choice per shape, the rows the choice is read from follow it):
 //     online_ms               ops::causal_attention + causal_attention_backward (tiled online
 //                             softmax, per-row log-sum-exp kept);
-//     naive_tt_ms             the same through the whole [B, H, T, T] probability matrix (Eigen
-//                             GEMMs per head, softmax over full rows), timed in turn;
-//     naive_tt_time_ratio     naive_tt_ms / online_ms per turn (> 1: the online path is faster);
-//     naive_tt_extra_bytes    the [B, H, T, T] float32 matrices the naive path holds (P and dP);
-//     online_extra_bytes      the per-row log-sum-exp the online path keeps instead;
+//     gflops                  attention's floating-point work (7 products over the visible
+//                             (query, key) pairs, as in step_gflop) / online_ms;
+//     sgemm_gflops            the same run's sgemm (as BM_gpt_step's), timed after each turn;
+//     gflops_over_sgemm       gflops / sgemm_gflops per turn (median);
+//     online_extra_bytes      the per-row log-sum-exp the online path keeps;
+//   and for the library's choice, timed in turn with the same through the whole [B, H, T, T]
+//   probability matrix (Eigen GEMMs per head, softmax over full rows):
+//     naive_tt_ms, naive_tt_time_ratio (naive_tt_ms / online_ms per turn: > 1, the online path
+//                             is faster), naive_tt_extra_bytes (the naive path's P and dP),
 //     max_abs_diff_y          max |y_online - y_naive| (a check that both compute the same thing).
 //
 //   bench_gpt --benchmark_out=gpt.json --benchmark_out_format=json
@@ -159,28 +179,98 @@ struct GptTrainer {
   }
 };
 
+// The reference sgemm: the library's host GEMM on a float32 512 x 512 x 512 product, run on a
+// stream's worker like the step's GEMMs.
+struct Sgemm {
+  static constexpr std::int64_t n = 512;
+  mgpu::Tensor a, b, c;
+  explicit Sgemm(mgpu::Allocator& allocator) {
+    a = mgpu::Tensor::empty({n, n}, mgpu::DType::float32, allocator);
+    b = mgpu::Tensor::empty({n, n}, mgpu::DType::float32, allocator);
+    c = mgpu::Tensor::empty({n, n}, mgpu::DType::float32, allocator);
+    std::mt19937 rng(3);
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    for (mgpu::Tensor const* t : {&a, &b})
+      std::generate(t->host_span<float>().begin(), t->host_span<float>().end(), [&] { return d(rng); });
+  }
+  [[nodiscard]] static double flops() { return 2.0 * n * n * n; }
+  // Seconds of one product on the stream's worker.
+  double seconds(mgpu::Stream& stream) {
+    auto const t0 = Clock::now();
+    mgpu::ops::gemm(a, false, b, false, c, 1.0f, 0.0f, stream);
+    stream.synchronize();
+    return seconds_since(t0);
+  }
+};
+
+// The floating-point operations of causal attention's forward and backward over `batch`
+// sequences: 2 d per visible (query, key) pair for each of its 7 products (forward QK^T and PV;
+// backward QK^T again, dY V^T, dV, dK and dQ).
+double attention_flops(mgpu::nn::GptConfig const& config, std::int64_t batch) {
+  double const t = static_cast<double>(config.block_size), d = static_cast<double>(config.n_embd / config.n_head);
+  return 7.0 * 2.0 * d * t * (t + 1) / 2 * static_cast<double>(batch * config.n_head * config.n_layer);
+}
+
 void BM_gpt_step(benchmark::State& state) {
   Shape const& shape = shapes[state.range(0)];
   GptTrainer trainer(shape);
+  Sgemm sgemm(*trainer.allocator);
   trainer.step();  // the allocator's cache, AdamW's state, the GEMM primitives
+  (void)sgemm.seconds(trainer.stream);  // its primitive
   trainer.allocator->reset_peak();
-  std::vector<double> step_s;
-  mgpu::ops::HostGemmStats const before = bench::host_gemm_stats(trainer.stream);
+  std::vector<double> step_s, sgemm_s;
+  // The worker's host GEMM and op totals (read between steps), and their sums over the steps.
+  struct Totals {
+    mgpu::ops::HostGemmStats gemm;
+    mgpu::ops::HostOpSeconds ops;
+  };
+  auto const read = [&] {
+    Totals t;
+    trainer.stream.enqueue([&t] { t = {mgpu::ops::host_gemm_stats(), mgpu::ops::host_op_seconds()}; });
+    trainer.stream.synchronize();
+    return t;
+  };
+  double gemm_s = 0, gemm_flops = 0;
+  mgpu::ops::HostOpSeconds op_s;
   for (auto _ : state) {
+    state.PauseTiming();
+    Totals const before = read();
+    state.ResumeTiming();
     auto const t0 = Clock::now();
     trainer.step();
     step_s.push_back(seconds_since(t0));
+    state.PauseTiming();
+    Totals const after = read();
+    gemm_s += after.gemm.seconds - before.gemm.seconds;
+    gemm_flops += after.gemm.flops - before.gemm.flops;
+    for (std::size_t f = 0; f < mgpu::ops::host_op_family_count; ++f)
+      op_s.seconds[f] += after.ops.seconds[f] - before.ops.seconds[f];
+    sgemm_s.push_back(sgemm.seconds(trainer.stream));  // in turn with the steps: under the same load
+    state.ResumeTiming();
   }
-  double const gemm_s = bench::host_gemm_stats(trainer.stream).seconds - before.seconds;
   double total_s = 0;
   for (double s : step_s) total_s += s;
   double const step = median(step_s);
+  auto const steps = static_cast<double>(step_s.size());
+  double const sgemm_rate = Sgemm::flops() / median(sgemm_s);
+  double const step_flops = gemm_flops / steps + attention_flops(shape.config, shape.batch);
   state.SetLabel(std::string(shape.name) + ", host GEMM: " + mgpu::host_gemm_backend);
   state.counters["tokens_per_s"] = static_cast<double>(trainer.tokens()) / step;
   state.counters["step_ms"] = step * 1e3;
   state.counters["peak_bytes_device"] = static_cast<double>(trainer.allocator->stats().peak_allocated);
   state.counters["params"] = static_cast<double>(trainer.model.parameter_count());
   state.counters["step_gemm_share"] = gemm_s / total_s;
+  double accounted = gemm_s;
+  for (std::size_t f = 0; f < mgpu::ops::host_op_family_count; ++f) {
+    accounted += op_s.seconds[f];
+    state.counters[std::string("step_") + mgpu::ops::host_op_family_name(static_cast<mgpu::ops::HostOpFamily>(f)) +
+                   "_share"] = op_s.seconds[f] / total_s;
+  }
+  state.counters["step_other_share"] = 1.0 - accounted / total_s;
+  state.counters["step_gemm_gflops"] = gemm_flops / gemm_s / 1e9;
+  state.counters["sgemm_gflops"] = sgemm_rate / 1e9;
+  state.counters["step_gflop"] = step_flops / 1e9;
+  state.counters["gemm_limit_fraction"] = step_flops / sgemm_rate / step;
 }
 BENCHMARK(BM_gpt_step)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(8.0);
 BENCHMARK(BM_gpt_step)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
@@ -216,14 +306,18 @@ void BM_gpt_step_dp(benchmark::State& state) {
   options.loss = std::make_shared<mgpu::nn::TokenCrossEntropy>();
   mgpu::parallel::DataParallel dp(mgpu::nn::gpt(shape.config), group, one.adamw, std::move(options));
   std::int64_t next = 0;
+  std::vector<double> wait_ms;  // per step, the devices' mean wait for the gradient reduces after backward
   auto const dp_step = [&] {
     std::int64_t const b = next++ % GptTrainer::pool;
-    (void)dp.step(one.inputs.slice(b * shape.batch, (b + 1) * shape.batch),
-                  one.targets.slice(b * shape.batch, (b + 1) * shape.batch));
+    auto const result = dp.step(one.inputs.slice(b * shape.batch, (b + 1) * shape.batch),
+                                one.targets.slice(b * shape.batch, (b + 1) * shape.batch));
+    wait_ms.push_back(std::accumulate(result.wait_ms.begin(), result.wait_ms.end(), 0.0) /
+                      static_cast<double>(std::max<std::size_t>(1, result.wait_ms.size())));
   };
   one.step();
   dp_step();
   for (int r = 0; r < group.size(); ++r) group.allocator(r).reset_peak();
+  wait_ms.clear();
   std::vector<double> dp_s, one_s, speedup;
   for (auto _ : state) {
     auto t0 = Clock::now();
@@ -244,6 +338,9 @@ void BM_gpt_step_dp(benchmark::State& state) {
   state.counters["one_device_tokens_per_s"] = static_cast<double>(one.tokens()) / median(one_s);
   state.counters["speedup_vs_one_device"] = median(speedup);
   state.counters["peak_bytes_device"] = peak;
+  std::vector<double> wait_share(dp_s.size());
+  for (std::size_t i = 0; i < dp_s.size(); ++i) wait_share[i] = wait_ms[i] / 1e3 / dp_s[i];
+  state.counters["step_communication_wait_share"] = median(wait_share);
 }
 BENCHMARK(BM_gpt_step_dp)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(8.0);
 BENCHMARK(BM_gpt_step_dp)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
@@ -594,6 +691,8 @@ BENCHMARK(BM_gpt_plan)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations
 
 void BM_attention(benchmark::State& state) {
   Shape const& shape = shapes[state.range(0)];
+  mgpu::ops::AttentionTiles const tiles{state.range(1), state.range(2)};
+  bool const chosen = tiles.queries == 0;  // the library's choice: also timed against the naive path
   std::int64_t const batch = shape.batch, t = shape.config.block_size, c = shape.config.n_embd,
                      heads = shape.config.n_head;
   mgpu::Device const device{mgpu::DeviceKind::host, 0};
@@ -611,8 +710,10 @@ void BM_attention(benchmark::State& state) {
   mgpu::Tensor const y = tensor({batch, t, c}, 0.0f);
   mgpu::Tensor const dqkv = tensor({batch, t, 3 * c}, 0.0f);
   mgpu::Tensor const lse = mgpu::Tensor::empty({batch, heads, t}, mgpu::DType::float32, *allocator);
-  NaiveAttention naive(batch, t, c, heads);
+  NaiveAttention naive(chosen ? batch : 0, t, c, heads);
   std::vector<float> naive_y(static_cast<std::size_t>(batch * t * c)), naive_dqkv(static_cast<std::size_t>(qkv.numel()));
+  Sgemm sgemm(*allocator);
+  mgpu::ops::set_host_attention_tiles(tiles);
   auto online = [&] {
     mgpu::ops::causal_attention(qkv, y, lse, heads, stream);
     mgpu::ops::causal_attention_backward(qkv, y, lse, dy, dqkv, heads, stream);
@@ -626,30 +727,50 @@ void BM_attention(benchmark::State& state) {
     stream.synchronize();
   };
   online();
-  reference();
-  std::vector<double> online_s, naive_s, ratio;
+  if (chosen) reference();
+  (void)sgemm.seconds(stream);
+  double const flops = attention_flops({.block_size = t, .n_layer = 1, .n_head = heads, .n_embd = c}, batch);
+  std::vector<double> online_s, naive_s, ratio, sgemm_ratio, sgemm_s;
   for (auto _ : state) {
     auto t0 = Clock::now();
     online();
     online_s.push_back(seconds_since(t0));
+    state.PauseTiming();
+    sgemm_s.push_back(sgemm.seconds(stream));  // in turn: the same load
+    sgemm_ratio.push_back(flops / online_s.back() / (Sgemm::flops() / sgemm_s.back()));
+    state.ResumeTiming();
+    if (!chosen) continue;
     t0 = Clock::now();
     reference();
     naive_s.push_back(seconds_since(t0));
     ratio.push_back(naive_s.back() / online_s.back());
   }
+  mgpu::ops::set_host_attention_tiles({});
+  state.SetLabel(std::string(shape.name) +
+                 (chosen ? ", the library's tiles"
+                         : ", tiles " + std::to_string(tiles.queries) + " x " + std::to_string(tiles.keys)));
+  state.counters["online_ms"] = median(online_s) * 1e3;
+  state.counters["gflops"] = flops / median(online_s) / 1e9;
+  state.counters["sgemm_gflops"] = Sgemm::flops() / median(sgemm_s) / 1e9;
+  state.counters["gflops_over_sgemm"] = median(sgemm_ratio);
+  state.counters["online_extra_bytes"] = static_cast<double>(lse.numel() * 4);
+  if (!chosen) return;
   float max_diff = 0.0f;
   auto const got = y.host_span<float>();
   for (std::size_t i = 0; i < naive_y.size(); ++i) max_diff = std::max(max_diff, std::abs(got[i] - naive_y[i]));
-  state.SetLabel(shape.name);
-  state.counters["online_ms"] = median(online_s) * 1e3;
   state.counters["naive_tt_ms"] = median(naive_s) * 1e3;
   state.counters["naive_tt_time_ratio"] = median(ratio);
   state.counters["naive_tt_extra_bytes"] = static_cast<double>(2 * naive.p.size() * sizeof(float));
-  state.counters["online_extra_bytes"] = static_cast<double>(lse.numel() * 4);
   state.counters["max_abs_diff_y"] = max_diff;
 }
-BENCHMARK(BM_attention)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
-BENCHMARK(BM_attention)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
+BENCHMARK(BM_attention)->Args({0, 0, 0})->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
+BENCHMARK(BM_attention)->Args({1, 0, 0})->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
+// The tiles the choice was measured among (queries x keys).
+BENCHMARK(BM_attention)
+    ->ArgsProduct({{0, 1}, {16, 32, 64, 128}, {32, 64, 128, 256}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MinTime(1.0);
 
 }  // namespace
 

@@ -19,6 +19,11 @@ __global__ void layer_norm_rows_kernel(mgpu::detail::LayerNormRow<T> op, std::in
   auto const n = static_cast<float>(op.cols);
   for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     T const* xr = op.x + r * op.cols;
+    if (op.residual != nullptr) {  // each thread reads back only the columns it wrote
+      for (std::int64_t j = threadIdx.x; j < op.cols; j += blockDim.x)
+        store(op.sum + r * op.cols, j, load(xr, j) + load(op.residual + r * op.cols, j));
+      xr = op.sum + r * op.cols;
+    }
     float sum = 0;
     for (std::int64_t j = threadIdx.x; j < op.cols; j += blockDim.x) sum += load(xr, j);
     float const mu = block_sum(sum) / n;
@@ -56,7 +61,8 @@ __global__ void layer_norm_grad_rows_kernel(mgpu::detail::LayerNormGradRow<T> op
     for (std::int64_t j = threadIdx.x; j < op.cols; j += blockDim.x) {
       float const g = load(op.dy, base + j) * load(op.gamma, j);
       float const xhat = (load(op.x, base + j) - op.mean[r]) * op.rstd[r];
-      store(op.dx, base + j, op.rstd[r] * (g - mean_g - xhat * mean_gx));
+      float const skip = op.residual != nullptr ? load(op.residual, base + j) : 0.0f;
+      store(op.dx, base + j, op.rstd[r] * (g - mean_g - xhat * mean_gx) + skip);
     }
   }
 }

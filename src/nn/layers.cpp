@@ -176,17 +176,22 @@ void LayerNorm::initialize(std::mt19937_64&) {
   for (float& b : beta_.host_span<float>()) b = 0.0f;
 }
 
-Tensor LayerNorm::forward(Tensor const& x, Context& ctx) {
+Tensor LayerNorm::forward(Tensor const& x, Context& ctx) { return forward_add(x, Tensor{}, ctx); }
+
+Tensor LayerNorm::forward_add(Tensor const& x, Tensor const& residual, Context& ctx) {
   (void)output_shape(x.shape());
   Tensor const x2 = as_rows(x, features_);
   Tensor stats = Tensor::empty({2, x2.dim(0)}, DType::float32, ctx.allocator, ctx.stream);
   Tensor y = Tensor::empty(x.shape(), x.dtype(), ctx.allocator, ctx.stream);
-  ops::layer_norm(x2, gamma_, beta_, as_rows(y, features_), stats, eps_, ctx.stream);
+  ops::layer_norm(x2, gamma_, beta_, as_rows(y, features_), stats, eps_, ctx.stream,
+                  residual.defined() ? as_rows(residual, features_) : Tensor{});
   if (ctx.keep_for_backward) saved_[ctx.micro_batch] = {x2, stats};
   return y;
 }
 
-Tensor LayerNorm::backward(Tensor const& dy, Context& ctx) {
+Tensor LayerNorm::backward(Tensor const& dy, Context& ctx) { return backward_add(dy, Tensor{}, ctx); }
+
+Tensor LayerNorm::backward_add(Tensor const& dy, Tensor const& residual, Context& ctx) {
   auto const it = saved_.find(ctx.micro_batch);
   if (it == saved_.end())
     throw Error(Errc::invalid_argument, name() + ".backward for micro-batch " + std::to_string(ctx.micro_batch) +
@@ -194,8 +199,9 @@ Tensor LayerNorm::backward(Tensor const& dy, Context& ctx) {
   auto const [x, stats] = std::move(it->second);
   saved_.erase(it);
   Tensor dx = Tensor::empty(dy.shape(), dy.dtype(), ctx.allocator, ctx.stream);
-  ops::layer_norm_backward(x, gamma_, stats, as_rows(dy, features_), as_rows(dx, features_), dgamma_, dbeta_, ctx.stream,
-                           ctx.accumulate_gradients);
+  ops::layer_norm_backward(x, gamma_, stats, as_rows(dy, features_), as_rows(dx, features_), dgamma_, dbeta_,
+                           ctx.stream, ctx.accumulate_gradients,
+                           residual.defined() ? as_rows(residual, features_) : Tensor{});
   return dx;
 }
 

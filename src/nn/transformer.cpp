@@ -408,11 +408,10 @@ Tensor TransformerBlock::forward(Tensor const& x, Context& ctx) {
 
 Tensor TransformerBlock::forward_layers(Tensor const& x, Context& ctx) {
   // h = x + Dropout(attn(LN1(x))): the branch's output is a fresh tensor, so the residual is added
-  // in place.
+  // in place, in LN2's pass over h.
   Tensor const h = attn_drop_.forward(attn_.forward(ln1_.forward(x, ctx), ctx), ctx);
-  ops::add_scaled(h, x, 1.0f, ctx.stream);
-  Tensor const m =
-      mlp_drop_.forward(proj_.forward(fc_.forward(ln2_.forward(h, ctx), ctx, ops::ActivationKind::gelu), ctx), ctx);
+  Tensor const m = mlp_drop_.forward(
+      proj_.forward(fc_.forward(ln2_.forward_add(h, x, ctx), ctx, ops::ActivationKind::gelu), ctx), ctx);
   ops::add_scaled(m, h, 1.0f, ctx.stream);
   return m;
 }
@@ -451,13 +450,11 @@ Tensor TransformerBlock::backward_input(Tensor const& dy, Context& ctx) {
     (void)forward_layers(in.x, rerun);
     set_rng_counter(counter);
   }
-  // dh = dy + the MLP branch's input gradient; dx = dh + the attention branch's. Each branch's
-  // gradient is a fresh tensor (LayerNorm's backward allocates it), so the sums go in place.
-  Tensor const dh = ln2_.backward(fc_.backward_input(proj_.backward_input(mlp_drop_.backward(dy, ctx), ctx), ctx), ctx);
-  ops::add_scaled(dh, dy, 1.0f, ctx.stream);
-  Tensor const dx = ln1_.backward(attn_.backward_input(attn_drop_.backward(dh, ctx), ctx), ctx);
-  ops::add_scaled(dx, dh, 1.0f, ctx.stream);
-  return dx;
+  // dh = dy + the MLP branch's input gradient; dx = dh + the attention branch's: each sum in the
+  // pass of the branch's LayerNorm backward.
+  Tensor const dh =
+      ln2_.backward_add(fc_.backward_input(proj_.backward_input(mlp_drop_.backward(dy, ctx), ctx), ctx), dy, ctx);
+  return ln1_.backward_add(attn_.backward_input(attn_drop_.backward(dh, ctx), ctx), dh, ctx);
 }
 
 void TransformerBlock::backward_weight(Context& ctx) {

@@ -23,7 +23,9 @@ void activation(char const* op, Tensor const& x, Tensor const& y, Stream& stream
   check(x, op, "x", stream);
   check(y, op, "y", stream);
   check_same(x, y, op);
-  visit(x.dtype(), [&]<class T>(T) { run_each(stream, x.numel(), detail::ActivationOp<T, F>{ptr<T>(x), ptr<T>(y)}, {x, y}); });
+  visit(x.dtype(), [&]<class T>(T) {
+    run_each(stream, HostOpFamily::activation, x.numel(), detail::ActivationOp<T, F>{ptr<T>(x), ptr<T>(y)}, {x, y});
+  });
 }
 
 template <class F>
@@ -34,7 +36,8 @@ void activation_grad(char const* op, Tensor const& x, Tensor const& dy, Tensor c
   check_same(x, dy, op);
   check_same(x, dx, op);
   visit(x.dtype(), [&]<class T>(T) {
-    run_each(stream, x.numel(), detail::ActivationGradOp<T, F>{ptr<T>(x), ptr<T>(dy), ptr<T>(dx)}, {x, dy, dx});
+    run_each(stream, HostOpFamily::activation, x.numel(),
+             detail::ActivationGradOp<T, F>{ptr<T>(x), ptr<T>(dy), ptr<T>(dx)}, {x, dy, dx});
   });
 }
 }  // namespace
@@ -56,7 +59,8 @@ void dropout_op(char const* op, Tensor const& x, Tensor const& y, float p, std::
   if (!(p >= 0.0f && p < 1.0f)) throw Error(Errc::invalid_argument, std::string(op) + ": p " + std::to_string(p) + " (expected 0 <= p < 1)");
   if (offset < 0) throw Error(Errc::invalid_argument, std::string(op) + ": offset " + std::to_string(offset) + " (expected >= 0)");
   visit(x.dtype(), [&]<class T>(T) {
-    run_each(stream, x.numel(), detail::DropoutOp<T>{ptr<T>(x), ptr<T>(y), seed, 1.0f - p, static_cast<std::uint64_t>(offset)}, {x, y});
+    run_each(stream, HostOpFamily::activation, x.numel(),
+             detail::DropoutOp<T>{ptr<T>(x), ptr<T>(y), seed, 1.0f - p, static_cast<std::uint64_t>(offset)}, {x, y});
   });
 }
 }  // namespace

@@ -22,23 +22,39 @@ void check_layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& stats,
 }
 }  // namespace
 
-void layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& beta, Tensor const& y, Tensor const& stats, float eps,
-                Stream& stream) {
+void layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& beta, Tensor const& y, Tensor const& stats,
+                float eps, Stream& stream, Tensor const& residual) {
   check_layer_norm(x, gamma, stats, "layer_norm", stream);
   check(beta, "layer_norm", "beta", stream);
   check(y, "layer_norm", "y", stream);
   check_same(gamma, beta, "layer_norm");
   check_same(x, y, "layer_norm");
   if (!(eps > 0)) throw Error(Errc::invalid_argument, "layer_norm: eps " + std::to_string(eps) + " (expected > 0)");
+  if (residual.defined()) {
+    check(residual, "layer_norm", "residual", stream);
+    check_same(x, residual, "layer_norm");
+  }
   std::int64_t const n = x.dim(0);
   visit(x.dtype(), [&]<class T>(T) {
-    detail::LayerNormRow<T> const op{ptr<T>(x), ptr<T>(gamma), ptr<T>(beta), ptr<T>(y), ptr<float>(stats), ptr<float>(stats) + n, x.dim(1), eps};
-    run_each(stream, n, op, {x, gamma, beta, y, stats});
+    detail::LayerNormRow<T> const op{ptr<T>(x),
+                                     ptr<T>(gamma),
+                                     ptr<T>(beta),
+                                     ptr<T>(y),
+                                     ptr<float>(stats),
+                                     ptr<float>(stats) + n,
+                                     x.dim(1),
+                                     eps,
+                                     residual.defined() ? ptr<T>(residual) : nullptr,
+                                     residual.defined() ? ptr<T>(x) : nullptr};
+    run_each(stream, HostOpFamily::norm, n, op,
+             residual.defined() ? std::vector<Tensor>{x, gamma, beta, y, stats, residual}
+                                : std::vector<Tensor>{x, gamma, beta, y, stats});
   });
 }
 
 void layer_norm_backward(Tensor const& x, Tensor const& gamma, Tensor const& stats, Tensor const& dy, Tensor const& dx,
-                         Tensor const& dgamma, Tensor const& dbeta, Stream& stream, bool accumulate) {
+                         Tensor const& dgamma, Tensor const& dbeta, Stream& stream, bool accumulate,
+                         Tensor const& residual) {
   check_layer_norm(x, gamma, stats, "layer_norm_backward", stream);
   for (auto const& [t, role] : {std::pair{&dy, "dy"}, std::pair{&dx, "dx"}, std::pair{&dgamma, "dgamma"}, std::pair{&dbeta, "dbeta"}})
     check(*t, "layer_norm_backward", role, stream);
@@ -46,14 +62,23 @@ void layer_norm_backward(Tensor const& x, Tensor const& gamma, Tensor const& sta
   check_same(x, dx, "layer_norm_backward");
   check_same(gamma, dgamma, "layer_norm_backward");
   check_same(gamma, dbeta, "layer_norm_backward");
+  if (residual.defined()) {
+    check(residual, "layer_norm_backward", "residual", stream);
+    check_same(x, residual, "layer_norm_backward");
+  }
   std::int64_t const n = x.dim(0);
   std::int64_t const d = x.dim(1);
   float const* mean = ptr<float>(stats);
   float const* rstd = mean + n;
   visit(x.dtype(), [&]<class T>(T) {
-    run_each(stream, n, detail::LayerNormGradRow<T>{ptr<T>(x), ptr<T>(gamma), ptr<T>(dy), mean, rstd, ptr<T>(dx), d},
-             {x, gamma, stats, dy, dx});
-    run_each(stream, d, detail::LayerNormParamGradCol<T>{ptr<T>(x), ptr<T>(dy), mean, rstd, ptr<T>(dgamma), ptr<T>(dbeta), n, d, accumulate},
+    T const* skip = residual.defined() ? ptr<T>(residual) : nullptr;
+    run_each(stream, HostOpFamily::norm, n,
+             detail::LayerNormGradRow<T>{ptr<T>(x), ptr<T>(gamma), ptr<T>(dy), mean, rstd, ptr<T>(dx), d, skip},
+             residual.defined() ? std::vector<Tensor>{x, gamma, stats, dy, dx, residual}
+                                : std::vector<Tensor>{x, gamma, stats, dy, dx});
+    run_each(stream, HostOpFamily::norm, d,
+             detail::LayerNormParamGradCol<T>{ptr<T>(x), ptr<T>(dy), mean, rstd, ptr<T>(dgamma), ptr<T>(dbeta), n, d,
+                                              accumulate},
              {x, stats, dy, dgamma, dbeta});
   });
 }

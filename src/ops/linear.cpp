@@ -119,7 +119,8 @@ void linear(Tensor const& x, Tensor const& w, Tensor const& bias, Tensor const& 
   enqueue_gemm(x, false, w, false, z, 1.0f, 0.0f, stream);
   visit(x.dtype(), [&]<class T>(T) {
     visit_activation(act, [&]<class F>(F) {
-      run_each(stream, y.numel(), detail::BiasActivationOp<T, F>{ptr<T>(z), ptr<T>(bias), ptr<T>(y), cols(y)}, {z, bias, y});
+      run_each(stream, HostOpFamily::activation, y.numel(),
+               detail::BiasActivationOp<T, F>{ptr<T>(z), ptr<T>(bias), ptr<T>(y), cols(y)}, {z, bias, y});
     });
   });
 }
@@ -144,13 +145,17 @@ void activation_bias_grad(ActivationKind act, Tensor const& z, Tensor const& dy,
       if (stream.device().kind == DeviceKind::host) {
         mgpu::detail::enqueue_using(
             stream,
-            [in = ptr<T>(input), g = ptr<T>(dy), out = ptr<T>(dz), bias = ptr<T>(db), n = rows(dy), c = cols(dy), accumulate] {
-              activation_bias_grad_rows<T, F>(in, g, out, bias, n, c, accumulate);
+            [in = ptr<T>(input), g = ptr<T>(dy), out = ptr<T>(dz), bias = ptr<T>(db), n = rows(dy), c = cols(dy),
+             accumulate] {
+              host::timed(HostOpFamily::activation,
+                          [&] { activation_bias_grad_rows<T, F>(in, g, out, bias, n, c, accumulate); });
             },
             input, dy, dz, db);
         return;
       }
-      run_each(stream, cols(dy), detail::ActivationBiasGradCol<T, F>{ptr<T>(input), ptr<T>(dy), ptr<T>(dz), ptr<T>(db), rows(dy), cols(dy), accumulate},
+      run_each(stream, HostOpFamily::activation, cols(dy),
+               detail::ActivationBiasGradCol<T, F>{ptr<T>(input), ptr<T>(dy), ptr<T>(dz), ptr<T>(db), rows(dy),
+                                                   cols(dy), accumulate},
                {input, dy, dz, db});
     });
   });
@@ -167,12 +172,16 @@ void add_bias(Tensor const& y, Tensor const& bias, Stream& stream) {
     mgpu::detail::enqueue_using(
         stream,
         [out = ptr<float>(y), n = rows(y), c = cols(y), b = ptr<float>(bias)] {
-          MatrixMap(out, n, c).rowwise() += Eigen::Map<Eigen::RowVectorXf>(b, c);
+          host::timed(HostOpFamily::activation,
+                      [&] { MatrixMap(out, n, c).rowwise() += Eigen::Map<Eigen::RowVectorXf>(b, c); });
         },
         y, bias);
     return;
   }
-  visit(y.dtype(), [&]<class T>(T) { run_each(stream, y.numel(), detail::BiasAddOp<T>{ptr<T>(y), ptr<T>(bias), cols(y)}, {y, bias}); });
+  visit(y.dtype(), [&]<class T>(T) {
+    run_each(stream, HostOpFamily::activation, y.numel(), detail::BiasAddOp<T>{ptr<T>(y), ptr<T>(bias), cols(y)},
+             {y, bias});
+  });
 }
 
 void bias_grad(Tensor const& dy, Tensor const& db, Stream& stream, bool accumulate) {
@@ -186,18 +195,21 @@ void bias_grad(Tensor const& dy, Tensor const& db, Stream& stream, bool accumula
     mgpu::detail::enqueue_using(
         stream,
         [g = ptr<float>(dy), n = rows(dy), c = cols(dy), sums = ptr<float>(db), accumulate] {
-          Eigen::Map<Eigen::RowVectorXf> out(sums, c);
-          if (accumulate) {
-            out += MatrixMap(g, n, c).colwise().sum();
-          } else {
-            out = MatrixMap(g, n, c).colwise().sum();
-          }
+          host::timed(HostOpFamily::activation, [&] {
+            Eigen::Map<Eigen::RowVectorXf> out(sums, c);
+            if (accumulate) {
+              out += MatrixMap(g, n, c).colwise().sum();
+            } else {
+              out = MatrixMap(g, n, c).colwise().sum();
+            }
+          });
         },
         dy, db);
     return;
   }
   visit(dy.dtype(), [&]<class T>(T) {
-    run_each(stream, cols(dy), detail::BiasGradOp<T>{ptr<T>(dy), ptr<T>(db), rows(dy), cols(dy), accumulate}, {dy, db});
+    run_each(stream, HostOpFamily::activation, cols(dy),
+             detail::BiasGradOp<T>{ptr<T>(dy), ptr<T>(db), rows(dy), cols(dy), accumulate}, {dy, db});
   });
 }
 

@@ -67,7 +67,7 @@ void softmax_cross_entropy(Tensor const& logits, Tensor const& labels, Tensor co
   float const mean = n > 0 ? 1.0f / static_cast<float>(n) : 0.0f;
   visit(logits.dtype(), [&]<class T>(T) {
     detail::SoftmaxCrossEntropyRow<T> const row{ptr<T>(logits), ptr<float>(labels), ptr<T>(dlogits), c, grad_scale * mean};
-    run_reduce(stream, n, row, loss, mean, {logits, labels, dlogits});
+    run_reduce(stream, HostOpFamily::loss, n, row, loss, mean, {logits, labels, dlogits});
   });
 }
 
@@ -80,8 +80,9 @@ void mse(Tensor const& pred, Tensor const& target, Tensor const& dpred, Tensor c
   check_same(pred, dpred, "mse");
   float const mean = 1.0f / static_cast<float>(std::max<std::int64_t>(1, pred.numel()));
   visit(pred.dtype(), [&]<class T>(T) {
-    run_reduce(stream, pred.numel(), detail::SquaredErrorOp<T>{ptr<T>(pred), ptr<T>(target), ptr<T>(dpred), grad_scale * mean}, loss,
-               mean, {pred, target, dpred});
+    run_reduce(stream, HostOpFamily::loss, pred.numel(),
+               detail::SquaredErrorOp<T>{ptr<T>(pred), ptr<T>(target), ptr<T>(dpred), grad_scale * mean}, loss, mean,
+               {pred, target, dpred});
   });
 }
 
@@ -95,7 +96,8 @@ void count_correct(Tensor const& logits, Tensor const& labels, Tensor const& out
                                             " (expected logits [N, C] and N labels)");
   fail_on_bad_label("count_correct", labels, logits.dim(0), logits.dim(1), stream);
   visit(logits.dtype(), [&]<class T>(T) {
-    run_reduce(stream, logits.dim(0), detail::CorrectRow<T>{ptr<T>(logits), ptr<float>(labels), logits.dim(1)}, out, 1.0f, {logits, labels});
+    run_reduce(stream, HostOpFamily::loss, logits.dim(0),
+               detail::CorrectRow<T>{ptr<T>(logits), ptr<float>(labels), logits.dim(1)}, out, 1.0f, {logits, labels});
   });
 }
 

@@ -32,14 +32,15 @@
 
 #include <mgpu/config.hpp>
 #include <mgpu/core/detail/elementwise.hpp>
+#include <mgpu/core/detail/training_math.hpp>
 #include <mgpu/core/error.hpp>
 #include <mgpu/core/stream.hpp>
 #include <mgpu/core/tensor.hpp>
-#include <mgpu/core/detail/training_math.hpp>
 #include <mgpu/ops/ops.hpp>
 
 #include "core/backend.hpp"
 #include "kernels/ops.hpp"
+#include "ops/host_op_stats.hpp"
 
 namespace mgpu::ops {
 
@@ -90,12 +91,13 @@ inline bool host_float32(Tensor const& t, Stream const& stream) {
 }
 
 // Runs op(i) for i in [0, n) on the stream, recording it as a use of the tensors (`keep`: their
-// blocks are reused in stream order, mgpu::detail::enqueue_using).
+// blocks are reused in stream order, mgpu::detail::enqueue_using); on a host stream its time counts
+// to `family` (host_op_seconds).
 template <class Op>
-void run_each(Stream& stream, std::int64_t n, Op const& op, std::vector<Tensor> const& keep) {
+void run_each(Stream& stream, HostOpFamily family, std::int64_t n, Op const& op, std::vector<Tensor> const& keep) {
   mgpu::detail::ReleaseAfterOnExit const release(stream, keep);  // reused after the loop or the kernel
   if (stream.device().kind == DeviceKind::host) {
-    stream.enqueue([n, op] { mgpu::detail::for_each_index(n, op); });
+    stream.enqueue([family, n, op] { host::timed(family, [&] { mgpu::detail::for_each_index(n, op); }); });
     return;
   }
 #if MGPU_CUDA_ENABLED
@@ -105,17 +107,21 @@ void run_each(Stream& stream, std::int64_t n, Op const& op, std::vector<Tensor> 
 #endif
 }
 
-// out[0] = scale * sum of op(i) for i in [0, n); float64 accumulation on the host.
+// out[0] = scale * sum of op(i) for i in [0, n); float64 accumulation on the host, its time
+// counted to `family`.
 template <class Op>
-void run_reduce(Stream& stream, std::int64_t n, Op const& op, Tensor const& out, float scale, std::vector<Tensor> keep) {
+void run_reduce(Stream& stream, HostOpFamily family, std::int64_t n, Op const& op, Tensor const& out, float scale,
+                std::vector<Tensor> keep) {
   keep.push_back(out);
   float* result = ptr<float>(out);
   mgpu::detail::ReleaseAfterOnExit const release(stream, keep);  // its kernels, also if the second fails to launch
   if (stream.device().kind == DeviceKind::host) {
-    stream.enqueue([n, op, result, scale] {
-      double total = 0;
-      for (std::int64_t i = 0; i < n; ++i) total += static_cast<double>(op(i));
-      *result = static_cast<float>(static_cast<double>(scale) * total);
+    stream.enqueue([family, n, op, result, scale] {
+      host::timed(family, [&] {
+        double total = 0;
+        for (std::int64_t i = 0; i < n; ++i) total += static_cast<double>(op(i));
+        *result = static_cast<float>(static_cast<double>(scale) * total);
+      });
     });
     return;
   }

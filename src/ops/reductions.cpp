@@ -13,7 +13,9 @@ template <template <class> class Op>
 void reduction(char const* op, Tensor const& t, Tensor const& out, Stream& stream) {
   check(t, op, "input", stream);
   check_scalar(out, op, stream);
-  visit(t.dtype(), [&]<class T>(T) { run_reduce(stream, t.numel(), Op<T>{ptr<T>(t)}, out, 1.0f, {t}); });
+  visit(t.dtype(), [&]<class T>(T) {
+    run_reduce(stream, HostOpFamily::elementwise, t.numel(), Op<T>{ptr<T>(t)}, out, 1.0f, {t});
+  });
 }
 }  // namespace
 

@@ -1,10 +1,9 @@
 // The transformer ops (mgpu/ops/transformer.hpp): argument checks at the call, then the functors of
 // mgpu/core/detail/transformer_math.hpp, run in a loop by one piece of work on a host stream's
-// worker, or launched as kernels (src/kernels/transformer.cu) on a CUDA stream. Every output is
+// worker (attention: the tiled products of host_attention.cpp), or launched as kernels
+// (src/kernels/transformer.cu) on a CUDA stream. Every output is
 // summed in a fixed order, so results are bitwise reproducible.
 #include "kernels/transformer.hpp"
-
-#include <Eigen/Core>
 
 #include <algorithm>
 #include <array>
@@ -22,6 +21,8 @@
 
 #include "core/backend.hpp"
 #include "kernels/ops.hpp"
+#include "ops/host_attention.hpp"
+#include "ops/host_op_stats.hpp"
 
 namespace mgpu::ops {
 namespace {
@@ -105,18 +106,25 @@ detail::AttentionMask attention_mask(AttentionDropout const& dropout, std::int64
 }
 
 // Runs body(each, scratch) with `scratch_words` 4-byte words of scratch memory, where each(n, op)
-// calls op(i) for i in [0, n): on a host stream inside one piece of enqueued work; on a CUDA stream
+// calls op(i) for i in [0, n): on a host stream inside one piece of enqueued work, its time counted
+// to `family` (host_op_seconds); on a CUDA stream
 // as kernels over device scratch from the caching allocator of keep[0] (a tensor on the stream's
 // device), released in stream order. The work is recorded as a use of the `keep` tensors (their
 // blocks are reused in stream order, mgpu::detail::enqueue_using).
 template <class Body>
-void run(Stream& stream, std::vector<Tensor> const& keep, std::size_t scratch_words, Body const& body) {
+void run(Stream& stream, HostOpFamily family, std::vector<Tensor> const& keep, std::size_t scratch_words,
+         Body const& body) {
   if (stream.device().kind == DeviceKind::host) {
-    mgpu::detail::enqueue_using(stream, [scratch_words, body] {
-      std::vector<std::uint32_t> scratch(scratch_words);
-      body([](std::int64_t n, auto const& op) { mgpu::detail::for_each_index(n, op); },
-           static_cast<void*>(scratch.data()));
-    }, keep);
+    mgpu::detail::enqueue_using(
+        stream,
+        [family, scratch_words, body] {
+          host::timed(family, [&] {
+            std::vector<std::uint32_t> scratch(scratch_words);
+            body([](std::int64_t n, auto const& op) { mgpu::detail::for_each_index(n, op); },
+                 static_cast<void*>(scratch.data()));
+          });
+        },
+        keep);
     return;
   }
 #if MGPU_CUDA_ENABLED
@@ -171,175 +179,6 @@ void fail_on_bad_id(char const* op, char const* what, Tensor const& ids, std::in
 
 constexpr std::int64_t no_ignore = std::int64_t{INT32_MIN} - 1;
 
-// Causal attention on a host stream: per (sequence, head), blocks of `tile` queries against tiles
-// of `tile` keys, each tile's scores and gradients formed by Eigen GEMMs on float copies of the
-// head's q, k, v (and dy) and a vectorized exp; the forward keeps a running maximum and sum per
-// query (online softmax), so nothing larger than a tile x tile block is ever formed.
-namespace host_attention {
-
-using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using Block = Eigen::Block<Matrix>;
-constexpr std::int64_t tile = 64;
-
-// dst [t, d] = scale * the head's columns [offset, offset + d) of src rows of `stride` elements.
-template <class T>
-void pack(T const* src, std::int64_t stride, std::int64_t t, std::int64_t d, float scale, Matrix& dst) {
-  dst.resize(t, d);
-  for (std::int64_t i = 0; i < t; ++i) {
-    T const* row = src + i * stride;
-    float* out = dst.data() + i * d;
-    for (std::int64_t e = 0; e < d; ++e) out[e] = static_cast<float>(row[e]) * scale;
-  }
-}
-
-template <class T>
-void unpack(Matrix const& src, float scale, T* dst, std::int64_t stride) {
-  for (std::int64_t i = 0; i < src.rows(); ++i) {
-    float const* row = src.data() + i * src.cols();
-    T* out = dst + i * stride;
-    for (std::int64_t e = 0; e < src.cols(); ++e) out[e] = T(row[e] * scale);
-  }
-}
-
-// The number of keys of tile [j0, j0 + width) that query i may see (j <= i).
-inline std::int64_t visible(std::int64_t i, std::int64_t j0, std::int64_t width) {
-  return std::clamp<std::int64_t>(i - j0 + 1, 0, width);
-}
-
-// Scratch kept per worker thread between calls.
-struct Scratch {
-  Matrix q, k, v, dy, dq, dk, dv, s, ds, acc;
-  std::vector<float> m, l, row_dot;
-};
-inline Scratch& scratch() {
-  thread_local Scratch s;
-  return s;
-}
-
-template <class T>
-void forward(T const* qkv, T* y, float* lse, std::int64_t batch, detail::AttentionShape const& shape,
-             detail::AttentionMask const& mask) {
-  std::int64_t const t = shape.t, c = shape.c, heads = shape.heads, d = shape.d();
-  float const scale = 1.0f / std::sqrt(static_cast<float>(d));
-  Scratch& w = scratch();
-  for (std::int64_t b = 0; b < batch; ++b) {
-    for (std::int64_t h = 0; h < heads; ++h) {
-      T const* base = qkv + b * t * 3 * c + h * d;
-      pack(base, 3 * c, t, d, scale, w.q);  // q / sqrt(d): the scores come out scaled
-      pack(base + c, 3 * c, t, d, 1.0f, w.k);
-      pack(base + 2 * c, 3 * c, t, d, 1.0f, w.v);
-      float* row_lse = lse + (b * heads + h) * t;
-      for (std::int64_t i0 = 0; i0 < t; i0 += tile) {
-        std::int64_t const rows = std::min(tile, t - i0);
-        w.m.assign(static_cast<std::size_t>(rows), -INFINITY);
-        w.l.assign(static_cast<std::size_t>(rows), 0.0f);
-        w.acc.setZero(rows, d);
-        for (std::int64_t j0 = 0; j0 < i0 + rows; j0 += tile) {
-          std::int64_t const cols = std::min(tile, i0 + rows - j0);
-          w.s.resize(rows, cols);
-          w.s.noalias() = w.q.middleRows(i0, rows) * w.k.middleRows(j0, cols).transpose();
-          for (std::int64_t r = 0; r < rows; ++r) {
-            std::int64_t const i = i0 + r, n = visible(i, j0, cols);
-            float* s = w.s.data() + r * cols;
-            float* acc = w.acc.data() + r * d;
-            auto const ru = static_cast<std::size_t>(r);
-            float tile_max = -INFINITY;
-            for (std::int64_t j = 0; j < n; ++j) tile_max = s[j] > tile_max ? s[j] : tile_max;
-            float const m_new = std::max(w.m[ru], tile_max);
-            if (n > 0 && m_new != w.m[ru]) {  // rescale what earlier tiles summed
-              float const correction = mgpu::detail::exp_vec(w.m[ru] - m_new);  // 0 for the first tile
-              w.l[ru] *= correction;
-              for (std::int64_t e = 0; e < d; ++e) acc[e] *= correction;
-              w.m[ru] = m_new;
-            }
-            float sum = 0.0f;
-            for (std::int64_t j = 0; j < n; ++j) {
-              s[j] = mgpu::detail::exp_vec(s[j] - m_new);
-              sum += s[j];
-            }
-            for (std::int64_t j = n; j < cols; ++j) s[j] = 0.0f;
-            w.l[ru] += sum;
-            if (mask.p != 0.0f)
-              for (std::int64_t j = 0; j < n; ++j) s[j] *= mask.factor(b, h, i, j0 + j);
-          }
-          w.acc.noalias() += w.s * w.v.middleRows(j0, cols);
-        }
-        for (std::int64_t r = 0; r < rows; ++r) {
-          auto const ru = static_cast<std::size_t>(r);
-          float const inverse = 1.0f / w.l[ru];
-          w.acc.row(r) *= inverse;
-          row_lse[i0 + r] = w.m[ru] + std::log(w.l[ru]);
-        }
-        unpack(w.acc, 1.0f, y + (b * t + i0) * c + h * d, c);
-      }
-    }
-  }
-}
-
-template <class T>
-void backward(T const* qkv, T const* y, float const* lse, T const* dy, T* dqkv, std::int64_t batch,
-              detail::AttentionShape const& shape, detail::AttentionMask const& mask) {
-  std::int64_t const t = shape.t, c = shape.c, heads = shape.heads, d = shape.d();
-  float const scale = 1.0f / std::sqrt(static_cast<float>(d));
-  Scratch& w = scratch();
-  w.row_dot.resize(static_cast<std::size_t>(t));
-  for (std::int64_t b = 0; b < batch; ++b) {
-    for (std::int64_t h = 0; h < heads; ++h) {
-      T const* base = qkv + b * t * 3 * c + h * d;
-      pack(base, 3 * c, t, d, scale, w.q);  // q / sqrt(d), as in the forward
-      pack(base + c, 3 * c, t, d, 1.0f, w.k);
-      pack(base + 2 * c, 3 * c, t, d, 1.0f, w.v);
-      pack(dy + b * t * c + h * d, c, t, d, 1.0f, w.dy);
-      for (std::int64_t i = 0; i < t; ++i) {
-        std::int64_t const offset = (b * t + i) * c + h * d;
-        w.row_dot[static_cast<std::size_t>(i)] = detail::dot(dy + offset, y + offset, d);
-      }
-      float const* row_lse = lse + (b * heads + h) * t;
-      w.dq.setZero(t, d);
-      w.dk.setZero(t, d);
-      w.dv.setZero(t, d);
-      for (std::int64_t i0 = 0; i0 < t; i0 += tile) {
-        std::int64_t const rows = std::min(tile, t - i0);
-        for (std::int64_t j0 = 0; j0 < i0 + rows; j0 += tile) {
-          std::int64_t const cols = std::min(tile, i0 + rows - j0);
-          w.s.resize(rows, cols);
-          w.ds.resize(rows, cols);
-          w.s.noalias() = w.q.middleRows(i0, rows) * w.k.middleRows(j0, cols).transpose();
-          w.ds.noalias() = w.dy.middleRows(i0, rows) * w.v.middleRows(j0, cols).transpose();
-          for (std::int64_t r = 0; r < rows; ++r) {
-            std::int64_t const i = i0 + r, n = visible(i, j0, cols);
-            float* p = w.s.data() + r * cols;
-            float* ds = w.ds.data() + r * cols;
-            float const l = row_lse[i], rd = w.row_dot[static_cast<std::size_t>(i)];
-            if (mask.p != 0.0f) {
-              for (std::int64_t j = 0; j < n; ++j) {  // p becomes P Z (for dv); ds = P (Z dP - row_dot)
-                float const prob = mgpu::detail::exp_vec(p[j] - l), z = mask.factor(b, h, i, j0 + j);
-                ds[j] = prob * (z * ds[j] - rd);
-                p[j] = prob * z;
-              }
-            } else {
-              for (std::int64_t j = 0; j < n; ++j) {
-                p[j] = mgpu::detail::exp_vec(p[j] - l);
-                ds[j] = p[j] * (ds[j] - rd);
-              }
-            }
-            for (std::int64_t j = n; j < cols; ++j) p[j] = ds[j] = 0.0f;
-          }
-          w.dv.middleRows(j0, cols).noalias() += w.s.transpose() * w.dy.middleRows(i0, rows);
-          w.dk.middleRows(j0, cols).noalias() += w.ds.transpose() * w.q.middleRows(i0, rows);  // scaled q
-          w.dq.middleRows(i0, rows).noalias() += w.ds * w.k.middleRows(j0, cols);
-        }
-      }
-      T* out = dqkv + b * t * 3 * c + h * d;
-      unpack(w.dq, scale, out, 3 * c);
-      unpack(w.dk, 1.0f, out + c, 3 * c);
-      unpack(w.dv, 1.0f, out + 2 * c, 3 * c);
-    }
-  }
-}
-
-}  // namespace host_attention
-
 // embedding and vocab_shard_embedding: ids int32 [B, T], wte [rows, C] (`wte_shape` names it in
 // errors), wpe [P, C] with T <= P, y [B, T, C], all in wte's dtype. Returns {B, T, C}.
 std::array<std::int64_t, 3> check_embedding(char const* op, Tensor const& ids, Tensor const& wte, Tensor const& wpe,
@@ -373,7 +212,8 @@ void embedding(Tensor const& ids, Tensor const& wte, Tensor const& wpe, Tensor c
   fail_on_bad_id(op, "token id", ids, batch * t, vocab, no_ignore, stream);
   visit(wte.dtype(), [&]<class T>(T) {
     detail::EmbeddingOp<T> const e{ptr<std::int32_t>(ids), ptr<T>(wte), ptr<T>(wpe), ptr<T>(y), t, c, vocab};
-    run(stream, {ids, wte, wpe, y}, 0, [e, n = batch * t * c](auto const& each, void*) { each(n, e); });
+    run(stream, HostOpFamily::embedding, {ids, wte, wpe, y}, 0,
+        [e, n = batch * t * c](auto const& each, void*) { each(n, e); });
   });
 }
 
@@ -400,7 +240,7 @@ void embedding_grads(char const* op, Tensor const& ids, Tensor const& dy, Tensor
     std::int32_t const* id = ptr<std::int32_t>(ids);
     detail::EmbeddingPositionGradOp<T> const position{ptr<T>(dy), ptr<T>(dwpe), batch, t, c, accumulate_wpe};
     auto const words_needed = static_cast<std::size_t>(rows + 1 + batch * t);
-    run(stream, {ids, dy, dwte, dwpe}, words_needed, [=](auto const& each, void* scratch) {
+    run(stream, HostOpFamily::embedding, {ids, dy, dwte, dwpe}, words_needed, [=](auto const& each, void* scratch) {
       auto* offsets = words<std::int32_t>(scratch, 0);
       auto* positions = words<std::int32_t>(scratch, static_cast<std::size_t>(rows + 1));
       each(rows, detail::TokenCountOp{id, batch * t, offsets, begin});
@@ -438,7 +278,8 @@ void vocab_shard_embedding(Tensor const& ids, Tensor const& wte, Tensor const& w
   visit(wte.dtype(), [&]<class T>(T) {
     detail::VocabShardEmbeddingOp<T> const e{
         ptr<std::int32_t>(ids), ptr<T>(wte), ptr<T>(wpe), ptr<T>(y), t, c, begin, rows, positions};
-    run(stream, {ids, wte, wpe, y}, 0, [e, n = batch * t * c](auto const& each, void*) { each(n, e); });
+    run(stream, HostOpFamily::embedding, {ids, wte, wpe, y}, 0,
+        [e, n = batch * t * c](auto const& each, void*) { each(n, e); });
   });
 }
 
@@ -458,15 +299,21 @@ void causal_attention(Tensor const& qkv, Tensor const& y, Tensor const& lse, std
   detail::AttentionMask const mask = attention_mask(dropout, heads, t);
   visit(qkv.dtype(), [&]<class T>(T) {
     if (stream.device().kind == DeviceKind::host) {
-      mgpu::detail::enqueue_using(stream, [q = ptr<T>(qkv), out = ptr<T>(y), l = ptr<float>(lse), batch, shape, mask] {
-        host_attention::forward(q, out, l, batch, shape, mask);
-      }, qkv, y, lse);
+      AttentionTiles const tiles = host::attention_tiles();
+      mgpu::detail::enqueue_using(
+          stream,
+          [q = ptr<T>(qkv), out = ptr<T>(y), l = ptr<float>(lse), batch, shape, mask, tiles] {
+            host::timed(HostOpFamily::attention,
+                        [&] { host::attention_forward(q, out, l, batch, shape, mask, tiles); });
+          },
+          qkv, y, lse);
       return;
     }
-    run(stream, {qkv, y, lse}, static_cast<std::size_t>(batch * t * c), [=](auto const& each, void* scratch) {
-      each(batch * heads * t, detail::AttentionForwardRow<T>{ptr<T>(qkv), ptr<T>(y), ptr<float>(lse),
-                                                             words<float>(scratch, 0), shape, mask});
-    });
+    run(stream, HostOpFamily::attention, {qkv, y, lse}, static_cast<std::size_t>(batch * t * c),
+        [=](auto const& each, void* scratch) {
+          each(batch * heads * t, detail::AttentionForwardRow<T>{ptr<T>(qkv), ptr<T>(y), ptr<float>(lse),
+                                                                 words<float>(scratch, 0), shape, mask});
+        });
   });
 }
 
@@ -487,14 +334,19 @@ void causal_attention_backward(Tensor const& qkv, Tensor const& y, Tensor const&
   std::int64_t const rows = batch * heads * t;
   visit(qkv.dtype(), [&]<class T>(T) {
     if (stream.device().kind == DeviceKind::host) {
-      mgpu::detail::enqueue_using(stream, [q = ptr<T>(qkv), out = ptr<T>(y), l = ptr<float>(lse), g = ptr<T>(dy),
-                                           dq = ptr<T>(dqkv), batch, shape, mask] {
-        host_attention::backward(q, out, l, g, dq, batch, shape, mask);
-      }, qkv, y, lse, dy, dqkv);
+      AttentionTiles const tiles = host::attention_tiles();
+      mgpu::detail::enqueue_using(
+          stream,
+          [q = ptr<T>(qkv), out = ptr<T>(y), l = ptr<float>(lse), g = ptr<T>(dy), dq = ptr<T>(dqkv), batch, shape, mask,
+           tiles] {
+            host::timed(HostOpFamily::attention,
+                        [&] { host::attention_backward(q, out, l, g, dq, batch, shape, mask, tiles); });
+          },
+          qkv, y, lse, dy, dqkv);
       return;
     }
     auto const words_needed = static_cast<std::size_t>(rows + batch * t * 3 * c);
-    run(stream, {qkv, y, lse, dy, dqkv}, words_needed, [=](auto const& each, void* scratch) {
+    run(stream, HostOpFamily::attention, {qkv, y, lse, dy, dqkv}, words_needed, [=](auto const& each, void* scratch) {
       float* row_dot = words<float>(scratch, 0);
       float* dacc = words<float>(scratch, static_cast<std::size_t>(rows));
       each(rows, detail::AttentionRowDot<T>{ptr<T>(y), ptr<T>(dy), row_dot, shape});
@@ -554,12 +406,13 @@ void token_cross_entropy(Tensor const& logits, Tensor const& targets, Tensor con
     detail::TokenCrossEntropyRow<T> const row{
         ptr<T>(logits), ptr<std::int32_t>(targets), ptr<T>(dlogits), nullptr, vocab,
         ignore_index,   grad_scale / divisor};
-    run(stream, {logits, targets, dlogits, loss}, static_cast<std::size_t>(n), [=](auto const& each, void* scratch) {
-      auto with_rows = row;
-      with_rows.row_loss = words<float>(scratch, 0);
-      each(n, with_rows);
-      each(1, detail::RowLossSum{with_rows.row_loss, n, ptr<float>(loss), divisor});
-    });
+    run(stream, HostOpFamily::loss, {logits, targets, dlogits, loss}, static_cast<std::size_t>(n),
+        [=](auto const& each, void* scratch) {
+          auto with_rows = row;
+          with_rows.row_loss = words<float>(scratch, 0);
+          each(n, with_rows);
+          each(1, detail::RowLossSum{with_rows.row_loss, n, ptr<float>(loss), divisor});
+        });
   });
 }
 
@@ -590,7 +443,7 @@ void vocab_shard_row_max(Tensor const& logits, Tensor const& max, Stream& stream
   std::int64_t const n = check_vocab_shard_rows(op, logits, max, 1, stream);
   visit(logits.dtype(), [&]<class T>(T) {
     detail::VocabShardRowMax<T> const row{ptr<T>(logits), ptr<float>(max), logits.dim(logits.rank() - 1)};
-    run(stream, {logits, max}, 0, [row, n](auto const& each, void*) { each(n, row); });
+    run(stream, HostOpFamily::loss, {logits, max}, 0, [row, n](auto const& each, void*) { each(n, row); });
   });
 }
 
@@ -603,7 +456,8 @@ void vocab_shard_row_sums(Tensor const& logits, Tensor const& targets, Tensor co
   visit(logits.dtype(), [&]<class T>(T) {
     detail::VocabShardRowSums<T> const row{ptr<T>(logits),   ptr<std::int32_t>(targets),    ptr<float>(max),
                                            ptr<float>(sums), logits.dim(logits.rank() - 1), begin};
-    run(stream, {logits, targets, max, sums}, 0, [row, n](auto const& each, void*) { each(n, row); });
+    run(stream, HostOpFamily::loss, {logits, targets, max, sums}, 0,
+        [row, n](auto const& each, void*) { each(n, row); });
   });
 }
 
@@ -630,7 +484,7 @@ void vocab_shard_cross_entropy(Tensor const& logits, Tensor const& targets, Tens
                                                    vocab,
                                                    ignore_index,
                                                    grad_scale / divisor};
-    run(stream, {logits, targets, max, sums, dlogits, loss}, static_cast<std::size_t>(n),
+    run(stream, HostOpFamily::loss, {logits, targets, max, sums, dlogits, loss}, static_cast<std::size_t>(n),
         [=](auto const& each, void* scratch) {
           auto with_rows = row;
           with_rows.row_loss = words<float>(scratch, 0);

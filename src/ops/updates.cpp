@@ -27,7 +27,7 @@ void sgd_update(Tensor const& params, Tensor const& grads, Tensor const& velocit
                 bool nesterov, Stream& stream) {
   check_buffers("sgd_update", {&params, &grads, &velocity}, stream);
   detail::SgdOp const op{ptr<float>(params), ptr<float>(grads), ptr<float>(velocity), lr, momentum, weight_decay, nesterov};
-  run_each(stream, params.numel(), op, {params, grads, velocity});
+  run_each(stream, HostOpFamily::optimizer, params.numel(), op, {params, grads, velocity});
 }
 
 void adamw_update(Tensor const& params, Tensor const& grads, Tensor const& m, Tensor const& v, float lr, float beta1, float beta2,
@@ -37,12 +37,14 @@ void adamw_update(Tensor const& params, Tensor const& grads, Tensor const& m, Te
   float const bias1 = 1.0f - std::pow(beta1, static_cast<float>(step));
   float const bias2 = 1.0f - std::pow(beta2, static_cast<float>(step));
   detail::AdamWOp const op{ptr<float>(params), ptr<float>(grads), ptr<float>(m), ptr<float>(v), lr, beta1, beta2, eps, weight_decay, bias1, bias2};
-  run_each(stream, params.numel(), op, {params, grads, m, v});
+  run_each(stream, HostOpFamily::optimizer, params.numel(), op, {params, grads, m, v});
 }
 
 void scale(Tensor const& t, float factor, Stream& stream) {
   check(t, "scale", "t", stream);
-  visit(t.dtype(), [&]<class T>(T) { run_each(stream, t.numel(), detail::ScaleOp<T>{ptr<T>(t), factor}, {t}); });
+  visit(t.dtype(), [&]<class T>(T) {
+    run_each(stream, HostOpFamily::elementwise, t.numel(), detail::ScaleOp<T>{ptr<T>(t), factor}, {t});
+  });
 }
 
 void scale_convert(Tensor const& dst, Tensor const& src, float factor, Stream& stream) {
@@ -53,7 +55,8 @@ void scale_convert(Tensor const& dst, Tensor const& src, float factor, Stream& s
                                             " (expected the same number of elements)");
   visit(dst.dtype(), [&]<class D>(D) {
     visit(src.dtype(), [&]<class S>(S) {
-      run_each(stream, dst.numel(), detail::ScaleConvertOp<D, S>{ptr<D>(dst), ptr<S>(src), factor}, {dst, src});
+      run_each(stream, HostOpFamily::elementwise, dst.numel(),
+               detail::ScaleConvertOp<D, S>{ptr<D>(dst), ptr<S>(src), factor}, {dst, src});
     });
   });
 }
@@ -66,7 +69,8 @@ void add_scaled(Tensor const& dst, Tensor const& src, float factor, Stream& stre
                                             " (expected the same number of elements)");
   visit(dst.dtype(), [&]<class D>(D) {
     visit(src.dtype(), [&]<class S>(S) {
-      run_each(stream, dst.numel(), detail::AddScaledOp<D, S>{ptr<D>(dst), ptr<S>(src), factor}, {dst, src});
+      run_each(stream, HostOpFamily::elementwise, dst.numel(),
+               detail::AddScaledOp<D, S>{ptr<D>(dst), ptr<S>(src), factor}, {dst, src});
     });
   });
 }

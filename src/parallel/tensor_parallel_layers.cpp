@@ -297,9 +297,8 @@ Tensor TensorParallelBlock::forward_layers(Tensor const& x, nn::Context& ctx) {
   // g: all-reduce (or reduce-scatter); the dropout of the replicated output the same on every rank.
   Tensor const h =
       attn_drop_.forward(row_parallel_forward(y, attn_w_, attn_b_, *comm_, rank_, sequence_parallel_, ctx), tokens);
-  ops::add_scaled(h, x, 1.0f, ctx.stream);
-  // y = h + MLP(LN2(h)), the same split.
-  Tensor const ln2 = ln2_.forward(h, ctx);
+  // y = h + MLP(LN2(h)), the same split; h = x + the branch, added in place in LN2's pass.
+  Tensor const ln2 = ln2_.forward_add(h, x, ctx);
   Tensor const u = fc_.forward(sequence_parallel_ ? gather_tokens(ln2, *comm_, rank_, ctx) : ln2, ctx,
                                ops::ActivationKind::gelu);  // [B, T, 4 C/T]
   if (regather) fc_.release_input(ctx);
@@ -360,17 +359,14 @@ Tensor TensorParallelBlock::backward(Tensor const& dy, nn::Context& ctx) {
   Tensor const du =
       row_parallel_backward(s.mlp_in, every_token(mlp_drop_.backward(dy, tokens)), mlp_w_, dmlp_w_, dmlp_b_, ctx);
   if (sequence_parallel_) fc_.restore_input(gather_tokens(s.ln2, *comm_, rank_, ctx), ctx);
-  Tensor const dh = ln2_.backward(summed(fc_.backward(du, ctx)), ctx);
-  ops::add_scaled(dh, dy, 1.0f, ctx.stream);
+  Tensor const dh = ln2_.backward_add(summed(fc_.backward(du, ctx)), dy, ctx);  // + the residual's gradient
   // Attention branch, the same way.
   Tensor const dattn =
       row_parallel_backward(s.y, every_token(attn_drop_.backward(dh, tokens)), attn_w_, dattn_w_, dattn_b_, ctx);
   Tensor dqkv = Tensor::empty(s.qkv.shape(), s.qkv.dtype(), ctx.allocator, ctx.stream);
   ops::causal_attention_backward(s.qkv, s.y, s.lse, dattn, dqkv, heads_ / ranks_, ctx.stream, s.dropout);
   if (sequence_parallel_) qkv_.restore_input(gather_tokens(s.ln1, *comm_, rank_, ctx), ctx);
-  Tensor const dx = ln1_.backward(summed(qkv_.backward(dqkv, ctx)), ctx);
-  ops::add_scaled(dx, dh, 1.0f, ctx.stream);
-  return dx;
+  return ln1_.backward_add(summed(qkv_.backward(dqkv, ctx)), dh, ctx);
 }
 
 Shape TensorParallelBlock::output_shape(Shape const& input) const {

@@ -7,15 +7,16 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include <mgpu/core/detail/training_math.hpp>
 #include <mgpu/io/checkpoint.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/transformer.hpp>
-#include <mgpu/optim/optim.hpp>
-#include <mgpu/core/detail/training_math.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/ops/transformer.hpp>
+#include <mgpu/optim/optim.hpp>
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
@@ -171,6 +172,38 @@ TEST_CASE(
     "[nn][gpt]") {
   SECTION("no dropout") { check_attention_against_naive({}); }
   SECTION("attention dropout 0.3") { check_attention_against_naive({0.3f, 12345, 3}); }
+}
+
+TEST_CASE("causal_attention: every host tiling gives the float64 attention and the library's tiling's gradient",
+          "[nn][gpt]") {
+  Env env;
+  std::int64_t const b = 2, t = 70, c = 8, heads = 2;
+  ops::AttentionDropout const dropout{0.3f, 12345, 3};
+  Tensor const qkv = env.random({b, t, 3 * c}, 1);
+  Tensor const r = env.random({b, t, c}, 2);
+  auto const run = [&](ops::AttentionTiles tiles) {
+    ops::set_host_attention_tiles(tiles);
+    Tensor const y = Tensor::empty({b, t, c}, DType::float32, *env.allocator);
+    Tensor const lse = Tensor::empty({b, heads, t}, DType::float32, *env.allocator);
+    Tensor const dqkv = Tensor::empty(qkv.shape(), DType::float32, *env.allocator);
+    ops::causal_attention(qkv, y, lse, heads, env.stream, dropout);
+    ops::causal_attention_backward(qkv, y, lse, r, dqkv, heads, env.stream, dropout);
+    env.stream.synchronize();
+    ops::set_host_attention_tiles({});
+    return std::pair{as_double(y), as_double(dqkv)};
+  };
+  // The library's tiling's gradient is checked against finite differences above.
+  auto const [y_ref, grad_ref] = run({});
+  std::vector<double> const ref = naive_attention(as_double(qkv), b, t, c, heads, dropout);
+  // Rows and keys that divide 70 or not, blocks of queries past a key tile's diagonal, single rows.
+  for (ops::AttentionTiles const tiles :
+       {ops::AttentionTiles{1, 7}, {16, 32}, {32, 16}, {64, 128}, {128, 64}, {7, 70}}) {
+    INFO("tiles " << tiles.queries << " x " << tiles.keys);
+    auto const [y, grad] = run(tiles);
+    for (std::size_t i = 0; i < ref.size(); ++i) REQUIRE(std::abs(y[i] - ref[i]) <= 2e-6 * (1 + std::abs(ref[i])));
+    for (std::size_t i = 0; i < grad.size(); ++i)
+      REQUIRE(std::abs(grad[i] - grad_ref[i]) <= 1e-5 * (1 + std::abs(grad_ref[i])));
+  }
 }
 
 TEST_CASE("token_cross_entropy: loss and dlogits against float64, with ignored rows and an explicit divisor",

@@ -96,6 +96,89 @@ TEST_CASE("LayerNorm forward and gradients match float64 finite differences", "[
                      "expected x [N, D], gamma [D], stats [2, N]");
 }
 
+TEST_CASE("LayerNorm backward with a residual gradient: float64 finite differences of the norm plus the residual path",
+          "[ops][nn]") {
+  Env env;
+  std::int64_t const rows = 3;
+  float const eps = 1e-5f;
+  for (std::int64_t const cols : {37, 64}) {  // rows the 16 lanes of the sums divide, and ones with a tail
+    INFO("cols " << cols);
+    Tensor x = env.random({rows, cols}, 1, 2.0f);
+    Tensor gamma = env.random({cols}, 2);
+    Tensor beta = env.random({cols}, 3);
+    Tensor w = env.random({rows, cols}, 4);
+    Tensor residual = env.random({rows, cols}, 5);
+    Tensor y = Tensor::empty({rows, cols}, DType::float32, *env.allocator);
+    Tensor stats = Tensor::empty({2, rows}, DType::float32, *env.allocator);
+    Tensor dx = Tensor::empty({rows, cols}, DType::float32, *env.allocator);
+    Tensor dgamma = Tensor::empty({cols}, DType::float32, *env.allocator);
+    Tensor dbeta = Tensor::empty({cols}, DType::float32, *env.allocator);
+    mgpu::ops::layer_norm(x, gamma, beta, y, stats, eps, env.stream);
+    mgpu::ops::layer_norm_backward(x, gamma, stats, w, dx, dgamma, dbeta, env.stream, false, residual);
+    env.stream.synchronize();
+    auto xs = as_double(x);
+    auto const gs = as_double(gamma), bs = as_double(beta), ws = as_double(w), rs = as_double(residual);
+    // sum w * LayerNorm(x) + sum residual * x: x feeds the norm and a path whose gradient is residual.
+    auto const f = [&] {
+      double total = layer_norm_objective(xs, gs, bs, ws, rows, cols, eps);
+      for (std::size_t i = 0; i < xs.size(); ++i) total += rs[i] * xs[i];
+      return total;
+    };
+    double forward = 0;
+    for (std::size_t i = 0; i < ws.size(); ++i) forward += ws[i] * y.host_span<float>()[i] + rs[i] * xs[i];
+    REQUIRE(forward == Approx(f()).epsilon(1e-5));
+    auto const dxs = as_double(dx);
+    for (std::size_t i = 0; i < xs.size(); ++i) REQUIRE(dxs[i] == Approx(numeric(xs, i, f)).margin(1e-4).epsilon(1e-3));
+  }
+  Tensor const x = env.random({2, 8}, 1);
+  Tensor const g = env.random({8}, 2);
+  Tensor const stats = Tensor::empty({2, 2}, DType::float32, *env.allocator);
+  REQUIRE_MGPU_ERROR(mgpu::ops::layer_norm_backward(x, g, stats, x, env.random({2, 8}, 3), env.random({8}, 4),
+                                                    env.random({8}, 5), env.stream, false, env.random({2, 9}, 6)),
+                     mgpu::Errc::invalid_argument, "expected equal shapes");
+}
+
+TEST_CASE("LayerNorm with a residual add: the sum in place and its norm equal the separate add and norm, in float64",
+          "[ops][nn]") {
+  Env env;
+  std::int64_t const rows = 3;
+  float const eps = 1e-5f;
+  for (std::int64_t const cols : {37, 64}) {
+    INFO("cols " << cols);
+    Tensor h = env.random({rows, cols}, 1, 2.0f);
+    Tensor const residual = env.random({rows, cols}, 2);
+    Tensor const gamma = env.random({cols}, 3);
+    Tensor const beta = env.random({cols}, 4);
+    Tensor const y = Tensor::empty({rows, cols}, DType::float32, *env.allocator);
+    Tensor const stats = Tensor::empty({2, rows}, DType::float32, *env.allocator);
+    std::vector<double> const hs = as_double(h), rs = as_double(residual), gs = as_double(gamma), bs = as_double(beta);
+    mgpu::ops::layer_norm(h, gamma, beta, y, stats, eps, env.stream, residual);
+    env.stream.synchronize();
+    auto const sum = as_double(h);
+    auto const got = as_double(y);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      double mean = 0, var = 0;
+      for (std::int64_t j = 0; j < cols; ++j) {
+        auto const i = static_cast<std::size_t>(r * cols + j);
+        REQUIRE(sum[i] == static_cast<double>(static_cast<float>(hs[i]) + static_cast<float>(rs[i])));  // float32 add
+        mean += hs[i] + rs[i];
+      }
+      mean /= static_cast<double>(cols);
+      for (std::int64_t j = 0; j < cols; ++j) var += std::pow(sum[static_cast<std::size_t>(r * cols + j)] - mean, 2);
+      double const rstd = 1 / std::sqrt(var / static_cast<double>(cols) + eps);
+      for (std::int64_t j = 0; j < cols; ++j) {
+        auto const i = static_cast<std::size_t>(r * cols + j), ju = static_cast<std::size_t>(j);
+        REQUIRE(got[i] == Approx((sum[i] - mean) * rstd * gs[ju] + bs[ju]).margin(1e-5).epsilon(1e-5));
+      }
+    }
+  }
+  Tensor const x = env.random({2, 8}, 1);
+  REQUIRE_MGPU_ERROR(mgpu::ops::layer_norm(x, env.random({8}, 2), env.random({8}, 3), env.random({2, 8}, 4),
+                                           Tensor::empty({2, 2}, DType::float32, *env.allocator), 1e-5f, env.stream,
+                                           env.random({2, 9}, 5)),
+                     mgpu::Errc::invalid_argument, "expected equal shapes");
+}
+
 TEST_CASE("A LayerNorm layer inside an MLP trains (its gradients flow through Sequential)", "[nn]") {
   Env env;
   auto [x, y] = env.clusters(300, 7);

@@ -2,15 +2,18 @@
 // every dimension, against float64 references: each transpose with alpha and beta, the fused linear
 // epilogues in float32 and bfloat16 (float32 accumulation), cached primitives reused with other
 // buffers and evicted and recreated, two worker threads at once, the calling thread as the only
-// thread, and the counts.
-#include <mgpu/config.hpp>
-#include <mgpu/ops/ops.hpp>
+// thread, and the counts (and those of the other host ops, by family).
+#include <cmath>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include <dirent.h>
 
-#include <cmath>
-#include <thread>
-#include <vector>
+#include <mgpu/config.hpp>
+#include <mgpu/ops/ops.hpp>
+#include <mgpu/ops/transformer.hpp>
 
 #include "support/catch.hpp"
 #include "support/nn_env.hpp"
@@ -206,6 +209,46 @@ TEST_CASE("Host GEMMs run on the stream's worker alone and are counted there", "
   CHECK(after.flops - before.flops == 9 * 2.0 * 256 * 512 * 512);
   CHECK(after.seconds > before.seconds);
   CHECK(mgpu::ops::host_gemm_stats().calls == 0);  // this thread ran none
+}
+
+TEST_CASE("Host op time counts go to the family of each op, on the worker that ran it", "[ops][gemm]") {
+  Env env;
+  Tensor x = env.random({64, 96}, 1);
+  Tensor gamma = env.random({96}, 2);
+  Tensor beta = env.random({96}, 3);
+  Tensor y = Tensor::empty({64, 96}, DType::float32, *env.allocator);
+  Tensor stats = Tensor::empty({2, 64}, DType::float32, *env.allocator);
+  Tensor qkv = env.random({2, 32, 96}, 4);
+  Tensor out = Tensor::empty({2, 32, 32}, DType::float32, *env.allocator);
+  Tensor lse = Tensor::empty({2, 2, 32}, DType::float32, *env.allocator);
+  auto const read = [&] {
+    std::pair<mgpu::ops::HostOpSeconds, mgpu::ops::HostGemmStats> r;
+    env.stream.enqueue([&r] { r = {mgpu::ops::host_op_seconds(), mgpu::ops::host_gemm_stats()}; });
+    env.stream.synchronize();
+    return r;
+  };
+  using F = mgpu::ops::HostOpFamily;
+  // Each op in turn: its family's total grows, every other family's and the GEMMs' stay.
+  auto const only = [&](F family, auto const& op) {
+    INFO(mgpu::ops::host_op_family_name(family));
+    auto const [before, gemm_before] = read();
+    op();
+    auto const [after, gemm_after] = read();
+    for (std::size_t f = 0; f < mgpu::ops::host_op_family_count; ++f) {
+      INFO("family " << mgpu::ops::host_op_family_name(static_cast<F>(f)));
+      if (static_cast<F>(f) == family)
+        CHECK(after.seconds[f] > before.seconds[f]);
+      else
+        CHECK(after.seconds[f] == before.seconds[f]);
+    }
+    CHECK(gemm_after.calls == gemm_before.calls);
+  };
+  only(F::norm, [&] { mgpu::ops::layer_norm(x, gamma, beta, y, stats, 1e-5f, env.stream); });
+  only(F::attention, [&] { mgpu::ops::causal_attention(qkv, out, lse, 2, env.stream); });
+  only(F::elementwise, [&] { mgpu::ops::add_scaled(y, x, 0.5f, env.stream); });
+  only(F::activation, [&] { mgpu::ops::gelu(x, y, env.stream); });
+  CHECK(std::string(mgpu::ops::host_op_family_name(F::optimizer)) == "optimizer");
+  for (double s : mgpu::ops::host_op_seconds().seconds) CHECK(s == 0.0);  // this thread ran none
 }
 
 TEST_CASE("Host GEMM over more shapes than its per-thread cache holds, twice: evicted primitives come back right", "[ops][gemm]") {

@@ -208,6 +208,12 @@ class LayerNorm final : public Layer {
   std::unique_ptr<Layer> clone() const override { return std::make_unique<LayerNorm>(features_, eps_); }
   /// Frees what forward saved for `micro_batch` (activation recomputation: its backward will not run).
   void release(std::int64_t micro_batch) { saved_.erase(micro_batch); }
+  /// forward of x + residual, the sum written into x (in place) in the same pass: the residual add
+  /// before a LayerNorm; backward reads the sum.
+  Tensor forward_add(Tensor const& x, Tensor const& residual, Context& ctx);
+  /// backward, with `residual` (shaped as dy) added to the input gradient in the same pass: for a
+  /// LayerNorm whose input also feeds a residual path with that gradient.
+  Tensor backward_add(Tensor const& dy, Tensor const& residual, Context& ctx);
   [[nodiscard]] Tensor const& gamma() const noexcept { return gamma_; }
   [[nodiscard]] Tensor const& beta() const noexcept { return beta_; }
   [[nodiscard]] float eps() const noexcept { return eps_; }

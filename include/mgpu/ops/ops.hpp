@@ -3,6 +3,7 @@
 // fp32, scalar results in device tensors (item() reads one). Design: docs/architecture.md.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include <mgpu/core/stream.hpp>
@@ -41,11 +42,15 @@ void gelu(Tensor const& x, Tensor const& y, Stream& stream);
 void gelu_backward(Tensor const& x, Tensor const& dy, Tensor const& dx, Stream& stream);
 
 /// LayerNorm over x [N, D]'s rows with gamma, beta [D]; stats [2, N] (float32) = means, 1/sqrt(var + eps).
-void layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& beta, Tensor const& y, Tensor const& stats, float eps,
-                Stream& stream);
+/// With `residual` (x's shape and type), x += residual first, in the same pass (x then holds the sum
+/// normalized, which backward reads).
+void layer_norm(Tensor const& x, Tensor const& gamma, Tensor const& beta, Tensor const& y, Tensor const& stats,
+                float eps, Stream& stream, Tensor const& residual = {});
 /// The gradients of layer_norm: dx, and dgamma, dbeta (overwritten, or added to with `accumulate`).
+/// With `residual` (dy's shape and type), dx = the input gradient + residual, in the same pass.
 void layer_norm_backward(Tensor const& x, Tensor const& gamma, Tensor const& stats, Tensor const& dy, Tensor const& dx,
-                         Tensor const& dgamma, Tensor const& dbeta, Stream& stream, bool accumulate = false);
+                         Tensor const& dgamma, Tensor const& dbeta, Stream& stream, bool accumulate = false,
+                         Tensor const& residual = {});
 /// Inverted dropout, p in [0, 1): y = x / (1 - p) or 0 by a hash of (seed, offset + index), the same
 /// on every device and in dropout_backward; `offset` is x's first element's global index.
 void dropout(Tensor const& x, Tensor const& y, float p, std::uint64_t seed, Stream& stream, std::int64_t offset = 0);
@@ -90,6 +95,17 @@ struct HostGemmStats {
 };
 /// The calling thread's totals (a host stream's GEMMs run on its worker: read them from its work).
 [[nodiscard]] HostGemmStats host_gemm_stats() noexcept;
+
+/// The op families besides the GEMMs whose host time host_op_seconds() counts (docs/performance.md).
+enum class HostOpFamily : std::uint8_t { attention, norm, activation, loss, optimizer, embedding, elementwise };
+inline constexpr std::size_t host_op_family_count = 7;
+[[nodiscard]] char const* host_op_family_name(HostOpFamily family) noexcept;
+/// The calling thread's seconds per family (GEMMs: host_gemm_stats alone), read as host_gemm_stats.
+struct HostOpSeconds {
+  double seconds[host_op_family_count] = {};
+  [[nodiscard]] double operator[](HostOpFamily f) const noexcept { return seconds[static_cast<std::size_t>(f)]; }
+};
+[[nodiscard]] HostOpSeconds host_op_seconds() noexcept;
 
 /// The value of a one-element tensor: copies it to the host and synchronizes `stream`.
 float item(Tensor const& t, Stream& stream);

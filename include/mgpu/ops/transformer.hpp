@@ -50,6 +50,14 @@ void causal_attention_backward(Tensor const& qkv, Tensor const& y, Tensor const&
                                Tensor const& dqkv, std::int64_t heads, Stream& stream,
                                AttentionDropout const& dropout = {});
 
+/// Host causal attention's tiles of query rows and keys (0: the library's choice, by BM_attention).
+struct AttentionTiles {
+  std::int64_t queries = 0;
+  std::int64_t keys = 0;
+};
+/// Sets host attention's tiles from now on (process-wide, thread-safe); results differ by rounding only.
+void set_host_attention_tiles(AttentionTiles tiles) noexcept;
+
 /// Per-token cross-entropy of logits [N, V] (or [B, T, V]) against N int32 targets: loss = sum of
 /// -log softmax(row)[target] over rows not `ignore_index`, / divisor (> 0); dlogits = (softmax -
 /// onehot) * grad_scale / divisor there, 0 on ignored rows. A target outside [0, V) fails the stream.

@@ -363,16 +363,28 @@ struct LayerNormRow {
   float* rstd;
   std::int64_t cols;
   float eps;
+  T const* residual = nullptr;  // when set, sum = x + residual first (sum may be x), and sum is normalized
+  T* sum = nullptr;
+  static constexpr int lanes = 16;  // the row's sums in independent partial sums: the host loop vectorizes
   MGPU_HD void operator()(std::int64_t r) const {
     T const* xr = x + r * cols;
-    float sum = 0;
-    for (std::int64_t j = 0; j < cols; ++j) sum += load(xr, j);
-    float const mu = sum / static_cast<float>(cols);
-    float sq = 0;
-    for (std::int64_t j = 0; j < cols; ++j) {
-      float const d = load(xr, j) - mu;
-      sq += d * d;
+    if (residual != nullptr) {
+      for (std::int64_t j = 0; j < cols; ++j) store(sum + r * cols, j, load(xr, j) + load(residual + r * cols, j));
+      xr = sum + r * cols;
     }
+    float part[lanes] = {};
+    std::int64_t j0 = 0;
+    for (; j0 + lanes <= cols; j0 += lanes)
+      for (int l = 0; l < lanes; ++l) part[l] += load(xr, j0 + l);
+    for (std::int64_t j = j0; j < cols; ++j) part[0] += load(xr, j);
+    float sum = 0;
+    for (int l = 0; l < lanes; ++l) sum += part[l], part[l] = 0;
+    float const mu = sum / static_cast<float>(cols);
+    for (j0 = 0; j0 + lanes <= cols; j0 += lanes)
+      for (int l = 0; l < lanes; ++l) part[l] += (load(xr, j0 + l) - mu) * (load(xr, j0 + l) - mu);
+    for (std::int64_t j = j0; j < cols; ++j) part[0] += (load(xr, j) - mu) * (load(xr, j) - mu);
+    float sq = 0;
+    for (int l = 0; l < lanes; ++l) sq += part[l];
     float const rs = 1.0f / sqrtf(sq / static_cast<float>(cols) + eps);
     for (std::int64_t j = 0; j < cols; ++j) store(y + r * cols, j, (load(xr, j) - mu) * rs * load(gamma, j) + load(beta, j));
     mean[r] = mu;
@@ -390,21 +402,33 @@ struct LayerNormGradRow {
   float const* rstd;
   T* dx;
   std::int64_t cols;
+  T const* residual = nullptr;      // added to dx when set (a residual path's gradient, in the same pass)
+  static constexpr int lanes = 16;  // the row's sums in independent partial sums: the host loop vectorizes
   MGPU_HD void operator()(std::int64_t r) const {
     std::int64_t const base = r * cols;
+    float part_g[lanes] = {};
+    float part_gx[lanes] = {};
+    std::int64_t j0 = 0;
+    for (; j0 + lanes <= cols; j0 += lanes)
+      for (int l = 0; l < lanes; ++l) {
+        float const g = load(dy, base + j0 + l) * load(gamma, j0 + l);
+        part_g[l] += g;
+        part_gx[l] += g * (load(x, base + j0 + l) - mean[r]) * rstd[r];
+      }
+    for (std::int64_t j = j0; j < cols; ++j) {
+      float const g = load(dy, base + j) * load(gamma, j);
+      part_g[0] += g;
+      part_gx[0] += g * (load(x, base + j) - mean[r]) * rstd[r];
+    }
     float sum_g = 0;
     float sum_gx = 0;
-    for (std::int64_t j = 0; j < cols; ++j) {
-      float const g = load(dy, base + j) * load(gamma, j);
-      float const xhat = (load(x, base + j) - mean[r]) * rstd[r];
-      sum_g += g;
-      sum_gx += g * xhat;
-    }
+    for (int l = 0; l < lanes; ++l) sum_g += part_g[l], sum_gx += part_gx[l];
     float const n = static_cast<float>(cols);
     for (std::int64_t j = 0; j < cols; ++j) {
       float const g = load(dy, base + j) * load(gamma, j);
       float const xhat = (load(x, base + j) - mean[r]) * rstd[r];
-      store(dx, base + j, rstd[r] * (g - sum_g / n - xhat * sum_gx / n));
+      float const skip = residual != nullptr ? load(residual, base + j) : 0.0f;
+      store(dx, base + j, rstd[r] * (g - sum_g / n - xhat * sum_gx / n) + skip);
     }
   }
 };

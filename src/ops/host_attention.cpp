@@ -1,0 +1,306 @@
+// Causal attention on a host stream's worker: tiles of scores and their products through a
+// register-blocked float32 micro-kernel (product) on per-head copies of q, k, v (and k, v
+// transposed), and an online softmax in loops the compiler vectorizes (exp_vec, maxima and sums in
+// 16 independent lanes).
+#include "ops/host_attention.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+#include <mgpu/core/detail/training_math.hpp>
+
+namespace mgpu::ops {
+namespace {
+std::atomic<std::int64_t> tile_queries{0};
+std::atomic<std::int64_t> tile_keys{0};
+}  // namespace
+
+void set_host_attention_tiles(AttentionTiles tiles) noexcept {
+  tile_queries.store(tiles.queries, std::memory_order_relaxed);
+  tile_keys.store(tiles.keys, std::memory_order_relaxed);
+}
+
+namespace host {
+
+AttentionTiles attention_tiles() noexcept {
+  AttentionTiles const set{tile_queries.load(std::memory_order_relaxed), tile_keys.load(std::memory_order_relaxed)};
+  if (set.queries > 0 && set.keys > 0) return set;
+  // BM_attention's rows (bench/results/2026-12-06-cpu-gpt-attention.json, a loaded 2-core AMD EPYC):
+  // 32 query rows took the least time on both shapes; on GPT-2 small's (T 256, d 64) keys in tiles of
+  // 128 (11.8 ms, 0.51 of the sgemm rate in turn) beat 64 (32.5 ms) and 256 (16.0 ms); taller query
+  // blocks compute more of the diagonal tile's masked half. On T <= 128 it is one key tile.
+  return {32, 128};
+}
+
+namespace {
+
+constexpr std::int64_t lanes = 16;
+
+// The largest of s[0, n), n >= 1.
+float row_max(float const* s, std::int64_t n) {
+  float part[lanes];
+  std::fill(part, part + lanes, -INFINITY);
+  std::int64_t j = 0;
+  for (; j + lanes <= n; j += lanes)
+    for (std::int64_t l = 0; l < lanes; ++l) part[l] = s[j + l] > part[l] ? s[j + l] : part[l];
+  for (; j < n; ++j) part[0] = s[j] > part[0] ? s[j] : part[0];
+  float m = part[0];
+  for (std::int64_t l = 1; l < lanes; ++l) m = part[l] > m ? part[l] : m;
+  return m;
+}
+
+// s[j] = e^(s[j] - m) for j in [0, n); returns their sum.
+float exp_sum(float* s, std::int64_t n, float m) {
+  float part[lanes] = {};
+  std::int64_t j = 0;
+  for (; j + lanes <= n; j += lanes)
+    for (std::int64_t l = 0; l < lanes; ++l) {
+      s[j + l] = mgpu::detail::exp_vec(s[j + l] - m);
+      part[l] += s[j + l];
+    }
+  for (; j < n; ++j) {
+    s[j] = mgpu::detail::exp_vec(s[j] - m);
+    part[0] += s[j];
+  }
+  float sum = 0.0f;
+  for (float p : part) sum += p;
+  return sum;
+}
+
+// A register block of c: R rows x W columns (+)= sum over kk < k of A(r, kk) b[kk, 0..W), where
+// A(r, kk) = a[r a_row + kk a_col]; the accumulators stay in vector registers and each step is
+// R broadcasts and R W / 16 fused multiply-adds (fmaf: the build does not contract a * b + c).
+template <int R, int W>
+inline void block(float const* a, std::int64_t a_row, std::int64_t a_col, float const* b, std::int64_t ldb, float* c,
+                  std::int64_t ldc, std::int64_t k, bool accumulate) {
+  float acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int l = 0; l < W; ++l) acc[r][l] = accumulate ? c[r * ldc + l] : 0.0f;
+  for (std::int64_t kk = 0; kk < k; ++kk) {
+    float const* row = b + kk * ldb;
+    for (int r = 0; r < R; ++r) {
+      float const x = a[r * a_row + kk * a_col];
+      for (int l = 0; l < W; ++l) acc[r][l] = fmaf(x, row[l], acc[r][l]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int l = 0; l < W; ++l) c[r * ldc + l] = acc[r][l];
+}
+
+// W columns of rows [0, m) of c in blocks of 8 rows, then 4, then single rows.
+template <int W>
+void column_panel(float const* a, std::int64_t a_row, std::int64_t a_col, float const* b, std::int64_t ldb, float* c,
+                  std::int64_t ldc, std::int64_t m, std::int64_t k, bool accumulate) {
+  std::int64_t i = 0;
+  for (; i + 8 <= m; i += 8) block<8, W>(a + i * a_row, a_row, a_col, b, ldb, c + i * ldc, ldc, k, accumulate);
+  for (; i + 4 <= m; i += 4) block<4, W>(a + i * a_row, a_row, a_col, b, ldb, c + i * ldc, ldc, k, accumulate);
+  for (; i < m; ++i) block<1, W>(a + i * a_row, a_row, a_col, b, ldb, c + i * ldc, ldc, k, accumulate);
+}
+
+// c [m, n] (+)= A B (beta 0 or 1) with A(i, kk) = a[i a_row + kk a_col] (a row-major matrix or a
+// transposed one), B row-major with rows of stride ldb, c row-major with rows of stride ldc: the
+// tile products of attention, whose n (d or a key tile) is mostly a multiple of 32.
+void product(float const* a, std::int64_t a_row, std::int64_t a_col, float const* b, std::int64_t ldb, float* c,
+             std::int64_t ldc, std::int64_t m, std::int64_t n, std::int64_t k, bool accumulate) {
+  std::int64_t j = 0;
+  for (; j + 32 <= n; j += 32) column_panel<32>(a, a_row, a_col, b + j, ldb, c + j, ldc, m, k, accumulate);
+  for (; j + 16 <= n; j += 16) column_panel<16>(a, a_row, a_col, b + j, ldb, c + j, ldc, m, k, accumulate);
+  for (; j < n; ++j) column_panel<1>(a, a_row, a_col, b + j, ldb, c + j, ldc, m, k, accumulate);
+}
+
+// dst [d, t] = src [t, d] transposed, in 16 x 16 blocks (their rows stay in the L1 cache).
+void transpose(std::vector<float> const& src, std::int64_t t, std::int64_t d, std::vector<float>& dst) {
+  dst.resize(static_cast<std::size_t>(t * d));
+  constexpr std::int64_t edge = 16;
+  float const* in = src.data();
+  float* out = dst.data();
+  for (std::int64_t i0 = 0; i0 < t; i0 += edge)
+    for (std::int64_t e0 = 0; e0 < d; e0 += edge) {
+      std::int64_t const i1 = std::min(i0 + edge, t), e1 = std::min(e0 + edge, d);
+      for (std::int64_t e = e0; e < e1; ++e)
+        for (std::int64_t i = i0; i < i1; ++i) out[e * t + i] = in[i * d + e];
+    }
+}
+
+// dst [t, d] = scale * the head's columns of t rows of `stride` elements from src.
+template <class T>
+void pack(T const* src, std::int64_t stride, std::int64_t t, std::int64_t d, float scale, std::vector<float>& dst) {
+  dst.resize(static_cast<std::size_t>(t * d));
+  for (std::int64_t i = 0; i < t; ++i) {
+    T const* row = src + i * stride;
+    float* out = dst.data() + i * d;
+    for (std::int64_t e = 0; e < d; ++e) out[e] = static_cast<float>(row[e]) * scale;
+  }
+}
+
+template <class T>
+void unpack(std::vector<float> const& src, std::int64_t t, std::int64_t d, float scale, T* dst, std::int64_t stride) {
+  for (std::int64_t i = 0; i < t; ++i) {
+    float const* row = src.data() + i * d;
+    T* out = dst + i * stride;
+    for (std::int64_t e = 0; e < d; ++e) out[e] = T(row[e] * scale);
+  }
+}
+
+// The number of keys of tile [j0, j0 + width) that query i may see (j <= i).
+std::int64_t visible(std::int64_t i, std::int64_t j0, std::int64_t width) {
+  return std::clamp<std::int64_t>(i - j0 + 1, 0, width);
+}
+
+// Scratch kept per worker thread between calls.
+struct Scratch {
+  std::vector<float> q, k, v, kt, vt, dy, dq, dk, dv, s, ds, acc, m, l, row_dot;
+};
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+}  // namespace
+
+template <class T>
+void attention_forward(T const* qkv, T* y, float* lse, std::int64_t batch, detail::AttentionShape const& shape,
+                       detail::AttentionMask const& mask, AttentionTiles tiles) {
+  std::int64_t const t = shape.t, c = shape.c, heads = shape.heads, d = shape.d();
+  std::int64_t const bq = tiles.queries, bk = tiles.keys;
+  float const scale = 1.0f / std::sqrt(static_cast<float>(d));
+  Scratch& w = scratch();
+  w.s.resize(static_cast<std::size_t>(bq * bk));
+  w.acc.resize(static_cast<std::size_t>(bq * d));
+  w.m.resize(static_cast<std::size_t>(bq));
+  w.l.resize(static_cast<std::size_t>(bq));
+  for (std::int64_t b = 0; b < batch; ++b) {
+    for (std::int64_t h = 0; h < heads; ++h) {
+      T const* base = qkv + b * t * 3 * c + h * d;
+      pack(base, 3 * c, t, d, scale, w.q);  // q / sqrt(d): the scores come out scaled
+      pack(base + c, 3 * c, t, d, 1.0f, w.k);
+      pack(base + 2 * c, 3 * c, t, d, 1.0f, w.v);
+      transpose(w.k, t, d, w.kt);
+      float* row_lse = lse + (b * heads + h) * t;
+      for (std::int64_t i0 = 0; i0 < t; i0 += bq) {
+        std::int64_t const rows = std::min(bq, t - i0);
+        std::fill_n(w.m.begin(), rows, -INFINITY);
+        std::fill_n(w.l.begin(), rows, 0.0f);
+        std::fill_n(w.acc.begin(), rows * d, 0.0f);
+        for (std::int64_t j0 = 0; j0 < i0 + rows; j0 += bk) {
+          std::int64_t const cols = std::min(bk, i0 + rows - j0);
+          std::int64_t const r0 = std::max<std::int64_t>(0, j0 - i0), n_rows = rows - r0;  // rows before r0 see none
+          float* s_tile = w.s.data();
+          product(w.q.data() + (i0 + r0) * d, d, 1, w.kt.data() + j0, t, s_tile, cols, n_rows, cols, d, false);
+          for (std::int64_t r = r0; r < rows; ++r) {
+            std::int64_t const i = i0 + r, n = visible(i, j0, cols);
+            float* s = s_tile + (r - r0) * cols;
+            float* acc = w.acc.data() + r * d;
+            auto const ru = static_cast<std::size_t>(r);
+            float const m_new = std::max(w.m[ru], row_max(s, n));
+            if (m_new != w.m[ru] && w.l[ru] != 0.0f) {  // rescale what earlier tiles summed
+              float const correction = mgpu::detail::exp_vec(w.m[ru] - m_new);
+              w.l[ru] *= correction;
+              for (std::int64_t e = 0; e < d; ++e) acc[e] *= correction;
+            }
+            w.m[ru] = m_new;
+            w.l[ru] += exp_sum(s, n, m_new);
+            std::fill(s + n, s + cols, 0.0f);
+            if (mask.p != 0.0f)
+              for (std::int64_t j = 0; j < n; ++j) s[j] *= mask.factor(b, h, i, j0 + j);
+          }
+          product(s_tile, cols, 1, w.v.data() + j0 * d, d, w.acc.data() + r0 * d, d, n_rows, d, cols, true);
+        }
+        for (std::int64_t r = 0; r < rows; ++r) {
+          auto const ru = static_cast<std::size_t>(r);
+          float const inverse = 1.0f / w.l[ru];
+          float* acc = w.acc.data() + r * d;
+          for (std::int64_t e = 0; e < d; ++e) acc[e] *= inverse;
+          row_lse[i0 + r] = w.m[ru] + std::log(w.l[ru]);
+          T* out = y + (b * t + i0 + r) * c + h * d;
+          for (std::int64_t e = 0; e < d; ++e) out[e] = T(acc[e]);
+        }
+      }
+    }
+  }
+}
+
+template <class T>
+void attention_backward(T const* qkv, T const* y, float const* lse, T const* dy, T* dqkv, std::int64_t batch,
+                        detail::AttentionShape const& shape, detail::AttentionMask const& mask, AttentionTiles tiles) {
+  std::int64_t const t = shape.t, c = shape.c, heads = shape.heads, d = shape.d();
+  std::int64_t const bq = tiles.queries, bk = tiles.keys;
+  float const scale = 1.0f / std::sqrt(static_cast<float>(d));
+  Scratch& w = scratch();
+  w.row_dot.resize(static_cast<std::size_t>(t));
+  w.s.resize(static_cast<std::size_t>(bq * bk));
+  w.ds.resize(static_cast<std::size_t>(bq * bk));
+  for (std::int64_t b = 0; b < batch; ++b) {
+    for (std::int64_t h = 0; h < heads; ++h) {
+      T const* base = qkv + b * t * 3 * c + h * d;
+      pack(base, 3 * c, t, d, scale, w.q);  // q / sqrt(d), as in the forward
+      pack(base + c, 3 * c, t, d, 1.0f, w.k);
+      pack(base + 2 * c, 3 * c, t, d, 1.0f, w.v);
+      pack(dy + b * t * c + h * d, c, t, d, 1.0f, w.dy);
+      transpose(w.k, t, d, w.kt);
+      transpose(w.v, t, d, w.vt);
+      for (std::int64_t i = 0; i < t; ++i) {
+        std::int64_t const offset = (b * t + i) * c + h * d;
+        w.row_dot[static_cast<std::size_t>(i)] = detail::dot(dy + offset, y + offset, d);
+      }
+      float const* row_lse = lse + (b * heads + h) * t;
+      w.dq.assign(static_cast<std::size_t>(t * d), 0.0f);
+      w.dk.assign(static_cast<std::size_t>(t * d), 0.0f);
+      w.dv.assign(static_cast<std::size_t>(t * d), 0.0f);
+      for (std::int64_t i0 = 0; i0 < t; i0 += bq) {
+        std::int64_t const rows = std::min(bq, t - i0);
+        for (std::int64_t j0 = 0; j0 < i0 + rows; j0 += bk) {
+          std::int64_t const cols = std::min(bk, i0 + rows - j0);
+          std::int64_t const r0 = std::max<std::int64_t>(0, j0 - i0), n_rows = rows - r0, first = i0 + r0;
+          float* p_tile = w.s.data();
+          float* ds_tile = w.ds.data();
+          product(w.q.data() + first * d, d, 1, w.kt.data() + j0, t, p_tile, cols, n_rows, cols, d, false);
+          product(w.dy.data() + first * d, d, 1, w.vt.data() + j0, t, ds_tile, cols, n_rows, cols, d, false);
+          for (std::int64_t r = 0; r < n_rows; ++r) {
+            std::int64_t const i = first + r, n = visible(i, j0, cols);
+            float* p = p_tile + r * cols;
+            float* ds = ds_tile + r * cols;
+            float const l = row_lse[i], rd = w.row_dot[static_cast<std::size_t>(i)];
+            if (mask.p != 0.0f) {
+              for (std::int64_t j = 0; j < n; ++j) {  // p becomes P Z (for dv); ds = P (Z dP - row_dot)
+                float const prob = mgpu::detail::exp_vec(p[j] - l), z = mask.factor(b, h, i, j0 + j);
+                ds[j] = prob * (z * ds[j] - rd);
+                p[j] = prob * z;
+              }
+            } else {
+              for (std::int64_t j = 0; j < n; ++j) {
+                p[j] = mgpu::detail::exp_vec(p[j] - l);
+                ds[j] = p[j] * (ds[j] - rd);
+              }
+            }
+            std::fill(p + n, p + cols, 0.0f);
+            std::fill(ds + n, ds + cols, 0.0f);
+          }
+          product(p_tile, 1, cols, w.dy.data() + first * d, d, w.dv.data() + j0 * d, d, cols, d, n_rows, true);
+          // dk from the scaled q, dq unscaled on the way out
+          product(ds_tile, 1, cols, w.q.data() + first * d, d, w.dk.data() + j0 * d, d, cols, d, n_rows, true);
+          product(ds_tile, cols, 1, w.k.data() + j0 * d, d, w.dq.data() + first * d, d, n_rows, d, cols, true);
+        }
+      }
+      T* out = dqkv + b * t * 3 * c + h * d;
+      unpack(w.dq, t, d, scale, out, 3 * c);
+      unpack(w.dk, t, d, 1.0f, out + c, 3 * c);
+      unpack(w.dv, t, d, 1.0f, out + 2 * c, 3 * c);
+    }
+  }
+}
+
+#define MGPU_HOST_ATTENTION(T)                                                                          \
+  template void attention_forward<T>(T const*, T*, float*, std::int64_t, detail::AttentionShape const&, \
+                                     detail::AttentionMask const&, AttentionTiles);                     \
+  template void attention_backward<T>(T const*, T const*, float const*, T const*, T*, std::int64_t,     \
+                                      detail::AttentionShape const&, detail::AttentionMask const&, AttentionTiles);
+MGPU_HOST_ATTENTION(float)
+MGPU_HOST_ATTENTION(bfloat16)
+MGPU_HOST_ATTENTION(float16)
+#undef MGPU_HOST_ATTENTION
+
+}  // namespace host
+}  // namespace mgpu::ops
