@@ -56,9 +56,9 @@ class GradientSync {
 };
 
 struct StepOptions {
-  float lr_scale = 1.0f;               ///< learning-rate multiplier, finite and >= 0
-  float clip_norm = 0.0f;              ///< global gradient norm to clip to, > 0; 0: off
-  optim::LossScaler* scaler = nullptr; ///< dynamic loss scaling; nullptr for none
+  float lr_scale = 1.0f;                ///< learning-rate multiplier, finite and >= 0
+  float clip_norm = 0.0f;               ///< global gradient norm to clip to, > 0; 0: off
+  optim::LossScaler* scaler = nullptr;  ///< dynamic loss scaling; nullptr for none
   /// The counted units of the global batch that x is a shard of (0: x is the whole batch).
   std::int64_t global_units = 0;
   std::int64_t global_rows = 0;  ///< deprecated: global_units for a loss that counts rows
@@ -67,7 +67,7 @@ struct StepOptions {
   /// updating; otherwise it is added into the gradients and zeroed. None with sharded gradients.
   Tensor const* accumulator = nullptr;
   bool accumulate_only = false;
-  GradientSync* sync = nullptr;              ///< between backward and update; nullptr on one device
+  GradientSync* sync = nullptr;         ///< between backward and update; nullptr on one device
   trace::Timeline* timeline = nullptr;  ///< records forward, backward and update spans for `rank`
   int rank = 0;
 };
@@ -81,10 +81,10 @@ struct StepResult {
 
 /// What check_batch checks a step's batch against besides the model and the loss.
 struct BatchCheck {
-  float lr_scale = 1.0f;             ///< finite and >= 0
-  DType compute = DType::float32;    ///< x of values may be float32 or this
-  bool part = false;                 ///< a part of a batch, which may have no rows
-  bool values = true;                ///< read the values of host ids and targets
+  float lr_scale = 1.0f;           ///< finite and >= 0
+  DType compute = DType::float32;  ///< x of values may be float32 or this
+  bool part = false;               ///< a part of a batch, which may have no rows
+  bool values = true;              ///< read the values of host ids and targets
 };
 
 /// Checks a step's inputs on the host before any device work: x [rows >= 1 unless check.part, ...]
@@ -121,9 +121,9 @@ struct UpdatePart {
 };
 
 struct UpdateOptions {
-  float lr_scale = 1.0f;               ///< learning-rate multiplier, finite and >= 0
-  float clip_norm = 0.0f;              ///< global norm over all parts to clip to, > 0; 0: off
-  optim::LossScaler* scaler = nullptr; ///< dynamic loss scaling; nullptr for none
+  float lr_scale = 1.0f;                ///< learning-rate multiplier, finite and >= 0
+  float clip_norm = 0.0f;               ///< global norm over all parts to clip to, > 0; 0: off
+  optim::LossScaler* scaler = nullptr;  ///< dynamic loss scaling; nullptr for none
   /// Unscale the compute-type gradients into the master ones first (false: backward did).
   bool unscale = true;
 };

@@ -81,11 +81,11 @@ struct DataParallelOptions {
   /// Stages 2 and 3 need float32 compute, overlap, no comm hook, and checkpoints at the end of an
   /// accumulation cycle (Error(invalid_argument) otherwise).
   int zero_stage = 1;
-  bool zero3_block_units = true;  ///< ZeRO-3's units: the model's structure parts (false: the buckets)
-  bool deterministic = false;    ///< bitwise repeatable whatever the buckets and thread timing
-  int accumulation_steps = 1;    ///< micro-batches accumulated locally per applied step
+  bool zero3_block_units = true;          ///< ZeRO-3's units: the model's structure parts (false: the buckets)
+  bool deterministic = false;             ///< bitwise repeatable whatever the buckets and thread timing
+  int accumulation_steps = 1;             ///< micro-batches accumulated locally per applied step
   std::shared_ptr<CommHook> comm_hook{};  ///< how buckets are reduced (nullptr: a sum all-reduce)
-  std::vector<double> weights{};  ///< shard weights per used rank (empty: the scheduler's)
+  std::vector<double> weights{};          ///< shard weights per used rank (empty: the scheduler's)
   /// Re-weight shards every step from each rank's measured compute time per row (an EWMA).
   bool rebalance = false;
   double rebalance_ewma = 0.5;
@@ -96,23 +96,23 @@ struct DataParallelOptions {
   /// one, every rank.
   std::optional<sched::Request> request{};
   std::shared_ptr<sched::Scheduler const> scheduler{};  ///< default profile when empty
-  std::uint64_t seed = 1;           ///< replicas materialized from it on rank 0 and broadcast
+  std::uint64_t seed = 1;                               ///< replicas materialized from it on rank 0 and broadcast
   DType compute = DType::float32;
   std::optional<optim::LossScaler> loss_scaler{};  ///< dynamic loss scaling (float16)
-  float clip_norm = 0.0f;  ///< the global norm of the reduced gradients to clip to, > 0 (0: off)
+  float clip_norm = 0.0f;                  ///< the global norm of the reduced gradients to clip to, > 0 (0: off)
   std::shared_ptr<nn::Loss const> loss{};  ///< what step() minimizes (nullptr: SoftmaxCrossEntropy)
   comm::Options comm{};
   /// Makes the communicator (empty: comm::make_communicator; across processes
   /// dist::communicator_factory(world)).
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> make_communicator{};
-  std::shared_ptr<trace::Timeline> timeline{};  ///< every rank's actions when enabled
+  std::shared_ptr<trace::Timeline> timeline{};   ///< every rank's actions when enabled
   std::shared_ptr<metrics::Registry> metrics{};  ///< each rank's times per step (nullptr: its own)
 };
 
 /// What one step did (across processes: `loss` is the world's, the per-rank lists this process's).
 struct DataParallelResult {
-  float loss = 0;        ///< the global batch's mean loss
-  bool applied = true;   ///< false while accumulating, or when the loss scaler skipped the step
+  float loss = 0;                  ///< the global batch's mean loss
+  bool applied = true;             ///< false while accumulating, or when the loss scaler skipped the step
   std::vector<std::int64_t> rows;  ///< rows each used rank got
   /// Per used rank: milliseconds of forward and backward, and of waiting for reduces (host).
   std::vector<double> compute_ms;
@@ -175,7 +175,7 @@ class DataParallel {
   /// Error(invalid_argument) on an executor that a failed step left unusable.
   void reshard();
   [[nodiscard]] optim::LossScaler const* loss_scaler() const;  ///< replica 0's (nullptr: none)
-  [[nodiscard]] DeviceGroup& group() noexcept;  ///< the group the replicas run on
+  [[nodiscard]] DeviceGroup& group() noexcept;                 ///< the group the replicas run on
 
   struct Impl;
 

@@ -15,14 +15,14 @@ namespace mgpu::parallel {
 struct GptLayout {
   int data_parallel = 1;
   int tensor_parallel = 1;
-  int zero_stage = 1;  ///< DataParallelOptions::zero_stage (0 to 3)
+  int zero_stage = 1;                                    ///< DataParallelOptions::zero_stage (0 to 3)
   std::size_t bucket_cap_bytes = std::size_t{25} << 20;  ///< DataParallelOptions' bucket caps
   std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;
-  bool zero3_block_units = true;  ///< DataParallelOptions::zero3_block_units
+  bool zero3_block_units = true;    ///< DataParallelOptions::zero3_block_units
   std::vector<std::size_t> cuts{};  ///< pipeline::Partition::cuts of nn::gpt(config); empty: none
-  int micro_batches = 1;  ///< the pipeline's micro-batches
-  bool gpipe = false;     ///< GPipe (every micro-batch in flight), else 1F1B
-  bool sequence_parallel = false;  ///< TensorParallelOptions::sequence_parallel
+  int micro_batches = 1;            ///< the pipeline's micro-batches
+  bool gpipe = false;               ///< GPipe (every micro-batch in flight), else 1F1B
+  bool sequence_parallel = false;   ///< TensorParallelOptions::sequence_parallel
 };
 
 /// One device's predicted peak, in allocator bytes (each tensor's block size, Allocator::block_size).

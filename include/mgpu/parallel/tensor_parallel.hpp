@@ -260,10 +260,10 @@ struct TensorParallelOptions {
   optim::AdamWOptions adamw{};
   /// Another optimizer per rank, made from the rank's shard (replaces the AdamW when set).
   std::function<std::unique_ptr<optim::Optimizer>(nn::Sequential const& shard)> optimizer{};
-  float clip_norm = 0.0f;   ///< the global norm to clip to, > 0 (0: off)
-  int data_parallel = 1;    ///< A replicas of T consecutive ranks; A must divide the group size
-  bool sequence_parallel = false;  ///< split by tokens between regions; T divides the sequence
-  DType compute = DType::float32;  ///< float32, bfloat16 or float16, with float32 masters
+  float clip_norm = 0.0f;                          ///< the global norm to clip to, > 0 (0: off)
+  int data_parallel = 1;                           ///< A replicas of T consecutive ranks; A must divide the group size
+  bool sequence_parallel = false;                  ///< split by tokens between regions; T divides the sequence
+  DType compute = DType::float32;                  ///< float32, bfloat16 or float16, with float32 masters
   std::optional<optim::LossScaler> loss_scaler{};  ///< dynamic loss scaling, alike on every rank
   comm::Options comm{};
   /// Makes the communicator (empty: comm::make_communicator; across processes
@@ -272,7 +272,7 @@ struct TensorParallelOptions {
   /// Across processes with data_parallel > 1: dist::subset_communicator_factory(world).
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, std::vector<int> const&, comm::Options)>
       make_subset_communicator{};
-  std::shared_ptr<trace::Timeline> timeline{};  ///< every rank's actions while enabled
+  std::shared_ptr<trace::Timeline> timeline{};   ///< every rank's actions while enabled
   std::shared_ptr<metrics::Registry> metrics{};  ///< each rank's compute and wait times per step
 };
 

@@ -115,8 +115,8 @@ struct ExecutorOptions {
   DType compute = DType::float32;
   /// Dynamic loss scaling (float16): a step with NaN or Inf in any chunk's gradients is skipped.
   std::optional<optim::LossScaler> loss_scaler{};
-  float clip_norm = 0.0f;  ///< the global norm over every chunk to clip to, > 0; 0: off
-  std::shared_ptr<nn::Loss const> loss{};  ///< the last stage's loss (nullptr: nn::SoftmaxCrossEntropy)
+  float clip_norm = 0.0f;                       ///< the global norm over every chunk to clip to, > 0; 0: off
+  std::shared_ptr<nn::Loss const> loss{};       ///< the last stage's loss (nullptr: nn::SoftmaxCrossEntropy)
   std::shared_ptr<trace::Timeline> timeline{};  ///< where every action is recorded; nullptr for none
   /// Tensor-parallel stages (ranks > 1: a data x tensor x pipeline grid, see Executor).
   TensorParallelStages tensor_parallel{};
