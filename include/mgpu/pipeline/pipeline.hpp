@@ -66,8 +66,7 @@ struct LayerProfile {
   std::vector<double> activation_bytes;  ///< what a micro-batch's forward leaves until its backward
 };
 
-/// Returns the seconds `run` (a unit's forward + backward on rank 0, waited for) took; empty: the
-/// steady clock.
+/// Returns the seconds `run` (a unit's forward + backward on rank 0) took; empty: the steady clock.
 using ProfileTimer = std::function<double(std::function<void()> const& run)>;
 
 /// Profiles each unit of `model` on `group`'s rank 0 for a micro-batch of `input` shape: the
@@ -107,8 +106,7 @@ struct TensorParallelStages {
 
 struct ExecutorOptions {
   std::uint64_t seed = 0;  ///< the chunks initialised as the whole model's materialize(seed)
-  /// Data-parallel replicas of the pipeline (a data x pipeline grid; the group has devices x
-  /// data_parallel x tensor_parallel.ranks ranks).
+  /// Replicas of the pipeline: the group has devices x data_parallel x tensor_parallel.ranks ranks.
   int data_parallel = 1;
   std::chrono::milliseconds timeout{0};  ///< the communicator's deadline (zero: comm::default_timeout())
   /// float32, or bfloat16/float16 with float32 masters: what chunks compute in and send.
@@ -120,8 +118,7 @@ struct ExecutorOptions {
   std::shared_ptr<trace::Timeline> timeline{};  ///< where every action is recorded; nullptr for none
   /// Tensor-parallel stages (ranks > 1: a data x tensor x pipeline grid, see Executor).
   TensorParallelStages tensor_parallel{};
-  /// Makes the transfers' communicator (empty: comm::make_communicator; across processes,
-  /// dist::communicator_factory(world)).
+  /// Makes the transfers' communicator (across processes dist::communicator_factory(world)).
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> make_communicator{};
   /// Across processes with tensor-parallel stages: dist::subset_communicator_factory(world).
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, std::vector<int> const&, comm::Options)>
@@ -159,8 +156,8 @@ class Executor {
   /// compute_gradients(), then every chunk's update through nn::apply_update (none on overflow);
   /// synchronizes. Throws Error(invalid_argument) for an lr_scale that is not finite and >= 0.
   float step(Tensor const& x, Tensor const& labels, float lr_scale = 1.0f);
-  /// Copies replica 0's master parameters into `whole` (the architecture on any device, `stream`
-  /// its). Throws Error(invalid_argument) for a model of another parameter count.
+  /// Copies replica 0's master parameters into `whole` (on `stream`'s device). Throws
+  /// Error(invalid_argument) for a model of another parameter count.
   void gather_parameters(nn::Sequential& whole, Stream& stream);
   /// Copies `whole`'s master parameters into every replica's chunks.
   void scatter_parameters(nn::Sequential const& whole, Stream& stream);
