@@ -1,6 +1,4 @@
-// Collectives between the ranks of a DeviceGroup: all-reduce, reduce-scatter, all-gather,
-// broadcast, reduce, send/recv and barrier, on host devices (in-process), through NCCL, or through
-// CUDA peer copies and reduction kernels.
+// Collectives between the ranks of a DeviceGroup; the design notes are in docs/architecture.md.
 #pragma once
 
 #include <chrono>
@@ -28,36 +26,24 @@ enum class Backend {
 
 std::string_view to_string(Backend backend) noexcept;
 
-/// The default deadline and its environment variable ($MGPU_COMM_TIMEOUT seconds, else 300 s):
-/// core's mgpu::default_timeout and mgpu::timeout_env_var (mgpu/core/deadline.hpp), the same
-/// function and constant under their comm names.
+/// core's default deadline ($MGPU_COMM_TIMEOUT seconds, else 300 s) under its comm names.
 using mgpu::default_timeout;
 using mgpu::timeout_env_var;
 
 struct Options {
   Backend backend = Backend::automatic;
-  /// How long a rank waits for the others in one operation before the communicator is aborted;
-  /// zero means default_timeout().
+  /// A rank's wait for the others in one operation before the abort; zero: default_timeout().
   std::chrono::milliseconds timeout{0};
 };
 
 /// The backend Backend::automatic picks for `group`.
 Backend choose_backend(DeviceGroup const& group);
 
-/// A communicator over every rank of a DeviceGroup. Ranks call each operation from their own thread
-/// (typically inside DeviceGroup::run) with their own stream; like NCCL, the call checks its
-/// arguments, enqueues the work and returns, and the stream completes it. Operations are matched
-/// across ranks by call order (send/recv by order per pair of ranks), so every rank must issue the
-/// same collectives in the same order.
-///
-/// Faults: each operation has a deadline. If a rank fails (its run() callback throws, its stream
-/// fails, or it passes arguments that do not match the others') or does not arrive in time, every
-/// other rank's stream fails with Error(communication) or Error(timeout) naming the operation, the
-/// missing ranks and the time waited. The communicator is then aborted: later calls throw
-/// Error(communication) at once.
-///
-/// Host results are deterministic: the reduction order is fixed (rank 0 first), so every rank
-/// gets bitwise identical results, run after run.
+/// A communicator over every rank of a DeviceGroup. Each rank calls an operation from its own
+/// thread with its own stream; the call checks its arguments and enqueues the work. Every rank must
+/// issue the same operations in the same order. When a rank fails or misses the deadline, the
+/// others' streams fail with Error(communication) or Error(timeout) naming the operation, and later
+/// calls throw Error(communication). Host results are bitwise deterministic.
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -67,9 +53,7 @@ class Communicator {
   [[nodiscard]] virtual int size() const noexcept = 0;
   [[nodiscard]] virtual Backend backend() const noexcept = 0;
   [[nodiscard]] virtual std::chrono::milliseconds timeout() const noexcept = 0;
-  /// The rank of the group's rank 0: the calling process drives ranks first_rank() to first_rank()
-  /// + its group's size - 1. 0 within one process; across processes (dist::make_communicator) the
-  /// world rank of this process's first device.
+  /// The world rank of this process's first device (0 within one process).
   [[nodiscard]] virtual int first_rank() const noexcept { return 0; }
 
   /// recv = op over ranks of send. send and recv have the same numel and dtype; recv may be send.
@@ -84,19 +68,16 @@ class Communicator {
   virtual void broadcast(int rank, Tensor const& buffer, int root, Stream& stream) = 0;
   /// root's recv = op over ranks of send; recv is only written on root (other ranks may pass send).
   virtual void reduce(int rank, Tensor const& send, Tensor const& recv, ReduceOp op, int root, Stream& stream) = 0;
-  /// Sends `send` to rank `peer`, which must post a matching recv. On the host backend a send of
-  /// up to 4 MiB is eager, as NCCL's small sends are: it copies the data and completes without
-  /// waiting for the recv (while the pair's unreceived eager data stays within 4 MiB); a larger
-  /// one completes once the recv has taken it. finalize() reports sends that were never received.
+  /// Sends `send` to rank `peer`, which must post a matching recv (host sends up to 4 MiB are
+  /// eager). finalize() reports sends that were never received.
   virtual void send(int rank, Tensor const& send, int peer, Stream& stream) = 0;
   /// Receives into `recv` what rank `peer` sends.
   virtual void recv(int rank, Tensor const& recv, int peer, Stream& stream) = 0;
   /// Returns on each rank's stream only when every rank has reached it.
   virtual void barrier(int rank, Stream& stream) = 0;
 
-  /// Between group_start(rank) and group_end(rank), the rank's operations are collected and launched
-  /// together at group_end (like ncclGroupStart/End): sends and receives in a group cannot deadlock
-  /// each other, e.g. every rank sending to its right neighbour and receiving from its left.
+  /// The rank's operations between group_start and group_end launch together at group_end, so
+  /// sends and receives in a group cannot deadlock each other.
   virtual void group_start(int rank) = 0;
   virtual void group_end(int rank) = 0;
 
@@ -116,13 +97,9 @@ class Communicator {
 /// Error(device) when it is not built in.
 std::unique_ptr<Communicator> make_communicator(DeviceGroup& group, Options options = {});
 
-/// A communicator over some ranks of `group`: its rank i is the group's rank ranks[i] (callers pass
-/// i and that rank's stream), e.g. the same pipeline stage across data-parallel replicas. Several
-/// may be used at once over disjoint or overlapping subsets, each with its own call order. The
-/// backend follows the subset's devices as make_communicator(group) does for the whole group: on
-/// distinct GPUs NCCL (a new NCCL communicator over just those GPUs), on GPUs shared by the
-/// subset's ranks CUDA peer. Throws Error(invalid_argument) for an empty list, a repeated or
-/// out-of-range rank, or a backend that cannot serve the subset's devices.
+/// A communicator over some ranks of `group`: its rank i is the group's rank ranks[i]. Throws
+/// Error(invalid_argument) for an empty list, a repeated or out-of-range rank, or a backend that
+/// cannot serve the subset's devices.
 std::unique_ptr<Communicator> make_communicator(DeviceGroup& group, std::vector<int> const& ranks, Options options = {});
 
 }  // namespace mgpu::comm

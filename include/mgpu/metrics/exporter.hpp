@@ -1,5 +1,4 @@
-// The two ways Prometheus reads a training job's Registry: an HTTP endpoint it scrapes
-// (/metrics), and a file node_exporter's textfile collector reads (NAME.prom, replaced atomically).
+// Prometheus exporters of a Registry: an HTTP endpoint and a textfile (see docs/metrics.md).
 #pragma once
 
 #include <filesystem>
@@ -10,15 +9,12 @@
 
 namespace mgpu::metrics {
 
-/// Serves `registry.exposition()` at http://HOST:PORT/metrics from a thread of its own, from
-/// construction until destruction. The registry must outlive the exporter. Built on cpp-httplib;
-/// a library built without it (mgpu::built_with_metrics_http false) throws Error(invalid_argument)
-/// saying so.
+/// Serves `registry.exposition()` at http://HOST:PORT/metrics from its own thread while it lives.
+/// The registry must outlive it. Throws Error(invalid_argument) without cpp-httplib in the build.
 class HttpExporter {
  public:
-  /// Listens on `host` (an address, e.g. "127.0.0.1", or "0.0.0.0" for every interface) and `port`
-  /// (0: any free port, see port()). Throws Error(invalid_argument) for a port outside 0 to 65535,
-  /// Error(io) naming host and port when it cannot listen there.
+  /// Listens on `host` and `port` (0: any free one). Throws Error(invalid_argument) for a port
+  /// outside 0 to 65535, Error(io) naming host and port when it cannot listen there.
   HttpExporter(Registry const& registry, std::string const& host, int port);
   HttpExporter(HttpExporter const&) = delete;
   HttpExporter& operator=(HttpExporter const&) = delete;
@@ -35,11 +31,8 @@ class HttpExporter {
   std::unique_ptr<Impl> impl_;
 };
 
-/// Replaces `path` with `registry.exposition()` atomically (a temporary file in the same folder,
-/// renamed into place; not synced to the disk, as it is rewritten every step), so node_exporter's
-/// textfile collector never reads part of one. Throws Error(invalid_argument) when the name does
-/// not end in ".prom" (the collector reads only those), Error(io) naming the file when it cannot
-/// be written.
+/// Replaces `path` with `registry.exposition()` atomically (renamed into place, not synced).
+/// Throws Error(invalid_argument) unless the name ends in ".prom", Error(io) when it cannot write.
 void write_textfile(Registry const& registry, std::filesystem::path const& path);
 
 }  // namespace mgpu::metrics

@@ -1,6 +1,4 @@
-// A GPU's utilisation as NVIDIA's management library (NVML) samples it, for a job's metrics:
-// libnvidia-ml.so.1 (installed with the driver) loaded at run time, so the library links nothing
-// of NVML and runs where the driver lacks it, with the metric absent.
+// A GPU's utilisation from NVML, loaded at run time (docs/metrics.md).
 #pragma once
 
 #include <memory>
@@ -10,15 +8,12 @@
 
 namespace mgpu::metrics {
 
-/// NVML's spelling of a PCI bus id, as nvmlDeviceGetHandleByPciBusId_v2 matches it: an eight-digit
-/// domain, upper-case hex, "00000000:3B:00.0". Reads CUDA's "0000:3b:00.0" (cudaDeviceGetPCIBusId)
-/// as well as NVML's own; a missing domain is 0. Throws Error(invalid_argument) naming `id` when it
-/// is not [domain:]bus:device.function in hex (bus up to 2 digits, device 2, function 1).
+/// `id` ("0000:3b:00.0", a missing domain 0) in NVML's spelling, "00000000:3B:00.0". Throws
+/// Error(invalid_argument) naming `id` unless it is [domain:]bus:device.function in hex.
 [[nodiscard]] std::string nvml_pci_bus_id(std::string_view id);
 
-/// NVML's utilisation of the GPUs, by PCI bus id. Loading never throws: where the library was
-/// built without NVML's header (MGPU_WITH_NVML), or `library` cannot be loaded or initialised,
-/// available() is false and reason() says why, once, for the caller to say. Thread-safe.
+/// NVML's utilisation of the GPUs, by PCI bus id. Thread-safe. Never throws on loading: without
+/// NVML (in the build or at run time) available() is false and reason() says why.
 class Nvml {
  public:
   /// dlopen()s `library` and calls nvmlInit_v2; the destructor calls nvmlShutdown and dlclose.
@@ -31,10 +26,8 @@ class Nvml {
   /// Why NVML is not available (empty when it is).
   [[nodiscard]] std::string const& reason() const noexcept;
 
-  /// The share of NVML's last sample period (1/6 s to 1 s, by product) in which a kernel ran on
-  /// the GPU at `pci_bus_id` (nvmlDeviceGetUtilizationRates' gpu / 100), in [0, 1]; empty when
-  /// NVML is not available or has no such GPU. Throws Error(invalid_argument) for a malformed id
-  /// (see nvml_pci_bus_id).
+  /// The share of NVML's last sample period in which a kernel ran on that GPU, in [0, 1]; empty
+  /// without NVML or such a GPU. Throws Error(invalid_argument) for a malformed id.
   [[nodiscard]] std::optional<double> busy_ratio(std::string_view pci_bus_id) const;
 
  private:

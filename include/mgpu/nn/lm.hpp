@@ -1,7 +1,5 @@
-// Language-model inference and evaluation for a GPT built by nn::gpt: a Decoder that appends
-// tokens with a key/value cache per layer (each new token costs O(T) attention, not a re-run of the
-// whole sequence), sampling with temperature and top-k, and generate(). The validation loss is
-// data::evaluate_lm (mgpu/data/evaluate.hpp).
+// Language-model inference for a GPT built by nn::gpt: a Decoder with a key/value cache, sampling
+// and generate().
 #pragma once
 
 #include <cstdint>
@@ -15,21 +13,17 @@
 
 namespace mgpu::nn {
 
-/// Runs a GPT one chunk of positions at a time, keeping every layer's keys and values. Host and
-/// float32 only (the attention over the cache is a host loop): a model on a CUDA device or in a
-/// 16-bit compute type is refused with Error(invalid_argument). Dropout is off (inference). The
-/// model is held by reference and must outlive the decoder; nothing is saved for backward.
+/// Runs a GPT one chunk of positions at a time, keeping every layer's keys and values; dropout
+/// off. Host and float32 only. The model must outlive the decoder.
 class Decoder {
  public:
-  /// `model`: materialized, laid out as nn::gpt builds it (Embedding, Dropout, TransformerBlocks,
-  /// LayerNorm, TiedLMHead); `batch` sequences decoded side by side. Throws
-  /// Error(invalid_argument) naming the first layer that does not fit.
+  /// `model`: materialized, as nn::gpt builds it; `batch` sequences side by side. Throws
+  /// Error(invalid_argument) naming the first layer that does not fit (or a CUDA or 16-bit model).
   Decoder(Sequential const& model, Context& ctx, std::int64_t batch = 1);
 
-  /// Runs ids, int32 [batch, t] on the host, at positions [length(), length() + t) and returns
-  /// their logits, float32 host [batch, t, vocab]; length() grows by t. Throws
-  /// Error(invalid_argument) for an id outside [0, vocab) (naming it and its position), a shape
-  /// other than [batch, t >= 1], or length() + t > capacity().
+  /// Runs ids, int32 host [batch, t], at the next t positions; returns float32 host logits [batch,
+  /// t, vocab]. Throws Error(invalid_argument) for an id outside [0, vocab), a shape other than
+  /// [batch, t >= 1], or length() + t > capacity().
   Tensor append(Tensor const& ids);
 
   /// Positions decoded so far, and at most (the model's block size).
@@ -48,28 +42,21 @@ class Decoder {
   std::vector<KvCache> caches_;
 };
 
-/// How the next token is drawn from a row of logits: softmax(logits / temperature) restricted to
-/// the top_k largest logits (0: all); ties between equal logits go to the lower id. top_k 1 is
-/// greedy decoding (argmax).
+/// softmax(logits / temperature) over the top_k largest logits (0: all); top_k 1 is greedy.
 struct SampleOptions {
   float temperature = 1.0f;
   std::int64_t top_k = 0;
   std::uint64_t seed = 0;
 };
 
-/// One token drawn from `logits` (one per id) with `rng`: u = (rng() >> 11) / 2^53 picks the first
-/// id, in decreasing logit order, whose cumulative probability exceeds u. Throws
-/// Error(invalid_argument) for no logits, a temperature that is not finite and > 0, or top_k < 0.
+/// One token drawn from `logits` with `rng`. Throws Error(invalid_argument) for no logits, a
+/// temperature that is not finite and > 0, or top_k < 0.
 std::int32_t sample_token(std::span<float const> logits, SampleOptions const& options, std::mt19937_64& rng);
 
-/// `new_tokens` tokens continuing `prompt`, drawn with sample_token from a std::mt19937_64 seeded
-/// with options.seed, through a Decoder (host, float32). The context is at most the block size:
-/// a longer prompt is cropped to its last block_size tokens, and when the cache is full the
-/// decoder restarts from the last max(1, block_size / 2) tokens (so each token after that sees at
-/// least half a block of context, and a re-run costs one block every block_size / 2 tokens).
-/// Within the first block, every token is the one a full forward of the sequence so far would
-/// give. Throws Error(invalid_argument) for an empty prompt, an id outside [0, vocab) (naming it
-/// and its index in the prompt), new_tokens < 0, and the decoder's and sample_token's errors.
+/// `new_tokens` tokens continuing `prompt`, sampled through a Decoder (host, float32) with a
+/// std::mt19937_64 seeded with options.seed; the context is at most the block size. Throws
+/// Error(invalid_argument) for an empty prompt, an id outside [0, vocab), new_tokens < 0, and the
+/// decoder's and sample_token's errors.
 std::vector<std::int32_t> generate(Sequential const& model, std::span<std::int32_t const> prompt,
                                    std::int64_t new_tokens, SampleOptions const& options, Context& ctx);
 

@@ -1,25 +1,5 @@
-// Tensor parallelism (Megatron-style) for the GPT: every transformer block split across T ranks,
-// each holding 1/T of the block's weight matrices. The MLP's first Linear is split by columns and
-// its second by rows; attention is split by heads (the fused qkv Linear by columns, grouped per
-// head, the output projection by rows). LayerNorms and the biases of the row-parallel Linears are
-// replicated. A block's forward all-reduces the row-parallel outputs (the "g" operator) and its
-// backward all-reduces the input gradients of the column-parallel Linears (the "f" operator): four
-// all-reduces per block and step. The token embedding and the LM head tied to it are split by
-// vocab rows (VocabParallelEmbedding, VocabParallelLMHead), each rank producing only its columns of
-// the logits, and the cross-entropy (VocabParallelCrossEntropy) reduces per-row statistics across
-// the ranks instead of gathering the logits. The position embedding and the final LayerNorm are
-// replicated.
-//
-// Sequence parallelism (Korthikanti et al. 2022), an option: between the tensor-parallel regions
-// each rank holds only 1/T of the tokens, so the LayerNorms, the dropouts and the residual adds
-// run on 1/T of the activations. A rank's tokens are its B T / T_ranks consecutive rows of the
-// flattened [B T, C] activation, shaped [B, T / T_ranks, C] (the sequence length must divide by
-// the ranks). A column-parallel Linear's input is all-gathered from the ranks' tokens (its
-// backward gathers it again, so only the rank's tokens are kept, and reduce-scatters the input
-// gradient) and a row-parallel Linear's output reduce-scattered instead of all-reduced (its
-// backward all-gathers the output gradient): the all-reduces' traffic plus the two gathers again.
-// The replicated LayerNorms' gradients are then each rank's tokens' part, summed over the ranks
-// before the update.
+// Tensor parallelism (Megatron-style) for the GPT, with optional sequence parallelism. The splits,
+// collectives and their costs are described in docs/parallel-layouts.md.
 #pragma once
 
 #include <cstdint>
@@ -53,36 +33,22 @@ namespace mgpu::parallel {
 class ShardedLayer {
  public:
   virtual ~ShardedLayer() = default;
-  /// The [begin, end) offsets, within this layer's parameters, of the split ones (each rank holds
-  /// other values there); everything else is replicated (the same on every rank).
+  /// The [begin, end) offsets of the split parameters within this layer's (the rest is replicated).
   [[nodiscard]] virtual std::vector<std::pair<std::int64_t, std::int64_t>> split_ranges() const = 0;
-  /// Copies between the whole layer's parameters (gpt(config)'s layout, `whole`) and this rank's
-  /// shard (`shard`, the layer's parameter_count() elements), float32 host spans: to the shard
-  /// (`to_shard`), or from it into its places in `whole`. Throws Error(invalid_argument) for other
-  /// sizes.
+  /// Copies between the whole layer's parameters (`whole`, gpt(config)'s layout) and this rank's
+  /// shard, either way. Throws Error(invalid_argument) for other sizes.
   virtual void copy_shard(std::span<float> whole, std::span<float> shard, bool to_shard) const = 0;
-  /// The [begin, end) offsets of replicated parameters whose gradients each rank computes from its
-  /// own tokens only (sequence parallelism: the LayerNorms): they are summed over the ranks before
-  /// the update. None by default.
+  /// The offsets of replicated parameters whose gradients each rank computes from its own tokens.
   [[nodiscard]] virtual std::vector<std::pair<std::int64_t, std::int64_t>> partial_ranges() const { return {}; }
 };
 
-/// The token ids [first, second) that rank `rank` of `ranks` holds of a vocab of `vocab` in the
-/// vocab-parallel embedding: [rank V / T, (rank + 1) V / T) (rounded down), so the ranks' rows
-/// differ by at most one and cover the vocab. Throws Error(invalid_argument) unless 1 <= ranks <=
-/// vocab and rank is in [0, ranks).
+/// The token ids [first, second) rank `rank` of `ranks` holds of a vocab of `vocab`: [rank V / T,
+/// (rank + 1) V / T). Throws Error(invalid_argument) unless 1 <= ranks <= vocab and 0 <= rank < ranks.
 [[nodiscard]] std::pair<std::int64_t, std::int64_t> vocab_shard(std::int64_t vocab, int ranks, int rank);
 
-/// Rank `rank`'s shard of nn::Embedding(vocab, block_size, features) over the communicator's
-/// ranks: wte's rows vocab_shard(vocab, T, rank) [V_r, C], then the whole wpe [P, C] (replicated).
-/// forward looks the rank's ids up (0 for the others), rank 0 adds the positions, and an
-/// all-reduce sums the ranks' parts: every rank gets nn::Embedding's output. backward writes (or
-/// adds, when tied to a VocabParallelLMHead, which writes first) the gradient of the rank's wte
-/// rows and the whole wpe gradient (the output gradient being the same on every rank).
-/// initialize() draws the whole embedding as nn::Embedding does and keeps the rank's rows.
-/// With `sequence_parallel` a reduce-scatter replaces the all-reduce: each rank gets its tokens
-/// [B, T / ranks, C] of the output (T must divide by the ranks), and backward all-gathers their
-/// gradients first.
+/// Rank `rank`'s shard of nn::Embedding(vocab, block_size, features): wte's rows vocab_shard(...)
+/// then the whole wpe; forward gives every rank nn::Embedding's output (with `sequence_parallel`
+/// its tokens [B, T / ranks, C]).
 class VocabParallelEmbedding final : public nn::Layer, public ShardedLayer {
  public:
   /// Throws Error(invalid_argument) for sizes < 1, a vocab smaller than the group or a bad rank.
@@ -135,14 +101,8 @@ class VocabParallelEmbedding final : public nn::Layer, public ShardedLayer {
   std::map<std::int64_t, Tensor> saved_;  // ids
 };
 
-/// The LM head tied to the VocabParallelEmbedding of the same Sequential (found by link()): the
-/// rank's logits columns [B, T, V_r] = h wte_rᵀ for the replicated h [B, T, C]. It holds no
-/// parameters; backward writes (or adds) dwte_r = dlogits_rᵀ h into the embedding's gradient view
-/// and returns dh = the sum over the ranks of dlogits_r wte_r (an all-reduce). With
-/// `reduce_input_gradient` false it returns the rank's part dlogits_r wte_r (sequence parallelism:
-/// the gather before it reduce-scatters it). A pipeline stage without the embedding calls
-/// hold_weight(): the head then holds its own copy of the rank's wte rows, as nn::TiedLMHead does
-/// (pipeline::Executor keeps the copy equal to the first stage's rows).
+/// The LM head tied to the Sequential's VocabParallelEmbedding: the rank's logits columns
+/// [B, T, V_r] = h wte_rᵀ, and dh summed over the ranks (unless `reduce_input_gradient` is false).
 class VocabParallelLMHead final : public nn::Layer {
  public:
   VocabParallelLMHead(std::int64_t vocab, std::int64_t features, std::shared_ptr<comm::Communicator> comm, int rank,
@@ -161,8 +121,7 @@ class VocabParallelLMHead final : public nn::Layer {
   std::size_t saved_micro_batches() const override { return saved_.size(); }
   std::unique_ptr<Layer> clone() const override;
 
-  /// Holds its own copy of the rank's wte rows instead of linking to the embedding's; call before
-  /// materialize.
+  /// Holds its own copy of the rank's wte rows instead of the embedding's; call before materialize.
   void hold_weight() noexcept { holds_weight_ = true; }
   [[nodiscard]] bool holds_weight() const noexcept { return holds_weight_; }
   [[nodiscard]] std::int64_t features() const noexcept { return features_; }
@@ -181,12 +140,8 @@ class VocabParallelLMHead final : public nn::Layer {
   std::map<std::int64_t, Tensor> saved_;  // h as [N, C]
 };
 
-/// nn::TokenCrossEntropy over the vocab-parallel logits [B, T, V_r] of rank `rank` (its columns
-/// vocab_shard(vocab, T, rank)) without gathering them: each row's max is all-reduced (max), then
-/// its sum of exp(logit - max) and its target's logit (sum), and every rank gets the whole loss and
-/// softmax - onehot on its columns (ops::vocab_shard_cross_entropy). Targets are whole-vocab ids.
-/// compute() enqueues the all-reduces on its stream: every rank of the communicator calls it, each
-/// on its own thread, with its own instance.
+/// nn::TokenCrossEntropy over the vocab-parallel logits of rank `rank`, without gathering them.
+/// Every rank of the communicator calls compute(), each on its own thread with its own instance.
 class VocabParallelCrossEntropy final : public nn::Loss {
  public:
   /// Throws Error(invalid_argument) as vocab_shard does.
@@ -207,28 +162,10 @@ class VocabParallelCrossEntropy final : public nn::Loss {
   nn::TokenCrossEntropy whole_;  // its checks against the whole vocab, and its count
 };
 
-/// Rank `rank`'s shard of a pre-LN nn::TransformerBlock over the `comm`'s ranks: heads / T heads, qkv [C, 3C/T] (that
-/// rank's heads' q, k and v columns), the attention projection's rows [C/T, C], mlp_fc [C, 4C/T] and mlp_proj's rows
-/// [4C/T, C]. Parameters in nn::TransformerBlock's order, each split matrix (and a column-parallel bias) as its shard:
-/// ln_1, qkv W and b, proj W, proj b (whole), ln_2, fc W and b, proj W, proj b (whole). initialize() draws the whole
-/// block's weights as nn::TransformerBlock does from the same rng and keeps this rank's shard, so shards materialized
-/// with a seed hold the 1-device model's weights, and its dropout seeds: the residual branches' Dropouts (replicated
-/// regions) drop the same elements on every rank, and the attention probabilities' dropout drops, on each rank's heads,
-/// what the whole block drops on those heads (ops::AttentionDropout::head_offset), so with the same
-/// seed the shards train as the 1-device model does, dropout included. `recompute` as
-/// nn::TransformerBlock's (nn::Recompute): selective drops the attention core's output and
-/// log-sum-exp and backward reruns the core on the kept qkv; full keeps only the input and backward
-/// reruns the forward (its all-reduces included, on every rank alike) at the original dropout
-/// count and row offset. Both give the `none` gradients bit for bit.
-/// With `sequence_parallel` the block takes and returns the rank's tokens [B, T / ranks, C] (see
-/// the top of this file): LayerNorms, dropouts and residual adds on them, an all-gather before each
-/// column-parallel Linear and a reduce-scatter after each row-parallel one; the dropouts drop what
-/// they drop on those tokens without sequence parallelism. The column-parallel Linears' inputs are
-/// kept as the rank's tokens and all-gathered again in backward (two all-gathers more per block
-/// and step, for 1/T of that memory). Its LayerNorms are partial_ranges().
-/// forward and backward enqueue collectives on ctx.stream: every rank must run the same calls in
-/// the same order (each on its own thread). TensorParallel trains it in float32 (16-bit compute is
-/// not tested yet).
+/// Rank `rank`'s shard of a pre-LN nn::TransformerBlock over `comm`'s ranks: heads / T heads, qkv
+/// and mlp_fc by columns, the projections by rows, in nn::TransformerBlock's parameter order;
+/// initialized as the whole block's shard. With `sequence_parallel` it takes and returns the
+/// rank's tokens. Every rank must run forward and backward in the same order.
 class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
  public:
   /// Throws Error(invalid_argument) unless heads divide features and the communicator's size
@@ -303,103 +240,49 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
   std::map<std::int64_t, Input> inputs_;
 };
 
-/// The shard of gpt(config) a tensor-parallel rank holds: VocabParallelEmbedding, Dropout,
-/// n_layer TensorParallelBlocks, LayerNorm and the VocabParallelLMHead; its output is the rank's
-/// logits columns, for VocabParallelCrossEntropy. With `sequence_parallel` the embedding, the
-/// blocks and the LayerNorm work on the rank's tokens, the Dropout drops what it drops on them
-/// without, and a layer between the LayerNorm and the head all-gathers the tokens (its backward
-/// reduce-scatters the head's input gradient). Throws Error(invalid_argument) for a bad config,
-/// a group size that does not divide n_head, or a vocab smaller than the group.
+/// The shard of gpt(config) a tensor-parallel rank holds; its output is the rank's logits columns.
+/// Throws Error(invalid_argument) for a bad config, a group size that does not divide n_head, or a
+/// vocab smaller than the group.
 [[nodiscard]] nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<comm::Communicator> comm,
                                                  int rank, bool sequence_parallel = false);
 
-/// The ranges of a tensor-parallel shard's flat buffers (`shard`: a rank's tensor_parallel_gpt,
-/// or a pipeline stage of one) as counted in a global gradient norm over the ranks: one range per
-/// split part of a ShardedLayer (ShardedLayer::split_ranges), counted when `split`, and one per
-/// rest of a layer's parameters, counted when `replicated` (the replicated parameters are the same
-/// on every rank: only one rank counts them).
+/// The ranges of a shard's flat buffers as counted in a global gradient norm: split parts counted
+/// when `split`, the replicated rest when `replicated`.
 [[nodiscard]] std::vector<nn::OwnedRange> norm_ranges(nn::Sequential const& shard, bool split, bool replicated);
 
-/// The ranges of a tensor-parallel shard's flat buffers (`shard`, or a pipeline stage of one) whose
-/// gradients each rank computes from its own tokens only, with the layer of each: with sequence
-/// parallelism the LayerNorms (the ShardedLayers' partial_ranges() and the plain LayerNorms), to be
-/// summed over the ranks before the update; none without.
+/// The ranges of a shard's flat buffers whose gradients are summed over the ranks before the
+/// update (sequence parallelism's LayerNorms); none without.
 [[nodiscard]] std::vector<nn::ParameterRange> partial_ranges(nn::Sequential const& shard, bool sequence_parallel);
 
 struct TensorParallelOptions {
-  /// The shards are materialized from this seed: together they hold gpt(config)'s weights
-  /// materialized from it.
-  std::uint64_t seed = 1;
-  /// AdamW; decay_ranges must be empty: each rank decays its shard's 2-D weights (embeddings and
-  /// Linear weights, as nn::gpt_decay_ranges does for the whole model).
+  std::uint64_t seed = 1;  ///< together the shards hold gpt(config) materialized from it
+  /// AdamW (decay_ranges must be empty: each rank decays its shard's 2-D weights).
   optim::AdamWOptions adamw{};
   /// Another optimizer per rank, made from the rank's shard (replaces the AdamW when set).
   std::function<std::unique_ptr<optim::Optimizer>(nn::Sequential const& shard)> optimizer{};
-  /// Clip to this global norm, finite and > 0 (0: off). The norm counts each replicated parameter
-  /// once and each split one on every rank.
-  float clip_norm = 0.0f;
-  /// Data-parallel replicas A of the tensor-parallel model: the group's A x T ranks form A
-  /// tensor-parallel groups of T consecutive ranks (replica a: ranks a T to a T + T - 1, so each
-  /// group sits on neighbouring devices). A must divide the group size.
-  int data_parallel = 1;
-  /// Sequence parallelism (see the top of this file): the LayerNorm, dropout and residual
-  /// activations split by tokens over the T ranks instead of replicated. The batches' sequence
-  /// length must then divide by T.
-  bool sequence_parallel = false;
-  /// The type the shards compute in: float32, bfloat16 or float16 (float32 master weights and
-  /// optimizer state either way, as in nn::Sequential::materialize).
-  DType compute = DType::float32;
-  /// Dynamic loss scaling (for float16): each rank steps a copy, all deciding alike (the overflow
-  /// check counts every rank's gradients); a skipped step updates nothing.
-  std::optional<optim::LossScaler> loss_scaler{};
-  /// The communicators' options (backend, deadline).
+  float clip_norm = 0.0f;                          ///< the global norm to clip to, > 0 (0: off)
+  int data_parallel = 1;                           ///< A replicas of T consecutive ranks; A must divide the group size
+  bool sequence_parallel = false;                  ///< split by tokens between regions; T divides the sequence
+  DType compute = DType::float32;                  ///< float32, bfloat16 or float16, with float32 masters
+  std::optional<optim::LossScaler> loss_scaler{};  ///< dynamic loss scaling, alike on every rank
   comm::Options comm{};
-  /// Across processes (see "Across processes" at TensorParallel): makes the communicator over
-  /// every rank of the world from the group and `comm`, dist::communicator_factory(world) (empty:
-  /// one process, comm::make_communicator over the group).
+  /// Makes the communicator (empty: comm::make_communicator; across processes
+  /// dist::communicator_factory(world)).
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> make_communicator{};
-  /// Across processes with data_parallel > 1: makes the communicator over some world ranks (rank i
-  /// is world rank ranks[i]), dist::subset_communicator_factory(world).
+  /// Across processes with data_parallel > 1: dist::subset_communicator_factory(world).
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, std::vector<int> const&, comm::Options)>
       make_subset_communicator{};
-  /// Where every rank's forward, backward per layer, collectives and update are recorded while it
-  /// is enabled (nullptr: no timeline); rank = the grid's (world) rank.
-  std::shared_ptr<trace::Timeline> timeline{};
-  /// Where each of this process's ranks' times are reported at the end of every step
-  /// (metrics::DeviceTimes, rank: its rank in the group), measured by events on its stream: wait,
-  /// the time in the executor's collectives (the layers' and the gradients' sums); compute, the
-  /// rest of its step (forward, backward, the update). nullptr: not measured.
-  std::shared_ptr<metrics::Registry> metrics{};
+  std::shared_ptr<trace::Timeline> timeline{};   ///< every rank's actions while enabled
+  std::shared_ptr<metrics::Registry> metrics{};  ///< each rank's compute and wait times per step
 };
 
 /// Trains gpt(config) with every rank of `group` holding one tensor-parallel shard, in A =
-/// options.data_parallel replicas of T = group size / A ranks each: each step splits the batch's
-/// rows across the replicas (the first B mod A replicas take one row more), runs a replica's rows on
-/// each of its ranks (its activations replicated between blocks, or with sequence_parallel split
-/// by tokens), the vocab-parallel
-/// cross-entropy divided by the whole batch's token count, backward, and nn::apply_update on every
-/// rank, through a GradientSync that, with A > 1, sums each layer's gradients over the A ranks of
-/// the same tensor-parallel index (a communicator per index) as backward writes them, so the
-/// replicas hold the whole batch's gradients and stay bitwise identical. Its owned ranges are the
-/// rank's whole buffer (replicated ranges counted by the replica's rank 0 only, split ones by every
-/// rank) and its sum over ranks is an all-reduce over the replica. float32.
-///
-/// Across processes (mgpu::dist): every process makes its own TensorParallel over its own
-/// DeviceGroup with the same config and options, make_communicator = dist::communicator_factory(
-/// world) and, with A > 1, make_subset_communicator = dist::subset_communicator_factory(world).
-/// The A x T grid then spans the world's ranks (world rank g: replica g / T, tensor-parallel index
-/// g mod T), e.g. tensor parallelism inside each process and data parallelism across them, or a
-/// tensor-parallel group across processes. Each process passes the whole batch to step(), whose
-/// ranks take their replicas' rows; step()'s loss is the world's (every rank's share gathered over
-/// the world), the shards start from the same seed everywhere, clipping spans each replica's ranks
-/// as in one process, and gather_parameters() gathers the world's shards on every process.
-/// shard() and scatter_parameters() concern this process's ranks. The same losses and weights as
-/// one process over as many devices (its reductions in the same order).
+/// options.data_parallel replicas of T = group size / A ranks each, in one process or across
+/// processes (dist::communicator_factory); the replicas stay bitwise identical.
 class TensorParallel {
  public:
-  /// Throws Error(invalid_argument) for a bad config or options (see tensor_parallel_gpt and
-  /// TensorParallelOptions), e.g. a data_parallel that does not divide the device count, or one
-  /// above 1 across processes without make_subset_communicator.
+  /// Throws Error(invalid_argument) for a bad config or options, e.g. a data_parallel that does not
+  /// divide the device count, or one above 1 across processes without make_subset_communicator.
   TensorParallel(DeviceGroup& group, nn::GptConfig const& config, TensorParallelOptions options = {});
   ~TensorParallel();
   TensorParallel(TensorParallel const&) = delete;
@@ -409,43 +292,28 @@ class TensorParallel {
     double loss = 0;  ///< the batch's mean per-token cross-entropy
     bool applied = true;
   };
-  /// One training step on int32 ids and targets [B, T] (ignore index -100), in any memory: each
-  /// rank copies its replica's rows to its device. Throws Error(invalid_argument) before any work,
-  /// changing nothing, for a batch nn::check_batch refuses (ids or targets out of range, an empty
-  /// batch, a bad lr_scale), fewer rows than replicas, or (sequence parallelism) a T that does not
-  /// divide by the tensor-parallel ranks. The updates wait for a barrier over every rank after
-  /// backward: a step that fails before it throws the failure's Error and changes nothing
-  /// (communicators made anew, across processes by every process; RNG and step counts put back); a
-  /// failure past it, or communicators that cannot be made again (a process gone), leave the
-  /// executor unusable (later steps throw Error(invalid_argument) saying so).
+  /// One training step on int32 ids and targets [B, T] (ignore index -100), in any memory. Throws
+  /// Error(invalid_argument) before any work, changing nothing, for a batch nn::check_batch refuses,
+  /// fewer rows than replicas, or (sequence parallelism) a T that the ranks do not divide. A step
+  /// that fails before the update changes nothing; after, the executor is unusable (later steps
+  /// throw Error(invalid_argument)).
   StepResult step(Tensor const& ids, Tensor const& targets, float lr_scale = 1.0f);
 
-  /// The whole model's float32 parameters in gpt(config)'s flat layout, gathered from replica 0's
-  /// shards (the replicated ones from rank 0). Synchronizes the ranks' streams. Across processes
-  /// collective: every process calls it and gets the whole model.
+  /// The whole model's float32 parameters in gpt(config)'s flat layout, from replica 0's shards.
+  /// Synchronizes; across processes collective.
   [[nodiscard]] std::vector<float> gather_parameters();
-  /// Sets every replica's shards (across processes, this process's) from the whole model's float32
-  /// parameters in gpt(config)'s flat layout (e.g. weights loaded from a file). Synchronizes the
-  /// ranks' streams. Throws Error(invalid_argument) for another size.
+  /// Sets every replica's shards (this process's) from the whole model's float32 parameters.
+  /// Synchronizes. Throws Error(invalid_argument) for another size.
   void scatter_parameters(std::span<float const> whole);
-  /// Saves the model as one device holds it, in io::save_training's format: the whole model's
-  /// parameters and optimizer state put together from replica 0's shards, the optimizers' step
-  /// count, every layer's RNG state, the loss scaler's state and `state`; so it loads into any layout (one model, a
-  /// DataParallel, a pipeline, a TensorParallel of any A x T). One process: a file written
-  /// atomically, or into an existing folder a one-shard folder save (io::ShardWriter). Across
-  /// processes (collective, every process with the same path): a folder whose process-0 shard holds
-  /// every record, committed once every process has written; every process returns once it is, or
-  /// throws the first failing process's error. Throws Error(invalid_argument) on an unusable
-  /// executor, Error(io) naming the file it cannot write.
+  /// Saves the model as one device holds it, in io::save_training's format (across processes
+  /// collective, a folder). Throws Error(invalid_argument) on an unusable executor, Error(io) naming
+  /// the file it cannot write.
   void save(std::filesystem::path const& path, io::TrainingState const& state = {});
-  /// Loads a file or folder of save(), DataParallel::save(), pipeline::Executor::save() or
-  /// io::save_training() of gpt(config) into every shard and optimizer (across processes,
-  /// collective: this process's ranks). Everything is verified before any shard changes (checksums,
-  /// architecture, optimizer kind), on every process: an error leaves the executor unchanged
-  /// everywhere and names the mismatch or the damaged file. Returns the saved TrainingState.
+  /// Loads a save of gpt(config) into every shard and optimizer, verifying everything first: an
+  /// error leaves the executor unchanged everywhere and names the mismatch or damaged file.
+  /// Returns the saved TrainingState.
   io::TrainingState load(std::filesystem::path const& path);
-  /// The group's rank r's shard (its flat buffers hold only its split matrices' part): replica
-  /// g / T's shard of tensor-parallel index g mod T, g = r (across processes, r's world rank).
+  /// The group's rank r's shard (across processes, world rank r's).
   [[nodiscard]] nn::Sequential& shard(int rank);
   /// The grid's ranks, A x T (across processes, the world's).
   [[nodiscard]] int size() const noexcept;

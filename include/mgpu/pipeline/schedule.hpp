@@ -1,8 +1,5 @@
-// Pipeline schedules as data: per device, the ordered actions (forward, backward or its input and
-// weight halves, and the sends and receives between devices) of every micro-batch on every model
-// chunk; generators for GPipe, 1F1B, interleaved 1F1B and ZB-H1; a validator that proves a schedule
-// complete, in dependency order and deadlock-free; and a simulator that predicts its makespan,
-// bubble and peak in-flight activations from per-action costs. Pure logic: no devices involved.
+// Pipeline schedules as data, their generators, a validator and a simulator. Pure logic: no
+// devices involved. The schedules are described in docs/parallel-layouts.md.
 #pragma once
 
 #include <cstdint>
@@ -11,9 +8,7 @@
 
 namespace mgpu::pipeline {
 
-/// What one action does. A model of `chunks()` chunks is laid out round-robin: chunk c runs on
-/// device c % devices, so with v chunks per device every device holds v non-adjacent chunks
-/// (interleaving). Transfers between chunks on the same device are implicit (no action).
+/// What one action does. Chunk c runs on device c % devices; same-device transfers are implicit.
 enum class ActionKind : std::uint8_t {
   forward,          ///< the chunk's forward for the micro-batch
   backward,         ///< input and weight gradients together (fused)
@@ -40,8 +35,7 @@ struct Action {
 /// Whether the action is a send or a receive.
 [[nodiscard]] bool is_transfer(ActionKind kind) noexcept;
 
-/// A pipeline schedule: `actions[d]` is what device d does, in order. A value type; not
-/// synchronized (share it read-only between threads).
+/// A pipeline schedule: `actions[d]` is what device d does, in order. Not synchronized.
 struct Schedule {
   std::string name;
   int devices = 1;
@@ -57,35 +51,22 @@ struct Schedule {
 
 /// GPipe (fill-drain): every forward, then every backward, micro-batches in order.
 Schedule gpipe(int devices, int micro_batches);
-/// 1F1B (PipeDream-Flush): device d runs devices - d - 1 warm-up forwards, then alternates one
-/// forward and one backward, then drains; at most devices - d micro-batches in flight.
+/// 1F1B (PipeDream-Flush): at most devices - d micro-batches in flight on device d.
 Schedule one_f_one_b(int devices, int micro_batches);
-/// Interleaved 1F1B with `chunks_per_device` chunks per device (Megatron's order; on 2 devices the
-/// last one runs one more warm-up forward, so that transfers in both directions meet between
-/// actions); micro_batches must be a multiple of devices when chunks_per_device > 1. With equal
-/// costs per chunk (a v-th of a device's stage) each device idles (devices - 1) * (forward +
-/// backward) / v, 1F1B's bubble divided by v: Narayanan et al. 2021's (p - 1) / (v * m) of the
-/// ideal time.
+/// Interleaved 1F1B with `chunks_per_device` chunks per device (Megatron's order); micro_batches
+/// must be a multiple of devices when chunks_per_device > 1.
 Schedule interleaved_one_f_one_b(int devices, int chunks_per_device, int micro_batches);
-/// ZB-H1 zero-bubble: backward split into input and weight halves; the input half goes first (the
-/// previous device waits for it) and weight halves fill what would be bubbles. Device d starts a
-/// forward only while fewer than devices - d micro-batches wait for their backward_input (1F1B's
-/// limit) and runs a weight half first once `devices` of them are pending; what backward_weight
-/// reads stays longer, so peak_in_flight (counted until backward_weight) is up to
-/// 2 * devices - 1 - d, whatever the number of micro-batches.
+/// ZB-H1 zero-bubble: backward split into input and weight halves, the weight halves filling the
+/// bubbles; peak_in_flight up to 2 * devices - 1 - d.
 Schedule zero_bubble_h1(int devices, int micro_batches);
 /// The generator by name: "gpipe", "1f1b", "interleaved" (with chunks_per_device) or "zb".
 Schedule make_schedule(std::string const& name, int devices, int micro_batches, int chunks_per_device = 2);
 
-/// Throws Error(invalid_argument) unless `schedule` is complete (every micro-batch's forward and
-/// backward, fused or split, exactly once on every chunk, with the transfers between devices),
-/// each device's actions are in dependency order, and running it with blocking sends and receives
-/// (consecutive transfers of a device grouped, as the executor issues them) cannot deadlock. The
-/// message names the first broken action (device, position and action).
+/// Throws Error(invalid_argument), naming the first broken action, unless `schedule` is complete,
+/// in dependency order on each device and deadlock-free with blocking transfers.
 void validate(Schedule const& schedule);
 
-/// Costs of one chunk's actions, in any time unit. A fused backward costs backward_input +
-/// backward_weight; `transfer` is the time of one send/receive pair once both are posted.
+/// Costs of one chunk's actions, in any time unit; `transfer`: one send/receive pair once posted.
 struct ActionCosts {
   double forward = 1;
   double backward_input = 1;
@@ -98,21 +79,18 @@ struct Simulation {
   double makespan = 0;
   /// 1 - (sum of compute time over devices) / (devices * makespan).
   double bubble_fraction = 0;
-  /// Per device: compute time, and the most micro-batch chunks whose forward has run and whose
-  /// backward (fused, or its weight half) has not.
+  /// Per device: compute time, and the most micro-batch chunks forwarded but not yet backwarded.
   std::vector<double> busy;
   std::vector<int> peak_in_flight;
   /// Per device, per action: start and end times.
   std::vector<std::vector<double>> start, end;
 };
 
-/// Runs the schedule in simulated time: a device runs its actions in order, a compute action as
-/// soon as the device is free, a group of consecutive transfers when each has met its peer.
-/// `costs` holds one entry for every chunk, or one for all. Validates the schedule first.
+/// Runs the schedule in simulated time and predicts it. `costs`: one per chunk, or one for all.
+/// Validates the schedule first (Error(invalid_argument)).
 Simulation simulate(Schedule const& schedule, std::vector<ActionCosts> const& costs = {ActionCosts{}});
-/// simulate() with each action's own duration, durations[d][i] for schedule.actions[d][i] (for a
-/// transfer, the pair's time once both sides are posted; the sending side's entry counts): replays
-/// a measured run. Throws Error(invalid_argument) unless there is one duration per action.
+/// simulate() with each action's own duration, durations[d][i] (a measured run). Throws
+/// Error(invalid_argument) unless there is one duration per action.
 Simulation simulate(Schedule const& schedule, std::vector<std::vector<double>> const& durations);
 
 }  // namespace mgpu::pipeline
