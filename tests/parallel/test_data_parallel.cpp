@@ -29,6 +29,7 @@ using mgpu::Tensor;
 using mgpu::parallel::DataParallel;
 using mgpu::parallel::DataParallelOptions;
 using mgpu::test::Env;
+using mgpu::test::host_values;
 
 namespace {
 
@@ -60,14 +61,6 @@ struct Data {
   }
 };
 
-std::vector<float> host_values(Tensor const& t, mgpu::Stream& stream) {
-  Env env;
-  Tensor copy = Tensor::empty(t.shape(), t.dtype(), *env.allocator);
-  mgpu::copy_async(copy, t, stream);
-  stream.synchronize();
-  auto s = copy.host_span<float>();
-  return {s.begin(), s.end()};
-}
 
 // The reference: one device, the whole batch, classification_step.
 struct Reference {

@@ -28,6 +28,7 @@
 using mgpu::DType;
 using mgpu::Tensor;
 using mgpu::test::as_double;
+using mgpu::test::worst_relative;
 using mgpu::test::Env;
 namespace nn = mgpu::nn;
 namespace pp = mgpu::pipeline;
@@ -77,12 +78,6 @@ std::vector<double> one_device_curve(Env& env, std::vector<Batch> const& batches
   return curve;
 }
 
-double worst_relative(std::vector<double> const& got, std::vector<double> const& want) {
-  REQUIRE(got.size() == want.size());
-  double worst = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - want[i]) / std::abs(want[i]));
-  return worst;
-}
 
 // Measured worst relative difference of a 20-step curve from the one device's: 1.1e-7 for every
 // executor (summation orders differ: shards, micro-batches, the tied gradient summed across

@@ -28,6 +28,7 @@ namespace fs = std::filesystem;
 namespace nn = mgpu::nn;
 namespace par = mgpu::parallel;
 using mgpu::test::Env;
+using mgpu::test::worst_relative;
 using mgpu::test::TokenBatch;
 
 namespace {
@@ -62,12 +63,6 @@ std::vector<double> run(par::TensorParallel& tp, std::vector<TokenBatch> const& 
   return out;
 }
 
-double worst_relative(std::vector<double> const& got, std::vector<double> const& want) {
-  REQUIRE(got.size() == want.size());
-  double worst = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - want[i]) / std::abs(want[i]));
-  return worst;
-}
 
 }  // namespace
 

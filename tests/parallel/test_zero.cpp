@@ -31,6 +31,7 @@ using mgpu::Tensor;
 using mgpu::parallel::DataParallel;
 using mgpu::parallel::DataParallelOptions;
 using mgpu::test::Env;
+using mgpu::test::host_values;
 namespace nn = mgpu::nn;
 
 namespace {
@@ -45,14 +46,6 @@ mgpu::optim::AdamW gpt_adamw() {
       {.lr = 3e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .weight_decay = 0.1f, .decay_ranges = nn::gpt_decay_ranges(config)});
 }
 
-std::vector<float> host_values(Tensor const& t, mgpu::Stream& stream) {
-  Env env;
-  Tensor copy = Tensor::empty(t.shape(), t.dtype(), *env.allocator);
-  mgpu::copy_async(copy, t, stream);
-  stream.synchronize();
-  auto s = copy.host_span<float>();
-  return {s.begin(), s.end()};
-}
 
 // The largest |got - want| / (floor + |want|).
 double worst_relative(std::vector<float> const& got, std::vector<float> const& want, double floor = 0) {

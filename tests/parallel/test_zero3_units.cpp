@@ -24,6 +24,7 @@ using mgpu::parallel::Bucket;
 using mgpu::parallel::DataParallel;
 using mgpu::parallel::DataParallelOptions;
 using mgpu::test::Env;
+using mgpu::test::host_values;
 namespace nn = mgpu::nn;
 
 namespace {
@@ -44,14 +45,6 @@ DataParallelOptions options_at(int stage) {
   return options;
 }
 
-std::vector<float> host_values(Tensor const& t, mgpu::Stream& stream) {
-  Env env;
-  Tensor copy = Tensor::empty(t.shape(), t.dtype(), *env.allocator);
-  mgpu::copy_async(copy, t, stream);
-  stream.synchronize();
-  auto s = copy.host_span<float>();
-  return {s.begin(), s.end()};
-}
 
 // The largest |got - want| / (floor + |want|).
 double worst_relative(std::vector<float> const& got, std::vector<float> const& want, double floor) {

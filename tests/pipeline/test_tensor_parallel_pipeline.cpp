@@ -31,6 +31,7 @@
 using mgpu::DType;
 using mgpu::Tensor;
 using mgpu::test::as_double;
+using mgpu::test::worst_relative;
 using mgpu::test::Env;
 namespace nn = mgpu::nn;
 namespace par = mgpu::parallel;
@@ -88,12 +89,6 @@ struct Grid {
   bool sequence_parallel = false;
 };
 
-double worst_relative(std::vector<double> const& got, std::vector<double> const& want) {
-  REQUIRE(got.size() == want.size());
-  double worst = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - want[i]) / std::abs(want[i]));
-  return worst;
-}
 
 double worst_difference(std::vector<double> const& got, std::vector<double> const& want) {
   REQUIRE(got.size() == want.size());

@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <memory>
 #include <random>
 #include <utility>
 #include <vector>
@@ -52,6 +54,24 @@ struct Env {
     return {x, y};
   }
 };
+
+// `t`'s float32 values on the host, once `stream` has written them.
+inline std::vector<float> host_values(Tensor const& t, Stream& stream) {
+  std::shared_ptr<Allocator> const host = Allocator::create({DeviceKind::host, 0});
+  Tensor const copy = Tensor::empty(t.shape(), t.dtype(), *host);
+  copy_async(copy, t, stream);
+  stream.synchronize();
+  auto const span = copy.host_span<float>();
+  return {span.begin(), span.end()};
+}
+
+// The largest |got - want| / |want| over two curves of the same length (0 for two empty ones).
+inline double worst_relative(std::vector<double> const& got, std::vector<double> const& want) {
+  if (got.size() != want.size()) return std::numeric_limits<double>::infinity();
+  double worst = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - want[i]) / std::abs(want[i]));
+  return worst;
+}
 
 inline std::vector<double> as_double(Tensor const& t) {
   auto s = t.host_span<float>();
