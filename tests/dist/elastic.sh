@@ -2,9 +2,9 @@
 # An elastic restart (ctest's dist_torchrun_elastic):
 #   elastic.sh TRAIN_GPT TEXT_FILE DIR MGPU_RUN
 # train_gpt, data parallel over 4 torchrun-style processes of host:1 each with --checkpoint (saved
-# at every evaluation), loses process 3 (SIGKILL) once the first checkpoint is there (the others
-# fail at once, naming it: its connections closed); mgpu-run
-# --max-restarts 1 --restart-nproc 2 ends the others and starts the job again on 2 processes,
+# at every evaluation), loses process 3 (SIGKILL) once the first checkpoint is there; mgpu-run
+# --max-restarts 1 --restart-nproc 2 ends the others (one that saw process 3's connections close
+# first names it) and starts the job again on 2 processes,
 # which --resume from the checkpoint: the restart resumes mid-run and ends with the uninterrupted
 # 4-process run's train and validation losses within float32 tolerance (the 2 processes sum the
 # same gradients in another order).
@@ -42,8 +42,12 @@ status=0
 cat "$dir/elastic.log"
 [ "$status" = 0 ] || fail "the elastic job exited with status $status (expected 0 after one restart)"
 [ -f "$dir/killed" ] || fail "process 3 was not killed"
-grep -Eq "train_gpt: communication: .* process 3 \(host [^,]+, rank 3\) broke its connection" "$dir/elastic.log" ||
-  fail "no process named process 3 when it was killed"
+# mgpu-run ends the others as soon as process 3 is gone; one that saw the broken connection first
+# names it (dist_torchrun_fault_exit checks that naming on its own).
+if grep -q "train_gpt: communication: " "$dir/elastic.log"; then
+  grep -Eq "train_gpt: communication: .* process 3 \(host [^,]+, rank 3\) broke its connection" "$dir/elastic.log" ||
+    fail "a process failed without naming process 3 when it was killed"
+fi
 grep -q "mgpu-run: restart 1 of 1 on 2 process(es)" "$dir/elastic.log" || fail "no restart on 2 processes"
 grep -Eq "resumed from .* at step (4|8|12)" "$dir/elastic.log" || fail "the restart did not resume mid-run"
 cat "$dir/whole.json" "$dir/elastic.json"
