@@ -100,10 +100,8 @@ Nvml::Nvml(std::string library) : impl_(std::make_unique<Impl>()) {
   ::dlclose(im.library);
   im.library = nullptr;
 #else
-  im.reason =
-      "mgpu was built without NVML's header (MGPU_WITH_NVML; nvml.h from the CUDA toolkit or scripts/setup.sh): GPU "
-      "utilisation from " +
-      library + " is not exported";
+  im.reason = "mgpu was built without NVML's header (MGPU_WITH_NVML; nvml.h from the CUDA toolkit or scripts/setup.sh), "
+              "so " + library + " is not loaded: GPU utilisation is not exported";
 #endif
 }
 
