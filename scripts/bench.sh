@@ -2,8 +2,9 @@
 # Builds mgpu's benchmarks (Release, -march=native) and runs them, writing Google Benchmark JSON
 # to build/bench-results/ (or $OUT). It reuses the build directory scripts/test.sh made (the same
 # options, so nothing is rebuilt); a fresh one gets no tests. Arguments name the benchmarks to run
-# (default: all), e.g.
+# (default: all); MGPU_BENCH_SKIP, a regular expression, leaves out the benchmarks it matches, e.g.
 #   scripts/bench.sh bench_collectives
+#   MGPU_BENCH_SKIP='BM_attention/[01]/[1-9]' scripts/bench.sh bench_gpt
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -16,7 +17,9 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMGPU_NATIVE=ON -DMG
 cmake --build "$build"
 names=("$@")
 [ ${#names[@]} -eq 0 ] && names=(bench_core bench_collectives bench_scheduler bench_train bench_data_parallel bench_pipeline bench_gpt)
+skip=()
+[ -n "${MGPU_BENCH_SKIP:-}" ] && skip=(--benchmark_filter="-$MGPU_BENCH_SKIP")
 for name in "${names[@]}"; do
   echo "== $name"
-  "$build/bench/$name" --benchmark_out="$out/$name.json" --benchmark_out_format=json
+  "$build/bench/$name" --benchmark_out="$out/$name.json" --benchmark_out_format=json "${skip[@]}"
 done
