@@ -74,22 +74,7 @@
 //     budget_bytes_device                 the budget;
 //     largest_measured_peak_over_budget   the largest allocator peak of any layout that fit /
 //                                         the budget (the memory model's error shows above 1).
-//   BM_attention/<shape>/<queries>/<keys>: causal attention forward + backward alone on that
-//   shape's qkv, in tiles of `queries` query rows x `keys` keys (ops::set_host_attention_tiles;
-//   0/0: the library's choice per shape, the rows the choice is read from follow it):
-//     online_ms               ops::causal_attention + causal_attention_backward (tiled online
-//                             softmax, per-row log-sum-exp kept);
-//     gflops                  attention's floating-point work (7 products over the visible
-//                             (query, key) pairs, as in step_gflop) / online_ms;
-//     sgemm_gflops            the same run's sgemm (as BM_gpt_step's), timed after each turn;
-//     gflops_over_sgemm       gflops / sgemm_gflops per turn (median);
-//     online_extra_bytes      the per-row log-sum-exp the online path keeps;
-//   and for the library's choice, timed in turn with the same through the whole [B, H, T, T]
-//   probability matrix (Eigen GEMMs per head, softmax over full rows):
-//     naive_tt_ms, naive_tt_time_ratio (naive_tt_ms / online_ms per turn: > 1, the online path
-//                             is faster), naive_tt_extra_bytes (the naive path's P and dP),
-//     max_abs_diff_y          max |y_online - y_naive| (a check that both compute the same thing).
-//
+// The same binary runs BM_attention (bench_gpt_attention.cpp) and BM_gpt_zero (bench_gpt_zero.cpp).
 //   bench_gpt --benchmark_out=gpt.json --benchmark_out_format=json
 #include <benchmark/benchmark.h>
 
@@ -112,104 +97,11 @@
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/ops/transformer.hpp>
 
-#include "bench_support.hpp"
+#include "bench_gpt_support.hpp"
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using Stride = Eigen::OuterStride<>;
-using Map = Eigen::Map<Matrix, 0, Stride>;
-
-struct Shape {
-  char const* name;
-  mgpu::nn::GptConfig config;
-  std::int64_t batch;
-};
-Shape const shapes[] = {
-    {"nano", {.vocab = 256, .block_size = 64, .n_layer = 4, .n_head = 4, .n_embd = 128}, 12},
-    {"gpt2s", {.vocab = 256, .block_size = 256, .n_layer = 12, .n_head = 12, .n_embd = 768}, 4},
-};
-
-using bench::median;
-
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-mgpu::optim::AdamWOptions const adamw_options{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
-
-struct GptTrainer {
-  static constexpr std::int64_t pool = 8;  // batches of random windows, used in turn
-  mgpu::Device device{mgpu::DeviceKind::host, 0};
-  std::shared_ptr<mgpu::Allocator> allocator = mgpu::Allocator::create(device);
-  mgpu::Stream stream{device};
-  mgpu::nn::Context ctx{*allocator, stream};
-  Shape shape;
-  mgpu::nn::Sequential model;
-  mgpu::optim::AdamW adamw{adamw_options};
-  mgpu::nn::TokenCrossEntropy const loss_fn{};
-  mgpu::Tensor inputs, targets;
-  std::int64_t next = 0;
-
-  explicit GptTrainer(Shape const& s) : shape(s), model(mgpu::nn::gpt(s.config)) {
-    model.materialize(ctx, 1);
-    std::int64_t const t = s.config.block_size;
-    inputs = mgpu::Tensor::empty({pool * s.batch, t}, mgpu::DType::int32, *allocator);
-    targets = mgpu::Tensor::empty({pool * s.batch, t}, mgpu::DType::int32, *allocator);
-    std::mt19937 rng(7);
-    std::uniform_int_distribution<std::int32_t> token(0, static_cast<std::int32_t>(s.config.vocab) - 1);
-    auto in = inputs.host_span<std::int32_t>();
-    auto out = targets.host_span<std::int32_t>();
-    for (std::int64_t w = 0; w < pool * s.batch; ++w) {  // a window of t + 1 tokens: inputs, then targets
-      std::int32_t previous = token(rng);
-      for (std::int64_t i = 0; i < t; ++i) {
-        std::int32_t const following = token(rng);
-        in[static_cast<std::size_t>(w * t + i)] = previous;
-        out[static_cast<std::size_t>(w * t + i)] = following;
-        previous = following;
-      }
-    }
-  }
-  [[nodiscard]] std::int64_t tokens() const { return shape.batch * shape.config.block_size; }
-  void step() {
-    std::int64_t const b = next++ % pool;
-    mgpu::Tensor const x = inputs.slice(b * shape.batch, (b + 1) * shape.batch);
-    mgpu::Tensor const y = targets.slice(b * shape.batch, (b + 1) * shape.batch);
-    (void)mgpu::nn::train_step(model, adamw, x, y, loss_fn, ctx, {.clip_norm = 1.0f});  // the trainers' own step
-    stream.synchronize();
-  }
-};
-
-// The reference sgemm: the library's host GEMM on a float32 512 x 512 x 512 product, run on a
-// stream's worker like the step's GEMMs.
-struct Sgemm {
-  static constexpr std::int64_t n = 512;
-  mgpu::Tensor a, b, c;
-  explicit Sgemm(mgpu::Allocator& allocator) {
-    a = mgpu::Tensor::empty({n, n}, mgpu::DType::float32, allocator);
-    b = mgpu::Tensor::empty({n, n}, mgpu::DType::float32, allocator);
-    c = mgpu::Tensor::empty({n, n}, mgpu::DType::float32, allocator);
-    std::mt19937 rng(3);
-    std::normal_distribution<float> d(0.0f, 1.0f);
-    for (mgpu::Tensor const* t : {&a, &b})
-      std::generate(t->host_span<float>().begin(), t->host_span<float>().end(), [&] { return d(rng); });
-  }
-  [[nodiscard]] static double flops() { return 2.0 * n * n * n; }
-  // Seconds of one product on the stream's worker.
-  double seconds(mgpu::Stream& stream) {
-    auto const t0 = Clock::now();
-    mgpu::ops::gemm(a, false, b, false, c, 1.0f, 0.0f, stream);
-    stream.synchronize();
-    return seconds_since(t0);
-  }
-};
-
-// The floating-point operations of causal attention's forward and backward over `batch`
-// sequences: 2 d per visible (query, key) pair for each of its 7 products (forward QK^T and PV;
-// backward QK^T again, dY V^T, dV, dK and dQ).
-double attention_flops(mgpu::nn::GptConfig const& config, std::int64_t batch) {
-  double const t = static_cast<double>(config.block_size), d = static_cast<double>(config.n_embd / config.n_head);
-  return 7.0 * 2.0 * d * t * (t + 1) / 2 * static_cast<double>(batch * config.n_head * config.n_layer);
-}
+using namespace bench::gpt;
 
 void BM_gpt_step(benchmark::State& state) {
   Shape const& shape = shapes[state.range(0)];
@@ -403,54 +295,6 @@ void BM_gpt_metrics_update(benchmark::State& state) {
   state.counters["textfile_write_us"] = median(write_s) * 1e6;
 }
 BENCHMARK(BM_gpt_metrics_update)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(20);
-
-// Causal attention through the whole [B, H, T, T] probability matrix: the path the online softmax
-// replaces. Forward S = q kᵀ / sqrt(d) masked, P = softmax(S), y = P v; backward dP = dy vᵀ,
-// dS = P (dP - rowsum(P dP)), dq = dS k / sqrt(d), dk = dSᵀ q / sqrt(d), dv = Pᵀ dy.
-struct NaiveAttention {
-  std::int64_t batch, t, c, heads;
-  std::vector<float> p, dp;  // [B, H, T, T]
-  NaiveAttention(std::int64_t b, std::int64_t t_, std::int64_t c_, std::int64_t h)
-      : batch(b), t(t_), c(c_), heads(h), p(static_cast<std::size_t>(b * h * t_ * t_)), dp(p.size()) {}
-  [[nodiscard]] std::int64_t d() const { return c / heads; }
-  Map part(float* base, std::int64_t b, std::int64_t h, std::int64_t which, std::int64_t width) const {
-    return {base + b * t * width + which * c + h * d(), t, d(), Stride(width)};
-  }
-  Map probs(std::vector<float>& m, std::int64_t b, std::int64_t h) const {
-    return {m.data() + (b * heads + h) * t * t, t, t, Stride(t)};
-  }
-  void forward(float* qkv, float* y) {
-    float const scale = 1.0f / std::sqrt(static_cast<float>(d()));
-    for (std::int64_t b = 0; b < batch; ++b)
-      for (std::int64_t h = 0; h < heads; ++h) {
-        Map s = probs(p, b, h);
-        s.noalias() = part(qkv, b, h, 0, 3 * c) * part(qkv, b, h, 1, 3 * c).transpose() * scale;
-        for (std::int64_t i = 0; i < t; ++i) {
-          float const max = s.row(i).head(i + 1).maxCoeff();
-          s.row(i).head(i + 1) = (s.row(i).head(i + 1).array() - max).exp();
-          s.row(i).head(i + 1) /= s.row(i).head(i + 1).sum();
-          s.row(i).tail(t - i - 1).setZero();
-        }
-        part(y, b, h, 0, c).noalias() = s * part(qkv, b, h, 2, 3 * c);
-      }
-  }
-  void backward(float* qkv, float* dy, float* dqkv) {
-    float const scale = 1.0f / std::sqrt(static_cast<float>(d()));
-    for (std::int64_t b = 0; b < batch; ++b)
-      for (std::int64_t h = 0; h < heads; ++h) {
-        Map const s = probs(p, b, h);
-        Map ds = probs(dp, b, h);
-        ds.noalias() = part(dy, b, h, 0, c) * part(qkv, b, h, 2, 3 * c).transpose();
-        for (std::int64_t i = 0; i < t; ++i) {
-          float const row = s.row(i).dot(ds.row(i));
-          ds.row(i) = s.row(i).array() * (ds.row(i).array() - row) * scale;
-        }
-        part(dqkv, b, h, 0, 3 * c).noalias() = ds * part(qkv, b, h, 1, 3 * c);
-        part(dqkv, b, h, 1, 3 * c).noalias() = ds.transpose() * part(qkv, b, h, 0, 3 * c);
-        part(dqkv, b, h, 2, 3 * c).noalias() = s.transpose() * part(dy, b, h, 0, c);
-      }
-  }
-};
 
 // One layout's executor for a GPT on a group (plan::Layout's degrees over all of its devices),
 // stepped on the batches of `one` (which trains itself when the layout is one device's).
@@ -688,89 +532,6 @@ void BM_gpt_plan(benchmark::State& state) {
   state.counters["largest_measured_peak_over_budget"] = measured_peak / static_cast<double>(budget);
 }
 BENCHMARK(BM_gpt_plan)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(1);
-
-void BM_attention(benchmark::State& state) {
-  Shape const& shape = shapes[state.range(0)];
-  mgpu::ops::AttentionTiles const tiles{state.range(1), state.range(2)};
-  bool const chosen = tiles.queries == 0;  // the library's choice: also timed against the naive path
-  std::int64_t const batch = shape.batch, t = shape.config.block_size, c = shape.config.n_embd,
-                     heads = shape.config.n_head;
-  mgpu::Device const device{mgpu::DeviceKind::host, 0};
-  auto allocator = mgpu::Allocator::create(device);
-  mgpu::Stream stream{device};
-  auto tensor = [&](mgpu::Shape s, float stddev) {
-    mgpu::Tensor x = mgpu::Tensor::empty(std::move(s), mgpu::DType::float32, *allocator);
-    std::mt19937 rng(static_cast<unsigned>(x.numel()));
-    std::normal_distribution<float> n(0.0f, stddev);
-    for (float& v : x.host_span<float>()) v = n(rng);
-    return x;
-  };
-  mgpu::Tensor const qkv = tensor({batch, t, 3 * c}, 1.0f);
-  mgpu::Tensor const dy = tensor({batch, t, c}, 1.0f);
-  mgpu::Tensor const y = tensor({batch, t, c}, 0.0f);
-  mgpu::Tensor const dqkv = tensor({batch, t, 3 * c}, 0.0f);
-  mgpu::Tensor const lse = mgpu::Tensor::empty({batch, heads, t}, mgpu::DType::float32, *allocator);
-  NaiveAttention naive(chosen ? batch : 0, t, c, heads);
-  std::vector<float> naive_y(static_cast<std::size_t>(batch * t * c)), naive_dqkv(static_cast<std::size_t>(qkv.numel()));
-  Sgemm sgemm(*allocator);
-  mgpu::ops::set_host_attention_tiles(tiles);
-  auto online = [&] {
-    mgpu::ops::causal_attention(qkv, y, lse, heads, stream);
-    mgpu::ops::causal_attention_backward(qkv, y, lse, dy, dqkv, heads, stream);
-    stream.synchronize();
-  };
-  auto reference = [&] {  // on the stream's worker too, so both run on one thread in turn
-    stream.enqueue([&] {
-      naive.forward(qkv.host_span<float>().data(), naive_y.data());
-      naive.backward(qkv.host_span<float>().data(), dy.host_span<float>().data(), naive_dqkv.data());
-    });
-    stream.synchronize();
-  };
-  online();
-  if (chosen) reference();
-  (void)sgemm.seconds(stream);
-  double const flops = attention_flops({.block_size = t, .n_layer = 1, .n_head = heads, .n_embd = c}, batch);
-  std::vector<double> online_s, naive_s, ratio, sgemm_ratio, sgemm_s;
-  for (auto _ : state) {
-    auto t0 = Clock::now();
-    online();
-    online_s.push_back(seconds_since(t0));
-    state.PauseTiming();
-    sgemm_s.push_back(sgemm.seconds(stream));  // in turn: the same load
-    sgemm_ratio.push_back(flops / online_s.back() / (Sgemm::flops() / sgemm_s.back()));
-    state.ResumeTiming();
-    if (!chosen) continue;
-    t0 = Clock::now();
-    reference();
-    naive_s.push_back(seconds_since(t0));
-    ratio.push_back(naive_s.back() / online_s.back());
-  }
-  mgpu::ops::set_host_attention_tiles({});
-  state.SetLabel(std::string(shape.name) +
-                 (chosen ? ", the library's tiles"
-                         : ", tiles " + std::to_string(tiles.queries) + " x " + std::to_string(tiles.keys)));
-  state.counters["online_ms"] = median(online_s) * 1e3;
-  state.counters["gflops"] = flops / median(online_s) / 1e9;
-  state.counters["sgemm_gflops"] = Sgemm::flops() / median(sgemm_s) / 1e9;
-  state.counters["gflops_over_sgemm"] = median(sgemm_ratio);
-  state.counters["online_extra_bytes"] = static_cast<double>(lse.numel() * 4);
-  if (!chosen) return;
-  float max_diff = 0.0f;
-  auto const got = y.host_span<float>();
-  for (std::size_t i = 0; i < naive_y.size(); ++i) max_diff = std::max(max_diff, std::abs(got[i] - naive_y[i]));
-  state.counters["naive_tt_ms"] = median(naive_s) * 1e3;
-  state.counters["naive_tt_time_ratio"] = median(ratio);
-  state.counters["naive_tt_extra_bytes"] = static_cast<double>(2 * naive.p.size() * sizeof(float));
-  state.counters["max_abs_diff_y"] = max_diff;
-}
-BENCHMARK(BM_attention)->Args({0, 0, 0})->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
-BENCHMARK(BM_attention)->Args({1, 0, 0})->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
-// The tiles the choice was measured among (queries x keys).
-BENCHMARK(BM_attention)
-    ->ArgsProduct({{0, 1}, {16, 32, 64, 128}, {32, 64, 128, 256}})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime()
-    ->MinTime(1.0);
 
 }  // namespace
 
