@@ -21,7 +21,6 @@
 #include "support/nn_env.hpp"
 #include "support/tp_fixture.hpp"
 
-using mgpu::DType;
 using mgpu::Tensor;
 using mgpu::test::Env;
 namespace nn = mgpu::nn;
