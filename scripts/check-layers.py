@@ -49,20 +49,9 @@ LAYERS = {
 }
 
 # Known violations, allowed one by one until they are fixed: (module, included module) for a
-# whole module, or (file, included module) for one file; each with why it is still there. The
-# deprecated forwarding headers also close the only include circles left (sched <-> cluster,
-# parallel <-> pipeline: the new module includes the old one's real headers); they go, with
-# their circles, when the headers are removed (an API break, due after their release).
-KNOWN = {
-    # Deprecated forwarding headers for one release (CHANGELOG.md): the cluster module moved
-    # out of sched.
-    ("include/mgpu/sched/cluster.hpp", "cluster"): "deprecated forwarding header",
-    ("include/mgpu/sched/cluster_policy.hpp", "cluster"): "deprecated forwarding header",
-    ("include/mgpu/sched/simulator.hpp", "cluster"): "deprecated forwarding header",
-    # The pipeline moved out of parallel/ (CHANGELOG.md).
-    ("include/mgpu/parallel/pipeline.hpp", "pipeline"): "deprecated forwarding header",
-    ("include/mgpu/parallel/schedule.hpp", "pipeline"): "deprecated forwarding header",
-}
+# whole module, or (file, included module) for one file; each with why it is still there. None
+# today.
+KNOWN = {}
 
 UMBRELLA = "include/mgpu/mgpu.hpp"
 SOURCE_SUFFIXES = {".hpp", ".cpp", ".h", ".cu", ".cuh"}

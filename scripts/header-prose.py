@@ -19,10 +19,7 @@ import sys
 
 
 # Headers allowed over a third, each with why (as check-layers.py's KNOWN).
-KNOWN = {
-    **{f"include/mgpu/{h}": "a deprecated forwarding header (two comment lines of five)"
-       for h in ["parallel/schedule.hpp", "parallel/pipeline.hpp", "nn/optim.hpp"]},
-}
+KNOWN = {}
 THIRD = 1 / 3
 
 
