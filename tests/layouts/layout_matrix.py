@@ -105,8 +105,9 @@ FAILING_TODAY = [
 ]
 
 # Across processes (mpirun -np 2, each process half the devices), against the same curves.
-DIST = ["dp2", "dp2 zero3", "dp2 tp2 sp bf16", "pp:1f1b fp16 selective", "tp2 pp:gpipe"]
-DIST_REFUSED = [("dp2 tp2 zero1", ZERO_TP)]
+DIST = ["dp2", "dp2 zero2 full", "dp2 zero3", "tp2 fp16 full", "dp2 tp2 sp bf16", "pp:1f1b fp16 selective", "tp2 pp:gpipe",
+        "dp2 tp2 pp:interleaved sp"]
+DIST_REFUSED = [("dp2 tp2 zero1", ZERO_TP), ("dp2 pp:1f1b zero3", ZERO_PP)]
 
 COMMON = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "8",
           "--iters", "12", "--lr", "3e-3", "--warmup", "2", "--dropout", "0", "--seed", "7", "--log-every", "1",
