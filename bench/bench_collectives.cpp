@@ -381,7 +381,7 @@ int main(int argc, char** argv) {
   for (auto const& [key, seconds] : dist_seconds) {
     std::string name = "BM_dist_all_reduce/processes:2/devices:";
     name.append(std::to_string(key.first)).append("/bytes:").append(std::to_string(key.second));
-    benchmark::RegisterBenchmark(name.c_str(), BM_dist_all_reduce)->Args({key.first, key.second})->UseManualTime()->Unit(benchmark::kMicrosecond)->Iterations(1);
+    benchmark::RegisterBenchmark(name.c_str(), BM_dist_all_reduce)->Args({key.first, key.second})->UseManualTime()->Unit(benchmark::kMicrosecond)->Iterations(bench::iterations(1));
   }
   for (int ranks : rank_counts) {
     for (auto bytes : sizes) {
@@ -391,7 +391,7 @@ int main(int argc, char** argv) {
           ->Args({ranks, bytes})
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond)
-          ->MinTime(0.5);
+          ->MinTime(bench::min_time(0.5));
     }
   }
   benchmark::RunSpecifiedBenchmarks();

@@ -148,7 +148,7 @@ BENCHMARK(BM_data_parallel)
     ->Args({4, 1, 0})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime()
-    ->MinTime(4.0);
+    ->MinTime(bench::min_time(4.0));
 
 void BM_rebalance(benchmark::State& state) {
   Data const data;
@@ -174,7 +174,7 @@ void BM_rebalance(benchmark::State& state) {
   state.counters["rows_fast_to_slow"] = median(ratios);
   state.counters["rows_fast_to_slow_first_step"] = median(first);
 }
-BENCHMARK(BM_rebalance)->Iterations(3)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_rebalance)->Iterations(bench::iterations(3))->Unit(benchmark::kMillisecond);
 
 void BM_cuda_data_parallel(benchmark::State& state) {
   int const devices = static_cast<int>(state.range(0));
@@ -249,7 +249,7 @@ int main(int argc, char** argv) {
         ->Arg(4)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime()
-        ->MinTime(2.0);
+        ->MinTime(bench::min_time(2.0));
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

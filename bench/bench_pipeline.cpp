@@ -72,6 +72,8 @@
 
 #include <mgpu/mgpu.hpp>
 
+#include "bench_support.hpp"
+
 namespace {
 
 namespace nn = mgpu::nn;
@@ -488,24 +490,24 @@ void BM_cuda_pipeline(benchmark::State& state, std::string const& name) {
 
 }  // namespace
 
-BENCHMARK_CAPTURE(BM_schedule, layer_split, std::string("layer-split"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_schedule, gpipe, std::string("gpipe"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_schedule, one_f_one_b, std::string("1f1b"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_schedule, interleaved, std::string("interleaved"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_schedule, zero_bubble, std::string("zb"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(9)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_executor, gpipe, std::string("gpipe"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
-BENCHMARK_CAPTURE(BM_executor, one_f_one_b, std::string("1f1b"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
-BENCHMARK_CAPTURE(BM_executor, interleaved, std::string("interleaved"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
-BENCHMARK_CAPTURE(BM_executor, zero_bubble, std::string("zb"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(200)->Unit(benchmark::kMicrosecond);
-BENCHMARK_CAPTURE(BM_partition, equal, std::string("host:4"))->Iterations(1)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_partition, speeds_1_half_1_half, std::string("host:4@speed=1,0.5,1,0.5"))->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_schedule, layer_split, std::string("layer-split"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(bench::iterations(9))->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_schedule, gpipe, std::string("gpipe"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(bench::iterations(9))->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_schedule, one_f_one_b, std::string("1f1b"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(bench::iterations(9))->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_schedule, interleaved, std::string("interleaved"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(bench::iterations(9))->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_schedule, zero_bubble, std::string("zb"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(bench::iterations(9))->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_executor, gpipe, std::string("gpipe"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(bench::iterations(200))->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_executor, one_f_one_b, std::string("1f1b"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(bench::iterations(200))->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_executor, interleaved, std::string("interleaved"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(bench::iterations(200))->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_executor, zero_bubble, std::string("zb"))->ArgName("cpus")->Arg(0)->Arg(1)->UseManualTime()->Iterations(bench::iterations(200))->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_partition, equal, std::string("host:4"))->Iterations(bench::iterations(1))->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_partition, speeds_1_half_1_half, std::string("host:4@speed=1,0.5,1,0.5"))->Iterations(bench::iterations(1))->Unit(benchmark::kMillisecond);
 
 int main(int argc, char** argv) {
   if (mgpu::cuda_device_count() > 0) {
     for (char const* name : {"gpipe", "1f1b", "interleaved", "zb"})
       benchmark::RegisterBenchmark((std::string("BM_cuda_pipeline/") + name).c_str(), BM_cuda_pipeline, std::string(name))
           ->UseManualTime()
-          ->Iterations(20)
+          ->Iterations(bench::iterations(20))
           ->Unit(benchmark::kMillisecond);
   }
   benchmark::Initialize(&argc, argv);

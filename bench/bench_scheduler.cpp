@@ -10,6 +10,8 @@
 
 #include <mgpu/mgpu.hpp>
 
+#include "bench_support.hpp"
+
 namespace {
 
 mgpu::sched::NodeState node_of(int devices) {
@@ -76,7 +78,7 @@ void BM_fill(benchmark::State& state) {
   state.counters["decisions"] = decisions / static_cast<double>(state.iterations());
   state.counters["nodes"] = static_cast<double>(nodes.size());
 }
-BENCHMARK(BM_fill)->DenseRange(0, 6)->Iterations(1)->Repetitions(3)->ReportAggregatesOnly(true)->Unit(
+BENCHMARK(BM_fill)->DenseRange(0, 6)->Iterations(bench::iterations(1))->Repetitions(3)->ReportAggregatesOnly(true)->Unit(
     benchmark::kMillisecond);
 
 }  // namespace

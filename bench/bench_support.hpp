@@ -1,13 +1,16 @@
-// What several benchmarks share: the median of their timings, and the library's host GEMM totals
-// on a stream's worker thread.
+// What several benchmarks share: the median of their timings, the library's host GEMM totals on a
+// stream's worker thread, and (bench_quick.hpp) the smoke run's limits.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <vector>
 
+
 #include <mgpu/core/stream.hpp>
 #include <mgpu/ops/ops.hpp>
+
+#include "bench_quick.hpp"
 
 namespace bench {
 

@@ -259,7 +259,7 @@ void BM_train_step_vs_gemm(benchmark::State& state) {
   state.counters["step_gemm_vs_sgemm"] = median(vs_sgemm);
   state.counters["eigen_step_time_ratio"] = median(vs_eigen);
 }
-BENCHMARK(BM_train_step_vs_gemm)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(8.0);
+BENCHMARK(BM_train_step_vs_gemm)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(bench::min_time(8.0));
 
 void BM_train_step_bf16(benchmark::State& state) {
   Trainer f32({mgpu::DeviceKind::host, 0});
@@ -278,7 +278,7 @@ void BM_train_step_bf16(benchmark::State& state) {
   state.counters["step_gemm_share"] = median(gemm_share);
   state.counters["vs_float32"] = median(ratios);
 }
-BENCHMARK(BM_train_step_bf16)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(6.0);
+BENCHMARK(BM_train_step_bf16)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(bench::min_time(6.0));
 
 void BM_train_step_cuda(benchmark::State& state) {
   if (mgpu::cuda_device_count() == 0) {

@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
         buffers.push_back(mgpu::Tensor::empty({count}, mgpu::DType::float32, group.allocator(r)));
         std::fill(buffers.back().host_span<float>().begin(), buffers.back().host_span<float>().end(), 1.0f / static_cast<float>(world.size()));
       }
-      int const iterations = static_cast<int>(std::clamp<std::int64_t>((64 << 20) / std::max<std::int64_t>(count * 4, 1), 2, 200));
+      int const iterations = bench::baseline_repetitions(count * 4);
       // Runs `times` all-reduces of `c` (world ranks: `world_ranks`) on every rank.
       auto const run = [&](mgpu::comm::Communicator& c, bool world_ranks, int times) {
         group.run([&](int rank, mgpu::Device, mgpu::Stream& stream) {

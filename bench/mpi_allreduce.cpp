@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <vector>
 
+#include "bench_quick.hpp"
+
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   int rank = 0;
@@ -16,10 +18,10 @@ int main(int argc, char** argv) {
     long const bytes = std::atol(argv[a]);
     std::vector<float> buffer(static_cast<std::size_t>(bytes) / sizeof(float), 1.0f);
     int const count = static_cast<int>(buffer.size());
-    int const iterations = static_cast<int>(std::clamp(64L * 1024 * 1024 / std::max(bytes, 1L), 2L, 200L));
+    int const iterations = bench::baseline_repetitions(bytes);
     MPI_Allreduce(MPI_IN_PLACE, buffer.data(), count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
     std::vector<double> rounds;
-    for (int round = 0; round < 5; ++round) {
+    for (int round = 0; round < bench::baseline_rounds(); ++round) {
       MPI_Barrier(MPI_COMM_WORLD);
       double const start = MPI_Wtime();
       for (int i = 0; i < iterations; ++i)
@@ -29,8 +31,8 @@ int main(int argc, char** argv) {
       MPI_Allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
       rounds.push_back(slowest);
     }
-    std::nth_element(rounds.begin(), rounds.begin() + 2, rounds.end());
-    if (rank == 0) std::printf("%ld %.9g\n", bytes, rounds[2]);
+    std::nth_element(rounds.begin(), rounds.begin() + bench::baseline_rounds() / 2, rounds.end());
+    if (rank == 0) std::printf("%ld %.9g\n", bytes, rounds[static_cast<std::size_t>(bench::baseline_rounds() / 2)]);
   }
   MPI_Finalize();
   return 0;
