@@ -88,6 +88,13 @@ Trainer::Impl::Impl(nn::GptConfig const& gpt, DeviceGroup devices, ParallelConfi
   optimizer = std::make_unique<optim::AdamW>(adamw);
 
   bool const data_parallel_layout = !pipelined && parallel.tp == 1 && world.size() > 1;
+  layout.tp = parallel.tp;
+  layout.dp = data_parallel_layout ? world.size() : parallel.dp;
+  layout.stages = pipelined ? parallel.stages : 1;
+  layout.zero = data_parallel_layout ? parallel.zero.value_or(1) : 0;
+  if (!options.metrics_job.empty())
+    metrics = std::make_shared<metrics::Registry>(
+        options.metrics_job, metrics::Layout{.dp = layout.dp, .tp = layout.tp, .pp = layout.stages, .zero = layout.zero});
   if (data_parallel_layout) build_data_parallel(adamw);
   if (pipelined) build_pipeline(adamw);
   if (parallel.tp > 1 && !pipelined) build_tensor_parallel(adamw);
@@ -105,11 +112,7 @@ Trainer::Impl::Impl(nn::GptConfig const& gpt, DeviceGroup devices, ParallelConfi
   }
   if (parallel.loss_scaler && !data_parallel && !pipeline && !tensor) scaler.emplace();
 
-  layout.tp = parallel.tp;
-  layout.dp = data_parallel ? world.size() : parallel.dp;
-  layout.stages = pipeline ? parallel.stages : 1;
   layout.micro_batches = pipeline ? pipeline->schedule().micro_batches : 1;
-  layout.zero = data_parallel ? parallel.zero.value_or(1) : 0;
   layout.schedule = pipeline ? pipeline->schedule().name : data_parallel ? "data-parallel" : tensor ? "tensor-parallel" : "none";
 }
 
@@ -138,7 +141,7 @@ void Trainer::Impl::place() {
 
 void Trainer::Impl::build_data_parallel(optim::AdamWOptions const& adamw) {
   parallel::DataParallelOptions o;
-  o.metrics = options.metrics;
+  o.metrics = metrics;
   if (across) o.make_communicator = dist::communicator_factory(world);
   o.seed = options.seed;
   o.compute = parallel.compute;
@@ -176,7 +179,7 @@ void Trainer::Impl::build_pipeline(optim::AdamWOptions const& adamw) {
                               .loss = std::make_shared<nn::TokenCrossEntropy>(),
                               .timeline = options.timeline};
   if (parallel.tp > 1) o.tensor_parallel = pipeline::tensor_parallel_stages(config, parallel.tp, parallel.sequence_parallel);
-  o.metrics = options.metrics;
+  o.metrics = metrics;
   if (parallel.loss_scaler) o.loss_scaler.emplace();
   if (across) {
     o.make_communicator = dist::communicator_factory(world);
@@ -184,7 +187,7 @@ void Trainer::Impl::build_pipeline(optim::AdamWOptions const& adamw) {
   }
   pipeline = std::make_unique<pipeline::Executor>(
       *model, group, cuts, std::move(schedule),
-      [&adamw](nn::Sequential const& chunk) {
+      [adamw](nn::Sequential const& chunk) {
         optim::AdamWOptions chunk_options = adamw;
         chunk_options.decay_ranges = chunk.matrix_ranges();
         return std::make_unique<optim::AdamW>(chunk_options);
@@ -209,7 +212,7 @@ void Trainer::Impl::build_tensor_parallel(optim::AdamWOptions const& adamw) {
                                     .data_parallel = parallel.dp,
                                     .sequence_parallel = parallel.sequence_parallel,
                                     .compute = parallel.compute,
-                                    .metrics = options.metrics};
+                                    .metrics = metrics};
   if (parallel.loss_scaler) o.loss_scaler.emplace();
   o.timeline = options.timeline;
   if (across) {  // the grid over the world's devices, each process passing the whole batch

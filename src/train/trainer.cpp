@@ -182,6 +182,7 @@ std::optional<std::vector<parallel::GptMemory>> Trainer::predicted_memory() cons
 }
 
 Layout const& Trainer::layout() const noexcept { return impl_->layout; }
+std::shared_ptr<metrics::Registry> const& Trainer::metrics() const noexcept { return impl_->metrics; }
 ParallelConfig const& Trainer::config() const noexcept { return impl_->parallel; }
 nn::GptConfig const& Trainer::model_config() const noexcept { return impl_->config; }
 std::string const& Trainer::placement() const noexcept { return impl_->placement; }

@@ -21,6 +21,7 @@ struct Trainer::Impl {
   bool across = false;
   std::string placement;  // the tensor-parallel groups when placement reordered the devices
   Layout layout;
+  std::shared_ptr<metrics::Registry> metrics;
   std::vector<ChunkInfo> chunks;
 
   // The one model (a pipeline's whole float32 copy, the shards' gathered copy; moved into data
