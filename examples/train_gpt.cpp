@@ -15,47 +15,8 @@
 // validation stream, targets the next tokens.
 //
 // Training: per-token cross-entropy (nn::TokenCrossEntropy), clipping by global norm, AdamW with
-// weight decay on the weight matrices only. The layout:
-//   one device                  nn::train_step
-//   --dp N (or N --devices)     parallel::DataParallel: replicas all-reduce their gradients in
-//     [--zero 0|1|2|3]          buckets while backward goes on; --zero 1 (the default) reduce-
-//     [--bucket-kb K]           scatters them instead, each replica updating 1/N of the weights and
-//                               keeping their AdamW state only (ZeRO-1), 2 also keeps only their
-//                               reduced gradients (ZeRO-2: layers write into bucket-sized staging
-//                               buffers), 3 only their weights too (ZeRO-3: each transformer
-//                               block's weights all-gathered just before its forward and backward,
-//                               the next one prefetched), 0 updates every weight everywhere (--zero
-//                               is refused with a pipeline or --tp); --bucket-kb caps the gradient
-//                               buckets (and makes them ZeRO-3's units)
-//   --schedule S --stages K     pipeline::Executor: the model cut into K stages (x --chunks per
-//     [--micro-batches M]       device for interleaved) by each layer's forward + backward FLOPs,
-//     [--dp N]                  M micro-batches per step, N pipeline replicas (a data x pipeline
-//                               grid over K x N devices); the tied LM head's stage holds a copy of
-//                               wte kept equal to the first stage's
-//   --tp N                      parallel::TensorParallel: every transformer block split across N
-//     [--dp A]                  devices (Megatron: MLP and attention heads), the embedding, LM
-//                               head and cross-entropy split by vocab, dropout as on one device;
-//                               with --dp, A replicas of N neighbouring devices each (a data x
-//                               tensor grid over A x N devices), each replica its rows of the
-//                               batch, gradients all-reduced across the replicas, every replica
-//                               updating every weight; fp32
-//   --tp N --stages K [--dp A]  a data x tensor x pipeline grid over A x N x K devices
-//     [--schedule S]            (pipeline::Executor with tensor-parallel stages): every stage
-//     [--micro-batches M]       split over N devices, N pipelines per replica in lock-step, rank
-//                               t's pipeline holding rank t's shard of every stage; the groups of
-//                               N on the best links as above; any schedule; --sequence-parallel
-//                               too; without checkpoints
-//     [--sequence-parallel]     sequence parallelism: between the split regions each device holds
-//                               1/N of the tokens (LayerNorm, dropout and residual activations),
-//                               all-gathers and reduce-scatters in place of the all-reduces
-//                               (--block-size divisible by N)
-// --recompute none|selective|full (nn::Recompute) trades memory for recomputed forward work in any
-// layout, the losses unchanged bit for bit.
-// --plan auto (plan::plan_gpt) chooses the layout instead of the flags above: it measures the
-// model's costs on --devices (default host:cores), weighs every data x tensor x pipeline split of
-// them with each ZeRO stage, recomputation mode and micro-batch count, drops those the memory model
-// says exceed --device-memory MiB (default: the devices' free memory) and runs the one predicted
-// fastest, printing it and the runner-up (--json: "plan").
+// weight decay on the weight matrices only, by train::Trainer in the layout the flags (or --plan
+// auto) give as a train::ParallelConfig; train_gpt_flags.hpp lists the layouts and their flags.
 // Every layout gives the one-device losses within float32 rounding, and (but --tp with --stages)
 // writes checkpoints in one format, so a run may resume on another layout. --devices defaults to
 // host:(stages x dp), or host:(dp x N x stages) with --tp N. Evaluation, sampling and --save-llmc read a float32
@@ -79,7 +40,6 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
-#include <limits>
 #include <memory>
 #include <numbers>
 #include <optional>
@@ -96,12 +56,14 @@
 
 #include "example_cli.hpp"
 #include "train_gpt_flags.hpp"
+#include "train_gpt_plan.hpp"
 
 namespace {
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 using train_gpt::Options;
+using train_gpt::Planned;
 
 // The train and validation streams as token shards in memory.
 struct Splits {
@@ -157,86 +119,7 @@ float lr_at(Options const& o, std::int64_t it) {
   return o.min_lr + static_cast<float>(0.5 * (1.0 + std::cos(std::numbers::pi * r))) * (o.lr - o.min_lr);
 }
 
-// What --plan chose, and what it weighed.
-struct Planned {
-  mgpu::plan::Plan plan;
-  std::size_t memory_bytes = 0;
-};
-
-// The layout the flags ask for.
-mgpu::train::ParallelConfig parallel_config(Options const& o) {
-  mgpu::train::ParallelConfig c{.dp = o.dp,
-                                .tp = o.tp,
-                                .stages = o.stages,
-                                .schedule = o.schedule,
-                                .micro_batches = o.micro_batches,
-                                .chunks = o.chunks,
-                                .zero = o.zero_given ? std::optional<int>(o.zero) : std::nullopt,
-                                .bucket_cap_bytes = static_cast<std::size_t>(o.bucket_kb) << 10,
-                                .sequence_parallel = o.sequence_parallel};
-  for (auto const r : {mgpu::nn::Recompute::none, mgpu::nn::Recompute::selective, mgpu::nn::Recompute::full})
-    if (mgpu::nn::to_string(r) == o.recompute) c.recompute = r;
-  return c;
-}
-
-// --plan auto: measures the GPT's costs on the devices, plans its layout for the batch, prints the
-// choice and the runner-up, and returns it as the layout.
-mgpu::train::ParallelConfig plan_layout(Options const& o, mgpu::nn::GptConfig const& config, int processes, FILE* log,
-                                        std::optional<Planned>& planned) {
-  if (!o.layout_flags.empty())
-    throw mgpu::Error(mgpu::Errc::invalid_argument, "--plan " + o.plan + " with " + o.layout_flags +
-                                                        " (expected no layout flags: the planner chooses them)");
-  if (processes > 1)
-    throw mgpu::Error(mgpu::Errc::invalid_argument, "--plan " + o.plan + " in a job of " + std::to_string(processes) +
-                                                        " processes (expected one process: the planner lays out one process's devices)");
-  if (o.precision != "fp32")
-    throw mgpu::Error(mgpu::Errc::invalid_argument,
-                      "--plan " + o.plan + " with --precision " + o.precision + " (expected fp32: the memory model is float32's)");
-  mgpu::DeviceGroup group(o.devices);
-  int const devices = group.size();
-  // Costs at one row, a replica's rows and the whole batch: the lines through them cover every
-  // layout's micro-batches.
-  std::vector<std::int64_t> rows{1, std::max<std::int64_t>(1, o.batch_size / devices), o.batch_size};
-  rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
-  mgpu::plan::GptCosts const costs = mgpu::plan::measure_gpt_costs(config, group, rows);
-  Planned& p = planned.emplace();
-  p.memory_bytes = std::numeric_limits<std::size_t>::max();
-  for (mgpu::sched::DeviceState const& d : mgpu::sched::node_state(group).devices)
-    p.memory_bytes = std::min(p.memory_bytes, static_cast<std::size_t>(d.free_bytes));
-  if (o.device_memory_mb > 0) p.memory_bytes = static_cast<std::size_t>(o.device_memory_mb) << 20;
-  p.plan = mgpu::plan::plan_gpt(config, o.batch_size, devices, costs, {.memory_bytes = p.memory_bytes});
-  std::vector<mgpu::plan::Candidate> const& ranked = p.plan.candidates;
-  std::fprintf(log, "plan: %zu of %zu layouts over %s fit %.1f MiB per device; ranked by step time from measured costs\n",
-               ranked.size(), p.plan.considered, o.devices.c_str(), static_cast<double>(p.memory_bytes) / (1 << 20));
-  for (std::size_t i = 0; i < std::min<std::size_t>(2, ranked.size()); ++i)
-    std::fprintf(log, "  %s %s: predicted %.1f ms per step, %.2f MB per device\n", i == 0 ? "chosen:   " : "runner-up:",
-                 mgpu::plan::to_string(ranked[i].layout).c_str(), ranked[i].step_seconds * 1e3,
-                 static_cast<double>(ranked[i].peak_bytes) / 1e6);
-  return mgpu::train::ParallelConfig::from_plan(ranked.front().layout);
-}
-
-// The "plan" field of --json: the chosen layout and its predictions, the runner-up, the counts.
-std::string plan_json(std::optional<Planned> const& planned) {
-  if (!planned) return "null";
-  auto const layout = [](mgpu::plan::Candidate const& c) {
-    char text[400];
-    std::snprintf(text, sizeof text,
-                  "{\"dp\": %d, \"tp\": %d, \"pp\": %d, \"zero\": %d, \"sequence_parallel\": %s, \"recompute\": \"%s\", "
-                  "\"micro_batches\": %d, \"predicted_step_s\": %.6g, \"predicted_peak_bytes\": %zu}",
-                  c.layout.data_parallel, c.layout.tensor_parallel, c.layout.stages, c.layout.zero_stage,
-                  c.layout.sequence_parallel ? "true" : "false",
-                  std::string(mgpu::nn::to_string(c.layout.recompute)).c_str(), c.layout.micro_batches, c.step_seconds,
-                  c.peak_bytes);
-    return std::string(text);
-  };
-  std::vector<mgpu::plan::Candidate> const& ranked = planned->plan.candidates;
-  std::string json = layout(ranked.front());
-  json.pop_back();
-  return json + ", \"runner_up\": " + (ranked.size() > 1 ? layout(ranked[1]) : std::string("null")) +
-         ", \"fit\": " + std::to_string(ranked.size()) + ", \"considered\": " + std::to_string(planned->plan.considered) +
-         ", \"memory_bytes\": " + std::to_string(planned->memory_bytes) + "}";
-}
-
+// The text with what a terminal cannot print as '?'.
 std::string printable(std::string const& text) {
   std::string out;
   for (unsigned char const c : text)
@@ -298,7 +181,7 @@ int run(Options o) {
                         "--init-from " + o.init_from + ": vocab " + std::to_string(init->config.vocab) +
                             " (expected at least the data's " + std::to_string(o.vocab) + ")");
   }
-  mgpu::train::ParallelConfig parallel = parallel_config(o);
+  mgpu::train::ParallelConfig parallel = train_gpt::parallel_config(o);
   mgpu::nn::GptConfig const config{.vocab = init ? init->config.vocab : o.vocab,
                                    .block_size = o.block_size,
                                    .n_layer = o.n_layer,
@@ -312,7 +195,7 @@ int run(Options o) {
   if (o.devices.empty() && !o.plan.empty())  // the planner lays out the machine's cores
     o.devices = "host:" + std::to_string(std::max(1u, std::thread::hardware_concurrency()));
   std::optional<Planned> planned;
-  if (!o.plan.empty()) parallel = plan_layout(o, config, processes, log, planned);
+  if (!o.plan.empty()) parallel = train_gpt::plan_layout(o, config, processes, log, planned);
   parallel.compute = examples::precision(o.precision);
   parallel.loss_scaler = o.precision == "fp16";
   parallel.clip_norm = o.clip;
@@ -498,8 +381,8 @@ int run(Options o) {
         static_cast<long long>(trainer.parameter_count()), devices.c_str(), static_cast<long long>(state.step),
         peaks.c_str(), predicted.c_str(), o.precision.c_str(), static_cast<long long>(eval_windows),
         layout.schedule.c_str(), layout.stages, layout.micro_batches, layout.dp,
-        std::string(mgpu::nn::to_string(config.recompute)).c_str(), layout.tp,
-        trainer.config().sequence_parallel ? "true" : "false", layout.zero, world.processes, plan_json(planned).c_str());
+        std::string(mgpu::nn::to_string(trainer.model_config().recompute)).c_str(), layout.tp,
+        trainer.config().sequence_parallel ? "true" : "false", layout.zero, world.processes, train_gpt::plan_json(planned).c_str());
   } else {
     std::printf("final: train loss %.4f, val loss %.4f, %.0f tokens/s on %s\n", train_loss, val_loss, tokens_per_s,
                 o.devices.c_str());

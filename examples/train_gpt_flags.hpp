@@ -1,11 +1,57 @@
 // train_gpt's flags: the Options they fill and their CLI11 definitions (one job: the command line).
+//
+// The layout flags, which train_gpt turns into a train::ParallelConfig:
+//   one device                  nn::train_step
+//   --dp N (or N --devices)     parallel::DataParallel: replicas all-reduce their gradients in
+//     [--zero 0|1|2|3]          buckets while backward goes on; --zero 1 (the default) reduce-
+//     [--bucket-kb K]           scatters them instead, each replica updating 1/N of the weights and
+//                               keeping their AdamW state only (ZeRO-1), 2 also keeps only their
+//                               reduced gradients (ZeRO-2: layers write into bucket-sized staging
+//                               buffers), 3 only their weights too (ZeRO-3: each transformer
+//                               block's weights all-gathered just before its forward and backward,
+//                               the next one prefetched), 0 updates every weight everywhere (--zero
+//                               is refused with a pipeline or --tp); --bucket-kb caps the gradient
+//                               buckets (and makes them ZeRO-3's units)
+//   --schedule S --stages K     pipeline::Executor: the model cut into K stages (x --chunks per
+//     [--micro-batches M]       device for interleaved) by each layer's forward + backward FLOPs,
+//     [--dp N]                  M micro-batches per step, N pipeline replicas (a data x pipeline
+//                               grid over K x N devices); the tied LM head's stage holds a copy of
+//                               wte kept equal to the first stage's
+//   --tp N                      parallel::TensorParallel: every transformer block split across N
+//     [--dp A]                  devices (Megatron: MLP and attention heads), the embedding, LM
+//                               head and cross-entropy split by vocab, dropout as on one device;
+//                               with --dp, A replicas of N neighbouring devices each (a data x
+//                               tensor grid over A x N devices), each replica its rows of the
+//                               batch, gradients all-reduced across the replicas, every replica
+//                               updating every weight; fp32
+//   --tp N --stages K [--dp A]  a data x tensor x pipeline grid over A x N x K devices
+//     [--schedule S]            (pipeline::Executor with tensor-parallel stages): every stage
+//     [--micro-batches M]       split over N devices, N pipelines per replica in lock-step, rank
+//                               t's pipeline holding rank t's shard of every stage; the groups of
+//                               N on the best links as above; any schedule; --sequence-parallel
+//                               too; without checkpoints
+//     [--sequence-parallel]     sequence parallelism: between the split regions each device holds
+//                               1/N of the tokens (LayerNorm, dropout and residual activations),
+//                               all-gathers and reduce-scatters in place of the all-reduces
+//                               (--block-size divisible by N)
+// --recompute none|selective|full (nn::Recompute) trades memory for recomputed forward work in any
+// layout, the losses unchanged bit for bit.
+// --plan auto (plan::plan_gpt) chooses the layout instead of the flags above: it measures the
+// model's costs on --devices (default host:cores), weighs every data x tensor x pipeline split of
+// them with each ZeRO stage, recomputation mode and micro-batch count, drops those the memory model
+// says exceed --device-memory MiB (default: the devices' free memory) and runs the one predicted
+// fastest, printing it and the runner-up (--json: "plan").
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
+
+#include <mgpu/mgpu.hpp>
 
 #include "example_cli.hpp"
 
@@ -161,6 +207,22 @@ inline void note_given(CLI::App const& app, Options& o) {
   for (char const* flag : {"--dp", "--tp", "--stages", "--schedule", "--micro-batches", "--chunks", "--zero", "--bucket-kb",
                            "--recompute", "--sequence-parallel"})
     if (app.count(flag) > 0) o.layout_flags += (o.layout_flags.empty() ? "" : ", ") + std::string(flag);
+}
+
+/// The layout the flags ask for (compute, loss scaling and clipping aside: see run()).
+inline mgpu::train::ParallelConfig parallel_config(Options const& o) {
+  mgpu::train::ParallelConfig c{.dp = o.dp,
+                                .tp = o.tp,
+                                .stages = o.stages,
+                                .schedule = o.schedule,
+                                .micro_batches = o.micro_batches,
+                                .chunks = o.chunks,
+                                .zero = o.zero_given ? std::optional<int>(o.zero) : std::nullopt,
+                                .bucket_cap_bytes = static_cast<std::size_t>(o.bucket_kb) << 10,
+                                .sequence_parallel = o.sequence_parallel};
+  for (auto const r : {mgpu::nn::Recompute::none, mgpu::nn::Recompute::selective, mgpu::nn::Recompute::full})
+    if (mgpu::nn::to_string(r) == o.recompute) c.recompute = r;
+  return c;
 }
 
 }  // namespace train_gpt
