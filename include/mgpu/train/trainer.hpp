@@ -1,8 +1,4 @@
-// The trainer: one front door to every layout of a GPT's training. A ParallelConfig says how the
-// model is spread over the devices (data, tensor and pipeline parallelism, ZeRO, precision,
-// recomputation); a Trainer checks it, places it on the devices and drives the executor it calls
-// for (parallel::DataParallel, parallel::TensorParallel, pipeline::Executor or one device's
-// nn::train_step), with the same step, evaluation, checkpoints and whole-model access in each.
+// The trainer: one front door to every layout of a GPT's training (docs/parallel-layouts.md).
 #pragma once
 
 #include <cstddef>
@@ -47,10 +43,9 @@ struct LayoutChecks {
   std::string devices_text{};  ///< how the devices were named ("host:3"), for the messages
 };
 
-/// How a GPT is spread over the devices. The executor follows from it: a pipeline when `schedule`
-/// is set or `stages` > 1 (of tensor-parallel stages with `tp` > 1, in `dp` replicas); tensor
-/// parallelism when `tp` > 1 (in `dp` replicas); data parallelism over every device when there are
-/// several; else one device.
+/// How a GPT is spread over the devices: a pipeline when `schedule` is set or `stages` > 1 (of
+/// tensor-parallel stages with `tp` > 1), else tensor parallelism when `tp` > 1, else data
+/// parallelism over every device when there are several, else one device.
 struct ParallelConfig {
   int dp = 1;      ///< data-parallel replicas (plain data parallelism: 1 or the device count)
   int tp = 1;      ///< tensor-parallel ranks per replica (n_head divisible by it)
@@ -60,11 +55,9 @@ struct ParallelConfig {
   std::string schedule{};
   int micro_batches = 1;  ///< micro-batches per pipeline step
   int chunks = 2;         ///< model chunks per device of the interleaved schedule
-  /// ZeRO stage of plain data parallelism (0 to 3; unset: 1); the pipeline and tensor-parallel
-  /// executors do not shard their update and refuse it.
+  /// ZeRO stage of plain data parallelism (0 to 3; unset: 1; refused with a pipeline or tp).
   std::optional<int> zero{};
-  /// Data parallelism's gradient bucket cap (0: DataParallelOptions' default); set, the buckets
-  /// are also ZeRO-3's units instead of one unit per transformer block.
+  /// Data parallelism's gradient bucket cap (0: the default); set, also ZeRO-3's units (else one per block).
   std::size_t bucket_cap_bytes = 0;
   bool sequence_parallel = false;            ///< with tp >= 2: each rank 1/tp of the tokens between split regions
   std::optional<nn::Recompute> recompute{};  ///< activation recomputation (unset: the GptConfig's)
@@ -81,11 +74,10 @@ struct ParallelConfig {
   [[nodiscard]] std::string pipeline_schedule() const { return schedule.empty() ? "1f1b" : schedule; }
   /// The devices the layout spans: dp x tp (x stages when pipelined), a pipeline's stages x dp, else dp.
   [[nodiscard]] int devices() const noexcept;
-  /// Refuses, before any work, a combination that cannot run: Error(invalid_argument) naming the
-  /// field (or flag) and the value expected, e.g. a zero outside 0 to 3, zero 2 or 3 in 16 bits,
-  /// zero or a bucket cap with a pipeline or tp, sequence parallelism without tp >= 2 dividing
-  /// the block size, a device count other than the layout's, micro-batches without a pipeline,
-  /// fewer rows than replicas, or checkpoints of a pipeline of tensor-parallel stages.
+  /// Throws Error(invalid_argument) naming the field (or flag) and the value expected for what
+  /// cannot run: e.g. zero outside 0 to 3 or >= 2 in 16 bits, zero or a bucket cap with a pipeline
+  /// or tp, sequence parallelism without tp >= 2 dividing the block size, another device count
+  /// than the layout's, checkpoints of a pipeline of tensor-parallel stages.
   void validate(nn::GptConfig const& model, LayoutChecks const& checks) const;
 };
 
@@ -101,8 +93,9 @@ struct TrainerOptions {
   /// process's group only.
   bool across_processes = false;
   std::shared_ptr<trace::Timeline> timeline{};  ///< every rank's actions while enabled
-  /// Where the executors report each rank's times (nullptr: data parallelism its own, the others none).
-  std::shared_ptr<metrics::Registry> metrics{};
+  /// Non-empty: the executors report each rank's times to a metrics::Registry of this job and the
+  /// trainer's layout (metrics()); timing costs a little per action, so empty times nothing.
+  std::string metrics_job{};
   Spelling spelling = Spelling::fields;  ///< how refusals name the layout
   std::string devices_text{};            ///< how the devices were named, for refusals
 };
@@ -122,10 +115,8 @@ struct Layout {
   int zero = 0;  ///< data parallelism's ZeRO stage (0 elsewhere)
 };
 
-/// Trains nn::gpt(config) in the layout a ParallelConfig asks for, on a DeviceGroup (or across
-/// processes, every process's). Losses are the per-token cross-entropy; the update AdamW, after
-/// clipping and, with a loss scaler, unscaling. Every layout gives the one-device losses within
-/// float32 rounding. Not thread-safe; across processes every call is collective.
+/// Trains nn::gpt(config) (per-token cross-entropy, AdamW) in the layout a ParallelConfig asks
+/// for, with the one-device losses within float32 rounding. Across processes every call is collective.
 class Trainer {
  public:
   /// Validates `parallel` (ParallelConfig::validate) before any work, then places it: with tp > 1
@@ -171,6 +162,8 @@ class Trainer {
   /// one process, float32, no pipeline or a GPipe or 1F1B one.
   [[nodiscard]] std::optional<std::vector<parallel::GptMemory>> predicted_memory() const;
   [[nodiscard]] Layout const& layout() const noexcept;
+  /// The registry of TrainerOptions::metrics_job (null without one).
+  [[nodiscard]] std::shared_ptr<metrics::Registry> const& metrics() const noexcept;
   [[nodiscard]] ParallelConfig const& config() const noexcept;
   [[nodiscard]] nn::GptConfig const& model_config() const noexcept;
   /// A line saying how the model is laid out, e.g. "data parallel over 4 devices, ZeRO-1".
