@@ -32,7 +32,9 @@ std::uint64_t const seed = 5;
 std::int64_t const rows = 4;
 int const steps = 5;
 float const clip = 0.5f;
-mgpu::optim::AdamWOptions const adamw{.lr = 3e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .weight_decay = 0.1f};
+mgpu::optim::AdamWOptions const adamw{.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.95f, .weight_decay = 0.5f};
+// The learning-rate multiplier of step s (a schedule's).
+float lr_scale(std::size_t s) { return 1.0f - 0.15f * static_cast<float>(s); }
 
 std::vector<mgpu::test::TokenBatch> make_batches(Env& env) {
   std::vector<mgpu::test::TokenBatch> batches;
@@ -62,9 +64,11 @@ Curve one_device(Env& env, std::vector<mgpu::test::TokenBatch> const& batches) {
   mgpu::optim::AdamW optimizer(options);
   nn::TokenCrossEntropy const loss;
   Curve curve;
-  for (mgpu::test::TokenBatch const& b : batches)
-    curve.losses.push_back(
-        mgpu::ops::item(nn::train_step(model, optimizer, b.ids, b.targets, loss, env.ctx, {.clip_norm = clip}).loss, env.stream));
+  for (std::size_t s = 0; s < batches.size(); ++s)
+    curve.losses.push_back(mgpu::ops::item(nn::train_step(model, optimizer, batches[s].ids, batches[s].targets, loss, env.ctx,
+                                                          {.lr_scale = lr_scale(s), .clip_norm = clip})
+                                               .loss,
+                                           env.stream));
   curve.val_loss = mgpu::data::evaluate_lm(model, val_loader(), 8, env.ctx);
   return curve;
 }
@@ -100,9 +104,9 @@ TEST_CASE("the trainer follows the one-device curve in every layout, and resumes
     train::Trainer trainer = make_trainer(layout.devices, layout.parallel);
     std::filesystem::path const path = mgpu::test::temp_path("trainer-" + std::to_string(l) + ".ckpt");
     Curve got;
-    for (int s = 0; s < steps; ++s) {
-      if (s == 3) trainer.save(path, {.step = s});
-      train::Trainer::StepResult const r = trainer.step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets);
+    for (std::size_t s = 0; s < batches.size(); ++s) {
+      if (s == 3) trainer.save(path, {.step = 3});
+      train::Trainer::StepResult const r = trainer.step(batches[s].ids, batches[s].targets, lr_scale(s));
       CHECK(r.applied);
       got.losses.push_back(r.loss);
     }
@@ -115,9 +119,8 @@ TEST_CASE("the trainer follows the one-device curve in every layout, and resumes
     // A new trainer of the same layout loads the checkpoint and continues as the first did.
     train::Trainer resumed = make_trainer(layout.devices, layout.parallel);
     CHECK(resumed.load(path).step == 3);
-    for (int s = 3; s < steps; ++s)
-      CHECK(resumed.step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets).loss ==
-            static_cast<float>(got.losses[static_cast<std::size_t>(s)]));
+    for (std::size_t s = 3; s < batches.size(); ++s)
+      CHECK(resumed.step(batches[s].ids, batches[s].targets, lr_scale(s)).loss == static_cast<float>(got.losses[s]));
     std::filesystem::remove_all(path);
   }
 }
