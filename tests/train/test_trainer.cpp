@@ -1,8 +1,9 @@
 // train::Trainer, the one front door: a small GPT's losses over a few AdamW steps with clipping
-// follow the one-device nn::train_step curve on one device, data parallel, tensor parallel, on a
-// data x tensor grid and pipelined (1F1B); the validation loss is data::evaluate_lm's of the
-// one-device model; save then load resumes the run bit for bit; impossible layouts are refused
-// before any work, naming the field and the value expected.
+// and a learning-rate schedule follow the one-device nn::train_step curve on one device, data
+// parallel, tensor parallel, on a data x tensor grid and pipelined (1F1B); the validation loss is
+// data::evaluate_lm's of the one-device model, also after whole parameters are scattered into the
+// parts; save then load resumes the run bit for bit; impossible layouts are refused before any
+// work, naming the field and the value expected.
 #include <cstdint>
 #include <filesystem>
 #include <string>
@@ -114,7 +115,20 @@ TEST_CASE("the trainer follows the one-device curve in every layout, and resumes
     CHECK(worst_relative(got.losses, want.losses) < 1e-4);
     CHECK(worst_relative({got.val_loss}, {want.val_loss}) < 1e-4);
     CHECK(trainer.parameter_count() == nn::gpt(config).parameter_count());
-    CHECK(trainer.parameters().size() == static_cast<std::size_t>(trainer.parameter_count()));
+
+    // Whole parameters scattered into the parts: the model they make evaluates as one device's.
+    std::vector<float> half = trainer.parameters();
+    REQUIRE(half.size() == static_cast<std::size_t>(trainer.parameter_count()));
+    for (float& v : half) v *= 0.5f;
+    if (trainer.data_parallel() != nullptr) {
+      REQUIRE_MGPU_ERROR(trainer.scatter(half), mgpu::Errc::invalid_argument, "expected the initial parameters");
+    } else {
+      trainer.scatter(half);
+      nn::Sequential reference = nn::gpt(config);
+      reference.materialize(env.ctx, seed);
+      train::set_parameters(reference, half, env.stream);
+      CHECK(worst_relative({trainer.evaluate(val_loader(), 8)}, {mgpu::data::evaluate_lm(reference, val_loader(), 8, env.ctx)}) < 1e-4);
+    }
 
     // A new trainer of the same layout loads the checkpoint and continues as the first did.
     train::Trainer resumed = make_trainer(layout.devices, layout.parallel);

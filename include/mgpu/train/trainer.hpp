@@ -151,7 +151,8 @@ class Trainer {
   /// gather()'s float32 master parameters on the host.
   std::vector<float> parameters();
   /// Sets every part's parameters from the whole model's float32 parameters. Throws
-  /// Error(invalid_argument) for another count.
+  /// Error(invalid_argument) for another count, and with data parallelism (its replicas start
+  /// from TrainerOptions::initial_parameters or load()).
   void scatter(std::span<float const> whole);
   /// Where the whole model lives: its allocator and stream.
   [[nodiscard]] nn::Context& context() noexcept;
