@@ -13,6 +13,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -54,21 +55,6 @@ inline mgpu::DType precision(std::string const& p) {
   if (p == "bf16") return mgpu::DType::bfloat16;
   if (p == "fp16") return mgpu::DType::float16;
   return mgpu::DType::float32;
-}
-
-/// Across processes, each of a pipeline's `stages` devices as the partitioner sees it: its
-/// replicas' slowest device's speed relative to the world's fastest (world rank g runs stage
-/// g % stages; free memory is not modelled across processes). Every process gets the same.
-inline std::vector<mgpu::pipeline::StageDevice> world_stage_devices(mgpu::dist::World const& world, int stages) {
-  double fastest = 0;
-  for (mgpu::dist::WorldDevice const& d : world.devices) fastest = std::max(fastest, d.device.speed);
-  std::vector<mgpu::pipeline::StageDevice> devices(static_cast<std::size_t>(stages),
-                                                   mgpu::pipeline::StageDevice{.speed = 1.0});
-  for (mgpu::dist::WorldDevice const& d : world.devices) {
-    double& speed = devices[static_cast<std::size_t>(d.rank % stages)].speed;
-    speed = std::min(speed, d.device.speed / fastest);
-  }
-  return devices;
 }
 
 /// A device's name in the examples' output: across processes with its process, "p1:host:0".
@@ -142,7 +128,10 @@ class JobMetrics {
  public:
   /// Prints where the metrics go on `log` (the endpoint on stderr when `log` is null).
   JobMetrics(MetricsFlags const& flags, std::string const& job, mgpu::metrics::Layout layout, mgpu::dist::World const& world, std::FILE* log)
-      : registry_(std::make_shared<mgpu::metrics::Registry>(job, layout)) {
+      : JobMetrics(flags, std::make_shared<mgpu::metrics::Registry>(job, layout), world, log) {}
+  /// As above, exporting `registry` (a trainer's).
+  JobMetrics(MetricsFlags const& flags, std::shared_ptr<mgpu::metrics::Registry> registry, mgpu::dist::World const& world, std::FILE* log)
+      : registry_(std::move(registry)) {
     if (!flags.port && flags.host != "127.0.0.1")
       throw mgpu::Error(mgpu::Errc::invalid_argument, "--metrics-host " + flags.host + " without --metrics-port (expected both)");
     if (!flags.port && flags.file.empty()) return;

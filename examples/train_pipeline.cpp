@@ -157,7 +157,7 @@ int train(Options const& o) {
                           " (expected --stages x --dp = " + std::to_string(schedule.devices * o.dp) + ")");
   if (across) share_profile(profile, world, group);
   std::vector<pp::StageDevice> const devices =
-      across ? examples::world_stage_devices(world, schedule.devices) : pp::stage_devices(group, schedule.devices);
+      across ? mgpu::train::stage_devices(world, schedule.devices) : pp::stage_devices(group, schedule.devices);
   pp::Partition const plan = o.cuts.empty() ? pp::partition(model, schedule, profile, devices) : given(o.cuts, schedule, profile, devices);
   std::vector<pp::ActionCosts> costs;
   for (double const s : plan.chunk_seconds) costs.push_back({s / 3, s / 3, s / 3, 0.0});

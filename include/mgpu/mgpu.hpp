@@ -47,6 +47,7 @@
 #include <mgpu/cluster/simulator.hpp>
 #include <mgpu/sched/types.hpp>
 #include <mgpu/trace/timeline.hpp>
+#include <mgpu/train/trainer.hpp>
 #include <mgpu/metrics/exporter.hpp>
 #include <mgpu/metrics/nvml.hpp>
 #include <mgpu/metrics/registry.hpp>

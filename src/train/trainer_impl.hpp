@@ -1,0 +1,56 @@
+// The Trainer's state, shared by its construction (build.cpp) and its operations (trainer.cpp).
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <mgpu/core/stream.hpp>
+#include <mgpu/nn/loss.hpp>
+#include <mgpu/train/trainer.hpp>
+
+namespace mgpu::train {
+
+struct Trainer::Impl {
+  nn::GptConfig config;
+  ParallelConfig parallel;
+  TrainerOptions options;
+  DeviceGroup group;
+  dist::World world;
+  bool across = false;
+  std::string placement;  // the tensor-parallel groups when placement reordered the devices
+  Layout layout;
+  std::shared_ptr<metrics::Registry> metrics;
+  std::vector<ChunkInfo> chunks;
+
+  // The one model (a pipeline's whole float32 copy, the shards' gathered copy; moved into data
+  // parallelism's replicas) on the first device, with its allocator, stream and optimizer.
+  std::shared_ptr<Allocator> allocator;
+  std::unique_ptr<Stream> stream;
+  std::unique_ptr<nn::Context> ctx;
+  std::optional<nn::Sequential> model;
+  std::unique_ptr<optim::AdamW> optimizer;
+  std::optional<optim::LossScaler> scaler;  // one device's
+  nn::TokenCrossEntropy loss{};
+
+  std::unique_ptr<parallel::DataParallel> data_parallel;
+  std::unique_ptr<pipeline::Executor> pipeline;
+  std::unique_ptr<parallel::TensorParallel> tensor;
+  parallel::DataParallelResult last_dp{};
+  // Across processes with data parallelism: each process's share of a batch's rows (its devices'
+  // speeds).
+  std::vector<double> process_weights;
+  // What evaluation and the whole-model access read: the model, or data parallelism's replica 0.
+  nn::Sequential* net = nullptr;
+  std::unique_ptr<nn::Context> net_ctx;
+
+  Impl(nn::GptConfig const& config, DeviceGroup group, ParallelConfig parallel, TrainerOptions options);
+  void place();
+  void build_data_parallel(optim::AdamWOptions const& adamw);
+  void build_pipeline(optim::AdamWOptions const& adamw);
+  void build_tensor_parallel(optim::AdamWOptions const& adamw);
+  [[nodiscard]] Tensor on_device(Tensor const& host) const;
+};
+
+}  // namespace mgpu::train
