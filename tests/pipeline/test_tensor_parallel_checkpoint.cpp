@@ -1,10 +1,11 @@
 // Checkpoints of a data x tensor x pipeline grid (pipeline::Executor with tensor-parallel stages)
 // in the one-device format: saved by DP 2 x TP 2 x PP 2 mid-run (dropout on, a vocab the ranks do
 // not divide), resumed on one device (io::load_training), on TP 4 (TensorParallel), on a plain
-// 2-stage pipeline x DP 2 and by a new grid, each continuing with the uninterrupted run's losses
-// and weights within float32 rounding; a one-device checkpoint loaded into the grid continues as
-// the one device; a folder save loads back; a damaged shard and another model's checkpoint are
-// refused naming the file and the record, the grid unchanged.
+// 2-stage pipeline x DP 2, on DataParallel x 2 with ZeRO-1 and by a new grid, each continuing with
+// the uninterrupted run's losses and weights within float32 rounding; a one-device checkpoint
+// loaded into the grid continues as the one device; a folder save loads back; a damaged shard or
+// file and another model's checkpoint are refused naming the file (and the damaged record), the
+// grid unchanged.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -21,6 +22,7 @@
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/optim/optim.hpp>
+#include <mgpu/parallel/data_parallel.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
 
@@ -124,7 +126,7 @@ void check_continues(std::string const& layout, Run const& got, Run const& want)
 
 }  // namespace
 
-TEST_CASE("a DP 2 x TP 2 x PP 2 checkpoint resumes on one device, TP 4, PP 2 x DP 2 and a new grid",
+TEST_CASE("a DP 2 x TP 2 x PP 2 checkpoint resumes on one device, TP 4, PP 2 x DP 2, ZeRO-1 DP 2 and a new grid",
           "[pipeline][tensor][checkpoint]") {
   Env env;
   std::vector<Batch> const batches = make_batches(env);
@@ -172,6 +174,24 @@ TEST_CASE("a DP 2 x TP 2 x PP 2 checkpoint resumes on one device, TP 4, PP 2 x D
           plain.step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets));
     run.weights = gathered(plain, env);
     check_continues("PP 2 x DP 2", run, uninterrupted);
+  }
+  SECTION("DataParallel over 2 devices with ZeRO-1") {
+    mgpu::DeviceGroup two("host:2");
+    mgpu::optim::AdamWOptions options = adamw;
+    options.decay_ranges = nn::gpt_decay_ranges(config);
+    par::DataParallelOptions dp_options;
+    dp_options.zero_stage = 1;
+    dp_options.seed = seed + 1;
+    dp_options.clip_norm = clip;
+    dp_options.loss = std::make_shared<nn::TokenCrossEntropy const>();
+    par::DataParallel dp(nn::gpt(config), two, mgpu::optim::AdamW(options), dp_options);
+    CHECK(dp.load(path).step == saved_at);
+    Run run;
+    for (int s = saved_at; s < steps; ++s)
+      run.losses.push_back(
+          dp.step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets).loss);
+    run.weights = as_double(dp.replica(0).master_parameters());
+    check_continues("DataParallel ZeRO-1 x 2", run, uninterrupted);
   }
   SECTION("a new grid, after steps of its own") {
     mgpu::DeviceGroup group("host:8");
@@ -221,7 +241,7 @@ TEST_CASE("a one-device checkpoint loaded into DP 2 x TP 2 x PP 2 continues as t
 }
 
 TEST_CASE(
-    "a grid's folder checkpoint loads back; a damaged shard or another model's file is refused, the grid unchanged",
+    "a grid's folder checkpoint loads back, and a damaged shard or another model's file is refused, the grid unchanged",
     "[pipeline][tensor][checkpoint]") {
   Env env;
   std::vector<Batch> const batches = make_batches(env);
