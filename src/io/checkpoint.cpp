@@ -334,8 +334,25 @@ Checkpoint Checkpoint::load(std::filesystem::path const& path) {
   std::size_t const body = bytes.size() - 16;
   std::uint64_t stored_sum = 0;
   std::memcpy(&stored_sum, bytes.data() + body, 8);
-  if (XXH64(bytes.data(), body, 0) != stored_sum)
-    throw Error(Errc::corrupt_data, name + ": checksum mismatch over the file's " + std::to_string(body) + " bytes (the file is corrupted)");
+  if (XXH64(bytes.data(), body, 0) != stored_sum) {
+    // Named by the damaged record when the damage lies in one (its own checksum fails too).
+    std::string damaged;
+    try {
+      Reader scan(bytes, body, name);
+      scan.take(12, "the header");
+      auto const count = read_value<std::uint32_t>(scan, "the record count");
+      for (std::uint32_t i = 0; i < count && damaged.empty(); ++i) {
+        RecordEntry const entry = read_entry(scan, name);
+        auto const* payload = scan.take(entry.size, "a record's data");
+        if (XXH64(payload, entry.size, 0) != entry.checksum) damaged = entry.name;
+      }
+    } catch (Error const&) {  // the index itself is damaged: the whole file's checksum says so
+    }
+    throw Error(Errc::corrupt_data, name + ": checksum mismatch " +
+                                        (damaged.empty() ? "over the file's " + std::to_string(body) + " bytes"
+                                                         : "in record '" + damaged + "'") +
+                                        " (the file is corrupted)");
+  }
 
   Reader r(bytes, body, name);
   r.take(12, "the header");

@@ -3,10 +3,10 @@
 // executor's checkpoints (io::save_training's format). Across processes (or into a folder) a
 // checkpoint is a folder of io::ShardWriter shards, one per process: each process's holds the
 // parameters and optimizer state of the chunks its ranks run in replica 0, process 0's the whole
-// records besides.
+// records besides. Tensor-parallel stages go through the whole model instead
+// (tensor_parallel_checkpoint.cpp).
 #include <mgpu/io/checkpoint.hpp>
 #include <mgpu/io/sharded_checkpoint.hpp>
-#include <mgpu/parallel/tensor_parallel.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
 
 #include <algorithm>
@@ -30,29 +30,16 @@
 
 namespace mgpu::pipeline {
 
-namespace {
-
-
-// The whole model, materialized in float32 host memory, and an optimizer of the chunks' kind for it.
-struct Whole {
-  std::shared_ptr<Allocator> allocator = Allocator::create(Device{DeviceKind::host, 0});
-  Stream stream{Device{DeviceKind::host, 0}};
-  nn::Sequential model;
-  std::unique_ptr<optim::Optimizer> optimizer;
-
-  Whole(nn::Sequential const& architecture, ChunkOptimizerFactory const& make, std::uint64_t seed)
-      : model(architecture.clone()) {
-    nn::Context ctx{*allocator, stream};
-    model.materialize(ctx, seed);
-    stream.synchronize();  // the group's streams write into it next
-    optimizer = make(model);
-    if (!optimizer)
-      throw Error(Errc::invalid_argument, "the pipeline's optimizer factory returned no optimizer for the whole model "
-                                          "(expected a new optimizer from every call: checkpoints make one)");
-  }
-};
-
-}  // namespace
+WholeModel::WholeModel(nn::Sequential const& architecture, ChunkOptimizerFactory const& make, std::uint64_t seed)
+    : model(architecture.clone()) {
+  nn::Context ctx{*allocator, stream};
+  model.materialize(ctx, seed);
+  stream.synchronize();  // the group's streams write into it next
+  optimizer = make(model);
+  if (!optimizer)
+    throw Error(Errc::invalid_argument, "the pipeline's optimizer factory returned no optimizer for the whole model "
+                                        "(expected a new optimizer from every call: checkpoints make one)");
+}
 
 std::vector<Executor::Impl::Span> Executor::Impl::whole_spans() const {
   std::vector<Span> out;
@@ -93,81 +80,6 @@ void check_whole(nn::Sequential const& whole, std::int64_t expected, char const*
 }
 }  // namespace
 
-void Executor::Impl::tensor_parallel_whole(std::span<float> whole, bool to_shards) {
-  std::vector<nn::ParameterRange> const whole_ranges = architecture.parameter_ranges();
-  auto const host = Allocator::create({DeviceKind::host, 0});
-  auto const chunk_count = static_cast<std::size_t>(schedule.chunks());
-  // Gathering across processes: every chunk of replica 0's pipelines broadcast over the world by
-  // its rank, each process's first rank keeping a host copy ([p * chunks + c]).
-  std::vector<Tensor> received;
-  if (!to_shards && across) {
-    for (int p = 0; p < tp; ++p) {
-      for (std::size_t c = 0; c < chunk_count; ++c)
-        received.push_back(Tensor::empty({chunks[static_cast<std::size_t>(p)][c].parameter_count()}, DType::float32, *host));
-    }
-    group->run([&](int local, Device, Stream& stream) {
-      int const rank = first + local;
-      for (int p = 0; p < tp; ++p) {
-        for (int c = 0; c < schedule.chunks(); ++c) {
-          int const owner = rank_at(p, schedule.device_of(c));
-          Tensor const& copy = received[static_cast<std::size_t>(p) * chunk_count + static_cast<std::size_t>(c)];
-          Tensor const buffer = rank == owner ? chunk_of(owner, c).master_parameters()
-                                              : Tensor::empty(copy.shape(), DType::float32, group->allocator(local));
-          comm->broadcast(rank, buffer, owner, stream);
-          if (local == 0) copy_async(copy, buffer, stream);
-        }
-      }
-    });
-    group->synchronize();
-  }
-  for (int p = 0; p < (to_shards ? replicas : tp); ++p) {
-    for (int c = 0; c < schedule.chunks(); ++c) {
-      int const rank = rank_at(p, schedule.device_of(c));
-      if (to_shards && !is_local(rank)) continue;  // another process's
-      nn::Sequential& chunk = chunks[static_cast<std::size_t>(p)][static_cast<std::size_t>(c)];
-      Tensor const params = received.empty()
-                                ? Tensor::empty({chunk.parameter_count()}, DType::float32, *host)
-                                : received[static_cast<std::size_t>(p) * chunk_count + static_cast<std::size_t>(c)];
-      if (received.empty() && !to_shards) {
-        Stream& stream = group->stream(rank - first);
-        copy_async(params, chunk.master_parameters(), stream);
-        stream.synchronize();
-      }
-      std::span<float> const values = params.host_span<float>();
-      for (nn::ParameterRange const& range : chunk.parameter_ranges()) {
-        std::span<float> const shard = values.subspan(static_cast<std::size_t>(range.begin), static_cast<std::size_t>(range.size()));
-        std::size_t const layer = cuts[static_cast<std::size_t>(c)] + range.layer;
-        auto const w = std::find_if(whole_ranges.begin(), whole_ranges.end(),
-                                    [layer](nn::ParameterRange const& r) { return r.layer == layer; });
-        // Not in the model: a tied head's copy of its rank's rows (the one layer after a shard's
-        // token gather, so the one whose index is off), made from the rows below.
-        if (w == whole_ranges.end()) {
-          std::fill(shard.begin(), shard.end(), 0.0f);
-          continue;
-        }
-        std::span<float> const part = whole.subspan(static_cast<std::size_t>(w->begin), static_cast<std::size_t>(w->size()));
-        if (auto const* sharded = dynamic_cast<parallel::ShardedLayer const*>(&chunk.layer(range.layer))) {
-          sharded->copy_shard(part, shard, to_shards);
-        } else if (to_shards) {
-          std::copy(part.begin(), part.end(), shard.begin());
-        } else if (p == 0) {  // replicated: rank 0's
-          std::copy(shard.begin(), shard.end(), part.begin());
-        }
-      }
-      if (to_shards) {
-        Stream& stream = group->stream(rank - first);
-        copy_async(chunk.master_parameters(), params, stream);
-        chunk.sync_parameters(stream);
-        stream.synchronize();
-      }
-    }
-  }
-  if (to_shards && tie) {  // each copy starts at zero: the sum makes it its rank's rows
-    group->run([&](int local, Device, Stream& stream) { sum_tied(first + local, stream, true); });
-    group->synchronize();
-  }
-}
-
 void Executor::gather_parameters(nn::Sequential& whole, Stream& stream) {
   Impl& m = *impl_;
   if (m.tp > 1) {
@@ -175,7 +87,9 @@ void Executor::gather_parameters(nn::Sequential& whole, Stream& stream) {
     stream.synchronize();
     m.group->synchronize();
     Tensor const values = Tensor::empty({whole.parameter_count()}, DType::float32, *Allocator::create({DeviceKind::host, 0}));
-    m.tensor_parallel_whole(values.host_span<float>(), false);
+    m.tensor_parallel_whole(values.host_span<float>(), false, [&m](int p, int c) {
+      return m.chunks[static_cast<std::size_t>(p)][static_cast<std::size_t>(c)].master_parameters();
+    });
     copy_async(whole.master_parameters(), values, stream);
     whole.sync_parameters(stream);
     stream.synchronize();
@@ -217,7 +131,10 @@ void Executor::scatter_parameters(nn::Sequential const& whole, Stream& stream) {
     Tensor const values = Tensor::empty({whole.parameter_count()}, DType::float32, *Allocator::create({DeviceKind::host, 0}));
     copy_async(values, whole.master_parameters(), stream);
     stream.synchronize();
-    m.tensor_parallel_whole(values.host_span<float>(), true);
+    m.tensor_parallel_whole(values.host_span<float>(), true, [&m](int p, int c) {
+      return m.chunks[static_cast<std::size_t>(p)][static_cast<std::size_t>(c)].master_parameters();
+    });
+    m.sync_local_chunks();
     return;
   }
   check_whole(whole, m.whole_spans().back().offset + m.whole_spans().back().count, "Executor::scatter_parameters");
@@ -236,8 +153,7 @@ void Executor::scatter_parameters(nn::Sequential const& whole, Stream& stream) {
   m.group->synchronize();
 }
 
-void Executor::Impl::save_shards(std::filesystem::path const& folder, io::TrainingState const& training) {
-  std::string const what = "Executor::save to the folder " + folder.string();
+Executor::Impl::ReplicaRecords Executor::Impl::replica_records(std::string const& what) {
   // Every rank's view of replica 0's chunks it runs: the number of state buffers of their
   // optimizers (-1 for none), and their layers' RNG states at the layers' places (zero elsewhere).
   std::size_t const layers = architecture.size();
@@ -274,13 +190,19 @@ void Executor::Impl::save_shards(std::filesystem::path const& folder, io::Traini
     for (std::size_t l = cuts[static_cast<std::size_t>(c)]; l < cuts[static_cast<std::size_t>(c) + 1]; ++l)
       rng[l] = comm::detail::read_words<std::uint64_t>(all, at + 1 + 2 * l);
   }
+  return {buffers < 0 ? 0 : buffers, rng};
+}
+
+void Executor::Impl::save_shards(std::filesystem::path const& folder, io::TrainingState const& training) {
+  std::string const what = "Executor::save to the folder " + folder.string();
+  std::vector<std::uint64_t> const rng = replica_records(what).rng;  // and the optimizers' agreement checked
   std::vector<Span> const spans = whole_spans();
   Shape const whole_shape{spans.back().offset + spans.back().count};
   bool const leader = first == 0;
   auto const write = [&](std::uint64_t save_id, int shard, int shards) {
     io::ShardWriter writer;
     if (leader) {  // the whole records, as one process saves them, less the parameters and optimizer state
-      Whole whole(architecture, make_optimizer, options.seed);
+      WholeModel whole(architecture, make_optimizer, options.seed);
       whole.model.set_rng_state(rng);
       if (!loaded_seeds.empty()) whole.model.set_rng_seeds(loaded_seeds);
       whole.optimizer->set_steps(optimizers[0][0]->steps());  // chunk 0 of replica 0 runs on world rank 0
@@ -309,15 +231,18 @@ void Executor::Impl::save_shards(std::filesystem::path const& folder, io::Traini
 }
 
 void Executor::save(std::filesystem::path const& path, io::TrainingState const& state) {
-  impl_->whole_model_only("save");
   impl_->check_usable("save");
   Impl& m = *impl_;
   m.group->synchronize();
+  if (m.tp > 1) {
+    m.save_tensor_parallel(path, state);
+    return;
+  }
   if (m.across || std::filesystem::is_directory(path)) {
     m.save_shards(path, state);
     return;
   }
-  Whole whole(m.architecture, m.make_optimizer, m.options.seed);
+  WholeModel whole(m.architecture, m.make_optimizer, m.options.seed);
   std::vector<optim::NamedTensor> const first_state = m.optimizers[0][0]->state();
   std::vector<optim::NamedTensor> state_of_whole;
   if (!first_state.empty()) {
@@ -349,13 +274,17 @@ void Executor::save(std::filesystem::path const& path, io::TrainingState const& 
 }
 
 io::TrainingState Executor::load(std::filesystem::path const& path) {
-  impl_->whole_model_only("load");
+  if (impl_->tp > 1)
+    return impl_->load_tensor_parallel(
+        [&path] { return std::filesystem::is_directory(path) ? io::ShardedCheckpoint::load(path).joined() : io::Checkpoint::load(path); },
+        path.string());
   if (std::filesystem::is_directory(path)) return load(io::ShardedCheckpoint::load(path));
   return impl_->load_records(io::Checkpoint::load(path), nullptr, path.string());
 }
 
 io::TrainingState Executor::load(io::ShardedCheckpoint const& checkpoint) {
-  impl_->whole_model_only("load");
+  if (impl_->tp > 1)  // every record, joined: the shards' parts are not spans of the whole model
+    return impl_->load_tensor_parallel([&checkpoint] { return checkpoint.joined(); }, checkpoint.folder().string());
   // The split records (the parameters and the optimizer's state as save() writes them) are read in
   // this process's chunks' parts only.
   return impl_->load_records(checkpoint.joined(checkpoint.split_names()), &checkpoint, checkpoint.folder().string());

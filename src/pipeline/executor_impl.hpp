@@ -25,6 +25,17 @@
 
 namespace mgpu::pipeline {
 
+// The whole model, materialized in float32 host memory, and an optimizer of the chunks' kind for
+// it: what a pipeline's checkpoint is written from and read into.
+struct WholeModel {
+  std::shared_ptr<Allocator> allocator = Allocator::create(Device{DeviceKind::host, 0});
+  Stream stream{Device{DeviceKind::host, 0}};
+  nn::Sequential model;
+  std::unique_ptr<optim::Optimizer> optimizer;
+
+  WholeModel(nn::Sequential const& architecture, ChunkOptimizerFactory const& make, std::uint64_t seed);
+};
+
 struct Executor::Impl {
   DeviceGroup* group = nullptr;
   Schedule schedule;
@@ -85,13 +96,29 @@ struct Executor::Impl {
   // Tensor parallelism: chunk c of pipeline r, rank r % tp's shard of its layers over the chunk's
   // communicator; a VocabParallelLMHead without its embedding in the chunk holds a copy of its rows.
   nn::Sequential tensor_parallel_chunk(int r, std::size_t c) const;
-  // Tensor-parallel stages: copies the whole model's float32 parameters (host, gpt(config)'s
-  // layout) into every pipeline's shards (to_shards), or gathers them from replica 0's (the split
-  // parts from every rank, the replicated ones from rank 0); a tied head's copy of its rank's rows
-  // is made from the rows.
-  void tensor_parallel_whole(std::span<float> whole, bool to_shards);
-  // Refuses `call` with tensor-parallel stages (their chunks hold shards, not the whole model's layers).
-  void whole_model_only(char const* call) const;
+  // A float32 buffer laid out as chunk c of pipeline p's parameters: its master parameters, or one
+  // of its optimizer's state buffers.
+  using ChunkBuffer = std::function<Tensor(int pipeline, int c)>;
+  // Tensor-parallel stages: copies a buffer of the whole model (host, gpt(config)'s layout: its
+  // parameters or an optimizer's state) into every pipeline's local chunks' `buffer` (to_shards),
+  // or gathers it from replica 0's (the split parts from every rank, the replicated ones from rank
+  // 0; across processes collective); a tied head's copy of its rank's rows is made from wte's rows.
+  void tensor_parallel_whole(std::span<float> whole, bool to_shards, ChunkBuffer const& buffer);
+  // Every local chunk's compute copy of its master parameters, after they changed.
+  void sync_local_chunks();
+  // Tensor-parallel stages' save and load (tensor_parallel_checkpoint.cpp): through the whole
+  // model and its optimizer on the host, as TensorParallel saves; `read` reads the checkpoint's
+  // records (its errors, as every check, come before any chunk changes).
+  void save_tensor_parallel(std::filesystem::path const& path, io::TrainingState const& training);
+  io::TrainingState load_tensor_parallel(std::function<io::Checkpoint()> const& read, std::string const& source);
+  // What replica 0's chunks hold besides their buffers, gathered from every process: the number of
+  // state buffers of their optimizers (as many in every chunk, else Error(invalid_argument) naming
+  // `what`) and the whole model's per-layer RNG state.
+  struct ReplicaRecords {
+    std::int32_t buffers = 0;
+    std::vector<std::uint64_t> rng;
+  };
+  ReplicaRecords replica_records(std::string const& what);
   // Where each chunk's parameters sit in the whole model: the chunk's first `count` elements are
   // the whole model's [offset, offset + count); a tied head's copy of wte follows them.
   struct Span {

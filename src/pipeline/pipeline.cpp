@@ -132,12 +132,6 @@ nn::Sequential Executor::Impl::tensor_parallel_chunk(int r, std::size_t c) const
   return part;
 }
 
-void Executor::Impl::whole_model_only(char const* call) const {
-  if (tp > 1)
-    throw Error(Errc::invalid_argument, std::string("pipeline ") + call + " with tensor-parallel stages (tensor_parallel.ranks " +
-                                            std::to_string(tp) + "; expected tensor_parallel.ranks 1: the chunks hold shards)");
-}
-
 Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<std::size_t> cuts, Schedule schedule,
                    OptimizerFactory make_optimizer, ExecutorOptions options)
     : Executor(model, group, std::move(cuts), std::move(schedule),

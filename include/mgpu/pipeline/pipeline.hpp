@@ -162,11 +162,13 @@ class Executor {
   /// Copies `whole`'s master parameters into every replica's chunks.
   void scatter_parameters(nn::Sequential const& whole, Stream& stream);
   /// Saves the model as one device holds it, in io::save_training's format (a folder of shards
-  /// across processes), atomically. Throws Error(invalid_argument) when the chunks' optimizers hold
-  /// different numbers of state buffers, Error(io) when a process fails to write.
+  /// across processes), atomically; tensor-parallel stages' shards put together (collective across
+  /// processes). Throws Error(invalid_argument) when the chunks' optimizers hold different numbers
+  /// of state buffers, Error(io) when a process fails to write.
   void save(std::filesystem::path const& path, io::TrainingState const& state = {});
-  /// Loads save(), DataParallel::save() or io::save_training() into every replica, verifying all
-  /// first: on an error the executor is unchanged and the Error names the mismatch or damage.
+  /// Loads save(), DataParallel::save(), TensorParallel::save() or io::save_training() into every
+  /// replica (tensor-parallel stages: each rank its shard), verifying all first: on an error the
+  /// executor is unchanged and the Error names the mismatch or damage (the file and record).
   io::TrainingState load(std::filesystem::path const& path);
   /// load() of a folder already opened, reading only the pieces this process's chunks hold.
   io::TrainingState load(io::ShardedCheckpoint const& checkpoint);
