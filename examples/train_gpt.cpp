@@ -212,7 +212,6 @@ int run(Options o) {
        .adamw = {.lr = o.lr, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = o.weight_decay},
        .initial_parameters = init ? init->parameters : std::vector<float>{},
        .batch_size = o.batch_size,
-       .checkpoints = !o.checkpoint.empty(),
        .across_processes = processes > 1,
        .timeline = timeline,
        .metrics_job = exported || terminal ? "train_gpt" : "",  // timing costs ~0.2 us an action: only when read

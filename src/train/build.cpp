@@ -72,7 +72,6 @@ Trainer::Impl::Impl(nn::GptConfig const& gpt, DeviceGroup devices, ParallelConfi
   across = world.processes > 1;
   parallel.validate(config, {.batch_size = options.batch_size,
                              .devices = world.size(),
-                             .checkpoints = options.checkpoints,
                              .spelling = options.spelling,
                              .devices_text = options.devices_text});
 

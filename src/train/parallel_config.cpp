@@ -48,6 +48,12 @@ void ParallelConfig::validate(nn::GptConfig const& model, LayoutChecks const& ch
   int const size = checks.devices;
   std::string const devices_text = name("", "--devices ") + (name.flags ? checks.devices_text + " has " : "") +
                                    std::to_string(size) + " devices";
+  // A step's rows: at least one per replica (and per micro-batch of a pipeline).
+  auto const refuse_rows = [&](int least) {
+    refuse(name("batch_size ", "--batch-size ") + std::to_string(checks.batch_size) + " with " + n_dp + " " +
+           std::to_string(pipe || tp > 1 ? dp : size) + (pipe ? " and " + name("micro_batches ", "--micro-batches ") + std::to_string(micro_batches) : "") +
+           " (expected at least " + std::to_string(least) + ": one row per replica" + (pipe ? " and micro-batch)" : ")"));
+  };
   if (dp < 1 || tp < 1 || stages < 1 || micro_batches < 1 || chunks < 1)
     refuse(name("dp ", "--dp ") + std::to_string(dp) + ", " + n_tp + ", " + name("stages ", "--stages ") +
            std::to_string(stages) + ", " + name("micro_batches ", "--micro-batches ") + std::to_string(micro_batches) +
@@ -81,19 +87,15 @@ void ParallelConfig::validate(nn::GptConfig const& model, LayoutChecks const& ch
     if (size != devices())
       refuse(devices_text + " (expected " + n_dp + " x " + name("tp", "--tp") +
              (pipe ? " x " + name("stages", "--stages") + " = " : " = ") + std::to_string(devices()) + ")");
-    if (checks.batch_size > 0 && checks.batch_size < dp)
-      refuse(name("batch_size ", "--batch-size ") + std::to_string(checks.batch_size) + " with " + n_dp + " " +
-             std::to_string(dp) + " (expected at least one row per replica)");
-    if (pipe && checks.checkpoints)
-      refuse(n_tp + " with " + name("stages ", "--stages ") + std::to_string(stages) + " and " +
-             name("checkpoints", "--checkpoint") + " (expected " + name("checkpoints", "--checkpoint") +
-             " with " + name("tp", "--tp") + " alone: a pipeline's tensor-parallel chunks do not save yet)");
+    if (checks.batch_size > 0 && checks.batch_size < dp * (pipe ? micro_batches : 1))
+      refuse_rows(dp * (pipe ? micro_batches : 1));
     return;
   }
   if (pipe) {
     if (size != devices())
       refuse(devices_text + " (expected " + name("stages", "--stages") + " x " + n_dp + " = " +
              std::to_string(devices()) + ")");
+    if (checks.batch_size > 0 && checks.batch_size < dp * micro_batches) refuse_rows(dp * micro_batches);
     return;
   }
   if (micro_batches != 1)
@@ -103,6 +105,7 @@ void ParallelConfig::validate(nn::GptConfig const& model, LayoutChecks const& ch
     refuse(n_dp + " " + std::to_string(dp) + " with " + name("", "--devices ") +
            (name.flags ? checks.devices_text : std::to_string(size) + " devices") + " (expected the number of devices, " +
            std::to_string(size) + ": one replica per device)");
+  if (checks.batch_size > 0 && checks.batch_size < size) refuse_rows(size);
 }
 
 }  // namespace mgpu::train

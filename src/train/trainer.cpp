@@ -98,10 +98,6 @@ void Trainer::save(std::filesystem::path const& path, io::TrainingState const& s
     m.data_parallel->save(path, state);
     m.data_parallel->reshard();
   } else if (m.pipeline) {
-    if (m.parallel.tp > 1)
-      throw Error(Errc::invalid_argument, "save of a pipeline of tensor-parallel stages (tp " + std::to_string(m.parallel.tp) +
-                                              ", stages " + std::to_string(m.parallel.stages) +
-                                              ") to " + path.string() + " (expected tp alone: its chunks do not save yet)");
     m.pipeline->save(path, state);
   } else if (m.tensor) {
     m.tensor->save(path, state);

@@ -47,4 +47,5 @@ resume() {
 resume pipeline "--devices host:1 --stages 2" "--devices host:2 --stages 2" "$@"
 resume data-parallel "--devices host:1" "--devices host:2" "$@"
 resume tensor-parallel "--devices host:2 --dp 2 --tp 2" "--devices host:4 --dp 2 --tp 2" "$@"
-echo "ok: pipelined, data-parallel and tensor-parallel train_gpt over 2 processes resume from their checkpoints, on 2 processes and in one, with the same losses"
+resume grid "--devices host:4 --dp 2 --tp 2 --stages 2" "--devices host:8 --dp 2 --tp 2 --stages 2" "$@"
+echo "ok: pipelined, data-parallel, tensor-parallel and DP x TP x PP train_gpt over 2 processes resume from their checkpoints, on 2 processes and in one, with the same losses"

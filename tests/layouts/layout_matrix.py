@@ -85,7 +85,9 @@ IMPOSSIBLE = [
     ("tp2 sp --block-size=15", r"--sequence-parallel with --block-size 15 over --tp 2 \(expected a block size divisible by --tp\)"),
     ("tp2 --n-head=3 --n-embd=33", r"3 heads over 2 tensor-parallel ranks \(expected a group size dividing n_head\)"),
     ("dp2 pp:interleaved --micro-batches=3", r"interleaved 1F1B with 3 micro-batches on 2 devices \(expected a multiple of the device count\)"),
-    ("dp2 tp2 --batch-size=1", r"--batch-size 1 with --dp 2 \(expected at least one row per replica\)"),
+    ("dp2 tp2 --batch-size=1", r"--batch-size 1 with --dp 2 \(expected at least 2: one row per replica\)"),
+    ("dp2 --batch-size=1", r"--batch-size 1 with --dp 2 \(expected at least 2: one row per replica\)"),
+    ("pp:1f1b --batch-size=1", r"--batch-size 1 with --dp 1 and --micro-batches 2 \(expected at least 2: one row per replica and micro-batch\)"),
     ("dp2 tp2 --devices=host:3", r"--devices host:3 has 3 devices \(expected --dp x --tp = 4\)"),
     ("pp:1f1b --devices=host:3", r"--devices host:3 has 3 devices \(expected --stages x --dp = 2\)"),
     ("--zero=4", r"--zero 4 \(expected 0, the replicated update, 1"),
@@ -94,15 +96,7 @@ IMPOSSIBLE = [
 
 # Fail today (findings): each still fails as described, or the part fails asking to move it to
 # IMPOSSIBLE (the refusal it expects, before any work) or CHECKED once train_gpt is fixed.
-FAILING_TODAY = [
-    # Pure data parallelism over more devices than rows trains every step, then fails in the memory
-    # model's prediction for the JSON line ("predict_gpt_memory with data_parallel 2, ... and 1
-    # rows"); --tp and pipelines refuse such a batch before any work.
-    ("dp2 --batch-size=1", r"--batch-size 1 with --dp 2 \(expected at least one row per replica\)"),
-    # A pipeline's batch of fewer rows than micro-batches is refused, naming why, but at the first
-    # step: after the stages' chunks were cut, materialized and the model printed.
-    ("pp:1f1b --batch-size=1", r"a batch of 1 rows cannot be split into 1 replica\(s\) x 2 micro-batches \(expected at least one row"),
-]
+FAILING_TODAY = []
 
 # Across processes (mpirun -np 2, each process half the devices), against the same curves.
 DIST = ["dp2", "dp2 zero2 full", "dp2 zero3", "tp2 fp16 full", "dp2 tp2 sp bf16", "pp:1f1b fp16 selective", "tp2 pp:gpipe",

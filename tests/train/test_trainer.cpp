@@ -158,6 +158,8 @@ TEST_CASE("the trainer refuses impossible layouts before any work, naming the fi
   train::ParallelConfig const layer_split{.stages = 2, .schedule = "layer-split", .micro_batches = 2};
   REQUIRE_MGPU_ERROR(layer_split.validate(config, {.devices = 2, .spelling = train::Spelling::flags}), Errc::invalid_argument,
                      "--schedule layer-split with --micro-batches 2 (expected 1");
-  REQUIRE_MGPU_ERROR((train::ParallelConfig{.tp = 2, .stages = 2}.validate(config, {.devices = 4, .checkpoints = true})),
-                     Errc::invalid_argument, "tp 2 with stages 2 and checkpoints (expected checkpoints with tp alone");
+  REQUIRE_MGPU_ERROR((train::ParallelConfig{.stages = 2, .micro_batches = 2}.validate(config, {.batch_size = 1, .devices = 2})),
+                     Errc::invalid_argument, "batch_size 1 with dp 1 and micro_batches 2 (expected at least 2: one row per replica and micro-batch)");
+  REQUIRE_MGPU_ERROR((train::ParallelConfig{.dp = 2}.validate(config, {.batch_size = 1, .devices = 2, .spelling = train::Spelling::flags})),
+                     Errc::invalid_argument, "--batch-size 1 with --dp 2 (expected at least 2: one row per replica)");
 }

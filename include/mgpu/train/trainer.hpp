@@ -38,7 +38,6 @@ enum class Spelling { fields, flags };
 struct LayoutChecks {
   std::int64_t batch_size = 0;  ///< rows of a step (0: not checked)
   int devices = 1;              ///< the devices (across processes, the world's)
-  bool checkpoints = false;     ///< whether the run will save()
   Spelling spelling = Spelling::fields;
   std::string devices_text{};  ///< how the devices were named ("host:3"), for the messages
 };
@@ -77,7 +76,7 @@ struct ParallelConfig {
   /// Throws Error(invalid_argument) naming the field (or flag) and the value expected for what
   /// cannot run: e.g. zero outside 0 to 3 or >= 2 in 16 bits, zero or a bucket cap with a pipeline
   /// or tp, sequence parallelism without tp >= 2 dividing the block size, another device count
-  /// than the layout's, checkpoints of a pipeline of tensor-parallel stages.
+  /// than the layout's.
   void validate(nn::GptConfig const& model, LayoutChecks const& checks) const;
 };
 
@@ -88,7 +87,6 @@ struct TrainerOptions {
   optim::AdamWOptions adamw{};
   std::vector<float> initial_parameters{};  ///< gpt(config)'s float32 parameters to start from (empty: the seed's)
   std::int64_t batch_size = 1;              ///< rows of a step: the pipeline's cuts and validation
-  bool checkpoints = false;                 ///< whether save() will be called (validated up front)
   /// Span every process's devices (dist::make_world, collective; needs dist::init()); else this
   /// process's group only.
   bool across_processes = false;
