@@ -171,6 +171,7 @@ void TensorParallel::save(std::filesystem::path const& path, io::TrainingState c
   Impl& im = *impl_;
   if (!im.broken.empty()) throw Error(Errc::invalid_argument, "TensorParallel::save: " + im.broken);
   im.group->synchronize();
+  im.gather_optimizer_state();  // ZeRO: every rank's whole (the next step shards it again)
   nn::Sequential const& shard = im.shards[0];
   // The optimizers are stepped together: every rank holds as many state buffers, whole ones.
   std::vector<optim::NamedTensor> const state_buffers = im.optimizers[0]->state();
@@ -232,6 +233,7 @@ io::TrainingState TensorParallel::load(std::filesystem::path const& path) {
   Impl& im = *impl_;
   if (!im.broken.empty()) throw Error(Errc::invalid_argument, "TensorParallel::load: " + im.broken);
   im.group->synchronize();
+  im.gather_optimizer_state();  // ZeRO: laid out whole to be filled (the next step shards it again)
   // Read and verify everything into the whole model first (every process, from the same files):
   // the shards change only once every process has.
   std::exception_ptr failure;

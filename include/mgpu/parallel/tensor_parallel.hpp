@@ -262,6 +262,13 @@ struct TensorParallelOptions {
   std::function<std::unique_ptr<optim::Optimizer>(nn::Sequential const& shard)> optimizer{};
   float clip_norm = 0.0f;                          ///< the global norm to clip to, > 0 (0: off)
   int data_parallel = 1;                           ///< A replicas of T consecutive ranks; A must divide the group size
+  /// ZeRO over the replicas, by DataParallel's gradient sync (per tensor-parallel index): 0
+  /// replicated update, 1 sharded update and optimizer state, 2 sharded gradients too (float32
+  /// compute only). Each rank's optimizer then holds about 1/A of its shard's state.
+  int zero_stage = 0;
+  /// The replicas' gradient buckets: the cap of one, and of the first (last layers') one.
+  std::size_t bucket_cap_bytes = std::size_t{25} << 20;
+  std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;
   bool sequence_parallel = false;                  ///< split by tokens between regions; T divides the sequence
   DType compute = DType::float32;                  ///< float32, bfloat16 or float16, with float32 masters
   std::optional<optim::LossScaler> loss_scaler{};  ///< dynamic loss scaling, alike on every rank
