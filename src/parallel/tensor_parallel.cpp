@@ -147,6 +147,10 @@ class TensorParallelSync final : public nn::GradientSync {
     if (data_ != nullptr) data_->gather_updated(compute);
   }
   [[nodiscard]] Tensor owned_gradients() const override { return data_ != nullptr ? data_->owned_gradients() : Tensor{}; }
+  [[nodiscard]] Tensor owned_parameters() const override { return data_ != nullptr ? data_->owned_parameters() : Tensor{}; }
+  void before_layer(std::size_t layer, bool backward, Stream& compute) override {
+    if (data_ != nullptr) data_->before_layer(layer, backward, compute);
+  }
 
  private:
   nn::Sequential const& shard_;
@@ -231,7 +235,7 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
     throw Error(Errc::invalid_argument, "TensorParallel: compute " + std::string(to_string(options.compute)) +
                                             " (expected float32, bfloat16 or float16)");
   DataParallelOptions const data_options = data_parallel_options(options);
-  detail::check_zero_stage(data_options, "TensorParallel", 2);
+  detail::check_zero_stage(data_options, "TensorParallel");
   int const replicas = options.data_parallel;
   bool const across = static_cast<bool>(options.make_communicator);
   if (across) {
@@ -340,18 +344,31 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
     }
   }
   group.synchronize();
+  im.shard_parameters();  // zero_stage 3: each rank keeps its owned parameters only
 }
 
 TensorParallel::~TensorParallel() = default;
 
+std::vector<optim::Optimizer*> TensorParallel::Impl::replica_optimizers(std::size_t t) const {
+  std::vector<optim::Optimizer*> out;
+  for (std::size_t r = 0; r < syncs.size(); ++r)
+    if (mesh.coordinate(first + static_cast<int>(r), "tp") == static_cast<int>(t)) out.push_back(optimizers[r].get());
+  return out;
+}
+
 void TensorParallel::Impl::gather_optimizer_state() {
-  for (std::size_t t = 0; t < data_syncs.size(); ++t) {
-    if (!data_syncs[t]) continue;
-    std::vector<optim::Optimizer*> mine;
-    for (std::size_t r = 0; r < syncs.size(); ++r)
-      if (mesh.coordinate(first + static_cast<int>(r), "tp") == static_cast<int>(t)) mine.push_back(optimizers[r].get());
-    data_syncs[t]->gather_optimizer_state(mine);
-  }
+  for (std::size_t t = 0; t < data_syncs.size(); ++t)
+    if (data_syncs[t]) data_syncs[t]->gather_optimizer_state(replica_optimizers(t));
+}
+
+void TensorParallel::Impl::gather_whole() {
+  for (auto const& sync : data_syncs)
+    if (sync) sync->gather_whole();
+}
+
+void TensorParallel::Impl::shard_parameters() {
+  for (std::size_t t = 0; t < data_syncs.size(); ++t)
+    if (data_syncs[t]) data_syncs[t]->shard_parameters(replica_optimizers(t));
 }
 
 int TensorParallel::size() const noexcept { return impl_->replicas * impl_->ranks; }
@@ -361,7 +378,11 @@ optim::LossScaler const* TensorParallel::loss_scaler() const noexcept {
 int TensorParallel::data_parallel() const noexcept { return impl_->replicas; }
 int TensorParallel::tensor_parallel() const noexcept { return impl_->ranks; }
 
-nn::Sequential& TensorParallel::shard(int rank) { return impl_->shards.at(static_cast<std::size_t>(rank)); }
+nn::Sequential& TensorParallel::shard(int rank) {
+  nn::Sequential& shard = impl_->shards.at(static_cast<std::size_t>(rank));
+  impl_->gather_whole();
+  return shard;
+}
 
 void TensorParallel::Impl::report_times() {
   std::vector<metrics::DeviceTimes> times;
@@ -423,7 +444,10 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
       auto const r = static_cast<std::size_t>(rank);
       nn::Context ctx{allocator, stream, offsets[a]};
       // ZeRO: the optimizer's state for the rank's owned elements only (nothing once it is).
-      if (detail::RankSync* data = im.syncs[r]->data()) data->shard_optimizer_state(*im.optimizers[r], allocator, stream);
+      if (detail::RankSync* data = im.syncs[r]->data()) {
+        data->shard_optimizer_state(*im.optimizers[r], allocator, stream);
+        data->shard_parameters(*im.optimizers[r], allocator, stream);  // zero_stage 3, when gathered whole
+      }
       nn::StepResult const step =
           nn::train_step(im.shards[r], *im.optimizers[r], local(ids), local(targets), im.losses[r], ctx,
                          {.lr_scale = lr_scale,

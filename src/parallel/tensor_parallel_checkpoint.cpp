@@ -150,6 +150,7 @@ void TensorParallel::Impl::from_whole(std::span<float const> values, ShardBuffer
 
 std::vector<float> TensorParallel::gather_parameters() {
   Impl& im = *impl_;
+  im.gather_whole();  // zero_stage 3
   return im.to_whole([&im](int rank) { return im.shards[static_cast<std::size_t>(rank)].master_parameters(); });
 }
 
@@ -159,6 +160,7 @@ void TensorParallel::scatter_parameters(std::span<float const> values) {
   if (values.size() != static_cast<std::size_t>(expected))
     throw Error(Errc::invalid_argument, "TensorParallel::scatter_parameters: " + std::to_string(values.size()) +
                                             " values (expected gpt(config)'s " + std::to_string(expected) + ")");
+  im.gather_whole();  // zero_stage 3: the next step keeps the owned parameters of these
   im.from_whole(values, [&im](int rank) { return im.shards[static_cast<std::size_t>(rank)].master_parameters(); });
   for (int rank = 0; rank < im.group->size(); ++rank) {
     Stream& stream = im.group->stream(rank);

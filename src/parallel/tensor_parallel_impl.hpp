@@ -50,8 +50,14 @@ struct TensorParallel::Impl {
   // where this process drives none of them).
   std::vector<std::unique_ptr<detail::GradientSync>> data_syncs;
   // Every data-parallel sync's optimizer state whole again (before a save or load; the next step
-  // shards it again).
+  // shards it again); with zero_stage 3 the parameters too.
   void gather_optimizer_state();
+  // zero_stage 3: every shard's parameters whole (gather_whole), or each rank keeping its owned
+  // ones only (shard_parameters); nothing otherwise. Collective over each tensor-parallel index's replicas.
+  void gather_whole();
+  void shard_parameters();
+  // The optimizers of this process's ranks of tensor-parallel index t, in replica order.
+  [[nodiscard]] std::vector<optim::Optimizer*> replica_optimizers(std::size_t t) const;
   std::vector<VocabParallelCrossEntropy> losses;
   // The communicators above, in the order they were made, made anew after a failed step.
   std::vector<comm::detail::Renewable*> renewable;

@@ -1,9 +1,10 @@
 // ZeRO over tensor parallelism's data-parallel replicas (TensorParallelOptions::zero_stage): each
 // tensor-parallel index's replicas share DataParallel's gradient sync, which shards the update and
-// the optimizer state (stage 1) and the gradients (stage 2). DP 2 x TP 2, with and without sequence
-// parallelism, with clipping and without, follows the one device's curve and the replicated update's
-// (stage 0) in float32; in bfloat16 and float16 the one device's 16-bit curve; each rank keeps half
-// of its shard's optimizer state; checkpoints hold the whole state and continue.
+// the optimizer state (stage 1), the gradients (stage 2) and the parameters (stage 3). DP 2 x TP 2,
+// with and without sequence parallelism, with clipping and without, follows the one device's curve
+// and the replicated update's (stage 0) in float32; ZeRO-1 in bfloat16 and float16 the one
+// device's 16-bit curve; each rank keeps half of its shard's optimizer state (and at stages 2 and 3
+// less of its gradients and parameters); checkpoints hold the whole state and continue.
 #include <cstdint>
 #include <filesystem>
 #include <optional>
@@ -110,7 +111,7 @@ TEST_CASE("DP 2 x TP 2 with ZeRO-1 and ZeRO-2, with and without sequence paralle
   for (bool const sp : {false, true}) {
     for (float const c : {clip, 0.0f}) {  // without clipping the update runs at the commit point
       std::vector<double> stage0;
-      for (int const zero : {0, 1, 2}) {
+      for (int const zero : {0, 1, 2, 3}) {
         CAPTURE(sp, c, zero);
         mgpu::DeviceGroup group("host:4");
         par::TensorParallel tp(group, config, options(zero, c, sp));
@@ -131,7 +132,7 @@ TEST_CASE("DP 2 x TP 2 with ZeRO-1 and ZeRO-2, with and without sequence paralle
   }
 }
 
-TEST_CASE("ZeRO-1 over tensor parallelism's replicas halves each rank's optimizer state; ZeRO-2 its gradients too",
+TEST_CASE("ZeRO over tensor parallelism's replicas halves each rank's optimizer state (1), gradients (2) and parameters (3)",
           "[parallel][tensor][zero][memory]") {
   Env env;
   auto const bs = batches(env, 2);
@@ -139,19 +140,23 @@ TEST_CASE("ZeRO-1 over tensor parallelism's replicas halves each rank's optimize
   // gradients take less than the whole gradient buffer.
   nn::GptConfig deep = config;
   deep.n_layer = 8;
-  std::vector<std::vector<std::size_t>> held(3);
+  std::vector<std::vector<std::size_t>> held(4), peak(4);
   std::vector<std::int64_t> parameters;
-  for (int const zero : {0, 1, 2}) {
+  for (int const zero : {0, 1, 2, 3}) {
     mgpu::DeviceGroup group("host:4");
     par::TensorParallel tp(group, deep, options(zero, 0.2f));
+    for (int r = 0; r < 4; ++r) group.allocator(r).reset_peak();
     (void)run(tp, bs, 0, bs.size());
     group.synchronize();  // host streams' queued work holds tensors until it has run
-    for (int r = 0; r < 4; ++r) held[static_cast<std::size_t>(zero)].push_back(group.allocator(r).stats().allocated);
+    for (int r = 0; r < 4; ++r) {
+      held[static_cast<std::size_t>(zero)].push_back(group.allocator(r).stats().allocated);
+      peak[static_cast<std::size_t>(zero)].push_back(group.allocator(r).stats().peak_allocated);
+    }
     if (zero == 0)
       for (int r = 0; r < 4; ++r) parameters.push_back(tp.shard(r).parameter_count());
   }
   for (std::size_t r = 0; r < 4; ++r) {
-    CAPTURE(r, held[0][r], held[1][r], held[2][r], parameters[r]);
+    CAPTURE(r, held[0][r], held[1][r], held[2][r], held[3][r], peak[1][r], peak[3][r], parameters[r]);
     // AdamW's two state buffers of float32 per parameter: stage 1 keeps half of them (plus fewer
     // elements than the ranks per bucket past the blocks, and the blocks' rounding).
     auto const state = static_cast<double>(2 * sizeof(float) * static_cast<std::size_t>(parameters[r]));
@@ -160,6 +165,10 @@ TEST_CASE("ZeRO-1 over tensor parallelism's replicas halves each rank's optimize
     CHECK(saved < 0.53 * state);
     // The gradients: the owned half and two staging buckets (of about 1/8 each) for the whole.
     CHECK(static_cast<double>(held[2][r]) < static_cast<double>(held[1][r]) - 0.1 * state / 2);
+    // Stage 3 keeps the owned half of the parameters and the embeddings' unit (the others come
+    // and go), and peaks below stage 1.
+    CHECK(static_cast<double>(held[3][r]) < static_cast<double>(held[2][r]) - 0.6 * state / 2);
+    CHECK(peak[3][r] < peak[1][r]);
   }
 }
 
@@ -184,7 +193,7 @@ TEST_CASE("ZeRO-1 over tensor parallelism's replicas in bfloat16 and float16 fol
   }
 }
 
-TEST_CASE("A ZeRO-1 or ZeRO-2 DP 2 x TP 2 checkpoint holds the whole optimizer state and continues",
+TEST_CASE("A ZeRO-1, 2 or 3 DP 2 x TP 2 checkpoint holds the whole optimizer state and continues",
           "[parallel][tensor][zero][checkpoint]") {
   Env env;
   auto const bs = batches(env, 6);
@@ -192,7 +201,7 @@ TEST_CASE("A ZeRO-1 or ZeRO-2 DP 2 x TP 2 checkpoint holds the whole optimizer s
   fs::path const dir = mgpu::test::temp_path("mgpu-tp-zero-checkpoint");
   fs::remove_all(dir);
   fs::create_directories(dir);
-  for (int const zero : {1, 2}) {
+  for (int const zero : {1, 2, 3}) {
     CAPTURE(zero);
     fs::path const file = dir / ("zero" + std::to_string(zero) + ".ckpt");
     std::vector<double> rest;
@@ -232,12 +241,12 @@ TEST_CASE("A ZeRO-1 or ZeRO-2 DP 2 x TP 2 checkpoint holds the whole optimizer s
   fs::remove_all(dir);
 }
 
-TEST_CASE("TensorParallel refuses a ZeRO stage it does not have, and ZeRO-2 in 16 bits, before any work",
+TEST_CASE("TensorParallel refuses a ZeRO stage that does not exist, and ZeRO-2 in 16 bits, before any work",
           "[parallel][tensor][zero]") {
   mgpu::DeviceGroup group("host:4");
-  REQUIRE_MGPU_ERROR(par::TensorParallel(group, config, options(3, 0.0f)), mgpu::Errc::invalid_argument,
-                     "TensorParallel: zero_stage 3 (expected 0, replicated update, 1, sharded update and optimizer state, "
-                     "or 2, sharded gradients too)");
+  REQUIRE_MGPU_ERROR(par::TensorParallel(group, config, options(4, 0.0f)), mgpu::Errc::invalid_argument,
+                     "TensorParallel: zero_stage 4 (expected 0, replicated update, 1, sharded update and optimizer state, "
+                     "2, sharded gradients too, or 3, sharded parameters too)");
   REQUIRE_MGPU_ERROR(par::TensorParallel(group, config, options(-1, 0.0f)), mgpu::Errc::invalid_argument,
                      "TensorParallel: zero_stage -1 (expected 0");
   REQUIRE_MGPU_ERROR(par::TensorParallel(group, config, options(2, 0.0f, false, DType::bfloat16)), mgpu::Errc::invalid_argument,
