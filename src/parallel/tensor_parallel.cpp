@@ -133,12 +133,14 @@ class TensorParallelSync final : public nn::GradientSync {
   void sum_over_ranks(Tensor const& values, Stream& compute) override {
     if (data_ != nullptr && !data_->owned().empty()) {
       // The ranks of other tensor-parallel indices own other counts of ranges: each sums its own
-      // first, into the first value (the step adds the values up).
-      Tensor const total = Tensor::empty({1}, DType::float32, allocator_);
-      ops::sum(values, total, compute);
+      // first; every rank's sum is gathered and added up in rank order into the first value (the
+      // step adds the values up), the same bits in one process as across processes.
+      Tensor const mine = Tensor::empty({1}, DType::float32, allocator_);
+      Tensor const every = Tensor::empty({all_.size()}, DType::float32, allocator_);
+      ops::sum(values, mine, compute);
+      all_.all_gather(all_rank_, mine, every, compute);
       fill_async(values, 0.0f, compute);
-      copy_async(values.slice(0, 1), total, compute);
-      all_.all_reduce(all_rank_, values.slice(0, 1), values.slice(0, 1), ReduceOp::sum, compute);
+      ops::sum(every, values.slice(0, 1), compute);
     } else {
       comm_.all_reduce(rank_, values, values, ReduceOp::sum, compute);
     }
