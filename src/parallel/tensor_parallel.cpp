@@ -392,6 +392,10 @@ void TensorParallel::Impl::report_times() {
     auto const r = static_cast<std::size_t>(rank);
     double wait = 0;
     for (comm::detail::Renewable const* comm : renewable) wait += comm->seconds(group->stream(rank));
+    // The replicas' reduces run on the data-parallel sync's stream: the rank's stream waits for them
+    // (measured on host devices).
+    if (detail::RankSync const* data = syncs[r]->data(); data != nullptr && group->device(rank).kind == DeviceKind::host)
+      wait += data->wait_ms() / 1e3;
     double const total = std::max(0.0, Event::elapsed_ms(step_start[r], step_end[r]) / 1e3);
     wait = std::min(wait, total);  // both from the same stream's events; rounding aside
     times.push_back({.rank = rank, .device = group->device(rank), .compute_seconds = total - wait, .wait_seconds = wait});

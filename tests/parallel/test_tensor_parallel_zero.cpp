@@ -100,7 +100,7 @@ Curve one_device(Env& env, std::vector<TokenBatch> const& bs, float clip, DType 
 
 }  // namespace
 
-TEST_CASE("DP 2 x TP 2 with ZeRO-1 and ZeRO-2, with and without sequence parallelism, trains as ZeRO-0 and one device",
+TEST_CASE("DP 2 x TP 2 with ZeRO-1, 2 and 3, with and without sequence parallelism, trains as ZeRO-0 and one device",
           "[parallel][tensor][zero]") {
   Env env;
   auto const bs = batches(env, 6);
