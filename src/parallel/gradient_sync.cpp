@@ -87,7 +87,10 @@ void check_zero_stage(DataParallelOptions const& options, std::string const& who
 }
 
 std::vector<Bucket> plan_buckets(nn::Sequential const& model, std::size_t first_cap_bytes, std::size_t cap_bytes) {
-  std::vector<nn::ParameterRange> const ranges = model.parameter_ranges();
+  return plan_buckets(model.parameter_ranges(), first_cap_bytes, cap_bytes);
+}
+
+std::vector<Bucket> plan_buckets(std::vector<nn::ParameterRange> const& ranges, std::size_t first_cap_bytes, std::size_t cap_bytes) {
   auto const bytes = [](std::int64_t begin, std::int64_t end) { return static_cast<std::size_t>(end - begin) * sizeof(float); };
   std::vector<Bucket> buckets;
   for (auto r = ranges.rbegin(); r != ranges.rend(); ++r) {
@@ -101,10 +104,12 @@ std::vector<Bucket> plan_buckets(nn::Sequential const& model, std::size_t first_
   return buckets;
 }
 
-std::vector<Bucket> plan_units(nn::Sequential const& model) {
-  std::vector<nn::ParameterRange> const ranges = model.parameter_ranges();
+std::vector<Bucket> plan_units(nn::Sequential const& model) { return plan_units(model.structure_parts(), model.parameter_ranges()); }
+
+std::vector<Bucket> plan_units(std::vector<std::pair<std::size_t, std::size_t>> const& parts,
+                               std::vector<nn::ParameterRange> const& ranges) {
   std::vector<Bucket> units;
-  for (auto const& [first, end] : model.structure_parts()) {
+  for (auto const& [first, end] : parts) {
     Bucket unit{};
     bool any = false;
     for (nn::ParameterRange const& r : ranges) {
@@ -120,8 +125,13 @@ std::vector<Bucket> plan_units(nn::Sequential const& model) {
 }
 
 std::vector<Bucket> plan_buckets(nn::Sequential const& model, DataParallelOptions const& options) {
-  if (options.zero_stage >= 3 && options.zero3_block_units) return plan_units(model);
-  return plan_buckets(model, options.first_bucket_cap_bytes, options.bucket_cap_bytes);
+  return plan_buckets(model.structure_parts(), model.parameter_ranges(), options);
+}
+
+std::vector<Bucket> plan_buckets(std::vector<std::pair<std::size_t, std::size_t>> const& parts,
+                                 std::vector<nn::ParameterRange> const& ranges, DataParallelOptions const& options) {
+  if (options.zero_stage >= 3 && options.zero3_block_units) return plan_units(parts, ranges);
+  return plan_buckets(ranges, options.first_bucket_cap_bytes, options.bucket_cap_bytes);
 }
 
 RankSync::RankSync(detail::GradientSync& sync, int rank, nn::Sequential& model, Stream comm_stream)

@@ -38,11 +38,19 @@ namespace mgpu::parallel::detail {
 
 /// Buckets of whole layers, last layer first: the first up to `first_cap_bytes` of float32
 /// gradients, the others up to `cap_bytes` (a layer larger than the cap is a bucket alone).
+/// `ranges`: a model's parameter ranges (nn::Sequential::parameter_ranges()).
+std::vector<Bucket> plan_buckets(std::vector<nn::ParameterRange> const& ranges, std::size_t first_cap_bytes, std::size_t cap_bytes);
 std::vector<Bucket> plan_buckets(nn::Sequential const& model, std::size_t first_cap_bytes, std::size_t cap_bytes);
-/// One bucket per part of the model's structure (nn::Sequential::structure_parts()), last part first.
+/// One bucket per part of the model's structure (`parts`, nn::Sequential::structure_parts()), last
+/// part first.
+std::vector<Bucket> plan_units(std::vector<std::pair<std::size_t, std::size_t>> const& parts,
+                               std::vector<nn::ParameterRange> const& ranges);
 std::vector<Bucket> plan_units(nn::Sequential const& model);
 /// The buckets DataParallel reduces (and with zero_stage 3 gathers) with these options: ZeRO-3's
-/// units (plan_units) by default (zero3_block_units), else plan_buckets' of the caps.
+/// units (plan_units) by default (zero3_block_units), else plan_buckets' of the caps. `parts` and
+/// `ranges` as a model's (which a memory model may lay out without one).
+std::vector<Bucket> plan_buckets(std::vector<std::pair<std::size_t, std::size_t>> const& parts,
+                                 std::vector<nn::ParameterRange> const& ranges, DataParallelOptions const& options);
 std::vector<Bucket> plan_buckets(nn::Sequential const& model, DataParallelOptions const& options);
 
 /// Throws Error(invalid_argument), prefixed by `who`, for a zero_stage outside 0 to `max_stage` or

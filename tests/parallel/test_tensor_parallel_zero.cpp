@@ -5,6 +5,7 @@
 // and the replicated update's (stage 0) in float32; ZeRO-1 in bfloat16 and float16 the one
 // device's 16-bit curve; each rank keeps half of its shard's optimizer state (and at stages 2 and 3
 // less of its gradients and parameters); checkpoints hold the whole state and continue.
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <optional>
@@ -18,6 +19,7 @@
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/optim/optim.hpp>
+#include <mgpu/parallel/memory_model.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 
 #include "support/catch.hpp"
@@ -132,7 +134,8 @@ TEST_CASE("DP 2 x TP 2 with ZeRO-1, 2 and 3, with and without sequence paralleli
   }
 }
 
-TEST_CASE("ZeRO over tensor parallelism's replicas halves each rank's optimizer state (1), gradients (2) and parameters (3)",
+TEST_CASE("ZeRO over tensor parallelism's replicas halves each rank's optimizer state (1), gradients (2) and parameters (3), "
+          "as the memory model predicts",
           "[parallel][tensor][zero][memory]") {
   Env env;
   auto const bs = batches(env, 2);
@@ -141,6 +144,7 @@ TEST_CASE("ZeRO over tensor parallelism's replicas halves each rank's optimizer 
   nn::GptConfig deep = config;
   deep.n_layer = 8;
   std::vector<std::vector<std::size_t>> held(4), peak(4);
+  std::vector<std::vector<par::GptMemory>> predicted;  // the memory model's, per stage
   std::vector<std::int64_t> parameters;
   for (int const zero : {0, 1, 2, 3}) {
     mgpu::DeviceGroup group("host:4");
@@ -154,6 +158,8 @@ TEST_CASE("ZeRO over tensor parallelism's replicas halves each rank's optimizer 
     }
     if (zero == 0)
       for (int r = 0; r < 4; ++r) parameters.push_back(tp.shard(r).parameter_count());
+    predicted.push_back(par::predict_gpt_memory(
+        deep, 4, {.data_parallel = 2, .tensor_parallel = 2, .zero_stage = zero, .bucket_cap_bytes = 8 << 10, .first_bucket_cap_bytes = 4 << 10}));
   }
   for (std::size_t r = 0; r < 4; ++r) {
     CAPTURE(r, held[0][r], held[1][r], held[2][r], held[3][r], peak[1][r], peak[3][r], parameters[r]);
@@ -169,6 +175,15 @@ TEST_CASE("ZeRO over tensor parallelism's replicas halves each rank's optimizer 
     // and go), and peaks below stage 1.
     CHECK(static_cast<double>(held[3][r]) < static_cast<double>(held[2][r]) - 0.6 * state / 2);
     CHECK(peak[3][r] < peak[1][r]);
+    // The memory model lays out each rank's shard's buckets as the sync does: the state and the
+    // gradients it saves are those measured, and its peaks are the measured ones within 0.5%.
+    CHECK(held[0][r] - held[1][r] == predicted[0][r].optimizer - predicted[1][r].optimizer);
+    CHECK(held[1][r] - held[2][r] == predicted[1][r].gradients - predicted[2][r].gradients);
+    for (std::size_t zero = 0; zero < 4; ++zero) {
+      CAPTURE(zero, predicted[zero][r].total());
+      CHECK(std::abs(static_cast<double>(predicted[zero][r].total()) - static_cast<double>(peak[zero][r])) <=
+            0.005 * static_cast<double>(peak[zero][r]));
+    }
   }
 }
 
