@@ -181,7 +181,6 @@ DataParallelOptions data_parallel_options(TensorParallelOptions const& options) 
   out.bucket_cap_bytes = options.bucket_cap_bytes;
   out.first_bucket_cap_bytes = options.first_bucket_cap_bytes;
   out.compute = options.compute;
-  out.comm = options.comm;
   out.timeline = options.timeline;
   return out;
 }
@@ -321,7 +320,6 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
     nn::Context ctx{group.allocator(rank), stream};
     im.shards[static_cast<std::size_t>(rank)].materialize(ctx, im.options.seed, im.options.compute);
   });
-  group.synchronize();
   // Each tensor-parallel index's replicas, alike Sequentials, share a data-parallel gradient sync
   // over its "dp" communicator (made where this process drives one of its ranks).
   std::vector<std::vector<int>> const replica_groups = im.mesh.groups("dp");
