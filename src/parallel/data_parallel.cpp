@@ -52,24 +52,7 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
   if (!(options.clip_norm == 0 || (options.clip_norm > 0 && std::isfinite(options.clip_norm))))
     throw Error(Errc::invalid_argument,
                 "DataParallel: clip_norm " + std::to_string(options.clip_norm) + " (expected 0 for no clipping, or a finite norm > 0)");
-  if (options.zero_stage < 0 || options.zero_stage > 3)
-    throw Error(Errc::invalid_argument,
-                "DataParallel: zero_stage " + std::to_string(options.zero_stage) +
-                    " (expected 0, replicated update, 1, sharded update and optimizer state, 2, sharded gradients too, or 3, "
-                    "sharded parameters too)");
-  if (options.zero_stage >= 2) {
-    std::string const stage = "DataParallel: zero_stage " + std::to_string(options.zero_stage);
-    if (options.compute != DType::float32)
-      throw Error(Errc::invalid_argument, stage + " with " + std::string(to_string(options.compute)) +
-                                              " compute (expected float32: sharded gradients are float32 only for now)");
-    if (options.comm_hook)
-      throw Error(Errc::invalid_argument, stage + " with the comm hook " + options.comm_hook->name() +
-                                              " (expected none: a hook reduces whole buckets, which sharded gradients do not keep)");
-    if (!options.overlap)
-      throw Error(Errc::invalid_argument,
-                  stage + " without overlap (expected overlap on: each bucket is reduced as soon as "
-                          "backward has written it, so the next buckets can reuse its staging buffer)");
-  }
+  detail::check_zero_stage(options, "DataParallel");
   if (!make_optimizer)
     throw Error(Errc::invalid_argument, "DataParallel without an optimizer factory (expected a function that makes an optimizer)");
   if (options.request && options.make_communicator)

@@ -63,8 +63,34 @@ std::int64_t now_ns() {
 }
 }  // namespace
 
+void check_zero_stage(DataParallelOptions const& options, std::string const& who, int max_stage) {
+  static char const* const stages[] = {"0, replicated update", "1, sharded update and optimizer state", "2, sharded gradients too",
+                                       "3, sharded parameters too"};
+  if (options.zero_stage < 0 || options.zero_stage > max_stage) {
+    std::string expected;
+    for (int s = 0; s <= max_stage; ++s) expected += (s == 0 ? "" : s == max_stage ? ", or " : ", ") + std::string(stages[s]);
+    throw Error(Errc::invalid_argument, who + ": zero_stage " + std::to_string(options.zero_stage) + " (expected " + expected + ")");
+  }
+  if (options.zero_stage >= 2) {
+    std::string const stage = who + ": zero_stage " + std::to_string(options.zero_stage);
+    if (options.compute != DType::float32)
+      throw Error(Errc::invalid_argument, stage + " with " + std::string(to_string(options.compute)) +
+                                              " compute (expected float32: sharded gradients are float32 only for now)");
+    if (options.comm_hook)
+      throw Error(Errc::invalid_argument, stage + " with the comm hook " + options.comm_hook->name() +
+                                              " (expected none: a hook reduces whole buckets, which sharded gradients do not keep)");
+    if (!options.overlap)
+      throw Error(Errc::invalid_argument,
+                  stage + " without overlap (expected overlap on: each bucket is reduced as soon as "
+                          "backward has written it, so the next buckets can reuse its staging buffer)");
+  }
+}
+
 std::vector<Bucket> plan_buckets(nn::Sequential const& model, std::size_t first_cap_bytes, std::size_t cap_bytes) {
-  std::vector<nn::ParameterRange> const ranges = model.parameter_ranges();
+  return plan_buckets(model.parameter_ranges(), first_cap_bytes, cap_bytes);
+}
+
+std::vector<Bucket> plan_buckets(std::vector<nn::ParameterRange> const& ranges, std::size_t first_cap_bytes, std::size_t cap_bytes) {
   auto const bytes = [](std::int64_t begin, std::int64_t end) { return static_cast<std::size_t>(end - begin) * sizeof(float); };
   std::vector<Bucket> buckets;
   for (auto r = ranges.rbegin(); r != ranges.rend(); ++r) {
@@ -78,10 +104,12 @@ std::vector<Bucket> plan_buckets(nn::Sequential const& model, std::size_t first_
   return buckets;
 }
 
-std::vector<Bucket> plan_units(nn::Sequential const& model) {
-  std::vector<nn::ParameterRange> const ranges = model.parameter_ranges();
+std::vector<Bucket> plan_units(nn::Sequential const& model) { return plan_units(model.structure_parts(), model.parameter_ranges()); }
+
+std::vector<Bucket> plan_units(std::vector<std::pair<std::size_t, std::size_t>> const& parts,
+                               std::vector<nn::ParameterRange> const& ranges) {
   std::vector<Bucket> units;
-  for (auto const& [first, end] : model.structure_parts()) {
+  for (auto const& [first, end] : parts) {
     Bucket unit{};
     bool any = false;
     for (nn::ParameterRange const& r : ranges) {
@@ -97,8 +125,13 @@ std::vector<Bucket> plan_units(nn::Sequential const& model) {
 }
 
 std::vector<Bucket> plan_buckets(nn::Sequential const& model, DataParallelOptions const& options) {
-  if (options.zero_stage >= 3 && options.zero3_block_units) return plan_units(model);
-  return plan_buckets(model, options.first_bucket_cap_bytes, options.bucket_cap_bytes);
+  return plan_buckets(model.structure_parts(), model.parameter_ranges(), options);
+}
+
+std::vector<Bucket> plan_buckets(std::vector<std::pair<std::size_t, std::size_t>> const& parts,
+                                 std::vector<nn::ParameterRange> const& ranges, DataParallelOptions const& options) {
+  if (options.zero_stage >= 3 && options.zero3_block_units) return plan_units(parts, ranges);
+  return plan_buckets(ranges, options.first_bucket_cap_bytes, options.bucket_cap_bytes);
 }
 
 RankSync::RankSync(detail::GradientSync& sync, int rank, nn::Sequential& model, Stream comm_stream)
@@ -180,11 +213,11 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
   if (!scatter) {
     span("all-reduce", [&] {
       if (hook != nullptr) {
-        hook->reduce(comm, rank_, static_cast<int>(bucket), grads, sync_.group_.allocator(rank_ - comm.first_rank()), comm_stream_);
+        hook->reduce(comm, rank_, static_cast<int>(bucket), grads, sync_.group_.allocator(sync_.local(rank_)), comm_stream_);
       } else if (gather_to_sum && comm.size() > 1) {
         std::int64_t const n = grads.numel();
         if (!gathered_.defined() || gathered_.numel() < n * comm.size())
-          gathered_ = Tensor::empty({n * comm.size()}, DType::float32, sync_.group_.allocator(rank_ - comm.first_rank()));
+          gathered_ = Tensor::empty({n * comm.size()}, DType::float32, sync_.group_.allocator(sync_.local(rank_)));
         comm.all_gather(rank_, grads, gathered_.slice(0, n * comm.size()), comm_stream_);
         copy_async(grads, gathered_.slice(0, n), comm_stream_);
         for (int r = 1; r < comm.size(); ++r) ops::add_scaled(grads, gathered_.slice(r * n, (r + 1) * n), 1.0f, comm_stream_);
@@ -281,7 +314,7 @@ Tensor RankSync::parameter_buffer(std::size_t bucket) const {
   return unit_params_[bucket];
 }
 
-Allocator& RankSync::allocator() const { return sync_.group_.allocator(rank_ - sync_.comm_->first_rank()); }
+Allocator& RankSync::allocator() const { return sync_.group_.allocator(sync_.local(rank_)); }
 
 void RankSync::prefetch(std::size_t bucket) {
   Tensor const into = parameter_buffer(bucket);
@@ -462,8 +495,25 @@ void RankSync::gather_updated(Stream& compute) {
     if (sync_.blocks_[b] > 0) gather_bucket(b, compute);
 }
 
+namespace {
+std::vector<int> iota(int n) {
+  std::vector<int> out(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) out[static_cast<std::size_t>(i)] = i;
+  return out;
+}
+}  // namespace
+
 GradientSync::GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, DataParallelOptions const& options,
                            std::vector<int> trace_ranks)
+    : GradientSync(group, comm::detail::make_renewable(group, options.make_communicator, options.comm), iota(group.size()),
+                   std::move(buckets), options, std::move(trace_ranks)) {
+  // Across processes the group's indices are named after the world's ranks.
+  int const first = comm_->first_rank();
+  for (std::size_t l = 0; l < trace_ranks.size(); ++l) trace_ranks_[static_cast<std::size_t>(first) + l] += first;
+}
+
+GradientSync::GradientSync(DeviceGroup& group, std::shared_ptr<comm::detail::Renewable> comm, std::vector<int> locals,
+                           std::vector<Bucket> buckets, DataParallelOptions const& options, std::vector<int> trace_ranks)
     : group_(group),
       buckets_(std::move(buckets)),
       blocks_(buckets_.size(), 0),
@@ -471,10 +521,11 @@ GradientSync::GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, Data
       deterministic_(options.deterministic),
       hook_(options.comm_hook),
       timeline_(options.timeline),
-      comm_(comm::detail::make_renewable(group, options.make_communicator, options.comm)) {
+      comm_(std::move(comm)),
+      locals_(std::move(locals)) {
   int const n = comm_->size();
   int const first = comm_->first_rank();
-  if (n != group_.size()) {  // across processes
+  if (n != static_cast<int>(locals_.size())) {  // across processes
     if (deterministic_ && comm_->backend() != comm::Backend::host)
       throw Error(Errc::invalid_argument, "DataParallel: deterministic mode across processes on the " +
                                               std::string(comm::to_string(comm_->backend())) +
@@ -484,7 +535,7 @@ GradientSync::GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, Data
   trace_ranks_.resize(static_cast<std::size_t>(n));
   for (int r = 0; r < n; ++r) trace_ranks_[static_cast<std::size_t>(r)] = r;
   for (std::size_t l = 0; l < trace_ranks.size(); ++l)
-    trace_ranks_[static_cast<std::size_t>(first) + l] = first + trace_ranks[l];
+    trace_ranks_[static_cast<std::size_t>(first) + l] = trace_ranks[l];
   if (options.zero_stage >= 1 && n > 1) {
     for (std::size_t b = 0; b < buckets_.size(); ++b) blocks_[b] = buckets_[b].size() / n;
   }
@@ -499,12 +550,20 @@ GradientSync::GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, Data
 }
 
 void GradientSync::add_rank(nn::Sequential& model) {
-  int const local = static_cast<int>(ranks_.size());
-  ranks_.push_back(std::make_unique<RankSync>(*this, comm_->first_rank() + local, model, group_.make_stream(local)));
+  int const index = static_cast<int>(ranks_.size());
+  int const local = locals_.at(ranks_.size());
+  ranks_.push_back(std::make_unique<RankSync>(*this, comm_->first_rank() + index, model, group_.make_stream(local)));
   if (shard_gradients_) ranks_.back()->shard_gradients(group_.allocator(local), group_.stream(local));
 }
 
 void GradientSync::renew_communicator() { comm_->renew(); }
+
+void GradientSync::run(std::function<void(std::size_t i, Stream& stream)> const& fn) {
+  group_.run([&](int local, Device, Stream& stream) {
+    auto const at = std::find(locals_.begin(), locals_.end(), local);
+    if (at != locals_.end()) fn(static_cast<std::size_t>(at - locals_.begin()), stream);
+  });
+}
 
 void GradientSync::start_step(bool accumulate) noexcept {
   for (auto const& r : ranks_) {
@@ -522,11 +581,10 @@ void GradientSync::gather_optimizer_state(std::vector<optim::Optimizer*> const& 
   if (std::all_of(optimizers.begin(), optimizers.end(), [](optim::Optimizer const* o) { return o->owned().empty(); }))
     return;
   int const n = comm_->size();
-  group_.run([&](int local, Device, Stream& stream) {
-    int const rank = comm_->first_rank() + local;
-    optim::Optimizer& optimizer = *optimizers[static_cast<std::size_t>(local)];
-    optimizer.shard_state(ranks_[static_cast<std::size_t>(local)]->model_.master_parameters(), {},
-                          group_.allocator(local), stream);
+  run([&](std::size_t i, Stream& stream) {
+    int const rank = comm_->first_rank() + static_cast<int>(i);
+    optim::Optimizer& optimizer = *optimizers[i];
+    optimizer.shard_state(ranks_[i]->model_.master_parameters(), {}, group_.allocator(locals_[i]), stream);
     for (auto const& named : optimizer.state()) {
       for (std::size_t b = 0; b < buckets_.size(); ++b) {
         std::int64_t const block = blocks_[b];
@@ -541,14 +599,14 @@ void GradientSync::gather_optimizer_state(std::vector<optim::Optimizer*> const& 
 
 void GradientSync::gather_whole() {
   if (!shard_parameters_) return;
-  group_.run([&](int local, Device, Stream& stream) { ranks_[static_cast<std::size_t>(local)]->gather_whole(group_.allocator(local), stream); });
+  run([&](std::size_t i, Stream& stream) { ranks_[i]->gather_whole(group_.allocator(locals_[i]), stream); });
   group_.synchronize();
 }
 
 void GradientSync::shard_parameters(std::vector<optim::Optimizer*> const& optimizers) {
   if (!shard_parameters_) return;
-  group_.run([&](int local, Device, Stream& stream) {
-    ranks_[static_cast<std::size_t>(local)]->shard_parameters(*optimizers[static_cast<std::size_t>(local)], group_.allocator(local), stream);
+  run([&](std::size_t i, Stream& stream) {
+    ranks_[i]->shard_parameters(*optimizers[i], group_.allocator(locals_[i]), stream);
   });
   group_.synchronize();
 }
@@ -561,7 +619,8 @@ bool GradientSync::copy_hook_state(Tensor const& rows) {
       Tensor const values = hook_->state(comm_->first_rank() + r, static_cast<int>(b));  // the hook's ranks: the world's
       if (!values.defined()) continue;
       any = true;
-      copy_async(rows.slice(r * count + buckets_[b].begin, r * count + buckets_[b].end), values, group_.stream(r));
+      copy_async(rows.slice(r * count + buckets_[b].begin, r * count + buckets_[b].end), values,
+                 group_.stream(locals_[static_cast<std::size_t>(r)]));
     }
   }
   return any;
@@ -569,7 +628,8 @@ bool GradientSync::copy_hook_state(Tensor const& rows) {
 
 void GradientSync::set_hook_state(int rank, Tensor const& values) {
   for (std::size_t b = 0; b < buckets_.size(); ++b) {
-    hook_->set_state(comm_->first_rank() + rank, static_cast<int>(b), values.slice(buckets_[b].begin, buckets_[b].end), group_.allocator(rank),
+    hook_->set_state(comm_->first_rank() + rank, static_cast<int>(b), values.slice(buckets_[b].begin, buckets_[b].end),
+                    group_.allocator(locals_.at(static_cast<std::size_t>(rank))),
                      this->rank(rank).comm_stream_);
   }
 }

@@ -38,12 +38,24 @@ namespace mgpu::parallel::detail {
 
 /// Buckets of whole layers, last layer first: the first up to `first_cap_bytes` of float32
 /// gradients, the others up to `cap_bytes` (a layer larger than the cap is a bucket alone).
+/// `ranges`: a model's parameter ranges (nn::Sequential::parameter_ranges()).
+std::vector<Bucket> plan_buckets(std::vector<nn::ParameterRange> const& ranges, std::size_t first_cap_bytes, std::size_t cap_bytes);
 std::vector<Bucket> plan_buckets(nn::Sequential const& model, std::size_t first_cap_bytes, std::size_t cap_bytes);
-/// One bucket per part of the model's structure (nn::Sequential::structure_parts()), last part first.
+/// One bucket per part of the model's structure (`parts`, nn::Sequential::structure_parts()), last
+/// part first.
+std::vector<Bucket> plan_units(std::vector<std::pair<std::size_t, std::size_t>> const& parts,
+                               std::vector<nn::ParameterRange> const& ranges);
 std::vector<Bucket> plan_units(nn::Sequential const& model);
 /// The buckets DataParallel reduces (and with zero_stage 3 gathers) with these options: ZeRO-3's
-/// units (plan_units) by default (zero3_block_units), else plan_buckets' of the caps.
+/// units (plan_units) by default (zero3_block_units), else plan_buckets' of the caps. `parts` and
+/// `ranges` as a model's (which a memory model may lay out without one).
+std::vector<Bucket> plan_buckets(std::vector<std::pair<std::size_t, std::size_t>> const& parts,
+                                 std::vector<nn::ParameterRange> const& ranges, DataParallelOptions const& options);
 std::vector<Bucket> plan_buckets(nn::Sequential const& model, DataParallelOptions const& options);
+
+/// Throws Error(invalid_argument), prefixed by `who`, for a zero_stage outside 0 to `max_stage` or
+/// one that the options cannot take: stages 2 and 3 need float32 compute, overlap and no comm hook.
+void check_zero_stage(DataParallelOptions const& options, std::string const& who, int max_stage = 3);
 
 class GradientSync;
 
@@ -187,12 +199,17 @@ class GradientSync {
   /// (options.make_communicator's, else comm::make_communicator's) and attaches the comm hook;
   /// refuses, across processes, a comm hook and deterministic mode on a backend other than host.
   GradientSync(DeviceGroup& group, std::vector<Bucket> buckets, DataParallelOptions const& options, std::vector<int> trace_ranks);
+  /// Over some of `group`'s ranks (e.g. one dimension of a device mesh): `comm`, a communicator
+  /// over them, whose rank comm->first_rank() + i is `group`'s rank locals[i] (this process's ranks
+  /// of it, in order), named trace_ranks[i] on the timeline. options.make_communicator is not used.
+  GradientSync(DeviceGroup& group, std::shared_ptr<comm::detail::Renewable> comm, std::vector<int> locals,
+               std::vector<Bucket> buckets, DataParallelOptions const& options, std::vector<int> trace_ranks);
   GradientSync(GradientSync const&) = delete;
   GradientSync& operator=(GradientSync const&) = delete;
 
   /// Adds the next rank's sync, reducing `model`'s gradients on a new communication stream.
   void add_rank(nn::Sequential& model);
-  /// The sync of the group's rank `rank`.
+  /// The sync of the `rank`-th rank added (the group's rank locals[rank]).
   [[nodiscard]] RankSync& rank(int rank) { return *ranks_.at(static_cast<std::size_t>(rank)); }
   [[nodiscard]] std::vector<Bucket> const& buckets() const noexcept { return buckets_; }
   [[nodiscard]] comm::Communicator& communicator() noexcept { return *comm_; }
@@ -206,7 +223,7 @@ class GradientSync {
   /// Waits for every communication stream; throws the first error.
   void synchronize();
 
-  /// Makes every optimizer's state (optimizers[rank]'s) whole again where the sharded update left
+  /// Makes every optimizer's state (optimizers[i]'s, of the i-th rank added) whole again where the sharded update left
   /// each rank holding the state of its own elements only: each lays its state out over every
   /// parameter and the blocks are all-gathered to every rank. With sharded parameters the
   /// parameters are gathered whole first (gather_whole()).
@@ -241,7 +258,12 @@ class GradientSync {
   std::shared_ptr<CommHook> hook_;
   std::shared_ptr<trace::Timeline> timeline_;
   std::vector<int> trace_ranks_;  // per communicator rank
-  std::unique_ptr<comm::detail::Renewable> comm_;  // before ranks_, whose streams run collectives on it
+  std::shared_ptr<comm::detail::Renewable> comm_;  // before ranks_, whose streams run collectives on it
+  std::vector<int> locals_;  // the group's rank of each of this process's communicator ranks
+  // The group's rank of communicator rank `rank` (one of this process's).
+  [[nodiscard]] int local(int rank) const { return locals_.at(static_cast<std::size_t>(rank - comm_->first_rank())); }
+  // Runs fn(i, rank's stream) on the group's ranks of this sync, i the index of the rank added.
+  void run(std::function<void(std::size_t i, Stream& stream)> const& fn);
   std::vector<std::unique_ptr<RankSync>> ranks_;
 };
 

@@ -33,6 +33,28 @@ std::size_t block_bytes(double n, double c, double heads, double t, double s, nn
   return bytes;
 }
 
+// The parameter ranges of a tensor-parallel rank's shard of nn::gpt(config) (`model`) over `ranks`
+// ranks, holding `vocab` rows of wte: its layers as the model's, each block 12C^2/T + 7C/T split
+// and 6C replicated parameters, the embedding its rows and the positions; the model's own for one rank.
+std::vector<nn::ParameterRange> shard_ranges(nn::Sequential const& model, nn::GptConfig const& config, int ranks, double vocab) {
+  std::vector<nn::ParameterRange> ranges = model.parameter_ranges();
+  if (ranks == 1) return ranges;
+  std::int64_t const c = config.n_embd, t = ranks;
+  std::int64_t offset = 0;
+  for (nn::ParameterRange& r : ranges) {
+    nn::Layer const& layer = model.layer(r.layer);
+    std::int64_t size = r.size();
+    if (dynamic_cast<nn::TransformerBlock const*>(&layer) != nullptr) {
+      size = 12 * c * c / t + 7 * c / t + 6 * c;
+    } else if (dynamic_cast<nn::Embedding const*>(&layer) != nullptr) {
+      size = (static_cast<std::int64_t>(vocab) + config.block_size) * c;
+    }
+    r.begin = offset;
+    r.end = offset += size;
+  }
+  return ranges;
+}
+
 // Each stage of each tensor-parallel rank of each replica of a pipeline (layout.cuts; replica a's
 // rank r holds stage s on device (a * T + r) * stages + s, the executor's order), for `rows` rows of
 // `config.block_size` tokens split over the replicas. A rank's stage holds its shard of each layer:
@@ -119,8 +141,8 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
     throw Error(Errc::invalid_argument, what + " for n_head " + std::to_string(config.n_head) + " and vocab " +
                                             std::to_string(config.vocab) +
                                             " (expected a tensor_parallel dividing n_head, at most the vocab)");
-  if (layout.zero_stage < 0 || layout.zero_stage > 3 || (layout.zero_stage >= 2 && ranks > 1))
-    throw Error(Errc::invalid_argument, what + " (expected zero_stage 0, 1, 2 or 3, and 2 and 3 without tensor parallelism)");
+  if (layout.zero_stage < 0 || layout.zero_stage > 3)
+    throw Error(Errc::invalid_argument, what + " (expected zero_stage 0, 1, 2 or 3)");
   if (rows < replicas) throw Error(Errc::invalid_argument, what + " (expected at least one row per replica)");
   if (layout.sequence_parallel && (ranks < 2 || config.block_size % ranks != 0))
     throw Error(Errc::invalid_argument, what + " and sequence parallelism over block_size " + std::to_string(config.block_size) +
@@ -130,28 +152,19 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
   auto const c = static_cast<double>(config.n_embd), heads = static_cast<double>(config.n_head);
   auto const t = static_cast<double>(ranks), layers = static_cast<double>(config.n_layer);
   double const s = layout.sequence_parallel ? t : 1.0;
-  // With ZeRO 1 to 3 (data parallelism alone) a rank owns 1/N of each bucket and its last
-  // (size mod N) elements; ZeRO-2 writes the gradients into staging buffers: up to two of the
-  // largest bucket but the last (one per bucket before the last), and one of the last; ZeRO-3
-  // gathers the parameters into buffers of the same sizes (two units' and the last's at the peak)
-  // and holds one unit's gradient staging at the peak besides the last's.
-  bool const sharded = ranks == 1 && replicas > 1 && layout.zero_stage >= 1;
-  double owned = 0, staging = 0, last_bucket = 0;
-  std::size_t staging_buffers = 0;
-  if (sharded) {
-    DataParallelOptions options;
-    options.zero_stage = layout.zero_stage;
-    options.bucket_cap_bytes = layout.bucket_cap_bytes;
-    options.first_bucket_cap_bytes = layout.first_bucket_cap_bytes;
-    options.zero3_block_units = layout.zero3_block_units;
-    std::vector<Bucket> const buckets = detail::plan_buckets(whole_model, options);
-    for (std::size_t b = 0; b < buckets.size(); ++b) {
-      owned += static_cast<double>(buckets[b].size() / replicas + buckets[b].size() % replicas);
-      if (b + 1 < buckets.size()) staging = std::max(staging, static_cast<double>(buckets[b].size()));
-    }
-    last_bucket = static_cast<double>(buckets.back().size());
-    staging_buffers = std::min<std::size_t>(2, buckets.size() - 1);
-  }
+  // With ZeRO 1 to 3 over the replicas (of the whole model, or of each tensor-parallel rank's
+  // shard) a rank owns 1/N of each bucket and its last (size mod N) elements; ZeRO-2 writes the
+  // gradients into staging buffers: up to two of the largest bucket but the last (one per bucket
+  // before the last), and one of the last; ZeRO-3 gathers the parameters into buffers of the same
+  // sizes (two units' and the last's at the peak) and holds one unit's gradient staging at the
+  // peak besides the last's.
+  bool const sharded = replicas > 1 && layout.zero_stage >= 1;
+  DataParallelOptions options;
+  options.zero_stage = layout.zero_stage;
+  options.bucket_cap_bytes = layout.bucket_cap_bytes;
+  options.first_bucket_cap_bytes = layout.first_bucket_cap_bytes;
+  options.zero3_block_units = layout.zero3_block_units;
+  std::vector<std::pair<std::size_t, std::size_t>> const parts = whole_model.structure_parts();
   std::vector<GptMemory> out;
   std::vector<std::int64_t> const replica_rows = shard_sizes(rows, replicas);  // as the executors split them
   for (int a = 0; a < replicas; ++a) {
@@ -164,6 +177,17 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
       double const params = ranks == 1 ? static_cast<double>(whole)
                                        : layers * (12 * c * c / t + 7 * c / t + 6 * c) + vocab * c +
                                              static_cast<double>(config.block_size) * c + 2 * c;
+      double owned = 0, staging = 0, last_bucket = 0;
+      std::size_t staging_buffers = 0;
+      if (sharded) {
+        std::vector<Bucket> const buckets = detail::plan_buckets(parts, shard_ranges(whole_model, config, ranks, vocab), options);
+        for (std::size_t b = 0; b < buckets.size(); ++b) {
+          owned += static_cast<double>(buckets[b].size() / replicas + buckets[b].size() % replicas);
+          if (b + 1 < buckets.size()) staging = std::max(staging, static_cast<double>(buckets[b].size()));
+        }
+        last_bucket = static_cast<double>(buckets.back().size());
+        staging_buffers = std::min<std::size_t>(2, buckets.size() - 1);
+      }
       GptMemory m;
       m.parameters = m.gradients = floats(params);
       m.optimizer = 2 * floats(sharded ? owned : params);

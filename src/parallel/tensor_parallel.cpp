@@ -16,6 +16,7 @@
 #include <mgpu/ops/ops.hpp>
 
 #include "comm/renewable.hpp"
+#include "parallel/gradient_sync.hpp"
 #include "parallel/tensor_parallel_impl.hpp"
 
 namespace mgpu::parallel {
@@ -32,35 +33,41 @@ std::vector<float> detail::host_copy(Tensor const& t, Stream& stream) {
 namespace detail {
 
 // Within a replica nothing is left to reduce between backward and the update (the blocks'
-// all-reduces leave every gradient complete on its rank); across replicas (`data`, when set) each
-// layer's gradients are summed over the ranks of the same tensor-parallel index as backward writes
-// them (every replica's loss is divided by the whole batch's count). For apply_update, the rank's
-// whole buffer as owned ranges, split ranges counted on every rank and replicated ones on the
-// replica's rank 0 only, and sums over the replica's ranks by all-reduce: the replicas hold the
-// same gradients, so each computes the same global norm. With sequence parallelism the LayerNorms'
-// gradients (the blocks' partial_ranges() and the final LayerNorm) are each rank's tokens' part:
-// ready() first sums them over the replica's ranks.
+// all-reduces leave every gradient complete on its rank). Across replicas (`data`, when set: the
+// data-parallel gradient sync of this rank's tensor-parallel index, whose replicas are alike
+// Sequentials) the sync reduces each bucket of gradients as backward writes it and, with ZeRO,
+// shards the update, the optimizer state and (stage 2) the gradients; every replica's loss is
+// divided by the whole batch's count. This side keeps what tensor parallelism adds: with sequence
+// parallelism the LayerNorms' gradients (the blocks' partial_ranges() and the final LayerNorm) are
+// each rank's tokens' part, which ready() first sums over the replica's ranks; the commit point;
+// and the global norm, in which split ranges count on every rank and replicated ones on the
+// replica's rank 0 only (with a sharded update, within the data-parallel rank's owned ranges,
+// summed over every rank of the grid; else over the replica's ranks, the replicas holding the same
+// gradients). The updates wait for the commit point: the data-parallel sync is given none.
 class TensorParallelSync final : public nn::GradientSync {
  public:
-  TensorParallelSync(nn::Sequential const& shard, comm::Communicator& comm, int rank, comm::Communicator* data,
-                     int data_rank, comm::Communicator& all, int all_rank, bool sequence_parallel, trace::Timeline* timeline)
+  TensorParallelSync(nn::Sequential const& shard, comm::Communicator& comm, int rank, comm::Communicator& all, int all_rank,
+                     bool sequence_parallel, trace::Timeline* timeline, Allocator& allocator)
       : shard_(shard),
         comm_(comm),
         rank_(rank),
-        data_(data),
-        data_rank_(data_rank),
         all_(all),
         all_rank_(all_rank),
-        owned_(norm_ranges(shard, true, rank == 0)),
-        timeline_(timeline) {
+        norm_(norm_ranges(shard, true, rank == 0)),
+        timeline_(timeline),
+        allocator_(allocator) {
     for (nn::ParameterRange const& partial : partial_ranges(shard, sequence_parallel))
       partial_[partial.layer].emplace_back(partial.begin, partial.end);
   }
+  /// Joins the data-parallel sync of this rank (null for one replica), once the shard is materialized.
+  void set_data(RankSync* data) noexcept { data_ = data; }
+  [[nodiscard]] RankSync* data() const noexcept { return data_; }
   /// Before a step: nothing updated yet (begin() comes only once forward has been enqueued).
   void start_step() noexcept { updated_.store(false, std::memory_order_relaxed); }
-  void begin(Stream& /*compute*/, nn::RangeUpdate update) override {
+  void begin(Stream& compute, nn::RangeUpdate update) override {
     update_ = std::move(update);
     pending_.clear();
+    if (data_ != nullptr) data_->begin(compute, {});
   }
   /// Whether the step's updates may have begun on this rank (every rank had finished its backward).
   [[nodiscard]] bool updated() const noexcept { return updated_.load(std::memory_order_acquire); }
@@ -68,22 +75,18 @@ class TensorParallelSync final : public nn::GradientSync {
     if (auto const it = partial_.find(range.layer); it != partial_.end()) {
       traced(compute, "all_reduce(" + shard_.layer(range.layer).name() + " token parts)", [&] {
         for (auto const& [begin, end] : it->second) {
-          Tensor const grads = shard_.master_gradients().slice(begin, end);
+          Tensor const grads = shard_.master_gradients(begin, end);
           comm_.all_reduce(rank_, grads, grads, ReduceOp::sum, compute);
         }
       });
     }
-    if (data_ != nullptr) {
-      traced(compute, "all_reduce(" + shard_.layer(range.layer).name() + " over replicas)", [&] {
-        Tensor const grads = shard_.master_gradients().slice(range.begin, range.end);
-        data_->all_reduce(data_rank_, grads, grads, ReduceOp::sum, compute);
-      });
-    }
+    if (data_ != nullptr) data_->ready(range, compute);
     if (update_) pending_.emplace_back(range.begin, range.end);
   }
   // The commit point: a barrier over every rank, so the updates (here, or apply_update's after it)
   // run on every rank or, when any rank failed before it, on none (a failed stream skips them).
   void finish(Stream& compute) override {
+    if (data_ != nullptr) data_->finish(compute);  // the reduces done
     traced(compute, "barrier (commit point)", [&] { all_.barrier(all_rank_, compute); });
     // On a host stream the mark runs only if the barrier did; a CUDA stream runs later kernels
     // after a failed callback, so there the updates count as begun once enqueued.
@@ -92,10 +95,30 @@ class TensorParallelSync final : public nn::GradientSync {
     } else {
       updated_.store(true, std::memory_order_release);
     }
-    for (auto const& [begin, end] : pending_) update_(begin, end, compute);
+    std::vector<nn::OwnedRange> const sharded = data_ != nullptr ? data_->owned() : std::vector<nn::OwnedRange>{};
+    if (update_ && !sharded.empty()) {  // the data-parallel rank's owned ranges, then every rank's gathered
+      for (nn::OwnedRange const& r : sharded)
+        if (r.begin < r.end) update_(r.begin, r.end, compute);
+      data_->gather_updated(compute);
+    } else if (update_) {
+      for (auto const& [begin, end] : pending_) update_(begin, end, compute);
+    }
     pending_.clear();
+    update_ = nullptr;
   }
-  std::vector<nn::OwnedRange> owned() const override { return owned_; }
+  std::vector<nn::OwnedRange> owned() const override {
+    std::vector<nn::OwnedRange> const sharded = data_ != nullptr ? data_->owned() : std::vector<nn::OwnedRange>{};
+    if (sharded.empty()) return norm_;
+    // Each owned range split where the norm's are (norm_ is sorted and covers the buffer).
+    std::vector<nn::OwnedRange> out;
+    for (nn::OwnedRange const& r : sharded) {
+      for (nn::OwnedRange const& n : norm_) {
+        std::int64_t const begin = std::max(r.begin, n.begin), end = std::min(r.end, n.end);
+        if (begin < end) out.push_back({begin, end, r.counted && n.counted});
+      }
+    }
+    return out;
+  }
   // Runs `enqueue`, recorded on the timeline's communication lane while it records (the
   // collectives run on the compute stream).
   template <class Enqueue>
@@ -108,19 +131,39 @@ class TensorParallelSync final : public nn::GradientSync {
     }
   }
   void sum_over_ranks(Tensor const& values, Stream& compute) override {
-    comm_.all_reduce(rank_, values, values, ReduceOp::sum, compute);
+    if (data_ != nullptr && !data_->owned().empty()) {
+      // The ranks of other tensor-parallel indices own other counts of ranges: each sums its own
+      // first; every rank's sum is gathered and added up in rank order into the first value (the
+      // step adds the values up), the same bits in one process as across processes.
+      Tensor const mine = Tensor::empty({1}, DType::float32, allocator_);
+      Tensor const every = Tensor::empty({all_.size()}, DType::float32, allocator_);
+      ops::sum(values, mine, compute);
+      all_.all_gather(all_rank_, mine, every, compute);
+      fill_async(values, 0.0f, compute);
+      ops::sum(every, values.slice(0, 1), compute);
+    } else {
+      comm_.all_reduce(rank_, values, values, ReduceOp::sum, compute);
+    }
+  }
+  void gather_updated(Stream& compute) override {
+    if (data_ != nullptr) data_->gather_updated(compute);
+  }
+  [[nodiscard]] Tensor owned_gradients() const override { return data_ != nullptr ? data_->owned_gradients() : Tensor{}; }
+  [[nodiscard]] Tensor owned_parameters() const override { return data_ != nullptr ? data_->owned_parameters() : Tensor{}; }
+  void before_layer(std::size_t layer, bool backward, Stream& compute) override {
+    if (data_ != nullptr) data_->before_layer(layer, backward, compute);
   }
 
  private:
   nn::Sequential const& shard_;
   comm::Communicator& comm_;
   int rank_;
-  comm::Communicator* data_;  // over the replicas' ranks of this tensor-parallel index; null for one replica
-  int data_rank_;
   comm::Communicator& all_;  // over every rank of the grid
   int all_rank_;
-  std::vector<nn::OwnedRange> owned_;
+  std::vector<nn::OwnedRange> norm_;
   trace::Timeline* timeline_;  // null: not traced
+  Allocator& allocator_;       // the rank's
+  RankSync* data_ = nullptr;  // the data-parallel sync; null for one replica
   std::map<std::size_t, std::vector<std::pair<std::int64_t, std::int64_t>>> partial_;  // by layer
   nn::RangeUpdate update_;
   std::vector<std::pair<std::int64_t, std::int64_t>> pending_;  // ranges whose update waits for finish()
@@ -129,11 +172,33 @@ class TensorParallelSync final : public nn::GradientSync {
 
 }  // namespace detail
 
+namespace {
+
+// The data-parallel gradient sync's options for TensorParallel's replicas.
+DataParallelOptions data_parallel_options(TensorParallelOptions const& options) {
+  DataParallelOptions out;
+  out.zero_stage = options.zero_stage;
+  out.bucket_cap_bytes = options.bucket_cap_bytes;
+  out.first_bucket_cap_bytes = options.first_bucket_cap_bytes;
+  out.compute = options.compute;
+  out.timeline = options.timeline;
+  return out;
+}
+
+}  // namespace
+
 
 void TensorParallel::Impl::recover(std::exception_ptr failure, Before const& before) {
   std::string const cause = describe(failure);
   try {
     group->drain();
+    for (auto const& sync : syncs) {  // the data-parallel reduces' streams too
+      if (sync->data() == nullptr) continue;
+      try {
+        sync->data()->comm_stream().synchronize();
+      } catch (Error const&) {  // the failure, already known
+      }
+    }
     bool updated = false;  // past the step's commit point somewhere
     for (auto const& sync : syncs) updated = updated || sync->updated();
     if (updated) {
@@ -170,6 +235,8 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
   if (options.compute != DType::float32 && options.compute != DType::bfloat16 && options.compute != DType::float16)
     throw Error(Errc::invalid_argument, "TensorParallel: compute " + std::string(to_string(options.compute)) +
                                             " (expected float32, bfloat16 or float16)");
+  DataParallelOptions const data_options = data_parallel_options(options);
+  detail::check_zero_stage(data_options, "TensorParallel");
   int const replicas = options.data_parallel;
   bool const across = static_cast<bool>(options.make_communicator);
   if (across) {
@@ -198,7 +265,7 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
   im.mesh = comm::DeviceMesh({{"dp", replicas}, {"tp", im.ranks}});
   // A communicator over the grid ranks `ranks` (across processes, made only where this process
   // drives one of them).
-  auto const subset = [&](std::vector<int> const& ranks) -> std::unique_ptr<comm::Communicator> {
+  auto const subset = [&](std::vector<int> const& ranks) -> std::unique_ptr<comm::detail::Renewable> {
     if (!across) {
       auto made = std::make_unique<comm::detail::Renewable>(
           [g = &group, ranks, options = im.options.comm] { return comm::make_communicator(*g, ranks, options); });
@@ -243,9 +310,9 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
       adamw.decay_ranges = im.shards.back().matrix_ranges();
       im.optimizers.push_back(std::make_unique<optim::AdamW>(adamw));
     }
-    comm::Communicator* const data = replicas > 1 ? im.data[static_cast<std::size_t>(t)].get() : nullptr;
-    im.syncs.push_back(std::make_unique<detail::TensorParallelSync>(im.shards.back(), *comm, t, data, a, *im.all, im.first + r,
-                                                            im.options.sequence_parallel, im.options.timeline.get()));
+    im.syncs.push_back(std::make_unique<detail::TensorParallelSync>(im.shards.back(), *comm, t, *im.all, im.first + r,
+                                                                    im.options.sequence_parallel, im.options.timeline.get(),
+                                                                    group.allocator(r)));
     im.losses.emplace_back(config.vocab, comm, t);
     im.scalers.push_back(im.options.loss_scaler);
   }
@@ -253,9 +320,56 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
     nn::Context ctx{group.allocator(rank), stream};
     im.shards[static_cast<std::size_t>(rank)].materialize(ctx, im.options.seed, im.options.compute);
   });
+  // Each tensor-parallel index's replicas, alike Sequentials, share a data-parallel gradient sync
+  // over its "dp" communicator (made where this process drives one of its ranks).
+  std::vector<std::vector<int>> const replica_groups = im.mesh.groups("dp");
+  for (std::size_t t = 0; t < im.data.size(); ++t) {
+    if (!im.data[t]) {
+      im.data_syncs.push_back(nullptr);
+      continue;
+    }
+    std::vector<int> locals, names;
+    for (int const g : replica_groups[t]) {
+      if (g < im.first || g >= im.first + group.size()) continue;
+      locals.push_back(g - im.first);
+      names.push_back(g);
+    }
+    nn::Sequential& first = im.shards[static_cast<std::size_t>(locals.front())];
+    auto& sync = *im.data_syncs.emplace_back(std::make_unique<detail::GradientSync>(
+        group, im.data[t], locals, detail::plan_buckets(first, data_options), data_options, names));
+    for (std::size_t i = 0; i < locals.size(); ++i) {
+      auto const local = static_cast<std::size_t>(locals[i]);
+      sync.add_rank(im.shards[local]);
+      im.syncs[local]->set_data(&sync.rank(static_cast<int>(i)));
+    }
+  }
+  group.synchronize();
+  im.shard_parameters();  // zero_stage 3: each rank keeps its owned parameters only
 }
 
 TensorParallel::~TensorParallel() = default;
+
+std::vector<optim::Optimizer*> TensorParallel::Impl::replica_optimizers(std::size_t t) const {
+  std::vector<optim::Optimizer*> out;
+  for (std::size_t r = 0; r < syncs.size(); ++r)
+    if (mesh.coordinate(first + static_cast<int>(r), "tp") == static_cast<int>(t)) out.push_back(optimizers[r].get());
+  return out;
+}
+
+void TensorParallel::Impl::gather_optimizer_state() {
+  for (std::size_t t = 0; t < data_syncs.size(); ++t)
+    if (data_syncs[t]) data_syncs[t]->gather_optimizer_state(replica_optimizers(t));
+}
+
+void TensorParallel::Impl::gather_whole() {
+  for (auto const& sync : data_syncs)
+    if (sync) sync->gather_whole();
+}
+
+void TensorParallel::Impl::shard_parameters() {
+  for (std::size_t t = 0; t < data_syncs.size(); ++t)
+    if (data_syncs[t]) data_syncs[t]->shard_parameters(replica_optimizers(t));
+}
 
 int TensorParallel::size() const noexcept { return impl_->replicas * impl_->ranks; }
 optim::LossScaler const* TensorParallel::loss_scaler() const noexcept {
@@ -264,7 +378,11 @@ optim::LossScaler const* TensorParallel::loss_scaler() const noexcept {
 int TensorParallel::data_parallel() const noexcept { return impl_->replicas; }
 int TensorParallel::tensor_parallel() const noexcept { return impl_->ranks; }
 
-nn::Sequential& TensorParallel::shard(int rank) { return impl_->shards.at(static_cast<std::size_t>(rank)); }
+nn::Sequential& TensorParallel::shard(int rank) {
+  nn::Sequential& shard = impl_->shards.at(static_cast<std::size_t>(rank));
+  impl_->gather_whole();
+  return shard;
+}
 
 void TensorParallel::Impl::report_times() {
   std::vector<metrics::DeviceTimes> times;
@@ -272,6 +390,10 @@ void TensorParallel::Impl::report_times() {
     auto const r = static_cast<std::size_t>(rank);
     double wait = 0;
     for (comm::detail::Renewable const* comm : renewable) wait += comm->seconds(group->stream(rank));
+    // The replicas' reduces run on the data-parallel sync's stream: the rank's stream waits for them
+    // (measured on host devices).
+    if (detail::RankSync const* data = syncs[r]->data(); data != nullptr && group->device(rank).kind == DeviceKind::host)
+      wait += data->wait_ms() / 1e3;
     double const total = std::max(0.0, Event::elapsed_ms(step_start[r], step_end[r]) / 1e3);
     wait = std::min(wait, total);  // both from the same stream's events; rounding aside
     times.push_back({.rank = rank, .device = group->device(rank), .compute_seconds = total - wait, .wait_seconds = wait});
@@ -303,6 +425,8 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
     before.scalers.push_back(im.scalers[r] ? std::optional(im.scalers[r]->state()) : std::nullopt);
     im.syncs[r]->start_step();
   }
+  for (auto const& sync : im.data_syncs)
+    if (sync) sync->start_step();
   bool const timed = im.options.metrics != nullptr;
   if (timed) {
     for (comm::detail::Renewable* comm : im.renewable) comm->set_timed(true);  // forgets the last step's marks
@@ -323,6 +447,11 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
       };
       auto const r = static_cast<std::size_t>(rank);
       nn::Context ctx{allocator, stream, offsets[a]};
+      // ZeRO: the optimizer's state for the rank's owned elements only (nothing once it is).
+      if (detail::RankSync* data = im.syncs[r]->data()) {
+        data->shard_optimizer_state(*im.optimizers[r], allocator, stream);
+        data->shard_parameters(*im.optimizers[r], allocator, stream);  // zero_stage 3, when gathered whole
+      }
       nn::StepResult const step =
           nn::train_step(im.shards[r], *im.optimizers[r], local(ids), local(targets), im.losses[r], ctx,
                          {.lr_scale = lr_scale,

@@ -150,6 +150,7 @@ void TensorParallel::Impl::from_whole(std::span<float const> values, ShardBuffer
 
 std::vector<float> TensorParallel::gather_parameters() {
   Impl& im = *impl_;
+  im.gather_whole();  // zero_stage 3
   return im.to_whole([&im](int rank) { return im.shards[static_cast<std::size_t>(rank)].master_parameters(); });
 }
 
@@ -159,6 +160,7 @@ void TensorParallel::scatter_parameters(std::span<float const> values) {
   if (values.size() != static_cast<std::size_t>(expected))
     throw Error(Errc::invalid_argument, "TensorParallel::scatter_parameters: " + std::to_string(values.size()) +
                                             " values (expected gpt(config)'s " + std::to_string(expected) + ")");
+  im.gather_whole();  // zero_stage 3: the next step keeps the owned parameters of these
   im.from_whole(values, [&im](int rank) { return im.shards[static_cast<std::size_t>(rank)].master_parameters(); });
   for (int rank = 0; rank < im.group->size(); ++rank) {
     Stream& stream = im.group->stream(rank);
@@ -171,6 +173,7 @@ void TensorParallel::save(std::filesystem::path const& path, io::TrainingState c
   Impl& im = *impl_;
   if (!im.broken.empty()) throw Error(Errc::invalid_argument, "TensorParallel::save: " + im.broken);
   im.group->synchronize();
+  im.gather_optimizer_state();  // ZeRO: every rank's whole (the next step shards it again)
   nn::Sequential const& shard = im.shards[0];
   // The optimizers are stepped together: every rank holds as many state buffers, whole ones.
   std::vector<optim::NamedTensor> const state_buffers = im.optimizers[0]->state();
@@ -232,6 +235,7 @@ io::TrainingState TensorParallel::load(std::filesystem::path const& path) {
   Impl& im = *impl_;
   if (!im.broken.empty()) throw Error(Errc::invalid_argument, "TensorParallel::load: " + im.broken);
   im.group->synchronize();
+  im.gather_optimizer_state();  // ZeRO: laid out whole to be filled (the next step shards it again)
   // Read and verify everything into the whole model first (every process, from the same files):
   // the shards change only once every process has.
   std::exception_ptr failure;

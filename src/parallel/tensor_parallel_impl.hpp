@@ -22,6 +22,7 @@ namespace mgpu::parallel {
 namespace detail {
 // The gradient sync of a rank's shard (tensor_parallel.cpp).
 class TensorParallelSync;
+class GradientSync;
 // `t`'s float32 values on the host, once `stream` has written them.
 std::vector<float> host_copy(Tensor const& t, Stream& stream);
 }  // namespace detail
@@ -38,13 +39,25 @@ struct TensorParallel::Impl {
   // Each replica's tensor-parallel group, and (A > 1) each tensor-parallel index's replicas; across
   // processes null where this process drives none of the ranks.
   std::vector<std::shared_ptr<comm::Communicator>> comms;
-  std::vector<std::unique_ptr<comm::Communicator>> data;
+  std::vector<std::shared_ptr<comm::detail::Renewable>> data;
   // Over every rank (the world's across processes; comms[0] for one replica): the step's commit point.
   std::shared_ptr<comm::Communicator> all;
   std::vector<nn::Sequential> shards;
   std::vector<std::unique_ptr<optim::Optimizer>> optimizers;
   std::vector<std::optional<optim::LossScaler>> scalers;  // per rank of this process, alike
   std::vector<std::unique_ptr<detail::TensorParallelSync>> syncs;
+  // With replicas: per tensor-parallel index, the data-parallel gradient sync of its replicas (null
+  // where this process drives none of them).
+  std::vector<std::unique_ptr<detail::GradientSync>> data_syncs;
+  // Every data-parallel sync's optimizer state whole again (before a save or load; the next step
+  // shards it again); with zero_stage 3 the parameters too.
+  void gather_optimizer_state();
+  // zero_stage 3: every shard's parameters whole (gather_whole), or each rank keeping its owned
+  // ones only (shard_parameters); nothing otherwise. Collective over each tensor-parallel index's replicas.
+  void gather_whole();
+  void shard_parameters();
+  // The optimizers of this process's ranks of tensor-parallel index t, in replica order.
+  [[nodiscard]] std::vector<optim::Optimizer*> replica_optimizers(std::size_t t) const;
   std::vector<VocabParallelCrossEntropy> losses;
   // The communicators above, in the order they were made, made anew after a failed step.
   std::vector<comm::detail::Renewable*> renewable;

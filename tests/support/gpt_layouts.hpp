@@ -1,7 +1,7 @@
 // The GPT layouts the resilience tests drive alike: one device, data parallel with and without
 // clipping, every pipeline schedule, a data x pipeline grid, tensor parallel with and without
-// replicas and tensor-parallel stages, each seen through its step (a small GPT with dropout, so a
-// step that moved the RNG shows in the next losses).
+// replicas (and ZeRO-2 and 3 over them) and tensor-parallel stages, each seen through its step (a
+// small GPT with dropout, so a step that moved the RNG shows in the next losses).
 #pragma once
 
 #include <functional>
@@ -133,6 +133,20 @@ inline std::vector<Layout> all() {
                                        &group->allocator(group->size() - 1)};
                       }});
     }
+  }
+  for (int zero : {2, 3}) {  // ZeRO over the replicas, clipping (2) and the update at the commit point (3)
+    list.push_back({"tensor parallel 2 x 2 replicas, ZeRO-" + std::to_string(zero), [zero] {
+                      auto group = std::make_shared<DeviceGroup>("host:4");
+                      auto tp = std::make_shared<par::TensorParallel>(
+                          *group, config,
+                          par::TensorParallelOptions{
+                              .seed = seed, .adamw = adamw, .clip_norm = zero == 2 ? 0.5f : 0.0f, .data_parallel = 2, .zero_stage = zero});
+                      Step step = [tp = tp.get()](Tensor const& ids, Tensor const& targets, float lr_scale) {
+                        return tp->step(ids, targets, lr_scale).loss;
+                      };
+                      return Trainer{step, std::make_shared<std::pair<decltype(group), decltype(tp)>>(group, tp),
+                                     &group->allocator(group->size() - 1)};
+                    }});
   }
   list.push_back({"tensor-parallel stages: 2 stages x 2 ranks", [] {
                     auto group = std::make_shared<DeviceGroup>("host:4");

@@ -15,7 +15,9 @@ namespace mgpu::parallel {
 struct GptLayout {
   int data_parallel = 1;
   int tensor_parallel = 1;
-  int zero_stage = 1;                                    ///< DataParallelOptions::zero_stage (0 to 3)
+  /// DataParallelOptions::zero_stage (0 to 3), or with tensor parallelism
+  /// TensorParallelOptions::zero_stage (whose default is 0).
+  int zero_stage = 1;
   std::size_t bucket_cap_bytes = std::size_t{25} << 20;  ///< DataParallelOptions' bucket caps
   std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;
   bool zero3_block_units = true;    ///< DataParallelOptions::zero3_block_units
@@ -39,7 +41,7 @@ struct GptMemory {
 /// config.block_size tokens, per device in the executor's rank order. Throws
 /// Error(invalid_argument) for a bad config, rows < data_parallel or micro_batches, a
 /// tensor_parallel that does not divide n_head or exceeds the vocab, a zero_stage other than 0 to
-/// 3 (2 and 3: data parallelism only), bad cuts, a replica with fewer rows than micro_batches, or
+/// 3, bad cuts, a replica with fewer rows than micro_batches, or
 /// sequence_parallel without a tensor_parallel >= 2 that divides config.block_size.
 [[nodiscard]] std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int64_t rows,
                                                         GptLayout const& layout);

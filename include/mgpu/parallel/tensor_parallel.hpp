@@ -174,6 +174,8 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
                       float proj_init_std = 0.02f, float dropout = 0.0f, nn::Recompute recompute = nn::Recompute::none,
                       bool sequence_parallel = false);
   std::string name() const override;
+  /// A repeated block of the model: a part of its own in Sequential::structure_parts() (ZeRO-3's units).
+  bool block() const override { return true; }
   std::int64_t parameter_count() const override;
   std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override;
   /// qkv W and b with the attention projection's rows; mlp_fc W and b with mlp_proj's rows.
@@ -262,6 +264,15 @@ struct TensorParallelOptions {
   std::function<std::unique_ptr<optim::Optimizer>(nn::Sequential const& shard)> optimizer{};
   float clip_norm = 0.0f;                          ///< the global norm to clip to, > 0 (0: off)
   int data_parallel = 1;                           ///< A replicas of T consecutive ranks; A must divide the group size
+  /// ZeRO over the replicas, by DataParallel's gradient sync (per tensor-parallel index): 0
+  /// replicated update, 1 sharded update and optimizer state, 2 sharded gradients too, 3 sharded
+  /// parameters too, gathered a unit (a block, the embeddings, the final LayerNorm with the head)
+  /// at a time (2 and 3: float32 compute only). Each rank's optimizer then holds about 1/A of its
+  /// shard's state.
+  int zero_stage = 0;
+  /// The replicas' gradient buckets: the cap of one, and of the first (last layers') one.
+  std::size_t bucket_cap_bytes = std::size_t{25} << 20;
+  std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;
   bool sequence_parallel = false;                  ///< split by tokens between regions; T divides the sequence
   DType compute = DType::float32;                  ///< float32, bfloat16 or float16, with float32 masters
   std::optional<optim::LossScaler> loss_scaler{};  ///< dynamic loss scaling, alike on every rank
@@ -313,7 +324,8 @@ class TensorParallel {
   /// error leaves the executor unchanged everywhere and names the mismatch or damaged file.
   /// Returns the saved TrainingState.
   io::TrainingState load(std::filesystem::path const& path);
-  /// The group's rank r's shard (across processes, world rank r's).
+  /// The group's rank r's shard (across processes, world rank r's). With zero_stage 3 every shard
+  /// is gathered whole first (across processes collective), until the next step.
   [[nodiscard]] nn::Sequential& shard(int rank);
   /// The grid's ranks, A x T (across processes, the world's).
   [[nodiscard]] int size() const noexcept;
