@@ -10,7 +10,7 @@
 //                               buffers), 3 only their weights too (ZeRO-3: each transformer
 //                               block's weights all-gathered just before its forward and backward,
 //                               the next one prefetched), 0 updates every weight everywhere (--zero
-//                               is refused with a pipeline or --tp); --bucket-kb caps the gradient
+//                               is refused with a pipeline); --bucket-kb caps the gradient
 //                               buckets (and makes them ZeRO-3's units)
 //   --schedule S --stages K     pipeline::Executor: the model cut into K stages (x --chunks per
 //     [--micro-batches M]       device for interleaved) by each layer's forward + backward FLOPs,
@@ -22,14 +22,15 @@
 //                               head and cross-entropy split by vocab, dropout as on one device;
 //                               with --dp, A replicas of N neighbouring devices each (a data x
 //                               tensor grid over A x N devices), each replica its rows of the
-//                               batch, gradients all-reduced across the replicas, every replica
-//                               updating every weight; fp32
+//                               batch, gradients reduced across the replicas in buckets by data
+//                               parallelism's engine, with its --zero stages (1, the default,
+//                               and 0 in any precision; 2 and 3 in fp32) and --bucket-kb
 //   --tp N --stages K [--dp A]  a data x tensor x pipeline grid over A x N x K devices
 //     [--schedule S]            (pipeline::Executor with tensor-parallel stages): every stage
 //     [--micro-batches M]       split over N devices, N pipelines per replica in lock-step, rank
 //                               t's pipeline holding rank t's shard of every stage; the groups of
 //                               N on the best links as above; any schedule; --sequence-parallel
-//                               too; without checkpoints
+//                               and checkpoints too
 //     [--sequence-parallel]     sequence parallelism: between the split regions each device holds
 //                               1/N of the tokens (LayerNorm, dropout and residual activations),
 //                               all-gathers and reduce-scatters in place of the all-reduces
@@ -78,7 +79,7 @@ struct Options {
   std::string layout_flags;  // the layout flags given on the command line (refused with --plan)
   std::int64_t device_memory_mb = 0;  // the planner's budget per device (0: the devices' free memory)
   int zero = 1;  // DataParallelOptions::zero_stage
-  bool zero_given = false;  // --zero on the command line (it applies to data parallelism only)
+  bool zero_given = false;  // --zero on the command line (else 1 with several replicas)
   std::int64_t bucket_kb = 0;  // DataParallelOptions::bucket_cap_bytes in KiB (0: its default)
   std::string trace;
   std::string precision = "fp32";
@@ -163,11 +164,11 @@ inline void add_flags(CLI::App& app, Options& o) {
   app.add_flag("--sequence-parallel", o.sequence_parallel,
                "with --tp: each device holds 1/tp of the tokens between the split regions (LayerNorm, dropout)");
   app.add_option("--zero", o.zero,
-                 "ZeRO stage of data parallelism: 1 shards the update and the optimizer state, 2 the gradients too, 3 "
-                 "the parameters too, 0 replicates them")
+                 "ZeRO stage over the data-parallel replicas (plain, or of --tp shards): 1 shards the update and the "
+                 "optimizer state, 2 the gradients too, 3 the parameters too, 0 replicates them")
       ->capture_default_str();
   app.add_option("--bucket-kb", o.bucket_kb,
-                 "data parallelism's gradient bucket cap in KiB (default 25600; smaller buckets, smaller ZeRO-2 staging); with --zero 3 "
+                 "the data-parallel replicas' gradient bucket cap in KiB (default 25600; smaller buckets, smaller ZeRO-2 staging); with --zero 3 "
                  "the units are these buckets instead of one per transformer block")
       ->check(CLI::PositiveNumber);
   app.add_option("--plan", o.plan,

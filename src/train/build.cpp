@@ -90,7 +90,8 @@ Trainer::Impl::Impl(nn::GptConfig const& gpt, DeviceGroup devices, ParallelConfi
   layout.tp = parallel.tp;
   layout.dp = data_parallel_layout ? world.size() : parallel.dp;
   layout.stages = pipelined ? parallel.stages : 1;
-  layout.zero = data_parallel_layout ? parallel.zero.value_or(1) : 0;
+  bool const tensor_layout = !pipelined && parallel.tp > 1;
+  layout.zero = data_parallel_layout || (tensor_layout && parallel.dp > 1) ? parallel.zero.value_or(1) : 0;
   if (!options.metrics_job.empty())
     metrics = std::make_shared<metrics::Registry>(
         options.metrics_job, metrics::Layout{.dp = layout.dp, .tp = layout.tp, .pp = layout.stages, .zero = layout.zero});
@@ -209,9 +210,14 @@ void Trainer::Impl::build_tensor_parallel(optim::AdamWOptions const& adamw) {
                                     .adamw = shard_adamw,
                                     .clip_norm = parallel.clip_norm,
                                     .data_parallel = parallel.dp,
+                                    .zero_stage = layout.zero,
                                     .sequence_parallel = parallel.sequence_parallel,
                                     .compute = parallel.compute,
                                     .metrics = metrics};
+  if (parallel.bucket_cap_bytes > 0) {
+    o.bucket_cap_bytes = parallel.bucket_cap_bytes;
+    o.first_bucket_cap_bytes = std::min(o.first_bucket_cap_bytes, o.bucket_cap_bytes);
+  }
   if (parallel.loss_scaler) o.loss_scaler.emplace();
   o.timeline = options.timeline;
   if (across) {  // the grid over the world's devices, each process passing the whole batch

@@ -66,13 +66,12 @@ void ParallelConfig::validate(nn::GptConfig const& model, LayoutChecks const& ch
   if (zero.value_or(1) >= 2 && compute != DType::float32)
     refuse(n_zero + " with " + name("compute ", "--precision ") + precision_name(compute) +
            " (expected fp32: sharded gradients are float32 only for now)");
-  std::string const other = pipe ? std::string("a pipeline") : n_tp;
-  if (bucket_cap_bytes > 0 && (pipe || tp > 1))
-    refuse(name("bucket_cap_bytes", "--bucket-kb") + " with " + other + " (expected " +
-           name("bucket_cap_bytes", "--bucket-kb") + " with data parallelism only)");
-  if (zero && (pipe || tp > 1))
-    refuse(n_zero + " with " + other + " (expected " + name("zero", "--zero") +
-           " with data parallelism only: the pipeline and tensor-parallel executors do not shard their update)");
+  if (bucket_cap_bytes > 0 && pipe)
+    refuse(name("bucket_cap_bytes", "--bucket-kb") + " with a pipeline (expected " +
+           name("bucket_cap_bytes", "--bucket-kb") + " with data or tensor parallelism: a pipeline's replicas do not bucket)");
+  if (zero && pipe)
+    refuse(n_zero + " with a pipeline (expected " + name("zero", "--zero") +
+           " with data or tensor parallelism: the pipeline's replicas do not shard their update yet)");
   if (sequence_parallel && tp < 2)
     refuse(name("sequence_parallel", "--sequence-parallel") + " with " + n_tp + " (expected " + name("tp", "--tp") +
            " 2 or more: it splits the tensor-parallel devices' tokens)");

@@ -163,13 +163,13 @@ std::optional<std::vector<parallel::GptMemory>> Trainer::predicted_memory() cons
   bool const modelled_pipeline = !m.pipeline || schedule == "gpipe" || schedule == "1f1b";
   if (m.across || !modelled_pipeline || m.parallel.compute != DType::float32) return std::nullopt;
   parallel::DataParallelOptions const defaults;
-  std::size_t const bucket_cap = m.data_parallel && m.parallel.bucket_cap_bytes > 0 ? m.parallel.bucket_cap_bytes : defaults.bucket_cap_bytes;
+  std::size_t const bucket_cap = (m.data_parallel || m.tensor) && m.parallel.bucket_cap_bytes > 0 ? m.parallel.bucket_cap_bytes : defaults.bucket_cap_bytes;
   parallel::GptLayout const layout{.data_parallel = m.layout.dp,
                                    .tensor_parallel = m.parallel.tp,
                                    .zero_stage = m.layout.zero,
                                    .bucket_cap_bytes = bucket_cap,
                                    .first_bucket_cap_bytes = std::min(defaults.first_bucket_cap_bytes, bucket_cap),
-                                   .zero3_block_units = m.parallel.bucket_cap_bytes == 0,
+                                   .zero3_block_units = m.parallel.bucket_cap_bytes == 0 || m.tensor != nullptr,  // TP: a unit per block
                                    .cuts = m.pipeline ? m.pipeline->cuts() : std::vector<std::size_t>{},
                                    .micro_batches = m.layout.micro_batches,
                                    .gpipe = m.pipeline && schedule == "gpipe",
@@ -212,8 +212,8 @@ std::string Trainer::describe() const {
   else if (m.data_parallel)
     std::snprintf(text, sizeof text, "data parallel over %d devices, ZeRO-%d", l.dp, l.zero);
   else if (m.tensor)
-    std::snprintf(text, sizeof text, "tensor parallel: %d replica(s) x %d rank(s)%s", l.dp, l.tp,
-                  m.parallel.sequence_parallel ? ", sequence parallel" : "");
+    std::snprintf(text, sizeof text, "tensor parallel: %d replica(s) x %d rank(s)%s, ZeRO-%d", l.dp, l.tp,
+                  m.parallel.sequence_parallel ? ", sequence parallel" : "", l.zero);
   else
     std::snprintf(text, sizeof text, "one device, %s", m.group.device(0).to_string().c_str());
   return std::string(text) + " (" + std::string(to_string(m.parallel.compute)) + ")";

@@ -88,7 +88,8 @@ std::vector<Layout> layouts() {
   return {{"one device", "host:1", {}},
           {"DP2", "host:2", {.dp = 2}},
           {"TP2", "host:2", {.tp = 2}},
-          {"DP2 x TP2", "host:4", {.dp = 2, .tp = 2}},
+          {"DP2 x TP2 (ZeRO-1 by default)", "host:4", {.dp = 2, .tp = 2}},
+          {"DP2 x TP2, ZeRO-3", "host:4", {.dp = 2, .tp = 2, .zero = 3}},
           {"PP2 1F1B", "host:2", {.stages = 2, .schedule = "1f1b", .micro_batches = 2}}};
 }
 
@@ -141,8 +142,8 @@ TEST_CASE("the trainer follows the one-device curve in every layout, and resumes
 
 TEST_CASE("the trainer refuses impossible layouts before any work, naming the field and the value expected", "[train]") {
   using mgpu::Errc;
-  REQUIRE_MGPU_ERROR(make_trainer("host:2", {.tp = 2, .zero = 1}), Errc::invalid_argument,
-                     "zero 1 with tp 2 (expected zero with data parallelism only");
+  REQUIRE_MGPU_ERROR(make_trainer("host:4", {.tp = 2, .stages = 2, .zero = 1}), Errc::invalid_argument,
+                     "zero 1 with a pipeline (expected zero with data or tensor parallelism");
   REQUIRE_MGPU_ERROR(make_trainer("host:3", {.dp = 2, .tp = 2}), Errc::invalid_argument,
                      "3 devices (expected dp x tp = 4)");
   REQUIRE_MGPU_ERROR(make_trainer("host:3", {.stages = 2}), Errc::invalid_argument, "3 devices (expected stages x dp = 2)");

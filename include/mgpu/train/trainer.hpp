@@ -54,9 +54,11 @@ struct ParallelConfig {
   std::string schedule{};
   int micro_batches = 1;  ///< micro-batches per pipeline step
   int chunks = 2;         ///< model chunks per device of the interleaved schedule
-  /// ZeRO stage of plain data parallelism (0 to 3; unset: 1; refused with a pipeline or tp).
+  /// ZeRO stage over the data-parallel replicas, plain or of tensor-parallel shards (0 to 3;
+  /// unset: 1 with several replicas; refused with a pipeline).
   std::optional<int> zero{};
-  /// Data parallelism's gradient bucket cap (0: the default); set, also ZeRO-3's units (else one per block).
+  /// The replicas' gradient bucket cap (0: the default); set, also plain data parallelism's ZeRO-3
+  /// units (else one per block).
   std::size_t bucket_cap_bytes = 0;
   bool sequence_parallel = false;            ///< with tp >= 2: each rank 1/tp of the tokens between split regions
   std::optional<nn::Recompute> recompute{};  ///< activation recomputation (unset: the GptConfig's)
@@ -74,8 +76,7 @@ struct ParallelConfig {
   /// The devices the layout spans: dp x tp (x stages when pipelined), a pipeline's stages x dp, else dp.
   [[nodiscard]] int devices() const noexcept;
   /// Throws Error(invalid_argument) naming the field (or flag) and the value expected for what
-  /// cannot run: e.g. zero outside 0 to 3 or >= 2 in 16 bits, zero or a bucket cap with a pipeline
-  /// or tp, sequence parallelism without tp >= 2 dividing the block size, another device count
+  /// cannot run: e.g. zero outside 0 to 3 or >= 2 in 16 bits, zero or a bucket cap with a pipeline, sequence parallelism without tp >= 2 dividing the block size, another device count
   /// than the layout's.
   void validate(nn::GptConfig const& model, LayoutChecks const& checks) const;
 };
