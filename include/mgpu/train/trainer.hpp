@@ -111,7 +111,7 @@ struct ChunkInfo {
 struct Layout {
   std::string schedule;  ///< the pipeline schedule's name, "data-parallel", "tensor-parallel" or "none"
   int dp = 1, tp = 1, stages = 1, micro_batches = 1;
-  int zero = 0;  ///< data parallelism's ZeRO stage (0 elsewhere)
+  int zero = 0;  ///< the ZeRO stage over the data-parallel replicas (plain or tensor-parallel; 0 elsewhere)
 };
 
 /// Trains nn::gpt(config) (per-token cross-entropy, AdamW) in the layout a ParallelConfig asks
@@ -138,8 +138,7 @@ class Trainer {
   /// data::evaluate_lm of the whole model over `windows` windows of `loader`.
   double evaluate(data::TokenLoader const& loader, std::int64_t windows);
   /// Saves the model, optimizer and `state` in the one checkpoint format (a folder across
-  /// processes): any layout may load it. Throws Error(invalid_argument) for a pipeline of
-  /// tensor-parallel stages.
+  /// processes): any layout may load it.
   void save(std::filesystem::path const& path, io::TrainingState const& state);
   /// Loads save() of any layout, returning its state.
   io::TrainingState load(std::filesystem::path const& path);
