@@ -20,6 +20,7 @@
 #include <mgpu/parallel/data_parallel.hpp>
 #include <mgpu/parallel/memory_model.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
+#include <mgpu/parallel/zero_stages.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
 
 namespace mgpu::plan {
@@ -118,7 +119,7 @@ std::string to_string(Layout const& layout) {
                      std::to_string(layout.stages);
   if (layout.stages > 1) text += ", " + std::to_string(layout.micro_batches) + " micro-batches";
   if (layout.sequence_parallel) text += ", sequence parallel";
-  if (layout.data_parallel > 1 && layout.tensor_parallel == 1 && layout.stages == 1)
+  if (layout.data_parallel > 1 && parallel::max_zero_stage(DType::float32, layout.stages > 1) >= 0)  // replicas with a stage
     text += ", ZeRO " + std::to_string(layout.zero_stage);
   return text + ", recompute " + std::string(nn::to_string(layout.recompute));
 }
@@ -127,6 +128,11 @@ double predict_step_seconds(nn::GptConfig const& config, std::int64_t rows, Layo
   nn::GptConfig const c = with_recompute(config, layout.recompute);
   // Checks the layout, and gives each device's parameters and owned optimizer state.
   std::vector<parallel::GptMemory> const memory = parallel::predict_gpt_memory(c, rows, memory_layout(layout));
+  // The same without ZeRO: each device's whole parameters (of its shard or stage).
+  parallel::GptLayout replicated_layout = memory_layout(layout);
+  replicated_layout.zero_stage = 0;
+  std::vector<parallel::GptMemory> const replicated =
+      layout.zero_stage == 0 ? memory : parallel::predict_gpt_memory(c, rows, replicated_layout);
   if (layout.stages != (layout.cuts.empty() ? 1 : static_cast<int>(layout.cuts.size()) - 1))
     throw Error(Errc::invalid_argument, "predict_step_seconds with " + std::to_string(layout.stages) + " stages and " +
                                             std::to_string(layout.cuts.size()) +
@@ -150,14 +156,16 @@ double predict_step_seconds(nn::GptConfig const& config, std::int64_t rows, Layo
   bool const measured_replicas = t == 1 && group != nullptr;
   int const ranks = t > 1 ? t : d;
   double const busy = costs.concurrency > 0 ? std::min(1.0, static_cast<double>(costs.concurrency) / ranks) : 1.0;
+  // Each device's update of its owned elements (of its shard or stage; 1/d of them with ZeRO over
+  // d replicas). A measured data-parallel step updated 1/d of the parameters (ZeRO-1): ZeRO-0
+  // updates the rest too.
   double update = 0, updates = 0, gradient_bytes = 0;
   for (std::size_t i = 0; i < memory.size(); ++i) {
     double owned = static_cast<double>(memory[i].optimizer) / (2 * sizeof(float)) * costs.update_seconds_per_element;
-    if (measured_replicas)  // the measured step updated 1/d of the parameters: ZeRO-0 updates the rest too
-      owned = layout.zero_stage == 0 ? owned * (1 - 1.0 / d) : 0.0;
+    if (measured_replicas) owned = layout.zero_stage == 0 ? owned * (1 - 1.0 / d) : 0.0;
     update = std::max(update, owned);
     updates += owned;
-    gradient_bytes = std::max(gradient_bytes, static_cast<double>(memory[i].parameters));
+    gradient_bytes = std::max(gradient_bytes, static_cast<double>(replicated[i].parameters));
   }
   // Each device's compute in seconds of a device of its own: the critical path, and the work of
   // every device. The largest replica's micro-batches (the first ones the largest): the first
@@ -179,8 +187,9 @@ double predict_step_seconds(nn::GptConfig const& config, std::int64_t rows, Layo
   }
   double step = std::max(path + update, (work + updates) / shared);
 
-  // The replicas' gradients: all-reduced in buckets (25 MiB, the first 1 MiB), or reduce-scattered
-  // and all-gathered with ZeRO; ZeRO-3's buckets are its units (a block each, the embedding, the
+  // The replicas' gradients (of the whole model, or of each tensor-parallel rank's shard, over the
+  // d replicas): all-reduced in buckets (25 MiB, the first 1 MiB), or reduce-scattered and
+  // all-gathered with ZeRO; ZeRO-3's buckets are its units (a block each, the embedding, the
   // final LayerNorm), it all-gathers every unit's parameters before forward and units 2 to B - 2
   // again in backward (an all-gather: half an all-reduce's bytes).
   if (d > 1) {
@@ -208,6 +217,11 @@ Plan plan_gpt(nn::GptConfig const& config, std::int64_t rows, int devices, GptCo
   Plan plan;
   std::size_t smallest = std::numeric_limits<std::size_t>::max();
   std::string smallest_layout;
+  // The ZeRO stages to weigh over d replicas (float32: the memory model's), as the trainer runs
+  // them (parallel::max_zero_stage); each pipeline is weighed without one while its replicas take none.
+  auto const most_zero = [&](int d, bool pipeline) {
+    return d > 1 && options.zero ? std::max(0, parallel::max_zero_stage(DType::float32, pipeline)) : 0;
+  };
   auto const weigh = [&](Layout const& layout) {
     ++plan.considered;
     nn::GptConfig const c = with_recompute(config, layout.recompute);
@@ -218,7 +232,9 @@ Plan plan_gpt(nn::GptConfig const& config, std::int64_t rows, int devices, GptCo
     plan.candidates.push_back({layout, peak, predict_step_seconds(config, rows, layout, costs)});
   };
   for (int t = 1; t <= devices; ++t) {
-    if (devices % t != 0 || (t > 1 && (!options.tensor_parallel || group_cost(costs.tensor_parallel, t) == nullptr))) continue;
+    if (devices % t != 0 || config.n_head % t != 0 || t > config.vocab ||
+        (t > 1 && (!options.tensor_parallel || group_cost(costs.tensor_parallel, t) == nullptr)))
+      continue;
     for (int s = 1; s <= devices / t; ++s) {
       int const d = devices / t / s;
       if ((devices / t) % s != 0 || static_cast<std::size_t>(s) > cut_points || (s > 1 && !options.pipeline)) continue;
@@ -226,11 +242,12 @@ Plan plan_gpt(nn::GptConfig const& config, std::int64_t rows, int devices, GptCo
       if (replica_rows < 1) continue;
       for (nn::Recompute const recompute : {nn::Recompute::none, nn::Recompute::selective, nn::Recompute::full}) {
         if (s == 1) {
-          bool const shards = d > 1 && t == 1 && options.zero;
-          for (int zero = 0; zero <= (shards ? 3 : 0); ++zero)
-            weigh({.data_parallel = d, .tensor_parallel = t, .zero_stage = zero, .recompute = recompute});
-          if (t > 1 && config.block_size % t == 0)
-            weigh({.data_parallel = d, .tensor_parallel = t, .sequence_parallel = true, .recompute = recompute});
+          for (bool const sequence_parallel : {false, true}) {
+            if (sequence_parallel && (t == 1 || config.block_size % t != 0)) continue;
+            for (int zero = 0; zero <= most_zero(d, false); ++zero)
+              weigh({.data_parallel = d, .tensor_parallel = t, .zero_stage = zero, .sequence_parallel = sequence_parallel,
+                     .recompute = recompute});
+          }
           continue;
         }
         for (int k = 1; k <= 4 && s * k <= replica_rows; k *= 2) {
@@ -243,10 +260,12 @@ Plan plan_gpt(nn::GptConfig const& config, std::int64_t rows, int devices, GptCo
           layout.cuts = pipeline::partition(model, pipeline::one_f_one_b(s, layout.micro_batches), profile,
                                             std::vector<pipeline::StageDevice>(static_cast<std::size_t>(s)))
                             .cuts;
-          weigh(layout);
-          if (t > 1 && config.block_size % t == 0) {
-            layout.sequence_parallel = true;
-            weigh(layout);
+          for (bool const sequence_parallel : {false, true}) {
+            if (sequence_parallel && (t == 1 || config.block_size % t != 0)) continue;
+            for (int zero = 0; zero <= most_zero(d, true); ++zero) {
+              layout.sequence_parallel = sequence_parallel, layout.zero_stage = zero;
+              weigh(layout);
+            }
           }
         }
       }

@@ -3,6 +3,7 @@
 #include <string>
 
 #include <mgpu/core/error.hpp>
+#include <mgpu/parallel/zero_stages.hpp>
 #include <mgpu/train/trainer.hpp>
 
 namespace mgpu::train {
@@ -30,7 +31,7 @@ ParallelConfig ParallelConfig::from_plan(plan::Layout const& layout) {
   c.micro_batches = layout.micro_batches, c.cuts = layout.cuts;
   c.sequence_parallel = layout.sequence_parallel, c.recompute = layout.recompute;
   if (layout.stages > 1) c.schedule = "1f1b";
-  if (layout.tensor_parallel == 1 && layout.stages == 1) c.zero = layout.zero_stage;  // data parallelism's only
+  if (parallel::max_zero_stage(c.compute, c.pipelined()) >= 0) c.zero = layout.zero_stage;  // where the replicas take a stage
   return c;
 }
 
@@ -63,13 +64,13 @@ void ParallelConfig::validate(nn::GptConfig const& model, LayoutChecks const& ch
   if (zero && (*zero < 0 || *zero > 3))
     refuse(n_zero + " (expected 0, the replicated update, 1, ZeRO-1: the sharded update and "
            "optimizer state, 2, ZeRO-2: the gradients sharded too, or 3, ZeRO-3: the parameters too)");
-  if (zero.value_or(1) >= 2 && compute != DType::float32)
+  if (zero && *zero > parallel::max_zero_stage(compute, false))
     refuse(n_zero + " with " + name("compute ", "--precision ") + precision_name(compute) +
            " (expected fp32: sharded gradients are float32 only for now)");
   if (bucket_cap_bytes > 0 && pipe)
     refuse(name("bucket_cap_bytes", "--bucket-kb") + " with a pipeline (expected " +
            name("bucket_cap_bytes", "--bucket-kb") + " with data or tensor parallelism: a pipeline's replicas do not bucket)");
-  if (zero && pipe)
+  if (zero && pipe && *zero > parallel::max_zero_stage(compute, true))
     refuse(n_zero + " with a pipeline (expected " + name("zero", "--zero") +
            " with data or tensor parallelism: the pipeline's replicas do not shard their update yet)");
   if (sequence_parallel && tp < 2)

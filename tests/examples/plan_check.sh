@@ -4,18 +4,24 @@
 # plan's (the JSON's dp, tp, stages, zero, recompute and micro-batches against its "plan" field);
 # with a budget per device (--device-memory) it drops the layouts the memory model says exceed it,
 # the chosen one's predicted peak is within it and the measured peaks within it by the model's 10%;
-# a budget nothing fits is an out-of-memory error naming the smallest need; layout flags beside
-# --plan are refused.
+# on 4 devices, a model of two heads, a large vocab and two rows per step, a budget that only data
+# parallelism 2 x tensor parallelism 2 with ZeRO fits (the embedding's AdamW state sharded over the
+# replicas) is planned and run so; a budget nothing fits is an out-of-memory error naming the
+# smallest need; layout flags beside --plan are refused.
 # Usage: plan_check.sh TRAIN_GPT TEXT_FILE
 set -euo pipefail
 exe=$1
 text=$2
 common=(--data "$text" --n-layer 3 --n-head 4 --n-embd 96 --block-size 48 --batch-size 6 --iters 2
         --eval-every 0 --eval-iters 1 --devices host:2 --plan auto)
-for budget in 0 6; do
-  memory=()
+# check_plan BUDGET_MIB EXPECT FLAGS...: train_gpt --plan auto with FLAGS (and --device-memory
+# BUDGET_MIB unless 0) runs the planned layout within the budget; EXPECT "tp-zero": the choice and
+# the runner-up are dp 2 x tp 2 with ZeRO.
+check_plan() {
+  local budget=$1 expect=$2 memory=()
+  shift 2
   [ "$budget" -gt 0 ] && memory=(--device-memory "$budget")
-  "$exe" "${common[@]}" "${memory[@]}" --json 2> /dev/null | python3 -c '
+  "$exe" "$@" "${memory[@]}" --json 2> /dev/null | python3 -c '
 import json, sys
 budget = int(sys.argv[1]) << 20
 run = json.load(sys.stdin)
@@ -44,8 +50,16 @@ if budget > 0:
         sys.exit(f"FAIL: the chosen layout is predicted to need {predicted} bytes, over {budget}")
     if max(peaks) > 1.1 * budget:
         sys.exit(f"FAIL: measured peaks {peaks} exceed the budget {budget} by more than 10%")
-' "$budget"
-done
+if sys.argv[2] == "tp-zero":
+    for which, chosen in (("choice", plan), ("runner-up", plan["runner_up"] or {})):
+        if chosen.get("dp") != 2 or chosen.get("tp") != 2 or chosen.get("zero", 0) < 1:
+            sys.exit(f"FAIL: the {which} {chosen} (expected dp 2 x tp 2 with ZeRO: only it fits the budget)")
+' "$budget" "$expect"
+}
+check_plan 0 any "${common[@]}"
+check_plan 6 any "${common[@]}"
+check_plan 5 tp-zero --data "$text" --vocab 4096 --n-layer 1 --n-head 2 --n-embd 128 --block-size 16 --batch-size 2 \
+  --iters 2 --eval-every 0 --eval-iters 1 --devices host:4 --plan auto
 # Without --devices: the machine's cores as host devices.
 "$exe" --data "$text" --n-layer 2 --n-head 4 --n-embd 32 --block-size 16 --batch-size 4 --iters 1 --eval-every 0 \
   --eval-iters 1 --plan auto --json 2> /dev/null | python3 -c '

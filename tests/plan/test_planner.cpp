@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <limits>
 #include <set>
 #include <string>
 #include <thread>
@@ -38,8 +39,7 @@ plan::GptCosts free_costs() {
   return costs;
 }
 
-std::size_t predicted_peak(plan::Layout const& layout, std::int64_t rows) {
-  mgpu::nn::GptConfig c = config;
+std::size_t predicted_peak(plan::Layout const& layout, std::int64_t rows, mgpu::nn::GptConfig c = config) {
   c.recompute = layout.recompute;
   std::size_t peak = 0;
   for (mgpu::parallel::GptMemory const& m : mgpu::parallel::predict_gpt_memory(
@@ -163,26 +163,26 @@ TEST_CASE("the step-time model: tensor parallelism from its measured costs, refu
 TEST_CASE("plan_gpt enumerates every layout over the devices and keeps those that fit, fastest first", "[plan]") {
   plan::GptCosts const costs = free_costs();
   plan::Plan const all = plan::plan_gpt(config, 8, 4, costs, {});
-  // dp 4 (ZeRO 0-3), dp 2 x tp 2 and tp 4 (each with and without sequence parallelism); pipelines
-  // of 2 stages (2 replicas; micro-batches 2, 4), of 4 (micro-batches 4, 8), and of 2 stages of tp 2
-  // (micro-batches 2, 4, 8; with and without sequence parallelism): 4 + 2 + 2 + 2 + 2 + 6 layouts,
-  // each with 3 recomputation modes.
-  CHECK(all.considered == 54);
-  REQUIRE(all.candidates.size() == 54);
+  // dp 4 (ZeRO 0-3), dp 2 x tp 2 (ZeRO 0-3) and tp 4, each tensor-parallel one with and without
+  // sequence parallelism; pipelines of 2 stages (2 replicas; micro-batches 2, 4), of 4
+  // (micro-batches 4, 8), and of 2 stages of tp 2 (micro-batches 2, 4, 8; with and without
+  // sequence parallelism): 4 + 8 + 2 + 2 + 2 + 6 layouts, each with 3 recomputation modes.
+  CHECK(all.considered == 72);
+  REQUIRE(all.candidates.size() == 72);
   std::set<std::string> names;
   for (std::size_t i = 0; i < all.candidates.size(); ++i) {
     plan::Candidate const& c = all.candidates[i];
     plan::Layout const& l = c.layout;
     names.insert(plan::to_string(l));
     CHECK(l.data_parallel * l.tensor_parallel * l.stages == 4);
-    CHECK((l.zero_stage == 0 || (l.tensor_parallel == 1 && l.stages == 1)));
+    CHECK((l.zero_stage == 0 || (l.data_parallel > 1 && l.stages == 1)));
     CHECK((!l.sequence_parallel || l.tensor_parallel > 1));
     CHECK(l.cuts.size() == (l.stages > 1 ? static_cast<std::size_t>(l.stages) + 1 : 0));
     CHECK(c.peak_bytes == predicted_peak(l, 8));  // the memory model's largest device
     CHECK(c.step_seconds == plan::predict_step_seconds(config, 8, l, costs));
     if (i > 0) CHECK(all.candidates[i - 1].step_seconds <= c.step_seconds);
   }
-  CHECK(names.size() == 54);
+  CHECK(names.size() == 72);
   // Free collectives and devices of their own: data parallelism over four devices is fastest.
   CHECK(all.candidates.front().layout.data_parallel == 4);
 
@@ -192,7 +192,7 @@ TEST_CASE("plan_gpt enumerates every layout over the devices and keeps those tha
   std::sort(peaks.begin(), peaks.end());
   std::size_t const budget = peaks[peaks.size() / 2];
   plan::Plan const some = plan::plan_gpt(config, 8, 4, costs, {.memory_bytes = budget});
-  CHECK(some.considered == 54);
+  CHECK(some.considered == 72);
   CHECK(some.candidates.size() == static_cast<std::size_t>(std::count_if(peaks.begin(), peaks.end(), [&](std::size_t p) { return p <= budget; })));
   for (plan::Candidate const& c : some.candidates) CHECK(c.peak_bytes <= budget);
 
@@ -202,6 +202,62 @@ TEST_CASE("plan_gpt enumerates every layout over the devices and keeps those tha
   plan::GptCosts no_tp = costs;
   no_tp.tensor_parallel.clear();
   CHECK(plan::plan_gpt(config, 8, 4, no_tp, {}).considered == 24);
+}
+
+TEST_CASE("the step-time model: ZeRO over tensor-parallel replicas shares their update, with data parallelism's collectives",
+          "[plan]") {
+  plan::GptCosts costs = free_costs();
+  costs.update_seconds_per_element = 1e-9;
+  auto const tp = [](int zero) { return plan::Layout{.data_parallel = 2, .tensor_parallel = 2, .zero_stage = zero}; };
+  auto const dp = [](int zero) { return plan::Layout{.data_parallel = 2, .zero_stage = zero}; };
+  // Free collectives: each rank updates half its shard (about a quarter of the model) instead of all
+  // of it (about: the memory model's allocator blocks round the small tensors up).
+  double const whole = static_cast<double>(mgpu::nn::gpt(config).parameter_count());
+  double const replicated = plan::predict_step_seconds(config, 4, tp(0), costs);
+  for (int zero = 1; zero <= 3; ++zero)
+    CHECK(replicated - plan::predict_step_seconds(config, 4, tp(zero), costs) == Approx(whole / 4 * 1e-9).epsilon(0.1));
+  // Collectives of a latency: each stage's reduce-scatters and all-gathers over the replicas cost
+  // what they cost plain data parallelism (composed from its parts, without an update to weigh).
+  costs.update_seconds_per_element = 0;
+  costs.collective_seconds = 1e-3;
+  for (int zero = 1; zero <= 3; ++zero) {
+    double const tensor = plan::predict_step_seconds(config, 4, tp(zero), costs) - plan::predict_step_seconds(config, 4, tp(0), costs);
+    double const data = plan::predict_step_seconds(config, 4, dp(zero), costs) - plan::predict_step_seconds(config, 4, dp(0), costs);
+    CHECK(tensor > 1.99e-3);  // at least a reduce-scatter and an all-gather more than the all-reduce
+    CHECK(tensor == Approx(data).epsilon(1e-9));
+  }
+}
+
+TEST_CASE("plan_gpt plans ZeRO over tensor-parallel replicas where only they fit", "[plan]") {
+  // Two heads (no tp 4) and two rows (no dp 4, no pipeline of replicas) on 4 devices: dp 2 x tp 2
+  // with ZeRO 0-3 and 2 stages of tp 2 (2 micro-batches), each with and without sequence
+  // parallelism, each with 3 recomputation modes. A large vocab: the embedding's AdamW state
+  // dominates, which ZeRO shards over the replicas and the pipeline keeps whole on both ends (the
+  // embedding and the tied head's copy).
+  mgpu::nn::GptConfig const wide{.vocab = 4096, .block_size = 8, .n_layer = 2, .n_head = 2, .n_embd = 64};
+  plan::GptCosts const costs = free_costs();
+  plan::Plan const all = plan::plan_gpt(wide, 2, 4, costs, {});
+  CHECK(all.considered == 30);
+  REQUIRE(all.candidates.size() == 30);
+  std::size_t sharded = std::numeric_limits<std::size_t>::max(), others = sharded;
+  for (plan::Candidate const& c : all.candidates) {
+    plan::Layout const& l = c.layout;
+    CHECK(c.peak_bytes == predicted_peak(l, 2, wide));
+    std::size_t& need = l.data_parallel == 2 && l.tensor_parallel == 2 && l.zero_stage >= 1 ? sharded : others;
+    need = std::min(need, c.peak_bytes);
+  }
+  REQUIRE(sharded < others);
+  plan::Plan const tight = plan::plan_gpt(wide, 2, 4, costs, {.memory_bytes = sharded});
+  REQUIRE(!tight.candidates.empty());
+  for (plan::Candidate const& c : tight.candidates) {
+    CHECK(c.layout.data_parallel == 2);
+    CHECK(c.layout.tensor_parallel == 2);
+    CHECK(c.layout.zero_stage >= 1);
+    CHECK(c.peak_bytes <= sharded);
+  }
+  // Without ZeRO nothing fits: the error names the smallest need of the rest.
+  REQUIRE_MGPU_ERROR(plan::plan_gpt(wide, 2, 4, costs, {.memory_bytes = sharded, .zero = false}), mgpu::Errc::out_of_memory,
+                     "needs " + std::to_string(others));
 }
 
 TEST_CASE("plan_gpt trades compute for memory: recomputation when only it fits, an error naming the smallest need",

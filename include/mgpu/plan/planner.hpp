@@ -62,7 +62,9 @@ struct Layout {
   int tensor_parallel = 1;
   /// Pipeline stages (1F1B; with data_parallel replicas of the pipeline).
   int stages = 1;
-  /// DataParallelOptions::zero_stage (data parallelism alone; 0 otherwise).
+  /// The ZeRO stage over the data_parallel replicas, of the whole model or of each tensor-parallel
+  /// rank's shard (DataParallelOptions or TensorParallelOptions::zero_stage); 0 with one replica,
+  /// and with a pipeline while its replicas take no stage (parallel::max_zero_stage).
   int zero_stage = 0;
   /// TensorParallelOptions::sequence_parallel (costed as tensor parallelism).
   bool sequence_parallel = false;
@@ -95,7 +97,8 @@ struct PlanOptions {
   /// Bytes each device may use: a layout fits when every device's predicted peak is at most this.
   std::size_t memory_bytes = std::numeric_limits<std::size_t>::max();
   /// Layouts to weigh: tensor parallelism (with and without sequence parallelism), 1F1B pipelines
-  /// (stages x 1, 2, 4 micro-batches), ZeRO stages 0-3.
+  /// (stages x 1, 2, 4 micro-batches), ZeRO stages 0-3 over the replicas (those
+  /// parallel::max_zero_stage gives float32), of data and tensor parallelism alike.
   bool tensor_parallel = true;
   bool pipeline = true;
   bool zero = true;

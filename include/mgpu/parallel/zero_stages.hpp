@@ -1,0 +1,17 @@
+// Which ZeRO stages each layout's replicas run: the one rule that train::ParallelConfig::validate
+// refuses by and plan::plan_gpt enumerates by (docs/parallel-layouts.md, "ZeRO").
+#pragma once
+
+#include <mgpu/core/dtype.hpp>
+
+namespace mgpu::parallel {
+
+/// The highest ZeRO stage (DataParallelOptions::zero_stage, TensorParallelOptions::zero_stage) that
+/// replicas computing in `compute` run: 3 in float32, 1 in 16 bits (sharded gradients are float32
+/// only for now). A pipeline's replicas (`pipeline`) take no stage yet, not even 0: -1.
+[[nodiscard]] constexpr int max_zero_stage(DType compute, bool pipeline) noexcept {
+  if (pipeline) return -1;
+  return compute == DType::float32 ? 3 : 1;
+}
+
+}  // namespace mgpu::parallel
