@@ -213,6 +213,28 @@ void embedding(Tensor const& ids, Tensor const& wte, Tensor const& wpe, Tensor c
   fail_on_bad_id(op, "token id", ids, batch * t, vocab, no_ignore, stream);
   visit(wte.dtype(), [&]<class T>(T) {
     detail::EmbeddingOp<T> const e{ptr<std::int32_t>(ids), ptr<T>(wte), ptr<T>(wpe), ptr<T>(y), t, c, vocab};
+    if (stream.device().kind == DeviceKind::host) {  // EmbeddingOp a row at a time: no index division per element
+      mgpu::detail::enqueue_using(
+          stream,
+          [e, tokens = batch * t] {
+            host::timed(HostOpFamily::embedding, [&] {
+              for (std::int64_t n = 0; n < tokens; ++n) {
+                std::int32_t const id = e.ids[n];
+                T* out = e.y + n * e.c;
+                if (id < 0 || id >= e.vocab) {
+                  std::fill(out, out + e.c, T(NAN));
+                  continue;
+                }
+                T const* token = e.wte + id * e.c;
+                T const* position = e.wpe + (n % e.t) * e.c;
+                for (std::int64_t j = 0; j < e.c; ++j)
+                  out[j] = T(static_cast<float>(token[j]) + static_cast<float>(position[j]));
+              }
+            });
+          },
+          ids, wte, wpe, y);
+      return;
+    }
     run(stream, HostOpFamily::embedding, {ids, wte, wpe, y}, 0,
         [e, n = batch * t * c](auto const& each, void*) { each(n, e); });
   });
