@@ -27,11 +27,12 @@ namespace host {
 AttentionTiles attention_tiles() noexcept {
   AttentionTiles const set{tile_queries.load(std::memory_order_relaxed), tile_keys.load(std::memory_order_relaxed)};
   if (set.queries > 0 && set.keys > 0) return set;
-  // BM_attention's rows (bench/results/2026-12-06-cpu-gpt-attention.json, a loaded 2-core AMD EPYC):
-  // 32 query rows took the least time on both shapes; on GPT-2 small's (T 256, d 64) keys in tiles of
-  // 128 (11.8 ms, 0.51 of the sgemm rate in turn) beat 64 (32.5 ms) and 256 (16.0 ms); taller query
-  // blocks compute more of the diagonal tile's masked half. On T <= 128 it is one key tile.
-  return {32, 128};
+  // BM_attention's rows (bench/results/2026-12-06-cpu-gpt-step-host-ops.json's sweep, a loaded
+  // 2-core AMD EPYC): since the register blocks above the diagonal are skipped, taller query blocks
+  // no longer compute the diagonal tile's masked half, and 64 x 128 is among the fastest on both
+  // shapes (nano 0.268 of the sgemm rate in turn, 32 x 128 0.260; GPT-2 small's 0.531, 32 x 128
+  // 0.489). On T <= 128 it is one key tile.
+  return {64, 128};
 }
 
 namespace {
