@@ -180,9 +180,11 @@ TEST_CASE("causal_attention: every host tiling gives the float64 attention and t
   // Head sizes 4 (single-column register blocks) and 32 (whole 32-wide panels, so register blocks
   // above the diagonal are skipped); with dropout (rows to their visible length) and without
   // (rows in whole vectors, the entries past the diagonal masked).
-  auto const [c, dropout] = GENERATE(std::pair{std::int64_t{8}, ops::AttentionDropout{0.3f, 12345, 3}},
-                                     std::pair{std::int64_t{8}, ops::AttentionDropout{}},
-                                     std::pair{std::int64_t{64}, ops::AttentionDropout{}});
+  auto const shape = GENERATE(std::pair{std::int64_t{8}, ops::AttentionDropout{0.3f, 12345, 3}},
+                              std::pair{std::int64_t{8}, ops::AttentionDropout{}},
+                              std::pair{std::int64_t{64}, ops::AttentionDropout{}});
+  std::int64_t const c = shape.first;  // plain variables: lambdas capture them (Clang 14 cannot capture bindings)
+  ops::AttentionDropout const dropout = shape.second;
   std::int64_t const b = 2, t = 70, heads = 2;
   INFO("C " << c << ", dropout " << dropout.p);
   Tensor const qkv = env.random({b, t, 3 * c}, 1);
