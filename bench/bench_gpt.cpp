@@ -24,6 +24,11 @@
 //                        7 products over the visible (query, key) pairs;
 //     gemm_limit_fraction  step_gflop at sgemm_gflops / the median step time: 1 when everything but
 //                        matrix products were free and those ran at the sgemm rate.
+//   BM_gpt_step_bf16/<shape>: the same step with bfloat16 compute (float32 master weights, AdamW on
+//   them; nano only), its counters as BM_gpt_step's except the reference GEMM's:
+//     bf16_gemm_gflops   the library's host GEMM on a bfloat16 512 x 512 x 512 product (bf16 in and
+//                        out, float32 accumulation) in the same run, timed after every step (median);
+//     gemm_limit_fraction  step_gflop at bf16_gemm_gflops / the median step time.
 //   BM_gpt_step_dp/<shape>: the same step data parallel over host:2 (parallel::DataParallel: each
 //   device a worker thread with half of every batch, gradients all-reduced in buckets during
 //   backward), and the one-device step of BM_gpt_step timed in turn on the same batches:
@@ -103,10 +108,12 @@ namespace {
 
 using namespace bench::gpt;
 
-void BM_gpt_step(benchmark::State& state) {
+// BM_gpt_step's body for one compute type, its GEMM limit at the same type's reference GEMM
+// (float32: the sgemm; bfloat16: the bf16 GEMM), named by `rate_counter`.
+void gpt_step(benchmark::State& state, mgpu::DType compute, char const* rate_counter) {
   Shape const& shape = shapes[state.range(0)];
-  GptTrainer trainer(shape);
-  Sgemm sgemm(*trainer.allocator);
+  GptTrainer trainer(shape, compute);
+  Sgemm sgemm(*trainer.allocator, compute);
   trainer.step();  // the allocator's cache, AdamW's state, the GEMM primitives
   (void)sgemm.seconds(trainer.stream);  // its primitive
   trainer.allocator->reset_peak();
@@ -146,7 +153,8 @@ void BM_gpt_step(benchmark::State& state) {
   auto const steps = static_cast<double>(step_s.size());
   double const sgemm_rate = Sgemm::flops() / median(sgemm_s);
   double const step_flops = gemm_flops / steps + attention_flops(shape.config, shape.batch);
-  state.SetLabel(std::string(shape.name) + ", host GEMM: " + mgpu::host_gemm_backend);
+  state.SetLabel(std::string(shape.name) + ", " + std::string(mgpu::to_string(compute)) +
+                 " compute, host GEMM: " + mgpu::host_gemm_backend);
   state.counters["tokens_per_s"] = static_cast<double>(trainer.tokens()) / step;
   state.counters["step_ms"] = step * 1e3;
   state.counters["peak_bytes_device"] = static_cast<double>(trainer.allocator->stats().peak_allocated);
@@ -160,12 +168,16 @@ void BM_gpt_step(benchmark::State& state) {
   }
   state.counters["step_other_share"] = 1.0 - accounted / total_s;
   state.counters["step_gemm_gflops"] = gemm_flops / gemm_s / 1e9;
-  state.counters["sgemm_gflops"] = sgemm_rate / 1e9;
+  state.counters[rate_counter] = sgemm_rate / 1e9;
   state.counters["step_gflop"] = step_flops / 1e9;
   state.counters["gemm_limit_fraction"] = step_flops / sgemm_rate / step;
 }
+void BM_gpt_step(benchmark::State& state) { gpt_step(state, mgpu::DType::float32, "sgemm_gflops"); }
 BENCHMARK(BM_gpt_step)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(8.0);
 BENCHMARK(BM_gpt_step)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
+
+void BM_gpt_step_bf16(benchmark::State& state) { gpt_step(state, mgpu::DType::bfloat16, "bf16_gemm_gflops"); }
+BENCHMARK(BM_gpt_step_bf16)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);  // short: CI runs it
 
 void BM_gpt_recompute(benchmark::State& state) {
   auto const recompute = static_cast<mgpu::nn::Recompute>(state.range(0));

@@ -51,8 +51,10 @@ struct GptTrainer {
   mgpu::Tensor inputs, targets;
   std::int64_t next = 0;
 
-  explicit GptTrainer(Shape const& s) : shape(s), model(mgpu::nn::gpt(s.config)) {
-    model.materialize(ctx, 1);
+  // compute: float32, or bfloat16 / float16 with float32 masters (Sequential::materialize).
+  explicit GptTrainer(Shape const& s, mgpu::DType compute = mgpu::DType::float32)
+      : shape(s), model(mgpu::nn::gpt(s.config)) {
+    model.materialize(ctx, 1, compute);
     std::int64_t const t = s.config.block_size;
     inputs = mgpu::Tensor::empty({pool * s.batch, t}, mgpu::DType::int32, *allocator);
     targets = mgpu::Tensor::empty({pool * s.batch, t}, mgpu::DType::int32, *allocator);
@@ -80,19 +82,26 @@ struct GptTrainer {
   }
 };
 
-// The reference sgemm: the library's host GEMM on a float32 512 x 512 x 512 product, run on a
-// stream's worker like the step's GEMMs.
+// The reference GEMM: the library's host GEMM on a 512 x 512 x 512 product in `dtype` (float32:
+// the sgemm; bfloat16: 16-bit inputs and output, float32 accumulation, as the step's bf16 GEMMs),
+// run on a stream's worker like the step's GEMMs.
 struct Sgemm {
   static constexpr std::int64_t n = 512;
   mgpu::Tensor a, b, c;
-  explicit Sgemm(mgpu::Allocator& allocator) {
-    a = mgpu::Tensor::empty({n, n}, mgpu::DType::float32, allocator);
-    b = mgpu::Tensor::empty({n, n}, mgpu::DType::float32, allocator);
-    c = mgpu::Tensor::empty({n, n}, mgpu::DType::float32, allocator);
+  explicit Sgemm(mgpu::Allocator& allocator, mgpu::DType dtype = mgpu::DType::float32) {
+    a = mgpu::Tensor::empty({n, n}, dtype, allocator);
+    b = mgpu::Tensor::empty({n, n}, dtype, allocator);
+    c = mgpu::Tensor::empty({n, n}, dtype, allocator);
     std::mt19937 rng(3);
     std::normal_distribution<float> d(0.0f, 1.0f);
-    for (mgpu::Tensor const* t : {&a, &b})
-      std::generate(t->host_span<float>().begin(), t->host_span<float>().end(), [&] { return d(rng); });
+    auto const fill = [&]<class T>(mgpu::Tensor const& t) {
+      for (T& v : t.host_span<T>()) v = T(d(rng));
+    };
+    for (mgpu::Tensor const* t : {&a, &b}) {
+      if (dtype == mgpu::DType::float32) fill.operator()<float>(*t);
+      else if (dtype == mgpu::DType::bfloat16) fill.operator()<mgpu::bfloat16>(*t);
+      else fill.operator()<mgpu::float16>(*t);
+    }
   }
   [[nodiscard]] static double flops() { return 2.0 * n * n * n; }
   // Seconds of one product on the stream's worker.

@@ -1,7 +1,7 @@
 // Causal attention on a host stream's worker: tiles of scores and their products through a
-// register-blocked float32 micro-kernel (product) on per-head copies of q, k, v (and k, v
-// transposed), and an online softmax in loops the compiler vectorizes (exp_vec, maxima and sums in
-// 16 independent lanes).
+// register-blocked float32 micro-kernel (product, skipping the blocks the causal mask zeroes) on
+// per-head copies of q, k, v (and k, v transposed), and an online softmax in loops the compiler
+// vectorizes (exp_vec, maxima and sums in 16 independent lanes, rows in whole masked vectors).
 #include "ops/host_attention.hpp"
 
 #include <algorithm>
@@ -27,43 +27,56 @@ namespace host {
 AttentionTiles attention_tiles() noexcept {
   AttentionTiles const set{tile_queries.load(std::memory_order_relaxed), tile_keys.load(std::memory_order_relaxed)};
   if (set.queries > 0 && set.keys > 0) return set;
-  // BM_attention's rows (bench/results/2026-12-06-cpu-gpt-attention.json, a loaded 2-core AMD EPYC):
-  // 32 query rows took the least time on both shapes; on GPT-2 small's (T 256, d 64) keys in tiles of
-  // 128 (11.8 ms, 0.51 of the sgemm rate in turn) beat 64 (32.5 ms) and 256 (16.0 ms); taller query
-  // blocks compute more of the diagonal tile's masked half. On T <= 128 it is one key tile.
-  return {32, 128};
+  // BM_attention's rows (bench/results/2026-12-06-cpu-gpt-step-host-ops.json's sweep, a loaded
+  // 2-core AMD EPYC): since the register blocks above the diagonal are skipped, taller query blocks
+  // no longer compute the diagonal tile's masked half, and 64 x 128 is among the fastest on both
+  // shapes (nano 0.268 of the sgemm rate in turn, 32 x 128 0.260; GPT-2 small's 0.531, 32 x 128
+  // 0.489). On T <= 128 it is one key tile.
+  return {64, 128};
 }
 
 namespace {
 
 constexpr std::int64_t lanes = 16;
 
-// The largest of s[0, n), n >= 1.
-float row_max(float const* s, std::int64_t n) {
+// Where a row's loops over its n visible entries end: n rounded up to whole vectors of `lanes`
+// where the row has room (width), the entries past n masked, so a row of the diagonal tile runs
+// no scalar tail (mostly).
+std::int64_t padded(std::int64_t n, std::int64_t width) { return std::min((n + lanes - 1) / lanes * lanes, width); }
+
+// The largest of s[0, n), 1 <= n <= width (entries past n may hold anything, NaN included).
+float row_max(float const* s, std::int64_t n, std::int64_t width) {
   float part[lanes];
   std::fill(part, part + lanes, -INFINITY);
+  std::int64_t const end = padded(n, width);
   std::int64_t j = 0;
-  for (; j + lanes <= n; j += lanes)
-    for (std::int64_t l = 0; l < lanes; ++l) part[l] = s[j + l] > part[l] ? s[j + l] : part[l];
+  for (; j + lanes <= end; j += lanes)
+    for (std::int64_t l = 0; l < lanes; ++l) {
+      float const x = j + l < n ? s[j + l] : -INFINITY;
+      part[l] = x > part[l] ? x : part[l];
+    }
   for (; j < n; ++j) part[0] = s[j] > part[0] ? s[j] : part[0];
   float m = part[0];
   for (std::int64_t l = 1; l < lanes; ++l) m = part[l] > m ? part[l] : m;
   return m;
 }
 
-// s[j] = e^(s[j] - m) for j in [0, n); returns their sum.
-float exp_sum(float* s, std::int64_t n, float m) {
+// s[j] = e^(s[j] - m) for j in [0, n), 0 for j in [n, width); returns their sum.
+float exp_sum(float* s, std::int64_t n, std::int64_t width, float m) {
   float part[lanes] = {};
+  std::int64_t const end = padded(n, width);
   std::int64_t j = 0;
-  for (; j + lanes <= n; j += lanes)
+  for (; j + lanes <= end; j += lanes)
     for (std::int64_t l = 0; l < lanes; ++l) {
-      s[j + l] = mgpu::detail::exp_vec(s[j + l] - m);
+      float const e = mgpu::detail::exp_vec(s[j + l] - m);
+      s[j + l] = j + l < n ? e : 0.0f;
       part[l] += s[j + l];
     }
   for (; j < n; ++j) {
     s[j] = mgpu::detail::exp_vec(s[j] - m);
     part[0] += s[j];
   }
+  std::fill(s + j, s + width, 0.0f);
   float sum = 0.0f;
   for (float p : part) sum += p;
   return sum;
@@ -89,32 +102,60 @@ inline void block(float const* a, std::int64_t a_row, std::int64_t a_col, float 
     for (int l = 0; l < W; ++l) c[r * ldc + l] = acc[r][l];
 }
 
-// W columns of rows [0, m) of c in blocks of 8 rows, then 4, then single rows.
+// Which part of a tile product the causal mask can make nonzero, for `offset`:
+//   all        every entry of c, from the whole inner dimension;
+//   columns    row i of c needs its columns j < i + offset + 1 (c = scores: rows queries, columns
+//              keys, offset = first query - first key): a register block computes its columns up
+//              to its last row's limit (rounded up to 16), so what lies above the diagonal is
+//              mostly skipped, the rest left for the caller to ignore;
+//   k_before   row i of c sums over kk < i + offset + 1 (c [queries, d] from probabilities [queries,
+//              keys]: the keys a query does not see have probability 0), offset as for columns;
+//   k_from     row i of c sums over kk >= i + offset (c [keys, d] from transposed probabilities: the
+//              queries before a key do not see it), offset = first key - first query.
+enum class Causal { all, columns, k_before, k_from };
+
+// Rows [i, i + R) x columns [j, j + W) of c, over the inner dimension's range the causal mask
+// leaves (nothing for a block of Causal::columns wholly above the diagonal).
+template <int R, int W>
+inline void causal_block(float const* a, std::int64_t a_row, std::int64_t a_col, float const* b, std::int64_t ldb,
+                         float* c, std::int64_t ldc, std::int64_t i, std::int64_t j, std::int64_t k, bool accumulate,
+                         Causal causal, std::int64_t offset) {
+  std::int64_t k0 = 0, k1 = k;
+  if (causal == Causal::columns && j >= i + R + offset) return;
+  if (causal == Causal::k_before) k1 = std::clamp<std::int64_t>(i + R + offset, 0, k);
+  if (causal == Causal::k_from) k0 = std::clamp<std::int64_t>(i + offset, 0, k);
+  if (accumulate && k1 <= k0) return;
+  block<R, W>(a + i * a_row + k0 * a_col, a_row, a_col, b + k0 * ldb + j, ldb, c + i * ldc + j, ldc, k1 - k0, accumulate);
+}
+
+// W columns [j, j + W) of rows [0, m) of c in blocks of 8 rows, then 4, then single rows.
 template <int W>
 void column_panel(float const* a, std::int64_t a_row, std::int64_t a_col, float const* b, std::int64_t ldb, float* c,
-                  std::int64_t ldc, std::int64_t m, std::int64_t k, bool accumulate) {
+                  std::int64_t ldc, std::int64_t j, std::int64_t m, std::int64_t k, bool accumulate, Causal causal,
+                  std::int64_t offset) {
   std::int64_t i = 0;
-  for (; i + 8 <= m; i += 8) block<8, W>(a + i * a_row, a_row, a_col, b, ldb, c + i * ldc, ldc, k, accumulate);
-  for (; i + 4 <= m; i += 4) block<4, W>(a + i * a_row, a_row, a_col, b, ldb, c + i * ldc, ldc, k, accumulate);
-  for (; i < m; ++i) block<1, W>(a + i * a_row, a_row, a_col, b, ldb, c + i * ldc, ldc, k, accumulate);
+  for (; i + 8 <= m; i += 8) causal_block<8, W>(a, a_row, a_col, b, ldb, c, ldc, i, j, k, accumulate, causal, offset);
+  for (; i + 4 <= m; i += 4) causal_block<4, W>(a, a_row, a_col, b, ldb, c, ldc, i, j, k, accumulate, causal, offset);
+  for (; i < m; ++i) causal_block<1, W>(a, a_row, a_col, b, ldb, c, ldc, i, j, k, accumulate, causal, offset);
 }
 
 // c [m, n] (+)= A B (beta 0 or 1) with A(i, kk) = a[i a_row + kk a_col] (a row-major matrix or a
 // transposed one), B row-major with rows of stride ldb, c row-major with rows of stride ldc: the
-// tile products of attention, whose n (d or a key tile) is mostly a multiple of 32.
+// tile products of attention, whose n (d or a key tile) is mostly a multiple of 32; each register
+// block skips what `causal` says the mask zeroes.
 void product(float const* a, std::int64_t a_row, std::int64_t a_col, float const* b, std::int64_t ldb, float* c,
-             std::int64_t ldc, std::int64_t m, std::int64_t n, std::int64_t k, bool accumulate) {
+             std::int64_t ldc, std::int64_t m, std::int64_t n, std::int64_t k, bool accumulate,
+             Causal causal = Causal::all, std::int64_t offset = 0) {
   std::int64_t j = 0;
-  for (; j + 32 <= n; j += 32) column_panel<32>(a, a_row, a_col, b + j, ldb, c + j, ldc, m, k, accumulate);
-  for (; j + 16 <= n; j += 16) column_panel<16>(a, a_row, a_col, b + j, ldb, c + j, ldc, m, k, accumulate);
-  for (; j < n; ++j) column_panel<1>(a, a_row, a_col, b + j, ldb, c + j, ldc, m, k, accumulate);
+  for (; j + 32 <= n; j += 32) column_panel<32>(a, a_row, a_col, b, ldb, c, ldc, j, m, k, accumulate, causal, offset);
+  for (; j + 16 <= n; j += 16) column_panel<16>(a, a_row, a_col, b, ldb, c, ldc, j, m, k, accumulate, causal, offset);
+  for (; j < n; ++j) column_panel<1>(a, a_row, a_col, b, ldb, c, ldc, j, m, k, accumulate, causal, offset);
 }
 
 // dst [d, t] = src [t, d] transposed, in 16 x 16 blocks (their rows stay in the L1 cache).
-void transpose(std::vector<float> const& src, std::int64_t t, std::int64_t d, std::vector<float>& dst) {
+void transpose(float const* in, std::int64_t t, std::int64_t d, std::vector<float>& dst) {
   dst.resize(static_cast<std::size_t>(t * d));
   constexpr std::int64_t edge = 16;
-  float const* in = src.data();
   float* out = dst.data();
   for (std::int64_t i0 = 0; i0 < t; i0 += edge)
     for (std::int64_t e0 = 0; e0 < d; e0 += edge) {
@@ -124,23 +165,32 @@ void transpose(std::vector<float> const& src, std::int64_t t, std::int64_t d, st
     }
 }
 
-// dst [t, d] = scale * the head's columns of t rows of `stride` elements from src.
+// dst [heads, t, d] = scale * the heads' columns of t rows of `stride` elements from src: one pass
+// over the rows in order (every head of a sequence at once: the reads stream, where a head at a
+// time strides through the sequence once per head).
 template <class T>
-void pack(T const* src, std::int64_t stride, std::int64_t t, std::int64_t d, float scale, std::vector<float>& dst) {
-  dst.resize(static_cast<std::size_t>(t * d));
+void pack(T const* src, std::int64_t stride, std::int64_t t, std::int64_t heads, std::int64_t d, float scale,
+          std::vector<float>& dst) {
+  dst.resize(static_cast<std::size_t>(heads * t * d));
   for (std::int64_t i = 0; i < t; ++i) {
     T const* row = src + i * stride;
-    float* out = dst.data() + i * d;
-    for (std::int64_t e = 0; e < d; ++e) out[e] = static_cast<float>(row[e]) * scale;
+    for (std::int64_t h = 0; h < heads; ++h) {
+      float* out = dst.data() + (h * t + i) * d;
+      for (std::int64_t e = 0; e < d; ++e) out[e] = static_cast<float>(row[h * d + e]) * scale;
+    }
   }
 }
 
+// pack's inverse: the heads' columns of t rows of `stride` elements of dst = scale * src [heads, t, d].
 template <class T>
-void unpack(std::vector<float> const& src, std::int64_t t, std::int64_t d, float scale, T* dst, std::int64_t stride) {
+void unpack(std::vector<float> const& src, std::int64_t t, std::int64_t heads, std::int64_t d, float scale, T* dst,
+            std::int64_t stride) {
   for (std::int64_t i = 0; i < t; ++i) {
-    float const* row = src.data() + i * d;
-    T* out = dst + i * stride;
-    for (std::int64_t e = 0; e < d; ++e) out[e] = T(row[e] * scale);
+    T* row = dst + i * stride;
+    for (std::int64_t h = 0; h < heads; ++h) {
+      float const* in = src.data() + (h * t + i) * d;
+      for (std::int64_t e = 0; e < d; ++e) row[h * d + e] = T(in[e] * scale);
+    }
   }
 }
 
@@ -172,12 +222,13 @@ void attention_forward(T const* qkv, T* y, float* lse, std::int64_t batch, detai
   w.m.resize(static_cast<std::size_t>(bq));
   w.l.resize(static_cast<std::size_t>(bq));
   for (std::int64_t b = 0; b < batch; ++b) {
+    T const* base = qkv + b * t * 3 * c;
+    pack(base, 3 * c, t, heads, d, scale, w.q);  // q / sqrt(d): the scores come out scaled
+    pack(base + c, 3 * c, t, heads, d, 1.0f, w.k);
+    pack(base + 2 * c, 3 * c, t, heads, d, 1.0f, w.v);
     for (std::int64_t h = 0; h < heads; ++h) {
-      T const* base = qkv + b * t * 3 * c + h * d;
-      pack(base, 3 * c, t, d, scale, w.q);  // q / sqrt(d): the scores come out scaled
-      pack(base + c, 3 * c, t, d, 1.0f, w.k);
-      pack(base + 2 * c, 3 * c, t, d, 1.0f, w.v);
-      transpose(w.k, t, d, w.kt);
+      float const *q = w.q.data() + h * t * d, *k = w.k.data() + h * t * d, *v = w.v.data() + h * t * d;
+      transpose(k, t, d, w.kt);
       float* row_lse = lse + (b * heads + h) * t;
       for (std::int64_t i0 = 0; i0 < t; i0 += bq) {
         std::int64_t const rows = std::min(bq, t - i0);
@@ -188,25 +239,26 @@ void attention_forward(T const* qkv, T* y, float* lse, std::int64_t batch, detai
           std::int64_t const cols = std::min(bk, i0 + rows - j0);
           std::int64_t const r0 = std::max<std::int64_t>(0, j0 - i0), n_rows = rows - r0;  // rows before r0 see none
           float* s_tile = w.s.data();
-          product(w.q.data() + (i0 + r0) * d, d, 1, w.kt.data() + j0, t, s_tile, cols, n_rows, cols, d, false);
+          product(q + (i0 + r0) * d, d, 1, w.kt.data() + j0, t, s_tile, cols, n_rows, cols, d, false,
+                  Causal::columns, i0 + r0 - j0);
           for (std::int64_t r = r0; r < rows; ++r) {
             std::int64_t const i = i0 + r, n = visible(i, j0, cols);
             float* s = s_tile + (r - r0) * cols;
             float* acc = w.acc.data() + r * d;
             auto const ru = static_cast<std::size_t>(r);
-            float const m_new = std::max(w.m[ru], row_max(s, n));
+            float const m_new = std::max(w.m[ru], row_max(s, n, cols));
             if (m_new != w.m[ru] && w.l[ru] != 0.0f) {  // rescale what earlier tiles summed
               float const correction = mgpu::detail::exp_vec(w.m[ru] - m_new);
               w.l[ru] *= correction;
               for (std::int64_t e = 0; e < d; ++e) acc[e] *= correction;
             }
             w.m[ru] = m_new;
-            w.l[ru] += exp_sum(s, n, m_new);
-            std::fill(s + n, s + cols, 0.0f);
+            w.l[ru] += exp_sum(s, n, cols, m_new);
             if (mask.p != 0.0f)
               for (std::int64_t j = 0; j < n; ++j) s[j] *= mask.factor(b, h, i, j0 + j);
           }
-          product(s_tile, cols, 1, w.v.data() + j0 * d, d, w.acc.data() + r0 * d, d, n_rows, d, cols, true);
+          product(s_tile, cols, 1, v + j0 * d, d, w.acc.data() + r0 * d, d, n_rows, d, cols, true, Causal::k_before,
+                  i0 + r0 - j0);
         }
         for (std::int64_t r = 0; r < rows; ++r) {
           auto const ru = static_cast<std::size_t>(r);
@@ -229,26 +281,31 @@ void attention_backward(T const* qkv, T const* y, float const* lse, T const* dy,
   std::int64_t const bq = tiles.queries, bk = tiles.keys;
   float const scale = 1.0f / std::sqrt(static_cast<float>(d));
   Scratch& w = scratch();
-  w.row_dot.resize(static_cast<std::size_t>(t));
+  w.row_dot.resize(static_cast<std::size_t>(heads * t));
   w.s.resize(static_cast<std::size_t>(bq * bk));
   w.ds.resize(static_cast<std::size_t>(bq * bk));
   for (std::int64_t b = 0; b < batch; ++b) {
-    for (std::int64_t h = 0; h < heads; ++h) {
-      T const* base = qkv + b * t * 3 * c + h * d;
-      pack(base, 3 * c, t, d, scale, w.q);  // q / sqrt(d), as in the forward
-      pack(base + c, 3 * c, t, d, 1.0f, w.k);
-      pack(base + 2 * c, 3 * c, t, d, 1.0f, w.v);
-      pack(dy + b * t * c + h * d, c, t, d, 1.0f, w.dy);
-      transpose(w.k, t, d, w.kt);
-      transpose(w.v, t, d, w.vt);
-      for (std::int64_t i = 0; i < t; ++i) {
+    T const* base = qkv + b * t * 3 * c;
+    pack(base, 3 * c, t, heads, d, scale, w.q);  // q / sqrt(d), as in the forward
+    pack(base + c, 3 * c, t, heads, d, 1.0f, w.k);
+    pack(base + 2 * c, 3 * c, t, heads, d, 1.0f, w.v);
+    pack(dy + b * t * c, c, t, heads, d, 1.0f, w.dy);
+    for (std::int64_t i = 0; i < t; ++i)
+      for (std::int64_t h = 0; h < heads; ++h) {
         std::int64_t const offset = (b * t + i) * c + h * d;
-        w.row_dot[static_cast<std::size_t>(i)] = detail::dot(dy + offset, y + offset, d);
+        w.row_dot[static_cast<std::size_t>(h * t + i)] = detail::dot(dy + offset, y + offset, d);
       }
+    w.dq.assign(static_cast<std::size_t>(heads * t * d), 0.0f);
+    w.dk.assign(static_cast<std::size_t>(heads * t * d), 0.0f);
+    w.dv.assign(static_cast<std::size_t>(heads * t * d), 0.0f);
+    for (std::int64_t h = 0; h < heads; ++h) {
+      std::int64_t const head = h * t * d;
+      float const *q = w.q.data() + head, *k = w.k.data() + head, *dyh = w.dy.data() + head;
+      float *dq = w.dq.data() + head, *dk = w.dk.data() + head, *dv = w.dv.data() + head;
+      transpose(k, t, d, w.kt);
+      transpose(w.v.data() + head, t, d, w.vt);
+      float const* row_dot = w.row_dot.data() + h * t;
       float const* row_lse = lse + (b * heads + h) * t;
-      w.dq.assign(static_cast<std::size_t>(t * d), 0.0f);
-      w.dk.assign(static_cast<std::size_t>(t * d), 0.0f);
-      w.dv.assign(static_cast<std::size_t>(t * d), 0.0f);
       for (std::int64_t i0 = 0; i0 < t; i0 += bq) {
         std::int64_t const rows = std::min(bq, t - i0);
         for (std::int64_t j0 = 0; j0 < i0 + rows; j0 += bk) {
@@ -256,13 +313,16 @@ void attention_backward(T const* qkv, T const* y, float const* lse, T const* dy,
           std::int64_t const r0 = std::max<std::int64_t>(0, j0 - i0), n_rows = rows - r0, first = i0 + r0;
           float* p_tile = w.s.data();
           float* ds_tile = w.ds.data();
-          product(w.q.data() + first * d, d, 1, w.kt.data() + j0, t, p_tile, cols, n_rows, cols, d, false);
-          product(w.dy.data() + first * d, d, 1, w.vt.data() + j0, t, ds_tile, cols, n_rows, cols, d, false);
+          product(q + first * d, d, 1, w.kt.data() + j0, t, p_tile, cols, n_rows, cols, d, false, Causal::columns,
+                  first - j0);
+          product(dyh + first * d, d, 1, w.vt.data() + j0, t, ds_tile, cols, n_rows, cols, d, false, Causal::columns,
+                  first - j0);
           for (std::int64_t r = 0; r < n_rows; ++r) {
             std::int64_t const i = first + r, n = visible(i, j0, cols);
             float* p = p_tile + r * cols;
             float* ds = ds_tile + r * cols;
-            float const l = row_lse[i], rd = w.row_dot[static_cast<std::size_t>(i)];
+            float const l = row_lse[i], rd = row_dot[i];
+            std::int64_t end = n;
             if (mask.p != 0.0f) {
               for (std::int64_t j = 0; j < n; ++j) {  // p becomes P Z (for dv); ds = P (Z dP - row_dot)
                 float const prob = mgpu::detail::exp_vec(p[j] - l), z = mask.factor(b, h, i, j0 + j);
@@ -270,25 +330,30 @@ void attention_backward(T const* qkv, T const* y, float const* lse, T const* dy,
                 p[j] = prob * z;
               }
             } else {
-              for (std::int64_t j = 0; j < n; ++j) {
-                p[j] = mgpu::detail::exp_vec(p[j] - l);
-                ds[j] = p[j] * (ds[j] - rd);
+              end = padded(n, cols);  // whole vectors, the entries past n masked to 0
+              for (std::int64_t j = 0; j < end; ++j) {
+                float const prob = mgpu::detail::exp_vec(p[j] - l), grad = prob * (ds[j] - rd);
+                p[j] = j < n ? prob : 0.0f;
+                ds[j] = j < n ? grad : 0.0f;
               }
             }
-            std::fill(p + n, p + cols, 0.0f);
-            std::fill(ds + n, ds + cols, 0.0f);
+            std::fill(p + end, p + cols, 0.0f);
+            std::fill(ds + end, ds + cols, 0.0f);
           }
-          product(p_tile, 1, cols, w.dy.data() + first * d, d, w.dv.data() + j0 * d, d, cols, d, n_rows, true);
+          product(p_tile, 1, cols, dyh + first * d, d, dv + j0 * d, d, cols, d, n_rows, true, Causal::k_from,
+                  j0 - first);
           // dk from the scaled q, dq unscaled on the way out
-          product(ds_tile, 1, cols, w.q.data() + first * d, d, w.dk.data() + j0 * d, d, cols, d, n_rows, true);
-          product(ds_tile, cols, 1, w.k.data() + j0 * d, d, w.dq.data() + first * d, d, n_rows, d, cols, true);
+          product(ds_tile, 1, cols, q + first * d, d, dk + j0 * d, d, cols, d, n_rows, true, Causal::k_from,
+                  j0 - first);
+          product(ds_tile, cols, 1, k + j0 * d, d, dq + first * d, d, n_rows, d, cols, true, Causal::k_before,
+                  first - j0);
         }
       }
-      T* out = dqkv + b * t * 3 * c + h * d;
-      unpack(w.dq, t, d, scale, out, 3 * c);
-      unpack(w.dk, t, d, 1.0f, out + c, 3 * c);
-      unpack(w.dv, t, d, 1.0f, out + 2 * c, 3 * c);
     }
+    T* out = dqkv + b * t * 3 * c;
+    unpack(w.dq, t, heads, d, scale, out, 3 * c);
+    unpack(w.dk, t, heads, d, 1.0f, out + c, 3 * c);
+    unpack(w.dv, t, heads, d, 1.0f, out + 2 * c, 3 * c);
   }
 }
 

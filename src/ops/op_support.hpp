@@ -107,8 +107,8 @@ void run_each(Stream& stream, HostOpFamily family, std::int64_t n, Op const& op,
 #endif
 }
 
-// out[0] = scale * sum of op(i) for i in [0, n); float64 accumulation on the host, its time
-// counted to `family`.
+// out[0] = scale * sum of op(i) for i in [0, n); float64 accumulation on the host (in 8 partial
+// sums), its time counted to `family`.
 template <class Op>
 void run_reduce(Stream& stream, HostOpFamily family, std::int64_t n, Op const& op, Tensor const& out, float scale,
                 std::vector<Tensor> keep) {
@@ -118,8 +118,16 @@ void run_reduce(Stream& stream, HostOpFamily family, std::int64_t n, Op const& o
   if (stream.device().kind == DeviceKind::host) {
     stream.enqueue([family, n, op, result, scale] {
       host::timed(family, [&] {
+        // 8 independent float64 partial sums: the loop vectorizes for element ops (a sum of squares
+        // over every gradient), where one running sum would go an element at a time.
+        constexpr std::int64_t lanes = 8;
+        double part[lanes] = {};
+        std::int64_t i = 0;
+        for (; i + lanes <= n; i += lanes)
+          for (std::int64_t l = 0; l < lanes; ++l) part[l] += static_cast<double>(op(i + l));
+        for (; i < n; ++i) part[0] += static_cast<double>(op(i));
         double total = 0;
-        for (std::int64_t i = 0; i < n; ++i) total += static_cast<double>(op(i));
+        for (double const p : part) total += p;
         *result = static_cast<float>(static_cast<double>(scale) * total);
       });
     });

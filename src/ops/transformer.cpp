@@ -11,6 +11,7 @@
 #include <cmath>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <mgpu/config.hpp>
@@ -212,12 +213,61 @@ void embedding(Tensor const& ids, Tensor const& wte, Tensor const& wpe, Tensor c
   fail_on_bad_id(op, "token id", ids, batch * t, vocab, no_ignore, stream);
   visit(wte.dtype(), [&]<class T>(T) {
     detail::EmbeddingOp<T> const e{ptr<std::int32_t>(ids), ptr<T>(wte), ptr<T>(wpe), ptr<T>(y), t, c, vocab};
+    if (stream.device().kind == DeviceKind::host) {  // EmbeddingOp a row at a time: no index division per element
+      mgpu::detail::enqueue_using(
+          stream,
+          [e, tokens = batch * t] {
+            host::timed(HostOpFamily::embedding, [&] {
+              for (std::int64_t n = 0; n < tokens; ++n) {
+                std::int32_t const id = e.ids[n];
+                T* out = e.y + n * e.c;
+                if (id < 0 || id >= e.vocab) {
+                  std::fill(out, out + e.c, T(NAN));
+                  continue;
+                }
+                T const* token = e.wte + id * e.c;
+                T const* position = e.wpe + (n % e.t) * e.c;
+                for (std::int64_t j = 0; j < e.c; ++j)
+                  out[j] = T(static_cast<float>(token[j]) + static_cast<float>(position[j]));
+              }
+            });
+          },
+          ids, wte, wpe, y);
+      return;
+    }
     run(stream, HostOpFamily::embedding, {ids, wte, wpe, y}, 0,
         [e, n = batch * t * c](auto const& each, void*) { each(n, e); });
   });
 }
 
 namespace {
+
+// out [rows, c] (+)= for each n in [0, tokens) in order, g's row n added into out's row row_of(n)
+// (none for -1), summed in float32: in place for float32, through a float32 copy per thread for
+// 16-bit types (rounded once at the end, as the device ops).
+template <class T, class RowOf>
+void scatter_rows(T* out, std::int64_t rows, std::int64_t c, bool accumulate, std::int64_t tokens, RowOf const& row_of,
+                  T const* g) {
+  thread_local std::vector<float> copy;
+  float* sums = nullptr;
+  if constexpr (std::is_same_v<T, float>) {
+    sums = out;
+    if (!accumulate) std::fill(out, out + rows * c, 0.0f);
+  } else {
+    copy.resize(static_cast<std::size_t>(rows * c));
+    sums = copy.data();
+    for (std::int64_t i = 0; i < rows * c; ++i) sums[i] = accumulate ? static_cast<float>(out[i]) : 0.0f;
+  }
+  for (std::int64_t n = 0; n < tokens; ++n) {
+    std::int64_t const row = row_of(n);
+    if (row < 0) continue;
+    float* to = sums + row * c;
+    T const* from = g + n * c;
+    for (std::int64_t e = 0; e < c; ++e) to[e] += static_cast<float>(from[e]);
+  }
+  if constexpr (!std::is_same_v<T, float>)
+    for (std::int64_t i = 0; i < rows * c; ++i) out[i] = T(sums[i]);
+}
 
 // embedding_backward and vocab_shard_embedding_backward: dwte holds ids [begin, begin + its rows)
 // of a vocab of `vocab`.
@@ -236,6 +286,27 @@ void embedding_grads(char const* op, Tensor const& ids, Tensor const& dy, Tensor
   check_dtype(dwte, dy.dtype(), op, "dwte");
   check_dtype(dwpe, dy.dtype(), op, "dwpe");
   fail_on_bad_id(op, "token id", ids, batch * t, vocab, no_ignore, stream);
+  if (stream.device().kind == DeviceKind::host) {
+    // One pass over the tokens adding each dy row into its id's row (and one over the positions),
+    // vectorized along C: the device ops' sums in the same order (positions in order, from the
+    // old value or 0), so the same results, without their vocab x tokens id scans.
+    visit(dy.dtype(), [&]<class T>(T) {
+      mgpu::detail::enqueue_using(
+          stream,
+          [id = ptr<std::int32_t>(ids), g = ptr<T>(dy), dwte = ptr<T>(dwte), dwpe = ptr<T>(dwpe), batch, t, c, rows,
+           positions_count, begin, accumulate_wte, accumulate_wpe] {
+            host::timed(HostOpFamily::embedding, [&] {
+              scatter_rows(dwte, rows, c, accumulate_wte, batch * t, [&](std::int64_t n) {
+                std::int64_t const row = static_cast<std::int64_t>(id[n]) - begin;
+                return row >= 0 && row < rows ? row : std::int64_t{-1};
+              }, g);
+              scatter_rows(dwpe, positions_count, c, accumulate_wpe, batch * t, [t](std::int64_t n) { return n % t; }, g);
+            });
+          },
+          ids, dy, dwte, dwpe);
+    });
+    return;
+  }
   visit(dy.dtype(), [&]<class T>(T) {
     std::int32_t const* id = ptr<std::int32_t>(ids);
     detail::EmbeddingPositionGradOp<T> const position{ptr<T>(dy), ptr<T>(dwpe), batch, t, c, accumulate_wpe};

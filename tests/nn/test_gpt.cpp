@@ -177,8 +177,16 @@ TEST_CASE(
 TEST_CASE("causal_attention: every host tiling gives the float64 attention and the library's tiling's gradient",
           "[nn][gpt]") {
   Env env;
-  std::int64_t const b = 2, t = 70, c = 8, heads = 2;
-  ops::AttentionDropout const dropout{0.3f, 12345, 3};
+  // Head sizes 4 (single-column register blocks) and 32 (whole 32-wide panels, so register blocks
+  // above the diagonal are skipped); with dropout (rows to their visible length) and without
+  // (rows in whole vectors, the entries past the diagonal masked).
+  auto const shape = GENERATE(std::pair{std::int64_t{8}, ops::AttentionDropout{0.3f, 12345, 3}},
+                              std::pair{std::int64_t{8}, ops::AttentionDropout{}},
+                              std::pair{std::int64_t{64}, ops::AttentionDropout{}});
+  std::int64_t const c = shape.first;  // plain variables: lambdas capture them (Clang 14 cannot capture bindings)
+  ops::AttentionDropout const dropout = shape.second;
+  std::int64_t const b = 2, t = 70, heads = 2;
+  INFO("C " << c << ", dropout " << dropout.p);
   Tensor const qkv = env.random({b, t, 3 * c}, 1);
   Tensor const r = env.random({b, t, c}, 2);
   auto const run = [&](ops::AttentionTiles tiles) {
@@ -197,7 +205,7 @@ TEST_CASE("causal_attention: every host tiling gives the float64 attention and t
   std::vector<double> const ref = naive_attention(as_double(qkv), b, t, c, heads, dropout);
   // Rows and keys that divide 70 or not, blocks of queries past a key tile's diagonal, single rows.
   for (ops::AttentionTiles const tiles :
-       {ops::AttentionTiles{1, 7}, {16, 32}, {32, 16}, {64, 128}, {128, 64}, {7, 70}}) {
+       {ops::AttentionTiles{1, 7}, {16, 32}, {32, 16}, {64, 128}, {128, 64}, {7, 70}, {32, 128}}) {
     INFO("tiles " << tiles.queries << " x " << tiles.keys);
     auto const [y, grad] = run(tiles);
     for (std::size_t i = 0; i < ref.size(); ++i) REQUIRE(std::abs(y[i] - ref[i]) <= 2e-6 * (1 + std::abs(ref[i])));

@@ -406,6 +406,7 @@ struct LayerNormGradRow {
   static constexpr int lanes = 16;  // the row's sums in independent partial sums: the host loop vectorizes
   MGPU_HD void operator()(std::int64_t r) const {
     std::int64_t const base = r * cols;
+    float const mu = mean[r], rs = rstd[r];  // in registers: the stores to dx may alias them for all the compiler knows
     float part_g[lanes] = {};
     float part_gx[lanes] = {};
     std::int64_t j0 = 0;
@@ -413,12 +414,12 @@ struct LayerNormGradRow {
       for (int l = 0; l < lanes; ++l) {
         float const g = load(dy, base + j0 + l) * load(gamma, j0 + l);
         part_g[l] += g;
-        part_gx[l] += g * (load(x, base + j0 + l) - mean[r]) * rstd[r];
+        part_gx[l] += g * (load(x, base + j0 + l) - mu) * rs;
       }
     for (std::int64_t j = j0; j < cols; ++j) {
       float const g = load(dy, base + j) * load(gamma, j);
       part_g[0] += g;
-      part_gx[0] += g * (load(x, base + j) - mean[r]) * rstd[r];
+      part_gx[0] += g * (load(x, base + j) - mu) * rs;
     }
     float sum_g = 0;
     float sum_gx = 0;
@@ -426,9 +427,9 @@ struct LayerNormGradRow {
     float const n = static_cast<float>(cols);
     for (std::int64_t j = 0; j < cols; ++j) {
       float const g = load(dy, base + j) * load(gamma, j);
-      float const xhat = (load(x, base + j) - mean[r]) * rstd[r];
+      float const xhat = (load(x, base + j) - mu) * rs;
       float const skip = residual != nullptr ? load(residual, base + j) : 0.0f;
-      store(dx, base + j, rstd[r] * (g - sum_g / n - xhat * sum_gx / n) + skip);
+      store(dx, base + j, rs * (g - sum_g / n - xhat * sum_gx / n) + skip);
     }
   }
 };
