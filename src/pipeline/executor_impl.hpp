@@ -22,6 +22,7 @@
 #include <mgpu/pipeline/pipeline.hpp>
 
 #include "comm/renewable.hpp"
+#include "parallel/gradient_sync.hpp"
 
 namespace mgpu::pipeline {
 
@@ -59,8 +60,24 @@ struct Executor::Impl {
   bool across = false;  // the grid spans processes
   [[nodiscard]] bool is_local(int rank) const noexcept { return rank >= first && rank < first + group->size(); }
   std::unique_ptr<comm::Communicator> comm;                     // every rank: the pipelines' transfers
-  // Per group along dp (mesh.groups("dp"): a tensor-parallel rank and device), over its replicas.
-  std::vector<std::unique_ptr<comm::Communicator>> stage_comms;
+  // In one process, per group along dp (mesh.groups("dp"): a tensor-parallel rank and device) and
+  // chunk ([group * chunks + c], null for the chunks the group's device does not run): the
+  // data-parallel gradient sync over the group's replicas' chunk, without overlap (finish() after
+  // the last micro-batch's backward reduces every bucket), with options.zero_stage.
+  std::vector<std::unique_ptr<parallel::detail::GradientSync>> replica_syncs;
+  [[nodiscard]] parallel::detail::RankSync* replica_sync(int rank, int c) {
+    if (replica_syncs.empty()) return nullptr;
+    auto const& sync = replica_syncs[static_cast<std::size_t>(mesh.group_index(rank, "dp") * schedule.chunks() + c)];
+    return sync ? &sync->rank(mesh.group_rank(rank, "dp")) : nullptr;
+  }
+  // With zero_stage 1: per pipeline and chunk ([pipeline * chunks + c]), the update's view of the
+  // chunk's sync (ShardedUpdate).
+  std::vector<std::unique_ptr<nn::GradientSync>> sharded_updates;
+  // The optimizers of group g (along dp) for chunk c, in the group's order.
+  [[nodiscard]] std::vector<optim::Optimizer*> replica_optimizers(std::size_t g, int c) const;
+  // Every sync's optimizer state whole (before a checkpoint is written or read); the next step
+  // shards it again.
+  void gather_optimizer_state();
   // Tensor parallelism: per replica a and chunk c (tp_comm(pipeline, c)), over the chunk's tp ranks.
   std::vector<std::shared_ptr<comm::Communicator>> tp_comms;
   [[nodiscard]] comm::Communicator& tp_comm(int pipeline, int c) const {
@@ -153,8 +170,9 @@ struct Executor::Impl {
   // when `updated`, or when that fails, the executor cannot be used (broken) until load().
   // Rethrows `failure`.
   [[noreturn]] void recover(std::exception_ptr failure, bool updated);
-  // Sums wte and its copy (the master parameters, or the gradients) on the tie's devices of
-  // `rank`'s replica, leaving both equal; does nothing on other ranks.
+  // Sums wte and its copy (the master parameters, or the gradients: in one process the float32
+  // master ones) on the tie's devices of `rank`'s replica, leaving both equal; does nothing on
+  // other ranks.
   void sum_tied(int rank, Stream& stream, bool parameters);
   // Sums `values` over the world ranks `ranks` (`rank` among them) through the transfers'
   // communicator, leaving the sum on each, as an all-reduce over them would (float32, in their

@@ -63,6 +63,34 @@ class NormRanges final : public nn::GradientSync {
   std::vector<nn::OwnedRange> ranges_;
 };
 
+// With zero_stage 1, the update's view of a chunk's data-parallel sync: the replica's owned blocks
+// (RankSync::owned()), but a tied head's copy of wte counted nowhere (the embedding's rows count),
+// and the norm's sums left to the step, which adds every replica's part in one process.
+class ShardedUpdate final : public nn::GradientSync {
+ public:
+  ShardedUpdate(parallel::detail::RankSync& sync, std::int64_t uncounted_begin, std::int64_t uncounted_end)
+      : sync_(sync), uncounted_begin_(uncounted_begin), uncounted_end_(uncounted_end) {}
+  void begin(Stream& /*compute*/, nn::RangeUpdate /*update*/) override {}
+  void ready(nn::ParameterRange const& /*range*/, Stream& /*compute*/) override {}
+  void finish(Stream& /*compute*/) override {}
+  std::vector<nn::OwnedRange> owned() const override {
+    std::vector<nn::OwnedRange> out;
+    for (nn::OwnedRange const& r : sync_.owned()) {
+      std::int64_t const cut_begin = std::clamp(uncounted_begin_, r.begin, r.end);
+      std::int64_t const cut_end = std::clamp(uncounted_end_, cut_begin, r.end);
+      for (nn::OwnedRange const piece : {nn::OwnedRange{r.begin, cut_begin, r.counted}, nn::OwnedRange{cut_begin, cut_end, false},
+                                         nn::OwnedRange{cut_end, r.end, r.counted}})
+        if (piece.begin < piece.end) out.push_back(piece);
+    }
+    return out;
+  }
+  void gather_updated(Stream& compute) override { sync_.gather_updated(compute); }
+
+ private:
+  parallel::detail::RankSync& sync_;
+  std::int64_t uncounted_begin_, uncounted_end_;
+};
+
 // Refuses what tensor-parallel stages do not support (yet).
 void check_tensor_parallel(ExecutorOptions const& options, bool across) {
   TensorParallelStages const& tp = options.tensor_parallel;
@@ -154,6 +182,17 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   bool const across = transfers->size() != group.size();
   int const tp = options.tensor_parallel.ranks;
   check_tensor_parallel(options, across);
+  {
+    parallel::DataParallelOptions zero;
+    zero.zero_stage = options.zero_stage;
+    parallel::detail::check_zero_stage(zero, "pipeline", 1);
+    if (options.zero_stage > 0 && across)
+      throw Error(Errc::invalid_argument, "pipeline: zero_stage " + std::to_string(options.zero_stage) +
+                                              " over several processes (expected 0: the replicas' sharded update runs in one process only for now)");
+    if (options.zero_stage > 0 && tp > 1)
+      throw Error(Errc::invalid_argument, "pipeline: zero_stage " + std::to_string(options.zero_stage) + " with tensor-parallel stages (tensor_parallel.ranks " +
+                                              std::to_string(tp) + "; expected 0: their replicas do not shard their update yet)");
+  }
   if (options.data_parallel < 1 || schedule.devices * options.data_parallel * tp != transfers->size()) {
     // Across processes: this process, when the grid ends before its devices, would run no stage.
     int const grid = schedule.devices * std::max(options.data_parallel, 1);
@@ -268,8 +307,34 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     for (int c = m.device_in_pipeline(rank); c < m.schedule.chunks(); c += devices)
       m.chunk_of(rank, c).materialize(ctx, m.options.seed, m.options.compute);
   });
-  if (m.replicas > tp && !m.across) {
-    for (std::vector<int> const& ranks : m.mesh.groups("dp")) m.stage_comms.push_back(m.renewable_over(ranks, stage_options));
+  if (m.replicas > tp && !m.across) {  // each chunk's replicas: a data-parallel gradient sync
+    parallel::DataParallelOptions data;
+    data.zero_stage = m.options.zero_stage;
+    data.overlap = false;
+    data.compute = m.options.compute;
+    data.timeline = m.options.timeline;
+    for (std::vector<int> const& ranks : m.mesh.groups("dp")) {
+      std::vector<int> const locals(ranks.begin(), ranks.end());  // in one process, the group's ranks
+      for (int c = 0; c < m.schedule.chunks(); ++c) {
+        if (m.schedule.device_of(c) != m.device_in_pipeline(ranks.front())) {
+          m.replica_syncs.push_back(nullptr);
+          continue;
+        }
+        nn::Sequential& first = m.chunk_of(ranks.front(), c);
+        auto& sync = *m.replica_syncs.emplace_back(std::make_unique<parallel::detail::GradientSync>(
+            group, std::shared_ptr<comm::detail::Renewable>(m.renewable_over(ranks, stage_options)), locals,
+            parallel::detail::plan_buckets(first, data), data, ranks));
+        for (int const rank : ranks) sync.add_rank(m.chunk_of(rank, c));
+      }
+    }
+    for (int r = 0; r < m.replicas && m.options.zero_stage > 0; ++r) {
+      for (int c = 0; c < m.schedule.chunks(); ++c) {
+        bool const copy = m.tie && c == m.tie->head_chunk;  // a tied head's copy of wte counts in the embedding
+        std::int64_t const begin = copy ? m.tie->head_offset : 0;
+        m.sharded_updates.push_back(std::make_unique<ShardedUpdate>(*m.replica_sync(m.rank_at(r, m.schedule.device_of(c)), c), begin,
+                                                                    copy ? begin + m.tie->elements : 0));
+      }
+    }
   }
   if (!m.options.loss) m.options.loss = nn::default_loss();
   for (int r = 0; r < m.replicas; ++r) {
@@ -315,6 +380,20 @@ std::unique_ptr<comm::detail::Renewable> Executor::Impl::renewable_over(std::vec
   return made;
 }
 
+std::vector<optim::Optimizer*> Executor::Impl::replica_optimizers(std::size_t g, int c) const {
+  std::vector<optim::Optimizer*> out;
+  std::vector<std::vector<int>> const groups = mesh.groups("dp");
+  for (int const rank : groups[g])
+    out.push_back(optimizers[static_cast<std::size_t>(pipeline_of(rank))][static_cast<std::size_t>(c)].get());
+  return out;
+}
+
+void Executor::Impl::gather_optimizer_state() {
+  auto const chunks = static_cast<std::size_t>(schedule.chunks());
+  for (std::size_t i = 0; i < replica_syncs.size(); ++i)
+    if (replica_syncs[i]) replica_syncs[i]->gather_optimizer_state(replica_optimizers(i / chunks, static_cast<int>(i % chunks)));
+}
+
 void Executor::Impl::check_usable(char const* call) const {
   if (!broken.empty()) throw Error(Errc::invalid_argument, std::string("pipeline ") + call + ": " + broken);
 }
@@ -326,6 +405,12 @@ void Executor::Impl::recover(std::exception_ptr failure, bool updated) {
     // The failure aborted them. Across processes a failure in one makes the others' steps fail too
     // (at the latest at their deadline), and every process makes them anew here, in the order they
     // were made; a process that is gone makes that time out.
+    for (auto const& sync : replica_syncs) {  // the replicas' reduces ran on their syncs' streams
+      try {
+        if (sync) sync->synchronize();
+      } catch (Error const&) {  // the failure, already known
+      }
+    }
     for (comm::detail::Renewable* comm : renewable) comm->renew();
     if (updated)
       broken = "the executor cannot be used after a step failed once its update had begun, leaving the chunks partly "
@@ -456,6 +541,9 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
                           &m.group->allocator(rank - m.first), &m.group->stream(rank - m.first)};
       if (m.tp > 1) {
         part.sharded = m.norms[static_cast<std::size_t>(r * m.schedule.chunks() + c)].get();
+      } else if (!m.sharded_updates.empty()) {  // zero_stage 1: the replica's blocks
+        part.sharded = m.sharded_updates[static_cast<std::size_t>(r * m.schedule.chunks() + c)].get();
+        m.replica_sync(rank, c)->shard_optimizer_state(*part.optimizer, *part.allocator, *part.stream);
       } else if (r > 0) {
         part.shared_end = chunk.master_gradients().numel();
       } else if (m.tie && c == m.tie->head_chunk) {
@@ -472,7 +560,7 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
   try {
     m.last_applied = m.across && (scaler != nullptr || m.options.clip_norm > 0)
                          ? m.update_across(parts, lr_scale)
-                         : nn::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, true});
+                         : nn::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, m.across});
     // step() returns with the chunks updated, as when each device's thread ran its update inline:
     // the update enqueued from this thread runs on the streams' workers.
     m.group->synchronize();

@@ -1,6 +1,7 @@
 // One step's work on every device: each device's actions of the schedule (run_device), the sum of a
-// tied wte and its copy, and, across processes, the sums over a subset of the world's ranks and the
-// update with a loss scaler or clipping (sum_over, world_sum, update_across).
+// tied wte and its copy, the replicas' reduce (in one process through the data-parallel gradient
+// sync), and, across processes, the sums over a subset of the world's ranks and the update with a
+// loss scaler or clipping (sum_over, world_sum, update_across).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -199,17 +200,23 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
       });
     }
   }
+  if (!across) {  // in one process the float32 master gradients are summed and reduced (step() does not unscale)
+    for (int c = device; c < s.chunks(); c += s.devices)
+      if (chunk_of(rank, c).parameter_count() > 0) chunk_of(rank, c).unscale_gradients(1.0f / step.loss_scale, stream);
+  }
+  // The tied wte and its copy first: each replica's sum, which the replicas' reduce then adds up.
+  timed(st, stream, Region::wait, [&] { sum_tied(rank, stream, false); });
   if (replicas > tp) {  // the same chunk across replicas: sum of their batch-mean shares
     for (int c = device; c < s.chunks(); c += s.devices) {
       Tensor const& grads = chunk_of(rank, c).gradients();
       if (!grads.defined()) continue;
       auto reduce = [&] {
-        if (!across) {
-          stage_comms[static_cast<std::size_t>(mesh.group_index(rank, "dp"))]->all_reduce(
-              mesh.group_rank(rank, "dp"), grads, grads, comm::ReduceOp::sum, stream);
+        if (parallel::detail::RankSync* const sync = replica_sync(rank, c)) {  // every bucket, its reduce awaited
+          sync->begin(stream, nullptr);
+          sync->finish(stream);
           return;
         }
-        sum_over(rank, mesh.group(rank, "dp"), grads, stream);  // the replicas' pipelines of this tensor-parallel rank
+        sum_over(rank, mesh.group(rank, "dp"), grads, stream);  // across processes: the replicas' pipelines of this tensor-parallel rank
       };
       timed(st, stream, Region::wait, [&] {
         if (timeline != nullptr && timeline->enabled()) {
@@ -220,7 +227,6 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
       });
     }
   }
-  timed(st, stream, Region::wait, [&] { sum_tied(rank, stream, false); });
 }
 
 void Executor::Impl::time_tensor_parallel() {
@@ -263,7 +269,7 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
   std::int64_t const elements = tie_elements[static_cast<std::size_t>(pipeline)];
   auto const part = [&](int c, std::int64_t offset) {
     nn::Sequential const& chunk = chunk_of(rank, c);
-    return (parameters ? chunk.master_parameters() : chunk.gradients()).slice(offset, offset + elements);
+    return (parameters ? chunk.master_parameters() : across ? chunk.gradients() : chunk.master_gradients()).slice(offset, offset + elements);
   };
   if (embedding_device == head_device) {
     Tensor const wte = part(tie->embedding_chunk, tie->embedding_offset);

@@ -108,6 +108,11 @@ struct ExecutorOptions {
   std::uint64_t seed = 0;  ///< the chunks initialised as the whole model's materialize(seed)
   /// Replicas of the pipeline: the group has devices x data_parallel x tensor_parallel.ranks ranks.
   int data_parallel = 1;
+  /// ZeRO stage over the data-parallel replicas, whose gradients the data-parallel gradient sync
+  /// reduces after the last micro-batch's backward: 0, the replicated update, or 1, each replica
+  /// updating and keeping optimizer state for its block of every chunk only (in one process, and
+  /// without tensor-parallel stages for now; 2 and 3 are refused).
+  int zero_stage = 0;
   std::chrono::milliseconds timeout{0};  ///< the communicator's deadline (zero: comm::default_timeout())
   /// float32, or bfloat16/float16 with float32 masters: what chunks compute in and send.
   DType compute = DType::float32;
@@ -149,8 +154,9 @@ class Executor {
   Executor(Executor const&) = delete;
   Executor& operator=(Executor const&) = delete;
 
-  /// Forward and backward of every micro-batch, leaving the mean-loss gradients in the chunks;
-  /// returns the mean loss. Throws Error(invalid_argument), before any action, for fewer rows than
+  /// Forward and backward of every micro-batch, leaving the mean-loss gradients in the chunks (in
+  /// one process the float32 master gradients, summed over the replicas; with zero_stage 1 each
+  /// replica's owned blocks only); returns the mean loss. Throws Error(invalid_argument), before any action, for fewer rows than
   /// micro-batches, an x that does not fit the model, or labels the loss refuses.
   float compute_gradients(Tensor const& x, Tensor const& labels);
   /// compute_gradients(), then every chunk's update through nn::apply_update (none on overflow);
