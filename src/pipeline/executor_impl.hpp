@@ -170,8 +170,7 @@ struct Executor::Impl {
   // when `updated`, or when that fails, the executor cannot be used (broken) until load().
   // Rethrows `failure`.
   [[noreturn]] void recover(std::exception_ptr failure, bool updated);
-  // Sums wte and its copy (the master parameters, or the gradients: in one process the float32
-  // master ones) on the tie's devices of `rank`'s replica, leaving both equal; does nothing on
+  // Sums wte and its copy (the master parameters, or the master gradients) on the tie's devices of `rank`'s replica, leaving both equal; does nothing on
   // other ranks.
   void sum_tied(int rank, Stream& stream, bool parameters);
   // Sums `values` over the world ranks `ranks` (`rank` among them) through the transfers'

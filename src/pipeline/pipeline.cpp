@@ -560,7 +560,7 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
   try {
     m.last_applied = m.across && (scaler != nullptr || m.options.clip_norm > 0)
                          ? m.update_across(parts, lr_scale)
-                         : nn::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, m.across});
+                         : nn::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, false});
     // step() returns with the chunks updated, as when each device's thread ran its update inline:
     // the update enqueued from this thread runs on the streams' workers.
     m.group->synchronize();

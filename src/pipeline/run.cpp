@@ -200,15 +200,14 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
       });
     }
   }
-  if (!across) {  // in one process the float32 master gradients are summed and reduced (step() does not unscale)
-    for (int c = device; c < s.chunks(); c += s.devices)
-      if (chunk_of(rank, c).parameter_count() > 0) chunk_of(rank, c).unscale_gradients(1.0f / step.loss_scale, stream);
-  }
+  // The float32 master gradients are summed and reduced (the update does not unscale).
+  for (int c = device; c < s.chunks(); c += s.devices)
+    if (chunk_of(rank, c).parameter_count() > 0) chunk_of(rank, c).unscale_gradients(1.0f / step.loss_scale, stream);
   // The tied wte and its copy first: each replica's sum, which the replicas' reduce then adds up.
   timed(st, stream, Region::wait, [&] { sum_tied(rank, stream, false); });
   if (replicas > tp) {  // the same chunk across replicas: sum of their batch-mean shares
     for (int c = device; c < s.chunks(); c += s.devices) {
-      Tensor const& grads = chunk_of(rank, c).gradients();
+      Tensor const& grads = chunk_of(rank, c).master_gradients();
       if (!grads.defined()) continue;
       auto reduce = [&] {
         if (parallel::detail::RankSync* const sync = replica_sync(rank, c)) {  // every bucket, its reduce awaited
@@ -269,7 +268,7 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
   std::int64_t const elements = tie_elements[static_cast<std::size_t>(pipeline)];
   auto const part = [&](int c, std::int64_t offset) {
     nn::Sequential const& chunk = chunk_of(rank, c);
-    return (parameters ? chunk.master_parameters() : across ? chunk.gradients() : chunk.master_gradients()).slice(offset, offset + elements);
+    return (parameters ? chunk.master_parameters() : chunk.master_gradients()).slice(offset, offset + elements);
   };
   if (embedding_device == head_device) {
     Tensor const wte = part(tie->embedding_chunk, tie->embedding_offset);
@@ -382,9 +381,7 @@ double Executor::Impl::world_sum(std::function<void(Tensor const&, Tensor const&
 
 bool Executor::Impl::update_across(std::vector<nn::UpdatePart> const& parts, float lr_scale) {
   optim::LossScaler* const scaler = options.loss_scaler ? &*options.loss_scaler : nullptr;
-  float const factor = scaler != nullptr ? 1.0f / scaler->scale() : 1.0f;
-  for (nn::UpdatePart const& p : parts) p.model->unscale_gradients(factor, *p.stream);
-  if (scaler != nullptr) {
+  if (scaler != nullptr) {  // the step unscaled the gradients
     double const bad = world_sum(
         [](Tensor const& grads, Tensor const& out, Stream& stream) { ops::count_nonfinite(grads, out, stream); });
     if (!scaler->update(bad == 0)) return false;

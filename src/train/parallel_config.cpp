@@ -69,9 +69,15 @@ void ParallelConfig::validate(nn::GptConfig const& model, LayoutChecks const& ch
   if (bucket_cap_bytes > 0 && pipe)
     refuse(name("bucket_cap_bytes", "--bucket-kb") + " with a pipeline (expected " +
            name("bucket_cap_bytes", "--bucket-kb") + " with data or tensor parallelism: a pipeline's replicas do not bucket)");
-  if (zero && pipe)
+  if (zero && pipe && *zero >= 2)
     refuse(n_zero + " with a pipeline (expected " + name("zero", "--zero") +
-           " with data or tensor parallelism: the pipeline's replicas do not shard their update yet)");
+           " 0 or 1 with a pipeline: its replicas shard the update and optimizer state, not yet the gradients or parameters)");
+  if (zero && pipe && *zero >= 1 && tp > 1 && dp > 1)
+    refuse(n_zero + " with a pipeline of " + n_tp + " stages (expected " + name("zero", "--zero") +
+           " 0: the replicas of tensor-parallel stages do not shard their update yet)");
+  if (zero && pipe && *zero >= 1 && dp > 1 && checks.processes > 1)
+    refuse(n_zero + " with a pipeline over " + std::to_string(checks.processes) + " processes (expected " + name("zero", "--zero") +
+           " 0: a pipeline's replicas shard their update in one process only for now)");
   if (sequence_parallel && tp < 2)
     refuse(name("sequence_parallel", "--sequence-parallel") + " with " + n_tp + " (expected " + name("tp", "--tp") +
            " 2 or more: it splits the tensor-parallel devices' tokens)");

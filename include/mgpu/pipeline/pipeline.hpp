@@ -154,8 +154,8 @@ class Executor {
   Executor(Executor const&) = delete;
   Executor& operator=(Executor const&) = delete;
 
-  /// Forward and backward of every micro-batch, leaving the mean-loss gradients in the chunks (in
-  /// one process the float32 master gradients, summed over the replicas; with zero_stage 1 each
+  /// Forward and backward of every micro-batch, leaving the mean-loss gradients in the chunks'
+  /// float32 master gradients, unscaled and summed over the replicas (with zero_stage 1 each
   /// replica's owned blocks only); returns the mean loss. Throws Error(invalid_argument), before any action, for fewer rows than
   /// micro-batches, an x that does not fit the model, or labels the loss refuses.
   float compute_gradients(Tensor const& x, Tensor const& labels);
