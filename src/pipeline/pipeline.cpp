@@ -64,23 +64,32 @@ class NormRanges final : public nn::GradientSync {
 };
 
 // With zero_stage 1, the update's view of a chunk's data-parallel sync: the replica's owned blocks
-// (RankSync::owned()), but a tied head's copy of wte counted nowhere (the embedding's rows count),
-// and the norm's sums left to the step, which adds every replica's part in one process.
+// (RankSync::owned()), each element counted in the norm where the sync counts it and `counting`
+// does (the chunk's ranges as the replica would count them owning all: a tied head's copy of wte
+// nowhere, the replicated parameters of tensor-parallel stages on rank 0 only; elements outside
+// them count), and the norm's sums left to the step, which adds every replica's part in one process.
 class ShardedUpdate final : public nn::GradientSync {
  public:
-  ShardedUpdate(parallel::detail::RankSync& sync, std::int64_t uncounted_begin, std::int64_t uncounted_end)
-      : sync_(sync), uncounted_begin_(uncounted_begin), uncounted_end_(uncounted_end) {}
+  ShardedUpdate(parallel::detail::RankSync& sync, std::vector<nn::OwnedRange> counting)
+      : sync_(sync), counting_(std::move(counting)) {}
   void begin(Stream& /*compute*/, nn::RangeUpdate /*update*/) override {}
   void ready(nn::ParameterRange const& /*range*/, Stream& /*compute*/) override {}
   void finish(Stream& /*compute*/) override {}
   std::vector<nn::OwnedRange> owned() const override {
     std::vector<nn::OwnedRange> out;
     for (nn::OwnedRange const& r : sync_.owned()) {
-      std::int64_t const cut_begin = std::clamp(uncounted_begin_, r.begin, r.end);
-      std::int64_t const cut_end = std::clamp(uncounted_end_, cut_begin, r.end);
-      for (nn::OwnedRange const piece : {nn::OwnedRange{r.begin, cut_begin, r.counted}, nn::OwnedRange{cut_begin, cut_end, false},
-                                         nn::OwnedRange{cut_end, r.end, r.counted}})
-        if (piece.begin < piece.end) out.push_back(piece);
+      std::vector<std::int64_t> cuts{r.begin, r.end};
+      for (nn::OwnedRange const& c : counting_)
+        for (std::int64_t const at : {c.begin, c.end})
+          if (at > r.begin && at < r.end) cuts.push_back(at);
+      std::sort(cuts.begin(), cuts.end());
+      cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+      for (std::size_t i = 0; i + 1 < cuts.size(); ++i) {
+        bool counted = r.counted;
+        for (nn::OwnedRange const& c : counting_)
+          if (c.begin <= cuts[i] && cuts[i] < c.end) counted = counted && c.counted;
+        out.push_back({cuts[i], cuts[i + 1], counted});
+      }
     }
     return out;
   }
@@ -88,7 +97,7 @@ class ShardedUpdate final : public nn::GradientSync {
 
  private:
   parallel::detail::RankSync& sync_;
-  std::int64_t uncounted_begin_, uncounted_end_;
+  std::vector<nn::OwnedRange> counting_;
 };
 
 // Refuses what tensor-parallel stages do not support (yet).
@@ -189,9 +198,6 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     if (options.zero_stage > 0 && across)
       throw Error(Errc::invalid_argument, "pipeline: zero_stage " + std::to_string(options.zero_stage) +
                                               " over several processes (expected 0: the replicas' sharded update runs in one process only for now)");
-    if (options.zero_stage > 0 && tp > 1)
-      throw Error(Errc::invalid_argument, "pipeline: zero_stage " + std::to_string(options.zero_stage) + " with tensor-parallel stages (tensor_parallel.ranks " +
-                                              std::to_string(tp) + "; expected 0: their replicas do not shard their update yet)");
   }
   if (options.data_parallel < 1 || schedule.devices * options.data_parallel * tp != transfers->size()) {
     // Across processes: this process, when the grid ends before its devices, would run no stage.
@@ -327,14 +333,6 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
         for (int const rank : ranks) sync.add_rank(m.chunk_of(rank, c));
       }
     }
-    for (int r = 0; r < m.replicas && m.options.zero_stage > 0; ++r) {
-      for (int c = 0; c < m.schedule.chunks(); ++c) {
-        bool const copy = m.tie && c == m.tie->head_chunk;  // a tied head's copy of wte counts in the embedding
-        std::int64_t const begin = copy ? m.tie->head_offset : 0;
-        m.sharded_updates.push_back(std::make_unique<ShardedUpdate>(*m.replica_sync(m.rank_at(r, m.schedule.device_of(c)), c), begin,
-                                                                    copy ? begin + m.tie->elements : 0));
-      }
-    }
   }
   if (!m.options.loss) m.options.loss = nn::default_loss();
   for (int r = 0; r < m.replicas; ++r) {
@@ -356,6 +354,19 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
       for (nn::OwnedRange& range : ranges)
         if (m.tie && static_cast<int>(c) == m.tie->head_chunk && range.begin == m.tie->head_offset) range.counted = false;
       m.norms.push_back(std::make_unique<NormRanges>(std::move(ranges)));
+    }
+  }
+  for (int r = 0; r < m.replicas && m.options.zero_stage > 0 && !m.replica_syncs.empty(); ++r) {
+    for (int c = 0; c < m.schedule.chunks(); ++c) {
+      std::vector<nn::OwnedRange> counting;
+      if (tp > 1) {  // split parameters on every rank, replicated ones on tensor-parallel rank 0
+        counting = parallel::norm_ranges(m.chunks[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)], true, m.tp_index(r) == 0);
+      } else if (m.tie && c == m.tie->head_chunk) {
+        counting.push_back({m.tie->head_offset, m.tie->head_offset + m.tie->elements, false});
+      }
+      for (nn::OwnedRange& range : counting)  // a tied head's copy of wte counts in the embedding
+        if (m.tie && c == m.tie->head_chunk && range.begin == m.tie->head_offset) range.counted = false;
+      m.sharded_updates.push_back(std::make_unique<ShardedUpdate>(*m.replica_sync(m.rank_at(r, m.schedule.device_of(c)), c), std::move(counting)));
     }
   }
   if (m.tie) {
@@ -539,11 +550,11 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
       nn::Sequential& chunk = m.chunk_of(rank, c);
       nn::UpdatePart part{&chunk, m.optimizers[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)].get(),
                           &m.group->allocator(rank - m.first), &m.group->stream(rank - m.first)};
-      if (m.tp > 1) {
-        part.sharded = m.norms[static_cast<std::size_t>(r * m.schedule.chunks() + c)].get();
-      } else if (!m.sharded_updates.empty()) {  // zero_stage 1: the replica's blocks
+      if (!m.sharded_updates.empty()) {  // zero_stage 1: the replica's blocks
         part.sharded = m.sharded_updates[static_cast<std::size_t>(r * m.schedule.chunks() + c)].get();
         m.replica_sync(rank, c)->shard_optimizer_state(*part.optimizer, *part.allocator, *part.stream);
+      } else if (m.tp > 1) {
+        part.sharded = m.norms[static_cast<std::size_t>(r * m.schedule.chunks() + c)].get();
       } else if (r > 0) {
         part.shared_end = chunk.master_gradients().numel();
       } else if (m.tie && c == m.tie->head_chunk) {

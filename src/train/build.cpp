@@ -93,8 +93,8 @@ Trainer::Impl::Impl(nn::GptConfig const& gpt, DeviceGroup devices, ParallelConfi
   layout.stages = pipelined ? parallel.stages : 1;
   bool const tensor_layout = !pipelined && parallel.tp > 1;
   layout.zero = data_parallel_layout || (tensor_layout && parallel.dp > 1) ? parallel.zero.value_or(1) : 0;
-  // A pipeline's replicas: ZeRO-1 by default in one process without tensor-parallel stages.
-  if (pipelined && parallel.dp > 1) layout.zero = parallel.zero.value_or(parallel.tp == 1 && !across ? 1 : 0);
+  // A pipeline's replicas: ZeRO-1 by default in one process.
+  if (pipelined && parallel.dp > 1) layout.zero = parallel.zero.value_or(across ? 0 : 1);
   if (!options.metrics_job.empty())
     metrics = std::make_shared<metrics::Registry>(
         options.metrics_job, metrics::Layout{.dp = layout.dp, .tp = layout.tp, .pp = layout.stages, .zero = layout.zero});

@@ -72,9 +72,6 @@ void ParallelConfig::validate(nn::GptConfig const& model, LayoutChecks const& ch
   if (zero && pipe && *zero >= 2)
     refuse(n_zero + " with a pipeline (expected " + name("zero", "--zero") +
            " 0 or 1 with a pipeline: its replicas shard the update and optimizer state, not yet the gradients or parameters)");
-  if (zero && pipe && *zero >= 1 && tp > 1 && dp > 1)
-    refuse(n_zero + " with a pipeline of " + n_tp + " stages (expected " + name("zero", "--zero") +
-           " 0: the replicas of tensor-parallel stages do not shard their update yet)");
   if (zero && pipe && *zero >= 1 && dp > 1 && checks.processes > 1)
     refuse(n_zero + " with a pipeline over " + std::to_string(checks.processes) + " processes (expected " + name("zero", "--zero") +
            " 0: a pipeline's replicas shard their update in one process only for now)");

@@ -60,18 +60,16 @@ CHECKED = [
     "dp2 pp:1f1b", "dp2 pp:gpipe bf16", "dp2 pp:interleaved fp16 selective", "dp2 pp:1f1b full",
     "tp2 pp:1f1b sp", "tp2 pp:gpipe bf16 sp", "tp2 pp:interleaved fp16", "tp2 pp:1f1b selective",
     "dp2 tp2 pp:gpipe", "dp2 tp2 pp:1f1b sp bf16 full", "dp2 tp2 pp:interleaved sp fp16 selective",
-    # ZeRO 0 and 1 over a pipeline's replicas (1 by default in one process without tensor-parallel
-    # stages; with dp 1 there is nothing to shard)
+    # ZeRO 0 and 1 over a pipeline's replicas, of tensor-parallel stages too (1 by default in one
+    # process; with dp 1 there is nothing to shard)
     "pp:1f1b zero1", "dp2 pp:gpipe zero1 bf16", "dp2 pp:interleaved zero0", "dp2 pp:gpipe zero0 full",
     "pp:interleaved zero1 full", "dp2 pp:interleaved zero1 fp16 selective", "tp2 pp:interleaved zero0",
-    "tp2 pp:1f1b zero0 sp", "tp2 pp:1f1b zero1 sp",
+    "tp2 pp:1f1b zero0 sp", "tp2 pp:1f1b zero1 sp", "dp2 tp2 pp:1f1b zero1",
 ]
 
 # Refused today: each row's refusal, asserted. When the library learns a combination, move its
-# rows to CHECKED (ZeRO-2/3 for pipeline replicas, ZeRO-1 for replicas of tensor-parallel stages,
-# ZeRO-2/3 in 16 bits).
+# rows to CHECKED (ZeRO-2/3 for pipeline replicas, ZeRO-2/3 in 16 bits).
 ZERO_PP = r"--zero [23] with a pipeline \(expected --zero 0 or 1 with a pipeline: its replicas shard the update"
-ZERO_TP_PP = r"--zero 1 with a pipeline of --tp 2 stages \(expected --zero 0: the replicas of tensor-parallel stages"
 ZERO_PP_PROCESSES = r"--zero 1 with a pipeline over 2 processes \(expected --zero 0: a pipeline's replicas shard"
 ZERO_16 = r"--zero [23] with --precision (bf16|fp16) \(expected fp32: sharded gradients are float32 only for now\)"
 REFUSED_TODAY = [
@@ -81,7 +79,7 @@ REFUSED_TODAY = [
     ("pp:gpipe zero3 full", ZERO_PP), ("pp:interleaved zero2", ZERO_PP),
     ("dp2 pp:1f1b zero3 selective", ZERO_PP), ("dp2 pp:interleaved zero2", ZERO_PP), ("dp2 pp:1f1b zero2", ZERO_PP),
     ("dp2 tp2 pp:gpipe zero3 sp", ZERO_PP), ("dp2 tp2 pp:1f1b zero2 sp", ZERO_PP), ("pp:interleaved zero3 fp16", ZERO_16),
-    ("pp:gpipe zero2 selective", ZERO_PP), ("dp2 tp2 pp:1f1b zero1", ZERO_TP_PP),
+    ("pp:gpipe zero2 selective", ZERO_PP),
 ]
 
 # Cannot work: refused, naming why.
@@ -162,11 +160,11 @@ def parse(row, processes=1):
 
 def zero_field(values, processes):
     """The ZeRO stage the row's replicas run: the given one, else 1 with several replicas (a
-    pipeline's: in one process without tensor-parallel stages); 0 with one replica."""
+    pipeline's: in one process); 0 with one replica."""
     dp, tp, stages = int(values["dp"]), int(values["tp"]), 1 if values["pp"] == "1" else 2
     if dp == 1:
         return 0
-    default = 1 if stages == 1 or (tp == 1 and processes == 1) else 0
+    default = 1 if stages == 1 or processes == 1 else 0
     return int(values["zero"] or default)
 
 

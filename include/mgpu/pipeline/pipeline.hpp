@@ -110,8 +110,8 @@ struct ExecutorOptions {
   int data_parallel = 1;
   /// ZeRO stage over the data-parallel replicas, whose gradients the data-parallel gradient sync
   /// reduces after the last micro-batch's backward: 0, the replicated update, or 1, each replica
-  /// updating and keeping optimizer state for its block of every chunk only (in one process, and
-  /// without tensor-parallel stages for now; 2 and 3 are refused).
+  /// updating and keeping optimizer state for its block of every chunk only (in one process for
+  /// now; 2 and 3 are refused).
   int zero_stage = 0;
   std::chrono::milliseconds timeout{0};  ///< the communicator's deadline (zero: comm::default_timeout())
   /// float32, or bfloat16/float16 with float32 masters: what chunks compute in and send.

@@ -56,8 +56,8 @@ struct ParallelConfig {
   int micro_batches = 1;  ///< micro-batches per pipeline step
   int chunks = 2;         ///< model chunks per device of the interleaved schedule
   /// ZeRO stage over the data-parallel replicas, plain, of tensor-parallel shards (0 to 3) or of
-  /// a pipeline (0 or 1; 0 with tensor-parallel stages or over several processes). Unset: 1 with
-  /// several replicas (a pipeline's: in one process without tensor-parallel stages), else 0.
+  /// a pipeline (0 or 1; 0 over several processes). Unset: 1 with several replicas (a
+  /// pipeline's: in one process), else 0.
   std::optional<int> zero{};
   /// The replicas' gradient bucket cap (0: the default); set, also plain data parallelism's ZeRO-3
   /// units (else one per block).
@@ -78,8 +78,8 @@ struct ParallelConfig {
   /// The devices the layout spans: dp x tp (x stages when pipelined), a pipeline's stages x dp, else dp.
   [[nodiscard]] int devices() const noexcept;
   /// Throws Error(invalid_argument) naming the field (or flag) and the value expected for what
-  /// cannot run: e.g. zero outside 0 to 3 or >= 2 in 16 bits, zero >= 2 or a bucket cap with a pipeline (zero >= 1 with
-  /// tensor-parallel stages or over several processes), sequence parallelism without tp >= 2 dividing the block size, another device count
+  /// cannot run: e.g. zero outside 0 to 3 or >= 2 in 16 bits, zero >= 2 or a bucket cap with a pipeline (zero >= 1 over
+  /// several processes), sequence parallelism without tp >= 2 dividing the block size, another device count
   /// than the layout's.
   void validate(nn::GptConfig const& model, LayoutChecks const& checks) const;
 };
