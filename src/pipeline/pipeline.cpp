@@ -195,9 +195,10 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     parallel::DataParallelOptions zero;
     zero.zero_stage = options.zero_stage;
     parallel::detail::check_zero_stage(zero, "pipeline", 1);
-    if (options.zero_stage > 0 && across)
+    if (options.zero_stage > 0 && across && options.data_parallel > 1 && !options.make_subset_communicator)
       throw Error(Errc::invalid_argument, "pipeline: zero_stage " + std::to_string(options.zero_stage) +
-                                              " over several processes (expected 0: the replicas' sharded update runs in one process only for now)");
+                                              " over several processes without make_subset_communicator (expected "
+                                              "dist::subset_communicator_factory(world) for the replicas' gradient sync)");
   }
   if (options.data_parallel < 1 || schedule.devices * options.data_parallel * tp != transfers->size()) {
     // Across processes: this process, when the grid ends before its devices, would run no stage.
@@ -313,24 +314,39 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     for (int c = m.device_in_pipeline(rank); c < m.schedule.chunks(); c += devices)
       m.chunk_of(rank, c).materialize(ctx, m.options.seed, m.options.compute);
   });
-  if (m.replicas > tp && !m.across) {  // each chunk's replicas: a data-parallel gradient sync
+  // Each chunk's replicas: a data-parallel gradient sync (across processes with ZeRO only, where
+  // this process drives some of them; ZeRO-0 sums them through the transfers there, sum_over).
+  if (m.replicas > tp && (!m.across || m.options.zero_stage > 0)) {
     parallel::DataParallelOptions data;
     data.zero_stage = m.options.zero_stage;
     data.overlap = false;
     data.compute = m.options.compute;
     data.timeline = m.options.timeline;
     for (std::vector<int> const& ranks : m.mesh.groups("dp")) {
-      std::vector<int> const locals(ranks.begin(), ranks.end());  // in one process, the group's ranks
+      std::vector<int> locals, names;  // this process's ranks of the group
+      for (int const rank : ranks) {
+        if (!m.is_local(rank)) continue;
+        locals.push_back(rank - m.first);
+        names.push_back(rank);
+      }
       for (int c = 0; c < m.schedule.chunks(); ++c) {
-        if (m.schedule.device_of(c) != m.device_in_pipeline(ranks.front())) {
+        if (locals.empty() || m.schedule.device_of(c) != m.device_in_pipeline(ranks.front())) {
           m.replica_syncs.push_back(nullptr);
           continue;
         }
-        nn::Sequential& first = m.chunk_of(ranks.front(), c);
+        std::shared_ptr<comm::detail::Renewable> comm;
+        if (!m.across) {
+          comm = m.renewable_over(ranks, stage_options);
+        } else {
+          comm = std::make_shared<comm::detail::Renewable>(
+              m.options.make_subset_communicator(group, ranks, stage_options),
+              [&group, make = m.options.make_subset_communicator, ranks, stage_options]() { return make(group, ranks, stage_options); });
+          m.renewable.push_back(comm.get());
+        }
+        nn::Sequential& first = m.chunk_of(names.front(), c);
         auto& sync = *m.replica_syncs.emplace_back(std::make_unique<parallel::detail::GradientSync>(
-            group, std::shared_ptr<comm::detail::Renewable>(m.renewable_over(ranks, stage_options)), locals,
-            parallel::detail::plan_buckets(first, data), data, ranks));
-        for (int const rank : ranks) sync.add_rank(m.chunk_of(rank, c));
+            group, std::move(comm), locals, parallel::detail::plan_buckets(first, data), data, names));
+        for (int const rank : names) sync.add_rank(m.chunk_of(rank, c));
       }
     }
   }
@@ -358,6 +374,10 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   }
   for (int r = 0; r < m.replicas && m.options.zero_stage > 0 && !m.replica_syncs.empty(); ++r) {
     for (int c = 0; c < m.schedule.chunks(); ++c) {
+      if (!m.is_local(m.rank_at(r, m.schedule.device_of(c)))) {  // another process's
+        m.sharded_updates.push_back(nullptr);
+        continue;
+      }
       std::vector<nn::OwnedRange> counting;
       if (tp > 1) {  // split parameters on every rank, replicated ones on tensor-parallel rank 0
         counting = parallel::norm_ranges(m.chunks[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)], true, m.tp_index(r) == 0);
@@ -395,7 +415,7 @@ std::vector<optim::Optimizer*> Executor::Impl::replica_optimizers(std::size_t g,
   std::vector<optim::Optimizer*> out;
   std::vector<std::vector<int>> const groups = mesh.groups("dp");
   for (int const rank : groups[g])
-    out.push_back(optimizers[static_cast<std::size_t>(pipeline_of(rank))][static_cast<std::size_t>(c)].get());
+    if (is_local(rank)) out.push_back(optimizers[static_cast<std::size_t>(pipeline_of(rank))][static_cast<std::size_t>(c)].get());
   return out;
 }
 
@@ -569,7 +589,9 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
   std::vector<std::int64_t> steps_before;
   for (nn::UpdatePart const& part : parts) steps_before.push_back(part.optimizer->steps());
   try {
-    m.last_applied = m.across && (scaler != nullptr || m.options.clip_norm > 0)
+    // Across processes, and with ZeRO in one process too (the same sums as across them), the
+    // overflow count and the norm are the world's (update_across).
+    m.last_applied = (m.across || !m.sharded_updates.empty()) && (scaler != nullptr || m.options.clip_norm > 0)
                          ? m.update_across(parts, lr_scale)
                          : nn::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, false});
     // step() returns with the chunks updated, as when each device's thread ran its update inline:

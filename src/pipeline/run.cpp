@@ -329,6 +329,7 @@ std::vector<std::pair<std::int64_t, std::int64_t>> Executor::Impl::norm_parts(in
 }
 
 double Executor::Impl::world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op) {
+  if (!sharded_updates.empty()) return sharded_world_sum(op);
   // Each rank's slots: a value per counted part of each chunk it runs (norm_parts), in chunk order;
   // as many on every rank (the most any rank has), zero where it has fewer. Pipeline r's chunk c
   // ([r * chunks + c]): its parts and its first slot among its rank's.
@@ -374,6 +375,43 @@ double Executor::Impl::world_sum(std::function<void(Tensor const&, Tensor const&
       std::int64_t const begin = rank_at(r, schedule.device_of(c)) * per_rank + first_slot[at];
       for (std::int64_t k = begin; k < begin + static_cast<std::int64_t>(parts[at].size()); ++k)
         sum += ops::item(gathered[0].slice(k, k + 1), group->stream(0));
+    }
+  }
+  return sum;
+}
+
+double Executor::Impl::sharded_world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op) {
+  // Each rank's slots: a value per chunk it runs, in chunk order (chunk c in slot c / devices).
+  auto const chunks = static_cast<std::size_t>(schedule.chunks());
+  std::int64_t const per_rank = (schedule.chunks() + schedule.devices - 1) / schedule.devices;
+  std::vector<Tensor> gathered(static_cast<std::size_t>(group->size()));
+  group->run([&](int local, Device, Stream& stream) {
+    int const rank = first + local;
+    Allocator& allocator = group->allocator(local);
+    Tensor& all = gathered[static_cast<std::size_t>(local)];
+    all = Tensor::empty({comm->size() * per_rank}, DType::float32, allocator);
+    Tensor const mine = all.slice(rank * per_rank, (rank + 1) * per_rank);
+    fill_async(mine, 0.0f, stream);
+    for (int c = device_in_pipeline(rank); c < schedule.chunks(); c += schedule.devices) {
+      std::vector<nn::OwnedRange> const ranges =
+          sharded_updates[static_cast<std::size_t>(pipeline_of(rank)) * chunks + static_cast<std::size_t>(c)]->owned();
+      Tensor const values = Tensor::empty({std::max<std::int64_t>(1, static_cast<std::int64_t>(ranges.size()))}, DType::float32, allocator);
+      fill_async(values, 0.0f, stream);
+      Tensor const& grads = chunk_of(rank, c).master_gradients();
+      for (std::size_t j = 0; j < ranges.size(); ++j) {
+        auto const at = static_cast<std::int64_t>(j);
+        if (ranges[j].counted && ranges[j].begin < ranges[j].end) op(grads.slice(ranges[j].begin, ranges[j].end), values.slice(at, at + 1), stream);
+      }
+      std::int64_t const slot = c / schedule.devices;
+      ops::sum(values, mine.slice(slot, slot + 1), stream);
+    }
+    comm->all_gather(rank, mine, all, stream);
+  });
+  double sum = 0;  // in chunk order, each chunk's pipelines in order
+  for (int c = 0; c < schedule.chunks(); ++c) {
+    for (int r = 0; r < replicas; ++r) {
+      std::int64_t const k = rank_at(r, schedule.device_of(c)) * per_rank + c / schedule.devices;
+      sum += ops::item(gathered[0].slice(k, k + 1), group->stream(0));
     }
   }
   return sum;

@@ -72,7 +72,6 @@ Trainer::Impl::Impl(nn::GptConfig const& gpt, DeviceGroup devices, ParallelConfi
   across = world.processes > 1;
   parallel.validate(config, {.batch_size = options.batch_size,
                              .devices = world.size(),
-                             .processes = world.processes,
                              .spelling = options.spelling,
                              .devices_text = options.devices_text});
 
@@ -93,8 +92,7 @@ Trainer::Impl::Impl(nn::GptConfig const& gpt, DeviceGroup devices, ParallelConfi
   layout.stages = pipelined ? parallel.stages : 1;
   bool const tensor_layout = !pipelined && parallel.tp > 1;
   layout.zero = data_parallel_layout || (tensor_layout && parallel.dp > 1) ? parallel.zero.value_or(1) : 0;
-  // A pipeline's replicas: ZeRO-1 by default in one process.
-  if (pipelined && parallel.dp > 1) layout.zero = parallel.zero.value_or(across ? 0 : 1);
+  if (pipelined && parallel.dp > 1) layout.zero = parallel.zero.value_or(1);  // a pipeline's replicas
   if (!options.metrics_job.empty())
     metrics = std::make_shared<metrics::Registry>(
         options.metrics_job, metrics::Layout{.dp = layout.dp, .tp = layout.tp, .pp = layout.stages, .zero = layout.zero});

@@ -72,9 +72,6 @@ void ParallelConfig::validate(nn::GptConfig const& model, LayoutChecks const& ch
   if (zero && pipe && *zero >= 2)
     refuse(n_zero + " with a pipeline (expected " + name("zero", "--zero") +
            " 0 or 1 with a pipeline: its replicas shard the update and optimizer state, not yet the gradients or parameters)");
-  if (zero && pipe && *zero >= 1 && dp > 1 && checks.processes > 1)
-    refuse(n_zero + " with a pipeline over " + std::to_string(checks.processes) + " processes (expected " + name("zero", "--zero") +
-           " 0: a pipeline's replicas shard their update in one process only for now)");
   if (sequence_parallel && tp < 2)
     refuse(name("sequence_parallel", "--sequence-parallel") + " with " + n_tp + " (expected " + name("tp", "--tp") +
            " 2 or more: it splits the tensor-parallel devices' tokens)");

@@ -70,7 +70,6 @@ CHECKED = [
 # Refused today: each row's refusal, asserted. When the library learns a combination, move its
 # rows to CHECKED (ZeRO-2/3 for pipeline replicas, ZeRO-2/3 in 16 bits).
 ZERO_PP = r"--zero [23] with a pipeline \(expected --zero 0 or 1 with a pipeline: its replicas shard the update"
-ZERO_PP_PROCESSES = r"--zero 1 with a pipeline over 2 processes \(expected --zero 0: a pipeline's replicas shard"
 ZERO_16 = r"--zero [23] with --precision (bf16|fp16) \(expected fp32: sharded gradients are float32 only for now\)"
 REFUSED_TODAY = [
     ("dp2 zero2 bf16", ZERO_16), ("dp2 zero3 fp16", ZERO_16), ("dp2 zero2 fp16 selective", ZERO_16),
@@ -105,8 +104,8 @@ FAILING_TODAY = []
 
 # Across processes (mpirun -np 2, each process half the devices), against the same curves.
 DIST = ["dp2", "dp2 zero2 full", "dp2 zero3", "tp2 fp16 full", "dp2 tp2 sp bf16", "pp:1f1b fp16 selective", "tp2 pp:gpipe",
-        "dp2 tp2 pp:interleaved sp", "dp2 tp2 zero1", "dp2 tp2 zero3 sp"]
-DIST_REFUSED = [("dp2 pp:1f1b zero3", ZERO_PP), ("dp2 pp:gpipe zero1", ZERO_PP_PROCESSES)]
+        "dp2 tp2 pp:interleaved sp", "dp2 tp2 zero1", "dp2 tp2 zero3 sp", "dp2 pp:1f1b", "dp2 pp:gpipe zero0 bf16"]
+DIST_REFUSED = [("dp2 pp:1f1b zero3", ZERO_PP)]
 
 COMMON = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "8",
           "--iters", "12", "--lr", "3e-3", "--warmup", "2", "--dropout", "0", "--seed", "7", "--log-every", "1",
@@ -158,16 +157,6 @@ def parse(row, processes=1):
     return values, flags
 
 
-def zero_field(values, processes):
-    """The ZeRO stage the row's replicas run: the given one, else 1 with several replicas (a
-    pipeline's: in one process); 0 with one replica."""
-    dp, tp, stages = int(values["dp"]), int(values["tp"]), 1 if values["pp"] == "1" else 2
-    if dp == 1:
-        return 0
-    default = 1 if stages == 1 or processes == 1 else 0
-    return int(values["zero"] or default)
-
-
 def expected_fields(values, processes):
     """The --json fields that say the row ran in its layout (no flag silently dropped)."""
     dp, tp, stages = int(values["dp"]), int(values["tp"]), 1 if values["pp"] == "1" else 2
@@ -175,7 +164,7 @@ def expected_fields(values, processes):
     schedule = values["pp"] if stages > 1 else "data-parallel" if data_parallel else "tensor-parallel" if tp > 1 else "none"
     return {"dp": dp, "tp": tp, "stages": stages, "schedule": schedule, "precision": values["precision"],
             "recompute": values["recompute"], "sequence_parallel": values["sp"] == "on", "processes": processes,
-            "zero": zero_field(values, processes),
+            "zero": int(values["zero"] or 1) if dp > 1 else 0,  # the replicas' stage: 1 by default
             "devices": dp * tp * stages}
 
 

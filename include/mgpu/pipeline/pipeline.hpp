@@ -110,8 +110,8 @@ struct ExecutorOptions {
   int data_parallel = 1;
   /// ZeRO stage over the data-parallel replicas, whose gradients the data-parallel gradient sync
   /// reduces after the last micro-batch's backward: 0, the replicated update, or 1, each replica
-  /// updating and keeping optimizer state for its block of every chunk only (in one process for
-  /// now; 2 and 3 are refused).
+  /// updating and keeping optimizer state for its block of every chunk only (across processes
+  /// with make_subset_communicator; 2 and 3 are refused).
   int zero_stage = 0;
   std::chrono::milliseconds timeout{0};  ///< the communicator's deadline (zero: comm::default_timeout())
   /// float32, or bfloat16/float16 with float32 masters: what chunks compute in and send.
@@ -125,7 +125,7 @@ struct ExecutorOptions {
   TensorParallelStages tensor_parallel{};
   /// Makes the transfers' communicator (across processes dist::communicator_factory(world)).
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> make_communicator{};
-  /// Across processes with tensor-parallel stages: dist::subset_communicator_factory(world).
+  /// Across processes with tensor-parallel stages or zero_stage 1: dist::subset_communicator_factory(world).
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, std::vector<int> const&, comm::Options)>
       make_subset_communicator{};
   /// Where each device's compute and wait times are reported every step; nullptr: not measured.
@@ -156,8 +156,9 @@ class Executor {
 
   /// Forward and backward of every micro-batch, leaving the mean-loss gradients in the chunks'
   /// float32 master gradients, unscaled and summed over the replicas (with zero_stage 1 each
-  /// replica's owned blocks only); returns the mean loss. Throws Error(invalid_argument), before any action, for fewer rows than
-  /// micro-batches, an x that does not fit the model, or labels the loss refuses.
+  /// replica's owned blocks only); returns the mean loss. Throws Error(invalid_argument), before
+  /// any action, for fewer rows than micro-batches, an x that does not fit the model, or labels
+  /// the loss refuses.
   float compute_gradients(Tensor const& x, Tensor const& labels);
   /// compute_gradients(), then every chunk's update through nn::apply_update (none on overflow);
   /// synchronizes. Throws Error(invalid_argument) for an lr_scale that is not finite and >= 0.

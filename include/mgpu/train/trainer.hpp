@@ -38,7 +38,6 @@ enum class Spelling { fields, flags };
 struct LayoutChecks {
   std::int64_t batch_size = 0;  ///< rows of a step (0: not checked)
   int devices = 1;              ///< the devices (across processes, the world's)
-  int processes = 1;            ///< the processes the devices are spread over
   Spelling spelling = Spelling::fields;
   std::string devices_text{};  ///< how the devices were named ("host:3"), for the messages
 };
@@ -56,8 +55,7 @@ struct ParallelConfig {
   int micro_batches = 1;  ///< micro-batches per pipeline step
   int chunks = 2;         ///< model chunks per device of the interleaved schedule
   /// ZeRO stage over the data-parallel replicas, plain, of tensor-parallel shards (0 to 3) or of
-  /// a pipeline (0 or 1; 0 over several processes). Unset: 1 with several replicas (a
-  /// pipeline's: in one process), else 0.
+  /// a pipeline (0 or 1). Unset: 1 with several replicas, else 0.
   std::optional<int> zero{};
   /// The replicas' gradient bucket cap (0: the default); set, also plain data parallelism's ZeRO-3
   /// units (else one per block).
@@ -78,9 +76,9 @@ struct ParallelConfig {
   /// The devices the layout spans: dp x tp (x stages when pipelined), a pipeline's stages x dp, else dp.
   [[nodiscard]] int devices() const noexcept;
   /// Throws Error(invalid_argument) naming the field (or flag) and the value expected for what
-  /// cannot run: e.g. zero outside 0 to 3 or >= 2 in 16 bits, zero >= 2 or a bucket cap with a pipeline (zero >= 1 over
-  /// several processes), sequence parallelism without tp >= 2 dividing the block size, another device count
-  /// than the layout's.
+  /// cannot run: e.g. zero outside 0 to 3 or >= 2 in 16 bits, zero >= 2 or a bucket cap with a
+  /// pipeline, sequence parallelism without tp >= 2 dividing the block size, another device
+  /// count than the layout's.
   void validate(nn::GptConfig const& model, LayoutChecks const& checks) const;
 };
 
