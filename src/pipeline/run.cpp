@@ -1,7 +1,7 @@
 // One step's work on every device: each device's actions of the schedule (run_device), the sum of a
-// tied wte and its copy, the replicas' reduce (in one process through the data-parallel gradient
-// sync), and, across processes, the sums over a subset of the world's ranks and the update with a
-// loss scaler or clipping (sum_over, world_sum, update_across).
+// tied wte and its copy, the replicas' reduce (through the data-parallel gradient sync; across
+// processes with ZeRO-0 through the transfers, sum_over), and, across processes or with ZeRO, the
+// update with a loss scaler or clipping over the world's sums (world_sum, update_across).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -215,7 +215,7 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
           sync->finish(stream);
           return;
         }
-        sum_over(rank, mesh.group(rank, "dp"), grads, stream);  // across processes: the replicas' pipelines of this tensor-parallel rank
+        sum_over(rank, mesh.group(rank, "dp"), grads, stream);  // across processes with ZeRO-0: the replicas' pipelines of this tensor-parallel rank
       };
       timed(st, stream, Region::wait, [&] {
         if (timeline != nullptr && timeline->enabled()) {
