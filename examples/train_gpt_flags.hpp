@@ -9,8 +9,9 @@
 //                               reduced gradients (ZeRO-2: layers write into bucket-sized staging
 //                               buffers), 3 only their weights too (ZeRO-3: each transformer
 //                               block's weights all-gathered just before its forward and backward,
-//                               the next one prefetched), 0 updates every weight everywhere (--zero
-//                               is refused with a pipeline); --bucket-kb caps the gradient
+//                               the next one prefetched), 0 updates every weight everywhere (a
+//                               pipeline's replicas take 0 or 1);
+//                               --bucket-kb caps the gradient
 //                               buckets (and makes them ZeRO-3's units)
 //   --schedule S --stages K     pipeline::Executor: the model cut into K stages (x --chunks per
 //     [--micro-batches M]       device for interleaved) by each layer's forward + backward FLOPs,

@@ -2,6 +2,7 @@
 #include <mgpu/parallel/memory_model.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include <mgpu/core/device_group.hpp>
@@ -60,7 +61,7 @@ std::vector<nn::ParameterRange> shard_ranges(nn::Sequential const& model, nn::Gp
 // `config.block_size` tokens split over the replicas. A rank's stage holds its shard of each layer:
 // a block 12C^2/T + 7C/T split and 6C replicated parameters, the embedding its vocab rows and the
 // positions, the final LayerNorm 2C, and the LM head in a stage without the embedding a copy of its
-// vocab rows of wte.
+// vocab rows of wte. With ZeRO-1 each replica keeps AdamW's state of 1/data_parallel of its chunk.
 std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_t rows, GptLayout const& layout,
                                         std::string const& what) {
   nn::Sequential const model = nn::gpt(config);
@@ -108,7 +109,10 @@ std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_
         }
         GptMemory g;
         g.parameters = g.gradients = floats(params);
-        g.optimizer = 2 * floats(params);
+        // ZeRO-1 over the replicas: a block of each bucket of the chunk (and its last few elements).
+        auto const replicas = static_cast<double>(layout.data_parallel);
+        bool const sharded = layout.data_parallel > 1 && layout.zero_stage >= 1;
+        g.optimizer = 2 * floats(sharded ? std::ceil(params / replicas) + replicas : params);
         // The first micro-batches are the largest, and in flight together.
         int const in_flight = layout.gpipe ? m : std::min(m, stages - s);
         for (int i = 0; i < in_flight; ++i) {

@@ -234,6 +234,7 @@ void Executor::save(std::filesystem::path const& path, io::TrainingState const& 
   impl_->check_usable("save");
   Impl& m = *impl_;
   m.group->synchronize();
+  m.gather_optimizer_state();  // with zero_stage 1 each replica holds its blocks' state; the next step shards it again
   if (m.tp > 1) {
     m.save_tensor_parallel(path, state);
     return;
@@ -293,6 +294,7 @@ io::TrainingState Executor::load(io::ShardedCheckpoint const& checkpoint) {
 io::TrainingState Executor::Impl::load_records(io::Checkpoint const& records, io::ShardedCheckpoint const* sharded,
                                                std::string const& source) {
   group->synchronize();
+  gather_optimizer_state();  // the records fill whole state buffers; the next step shards them again
   std::string const file = source + ": ";
   std::vector<Span> const spans = whole_spans();
   std::int64_t const total = spans.back().offset + spans.back().count;

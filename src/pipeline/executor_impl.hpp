@@ -22,6 +22,7 @@
 #include <mgpu/pipeline/pipeline.hpp>
 
 #include "comm/renewable.hpp"
+#include "parallel/gradient_sync.hpp"
 
 namespace mgpu::pipeline {
 
@@ -59,8 +60,31 @@ struct Executor::Impl {
   bool across = false;  // the grid spans processes
   [[nodiscard]] bool is_local(int rank) const noexcept { return rank >= first && rank < first + group->size(); }
   std::unique_ptr<comm::Communicator> comm;                     // every rank: the pipelines' transfers
-  // Per group along dp (mesh.groups("dp"): a tensor-parallel rank and device), over its replicas.
-  std::vector<std::unique_ptr<comm::Communicator>> stage_comms;
+  // Per group along dp (mesh.groups("dp"): a tensor-parallel rank and device) and chunk ([group *
+  // chunks + c], null for the chunks the group's device does not run and the groups of other
+  // processes' ranks only): the data-parallel gradient sync over the group's replicas' chunk
+  // (this process's of them), without overlap (finish() after the last micro-batch's backward
+  // reduces every bucket), with options.zero_stage; in one process, or across processes with ZeRO.
+  std::vector<std::unique_ptr<parallel::detail::GradientSync>> replica_syncs;
+  [[nodiscard]] parallel::detail::RankSync* replica_sync(int rank, int c) {
+    if (replica_syncs.empty()) return nullptr;
+    auto const& sync = replica_syncs[static_cast<std::size_t>(mesh.group_index(rank, "dp") * schedule.chunks() + c)];
+    if (!sync) return nullptr;
+    int added = 0;  // the sync's ranks: this process's of the group, in order
+    for (int const other : mesh.group(rank, "dp")) {
+      if (other == rank) break;
+      if (is_local(other)) ++added;
+    }
+    return &sync->rank(added);
+  }
+  // With zero_stage 1: per pipeline and chunk ([pipeline * chunks + c]), the update's view of the
+  // chunk's sync (ShardedUpdate); null for another process's.
+  std::vector<std::unique_ptr<nn::GradientSync>> sharded_updates;
+  // The optimizers of group g (along dp) for chunk c, in the group's order.
+  [[nodiscard]] std::vector<optim::Optimizer*> replica_optimizers(std::size_t g, int c) const;
+  // Every sync's optimizer state whole (before a checkpoint is written or read); the next step
+  // shards it again.
+  void gather_optimizer_state();
   // Tensor parallelism: per replica a and chunk c (tp_comm(pipeline, c)), over the chunk's tp ranks.
   std::vector<std::shared_ptr<comm::Communicator>> tp_comms;
   [[nodiscard]] comm::Communicator& tp_comm(int pipeline, int c) const {
@@ -153,15 +177,16 @@ struct Executor::Impl {
   // when `updated`, or when that fails, the executor cannot be used (broken) until load().
   // Rethrows `failure`.
   [[noreturn]] void recover(std::exception_ptr failure, bool updated);
-  // Sums wte and its copy (the master parameters, or the gradients) on the tie's devices of
-  // `rank`'s replica, leaving both equal; does nothing on other ranks.
+  // Sums wte and its copy (the master parameters, or the master gradients) on the tie's devices of `rank`'s replica, leaving both equal; does nothing on
+  // other ranks.
   void sum_tied(int rank, Stream& stream, bool parameters);
   // Sums `values` over the world ranks `ranks` (`rank` among them) through the transfers'
   // communicator, leaving the sum on each, as an all-reduce over them would (float32, in their
   // order): across processes, where no communicator over a subset of the world's ranks exists.
   void sum_over(int rank, std::vector<int> const& ranks, Tensor const& values, Stream& stream);
-  // The update across processes with a loss scaler or clipping, as nn::apply_update within one
-  // process: the overflow count and the global norm are summed over every process's chunks.
+  // The update across processes (and with ZeRO in one process) with a loss scaler or clipping, as
+  // nn::apply_update within one process: the overflow count and the global norm are summed over
+  // every process's chunks.
   bool update_across(std::vector<nn::UpdatePart> const& parts, float lr_scale);
   // The ranges of chunk c of pipeline r that count in the global gradient norm: replica 0's
   // chunks but a tied head's copy of wte; with tensor-parallel stages the pipeline's norm ranges
@@ -171,6 +196,9 @@ struct Executor::Impl {
   // master gradients, added as apply_update adds them in one process: every range's value
   // all-gathered, then added in chunk order in double on every process.
   double world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op);
+  // world_sum with ZeRO: per chunk, the sum of `op`'s values over its replica's counted owned
+  // ranges (ShardedUpdate::owned()), all-gathered, then added in chunk order, replicas in order.
+  double sharded_world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op);
   // Across processes or into a folder: every process writes its shard of `folder` (see save()).
   void save_shards(std::filesystem::path const& folder, io::TrainingState const& training);
 

@@ -63,6 +63,43 @@ class NormRanges final : public nn::GradientSync {
   std::vector<nn::OwnedRange> ranges_;
 };
 
+// With zero_stage 1, the update's view of a chunk's data-parallel sync: the replica's owned blocks
+// (RankSync::owned()), each element counted in the norm where the sync counts it and `counting`
+// does (the chunk's ranges as the replica would count them owning all: a tied head's copy of wte
+// nowhere, the replicated parameters of tensor-parallel stages on rank 0 only; elements outside
+// them count), and the norm's sums left to the step, which adds every replica's part in one process.
+class ShardedUpdate final : public nn::GradientSync {
+ public:
+  ShardedUpdate(parallel::detail::RankSync& sync, std::vector<nn::OwnedRange> counting)
+      : sync_(sync), counting_(std::move(counting)) {}
+  void begin(Stream& /*compute*/, nn::RangeUpdate /*update*/) override {}
+  void ready(nn::ParameterRange const& /*range*/, Stream& /*compute*/) override {}
+  void finish(Stream& /*compute*/) override {}
+  std::vector<nn::OwnedRange> owned() const override {
+    std::vector<nn::OwnedRange> out;
+    for (nn::OwnedRange const& r : sync_.owned()) {
+      std::vector<std::int64_t> cuts{r.begin, r.end};
+      for (nn::OwnedRange const& c : counting_)
+        for (std::int64_t const at : {c.begin, c.end})
+          if (at > r.begin && at < r.end) cuts.push_back(at);
+      std::sort(cuts.begin(), cuts.end());
+      cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+      for (std::size_t i = 0; i + 1 < cuts.size(); ++i) {
+        bool counted = r.counted;
+        for (nn::OwnedRange const& c : counting_)
+          if (c.begin <= cuts[i] && cuts[i] < c.end) counted = counted && c.counted;
+        out.push_back({cuts[i], cuts[i + 1], counted});
+      }
+    }
+    return out;
+  }
+  void gather_updated(Stream& compute) override { sync_.gather_updated(compute); }
+
+ private:
+  parallel::detail::RankSync& sync_;
+  std::vector<nn::OwnedRange> counting_;
+};
+
 // Refuses what tensor-parallel stages do not support (yet).
 void check_tensor_parallel(ExecutorOptions const& options, bool across) {
   TensorParallelStages const& tp = options.tensor_parallel;
@@ -154,6 +191,15 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   bool const across = transfers->size() != group.size();
   int const tp = options.tensor_parallel.ranks;
   check_tensor_parallel(options, across);
+  {
+    parallel::DataParallelOptions zero;
+    zero.zero_stage = options.zero_stage;
+    parallel::detail::check_zero_stage(zero, "pipeline", 1);
+    if (options.zero_stage > 0 && across && options.data_parallel > 1 && !options.make_subset_communicator)
+      throw Error(Errc::invalid_argument, "pipeline: zero_stage " + std::to_string(options.zero_stage) +
+                                              " over several processes without make_subset_communicator (expected "
+                                              "dist::subset_communicator_factory(world) for the replicas' gradient sync)");
+  }
   if (options.data_parallel < 1 || schedule.devices * options.data_parallel * tp != transfers->size()) {
     // Across processes: this process, when the grid ends before its devices, would run no stage.
     int const grid = schedule.devices * std::max(options.data_parallel, 1);
@@ -268,8 +314,41 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     for (int c = m.device_in_pipeline(rank); c < m.schedule.chunks(); c += devices)
       m.chunk_of(rank, c).materialize(ctx, m.options.seed, m.options.compute);
   });
-  if (m.replicas > tp && !m.across) {
-    for (std::vector<int> const& ranks : m.mesh.groups("dp")) m.stage_comms.push_back(m.renewable_over(ranks, stage_options));
+  // Each chunk's replicas: a data-parallel gradient sync (across processes with ZeRO only, where
+  // this process drives some of them; ZeRO-0 sums them through the transfers there, sum_over).
+  if (m.replicas > tp && (!m.across || m.options.zero_stage > 0)) {
+    parallel::DataParallelOptions data;
+    data.zero_stage = m.options.zero_stage;
+    data.overlap = false;
+    data.compute = m.options.compute;
+    data.timeline = m.options.timeline;
+    for (std::vector<int> const& ranks : m.mesh.groups("dp")) {
+      std::vector<int> locals, names;  // this process's ranks of the group
+      for (int const rank : ranks) {
+        if (!m.is_local(rank)) continue;
+        locals.push_back(rank - m.first);
+        names.push_back(rank);
+      }
+      for (int c = 0; c < m.schedule.chunks(); ++c) {
+        if (locals.empty() || m.schedule.device_of(c) != m.device_in_pipeline(ranks.front())) {
+          m.replica_syncs.push_back(nullptr);
+          continue;
+        }
+        std::shared_ptr<comm::detail::Renewable> comm;
+        if (!m.across) {
+          comm = m.renewable_over(ranks, stage_options);
+        } else {
+          comm = std::make_shared<comm::detail::Renewable>(
+              m.options.make_subset_communicator(group, ranks, stage_options),
+              [&group, make = m.options.make_subset_communicator, ranks, stage_options]() { return make(group, ranks, stage_options); });
+          m.renewable.push_back(comm.get());
+        }
+        nn::Sequential& first = m.chunk_of(names.front(), c);
+        auto& sync = *m.replica_syncs.emplace_back(std::make_unique<parallel::detail::GradientSync>(
+            group, std::move(comm), locals, parallel::detail::plan_buckets(first, data), data, names));
+        for (int const rank : names) sync.add_rank(m.chunk_of(rank, c));
+      }
+    }
   }
   if (!m.options.loss) m.options.loss = nn::default_loss();
   for (int r = 0; r < m.replicas; ++r) {
@@ -291,6 +370,23 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
       for (nn::OwnedRange& range : ranges)
         if (m.tie && static_cast<int>(c) == m.tie->head_chunk && range.begin == m.tie->head_offset) range.counted = false;
       m.norms.push_back(std::make_unique<NormRanges>(std::move(ranges)));
+    }
+  }
+  for (int r = 0; r < m.replicas && m.options.zero_stage > 0 && !m.replica_syncs.empty(); ++r) {
+    for (int c = 0; c < m.schedule.chunks(); ++c) {
+      if (!m.is_local(m.rank_at(r, m.schedule.device_of(c)))) {  // another process's
+        m.sharded_updates.push_back(nullptr);
+        continue;
+      }
+      std::vector<nn::OwnedRange> counting;
+      if (tp > 1) {  // split parameters on every rank, replicated ones on tensor-parallel rank 0
+        counting = parallel::norm_ranges(m.chunks[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)], true, m.tp_index(r) == 0);
+      } else if (m.tie && c == m.tie->head_chunk) {
+        counting.push_back({m.tie->head_offset, m.tie->head_offset + m.tie->elements, false});
+      }
+      for (nn::OwnedRange& range : counting)  // a tied head's copy of wte counts in the embedding
+        if (m.tie && c == m.tie->head_chunk && range.begin == m.tie->head_offset) range.counted = false;
+      m.sharded_updates.push_back(std::make_unique<ShardedUpdate>(*m.replica_sync(m.rank_at(r, m.schedule.device_of(c)), c), std::move(counting)));
     }
   }
   if (m.tie) {
@@ -315,6 +411,20 @@ std::unique_ptr<comm::detail::Renewable> Executor::Impl::renewable_over(std::vec
   return made;
 }
 
+std::vector<optim::Optimizer*> Executor::Impl::replica_optimizers(std::size_t g, int c) const {
+  std::vector<optim::Optimizer*> out;
+  std::vector<std::vector<int>> const groups = mesh.groups("dp");
+  for (int const rank : groups[g])
+    if (is_local(rank)) out.push_back(optimizers[static_cast<std::size_t>(pipeline_of(rank))][static_cast<std::size_t>(c)].get());
+  return out;
+}
+
+void Executor::Impl::gather_optimizer_state() {
+  auto const chunks = static_cast<std::size_t>(schedule.chunks());
+  for (std::size_t i = 0; i < replica_syncs.size(); ++i)
+    if (replica_syncs[i]) replica_syncs[i]->gather_optimizer_state(replica_optimizers(i / chunks, static_cast<int>(i % chunks)));
+}
+
 void Executor::Impl::check_usable(char const* call) const {
   if (!broken.empty()) throw Error(Errc::invalid_argument, std::string("pipeline ") + call + ": " + broken);
 }
@@ -326,6 +436,12 @@ void Executor::Impl::recover(std::exception_ptr failure, bool updated) {
     // The failure aborted them. Across processes a failure in one makes the others' steps fail too
     // (at the latest at their deadline), and every process makes them anew here, in the order they
     // were made; a process that is gone makes that time out.
+    for (auto const& sync : replica_syncs) {  // the replicas' reduces ran on their syncs' streams
+      try {
+        if (sync) sync->synchronize();
+      } catch (Error const&) {  // the failure, already known
+      }
+    }
     for (comm::detail::Renewable* comm : renewable) comm->renew();
     if (updated)
       broken = "the executor cannot be used after a step failed once its update had begun, leaving the chunks partly "
@@ -454,7 +570,10 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
       nn::Sequential& chunk = m.chunk_of(rank, c);
       nn::UpdatePart part{&chunk, m.optimizers[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)].get(),
                           &m.group->allocator(rank - m.first), &m.group->stream(rank - m.first)};
-      if (m.tp > 1) {
+      if (!m.sharded_updates.empty()) {  // zero_stage 1: the replica's blocks
+        part.sharded = m.sharded_updates[static_cast<std::size_t>(r * m.schedule.chunks() + c)].get();
+        m.replica_sync(rank, c)->shard_optimizer_state(*part.optimizer, *part.allocator, *part.stream);
+      } else if (m.tp > 1) {
         part.sharded = m.norms[static_cast<std::size_t>(r * m.schedule.chunks() + c)].get();
       } else if (r > 0) {
         part.shared_end = chunk.master_gradients().numel();
@@ -470,9 +589,11 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
   std::vector<std::int64_t> steps_before;
   for (nn::UpdatePart const& part : parts) steps_before.push_back(part.optimizer->steps());
   try {
-    m.last_applied = m.across && (scaler != nullptr || m.options.clip_norm > 0)
+    // Across processes, and with ZeRO in one process too (the same sums as across them), the
+    // overflow count and the norm are the world's (update_across).
+    m.last_applied = (m.across || !m.sharded_updates.empty()) && (scaler != nullptr || m.options.clip_norm > 0)
                          ? m.update_across(parts, lr_scale)
-                         : nn::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, true});
+                         : nn::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, false});
     // step() returns with the chunks updated, as when each device's thread ran its update inline:
     // the update enqueued from this thread runs on the streams' workers.
     m.group->synchronize();

@@ -1,6 +1,7 @@
 // One step's work on every device: each device's actions of the schedule (run_device), the sum of a
-// tied wte and its copy, and, across processes, the sums over a subset of the world's ranks and the
-// update with a loss scaler or clipping (sum_over, world_sum, update_across).
+// tied wte and its copy, the replicas' reduce (through the data-parallel gradient sync; across
+// processes with ZeRO-0 through the transfers, sum_over), and, across processes or with ZeRO, the
+// update with a loss scaler or clipping over the world's sums (world_sum, update_across).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -199,17 +200,22 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
       });
     }
   }
+  // The float32 master gradients are summed and reduced (the update does not unscale).
+  for (int c = device; c < s.chunks(); c += s.devices)
+    if (chunk_of(rank, c).parameter_count() > 0) chunk_of(rank, c).unscale_gradients(1.0f / step.loss_scale, stream);
+  // The tied wte and its copy first: each replica's sum, which the replicas' reduce then adds up.
+  timed(st, stream, Region::wait, [&] { sum_tied(rank, stream, false); });
   if (replicas > tp) {  // the same chunk across replicas: sum of their batch-mean shares
     for (int c = device; c < s.chunks(); c += s.devices) {
-      Tensor const& grads = chunk_of(rank, c).gradients();
+      Tensor const& grads = chunk_of(rank, c).master_gradients();
       if (!grads.defined()) continue;
       auto reduce = [&] {
-        if (!across) {
-          stage_comms[static_cast<std::size_t>(mesh.group_index(rank, "dp"))]->all_reduce(
-              mesh.group_rank(rank, "dp"), grads, grads, comm::ReduceOp::sum, stream);
+        if (parallel::detail::RankSync* const sync = replica_sync(rank, c)) {  // every bucket, its reduce awaited
+          sync->begin(stream, nullptr);
+          sync->finish(stream);
           return;
         }
-        sum_over(rank, mesh.group(rank, "dp"), grads, stream);  // the replicas' pipelines of this tensor-parallel rank
+        sum_over(rank, mesh.group(rank, "dp"), grads, stream);  // across processes with ZeRO-0: the replicas' pipelines of this tensor-parallel rank
       };
       timed(st, stream, Region::wait, [&] {
         if (timeline != nullptr && timeline->enabled()) {
@@ -220,7 +226,6 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
       });
     }
   }
-  timed(st, stream, Region::wait, [&] { sum_tied(rank, stream, false); });
 }
 
 void Executor::Impl::time_tensor_parallel() {
@@ -263,7 +268,7 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
   std::int64_t const elements = tie_elements[static_cast<std::size_t>(pipeline)];
   auto const part = [&](int c, std::int64_t offset) {
     nn::Sequential const& chunk = chunk_of(rank, c);
-    return (parameters ? chunk.master_parameters() : chunk.gradients()).slice(offset, offset + elements);
+    return (parameters ? chunk.master_parameters() : chunk.master_gradients()).slice(offset, offset + elements);
   };
   if (embedding_device == head_device) {
     Tensor const wte = part(tie->embedding_chunk, tie->embedding_offset);
@@ -324,6 +329,7 @@ std::vector<std::pair<std::int64_t, std::int64_t>> Executor::Impl::norm_parts(in
 }
 
 double Executor::Impl::world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op) {
+  if (!sharded_updates.empty()) return sharded_world_sum(op);
   // Each rank's slots: a value per counted part of each chunk it runs (norm_parts), in chunk order;
   // as many on every rank (the most any rank has), zero where it has fewer. Pipeline r's chunk c
   // ([r * chunks + c]): its parts and its first slot among its rank's.
@@ -374,11 +380,46 @@ double Executor::Impl::world_sum(std::function<void(Tensor const&, Tensor const&
   return sum;
 }
 
+double Executor::Impl::sharded_world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op) {
+  // Each rank's slots: a value per chunk it runs, in chunk order (chunk c in slot c / devices).
+  auto const chunks = static_cast<std::size_t>(schedule.chunks());
+  std::int64_t const per_rank = (schedule.chunks() + schedule.devices - 1) / schedule.devices;
+  std::vector<Tensor> gathered(static_cast<std::size_t>(group->size()));
+  group->run([&](int local, Device, Stream& stream) {
+    int const rank = first + local;
+    Allocator& allocator = group->allocator(local);
+    Tensor& all = gathered[static_cast<std::size_t>(local)];
+    all = Tensor::empty({comm->size() * per_rank}, DType::float32, allocator);
+    Tensor const mine = all.slice(rank * per_rank, (rank + 1) * per_rank);
+    fill_async(mine, 0.0f, stream);
+    for (int c = device_in_pipeline(rank); c < schedule.chunks(); c += schedule.devices) {
+      std::vector<nn::OwnedRange> const ranges =
+          sharded_updates[static_cast<std::size_t>(pipeline_of(rank)) * chunks + static_cast<std::size_t>(c)]->owned();
+      Tensor const values = Tensor::empty({std::max<std::int64_t>(1, static_cast<std::int64_t>(ranges.size()))}, DType::float32, allocator);
+      fill_async(values, 0.0f, stream);
+      Tensor const& grads = chunk_of(rank, c).master_gradients();
+      for (std::size_t j = 0; j < ranges.size(); ++j) {
+        auto const at = static_cast<std::int64_t>(j);
+        if (ranges[j].counted && ranges[j].begin < ranges[j].end) op(grads.slice(ranges[j].begin, ranges[j].end), values.slice(at, at + 1), stream);
+      }
+      std::int64_t const slot = c / schedule.devices;
+      ops::sum(values, mine.slice(slot, slot + 1), stream);
+    }
+    comm->all_gather(rank, mine, all, stream);
+  });
+  double sum = 0;  // in chunk order, each chunk's pipelines in order
+  for (int c = 0; c < schedule.chunks(); ++c) {
+    for (int r = 0; r < replicas; ++r) {
+      std::int64_t const k = rank_at(r, schedule.device_of(c)) * per_rank + c / schedule.devices;
+      sum += ops::item(gathered[0].slice(k, k + 1), group->stream(0));
+    }
+  }
+  return sum;
+}
+
 bool Executor::Impl::update_across(std::vector<nn::UpdatePart> const& parts, float lr_scale) {
   optim::LossScaler* const scaler = options.loss_scaler ? &*options.loss_scaler : nullptr;
-  float const factor = scaler != nullptr ? 1.0f / scaler->scale() : 1.0f;
-  for (nn::UpdatePart const& p : parts) p.model->unscale_gradients(factor, *p.stream);
-  if (scaler != nullptr) {
+  if (scaler != nullptr) {  // the step unscaled the gradients
     double const bad = world_sum(
         [](Tensor const& grads, Tensor const& out, Stream& stream) { ops::count_nonfinite(grads, out, stream); });
     if (!scaler->update(bad == 0)) return false;

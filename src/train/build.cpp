@@ -92,6 +92,7 @@ Trainer::Impl::Impl(nn::GptConfig const& gpt, DeviceGroup devices, ParallelConfi
   layout.stages = pipelined ? parallel.stages : 1;
   bool const tensor_layout = !pipelined && parallel.tp > 1;
   layout.zero = data_parallel_layout || (tensor_layout && parallel.dp > 1) ? parallel.zero.value_or(1) : 0;
+  if (pipelined && parallel.dp > 1) layout.zero = parallel.zero.value_or(1);  // a pipeline's replicas
   if (!options.metrics_job.empty())
     metrics = std::make_shared<metrics::Registry>(
         options.metrics_job, metrics::Layout{.dp = layout.dp, .tp = layout.tp, .pp = layout.stages, .zero = layout.zero});
@@ -174,6 +175,7 @@ void Trainer::Impl::build_pipeline(optim::AdamWOptions const& adamw) {
   std::vector<std::size_t> const cuts = parallel.cuts.empty() ? plan.cuts : parallel.cuts;
   pipeline::ExecutorOptions o{.seed = options.seed,
                               .data_parallel = parallel.dp,
+                              .zero_stage = layout.zero,
                               .compute = parallel.compute,
                               .clip_norm = parallel.clip_norm,
                               .loss = std::make_shared<nn::TokenCrossEntropy>(),

@@ -2,6 +2,7 @@
 // checks): pipeline::Executor with its stages in different processes, and its checkpoints.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -114,9 +115,9 @@ void test_pipeline(Setup const& s) {
 }
 
 // A GPT pipelined over the world's devices (its tied LM head's copy of wte on another device, in
-// another process where there are two; with two replicas, a data x pipeline grid), AdamW with
-// clipping and dropout, against one process's executor: losses and chunks bitwise, also after
-// loading that executor's checkpoint.
+// another process where there are two; with two replicas, a data x pipeline grid, and with ZeRO-1
+// over them), AdamW with clipping and dropout, against one process's executor: losses and chunks
+// bitwise, also after loading that executor's checkpoint.
 void test_pipeline_gpt(Setup const& s) {
   namespace pp = mgpu::pipeline;
   std::shared_ptr<mgpu::Allocator> host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
@@ -127,19 +128,22 @@ void test_pipeline_gpt(Setup const& s) {
   std::vector<Tensor> const& xs = batches.xs;
   std::vector<Tensor> const& ys = batches.ys;
   pp::ChunkOptimizerFactory const& adamw = chunk_adamw;
-  for (int const replicas : {1, 2}) {
-    int const devices = s.size() / replicas;
-    if (s.size() % replicas != 0 || devices < 2) continue;  // the head on another device than the embedding
-    std::string const what = "GPT pipeline x " + std::to_string(replicas) + " replica(s)";
+  for (int const replicas : {1, 2, -2}) {  // -2: 2 replicas with ZeRO-1
+    int const zero = replicas < 0 ? 1 : 0;
+    int const devices = s.size() / std::abs(replicas);
+    if (s.size() % std::abs(replicas) != 0 || devices < 2) continue;  // the head on another device than the embedding
+    std::string const what = "GPT pipeline x " + std::to_string(std::abs(replicas)) + " replica(s)" + (zero > 0 ? ", ZeRO-1" : "");
     std::vector<std::size_t> const cuts = pp::partition(model, devices, std::vector<double>(model.size(), 1.0)).cuts;
     pp::ExecutorOptions options{.seed = 5,
-                                .data_parallel = replicas,
+                                .data_parallel = std::abs(replicas),
+                                .zero_stage = zero,
                                 .timeout = 60s,
                                 .clip_norm = 0.1f,
                                 .loss = std::make_shared<mgpu::nn::TokenCrossEntropy>()};
     mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
     pp::Executor reference(model, one, cuts, pp::one_f_one_b(devices, 2), adamw, options);
     options.make_communicator = mgpu::dist::communicator_factory(s.world);
+    options.make_subset_communicator = mgpu::dist::subset_communicator_factory(s.world);
     pp::Executor executor(model, s.group, cuts, pp::one_f_one_b(devices, 2), adamw, options);
     // A bad id is refused by every process before any action; the run below then follows the reference.
     expect_refused([&] { (void)executor.step(with_last_id(xs[0], 32), ys[0]); }, "token id 32 at row 5, position 7 of the batch",
@@ -161,7 +165,7 @@ void test_pipeline_gpt(Setup const& s) {
     // their AdamW state and RNG), which then steps as that process does.
     std::filesystem::path const file =
         std::filesystem::temp_directory_path() /
-        ("mgpu_mpi_dist_gpt_" + std::to_string(::getpid()) + "_" + std::to_string(replicas) + ".ckpt");
+        ("mgpu_mpi_dist_gpt_" + std::to_string(::getpid()) + "_" + std::to_string(replicas + 2) + ".ckpt");
     reference.save(file);
     pp::Executor resumed(model, s.group, cuts, pp::one_f_one_b(devices, 2), adamw, options);
     resumed.load(file);

@@ -60,22 +60,25 @@ CHECKED = [
     "dp2 pp:1f1b", "dp2 pp:gpipe bf16", "dp2 pp:interleaved fp16 selective", "dp2 pp:1f1b full",
     "tp2 pp:1f1b sp", "tp2 pp:gpipe bf16 sp", "tp2 pp:interleaved fp16", "tp2 pp:1f1b selective",
     "dp2 tp2 pp:gpipe", "dp2 tp2 pp:1f1b sp bf16 full", "dp2 tp2 pp:interleaved sp fp16 selective",
+    # ZeRO 0 and 1 over a pipeline's replicas, of tensor-parallel stages too (1 by default in one
+    # process; with dp 1 there is nothing to shard)
+    "pp:1f1b zero1", "dp2 pp:gpipe zero1 bf16", "dp2 pp:interleaved zero0", "dp2 pp:gpipe zero0 full",
+    "pp:interleaved zero1 full", "dp2 pp:interleaved zero1 fp16 selective", "tp2 pp:interleaved zero0",
+    "tp2 pp:1f1b zero0 sp", "tp2 pp:1f1b zero1 sp", "dp2 tp2 pp:1f1b zero1",
 ]
 
 # Refused today: each row's refusal, asserted. When the library learns a combination, move its
-# rows to CHECKED (ZeRO for pipeline replicas, ZeRO-2/3 in 16 bits).
-ZERO_PP = r"--zero \d with a pipeline \(expected --zero with data or tensor parallelism"
+# rows to CHECKED (ZeRO-2/3 for pipeline replicas, ZeRO-2/3 in 16 bits).
+ZERO_PP = r"--zero [23] with a pipeline \(expected --zero 0 or 1 with a pipeline: its replicas shard the update"
 ZERO_16 = r"--zero [23] with --precision (bf16|fp16) \(expected fp32: sharded gradients are float32 only for now\)"
 REFUSED_TODAY = [
     ("dp2 zero2 bf16", ZERO_16), ("dp2 zero3 fp16", ZERO_16), ("dp2 zero2 fp16 selective", ZERO_16),
     ("dp2 zero3 bf16 full", ZERO_16), ("dp1 zero3 bf16", ZERO_16),
     ("dp2 tp2 zero2 bf16", ZERO_16), ("dp2 tp2 zero3 fp16 sp", ZERO_16),
-    ("pp:1f1b zero1", ZERO_PP), ("pp:gpipe zero3 full", ZERO_PP), ("pp:interleaved zero2", ZERO_PP),
-    ("dp2 pp:1f1b zero3 selective", ZERO_PP), ("dp2 pp:gpipe zero1 bf16", ZERO_PP), ("dp2 pp:interleaved zero0", ZERO_PP),
-    ("dp2 pp:interleaved zero2", ZERO_PP), ("dp2 pp:gpipe zero0 full", ZERO_PP), ("dp2 pp:1f1b zero2", ZERO_PP),
-    ("tp2 pp:1f1b zero1 sp", ZERO_PP), ("dp2 tp2 pp:gpipe zero3 sp", ZERO_PP), ("tp2 pp:interleaved zero0", ZERO_PP),
-    ("dp2 tp2 pp:1f1b zero2 sp", ZERO_PP), ("pp:interleaved zero3 fp16", ZERO_16), ("tp2 pp:1f1b zero0 sp", ZERO_PP),
-    ("pp:gpipe zero2 selective", ZERO_PP), ("pp:interleaved zero1 full", ZERO_PP),
+    ("pp:gpipe zero3 full", ZERO_PP), ("pp:interleaved zero2", ZERO_PP),
+    ("dp2 pp:1f1b zero3 selective", ZERO_PP), ("dp2 pp:interleaved zero2", ZERO_PP), ("dp2 pp:1f1b zero2", ZERO_PP),
+    ("dp2 tp2 pp:gpipe zero3 sp", ZERO_PP), ("dp2 tp2 pp:1f1b zero2 sp", ZERO_PP), ("pp:interleaved zero3 fp16", ZERO_16),
+    ("pp:gpipe zero2 selective", ZERO_PP),
 ]
 
 # Cannot work: refused, naming why.
@@ -101,7 +104,7 @@ FAILING_TODAY = []
 
 # Across processes (mpirun -np 2, each process half the devices), against the same curves.
 DIST = ["dp2", "dp2 zero2 full", "dp2 zero3", "tp2 fp16 full", "dp2 tp2 sp bf16", "pp:1f1b fp16 selective", "tp2 pp:gpipe",
-        "dp2 tp2 pp:interleaved sp", "dp2 tp2 zero1", "dp2 tp2 zero3 sp"]
+        "dp2 tp2 pp:interleaved sp", "dp2 tp2 zero1", "dp2 tp2 zero3 sp", "dp2 pp:1f1b", "dp2 pp:gpipe zero0 bf16"]
 DIST_REFUSED = [("dp2 pp:1f1b zero3", ZERO_PP)]
 
 COMMON = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "8",
@@ -161,7 +164,7 @@ def expected_fields(values, processes):
     schedule = values["pp"] if stages > 1 else "data-parallel" if data_parallel else "tensor-parallel" if tp > 1 else "none"
     return {"dp": dp, "tp": tp, "stages": stages, "schedule": schedule, "precision": values["precision"],
             "recompute": values["recompute"], "sequence_parallel": values["sp"] == "on", "processes": processes,
-            "zero": int(values["zero"] or 1) if data_parallel or (tp > 1 and stages == 1 and dp > 1) else 0,
+            "zero": int(values["zero"] or 1) if dp > 1 else 0,  # the replicas' stage: 1 by default
             "devices": dp * tp * stages}
 
 

@@ -117,7 +117,8 @@ TEST_CASE("a pipeline of one stage holds what one device holds; stages hold thei
   CHECK(one_f_one_b[1].activations * 4 == gpipe[1].activations);
   // Replicas of the pipeline: replica a's stages hold what a pipeline of its rows holds (7 rows over
   // 2 replicas: 4 and 3).
-  std::vector<par::GptMemory> const grid = par::predict_gpt_memory(config, 7, {.data_parallel = 2, .cuts = cuts, .micro_batches = 3});
+  std::vector<par::GptMemory> const grid =
+      par::predict_gpt_memory(config, 7, {.data_parallel = 2, .zero_stage = 0, .cuts = cuts, .micro_batches = 3});
   std::vector<par::GptMemory> const four = par::predict_gpt_memory(config, 4, {.cuts = cuts, .micro_batches = 3});
   std::vector<par::GptMemory> const three = par::predict_gpt_memory(config, 3, {.cuts = cuts, .micro_batches = 3});
   REQUIRE(grid.size() == 4);
@@ -126,6 +127,15 @@ TEST_CASE("a pipeline of one stage holds what one device holds; stages hold thei
     CHECK(grid[2 + s].total() == three[s].total());
   }
   CHECK(four[0].activations > three[0].activations);
+  // With ZeRO-1 each replica keeps AdamW's state of half its chunk (and a few elements past the
+  // blocks), the rest as without.
+  std::vector<par::GptMemory> const zero1 = par::predict_gpt_memory(config, 7, {.data_parallel = 2, .cuts = cuts, .micro_batches = 3});
+  REQUIRE(zero1.size() == 4);
+  for (std::size_t d = 0; d < 4; ++d) {
+    CHECK(static_cast<double>(zero1[d].optimizer) >= 0.45 * static_cast<double>(grid[d].optimizer));
+    CHECK(static_cast<double>(zero1[d].optimizer) <= 0.55 * static_cast<double>(grid[d].optimizer));
+    CHECK(zero1[d].total() - zero1[d].optimizer == grid[d].total() - grid[d].optimizer);
+  }
 }
 
 TEST_CASE("sequence parallelism splits what a block keeps outside its split regions, nothing else", "[parallel][memory]") {

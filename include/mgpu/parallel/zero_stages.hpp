@@ -8,9 +8,9 @@ namespace mgpu::parallel {
 
 /// The highest ZeRO stage (DataParallelOptions::zero_stage, TensorParallelOptions::zero_stage) that
 /// replicas computing in `compute` run: 3 in float32, 1 in 16 bits (sharded gradients are float32
-/// only for now). A pipeline's replicas (`pipeline`) take no stage yet, not even 0: -1.
+/// only for now); a pipeline's replicas (`pipeline`) 1 (the sharded update and optimizer state).
 [[nodiscard]] constexpr int max_zero_stage(DType compute, bool pipeline) noexcept {
-  if (pipeline) return -1;
+  if (pipeline) return 1;
   return compute == DType::float32 ? 3 : 1;
 }
 

@@ -108,6 +108,11 @@ struct ExecutorOptions {
   std::uint64_t seed = 0;  ///< the chunks initialised as the whole model's materialize(seed)
   /// Replicas of the pipeline: the group has devices x data_parallel x tensor_parallel.ranks ranks.
   int data_parallel = 1;
+  /// ZeRO stage over the data-parallel replicas, whose gradients the data-parallel gradient sync
+  /// reduces after the last micro-batch's backward: 0, the replicated update, or 1, each replica
+  /// updating and keeping optimizer state for its block of every chunk only (across processes
+  /// with make_subset_communicator; 2 and 3 are refused).
+  int zero_stage = 0;
   std::chrono::milliseconds timeout{0};  ///< the communicator's deadline (zero: comm::default_timeout())
   /// float32, or bfloat16/float16 with float32 masters: what chunks compute in and send.
   DType compute = DType::float32;
@@ -120,7 +125,7 @@ struct ExecutorOptions {
   TensorParallelStages tensor_parallel{};
   /// Makes the transfers' communicator (across processes dist::communicator_factory(world)).
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> make_communicator{};
-  /// Across processes with tensor-parallel stages: dist::subset_communicator_factory(world).
+  /// Across processes with tensor-parallel stages or zero_stage 1: dist::subset_communicator_factory(world).
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, std::vector<int> const&, comm::Options)>
       make_subset_communicator{};
   /// Where each device's compute and wait times are reported every step; nullptr: not measured.
@@ -149,9 +154,11 @@ class Executor {
   Executor(Executor const&) = delete;
   Executor& operator=(Executor const&) = delete;
 
-  /// Forward and backward of every micro-batch, leaving the mean-loss gradients in the chunks;
-  /// returns the mean loss. Throws Error(invalid_argument), before any action, for fewer rows than
-  /// micro-batches, an x that does not fit the model, or labels the loss refuses.
+  /// Forward and backward of every micro-batch, leaving the mean-loss gradients in the chunks'
+  /// float32 master gradients, unscaled and summed over the replicas (with zero_stage 1 each
+  /// replica's owned blocks only); returns the mean loss. Throws Error(invalid_argument), before
+  /// any action, for fewer rows than micro-batches, an x that does not fit the model, or labels
+  /// the loss refuses.
   float compute_gradients(Tensor const& x, Tensor const& labels);
   /// compute_gradients(), then every chunk's update through nn::apply_update (none on overflow);
   /// synchronizes. Throws Error(invalid_argument) for an lr_scale that is not finite and >= 0.

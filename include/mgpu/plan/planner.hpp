@@ -62,9 +62,9 @@ struct Layout {
   int tensor_parallel = 1;
   /// Pipeline stages (1F1B; with data_parallel replicas of the pipeline).
   int stages = 1;
-  /// The ZeRO stage over the data_parallel replicas, of the whole model or of each tensor-parallel
-  /// rank's shard (DataParallelOptions or TensorParallelOptions::zero_stage); 0 with one replica,
-  /// and with a pipeline while its replicas take no stage (parallel::max_zero_stage).
+  /// The ZeRO stage over the data_parallel replicas, of the whole model, of each tensor-parallel
+  /// rank's shard or of each pipeline chunk (DataParallelOptions, TensorParallelOptions or
+  /// pipeline::ExecutorOptions::zero_stage; at most parallel::max_zero_stage); 0 with one replica.
   int zero_stage = 0;
   /// TensorParallelOptions::sequence_parallel (costed as tensor parallelism).
   bool sequence_parallel = false;

@@ -54,8 +54,8 @@ struct ParallelConfig {
   std::string schedule{};
   int micro_batches = 1;  ///< micro-batches per pipeline step
   int chunks = 2;         ///< model chunks per device of the interleaved schedule
-  /// ZeRO stage over the data-parallel replicas, plain or of tensor-parallel shards (0 to 3;
-  /// unset: 1 with several replicas; refused with a pipeline).
+  /// ZeRO stage over the data-parallel replicas, plain, of tensor-parallel shards (0 to 3) or of
+  /// a pipeline (0 or 1). Unset: 1 with several replicas, else 0.
   std::optional<int> zero{};
   /// The replicas' gradient bucket cap (0: the default); set, also plain data parallelism's ZeRO-3
   /// units (else one per block).
@@ -76,8 +76,9 @@ struct ParallelConfig {
   /// The devices the layout spans: dp x tp (x stages when pipelined), a pipeline's stages x dp, else dp.
   [[nodiscard]] int devices() const noexcept;
   /// Throws Error(invalid_argument) naming the field (or flag) and the value expected for what
-  /// cannot run: e.g. zero outside 0 to 3 or >= 2 in 16 bits, zero or a bucket cap with a pipeline, sequence parallelism without tp >= 2 dividing the block size, another device count
-  /// than the layout's.
+  /// cannot run: e.g. zero outside 0 to 3 or >= 2 in 16 bits, zero >= 2 or a bucket cap with a
+  /// pipeline, sequence parallelism without tp >= 2 dividing the block size, another device
+  /// count than the layout's.
   void validate(nn::GptConfig const& model, LayoutChecks const& checks) const;
 };
 
@@ -111,7 +112,7 @@ struct ChunkInfo {
 struct Layout {
   std::string schedule;  ///< the pipeline schedule's name, "data-parallel", "tensor-parallel" or "none"
   int dp = 1, tp = 1, stages = 1, micro_batches = 1;
-  int zero = 0;  ///< the ZeRO stage over the data-parallel replicas (plain or tensor-parallel; 0 elsewhere)
+  int zero = 0;  ///< the ZeRO stage over the data-parallel replicas, plain, tensor-parallel or a pipeline's (0 with one replica)
 };
 
 /// Trains nn::gpt(config) (per-token cross-entropy, AdamW) in the layout a ParallelConfig asks

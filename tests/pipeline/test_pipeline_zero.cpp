@@ -1,0 +1,220 @@
+// ZeRO-1 over a pipeline's data-parallel replicas (pipeline::ExecutorOptions::zero_stage) on host
+// devices: DP 2 x PP 2 (1F1B and interleaved) and DP 2 x TP 2 x PP 2 with a tied GPT give the
+// one-device loss curve and weights over AdamW steps with clipping, as ZeRO-0 does, each device
+// keeping the optimizer state of about half its chunks' elements; bf16 with ZeRO-1 follows bf16
+// with ZeRO-0; a checkpoint saved with ZeRO-1 resumes bit for bit and loads into a pipeline
+// without replicas; stages 2 and 3 are refused.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <mgpu/core/device_group.hpp>
+#include <mgpu/nn/gpt.hpp>
+#include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/loss.hpp>
+#include <mgpu/optim/optim.hpp>
+#include <mgpu/pipeline/pipeline.hpp>
+
+#include "support/catch.hpp"
+#include "support/expect_error.hpp"
+#include "support/nn_env.hpp"
+#include "support/temp_path.hpp"
+
+using mgpu::DType;
+using mgpu::test::as_double;
+using mgpu::test::Env;
+using mgpu::test::worst_relative;
+namespace nn = mgpu::nn;
+namespace pp = mgpu::pipeline;
+
+namespace {
+
+nn::GptConfig const config{.vocab = 64, .block_size = 16, .n_layer = 2, .n_head = 4, .n_embd = 32};
+std::uint64_t const seed = 7;
+std::int64_t const batch = 7;  // uneven over 2 replicas and over micro-batches
+int const steps = 10;
+float const clip = 0.5f;  // below the gradients' norm (checked below), so steps clip
+mgpu::optim::AdamWOptions const adamw{.lr = 3e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .weight_decay = 0.1f};
+double const curve_tolerance = 1e-5;  // float32 rounding of other summation orders
+
+using Batch = mgpu::test::TokenBatch;
+
+std::vector<Batch> make_batches(Env& env) {
+  std::vector<Batch> batches;
+  for (int s = 0; s < steps; ++s)
+    batches.push_back(mgpu::test::rule_batch(env, batch, config.block_size, config.vocab, 300 + static_cast<unsigned>(s)));
+  return batches;
+}
+
+// AdamW decaying each chunk's weight matrices (the head's copy of wte too), as the one device
+// decays gpt_decay_ranges; each optimizer made is listed in `made` (replica by replica, chunk by
+// chunk, as the executor makes them) when given.
+pp::ChunkOptimizerFactory chunk_adamw(std::shared_ptr<std::vector<mgpu::optim::Optimizer*>> made = nullptr) {
+  return [made](nn::Sequential const& chunk) {
+    mgpu::optim::AdamWOptions options = adamw;
+    options.decay_ranges = chunk.matrix_ranges();
+    auto optimizer = std::make_unique<mgpu::optim::AdamW>(options);
+    if (made) made->push_back(optimizer.get());
+    return optimizer;
+  };
+}
+
+struct Grid {
+  std::string name;
+  pp::Schedule schedule;
+  std::vector<std::size_t> cuts;
+  int tp = 1;  // tensor-parallel ranks per stage
+};
+
+pp::ExecutorOptions options_for(int zero, int replicas = 2, DType compute = DType::float32) {
+  return {.seed = seed,
+          .data_parallel = replicas,
+          .zero_stage = zero,
+          .compute = compute,
+          .clip_norm = clip,
+          .loss = std::make_shared<nn::TokenCrossEntropy>()};
+}
+
+struct Run {
+  std::vector<double> losses, weights;
+};
+
+// `steps` of `ex` over `batches` from `from`, then replica 0's weights.
+Run train(Env& env, pp::Executor& ex, std::vector<Batch> const& batches, std::size_t from = 0, std::size_t to = steps) {
+  Run run;
+  for (std::size_t s = from; s < to; ++s) run.losses.push_back(ex.step(batches[s].ids, batches[s].targets));
+  nn::Sequential whole = nn::gpt(config);
+  whole.materialize(env.ctx, seed + 1);
+  ex.gather_parameters(whole, env.stream);
+  run.weights = as_double(whole.master_parameters());
+  return run;
+}
+
+double worst_difference(std::vector<double> const& got, std::vector<double> const& want) {
+  REQUIRE(got.size() == want.size());
+  double worst = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - want[i]));
+  return worst;
+}
+
+// The values `optimizer` keeps in its state buffers.
+std::int64_t state_values(mgpu::optim::Optimizer const& optimizer) {
+  std::int64_t total = 0;
+  for (auto const& named : optimizer.state()) total += named.second.numel();
+  return total;
+}
+
+}  // namespace
+
+TEST_CASE("ZeRO-1 over a data x pipeline grid trains a GPT as one device and as ZeRO-0, each replica keeping half the state",
+          "[pipeline][zero]") {
+  Env env;
+  std::vector<Batch> const batches = make_batches(env);
+  REQUIRE(mgpu::test::gpt_gradient_norm(env, config, seed, batches[0]) > 2 * clip);  // the steps do clip
+  mgpu::test::GptCurve const one = mgpu::test::gpt_one_device_curve(env, config, seed, adamw, clip, batches);
+  std::vector<double> const one_weights(one.weights.begin(), one.weights.end());
+  std::vector<Grid> const grids{{"DP 2 x PP 2, 1f1b", pp::one_f_one_b(2, 2), {0, 3, 6}},
+                                {"DP 2 x PP 2, interleaved 2 x 2 chunks", pp::interleaved_one_f_one_b(2, 2, 2), {0, 2, 3, 4, 6}},
+                                {"DP 2 x TP 2 x PP 2, 1f1b", pp::one_f_one_b(2, 2), {0, 4, 6}, 2}};
+  for (Grid const& grid : grids) {
+    CAPTURE(grid.name);
+    std::vector<Run> runs;
+    for (int zero : {0, 1}) {
+      CAPTURE(zero);
+      mgpu::DeviceGroup group("host:" + std::to_string(4 * grid.tp));
+      auto made = std::make_shared<std::vector<mgpu::optim::Optimizer*>>();
+      pp::ExecutorOptions options = options_for(zero);
+      if (grid.tp > 1) options.tensor_parallel = pp::tensor_parallel_stages(config, grid.tp);
+      pp::Executor ex(nn::gpt(config), group, grid.cuts, grid.schedule, chunk_adamw(made), options);
+      runs.push_back(train(env, ex, batches));
+      double const worst = worst_relative(runs.back().losses, one.losses);
+      double const weights = worst_difference(runs.back().weights, one_weights);
+      WARN(grid.name << ", zero " << zero << ": worst relative loss difference " << worst << ", weights " << weights);
+      CHECK(worst <= curve_tolerance);
+      CHECK(weights < 5e-5);
+      int const last = ex.schedule().chunks() - 1;
+      int const pipelines = 2 * grid.tp;  // replica a's tensor-parallel rank t: pipeline a x tp + t
+      for (int replica = 0; replica < pipelines; ++replica) {
+        CAPTURE(replica);
+        // The replicas' chunks are equal after the update's gather, and the head's copy of wte the embedding's.
+        for (int c = 0; c <= last; ++c)
+          CHECK(as_double(ex.chunk(c, replica).master_parameters()) == as_double(ex.chunk(c, replica % grid.tp).master_parameters()));
+        std::int64_t const rows = config.vocab / grid.tp * config.n_embd;
+        std::int64_t const n = ex.chunk(last, replica).parameter_count();
+        CHECK(as_double(ex.chunk(0, replica).master_parameters().slice(0, rows)) ==
+              as_double(ex.chunk(last, replica).master_parameters().slice(n - rows, n)));
+      }
+      // AdamW's two state buffers: over every element of a chunk with ZeRO-0, about half of them
+      // (a block of each bucket, and the few elements past the blocks) with ZeRO-1.
+      auto const chunks = static_cast<std::size_t>(last + 1);
+      REQUIRE(made->size() == static_cast<std::size_t>(pipelines) * chunks);
+      for (std::size_t i = 0; i < made->size(); ++i) {
+        CAPTURE(i);
+        std::int64_t const n = ex.chunk(static_cast<int>(i % chunks), static_cast<int>(i / chunks)).parameter_count();
+        std::int64_t const values = state_values(*(*made)[i]);
+        if (zero == 0) {
+          CHECK(values == 2 * n);
+        } else {
+          CHECK(values >= n);
+          CHECK(values <= n + 32);  // 2 x (n / 2 + the few past the blocks)
+        }
+      }
+    }
+    CHECK(worst_relative(runs[1].losses, runs[0].losses) <= curve_tolerance);
+  }
+}
+
+TEST_CASE("ZeRO-1 over a data x pipeline grid in bf16 follows ZeRO-0 in bf16", "[pipeline][zero]") {
+  Env env;
+  std::vector<Batch> const batches = make_batches(env);
+  std::vector<Run> runs;
+  for (int zero : {0, 1}) {
+    mgpu::DeviceGroup group("host:4");
+    pp::Executor ex(nn::gpt(config), group, {0, 3, 6}, pp::one_f_one_b(2, 2), chunk_adamw(), options_for(zero, 2, DType::bfloat16));
+    runs.push_back(train(env, ex, batches, 0, 5));
+  }
+  double const worst = worst_relative(runs[1].losses, runs[0].losses);
+  WARN("bf16, ZeRO-1 against ZeRO-0: worst relative loss difference " << worst);
+  CHECK(worst <= 1e-3);  // the same bf16 compute; only the norm's summation order differs
+  CHECK(runs[1].losses.back() < runs[1].losses.front());
+}
+
+TEST_CASE("a pipeline with ZeRO-1 resumes from its checkpoint bit for bit and loads into a pipeline without replicas",
+          "[pipeline][zero]") {
+  Env env;
+  std::vector<Batch> const batches = make_batches(env);
+  auto const path = mgpu::test::temp_path("mgpu_pipeline_zero.ckpt");
+  std::vector<std::size_t> const cuts{0, 3, 6};
+  mgpu::DeviceGroup group("host:4");
+  pp::Executor first(nn::gpt(config), group, cuts, pp::one_f_one_b(2, 2), chunk_adamw(), options_for(1));
+  train(env, first, batches, 0, 4);
+  first.save(path, {.step = 4});
+  Run const want = train(env, first, batches, 4, 8);  // the state sharded again after save
+  {
+    pp::Executor resumed(nn::gpt(config), group, cuts, pp::one_f_one_b(2, 2), chunk_adamw(), options_for(1));
+    CHECK(resumed.load(path).step == 4);
+    Run const got = train(env, resumed, batches, 4, 8);
+    CHECK(got.losses == want.losses);
+    CHECK(got.weights == want.weights);
+  }
+  {  // the same steps on one pipeline of 2 devices: the replicas' mean over the whole batch
+    mgpu::DeviceGroup two("host:2");
+    pp::Executor other(nn::gpt(config), two, cuts, pp::one_f_one_b(2, 2), chunk_adamw(), options_for(0, 1));
+    CHECK(other.load(path).step == 4);
+    Run const got = train(env, other, batches, 4, 8);
+    CHECK(worst_relative(got.losses, want.losses) <= curve_tolerance);
+    CHECK(worst_difference(got.weights, want.weights) < 5e-5);
+  }
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("a pipeline refuses ZeRO stages 2 and 3", "[pipeline][zero]") {
+  mgpu::DeviceGroup group("host:4");
+  for (int zero : {2, 3, -1})
+    REQUIRE_MGPU_ERROR(pp::Executor(nn::gpt(config), group, {0, 3, 6}, pp::one_f_one_b(2, 2), chunk_adamw(), options_for(zero)),
+                       mgpu::Errc::invalid_argument, "pipeline: zero_stage " + std::to_string(zero) + " (expected 0, replicated update, or 1");
+}
