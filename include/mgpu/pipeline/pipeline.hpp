@@ -95,7 +95,7 @@ struct TensorParallelStages {
       stage{};
   /// The loss of rank `rank`'s last stage over `comm` (replaces ExecutorOptions::loss).
   std::function<std::shared_ptr<nn::Loss const>(std::shared_ptr<comm::Communicator> const& comm, int rank)> loss{};
-  /// Sequence parallelism: LayerNorm gradients summed over the chunk's ranks before the update.
+  /// Sequence parallelism: LayerNorm gradients summed over the chunk's ranks.
   bool sequence_parallel = false;
 };
 
@@ -108,10 +108,8 @@ struct ExecutorOptions {
   std::uint64_t seed = 0;  ///< the chunks initialised as the whole model's materialize(seed)
   /// Replicas of the pipeline: the group has devices x data_parallel x tensor_parallel.ranks ranks.
   int data_parallel = 1;
-  /// ZeRO stage over the data-parallel replicas, whose gradients the data-parallel gradient sync
-  /// reduces after the last micro-batch's backward: 0, the replicated update, or 1, each replica
-  /// updating and keeping optimizer state for its block of every chunk only (across processes
-  /// with make_subset_communicator; 2 and 3 are refused).
+  /// ZeRO over the replicas (data parallelism's gradient sync, after the last backward): 0, or 1,
+  /// each replica updating and keeping state for its block of every chunk (2, 3: refused).
   int zero_stage = 0;
   std::chrono::milliseconds timeout{0};  ///< the communicator's deadline (zero: comm::default_timeout())
   /// float32, or bfloat16/float16 with float32 masters: what chunks compute in and send.
@@ -125,7 +123,7 @@ struct ExecutorOptions {
   TensorParallelStages tensor_parallel{};
   /// Makes the transfers' communicator (across processes dist::communicator_factory(world)).
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> make_communicator{};
-  /// Across processes with tensor-parallel stages or zero_stage 1: dist::subset_communicator_factory(world).
+  /// Across processes with tensor-parallel stages or ZeRO: dist::subset_communicator_factory(world).
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, std::vector<int> const&, comm::Options)>
       make_subset_communicator{};
   /// Where each device's compute and wait times are reported every step; nullptr: not measured.
@@ -154,11 +152,10 @@ class Executor {
   Executor(Executor const&) = delete;
   Executor& operator=(Executor const&) = delete;
 
-  /// Forward and backward of every micro-batch, leaving the mean-loss gradients in the chunks'
-  /// float32 master gradients, unscaled and summed over the replicas (with zero_stage 1 each
-  /// replica's owned blocks only); returns the mean loss. Throws Error(invalid_argument), before
-  /// any action, for fewer rows than micro-batches, an x that does not fit the model, or labels
-  /// the loss refuses.
+  /// Forward and backward of every micro-batch, leaving the mean-loss float32 master gradients
+  /// unscaled and summed over the replicas (zero_stage 1: the owned blocks); returns the mean loss.
+  /// Throws Error(invalid_argument), before any action, for fewer rows than micro-batches, an x
+  /// that does not fit the model, or labels the loss refuses.
   float compute_gradients(Tensor const& x, Tensor const& labels);
   /// compute_gradients(), then every chunk's update through nn::apply_update (none on overflow);
   /// synchronizes. Throws Error(invalid_argument) for an lr_scale that is not finite and >= 0.
@@ -168,10 +165,9 @@ class Executor {
   void gather_parameters(nn::Sequential& whole, Stream& stream);
   /// Copies `whole`'s master parameters into every replica's chunks.
   void scatter_parameters(nn::Sequential const& whole, Stream& stream);
-  /// Saves the model as one device holds it, in io::save_training's format (a folder of shards
-  /// across processes), atomically; tensor-parallel stages' shards put together (collective across
-  /// processes). Throws Error(invalid_argument) when the chunks' optimizers hold different numbers
-  /// of state buffers, Error(io) when a process fails to write.
+  /// Saves the model as one device holds it, in io::save_training's format (across processes a
+  /// folder of shards; collective), atomically. Throws Error(invalid_argument) when the chunks'
+  /// optimizers hold different numbers of state buffers, Error(io) when a process fails to write.
   void save(std::filesystem::path const& path, io::TrainingState const& state = {});
   /// Loads save(), DataParallel::save(), TensorParallel::save() or io::save_training() into every
   /// replica (tensor-parallel stages: each rank its shard), verifying all first: on an error the

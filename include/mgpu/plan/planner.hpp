@@ -62,9 +62,7 @@ struct Layout {
   int tensor_parallel = 1;
   /// Pipeline stages (1F1B; with data_parallel replicas of the pipeline).
   int stages = 1;
-  /// The ZeRO stage over the data_parallel replicas, of the whole model, of each tensor-parallel
-  /// rank's shard or of each pipeline chunk (DataParallelOptions, TensorParallelOptions or
-  /// pipeline::ExecutorOptions::zero_stage; at most parallel::max_zero_stage); 0 with one replica.
+  /// The ZeRO stage over the data_parallel replicas (at most parallel::max_zero_stage; 0 with one).
   int zero_stage = 0;
   /// TensorParallelOptions::sequence_parallel (costed as tensor parallelism).
   bool sequence_parallel = false;
@@ -97,8 +95,7 @@ struct PlanOptions {
   /// Bytes each device may use: a layout fits when every device's predicted peak is at most this.
   std::size_t memory_bytes = std::numeric_limits<std::size_t>::max();
   /// Layouts to weigh: tensor parallelism (with and without sequence parallelism), 1F1B pipelines
-  /// (stages x 1, 2, 4 micro-batches), ZeRO stages 0-3 over the replicas (those
-  /// parallel::max_zero_stage gives float32), of data and tensor parallelism alike.
+  /// (stages x 1, 2, 4 micro-batches), the ZeRO stages parallel::max_zero_stage allows in float32.
   bool tensor_parallel = true;
   bool pipeline = true;
   bool zero = true;
