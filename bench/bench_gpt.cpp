@@ -50,23 +50,6 @@
 //   BM_gpt_recompute/<mode>: BM_gpt_step on the nano shape with activation recomputation
 //   (nn::Recompute: 0 none, 1 selective, 2 full; a short run):
 //     tokens_per_s, step_ms, peak_bytes_device  as in BM_gpt_step.
-//   BM_gpt_layouts/<layout>: one training step (clipping 1.0, AdamW) of a mid-sized GPT
-//   (n_layer 4, n_head 4, n_embd 256, block 128, batch 8, vocab 256: 3.2 M parameters) in each
-//   layout the library has, on host devices: 0 one device, 1 data parallel over host:2 with the
-//   replicated update (zero_stage 0), 2 the same with ZeRO-1, 3 ZeRO-1 with full recomputation,
-//   4 tensor parallel over host:2 (vocab-parallel embedding, head and loss), 5 a 1F1B pipeline of
-//   2 stages and 4 micro-batches over host:2, 6 two data-parallel replicas of tensor parallel over
-//   host:2 each (host:4), 7 ZeRO-2 over host:2 (a gradient bucket per block), 8 tensor parallel
-//   over host:2 with sequence parallelism, 9 two pipeline stages of tensor parallel 2 each
-//   (host:4, 1F1B, 4 micro-batches), 10 ZeRO-3 over host:2 (a bucket per block, each block's
-//   parameters gathered before its forward and backward). A short run each:
-//     tokens_per_s        batch * block / the median step time;
-//     peak_bytes_device   the largest device allocator peak over the timed steps (parameters,
-//                         gradients, optimizer state, activations, buffers; as train_gpt --json's
-//                         peak_bytes; blocks are reused in stream order, as on a GPU);
-//     predicted_peak_bytes_device  the memory model's prediction of that peak
-//                         (parallel::predict_gpt_memory);
-//     devices             how many devices the layout uses.
 //   BM_gpt_plan: the planner (plan::plan_gpt) on the nano shape over host:2: the costs measured
 //   (plan::measure_gpt_costs), a budget per device that the largest quarter of the layouts'
 //   predicted peaks exceed, then every layout that fits built and stepped (rounds of 3 steps of
@@ -79,7 +62,8 @@
 //     budget_bytes_device                 the budget;
 //     largest_measured_peak_over_budget   the largest allocator peak of any layout that fit /
 //                                         the budget (the memory model's error shows above 1).
-// The same binary runs BM_attention (bench_gpt_attention.cpp) and BM_gpt_zero (bench_gpt_zero.cpp).
+// The same binary runs BM_attention (bench_gpt_attention.cpp), BM_gpt_zero (bench_gpt_zero.cpp) and
+// BM_gpt_layouts (bench_gpt_layouts.cpp).
 //   bench_gpt --benchmark_out=gpt.json --benchmark_out_format=json
 #include <benchmark/benchmark.h>
 
@@ -317,9 +301,7 @@ struct LayoutRun {
   std::unique_ptr<mgpu::pipeline::Executor> pp;
   std::int64_t next = 0;
 
-  // `bucket_cap`: DataParallelOptions' caps (0: its defaults).
-  LayoutRun(GptTrainer& trainer, mgpu::DeviceGroup& group, mgpu::plan::Layout const& layout, std::size_t bucket_cap = 0)
-      : one(trainer) {
+  LayoutRun(GptTrainer& trainer, mgpu::DeviceGroup& group, mgpu::plan::Layout const& layout) : one(trainer) {
     mgpu::nn::GptConfig config = one.shape.config;
     config.recompute = layout.recompute;
     if (layout.stages > 1) {
@@ -350,7 +332,6 @@ struct LayoutRun {
       options.seed = 1;
       options.clip_norm = 1.0f;
       options.zero_stage = layout.zero_stage;
-      if (bucket_cap > 0) options.bucket_cap_bytes = options.first_bucket_cap_bytes = bucket_cap;
       options.loss = std::make_shared<mgpu::nn::TokenCrossEntropy>();
       dp = std::make_unique<mgpu::parallel::DataParallel>(mgpu::nn::gpt(config), group, one.adamw, std::move(options));
     }
@@ -370,98 +351,6 @@ struct LayoutRun {
     }
   }
 };
-
-// The median seconds of `state`'s steps of `run` after one untimed step, and each device's largest
-// allocator peak over them (`allocators`).
-struct Timed {
-  double step_s = 0;
-  double peak_bytes = 0;
-};
-Timed time_steps(benchmark::State& state, LayoutRun& run, std::vector<mgpu::Allocator*> const& allocators) {
-  run.step();
-  for (mgpu::Allocator* a : allocators) a->reset_peak();
-  std::vector<double> step_s;
-  for (auto _ : state) {
-    auto const t0 = Clock::now();
-    run.step();
-    step_s.push_back(seconds_since(t0));
-  }
-  Timed timed{median(step_s), 0.0};
-  for (mgpu::Allocator* a : allocators) timed.peak_bytes = std::max(timed.peak_bytes, static_cast<double>(a->stats().peak_allocated));
-  return timed;
-}
-
-void BM_gpt_layouts(benchmark::State& state) {
-  // Each layout: its name, devices, degrees (data, tensor, pipeline with 4 micro-batches), ZeRO
-  // stage, sequence parallelism, recomputation, and a bucket per block (ZeRO-2 and 3: 1 MiB caps).
-  struct Row {
-    char const* name;
-    char const* devices;
-    int data, tensor, stages, zero;
-    bool sequence_parallel;
-    mgpu::nn::Recompute recompute;
-    bool bucket_per_block;
-  };
-  using R = mgpu::nn::Recompute;
-  static Row const rows[] = {
-      {"one device", "host:1", 1, 1, 1, 0, false, R::none, false},
-      {"host:2 data parallel, replicated update", "host:2", 2, 1, 1, 0, false, R::none, false},
-      {"host:2 data parallel, ZeRO-1", "host:2", 2, 1, 1, 1, false, R::none, false},
-      {"host:2 ZeRO-1, full recomputation", "host:2", 2, 1, 1, 1, false, R::full, false},
-      {"host:2 tensor parallel", "host:2", 1, 2, 1, 0, false, R::none, false},
-      {"host:2 pipeline, 1F1B x 4 micro-batches", "host:2", 1, 1, 2, 0, false, R::none, false},
-      {"host:4 data parallel 2 x tensor parallel 2", "host:4", 2, 2, 1, 0, false, R::none, false},
-      {"host:2 ZeRO-2, a bucket per block", "host:2", 2, 1, 1, 2, false, R::none, true},
-      {"host:2 tensor parallel, sequence parallel", "host:2", 1, 2, 1, 0, true, R::none, false},
-      {"host:4 tensor parallel 2 x pipeline 2, 1F1B x 4 micro-batches", "host:4", 1, 2, 2, 0, false, R::none, false},
-      {"host:2 ZeRO-3, a bucket per block", "host:2", 2, 1, 1, 3, false, R::none, true},
-  };
-  Row const& row = rows[state.range(0)];
-  Shape shape{"mid", {.vocab = 256, .block_size = 128, .n_layer = 4, .n_head = 4, .n_embd = 256}, 8};
-  GptTrainer one(shape);  // its batches feed every layout; it trains only on one device
-  mgpu::DeviceGroup group(row.devices);
-  mgpu::plan::Layout model{.data_parallel = row.data,
-                           .tensor_parallel = row.tensor,
-                           .stages = row.stages,
-                           .zero_stage = row.zero,
-                           .sequence_parallel = row.sequence_parallel,
-                           .recompute = row.recompute};
-  if (row.stages > 1) {  // two stages cut at the middle cut point, 4 micro-batches
-    mgpu::nn::Sequential const whole = mgpu::nn::gpt(shape.config);
-    std::vector<std::size_t> const points = whole.cut_points();
-    std::size_t const middle = *std::min_element(points.begin(), points.end(), [&](std::size_t a, std::size_t b) {
-      auto const off = [&](std::size_t p) { return std::abs(static_cast<double>(p) - static_cast<double>(whole.size()) / 2); };
-      return off(a) < off(b);
-    });
-    model.micro_batches = 4, model.cuts = {0, middle, whole.size()};
-  }
-  std::size_t const bucket_cap = row.bucket_per_block ? std::size_t{1} << 20 : 0;  // below a block: a bucket each
-  LayoutRun run(one, group, model, bucket_cap);
-  std::vector<mgpu::Allocator*> allocators;
-  for (int r = 0; r < group.size(); ++r) allocators.push_back(group.size() == 1 ? one.allocator.get() : &group.allocator(r));
-  Timed const timed = time_steps(state, run, allocators);
-  state.SetLabel(std::string(shape.name) + ", " + row.name);
-  state.counters["tokens_per_s"] = static_cast<double>(one.tokens()) / timed.step_s;
-  state.counters["peak_bytes_device"] = timed.peak_bytes;
-  mgpu::nn::GptConfig config = shape.config;
-  config.recompute = model.recompute;
-  mgpu::parallel::DataParallelOptions const defaults;
-  double predicted = 0;
-  for (mgpu::parallel::GptMemory const& m : mgpu::parallel::predict_gpt_memory(
-           config, shape.batch,
-           {.data_parallel = model.data_parallel,
-            .tensor_parallel = model.tensor_parallel,
-            .zero_stage = model.zero_stage,
-            .bucket_cap_bytes = bucket_cap > 0 ? bucket_cap : defaults.bucket_cap_bytes,
-            .first_bucket_cap_bytes = bucket_cap > 0 ? bucket_cap : defaults.first_bucket_cap_bytes,
-            .cuts = model.cuts,
-            .micro_batches = model.micro_batches,
-            .sequence_parallel = model.sequence_parallel}))
-    predicted = std::max(predicted, static_cast<double>(m.total()));
-  state.counters["predicted_peak_bytes_device"] = predicted;
-  state.counters["devices"] = static_cast<double>(allocators.size());
-}
-BENCHMARK(BM_gpt_layouts)->DenseRange(0, 10)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(4);
 
 // Spearman's rank correlation of two series of equal length (ties get their average rank).
 double spearman(std::vector<double> const& a, std::vector<double> const& b) {
