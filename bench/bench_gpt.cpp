@@ -157,11 +157,11 @@ void gpt_step(benchmark::State& state, mgpu::DType compute, char const* rate_cou
   state.counters["gemm_limit_fraction"] = step_flops / sgemm_rate / step;
 }
 void BM_gpt_step(benchmark::State& state) { gpt_step(state, mgpu::DType::float32, "sgemm_gflops"); }
-BENCHMARK(BM_gpt_step)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(8.0);
-BENCHMARK(BM_gpt_step)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
+BENCHMARK(BM_gpt_step)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(bench::min_time(8.0));
+BENCHMARK(BM_gpt_step)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(bench::iterations(3));
 
 void BM_gpt_step_bf16(benchmark::State& state) { gpt_step(state, mgpu::DType::bfloat16, "bf16_gemm_gflops"); }
-BENCHMARK(BM_gpt_step_bf16)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);  // short: CI runs it
+BENCHMARK(BM_gpt_step_bf16)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(bench::min_time(3.0));
 
 void BM_gpt_recompute(benchmark::State& state) {
   auto const recompute = static_cast<mgpu::nn::Recompute>(state.range(0));
@@ -182,7 +182,7 @@ void BM_gpt_recompute(benchmark::State& state) {
   state.counters["step_ms"] = step * 1e3;
   state.counters["peak_bytes_device"] = static_cast<double>(trainer.allocator->stats().peak_allocated);
 }
-BENCHMARK(BM_gpt_recompute)->DenseRange(0, 2)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.5);
+BENCHMARK(BM_gpt_recompute)->DenseRange(0, 2)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(bench::min_time(0.5));
 
 void BM_gpt_step_dp(benchmark::State& state) {
   Shape const& shape = shapes[state.range(0)];
@@ -230,8 +230,8 @@ void BM_gpt_step_dp(benchmark::State& state) {
   for (std::size_t i = 0; i < dp_s.size(); ++i) wait_share[i] = wait_ms[i] / 1e3 / dp_s[i];
   state.counters["step_communication_wait_share"] = median(wait_share);
 }
-BENCHMARK(BM_gpt_step_dp)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(8.0);
-BENCHMARK(BM_gpt_step_dp)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(3);
+BENCHMARK(BM_gpt_step_dp)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(bench::min_time(8.0));
+BENCHMARK(BM_gpt_step_dp)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(bench::iterations(3));
 
 void BM_gpt_metrics_update(benchmark::State& state) {
   Shape const& shape = shapes[state.range(0)];
@@ -290,7 +290,7 @@ void BM_gpt_metrics_update(benchmark::State& state) {
   state.counters["exposition_us"] = median(exposition_s) * 1e6;
   state.counters["textfile_write_us"] = median(write_s) * 1e6;
 }
-BENCHMARK(BM_gpt_metrics_update)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(20);
+BENCHMARK(BM_gpt_metrics_update)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(bench::iterations(20));
 
 // One layout's executor for a GPT on a group (plan::Layout's degrees over all of its devices),
 // stepped on the batches of `one` (which trains itself when the layout is one device's).
@@ -432,7 +432,7 @@ void BM_gpt_plan(benchmark::State& state) {
   state.counters["budget_bytes_device"] = static_cast<double>(budget);
   state.counters["largest_measured_peak_over_budget"] = measured_peak / static_cast<double>(budget);
 }
-BENCHMARK(BM_gpt_plan)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(1);
+BENCHMARK(BM_gpt_plan)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(bench::iterations(1));
 
 }  // namespace
 

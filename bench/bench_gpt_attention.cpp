@@ -152,13 +152,13 @@ void BM_attention(benchmark::State& state) {
   state.counters["naive_tt_extra_bytes"] = static_cast<double>(2 * naive.p.size() * sizeof(float));
   state.counters["max_abs_diff_y"] = max_diff;
 }
-BENCHMARK(BM_attention)->Args({0, 0, 0})->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
-BENCHMARK(BM_attention)->Args({1, 0, 0})->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
+BENCHMARK(BM_attention)->Args({0, 0, 0})->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(bench::min_time(3.0));
+BENCHMARK(BM_attention)->Args({1, 0, 0})->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(bench::min_time(3.0));
 // The tiles the choice was measured among (queries x keys).
 BENCHMARK(BM_attention)
     ->ArgsProduct({{0, 1}, {16, 32, 64, 128}, {32, 64, 128, 256}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime()
-    ->MinTime(1.0);
+    ->MinTime(bench::min_time(1.0));
 
 }  // namespace

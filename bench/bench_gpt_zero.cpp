@@ -92,6 +92,6 @@ void BM_gpt_zero(benchmark::State& state) {
   state.counters["zero3_tokens_per_s_over_zero3_buckets"] = tokens_per_s[3] / tokens_per_s[2];
   state.SetLabel("n_layer 8, n_embd 256, block 32, batch 4 on host:4");
 }
-BENCHMARK(BM_gpt_zero)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(15);
+BENCHMARK(BM_gpt_zero)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(bench::iterations(15));
 
 }  // namespace
