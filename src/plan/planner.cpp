@@ -95,6 +95,9 @@ std::vector<double> layer_seconds(nn::Sequential const& model, GptCosts const& c
     } else {
       seconds.push_back(0.0);  // dropout, the final LayerNorm: within the embedding's and the head's lines
     }
+    // Lines fitted to timings of a loaded machine (and recomputation's difference to none) can dip
+    // below zero at a small batch: no layer costs less than nothing.
+    seconds.back() = std::max(0.0, seconds.back());
   }
   return seconds;
 }
