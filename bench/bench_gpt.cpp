@@ -52,7 +52,7 @@
 //     tokens_per_s, step_ms, peak_bytes_device  as in BM_gpt_step.
 //   BM_gpt_plan: the planner (plan::plan_gpt) on the nano shape over host:2: the costs measured
 //   (plan::measure_gpt_costs), a budget per device that the largest quarter of the layouts'
-//   predicted peaks exceed, then every layout that fits built and stepped (rounds of 3 steps of
+//   predicted peaks exceed, then every layout that fits run through train::Trainer (as --plan auto runs it) and stepped (rounds of 3 steps of
 //   each in turn, 3 rounds, after 2 untimed steps):
 //     layouts_considered, layouts_fit       what the planner weighed, and kept;
 //     spearman_predicted_vs_measured_step_time  Spearman's rank correlation between the predicted
@@ -292,63 +292,24 @@ void BM_gpt_metrics_update(benchmark::State& state) {
 }
 BENCHMARK(BM_gpt_metrics_update)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(bench::iterations(20));
 
-// One layout's executor for a GPT on a group (plan::Layout's degrees over all of its devices),
-// stepped on the batches of `one` (which trains itself when the layout is one device's).
+// One planned layout run as train_gpt --plan auto runs it (train::Trainer over its own host:2,
+// ParallelConfig::from_plan, clipping 1.0), stepped on the batches of `one`.
 struct LayoutRun {
   GptTrainer& one;
-  std::unique_ptr<mgpu::parallel::DataParallel> dp;
-  std::unique_ptr<mgpu::parallel::TensorParallel> tp;
-  std::unique_ptr<mgpu::pipeline::Executor> pp;
+  mgpu::train::Trainer trainer;
   std::int64_t next = 0;
 
-  LayoutRun(GptTrainer& trainer, mgpu::DeviceGroup& group, mgpu::plan::Layout const& layout) : one(trainer) {
-    mgpu::nn::GptConfig config = one.shape.config;
-    config.recompute = layout.recompute;
-    if (layout.stages > 1) {
-      pp = std::make_unique<mgpu::pipeline::Executor>(
-          mgpu::nn::gpt(config), group, layout.cuts, mgpu::pipeline::one_f_one_b(layout.stages, layout.micro_batches),
-          [](mgpu::nn::Sequential const& chunk) {
-            mgpu::optim::AdamWOptions options = adamw_options;
-            options.decay_ranges = chunk.matrix_ranges();
-            return std::make_unique<mgpu::optim::AdamW>(options);
-          },
-          mgpu::pipeline::ExecutorOptions{
-              .seed = 1,
-              .data_parallel = layout.data_parallel,
-              .clip_norm = 1.0f,
-              .loss = std::make_shared<mgpu::nn::TokenCrossEntropy>(),
-              .tensor_parallel = layout.tensor_parallel > 1 ? mgpu::pipeline::tensor_parallel_stages(config, layout.tensor_parallel,
-                                                                                                   layout.sequence_parallel)
-                                                            : mgpu::pipeline::TensorParallelStages{}});
-    } else if (layout.tensor_parallel > 1) {
-      tp = std::make_unique<mgpu::parallel::TensorParallel>(
-          group, config,
-          mgpu::parallel::TensorParallelOptions{.adamw = adamw_options,
-                                                .clip_norm = 1.0f,
-                                                .data_parallel = layout.data_parallel,
-                                                .sequence_parallel = layout.sequence_parallel});
-    } else if (group.size() > 1) {
-      mgpu::parallel::DataParallelOptions options;
-      options.seed = 1;
-      options.clip_norm = 1.0f;
-      options.zero_stage = layout.zero_stage;
-      options.loss = std::make_shared<mgpu::nn::TokenCrossEntropy>();
-      dp = std::make_unique<mgpu::parallel::DataParallel>(mgpu::nn::gpt(config), group, one.adamw, std::move(options));
-    }
+  LayoutRun(GptTrainer& batches, mgpu::plan::Layout const& layout)
+      : one(batches), trainer(one.shape.config, mgpu::DeviceGroup("host:2"), config(layout),
+                              {.seed = 1, .adamw = adamw_options, .batch_size = one.shape.batch}) {}
+  static mgpu::train::ParallelConfig config(mgpu::plan::Layout const& layout) {
+    mgpu::train::ParallelConfig c = mgpu::train::ParallelConfig::from_plan(layout);
+    c.clip_norm = 1.0f;
+    return c;
   }
   void step() {
     std::int64_t const b = next++ % GptTrainer::pool, rows = one.shape.batch;
-    mgpu::Tensor const x = one.inputs.slice(b * rows, (b + 1) * rows);
-    mgpu::Tensor const y = one.targets.slice(b * rows, (b + 1) * rows);
-    if (dp) {
-      (void)dp->step(x, y);
-    } else if (tp) {
-      (void)tp->step(x, y);
-    } else if (pp) {
-      (void)pp->step(x, y);
-    } else {
-      one.step();
-    }
+    (void)trainer.step(one.inputs.slice(b * rows, (b + 1) * rows), one.targets.slice(b * rows, (b + 1) * rows));
   }
 };
 
@@ -380,8 +341,6 @@ void BM_gpt_plan(benchmark::State& state) {
   Shape const& shape = shapes[0];
   GptTrainer one(shape);
   mgpu::DeviceGroup group("host:2");
-  std::vector<mgpu::Allocator*> allocators;
-  for (int r = 0; r < group.size(); ++r) allocators.push_back(&group.allocator(r));
   mgpu::plan::GptCosts const costs = mgpu::plan::measure_gpt_costs(shape.config, group, {1, shape.batch / 2, shape.batch});
   // A budget that the largest quarter of the layouts exceed.
   mgpu::plan::Plan const all = mgpu::plan::plan_gpt(shape.config, shape.batch, group.size(), costs, {});
@@ -393,21 +352,16 @@ void BM_gpt_plan(benchmark::State& state) {
   std::vector<double> predicted, measured;
   double measured_peak = 0;
   for (auto _ : state) {
-    // Every layout's executor, each stepped twice (caches, optimizer state) and its peak read (above
-    // what the executors made before it hold); then rounds of a few steps of each in turn, so that a
-    // change in the machine's load falls on all.
+    // Every layout's trainer (devices of its own), each stepped twice (caches, optimizer state) and
+    // its devices' peaks read; then rounds of a few steps of each in turn, so that a change in the
+    // machine's load falls on all.
     std::vector<std::unique_ptr<LayoutRun>> runs;
     for (mgpu::plan::Candidate const& c : plan.candidates) {
-      std::vector<double> held;
-      for (mgpu::Allocator* a : allocators) {
-        a->reset_peak();
-        held.push_back(static_cast<double>(a->stats().allocated));
-      }
-      runs.push_back(std::make_unique<LayoutRun>(one, group, c.layout));
+      runs.push_back(std::make_unique<LayoutRun>(one, c.layout));
       runs.back()->step();
       runs.back()->step();
-      for (std::size_t d = 0; d < allocators.size(); ++d)
-        measured_peak = std::max(measured_peak, static_cast<double>(allocators[d]->stats().peak_allocated) - held[d]);
+      for (mgpu::Allocator* a : runs.back()->trainer.allocators())
+        measured_peak = std::max(measured_peak, static_cast<double>(a->stats().peak_allocated));
       predicted.push_back(c.step_seconds);
     }
     std::vector<std::vector<double>> step_s(runs.size());
