@@ -52,8 +52,8 @@
 //     tokens_per_s, step_ms, peak_bytes_device  as in BM_gpt_step.
 //   BM_gpt_plan: the planner (plan::plan_gpt) on the nano shape over host:2: the costs measured
 //   (plan::measure_gpt_costs), a budget per device that the largest quarter of the layouts'
-//   predicted peaks exceed, then every layout that fits run through train::Trainer (as --plan auto runs it) and stepped (rounds of 3 steps of
-//   each in turn, 3 rounds, after 2 untimed steps):
+//   predicted peaks exceed, then every layout that fits run through train::Trainer (as --plan
+//   auto runs it) and stepped (rounds of 3 steps of each in turn, 3 rounds, after 2 untimed steps):
 //     layouts_considered, layouts_fit       what the planner weighed, and kept;
 //     spearman_predicted_vs_measured_step_time  Spearman's rank correlation between the predicted
 //                         and the measured (median) step times of the layouts that fit;
