@@ -63,7 +63,7 @@ std::int64_t now_ns() {
 }
 }  // namespace
 
-void check_zero_stage(DataParallelOptions const& options, std::string const& who, int max_stage) {
+void check_zero_stage(DataParallelOptions const& options, std::string const& who, int max_stage, bool whole_gradients) {
   static char const* const stages[] = {"0, replicated update", "1, sharded update and optimizer state", "2, sharded gradients too",
                                        "3, sharded parameters too"};
   if (options.zero_stage < 0 || options.zero_stage > max_stage) {
@@ -79,7 +79,7 @@ void check_zero_stage(DataParallelOptions const& options, std::string const& who
     if (options.comm_hook)
       throw Error(Errc::invalid_argument, stage + " with the comm hook " + options.comm_hook->name() +
                                               " (expected none: a hook reduces whole buckets, which sharded gradients do not keep)");
-    if (!options.overlap)
+    if (!options.overlap && !(whole_gradients && options.zero_stage == 2))
       throw Error(Errc::invalid_argument,
                   stage + " without overlap (expected overlap on: each bucket is reduced as soon as "
                           "backward has written it, so the next buckets can reuse its staging buffer)");
@@ -160,8 +160,17 @@ void RankSync::ready(nn::ParameterRange const& range, Stream& compute) {
 }
 
 void RankSync::finish(Stream& compute) {
+  if (sync_.whole_gradients_)  // the owned gradients' memory, for the reduces to fill
+    mgpu::detail::BufferInternals::acquire_memory(owned_grads_, static_cast<std::size_t>(owned_grads_.numel()) * sizeof(float),
+                                                  allocator(), comm_stream_);
   if (!sync_.overlap_) {
     for (std::size_t b = 0; b < sync_.buckets_.size(); ++b) launch(b, compute);
+  }
+  if (sync_.whole_gradients_) {  // the reduces read it (through views that do not hold it) before it goes
+    Tensor const& whole = model_.master_gradients();
+    mgpu::detail::BufferInternals::record_use(compute, whole);
+    mgpu::detail::BufferInternals::record_use(comm_stream_, whole);
+    mgpu::detail::BufferInternals::release_memory(whole);
   }
   update_ = nullptr;  // the step's update is valid during the step only
   backward_end_.record(compute);
@@ -190,7 +199,7 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
   // A staging buffer with sharded gradients. With sharded parameters a unit's staging memory goes
   // back as soon as its reduce is enqueued: the work gets a view that does not hold it (a
   // communicator's work may read a tensor's memory when it runs), its use recorded below.
-  bool const transient = sync_.shard_parameters_ && bucket + 1 < sync_.buckets_.size();
+  bool const transient = (sync_.shard_parameters_ && bucket + 1 < sync_.buckets_.size()) || sync_.whole_gradients_;
   Tensor const staged = model_.master_gradients(begin, end);
   Tensor const grads = transient ? mgpu::detail::BufferInternals::unowned(staged) : staged;
   std::shared_ptr<trace::Timeline> const& timeline = sync_.timeline_;
@@ -250,7 +259,7 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
         copy_async(to, from, comm_stream_);
       }
     }
-    if (bucket + 1 < sync_.buckets_.size()) {
+    if (bucket + 1 < sync_.buckets_.size() && !sync_.whole_gradients_) {
       if (transient) {  // the unit's staging memory goes back once the reduce has read it
         mgpu::detail::BufferInternals::record_use(comm_stream_, staged);
         mgpu::detail::BufferInternals::release_memory(staged);
@@ -423,10 +432,20 @@ std::vector<nn::OwnedRange> RankSync::owned() const {
   return out;
 }
 
+void RankSync::acquire_gradients(Stream& compute) {
+  if (!sync_.whole_gradients_) return;
+  // The owned gradients go once the last update has read them (finish() brings them back).
+  mgpu::detail::BufferInternals::record_use(compute, owned_grads_);
+  mgpu::detail::BufferInternals::record_use(comm_stream_, owned_grads_);
+  mgpu::detail::BufferInternals::release_memory(owned_grads_);
+  Tensor const& whole = model_.master_gradients();
+  mgpu::detail::BufferInternals::acquire_memory(whole, static_cast<std::size_t>(whole.numel()) * sizeof(float), allocator(), compute);
+}
+
 void RankSync::shard_gradients(Allocator& allocator, Stream& stream) {
   std::vector<Bucket> const& buckets = sync_.buckets_;
   Bucket const& last = buckets.back();
-  for (nn::ParameterRange const& r : model_.parameter_ranges()) {
+  for (nn::ParameterRange const& r : sync_.whole_gradients_ ? std::vector<nn::ParameterRange>{} : model_.parameter_ranges()) {
     auto const* embedding = dynamic_cast<nn::Embedding const*>(&model_.layer(r.layer));
     if (embedding != nullptr && embedding->tied() && r.begin < last.begin)
       throw Error(Errc::invalid_argument,
@@ -459,6 +478,7 @@ void RankSync::shard_gradients(Allocator& allocator, Stream& stream) {
     if (b + 1 < buckets.size()) staging = std::max(staging, bucket.size());
   }
   owned_grads_ = ops::zeros({total}, allocator, stream);
+  if (sync_.whole_gradients_) return;  // the layers write the model's whole buffer
   staging_last_ = Tensor::empty({last.size()}, DType::float32, allocator);
   model_.bind_gradients(last.begin, last.end, staging_last_);
   if (sync_.shard_parameters_) {  // a staging buffer per unit, whose memory comes and goes (enter_backward(), launch())
@@ -542,6 +562,7 @@ GradientSync::GradientSync(DeviceGroup& group, std::shared_ptr<comm::detail::Ren
   stage_ = options.zero_stage;
   shard_gradients_ = options.zero_stage >= 2 && n > 1;
   shard_parameters_ = options.zero_stage >= 3 && n > 1;
+  whole_gradients_ = shard_gradients_ && !shard_parameters_ && !overlap_;
   if (hook_) {
     std::vector<std::int64_t> sizes;
     for (Bucket const& b : buckets_) sizes.push_back(b.size());

@@ -12,6 +12,12 @@
 // the layers read, bucket by bucket just before forward and backward reach them; a bucket's
 // parameters and gradients have memory only from their gather (or backward's start) to their last
 // use (or reduce). Its buckets are then ZeRO-3's units, one per part of the model (plan_units).
+// Sharded gradients without overlap (a pipeline's replicas, whose micro-batches' backward passes
+// accumulate into a chunk before finish() reduces it) keep the model's whole gradient buffer for
+// the backward passes instead of staging buffers: finish() reduce-scatters every bucket into the
+// owned gradients and lets the whole buffer's memory go until acquire_gradients(), which lets the
+// owned gradients' go in turn: a rank holds the whole gradients during backward, as ZeRO-1 does,
+// and the owned ones only from the reduce to the next step.
 #pragma once
 
 #include <array>
@@ -55,7 +61,10 @@ std::vector<Bucket> plan_buckets(nn::Sequential const& model, DataParallelOption
 
 /// Throws Error(invalid_argument), prefixed by `who`, for a zero_stage outside 0 to `max_stage` or
 /// one that the options cannot take: stages 2 and 3 need float32 compute, overlap and no comm hook.
-void check_zero_stage(DataParallelOptions const& options, std::string const& who, int max_stage = 3);
+/// `whole_gradients`: the caller reduces after accumulating backward passes (no overlap), which
+/// stage 2 takes (see the top of this file).
+void check_zero_stage(DataParallelOptions const& options, std::string const& who, int max_stage = 3,
+                      bool whole_gradients = false);
 
 class GradientSync;
 
@@ -78,6 +87,11 @@ class RankSync final : public nn::GradientSync {
   void gather_updated(Stream& compute) override;
   /// With sharded gradients (zero_stage 2): the reduced gradients of owned(), packed by start.
   [[nodiscard]] Tensor owned_gradients() const override { return owned_grads_; }
+  /// With sharded gradients without overlap, before the step's backward passes: the memory of the
+  /// model's whole gradient buffer back on `compute` (its contents undefined until
+  /// zero_gradients()), which finish() let go after the reduces, and the owned gradients' memory
+  /// let go once the work enqueued so far on `compute` (the last update) has run. Nothing otherwise.
+  void acquire_gradients(Stream& compute);
   /// With sharded parameters (zero_stage 3, while not whole): the parameters of owned(), packed
   /// as owned_gradients().
   [[nodiscard]] Tensor owned_parameters() const override { return owned_params_; }
@@ -252,6 +266,7 @@ class GradientSync {
   std::vector<std::int64_t> blocks_;
   bool shard_gradients_ = false;   // zero_stage 2 or 3 over more than one rank
   bool shard_parameters_ = false;  // zero_stage 3 over more than one rank
+  bool whole_gradients_ = false;   // sharded gradients without overlap: the model's whole buffer
   int stage_ = 0;                  // the zero_stage asked for
   bool overlap_;
   bool deterministic_;

@@ -1,9 +1,11 @@
-// ZeRO-1 over a pipeline's data-parallel replicas (pipeline::ExecutorOptions::zero_stage) on host
-// devices: DP 2 x PP 2 (1F1B and interleaved) and DP 2 x TP 2 x PP 2 with a tied GPT give the
-// one-device loss curve and weights over AdamW steps with clipping, as ZeRO-0 does, each device
-// keeping the optimizer state of about half its chunks' elements; bf16 with ZeRO-1 follows bf16
-// with ZeRO-0; a checkpoint saved with ZeRO-1 resumes bit for bit and loads into a pipeline
-// without replicas; stages 2 and 3 are refused.
+// ZeRO-1 and ZeRO-2 over a pipeline's data-parallel replicas (pipeline::ExecutorOptions::zero_stage)
+// on host devices: DP 2 x PP 2 (ZeRO-1: 1F1B and interleaved; ZeRO-2: GPipe, 1F1B, interleaved and
+// zero bubble) and DP 2 x TP 2 x PP 2 with a tied GPT give the one-device loss curve and weights
+// over AdamW steps with clipping, as ZeRO-0 and ZeRO-1 do, each device keeping the optimizer state
+// of about half its chunks' elements (ZeRO-2: and between steps half their gradients); ZeRO-2's
+// peak is ZeRO-1's at most, and ZeRO-1's below ZeRO-0's; bf16 with ZeRO-1 follows bf16 with
+// ZeRO-0; a checkpoint saved with ZeRO-1 resumes bit for bit and loads into a pipeline without
+// replicas; stage 3, and stage 2 in 16 bits, are refused.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -212,9 +214,97 @@ TEST_CASE("a pipeline with ZeRO-1 resumes from its checkpoint bit for bit and lo
   std::filesystem::remove(path);
 }
 
-TEST_CASE("a pipeline refuses ZeRO stages 2 and 3", "[pipeline][zero]") {
+TEST_CASE("ZeRO-2 over a data x pipeline grid trains as one device and as ZeRO-1 with every schedule, each replica keeping half "
+          "the gradients and state",
+          "[pipeline][zero]") {
+  Env env;
+  std::vector<Batch> const batches = make_batches(env);
+  mgpu::test::GptCurve const one = mgpu::test::gpt_one_device_curve(env, config, seed, adamw, clip, batches);
+  std::vector<double> const one_weights(one.weights.begin(), one.weights.end());
+  std::vector<Grid> const grids{{"DP 2 x PP 2, gpipe", pp::gpipe(2, 2), {0, 3, 6}},
+                                {"DP 2 x PP 2, 1f1b", pp::one_f_one_b(2, 2), {0, 3, 6}},
+                                {"DP 2 x PP 2, interleaved 2 x 2 chunks", pp::interleaved_one_f_one_b(2, 2, 2), {0, 2, 3, 4, 6}},
+                                {"DP 2 x PP 2, zero bubble", pp::zero_bubble_h1(2, 2), {0, 3, 6}},
+                                {"DP 2 x TP 2 x PP 2, 1f1b", pp::one_f_one_b(2, 2), {0, 4, 6}, 2}};
+  for (Grid const& grid : grids) {
+    CAPTURE(grid.name);
+    std::vector<Run> runs;
+    std::vector<std::vector<std::size_t>> held;  // per stage: each device's bytes between steps
+    std::vector<double> gradient_bytes;           // each device's chunks' float32 gradients
+    for (int zero : {1, 2}) {
+      CAPTURE(zero);
+      mgpu::DeviceGroup group("host:" + std::to_string(4 * grid.tp));
+      auto made = std::make_shared<std::vector<mgpu::optim::Optimizer*>>();
+      pp::ExecutorOptions options = options_for(zero);
+      if (grid.tp > 1) options.tensor_parallel = pp::tensor_parallel_stages(config, grid.tp);
+      pp::Executor ex(nn::gpt(config), group, grid.cuts, grid.schedule, chunk_adamw(made), options);
+      runs.push_back(train(env, ex, batches));
+      double const worst = worst_relative(runs.back().losses, one.losses);
+      double const weights = worst_difference(runs.back().weights, one_weights);
+      WARN(grid.name << ", zero " << zero << ": worst relative loss difference " << worst << ", weights " << weights);
+      CHECK(worst <= curve_tolerance);
+      CHECK(weights < 5e-5);
+      int const pipelines = 2 * grid.tp;
+      for (int replica = grid.tp; replica < pipelines; ++replica)  // equal to replica 0's after the update's gather
+        for (int c = 0; c < ex.schedule().chunks(); ++c)
+          CHECK(as_double(ex.chunk(c, replica).master_parameters()) == as_double(ex.chunk(c, replica % grid.tp).master_parameters()));
+      auto const chunks = static_cast<std::size_t>(ex.schedule().chunks());
+      REQUIRE(made->size() == static_cast<std::size_t>(pipelines) * chunks);
+      for (std::size_t i = 0; i < made->size(); ++i) {  // AdamW's state of about half of each chunk
+        std::int64_t const n = ex.chunk(static_cast<int>(i % chunks), static_cast<int>(i / chunks)).parameter_count();
+        CHECK(state_values(*(*made)[i]) >= n);
+        CHECK(state_values(*(*made)[i]) <= n + 32);
+      }
+      held.emplace_back();
+      for (int r = 0; r < group.size(); ++r) held.back().push_back(group.allocator(r).stats().allocated);
+      gradient_bytes.assign(static_cast<std::size_t>(group.size()), 0.0);  // pipeline p's chunk c: on rank 2p + its device
+      for (int p = 0; p < pipelines; ++p)
+        for (int c = 0; c < ex.schedule().chunks(); ++c)
+          gradient_bytes[static_cast<std::size_t>(2 * p + ex.schedule().device_of(c))] +=
+              4.0 * static_cast<double>(ex.chunk(c, p).parameter_count());
+    }
+    // Between steps ZeRO-2 holds the owned half of each chunk's gradients where ZeRO-1 holds them
+    // all: it saves about half the float32 gradients of the device's chunks.
+    for (std::size_t r = 0; r < gradient_bytes.size(); ++r) {
+      CAPTURE(r, held[0][r], held[1][r], gradient_bytes[r]);
+      double const saved = static_cast<double>(held[0][r]) - static_cast<double>(held[1][r]);
+      CHECK(saved >= 0.45 * gradient_bytes[r]);
+      CHECK(saved <= 0.55 * gradient_bytes[r]);
+    }
+    CHECK(worst_relative(runs[1].losses, runs[0].losses) <= curve_tolerance);
+    CHECK(worst_difference(runs[1].weights, runs[0].weights) < 5e-5);
+  }
+}
+
+TEST_CASE("a pipeline's ZeRO-2 peaks no higher than its ZeRO-1, which peaks no higher than ZeRO-0", "[pipeline][zero]") {
+  Env env;
+  std::vector<Batch> const batches = make_batches(env);
+  std::vector<std::vector<std::size_t>> peaks;  // per stage, per device: the peak of steps 2 and 3
+  for (int zero : {0, 1, 2}) {
+    mgpu::DeviceGroup group("host:4");
+    pp::Executor ex(nn::gpt(config), group, {0, 3, 6}, pp::one_f_one_b(2, 2), chunk_adamw(), options_for(zero));
+    ex.step(batches[0].ids, batches[0].targets);  // AdamW makes its state in the first update
+    for (int r = 0; r < 4; ++r) group.allocator(r).reset_peak();
+    for (std::size_t s = 1; s < 3; ++s) ex.step(batches[s].ids, batches[s].targets);
+    peaks.emplace_back();
+    for (int r = 0; r < 4; ++r) peaks.back().push_back(group.allocator(r).stats().peak_allocated);
+  }
+  for (std::size_t r = 0; r < 4; ++r) {
+    CAPTURE(r, peaks[0][r], peaks[1][r], peaks[2][r]);
+    WARN("device " << r << ": peak bytes " << peaks[0][r] << " (ZeRO-0), " << peaks[1][r] << " (ZeRO-1), " << peaks[2][r] << " (ZeRO-2)");
+    CHECK(peaks[1][r] < peaks[0][r]);  // half of AdamW's state
+    CHECK(peaks[2][r] <= peaks[1][r]);
+  }
+}
+
+TEST_CASE("a pipeline refuses ZeRO-3, and ZeRO-2 in 16 bits", "[pipeline][zero]") {
   mgpu::DeviceGroup group("host:4");
-  for (int zero : {2, 3, -1})
+  for (int zero : {3, -1})
     REQUIRE_MGPU_ERROR(pp::Executor(nn::gpt(config), group, {0, 3, 6}, pp::one_f_one_b(2, 2), chunk_adamw(), options_for(zero)),
-                       mgpu::Errc::invalid_argument, "pipeline: zero_stage " + std::to_string(zero) + " (expected 0, replicated update, or 1");
+                       mgpu::Errc::invalid_argument,
+                       "pipeline: zero_stage " + std::to_string(zero) + " (expected 0, replicated update, 1, sharded update and "
+                       "optimizer state, or 2, sharded gradients too)");
+  REQUIRE_MGPU_ERROR(pp::Executor(nn::gpt(config), group, {0, 3, 6}, pp::one_f_one_b(2, 2), chunk_adamw(),
+                                  options_for(2, 2, DType::bfloat16)),
+                     mgpu::Errc::invalid_argument, "pipeline: zero_stage 2 with bfloat16 compute (expected float32");
 }
