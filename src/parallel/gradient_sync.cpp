@@ -160,18 +160,10 @@ void RankSync::ready(nn::ParameterRange const& range, Stream& compute) {
 }
 
 void RankSync::finish(Stream& compute) {
-  if (sync_.whole_gradients_)  // the owned gradients' memory, for the reduces to fill
-    mgpu::detail::BufferInternals::acquire_memory(owned_grads_, static_cast<std::size_t>(owned_grads_.numel()) * sizeof(float),
-                                                  allocator(), comm_stream_);
   if (!sync_.overlap_) {
     for (std::size_t b = 0; b < sync_.buckets_.size(); ++b) launch(b, compute);
   }
-  if (sync_.whole_gradients_) {  // the reduces read it (through views that do not hold it) before it goes
-    Tensor const& whole = model_.master_gradients();
-    mgpu::detail::BufferInternals::record_use(compute, whole);
-    mgpu::detail::BufferInternals::record_use(comm_stream_, whole);
-    mgpu::detail::BufferInternals::release_memory(whole);
-  }
+  if (sync_.whole_gradients_) pack_owned_in_place();
   update_ = nullptr;  // the step's update is valid during the step only
   backward_end_.record(compute);
   bool const host = compute.device().kind == DeviceKind::host;
@@ -199,7 +191,7 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
   // A staging buffer with sharded gradients. With sharded parameters a unit's staging memory goes
   // back as soon as its reduce is enqueued: the work gets a view that does not hold it (a
   // communicator's work may read a tensor's memory when it runs), its use recorded below.
-  bool const transient = (sync_.shard_parameters_ && bucket + 1 < sync_.buckets_.size()) || sync_.whole_gradients_;
+  bool const transient = sync_.shard_parameters_ && bucket + 1 < sync_.buckets_.size();
   Tensor const staged = model_.master_gradients(begin, end);
   Tensor const grads = transient ? mgpu::detail::BufferInternals::unowned(staged) : staged;
   std::shared_ptr<trace::Timeline> const& timeline = sync_.timeline_;
@@ -249,7 +241,7 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
     });
     mark_reduced();
   }
-  if (sync_.shard_gradients_) {  // the owned pieces leave the staging buffer, which the bucket after next reuses
+  if (sync_.shard_gradients_ && !sync_.whole_gradients_) {  // the owned pieces leave the staging buffer, which the bucket after next reuses
     for (Piece const& p : pieces_[bucket]) {
       Tensor const from = grads.slice(p.begin - begin, p.end - begin);
       Tensor const to = owned_grads_.slice(p.at, p.at + (p.end - p.begin));
@@ -259,7 +251,7 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
         copy_async(to, from, comm_stream_);
       }
     }
-    if (bucket + 1 < sync_.buckets_.size() && !sync_.whole_gradients_) {
+    if (bucket + 1 < sync_.buckets_.size()) {
       if (transient) {  // the unit's staging memory goes back once the reduce has read it
         mgpu::detail::BufferInternals::record_use(comm_stream_, staged);
         mgpu::detail::BufferInternals::release_memory(staged);
@@ -432,14 +424,24 @@ std::vector<nn::OwnedRange> RankSync::owned() const {
   return out;
 }
 
-void RankSync::acquire_gradients(Stream& compute) {
-  if (!sync_.whole_gradients_) return;
-  // The owned gradients go once the last update has read them (finish() brings them back).
-  mgpu::detail::BufferInternals::record_use(compute, owned_grads_);
-  mgpu::detail::BufferInternals::record_use(comm_stream_, owned_grads_);
-  mgpu::detail::BufferInternals::release_memory(owned_grads_);
+void RankSync::pack_owned_in_place() {
+  // Every bucket is reduced in place: the owned pieces move, by increasing start, to their packed
+  // places at the front of the whole buffer. A piece's place starts at or before the piece (the
+  // pieces before it in the packing are no longer), so a move never overwrites a piece still to
+  // move; one that overlaps its own place moves in steps of the distance, which do not overlap.
+  std::vector<Piece> pieces;
+  for (std::vector<Piece> const& bucket : pieces_) pieces.insert(pieces.end(), bucket.begin(), bucket.end());
+  std::sort(pieces.begin(), pieces.end(), [](Piece const& a, Piece const& b) { return a.begin < b.begin; });
   Tensor const& whole = model_.master_gradients();
-  mgpu::detail::BufferInternals::acquire_memory(whole, static_cast<std::size_t>(whole.numel()) * sizeof(float), allocator(), compute);
+  for (Piece const& p : pieces) {
+    std::int64_t const step = p.begin - p.at;
+    if (step <= 0) continue;  // already in place
+    for (std::int64_t from = p.begin; from < p.end; from += step) {
+      std::int64_t const to = from - step;
+      std::int64_t const count = std::min(step, p.end - from);
+      copy_async(whole.slice(to, to + count), whole.slice(from, from + count), comm_stream_);
+    }
+  }
 }
 
 void RankSync::shard_gradients(Allocator& allocator, Stream& stream) {
@@ -477,8 +479,11 @@ void RankSync::shard_gradients(Allocator& allocator, Stream& stream) {
     for (Piece& p : pieces_[b]) p.at = packed_at(p.begin);
     if (b + 1 < buckets.size()) staging = std::max(staging, bucket.size());
   }
+  if (sync_.whole_gradients_) {  // the layers write the model's whole buffer, whose front finish() packs them in
+    owned_grads_ = model_.master_gradients().slice(0, total);
+    return;
+  }
   owned_grads_ = ops::zeros({total}, allocator, stream);
-  if (sync_.whole_gradients_) return;  // the layers write the model's whole buffer
   staging_last_ = Tensor::empty({last.size()}, DType::float32, allocator);
   model_.bind_gradients(last.begin, last.end, staging_last_);
   if (sync_.shard_parameters_) {  // a staging buffer per unit, whose memory comes and goes (enter_backward(), launch())

@@ -14,10 +14,9 @@
 // use (or reduce). Its buckets are then ZeRO-3's units, one per part of the model (plan_units).
 // Sharded gradients without overlap (a pipeline's replicas, whose micro-batches' backward passes
 // accumulate into a chunk before finish() reduces it) keep the model's whole gradient buffer for
-// the backward passes instead of staging buffers: finish() reduce-scatters every bucket into the
-// owned gradients and lets the whole buffer's memory go until acquire_gradients(), which lets the
-// owned gradients' go in turn: a rank holds the whole gradients during backward, as ZeRO-1 does,
-// and the owned ones only from the reduce to the next step.
+// the backward passes instead of staging buffers: finish() reduce-scatters every bucket in place
+// and packs the owned pieces at the buffer's front, which owned_gradients() views. A rank never
+// holds more gradients than ZeRO-1 does (the whole buffer, for the step and between steps).
 #pragma once
 
 #include <array>
@@ -87,11 +86,6 @@ class RankSync final : public nn::GradientSync {
   void gather_updated(Stream& compute) override;
   /// With sharded gradients (zero_stage 2): the reduced gradients of owned(), packed by start.
   [[nodiscard]] Tensor owned_gradients() const override { return owned_grads_; }
-  /// With sharded gradients without overlap, before the step's backward passes: the memory of the
-  /// model's whole gradient buffer back on `compute` (its contents undefined until
-  /// zero_gradients()), which finish() let go after the reduces, and the owned gradients' memory
-  /// let go once the work enqueued so far on `compute` (the last update) has run. Nothing otherwise.
-  void acquire_gradients(Stream& compute);
   /// With sharded parameters (zero_stage 3, while not whole): the parameters of owned(), packed
   /// as owned_gradients().
   [[nodiscard]] Tensor owned_parameters() const override { return owned_params_; }
@@ -126,6 +120,9 @@ class RankSync final : public nn::GradientSync {
  private:
   friend class detail::GradientSync;
   void launch(std::size_t bucket, Stream& compute);
+  // Sharded gradients without overlap, after every launch(): the owned pieces to owned_grads_, the
+  // whole buffer's front (see the top of this file), on the communication stream.
+  void pack_owned_in_place();
   // The sharded update's all-gather of every rank's updated block of `bucket` on `stream`, with
   // the compute-type copies refreshed (an "all-gather bucket" span on the timeline).
   void gather_bucket(std::size_t bucket, Stream& stream);

@@ -44,8 +44,6 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
   DeviceState& st = devices[static_cast<std::size_t>(rank)];
   auto const slot = [mbs](int chunk, int mb) { return static_cast<std::size_t>(chunk * mbs + mb); };
   for (int c = device; c < s.chunks(); c += s.devices) {
-    // ZeRO-2: the whole gradients' memory, which the last step's reduces let go, for this step's.
-    if (parallel::detail::RankSync* const sync = replica_sync(rank, c)) sync->acquire_gradients(stream);
     chunk_of(rank, c).zero_gradients(stream);
     st.rng_start[static_cast<std::size_t>(c)] = chunk_of(rank, c).rng_state();
   }
