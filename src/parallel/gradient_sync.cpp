@@ -63,7 +63,7 @@ std::int64_t now_ns() {
 }
 }  // namespace
 
-void check_zero_stage(DataParallelOptions const& options, std::string const& who, int max_stage) {
+void check_zero_stage(DataParallelOptions const& options, std::string const& who, int max_stage, bool whole_gradients) {
   static char const* const stages[] = {"0, replicated update", "1, sharded update and optimizer state", "2, sharded gradients too",
                                        "3, sharded parameters too"};
   if (options.zero_stage < 0 || options.zero_stage > max_stage) {
@@ -79,7 +79,7 @@ void check_zero_stage(DataParallelOptions const& options, std::string const& who
     if (options.comm_hook)
       throw Error(Errc::invalid_argument, stage + " with the comm hook " + options.comm_hook->name() +
                                               " (expected none: a hook reduces whole buckets, which sharded gradients do not keep)");
-    if (!options.overlap)
+    if (!options.overlap && !(whole_gradients && options.zero_stage == 2))
       throw Error(Errc::invalid_argument,
                   stage + " without overlap (expected overlap on: each bucket is reduced as soon as "
                           "backward has written it, so the next buckets can reuse its staging buffer)");
@@ -163,6 +163,7 @@ void RankSync::finish(Stream& compute) {
   if (!sync_.overlap_) {
     for (std::size_t b = 0; b < sync_.buckets_.size(); ++b) launch(b, compute);
   }
+  if (sync_.whole_gradients_) pack_owned_in_place();
   update_ = nullptr;  // the step's update is valid during the step only
   backward_end_.record(compute);
   bool const host = compute.device().kind == DeviceKind::host;
@@ -240,7 +241,7 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
     });
     mark_reduced();
   }
-  if (sync_.shard_gradients_) {  // the owned pieces leave the staging buffer, which the bucket after next reuses
+  if (sync_.shard_gradients_ && !sync_.whole_gradients_) {  // the owned pieces leave the staging buffer, which the bucket after next reuses
     for (Piece const& p : pieces_[bucket]) {
       Tensor const from = grads.slice(p.begin - begin, p.end - begin);
       Tensor const to = owned_grads_.slice(p.at, p.at + (p.end - p.begin));
@@ -423,10 +424,30 @@ std::vector<nn::OwnedRange> RankSync::owned() const {
   return out;
 }
 
+void RankSync::pack_owned_in_place() {
+  // Every bucket is reduced in place: the owned pieces move, by increasing start, to their packed
+  // places at the front of the whole buffer. A piece's place starts at or before the piece (the
+  // pieces before it in the packing are no longer), so a move never overwrites a piece still to
+  // move; one that overlaps its own place moves in steps of the distance, which do not overlap.
+  std::vector<Piece> pieces;
+  for (std::vector<Piece> const& bucket : pieces_) pieces.insert(pieces.end(), bucket.begin(), bucket.end());
+  std::sort(pieces.begin(), pieces.end(), [](Piece const& a, Piece const& b) { return a.begin < b.begin; });
+  Tensor const& whole = model_.master_gradients();
+  for (Piece const& p : pieces) {
+    std::int64_t const step = p.begin - p.at;
+    if (step <= 0) continue;  // already in place
+    for (std::int64_t from = p.begin; from < p.end; from += step) {
+      std::int64_t const to = from - step;
+      std::int64_t const count = std::min(step, p.end - from);
+      copy_async(whole.slice(to, to + count), whole.slice(from, from + count), comm_stream_);
+    }
+  }
+}
+
 void RankSync::shard_gradients(Allocator& allocator, Stream& stream) {
   std::vector<Bucket> const& buckets = sync_.buckets_;
   Bucket const& last = buckets.back();
-  for (nn::ParameterRange const& r : model_.parameter_ranges()) {
+  for (nn::ParameterRange const& r : sync_.whole_gradients_ ? std::vector<nn::ParameterRange>{} : model_.parameter_ranges()) {
     auto const* embedding = dynamic_cast<nn::Embedding const*>(&model_.layer(r.layer));
     if (embedding != nullptr && embedding->tied() && r.begin < last.begin)
       throw Error(Errc::invalid_argument,
@@ -457,6 +478,10 @@ void RankSync::shard_gradients(Allocator& allocator, Stream& stream) {
     if (body < bucket.size()) pieces_[b].push_back({bucket.begin + body, bucket.end, 0});
     for (Piece& p : pieces_[b]) p.at = packed_at(p.begin);
     if (b + 1 < buckets.size()) staging = std::max(staging, bucket.size());
+  }
+  if (sync_.whole_gradients_) {  // the layers write the model's whole buffer, whose front finish() packs them in
+    owned_grads_ = model_.master_gradients().slice(0, total);
+    return;
   }
   owned_grads_ = ops::zeros({total}, allocator, stream);
   staging_last_ = Tensor::empty({last.size()}, DType::float32, allocator);
@@ -542,6 +567,7 @@ GradientSync::GradientSync(DeviceGroup& group, std::shared_ptr<comm::detail::Ren
   stage_ = options.zero_stage;
   shard_gradients_ = options.zero_stage >= 2 && n > 1;
   shard_parameters_ = options.zero_stage >= 3 && n > 1;
+  whole_gradients_ = shard_gradients_ && !shard_parameters_ && !overlap_;
   if (hook_) {
     std::vector<std::int64_t> sizes;
     for (Bucket const& b : buckets_) sizes.push_back(b.size());

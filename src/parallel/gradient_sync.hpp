@@ -12,6 +12,11 @@
 // the layers read, bucket by bucket just before forward and backward reach them; a bucket's
 // parameters and gradients have memory only from their gather (or backward's start) to their last
 // use (or reduce). Its buckets are then ZeRO-3's units, one per part of the model (plan_units).
+// Sharded gradients without overlap (a pipeline's replicas, whose micro-batches' backward passes
+// accumulate into a chunk before finish() reduces it) keep the model's whole gradient buffer for
+// the backward passes instead of staging buffers: finish() reduce-scatters every bucket in place
+// and packs the owned pieces at the buffer's front, which owned_gradients() views. A rank never
+// holds more gradients than ZeRO-1 does (the whole buffer, for the step and between steps).
 #pragma once
 
 #include <array>
@@ -55,7 +60,10 @@ std::vector<Bucket> plan_buckets(nn::Sequential const& model, DataParallelOption
 
 /// Throws Error(invalid_argument), prefixed by `who`, for a zero_stage outside 0 to `max_stage` or
 /// one that the options cannot take: stages 2 and 3 need float32 compute, overlap and no comm hook.
-void check_zero_stage(DataParallelOptions const& options, std::string const& who, int max_stage = 3);
+/// `whole_gradients`: the caller reduces after accumulating backward passes (no overlap), which
+/// stage 2 takes (see the top of this file).
+void check_zero_stage(DataParallelOptions const& options, std::string const& who, int max_stage = 3,
+                      bool whole_gradients = false);
 
 class GradientSync;
 
@@ -112,6 +120,9 @@ class RankSync final : public nn::GradientSync {
  private:
   friend class detail::GradientSync;
   void launch(std::size_t bucket, Stream& compute);
+  // Sharded gradients without overlap, after every launch(): the owned pieces to owned_grads_, the
+  // whole buffer's front (see the top of this file), on the communication stream.
+  void pack_owned_in_place();
   // The sharded update's all-gather of every rank's updated block of `bucket` on `stream`, with
   // the compute-type copies refreshed (an "all-gather bucket" span on the timeline).
   void gather_bucket(std::size_t bucket, Stream& stream);
@@ -252,6 +263,7 @@ class GradientSync {
   std::vector<std::int64_t> blocks_;
   bool shard_gradients_ = false;   // zero_stage 2 or 3 over more than one rank
   bool shard_parameters_ = false;  // zero_stage 3 over more than one rank
+  bool whole_gradients_ = false;   // sharded gradients without overlap: the model's whole buffer
   int stage_ = 0;                  // the zero_stage asked for
   bool overlap_;
   bool deterministic_;

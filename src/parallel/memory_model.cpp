@@ -61,7 +61,9 @@ std::vector<nn::ParameterRange> shard_ranges(nn::Sequential const& model, nn::Gp
 // `config.block_size` tokens split over the replicas. A rank's stage holds its shard of each layer:
 // a block 12C^2/T + 7C/T split and 6C replicated parameters, the embedding its vocab rows and the
 // positions, the final LayerNorm 2C, and the LM head in a stage without the embedding a copy of its
-// vocab rows of wte. With ZeRO-1 each replica keeps AdamW's state of 1/data_parallel of its chunk.
+// vocab rows of wte. With ZeRO-1 each replica keeps AdamW's state of 1/data_parallel of its chunk;
+// ZeRO-2 holds what ZeRO-1 holds (the whole gradients, reduced in place, the owned ones packed at
+// their front) and is predicted as ZeRO-1.
 std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_t rows, GptLayout const& layout,
                                         std::string const& what) {
   nn::Sequential const model = nn::gpt(config);

@@ -63,8 +63,8 @@ class NormRanges final : public nn::GradientSync {
   std::vector<nn::OwnedRange> ranges_;
 };
 
-// With zero_stage 1, the update's view of a chunk's data-parallel sync: the replica's owned blocks
-// (RankSync::owned()), each element counted in the norm where the sync counts it and `counting`
+// With zero_stage 1 or 2, the update's view of a chunk's data-parallel sync: the replica's owned
+// blocks (RankSync::owned()) and with 2 their packed gradients (RankSync::owned_gradients()), each element counted in the norm where the sync counts it and `counting`
 // does (the chunk's ranges as the replica would count them owning all: a tied head's copy of wte
 // nowhere, the replicated parameters of tensor-parallel stages on rank 0 only; elements outside
 // them count), and the norm's sums left to the step, which adds every replica's part in one process.
@@ -94,6 +94,7 @@ class ShardedUpdate final : public nn::GradientSync {
     return out;
   }
   void gather_updated(Stream& compute) override { sync_.gather_updated(compute); }
+  [[nodiscard]] Tensor owned_gradients() const override { return sync_.owned_gradients(); }
 
  private:
   parallel::detail::RankSync& sync_;
@@ -194,7 +195,9 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   {
     parallel::DataParallelOptions zero;
     zero.zero_stage = options.zero_stage;
-    parallel::detail::check_zero_stage(zero, "pipeline", 1);
+    zero.compute = options.compute;
+    zero.overlap = false;  // the replicas reduce once a chunk's micro-batches are done
+    parallel::detail::check_zero_stage(zero, "pipeline", 2, true);
     if (options.zero_stage > 0 && across && options.data_parallel > 1 && !options.make_subset_communicator)
       throw Error(Errc::invalid_argument, "pipeline: zero_stage " + std::to_string(options.zero_stage) +
                                               " over several processes without make_subset_communicator (expected "
@@ -570,7 +573,7 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
       nn::Sequential& chunk = m.chunk_of(rank, c);
       nn::UpdatePart part{&chunk, m.optimizers[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)].get(),
                           &m.group->allocator(rank - m.first), &m.group->stream(rank - m.first)};
-      if (!m.sharded_updates.empty()) {  // zero_stage 1: the replica's blocks
+      if (!m.sharded_updates.empty()) {  // zero_stage 1, 2: the replica's blocks
         part.sharded = m.sharded_updates[static_cast<std::size_t>(r * m.schedule.chunks() + c)].get();
         m.replica_sync(rank, c)->shard_optimizer_state(*part.optimizer, *part.allocator, *part.stream);
       } else if (m.tp > 1) {

@@ -393,14 +393,22 @@ double Executor::Impl::sharded_world_sum(std::function<void(Tensor const&, Tenso
     Tensor const mine = all.slice(rank * per_rank, (rank + 1) * per_rank);
     fill_async(mine, 0.0f, stream);
     for (int c = device_in_pipeline(rank); c < schedule.chunks(); c += schedule.devices) {
-      std::vector<nn::OwnedRange> const ranges =
-          sharded_updates[static_cast<std::size_t>(pipeline_of(rank)) * chunks + static_cast<std::size_t>(c)]->owned();
+      nn::GradientSync const& sharded = *sharded_updates[static_cast<std::size_t>(pipeline_of(rank)) * chunks + static_cast<std::size_t>(c)];
+      std::vector<nn::OwnedRange> const ranges = sharded.owned();
       Tensor const values = Tensor::empty({std::max<std::int64_t>(1, static_cast<std::int64_t>(ranges.size()))}, DType::float32, allocator);
       fill_async(values, 0.0f, stream);
+      // The master gradients, or with ZeRO-2 the owned ones, packed by start (as apply_update reads them).
+      Tensor const packed = sharded.owned_gradients();
       Tensor const& grads = chunk_of(rank, c).master_gradients();
       for (std::size_t j = 0; j < ranges.size(); ++j) {
-        auto const at = static_cast<std::int64_t>(j);
-        if (ranges[j].counted && ranges[j].begin < ranges[j].end) op(grads.slice(ranges[j].begin, ranges[j].end), values.slice(at, at + 1), stream);
+        nn::OwnedRange const& r = ranges[j];
+        if (!r.counted || r.begin == r.end) continue;
+        std::int64_t at = 0;
+        for (nn::OwnedRange const& other : ranges)
+          if (other.begin < r.begin) at += other.end - other.begin;
+        Tensor const range = packed.defined() ? packed.slice(at, at + (r.end - r.begin)) : grads.slice(r.begin, r.end);
+        auto const k = static_cast<std::int64_t>(j);
+        op(range, values.slice(k, k + 1), stream);
       }
       std::int64_t const slot = c / schedule.devices;
       ops::sum(values, mine.slice(slot, slot + 1), stream);
@@ -432,8 +440,10 @@ bool Executor::Impl::update_across(std::vector<nn::UpdatePart> const& parts, flo
       throw Error(Errc::invalid_argument,
                   "pipeline step: clipping gradients that hold NaN or Inf (expected finite gradients)");
     if (norm > options.clip_norm && norm > 0) {
-      for (nn::UpdatePart const& p : parts)
-        ops::scale(p.model->master_gradients(), options.clip_norm / norm, *p.stream);
+      for (nn::UpdatePart const& p : parts) {  // with ZeRO-2 the owned gradients
+        Tensor const packed = p.sharded != nullptr ? p.sharded->owned_gradients() : Tensor{};
+        ops::scale(packed.defined() ? packed : p.model->master_gradients(), options.clip_norm / norm, *p.stream);
+      }
     }
   }
   return nn::apply_update(parts, {lr_scale, 0.0f, nullptr, false});

@@ -72,7 +72,7 @@ void ParallelConfig::validate(nn::GptConfig const& model, LayoutChecks const& ch
            name("bucket_cap_bytes", "--bucket-kb") + " with data or tensor parallelism: a pipeline's replicas do not bucket)");
   if (zero && pipe && *zero > parallel::max_zero_stage(compute, true))
     refuse(n_zero + " with a pipeline (expected " + name("zero", "--zero") +
-           " 0 or 1 with a pipeline: its replicas shard the update and optimizer state, not yet the gradients or parameters)");
+           " 0 to 2 with a pipeline: its replicas shard the update, optimizer state and gradients, not yet the parameters)");
   if (sequence_parallel && tp < 2)
     refuse(name("sequence_parallel", "--sequence-parallel") + " with " + n_tp + " (expected " + name("tp", "--tp") +
            " 2 or more: it splits the tensor-parallel devices' tokens)");

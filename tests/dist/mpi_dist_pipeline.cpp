@@ -7,6 +7,7 @@
 #include <fstream>
 #include <memory>
 #include <random>
+#include <utility>
 
 #include <unistd.h>
 
@@ -116,7 +117,7 @@ void test_pipeline(Setup const& s) {
 
 // A GPT pipelined over the world's devices (its tied LM head's copy of wte on another device, in
 // another process where there are two; with two replicas, a data x pipeline grid, and with ZeRO-1
-// over them), AdamW with clipping and dropout, against one process's executor: losses and chunks
+// and ZeRO-2 over them), AdamW with clipping and dropout, against one process's executor: losses and chunks
 // bitwise, also after loading that executor's checkpoint.
 void test_pipeline_gpt(Setup const& s) {
   namespace pp = mgpu::pipeline;
@@ -128,14 +129,14 @@ void test_pipeline_gpt(Setup const& s) {
   std::vector<Tensor> const& xs = batches.xs;
   std::vector<Tensor> const& ys = batches.ys;
   pp::ChunkOptimizerFactory const& adamw = chunk_adamw;
-  for (int const replicas : {1, 2, -2}) {  // -2: 2 replicas with ZeRO-1
-    int const zero = replicas < 0 ? 1 : 0;
-    int const devices = s.size() / std::abs(replicas);
-    if (s.size() % std::abs(replicas) != 0 || devices < 2) continue;  // the head on another device than the embedding
-    std::string const what = "GPT pipeline x " + std::to_string(std::abs(replicas)) + " replica(s)" + (zero > 0 ? ", ZeRO-1" : "");
+  for (auto const& [replicas, zero] : {std::pair{1, 0}, std::pair{2, 0}, std::pair{2, 1}, std::pair{2, 2}}) {
+    int const devices = s.size() / replicas;
+    if (s.size() % replicas != 0 || devices < 2) continue;  // the head on another device than the embedding
+    std::string const what =
+        "GPT pipeline x " + std::to_string(replicas) + " replica(s)" + (zero > 0 ? ", ZeRO-" + std::to_string(zero) : "");
     std::vector<std::size_t> const cuts = pp::partition(model, devices, std::vector<double>(model.size(), 1.0)).cuts;
     pp::ExecutorOptions options{.seed = 5,
-                                .data_parallel = std::abs(replicas),
+                                .data_parallel = replicas,
                                 .zero_stage = zero,
                                 .timeout = 60s,
                                 .clip_norm = 0.1f,
@@ -165,7 +166,7 @@ void test_pipeline_gpt(Setup const& s) {
     // their AdamW state and RNG), which then steps as that process does.
     std::filesystem::path const file =
         std::filesystem::temp_directory_path() /
-        ("mgpu_mpi_dist_gpt_" + std::to_string(::getpid()) + "_" + std::to_string(replicas + 2) + ".ckpt");
+        ("mgpu_mpi_dist_gpt_" + std::to_string(::getpid()) + "_" + std::to_string(4 * replicas + zero) + ".ckpt");
     reference.save(file);
     pp::Executor resumed(model, s.group, cuts, pp::one_f_one_b(devices, 2), adamw, options);
     resumed.load(file);

@@ -8,7 +8,7 @@
 # recomputation), two data-parallel replicas of tensor parallelism, sequence parallelism (over 2
 # and 4 devices, with replicas, selective and full recomputation), 1F1B and GPipe pipelines
 # (uneven micro-batches of 6 rows in 4, full recomputation), two replicas of a pipeline (uneven
-# rows), and pipelines of tensor-parallel stages (GPipe; 3 stages with full recomputation; two
+# rows; ZeRO-2), and pipelines of tensor-parallel stages (GPipe; 3 stages with full recomputation; two
 # replicas with sequence parallelism).
 # Usage: memory_model_check.sh TRAIN_GPT TEXT_FILE
 set -euo pipefail
@@ -39,6 +39,7 @@ layouts=(
   "--stages 2 --micro-batches 4 --schedule gpipe"
   "--stages 3 --micro-batches 4 --recompute full"
   "--stages 2 --dp 2 --micro-batches 2 --batch-size 7"
+  "--stages 2 --dp 2 --micro-batches 2 --zero 2"
   "--tp 2 --stages 2 --micro-batches 4 --schedule gpipe"
   "--tp 2 --stages 3 --micro-batches 4 --recompute full"
   "--dp 2 --tp 2 --stages 2 --micro-batches 2 --sequence-parallel"

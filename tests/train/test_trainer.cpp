@@ -142,8 +142,8 @@ TEST_CASE("the trainer follows the one-device curve in every layout, and resumes
 
 TEST_CASE("the trainer refuses impossible layouts before any work, naming the field and the value expected", "[train]") {
   using mgpu::Errc;
-  REQUIRE_MGPU_ERROR(make_trainer("host:4", {.dp = 2, .stages = 2, .zero = 2}), Errc::invalid_argument,
-                     "zero 2 with a pipeline (expected zero 0 or 1 with a pipeline");
+  REQUIRE_MGPU_ERROR(make_trainer("host:4", {.dp = 2, .stages = 2, .zero = 3}), Errc::invalid_argument,
+                     "zero 3 with a pipeline (expected zero 0 to 2 with a pipeline");
   REQUIRE_MGPU_ERROR(make_trainer("host:3", {.dp = 2, .tp = 2}), Errc::invalid_argument,
                      "3 devices (expected dp x tp = 4)");
   REQUIRE_MGPU_ERROR(make_trainer("host:3", {.stages = 2}), Errc::invalid_argument, "3 devices (expected stages x dp = 2)");

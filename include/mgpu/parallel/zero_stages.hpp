@@ -8,10 +8,11 @@ namespace mgpu::parallel {
 
 /// The highest ZeRO stage (DataParallelOptions::zero_stage, TensorParallelOptions::zero_stage) that
 /// replicas computing in `compute` run: 3 in float32, 1 in 16 bits (sharded gradients are float32
-/// only for now); a pipeline's replicas (`pipeline`) 1 (the sharded update and optimizer state).
+/// only for now); a pipeline's replicas (`pipeline`) 2 in float32 (the gradients sharded after each
+/// chunk's micro-batches, not yet the parameters).
 [[nodiscard]] constexpr int max_zero_stage(DType compute, bool pipeline) noexcept {
-  if (pipeline) return 1;
-  return compute == DType::float32 ? 3 : 1;
+  if (compute != DType::float32) return 1;
+  return pipeline ? 2 : 3;
 }
 
 }  // namespace mgpu::parallel

@@ -108,8 +108,10 @@ struct ExecutorOptions {
   std::uint64_t seed = 0;  ///< the chunks initialised as the whole model's materialize(seed)
   /// Replicas of the pipeline: the group has devices x data_parallel x tensor_parallel.ranks ranks.
   int data_parallel = 1;
-  /// ZeRO over the replicas (data parallelism's gradient sync, after the last backward): 0, or 1,
-  /// each replica updating and keeping state for its block of every chunk (2, 3: refused).
+  /// ZeRO over the replicas (data parallelism's gradient sync, after each chunk's last backward):
+  /// 0; 1, each replica updating and keeping state for its block of every chunk; or 2 (float32
+  /// compute), the micro-batches' gradients reduce-scattered in place, the replica's blocks packed
+  /// at the front of the whole buffer for the update: the memory of 1 (3: refused).
   int zero_stage = 0;
   std::chrono::milliseconds timeout{0};  ///< the communicator's deadline (zero: comm::default_timeout())
   /// float32, or bfloat16/float16 with float32 masters: what chunks compute in and send.
@@ -153,7 +155,8 @@ class Executor {
   Executor& operator=(Executor const&) = delete;
 
   /// Forward and backward of every micro-batch, leaving the mean-loss float32 master gradients
-  /// unscaled and summed over the replicas (zero_stage 1: the owned blocks); returns the mean loss.
+  /// unscaled and summed over the replicas (zero_stage 1: the owned blocks; 2: the owned blocks,
+  /// packed at the front of each chunk's gradient buffer); returns the mean loss.
   /// Throws Error(invalid_argument), before any action, for fewer rows than micro-batches, an x
   /// that does not fit the model, or labels the loss refuses.
   float compute_gradients(Tensor const& x, Tensor const& labels);
