@@ -40,29 +40,40 @@ double epsilon(DType dtype) {
   }
 }
 
-void store(Tensor const& t, std::int64_t i, double value) {
+// Calls f with t's elements as a span of its dtype's type.
+template <class F>
+void with_span(Tensor const& t, F&& f) {
   switch (t.dtype()) {
     case DType::bfloat16:
-      t.host_span<mgpu::bfloat16>()[static_cast<std::size_t>(i)] = mgpu::bfloat16(static_cast<float>(value));
+      f(t.host_span<mgpu::bfloat16>());
       break;
     case DType::float16:
-      t.host_span<mgpu::float16>()[static_cast<std::size_t>(i)] = mgpu::float16(static_cast<float>(value));
+      f(t.host_span<mgpu::float16>());
       break;
     default:
-      t.host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(value);
+      f(t.host_span<float>());
       break;
   }
 }
 
-double load(Tensor const& t, std::int64_t i) {
-  switch (t.dtype()) {
-    case DType::bfloat16:
-      return static_cast<float>(t.host_span<mgpu::bfloat16>()[static_cast<std::size_t>(i)]);
-    case DType::float16:
-      return static_cast<float>(t.host_span<mgpu::float16>()[static_cast<std::size_t>(i)]);
-    default:
-      return t.host_span<float>()[static_cast<std::size_t>(i)];
-  }
+// t[i] = value(i) for every element, rounded to t's dtype. One span per tensor: these loops cover
+// millions of elements, and a span per element cost more than the collectives under the sanitizers.
+template <class F>
+void store(Tensor const& t, F&& value) {
+  with_span(t, [&](auto span) {
+    using T = typename decltype(span)::value_type;
+    for (std::size_t i = 0; i < span.size(); ++i) span[i] = T(static_cast<float>(value(static_cast<std::int64_t>(i))));
+  });
+}
+
+// t's elements as float64.
+std::vector<double> load(Tensor const& t) {
+  std::vector<double> v;
+  with_span(t, [&](auto span) {
+    v.reserve(span.size());
+    for (auto const x : span) v.push_back(static_cast<float>(x));
+  });
+  return v;
 }
 
 // The float64 reference of `op` over every rank's inputs at index i.
@@ -99,10 +110,8 @@ std::vector<Tensor> make(Setup const& s, std::int64_t count, DType dtype) {
 }
 
 void fill(Setup const& s, std::vector<Tensor> const& t, int seed, DType dtype) {
-  for (int l = 0; l < s.local(); ++l) {
-    for (std::int64_t i = 0; i < t[static_cast<std::size_t>(l)].numel(); ++i)
-      store(t[static_cast<std::size_t>(l)], i, input(seed, s.rank(l), i, dtype));
-  }
+  for (int l = 0; l < s.local(); ++l)
+    store(t[static_cast<std::size_t>(l)], [&](std::int64_t i) { return input(seed, s.rank(l), i, dtype); });
 }
 
 // This process's ranks of the subset `list` of world ranks, as its group's ranks, in the list's order.
@@ -128,9 +137,10 @@ void test_all_reduce(Setup const& s, DType dtype, ReduceOp op, int seed, bool in
     s.comm.all_reduce(s.rank(l), send[static_cast<std::size_t>(l)], recv[static_cast<std::size_t>(l)], op, stream);
   });
   for (int l = 0; l < s.local(); ++l) {
+    std::vector<double> const result = load(recv[static_cast<std::size_t>(l)]);
     for (std::int64_t i = 0; i < n; ++i) {
       Reference const ref = reference(op, seed, s.size(), i, dtype);
-      double const got = load(recv[static_cast<std::size_t>(l)], i);
+      double const got = result[static_cast<std::size_t>(i)];
       EXPECT(close(got, ref, dtype), "all_reduce " << mgpu::comm::to_string(op) << " " << mgpu::to_string(dtype)
                                                    << (in_place ? " in place" : "") << " rank " << s.rank(l) << " ["
                                                    << i << "] = " << got << ", reference " << ref.value);
@@ -159,9 +169,10 @@ void test_reduce_scatter(Setup const& s, DType dtype, ReduceOp op, int seed) {
     s.comm.reduce_scatter(s.rank(l), send[static_cast<std::size_t>(l)], recv[static_cast<std::size_t>(l)], op, stream);
   });
   for (int l = 0; l < s.local(); ++l) {
+    std::vector<double> const result = load(recv[static_cast<std::size_t>(l)]);
     for (std::int64_t i = 0; i < n; ++i) {
       Reference const ref = reference(op, seed, s.size(), s.rank(l) * n + i, dtype);
-      double const got = load(recv[static_cast<std::size_t>(l)], i);
+      double const got = result[static_cast<std::size_t>(i)];
       EXPECT(close(got, ref, dtype), "reduce_scatter " << mgpu::comm::to_string(op) << " " << mgpu::to_string(dtype)
                                                        << " rank " << s.rank(l) << " [" << i << "] = " << got
                                                        << ", reference " << ref.value);
@@ -174,15 +185,14 @@ void test_reduce(Setup const& s, DType dtype, ReduceOp op, int root, int seed) {
   auto send = make(s, n, dtype);
   auto recv = make(s, n, dtype);
   fill(s, send, seed, dtype);
-  for (auto const& t : recv) {
-    for (std::int64_t i = 0; i < n; ++i) store(t, i, 42.0);
-  }
+  for (auto const& t : recv) store(t, [](std::int64_t) { return 42.0; });
   s.run([&](int l, mgpu::Stream& stream) {
     s.comm.reduce(s.rank(l), send[static_cast<std::size_t>(l)], recv[static_cast<std::size_t>(l)], op, root, stream);
   });
   for (int l = 0; l < s.local(); ++l) {
+    std::vector<double> const result = load(recv[static_cast<std::size_t>(l)]);
     for (std::int64_t i = 0; i < n; ++i) {
-      double const got = load(recv[static_cast<std::size_t>(l)], i);
+      double const got = result[static_cast<std::size_t>(i)];
       if (s.rank(l) == root) {
         Reference const ref = reference(op, seed, s.size(), i, dtype);
         EXPECT(close(got, ref, dtype), "reduce " << mgpu::comm::to_string(op) << " " << mgpu::to_string(dtype)
@@ -210,9 +220,10 @@ void test_all_gather(Setup const& s, DType dtype, int seed, bool in_place) {
     s.comm.all_gather(s.rank(l), send[static_cast<std::size_t>(l)], recv[static_cast<std::size_t>(l)], stream);
   });
   for (int l = 0; l < s.local(); ++l) {
+    std::vector<double> const result = load(recv[static_cast<std::size_t>(l)]);
     for (int r = 0; r < s.size(); ++r) {
       for (std::int64_t i = 0; i < n; ++i) {
-        double const got = load(recv[static_cast<std::size_t>(l)], r * n + i);
+        double const got = result[static_cast<std::size_t>(r * n + i)];
         EXPECT(got == input(seed, r, i, dtype), "all_gather " << mgpu::to_string(dtype) << (in_place ? " in place" : "")
                                                               << " rank " << s.rank(l) << " block " << r << " [" << i
                                                               << "] = " << got);
@@ -229,8 +240,9 @@ void test_broadcast(Setup const& s, DType dtype, int root, int seed) {
     s.comm.broadcast(s.rank(l), buffer[static_cast<std::size_t>(l)], root, stream);
   });
   for (int l = 0; l < s.local(); ++l) {
+    std::vector<double> const result = load(buffer[static_cast<std::size_t>(l)]);
     for (std::int64_t i = 0; i < n; ++i) {
-      double const got = load(buffer[static_cast<std::size_t>(l)], i);
+      double const got = result[static_cast<std::size_t>(i)];
       EXPECT(got == input(seed, root, i, dtype),
              "broadcast from " << root << " rank " << s.rank(l) << " [" << i << "] = " << got);
     }
@@ -254,8 +266,9 @@ void test_send_recv(Setup const& s, DType dtype, int seed) {
   });
   for (int l = 0; l < s.local(); ++l) {
     int const from = (s.rank(l) + w - 1) % w;
+    std::vector<double> const result = load(recv[static_cast<std::size_t>(l)]);
     for (std::int64_t i = 0; i < n; ++i) {
-      double const got = load(recv[static_cast<std::size_t>(l)], i);
+      double const got = result[static_cast<std::size_t>(i)];
       EXPECT(got == input(seed, from, i, dtype),
              "ring recv on rank " << s.rank(l) << " from " << from << " [" << i << "] = " << got);
     }
@@ -264,10 +277,7 @@ void test_send_recv(Setup const& s, DType dtype, int seed) {
   std::int64_t const big = 1 << 20;
   auto large = make(s, big, DType::float32);
   for (int l = 0; l < s.local(); ++l) {
-    if (s.rank(l) == 0) {
-      for (std::int64_t i = 0; i < big; ++i)
-        store(large[static_cast<std::size_t>(l)], i, static_cast<double>(i % 1000));
-    }
+    if (s.rank(l) == 0) store(large[static_cast<std::size_t>(l)], [](std::int64_t i) { return static_cast<double>(i % 1000); });
   }
   s.run([&](int l, mgpu::Stream& stream) {
     int const r = s.rank(l);
@@ -281,14 +291,15 @@ void test_send_recv(Setup const& s, DType dtype, int seed) {
   });
   for (int l = 0; l < s.local(); ++l) {
     if (s.rank(l) == w - 1) {
+      std::vector<double> const arrived = load(large[static_cast<std::size_t>(l)]);
       bool same = true;
-      for (std::int64_t i = 0; i < big; ++i)
-        same = same && load(large[static_cast<std::size_t>(l)], i) == static_cast<double>(i % 1000);
+      for (std::int64_t i = 0; i < big; ++i) same = same && arrived[static_cast<std::size_t>(i)] == static_cast<double>(i % 1000);
       EXPECT(same, "the 4 MiB message from rank 0 to rank " << w - 1 << " arrived changed");
     }
     if (s.rank(l) == 0) {
+      std::vector<double> const reply = load(recv[static_cast<std::size_t>(l)]);
       for (std::int64_t i = 0; i < n; ++i)
-        EXPECT(load(recv[static_cast<std::size_t>(l)], i) == input(seed, w - 1, i, dtype), "reply [" << i << "]");
+        EXPECT(reply[static_cast<std::size_t>(i)] == input(seed, w - 1, i, dtype), "reply [" << i << "]");
     }
   }
 }
@@ -329,7 +340,7 @@ void test_matches_one_process(Setup const& s, int seed, std::int64_t n) {
   std::vector<Tensor> ref;
   for (int r = 0; r < s.size(); ++r) {
     ref.push_back(Tensor::empty({n}, DType::float32, all.allocator(r)));
-    for (std::int64_t i = 0; i < n; ++i) store(ref.back(), i, input(seed, r, i, DType::float32));
+    store(ref.back(), [&](std::int64_t i) { return input(seed, r, i, DType::float32); });
   }
   all.run([&](int r, mgpu::Device, mgpu::Stream& stream) {
     one->all_reduce(r, ref[static_cast<std::size_t>(r)], ref[static_cast<std::size_t>(r)], ReduceOp::sum, stream);
@@ -421,17 +432,19 @@ void test_subsets(Setup const& s) {
   });
   for (int l = 0; l < s.local(); ++l) {
     int const r = s.rank(l);
+    std::vector<double> const parity_sum = load(mine[static_cast<std::size_t>(l)]);
+    std::vector<double> const world_sum = load(all[static_cast<std::size_t>(l)]);
     for (std::int64_t i = 0; i < n; ++i) {
       Reference ref{0, 0};
       for (int q = r % 2; q < w; q += 2) {
         ref.value += input(seed, q, i, DType::float32);
         ref.magnitude += std::abs(input(seed, q, i, DType::float32));
       }
-      double const got = load(mine[static_cast<std::size_t>(l)], i);
+      double const got = parity_sum[static_cast<std::size_t>(i)];
       EXPECT(close(got, ref, DType::float32),
              "all_reduce over the ranks of rank " << r << "'s parity [" << i << "] = " << got << ", reference " << ref.value);
       Reference const whole = reference(ReduceOp::sum, seed + 1, w, i, DType::float32);
-      EXPECT(close(load(all[static_cast<std::size_t>(l)], i), whole, DType::float32),
+      EXPECT(close(world_sum[static_cast<std::size_t>(i)], whole, DType::float32),
              "all_reduce over the world, meanwhile, on rank " << r << " [" << i << "]");
     }
   }
