@@ -171,23 +171,24 @@ void pack(T const* src, std::int64_t stride, std::int64_t t, std::int64_t heads,
 
 // dst [heads, d, t] = the heads' columns of t rows of `stride` elements from src, transposed: the
 // layout the tile products read k and v in (kᵀ's rows are the keys' e-th elements), packed once per
-// sequence. Blocks of 16 rows: each head's 16 x d block is read along the rows and written as d
-// runs of 16 keys, both within the L1 cache.
+// sequence. In blocks of 16 rows, each element's 16 keys written as one vector (gathered from the
+// rows): a key at a time would store single floats d apart.
 template <class T>
 void pack_transposed(T const* src, std::int64_t stride, std::int64_t t, std::int64_t heads, std::int64_t d,
                      std::vector<float>& dst) {
   dst.resize(static_cast<std::size_t>(heads * t * d));
   constexpr std::int64_t edge = 16;
-  for (std::int64_t i0 = 0; i0 < t; i0 += edge) {
-    std::int64_t const i1 = std::min(i0 + edge, t);
+  auto block = [&](std::int64_t i0, auto rows) {
     for (std::int64_t h = 0; h < heads; ++h) {
-      float* out = dst.data() + h * d * t;
-      for (std::int64_t i = i0; i < i1; ++i) {
-        T const* row = src + i * stride + h * d;
-        for (std::int64_t e = 0; e < d; ++e) out[e * t + i] = static_cast<float>(row[e]);
-      }
+      float* out = dst.data() + h * d * t + i0;
+      T const* in = src + i0 * stride + h * d;
+      for (std::int64_t e = 0; e < d; ++e)
+        for (std::int64_t i = 0; i < rows; ++i) out[e * t + i] = static_cast<float>(in[i * stride + e]);
     }
-  }
+  };
+  std::int64_t i0 = 0;
+  for (; i0 + edge <= t; i0 += edge) block(i0, std::integral_constant<std::int64_t, edge>{});
+  if (i0 < t) block(i0, t - i0);
 }
 
 // One of q, k, v, dy (or a gradient) as the tile products read it: head h's row i of d elements at
