@@ -1,7 +1,8 @@
 // Causal attention on a host stream's worker: tiles of scores and their products through a
 // register-blocked float32 micro-kernel (product, skipping the blocks the causal mask zeroes) on
-// per-head copies of q, k, v (and k, v transposed), and an online softmax in loops the compiler
-// vectorizes (exp_vec, maxima and sums in 16 independent lanes, rows in whole masked vectors).
+// float32 q, k, v, dy and dqkv in place (16-bit storage through per-sequence float copies) and k, v
+// packed transposed once per sequence, and an online softmax in loops the compiler vectorizes
+// (exp_vec, maxima and sums in 16 independent lanes, rows in whole masked vectors).
 #include "ops/host_attention.hpp"
 
 #include <algorithm>
