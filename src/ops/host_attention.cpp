@@ -1,12 +1,14 @@
 // Causal attention on a host stream's worker: tiles of scores and their products through a
 // register-blocked float32 micro-kernel (product, skipping the blocks the causal mask zeroes) on
-// per-head copies of q, k, v (and k, v transposed), and an online softmax in loops the compiler
-// vectorizes (exp_vec, maxima and sums in 16 independent lanes, rows in whole masked vectors).
+// float32 q, k, v, dy and dqkv in place (16-bit storage through per-sequence float copies) and k, v
+// packed transposed once per sequence, and an online softmax in loops the compiler vectorizes
+// (exp_vec, maxima and sums in 16 independent lanes, rows in whole masked vectors).
 #include "ops/host_attention.hpp"
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include <mgpu/core/detail/training_math.hpp>
@@ -61,19 +63,20 @@ float row_max(float const* s, std::int64_t n, std::int64_t width) {
   return m;
 }
 
-// s[j] = e^(s[j] - m) for j in [0, n), 0 for j in [n, width); returns their sum.
-float exp_sum(float* s, std::int64_t n, std::int64_t width, float m) {
+// s[j] = e^(scale (s[j] - m)) for j in [0, n), 0 for j in [n, width); returns their sum (the
+// scores come unscaled: scale > 0 keeps their maximum where it was).
+float exp_sum(float* s, std::int64_t n, std::int64_t width, float m, float scale) {
   float part[lanes] = {};
   std::int64_t const end = padded(n, width);
   std::int64_t j = 0;
   for (; j + lanes <= end; j += lanes)
     for (std::int64_t l = 0; l < lanes; ++l) {
-      float const e = mgpu::detail::exp_vec(s[j + l] - m);
+      float const e = mgpu::detail::exp_vec((s[j + l] - m) * scale);
       s[j + l] = j + l < n ? e : 0.0f;
       part[l] += s[j + l];
     }
   for (; j < n; ++j) {
-    s[j] = mgpu::detail::exp_vec(s[j] - m);
+    s[j] = mgpu::detail::exp_vec((s[j] - m) * scale);
     part[0] += s[j];
   }
   std::fill(s + j, s + width, 0.0f);
@@ -152,44 +155,87 @@ void product(float const* a, std::int64_t a_row, std::int64_t a_col, float const
   for (; j < n; ++j) column_panel<1>(a, a_row, a_col, b, ldb, c, ldc, j, m, k, accumulate, causal, offset);
 }
 
-// dst [d, t] = src [t, d] transposed, in 16 x 16 blocks (their rows stay in the L1 cache).
-void transpose(float const* in, std::int64_t t, std::int64_t d, std::vector<float>& dst) {
-  dst.resize(static_cast<std::size_t>(t * d));
-  constexpr std::int64_t edge = 16;
-  float* out = dst.data();
-  for (std::int64_t i0 = 0; i0 < t; i0 += edge)
-    for (std::int64_t e0 = 0; e0 < d; e0 += edge) {
-      std::int64_t const i1 = std::min(i0 + edge, t), e1 = std::min(e0 + edge, d);
-      for (std::int64_t e = e0; e < e1; ++e)
-        for (std::int64_t i = i0; i < i1; ++i) out[e * t + i] = in[i * d + e];
-    }
-}
-
-// dst [heads, t, d] = scale * the heads' columns of t rows of `stride` elements from src: one pass
-// over the rows in order (every head of a sequence at once: the reads stream, where a head at a
-// time strides through the sequence once per head).
+// dst [heads, t, d] = the heads' columns of t rows of `stride` elements from src: one pass over
+// the rows in order (every head of a sequence at once: the reads stream, where a head at a time
+// strides through the sequence once per head).
 template <class T>
-void pack(T const* src, std::int64_t stride, std::int64_t t, std::int64_t heads, std::int64_t d, float scale,
-          std::vector<float>& dst) {
+void pack(T const* src, std::int64_t stride, std::int64_t t, std::int64_t heads, std::int64_t d, std::vector<float>& dst) {
   dst.resize(static_cast<std::size_t>(heads * t * d));
   for (std::int64_t i = 0; i < t; ++i) {
     T const* row = src + i * stride;
     for (std::int64_t h = 0; h < heads; ++h) {
       float* out = dst.data() + (h * t + i) * d;
-      for (std::int64_t e = 0; e < d; ++e) out[e] = static_cast<float>(row[h * d + e]) * scale;
+      for (std::int64_t e = 0; e < d; ++e) out[e] = static_cast<float>(row[h * d + e]);
     }
   }
 }
 
-// pack's inverse: the heads' columns of t rows of `stride` elements of dst = scale * src [heads, t, d].
+// dst [heads, d, t] = the heads' columns of t rows of `stride` elements from src, transposed: the
+// layout the tile products read k and v in (kᵀ's rows are the keys' e-th elements), packed once per
+// sequence. In blocks of 16 rows, each element's 16 keys written as one vector (gathered from the
+// rows): a key at a time would store single floats d apart.
 template <class T>
-void unpack(std::vector<float> const& src, std::int64_t t, std::int64_t heads, std::int64_t d, float scale, T* dst,
-            std::int64_t stride) {
-  for (std::int64_t i = 0; i < t; ++i) {
-    T* row = dst + i * stride;
+void pack_transposed(T const* src, std::int64_t stride, std::int64_t t, std::int64_t heads, std::int64_t d,
+                     std::vector<float>& dst) {
+  dst.resize(static_cast<std::size_t>(heads * t * d));
+  constexpr std::int64_t edge = 16;
+  auto block = [&](std::int64_t i0, auto rows) {
     for (std::int64_t h = 0; h < heads; ++h) {
-      float const* in = src.data() + (h * t + i) * d;
-      for (std::int64_t e = 0; e < d; ++e) row[h * d + e] = T(in[e] * scale);
+      float* out = dst.data() + h * d * t + i0;
+      T const* in = src + i0 * stride + h * d;
+      for (std::int64_t e = 0; e < d; ++e)
+        for (std::int64_t i = 0; i < rows; ++i) out[e * t + i] = static_cast<float>(in[i * stride + e]);
+    }
+  };
+  std::int64_t i0 = 0;
+  for (; i0 + edge <= t; i0 += edge) block(i0, std::integral_constant<std::int64_t, edge>{});
+  if (i0 < t) block(i0, t - i0);
+}
+
+// One of q, k, v, dy (or a gradient) as the tile products read it: head h's row i of d elements at
+// at(h) + i ld. float32 storage is read (and written) in place, rows of the sequence's stride;
+// 16-bit storage through a float copy [heads, t, d].
+template <class F>
+struct Heads {
+  F* base;
+  std::int64_t ld, head_step;
+  F* at(std::int64_t h) const { return base + h * head_step; }
+};
+
+template <class T>
+Heads<float const> heads_of(T const* src, std::int64_t stride, std::int64_t t, std::int64_t heads, std::int64_t d,
+                            std::vector<float>& copy) {
+  if constexpr (std::is_same_v<T, float>) {
+    return {src, stride, d};
+  } else {
+    pack(src, stride, t, heads, d, copy);
+    return {copy.data(), d, t * d};
+  }
+}
+
+// Where a gradient dst (rows of `stride` elements) accumulates: in place for float32 (zeroed
+// here), else a zeroed float copy [heads, t, d] that finish() rounds into dst.
+template <class T>
+Heads<float> gradient_of(T* dst, std::int64_t stride, std::int64_t t, std::int64_t heads, std::int64_t d,
+                         std::vector<float>& copy) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (std::int64_t i = 0; i < t; ++i) std::fill_n(dst + i * stride, heads * d, 0.0f);
+    return {dst, stride, d};
+  } else {
+    copy.assign(static_cast<std::size_t>(heads * t * d), 0.0f);
+    return {copy.data(), d, t * d};
+  }
+}
+
+template <class T>
+void finish(std::vector<float> const& copy, std::int64_t t, std::int64_t heads, std::int64_t d, T* dst, std::int64_t stride) {
+  if constexpr (!std::is_same_v<T, float>) {
+    for (std::int64_t i = 0; i < t; ++i) {
+      T* row = dst + i * stride;
+      for (std::int64_t h = 0; h < heads; ++h) {
+        float const* in = copy.data() + (h * t + i) * d;
+        for (std::int64_t e = 0; e < d; ++e) row[h * d + e] = T(in[e]);
+      }
     }
   }
 }
@@ -201,7 +247,7 @@ std::int64_t visible(std::int64_t i, std::int64_t j0, std::int64_t width) {
 
 // Scratch kept per worker thread between calls.
 struct Scratch {
-  std::vector<float> q, k, v, kt, vt, dy, dq, dk, dv, s, ds, acc, m, l, row_dot;
+  std::vector<float> q, k, v, kt, vt, dy, dq, dk, dv, s, ds, acc, m, l, row_dot;  // kt, vt: [heads, d, t]
 };
 Scratch& scratch() {
   thread_local Scratch s;
@@ -223,24 +269,23 @@ void attention_forward(T const* qkv, T* y, float* lse, std::int64_t batch, detai
   w.l.resize(static_cast<std::size_t>(bq));
   for (std::int64_t b = 0; b < batch; ++b) {
     T const* base = qkv + b * t * 3 * c;
-    pack(base, 3 * c, t, heads, d, scale, w.q);  // q / sqrt(d): the scores come out scaled
-    pack(base + c, 3 * c, t, heads, d, 1.0f, w.k);
-    pack(base + 2 * c, 3 * c, t, heads, d, 1.0f, w.v);
+    Heads<float const> const qs = heads_of(base, 3 * c, t, heads, d, w.q);
+    Heads<float const> const vs = heads_of(base + 2 * c, 3 * c, t, heads, d, w.v);
+    pack_transposed(base + c, 3 * c, t, heads, d, w.kt);  // the scores read kᵀ
     for (std::int64_t h = 0; h < heads; ++h) {
-      float const *q = w.q.data() + h * t * d, *k = w.k.data() + h * t * d, *v = w.v.data() + h * t * d;
-      transpose(k, t, d, w.kt);
+      float const *q = qs.at(h), *kt = w.kt.data() + h * t * d, *v = vs.at(h);
       float* row_lse = lse + (b * heads + h) * t;
       for (std::int64_t i0 = 0; i0 < t; i0 += bq) {
         std::int64_t const rows = std::min(bq, t - i0);
-        std::fill_n(w.m.begin(), rows, -INFINITY);
+        std::fill_n(w.m.begin(), rows, -INFINITY);  // the running maximum of the unscaled scores
         std::fill_n(w.l.begin(), rows, 0.0f);
         std::fill_n(w.acc.begin(), rows * d, 0.0f);
         for (std::int64_t j0 = 0; j0 < i0 + rows; j0 += bk) {
           std::int64_t const cols = std::min(bk, i0 + rows - j0);
           std::int64_t const r0 = std::max<std::int64_t>(0, j0 - i0), n_rows = rows - r0;  // rows before r0 see none
           float* s_tile = w.s.data();
-          product(q + (i0 + r0) * d, d, 1, w.kt.data() + j0, t, s_tile, cols, n_rows, cols, d, false,
-                  Causal::columns, i0 + r0 - j0);
+          product(q + (i0 + r0) * qs.ld, qs.ld, 1, kt + j0, t, s_tile, cols, n_rows, cols, d, false, Causal::columns,
+                  i0 + r0 - j0);
           for (std::int64_t r = r0; r < rows; ++r) {
             std::int64_t const i = i0 + r, n = visible(i, j0, cols);
             float* s = s_tile + (r - r0) * cols;
@@ -248,26 +293,25 @@ void attention_forward(T const* qkv, T* y, float* lse, std::int64_t batch, detai
             auto const ru = static_cast<std::size_t>(r);
             float const m_new = std::max(w.m[ru], row_max(s, n, cols));
             if (m_new != w.m[ru] && w.l[ru] != 0.0f) {  // rescale what earlier tiles summed
-              float const correction = mgpu::detail::exp_vec(w.m[ru] - m_new);
+              float const correction = mgpu::detail::exp_vec((w.m[ru] - m_new) * scale);
               w.l[ru] *= correction;
               for (std::int64_t e = 0; e < d; ++e) acc[e] *= correction;
             }
             w.m[ru] = m_new;
-            w.l[ru] += exp_sum(s, n, cols, m_new);
+            w.l[ru] += exp_sum(s, n, cols, m_new, scale);
             if (mask.p != 0.0f)
               for (std::int64_t j = 0; j < n; ++j) s[j] *= mask.factor(b, h, i, j0 + j);
           }
-          product(s_tile, cols, 1, v + j0 * d, d, w.acc.data() + r0 * d, d, n_rows, d, cols, true, Causal::k_before,
-                  i0 + r0 - j0);
+          product(s_tile, cols, 1, v + j0 * vs.ld, vs.ld, w.acc.data() + r0 * d, d, n_rows, d, cols, true,
+                  Causal::k_before, i0 + r0 - j0);
         }
         for (std::int64_t r = 0; r < rows; ++r) {
           auto const ru = static_cast<std::size_t>(r);
           float const inverse = 1.0f / w.l[ru];
           float* acc = w.acc.data() + r * d;
-          for (std::int64_t e = 0; e < d; ++e) acc[e] *= inverse;
-          row_lse[i0 + r] = w.m[ru] + std::log(w.l[ru]);
+          row_lse[i0 + r] = w.m[ru] * scale + std::log(w.l[ru]);
           T* out = y + (b * t + i0 + r) * c + h * d;
-          for (std::int64_t e = 0; e < d; ++e) out[e] = T(acc[e]);
+          for (std::int64_t e = 0; e < d; ++e) out[e] = T(acc[e] * inverse);
         }
       }
     }
@@ -286,24 +330,24 @@ void attention_backward(T const* qkv, T const* y, float const* lse, T const* dy,
   w.ds.resize(static_cast<std::size_t>(bq * bk));
   for (std::int64_t b = 0; b < batch; ++b) {
     T const* base = qkv + b * t * 3 * c;
-    pack(base, 3 * c, t, heads, d, scale, w.q);  // q / sqrt(d), as in the forward
-    pack(base + c, 3 * c, t, heads, d, 1.0f, w.k);
-    pack(base + 2 * c, 3 * c, t, heads, d, 1.0f, w.v);
-    pack(dy + b * t * c, c, t, heads, d, 1.0f, w.dy);
+    T* out = dqkv + b * t * 3 * c;
+    Heads<float const> const qs = heads_of(base, 3 * c, t, heads, d, w.q);
+    Heads<float const> const ks = heads_of(base + c, 3 * c, t, heads, d, w.k);  // dq reads k
+    Heads<float const> const dys = heads_of(dy + b * t * c, c, t, heads, d, w.dy);
+    pack_transposed(base + c, 3 * c, t, heads, d, w.kt);  // the scores read kᵀ, dP vᵀ
+    pack_transposed(base + 2 * c, 3 * c, t, heads, d, w.vt);
     for (std::int64_t i = 0; i < t; ++i)
       for (std::int64_t h = 0; h < heads; ++h) {
         std::int64_t const offset = (b * t + i) * c + h * d;
         w.row_dot[static_cast<std::size_t>(h * t + i)] = detail::dot(dy + offset, y + offset, d);
       }
-    w.dq.assign(static_cast<std::size_t>(heads * t * d), 0.0f);
-    w.dk.assign(static_cast<std::size_t>(heads * t * d), 0.0f);
-    w.dv.assign(static_cast<std::size_t>(heads * t * d), 0.0f);
+    Heads<float> const dqs = gradient_of(out, 3 * c, t, heads, d, w.dq);
+    Heads<float> const dks = gradient_of(out + c, 3 * c, t, heads, d, w.dk);
+    Heads<float> const dvs = gradient_of(out + 2 * c, 3 * c, t, heads, d, w.dv);
     for (std::int64_t h = 0; h < heads; ++h) {
-      std::int64_t const head = h * t * d;
-      float const *q = w.q.data() + head, *k = w.k.data() + head, *dyh = w.dy.data() + head;
-      float *dq = w.dq.data() + head, *dk = w.dk.data() + head, *dv = w.dv.data() + head;
-      transpose(k, t, d, w.kt);
-      transpose(w.v.data() + head, t, d, w.vt);
+      float const *q = qs.at(h), *k = ks.at(h), *dyh = dys.at(h);
+      float const *kt = w.kt.data() + h * t * d, *vt = w.vt.data() + h * t * d;
+      float *dq = dqs.at(h), *dk = dks.at(h), *dv = dvs.at(h);
       float const* row_dot = w.row_dot.data() + h * t;
       float const* row_lse = lse + (b * heads + h) * t;
       for (std::int64_t i0 = 0; i0 < t; i0 += bq) {
@@ -313,10 +357,12 @@ void attention_backward(T const* qkv, T const* y, float const* lse, T const* dy,
           std::int64_t const r0 = std::max<std::int64_t>(0, j0 - i0), n_rows = rows - r0, first = i0 + r0;
           float* p_tile = w.s.data();
           float* ds_tile = w.ds.data();
-          product(q + first * d, d, 1, w.kt.data() + j0, t, p_tile, cols, n_rows, cols, d, false, Causal::columns,
+          product(q + first * qs.ld, qs.ld, 1, kt + j0, t, p_tile, cols, n_rows, cols, d, false, Causal::columns,
                   first - j0);
-          product(dyh + first * d, d, 1, w.vt.data() + j0, t, ds_tile, cols, n_rows, cols, d, false, Causal::columns,
-                  first - j0);
+          product(dyh + first * dys.ld, dys.ld, 1, vt + j0, t, ds_tile, cols, n_rows, cols, d, false,
+                  Causal::columns, first - j0);
+          // From the unscaled scores S: P = e^(scale S - lse), and dS with the scale of the scores
+          // folded in (dq = dS k and dk = dSᵀ q then need none).
           for (std::int64_t r = 0; r < n_rows; ++r) {
             std::int64_t const i = first + r, n = visible(i, j0, cols);
             float* p = p_tile + r * cols;
@@ -325,14 +371,14 @@ void attention_backward(T const* qkv, T const* y, float const* lse, T const* dy,
             std::int64_t end = n;
             if (mask.p != 0.0f) {
               for (std::int64_t j = 0; j < n; ++j) {  // p becomes P Z (for dv); ds = P (Z dP - row_dot)
-                float const prob = mgpu::detail::exp_vec(p[j] - l), z = mask.factor(b, h, i, j0 + j);
-                ds[j] = prob * (z * ds[j] - rd);
+                float const prob = mgpu::detail::exp_vec(fmaf(p[j], scale, -l)), z = mask.factor(b, h, i, j0 + j);
+                ds[j] = prob * (z * ds[j] - rd) * scale;
                 p[j] = prob * z;
               }
             } else {
               end = padded(n, cols);  // whole vectors, the entries past n masked to 0
               for (std::int64_t j = 0; j < end; ++j) {
-                float const prob = mgpu::detail::exp_vec(p[j] - l), grad = prob * (ds[j] - rd);
+                float const prob = mgpu::detail::exp_vec(fmaf(p[j], scale, -l)), grad = prob * (ds[j] - rd) * scale;
                 p[j] = j < n ? prob : 0.0f;
                 ds[j] = j < n ? grad : 0.0f;
               }
@@ -340,20 +386,18 @@ void attention_backward(T const* qkv, T const* y, float const* lse, T const* dy,
             std::fill(p + end, p + cols, 0.0f);
             std::fill(ds + end, ds + cols, 0.0f);
           }
-          product(p_tile, 1, cols, dyh + first * d, d, dv + j0 * d, d, cols, d, n_rows, true, Causal::k_from,
-                  j0 - first);
-          // dk from the scaled q, dq unscaled on the way out
-          product(ds_tile, 1, cols, q + first * d, d, dk + j0 * d, d, cols, d, n_rows, true, Causal::k_from,
-                  j0 - first);
-          product(ds_tile, cols, 1, k + j0 * d, d, dq + first * d, d, n_rows, d, cols, true, Causal::k_before,
-                  first - j0);
+          product(p_tile, 1, cols, dyh + first * dys.ld, dys.ld, dv + j0 * dvs.ld, dvs.ld, cols, d, n_rows, true,
+                  Causal::k_from, j0 - first);
+          product(ds_tile, 1, cols, q + first * qs.ld, qs.ld, dk + j0 * dks.ld, dks.ld, cols, d, n_rows, true,
+                  Causal::k_from, j0 - first);
+          product(ds_tile, cols, 1, k + j0 * ks.ld, ks.ld, dq + first * dqs.ld, dqs.ld, n_rows, d, cols, true,
+                  Causal::k_before, first - j0);
         }
       }
     }
-    T* out = dqkv + b * t * 3 * c;
-    unpack(w.dq, t, heads, d, scale, out, 3 * c);
-    unpack(w.dk, t, heads, d, 1.0f, out + c, 3 * c);
-    unpack(w.dv, t, heads, d, 1.0f, out + 2 * c, 3 * c);
+    finish(w.dq, t, heads, d, out, 3 * c);
+    finish(w.dk, t, heads, d, out + c, 3 * c);
+    finish(w.dv, t, heads, d, out + 2 * c, 3 * c);
   }
 }
 

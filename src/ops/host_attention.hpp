@@ -16,9 +16,10 @@ namespace mgpu::ops::host {
 
 /// y [B, T, C] and the per-row log-sum-exp lse [B, heads, T] from qkv [B, T, 3C]: per (sequence,
 /// head), blocks of tiles.queries queries against the keys they may see in tiles of tiles.keys,
-/// each tile's scores and products through a register-blocked float32 micro-kernel on float
-/// copies of the head's q, k and v (every head of a sequence packed in one pass); a running
-/// maximum and sum per query (online softmax), so nothing larger than a tile is formed; tiles or
+/// each tile's scores and products through a register-blocked float32 micro-kernel reading
+/// float32 q and v in place (16-bit storage through float copies) and kᵀ packed once per sequence;
+/// the unscaled scores' running maximum and sum per query (online softmax, 1/sqrt(d) in the
+/// exponent), so nothing larger than a tile is formed; tiles or
 /// tile rows that see no key are skipped, and so are the register blocks of a tile's products
 /// that lie wholly above the diagonal (and the masked ranges of the probability products' sums).
 template <class T>

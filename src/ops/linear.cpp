@@ -61,6 +61,18 @@ void activation_bias_grad_rows(T const* __restrict z, T const* __restrict dy, T*
   }
   for (std::int64_t j = 0; j < cols; ++j) detail::store(db, j, accumulate ? detail::load(db, j) + acc[j] : acc[j]);
 }
+
+// bias_grad over rows on a host stream for 16-bit storage: the column sums of dy in float32 as
+// activation_bias_grad_rows keeps them (a column at a time would stride through dy once per column).
+template <class T>
+void bias_grad_rows(T const* __restrict dy, T* __restrict db, std::int64_t rows, std::int64_t cols, bool accumulate) {
+  thread_local std::vector<float> sums;
+  sums.assign(static_cast<std::size_t>(cols), 0.0f);
+  float* __restrict acc = sums.data();
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t j = 0; j < cols; ++j) acc[j] += detail::load(dy, r * cols + j);
+  for (std::int64_t j = 0; j < cols; ++j) detail::store(db, j, accumulate ? detail::load(db, j) + acc[j] : acc[j]);
+}
 }  // namespace
 
 namespace {
@@ -208,6 +220,15 @@ void bias_grad(Tensor const& dy, Tensor const& db, Stream& stream, bool accumula
     return;
   }
   visit(dy.dtype(), [&]<class T>(T) {
+    if (stream.device().kind == DeviceKind::host) {
+      mgpu::detail::enqueue_using(
+          stream,
+          [g = ptr<T>(dy), sums = ptr<T>(db), n = rows(dy), c = cols(dy), accumulate] {
+            host::timed(HostOpFamily::activation, [&] { bias_grad_rows<T>(g, sums, n, c, accumulate); });
+          },
+          dy, db);
+      return;
+    }
     run_each(stream, HostOpFamily::activation, cols(dy),
              detail::BiasGradOp<T>{ptr<T>(dy), ptr<T>(db), rows(dy), cols(dy), accumulate}, {dy, db});
   });

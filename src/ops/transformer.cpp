@@ -399,6 +399,13 @@ void causal_attention_backward(Tensor const& qkv, Tensor const& y, Tensor const&
   check_dtype(dy, y.dtype(), op, "dy");
   check_shape(dqkv, qkv.shape(), op, "dqkv");
   check_dtype(dqkv, qkv.dtype(), op, "dqkv");
+  for (auto const& [t, role] : {std::pair{&qkv, "qkv"}, {&y, "y"}, {&dy, "dy"}}) {  // dqkv is written as they are read
+    auto const* a = static_cast<char const*>(dqkv.data());
+    auto const* b = static_cast<char const*>(t->data());
+    if (a < b + t->nbytes() && b < a + dqkv.nbytes())
+      throw Error(Errc::invalid_argument,
+                  std::string(op) + ": dqkv overlaps " + role + " (expected dqkv in memory of its own)");
+  }
   std::int64_t const batch = qkv.dim(0), t = qkv.dim(1), c = qkv.dim(2) / 3;
   detail::AttentionShape const shape{t, c, heads};
   detail::AttentionMask const mask = attention_mask(dropout, heads, t);

@@ -214,6 +214,18 @@ TEST_CASE("causal_attention: every host tiling gives the float64 attention and t
   }
 }
 
+TEST_CASE("causal_attention_backward refuses a dqkv that overlaps its inputs", "[nn][gpt]") {
+  Env env;
+  std::int64_t const b = 1, t = 4, c = 4, heads = 2;
+  Tensor const qkv = env.random({b, t, 3 * c}, 1);
+  Tensor const y = Tensor::empty({b, t, c}, DType::float32, *env.allocator);
+  Tensor const lse = Tensor::empty({b, heads, t}, DType::float32, *env.allocator);
+  Tensor const dy = env.random({b, t, c}, 2);
+  ops::causal_attention(qkv, y, lse, heads, env.stream);
+  REQUIRE_MGPU_ERROR(ops::causal_attention_backward(qkv, y, lse, dy, qkv, heads, env.stream), mgpu::Errc::invalid_argument,
+                     "causal_attention_backward: dqkv overlaps qkv (expected dqkv in memory of its own)");
+}
+
 TEST_CASE("token_cross_entropy: loss and dlogits against float64, with ignored rows and an explicit divisor",
           "[nn][gpt]") {
   Env env;

@@ -45,7 +45,8 @@ struct AttentionDropout {
 /// and lse [B, heads, T] (float32), each row's log-sum-exp, all that backward keeps. O(d) memory a row.
 void causal_attention(Tensor const& qkv, Tensor const& y, Tensor const& lse, std::int64_t heads, Stream& stream,
                       AttentionDropout const& dropout = {});
-/// The gradient of causal_attention: dqkv [B, T, 3C] from qkv, y, lse and dy (same dropout).
+/// The gradient of causal_attention: dqkv [B, T, 3C] from qkv, y, lse and dy (same dropout);
+/// dqkv may not overlap qkv, y or dy.
 void causal_attention_backward(Tensor const& qkv, Tensor const& y, Tensor const& lse, Tensor const& dy,
                                Tensor const& dqkv, std::int64_t heads, Stream& stream,
                                AttentionDropout const& dropout = {});
