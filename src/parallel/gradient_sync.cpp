@@ -73,9 +73,6 @@ void check_zero_stage(DataParallelOptions const& options, std::string const& who
   }
   if (options.zero_stage >= 2) {
     std::string const stage = who + ": zero_stage " + std::to_string(options.zero_stage);
-    if (options.compute != DType::float32)
-      throw Error(Errc::invalid_argument, stage + " with " + std::string(to_string(options.compute)) +
-                                              " compute (expected float32: sharded gradients are float32 only for now)");
     if (options.comm_hook)
       throw Error(Errc::invalid_argument, stage + " with the comm hook " + options.comm_hook->name() +
                                               " (expected none: a hook reduces whole buckets, which sharded gradients do not keep)");
@@ -191,6 +188,11 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
   // back as soon as its reduce is enqueued: the work gets a view that does not hold it (a
   // communicator's work may read a tensor's memory when it runs), its use recorded below.
   bool const transient = sync_.shard_parameters_ && bucket + 1 < sync_.buckets_.size();
+  if (transient && sixteen()) {  // the layers' compute-type gradients are unscaled into the staging memory: done with
+    Tensor const& computed = unit_compute_grads_[bucket];
+    mgpu::detail::BufferInternals::record_use(compute, computed);
+    mgpu::detail::BufferInternals::release_memory(computed);
+  }
   Tensor const staged = model_.master_gradients(begin, end);
   Tensor const grads = transient ? mgpu::detail::BufferInternals::unowned(staged) : staged;
   std::shared_ptr<trace::Timeline> const& timeline = sync_.timeline_;
@@ -317,15 +319,32 @@ Tensor RankSync::parameter_buffer(std::size_t bucket) const {
 Allocator& RankSync::allocator() const { return sync_.group_.allocator(sync_.local(rank_)); }
 
 void RankSync::prefetch(std::size_t bucket) {
+  bool const last = bucket + 1 == sync_.buckets_.size();
   Tensor const into = parameter_buffer(bucket);
-  if (bucket + 1 < sync_.buckets_.size())
-    mgpu::detail::BufferInternals::acquire_memory(into, static_cast<std::size_t>(into.numel()) * sizeof(float), allocator(), comm_stream_);
-  gather_parameters(bucket, into, comm_stream_, bucket + 1 < sync_.buckets_.size());
+  auto const acquire = [&](Tensor const& t) {
+    mgpu::detail::BufferInternals::acquire_memory(t, static_cast<std::size_t>(t.numel()) * size_of(t.dtype()), allocator(), comm_stream_);
+  };
+  if (!sixteen()) {
+    if (!last) acquire(into);
+    gather_parameters(bucket, into, comm_stream_, !last);
+    params_gathered_[bucket].record(comm_stream_);
+    return;
+  }
+  // 16-bit compute: the float32 parameters are gathered into staging memory, which goes back once
+  // they are rounded into the compute-type copy the layers read.
+  Tensor const& computed = unit_compute_params_[bucket];
+  acquire(into);
+  if (!last) acquire(computed);
+  gather_parameters(bucket, into, comm_stream_, true);
+  Tensor const to = last ? computed : mgpu::detail::BufferInternals::unowned(computed);
+  convert_async(to, mgpu::detail::BufferInternals::unowned(into), comm_stream_);
+  mgpu::detail::BufferInternals::record_use(comm_stream_, into);
+  mgpu::detail::BufferInternals::release_memory(into);
   params_gathered_[bucket].record(comm_stream_);
 }
 
 void RankSync::release_parameters(std::size_t bucket, Stream& compute) {
-  Tensor const& params = unit_params_[bucket];
+  Tensor const& params = sixteen() ? unit_compute_params_[bucket] : unit_params_[bucket];
   mgpu::detail::BufferInternals::record_use(compute, params);  // what the layers enqueued reads it
   mgpu::detail::BufferInternals::record_use(comm_stream_, params);
   mgpu::detail::BufferInternals::release_memory(params);
@@ -366,6 +385,11 @@ void RankSync::enter_backward(std::size_t bucket, Stream& compute) {
   if (bucket + 1 < count) {  // the layers write the unit's gradients into staging memory of its own
     Tensor const& grads = unit_grads_[bucket];
     mgpu::detail::BufferInternals::acquire_memory(grads, static_cast<std::size_t>(grads.numel()) * sizeof(float), allocator(), compute);
+    if (sixteen()) {  // and their compute-type gradients, unscaled into it, into another
+      Tensor const& computed = unit_compute_grads_[bucket];
+      mgpu::detail::BufferInternals::acquire_memory(computed, static_cast<std::size_t>(computed.numel()) * size_of(computed.dtype()),
+                                                    allocator(), compute);
+    }
   }
 }
 
@@ -379,14 +403,27 @@ void RankSync::shard_parameters(optim::Optimizer& optimizer, Allocator& allocato
     for (Piece const& p : pieces_[b]) copy_async(owned_params_.slice(p.at, p.at + (p.end - p.begin)), whole.slice(p.begin, p.end), stream);
   // A buffer per unit, bound to its layers once, whose memory comes and goes (prefetch(),
   // release_parameters()); the last unit's stays.
+  // With 16-bit compute the layers read a compute-type copy of each (unit_compute_params_), whose
+  // memory comes and goes likewise, and the float32 buffers are the gathers' staging memory only.
+  DType const compute = model_.compute_type();
   unit_params_.assign(buckets.size() - 1, Tensor{});
+  if (sixteen()) unit_compute_params_.assign(buckets.size(), Tensor{});
   for (std::size_t b = 0; b + 1 < buckets.size(); ++b) {
     unit_params_[b] = Tensor::empty({buckets[b].size()}, DType::float32, allocator, stream);
-    model_.bind_parameters(buckets[b].begin, buckets[b].end, unit_params_[b]);
     mgpu::detail::BufferInternals::release_memory(unit_params_[b]);
+    Tensor read = unit_params_[b];
+    if (sixteen()) {
+      read = unit_compute_params_[b] = Tensor::empty({buckets[b].size()}, compute, allocator, stream);
+      mgpu::detail::BufferInternals::release_memory(read);
+    }
+    model_.bind_parameters(buckets[b].begin, buckets[b].end, read);
   }
   params_last_ = Tensor::empty(staging_last_.shape(), DType::float32, allocator);
-  model_.bind_parameters(buckets.back().begin, buckets.back().end, params_last_);
+  if (sixteen()) {
+    mgpu::detail::BufferInternals::release_memory(params_last_);
+    unit_compute_params_.back() = Tensor::empty(staging_last_.shape(), compute, allocator);
+  }
+  model_.bind_parameters(buckets.back().begin, buckets.back().end, sixteen() ? unit_compute_params_.back() : params_last_);
   whole_ = false;
 }
 
@@ -395,9 +432,15 @@ void RankSync::gather_whole(Allocator& allocator, Stream& stream) {
   Tensor const whole = Tensor::empty({model_.parameter_count()}, DType::float32, allocator);
   for (std::size_t b = 0; b < sync_.buckets_.size(); ++b)
     gather_parameters(b, whole.slice(sync_.buckets_[b].begin, sync_.buckets_[b].end), stream);
-  model_.bind_parameters(0, model_.parameter_count(), whole);
+  if (sixteen()) {  // the layers read a compute-type copy of the masters
+    Tensor const computed = Tensor::empty(whole.shape(), model_.compute_type(), allocator);
+    convert_async(computed, whole, stream);
+    model_.bind_parameters(0, model_.parameter_count(), computed);
+  }
+  model_.bind_master_parameters(whole);
   owned_params_ = Tensor{};
   unit_params_.clear();
+  unit_compute_params_.clear();
   params_last_ = Tensor{};
   whole_ = true;
 }
@@ -468,6 +511,15 @@ void RankSync::shard_gradients(Allocator& allocator, Stream& stream) {
       model_.bind_gradients(buckets[b].begin, buckets[b].end, unit_grads_[b]);
       mgpu::detail::BufferInternals::release_memory(unit_grads_[b]);
     }
+    if (!sixteen()) return;
+    // 16-bit compute: the layers write compute-type gradients, per unit as well (the last unit's stay).
+    unit_compute_grads_.assign(buckets.size(), Tensor{});
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      unit_compute_grads_[b] = Tensor::empty({buckets[b].size()}, model_.compute_type(), allocator, stream);
+      model_.bind_gradients(buckets[b].begin, buckets[b].end, unit_compute_grads_[b]);
+      if (b + 1 < buckets.size()) mgpu::detail::BufferInternals::release_memory(unit_compute_grads_[b]);
+    }
+    fill_async(unit_compute_grads_.back(), 0.0f, stream);
     return;
   }
   for (std::size_t slot = 0; slot < staging_.size() && slot + 1 < buckets.size(); ++slot)

@@ -54,7 +54,7 @@ std::vector<Bucket> plan_buckets(std::vector<std::pair<std::size_t, std::size_t>
 std::vector<Bucket> plan_buckets(nn::Sequential const& model, DataParallelOptions const& options);
 
 /// Throws Error(invalid_argument), prefixed by `who`, for a zero_stage outside 0 to `max_stage` or
-/// one that the options cannot take: stages 2 and 3 need float32 compute, overlap and no comm hook.
+/// one that the options cannot take: stages 2 and 3 need overlap and no comm hook.
 void check_zero_stage(DataParallelOptions const& options, std::string const& who, int max_stage = 3);
 
 class GradientSync;
@@ -134,6 +134,8 @@ class RankSync final : public nn::GradientSync {
   // so far on `compute` and the communication stream has run.
   void release_parameters(std::size_t bucket, Stream& compute);
   [[nodiscard]] Allocator& allocator() const;
+  // Whether the model computes in 16 bits (its layers then read and write compute-type copies).
+  [[nodiscard]] bool sixteen() const noexcept { return model_.compute_type() != DType::float32; }
 
   detail::GradientSync& sync_;
   int rank_;
@@ -177,10 +179,14 @@ class RankSync final : public nn::GradientSync {
   // runs, stay for backward, which, as it enters bucket b, lets bucket b - 1's memory go and
   // prefetches bucket b + 1. So a rank holds its owned parameters, the last bucket's and at most
   // two other buckets'. whole_: the model holds every parameter in its flat buffer instead
-  // (gather_whole()).
+  // (gather_whole()). With 16-bit compute the layers read and write compute-type buffers per bucket
+  // (unit_compute_params_, unit_compute_grads_; the last bucket's stay), whose memory comes and goes
+  // with the float32 ones': unit_params_ and params_last_ then only stage the gathers, and a
+  // bucket's compute-type gradients go back once unscaled into unit_grads_[b] (launch()).
   Tensor owned_params_;
   std::vector<Tensor> unit_params_;
   Tensor params_last_;
+  std::vector<Tensor> unit_compute_params_, unit_compute_grads_;
   std::vector<Event> params_gathered_;
   Event forward_start_;
   std::size_t forward_entered_ = 0, backward_entered_ = 0;  // buckets entered in this pass

@@ -64,9 +64,6 @@ void ParallelConfig::validate(nn::GptConfig const& model, LayoutChecks const& ch
   if (zero && (*zero < 0 || *zero > 3))
     refuse(n_zero + " (expected 0, the replicated update, 1, ZeRO-1: the sharded update and "
            "optimizer state, 2, ZeRO-2: the gradients sharded too, or 3, ZeRO-3: the parameters too)");
-  if (zero && *zero > parallel::max_zero_stage(compute, false))
-    refuse(n_zero + " with " + name("compute ", "--precision ") + precision_name(compute) +
-           " (expected fp32: sharded gradients are float32 only for now)");
   if (bucket_cap_bytes > 0 && pipe)
     refuse(name("bucket_cap_bytes", "--bucket-kb") + " with a pipeline (expected " +
            name("bucket_cap_bytes", "--bucket-kb") + " with data or tensor parallelism: a pipeline's replicas do not bucket)");

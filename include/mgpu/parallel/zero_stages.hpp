@@ -7,11 +7,8 @@
 namespace mgpu::parallel {
 
 /// The highest ZeRO stage (DataParallelOptions::zero_stage, TensorParallelOptions::zero_stage) that
-/// replicas computing in `compute` run: 3 in float32, 1 in 16 bits (sharded gradients are float32
-/// only for now); a pipeline's replicas (`pipeline`) 1 (the sharded update and optimizer state).
-[[nodiscard]] constexpr int max_zero_stage(DType compute, bool pipeline) noexcept {
-  if (pipeline) return 1;
-  return compute == DType::float32 ? 3 : 1;
-}
+/// replicas computing in `compute` run: 3 in float32 and in 16 bits (float32 masters, sharded like
+/// the optimizer state); a pipeline's replicas (`pipeline`) 1 (the sharded update and optimizer state).
+[[nodiscard]] constexpr int max_zero_stage(DType /*compute*/, bool pipeline) noexcept { return pipeline ? 1 : 3; }
 
 }  // namespace mgpu::parallel
