@@ -139,9 +139,22 @@ RankSync::RankSync(detail::GradientSync& sync, int rank, nn::Sequential& model, 
       bucket_events_(sync.buckets_.size()),
       params_gathered_(sync.buckets_.size()) {}
 
-void RankSync::begin(Stream& /*compute*/, nn::RangeUpdate update) {
+void RankSync::begin(Stream& compute, nn::RangeUpdate update) {
   update_ = std::move(update);
   next_ = 0;
+  if (sync_.shard_gradients_ && !last_held_) {  // the last bucket's staging, which its reduce gives back
+    mgpu::detail::BufferInternals::acquire_memory(staging_last_, static_cast<std::size_t>(staging_last_.numel()) * sizeof(float),
+                                                  allocator(), compute);
+    last_held_ = true;
+  }
+}
+
+void RankSync::release_owned_gradients() {
+  if (!owned_held_) return;
+  mgpu::detail::BufferInternals::record_use(sync_.group_.stream(sync_.local(rank_)), owned_grads_);
+  mgpu::detail::BufferInternals::record_use(comm_stream_, owned_grads_);
+  mgpu::detail::BufferInternals::release_memory(owned_grads_);
+  owned_held_ = false;
 }
 
 void RankSync::ready(nn::ParameterRange const& range, Stream& compute) {
@@ -187,8 +200,9 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
   // A staging buffer with sharded gradients. With sharded parameters a unit's staging memory goes
   // back as soon as its reduce is enqueued: the work gets a view that does not hold it (a
   // communicator's work may read a tensor's memory when it runs), its use recorded below.
-  bool const transient = sync_.shard_parameters_ && bucket + 1 < sync_.buckets_.size();
-  if (transient && sixteen()) {  // the layers' compute-type gradients are unscaled into the staging memory: done with
+  bool const last = bucket + 1 == sync_.buckets_.size();
+  bool const transient = sync_.shard_gradients_ && (sync_.shard_parameters_ || last);
+  if (transient && !last && sixteen()) {  // the layers' compute-type gradients are unscaled into the staging memory: done with
     Tensor const& computed = unit_compute_grads_[bucket];
     mgpu::detail::BufferInternals::record_use(compute, computed);
     mgpu::detail::BufferInternals::release_memory(computed);
@@ -243,6 +257,11 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
     mark_reduced();
   }
   if (sync_.shard_gradients_) {  // the owned pieces leave the staging buffer, which the bucket after next reuses
+    if (!owned_held_) {  // the step's first reduce: the owned gradients' memory comes (see release_owned_gradients())
+      mgpu::detail::BufferInternals::acquire_memory(owned_grads_, static_cast<std::size_t>(owned_grads_.numel()) * sizeof(float),
+                                                    allocator(), comm_stream_);
+      owned_held_ = true;
+    }
     for (Piece const& p : pieces_[bucket]) {
       Tensor const from = grads.slice(p.begin - begin, p.end - begin);
       Tensor const to = owned_grads_.slice(p.at, p.at + (p.end - p.begin));
@@ -252,13 +271,12 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
         copy_async(to, from, comm_stream_);
       }
     }
-    if (bucket + 1 < sync_.buckets_.size()) {
-      if (transient) {  // the unit's staging memory goes back once the reduce has read it
-        mgpu::detail::BufferInternals::record_use(comm_stream_, staged);
-        mgpu::detail::BufferInternals::release_memory(staged);
-      } else {
-        staging_free_[bucket % 2].record(comm_stream_);
-      }
+    if (transient) {  // the unit's (or the last bucket's) staging memory goes back once the reduce has read it
+      mgpu::detail::BufferInternals::record_use(comm_stream_, staged);
+      mgpu::detail::BufferInternals::release_memory(staged);
+      if (last) last_held_ = false;
+    } else {
+      staging_free_[bucket % 2].record(comm_stream_);
     }
   }
   if (!update_) return;  // the step updates after finish(): apply_update, over owned()
@@ -617,10 +635,11 @@ void GradientSync::run(std::function<void(std::size_t i, Stream& stream)> const&
   });
 }
 
-void GradientSync::start_step(bool accumulate) noexcept {
+void GradientSync::start_step(bool accumulate) {
   for (auto const& r : ranks_) {
     r->reduced_.store(false, std::memory_order_relaxed);
     r->accumulate_ = accumulate;
+    if (!accumulate) r->release_owned_gradients();  // the last update has read them
   }
 }
 

@@ -117,6 +117,9 @@ class RankSync final : public nn::GradientSync {
   void gather_bucket(std::size_t bucket, Stream& stream);
   // Sharded gradients: the owned gradients' buffer and the staging buffers, bound to the model.
   void shard_gradients(Allocator& allocator, Stream& stream);
+  // Sharded gradients: the owned gradients' memory goes back once the work enqueued so far on the
+  // rank's streams has run (a step's first reduce takes it again); nothing when not held.
+  void release_owned_gradients();
   // `enqueue`'s work on `stream`, as a span named `name` on the timeline when there is one.
   void traced(Stream& stream, std::string const& name, std::function<void()> const& enqueue);
   // Sharded parameters: every rank's owned parameters of `bucket` gathered into `into` (the
@@ -168,6 +171,10 @@ class RankSync final : public nn::GradientSync {
   std::array<Event, 2> staging_free_;
   std::vector<Tensor> unit_grads_;
   bool accumulate_ = false;
+  // Whether owned_grads_ and staging_last_ have memory: the owned gradients from a step's first
+  // reduce to the next step that does not accumulate (GradientSync::start_step()), the last
+  // bucket's staging from backward's start (begin()) to its reduce.
+  bool owned_held_ = true, last_held_ = true;
   // Sharded parameters (zero_stage 3). owned_params_: the owned pieces' parameters (packed as
   // owned_grads_). The layers of bucket b read theirs from unit_params_[b], a buffer whose memory
   // comes when the bucket is gathered and goes back once forward or backward is done with it
@@ -225,7 +232,9 @@ class GradientSync {
   /// Before a step: no rank has reduced yet (RankSync::reduced()). With sharded gradients,
   /// `accumulate` adds the step's reduced gradients to those kept (a micro-batch after the first of
   /// an accumulation cycle) instead of replacing them.
-  void start_step(bool accumulate = false) noexcept;
+  /// Without `accumulate`, the memory of every rank's owned gradients goes back (the next reduce
+  /// takes it again), so it is not held while forward and the start of backward peak.
+  void start_step(bool accumulate = false);
   /// Waits for every communication stream; throws the first error.
   void synchronize();
 

@@ -173,7 +173,10 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
   // peak besides the last's. With 16-bit compute the layers use compute-type copies: of every
   // parameter and gradient up to ZeRO-1, of every gradient at ZeRO-2; ZeRO-3 gathers each unit in
   // float32 staging (one at a time) and keeps its compute-type copy, and each unit's gradients have
-  // a compute-type copy besides their float32 staging.
+  // a compute-type copy besides their float32 staging. The owned gradients' memory comes with a
+  // step's first reduce and the last bucket's staging with backward's start: counted at the peak,
+  // which is an upper bound where the LM head's backward (before the first reduce) peaks, as in
+  // models that the tied embedding dominates.
   bool const sharded = replicas > 1 && layout.zero_stage >= 1;
   DataParallelOptions options;
   options.zero_stage = layout.zero_stage;
