@@ -127,7 +127,7 @@ std::vector<Bucket> plan_buckets(nn::Sequential const& model, DataParallelOption
 
 std::vector<Bucket> plan_buckets(std::vector<std::pair<std::size_t, std::size_t>> const& parts,
                                  std::vector<nn::ParameterRange> const& ranges, DataParallelOptions const& options) {
-  if (options.zero_stage >= 3 && options.zero3_block_units) return plan_units(parts, ranges);
+  if (options.zero_stage >= 2 && options.zero3_block_units) return plan_units(parts, ranges);
   return plan_buckets(ranges, options.first_bucket_cap_bytes, options.bucket_cap_bytes);
 }
 

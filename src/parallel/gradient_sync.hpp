@@ -46,8 +46,8 @@ std::vector<Bucket> plan_buckets(nn::Sequential const& model, std::size_t first_
 std::vector<Bucket> plan_units(std::vector<std::pair<std::size_t, std::size_t>> const& parts,
                                std::vector<nn::ParameterRange> const& ranges);
 std::vector<Bucket> plan_units(nn::Sequential const& model);
-/// The buckets DataParallel reduces (and with zero_stage 3 gathers) with these options: ZeRO-3's
-/// units (plan_units) by default (zero3_block_units), else plan_buckets' of the caps. `parts` and
+/// The buckets DataParallel reduces (and with zero_stage 3 gathers) with these options: at stages 2
+/// and 3 the units (plan_units) by default (zero3_block_units), else plan_buckets' of the caps. `parts` and
 /// `ranges` as a model's (which a memory model may lay out without one).
 std::vector<Bucket> plan_buckets(std::vector<std::pair<std::size_t, std::size_t>> const& parts,
                                  std::vector<nn::ParameterRange> const& ranges, DataParallelOptions const& options);
