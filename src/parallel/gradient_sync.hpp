@@ -12,6 +12,7 @@
 // the layers read, bucket by bucket just before forward and backward reach them; a bucket's
 // parameters and gradients have memory only from their gather (or backward's start) to their last
 // use (or reduce). Its buckets are then ZeRO-3's units, one per part of the model (plan_units).
+// The sharded parameters' methods are in sharded_parameters.cpp.
 #pragma once
 
 #include <array>
