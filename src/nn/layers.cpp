@@ -311,7 +311,9 @@ void Sequential::materialize(Context& ctx, std::uint64_t seed, DType compute) {
   master_params_ = Tensor::empty({total}, DType::float32, ctx.allocator);
   copy_async(master_params_, init, ctx.stream);
   master_grads_ = ops::zeros({total}, ctx.allocator, ctx.stream);
+  compute_ = compute;
   bound_grads_.clear();
+  bound_compute_grads_.clear();
   bound_params_.clear();
   if (compute == DType::float32) {
     params_ = master_params_;
@@ -327,15 +329,17 @@ void Sequential::materialize(Context& ctx, std::uint64_t seed, DType compute) {
   ctx.stream.synchronize();  // `init` is read by the copy above
 }
 
-void Sequential::check_binding(std::string const& what, std::int64_t begin, std::int64_t end, Tensor const& buffer) const {
+void Sequential::check_binding(std::string const& what, std::int64_t begin, std::int64_t end, Tensor const& buffer, bool masters) const {
   check_materialized(what.c_str());
-  if (compute_type() != DType::float32)
-    throw Error(Errc::invalid_argument, what + " on a model computing in " + std::string(to_string(compute_type())) +
-                                            " (expected float32 compute: the layers read and write the float32 masters themselves)");
-  if (!buffer.defined() || buffer.dtype() != DType::float32 || buffer.numel() != end - begin)
+  bool const typed = buffer.defined() && (masters ? buffer.dtype() == DType::float32 || buffer.dtype() == compute_type()
+                                                  : buffer.dtype() == compute_type());
+  if (!typed || buffer.numel() != end - begin) {
+    std::string const types = masters && compute_type() != DType::float32 ? " float32 or " + std::string(to_string(compute_type())) : " float32";
+    std::string const type = masters ? types : " " + std::string(to_string(compute_type()));
     throw Error(Errc::invalid_argument, what + ": a buffer of " + std::to_string(buffer.defined() ? buffer.numel() : 0) + " " +
                                             std::string(to_string(buffer.dtype())) + " values (expected " +
-                                            std::to_string(end - begin) + " float32)");
+                                            std::to_string(end - begin) + type + ")");
+  }
   for (ParameterRange const& r : parameter_ranges()) {
     bool const inside = r.begin >= begin && r.end <= end;
     bool const outside = r.end <= begin || r.begin >= end;
@@ -368,30 +372,51 @@ Tensor bound_slice(std::map<std::int64_t, std::pair<std::int64_t, Tensor>> const
 }  // namespace
 
 void Sequential::bind_gradients(std::int64_t begin, std::int64_t end, Tensor const& grads) {
-  check_binding("bind_gradients of [" + std::to_string(begin) + ", " + std::to_string(end) + ")", begin, end, grads);
-  for (ParameterRange const& r : parameter_ranges())
-    if (r.begin >= begin && r.end <= end)
-      layers_[r.layer]->bind(master_parameters(r.begin, r.end), grads.slice(r.begin - begin, r.end - begin));
-  record_binding(bound_grads_, begin, end, grads);
-  grads_ = Tensor{};
-  master_grads_ = Tensor{};
-  for (auto& layer : layers_) layer->link(*this);
+  check_binding("bind_gradients of [" + std::to_string(begin) + ", " + std::to_string(end) + ")", begin, end, grads, true);
+  bool const sixteen = compute_type() != DType::float32;
+  if (sixteen && grads.dtype() != DType::float32) {  // the layers' compute-type gradients
+    record_binding(bound_compute_grads_, begin, end, grads);
+    grads_ = Tensor{};
+  } else {  // the float32 master gradients (with float32 compute the layers' too)
+    record_binding(bound_grads_, begin, end, grads);
+    master_grads_ = Tensor{};
+    if (sixteen) return;
+    grads_ = Tensor{};
+  }
+  rebind_layers(begin, end);
 }
 
 void Sequential::bind_parameters(std::int64_t begin, std::int64_t end, Tensor const& params) {
-  check_binding("bind_parameters of [" + std::to_string(begin) + ", " + std::to_string(end) + ")", begin, end, params);
-  for (ParameterRange const& r : parameter_ranges())
-    if (r.begin >= begin && r.end <= end)
-      layers_[r.layer]->bind(params.slice(r.begin - begin, r.end - begin), master_gradients(r.begin, r.end));
+  check_binding("bind_parameters of [" + std::to_string(begin) + ", " + std::to_string(end) + ")", begin, end, params, false);
+  bool const sixteen = compute_type() != DType::float32;
   if (begin == 0 && end == parameter_count()) {  // whole again
     bound_params_.clear();
     params_ = params;
-    master_params_ = params;
+    if (!sixteen) master_params_ = params;
   } else {
     record_binding(bound_params_, begin, end, params);
     params_ = Tensor{};
-    master_params_ = Tensor{};
+    master_params_ = Tensor{};  // with 16-bit compute too: the sync that binds them keeps the masters
   }
+  rebind_layers(begin, end);
+}
+
+void Sequential::bind_master_parameters(Tensor const& masters) {
+  check_materialized("bind_master_parameters");
+  if (!masters.defined() || masters.dtype() != DType::float32 || masters.numel() != parameter_count())
+    throw Error(Errc::invalid_argument, "bind_master_parameters: a buffer of " + std::to_string(masters.defined() ? masters.numel() : 0) +
+                                            " " + std::string(to_string(masters.dtype())) + " values (expected " +
+                                            std::to_string(parameter_count()) + " float32)");
+  if (compute_type() == DType::float32) {
+    bind_parameters(0, parameter_count(), masters);
+    return;
+  }
+  master_params_ = masters;
+}
+
+void Sequential::rebind_layers(std::int64_t begin, std::int64_t end) {
+  for (ParameterRange const& r : parameter_ranges())
+    if (r.begin >= begin && r.end <= end) layers_[r.layer]->bind(layer_parameters(r.begin, r.end), layer_gradients(r.begin, r.end));
   for (auto& layer : layers_) layer->link(*this);
 }
 
@@ -399,25 +424,30 @@ Tensor Sequential::master_gradients(std::int64_t begin, std::int64_t end) const 
   return bound_slice(bound_grads_, master_grads_, begin, end, "master_gradients");
 }
 
-Tensor Sequential::master_parameters(std::int64_t begin, std::int64_t end) const {
-  return bound_slice(bound_params_, master_params_, begin, end, "master_parameters");
+Tensor Sequential::layer_parameters(std::int64_t begin, std::int64_t end) const {
+  return bound_slice(bound_params_, params_, begin, end, "parameters");
+}
+
+Tensor Sequential::layer_gradients(std::int64_t begin, std::int64_t end) const {
+  if (compute_type() == DType::float32) return bound_slice(bound_grads_, grads_, begin, end, "gradients");
+  return bound_slice(bound_compute_grads_, grads_, begin, end, "gradients");
 }
 
 void Sequential::unscale_gradients(float factor, Stream& stream, std::int64_t begin, std::int64_t end) {
-  if (!bound_grads_.empty()) {  // float32 gradients in the buffers bind_gradients gave
-    if (end < 0) {
+  if (end < 0) {
+    if (bound_grads_.empty()) {
+      unscale_gradients(factor, stream, 0, parameter_count());
+    } else {  // float32 gradients in the buffers bind_gradients gave
       for (auto const& [first, bound] : bound_grads_) unscale_gradients(factor, stream, first, bound.first);
-    } else if (factor != 1.0f) {
-      ops::scale(master_gradients(begin, end), factor, stream);
     }
     return;
   }
-  if (end < 0) end = master_grads_.numel();
-  Tensor const master = master_grads_.slice(begin, end);
-  if (grads_.shares_storage(master_grads_)) {
+  Tensor const master = master_gradients(begin, end);
+  Tensor const computed = layer_gradients(begin, end);
+  if (computed.shares_storage(master)) {
     if (factor != 1.0f) ops::scale(master, factor, stream);
   } else {
-    ops::scale_convert(master, grads_.slice(begin, end), factor, stream);
+    ops::scale_convert(master, computed, factor, stream);
   }
 }
 
@@ -537,12 +567,13 @@ void Sequential::backward_weight(Context& ctx) {
 void Sequential::zero_gradients(Stream& stream) {
   check_materialized("zero_gradients");
   if (grads_.defined()) fill_async(grads_, 0.0f, stream);
-  for (auto const& [first, bound] : bound_grads_) fill_async(bound.second, 0.0f, stream);
+  for (auto const& [first, bound] : compute_type() == DType::float32 ? bound_grads_ : bound_compute_grads_)
+    fill_async(bound.second, 0.0f, stream);
 }
 
 void Sequential::zero_gradients(Stream& stream, std::int64_t begin, std::int64_t end) {
   check_materialized("zero_gradients");
-  fill_async(bound_grads_.empty() ? grads_.slice(begin, end) : master_gradients(begin, end), 0.0f, stream);
+  fill_async(layer_gradients(begin, end), 0.0f, stream);
 }
 
 Shape Sequential::output_shape(Shape const& input) const {

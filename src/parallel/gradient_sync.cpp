@@ -73,9 +73,6 @@ void check_zero_stage(DataParallelOptions const& options, std::string const& who
   }
   if (options.zero_stage >= 2) {
     std::string const stage = who + ": zero_stage " + std::to_string(options.zero_stage);
-    if (options.compute != DType::float32)
-      throw Error(Errc::invalid_argument, stage + " with " + std::string(to_string(options.compute)) +
-                                              " compute (expected float32: sharded gradients are float32 only for now)");
     if (options.comm_hook)
       throw Error(Errc::invalid_argument, stage + " with the comm hook " + options.comm_hook->name() +
                                               " (expected none: a hook reduces whole buckets, which sharded gradients do not keep)");
@@ -130,7 +127,7 @@ std::vector<Bucket> plan_buckets(nn::Sequential const& model, DataParallelOption
 
 std::vector<Bucket> plan_buckets(std::vector<std::pair<std::size_t, std::size_t>> const& parts,
                                  std::vector<nn::ParameterRange> const& ranges, DataParallelOptions const& options) {
-  if (options.zero_stage >= 3 && options.zero3_block_units) return plan_units(parts, ranges);
+  if (options.zero_stage >= 2 && options.zero3_block_units) return plan_units(parts, ranges);
   return plan_buckets(ranges, options.first_bucket_cap_bytes, options.bucket_cap_bytes);
 }
 
@@ -142,9 +139,22 @@ RankSync::RankSync(detail::GradientSync& sync, int rank, nn::Sequential& model, 
       bucket_events_(sync.buckets_.size()),
       params_gathered_(sync.buckets_.size()) {}
 
-void RankSync::begin(Stream& /*compute*/, nn::RangeUpdate update) {
+void RankSync::begin(Stream& compute, nn::RangeUpdate update) {
   update_ = std::move(update);
   next_ = 0;
+  if (sync_.shard_gradients_ && !last_held_) {  // the last bucket's staging, which its reduce gives back
+    mgpu::detail::BufferInternals::acquire_memory(staging_last_, static_cast<std::size_t>(staging_last_.numel()) * sizeof(float),
+                                                  allocator(), compute);
+    last_held_ = true;
+  }
+}
+
+void RankSync::release_owned_gradients() {
+  if (!owned_held_) return;
+  mgpu::detail::BufferInternals::record_use(sync_.group_.stream(sync_.local(rank_)), owned_grads_);
+  mgpu::detail::BufferInternals::record_use(comm_stream_, owned_grads_);
+  mgpu::detail::BufferInternals::release_memory(owned_grads_);
+  owned_held_ = false;
 }
 
 void RankSync::ready(nn::ParameterRange const& range, Stream& compute) {
@@ -191,7 +201,13 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
   // A staging buffer with sharded gradients. With sharded parameters a unit's staging memory goes
   // back as soon as its reduce is enqueued: the work gets a view that does not hold it (a
   // communicator's work may read a tensor's memory when it runs), its use recorded below.
-  bool const transient = sync_.shard_parameters_ && bucket + 1 < sync_.buckets_.size();
+  bool const last = bucket + 1 == sync_.buckets_.size();
+  bool const transient = sync_.shard_gradients_ && (sync_.shard_parameters_ || last);
+  if (transient && !last && sixteen()) {  // the layers' compute-type gradients are unscaled into the staging memory: done with
+    Tensor const& computed = unit_compute_grads_[bucket];
+    mgpu::detail::BufferInternals::record_use(compute, computed);
+    mgpu::detail::BufferInternals::release_memory(computed);
+  }
   Tensor const staged = model_.master_gradients(begin, end);
   Tensor const grads = transient ? mgpu::detail::BufferInternals::unowned(staged) : staged;
   std::shared_ptr<trace::Timeline> const& timeline = sync_.timeline_;
@@ -242,6 +258,11 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
     mark_reduced();
   }
   if (sync_.shard_gradients_ && !sync_.whole_gradients_) {  // the owned pieces leave the staging buffer, which the bucket after next reuses
+    if (!owned_held_) {  // the step's first reduce: the owned gradients' memory comes (see release_owned_gradients())
+      mgpu::detail::BufferInternals::acquire_memory(owned_grads_, static_cast<std::size_t>(owned_grads_.numel()) * sizeof(float),
+                                                    allocator(), comm_stream_);
+      owned_held_ = true;
+    }
     for (Piece const& p : pieces_[bucket]) {
       Tensor const from = grads.slice(p.begin - begin, p.end - begin);
       Tensor const to = owned_grads_.slice(p.at, p.at + (p.end - p.begin));
@@ -251,13 +272,12 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
         copy_async(to, from, comm_stream_);
       }
     }
-    if (bucket + 1 < sync_.buckets_.size()) {
-      if (transient) {  // the unit's staging memory goes back once the reduce has read it
-        mgpu::detail::BufferInternals::record_use(comm_stream_, staged);
-        mgpu::detail::BufferInternals::release_memory(staged);
-      } else {
-        staging_free_[bucket % 2].record(comm_stream_);
-      }
+    if (transient) {  // the unit's (or the last bucket's) staging memory goes back once the reduce has read it
+      mgpu::detail::BufferInternals::record_use(comm_stream_, staged);
+      mgpu::detail::BufferInternals::release_memory(staged);
+      if (last) last_held_ = false;
+    } else {
+      staging_free_[bucket % 2].record(comm_stream_);
     }
   }
   if (!update_) return;  // the step updates after finish(): apply_update, over owned()
@@ -291,117 +311,7 @@ void RankSync::traced(Stream& stream, std::string const& name, std::function<voi
   }
 }
 
-void RankSync::gather_parameters(std::size_t bucket, Tensor const& buffer, Stream& stream, bool transient) {
-  // A unit's buffer, whose memory goes once forward or backward is done with the unit: the work
-  // gets a view that does not hold it, its use recorded when it goes (release_parameters()).
-  Tensor const into = transient ? mgpu::detail::BufferInternals::unowned(buffer) : buffer;
-  std::int64_t const block = sync_.blocks_[bucket];
-  std::int64_t const begin = sync_.buckets_[bucket].begin;
-  int const n = sync_.comm_->size();
-  traced(stream, "all-gather parameters bucket " + std::to_string(bucket), [&] {
-    for (Piece const& p : pieces_[bucket]) {
-      Tensor const mine = owned_params_.slice(p.at, p.at + (p.end - p.begin));
-      if (block > 0 && p.begin == begin + rank_ * block) {  // the rank's block: every rank's gathered
-        sync_.comm_->all_gather(rank_, mine, into.slice(0, n * block), stream);
-      } else {  // the leftovers, which every rank holds
-        copy_async(into.slice(p.begin - begin, p.end - begin), mine, stream);
-      }
-    }
-  });
-}
-
-Tensor RankSync::parameter_buffer(std::size_t bucket) const {
-  if (bucket + 1 == sync_.buckets_.size()) return params_last_;
-  return unit_params_[bucket];
-}
-
 Allocator& RankSync::allocator() const { return sync_.group_.allocator(sync_.local(rank_)); }
-
-void RankSync::prefetch(std::size_t bucket) {
-  Tensor const into = parameter_buffer(bucket);
-  if (bucket + 1 < sync_.buckets_.size())
-    mgpu::detail::BufferInternals::acquire_memory(into, static_cast<std::size_t>(into.numel()) * sizeof(float), allocator(), comm_stream_);
-  gather_parameters(bucket, into, comm_stream_, bucket + 1 < sync_.buckets_.size());
-  params_gathered_[bucket].record(comm_stream_);
-}
-
-void RankSync::release_parameters(std::size_t bucket, Stream& compute) {
-  Tensor const& params = unit_params_[bucket];
-  mgpu::detail::BufferInternals::record_use(compute, params);  // what the layers enqueued reads it
-  mgpu::detail::BufferInternals::record_use(comm_stream_, params);
-  mgpu::detail::BufferInternals::release_memory(params);
-}
-
-void RankSync::before_layer(std::size_t layer, bool backward, Stream& compute) {
-  if (!sync_.shard_parameters_) return;
-  std::vector<Bucket> const& buckets = sync_.buckets_;
-  std::size_t const count = buckets.size();
-  if (!backward && layer == 0) {  // a new forward: after everything before it on `compute`
-    forward_entered_ = 0;
-    backward_entered_ = 0;
-    forward_start_.record(compute);
-    forward_start_.wait(comm_stream_);
-    prefetch(count - 1);
-    if (count >= 2) prefetch(count - 2);
-  }
-  if (backward) {
-    while (backward_entered_ < count && layer <= buckets[backward_entered_].last_layer) enter_backward(backward_entered_++, compute);
-  } else {
-    while (forward_entered_ < count && layer >= buckets[count - 1 - forward_entered_].first_layer)
-      enter_forward(count - 1 - forward_entered_++, compute);
-  }
-}
-
-void RankSync::enter_forward(std::size_t bucket, Stream& compute) {
-  std::size_t const count = sync_.buckets_.size();
-  params_gathered_[bucket].wait(compute);
-  if (bucket >= 1 && bucket + 2 < count) release_parameters(bucket + 1, compute);  // bucket + 1 is done (1 stays for backward)
-  if (bucket >= 1 && bucket + 1 < count) prefetch(bucket - 1);      // (the last bucket's next came at layer 0)
-}
-
-void RankSync::enter_backward(std::size_t bucket, Stream& compute) {
-  std::size_t const count = sync_.buckets_.size();
-  if (bucket >= 1) release_parameters(bucket - 1, compute);     // bucket - 1 is done
-  if (bucket >= 1 && bucket + 2 < count) prefetch(bucket + 1);  // buckets 0, 1 and the last stayed
-  if (bucket >= 2 && bucket + 1 < count) params_gathered_[bucket].wait(compute);
-  if (bucket + 1 < count) {  // the layers write the unit's gradients into staging memory of its own
-    Tensor const& grads = unit_grads_[bucket];
-    mgpu::detail::BufferInternals::acquire_memory(grads, static_cast<std::size_t>(grads.numel()) * sizeof(float), allocator(), compute);
-  }
-}
-
-void RankSync::shard_parameters(optim::Optimizer& optimizer, Allocator& allocator, Stream& stream) {
-  if (!sync_.shard_parameters_ || !whole_) return;
-  shard_optimizer_state(optimizer, allocator, stream);
-  std::vector<Bucket> const& buckets = sync_.buckets_;
-  Tensor const whole = model_.master_parameters();
-  owned_params_ = Tensor::empty({owned_grads_.numel()}, DType::float32, allocator);
-  for (std::size_t b = 0; b < buckets.size(); ++b)
-    for (Piece const& p : pieces_[b]) copy_async(owned_params_.slice(p.at, p.at + (p.end - p.begin)), whole.slice(p.begin, p.end), stream);
-  // A buffer per unit, bound to its layers once, whose memory comes and goes (prefetch(),
-  // release_parameters()); the last unit's stays.
-  unit_params_.assign(buckets.size() - 1, Tensor{});
-  for (std::size_t b = 0; b + 1 < buckets.size(); ++b) {
-    unit_params_[b] = Tensor::empty({buckets[b].size()}, DType::float32, allocator, stream);
-    model_.bind_parameters(buckets[b].begin, buckets[b].end, unit_params_[b]);
-    mgpu::detail::BufferInternals::release_memory(unit_params_[b]);
-  }
-  params_last_ = Tensor::empty(staging_last_.shape(), DType::float32, allocator);
-  model_.bind_parameters(buckets.back().begin, buckets.back().end, params_last_);
-  whole_ = false;
-}
-
-void RankSync::gather_whole(Allocator& allocator, Stream& stream) {
-  if (!sync_.shard_parameters_ || whole_) return;
-  Tensor const whole = Tensor::empty({model_.parameter_count()}, DType::float32, allocator);
-  for (std::size_t b = 0; b < sync_.buckets_.size(); ++b)
-    gather_parameters(b, whole.slice(sync_.buckets_[b].begin, sync_.buckets_[b].end), stream);
-  model_.bind_parameters(0, model_.parameter_count(), whole);
-  owned_params_ = Tensor{};
-  unit_params_.clear();
-  params_last_ = Tensor{};
-  whole_ = true;
-}
 
 std::vector<nn::OwnedRange> RankSync::owned() const {
   std::vector<nn::OwnedRange> out;
@@ -481,6 +391,7 @@ void RankSync::shard_gradients(Allocator& allocator, Stream& stream) {
   }
   if (sync_.whole_gradients_) {  // the layers write the model's whole buffer, whose front finish() packs them in
     owned_grads_ = model_.master_gradients().slice(0, total);
+    owned_held_ = false;  // a view of the model's buffer, whose memory is not the sync's to release
     return;
   }
   owned_grads_ = ops::zeros({total}, allocator, stream);
@@ -493,6 +404,15 @@ void RankSync::shard_gradients(Allocator& allocator, Stream& stream) {
       model_.bind_gradients(buckets[b].begin, buckets[b].end, unit_grads_[b]);
       mgpu::detail::BufferInternals::release_memory(unit_grads_[b]);
     }
+    if (!sixteen()) return;
+    // 16-bit compute: the layers write compute-type gradients, per unit as well (the last unit's stay).
+    unit_compute_grads_.assign(buckets.size(), Tensor{});
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      unit_compute_grads_[b] = Tensor::empty({buckets[b].size()}, model_.compute_type(), allocator, stream);
+      model_.bind_gradients(buckets[b].begin, buckets[b].end, unit_compute_grads_[b]);
+      if (b + 1 < buckets.size()) mgpu::detail::BufferInternals::release_memory(unit_compute_grads_[b]);
+    }
+    fill_async(unit_compute_grads_.back(), 0.0f, stream);
     return;
   }
   for (std::size_t slot = 0; slot < staging_.size() && slot + 1 < buckets.size(); ++slot)
@@ -591,10 +511,11 @@ void GradientSync::run(std::function<void(std::size_t i, Stream& stream)> const&
   });
 }
 
-void GradientSync::start_step(bool accumulate) noexcept {
+void GradientSync::start_step(bool accumulate) {
   for (auto const& r : ranks_) {
     r->reduced_.store(false, std::memory_order_relaxed);
     r->accumulate_ = accumulate;
+    if (!accumulate) r->release_owned_gradients();  // the last update has read them
   }
 }
 

@@ -17,6 +17,7 @@
 // the backward passes instead of staging buffers: finish() reduce-scatters every bucket in place
 // and packs the owned pieces at the buffer's front, which owned_gradients() views. A rank never
 // holds more gradients than ZeRO-1 does (the whole buffer, for the step and between steps).
+// The sharded parameters' methods are in sharded_parameters.cpp.
 #pragma once
 
 #include <array>
@@ -51,17 +52,17 @@ std::vector<Bucket> plan_buckets(nn::Sequential const& model, std::size_t first_
 std::vector<Bucket> plan_units(std::vector<std::pair<std::size_t, std::size_t>> const& parts,
                                std::vector<nn::ParameterRange> const& ranges);
 std::vector<Bucket> plan_units(nn::Sequential const& model);
-/// The buckets DataParallel reduces (and with zero_stage 3 gathers) with these options: ZeRO-3's
-/// units (plan_units) by default (zero3_block_units), else plan_buckets' of the caps. `parts` and
+/// The buckets DataParallel reduces (and with zero_stage 3 gathers) with these options: at stages 2
+/// and 3 the units (plan_units) by default (zero3_block_units), else plan_buckets' of the caps. `parts` and
 /// `ranges` as a model's (which a memory model may lay out without one).
 std::vector<Bucket> plan_buckets(std::vector<std::pair<std::size_t, std::size_t>> const& parts,
                                  std::vector<nn::ParameterRange> const& ranges, DataParallelOptions const& options);
 std::vector<Bucket> plan_buckets(nn::Sequential const& model, DataParallelOptions const& options);
 
 /// Throws Error(invalid_argument), prefixed by `who`, for a zero_stage outside 0 to `max_stage` or
-/// one that the options cannot take: stages 2 and 3 need float32 compute, overlap and no comm hook.
+/// one that the options cannot take: stages 2 and 3 need overlap and no comm hook.
 /// `whole_gradients`: the caller reduces after accumulating backward passes (no overlap), which
-/// stage 2 takes (see the top of this file).
+/// stage 2 in float32 takes (see the top of this file).
 void check_zero_stage(DataParallelOptions const& options, std::string const& who, int max_stage = 3,
                       bool whole_gradients = false);
 
@@ -128,6 +129,9 @@ class RankSync final : public nn::GradientSync {
   void gather_bucket(std::size_t bucket, Stream& stream);
   // Sharded gradients: the owned gradients' buffer and the staging buffers, bound to the model.
   void shard_gradients(Allocator& allocator, Stream& stream);
+  // Sharded gradients: the owned gradients' memory goes back once the work enqueued so far on the
+  // rank's streams has run (a step's first reduce takes it again); nothing when not held.
+  void release_owned_gradients();
   // `enqueue`'s work on `stream`, as a span named `name` on the timeline when there is one.
   void traced(Stream& stream, std::string const& name, std::function<void()> const& enqueue);
   // Sharded parameters: every rank's owned parameters of `bucket` gathered into `into` (the
@@ -145,6 +149,8 @@ class RankSync final : public nn::GradientSync {
   // so far on `compute` and the communication stream has run.
   void release_parameters(std::size_t bucket, Stream& compute);
   [[nodiscard]] Allocator& allocator() const;
+  // Whether the model computes in 16 bits (its layers then read and write compute-type copies).
+  [[nodiscard]] bool sixteen() const noexcept { return model_.compute_type() != DType::float32; }
 
   detail::GradientSync& sync_;
   int rank_;
@@ -177,6 +183,10 @@ class RankSync final : public nn::GradientSync {
   std::array<Event, 2> staging_free_;
   std::vector<Tensor> unit_grads_;
   bool accumulate_ = false;
+  // Whether owned_grads_ and staging_last_ have memory: the owned gradients from a step's first
+  // reduce to the next step that does not accumulate (GradientSync::start_step()), the last
+  // bucket's staging from backward's start (begin()) to its reduce.
+  bool owned_held_ = true, last_held_ = true;
   // Sharded parameters (zero_stage 3). owned_params_: the owned pieces' parameters (packed as
   // owned_grads_). The layers of bucket b read theirs from unit_params_[b], a buffer whose memory
   // comes when the bucket is gathered and goes back once forward or backward is done with it
@@ -188,10 +198,14 @@ class RankSync final : public nn::GradientSync {
   // runs, stay for backward, which, as it enters bucket b, lets bucket b - 1's memory go and
   // prefetches bucket b + 1. So a rank holds its owned parameters, the last bucket's and at most
   // two other buckets'. whole_: the model holds every parameter in its flat buffer instead
-  // (gather_whole()).
+  // (gather_whole()). With 16-bit compute the layers read and write compute-type buffers per bucket
+  // (unit_compute_params_, unit_compute_grads_; the last bucket's stay), whose memory comes and goes
+  // with the float32 ones': unit_params_ and params_last_ then only stage the gathers, and a
+  // bucket's compute-type gradients go back once unscaled into unit_grads_[b] (launch()).
   Tensor owned_params_;
   std::vector<Tensor> unit_params_;
   Tensor params_last_;
+  std::vector<Tensor> unit_compute_params_, unit_compute_grads_;
   std::vector<Event> params_gathered_;
   Event forward_start_;
   std::size_t forward_entered_ = 0, backward_entered_ = 0;  // buckets entered in this pass
@@ -230,7 +244,9 @@ class GradientSync {
   /// Before a step: no rank has reduced yet (RankSync::reduced()). With sharded gradients,
   /// `accumulate` adds the step's reduced gradients to those kept (a micro-batch after the first of
   /// an accumulation cycle) instead of replacing them.
-  void start_step(bool accumulate = false) noexcept;
+  /// Without `accumulate`, the memory of every rank's owned gradients goes back (the next reduce
+  /// takes it again), so it is not held while forward and the start of backward peak.
+  void start_step(bool accumulate = false);
   /// Waits for every communication stream; throws the first error.
   void synchronize();
 

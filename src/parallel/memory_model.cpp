@@ -21,6 +21,13 @@ std::size_t floats(double values) {
   return Allocator::block_size(static_cast<std::size_t>(std::max(0.0, values)) * sizeof(float));
 }
 
+// The allocator's bytes for a copy of `values` elements in the 16-bit compute type `compute`; none
+// for float32 compute (the masters are the tensors the layers use).
+std::size_t copies(double values, DType compute) {
+  if (compute == DType::float32) return 0;
+  return Allocator::block_size(static_cast<std::size_t>(std::max(0.0, values)) * size_of(compute));
+}
+
 // What one transformer block keeps for backward, per tensor, for n tokens on one of t ranks (the
 // split tensors hold 1/t of their columns; with sequence parallelism, s = t, the others hold 1/s
 // of the tokens): LN1's output and statistics, qkv, the attention's output and log-sum-exp, the
@@ -110,7 +117,7 @@ std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_
           }
         }
         GptMemory g;
-        g.parameters = g.gradients = floats(params);
+        g.parameters = g.gradients = floats(params) + copies(params, layout.compute);
         // ZeRO-1 over the replicas: a block of each bucket of the chunk (and its last few elements).
         auto const replicas = static_cast<double>(layout.data_parallel);
         bool const sharded = layout.data_parallel > 1 && layout.zero_stage >= 1;
@@ -147,6 +154,8 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
     throw Error(Errc::invalid_argument, what + " for n_head " + std::to_string(config.n_head) + " and vocab " +
                                             std::to_string(config.vocab) +
                                             " (expected a tensor_parallel dividing n_head, at most the vocab)");
+  if (layout.compute != DType::float32 && layout.compute != DType::bfloat16 && layout.compute != DType::float16)
+    throw Error(Errc::invalid_argument, what + " in " + std::string(to_string(layout.compute)) + " (expected float32, bfloat16 or float16)");
   if (layout.zero_stage < 0 || layout.zero_stage > 3)
     throw Error(Errc::invalid_argument, what + " (expected zero_stage 0, 1, 2 or 3)");
   if (rows < replicas) throw Error(Errc::invalid_argument, what + " (expected at least one row per replica)");
@@ -163,7 +172,13 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
   // gradients into staging buffers: up to two of the largest bucket but the last (one per bucket
   // before the last), and one of the last; ZeRO-3 gathers the parameters into buffers of the same
   // sizes (two units' and the last's at the peak) and holds one unit's gradient staging at the
-  // peak besides the last's.
+  // peak besides the last's. With 16-bit compute the layers use compute-type copies: of every
+  // parameter and gradient up to ZeRO-1, of every gradient at ZeRO-2; ZeRO-3 gathers each unit in
+  // float32 staging (one at a time) and keeps its compute-type copy, and each unit's gradients have
+  // a compute-type copy besides their float32 staging. The owned gradients' memory comes with a
+  // step's first reduce and the last bucket's staging with backward's start: counted at the peak,
+  // which is an upper bound where the LM head's backward (before the first reduce) peaks, as in
+  // models that the tied embedding dominates.
   bool const sharded = replicas > 1 && layout.zero_stage >= 1;
   DataParallelOptions options;
   options.zero_stage = layout.zero_stage;
@@ -195,15 +210,21 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
         staging_buffers = std::min<std::size_t>(2, buckets.size() - 1);
       }
       GptMemory m;
-      m.parameters = m.gradients = floats(params);
+      DType const compute = layout.compute;
+      m.parameters = m.gradients = floats(params) + copies(params, compute);
       m.optimizer = 2 * floats(sharded ? owned : params);
       if (sharded && layout.zero_stage >= 2)  // the owned gradients, and the staging buffers the layers write into
-        m.gradients = floats(owned) + staging_buffers * floats(staging) + floats(last_bucket);
+        m.gradients = floats(owned) + staging_buffers * floats(staging) + floats(last_bucket) + copies(params, compute);
       if (sharded && layout.zero_stage == 3) {  // the owned parameters, and the units gathered at the peak
-        m.parameters = m.gradients;
+        std::size_t const units = std::min<std::size_t>(1, staging_buffers);
+        if (compute == DType::float32) {
+          m.parameters = floats(owned) + staging_buffers * floats(staging) + floats(last_bucket);
+        } else {
+          m.parameters = floats(owned) + staging_buffers * copies(staging, compute) + copies(last_bucket, compute) + units * floats(staging);
+        }
         // ZeRO-3's units keep their gradients' staging from backward's start on them to their
         // reduce: at the peak (the last block's backward) one block's and the embedding's.
-        m.gradients = floats(owned) + std::min<std::size_t>(1, staging_buffers) * floats(staging) + floats(last_bucket);
+        m.gradients = floats(owned) + units * (floats(staging) + copies(staging, compute)) + floats(last_bucket) + copies(last_bucket, compute);
       }
       m.activations = static_cast<std::size_t>(layers) * block_bytes(n, c, heads, t, s, config.recompute);
       if (config.recompute == nn::Recompute::full)  // the rerun block, less its input

@@ -64,15 +64,16 @@ void ParallelConfig::validate(nn::GptConfig const& model, LayoutChecks const& ch
   if (zero && (*zero < 0 || *zero > 3))
     refuse(n_zero + " (expected 0, the replicated update, 1, ZeRO-1: the sharded update and "
            "optimizer state, 2, ZeRO-2: the gradients sharded too, or 3, ZeRO-3: the parameters too)");
-  if (zero && *zero > parallel::max_zero_stage(compute, false))
-    refuse(n_zero + " with " + name("compute ", "--precision ") + precision_name(compute) +
-           " (expected fp32: sharded gradients are float32 only for now)");
   if (bucket_cap_bytes > 0 && pipe)
     refuse(name("bucket_cap_bytes", "--bucket-kb") + " with a pipeline (expected " +
            name("bucket_cap_bytes", "--bucket-kb") + " with data or tensor parallelism: a pipeline's replicas do not bucket)");
-  if (zero && pipe && *zero > parallel::max_zero_stage(compute, true))
-    refuse(n_zero + " with a pipeline (expected " + name("zero", "--zero") +
-           " 0 to 2 with a pipeline: its replicas shard the update, optimizer state and gradients, not yet the parameters)");
+  if (int const most = parallel::max_zero_stage(compute, true); zero && pipe && *zero > most) {
+    bool const sixteen = compute != DType::float32;
+    refuse(n_zero + " with a pipeline" + (sixteen ? " in " + precision_name(compute) : "") + " (expected " +
+           name("zero", "--zero") + " 0 to " + std::to_string(most) + " with a pipeline" + (sixteen ? " in 16 bits" : "") +
+           ": its replicas shard the update, optimizer state" +
+           (sixteen ? ", not yet the gradients)" : " and gradients, not yet the parameters)"));
+  }
   if (sequence_parallel && tp < 2)
     refuse(name("sequence_parallel", "--sequence-parallel") + " with " + n_tp + " (expected " + name("tp", "--tp") +
            " 2 or more: it splits the tensor-parallel devices' tokens)");

@@ -199,10 +199,7 @@ expect_error "2 heads over 3 tensor-parallel ranks (expected a group size dividi
 expect_error "--devices host:3 has 3 devices (expected --dp x --tp x --stages = 4)" "${common[@]}" --tp 2 --stages 2 --devices host:3
 expect_error "--devices host:3 has 3 devices (expected --dp x --tp = 4)" "${common[@]}" --tp 2 --dp 2 --devices host:3
 expect_error "--zero 4 (expected 0, the replicated update, 1" "${common[@]}" --devices host:2 --zero 4
-expect_error "--zero 3 with --precision bf16 (expected fp32" "${common[@]}" --devices host:2 --zero 3 --precision bf16
-expect_error "--zero 2 with --precision bf16 (expected fp32" "${common[@]}" --devices host:2 --zero 2 --precision bf16
 expect_error "--bucket-kb with a pipeline (expected --bucket-kb with data or tensor parallelism" "${common[@]}" --stages 2 --bucket-kb 16
-expect_error "--zero 2 with --precision fp16 (expected fp32" "${common[@]}" --tp 2 --dp 2 --devices host:4 --zero 2 --precision fp16
 expect_error "--sequence-parallel with --tp 1 (expected --tp 2 or more" "${common[@]}" --sequence-parallel
 expect_error "--sequence-parallel with --block-size 15 over --tp 2 (expected a block size divisible by --tp)" \
   "${common[@]}" --tp 2 --sequence-parallel --block-size 15

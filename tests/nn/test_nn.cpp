@@ -416,8 +416,9 @@ TEST_CASE("Sequential::bind_parameters gives the layers other buffers, and forwa
                      "a buffer of " + std::to_string(split - 1) + " float32 values (expected " + std::to_string(split) + " float32)");
   auto half = mgpu::nn::Sequential::mlp({4, 3});
   half.materialize(env.ctx, 1, DType::bfloat16);
+  std::string const n = std::to_string(half.parameter_count());
   REQUIRE_MGPU_ERROR(half.bind_parameters(0, half.parameter_count(), buffer(0, half.parameter_count())),
-                     mgpu::Errc::invalid_argument, "on a model computing in bfloat16 (expected float32 compute");
+                     mgpu::Errc::invalid_argument, "a buffer of " + n + " float32 values (expected " + n + " bfloat16)");
 }
 
 TEST_CASE("classification_step's update inside backward equals the update after it", "[optim][train]") {

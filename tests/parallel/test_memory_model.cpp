@@ -91,6 +91,37 @@ TEST_CASE("predicted memory splits the rows over the replicas and the optimizer 
   for (std::size_t r = 0; r < 4; ++r) CHECK(grid[r].total() == half[r % 2].total());
 }
 
+// In 16 bits each rank also holds compute-type copies: of every parameter and gradient at ZeRO 0
+// and 1, of every gradient at ZeRO-2, of the gathered units' parameters and gradients at ZeRO-3,
+// whose float32 parameters are the owned masters and one unit's gather staging.
+TEST_CASE("predicted 16-bit memory adds the compute-type copies, and ZeRO-2 and 3 shard the float32 masters", "[parallel][memory]") {
+  mgpu::nn::GptConfig deep = config;
+  deep.n_layer = 8;
+  std::int64_t const whole = mgpu::nn::gpt(deep).parameter_count();
+  for (mgpu::DType const compute : {mgpu::DType::bfloat16, mgpu::DType::float16}) {
+    CAPTURE(mgpu::to_string(compute));
+    std::size_t const copy = mgpu::Allocator::block_size(static_cast<std::size_t>(whole) * 2);
+    std::vector<par::GptMemory> by_stage, by_stage32;
+    for (int const stage : {0, 1, 2, 3}) {
+      par::GptLayout layout{.data_parallel = 4, .zero_stage = stage, .bucket_cap_bytes = 16 << 10, .first_bucket_cap_bytes = 16 << 10};
+      by_stage32.push_back(par::predict_gpt_memory(deep, 8, layout)[0]);
+      layout.compute = compute;
+      by_stage.push_back(par::predict_gpt_memory(deep, 8, layout)[0]);
+    }
+    CHECK(by_stage[0].parameters == float_bytes(whole) + copy);
+    CHECK(by_stage[0].gradients == by_stage[0].parameters);
+    CHECK(by_stage[2].gradients == by_stage32[2].gradients + copy);
+    CHECK(by_stage[2].parameters == by_stage[1].parameters);
+    CHECK(by_stage[3].parameters < by_stage32[3].parameters);  // the gathered units in 16 bits
+    for (int s = 0; s < 4; ++s) {
+      CHECK(by_stage[s].optimizer == by_stage32[s].optimizer);
+      if (s > 0) CHECK(by_stage[s].total() < by_stage[s - 1].total());
+    }
+  }
+  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(deep, 8, {.compute = mgpu::DType::int32}), mgpu::Errc::invalid_argument,
+                     "in int32 (expected float32, bfloat16 or float16)");
+}
+
 TEST_CASE("a pipeline of one stage holds what one device holds; stages hold their layers and micro-batches",
           "[parallel][memory]") {
   std::size_t const layers = mgpu::nn::gpt(config).size();  // embedding, dropout, 2 blocks, LayerNorm, head

@@ -89,7 +89,9 @@ TEST_CASE(
   options.zero3_block_units = false;  // the caps' buckets: the final LayerNorm, then everything else
   CHECK(DataParallel(nn::gpt(deep), group, adamw(), options).buckets().size() == 2);
   options.zero3_block_units = true;
-  options.zero_stage = 2;  // the units are ZeRO-3's only
+  options.zero_stage = 2;  // ZeRO-2's buckets too (its staging buffers then a block's)
+  CHECK(DataParallel(nn::gpt(deep), group, adamw(), options).buckets() == want);
+  options.zero_stage = 1;  // not ZeRO-1's
   CHECK(DataParallel(nn::gpt(deep), group, adamw(), options).buckets().size() == 2);
 
   // Without blocks, a unit per layer with parameters (a Linear with the ReLU fused into it).

@@ -149,8 +149,6 @@ TEST_CASE("the trainer refuses impossible layouts before any work, naming the fi
   REQUIRE_MGPU_ERROR(make_trainer("host:3", {.stages = 2}), Errc::invalid_argument, "3 devices (expected stages x dp = 2)");
   REQUIRE_MGPU_ERROR(make_trainer("host:2", {.dp = 2, .zero = 4}), Errc::invalid_argument,
                      "zero 4 (expected 0, the replicated update, 1");
-  REQUIRE_MGPU_ERROR(make_trainer("host:2", {.dp = 2, .zero = 2, .compute = mgpu::DType::bfloat16}), Errc::invalid_argument,
-                     "zero 2 with compute bf16 (expected fp32");
   REQUIRE_MGPU_ERROR(make_trainer("host:1", {.sequence_parallel = true}), Errc::invalid_argument,
                      "sequence_parallel with tp 1 (expected tp 2 or more");
   REQUIRE_MGPU_ERROR(make_trainer("host:1", {.micro_batches = 2}), Errc::invalid_argument,

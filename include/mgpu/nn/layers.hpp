@@ -267,7 +267,7 @@ class Sequential {
   /// Allocates the flat buffers on ctx's device and initialises every layer from `seed` and its
   /// index in the whole model. `compute`: float32, or bfloat16/float16 with float32 masters.
   void materialize(Context& ctx, std::uint64_t seed, DType compute = DType::float32);
-  [[nodiscard]] DType compute_type() const noexcept { return params_.dtype(); }
+  [[nodiscard]] DType compute_type() const noexcept { return compute_; }
   /// Whether materialize() has run (the parameters may be bound elsewhere: bind_parameters()).
   [[nodiscard]] bool materialized() const noexcept { return params_.defined() || !bound_params_.empty(); }
   /// The compute-type buffers the layers read and write.
@@ -276,15 +276,22 @@ class Sequential {
   /// The float32 buffers optimizers update (the same tensors as above for float32 compute).
   [[nodiscard]] Tensor const& master_parameters() const noexcept { return master_params_; }
   [[nodiscard]] Tensor const& master_gradients() const noexcept { return master_grads_; }
-  /// Sharded gradients (ZeRO-2, float32 compute): the layers of the whole parameter ranges in
-  /// [begin, end) write their gradients into `grads` (end - begin float32 values) from now on; the
-  /// first call frees the flat gradient buffers. Throws Error(invalid_argument) for another compute
-  /// type, a range that cuts a layer's parameters, or a buffer of another size or type.
+  /// Sharded gradients (ZeRO-2): the gradients of the whole parameter ranges in [begin, end) are in
+  /// `grads` (end - begin values) from now on. A float32 buffer holds their master gradients (with
+  /// float32 compute the layers write it; with 16-bit compute unscale_gradients() writes it from the
+  /// layers' compute-type gradients), a compute-type one (16-bit compute) the gradients the layers
+  /// write. The first call of a kind frees the flat buffer it replaces. Throws Error(invalid_argument)
+  /// for a range that cuts a layer's parameters, or a buffer of another size or type.
   void bind_gradients(std::int64_t begin, std::int64_t end, Tensor const& grads);
-  /// Sharded parameters (ZeRO-3, float32 compute): the layers of the whole parameter ranges in
-  /// [begin, end) read their parameters from `params` from now on; the first call frees the flat
-  /// buffers. Throws Error(invalid_argument) as bind_gradients() does.
+  /// Sharded parameters (ZeRO-3): the layers of the whole parameter ranges in [begin, end) read
+  /// their parameters from `params` (end - begin values of the compute type) from now on; the first
+  /// call frees the flat buffers, the master parameters too (the caller keeps those). Bound over
+  /// every element, `params` is the flat buffer again (with float32 compute the masters too).
+  /// Throws Error(invalid_argument) as bind_gradients() does.
   void bind_parameters(std::int64_t begin, std::int64_t end, Tensor const& params);
+  /// The whole float32 master parameters from now on (a 16-bit model's, after its layers were bound
+  /// whole again by bind_parameters()). Throws Error(invalid_argument) for another size or type.
+  void bind_master_parameters(Tensor const& masters);
   /// The float32 gradients of [begin, end), wherever bind_gradients() last put them.
   [[nodiscard]] Tensor master_gradients(std::int64_t begin, std::int64_t end) const;
   /// master gradients = gradients * factor (e.g. 1 / loss scale), converting from the compute
@@ -329,8 +336,8 @@ class Sequential {
   /// same ctx.micro_batch before the gradients are read.
   Tensor backward_input(Tensor const& dy, Context& ctx, bool input_grad = true);
   void backward_weight(Context& ctx);
-  /// Sets the gradient buffer (every buffer bind_gradients() gave) to zero (before accumulating
-  /// micro-batches), or the compute-type gradients of elements [begin, end) only.
+  /// Sets the gradients the layers write (the flat buffer and those bind_gradients() gave) to zero
+  /// (before accumulating micro-batches), or those of elements [begin, end) only.
   void zero_gradients(Stream& stream);
   void zero_gradients(Stream& stream, std::int64_t begin, std::int64_t end);
   /// The shape forward() returns for an input of `input`.
@@ -356,21 +363,25 @@ class Sequential {
   [[nodiscard]] Activation const* fused_activation(std::size_t i) const;
   // Gives each layer with parameters its views of `params` and `grads`.
   void bind_layers(Tensor const& params, Tensor const& grads);
-  // bind_gradients() and bind_parameters(): refuses another compute type, a buffer that is not
-  // end - begin float32 values, and a range that cuts a layer's parameters.
-  void check_binding(std::string const& what, std::int64_t begin, std::int64_t end, Tensor const& buffer) const;
-  // The float32 parameters of [begin, end): a slice of master_parameters(), or of the buffer
-  // bind_parameters() bound to them last.
-  [[nodiscard]] Tensor master_parameters(std::int64_t begin, std::int64_t end) const;
+  // bind_gradients() and bind_parameters(): refuses a buffer that is not end - begin values of the
+  // compute type (or, `masters`, float32) and a range that cuts a layer's parameters.
+  void check_binding(std::string const& what, std::int64_t begin, std::int64_t end, Tensor const& buffer, bool masters) const;
+  // The compute-type parameters and gradients the layers of [begin, end) use: slices of the flat
+  // buffers, or of the buffers bound to them last.
+  [[nodiscard]] Tensor layer_parameters(std::int64_t begin, std::int64_t end) const;
+  [[nodiscard]] Tensor layer_gradients(std::int64_t begin, std::int64_t end) const;
+  // Gives the layers of the whole parameter ranges in [begin, end) their current buffers.
+  void rebind_layers(std::int64_t begin, std::int64_t end);
   void check_materialized(char const* call) const;
 
   std::vector<std::unique_ptr<Layer>> layers_;
   std::size_t first_layer_ = 0;
+  DType compute_ = DType::float32;
   Tensor params_, grads_, master_params_, master_grads_;
-  // bind_gradients(): where each rebound range of elements [first, second.first) has its gradients.
+  // bind_gradients(): where each rebound range of elements [first, second.first) has its (master) gradients.
   std::map<std::int64_t, std::pair<std::int64_t, Tensor>> bound_grads_;
-  // bind_parameters(): the same for the parameters.
-  std::map<std::int64_t, std::pair<std::int64_t, Tensor>> bound_params_;
+  // bind_parameters(): the same for the parameters, and (16-bit compute) for the layers' gradients.
+  std::map<std::int64_t, std::pair<std::int64_t, Tensor>> bound_params_, bound_compute_grads_;
   StepRecord step_record_;
 };
 

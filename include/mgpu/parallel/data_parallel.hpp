@@ -78,10 +78,13 @@ struct DataParallelOptions {
   std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;
   bool overlap = true;  ///< reduce and update each bucket during backward (off: after backward)
   /// ZeRO stage: 0 replicated, 1 sharded optimizer state, 2 and gradients, 3 and parameters.
-  /// Stages 2 and 3 need float32 compute, overlap, no comm hook, and checkpoints at the end of an
-  /// accumulation cycle (Error(invalid_argument) otherwise).
+  /// Stages 2 and 3 (in any compute type: float32 masters) need overlap, no comm hook, and
+  /// checkpoints at the end of an accumulation cycle (Error(invalid_argument) otherwise).
   int zero_stage = 1;
-  bool zero3_block_units = true;          ///< ZeRO-3's units: the model's structure parts (false: the buckets)
+  /// ZeRO-2 and 3's buckets: the model's structure parts, a block each (false: the caps' buckets).
+  /// Small buckets keep stage 2's gradient staging (two of the largest bucket) below stage 1's
+  /// whole gradient buffer.
+  bool zero3_block_units = true;
   bool deterministic = false;             ///< bitwise repeatable whatever the buckets and thread timing
   int accumulation_steps = 1;             ///< micro-batches accumulated locally per applied step
   std::shared_ptr<CommHook> comm_hook{};  ///< how buckets are reduced (nullptr: a sum all-reduce)

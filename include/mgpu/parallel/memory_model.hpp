@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include <mgpu/core/dtype.hpp>
 #include <mgpu/nn/gpt.hpp>
 
 namespace mgpu::parallel {
@@ -26,6 +27,10 @@ struct GptLayout {
   int micro_batches = 1;            ///< the pipeline's micro-batches
   bool gpipe = false;               ///< GPipe (every micro-batch in flight), else 1F1B
   bool sequence_parallel = false;   ///< TensorParallelOptions::sequence_parallel
+  /// The compute type: float32, or bfloat16 / float16 with float32 masters (each rank's parameters
+  /// and gradients then also have a compute-type copy; activations and workspace are counted as
+  /// float32 still, an upper bound).
+  DType compute = DType::float32;
 };
 
 /// One device's predicted peak, in allocator bytes (each tensor's block size, Allocator::block_size).
@@ -38,7 +43,7 @@ struct GptMemory {
   [[nodiscard]] std::size_t total() const noexcept { return parameters + gradients + optimizer + activations + workspace; }
 };
 
-/// The peak of one float32 AdamW training step of nn::gpt(config) on `rows` sequences of
+/// The peak of one AdamW training step (computing in layout.compute) of nn::gpt(config) on `rows` sequences of
 /// config.block_size tokens, per device in the executor's rank order. Throws
 /// Error(invalid_argument) for a bad config, rows < data_parallel or micro_batches, a
 /// tensor_parallel that does not divide n_head or exceeds the vocab, a zero_stage other than 0 to

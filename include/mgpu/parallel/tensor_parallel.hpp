@@ -267,7 +267,7 @@ struct TensorParallelOptions {
   /// ZeRO over the replicas, by DataParallel's gradient sync (per tensor-parallel index): 0
   /// replicated update, 1 sharded update and optimizer state, 2 sharded gradients too, 3 sharded
   /// parameters too, gathered a unit (a block, the embeddings, the final LayerNorm with the head)
-  /// at a time (2 and 3: float32 compute only). Each rank's optimizer then holds about 1/A of its
+  /// at a time (in 16 bits too, float32 masters). Each rank's optimizer then holds about 1/A of its
   /// shard's state.
   int zero_stage = 0;
   /// The replicas' gradient buckets: the cap of one, and of the first (last layers') one.
