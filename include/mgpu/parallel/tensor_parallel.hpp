@@ -25,22 +25,10 @@
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/transformer.hpp>
 #include <mgpu/optim/optim.hpp>
+#include <mgpu/parallel/tensor_parallel_styles.hpp>
 #include <mgpu/trace/timeline.hpp>
 
 namespace mgpu::parallel {
-
-/// A layer of a tensor-parallel shard that holds part of a gpt(config) layer's parameters.
-class ShardedLayer {
- public:
-  virtual ~ShardedLayer() = default;
-  /// The [begin, end) offsets of the split parameters within this layer's (the rest is replicated).
-  [[nodiscard]] virtual std::vector<std::pair<std::int64_t, std::int64_t>> split_ranges() const = 0;
-  /// Copies between the whole layer's parameters (`whole`, gpt(config)'s layout) and this rank's
-  /// shard, either way. Throws Error(invalid_argument) for other sizes.
-  virtual void copy_shard(std::span<float> whole, std::span<float> shard, bool to_shard) const = 0;
-  /// The offsets of replicated parameters whose gradients each rank computes from its own tokens.
-  [[nodiscard]] virtual std::vector<std::pair<std::int64_t, std::int64_t>> partial_ranges() const { return {}; }
-};
 
 /// The token ids [first, second) rank `rank` of `ranks` holds of a vocab of `vocab`: [rank V / T,
 /// (rank + 1) V / T). Throws Error(invalid_argument) unless 1 <= ranks <= vocab and 0 <= rank < ranks.
@@ -242,9 +230,10 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
   std::map<std::int64_t, Input> inputs_;
 };
 
-/// The shard of gpt(config) a tensor-parallel rank holds; its output is the rank's logits columns.
-/// Throws Error(invalid_argument) for a bad config, a group size that does not divide n_head, or a
-/// vocab smaller than the group.
+/// The shard of gpt(config) a tensor-parallel rank holds: parallelize(nn::gpt(config), {.sequence_parallel
+/// = sequence_parallel}, comm, rank); its output is the rank's logits columns. Throws
+/// Error(invalid_argument) for a bad config, a group size that does not divide n_head, or a vocab
+/// smaller than the group.
 [[nodiscard]] nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<comm::Communicator> comm,
                                                  int rank, bool sequence_parallel = false);
 
