@@ -2,10 +2,12 @@
 // row) over 2 ranks gives the one-device outputs, input and parameter gradients, and losses and
 // weights after SGD steps, with and without sequence parallelism; the GPT's shards from parallelize
 // hold the one-device model's split as each layer's copy_shard says, bit for bit; layers that
-// cannot split, and bad plans, are refused naming the layer.
+// cannot split, and bad plans, are refused naming the layer; TensorParallel trains such a model
+// (the MLP, with a loss per rank) as one device does.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <random>
 #include <span>
@@ -16,7 +18,10 @@
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
+#include <mgpu/nn/loss.hpp>
+#include <mgpu/nn/train.hpp>
 #include <mgpu/nn/transformer.hpp>
+#include <mgpu/ops/ops.hpp>
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 #include <mgpu/parallel/tensor_parallel_styles.hpp>
@@ -295,3 +300,35 @@ TEST_CASE("parallelize refuses layers that cannot split, naming them and why", "
                      "its style adds 1 layer(s) before layer 1 (LayerNorm(8))");
 }
 
+TEST_CASE("TensorParallel trains a whole model split by styles as one device does", "[parallel][tensor][styles]") {
+  auto const sgd = [](nn::Sequential const&) {
+    return std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 0.5f});
+  };
+  std::map<std::size_t, par::Style> const styles{{0, par::column_parallel()}, {2, par::row_parallel()}};
+  Env env;
+  nn::Sequential model = mlp();
+  model.materialize(env.ctx, seed);
+  auto const optimizer = sgd(model);
+  nn::MeanSquaredError const mse;
+  mgpu::DeviceGroup group("host:2");
+  par::TensorParallel tp(group, mlp(),
+                         {.seed = seed,
+                          .styles = styles,
+                          .loss = [](std::shared_ptr<mgpu::comm::Communicator>,
+                                     int) { return std::make_unique<nn::MeanSquaredError>(); },
+                          .optimizer = sgd});
+  // The shards together are the one-device model materialized from the seed.
+  CHECK(tp.gather_parameters() == mgpu::test::host_values(model.master_parameters(), env.stream));
+  for (unsigned s = 0; s < steps; ++s) {
+    Tensor const x = env.random({6, width}, 10 + s), y = env.random({6, width}, 20 + s);
+    double const want = mgpu::ops::item(nn::train_step(model, *optimizer, x, y, mse, env.ctx).loss, env.stream);
+    CHECK(std::abs(tp.step(x, y).loss - want) <= 1e-5 * want);
+  }
+  check_close(tp.gather_parameters(), mgpu::test::host_values(model.master_parameters(), env.stream));
+  REQUIRE_MGPU_ERROR(par::TensorParallel(group, mlp(), {.styles = styles}), mgpu::Errc::invalid_argument,
+                     "TensorParallel: a model whose last layer is Linear(16, 8) without options.loss");
+  REQUIRE_MGPU_ERROR(par::TensorParallel(group, mlp(), {.loss = [](std::shared_ptr<mgpu::comm::Communicator>, int) {
+                                                          return std::make_unique<nn::MeanSquaredError>();
+                                                        }}),
+                     mgpu::Errc::invalid_argument, "parallelize: layer 0 (Linear(8, 16)) has no tensor-parallel style");
+}

@@ -246,7 +246,12 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
 [[nodiscard]] std::vector<nn::ParameterRange> partial_ranges(nn::Sequential const& shard, bool sequence_parallel);
 
 struct TensorParallelOptions {
-  std::uint64_t seed = 1;  ///< together the shards hold gpt(config) materialized from it
+  std::uint64_t seed = 1;  ///< together the shards hold the whole model materialized from it
+  /// The whole-model constructor's styles by layer index (a layer not named takes default_style()).
+  std::map<std::size_t, Style> styles{};
+  /// Makes rank `rank`'s loss over its shard's output, one per rank (empty: VocabParallelCrossEntropy
+  /// over the vocab of the model's last layer, an nn::TiedLMHead).
+  std::function<std::unique_ptr<nn::Loss>(std::shared_ptr<comm::Communicator> comm, int rank)> loss{};
   /// AdamW (decay_ranges must be empty: each rank decays its shard's 2-D weights).
   optim::AdamWOptions adamw{};
   /// Another optimizer per rank, made from the rank's shard (replaces the AdamW when set).
@@ -276,13 +281,19 @@ struct TensorParallelOptions {
   std::shared_ptr<metrics::Registry> metrics{};  ///< each rank's compute and wait times per step
 };
 
-/// Trains gpt(config) with every rank of `group` holding one tensor-parallel shard, in A =
-/// options.data_parallel replicas of T = group size / A ranks each, in one process or across
-/// processes (dist::communicator_factory); the replicas stay bitwise identical.
+/// Trains a whole model with every rank of `group` holding one tensor-parallel shard of it
+/// (parallelize() with options.styles), in A = options.data_parallel replicas of T = group size / A
+/// ranks each, in one process or across processes (dist::communicator_factory); the replicas stay
+/// bitwise identical.
 class TensorParallel {
  public:
-  /// Throws Error(invalid_argument) for a bad config or options, e.g. a data_parallel that does not
-  /// divide the device count, or one above 1 across processes without make_subset_communicator.
+  /// `whole`: the model's architecture (its layers are copied). Throws Error(invalid_argument) for
+  /// bad options, e.g. a data_parallel that does not divide the device count, or one above 1
+  /// across processes without make_subset_communicator; for a layer parallelize() cannot split;
+  /// without options.loss for a model whose last layer is not an nn::TiedLMHead.
+  TensorParallel(DeviceGroup& group, nn::Sequential const& whole, TensorParallelOptions options = {});
+  /// TensorParallel(group, nn::gpt(config), options), its shards tensor_parallel_gpt(config, ...):
+  /// throws as it does for a bad config, too.
   TensorParallel(DeviceGroup& group, nn::GptConfig const& config, TensorParallelOptions options = {});
   ~TensorParallel();
   TensorParallel(TensorParallel const&) = delete;
@@ -299,7 +310,7 @@ class TensorParallel {
   /// throw Error(invalid_argument)).
   StepResult step(Tensor const& ids, Tensor const& targets, float lr_scale = 1.0f);
 
-  /// The whole model's float32 parameters in gpt(config)'s flat layout, from replica 0's shards.
+  /// The whole model's float32 parameters in its flat layout, from replica 0's shards.
   /// Synchronizes; across processes collective.
   [[nodiscard]] std::vector<float> gather_parameters();
   /// Sets every replica's shards (this process's) from the whole model's float32 parameters.
@@ -309,7 +320,7 @@ class TensorParallel {
   /// collective, a folder). Throws Error(invalid_argument) on an unusable executor, Error(io) naming
   /// the file it cannot write.
   void save(std::filesystem::path const& path, io::TrainingState const& state = {});
-  /// Loads a save of gpt(config) into every shard and optimizer, verifying everything first: an
+  /// Loads a save of the whole model into every shard and optimizer, verifying everything first: an
   /// error leaves the executor unchanged everywhere and names the mismatch or damaged file.
   /// Returns the saved TrainingState.
   io::TrainingState load(std::filesystem::path const& path);
@@ -326,6 +337,9 @@ class TensorParallel {
   [[nodiscard]] int tensor_parallel() const noexcept;
 
  private:
+  // Rank `rank`'s shard over `comm`'s ranks.
+  using MakeShard = std::function<nn::Sequential(std::shared_ptr<comm::Communicator> comm, int rank)>;
+  TensorParallel(DeviceGroup& group, nn::Sequential const& whole, MakeShard make_shard, TensorParallelOptions options);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
