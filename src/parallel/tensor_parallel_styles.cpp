@@ -13,6 +13,7 @@
 #include <mgpu/core/memory.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/transformer.hpp>
+#include <mgpu/ops/ops.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 
 #include "parallel/tensor_parallel_regions.hpp"
@@ -74,7 +75,7 @@ void check_last(std::string const& what, Shape const& shape, std::int64_t featur
 }  // namespace
 
 ColumnParallelLinear::ColumnParallelLinear(std::int64_t in, std::int64_t out, std::shared_ptr<comm::Communicator> comm,
-                                           int rank, nn::Init init, bool sequence_parallel)
+                                           int rank, nn::Init init, bool sequence_parallel, bool gather_output)
     : in_(in),
       out_(out),
       comm_(std::move(comm)),
@@ -83,11 +84,18 @@ ColumnParallelLinear::ColumnParallelLinear(std::int64_t in, std::int64_t out, st
                            rank)),
       init_(init),
       sequence_parallel_(sequence_parallel),
-      linear_(in, out / ranks_, init) {}
+      gather_output_(gather_output),
+      linear_(in, out / ranks_, init) {
+  if (gather_output && sequence_parallel)
+    throw Error(Errc::invalid_argument,
+                linear_text("ColumnParallel", in, out) +
+                    ") with a gathered output and sequence parallelism (expected one of them: a sequence-parallel "
+                    "region ends at a row-parallel layer or a token gather)");
+}
 
 std::string ColumnParallelLinear::name() const {
-  return linear_text("ColumnParallel", in_, out_) + ", rank " + std::to_string(rank_) + " of " +
-         std::to_string(ranks_) + ")";
+  return linear_text("ColumnParallel", in_, out_) + (gather_output_ ? ", gathered" : "") + ", rank " +
+         std::to_string(rank_) + " of " + std::to_string(ranks_) + ")";
 }
 
 void ColumnParallelLinear::copy_shard(std::span<float> whole, std::span<float> shard, bool to_shard) const {
@@ -121,11 +129,31 @@ void ColumnParallelLinear::set_input_grad(bool needed) {
 Tensor ColumnParallelLinear::forward(Tensor const& x, nn::Context& ctx) {
   check_last(name(), x.shape(), in_, sequence_parallel_);
   // f: the replicated input as it is (its gradient summed in backward), or the ranks' tokens gathered.
-  return linear_.forward(sequence_parallel_ ? detail::gather_tokens(x, *comm_, rank_, ctx) : x, ctx);
+  Tensor const y = linear_.forward(sequence_parallel_ ? detail::gather_tokens(x, *comm_, rank_, ctx) : x, ctx);
+  if (!gather_output_) return y;
+  // Every rank's columns, rank after rank, then each rank's block into its columns of the whole.
+  std::int64_t const part = out_ / ranks_, rows = y.numel() / part;
+  Tensor const parts = Tensor::empty({ranks_ * rows * part}, y.dtype(), ctx.allocator, ctx.stream);
+  comm_->all_gather(rank_, y, parts, ctx.stream);
+  Shape shape = y.shape();
+  shape.back() = out_;
+  Tensor whole = Tensor::empty(shape, y.dtype(), ctx.allocator, ctx.stream);
+  for (int r = 0; r < ranks_; ++r)
+    ops::copy_columns(parts.slice(r * rows * part, (r + 1) * rows * part).reshape({rows, part}), 0, whole, r * part,
+                      part, ctx.stream);
+  return whole;
 }
 
 Tensor ColumnParallelLinear::backward(Tensor const& dy, nn::Context& ctx) {
-  Tensor dx = linear_.backward(dy, ctx);  // this rank's part of the input gradient
+  Tensor local = dy;
+  if (gather_output_) {  // the gradient of this rank's columns
+    std::int64_t const part = out_ / ranks_;
+    Shape shape = dy.shape();
+    shape.back() = part;
+    local = Tensor::empty(shape, dy.dtype(), ctx.allocator, ctx.stream);
+    ops::copy_columns(dy, rank_ * part, local, 0, part, ctx.stream);
+  }
+  Tensor dx = linear_.backward(local, ctx);  // this rank's part of the input gradient
   if (!input_grad_) return dx;
   if (sequence_parallel_) return detail::scatter_tokens(dx, *comm_, rank_, ctx);
   comm_->all_reduce(rank_, dx, dx, ReduceOp::sum, ctx.stream);
@@ -136,7 +164,7 @@ Shape ColumnParallelLinear::output_shape(Shape const& input) const {
   check_last(name(), input, in_, sequence_parallel_);
   Shape out = input;
   if (sequence_parallel_) out[1] *= ranks_;
-  out.back() = out_ / ranks_;
+  out.back() = gather_output_ ? out_ : out_ / ranks_;
   return out;
 }
 
@@ -238,11 +266,12 @@ int group_size(ShardGroup const& group) { return group.comm != nullptr ? group.c
 
 }  // namespace
 
-Style column_parallel() {
-  return [](nn::Layer const& whole, ShardGroup const& group) {
+Style column_parallel(bool gather_output) {
+  return [gather_output](nn::Layer const& whole, ShardGroup const& group) {
     auto const& linear = expect<nn::Linear>(whole, "column_parallel", "an nn::Linear");
     return one(std::make_unique<ColumnParallelLinear>(linear.in_features(), linear.out_features(), group.comm,
-                                                      group.rank, linear.init(), group.sequence_parallel));
+                                                      group.rank, linear.init(), group.sequence_parallel,
+                                                      gather_output));
   };
 }
 

@@ -1,6 +1,7 @@
 // Tensor parallelism as layer styles (parallelize): an MLP (Linear -> GELU -> Linear, column then
-// row) over 2 ranks gives the one-device outputs, input and parameter gradients, and losses and
-// weights after SGD steps, with and without sequence parallelism; the GPT's shards from parallelize
+// row, or both column-parallel with gathered outputs) over 2 ranks gives the one-device outputs,
+// input and parameter gradients, and losses and weights after SGD steps, with and without sequence
+// parallelism; the GPT's shards from parallelize
 // hold the one-device model's split as each layer's copy_shard says, bit for bit; layers that
 // cannot split, and bad plans, are refused naming the layer; TensorParallel trains such a model
 // (the MLP, with a loss per rank) as one device does.
@@ -145,12 +146,11 @@ std::vector<float> to_whole(nn::Sequential const& whole, std::vector<nn::Sequent
 }
 
 Run tensor_parallel(std::vector<std::vector<float>> const& inputs, std::vector<std::vector<float>> const& targets,
-                    bool sequence) {
+                    par::TensorParallelPlan const& plan) {
   mgpu::DeviceGroup group("host:2");
   std::shared_ptr<mgpu::comm::Communicator> const comm = mgpu::comm::make_communicator(group);
   nn::Sequential const whole = mlp();
-  par::TensorParallelPlan const plan{.styles = {{0, par::column_parallel()}, {2, par::row_parallel()}},
-                                     .sequence_parallel = sequence};
+  bool const sequence = plan.sequence_parallel;
   std::vector<nn::Sequential> shards;
   std::vector<mgpu::optim::SGD> sgds;
   for (int r = 0; r < 2; ++r) {
@@ -176,7 +176,7 @@ Run tensor_parallel(std::vector<std::vector<float>> const& inputs, std::vector<s
     });
     std::vector<float> y(static_cast<std::size_t>(batch * tokens * width));
     for (int r = 0; r < 2; ++r) put_tokens(y, outs[static_cast<std::size_t>(r)], first(r), last(r));
-    if (!sequence) CHECK(outs[0] == outs[1]);  // the row-parallel Linear's all-reduced output
+    if (!sequence) CHECK(outs[0] == outs[1]);  // the all-reduced or gathered output
     std::vector<float> dy;
     run.losses.push_back(loss_and_gradient(y, targets[static_cast<std::size_t>(s)], dy));
     group.run([&](int r, mgpu::Device, mgpu::Stream& stream) {
@@ -208,7 +208,8 @@ Run tensor_parallel(std::vector<std::vector<float>> const& inputs, std::vector<s
 
 }  // namespace
 
-TEST_CASE("An MLP split column then row over 2 ranks trains as on one device", "[parallel][tensor][styles]") {
+TEST_CASE("An MLP split column then row, or column with gathered outputs, over 2 ranks trains as on one device",
+          "[parallel][tensor][styles]") {
   std::vector<std::vector<float>> inputs, targets;
   for (unsigned s = 0; s < steps; ++s) {
     inputs.push_back(random_values(2 * s + 1));
@@ -216,9 +217,14 @@ TEST_CASE("An MLP split column then row over 2 ranks trains as on one device", "
   }
   Run const want = one_device(inputs, targets);
   REQUIRE(want.losses.back() < want.losses.front());  // the steps change the model
-  for (bool const sequence : {false, true}) {
-    INFO("sequence parallel " << sequence);
-    Run const got = tensor_parallel(inputs, targets, sequence);
+  // Column then row, with and without sequence parallelism; column with gathered outputs twice.
+  std::vector<par::TensorParallelPlan> const plans{
+      {.styles = {{0, par::column_parallel()}, {2, par::row_parallel()}}},
+      {.styles = {{0, par::column_parallel()}, {2, par::row_parallel()}}, .sequence_parallel = true},
+      {.styles = {{0, par::column_parallel(true)}, {2, par::column_parallel(true)}}}};
+  for (std::size_t p = 0; p < plans.size(); ++p) {
+    INFO("plan " << p);
+    Run const got = tensor_parallel(inputs, targets, plans[p]);
     check_close(got.outputs, want.outputs);
     check_close(got.input_gradient, want.input_gradient);
     check_close(got.gradients, want.gradients);
@@ -286,6 +292,13 @@ TEST_CASE("parallelize refuses layers that cannot split, naming them and why", "
                                       comm, 0),
                      mgpu::Errc::invalid_argument,
                      "parallelize: layer 0 (Linear(8, 16)): replicate with sequence parallelism for a Linear(8, 16)");
+  REQUIRE_MGPU_ERROR(
+      par::parallelize(
+          mlp(), {.styles = {{0, par::column_parallel(true)}, {2, par::row_parallel()}}, .sequence_parallel = true},
+          comm, 0),
+      mgpu::Errc::invalid_argument,
+      "parallelize: layer 0 (Linear(8, 16)): ColumnParallel(Linear(8, 16)) with a gathered output and "
+      "sequence parallelism (expected one of them");
   REQUIRE_MGPU_ERROR(par::parallelize(mlp(), {}, comm, 2), mgpu::Errc::invalid_argument,
                      "parallelize for rank 2 (expected a rank in [0, 2))");
   REQUIRE_MGPU_ERROR(par::parallelize(mlp().stage(2, 3), {}, comm, 0), mgpu::Errc::invalid_argument,

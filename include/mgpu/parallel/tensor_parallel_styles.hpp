@@ -39,15 +39,18 @@ class ShardedLayer {
 /// nn::Linear(in, out) split by output columns over `comm`'s ranks: rank r holds W's columns and
 /// b's entries [r out / T, (r + 1) out / T) and returns those columns of the output, [..., out / T]
 /// (the next layer takes them: an element-wise layer, a RowParallelLinear or a vocab-parallel
-/// loss). Its input is replicated and its input gradient summed over the ranks; with
-/// `sequence_parallel` it takes the rank's tokens [B, T / ranks, in], gathers them, and
-/// reduce-scatters the input gradient back to them. Initialized as the whole Linear's shard.
+/// loss), or with `gather_output` the whole output [..., out], every rank's columns gathered
+/// (all-gather, then ops::copy_columns), whose gradient it takes this rank's columns of. Its input
+/// is replicated and its input gradient summed over the ranks; with `sequence_parallel` it takes
+/// the rank's tokens [B, T / ranks, in], gathers them, and reduce-scatters the input gradient back
+/// to them. Initialized as the whole Linear's shard.
 class ColumnParallelLinear final : public nn::Layer, public ShardedLayer {
  public:
-  /// Throws Error(invalid_argument) without a communicator, unless its size divides `out`, or for a
-  /// rank outside it.
+  /// Throws Error(invalid_argument) without a communicator, unless its size divides `out`, for a
+  /// rank outside it, or for `gather_output` with `sequence_parallel` (the output would be the
+  /// whole sequence's: a row-parallel layer or a token gather ends a sequence-parallel region).
   ColumnParallelLinear(std::int64_t in, std::int64_t out, std::shared_ptr<comm::Communicator> comm, int rank,
-                       nn::Init init = nn::Init::kaiming, bool sequence_parallel = false);
+                       nn::Init init = nn::Init::kaiming, bool sequence_parallel = false, bool gather_output = false);
   std::string name() const override;
   std::int64_t parameter_count() const override { return linear_.parameter_count(); }
   std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override { return linear_.matrix_ranges(); }
@@ -63,7 +66,7 @@ class ColumnParallelLinear final : public nn::Layer, public ShardedLayer {
   std::size_t saved_micro_batches() const override { return linear_.saved_micro_batches(); }
   void set_input_grad(bool needed) override;
   std::unique_ptr<Layer> clone() const override {
-    return std::make_unique<ColumnParallelLinear>(in_, out_, comm_, rank_, init_, sequence_parallel_);
+    return std::make_unique<ColumnParallelLinear>(in_, out_, comm_, rank_, init_, sequence_parallel_, gather_output_);
   }
 
  private:
@@ -71,7 +74,7 @@ class ColumnParallelLinear final : public nn::Layer, public ShardedLayer {
   std::shared_ptr<comm::Communicator> comm_;
   int rank_, ranks_;
   nn::Init init_;
-  bool sequence_parallel_;
+  bool sequence_parallel_, gather_output_;
   bool input_grad_ = true;
   nn::Linear linear_;  // in -> out / T
   Tensor params_;      // the bound parameters
@@ -132,8 +135,9 @@ struct ShardGroup {
 /// saying why the layer cannot split so (parallelize() adds which layer).
 using Style = std::function<std::vector<std::unique_ptr<nn::Layer>>(nn::Layer const& whole, ShardGroup const& group)>;
 
-/// nn::Linear -> ColumnParallelLinear.
-[[nodiscard]] Style column_parallel();
+/// nn::Linear -> ColumnParallelLinear, its output the rank's columns or, with `gather_output`, the
+/// whole (for a layer that takes every column: a loss, or a replicated layer after it).
+[[nodiscard]] Style column_parallel(bool gather_output = false);
 /// nn::Linear -> RowParallelLinear.
 [[nodiscard]] Style row_parallel();
 /// nn::Embedding -> VocabParallelEmbedding (with sequence parallelism it returns the rank's tokens:
