@@ -233,7 +233,6 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
 TensorParallel::TensorParallel(DeviceGroup& group, nn::Sequential const& whole, TensorParallelOptions options)
     : TensorParallel(group, whole, MakeShard{}, std::move(options)) {}
 
-// `make_shard` empty: parallelize(whole) with the options' styles.
 TensorParallel::TensorParallel(DeviceGroup& group, nn::Sequential const& whole, MakeShard make_shard,
                                TensorParallelOptions options)
     : impl_(std::make_unique<Impl>()) {

@@ -339,6 +339,9 @@ class TensorParallel {
  private:
   // Rank `rank`'s shard over `comm`'s ranks.
   using MakeShard = std::function<nn::Sequential(std::shared_ptr<comm::Communicator> comm, int rank)>;
+  // The public constructors' work: every rank's shard made by `make_shard` (the GptConfig
+  // constructor's tensor_parallel_gpt) or, when it is empty, by parallelize(whole) with
+  // options.styles and options.sequence_parallel. Throws as the whole-model constructor does.
   TensorParallel(DeviceGroup& group, nn::Sequential const& whole, MakeShard make_shard, TensorParallelOptions options);
   struct Impl;
   std::unique_ptr<Impl> impl_;
