@@ -237,18 +237,7 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::Sequential const& whole, 
                                TensorParallelOptions options)
     : impl_(std::make_unique<Impl>()) {
   Impl& im = *impl_;
-  if (!options.loss) {
-    auto const* head = whole.size() > 0 ? dynamic_cast<nn::TiedLMHead const*>(&whole.layer(whole.size() - 1)) : nullptr;
-    if (head == nullptr)
-      throw Error(Errc::invalid_argument,
-                  "TensorParallel: a model whose last layer is " +
-                      (whole.size() > 0 ? whole.layer(whole.size() - 1).name() : std::string("missing")) +
-                      " without options.loss (expected an nn::TiedLMHead last, whose vocab-parallel logits "
-                      "VocabParallelCrossEntropy takes, or a loss factory)");
-    options.loss = [vocab = head->vocab()](std::shared_ptr<comm::Communicator> comm, int rank) {
-      return std::make_unique<VocabParallelCrossEntropy>(vocab, std::move(comm), rank);
-    };
-  }
+  if (!options.loss) options.loss = vocab_parallel_loss(whole, "TensorParallel");
   if (!options.adamw.decay_ranges.empty())
     throw Error(Errc::invalid_argument, "TensorParallel: AdamW with " +
                                             std::to_string(options.adamw.decay_ranges.size()) +

@@ -372,7 +372,7 @@ Style default_style(nn::Layer const& layer) {
 }
 
 nn::Sequential parallelize(nn::Sequential const& whole, TensorParallelPlan const& plan,
-                           std::shared_ptr<comm::Communicator> comm, int rank) {
+                           std::shared_ptr<comm::Communicator> comm, int rank, std::vector<std::size_t>* origins) {
   if (comm == nullptr)
     throw Error(Errc::invalid_argument, "parallelize without a communicator (expected the tensor-parallel group's)");
   if (rank < 0 || rank >= comm->size())
@@ -393,6 +393,7 @@ nn::Sequential parallelize(nn::Sequential const& whole, TensorParallelPlan const
   }
   ShardGroup const group{std::move(comm), rank, plan.sequence_parallel};
   nn::Sequential shard;
+  if (origins != nullptr) origins->clear();
   for (std::size_t i = 0; i < whole.size(); ++i) {
     nn::Layer const& layer = whole.layer(i);
     std::string const what = "parallelize: layer " + std::to_string(i) + " (" + layer.name() + ")";
@@ -425,6 +426,7 @@ nn::Sequential parallelize(nn::Sequential const& whole, TensorParallelPlan const
                           "parameters or randomness only before the added ones)");
       }
     for (auto& part : parts) shard.add(std::move(part));
+    if (origins != nullptr) origins->insert(origins->end(), parts.size(), i);
   }
   return shard;
 }

@@ -339,7 +339,7 @@ TEST_CASE("TensorParallel trains a whole model split by styles as one device doe
   }
   check_close(tp.gather_parameters(), mgpu::test::host_values(model.master_parameters(), env.stream));
   REQUIRE_MGPU_ERROR(par::TensorParallel(group, mlp(), {.styles = styles}), mgpu::Errc::invalid_argument,
-                     "TensorParallel: a model whose last layer is Linear(16, 8) without options.loss");
+                     "TensorParallel: a model whose last layer is Linear(16, 8) without a loss");
   REQUIRE_MGPU_ERROR(par::TensorParallel(group, mlp(), {.loss = [](std::shared_ptr<mgpu::comm::Communicator>, int) {
                                                           return std::make_unique<nn::MeanSquaredError>();
                                                         }}),

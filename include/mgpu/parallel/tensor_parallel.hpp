@@ -150,6 +150,14 @@ class VocabParallelCrossEntropy final : public nn::Loss {
   nn::TokenCrossEntropy whole_;  // its checks against the whole vocab, and its count
 };
 
+/// Makes rank `rank`'s loss over its tensor-parallel shard's output, over `comm`'s ranks.
+using MakeLoss = std::function<std::unique_ptr<nn::Loss>(std::shared_ptr<comm::Communicator> comm, int rank)>;
+
+/// The loss of `whole`'s tensor-parallel shards when none is given: VocabParallelCrossEntropy over
+/// the vocab of its last layer, an nn::TiedLMHead. Throws Error(invalid_argument), its message
+/// starting with `who`, for another last layer.
+[[nodiscard]] MakeLoss vocab_parallel_loss(nn::Sequential const& whole, std::string const& who);
+
 /// Rank `rank`'s shard of a pre-LN nn::TransformerBlock over `comm`'s ranks: heads / T heads, qkv
 /// and mlp_fc by columns, the projections by rows, in nn::TransformerBlock's parameter order;
 /// initialized as the whole block's shard. With `sequence_parallel` it takes and returns the
@@ -251,7 +259,7 @@ struct TensorParallelOptions {
   std::map<std::size_t, Style> styles{};
   /// Makes rank `rank`'s loss over its shard's output, one per rank (empty: VocabParallelCrossEntropy
   /// over the vocab of the model's last layer, an nn::TiedLMHead).
-  std::function<std::unique_ptr<nn::Loss>(std::shared_ptr<comm::Communicator> comm, int rank)> loss{};
+  MakeLoss loss{};
   /// AdamW (decay_ranges must be empty: each rank decays its shard's 2-D weights).
   optim::AdamWOptions adamw{};
   /// Another optimizer per rank, made from the rank's shard (replaces the AdamW when set).

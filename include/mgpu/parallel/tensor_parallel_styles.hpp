@@ -173,8 +173,11 @@ struct TensorParallelPlan {
 /// with one seed together hold `whole` materialized from it. Throws Error(invalid_argument)
 /// without a communicator, for a rank outside it, for a stage of a model (first_layer() > 0), for
 /// a plan naming a layer `whole` lacks, or naming the layer (index and name) that has no style or
-/// that its style cannot split, and why.
+/// that its style cannot split, and why. With `origins`, sets it to the index in `whole` of each
+/// of the shard's layers' whole layer (non-decreasing: the shard of `whole`'s layers [b, e) is the
+/// shard's layers whose origin is in [b, e)).
 [[nodiscard]] nn::Sequential parallelize(nn::Sequential const& whole, TensorParallelPlan const& plan,
-                                         std::shared_ptr<comm::Communicator> comm, int rank);
+                                         std::shared_ptr<comm::Communicator> comm, int rank,
+                                         std::vector<std::size_t>* origins = nullptr);
 
 }  // namespace mgpu::parallel
