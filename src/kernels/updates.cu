@@ -1,5 +1,5 @@
 // The updates family's kernels (src/ops/updates.cpp): SGD and AdamW steps, scaling, scaled
-// conversion and scaled accumulation, each an element functor over a grid.
+// conversion, scaled accumulation and column copies, each an element functor over a grid.
 #include <mgpu/core/detail/training_math.hpp>
 #include <mgpu/core/dtype.hpp>
 
@@ -15,7 +15,8 @@ namespace mgpu::kernels {
   template void each(int, std::int64_t, mgpu::detail::ScaleConvertOp<T, float16> const&, void*);       \
   template void each(int, std::int64_t, mgpu::detail::AddScaledOp<T, float> const&, void*);            \
   template void each(int, std::int64_t, mgpu::detail::AddScaledOp<T, bfloat16> const&, void*);         \
-  template void each(int, std::int64_t, mgpu::detail::AddScaledOp<T, float16> const&, void*);
+  template void each(int, std::int64_t, mgpu::detail::AddScaledOp<T, float16> const&, void*);          \
+  template void each(int, std::int64_t, mgpu::detail::CopyColumnsOp<T> const&, void*);
 MGPU_UPDATES_FOR_TYPE(float)
 MGPU_UPDATES_FOR_TYPE(bfloat16)
 MGPU_UPDATES_FOR_TYPE(float16)

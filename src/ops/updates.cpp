@@ -1,5 +1,5 @@
 // In-place updates of float buffers: the optimizer steps (SGD, AdamW), scaling, converting and
-// accumulating copies, and zeros().
+// accumulating copies, column copies, and zeros().
 #include <mgpu/ops/ops.hpp>
 
 #include <cmath>
@@ -72,6 +72,30 @@ void add_scaled(Tensor const& dst, Tensor const& src, float factor, Stream& stre
       run_each(stream, HostOpFamily::elementwise, dst.numel(),
                detail::AddScaledOp<D, S>{ptr<D>(dst), ptr<S>(src), factor}, {dst, src});
     });
+  });
+}
+
+void copy_columns(Tensor const& src, std::int64_t src_column, Tensor const& dst, std::int64_t dst_column,
+                  std::int64_t columns, Stream& stream) {
+  check(src, "copy_columns", "src", stream);
+  check(dst, "copy_columns", "dst", stream);
+  check_dtype(dst, src.dtype(), "copy_columns", "dst");
+  std::int64_t const a = src.shape().empty() ? 0 : src.shape().back();
+  std::int64_t const b = dst.shape().empty() ? 0 : dst.shape().back();
+  std::int64_t const rows = a > 0 ? src.numel() / a : 0;
+  if (a < 1 || b < 1 || dst.numel() / b != rows)
+    throw Error(Errc::invalid_argument, "copy_columns: src " + to_string(src.shape()) + " and dst " +
+                                            to_string(dst.shape()) +
+                                            " (expected [..., a] and [..., b] with as many rows)");
+  if (columns < 0 || src_column < 0 || dst_column < 0 || src_column + columns > a || dst_column + columns > b)
+    throw Error(Errc::invalid_argument, "copy_columns: " + std::to_string(columns) + " columns from " +
+                                            std::to_string(src_column) + " of " + std::to_string(a) + " to " +
+                                            std::to_string(dst_column) + " of " + std::to_string(b) +
+                                            " (expected blocks inside both)");
+  if (rows * columns == 0) return;
+  visit(src.dtype(), [&]<class T>(T) {
+    run_each(stream, HostOpFamily::elementwise, rows * columns,
+             detail::CopyColumnsOp<T>{ptr<T>(src), ptr<T>(dst), a, src_column, b, dst_column, columns}, {src, dst});
   });
 }
 

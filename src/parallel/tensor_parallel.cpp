@@ -223,8 +223,21 @@ void TensorParallel::Impl::recover(std::exception_ptr failure, Before const& bef
 }
 
 TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, TensorParallelOptions options)
+    : TensorParallel(
+          group, nn::gpt(config),
+          [config, sequence_parallel = options.sequence_parallel](std::shared_ptr<comm::Communicator> comm, int rank) {
+            return tensor_parallel_gpt(config, std::move(comm), rank, sequence_parallel);
+          },
+          std::move(options)) {}
+
+TensorParallel::TensorParallel(DeviceGroup& group, nn::Sequential const& whole, TensorParallelOptions options)
+    : TensorParallel(group, whole, MakeShard{}, std::move(options)) {}
+
+TensorParallel::TensorParallel(DeviceGroup& group, nn::Sequential const& whole, MakeShard make_shard,
+                               TensorParallelOptions options)
     : impl_(std::make_unique<Impl>()) {
   Impl& im = *impl_;
+  if (!options.loss) options.loss = vocab_parallel_loss(whole, "TensorParallel");
   if (!options.adamw.decay_ranges.empty())
     throw Error(Errc::invalid_argument, "TensorParallel: AdamW with " +
                                             std::to_string(options.adamw.decay_ranges.size()) +
@@ -258,8 +271,17 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
                                             " across processes without make_subset_communicator (expected "
                                             "dist::subset_communicator_factory(world) with make_communicator)");
   im.group = &group;
-  im.config = config;
+  im.whole = whole.clone();
   im.options = std::move(options);
+  if (!make_shard) {  // parallelize with the options' styles
+    make_shard = [model = std::make_shared<nn::Sequential const>(whole.clone()),
+                  plan = TensorParallelPlan{.styles = im.options.styles,
+                                            .sequence_parallel = im.options.sequence_parallel}](
+                     std::shared_ptr<comm::Communicator> comm, int rank) {
+      return parallelize(*model, plan, std::move(comm), rank);
+    };
+  }
+  im.make_shard = std::move(make_shard);
   im.replicas = replicas;
   im.ranks = size / replicas;
   im.mesh = comm::DeviceMesh({{"dp", replicas}, {"tp", im.ranks}});
@@ -302,7 +324,7 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
   for (int r = 0; r < group.size(); ++r) {
     int const a = im.mesh.coordinate(im.first + r, "dp"), t = im.mesh.coordinate(im.first + r, "tp");
     std::shared_ptr<comm::Communicator> const& comm = im.comms[static_cast<std::size_t>(a)];
-    im.shards.push_back(tensor_parallel_gpt(config, comm, t, im.options.sequence_parallel));
+    im.shards.push_back(im.make_shard(comm, t));
     if (im.options.optimizer) {
       im.optimizers.push_back(im.options.optimizer(im.shards.back()));
     } else {
@@ -313,7 +335,10 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, 
     im.syncs.push_back(std::make_unique<detail::TensorParallelSync>(im.shards.back(), *comm, t, *im.all, im.first + r,
                                                                     im.options.sequence_parallel, im.options.timeline.get(),
                                                                     group.allocator(r)));
-    im.losses.emplace_back(config.vocab, comm, t);
+    im.losses.push_back(im.options.loss(comm, t));
+    if (!im.losses.back())
+      throw Error(Errc::invalid_argument, "TensorParallel: options.loss returned no loss for rank " + std::to_string(t) +
+                                              " (expected a new loss from every call)");
     im.scalers.push_back(im.options.loss_scaler);
   }
   group.run([&](int rank, Device /*device*/, Stream& stream) {
@@ -404,7 +429,7 @@ void TensorParallel::Impl::report_times() {
 TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const& targets, float lr_scale) {
   Impl& im = *impl_;
   if (!im.broken.empty()) throw Error(Errc::invalid_argument, "TensorParallel::step: " + im.broken);
-  nn::Loss const& loss = im.losses[0];
+  nn::Loss const& loss = *im.losses[0];
   // Before any rank starts: a bad batch found inside the step would abort the communicators.
   nn::check_batch(im.shards[0], loss, ids, targets, {lr_scale, DType::float32, false}, "TensorParallel::step");
   std::int64_t const rows = ids.rank() > 0 ? ids.dim(0) : 0;
@@ -453,7 +478,7 @@ TensorParallel::StepResult TensorParallel::step(Tensor const& ids, Tensor const&
         data->shard_parameters(*im.optimizers[r], allocator, stream);  // zero_stage 3, when gathered whole
       }
       nn::StepResult const step =
-          nn::train_step(im.shards[r], *im.optimizers[r], local(ids), local(targets), im.losses[r], ctx,
+          nn::train_step(im.shards[r], *im.optimizers[r], local(ids), local(targets), *im.losses[r], ctx,
                          {.lr_scale = lr_scale,
                           .clip_norm = im.options.clip_norm,
                           .scaler = im.scalers[r] ? &*im.scalers[r] : nullptr,

@@ -1,4 +1,4 @@
-// TensorParallel and the whole model: the shards' buffers put together in gpt(config)'s layout and
+// TensorParallel and the whole model: the shards' buffers put together in its layout and
 // split back (gather_parameters, scatter_parameters), and checkpoints in io::save_training's format,
 // which every layout reads and writes.
 #include <mgpu/parallel/tensor_parallel.hpp>
@@ -45,7 +45,7 @@ struct Whole {
   nn::Sequential model;
   std::unique_ptr<optim::Optimizer> optimizer;
 
-  explicit Whole(nn::GptConfig const& config, TensorParallelOptions const& options) : model(nn::gpt(config)) {
+  explicit Whole(nn::Sequential const& whole, TensorParallelOptions const& options) : model(whole.clone()) {
     nn::Context ctx{*allocator, stream};
     model.materialize(ctx, options.seed);
     stream.synchronize();
@@ -65,7 +65,7 @@ struct Whole {
 }  // namespace
 
 std::vector<float> TensorParallel::Impl::to_whole(ShardBuffer const& buffer) {
-  nn::Sequential const whole_model = nn::gpt(config);
+  nn::Sequential const& whole_model = this->whole;
   std::vector<float> whole(static_cast<std::size_t>(whole_model.parameter_count()));
   auto const check = [&](Tensor const& t, nn::Sequential const& shard) {
     if (t.numel() != shard.parameter_count() || t.dtype() != DType::float32)
@@ -81,7 +81,7 @@ std::vector<float> TensorParallel::Impl::to_whole(ShardBuffer const& buffer) {
   if (world) {
     std::shared_ptr<comm::Communicator> const& comm = comms[static_cast<std::size_t>(mesh.coordinate(first, "dp"))];
     for (int t = 0; t < ranks; ++t) {
-      layouts.push_back(tensor_parallel_gpt(config, comm, t, options.sequence_parallel));
+      layouts.push_back(make_shard(comm, t));
       padded = std::max(padded, layouts.back().parameter_count());
     }
     group->run([&](int rank, Device /*device*/, Stream& stream) {
@@ -123,7 +123,7 @@ std::vector<float> TensorParallel::Impl::to_whole(ShardBuffer const& buffer) {
 }
 
 void TensorParallel::Impl::from_whole(std::span<float const> values, ShardBuffer const& buffer) {
-  nn::Sequential const whole_model = nn::gpt(config);
+  nn::Sequential const& whole_model = this->whole;
   std::vector<float> whole(values.begin(), values.end());
   auto const host = Allocator::create({DeviceKind::host, 0});
   for (int rank = 0; rank < group->size(); ++rank) {
@@ -156,10 +156,10 @@ std::vector<float> TensorParallel::gather_parameters() {
 
 void TensorParallel::scatter_parameters(std::span<float const> values) {
   Impl& im = *impl_;
-  auto const expected = nn::gpt(im.config).parameter_count();
+  auto const expected = im.whole.parameter_count();
   if (values.size() != static_cast<std::size_t>(expected))
     throw Error(Errc::invalid_argument, "TensorParallel::scatter_parameters: " + std::to_string(values.size()) +
-                                            " values (expected gpt(config)'s " + std::to_string(expected) + ")");
+                                            " values (expected the whole model's " + std::to_string(expected) + ")");
   im.gather_whole();  // zero_stage 3: the next step keeps the owned parameters of these
   im.from_whole(values, [&im](int rank) { return im.shards[static_cast<std::size_t>(rank)].master_parameters(); });
   for (int rank = 0; rank < im.group->size(); ++rank) {
@@ -177,10 +177,10 @@ void TensorParallel::save(std::filesystem::path const& path, io::TrainingState c
   nn::Sequential const& shard = im.shards[0];
   // The optimizers are stepped together: every rank holds as many state buffers, whole ones.
   std::vector<optim::NamedTensor> const state_buffers = im.optimizers[0]->state();
-  Whole whole(im.config, im.options);
+  Whole whole(im.whole, im.options);
   if (shard.size() != whole.model.size())
     throw Error(Errc::invalid_argument, "TensorParallel::save: a shard of " + std::to_string(shard.size()) +
-                                            " layers (expected gpt(config)'s " + std::to_string(whole.model.size()) + ")");
+                                            " layers (expected the whole model's " + std::to_string(whole.model.size()) + ")");
   // Every process puts the whole model together (collectives across processes), in the same order.
   // The whole model lives on the host: its buffers are filled directly.
   auto const fill = [](Tensor const& into, std::vector<float> const& values) {
@@ -243,12 +243,12 @@ io::TrainingState TensorParallel::load(std::filesystem::path const& path) {
   io::TrainingState state;
   std::optional<optim::LossScaler::State> scaler;
   try {
-    whole.emplace(im.config, im.options);
+    whole.emplace(im.whole, im.options);
     io::Checkpoint const records =
         std::filesystem::is_directory(path) ? io::ShardedCheckpoint::load(path).joined() : io::Checkpoint::load(path);
     if (whole->model.size() != im.shards[0].size())
       throw Error(Errc::invalid_argument, "TensorParallel::load: a shard of " + std::to_string(im.shards[0].size()) +
-                                              " layers (expected gpt(config)'s " + std::to_string(whole->model.size()) + ")");
+                                              " layers (expected the whole model's " + std::to_string(whole->model.size()) + ")");
     if (im.scalers[0]) scaler = io::read_loss_scaler(records, path.string(), *im.scalers[0]);
     state = io::load_training(records, path.string(), whole->model, *whole->optimizer, *whole->allocator, whole->stream);
   } catch (...) {

@@ -29,7 +29,8 @@ std::vector<float> host_copy(Tensor const& t, Stream& stream);
 
 struct TensorParallel::Impl {
   DeviceGroup* group = nullptr;
-  nn::GptConfig config;
+  nn::Sequential whole;  // the architecture
+  MakeShard make_shard;
   TensorParallelOptions options;
   int replicas = 1, ranks = 1;  // A and T
   comm::DeviceMesh mesh{{{"tp", 1}}};  // dp A x tp T over the grid's ranks
@@ -58,7 +59,7 @@ struct TensorParallel::Impl {
   void shard_parameters();
   // The optimizers of this process's ranks of tensor-parallel index t, in replica order.
   [[nodiscard]] std::vector<optim::Optimizer*> replica_optimizers(std::size_t t) const;
-  std::vector<VocabParallelCrossEntropy> losses;
+  std::vector<std::unique_ptr<nn::Loss>> losses;  // per rank of this process
   // The communicators above, in the order they were made, made anew after a failed step.
   std::vector<comm::detail::Renewable*> renewable;
   // Why the executor cannot be used (empty: it can).
@@ -80,11 +81,11 @@ struct TensorParallel::Impl {
   // A float32 buffer laid out as each rank's shard's parameters (the master parameters, or an
   // optimizer state buffer): `buffer(rank)` gives this process's rank's.
   using ShardBuffer = std::function<Tensor(int rank)>;
-  // The buffers of replica 0's ranks put together in gpt(config)'s flat layout (the split parts
+  // The buffers of replica 0's ranks put together in the whole model's flat layout (the split parts
   // from every rank, the replicated ones from rank 0), on every process: across processes every
   // rank's is all-gathered over the world, so every process calls it.
   [[nodiscard]] std::vector<float> to_whole(ShardBuffer const& buffer);
-  // Fills each of this process's ranks' buffers with its part of `whole` (gpt(config)'s layout).
+  // Fills each of this process's ranks' buffers with its part of `whole` (the whole model's layout).
   void from_whole(std::span<float const> whole, ShardBuffer const& buffer);
 };
 

@@ -1,6 +1,5 @@
-// The tensor-parallel layers (TensorParallelBlock, the sequence-parallel token layers) and the
-// model they make: tensor_parallel_gpt, with the ranges the executors reduce and count
-// (partial_ranges, norm_ranges).
+// The tensor-parallel transformer block (TensorParallelBlock) and the ranges of a shard the
+// executors reduce and count (partial_ranges, norm_ranges).
 #include <mgpu/parallel/tensor_parallel.hpp>
 
 #include <algorithm>
@@ -14,6 +13,8 @@
 #include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/ops/transformer.hpp>
+
+#include "parallel/tensor_parallel_regions.hpp"
 
 namespace mgpu::parallel {
 namespace {
@@ -37,69 +38,14 @@ int checked_ranks(std::int64_t features, std::int64_t heads, comm::Communicator 
   return ranks;
 }
 
-void check_activation(std::string const& layer, Shape const& shape, std::int64_t features) {
-  if (shape.size() != 3 || shape[2] != features)
-    throw Error(Errc::invalid_argument, layer + ": input of shape " + to_string(shape) + " (expected [B, T, " +
-                                            std::to_string(features) + "])");
-}
-
-// Sequence parallelism: every rank's tokens [B, T / ranks, C] gathered into [B, T, C] (rank r's
-// are rows [r, r + 1) B T / ranks of the flattened [B T, C]).
-Tensor gather_tokens(Tensor const& x, comm::Communicator& comm, int rank, nn::Context& ctx) {
-  Tensor y = Tensor::empty({x.dim(0), x.dim(1) * comm.size(), x.dim(2)}, x.dtype(), ctx.allocator, ctx.stream);
-  comm.all_gather(rank, x, y, ctx.stream);
-  return y;
-}
-
-// Sequence parallelism: x [B, T, C] summed over the ranks, each keeping its tokens [B, T / ranks, C].
-Tensor scatter_tokens(Tensor const& x, comm::Communicator& comm, int rank, nn::Context& ctx) {
-  Tensor y = Tensor::empty({x.dim(0), x.dim(1) / comm.size(), x.dim(2)}, x.dtype(), ctx.allocator, ctx.stream);
-  comm.reduce_scatter(rank, x, y, ReduceOp::sum, ctx.stream);
-  return y;
-}
-
-// The context of a Dropout on this rank's tokens of a batch of `batch` sequences. Dropout numbers
-// an element by its row's global index (ctx.row_offset, counted in rows of its input's shape)
-// times the row's size, plus its place in the row; with sequence parallelism the rank's tokens
-// [B, T / ranks, C] start at element (row_offset T + rank B T / ranks) C of the whole batch, row
-// row_offset ranks + rank B in rows of T / ranks tokens: the same masks as without.
-nn::Context token_context(nn::Context const& ctx, bool sequence_parallel, int ranks, int rank, std::int64_t batch) {
-  nn::Context tokens = ctx;
-  if (sequence_parallel) tokens.row_offset = ctx.row_offset * ranks + rank * batch;
-  return tokens;
-}
-
-// x [B, T, K] (this rank's part of the inputs) times W [K, C], summed over the ranks, plus b [C]:
-// every token's output, or with sequence parallelism the rank's tokens [B, T / ranks, C].
-Tensor row_parallel_forward(Tensor const& x, Tensor const& w, Tensor const& b, comm::Communicator& comm, int rank,
-                            bool sequence_parallel, nn::Context& ctx) {
-  std::int64_t const rows = x.dim(0) * x.dim(1);
-  Tensor y = Tensor::empty({x.dim(0), x.dim(1), w.dim(1)}, x.dtype(), ctx.allocator, ctx.stream);
-  ops::gemm(x.reshape({rows, w.dim(0)}), false, w, false, y.reshape({rows, w.dim(1)}), 1.0f, 0.0f, ctx.stream);
-  if (sequence_parallel) {
-    y = scatter_tokens(y, comm, rank, ctx);
-  } else {
-    comm.all_reduce(rank, y, y, ReduceOp::sum, ctx.stream);
-  }
-  ops::add_bias(y.reshape({y.numel() / w.dim(1), w.dim(1)}), b, ctx.stream);
-  return y;
-}
-
-// The gradients of row_parallel_forward: db and dW (written, or added with accumulate_gradients)
-// and the input gradient dy Wᵀ [B, T, K]. dy (every token's) is the same on every rank.
-Tensor row_parallel_backward(Tensor const& x, Tensor const& dy, Tensor const& w, Tensor const& dw, Tensor const& db,
-                             nn::Context& ctx) {
-  std::int64_t const rows = x.dim(0) * x.dim(1);
-  Tensor const dy2 = dy.reshape({rows, w.dim(1)});
-  ops::bias_grad(dy2, db, ctx.stream, ctx.accumulate_gradients);
-  ops::gemm(x.reshape({rows, w.dim(0)}), true, dy2, false, dw, 1.0f, ctx.accumulate_gradients ? 1.0f : 0.0f,
-            ctx.stream);
-  Tensor dx = Tensor::empty(x.shape(), x.dtype(), ctx.allocator, ctx.stream);
-  ops::gemm(dy2, false, w, true, dx.reshape({rows, w.dim(0)}), 1.0f, 0.0f, ctx.stream);
-  return dx;
-}
-
 }  // namespace
+
+using detail::check_activation;
+using detail::gather_tokens;
+using detail::row_parallel_backward;
+using detail::row_parallel_forward;
+using detail::scatter_tokens;
+using detail::token_context;
 
 TensorParallelBlock::TensorParallelBlock(std::int64_t features, std::int64_t heads,
                                          std::shared_ptr<comm::Communicator> comm, int rank, float proj_init_std,
@@ -372,93 +318,6 @@ Tensor TensorParallelBlock::backward(Tensor const& dy, nn::Context& ctx) {
 Shape TensorParallelBlock::output_shape(Shape const& input) const {
   check_activation(name(), input, features_);
   return input;
-}
-
-namespace {
-
-// Sequence parallelism: nn::Dropout on the rank's tokens [B, T / ranks, C], dropping what it drops
-// on those tokens of the whole [B, T, C] (token_context).
-class TokenDropout final : public nn::Layer {
- public:
-  TokenDropout(float p, int ranks, int rank) : p_(p), ranks_(ranks), rank_(rank), dropout_(p) {}
-  std::string name() const override { return "TokenDropout(" + dropout_.name() + ")"; }
-  void initialize(std::mt19937_64& rng) override { dropout_.initialize(rng); }
-  void set_training(bool training) override { dropout_.set_training(training); }
-  std::uint64_t rng_counter() const override { return dropout_.rng_counter(); }
-  void set_rng_counter(std::uint64_t counter) override { dropout_.set_rng_counter(counter); }
-  std::vector<std::uint64_t> rng_seeds() const override { return dropout_.rng_seeds(); }
-  void set_rng_seeds(std::span<std::uint64_t const> seeds) override { dropout_.set_rng_seeds(seeds); }
-  Tensor forward(Tensor const& x, nn::Context& ctx) override {
-    nn::Context tokens = token_context(ctx, true, ranks_, rank_, x.rank() > 0 ? x.dim(0) : 0);
-    return dropout_.forward(x, tokens);
-  }
-  Tensor backward(Tensor const& dy, nn::Context& ctx) override { return dropout_.backward(dy, ctx); }
-  std::size_t saved_micro_batches() const override { return dropout_.saved_micro_batches(); }
-  std::unique_ptr<Layer> clone() const override { return std::make_unique<TokenDropout>(p_, ranks_, rank_); }
-
- private:
-  float p_;
-  int ranks_, rank_;
-  nn::Dropout dropout_;
-};
-
-// Sequence parallelism, before the LM head: every rank's tokens [B, T / ranks, C] gathered into
-// [B, T, C]; backward reduce-scatters the head's partial input gradients to the rank's tokens.
-class TokenGather final : public nn::Layer {
- public:
-  TokenGather(std::int64_t features, std::shared_ptr<comm::Communicator> comm, int rank)
-      : features_(features), comm_(std::move(comm)), rank_(rank) {}
-  std::string name() const override {
-    return "TokenGather(" + std::to_string(features_) + ", rank " + std::to_string(rank_) + " of " +
-           std::to_string(comm_->size()) + ")";
-  }
-  Tensor forward(Tensor const& x, nn::Context& ctx) override {
-    check_activation(name(), x.shape(), features_);
-    return gather_tokens(x, *comm_, rank_, ctx);
-  }
-  Tensor backward(Tensor const& dy, nn::Context& ctx) override { return scatter_tokens(dy, *comm_, rank_, ctx); }
-  Shape output_shape(Shape const& input) const override {
-    check_activation(name(), input, features_);
-    return {input[0], input[1] * comm_->size(), features_};
-  }
-  std::unique_ptr<Layer> clone() const override { return std::make_unique<TokenGather>(features_, comm_, rank_); }
-
- private:
-  std::int64_t features_;
-  std::shared_ptr<comm::Communicator> comm_;
-  int rank_;
-};
-
-}  // namespace
-
-nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<comm::Communicator> comm, int rank,
-                                   bool sequence_parallel) {
-  nn::Sequential const whole = nn::gpt(config);  // checks the config
-  int const ranks = comm != nullptr ? comm->size() : 0;
-  if (ranks < 1 || config.n_head % ranks != 0)
-    throw Error(Errc::invalid_argument, "tensor_parallel_gpt: " + std::to_string(config.n_head) + " heads over " +
-                                            std::to_string(ranks) +
-                                            " tensor-parallel ranks (expected a group size dividing n_head)");
-  if (config.vocab < ranks)
-    throw Error(Errc::invalid_argument, "tensor_parallel_gpt: a vocab of " + std::to_string(config.vocab) + " over " +
-                                            std::to_string(ranks) +
-                                            " tensor-parallel ranks (expected at least one token id per rank)");
-  float const proj_std = 0.02f / std::sqrt(2.0f * static_cast<float>(config.n_layer));
-  nn::Sequential model;
-  model.add(std::make_unique<VocabParallelEmbedding>(config.vocab, config.block_size, config.n_embd, comm, rank, 0.02f,
-                                                     sequence_parallel));
-  if (sequence_parallel) {
-    model.add(std::make_unique<TokenDropout>(config.dropout, ranks, rank));
-  } else {
-    model.add(std::make_unique<nn::Dropout>(config.dropout));
-  }
-  for (std::int64_t l = 0; l < config.n_layer; ++l)
-    model.add(std::make_unique<TensorParallelBlock>(config.n_embd, config.n_head, comm, rank, proj_std, config.dropout,
-                                                    config.recompute, sequence_parallel));
-  model.add(std::make_unique<nn::LayerNorm>(config.n_embd));
-  if (sequence_parallel) model.add(std::make_unique<TokenGather>(config.n_embd, comm, rank));
-  model.add(std::make_unique<VocabParallelLMHead>(config.vocab, config.n_embd, comm, rank, !sequence_parallel));
-  return model;
 }
 
 std::vector<nn::ParameterRange> partial_ranges(nn::Sequential const& shard, bool sequence_parallel) {

@@ -1,5 +1,5 @@
 // The vocab-parallel parts of a tensor-parallel GPT: VocabParallelEmbedding, VocabParallelLMHead
-// and VocabParallelCrossEntropy.
+// and VocabParallelCrossEntropy, and the default loss that takes its logits.
 #include <algorithm>
 #include <string>
 #include <tuple>
@@ -280,6 +280,19 @@ void VocabParallelCrossEntropy::compute(Tensor const& output, Tensor const& targ
   comm_->all_reduce(rank_, sums, sums, ReduceOp::sum, stream);
   ops::vocab_shard_cross_entropy(output, targets, max, sums, doutput, loss, begin_, vocab_, static_cast<float>(divisor),
                                  stream, whole_.ignore_index(), grad_scale);
+}
+
+MakeLoss vocab_parallel_loss(nn::Sequential const& whole, std::string const& who) {
+  auto const* head = whole.size() > 0 ? dynamic_cast<nn::TiedLMHead const*>(&whole.layer(whole.size() - 1)) : nullptr;
+  if (head == nullptr)
+    throw Error(Errc::invalid_argument,
+                who + ": a model whose last layer is " +
+                    (whole.size() > 0 ? whole.layer(whole.size() - 1).name() : std::string("missing")) +
+                    " without a loss (expected an nn::TiedLMHead last, whose vocab-parallel logits "
+                    "VocabParallelCrossEntropy takes, or a loss factory)");
+  return [vocab = head->vocab()](std::shared_ptr<comm::Communicator> comm, int rank) {
+    return std::make_unique<VocabParallelCrossEntropy>(vocab, std::move(comm), rank);
+  };
 }
 
 }  // namespace mgpu::parallel

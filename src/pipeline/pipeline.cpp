@@ -21,24 +21,36 @@
 
 namespace mgpu::pipeline {
 
+TensorParallelStages tensor_parallel_stages(nn::Sequential const& whole, parallel::TensorParallelPlan plan, int ranks,
+                                            parallel::MakeLoss loss) {
+  if (ranks < 1)
+    throw Error(Errc::invalid_argument,
+                "tensor_parallel_stages: " + std::to_string(ranks) + " tensor-parallel ranks (expected >= 1)");
+  if (!loss) loss = parallel::vocab_parallel_loss(whole, "tensor_parallel_stages");
+  bool const sequence_parallel = plan.sequence_parallel;
+  return {ranks,
+          [model = std::make_shared<nn::Sequential const>(whole.clone()), plan = std::move(plan)](
+              std::shared_ptr<comm::Communicator> const& comm, int rank, std::size_t begin, std::size_t end) {
+            std::vector<std::size_t> origins;
+            nn::Sequential const shard = parallel::parallelize(*model, plan, comm, rank, &origins);
+            // The shard's layers made from the whole model's [begin, end).
+            auto const first = std::lower_bound(origins.begin(), origins.end(), begin);
+            auto const last = std::lower_bound(origins.begin(), origins.end(), end);
+            return shard.stage(static_cast<std::size_t>(first - origins.begin()),
+                               static_cast<std::size_t>(last - origins.begin()));
+          },
+          [loss = std::move(loss)](std::shared_ptr<comm::Communicator> const& comm, int rank) {
+            return std::shared_ptr<nn::Loss const>(loss(comm, rank));
+          },
+          sequence_parallel};
+}
+
 TensorParallelStages tensor_parallel_stages(nn::GptConfig const& config, int ranks, bool sequence_parallel) {
   if (ranks < 1 || config.n_head % ranks != 0)
     throw Error(Errc::invalid_argument, "tensor_parallel_stages: " + std::to_string(config.n_head) + " heads over " +
                                             std::to_string(ranks) +
                                             " tensor-parallel ranks (expected a rank count dividing n_head)");
-  return {ranks,
-          [config, sequence_parallel](std::shared_ptr<comm::Communicator> const& comm, int rank, std::size_t begin,
-                                      std::size_t end) {
-            nn::Sequential const shard = parallel::tensor_parallel_gpt(config, comm, rank, sequence_parallel);
-            // gpt(config)'s layers, but for the layer gathering the tokens before the head (the
-            // shard's last but one with sequence parallelism), which goes with the head.
-            std::size_t const extra = shard.size() - nn::gpt(config).size();
-            return shard.stage(begin, end + (end + 1 == shard.size() ? extra : 0));
-          },
-          [vocab = config.vocab](std::shared_ptr<comm::Communicator> const& comm, int rank) {
-            return std::make_shared<parallel::VocabParallelCrossEntropy const>(vocab, comm, rank);
-          },
-          sequence_parallel};
+  return tensor_parallel_stages(nn::gpt(config), {.sequence_parallel = sequence_parallel}, ranks);
 }
 
 Schedule layer_split(int devices) {

@@ -347,6 +347,29 @@ TEST_CASE("add_scaled accumulates a scaled, widened tensor into float32", "[ops]
                      "expected the same number of elements");
 }
 
+TEST_CASE("copy_columns moves a block of columns between matrices as a serial loop does", "[ops]") {
+  Env env;
+  constexpr std::int64_t rows = 3, a = 5, b = 7, columns = 3, from = 2, to = 1;
+  std::vector<float> src(rows * a), dst(rows * b);
+  for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<float>(i) + 0.5f;
+  for (std::size_t i = 0; i < dst.size(); ++i) dst[i] = -static_cast<float>(i);
+  std::vector<double> want(dst.begin(), dst.end());
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < columns; ++c)
+      want[static_cast<std::size_t>(r * b + to + c)] = src[static_cast<std::size_t>(r * a + from + c)];
+  Tensor const s = env.make({rows, a}, src);
+  Tensor const d = env.make({1, rows, b}, dst);  // viewed by its last dimension
+  mgpu::ops::copy_columns(s, from, d, to, columns, env.stream);
+  env.stream.synchronize();
+  CHECK(as_double(d) == want);
+  REQUIRE_MGPU_ERROR(mgpu::ops::copy_columns(s, 3, d, 0, columns, env.stream), mgpu::Errc::invalid_argument,
+                     "3 columns from 3 of 5 to 0 of 7 (expected blocks inside both)");
+  REQUIRE_MGPU_ERROR(mgpu::ops::copy_columns(s, 0, env.make({2, b}, std::vector<float>(2 * b)), 0, 1, env.stream),
+                     mgpu::Errc::invalid_argument, "(expected [..., a] and [..., b] with as many rows)");
+  REQUIRE_MGPU_ERROR(mgpu::ops::copy_columns(s, 0, to_dtype(env, d, DType::bfloat16), 0, 1, env.stream),
+                     mgpu::Errc::invalid_argument, "dst is bfloat16 (expected float32)");
+}
+
 TEST_CASE("The loss scaler backs off on overflow and grows after a run of finite steps", "[optim]") {
   mgpu::optim::LossScaler scaler(1024, 2, 0.5f, 3);
   CHECK_FALSE(scaler.update(false));

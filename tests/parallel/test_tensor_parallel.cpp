@@ -337,7 +337,7 @@ TEST_CASE("each tensor-parallel rank holds 1/T of the split matrices, and scatte
       mgpu::ops::item(nn::train_step(other, sgd, b.ids, b.targets, nn::TokenCrossEntropy{}, env.ctx).loss, env.stream);
   CHECK(tp.step(b.ids, b.targets, 0.0f).loss == Approx(want).epsilon(1e-6));
   REQUIRE_MGPU_ERROR(tp.scatter_parameters(std::span<float const>(weights).first(10)), mgpu::Errc::invalid_argument,
-                     "10 values (expected gpt(config)'s");
+                     "10 values (expected the whole model's");
 }
 
 TEST_CASE(

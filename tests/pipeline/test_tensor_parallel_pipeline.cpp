@@ -6,7 +6,8 @@
 // parallelism too); weights scattered into the shards gather back unchanged; the last
 // stage's copy of each rank's wte rows stays bitwise the first stage's, and the replicated
 // parameters bitwise equal across the ranks; a grid that does not match the group,
-// a rank count that does not divide the heads are refused (checkpoints:
+// a rank count that does not divide the heads are refused; a whole MLP split by styles (column,
+// row, gathered column) trains on TP 2 x PP 2 as one device (checkpoints:
 // test_tensor_parallel_checkpoint.cpp).
 #include <algorithm>
 #include <cmath>
@@ -227,6 +228,44 @@ TEST_CASE("a tensor x pipeline grid over a vocab the ranks do not divide trains 
   WARN("vocab 67: worst relative loss difference " << worst);
   CHECK(worst <= curve_tolerance);
   CHECK(worst_difference(got.weights, want.weights) < 5e-5);
+}
+
+TEST_CASE("a tensor x pipeline grid trains any Sequential split by styles as one device", "[pipeline][tensor]") {
+  // Column then row, then column-parallel with gathered outputs twice, cut between the pairs.
+  nn::Sequential const model = nn::Sequential::mlp({8, 16, 8, 16, 8}, "gelu");
+  par::TensorParallelPlan const plan{.styles = {{0, par::column_parallel()},
+                                                {2, par::row_parallel()},
+                                                {4, par::column_parallel(true)},
+                                                {6, par::column_parallel(true)}}};
+  auto const mse = [](std::shared_ptr<mgpu::comm::Communicator> const&, int) {
+    return std::make_unique<nn::MeanSquaredError>();
+  };
+  auto const sgd = [] { return std::make_unique<mgpu::optim::SGD>(mgpu::optim::SgdOptions{.lr = 0.5f}); };
+  Env env;
+  nn::Sequential one = model.clone();
+  one.materialize(env.ctx, seed);
+  auto const optimizer = sgd();
+  nn::MeanSquaredError const loss;
+  mgpu::DeviceGroup group("host:4");
+  pp::Executor ex(model, group, {0, 4, 7}, pp::one_f_one_b(2, 2), pp::OptimizerFactory(sgd),
+                  {.seed = seed, .tensor_parallel = pp::tensor_parallel_stages(model, plan, 2, mse)});
+  std::vector<double> got, want;
+  for (unsigned s = 0; s < 3; ++s) {
+    Tensor const x = env.random({6, 8}, 10 + s), y = env.random({6, 8}, 20 + s);
+    want.push_back(mgpu::ops::item(nn::train_step(one, *optimizer, x, y, loss, env.ctx).loss, env.stream));
+    got.push_back(ex.step(x, y));
+  }
+  CHECK(worst_relative(got, want) <= curve_tolerance);
+  REQUIRE(want.back() < want.front());  // the steps change the model
+  nn::Sequential whole = model.clone();
+  whole.materialize(env.ctx, seed + 1);
+  ex.gather_parameters(whole, env.stream);
+  CHECK(worst_difference(as_double(whole.master_parameters()), as_double(one.master_parameters())) < 1e-5);
+  REQUIRE_MGPU_ERROR(pp::tensor_parallel_stages(model, plan, 2), mgpu::Errc::invalid_argument,
+                     "tensor_parallel_stages: a model whose last layer is Linear(16, 8) without a loss");
+  REQUIRE_MGPU_ERROR(pp::Executor(model, group, {0, 4, 7}, pp::one_f_one_b(2, 2), pp::OptimizerFactory(sgd),
+                                  {.tensor_parallel = pp::tensor_parallel_stages(model, {}, 2, mse)}),
+                     mgpu::Errc::invalid_argument, "parallelize: layer 0 (Linear(8, 16)) has no tensor-parallel style");
 }
 
 TEST_CASE("a tensor x pipeline grid refuses a group of another size and heads the ranks do not divide",

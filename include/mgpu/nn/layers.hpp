@@ -121,6 +121,9 @@ class Linear final : public Layer {
   void restore_input(Tensor const& x, Context const& ctx);
   [[nodiscard]] Tensor const& weight() const noexcept { return w_; }
   [[nodiscard]] Tensor const& bias() const noexcept { return b_; }
+  [[nodiscard]] std::int64_t in_features() const noexcept { return in_; }
+  [[nodiscard]] std::int64_t out_features() const noexcept { return out_; }
+  [[nodiscard]] Init init() const noexcept { return init_; }
 
  private:
   std::int64_t in_;
@@ -223,6 +226,8 @@ class Dropout final : public Layer {
   /// The seed initialize() drew, and giving the layer another's.
   [[nodiscard]] std::uint64_t seed() const noexcept { return seed_; }
   void set_seed(std::uint64_t seed) noexcept { seed_ = seed; }
+  /// The probability of dropping an element.
+  [[nodiscard]] float p() const noexcept { return p_; }
 
  private:
   float p_;

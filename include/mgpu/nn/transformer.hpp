@@ -73,6 +73,7 @@ class Embedding final : public Layer {
   [[nodiscard]] std::int64_t vocab() const noexcept { return vocab_; }
   [[nodiscard]] std::int64_t features() const noexcept { return features_; }
   [[nodiscard]] std::int64_t block_size() const noexcept { return block_size_; }
+  [[nodiscard]] float init_std() const noexcept { return init_std_; }
   /// The bound token-embedding weight [V, C] and its gradient view.
   [[nodiscard]] Tensor const& token_weight() const noexcept { return wte_; }
   /// The bound position-embedding weight [block_size, C].
@@ -184,6 +185,10 @@ class TransformerBlock final : public Layer {
   /// A repeated block of a model: a part of its own in Sequential::structure_parts().
   bool block() const override { return true; }
   [[nodiscard]] Recompute recompute() const noexcept { return recompute_; }
+  [[nodiscard]] std::int64_t features() const noexcept { return features_; }
+  [[nodiscard]] std::int64_t heads() const noexcept { return heads_; }
+  [[nodiscard]] float dropout() const noexcept { return dropout_; }
+  [[nodiscard]] float proj_init_std() const noexcept { return proj_init_std_; }
   /// The seeds of the attention probabilities' dropout and of the two residual branches' Dropouts,
   /// drawn by initialize().
   struct DropoutSeeds {

@@ -25,22 +25,10 @@
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/transformer.hpp>
 #include <mgpu/optim/optim.hpp>
+#include <mgpu/parallel/tensor_parallel_styles.hpp>
 #include <mgpu/trace/timeline.hpp>
 
 namespace mgpu::parallel {
-
-/// A layer of a tensor-parallel shard that holds part of a gpt(config) layer's parameters.
-class ShardedLayer {
- public:
-  virtual ~ShardedLayer() = default;
-  /// The [begin, end) offsets of the split parameters within this layer's (the rest is replicated).
-  [[nodiscard]] virtual std::vector<std::pair<std::int64_t, std::int64_t>> split_ranges() const = 0;
-  /// Copies between the whole layer's parameters (`whole`, gpt(config)'s layout) and this rank's
-  /// shard, either way. Throws Error(invalid_argument) for other sizes.
-  virtual void copy_shard(std::span<float> whole, std::span<float> shard, bool to_shard) const = 0;
-  /// The offsets of replicated parameters whose gradients each rank computes from its own tokens.
-  [[nodiscard]] virtual std::vector<std::pair<std::int64_t, std::int64_t>> partial_ranges() const { return {}; }
-};
 
 /// The token ids [first, second) rank `rank` of `ranks` holds of a vocab of `vocab`: [rank V / T,
 /// (rank + 1) V / T). Throws Error(invalid_argument) unless 1 <= ranks <= vocab and 0 <= rank < ranks.
@@ -162,6 +150,14 @@ class VocabParallelCrossEntropy final : public nn::Loss {
   nn::TokenCrossEntropy whole_;  // its checks against the whole vocab, and its count
 };
 
+/// Makes rank `rank`'s loss over its tensor-parallel shard's output, over `comm`'s ranks.
+using MakeLoss = std::function<std::unique_ptr<nn::Loss>(std::shared_ptr<comm::Communicator> comm, int rank)>;
+
+/// The loss of `whole`'s tensor-parallel shards when none is given: VocabParallelCrossEntropy over
+/// the vocab of its last layer, an nn::TiedLMHead. Throws Error(invalid_argument), its message
+/// starting with `who`, for another last layer.
+[[nodiscard]] MakeLoss vocab_parallel_loss(nn::Sequential const& whole, std::string const& who);
+
 /// Rank `rank`'s shard of a pre-LN nn::TransformerBlock over `comm`'s ranks: heads / T heads, qkv
 /// and mlp_fc by columns, the projections by rows, in nn::TransformerBlock's parameter order;
 /// initialized as the whole block's shard. With `sequence_parallel` it takes and returns the
@@ -242,9 +238,10 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
   std::map<std::int64_t, Input> inputs_;
 };
 
-/// The shard of gpt(config) a tensor-parallel rank holds; its output is the rank's logits columns.
-/// Throws Error(invalid_argument) for a bad config, a group size that does not divide n_head, or a
-/// vocab smaller than the group.
+/// The shard of gpt(config) a tensor-parallel rank holds: parallelize(nn::gpt(config), {.sequence_parallel
+/// = sequence_parallel}, comm, rank); its output is the rank's logits columns. Throws
+/// Error(invalid_argument) for a bad config, a group size that does not divide n_head, or a vocab
+/// smaller than the group.
 [[nodiscard]] nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<comm::Communicator> comm,
                                                  int rank, bool sequence_parallel = false);
 
@@ -257,7 +254,12 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
 [[nodiscard]] std::vector<nn::ParameterRange> partial_ranges(nn::Sequential const& shard, bool sequence_parallel);
 
 struct TensorParallelOptions {
-  std::uint64_t seed = 1;  ///< together the shards hold gpt(config) materialized from it
+  std::uint64_t seed = 1;  ///< together the shards hold the whole model materialized from it
+  /// The whole-model constructor's styles by layer index (a layer not named takes default_style()).
+  std::map<std::size_t, Style> styles{};
+  /// Makes rank `rank`'s loss over its shard's output, one per rank (empty: VocabParallelCrossEntropy
+  /// over the vocab of the model's last layer, an nn::TiedLMHead).
+  MakeLoss loss{};
   /// AdamW (decay_ranges must be empty: each rank decays its shard's 2-D weights).
   optim::AdamWOptions adamw{};
   /// Another optimizer per rank, made from the rank's shard (replaces the AdamW when set).
@@ -287,13 +289,19 @@ struct TensorParallelOptions {
   std::shared_ptr<metrics::Registry> metrics{};  ///< each rank's compute and wait times per step
 };
 
-/// Trains gpt(config) with every rank of `group` holding one tensor-parallel shard, in A =
-/// options.data_parallel replicas of T = group size / A ranks each, in one process or across
-/// processes (dist::communicator_factory); the replicas stay bitwise identical.
+/// Trains a whole model with every rank of `group` holding one tensor-parallel shard of it
+/// (parallelize() with options.styles), in A = options.data_parallel replicas of T = group size / A
+/// ranks each, in one process or across processes (dist::communicator_factory); the replicas stay
+/// bitwise identical.
 class TensorParallel {
  public:
-  /// Throws Error(invalid_argument) for a bad config or options, e.g. a data_parallel that does not
-  /// divide the device count, or one above 1 across processes without make_subset_communicator.
+  /// `whole`: the model's architecture (its layers are copied). Throws Error(invalid_argument) for
+  /// bad options, e.g. a data_parallel that does not divide the device count, or one above 1
+  /// across processes without make_subset_communicator; for a layer parallelize() cannot split;
+  /// without options.loss for a model whose last layer is not an nn::TiedLMHead.
+  TensorParallel(DeviceGroup& group, nn::Sequential const& whole, TensorParallelOptions options = {});
+  /// TensorParallel(group, nn::gpt(config), options), its shards tensor_parallel_gpt(config, ...):
+  /// throws as it does for a bad config, too.
   TensorParallel(DeviceGroup& group, nn::GptConfig const& config, TensorParallelOptions options = {});
   ~TensorParallel();
   TensorParallel(TensorParallel const&) = delete;
@@ -310,7 +318,7 @@ class TensorParallel {
   /// throw Error(invalid_argument)).
   StepResult step(Tensor const& ids, Tensor const& targets, float lr_scale = 1.0f);
 
-  /// The whole model's float32 parameters in gpt(config)'s flat layout, from replica 0's shards.
+  /// The whole model's float32 parameters in its flat layout, from replica 0's shards.
   /// Synchronizes; across processes collective.
   [[nodiscard]] std::vector<float> gather_parameters();
   /// Sets every replica's shards (this process's) from the whole model's float32 parameters.
@@ -320,7 +328,7 @@ class TensorParallel {
   /// collective, a folder). Throws Error(invalid_argument) on an unusable executor, Error(io) naming
   /// the file it cannot write.
   void save(std::filesystem::path const& path, io::TrainingState const& state = {});
-  /// Loads a save of gpt(config) into every shard and optimizer, verifying everything first: an
+  /// Loads a save of the whole model into every shard and optimizer, verifying everything first: an
   /// error leaves the executor unchanged everywhere and names the mismatch or damaged file.
   /// Returns the saved TrainingState.
   io::TrainingState load(std::filesystem::path const& path);
@@ -337,6 +345,12 @@ class TensorParallel {
   [[nodiscard]] int tensor_parallel() const noexcept;
 
  private:
+  // Rank `rank`'s shard over `comm`'s ranks.
+  using MakeShard = std::function<nn::Sequential(std::shared_ptr<comm::Communicator> comm, int rank)>;
+  // The public constructors' work: every rank's shard made by `make_shard` (the GptConfig
+  // constructor's tensor_parallel_gpt) or, when it is empty, by parallelize(whole) with
+  // options.styles and options.sequence_parallel. Throws as the whole-model constructor does.
+  TensorParallel(DeviceGroup& group, nn::Sequential const& whole, MakeShard make_shard, TensorParallelOptions options);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

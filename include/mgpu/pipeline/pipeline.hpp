@@ -22,6 +22,7 @@
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
 #include <mgpu/optim/optim.hpp>
+#include <mgpu/parallel/tensor_parallel.hpp>
 #include <mgpu/pipeline/schedule.hpp>
 #include <mgpu/trace/timeline.hpp>
 
@@ -99,8 +100,17 @@ struct TensorParallelStages {
   bool sequence_parallel = false;
 };
 
-/// gpt(config)'s tensor-parallel stages over `ranks` ranks per stage (the executor's model is
-/// gpt(config)). Throws Error(invalid_argument) for ranks that do not divide n_head.
+/// `whole`'s tensor-parallel stages over `ranks` ranks per stage (the executor's model is
+/// `whole`): rank r's stage of the layers [begin, end) is the layers of parallelize(whole, plan)
+/// (rank r's shard) that came from them, and its loss `loss`'s (empty: VocabParallelCrossEntropy
+/// over the vocab of whole's last layer, an nn::TiedLMHead). Throws Error(invalid_argument) for
+/// ranks < 1, without a loss for another last layer, and as parallelize() does when the executor
+/// makes the stages.
+[[nodiscard]] TensorParallelStages tensor_parallel_stages(nn::Sequential const& whole,
+                                                          parallel::TensorParallelPlan plan, int ranks,
+                                                          parallel::MakeLoss loss = {});
+/// tensor_parallel_stages(gpt(config), {.sequence_parallel = sequence_parallel}, ranks). Throws
+/// Error(invalid_argument) for ranks that do not divide n_head.
 [[nodiscard]] TensorParallelStages tensor_parallel_stages(nn::GptConfig const& config, int ranks,
                                                           bool sequence_parallel = false);
 

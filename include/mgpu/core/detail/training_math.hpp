@@ -205,6 +205,20 @@ struct AddScaledOp {
   MGPU_HD void operator()(std::int64_t i) const { store(dst, i, load(dst, i) + load(src, i) * factor); }
 };
 
+/// dst[r, dst_column + c] = src[r, src_column + c] for element i = r columns + c of a block of
+/// `columns` columns of row-major matrices `src_stride` and `dst_stride` wide (a tensor-parallel
+/// output's columns gathered into the whole, or the rank's columns taken from it).
+template <class T>
+struct CopyColumnsOp {
+  T const* src;
+  T* dst;
+  std::int64_t src_stride, src_column, dst_stride, dst_column, columns;
+  MGPU_HD void operator()(std::int64_t i) const {
+    std::int64_t const r = i / columns, c = i % columns;
+    dst[r * dst_stride + dst_column + c] = src[r * src_stride + src_column + c];
+  }
+};
+
 /// One row of the fused softmax cross-entropy: returns the row's loss, -log softmax(z)[label], and
 /// writes dz = (softmax(z) - onehot(label)) * grad_scale. A label that is not a class id in [0, C)
 /// gives a NaN loss and NaN gradients (the host path rejects it with an Error before running).
