@@ -514,6 +514,40 @@ void ShardedCheckpoint::read_box(std::string const& name, Box const& box, Tensor
   stream.synchronize();
 }
 
+void ShardedCheckpoint::read_view(std::string const& name, std::int64_t offset, Shape const& view, Box const& box,
+                                  Tensor const& out, Stream& stream) const {
+  std::int64_t const total = numel_of(shape(name));
+  std::int64_t const count = numel_of(view);
+  if (offset < 0 || count < 0 || offset > total - count)
+    throw Error(Errc::invalid_argument, "reading a view " + to_string(view) + " at element " + std::to_string(offset) + " of record '" +
+                                            name + "' (expected it within the record's " + std::to_string(total) + " elements)");
+  if (auto const layout = layouts_.find(name); layout != layouts_.end()) {
+    for (auto const& [at, tensor] : layout->second.tensors) {
+      if (at == offset && split_.at(tensor).shape == view) return read_box(tensor, box, out, stream);
+    }
+  }
+  RecordType const record_type = type(name);
+  if (!out.defined() || detail::record_type(out.dtype()) != record_type || !within(box, view) || out.numel() != box.numel())
+    throw Error(Errc::invalid_argument, "reading box " + to_string(box) + " of a view " + to_string(view) + " of record '" + name +
+                                            "' of " + detail::type_name(record_type) + " into " +
+                                            std::to_string(out.defined() ? out.numel() : 0) +
+                                            " elements (expected a box within the view and a tensor of its elements and type)");
+  std::size_t const element = detail::type_size(record_type);
+  Tensor staging = Tensor::empty({box.numel()}, out.dtype(), mgpu::detail::host_staging_allocator());
+  auto* destination = static_cast<std::byte*>(staging.data());
+  std::vector<Run> runs = detail::box_runs(view, box);
+  if (auto const layout = layouts_.find(name); layout != layouts_.end()) {
+    for (Run const& run : runs) {
+      read_range(name, offset + run.global, run.length, destination + static_cast<std::size_t>(run.local) * element);
+    }
+  } else {
+    for (Run& run : runs) run.global += offset;
+    gather(split_.at(name), runs, nullptr, destination);
+  }
+  copy_async(out.reshape({box.numel()}), staging, stream);
+  stream.synchronize();
+}
+
 std::vector<ShardedCheckpoint::Part> ShardedCheckpoint::parts(std::string const& name) const {
   if (is_layout(name) || !split_.contains(name))
     throw Error(Errc::invalid_argument, "sharded checkpoint record '" + name + "' (expected a split record that is no layout)");

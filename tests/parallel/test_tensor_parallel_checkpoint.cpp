@@ -12,6 +12,7 @@
 
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/io/checkpoint.hpp>
+#include <mgpu/io/sharded_checkpoint.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/loss.hpp>
 #include <mgpu/nn/train.hpp>
@@ -177,4 +178,85 @@ TEST_CASE("TensorParallel saves into a folder and refuses another model or a dam
   std::vector<float> const damaged_before = damaged.gather_parameters();
   REQUIRE_MGPU_ERROR(damaged.load(file), mgpu::Errc::corrupt_data, file.string());
   CHECK(damaged.gather_parameters() == damaged_before);
+}
+
+TEST_CASE("a DP 2 x TP 2 folder holds each rank's boxes, and continues on TP 4, TP 2 and one device", "[parallel][tensor][checkpoint][box]") {
+  Env env;
+  auto const bs = batches(env, 6);
+  TempDir dir;
+  fs::path const folder = dir.path / "boxes";
+  fs::create_directories(folder);
+  std::vector<double> rest;  // the uninterrupted run's steps 3..5
+  {
+    mgpu::DeviceGroup group("host:4");
+    par::TensorParallel tp(group, config, options(2));
+    (void)run(tp, bs, 0, 3);
+    tp.save(folder, {.step = 3});
+    rest = run(tp, bs, 3, 6);
+  }
+  {  // replica 0's two ranks wrote a shard each: a column split's two boxes, a replicated tensor once
+    mgpu::io::ShardedCheckpoint const c = mgpu::io::ShardedCheckpoint::load(folder);
+    CHECK(c.shards() == 2);
+    CHECK(c.is_layout("model.parameters"));
+    CHECK(!c.whole().contains("model.parameters"));
+    std::string const qkv = "model.parameters/h.0.attn_qkv.weight";
+    REQUIRE(c.has_pieces(qkv));
+    CHECK(c.shape(qkv) == mgpu::Shape{32, 96});
+    auto const parts = c.parts(qkv);
+    REQUIRE(parts.size() == 6);  // q, k and v's columns of each rank
+    CHECK(to_string(parts[0].box) == "[0:32, 0:16]");  // rank 0's 2 of the 4 heads of q: 16 of its 32 columns
+    CHECK(to_string(parts[1].box) == "[0:32, 16:32]");  // rank 1's
+    CHECK(c.parts("model.parameters/wpe.weight").size() == 1);
+    CHECK(c.parts("optimizer.m/wte.weight").size() == 2);  // the vocab's rows
+  }
+  SECTION("TP 4") {
+    mgpu::DeviceGroup group("host:4");
+    par::TensorParallel tp(group, config, options(1, 99));
+    CHECK(tp.load(folder).step == 3);
+    CHECK(worst_relative(run(tp, bs, 3, 6), rest) < 1e-5);
+  }
+  SECTION("the same layout: bit for bit") {
+    mgpu::DeviceGroup group("host:4");
+    par::TensorParallel tp(group, config, options(2, 99));
+    tp.load(folder);
+    CHECK(run(tp, bs, 3, 6) == rest);
+  }
+  SECTION("one device, through the folder joined") {
+    nn::Sequential model = nn::gpt(config);
+    model.materialize(env.ctx, 99);
+    mgpu::optim::AdamWOptions o = adamw;
+    o.decay_ranges = nn::gpt_decay_ranges(config);
+    mgpu::optim::AdamW opt(o);
+    CHECK(mgpu::io::load_training(mgpu::io::ShardedCheckpoint::load(folder).joined(), folder.string(), model, opt, *env.allocator,
+                                  env.stream)
+              .step == 3);
+    std::vector<double> got;
+    for (std::size_t s = 3; s < 6; ++s)
+      got.push_back(mgpu::ops::item(
+          nn::train_step(model, opt, bs[s].ids, bs[s].targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = clip}).loss,
+          env.stream));
+    CHECK(worst_relative(got, rest) < 1e-5);
+  }
+  SECTION("a damaged box names its file and tensor") {
+    fs::path shard;
+    for (auto const& entry : fs::directory_iterator(folder))
+      if (entry.path().filename().string().ends_with("-1-of-2.ckpt")) shard = entry.path();
+    REQUIRE(!shard.empty());
+    {  // a byte in the middle of rank 1's shard: inside one of its boxes' payloads
+      std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(0, std::ios::end);
+      auto const size = static_cast<std::streamoff>(f.tellg());
+      f.seekg(size / 2);
+      char byte = 0;
+      f.read(&byte, 1);
+      byte = static_cast<char>(byte ^ 0x40);
+      f.seekp(size / 2);
+      f.write(&byte, 1);
+    }
+    mgpu::DeviceGroup group("host:2");
+    par::TensorParallel tp(group, config, options(1, 99));
+    std::vector<float> const before = tp.gather_parameters();
+    REQUIRE_MGPU_ERROR(tp.load(folder), mgpu::Errc::corrupt_data, shard.string() + ": checksum mismatch in record 'box:");
+    CHECK(tp.gather_parameters() == before);
+  }
 }

@@ -123,6 +123,14 @@ class ShardedCheckpoint {
   /// split. Throws as read() does, and for a box of another rank or outside the record's shape.
   void read_box(std::string const& name, Box const& box, Tensor const& out, Stream& stream) const;
 
+  /// Copies box `box` of the tensor of `view` held at elements [offset, offset + view's elements) of
+  /// the flattened split record or layout `name` into `out` (row-major, box.numel() elements) through
+  /// `stream` (synchronized), reading only the parts that overlap it: a layout's tensor of that shape
+  /// at that offset is read in boxes, any other record in the runs the box covers. Throws as
+  /// read_box() does, and for a view past the record's elements.
+  void read_view(std::string const& name, std::int64_t offset, Shape const& view, Box const& box, Tensor const& out,
+                 Stream& stream) const;
+
   /// Where a split record's parts lie: each piece's or box's shard and box (a piece of put_piece as
   /// a one-dimensional box of the flattened record), in the order a reader finds them.
   struct Part {
