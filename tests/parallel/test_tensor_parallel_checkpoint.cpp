@@ -18,7 +18,9 @@
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/optim/optim.hpp>
+#include <mgpu/parallel/data_parallel.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
+#include <mgpu/pipeline/pipeline.hpp>
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
@@ -235,6 +237,35 @@ TEST_CASE("a DP 2 x TP 2 folder holds each rank's boxes, and continues on TP 4, 
       got.push_back(mgpu::ops::item(
           nn::train_step(model, opt, bs[s].ids, bs[s].targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = clip}).loss,
           env.stream));
+    CHECK(worst_relative(got, rest) < 1e-5);
+  }
+  SECTION("a 2-stage pipeline x DP 2 with ZeRO-1, and DataParallel ZeRO-1 x 2: the boxes read as the flat records") {
+    auto const chunk_adamw = [](nn::Sequential const& chunk) {
+      mgpu::optim::AdamWOptions o = adamw;
+      o.decay_ranges = chunk.matrix_ranges();
+      return std::make_unique<mgpu::optim::AdamW>(o);
+    };
+    mgpu::DeviceGroup four("host:4");
+    mgpu::pipeline::Executor pipe(nn::gpt(config), four, {0, 3, 6}, mgpu::pipeline::one_f_one_b(2, 2), chunk_adamw,
+                                  {.seed = 99, .data_parallel = 2, .zero_stage = 1, .clip_norm = clip,
+                                   .loss = std::make_shared<nn::TokenCrossEntropy const>()});
+    CHECK(pipe.load(folder).step == 3);
+    std::vector<double> got;
+    for (std::size_t s = 3; s < 6; ++s) got.push_back(pipe.step(bs[s].ids, bs[s].targets));
+    CHECK(worst_relative(got, rest) < 1e-5);
+
+    mgpu::DeviceGroup two("host:2");
+    mgpu::optim::AdamWOptions o = adamw;
+    o.decay_ranges = nn::gpt_decay_ranges(config);
+    par::DataParallelOptions dp_options;
+    dp_options.zero_stage = 1;
+    dp_options.seed = 99;
+    dp_options.clip_norm = clip;
+    dp_options.loss = std::make_shared<nn::TokenCrossEntropy const>();
+    par::DataParallel dp(nn::gpt(config), two, mgpu::optim::AdamW(o), dp_options);
+    CHECK(dp.load(folder).step == 3);
+    got.clear();
+    for (std::size_t s = 3; s < 6; ++s) got.push_back(dp.step(bs[s].ids, bs[s].targets).loss);
     CHECK(worst_relative(got, rest) < 1e-5);
   }
   SECTION("a damaged box names its file and tensor") {
