@@ -1,12 +1,12 @@
 // The boxes of the whole model's named tensors that a tensor-parallel shard holds (shard_boxes.hpp).
-#include "parallel/shard_boxes.hpp"
+#include <mgpu/parallel/shard_boxes.hpp>
 
 #include <algorithm>
 
 #include <mgpu/core/error.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 
-namespace mgpu::parallel::detail {
+namespace mgpu::parallel {
 
 namespace {
 
@@ -112,4 +112,4 @@ std::vector<std::pair<std::string, std::int64_t>> tensor_layout(nn::GptConfig co
   return layout;
 }
 
-}  // namespace mgpu::parallel::detail
+}  // namespace mgpu::parallel

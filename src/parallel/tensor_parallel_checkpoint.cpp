@@ -6,9 +6,9 @@
 
 #include <algorithm>
 #include <cstring>
-#include <map>
 #include <exception>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -17,9 +17,9 @@
 #include <mgpu/core/error.hpp>
 #include <mgpu/io/checkpoint.hpp>
 #include <mgpu/io/sharded_checkpoint.hpp>
+#include <mgpu/parallel/shard_boxes.hpp>
 
 #include "comm/agreement.hpp"
-#include "parallel/shard_boxes.hpp"
 #include "parallel/tensor_parallel_impl.hpp"
 
 namespace mgpu::parallel {
@@ -237,7 +237,7 @@ void TensorParallel::Impl::save_boxes(std::filesystem::path const& path, io::Tra
     for (auto const& [name, tensor] : im.optimizers[r]->state()) buffers.emplace_back("optimizer." + name, detail::host_copy(tensor, stream));
     auto const host = Allocator::create({DeviceKind::host, 0});
     Stream host_stream{Device{DeviceKind::host, 0}};
-    for (detail::ShardBox const& b : detail::shard_boxes(im.config, im.shards[r])) {
+    for (ShardBox const& b : shard_boxes(im.config, im.shards[r])) {
       if (b.whole && !first_rank) continue;  // replicated: written once
       Tensor const values = Tensor::empty({b.box.numel()}, DType::float32, *host);
       for (auto const& [record, buffer] : buffers) {
@@ -248,7 +248,7 @@ void TensorParallel::Impl::save_boxes(std::filesystem::path const& path, io::Tra
     }
     if (!first_rank) continue;
     std::int64_t const total = nn::gpt(im.config).parameter_count();
-    for (auto const& entry : buffers) writer.put_layout(entry.first, total, detail::tensor_layout(im.config, entry.first));
+    for (auto const& entry : buffers) writer.put_layout(entry.first, total, tensor_layout(im.config, entry.first));
     nn::Sequential whole = nn::gpt(im.config);  // not materialized: the architecture and RNG state
     whole.set_rng_state(im.shards[r].rng_state());
     whole.set_rng_seeds(im.shards[r].rng_seeds());
@@ -354,7 +354,7 @@ io::TrainingState TensorParallel::Impl::load_boxes(io::ShardedCheckpoint const& 
   };
   // Box b of a tensor of such a record, scattered into `into` (a shard's buffer): from the boxes or
   // pieces that overlap it, or from the whole record.
-  auto const read = [&](std::string const& name, detail::ShardBox const& b, std::vector<float>& into) {
+  auto const read = [&](std::string const& name, ShardBox const& b, std::vector<float>& into) {
     Tensor const values = Tensor::empty({b.box.numel()}, DType::float32, *host);
     std::span<float> const got = values.host_span<float>();
     if (checkpoint.has_pieces(name)) {
@@ -395,11 +395,10 @@ io::TrainingState TensorParallel::Impl::load_boxes(io::ShardedCheckpoint const& 
       if (r.name.starts_with("optimizer.") && r.type == io::RecordType::float32) state_names.push_back(r.name);
     for (std::string const& name : state_names) check(name);
     for (std::size_t r = 0; r < staged.size(); ++r) {
-      if (shards[r].size() == 0) continue;
       auto const count = static_cast<std::size_t>(shards[r].parameter_count());
       staged[r].parameters.assign(count, 0.0f);
       for (std::string const& name : state_names) staged[r].state[name].assign(count, 0.0f);
-      for (detail::ShardBox const& b : detail::shard_boxes(config, shards[r])) {
+      for (ShardBox const& b : shard_boxes(config, shards[r])) {
         read("model.parameters", b, staged[r].parameters);
         for (std::string const& name : state_names) read(name, b, staged[r].state[name]);
       }

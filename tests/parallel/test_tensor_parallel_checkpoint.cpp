@@ -18,7 +18,9 @@
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/optim/optim.hpp>
+#include <mgpu/comm/communicator.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
+#include <mgpu/parallel/shard_boxes.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
 
@@ -290,4 +292,41 @@ TEST_CASE("a DP 2 x TP 2 folder holds each rank's boxes, and continues on TP 4, 
     REQUIRE_MGPU_ERROR(tp.load(folder), mgpu::Errc::corrupt_data, shard.string() + ": checksum mismatch in record 'box:");
     CHECK(tp.gather_parameters() == before);
   }
+}
+
+TEST_CASE("a rank of TP 2 reads its own boxes of a TP 2 folder: about half the model's bytes", "[parallel][tensor][checkpoint][box]") {
+  Env env;
+  auto const bs = batches(env, 2);
+  TempDir dir;
+  mgpu::DeviceGroup group("host:2");
+  par::TensorParallel tp(group, config, options(1));
+  (void)run(tp, bs, 0, 2);
+  tp.save(dir.path, {.step = 2});
+  std::vector<float> const whole = tp.gather_parameters();
+  std::shared_ptr<mgpu::comm::Communicator> const comm = mgpu::comm::make_communicator(group);
+  nn::Sequential const shard = par::tensor_parallel_gpt(config, comm, 1);  // rank 1's layout
+  auto const c = mgpu::io::ShardedCheckpoint::load(dir.path);
+  std::uint64_t const at_load = c.payload_bytes_read();
+  std::int64_t elements = 0;
+  auto const host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  for (par::ShardBox const& b : par::shard_boxes(config, shard)) {
+    mgpu::Tensor const out = mgpu::Tensor::empty({b.box.numel()}, mgpu::DType::float32, *host);
+    c.read_view("model.parameters", b.offset, b.shape, b.box, out, env.stream);
+    // The box's elements of the whole model, serially: rows of the last dimension.
+    std::int64_t const cols = b.shape.back();
+    std::int64_t const rows = b.shape.size() == 1 ? 1 : b.box.lengths[0];
+    std::int64_t const row0 = b.shape.size() == 1 ? 0 : b.box.offsets[0];
+    std::vector<float> want;
+    for (std::int64_t r = row0; r < row0 + rows; ++r)
+      for (std::int64_t k = b.box.offsets.back(); k < b.box.offsets.back() + b.box.lengths.back(); ++k)
+        want.push_back(whole[static_cast<std::size_t>(b.offset + r * cols + k)]);
+    auto const got = out.host_span<float>();
+    CHECK(std::vector<float>(got.begin(), got.end()) == want);
+    elements += b.box.numel();
+  }
+  double const model_bytes = static_cast<double>(whole.size() * sizeof(float));
+  // Exactly its boxes (the saving layout's), about half the model: the split half plus the replicated.
+  CHECK(c.payload_bytes_read() - at_load == static_cast<std::uint64_t>(elements) * sizeof(float));
+  CHECK(static_cast<double>(c.payload_bytes_read() - at_load) < 0.55 * model_bytes);
+  CHECK(static_cast<double>(c.payload_bytes_read() - at_load) > 0.45 * model_bytes);
 }

@@ -1,16 +1,17 @@
-// The boxes of the whole model's named tensors that a tensor-parallel shard holds, for checkpoints
-// that each rank writes and reads in its own boxes (tensor_parallel_checkpoint.cpp). Internal.
+// The boxes of the whole model's named tensors that a tensor-parallel shard holds: what each rank
+// writes of a checkpoint folder and reads back. Guide: docs/checkpoints.md.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <mgpu/io/sharded_checkpoint.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
 
-namespace mgpu::parallel::detail {
+namespace mgpu::parallel {
 
 /// A box of one of gpt(config)'s tensors that a shard holds.
 struct ShardBox {
@@ -27,9 +28,9 @@ struct ShardBox {
 /// match gpt(config)'s, ShardedLayers hold parts) holds, in the flat buffer's order. What a
 /// ShardedLayer holds is read off its copy_shard. Throws Error(invalid_argument) when the shard's
 /// layers do not match, or gpt_parameters does not lay the tensors end to end.
-std::vector<ShardBox> shard_boxes(nn::GptConfig const& config, nn::Sequential const& shard);
+[[nodiscard]] std::vector<ShardBox> shard_boxes(nn::GptConfig const& config, nn::Sequential const& shard);
 
 /// The named tensors laid end to end (put_layout's list), each as "<record>/<name>".
-std::vector<std::pair<std::string, std::int64_t>> tensor_layout(nn::GptConfig const& config, std::string const& record);
+[[nodiscard]] std::vector<std::pair<std::string, std::int64_t>> tensor_layout(nn::GptConfig const& config, std::string const& record);
 
-}  // namespace mgpu::parallel::detail
+}  // namespace mgpu::parallel
