@@ -38,32 +38,27 @@ std::vector<std::int64_t> held(ShardedLayer const* sharded, std::int64_t whole_s
 
 }  // namespace
 
-std::vector<ShardBox> shard_boxes(nn::GptConfig const& config, nn::Sequential const& shard) {
-  nn::Sequential const whole_model = nn::gpt(config);
-  std::vector<nn::ParameterRange> const whole_ranges = whole_model.parameter_ranges();
+std::vector<ShardBox> shard_boxes(nn::Sequential const& whole, nn::Sequential const& shard) {
+  std::vector<nn::ParameterRange> const whole_ranges = whole.parameter_ranges();
   std::vector<nn::ParameterRange> const shard_ranges = shard.parameter_ranges();
   if (whole_ranges.size() != shard_ranges.size())
     throw Error(Errc::invalid_argument, "a tensor-parallel shard with " + std::to_string(shard_ranges.size()) +
-                                            " layers of parameters (expected gpt(config)'s " + std::to_string(whole_ranges.size()) + ")");
-  std::vector<nn::GptParameter> tensors = nn::gpt_parameters(config);
-  std::sort(tensors.begin(), tensors.end(), [](auto const& a, auto const& b) { return a.offset < b.offset; });
+                                            " layers of parameters (expected the whole model's " + std::to_string(whole_ranges.size()) + ")");
+  std::vector<nn::TensorSpec> const tensors = whole.tensors();
   std::vector<ShardBox> boxes;
   std::size_t next = 0;  // the first tensor not yet taken
   for (std::size_t l = 0; l < whole_ranges.size(); ++l) {
     nn::ParameterRange const& w = whole_ranges[l];
     nn::ParameterRange const& s = shard_ranges[l];
-    std::vector<std::int64_t> const at =
-        held(dynamic_cast<ShardedLayer const*>(&shard.layer(s.layer)), w.size(), s.size());
-    if (dynamic_cast<ShardedLayer const*>(&shard.layer(s.layer)) == nullptr && w.size() != s.size())
+    auto const* sharded = dynamic_cast<ShardedLayer const*>(&shard.layer(s.layer));
+    if (sharded == nullptr && w.size() != s.size())
       throw Error(Errc::invalid_argument, "layer " + std::to_string(s.layer) + " of a tensor-parallel shard has " +
-                                              std::to_string(s.size()) + " parameters (expected gpt(config)'s " +
+                                              std::to_string(s.size()) + " parameters (expected the whole model's " +
                                               std::to_string(w.size()) + ", it is not sharded)");
+    std::vector<std::int64_t> const at = held(sharded, w.size(), s.size());
     for (; next < tensors.size() && tensors[next].offset < w.end; ++next) {
-      nn::GptParameter const& p = tensors[next];
-      if (p.offset < w.begin || p.offset + p.numel() > w.end)
-        throw Error(Errc::invalid_argument, "GPT tensor '" + p.name + "' at " + std::to_string(p.offset) +
-                                                " lies across layers (expected each within one layer's parameters)");
-      Shape const shape = p.transposed ? Shape{p.shape[1], p.shape[0]} : p.shape;
+      nn::TensorSpec const& p = tensors[next];
+      Shape const& shape = p.shape;
       std::int64_t const cols = shape.empty() ? 1 : shape.back();
       std::int64_t const rows = p.numel() / std::max<std::int64_t>(cols, 1);
       auto const index = [&](std::int64_t r, std::int64_t c) { return at[static_cast<std::size_t>(p.offset - w.begin + r * cols + c)]; };
@@ -77,14 +72,14 @@ std::vector<ShardBox> shard_boxes(nn::GptConfig const& config, nn::Sequential co
         }
         return runs;
       };
-      bool const whole = std::all_of(at.begin() + (p.offset - w.begin), at.begin() + (p.offset - w.begin + p.numel()),
-                                     [](std::int64_t i) { return i >= 0; });
+      bool const whole_tensor = std::all_of(at.begin() + (p.offset - w.begin), at.begin() + (p.offset - w.begin + p.numel()),
+                                            [](std::int64_t i) { return i >= 0; });
       for (std::int64_t r = 0; r < rows;) {
         auto const runs = runs_of(r);
         std::int64_t end = r + 1;
         while (end < rows && runs_of(end) == runs) ++end;
         for (auto const& [c0, c1] : runs) {
-          ShardBox b{.tensor = p.name, .shape = shape, .offset = p.offset, .box = {}, .whole = whole, .at = {}};
+          ShardBox b{.tensor = p.name, .shape = shape, .offset = p.offset, .box = {}, .whole = whole_tensor, .at = {}};
           b.box = shape.size() == 1 ? io::Box{{c0}, {c1 - c0}} : io::Box{{r, c0}, {end - r, c1 - c0}};
           for (std::int64_t i = r; i < end; ++i)
             for (std::int64_t c = c0; c < c1; ++c) b.at.push_back(s.begin + index(i, c));
@@ -97,18 +92,9 @@ std::vector<ShardBox> shard_boxes(nn::GptConfig const& config, nn::Sequential co
   return boxes;
 }
 
-std::vector<std::pair<std::string, std::int64_t>> tensor_layout(nn::GptConfig const& config, std::string const& record) {
-  std::vector<nn::GptParameter> tensors = nn::gpt_parameters(config);
-  std::sort(tensors.begin(), tensors.end(), [](auto const& a, auto const& b) { return a.offset < b.offset; });
+std::vector<std::pair<std::string, std::int64_t>> tensor_layout(nn::Sequential const& whole, std::string const& record) {
   std::vector<std::pair<std::string, std::int64_t>> layout;
-  std::int64_t covered = 0;
-  for (nn::GptParameter const& p : tensors) {
-    if (p.offset != covered)
-      throw Error(Errc::invalid_argument, "GPT tensor '" + p.name + "' at " + std::to_string(p.offset) + " (expected " +
-                                              std::to_string(covered) + ": gpt_parameters lays the tensors end to end)");
-    layout.emplace_back(record + "/" + p.name, p.offset);
-    covered += p.numel();
-  }
+  for (nn::TensorSpec const& t : whole.tensors()) layout.emplace_back(record + "/" + t.name, t.offset);
   return layout;
 }
 

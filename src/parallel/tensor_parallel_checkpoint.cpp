@@ -237,7 +237,8 @@ void TensorParallel::Impl::save_boxes(std::filesystem::path const& path, io::Tra
     for (auto const& [name, tensor] : im.optimizers[r]->state()) buffers.emplace_back("optimizer." + name, detail::host_copy(tensor, stream));
     auto const host = Allocator::create({DeviceKind::host, 0});
     Stream host_stream{Device{DeviceKind::host, 0}};
-    for (ShardBox const& b : shard_boxes(im.config, im.shards[r])) {
+    nn::Sequential const whole_model = nn::gpt(im.config);  // not materialized: the names and layout
+    for (ShardBox const& b : shard_boxes(whole_model, im.shards[r])) {
       if (b.whole && !first_rank) continue;  // replicated: written once
       Tensor const values = Tensor::empty({b.box.numel()}, DType::float32, *host);
       for (auto const& [record, buffer] : buffers) {
@@ -247,8 +248,8 @@ void TensorParallel::Impl::save_boxes(std::filesystem::path const& path, io::Tra
       }
     }
     if (!first_rank) continue;
-    std::int64_t const total = nn::gpt(im.config).parameter_count();
-    for (auto const& entry : buffers) writer.put_layout(entry.first, total, tensor_layout(im.config, entry.first));
+    std::int64_t const total = whole_model.parameter_count();
+    for (auto const& entry : buffers) writer.put_layout(entry.first, total, tensor_layout(whole_model, entry.first));
     nn::Sequential whole = nn::gpt(im.config);  // not materialized: the architecture and RNG state
     whole.set_rng_state(im.shards[r].rng_state());
     whole.set_rng_seeds(im.shards[r].rng_seeds());
@@ -394,11 +395,12 @@ io::TrainingState TensorParallel::Impl::load_boxes(io::ShardedCheckpoint const& 
     for (io::Record const& r : records.records())
       if (r.name.starts_with("optimizer.") && r.type == io::RecordType::float32) state_names.push_back(r.name);
     for (std::string const& name : state_names) check(name);
+    nn::Sequential const whole_model = nn::gpt(config);  // not materialized: the names and layout
     for (std::size_t r = 0; r < staged.size(); ++r) {
       auto const count = static_cast<std::size_t>(shards[r].parameter_count());
       staged[r].parameters.assign(count, 0.0f);
       for (std::string const& name : state_names) staged[r].state[name].assign(count, 0.0f);
-      for (ShardBox const& b : shard_boxes(config, shards[r])) {
+      for (ShardBox const& b : shard_boxes(whole_model, shards[r])) {
         read("model.parameters", b, staged[r].parameters);
         for (std::string const& name : state_names) read(name, b, staged[r].state[name]);
       }

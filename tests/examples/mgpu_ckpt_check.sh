@@ -42,7 +42,7 @@ mkdir -p "$dir/tp"
 cat "$dir/info-tp.txt"
 for want in "a folder of 2 shard(s), save 1, format version 2" "model.parameters .*\[34176\] .*the 28 tensors below laid end to end" \
             "model.parameters/h.0.attn_qkv.weight .*\[32, 96\] .*boxes \[0:32, 0:16\]@0 \[0:32, 16:32\]@1" \
-            "optimizer.v/wte.weight .*\[256, 32\] .*boxes \[0:128, 0:32\]@0 \[128:256, 0:32\]@1"; do
+            "optimizer.v/0.wte.weight .*\[256, 32\] .*boxes \[0:128, 0:32\]@0 \[128:256, 0:32\]@1"; do
   grep -q "$want" "$dir/info-tp.txt" || fail "info-tp: no line matching '$want'"
 done
 "$ckpt" convert "$dir/tp" "$dir/tp-joined.ckpt" || fail "convert TP FOLDER FILE"

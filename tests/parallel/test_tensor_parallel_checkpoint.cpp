@@ -210,8 +210,8 @@ TEST_CASE("a DP 2 x TP 2 folder holds each rank's boxes, and continues on TP 4, 
     REQUIRE(parts.size() == 6);  // q, k and v's columns of each rank
     CHECK(to_string(parts[0].box) == "[0:32, 0:16]");  // rank 0's 2 of the 4 heads of q: 16 of its 32 columns
     CHECK(to_string(parts[1].box) == "[0:32, 16:32]");  // rank 1's
-    CHECK(c.parts("model.parameters/wpe.weight").size() == 1);
-    CHECK(c.parts("optimizer.m/wte.weight").size() == 2);  // the vocab's rows
+    CHECK(c.parts("model.parameters/0.wpe.weight").size() == 1);
+    CHECK(c.parts("optimizer.m/0.wte.weight").size() == 2);  // the vocab's rows
   }
   SECTION("TP 4") {
     mgpu::DeviceGroup group("host:4");
@@ -309,7 +309,7 @@ TEST_CASE("a rank of TP 2 reads its own boxes of a TP 2 folder: about half the m
   std::uint64_t const at_load = c.payload_bytes_read();
   std::int64_t elements = 0;
   auto const host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
-  for (par::ShardBox const& b : par::shard_boxes(config, shard)) {
+  for (par::ShardBox const& b : par::shard_boxes(nn::gpt(config), shard)) {
     mgpu::Tensor const out = mgpu::Tensor::empty({b.box.numel()}, mgpu::DType::float32, *host);
     c.read_view("model.parameters", b.offset, b.shape, b.box, out, env.stream);
     // The box's elements of the whole model, serially: rows of the last dimension.
