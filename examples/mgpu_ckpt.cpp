@@ -59,10 +59,28 @@ void info(fs::path const& path) {
   Checkpoint whole;  // the whole records, for the summary
   if (fs::is_directory(path)) {
     auto const sharded = mgpu::io::ShardedCheckpoint::load(path);
-    std::printf("%s: a folder of %d shard(s), save %llu\n", path.c_str(), sharded.shards(),
-                static_cast<unsigned long long>(sharded.save_id()));
-    for (std::string const& name : sharded.split_names())
-      lines.push_back(line_of(name, sharded.type(name), sharded.shape(name), "split over the shards"));
+    std::printf("%s: a folder of %d shard(s), save %llu, format version %d\n", path.c_str(), sharded.shards(),
+                static_cast<unsigned long long>(sharded.save_id()), sharded.version());
+    // A split tensor's boxes (or element ranges) and the shard of each, the first few.
+    auto const where = [&sharded](std::string const& name) {
+      auto const parts = sharded.parts(name);
+      std::string text = sharded.split_by_elements(name) ? "element ranges" : "boxes";
+      for (std::size_t i = 0; i < parts.size() && i < 6; ++i)
+        text += " " + mgpu::io::to_string(parts[i].box) + "@" + std::to_string(parts[i].shard);
+      if (parts.size() > 6) text += " and " + std::to_string(parts.size() - 6) + " more";
+      return text;
+    };
+    for (std::string const& name : sharded.split_names()) {
+      if (!sharded.is_layout(name)) {
+        lines.push_back(line_of(name, sharded.type(name), sharded.shape(name), where(name).c_str()));
+        continue;
+      }
+      auto const tensors = sharded.layout_tensors(name);
+      lines.push_back(line_of(name, sharded.type(name), sharded.shape(name),
+                              ("the " + std::to_string(tensors.size()) + " tensors below laid end to end").c_str()));
+      for (std::string const& tensor : tensors)
+        lines.push_back(line_of("  " + tensor, sharded.type(tensor), sharded.shape(tensor), where(tensor).c_str()));
+    }
     whole = sharded.whole();
   } else {
     std::printf("%s: one file, %ju bytes\n", path.c_str(), static_cast<std::uintmax_t>(fs::file_size(path)));

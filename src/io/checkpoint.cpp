@@ -442,6 +442,18 @@ Checkpoint training_checkpoint(nn::Sequential const& model, optim::Optimizer con
   return c;
 }
 
+Checkpoint training_metadata(nn::Sequential const& model, optim::Optimizer const& optimizer, TrainingState const& state) {
+  Checkpoint c;
+  c.put("model.architecture", architecture(model));
+  c.put("model.rng", model.rng_state());
+  c.put("model.rng_seeds", model.rng_seeds());
+  c.put("optimizer.name", optimizer.name());
+  c.put("optimizer.steps", std::vector<std::int64_t>{optimizer.steps()});
+  c.put("training", std::vector<std::int64_t>{state.step, state.epoch, state.batch});
+  c.put("training.data_seed", std::vector<std::uint64_t>{state.data_seed});
+  return c;
+}
+
 void save_training(std::filesystem::path const& path, nn::Sequential const& model, optim::Optimizer const& optimizer,
                    TrainingState const& state, Stream& stream) {
   training_checkpoint(model, optimizer, state, stream).save(path);

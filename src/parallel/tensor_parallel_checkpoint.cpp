@@ -1,11 +1,14 @@
 // TensorParallel and the whole model: the shards' buffers put together in its layout and
-// split back (gather_parameters, scatter_parameters), and checkpoints in io::save_training's format,
-// which every layout reads and writes.
+// split back (gather_parameters, scatter_parameters), and checkpoints: a file in io::save_training's
+// format (the whole model put together), or a folder in which each rank writes its own boxes of the
+// named tensors and reads only the boxes it holds, from a folder of any layout.
 #include <mgpu/parallel/tensor_parallel.hpp>
 
 #include <algorithm>
+#include <cstring>
 #include <exception>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -14,6 +17,7 @@
 #include <mgpu/core/error.hpp>
 #include <mgpu/io/checkpoint.hpp>
 #include <mgpu/io/sharded_checkpoint.hpp>
+#include <mgpu/parallel/shard_boxes.hpp>
 
 #include "comm/agreement.hpp"
 #include "parallel/tensor_parallel_impl.hpp"
@@ -174,6 +178,7 @@ void TensorParallel::save(std::filesystem::path const& path, io::TrainingState c
   if (!im.broken.empty()) throw Error(Errc::invalid_argument, "TensorParallel::save: " + im.broken);
   im.group->synchronize();
   im.gather_optimizer_state();  // ZeRO: every rank's whole (the next step shards it again)
+  if (im.world || std::filesystem::is_directory(path)) return im.save_boxes(path, state);
   nn::Sequential const& shard = im.shards[0];
   // The optimizers are stepped together: every rank holds as many state buffers, whole ones.
   std::vector<optim::NamedTensor> const state_buffers = im.optimizers[0]->state();
@@ -181,7 +186,6 @@ void TensorParallel::save(std::filesystem::path const& path, io::TrainingState c
   if (shard.size() != whole.model.size())
     throw Error(Errc::invalid_argument, "TensorParallel::save: a shard of " + std::to_string(shard.size()) +
                                             " layers (expected the whole model's " + std::to_string(whole.model.size()) + ")");
-  // Every process puts the whole model together (collectives across processes), in the same order.
   // The whole model lives on the host: its buffers are filled directly.
   auto const fill = [](Tensor const& into, std::vector<float> const& values) {
     std::copy(values.begin(), values.end(), into.host_span<float>().begin());
@@ -207,28 +211,63 @@ void TensorParallel::save(std::filesystem::path const& path, io::TrainingState c
   whole.stream.synchronize();
   io::Checkpoint records = io::training_checkpoint(whole.model, *whole.optimizer, state, whole.stream);
   if (im.scalers[0]) io::put_loss_scaler(records, im.scalers[0]->state());
-  if (!im.world && !std::filesystem::is_directory(path)) {
-    records.save(path);
-    return;
+  records.save(path);
+}
+
+void TensorParallel::Impl::save_boxes(std::filesystem::path const& path, io::TrainingState const& state) {
+  Impl& im = *this;
+  im.gather_whole();  // zero_stage 3: every shard's parameters whole
+  // Replica 0's ranks of this process, each writing its boxes of the named tensors (a replicated
+  // tensor: its tensor-parallel rank 0); the first of them also the layouts and the other records.
+  std::vector<int> mine;  // local ranks
+  for (int t = 0; t < im.ranks; ++t) {
+    int const local = im.mesh.at("tp", 0, t) - im.first;
+    if (local >= 0 && local < im.group->size()) mine.push_back(local);
   }
-  // A folder (across processes every process calls save with the same path): process 0's shard
-  // holds every record, the others' none.
-  auto const write = [&](std::uint64_t save_id, int index, int count) {
-    io::ShardWriter writer;
-    if (im.first == 0)
-      for (io::Record const& record : records.records()) writer.put(record);
-    writer.save(path, save_id, index, count);
-  };
-  std::string const what = "TensorParallel::save to the folder " + path.string();
-  if (!im.world) {
+  // In one process a shard per rank; across processes a shard per process, its ranks'.
+  std::vector<io::ShardWriter> writers(im.world ? 1 : mine.size());
+  for (std::size_t i = 0; i < mine.size(); ++i) {
+    io::ShardWriter& writer = writers[im.world ? 0 : i];
+    int const local = mine[i];
+    auto const r = static_cast<std::size_t>(local);
+    Stream& stream = im.group->stream(local);
+    bool const first_rank = im.first + local == im.mesh.at("tp", 0, 0);
+    std::vector<std::pair<std::string, std::vector<float>>> buffers{
+        {"model.parameters", detail::host_copy(im.shards[r].master_parameters(), stream)}};
+    for (auto const& [name, tensor] : im.optimizers[r]->state()) buffers.emplace_back("optimizer." + name, detail::host_copy(tensor, stream));
+    auto const host = Allocator::create({DeviceKind::host, 0});
+    Stream host_stream{Device{DeviceKind::host, 0}};
+    nn::Sequential const& whole_model = im.whole;  // not materialized: the names and layout
+    for (ShardBox const& b : shard_boxes(whole_model, im.shards[r])) {
+      if (b.whole && !first_rank) continue;  // replicated: written once
+      Tensor const values = Tensor::empty({b.box.numel()}, DType::float32, *host);
+      for (auto const& [record, buffer] : buffers) {
+        std::span<float> const out = values.host_span<float>();
+        for (std::size_t e = 0; e < b.at.size(); ++e) out[e] = buffer[static_cast<std::size_t>(b.at[e])];
+        writer.put_box(record + "/" + b.tensor, b.shape, b.box, values, host_stream);
+      }
+    }
+    if (!first_rank) continue;
+    std::int64_t const total = whole_model.parameter_count();
+    for (auto const& entry : buffers) writer.put_layout(entry.first, total, tensor_layout(whole_model, entry.first));
+    nn::Sequential whole = im.whole.clone();  // not materialized: the architecture and RNG state
+    whole.set_rng_state(im.shards[r].rng_state());
+    whole.set_rng_seeds(im.shards[r].rng_seeds());
+    io::Checkpoint records = io::training_metadata(whole, *im.optimizers[r], state);
+    if (im.scalers[r]) io::put_loss_scaler(records, im.scalers[r]->state());
+    for (io::Record const& record : records.records()) writer.put(record);
+  }
+  if (!im.world) {  // a shard per rank
     std::uint64_t const save_id = io::committed_save_id(path) + 1;
-    write(save_id, 0, 1);
-    io::commit_shards(path, save_id, 1);
+    for (std::size_t i = 0; i < writers.size(); ++i) writers[i].save(path, save_id, static_cast<int>(i), static_cast<int>(writers.size()));
+    io::commit_shards(path, save_id, static_cast<int>(writers.size()));
     return;
   }
+  // Across processes every process calls save with the same path.
+  auto const write = [&](std::uint64_t save_id, int index, int count) { writers[0].save(path, save_id, index, count); };
   comm::detail::save_in_shards(
-      *im.world, *im.group, what, [&] { return io::committed_save_id(path) + 1; }, write,
-      [&](std::uint64_t save_id, int count) { io::commit_shards(path, save_id, count); });
+      *im.world, *im.group, "TensorParallel::save to the folder " + path.string(), [&] { return io::committed_save_id(path) + 1; },
+      write, [&](std::uint64_t save_id, int count) { io::commit_shards(path, save_id, count); });
 }
 
 io::TrainingState TensorParallel::load(std::filesystem::path const& path) {
@@ -238,14 +277,28 @@ io::TrainingState TensorParallel::load(std::filesystem::path const& path) {
   im.gather_optimizer_state();  // ZeRO: laid out whole to be filled (the next step shards it again)
   // Read and verify everything into the whole model first (every process, from the same files):
   // the shards change only once every process has.
+  if (std::filesystem::is_directory(path)) {
+    std::optional<io::ShardedCheckpoint> folder;
+    std::exception_ptr failure;
+    try {
+      folder.emplace(io::ShardedCheckpoint::load(path));
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    if (im.world) {
+      comm::detail::agree(*im.world, *im.group, failure, "TensorParallel::load from " + path.string());
+    } else if (failure) {
+      std::rethrow_exception(failure);
+    }
+    return im.load_boxes(*folder);
+  }
   std::exception_ptr failure;
   std::optional<Whole> whole;
   io::TrainingState state;
   std::optional<optim::LossScaler::State> scaler;
   try {
     whole.emplace(im.whole, im.options);
-    io::Checkpoint const records =
-        std::filesystem::is_directory(path) ? io::ShardedCheckpoint::load(path).joined() : io::Checkpoint::load(path);
+    io::Checkpoint const records = io::Checkpoint::load(path);
     if (whole->model.size() != im.shards[0].size())
       throw Error(Errc::invalid_argument, "TensorParallel::load: a shard of " + std::to_string(im.shards[0].size()) +
                                               " layers (expected the whole model's " + std::to_string(whole->model.size()) + ")");
@@ -281,6 +334,116 @@ io::TrainingState TensorParallel::load(std::filesystem::path const& path) {
     im.from_whole(values, [&im, k](int rank) { return im.optimizers[static_cast<std::size_t>(rank)]->state()[k].second; });
   }
   return state;
+}
+
+io::TrainingState TensorParallel::Impl::load_boxes(io::ShardedCheckpoint const& checkpoint) {
+  std::string const source = checkpoint.folder().string();
+  std::string const file = source + ": ";
+  io::Checkpoint const records = checkpoint.joined(checkpoint.split_names());  // the whole records
+  std::int64_t const total = whole.parameter_count();
+  auto const host = Allocator::create({DeviceKind::host, 0});
+  Stream host_stream{Device{DeviceKind::host, 0}};
+  // A float32 record of a value per parameter of the whole model, split (in boxes or ranges) or whole.
+  auto const check = [&](std::string const& name) {
+    bool const split = checkpoint.has_pieces(name);
+    if (!split && !records.contains(name)) throw Error(Errc::corrupt_data, file + "no record '" + name + "' (expected one)");
+    Shape const shape = split ? checkpoint.shape(name) : records.get(name).shape;
+    io::RecordType const type = split ? checkpoint.type(name) : records.get(name).type;
+    if (shape != Shape{total} || type != io::RecordType::float32)
+      throw Error(Errc::invalid_argument, file + "record '" + name + "' of shape " + mgpu::to_string(shape) + " (expected [" +
+                                              std::to_string(total) + "] float32, a value per parameter of the model)");
+  };
+  // Box b of a tensor of such a record, scattered into `into` (a shard's buffer): from the boxes or
+  // pieces that overlap it, or from the whole record.
+  auto const read = [&](std::string const& name, ShardBox const& b, std::vector<float>& into) {
+    Tensor const values = Tensor::empty({b.box.numel()}, DType::float32, *host);
+    std::span<float> const got = values.host_span<float>();
+    if (checkpoint.has_pieces(name)) {
+      checkpoint.read_view(name, b.offset, b.shape, b.box, values, host_stream);
+    } else {
+      auto const* whole = reinterpret_cast<float const*>(records.get(name).data.data()) + b.offset;
+      std::size_t const rank = b.shape.size();
+      std::vector<std::int64_t> index(rank, 0);  // within the box
+      for (float& value : got) {
+        std::int64_t at = 0;
+        for (std::size_t d = 0; d < rank; ++d) at = at * b.shape[d] + b.box.offsets[d] + index[d];
+        std::memcpy(&value, whole + at, sizeof(float));
+        for (std::size_t d = rank; d-- > 0;) {
+          if (++index[d] < b.box.lengths[d]) break;
+          index[d] = 0;
+        }
+      }
+    }
+    for (std::size_t e = 0; e < b.at.size(); ++e) into[static_cast<std::size_t>(b.at[e])] = got[e];
+  };
+  // Everything verified and every rank's boxes read before any rank changes.
+  struct Staged {
+    std::vector<float> parameters;
+    std::map<std::string, std::vector<float>> state;  // by record name
+  };
+  std::vector<Staged> staged(static_cast<std::size_t>(group->size()));
+  io::TrainingRecords training;
+  std::optional<optim::LossScaler::State> scaler;
+  std::vector<std::string> state_names;  // the optimizer's records, as the checkpoint holds them
+  std::exception_ptr failure;
+  try {
+    training = io::read_training_records(records, source, whole, *optimizers[0]);
+    if (scalers[0]) scaler = io::read_loss_scaler(records, source, *scalers[0]);
+    check("model.parameters");
+    for (std::string const& name : checkpoint.split_names())
+      if (name.starts_with("optimizer.")) state_names.push_back(name);
+    for (io::Record const& r : records.records())
+      if (r.name.starts_with("optimizer.") && r.type == io::RecordType::float32) state_names.push_back(r.name);
+    for (std::string const& name : state_names) check(name);
+    nn::Sequential const& whole_model = whole;  // not materialized: the names and layout
+    for (std::size_t r = 0; r < staged.size(); ++r) {
+      auto const count = static_cast<std::size_t>(shards[r].parameter_count());
+      staged[r].parameters.assign(count, 0.0f);
+      for (std::string const& name : state_names) staged[r].state[name].assign(count, 0.0f);
+      for (ShardBox const& b : shard_boxes(whole_model, shards[r])) {
+        read("model.parameters", b, staged[r].parameters);
+        for (std::string const& name : state_names) read(name, b, staged[r].state[name]);
+      }
+    }
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (world) {
+    comm::detail::agree(*world, *group, failure, "TensorParallel::load from " + source);
+  } else if (failure) {
+    std::rethrow_exception(failure);
+  }
+  gather_whole();  // zero_stage 3: the next step keeps the owned parameters of these
+  for (int rank = 0; rank < group->size(); ++rank) {
+    auto const r = static_cast<std::size_t>(rank);
+    Stream& stream = group->stream(rank);
+    Allocator& allocator = group->allocator(rank);
+    auto const put = [&](Tensor const& into, std::vector<float> const& values) {
+      Tensor const from = Tensor::empty({static_cast<std::int64_t>(values.size())}, DType::float32, *host);
+      std::copy(values.begin(), values.end(), from.host_span<float>().begin());
+      copy_async(into, from, stream);
+      stream.synchronize();
+    };
+    put(shards[r].master_parameters(), staged[r].parameters);
+    shards[r].sync_parameters(stream);
+    std::vector<optim::NamedTensor> const mine =
+        state_names.empty() ? optimizers[r]->state() : optimizers[r]->prepare_state(shards[r].master_parameters(), allocator, stream);
+    stream.synchronize();
+    for (auto const& [name, tensor] : mine) {
+      auto const saved = staged[r].state.find("optimizer." + name);
+      if (saved == staged[r].state.end()) {
+        fill_async(tensor, 0.0f, stream);  // none saved (before a first step)
+        stream.synchronize();
+      } else {
+        put(tensor, saved->second);
+      }
+    }
+    shards[r].set_rng_state(training.rng);
+    if (!training.rng_seeds.empty()) shards[r].set_rng_seeds(training.rng_seeds);
+    optimizers[r]->set_steps(training.optimizer_steps);
+    if (scaler) scalers[r]->set_state(*scaler);
+  }
+  return training.state;
 }
 
 }  // namespace mgpu::parallel

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <exception>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -13,6 +14,7 @@
 
 #include <mgpu/comm/communicator.hpp>
 #include <mgpu/comm/mesh.hpp>
+#include <mgpu/io/sharded_checkpoint.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 
 #include "comm/renewable.hpp"
@@ -57,6 +59,10 @@ struct TensorParallel::Impl {
   // ones only (shard_parameters); nothing otherwise. Collective over each tensor-parallel index's replicas.
   void gather_whole();
   void shard_parameters();
+  // Checkpoint folders (tensor_parallel_checkpoint.cpp): each rank of replica 0 writes its boxes of
+  // the named tensors; every rank reads the boxes it holds from a folder of any layout.
+  void save_boxes(std::filesystem::path const& path, io::TrainingState const& state);
+  io::TrainingState load_boxes(io::ShardedCheckpoint const& checkpoint);
   // The optimizers of this process's ranks of tensor-parallel index t, in replica order.
   [[nodiscard]] std::vector<optim::Optimizer*> replica_optimizers(std::size_t t) const;
   std::vector<std::unique_ptr<nn::Loss>> losses;  // per rank of this process

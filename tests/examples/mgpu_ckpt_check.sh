@@ -31,7 +31,29 @@ for f in info-file info-folder; do
 done
 grep -q "one file" "$dir/info-file.txt" || fail "info-file: not said to be one file"
 grep -q "a folder of 1 shard(s), save 1" "$dir/info-folder.txt" || fail "info-folder: no folder line"
-grep -q "optimizer.m .*split over the shards" "$dir/info-folder.txt" || fail "info-folder: optimizer.m not split"
+grep -q "optimizer.m .*element ranges \[0:" "$dir/info-folder.txt" || fail "info-folder: optimizer.m not split"
+
+# A tensor-parallel folder: each rank's boxes of the named tensors; converted to one file and to an
+# llm.c file, both evaluating to the same validation loss.
+mkdir -p "$dir/tp"
+# shellcheck disable=SC2086
+"$exe" $common --iters 6 --devices host:2 --tp 2 --checkpoint "$dir/tp" >/dev/null 2>&1 || fail "train_gpt --tp 2 --checkpoint FOLDER"
+"$ckpt" info "$dir/tp" >"$dir/info-tp.txt" || fail "info on a TP folder"
+cat "$dir/info-tp.txt"
+for want in "a folder of 2 shard(s), save 1, format version 2" "model.parameters .*\[34176\] .*the 28 tensors below laid end to end" \
+            "model.parameters/h.0.attn_qkv.weight .*\[32, 96\] .*boxes \[0:32, 0:16\]@0 \[0:32, 16:32\]@1" \
+            "optimizer.v/0.wte.weight .*\[256, 32\] .*boxes \[0:128, 0:32\]@0 \[128:256, 0:32\]@1"; do
+  grep -q "$want" "$dir/info-tp.txt" || fail "info-tp: no line matching '$want'"
+done
+"$ckpt" convert "$dir/tp" "$dir/tp-joined.ckpt" || fail "convert TP FOLDER FILE"
+"$ckpt" convert "$dir/tp" "$dir/tp.bin" --llmc || fail "convert TP FOLDER --llmc"
+# shellcheck disable=SC2086
+tp_file=$("$exe" $common --iters 6 --checkpoint "$dir/tp-joined.ckpt" --resume --eval-only 2>/dev/null | tail -1)
+# shellcheck disable=SC2086
+tp_llmc=$("$exe" $common --init-from "$dir/tp.bin" --eval-only 2>/dev/null | tail -1)
+tp_val() { echo "$1" | sed -n 's/.*"val_loss": \([^,]*\),.*/\1/p'; }
+[ -n "$(tp_val "$tp_file")" ] && [ "$(tp_val "$tp_llmc")" = "$(tp_val "$tp_file")" ] ||
+  fail "the TP folder's llm.c file evaluates to $tp_llmc (expected the joined file's $tp_file)"
 
 "$ckpt" convert "$dir/folder" "$dir/joined.ckpt" || fail "convert FOLDER FILE"
 cp -r "$dir/folder" "$dir/folder2"

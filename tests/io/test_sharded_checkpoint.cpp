@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -307,4 +308,189 @@ TEST_CASE("Sharded checkpoint: incomplete or damaged saves are rejected naming t
     REQUIRE_MGPU_ERROR(a.save(fs::temp_directory_path(), 1, 2, 2), Errc::invalid_argument,
                        "shard 2 of 2 (expected 0 <= shard < shards)");
   }
+}
+
+namespace {
+
+// The elements of `box` of a row-major tensor of `shape` whose element i is values[i], serially.
+std::vector<float> box_of(std::vector<float> const& values, mgpu::Shape const& shape, io::Box const& box) {
+  std::vector<float> out;
+  std::size_t const rank = shape.size();
+  std::vector<std::int64_t> index(rank, 0);
+  for (std::int64_t n = 0; n < box.numel(); ++n) {
+    std::int64_t flat = 0;
+    for (std::size_t d = 0; d < rank; ++d) flat = flat * shape[d] + box.offsets[d] + index[d];
+    out.push_back(values[static_cast<std::size_t>(flat)]);
+    for (std::size_t d = rank; d-- > 0;) {
+      if (++index[d] < box.lengths[d]) break;
+      index[d] = 0;
+    }
+  }
+  return out;
+}
+
+std::vector<float> read_box(Host& h, io::ShardedCheckpoint const& c, std::string const& name, io::Box const& box) {
+  Tensor out = Tensor::empty({box.numel()}, DType::float32, h.group.allocator(0));
+  c.read_box(name, box, out, h.stream);
+  auto const span = out.host_span<float>();
+  return {span.begin(), span.end()};
+}
+
+// Writes tensor "w" of `shape` (element i: i + 1) as `boxes`, box i by writer i, committed as save 1.
+void write_boxes(Host& h, fs::path const& folder, mgpu::Shape const& shape, std::vector<io::Box> const& boxes) {
+  auto const whole = iota(io::Box{{}, shape}.numel(), 1.0f);
+  int const writers = static_cast<int>(boxes.size());
+  for (int w = 0; w < writers; ++w) {
+    io::ShardWriter shard;
+    io::Box const& box = boxes[static_cast<std::size_t>(w)];
+    shard.put_box("w", shape, box, h.floats(box_of(whole, shape, box)), h.stream);
+    shard.save(folder, 1, w, writers);
+  }
+  io::commit_shards(folder, 1, writers);
+}
+
+}  // namespace
+
+TEST_CASE("Sharded checkpoint: N-D boxes of four writers read back in any box or element range", "[io][sharded][box]") {
+  Host h;
+  TempDir dir;
+  mgpu::Shape const shape{6, 8};
+  auto const whole = iota(48, 1.0f);
+  // A 2 x 2 grid of uneven boxes, as tensor-parallel column shards of row blocks hold them.
+  std::vector<io::Box> const grid{{{0, 0}, {2, 3}}, {{0, 3}, {2, 5}}, {{2, 0}, {4, 3}}, {{2, 3}, {4, 5}}};
+  write_boxes(h, dir.path, shape, grid);
+  auto const c = io::ShardedCheckpoint::load(dir.path);
+  CHECK(c.version() == io::sharded_checkpoint_version);
+  CHECK(c.shape("w") == shape);
+  CHECK(!c.split_by_elements("w"));
+  REQUIRE(c.parts("w").size() == 4);
+  CHECK(c.parts("w")[1].box == grid[1]);
+  CHECK(c.parts("w")[1].shard == 1);
+  CHECK(read_box(h, c, "w", io::whole_box(shape)) == whole);
+  std::uint64_t const before = c.payload_bytes_read();
+  // A box inside one writer's box reads that box only; one across all four reads all four.
+  CHECK(read_box(h, c, "w", {{3, 4}, {2, 3}}) == box_of(whole, shape, {{3, 4}, {2, 3}}));
+  CHECK(c.payload_bytes_read() - before == 20 * sizeof(float));
+  for (io::Box const& box : {io::Box{{1, 2}, {4, 5}}, io::Box{{0, 7}, {6, 1}}, io::Box{{5, 0}, {1, 8}}, io::Box{{2, 2}, {0, 3}}})
+    CHECK(read_box(h, c, "w", box) == box_of(whole, shape, box));
+  // Element ranges of the flattened tensor (a reader split the old way), and joined() whole.
+  CHECK(h.read(c, "w", 5, 20) == slice(whole, 5, 25));
+  io::Checkpoint const all = c.joined();
+  io::Record const& joined = all.get("w");
+  CHECK(joined.shape == shape);
+  CHECK(joined.data.size() == 48 * sizeof(float));
+  CHECK(std::memcmp(joined.data.data(), whole.data(), joined.data.size()) == 0);
+
+  // Three dimensions, split along the middle one, read in a box across the split.
+  TempDir three;
+  mgpu::Shape const cube{3, 4, 5};
+  write_boxes(h, three.path, cube, {{{0, 0, 0}, {3, 1, 5}}, {{0, 1, 0}, {3, 3, 5}}});
+  auto const d = io::ShardedCheckpoint::load(three.path);
+  io::Box const across{{1, 0, 2}, {2, 3, 3}};
+  CHECK(read_box(h, d, "w", across) == box_of(iota(60, 1.0f), cube, across));
+
+  Tensor five = Tensor::empty({5}, DType::float32, h.group.allocator(0));
+  REQUIRE_MGPU_ERROR(c.read_box("w", {{4, 0}, {3, 8}}, five, h.stream), Errc::invalid_argument,
+                     "reading box [4:7, 0:8] of record 'w' into 5 elements (expected a box within its shape [6, 8]");
+}
+
+TEST_CASE("Sharded checkpoint: element ranges of a version-1 save read as boxes", "[io][sharded][box]") {
+  Host h;
+  TempDir dir;
+  auto const whole = iota(35, 1.0f);
+  write_save(h, dir.path, 3, whole, {0, 12, 12, 35});
+  io::Checkpoint manifest;  // the manifest as version 1 wrote it
+  manifest.put("format", std::string("mgpu-sharded-checkpoint-1"));
+  manifest.put("save_id", std::vector<std::uint64_t>{3});
+  manifest.put("shards", std::vector<std::int64_t>{3});
+  manifest.save(dir.path / "manifest.ckpt");
+  auto const c = io::ShardedCheckpoint::load(dir.path);
+  CHECK(c.version() == 1);
+  CHECK(c.split_by_elements("model.weight"));
+  CHECK(c.parts("model.weight")[0].box == io::Box{{0}, {12}});
+  io::Box const columns{{1, 2}, {5, 2}};
+  CHECK(read_box(h, c, "model.weight", columns) == box_of(whole, {7, 5}, columns));
+}
+
+TEST_CASE("Sharded checkpoint: boxes that overlap or leave a hole are refused naming the tensor and box", "[io][sharded][box]") {
+  Host h;
+  mgpu::Shape const shape{4, 6};
+  SECTION("an overlap") {
+    TempDir dir;
+    write_boxes(h, dir.path, shape, {{{0, 0}, {4, 4}}, {{1, 3}, {3, 3}}, {{0, 4}, {1, 2}}});
+    REQUIRE_MGPU_ERROR(io::ShardedCheckpoint::load(dir.path), Errc::corrupt_data,
+                       "tensor 'w' of shape [4, 6] in " + dir.path.string() +
+                           ": boxes [0:4, 0:4] and [1:4, 3:6] overlap (expected its boxes to cover every element once)");
+  }
+  SECTION("a hole") {
+    TempDir dir;
+    write_boxes(h, dir.path, shape, {{{0, 0}, {4, 3}}, {{0, 3}, {2, 3}}});
+    REQUIRE_MGPU_ERROR(io::ShardedCheckpoint::load(dir.path), Errc::corrupt_data,
+                       "tensor 'w' of shape [4, 6] in " + dir.path.string() + ": box [2:4, 3:6] is in no shard (6 elements are in no box)");
+  }
+  SECTION("element ranges and boxes of one tensor") {
+    TempDir dir;
+    io::ShardWriter a;
+    a.put_box("w", shape, {{0, 0}, {2, 6}}, h.floats(iota(12, 0.0f)), h.stream);
+    a.save(dir.path, 1, 0, 2);
+    io::ShardWriter b;
+    b.put_piece("w", shape, 12, h.floats(iota(12, 0.0f)), h.stream);
+    b.save(dir.path, 1, 1, 2);
+    io::commit_shards(dir.path, 1, 2);
+    REQUIRE_MGPU_ERROR(io::ShardedCheckpoint::load(dir.path), Errc::corrupt_data,
+                       "record 'w' in " + dir.path.string() + " is split both in element ranges and in boxes");
+  }
+  SECTION("bad boxes are refused when written") {
+    io::ShardWriter a;
+    REQUIRE_MGPU_ERROR(a.put_box("w", shape, {{2, 0}, {3, 6}}, h.floats(iota(18, 0.0f)), h.stream), Errc::invalid_argument,
+                       "box [2:5, 0:6] of 'w' (expected 2 offsets and lengths within its shape [4, 6])");
+    REQUIRE_MGPU_ERROR(a.put_box("w", shape, {{0}, {4}}, h.floats(iota(4, 0.0f)), h.stream), Errc::invalid_argument,
+                       "box [0:4] of 'w' (expected 2 offsets and lengths within its shape [4, 6])");
+    REQUIRE_MGPU_ERROR(a.put_box("w", shape, {{0, 0}, {2, 2}}, h.floats(iota(5, 0.0f)), h.stream), Errc::invalid_argument,
+                       "box [0:2, 0:2] of 'w' given 5 values (expected 4, the box's elements)");
+    a.put_box("w", shape, {{0, 0}, {2, 2}}, h.floats(iota(4, 0.0f)), h.stream);
+    REQUIRE_MGPU_ERROR(a.put_box("w", shape, {{0, 0}, {2, 2}}, h.floats(iota(4, 0.0f)), h.stream), Errc::invalid_argument,
+                       "a second box of 'w' at [0:2, 0:2] (expected each box once)");
+  }
+}
+
+TEST_CASE("Sharded checkpoint: a layout reads its boxed tensors as one flat record", "[io][sharded][box]") {
+  Host h;
+  TempDir dir;
+  // Record "p" of 10 elements: tensor a [2, 3] (column boxes on two writers) then b [4] (halves).
+  std::vector<float> const a{1, 2, 3, 4, 5, 6}, b{7, 8, 9, 10};
+  auto const flat = iota(10, 1.0f);
+  for (int w = 0; w < 2; ++w) {
+    io::ShardWriter shard;
+    io::Box const columns = w == 0 ? io::Box{{0, 0}, {2, 1}} : io::Box{{0, 1}, {2, 2}};
+    shard.put_box("p/a", {2, 3}, columns, h.floats(box_of(a, {2, 3}, columns)), h.stream);
+    shard.put_box("p/b", {4}, {{2 * w}, {2}}, h.floats(slice(b, 2 * w, 2 * w + 2)), h.stream);
+    if (w == 0) shard.put_layout("p", 10, {{"p/a", 0}, {"p/b", 6}});
+    shard.save(dir.path, 1, w, 2);
+  }
+  io::commit_shards(dir.path, 1, 2);
+  auto const c = io::ShardedCheckpoint::load(dir.path);
+  CHECK(c.split_names() == std::vector<std::string>{"p"});
+  CHECK(c.is_layout("p"));
+  CHECK(c.layout_tensors("p") == std::vector<std::string>{"p/a", "p/b"});
+  CHECK(c.shape("p") == mgpu::Shape{10});
+  CHECK(h.read(c, "p", 0, 10) == flat);
+  CHECK(h.read(c, "p", 4, 4) == slice(flat, 4, 8));  // across the two tensors
+  CHECK(read_box(h, c, "p/a", {{0, 1}, {2, 1}}) == std::vector<float>{2, 5});
+  io::Checkpoint const joined = c.joined();
+  CHECK(!joined.contains("p/a"));
+  REQUIRE(joined.contains("p"));
+  CHECK(std::memcmp(joined.get("p").data.data(), flat.data(), 10 * sizeof(float)) == 0);
+
+  io::ShardWriter bad;
+  REQUIRE_MGPU_ERROR(bad.put_layout("q", 10, {{"q/a", 2}}), Errc::invalid_argument,
+                     "layout 'q': tensor 'q/a' at 2 (expected named tensors at increasing offsets from 0 below 10)");
+  TempDir gap;
+  io::ShardWriter shard;
+  shard.put_box("q/a", {4}, {{0}, {4}}, h.floats(iota(4, 0.0f)), h.stream);
+  shard.put_layout("q", 9, {{"q/a", 0}, {"q/b", 5}});
+  shard.save(gap.path, 1, 0, 1);
+  io::commit_shards(gap.path, 1, 1);
+  REQUIRE_MGPU_ERROR(io::ShardedCheckpoint::load(gap.path), Errc::corrupt_data,
+                     "layout 'q' in " + gap.path.string() + ": tensor 'q/b' is in no shard");
 }

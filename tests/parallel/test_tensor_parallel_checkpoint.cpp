@@ -12,12 +12,17 @@
 
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/io/checkpoint.hpp>
+#include <mgpu/io/sharded_checkpoint.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/loss.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/optim/optim.hpp>
+#include <mgpu/comm/communicator.hpp>
+#include <mgpu/parallel/data_parallel.hpp>
+#include <mgpu/parallel/shard_boxes.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
+#include <mgpu/pipeline/pipeline.hpp>
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
@@ -177,4 +182,151 @@ TEST_CASE("TensorParallel saves into a folder and refuses another model or a dam
   std::vector<float> const damaged_before = damaged.gather_parameters();
   REQUIRE_MGPU_ERROR(damaged.load(file), mgpu::Errc::corrupt_data, file.string());
   CHECK(damaged.gather_parameters() == damaged_before);
+}
+
+TEST_CASE("a DP 2 x TP 2 folder holds each rank's boxes, and continues on TP 4, TP 2 and one device", "[parallel][tensor][checkpoint][box]") {
+  Env env;
+  auto const bs = batches(env, 6);
+  TempDir dir;
+  fs::path const folder = dir.path / "boxes";
+  fs::create_directories(folder);
+  std::vector<double> rest;  // the uninterrupted run's steps 3..5
+  {
+    mgpu::DeviceGroup group("host:4");
+    par::TensorParallel tp(group, config, options(2));
+    (void)run(tp, bs, 0, 3);
+    tp.save(folder, {.step = 3});
+    rest = run(tp, bs, 3, 6);
+  }
+  {  // replica 0's two ranks wrote a shard each: a column split's two boxes, a replicated tensor once
+    mgpu::io::ShardedCheckpoint const c = mgpu::io::ShardedCheckpoint::load(folder);
+    CHECK(c.shards() == 2);
+    CHECK(c.is_layout("model.parameters"));
+    CHECK(!c.whole().contains("model.parameters"));
+    std::string const qkv = "model.parameters/h.0.attn_qkv.weight";
+    REQUIRE(c.has_pieces(qkv));
+    CHECK(c.shape(qkv) == mgpu::Shape{32, 96});
+    auto const parts = c.parts(qkv);
+    REQUIRE(parts.size() == 6);  // q, k and v's columns of each rank
+    CHECK(to_string(parts[0].box) == "[0:32, 0:16]");  // rank 0's 2 of the 4 heads of q: 16 of its 32 columns
+    CHECK(to_string(parts[1].box) == "[0:32, 16:32]");  // rank 1's
+    CHECK(c.parts("model.parameters/0.wpe.weight").size() == 1);
+    CHECK(c.parts("optimizer.m/0.wte.weight").size() == 2);  // the vocab's rows
+  }
+  SECTION("TP 4") {
+    mgpu::DeviceGroup group("host:4");
+    par::TensorParallel tp(group, config, options(1, 99));
+    CHECK(tp.load(folder).step == 3);
+    CHECK(worst_relative(run(tp, bs, 3, 6), rest) < 1e-5);
+  }
+  SECTION("the same layout: bit for bit") {
+    mgpu::DeviceGroup group("host:4");
+    par::TensorParallel tp(group, config, options(2, 99));
+    tp.load(folder);
+    CHECK(run(tp, bs, 3, 6) == rest);
+  }
+  SECTION("one device, through the folder joined") {
+    nn::Sequential model = nn::gpt(config);
+    model.materialize(env.ctx, 99);
+    mgpu::optim::AdamWOptions o = adamw;
+    o.decay_ranges = nn::gpt_decay_ranges(config);
+    mgpu::optim::AdamW opt(o);
+    CHECK(mgpu::io::load_training(mgpu::io::ShardedCheckpoint::load(folder).joined(), folder.string(), model, opt, *env.allocator,
+                                  env.stream)
+              .step == 3);
+    std::vector<double> got;
+    for (std::size_t s = 3; s < 6; ++s)
+      got.push_back(mgpu::ops::item(
+          nn::train_step(model, opt, bs[s].ids, bs[s].targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = clip}).loss,
+          env.stream));
+    CHECK(worst_relative(got, rest) < 1e-5);
+  }
+  SECTION("a 2-stage pipeline x DP 2 with ZeRO-1, and DataParallel ZeRO-1 x 2: the boxes read as the flat records") {
+    auto const chunk_adamw = [](nn::Sequential const& chunk) {
+      mgpu::optim::AdamWOptions o = adamw;
+      o.decay_ranges = chunk.matrix_ranges();
+      return std::make_unique<mgpu::optim::AdamW>(o);
+    };
+    mgpu::DeviceGroup four("host:4");
+    mgpu::pipeline::Executor pipe(nn::gpt(config), four, {0, 3, 6}, mgpu::pipeline::one_f_one_b(2, 2), chunk_adamw,
+                                  {.seed = 99, .data_parallel = 2, .zero_stage = 1, .clip_norm = clip,
+                                   .loss = std::make_shared<nn::TokenCrossEntropy const>()});
+    CHECK(pipe.load(folder).step == 3);
+    std::vector<double> got;
+    for (std::size_t s = 3; s < 6; ++s) got.push_back(pipe.step(bs[s].ids, bs[s].targets));
+    CHECK(worst_relative(got, rest) < 1e-5);
+
+    mgpu::DeviceGroup two("host:2");
+    mgpu::optim::AdamWOptions o = adamw;
+    o.decay_ranges = nn::gpt_decay_ranges(config);
+    par::DataParallelOptions dp_options;
+    dp_options.zero_stage = 1;
+    dp_options.seed = 99;
+    dp_options.clip_norm = clip;
+    dp_options.loss = std::make_shared<nn::TokenCrossEntropy const>();
+    par::DataParallel dp(nn::gpt(config), two, mgpu::optim::AdamW(o), dp_options);
+    CHECK(dp.load(folder).step == 3);
+    got.clear();
+    for (std::size_t s = 3; s < 6; ++s) got.push_back(dp.step(bs[s].ids, bs[s].targets).loss);
+    CHECK(worst_relative(got, rest) < 1e-5);
+  }
+  SECTION("a damaged box names its file and tensor") {
+    fs::path shard;
+    for (auto const& entry : fs::directory_iterator(folder))
+      if (entry.path().filename().string().ends_with("-1-of-2.ckpt")) shard = entry.path();
+    REQUIRE(!shard.empty());
+    {  // a byte in the middle of rank 1's shard: inside one of its boxes' payloads
+      std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(0, std::ios::end);
+      auto const size = static_cast<std::streamoff>(f.tellg());
+      f.seekg(size / 2);
+      char byte = 0;
+      f.read(&byte, 1);
+      byte = static_cast<char>(byte ^ 0x40);
+      f.seekp(size / 2);
+      f.write(&byte, 1);
+    }
+    mgpu::DeviceGroup group("host:2");
+    par::TensorParallel tp(group, config, options(1, 99));
+    std::vector<float> const before = tp.gather_parameters();
+    REQUIRE_MGPU_ERROR(tp.load(folder), mgpu::Errc::corrupt_data, shard.string() + ": checksum mismatch in record 'box:");
+    CHECK(tp.gather_parameters() == before);
+  }
+}
+
+TEST_CASE("a rank of TP 2 reads its own boxes of a TP 2 folder: about half the model's bytes", "[parallel][tensor][checkpoint][box]") {
+  Env env;
+  auto const bs = batches(env, 2);
+  TempDir dir;
+  mgpu::DeviceGroup group("host:2");
+  par::TensorParallel tp(group, config, options(1));
+  (void)run(tp, bs, 0, 2);
+  tp.save(dir.path, {.step = 2});
+  std::vector<float> const whole = tp.gather_parameters();
+  std::shared_ptr<mgpu::comm::Communicator> const comm = mgpu::comm::make_communicator(group);
+  nn::Sequential const shard = par::tensor_parallel_gpt(config, comm, 1);  // rank 1's layout
+  auto const c = mgpu::io::ShardedCheckpoint::load(dir.path);
+  std::uint64_t const at_load = c.payload_bytes_read();
+  std::int64_t elements = 0;
+  auto const host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  for (par::ShardBox const& b : par::shard_boxes(nn::gpt(config), shard)) {
+    mgpu::Tensor const out = mgpu::Tensor::empty({b.box.numel()}, mgpu::DType::float32, *host);
+    c.read_view("model.parameters", b.offset, b.shape, b.box, out, env.stream);
+    // The box's elements of the whole model, serially: rows of the last dimension.
+    std::int64_t const cols = b.shape.back();
+    std::int64_t const rows = b.shape.size() == 1 ? 1 : b.box.lengths[0];
+    std::int64_t const row0 = b.shape.size() == 1 ? 0 : b.box.offsets[0];
+    std::vector<float> want;
+    for (std::int64_t r = row0; r < row0 + rows; ++r)
+      for (std::int64_t k = b.box.offsets.back(); k < b.box.offsets.back() + b.box.lengths.back(); ++k)
+        want.push_back(whole[static_cast<std::size_t>(b.offset + r * cols + k)]);
+    auto const got = out.host_span<float>();
+    CHECK(std::vector<float>(got.begin(), got.end()) == want);
+    elements += b.box.numel();
+  }
+  double const model_bytes = static_cast<double>(whole.size() * sizeof(float));
+  // Exactly its boxes (the saving layout's), about half the model: the split half plus the replicated.
+  CHECK(c.payload_bytes_read() - at_load == static_cast<std::uint64_t>(elements) * sizeof(float));
+  CHECK(static_cast<double>(c.payload_bytes_read() - at_load) < 0.55 * model_bytes);
+  CHECK(static_cast<double>(c.payload_bytes_read() - at_load) > 0.45 * model_bytes);
 }

@@ -110,6 +110,11 @@ struct TrainingState {
 /// saving them in one file.
 Checkpoint training_checkpoint(nn::Sequential const& model, optim::Optimizer const& optimizer, TrainingState const& state, Stream& stream);
 
+/// The records training_checkpoint writes but the parameters and the optimizer's state, for a writer
+/// whose ranks hold those in parts (each rank's boxes of the named tensors): `model` (materialized or
+/// not) gives the architecture and the RNG state, `optimizer` its kind and step count.
+Checkpoint training_metadata(nn::Sequential const& model, optim::Optimizer const& optimizer, TrainingState const& state);
+
 /// Saves one logical model (its float32 master parameters; a data-parallel group saves one
 /// replica), the optimizer's state and step count, the model's RNG state and `state`.
 void save_training(std::filesystem::path const& path, nn::Sequential const& model, optim::Optimizer const& optimizer,

@@ -1,5 +1,6 @@
 // Sharded checkpoints: a folder of one committed save, written as a shard file per writer and a
-// manifest, read by any number of readers in element ranges. Guide: docs/checkpoints.md.
+// manifest, read by any number of readers in element ranges or N-D boxes of the global tensors.
+// Guide: docs/checkpoints.md.
 #pragma once
 
 #include <atomic>
@@ -16,6 +17,30 @@
 
 namespace mgpu::io {
 
+namespace detail {
+struct Run;
+}
+
+/// A box of an N-D tensor: its first index and its extent along each dimension (as many as the
+/// tensor's global shape has).
+struct Box {
+  std::vector<std::int64_t> offsets;
+  Shape lengths;
+  /// The elements it holds; -1 for a negative extent or a count past int64.
+  [[nodiscard]] std::int64_t numel() const noexcept;
+  friend bool operator==(Box const&, Box const&) = default;
+};
+/// "[0:4, 8:16]": begin:end along each dimension.
+[[nodiscard]] std::string to_string(Box const& box);
+/// The box of the whole tensor of `shape`.
+[[nodiscard]] Box whole_box(Shape const& shape);
+/// Whether `box` has `shape`'s rank and lies within it.
+[[nodiscard]] bool within(Box const& box, Shape const& shape) noexcept;
+
+/// The sharded format this build writes (its manifest's format is "mgpu-sharded-checkpoint-<N>");
+/// it reads version 1 (element ranges only) too.
+inline constexpr int sharded_checkpoint_version = 2;
+
 /// One writer's shard: pieces of records split across writers, and whole records.
 class ShardWriter {
  public:
@@ -23,6 +48,18 @@ class ShardWriter {
   /// writer; the writers' pieces cover it once), copied through `stream` (synchronized). Throws
   /// Error(invalid_argument) for a range outside the shape or a second piece at `begin`.
   void put_piece(std::string const& name, Shape const& shape, std::int64_t begin, Tensor const& values, Stream& stream);
+  /// Box `box` of tensor `name` of global `shape` (the same for every writer; the writers' boxes tile
+  /// it exactly once): `values` holds its elements in row-major order (any shape of box.numel()
+  /// elements), copied through `stream` (synchronized). Throws Error(invalid_argument) for a box of
+  /// another rank or outside the shape, a value count that is not the box's, or a second box at the
+  /// same offsets.
+  void put_box(std::string const& name, Shape const& shape, Box const& box, Tensor const& values, Stream& stream);
+  /// Record `name` as a layout: a one-dimensional record of `numel` elements made of split tensors
+  /// (each written in boxes by put_box, named "<name>/<tensor>" by convention) laid end to end, each
+  /// at its offset, as a model's flat parameter buffer holds its named tensors. A reader reads it as
+  /// one split record (read(), joined()), and each tensor in boxes. One writer puts it (or several,
+  /// the same). Throws Error(invalid_argument) for offsets that are not increasing from 0.
+  void put_layout(std::string const& name, std::int64_t numel, std::vector<std::pair<std::string, std::int64_t>> const& tensors);
   /// A whole record. Several writers may hold the same one; they must hold the same bytes.
   void put(std::string const& name, Tensor const& tensor, Stream& stream);
   void put(std::string const& name, std::vector<std::int64_t> const& values);
@@ -52,8 +89,9 @@ void commit_shards(std::filesystem::path const& folder, std::uint64_t save_id, i
 std::uint64_t committed_save_id(std::filesystem::path const& folder);
 
 /// A committed sharded checkpoint: load() reads the manifest, the shards' indexes and the whole
-/// records, and verifies the shards agree and each split record's pieces cover it once; a piece is
-/// read, and verified, only when read() or joined() needs it.
+/// records, and verifies the shards agree and each split record's pieces (element ranges) or boxes
+/// cover it exactly once; a piece or box is read, and verified, only when read(), read_box() or
+/// joined() needs it.
 class ShardedCheckpoint {
  public:
   /// Throws Error(io) when the folder has no manifest (nothing committed) or a shard file cannot be
@@ -64,10 +102,14 @@ class ShardedCheckpoint {
   [[nodiscard]] std::filesystem::path const& folder() const noexcept { return folder_; }
   [[nodiscard]] std::uint64_t save_id() const noexcept { return save_id_; }
   [[nodiscard]] int shards() const noexcept { return shards_; }
+  /// The manifest's format version (1 or 2).
+  [[nodiscard]] int version() const noexcept { return version_; }
 
-  /// Whether `name` is a split record (written by put_piece).
-  [[nodiscard]] bool has_pieces(std::string const& name) const noexcept { return split_.count(name) != 0; }
-  /// The split records' names, sorted.
+  /// Whether `name` is a split record (written by put_piece or put_box, or a layout).
+  [[nodiscard]] bool has_pieces(std::string const& name) const noexcept {
+    return split_.count(name) != 0 || layouts_.count(name) != 0;
+  }
+  /// The split records' names, sorted: layouts and the records that are no layout's tensors.
   [[nodiscard]] std::vector<std::string> split_names() const;
   /// A split record's whole shape; throws Error(invalid_argument) naming a missing one.
   [[nodiscard]] Shape const& shape(std::string const& name) const;
@@ -76,6 +118,31 @@ class ShardedCheckpoint {
   /// Copies elements [begin, begin + out.numel()) of split record `name` into `out` through `stream`
   /// (synchronized). Throws Error(invalid_argument) for a missing record, another dtype, a bad range.
   void read(std::string const& name, std::int64_t begin, Tensor const& out, Stream& stream) const;
+  /// Copies box `box` of split record `name` into `out` (box.numel() elements, row-major) through
+  /// `stream` (synchronized), reading only the pieces or boxes that overlap it, whichever way it was
+  /// split. Throws as read() does, and for a box of another rank or outside the record's shape.
+  void read_box(std::string const& name, Box const& box, Tensor const& out, Stream& stream) const;
+
+  /// Copies box `box` of the tensor of `view` held at elements [offset, offset + view's elements) of
+  /// the flattened split record or layout `name` into `out` (row-major, box.numel() elements) through
+  /// `stream` (synchronized), reading only the parts that overlap it: a layout's tensor of that shape
+  /// at that offset is read in boxes, any other record in the runs the box covers. Throws as
+  /// read_box() does, and for a view past the record's elements.
+  void read_view(std::string const& name, std::int64_t offset, Shape const& view, Box const& box, Tensor const& out,
+                 Stream& stream) const;
+
+  /// Where a split record's parts lie: each piece's or box's shard and box (a piece of put_piece as
+  /// a one-dimensional box of the flattened record), in the order a reader finds them.
+  struct Part {
+    Box box;
+    int shard = 0;
+  };
+  [[nodiscard]] std::vector<Part> parts(std::string const& name) const;
+  /// Whether `name` is a layout (put_layout); its tensors' names, in their order within it.
+  [[nodiscard]] bool is_layout(std::string const& name) const noexcept { return layouts_.count(name) != 0; }
+  [[nodiscard]] std::vector<std::string> layout_tensors(std::string const& name) const;
+  /// Whether `name` was split in element ranges of the flattened record (put_piece) rather than boxes.
+  [[nodiscard]] bool split_by_elements(std::string const& name) const;
 
   /// Whole records (written by put), from whichever shard holds them.
   [[nodiscard]] bool contains(std::string const& name) const noexcept { return whole_.contains(name); }
@@ -89,8 +156,7 @@ class ShardedCheckpoint {
 
  private:
   struct Piece {
-    std::int64_t begin = 0;
-    std::int64_t numel = 0;
+    Box box;  // {begin}, {numel} over the flattened record for an element range
     int shard = 0;
     RecordEntry entry;
   };
@@ -100,12 +166,25 @@ class ShardedCheckpoint {
     Shape shape;
     bool shaped = false;  // a shard gave the shape
     RecordType type = RecordType::float32;
-    std::vector<Piece> pieces;  // sorted by begin, covering the record once
+    bool flat = false;          // element ranges (pieces), not boxes
+    bool boxed = false;         // a shard gave boxes
+    std::vector<Piece> pieces;  // sorted by offsets, covering the record once
   };
+  // Copies the split record's elements in `to` (runs of the flattened record; `bounds`: their box
+  // when `boxed`) into `destination`, reading the parts that overlap them.
+  void gather(Split const& split, std::vector<detail::Run> const& to, Box const* bounds, std::byte* destination) const;
   std::filesystem::path folder_;
   std::uint64_t save_id_ = 0;
   int shards_ = 0;
+  int version_ = sharded_checkpoint_version;
   std::map<std::string, Split> split_;
+  struct Layout {
+    Shape shape;                                            // {numel}
+    std::vector<std::pair<std::int64_t, std::string>> tensors;  // offset, tensor; increasing, end to end
+  };
+  std::map<std::string, Layout> layouts_;
+  // Elements [begin, begin + count) of split record or layout `name` (checked) into `destination`.
+  void read_range(std::string const& name, std::int64_t begin, std::int64_t count, std::byte* destination) const;
   Checkpoint whole_;
   std::unique_ptr<std::atomic<std::uint64_t>> bytes_read_ = std::make_unique<std::atomic<std::uint64_t>>(0);
 };

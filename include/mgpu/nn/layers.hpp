@@ -40,6 +40,20 @@ struct Context {
 
 class Sequential;
 
+/// One named tensor of a layer's (or a Sequential's) parameters: `shape` as the flat buffer holds
+/// it (a Linear weight [in, out]), from element `offset` of those parameters on, row-major.
+struct TensorSpec {
+  std::string name;
+  Shape shape;
+  std::int64_t offset = 0;
+  [[nodiscard]] std::int64_t numel() const noexcept {
+    std::int64_t n = 1;
+    for (std::int64_t const d : shape) n *= d;
+    return n;
+  }
+  bool operator==(TensorSpec const&) const = default;
+};
+
 /// Weight initialisation: Kaiming (He) uniform for ReLU networks, Xavier (Glorot) uniform otherwise.
 enum class Init { kaiming, xavier };
 
@@ -53,6 +67,9 @@ class Layer {
   [[nodiscard]] virtual std::int64_t parameter_count() const { return 0; }
   /// The [begin, end) offsets of its weight matrices within its parameters (none by default).
   [[nodiscard]] virtual std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const { return {}; }
+  /// Its parameters as named tensors laid end to end (checkpoints address them by name); by default
+  /// one 1-D tensor "parameters" of parameter_count() elements, none when it has no parameters.
+  [[nodiscard]] virtual std::vector<TensorSpec> tensors() const;
   /// Gives the layer its views of the flat parameter and gradient buffers (parameter_count() each).
   virtual void bind(Tensor const& /*params*/, Tensor const& /*grads*/) {}
   /// Links a layer that uses another's parameters (a tied LM head) once every layer of `model` is
@@ -101,6 +118,8 @@ class Linear final : public Layer {
   std::string name() const override;
   std::int64_t parameter_count() const override { return in_ * out_ + out_; }
   std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override { return {{0, in_ * out_}}; }
+  /// "weight" [in, out], "bias" [out].
+  std::vector<TensorSpec> tensors() const override { return {{"weight", {in_, out_}, 0}, {"bias", {out_}, in_ * out_}}; }
   void bind(Tensor const& params, Tensor const& grads) override;
   void initialize(std::mt19937_64& rng) override;
   Tensor forward(Tensor const& x, Context& ctx) override { return forward(x, ctx, ops::ActivationKind::identity); }
@@ -179,6 +198,8 @@ class LayerNorm final : public Layer {
   explicit LayerNorm(std::int64_t features, float eps = 1e-5f);
   std::string name() const override;
   std::int64_t parameter_count() const override { return 2 * features_; }
+  /// "weight" (gamma) and "bias" (beta), [features] each.
+  std::vector<TensorSpec> tensors() const override { return {{"weight", {features_}, 0}, {"bias", {features_}, features_}}; }
   void bind(Tensor const& params, Tensor const& grads) override;
   void initialize(std::mt19937_64& rng) override;
   Tensor forward(Tensor const& x, Context& ctx) override;
@@ -266,6 +287,11 @@ class Sequential {
   [[nodiscard]] std::int64_t parameter_count() const;
   /// Each layer with parameters and its range in the flat buffers, in layer order.
   [[nodiscard]] std::vector<ParameterRange> parameter_ranges() const;
+  /// Every layer's tensors() with offsets in the flat buffers, in order, each named by its layer:
+  /// "h.<k>." before the tensors of the k-th block() layer (a transformer block: "h.3.attn_qkv.weight"),
+  /// "<layer index>." before any other layer's ("0.wte.weight"). Throws Error(invalid_argument)
+  /// when a layer's tensors do not lie end to end over its parameters.
+  [[nodiscard]] std::vector<TensorSpec> tensors() const;
   /// Every layer's matrix_ranges() in the flat buffers, adjacent ones merged (AdamW's decay_ranges).
   [[nodiscard]] std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const;
 

@@ -56,6 +56,10 @@ class Embedding final : public Layer {
   std::int64_t parameter_count() const override { return (vocab_ + block_size_) * features_; }
   /// wte and wpe (adjacent: one range).
   std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override { return {{0, parameter_count()}}; }
+  /// "wte.weight" [vocab, features], "wpe.weight" [block_size, features].
+  std::vector<TensorSpec> tensors() const override {
+    return {{"wte.weight", {vocab_, features_}, 0}, {"wpe.weight", {block_size_, features_}, vocab_ * features_}};
+  }
   void bind(Tensor const& params, Tensor const& grads) override;
   void initialize(std::mt19937_64& rng) override;
   Tensor forward(Tensor const& ids, Context& ctx) override;
@@ -105,6 +109,8 @@ class CausalSelfAttention final : public Layer {
   std::string name() const override;
   std::int64_t parameter_count() const override { return qkv_.parameter_count() + proj_.parameter_count(); }
   std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override;
+  /// "qkv.weight" [C, 3C], "qkv.bias", "proj.weight" [C, C], "proj.bias".
+  std::vector<TensorSpec> tensors() const override;
   void bind(Tensor const& params, Tensor const& grads) override;
   void initialize(std::mt19937_64& rng) override;
   void set_training(bool training) override { training_ = training; }
@@ -165,6 +171,9 @@ class TransformerBlock final : public Layer {
   std::string name() const override;
   std::int64_t parameter_count() const override;
   std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override;
+  /// "ln_1.weight", "ln_1.bias", the attention's prefixed "attn_" ("attn_qkv.weight", ...),
+  /// "ln_2.*", "mlp_fc.*", "mlp_proj.*" (GPT-2's names).
+  std::vector<TensorSpec> tensors() const override;
   void bind(Tensor const& params, Tensor const& grads) override;
   void initialize(std::mt19937_64& rng) override;
   void set_training(bool training) override;
@@ -241,6 +250,8 @@ class TiedLMHead final : public Layer {
   std::int64_t parameter_count() const override { return holds_weight_ ? vocab_ * features_ : 0; }
   /// Its copy of wte, when it holds one (decayed as wte is, so the two stay equal).
   std::vector<std::pair<std::int64_t, std::int64_t>> matrix_ranges() const override;
+  /// Its copy "wte.weight" [vocab, features] when it holds one, else none.
+  std::vector<TensorSpec> tensors() const override;
   void bind(Tensor const& params, Tensor const& grads) override;
   /// The copy of wte starts at zero (the pipeline executor adds the first stage's wte to it).
   void initialize(std::mt19937_64& rng) override;
