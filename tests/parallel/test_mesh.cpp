@@ -1,7 +1,9 @@
 // parallel::Mesh in one process: one communicator per group along each dimension, made once (the
 // same object on a second call), whose all-reduce equals a serial sum over the group's ranks
-// (counted by hand: rank = dp * 2 + tp); a dimension the mesh lacks and a mesh of another size
-// than the device count are refused naming them.
+// (counted by hand: rank = dp * 2 + tp); the trainer on a user-made mesh gives the losses of the
+// one built from its config; a dimension the mesh lacks, a mesh of another size than the device
+// count and a mesh of another layout than the config's are refused naming them.
+#include <cstdint>
 #include <memory>
 #include <set>
 #include <string_view>
@@ -9,9 +11,11 @@
 
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/parallel/mesh.hpp>
+#include <mgpu/train/trainer.hpp>
 
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
+#include "support/nn_env.hpp"
 
 using mgpu::Errc;
 using mgpu::Tensor;
@@ -75,4 +79,31 @@ TEST_CASE("a mesh refuses a dimension it lacks and another size than the device 
   REQUIRE_MGPU_ERROR(mesh.communicator(2, "dp"), Errc::invalid_argument, "rank 2");
   REQUIRE_MGPU_ERROR(Mesh(mgpu::DeviceGroup("host:4"), DeviceMesh({{"dp", 3}})), Errc::invalid_argument,
                      "a mesh of 3 ranks (dp 3) over 4 devices (expected the device count, 4)");
+}
+
+TEST_CASE("the trainer on a user-made mesh gives the losses of one built from its config", "[parallel][mesh][train]") {
+  namespace nn = mgpu::nn;
+  namespace train = mgpu::train;
+  mgpu::test::Env env;
+  nn::GptConfig const config{.vocab = 64, .block_size = 16, .n_layer = 2, .n_head = 2, .n_embd = 32};
+  train::ParallelConfig const parallel{.dp = 2, .tp = 2};
+  train::TrainerOptions const options{.seed = 3, .batch_size = 4};
+  auto const mesh = std::make_shared<Mesh>(mgpu::DeviceGroup("host:4"), DeviceMesh({{"dp", 2}, {"tp", 2}, {"pp", 1}}));
+  train::Trainer from_config(config, mgpu::DeviceGroup("host:4"), parallel, options);
+  train::Trainer from_mesh(config, mesh, parallel, options);
+  CHECK(from_mesh.mesh() == mesh);
+  CHECK(&from_mesh.group() == &mesh->group());
+  for (int s = 0; s < 3; ++s) {
+    mgpu::test::TokenBatch const batch = mgpu::test::rule_batch(env, 4, config.block_size, config.vocab, 7u + static_cast<unsigned>(s));
+    float const expected = from_config.step(batch.ids, batch.targets).loss;
+    CHECK(from_mesh.step(batch.ids, batch.targets).loss == expected);
+  }
+  // The tensor-parallel groups' communicators are the mesh's, made once.
+  CHECK(&mesh->communicator(0, "tp") == &mesh->communicator(1, "tp"));
+
+  REQUIRE_MGPU_ERROR(train::Trainer(config, mesh, train::ParallelConfig{.dp = 4}, options), Errc::invalid_argument,
+                     "Trainer: the mesh dp 2 x tp 2 x pp 1 (expected dp 4 x tp 1 x pp 1");
+  auto const transposed = std::make_shared<Mesh>(mgpu::DeviceGroup("host:4"), DeviceMesh({{"tp", 2}, {"dp", 2}}));
+  REQUIRE_MGPU_ERROR(train::Trainer(config, transposed, parallel, options), Errc::invalid_argument,
+                     "the mesh tp 2 x dp 2 (expected dp 2 x tp 2 x pp 1, its dimensions in that order)");
 }
