@@ -1,9 +1,8 @@
-#include <mgpu/parallel/mesh.hpp>
-
 #include <numeric>
 #include <utility>
 
 #include <mgpu/core/error.hpp>
+#include <mgpu/parallel/mesh.hpp>
 #include <mgpu/sched/live.hpp>
 #include <mgpu/sched/planning.hpp>
 
@@ -28,7 +27,9 @@ class View final : public comm::Communicator {
   void all_gather(int rank, Tensor const& send, Tensor const& recv, Stream& stream) override {
     inner_->all_gather(rank, send, recv, stream);
   }
-  void broadcast(int rank, Tensor const& buffer, int root, Stream& stream) override { inner_->broadcast(rank, buffer, root, stream); }
+  void broadcast(int rank, Tensor const& buffer, int root, Stream& stream) override {
+    inner_->broadcast(rank, buffer, root, stream);
+  }
   void reduce(int rank, Tensor const& send, Tensor const& recv, ReduceOp op, int root, Stream& stream) override {
     inner_->reduce(rank, send, recv, op, root, stream);
   }
@@ -69,15 +70,18 @@ std::pair<std::vector<Device>, std::string> placed(DeviceGroup const& group, com
 Mesh::Mesh(DeviceGroup group, comm::DeviceMesh layout, MeshOptions options)
     : group_(std::move(group)), layout_(std::move(layout)), options_(std::move(options)) {
   if (static_cast<bool>(options_.make_communicator) != static_cast<bool>(options_.make_subset_communicator))
-    throw Error(Errc::invalid_argument, std::string("Mesh: make_communicator ") + (options_.make_communicator ? "set" : "empty") +
-                                            " and make_subset_communicator " + (options_.make_subset_communicator ? "set" : "empty") +
-                                            " (expected both, across processes, or neither)");
+    throw Error(Errc::invalid_argument,
+                std::string("Mesh: make_communicator ") + (options_.make_communicator ? "set" : "empty") +
+                    " and make_subset_communicator " + (options_.make_subset_communicator ? "set" : "empty") +
+                    " (expected both, across processes, or neither)");
   if (!options_.make_communicator) {
     if (layout_.size() != group_.size())
-      throw Error(Errc::invalid_argument, "Mesh: a mesh of " + std::to_string(layout_.size()) + " ranks (" + layout_.to_string() +
-                                              ") over " + std::to_string(group_.size()) + " devices (expected the device count, " +
-                                              std::to_string(group_.size()) + ")");
-    if (options_.place_tensor_parallel && layout_.has("tp") && layout_.size("tp") > 1 && layout_.size() > layout_.size("tp")) {
+      throw Error(Errc::invalid_argument, "Mesh: a mesh of " + std::to_string(layout_.size()) + " ranks (" +
+                                              layout_.to_string() + ") over " + std::to_string(group_.size()) +
+                                              " devices (expected the device count, " + std::to_string(group_.size()) +
+                                              ")");
+    if (options_.place_tensor_parallel && layout_.has("tp") && layout_.size("tp") > 1 &&
+        layout_.size() > layout_.size("tp")) {
       auto [devices, text] = placed(group_, layout_);
       if (!devices.empty()) {
         group_ = DeviceGroup(std::move(devices));
@@ -88,9 +92,10 @@ Mesh::Mesh(DeviceGroup group, comm::DeviceMesh layout, MeshOptions options)
   }
   std::shared_ptr<comm::Communicator> const all = shared({});
   if (all->size() != layout_.size())
-    throw Error(Errc::invalid_argument, "Mesh: a mesh of " + std::to_string(layout_.size()) + " ranks (" + layout_.to_string() +
-                                            ") over a world of " + std::to_string(all->size()) +
-                                            " devices (expected the world's device count, " + std::to_string(all->size()) + ")");
+    throw Error(Errc::invalid_argument, "Mesh: a mesh of " + std::to_string(layout_.size()) + " ranks (" +
+                                            layout_.to_string() + ") over a world of " + std::to_string(all->size()) +
+                                            " devices (expected the world's device count, " +
+                                            std::to_string(all->size()) + ")");
   first_ = all->first_rank();
   across_ = all->size() != group_.size();
 }
@@ -107,19 +112,23 @@ std::shared_ptr<comm::Communicator> Mesh::shared(std::vector<int> const& ranks) 
   if (!all) {
     for (int const r : ranks)
       if (r < 0 || r >= layout_.size())
-        throw Error(Errc::invalid_argument, "Mesh: rank " + std::to_string(r) + " in a communicator's ranks (expected ranks in [0, " +
-                                                std::to_string(layout_.size()) + ") of the mesh " + layout_.to_string() + ")");
+        throw Error(Errc::invalid_argument,
+                    "Mesh: rank " + std::to_string(r) + " in a communicator's ranks (expected ranks in [0, " +
+                        std::to_string(layout_.size()) + ") of the mesh " + layout_.to_string() + ")");
     if (across_ && !comm::drives_any(ranks, first_, group_.size()))
-      throw Error(Errc::invalid_argument, "Mesh: a communicator over ranks this process drives none of (expected a group with "
-                                          "one of its ranks [" + std::to_string(first_) + ", " +
-                                              std::to_string(first_ + group_.size()) + "))");
+      throw Error(Errc::invalid_argument,
+                  "Mesh: a communicator over ranks this process drives none of (expected a group with "
+                  "one of its ranks [" +
+                      std::to_string(first_) + ", " + std::to_string(first_ + group_.size()) + "))");
   }
   std::unique_ptr<comm::Communicator> made;
   if (options_.make_communicator)
-    made = all ? options_.make_communicator(group_, options_.comm) : options_.make_subset_communicator(group_, ranks, options_.comm);
+    made = all ? options_.make_communicator(group_, options_.comm)
+               : options_.make_subset_communicator(group_, ranks, options_.comm);
   else
     made = all ? comm::make_communicator(group_, options_.comm) : comm::make_communicator(group_, ranks, options_.comm);
-  if (!made) throw Error(Errc::invalid_argument, "Mesh: a communicator factory returned no communicator (expected one)");
+  if (!made)
+    throw Error(Errc::invalid_argument, "Mesh: a communicator factory returned no communicator (expected one)");
   slot = std::move(made);
   return slot;
 }
@@ -148,15 +157,18 @@ comm::Communicator& Mesh::over(std::vector<int> const& ranks) {
 CommunicatorFactory Mesh::factory(std::shared_ptr<Mesh> mesh) {
   return [mesh = std::move(mesh)](DeviceGroup& group, comm::Options) -> std::unique_ptr<comm::Communicator> {
     if (&group != &mesh->group_)
-      throw Error(Errc::invalid_argument, "Mesh: a communicator for another DeviceGroup than the mesh's (expected mesh->group())");
+      throw Error(Errc::invalid_argument,
+                  "Mesh: a communicator for another DeviceGroup than the mesh's (expected mesh->group())");
     return std::make_unique<View>(mesh->shared({}));
   };
 }
 
 SubsetCommunicatorFactory Mesh::subset_factory(std::shared_ptr<Mesh> mesh) {
-  return [mesh = std::move(mesh)](DeviceGroup& group, std::vector<int> const& ranks, comm::Options) -> std::unique_ptr<comm::Communicator> {
+  return [mesh = std::move(mesh)](DeviceGroup& group, std::vector<int> const& ranks,
+                                  comm::Options) -> std::unique_ptr<comm::Communicator> {
     if (&group != &mesh->group_)
-      throw Error(Errc::invalid_argument, "Mesh: a communicator for another DeviceGroup than the mesh's (expected mesh->group())");
+      throw Error(Errc::invalid_argument,
+                  "Mesh: a communicator for another DeviceGroup than the mesh's (expected mesh->group())");
     if (ranks.empty()) throw Error(Errc::invalid_argument, "Mesh: a communicator over no rank (expected at least one)");
     return std::make_unique<View>(mesh->shared(ranks));
   };
@@ -164,13 +176,17 @@ SubsetCommunicatorFactory Mesh::subset_factory(std::shared_ptr<Mesh> mesh) {
 
 void Mesh::check(DeviceGroup const& group, comm::DeviceMesh const& expected, std::string_view who) const {
   if (&group != &group_)
-    throw Error(Errc::invalid_argument, std::string(who) + ": a mesh over another DeviceGroup (expected the executor's group to be mesh->group())");
+    throw Error(
+        Errc::invalid_argument,
+        std::string(who) + ": a mesh over another DeviceGroup (expected the executor's group to be mesh->group())");
   std::string want;
-  for (comm::MeshDim const& d : expected.dims()) want += (want.empty() ? "" : " x ") + d.name + " " + std::to_string(d.size);
+  for (comm::MeshDim const& d : expected.dims())
+    want += (want.empty() ? "" : " x ") + d.name + " " + std::to_string(d.size);
   for (comm::MeshDim const& d : layout_.dims())
     if (d.size > 1 && !expected.has(d.name))
-      throw Error(Errc::invalid_argument, std::string(who) + ": the mesh " + layout_.to_string() + " has dimension \"" + d.name +
-                                              "\" of size " + std::to_string(d.size) + " (expected " + want + ")");
+      throw Error(Errc::invalid_argument, std::string(who) + ": the mesh " + layout_.to_string() + " has dimension \"" +
+                                              d.name + "\" of size " + std::to_string(d.size) + " (expected " + want +
+                                              ")");
   bool same = layout_.size() == expected.size();
   for (comm::MeshDim const& d : expected.dims()) same = same && size_or_one(d.name) == d.size;
   for (comm::MeshDim const& d : expected.dims())

@@ -36,8 +36,8 @@ TEST_CASE("a mesh makes one communicator per group, once, reducing over the grou
   std::set<mgpu::comm::Communicator const*> tp, dp;
   for (int r = 0; r < 4; ++r) {
     mgpu::comm::Communicator& t = mesh->communicator(r, "tp");
-    CHECK(&t == &mesh->communicator(r, "tp"));      // made once
-    CHECK(&t == &mesh->communicator(r ^ 1, "tp"));  // its partner along tp shares it
+    CHECK(&t == &mesh->communicator(r, "tp"));                            // made once
+    CHECK(&t == &mesh->communicator(r ^ 1, "tp"));                        // its partner along tp shares it
     CHECK(&mesh->communicator(r, both) == &mesh->communicator(0, both));  // one over every rank
     CHECK(t.size() == 2);
     tp.insert(&t);
@@ -55,10 +55,10 @@ TEST_CASE("a mesh makes one communicator per group, once, reducing over the grou
       *t = Tensor::empty({n}, mgpu::DType::float32, group.allocator(rank));
       for (int i = 0; i < n; ++i) t->host_span<float>()[static_cast<std::size_t>(i)] = value(rank, i);
     }
-    mesh->communicator(rank, "tp").all_reduce(mesh->layout().group_rank(rank, "tp"), along_tp[r], along_tp[r],
-                                               mgpu::comm::ReduceOp::sum, stream);
-    mesh->communicator(rank, "dp").all_reduce(mesh->layout().group_rank(rank, "dp"), along_dp[r], along_dp[r],
-                                               mgpu::comm::ReduceOp::sum, stream);
+    mesh->communicator(rank, "tp")
+        .all_reduce(mesh->layout().group_rank(rank, "tp"), along_tp[r], along_tp[r], mgpu::comm::ReduceOp::sum, stream);
+    mesh->communicator(rank, "dp")
+        .all_reduce(mesh->layout().group_rank(rank, "dp"), along_dp[r], along_dp[r], mgpu::comm::ReduceOp::sum, stream);
   });
   group.synchronize();
   for (int rank = 0; rank < 4; ++rank) {
@@ -94,7 +94,8 @@ TEST_CASE("the trainer on a user-made mesh gives the losses of one built from it
   CHECK(from_mesh.mesh() == mesh);
   CHECK(&from_mesh.group() == &mesh->group());
   for (int s = 0; s < 3; ++s) {
-    mgpu::test::TokenBatch const batch = mgpu::test::rule_batch(env, 4, config.block_size, config.vocab, 7u + static_cast<unsigned>(s));
+    mgpu::test::TokenBatch const batch =
+        mgpu::test::rule_batch(env, 4, config.block_size, config.vocab, 7u + static_cast<unsigned>(s));
     float const expected = from_config.step(batch.ids, batch.targets).loss;
     CHECK(from_mesh.step(batch.ids, batch.targets).loss == expected);
   }

@@ -33,11 +33,10 @@ struct MeshOptions {
   bool place_tensor_parallel = true;
 };
 
-/// The devices laid over a comm::DeviceMesh's ranks (within one process a DeviceGroup's, across
-/// processes the world's, each process driving a contiguous range), with the communicator of each
-/// group along any dimensions made once, on first use, and the same object every later time.
-/// Across processes every process must ask for the communicators of its groups in the same order
-/// (as the executors do). Share it by std::shared_ptr; the executors keep it alive. Thread-safe.
+/// The devices laid over a comm::DeviceMesh's ranks (a DeviceGroup's, or across processes the
+/// world's, each process driving a contiguous range); each group's communicator made once, on
+/// first use. Across processes every process asks for its groups' in the same order (as the
+/// executors do). Shared by std::shared_ptr (the executors keep it alive); thread-safe.
 class Mesh {
  public:
   /// Builds the mesh (with place_tensor_parallel, reordering `group`'s devices) and, across
@@ -64,8 +63,9 @@ class Mesh {
 
   /// The communicator of `rank`'s group along `dims` (comm::DeviceMesh::group): its rank i is the
   /// group's i-th rank. The first ask along `dims` makes every group's there that this process
-  /// drives, in comm::DeviceMesh::groups order (across processes, the same order everywhere). Throws Error(invalid_argument) naming a dimension the mesh lacks, a rank
-  /// outside it, or (across processes) a group this process drives no rank of.
+  /// drives, in comm::DeviceMesh::groups order (across processes, the same order everywhere).
+  /// Throws Error(invalid_argument) naming a dimension the mesh lacks, a rank outside it, or
+  /// (across processes) a group this process drives no rank of.
   [[nodiscard]] comm::Communicator& communicator(int rank, std::span<std::string_view const> dims);
   [[nodiscard]] comm::Communicator& communicator(int rank, std::string_view dim);
   /// The communicator over every rank.
