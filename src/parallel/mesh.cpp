@@ -130,6 +130,7 @@ std::shared_ptr<comm::Communicator> Mesh::shared(std::vector<int> const& ranks) 
   if (!made)
     throw Error(Errc::invalid_argument, "Mesh: a communicator factory returned no communicator (expected one)");
   slot = std::move(made);
+  ++count_;
   return slot;
 }
 
@@ -152,6 +153,11 @@ comm::Communicator& Mesh::whole() { return *shared({}); }
 comm::Communicator& Mesh::over(std::vector<int> const& ranks) {
   if (ranks.empty()) throw Error(Errc::invalid_argument, "Mesh: a communicator over no rank (expected at least one)");
   return *shared(ranks);
+}
+
+int Mesh::made() const {
+  std::lock_guard const lock(mutex_);
+  return count_;
 }
 
 CommunicatorFactory Mesh::factory(std::shared_ptr<Mesh> mesh) {

@@ -487,6 +487,14 @@ void test_mesh(Setup const& s) {
       }
     }
   }
+  int groups = 1;  // the communicator over every rank, made with the mesh; then the groups this process drives
+  for (int a = 0; a < 2; ++a) {
+    bool driven = false;
+    for (int t = 0; t < tp; ++t) driven = driven || mesh->drives(a * tp + t);
+    groups += driven ? 1 : 0;
+  }
+  for (int t = 0; t < tp; ++t) groups += mesh->drives(t) || mesh->drives(tp + t) ? 1 : 0;
+  EXPECT(mesh->made() == groups, "the mesh made " << mesh->made() << " communicators (expected " << groups << ")");
   std::int64_t const n = 23;
   int const seed = 77;
   std::vector<Tensor> along_tp(static_cast<std::size_t>(group.size())), along_dp(along_tp.size());

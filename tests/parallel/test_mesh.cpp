@@ -46,6 +46,7 @@ TEST_CASE("a mesh makes one communicator per group, once, reducing over the grou
   CHECK(tp.size() == 2);  // one per group
   CHECK(dp.size() == 2);
   CHECK(tp.count(&mesh->communicator(0, "dp")) == 0);
+  CHECK(mesh->made() == 2 + 2 + 1);  // the tp groups, the dp groups, the one over both
 
   int const n = 6;
   std::vector<Tensor> along_tp(4), along_dp(4);
@@ -61,6 +62,7 @@ TEST_CASE("a mesh makes one communicator per group, once, reducing over the grou
         .all_reduce(mesh->layout().group_rank(rank, "dp"), along_dp[r], along_dp[r], mgpu::comm::ReduceOp::sum, stream);
   });
   group.synchronize();
+  CHECK(mesh->made() == 5);  // asked again, made no more
   for (int rank = 0; rank < 4; ++rank) {
     int const d = rank / 2, t = rank % 2;
     for (int i = 0; i < n; ++i) {
@@ -99,8 +101,17 @@ TEST_CASE("the trainer on a user-made mesh gives the losses of one built from it
     float const expected = from_config.step(batch.ids, batch.targets).loss;
     CHECK(from_mesh.step(batch.ids, batch.targets).loss == expected);
   }
-  // The tensor-parallel groups' communicators are the mesh's, made once.
-  CHECK(&mesh->communicator(0, "tp") == &mesh->communicator(1, "tp"));
+  // The executor took every communicator from the mesh, one per group, before the first step: the
+  // tp groups (2), the dp groups (2) and the one over every rank (the step's commit point).
+  int const made = mesh->made();
+  CHECK(made == 2 + 2 + 1);
+  std::vector<std::string_view> const both{"dp", "tp"};
+  for (int r = 0; r < 4; ++r) {
+    (void)mesh->communicator(r, "tp");
+    (void)mesh->communicator(r, "dp");
+    (void)mesh->communicator(r, both);
+  }
+  CHECK(mesh->made() == made);  // the executor's own
 
   REQUIRE_MGPU_ERROR(train::Trainer(config, mesh, train::ParallelConfig{.dp = 4}, options), Errc::invalid_argument,
                      "Trainer: the mesh dp 2 x tp 2 x pp 1 (expected dp 4 x tp 1 x pp 1");

@@ -72,6 +72,8 @@ class Mesh {
   [[nodiscard]] comm::Communicator& whole();
   /// The communicator over `ranks` (mesh ranks, in that order), made once per list.
   [[nodiscard]] comm::Communicator& over(std::vector<int> const& ranks);
+  /// How many communicators the mesh has made (renewals of aborted ones included).
+  [[nodiscard]] int made() const;
 
   /// An executor's factories: each call hands a view of whole() or over(ranks) (the group the mesh's,
   /// the options its); once the communicator was aborted, of a new one (an executor renewing).
@@ -92,9 +94,10 @@ class Mesh {
   std::string placement_;
   bool across_ = false;
   int first_ = 0;
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
   // The communicators made, by their ranks (empty: every rank).
   std::map<std::vector<int>, std::shared_ptr<comm::Communicator>> made_;
+  int count_ = 0;
 };
 
 }  // namespace mgpu::parallel
