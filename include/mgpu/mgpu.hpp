@@ -31,6 +31,7 @@
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
 #include <mgpu/parallel/memory_model.hpp>
+#include <mgpu/parallel/mesh.hpp>
 #include <mgpu/parallel/shard_boxes.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 #include <mgpu/pipeline/pipeline.hpp>

@@ -55,6 +55,14 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
   detail::check_zero_stage(options, "DataParallel");
   if (!make_optimizer)
     throw Error(Errc::invalid_argument, "DataParallel without an optimizer factory (expected a function that makes an optimizer)");
+  if (options.mesh) {  // the mesh's communicator in place of the executor's own
+    if (options.make_communicator || options.request)
+      throw Error(Errc::invalid_argument, std::string("DataParallel: a mesh with ") +
+                                              (options.request ? "a request" : "make_communicator") +
+                                              " (expected the mesh alone: its communicator spans every rank)");
+    options.mesh->check(group, comm::DeviceMesh({{"dp", options.mesh->layout().size()}}), "DataParallel");
+    options.make_communicator = Mesh::factory(options.mesh);
+  }
   if (options.request && options.make_communicator)
     throw Error(Errc::invalid_argument,
                 "DataParallel: a request with make_communicator (expected one of them: a communicator "

@@ -251,6 +251,25 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::Sequential const& whole, 
   DataParallelOptions const data_options = data_parallel_options(options);
   detail::check_zero_stage(data_options, "TensorParallel");
   int const replicas = options.data_parallel;
+  std::shared_ptr<Mesh> const mesh = options.mesh;
+  if (mesh) {  // the mesh's communicators in place of the executor's own
+    if (options.make_communicator || options.make_subset_communicator)
+      throw Error(Errc::invalid_argument, "TensorParallel: a mesh with make_communicator or make_subset_communicator "
+                                          "(expected the mesh alone: it makes the communicators)");
+    int const ranks = mesh->layout().size();
+    if (replicas >= 1 && ranks % replicas == 0)
+      mesh->check(group, comm::DeviceMesh({{"dp", replicas}, {"tp", ranks / replicas}}), "TensorParallel");
+    if (mesh->across()) {
+      options.make_communicator = Mesh::factory(mesh);
+      options.make_subset_communicator = Mesh::subset_factory(mesh);
+    }
+  }
+  // In one process: the mesh's communicators over some ranks, or the executor's own.
+  SubsetCommunicatorFactory const make_local =
+      mesh ? Mesh::subset_factory(mesh)
+           : SubsetCommunicatorFactory([](DeviceGroup& g, std::vector<int> const& ranks, comm::Options o) {
+               return comm::make_communicator(g, ranks, o);
+             });
   bool const across = static_cast<bool>(options.make_communicator);
   if (across) {
     auto made = std::make_shared<comm::detail::Renewable>(
@@ -290,7 +309,7 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::Sequential const& whole, 
   auto const subset = [&](std::vector<int> const& ranks) -> std::unique_ptr<comm::detail::Renewable> {
     if (!across) {
       auto made = std::make_unique<comm::detail::Renewable>(
-          [g = &group, ranks, options = im.options.comm] { return comm::make_communicator(*g, ranks, options); });
+          [g = &group, ranks, options = im.options.comm, make_local] { return make_local(*g, ranks, options); });
       im.renewable.push_back(made.get());
       return made;
     }
@@ -304,8 +323,11 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::Sequential const& whole, 
     if (across) {
       im.comms.push_back(im.world);
     } else {
+      CommunicatorFactory const make_whole = mesh ? Mesh::factory(mesh) : CommunicatorFactory([](DeviceGroup& g, comm::Options o) {
+        return comm::make_communicator(g, o);
+      });
       auto made = std::make_shared<comm::detail::Renewable>(
-          [g = &group, options = im.options.comm] { return comm::make_communicator(*g, options); });
+          [g = &group, options = im.options.comm, make_whole] { return make_whole(*g, options); });
       im.renewable.push_back(made.get());
       im.comms.push_back(std::move(made));
     }

@@ -195,6 +195,13 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   validate(schedule);
   // The pipelines' communicator first: across processes its size is the world's device count.
   comm::Options const comm_options{comm::Backend::automatic, options.timeout};
+  if (options.mesh) {  // the mesh's communicators in place of the executor's own
+    if (options.make_communicator || options.make_subset_communicator)
+      throw Error(Errc::invalid_argument, "pipeline: a mesh with make_communicator or make_subset_communicator "
+                                          "(expected the mesh alone: it makes the communicators)");
+    options.make_communicator = parallel::Mesh::factory(options.mesh);
+    if (options.mesh->across()) options.make_subset_communicator = parallel::Mesh::subset_factory(options.mesh);
+  }
   std::unique_ptr<comm::Communicator> transfers = options.make_communicator
                                                       ? options.make_communicator(group, comm_options)
                                                       : comm::make_communicator(group, comm_options);
@@ -238,6 +245,8 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
                                                     : "a group of " + std::to_string(group.size()) +
                                                           " (expected devices x replicas" + ranks + " = the group's size)"));
   }
+  if (options.mesh)
+    options.mesh->check(group, comm::DeviceMesh({{"dp", options.data_parallel}, {"tp", tp}, {"pp", schedule.devices}}), "pipeline");
   auto const units = model.cut_points().size() - 1;
   auto const chunks = static_cast<std::size_t>(schedule.chunks());
   if (chunks > units)
@@ -424,7 +433,12 @@ Executor::~Executor() = default;
 
 std::unique_ptr<comm::detail::Renewable> Executor::Impl::renewable_over(std::vector<int> const& ranks, comm::Options options) {
   DeviceGroup* const g = group;
-  auto made = std::make_unique<comm::detail::Renewable>([g, ranks, options] { return comm::make_communicator(*g, ranks, options); });
+  parallel::SubsetCommunicatorFactory const make =
+      this->options.mesh ? parallel::Mesh::subset_factory(this->options.mesh)
+                         : parallel::SubsetCommunicatorFactory([](DeviceGroup& devices, std::vector<int> const& members, comm::Options o) {
+                             return comm::make_communicator(devices, members, o);
+                           });
+  auto made = std::make_unique<comm::detail::Renewable>([g, ranks, options, make] { return make(*g, ranks, options); });
   renewable.push_back(made.get());
   return made;
 }

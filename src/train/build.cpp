@@ -1,4 +1,5 @@
-// The Trainer's construction: placement on the devices, then the executor the layout calls for.
+// The Trainer's construction: the config validated, its mesh over the devices, then the executor
+// the layout calls for.
 #include <algorithm>
 #include <numeric>
 #include <utility>
@@ -62,18 +63,63 @@ std::vector<pipeline::StageDevice> stage_devices(dist::World const& world, int s
   return devices;
 }
 
-Trainer::Impl::Impl(nn::GptConfig const& gpt, DeviceGroup devices, ParallelConfig parallel_config, TrainerOptions trainer_options)
-    : config(gpt), parallel(std::move(parallel_config)), options(std::move(trainer_options)), group(std::move(devices)) {
-  if (parallel.recompute) config.recompute = *parallel.recompute;
+namespace {
+
+// The mesh dp x tp x pp a config lays over `devices` (plain data parallelism: dp over all of them).
+comm::DeviceMesh mesh_layout(ParallelConfig const& parallel, int devices) {
   bool const pipelined = parallel.pipelined();
-  place();
-  across = options.across_processes;
-  world = across ? dist::make_world(group) : local_world(group);
-  across = world.processes > 1;
+  int const dp = !pipelined && parallel.tp == 1 ? devices : parallel.dp;
+  return comm::DeviceMesh({{"dp", dp}, {"tp", parallel.tp}, {"pp", pipelined ? parallel.stages : 1}});
+}
+
+void validate(nn::GptConfig config, ParallelConfig const& parallel, TrainerOptions const& options, int devices) {
+  if (parallel.recompute) config.recompute = *parallel.recompute;
   parallel.validate(config, {.batch_size = options.batch_size,
-                             .devices = world.size(),
+                             .devices = devices,
                              .spelling = options.spelling,
                              .devices_text = options.devices_text});
+}
+
+}  // namespace
+
+std::unique_ptr<Trainer::Impl> Trainer::Impl::over_group(nn::GptConfig const& config, DeviceGroup group,
+                                                         ParallelConfig parallel, TrainerOptions options) {
+  dist::World world = options.across_processes ? dist::make_world(group) : local_world(group);
+  validate(config, parallel, options, world.size());
+  comm::DeviceMesh layout = mesh_layout(parallel, world.size());
+  std::shared_ptr<parallel::Mesh> mesh;
+  if (world.processes > 1) {
+    mesh = std::make_shared<parallel::Mesh>(std::move(group), std::move(layout),
+                                            parallel::MeshOptions{.make_communicator = dist::communicator_factory(world),
+                                                                  .make_subset_communicator = dist::subset_communicator_factory(world)});
+  } else {
+    mesh = std::make_shared<parallel::Mesh>(std::move(group), std::move(layout));
+    if (!mesh->placement().empty())  // the world of the devices as placed
+      world = options.across_processes ? dist::make_world(mesh->group()) : local_world(mesh->group());
+  }
+  return std::make_unique<Impl>(config, std::move(mesh), std::move(world), std::move(parallel), std::move(options));
+}
+
+std::unique_ptr<Trainer::Impl> Trainer::Impl::over_mesh(nn::GptConfig const& config, std::shared_ptr<parallel::Mesh> mesh,
+                                                        ParallelConfig parallel, TrainerOptions options) {
+  if (!mesh) throw Error(Errc::invalid_argument, "Trainer: a null mesh (expected one built over the devices)");
+  dist::World world = mesh->across() ? dist::make_world(mesh->group()) : local_world(mesh->group());
+  validate(config, parallel, options, world.size());
+  mesh->check(mesh->group(), mesh_layout(parallel, world.size()), "Trainer");
+  return std::make_unique<Impl>(config, std::move(mesh), std::move(world), std::move(parallel), std::move(options));
+}
+
+Trainer::Impl::Impl(nn::GptConfig const& gpt, std::shared_ptr<parallel::Mesh> devices, dist::World devices_world,
+                    ParallelConfig parallel_config, TrainerOptions trainer_options)
+    : config(gpt),
+      parallel(std::move(parallel_config)),
+      options(std::move(trainer_options)),
+      mesh(std::move(devices)),
+      group(mesh->group()),
+      world(std::move(devices_world)) {
+  if (parallel.recompute) config.recompute = *parallel.recompute;
+  bool const pipelined = parallel.pipelined();
+  across = world.processes > 1;
 
   Device const device = group.device(0);
   allocator = Allocator::create(device);
@@ -117,33 +163,10 @@ Trainer::Impl::Impl(nn::GptConfig const& gpt, DeviceGroup devices, ParallelConfi
   layout.schedule = pipeline ? pipeline->schedule().name : data_parallel ? "data-parallel" : tensor ? "tensor-parallel" : "none";
 }
 
-// Each tensor-parallel group all-reduces in every block: the scheduler puts each on the best links
-// of the link matrix (consecutive ranks form a group; equal links keep the order). The executors'
-// ranks form the mesh dp x tp x pp: the order's group g is the mesh's g-th group along tp (stage s
-// of replica a, g = a x stages + s).
-void Trainer::Impl::place() {
-  int const tp = parallel.tp, dp = parallel.dp;
-  int const stages = parallel.pipelined() ? parallel.stages : 1;
-  if (tp <= 1 || dp * stages <= 1 || group.size() != tp * dp * stages) return;
-  std::vector<int> ranks(static_cast<std::size_t>(group.size()));
-  std::iota(ranks.begin(), ranks.end(), 0);
-  std::vector<int> const order = sched::tensor_parallel_order(sched::node_state(group), ranks, tp);
-  comm::DeviceMesh const mesh({{"dp", dp}, {"tp", tp}, {"pp", stages}});
-  std::vector<int> placed(order.size());
-  for (std::size_t i = 0; i < order.size(); ++i)
-    placed[static_cast<std::size_t>(mesh.at("tp", static_cast<int>(i) / tp, static_cast<int>(i) % tp))] = order[i];
-  if (placed == ranks) return;
-  std::vector<Device> devices;
-  for (int const r : placed) devices.push_back(group.device(r));
-  for (std::size_t i = 0; i < order.size(); ++i)
-    placement += (i == 0 ? "" : i % static_cast<std::size_t>(tp) == 0 ? " | " : ", ") + group.device(order[i]).to_string();
-  group = DeviceGroup(std::move(devices));
-}
-
 void Trainer::Impl::build_data_parallel(optim::AdamWOptions const& adamw) {
   parallel::DataParallelOptions o;
   o.metrics = metrics;
-  if (across) o.make_communicator = dist::communicator_factory(world);
+  o.mesh = mesh;
   o.seed = options.seed;
   o.compute = parallel.compute;
   o.clip_norm = parallel.clip_norm;
@@ -183,10 +206,7 @@ void Trainer::Impl::build_pipeline(optim::AdamWOptions const& adamw) {
   if (parallel.tp > 1) o.tensor_parallel = pipeline::tensor_parallel_stages(config, parallel.tp, parallel.sequence_parallel);
   o.metrics = metrics;
   if (parallel.loss_scaler) o.loss_scaler.emplace();
-  if (across) {
-    o.make_communicator = dist::communicator_factory(world);
-    o.make_subset_communicator = dist::subset_communicator_factory(world);
-  }
+  o.mesh = mesh;
   pipeline = std::make_unique<pipeline::Executor>(
       *model, group, cuts, std::move(schedule),
       [adamw](nn::Sequential const& chunk) {
@@ -222,10 +242,7 @@ void Trainer::Impl::build_tensor_parallel(optim::AdamWOptions const& adamw) {
   }
   if (parallel.loss_scaler) o.loss_scaler.emplace();
   o.timeline = options.timeline;
-  if (across) {  // the grid over the world's devices, each process passing the whole batch
-    o.make_communicator = dist::communicator_factory(world);
-    o.make_subset_communicator = dist::subset_communicator_factory(world);
-  }
+  o.mesh = mesh;  // across processes the grid over the world's devices, each process passing the whole batch
   tensor = std::make_unique<parallel::TensorParallel>(group, config, std::move(o));
   if (!options.initial_parameters.empty()) tensor->scatter_parameters(options.initial_parameters);
 }

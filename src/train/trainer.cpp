@@ -47,7 +47,10 @@ Tensor Trainer::Impl::on_device(Tensor const& host) const {
 }
 
 Trainer::Trainer(nn::GptConfig const& config, DeviceGroup group, ParallelConfig parallel, TrainerOptions options)
-    : impl_(std::make_unique<Impl>(config, std::move(group), std::move(parallel), std::move(options))) {}
+    : impl_(Impl::over_group(config, std::move(group), std::move(parallel), std::move(options))) {}
+
+Trainer::Trainer(nn::GptConfig const& config, std::shared_ptr<parallel::Mesh> mesh, ParallelConfig parallel, TrainerOptions options)
+    : impl_(Impl::over_mesh(config, std::move(mesh), std::move(parallel), std::move(options))) {}
 
 Trainer::~Trainer() = default;
 
@@ -181,7 +184,8 @@ Layout const& Trainer::layout() const noexcept { return impl_->layout; }
 std::shared_ptr<metrics::Registry> const& Trainer::metrics() const noexcept { return impl_->metrics; }
 ParallelConfig const& Trainer::config() const noexcept { return impl_->parallel; }
 nn::GptConfig const& Trainer::model_config() const noexcept { return impl_->config; }
-std::string const& Trainer::placement() const noexcept { return impl_->placement; }
+std::string const& Trainer::placement() const noexcept { return impl_->mesh->placement(); }
+std::shared_ptr<parallel::Mesh> const& Trainer::mesh() const noexcept { return impl_->mesh; }
 std::vector<ChunkInfo> const& Trainer::chunks() const noexcept { return impl_->chunks; }
 DeviceGroup& Trainer::group() noexcept { return impl_->group; }
 dist::World const& Trainer::world() const noexcept { return impl_->world; }

@@ -16,10 +16,10 @@ struct Trainer::Impl {
   nn::GptConfig config;
   ParallelConfig parallel;
   TrainerOptions options;
-  DeviceGroup group;
+  std::shared_ptr<parallel::Mesh> mesh;  // the devices as placed, and every communicator
+  DeviceGroup& group;                     // the mesh's
   dist::World world;
   bool across = false;
-  std::string placement;  // the tensor-parallel groups when placement reordered the devices
   Layout layout;
   std::shared_ptr<metrics::Registry> metrics;
   std::vector<ChunkInfo> chunks;
@@ -45,8 +45,14 @@ struct Trainer::Impl {
   nn::Sequential* net = nullptr;
   std::unique_ptr<nn::Context> net_ctx;
 
-  Impl(nn::GptConfig const& config, DeviceGroup group, ParallelConfig parallel, TrainerOptions options);
-  void place();
+  // The config validated and its mesh built over `group` (across processes with
+  // options.across_processes), or the config validated against a user's mesh; then Impl.
+  static std::unique_ptr<Impl> over_group(nn::GptConfig const& config, DeviceGroup group, ParallelConfig parallel,
+                                          TrainerOptions options);
+  static std::unique_ptr<Impl> over_mesh(nn::GptConfig const& config, std::shared_ptr<parallel::Mesh> mesh,
+                                         ParallelConfig parallel, TrainerOptions options);
+  Impl(nn::GptConfig const& config, std::shared_ptr<parallel::Mesh> mesh, dist::World world, ParallelConfig parallel,
+       TrainerOptions options);
   void build_data_parallel(optim::AdamWOptions const& adamw);
   void build_pipeline(optim::AdamWOptions const& adamw);
   void build_tensor_parallel(optim::AdamWOptions const& adamw);

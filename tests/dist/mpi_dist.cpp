@@ -39,6 +39,10 @@
 //   mpi_dist subsets COUNTS          subset communicators across processes (dist::make_communicator
 //                                    over some world ranks): every collective over several subsets
 //                                    against float64 references, two at once, bad lists refused.
+//   mpi_dist mesh COUNTS             parallel::Mesh dp 2 x tp (world / 2) over the processes: one
+//                                    communicator per group, the same on a second ask, all-reduces
+//                                    along tp and dp against float64 sums over the group's ranks; a
+//                                    dimension it lacks and a mesh larger than the world refused.
 //   mpi_dist subset_missing COUNTS PROCESS  every process but PROCESS makes a subset communicator
 //                                    over every rank with a 3 s deadline: they must fail naming it.
 //   mpi_dist subset_mismatch COUNTS PROCESS  the same, but PROCESS lists the ranks backwards.
@@ -67,7 +71,7 @@ int main(int argc, char** argv) {
   if (argc < 3) {
     std::fprintf(
         stderr,
-        "usage: mpi_dist collectives|subsets|tensor_parallel|tensor_parallel_pipeline|data_parallel|failure|checkpoint|pipeline|pipeline_checkpoint|stall|exit|mismatch|"
+        "usage: mpi_dist collectives|subsets|mesh|tensor_parallel|tensor_parallel_pipeline|data_parallel|failure|checkpoint|pipeline|pipeline_checkpoint|stall|exit|mismatch|"
         "mismatch_local|subset_missing|subset_mismatch COUNTS "
         "[PROCESS|FOLDER]\n");
     return 2;
@@ -139,6 +143,10 @@ int main(int argc, char** argv) {
     }
     if (mode == "failure") {
       test_failure(s);
+      return finish();
+    }
+    if (mode == "mesh") {
+      test_mesh(s);
       return finish();
     }
     if (mode == "subsets") {

@@ -79,6 +79,8 @@ void test_collectives(Setup const& s, int& seed);
 void test_matches_one_process(Setup const& s, int seed, std::int64_t n);
 void test_world(mgpu::dist::World const& world, std::vector<int> const& counts, mgpu::dist::Place const& place);
 void test_subsets(Setup const& s);
+// parallel::Mesh across processes: one communicator per group, made once, reducing over its ranks.
+void test_mesh(Setup const& s);
 
 // mpi_dist_data_parallel.cpp
 void test_data_parallel(Setup const& s);

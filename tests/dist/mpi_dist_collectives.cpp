@@ -5,6 +5,8 @@
 #include <cstring>
 #include <memory>
 
+#include <mgpu/parallel/mesh.hpp>
+
 #include "mpi_dist.hpp"
 
 namespace mpi_dist {
@@ -464,6 +466,96 @@ void test_subsets(Setup const& s) {
       expect_refused([&] { (void)mgpu::dist::make_communicator(world, s.group, {0, w - 1, 1}); },
                      "lists process 0's ranks apart", "a process's ranks apart in the list");
   }
+}
+
+void test_mesh(Setup const& s) {
+  mgpu::dist::World const& world = s.world;
+  int const w = world.size();
+  if (w % 2 != 0) {
+    EXPECT(false, "the mesh mode over a world of " << w << " devices (expected an even count)");
+    return;
+  }
+  int const tp = w / 2;
+  mgpu::parallel::MeshOptions const options{.comm = {.timeout = 60s},
+                                            .make_communicator = mgpu::dist::communicator_factory(world),
+                                            .make_subset_communicator = mgpu::dist::subset_communicator_factory(world)};
+  auto const mesh = std::make_shared<mgpu::parallel::Mesh>(mgpu::DeviceGroup("host:" + std::to_string(s.group.size())),
+                                                           mgpu::comm::DeviceMesh({{"dp", 2}, {"tp", tp}}), options);
+  mgpu::DeviceGroup& group = mesh->group();
+  int const first = world.rank_of(0);
+  EXPECT(mesh->across() == (world.processes > 1), "the mesh across processes: " << mesh->across());
+  EXPECT(mesh->first_rank() == first, "the mesh's first rank " << mesh->first_rank() << " (expected " << first << ")");
+  // One communicator per group, the same object on a second ask; ranks g and h share one along
+  // tp when g / tp == h / tp, along dp when g % tp == h % tp.
+  for (std::string_view const dim : {"tp", "dp"}) {
+    for (int l = 0; l < group.size(); ++l) {
+      int const g = first + l;
+      mgpu::comm::Communicator& c = mesh->communicator(g, dim);
+      EXPECT(&c == &mesh->communicator(g, dim), "rank " << g << "'s " << dim << " communicator made twice");
+      EXPECT(c.size() == (dim == "tp" ? tp : 2), "rank " << g << "'s " << dim << " communicator of " << c.size());
+      for (int m = 0; m < group.size(); ++m) {
+        int const h = first + m;
+        bool const together = dim == "tp" ? g / tp == h / tp : g % tp == h % tp;
+        EXPECT((&c == &mesh->communicator(h, dim)) == together, "ranks " << g << " and " << h << " along " << dim);
+      }
+    }
+  }
+  int groups = 1;  // the communicator over every rank, made with the mesh; then the groups this process drives
+  for (int a = 0; a < 2; ++a) {
+    bool driven = false;
+    for (int t = 0; t < tp; ++t) driven = driven || mesh->drives(a * tp + t);
+    groups += driven ? 1 : 0;
+  }
+  for (int t = 0; t < tp; ++t) groups += mesh->drives(t) || mesh->drives(tp + t) ? 1 : 0;
+  EXPECT(mesh->made() == groups, "the mesh made " << mesh->made() << " communicators (expected " << groups << ")");
+  std::int64_t const n = 23;
+  int const seed = 77;
+  std::vector<Tensor> along_tp(static_cast<std::size_t>(group.size())), along_dp(along_tp.size());
+  group.run([&](int l, mgpu::Device, mgpu::Stream& stream) {
+    int const g = first + l;
+    for (Tensor* t : {&along_tp[static_cast<std::size_t>(l)], &along_dp[static_cast<std::size_t>(l)]}) {
+      *t = Tensor::empty({n}, DType::float32, group.allocator(l));
+      for (std::int64_t i = 0; i < n; ++i)
+        t->host_span<float>()[static_cast<std::size_t>(i)] = static_cast<float>(input(seed, g, i, DType::float32));
+    }
+    Tensor const& a = along_tp[static_cast<std::size_t>(l)];
+    Tensor const& b = along_dp[static_cast<std::size_t>(l)];
+    mesh->communicator(g, "tp").all_reduce(g % tp, a, a, ReduceOp::sum, stream);
+    mesh->communicator(g, "dp").all_reduce(g / tp, b, b, ReduceOp::sum, stream);
+  });
+  group.synchronize();
+  for (int l = 0; l < group.size(); ++l) {
+    int const g = first + l;
+    std::vector<double> const got_tp = load(along_tp[static_cast<std::size_t>(l)]);
+    std::vector<double> const got_dp = load(along_dp[static_cast<std::size_t>(l)]);
+    for (std::int64_t i = 0; i < n; ++i) {
+      Reference by_tp{0, 0}, by_dp{0, 0};  // serial sums over the group's ranks
+      for (int u = 0; u < tp; ++u) {
+        by_tp.value += input(seed, g / tp * tp + u, i, DType::float32);
+        by_tp.magnitude += std::abs(input(seed, g / tp * tp + u, i, DType::float32));
+      }
+      for (int a = 0; a < 2; ++a) {
+        by_dp.value += input(seed, a * tp + g % tp, i, DType::float32);
+        by_dp.magnitude += std::abs(input(seed, a * tp + g % tp, i, DType::float32));
+      }
+      EXPECT(close(got_tp[static_cast<std::size_t>(i)], by_tp, DType::float32),
+             "all_reduce over rank " << g << "'s tp group [" << i << "], reference " << by_tp.value);
+      EXPECT(close(got_dp[static_cast<std::size_t>(i)], by_dp, DType::float32),
+             "all_reduce over rank " << g << "'s dp group [" << i << "], reference " << by_dp.value);
+    }
+  }
+  mesh->communicator(first, "tp").finalize();
+  mesh->communicator(first, "dp").finalize();
+  // Refused: a dimension the mesh lacks, a mesh of another size than the world's device count.
+  expect_refused([&] { (void)mesh->communicator(first, "pp"); }, "pp", "a dimension the mesh lacks");
+  expect_refused(
+      [&] {
+        mgpu::parallel::Mesh const other(mgpu::DeviceGroup("host:" + std::to_string(s.group.size())),
+                                         mgpu::comm::DeviceMesh({{"dp", w + 2}}), options);
+      },
+      "a mesh of " + std::to_string(w + 2) + " ranks (dp " + std::to_string(w + 2) + ") over a world of " + std::to_string(w) +
+          " devices",
+      "a mesh larger than the world");
 }
 
 }  // namespace mpi_dist

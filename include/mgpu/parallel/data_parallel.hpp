@@ -21,6 +21,7 @@
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
 #include <mgpu/optim/optim.hpp>
+#include <mgpu/parallel/mesh.hpp>
 #include <mgpu/sched/scheduler.hpp>
 #include <mgpu/sched/types.hpp>
 #include <mgpu/trace/timeline.hpp>
@@ -105,8 +106,12 @@ struct DataParallelOptions {
   float clip_norm = 0.0f;                  ///< the global norm of the reduced gradients to clip to, > 0 (0: off)
   std::shared_ptr<nn::Loss const> loss{};  ///< what step() minimizes (nullptr: SoftmaxCrossEntropy)
   comm::Options comm{};
+  /// The mesh whose communicator over every rank the replicas reduce over (its group the one
+  /// passed, no dimension but one of size >= 2; make_communicator and request empty); null: the
+  /// executor makes its own.
+  std::shared_ptr<Mesh> mesh{};
   /// Makes the communicator (empty: comm::make_communicator; across processes
-  /// dist::communicator_factory(world)).
+  /// dist::communicator_factory(world), or a mesh).
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> make_communicator{};
   std::shared_ptr<trace::Timeline> timeline{};   ///< every rank's actions when enabled
   std::shared_ptr<metrics::Registry> metrics{};  ///< each rank's times per step (nullptr: its own)

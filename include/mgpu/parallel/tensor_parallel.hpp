@@ -25,6 +25,7 @@
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/transformer.hpp>
 #include <mgpu/optim/optim.hpp>
+#include <mgpu/parallel/mesh.hpp>
 #include <mgpu/parallel/tensor_parallel_styles.hpp>
 #include <mgpu/trace/timeline.hpp>
 
@@ -279,8 +280,11 @@ struct TensorParallelOptions {
   DType compute = DType::float32;                  ///< float32, bfloat16 or float16, with float32 masters
   std::optional<optim::LossScaler> loss_scaler{};  ///< dynamic loss scaling, alike on every rank
   comm::Options comm{};
+  /// The mesh whose communicators the shards and replicas use (its group the one passed, laid
+  /// out dp x tp as data_parallel says; both factories empty); null: the executor makes its own.
+  std::shared_ptr<Mesh> mesh{};
   /// Makes the communicator (empty: comm::make_communicator; across processes
-  /// dist::communicator_factory(world)).
+  /// dist::communicator_factory(world), or a mesh).
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> make_communicator{};
   /// Across processes with data_parallel > 1: dist::subset_communicator_factory(world).
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, std::vector<int> const&, comm::Options)>

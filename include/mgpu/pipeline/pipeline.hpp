@@ -22,6 +22,7 @@
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
 #include <mgpu/optim/optim.hpp>
+#include <mgpu/parallel/mesh.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 #include <mgpu/pipeline/schedule.hpp>
 #include <mgpu/trace/timeline.hpp>
@@ -133,6 +134,8 @@ struct ExecutorOptions {
   std::shared_ptr<trace::Timeline> timeline{};  ///< where every action is recorded; nullptr for none
   /// Tensor-parallel stages (ranks > 1: a data x tensor x pipeline grid, see Executor).
   TensorParallelStages tensor_parallel{};
+  /// Every communicator's maker (dp x tp x pp over the group passed; its options, not `timeout`).
+  std::shared_ptr<parallel::Mesh> mesh{};
   /// Makes the transfers' communicator (across processes dist::communicator_factory(world)).
   std::function<std::unique_ptr<comm::Communicator>(DeviceGroup&, comm::Options)> make_communicator{};
   /// Across processes with tensor-parallel stages or ZeRO: dist::subset_communicator_factory(world).

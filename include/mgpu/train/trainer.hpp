@@ -23,6 +23,7 @@
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
 #include <mgpu/parallel/memory_model.hpp>
+#include <mgpu/parallel/mesh.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
 #include <mgpu/plan/planner.hpp>
@@ -119,11 +120,19 @@ struct Layout {
 /// for, with the one-device losses within float32 rounding. Across processes every call is collective.
 class Trainer {
  public:
-  /// Validates `parallel` (ParallelConfig::validate) before any work, then places it: with tp > 1
-  /// and several tensor-parallel groups, each group on the best links of the link matrix
-  /// (sched::tensor_parallel_order, laid over a comm::DeviceMesh dp x tp x pp). Throws
-  /// Error(invalid_argument) naming what is refused, or as the executor's constructor does.
+  /// Validates `parallel` (ParallelConfig::validate) before any work, then builds its mesh dp x
+  /// tp x pp over `group` (across processes with options.across_processes), which places it:
+  /// with tp > 1 and several tensor-parallel groups, each group on the best links of the link
+  /// matrix. Throws Error(invalid_argument) naming what is refused, or as the executor's
+  /// constructor does.
   Trainer(nn::GptConfig const& config, DeviceGroup group, ParallelConfig parallel, TrainerOptions options = {});
+  /// The same over a mesh the caller built (in one process, or across processes with the
+  /// dist factories; options.across_processes is the mesh's): its dimensions dp, tp and pp in
+  /// that order, sized as `parallel` lays the model out (plain data parallelism: dp over every
+  /// device; a missing dimension counts as size 1). The executors take every communicator from
+  /// it. Throws Error(invalid_argument) naming the mesh and the layout expected for another one.
+  Trainer(nn::GptConfig const& config, std::shared_ptr<parallel::Mesh> mesh, ParallelConfig parallel,
+          TrainerOptions options = {});
   ~Trainer();
   Trainer(Trainer const&) = delete;
   Trainer& operator=(Trainer const&) = delete;
@@ -173,7 +182,9 @@ class Trainer {
   [[nodiscard]] std::string const& placement() const noexcept;
   /// A pipeline's chunks (empty without one).
   [[nodiscard]] std::vector<ChunkInfo> const& chunks() const noexcept;
-  [[nodiscard]] DeviceGroup& group() noexcept;  ///< the devices as placed
+  [[nodiscard]] DeviceGroup& group() noexcept;  ///< the devices as placed (the mesh's)
+  /// The mesh the executors take their communicators from.
+  [[nodiscard]] std::shared_ptr<parallel::Mesh> const& mesh() const noexcept;
   [[nodiscard]] dist::World const& world() const noexcept;
   [[nodiscard]] std::int64_t parameter_count() const;
 
