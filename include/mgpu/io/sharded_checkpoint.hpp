@@ -21,8 +21,7 @@ namespace detail {
 struct Run;
 }
 
-/// A box of an N-D tensor: its first index and its extent along each dimension (as many as the
-/// tensor's global shape has).
+/// A box of an N-D tensor: its first index and its extent along each of the tensor's dimensions.
 struct Box {
   std::vector<std::int64_t> offsets;
   Shape lengths;
@@ -37,8 +36,7 @@ struct Box {
 /// Whether `box` has `shape`'s rank and lies within it.
 [[nodiscard]] bool within(Box const& box, Shape const& shape) noexcept;
 
-/// The sharded format this build writes (its manifest's format is "mgpu-sharded-checkpoint-<N>");
-/// it reads version 1 (element ranges only) too.
+/// The format this build writes ("mgpu-sharded-checkpoint-<N>"); it reads version 1 too.
 inline constexpr int sharded_checkpoint_version = 2;
 
 /// One writer's shard: pieces of records split across writers, and whole records.
@@ -48,17 +46,15 @@ class ShardWriter {
   /// writer; the writers' pieces cover it once), copied through `stream` (synchronized). Throws
   /// Error(invalid_argument) for a range outside the shape or a second piece at `begin`.
   void put_piece(std::string const& name, Shape const& shape, std::int64_t begin, Tensor const& values, Stream& stream);
-  /// Box `box` of tensor `name` of global `shape` (the same for every writer; the writers' boxes tile
-  /// it exactly once): `values` holds its elements in row-major order (any shape of box.numel()
-  /// elements), copied through `stream` (synchronized). Throws Error(invalid_argument) for a box of
-  /// another rank or outside the shape, a value count that is not the box's, or a second box at the
-  /// same offsets.
+  /// Box `box` of tensor `name` of global `shape` (the same for every writer, whose boxes tile it
+  /// once): `values` holds its box.numel() elements row-major, copied through `stream`
+  /// (synchronized). Throws Error(invalid_argument) for a box of another rank or outside the shape,
+  /// another value count, or a second box at the same offsets.
   void put_box(std::string const& name, Shape const& shape, Box const& box, Tensor const& values, Stream& stream);
-  /// Record `name` as a layout: a one-dimensional record of `numel` elements made of split tensors
-  /// (each written in boxes by put_box, named "<name>/<tensor>" by convention) laid end to end, each
-  /// at its offset, as a model's flat parameter buffer holds its named tensors. A reader reads it as
-  /// one split record (read(), joined()), and each tensor in boxes. One writer puts it (or several,
-  /// the same). Throws Error(invalid_argument) for offsets that are not increasing from 0.
+  /// Record `name` as a layout: a 1-D record of `numel` elements made of split tensors (put_box,
+  /// named "<name>/<tensor>") laid end to end at their offsets, as a model's flat buffer holds them;
+  /// read as one split record (read(), joined()) or each tensor in boxes. Throws
+  /// Error(invalid_argument) for offsets that are not increasing from 0.
   void put_layout(std::string const& name, std::int64_t numel, std::vector<std::pair<std::string, std::int64_t>> const& tensors);
   /// A whole record. Several writers may hold the same one; they must hold the same bytes.
   void put(std::string const& name, Tensor const& tensor, Stream& stream);
@@ -88,10 +84,9 @@ void commit_shards(std::filesystem::path const& folder, std::uint64_t save_id, i
 /// Error(corrupt_data) naming a manifest that is not one.
 std::uint64_t committed_save_id(std::filesystem::path const& folder);
 
-/// A committed sharded checkpoint: load() reads the manifest, the shards' indexes and the whole
-/// records, and verifies the shards agree and each split record's pieces (element ranges) or boxes
-/// cover it exactly once; a piece or box is read, and verified, only when read(), read_box() or
-/// joined() needs it.
+/// A committed sharded checkpoint: load() reads the manifest, indexes and whole records and verifies
+/// that each split record's pieces or boxes cover it once; a piece or box is read (and verified)
+/// only when needed.
 class ShardedCheckpoint {
  public:
   /// Throws Error(io) when the folder has no manifest (nothing committed) or a shard file cannot be
@@ -118,16 +113,13 @@ class ShardedCheckpoint {
   /// Copies elements [begin, begin + out.numel()) of split record `name` into `out` through `stream`
   /// (synchronized). Throws Error(invalid_argument) for a missing record, another dtype, a bad range.
   void read(std::string const& name, std::int64_t begin, Tensor const& out, Stream& stream) const;
-  /// Copies box `box` of split record `name` into `out` (box.numel() elements, row-major) through
-  /// `stream` (synchronized), reading only the pieces or boxes that overlap it, whichever way it was
-  /// split. Throws as read() does, and for a box of another rank or outside the record's shape.
+  /// Copies box `box` of split record `name` into `out` (row-major) through `stream` (synchronized),
+  /// reading only what overlaps it. Throws as read() does, and for a box outside the record's shape.
   void read_box(std::string const& name, Box const& box, Tensor const& out, Stream& stream) const;
 
-  /// Copies box `box` of the tensor of `view` held at elements [offset, offset + view's elements) of
-  /// the flattened split record or layout `name` into `out` (row-major, box.numel() elements) through
-  /// `stream` (synchronized), reading only the parts that overlap it: a layout's tensor of that shape
-  /// at that offset is read in boxes, any other record in the runs the box covers. Throws as
-  /// read_box() does, and for a view past the record's elements.
+  /// Copies box `box` of the tensor of shape `view` at elements [offset, ...) of split record or
+  /// layout `name` into `out` (row-major) through `stream` (synchronized), reading only what overlaps
+  /// it. Throws as read_box() does, and for a view past the record's elements.
   void read_view(std::string const& name, std::int64_t offset, Shape const& view, Box const& box, Tensor const& out,
                  Stream& stream) const;
 

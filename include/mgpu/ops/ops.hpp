@@ -87,9 +87,7 @@ void scale_convert(Tensor const& dst, Tensor const& src, float factor, Stream& s
 
 /// dst += src * factor in dst's dtype (same element count).
 void add_scaled(Tensor const& dst, Tensor const& src, float factor, Stream& stream);
-/// dst[:, dst_column + c] = src[:, src_column + c] for c in [0, columns): src [rows, a] and dst
-/// [rows, b] (viewed as their last dimension by the rest), the same dtype. Throws
-/// Error(invalid_argument) for other shapes or a block outside either.
+/// dst[:, dst_column + c] = src[:, src_column + c] for c < columns, both [rows, last dim], one dtype.
 void copy_columns(Tensor const& src, std::int64_t src_column, Tensor const& dst, std::int64_t dst_column,
                   std::int64_t columns, Stream& stream);
 /// One thread's host GEMMs (gemm, linear): calls, flops (2 m n k each), seconds.

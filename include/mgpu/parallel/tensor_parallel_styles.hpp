@@ -37,13 +37,11 @@ class ShardedLayer {
 };
 
 /// nn::Linear(in, out) split by output columns over `comm`'s ranks: rank r holds W's columns and
-/// b's entries [r out / T, (r + 1) out / T) and returns those columns of the output, [..., out / T]
-/// (the next layer takes them: an element-wise layer, a RowParallelLinear or a vocab-parallel
-/// loss), or with `gather_output` the whole output [..., out], every rank's columns gathered
-/// (all-gather, then ops::copy_columns), whose gradient it takes this rank's columns of. Its input
-/// is replicated and its input gradient summed over the ranks; with `sequence_parallel` it takes
-/// the rank's tokens [B, T / ranks, in], gathers them, and reduce-scatters the input gradient back
-/// to them. Initialized as the whole Linear's shard.
+/// b's entries [r out / T, (r + 1) out / T) and returns those columns of the output [..., out / T],
+/// or with `gather_output` the whole output (every rank's columns gathered). Its input is
+/// replicated and its input gradient summed over the ranks; with `sequence_parallel` it takes the
+/// rank's tokens [B, T / ranks, in], gathers them, and reduce-scatters the input gradient back.
+/// Initialized as the whole Linear's shard.
 class ColumnParallelLinear final : public nn::Layer, public ShardedLayer {
  public:
   /// Throws Error(invalid_argument) without a communicator, unless its size divides `out`, for a
@@ -148,10 +146,9 @@ using Style = std::function<std::vector<std::unique_ptr<nn::Layer>>(nn::Layer co
 [[nodiscard]] Style vocab_parallel_lm_head();
 /// nn::TransformerBlock -> TensorParallelBlock.
 [[nodiscard]] Style transformer_block();
-/// The layer itself on every rank (a copy). With sequence parallelism, which runs it on the rank's
-/// tokens, only for layers whose work is per token: a Dropout (its masks as on the whole), a
-/// LayerNorm (its gradient summed over the ranks by partial_ranges()) or a layer without
-/// parameters.
+/// The layer itself on every rank (a copy). With sequence parallelism (on the rank's tokens) only
+/// for per-token layers: a Dropout, a LayerNorm (gradient summed by partial_ranges()) or a layer
+/// without parameters.
 [[nodiscard]] Style replicate();
 
 /// Makes `style` the default of layers of dynamic type `type` (replacing any), for plans that do

@@ -56,9 +56,8 @@ struct StageDevice {
   double free_bytes = std::numeric_limits<double>::infinity();
 };
 
-/// The `devices` pipeline devices of `group` (each its slowest replica rank, with its least free
-/// memory), from sched::node_state(group). Throws Error(invalid_argument) when group.size() is not
-/// a multiple of `devices`.
+/// `group`'s `devices` pipeline devices (each its slowest replica rank, least free memory), from
+/// sched::node_state(group). Throws Error(invalid_argument) unless `devices` divides group.size().
 std::vector<StageDevice> stage_devices(DeviceGroup const& group, int devices);
 
 /// Per-layer costs for partitioning, one entry per layer (a unit's cost sits on its first layer).
@@ -71,8 +70,8 @@ struct LayerProfile {
 /// Returns the seconds `run` (a unit's forward + backward on rank 0) took; empty: the steady clock.
 using ProfileTimer = std::function<double(std::function<void()> const& run)>;
 
-/// Profiles each unit of `model` on `group`'s rank 0 for a micro-batch of `input` shape: the
-/// median of `repeats` times, scaled to the group's fastest device, and the activation bytes.
+/// Each unit's median time of `repeats` on `group`'s rank 0 (scaled to the fastest device) and
+/// activation bytes.
 LayerProfile profile_layers(nn::Sequential const& model, DeviceGroup& group, Shape const& input, int repeats = 3,
                             ProfileTimer const& timer = {});
 
@@ -81,10 +80,10 @@ struct PartitionOptions {
   int optimizer_states = 1;
 };
 
-/// Cuts `model` into schedule.chunks() chunks between units for `schedule` on `devices` (one per
-/// schedule device), minimizing the slowest chunk's time among the splits that fit in memory
-/// (exact). Throws Error(invalid_argument) when the sizes do not match, Error(out_of_memory) when
-/// no split fits, naming the chunk and device that come closest, the bytes needed and free.
+/// Cuts `model` between units into schedule.chunks() chunks on `devices` (one per schedule device),
+/// minimizing the slowest chunk's time among the splits that fit (exact). Throws
+/// Error(invalid_argument) for sizes that do not match, Error(out_of_memory) when no split fits,
+/// naming the chunk and device that come closest, the bytes needed and free.
 Partition partition(nn::Sequential const& model, Schedule const& schedule, LayerProfile const& profile,
                     std::vector<StageDevice> const& devices, PartitionOptions options = {});
 
@@ -101,12 +100,10 @@ struct TensorParallelStages {
   bool sequence_parallel = false;
 };
 
-/// `whole`'s tensor-parallel stages over `ranks` ranks per stage (the executor's model is
-/// `whole`): rank r's stage of the layers [begin, end) is the layers of parallelize(whole, plan)
-/// (rank r's shard) that came from them, and its loss `loss`'s (empty: VocabParallelCrossEntropy
-/// over the vocab of whole's last layer, an nn::TiedLMHead). Throws Error(invalid_argument) for
-/// ranks < 1, without a loss for another last layer, and as parallelize() does when the executor
-/// makes the stages.
+/// `whole`'s (the executor's model's) tensor-parallel stages over `ranks` ranks per stage: rank r's
+/// stage of layers [begin, end) holds the layers of parallelize(whole, plan) made from them; the
+/// loss is `loss`'s (empty: vocab_parallel_loss). Throws Error(invalid_argument) for ranks < 1, as
+/// vocab_parallel_loss does, and as parallelize() does when the executor makes the stages.
 [[nodiscard]] TensorParallelStages tensor_parallel_stages(nn::Sequential const& whole,
                                                           parallel::TensorParallelPlan plan, int ranks,
                                                           parallel::MakeLoss loss = {});
@@ -120,9 +117,8 @@ struct ExecutorOptions {
   /// Replicas of the pipeline: the group has devices x data_parallel x tensor_parallel.ranks ranks.
   int data_parallel = 1;
   /// ZeRO over the replicas (data parallelism's gradient sync, after each chunk's last backward):
-  /// 0; 1, each replica updating and keeping state for its block of every chunk; or 2 (float32
-  /// compute), the micro-batches' gradients reduce-scattered in place, the replica's blocks packed
-  /// at the front of the whole buffer for the update: the memory of 1 (3: refused).
+  /// 0; 1, each replica updating and keeping state for its block of every chunk; or 2 (float32),
+  /// the gradients reduce-scattered in place, with the memory of 1 (3: refused).
   int zero_stage = 0;
   std::chrono::milliseconds timeout{0};  ///< the communicator's deadline (zero: comm::default_timeout())
   /// float32, or bfloat16/float16 with float32 masters: what chunks compute in and send.
@@ -168,8 +164,7 @@ class Executor {
   Executor& operator=(Executor const&) = delete;
 
   /// Forward and backward of every micro-batch, leaving the mean-loss float32 master gradients
-  /// unscaled and summed over the replicas (zero_stage 1: the owned blocks; 2: the owned blocks,
-  /// packed at the front of each chunk's gradient buffer); returns the mean loss.
+  /// unscaled and summed over the replicas (zero_stage 1 and 2: the owned blocks); returns the mean loss.
   /// Throws Error(invalid_argument), before any action, for fewer rows than micro-batches, an x
   /// that does not fit the model, or labels the loss refuses.
   float compute_gradients(Tensor const& x, Tensor const& labels);
@@ -181,13 +176,11 @@ class Executor {
   void gather_parameters(nn::Sequential& whole, Stream& stream);
   /// Copies `whole`'s master parameters into every replica's chunks.
   void scatter_parameters(nn::Sequential const& whole, Stream& stream);
-  /// Saves the model as one device holds it, in io::save_training's format (across processes a
-  /// folder of shards; collective), atomically. Throws Error(invalid_argument) when the chunks'
-  /// optimizers hold different numbers of state buffers, Error(io) when a process fails to write.
+  /// Saves the model in io::save_training's format (across processes a folder; collective),
+  /// atomically. Throws Error(invalid_argument) for chunks' unequal optimizer states, Error(io).
   void save(std::filesystem::path const& path, io::TrainingState const& state = {});
-  /// Loads save(), DataParallel::save(), TensorParallel::save() or io::save_training() into every
-  /// replica (tensor-parallel stages: each rank its shard), verifying all first: on an error the
-  /// executor is unchanged and the Error names the mismatch or damage (the file and record).
+  /// Loads any layout's save into every replica (each rank its shard), verifying all first: on an
+  /// error the executor is unchanged and the Error names the mismatch or damage (file and record).
   io::TrainingState load(std::filesystem::path const& path);
   /// load() of a folder already opened, reading only the pieces this process's chunks hold.
   io::TrainingState load(io::ShardedCheckpoint const& checkpoint);
