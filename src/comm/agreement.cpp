@@ -45,6 +45,11 @@ void agree(Communicator& comm, DeviceGroup& group, std::exception_ptr failure, s
                                 "'s process stops too");
 }
 
+void agree(Communicator* comm, DeviceGroup& group, std::exception_ptr failure, std::string const& what) {
+  if (comm != nullptr) return agree(*comm, group, std::move(failure), what);
+  if (failure) std::rethrow_exception(failure);
+}
+
 void save_in_shards(Communicator& comm, DeviceGroup& group, std::string const& what,
                     std::function<std::uint64_t()> const& next_save_id,
                     std::function<void(std::uint64_t save_id, int shard, int shards)> const& write,

@@ -41,6 +41,8 @@ std::vector<std::int32_t> all_gather_words(Communicator& comm, DeviceGroup& grou
 // or an Error(io) naming the world rank of the process that failed. Every process calls it at the
 // same point, so none waits in a later collective for one that failed.
 void agree(Communicator& comm, DeviceGroup& group, std::exception_ptr failure, std::string const& what);
+// The same where `comm` may be null (one process): then only this process's `failure` is rethrown.
+void agree(Communicator* comm, DeviceGroup& group, std::exception_ptr failure, std::string const& what);
 
 // A save written as one shard per process, every step agreed on by every process: world rank 0's
 // process takes the save's id (`next_save_id`, e.g. one more than the folder's committed one); every

@@ -451,13 +451,17 @@ RecordType ShardedCheckpoint::type(std::string const& name) const {
   return split_.at(name).type;
 }
 
-void ShardedCheckpoint::read(std::string const& name, std::int64_t begin, Tensor const& out, Stream& stream) const {
-  Shape const& whole_shape = shape(name);
+void ShardedCheckpoint::check_output(std::string const& name, Tensor const& out) const {
   RecordType const record_type = type(name);
   if (!out.defined() || detail::record_type(out.dtype()) != record_type)
     throw Error(Errc::invalid_argument, "reading record '" + name + "' of " + detail::type_name(record_type) + " into " +
                                             (out.defined() ? std::string(to_string(out.dtype())) : std::string("an undefined tensor")) +
                                             " (expected a tensor of the record's type)");
+}
+
+void ShardedCheckpoint::read(std::string const& name, std::int64_t begin, Tensor const& out, Stream& stream) const {
+  Shape const& whole_shape = shape(name);
+  check_output(name, out);
   std::int64_t const count = out.numel();
   std::int64_t const whole = numel_of(whole_shape);
   if (begin < 0 || begin + count > whole)
@@ -493,11 +497,7 @@ std::vector<std::string> ShardedCheckpoint::layout_tensors(std::string const& na
 
 void ShardedCheckpoint::read_box(std::string const& name, Box const& box, Tensor const& out, Stream& stream) const {
   Shape const& whole_shape = shape(name);
-  RecordType const record_type = type(name);
-  if (!out.defined() || detail::record_type(out.dtype()) != record_type)
-    throw Error(Errc::invalid_argument, "reading record '" + name + "' of " + detail::type_name(record_type) + " into " +
-                                            (out.defined() ? std::string(to_string(out.dtype())) : std::string("an undefined tensor")) +
-                                            " (expected a tensor of the record's type)");
+  check_output(name, out);
   if (!within(box, whole_shape) || out.numel() != box.numel())
     throw Error(Errc::invalid_argument, "reading box " + to_string(box) + " of record '" + name + "' into " +
                                             std::to_string(out.numel()) + " elements (expected a box within its shape " +

@@ -285,11 +285,7 @@ io::TrainingState TensorParallel::load(std::filesystem::path const& path) {
     } catch (...) {
       failure = std::current_exception();
     }
-    if (im.world) {
-      comm::detail::agree(*im.world, *im.group, failure, "TensorParallel::load from " + path.string());
-    } else if (failure) {
-      std::rethrow_exception(failure);
-    }
+    comm::detail::agree(im.world.get(), *im.group, failure, "TensorParallel::load from " + path.string());
     return im.load_boxes(*folder);
   }
   std::exception_ptr failure;
@@ -307,11 +303,7 @@ io::TrainingState TensorParallel::load(std::filesystem::path const& path) {
   } catch (...) {
     failure = std::current_exception();
   }
-  if (im.world) {
-    comm::detail::agree(*im.world, *im.group, failure, "TensorParallel::load from " + path.string());
-  } else if (failure) {
-    std::rethrow_exception(failure);
-  }
+  comm::detail::agree(im.world.get(), *im.group, failure, "TensorParallel::load from " + path.string());
   std::vector<float> const parameters = detail::host_copy(whole->model.master_parameters(), whole->stream);
   scatter_parameters(parameters);
   std::vector<optim::NamedTensor> const saved = whole->optimizer->state();  // none: the checkpoint held none
@@ -408,11 +400,7 @@ io::TrainingState TensorParallel::Impl::load_boxes(io::ShardedCheckpoint const& 
   } catch (...) {
     failure = std::current_exception();
   }
-  if (world) {
-    comm::detail::agree(*world, *group, failure, "TensorParallel::load from " + source);
-  } else if (failure) {
-    std::rethrow_exception(failure);
-  }
+  comm::detail::agree(world.get(), *group, failure, "TensorParallel::load from " + source);
   gather_whole();  // zero_stage 3: the next step keeps the owned parameters of these
   for (int rank = 0; rank < group->size(); ++rank) {
     auto const r = static_cast<std::size_t>(rank);

@@ -383,11 +383,7 @@ io::TrainingState Executor::Impl::load_records(io::Checkpoint const& records, io
   } catch (...) {
     failure = std::current_exception();
   }
-  if (across) {
-    comm::detail::agree(*comm, *group, failure, "Executor::load of " + source);
-  } else if (failure) {
-    std::rethrow_exception(failure);
-  }
+  comm::detail::agree(across ? comm.get() : nullptr, *group, failure, "Executor::load of " + source);
   for (int r = 0; r < replicas; ++r) {
     for (int c = 0; c < schedule.chunks(); ++c) {
       int const rank = rank_at(r, schedule.device_of(c));

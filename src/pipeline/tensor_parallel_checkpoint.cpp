@@ -212,11 +212,7 @@ io::TrainingState Executor::Impl::load_tensor_parallel(std::function<io::Checkpo
   } catch (...) {
     failure = std::current_exception();
   }
-  if (across) {
-    comm::detail::agree(*comm, *group, failure, "Executor::load of " + source);
-  } else if (failure) {
-    std::rethrow_exception(failure);
-  }
+  comm::detail::agree(across ? comm.get() : nullptr, *group, failure, "Executor::load of " + source);
   auto const element = [](auto& nested, int p, int c) -> auto& {
     return nested[static_cast<std::size_t>(p)][static_cast<std::size_t>(c)];
   };

@@ -152,6 +152,8 @@ class ShardedCheckpoint {
     int shard = 0;
     RecordEntry entry;
   };
+  // Throws Error(invalid_argument) unless `out` is a tensor of record `name`'s element type.
+  void check_output(std::string const& name, Tensor const& out) const;
   // A piece's payload, read from its shard file and verified.
   [[nodiscard]] std::vector<std::byte> payload(Piece const& piece) const;
   struct Split {
