@@ -262,6 +262,9 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     parallel::DataParallelOptions data;
     data.zero_stage = m.options.zero_stage;
     data.overlap = false;
+    // ZeRO-2 reduces the whole gradients in place (no staging to keep small): ZeRO-1's buckets, so
+    // each replica owns, clips and updates the very elements it owns at ZeRO-1.
+    if (data.zero_stage == 2) data.zero3_block_units = false;
     data.compute = m.options.compute;
     data.timeline = m.options.timeline;
     for (std::vector<int> const& ranks : m.mesh.groups("dp")) {

@@ -266,8 +266,9 @@ TEST_CASE("ZeRO-2 over a data x pipeline grid trains as one device and as ZeRO-1
       CAPTURE(r, held[0][r], held[1][r]);
       CHECK(held[1][r] == held[0][r]);
     }
-    CHECK(worst_relative(runs[1].losses, runs[0].losses) <= curve_tolerance);
-    CHECK(worst_difference(runs[1].weights, runs[0].weights) < 5e-5);
+    // ZeRO-1's buckets and owners: the same sums, norm and updates, bit for bit.
+    CHECK(runs[1].losses == runs[0].losses);
+    CHECK(runs[1].weights == runs[0].weights);
   }
 }
 
