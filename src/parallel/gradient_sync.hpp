@@ -15,8 +15,10 @@
 // Sharded gradients without overlap (a pipeline's replicas, whose micro-batches' backward passes
 // accumulate into a chunk before finish() reduces it) keep the model's whole gradient buffer for
 // the backward passes instead of staging buffers: finish() reduce-scatters every bucket in place
-// and packs the owned pieces at the buffer's front, which owned_gradients() views. A rank never
-// holds more gradients than ZeRO-1 does (the whole buffer, for the step and between steps).
+// and packs the owned pieces at the buffer's front, which owned_gradients() views (with 16-bit
+// compute: the whole float32 buffer, which the caller unscales the accumulated 16-bit gradients
+// into before finish()). A rank never holds more gradients than ZeRO-1 does (the whole buffer, for
+// the step and between steps).
 // The sharded parameters' methods are in sharded_parameters.cpp.
 #pragma once
 
@@ -62,7 +64,7 @@ std::vector<Bucket> plan_buckets(nn::Sequential const& model, DataParallelOption
 /// Throws Error(invalid_argument), prefixed by `who`, for a zero_stage outside 0 to `max_stage` or
 /// one that the options cannot take: stages 2 and 3 need overlap and no comm hook.
 /// `whole_gradients`: the caller reduces after accumulating backward passes (no overlap), which
-/// stage 2 in float32 takes (see the top of this file).
+/// stage 2 takes in every precision (see the top of this file).
 void check_zero_stage(DataParallelOptions const& options, std::string const& who, int max_stage = 3,
                       bool whole_gradients = false);
 

@@ -131,9 +131,6 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     zero.zero_stage = options.zero_stage;
     zero.compute = options.compute;
     zero.overlap = false;  // the replicas reduce once a chunk's micro-batches are done
-    if (options.zero_stage == 2 && options.compute != DType::float32)
-      throw Error(Errc::invalid_argument, "pipeline: zero_stage 2 with " + std::string(to_string(options.compute)) +
-                                              " compute (expected float32: a pipeline's replicas do not yet shard 16-bit gradients)");
     parallel::detail::check_zero_stage(zero, "pipeline", 2, true);
     if (options.zero_stage > 0 && across && options.data_parallel > 1 && !options.make_subset_communicator)
       throw Error(Errc::invalid_argument, "pipeline: zero_stage " + std::to_string(options.zero_stage) +
@@ -262,6 +259,9 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     parallel::DataParallelOptions data;
     data.zero_stage = m.options.zero_stage;
     data.overlap = false;
+    // ZeRO-2 reduces the whole gradients in place (no staging to keep small): ZeRO-1's buckets, so
+    // each replica owns, clips and updates the very elements it owns at ZeRO-1.
+    if (data.zero_stage == 2) data.zero3_block_units = false;
     data.compute = m.options.compute;
     data.timeline = m.options.timeline;
     for (std::vector<int> const& ranks : m.mesh.groups("dp")) {

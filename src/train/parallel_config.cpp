@@ -68,11 +68,12 @@ void ParallelConfig::validate(nn::GptConfig const& model, LayoutChecks const& ch
     refuse(name("bucket_cap_bytes", "--bucket-kb") + " with a pipeline (expected " +
            name("bucket_cap_bytes", "--bucket-kb") + " with data or tensor parallelism: a pipeline's replicas do not bucket)");
   if (int const most = parallel::max_zero_stage(compute, true); zero && pipe && *zero > most) {
-    bool const sixteen = compute != DType::float32;
+    // The precision is named where the rule depends on it.
+    bool const sixteen = compute != DType::float32 && most != parallel::max_zero_stage(DType::float32, true);
     refuse(n_zero + " with a pipeline" + (sixteen ? " in " + precision_name(compute) : "") + " (expected " +
            name("zero", "--zero") + " 0 to " + std::to_string(most) + " with a pipeline" + (sixteen ? " in 16 bits" : "") +
            ": its replicas shard the update, optimizer state" +
-           (sixteen ? ", not yet the gradients)" : " and gradients, not yet the parameters)"));
+           (most < 2 ? ", not yet the gradients)" : " and gradients, not yet the parameters)"));
   }
   if (sequence_parallel && tp < 2)
     refuse(name("sequence_parallel", "--sequence-parallel") + " with " + n_tp + " (expected " + name("tp", "--tp") +

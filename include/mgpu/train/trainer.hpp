@@ -77,8 +77,7 @@ struct ParallelConfig {
   /// The devices the layout spans: dp x tp (x stages when pipelined), a pipeline's stages x dp, else dp.
   [[nodiscard]] int devices() const noexcept;
   /// Throws Error(invalid_argument) naming the field (or flag) and the value expected for what
-  /// cannot run: e.g. zero outside 0 to 3 or >= 2 in 16 bits, zero >= 2 or a bucket cap with a
-  /// pipeline, sequence parallelism without tp >= 2 dividing the block size, another device
+  /// cannot run: e.g. zero outside 0 to 3, zero 3 or a bucket cap with a pipeline, sequence parallelism without tp >= 2 dividing the block size, another device
   /// count than the layout's.
   void validate(nn::GptConfig const& model, LayoutChecks const& checks) const;
 };
