@@ -274,9 +274,9 @@ TEST_CASE("zero_stage 3's backward gathers the next bucket's parameters while th
 // that its tied embedding dominates (one block, vocab 1024, C 16: one unit holds most parameters),
 // where stage 3 peaks above stage 2, below stage 1: the owned parameters (1/N) come on top of the
 // whole embedding unit, which the LM head's backward reads at the peak, where stage 2 holds the
-// whole parameter buffer only. There, in bfloat16, stage 2 peaks above stage 1 too: its last reduce
-// holds the embedding's float32 staging and the owned gradients (1/N) together, more than stage
-// 1's whole gradients. Stages 2 and 3 reduce a block at a time by default, hold the owned gradients
+// whole parameter buffer only. There, in bfloat16, stage 2 peaks above stage 1 too: in the
+// block's backward it holds the embedding's float32 staging and the owned gradients (1/N)
+// together, more than stage 1's whole gradients. Stages 2 and 3 reduce a block at a time by default, hold the owned gradients
 // from a step's first reduce to the next step, and the last bucket's staging from backward's start
 // to its reduce only. Each stage peaks no higher in bfloat16 than in float32: below stage 3 the
 // layers write their 16-bit gradients a unit at a time, not into a whole 16-bit copy.
