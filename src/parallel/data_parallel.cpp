@@ -108,6 +108,7 @@ DataParallel::DataParallel(nn::Sequential model, DeviceGroup& group, std::functi
   if (!im.options.loss) im.options.loss = nn::default_loss();
   if (!im.options.metrics) im.options.metrics = std::make_shared<metrics::Registry>("data_parallel");
   im.sync = std::make_unique<detail::GradientSync>(*im.group, std::move(buckets), im.options, im.ranks);
+  im.sync->unit_compute_gradients();  // nn::train_step unscales each layer's 16-bit gradients as backward writes them
 
   // Replicas: the same architecture on every rank; rank 0's weights (the given model's when it is
   // materialized) broadcast to the others.

@@ -150,6 +150,10 @@ class RankSync final : public nn::GradientSync {
   // Sharded parameters: the memory of `bucket`'s parameter buffer goes back once the work enqueued
   // so far on `compute` and the communication stream has run.
   void release_parameters(std::size_t bucket, Stream& compute);
+  // With GradientSync::unit_compute_gradients(), from before_layer(): the first call binds the
+  // layers' compute-type gradients to a buffer per unit; backward entering a unit takes its memory
+  // and gives back the previous unit's, whose gradients backward has unscaled.
+  void unit_compute_gradients_before(std::size_t layer, bool backward, Stream& compute);
   [[nodiscard]] Allocator& allocator() const;
   // Whether the model computes in 16 bits (its layers then read and write compute-type copies).
   [[nodiscard]] bool sixteen() const noexcept { return model_.compute_type() != DType::float32; }
@@ -209,6 +213,12 @@ class RankSync final : public nn::GradientSync {
   Tensor params_last_;
   std::vector<Tensor> unit_compute_params_, unit_compute_grads_;
   std::vector<Event> params_gathered_;
+  // unit_compute_gradients_before(): the units (last first), their compute-type gradient buffers,
+  // which have memory, and how many backward has entered in this pass.
+  std::vector<Bucket> grad_units_;
+  std::vector<Tensor> grad_unit_buffers_;
+  std::vector<bool> grad_unit_held_;
+  std::size_t grad_units_entered_ = 0;
   Event forward_start_;
   std::size_t forward_entered_ = 0, backward_entered_ = 0;  // buckets entered in this pass
   bool whole_ = true;
@@ -263,6 +273,13 @@ class GradientSync {
   /// With sharded parameters: every rank keeps its owned parameters only
   /// (RankSync::shard_parameters() with optimizers[rank]); nothing otherwise.
   void shard_parameters(std::vector<optim::Optimizer*> const& optimizers);
+  /// With 16-bit compute below zero_stage 3: the layers write their compute-type gradients into a
+  /// buffer per unit of the model (plan_units) instead of a whole flat buffer, whose memory each
+  /// rank holds from backward entering the unit to entering the next (RankSync::before_layer();
+  /// the last unit's, the first layers', stays: a tied LM head writes it at backward's start). For
+  /// callers whose backward unscales each layer's gradients into the float32 ones as it writes them
+  /// (nn::train_step) and reports every layer to before_layer(). Call before add_rank().
+  void unit_compute_gradients() noexcept { unit_compute_grads_ = true; }
 
   /// With a comm hook: enqueues on each rank's default stream the copy of the hook's state for
   /// every bucket into that rank's row of `rows` (float32 [ranks x parameters], flat), leaving the
@@ -282,6 +299,7 @@ class GradientSync {
   bool shard_gradients_ = false;   // zero_stage 2 or 3 over more than one rank
   bool shard_parameters_ = false;  // zero_stage 3 over more than one rank
   bool whole_gradients_ = false;   // sharded gradients without overlap: the model's whole buffer
+  bool unit_compute_grads_ = false;  // unit_compute_gradients()
   int stage_ = 0;                  // the zero_stage asked for
   bool overlap_;
   bool deterministic_;

@@ -173,7 +173,7 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
   // before the last), and one of the last; ZeRO-3 gathers the parameters into buffers of the same
   // sizes (two units' and the last's at the peak) and holds one unit's gradient staging at the
   // peak besides the last's. With 16-bit compute the layers use compute-type copies: of every
-  // parameter and gradient up to ZeRO-1, of every gradient at ZeRO-2; ZeRO-3 gathers each unit in
+  // parameter up to ZeRO-2 and of every gradient (per unit with replicas, see below); ZeRO-3 gathers each unit in
   // float32 staging (one at a time) and keeps its compute-type copy, and each unit's gradients have
   // a compute-type copy besides their float32 staging. The owned gradients' memory comes with a
   // step's first reduce and the last bucket's staging with backward's start: counted at the peak,
@@ -211,10 +211,22 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
       }
       GptMemory m;
       DType const compute = layout.compute;
-      m.parameters = m.gradients = floats(params) + copies(params, compute);
+      // With replicas, 16-bit layers write their gradients into a buffer per unit
+      // (GradientSync::unit_compute_gradients()) below ZeRO-3: at the peak the embedding unit's and
+      // two blocks' (the one backward computes, the one before whose memory goes once unscaled).
+      std::size_t gradient_copies = copies(params, compute);
+      if (replicas > 1 && layout.zero_stage < 3 && compute != DType::float32) {
+        std::vector<Bucket> const units = detail::plan_units(parts, shard_ranges(whole_model, config, ranks, vocab));
+        double largest = 0;
+        for (std::size_t u = 0; u + 1 < units.size(); ++u) largest = std::max(largest, static_cast<double>(units[u].size()));
+        gradient_copies = std::min<std::size_t>(2, units.size() - 1) * copies(largest, compute) +
+                          copies(static_cast<double>(units.back().size()), compute);
+      }
+      m.parameters = floats(params) + copies(params, compute);
+      m.gradients = floats(params) + gradient_copies;
       m.optimizer = 2 * floats(sharded ? owned : params);
       if (sharded && layout.zero_stage >= 2)  // the owned gradients, and the staging buffers the layers write into
-        m.gradients = floats(owned) + staging_buffers * floats(staging) + floats(last_bucket) + copies(params, compute);
+        m.gradients = floats(owned) + staging_buffers * floats(staging) + floats(last_bucket) + gradient_copies;
       if (sharded && layout.zero_stage == 3) {  // the owned parameters, and the units gathered at the peak
         std::size_t const units = std::min<std::size_t>(1, staging_buffers);
         if (compute == DType::float32) {

@@ -69,7 +69,10 @@ void RankSync::release_parameters(std::size_t bucket, Stream& compute) {
 }
 
 void RankSync::before_layer(std::size_t layer, bool backward, Stream& compute) {
-  if (!sync_.shard_parameters_) return;
+  if (!sync_.shard_parameters_) {
+    if (sync_.unit_compute_grads_ && sixteen()) unit_compute_gradients_before(layer, backward, compute);
+    return;
+  }
   std::vector<Bucket> const& buckets = sync_.buckets_;
   std::size_t const count = buckets.size();
   if (!backward && layer == 0) {  // a new forward: after everything before it on `compute`

@@ -384,6 +384,7 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::Sequential const& whole, 
     nn::Sequential& first = im.shards[static_cast<std::size_t>(locals.front())];
     auto& sync = *im.data_syncs.emplace_back(std::make_unique<detail::GradientSync>(
         group, im.data[t], locals, detail::plan_buckets(first, data_options), data_options, names));
+    sync.unit_compute_gradients();  // nn::train_step unscales each layer's 16-bit gradients as backward writes them
     for (std::size_t i = 0; i < locals.size(); ++i) {
       auto const local = static_cast<std::size_t>(locals[i]);
       sync.add_rank(im.shards[local]);

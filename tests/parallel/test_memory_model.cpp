@@ -91,9 +91,10 @@ TEST_CASE("predicted memory splits the rows over the replicas and the optimizer 
   for (std::size_t r = 0; r < 4; ++r) CHECK(grid[r].total() == half[r % 2].total());
 }
 
-// In 16 bits each rank also holds compute-type copies: of every parameter and gradient at ZeRO 0
-// and 1, of every gradient at ZeRO-2, of the gathered units' parameters and gradients at ZeRO-3,
-// whose float32 parameters are the owned masters and one unit's gather staging.
+// In 16 bits each rank also holds compute-type copies: of every parameter at ZeRO 0 to 2, of the
+// gradients of the units backward is in at ZeRO 0 to 2 (the embedding's and two blocks'), of the
+// gathered units' parameters and gradients at ZeRO-3, whose float32 parameters are the owned
+// masters and one unit's gather staging.
 TEST_CASE("predicted 16-bit memory adds the compute-type copies, and ZeRO-2 and 3 shard the float32 masters", "[parallel][memory]") {
   mgpu::nn::GptConfig deep = config;
   deep.n_layer = 8;
@@ -108,9 +109,12 @@ TEST_CASE("predicted 16-bit memory adds the compute-type copies, and ZeRO-2 and 
       layout.compute = compute;
       by_stage.push_back(par::predict_gpt_memory(deep, 8, layout)[0]);
     }
+    std::int64_t const c = deep.n_embd;
+    auto const half = [](std::int64_t values) { return mgpu::Allocator::block_size(static_cast<std::size_t>(values) * 2); };
+    std::size_t const unit_copies = 2 * half(12 * c * c + 13 * c) + half((deep.vocab + deep.block_size) * c);
     CHECK(by_stage[0].parameters == float_bytes(whole) + copy);
-    CHECK(by_stage[0].gradients == by_stage[0].parameters);
-    CHECK(by_stage[2].gradients == by_stage32[2].gradients + copy);
+    CHECK(by_stage[0].gradients == float_bytes(whole) + unit_copies);
+    CHECK(by_stage[2].gradients == by_stage32[2].gradients + unit_copies);
     CHECK(by_stage[2].parameters == by_stage[1].parameters);
     CHECK(by_stage[3].parameters < by_stage32[3].parameters);  // the gathered units in 16 bits
     for (int s = 0; s < 4; ++s) {
