@@ -103,9 +103,7 @@ TEST_CASE("zero_stage 3 with its default units gives one device's GPT loss curve
   Env env;
   int const steps = 12;
   std::int64_t const batch = 7;  // uneven over 2, 3 and 4 devices
-  std::vector<mgpu::test::TokenBatch> batches;
-  for (int s = 0; s < steps; ++s)
-    batches.push_back(mgpu::test::rule_batch(env, batch, deep.block_size, deep.vocab, 300 + static_cast<unsigned>(s)));
+  std::vector<mgpu::test::TokenBatch> const batches = mgpu::test::rule_batches(env, steps, batch, deep, 300);
   auto const train = [&](int devices, int stage, std::vector<float>& losses) {
     mgpu::DeviceGroup group("host:" + std::to_string(devices));
     DataParallel dp(nn::gpt(deep), group, adamw(), options_at(stage));
