@@ -20,10 +20,6 @@
 #include "support/nn_env.hpp"
 #include "support/zero_fixture.hpp"
 
-using mgpu::parallel::DataParallel;
-using mgpu::parallel::DataParallelOptions;
-using mgpu::test::Env;
-using mgpu::test::host_values;
 namespace nn = mgpu::nn;
 using namespace mgpu::test::zero;
 

@@ -17,10 +17,6 @@
 #include "support/temp_path.hpp"
 #include "support/zero_fixture.hpp"
 
-using mgpu::parallel::DataParallel;
-using mgpu::parallel::DataParallelOptions;
-using mgpu::test::Env;
-using mgpu::test::host_values;
 namespace nn = mgpu::nn;
 using namespace mgpu::test::zero;
 

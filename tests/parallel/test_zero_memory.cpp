@@ -22,9 +22,6 @@
 #include "support/zero_fixture.hpp"
 
 using mgpu::Tensor;
-using mgpu::parallel::DataParallel;
-using mgpu::parallel::DataParallelOptions;
-using mgpu::test::Env;
 namespace nn = mgpu::nn;
 using namespace mgpu::test::zero;
 

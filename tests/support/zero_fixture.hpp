@@ -19,6 +19,12 @@
 
 namespace mgpu::test::zero {
 
+// What the ZeRO tests name unqualified, with `using namespace mgpu::test::zero`.
+using parallel::DataParallel;
+using parallel::DataParallelOptions;
+using test::Env;
+using test::host_values;
+
 inline nn::GptConfig const config{.vocab = 64, .block_size = 16, .n_layer = 2, .n_head = 2, .n_embd = 32};
 inline std::int64_t const batch = 7;  // uneven over 2, 3 and 4 devices
 inline int const steps = 20;
