@@ -49,6 +49,21 @@ struct CommonFlags {
   }
 };
 
+/// Runs `body`, a training example's work, and returns its exit code: on an mgpu::Error, 2, after
+/// "\n<name>: <what>" on stderr; on any other exception, 1, after "\n<name>: unexpected error: <what>".
+template <class Body>
+int run_reporting(char const* name, Body&& body) {
+  try {
+    return body();
+  } catch (mgpu::Error const& e) {
+    std::fprintf(stderr, "\n%s: %s\n", name, e.what());
+    return 2;
+  } catch (std::exception const& e) {
+    std::fprintf(stderr, "\n%s: unexpected error: %s\n", name, e.what());
+    return 1;
+  }
+}
+
 /// --precision: "fp32", "bf16" or "fp16" (16-bit compute with float32 master weights; CLI11
 /// checks the spelling).
 inline mgpu::DType precision(std::string const& p) {

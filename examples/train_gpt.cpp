@@ -397,13 +397,5 @@ int main(int argc, char** argv) {
   train_gpt::add_flags(app, o);
   CLI11_PARSE(app, argc, argv);
   train_gpt::note_given(app, o);
-  try {
-    return run(o);
-  } catch (mgpu::Error const& e) {
-    std::fprintf(stderr, "\ntrain_gpt: %s\n", e.what());
-    return 2;
-  } catch (std::exception const& e) {
-    std::fprintf(stderr, "\ntrain_gpt: unexpected error: %s\n", e.what());
-    return 1;
-  }
+  return examples::run_reporting("train_gpt", [&] { return run(o); });
 }

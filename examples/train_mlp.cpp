@@ -303,13 +303,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "train_mlp: --resume needs --checkpoint PATH\n");
     return 2;
   }
-  try {
-    return train(o);
-  } catch (mgpu::Error const& e) {
-    std::fprintf(stderr, "\ntrain_mlp: %s\n", e.what());
-    return 2;
-  } catch (std::exception const& e) {
-    std::fprintf(stderr, "\ntrain_mlp: unexpected error: %s\n", e.what());
-    return 1;
-  }
+  return examples::run_reporting("train_mlp", [&] { return train(o); });
 }

@@ -150,9 +150,17 @@ comm::Communicator& Mesh::communicator(int rank, std::string_view dim) {
 
 comm::Communicator& Mesh::whole() { return *shared({}); }
 
-comm::Communicator& Mesh::over(std::vector<int> const& ranks) {
+comm::Communicator& Mesh::over(std::vector<int> const& ranks) { return *subset(ranks); }
+
+std::shared_ptr<comm::Communicator> Mesh::subset(std::vector<int> const& ranks) {
   if (ranks.empty()) throw Error(Errc::invalid_argument, "Mesh: a communicator over no rank (expected at least one)");
-  return *shared(ranks);
+  return shared(ranks);
+}
+
+void Mesh::check_group(DeviceGroup const& group) const {
+  if (&group != &group_)
+    throw Error(Errc::invalid_argument,
+                "Mesh: a communicator for another DeviceGroup than the mesh's (expected mesh->group())");
 }
 
 int Mesh::made() const {
@@ -162,9 +170,7 @@ int Mesh::made() const {
 
 CommunicatorFactory Mesh::factory(std::shared_ptr<Mesh> mesh) {
   return [mesh = std::move(mesh)](DeviceGroup& group, comm::Options) -> std::unique_ptr<comm::Communicator> {
-    if (&group != &mesh->group_)
-      throw Error(Errc::invalid_argument,
-                  "Mesh: a communicator for another DeviceGroup than the mesh's (expected mesh->group())");
+    mesh->check_group(group);
     return std::make_unique<View>(mesh->shared({}));
   };
 }
@@ -172,11 +178,8 @@ CommunicatorFactory Mesh::factory(std::shared_ptr<Mesh> mesh) {
 SubsetCommunicatorFactory Mesh::subset_factory(std::shared_ptr<Mesh> mesh) {
   return [mesh = std::move(mesh)](DeviceGroup& group, std::vector<int> const& ranks,
                                   comm::Options) -> std::unique_ptr<comm::Communicator> {
-    if (&group != &mesh->group_)
-      throw Error(Errc::invalid_argument,
-                  "Mesh: a communicator for another DeviceGroup than the mesh's (expected mesh->group())");
-    if (ranks.empty()) throw Error(Errc::invalid_argument, "Mesh: a communicator over no rank (expected at least one)");
-    return std::make_unique<View>(mesh->shared(ranks));
+    mesh->check_group(group);
+    return std::make_unique<View>(mesh->subset(ranks));
   };
 }
 
@@ -185,9 +188,7 @@ void Mesh::check(DeviceGroup const& group, comm::DeviceMesh const& expected, std
     throw Error(
         Errc::invalid_argument,
         std::string(who) + ": a mesh over another DeviceGroup (expected the executor's group to be mesh->group())");
-  std::string want;
-  for (comm::MeshDim const& d : expected.dims())
-    want += (want.empty() ? "" : " x ") + d.name + " " + std::to_string(d.size);
+  std::string const want = expected.to_string();
   for (comm::MeshDim const& d : layout_.dims())
     if (d.size > 1 && !expected.has(d.name))
       throw Error(Errc::invalid_argument, std::string(who) + ": the mesh " + layout_.to_string() + " has dimension \"" +

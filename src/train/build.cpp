@@ -163,22 +163,24 @@ Trainer::Impl::Impl(nn::GptConfig const& gpt, std::shared_ptr<parallel::Mesh> de
   layout.schedule = pipeline ? pipeline->schedule().name : data_parallel ? "data-parallel" : tensor ? "tensor-parallel" : "none";
 }
 
-void Trainer::Impl::build_data_parallel(optim::AdamWOptions const& adamw) {
-  parallel::DataParallelOptions o;
-  o.metrics = metrics;
-  o.mesh = mesh;
+template <class Options>
+void Trainer::Impl::set_common(Options& o) const {
   o.seed = options.seed;
   o.compute = parallel.compute;
   o.clip_norm = parallel.clip_norm;
-  o.zero_stage = parallel.zero.value_or(1);
-  if (parallel.bucket_cap_bytes > 0) {
-    o.bucket_cap_bytes = parallel.bucket_cap_bytes;
-    o.first_bucket_cap_bytes = std::min(o.first_bucket_cap_bytes, o.bucket_cap_bytes);
-  }
-  o.zero3_block_units = parallel.bucket_cap_bytes == 0;  // ZeRO-3's units: a block each, or the buckets
   if (parallel.loss_scaler) o.loss_scaler.emplace();
-  o.loss = std::make_shared<nn::TokenCrossEntropy>();
+  o.metrics = metrics;
   o.timeline = options.timeline;
+  o.mesh = mesh;
+}
+
+void Trainer::Impl::build_data_parallel(optim::AdamWOptions const& adamw) {
+  parallel::DataParallelOptions o;
+  set_common(o);
+  o.zero_stage = parallel.zero.value_or(1);
+  cap_buckets(o, parallel.bucket_cap_bytes);
+  o.zero3_block_units = parallel.bucket_cap_bytes == 0;  // ZeRO-3's units: a block each, or the buckets
+  o.loss = std::make_shared<nn::TokenCrossEntropy>();
   data_parallel = std::make_unique<parallel::DataParallel>(std::move(*model), group, optim::AdamW(adamw), std::move(o));
   model.reset();
 }
@@ -196,17 +198,10 @@ void Trainer::Impl::build_pipeline(optim::AdamWOptions const& adamw) {
                           across ? stage_devices(world, schedule.devices) : pipeline::stage_devices(group, schedule.devices),
                           {.optimizer_states = 2});
   std::vector<std::size_t> const cuts = parallel.cuts.empty() ? plan.cuts : parallel.cuts;
-  pipeline::ExecutorOptions o{.seed = options.seed,
-                              .data_parallel = parallel.dp,
-                              .zero_stage = layout.zero,
-                              .compute = parallel.compute,
-                              .clip_norm = parallel.clip_norm,
-                              .loss = std::make_shared<nn::TokenCrossEntropy>(),
-                              .timeline = options.timeline};
+  pipeline::ExecutorOptions o{
+      .data_parallel = parallel.dp, .zero_stage = layout.zero, .loss = std::make_shared<nn::TokenCrossEntropy>()};
+  set_common(o);
   if (parallel.tp > 1) o.tensor_parallel = pipeline::tensor_parallel_stages(config, parallel.tp, parallel.sequence_parallel);
-  o.metrics = metrics;
-  if (parallel.loss_scaler) o.loss_scaler.emplace();
-  o.mesh = mesh;
   pipeline = std::make_unique<pipeline::Executor>(
       *model, group, cuts, std::move(schedule),
       [adamw](nn::Sequential const& chunk) {
@@ -228,21 +223,12 @@ void Trainer::Impl::build_pipeline(optim::AdamWOptions const& adamw) {
 void Trainer::Impl::build_tensor_parallel(optim::AdamWOptions const& adamw) {
   optim::AdamWOptions shard_adamw = adamw;
   shard_adamw.decay_ranges.clear();  // each shard decays its own 2-D weights
-  parallel::TensorParallelOptions o{.seed = options.seed,
-                                    .adamw = shard_adamw,
-                                    .clip_norm = parallel.clip_norm,
+  parallel::TensorParallelOptions o{.adamw = shard_adamw,
                                     .data_parallel = parallel.dp,
                                     .zero_stage = layout.zero,
-                                    .sequence_parallel = parallel.sequence_parallel,
-                                    .compute = parallel.compute,
-                                    .metrics = metrics};
-  if (parallel.bucket_cap_bytes > 0) {
-    o.bucket_cap_bytes = parallel.bucket_cap_bytes;
-    o.first_bucket_cap_bytes = std::min(o.first_bucket_cap_bytes, o.bucket_cap_bytes);
-  }
-  if (parallel.loss_scaler) o.loss_scaler.emplace();
-  o.timeline = options.timeline;
-  o.mesh = mesh;  // across processes the grid over the world's devices, each process passing the whole batch
+                                    .sequence_parallel = parallel.sequence_parallel};
+  set_common(o);  // across processes the mesh is the grid over the world's devices, each process passing the whole batch
+  cap_buckets(o, parallel.bucket_cap_bytes);
   tensor = std::make_unique<parallel::TensorParallel>(group, config, std::move(o));
   if (!options.initial_parameters.empty()) tensor->scatter_parameters(options.initial_parameters);
 }

@@ -165,18 +165,15 @@ std::optional<std::vector<parallel::GptMemory>> Trainer::predicted_memory() cons
   std::string const schedule = m.parallel.pipeline_schedule();
   bool const modelled_pipeline = !m.pipeline || schedule == "gpipe" || schedule == "1f1b";
   if (m.across || !modelled_pipeline || m.parallel.compute != DType::float32) return std::nullopt;
-  parallel::DataParallelOptions const defaults;
-  std::size_t const bucket_cap = (m.data_parallel || m.tensor) && m.parallel.bucket_cap_bytes > 0 ? m.parallel.bucket_cap_bytes : defaults.bucket_cap_bytes;
-  parallel::GptLayout const layout{.data_parallel = m.layout.dp,
-                                   .tensor_parallel = m.parallel.tp,
-                                   .zero_stage = m.layout.zero,
-                                   .bucket_cap_bytes = bucket_cap,
-                                   .first_bucket_cap_bytes = std::min(defaults.first_bucket_cap_bytes, bucket_cap),
-                                   .zero3_block_units = m.parallel.bucket_cap_bytes == 0 || m.tensor != nullptr,  // TP: a unit per block
-                                   .cuts = m.pipeline ? m.pipeline->cuts() : std::vector<std::size_t>{},
-                                   .micro_batches = m.layout.micro_batches,
-                                   .gpipe = m.pipeline && schedule == "gpipe",
-                                   .sequence_parallel = m.parallel.sequence_parallel};
+  parallel::GptLayout layout{.data_parallel = m.layout.dp,
+                             .tensor_parallel = m.parallel.tp,
+                             .zero_stage = m.layout.zero,
+                             .zero3_block_units = m.parallel.bucket_cap_bytes == 0 || m.tensor != nullptr,  // TP: a unit per block
+                             .cuts = m.pipeline ? m.pipeline->cuts() : std::vector<std::size_t>{},
+                             .micro_batches = m.layout.micro_batches,
+                             .gpipe = m.pipeline && schedule == "gpipe",
+                             .sequence_parallel = m.parallel.sequence_parallel};
+  if (m.data_parallel || m.tensor) cap_buckets(layout, m.parallel.bucket_cap_bytes);  // the executors' buckets
   return parallel::predict_gpt_memory(m.config, m.options.batch_size, layout);
 }
 

@@ -1,6 +1,8 @@
 // The Trainer's state, shared by its construction (build.cpp) and its operations (trainer.cpp).
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <memory>
 #include <optional>
 #include <string>
@@ -11,6 +13,16 @@
 #include <mgpu/train/trainer.hpp>
 
 namespace mgpu::train {
+
+// ParallelConfig::bucket_cap_bytes on the bucket caps of `o` (DataParallelOptions,
+// TensorParallelOptions, parallel::GptLayout): when set, the cap, and the first bucket's no larger;
+// 0 keeps o's defaults.
+template <class Options>
+void cap_buckets(Options& o, std::size_t cap) {
+  if (cap == 0) return;
+  o.bucket_cap_bytes = cap;
+  o.first_bucket_cap_bytes = std::min(o.first_bucket_cap_bytes, cap);
+}
 
 struct Trainer::Impl {
   nn::GptConfig config;
@@ -53,6 +65,10 @@ struct Trainer::Impl {
                                          ParallelConfig parallel, TrainerOptions options);
   Impl(nn::GptConfig const& config, std::shared_ptr<parallel::Mesh> mesh, dist::World world, ParallelConfig parallel,
        TrainerOptions options);
+  // What every executor's options take alike: the seed, compute type, clip, loss scaler, metrics,
+  // timeline and mesh.
+  template <class Options>
+  void set_common(Options& o) const;
   void build_data_parallel(optim::AdamWOptions const& adamw);
   void build_pipeline(optim::AdamWOptions const& adamw);
   void build_tensor_parallel(optim::AdamWOptions const& adamw);

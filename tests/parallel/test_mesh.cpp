@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <set>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -81,6 +82,21 @@ TEST_CASE("a mesh refuses a dimension it lacks and another size than the device 
   REQUIRE_MGPU_ERROR(mesh.communicator(2, "dp"), Errc::invalid_argument, "rank 2");
   REQUIRE_MGPU_ERROR(Mesh(mgpu::DeviceGroup("host:4"), DeviceMesh({{"dp", 3}})), Errc::invalid_argument,
                      "a mesh of 3 ranks (dp 3) over 4 devices (expected the device count, 4)");
+}
+
+TEST_CASE("a mesh's factories refuse another group than the mesh's, and a subset of no rank", "[parallel][mesh]") {
+  auto const mesh = std::make_shared<Mesh>(mgpu::DeviceGroup("host:2"), DeviceMesh({{"dp", 2}}));
+  mgpu::DeviceGroup other("host:2");
+  std::string const another = "Mesh: a communicator for another DeviceGroup than the mesh's (expected mesh->group())";
+  std::string const none = "Mesh: a communicator over no rank (expected at least one)";
+  REQUIRE_MGPU_ERROR(Mesh::factory(mesh)(other, {}), Errc::invalid_argument, another);
+  REQUIRE_MGPU_ERROR(Mesh::subset_factory(mesh)(other, {}, {}), Errc::invalid_argument, another);  // the group first
+  REQUIRE_MGPU_ERROR(Mesh::subset_factory(mesh)(mesh->group(), {}, {}), Errc::invalid_argument, none);
+  REQUIRE_MGPU_ERROR(mesh->over({}), Errc::invalid_argument, none);
+  CHECK(mesh->made() == 0);
+  CHECK(Mesh::factory(mesh)(mesh->group(), {})->size() == 2);
+  CHECK(Mesh::subset_factory(mesh)(mesh->group(), {1}, {})->size() == 1);
+  CHECK(mesh->made() == 2);
 }
 
 TEST_CASE("the trainer on a user-made mesh gives the losses of one built from its config", "[parallel][mesh][train]") {

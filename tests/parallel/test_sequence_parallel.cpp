@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <span>
 #include <utility>
 #include <vector>
 
@@ -28,30 +27,6 @@ namespace par = mgpu::parallel;
 using namespace mgpu::test::tp;
 
 namespace {
-
-// The shards' gradients (after a step) in gpt(config)'s layout, the split ones from every rank.
-std::vector<float> gathered_gradients(par::TensorParallel& tp, nn::Sequential const& model) {
-  std::vector<nn::ParameterRange> const whole = model.parameter_ranges();
-  std::vector<float> got(static_cast<std::size_t>(model.parameter_count()), NAN);
-  for (int r = 0; r < tp.tensor_parallel(); ++r) {
-    nn::Sequential const& shard = tp.shard(r);
-    std::vector<float> grads = host_values(shard.master_gradients());
-    std::vector<nn::ParameterRange> const ranges = shard.parameter_ranges();
-    REQUIRE(ranges.size() == whole.size());
-    for (std::size_t i = 0; i < ranges.size(); ++i) {
-      auto const dst = std::span<float>(got).subspan(static_cast<std::size_t>(whole[i].begin),
-                                                     static_cast<std::size_t>(whole[i].size()));
-      auto const src = std::span<float>(grads).subspan(static_cast<std::size_t>(ranges[i].begin),
-                                                       static_cast<std::size_t>(ranges[i].size()));
-      if (auto const* sharded = dynamic_cast<par::ShardedLayer const*>(&shard.layer(ranges[i].layer))) {
-        sharded->copy_shard(dst, src, false);
-      } else {
-        std::copy(src.begin(), src.end(), dst.begin());
-      }
-    }
-  }
-  return got;
-}
 
 // The replicated parameters (everything outside split_ranges) of ranks 1 to T - 1 that differ
 // from rank 0's, bit for bit.

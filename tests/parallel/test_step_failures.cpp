@@ -26,9 +26,7 @@ namespace {
 void check_out_of_memory(std::string const& family) {
   mgpu::test::Env env;
   std::int64_t const rows = 4;
-  std::vector<mgpu::test::TokenBatch> batches;
-  for (unsigned s = 0; s < 4; ++s)
-    batches.push_back(mgpu::test::rule_batch(env, rows, layouts::config.block_size, layouts::config.vocab, 80 + s));
+  std::vector<mgpu::test::TokenBatch> const batches = mgpu::test::rule_batches(env, 4, rows, layouts::config, 80);
   mgpu::test::TokenBatch const big = mgpu::test::rule_batch(env, 16 * rows, layouts::config.block_size, layouts::config.vocab, 99);
   std::vector<layouts::Layout> const chosen = layouts::of(family);
   REQUIRE(!chosen.empty());
@@ -82,9 +80,7 @@ class FailsOnStream final : public mgpu::nn::Layer {
 
 TEST_CASE("one device: a step whose work fails after train_step returned is put back at the next call", "[failures]") {
   mgpu::test::Env env;
-  std::vector<mgpu::test::TokenBatch> batches;
-  for (unsigned s = 0; s < 5; ++s)
-    batches.push_back(mgpu::test::rule_batch(env, 4, layouts::config.block_size, layouts::config.vocab, 120 + s));
+  std::vector<mgpu::test::TokenBatch> const batches = mgpu::test::rule_batches(env, 5, 4, layouts::config, 120);
   auto const armed = std::make_shared<bool>(false);
   auto const make = [&] {
     mgpu::nn::Sequential const gpt = mgpu::nn::gpt(layouts::config);

@@ -58,8 +58,7 @@ Batch copy_of(Env& env, Batch const& b) {
 // Every layout of `family` refuses each bad batch, naming it, and then follows a twin.
 void check_bad_batches(std::string const& family) {
   Env env;
-  std::vector<Batch> batches;
-  for (unsigned s = 0; s < 4; ++s) batches.push_back(mgpu::test::rule_batch(env, batch, config.block_size, config.vocab, 40 + s));
+  std::vector<Batch> const batches = mgpu::test::rule_batches(env, 4, batch, config, 40);
   Batch const& good = batches[0];
   std::int64_t const t = config.block_size;
   // A bad id or target in the batch's last row (the last micro-batch of every pipeline).
@@ -174,8 +173,7 @@ TEST_CASE("a checkpoint keeps the dropout seeds: a resume into a model built wit
   Env env;
   auto const dir = mgpu::test::temp_path("mgpu_dropout_seed_test");
   std::filesystem::create_directories(dir);
-  std::vector<Batch> batches;
-  for (unsigned s = 0; s < 5; ++s) batches.push_back(mgpu::test::rule_batch(env, batch, config.block_size, config.vocab, 60 + s));
+  std::vector<Batch> const batches = mgpu::test::rule_batches(env, 5, batch, config, 60);
   nn::TokenCrossEntropy const token_loss;
   auto const shared_loss = std::make_shared<nn::TokenCrossEntropy const>();
 

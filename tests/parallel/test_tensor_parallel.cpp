@@ -186,25 +186,7 @@ TEST_CASE("tensor-parallel gradients gathered from the shards are the one device
   mgpu::DeviceGroup group("host:2");
   par::TensorParallel tp(group, config, {.seed = seed, .adamw = adamw});
   tp.step(b.ids, b.targets, 0.0f);  // AdamW at lr 0 leaves the weights as they are
-  std::vector<float> got(want.size(), NAN);
-  std::vector<nn::ParameterRange> const whole = model.parameter_ranges();
-  for (int r = 0; r < 2; ++r) {
-    nn::Sequential const& shard = tp.shard(r);
-    std::vector<float> grads = host_values(shard.master_gradients());
-    std::vector<nn::ParameterRange> const ranges = shard.parameter_ranges();
-    REQUIRE(ranges.size() == whole.size());
-    for (std::size_t i = 0; i < ranges.size(); ++i) {
-      auto const dst = std::span<float>(got).subspan(static_cast<std::size_t>(whole[i].begin),
-                                                     static_cast<std::size_t>(whole[i].size()));
-      auto const src = std::span<float>(grads).subspan(static_cast<std::size_t>(ranges[i].begin),
-                                                       static_cast<std::size_t>(ranges[i].size()));
-      if (auto const* sharded = dynamic_cast<par::ShardedLayer const*>(&shard.layer(ranges[i].layer))) {
-        sharded->copy_shard(dst, src, false);
-      } else {
-        std::copy(src.begin(), src.end(), dst.begin());
-      }
-    }
-  }
+  std::vector<float> const got = gathered_gradients(tp, model);
   double scale = 0;
   for (float const g : want) scale = std::max(scale, std::abs(static_cast<double>(g)));
   REQUIRE(scale > 1e-3);
@@ -221,23 +203,17 @@ TEST_CASE(
   nn::GptConfig odd = config;
   odd.vocab = 67;
   Env env;
-  std::vector<Batch> batches;
-  for (unsigned s = 0; s < 6; ++s) {
-    batches.push_back(mgpu::test::rule_batch(env, batch, odd.block_size, odd.vocab, 300 + s));
-    auto const t = batches.back().targets.host_span<std::int32_t>();
+  std::vector<Batch> const batches = mgpu::test::rule_batches(env, 6, batch, odd, 300);
+  for (std::size_t s = 0; s < batches.size(); ++s) {
+    auto const t = batches[s].targets.host_span<std::int32_t>();
     for (std::size_t i = s; i < t.size(); i += 7) t[i] = -100;  // ignored
   }
-  nn::Sequential model = nn::gpt(odd);
-  model.materialize(env.ctx, seed);
-  mgpu::optim::AdamWOptions one = adamw;
-  one.decay_ranges = nn::gpt_decay_ranges(odd);
-  mgpu::optim::AdamW opt(one);
-  nn::TokenCrossEntropy const loss;
+  mgpu::test::OneDeviceGpt one(env, odd, seed, adamw);
   std::vector<float> grads;
   std::vector<double> want;
   for (Batch const& b : batches) {
-    want.push_back(mgpu::ops::item(nn::train_step(model, opt, b.ids, b.targets, loss, env.ctx).loss, env.stream));
-    if (grads.empty()) grads = host_values(model.master_gradients());
+    want.push_back(one.step(b, 0.0f));
+    if (grads.empty()) grads = host_values(one.model.master_gradients());
   }
 
   mgpu::DeviceGroup group("host:4");
@@ -253,24 +229,7 @@ TEST_CASE(
     worst = std::max(worst, std::abs(tp.step(batches[s].ids, batches[s].targets).loss - want[s]) / want[s]);
     if (s > 0) continue;
     // The first step's gradients, gathered from the shards (the embedding's rows from each rank).
-    std::vector<float> got(grads.size(), NAN);
-    std::vector<nn::ParameterRange> const whole = model.parameter_ranges();
-    for (int r = 0; r < 4; ++r) {
-      nn::Sequential const& shard = tp.shard(r);
-      std::vector<float> mine = host_values(shard.master_gradients());
-      std::vector<nn::ParameterRange> const ranges = shard.parameter_ranges();
-      for (std::size_t i = 0; i < ranges.size(); ++i) {
-        auto const dst = std::span<float>(got).subspan(static_cast<std::size_t>(whole[i].begin),
-                                                       static_cast<std::size_t>(whole[i].size()));
-        auto const src = std::span<float>(mine).subspan(static_cast<std::size_t>(ranges[i].begin),
-                                                        static_cast<std::size_t>(ranges[i].size()));
-        if (auto const* sharded = dynamic_cast<par::ShardedLayer const*>(&shard.layer(ranges[i].layer))) {
-          sharded->copy_shard(dst, src, false);
-        } else {
-          std::copy(src.begin(), src.end(), dst.begin());
-        }
-      }
-    }
+    std::vector<float> const got = gathered_gradients(tp, one.model);
     double scale = 0;
     for (float const g : grads) scale = std::max(scale, std::abs(static_cast<double>(g)));
     CHECK(std::none_of(got.begin(), got.end(), [](float g) { return std::isnan(g); }));

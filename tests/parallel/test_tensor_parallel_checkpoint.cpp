@@ -15,8 +15,6 @@
 #include <mgpu/io/sharded_checkpoint.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/loss.hpp>
-#include <mgpu/nn/train.hpp>
-#include <mgpu/ops/ops.hpp>
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/comm/communicator.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
@@ -33,6 +31,7 @@ namespace fs = std::filesystem;
 namespace nn = mgpu::nn;
 namespace par = mgpu::parallel;
 using mgpu::test::Env;
+using mgpu::test::OneDeviceGpt;
 using mgpu::test::worst_relative;
 using mgpu::test::TokenBatch;
 
@@ -52,11 +51,7 @@ nn::GptConfig const config{.vocab = 64, .block_size = 16, .n_layer = 2, .n_head 
 mgpu::optim::AdamWOptions const adamw{.lr = 3e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .weight_decay = 0.1f};
 float const clip = 0.5f;
 
-std::vector<TokenBatch> batches(Env& env, int count) {
-  std::vector<TokenBatch> out;
-  for (int s = 0; s < count; ++s) out.push_back(mgpu::test::rule_batch(env, 4, config.block_size, config.vocab, 500 + static_cast<unsigned>(s)));
-  return out;
-}
+std::vector<TokenBatch> batches(Env& env, int count) { return mgpu::test::rule_batches(env, count, 4, config, 500); }
 
 par::TensorParallelOptions options(int replicas, std::uint64_t seed = 7) {
   return {.seed = seed, .adamw = adamw, .clip_norm = clip, .data_parallel = replicas};
@@ -68,6 +63,28 @@ std::vector<double> run(par::TensorParallel& tp, std::vector<TokenBatch> const& 
   return out;
 }
 
+// DP 2 x TP 2 saving to `path` (a file or a folder) after 3 of the 6 batches: the uninterrupted
+// run's losses of steps 3..5.
+std::vector<double> save_dp2_tp2_at_3(std::vector<TokenBatch> const& bs, fs::path const& path) {
+  mgpu::DeviceGroup group("host:4");
+  par::TensorParallel tp(group, config, options(2));
+  (void)run(tp, bs, 0, 3);
+  tp.save(path, {.step = 3});
+  return run(tp, bs, 3, 6);
+}
+
+// Flips a byte in the middle of `file`.
+void flip_middle_byte(fs::path const& file) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(0, std::ios::end);
+  auto const size = static_cast<std::streamoff>(f.tellg());
+  f.seekg(size / 2);
+  char byte = 0;
+  f.read(&byte, 1);
+  byte = static_cast<char>(byte ^ 0x40);
+  f.seekp(size / 2);
+  f.write(&byte, 1);
+}
 
 }  // namespace
 
@@ -77,14 +94,7 @@ TEST_CASE("a DP 2 x TP 2 checkpoint continues bit for bit, and on one device and
   auto const bs = batches(env, 6);
   TempDir dir;
   fs::path const file = dir.path / "tp.ckpt";
-  std::vector<double> rest;  // the uninterrupted run's steps 3..5
-  {
-    mgpu::DeviceGroup group("host:4");
-    par::TensorParallel tp(group, config, options(2));
-    (void)run(tp, bs, 0, 3);
-    tp.save(file, {.step = 3});
-    rest = run(tp, bs, 3, 6);
-  }
+  std::vector<double> const rest = save_dp2_tp2_at_3(bs, file);
   SECTION("the same layout, from other weights: bit for bit") {
     mgpu::DeviceGroup group("host:4");
     par::TensorParallel tp(group, config, options(2, 99));
@@ -98,18 +108,9 @@ TEST_CASE("a DP 2 x TP 2 checkpoint continues bit for bit, and on one device and
     CHECK(worst_relative(run(tp, bs, 3, 6), rest) < 1e-5);
   }
   SECTION("one device") {
-    nn::Sequential model = nn::gpt(config);
-    model.materialize(env.ctx, 99);
-    mgpu::optim::AdamWOptions o = adamw;
-    o.decay_ranges = nn::gpt_decay_ranges(config);
-    mgpu::optim::AdamW opt(o);
-    CHECK(mgpu::io::load_training(file, model, opt, *env.allocator, env.stream).step == 3);
-    std::vector<double> got;
-    for (std::size_t s = 3; s < 6; ++s)
-      got.push_back(mgpu::ops::item(
-          nn::train_step(model, opt, bs[s].ids, bs[s].targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = clip}).loss,
-          env.stream));
-    CHECK(worst_relative(got, rest) < 1e-5);
+    OneDeviceGpt one(env, config, 99, adamw);
+    CHECK(mgpu::io::load_training(file, one.model, one.opt, *env.allocator, env.stream).step == 3);
+    CHECK(worst_relative(one.steps(bs, 3, 6, clip), rest) < 1e-5);
   }
 }
 
@@ -118,20 +119,10 @@ TEST_CASE("a one-device checkpoint loads into TP 2, which continues as the one d
   auto const bs = batches(env, 5);
   TempDir dir;
   fs::path const file = dir.path / "one.ckpt";
-  nn::Sequential model = nn::gpt(config);
-  model.materialize(env.ctx, 3);
-  mgpu::optim::AdamWOptions o = adamw;
-  o.decay_ranges = nn::gpt_decay_ranges(config);
-  mgpu::optim::AdamW opt(o);
-  auto const step = [&](std::size_t s) {
-    return mgpu::ops::item(
-        nn::train_step(model, opt, bs[s].ids, bs[s].targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = clip}).loss,
-        env.stream);
-  };
-  for (std::size_t s = 0; s < 2; ++s) (void)step(s);
-  mgpu::io::save_training(file, model, opt, {.step = 2}, env.stream);
-  std::vector<double> want;
-  for (std::size_t s = 2; s < 5; ++s) want.push_back(step(s));
+  OneDeviceGpt one(env, config, 3, adamw);
+  (void)one.steps(bs, 0, 2, clip);
+  mgpu::io::save_training(file, one.model, one.opt, {.step = 2}, env.stream);
+  std::vector<double> const want = one.steps(bs, 2, 5, clip);
 
   mgpu::DeviceGroup group("host:2");
   par::TensorParallel tp(group, config, options(1));
@@ -167,17 +158,7 @@ TEST_CASE("TensorParallel saves into a folder and refuses another model or a dam
   REQUIRE_MGPU_ERROR(small.load(file), mgpu::Errc::invalid_argument, "the model differs");
   CHECK(small.gather_parameters() == small_before);
 
-  {  // flip a byte in the middle of the file (the parameters' payload)
-    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(0, std::ios::end);
-    auto const size = static_cast<std::streamoff>(f.tellg());
-    f.seekg(size / 2);
-    char byte = 0;
-    f.read(&byte, 1);
-    byte = static_cast<char>(byte ^ 0x40);
-    f.seekp(size / 2);
-    f.write(&byte, 1);
-  }
+  flip_middle_byte(file);  // in the parameters' payload
   par::TensorParallel damaged(group, config, options(1, 11));
   std::vector<float> const damaged_before = damaged.gather_parameters();
   REQUIRE_MGPU_ERROR(damaged.load(file), mgpu::Errc::corrupt_data, file.string());
@@ -190,14 +171,7 @@ TEST_CASE("a DP 2 x TP 2 folder holds each rank's boxes, and continues on TP 4, 
   TempDir dir;
   fs::path const folder = dir.path / "boxes";
   fs::create_directories(folder);
-  std::vector<double> rest;  // the uninterrupted run's steps 3..5
-  {
-    mgpu::DeviceGroup group("host:4");
-    par::TensorParallel tp(group, config, options(2));
-    (void)run(tp, bs, 0, 3);
-    tp.save(folder, {.step = 3});
-    rest = run(tp, bs, 3, 6);
-  }
+  std::vector<double> const rest = save_dp2_tp2_at_3(bs, folder);
   {  // replica 0's two ranks wrote a shard each: a column split's two boxes, a replicated tensor once
     mgpu::io::ShardedCheckpoint const c = mgpu::io::ShardedCheckpoint::load(folder);
     CHECK(c.shards() == 2);
@@ -226,20 +200,11 @@ TEST_CASE("a DP 2 x TP 2 folder holds each rank's boxes, and continues on TP 4, 
     CHECK(run(tp, bs, 3, 6) == rest);
   }
   SECTION("one device, through the folder joined") {
-    nn::Sequential model = nn::gpt(config);
-    model.materialize(env.ctx, 99);
-    mgpu::optim::AdamWOptions o = adamw;
-    o.decay_ranges = nn::gpt_decay_ranges(config);
-    mgpu::optim::AdamW opt(o);
-    CHECK(mgpu::io::load_training(mgpu::io::ShardedCheckpoint::load(folder).joined(), folder.string(), model, opt, *env.allocator,
-                                  env.stream)
+    OneDeviceGpt one(env, config, 99, adamw);
+    CHECK(mgpu::io::load_training(mgpu::io::ShardedCheckpoint::load(folder).joined(), folder.string(), one.model, one.opt,
+                                  *env.allocator, env.stream)
               .step == 3);
-    std::vector<double> got;
-    for (std::size_t s = 3; s < 6; ++s)
-      got.push_back(mgpu::ops::item(
-          nn::train_step(model, opt, bs[s].ids, bs[s].targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = clip}).loss,
-          env.stream));
-    CHECK(worst_relative(got, rest) < 1e-5);
+    CHECK(worst_relative(one.steps(bs, 3, 6, clip), rest) < 1e-5);
   }
   SECTION("a 2-stage pipeline x DP 2 with ZeRO-1, and DataParallel ZeRO-1 x 2: the boxes read as the flat records") {
     auto const chunk_adamw = [](nn::Sequential const& chunk) {
@@ -275,17 +240,7 @@ TEST_CASE("a DP 2 x TP 2 folder holds each rank's boxes, and continues on TP 4, 
     for (auto const& entry : fs::directory_iterator(folder))
       if (entry.path().filename().string().ends_with("-1-of-2.ckpt")) shard = entry.path();
     REQUIRE(!shard.empty());
-    {  // a byte in the middle of rank 1's shard: inside one of its boxes' payloads
-      std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
-      f.seekg(0, std::ios::end);
-      auto const size = static_cast<std::streamoff>(f.tellg());
-      f.seekg(size / 2);
-      char byte = 0;
-      f.read(&byte, 1);
-      byte = static_cast<char>(byte ^ 0x40);
-      f.seekp(size / 2);
-      f.write(&byte, 1);
-    }
+    flip_middle_byte(shard);  // inside one of rank 1's boxes' payloads
     mgpu::DeviceGroup group("host:2");
     par::TensorParallel tp(group, config, options(1, 99));
     std::vector<float> const before = tp.gather_parameters();

@@ -10,15 +10,12 @@
 #include <filesystem>
 #include <cstdint>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/loss.hpp>
-#include <mgpu/nn/train.hpp>
-#include <mgpu/ops/ops.hpp>
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
@@ -26,54 +23,32 @@
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
 #include "support/nn_env.hpp"
+#include "support/tp_fixture.hpp"
 
 namespace nn = mgpu::nn;
 namespace par = mgpu::parallel;
 namespace pp = mgpu::pipeline;
 using mgpu::DType;
+using mgpu::test::tp::adamw;
+using mgpu::test::tp::config;
+using mgpu::test::tp::Curve;
+using mgpu::test::tp::scaler_for;
 
 namespace {
 
-nn::GptConfig const config{.vocab = 64, .block_size = 16, .n_layer = 2, .n_head = 4, .n_embd = 32};
-mgpu::optim::AdamWOptions const adamw{.lr = 3e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .weight_decay = 0.1f};
 float const clip = 1.0f;
 std::uint64_t const seed = 4;
 int const steps = 10;
 
-struct Curve {
-  std::vector<double> losses;
-  std::vector<bool> applied;
-};
-
-std::optional<mgpu::optim::LossScaler> scaler_for(DType compute) {
-  if (compute != DType::float16) return std::nullopt;
-  // 2^30 overflows float16 at once, far from the edge; the back-off then drops it to 2^14, far below.
-  return mgpu::optim::LossScaler(1073741824.0f, 2.0f, 1.0f / 65536, 1000);
-}
-
 Curve one_device(mgpu::test::Env& env, std::vector<mgpu::test::TokenBatch> const& bs, DType compute) {
-  nn::Sequential model = nn::gpt(config);
-  model.materialize(env.ctx, seed, compute);
-  mgpu::optim::AdamWOptions o = adamw;
-  o.decay_ranges = nn::gpt_decay_ranges(config);
-  mgpu::optim::AdamW opt(o);
-  std::optional<mgpu::optim::LossScaler> scaler = scaler_for(compute);
-  Curve curve;
-  for (auto const& b : bs) {
-    nn::StepResult const r = nn::train_step(model, opt, b.ids, b.targets, nn::TokenCrossEntropy{}, env.ctx,
-                                            {.clip_norm = clip, .scaler = scaler ? &*scaler : nullptr});
-    curve.losses.push_back(mgpu::ops::item(r.loss, env.stream));
-    curve.applied.push_back(r.applied);
-  }
-  return curve;
+  return mgpu::test::tp::one_device_run(env, bs, seed, clip, compute);
 }
 
 }  // namespace
 
 TEST_CASE("tensor parallelism in bfloat16 and float16 follows the one device's 16-bit curve", "[parallel][tensor][precision]") {
   mgpu::test::Env env;
-  std::vector<mgpu::test::TokenBatch> bs;
-  for (int s = 0; s < steps; ++s) bs.push_back(mgpu::test::rule_batch(env, 4, config.block_size, config.vocab, 700 + static_cast<unsigned>(s)));
+  auto const bs = mgpu::test::rule_batches(env, steps, 4, config, 700);
   Curve const fp32 = one_device(env, bs, DType::float32);
   for (DType const compute : {DType::bfloat16, DType::float16}) {
     CAPTURE(mgpu::to_string(compute));
@@ -116,8 +91,7 @@ TEST_CASE("tensor parallelism in bfloat16 and float16 follows the one device's 1
 TEST_CASE("a float16 tensor-parallel checkpoint carries the loss scaler's state: the resumed run skips nothing more",
           "[parallel][tensor][precision][checkpoint]") {
   mgpu::test::Env env;
-  std::vector<mgpu::test::TokenBatch> bs;
-  for (int s = 0; s < 5; ++s) bs.push_back(mgpu::test::rule_batch(env, 4, config.block_size, config.vocab, 800 + static_cast<unsigned>(s)));
+  auto const bs = mgpu::test::rule_batches(env, 5, 4, config, 800);
   par::TensorParallelOptions const options{
       .seed = seed, .adamw = adamw, .clip_norm = clip, .compute = DType::float16, .loss_scaler = scaler_for(DType::float16)};
   auto const path = std::filesystem::temp_directory_path() / ("mgpu-tp-fp16-" + std::to_string(::getpid()) + ".ckpt");
@@ -147,8 +121,7 @@ TEST_CASE("a float16 tensor-parallel checkpoint carries the loss scaler's state:
 TEST_CASE("a tensor x pipeline grid (TP 2 x PP 2, 1F1B) in bfloat16 and float16 follows the one device's 16-bit curve",
           "[parallel][tensor][pipeline][precision]") {
   mgpu::test::Env env;
-  std::vector<mgpu::test::TokenBatch> bs;
-  for (int s = 0; s < steps; ++s) bs.push_back(mgpu::test::rule_batch(env, 4, config.block_size, config.vocab, 900 + static_cast<unsigned>(s)));
+  auto const bs = mgpu::test::rule_batches(env, steps, 4, config, 900);
   for (DType const compute : {DType::bfloat16, DType::float16}) {
     CAPTURE(mgpu::to_string(compute));
     Curve const want = one_device(env, bs, compute);

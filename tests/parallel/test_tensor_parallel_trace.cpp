@@ -25,8 +25,7 @@ TEST_CASE("a DP 2 x TP 2 sequence-parallel step records every rank's compute and
           "[parallel][tensor][trace]") {
   nn::GptConfig const config{.vocab = 64, .block_size = 16, .n_layer = 2, .n_head = 4, .n_embd = 32};
   mgpu::test::Env env;
-  std::vector<mgpu::test::TokenBatch> batches;
-  for (unsigned s = 0; s < 3; ++s) batches.push_back(mgpu::test::rule_batch(env, 4, config.block_size, config.vocab, 300 + s));
+  std::vector<mgpu::test::TokenBatch> const batches = mgpu::test::rule_batches(env, 3, 4, config, 300);
   std::vector<double> plain;  // untraced
   {
     mgpu::DeviceGroup group("host:4");

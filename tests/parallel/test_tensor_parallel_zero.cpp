@@ -8,7 +8,6 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,8 +16,6 @@
 #include <mgpu/io/checkpoint.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/loss.hpp>
-#include <mgpu/nn/train.hpp>
-#include <mgpu/ops/ops.hpp>
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/memory_model.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
@@ -26,6 +23,7 @@
 #include "support/catch.hpp"
 #include "support/expect_error.hpp"
 #include "support/nn_env.hpp"
+#include "support/tp_fixture.hpp"
 #include "support/temp_path.hpp"
 
 namespace fs = std::filesystem;
@@ -35,24 +33,16 @@ using mgpu::DType;
 using mgpu::test::Env;
 using mgpu::test::TokenBatch;
 using mgpu::test::worst_relative;
+using mgpu::test::tp::adamw;
+using mgpu::test::tp::config;
+using mgpu::test::tp::Curve;
+using mgpu::test::tp::scaler_for;
 
 namespace {
 
-nn::GptConfig const config{.vocab = 64, .block_size = 16, .n_layer = 2, .n_head = 4, .n_embd = 32};
-mgpu::optim::AdamWOptions const adamw{.lr = 3e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .weight_decay = 0.1f};
 std::uint64_t const seed = 6;
 
-std::vector<TokenBatch> batches(Env& env, int count) {
-  std::vector<TokenBatch> out;
-  for (int s = 0; s < count; ++s)
-    out.push_back(mgpu::test::rule_batch(env, 4, config.block_size, config.vocab, 900 + static_cast<unsigned>(s)));
-  return out;
-}
-
-std::optional<mgpu::optim::LossScaler> scaler_for(DType compute) {
-  if (compute != DType::float16) return std::nullopt;
-  return mgpu::optim::LossScaler(1073741824.0f, 2.0f, 1.0f / 65536, 1000);  // overflows at the first step
-}
+std::vector<TokenBatch> batches(Env& env, int count) { return mgpu::test::rule_batches(env, count, 4, config, 900); }
 
 // DP 2 x TP 2 with buckets of 8 KiB (several per shard, so stage 2's staging buffers take turns).
 par::TensorParallelOptions options(int zero, float clip, bool sequence_parallel = false, DType compute = DType::float32,
@@ -69,11 +59,6 @@ par::TensorParallelOptions options(int zero, float clip, bool sequence_parallel 
           .loss_scaler = scaler_for(compute)};
 }
 
-struct Curve {
-  std::vector<double> losses;
-  std::vector<bool> applied;
-};
-
 Curve run(par::TensorParallel& tp, std::vector<TokenBatch> const& bs, std::size_t from, std::size_t to) {
   Curve out;
   for (std::size_t s = from; s < to; ++s) {
@@ -85,20 +70,7 @@ Curve run(par::TensorParallel& tp, std::vector<TokenBatch> const& bs, std::size_
 }
 
 Curve one_device(Env& env, std::vector<TokenBatch> const& bs, float clip, DType compute = DType::float32) {
-  nn::Sequential model = nn::gpt(config);
-  model.materialize(env.ctx, seed, compute);
-  mgpu::optim::AdamWOptions o = adamw;
-  o.decay_ranges = nn::gpt_decay_ranges(config);
-  mgpu::optim::AdamW opt(o);
-  std::optional<mgpu::optim::LossScaler> scaler = scaler_for(compute);
-  Curve out;
-  for (TokenBatch const& b : bs) {
-    nn::StepResult const r = nn::train_step(model, opt, b.ids, b.targets, nn::TokenCrossEntropy{}, env.ctx,
-                                            {.clip_norm = clip, .scaler = scaler ? &*scaler : nullptr});
-    out.losses.push_back(mgpu::ops::item(r.loss, env.stream));
-    out.applied.push_back(r.applied);
-  }
-  return out;
+  return mgpu::test::tp::one_device_run(env, bs, seed, clip, compute);
 }
 
 }  // namespace
@@ -254,18 +226,9 @@ TEST_CASE("A ZeRO-1, 2 or 3 DP 2 x TP 2 checkpoint holds the whole optimizer sta
       CHECK(worst_relative(run(tp, bs, 3, 6).losses, rest) < 1e-5);
     }
     // One device: the file holds the whole model's state.
-    nn::Sequential model = nn::gpt(config);
-    model.materialize(env.ctx, 99);
-    mgpu::optim::AdamWOptions o = adamw;
-    o.decay_ranges = nn::gpt_decay_ranges(config);
-    mgpu::optim::AdamW opt(o);
-    CHECK(mgpu::io::load_training(file, model, opt, *env.allocator, env.stream).step == 3);
-    std::vector<double> got;
-    for (std::size_t s = 3; s < 6; ++s)
-      got.push_back(mgpu::ops::item(
-          nn::train_step(model, opt, bs[s].ids, bs[s].targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = clip}).loss,
-          env.stream));
-    CHECK(worst_relative(got, rest) < 1e-5);
+    mgpu::test::OneDeviceGpt one(env, config, 99, adamw);
+    CHECK(mgpu::io::load_training(file, one.model, one.opt, *env.allocator, env.stream).step == 3);
+    CHECK(worst_relative(one.steps(bs, 3, 6, clip), rest) < 1e-5);
   }
   fs::remove_all(dir);
 }

@@ -12,7 +12,6 @@
 
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/nn/gpt.hpp>
-#include <mgpu/nn/loss.hpp>
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
 
@@ -21,11 +20,6 @@
 #include "support/nn_env.hpp"
 #include "support/zero_fixture.hpp"
 
-using mgpu::Tensor;
-using mgpu::parallel::DataParallel;
-using mgpu::parallel::DataParallelOptions;
-using mgpu::test::Env;
-using mgpu::test::host_values;
 namespace nn = mgpu::nn;
 using namespace mgpu::test::zero;
 
@@ -53,6 +47,11 @@ Run run(DataParallel& dp, Step const& step) {
   return out;
 }
 
+// One run of the MLP over `data`.
+Run mlp_run(DataParallel& dp, MlpBatches const& data) {
+  return run(dp, [&](int s) { return dp.step(data.xs[static_cast<std::size_t>(s)], data.ys[static_cast<std::size_t>(s)]).loss; });
+}
+
 // Measured (stage 1 against 0): losses within 8e-8 (GPT) and 3e-6 (MLP on 4 devices) relative,
 // weights within 6e-6 of 1 + |w|, optimizer state within 1.5e-4 of 1e-6 + |s| (the clipping norm,
 // summed block by block, differs in its last bits, and AdamW's m and v of elements whose gradients
@@ -74,14 +73,8 @@ Run gpt_run(int devices, int stage, int accumulation, std::vector<mgpu::test::To
   model.dropout = dropout;
   model.recompute = recompute;
   mgpu::DeviceGroup group("host:" + std::to_string(devices));
-  DataParallelOptions options;
-  options.zero_stage = stage;
-  options.seed = 3;
-  options.clip_norm = clip;
+  DataParallelOptions options = gpt_options(stage);
   options.accumulation_steps = accumulation;
-  options.loss = std::make_shared<nn::TokenCrossEntropy const>();
-  options.first_bucket_cap_bytes = 4096;  // several buckets, whose lengths do not divide by the ranks
-  options.bucket_cap_bytes = 16384;
   DataParallel dp(nn::gpt(model), group, gpt_adamw(), options);
   return run(dp, [&](int s) {
     auto const& b = batches[static_cast<std::size_t>(s)];
@@ -89,39 +82,17 @@ Run gpt_run(int devices, int stage, int accumulation, std::vector<mgpu::test::To
   });
 }
 
-std::vector<mgpu::test::TokenBatch> gpt_batches(Env& env) {
-  std::vector<mgpu::test::TokenBatch> batches;
-  for (int s = 0; s < steps; ++s)
-    batches.push_back(mgpu::test::rule_batch(env, batch, config.block_size, config.vocab, 200 + static_cast<unsigned>(s)));
-  return batches;
-}
-
 }  // namespace
 
 TEST_CASE("zero_stage 1 gives the replicated update's GPT loss curve, weights and optimizer state",
           "[parallel][dp][zero][gpt]") {
   Env env;
-  std::vector<mgpu::test::TokenBatch> batches;
-  for (int s = 0; s < steps; ++s)
-    batches.push_back(
-        mgpu::test::rule_batch(env, batch, config.block_size, config.vocab, 200 + static_cast<unsigned>(s)));
-  auto const loss = std::make_shared<nn::TokenCrossEntropy const>();
+  auto const batches = gpt_batches(env, 200);
   for (int const devices : {2, 3}) {
     std::vector<Run> runs;
     for (int const stage : {0, 1}) {
       CAPTURE(devices, stage);
-      mgpu::DeviceGroup group("host:" + std::to_string(devices));
-      DataParallelOptions options;
-      options.zero_stage = stage;
-      options.seed = 3;
-      options.clip_norm = clip;
-      options.loss = loss;
-      options.first_bucket_cap_bytes = 4096;  // several buckets, whose lengths do not divide by the ranks
-      options.bucket_cap_bytes = 16384;
-      DataParallel dp(nn::gpt(config), group, gpt_adamw(), options);
-      runs.push_back(run(dp, [&](int s) {
-        return dp.step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets).loss;
-      }));
+      runs.push_back(gpt_run(devices, stage, 1, batches));
     }
     CAPTURE(devices);
     CHECK(runs[0].losses.back() < 0.8f * runs[0].losses.front());  // it learns
@@ -131,26 +102,14 @@ TEST_CASE("zero_stage 1 gives the replicated update's GPT loss curve, weights an
 
 TEST_CASE("zero_stage 1 gives the replicated update's MLP loss curve on 2 and 4 devices", "[parallel][dp][zero]") {
   Env env;
-  std::vector<Tensor> xs, ys;
-  for (int s = 0; s < steps; ++s) {
-    auto [x, y] = env.clusters(29, 40 + static_cast<unsigned>(s));
-    xs.push_back(x);
-    ys.push_back(y);
-  }
+  MlpBatches const data = mlp_batches(env, 29, 40);
   for (int const devices : {2, 4}) {
     std::vector<Run> runs;
     for (int const stage : {0, 1}) {
       CAPTURE(devices, stage);
       mgpu::DeviceGroup group("host:" + std::to_string(devices));
-      DataParallelOptions options;
-      options.zero_stage = stage;
-      options.clip_norm = 0.2f;
-      options.first_bucket_cap_bytes = 64;  // buckets of one layer
-      options.bucket_cap_bytes = 300;
-      DataParallel dp(nn::Sequential::mlp({2, 24, 17, 3}), group,
-                      mgpu::optim::AdamW({.lr = 0.02f, .weight_decay = 0.1f}), options);
-      runs.push_back(run(
-          dp, [&](int s) { return dp.step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]).loss; }));
+      DataParallel dp(mlp(), group, mlp_adamw(), mlp_options(stage));
+      runs.push_back(mlp_run(dp, data));
     }
     CAPTURE(devices);
     check_close(runs[1], runs[0]);
@@ -180,7 +139,7 @@ TEST_CASE("DataParallel refuses a zero_stage outside 0..3, and at 2 and 3 what t
 // clips and updates the same owned ranges: the same bits.
 TEST_CASE("zero_stage 2 gives zero_stage 1's GPT losses, weights and optimizer state bit for bit", "[parallel][dp][zero][gpt]") {
   Env env;
-  auto const batches = gpt_batches(env);
+  auto const batches = gpt_batches(env, 200);
   for (int const devices : {2, 3}) {
     CAPTURE(devices);
     Run const one = gpt_run(devices, 1, 1, batches);
@@ -198,7 +157,7 @@ TEST_CASE("zero_stage 2 gives zero_stage 1's GPT losses, weights and optimizer s
 // gradients nearly cancel).
 TEST_CASE("zero_stage 2 with 2 accumulated micro-batches gives zero_stage 1's GPT loss curve", "[parallel][dp][zero][gpt]") {
   Env env;
-  auto const batches = gpt_batches(env);
+  auto const batches = gpt_batches(env, 200);
   for (int const devices : {2, 3}) {
     CAPTURE(devices);
     check_close(gpt_run(devices, 2, 2, batches), gpt_run(devices, 1, 2, batches), 1e-2);
@@ -211,12 +170,7 @@ TEST_CASE("zero_stage 2 gives zero_stage 1's MLP loss curve bit for bit on 2 and
           "zero_stage 3 gives zero_stage 2's and its count_correct bit for bit",
           "[parallel][dp][zero]") {
   Env env;
-  std::vector<Tensor> xs, ys;
-  for (int s = 0; s < steps; ++s) {
-    auto [x, y] = env.clusters(29, 40 + static_cast<unsigned>(s));
-    xs.push_back(x);
-    ys.push_back(y);
-  }
+  MlpBatches const data = mlp_batches(env, 29, 40);
   for (int const devices : {2, 3}) {
     for (int const accumulation : {1, 2}) {
       std::vector<Run> runs;
@@ -224,16 +178,9 @@ TEST_CASE("zero_stage 2 gives zero_stage 1's MLP loss curve bit for bit on 2 and
       for (int const stage : {1, 2, 3}) {
         CAPTURE(devices, accumulation, stage);
         mgpu::DeviceGroup group("host:" + std::to_string(devices));
-        DataParallelOptions options;
-        options.zero_stage = stage;
-        options.clip_norm = 0.2f;
-        options.accumulation_steps = accumulation;
-        options.first_bucket_cap_bytes = 64;  // buckets of one layer
-        options.bucket_cap_bytes = 300;
-        DataParallel dp(nn::Sequential::mlp({2, 24, 17, 3}), group, mgpu::optim::AdamW({.lr = 0.02f, .weight_decay = 0.1f}),
-                        options);
-        runs.push_back(run(dp, [&](int s) { return dp.step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]).loss; }));
-        correct.push_back(dp.count_correct(xs[0], ys[0]));
+        DataParallel dp(mlp(), group, mlp_adamw(), mlp_options(stage, accumulation));
+        runs.push_back(mlp_run(dp, data));
+        correct.push_back(dp.count_correct(data.xs[0], data.ys[0]));
       }
       CAPTURE(devices, accumulation);
       CHECK(runs[2].losses == runs[1].losses);
@@ -256,33 +203,22 @@ TEST_CASE("zero_stage 2 gives zero_stage 1's MLP loss curve bit for bit on 2 and
 TEST_CASE("zero_stage 2 and 3 give zero_stage 1's MLP run bit for bit without clipping, with a loss scaler and with an empty shard",
           "[parallel][dp][zero]") {
   Env env;
-  std::vector<Tensor> xs, ys, small_xs, small_ys;
-  for (int s = 0; s < 10; ++s) {
-    auto [x, y] = env.clusters(29, 90 + static_cast<unsigned>(s));
-    xs.push_back(x);
-    ys.push_back(y);
-    auto [sx, sy] = env.clusters(2, 120 + static_cast<unsigned>(s));  // 2 rows over 3 devices
-    small_xs.push_back(sx);
-    small_ys.push_back(sy);
-  }
+  MlpBatches const data = mlp_batches(env, 29, 90, 10), small_data = mlp_batches(env, 2, 120, 10);  // 2 rows over 3 devices
   for (std::string const variant : {"update in backward", "loss scaler", "empty shard"}) {
     std::vector<Run> runs;
     for (int const stage : {1, 2, 3}) {
       CAPTURE(variant, stage);
       mgpu::DeviceGroup group("host:3");
-      DataParallelOptions options;
-      options.zero_stage = stage;
-      options.first_bucket_cap_bytes = 64;
-      options.bucket_cap_bytes = 300;
+      DataParallelOptions options = mlp_options(stage);
       if (variant == "loss scaler") options.loss_scaler.emplace(1024.0f);
-      if (variant == "empty shard") options.clip_norm = 0.2f;
-      DataParallel dp(nn::Sequential::mlp({2, 24, 17, 3}), group, mgpu::optim::AdamW({.lr = 0.02f, .weight_decay = 0.1f}),
-                      options);
+      if (variant != "empty shard") options.clip_norm = 0;
+      DataParallel dp(mlp(), group, mlp_adamw(), options);
       bool const small = variant == "empty shard";
       Run out;
       for (int s = 0; s < 10; ++s) {
         auto const i = static_cast<std::size_t>(s);
-        auto const r = dp.step(small ? small_xs[i] : xs[i], small ? small_ys[i] : ys[i]);
+        MlpBatches const& d = small ? small_data : data;
+        auto const r = dp.step(d.xs[i], d.ys[i]);
         if (small) CHECK(r.rows[2] == 0);
         out.losses.push_back(r.loss);
       }
@@ -303,7 +239,7 @@ TEST_CASE("zero_stage 2 and 3 give zero_stage 1's MLP run bit for bit without cl
 // recomputation (each block's forward rerun inside its backward, from the buffers gathered for it).
 TEST_CASE("zero_stage 3 gives zero_stage 2's GPT losses, weights and optimizer state bit for bit", "[parallel][dp][zero][gpt]") {
   Env env;
-  auto const batches = gpt_batches(env);
+  auto const batches = gpt_batches(env, 200);
   struct Case {
     int devices, accumulation;
     float dropout;

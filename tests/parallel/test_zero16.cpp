@@ -3,14 +3,12 @@
 // step skipped alike on every rank, and each device's state 1/N of the replicated run's.
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <vector>
 
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/core/memory.hpp>
 #include <mgpu/nn/gpt.hpp>
-#include <mgpu/nn/loss.hpp>
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
 
@@ -19,10 +17,6 @@
 #include "support/zero_fixture.hpp"
 
 using mgpu::DType;
-using mgpu::parallel::DataParallel;
-using mgpu::parallel::DataParallelOptions;
-using mgpu::test::Env;
-using mgpu::test::host_values;
 namespace nn = mgpu::nn;
 using namespace mgpu::test::zero;
 
@@ -34,14 +28,8 @@ struct Run {
 };
 
 DataParallelOptions options_for(int stage, DType compute, float initial_scale = 1024.0f) {
-  DataParallelOptions options;
-  options.zero_stage = stage;
+  DataParallelOptions options = gpt_options(stage);
   options.compute = compute;
-  options.seed = 3;
-  options.clip_norm = clip;
-  options.loss = std::make_shared<nn::TokenCrossEntropy const>();
-  options.first_bucket_cap_bytes = 4096;  // several buckets, whose lengths do not divide by the ranks
-  options.bucket_cap_bytes = 16384;
   if (compute == DType::float16) options.loss_scaler.emplace(initial_scale, 2.0f, 0.5f, 4);
   return options;
 }
@@ -61,13 +49,6 @@ Run gpt_run(int devices, int stage, DType compute, std::vector<mgpu::test::Token
   return out;
 }
 
-std::vector<mgpu::test::TokenBatch> gpt_batches(Env& env) {
-  std::vector<mgpu::test::TokenBatch> batches;
-  for (int s = 0; s < steps; ++s)
-    batches.push_back(mgpu::test::rule_batch(env, batch, config.block_size, config.vocab, 300 + static_cast<unsigned>(s)));
-  return batches;
-}
-
 }  // namespace
 
 // Stages 2 and 3 unscale the same 16-bit gradients into float32, reduce them in float32 as stage 1
@@ -79,7 +60,7 @@ std::vector<mgpu::test::TokenBatch> gpt_batches(Env& env) {
 TEST_CASE("zero_stage 2 and 3 in bfloat16 and float16 give zero_stage 1's GPT run bit for bit, within 2% of one device",
           "[parallel][dp][zero][gpt]") {
   Env env;
-  auto const batches = gpt_batches(env);
+  auto const batches = gpt_batches(env, 300);
   for (DType const compute : {DType::bfloat16, DType::float16}) {
     CAPTURE(mgpu::to_string(compute));
     Run const single = gpt_run(1, 0, compute, batches);
@@ -100,7 +81,7 @@ TEST_CASE("zero_stage 2 and 3 in bfloat16 and float16 give zero_stage 1's GPT ru
 // counted over every rank's owned gradients), backs off, and then learns as stage 1 does.
 TEST_CASE("zero_stage 2 and 3 in float16 skip an overflowing step on every rank as zero_stage 1 does", "[parallel][dp][zero][gpt]") {
   Env env;
-  auto batches = gpt_batches(env);
+  auto batches = gpt_batches(env, 300);
   batches.resize(6);
   Run const one = gpt_run(2, 1, DType::float16, batches, 1e30f);
   CHECK(one.skipped >= 1);

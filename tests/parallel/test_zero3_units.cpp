@@ -18,6 +18,7 @@
 
 #include "support/catch.hpp"
 #include "support/nn_env.hpp"
+#include "support/zero_fixture.hpp"
 
 using mgpu::Tensor;
 using mgpu::parallel::Bucket;
@@ -25,6 +26,7 @@ using mgpu::parallel::DataParallel;
 using mgpu::parallel::DataParallelOptions;
 using mgpu::test::Env;
 using mgpu::test::host_values;
+using mgpu::test::zero::worst_relative;
 namespace nn = mgpu::nn;
 
 namespace {
@@ -43,17 +45,6 @@ DataParallelOptions options_at(int stage) {
   options.clip_norm = 0.5f;  // below the gradients' norm early on, so steps clip
   options.loss = std::make_shared<nn::TokenCrossEntropy const>();
   return options;
-}
-
-
-// The largest |got - want| / (floor + |want|).
-double worst_relative(std::vector<float> const& got, std::vector<float> const& want, double floor) {
-  REQUIRE(got.size() == want.size());
-  double worst = 0;
-  for (std::size_t i = 0; i < got.size(); ++i)
-    worst = std::max(
-        worst, std::abs(static_cast<double>(got[i]) - want[i]) / (floor + std::abs(static_cast<double>(want[i]))));
-  return worst;
 }
 
 }  // namespace
@@ -112,9 +103,7 @@ TEST_CASE("zero_stage 3 with its default units gives one device's GPT loss curve
   Env env;
   int const steps = 12;
   std::int64_t const batch = 7;  // uneven over 2, 3 and 4 devices
-  std::vector<mgpu::test::TokenBatch> batches;
-  for (int s = 0; s < steps; ++s)
-    batches.push_back(mgpu::test::rule_batch(env, batch, deep.block_size, deep.vocab, 300 + static_cast<unsigned>(s)));
+  std::vector<mgpu::test::TokenBatch> const batches = mgpu::test::rule_batches(env, steps, batch, deep, 300);
   auto const train = [&](int devices, int stage, std::vector<float>& losses) {
     mgpu::DeviceGroup group("host:" + std::to_string(devices));
     DataParallel dp(nn::gpt(deep), group, adamw(), options_at(stage));

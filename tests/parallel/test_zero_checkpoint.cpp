@@ -17,11 +17,6 @@
 #include "support/temp_path.hpp"
 #include "support/zero_fixture.hpp"
 
-using mgpu::Tensor;
-using mgpu::parallel::DataParallel;
-using mgpu::parallel::DataParallelOptions;
-using mgpu::test::Env;
-using mgpu::test::host_values;
 namespace nn = mgpu::nn;
 using namespace mgpu::test::zero;
 
@@ -31,27 +26,14 @@ namespace {
 // `stage` with small buckets (several per model), and the weights of six steps straight through.
 struct CheckpointRun {
   Env env;
-  std::vector<Tensor> xs, ys;
-  explicit CheckpointRun(unsigned first) {
-    for (unsigned s = 0; s < 6; ++s) {
-      auto [x, y] = env.clusters(23, first + s);
-      xs.push_back(x);
-      ys.push_back(y);
-    }
-  }
+  MlpBatches data;
+  explicit CheckpointRun(unsigned first) : data(mlp_batches(env, 23, first, 6)) {}
   static std::unique_ptr<DataParallel> make(mgpu::DeviceGroup& group, int stage, int accumulation = 1) {
-    DataParallelOptions options;
-    options.zero_stage = stage;
-    options.clip_norm = 0.2f;
-    options.accumulation_steps = accumulation;
-    options.first_bucket_cap_bytes = 64;
-    options.bucket_cap_bytes = 300;
-    return std::make_unique<DataParallel>(nn::Sequential::mlp({2, 24, 17, 3}), group,
-                                          mgpu::optim::AdamW({.lr = 0.02f, .weight_decay = 0.1f}), options);
+    return std::make_unique<DataParallel>(mlp(), group, mlp_adamw(), mlp_options(stage, accumulation));
   }
   // Steps [begin, end) of `dp`.
   void steps(DataParallel& dp, int begin, int end) const {
-    for (int s = begin; s < end; ++s) dp.step(xs[static_cast<std::size_t>(s)], ys[static_cast<std::size_t>(s)]);
+    for (int s = begin; s < end; ++s) dp.step(data.xs[static_cast<std::size_t>(s)], data.ys[static_cast<std::size_t>(s)]);
   }
   std::vector<float> straight(mgpu::DeviceGroup& group, int stage) const {
     auto dp = make(group, stage);

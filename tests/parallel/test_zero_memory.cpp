@@ -22,9 +22,6 @@
 #include "support/zero_fixture.hpp"
 
 using mgpu::Tensor;
-using mgpu::parallel::DataParallel;
-using mgpu::parallel::DataParallelOptions;
-using mgpu::test::Env;
 namespace nn = mgpu::nn;
 using namespace mgpu::test::zero;
 
@@ -68,13 +65,7 @@ TEST_CASE("zero_stage 1 keeps on each device the optimizer state of its owned el
     for (int const stage : {0, 1}) {
       CAPTURE(devices, stage);
       mgpu::DeviceGroup group("host:" + std::to_string(devices));
-      DataParallelOptions options;
-      options.zero_stage = stage;
-      options.clip_norm = clip;
-      options.loss = std::make_shared<nn::TokenCrossEntropy const>();
-      options.first_bucket_cap_bytes = 4096;
-      options.bucket_cap_bytes = 16384;
-      DataParallel dp(nn::gpt(config), group, gpt_adamw(), options);
+      DataParallel dp(nn::gpt(config), group, gpt_adamw(), gpt_options(stage));
       group.synchronize();
       std::vector<std::size_t> before;
       for (int r = 0; r < devices; ++r) before.push_back(group.allocator(r).stats().allocated);

@@ -125,6 +125,15 @@ inline TokenBatch rule_batch(Env& env, std::int64_t rows, std::int64_t t, std::i
   return b;
 }
 
+// `count` rule_batch batches of `rows` windows of config.block_size ids from config.vocab, drawn
+// from seeds first, first + 1, ...
+inline std::vector<TokenBatch> rule_batches(Env& env, int count, std::int64_t rows, nn::GptConfig const& config, unsigned first) {
+  std::vector<TokenBatch> batches;
+  for (int s = 0; s < count; ++s)
+    batches.push_back(rule_batch(env, rows, config.block_size, config.vocab, first + static_cast<unsigned>(s)));
+  return batches;
+}
+
 // The global L2 norm of the gradients of nn::gpt(config) materialized from `seed` for a batch on
 // one device (nothing updated): what a test compares a clipping threshold with.
 inline double gpt_gradient_norm(Env& env, nn::GptConfig const& config, std::uint64_t seed, TokenBatch const& b) {
@@ -138,25 +147,51 @@ inline double gpt_gradient_norm(Env& env, nn::GptConfig const& config, std::uint
   return std::sqrt(squares);
 }
 
-// One device's run of nn::gpt(config) from `seed` over `batches` (AdamW from `adamw`, decaying
-// gpt_decay_ranges, clipping at `clip`): its losses, and its weights after the last step. The
-// reference the parallel executors' runs are compared with.
+// nn::gpt(config) materialized from `seed` on one device, and its AdamW (from `adamw`, decaying
+// gpt_decay_ranges): the reference the parallel executors' runs are compared with, and what a
+// checkpoint saved by them is loaded into.
+struct OneDeviceGpt {
+  Env& env;
+  nn::Sequential model;
+  optim::AdamW opt;
+  OneDeviceGpt(Env& e, nn::GptConfig const& config, std::uint64_t seed, optim::AdamWOptions adamw,
+               DType compute = DType::float32)
+      : env(e), model(nn::gpt(config)), opt(decaying(config, std::move(adamw))) {
+    model.materialize(env.ctx, seed, compute);
+  }
+  // One step on `b`, clipping at `clip` (and scaling the loss by `scaler`'s scale, if any).
+  nn::StepResult train(TokenBatch const& b, float clip, optim::LossScaler* scaler = nullptr) {
+    return nn::train_step(model, opt, b.ids, b.targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = clip, .scaler = scaler});
+  }
+  // One step's loss.
+  double step(TokenBatch const& b, float clip) { return ops::item(train(b, clip).loss, env.stream); }
+  // Steps on batches [from, to): their losses.
+  std::vector<double> steps(std::vector<TokenBatch> const& batches, std::size_t from, std::size_t to, float clip) {
+    std::vector<double> losses;
+    for (std::size_t s = from; s < to; ++s) losses.push_back(step(batches[s], clip));
+    return losses;
+  }
+
+ private:
+  static optim::AdamWOptions decaying(nn::GptConfig const& config, optim::AdamWOptions adamw) {
+    adamw.decay_ranges = nn::gpt_decay_ranges(config);
+    return adamw;
+  }
+};
+
+// One device's run of nn::gpt(config) from `seed` over `batches` (OneDeviceGpt, clipping at
+// `clip`): its losses, and its weights after the last step.
 struct GptCurve {
   std::vector<double> losses;
   std::vector<float> weights;
 };
 inline GptCurve gpt_one_device_curve(Env& env, nn::GptConfig const& config, std::uint64_t seed, optim::AdamWOptions adamw, float clip,
                                      std::vector<TokenBatch> const& batches) {
-  nn::Sequential model = nn::gpt(config);
-  model.materialize(env.ctx, seed);
-  adamw.decay_ranges = nn::gpt_decay_ranges(config);
-  optim::AdamW opt(adamw);
+  OneDeviceGpt one(env, config, seed, std::move(adamw));
   GptCurve curve;
-  for (TokenBatch const& b : batches)
-    curve.losses.push_back(ops::item(
-        nn::train_step(model, opt, b.ids, b.targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = clip}).loss, env.stream));
+  curve.losses = one.steps(batches, 0, batches.size(), clip);
   env.stream.synchronize();
-  auto const weights = model.master_parameters().host_span<float>();
+  auto const weights = one.model.master_parameters().host_span<float>();
   curve.weights.assign(weights.begin(), weights.end());
   return curve;
 }

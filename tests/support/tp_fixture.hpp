@@ -1,15 +1,19 @@
 // The tensor- and sequence-parallel tests' shared fixture: a small GPT, its batches and AdamW, the
-// one-device curve and gradient norm they are checked against, and helpers to compare.
+// one-device curves (float32 or 16-bit) and gradient norm they are checked against, and helpers to
+// compare.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
+#include <span>
 #include <utility>
 #include <vector>
 
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/optim/optim.hpp>
+#include <mgpu/parallel/tensor_parallel.hpp>
 
 #include "support/catch.hpp"
 #include "support/nn_env.hpp"
@@ -41,6 +45,30 @@ inline double worst_difference(std::vector<float> const& got, std::vector<float>
   return worst;
 }
 
+// The shards' gradients (after a step) in `model`'s layout (the whole GPT's), the split ones from every rank.
+inline std::vector<float> gathered_gradients(parallel::TensorParallel& tp, nn::Sequential const& model) {
+  std::vector<nn::ParameterRange> const whole = model.parameter_ranges();
+  std::vector<float> got(static_cast<std::size_t>(model.parameter_count()), NAN);
+  for (int r = 0; r < tp.tensor_parallel(); ++r) {
+    nn::Sequential const& shard = tp.shard(r);
+    std::vector<float> grads = host_values(shard.master_gradients());
+    std::vector<nn::ParameterRange> const ranges = shard.parameter_ranges();
+    REQUIRE(ranges.size() == whole.size());
+    for (std::size_t i = 0; i < ranges.size(); ++i) {
+      auto const dst = std::span<float>(got).subspan(static_cast<std::size_t>(whole[i].begin),
+                                                     static_cast<std::size_t>(whole[i].size()));
+      auto const src = std::span<float>(grads).subspan(static_cast<std::size_t>(ranges[i].begin),
+                                                       static_cast<std::size_t>(ranges[i].size()));
+      if (auto const* sharded = dynamic_cast<parallel::ShardedLayer const*>(&shard.layer(ranges[i].layer))) {
+        sharded->copy_shard(dst, src, false);
+      } else {
+        std::copy(src.begin(), src.end(), dst.begin());
+      }
+    }
+  }
+  return got;
+}
+
 // The global L2 norm of the one-device model's gradients for a batch (nothing updated).
 inline double gradient_norm(Env& env, Batch const& b) { return gpt_gradient_norm(env, config, seed, b); }
 
@@ -48,6 +76,32 @@ inline double gradient_norm(Env& env, Batch const& b) { return gpt_gradient_norm
 inline std::pair<std::vector<double>, std::vector<float>> one_device_curve(Env& env, std::vector<Batch> const& batches) {
   GptCurve curve = gpt_one_device_curve(env, config, seed, adamw, clip, batches);
   return {std::move(curve.losses), std::move(curve.weights)};
+}
+
+// A float16 run's loss scaler (none for other types): 2^30 overflows float16 at once, far from the
+// edge; the back-off then drops it to 2^14, far below.
+inline std::optional<optim::LossScaler> scaler_for(DType compute) {
+  if (compute != DType::float16) return std::nullopt;
+  return optim::LossScaler(1073741824.0f, 2.0f, 1.0f / 65536, 1000);
+}
+
+// A run's losses and whether each step's update applied.
+struct Curve {
+  std::vector<double> losses;
+  std::vector<bool> applied;
+};
+
+// The one-device model from `at` over `batches` in `compute` (with scaler_for's scaler), clipping at `clip`.
+inline Curve one_device_run(Env& env, std::vector<Batch> const& batches, std::uint64_t at, float clip, DType compute) {
+  OneDeviceGpt one(env, config, at, adamw, compute);
+  std::optional<optim::LossScaler> scaler = scaler_for(compute);
+  Curve out;
+  for (Batch const& b : batches) {
+    nn::StepResult const r = one.train(b, clip, scaler ? &*scaler : nullptr);
+    out.losses.push_back(ops::item(r.loss, env.stream));
+    out.applied.push_back(r.applied);
+  }
+  return out;
 }
 
 }  // namespace mgpu::test::tp

@@ -37,11 +37,7 @@ mgpu::optim::AdamWOptions const adamw{.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.95f
 // The learning-rate multiplier of step s (a schedule's).
 float lr_scale(std::size_t s) { return 1.0f - 0.15f * static_cast<float>(s); }
 
-std::vector<mgpu::test::TokenBatch> make_batches(Env& env) {
-  std::vector<mgpu::test::TokenBatch> batches;
-  for (int s = 0; s < steps; ++s) batches.push_back(mgpu::test::rule_batch(env, rows, config.block_size, config.vocab, 40u + s));
-  return batches;
-}
+std::vector<mgpu::test::TokenBatch> make_batches(Env& env) { return mgpu::test::rule_batches(env, steps, rows, config, 40); }
 
 // The validation stream: the rule's sequences, read in order.
 mgpu::data::TokenLoader val_loader() {

@@ -87,6 +87,10 @@ class Mesh {
 
  private:
   std::shared_ptr<comm::Communicator> shared(std::vector<int> const& ranks);
+  // shared(ranks) for a list of at least one rank; throws Error(invalid_argument) for none.
+  std::shared_ptr<comm::Communicator> subset(std::vector<int> const& ranks);
+  // Throws Error(invalid_argument) when a factory is asked for another group than the mesh's.
+  void check_group(DeviceGroup const& group) const;
 
   DeviceGroup group_;
   comm::DeviceMesh layout_;
