@@ -369,6 +369,25 @@ TEST_CASE("a DP 2 x TP 2 x PP 2 folder of each rank's boxes resumes on one devic
     run.weights = gathered(plain, env);
     check_continues("PP 2 x DP 2 ZeRO-1", run, uninterrupted);
   }
+  {
+    // A folder of whole records (DataParallel's in one process, as loaded) into the grid: the same weights.
+    mgpu::DeviceGroup two("host:2");
+    mgpu::optim::AdamWOptions options = adamw;
+    options.decay_ranges = nn::gpt_decay_ranges(config);
+    par::DataParallelOptions dp_options;
+    dp_options.seed = seed + 1;
+    par::DataParallel dp(nn::gpt(config), two, mgpu::optim::AdamW(options), dp_options);
+    CHECK(dp.load(folder).step == saved_at);
+    auto const whole_records = mgpu::test::temp_path("mgpu_grid_whole_records_" + std::to_string(zero));
+    std::filesystem::remove_all(whole_records);
+    std::filesystem::create_directories(whole_records);
+    dp.save(whole_records, {.step = saved_at});
+    REQUIRE(!io::ShardedCheckpoint::load(whole_records).has_pieces("model.parameters"));
+    std::unique_ptr<pp::Executor> again = make_grid(eight, zero);
+    CHECK(again->load(whole_records).step == saved_at);
+    CHECK(gathered(*again, env) == saved);
+    std::filesystem::remove_all(whole_records);
+  }
   std::filesystem::remove_all(folder);
 }
 
