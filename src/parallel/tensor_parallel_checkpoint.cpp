@@ -5,7 +5,6 @@
 #include <mgpu/parallel/tensor_parallel.hpp>
 
 #include <algorithm>
-#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <map>
@@ -242,8 +241,8 @@ void TensorParallel::Impl::save_boxes(std::filesystem::path const& path, io::Tra
       if (b.whole && !first_rank) continue;  // replicated: written once
       Tensor const values = Tensor::empty({b.box.numel()}, DType::float32, *host);
       for (auto const& [record, buffer] : buffers) {
-        std::span<float> const out = values.host_span<float>();
-        for (std::size_t e = 0; e < b.at.size(); ++e) out[e] = buffer[static_cast<std::size_t>(b.at[e])];
+        std::vector<float> const mine = box_values(b, buffer);
+        std::copy(mine.begin(), mine.end(), values.host_span<float>().begin());
         writer.put_box(record + "/" + b.tensor, b.shape, b.box, values, host_stream);
       }
     }
@@ -330,44 +329,11 @@ io::TrainingState TensorParallel::load(std::filesystem::path const& path) {
 
 io::TrainingState TensorParallel::Impl::load_boxes(io::ShardedCheckpoint const& checkpoint) {
   std::string const source = checkpoint.folder().string();
-  std::string const file = source + ": ";
   io::Checkpoint const records = checkpoint.joined(checkpoint.split_names());  // the whole records
   std::int64_t const total = whole.parameter_count();
   auto const host = Allocator::create({DeviceKind::host, 0});
   Stream host_stream{Device{DeviceKind::host, 0}};
-  // A float32 record of a value per parameter of the whole model, split (in boxes or ranges) or whole.
-  auto const check = [&](std::string const& name) {
-    bool const split = checkpoint.has_pieces(name);
-    if (!split && !records.contains(name)) throw Error(Errc::corrupt_data, file + "no record '" + name + "' (expected one)");
-    Shape const shape = split ? checkpoint.shape(name) : records.get(name).shape;
-    io::RecordType const type = split ? checkpoint.type(name) : records.get(name).type;
-    if (shape != Shape{total} || type != io::RecordType::float32)
-      throw Error(Errc::invalid_argument, file + "record '" + name + "' of shape " + mgpu::to_string(shape) + " (expected [" +
-                                              std::to_string(total) + "] float32, a value per parameter of the model)");
-  };
-  // Box b of a tensor of such a record, scattered into `into` (a shard's buffer): from the boxes or
-  // pieces that overlap it, or from the whole record.
-  auto const read = [&](std::string const& name, ShardBox const& b, std::vector<float>& into) {
-    Tensor const values = Tensor::empty({b.box.numel()}, DType::float32, *host);
-    std::span<float> const got = values.host_span<float>();
-    if (checkpoint.has_pieces(name)) {
-      checkpoint.read_view(name, b.offset, b.shape, b.box, values, host_stream);
-    } else {
-      auto const* whole = reinterpret_cast<float const*>(records.get(name).data.data()) + b.offset;
-      std::size_t const rank = b.shape.size();
-      std::vector<std::int64_t> index(rank, 0);  // within the box
-      for (float& value : got) {
-        std::int64_t at = 0;
-        for (std::size_t d = 0; d < rank; ++d) at = at * b.shape[d] + b.box.offsets[d] + index[d];
-        std::memcpy(&value, whole + at, sizeof(float));
-        for (std::size_t d = rank; d-- > 0;) {
-          if (++index[d] < b.box.lengths[d]) break;
-          index[d] = 0;
-        }
-      }
-    }
-    for (std::size_t e = 0; e < b.at.size(); ++e) into[static_cast<std::size_t>(b.at[e])] = got[e];
-  };
+  auto const check = [&](std::string const& name) { check_model_record(checkpoint, records, name, total, source); };
   // Everything verified and every rank's boxes read before any rank changes.
   struct Staged {
     std::vector<float> parameters;
@@ -393,8 +359,8 @@ io::TrainingState TensorParallel::Impl::load_boxes(io::ShardedCheckpoint const& 
       staged[r].parameters.assign(count, 0.0f);
       for (std::string const& name : state_names) staged[r].state[name].assign(count, 0.0f);
       for (ShardBox const& b : shard_boxes(whole_model, shards[r])) {
-        read("model.parameters", b, staged[r].parameters);
-        for (std::string const& name : state_names) read(name, b, staged[r].state[name]);
+        read_box_into(checkpoint, records, "model.parameters", b, staged[r].parameters, host_stream);
+        for (std::string const& name : state_names) read_box_into(checkpoint, records, name, b, staged[r].state[name], host_stream);
       }
     }
   } catch (...) {

@@ -1,10 +1,8 @@
 // The whole model as one device holds it, assembled from the chunks of replica 0 and spread back
 // over every replica's chunks: its parameters (gather_parameters, scatter_parameters) and the
-// executor's checkpoints (io::save_training's format). Across processes (or into a folder) a
-// checkpoint is a folder of io::ShardWriter shards, one per process: each process's holds the
-// parameters and optimizer state of the chunks its ranks run in replica 0, process 0's the whole
-// records besides. Tensor-parallel stages go through the whole model instead
-// (tensor_parallel_checkpoint.cpp).
+// executor's checkpoints to a file (io::save_training's format). Folders, across processes too,
+// hold each rank's boxes of the named tensors (box_checkpoint.cpp); tensor-parallel stages' files
+// go through the whole model (tensor_parallel_checkpoint.cpp).
 #include <mgpu/io/checkpoint.hpp>
 #include <mgpu/io/sharded_checkpoint.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
@@ -153,30 +151,94 @@ void Executor::scatter_parameters(nn::Sequential const& whole, Stream& stream) {
   m.group->synchronize();
 }
 
+std::vector<std::size_t> Executor::Impl::chunk_origins(int p, int c) const {
+  auto const index = static_cast<std::size_t>(c);
+  nn::Sequential const& chunk = chunks[static_cast<std::size_t>(p)][index];
+  if (tp > 1 && options.tensor_parallel.origins) {
+    std::vector<std::size_t> origins = options.tensor_parallel.origins(
+        tp_comms[static_cast<std::size_t>(data_index(p) * schedule.chunks() + c)], tp_index(p), cuts[index], cuts[index + 1]);
+    if (origins.size() != chunk.size() ||
+        std::any_of(origins.begin(), origins.end(), [&](std::size_t o) { return o < cuts[index] || o >= cuts[index + 1]; }))
+      throw Error(Errc::invalid_argument, "pipeline chunk " + std::to_string(c) + ": the tensor-parallel stages' origins name " +
+                                              std::to_string(origins.size()) + " layers (expected one per layer of the chunk's " +
+                                              std::to_string(chunk.size()) + ", each in the model's [" + std::to_string(cuts[index]) +
+                                              ", " + std::to_string(cuts[index + 1]) + "))");
+    return origins;
+  }
+  if (chunk.size() != cuts[index + 1] - cuts[index])
+    throw Error(Errc::invalid_argument, "pipeline chunk " + std::to_string(c) + " of " + std::to_string(chunk.size()) +
+                                            " layers made from the model's " + std::to_string(cuts[index + 1] - cuts[index]) +
+                                            " (expected TensorParallelStages::origins naming each layer's)");
+  std::vector<std::size_t> origins(chunk.size());
+  for (std::size_t j = 0; j < origins.size(); ++j) origins[j] = cuts[index] + j;
+  return origins;
+}
+
+namespace {
+// Where each layer's rng_seeds() begin among the model's ([size()]: their count).
+std::vector<std::size_t> seed_offsets(nn::Sequential const& model) {
+  std::vector<std::size_t> at(model.size() + 1, 0);
+  for (std::size_t l = 0; l < model.size(); ++l) at[l + 1] = at[l] + model.layer(l).rng_seeds().size();
+  return at;
+}
+}  // namespace
+
+void Executor::Impl::set_chunk_rng(int p, int c, std::vector<std::uint64_t> const& rng, std::vector<std::uint64_t> const& seeds) {
+  nn::Sequential& chunk = chunks[static_cast<std::size_t>(p)][static_cast<std::size_t>(c)];
+  std::vector<std::size_t> const origins = chunk_origins(p, c);
+  std::vector<std::uint64_t> state(chunk.size());
+  for (std::size_t j = 0; j < origins.size(); ++j) state[j] = rng.at(origins[j]);
+  chunk.set_rng_state(state);
+  if (seeds.empty()) return;
+  std::vector<std::size_t> const at = seed_offsets(architecture);
+  std::vector<std::uint64_t> mine;
+  for (std::size_t j = 0; j < origins.size(); ++j) {
+    std::vector<std::uint64_t> const own = chunk.layer(j).rng_seeds();
+    std::size_t const o = origins[j];
+    if (own.size() == at[o + 1] - at[o]) {
+      mine.insert(mine.end(), seeds.begin() + static_cast<std::ptrdiff_t>(at[o]), seeds.begin() + static_cast<std::ptrdiff_t>(at[o + 1]));
+    } else {
+      mine.insert(mine.end(), own.begin(), own.end());  // a layer a style added: its own
+    }
+  }
+  chunk.set_rng_seeds(mine);
+}
+
 Executor::Impl::ReplicaRecords Executor::Impl::replica_records(std::string const& what) {
   // Every rank's view of replica 0's chunks it runs: the number of state buffers of their
-  // optimizers (-1 for none), and their layers' RNG states at the layers' places (zero elsewhere).
+  // optimizers (-1 for none), and their layers' RNG states and seeds at their origins' places
+  // (zero elsewhere; of the layers made from one, the last: layers a style adds come first).
   std::size_t const layers = architecture.size();
-  std::size_t const per_rank = 1 + 2 * layers;
+  std::vector<std::size_t> const seed_at = seed_offsets(architecture);
+  std::size_t const per_rank = 1 + 2 * layers + 2 * seed_at[layers];
   std::vector<std::vector<std::int32_t>> words(static_cast<std::size_t>(group->size()));
   for (int local = 0; local < group->size(); ++local) {
     std::vector<std::int32_t>& mine = words[static_cast<std::size_t>(local)];
     std::vector<std::uint64_t> rng(layers, 0);
+    std::vector<std::uint64_t> seeds(seed_at[layers], 0);
     std::int32_t buffers = -1;
     for (int c = 0; c < schedule.chunks(); ++c) {
       if (schedule.device_of(c) != first + local) continue;
       auto const index = static_cast<std::size_t>(c);
       auto const count = static_cast<std::int32_t>(optimizers[0][index]->state().size());
       buffers = buffers < 0 || buffers == count ? count : -2;  // -2: this rank's chunks disagree
-      std::vector<std::uint64_t> const part = chunks[0][index].rng_state();
-      std::copy(part.begin(), part.end(), rng.begin() + static_cast<std::ptrdiff_t>(cuts[index]));
+      nn::Sequential const& chunk = chunks[0][index];
+      std::vector<std::uint64_t> const state = chunk.rng_state();
+      std::vector<std::size_t> const origins = chunk_origins(0, c);
+      for (std::size_t j = 0; j < origins.size(); ++j) {
+        std::size_t const o = origins[j];
+        rng[o] = state[j];
+        std::vector<std::uint64_t> const own = chunk.layer(j).rng_seeds();
+        if (own.size() == seed_at[o + 1] - seed_at[o]) std::copy(own.begin(), own.end(), seeds.begin() + static_cast<std::ptrdiff_t>(seed_at[o]));
+      }
     }
     mine.push_back(buffers);
     for (std::uint64_t const v : rng) comm::detail::append_words(mine, v);
+    for (std::uint64_t const v : seeds) comm::detail::append_words(mine, v);
   }
   std::vector<std::int32_t> const all = comm::detail::all_gather_words(*comm, *group, words);
-  std::vector<std::uint64_t> rng(layers, 0);
-  std::int32_t buffers = -1;
+  ReplicaRecords out{.buffers = -1, .rng = std::vector<std::uint64_t>(layers, 0), .seeds = std::vector<std::uint64_t>(seed_at[layers], 0)};
+  std::int32_t& buffers = out.buffers;
   for (int c = 0; c < schedule.chunks(); ++c) {
     std::size_t const at = static_cast<std::size_t>(schedule.device_of(c)) * per_rank;
     std::int32_t const count = all[at];
@@ -187,47 +249,13 @@ Executor::Impl::ReplicaRecords Executor::Impl::replica_records(std::string const
                                  : std::to_string(count) + " state buffers, chunk 0's " + std::to_string(buffers)) +
                       " (expected as many in every chunk: optimizers of one factory, stepped together)");
     buffers = count;
-    for (std::size_t l = cuts[static_cast<std::size_t>(c)]; l < cuts[static_cast<std::size_t>(c) + 1]; ++l)
-      rng[l] = comm::detail::read_words<std::uint64_t>(all, at + 1 + 2 * l);
+    auto const index = static_cast<std::size_t>(c);
+    for (std::size_t l = cuts[index]; l < cuts[index + 1]; ++l) out.rng[l] = comm::detail::read_words<std::uint64_t>(all, at + 1 + 2 * l);
+    for (std::size_t k = seed_at[cuts[index]]; k < seed_at[cuts[index + 1]]; ++k)
+      out.seeds[k] = comm::detail::read_words<std::uint64_t>(all, at + 1 + 2 * layers + 2 * k);
   }
-  return {buffers < 0 ? 0 : buffers, rng};
-}
-
-void Executor::Impl::save_shards(std::filesystem::path const& folder, io::TrainingState const& training) {
-  std::string const what = "Executor::save to the folder " + folder.string();
-  std::vector<std::uint64_t> const rng = replica_records(what).rng;  // and the optimizers' agreement checked
-  std::vector<Span> const spans = whole_spans();
-  Shape const whole_shape{spans.back().offset + spans.back().count};
-  bool const leader = first == 0;
-  auto const write = [&](std::uint64_t save_id, int shard, int shards) {
-    io::ShardWriter writer;
-    if (leader) {  // the whole records, as one process saves them, less the parameters and optimizer state
-      WholeModel whole(architecture, make_optimizer, options.seed);
-      whole.model.set_rng_state(rng);
-      if (!loaded_seeds.empty()) whole.model.set_rng_seeds(loaded_seeds);
-      whole.optimizer->set_steps(optimizers[0][0]->steps());  // chunk 0 of replica 0 runs on world rank 0
-      io::Checkpoint records = io::training_checkpoint(whole.model, *whole.optimizer, training, whole.stream);
-      if (options.loss_scaler) io::put_loss_scaler(records, options.loss_scaler->state());
-      for (io::Record const& record : records.records())
-        if (record.name != "model.parameters" && (!record.name.starts_with("optimizer.") || record.type != io::RecordType::float32))
-          writer.put(record);
-    }
-    // The chunks of replica 0 that this process's ranks run, at their places in the whole model.
-    for (int c = 0; c < schedule.chunks(); ++c) {
-      int const rank = schedule.device_of(c);
-      Span const span = spans[static_cast<std::size_t>(c)];
-      if (!is_local(rank) || span.count == 0) continue;
-      Stream& stream = group->stream(rank - first);
-      writer.put_piece("model.parameters", whole_shape, span.offset,
-                       chunks[0][static_cast<std::size_t>(c)].master_parameters().slice(0, span.count), stream);
-      for (auto const& [name, tensor] : optimizers[0][static_cast<std::size_t>(c)]->state())
-        writer.put_piece("optimizer." + name, whole_shape, span.offset, tensor.slice(0, span.count), stream);
-    }
-    writer.save(folder, save_id, shard, shards);
-  };
-  comm::detail::save_in_shards(
-      *comm, *group, what, [&] { return io::committed_save_id(folder) + 1; }, write,
-      [&](std::uint64_t save_id, int shards) { io::commit_shards(folder, save_id, shards); });
+  buffers = std::max(buffers, 0);
+  return out;
 }
 
 void Executor::save(std::filesystem::path const& path, io::TrainingState const& state) {
@@ -235,12 +263,12 @@ void Executor::save(std::filesystem::path const& path, io::TrainingState const& 
   Impl& m = *impl_;
   m.group->synchronize();
   m.gather_optimizer_state();  // with zero_stage 1 each replica holds its blocks' state; the next step shards it again
-  if (m.tp > 1) {
-    m.save_tensor_parallel(path, state);
+  if (m.across || std::filesystem::is_directory(path)) {
+    m.save_boxes(path, state);
     return;
   }
-  if (m.across || std::filesystem::is_directory(path)) {
-    m.save_shards(path, state);
+  if (m.tp > 1) {
+    m.save_tensor_parallel(path, state);
     return;
   }
   WholeModel whole(m.architecture, m.make_optimizer, m.options.seed);
@@ -275,24 +303,14 @@ void Executor::save(std::filesystem::path const& path, io::TrainingState const& 
 }
 
 io::TrainingState Executor::load(std::filesystem::path const& path) {
-  if (impl_->tp > 1)
-    return impl_->load_tensor_parallel(
-        [&path] { return std::filesystem::is_directory(path) ? io::ShardedCheckpoint::load(path).joined() : io::Checkpoint::load(path); },
-        path.string());
   if (std::filesystem::is_directory(path)) return load(io::ShardedCheckpoint::load(path));
-  return impl_->load_records(io::Checkpoint::load(path), nullptr, path.string());
+  if (impl_->tp > 1) return impl_->load_tensor_parallel(path);
+  return impl_->load_records(io::Checkpoint::load(path), path.string());
 }
 
-io::TrainingState Executor::load(io::ShardedCheckpoint const& checkpoint) {
-  if (impl_->tp > 1)  // every record, joined: the shards' parts are not spans of the whole model
-    return impl_->load_tensor_parallel([&checkpoint] { return checkpoint.joined(); }, checkpoint.folder().string());
-  // The split records (the parameters and the optimizer's state as save() writes them) are read in
-  // this process's chunks' parts only.
-  return impl_->load_records(checkpoint.joined(checkpoint.split_names()), &checkpoint, checkpoint.folder().string());
-}
+io::TrainingState Executor::load(io::ShardedCheckpoint const& checkpoint) { return impl_->load_boxes(checkpoint); }
 
-io::TrainingState Executor::Impl::load_records(io::Checkpoint const& records, io::ShardedCheckpoint const* sharded,
-                                               std::string const& source) {
+io::TrainingState Executor::Impl::load_records(io::Checkpoint const& records, std::string const& source) {
   group->synchronize();
   gather_optimizer_state();  // the records fill whole state buffers; the next step shards them again
   std::string const file = source + ": ";
@@ -300,19 +318,17 @@ io::TrainingState Executor::Impl::load_records(io::Checkpoint const& records, io
   std::int64_t const total = spans.back().offset + spans.back().count;
   auto const host = Allocator::create({DeviceKind::host, 0});
   Stream host_stream{Device{DeviceKind::host, 0}};
-  // A float32 record of a value per parameter of the whole model: a split one or a whole one.
+  // A float32 record of a value per parameter of the whole model.
   auto const check_shape = [&](std::string const& name) {
-    bool const split = sharded != nullptr && sharded->has_pieces(name);
-    if (!split && !records.contains(name)) throw Error(Errc::corrupt_data, file + "no record '" + name + "' (expected one)");
-    Shape const shape = split ? sharded->shape(name) : records.get(name).shape;
-    if (shape != Shape{total} || (!split && records.get(name).type != io::RecordType::float32))
+    if (!records.contains(name)) throw Error(Errc::corrupt_data, file + "no record '" + name + "' (expected one)");
+    Shape const shape = records.get(name).shape;
+    if (shape != Shape{total} || records.get(name).type != io::RecordType::float32)
       throw Error(Errc::invalid_argument, file + "record '" + name + "' of shape " + mgpu::to_string(shape) + " (expected [" +
                                               std::to_string(total) + "] float32, a value per parameter of the model)");
   };
   // Elements [begin, begin + out.numel()) of such a record into host tensor `out`.
   auto const read = [&](std::string const& name, std::int64_t begin, Tensor const& out) {
     if (out.numel() == 0) return;  // a chunk without parameters of its own (a tied head alone)
-    if (sharded != nullptr && sharded->has_pieces(name)) return sharded->read(name, begin, out, host_stream);
     std::memcpy(out.data(), records.get(name).data.data() + begin * static_cast<std::int64_t>(sizeof(float)), out.nbytes());
   };
   // Everything verified, and this process's chunks' parts read into host buffers (each chunk once,
@@ -331,10 +347,6 @@ io::TrainingState Executor::Impl::load_records(io::Checkpoint const& records, io
     if (options.loss_scaler) scaler = io::read_loss_scaler(records, source, *options.loss_scaler);
     check_shape("model.parameters");
     std::vector<std::string> state_names;  // the optimizer's, as the checkpoint holds them
-    if (sharded != nullptr) {
-      for (std::string const& name : sharded->split_names())
-        if (name.starts_with("optimizer.")) state_names.push_back(name);
-    }
     for (io::Record const& r : records.records())
       if (r.name.starts_with("optimizer.") && r.type == io::RecordType::float32) state_names.push_back(r.name);
     for (std::string const& name : state_names) check_shape(name);
@@ -404,13 +416,7 @@ io::TrainingState Executor::Impl::load_records(io::Checkpoint const& records, io
         for (auto const& [name, tensor] : optimizer.state()) fill_async(tensor, 0.0f, stream);
       }
       optimizer.set_steps(training.optimizer_steps);
-      auto const layer = static_cast<std::ptrdiff_t>(cuts[index]);
-      chunk.set_rng_state({training.rng.begin() + layer, training.rng.begin() + layer + static_cast<std::ptrdiff_t>(chunk.size())});
-      if (!training.rng_seeds.empty()) {
-        std::size_t at = 0;  // the whole model's seeds before the chunk's first layer
-        for (std::size_t l = 0; l < cuts[index]; ++l) at += architecture.layer(l).rng_seeds().size();
-        chunk.set_rng_seeds(std::span<std::uint64_t const>(training.rng_seeds).subspan(at, chunk.rng_seeds().size()));
-      }
+      set_chunk_rng(r, c, training.rng, training.rng_seeds);
     }
   }
   if (!training.rng_seeds.empty()) loaded_seeds = training.rng_seeds;

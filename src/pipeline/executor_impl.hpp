@@ -130,18 +130,31 @@ struct Executor::Impl {
   void tensor_parallel_whole(std::span<float> whole, bool to_shards, ChunkBuffer const& buffer);
   // Every local chunk's compute copy of its master parameters, after they changed.
   void sync_local_chunks();
-  // Tensor-parallel stages' save and load (tensor_parallel_checkpoint.cpp): through the whole
-  // model and its optimizer on the host, as TensorParallel saves; `read` reads the checkpoint's
-  // records (its errors, as every check, come before any chunk changes).
+  // Tensor-parallel stages' save to and load from a file (tensor_parallel_checkpoint.cpp): through
+  // the whole model and its optimizer on the host, as TensorParallel does (its errors, as every
+  // check, come before any chunk changes).
   void save_tensor_parallel(std::filesystem::path const& path, io::TrainingState const& training);
-  io::TrainingState load_tensor_parallel(std::function<io::Checkpoint()> const& read, std::string const& source);
+  io::TrainingState load_tensor_parallel(std::filesystem::path const& path);
   // What replica 0's chunks hold besides their buffers, gathered from every process: the number of
   // state buffers of their optimizers (as many in every chunk, else Error(invalid_argument) naming
   // `what`) and the whole model's per-layer RNG state.
   struct ReplicaRecords {
     std::int32_t buffers = 0;
     std::vector<std::uint64_t> rng;
+    std::vector<std::uint64_t> seeds;  // the whole model's rng_seeds(), from the chunks
   };
+  // The index in the whole model (architecture) of each layer of chunk c of pipeline p (a local
+  // one): the tensor-parallel stages' origins, else cuts[c] + its index.
+  [[nodiscard]] std::vector<std::size_t> chunk_origins(int p, int c) const;
+  // Sets chunk c of pipeline p's layers' RNG state and dropout seeds from the whole model's (`seeds`
+  // empty: the chunk keeps its own), each layer its origin's.
+  void set_chunk_rng(int p, int c, std::vector<std::uint64_t> const& rng, std::vector<std::uint64_t> const& seeds);
+  // Folders (box_checkpoint.cpp): every process writes the boxes of the whole model's named tensors
+  // that replica 0's chunks on its ranks hold (a replicated tensor by tensor-parallel rank 0, a tied
+  // head's copy of wte by none), process 0 the layouts and the other records; load reads each local
+  // chunk's boxes (a tied head's copy from wte's rows) from a folder of any layout.
+  void save_boxes(std::filesystem::path const& folder, io::TrainingState const& training);
+  io::TrainingState load_boxes(io::ShardedCheckpoint const& checkpoint);
   ReplicaRecords replica_records(std::string const& what);
   // Where each chunk's parameters sit in the whole model: the chunk's first `count` elements are
   // the whole model's [offset, offset + count); a tied head's copy of wte follows them.
@@ -160,9 +173,8 @@ struct Executor::Impl {
     std::int64_t whole_begin = 0, chunk_begin = 0, count = 0;
   };
   [[nodiscard]] std::vector<Part> chunk_parts(int c) const;
-  // load() of a checkpoint's whole records (a file's, or a folder's whole ones), with a folder's
-  // split records read from `sharded` in this process's chunks' parts only; `source` names it.
-  io::TrainingState load_records(io::Checkpoint const& records, io::ShardedCheckpoint const* sharded, std::string const& source);
+  // load() of a one-device file's records; `source` names it.
+  io::TrainingState load_records(io::Checkpoint const& records, std::string const& source);
   std::vector<std::unique_ptr<comm::Communicator>> tie_comms;  // per replica, over its two devices (none when they are one)
   // Every communicator above but another process's chunks' (which nothing calls), in the order
   // they were made, made anew by recover().
@@ -199,8 +211,6 @@ struct Executor::Impl {
   // world_sum with ZeRO: per chunk, the sum of `op`'s values over its replica's counted owned
   // ranges (ShardedUpdate::owned()), all-gathered, then added in chunk order, replicas in order.
   double sharded_world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op);
-  // Across processes or into a folder: every process writes its shard of `folder` (see save()).
-  void save_shards(std::filesystem::path const& folder, io::TrainingState const& training);
 
   // What a timed region of a device's step did (see DeviceState): compute actions; transfers and
   // sums over other communicators; sums over a chunk's tensor-parallel ranks (also timed there).

@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <mgpu/core/error.hpp>
 #include <mgpu/nn/gpt.hpp>
@@ -24,21 +25,35 @@ TensorParallelStages tensor_parallel_stages(nn::Sequential const& whole, paralle
                 "tensor_parallel_stages: " + std::to_string(ranks) + " tensor-parallel ranks (expected >= 1)");
   if (!loss) loss = parallel::vocab_parallel_loss(whole, "tensor_parallel_stages");
   bool const sequence_parallel = plan.sequence_parallel;
+  // Rank `rank`'s shard of the whole model and the whole model's layer of each of its layers, and
+  // the shard's layers [first, last) made from the whole model's [begin, end).
+  struct Cut {
+    nn::Sequential shard;
+    std::vector<std::size_t> origins;
+    std::size_t first = 0, last = 0;
+  };
+  auto const cut = [model = std::make_shared<nn::Sequential const>(whole.clone()), plan = std::move(plan)](
+                       std::shared_ptr<comm::Communicator> const& comm, int rank, std::size_t begin, std::size_t end) {
+    Cut out;
+    out.shard = parallel::parallelize(*model, plan, comm, rank, &out.origins);
+    out.first = static_cast<std::size_t>(std::lower_bound(out.origins.begin(), out.origins.end(), begin) - out.origins.begin());
+    out.last = static_cast<std::size_t>(std::lower_bound(out.origins.begin(), out.origins.end(), end) - out.origins.begin());
+    return out;
+  };
   return {ranks,
-          [model = std::make_shared<nn::Sequential const>(whole.clone()), plan = std::move(plan)](
-              std::shared_ptr<comm::Communicator> const& comm, int rank, std::size_t begin, std::size_t end) {
-            std::vector<std::size_t> origins;
-            nn::Sequential const shard = parallel::parallelize(*model, plan, comm, rank, &origins);
-            // The shard's layers made from the whole model's [begin, end).
-            auto const first = std::lower_bound(origins.begin(), origins.end(), begin);
-            auto const last = std::lower_bound(origins.begin(), origins.end(), end);
-            return shard.stage(static_cast<std::size_t>(first - origins.begin()),
-                               static_cast<std::size_t>(last - origins.begin()));
+          [cut](std::shared_ptr<comm::Communicator> const& comm, int rank, std::size_t begin, std::size_t end) {
+            Cut const c = cut(comm, rank, begin, end);
+            return c.shard.stage(c.first, c.last);
           },
           [loss = std::move(loss)](std::shared_ptr<comm::Communicator> const& comm, int rank) {
             return std::shared_ptr<nn::Loss const>(loss(comm, rank));
           },
-          sequence_parallel};
+          sequence_parallel,
+          [cut](std::shared_ptr<comm::Communicator> const& comm, int rank, std::size_t begin, std::size_t end) {
+            Cut const c = cut(comm, rank, begin, end);
+            return std::vector<std::size_t>(c.origins.begin() + static_cast<std::ptrdiff_t>(c.first),
+                                            c.origins.begin() + static_cast<std::ptrdiff_t>(c.last));
+          }};
 }
 
 TensorParallelStages tensor_parallel_stages(nn::GptConfig const& config, int ranks, bool sequence_parallel) {

@@ -1,6 +1,6 @@
 // Tensor-parallel stages and the whole model: a buffer laid out as the whole model's parameters
 // (the parameters, or an optimizer's state) put together from replica 0's shards and split back
-// over every pipeline's (gather_parameters, scatter_parameters), and checkpoints in
+// over every pipeline's (gather_parameters, scatter_parameters), and checkpoint files in
 // io::save_training's format through the whole model on the host, as TensorParallel's. A tied
 // LM head's copy of its rank's wte rows is left out of the whole model and made from the rows: its
 // parameters and its optimizer's state equal the embedding's rows' (their gradients are summed).
@@ -18,7 +18,6 @@
 #include <mgpu/core/error.hpp>
 #include <mgpu/core/memory.hpp>
 #include <mgpu/io/checkpoint.hpp>
-#include <mgpu/io/sharded_checkpoint.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
 
@@ -97,10 +96,11 @@ void Executor::Impl::tensor_parallel_whole(std::span<float> whole, bool to_shard
         stream.synchronize();
       }
       std::span<float> const flat = values.host_span<float>();
+      std::vector<std::size_t> const origins = chunk_origins(p, c);
       for (nn::ParameterRange const& range : chunk.parameter_ranges()) {
         std::span<float> const shard =
             flat.subspan(static_cast<std::size_t>(range.begin), static_cast<std::size_t>(range.size()));
-        std::size_t const layer = cuts[static_cast<std::size_t>(c)] + range.layer;
+        std::size_t const layer = origins[range.layer];
         auto const w = std::find_if(whole_ranges.begin(), whole_ranges.end(),
                                     [layer](nn::ParameterRange const& r) { return r.layer == layer; });
         if (w == whole_ranges.end()) {  // not in the model: a tied head's copy of its rank's wte rows
@@ -145,10 +145,9 @@ void Executor::Impl::sync_local_chunks() {
 }
 
 void Executor::Impl::save_tensor_parallel(std::filesystem::path const& path, io::TrainingState const& training) {
-  bool const folder = across || std::filesystem::is_directory(path);
   std::string const what = "Executor::save to " + path.string();
-  // Every process puts the whole model and its optimizer's state together (collectives across
-  // processes, in the same order); process 0 writes them.
+  // The whole model and its optimizer's state put together on the host (one process: a folder,
+  // or a save across processes, writes boxes instead).
   ReplicaRecords const replica = replica_records(what);
   WholeModel whole(architecture, make_optimizer, options.seed);
   auto const element = [](auto& nested, int p, int c) -> auto& {
@@ -168,35 +167,16 @@ void Executor::Impl::save_tensor_parallel(std::filesystem::path const& path, io:
       tensor_parallel_whole(into[k].second.host_span<float>(), false,
                             [&](int p, int c) { return element(optimizers, p, c)->state().at(k).second; });
   }
-  // Process 0's records (chunk 0 of replica 0 runs on world rank 0).
-  auto const checkpoint = [&] {
-    whole.model.set_rng_state(replica.rng);
-    if (!loaded_seeds.empty()) whole.model.set_rng_seeds(loaded_seeds);
-    whole.optimizer->set_steps(optimizers[0][0]->steps());
-    io::Checkpoint out = io::training_checkpoint(whole.model, *whole.optimizer, training, whole.stream);
-    if (options.loss_scaler) io::put_loss_scaler(out, options.loss_scaler->state());
-    return out;
-  };
-  if (!folder) {
-    checkpoint().save(path);
-    return;
-  }
-  // A folder: process 0's shard holds every record, the others' none.
-  comm::detail::save_in_shards(
-      *comm, *group, what, [&] { return io::committed_save_id(path) + 1; },
-      [&](std::uint64_t save_id, int index, int count) {
-        io::ShardWriter writer;
-        if (first == 0) {
-          io::Checkpoint const written = checkpoint();
-          for (io::Record const& record : written.records()) writer.put(record);
-        }
-        writer.save(path, save_id, index, count);
-      },
-      [&](std::uint64_t save_id, int count) { io::commit_shards(path, save_id, count); });
+  whole.model.set_rng_state(replica.rng);
+  whole.model.set_rng_seeds(replica.seeds);
+  whole.optimizer->set_steps(optimizers[0][0]->steps());
+  io::Checkpoint out = io::training_checkpoint(whole.model, *whole.optimizer, training, whole.stream);
+  if (options.loss_scaler) io::put_loss_scaler(out, options.loss_scaler->state());
+  out.save(path);
 }
 
-io::TrainingState Executor::Impl::load_tensor_parallel(std::function<io::Checkpoint()> const& read,
-                                                       std::string const& source) {
+io::TrainingState Executor::Impl::load_tensor_parallel(std::filesystem::path const& path) {
+  std::string const source = path.string();
   group->synchronize();
   // Everything read and verified into the whole model first (every process, from the same files):
   // the chunks change only once every process has.
@@ -206,7 +186,7 @@ io::TrainingState Executor::Impl::load_tensor_parallel(std::function<io::Checkpo
   std::optional<optim::LossScaler::State> scaler;
   try {
     whole.emplace(architecture, make_optimizer, options.seed);
-    io::Checkpoint const records = read();
+    io::Checkpoint const records = io::Checkpoint::load(path);
     if (options.loss_scaler) scaler = io::read_loss_scaler(records, source, *options.loss_scaler);
     state = io::load_training(records, source, whole->model, *whole->optimizer, *whole->allocator, whole->stream);
   } catch (...) {
@@ -226,7 +206,6 @@ io::TrainingState Executor::Impl::load_tensor_parallel(std::function<io::Checkpo
     for (int c = 0; c < schedule.chunks(); ++c) {
       int const rank = rank_at(p, schedule.device_of(c));
       if (!is_local(rank)) continue;  // another process loads it
-      auto const index = static_cast<std::size_t>(c);
       nn::Sequential& chunk = element(chunks, p, c);
       optim::Optimizer& optimizer = *element(optimizers, p, c);
       Stream& stream = group->stream(rank - first);
@@ -236,11 +215,7 @@ io::TrainingState Executor::Impl::load_tensor_parallel(std::function<io::Checkpo
         (void)optimizer.prepare_state(chunk.master_parameters(), group->allocator(rank - first), stream);
       }
       optimizer.set_steps(whole->optimizer->steps());
-      auto const layer = static_cast<std::ptrdiff_t>(cuts[index]);
-      chunk.set_rng_state({rng.begin() + layer, rng.begin() + layer + static_cast<std::ptrdiff_t>(chunk.size())});
-      std::size_t at = 0;  // the whole model's seeds before the chunk's first layer
-      for (std::size_t l = 0; l < cuts[index]; ++l) at += architecture.layer(l).rng_seeds().size();
-      chunk.set_rng_seeds(std::span<std::uint64_t const>(seeds).subspan(at, chunk.rng_seeds().size()));
+      set_chunk_rng(p, c, rng, seeds);
     }
   }
   group->synchronize();  // prepare_state's zeros written before the values

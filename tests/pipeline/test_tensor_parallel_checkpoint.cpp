@@ -5,7 +5,8 @@
 // the uninterrupted run's losses and weights within float32 rounding; a one-device checkpoint
 // loaded into the grid continues as the one device; a folder save loads back; a damaged shard or
 // file and another model's checkpoint are refused naming the file (and the damaged record), the
-// grid unchanged.
+// grid unchanged. Folders (format 2, each rank's boxes): saved by the grid with ZeRO, resumed on one
+// device, TP 4 and PP 2 x DP 2 with ZeRO-1, each rank reading its chunks' boxes only.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -16,13 +17,16 @@
 #include <vector>
 
 #include <mgpu/core/device_group.hpp>
+#include <mgpu/comm/communicator.hpp>
 #include <mgpu/io/checkpoint.hpp>
+#include <mgpu/io/sharded_checkpoint.hpp>
 #include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/loss.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/data_parallel.hpp>
+#include <mgpu/parallel/shard_boxes.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 #include <mgpu/pipeline/pipeline.hpp>
 
@@ -69,11 +73,12 @@ pp::ChunkOptimizerFactory chunk_adamw() {
 }
 
 // DP 2 x TP 2 x PP 2 (1F1B) on 8 host devices.
-std::unique_ptr<pp::Executor> make_grid(mgpu::DeviceGroup& group) {
+std::unique_ptr<pp::Executor> make_grid(mgpu::DeviceGroup& group, int zero_stage = 0) {
   return std::make_unique<pp::Executor>(nn::gpt(config), group, std::vector<std::size_t>{0, 3, 6},
                                         pp::one_f_one_b(2, 2), chunk_adamw(),
                                         pp::ExecutorOptions{.seed = seed,
                                                             .data_parallel = 2,
+                                                            .zero_stage = zero_stage,
                                                             .clip_norm = clip,
                                                             .tensor_parallel = pp::tensor_parallel_stages(config, 2)});
 }
@@ -89,13 +94,15 @@ std::vector<double> gathered(pp::Executor& ex, Env& env) {
 struct Run {
   std::vector<double> losses, weights;
 };
-Run one_device(Env& env, std::vector<Batch> const& batches, std::filesystem::path const& path) {
+Run one_device(Env& env, std::vector<Batch> const& batches, std::filesystem::path const& path) {  // a file or a folder
   nn::Sequential model = nn::gpt(config);
   model.materialize(env.ctx, seed + 1);  // other weights, which the file replaces
   mgpu::optim::AdamWOptions options = adamw;
   options.decay_ranges = nn::gpt_decay_ranges(config);
   mgpu::optim::AdamW optimizer(options);
-  CHECK(io::load_training(path, model, optimizer, *env.allocator, env.stream).step == saved_at);
+  io::Checkpoint const records =
+      std::filesystem::is_directory(path) ? io::ShardedCheckpoint::load(path).joined() : io::Checkpoint::load(path);
+  CHECK(io::load_training(records, path.string(), model, optimizer, *env.allocator, env.stream).step == saved_at);
   Run run;
   for (int s = saved_at; s < steps; ++s)
     run.losses.push_back(mgpu::ops::item(nn::train_step(model, optimizer, batches[static_cast<std::size_t>(s)].ids,
@@ -294,5 +301,150 @@ TEST_CASE(
   REQUIRE_MGPU_ERROR(grid->load(wrong), mgpu::Errc::invalid_argument, wrong.string() + ": the model differs");
   CHECK(gathered(*grid, env) == before);
   std::filesystem::remove(wrong);
+  std::filesystem::remove_all(folder);
+}
+
+TEST_CASE("a DP 2 x TP 2 x PP 2 ZeRO folder of each rank's boxes resumes on one device, TP 4 and PP 2 x DP 2 with ZeRO-1",
+          "[pipeline][tensor][checkpoint][box]") {
+  int const zero = GENERATE(1, 2);  // the grid's ZeRO stage (3 joins once the pipeline has it)
+  CAPTURE(zero);
+  Env env;
+  std::vector<Batch> const batches = make_batches(env);
+  auto const folder = mgpu::test::temp_path("mgpu_grid_boxes_" + std::to_string(zero));
+  std::filesystem::remove_all(folder);
+  std::filesystem::create_directories(folder);
+  mgpu::DeviceGroup eight("host:8");
+  std::unique_ptr<pp::Executor> grid = make_grid(eight, zero);
+  for (int s = 0; s < saved_at; ++s)
+    grid->step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets);
+  grid->save(folder, {.step = saved_at, .data_seed = 3});
+  std::vector<double> const saved = gathered(*grid, env);
+  Run uninterrupted;
+  for (int s = saved_at; s < steps; ++s)
+    uninterrupted.losses.push_back(
+        grid->step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets));
+  uninterrupted.weights = gathered(*grid, env);
+  {
+    // Boxes only: the tensors by name, no element ranges of the whole model.
+    auto const c = io::ShardedCheckpoint::load(folder);
+    CHECK(c.version() == 2);
+    CHECK(c.is_layout("model.parameters"));
+    CHECK(!c.split_by_elements("model.parameters/h.0.attn_qkv.weight"));
+  }
+
+  check_continues("one device", one_device(env, batches, folder), uninterrupted);
+  {
+    mgpu::DeviceGroup four("host:4");
+    par::TensorParallel tp(four, config, {.seed = seed + 1, .adamw = adamw, .clip_norm = clip});
+    CHECK(tp.load(folder).step == saved_at);
+    std::vector<float> const loaded = tp.gather_parameters();
+    CHECK(std::vector<double>(loaded.begin(), loaded.end()) == saved);
+    Run run;
+    for (int s = saved_at; s < steps; ++s)
+      run.losses.push_back(tp.step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets).loss);
+    std::vector<float> const end = tp.gather_parameters();
+    run.weights.assign(end.begin(), end.end());
+    check_continues("TP 4", run, uninterrupted);
+  }
+  {
+    // Each chunk's boxes read once (both replicas' chunks alike): the model and its two moments,
+    // and the tied head's copy of wte, no more.
+    mgpu::DeviceGroup four("host:4");
+    pp::Executor plain(nn::gpt(config), four, {0, 3, 6}, pp::one_f_one_b(2, 2), chunk_adamw(),
+                       {.seed = seed + 1,
+                        .data_parallel = 2,
+                        .zero_stage = 1,
+                        .clip_norm = clip,
+                        .loss = std::make_shared<nn::TokenCrossEntropy const>()});
+    auto const c = io::ShardedCheckpoint::load(folder);
+    std::uint64_t const at_load = c.payload_bytes_read();
+    CHECK(plain.load(c).data_seed == 3);
+    auto const model_bytes = static_cast<std::uint64_t>(nn::gpt(config).parameter_count()) * sizeof(float);
+    auto const wte_bytes = static_cast<std::uint64_t>(config.vocab * config.n_embd) * sizeof(float);
+    CHECK(c.payload_bytes_read() - at_load == 3 * (model_bytes + wte_bytes));
+    CHECK(gathered(plain, env) == saved);
+    Run run;
+    for (int s = saved_at; s < steps; ++s)
+      run.losses.push_back(plain.step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets));
+    run.weights = gathered(plain, env);
+    check_continues("PP 2 x DP 2 ZeRO-1", run, uninterrupted);
+  }
+  {
+    // A folder of whole records (DataParallel's in one process, as loaded) into the grid: the same weights.
+    mgpu::DeviceGroup two("host:2");
+    mgpu::optim::AdamWOptions options = adamw;
+    options.decay_ranges = nn::gpt_decay_ranges(config);
+    par::DataParallelOptions dp_options;
+    dp_options.seed = seed + 1;
+    par::DataParallel dp(nn::gpt(config), two, mgpu::optim::AdamW(options), dp_options);
+    CHECK(dp.load(folder).step == saved_at);
+    auto const whole_records = mgpu::test::temp_path("mgpu_grid_whole_records_" + std::to_string(zero));
+    std::filesystem::remove_all(whole_records);
+    std::filesystem::create_directories(whole_records);
+    dp.save(whole_records, {.step = saved_at});
+    REQUIRE(!io::ShardedCheckpoint::load(whole_records).has_pieces("model.parameters"));
+    std::unique_ptr<pp::Executor> again = make_grid(eight, zero);
+    CHECK(again->load(whole_records).step == saved_at);
+    CHECK(gathered(*again, env) == saved);
+    std::filesystem::remove_all(whole_records);
+  }
+  std::filesystem::remove_all(folder);
+}
+
+TEST_CASE("a TP rank's pipeline chunk reads its own boxes: about half of its layers' bytes", "[pipeline][tensor][checkpoint][box]") {
+  Env env;
+  std::vector<Batch> const batches = make_batches(env);
+  auto const folder = mgpu::test::temp_path("mgpu_grid_chunk_boxes");
+  std::filesystem::remove_all(folder);
+  std::filesystem::create_directories(folder);
+  mgpu::DeviceGroup eight("host:8");
+  std::unique_ptr<pp::Executor> grid = make_grid(eight);
+  grid->step(batches[0].ids, batches[0].targets);
+  grid->save(folder, {.step = 1});
+  std::vector<double> const whole = gathered(*grid, env);
+  // Tensor-parallel rank 1's second chunk (the model's layers [3, 6): a block, the final LayerNorm
+  // and the tied head, which holds a copy of its rank's 34 rows of wte).
+  mgpu::DeviceGroup two("host:2");
+  std::shared_ptr<mgpu::comm::Communicator> const comm = mgpu::comm::make_communicator(two);
+  pp::TensorParallelStages const stages = pp::tensor_parallel_stages(config, 2);
+  nn::Sequential chunk = stages.stage(comm, 1, 3, 6);
+  for (std::size_t i = 0; i < chunk.size(); ++i)  // as the executor makes it: the head without its embedding
+    if (auto* head = dynamic_cast<par::VocabParallelLMHead*>(&chunk.layer(i))) head->hold_weight();
+  std::vector<std::size_t> const origins = stages.origins(comm, 1, 3, 6);
+  nn::Sequential const model = nn::gpt(config);
+  auto const c = io::ShardedCheckpoint::load(folder);
+  std::uint64_t const at_load = c.payload_bytes_read();
+  std::int64_t elements = 0, copied = 0;
+  auto const host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
+  std::vector<float> buffer(static_cast<std::size_t>(chunk.parameter_count()), -1.0f);
+  for (par::ShardBox const& b : par::shard_boxes(model, chunk, origins)) {
+    par::read_box_into(c, {}, "model.parameters", b, buffer, env.stream);
+    // The box's elements of the whole model, serially, against where the chunk holds them.
+    std::int64_t const cols = b.shape.back();
+    std::int64_t const row0 = b.shape.size() == 1 ? 0 : b.box.offsets[0];
+    for (std::size_t r = 0; r < b.rows.size(); ++r)
+      for (std::int64_t k = 0; k < b.box.lengths.back(); ++k)
+        CHECK(static_cast<double>(buffer[static_cast<std::size_t>(b.rows[r] + k)]) ==
+              whole[static_cast<std::size_t>(b.offset + (row0 + static_cast<std::int64_t>(r)) * cols + b.box.offsets.back() + k)]);
+    elements += b.box.numel();
+    if (b.copy) copied += b.box.numel();
+  }
+  CHECK(std::find(buffer.begin(), buffer.end(), -1.0f) == buffer.end());  // every element read
+  CHECK(elements == chunk.parameter_count());
+  CHECK(copied == 34 * config.n_embd);  // rows 33 to 66 of wte
+  CHECK(c.payload_bytes_read() - at_load == static_cast<std::uint64_t>(elements) * sizeof(float));
+  // The whole model's layers [3, 6) and the wte rows the head uses: rank 1 reads about half.
+  std::int64_t share = config.vocab * config.n_embd;
+  for (std::size_t l = 3; l < 6; ++l) share += model.layer(l).parameter_count();
+  double const fraction = static_cast<double>(elements) / static_cast<double>(share);
+  WARN("TP rank 1's chunk 1 reads " << fraction << " of its layers' bytes");
+  CHECK(fraction > 0.45);
+  CHECK(fraction < 0.55);
+  // Origins that do not fit the chunk are refused, naming what was expected.
+  REQUIRE_MGPU_ERROR((void)par::shard_boxes(model, chunk, std::vector<std::size_t>{3, 4}), mgpu::Errc::invalid_argument,
+                     "(expected one per layer)");
+  std::vector<std::size_t> shifted = origins;
+  shifted[0] = shifted[1];  // two layers of one origin
+  REQUIRE_MGPU_ERROR((void)par::shard_boxes(model, chunk, shifted), mgpu::Errc::invalid_argument, "two layers with parameters");
   std::filesystem::remove_all(folder);
 }

@@ -98,6 +98,12 @@ struct TensorParallelStages {
   std::function<std::shared_ptr<nn::Loss const>(std::shared_ptr<comm::Communicator> const& comm, int rank)> loss{};
   /// Sequence parallelism: LayerNorm gradients summed over the chunk's ranks.
   bool sequence_parallel = false;
+  /// For each layer of stage(comm, rank, begin, end), the index of the model's layer it was made
+  /// from (checkpoints name the chunk's tensors by it); empty: the stage's layers are the model's
+  /// [begin, end), one for one.
+  std::function<std::vector<std::size_t>(std::shared_ptr<comm::Communicator> const& comm, int rank, std::size_t begin,
+                                         std::size_t end)>
+      origins{};
 };
 
 /// `whole`'s (the executor's model's) tensor-parallel stages over `ranks` ranks per stage: rank r's
