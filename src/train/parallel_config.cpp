@@ -67,13 +67,12 @@ void ParallelConfig::validate(nn::GptConfig const& model, LayoutChecks const& ch
   if (bucket_cap_bytes > 0 && pipe)
     refuse(name("bucket_cap_bytes", "--bucket-kb") + " with a pipeline (expected " +
            name("bucket_cap_bytes", "--bucket-kb") + " with data or tensor parallelism: a pipeline's replicas do not bucket)");
-  if (int const most = parallel::max_zero_stage(compute, true); zero && pipe && *zero > most) {
-    bool const sixteen = compute != DType::float32;
-    refuse(n_zero + " with a pipeline" + (sixteen ? " in " + precision_name(compute) : "") + " (expected " +
-           name("zero", "--zero") + " 0 to " + std::to_string(most) + " with a pipeline" + (sixteen ? " in 16 bits" : "") +
-           ": its replicas shard the update, optimizer state" +
-           (sixteen ? ", not yet the gradients)" : " and gradients, not yet the parameters)"));
-  }
+  if (int const most = parallel::max_zero_stage(compute, true); zero && pipe && *zero > most)  // 16 bits (float32 takes 0 to 3)
+    refuse(n_zero + " with a pipeline in " + precision_name(compute) + " (expected " + name("zero", "--zero") + " 0 to " +
+           std::to_string(most) + " with a pipeline in 16 bits: its replicas shard the update and optimizer state, not yet the gradients)");
+  if (zero && *zero == 3 && pipe && dp > 1 && pipeline_schedule() == "zb")
+    refuse(n_zero + " with " + name("schedule", "--schedule") + " zb (expected gpipe, 1f1b or interleaved with ZeRO-3: it gathers a "
+           "chunk's parameters per pass, and zero bubble splits a backward into two)");
   if (sequence_parallel && tp < 2)
     refuse(name("sequence_parallel", "--sequence-parallel") + " with " + n_tp + " (expected " + name("tp", "--tp") +
            " 2 or more: it splits the tensor-parallel devices' tokens)");

@@ -8,11 +8,11 @@ namespace mgpu::parallel {
 
 /// The highest ZeRO stage (DataParallelOptions::zero_stage, TensorParallelOptions::zero_stage) that
 /// replicas computing in `compute` run: 3 in float32 and in 16 bits (float32 masters, sharded like
-/// the optimizer state); a pipeline's replicas (`pipeline`) 2 in float32 (the gradients sharded after
-/// each chunk's micro-batches, not yet the parameters) and 1 in 16 bits.
+/// the optimizer state); a pipeline's replicas (`pipeline`) 3 in float32 (the gradients sharded after
+/// each chunk's micro-batches, the parameters gathered per unit and pass) and 1 in 16 bits.
 [[nodiscard]] constexpr int max_zero_stage(DType compute, bool pipeline) noexcept {
   if (!pipeline) return 3;
-  return compute == DType::float32 ? 2 : 1;
+  return compute == DType::float32 ? 3 : 1;
 }
 
 }  // namespace mgpu::parallel
