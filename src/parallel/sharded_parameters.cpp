@@ -105,6 +105,7 @@ void RankSync::begin_pass(bool backward, Stream& compute) {
   if (!sync_.shard_parameters_ || !sync_.whole_gradients_ || whole_ || count == 0) return;
   forward_entered_ = 0;
   backward_entered_ = 0;
+  end_pass(compute);  // nothing is held but after a pass that failed, whose gathers may not have run
   forward_start_.record(compute);  // the gathers come after what `compute` ran before the pass
   forward_start_.wait(comm_stream_);
   hold(backward ? 0 : count - 1);  // forward runs the units from the last (the first layers) down, backward up
