@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <exception>
 #include <string>
 #include <utility>
 
@@ -520,7 +521,17 @@ void GradientSync::start_step(bool accumulate) {
 }
 
 void GradientSync::synchronize() {
-  for (auto const& r : ranks_) r->comm_stream_.synchronize();
+  // Every stream, also past a failed one: synchronize() clears a stream's failure, which would
+  // otherwise mark all its later work failed.
+  std::exception_ptr first;
+  for (auto const& r : ranks_) {
+    try {
+      r->comm_stream_.synchronize();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
 }
 
 void GradientSync::gather_optimizer_state(std::vector<optim::Optimizer*> const& optimizers) {
