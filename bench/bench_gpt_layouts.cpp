@@ -15,7 +15,9 @@
 //   11, 12 row 6 with ZeRO-1 and ZeRO-3 over the tensor-parallel replicas (ZeRO needs replicas:
 //   tensor parallelism alone has one);  13 data parallel over host:4 with ZeRO-1;  14 ZeRO-3 over
 //   host:4 with the default options (a unit per transformer block, the embedding and the final
-//   LayerNorm their own);  15 row 14 at issue 36's shape.
+//   LayerNorm their own);  15 row 14 at issue 36's shape;  16, 17 a 1F1B pipeline of 2 stages x 2
+//   data-parallel replicas (host:4, 2 micro-batches) at issue 36's shape with ZeRO-1 and ZeRO-3
+//   over the replicas.
 // Pipelines are cut at the model's middle cut point. Each row steps once untimed, then times its
 // steps (a short run):
 //   tokens_per_s        batch * block / the median step time;
@@ -83,6 +85,10 @@ void BM_gpt_layouts(benchmark::State& state) {
       {"host:4 data parallel, ZeRO-1", &mid, "host:4", {.dp = 4, .zero = 1}},
       {"host:4 ZeRO-3, default units (a block each)", &mid, "host:4", {.dp = 4, .zero = 3}},
       {"host:4 ZeRO-3, default units; n_layer 8, block 32, batch 4", &issue36, "host:4", {.dp = 4, .zero = 3}},
+      {"host:4 pipeline 2 x data parallel 2, ZeRO-1; n_layer 8, block 32, batch 4", &issue36, "host:4",
+       {.dp = 2, .stages = 2, .micro_batches = 2, .zero = 1}},
+      {"host:4 pipeline 2 x data parallel 2, ZeRO-3; n_layer 8, block 32, batch 4", &issue36, "host:4",
+       {.dp = 2, .stages = 2, .micro_batches = 2, .zero = 3}},
   };
   Row const& row = rows[state.range(0)];
   Shape const& shape = *row.shape;
@@ -118,6 +124,6 @@ void BM_gpt_layouts(benchmark::State& state) {
   state.counters["predicted_peak_bytes_device"] = predicted;
   state.counters["devices"] = static_cast<double>(allocators.size());
 }
-BENCHMARK(BM_gpt_layouts)->DenseRange(0, 15)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(bench::iterations(4));
+BENCHMARK(BM_gpt_layouts)->DenseRange(0, 17)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(bench::iterations(4));
 
 }  // namespace

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <exception>
 #include <string>
 #include <utility>
 
@@ -76,7 +77,7 @@ void check_zero_stage(DataParallelOptions const& options, std::string const& who
     if (options.comm_hook)
       throw Error(Errc::invalid_argument, stage + " with the comm hook " + options.comm_hook->name() +
                                               " (expected none: a hook reduces whole buckets, which sharded gradients do not keep)");
-    if (!options.overlap && !(whole_gradients && options.zero_stage == 2))
+    if (!options.overlap && !whole_gradients)
       throw Error(Errc::invalid_argument,
                   stage + " without overlap (expected overlap on: each bucket is reduced as soon as "
                           "backward has written it, so the next buckets can reuse its staging buffer)");
@@ -202,7 +203,7 @@ void RankSync::launch(std::size_t bucket, Stream& compute) {
   // back as soon as its reduce is enqueued: the work gets a view that does not hold it (a
   // communicator's work may read a tensor's memory when it runs), its use recorded below.
   bool const last = bucket + 1 == sync_.buckets_.size();
-  bool const transient = sync_.shard_gradients_ && (sync_.shard_parameters_ || last);
+  bool const transient = sync_.shard_gradients_ && !sync_.whole_gradients_ && (sync_.shard_parameters_ || last);
   if (transient && !last && sixteen()) {  // the layers' compute-type gradients are unscaled into the staging memory: done with
     Tensor const& computed = unit_compute_grads_[bucket];
     mgpu::detail::BufferInternals::record_use(compute, computed);
@@ -487,7 +488,7 @@ GradientSync::GradientSync(DeviceGroup& group, std::shared_ptr<comm::detail::Ren
   stage_ = options.zero_stage;
   shard_gradients_ = options.zero_stage >= 2 && n > 1;
   shard_parameters_ = options.zero_stage >= 3 && n > 1;
-  whole_gradients_ = shard_gradients_ && !shard_parameters_ && !overlap_;
+  whole_gradients_ = shard_gradients_ && !overlap_;
   if (hook_) {
     std::vector<std::int64_t> sizes;
     for (Bucket const& b : buckets_) sizes.push_back(b.size());
@@ -520,7 +521,17 @@ void GradientSync::start_step(bool accumulate) {
 }
 
 void GradientSync::synchronize() {
-  for (auto const& r : ranks_) r->comm_stream_.synchronize();
+  // Every stream, also past a failed one: synchronize() clears a stream's failure, which would
+  // otherwise mark all its later work failed.
+  std::exception_ptr first;
+  for (auto const& r : ranks_) {
+    try {
+      r->comm_stream_.synchronize();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
 }
 
 void GradientSync::gather_optimizer_state(std::vector<optim::Optimizer*> const& optimizers) {

@@ -19,6 +19,10 @@
 // compute: the whole float32 buffer, which the caller unscales the accumulated 16-bit gradients
 // into before finish()). A rank never holds more gradients than ZeRO-1 does (the whole buffer, for
 // the step and between steps).
+// Sharded parameters without overlap (a pipeline's replicas, whose chunks run several forward and
+// backward passes a step in the schedule's order, float32 only) keep the whole gradient buffer
+// likewise, and gather each unit per pass (begin_pass(), end_pass()), the last one (the first
+// layers) too: nothing gathered stays from one pass to the next.
 // The sharded parameters' methods are in sharded_parameters.cpp.
 #pragma once
 
@@ -64,7 +68,7 @@ std::vector<Bucket> plan_buckets(nn::Sequential const& model, DataParallelOption
 /// Throws Error(invalid_argument), prefixed by `who`, for a zero_stage outside 0 to `max_stage` or
 /// one that the options cannot take: stages 2 and 3 need overlap and no comm hook.
 /// `whole_gradients`: the caller reduces after accumulating backward passes (no overlap), which
-/// stage 2 takes in every precision (see the top of this file).
+/// stage 2 takes in every precision and stage 3 in float32 (see the top of this file).
 void check_zero_stage(DataParallelOptions const& options, std::string const& who, int max_stage = 3,
                       bool whole_gradients = false);
 
@@ -96,6 +100,13 @@ class RankSync final : public nn::GradientSync {
   /// about to enter, ordered before `compute`'s next work, and prefetches the next one (see the
   /// members below).
   void before_layer(std::size_t layer, bool backward, Stream& compute) override;
+  /// With sharded parameters without overlap: a forward (or backward) pass of the model starts on
+  /// `compute`, after everything enqueued there before; before_layer() then gathers each unit as
+  /// the pass reaches it (prefetching the next) and lets the one before go, and end_pass() lets
+  /// what the pass still holds go: a rank holds its owned parameters and at most two units'. Nothing
+  /// otherwise.
+  void begin_pass(bool backward, Stream& compute);
+  void end_pass(Stream& compute);
   /// With sharded parameters, while the model holds them whole (after construction, gather_whole()
   /// or a load): lays out `optimizer`'s state for the owned elements (shard_optimizer_state), keeps
   /// the owned parameters only and binds the layers to the buckets' parameter buffers, freeing the
@@ -143,6 +154,11 @@ class RankSync final : public nn::GradientSync {
   // Sharded parameters: forward or backward enters `bucket` (see before_layer()).
   void enter_forward(std::size_t bucket, Stream& compute);
   void enter_backward(std::size_t bucket, Stream& compute);
+  // Sharded parameters without overlap: a pass enters `bucket` (see begin_pass()); a unit gathered
+  // for the pass (hold()), its memory going once the pass is done with it (drop()).
+  void enter_in_pass(std::size_t bucket, bool backward, Stream& compute);
+  void hold(std::size_t bucket);
+  void drop(std::size_t bucket, Stream& compute);
   // Sharded parameters: the buffer the layers of `bucket` read, and its gather on the communication
   // stream once the bucket that used the buffer before is done with it (params_gathered_[bucket] marks it).
   [[nodiscard]] Tensor parameter_buffer(std::size_t bucket) const;
@@ -222,6 +238,8 @@ class RankSync final : public nn::GradientSync {
   Event forward_start_;
   std::size_t forward_entered_ = 0, backward_entered_ = 0;  // buckets entered in this pass
   bool whole_ = true;
+  // Without overlap: the units gathered for the pass that runs (params_last_ among them).
+  std::vector<bool> held_;
   // Host timestamps written by marker tasks on the compute stream around the wait for the reduces.
   std::shared_ptr<std::array<std::int64_t, 2>> wait_marks_ = std::make_shared<std::array<std::int64_t, 2>>();
 };
@@ -298,7 +316,7 @@ class GradientSync {
   std::vector<std::int64_t> blocks_;
   bool shard_gradients_ = false;   // zero_stage 2 or 3 over more than one rank
   bool shard_parameters_ = false;  // zero_stage 3 over more than one rank
-  bool whole_gradients_ = false;   // sharded gradients without overlap: the model's whole buffer
+  bool whole_gradients_ = false;   // sharded gradients without overlap: the model's whole buffer (stage 3 too)
   bool unit_compute_grads_ = false;  // unit_compute_gradients()
   int stage_ = 0;                  // the zero_stage asked for
   bool overlap_;

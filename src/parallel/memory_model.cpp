@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/core/error.hpp>
@@ -70,7 +72,9 @@ std::vector<nn::ParameterRange> shard_ranges(nn::Sequential const& model, nn::Gp
 // positions, the final LayerNorm 2C, and the LM head in a stage without the embedding a copy of its
 // vocab rows of wte. With ZeRO-1 each replica keeps AdamW's state of 1/data_parallel of its chunk;
 // ZeRO-2 holds what ZeRO-1 holds (the whole gradients, reduced in place, the owned ones packed at
-// their front) and is predicted as ZeRO-1.
+// their front) and is predicted as ZeRO-1. ZeRO-3 holds the same gradients, and of the parameters
+// the owned 1/data_parallel and at most two units (a block, the embedding, or the final LayerNorm
+// and head), gathered per pass.
 std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_t rows, GptLayout const& layout,
                                         std::string const& what) {
   nn::Sequential const model = nn::gpt(config);
@@ -102,18 +106,26 @@ std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_
         std::size_t const first = cuts[static_cast<std::size_t>(s)], end = cuts[static_cast<std::size_t>(s) + 1];
         double params = 0, blocks = 0;
         bool head = false;
+        std::vector<double> units;  // ZeRO-3's: each block alone, the layers between blocks together
+        bool in_block = true;
+        auto const add = [&](double n, bool block) {
+          params += n;
+          if (block || in_block) units.push_back(0);
+          units.back() += n;
+          in_block = block;
+        };
         for (std::size_t l = first; l < end; ++l) {
           nn::Layer const& layer = model.layer(l);
           if (dynamic_cast<nn::TransformerBlock const*>(&layer) != nullptr) {
-            params += 12 * c * c / t + 7 * c / t + 6 * c;
+            add(12 * c * c / t + 7 * c / t + 6 * c, true);
             blocks += 1;
           } else if (dynamic_cast<nn::Embedding const*>(&layer) != nullptr) {
-            params += (vocab + block_size) * c;
+            add((vocab + block_size) * c, false);
           } else if (dynamic_cast<nn::TiedLMHead const*>(&layer) != nullptr) {
             head = true;
-            if (first > 0) params += vocab * c;  // its own copy of wte's rows
+            if (first > 0) add(vocab * c, false);  // its own copy of wte's rows
           } else {
-            params += static_cast<double>(layer.parameter_count());  // the final LayerNorm, dropout
+            add(static_cast<double>(layer.parameter_count()), false);  // the final LayerNorm, dropout
           }
         }
         GptMemory g;
@@ -122,6 +134,11 @@ std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_
         auto const replicas = static_cast<double>(layout.data_parallel);
         bool const sharded = layout.data_parallel > 1 && layout.zero_stage >= 1;
         g.optimizer = 2 * floats(sharded ? std::ceil(params / replicas) + replicas : params);
+        if (sharded && layout.zero_stage == 3 && !units.empty()) {
+          std::sort(units.begin(), units.end(), std::greater<>());
+          g.parameters = floats(std::ceil(params / replicas) + replicas);
+          for (std::size_t u = 0; u < std::min<std::size_t>(2, units.size()); ++u) g.parameters += floats(units[u]);
+        }
         // The first micro-batches are the largest, and in flight together.
         int const in_flight = layout.gpipe ? m : std::min(m, stages - s);
         for (int i = 0; i < in_flight; ++i) {

@@ -37,7 +37,8 @@ Tensor RankSync::parameter_buffer(std::size_t bucket) const {
 }
 
 void RankSync::prefetch(std::size_t bucket) {
-  bool const last = bucket + 1 == sync_.buckets_.size();
+  // The last unit's buffer keeps its memory, but when gathered per pass (without overlap).
+  bool const last = bucket + 1 == sync_.buckets_.size() && !sync_.whole_gradients_;
   Tensor const into = parameter_buffer(bucket);
   auto const acquire = [&](Tensor const& t) {
     mgpu::detail::BufferInternals::acquire_memory(t, static_cast<std::size_t>(t.numel()) * size_of(t.dtype()), allocator(), comm_stream_);
@@ -62,7 +63,7 @@ void RankSync::prefetch(std::size_t bucket) {
 }
 
 void RankSync::release_parameters(std::size_t bucket, Stream& compute) {
-  Tensor const& params = sixteen() ? unit_compute_params_[bucket] : unit_params_[bucket];
+  Tensor const params = sixteen() ? unit_compute_params_[bucket] : parameter_buffer(bucket);
   mgpu::detail::BufferInternals::record_use(compute, params);  // what the layers enqueued reads it
   mgpu::detail::BufferInternals::record_use(comm_stream_, params);
   mgpu::detail::BufferInternals::release_memory(params);
@@ -75,6 +76,17 @@ void RankSync::before_layer(std::size_t layer, bool backward, Stream& compute) {
   }
   std::vector<Bucket> const& buckets = sync_.buckets_;
   std::size_t const count = buckets.size();
+  if (sync_.whole_gradients_) {  // without overlap: begin_pass() started the pass
+    if (whole_) return;
+    if (backward) {
+      while (backward_entered_ < count && layer <= buckets[backward_entered_].last_layer)
+        enter_in_pass(backward_entered_++, true, compute);
+    } else {
+      while (forward_entered_ < count && layer >= buckets[count - 1 - forward_entered_].first_layer)
+        enter_in_pass(count - 1 - forward_entered_++, false, compute);
+    }
+    return;
+  }
   if (!backward && layer == 0) {  // a new forward: after everything before it on `compute`
     forward_entered_ = 0;
     backward_entered_ = 0;
@@ -88,6 +100,45 @@ void RankSync::before_layer(std::size_t layer, bool backward, Stream& compute) {
   } else {
     while (forward_entered_ < count && layer >= buckets[count - 1 - forward_entered_].first_layer)
       enter_forward(count - 1 - forward_entered_++, compute);
+  }
+}
+
+void RankSync::begin_pass(bool backward, Stream& compute) {
+  std::size_t const count = sync_.buckets_.size();
+  if (!sync_.shard_parameters_ || !sync_.whole_gradients_ || whole_ || count == 0) return;
+  forward_entered_ = 0;
+  backward_entered_ = 0;
+  end_pass(compute);  // nothing is held but after a pass that failed, whose gathers may not have run
+  forward_start_.record(compute);  // the gathers come after what `compute` ran before the pass
+  forward_start_.wait(comm_stream_);
+  hold(backward ? 0 : count - 1);  // forward runs the units from the last (the first layers) down, backward up
+}
+
+void RankSync::end_pass(Stream& compute) {
+  for (std::size_t b = 0; b < held_.size(); ++b) drop(b, compute);
+}
+
+void RankSync::hold(std::size_t bucket) {
+  if (held_[bucket]) return;
+  prefetch(bucket);
+  held_[bucket] = true;
+}
+
+void RankSync::drop(std::size_t bucket, Stream& compute) {
+  if (!held_[bucket]) return;
+  release_parameters(bucket, compute);
+  held_[bucket] = false;
+}
+
+void RankSync::enter_in_pass(std::size_t bucket, bool backward, Stream& compute) {
+  std::size_t const count = sync_.buckets_.size();
+  params_gathered_[bucket].wait(compute);
+  if (backward) {  // bucket - 1 is done, bucket + 1 comes next
+    if (bucket >= 1) drop(bucket - 1, compute);
+    if (bucket + 1 < count) hold(bucket + 1);
+  } else {  // bucket + 1 is done, bucket - 1 comes next
+    if (bucket + 1 < count) drop(bucket + 1, compute);
+    if (bucket >= 1) hold(bucket - 1);
   }
 }
 
@@ -139,12 +190,12 @@ void RankSync::shard_parameters(optim::Optimizer& optimizer, Allocator& allocato
     }
     model_.bind_parameters(buckets[b].begin, buckets[b].end, read);
   }
-  params_last_ = Tensor::empty(staging_last_.shape(), DType::float32, allocator);
-  if (sixteen()) {
+  params_last_ = Tensor::empty({buckets.back().size()}, DType::float32, allocator);
+  if (sixteen() || sync_.whole_gradients_)  // staging only, or gathered per pass as the other units
     mgpu::detail::BufferInternals::release_memory(params_last_);
-    unit_compute_params_.back() = Tensor::empty(staging_last_.shape(), compute, allocator);
-  }
+  if (sixteen()) unit_compute_params_.back() = Tensor::empty({buckets.back().size()}, compute, allocator);
   model_.bind_parameters(buckets.back().begin, buckets.back().end, sixteen() ? unit_compute_params_.back() : params_last_);
+  held_.assign(buckets.size(), false);
   whole_ = false;
 }
 
@@ -163,6 +214,7 @@ void RankSync::gather_whole(Allocator& allocator, Stream& stream) {
   unit_params_.clear();
   unit_compute_params_.clear();
   params_last_ = Tensor{};
+  held_.clear();
   whole_ = true;
 }
 

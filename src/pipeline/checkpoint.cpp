@@ -80,6 +80,7 @@ void check_whole(nn::Sequential const& whole, std::int64_t expected, char const*
 
 void Executor::gather_parameters(nn::Sequential& whole, Stream& stream) {
   Impl& m = *impl_;
+  m.gather_whole();  // zero_stage 3: the next step shards them again
   if (m.tp > 1) {
     check_whole(whole, m.architecture.parameter_count(), "Executor::gather_parameters");
     stream.synchronize();
@@ -123,6 +124,7 @@ void Executor::gather_parameters(nn::Sequential& whole, Stream& stream) {
 
 void Executor::scatter_parameters(nn::Sequential const& whole, Stream& stream) {
   Impl& m = *impl_;
+  m.gather_whole();  // zero_stage 3: written whole, sharded by the next step
   if (m.tp > 1) {
     check_whole(whole, m.architecture.parameter_count(), "Executor::scatter_parameters");
     m.group->synchronize();

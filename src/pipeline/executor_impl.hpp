@@ -85,6 +85,11 @@ struct Executor::Impl {
   // Every sync's optimizer state whole (before a checkpoint is written or read); the next step
   // shards it again.
   void gather_optimizer_state();
+  // With zero_stage 3: every sync's chunks hold their whole parameters (gather_whole(): to read or
+  // write them), until the next step keeps each replica's owned ones only (shard_parameters(),
+  // which shards their optimizers' state with them). Collectives; nothing with other stages.
+  void gather_whole();
+  void shard_parameters();
   // Tensor parallelism: per replica a and chunk c (tp_comm(pipeline, c)), over the chunk's tp ranks.
   std::vector<std::shared_ptr<comm::Communicator>> tp_comms;
   [[nodiscard]] comm::Communicator& tp_comm(int pipeline, int c) const {

@@ -43,8 +43,9 @@ class NormRanges final : public nn::GradientSync {
   std::vector<nn::OwnedRange> ranges_;
 };
 
-// With zero_stage 1 or 2, the update's view of a chunk's data-parallel sync: the replica's owned
-// blocks (RankSync::owned()) and with 2 their packed gradients (RankSync::owned_gradients()), each element counted in the norm where the sync counts it and `counting`
+// With zero_stage 1 to 3, the update's view of a chunk's data-parallel sync: the replica's owned
+// blocks (RankSync::owned()), with 2 and 3 their packed gradients (RankSync::owned_gradients()) and
+// with 3 their parameters (RankSync::owned_parameters()), each element counted in the norm where the sync counts it and `counting`
 // does (the chunk's ranges as the replica would count them owning all: a tied head's copy of wte
 // nowhere, the replicated parameters of tensor-parallel stages on rank 0 only; elements outside
 // them count), and the norm's sums left to the step, which adds every replica's part in one process.
@@ -75,11 +76,20 @@ class ShardedUpdate final : public nn::GradientSync {
   }
   void gather_updated(Stream& compute) override { sync_.gather_updated(compute); }
   [[nodiscard]] Tensor owned_gradients() const override { return sync_.owned_gradients(); }
+  [[nodiscard]] Tensor owned_parameters() const override { return sync_.owned_parameters(); }
 
  private:
   parallel::detail::RankSync& sync_;
   std::vector<nn::OwnedRange> counting_;
 };
+
+// Whether the schedule splits a backward into its input- and weight-gradient halves (zero bubble).
+bool splits_backward(Schedule const& schedule) {
+  for (auto const& list : schedule.actions)
+    for (Action const& a : list)
+      if (a.kind == ActionKind::backward_input) return true;
+  return false;
+}
 
 // Refuses what tensor-parallel stages do not support (yet).
 void check_tensor_parallel(ExecutorOptions const& options, bool across) {
@@ -131,7 +141,15 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     zero.zero_stage = options.zero_stage;
     zero.compute = options.compute;
     zero.overlap = false;  // the replicas reduce once a chunk's micro-batches are done
-    parallel::detail::check_zero_stage(zero, "pipeline", 2, true);
+    if (options.zero_stage == 3 && options.compute != DType::float32)
+      throw Error(Errc::invalid_argument, "pipeline: zero_stage 3 with " + std::string(to_string(options.compute)) +
+                                              " compute (expected float32: a pipeline's replicas do not yet shard 16-bit parameters)");
+    parallel::detail::check_zero_stage(zero, "pipeline", 3, true);
+    if (options.zero_stage == 3 && options.data_parallel > 1 && splits_backward(schedule))
+      throw Error(Errc::invalid_argument, "pipeline: zero_stage 3 with the " + schedule.name +
+                                              " schedule (expected one without split backward, e.g. gpipe, 1f1b or interleaved: "
+                                              "ZeRO-3 gathers a chunk's parameters per pass, and the input- and weight-gradient "
+                                              "halves of a backward are two passes)");
     if (options.zero_stage > 0 && across && options.data_parallel > 1 && !options.make_subset_communicator)
       throw Error(Errc::invalid_argument, "pipeline: zero_stage " + std::to_string(options.zero_stage) +
                                               " over several processes without make_subset_communicator (expected "
@@ -372,6 +390,17 @@ void Executor::Impl::gather_optimizer_state() {
     if (replica_syncs[i]) replica_syncs[i]->gather_optimizer_state(replica_optimizers(i / chunks, static_cast<int>(i % chunks)));
 }
 
+void Executor::Impl::gather_whole() {
+  for (auto const& sync : replica_syncs)
+    if (sync) sync->gather_whole();
+}
+
+void Executor::Impl::shard_parameters() {
+  auto const chunks = static_cast<std::size_t>(schedule.chunks());
+  for (std::size_t i = 0; i < replica_syncs.size(); ++i)
+    if (replica_syncs[i]) replica_syncs[i]->shard_parameters(replica_optimizers(i / chunks, static_cast<int>(i % chunks)));
+}
+
 void Executor::Impl::check_usable(char const* call) const {
   if (!broken.empty()) throw Error(Errc::invalid_argument, std::string("pipeline ") + call + ": " + broken);
 }
@@ -462,6 +491,7 @@ float Executor::compute_gradients(Tensor const& x, Tensor const& labels) {
   // its slots (zeros on other stages), so every process adds them up as one process would.
   std::vector<Tensor> gathered(m.across ? static_cast<std::size_t>(m.group->size()) : 0);
   int const last_device = m.schedule.device_of(m.schedule.chunks() - 1);
+  m.shard_parameters();  // zero_stage 3, where they were gathered whole (construction, a load, gather_parameters)
   m.time_tensor_parallel();
   auto const start = std::chrono::steady_clock::now();
   try {

@@ -107,6 +107,10 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
       auto const mb = static_cast<std::size_t>(a.micro_batch);
       auto const c = static_cast<std::size_t>(a.chunk);
       nn::Context ctx{allocator, stream, step.offsets[mb], a.micro_batch, true};
+      // ZeRO-3: the replicas' sync gathers the chunk's units as the pass reaches them.
+      parallel::detail::RankSync* const sharded = options.zero_stage == 3 ? replica_sync(rank, a.chunk) : nullptr;
+      nn::Sequential::BeforeLayer before;
+      if (sharded != nullptr) before = [&](std::size_t layer, bool backward) { sharded->before_layer(layer, backward, stream); };
       if (a.kind == ActionKind::forward) {
         // Enqueue no further ahead than the stream runs: once the compute action before this one
         // has run, the tensors of micro-batches whose backward is done are free before this
@@ -137,7 +141,9 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
               input = take(st.act_in, a.chunk, a.micro_batch, mbs, "received activation");
             }
             chunk.set_rng_state(st.rng_start[c]);
-            Tensor const y = chunk.forward(input, ctx);
+            if (sharded != nullptr) sharded->begin_pass(false, stream);
+            Tensor const y = chunk.forward(input, ctx, before);
+            if (sharded != nullptr) sharded->end_pass(stream);
             if (!st.ran_forward[c]) {  // every micro-batch draws from the step's start; keep where one ends
               st.rng_after[c] = chunk.rng_state();
               st.ran_forward[c] = true;
@@ -163,7 +169,10 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
             Tensor const dy = a.chunk < last && s.device_of(a.chunk + 1) == device
                                   ? take(st.grad_in, a.chunk + 1, a.micro_batch, mbs, "input gradient")
                                   : take(st.grad_out, a.chunk, a.micro_batch, mbs, "output gradient");
-            Tensor dx = a.kind == ActionKind::backward ? chunk.backward(dy, ctx, a.chunk > 0) : chunk.backward_input(dy, ctx, a.chunk > 0);
+            if (sharded != nullptr) sharded->begin_pass(true, stream);  // never a split backward (refused)
+            Tensor dx = a.kind == ActionKind::backward ? chunk.backward(dy, ctx, a.chunk > 0, {}, before)
+                                                       : chunk.backward_input(dy, ctx, a.chunk > 0);
+            if (sharded != nullptr) sharded->end_pass(stream);
             if (a.chunk > 0) st.grad_in[slot(a.chunk, a.micro_batch)] = std::move(dx);
             break;
           }

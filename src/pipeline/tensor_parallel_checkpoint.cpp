@@ -178,6 +178,7 @@ void Executor::Impl::save_tensor_parallel(std::filesystem::path const& path, io:
 io::TrainingState Executor::Impl::load_tensor_parallel(std::filesystem::path const& path) {
   std::string const source = path.string();
   group->synchronize();
+  gather_whole();  // zero_stage 3: written whole, sharded by the next step
   // Everything read and verified into the whole model first (every process, from the same files):
   // the chunks change only once every process has.
   std::exception_ptr failure;

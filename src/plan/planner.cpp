@@ -221,7 +221,7 @@ Plan plan_gpt(nn::GptConfig const& config, std::int64_t rows, int devices, GptCo
   std::size_t smallest = std::numeric_limits<std::size_t>::max();
   std::string smallest_layout;
   // The ZeRO stages to weigh over d replicas (float32: the memory model's), as the trainer runs
-  // them (parallel::max_zero_stage: a pipeline's replicas 0 to 2).
+  // them (parallel::max_zero_stage: 0 to 3).
   auto const most_zero = [&](int d, bool pipeline) {
     return d > 1 && options.zero ? std::max(0, parallel::max_zero_stage(DType::float32, pipeline)) : 0;
   };

@@ -116,9 +116,9 @@ void test_pipeline(Setup const& s) {
 }
 
 // A GPT pipelined over the world's devices (its tied LM head's copy of wte on another device, in
-// another process where there are two; with two replicas, a data x pipeline grid, and with ZeRO-1
-// and ZeRO-2 over them), AdamW with clipping and dropout, against one process's executor: losses and chunks
-// bitwise, also after loading that executor's checkpoint.
+// another process where there are two; with two replicas, a data x pipeline grid, and with ZeRO-1,
+// 2 and 3 over them), AdamW with clipping and dropout, against one process's executor: losses and chunks
+// bitwise (with ZeRO-3 gathered whole first), also after loading that executor's checkpoint.
 void test_pipeline_gpt(Setup const& s) {
   namespace pp = mgpu::pipeline;
   std::shared_ptr<mgpu::Allocator> host = mgpu::Allocator::create({mgpu::DeviceKind::host, 0});
@@ -129,7 +129,15 @@ void test_pipeline_gpt(Setup const& s) {
   std::vector<Tensor> const& xs = batches.xs;
   std::vector<Tensor> const& ys = batches.ys;
   pp::ChunkOptimizerFactory const& adamw = chunk_adamw;
-  for (auto const& [replicas, zero] : {std::pair{1, 0}, std::pair{2, 0}, std::pair{2, 1}, std::pair{2, 2}}) {
+  // With ZeRO-3 each replica keeps its owned parameters between steps: gather_parameters (a
+  // collective) makes every chunk whole again, until the next step.
+  auto const whole_again = [&](pp::Executor& ex, mgpu::DeviceGroup& group) {
+    mgpu::nn::Sequential whole = mgpu::nn::gpt(config);
+    mgpu::nn::Context ctx{*host, group.stream(0)};
+    whole.materialize(ctx, 1);
+    ex.gather_parameters(whole, group.stream(0));
+  };
+  for (auto const& [replicas, zero] : {std::pair{1, 0}, std::pair{2, 0}, std::pair{2, 1}, std::pair{2, 2}, std::pair{2, 3}}) {
     int const devices = s.size() / replicas;
     if (s.size() % replicas != 0 || devices < 2) continue;  // the head on another device than the embedding
     std::string const what =
@@ -155,6 +163,7 @@ void test_pipeline_gpt(Setup const& s) {
       EXPECT(std::memcmp(&got, &expected, sizeof got) == 0,
              what << ": step " << b << " loss " << got << " (expected " << expected << ")");
     }
+    if (zero == 3) whole_again(reference, one), whole_again(executor, s.group);
     for (int l = 0; l < s.local(); ++l) {
       int const c = s.rank(l) % devices;
       int const replica = s.rank(l) / devices;
@@ -175,6 +184,7 @@ void test_pipeline_gpt(Setup const& s) {
     float const got = resumed.step(xs[0], ys[0]);
     EXPECT(std::memcmp(&got, &expected, sizeof got) == 0,
            what << ": after load, loss " << got << " (expected " << expected << ")");
+    if (zero == 3) whole_again(reference, one), whole_again(resumed, s.group);
     for (int l = 0; l < s.local(); ++l) {
       int const c = s.rank(l) % devices;
       int const replica = s.rank(l) / devices;

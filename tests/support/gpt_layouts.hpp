@@ -1,5 +1,5 @@
 // The GPT layouts the resilience tests drive alike: one device, data parallel with and without
-// clipping, every pipeline schedule, a data x pipeline grid, tensor parallel with and without
+// clipping, every pipeline schedule, a data x pipeline grid (and ZeRO-3 over it), tensor parallel with and without
 // replicas (and ZeRO-2 and 3 over them) and tensor-parallel stages, each seen through its step (a
 // small GPT with dropout, so a step that moved the RNG shows in the next losses).
 #pragma once
@@ -101,18 +101,20 @@ inline std::vector<Layout> all() {
     int replicas;
     pp::Schedule schedule;
     std::vector<std::size_t> cuts;  // of gpt(config): Embedding, Dropout, 2 blocks, LayerNorm, head
+    int zero = 0;                   // ExecutorOptions::zero_stage over the replicas
   };
   std::vector<Pipe> const pipes = {{"1f1b", 1, pp::one_f_one_b(2, 2), {0, 3, 6}},
                                    {"gpipe", 1, pp::gpipe(2, 4), {0, 3, 6}},
                                    {"zb", 1, pp::zero_bubble_h1(2, 4), {0, 3, 6}},
                                    {"interleaved", 1, pp::interleaved_one_f_one_b(2, 2, 2), {0, 2, 3, 4, 6}},
-                                   {"1f1b, 2 replicas", 2, pp::one_f_one_b(2, 2), {0, 3, 6}}};
+                                   {"1f1b, 2 replicas", 2, pp::one_f_one_b(2, 2), {0, 3, 6}},
+                                   {"1f1b, 2 replicas, ZeRO-3", 2, pp::one_f_one_b(2, 2), {0, 3, 6}, 3}};
   for (Pipe const& p : pipes) {
     list.push_back({"pipeline " + p.name, [loss, p] {
                       auto group = std::make_shared<DeviceGroup>("host:" + std::to_string(2 * p.replicas));
                       auto ex = std::make_shared<pp::Executor>(
                           nn::gpt(config), *group, p.cuts, p.schedule, chunk_adamw(),
-                          pp::ExecutorOptions{.seed = seed, .data_parallel = p.replicas, .clip_norm = 0.5f, .loss = loss});
+                          pp::ExecutorOptions{.seed = seed, .data_parallel = p.replicas, .zero_stage = p.zero, .clip_norm = 0.5f, .loss = loss});
                       Step step = [ex = ex.get()](Tensor const& ids, Tensor const& targets, float lr_scale) {
                         return static_cast<double>(ex->step(ids, targets, lr_scale));
                       };

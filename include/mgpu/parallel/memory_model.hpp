@@ -18,7 +18,7 @@ struct GptLayout {
   int tensor_parallel = 1;
   /// DataParallelOptions::zero_stage (0 to 3), or with tensor parallelism
   /// TensorParallelOptions::zero_stage (whose default is 0), or with cuts
-  /// pipeline::ExecutorOptions::zero_stage (0 to 2: ZeRO-2 predicted as ZeRO-1, see memory_model.cpp).
+  /// pipeline::ExecutorOptions::zero_stage (0 to 3: ZeRO-2 predicted as ZeRO-1, see memory_model.cpp).
   int zero_stage = 1;
   std::size_t bucket_cap_bytes = std::size_t{25} << 20;  ///< DataParallelOptions' bucket caps
   std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;

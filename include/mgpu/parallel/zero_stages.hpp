@@ -8,8 +8,12 @@ namespace mgpu::parallel {
 
 /// The highest ZeRO stage (DataParallelOptions::zero_stage, TensorParallelOptions::zero_stage) that
 /// replicas computing in `compute` run: 3 in float32 and in 16 bits (float32 masters, sharded like
-/// the optimizer state); a pipeline's replicas (`pipeline`) 2 in every precision (the float32
-/// gradients sharded after each chunk's micro-batches, not yet the parameters).
-[[nodiscard]] constexpr int max_zero_stage(DType /*compute*/, bool pipeline) noexcept { return pipeline ? 2 : 3; }
+/// the optimizer state); a pipeline's replicas (`pipeline`) 3 in float32 (the gradients sharded after
+/// each chunk's micro-batches, the parameters gathered per unit and pass) and 2 in 16 bits (not yet
+/// the parameters).
+[[nodiscard]] constexpr int max_zero_stage(DType compute, bool pipeline) noexcept {
+  if (!pipeline) return 3;
+  return compute == DType::float32 ? 3 : 2;
+}
 
 }  // namespace mgpu::parallel

@@ -123,8 +123,11 @@ struct ExecutorOptions {
   /// Replicas of the pipeline: the group has devices x data_parallel x tensor_parallel.ranks ranks.
   int data_parallel = 1;
   /// ZeRO over the replicas (data parallelism's gradient sync, after each chunk's last backward):
-  /// 0; 1, each replica updating and keeping state for its block of every chunk; or 2 (float32),
-  /// the gradients reduce-scattered in place, with the memory of 1 (3: refused).
+  /// 0; 1, each replica updating and keeping state for its block of every chunk; 2 (float32), the
+  /// gradients reduce-scattered in place, with the memory of 1; or 3 (float32), each replica also
+  /// keeping its block's parameters between steps, each unit (a block) gathered for each
+  /// micro-batch's forward and backward and let go after (refused with a schedule that splits
+  /// backward, zero bubble).
   int zero_stage = 0;
   std::chrono::milliseconds timeout{0};  ///< the communicator's deadline (zero: comm::default_timeout())
   /// float32, or bfloat16/float16 with float32 masters: what chunks compute in and send.
@@ -170,7 +173,7 @@ class Executor {
   Executor& operator=(Executor const&) = delete;
 
   /// Forward and backward of every micro-batch, leaving the mean-loss float32 master gradients
-  /// unscaled and summed over the replicas (zero_stage 1 and 2: the owned blocks); returns the mean loss.
+  /// unscaled and summed over the replicas (zero_stage 1 to 3: the owned blocks); returns the mean loss.
   /// Throws Error(invalid_argument), before any action, for fewer rows than micro-batches, an x
   /// that does not fit the model, or labels the loss refuses.
   float compute_gradients(Tensor const& x, Tensor const& labels);
