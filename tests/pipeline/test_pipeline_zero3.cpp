@@ -26,8 +26,8 @@
 using mgpu::test::worst_relative;
 using namespace mgpu::test::pipeline_zero;
 
-TEST_CASE("ZeRO-3 over a data x pipeline grid trains as one device, as ZeRO-2 bit for bit and as ZeRO-1, with every schedule "
-          "but zero bubble",
+TEST_CASE("ZeRO-3 over a data x pipeline grid trains as one device, as ZeRO-2 and as ZeRO-1, with every schedule but zero "
+          "bubble",
           "[pipeline][zero]") {
   Env env;
   std::vector<Batch> const batches = make_batches(env);
@@ -66,10 +66,10 @@ TEST_CASE("ZeRO-3 over a data x pipeline grid trains as one device, as ZeRO-2 bi
         CHECK(state_values(*(*made)[i]) <= n + 32);
       }
     }
-    CHECK(runs[2].losses == runs[1].losses);
-    CHECK(runs[2].weights == runs[1].weights);
-    CHECK(worst_relative(runs[2].losses, runs[0].losses) <= 1e-6);
-    CHECK(worst_difference(runs[2].weights, runs[0].weights) < 1e-5);  // the norm summed in other pieces
+    for (int below : {0, 1}) {  // ZeRO-1 and 2 own the buckets' pieces, ZeRO-3 the units': the norm summed in other pieces
+      CHECK(worst_relative(runs[2].losses, runs[below].losses) <= 1e-6);
+      CHECK(worst_difference(runs[2].weights, runs[below].weights) < 1e-5);
+    }
   }
 }
 
