@@ -162,9 +162,7 @@ std::vector<Allocator*> Trainer::allocators() {
 
 std::optional<std::vector<parallel::GptMemory>> Trainer::predicted_memory() const {
   Impl const& m = *impl_;
-  std::string const schedule = m.parallel.pipeline_schedule();
-  bool const modelled_pipeline = !m.pipeline || schedule == "gpipe" || schedule == "1f1b";
-  if (m.across || !modelled_pipeline || m.parallel.compute != DType::float32) return std::nullopt;
+  if (m.pipeline && m.layout.zero == 3 && m.layout.dp > 1) return std::nullopt;  // not modelled yet (memory_model.cpp)
   parallel::DataParallelOptions const defaults;
   std::size_t const bucket_cap = (m.data_parallel || m.tensor) && m.parallel.bucket_cap_bytes > 0 ? m.parallel.bucket_cap_bytes : defaults.bucket_cap_bytes;
   parallel::GptLayout const layout{.data_parallel = m.layout.dp,
@@ -175,9 +173,17 @@ std::optional<std::vector<parallel::GptMemory>> Trainer::predicted_memory() cons
                                    .zero3_block_units = m.parallel.bucket_cap_bytes == 0 || m.tensor != nullptr,  // TP: a unit per block
                                    .cuts = m.pipeline ? m.pipeline->cuts() : std::vector<std::size_t>{},
                                    .micro_batches = m.layout.micro_batches,
-                                   .gpipe = m.pipeline && schedule == "gpipe",
-                                   .sequence_parallel = m.parallel.sequence_parallel};
-  return parallel::predict_gpt_memory(m.config, m.options.batch_size, layout);
+                                   .passes = m.pipeline ? pipeline::memory_passes(m.pipeline->schedule())
+                                                        : std::vector<std::vector<parallel::GptPass>>{},
+                                   .sequence_parallel = m.parallel.sequence_parallel,
+                                   .compute = m.parallel.compute};
+  std::vector<parallel::GptMemory> whole = parallel::predict_gpt_memory(m.config, m.options.batch_size, layout);
+  if (!m.across) return whole;
+  // Across processes the layout's devices are the world's, in rank order: this process's own.
+  std::vector<parallel::GptMemory> own;
+  for (dist::WorldDevice const& d : m.world.devices)
+    if (d.process == m.world.process && d.rank < static_cast<int>(whole.size())) own.push_back(whole[static_cast<std::size_t>(d.rank)]);
+  return own;
 }
 
 Layout const& Trainer::layout() const noexcept { return impl_->layout; }
