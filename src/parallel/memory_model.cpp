@@ -127,14 +127,18 @@ std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_
   auto const chunks = static_cast<int>(cuts.size()) - 1;
   std::vector<std::vector<GptPass>> const passes = layout.passes.empty() ? default_passes(chunks, m, layout.gpipe) : layout.passes;
   auto const devices = static_cast<int>(passes.size());
-  {  // each chunk's forward and backward of each micro-batch once, on its device
+  {  // each chunk's forward and backward of each micro-batch once, on its device, in that order
     std::vector<int> seen(static_cast<std::size_t>(chunks) * static_cast<std::size_t>(m) * 4, 0);
     bool valid = chunks % devices == 0;
     for (int d = 0; valid && d < devices; ++d) {
       for (GptPass const& p : passes[static_cast<std::size_t>(d)]) {
         valid = valid && p.chunk >= 0 && p.chunk < chunks && p.chunk % devices == d && p.micro_batch >= 0 && p.micro_batch < m;
-        if (valid) ++seen[(static_cast<std::size_t>(p.chunk) * static_cast<std::size_t>(m) + static_cast<std::size_t>(p.micro_batch)) * 4 +
-                          static_cast<std::size_t>(p.kind)];
+        if (!valid) break;
+        std::size_t const at = (static_cast<std::size_t>(p.chunk) * static_cast<std::size_t>(m) + static_cast<std::size_t>(p.micro_batch)) * 4;
+        // A backward after its forward, a backward_weight after its backward_input.
+        if (p.kind == GptPass::Kind::backward || p.kind == GptPass::Kind::backward_input) valid = seen[at] == 1;
+        if (p.kind == GptPass::Kind::backward_weight) valid = seen[at + 2] == 1;
+        ++seen[at + static_cast<std::size_t>(p.kind)];
       }
     }
     for (std::size_t i = 0; valid && i < seen.size(); i += 4)
@@ -143,7 +147,7 @@ std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_
       throw Error(Errc::invalid_argument, what + ", " + std::to_string(chunks) + " chunks and passes over " + std::to_string(devices) +
                                               " devices (expected each chunk c's forward and backward, or backward_input and "
                                               "backward_weight, of each of the " +
-                                              std::to_string(m) + " micro-batches once, on device c % devices)");
+                                              std::to_string(m) + " micro-batches once, in that order, on device c % devices)");
   }
   auto const c = static_cast<double>(config.n_embd), heads = static_cast<double>(config.n_head);
   auto const block_size = static_cast<double>(config.block_size);

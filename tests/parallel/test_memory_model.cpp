@@ -263,12 +263,17 @@ TEST_CASE("a pipeline's prediction walks any schedule's passes, and 16-bit activ
     CHECK(2 * narrow > wide);
     CHECK(2 * narrow < wide + wide / 10);
   }
-  // Passes that miss a micro-batch's backward_weight, or put a chunk on another device, are refused.
+  // Passes that miss a micro-batch's backward_weight, run a pass before what it needs, or put a
+  // chunk on another device, are refused.
   std::vector<std::vector<par::GptPass>> passes = pp::memory_passes(pp::zero_bubble_h1(2, 4));
   std::vector<std::vector<par::GptPass>> missing = passes;
   missing[0].pop_back();
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 8, {.cuts = cuts, .micro_batches = 4, .passes = missing}),
                      mgpu::Errc::invalid_argument, "backward_input and backward_weight");
+  std::vector<std::vector<par::GptPass>> backwards_first = passes;
+  std::swap(backwards_first[1].front(), backwards_first[1].back());
+  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 8, {.cuts = cuts, .micro_batches = 4, .passes = backwards_first}),
+                     mgpu::Errc::invalid_argument, "in that order");
   std::swap(passes[0], passes[1]);
   REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 8, {.cuts = cuts, .micro_batches = 4, .passes = passes}),
                      mgpu::Errc::invalid_argument, "on device c % devices");
