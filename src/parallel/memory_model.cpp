@@ -322,14 +322,14 @@ std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int6
       GptMemory m;
       DType const compute = layout.compute;
       // With replicas, 16-bit layers write their gradients into a buffer per unit
-      // (GradientSync::unit_compute_gradients()) below ZeRO-3: at the peak the embedding unit's and
-      // two blocks' (the one backward computes, the one before whose memory goes once unscaled).
+      // (GradientSync::unit_compute_gradients()) below ZeRO-3: at the peak (the last block's
+      // backward) the embedding unit's and that block's (a unit's goes when backward enters the next).
       std::size_t gradient_copies = copies(params, compute);
       if (replicas > 1 && layout.zero_stage < 3 && compute != DType::float32) {
         std::vector<Bucket> const units = detail::plan_units(parts, shard_ranges(whole_model, config, ranks, vocab));
         double largest = 0;
         for (std::size_t u = 0; u + 1 < units.size(); ++u) largest = std::max(largest, static_cast<double>(units[u].size()));
-        gradient_copies = std::min<std::size_t>(2, units.size() - 1) * copies(largest, compute) +
+        gradient_copies = std::min<std::size_t>(1, units.size() - 1) * copies(largest, compute) +
                           copies(static_cast<double>(units.back().size()), compute);
       }
       m.parameters = floats(params) + copies(params, compute);
