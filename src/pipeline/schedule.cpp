@@ -9,6 +9,8 @@
 #include <utility>
 
 #include <mgpu/core/error.hpp>
+#include <mgpu/parallel/memory_model.hpp>
+#include <mgpu/pipeline/pipeline.hpp>
 
 namespace mgpu::pipeline {
 namespace {
@@ -511,6 +513,25 @@ Schedule zero_bubble_h1(int devices, int micro_batches) {
     }
   }
   return with_boundary_transfers("zb-h1", devices, 1, micro_batches, compute);
+}
+
+std::vector<std::vector<parallel::GptPass>> memory_passes(Schedule const& schedule) {
+  std::vector<std::vector<parallel::GptPass>> out(schedule.actions.size());
+  for (std::size_t d = 0; d < schedule.actions.size(); ++d) {
+    for (Action const& a : schedule.actions[d]) {
+      using P = parallel::GptPass::Kind;
+      P kind = P::forward;
+      switch (a.kind) {
+        case Kind::forward: kind = P::forward; break;
+        case Kind::backward: kind = P::backward; break;
+        case Kind::backward_input: kind = P::backward_input; break;
+        case Kind::backward_weight: kind = P::backward_weight; break;
+        default: continue;  // transfers hold nothing the model counts
+      }
+      out[d].push_back({kind, a.micro_batch, a.chunk});
+    }
+  }
+  return out;
 }
 
 Schedule make_schedule(std::string const& name, int devices, int micro_batches, int chunks_per_device) {

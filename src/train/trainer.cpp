@@ -162,19 +162,24 @@ std::vector<Allocator*> Trainer::allocators() {
 
 std::optional<std::vector<parallel::GptMemory>> Trainer::predicted_memory() const {
   Impl const& m = *impl_;
-  std::string const schedule = m.parallel.pipeline_schedule();
-  bool const modelled_pipeline = !m.pipeline || schedule == "gpipe" || schedule == "1f1b";
-  if (m.across || !modelled_pipeline || m.parallel.compute != DType::float32) return std::nullopt;
   parallel::GptLayout layout{.data_parallel = m.layout.dp,
                              .tensor_parallel = m.parallel.tp,
                              .zero_stage = m.layout.zero,
                              .zero3_block_units = m.parallel.bucket_cap_bytes == 0 || m.tensor != nullptr,  // TP: a unit per block
                              .cuts = m.pipeline ? m.pipeline->cuts() : std::vector<std::size_t>{},
                              .micro_batches = m.layout.micro_batches,
-                             .gpipe = m.pipeline && schedule == "gpipe",
-                             .sequence_parallel = m.parallel.sequence_parallel};
+                             .passes = m.pipeline ? pipeline::memory_passes(m.pipeline->schedule())
+                                                  : std::vector<std::vector<parallel::GptPass>>{},
+                             .sequence_parallel = m.parallel.sequence_parallel,
+                             .compute = m.parallel.compute};
   if (m.data_parallel || m.tensor) cap_buckets(layout, m.parallel.bucket_cap_bytes);  // the executors' buckets
-  return parallel::predict_gpt_memory(m.config, m.options.batch_size, layout);
+  std::vector<parallel::GptMemory> whole = parallel::predict_gpt_memory(m.config, m.options.batch_size, layout);
+  if (!m.across) return whole;
+  // Across processes the layout's devices are the world's, in rank order: this process's own.
+  std::vector<parallel::GptMemory> own;
+  for (dist::WorldDevice const& d : m.world.devices)
+    if (d.process == m.world.process && d.rank < static_cast<int>(whole.size())) own.push_back(whole[static_cast<std::size_t>(d.rank)]);
+  return own;
 }
 
 Layout const& Trainer::layout() const noexcept { return impl_->layout; }

@@ -13,6 +13,8 @@
 #   mpirun -np 2 --devices host:2 --dp 2 --tp 2 --sequence-parallel = host:4;
 # - a tensor x pipeline grid, each tensor-parallel group across the processes: mpirun -np 2
 #   --devices host:2 --tp 2 --stages 2 = host:4.
+# Each job's predicted_peak_bytes (the memory model's, of process 0's devices) is within 10% of its
+# devices' peak_bytes.
 set -eu
 exe=$1
 text=$2
@@ -37,6 +39,12 @@ check() {
   done
   [ "$(field devices "$dir/$name.json")" = "$devices" ] || fail "$name: devices $(field devices "$dir/$name.json") (expected $devices)"
   [ "$(field processes "$dir/$name.json")" = 2 ] || fail "$name: processes $(field processes "$dir/$name.json") (expected 2)"
+  python3 -c '
+import json, sys
+measured, predicted = json.loads(sys.argv[2]), json.loads(sys.argv[3])
+if len(predicted) != len(measured) or any(abs(p - m) > 0.10 * m for m, p in zip(measured, predicted)):
+    sys.exit(f"FAIL: {sys.argv[1]}: predicted_peak_bytes {predicted} (expected within 10% of each of this process\x27s peak_bytes {measured})")
+' "$name" "$(field peak_bytes "$dir/$name.json")" "$(field predicted_peak_bytes "$dir/$name.json")"
 }
 check data-parallel "--devices host:2" "--devices host:1" '["p0:host:0", "p1:host:0"]' "$@"
 check zero3 "--devices host:2 --zero 3" "--devices host:1 --zero 3" '["p0:host:0", "p1:host:0"]' "$@"

@@ -9,7 +9,10 @@
 # and 4 devices, with replicas, selective and full recomputation), 1F1B and GPipe pipelines
 # (uneven micro-batches of 6 rows in 4, full recomputation), two replicas of a pipeline (uneven
 # rows; ZeRO-2), and pipelines of tensor-parallel stages (GPipe; 3 stages with full recomputation; two
-# replicas with sequence parallelism).
+# replicas with sequence parallelism); interleaved and zero-bubble schedules (3 stages with full
+# recomputation; two replicas with ZeRO-2); and bfloat16 and float16 compute on one device, with
+# ZeRO-2 and 3, two replicas of tensor parallelism with sequence parallelism, a pipeline's ZeRO-2,
+# and interleaved and zero-bubble tensor-parallel stages.
 # Usage: memory_model_check.sh TRAIN_GPT TEXT_FILE
 set -euo pipefail
 exe=$1
@@ -43,6 +46,16 @@ layouts=(
   "--tp 2 --stages 2 --micro-batches 4 --schedule gpipe"
   "--tp 2 --stages 3 --micro-batches 4 --recompute full"
   "--dp 2 --tp 2 --stages 2 --micro-batches 2 --sequence-parallel"
+  "--stages 2 --micro-batches 4 --schedule interleaved"
+  "--stages 3 --micro-batches 6 --schedule zb --recompute full"
+  "--stages 2 --dp 2 --micro-batches 2 --zero 2 --schedule zb"
+  "--devices host:1 --precision bf16"
+  "--devices host:3 --zero 2 --precision fp16 --bucket-kb 100"
+  "--devices host:3 --zero 3 --precision bf16"
+  "--dp 2 --tp 2 --sequence-parallel --precision fp16"
+  "--stages 2 --dp 2 --micro-batches 2 --zero 2 --precision bf16"
+  "--tp 2 --stages 2 --micro-batches 4 --schedule interleaved --precision fp16"
+  "--tp 2 --stages 2 --micro-batches 4 --schedule zb --precision bf16"
 )
 for layout in "${layouts[@]}"; do
   # shellcheck disable=SC2086  # a layout is several flags

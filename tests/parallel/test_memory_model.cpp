@@ -1,11 +1,12 @@
 // parallel::predict_gpt_memory: its parameter bytes against the shards the executors really make,
-// its split of the rows and micro-batches, a one-stage pipeline against one device, and its
-// refusals. The whole prediction against the allocator's measured
+// its split of the rows and micro-batches, a one-stage pipeline against one device, any schedule's
+// passes against the closed forms, 16-bit activations, and its refusals. The whole prediction against the allocator's measured
 // peaks in every layout is tests/examples/memory_model_check.sh (through train_gpt).
 #include <mgpu/parallel/memory_model.hpp>
 
 #include <cstddef>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <mgpu/comm/communicator.hpp>
@@ -92,7 +93,7 @@ TEST_CASE("predicted memory splits the rows over the replicas and the optimizer 
 }
 
 // In 16 bits each rank also holds compute-type copies: of every parameter at ZeRO 0 to 2, of the
-// gradients of the units backward is in at ZeRO 0 to 2 (the embedding's and two blocks'), of the
+// gradients of the units backward is in at ZeRO 0 to 2 (the embedding's and the last block's), of the
 // gathered units' parameters and gradients at ZeRO-3, whose float32 parameters are the owned
 // masters and one unit's gather staging.
 TEST_CASE("predicted 16-bit memory adds the compute-type copies, and ZeRO-2 and 3 shard the float32 masters", "[parallel][memory]") {
@@ -111,7 +112,7 @@ TEST_CASE("predicted 16-bit memory adds the compute-type copies, and ZeRO-2 and 
     }
     std::int64_t const c = deep.n_embd;
     auto const half = [](std::int64_t values) { return mgpu::Allocator::block_size(static_cast<std::size_t>(values) * 2); };
-    std::size_t const unit_copies = 2 * half(12 * c * c + 13 * c) + half((deep.vocab + deep.block_size) * c);
+    std::size_t const unit_copies = half(12 * c * c + 13 * c) + half((deep.vocab + deep.block_size) * c);
     CHECK(by_stage[0].parameters == float_bytes(whole) + copy);
     CHECK(by_stage[0].gradients == float_bytes(whole) + unit_copies);
     CHECK(by_stage[2].gradients == by_stage32[2].gradients + unit_copies);
@@ -222,6 +223,60 @@ TEST_CASE("tensor-parallel stages hold the executor's shards, and each rank the 
       CHECK(grid[0].activations < plain[0].activations);
     }
   }
+}
+
+TEST_CASE("a pipeline's prediction walks any schedule's passes, and 16-bit activations take half the bytes", "[parallel][memory]") {
+  namespace pp = mgpu::pipeline;
+  std::size_t const layers = mgpu::nn::gpt(config).size();  // embedding, dropout, 2 blocks, LayerNorm, head
+  std::vector<std::size_t> const cuts{0, 3, layers};
+  // The generators' 1F1B and GPipe orders give the closed forms' peaks (stage s: min(M, P - s)
+  // micro-batches in flight; GPipe all of them).
+  for (bool const gpipe : {false, true}) {
+    pp::Schedule const schedule = gpipe ? pp::gpipe(2, 4) : pp::one_f_one_b(2, 4);
+    std::vector<par::GptMemory> const closed = par::predict_gpt_memory(config, 8, {.cuts = cuts, .micro_batches = 4, .gpipe = gpipe});
+    std::vector<par::GptMemory> const walked =
+        par::predict_gpt_memory(config, 8, {.cuts = cuts, .micro_batches = 4, .passes = pp::memory_passes(schedule)});
+    REQUIRE(walked.size() == 2);
+    for (std::size_t d = 0; d < 2; ++d) CHECK(walked[d].total() == closed[d].total());
+  }
+  // Interleaved: each device holds its two chunks' parameters, counted from the model's layers.
+  mgpu::nn::Sequential const model = mgpu::nn::gpt(config);
+  std::vector<std::size_t> const four{0, 2, 3, 4, layers};
+  std::vector<std::int64_t> chunk(4, 0);
+  for (std::size_t l = 0; l < layers; ++l) chunk[l < 2 ? 0 : l < 3 ? 1 : l < 4 ? 2 : 3] += model.layer(l).parameter_count();
+  chunk[3] += config.vocab * config.n_embd;  // the head's own copy of wte
+  std::vector<par::GptMemory> const interleaved = par::predict_gpt_memory(
+      config, 8, {.cuts = four, .micro_batches = 4, .passes = pp::memory_passes(pp::interleaved_one_f_one_b(2, 2, 4))});
+  REQUIRE(interleaved.size() == 2);
+  CHECK(interleaved[0].parameters == float_bytes(chunk[0]) + float_bytes(chunk[2]));
+  CHECK(interleaved[1].parameters == float_bytes(chunk[1]) + float_bytes(chunk[3]));
+  // Zero-bubble: what backward_input leaves for backward_weight stays until it runs, so a device
+  // holds at least 1F1B's.
+  std::vector<par::GptMemory> const zb =
+      par::predict_gpt_memory(config, 8, {.cuts = cuts, .micro_batches = 4, .passes = pp::memory_passes(pp::zero_bubble_h1(2, 4))});
+  std::vector<par::GptMemory> const one_f_one_b = par::predict_gpt_memory(config, 8, {.cuts = cuts, .micro_batches = 4});
+  for (std::size_t d = 0; d < 2; ++d) CHECK(zb[d].activations >= one_f_one_b[d].activations);
+  // 16 bits: the saved tensors in two bytes a value, LayerNorm statistics and log-sum-exp in four.
+  for (mgpu::DType const compute : {mgpu::DType::bfloat16, mgpu::DType::float16}) {
+    std::size_t const wide = par::predict_gpt_memory(config, 4, {})[0].activations;
+    std::size_t const narrow = par::predict_gpt_memory(config, 4, {.compute = compute})[0].activations;
+    CHECK(2 * narrow > wide);
+    CHECK(2 * narrow < wide + wide / 10);
+  }
+  // Passes that miss a micro-batch's backward_weight, run a pass before what it needs, or put a
+  // chunk on another device, are refused.
+  std::vector<std::vector<par::GptPass>> passes = pp::memory_passes(pp::zero_bubble_h1(2, 4));
+  std::vector<std::vector<par::GptPass>> missing = passes;
+  missing[0].pop_back();
+  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 8, {.cuts = cuts, .micro_batches = 4, .passes = missing}),
+                     mgpu::Errc::invalid_argument, "backward_input and backward_weight");
+  std::vector<std::vector<par::GptPass>> backwards_first = passes;
+  std::swap(backwards_first[1].front(), backwards_first[1].back());
+  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 8, {.cuts = cuts, .micro_batches = 4, .passes = backwards_first}),
+                     mgpu::Errc::invalid_argument, "in that order");
+  std::swap(passes[0], passes[1]);
+  REQUIRE_MGPU_ERROR(par::predict_gpt_memory(config, 8, {.cuts = cuts, .micro_batches = 4, .passes = passes}),
+                     mgpu::Errc::invalid_argument, "on device c % devices");
 }
 
 TEST_CASE("predict_gpt_memory refuses layouts it cannot place, naming them", "[parallel][memory]") {

@@ -11,6 +11,15 @@
 
 namespace mgpu::parallel {
 
+/// One compute pass of a pipeline device, in the order the device runs them (a schedule's
+/// forward, backward, backward_input and backward_weight actions, pipeline::memory_passes).
+struct GptPass {
+  enum class Kind { forward, backward, backward_input, backward_weight };
+  Kind kind = Kind::forward;
+  int micro_batch = 0;
+  int chunk = 0;  ///< the model chunk: layers [cuts[chunk], cuts[chunk + 1]), on device chunk % devices
+};
+
 /// Where a GPT runs: `data_parallel` replicas of `tensor_parallel` ranks each, optionally as a
 /// pipeline cut at `cuts`.
 struct GptLayout {
@@ -18,18 +27,23 @@ struct GptLayout {
   int tensor_parallel = 1;
   /// DataParallelOptions::zero_stage (0 to 3), or with tensor parallelism
   /// TensorParallelOptions::zero_stage (whose default is 0), or with cuts
-  /// pipeline::ExecutorOptions::zero_stage (0 to 3: ZeRO-2 predicted as ZeRO-1, see memory_model.cpp).
+  /// pipeline::ExecutorOptions::zero_stage (0 to 3: ZeRO-2 holds what ZeRO-1 holds; ZeRO-3 the owned
+  /// parameters and two units, see memory_model.cpp).
   int zero_stage = 1;
   std::size_t bucket_cap_bytes = std::size_t{25} << 20;  ///< DataParallelOptions' bucket caps
   std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;
   bool zero3_block_units = true;    ///< DataParallelOptions::zero3_block_units
   std::vector<std::size_t> cuts{};  ///< pipeline::Partition::cuts of nn::gpt(config); empty: none
   int micro_batches = 1;            ///< the pipeline's micro-batches
-  bool gpipe = false;               ///< GPipe (every micro-batch in flight), else 1F1B
+  bool gpipe = false;               ///< GPipe (every micro-batch in flight), else 1F1B; without `passes`
+  /// Any schedule (interleaved, zero-bubble): per pipeline device, its compute passes in order; the
+  /// chunks are cuts.size() - 1, chunk c on device c % passes.size(). Empty: one chunk per device,
+  /// GPipe or 1F1B as `gpipe` says.
+  std::vector<std::vector<GptPass>> passes{};
   bool sequence_parallel = false;   ///< TensorParallelOptions::sequence_parallel
   /// The compute type: float32, or bfloat16 / float16 with float32 masters (each rank's parameters
-  /// and gradients then also have a compute-type copy; activations and workspace are counted as
-  /// float32 still, an upper bound).
+  /// and gradients then also have compute-type copies; activations and backward's temporaries are
+  /// in the compute type, LayerNorm statistics and the attention's log-sum-exp in float32).
   DType compute = DType::float32;
 };
 
@@ -47,7 +61,8 @@ struct GptMemory {
 /// config.block_size tokens, per device in the executor's rank order. Throws
 /// Error(invalid_argument) for a bad config, rows < data_parallel or micro_batches, a
 /// tensor_parallel that does not divide n_head or exceeds the vocab, a zero_stage other than 0 to
-/// 3, bad cuts, a replica with fewer rows than micro_batches, or
+/// 3 (or 3 with cuts and replicas), bad cuts, passes that do not run each chunk's forward and backward of each
+/// micro-batch once on its device, a replica with fewer rows than micro_batches, or
 /// sequence_parallel without a tensor_parallel >= 2 that divides config.block_size.
 [[nodiscard]] std::vector<GptMemory> predict_gpt_memory(nn::GptConfig const& config, std::int64_t rows,
                                                         GptLayout const& layout);

@@ -22,6 +22,7 @@
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
 #include <mgpu/optim/optim.hpp>
+#include <mgpu/parallel/memory_model.hpp>
 #include <mgpu/parallel/mesh.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 #include <mgpu/pipeline/schedule.hpp>
@@ -149,6 +150,9 @@ struct ExecutorOptions {
   /// Where each device's compute and wait times are reported every step; nullptr: not measured.
   std::shared_ptr<metrics::Registry> metrics{};
 };
+
+/// Each device's compute actions in order, as the memory model walks them (parallel::GptLayout::passes).
+[[nodiscard]] std::vector<std::vector<parallel::GptPass>> memory_passes(Schedule const& schedule);
 
 /// Makes one optimizer (each chunk gets its own, for its own parameters).
 using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>()>;

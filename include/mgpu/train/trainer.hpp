@@ -166,8 +166,9 @@ class Trainer {
 
   /// This process's devices' allocators (one device: the trainer's), for peak memory.
   [[nodiscard]] std::vector<Allocator*> allocators();
-  /// The memory model's peak per device (parallel::predict_gpt_memory) where it covers the layout:
-  /// one process, float32, no pipeline or a GPipe or 1F1B one.
+  /// The memory model's peak per device (parallel::predict_gpt_memory) of this process's devices
+  /// (allocators()' order), in every layout and precision, any schedule; null for a layout the
+  /// model does not cover (none today).
   [[nodiscard]] std::optional<std::vector<parallel::GptMemory>> predicted_memory() const;
   [[nodiscard]] Layout const& layout() const noexcept;
   /// The registry of TrainerOptions::metrics_job (null without one).
