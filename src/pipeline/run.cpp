@@ -1,7 +1,7 @@
 // One step's work on every device: each device's actions of the schedule (run_device), the sum of a
-// tied wte and its copy, the replicas' reduce (through the data-parallel gradient sync; across
-// processes with ZeRO-0 through the transfers, sum_over), and, across processes or with ZeRO, the
-// update with a loss scaler or clipping over the world's sums (world_sum, update_across).
+// tied wte and its copy, the replicas' reduce (through the data-parallel gradient sync), and,
+// across processes or with ZeRO, the update with a loss scaler or clipping over the world's sums
+// (world_sum, update_across).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -218,13 +218,10 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
     for (int c = device; c < s.chunks(); c += s.devices) {
       Tensor const& grads = chunk_of(rank, c).master_gradients();
       if (!grads.defined()) continue;
-      auto reduce = [&] {
-        if (parallel::detail::RankSync* const sync = replica_sync(rank, c)) {  // every bucket, its reduce awaited
-          sync->begin(stream, nullptr);
-          sync->finish(stream);
-          return;
-        }
-        sum_over(rank, mesh.group(rank, "dp"), grads, stream);  // across processes with ZeRO-0: the replicas' pipelines of this tensor-parallel rank
+      auto reduce = [&] {  // every bucket, its reduce awaited
+        parallel::detail::RankSync* const sync = replica_sync(rank, c);
+        sync->begin(stream, nullptr);
+        sync->finish(stream);
       };
       timed(st, stream, Region::wait, [&] {
         if (timeline != nullptr && timeline->enabled()) {
@@ -284,11 +281,9 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
     Tensor const copy = part(tie->head_chunk, tie->head_offset);
     ops::add_scaled(wte, copy, 1.0f, stream);
     copy_async(copy, wte, stream);
-  } else if (Tensor const mine = device == embedding_device ? part(tie->embedding_chunk, tie->embedding_offset)
-                                                            : part(tie->head_chunk, tie->head_offset);
-             across) {  // the other chunk is another process's
-    sum_over(rank, {rank_at(pipeline, embedding_device), rank_at(pipeline, head_device)}, mine, stream);
   } else {
+    Tensor const mine = device == embedding_device ? part(tie->embedding_chunk, tie->embedding_offset)
+                                                   : part(tie->head_chunk, tie->head_offset);
     tie_comms[static_cast<std::size_t>(pipeline)]->all_reduce(device == embedding_device ? 0 : 1, mine, mine,
                                                              comm::ReduceOp::sum, stream);
   }
@@ -296,28 +291,6 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
   for (auto const& [c, offset] : {std::pair{tie->embedding_chunk, tie->embedding_offset}, std::pair{tie->head_chunk, tie->head_offset}}) {
     if (schedule.device_of(c) == device) chunk_of(rank, c).sync_parameters(stream, offset, offset + elements);
   }
-}
-
-void Executor::Impl::sum_over(int rank, std::vector<int> const& ranks, Tensor const& values, Stream& stream) {
-  if (rank != ranks.front()) {
-    comm->send(rank, values, ranks.front(), stream);
-    comm->recv(rank, values, ranks.front(), stream);
-    return;
-  }
-  // The first rank adds the others' in order in float32, rounding to the values' type once.
-  Allocator& allocator = group->allocator(rank - first);
-  bool const wide = values.dtype() == DType::float32;
-  Tensor const sum = wide ? values : Tensor::empty(values.shape(), DType::float32, allocator);
-  Tensor const other = Tensor::empty(values.shape(), values.dtype(), allocator);
-  Tensor const other_wide = wide ? other : Tensor::empty(values.shape(), DType::float32, allocator);
-  if (!wide) convert_async(sum, values, stream);
-  for (std::size_t i = 1; i < ranks.size(); ++i) {
-    comm->recv(rank, other, ranks[i], stream);
-    if (!wide) convert_async(other_wide, other, stream);
-    ops::add_scaled(sum, other_wide, 1.0f, stream);
-  }
-  if (!wide) convert_async(values, sum, stream);
-  for (std::size_t i = 1; i < ranks.size(); ++i) comm->send(rank, values, ranks[i], stream);
 }
 
 std::vector<std::pair<std::int64_t, std::int64_t>> Executor::Impl::norm_parts(int r, int c) const {
