@@ -202,21 +202,11 @@ struct Executor::Impl {
   // receives (parallel::detail::PeerSubset): across processes, where a communicator over a subset
   // of the world's ranks may not exist (CUDA GPUs).
   std::shared_ptr<comm::detail::Renewable> peer_renewable(std::vector<int> const& ranks);
-  // The update across processes (and with ZeRO in one process) with a loss scaler or clipping, as
-  // nn::apply_update within one process: the overflow count and the global norm are summed over
-  // every process's chunks.
-  bool update_across(std::vector<nn::UpdatePart> const& parts, float lr_scale);
-  // The ranges of chunk c of pipeline r that count in the global gradient norm: replica 0's
-  // chunks but a tied head's copy of wte; with tensor-parallel stages the pipeline's norm ranges
-  // (split parameters on replica 0's ranks, replicated ones on its rank 0).
-  [[nodiscard]] std::vector<std::pair<std::int64_t, std::int64_t>> norm_parts(int r, int c) const;
-  // The sum over those ranges of every chunk of the float32 scalar `op` writes for a range of
-  // master gradients, added as apply_update adds them in one process: every range's value
-  // all-gathered, then added in chunk order in double on every process.
-  double world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op);
-  // world_sum with ZeRO: per chunk, the sum of `op`'s values over its replica's counted owned
-  // ranges (ShardedUpdate::owned()), all-gathered, then added in chunk order, replicas in order.
-  double sharded_world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op);
+  // The update's total of the parts' values (nn::detail::PartTotal; `parts`, this process's, in
+  // step()'s order), added as apply_update adds them in one process: across processes, and with
+  // ZeRO in one process too. Every rank's values all-gathered (with ZeRO each chunk's summed first),
+  // then added in chunk order, each chunk's pipelines in order, in double on every process.
+  double world_total(std::span<nn::UpdatePart const> parts, std::span<Tensor const> sums);
 
   // What a timed region of a device's step did (see DeviceState): compute actions; transfers and
   // sums over other communicators; sums over a chunk's tensor-parallel ranks (also timed there).

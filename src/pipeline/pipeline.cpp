@@ -17,6 +17,7 @@
 
 #include "comm/host_communicator.hpp"
 #include "comm/renewable.hpp"
+#include "nn/update.hpp"
 #include "parallel/peer_subset.hpp"
 #include "pipeline/executor_impl.hpp"
 
@@ -588,10 +589,11 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
   for (nn::UpdatePart const& part : parts) steps_before.push_back(part.optimizer->steps());
   try {
     // Across processes, and with ZeRO in one process too (the same sums as across them), the
-    // overflow count and the norm are the world's (update_across).
-    m.last_applied = (m.across || !m.sharded_updates.empty()) && (scaler != nullptr || m.options.clip_norm > 0)
-                         ? m.update_across(parts, lr_scale)
-                         : nn::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, false});
+    // overflow count and the norm are the world's (world_total).
+    nn::detail::PartTotal total;
+    if (m.across || !m.sharded_updates.empty())
+      total = [&m, &parts](std::span<Tensor const> sums) { return m.world_total(parts, sums); };
+    m.last_applied = nn::detail::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, false}, total);
     // step() returns with the chunks updated, as when each device's thread ran its update inline:
     // the update enqueued from this thread runs on the streams' workers.
     m.group->synchronize();
