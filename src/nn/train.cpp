@@ -13,6 +13,8 @@
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/trace/timeline.hpp>
 
+#include "nn/update.hpp"
+
 namespace mgpu::nn {
 namespace {
 // x in the model's compute type (a converted copy when it is not); token ids stay as they are.
@@ -300,7 +302,9 @@ StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, T
   return train_step(model, optimizer, x, labels, SoftmaxCrossEntropy{}, ctx, options);
 }
 
-bool apply_update(std::span<UpdatePart const> parts, UpdateOptions const& options) {
+bool apply_update(std::span<UpdatePart const> parts, UpdateOptions const& options) { return detail::apply_update(parts, options, {}); }
+
+bool detail::apply_update(std::span<UpdatePart const> parts, UpdateOptions const& options, PartTotal const& total) {
   if (!(options.lr_scale >= 0 && std::isfinite(options.lr_scale)))
     throw Error(Errc::invalid_argument, "apply_update: lr_scale " + std::to_string(options.lr_scale) + " (expected a finite lr_scale >= 0)");
   if (!(options.clip_norm == 0 || (options.clip_norm > 0 && std::isfinite(options.clip_norm))))
@@ -340,7 +344,7 @@ bool apply_update(std::span<UpdatePart const> parts, UpdateOptions const& option
   }
   // The sum over every part's counted ranges (and, for a sharded part, over the ranks) of the
   // float32 scalar `op` writes for a range of master gradients, read once every part's work is
-  // enqueued (so the devices compute them at once).
+  // enqueued (so the devices compute them at once); or `total`'s of the ranges' values.
   auto const sum_over_parts = [&](auto&& op) {
     std::vector<Tensor> sums(parts.size());
     for (std::size_t i = 0; i < parts.size(); ++i) {
@@ -355,8 +359,9 @@ bool apply_update(std::span<UpdatePart const> parts, UpdateOptions const& option
           fill_async(out, 0.0f, *p.stream);
         }
       }
-      if (sharded[i]) p.sharded->sum_over_ranks(sums[i], *p.stream);
+      if (sharded[i] && !total) p.sharded->sum_over_ranks(sums[i], *p.stream);
     }
+    if (total) return total(sums);
     double sum = 0;
     for (std::size_t i = 0; i < parts.size(); ++i)
       for (std::int64_t j = 0; j < sums[i].numel(); ++j) sum += ops::item(sums[i].slice(j, j + 1), *parts[i].stream);

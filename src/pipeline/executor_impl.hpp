@@ -64,7 +64,7 @@ struct Executor::Impl {
   // chunks + c], null for the chunks the group's device does not run and the groups of other
   // processes' ranks only): the data-parallel gradient sync over the group's replicas' chunk
   // (this process's of them), without overlap (finish() after the last micro-batch's backward
-  // reduces every bucket), with options.zero_stage; in one process, or across processes with ZeRO.
+  // reduces every bucket), with options.zero_stage.
   std::vector<std::unique_ptr<parallel::detail::GradientSync>> replica_syncs;
   [[nodiscard]] parallel::detail::RankSync* replica_sync(int rank, int c) {
     if (replica_syncs.empty()) return nullptr;
@@ -180,7 +180,8 @@ struct Executor::Impl {
   [[nodiscard]] std::vector<Part> chunk_parts(int c) const;
   // load() of a one-device file's records; `source` names it.
   io::TrainingState load_records(io::Checkpoint const& records, std::string const& source);
-  std::vector<std::unique_ptr<comm::Communicator>> tie_comms;  // per replica, over its two devices (none when they are one)
+  // Per replica, over its two tie devices (none when they are one; null for another process's).
+  std::vector<std::shared_ptr<comm::Communicator>> tie_comms;
   // Every communicator above but another process's chunks' (which nothing calls), in the order
   // they were made, made anew by recover().
   std::vector<comm::detail::Renewable*> renewable;
@@ -197,25 +198,15 @@ struct Executor::Impl {
   // Sums wte and its copy (the master parameters, or the master gradients) on the tie's devices of `rank`'s replica, leaving both equal; does nothing on
   // other ranks.
   void sum_tied(int rank, Stream& stream, bool parameters);
-  // Sums `values` over the world ranks `ranks` (`rank` among them) through the transfers'
-  // communicator, leaving the sum on each, as an all-reduce over them would (float32, in their
-  // order): across processes, where no communicator over a subset of the world's ranks exists.
-  void sum_over(int rank, std::vector<int> const& ranks, Tensor const& values, Stream& stream);
-  // The update across processes (and with ZeRO in one process) with a loss scaler or clipping, as
-  // nn::apply_update within one process: the overflow count and the global norm are summed over
-  // every process's chunks.
-  bool update_across(std::vector<nn::UpdatePart> const& parts, float lr_scale);
-  // The ranges of chunk c of pipeline r that count in the global gradient norm: replica 0's
-  // chunks but a tied head's copy of wte; with tensor-parallel stages the pipeline's norm ranges
-  // (split parameters on replica 0's ranks, replicated ones on its rank 0).
-  [[nodiscard]] std::vector<std::pair<std::int64_t, std::int64_t>> norm_parts(int r, int c) const;
-  // The sum over those ranges of every chunk of the float32 scalar `op` writes for a range of
-  // master gradients, added as apply_update adds them in one process: every range's value
-  // all-gathered, then added in chunk order in double on every process.
-  double world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op);
-  // world_sum with ZeRO: per chunk, the sum of `op`'s values over its replica's counted owned
-  // ranges (ShardedUpdate::owned()), all-gathered, then added in chunk order, replicas in order.
-  double sharded_world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op);
+  // A renewable communicator over the world ranks `ranks` through the transfers' sends and
+  // receives (parallel::detail::PeerSubset): across processes, where a communicator over a subset
+  // of the world's ranks may not exist (CUDA GPUs).
+  std::shared_ptr<comm::detail::Renewable> peer_renewable(std::vector<int> const& ranks);
+  // The update's total of the parts' values (nn::detail::PartTotal; `parts`, this process's, in
+  // step()'s order), added as apply_update adds them in one process: across processes, and with
+  // ZeRO in one process too. Every rank's values all-gathered (with ZeRO each chunk's summed first),
+  // then added in chunk order, each chunk's pipelines in order, in double on every process.
+  double world_total(std::span<nn::UpdatePart const> parts, std::span<Tensor const> sums);
 
   // What a timed region of a device's step did (see DeviceState): compute actions; transfers and
   // sums over other communicators; sums over a chunk's tensor-parallel ranks (also timed there).

@@ -17,6 +17,8 @@
 
 #include "comm/host_communicator.hpp"
 #include "comm/renewable.hpp"
+#include "nn/update.hpp"
+#include "parallel/peer_subset.hpp"
 #include "pipeline/executor_impl.hpp"
 
 namespace mgpu::pipeline {
@@ -271,9 +273,10 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     for (int c = m.device_in_pipeline(rank); c < m.schedule.chunks(); c += devices)
       m.chunk_of(rank, c).materialize(ctx, m.options.seed, m.options.compute);
   });
-  // Each chunk's replicas: a data-parallel gradient sync (across processes with ZeRO only, where
-  // this process drives some of them; ZeRO-0 sums them through the transfers there, sum_over).
-  if (m.replicas > tp && (!m.across || m.options.zero_stage > 0)) {
+  // Each chunk's replicas: a data-parallel gradient sync (across processes where this process
+  // drives some of them: with ZeRO over a subset communicator, with ZeRO-0 over the transfers'
+  // sends and receives, which serve CUDA GPUs across processes too).
+  if (m.replicas > tp) {
     parallel::DataParallelOptions data;
     data.zero_stage = m.options.zero_stage;
     data.overlap = false;
@@ -297,6 +300,8 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
         std::shared_ptr<comm::detail::Renewable> comm;
         if (!m.across) {
           comm = m.renewable_over(ranks, stage_options);
+        } else if (m.options.zero_stage == 0) {
+          comm = m.peer_renewable(ranks);
         } else {
           comm = std::make_shared<comm::detail::Renewable>(
               m.options.make_subset_communicator(group, ranks, stage_options),
@@ -352,9 +357,17 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
   if (m.tie) {
     int const embedding_device = m.schedule.device_of(m.tie->embedding_chunk);
     int const head_device = m.schedule.device_of(m.tie->head_chunk);
-    if (embedding_device != head_device && !m.across) {
-      for (int r = 0; r < m.replicas; ++r)
-        m.tie_comms.push_back(m.renewable_over({m.rank_at(r, embedding_device), m.rank_at(r, head_device)}, stage_options));
+    if (embedding_device != head_device) {
+      for (int r = 0; r < m.replicas; ++r) {
+        std::vector<int> const ranks{m.rank_at(r, embedding_device), m.rank_at(r, head_device)};
+        if (!m.across) {
+          m.tie_comms.push_back(m.renewable_over(ranks, stage_options));
+        } else if (comm::drives_any(ranks, m.first, group.size())) {  // over the transfers' sends and receives
+          m.tie_comms.push_back(m.peer_renewable(ranks));
+        } else {
+          m.tie_comms.push_back(nullptr);  // another process's replica
+        }
+      }
     }
     // The copy starts at zero: the sum makes it the embedding's initial wte.
     group.run([&](int local, Device, Stream& stream) { m.sum_tied(m.first + local, stream, true); });
@@ -372,6 +385,15 @@ std::unique_ptr<comm::detail::Renewable> Executor::Impl::renewable_over(std::vec
                              return comm::make_communicator(devices, members, o);
                            });
   auto made = std::make_unique<comm::detail::Renewable>([g, ranks, options, make] { return make(*g, ranks, options); });
+  renewable.push_back(made.get());
+  return made;
+}
+
+std::shared_ptr<comm::detail::Renewable> Executor::Impl::peer_renewable(std::vector<int> const& ranks) {
+  comm::Communicator& transfers = *comm;
+  DeviceGroup& devices = *group;
+  auto made = std::make_shared<comm::detail::Renewable>(
+      [&transfers, &devices, ranks] { return std::make_unique<parallel::detail::PeerSubset>(transfers, devices, ranks); });
   renewable.push_back(made.get());
   return made;
 }
@@ -567,10 +589,11 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
   for (nn::UpdatePart const& part : parts) steps_before.push_back(part.optimizer->steps());
   try {
     // Across processes, and with ZeRO in one process too (the same sums as across them), the
-    // overflow count and the norm are the world's (update_across).
-    m.last_applied = (m.across || !m.sharded_updates.empty()) && (scaler != nullptr || m.options.clip_norm > 0)
-                         ? m.update_across(parts, lr_scale)
-                         : nn::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, false});
+    // overflow count and the norm are the world's (world_total).
+    nn::detail::PartTotal total;
+    if (m.across || !m.sharded_updates.empty())
+      total = [&m, &parts](std::span<Tensor const> sums) { return m.world_total(parts, sums); };
+    m.last_applied = nn::detail::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, false}, total);
     // step() returns with the chunks updated, as when each device's thread ran its update inline:
     // the update enqueued from this thread runs on the streams' workers.
     m.group->synchronize();

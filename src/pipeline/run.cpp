@@ -1,10 +1,11 @@
 // One step's work on every device: each device's actions of the schedule (run_device), the sum of a
-// tied wte and its copy, the replicas' reduce (through the data-parallel gradient sync; across
-// processes with ZeRO-0 through the transfers, sum_over), and, across processes or with ZeRO, the
-// update with a loss scaler or clipping over the world's sums (world_sum, update_across).
+// tied wte and its copy, the replicas' reduce (through the data-parallel gradient sync), and,
+// across processes or with ZeRO, the world's total of the update's overflow count and norm
+// (world_total, for nn::detail::apply_update).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <span>
 #include <string>
 #include <utility>
 
@@ -218,13 +219,10 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
     for (int c = device; c < s.chunks(); c += s.devices) {
       Tensor const& grads = chunk_of(rank, c).master_gradients();
       if (!grads.defined()) continue;
-      auto reduce = [&] {
-        if (parallel::detail::RankSync* const sync = replica_sync(rank, c)) {  // every bucket, its reduce awaited
-          sync->begin(stream, nullptr);
-          sync->finish(stream);
-          return;
-        }
-        sum_over(rank, mesh.group(rank, "dp"), grads, stream);  // across processes with ZeRO-0: the replicas' pipelines of this tensor-parallel rank
+      auto reduce = [&] {  // every bucket, its reduce awaited
+        parallel::detail::RankSync* const sync = replica_sync(rank, c);
+        sync->begin(stream, nullptr);
+        sync->finish(stream);
       };
       timed(st, stream, Region::wait, [&] {
         if (timeline != nullptr && timeline->enabled()) {
@@ -284,11 +282,9 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
     Tensor const copy = part(tie->head_chunk, tie->head_offset);
     ops::add_scaled(wte, copy, 1.0f, stream);
     copy_async(copy, wte, stream);
-  } else if (Tensor const mine = device == embedding_device ? part(tie->embedding_chunk, tie->embedding_offset)
-                                                            : part(tie->head_chunk, tie->head_offset);
-             across) {  // the other chunk is another process's
-    sum_over(rank, {rank_at(pipeline, embedding_device), rank_at(pipeline, head_device)}, mine, stream);
   } else {
+    Tensor const mine = device == embedding_device ? part(tie->embedding_chunk, tie->embedding_offset)
+                                                   : part(tie->head_chunk, tie->head_offset);
     tie_comms[static_cast<std::size_t>(pipeline)]->all_reduce(device == embedding_device ? 0 : 1, mine, mine,
                                                              comm::ReduceOp::sum, stream);
   }
@@ -298,62 +294,29 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
   }
 }
 
-void Executor::Impl::sum_over(int rank, std::vector<int> const& ranks, Tensor const& values, Stream& stream) {
-  if (rank != ranks.front()) {
-    comm->send(rank, values, ranks.front(), stream);
-    comm->recv(rank, values, ranks.front(), stream);
-    return;
-  }
-  // The first rank adds the others' in order in float32, rounding to the values' type once.
-  Allocator& allocator = group->allocator(rank - first);
-  bool const wide = values.dtype() == DType::float32;
-  Tensor const sum = wide ? values : Tensor::empty(values.shape(), DType::float32, allocator);
-  Tensor const other = Tensor::empty(values.shape(), values.dtype(), allocator);
-  Tensor const other_wide = wide ? other : Tensor::empty(values.shape(), DType::float32, allocator);
-  if (!wide) convert_async(sum, values, stream);
-  for (std::size_t i = 1; i < ranks.size(); ++i) {
-    comm->recv(rank, other, ranks[i], stream);
-    if (!wide) convert_async(other_wide, other, stream);
-    ops::add_scaled(sum, other_wide, 1.0f, stream);
-  }
-  if (!wide) convert_async(values, sum, stream);
-  for (std::size_t i = 1; i < ranks.size(); ++i) comm->send(rank, values, ranks[i], stream);
-}
-
-std::vector<std::pair<std::int64_t, std::int64_t>> Executor::Impl::norm_parts(int r, int c) const {
-  std::vector<std::pair<std::int64_t, std::int64_t>> out;
-  if (tp > 1) {  // the pipeline's counted norm ranges
-    for (nn::OwnedRange const& range : norms[static_cast<std::size_t>(r * schedule.chunks() + c)]->owned())
-      if (range.counted) out.emplace_back(range.begin, range.end);
-    return out;
-  }
-  if (r > 0) return out;  // the replicas' reduced gradients are replica 0's
-  std::int64_t const n = chunks[0][static_cast<std::size_t>(c)].parameter_count();
-  bool const copy = tie && c == tie->head_chunk;  // a tied head's copy of wte counts in the embedding
-  std::int64_t const copy_begin = copy ? tie->head_offset : n;
-  std::int64_t const copy_end = copy ? tie->head_offset + tie->elements : n;
-  if (copy_begin > 0) out.emplace_back(0, copy_begin);
-  if (copy_end < n) out.emplace_back(copy_end, n);
-  return out;
-}
-
-double Executor::Impl::world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op) {
-  if (!sharded_updates.empty()) return sharded_world_sum(op);
-  // Each rank's slots: a value per counted part of each chunk it runs (norm_parts), in chunk order;
-  // as many on every rank (the most any rank has), zero where it has fewer. Pipeline r's chunk c
-  // ([r * chunks + c]): its parts and its first slot among its rank's.
+double Executor::Impl::world_total(std::span<nn::UpdatePart const> parts, std::span<Tensor const> sums) {
+  // Each rank's slots: per chunk it runs, in chunk order, with ZeRO one (the sum of its replica's
+  // values), else one per range of the chunk's update (as nn::detail::PartTotal lays them out: the
+  // tensor-parallel norm ranges, or three); as many on every rank (the most any rank has), zero
+  // where it has fewer. Pipeline r's chunk c ([r * chunks + c]): its first slot.
   auto const chunks = static_cast<std::size_t>(schedule.chunks());
-  std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> parts(static_cast<std::size_t>(replicas) * chunks);
-  std::vector<std::int64_t> first_slot(parts.size(), 0);
+  bool const sharded = !sharded_updates.empty();
+  auto const count = [&](int r, int c) -> std::int64_t {
+    if (sharded) return 1;
+    if (tp > 1) {  // the pipeline's norm ranges (three, as a part without them, where there are none)
+      auto const n = static_cast<std::int64_t>(norms[static_cast<std::size_t>(r) * chunks + static_cast<std::size_t>(c)]->owned().size());
+      return n > 0 ? n : 3;
+    }
+    return 3;
+  };
+  std::vector<std::int64_t> first_slot(static_cast<std::size_t>(replicas) * chunks, 0);
   std::int64_t per_rank = 1;
   for (int r = 0; r < replicas; ++r) {
     for (int d = 0; d < schedule.devices; ++d) {
       std::int64_t slot = 0;
       for (int c = d; c < schedule.chunks(); c += schedule.devices) {
-        std::size_t const at = static_cast<std::size_t>(r) * chunks + static_cast<std::size_t>(c);
-        parts[at] = norm_parts(r, c);
-        first_slot[at] = slot;
-        slot += static_cast<std::int64_t>(parts[at].size());
+        first_slot[static_cast<std::size_t>(r) * chunks + static_cast<std::size_t>(c)] = slot;
+        slot += count(r, c);
       }
       per_rank = std::max(per_rank, slot);
     }
@@ -365,97 +328,28 @@ double Executor::Impl::world_sum(std::function<void(Tensor const&, Tensor const&
     all = Tensor::empty({comm->size() * per_rank}, DType::float32, group->allocator(local));
     Tensor const mine = all.slice(rank * per_rank, (rank + 1) * per_rank);
     fill_async(mine, 0.0f, stream);
-    for (int c = device_in_pipeline(rank); c < schedule.chunks(); c += schedule.devices) {
-      Tensor const& grads = chunk_of(rank, c).master_gradients();
-      std::size_t const at = static_cast<std::size_t>(pipeline_of(rank)) * chunks + static_cast<std::size_t>(c);
-      std::int64_t slot = first_slot[at];
-      for (auto const& [begin, end] : parts[at]) {
-        op(grads.slice(begin, end), mine.slice(slot, slot + 1), stream);
-        ++slot;
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      for (int c = device_in_pipeline(rank); c < schedule.chunks(); c += schedule.devices) {
+        if (parts[i].model != &chunk_of(rank, c)) continue;
+        std::int64_t const at = first_slot[static_cast<std::size_t>(pipeline_of(rank)) * chunks + static_cast<std::size_t>(c)];
+        if (sharded) {
+          ops::sum(sums[i], mine.slice(at, at + 1), stream);
+        } else {
+          copy_async(mine.slice(at, at + count(pipeline_of(rank), c)), sums[i], stream);
+        }
       }
-    }
-    comm->all_gather(rank, mine, all, stream);
-  });
-  // Added in chunk order, each chunk's pipelines in order.
-  double sum = 0;
-  for (int c = 0; c < schedule.chunks(); ++c) {
-    for (int r = 0; r < replicas; ++r) {
-      std::size_t const at = static_cast<std::size_t>(r) * chunks + static_cast<std::size_t>(c);
-      std::int64_t const begin = rank_at(r, schedule.device_of(c)) * per_rank + first_slot[at];
-      for (std::int64_t k = begin; k < begin + static_cast<std::int64_t>(parts[at].size()); ++k)
-        sum += ops::item(gathered[0].slice(k, k + 1), group->stream(0));
-    }
-  }
-  return sum;
-}
-
-double Executor::Impl::sharded_world_sum(std::function<void(Tensor const&, Tensor const&, Stream&)> const& op) {
-  // Each rank's slots: a value per chunk it runs, in chunk order (chunk c in slot c / devices).
-  auto const chunks = static_cast<std::size_t>(schedule.chunks());
-  std::int64_t const per_rank = (schedule.chunks() + schedule.devices - 1) / schedule.devices;
-  std::vector<Tensor> gathered(static_cast<std::size_t>(group->size()));
-  group->run([&](int local, Device, Stream& stream) {
-    int const rank = first + local;
-    Allocator& allocator = group->allocator(local);
-    Tensor& all = gathered[static_cast<std::size_t>(local)];
-    all = Tensor::empty({comm->size() * per_rank}, DType::float32, allocator);
-    Tensor const mine = all.slice(rank * per_rank, (rank + 1) * per_rank);
-    fill_async(mine, 0.0f, stream);
-    for (int c = device_in_pipeline(rank); c < schedule.chunks(); c += schedule.devices) {
-      nn::GradientSync const& sharded = *sharded_updates[static_cast<std::size_t>(pipeline_of(rank)) * chunks + static_cast<std::size_t>(c)];
-      std::vector<nn::OwnedRange> const ranges = sharded.owned();
-      Tensor const values = Tensor::empty({std::max<std::int64_t>(1, static_cast<std::int64_t>(ranges.size()))}, DType::float32, allocator);
-      fill_async(values, 0.0f, stream);
-      // The master gradients, or with ZeRO-2 the owned ones, packed by start (as apply_update reads them).
-      Tensor const packed = sharded.owned_gradients();
-      Tensor const& grads = chunk_of(rank, c).master_gradients();
-      for (std::size_t j = 0; j < ranges.size(); ++j) {
-        nn::OwnedRange const& r = ranges[j];
-        if (!r.counted || r.begin == r.end) continue;
-        std::int64_t at = 0;
-        for (nn::OwnedRange const& other : ranges)
-          if (other.begin < r.begin) at += other.end - other.begin;
-        Tensor const range = packed.defined() ? packed.slice(at, at + (r.end - r.begin)) : grads.slice(r.begin, r.end);
-        auto const k = static_cast<std::int64_t>(j);
-        op(range, values.slice(k, k + 1), stream);
-      }
-      std::int64_t const slot = c / schedule.devices;
-      ops::sum(values, mine.slice(slot, slot + 1), stream);
     }
     comm->all_gather(rank, mine, all, stream);
   });
   double sum = 0;  // in chunk order, each chunk's pipelines in order
   for (int c = 0; c < schedule.chunks(); ++c) {
     for (int r = 0; r < replicas; ++r) {
-      std::int64_t const k = rank_at(r, schedule.device_of(c)) * per_rank + c / schedule.devices;
-      sum += ops::item(gathered[0].slice(k, k + 1), group->stream(0));
+      std::int64_t const begin =
+          rank_at(r, schedule.device_of(c)) * per_rank + first_slot[static_cast<std::size_t>(r) * chunks + static_cast<std::size_t>(c)];
+      for (std::int64_t k = begin; k < begin + count(r, c); ++k) sum += ops::item(gathered[0].slice(k, k + 1), group->stream(0));
     }
   }
   return sum;
-}
-
-bool Executor::Impl::update_across(std::vector<nn::UpdatePart> const& parts, float lr_scale) {
-  optim::LossScaler* const scaler = options.loss_scaler ? &*options.loss_scaler : nullptr;
-  if (scaler != nullptr) {  // the step unscaled the gradients
-    double const bad = world_sum(
-        [](Tensor const& grads, Tensor const& out, Stream& stream) { ops::count_nonfinite(grads, out, stream); });
-    if (!scaler->update(bad == 0)) return false;
-  }
-  if (options.clip_norm > 0) {
-    double const squares =
-        world_sum([](Tensor const& grads, Tensor const& out, Stream& stream) { ops::sum_squares(grads, out, stream); });
-    float const norm = std::sqrt(static_cast<float>(squares));
-    if (!std::isfinite(norm))
-      throw Error(Errc::invalid_argument,
-                  "pipeline step: clipping gradients that hold NaN or Inf (expected finite gradients)");
-    if (norm > options.clip_norm && norm > 0) {
-      for (nn::UpdatePart const& p : parts) {  // with ZeRO-2 the owned gradients
-        Tensor const packed = p.sharded != nullptr ? p.sharded->owned_gradients() : Tensor{};
-        ops::scale(packed.defined() ? packed : p.model->master_gradients(), options.clip_norm / norm, *p.stream);
-      }
-    }
-  }
-  return nn::apply_update(parts, {lr_scale, 0.0f, nullptr, false});
 }
 
 }  // namespace mgpu::pipeline
