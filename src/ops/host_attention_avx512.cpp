@@ -90,10 +90,22 @@ inline void in_blocks(i64 begin, i64 end, F const& f) {
   if constexpr (R > 1) in_blocks<R / 2>(r, end, f);
 }
 
-// acc[r][c] = sum over e < D of a[r lda + e] bt[e ldt + 16 c + lane]: R rows of a tile of scores
-// (or of dP), C chunks of 16 keys.
+// rows [r D, r D + D) = a[r lda, r lda + D) for r < R: the rows a register block broadcasts from,
+// next to each other (one pointer and constant offsets, where rows of the sequence's stride would
+// take a pointer register each).
+template <int D, int R>
+inline void gather_rows(float const* a, i64 lda, float* rows) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < D / lanes; ++v)
+      _mm512_store_ps(rows + r * D + v * lanes, _mm512_loadu_ps(a + r * lda + v * lanes));
+}
+
+// acc[r][c] = sum over e < D of a[r D + e] bt[e ldt + 16 c + lane]: R rows of a tile of scores
+// (or of dP; rows gathered by gather_rows), C chunks of 16 keys.
 template <int D, int R, int C>
-inline void scores(float const* a, i64 lda, float const* bt, i64 ldt, __m512 (&acc)[R][C]) {
+inline void scores(float const* a, float const* bt, i64 ldt, __m512 (&acc)[R][C]) {
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
@@ -104,7 +116,7 @@ inline void scores(float const* a, i64 lda, float const* bt, i64 ldt, __m512 (&a
     for (int c = 0; c < C; ++c) b[c] = in_register(_mm512_loadu_ps(bt + e * ldt + c * lanes));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      __m512 const x = _mm512_set1_ps(a[r * lda + e]);
+      __m512 const x = _mm512_set1_ps(a[r * D + e]);
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(x, b[c], acc[r][c]);
     }
@@ -114,7 +126,7 @@ inline void scores(float const* a, i64 lda, float const* bt, i64 ldt, __m512 (&a
 // scores() of two products at once, their loads interleaved: S = q kᵀ and dP = dy vᵀ of the same
 // rows and keys (twice the independent accumulators, to cover the multiply-adds' latency).
 template <int D, int R, int C>
-inline void scores_pair(float const* a, i64 lda, float const* bt, float const* a2, i64 lda2, float const* bt2, i64 ldt,
+inline void scores_pair(float const* a, float const* bt, float const* a2, float const* bt2, i64 ldt,
                         __m512 (&acc)[R][C], __m512 (&acc2)[R][C]) {
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -129,7 +141,7 @@ inline void scores_pair(float const* a, i64 lda, float const* bt, float const* a
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      __m512 const x = _mm512_set1_ps(a[r * lda + e]), x2 = _mm512_set1_ps(a2[r * lda2 + e]);
+      __m512 const x = _mm512_set1_ps(a[r * D + e]), x2 = _mm512_set1_ps(a2[r * D + e]);
 #pragma GCC unroll 2
       for (int c = 0; c < C; ++c) {
         acc[r][c] = _mm512_fmadd_ps(x, b[c], acc[r][c]);
@@ -193,9 +205,14 @@ inline void columns_times(float const* w, i64 ldw, float const* b, i64 ldb, i64 
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + k * ldo + v * lanes, acc[k][v]);
 }
 
-// The register blocks: 4 queries x 32 keys for the scores (8 accumulators, 16 with dP), and
-// 24 accumulators (rows or keys x D / 16 vectors) for the products with rows of d.
+// The register blocks: 4 queries x 64 keys for the forward's scores (16 accumulators), and 24
+// accumulators (rows or keys x D / 16 vectors) for the products with rows of d. The backward's S
+// and dP: 4 queries x 16 keys each at d 32, 8 x 16 at d 64 (in BM_attention's shapes, 8 rows
+// made GPT-2 small's attention 1.1x faster and nano's 1.25x slower; 2 x 32 keys, with the
+// exponential's constants, spilled accumulators to the stack).
 constexpr int score_rows = 4;
+template <int D>
+constexpr int pair_rows = D == 64 ? 8 : 4;
 template <int D>
 constexpr int product_rows = 24 / (D / lanes);
 
@@ -217,12 +234,17 @@ void forward_head(Head const& h) {
       // exponentials, the chunks its block skipped zeroed.
       in_blocks<score_rows>(r0, rows, [&]<int R>(i64 r) {
         i64 const n_block = lower(i0 + r + R - j0, cols), n_chunks = chunks(n_block);
+        alignas(64) float q[R * D];
+        gather_rows<D, R>(h.q + (i0 + r) * h.ld_qkv, h.ld_qkv, q);
         __m512 row_max[R];
+#pragma GCC unroll 8
         for (int k = 0; k < R; ++k) row_max[k] = _mm512_set1_ps(-__builtin_inff());
         auto const block = [&]<int C>(i64 c) {
           __m512 acc[R][C];
-          scores<D, R, C>(h.q + (i0 + r) * h.ld_qkv, h.ld_qkv, h.kt + j0 + c * lanes, h.ldt, acc);
+          scores<D, R, C>(q, h.kt + j0 + c * lanes, h.ldt, acc);
+#pragma GCC unroll 8
           for (int k = 0; k < R; ++k)
+#pragma GCC unroll 4
             for (int cc = 0; cc < C; ++cc) {
               __mmask16 const mask = seen(lower(i0 + r + k - j0 + 1, cols), c + cc);
               __m512 const s = _mm512_mask_mov_ps(_mm512_set1_ps(-__builtin_inff()), mask, acc[k][cc]);
@@ -237,6 +259,7 @@ void forward_head(Head const& h) {
           c += 2;
         }
         if (c < n_chunks) block.template operator()<1>(c);
+#pragma GCC unroll 8
         for (int k = 0; k < R; ++k) {
           float* s = h.s + (r + k) * lds;
           float* acc = h.acc + (r + k) * D;
@@ -260,15 +283,16 @@ void forward_head(Head const& h) {
         }
       });
       in_blocks<product_rows<D>>(r0, rows, [&]<int R>(i64 r) {
-        rows_times<D, R>(h.s + r * lds, lds, h.v + j0 * h.ld_qkv, h.ld_qkv, lower(i0 + r + R - j0, cols),
-                         h.acc + r * D, D);
+        rows_times<D, R>(h.s + r * lds, lds, h.v + j0 * h.ld_qkv, h.ld_qkv, lower(i0 + r + R - j0, cols), h.acc + r * D,
+                         D);
       });
     }
     for (i64 r = 0; r < rows; ++r) {
       h.lse_out[i0 + r] = h.m[r] * h.scale + __builtin_logf(h.l[r]);
       __m512 const inverse = _mm512_set1_ps(1.0f / h.l[r]);
       for (int v = 0; v < V; ++v)
-        _mm512_storeu_ps(h.y + (i0 + r) * h.ld_y + v * lanes, _mm512_mul_ps(_mm512_loadu_ps(h.acc + r * D + v * lanes), inverse));
+        _mm512_storeu_ps(h.y + (i0 + r) * h.ld_y + v * lanes,
+                         _mm512_mul_ps(_mm512_loadu_ps(h.acc + r * D + v * lanes), inverse));
     }
   }
 }
@@ -282,15 +306,19 @@ void backward_head(Head const& h) {
     for (i64 j0 = 0; j0 < i0 + rows; j0 += h.bk) {
       i64 const cols = lower(h.bk, i0 + rows - j0), first = i0 + upper(0, j0 - i0), n_rows = i0 + rows - first;
       // P and dS of rows [r, r + R) (of the n_rows from `first`), formed in registers.
-      in_blocks<score_rows>(0, n_rows, [&]<int R>(i64 r) {
+      in_blocks<pair_rows<D>>(0, n_rows, [&]<int R>(i64 r) {
         i64 const n_block = lower(first + r + R - j0, cols), n_chunks = chunks(n_block);
+        alignas(64) float q[R * D], dy[R * D];
+        gather_rows<D, R>(h.q + (first + r) * h.ld_qkv, h.ld_qkv, q);
+        gather_rows<D, R>(h.dy + (first + r) * h.ld_y, h.ld_y, dy);
         auto const block = [&]<int C>(i64 c) {
           __m512 s[R][C], dp[R][C];
-          scores_pair<D, R, C>(h.q + (first + r) * h.ld_qkv, h.ld_qkv, h.kt + j0 + c * lanes, h.dy + (first + r) * h.ld_y,
-                               h.ld_y, h.vt + j0 + c * lanes, h.ldt, s, dp);
+          scores_pair<D, R, C>(q, h.kt + j0 + c * lanes, dy, h.vt + j0 + c * lanes, h.ldt, s, dp);
+#pragma GCC unroll 8
           for (int k = 0; k < R; ++k) {
             i64 const i = first + r + k;
             __m512 const lse = _mm512_set1_ps(-h.lse[i]), row_dot = _mm512_set1_ps(h.row_dot[i]);
+#pragma GCC unroll 4
             for (int cc = 0; cc < C; ++cc) {
               __mmask16 const mask = seen(lower(i - j0 + 1, cols), c + cc);
               __m512 const p = exp16(_mm512_fmadd_ps(s[k][cc], scale, lse));
@@ -300,9 +328,8 @@ void backward_head(Head const& h) {
             }
           }
         };
-        i64 c = 0;
-        for (; c + 2 <= n_chunks; c += 2) block.template operator()<2>(c);
-        if (c < n_chunks) block.template operator()<1>(c);
+        for (i64 c = 0; c < n_chunks; ++c) block.template operator()<1>(c);
+#pragma GCC unroll 8
         for (int k = 0; k < R; ++k)
           for (i64 cc = n_chunks; cc < chunks(cols); ++cc) {
             _mm512_storeu_ps(h.s + (r + k) * lds + cc * lanes, _mm512_setzero_ps());
@@ -333,7 +360,8 @@ void pack_transposed(float const* src, std::int64_t stride, std::int64_t t, std:
     i64 const n = lower(lanes, t - j0);
     for (i64 col = 0; col < heads * d; col += lanes) {
       __m512 r[lanes];
-      for (i64 i = 0; i < lanes; ++i) r[i] = i < n ? _mm512_loadu_ps(src + (j0 + i) * stride + col) : _mm512_setzero_ps();
+      for (i64 i = 0; i < lanes; ++i)
+        r[i] = i < n ? _mm512_loadu_ps(src + (j0 + i) * stride + col) : _mm512_setzero_ps();
       transpose16(r);
       float* out = dst + (col / d) * d * ldt + (col % d) * ldt + j0;
       for (i64 e = 0; e < lanes; ++e) _mm512_storeu_ps(out + e * ldt, r[e]);
@@ -342,13 +370,17 @@ void pack_transposed(float const* src, std::int64_t stride, std::int64_t t, std:
 }
 
 void forward(Head const& head) noexcept {
-  if (head.d == 32) forward_head<32>(head);
-  else forward_head<64>(head);
+  if (head.d == 32)
+    forward_head<32>(head);
+  else
+    forward_head<64>(head);
 }
 
 void backward(Head const& head) noexcept {
-  if (head.d == 32) backward_head<32>(head);
-  else backward_head<64>(head);
+  if (head.d == 32)
+    backward_head<32>(head);
+  else
+    backward_head<64>(head);
 }
 
 }  // namespace mgpu::ops::host::avx512

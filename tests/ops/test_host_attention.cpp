@@ -35,7 +35,9 @@ Reference reference(std::vector<double> const& qkv, std::vector<double> const& d
   auto at = [&](std::int64_t b, std::int64_t i, std::int64_t part, std::int64_t h) {
     return static_cast<std::size_t>((b * t + i) * 3 * c + part * c + h * d);
   };
-  auto row = [&](std::int64_t b, std::int64_t i, std::int64_t h) { return static_cast<std::size_t>((b * t + i) * c + h * d); };
+  auto row = [&](std::int64_t b, std::int64_t i, std::int64_t h) {
+    return static_cast<std::size_t>((b * t + i) * c + h * d);
+  };
   auto dot = [&](double const* x, double const* y) {
     double s = 0;
     for (std::int64_t e = 0; e < d; ++e) s += x[e] * y[e];
@@ -58,7 +60,8 @@ Reference reference(std::vector<double> const& qkv, std::vector<double> const& d
           ds[ju] = dot(&dy[row(b, i, h)], &qkv[at(b, j, 2, h)]);
           row_dot += p[ju] * ds[ju];
           for (std::int64_t e = 0; e < d; ++e)
-            out.y[row(b, i, h) + static_cast<std::size_t>(e)] += p[ju] * qkv[at(b, j, 2, h) + static_cast<std::size_t>(e)];
+            out.y[row(b, i, h) + static_cast<std::size_t>(e)] +=
+                p[ju] * qkv[at(b, j, 2, h) + static_cast<std::size_t>(e)];
         }
         for (std::int64_t j = 0; j <= i; ++j) {
           auto const ju = static_cast<std::size_t>(j);
