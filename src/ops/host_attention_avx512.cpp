@@ -219,7 +219,7 @@ constexpr int product_rows = 24 / (D / lanes);
 template <int D>
 void forward_head(Head const& h) {
   constexpr int V = D / lanes;
-  i64 const t = h.t, lds = scratch_row(h.bk);
+  i64 const t = h.t, lds = chunks(h.bk) * lanes;  // scratch_row(bk), without the header's inline copy
   __m512 const scale = _mm512_set1_ps(h.scale);
   for (i64 i0 = 0; i0 < t; i0 += h.bq) {
     i64 const rows = lower(h.bq, t - i0);
@@ -299,7 +299,7 @@ void forward_head(Head const& h) {
 
 template <int D>
 void backward_head(Head const& h) {
-  i64 const t = h.t, lds = scratch_row(h.bk);
+  i64 const t = h.t, lds = chunks(h.bk) * lanes;  // scratch_row(bk), without the header's inline copy
   __m512 const scale = _mm512_set1_ps(h.scale);
   for (i64 i0 = 0; i0 < t; i0 += h.bq) {
     i64 const rows = lower(h.bq, t - i0);
