@@ -2,16 +2,20 @@
 // register-blocked float32 micro-kernel (product, skipping the blocks the causal mask zeroes) on
 // float32 q, k, v, dy and dqkv in place (16-bit storage through per-sequence float copies) and k, v
 // packed transposed once per sequence, and an online softmax in loops the compiler vectorizes
-// (exp_vec, maxima and sums in 16 independent lanes, rows in whole masked vectors).
+// (exp_vec, maxima and sums in 16 independent lanes, rows in whole masked vectors). Float32 heads
+// of 32 or 64 without dropout run host_attention_avx512.cpp's kernels where the CPU has AVX-512.
 #include "ops/host_attention.hpp"
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <new>
 #include <type_traits>
 #include <vector>
 
 #include <mgpu/core/detail/training_math.hpp>
+
+#include "ops/host_attention_avx512.hpp"
 
 namespace mgpu::ops {
 namespace {
@@ -33,13 +37,31 @@ AttentionTiles attention_tiles() noexcept {
   // 2-core AMD EPYC): since the register blocks above the diagonal are skipped, taller query blocks
   // no longer compute the diagonal tile's masked half, and 64 x 128 is among the fastest on both
   // shapes (nano 0.268 of the sgemm rate in turn, 32 x 128 0.260; GPT-2 small's 0.531, 32 x 128
-  // 0.489). On T <= 128 it is one key tile.
+  // 0.489). On T <= 128 it is one key tile. With the AVX-512 kernels (2026-12-06-cpu-gpt-attention-
+  // avx512.json, the worker's CPU time per tiling) it is again among the fastest on both shapes,
+  // 16 x 64 to 128 x 128 within 1.5% on nano, the others up to 6% slower on GPT-2 small.
   return {64, 128};
 }
 
 namespace {
 
 constexpr std::int64_t lanes = 16;
+
+// Scratch in whole cache lines: the tiles' vector loads and stores then never straddle two.
+template <class T>
+struct CacheAligned {
+  using value_type = T;
+  CacheAligned() = default;
+  template <class U>
+  CacheAligned(CacheAligned<U> const&) noexcept {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
+  void deallocate(T* p, std::size_t) noexcept { ::operator delete(p, std::align_val_t{64}); }
+  template <class U>
+  bool operator==(CacheAligned<U> const&) const noexcept {
+    return true;
+  }
+};
+using Buffer = std::vector<float, CacheAligned<float>>;
 
 // Where a row's loops over its n visible entries end: n rounded up to whole vectors of `lanes`
 // where the row has room (width), the entries past n masked, so a row of the diagonal tile runs
@@ -159,7 +181,7 @@ void product(float const* a, std::int64_t a_row, std::int64_t a_col, float const
 // the rows in order (every head of a sequence at once: the reads stream, where a head at a time
 // strides through the sequence once per head).
 template <class T>
-void pack(T const* src, std::int64_t stride, std::int64_t t, std::int64_t heads, std::int64_t d, std::vector<float>& dst) {
+void pack(T const* src, std::int64_t stride, std::int64_t t, std::int64_t heads, std::int64_t d, Buffer& dst) {
   dst.resize(static_cast<std::size_t>(heads * t * d));
   for (std::int64_t i = 0; i < t; ++i) {
     T const* row = src + i * stride;
@@ -170,26 +192,63 @@ void pack(T const* src, std::int64_t stride, std::int64_t t, std::int64_t heads,
   }
 }
 
-// dst [heads, d, t] = the heads' columns of t rows of `stride` elements from src, transposed: the
-// layout the tile products read k and v in (kᵀ's rows are the keys' e-th elements), packed once per
-// sequence. In blocks of 16 rows, each element's 16 keys written as one vector (gathered from the
-// rows): a key at a time would store single floats d apart.
+// The row stride of packed kᵀ and vᵀ for t keys: whole vectors of 16, so the AVX-512 kernels
+// load a tile's last keys without a mask.
+std::int64_t transposed_ld(std::int64_t t) { return (t + 15) / 16 * 16; }
+
+// dst [heads, d, transposed_ld(t)] = the heads' columns of t rows of `stride` elements from src,
+// transposed, the columns past t zero: the layout the tile products read k and v in (kᵀ's rows are
+// the keys' e-th elements), packed once per sequence. In blocks of 16 rows, each element's 16 keys
+// written as one vector (gathered from the rows): a key at a time would store single floats d apart.
 template <class T>
 void pack_transposed(T const* src, std::int64_t stride, std::int64_t t, std::int64_t heads, std::int64_t d,
-                     std::vector<float>& dst) {
-  dst.resize(static_cast<std::size_t>(heads * t * d));
+                     Buffer& dst) {
+  std::int64_t const ld = transposed_ld(t);
+  dst.resize(static_cast<std::size_t>(heads * ld * d));
   constexpr std::int64_t edge = 16;
   auto block = [&](std::int64_t i0, auto rows) {
     for (std::int64_t h = 0; h < heads; ++h) {
-      float* out = dst.data() + h * d * t + i0;
+      float* out = dst.data() + h * d * ld + i0;
       T const* in = src + i0 * stride + h * d;
-      for (std::int64_t e = 0; e < d; ++e)
-        for (std::int64_t i = 0; i < rows; ++i) out[e * t + i] = static_cast<float>(in[i * stride + e]);
+      for (std::int64_t e = 0; e < d; ++e) {
+        for (std::int64_t i = 0; i < rows; ++i) out[e * ld + i] = static_cast<float>(in[i * stride + e]);
+        std::fill(out + e * ld + rows, out + (e + 1) * ld - i0, 0.0f);  // past t (only in the last block)
+      }
     }
   };
   std::int64_t i0 = 0;
   for (; i0 + edge <= t; i0 += edge) block(i0, std::integral_constant<std::int64_t, edge>{});
   if (i0 < t) block(i0, t - i0);
+}
+
+// Whether host_attention_avx512.cpp's kernels run heads of d of T without dropout here (float32).
+template <class T>
+bool avx512_covers(std::int64_t d, detail::AttentionMask const& mask) {
+#if defined(MGPU_HOST_ATTENTION_AVX512)
+  static bool const cpu = __builtin_cpu_supports("avx512f");
+  return std::is_same_v<T, float> && cpu && (d == 32 || d == 64) && mask.p == 0.0f;
+#else
+  (void)d;
+  (void)mask;
+  return false;
+#endif
+}
+
+// pack_transposed, through the AVX-512 kernels' 16 x 16 register transposes where they run.
+template <class T>
+void pack_keys(T const* src, std::int64_t stride, std::int64_t t, std::int64_t heads, std::int64_t d,
+               detail::AttentionMask const& mask, Buffer& dst) {
+#if defined(MGPU_HOST_ATTENTION_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    if (avx512_covers<T>(d, mask)) {
+      dst.resize(static_cast<std::size_t>(heads * transposed_ld(t) * d));
+      avx512::pack_transposed(src, stride, t, heads, d, dst.data(), transposed_ld(t));
+      return;
+    }
+  }
+#endif
+  (void)mask;
+  pack_transposed(src, stride, t, heads, d, dst);
 }
 
 // One of q, k, v, dy (or a gradient) as the tile products read it: head h's row i of d elements at
@@ -204,7 +263,7 @@ struct Heads {
 
 template <class T>
 Heads<float const> heads_of(T const* src, std::int64_t stride, std::int64_t t, std::int64_t heads, std::int64_t d,
-                            std::vector<float>& copy) {
+                            Buffer& copy) {
   if constexpr (std::is_same_v<T, float>) {
     return {src, stride, d};
   } else {
@@ -217,7 +276,7 @@ Heads<float const> heads_of(T const* src, std::int64_t stride, std::int64_t t, s
 // here), else a zeroed float copy [heads, t, d] that finish() rounds into dst.
 template <class T>
 Heads<float> gradient_of(T* dst, std::int64_t stride, std::int64_t t, std::int64_t heads, std::int64_t d,
-                         std::vector<float>& copy) {
+                         Buffer& copy) {
   if constexpr (std::is_same_v<T, float>) {
     for (std::int64_t i = 0; i < t; ++i) std::fill_n(dst + i * stride, heads * d, 0.0f);
     return {dst, stride, d};
@@ -228,7 +287,7 @@ Heads<float> gradient_of(T* dst, std::int64_t stride, std::int64_t t, std::int64
 }
 
 template <class T>
-void finish(std::vector<float> const& copy, std::int64_t t, std::int64_t heads, std::int64_t d, T* dst, std::int64_t stride) {
+void finish(Buffer const& copy, std::int64_t t, std::int64_t heads, std::int64_t d, T* dst, std::int64_t stride) {
   if constexpr (!std::is_same_v<T, float>) {
     for (std::int64_t i = 0; i < t; ++i) {
       T* row = dst + i * stride;
@@ -247,8 +306,40 @@ std::int64_t visible(std::int64_t i, std::int64_t j0, std::int64_t width) {
 
 // Scratch kept per worker thread between calls.
 struct Scratch {
-  std::vector<float> q, k, v, kt, vt, dy, dq, dk, dv, s, ds, acc, m, l, row_dot;  // kt, vt: [heads, d, t]
+  Buffer q, k, v, kt, vt, dy, dq, dk, dv, s, ds, acc, m, l, row_dot;  // kt, vt: [heads, d, ld]
 };
+
+// An AVX-512 kernel's view of head h of a float32 sequence (qkv rows of 3c, y and dy rows of c),
+// with the tiles' scratch in w.
+avx512::Head avx512_head(float const* qkv, std::int64_t h, detail::AttentionShape const& shape, AttentionTiles tiles,
+                         Scratch& w) {
+  std::int64_t const t = shape.t, c = shape.c, d = shape.d(), ld = transposed_ld(t);
+  std::size_t const tile = static_cast<std::size_t>(tiles.queries * avx512::scratch_row(tiles.keys));
+  w.s.resize(tile);
+  w.ds.resize(tile);
+  w.acc.resize(static_cast<std::size_t>(tiles.queries * d));
+  w.m.resize(static_cast<std::size_t>(tiles.queries));
+  w.l.resize(static_cast<std::size_t>(tiles.queries));
+  avx512::Head head;
+  head.t = t;
+  head.d = d;
+  head.bq = tiles.queries;
+  head.bk = tiles.keys;
+  head.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  head.q = qkv + h * d;
+  head.k = qkv + c + h * d;
+  head.v = qkv + 2 * c + h * d;
+  head.ld_qkv = 3 * c;
+  head.kt = w.kt.data() + h * d * ld;
+  head.ldt = ld;
+  head.ld_y = c;
+  head.s = w.s.data();
+  head.ds = w.ds.data();
+  head.acc = w.acc.data();
+  head.m = w.m.data();
+  head.l = w.l.data();
+  return head;
+}
 Scratch& scratch() {
   thread_local Scratch s;
   return s;
@@ -271,9 +362,20 @@ void attention_forward(T const* qkv, T* y, float* lse, std::int64_t batch, detai
     T const* base = qkv + b * t * 3 * c;
     Heads<float const> const qs = heads_of(base, 3 * c, t, heads, d, w.q);
     Heads<float const> const vs = heads_of(base + 2 * c, 3 * c, t, heads, d, w.v);
-    pack_transposed(base + c, 3 * c, t, heads, d, w.kt);  // the scores read kᵀ
+    pack_keys(base + c, 3 * c, t, heads, d, mask, w.kt);  // the scores read kᵀ
     for (std::int64_t h = 0; h < heads; ++h) {
-      float const *q = qs.at(h), *kt = w.kt.data() + h * t * d, *v = vs.at(h);
+      if constexpr (std::is_same_v<T, float>) {
+        if (avx512_covers<T>(d, mask)) {
+#if defined(MGPU_HOST_ATTENTION_AVX512)
+          avx512::Head head = avx512_head(base, h, shape, tiles, w);
+          head.y = y + b * t * c + h * d;
+          head.lse_out = lse + (b * heads + h) * t;
+          avx512::forward(head);
+#endif
+          continue;
+        }
+      }
+      float const *q = qs.at(h), *kt = w.kt.data() + h * transposed_ld(t) * d, *v = vs.at(h);
       float* row_lse = lse + (b * heads + h) * t;
       for (std::int64_t i0 = 0; i0 < t; i0 += bq) {
         std::int64_t const rows = std::min(bq, t - i0);
@@ -284,8 +386,8 @@ void attention_forward(T const* qkv, T* y, float* lse, std::int64_t batch, detai
           std::int64_t const cols = std::min(bk, i0 + rows - j0);
           std::int64_t const r0 = std::max<std::int64_t>(0, j0 - i0), n_rows = rows - r0;  // rows before r0 see none
           float* s_tile = w.s.data();
-          product(q + (i0 + r0) * qs.ld, qs.ld, 1, kt + j0, t, s_tile, cols, n_rows, cols, d, false, Causal::columns,
-                  i0 + r0 - j0);
+          product(q + (i0 + r0) * qs.ld, qs.ld, 1, kt + j0, transposed_ld(t), s_tile, cols, n_rows, cols, d, false,
+                  Causal::columns, i0 + r0 - j0);
           for (std::int64_t r = r0; r < rows; ++r) {
             std::int64_t const i = i0 + r, n = visible(i, j0, cols);
             float* s = s_tile + (r - r0) * cols;
@@ -334,8 +436,8 @@ void attention_backward(T const* qkv, T const* y, float const* lse, T const* dy,
     Heads<float const> const qs = heads_of(base, 3 * c, t, heads, d, w.q);
     Heads<float const> const ks = heads_of(base + c, 3 * c, t, heads, d, w.k);  // dq reads k
     Heads<float const> const dys = heads_of(dy + b * t * c, c, t, heads, d, w.dy);
-    pack_transposed(base + c, 3 * c, t, heads, d, w.kt);  // the scores read kᵀ, dP vᵀ
-    pack_transposed(base + 2 * c, 3 * c, t, heads, d, w.vt);
+    pack_keys(base + c, 3 * c, t, heads, d, mask, w.kt);  // the scores read kᵀ, dP vᵀ
+    pack_keys(base + 2 * c, 3 * c, t, heads, d, mask, w.vt);
     for (std::int64_t i = 0; i < t; ++i)
       for (std::int64_t h = 0; h < heads; ++h) {
         std::int64_t const offset = (b * t + i) * c + h * d;
@@ -345,8 +447,25 @@ void attention_backward(T const* qkv, T const* y, float const* lse, T const* dy,
     Heads<float> const dks = gradient_of(out + c, 3 * c, t, heads, d, w.dk);
     Heads<float> const dvs = gradient_of(out + 2 * c, 3 * c, t, heads, d, w.dv);
     for (std::int64_t h = 0; h < heads; ++h) {
+      if constexpr (std::is_same_v<T, float>) {
+        if (avx512_covers<T>(d, mask)) {
+#if defined(MGPU_HOST_ATTENTION_AVX512)
+          avx512::Head head = avx512_head(base, h, shape, tiles, w);
+          head.vt = w.vt.data() + h * d * head.ldt;
+          head.dy = dy + b * t * c + h * d;
+          head.lse = lse + (b * heads + h) * t;
+          head.row_dot = w.row_dot.data() + h * t;
+          head.dq = dqs.at(h);
+          head.dk = dks.at(h);
+          head.dv = dvs.at(h);
+          avx512::backward(head);
+#endif
+          continue;
+        }
+      }
       float const *q = qs.at(h), *k = ks.at(h), *dyh = dys.at(h);
-      float const *kt = w.kt.data() + h * t * d, *vt = w.vt.data() + h * t * d;
+      std::int64_t const ldt = transposed_ld(t);
+      float const *kt = w.kt.data() + h * ldt * d, *vt = w.vt.data() + h * ldt * d;
       float *dq = dqs.at(h), *dk = dks.at(h), *dv = dvs.at(h);
       float const* row_dot = w.row_dot.data() + h * t;
       float const* row_lse = lse + (b * heads + h) * t;
@@ -357,9 +476,9 @@ void attention_backward(T const* qkv, T const* y, float const* lse, T const* dy,
           std::int64_t const r0 = std::max<std::int64_t>(0, j0 - i0), n_rows = rows - r0, first = i0 + r0;
           float* p_tile = w.s.data();
           float* ds_tile = w.ds.data();
-          product(q + first * qs.ld, qs.ld, 1, kt + j0, t, p_tile, cols, n_rows, cols, d, false, Causal::columns,
+          product(q + first * qs.ld, qs.ld, 1, kt + j0, ldt, p_tile, cols, n_rows, cols, d, false, Causal::columns,
                   first - j0);
-          product(dyh + first * dys.ld, dys.ld, 1, vt + j0, t, ds_tile, cols, n_rows, cols, d, false,
+          product(dyh + first * dys.ld, dys.ld, 1, vt + j0, ldt, ds_tile, cols, n_rows, cols, d, false,
                   Causal::columns, first - j0);
           // From the unscaled scores S: P = e^(scale S - lse), and dS with the scale of the scores
           // folded in (dq = dS k and dk = dSᵀ q then need none).

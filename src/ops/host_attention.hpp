@@ -22,6 +22,8 @@ namespace mgpu::ops::host {
 /// exponent), so nothing larger than a tile is formed; tiles or
 /// tile rows that see no key are skipped, and so are the register blocks of a tile's products
 /// that lie wholly above the diagonal (and the masked ranges of the probability products' sums).
+/// Float32 heads of 32 or 64 without dropout run host_attention_avx512.hpp's kernels instead
+/// where the CPU has AVX-512F, in the same tiles.
 template <class T>
 void attention_forward(T const* qkv, T* y, float* lse, std::int64_t batch, detail::AttentionShape const& shape,
                        detail::AttentionMask const& mask, AttentionTiles tiles);
