@@ -25,11 +25,7 @@ struct GptPass {
 struct GptLayout {
   int data_parallel = 1;
   int tensor_parallel = 1;
-  /// DataParallelOptions::zero_stage (0 to 3), or with tensor parallelism
-  /// TensorParallelOptions::zero_stage (whose default is 0), or with cuts
-  /// pipeline::ExecutorOptions::zero_stage (0 to 3: ZeRO-2 holds what ZeRO-1 holds; ZeRO-3 the owned
-  /// parameters and two units, see memory_model.cpp).
-  int zero_stage = 1;
+  int zero_stage = 1;  ///< the executor's zero_stage (0 to 3)
   std::size_t bucket_cap_bytes = std::size_t{25} << 20;  ///< DataParallelOptions' bucket caps
   std::size_t first_bucket_cap_bytes = std::size_t{1} << 20;
   bool zero3_block_units = true;    ///< DataParallelOptions::zero3_block_units

@@ -33,10 +33,9 @@ struct MeshOptions {
   bool place_tensor_parallel = true;
 };
 
-/// The devices laid over a comm::DeviceMesh's ranks (a DeviceGroup's, or across processes the
-/// world's, each process driving a contiguous range); each group's communicator made once, on
-/// first use. Across processes every process asks for its groups' in the same order (as the
-/// executors do). Shared by std::shared_ptr (the executors keep it alive); thread-safe.
+/// The devices laid over a comm::DeviceMesh's ranks (a DeviceGroup's, or the world's across
+/// processes); each group's communicator made once, on first use, every process asking in the same
+/// order. Shared by std::shared_ptr; thread-safe.
 class Mesh {
  public:
   /// Builds the mesh (with place_tensor_parallel, reordering `group`'s devices) and, across

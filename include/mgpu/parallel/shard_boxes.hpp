@@ -23,26 +23,22 @@ struct ShardBox {
   std::int64_t offset = 0;    ///< the tensor's first element in the whole model's flat buffer
   io::Box box;                ///< within `shape`
   bool whole = false;         ///< the shard holds the whole tensor (every rank does: replicated)
-  /// A tied LM head's copy of the embedding's wte rows: read into the shard, written by the
-  /// embedding's holder only.
+  /// A tied LM head's copy of wte rows: read into the shard, written by the embedding's holder only.
   bool copy = false;
   /// For each row of the box (one for a 1-D tensor): the index in the shard's flat parameter buffer
   /// of its first element; a row's box.lengths.back() elements follow one another there.
   std::vector<std::int64_t> rows;
 };
 
-/// Every box of `whole`'s tensors (nn::Sequential::tensors) that `shard` (a TensorParallel rank's
-/// model: its layers with parameters match whole's in order, ShardedLayers hold parts) holds, in
-/// the flat buffer's order. What a ShardedLayer holds is read off its copy_shard. Neither model
-/// need be materialized. Throws Error(invalid_argument) when the shard's layers do not match whole's.
+/// Every box of `whole`'s tensors that `shard` (a TensorParallel rank's model, its layers matching
+/// whole's in order) holds, in the flat buffer's order, read off the ShardedLayers' copy_shard.
+/// Throws Error(invalid_argument) when the shard's layers do not match whole's.
 [[nodiscard]] std::vector<ShardBox> shard_boxes(nn::Sequential const& whole, nn::Sequential const& shard);
 
-/// The same for a part of the whole model, such as a pipeline chunk of it or of a tensor-parallel
-/// rank's shard: `origins[j]` is the index in `whole` of the layer that shard layer j was made from
-/// (parallel::parallelize's origins; a stage of `whole` itself: its first_layer() + j). A tied LM
-/// head holding a copy of the embedding's wte rows (nn::TiedLMHead, VocabParallelLMHead) gives
-/// those rows of wte as a `copy` box. Throws Error(invalid_argument) for origins of another length,
-/// a layer whose origin's parameters do not match, or two layers with parameters of one origin.
+/// The same for a part of the whole model (a pipeline chunk): `origins[j]` is the index in `whole`
+/// of shard layer j's origin (parallelize's origins). A tied LM head's copy of wte rows is a `copy`
+/// box. Throws Error(invalid_argument) for origins of another length, a layer whose origin's
+/// parameters do not match, or two layers with parameters of one origin.
 [[nodiscard]] std::vector<ShardBox> shard_boxes(nn::Sequential const& whole, nn::Sequential const& shard,
                                                 std::span<std::size_t const> origins);
 

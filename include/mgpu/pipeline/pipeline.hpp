@@ -123,12 +123,8 @@ struct ExecutorOptions {
   std::uint64_t seed = 0;  ///< the chunks initialised as the whole model's materialize(seed)
   /// Replicas of the pipeline: the group has devices x data_parallel x tensor_parallel.ranks ranks.
   int data_parallel = 1;
-  /// ZeRO over the replicas (data parallelism's gradient sync, after each chunk's last backward):
-  /// 0; 1, each replica updating and keeping state for its block of every chunk; 2 (float32), the
-  /// gradients reduce-scattered in place, with the memory of 1; or 3 (float32), each replica also
-  /// keeping its block's parameters between steps, each unit (a block) gathered for each
-  /// micro-batch's forward and backward and let go after (refused with a schedule that splits
-  /// backward, zero bubble).
+  /// ZeRO over the replicas (parallel::max_zero_stage; docs/parallel-layouts.md): 0 to 2, or 3 in
+  /// float32 without a schedule that splits backward (zero bubble).
   int zero_stage = 0;
   std::chrono::milliseconds timeout{0};  ///< the communicator's deadline (zero: comm::default_timeout())
   /// float32, or bfloat16/float16 with float32 masters: what chunks compute in and send.
