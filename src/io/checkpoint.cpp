@@ -312,7 +312,8 @@ void Checkpoint::save(std::filesystem::path const& path) const {
 
 Checkpoint Checkpoint::load(std::filesystem::path const& path) {
   if (std::filesystem::is_directory(path))
-    throw Error(Errc::invalid_argument, path.string() + ": a folder (expected a checkpoint file; a folder of shards is read by ShardedCheckpoint::load)");
+    throw Error(Errc::invalid_argument,
+                path.string() + ": a folder (expected a checkpoint file; a folder of shards is read by ShardedCheckpoint::load)");
   std::ifstream in(path, std::ios::binary);
   if (!in) fail_io("opening", path);
   std::vector<std::byte> bytes;
