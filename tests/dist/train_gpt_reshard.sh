@@ -12,7 +12,7 @@
 # 2 devices and process 1 6 (mpirun's MPMD form), so that replica 0's tensor-parallel ranks lie in
 # both processes and each process writes its rank's boxes. `mgpu_ckpt info` on that folder lists
 # its 2 shards and the tensors' boxes in each; `mgpu_ckpt convert` joins it into one file that one
-# device resumes with the same losses.
+# device resumes with the same losses; a damaged shard is refused naming its file and record.
 set -eu
 exe=$1
 ckpt=$2
@@ -87,4 +87,15 @@ done
 # shellcheck disable=SC2086
 run joined "$exe" $common --devices host:1 --checkpoint "$dir/joined.ckpt" --resume
 close joined
+# A byte of process 1's shard flipped: one device refuses the folder, naming the shard file and record.
+cp -r "$dir/grid.ckpt" "$dir/damaged.ckpt"
+shard="$dir/damaged.ckpt/shard-1-1-of-2.ckpt"
+[ -f "$shard" ] || fail "no shard file $shard"
+printf 'X' | dd of="$shard" bs=1 seek=$(($(wc -c <"$shard") / 2)) conv=notrunc 2>/dev/null
+# shellcheck disable=SC2086
+if "$exe" $common --devices host:1 --checkpoint "$dir/damaged.ckpt" --resume >/dev/null 2>"$dir/damaged.log"; then
+  fail "one device resumed from a damaged shard"
+fi
+grep -q "shard-1-1-of-2.ckpt: checksum mismatch in record 'box:[0-9,]*:[a-z.]*/" "$dir/damaged.log" ||
+  { cat "$dir/damaged.log"; fail "the damaged shard's error does not name its file and record"; }
 echo "ok: DP 2 x TP 2 x PP 2 ZeRO-3 checkpoints of 2 processes resume on one device, on TP 4 and on PP 2 x DP 2 ZeRO-1 across 2 processes, and converted to one file, with the uninterrupted run's losses"
