@@ -30,7 +30,7 @@
 // parallel inside each process, data parallel across them) or `--devices host:1 --tp 2` (across
 // them), and with --stages the data x tensor x pipeline grid. --checkpoint (not with --tp and --stages) is then a
 // folder of one shard per process (DataParallel::save, pipeline::Executor::save), which --resume
-// reads on any process count or layout over 2 or more devices, in one process too.
+// reads on any process count, layout or device count (one device too).
 //   mpirun -np 2 train_gpt --data notes.txt --devices host:1
 //   mpirun -np 2 train_gpt --data notes.txt --devices host:1 --stages 2
 #include <algorithm>

@@ -14,6 +14,7 @@
 #include <xxhash.h>
 
 #include <mgpu/core/error.hpp>
+#include <mgpu/io/sharded_checkpoint.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/optim/optim.hpp>
 
@@ -310,6 +311,9 @@ void Checkpoint::save(std::filesystem::path const& path) const {
 }
 
 Checkpoint Checkpoint::load(std::filesystem::path const& path) {
+  if (std::filesystem::is_directory(path))
+    throw Error(Errc::invalid_argument,
+                path.string() + ": a folder (expected a checkpoint file; a folder of shards is read by ShardedCheckpoint::load)");
   std::ifstream in(path, std::ios::binary);
   if (!in) fail_io("opening", path);
   std::vector<std::byte> bytes;
@@ -456,12 +460,23 @@ Checkpoint training_metadata(nn::Sequential const& model, optim::Optimizer const
 
 void save_training(std::filesystem::path const& path, nn::Sequential const& model, optim::Optimizer const& optimizer,
                    TrainingState const& state, Stream& stream) {
-  training_checkpoint(model, optimizer, state, stream).save(path);
+  Checkpoint const records = training_checkpoint(model, optimizer, state, stream);
+  if (!std::filesystem::is_directory(path)) {
+    records.save(path);
+    return;
+  }
+  ShardWriter writer;  // a folder of shards (another layout's save): a one-shard save replacing it
+  for (Record const& record : records.records()) writer.put(record);
+  std::uint64_t const save_id = committed_save_id(path) + 1;
+  writer.save(path, save_id, 0, 1);
+  commit_shards(path, save_id, 1);
 }
 
 TrainingState load_training(std::filesystem::path const& path, nn::Sequential& model, optim::Optimizer& optimizer, Allocator& allocator,
                             Stream& stream) {
   if (!model.master_parameters().defined()) throw Error(Errc::invalid_argument, "load_training before materialize (expected a materialized model)");
+  if (std::filesystem::is_directory(path))  // a folder of shards of any layout, its pieces and boxes joined
+    return load_training(ShardedCheckpoint::load(path).joined(), path.string(), model, optimizer, allocator, stream);
   return load_training(Checkpoint::load(path), path.string(), model, optimizer, allocator, stream);
 }
 

@@ -2,6 +2,7 @@
 // bad file rejected with its message while the model stays untouched.
 #include <mgpu/core/device_group.hpp>
 #include <mgpu/io/checkpoint.hpp>
+#include <mgpu/io/sharded_checkpoint.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/train.hpp>
 #include <mgpu/optim/optim.hpp>
@@ -105,6 +106,45 @@ TEST_CASE("A checkpoint written from one device loads on others and in another c
     mgpu::io::load_training(file, replica, adam, ctx.allocator, ctx.stream);
     CHECK(values(replica.master_parameters()) == values(a.model.parameters()));
   }
+}
+
+TEST_CASE("load_training reads a folder of shards as one file, save_training into it saves one shard, Checkpoint::load refuses a folder", "[io][sharded]") {
+  TempDir dir;
+  Run a(1);
+  a.steps(3);
+  // Two writers: the parameters and the first moment split by element range, the rest whole.
+  mgpu::io::Checkpoint const records = mgpu::io::training_checkpoint(a.model, a.adam, {.step = 3, .data_seed = 5}, a.env.stream);
+  mgpu::io::ShardWriter writers[2];
+  for (mgpu::io::Record const& r : records.records()) {
+    if (r.name != "model.parameters" && r.name != "optimizer.m") {
+      writers[1].put(r);
+      continue;
+    }
+    Tensor const whole = r.name == "model.parameters" ? a.model.parameters() : a.adam.state()[0].second;
+    std::int64_t const half = whole.numel() / 2;
+    writers[0].put_piece(r.name, whole.shape(), 0, whole.slice(0, half), a.env.stream);
+    writers[1].put_piece(r.name, whole.shape(), half, whole.slice(half, whole.numel()), a.env.stream);
+  }
+  fs::path const folder = dir.path / "run";
+  for (int w = 0; w < 2; ++w) writers[w].save(folder, 1, w, 2);
+  mgpu::io::commit_shards(folder, 1, 2);
+
+  Run b(2);  // other initial weights
+  CHECK(mgpu::io::load_training(folder, b.model, b.adam, *b.env.allocator, b.env.stream).step == 3);
+  CHECK(values(b.model.parameters()) == values(a.model.parameters()));
+  REQUIRE(b.adam.state().size() == 2);
+  for (std::size_t i = 0; i < 2; ++i) CHECK(values(b.adam.state()[i].second) == values(a.adam.state()[i].second));
+  a.steps(2);
+  b.steps(2);
+  CHECK(values(b.model.parameters()) == values(a.model.parameters()));
+  // Saved into the folder again: a one-shard save, committed, that loads as the model was.
+  mgpu::io::save_training(folder, b.model, b.adam, {.step = 5, .data_seed = 5}, b.env.stream);
+  CHECK(mgpu::io::committed_save_id(folder) == 2);
+  CHECK(mgpu::io::ShardedCheckpoint::load(folder).shards() == 1);
+  Run c(3);
+  CHECK(mgpu::io::load_training(folder, c.model, c.adam, *c.env.allocator, c.env.stream).step == 5);
+  CHECK(values(c.model.parameters()) == values(b.model.parameters()));
+  REQUIRE_MGPU_ERROR((void)mgpu::io::Checkpoint::load(folder), mgpu::Errc::invalid_argument, "run: a folder (expected a checkpoint file");
 }
 
 TEST_CASE("Bad checkpoints are rejected with the reason and leave the model untouched", "[io]") {

@@ -79,7 +79,7 @@ class Checkpoint {
   void save(std::filesystem::path const& path) const;
   /// Reads and verifies a file. Throws Error(io) when it cannot be read, Error(corrupt_data) naming the
   /// path and what is wrong: not a checkpoint, an unknown version, truncated (with the byte
-  /// offset), a checksum mismatch (with the record).
+  /// offset), a checksum mismatch (with the record); Error(invalid_argument) for a folder.
   static Checkpoint load(std::filesystem::path const& path);
   /// The records' headers without payloads, checked as load() checks them but for the checksums
   /// (format, version, end marker, types, shapes against byte counts, payloads within the file).
@@ -116,13 +116,15 @@ Checkpoint training_checkpoint(nn::Sequential const& model, optim::Optimizer con
 Checkpoint training_metadata(nn::Sequential const& model, optim::Optimizer const& optimizer, TrainingState const& state);
 
 /// Saves one logical model (its float32 master parameters; a data-parallel group saves one
-/// replica), the optimizer's state and step count, the model's RNG state and `state`.
+/// replica), the optimizer's state and step count, the model's RNG state and `state`. Into an
+/// existing folder of shards (ShardedCheckpoint): a one-shard save of the same records, committed.
 void save_training(std::filesystem::path const& path, nn::Sequential const& model, optim::Optimizer const& optimizer,
                    TrainingState const& state, Stream& stream);
 
 /// Loads what save_training wrote into a materialized model (any device, compute type) and optimizer,
 /// verifying everything first: on an error nothing changes and the Error names the mismatch. No
-/// optimizer state in the file (saved before a first step): zeroed.
+/// optimizer state in the file (saved before a first step): zeroed. `path` may be a folder of
+/// shards (ShardedCheckpoint) of any layout, read joined as one file.
 TrainingState load_training(std::filesystem::path const& path, nn::Sequential& model, optim::Optimizer& optimizer,
                             Allocator& allocator, Stream& stream);
 /// The same from a checkpoint already read (`source` names it in errors).
