@@ -83,10 +83,11 @@ TEST_CASE("Host GELU and its gradient in bfloat16 and float32 match the float64 
   }
 }
 
-TEST_CASE("Host bias gradients of 16-bit storage equal serial float64 column sums", "[ops]") {
+TEST_CASE("Host bias gradients in 16 and 32 bits equal serial float64 column sums", "[ops]") {
   auto const [dtype, accumulate, tolerance] = GENERATE(std::tuple{DType::bfloat16, false, 1e-2},
                                                        std::tuple{DType::bfloat16, true, 1e-2},
                                                        std::tuple{DType::float16, true, 2e-3},
+                                                       std::tuple{DType::float32, false, 1e-5},
                                                        std::tuple{DType::float32, true, 1e-5});
   INFO(mgpu::to_string(dtype) << ", accumulate " << accumulate);
   Env env;
