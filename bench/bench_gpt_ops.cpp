@@ -1,4 +1,5 @@
-// bench_gpt's GEMM rows (run by bench_gpt; see bench_gpt.cpp for the others):
+// bench_gpt's per-op rows, the step's GEMM calls and activation ops each alone (run by bench_gpt; see
+// bench_gpt.cpp for the others):
 //   BM_gpt_gemm/<shape>/<call>: one of the float32 GPT step's host GEMM calls alone, at that shape's
 //   sizes (M = batch * block rows), as the step issues it (ops::linear with its bias and activation
 //   epilogue, ops::gemm with its transposes), repeated on a host stream's worker; timed in turns,
@@ -11,15 +12,29 @@
 //     sgemm_gflops       the reference sgemm's rate, median over turns;
 //     gflops_over_sgemm  gflops / sgemm_gflops per turn (median): the call's rate against the
 //                        machine's large-GEMM rate in the same run.
+//   BM_gpt_activation/<shape>/<op>: the step's activation ops over its widest activation, [rows, 4 c]
+//   (0: GELU forward, the functor of the fc layer's GEMM epilogue, ops::gelu; 1: its backward with
+//   the bias gradient, ops::activation_bias_grad; 2: the bias gradient alone, ops::bias_grad, as
+//   the layers without activation run it), timed on the worker (ops::host_op_seconds) in turns with
+//   two references over the same elements on the same worker: the op's loads and stores with no
+//   math (0: a copy, 1: dz = z + dy with the column sums, 2: the column sums), and one exponential
+//   per element (exp_in_range, as GELU calls it) with the forward's traffic:
+//     ns_per_element          the op's median time / its elements;
+//     traffic_ns_per_element  the loads-and-stores reference's, median;
+//     exp_ns_per_element      the exponential reference's, median;
+//     over_traffic            ns_per_element / traffic_ns_per_element per turn (median): 1 when
+//                             the op costs no more than its memory traffic.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <iterator>
 #include <random>
 #include <string>
 #include <vector>
 
+#include <mgpu/core/detail/training_math.hpp>
 #include <mgpu/mgpu.hpp>
 
 #include "bench_gpt_support.hpp"
@@ -123,5 +138,102 @@ BENCHMARK(BM_gpt_gemm)
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime()
     ->MinTime(bench::min_time(0.5));
+
+void BM_gpt_activation(benchmark::State& state) {
+  Shape const& shape = shapes[state.range(0)];
+  int const op = static_cast<int>(state.range(1));
+  std::int64_t const rows = shape.batch * shape.config.block_size, cols = 4 * shape.config.n_embd, count = rows * cols;
+  mgpu::Device const device{mgpu::DeviceKind::host, 0};
+  auto allocator = mgpu::Allocator::create(device);
+  mgpu::Stream stream{device};
+  std::mt19937 rng(6);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  auto const random = [&](std::int64_t n) {
+    mgpu::Tensor t = mgpu::Tensor::empty({n}, mgpu::DType::float32, *allocator);
+    for (float& v : t.host_span<float>()) v = normal(rng);
+    return t;
+  };
+  mgpu::Tensor const z = random(count).reshape({rows, cols}), dy = random(count).reshape({rows, cols});
+  mgpu::Tensor const out = random(count).reshape({rows, cols}), db = random(cols);
+  auto const run = [&] {
+    if (op == 0) mgpu::ops::gelu(z, out, stream);
+    else if (op == 1) mgpu::ops::activation_bias_grad(mgpu::ops::ActivationKind::gelu, z, dy, out, db, stream);
+    else mgpu::ops::bias_grad(dy, db, stream);
+  };
+  auto const op_seconds = [&] {
+    std::size_t const activation = static_cast<std::size_t>(mgpu::ops::HostOpFamily::activation);
+    double before = 0, after = 0;
+    stream.enqueue([&] { before = mgpu::ops::host_op_seconds().seconds[activation]; });
+    run();
+    stream.enqueue([&] { after = mgpu::ops::host_op_seconds().seconds[activation]; });
+    stream.synchronize();
+    return after - before;
+  };
+  // A reference loop over the same elements on the worker, its seconds.
+  float const* zp = z.host_span<float>().data();
+  float const* dyp = dy.host_span<float>().data();
+  float* outp = out.host_span<float>().data();
+  std::vector<float> sums(static_cast<std::size_t>(cols));
+  auto const worker_seconds = [&](auto const& loop) {
+    double s = 0;
+    stream.enqueue([&] {
+      auto const t0 = Clock::now();
+      loop();
+      s = seconds_since(t0);
+    });
+    stream.synchronize();
+    return s;
+  };
+  auto const traffic = [&] {
+    float* __restrict acc = sums.data();
+    float* __restrict o = outp;
+    if (op == 0) {
+      for (std::int64_t i = 0; i < count; ++i) o[i] = zp[i];
+      return;
+    }
+    std::fill(sums.begin(), sums.end(), 0.0f);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float const* __restrict g = dyp + r * cols;
+      if (op == 1) {
+        float const* __restrict zr = zp + r * cols;
+        for (std::int64_t j = 0; j < cols; ++j) {
+          o[r * cols + j] = zr[j] + g[j];
+          acc[j] += o[r * cols + j];
+        }
+      } else {
+        for (std::int64_t j = 0; j < cols; ++j) acc[j] += g[j];
+      }
+    }
+    benchmark::DoNotOptimize(sums.data());
+  };
+  auto const exponential = [&] {
+    for (std::int64_t i = 0; i < count; ++i) {
+      float const x = zp[i] > -87.0f ? zp[i] : -87.0f;
+      outp[i] = mgpu::detail::exp_in_range(x < 88.0f ? x : 88.0f);
+    }
+  };
+  (void)op_seconds();
+  std::vector<double> op_s, traffic_s, exp_s, ratio;
+  for (auto _ : state) {
+    op_s.push_back(op_seconds());
+    state.PauseTiming();
+    traffic_s.push_back(worker_seconds(traffic));
+    exp_s.push_back(worker_seconds(exponential));
+    ratio.push_back(op_s.back() / traffic_s.back());
+    state.ResumeTiming();
+  }
+  char const* const names[] = {"GELU forward", "GELU backward + bias gradient", "bias gradient"};
+  state.SetLabel(std::string(shape.name) + ": " + names[op] + ", " + std::to_string(rows) + " x " + std::to_string(cols));
+  auto const per_element = [&](std::vector<double>& s) { return median(s) / static_cast<double>(count) * 1e9; };
+  state.counters["ns_per_element"] = per_element(op_s);
+  state.counters["traffic_ns_per_element"] = per_element(traffic_s);
+  state.counters["exp_ns_per_element"] = per_element(exp_s);
+  state.counters["over_traffic"] = median(ratio);
+}
+BENCHMARK(BM_gpt_activation)
+    ->ArgsProduct({{0, 1}, {0, 1, 2}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime()
+    ->MinTime(bench::min_time(0.3));
 
 }  // namespace
