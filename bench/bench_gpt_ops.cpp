@@ -43,6 +43,9 @@ namespace {
 
 using namespace bench::gpt;
 
+// Both shapes; the nano shape alone in a smoke run (GPT-2 small's products take seconds there).
+std::vector<std::int64_t> smoke_shapes() { return bench::quick() ? std::vector<std::int64_t>{0} : std::vector<std::int64_t>{0, 1}; }
+
 enum class CallKind { linear, linear_gelu, gemm };
 
 // One GEMM call of the step: C [m, n] = op(A) [m, k] op(B) [k, n], each size in units: 0 = the
@@ -134,7 +137,7 @@ void BM_gpt_gemm(benchmark::State& state) {
   state.counters["gflops_over_sgemm"] = median(ratio);
 }
 BENCHMARK(BM_gpt_gemm)
-    ->ArgsProduct({{0, 1}, benchmark::CreateDenseRange(0, static_cast<std::int64_t>(std::size(calls)) - 1, 1)})
+    ->ArgsProduct({smoke_shapes(), benchmark::CreateDenseRange(0, static_cast<std::int64_t>(std::size(calls)) - 1, 1)})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime()
     ->MinTime(bench::min_time(0.5));
@@ -231,7 +234,7 @@ void BM_gpt_activation(benchmark::State& state) {
   state.counters["over_traffic"] = median(ratio);
 }
 BENCHMARK(BM_gpt_activation)
-    ->ArgsProduct({{0, 1}, {0, 1, 2}})
+    ->ArgsProduct({smoke_shapes(), {0, 1, 2}})
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime()
     ->MinTime(bench::min_time(0.3));
