@@ -62,8 +62,8 @@
 //     budget_bytes_device                 the budget;
 //     largest_measured_peak_over_budget   the largest allocator peak of any layout that fit /
 //                                         the budget (the memory model's error shows above 1).
-// The same binary runs BM_attention (bench_gpt_attention.cpp), BM_gpt_zero (bench_gpt_zero.cpp) and
-// BM_gpt_layouts (bench_gpt_layouts.cpp).
+// The same binary runs BM_attention (bench_gpt_attention.cpp), BM_gpt_zero (bench_gpt_zero.cpp),
+// BM_gpt_layouts (bench_gpt_layouts.cpp), and BM_gpt_gemm and BM_gpt_activation (bench_gpt_ops.cpp).
 //   bench_gpt --benchmark_out=gpt.json --benchmark_out_format=json
 #include <benchmark/benchmark.h>
 

@@ -1,5 +1,5 @@
-// What bench_gpt's files share (bench_gpt.cpp, bench_gpt_attention.cpp, bench_gpt_layouts.cpp): the
-// shapes, a one-device GPT trainer, the reference sgemm and attention's FLOPs.
+// What bench_gpt's files share (bench_gpt.cpp, bench_gpt_attention.cpp, bench_gpt_layouts.cpp,
+// bench_gpt_ops.cpp): the shapes, a one-device GPT trainer, the reference sgemm and attention's FLOPs.
 #pragma once
 
 #include <Eigen/Core>

@@ -33,17 +33,18 @@ struct GemmCall {
 };
 
 /// Runs the call on the calling thread through the build's backend, and adds it to the thread's
-/// counts (ops::host_gemm_stats).
+/// counts (ops::host_gemm_stats); a GELU epilogue then runs the shared functor (detail::Gelu, as
+/// the CUDA kernels do) over C, its time counted as an activation (ops::host_op_seconds).
 void gemm(GemmCall const& call);
 
-/// The Eigen backend: runs any call.
+/// The Eigen backend: runs any call but its GELU epilogue.
 void eigen_gemm(GemmCall const& call);
 
-/// The oneDNN backend: runs the call and returns true, or returns false (having written nothing)
-/// for a call that this CPU's oneDNN does not implement. Bias and ReLU are post-ops of the matmul;
-/// GELU is oneDNN's vectorized eltwise over C right after it. Its primitives are cached per thread
-/// by (shape, transposes, dtype, alpha, beta, epilogue), and oneDNN runs single-threaded on the
-/// calling thread. Defined only in oneDNN builds.
+/// The oneDNN backend: runs the call (but its GELU epilogue) and returns true, or returns false
+/// (having written nothing) for a call that this CPU's oneDNN does not implement. Bias and ReLU are
+/// post-ops of the matmul. Its primitives are cached per thread by (shape, transposes, dtype,
+/// alpha, beta, bias, ReLU), and oneDNN runs single-threaded on the calling thread. Defined only in
+/// oneDNN builds.
 bool onednn_gemm(GemmCall const& call);
 
 }  // namespace mgpu::ops::host

@@ -1,7 +1,7 @@
 // The host GEMM's oneDNN backend: one matmul primitive per (shape, transposes, dtype, alpha, beta,
 // epilogue), created on first use and cached per thread (least recently used out beyond a bound),
-// with the bias and ReLU as post-ops of the matmul (GELU, whose input backward needs, as oneDNN's
-// eltwise right after it) and 16-bit inputs accumulated in float32.
+// with the bias and ReLU as post-ops of the matmul and 16-bit inputs accumulated in float32 (a GELU
+// epilogue is the dispatcher's, host_gemm.cpp).
 // oneDNN runs on the calling thread only: its OpenMP runtime gets one thread for this thread, and
 // its scratchpad is the thread's own, so host devices on their worker threads never share one.
 #include "ops/host_gemm.hpp"
@@ -33,7 +33,7 @@ using dnnl::memory;
 // Everything a primitive depends on; pointers are bound per call.
 struct Key {
   DType dtype;
-  bool transpose_a, transpose_b, bias, relu, gelu;
+  bool transpose_a, transpose_b, bias, relu;
   std::int64_t m, n, k;
   std::uint32_t alpha_bits, beta_bits;
   bool operator==(Key const&) const = default;
@@ -42,8 +42,7 @@ struct Key {
 struct KeyHash {
   std::size_t operator()(Key const& key) const noexcept {
     std::size_t h = static_cast<std::size_t>(key.dtype) | (std::size_t{key.transpose_a} << 2) | (std::size_t{key.transpose_b} << 3) |
-                    (std::size_t{key.bias} << 4) | (std::size_t{key.relu} << 5) |
-                    (std::size_t{key.gelu} << 6);
+                    (std::size_t{key.bias} << 4) | (std::size_t{key.relu} << 5);
     for (std::uint64_t v : {std::uint64_t(key.m), std::uint64_t(key.n), std::uint64_t(key.k), std::uint64_t{key.alpha_bits} << 32 | key.beta_bits})
       h = (h ^ v) * 0x100000001B3ull + (h >> 29);
     return h;
@@ -72,8 +71,6 @@ struct Entry {
   bool implemented = false;
   dnnl::matmul primitive;
   std::unordered_map<int, memory> args;
-  dnnl::eltwise_forward gelu;  // for a GELU epilogue: C to gelu_out
-  std::unordered_map<int, memory> gelu_args;
 };
 
 // Creating engines and primitives reads and writes oneDNN's process-wide state (its primitive cache
@@ -99,8 +96,7 @@ class ThreadContext {
   }
 
   bool run(GemmCall const& g) {
-    Key const key{g.dtype, g.transpose_a, g.transpose_b, g.bias != nullptr, g.relu, g.gelu_out != nullptr, g.m, g.n, g.k, bits(g.alpha),
-                  bits(g.beta)};
+    Key const key{g.dtype, g.transpose_a, g.transpose_b, g.bias != nullptr, g.relu, g.m, g.n, g.k, bits(g.alpha), bits(g.beta)};
     Entry& entry = find_or_create(key);
     if (!entry.implemented) return false;
     entry.args.at(DNNL_ARG_SRC).set_data_handle(const_cast<void*>(g.a));
@@ -116,13 +112,8 @@ class ThreadContext {
       scratchpad_size_ = size;
     }
     scratch.set_data_handle(need > 0 ? scratchpad_.get() : nullptr);
-    if (g.gelu_out != nullptr) {
-      entry.gelu_args.at(DNNL_ARG_SRC).set_data_handle(g.c);
-      entry.gelu_args.at(DNNL_ARG_DST).set_data_handle(g.gelu_out);
-    }
     try {
       entry.primitive.execute(stream_, entry.args);
-      if (g.gelu_out != nullptr) entry.gelu.execute(stream_, entry.gelu_args);
       stream_.wait();
     } catch (dnnl::error const& e) {
       throw Error(Errc::device, std::string("host GEMM: oneDNN's matmul failed: ") + e.what());
@@ -182,12 +173,6 @@ class ThreadContext {
                     {DNNL_ARG_DST, memory(c, engine_, nullptr)},
                     {DNNL_ARG_SCRATCHPAD, memory(pd.scratchpad_desc(), engine_, nullptr)}};
       if (key.bias) entry.args.emplace(DNNL_ARG_BIAS, memory(bias, engine_, nullptr));
-      if (key.gelu) {
-        dnnl::eltwise_forward::primitive_desc const gelu(
-            dnnl::eltwise_forward::desc(dnnl::prop_kind::forward_inference, dnnl::algorithm::eltwise_gelu_tanh, c, 0.0f, 0.0f), engine_);
-        entry.gelu = dnnl::eltwise_forward(gelu);
-        entry.gelu_args = {{DNNL_ARG_SRC, memory(c, engine_, nullptr)}, {DNNL_ARG_DST, memory(c, engine_, nullptr)}};
-      }
       entry.implemented = true;
     } catch (dnnl::error const& e) {
       if (e.status != dnnl_unimplemented)

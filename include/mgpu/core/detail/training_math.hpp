@@ -30,17 +30,11 @@ MGPU_HD inline bool is_finite(float v) { return v - v == 0.0f; }
 MGPU_HD inline float relu(float x) { return x > 0 ? x : 0.0f; }
 MGPU_HD inline float relu_grad(float x, float dy) { return x > 0 ? dy : 0.0f; }
 
-/// e^x. On a GPU expf; on the host a branch-free form the compiler vectorizes: x = n ln2 + r with
-/// |r| <= ln2 / 2 (ln2 split in two parts), a degree-6 polynomial for e^r (Cephes' expf
-/// coefficients) and 2^n built in the exponent bits; within 1 ulp of e^x on [-87, 88] (tested
-/// against float64 in tests/ops/test_host_activation.cpp), 0 below,
-/// +inf above, NaN for NaN (so non-finite values still propagate, as loss scaling needs).
-MGPU_HD inline float exp_vec(float x) {
+/// e^c for c in [-87, 88] (exp_vec's polynomial, no special cases), for callers that clamp.
+MGPU_HD inline float exp_in_range(float c) {
 #if defined(__CUDA_ARCH__)
-  return expf(x);
+  return expf(c);
 #else
-  float c = x > -87.0f ? x : -87.0f;  // comparisons, not fminf / fmaxf (library calls); NaN -> -87
-  c = c < 88.0f ? c : 88.0f;
   // n = round(c log2 e): adding 1.5 * 2^23 rounds to an integer (floorf would not vectorize).
   float const n = fmaf(c, 1.44269504088896341f, 12582912.0f) - 12582912.0f;
   float r = fmaf(n, -0.693359375f, c);
@@ -52,36 +46,50 @@ MGPU_HD inline float exp_vec(float x) {
   p = fmaf(p, r, 1.6666665459e-1f);
   p = fmaf(p, r, 5.0000001201e-1f);
   float const e = fmaf(p * r, r, r) + 1.0f;
-  float const two_n = mgpu::detail::bits_float(static_cast<std::uint32_t>(static_cast<std::int32_t>(n) + 127) << 23);
-  return x < -87.0f ? 0.0f : (x <= 88.0f ? e * two_n : x + INFINITY);  // NaN fails both tests
+  return e * mgpu::detail::bits_float(static_cast<std::uint32_t>(static_cast<std::int32_t>(n) + 127) << 23);
 #endif
 }
 
-/// tanh(x): on a GPU tanhf; on the host (1 - e) / (1 + e) with e = exp_vec(-2 |x|), sign restored,
-/// vectorizable; absolute error within 2e-7 (what GELU, which adds it to 1, can see).
-MGPU_HD inline float tanh_vec(float x) {
+/// e^x. On a GPU expf; on the host a branch-free form the compiler vectorizes: x = n ln2 + r with
+/// |r| <= ln2 / 2 (ln2 split in two parts), a degree-6 polynomial for e^r (Cephes' expf
+/// coefficients) and 2^n built in the exponent bits; within 1 ulp of e^x on [-87, 88] (tested
+/// against float64 in tests/ops/test_host_activation.cpp), 0 below,
+/// +inf above, NaN for NaN (so non-finite values still propagate, as loss scaling needs).
+MGPU_HD inline float exp_vec(float x) {
 #if defined(__CUDA_ARCH__)
-  return tanhf(x);
+  return expf(x);
 #else
-  float const e = exp_vec(-2.0f * fabsf(x));
-  return copysignf((1.0f - e) / (1.0f + e), x);
+  float c = x > -87.0f ? x : -87.0f;  // comparisons, not fminf / fmaxf (library calls); NaN -> -87
+  c = c < 88.0f ? c : 88.0f;
+  float const e = exp_in_range(c);
+  // Two flat selects (GCC vectorizes them in fewer instructions than nested ones): NaN fails both.
+  float const r = x <= 88.0f ? e : x + INFINITY;
+  return x < -87.0f ? 0.0f : r;
 #endif
 }
 
-// GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+// GELU, tanh approximation: 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3), computed as
+// x s with s = 0.5 (1 + tanh(u)) = 1 / (1 + e), e = e^(-2u): one exponential and one division, and
+// 1 - s = e s without cancellation. -2u is clamped to [-87, 80] (s about 2e-35 at the cap, not 0,
+// so e s stays finite where GELU's tail is flat), with no special cases, so the loop vectorizes
+// with one division.
 inline constexpr float gelu_k0 = 0.7978845608028654f;  // sqrt(2 / pi)
 inline constexpr float gelu_k1 = 0.044715f;
 
-MGPU_HD inline float gelu(float x) {
-  float const inner = gelu_k0 * (x + gelu_k1 * x * x * x);
-  return 0.5f * x * (1.0f + tanh_vec(inner));
+MGPU_HD inline float gelu_exp(float x) {  // e = e^(-2u), capped
+  float a = -2.0f * gelu_k0 * (x + gelu_k1 * x * x * x);
+  a = a > -87.0f ? a : -87.0f;  // NaN -> -87 (x is NaN then, and so is what uses e)
+  return exp_in_range(a < 80.0f ? a : 80.0f);
 }
 
+MGPU_HD inline float gelu(float x) { return x / (1.0f + gelu_exp(x)); }
+
+// d/dx GELU = s + x s (1 - s) 2 du/dx = s (1 + 2 x e s du/dx).
 MGPU_HD inline float gelu_grad(float x, float dy) {
-  float const inner = gelu_k0 * (x + gelu_k1 * x * x * x);
-  float const t = tanh_vec(inner);
+  float const e = gelu_exp(x);
+  float const s = 1.0f / (1.0f + e);
   float const d_inner = gelu_k0 * (1.0f + 3.0f * gelu_k1 * x * x);
-  return dy * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * d_inner);
+  return dy * s * fmaf(2.0f * x * d_inner, e * s, 1.0f);
 }
 
 /// The activation functions, as types the functors below take.
