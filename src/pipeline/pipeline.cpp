@@ -141,9 +141,6 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     zero.zero_stage = options.zero_stage;
     zero.compute = options.compute;
     zero.overlap = false;  // the replicas reduce once a chunk's micro-batches are done
-    if (options.zero_stage == 3 && options.compute != DType::float32)
-      throw Error(Errc::invalid_argument, "pipeline: zero_stage 3 with " + std::string(to_string(options.compute)) +
-                                              " compute (expected float32: a pipeline's replicas do not yet shard 16-bit parameters)");
     parallel::detail::check_zero_stage(zero, "pipeline", 3, true);
     if (options.zero_stage == 3 && options.data_parallel > 1 && splits_backward(schedule))
       throw Error(Errc::invalid_argument, "pipeline: zero_stage 3 with the " + schedule.name +

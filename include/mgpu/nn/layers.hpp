@@ -314,10 +314,11 @@ class Sequential {
   /// write. The first call of a kind frees the flat buffer it replaces. Throws Error(invalid_argument)
   /// for a range that cuts a layer's parameters, or a buffer of another size or type.
   void bind_gradients(std::int64_t begin, std::int64_t end, Tensor const& grads);
-  /// Sharded parameters (ZeRO-3): the layers of the whole parameter ranges in [begin, end) read
-  /// their parameters from `params` (end - begin values of the compute type) from now on; the first
-  /// call frees the flat buffers, the master parameters too (the caller keeps those). Bound over
-  /// every element, `params` is the flat buffer again (with float32 compute the masters too).
+  /// Sharded parameters (ZeRO-3): the layers of the whole parameter ranges in [begin, end) read their
+  /// parameters from `params` (end - begin values of the compute type) from now on; the first call
+  /// frees the flat buffers, the master parameters too (the caller keeps those: bound over every
+  /// element, `params` is the flat buffer again, with float32 compute the masters too, with 16-bit
+  /// compute none until bind_master_parameters()).
   /// Throws Error(invalid_argument) as bind_gradients() does.
   void bind_parameters(std::int64_t begin, std::int64_t end, Tensor const& params);
   /// The whole float32 master parameters from now on (a 16-bit model's, after its layers were bound

@@ -8,12 +8,9 @@ namespace mgpu::parallel {
 
 /// The highest ZeRO stage (DataParallelOptions::zero_stage, TensorParallelOptions::zero_stage) that
 /// replicas computing in `compute` run: 3 in float32 and in 16 bits (float32 masters, sharded like
-/// the optimizer state); a pipeline's replicas (`pipeline`) 3 in float32 (the gradients sharded after
-/// each chunk's micro-batches, the parameters gathered per unit and pass) and 2 in 16 bits (not yet
-/// the parameters).
-[[nodiscard]] constexpr int max_zero_stage(DType compute, bool pipeline) noexcept {
-  if (!pipeline) return 3;
-  return compute == DType::float32 ? 3 : 2;
-}
+/// the optimizer state); a pipeline's replicas (`pipeline`) 3 in every precision too (the gradients
+/// sharded after each chunk's micro-batches, the parameters gathered per unit and pass, rounded to
+/// 16 bits as they are gathered).
+[[nodiscard]] constexpr int max_zero_stage(DType /*compute*/, bool /*pipeline*/) noexcept { return 3; }
 
 }  // namespace mgpu::parallel

@@ -123,11 +123,11 @@ struct ExecutorOptions {
   /// Replicas of the pipeline: the group has devices x data_parallel x tensor_parallel.ranks ranks.
   int data_parallel = 1;
   /// ZeRO over the replicas (data parallelism's gradient sync, after each chunk's last backward):
-  /// 0; 1, each replica updating and keeping state for its block of every chunk; 2 (float32), the
-  /// gradients reduce-scattered in place, with the memory of 1; or 3 (float32), each replica also
-  /// keeping its block's parameters between steps, each unit (a block) gathered for each
-  /// micro-batch's forward and backward and let go after (refused with a schedule that splits
-  /// backward, zero bubble).
+  /// 0; 1, each replica updating and keeping state for its block of every chunk; 2, the gradients
+  /// reduce-scattered in place, with the memory of 1; or 3, each replica also keeping its block's
+  /// float32 parameters between steps, each unit (a block) gathered (and with 16-bit compute rounded)
+  /// for each micro-batch's forward and backward and let go after (refused with a schedule that
+  /// splits backward, zero bubble).
   int zero_stage = 0;
   std::chrono::milliseconds timeout{0};  ///< the communicator's deadline (zero: comm::default_timeout())
   /// float32, or bfloat16/float16 with float32 masters: what chunks compute in and send.
