@@ -83,14 +83,6 @@ class ShardedUpdate final : public nn::GradientSync {
   std::vector<nn::OwnedRange> counting_;
 };
 
-// Whether the schedule splits a backward into its input- and weight-gradient halves (zero bubble).
-bool splits_backward(Schedule const& schedule) {
-  for (auto const& list : schedule.actions)
-    for (Action const& a : list)
-      if (a.kind == ActionKind::backward_input) return true;
-  return false;
-}
-
 // Refuses what tensor-parallel stages do not support (yet).
 void check_tensor_parallel(ExecutorOptions const& options, bool across) {
   TensorParallelStages const& tp = options.tensor_parallel;
@@ -142,11 +134,6 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     zero.compute = options.compute;
     zero.overlap = false;  // the replicas reduce once a chunk's micro-batches are done
     parallel::detail::check_zero_stage(zero, "pipeline", 3, true);
-    if (options.zero_stage == 3 && options.data_parallel > 1 && splits_backward(schedule))
-      throw Error(Errc::invalid_argument, "pipeline: zero_stage 3 with the " + schedule.name +
-                                              " schedule (expected one without split backward, e.g. gpipe, 1f1b or interleaved: "
-                                              "ZeRO-3 gathers a chunk's parameters per pass, and the input- and weight-gradient "
-                                              "halves of a backward are two passes)");
     if (options.zero_stage > 0 && across && options.data_parallel > 1 && !options.make_subset_communicator)
       throw Error(Errc::invalid_argument, "pipeline: zero_stage " + std::to_string(options.zero_stage) +
                                               " over several processes without make_subset_communicator (expected "

@@ -67,9 +67,6 @@ void ParallelConfig::validate(nn::GptConfig const& model, LayoutChecks const& ch
   if (bucket_cap_bytes > 0 && pipe)
     refuse(name("bucket_cap_bytes", "--bucket-kb") + " with a pipeline (expected " +
            name("bucket_cap_bytes", "--bucket-kb") + " with data or tensor parallelism: a pipeline's replicas do not bucket)");
-  if (zero && *zero == 3 && pipe && dp > 1 && pipeline_schedule() == "zb")
-    refuse(n_zero + " with " + name("schedule", "--schedule") + " zb (expected gpipe, 1f1b or interleaved with ZeRO-3: it gathers a "
-           "chunk's parameters per pass, and zero bubble splits a backward into two)");
   if (sequence_parallel && tp < 2)
     refuse(name("sequence_parallel", "--sequence-parallel") + " with " + n_tp + " (expected " + name("tp", "--tp") +
            " 2 or more: it splits the tensor-parallel devices' tokens)");

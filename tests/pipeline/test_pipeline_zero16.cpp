@@ -1,7 +1,8 @@
 // ZeRO-2 and ZeRO-3 over a pipeline's data-parallel replicas in bfloat16 and float16 (float32
-// masters, a loss scaler for float16) on host devices: DP 2 x PP 2 with GPipe and 1F1B, and DP 2 x
-// TP 2 x PP 2, against ZeRO-1 in the same precision (ZeRO-2 bit for bit, no device holding more
-// between steps or at its peak; ZeRO-3 within 1e-3, holding less between steps) and against one
+// masters, a loss scaler for float16) on host devices: DP 2 x PP 2 with GPipe and 1F1B (ZeRO-3:
+// GPipe, interleaved and zero bubble), and DP 2 x TP 2 x PP 2, against ZeRO-1 in the same precision
+// (ZeRO-2 bit for bit, no device holding more between steps or at its peak; ZeRO-3 within 1e-3,
+// holding less between steps) and against one
 // device's 16-bit run (within 2%); a float16 step that overflows is skipped on every replica and
 // stage alike.
 #include <algorithm>
@@ -188,6 +189,7 @@ TEST_CASE("a pipeline's ZeRO-3 in bfloat16 and float16 gives its ZeRO-1 run with
   std::vector<Batch> const batches = make_batches(env);
   std::vector<Grid> const grids{{"DP 2 x PP 2, gpipe", pp::gpipe(2, 2), {0, 3, 6}},
                                 {"DP 2 x PP 2, interleaved 2 x 2 chunks", pp::interleaved_one_f_one_b(2, 2, 2), {0, 2, 3, 4, 6}},
+                                {"DP 2 x PP 2, zb-h1", pp::zero_bubble_h1(2, 2), {0, 3, 6}},
                                 {"DP 2 x TP 2 x PP 2, 1f1b", pp::one_f_one_b(2, 2), {0, 4, 6}, 2}};
   for (DType const compute : {DType::bfloat16, DType::float16}) {
     CAPTURE(mgpu::to_string(compute));

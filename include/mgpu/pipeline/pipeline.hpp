@@ -126,8 +126,8 @@ struct ExecutorOptions {
   /// 0; 1, each replica updating and keeping state for its block of every chunk; 2, the gradients
   /// reduce-scattered in place, with the memory of 1; or 3, each replica also keeping its block's
   /// float32 parameters between steps, each unit (a block) gathered (and with 16-bit compute rounded)
-  /// for each micro-batch's forward and backward and let go after (refused with a schedule that
-  /// splits backward, zero bubble).
+  /// for each micro-batch's forward and backward (with zero bubble its input half: the weight half
+  /// reads no parameters) and let go after.
   int zero_stage = 0;
   std::chrono::milliseconds timeout{0};  ///< the communicator's deadline (zero: comm::default_timeout())
   /// float32, or bfloat16/float16 with float32 masters: what chunks compute in and send.
