@@ -74,7 +74,8 @@ std::vector<nn::ParameterRange> shard_ranges(nn::Sequential const& model, nn::Gp
 // ZeRO-2 holds what ZeRO-1 holds (the whole gradients, reduced in place, the owned ones packed at
 // their front) and is predicted as ZeRO-1. ZeRO-3 holds the same gradients, and of the parameters
 // the owned 1/data_parallel and at most two units (a block, the embedding, or the final LayerNorm
-// and head), gathered per pass.
+// and head), gathered per pass (with 16-bit compute their compute-type copies, and the float32
+// staging of the one being gathered).
 std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_t rows, GptLayout const& layout,
                                         std::string const& what) {
   nn::Sequential const model = nn::gpt(config);
@@ -137,7 +138,9 @@ std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_
         if (sharded && layout.zero_stage == 3 && !units.empty()) {
           std::sort(units.begin(), units.end(), std::greater<>());
           g.parameters = floats(std::ceil(params / replicas) + replicas);
-          for (std::size_t u = 0; u < std::min<std::size_t>(2, units.size()); ++u) g.parameters += floats(units[u]);
+          for (std::size_t u = 0; u < std::min<std::size_t>(2, units.size()); ++u)
+            g.parameters += layout.compute == DType::float32 ? floats(units[u]) : copies(units[u], layout.compute);
+          if (layout.compute != DType::float32) g.parameters += floats(units[0]);  // a gather's float32 staging
         }
         // The first micro-batches are the largest, and in flight together.
         int const in_flight = layout.gpipe ? m : std::min(m, stages - s);
