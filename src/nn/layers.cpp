@@ -383,12 +383,13 @@ Tensor Sequential::backward(Tensor const& dy, Context& ctx, bool input_grad, Gra
   return g;
 }
 
-Tensor Sequential::backward_input(Tensor const& dy, Context& ctx, bool input_grad) {
+Tensor Sequential::backward_input(Tensor const& dy, Context& ctx, bool input_grad, BeforeLayer const& before) {
   check_materialized("backward_input");
   if (!layers_.empty()) layers_.front()->set_input_grad(input_grad);
   Tensor g = dy;
   for (std::size_t i = layers_.size(); i-- > 0;) {
     if (i > 0 && fused_activation(i - 1) != nullptr) --i;
+    if (before) before(i, true);
     g = layers_[i]->backward_input(g, ctx);
   }
   return g;

@@ -111,7 +111,7 @@ void Sequential::bind_parameters(std::int64_t begin, std::int64_t end, Tensor co
   if (begin == 0 && end == parameter_count()) {  // whole again
     bound_params_.clear();
     params_ = params;
-    if (!sixteen) master_params_ = params;
+    master_params_ = sixteen ? Tensor{} : params;  // 16-bit: the caller keeps the masters (bind_master_parameters())
   } else {
     record_binding(bound_params_, begin, end, params);
     params_ = Tensor{};

@@ -20,9 +20,10 @@
 // into before finish()). A rank never holds more gradients than ZeRO-1 does (the whole buffer, for
 // the step and between steps).
 // Sharded parameters without overlap (a pipeline's replicas, whose chunks run several forward and
-// backward passes a step in the schedule's order, float32 only) keep the whole gradient buffer
-// likewise, and gather each unit per pass (begin_pass(), end_pass()), the last one (the first
-// layers) too: nothing gathered stays from one pass to the next.
+// backward passes a step in the schedule's order) keep the whole gradient buffer likewise, and
+// gather each unit per pass (begin_pass(), end_pass(); of a split backward the input half only),
+// the last one (the first layers) too: nothing gathered stays from one pass to the next; with
+// 16-bit compute each unit rounded into its compute-type buffer as data parallelism's are.
 // The sharded parameters' methods are in sharded_parameters.cpp.
 #pragma once
 
@@ -68,7 +69,7 @@ std::vector<Bucket> plan_buckets(nn::Sequential const& model, DataParallelOption
 /// Throws Error(invalid_argument), prefixed by `who`, for a zero_stage outside 0 to `max_stage` or
 /// one that the options cannot take: stages 2 and 3 need overlap and no comm hook.
 /// `whole_gradients`: the caller reduces after accumulating backward passes (no overlap), which
-/// stage 2 takes in every precision and stage 3 in float32 (see the top of this file).
+/// stages 2 and 3 take in every precision (see the top of this file).
 void check_zero_stage(DataParallelOptions const& options, std::string const& who, int max_stage = 3,
                       bool whole_gradients = false);
 

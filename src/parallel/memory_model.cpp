@@ -105,11 +105,11 @@ std::vector<std::vector<GptPass>> default_passes(int devices, int micro_batches,
 // of its chunks; ZeRO-2 holds what ZeRO-1 holds (the whole gradients, reduced in place, the owned
 // ones packed at their front); ZeRO-3 holds the same gradients, and of the parameters the owned
 // 1/data_parallel of its chunks and at most two units (a block, or the layers between blocks
-// together: the embedding, the final LayerNorm and head), gathered per pass. Each device's passes
-// are walked in order: a forward keeps its
-// micro-batch's activations, a backward frees them (a backward_input keeps what backward_weight
-// needs, until it runs), and the peak is the largest sum at a backward's start with that
-// backward's temporaries.
+// together: the embedding, the final LayerNorm and head), gathered per pass (with 16-bit compute
+// their compute-type copies, and the float32 staging of the one being gathered). Each device's
+// passes are walked in order: a forward keeps its micro-batch's activations, a backward frees them
+// (a backward_input keeps what backward_weight needs, until it runs), and the peak is the largest
+// sum at a backward's start with that backward's temporaries.
 std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_t rows, GptLayout const& layout,
                                         std::string const& what) {
   nn::Sequential const model = nn::gpt(config);
@@ -237,7 +237,9 @@ std::vector<GptMemory> predict_pipeline(nn::GptConfig const& config, std::int64_
         if (sharded && layout.zero_stage == 3 && !device_units.empty()) {  // the owned pieces and the two largest units
           std::sort(device_units.begin(), device_units.end(), std::greater<>());
           g.parameters = owned_parameters;
-          for (std::size_t u = 0; u < std::min<std::size_t>(2, device_units.size()); ++u) g.parameters += floats(device_units[u]);
+          for (std::size_t u = 0; u < std::min<std::size_t>(2, device_units.size()); ++u)
+            g.parameters += layout.compute == DType::float32 ? floats(device_units[u]) : copies(device_units[u], layout.compute);
+          if (layout.compute != DType::float32) g.parameters += floats(device_units[0]);  // a gather's float32 staging
         }
         g.optimizer = owned_state;
         // Walk the passes: the live bytes, and the peak at each backward's start with its temporaries.

@@ -193,7 +193,10 @@ void RankSync::shard_parameters(optim::Optimizer& optimizer, Allocator& allocato
   params_last_ = Tensor::empty({buckets.back().size()}, DType::float32, allocator);
   if (sixteen() || sync_.whole_gradients_)  // staging only, or gathered per pass as the other units
     mgpu::detail::BufferInternals::release_memory(params_last_);
-  if (sixteen()) unit_compute_params_.back() = Tensor::empty({buckets.back().size()}, compute, allocator);
+  if (sixteen()) {
+    unit_compute_params_.back() = Tensor::empty({buckets.back().size()}, compute, allocator);
+    if (sync_.whole_gradients_) mgpu::detail::BufferInternals::release_memory(unit_compute_params_.back());
+  }
   model_.bind_parameters(buckets.back().begin, buckets.back().end, sixteen() ? unit_compute_params_.back() : params_last_);
   held_.assign(buckets.size(), false);
   whole_ = false;

@@ -85,14 +85,6 @@ class ShardedUpdate final : public nn::GradientSync {
   std::vector<nn::OwnedRange> counting_;
 };
 
-// Whether the schedule splits a backward into its input- and weight-gradient halves (zero bubble).
-bool splits_backward(Schedule const& schedule) {
-  for (auto const& list : schedule.actions)
-    for (Action const& a : list)
-      if (a.kind == ActionKind::backward_input) return true;
-  return false;
-}
-
 // Refuses what tensor-parallel stages do not support (yet).
 void check_tensor_parallel(ExecutorOptions const& options, bool across) {
   TensorParallelStages const& tp = options.tensor_parallel;
@@ -143,15 +135,7 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     zero.zero_stage = options.zero_stage;
     zero.compute = options.compute;
     zero.overlap = false;  // the replicas reduce once a chunk's micro-batches are done
-    if (options.zero_stage == 3 && options.compute != DType::float32)
-      throw Error(Errc::invalid_argument, "pipeline: zero_stage 3 with " + std::string(to_string(options.compute)) +
-                                              " compute (expected float32: a pipeline's replicas do not yet shard 16-bit parameters)");
     parallel::detail::check_zero_stage(zero, "pipeline", 3, true);
-    if (options.zero_stage == 3 && options.data_parallel > 1 && splits_backward(schedule))
-      throw Error(Errc::invalid_argument, "pipeline: zero_stage 3 with the " + schedule.name +
-                                              " schedule (expected one without split backward, e.g. gpipe, 1f1b or interleaved: "
-                                              "ZeRO-3 gathers a chunk's parameters per pass, and the input- and weight-gradient "
-                                              "halves of a backward are two passes)");
     if (options.zero_stage > 0 && across && options.data_parallel > 1 && !options.make_subset_communicator)
       throw Error(Errc::invalid_argument, "pipeline: zero_stage " + std::to_string(options.zero_stage) +
                                               " over several processes without make_subset_communicator (expected "

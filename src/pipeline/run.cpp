@@ -170,9 +170,10 @@ void Executor::Impl::run_device(int rank, Stream& stream, Step& step) {
             Tensor const dy = a.chunk < last && s.device_of(a.chunk + 1) == device
                                   ? take(st.grad_in, a.chunk + 1, a.micro_batch, mbs, "input gradient")
                                   : take(st.grad_out, a.chunk, a.micro_batch, mbs, "output gradient");
-            if (sharded != nullptr) sharded->begin_pass(true, stream);  // never a split backward (refused)
+            // Zero bubble's weight half reads no parameters: only the input half gathers them.
+            if (sharded != nullptr) sharded->begin_pass(true, stream);
             Tensor dx = a.kind == ActionKind::backward ? chunk.backward(dy, ctx, a.chunk > 0, {}, before)
-                                                       : chunk.backward_input(dy, ctx, a.chunk > 0);
+                                                       : chunk.backward_input(dy, ctx, a.chunk > 0, before);
             if (sharded != nullptr) sharded->end_pass(stream);
             if (a.chunk > 0) st.grad_in[slot(a.chunk, a.micro_batch)] = std::move(dx);
             break;

@@ -61,23 +61,12 @@ void ParallelConfig::validate(nn::GptConfig const& model, LayoutChecks const& ch
            ", " + name("chunks ", "--chunks ") + std::to_string(chunks) + " (expected each at least 1)");
   if (compute != DType::float32 && compute != DType::bfloat16 && compute != DType::float16)
     refuse(name("compute ", "--precision ") + precision_name(compute) + " (expected fp32, bf16 or fp16)");
-  if (zero && (*zero < 0 || *zero > 3))
+  if (zero && (*zero < 0 || *zero > parallel::max_zero_stage(compute, pipe)))  // 3 in every layout and precision
     refuse(n_zero + " (expected 0, the replicated update, 1, ZeRO-1: the sharded update and "
            "optimizer state, 2, ZeRO-2: the gradients sharded too, or 3, ZeRO-3: the parameters too)");
   if (bucket_cap_bytes > 0 && pipe)
     refuse(name("bucket_cap_bytes", "--bucket-kb") + " with a pipeline (expected " +
            name("bucket_cap_bytes", "--bucket-kb") + " with data or tensor parallelism: a pipeline's replicas do not bucket)");
-  if (int const most = parallel::max_zero_stage(compute, true); zero && pipe && *zero > most) {
-    // The precision is named where the rule depends on it.
-    bool const sixteen = compute != DType::float32 && most != parallel::max_zero_stage(DType::float32, true);
-    refuse(n_zero + " with a pipeline" + (sixteen ? " in " + precision_name(compute) : "") + " (expected " +
-           name("zero", "--zero") + " 0 to " + std::to_string(most) + " with a pipeline" + (sixteen ? " in 16 bits" : "") +
-           ": its replicas shard the update, optimizer state" +
-           (most < 2 ? ", not yet the gradients)" : " and gradients, not yet the parameters)"));
-  }
-  if (zero && *zero == 3 && pipe && dp > 1 && pipeline_schedule() == "zb")
-    refuse(n_zero + " with " + name("schedule", "--schedule") + " zb (expected gpipe, 1f1b or interleaved with ZeRO-3: it gathers a "
-           "chunk's parameters per pass, and zero bubble splits a backward into two)");
   if (sequence_parallel && tp < 2)
     refuse(name("sequence_parallel", "--sequence-parallel") + " with " + n_tp + " (expected " + name("tp", "--tp") +
            " 2 or more: it splits the tensor-parallel devices' tokens)");

@@ -203,7 +203,6 @@ expect_error "--bucket-kb with a pipeline (expected --bucket-kb with data or ten
 expect_error "--sequence-parallel with --tp 1 (expected --tp 2 or more" "${common[@]}" --sequence-parallel
 expect_error "--sequence-parallel with --block-size 15 over --tp 2 (expected a block size divisible by --tp)" \
   "${common[@]}" --tp 2 --sequence-parallel --block-size 15
-expect_error "--zero 3 with a pipeline in bf16 (expected --zero 0 to 2 with a pipeline in 16 bits" "${common[@]}" --stages 2 --zero 3 --precision bf16
 head -c 2000 "$dir/model.bin" > "$dir/short.bin"
 expect_error "short.bin:byte 2000: truncated" "${common[@]}" --init-from "$dir/short.bin"
 expect_error "over 39996 windows (expected 1 to the" "${common[@]}" --eval-only --eval-iters 9999

@@ -67,19 +67,17 @@ CHECKED = [
     "tp2 pp:1f1b zero0 sp", "tp2 pp:1f1b zero1 sp", "dp2 tp2 pp:1f1b zero1",
     "pp:interleaved zero2", "dp2 pp:interleaved zero2", "dp2 pp:1f1b zero2", "dp2 tp2 pp:1f1b zero2 sp",
     "pp:gpipe zero2 selective", "dp2 pp:gpipe zero2 bf16", "dp2 tp2 pp:1f1b zero2 fp16 sp",
-    # ZeRO-3 over a pipeline's replicas (float32)
+    # ZeRO-3 over a pipeline's replicas, in every precision
     "pp:gpipe zero3 full", "dp2 pp:1f1b zero3 selective", "dp2 tp2 pp:gpipe zero3 sp",
+    "pp:interleaved zero3 fp16", "dp2 pp:interleaved zero3 fp16", "dp2 pp:gpipe zero3 bf16 selective",
     # ZeRO-2 and 3 in 16 bits, of data parallelism and tensor-parallel replicas
     "dp2 zero2 bf16", "dp2 zero3 fp16", "dp2 zero2 fp16 selective", "dp2 zero3 bf16 full", "dp1 zero3 bf16",
     "dp2 tp2 zero2 bf16", "dp2 tp2 zero3 fp16 sp",
 ]
 
 # Refused today: each row's refusal, asserted. When the library learns a combination, move its
-# rows to CHECKED (ZeRO-3 for pipeline replicas in 16 bits).
-ZERO_PP_16 = r"--zero 3 with a pipeline in (bf16|fp16) \(expected --zero 0 to 2 with a pipeline in 16 bits"
-REFUSED_TODAY = [
-    ("pp:interleaved zero3 fp16", ZERO_PP_16),
-]
+# rows to CHECKED.
+REFUSED_TODAY = []
 
 # Cannot work: refused, naming why.
 IMPOSSIBLE = [

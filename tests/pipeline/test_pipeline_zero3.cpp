@@ -1,10 +1,10 @@
 // ZeRO-3 over a pipeline's data-parallel replicas (pipeline::ExecutorOptions::zero_stage 3) on host
-// devices: DP 2 x PP 2 with GPipe, 1F1B and interleaved schedules and DP 2 x TP 2 x PP 2 give the
+// devices: DP 2 x PP 2 with GPipe, 1F1B, interleaved and zero-bubble schedules and DP 2 x TP 2 x PP 2 give the
 // one-device loss curve and weights over AdamW steps with clipping, ZeRO-2's bit for bit (the same
 // reduce and owned pieces; only where the parameters live differs) and ZeRO-1's within float32
 // rounding; on a model whose parameters outweigh its activations each device holds less than with
 // ZeRO-2 between steps and at its peak, by what the memory model predicts; a checkpoint saved with
-// ZeRO-3 resumes bit for bit and loads into ZeRO-1; zero bubble and 16-bit compute are refused.
+// ZeRO-3 resumes bit for bit and loads into ZeRO-1 (16-bit compute: test_pipeline_zero16.cpp).
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -18,7 +18,6 @@
 #include <mgpu/pipeline/pipeline.hpp>
 
 #include "support/catch.hpp"
-#include "support/expect_error.hpp"
 #include "support/nn_env.hpp"
 #include "support/pipeline_zero_fixture.hpp"
 #include "support/temp_path.hpp"
@@ -26,8 +25,7 @@
 using mgpu::test::worst_relative;
 using namespace mgpu::test::pipeline_zero;
 
-TEST_CASE("ZeRO-3 over a data x pipeline grid trains as one device, as ZeRO-2 and as ZeRO-1, with every schedule but zero "
-          "bubble",
+TEST_CASE("ZeRO-3 over a data x pipeline grid trains as one device, as ZeRO-2 and as ZeRO-1, with every schedule",
           "[pipeline][zero]") {
   Env env;
   std::vector<Batch> const batches = make_batches(env);
@@ -36,6 +34,8 @@ TEST_CASE("ZeRO-3 over a data x pipeline grid trains as one device, as ZeRO-2 an
   std::vector<Grid> const grids{{"DP 2 x PP 2, gpipe", pp::gpipe(2, 2), {0, 3, 6}},
                                 {"DP 2 x PP 2, 1f1b", pp::one_f_one_b(2, 2), {0, 3, 6}},
                                 {"DP 2 x PP 2, interleaved 2 x 2 chunks", pp::interleaved_one_f_one_b(2, 2, 2), {0, 2, 3, 4, 6}},
+                                {"DP 2 x PP 2, zb-h1 (the input half of a backward gathers, the weight half reads none)",
+                                 pp::zero_bubble_h1(2, 2), {0, 3, 6}},
                                 {"DP 2 x TP 2 x PP 2, 1f1b", pp::one_f_one_b(2, 2), {0, 4, 6}, 2}};
   for (Grid const& grid : grids) {
     CAPTURE(grid.name);
@@ -73,8 +73,8 @@ TEST_CASE("ZeRO-3 over a data x pipeline grid trains as one device, as ZeRO-2 an
   }
 }
 
-TEST_CASE("a pipeline's ZeRO-3 holds less than its ZeRO-2 between steps and at its peak where the parameters outweigh the "
-          "activations",
+TEST_CASE("a pipeline's ZeRO-3 in float32 and bfloat16 holds less than its ZeRO-2 between steps and at its peak where the "
+          "parameters outweigh the activations",
           "[pipeline][zero]") {
   Env env;
   // Twelve blocks, six a stage: the owned half of a stage's parameters and the two units gathered
@@ -85,11 +85,13 @@ TEST_CASE("a pipeline's ZeRO-3 holds less than its ZeRO-2 between steps and at i
   std::vector<std::size_t> const cuts{0, points[points.size() / 2], model.size()};
   std::vector<Batch> batches;
   for (unsigned s = 0; s < 3; ++s) batches.push_back(mgpu::test::rule_batch(env, 4, 1, deep.vocab, 500 + s));
+  DType const compute = GENERATE(DType::float32, DType::bfloat16);  // bf16: the units' 16-bit copies and a float32 staging
+  CAPTURE(mgpu::to_string(compute));
   std::vector<std::vector<std::size_t>> peaks, held;  // per stage, per device: the peak of steps 2 and 3, what is held after
   std::vector<std::vector<double>> losses;
   for (int zero : {2, 3}) {
     mgpu::DeviceGroup group("host:4");
-    pp::ExecutorOptions options = options_for(zero);
+    pp::ExecutorOptions options = options_for(zero, 2, compute);
     options.clip_norm = 0;
     pp::Executor ex(nn::gpt(deep), group, cuts, pp::one_f_one_b(2, 2), chunk_adamw(), options);
     losses.push_back({ex.step(batches[0].ids, batches[0].targets)});  // AdamW makes its state in the first update
@@ -104,7 +106,8 @@ TEST_CASE("a pipeline's ZeRO-3 holds less than its ZeRO-2 between steps and at i
   }
   std::vector<std::vector<mgpu::parallel::GptMemory>> predicted;  // per stage, per device
   for (int zero : {2, 3})
-    predicted.push_back(mgpu::parallel::predict_gpt_memory(deep, 4, {.data_parallel = 2, .zero_stage = zero, .cuts = cuts, .micro_batches = 2}));
+    predicted.push_back(mgpu::parallel::predict_gpt_memory(
+        deep, 4, {.data_parallel = 2, .zero_stage = zero, .cuts = cuts, .micro_batches = 2, .compute = compute}));
   for (std::size_t r = 0; r < 4; ++r) {
     CAPTURE(r, peaks[0][r], peaks[1][r], held[0][r], held[1][r], predicted[0][r].total(), predicted[1][r].total());
     WARN("device " << r << ": peak bytes " << peaks[0][r] << " (ZeRO-2), " << peaks[1][r] << " (ZeRO-3); between steps "
@@ -112,10 +115,11 @@ TEST_CASE("a pipeline's ZeRO-3 holds less than its ZeRO-2 between steps and at i
     CHECK(peaks[1][r] < peaks[0][r]);
     CHECK(held[1][r] < held[0][r]);  // the owned half of the parameters, no unit
     // The saving is the memory model's (owned parameters and two gathered units against the
-    // whole), within two of the allocator's smallest blocks.
+    // whole; in bf16 their copies and a float32 staging), within two of the allocator's smallest
+    // blocks (in bf16 four: 1.5 and 2 KB measured, the model's side the smaller).
     auto const saved = static_cast<double>(peaks[0][r]) - static_cast<double>(peaks[1][r]);
     auto const predicted_saving = static_cast<double>(predicted[0][r].total()) - static_cast<double>(predicted[1][r].total());
-    CHECK(std::abs(saved - predicted_saving) <= 1024);
+    CHECK(std::abs(saved - predicted_saving) <= (compute == DType::float32 ? 1024 : 2048));
   }
   CHECK(losses[1] == losses[0]);
 }
@@ -145,14 +149,4 @@ TEST_CASE("a pipeline with ZeRO-3 resumes from its checkpoint bit for bit and lo
     CHECK(worst_difference(got.weights, want.weights) < 1e-6);
   }
   std::filesystem::remove(path);
-}
-
-TEST_CASE("a pipeline refuses ZeRO-3 with zero bubble and in 16 bits", "[pipeline][zero]") {
-  mgpu::DeviceGroup group("host:4");
-  REQUIRE_MGPU_ERROR(pp::Executor(nn::gpt(config), group, {0, 3, 6}, pp::zero_bubble_h1(2, 2), chunk_adamw(), options_for(3)),
-                     mgpu::Errc::invalid_argument,
-                     "pipeline: zero_stage 3 with the zb-h1 schedule (expected one without split backward");
-  REQUIRE_MGPU_ERROR(pp::Executor(nn::gpt(config), group, {0, 3, 6}, pp::one_f_one_b(2, 2), chunk_adamw(),
-                                  options_for(3, 2, DType::bfloat16)),
-                     mgpu::Errc::invalid_argument, "pipeline: zero_stage 3 with bfloat16 compute (expected float32");
 }

@@ -95,7 +95,8 @@ class Layer {
   virtual Tensor backward(Tensor const& dy, Context& ctx) = 0;
   /// The input gradient; what backward_weight() needs stays saved. By default all of backward().
   virtual Tensor backward_input(Tensor const& dy, Context& ctx) { return backward(dy, ctx); }
-  /// The parameter gradients left by backward_input(); frees the micro-batch's saved tensors.
+  /// The parameter gradients left by backward_input(), from saved tensors only: it reads no
+  /// parameters (ZeRO-3 gathers none for it). Frees the micro-batch's saved tensors.
   virtual void backward_weight(Context& /*ctx*/) {}
   /// The shape forward() returns for an input of `input` (throws Error(invalid_argument) for an
   /// input the layer cannot take).
@@ -314,10 +315,11 @@ class Sequential {
   /// write. The first call of a kind frees the flat buffer it replaces. Throws Error(invalid_argument)
   /// for a range that cuts a layer's parameters, or a buffer of another size or type.
   void bind_gradients(std::int64_t begin, std::int64_t end, Tensor const& grads);
-  /// Sharded parameters (ZeRO-3): the layers of the whole parameter ranges in [begin, end) read
-  /// their parameters from `params` (end - begin values of the compute type) from now on; the first
-  /// call frees the flat buffers, the master parameters too (the caller keeps those). Bound over
-  /// every element, `params` is the flat buffer again (with float32 compute the masters too).
+  /// Sharded parameters (ZeRO-3): the layers of the whole parameter ranges in [begin, end) read their
+  /// parameters from `params` (end - begin values of the compute type) from now on; the first call
+  /// frees the flat buffers, the master parameters too (the caller keeps those: bound over every
+  /// element, `params` is the flat buffer again, with float32 compute the masters too, with 16-bit
+  /// compute none until bind_master_parameters()).
   /// Throws Error(invalid_argument) as bind_gradients() does.
   void bind_parameters(std::int64_t begin, std::int64_t end, Tensor const& params);
   /// The whole float32 master parameters from now on (a 16-bit model's, after its layers were bound
@@ -363,9 +365,10 @@ class Sequential {
   /// undefined tensor, saving the first layer's input-gradient GEMM).
   Tensor backward(Tensor const& dy, Context& ctx, bool input_grad = true, GradientsReady const& ready = {},
                   BeforeLayer const& before = {});
-  /// The input-gradient half of backward, and the weight-gradient half, which must follow for the
-  /// same ctx.micro_batch before the gradients are read.
-  Tensor backward_input(Tensor const& dy, Context& ctx, bool input_grad = true);
+  /// The input-gradient half of backward (calling `before` as backward() does), and the
+  /// weight-gradient half, which must follow for the same ctx.micro_batch before the gradients are
+  /// read and reads no parameters (Layer::backward_weight()).
+  Tensor backward_input(Tensor const& dy, Context& ctx, bool input_grad = true, BeforeLayer const& before = {});
   void backward_weight(Context& ctx);
   /// Sets the gradients the layers write (the flat buffer and those bind_gradients() gave) to zero
   /// (before accumulating micro-batches), or those of elements [begin, end) only.

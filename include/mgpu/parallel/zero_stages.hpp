@@ -6,11 +6,7 @@
 
 namespace mgpu::parallel {
 
-/// The highest ZeRO stage that replicas computing in `compute` run: 3, except a pipeline's replicas
-/// (`pipeline`) in 16 bits: 2.
-[[nodiscard]] constexpr int max_zero_stage(DType compute, bool pipeline) noexcept {
-  if (!pipeline) return 3;
-  return compute == DType::float32 ? 3 : 2;
-}
+/// The highest ZeRO stage that replicas computing in `compute` run, a pipeline's (`pipeline`) too: 3.
+[[nodiscard]] constexpr int max_zero_stage(DType /*compute*/, bool /*pipeline*/) noexcept { return 3; }
 
 }  // namespace mgpu::parallel

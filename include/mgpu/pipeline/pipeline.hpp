@@ -123,8 +123,8 @@ struct ExecutorOptions {
   std::uint64_t seed = 0;  ///< the chunks initialised as the whole model's materialize(seed)
   /// Replicas of the pipeline: the group has devices x data_parallel x tensor_parallel.ranks ranks.
   int data_parallel = 1;
-  /// ZeRO over the replicas (parallel::max_zero_stage; docs/parallel-layouts.md): 0 to 2, or 3 in
-  /// float32 without a schedule that splits backward (zero bubble).
+  /// ZeRO over the replicas (parallel::max_zero_stage; docs/parallel-layouts.md): 0 to 3; at 3 each
+  /// unit gathered per pass (with zero bubble for the input half: the weight half reads no parameters).
   int zero_stage = 0;
   std::chrono::milliseconds timeout{0};  ///< the communicator's deadline (zero: comm::default_timeout())
   /// float32, or bfloat16/float16 with float32 masters: what chunks compute in and send.

@@ -56,7 +56,7 @@ struct ParallelConfig {
   int micro_batches = 1;  ///< micro-batches per pipeline step
   int chunks = 2;         ///< model chunks per device of the interleaved schedule
   /// ZeRO stage over the data-parallel replicas, plain, of tensor-parallel shards (0 to 3) or of
-  /// a pipeline (0 to 3 in float32, 0 or 1 in 16 bits). Unset: 1 with several replicas, else 0.
+  /// a pipeline (0 to 3, in every precision). Unset: 1 with several replicas, else 0.
   std::optional<int> zero{};
   /// The replicas' gradient bucket cap (0: the default); set, also plain data parallelism's ZeRO-3
   /// units (else one per block).
