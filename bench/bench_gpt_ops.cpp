@@ -102,10 +102,10 @@ void BM_gpt_gemm(benchmark::State& state) {
   Sgemm sgemm(*allocator);
   // The worker's seconds in `work`'s GEMMs and their epilogues (a GELU's counts as an activation).
   auto const gemm_seconds = [&](auto&& work) {
-    std::size_t const activation = static_cast<std::size_t>(mgpu::ops::HostOpFamily::activation);
+    constexpr auto activation = static_cast<std::size_t>(mgpu::ops::HostOpFamily::activation);
     double before = 0, after = 0;
-    auto const read = [activation](double& s) {
-      return [&s, activation] { s = mgpu::ops::host_gemm_stats().seconds + mgpu::ops::host_op_seconds().seconds[activation]; };
+    auto const read = [](double& s) {
+      return [&s] { s = mgpu::ops::host_gemm_stats().seconds + mgpu::ops::host_op_seconds().seconds[activation]; };
     };
     stream.enqueue(read(before));
     work();

@@ -309,6 +309,7 @@ struct Scratch {
   Buffer q, k, v, kt, vt, dy, dq, dk, dv, s, ds, acc, m, l, row_dot;  // kt, vt: [heads, d, ld]
 };
 
+#if defined(MGPU_HOST_ATTENTION_AVX512)
 // An AVX-512 kernel's view of head h of a float32 sequence (qkv rows of 3c, y and dy rows of c),
 // with the tiles' scratch in w.
 avx512::Head avx512_head(float const* qkv, std::int64_t h, detail::AttentionShape const& shape, AttentionTiles tiles,
@@ -340,6 +341,8 @@ avx512::Head avx512_head(float const* qkv, std::int64_t h, detail::AttentionShap
   head.l = w.l.data();
   return head;
 }
+#endif
+
 Scratch& scratch() {
   thread_local Scratch s;
   return s;
