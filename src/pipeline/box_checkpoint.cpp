@@ -162,11 +162,7 @@ io::TrainingState Executor::Impl::load_boxes(io::ShardedCheckpoint const& checkp
       set_chunk_rng(p, c, training.rng, training.rng_seeds);
     }
   }
-  if (!training.rng_seeds.empty()) loaded_seeds = training.rng_seeds;
-  if (scaler) options.loss_scaler->set_state(*scaler);
-  group->synchronize();
-  if (!across) broken.clear();  // what a failed update left is replaced
-  return training.state;
+  return finish_load(training, scaler);
 }
 
 }  // namespace mgpu::pipeline

@@ -421,6 +421,11 @@ io::TrainingState Executor::Impl::load_records(io::Checkpoint const& records, st
       set_chunk_rng(r, c, training.rng, training.rng_seeds);
     }
   }
+  return finish_load(training, scaler);
+}
+
+io::TrainingState Executor::Impl::finish_load(io::TrainingRecords const& training,
+                                              std::optional<optim::LossScaler::State> const& scaler) {
   if (!training.rng_seeds.empty()) loaded_seeds = training.rng_seeds;
   if (scaler) options.loss_scaler->set_state(*scaler);
   group->synchronize();

@@ -180,6 +180,9 @@ struct Executor::Impl {
   [[nodiscard]] std::vector<Part> chunk_parts(int c) const;
   // load() of a one-device file's records; `source` names it.
   io::TrainingState load_records(io::Checkpoint const& records, std::string const& source);
+  // The end of every load(), once the chunks hold what was read: the seeds, the loss scaler, and
+  // the executor usable again.
+  io::TrainingState finish_load(io::TrainingRecords const& training, std::optional<optim::LossScaler::State> const& scaler);
   // Per replica, over its two tie devices (none when they are one; null for another process's).
   std::vector<std::shared_ptr<comm::Communicator>> tie_comms;
   // Every communicator above but another process's chunks' (which nothing calls), in the order
