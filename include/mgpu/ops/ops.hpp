@@ -90,8 +90,7 @@ void add_scaled(Tensor const& dst, Tensor const& src, float factor, Stream& stre
 /// dst[:, dst_column + c] = src[:, src_column + c] for c < columns, both [rows, last dim], one dtype.
 void copy_columns(Tensor const& src, std::int64_t src_column, Tensor const& dst, std::int64_t dst_column,
                   std::int64_t columns, Stream& stream);
-/// One thread's host GEMMs (gemm, linear): calls, flops (2 m n k each), seconds (linear's GELU
-/// epilogue not included: host_op_seconds counts it as an activation).
+/// One thread's host GEMMs (gemm, linear; a GELU epilogue is an activation): calls, flops, seconds.
 struct HostGemmStats {
   std::int64_t calls = 0;
   double flops = 0;
