@@ -182,6 +182,11 @@ TEST_CASE("a pipeline's ZeRO-2 in bfloat16 and float16 gives its ZeRO-1 run bit 
 // reduces the same 16-bit gradients unscaled into the whole float32 buffer as ZeRO-2; it owns the
 // units' pieces rather than the buckets', so the clipping norm is summed in other pieces: ZeRO-1's
 // run within float32 rounding, not bit for bit. Between steps each device keeps half its masters.
+// With 16-bit compute a norm summed in other pieces can turn an element whose gradient is about
+// zero the other way, and AdamW moves each element by about lr a step whatever its gradient: the
+// weights then differ by a few steps of lr (3.7e-3 measured at -O0, 0 with -march=native).
+double const adamw_steps_apart = 4.0 * adamw.lr;
+
 TEST_CASE("a pipeline's ZeRO-3 in bfloat16 and float16 gives its ZeRO-1 run within 1e-3, within 2% of one device, and holds "
           "less between steps",
           "[pipeline][zero]") {
@@ -204,7 +209,7 @@ TEST_CASE("a pipeline's ZeRO-3 in bfloat16 and float16 gives its ZeRO-1 run with
       CHECK(three.losses.back() < 0.9 * three.losses.front());  // it learns
       CHECK(worst_relative(three.losses, single) <= 0.02);
       CHECK(worst_relative(three.losses, one.losses) <= 1e-3);
-      CHECK(worst_difference(three.weights, one.weights) < 1e-3);
+      CHECK(worst_difference(three.weights, one.weights) < adamw_steps_apart);
       std::size_t const chunks = three.chunks.size() / static_cast<std::size_t>(2 * grid.tp);
       for (std::size_t p = static_cast<std::size_t>(grid.tp); p < static_cast<std::size_t>(2 * grid.tp); ++p)  // the replicas agree
         for (std::size_t c = 0; c < chunks; ++c)
@@ -241,5 +246,5 @@ TEST_CASE("a pipeline's ZeRO-2 and ZeRO-3 in float16 skip an overflowing step on
   CHECK(two.weights == one.weights);
   CHECK(two.chunks == one.chunks);
   CHECK(worst_relative(three.losses, one.losses) <= 1e-3);  // ZeRO-3's norm summed in other pieces
-  CHECK(worst_difference(three.weights, one.weights) < 1e-3);
+  CHECK(worst_difference(three.weights, one.weights) < adamw_steps_apart);
 }
