@@ -151,23 +151,27 @@ inline void scores_pair(float const* a, float const* bt, float const* a2, float 
   }
 }
 
-// out rows [0, R) (stride ldo) += sum over j < n of w[r ldw + j] b[j ldb, 0..D): the products of
-// a tile's probabilities (or dS) with rows of v (or k), R x D accumulators in registers.
+// out rows [0, R) (stride ldo) += sum over j in [j0, n) of w[r ldr + j ldj] b[j ldb, 0..D), R x D
+// accumulators in registers: the products of a tile's probabilities (or dS) with rows of v (or
+// k), ldr the tile's row stride and ldj 1, and their transposes (dv += Pᵀ dy, dk += dSᵀ q for R
+// keys), ldr 1 and ldj the tile's row stride, j0 the first query that sees the keys. GCC inlines
+// it into each call, where the stride that is 1 is a constant (offsets in the instructions).
 template <int D, int R>
-inline void rows_times(float const* w, i64 ldw, float const* b, i64 ldb, i64 n, float* out, i64 ldo) {
+inline void times_rows(float const* w, i64 ldr, i64 ldj, float const* b, i64 ldb, i64 j0, i64 n, float* out, i64 ldo) {
   constexpr int V = D / lanes;
   __m512 acc[R][V];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_loadu_ps(out + r * ldo + v * lanes);
-  for (i64 j = 0; j < n; ++j) {
+  for (i64 j = j0; j < n; ++j) {
     __m512 row[V];
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) row[v] = in_register(_mm512_loadu_ps(b + j * ldb + v * lanes));
+    float const* wj = w + j * ldj;
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      __m512 const x = _mm512_set1_ps(w[r * ldw + j]);
+      __m512 const x = _mm512_set1_ps(wj[r * ldr]);
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(x, row[v], acc[r][v]);
     }
@@ -176,33 +180,6 @@ inline void rows_times(float const* w, i64 ldw, float const* b, i64 ldb, i64 n, 
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + r * ldo + v * lanes, acc[r][v]);
-}
-
-// out rows [0, K) (stride ldo) += sum over i in [i0, n) of w[i ldw + k] b[i ldb, 0..D): the
-// transposed products (dv += Pᵀ dy, dk += dSᵀ q) for K keys, K x D accumulators in registers.
-template <int D, int K>
-inline void columns_times(float const* w, i64 ldw, float const* b, i64 ldb, i64 i0, i64 n, float* out, i64 ldo) {
-  constexpr int V = D / lanes;
-  __m512 acc[K][V];
-#pragma GCC unroll 12
-  for (int k = 0; k < K; ++k)
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) acc[k][v] = _mm512_loadu_ps(out + k * ldo + v * lanes);
-  for (i64 i = i0; i < n; ++i) {
-    __m512 row[V];
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) row[v] = in_register(_mm512_loadu_ps(b + i * ldb + v * lanes));
-#pragma GCC unroll 12
-    for (int k = 0; k < K; ++k) {
-      __m512 const x = _mm512_set1_ps(w[i * ldw + k]);
-#pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[k][v] = _mm512_fmadd_ps(x, row[v], acc[k][v]);
-    }
-  }
-#pragma GCC unroll 12
-  for (int k = 0; k < K; ++k)
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + k * ldo + v * lanes, acc[k][v]);
 }
 
 // The register blocks: 4 queries x 64 keys for the forward's scores (16 accumulators), and 24
@@ -283,8 +260,8 @@ void forward_head(Head const& h) {
         }
       });
       in_blocks<product_rows<D>>(r0, rows, [&]<int R>(i64 r) {
-        rows_times<D, R>(h.s + r * lds, lds, h.v + j0 * h.ld_qkv, h.ld_qkv, lower(i0 + r + R - j0, cols), h.acc + r * D,
-                         D);
+        times_rows<D, R>(h.s + r * lds, lds, 1, h.v + j0 * h.ld_qkv, h.ld_qkv, 0, lower(i0 + r + R - j0, cols),
+                         h.acc + r * D, D);
       });
     }
     for (i64 r = 0; r < rows; ++r) {
@@ -339,13 +316,13 @@ void backward_head(Head const& h) {
       // dv += Pᵀ dy and dk += dSᵀ q for keys [j, j + K): the queries before a key do not see it.
       in_blocks<product_rows<D>>(0, cols, [&]<int K>(i64 j) {
         i64 const from = upper(0, j0 + j - first);
-        columns_times<D, K>(h.s + j, lds, h.dy + first * h.ld_y, h.ld_y, from, n_rows, h.dv + (j0 + j) * h.ld_qkv,
-                            h.ld_qkv);
-        columns_times<D, K>(h.ds + j, lds, h.q + first * h.ld_qkv, h.ld_qkv, from, n_rows, h.dk + (j0 + j) * h.ld_qkv,
-                            h.ld_qkv);
+        times_rows<D, K>(h.s + j, 1, lds, h.dy + first * h.ld_y, h.ld_y, from, n_rows, h.dv + (j0 + j) * h.ld_qkv,
+                         h.ld_qkv);
+        times_rows<D, K>(h.ds + j, 1, lds, h.q + first * h.ld_qkv, h.ld_qkv, from, n_rows, h.dk + (j0 + j) * h.ld_qkv,
+                         h.ld_qkv);
       });
       in_blocks<product_rows<D>>(0, n_rows, [&]<int R>(i64 r) {
-        rows_times<D, R>(h.ds + r * lds, lds, h.k + j0 * h.ld_qkv, h.ld_qkv, lower(first + r + R - j0, cols),
+        times_rows<D, R>(h.ds + r * lds, lds, 1, h.k + j0 * h.ld_qkv, h.ld_qkv, 0, lower(first + r + R - j0, cols),
                          h.dq + (first + r) * h.ld_qkv, h.ld_qkv);
       });
     }
