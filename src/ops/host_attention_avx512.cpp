@@ -40,6 +40,32 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_setzero_ps());
 }
 
+// ln x for 16 finite x >= 1 (each row's sum of exponentials, whose largest term is 1): x = m 2^k
+// with m in [sqrt(1/2), sqrt(2)), then ln(1 + f) for f = m - 1 as f - f^2 / 2 + f^3 P(f), P of
+// degree 8 (the classic single-precision logf coefficients), plus k ln 2 in two parts.
+inline __m512 log16(__m512 x) {
+  __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);  // [1, 2)
+  __m512 k = _mm512_getexp_ps(x);
+  __mmask16 const high = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356237f), _CMP_GT_OQ);
+  m = _mm512_mask_mul_ps(m, high, m, _mm512_set1_ps(0.5f));
+  k = _mm512_mask_add_ps(k, high, k, _mm512_set1_ps(1.0f));
+  __m512 const f = _mm512_sub_ps(m, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(7.0376836292e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.1514610310e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.1676998740e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.2420140846e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.4249322787e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.6668057665e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.0000714765e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-2.4999993993e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(3.3333331174e-1f));
+  __m512 const f2 = _mm512_mul_ps(f, f);
+  __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, f), f2);                             // f^3 P(f)
+  y = _mm512_fmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), y);                    // k ln 2, its small part
+  y = _mm512_fmadd_ps(f2, _mm512_set1_ps(-0.5f), y);                             // - f^2 / 2
+  return _mm512_fmadd_ps(k, _mm512_set1_ps(0.693359375f), _mm512_add_ps(f, y));  // + f + k ln 2
+}
+
 // r[i][j] becomes r[j][i]: a 16 x 16 block of floats transposed in registers (pairs of rows
 // interleaved, then pairs of pairs, then 128-bit quarters twice).
 inline void transpose16(__m512 (&r)[16]) {
@@ -264,8 +290,13 @@ void forward_head(Head const& h) {
                          h.acc + r * D, D);
       });
     }
+    for (i64 r = 0; r < rows; r += lanes) {  // the rows' log-sum-exps, 16 at a time
+      __mmask16 const in_tile = seen(rows - r, 0);
+      __m512 const l = _mm512_mask_loadu_ps(_mm512_set1_ps(1.0f), in_tile, h.l + r);
+      __m512 const lse = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(in_tile, h.m + r), scale, log16(l));
+      _mm512_mask_storeu_ps(h.lse_out + i0 + r, in_tile, lse);
+    }
     for (i64 r = 0; r < rows; ++r) {
-      h.lse_out[i0 + r] = h.m[r] * h.scale + __builtin_logf(h.l[r]);
       __m512 const inverse = _mm512_set1_ps(1.0f / h.l[r]);
       for (int v = 0; v < V; ++v)
         _mm512_storeu_ps(h.y + (i0 + r) * h.ld_y + v * lanes,

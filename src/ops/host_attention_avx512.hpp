@@ -40,7 +40,8 @@ void pack_transposed(float const* src, std::int64_t stride, std::int64_t t, std:
 /// y and lse of one head (d 32 or 64): per tile of bq queries, tiles of bk keys: the scores in
 /// 4-query x 64-key register blocks (blocks wholly above the diagonal skipped, the rest masked),
 /// each row's maximum and its exponentials and sum right after its block (online softmax across
-/// key tiles), then P V in register blocks of 24 / (d / 16) rows x d.
+/// key tiles), then P V in register blocks of 24 / (d / 16) rows x d; the log-sum-exps of a tile's
+/// rows 16 at a time (a vector log).
 void forward(Head const& head) noexcept;
 
 /// dq, dk, dv += one head's gradients (d 32 or 64): per tile, S = q kᵀ and dP = dy vᵀ together in
