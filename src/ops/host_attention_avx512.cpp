@@ -309,8 +309,15 @@ template <int D>
 void backward_head(Head const& h) {
   i64 const t = h.t, lds = chunks(h.bk) * lanes;  // scratch_row(bk), without the header's inline copy
   __m512 const scale = _mm512_set1_ps(h.scale);
+  constexpr int V = D / lanes;
   for (i64 i0 = 0; i0 < t; i0 += h.bq) {
     i64 const rows = lower(h.bq, t - i0);
+    // The queries of this tile are the first to reach dq's rows [i0, i0 + rows), and dk's and dv's
+    // (a key is seen by the queries from its own on): zeroed here, in cache, not in a pass before.
+    float* const gradients[] = {h.dq, h.dk, h.dv};
+    for (i64 i = i0; i < i0 + rows; ++i)
+      for (float* g : gradients)
+        for (int v = 0; v < V; ++v) _mm512_storeu_ps(g + i * h.ld_qkv + v * lanes, _mm512_setzero_ps());
     for (i64 j0 = 0; j0 < i0 + rows; j0 += h.bk) {
       i64 const cols = lower(h.bk, i0 + rows - j0), first = i0 + upper(0, j0 - i0), n_rows = i0 + rows - first;
       // P and dS of rows [r, r + R) (of the n_rows from `first`), formed in registers.

@@ -23,7 +23,7 @@ struct Head {
   float* lse_out = nullptr;                           // [t], forward: each row's log-sum-exp of the scaled scores
   float const* lse = nullptr;                         // [t], backward: the forward's lse_out
   float const* row_dot = nullptr;                     // [t], backward: dy_i · y_i
-  float *dq = nullptr, *dk = nullptr, *dv = nullptr;  // backward: accumulated into, rows of ld_qkv
+  float *dq = nullptr, *dk = nullptr, *dv = nullptr;  // backward: written, rows of ld_qkv
   // Scratch: s and ds [bq * scratch_row(bk)], acc [bq * d], m and l [bq].
   float *s = nullptr, *ds = nullptr, *acc = nullptr, *m = nullptr, *l = nullptr;
 };
@@ -44,7 +44,8 @@ void pack_transposed(float const* src, std::int64_t stride, std::int64_t t, std:
 /// rows 16 at a time (a vector log).
 void forward(Head const& head) noexcept;
 
-/// dq, dk, dv += one head's gradients (d 32 or 64): per tile, S = q kᵀ and dP = dy vᵀ together in
+/// dq, dk, dv = one head's gradients (d 32 or 64; rows i of the three zeroed as the tile of
+/// queries holding i begins, the first to reach them): per tile, S = q kᵀ and dP = dy vᵀ together in
 /// blocks of 4 (d 32) or 8 (d 64) queries x 16 keys, P = e^(scale S - lse) and dS = P (dP -
 /// row_dot) scale formed in registers, then dv += Pᵀ dy and dk += dSᵀ q in blocks of 24 / (d / 16)
 /// keys x d, dq += dS k in blocks of rows.
