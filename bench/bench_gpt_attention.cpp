@@ -6,8 +6,16 @@
 //                             softmax, per-row log-sum-exp kept);
 //     gflops                  attention's floating-point work (7 products over the visible
 //                             (query, key) pairs, as in step_gflop) / online_ms;
-//     sgemm_gflops            the same run's sgemm (as BM_gpt_step's), timed after each turn;
+//     sgemm_gflops            the same run's 512³ sgemm (as BM_gpt_step's), timed after each turn;
 //     gflops_over_sgemm       gflops / sgemm_gflops per turn (median);
+//     sgemm_same_shapes_gflops  the same run's sgemm on attention's own products: the library's
+//                             host GEMM (ops::gemm, one call per product) on each (sequence, head)'s
+//                             Q Kᵀ and P V ([T, d] x [d, T], [T, T] x [T, d]) and the backward's Q Kᵀ,
+//                             dY Vᵀ, Pᵀ dY, dSᵀ Q and dS K, dense (2 T² d each), timed after each turn;
+//     gflops_over_sgemm_same_shapes  gflops / sgemm_same_shapes_gflops per turn (median): attention's
+//                             rate (its causal FLOPs, as gflops counts them) against the dense GEMMs'
+//                             on the same shapes; the same as the dense GEMMs' time scaled to the
+//                             causal FLOPs over online_ms;
 //     online_extra_bytes      the per-row log-sum-exp the online path keeps;
 //   and for the library's choice, timed in turn with the same through the whole [B, H, T, T]
 //   probability matrix (Eigen GEMMs per head, softmax over full rows):
@@ -15,11 +23,12 @@
 //                             is faster), naive_tt_extra_bytes (the naive path's P and dP),
 //     max_abs_diff_y          max |y_online - y_naive| (a check that both compute the same thing).
 //
-#include <benchmark/benchmark.h>
-
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#include <benchmark/benchmark.h>
 
 #include <mgpu/mgpu.hpp>
 #include <mgpu/ops/transformer.hpp>
@@ -78,6 +87,52 @@ struct NaiveAttention {
   }
 };
 
+// The library's host GEMM on attention's own products, per (sequence, head), over B H of them:
+// forward S = Q Kᵀ and Y = P V, backward S again, dP = dY Vᵀ, dV = Pᵀ dY, dK = dSᵀ Q, dQ = dS K, each
+// a dense product (no mask) through ops::gemm on contiguous per-head matrices, run on this thread
+// (a Stream::InlineScope: no handoff to the worker per call).
+struct SameShapeSgemm {
+  std::int64_t count, t, d;
+  mgpu::Tensor q, k, v, dy, p, ds, out_tt, out_td;  // [count, T, d] or [count, T, T]
+  std::vector<std::array<mgpu::Tensor, 8>> views;   // per head: the tensors above as 2-D matrices
+  SameShapeSgemm(mgpu::Allocator& allocator, std::int64_t count_, std::int64_t t_, std::int64_t d_)
+      : count(count_), t(t_), d(d_) {
+    std::mt19937 rng(5);
+    std::normal_distribution<float> n(0.0f, 1.0f);
+    auto const make = [&](std::int64_t cols) {
+      mgpu::Tensor x = mgpu::Tensor::empty({count, t, cols}, mgpu::DType::float32, allocator);
+      for (float& e : x.host_span<float>()) e = n(rng);
+      return x;
+    };
+    q = make(d), k = make(d), v = make(d), dy = make(d), p = make(t), ds = make(t), out_tt = make(t), out_td = make(d);
+    for (std::int64_t i = 0; i < count; ++i) {
+      std::array<mgpu::Tensor, 8> m;
+      mgpu::Tensor const* all[] = {&q, &k, &v, &dy, &p, &ds, &out_tt, &out_td};
+      for (std::size_t j = 0; j < m.size(); ++j) {
+        mgpu::Tensor const& x = *all[j];
+        m[j] = x.slice(i, i + 1).reshape({t, x.shape()[2]});
+      }
+      views.push_back(std::move(m));
+    }
+  }
+  [[nodiscard]] double flops() const { return 7.0 * 2.0 * static_cast<double>(t * t * d * count); }
+  double seconds(mgpu::Stream& stream) {
+    mgpu::Stream::InlineScope const inline_here(stream);
+    auto const t0 = Clock::now();
+    for (auto const& [q_, k_, v_, dy_, p_, ds_, tt, td] : views) {
+      mgpu::ops::gemm(q_, false, k_, true, tt, 1.0f, 0.0f, stream);    // S
+      mgpu::ops::gemm(p_, false, v_, false, td, 1.0f, 0.0f, stream);   // Y
+      mgpu::ops::gemm(q_, false, k_, true, tt, 1.0f, 0.0f, stream);    // S, backward
+      mgpu::ops::gemm(dy_, false, v_, true, tt, 1.0f, 0.0f, stream);   // dP
+      mgpu::ops::gemm(p_, true, dy_, false, td, 1.0f, 0.0f, stream);   // dV
+      mgpu::ops::gemm(ds_, true, q_, false, td, 1.0f, 0.0f, stream);   // dK
+      mgpu::ops::gemm(ds_, false, k_, false, td, 1.0f, 0.0f, stream);  // dQ
+    }
+    stream.synchronize();
+    return seconds_since(t0);
+  }
+};
+
 void BM_attention(benchmark::State& state) {
   Shape const& shape = shapes[state.range(0)];
   mgpu::ops::AttentionTiles const tiles{state.range(1), state.range(2)};
@@ -102,6 +157,7 @@ void BM_attention(benchmark::State& state) {
   NaiveAttention naive(chosen ? batch : 0, t, c, heads);
   std::vector<float> naive_y(static_cast<std::size_t>(batch * t * c)), naive_dqkv(static_cast<std::size_t>(qkv.numel()));
   Sgemm sgemm(*allocator);
+  SameShapeSgemm same_shapes(*allocator, batch * heads, t, c / heads);
   mgpu::ops::set_host_attention_tiles(tiles);
   auto online = [&] {
     mgpu::ops::causal_attention(qkv, y, lse, heads, stream);
@@ -118,8 +174,9 @@ void BM_attention(benchmark::State& state) {
   online();
   if (chosen) reference();
   (void)sgemm.seconds(stream);
+  (void)same_shapes.seconds(stream);  // its primitives, on this thread
   double const flops = attention_flops({.block_size = t, .n_layer = 1, .n_head = heads, .n_embd = c}, batch);
-  std::vector<double> online_s, naive_s, ratio, sgemm_ratio, sgemm_s;
+  std::vector<double> online_s, naive_s, ratio, sgemm_ratio, sgemm_s, same_shapes_ratio, same_shapes_s;
   for (auto _ : state) {
     auto t0 = Clock::now();
     online();
@@ -127,6 +184,8 @@ void BM_attention(benchmark::State& state) {
     state.PauseTiming();
     sgemm_s.push_back(sgemm.seconds(stream));  // in turn: the same load
     sgemm_ratio.push_back(flops / online_s.back() / (Sgemm::flops() / sgemm_s.back()));
+    same_shapes_s.push_back(same_shapes.seconds(stream));
+    same_shapes_ratio.push_back(flops / online_s.back() / (same_shapes.flops() / same_shapes_s.back()));
     state.ResumeTiming();
     if (!chosen) continue;
     t0 = Clock::now();
@@ -142,6 +201,8 @@ void BM_attention(benchmark::State& state) {
   state.counters["gflops"] = flops / median(online_s) / 1e9;
   state.counters["sgemm_gflops"] = Sgemm::flops() / median(sgemm_s) / 1e9;
   state.counters["gflops_over_sgemm"] = median(sgemm_ratio);
+  state.counters["sgemm_same_shapes_gflops"] = same_shapes.flops() / median(same_shapes_s) / 1e9;
+  state.counters["gflops_over_sgemm_same_shapes"] = median(same_shapes_ratio);
   state.counters["online_extra_bytes"] = static_cast<double>(lse.numel() * 4);
   if (!chosen) return;
   float max_diff = 0.0f;

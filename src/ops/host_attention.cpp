@@ -273,14 +273,17 @@ Heads<float const> heads_of(T const* src, std::int64_t stride, std::int64_t t, s
 }
 
 // Where a gradient dst (rows of `stride` elements) accumulates: in place for float32 (zeroed
-// here), else a zeroed float copy [heads, t, d] that finish() rounds into dst.
+// here unless `kernel_zeroes`: the AVX-512 kernels zero each row where they first reach it), else
+// a zeroed float copy [heads, t, d] that finish() rounds into dst.
 template <class T>
-Heads<float> gradient_of(T* dst, std::int64_t stride, std::int64_t t, std::int64_t heads, std::int64_t d,
-                         Buffer& copy) {
+Heads<float> gradient_of(T* dst, std::int64_t stride, std::int64_t t, std::int64_t heads, std::int64_t d, Buffer& copy,
+                         bool kernel_zeroes) {
   if constexpr (std::is_same_v<T, float>) {
-    for (std::int64_t i = 0; i < t; ++i) std::fill_n(dst + i * stride, heads * d, 0.0f);
+    if (!kernel_zeroes)
+      for (std::int64_t i = 0; i < t; ++i) std::fill_n(dst + i * stride, heads * d, 0.0f);
     return {dst, stride, d};
   } else {
+    (void)kernel_zeroes;
     copy.assign(static_cast<std::size_t>(heads * t * d), 0.0f);
     return {copy.data(), d, t * d};
   }
@@ -446,9 +449,10 @@ void attention_backward(T const* qkv, T const* y, float const* lse, T const* dy,
         std::int64_t const offset = (b * t + i) * c + h * d;
         w.row_dot[static_cast<std::size_t>(h * t + i)] = detail::dot(dy + offset, y + offset, d);
       }
-    Heads<float> const dqs = gradient_of(out, 3 * c, t, heads, d, w.dq);
-    Heads<float> const dks = gradient_of(out + c, 3 * c, t, heads, d, w.dk);
-    Heads<float> const dvs = gradient_of(out + 2 * c, 3 * c, t, heads, d, w.dv);
+    bool const kernel_zeroes = avx512_covers<T>(d, mask);
+    Heads<float> const dqs = gradient_of(out, 3 * c, t, heads, d, w.dq, kernel_zeroes);
+    Heads<float> const dks = gradient_of(out + c, 3 * c, t, heads, d, w.dk, kernel_zeroes);
+    Heads<float> const dvs = gradient_of(out + 2 * c, 3 * c, t, heads, d, w.dv, kernel_zeroes);
     for (std::int64_t h = 0; h < heads; ++h) {
       if constexpr (std::is_same_v<T, float>) {
         if (avx512_covers<T>(d, mask)) {

@@ -40,6 +40,32 @@ inline __m512 exp16(__m512 x) {
   return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_setzero_ps());
 }
 
+// ln x for 16 finite x >= 1 (each row's sum of exponentials, whose largest term is 1): x = m 2^k
+// with m in [sqrt(1/2), sqrt(2)), then ln(1 + f) for f = m - 1 as f - f^2 / 2 + f^3 P(f), P of
+// degree 8 (the classic single-precision logf coefficients), plus k ln 2 in two parts.
+inline __m512 log16(__m512 x) {
+  __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);  // [1, 2)
+  __m512 k = _mm512_getexp_ps(x);
+  __mmask16 const high = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356237f), _CMP_GT_OQ);
+  m = _mm512_mask_mul_ps(m, high, m, _mm512_set1_ps(0.5f));
+  k = _mm512_mask_add_ps(k, high, k, _mm512_set1_ps(1.0f));
+  __m512 const f = _mm512_sub_ps(m, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(7.0376836292e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.1514610310e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.1676998740e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.2420140846e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.4249322787e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.6668057665e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.0000714765e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-2.4999993993e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(3.3333331174e-1f));
+  __m512 const f2 = _mm512_mul_ps(f, f);
+  __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, f), f2);                             // f^3 P(f)
+  y = _mm512_fmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), y);                    // k ln 2, its small part
+  y = _mm512_fmadd_ps(f2, _mm512_set1_ps(-0.5f), y);                             // - f^2 / 2
+  return _mm512_fmadd_ps(k, _mm512_set1_ps(0.693359375f), _mm512_add_ps(f, y));  // + f + k ln 2
+}
+
 // r[i][j] becomes r[j][i]: a 16 x 16 block of floats transposed in registers (pairs of rows
 // interleaved, then pairs of pairs, then 128-bit quarters twice).
 inline void transpose16(__m512 (&r)[16]) {
@@ -151,23 +177,27 @@ inline void scores_pair(float const* a, float const* bt, float const* a2, float 
   }
 }
 
-// out rows [0, R) (stride ldo) += sum over j < n of w[r ldw + j] b[j ldb, 0..D): the products of
-// a tile's probabilities (or dS) with rows of v (or k), R x D accumulators in registers.
+// out rows [0, R) (stride ldo) += sum over j in [j0, n) of w[r ldr + j ldj] b[j ldb, 0..D), R x D
+// accumulators in registers: the products of a tile's probabilities (or dS) with rows of v (or
+// k), ldr the tile's row stride and ldj 1, and their transposes (dv += Pᵀ dy, dk += dSᵀ q for R
+// keys), ldr 1 and ldj the tile's row stride, j0 the first query that sees the keys. GCC inlines
+// it into each call, where the stride that is 1 is a constant (offsets in the instructions).
 template <int D, int R>
-inline void rows_times(float const* w, i64 ldw, float const* b, i64 ldb, i64 n, float* out, i64 ldo) {
+inline void times_rows(float const* w, i64 ldr, i64 ldj, float const* b, i64 ldb, i64 j0, i64 n, float* out, i64 ldo) {
   constexpr int V = D / lanes;
   __m512 acc[R][V];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_loadu_ps(out + r * ldo + v * lanes);
-  for (i64 j = 0; j < n; ++j) {
+  for (i64 j = j0; j < n; ++j) {
     __m512 row[V];
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) row[v] = in_register(_mm512_loadu_ps(b + j * ldb + v * lanes));
+    float const* wj = w + j * ldj;
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      __m512 const x = _mm512_set1_ps(w[r * ldw + j]);
+      __m512 const x = _mm512_set1_ps(wj[r * ldr]);
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(x, row[v], acc[r][v]);
     }
@@ -176,33 +206,6 @@ inline void rows_times(float const* w, i64 ldw, float const* b, i64 ldb, i64 n, 
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + r * ldo + v * lanes, acc[r][v]);
-}
-
-// out rows [0, K) (stride ldo) += sum over i in [i0, n) of w[i ldw + k] b[i ldb, 0..D): the
-// transposed products (dv += Pᵀ dy, dk += dSᵀ q) for K keys, K x D accumulators in registers.
-template <int D, int K>
-inline void columns_times(float const* w, i64 ldw, float const* b, i64 ldb, i64 i0, i64 n, float* out, i64 ldo) {
-  constexpr int V = D / lanes;
-  __m512 acc[K][V];
-#pragma GCC unroll 12
-  for (int k = 0; k < K; ++k)
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) acc[k][v] = _mm512_loadu_ps(out + k * ldo + v * lanes);
-  for (i64 i = i0; i < n; ++i) {
-    __m512 row[V];
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) row[v] = in_register(_mm512_loadu_ps(b + i * ldb + v * lanes));
-#pragma GCC unroll 12
-    for (int k = 0; k < K; ++k) {
-      __m512 const x = _mm512_set1_ps(w[i * ldw + k]);
-#pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[k][v] = _mm512_fmadd_ps(x, row[v], acc[k][v]);
-    }
-  }
-#pragma GCC unroll 12
-  for (int k = 0; k < K; ++k)
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + k * ldo + v * lanes, acc[k][v]);
 }
 
 // The register blocks: 4 queries x 64 keys for the forward's scores (16 accumulators), and 24
@@ -283,12 +286,17 @@ void forward_head(Head const& h) {
         }
       });
       in_blocks<product_rows<D>>(r0, rows, [&]<int R>(i64 r) {
-        rows_times<D, R>(h.s + r * lds, lds, h.v + j0 * h.ld_qkv, h.ld_qkv, lower(i0 + r + R - j0, cols), h.acc + r * D,
-                         D);
+        times_rows<D, R>(h.s + r * lds, lds, 1, h.v + j0 * h.ld_qkv, h.ld_qkv, 0, lower(i0 + r + R - j0, cols),
+                         h.acc + r * D, D);
       });
     }
+    for (i64 r = 0; r < rows; r += lanes) {  // the rows' log-sum-exps, 16 at a time
+      __mmask16 const in_tile = seen(rows - r, 0);
+      __m512 const l = _mm512_mask_loadu_ps(_mm512_set1_ps(1.0f), in_tile, h.l + r);
+      __m512 const lse = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(in_tile, h.m + r), scale, log16(l));
+      _mm512_mask_storeu_ps(h.lse_out + i0 + r, in_tile, lse);
+    }
     for (i64 r = 0; r < rows; ++r) {
-      h.lse_out[i0 + r] = h.m[r] * h.scale + __builtin_logf(h.l[r]);
       __m512 const inverse = _mm512_set1_ps(1.0f / h.l[r]);
       for (int v = 0; v < V; ++v)
         _mm512_storeu_ps(h.y + (i0 + r) * h.ld_y + v * lanes,
@@ -301,8 +309,15 @@ template <int D>
 void backward_head(Head const& h) {
   i64 const t = h.t, lds = chunks(h.bk) * lanes;  // scratch_row(bk), without the header's inline copy
   __m512 const scale = _mm512_set1_ps(h.scale);
+  constexpr int V = D / lanes;
   for (i64 i0 = 0; i0 < t; i0 += h.bq) {
     i64 const rows = lower(h.bq, t - i0);
+    // The queries of this tile are the first to reach dq's rows [i0, i0 + rows), and dk's and dv's
+    // (a key is seen by the queries from its own on): zeroed here, in cache, not in a pass before.
+    float* const gradients[] = {h.dq, h.dk, h.dv};
+    for (i64 i = i0; i < i0 + rows; ++i)
+      for (float* g : gradients)
+        for (int v = 0; v < V; ++v) _mm512_storeu_ps(g + i * h.ld_qkv + v * lanes, _mm512_setzero_ps());
     for (i64 j0 = 0; j0 < i0 + rows; j0 += h.bk) {
       i64 const cols = lower(h.bk, i0 + rows - j0), first = i0 + upper(0, j0 - i0), n_rows = i0 + rows - first;
       // P and dS of rows [r, r + R) (of the n_rows from `first`), formed in registers.
@@ -339,13 +354,13 @@ void backward_head(Head const& h) {
       // dv += Pᵀ dy and dk += dSᵀ q for keys [j, j + K): the queries before a key do not see it.
       in_blocks<product_rows<D>>(0, cols, [&]<int K>(i64 j) {
         i64 const from = upper(0, j0 + j - first);
-        columns_times<D, K>(h.s + j, lds, h.dy + first * h.ld_y, h.ld_y, from, n_rows, h.dv + (j0 + j) * h.ld_qkv,
-                            h.ld_qkv);
-        columns_times<D, K>(h.ds + j, lds, h.q + first * h.ld_qkv, h.ld_qkv, from, n_rows, h.dk + (j0 + j) * h.ld_qkv,
-                            h.ld_qkv);
+        times_rows<D, K>(h.s + j, 1, lds, h.dy + first * h.ld_y, h.ld_y, from, n_rows, h.dv + (j0 + j) * h.ld_qkv,
+                         h.ld_qkv);
+        times_rows<D, K>(h.ds + j, 1, lds, h.q + first * h.ld_qkv, h.ld_qkv, from, n_rows, h.dk + (j0 + j) * h.ld_qkv,
+                         h.ld_qkv);
       });
       in_blocks<product_rows<D>>(0, n_rows, [&]<int R>(i64 r) {
-        rows_times<D, R>(h.ds + r * lds, lds, h.k + j0 * h.ld_qkv, h.ld_qkv, lower(first + r + R - j0, cols),
+        times_rows<D, R>(h.ds + r * lds, lds, 1, h.k + j0 * h.ld_qkv, h.ld_qkv, 0, lower(first + r + R - j0, cols),
                          h.dq + (first + r) * h.ld_qkv, h.ld_qkv);
       });
     }

@@ -23,7 +23,7 @@ struct Head {
   float* lse_out = nullptr;                           // [t], forward: each row's log-sum-exp of the scaled scores
   float const* lse = nullptr;                         // [t], backward: the forward's lse_out
   float const* row_dot = nullptr;                     // [t], backward: dy_i · y_i
-  float *dq = nullptr, *dk = nullptr, *dv = nullptr;  // backward: accumulated into, rows of ld_qkv
+  float *dq = nullptr, *dk = nullptr, *dv = nullptr;  // backward: written, rows of ld_qkv
   // Scratch: s and ds [bq * scratch_row(bk)], acc [bq * d], m and l [bq].
   float *s = nullptr, *ds = nullptr, *acc = nullptr, *m = nullptr, *l = nullptr;
 };
@@ -40,10 +40,12 @@ void pack_transposed(float const* src, std::int64_t stride, std::int64_t t, std:
 /// y and lse of one head (d 32 or 64): per tile of bq queries, tiles of bk keys: the scores in
 /// 4-query x 64-key register blocks (blocks wholly above the diagonal skipped, the rest masked),
 /// each row's maximum and its exponentials and sum right after its block (online softmax across
-/// key tiles), then P V in register blocks of 24 / (d / 16) rows x d.
+/// key tiles), then P V in register blocks of 24 / (d / 16) rows x d; the log-sum-exps of a tile's
+/// rows 16 at a time (a vector log).
 void forward(Head const& head) noexcept;
 
-/// dq, dk, dv += one head's gradients (d 32 or 64): per tile, S = q kᵀ and dP = dy vᵀ together in
+/// dq, dk, dv = one head's gradients (d 32 or 64; rows i of the three zeroed as the tile of
+/// queries holding i begins, the first to reach them): per tile, S = q kᵀ and dP = dy vᵀ together in
 /// blocks of 4 (d 32) or 8 (d 64) queries x 16 keys, P = e^(scale S - lse) and dS = P (dP -
 /// row_dot) scale formed in registers, then dv += Pᵀ dy and dk += dSᵀ q in blocks of 24 / (d / 16)
 /// keys x d, dq += dS k in blocks of rows.
