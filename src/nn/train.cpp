@@ -31,7 +31,7 @@ Tensor as_compute(Sequential const& model, Tensor const& x, Context& ctx) {
 void update_range(Sequential& model, optim::Optimizer& optimizer, Tensor const& owned_params, Tensor const& grads, std::int64_t begin,
                   std::int64_t end, Stream& stream, float lr_scale) {
   if (owned_params.defined()) {
-    optimizer.update_owned(owned_params, grads, begin, end, stream, lr_scale);
+    optimizer.update_packed(owned_params, grads, begin, end, stream, lr_scale);
     return;
   }
   optimizer.update(model.master_parameters(), grads, begin, end, stream, lr_scale);

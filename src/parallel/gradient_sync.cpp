@@ -428,7 +428,7 @@ void RankSync::shard_optimizer_state(optim::Optimizer& optimizer, Allocator& all
   for (nn::OwnedRange const& r : owned()) ranges.emplace_back(r.begin, r.end);
   if (ranges.empty()) return;
   std::sort(ranges.begin(), ranges.end());  // buckets run last layers first
-  optimizer.shard_state(model_.master_parameters(), std::move(ranges), allocator, stream);
+  optimizer.set_state_ranges(model_.master_parameters(), std::move(ranges), allocator, stream);
 }
 
 void RankSync::sum_over_ranks(Tensor const& values, Stream& compute) {
@@ -535,14 +535,14 @@ void GradientSync::synchronize() {
 }
 
 void GradientSync::gather_optimizer_state(std::vector<optim::Optimizer*> const& optimizers) {
-  gather_whole();  // whole state, whole parameters (shard_state below reads the model's buffer)
-  if (std::all_of(optimizers.begin(), optimizers.end(), [](optim::Optimizer const* o) { return o->owned().empty(); }))
+  gather_whole();  // whole state, whole parameters (set_state_ranges below reads the model's buffer)
+  if (std::all_of(optimizers.begin(), optimizers.end(), [](optim::Optimizer const* o) { return o->state_ranges().empty(); }))
     return;
   int const n = comm_->size();
   run([&](std::size_t i, Stream& stream) {
     int const rank = comm_->first_rank() + static_cast<int>(i);
     optim::Optimizer& optimizer = *optimizers[i];
-    optimizer.shard_state(ranks_[i]->model_.master_parameters(), {}, group_.allocator(locals_[i]), stream);
+    optimizer.set_state_ranges(ranks_[i]->model_.master_parameters(), {}, group_.allocator(locals_[i]), stream);
     for (auto const& named : optimizer.state()) {
       for (std::size_t b = 0; b < buckets_.size(); ++b) {
         std::int64_t const block = blocks_[b];

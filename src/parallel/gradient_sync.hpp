@@ -118,7 +118,7 @@ class RankSync final : public nn::GradientSync {
   /// shard_parameters(). A collective: every rank calls it. Nothing when already whole.
   void gather_whole(Allocator& allocator, Stream& stream);
   /// With the sharded update, lays out `optimizer`'s state for this rank's owned elements only
-  /// (optim::Optimizer::shard_state), on `stream`; nothing when the state is already so, or while
+  /// (optim::Optimizer::set_state_ranges), on `stream`; nothing when the state is already so, or while
   /// the parameters are sharded (shard_parameters() sharded the state with them).
   void shard_optimizer_state(optim::Optimizer& optimizer, Allocator& allocator, Stream& stream) const;
 
