@@ -196,7 +196,7 @@ void DataParallel::Impl::save_shards(std::filesystem::path const& folder, io::Tr
           continue;
         }
         // The elements this rank updates and counts (those that every rank updates, rank 0's).
-        for (nn::OwnedRange const& range : sync->rank(static_cast<int>(r)).owned()) {
+        for (nn::ElementRange const& range : sync->rank(static_cast<int>(r)).owned()) {
           if (!range.counted || range.begin == range.end) continue;
           std::int64_t const at = packed_offset(owned, range.begin);
           writer.put_piece("optimizer." + name, {count}, range.begin, tensor.slice(at, at + (range.end - range.begin)),
