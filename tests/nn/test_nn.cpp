@@ -455,6 +455,66 @@ TEST_CASE("classification_step's update inside backward equals the update after 
   }
 }
 
+TEST_CASE("apply_update over given ranges, with packed gradients and parameters, updates as the whole update does", "[optim][train]") {
+  Env env;
+  for (bool const clip : {false, true}) {
+    INFO("clip " << clip);
+    auto whole = mgpu::nn::Sequential::mlp({4, 7, 3});
+    auto split = whole.clone();
+    whole.materialize(env.ctx, 3);
+    split.materialize(env.ctx, 3);
+    std::int64_t const n = whole.parameter_count(), k = 20;  // split: [0, k) in place, [k, n) packed
+    Tensor const grads = env.random({n}, 7);
+    mgpu::copy_async(whole.master_gradients(), grads, env.stream);
+    mgpu::copy_async(split.master_gradients(), grads, env.stream);
+    Tensor const tail_grads = Tensor::empty({n - k}, DType::float32, *env.allocator);
+    Tensor const tail_params = Tensor::empty({n - k}, DType::float32, *env.allocator);
+    mgpu::copy_async(tail_grads, grads.slice(k, n), env.stream);
+    mgpu::copy_async(tail_params, split.master_parameters().slice(k, n), env.stream);
+    env.stream.synchronize();
+    std::vector<double> const before = as_double(split.master_parameters());
+    mgpu::optim::AdamW a, head, tail;
+    tail.set_state_ranges(split.master_parameters(), {{k, n}}, *env.allocator, env.stream);
+    int combines = 0, afters = 0;
+    mgpu::nn::UpdatePart const reference{&whole, &a, env.allocator.get(), &env.stream};
+    mgpu::nn::UpdatePart first{&split, &head, env.allocator.get(), &env.stream};
+    first.ranges = {{0, k, true}};
+    first.after = [&](mgpu::Stream&) { ++afters; };
+    mgpu::nn::UpdatePart second{&split, &tail, env.allocator.get(), &env.stream};
+    second.ranges = {{k, n, true}};
+    second.gradients = tail_grads;
+    second.parameters = tail_params;
+    second.combine = [&](Tensor const& values, mgpu::Stream&) {
+      CHECK(values.numel() == 1);
+      ++combines;
+    };
+    mgpu::optim::LossScaler scaler_a(1.0f), scaler_b(1.0f);
+    mgpu::nn::UpdateOptions options{1.0f, clip ? 0.5f : 0.0f, clip ? &scaler_a : nullptr, false};
+    CHECK(mgpu::nn::apply_update({&reference, 1}, options));
+    options.scaler = clip ? &scaler_b : nullptr;
+    mgpu::nn::UpdatePart const parts[] = {first, second};
+    CHECK(mgpu::nn::apply_update(parts, options));
+    env.stream.synchronize();
+    CHECK(combines == (clip ? 2 : 0));  // the overflow count and the norm
+    CHECK(afters == 1);
+    std::vector<double> const want = as_double(whole.master_parameters()), got = as_double(split.master_parameters()),
+                              got_tail = as_double(tail_params);
+    double const tolerance = clip ? 1e-6 : 0.0;  // the norm adds two partial sums, not one
+    for (std::int64_t i = 0; i < n; ++i) {
+      auto const at = static_cast<std::size_t>(i);
+      if (i < k) {
+        CHECK(std::abs(got[at] - want[at]) <= tolerance);
+      } else {
+        CHECK(got[at] == before[at]);  // the packed parameters are written, not the master ones
+        CHECK(std::abs(got_tail[at - static_cast<std::size_t>(k)] - want[at]) <= tolerance);
+      }
+    }
+    // A caller's total replaces the parts' combine.
+    CHECK(mgpu::nn::apply_update(parts, options, [](std::span<Tensor const>) { return 0.0; }));
+    CHECK(combines == (clip ? 2 : 0));
+  }
+}
+
 TEST_CASE("Schedules, the linear scaling rule and clipping", "[optim]") {
   CHECK(mgpu::optim::step_lr(25, 10, 0.5f) == Approx(0.25f));
   CHECK(mgpu::optim::cosine_lr(0, 100) == Approx(1.0f));
