@@ -13,8 +13,6 @@
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/trace/timeline.hpp>
 
-#include "nn/update.hpp"
-
 namespace mgpu::nn {
 namespace {
 // x in the model's compute type (a converted copy when it is not); token ids stay as they are.
@@ -25,17 +23,17 @@ Tensor as_compute(Sequential const& model, Tensor const& x, Context& ctx) {
   return converted;
 }
 
-// The optimizer's update of [begin, end) from their (reduced) gradients in `grads` (the master
-// gradients, or a sync's packed owned ones): of the model's master parameters and their
-// compute-type copy, or of a sync's packed `owned_params` (ZeRO-3) when defined.
-void update_range(Sequential& model, optim::Optimizer& optimizer, Tensor const& owned_params, Tensor const& grads, std::int64_t begin,
-                  std::int64_t end, Stream& stream, float lr_scale) {
-  if (owned_params.defined()) {
-    optimizer.update_owned(owned_params, grads, begin, end, stream, lr_scale);
+// The optimizer's update of [begin, end) of `part` from their (reduced) gradients (the master
+// gradients, or the part's packed ones): of the model's master parameters and their compute-type
+// copy, or of the part's packed parameters when defined.
+void update_range(UpdatePart const& part, std::int64_t begin, std::int64_t end, Stream& stream, float lr_scale) {
+  Tensor const& grads = part.gradients.defined() ? part.gradients : part.model->master_gradients();
+  if (part.parameters.defined()) {
+    part.optimizer->update_packed(part.parameters, grads, begin, end, stream, lr_scale);
     return;
   }
-  optimizer.update(model.master_parameters(), grads, begin, end, stream, lr_scale);
-  model.sync_parameters(stream, begin, end);
+  part.optimizer->update(part.model->master_parameters(), grads, begin, end, stream, lr_scale);
+  part.model->sync_parameters(stream, begin, end);
 }
 }  // namespace
 
@@ -118,12 +116,12 @@ StepResult enqueue_step(Sequential& model, optim::Optimizer& optimizer, Tensor c
   if (!(options.clip_norm == 0 || (options.clip_norm > 0 && std::isfinite(options.clip_norm))))
     throw Error(Errc::invalid_argument, "train_step: clip_norm " + std::to_string(options.clip_norm) +
                                             " (expected 0 for no clipping, or a finite norm > 0)");
-  // A sync that shards the gradients keeps the reduced ones (and accumulates micro-batches) itself.
-  Tensor const owned_grads = options.sync != nullptr ? options.sync->owned_gradients() : Tensor{};
-  bool const sharded_grads = owned_grads.defined();
-  Tensor const& masters = sharded_grads ? owned_grads : model.master_gradients();
-  // A sync that shards the parameters too (ZeRO-3) keeps the owned ones, which the update writes.
-  Tensor const owned_params = options.sync != nullptr ? options.sync->owned_parameters() : Tensor{};
+  // Where the update reads the gradients and writes the parameters: a sync may keep them itself (and
+  // with the gradients, accumulate micro-batches).
+  UpdatePart const full{&model, &optimizer, &ctx.allocator, &ctx.stream};
+  UpdatePart const where = options.sync != nullptr ? options.sync->update_part(full) : full;
+  bool const sharded_grads = where.gradients.defined();
+  Tensor const& masters = sharded_grads ? where.gradients : model.master_gradients();
   if (options.accumulate_only && options.accumulator == nullptr && !sharded_grads)
     throw Error(Errc::invalid_argument, "train_step: accumulate_only without an accumulator (expected a float32 buffer)");
   if (options.accumulator != nullptr && sharded_grads)
@@ -142,12 +140,12 @@ StepResult enqueue_step(Sequential& model, optim::Optimizer& optimizer, Tensor c
   bool const update_in_backward = !options.accumulate_only && options.scaler == nullptr && options.clip_norm <= 0;
   progress.in_backward = update_in_backward;
   if (update_in_backward)
-    optimizer.begin_step(owned_params.defined() ? owned_params : model.master_parameters(), ctx.allocator, ctx.stream);
+    optimizer.begin_step(where.parameters.defined() ? where.parameters : model.master_parameters(), ctx.allocator, ctx.stream);
   RangeUpdate update;
   if (update_in_backward) {
     update = [&](std::int64_t begin, std::int64_t end, Stream& stream) {
       progress.updated = true;
-      auto const apply = [&] { update_range(model, optimizer, owned_params, masters, begin, end, stream, options.lr_scale); };
+      auto const apply = [&] { update_range(where, begin, end, stream, options.lr_scale); };
       if (timeline == nullptr) {
         apply();
       } else {
@@ -231,8 +229,7 @@ StepResult enqueue_step(Sequential& model, optim::Optimizer& optimizer, Tensor c
 
   // The loss scaler's overflow check and the clipping norm read every (reduced) gradient, so every
   // data-parallel replica takes the same decision.
-  UpdatePart part{&model, &optimizer, &ctx.allocator, &ctx.stream};
-  part.sharded = sync;
+  UpdatePart const part = sync != nullptr ? sync->update_part(full) : full;
   UpdateOptions const update_options{options.lr_scale, options.clip_norm, options.scaler, false};
   auto const apply = [&] { result.applied = apply_update({&part, 1}, update_options); };
   if (timeline != nullptr) {
@@ -302,27 +299,24 @@ StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, T
   return train_step(model, optimizer, x, labels, SoftmaxCrossEntropy{}, ctx, options);
 }
 
-bool apply_update(std::span<UpdatePart const> parts, UpdateOptions const& options) { return detail::apply_update(parts, options, {}); }
-
-bool detail::apply_update(std::span<UpdatePart const> parts, UpdateOptions const& options, PartTotal const& total) {
+bool apply_update(std::span<UpdatePart const> parts, UpdateOptions const& options, PartTotal const& total) {
   if (!(options.lr_scale >= 0 && std::isfinite(options.lr_scale)))
     throw Error(Errc::invalid_argument, "apply_update: lr_scale " + std::to_string(options.lr_scale) + " (expected a finite lr_scale >= 0)");
   if (!(options.clip_norm == 0 || (options.clip_norm > 0 && std::isfinite(options.clip_norm))))
     throw Error(Errc::invalid_argument, "apply_update: clip_norm " + std::to_string(options.clip_norm) +
                                             " (expected 0 for no clipping, or a finite norm > 0)");
   // Each part's ranges of its flat buffers: all of them (less a shared range, which it updates
-  // but does not count), or a sharded replica's owned ranges.
-  std::vector<std::vector<OwnedRange>> ranges(parts.size());
+  // but does not count), or the part's ranges.
+  std::vector<std::vector<ElementRange>> ranges(parts.size());
   std::vector<bool> sharded(parts.size(), false);
-  // Where each part's gradients are: its master gradients, or a sync's packed owned gradients
-  // (ZeRO-2), where a range starts after the sizes of the owned ranges that start before it.
-  std::vector<Tensor> packed(parts.size());
-  auto const gradients = [&](std::size_t i, OwnedRange const& r) {
-    if (!packed[i].defined()) return parts[i].model->master_gradients().slice(r.begin, r.end);
+  // Where each part's gradients are: its master gradients, or the part's packed ones, where a range
+  // starts after the sizes of the ranges that start before it.
+  auto const gradients = [&](std::size_t i, ElementRange const& r) {
+    if (!parts[i].gradients.defined()) return parts[i].model->master_gradients().slice(r.begin, r.end);
     std::int64_t at = 0;
-    for (OwnedRange const& other : ranges[i])
+    for (ElementRange const& other : ranges[i])
       if (other.begin < r.begin) at += other.end - other.begin;
-    return packed[i].slice(at, at + (r.end - r.begin));
+    return parts[i].gradients.slice(at, at + (r.end - r.begin));
   };
   for (std::size_t i = 0; i < parts.size(); ++i) {
     UpdatePart const& p = parts[i];
@@ -332,17 +326,14 @@ bool detail::apply_update(std::span<UpdatePart const> parts, UpdateOptions const
     if (p.shared_begin < 0 || p.shared_begin > p.shared_end || p.shared_end > n)
       throw Error(Errc::invalid_argument, "apply_update: part " + std::to_string(i) + " shares elements [" + std::to_string(p.shared_begin) +
                                               ", " + std::to_string(p.shared_end) + ") (expected a range within its " + std::to_string(n) + ")");
-    if (p.sharded != nullptr) {
-      ranges[i] = p.sharded->owned();
-      packed[i] = p.sharded->owned_gradients();
-    }
+    ranges[i] = p.ranges;
     sharded[i] = !ranges[i].empty();
     if (sharded[i] && p.shared_begin < p.shared_end)
       throw Error(Errc::invalid_argument, "apply_update: part " + std::to_string(i) +
                                               " both shares elements and shards its update (expected one or the other)");
     if (!sharded[i]) ranges[i] = {{0, p.shared_begin, true}, {p.shared_begin, p.shared_end, false}, {p.shared_end, n, true}};
   }
-  // The sum over every part's counted ranges (and, for a sharded part, over the ranks) of the
+  // The sum over every part's counted ranges (and, with its combine, over the replicas) of the
   // float32 scalar `op` writes for a range of master gradients, read once every part's work is
   // enqueued (so the devices compute them at once); or `total`'s of the ranges' values.
   auto const sum_over_parts = [&](auto&& op) {
@@ -351,7 +342,7 @@ bool detail::apply_update(std::span<UpdatePart const> parts, UpdateOptions const
       UpdatePart const& p = parts[i];
       sums[i] = Tensor::empty({static_cast<std::int64_t>(ranges[i].size())}, DType::float32, *p.allocator);
       for (std::size_t j = 0; j < ranges[i].size(); ++j) {
-        OwnedRange const& r = ranges[i][j];
+        ElementRange const& r = ranges[i][j];
         Tensor const out = sums[i].slice(static_cast<std::int64_t>(j), static_cast<std::int64_t>(j) + 1);
         if (r.counted && r.begin < r.end) {
           op(gradients(i, r), out, *p.stream);
@@ -359,7 +350,7 @@ bool detail::apply_update(std::span<UpdatePart const> parts, UpdateOptions const
           fill_async(out, 0.0f, *p.stream);
         }
       }
-      if (sharded[i] && !total) p.sharded->sum_over_ranks(sums[i], *p.stream);
+      if (p.combine && !total) p.combine(sums[i], *p.stream);
     }
     if (total) return total(sums);
     double sum = 0;
@@ -388,7 +379,7 @@ bool detail::apply_update(std::span<UpdatePart const> parts, UpdateOptions const
           ops::scale(grads, options.clip_norm / norm, *p.stream);
           continue;
         }
-        for (OwnedRange const& r : ranges[i])
+        for (ElementRange const& r : ranges[i])
           if (r.begin < r.end) ops::scale(gradients(i, r), options.clip_norm / norm, *p.stream);
       }
     }
@@ -398,16 +389,13 @@ bool detail::apply_update(std::span<UpdatePart const> parts, UpdateOptions const
     if (!sharded[i]) {
       p.optimizer->step(p.model->master_parameters(), p.model->master_gradients(), *p.allocator, *p.stream, options.lr_scale);
       p.model->sync_parameters(*p.stream);
+      if (p.after) p.after(*p.stream);
       continue;
     }
-    Tensor const owned_params = p.sharded->owned_parameters();
-    p.optimizer->begin_step(owned_params.defined() ? owned_params : p.model->master_parameters(), *p.allocator, *p.stream);
-    for (OwnedRange const& r : ranges[i]) {
-      if (r.begin == r.end) continue;
-      update_range(*p.model, *p.optimizer, owned_params, packed[i].defined() ? packed[i] : p.model->master_gradients(), r.begin,
-                   r.end, *p.stream, options.lr_scale);
-    }
-    p.sharded->gather_updated(*p.stream);
+    p.optimizer->begin_step(p.parameters.defined() ? p.parameters : p.model->master_parameters(), *p.allocator, *p.stream);
+    for (ElementRange const& r : ranges[i])
+      if (r.begin < r.end) update_range(p, r.begin, r.end, *p.stream, options.lr_scale);
+    if (p.after) p.after(*p.stream);
   }
   return true;
 }

@@ -41,69 +41,69 @@ void Optimizer::update(Tensor const& params, Tensor const& grads, std::int64_t b
   if (steps_ == 0 || buffers.empty() || buffers.front().second.numel() != state_elements(params))
     throw Error(Errc::invalid_argument, name() + " update of " + std::to_string(params.numel()) +
                                             " parameters without a step begun for them (expected begin_step(params, ...) first)");
-  // Sharded gradients (ZeRO-2): grads packed over the owned ranges, as the state is.
-  bool const packed = !owned_.empty() && grads.numel() == state_elements(params) && grads.numel() != params.numel();
+  // grads packed over the state ranges, as the state is.
+  bool const packed = !ranges_.empty() && grads.numel() == state_elements(params) && grads.numel() != params.numel();
   if ((grads.numel() != params.numel() && !packed) || params.rank() != 1 || grads.rank() != 1)
     throw Error(Errc::invalid_argument, name() + ": params " + to_string(params.shape()) + " and grads " + to_string(grads.shape()) +
                                             " (expected two flat buffers of one size, or grads packed over the " +
-                                            std::to_string(state_elements(params)) + " owned elements)");
+                                            std::to_string(state_elements(params)) + " elements of the state ranges)");
   if (begin < 0 || begin > end || end > params.numel())
     throw Error(Errc::invalid_argument, name() + " update of [" + std::to_string(begin) + ", " + std::to_string(end) +
                                             ") (expected a range within [0, " + std::to_string(params.numel()) + "))");
-  if (owned_.empty()) {
+  if (ranges_.empty()) {
     update_slices(params.slice(begin, end), grads.slice(begin, end), begin, end, begin, stream, lr_scale);
     return;
   }
-  std::int64_t const at = owned_offset(begin, end);
+  std::int64_t const at = packed_offset(begin, end);
   update_slices(params.slice(begin, end), packed ? grads.slice(at, at + (end - begin)) : grads.slice(begin, end), begin, end, at,
                 stream, lr_scale);
 }
 
-void Optimizer::update_owned(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
+void Optimizer::update_packed(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
                              float lr_scale) {
   auto const buffers = state();
-  std::int64_t const owned = state_elements(params);
-  if (owned_.empty() || steps_ == 0 || buffers.empty() || buffers.front().second.numel() != owned)
-    throw Error(Errc::invalid_argument, name() + " update_owned without a sharded state and a step begun (expected shard_state(...) and "
-                                                 "begin_step(params, ...) first)");
-  if (params.numel() != owned || grads.numel() != owned || params.rank() != 1 || grads.rank() != 1)
-    throw Error(Errc::invalid_argument, name() + " update_owned: params " + to_string(params.shape()) + " and grads " +
-                                            to_string(grads.shape()) + " (expected both packed over the " + std::to_string(owned) +
-                                            " owned elements)");
+  std::int64_t const packed = state_elements(params);
+  if (ranges_.empty() || steps_ == 0 || buffers.empty() || buffers.front().second.numel() != packed)
+    throw Error(Errc::invalid_argument, name() + " update_packed without state ranges and a step begun (expected set_state_ranges(...) "
+                                                 "and begin_step(params, ...) first)");
+  if (params.numel() != packed || grads.numel() != packed || params.rank() != 1 || grads.rank() != 1)
+    throw Error(Errc::invalid_argument, name() + " update_packed: params " + to_string(params.shape()) + " and grads " +
+                                            to_string(grads.shape()) + " (expected both packed over the " + std::to_string(packed) +
+                                            " elements of the state ranges)");
   if (begin < 0 || begin > end)
-    throw Error(Errc::invalid_argument, name() + " update_owned of [" + std::to_string(begin) + ", " + std::to_string(end) +
+    throw Error(Errc::invalid_argument, name() + " update_packed of [" + std::to_string(begin) + ", " + std::to_string(end) +
                                             ") (expected 0 <= begin <= end)");
-  std::int64_t const at = owned_offset(begin, end);
+  std::int64_t const at = packed_offset(begin, end);
   update_slices(params.slice(at, at + (end - begin)), grads.slice(at, at + (end - begin)), begin, end, at, stream, lr_scale);
 }
 
-std::int64_t Optimizer::owned_offset(std::int64_t begin, std::int64_t end) const {
+std::int64_t Optimizer::packed_offset(std::int64_t begin, std::int64_t end) const {
   std::int64_t state_begin = 0;
-  for (auto const& [b, e] : owned_) {
+  for (auto const& [b, e] : ranges_) {
     if (begin >= b && end <= e) return state_begin + (begin - b);
     state_begin += e - b;
   }
   throw Error(Errc::invalid_argument,
               name() + " update of [" + std::to_string(begin) + ", " + std::to_string(end) +
-                  ") outside the owned ranges of its sharded state (expected a range within one of them)");
+                  ") outside the ranges of its state (expected a range within one of them)");
 }
 
 std::int64_t Optimizer::state_elements(Tensor const& params) const noexcept {
-  if (owned_.empty()) return params.numel();
+  if (ranges_.empty()) return params.numel();
   std::int64_t n = 0;
-  for (auto const& [b, e] : owned_) n += e - b;
+  for (auto const& [b, e] : ranges_) n += e - b;
   return n;
 }
 
-void Optimizer::shard_state(Tensor const& params, std::vector<std::pair<std::int64_t, std::int64_t>> owned,
-                            Allocator& allocator, Stream& stream) {
+void Optimizer::set_state_ranges(Tensor const& params, std::vector<std::pair<std::int64_t, std::int64_t>> ranges,
+                                 Allocator& allocator, Stream& stream) {
   using Ranges = std::vector<std::pair<std::int64_t, std::int64_t>>;
   Ranges layout;
   std::int64_t previous_end = 0;
-  for (auto const& [b, e] : owned) {
+  for (auto const& [b, e] : ranges) {
     if (b < previous_end || e < b || e > params.numel())
       throw Error(Errc::invalid_argument,
-                  name() + " state sharded to [" + std::to_string(b) + ", " + std::to_string(e) +
+                  name() + " state over [" + std::to_string(b) + ", " + std::to_string(e) +
                       ") after a range ending at " + std::to_string(previous_end) +
                       " (expected sorted, non-overlapping ranges within [0, " + std::to_string(params.numel()) + "))");
     previous_end = e;
@@ -115,15 +115,15 @@ void Optimizer::shard_state(Tensor const& params, std::vector<std::pair<std::int
     }
   }
   if (layout == Ranges{{0, params.numel()}}) layout.clear();  // whole
-  if (layout == owned_) return;
+  if (layout == ranges_) return;
   std::vector<NamedTensor> const before = state();
-  auto const ranges = [&](Ranges const& r) { return r.empty() ? Ranges{{0, params.numel()}} : r; };  // empty: whole
-  Ranges const old_layout = ranges(owned_);
-  owned_ = std::move(layout);
+  auto const or_whole = [&](Ranges const& r) { return r.empty() ? Ranges{{0, params.numel()}} : r; };  // empty: whole
+  Ranges const old_layout = or_whole(ranges_);
+  ranges_ = std::move(layout);
   if (before.empty()) return;  // allocated in the new layout on first use
   reset_state();
   std::vector<NamedTensor> const after = prepare_state(params, allocator, stream);
-  Ranges const new_layout = ranges(owned_);
+  Ranges const new_layout = or_whole(ranges_);
   // Copy what both layouts hold: walk the two sorted lists of ranges with their packed offsets.
   std::size_t i = 0, j = 0;
   std::int64_t at_old = 0, at_new = 0;

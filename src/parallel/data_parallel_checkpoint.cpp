@@ -189,14 +189,14 @@ void DataParallel::Impl::save_shards(std::filesystem::path const& folder, io::Tr
     for (std::size_t r = 0; r < state.size(); ++r) {
       optim::Optimizer const& optimizer = *state[r]->optimizer;
       Stream& stream = group->stream(static_cast<int>(r));
-      auto const& owned = optimizer.owned();
+      auto const& owned = optimizer.state_ranges();
       for (auto const& [name, tensor] : optimizer.state()) {
         if (owned.empty()) {  // the whole state: world rank 0 writes it
           if (leader && r == 0) writer.put_piece("optimizer." + name, {count}, 0, tensor, stream);
           continue;
         }
         // The elements this rank updates and counts (those that every rank updates, rank 0's).
-        for (nn::OwnedRange const& range : sync->rank(static_cast<int>(r)).owned()) {
+        for (nn::ElementRange const& range : sync->rank(static_cast<int>(r)).owned()) {
           if (!range.counted || range.begin == range.end) continue;
           std::int64_t const at = packed_offset(owned, range.begin);
           writer.put_piece("optimizer." + name, {count}, range.begin, tensor.slice(at, at + (range.end - range.begin)),
@@ -242,7 +242,7 @@ io::TrainingState DataParallel::Impl::load_shards(std::filesystem::path const& f
     std::vector<optim::NamedTensor> const buffers =
         optimizer.prepare_state(state[r]->model.master_parameters(), group->allocator(rank), stream);
     std::vector<std::pair<std::int64_t, std::int64_t>> const owned =
-        optimizer.owned().empty() ? std::vector<std::pair<std::int64_t, std::int64_t>>{{0, count}} : optimizer.owned();
+        optimizer.state_ranges().empty() ? std::vector<std::pair<std::int64_t, std::int64_t>>{{0, count}} : optimizer.state_ranges();
     for (auto const& [name, tensor] : buffers) {
       if (!sharded.has_pieces("optimizer." + name))
         throw Error(Errc::corrupt_data, file + "no record 'optimizer." + name + "' (expected the " + optimizer.name() +

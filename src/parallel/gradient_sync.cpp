@@ -314,8 +314,8 @@ void RankSync::traced(Stream& stream, std::string const& name, std::function<voi
 
 Allocator& RankSync::allocator() const { return sync_.group_.allocator(sync_.local(rank_)); }
 
-std::vector<nn::OwnedRange> RankSync::owned() const {
-  std::vector<nn::OwnedRange> out;
+std::vector<nn::ElementRange> RankSync::owned() const {
+  std::vector<nn::ElementRange> out;
   // Without blocks every rank updates everything; with sharded gradients it still lists them, as
   // where the owned gradients are.
   if (!sync_.shard_gradients_ &&
@@ -367,7 +367,7 @@ void RankSync::shard_gradients(Allocator& allocator, Stream& stream) {
                       "whose staging buffer its LM head writes at the start of backward)");
   }
   std::vector<std::pair<std::int64_t, std::int64_t>> sorted;
-  for (nn::OwnedRange const& r : owned())
+  for (nn::ElementRange const& r : owned())
     if (r.begin < r.end) sorted.emplace_back(r.begin, r.end);
   std::sort(sorted.begin(), sorted.end());
   std::int64_t total = 0;
@@ -425,14 +425,24 @@ void RankSync::shard_gradients(Allocator& allocator, Stream& stream) {
 void RankSync::shard_optimizer_state(optim::Optimizer& optimizer, Allocator& allocator, Stream& stream) const {
   if (!whole_) return;  // sharded with the parameters
   std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
-  for (nn::OwnedRange const& r : owned()) ranges.emplace_back(r.begin, r.end);
+  for (nn::ElementRange const& r : owned()) ranges.emplace_back(r.begin, r.end);
   if (ranges.empty()) return;
   std::sort(ranges.begin(), ranges.end());  // buckets run last layers first
-  optimizer.shard_state(model_.master_parameters(), std::move(ranges), allocator, stream);
+  optimizer.set_state_ranges(model_.master_parameters(), std::move(ranges), allocator, stream);
 }
 
 void RankSync::sum_over_ranks(Tensor const& values, Stream& compute) {
   sync_.comm_->all_reduce(rank_, values, values, comm::ReduceOp::sum, compute);
+}
+
+nn::UpdatePart RankSync::update_part(nn::UpdatePart part) {
+  part.ranges = owned();
+  part.gradients = owned_grads_;
+  part.parameters = owned_params_;
+  if (part.ranges.empty()) return part;
+  part.combine = [this](Tensor const& values, Stream& compute) { sum_over_ranks(values, compute); };
+  part.after = [this](Stream& compute) { gather_updated(compute); };
+  return part;
 }
 
 void RankSync::gather_updated(Stream& compute) {
@@ -535,14 +545,14 @@ void GradientSync::synchronize() {
 }
 
 void GradientSync::gather_optimizer_state(std::vector<optim::Optimizer*> const& optimizers) {
-  gather_whole();  // whole state, whole parameters (shard_state below reads the model's buffer)
-  if (std::all_of(optimizers.begin(), optimizers.end(), [](optim::Optimizer const* o) { return o->owned().empty(); }))
+  gather_whole();  // whole state, whole parameters (set_state_ranges below reads the model's buffer)
+  if (std::all_of(optimizers.begin(), optimizers.end(), [](optim::Optimizer const* o) { return o->state_ranges().empty(); }))
     return;
   int const n = comm_->size();
   run([&](std::size_t i, Stream& stream) {
     int const rank = comm_->first_rank() + static_cast<int>(i);
     optim::Optimizer& optimizer = *optimizers[i];
-    optimizer.shard_state(ranks_[i]->model_.master_parameters(), {}, group_.allocator(locals_[i]), stream);
+    optimizer.set_state_ranges(ranks_[i]->model_.master_parameters(), {}, group_.allocator(locals_[i]), stream);
     for (auto const& named : optimizer.state()) {
       for (std::size_t b = 0; b < buckets_.size(); ++b) {
         std::int64_t const block = blocks_[b];

@@ -88,15 +88,19 @@ class RankSync final : public nn::GradientSync {
   /// With the sharded update, when the step updates after finish() (clipping, loss scaling): this
   /// rank's block of every bucket (reduce-scattered), and the leftovers past the blocks and the
   /// buckets too small to split (all-reduced; updated everywhere, counted by rank 0).
-  [[nodiscard]] std::vector<nn::OwnedRange> owned() const override;
-  void sum_over_ranks(Tensor const& values, Stream& compute) override;
+  [[nodiscard]] std::vector<nn::ElementRange> owned() const;
+  /// Sums float32 `values` over the ranks in place on `compute`, bitwise the same on every rank.
+  void sum_over_ranks(Tensor const& values, Stream& compute);
   /// All-gathers every bucket's updated blocks on `compute` and refreshes their compute-type copies.
-  void gather_updated(Stream& compute) override;
+  void gather_updated(Stream& compute);
   /// With sharded gradients (zero_stage 2): the reduced gradients of owned(), packed by start.
-  [[nodiscard]] Tensor owned_gradients() const override { return owned_grads_; }
+  [[nodiscard]] Tensor owned_gradients() const { return owned_grads_; }
   /// With sharded parameters (zero_stage 3, while not whole): the parameters of owned(), packed
   /// as owned_gradients().
-  [[nodiscard]] Tensor owned_parameters() const override { return owned_params_; }
+  [[nodiscard]] Tensor owned_parameters() const { return owned_params_; }
+  /// With the sharded update: `part` narrowed to owned(), owned_gradients() and owned_parameters(),
+  /// its values summed over the ranks and the updated blocks gathered after; else `part`.
+  [[nodiscard]] nn::UpdatePart update_part(nn::UpdatePart part) override;
   /// With sharded parameters: gathers the parameters of the bucket that forward (or backward) is
   /// about to enter, ordered before `compute`'s next work, and prefetches the next one (see the
   /// members below).
@@ -118,7 +122,7 @@ class RankSync final : public nn::GradientSync {
   /// shard_parameters(). A collective: every rank calls it. Nothing when already whole.
   void gather_whole(Allocator& allocator, Stream& stream);
   /// With the sharded update, lays out `optimizer`'s state for this rank's owned elements only
-  /// (optim::Optimizer::shard_state), on `stream`; nothing when the state is already so, or while
+  /// (optim::Optimizer::set_state_ranges), on `stream`; nothing when the state is already so, or while
   /// the parameters are sharded (shard_parameters() sharded the state with them).
   void shard_optimizer_state(optim::Optimizer& optimizer, Allocator& allocator, Stream& stream) const;
 

@@ -95,9 +95,9 @@ class TensorParallelSync final : public nn::GradientSync {
     } else {
       updated_.store(true, std::memory_order_release);
     }
-    std::vector<nn::OwnedRange> const sharded = data_ != nullptr ? data_->owned() : std::vector<nn::OwnedRange>{};
+    std::vector<nn::ElementRange> const sharded = data_ != nullptr ? data_->owned() : std::vector<nn::ElementRange>{};
     if (update_ && !sharded.empty()) {  // the data-parallel rank's owned ranges, then every rank's gathered
-      for (nn::OwnedRange const& r : sharded)
+      for (nn::ElementRange const& r : sharded)
         if (r.begin < r.end) update_(r.begin, r.end, compute);
       data_->gather_updated(compute);
     } else if (update_) {
@@ -106,13 +106,14 @@ class TensorParallelSync final : public nn::GradientSync {
     pending_.clear();
     update_ = nullptr;
   }
-  std::vector<nn::OwnedRange> owned() const override {
-    std::vector<nn::OwnedRange> const sharded = data_ != nullptr ? data_->owned() : std::vector<nn::OwnedRange>{};
+  // The update's ranges: the norm's, each split where the data-parallel rank's owned ones are.
+  std::vector<nn::ElementRange> ranges() const {
+    std::vector<nn::ElementRange> const sharded = data_ != nullptr ? data_->owned() : std::vector<nn::ElementRange>{};
     if (sharded.empty()) return norm_;
     // Each owned range split where the norm's are (norm_ is sorted and covers the buffer).
-    std::vector<nn::OwnedRange> out;
-    for (nn::OwnedRange const& r : sharded) {
-      for (nn::OwnedRange const& n : norm_) {
+    std::vector<nn::ElementRange> out;
+    for (nn::ElementRange const& r : sharded) {
+      for (nn::ElementRange const& n : norm_) {
         std::int64_t const begin = std::max(r.begin, n.begin), end = std::min(r.end, n.end);
         if (begin < end) out.push_back({begin, end, r.counted && n.counted});
       }
@@ -130,7 +131,7 @@ class TensorParallelSync final : public nn::GradientSync {
       std::forward<Enqueue>(enqueue)();
     }
   }
-  void sum_over_ranks(Tensor const& values, Stream& compute) override {
+  void sum_over_ranks(Tensor const& values, Stream& compute) {
     if (data_ != nullptr && !data_->owned().empty()) {
       // The ranks of other tensor-parallel indices own other counts of ranges: each sums its own
       // first; every rank's sum is gathered and added up in rank order into the first value (the
@@ -145,11 +146,18 @@ class TensorParallelSync final : public nn::GradientSync {
       comm_.all_reduce(rank_, values, values, ReduceOp::sum, compute);
     }
   }
-  void gather_updated(Stream& compute) override {
-    if (data_ != nullptr) data_->gather_updated(compute);
+  // The update of ranges(), reading the data-parallel rank's packed gradients and writing its
+  // packed parameters where it keeps them, its values summed over the ranks (sum_over_ranks()) and
+  // the updated blocks gathered after.
+  nn::UpdatePart update_part(nn::UpdatePart part) override {
+    part.ranges = ranges();
+    part.combine = [this](Tensor const& values, Stream& compute) { sum_over_ranks(values, compute); };
+    if (data_ == nullptr) return part;
+    part.gradients = data_->owned_gradients();
+    part.parameters = data_->owned_parameters();
+    part.after = [data = data_](Stream& compute) { data->gather_updated(compute); };
+    return part;
   }
-  [[nodiscard]] Tensor owned_gradients() const override { return data_ != nullptr ? data_->owned_gradients() : Tensor{}; }
-  [[nodiscard]] Tensor owned_parameters() const override { return data_ != nullptr ? data_->owned_parameters() : Tensor{}; }
   void before_layer(std::size_t layer, bool backward, Stream& compute) override {
     if (data_ != nullptr) data_->before_layer(layer, backward, compute);
   }
@@ -160,7 +168,7 @@ class TensorParallelSync final : public nn::GradientSync {
   int rank_;
   comm::Communicator& all_;  // over every rank of the grid
   int all_rank_;
-  std::vector<nn::OwnedRange> norm_;
+  std::vector<nn::ElementRange> norm_;
   trace::Timeline* timeline_;  // null: not traced
   Allocator& allocator_;       // the rank's
   RankSync* data_ = nullptr;  // the data-parallel sync; null for one replica

@@ -334,8 +334,8 @@ std::vector<nn::ParameterRange> partial_ranges(nn::Sequential const& shard, bool
   return ranges;
 }
 
-std::vector<nn::OwnedRange> norm_ranges(nn::Sequential const& shard, bool split, bool replicated) {
-  std::vector<nn::OwnedRange> ranges;
+std::vector<nn::ElementRange> norm_ranges(nn::Sequential const& shard, bool split, bool replicated) {
+  std::vector<nn::ElementRange> ranges;
   for (nn::ParameterRange const& range : shard.parameter_ranges()) {
     std::int64_t at = range.begin;
     if (auto const* sharded = dynamic_cast<ShardedLayer const*>(&shard.layer(range.layer))) {

@@ -205,7 +205,7 @@ struct Executor::Impl {
   // receives (parallel::detail::PeerSubset): across processes, where a communicator over a subset
   // of the world's ranks may not exist (CUDA GPUs).
   std::shared_ptr<comm::detail::Renewable> peer_renewable(std::vector<int> const& ranks);
-  // The update's total of the parts' values (nn::detail::PartTotal; `parts`, this process's, in
+  // The update's total of the parts' values (nn::PartTotal; `parts`, this process's, in
   // step()'s order), added as apply_update adds them in one process: across processes, and with
   // ZeRO in one process too. Every rank's values all-gathered (with ZeRO each chunk's summed first),
   // then added in chunk order, each chunk's pipelines in order, in double on every process.

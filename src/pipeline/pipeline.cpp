@@ -17,7 +17,6 @@
 
 #include "comm/host_communicator.hpp"
 #include "comm/renewable.hpp"
-#include "nn/update.hpp"
 #include "parallel/peer_subset.hpp"
 #include "pipeline/executor_impl.hpp"
 
@@ -32,17 +31,20 @@ Schedule layer_split(int devices) {
 namespace {
 
 // The ranges of a tensor-parallel chunk counted in the global gradient norm (nn::apply_update
-// updates the owned ranges, here the whole buffer, and counts the counted ones).
+// updates the part's ranges, here the whole buffer, and counts the counted ones).
 class NormRanges final : public nn::GradientSync {
  public:
-  explicit NormRanges(std::vector<nn::OwnedRange> ranges) : ranges_(std::move(ranges)) {}
+  explicit NormRanges(std::vector<nn::ElementRange> ranges) : ranges_(std::move(ranges)) {}
   void begin(Stream& /*compute*/, nn::RangeUpdate /*update*/) override {}
   void ready(nn::ParameterRange const& /*range*/, Stream& /*compute*/) override {}
   void finish(Stream& /*compute*/) override {}
-  std::vector<nn::OwnedRange> owned() const override { return ranges_; }
+  nn::UpdatePart update_part(nn::UpdatePart part) override {
+    part.ranges = ranges_;
+    return part;
+  }
 
  private:
-  std::vector<nn::OwnedRange> ranges_;
+  std::vector<nn::ElementRange> ranges_;
 };
 
 // With zero_stage 1 to 3, the update's view of a chunk's data-parallel sync: the replica's owned
@@ -53,36 +55,40 @@ class NormRanges final : public nn::GradientSync {
 // them count), and the norm's sums left to the step, which adds every replica's part in one process.
 class ShardedUpdate final : public nn::GradientSync {
  public:
-  ShardedUpdate(parallel::detail::RankSync& sync, std::vector<nn::OwnedRange> counting)
+  ShardedUpdate(parallel::detail::RankSync& sync, std::vector<nn::ElementRange> counting)
       : sync_(sync), counting_(std::move(counting)) {}
   void begin(Stream& /*compute*/, nn::RangeUpdate /*update*/) override {}
   void ready(nn::ParameterRange const& /*range*/, Stream& /*compute*/) override {}
   void finish(Stream& /*compute*/) override {}
-  std::vector<nn::OwnedRange> owned() const override {
-    std::vector<nn::OwnedRange> out;
-    for (nn::OwnedRange const& r : sync_.owned()) {
+  nn::UpdatePart update_part(nn::UpdatePart part) override {
+    part.ranges = owned();
+    part.gradients = sync_.owned_gradients();
+    part.parameters = sync_.owned_parameters();
+    if (!part.ranges.empty()) part.after = [&sync = sync_](Stream& compute) { sync.gather_updated(compute); };
+    return part;
+  }
+
+ private:
+  std::vector<nn::ElementRange> owned() const {
+    std::vector<nn::ElementRange> out;
+    for (nn::ElementRange const& r : sync_.owned()) {
       std::vector<std::int64_t> cuts{r.begin, r.end};
-      for (nn::OwnedRange const& c : counting_)
+      for (nn::ElementRange const& c : counting_)
         for (std::int64_t const at : {c.begin, c.end})
           if (at > r.begin && at < r.end) cuts.push_back(at);
       std::sort(cuts.begin(), cuts.end());
       cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
       for (std::size_t i = 0; i + 1 < cuts.size(); ++i) {
         bool counted = r.counted;
-        for (nn::OwnedRange const& c : counting_)
+        for (nn::ElementRange const& c : counting_)
           if (c.begin <= cuts[i] && cuts[i] < c.end) counted = counted && c.counted;
         out.push_back({cuts[i], cuts[i + 1], counted});
       }
     }
     return out;
   }
-  void gather_updated(Stream& compute) override { sync_.gather_updated(compute); }
-  [[nodiscard]] Tensor owned_gradients() const override { return sync_.owned_gradients(); }
-  [[nodiscard]] Tensor owned_parameters() const override { return sync_.owned_parameters(); }
-
- private:
   parallel::detail::RankSync& sync_;
-  std::vector<nn::OwnedRange> counting_;
+  std::vector<nn::ElementRange> counting_;
 };
 
 // Refuses what tensor-parallel stages do not support (yet).
@@ -315,8 +321,8 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     for (std::size_t c = 0; c < chunks; ++c) {
       nn::Sequential const& chunk = m.chunks[static_cast<std::size_t>(r)][c];
       if (m.options.tensor_parallel.sequence_parallel) m.partials.push_back(parallel::partial_ranges(chunk, true));
-      std::vector<nn::OwnedRange> ranges = parallel::norm_ranges(chunk, r < tp, r == 0);
-      for (nn::OwnedRange& range : ranges)
+      std::vector<nn::ElementRange> ranges = parallel::norm_ranges(chunk, r < tp, r == 0);
+      for (nn::ElementRange& range : ranges)
         if (m.tie && static_cast<int>(c) == m.tie->head_chunk && range.begin == m.tie->head_offset) range.counted = false;
       m.norms.push_back(std::make_unique<NormRanges>(std::move(ranges)));
     }
@@ -327,13 +333,13 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
         m.sharded_updates.push_back(nullptr);
         continue;
       }
-      std::vector<nn::OwnedRange> counting;
+      std::vector<nn::ElementRange> counting;
       if (tp > 1) {  // split parameters on every rank, replicated ones on tensor-parallel rank 0
         counting = parallel::norm_ranges(m.chunks[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)], true, m.tp_index(r) == 0);
       } else if (m.tie && c == m.tie->head_chunk) {
         counting.push_back({m.tie->head_offset, m.tie->head_offset + m.tie->elements, false});
       }
-      for (nn::OwnedRange& range : counting)  // a tied head's copy of wte counts in the embedding
+      for (nn::ElementRange& range : counting)  // a tied head's copy of wte counts in the embedding
         if (m.tie && c == m.tie->head_chunk && range.begin == m.tie->head_offset) range.counted = false;
       m.sharded_updates.push_back(std::make_unique<ShardedUpdate>(*m.replica_sync(m.rank_at(r, m.schedule.device_of(c)), c), std::move(counting)));
     }
@@ -554,10 +560,10 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
       nn::UpdatePart part{&chunk, m.optimizers[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)].get(),
                           &m.group->allocator(rank - m.first), &m.group->stream(rank - m.first)};
       if (!m.sharded_updates.empty()) {  // zero_stage 1, 2: the replica's blocks
-        part.sharded = m.sharded_updates[static_cast<std::size_t>(r * m.schedule.chunks() + c)].get();
+        part = m.sharded_updates[static_cast<std::size_t>(r * m.schedule.chunks() + c)]->update_part(part);
         m.replica_sync(rank, c)->shard_optimizer_state(*part.optimizer, *part.allocator, *part.stream);
       } else if (m.tp > 1) {
-        part.sharded = m.norms[static_cast<std::size_t>(r * m.schedule.chunks() + c)].get();
+        part = m.norms[static_cast<std::size_t>(r * m.schedule.chunks() + c)]->update_part(part);
       } else if (r > 0) {
         part.shared_end = chunk.master_gradients().numel();
       } else if (m.tie && c == m.tie->head_chunk) {
@@ -574,10 +580,10 @@ float Executor::step(Tensor const& x, Tensor const& labels, float lr_scale) {
   try {
     // Across processes, and with ZeRO in one process too (the same sums as across them), the
     // overflow count and the norm are the world's (world_total).
-    nn::detail::PartTotal total;
+    nn::PartTotal total;
     if (m.across || !m.sharded_updates.empty())
       total = [&m, &parts](std::span<Tensor const> sums) { return m.world_total(parts, sums); };
-    m.last_applied = nn::detail::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, false}, total);
+    m.last_applied = nn::apply_update(parts, {lr_scale, m.options.clip_norm, scaler, false}, total);
     // step() returns with the chunks updated, as when each device's thread ran its update inline:
     // the update enqueued from this thread runs on the streams' workers.
     m.group->synchronize();

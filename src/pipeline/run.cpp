@@ -1,7 +1,7 @@
 // One step's work on every device: each device's actions of the schedule (run_device), the sum of a
 // tied wte and its copy, the replicas' reduce (through the data-parallel gradient sync), and,
 // across processes or with ZeRO, the world's total of the update's overflow count and norm
-// (world_total, for nn::detail::apply_update).
+// (world_total, for nn::apply_update).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -297,7 +297,7 @@ void Executor::Impl::sum_tied(int rank, Stream& stream, bool parameters) {
 
 double Executor::Impl::world_total(std::span<nn::UpdatePart const> parts, std::span<Tensor const> sums) {
   // Each rank's slots: per chunk it runs, in chunk order, with ZeRO one (the sum of its replica's
-  // values), else one per range of the chunk's update (as nn::detail::PartTotal lays them out: the
+  // values), else one per range of the chunk's update (as nn::PartTotal lays them out: the
   // tensor-parallel norm ranges, or three); as many on every rank (the most any rank has), zero
   // where it has fewer. Pipeline r's chunk c ([r * chunks + c]): its first slot.
   auto const chunks = static_cast<std::size_t>(schedule.chunks());
@@ -305,7 +305,7 @@ double Executor::Impl::world_total(std::span<nn::UpdatePart const> parts, std::s
   auto const count = [&](int r, int c) -> std::int64_t {
     if (sharded) return 1;
     if (tp > 1) {  // the pipeline's norm ranges (three, as a part without them, where there are none)
-      auto const n = static_cast<std::int64_t>(norms[static_cast<std::size_t>(r) * chunks + static_cast<std::size_t>(c)]->owned().size());
+      auto const n = static_cast<std::int64_t>(norms[static_cast<std::size_t>(r) * chunks + static_cast<std::size_t>(c)]->update_part({}).ranges.size());
       return n > 0 ? n : 3;
     }
     return 3;

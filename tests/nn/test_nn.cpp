@@ -270,8 +270,8 @@ TEST_CASE("Optimizer updates by range equal one whole step", "[optim]") {
 }
 
 TEST_CASE(
-    "Optimizer state sharded to owned ranges updates them as the whole state does (parameters flat or packed too, "
-    "update_owned), and lays out anew keeping values",
+    "Optimizer state over given ranges updates them as the whole state does (parameters flat or packed too, "
+    "update_packed), and lays out anew keeping values",
     "[optim]") {
   Env env;
   using Ranges = std::vector<std::pair<std::int64_t, std::int64_t>>;
@@ -290,8 +290,8 @@ TEST_CASE(
     Tensor p1 = env.random({12}, 1);
     Tensor p2 = env.random({12}, 1);
     // Owned: [1, 4) and [4, 5) (adjacent: merged), [8, 12); an empty range; the rest is another rank's.
-    sharded->shard_state(p2, {{1, 4}, {4, 5}, {6, 6}, {8, 12}}, *env.allocator, env.stream);
-    CHECK(sharded->owned() == Ranges{{1, 5}, {8, 12}});
+    sharded->set_state_ranges(p2, {{1, 4}, {4, 5}, {6, 6}, {8, 12}}, *env.allocator, env.stream);
+    CHECK(sharded->state_ranges() == Ranges{{1, 5}, {8, 12}});
     CHECK(sharded->state_elements(p2) == 8);
     // ZeRO-3: the owned elements' parameters and gradients packed as the state is.
     std::vector<std::int64_t> const owned{1, 2, 3, 4, 8, 9, 10, 11};
@@ -301,7 +301,7 @@ TEST_CASE(
       for (std::int64_t const i : owned) out.push_back(static_cast<float>(v[static_cast<std::size_t>(i)]));
       return env.make({8}, out);
     };
-    packed_params->shard_state(p2, {{1, 5}, {8, 12}}, *env.allocator, env.stream);
+    packed_params->set_state_ranges(p2, {{1, 5}, {8, 12}}, *env.allocator, env.stream);
     Tensor p3 = pack(p2);
     for (unsigned step = 0; step < 3; ++step) {
       Tensor g = env.random({12}, 10 + step);
@@ -312,21 +312,21 @@ TEST_CASE(
       sharded->update(p2, g, 3, 5, env.stream);
       Tensor const g3 = pack(g);
       packed_params->begin_step(p3, *env.allocator, env.stream);
-      packed_params->update_owned(p3, g3, 8, 12, env.stream);
-      packed_params->update_owned(p3, g3, 1, 3, env.stream);
-      packed_params->update_owned(p3, g3, 3, 5, env.stream);
+      packed_params->update_packed(p3, g3, 8, 12, env.stream);
+      packed_params->update_packed(p3, g3, 1, 3, env.stream);
+      packed_params->update_packed(p3, g3, 3, 5, env.stream);
     }
     env.stream.synchronize();
     std::vector<double> const a = as_double(p1), b = as_double(p2), c = as_double(p3);
     for (std::int64_t i : {1, 2, 3, 4, 8, 9, 10, 11})
       CHECK(b[static_cast<std::size_t>(i)] == a[static_cast<std::size_t>(i)]);
     for (std::size_t k = 0; k < owned.size(); ++k) CHECK(c[k] == a[static_cast<std::size_t>(owned[k])]);
-    REQUIRE_MGPU_ERROR(packed_params->update_owned(p2, p2, 1, 3, env.stream), mgpu::Errc::invalid_argument,
-                       "(expected both packed over the 8 owned elements)");
-    REQUIRE_MGPU_ERROR(packed_params->update_owned(p3, p3, 4, 9, env.stream), mgpu::Errc::invalid_argument,
+    REQUIRE_MGPU_ERROR(packed_params->update_packed(p2, p2, 1, 3, env.stream), mgpu::Errc::invalid_argument,
+                       "(expected both packed over the 8 elements of the state ranges)");
+    REQUIRE_MGPU_ERROR(packed_params->update_packed(p3, p3, 4, 9, env.stream), mgpu::Errc::invalid_argument,
                        "expected a range within one of them");
-    REQUIRE_MGPU_ERROR(whole->update_owned(p1, p1, 0, 2, env.stream), mgpu::Errc::invalid_argument,
-                       "update_owned without a sharded state");
+    REQUIRE_MGPU_ERROR(whole->update_packed(p1, p1, 0, 2, env.stream), mgpu::Errc::invalid_argument,
+                       "update_packed without state ranges");
     for (std::int64_t i : {0, 5, 6, 7})
       CHECK(b[static_cast<std::size_t>(i)] != a[static_cast<std::size_t>(i)]);  // not owned: not updated
     auto const packed = sharded->state();
@@ -338,8 +338,8 @@ TEST_CASE(
     REQUIRE_MGPU_ERROR(sharded->update(p2, p2, 4, 9, env.stream), mgpu::Errc::invalid_argument,
                        "expected a range within one of them");
     // Laid out over every element: the owned values kept in place, the others zero.
-    sharded->shard_state(p2, {}, *env.allocator, env.stream);
-    CHECK(sharded->owned().empty());
+    sharded->set_state_ranges(p2, {}, *env.allocator, env.stream);
+    CHECK(sharded->state_ranges().empty());
     env.stream.synchronize();
     for (std::size_t s = 0; s < packed.size(); ++s) {
       std::vector<double> const w = as_double(whole->state()[s].second), got = as_double(sharded->state()[s].second);
@@ -347,7 +347,7 @@ TEST_CASE(
       for (std::size_t i = 0; i < 12; ++i) CHECK(got[i] == ((i >= 1 && i < 5) || i >= 8 ? w[i] : 0.0));
     }
     // And back to a smaller layout: [9, 11) of the whole.
-    sharded->shard_state(p2, {{9, 11}}, *env.allocator, env.stream);
+    sharded->set_state_ranges(p2, {{9, 11}}, *env.allocator, env.stream);
     env.stream.synchronize();
     for (std::size_t s = 0; s < packed.size(); ++s) {
       std::vector<double> const w = as_double(whole->state()[s].second);
@@ -356,10 +356,10 @@ TEST_CASE(
   }
   mgpu::optim::SGD sgd;
   Tensor p = env.random({10}, 1);
-  REQUIRE_MGPU_ERROR(sgd.shard_state(p, {{4, 6}, {5, 8}}, *env.allocator, env.stream), mgpu::Errc::invalid_argument,
+  REQUIRE_MGPU_ERROR(sgd.set_state_ranges(p, {{4, 6}, {5, 8}}, *env.allocator, env.stream), mgpu::Errc::invalid_argument,
                      "expected sorted, non-overlapping ranges within [0, 10)");
-  REQUIRE_MGPU_ERROR(sgd.shard_state(p, {{4, 11}}, *env.allocator, env.stream), mgpu::Errc::invalid_argument,
-                     "state sharded to [4, 11)");
+  REQUIRE_MGPU_ERROR(sgd.set_state_ranges(p, {{4, 11}}, *env.allocator, env.stream), mgpu::Errc::invalid_argument,
+                     "state over [4, 11)");
 }
 
 // ZeRO-3's seam: the layers read their parameters from buffers given to them, the flat buffers
@@ -452,6 +452,66 @@ TEST_CASE("classification_step's update inside backward equals the update after 
     env.stream.synchronize();
     CHECK(as_double(wa) == as_double(wb));
     CHECK(opt_a->steps() == opt_b->steps());
+  }
+}
+
+TEST_CASE("apply_update over given ranges, with packed gradients and parameters, updates as the whole update does", "[optim][train]") {
+  Env env;
+  for (bool const clip : {false, true}) {
+    INFO("clip " << clip);
+    auto whole = mgpu::nn::Sequential::mlp({4, 7, 3});
+    auto split = whole.clone();
+    whole.materialize(env.ctx, 3);
+    split.materialize(env.ctx, 3);
+    std::int64_t const n = whole.parameter_count(), k = 20;  // split: [0, k) in place, [k, n) packed
+    Tensor const grads = env.random({n}, 7);
+    mgpu::copy_async(whole.master_gradients(), grads, env.stream);
+    mgpu::copy_async(split.master_gradients(), grads, env.stream);
+    Tensor const tail_grads = Tensor::empty({n - k}, DType::float32, *env.allocator);
+    Tensor const tail_params = Tensor::empty({n - k}, DType::float32, *env.allocator);
+    mgpu::copy_async(tail_grads, grads.slice(k, n), env.stream);
+    mgpu::copy_async(tail_params, split.master_parameters().slice(k, n), env.stream);
+    env.stream.synchronize();
+    std::vector<double> const before = as_double(split.master_parameters());
+    mgpu::optim::AdamW a, head, tail;
+    tail.set_state_ranges(split.master_parameters(), {{k, n}}, *env.allocator, env.stream);
+    int combines = 0, afters = 0;
+    mgpu::nn::UpdatePart const reference{&whole, &a, env.allocator.get(), &env.stream};
+    mgpu::nn::UpdatePart first{&split, &head, env.allocator.get(), &env.stream};
+    first.ranges = {{0, k, true}};
+    first.after = [&](mgpu::Stream&) { ++afters; };
+    mgpu::nn::UpdatePart second{&split, &tail, env.allocator.get(), &env.stream};
+    second.ranges = {{k, n, true}};
+    second.gradients = tail_grads;
+    second.parameters = tail_params;
+    second.combine = [&](Tensor const& values, mgpu::Stream&) {
+      CHECK(values.numel() == 1);
+      ++combines;
+    };
+    mgpu::optim::LossScaler scaler_a(1.0f), scaler_b(1.0f);
+    mgpu::nn::UpdateOptions options{1.0f, clip ? 0.5f : 0.0f, clip ? &scaler_a : nullptr, false};
+    CHECK(mgpu::nn::apply_update({&reference, 1}, options));
+    options.scaler = clip ? &scaler_b : nullptr;
+    mgpu::nn::UpdatePart const parts[] = {first, second};
+    CHECK(mgpu::nn::apply_update(parts, options));
+    env.stream.synchronize();
+    CHECK(combines == (clip ? 2 : 0));  // the overflow count and the norm
+    CHECK(afters == 1);
+    std::vector<double> const want = as_double(whole.master_parameters()), got = as_double(split.master_parameters()),
+                              got_tail = as_double(tail_params);
+    double const tolerance = clip ? 1e-6 : 0.0;  // the norm adds two partial sums, not one
+    for (std::int64_t i = 0; i < n; ++i) {
+      auto const at = static_cast<std::size_t>(i);
+      if (i < k) {
+        CHECK(std::abs(got[at] - want[at]) <= tolerance);
+      } else {
+        CHECK(got[at] == before[at]);  // the packed parameters are written, not the master ones
+        CHECK(std::abs(got_tail[at - static_cast<std::size_t>(k)] - want[at]) <= tolerance);
+      }
+    }
+    // A caller's total replaces the parts' combine.
+    CHECK(mgpu::nn::apply_update(parts, options, [](std::span<Tensor const>) { return 0.0; }));
+    CHECK(combines == (clip ? 2 : 0));
   }
 }
 

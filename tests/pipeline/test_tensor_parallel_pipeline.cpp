@@ -148,12 +148,12 @@ Curve grid_curve(Env& env, Grid const& grid, nn::GptConfig const& c, std::vector
       nn::Sequential& first = ex.chunk(chunk, 0);
       std::vector<double> const values = as_double(mine.master_parameters());
       std::vector<double> const firsts = as_double(first.master_parameters());
-      std::vector<nn::OwnedRange> const ranges = par::norm_ranges(mine, false, true);
-      std::vector<nn::OwnedRange> const first_ranges = par::norm_ranges(first, false, true);
+      std::vector<nn::ElementRange> const ranges = par::norm_ranges(mine, false, true);
+      std::vector<nn::ElementRange> const first_ranges = par::norm_ranges(first, false, true);
       REQUIRE(ranges.size() == first_ranges.size());
       for (std::size_t k = 0; k < ranges.size(); ++k) {
         if (!ranges[k].counted || (chunk == last && ranges[k].begin == n - rows)) continue;  // split, or the copy
-        auto const at = [](std::vector<double> const& v, nn::OwnedRange const& r) {
+        auto const at = [](std::vector<double> const& v, nn::ElementRange const& r) {
           return std::vector<double>(v.begin() + r.begin, v.begin() + r.end);
         };
         if (at(values, ranges[k]) != at(firsts, first_ranges[k]))

@@ -24,34 +24,48 @@ namespace mgpu::nn {
 /// Applies the optimizer to master parameters [begin, end) on `stream`, where their gradients are.
 using RangeUpdate = std::function<void(std::int64_t begin, std::int64_t end, Stream& stream)>;
 
-/// Elements [begin, end) of the flat buffers that a data-parallel rank updates in a sharded update;
-/// `counted`: this rank counts them in the global norm and the overflow check.
-struct OwnedRange {
+/// Elements [begin, end) of a model's flat buffers that an update changes; `counted`: counted in
+/// the global norm and the overflow check.
+struct ElementRange {
   std::int64_t begin = 0, end = 0;
   bool counted = true;
+};
+
+/// A model or a part of one (a pipeline chunk) that an update changes, on `stream`'s device.
+struct UpdatePart {
+  Sequential* model = nullptr;
+  optim::Optimizer* optimizer = nullptr;
+  Allocator* allocator = nullptr;
+  Stream* stream = nullptr;
+  /// Elements that another part holds too (a tied embedding's copy), counted once in the norm.
+  std::int64_t shared_begin = 0, shared_end = 0;
+  /// The elements updated when not all (not overlapping, no shared range then); empty: every one.
+  std::vector<ElementRange> ranges = {};
+  /// The gradients the update reads and float32 parameters it writes (no compute-type copies), of
+  /// `ranges` packed by start as optim state is; undefined: the model's master buffers.
+  Tensor gradients = {}, parameters = {};
+  /// Adds the part's float32 per-range values in place with other replicas', the same bits on each.
+  std::function<void(Tensor const& values, Stream& stream)> combine = {};
+  /// Work enqueued after an applied update of the part.
+  std::function<void(Stream& stream)> after = {};
 };
 
 /// What happens to gradients between backward and the optimizer (data parallelism). The step calls
 /// begin() before backward, ready() for each layer's master-gradient range (last layer first) once
 /// its work is enqueued on `compute`, and finish() after backward, all from the step's thread. With
 /// a non-empty `update` the sync applies it to each range of reduced gradients; else the step
-/// updates after finish(). finish() must leave `compute` ordered after the sync's work. A sync may
-/// shard the update (owned()), the gradients (owned_gradients()) and the parameters
-/// (owned_parameters(), before_layer()): ZeRO-1 to 3.
+/// updates after finish(). finish() must leave `compute` ordered after the sync's work.
+/// before_layer() runs before each layer's forward and backward (Sequential::BeforeLayer).
 class GradientSync {
  public:
   virtual ~GradientSync() = default;
   virtual void begin(Stream& compute, RangeUpdate update) = 0;
   virtual void ready(ParameterRange const& range, Stream& compute) = 0;
   virtual void finish(Stream& compute) = 0;
-  [[nodiscard]] virtual std::vector<OwnedRange> owned() const { return {}; }
-  /// Sums float32 `values` over the ranks in place on `compute`, bitwise the same on every rank.
-  virtual void sum_over_ranks(Tensor const& /*values*/, Stream& /*compute*/) {}
-  virtual void gather_updated(Stream& /*compute*/) {}
-  /// With sharded gradients, the reduced gradients of owned(), packed; else undefined.
-  [[nodiscard]] virtual Tensor owned_gradients() const { return {}; }
-  /// With sharded parameters, the float32 parameters of owned(), packed; else undefined.
-  [[nodiscard]] virtual Tensor owned_parameters() const { return {}; }
+  /// The update of this replica, given the whole model's `part`: `part` by default. A sync sets
+  /// its ranges, gradients, parameters, combine and after; `update`'s ranges read and write the
+  /// gradients and parameters named here too.
+  [[nodiscard]] virtual UpdatePart update_part(UpdatePart part) { return part; }
   virtual void before_layer(std::size_t /*layer*/, bool /*backward*/, Stream& /*compute*/) {}
 };
 
@@ -108,18 +122,6 @@ StepResult train_step(Sequential& model, optim::Optimizer& optimizer, Tensor con
 StepResult classification_step(Sequential& model, optim::Optimizer& optimizer, Tensor const& x, Tensor const& labels, Context& ctx,
                                StepOptions const& options = {});
 
-/// A model or a part of one (a pipeline chunk) that an update changes, on `stream`'s device.
-struct UpdatePart {
-  Sequential* model = nullptr;
-  optim::Optimizer* optimizer = nullptr;
-  Allocator* allocator = nullptr;
-  Stream* stream = nullptr;
-  /// Elements that another part holds too (a tied embedding's copy), counted once in the norm.
-  std::int64_t shared_begin = 0, shared_end = 0;
-  /// A replica whose sync shards the update; nullptr for a part that updates everything.
-  GradientSync* sharded = nullptr;
-};
-
 struct UpdateOptions {
   float lr_scale = 1.0f;                ///< learning-rate multiplier, finite and >= 0
   float clip_norm = 0.0f;               ///< global norm over all parts to clip to, > 0; 0: off
@@ -128,12 +130,19 @@ struct UpdateOptions {
   bool unscale = true;
 };
 
+/// Adds up the parts' values of the overflow count or the norm's squares, returning their total over
+/// every part, replica and process. sums[i] (float32, on part i's stream) holds a value per range
+/// of part i's update, 0 for a range not counted: one per UpdatePart::ranges; with none, three:
+/// the elements before shared_begin, the shared ones, those after.
+using PartTotal = std::function<double(std::span<Tensor const> sums)>;
+
 /// The update every executor applies: unscale, count overflow (skipping the update on one),
 /// clip by the global norm, step each optimizer, refresh compute-type parameters. Enqueues on each
-/// part's stream, from one thread; synchronizes to read the counts and norm. Returns whether the
+/// part's stream, from one thread; synchronizes to read the counts and norm. The values add up with
+/// `total` when set, else each part's combine, then in part order in double. Returns whether the
 /// optimizers stepped. Throws Error(invalid_argument) for bad options, and when clipping meets NaN
 /// or Inf gradients without a scaler.
-bool apply_update(std::span<UpdatePart const> parts, UpdateOptions const& options);
+bool apply_update(std::span<UpdatePart const> parts, UpdateOptions const& options, PartTotal const& total = {});
 
 /// Rows of `x` whose predicted class equals the label, in evaluation mode (training mode after).
 std::int64_t count_correct(Sequential& model, Tensor const& x, Tensor const& labels, Context& ctx, std::int64_t batch = 1024);

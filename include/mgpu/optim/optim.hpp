@@ -25,7 +25,8 @@ struct SgdOptions {
 using NamedTensor = std::pair<std::string, Tensor>;
 
 /// An optimizer over a model's flat float32 master buffers. Its state is allocated (zeroed) on the
-/// first step or load; one value per parameter, or after shard_state() the owned ones, packed.
+/// first step or load; one value per parameter, or after set_state_ranges() one per element of the
+/// ranges, packed. Which ranges (a data-parallel rank's share) is the caller's choice.
 class Optimizer {
  public:
   virtual ~Optimizer() = default;
@@ -36,13 +37,13 @@ class Optimizer {
   /// Starts a step: allocates the state for `params` on first use and counts the step.
   void begin_step(Tensor const& params, Allocator& allocator, Stream& stream);
   /// Applies the step begun last to elements [begin, end); one step's ranges must not overlap and
-  /// should cover every (owned) element, each within one owned range. After shard_state(), `grads`
-  /// may hold the owned elements' gradients only, packed as the state is (ZeRO-2).
+  /// should cover every element the state holds, each within one state range. After
+  /// set_state_ranges(), `grads` may hold the ranges' gradients only, packed as the state is.
   void update(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
               float lr_scale = 1.0f);
-  /// update() with `params` and `grads` holding the owned elements only, packed (ZeRO-3). Throws
-  /// Error(invalid_argument) without sharded state, for other sizes, or a range not owned.
-  void update_owned(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
+  /// update() with `params` and `grads` holding the state ranges' elements only, packed. Throws
+  /// Error(invalid_argument) without state ranges, for other sizes, or a range outside them.
+  void update_packed(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end, Stream& stream,
                     float lr_scale = 1.0f);
   /// The learning rate (before a step's lr_scale), and setting it for the steps that follow.
   /// set_lr throws Error(invalid_argument), changing nothing, for a rate that is not finite and
@@ -58,16 +59,16 @@ class Optimizer {
   virtual std::vector<NamedTensor> prepare_state(Tensor const& params, Allocator& allocator, Stream& stream) = 0;
   void set_steps(std::int64_t steps) noexcept { steps_ = steps; }
 
-  /// Keeps state only for the elements of `owned` ([begin, end) ranges of the flat buffers of
+  /// Keeps state only for the elements of `ranges` ([begin, end) ranges of the flat buffers of
   /// `params`, sorted, not overlapping, empty ones allowed), or, with no non-empty one, for every
   /// element. State already allocated is laid out anew on `stream`: the values of elements in both
   /// layouts are kept, the others start at zero. Throws Error(invalid_argument) for ranges outside
   /// `params`, unsorted or overlapping.
-  void shard_state(Tensor const& params, std::vector<std::pair<std::int64_t, std::int64_t>> owned, Allocator& allocator,
-                   Stream& stream);
-  /// The owned ranges (non-empty ones, adjacent ones merged); empty when the state is whole.
-  [[nodiscard]] std::vector<std::pair<std::int64_t, std::int64_t>> const& owned() const noexcept { return owned_; }
-  /// Values per state buffer for `params`: its elements, or the owned ones after shard_state().
+  void set_state_ranges(Tensor const& params, std::vector<std::pair<std::int64_t, std::int64_t>> ranges, Allocator& allocator,
+                        Stream& stream);
+  /// The state's ranges (non-empty ones, adjacent ones merged); empty when the state is whole.
+  [[nodiscard]] std::vector<std::pair<std::int64_t, std::int64_t>> const& state_ranges() const noexcept { return ranges_; }
+  /// Values per state buffer for `params`: its elements, or the state ranges' after set_state_ranges().
   [[nodiscard]] std::int64_t state_elements(Tensor const& params) const noexcept;
 
  protected:
@@ -76,15 +77,15 @@ class Optimizer {
   /// as many values from `state_begin` (begin itself when the state is whole).
   virtual void update_slices(Tensor const& params, Tensor const& grads, std::int64_t begin, std::int64_t end,
                              std::int64_t state_begin, Stream& stream, float lr_scale) = 0;
-  /// Drops the state buffers (shard_state() then allocates them in the new layout).
+  /// Drops the state buffers (set_state_ranges() then allocates them in the new layout).
   virtual void reset_state() = 0;
 
  private:
-  // Where the state of [begin, end) starts in the packed buffers of a sharded state; throws
-  // Error(invalid_argument) when the range lies within no owned range.
-  [[nodiscard]] std::int64_t owned_offset(std::int64_t begin, std::int64_t end) const;
+  // Where the state of [begin, end) starts in the packed buffers of a state over ranges; throws
+  // Error(invalid_argument) when the range lies within no state range.
+  [[nodiscard]] std::int64_t packed_offset(std::int64_t begin, std::int64_t end) const;
   std::int64_t steps_ = 0;
-  std::vector<std::pair<std::int64_t, std::int64_t>> owned_;
+  std::vector<std::pair<std::int64_t, std::int64_t>> ranges_;
 };
 
 /// SGD with momentum (PyTorch's formulation: v = m v + g + wd p; p -= lr (v, or g + m v with

@@ -248,7 +248,7 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
 
 /// The ranges of a shard's flat buffers as counted in a global gradient norm: split parts counted
 /// when `split`, the replicated rest when `replicated`.
-[[nodiscard]] std::vector<nn::OwnedRange> norm_ranges(nn::Sequential const& shard, bool split, bool replicated);
+[[nodiscard]] std::vector<nn::ElementRange> norm_ranges(nn::Sequential const& shard, bool split, bool replicated);
 
 /// The ranges of a shard's flat buffers whose gradients are summed over the ranks before the
 /// update (sequence parallelism's LayerNorms); none without.
