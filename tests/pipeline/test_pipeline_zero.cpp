@@ -7,8 +7,7 @@
 // follows bf16 with ZeRO-0; a checkpoint saved with ZeRO-1 or ZeRO-2 resumes bit for bit and loads into a pipeline
 // without replicas; stages outside 0 to 3 are refused (ZeRO-2 in 16 bits: test_pipeline_zero16.cpp;
 // ZeRO-3: test_pipeline_zero3.cpp).
-#include <algorithm>
-#include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -28,13 +27,6 @@
 #include "support/pipeline_zero_fixture.hpp"
 #include "support/temp_path.hpp"
 
-using mgpu::DType;
-using mgpu::test::as_double;
-using mgpu::test::Env;
-using mgpu::test::worst_relative;
-namespace nn = mgpu::nn;
-namespace pp = mgpu::pipeline;
-
 using namespace mgpu::test::pipeline_zero;
 
 TEST_CASE("ZeRO-1 over a data x pipeline grid trains a GPT as one device and as ZeRO-0, each replica keeping half the state",
@@ -43,56 +35,36 @@ TEST_CASE("ZeRO-1 over a data x pipeline grid trains a GPT as one device and as 
   std::vector<Batch> const batches = make_batches(env);
   REQUIRE(mgpu::test::gpt_gradient_norm(env, config, seed, batches[0]) > 2 * clip);  // the steps do clip
   mgpu::test::GptCurve const one = mgpu::test::gpt_one_device_curve(env, config, seed, adamw, clip, batches);
-  std::vector<double> const one_weights(one.weights.begin(), one.weights.end());
   std::vector<Grid> const grids{{"DP 2 x PP 2, 1f1b", pp::one_f_one_b(2, 2), {0, 3, 6}},
                                 {"DP 2 x PP 2, interleaved 2 x 2 chunks", pp::interleaved_one_f_one_b(2, 2, 2), {0, 2, 3, 4, 6}},
                                 {"DP 2 x TP 2 x PP 2, 1f1b", pp::one_f_one_b(2, 2), {0, 4, 6}, 2}};
-  for (Grid const& grid : grids) {
-    CAPTURE(grid.name);
-    std::vector<Run> runs;
-    for (int zero : {0, 1}) {
-      CAPTURE(zero);
-      mgpu::DeviceGroup group("host:" + std::to_string(4 * grid.tp));
-      auto made = std::make_shared<std::vector<mgpu::optim::Optimizer*>>();
-      pp::ExecutorOptions options = options_for(zero);
-      if (grid.tp > 1) options.tensor_parallel = pp::tensor_parallel_stages(config, grid.tp);
-      pp::Executor ex(nn::gpt(config), group, grid.cuts, grid.schedule, chunk_adamw(made), options);
-      runs.push_back(train(env, ex, batches));
-      double const worst = worst_relative(runs.back().losses, one.losses);
-      double const weights = worst_difference(runs.back().weights, one_weights);
-      WARN(grid.name << ", zero " << zero << ": worst relative loss difference " << worst << ", weights " << weights);
-      CHECK(worst <= curve_tolerance);
-      CHECK(weights < 5e-5);
-      int const last = ex.schedule().chunks() - 1;
-      int const pipelines = 2 * grid.tp;  // replica a's tensor-parallel rank t: pipeline a x tp + t
-      for (int replica = 0; replica < pipelines; ++replica) {
+  run_stages(env, grids, {0, 1}, DType::float32, batches, [&one](Grid const& grid, std::vector<Run> const& runs) {
+    for (Run const& run : runs) {
+      check_one_device(grid, run, one);
+      check_replicas_agree(grid, run);  // equal after the update's gather
+      auto const pipelines = static_cast<std::size_t>(2 * grid.tp);  // replica a's tensor-parallel rank t: pipeline a x tp + t
+      std::size_t const chunks = run.chunks.size() / pipelines;
+      auto const rows = static_cast<std::ptrdiff_t>(config.vocab / grid.tp * config.n_embd);
+      for (std::size_t replica = 0; replica < pipelines; ++replica) {  // the head's copy of wte the embedding's
         CAPTURE(replica);
-        // The replicas' chunks are equal after the update's gather, and the head's copy of wte the embedding's.
-        for (int c = 0; c <= last; ++c)
-          CHECK(as_double(ex.chunk(c, replica).master_parameters()) == as_double(ex.chunk(c, replica % grid.tp).master_parameters()));
-        std::int64_t const rows = config.vocab / grid.tp * config.n_embd;
-        std::int64_t const n = ex.chunk(last, replica).parameter_count();
-        CHECK(as_double(ex.chunk(0, replica).master_parameters().slice(0, rows)) ==
-              as_double(ex.chunk(last, replica).master_parameters().slice(n - rows, n)));
+        std::vector<double> const& first = run.chunks[replica * chunks];
+        std::vector<double> const& last = run.chunks[replica * chunks + chunks - 1];
+        CHECK(std::vector<double>(first.begin(), first.begin() + rows) == std::vector<double>(last.end() - rows, last.end()));
       }
       // AdamW's two state buffers: over every element of a chunk with ZeRO-0, about half of them
       // (a block of each bucket, and the few elements past the blocks) with ZeRO-1.
-      auto const chunks = static_cast<std::size_t>(last + 1);
-      REQUIRE(made->size() == static_cast<std::size_t>(pipelines) * chunks);
-      for (std::size_t i = 0; i < made->size(); ++i) {
+      if (run.zero == 1) {
+        check_half_state(run);
+        continue;
+      }
+      REQUIRE(run.states.size() == run.sizes.size());
+      for (std::size_t i = 0; i < run.states.size(); ++i) {
         CAPTURE(i);
-        std::int64_t const n = ex.chunk(static_cast<int>(i % chunks), static_cast<int>(i / chunks)).parameter_count();
-        std::int64_t const values = state_values(*(*made)[i]);
-        if (zero == 0) {
-          CHECK(values == 2 * n);
-        } else {
-          CHECK(values >= n);
-          CHECK(values <= n + 32);  // 2 x (n / 2 + the few past the blocks)
-        }
+        CHECK(run.states[i] == 2 * run.sizes[i]);
       }
     }
     CHECK(worst_relative(runs[1].losses, runs[0].losses) <= curve_tolerance);
-  }
+  });
 }
 
 TEST_CASE("ZeRO-1 over a data x pipeline grid in bf16 follows ZeRO-0 in bf16", "[pipeline][zero]") {
@@ -148,53 +120,22 @@ TEST_CASE("ZeRO-2 over a data x pipeline grid trains as one device and as ZeRO-1
   Env env;
   std::vector<Batch> const batches = make_batches(env);
   mgpu::test::GptCurve const one = mgpu::test::gpt_one_device_curve(env, config, seed, adamw, clip, batches);
-  std::vector<double> const one_weights(one.weights.begin(), one.weights.end());
-  std::vector<Grid> const grids{{"DP 2 x PP 2, gpipe", pp::gpipe(2, 2), {0, 3, 6}},
-                                {"DP 2 x PP 2, 1f1b", pp::one_f_one_b(2, 2), {0, 3, 6}},
-                                {"DP 2 x PP 2, interleaved 2 x 2 chunks", pp::interleaved_one_f_one_b(2, 2, 2), {0, 2, 3, 4, 6}},
-                                {"DP 2 x PP 2, zero bubble", pp::zero_bubble_h1(2, 2), {0, 3, 6}},
-                                {"DP 2 x TP 2 x PP 2, 1f1b", pp::one_f_one_b(2, 2), {0, 4, 6}, 2}};
-  for (Grid const& grid : grids) {
-    CAPTURE(grid.name);
-    std::vector<Run> runs;
-    std::vector<std::vector<std::size_t>> held;  // per stage: each device's bytes between steps
-    for (int zero : {1, 2}) {
-      CAPTURE(zero);
-      mgpu::DeviceGroup group("host:" + std::to_string(4 * grid.tp));
-      auto made = std::make_shared<std::vector<mgpu::optim::Optimizer*>>();
-      pp::ExecutorOptions options = options_for(zero);
-      if (grid.tp > 1) options.tensor_parallel = pp::tensor_parallel_stages(config, grid.tp);
-      pp::Executor ex(nn::gpt(config), group, grid.cuts, grid.schedule, chunk_adamw(made), options);
-      runs.push_back(train(env, ex, batches));
-      double const worst = worst_relative(runs.back().losses, one.losses);
-      double const weights = worst_difference(runs.back().weights, one_weights);
-      WARN(grid.name << ", zero " << zero << ": worst relative loss difference " << worst << ", weights " << weights);
-      CHECK(worst <= curve_tolerance);
-      CHECK(weights < 5e-5);
-      int const pipelines = 2 * grid.tp;
-      for (int replica = grid.tp; replica < pipelines; ++replica)  // equal to replica 0's after the update's gather
-        for (int c = 0; c < ex.schedule().chunks(); ++c)
-          CHECK(as_double(ex.chunk(c, replica).master_parameters()) == as_double(ex.chunk(c, replica % grid.tp).master_parameters()));
-      auto const chunks = static_cast<std::size_t>(ex.schedule().chunks());
-      REQUIRE(made->size() == static_cast<std::size_t>(pipelines) * chunks);
-      for (std::size_t i = 0; i < made->size(); ++i) {  // AdamW's state of about half of each chunk
-        std::int64_t const n = ex.chunk(static_cast<int>(i % chunks), static_cast<int>(i / chunks)).parameter_count();
-        CHECK(state_values(*(*made)[i]) >= n);
-        CHECK(state_values(*(*made)[i]) <= n + 32);
-      }
-      held.emplace_back();
-      for (int r = 0; r < group.size(); ++r) held.back().push_back(group.allocator(r).stats().allocated);
+  run_stages(env, every_schedule(), {1, 2}, DType::float32, batches, [&one](Grid const& grid, std::vector<Run> const& runs) {
+    for (Run const& run : runs) {
+      check_one_device(grid, run, one);
+      check_replicas_agree(grid, run);  // equal to replica 0's after the update's gather
+      check_half_state(run);            // AdamW's state of about half of each chunk
     }
     // ZeRO-2 holds the whole gradients as ZeRO-1 does (the owned ones packed at their front), and
     // nothing more: between steps each device holds what it holds with ZeRO-1.
-    for (std::size_t r = 0; r < held[0].size(); ++r) {
-      CAPTURE(r, held[0][r], held[1][r]);
-      CHECK(held[1][r] == held[0][r]);
+    for (std::size_t r = 0; r < runs[0].held.size(); ++r) {
+      CAPTURE(r, runs[0].held[r], runs[1].held[r]);
+      CHECK(runs[1].held[r] == runs[0].held[r]);
     }
     // ZeRO-1's buckets and owners: the same sums, norm and updates, bit for bit.
     CHECK(runs[1].losses == runs[0].losses);
     CHECK(runs[1].weights == runs[0].weights);
-  }
+  });
 }
 
 TEST_CASE("a pipeline's ZeRO-2 steps as its ZeRO-1 without clipping and peaks no higher, and ZeRO-1 below ZeRO-0",

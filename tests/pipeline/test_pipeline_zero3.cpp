@@ -22,7 +22,6 @@
 #include "support/pipeline_zero_fixture.hpp"
 #include "support/temp_path.hpp"
 
-using mgpu::test::worst_relative;
 using namespace mgpu::test::pipeline_zero;
 
 TEST_CASE("ZeRO-3 over a data x pipeline grid trains as one device, as ZeRO-2 and as ZeRO-1, with every schedule",
@@ -30,47 +29,16 @@ TEST_CASE("ZeRO-3 over a data x pipeline grid trains as one device, as ZeRO-2 an
   Env env;
   std::vector<Batch> const batches = make_batches(env);
   mgpu::test::GptCurve const one = mgpu::test::gpt_one_device_curve(env, config, seed, adamw, clip, batches);
-  std::vector<double> const one_weights(one.weights.begin(), one.weights.end());
-  std::vector<Grid> const grids{{"DP 2 x PP 2, gpipe", pp::gpipe(2, 2), {0, 3, 6}},
-                                {"DP 2 x PP 2, 1f1b", pp::one_f_one_b(2, 2), {0, 3, 6}},
-                                {"DP 2 x PP 2, interleaved 2 x 2 chunks", pp::interleaved_one_f_one_b(2, 2, 2), {0, 2, 3, 4, 6}},
-                                {"DP 2 x PP 2, zb-h1 (the input half of a backward gathers, the weight half reads none)",
-                                 pp::zero_bubble_h1(2, 2), {0, 3, 6}},
-                                {"DP 2 x TP 2 x PP 2, 1f1b", pp::one_f_one_b(2, 2), {0, 4, 6}, 2}};
-  for (Grid const& grid : grids) {
-    CAPTURE(grid.name);
-    std::vector<Run> runs;  // ZeRO-1, 2, 3
-    for (int zero : {1, 2, 3}) {
-      CAPTURE(zero);
-      mgpu::DeviceGroup group("host:" + std::to_string(4 * grid.tp));
-      auto made = std::make_shared<std::vector<mgpu::optim::Optimizer*>>();
-      pp::ExecutorOptions options = options_for(zero);
-      if (grid.tp > 1) options.tensor_parallel = pp::tensor_parallel_stages(config, grid.tp);
-      pp::Executor ex(nn::gpt(config), group, grid.cuts, grid.schedule, chunk_adamw(made), options);
-      runs.push_back(train(env, ex, batches));  // gathers the parameters whole at the end
-      double const worst = worst_relative(runs.back().losses, one.losses);
-      double const weights = worst_difference(runs.back().weights, one_weights);
-      WARN(grid.name << ", zero " << zero << ": worst relative loss difference " << worst << ", weights " << weights);
-      CHECK(worst <= curve_tolerance);
-      CHECK(weights < 5e-5);
-      if (zero < 3) continue;
-      int const pipelines = 2 * grid.tp;
-      for (int replica = grid.tp; replica < pipelines; ++replica)  // every replica gathers the same parameters
-        for (int c = 0; c < ex.schedule().chunks(); ++c)
-          CHECK(as_double(ex.chunk(c, replica).master_parameters()) == as_double(ex.chunk(c, replica % grid.tp).master_parameters()));
-      auto const chunks = static_cast<std::size_t>(ex.schedule().chunks());
-      REQUIRE(made->size() == static_cast<std::size_t>(pipelines) * chunks);
-      for (std::size_t i = 0; i < made->size(); ++i) {  // AdamW's state of about half of each chunk
-        std::int64_t const n = ex.chunk(static_cast<int>(i % chunks), static_cast<int>(i / chunks)).parameter_count();
-        CHECK(state_values(*(*made)[i]) >= n);
-        CHECK(state_values(*(*made)[i]) <= n + 32);
-      }
-    }
+  // With zb-h1 the input half of a backward gathers, the weight half reads none.
+  run_stages(env, every_schedule(), {1, 2, 3}, DType::float32, batches, [&one](Grid const& grid, std::vector<Run> const& runs) {
+    for (Run const& run : runs) check_one_device(grid, run, one);
+    check_replicas_agree(grid, runs[2]);  // every replica gathers the same parameters
+    check_half_state(runs[2]);            // AdamW's state of about half of each chunk
     for (int below : {0, 1}) {  // ZeRO-1 and 2 own the buckets' pieces, ZeRO-3 the units': the norm summed in other pieces
       CHECK(worst_relative(runs[2].losses, runs[below].losses) <= 1e-6);
       CHECK(worst_difference(runs[2].weights, runs[below].weights) < 1e-5);
     }
-  }
+  });
 }
 
 TEST_CASE("a pipeline's ZeRO-3 in float32 and bfloat16 holds less than its ZeRO-2 between steps and at its peak where the "

@@ -90,10 +90,38 @@ std::vector<double> gathered(pp::Executor& ex, Env& env) {
   return as_double(whole.master_parameters());
 }
 
-// The steps [saved_at, steps) on one device from `path`: losses, then the weights.
+// A 2-stage pipeline x DP 2 (1F1B) with ZeRO `zero_stage` on `group`'s 4 devices, no tensor parallelism.
+pp::Executor make_plain(mgpu::DeviceGroup& group, int zero_stage = 0) {
+  return pp::Executor(nn::gpt(config), group, {0, 3, 6}, pp::one_f_one_b(2, 2), chunk_adamw(),
+                      {.seed = seed + 1,
+                       .data_parallel = 2,
+                       .zero_stage = zero_stage,
+                       .clip_norm = clip,
+                       .loss = std::make_shared<nn::TokenCrossEntropy const>()});
+}
+
+// An empty folder at the temporary `name`.
+std::filesystem::path fresh_folder(std::string const& name) {
+  auto const folder = mgpu::test::temp_path(name);
+  std::filesystem::remove_all(folder);
+  std::filesystem::create_directories(folder);
+  return folder;
+}
+
+// The losses of steps [saved_at, steps), each `step(batch)`'s.
+template <class Step>
+std::vector<double> losses_after_save(std::vector<Batch> const& batches, Step const& step) {
+  std::vector<double> losses;
+  for (auto s = static_cast<std::size_t>(saved_at); s < static_cast<std::size_t>(steps); ++s) losses.push_back(step(batches[s]));
+  return losses;
+}
+
+// The steps [saved_at, steps) of a run: losses, then the weights.
 struct Run {
   std::vector<double> losses, weights;
 };
+
+// The steps [saved_at, steps) on one device from `path`.
 Run one_device(Env& env, std::vector<Batch> const& batches, std::filesystem::path const& path) {  // a file or a folder
   nn::Sequential model = nn::gpt(config);
   model.materialize(env.ctx, seed + 1);  // other weights, which the file replaces
@@ -104,14 +132,26 @@ Run one_device(Env& env, std::vector<Batch> const& batches, std::filesystem::pat
       std::filesystem::is_directory(path) ? io::ShardedCheckpoint::load(path).joined() : io::Checkpoint::load(path);
   CHECK(io::load_training(records, path.string(), model, optimizer, *env.allocator, env.stream).step == saved_at);
   Run run;
-  for (int s = saved_at; s < steps; ++s)
-    run.losses.push_back(mgpu::ops::item(nn::train_step(model, optimizer, batches[static_cast<std::size_t>(s)].ids,
-                                                        batches[static_cast<std::size_t>(s)].targets,
-                                                        nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = clip})
-                                             .loss,
-                                         env.stream));
+  run.losses = losses_after_save(batches, [&](Batch const& b) {
+    return mgpu::ops::item(
+        nn::train_step(model, optimizer, b.ids, b.targets, nn::TokenCrossEntropy{}, env.ctx, {.clip_norm = clip}).loss, env.stream);
+  });
   env.stream.synchronize();
   run.weights = as_double(model.master_parameters());
+  return run;
+}
+
+// TP 4 (TensorParallel) from `path` (a file or a folder): the `saved` weights, then its steps.
+Run tensor_parallel_run(std::vector<Batch> const& batches, std::filesystem::path const& path, std::vector<double> const& saved) {
+  mgpu::DeviceGroup four("host:4");
+  par::TensorParallel tp(four, config, {.seed = seed + 1, .adamw = adamw, .clip_norm = clip});
+  CHECK(tp.load(path).step == saved_at);
+  std::vector<float> const loaded = tp.gather_parameters();
+  CHECK(std::vector<double>(loaded.begin(), loaded.end()) == saved);
+  Run run;
+  run.losses = losses_after_save(batches, [&tp](Batch const& b) { return tp.step(b.ids, b.targets).loss; });
+  std::vector<float> const end = tp.gather_parameters();
+  run.weights.assign(end.begin(), end.end());
   return run;
 }
 
@@ -131,56 +171,50 @@ void check_continues(std::string const& layout, Run const& got, Run const& want)
   CHECK(weights < weight_tolerance);
 }
 
-}  // namespace
 
-TEST_CASE("a DP 2 x TP 2 x PP 2 checkpoint resumes on one device, TP 4, PP 2 x DP 2, ZeRO-1 DP 2 and a new grid",
-          "[pipeline][tensor][checkpoint]") {
+// Each test's batches and 8 host devices for the grid (make_grid), and what a grid saved mid-run leaves.
+struct GridFixture {
   Env env;
   std::vector<Batch> const batches = make_batches(env);
+  mgpu::DeviceGroup eight{"host:8"};
+  std::vector<double> saved;  // save_midway's: the grid's weights at the save,
+  Run uninterrupted;          // and its steps after it
+
+  // `ex`'s steps [saved_at, steps), then its weights.
+  Run continue_run(pp::Executor& ex) {
+    Run run;
+    run.losses = losses_after_save(batches, [&ex](Batch const& b) { return ex.step(b.ids, b.targets); });
+    run.weights = gathered(ex, env);
+    return run;
+  }
+
+  // The steps [0, saved_at) of `grid`, saved to `path` (a file or a folder) with data seed 3, and
+  // its steps after the save.
+  void save_midway(pp::Executor& grid, std::filesystem::path const& path) {
+    for (std::size_t s = 0; s < static_cast<std::size_t>(saved_at); ++s) grid.step(batches[s].ids, batches[s].targets);
+    grid.save(path, {.step = saved_at, .data_seed = 3});
+    saved = gathered(grid, env);
+    uninterrupted = continue_run(grid);
+  }
+};
+
+}  // namespace
+
+TEST_CASE_METHOD(GridFixture, "a DP 2 x TP 2 x PP 2 checkpoint resumes on one device, TP 4, PP 2 x DP 2, ZeRO-1 DP 2 and a new grid",
+                 "[pipeline][tensor][checkpoint]") {
   auto const path = mgpu::test::temp_path("mgpu_grid_checkpoint.ckpt");
-  mgpu::DeviceGroup eight("host:8");
   std::unique_ptr<pp::Executor> grid = make_grid(eight);
-  for (int s = 0; s < saved_at; ++s)
-    grid->step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets);
-  grid->save(path, {.step = saved_at, .data_seed = 3});
-  std::vector<double> const saved = gathered(*grid, env);
-  Run uninterrupted;
-  for (int s = saved_at; s < steps; ++s)
-    uninterrupted.losses.push_back(
-        grid->step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets));
-  uninterrupted.weights = gathered(*grid, env);
+  save_midway(*grid, path);
   REQUIRE(worst_difference(uninterrupted.weights, saved) > 1e-3);  // the steps after the save moved the weights
 
   SECTION("one device") { check_continues("one device", one_device(env, batches, path), uninterrupted); }
-  SECTION("TP 4 (TensorParallel)") {
-    mgpu::DeviceGroup four("host:4");
-    par::TensorParallel tp(four, config, {.seed = seed + 1, .adamw = adamw, .clip_norm = clip});
-    CHECK(tp.load(path).step == saved_at);
-    std::vector<float> const loaded = tp.gather_parameters();
-    CHECK(std::vector<double>(loaded.begin(), loaded.end()) == saved);
-    Run run;
-    for (int s = saved_at; s < steps; ++s)
-      run.losses.push_back(
-          tp.step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets).loss);
-    std::vector<float> const end = tp.gather_parameters();
-    run.weights.assign(end.begin(), end.end());
-    check_continues("TP 4", run, uninterrupted);
-  }
+  SECTION("TP 4 (TensorParallel)") { check_continues("TP 4", tensor_parallel_run(batches, path, saved), uninterrupted); }
   SECTION("a plain 2-stage pipeline x DP 2") {
     mgpu::DeviceGroup four("host:4");
-    pp::Executor plain(nn::gpt(config), four, {0, 3, 6}, pp::one_f_one_b(2, 2), chunk_adamw(),
-                       {.seed = seed + 1,
-                        .data_parallel = 2,
-                        .clip_norm = clip,
-                        .loss = std::make_shared<nn::TokenCrossEntropy const>()});
+    pp::Executor plain = make_plain(four);
     CHECK(plain.load(path).data_seed == 3);
     CHECK(gathered(plain, env) == saved);
-    Run run;
-    for (int s = saved_at; s < steps; ++s)
-      run.losses.push_back(
-          plain.step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets));
-    run.weights = gathered(plain, env);
-    check_continues("PP 2 x DP 2", run, uninterrupted);
+    check_continues("PP 2 x DP 2", continue_run(plain), uninterrupted);
   }
   SECTION("DataParallel over 2 devices with ZeRO-1") {
     mgpu::DeviceGroup two("host:2");
@@ -194,9 +228,7 @@ TEST_CASE("a DP 2 x TP 2 x PP 2 checkpoint resumes on one device, TP 4, PP 2 x D
     par::DataParallel dp(nn::gpt(config), two, mgpu::optim::AdamW(options), dp_options);
     CHECK(dp.load(path).step == saved_at);
     Run run;
-    for (int s = saved_at; s < steps; ++s)
-      run.losses.push_back(
-          dp.step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets).loss);
+    run.losses = losses_after_save(batches, [&dp](Batch const& b) { return dp.step(b.ids, b.targets).loss; });
     run.weights = as_double(dp.replica(0).master_parameters());
     check_continues("DataParallel ZeRO-1 x 2", run, uninterrupted);
   }
@@ -206,21 +238,15 @@ TEST_CASE("a DP 2 x TP 2 x PP 2 checkpoint resumes on one device, TP 4, PP 2 x D
     resumed->step(batches[0].ids, batches[0].targets);  // weights, moments and RNG that load() replaces
     CHECK(resumed->load(path).step == saved_at);
     CHECK(gathered(*resumed, env) == saved);
-    Run run;
-    for (int s = saved_at; s < steps; ++s)
-      run.losses.push_back(
-          resumed->step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets));
-    run.weights = gathered(*resumed, env);
+    Run const run = continue_run(*resumed);
     CHECK(run.losses == uninterrupted.losses);  // the same layout: bit for bit
     CHECK(run.weights == uninterrupted.weights);
   }
   std::filesystem::remove(path);
 }
 
-TEST_CASE("a one-device checkpoint loaded into DP 2 x TP 2 x PP 2 continues as the one device",
-          "[pipeline][tensor][checkpoint]") {
-  Env env;
-  std::vector<Batch> const batches = make_batches(env);
+TEST_CASE_METHOD(GridFixture, "a one-device checkpoint loaded into DP 2 x TP 2 x PP 2 continues as the one device",
+                 "[pipeline][tensor][checkpoint]") {
   auto const path = mgpu::test::temp_path("mgpu_grid_from_one.ckpt");
   {
     nn::Sequential model = nn::gpt(config);
@@ -235,34 +261,23 @@ TEST_CASE("a one-device checkpoint loaded into DP 2 x TP 2 x PP 2 continues as t
     io::save_training(path, model, optimizer, {.step = saved_at}, env.stream);
   }
   Run const want = one_device(env, batches, path);
-  mgpu::DeviceGroup eight("host:8");
   std::unique_ptr<pp::Executor> grid = make_grid(eight);
   CHECK(grid->load(path).step == saved_at);
-  Run got;
-  for (int s = saved_at; s < steps; ++s)
-    got.losses.push_back(
-        grid->step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets));
-  got.weights = gathered(*grid, env);
-  check_continues("DP 2 x TP 2 x PP 2 from one device", got, want);
+  check_continues("DP 2 x TP 2 x PP 2 from one device", continue_run(*grid), want);
   std::filesystem::remove(path);
 }
 
-TEST_CASE(
-    "a grid's folder checkpoint loads back, and a damaged shard or another model's file is refused, the grid unchanged",
-    "[pipeline][tensor][checkpoint]") {
-  Env env;
-  std::vector<Batch> const batches = make_batches(env);
-  auto const folder = mgpu::test::temp_path("mgpu_grid_checkpoint_folder");
-  std::filesystem::remove_all(folder);
-  std::filesystem::create_directories(folder);
-  mgpu::DeviceGroup eight("host:8");
+TEST_CASE_METHOD(GridFixture,
+                 "a grid's folder checkpoint loads back, and a damaged shard or another model's file is refused, the grid unchanged",
+                 "[pipeline][tensor][checkpoint]") {
+  auto const folder = fresh_folder("mgpu_grid_checkpoint_folder");
   std::unique_ptr<pp::Executor> grid = make_grid(eight);
   grid->step(batches[0].ids, batches[0].targets);
   grid->save(folder, {.step = 1});
-  std::vector<double> const saved = gathered(*grid, env);
+  std::vector<double> const at_save = gathered(*grid, env);
   grid->step(batches[1].ids, batches[1].targets);
   CHECK(grid->load(folder).step == 1);
-  CHECK(gathered(*grid, env) == saved);
+  CHECK(gathered(*grid, env) == at_save);
   grid->step(batches[1].ids, batches[1].targets);
   std::vector<double> const before = gathered(*grid, env);
 
@@ -304,26 +319,14 @@ TEST_CASE(
   std::filesystem::remove_all(folder);
 }
 
-TEST_CASE("a DP 2 x TP 2 x PP 2 ZeRO folder of each rank's boxes resumes on one device, TP 4 and PP 2 x DP 2 with ZeRO-1",
-          "[pipeline][tensor][checkpoint][box]") {
+TEST_CASE_METHOD(GridFixture,
+                 "a DP 2 x TP 2 x PP 2 ZeRO folder of each rank's boxes resumes on one device, TP 4 and PP 2 x DP 2 with ZeRO-1",
+                 "[pipeline][tensor][checkpoint][box]") {
   int const zero = GENERATE(1, 2, 3);  // the grid's ZeRO stage
   CAPTURE(zero);
-  Env env;
-  std::vector<Batch> const batches = make_batches(env);
-  auto const folder = mgpu::test::temp_path("mgpu_grid_boxes_" + std::to_string(zero));
-  std::filesystem::remove_all(folder);
-  std::filesystem::create_directories(folder);
-  mgpu::DeviceGroup eight("host:8");
+  auto const folder = fresh_folder("mgpu_grid_boxes_" + std::to_string(zero));
   std::unique_ptr<pp::Executor> grid = make_grid(eight, zero);
-  for (int s = 0; s < saved_at; ++s)
-    grid->step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets);
-  grid->save(folder, {.step = saved_at, .data_seed = 3});
-  std::vector<double> const saved = gathered(*grid, env);
-  Run uninterrupted;
-  for (int s = saved_at; s < steps; ++s)
-    uninterrupted.losses.push_back(
-        grid->step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets));
-  uninterrupted.weights = gathered(*grid, env);
+  save_midway(*grid, folder);
   {
     // Boxes only: the tensors by name, no element ranges of the whole model.
     auto const c = io::ShardedCheckpoint::load(folder);
@@ -333,29 +336,12 @@ TEST_CASE("a DP 2 x TP 2 x PP 2 ZeRO folder of each rank's boxes resumes on one 
   }
 
   check_continues("one device", one_device(env, batches, folder), uninterrupted);
-  {
-    mgpu::DeviceGroup four("host:4");
-    par::TensorParallel tp(four, config, {.seed = seed + 1, .adamw = adamw, .clip_norm = clip});
-    CHECK(tp.load(folder).step == saved_at);
-    std::vector<float> const loaded = tp.gather_parameters();
-    CHECK(std::vector<double>(loaded.begin(), loaded.end()) == saved);
-    Run run;
-    for (int s = saved_at; s < steps; ++s)
-      run.losses.push_back(tp.step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets).loss);
-    std::vector<float> const end = tp.gather_parameters();
-    run.weights.assign(end.begin(), end.end());
-    check_continues("TP 4", run, uninterrupted);
-  }
+  check_continues("TP 4", tensor_parallel_run(batches, folder, saved), uninterrupted);
   {
     // Each chunk's boxes read once (both replicas' chunks alike): the model and its two moments,
     // and the tied head's copy of wte, no more.
     mgpu::DeviceGroup four("host:4");
-    pp::Executor plain(nn::gpt(config), four, {0, 3, 6}, pp::one_f_one_b(2, 2), chunk_adamw(),
-                       {.seed = seed + 1,
-                        .data_parallel = 2,
-                        .zero_stage = 1,
-                        .clip_norm = clip,
-                        .loss = std::make_shared<nn::TokenCrossEntropy const>()});
+    pp::Executor plain = make_plain(four, 1);
     auto const c = io::ShardedCheckpoint::load(folder);
     std::uint64_t const at_load = c.payload_bytes_read();
     CHECK(plain.load(c).data_seed == 3);
@@ -363,11 +349,7 @@ TEST_CASE("a DP 2 x TP 2 x PP 2 ZeRO folder of each rank's boxes resumes on one 
     auto const wte_bytes = static_cast<std::uint64_t>(config.vocab * config.n_embd) * sizeof(float);
     CHECK(c.payload_bytes_read() - at_load == 3 * (model_bytes + wte_bytes));
     CHECK(gathered(plain, env) == saved);
-    Run run;
-    for (int s = saved_at; s < steps; ++s)
-      run.losses.push_back(plain.step(batches[static_cast<std::size_t>(s)].ids, batches[static_cast<std::size_t>(s)].targets));
-    run.weights = gathered(plain, env);
-    check_continues("PP 2 x DP 2 ZeRO-1", run, uninterrupted);
+    check_continues("PP 2 x DP 2 ZeRO-1", continue_run(plain), uninterrupted);
   }
   {
     // A folder of whole records (DataParallel's in one process, as loaded) into the grid: the same weights.
@@ -378,9 +360,7 @@ TEST_CASE("a DP 2 x TP 2 x PP 2 ZeRO folder of each rank's boxes resumes on one 
     dp_options.seed = seed + 1;
     par::DataParallel dp(nn::gpt(config), two, mgpu::optim::AdamW(options), dp_options);
     CHECK(dp.load(folder).step == saved_at);
-    auto const whole_records = mgpu::test::temp_path("mgpu_grid_whole_records_" + std::to_string(zero));
-    std::filesystem::remove_all(whole_records);
-    std::filesystem::create_directories(whole_records);
+    auto const whole_records = fresh_folder("mgpu_grid_whole_records_" + std::to_string(zero));
     dp.save(whole_records, {.step = saved_at});
     REQUIRE(!io::ShardedCheckpoint::load(whole_records).has_pieces("model.parameters"));
     std::unique_ptr<pp::Executor> again = make_grid(eight, zero);
@@ -391,13 +371,9 @@ TEST_CASE("a DP 2 x TP 2 x PP 2 ZeRO folder of each rank's boxes resumes on one 
   std::filesystem::remove_all(folder);
 }
 
-TEST_CASE("a TP rank's pipeline chunk reads its own boxes: about half of its layers' bytes", "[pipeline][tensor][checkpoint][box]") {
-  Env env;
-  std::vector<Batch> const batches = make_batches(env);
-  auto const folder = mgpu::test::temp_path("mgpu_grid_chunk_boxes");
-  std::filesystem::remove_all(folder);
-  std::filesystem::create_directories(folder);
-  mgpu::DeviceGroup eight("host:8");
+TEST_CASE_METHOD(GridFixture, "a TP rank's pipeline chunk reads its own boxes: about half of its layers' bytes",
+                 "[pipeline][tensor][checkpoint][box]") {
+  auto const folder = fresh_folder("mgpu_grid_chunk_boxes");
   std::unique_ptr<pp::Executor> grid = make_grid(eight);
   grid->step(batches[0].ids, batches[0].targets);
   grid->save(folder, {.step = 1});
