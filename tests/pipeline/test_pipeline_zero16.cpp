@@ -90,7 +90,7 @@ Run pipeline_run(Env& env, Grid const& grid, int zero, DType compute, std::vecto
                               .loss_scaler = scaler_for(compute, initial_scale),
                               .clip_norm = clip,
                               .loss = std::make_shared<nn::TokenCrossEntropy>()};
-  if (grid.tp > 1) options.tensor_parallel = pp::tensor_parallel_stages(config, grid.tp);
+  if (grid.tp > 1) options.tensor_parallel = pp::tensor_parallel_stages(nn::gpt(config), {}, grid.tp);
   pp::Executor ex(nn::gpt(config), group, grid.cuts, grid.schedule, chunk_adamw(made), options);
   Run run;
   for (std::size_t s = 0; s < batches.size(); ++s) {

@@ -45,7 +45,7 @@ TEST_CASE("ZeRO-3 over a data x pipeline grid trains as one device, as ZeRO-2 an
       mgpu::DeviceGroup group("host:" + std::to_string(4 * grid.tp));
       auto made = std::make_shared<std::vector<mgpu::optim::Optimizer*>>();
       pp::ExecutorOptions options = options_for(zero);
-      if (grid.tp > 1) options.tensor_parallel = pp::tensor_parallel_stages(config, grid.tp);
+      if (grid.tp > 1) options.tensor_parallel = pp::tensor_parallel_stages(mgpu::nn::gpt(config), {}, grid.tp);
       pp::Executor ex(nn::gpt(config), group, grid.cuts, grid.schedule, chunk_adamw(made), options);
       runs.push_back(train(env, ex, batches));  // gathers the parameters whole at the end
       double const worst = worst_relative(runs.back().losses, one.losses);

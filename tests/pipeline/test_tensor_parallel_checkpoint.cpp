@@ -80,7 +80,7 @@ std::unique_ptr<pp::Executor> make_grid(mgpu::DeviceGroup& group, int zero_stage
                                                             .data_parallel = 2,
                                                             .zero_stage = zero_stage,
                                                             .clip_norm = clip,
-                                                            .tensor_parallel = pp::tensor_parallel_stages(config, 2)});
+                                                            .tensor_parallel = pp::tensor_parallel_stages(nn::gpt(config), {}, 2)});
 }
 
 std::vector<double> gathered(pp::Executor& ex, Env& env) {
@@ -154,7 +154,7 @@ TEST_CASE("a DP 2 x TP 2 x PP 2 checkpoint resumes on one device, TP 4, PP 2 x D
   SECTION("one device") { check_continues("one device", one_device(env, batches, path), uninterrupted); }
   SECTION("TP 4 (TensorParallel)") {
     mgpu::DeviceGroup four("host:4");
-    par::TensorParallel tp(four, config, {.seed = seed + 1, .adamw = adamw, .clip_norm = clip});
+    par::TensorParallel tp(four, nn::gpt(config), {.seed = seed + 1, .adamw = adamw, .clip_norm = clip});
     CHECK(tp.load(path).step == saved_at);
     std::vector<float> const loaded = tp.gather_parameters();
     CHECK(std::vector<double>(loaded.begin(), loaded.end()) == saved);
@@ -335,7 +335,7 @@ TEST_CASE("a DP 2 x TP 2 x PP 2 ZeRO folder of each rank's boxes resumes on one 
   check_continues("one device", one_device(env, batches, folder), uninterrupted);
   {
     mgpu::DeviceGroup four("host:4");
-    par::TensorParallel tp(four, config, {.seed = seed + 1, .adamw = adamw, .clip_norm = clip});
+    par::TensorParallel tp(four, nn::gpt(config), {.seed = seed + 1, .adamw = adamw, .clip_norm = clip});
     CHECK(tp.load(folder).step == saved_at);
     std::vector<float> const loaded = tp.gather_parameters();
     CHECK(std::vector<double>(loaded.begin(), loaded.end()) == saved);
@@ -406,7 +406,7 @@ TEST_CASE("a TP rank's pipeline chunk reads its own boxes: about half of its lay
   // and the tied head, which holds a copy of its rank's 34 rows of wte).
   mgpu::DeviceGroup two("host:2");
   std::shared_ptr<mgpu::comm::Communicator> const comm = mgpu::comm::make_communicator(two);
-  pp::TensorParallelStages const stages = pp::tensor_parallel_stages(config, 2);
+  pp::TensorParallelStages const stages = pp::tensor_parallel_stages(nn::gpt(config), {}, 2);
   nn::Sequential chunk = stages.stage(comm, 1, 3, 6);
   for (std::size_t i = 0; i < chunk.size(); ++i)  // as the executor makes it: the head without its embedding
     if (auto* head = dynamic_cast<par::VocabParallelLMHead*>(&chunk.layer(i))) head->hold_weight();
