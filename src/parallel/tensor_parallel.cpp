@@ -230,19 +230,7 @@ void TensorParallel::Impl::recover(std::exception_ptr failure, Before const& bef
   std::rethrow_exception(failure);
 }
 
-TensorParallel::TensorParallel(DeviceGroup& group, nn::GptConfig const& config, TensorParallelOptions options)
-    : TensorParallel(
-          group, nn::gpt(config),
-          [config, sequence_parallel = options.sequence_parallel](std::shared_ptr<comm::Communicator> comm, int rank) {
-            return tensor_parallel_gpt(config, std::move(comm), rank, sequence_parallel);
-          },
-          std::move(options)) {}
-
 TensorParallel::TensorParallel(DeviceGroup& group, nn::Sequential const& whole, TensorParallelOptions options)
-    : TensorParallel(group, whole, MakeShard{}, std::move(options)) {}
-
-TensorParallel::TensorParallel(DeviceGroup& group, nn::Sequential const& whole, MakeShard make_shard,
-                               TensorParallelOptions options)
     : impl_(std::make_unique<Impl>()) {
   Impl& im = *impl_;
   if (!options.loss) options.loss = vocab_parallel_loss(whole, "TensorParallel");
@@ -300,15 +288,12 @@ TensorParallel::TensorParallel(DeviceGroup& group, nn::Sequential const& whole, 
   im.group = &group;
   im.whole = whole.clone();
   im.options = std::move(options);
-  if (!make_shard) {  // parallelize with the options' styles
-    make_shard = [model = std::make_shared<nn::Sequential const>(whole.clone()),
-                  plan = TensorParallelPlan{.styles = im.options.styles,
-                                            .sequence_parallel = im.options.sequence_parallel}](
-                     std::shared_ptr<comm::Communicator> comm, int rank) {
-      return parallelize(*model, plan, std::move(comm), rank);
-    };
-  }
-  im.make_shard = std::move(make_shard);
+  im.make_shard = [model = std::make_shared<nn::Sequential const>(whole.clone()),
+                   plan = TensorParallelPlan{.styles = im.options.styles,
+                                             .sequence_parallel = im.options.sequence_parallel}](
+                      std::shared_ptr<comm::Communicator> comm, int rank) {
+    return parallelize(*model, plan, std::move(comm), rank);
+  };
   im.replicas = replicas;
   im.ranks = size / replicas;
   im.mesh = comm::DeviceMesh({{"dp", replicas}, {"tp", im.ranks}});

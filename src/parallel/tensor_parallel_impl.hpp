@@ -32,7 +32,8 @@ std::vector<float> host_copy(Tensor const& t, Stream& stream);
 struct TensorParallel::Impl {
   DeviceGroup* group = nullptr;
   nn::Sequential whole;  // the architecture
-  MakeShard make_shard;
+  // Rank `rank`'s shard over `comm`'s ranks: parallelize(whole) with the options' styles.
+  std::function<nn::Sequential(std::shared_ptr<comm::Communicator> comm, int rank)> make_shard;
   TensorParallelOptions options;
   int replicas = 1, ranks = 1;  // A and T
   comm::DeviceMesh mesh{{{"tp", 1}}};  // dp A x tp T over the grid's ranks

@@ -1,6 +1,5 @@
 // Tensor parallelism as layer styles: the column- and row-parallel Linears, the styles that make
-// each layer's shard, their registry, parallelize() over a whole Sequential, and the GPT's shard
-// it makes (tensor_parallel_gpt).
+// each layer's shard, their registry, and parallelize() over a whole Sequential.
 #include <mgpu/parallel/tensor_parallel_styles.hpp>
 
 #include <algorithm>
@@ -11,7 +10,6 @@
 
 #include <mgpu/core/error.hpp>
 #include <mgpu/core/memory.hpp>
-#include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/ops.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
@@ -429,21 +427,6 @@ nn::Sequential parallelize(nn::Sequential const& whole, TensorParallelPlan const
     if (origins != nullptr) origins->insert(origins->end(), parts.size(), i);
   }
   return shard;
-}
-
-nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<comm::Communicator> comm, int rank,
-                                   bool sequence_parallel) {
-  nn::Sequential const whole = nn::gpt(config);  // checks the config
-  int const ranks = comm != nullptr ? comm->size() : 0;
-  if (ranks < 1 || config.n_head % ranks != 0)
-    throw Error(Errc::invalid_argument, "tensor_parallel_gpt: " + std::to_string(config.n_head) + " heads over " +
-                                            std::to_string(ranks) +
-                                            " tensor-parallel ranks (expected a group size dividing n_head)");
-  if (config.vocab < ranks)
-    throw Error(Errc::invalid_argument, "tensor_parallel_gpt: a vocab of " + std::to_string(config.vocab) + " over " +
-                                            std::to_string(ranks) +
-                                            " tensor-parallel ranks (expected at least one token id per rank)");
-  return parallelize(whole, {.sequence_parallel = sequence_parallel}, std::move(comm), rank);
 }
 
 }  // namespace mgpu::parallel

@@ -10,7 +10,6 @@
 #include <vector>
 
 #include <mgpu/core/error.hpp>
-#include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/transformer.hpp>
 #include <mgpu/parallel/tensor_parallel.hpp>
 
@@ -54,14 +53,6 @@ TensorParallelStages tensor_parallel_stages(nn::Sequential const& whole, paralle
             return std::vector<std::size_t>(c.origins.begin() + static_cast<std::ptrdiff_t>(c.first),
                                             c.origins.begin() + static_cast<std::ptrdiff_t>(c.last));
           }};
-}
-
-TensorParallelStages tensor_parallel_stages(nn::GptConfig const& config, int ranks, bool sequence_parallel) {
-  if (ranks < 1 || config.n_head % ranks != 0)
-    throw Error(Errc::invalid_argument, "tensor_parallel_stages: " + std::to_string(config.n_head) + " heads over " +
-                                            std::to_string(ranks) +
-                                            " tensor-parallel ranks (expected a rank count dividing n_head)");
-  return tensor_parallel_stages(nn::gpt(config), {.sequence_parallel = sequence_parallel}, ranks);
 }
 
 std::optional<Executor::Impl::Tie> Executor::Impl::find_tie(std::vector<nn::Sequential> const& pipeline_chunks) {

@@ -431,7 +431,8 @@ GptCosts measure_gpt_costs(nn::GptConfig const& config, DeviceGroup& group, std:
     if (group.size() % n != 0) continue;
     if (config.n_head % n == 0 && n <= config.vocab)
       costs.tensor_parallel.push_back(measure_group(n, 1, [](DeviceGroup& devices, nn::GptConfig const& c) {
-        return std::make_unique<parallel::TensorParallel>(devices, c, parallel::TensorParallelOptions{.clip_norm = 1.0f});
+        return std::make_unique<parallel::TensorParallel>(devices, nn::gpt(c),
+                                                          parallel::TensorParallelOptions{.clip_norm = 1.0f});
       }));
     costs.data_parallel.push_back(measure_group(n, n, [](DeviceGroup& devices, nn::GptConfig const& c) {
       parallel::DataParallelOptions options;

@@ -201,7 +201,9 @@ void Trainer::Impl::build_pipeline(optim::AdamWOptions const& adamw) {
   pipeline::ExecutorOptions o{
       .data_parallel = parallel.dp, .zero_stage = layout.zero, .loss = std::make_shared<nn::TokenCrossEntropy>()};
   set_common(o);
-  if (parallel.tp > 1) o.tensor_parallel = pipeline::tensor_parallel_stages(config, parallel.tp, parallel.sequence_parallel);
+  if (parallel.tp > 1)
+    o.tensor_parallel =
+        pipeline::tensor_parallel_stages(*model, {.sequence_parallel = parallel.sequence_parallel}, parallel.tp);
   pipeline = std::make_unique<pipeline::Executor>(
       *model, group, cuts, std::move(schedule),
       [adamw](nn::Sequential const& chunk) {
@@ -229,7 +231,7 @@ void Trainer::Impl::build_tensor_parallel(optim::AdamWOptions const& adamw) {
                                     .sequence_parallel = parallel.sequence_parallel};
   set_common(o);  // across processes the mesh is the grid over the world's devices, each process passing the whole batch
   cap_buckets(o, parallel.bucket_cap_bytes);
-  tensor = std::make_unique<parallel::TensorParallel>(group, config, std::move(o));
+  tensor = std::make_unique<parallel::TensorParallel>(group, nn::gpt(config), std::move(o));
   if (!options.initial_parameters.empty()) tensor->scatter_parameters(options.initial_parameters);
 }
 

@@ -74,6 +74,12 @@ void ParallelConfig::validate(nn::GptConfig const& model, LayoutChecks const& ch
     refuse(name("schedule", "--schedule") + " layer-split with " + name("micro_batches ", "--micro-batches ") +
            std::to_string(micro_batches) + " (expected 1: one batch through the stages in turn)");
   if (tp > 1) {
+    if (model.n_head % tp != 0)
+      refuse(n_tp + " with " + name("n_head ", "--n-head ") + std::to_string(model.n_head) + " (expected " +
+             name("tp", "--tp") + " dividing " + name("n_head", "--n-head") + ": each device holds whole heads)");
+    if (model.vocab < tp)
+      refuse(n_tp + " with a vocab of " + std::to_string(model.vocab) + " (expected " + name("tp", "--tp") +
+             " at most the vocab: each device holds at least one token id)");
     if (sequence_parallel && model.block_size % tp != 0)
       refuse(name("sequence_parallel", "--sequence-parallel") + " with " + name("block_size ", "--block-size ") +
              std::to_string(model.block_size) + " over " + n_tp + " (expected a block size divisible by " +

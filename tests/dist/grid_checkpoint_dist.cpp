@@ -135,7 +135,7 @@ void test_grid_checkpoint(mgpu::dist::World const& world, mgpu::DeviceGroup& gro
                               .data_parallel = 2,
                               .timeout = 60s,
                               .clip_norm = clip,
-                              .tensor_parallel = pp::tensor_parallel_stages(config, 2)};
+                              .tensor_parallel = pp::tensor_parallel_stages(nn::gpt(config), {}, 2)};
   mgpu::io::TrainingState const position{.step = saved_at, .data_seed = 41};
   Run uninterrupted;
   {

@@ -109,11 +109,11 @@ void test_failure(Setup const& s) {
     std::string const what = "tensor parallel";
     par::TensorParallelOptions options{.seed = 5, .adamw = {.lr = 0.01f}, .comm = {.timeout = 3s}};
     mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
-    par::TensorParallel reference(one, tp_config, options);
+    par::TensorParallel reference(one, mgpu::nn::gpt(tp_config), options);
     options.make_communicator = mgpu::dist::communicator_factory(s.world);
     options.make_subset_communicator = mgpu::dist::subset_communicator_factory(s.world);
     mgpu::DeviceGroup own(devices);
-    par::TensorParallel tp(own, tp_config, options);
+    par::TensorParallel tp(own, mgpu::nn::gpt(tp_config), options);
     auto const good_step = [&](std::size_t b) {
       double const expected = reference.step(batches.xs[b], batches.ys[b]).loss;
       double const got = tp.step(batches.xs[b], batches.ys[b]).loss;

@@ -57,7 +57,8 @@ void test_tensor_parallel_pipeline(Setup const& s) {
                                 .data_parallel = replicas,
                                 .timeout = 60s,
                                 .clip_norm = 0.1f,
-                                .tensor_parallel = pp::tensor_parallel_stages(config, 2, sequence_parallel)};
+                                .tensor_parallel = pp::tensor_parallel_stages(
+                                    mgpu::nn::gpt(config), {.sequence_parallel = sequence_parallel}, 2)};
     mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
     pp::Executor reference(model, one, cuts, pp::one_f_one_b(devices, 2), adamw, options);
     options.make_communicator = mgpu::dist::communicator_factory(s.world);
@@ -83,7 +84,7 @@ void test_tensor_parallel_pipeline(Setup const& s) {
            what << ": scatter_parameters then gather_parameters changed the weights");
   }
   pp::ExecutorOptions options{.timeout = 60s,
-                              .tensor_parallel = pp::tensor_parallel_stages(config, 2),
+                              .tensor_parallel = pp::tensor_parallel_stages(mgpu::nn::gpt(config), {}, 2),
                               .make_communicator = mgpu::dist::communicator_factory(s.world)};
   options.data_parallel = replicas;
   expect_refused([&] { pp::Executor(model, s.group, cuts, pp::one_f_one_b(devices, 2), adamw, options); },
@@ -133,10 +134,10 @@ void test_tensor_parallel(Setup const& s) {
                                        .sequence_parallel = c.sequence_parallel,
                                        .comm = {.timeout = 60s}};
     mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
-    par::TensorParallel reference(one, config, options);
+    par::TensorParallel reference(one, mgpu::nn::gpt(config), options);
     options.make_communicator = mgpu::dist::communicator_factory(s.world);
     options.make_subset_communicator = mgpu::dist::subset_communicator_factory(s.world);
-    par::TensorParallel tp(s.group, config, options);
+    par::TensorParallel tp(s.group, mgpu::nn::gpt(config), options);
     EXPECT(tp.size() == s.size() && tp.data_parallel() == c.replicas && tp.tensor_parallel() == t_ranks,
            what << ": a grid of " << tp.data_parallel() << " x " << tp.tensor_parallel());
     // A bad id is refused by every process before any work; the run below then follows the reference.
@@ -164,7 +165,7 @@ void test_tensor_parallel(Setup const& s) {
   }
   if (s.size() % 2 == 0) {
     par::TensorParallelOptions options{.data_parallel = 2, .make_communicator = mgpu::dist::communicator_factory(s.world)};
-    expect_refused([&] { par::TensorParallel(s.group, mgpu::nn::GptConfig{.vocab = 32, .block_size = 8, .n_layer = 1, .n_head = 4, .n_embd = 16}, options); },
+    expect_refused([&] { par::TensorParallel(s.group, mgpu::nn::gpt({.vocab = 32, .block_size = 8, .n_layer = 1, .n_head = 4, .n_embd = 16}), options); },
                    "without make_subset_communicator", "data_parallel 2 across processes without the subset factory");
   }
 }

@@ -195,7 +195,7 @@ expect_error() {
 expect_error "--micro-batches 2 without a pipeline" "${common[@]}" --micro-batches 2
 expect_error "--devices host:3 has 3 devices (expected --stages x --dp = 4)" "${common[@]}" --stages 2 --dp 2 --devices host:3
 expect_error "--dp 3 with --devices host:2 (expected the number of devices, 2" "${common[@]}" --devices host:2 --dp 3
-expect_error "2 heads over 3 tensor-parallel ranks (expected a group size dividing n_head)" "${common[@]}" --tp 3
+expect_error "--tp 3 with --n-head 2 (expected --tp dividing --n-head: each device holds whole heads)" "${common[@]}" --tp 3
 expect_error "--devices host:3 has 3 devices (expected --dp x --tp x --stages = 4)" "${common[@]}" --tp 2 --stages 2 --devices host:3
 expect_error "--devices host:3 has 3 devices (expected --dp x --tp = 4)" "${common[@]}" --tp 2 --dp 2 --devices host:3
 expect_error "--zero 4 (expected 0, the replicated update, 1" "${common[@]}" --devices host:2 --zero 4

@@ -85,7 +85,7 @@ IMPOSSIBLE = [
     ("dp2 sp", r"--sequence-parallel with --tp 1 \(expected --tp 2 or more"),
     ("pp:1f1b sp", r"--sequence-parallel with --tp 1 \(expected --tp 2 or more"),
     ("tp2 sp --block-size=15", r"--sequence-parallel with --block-size 15 over --tp 2 \(expected a block size divisible by --tp\)"),
-    ("tp2 --n-head=3 --n-embd=33", r"3 heads over 2 tensor-parallel ranks \(expected a group size dividing n_head\)"),
+    ("tp2 --n-head=3 --n-embd=33", r"--tp 2 with --n-head 3 \(expected --tp dividing --n-head: each device holds whole heads\)"),
     ("dp2 pp:interleaved --micro-batches=3", r"interleaved 1F1B with 3 micro-batches on 2 devices \(expected a multiple of the device count\)"),
     ("dp2 tp2 --batch-size=1", r"--batch-size 1 with --dp 2 \(expected at least 2: one row per replica\)"),
     ("dp2 --batch-size=1", r"--batch-size 1 with --dp 2 \(expected at least 2: one row per replica\)"),

@@ -144,7 +144,7 @@ TEST_CASE("metrics: TensorParallel reports each rank's compute and time in colle
   mgpu::nn::GptConfig const config{.vocab = 64, .block_size = 16, .n_layer = 2, .n_head = 4, .n_embd = 32};
   mgpu::DeviceGroup group{"host:2"};
   auto const registry = std::make_shared<Registry>("tp");
-  mgpu::parallel::TensorParallel tp(group, config, {.seed = 5, .metrics = registry});
+  mgpu::parallel::TensorParallel tp(group, mgpu::nn::gpt(config), {.seed = 5, .metrics = registry});
   mgpu::test::TokenBatch const batch = mgpu::test::rule_batch(env, 3, config.block_size, config.vocab, 7);
   (void)tp.step(batch.ids, batch.targets);
   auto const start = Clock::now();

@@ -36,7 +36,7 @@ TEST_CASE("predicted parameter bytes are those of the model and of every tensor-
   CHECK(one[0].optimizer == 2 * one[0].parameters);  // AdamW's m and v
   for (int ranks : {2, 3, 4}) {
     mgpu::DeviceGroup group("host:" + std::to_string(ranks));
-    par::TensorParallel tp(group, config, {.seed = 1});
+    par::TensorParallel tp(group, mgpu::nn::gpt(config), {.seed = 1});
     std::vector<par::GptMemory> const predicted = par::predict_gpt_memory(config, 4, {.tensor_parallel = ranks});
     REQUIRE(predicted.size() == static_cast<std::size_t>(ranks));
     for (int r = 0; r < ranks; ++r) {
@@ -200,7 +200,7 @@ TEST_CASE("tensor-parallel stages hold the executor's shards, and each rank the 
   std::size_t const layers = mgpu::nn::gpt(config).size();
   std::vector<std::size_t> const cuts{0, 3, layers};
   for (int ranks : {2, 3, 4}) {  // vocab 67: ranks hold 33/34, 22/22/23 and 16/17/17/17 rows
-    mgpu::pipeline::TensorParallelStages const stages = mgpu::pipeline::tensor_parallel_stages(config, ranks);
+    mgpu::pipeline::TensorParallelStages const stages = mgpu::pipeline::tensor_parallel_stages(mgpu::nn::gpt(config), {}, ranks);
     mgpu::DeviceGroup group("host:" + std::to_string(ranks));
     std::shared_ptr<mgpu::comm::Communicator> const comm = mgpu::comm::make_communicator(group);
     std::vector<par::GptMemory> const grid =

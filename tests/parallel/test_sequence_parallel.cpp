@@ -64,8 +64,8 @@ TEST_CASE("sequence parallelism over 2 and 4 ranks trains as one device and as t
   for (int const ranks : {2, 4}) {
     CAPTURE(ranks);
     mgpu::DeviceGroup group("host:" + std::to_string(ranks));
-    par::TensorParallel plain(group, config, {.seed = seed, .adamw = adamw, .clip_norm = clip});
-    par::TensorParallel tp(group, config, {.seed = seed, .adamw = adamw, .clip_norm = clip, .sequence_parallel = true});
+    par::TensorParallel plain(group, nn::gpt(config), {.seed = seed, .adamw = adamw, .clip_norm = clip});
+    par::TensorParallel tp(group, nn::gpt(config), {.seed = seed, .adamw = adamw, .clip_norm = clip, .sequence_parallel = true});
     // Between the regions a rank holds its B T / ranks tokens.
     CHECK(tp.shard(1).layer(0).output_shape({batch, config.block_size}) ==
           mgpu::Shape{batch, config.block_size / ranks, config.n_embd});
@@ -104,7 +104,7 @@ TEST_CASE("sequence-parallel gradients gathered from the shards are the one devi
   for (int const ranks : {2, 4}) {
     CAPTURE(ranks);
     mgpu::DeviceGroup group("host:" + std::to_string(ranks));
-    par::TensorParallel tp(group, config, {.seed = seed, .adamw = adamw, .sequence_parallel = true});
+    par::TensorParallel tp(group, nn::gpt(config), {.seed = seed, .adamw = adamw, .sequence_parallel = true});
     tp.step(b.ids, b.targets, 0.0f);  // AdamW at lr 0 leaves the weights as they are
     std::vector<float> const got = gathered_gradients(tp, model);
     CHECK(std::none_of(got.begin(), got.end(), [](float g) { return std::isnan(g); }));
@@ -127,7 +127,7 @@ TEST_CASE("with dropout sequence parallelism drops what one device drops: 2 and 
 
   auto const check_run = [&](mgpu::DeviceGroup& group, int replicas) {
     par::TensorParallel tp(
-        group, dropped,
+        group, nn::gpt(dropped),
         {.seed = seed, .adamw = adamw, .clip_norm = clip, .data_parallel = replicas, .sequence_parallel = true});
     double worst = 0;
     for (std::size_t s = 0; s < batches.size(); ++s)
@@ -155,7 +155,7 @@ TEST_CASE("sequence-parallel recomputation, selective and full, gives the losses
     nn::GptConfig c = config;
     c.dropout = 0.2f;
     c.recompute = recompute;
-    par::TensorParallel tp(group, c, {.seed = seed, .adamw = adamw, .clip_norm = clip, .sequence_parallel = true});
+    par::TensorParallel tp(group, nn::gpt(c), {.seed = seed, .adamw = adamw, .clip_norm = clip, .sequence_parallel = true});
     std::vector<double> losses;
     for (Batch const& b : batches) losses.push_back(tp.step(b.ids, b.targets).loss);
     for (int r = 0; r < 2; ++r)
@@ -179,7 +179,7 @@ TEST_CASE("sequence parallelism with data-parallel replicas (DP 2 x TP 2, uneven
   auto const [want, want_weights] = one_device_curve(env, batches);
   mgpu::DeviceGroup group("host:4");
   par::TensorParallel grid(
-      group, config, {.seed = seed, .adamw = adamw, .clip_norm = clip, .data_parallel = 2, .sequence_parallel = true});
+      group, nn::gpt(config), {.seed = seed, .adamw = adamw, .clip_norm = clip, .data_parallel = 2, .sequence_parallel = true});
   double worst = 0;
   for (int s = 0; s < steps; ++s) {
     Batch const& b = batches[static_cast<std::size_t>(s)];
@@ -211,7 +211,7 @@ TEST_CASE("sequence parallelism keeps 1/T of the LayerNorms' activations on each
   };
   auto const measure = [&](int ranks, bool sequence_parallel) {
     mgpu::DeviceGroup group("host:" + std::to_string(ranks));
-    par::TensorParallel tp(group, config, {.seed = seed, .sequence_parallel = sequence_parallel});
+    par::TensorParallel tp(group, nn::gpt(config), {.seed = seed, .sequence_parallel = sequence_parallel});
     std::vector<Held> held(static_cast<std::size_t>(ranks));
     group.run([&](int rank, mgpu::Device device, mgpu::Stream& stream) {
       mgpu::Allocator& allocator = group.allocator(rank);
@@ -271,7 +271,7 @@ TEST_CASE("sequence parallelism refuses a sequence length the ranks do not divid
           "[parallel][tensor][sequence]") {
   Env env;
   mgpu::DeviceGroup group("host:4");
-  par::TensorParallel tp(group, config, {.seed = seed, .sequence_parallel = true});
+  par::TensorParallel tp(group, nn::gpt(config), {.seed = seed, .sequence_parallel = true});
   Batch const odd = mgpu::test::rule_batch(env, batch, 14, config.vocab, 9);  // 14 tokens over 4 ranks
   REQUIRE_MGPU_ERROR(tp.step(odd.ids, odd.targets), mgpu::Errc::invalid_argument,
                      "ids of shape [3, 14] with sequence parallelism (expected a sequence length T divisible by the "
@@ -279,7 +279,7 @@ TEST_CASE("sequence parallelism refuses a sequence length the ranks do not divid
   // Nothing ran: the ranks still train, on 12 tokens.
   Batch const even = mgpu::test::rule_batch(env, batch, 12, config.vocab, 9);
   mgpu::DeviceGroup one("host:1");
-  par::TensorParallel reference(one, config, {.seed = seed});
+  par::TensorParallel reference(one, nn::gpt(config), {.seed = seed});
   CHECK(tp.step(even.ids, even.targets, 0.0f).loss ==
         Approx(reference.step(even.ids, even.targets, 0.0f).loss).epsilon(1e-6));
 }

@@ -53,7 +53,7 @@ TEST_CASE("a tensor-parallel GPT trains as on one device over 2 and 4 ranks, cli
   for (int const ranks : {2, 4}) {
     CAPTURE(ranks);
     mgpu::DeviceGroup group("host:" + std::to_string(ranks));
-    par::TensorParallel tp(group, config, {.seed = seed, .adamw = adamw, .clip_norm = clip});
+    par::TensorParallel tp(group, nn::gpt(config), {.seed = seed, .adamw = adamw, .clip_norm = clip});
     // Before any step the shards together are the one-device model materialized from the seed.
     nn::Sequential fresh = nn::gpt(config);
     fresh.materialize(env.ctx, seed);
@@ -110,7 +110,7 @@ TEST_CASE(
   for (int const ranks : {2, 4}) {
     CAPTURE(ranks);
     mgpu::DeviceGroup group("host:" + std::to_string(ranks));
-    par::TensorParallel tp(group, dropped, {.seed = seed, .adamw = adamw, .clip_norm = clip});
+    par::TensorParallel tp(group, nn::gpt(dropped), {.seed = seed, .adamw = adamw, .clip_norm = clip});
     double worst = 0;
     for (std::size_t s = 0; s < batches.size(); ++s)
       worst = std::max(worst, std::abs(tp.step(batches[s].ids, batches[s].targets).loss - want[s]) / want[s]);
@@ -138,7 +138,7 @@ TEST_CASE(
   // Data-parallel replicas (DP 2 x TP 2) drop what one device drops on their rows too (each
   // replica's dropout starts at its first row's offset in the batch).
   mgpu::DeviceGroup group("host:4");
-  par::TensorParallel grid(group, dropped, {.seed = seed, .adamw = adamw, .clip_norm = clip, .data_parallel = 2});
+  par::TensorParallel grid(group, nn::gpt(dropped), {.seed = seed, .adamw = adamw, .clip_norm = clip, .data_parallel = 2});
   double worst = 0;
   for (std::size_t s = 0; s < batches.size(); ++s)
     worst = std::max(worst, std::abs(grid.step(batches[s].ids, batches[s].targets).loss - want[s]) / want[s]);
@@ -156,7 +156,7 @@ TEST_CASE("tensor-parallel recomputation, selective and full, gives the losses a
     nn::GptConfig c = config;
     c.dropout = 0.2f;
     c.recompute = recompute;
-    par::TensorParallel tp(group, c, {.seed = seed, .adamw = adamw, .clip_norm = clip});
+    par::TensorParallel tp(group, nn::gpt(c), {.seed = seed, .adamw = adamw, .clip_norm = clip});
     std::vector<double> losses;
     for (Batch const& b : batches) losses.push_back(tp.step(b.ids, b.targets).loss);
     // Nothing kept past the step.
@@ -184,7 +184,7 @@ TEST_CASE("tensor-parallel gradients gathered from the shards are the one device
   std::vector<float> const want = host_values(model.master_gradients());
 
   mgpu::DeviceGroup group("host:2");
-  par::TensorParallel tp(group, config, {.seed = seed, .adamw = adamw});
+  par::TensorParallel tp(group, nn::gpt(config), {.seed = seed, .adamw = adamw});
   tp.step(b.ids, b.targets, 0.0f);  // AdamW at lr 0 leaves the weights as they are
   std::vector<float> const got = gathered_gradients(tp, model);
   double scale = 0;
@@ -217,7 +217,7 @@ TEST_CASE(
   }
 
   mgpu::DeviceGroup group("host:4");
-  par::TensorParallel tp(group, odd, {.seed = seed, .adamw = adamw});
+  par::TensorParallel tp(group, nn::gpt(odd), {.seed = seed, .adamw = adamw});
   std::int64_t const firsts[] = {0, 16, 33, 50, 67};
   for (int r = 0; r < 4; ++r) {
     CHECK(par::vocab_shard(odd.vocab, 4, r) == std::pair{firsts[r], firsts[r + 1]});
@@ -259,7 +259,7 @@ TEST_CASE("tensor-parallel clipping counts replicated parameters once and split 
   REQUIRE(moved > 1e-3);  // the step moved the weights by far more than the tolerance below
 
   mgpu::DeviceGroup group("host:2");
-  par::TensorParallel tp(group, config,
+  par::TensorParallel tp(group, nn::gpt(config),
                          {.seed = seed,
                           .optimizer =
                               [](nn::Sequential const&) {
@@ -274,7 +274,7 @@ TEST_CASE("each tensor-parallel rank holds 1/T of the split matrices, and scatte
           "[parallel][tensor]") {
   Env env;
   mgpu::DeviceGroup group("host:4");
-  par::TensorParallel tp(group, config, {.seed = seed});
+  par::TensorParallel tp(group, nn::gpt(config), {.seed = seed});
   std::int64_t const c = config.n_embd, v = config.vocab, p = config.block_size;
   std::int64_t const split = 3 * c * c + 3 * c + c * c + 4 * c * c + 4 * c + 4 * c * c;  // per block
   std::int64_t const replicated = p * c + config.n_layer * (2 * c + c + 2 * c + c) + 2 * c;
@@ -312,9 +312,9 @@ TEST_CASE(
   auto const [want, want_weights] = one_device_curve(env, batches);
 
   mgpu::DeviceGroup pair("host:2");
-  par::TensorParallel tp(pair, config, {.seed = seed, .adamw = adamw, .clip_norm = clip});
+  par::TensorParallel tp(pair, nn::gpt(config), {.seed = seed, .adamw = adamw, .clip_norm = clip});
   mgpu::DeviceGroup group("host:4");
-  par::TensorParallel grid(group, config, {.seed = seed, .adamw = adamw, .clip_norm = clip, .data_parallel = 2});
+  par::TensorParallel grid(group, nn::gpt(config), {.seed = seed, .adamw = adamw, .clip_norm = clip, .data_parallel = 2});
   CHECK(grid.data_parallel() == 2);
   CHECK(grid.tensor_parallel() == 2);
   double worst = 0, worst_tp = 0;
@@ -341,12 +341,12 @@ TEST_CASE("a data-parallel count that does not divide the group, or a batch with
           "[parallel][tensor]") {
   mgpu::DeviceGroup four("host:4");
   REQUIRE_MGPU_ERROR(
-      par::TensorParallel(four, config, {.data_parallel = 3}), mgpu::Errc::invalid_argument,
+      par::TensorParallel(four, nn::gpt(config), {.data_parallel = 3}), mgpu::Errc::invalid_argument,
       "data_parallel 3 over a group of 4 devices (expected a replica count >= 1 dividing the group size)");
-  REQUIRE_MGPU_ERROR(par::TensorParallel(four, config, {.data_parallel = 0}), mgpu::Errc::invalid_argument,
+  REQUIRE_MGPU_ERROR(par::TensorParallel(four, nn::gpt(config), {.data_parallel = 0}), mgpu::Errc::invalid_argument,
                      "data_parallel 0 over a group of 4 devices");
   Env env;
-  par::TensorParallel replicas(four, config, {.seed = seed, .data_parallel = 4});
+  par::TensorParallel replicas(four, nn::gpt(config), {.seed = seed, .data_parallel = 4});
   Batch const b = make_batch(env, 0);
   REQUIRE_MGPU_ERROR(replicas.step(b.ids, b.targets), mgpu::Errc::invalid_argument,
                      "a batch of 3 rows over 4 data-parallel replicas (expected at least one row per replica)");
@@ -355,17 +355,18 @@ TEST_CASE("a data-parallel count that does not divide the group, or a batch with
 TEST_CASE("a tensor-parallel split that does not divide the heads, or a vocab below the ranks, is refused",
           "[parallel][tensor]") {
   mgpu::DeviceGroup three("host:3");
-  REQUIRE_MGPU_ERROR(par::TensorParallel(three, config), mgpu::Errc::invalid_argument,
-                     "4 heads over 3 tensor-parallel ranks (expected a group size dividing n_head)");
+  REQUIRE_MGPU_ERROR(par::TensorParallel(three, nn::gpt(config)), mgpu::Errc::invalid_argument,
+                     "TensorParallelBlock(32 features, 4 heads, 3 ranks) (expected heads dividing the features and "
+                     "the ranks dividing the heads)");
   mgpu::DeviceGroup four("host:4");
   nn::GptConfig tiny_vocab = config;
   tiny_vocab.vocab = 3;
-  REQUIRE_MGPU_ERROR(par::TensorParallel(four, tiny_vocab), mgpu::Errc::invalid_argument,
+  REQUIRE_MGPU_ERROR(par::TensorParallel(four, nn::gpt(tiny_vocab)), mgpu::Errc::invalid_argument,
                      "a vocab of 3 over 4 tensor-parallel ranks (expected at least one token id per rank)");
   mgpu::DeviceGroup two("host:2");
   mgpu::optim::AdamWOptions decayed = adamw;
   decayed.decay_ranges = nn::gpt_decay_ranges(config);
-  REQUIRE_MGPU_ERROR(par::TensorParallel(two, config, {.adamw = decayed}), mgpu::Errc::invalid_argument,
+  REQUIRE_MGPU_ERROR(par::TensorParallel(two, nn::gpt(config), {.adamw = decayed}), mgpu::Errc::invalid_argument,
                      "(expected none: each rank decays its shard's 2-D weights)");
 }
 
@@ -379,7 +380,8 @@ TEST_CASE("Tensor-parallel shards keep nothing for backward in a forward that no
       mgpu::DeviceGroup group("host:2");
       std::shared_ptr<mgpu::comm::Communicator> const comm = mgpu::comm::make_communicator(group);
       std::vector<nn::Sequential> shards;
-      for (int r = 0; r < 2; ++r) shards.push_back(par::tensor_parallel_gpt(c, comm, r, sequence));
+      for (int r = 0; r < 2; ++r)
+        shards.push_back(par::parallelize(nn::gpt(c), {.sequence_parallel = sequence}, comm, r));
       std::vector<Tensor> ids;  // the same ids on each rank's device
       for (int r = 0; r < 2; ++r) {
         ids.push_back(Tensor::empty({2, c.block_size}, DType::int32, group.allocator(r)));

@@ -67,7 +67,7 @@ std::vector<double> run(par::TensorParallel& tp, std::vector<TokenBatch> const& 
 // run's losses of steps 3..5.
 std::vector<double> save_dp2_tp2_at_3(std::vector<TokenBatch> const& bs, fs::path const& path) {
   mgpu::DeviceGroup group("host:4");
-  par::TensorParallel tp(group, config, options(2));
+  par::TensorParallel tp(group, nn::gpt(config), options(2));
   (void)run(tp, bs, 0, 3);
   tp.save(path, {.step = 3});
   return run(tp, bs, 3, 6);
@@ -97,13 +97,13 @@ TEST_CASE("a DP 2 x TP 2 checkpoint continues bit for bit, and on one device and
   std::vector<double> const rest = save_dp2_tp2_at_3(bs, file);
   SECTION("the same layout, from other weights: bit for bit") {
     mgpu::DeviceGroup group("host:4");
-    par::TensorParallel tp(group, config, options(2, 99));
+    par::TensorParallel tp(group, nn::gpt(config), options(2, 99));
     CHECK(tp.load(file).step == 3);
     CHECK(run(tp, bs, 3, 6) == rest);
   }
   SECTION("TP 4") {
     mgpu::DeviceGroup group("host:4");
-    par::TensorParallel tp(group, config, options(1, 99));
+    par::TensorParallel tp(group, nn::gpt(config), options(1, 99));
     tp.load(file);
     CHECK(worst_relative(run(tp, bs, 3, 6), rest) < 1e-5);
   }
@@ -125,7 +125,7 @@ TEST_CASE("a one-device checkpoint loads into TP 2, which continues as the one d
   std::vector<double> const want = one.steps(bs, 2, 5, clip);
 
   mgpu::DeviceGroup group("host:2");
-  par::TensorParallel tp(group, config, options(1));
+  par::TensorParallel tp(group, nn::gpt(config), options(1));
   CHECK(tp.load(file).step == 2);
   CHECK(worst_relative(run(tp, bs, 2, 5), want) < 1e-5);
 }
@@ -136,7 +136,7 @@ TEST_CASE("TensorParallel saves into a folder and refuses another model or a dam
   auto const bs = batches(env, 4);
   TempDir dir;
   mgpu::DeviceGroup group("host:2");
-  par::TensorParallel tp(group, config, options(1));
+  par::TensorParallel tp(group, nn::gpt(config), options(1));
   (void)run(tp, bs, 0, 2);
   fs::path const folder = dir.path / "folder";
   fs::create_directories(folder);
@@ -146,20 +146,20 @@ TEST_CASE("TensorParallel saves into a folder and refuses another model or a dam
   std::vector<float> const before = tp.gather_parameters();
   std::vector<double> const rest = run(tp, bs, 2, 4);
 
-  par::TensorParallel from_folder(group, config, options(1, 11));
+  par::TensorParallel from_folder(group, nn::gpt(config), options(1, 11));
   CHECK(from_folder.load(folder).step == 2);
   CHECK(from_folder.gather_parameters() == before);
   CHECK(run(from_folder, bs, 2, 4) == rest);
 
   nn::GptConfig other = config;
   other.n_layer = 1;
-  par::TensorParallel small(group, other, options(1, 11));
+  par::TensorParallel small(group, nn::gpt(other), options(1, 11));
   std::vector<float> const small_before = small.gather_parameters();
   REQUIRE_MGPU_ERROR(small.load(file), mgpu::Errc::invalid_argument, "the model differs");
   CHECK(small.gather_parameters() == small_before);
 
   flip_middle_byte(file);  // in the parameters' payload
-  par::TensorParallel damaged(group, config, options(1, 11));
+  par::TensorParallel damaged(group, nn::gpt(config), options(1, 11));
   std::vector<float> const damaged_before = damaged.gather_parameters();
   REQUIRE_MGPU_ERROR(damaged.load(file), mgpu::Errc::corrupt_data, file.string());
   CHECK(damaged.gather_parameters() == damaged_before);
@@ -189,13 +189,13 @@ TEST_CASE("a DP 2 x TP 2 folder holds each rank's boxes, and continues on TP 4, 
   }
   SECTION("TP 4") {
     mgpu::DeviceGroup group("host:4");
-    par::TensorParallel tp(group, config, options(1, 99));
+    par::TensorParallel tp(group, nn::gpt(config), options(1, 99));
     CHECK(tp.load(folder).step == 3);
     CHECK(worst_relative(run(tp, bs, 3, 6), rest) < 1e-5);
   }
   SECTION("the same layout: bit for bit") {
     mgpu::DeviceGroup group("host:4");
-    par::TensorParallel tp(group, config, options(2, 99));
+    par::TensorParallel tp(group, nn::gpt(config), options(2, 99));
     tp.load(folder);
     CHECK(run(tp, bs, 3, 6) == rest);
   }
@@ -242,7 +242,7 @@ TEST_CASE("a DP 2 x TP 2 folder holds each rank's boxes, and continues on TP 4, 
     REQUIRE(!shard.empty());
     flip_middle_byte(shard);  // inside one of rank 1's boxes' payloads
     mgpu::DeviceGroup group("host:2");
-    par::TensorParallel tp(group, config, options(1, 99));
+    par::TensorParallel tp(group, nn::gpt(config), options(1, 99));
     std::vector<float> const before = tp.gather_parameters();
     REQUIRE_MGPU_ERROR(tp.load(folder), mgpu::Errc::corrupt_data, shard.string() + ": checksum mismatch in record 'box:");
     CHECK(tp.gather_parameters() == before);
@@ -254,12 +254,12 @@ TEST_CASE("a rank of TP 2 reads its own boxes of a TP 2 folder: about half the m
   auto const bs = batches(env, 2);
   TempDir dir;
   mgpu::DeviceGroup group("host:2");
-  par::TensorParallel tp(group, config, options(1));
+  par::TensorParallel tp(group, nn::gpt(config), options(1));
   (void)run(tp, bs, 0, 2);
   tp.save(dir.path, {.step = 2});
   std::vector<float> const whole = tp.gather_parameters();
   std::shared_ptr<mgpu::comm::Communicator> const comm = mgpu::comm::make_communicator(group);
-  nn::Sequential const shard = par::tensor_parallel_gpt(config, comm, 1);  // rank 1's layout
+  nn::Sequential const shard = par::parallelize(nn::gpt(config), {}, comm, 1);  // rank 1's layout
   auto const c = mgpu::io::ShardedCheckpoint::load(dir.path);
   std::uint64_t const at_load = c.payload_bytes_read();
   std::int64_t elements = 0;

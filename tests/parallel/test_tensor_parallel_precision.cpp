@@ -62,7 +62,7 @@ TEST_CASE("tensor parallelism in bfloat16 and float16 follows the one device's 1
       CAPTURE(replicas);
       mgpu::DeviceGroup group("host:4");
       mgpu::DeviceGroup pair("host:2");
-      par::TensorParallel tp(replicas == 1 ? pair : group, config,
+      par::TensorParallel tp(replicas == 1 ? pair : group, nn::gpt(config),
                              {.seed = seed,
                               .adamw = adamw,
                               .clip_norm = clip,
@@ -84,7 +84,7 @@ TEST_CASE("tensor parallelism in bfloat16 and float16 follows the one device's 1
     }
   }
   mgpu::DeviceGroup pair("host:2");
-  REQUIRE_MGPU_ERROR(par::TensorParallel(pair, config, {.compute = DType::int32}), mgpu::Errc::invalid_argument,
+  REQUIRE_MGPU_ERROR(par::TensorParallel(pair, nn::gpt(config), {.compute = DType::int32}), mgpu::Errc::invalid_argument,
                      "compute int32 (expected float32, bfloat16 or float16)");
 }
 
@@ -98,13 +98,13 @@ TEST_CASE("a float16 tensor-parallel checkpoint carries the loss scaler's state:
   mgpu::DeviceGroup group("host:2");
   std::vector<double> rest;
   {
-    par::TensorParallel tp(group, config, options);
+    par::TensorParallel tp(group, nn::gpt(config), options);
     CHECK_FALSE(tp.step(bs[0].ids, bs[0].targets).applied);  // 2^30 overflows
     CHECK(tp.step(bs[1].ids, bs[1].targets).applied);
     tp.save(path, {.step = 2});
     for (std::size_t s = 2; s < 5; ++s) rest.push_back(tp.step(bs[s].ids, bs[s].targets).loss);
   }
-  par::TensorParallel resumed(group, config, options);  // a fresh scaler at 2^30 would skip again
+  par::TensorParallel resumed(group, nn::gpt(config), options);  // a fresh scaler at 2^30 would skip again
   resumed.load(path);
   std::filesystem::remove(path);
   REQUIRE(resumed.loss_scaler() != nullptr);
@@ -136,7 +136,7 @@ TEST_CASE("a tensor x pipeline grid (TP 2 x PP 2, 1F1B) in bfloat16 and float16 
                      .compute = compute,
                      .loss_scaler = scaler_for(compute),
                      .clip_norm = clip,
-                     .tensor_parallel = pp::tensor_parallel_stages(config, 2)});
+                     .tensor_parallel = pp::tensor_parallel_stages(nn::gpt(config), {}, 2)});
     double worst = 0;
     for (int s = 0; s < steps; ++s) {
       auto const i = static_cast<std::size_t>(s);

@@ -247,7 +247,7 @@ TEST_CASE("parallelize splits the GPT's layers as their copy_shard says, bit for
     std::shared_ptr<mgpu::comm::Communicator> const comm = mgpu::comm::make_communicator(group);
     for (int r = 0; r < 2; ++r) {
       nn::Sequential shard = par::parallelize(nn::gpt(config), {.sequence_parallel = sequence}, comm, r);
-      // The layers tensor_parallel_gpt has always made (a gather before the head with sequence parallelism).
+      // The layers a GPT's tensor-parallel shard has always had (a gather before the head with sequence parallelism).
       REQUIRE(shard.size() == whole.size() + (sequence ? 1 : 0));
       CHECK(dynamic_cast<par::VocabParallelEmbedding const*>(&shard.layer(0)) != nullptr);
       CHECK(dynamic_cast<par::TensorParallelBlock const*>(&shard.layer(2)) != nullptr);

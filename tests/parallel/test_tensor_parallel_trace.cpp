@@ -29,12 +29,12 @@ TEST_CASE("a DP 2 x TP 2 sequence-parallel step records every rank's compute and
   std::vector<double> plain;  // untraced
   {
     mgpu::DeviceGroup group("host:4");
-    par::TensorParallel tp(group, config, {.seed = 3, .clip_norm = 0.5f, .data_parallel = 2, .sequence_parallel = true});
+    par::TensorParallel tp(group, nn::gpt(config), {.seed = 3, .clip_norm = 0.5f, .data_parallel = 2, .sequence_parallel = true});
     for (auto const& b : batches) plain.push_back(tp.step(b.ids, b.targets).loss);
   }
   auto const timeline = std::make_shared<trace::Timeline>();
   mgpu::DeviceGroup group("host:4");
-  par::TensorParallel tp(group, config,
+  par::TensorParallel tp(group, nn::gpt(config),
                          {.seed = 3, .clip_norm = 0.5f, .data_parallel = 2, .sequence_parallel = true, .timeline = timeline});
   std::vector<double> traced;
   for (std::size_t s = 0; s < batches.size(); ++s) {

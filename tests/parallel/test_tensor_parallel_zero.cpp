@@ -89,7 +89,7 @@ TEST_CASE("DP 2 x TP 2 with ZeRO-1, 2 and 3, with and without sequence paralleli
       for (int const zero : {0, 1, 2, 3}) {
         CAPTURE(sp, c, zero);
         mgpu::DeviceGroup group("host:4");
-        par::TensorParallel tp(group, config, options(zero, c, sp));
+        par::TensorParallel tp(group, nn::gpt(config), options(zero, c, sp));
         Curve const got = run(tp, bs, 0, bs.size());
         CHECK(worst_relative(got.losses, c > 0 ? clipped.losses : free.losses) < 1e-5);
         if (zero == 0) stage0 = got.losses;
@@ -121,7 +121,7 @@ TEST_CASE("ZeRO over tensor parallelism's replicas halves each rank's optimizer 
   std::vector<std::int64_t> parameters;
   for (int const zero : {0, 1, 2, 3}) {
     mgpu::DeviceGroup group("host:4");
-    par::TensorParallel tp(group, deep, options(zero, 0.2f));
+    par::TensorParallel tp(group, nn::gpt(deep), options(zero, 0.2f));
     for (int r = 0; r < 4; ++r) group.allocator(r).reset_peak();
     (void)run(tp, bs, 0, bs.size());
     group.synchronize();  // host streams' queued work holds tensors until it has run
@@ -176,13 +176,13 @@ TEST_CASE("ZeRO-1, 2 and 3 over tensor parallelism's replicas in bfloat16 and fl
     CAPTURE(mgpu::to_string(compute));
     Curve const want = one_device(env, bs, clip, compute);
     mgpu::DeviceGroup group("host:4");
-    par::TensorParallel zero0(group, config, options(0, clip, false, compute));
+    par::TensorParallel zero0(group, nn::gpt(config), options(0, clip, false, compute));
     Curve const replicated = run(zero0, bs, 0, bs.size());
     std::vector<double> zero1;
     for (int const zero : {1, 2, 3}) {
       CAPTURE(zero);
       mgpu::DeviceGroup other("host:4");
-      par::TensorParallel tp(other, config, options(zero, clip, false, compute));
+      par::TensorParallel tp(other, nn::gpt(config), options(zero, clip, false, compute));
       Curve const got = run(tp, bs, 0, bs.size());
       CHECK(got.applied == want.applied);
       CHECK(worst_relative(got.losses, want.losses) < 0.02);
@@ -208,20 +208,20 @@ TEST_CASE("A ZeRO-1, 2 or 3 DP 2 x TP 2 checkpoint holds the whole optimizer sta
     std::vector<double> rest;
     {
       mgpu::DeviceGroup group("host:4");
-      par::TensorParallel tp(group, config, options(zero, clip));
+      par::TensorParallel tp(group, nn::gpt(config), options(zero, clip));
       (void)run(tp, bs, 0, 3);
       tp.save(file, {.step = 3});
       rest = run(tp, bs, 3, 6).losses;
     }
     {  // the same layout from other weights: bit for bit
       mgpu::DeviceGroup group("host:4");
-      par::TensorParallel tp(group, config, options(zero, clip, false, DType::float32, 99));
+      par::TensorParallel tp(group, nn::gpt(config), options(zero, clip, false, DType::float32, 99));
       CHECK(tp.load(file).step == 3);
       CHECK(run(tp, bs, 3, 6).losses == rest);
     }
     {  // ZeRO-0: the replicated update reads every element's state
       mgpu::DeviceGroup group("host:4");
-      par::TensorParallel tp(group, config, options(0, clip, false, DType::float32, 99));
+      par::TensorParallel tp(group, nn::gpt(config), options(0, clip, false, DType::float32, 99));
       tp.load(file);
       CHECK(worst_relative(run(tp, bs, 3, 6).losses, rest) < 1e-5);
     }
@@ -236,9 +236,9 @@ TEST_CASE("A ZeRO-1, 2 or 3 DP 2 x TP 2 checkpoint holds the whole optimizer sta
 TEST_CASE("TensorParallel refuses a ZeRO stage that does not exist, before any work",
           "[parallel][tensor][zero]") {
   mgpu::DeviceGroup group("host:4");
-  REQUIRE_MGPU_ERROR(par::TensorParallel(group, config, options(4, 0.0f)), mgpu::Errc::invalid_argument,
+  REQUIRE_MGPU_ERROR(par::TensorParallel(group, nn::gpt(config), options(4, 0.0f)), mgpu::Errc::invalid_argument,
                      "TensorParallel: zero_stage 4 (expected 0, replicated update, 1, sharded update and optimizer state, "
                      "2, sharded gradients too, or 3, sharded parameters too)");
-  REQUIRE_MGPU_ERROR(par::TensorParallel(group, config, options(-1, 0.0f)), mgpu::Errc::invalid_argument,
+  REQUIRE_MGPU_ERROR(par::TensorParallel(group, nn::gpt(config), options(-1, 0.0f)), mgpu::Errc::invalid_argument,
                      "TensorParallel: zero_stage -1 (expected 0");
 }

@@ -80,7 +80,7 @@ std::unique_ptr<pp::Executor> make_grid(mgpu::DeviceGroup& group, int zero_stage
                                                             .data_parallel = 2,
                                                             .zero_stage = zero_stage,
                                                             .clip_norm = clip,
-                                                            .tensor_parallel = pp::tensor_parallel_stages(config, 2)});
+                                                            .tensor_parallel = pp::tensor_parallel_stages(nn::gpt(config), {}, 2)});
 }
 
 std::vector<double> gathered(pp::Executor& ex, Env& env) {
@@ -144,7 +144,7 @@ Run one_device(Env& env, std::vector<Batch> const& batches, std::filesystem::pat
 // TP 4 (TensorParallel) from `path` (a file or a folder): the `saved` weights, then its steps.
 Run tensor_parallel_run(std::vector<Batch> const& batches, std::filesystem::path const& path, std::vector<double> const& saved) {
   mgpu::DeviceGroup four("host:4");
-  par::TensorParallel tp(four, config, {.seed = seed + 1, .adamw = adamw, .clip_norm = clip});
+  par::TensorParallel tp(four, nn::gpt(config), {.seed = seed + 1, .adamw = adamw, .clip_norm = clip});
   CHECK(tp.load(path).step == saved_at);
   std::vector<float> const loaded = tp.gather_parameters();
   CHECK(std::vector<double>(loaded.begin(), loaded.end()) == saved);
@@ -382,7 +382,7 @@ TEST_CASE_METHOD(GridFixture, "a TP rank's pipeline chunk reads its own boxes: a
   // and the tied head, which holds a copy of its rank's 34 rows of wte).
   mgpu::DeviceGroup two("host:2");
   std::shared_ptr<mgpu::comm::Communicator> const comm = mgpu::comm::make_communicator(two);
-  pp::TensorParallelStages const stages = pp::tensor_parallel_stages(config, 2);
+  pp::TensorParallelStages const stages = pp::tensor_parallel_stages(nn::gpt(config), {}, 2);
   nn::Sequential chunk = stages.stage(comm, 1, 3, 6);
   for (std::size_t i = 0; i < chunk.size(); ++i)  // as the executor makes it: the head without its embedding
     if (auto* head = dynamic_cast<par::VocabParallelLMHead*>(&chunk.layer(i))) head->hold_weight();

@@ -110,7 +110,8 @@ Curve grid_curve(Env& env, Grid const& grid, nn::GptConfig const& c, std::vector
                   {.seed = seed,
                    .data_parallel = grid.data_parallel,
                    .clip_norm = clip,
-                   .tensor_parallel = pp::tensor_parallel_stages(c, ranks, grid.sequence_parallel)});
+                   .tensor_parallel =
+                       pp::tensor_parallel_stages(nn::gpt(c), {.sequence_parallel = grid.sequence_parallel}, ranks)});
   nn::Sequential whole = nn::gpt(c);
   whole.materialize(env.ctx, seed + 1);
   std::vector<double> const other = as_double(whole.master_parameters());
@@ -272,10 +273,14 @@ TEST_CASE("a tensor x pipeline grid refuses a group of another size and heads th
           "[pipeline][tensor]") {
   mgpu::DeviceGroup group("host:4");
   nn::Sequential const model = nn::gpt(config);
-  pp::TensorParallelStages const stages = pp::tensor_parallel_stages(config, 2);
+  pp::TensorParallelStages const stages = pp::tensor_parallel_stages(model, {}, 2);
   REQUIRE_MGPU_ERROR(pp::Executor(model, group, {0, 3, 6}, pp::one_f_one_b(2, 2), chunk_adamw(),
                                   {.data_parallel = 2, .tensor_parallel = stages}),
                      mgpu::Errc::invalid_argument, "expected devices x replicas x tensor-parallel ranks = the group's size");
-  REQUIRE_MGPU_ERROR(pp::tensor_parallel_stages(config, 3), mgpu::Errc::invalid_argument,
-                     "expected a rank count dividing n_head");
+  mgpu::DeviceGroup six("host:6");
+  REQUIRE_MGPU_ERROR(pp::Executor(model, six, {0, 3, 6}, pp::one_f_one_b(2, 2), chunk_adamw(),
+                                  {.tensor_parallel = pp::tensor_parallel_stages(model, {}, 3)}),
+                     mgpu::Errc::invalid_argument,
+                     "TensorParallelBlock(32 features, 4 heads, 3 ranks) (expected heads dividing the features and the "
+                     "ranks dividing the heads)");
 }

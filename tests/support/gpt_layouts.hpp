@@ -127,7 +127,7 @@ inline std::vector<Layout> all() {
       list.push_back({"tensor parallel 2 x " + std::to_string(dp) + " replicas, clip " + std::to_string(clip), [dp, clip] {
                         auto group = std::make_shared<DeviceGroup>("host:" + std::to_string(2 * dp));
                         auto tp = std::make_shared<par::TensorParallel>(
-                            *group, config, par::TensorParallelOptions{.seed = seed, .adamw = adamw, .clip_norm = clip, .data_parallel = dp});
+                            *group, mgpu::nn::gpt(config), par::TensorParallelOptions{.seed = seed, .adamw = adamw, .clip_norm = clip, .data_parallel = dp});
                         Step step = [tp = tp.get()](Tensor const& ids, Tensor const& targets, float lr_scale) {
                           return tp->step(ids, targets, lr_scale).loss;
                         };
@@ -140,7 +140,7 @@ inline std::vector<Layout> all() {
     list.push_back({"tensor parallel 2 x 2 replicas, ZeRO-" + std::to_string(zero), [zero] {
                       auto group = std::make_shared<DeviceGroup>("host:4");
                       auto tp = std::make_shared<par::TensorParallel>(
-                          *group, config,
+                          *group, mgpu::nn::gpt(config),
                           par::TensorParallelOptions{
                               .seed = seed, .adamw = adamw, .clip_norm = zero == 2 ? 0.5f : 0.0f, .data_parallel = 2, .zero_stage = zero});
                       Step step = [tp = tp.get()](Tensor const& ids, Tensor const& targets, float lr_scale) {
@@ -154,7 +154,7 @@ inline std::vector<Layout> all() {
                     auto group = std::make_shared<DeviceGroup>("host:4");
                     auto ex = std::make_shared<pp::Executor>(
                         nn::gpt(config), *group, std::vector<std::size_t>{0, 3, 6}, pp::one_f_one_b(2, 2), chunk_adamw(),
-                        pp::ExecutorOptions{.seed = seed, .clip_norm = 0.5f, .tensor_parallel = pp::tensor_parallel_stages(config, 2)});
+                        pp::ExecutorOptions{.seed = seed, .clip_norm = 0.5f, .tensor_parallel = pp::tensor_parallel_stages(mgpu::nn::gpt(config), {}, 2)});
                     Step step = [ex = ex.get()](Tensor const& ids, Tensor const& targets, float lr_scale) {
                       return static_cast<double>(ex->step(ids, targets, lr_scale));
                     };

@@ -130,7 +130,7 @@ inline Run run_grid(Env& env, Grid const& grid, int zero, DType compute, std::ve
   auto made = std::make_shared<std::vector<mgpu::optim::Optimizer*>>();
   pp::ExecutorOptions options = options_for(zero, 2, compute);
   if (compute == DType::float16) options.loss_scaler.emplace(initial_scale, 2.0f, 0.5f, 4);
-  if (grid.tp > 1) options.tensor_parallel = pp::tensor_parallel_stages(config, grid.tp);
+  if (grid.tp > 1) options.tensor_parallel = pp::tensor_parallel_stages(nn::gpt(config), {}, grid.tp);
   pp::Executor ex(nn::gpt(config), group, grid.cuts, grid.schedule, chunk_adamw(made), options);
   Run run;
   run.zero = zero;

@@ -147,6 +147,13 @@ TEST_CASE("the trainer refuses impossible layouts before any work, naming the fi
                      "sequence_parallel with tp 1 (expected tp 2 or more");
   REQUIRE_MGPU_ERROR(make_trainer("host:1", {.micro_batches = 2}), Errc::invalid_argument,
                      "micro_batches 2 without a pipeline (expected a schedule or stages > 1");
+  // A GPT the tensor-parallel ranks cannot split: heads they do not divide, fewer token ids than ranks.
+  REQUIRE_MGPU_ERROR(make_trainer("host:4", {.tp = 4}), Errc::invalid_argument,
+                     "tp 4 with n_head 2 (expected tp dividing n_head: each device holds whole heads)");
+  nn::GptConfig tiny_vocab = config;
+  tiny_vocab.vocab = 1;
+  REQUIRE_MGPU_ERROR((train::ParallelConfig{.tp = 2}.validate(tiny_vocab, {.devices = 2, .spelling = train::Spelling::flags})),
+                     Errc::invalid_argument, "--tp 2 with a vocab of 1 (expected --tp at most the vocab: each device holds at least one token id)");
   // train_gpt's spelling: its flags.
   train::ParallelConfig const layer_split{.stages = 2, .schedule = "layer-split", .micro_batches = 2};
   REQUIRE_MGPU_ERROR(layer_split.validate(config, {.devices = 2, .spelling = train::Spelling::flags}), Errc::invalid_argument,

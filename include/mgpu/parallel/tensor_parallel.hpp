@@ -1,5 +1,6 @@
-// Tensor parallelism (Megatron-style) for the GPT, with optional sequence parallelism. The splits,
-// collectives and their costs are described in docs/parallel-layouts.md.
+// Tensor parallelism (Megatron-style) for any Sequential whose layers have styles (nn::gpt's do),
+// with optional sequence parallelism. The splits, collectives and their costs are described in
+// docs/parallel-layouts.md.
 #pragma once
 
 #include <cstdint>
@@ -19,10 +20,10 @@
 #include <mgpu/core/tensor.hpp>
 #include <mgpu/io/checkpoint.hpp>
 #include <mgpu/metrics/registry.hpp>
-#include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
 #include <mgpu/nn/train.hpp>
+#include <mgpu/nn/transformer.hpp>
 #include <mgpu/ops/transformer.hpp>
 #include <mgpu/optim/optim.hpp>
 #include <mgpu/parallel/mesh.hpp>
@@ -239,13 +240,6 @@ class TensorParallelBlock final : public nn::Layer, public ShardedLayer {
   std::map<std::int64_t, Input> inputs_;
 };
 
-/// The shard of gpt(config) a tensor-parallel rank holds: parallelize(nn::gpt(config), {.sequence_parallel
-/// = sequence_parallel}, comm, rank); its output is the rank's logits columns. Throws
-/// Error(invalid_argument) for a bad config, a group size that does not divide n_head, or a vocab
-/// smaller than the group.
-[[nodiscard]] nn::Sequential tensor_parallel_gpt(nn::GptConfig const& config, std::shared_ptr<comm::Communicator> comm,
-                                                 int rank, bool sequence_parallel = false);
-
 /// The ranges of a shard's flat buffers as counted in a global gradient norm: split parts counted
 /// when `split`, the replicated rest when `replicated`.
 [[nodiscard]] std::vector<nn::ElementRange> norm_ranges(nn::Sequential const& shard, bool split, bool replicated);
@@ -304,9 +298,6 @@ class TensorParallel {
   /// across processes without make_subset_communicator; for a layer parallelize() cannot split;
   /// without options.loss for a model whose last layer is not an nn::TiedLMHead.
   TensorParallel(DeviceGroup& group, nn::Sequential const& whole, TensorParallelOptions options = {});
-  /// TensorParallel(group, nn::gpt(config), options), its shards tensor_parallel_gpt(config, ...):
-  /// throws as it does for a bad config, too.
-  TensorParallel(DeviceGroup& group, nn::GptConfig const& config, TensorParallelOptions options = {});
   ~TensorParallel();
   TensorParallel(TensorParallel const&) = delete;
   TensorParallel& operator=(TensorParallel const&) = delete;
@@ -349,12 +340,6 @@ class TensorParallel {
   [[nodiscard]] int tensor_parallel() const noexcept;
 
  private:
-  // Rank `rank`'s shard over `comm`'s ranks.
-  using MakeShard = std::function<nn::Sequential(std::shared_ptr<comm::Communicator> comm, int rank)>;
-  // The public constructors' work: every rank's shard made by `make_shard` (the GptConfig
-  // constructor's tensor_parallel_gpt) or, when it is empty, by parallelize(whole) with
-  // options.styles and options.sequence_parallel. Throws as the whole-model constructor does.
-  TensorParallel(DeviceGroup& group, nn::Sequential const& whole, MakeShard make_shard, TensorParallelOptions options);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

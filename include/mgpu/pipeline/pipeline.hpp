@@ -18,7 +18,6 @@
 #include <mgpu/io/checkpoint.hpp>
 #include <mgpu/io/sharded_checkpoint.hpp>
 #include <mgpu/metrics/registry.hpp>
-#include <mgpu/nn/gpt.hpp>
 #include <mgpu/nn/layers.hpp>
 #include <mgpu/nn/loss.hpp>
 #include <mgpu/optim/optim.hpp>
@@ -114,10 +113,6 @@ struct TensorParallelStages {
 [[nodiscard]] TensorParallelStages tensor_parallel_stages(nn::Sequential const& whole,
                                                           parallel::TensorParallelPlan plan, int ranks,
                                                           parallel::MakeLoss loss = {});
-/// tensor_parallel_stages(gpt(config), {.sequence_parallel = sequence_parallel}, ranks). Throws
-/// Error(invalid_argument) for ranks that do not divide n_head.
-[[nodiscard]] TensorParallelStages tensor_parallel_stages(nn::GptConfig const& config, int ranks,
-                                                          bool sequence_parallel = false);
 
 struct ExecutorOptions {
   std::uint64_t seed = 0;  ///< the chunks initialised as the whole model's materialize(seed)
