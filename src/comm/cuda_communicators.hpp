@@ -20,11 +20,12 @@ std::unique_ptr<Communicator> make_cuda_peer_communicator(DeviceGroup& group, st
 
 /// A fresh NCCL unique id, as bytes to hand to the other processes.
 std::vector<std::byte> nccl_unique_id();
-/// One NCCL communicator of `size` ranks across processes: this process drives ranks first_rank to
-/// first_rank + group.size() - 1 on the group's GPUs (rank first_rank + i on the group's rank i),
-/// every process with the same `id` (from nccl_unique_id() on one of them).
-std::unique_ptr<Communicator> make_nccl_world_communicator(DeviceGroup& group, int size, int first_rank,
-                                                           std::vector<std::byte> const& id,
+/// One NCCL communicator of `size` ranks across processes (a world's, or a subset's of its ranks):
+/// this process drives ranks first_rank to first_rank + ranks.size() - 1, rank first_rank + i on
+/// the group's rank ranks[i] (distinct GPUs), every process with the same `id` (from
+/// nccl_unique_id() on one of them).
+std::unique_ptr<Communicator> make_nccl_world_communicator(DeviceGroup& group, std::vector<int> const& ranks, int size,
+                                                           int first_rank, std::vector<std::byte> const& id,
                                                            std::chrono::milliseconds timeout);
 
 }  // namespace mgpu::comm::detail

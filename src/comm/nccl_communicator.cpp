@@ -420,24 +420,32 @@ std::vector<std::byte> nccl_unique_id() {
 #endif
 }
 
-std::unique_ptr<Communicator> make_nccl_world_communicator(DeviceGroup& group, int size, int first_rank,
-                                                           std::vector<std::byte> const& id,
+std::unique_ptr<Communicator> make_nccl_world_communicator(DeviceGroup& group, std::vector<int> const& ranks, int size,
+                                                           int first_rank, std::vector<std::byte> const& id,
                                                            std::chrono::milliseconds timeout) {
 #if MGPU_NCCL_ENABLED
   if (id.size() != sizeof(ncclUniqueId))
     throw Error(Errc::invalid_argument, "an NCCL unique id of " + std::to_string(id.size()) + " bytes (expected " +
                                             std::to_string(sizeof(ncclUniqueId)) + ")");
-  if (first_rank < 0 || first_rank + group.size() > size)
+  auto const local = static_cast<int>(ranks.size());
+  if (local == 0 || first_rank < 0 || first_rank + local > size)
     throw Error(Errc::invalid_argument, "ranks " + std::to_string(first_rank) + " to " +
-                                            std::to_string(first_rank + group.size() - 1) + " of " +
-                                            std::to_string(size) + " (expected them within the communicator)");
-  std::vector<int> ranks(static_cast<std::size_t>(group.size()));
-  for (int r = 0; r < group.size(); ++r) ranks[static_cast<std::size_t>(r)] = r;
+                                            std::to_string(first_rank + local - 1) + " of " + std::to_string(size) +
+                                            " (expected at least one, within the communicator)");
+  std::vector<Device> const devices = devices_of(group, ranks);  // DeviceGroup::device checks each rank
+  for (std::size_t i = 0; i < devices.size(); ++i)
+    for (std::size_t j = 0; j < i; ++j)
+      if (devices[i] == devices[j])
+        throw Error(Errc::invalid_argument, "ranks " + std::to_string(first_rank + static_cast<int>(j)) + " and " +
+                                                std::to_string(first_rank + static_cast<int>(i)) + " both on " +
+                                                devices[i].to_string() +
+                                                " (expected distinct GPUs: NCCL cannot have two ranks on one GPU)");
   ncclUniqueId unique{};
   std::memcpy(&unique, id.data(), sizeof unique);
-  return std::make_unique<NcclCommunicator>(group, size, first_rank, devices_of(group, ranks), unique, timeout);
+  return std::make_unique<NcclCommunicator>(group, size, first_rank, devices, unique, timeout);
 #else
   (void)group;
+  (void)ranks;
   (void)size;
   (void)first_rank;
   (void)id;

@@ -17,8 +17,8 @@ std::vector<std::byte> nccl_unique_id() {
   throw Error(Errc::device, "the nccl backend: mgpu was built without CUDA (configure with MGPU_WITH_CUDA=ON)");
 }
 
-std::unique_ptr<Communicator> make_nccl_world_communicator(DeviceGroup&, int, int, std::vector<std::byte> const&,
-                                                           std::chrono::milliseconds) {
+std::unique_ptr<Communicator> make_nccl_world_communicator(DeviceGroup&, std::vector<int> const&, int, int,
+                                                           std::vector<std::byte> const&, std::chrono::milliseconds) {
   throw Error(Errc::device, "the nccl backend: mgpu was built without CUDA (configure with MGPU_WITH_CUDA=ON)");
 }
 

@@ -42,16 +42,16 @@ Subset subset_of(World const& world, std::vector<int> const& world_ranks);
 /// "{0, 2}".
 std::string ranks_text(std::vector<int> const& ranks);
 
-/// Throws Error(invalid_argument) for a subset communicator over CUDA GPUs of several processes
-/// (`subset` spans several), which is not built yet.
-void check_subset_devices(Subset const& subset);
+/// The ranks of `group`, 0 to group.size() - 1 (this process's part of a whole world).
+std::vector<int> group_ranks(DeviceGroup const& group);
 
-/// Process 0's message to the other processes making one NCCL communicator over every process's
-/// GPUs: a flag byte, then the unique id (1) or why process 0 could not make one (0), so that no
+/// Process 0's message to the other processes making one NCCL communicator over their GPUs (every
+/// process's, or a subset's first process's to the subset's others): a flag byte, then the unique id (1) or why process 0 could not make one (0), so that no
 /// process waits for an id that never comes.
 std::vector<std::byte> nccl_id_message();
 
-/// The unique id in process 0's message; throws Error(device) with process 0's failure.
-std::vector<std::byte> nccl_id_from(std::span<std::byte const> message);
+/// The unique id in process 0's message; throws Error(device) with process 0's failure (the
+/// subset's first process's, where `subset` is given: "{0, 2}").
+std::vector<std::byte> nccl_id_from(std::span<std::byte const> message, std::string const& subset = {});
 
 }  // namespace mgpu::dist::detail

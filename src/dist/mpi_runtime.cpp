@@ -196,10 +196,10 @@ World make_world(DeviceGroup const& group, std::chrono::milliseconds timeout) {
   }
   if (timeout.count() <= 0) timeout = comm::default_timeout();
   World world = make_world_of(group, place, mpi, timeout);
-  // Host devices over Gloo: every process connects the job's context at its first make_world.
-  bool const host = std::all_of(world.devices.begin(), world.devices.end(),
-                                [](WorldDevice const& d) { return d.device.kind == DeviceKind::host; });
-  if (world.processes > 1 && host && !detail::gloo_connected() && detail::gloo_wanted(place)) {
+  // Where the job wants Gloo, every process connects the job's context at its first make_world:
+  // host devices' bytes go over it, and the members of a subset communicator of GPUs meet over it
+  // (the rendezvous is collective over every process).
+  if (world.processes > 1 && !detail::gloo_connected() && detail::gloo_wanted(place)) {
     if (detail::in_rendezvous()) {
       detail::gloo_connect(place, detail::rendezvous_address(),
                            [timeout](std::span<std::byte const> mine) { return detail::rendezvous_all_gather(mine, timeout); },

@@ -68,11 +68,11 @@ std::unique_ptr<comm::Communicator> make_communicator(World const& world, Device
                                                       std::vector<int> const& world_ranks, comm::Options options) {
   detail::check_world(world, group);
   detail::Subset const subset = detail::subset_of(world, world_ranks);
-  detail::check_subset_devices(subset);
-  if (subset.world.processes > 1)
+  if (subset.world.processes > 1)  // the rendezvous is collective over every process: no subset's exchange
     throw Error(Errc::invalid_argument, "a communicator over world ranks " + detail::ranks_text(world_ranks) +
                                             " across processes in a build without MPI (expected the ranks of one "
-                                            "process: host devices across processes need MGPU_WITH_MPI=ON)");
+                                            "process: a subset across processes needs MGPU_WITH_MPI=ON, and MPI "
+                                            "or Gloo in the job)");
   return comm::make_communicator(group, subset.locals, options);
 }
 

@@ -4,7 +4,8 @@
 // communicator for host devices (ProcessCommunicator: the ranks inside each
 // process through an in-process communicator, the exchanges between processes by the hierarchical
 // leader, the all-reduce by slices between two processes and point-to-point), and one NCCL
-// communicator over every process's GPUs, its unique id broadcast over MPI.
+// communicator over every process's GPUs (its unique id broadcast over MPI) or over a subset's
+// ranks (the id sent over the subset's own exchange).
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -381,21 +383,33 @@ class ProcessCommunicator final : public comm::detail::CommunicatorBase {
   std::shared_ptr<SharedRings> rings_;  // all-reduces by slices through shared memory
 };
 
-// One NCCL communicator over every process's GPUs: process 0's id message (detail::nccl_id_message)
-// broadcast over MPI, then each process creates its own ranks' communicators.
+// The NCCL id message (detail::nccl_id_message) in a fixed size, the length first (a long failure
+// text is cut to fit), as one process sends it to the others.
+struct IdMessage {
+  std::uint32_t bytes;
+  std::byte data[1020];
+};
+
+std::shared_ptr<IdMessage> id_message(bool mine) {
+  auto message = std::make_shared<IdMessage>();
+  message->bytes = 0;
+  if (mine) {
+    std::vector<std::byte> const id = detail::nccl_id_message();
+    message->bytes = static_cast<std::uint32_t>(std::min(id.size(), sizeof message->data));
+    std::memcpy(message->data, id.data(), message->bytes);
+  }
+  return message;
+}
+
+std::span<std::byte const> id_bytes(IdMessage const& message) {
+  return {message.data, std::min<std::size_t>(message.bytes, sizeof message.data)};
+}
+
+// One NCCL communicator over every process's GPUs: process 0's id message broadcast over MPI, then
+// each process creates its own ranks' communicators.
 std::unique_ptr<comm::Communicator> nccl_world_communicator(World const& world, DeviceGroup& group,
                                                             std::chrono::milliseconds timeout) {
-  // Broadcast in a fixed size, the length first (a long failure text is cut to fit).
-  struct IdMessage {
-    std::uint32_t bytes;
-    std::byte data[1020];
-  };
-  auto message = std::make_shared<IdMessage>();
-  if (world.process == 0) {
-    std::vector<std::byte> const mine = detail::nccl_id_message();
-    message->bytes = static_cast<std::uint32_t>(std::min(mine.size(), sizeof message->data));
-    std::memcpy(message->data, mine.data(), message->bytes);
-  }
+  auto message = id_message(world.process == 0);
   auto const start = Clock::now();
   {
     Requests requests;
@@ -412,9 +426,36 @@ std::unique_ptr<comm::Communicator> nccl_world_communicator(World const& world, 
     std::lock_guard lock(global().mpi_mutex);
     check(requests.error(), "broadcasting the NCCL unique id");
   }
-  std::vector<std::byte> const id =
-      detail::nccl_id_from({message->data, std::min<std::size_t>(message->bytes, sizeof message->data)});
-  return comm::detail::make_nccl_world_communicator(group, world.size(), world.first_rank(world.process), id, timeout);
+  std::vector<std::byte> const id = detail::nccl_id_from(id_bytes(*message));
+  return comm::detail::make_nccl_world_communicator(group, group_ranks(group), world.size(),
+                                                    world.first_rank(world.process), id, timeout);
+}
+
+// One NCCL communicator over a subset's GPUs of several processes: its processes meet as a host
+// subset's do (over Gloo where the job has it, else an MPI communicator of their own, in the
+// subset's order of processes: no other process takes part), the subset's first process's id
+// message goes to the others over that exchange, then each process creates the communicators of
+// its own ranks of the subset (its ranks are next to each other in the list: subset_of).
+std::unique_ptr<comm::Communicator> nccl_subset_communicator(detail::Subset const& subset, DeviceGroup& group,
+                                                             std::chrono::milliseconds timeout, int world_size) {
+  auto const link = std::make_shared<Link>(subset.world, subset.processes,
+                                           std::make_shared<comm::detail::SharedState>(subset.world.size(), timeout));
+  if (gloo_connected()) {
+    link->use(make_gloo_exchange(subset));
+    check_lists(*link, subset, world_size, MPI_COMM_NULL);
+  } else {
+    MPI_Comm members = join_members(*link, subset, world_size);
+    link->connect(members);  // when it fails, MPI may still use `members`: it stays
+    std::lock_guard lock(global().mpi_mutex);
+    MPI_Comm_free(&members);
+  }
+  std::string const ranks = detail::ranks_text(subset.world_ranks);
+  std::string const what = "sending the NCCL unique id of the communicator over world ranks " + ranks;
+  auto message = id_message(subset.world.process == 0);
+  link->exchange().broadcast(*link, Step{what, Clock::now(), 0, kData, 2}, message, message.get(), sizeof(IdMessage), 0);
+  std::vector<std::byte> const id = detail::nccl_id_from(id_bytes(*message), ranks);
+  return comm::detail::make_nccl_world_communicator(group, subset.locals, subset.world.size(),
+                                                    subset.world.rank_of(0), id, timeout);
 }
 
 // Throws Error(invalid_argument) unless MPI is in use and `options` asks for the backend of the
@@ -429,7 +470,7 @@ std::chrono::milliseconds check_across(World const& world, comm::Options const& 
     throw Error(Errc::invalid_argument,
                 "a world of " + std::to_string(world.processes) +
                     " processes, but neither MPI nor Gloo is in use (expected dist::init() under mpirun or srun, or "
-                    "make_world in a torchrun-style job)");
+                    "make_world in a torchrun-style job of a build with Gloo, MGPU_WITH_GLOO)");
   bool const gpus = world.devices.front().device.kind == DeviceKind::cuda;  // check_world: one kind
   comm::Backend const wanted = gpus ? comm::Backend::nccl : comm::Backend::host;
   if (options.backend != comm::Backend::automatic && options.backend != wanted)
@@ -471,8 +512,9 @@ std::unique_ptr<comm::Communicator> make_communicator(World const& world, Device
   detail::check_world(world, group);
   detail::Subset const subset = detail::subset_of(world, world_ranks);
   if (subset.world.processes == 1) return comm::make_communicator(group, subset.locals, options);
-  detail::check_subset_devices(subset);
   std::chrono::milliseconds const timeout = check_across(subset.world, options);
+  if (subset.world.devices.front().device.kind == DeviceKind::cuda)  // check_world: one kind
+    return detail::nccl_subset_communicator(subset, group, timeout, world.size());
   return std::make_unique<ProcessCommunicator>(subset, group, timeout, world.size(), false);
 }
 

@@ -419,7 +419,8 @@ std::unique_ptr<comm::Communicator> rendezvous_communicator(World const& world, 
   auto const all = rendezvous_exchange("the NCCL unique id",
                                        world.process == 0 ? nccl_id_message() : std::vector<std::byte>{}, timeout);
   std::vector<std::byte> const id = nccl_id_from(all.front());
-  return comm::detail::make_nccl_world_communicator(group, world.size(), world.first_rank(world.process), id, timeout);
+  return comm::detail::make_nccl_world_communicator(group, group_ranks(group), world.size(), world.first_rank(world.process),
+                                                    id, timeout);
 }
 
 }  // namespace mgpu::dist::detail

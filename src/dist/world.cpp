@@ -94,13 +94,10 @@ Subset subset_of(World const& world, std::vector<int> const& world_ranks) {
   return subset;
 }
 
-void check_subset_devices(Subset const& subset) {
-  if (subset.world.processes > 1 && subset.world.devices.front().device.kind == DeviceKind::cuda)
-    throw Error(Errc::invalid_argument,
-                "a communicator over world ranks " + ranks_text(subset.world_ranks) + " of CUDA GPUs in " +
-                    std::to_string(subset.world.processes) +
-                    " processes (expected host devices, or the ranks of one process: a subset of GPUs across "
-                    "processes is not built yet; make_communicator(world, group) serves every GPU of the world)");
+std::vector<int> group_ranks(DeviceGroup const& group) {
+  std::vector<int> ranks(static_cast<std::size_t>(group.size()));
+  for (std::size_t r = 0; r < ranks.size(); ++r) ranks[r] = static_cast<int>(r);
+  return ranks;
 }
 
 World single_process_world(DeviceGroup const& group, std::string const& host) {
@@ -162,9 +159,11 @@ std::vector<std::byte> nccl_id_message() {
   return message;
 }
 
-std::vector<std::byte> nccl_id_from(std::span<std::byte const> message) {
+std::vector<std::byte> nccl_id_from(std::span<std::byte const> message, std::string const& subset) {
   if (message.empty() || message.front() != std::byte{1})
-    throw Error(Errc::device, "process 0 could not make the NCCL unique id: " +
+    throw Error(Errc::device, (subset.empty() ? std::string("process 0")
+                                              : "the first process of world ranks " + subset) +
+                                  " could not make the NCCL unique id: " +
                                   (message.empty() ? std::string("(no reason given)")
                                                    : std::string(reinterpret_cast<char const*>(message.data() + 1),
                                                                  message.size() - 1)));

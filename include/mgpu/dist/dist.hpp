@@ -116,11 +116,13 @@ std::unique_ptr<comm::Communicator> make_communicator(World const& world, Device
 
 /// A communicator over some ranks of `world`: its rank i is world rank world_ranks[i]. Only the
 /// processes that drive those ranks call it, with the same list, in the same order as their other
-/// subset communicators; each process's ranks must be next to each other in the list. Needs
+/// subset communicators; each process's ranks must be next to each other in the list. CUDA GPUs
+/// across processes get one NCCL communicator, its unique id from the subset's first process over
+/// MPI or the job's Gloo context (a torchrun-style job without Gloo has neither). Needs
 /// make_world(). Throws Error(timeout) naming a member not heard from, Error(invalid_argument) for
 /// another list among the members, an empty list, a repeated or out-of-range rank, a process's
-/// ranks apart, a list without this process's ranks, CUDA GPUs across processes, and as
-/// make_communicator(world, group, options) does.
+/// ranks apart, a list without this process's ranks, and as make_communicator(world, group,
+/// options) does.
 std::unique_ptr<comm::Communicator> make_communicator(World const& world, DeviceGroup& group,
                                                       std::vector<int> const& world_ranks, comm::Options options = {});
 
