@@ -7,6 +7,8 @@
 # mgpu::Error stops the run with the input saved in build/fuzz-findings/.
 # The targets run MGPU_FUZZ_JOBS at a time (default: one per core; each fuzzer is one process of
 # one thread, so each still gets SECONDS of a core).
+# MGPU_BUILD_DIR may name a build already configured with Clang, -DMGPU_BUILD_FUZZERS=ON and those
+# sanitizers (CI's Clang stage): its fuzzers are used as they are, without configuring it anew.
 # Usage: scripts/fuzz.sh [SECONDS] [NAME...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,10 +18,12 @@ shift $(( $# > 0 ? 1 : 0 ))
 names=("$@")
 [ ${#names[@]} -eq 0 ] && names=(csv idx checkpoint trace devices tokens llmc)
 build=${MGPU_BUILD_DIR:-build/fuzz}
-CXX=${CXX:-clang++-14} cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMGPU_WITH_CUDA=OFF \
-  -DMGPU_NATIVE=OFF -DMGPU_WERROR=ON -DMGPU_BUILD_TESTS=OFF -DMGPU_BUILD_EXAMPLES=OFF -DMGPU_BUILD_BENCH=OFF \
-  -DMGPU_BUILD_FUZZERS=ON \
-  -DCMAKE_CXX_FLAGS="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" >/dev/null
+if ! grep -qs '^MGPU_BUILD_FUZZERS:BOOL=ON$' "$build/CMakeCache.txt"; then
+  CXX=${CXX:-clang++-14} cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMGPU_WITH_CUDA=OFF \
+    -DMGPU_NATIVE=OFF -DMGPU_WERROR=ON -DMGPU_BUILD_TESTS=OFF -DMGPU_BUILD_EXAMPLES=OFF -DMGPU_BUILD_BENCH=OFF \
+    -DMGPU_BUILD_FUZZERS=ON \
+    -DCMAKE_CXX_FLAGS="-fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer" >/dev/null
+fi
 cmake --build "$build" --target "${names[@]/#/fuzz_}"
 mkdir -p build/fuzz-findings
 jobs=${MGPU_FUZZ_JOBS:-$(nproc)}
