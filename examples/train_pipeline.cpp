@@ -173,7 +173,10 @@ int train(Options const& o) {
   pp::ExecutorOptions options{.seed = o.seed, .data_parallel = o.dp, .compute = examples::precision(o.precision), .timeline = timeline};
   if (metrics) options.metrics = metrics.registry();  // timing costs ~0.2 us an action: only when exported
   if (o.precision == "fp16") options.loss_scaler.emplace();
-  if (across) options.make_communicator = mgpu::dist::communicator_factory(world);
+  if (across) {  // the pipelines' transfers, and the replicas' gradient sync
+    options.make_communicator = mgpu::dist::communicator_factory(world);
+    options.make_subset_communicator = mgpu::dist::subset_communicator_factory(world);
+  }
   pp::Executor executor(model, group, plan.cuts, schedule, sgd, std::move(options));
 
   std::string trained_on = spec;

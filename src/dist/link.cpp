@@ -35,15 +35,21 @@ Link::~Link() {
 }
 
 void Link::connect(MPI_Comm base) {
-  Requests requests;
-  for (MPI_Comm* c : {&control, &data, &p2p}) {
-    requests.add(-1, Requests::Kind::collective, shared_from_this(), "MPI_Comm_idup",
-                 [&](MPI_Request* r) { return MPI_Comm_idup(base, c, r); });
-  }
   // Twice the deadline: after a failed step every process makes a new communicator, and the one
   // that failed gets here while the others may still wait out their deadline on the step.
   auto const start = Clock::now();
-  if (!requests.wait(start + 2 * timeout(), [] { return false; })) {
+  // One duplicate at a time: Open MPI agrees on the context ids of duplicates of one communicator
+  // in flight together in an order of its own on each process, so that where they are started
+  // together one process can finish them while another waits for a round that never comes.
+  Requests requests;
+  bool made = true;
+  for (MPI_Comm* c : {&control, &data, &p2p}) {
+    std::size_t const index = requests.add(-1, Requests::Kind::collective, shared_from_this(), "MPI_Comm_idup",
+                                           [&](MPI_Request* r) { return MPI_Comm_idup(base, c, r); });
+    made = requests.wait(start + 2 * timeout(), [] { return false; }, index);
+    if (!made || requests.error() != MPI_SUCCESS) break;
+  }
+  if (!made) {
     requests.abandon();
     throw Error(Errc::timeout,
                 "making a communicator across processes waited " + format_duration(Clock::now() - start) +

@@ -188,7 +188,9 @@ struct Executor::Impl {
   // Every communicator above but another process's chunks' (which nothing calls), in the order
   // they were made, made anew by recover().
   std::vector<comm::detail::Renewable*> renewable;
-  // A renewable communicator over the group's ranks `ranks`.
+  // A renewable communicator over `ranks`: the group's in one process (the mesh's subset factory,
+  // else the group's own subsets), the world's across processes (options.make_subset_communicator:
+  // a mesh's, or dist::subset_communicator_factory; Error(invalid_argument) without one).
   std::unique_ptr<comm::detail::Renewable> renewable_over(std::vector<int> const& ranks, comm::Options options);
   // Why the executor cannot be used (empty: it can), said by every call until load().
   std::string broken;
@@ -201,10 +203,6 @@ struct Executor::Impl {
   // Sums wte and its copy (the master parameters, or the master gradients) on the tie's devices of `rank`'s replica, leaving both equal; does nothing on
   // other ranks.
   void sum_tied(int rank, Stream& stream, bool parameters);
-  // A renewable communicator over the world ranks `ranks` through the transfers' sends and
-  // receives (parallel::detail::PeerSubset): across processes, where a communicator over a subset
-  // of the world's ranks may not exist (CUDA GPUs).
-  std::shared_ptr<comm::detail::Renewable> peer_renewable(std::vector<int> const& ranks);
   // The update's total of the parts' values (nn::PartTotal; `parts`, this process's, in
   // step()'s order), added as apply_update adds them in one process: across processes, and with
   // ZeRO in one process too. Every rank's values all-gathered (with ZeRO each chunk's summed first),

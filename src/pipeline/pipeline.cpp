@@ -17,7 +17,6 @@
 
 #include "comm/host_communicator.hpp"
 #include "comm/renewable.hpp"
-#include "parallel/peer_subset.hpp"
 #include "pipeline/executor_impl.hpp"
 
 namespace mgpu::pipeline {
@@ -142,8 +141,8 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     zero.compute = options.compute;
     zero.overlap = false;  // the replicas reduce once a chunk's micro-batches are done
     parallel::detail::check_zero_stage(zero, "pipeline", 3, true);
-    if (options.zero_stage > 0 && across && options.data_parallel > 1 && !options.make_subset_communicator)
-      throw Error(Errc::invalid_argument, "pipeline: zero_stage " + std::to_string(options.zero_stage) +
+    if (across && options.data_parallel > 1 && !options.make_subset_communicator)
+      throw Error(Errc::invalid_argument, "pipeline: data_parallel " + std::to_string(options.data_parallel) +
                                               " over several processes without make_subset_communicator (expected "
                                               "dist::subset_communicator_factory(world) for the replicas' gradient sync)");
   }
@@ -263,9 +262,8 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     for (int c = m.device_in_pipeline(rank); c < m.schedule.chunks(); c += devices)
       m.chunk_of(rank, c).materialize(ctx, m.options.seed, m.options.compute);
   });
-  // Each chunk's replicas: a data-parallel gradient sync (across processes where this process
-  // drives some of them: with ZeRO over a subset communicator, with ZeRO-0 over the transfers'
-  // sends and receives, which serve CUDA GPUs across processes too).
+  // Each chunk's replicas: a data-parallel gradient sync over a subset communicator (across
+  // processes where this process drives some of them).
   if (m.replicas > tp) {
     parallel::DataParallelOptions data;
     data.zero_stage = m.options.zero_stage;
@@ -287,17 +285,7 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
           m.replica_syncs.push_back(nullptr);
           continue;
         }
-        std::shared_ptr<comm::detail::Renewable> comm;
-        if (!m.across) {
-          comm = m.renewable_over(ranks, stage_options);
-        } else if (m.options.zero_stage == 0) {
-          comm = m.peer_renewable(ranks);
-        } else {
-          comm = std::make_shared<comm::detail::Renewable>(
-              m.options.make_subset_communicator(group, ranks, stage_options),
-              [&group, make = m.options.make_subset_communicator, ranks, stage_options]() { return make(group, ranks, stage_options); });
-          m.renewable.push_back(comm.get());
-        }
+        std::shared_ptr<comm::detail::Renewable> comm = m.renewable_over(ranks, stage_options);
         nn::Sequential& first = m.chunk_of(names.front(), c);
         auto& sync = *m.replica_syncs.emplace_back(std::make_unique<parallel::detail::GradientSync>(
             group, std::move(comm), locals, parallel::detail::plan_buckets(first, data), data, names));
@@ -350,10 +338,8 @@ Executor::Executor(nn::Sequential const& model, DeviceGroup& group, std::vector<
     if (embedding_device != head_device) {
       for (int r = 0; r < m.replicas; ++r) {
         std::vector<int> const ranks{m.rank_at(r, embedding_device), m.rank_at(r, head_device)};
-        if (!m.across) {
+        if (comm::drives_any(ranks, m.first, group.size())) {
           m.tie_comms.push_back(m.renewable_over(ranks, stage_options));
-        } else if (comm::drives_any(ranks, m.first, group.size())) {  // over the transfers' sends and receives
-          m.tie_comms.push_back(m.peer_renewable(ranks));
         } else {
           m.tie_comms.push_back(nullptr);  // another process's replica
         }
@@ -369,21 +355,21 @@ Executor::~Executor() = default;
 
 std::unique_ptr<comm::detail::Renewable> Executor::Impl::renewable_over(std::vector<int> const& ranks, comm::Options options) {
   DeviceGroup* const g = group;
-  parallel::SubsetCommunicatorFactory const make =
-      this->options.mesh ? parallel::Mesh::subset_factory(this->options.mesh)
-                         : parallel::SubsetCommunicatorFactory([](DeviceGroup& devices, std::vector<int> const& members, comm::Options o) {
-                             return comm::make_communicator(devices, members, o);
-                           });
+  parallel::SubsetCommunicatorFactory make = this->options.make_subset_communicator;  // a mesh's across processes
+  if (across && !make) {
+    std::string text;
+    for (int const r : ranks) text += (text.empty() ? "" : ", ") + std::to_string(r);
+    throw Error(Errc::invalid_argument, "pipeline: a communicator over world ranks {" + text +
+                                            "} across processes without make_subset_communicator (expected "
+                                            "dist::subset_communicator_factory(world), or a mesh)");
+  }
+  if (!across) {
+    make = this->options.mesh ? parallel::Mesh::subset_factory(this->options.mesh)
+                              : parallel::SubsetCommunicatorFactory([](DeviceGroup& devices, std::vector<int> const& members, comm::Options o) {
+                                  return comm::make_communicator(devices, members, o);
+                                });
+  }
   auto made = std::make_unique<comm::detail::Renewable>([g, ranks, options, make] { return make(*g, ranks, options); });
-  renewable.push_back(made.get());
-  return made;
-}
-
-std::shared_ptr<comm::detail::Renewable> Executor::Impl::peer_renewable(std::vector<int> const& ranks) {
-  comm::Communicator& transfers = *comm;
-  DeviceGroup& devices = *group;
-  auto made = std::make_shared<comm::detail::Renewable>(
-      [&transfers, &devices, ranks] { return std::make_unique<parallel::detail::PeerSubset>(transfers, devices, ranks); });
   renewable.push_back(made.get());
   return made;
 }

@@ -92,6 +92,7 @@ void test_failure(Setup const& s) {
     mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
     pp::Executor reference(model, one, cuts, pp::one_f_one_b(s.size(), 2), chunk_adamw, options);
     options.make_communicator = mgpu::dist::communicator_factory(s.world);
+    options.make_subset_communicator = mgpu::dist::subset_communicator_factory(s.world);  // the tied wte's sum
     mgpu::DeviceGroup own(devices);
     pp::Executor executor(model, own, cuts, pp::one_f_one_b(s.size(), 2), chunk_adamw, options);
     auto const good_step = [&](std::size_t b) {

@@ -68,6 +68,7 @@ void test_pipeline(Setup const& s) {
         mgpu::DeviceGroup one("host:" + std::to_string(s.size()));
         pp::Executor reference(model, one, cuts, schedule, sgd, options);
         options.make_communicator = mgpu::dist::communicator_factory(s.world);
+        options.make_subset_communicator = mgpu::dist::subset_communicator_factory(s.world);
         pp::Executor executor(model, s.group, cuts, schedule, sgd, options);
         for (std::size_t b = 0; b < xs.size(); ++b) {
           float const expected = reference.step(xs[b], ys[b]);
@@ -113,6 +114,13 @@ void test_pipeline(Setup const& s) {
     bool const named = std::string(e.what()).find(idle) != std::string::npos;
     EXPECT(named == (s.rank(0) > 0), "a one-device pipeline over the world: " << e.what());
   }
+  // Replicas across processes sum their gradients over subset communicators: without their
+  // factory the executor is refused, at ZeRO-0 too.
+  pp::ExecutorOptions replicas = options;
+  replicas.data_parallel = 2;
+  expect_refused([&] { pp::Executor(model, s.group, all, pp::gpipe(1, 2), sgd, replicas); },
+                 "data_parallel 2 over several processes without make_subset_communicator",
+                 "replicas across processes without the subset factory");
 }
 
 // A GPT pipelined over the world's devices (its tied LM head's copy of wte on another device, in
@@ -256,6 +264,7 @@ void test_pipeline_checkpoint(Setup const& s, std::filesystem::path const& folde
                 << ", seed " << got.data_seed);
   };
   options.make_communicator = mgpu::dist::communicator_factory(s.world);
+  options.make_subset_communicator = mgpu::dist::subset_communicator_factory(s.world);
   std::vector<float> at_save;  // the parameters saved
   {
     pp::Executor executor(model, s.group, cuts, pp::one_f_one_b(2, 2), adamw, options);
@@ -356,6 +365,7 @@ void test_pipeline_checkpoint(Setup const& s, std::filesystem::path const& folde
     // One device per process: process 1's shard damaged, which only process 1 reads. It fails
     // naming the file, process 0 naming process 1, and both executors stay usable.
     options.make_communicator = mgpu::dist::communicator_factory(s.world);
+    options.make_subset_communicator = mgpu::dist::subset_communicator_factory(s.world);
     std::filesystem::path const copy = folder.string() + "-damaged";
     auto const barrier = mgpu::dist::make_communicator(s.world, s.group);
     std::filesystem::path shard;
